@@ -1,0 +1,1 @@
+"""v4compile.codegen (placeholder package; see its issue)."""

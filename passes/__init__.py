@@ -1,0 +1,1 @@
+"""v4compile.passes (placeholder package; see its issue)."""

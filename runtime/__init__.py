@@ -1,0 +1,1 @@
+"""v4compile.runtime (placeholder package; see its issue)."""

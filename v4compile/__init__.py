@@ -1,0 +1,9 @@
+"""v4compile: an ahead-of-time compiler for the DeepSeek-V4 model family."""
+
+__version__ = "0.1.0"
+
+from .config import V4Config, preset  # noqa: E402
+from .errors import V4Error  # noqa: E402
+from .model import ReferenceModel  # noqa: E402
+
+__all__ = ["ReferenceModel", "V4Config", "V4Error", "preset", "__version__"]

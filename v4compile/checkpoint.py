@@ -1,0 +1,313 @@
+"""Reading and writing DeepSeek-V4 checkpoints.
+
+`Checkpoint.open(path)` accepts a single `.safetensors` file or a directory (sharded with
+`model.safetensors.index.json`, or one or more shards without an index), in the official, HF or
+HF-`save_pretrained` naming. Opening reads only headers. `validate()` checks every tensor against the
+config's `weight_specs` (missing, unexpected, mis-shaped, mis-typed, scale grids) and reports the first
+problem as one `CheckpointError` naming the file and tensor. `dense(name)` loads one tensor,
+dequantised to float (FP8 128x128 or FP4 1x32 with their scales), never the whole checkpoint.
+
+`write_checkpoint` saves any tensor source in the official layout, in the released dtypes (BF16, FP8 +
+E8M0 scales, FP4 packed + scales) or plain fp32 / bf16, sharded with an index, atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import V4Config
+from .errors import CheckpointError
+from .formats import fp4_dequant, fp4_quant, fp8_block_dequant, fp8_block_quant
+from .names import Slice, canonical_sources
+from .safetensors_io import SafetensorsFile, TensorInfo, write_file
+from .weights import TensorSpec, spec_table
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where a canonical tensor lives."""
+
+    file: Path
+    key: str
+    info: TensorInfo
+    slice: Slice
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = self.info.shape
+        if self.slice.index is not None:
+            shape = shape[1:]
+        if self.slice.rows is not None:
+            shape = (self.slice.rows[1] - self.slice.rows[0], *shape[1:])
+        return shape
+
+    @property
+    def dtype(self) -> str:
+        return self.info.dtype
+
+
+def _shard_files(path: Path) -> list[Path]:
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            obj = json.loads(index.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"index is not valid JSON ({e})", where=str(index)) from None
+        wm = obj.get("weight_map") if isinstance(obj, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise CheckpointError("index has no `weight_map` object of name -> shard file", where=str(index))
+        files = []
+        for shard in sorted(set(wm.values())):
+            f = path / shard
+            if not f.is_file():
+                names = [k for k, v in wm.items() if v == shard]
+                raise CheckpointError("index points at a missing shard", where=str(index),
+                                      expected=f"file {shard} (holding {names[0]}"
+                                               f"{f' and {len(names) - 1} more' if len(names) > 1 else ''})",
+                                      found="no such file")
+            files.append(f)
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError("no .safetensors files in checkpoint directory", where=str(path))
+    return files
+
+
+class Checkpoint:
+    """A lazily read checkpoint, indexed by canonical tensor name."""
+
+    def __init__(self, path: Path, cfg: V4Config, entries: dict[str, Entry], files: dict[Path, SafetensorsFile],
+                 index_map: dict[str, str] | None):
+        self.path, self.cfg, self.entries, self._files = path, cfg, entries, files
+        self._index_map = index_map
+
+    @classmethod
+    def open(cls, path: str | Path, cfg: V4Config | None = None) -> "Checkpoint":
+        path = Path(path)
+        if not path.exists():
+            raise CheckpointError("checkpoint not found", where=str(path))
+        if path.is_file():
+            files = [path]
+            cfg_dir = path.parent
+        else:
+            files = _shard_files(path)
+            cfg_dir = path
+        if cfg is None:
+            cfg = V4Config.from_dir(cfg_dir)
+        opened = {f: SafetensorsFile(f) for f in files}
+        index_map = None
+        if path.is_dir() and (path / INDEX_FILE).is_file():
+            index_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+            for name, shard in index_map.items():
+                if name not in opened[path / shard].tensors:
+                    raise CheckpointError("index names a tensor its shard does not hold", where=str(path / shard),
+                                          expected=name, found="absent")
+        entries: dict[str, Entry] = {}
+        for f, sf in opened.items():
+            for key, info in sf.tensors.items():
+                for cname, sl in canonical_sources(key, cfg.n_experts, cfg.moe_inter_dim):
+                    if cname in entries:
+                        raise CheckpointError("tensor appears twice", where=f"{f}: '{key}'",
+                                              found=f"also in {entries[cname].file.name} as '{entries[cname].key}'")
+                    entries[cname] = Entry(f, key, info, sl)
+        log.debug("opened %s: %d files, %d canonical tensors", path, len(files), len(entries))
+        return cls(path, cfg, entries, opened, index_map)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- validation ----------------------------------------------------------------------------
+    def validate(self, include_mtp: bool = True) -> "Checkpoint":
+        specs = spec_table(self.cfg, include_mtp=include_mtp)
+        expected: set[str] = set()
+        for s in specs.values():
+            expected.add(s.name)
+            e = self.entries.get(s.name)
+            if e is None:
+                raise CheckpointError("missing tensor", where=f"{self.path}: '{s.name}'",
+                                      expected=f"{s.fmt} {list(s.shape)}", found="absent")
+            self._check(s, e)
+            if e.dtype in ("F8_E4M3", "I8", "U8") and s.fmt != "i64":
+                expected.add(s.scale_key)
+        for name, e in self.entries.items():
+            if name not in expected and not (name.startswith("mtp.") and not include_mtp):
+                raise CheckpointError("unexpected tensor", where=f"{e.file}: '{e.key}'",
+                                      expected=f"only the tensors of config '{self.cfg.name}'", found=name)
+        return self
+
+    def _check(self, s: TensorSpec, e: Entry) -> None:
+        where = f"{e.file}: '{e.key}'"
+        if s.fmt == "i64":
+            if e.dtype not in ("I64", "I32"):
+                raise CheckpointError("wrong dtype", where=where, expected="I64 or I32", found=e.dtype)
+            if e.shape != s.shape:
+                raise CheckpointError("wrong shape", where=where, expected=list(s.shape), found=list(e.shape))
+            return
+        if e.dtype in FLOAT_DTYPES:
+            if e.shape != s.shape:
+                raise CheckpointError("wrong shape", where=where, expected=list(s.shape), found=list(e.shape))
+            return
+        if not s.quantizable:
+            raise CheckpointError("wrong dtype", where=where, expected="F32 / BF16 / F16", found=e.dtype)
+        if e.dtype == "F8_E4M3":
+            if e.shape != s.shape:
+                raise CheckpointError("wrong shape", where=where, expected=list(s.shape), found=list(e.shape))
+            grid = s.with_format("fp8").scale_shape(self.cfg.quant_block)
+        elif e.dtype in ("I8", "U8"):
+            packed = (*s.shape[:-1], s.shape[-1] // 2)
+            if e.shape != packed:
+                raise CheckpointError("wrong shape for packed FP4", where=where, expected=list(packed),
+                                      found=list(e.shape))
+            grid = s.with_format("fp4").scale_shape(fp4_block=self.cfg.expert_scale_block)
+        else:
+            raise CheckpointError("wrong dtype", where=where, expected="F8_E4M3 / I8 (fp4) / BF16 / F32",
+                                  found=e.dtype)
+        sname = s.scale_key
+        se = self.entries.get(sname)
+        if se is None:
+            raise CheckpointError("quantized weight has no scale tensor", where=where, expected=sname, found="absent")
+        if se.shape != grid:
+            raise CheckpointError("scale grid does not match its weight", where=f"{se.file}: '{se.key}'",
+                                  expected=list(grid), found=list(se.shape))
+        if se.dtype not in ("F8_E8M0", "U8", "F32"):
+            raise CheckpointError("wrong scale dtype", where=f"{se.file}: '{se.key}'",
+                                  expected="F8_E8M0 / U8 / F32", found=se.dtype)
+
+    # ---- reading -------------------------------------------------------------------------------
+    def raw(self, name: str) -> torch.Tensor:
+        """The stored tensor for a canonical name (sliced out of a stacked one), as stored."""
+        e = self.entries.get(name)
+        if e is None:
+            raise CheckpointError("missing tensor", where=f"{self.path}: '{name}'")
+        t = self._files[e.file].read(e.key)
+        if e.slice.index is not None:
+            t = t[e.slice.index]
+        if e.slice.rows is not None:
+            t = t[e.slice.rows[0]: e.slice.rows[1]]
+        return t.contiguous()
+
+    def dense(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """One tensor with quantisation undone (int tensors as int64)."""
+        e = self.entries.get(name)
+        if e is None:
+            raise CheckpointError("missing tensor", where=f"{self.path}: '{name}'")
+        t = self.raw(name)
+        where = f"{e.file}: '{e.key}'"
+        if e.dtype in ("I64", "I32"):
+            return t.to(torch.int64)
+        if e.dtype == "F8_E4M3":
+            scale = self.raw(name[: -len(".weight")] + ".scale")
+            return fp8_block_dequant(t, scale, self.cfg.quant_block, where).to(dtype)
+        if e.dtype in ("I8", "U8"):
+            scale = self.raw(name[: -len(".weight")] + ".scale")
+            return fp4_dequant(t, scale, self.cfg.expert_scale_block, where).to(dtype)
+        return t.to(dtype)
+
+    def names(self) -> list[str]:
+        return sorted(self.entries)
+
+    def header_specs(self) -> list[TensorSpec]:
+        """The config's specs with the formats actually found in the files (for `inspect`)."""
+        fmt_of = {"F32": "fp32", "BF16": "bf16", "F16": "bf16", "F8_E4M3": "fp8", "I8": "fp4", "U8": "fp4",
+                  "I64": "i64", "I32": "i64"}
+        out = []
+        for s in spec_table(self.cfg).values():
+            e = self.entries.get(s.name)
+            out.append(s if e is None else s.with_format(fmt_of.get(e.dtype, s.fmt)))
+        return out
+
+
+# ---- writing -----------------------------------------------------------------------------------
+
+def encode(spec: TensorSpec, value: torch.Tensor, fmt: str, cfg: V4Config) -> dict[str, torch.Tensor]:
+    """Stored tensor(s) for one canonical tensor in format `fmt` (fp8 / fp4 add a `.scale`)."""
+    if spec.fmt == "i64":
+        return {spec.name: value.to(torch.int64)}
+    if fmt == "fp8":
+        q, s = fp8_block_quant(value, cfg.quant_block)
+        return {spec.name: q, spec.scale_key: s.view(torch.float8_e8m0fnu)}
+    if fmt == "fp4":
+        q, s = fp4_quant(value, cfg.expert_scale_block)
+        return {spec.name: q, spec.scale_key: s.view(torch.float8_e8m0fnu)}
+    return {spec.name: value.to({"fp32": torch.float32, "bf16": torch.bfloat16}[fmt])}
+
+
+def stored_format(spec: TensorSpec, dtype: str) -> str:
+    """The format a tensor is written in: `released` keeps the spec's format; fp32 / bf16 write every
+    float tensor plainly (fp32 tensors of the release stay fp32 under bf16, as they are in the release)."""
+    if spec.fmt == "i64":
+        return "i64"
+    if dtype == "released":
+        return spec.fmt
+    if dtype == "bf16" and spec.fmt == "fp32":
+        return "fp32"
+    return dtype
+
+
+def write_checkpoint(out: str | Path, cfg: V4Config, get: Callable[[TensorSpec], torch.Tensor],
+                     dtype: str = "released", max_shard_bytes: int = 4 << 30, include_mtp: bool = True,
+                     progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write a sharded official-layout checkpoint to directory `out`, atomically.
+
+    `get(spec)` returns the tensor's float (or int) value in its logical shape. The directory is built
+    under a temporary name next to `out` and renamed into place only when complete.
+    """
+    if dtype not in ("released", "fp32", "bf16"):
+        raise ValueError(f"unknown checkpoint dtype {dtype!r}")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError("output directory exists and is not empty", where=str(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        specs = list(spec_table(cfg, include_mtp=include_mtp).values())
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        sizes = [0]
+        for i, s in enumerate(specs):
+            stored = encode(s, get(s), stored_format(s, dtype), cfg)
+            nbytes = sum(t.numel() * t.element_size() for t in stored.values())
+            if sizes[-1] and sizes[-1] + nbytes > max_shard_bytes:
+                shards.append({})
+                sizes.append(0)
+            shards[-1].update(stored)
+            sizes[-1] += nbytes
+            if progress:
+                progress(i + 1, len(specs))
+        weight_map, total = {}, 0
+        n = len(shards)
+        for k, shard in enumerate(shards):
+            fname = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+            total += write_file(tmp / fname, shard, {"format": "pt"})
+            weight_map.update({name: fname for name in shard})
+        (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                 indent=1) + "\n")
+        (tmp / "config.json").write_text(cfg.to_json())
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+

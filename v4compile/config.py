@@ -1,0 +1,492 @@
+"""The one model configuration, `V4Config`, and the named presets.
+
+A config comes from either of the two layouts DeepSeek-V4 ships with:
+
+* the official `inference/config.json` (`dim`, `n_layers`, `compress_ratios` with a trailing entry
+  per MTP layer, `n_hash_layers`, `window_size`, `rope_factor`, ...);
+* the HF `config.json` (`hidden_size`, `layer_types`, `compress_rates`, `mlp_layer_types`,
+  `rope_parameters` / `rope_scaling`, ...), including the hub variant that keeps official names.
+
+Both map onto the same frozen dataclass (field map: `v4-reference.md` sections 1 and 14). Every
+field is validated once, here, so later stages may assume a consistent config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+# Layer kinds, by the official compress ratio they come from.
+SWA, CSA, HCA = "swa", "csa", "hca"
+KINDS = (SWA, CSA, HCA)
+HF_LAYER_TYPES = {
+    "sliding_attention": SWA,
+    "compressed_sparse_attention": CSA,
+    "heavily_compressed_attention": HCA,
+}
+HF_LAYER_TYPE_OF = {v: k for k, v in HF_LAYER_TYPES.items()}
+WEIGHT_FORMATS = ("fp8", "bf16", "fp32")
+EXPERT_FORMATS = ("fp4", "fp8", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class V4Config:
+    """DeepSeek-V4 hyper-parameters (names follow the official inference code where it has one)."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    window: int
+    layer_kinds: tuple[str, ...]
+    csa_ratio: int
+    hca_ratio: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    n_experts: int
+    n_active_experts: int
+    n_shared_experts: int
+    moe_inter_dim: int
+    n_hash_layers: int
+    route_scale: float
+    swiglu_limit: float
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    rms_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    yarn_factor: float = 16.0
+    yarn_original_max_pos: int = 65536
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    max_position: int = 1048576
+    n_mtp_layers: int = 1
+    score_func: str = "sqrtsoftplus"
+    # Storage formats of the released checkpoints (what `inspect` counts and `--quantized` writes).
+    weight_format: str = "fp8"
+    expert_format: str = "fp4"
+    quant_block: int = 128
+    expert_scale_block: int = 32
+    name: str = field(default="custom", compare=False)
+
+    # ---- derived -------------------------------------------------------------------------------
+    def kind(self, layer: int) -> str:
+        """Layer kind of backbone layer `layer`, or of MTP layer `n_layers + j`."""
+        if layer >= self.n_layers:
+            return SWA
+        return self.layer_kinds[layer]
+
+    def ratio(self, layer: int) -> int:
+        """Official compress ratio of a layer: 0 (SWA), `csa_ratio` or `hca_ratio`."""
+        return {SWA: 0, CSA: self.csa_ratio, HCA: self.hca_ratio}[self.kind(layer)]
+
+    def is_hash(self, layer: int) -> bool:
+        return layer < min(self.n_hash_layers, self.n_layers)
+
+    @property
+    def nope_dim(self) -> int:
+        return self.head_dim - self.rope_dim
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.n_heads // self.o_groups
+
+    @property
+    def compress_ratios(self) -> list[int]:
+        """The official per-layer list, with the trailing MTP entries."""
+        return [self.ratio(i) for i in range(self.n_layers)] + [0] * self.n_mtp_layers
+
+    def count(self, kind: str) -> int:
+        return sum(1 for k in self.layer_kinds if k == kind)
+
+    def replace(self, **changes: Any) -> "V4Config":
+        cfg = dataclasses.replace(self, **changes)
+        cfg.validate()
+        return cfg
+
+    # ---- validation ----------------------------------------------------------------------------
+    def validate(self) -> "V4Config":
+        def need(cond: bool, what: str, expected: object = None, found: object = None) -> None:
+            if not cond:
+                raise ConfigError(what, where=f"config '{self.name}'", expected=expected, found=found)
+
+        for f in ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "rope_dim", "q_lora_rank",
+                  "o_groups", "o_lora_rank", "window", "csa_ratio", "hca_ratio", "index_n_heads",
+                  "index_head_dim", "index_topk", "n_experts", "n_active_experts", "moe_inter_dim",
+                  "hc_mult", "hc_sinkhorn_iters", "max_position", "quant_block", "expert_scale_block"):
+            v = getattr(self, f)
+            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"`{f}` must be a positive integer",
+                 found=v)
+        for f in ("n_shared_experts", "n_hash_layers", "n_mtp_layers"):
+            v = getattr(self, f)
+            need(isinstance(v, int) and v >= 0, f"`{f}` must be a non-negative integer", found=v)
+        need(len(self.layer_kinds) == self.n_layers, "layer kind list length must equal the layer count",
+             expected=self.n_layers, found=len(self.layer_kinds))
+        bad = sorted({k for k in self.layer_kinds if k not in KINDS})
+        need(not bad, "unknown layer kind", expected=" / ".join(KINDS), found=bad)
+        need(self.rope_dim % 2 == 0 and self.rope_dim <= self.head_dim,
+             "`rope_dim` must be even and at most `head_dim`", found=(self.rope_dim, self.head_dim))
+        need(self.rope_dim <= self.index_head_dim, "`rope_dim` must fit in `index_head_dim`",
+             found=(self.rope_dim, self.index_head_dim))
+        need(self.n_heads % self.o_groups == 0, "`n_heads` must be a multiple of `o_groups`",
+             found=(self.n_heads, self.o_groups))
+        need(self.n_active_experts <= self.n_experts, "top-k experts per token exceeds the expert count",
+             expected=f"<= {self.n_experts}", found=self.n_active_experts)
+        need(self.n_hash_layers <= self.n_layers, "`n_hash_layers` exceeds the layer count",
+             expected=f"<= {self.n_layers}", found=self.n_hash_layers)
+        need(self.score_func == "sqrtsoftplus", "only the sqrtsoftplus router is supported",
+             found=self.score_func)
+        need(self.csa_ratio >= 2 and self.hca_ratio >= 2, "compress ratios must be at least 2",
+             found=(self.csa_ratio, self.hca_ratio))
+        need(self.weight_format in WEIGHT_FORMATS, "unknown dense weight format", expected=WEIGHT_FORMATS,
+             found=self.weight_format)
+        need(self.expert_format in EXPERT_FORMATS, "unknown expert weight format", expected=EXPERT_FORMATS,
+             found=self.expert_format)
+        if self.expert_format == "fp4":
+            need(self.dim % self.expert_scale_block == 0 and self.moe_inter_dim % self.expert_scale_block == 0,
+                 "FP4 experts need `dim` and `moe_inter_dim` to be multiples of the 1x32 scale block",
+                 found=(self.dim, self.moe_inter_dim))
+        need(self.window < self.max_position, "`window` must be smaller than `max_position`",
+             found=(self.window, self.max_position))
+        need(self.yarn_factor >= 1, "`rope_factor` must be >= 1", found=self.yarn_factor)
+        for f in ("route_scale", "swiglu_limit", "rope_theta", "compress_rope_theta", "rms_eps", "hc_eps"):
+            v = getattr(self, f)
+            need(isinstance(v, (int, float)) and math.isfinite(v) and v > 0, f"`{f}` must be a positive number",
+                 found=v)
+        return self
+
+    # ---- official layout -----------------------------------------------------------------------
+    def to_official(self) -> dict[str, Any]:
+        return {
+            "model_type": "deepseek_v4",
+            "vocab_size": self.vocab_size, "dim": self.dim, "moe_inter_dim": self.moe_inter_dim,
+            "n_layers": self.n_layers, "n_hash_layers": self.n_hash_layers, "n_heads": self.n_heads,
+            "n_routed_experts": self.n_experts, "n_shared_experts": self.n_shared_experts,
+            "n_activated_experts": self.n_active_experts, "score_func": self.score_func,
+            "route_scale": self.route_scale, "swiglu_limit": self.swiglu_limit,
+            "q_lora_rank": self.q_lora_rank, "head_dim": self.head_dim, "rope_head_dim": self.rope_dim,
+            "norm_eps": self.rms_eps, "o_groups": self.o_groups, "o_lora_rank": self.o_lora_rank,
+            "window_size": self.window, "compress_ratios": self.compress_ratios,
+            "compress_rope_theta": self.compress_rope_theta, "rope_theta": self.rope_theta,
+            "original_seq_len": self.yarn_original_max_pos, "rope_factor": self.yarn_factor,
+            "beta_fast": self.yarn_beta_fast, "beta_slow": self.yarn_beta_slow,
+            "index_n_heads": self.index_n_heads, "index_head_dim": self.index_head_dim,
+            "index_topk": self.index_topk, "hc_mult": self.hc_mult,
+            "hc_sinkhorn_iters": self.hc_sinkhorn_iters, "hc_eps": self.hc_eps,
+            "max_seq_len": self.max_position, "n_mtp_layers": self.n_mtp_layers,
+            "dtype": self.weight_format, "expert_dtype": self.expert_format, "scale_fmt": "ue8m0",
+        }
+
+    @classmethod
+    def from_official(cls, d: dict[str, Any], name: str = "custom") -> "V4Config":
+        g = _Getter(d, name)
+        n_layers = g.int("n_layers")
+        ratios = g.list("compress_ratios")
+        n_mtp = g.int("n_mtp_layers", default=max(len(ratios) - n_layers, 0))
+        if len(ratios) not in (n_layers, n_layers + n_mtp):
+            raise ConfigError("`compress_ratios` length must be n_layers (+ one entry per MTP layer)",
+                              where=f"config '{name}'", expected=f"{n_layers} or {n_layers + n_mtp}",
+                              found=len(ratios))
+        kinds, csa, hca = _kinds_from_ratios(ratios[:n_layers], name)
+        return cls(
+            vocab_size=g.int("vocab_size"), dim=g.int("dim"), n_layers=n_layers, n_heads=g.int("n_heads"),
+            head_dim=g.int("head_dim"), rope_dim=g.int("rope_head_dim"), q_lora_rank=g.int("q_lora_rank"),
+            o_groups=g.int("o_groups"), o_lora_rank=g.int("o_lora_rank"), window=g.int("window_size"),
+            layer_kinds=kinds, csa_ratio=csa, hca_ratio=hca, index_n_heads=g.int("index_n_heads"),
+            index_head_dim=g.int("index_head_dim"), index_topk=g.int("index_topk"),
+            n_experts=g.int("n_routed_experts"), n_active_experts=g.int("n_activated_experts"),
+            n_shared_experts=g.int("n_shared_experts", default=1), moe_inter_dim=g.int("moe_inter_dim"),
+            n_hash_layers=g.int("n_hash_layers", default=0), route_scale=g.num("route_scale"),
+            swiglu_limit=g.num("swiglu_limit"), hc_mult=g.int("hc_mult", default=4),
+            hc_sinkhorn_iters=g.int("hc_sinkhorn_iters", default=20), hc_eps=g.num("hc_eps", default=1e-6),
+            rms_eps=g.num("norm_eps", default=1e-6), rope_theta=g.num("rope_theta", default=10000.0),
+            compress_rope_theta=g.num("compress_rope_theta", default=160000.0),
+            yarn_factor=g.num("rope_factor", default=16.0),
+            yarn_original_max_pos=g.int("original_seq_len", default=65536),
+            yarn_beta_fast=g.num("beta_fast", default=32.0), yarn_beta_slow=g.num("beta_slow", default=1.0),
+            max_position=g.int("max_seq_len", default=1048576), n_mtp_layers=n_mtp,
+            score_func=g.str("score_func", default="sqrtsoftplus"),
+            weight_format=_fmt(g.str("dtype", default="fp8")), expert_format=_fmt(g.str("expert_dtype", default="fp4")),
+            name=name,
+        ).validate()
+
+    # ---- HF layout -----------------------------------------------------------------------------
+    def to_hf(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+            "vocab_size": self.vocab_size, "hidden_size": self.dim, "moe_intermediate_size": self.moe_inter_dim,
+            "num_hidden_layers": self.n_layers, "num_attention_heads": self.n_heads, "num_key_value_heads": 1,
+            "head_dim": self.head_dim, "qk_rope_head_dim": self.rope_dim, "q_lora_rank": self.q_lora_rank,
+            "num_experts_per_tok": self.n_active_experts, "n_routed_experts": self.n_experts,
+            "n_shared_experts": self.n_shared_experts, "scoring_func": self.score_func,
+            "routed_scaling_factor": self.route_scale, "max_position_embeddings": self.max_position,
+            "rope_theta": self.rope_theta, "compress_rope_theta": self.compress_rope_theta,
+            "layer_types": [HF_LAYER_TYPE_OF[k] for k in self.layer_kinds],
+            "compress_rates": {"compressed_sparse_attention": self.csa_ratio,
+                               "heavily_compressed_attention": self.hca_ratio},
+            "mlp_layer_types": ["hash_moe" if self.is_hash(i) else "moe" for i in range(self.n_layers)],
+            "hc_mult": self.hc_mult, "hc_sinkhorn_iters": self.hc_sinkhorn_iters, "hc_eps": self.hc_eps,
+            "swiglu_limit": self.swiglu_limit, "sliding_window": self.window, "o_groups": self.o_groups,
+            "o_lora_rank": self.o_lora_rank, "index_n_heads": self.index_n_heads,
+            "index_head_dim": self.index_head_dim, "index_topk": self.index_topk,
+            "num_nextn_predict_layers": self.n_mtp_layers, "rms_norm_eps": self.rms_eps,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "yarn", "factor": self.yarn_factor,
+                                "original_max_position_embeddings": self.yarn_original_max_pos,
+                                "beta_fast": self.yarn_beta_fast, "beta_slow": self.yarn_beta_slow},
+        }
+        return d
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], name: str = "custom") -> "V4Config":
+        g = _Getter(d, name)
+        n_layers = g.int("num_hidden_layers")
+        rates = dict(d.get("compress_rates") or {})
+        csa = int(d.get("compress_rate_csa", rates.get("compressed_sparse_attention", 4)))
+        hca = int(d.get("compress_rate_hca", rates.get("heavily_compressed_attention", 128)))
+        if d.get("layer_types") is not None:
+            types = g.list("layer_types")
+            unknown = sorted({t for t in types if t not in HF_LAYER_TYPES})
+            if unknown:
+                raise ConfigError("unknown entry in `layer_types`", where=f"config '{name}'",
+                                  expected=sorted(HF_LAYER_TYPES), found=unknown)
+            kinds = tuple(HF_LAYER_TYPES[t] for t in types)
+        elif d.get("compress_ratios") is not None:
+            ratios = g.list("compress_ratios")
+            kinds, csa, hca = _kinds_from_ratios(ratios[:n_layers], name, csa, hca)
+        else:
+            raise ConfigError("config has neither `layer_types` nor `compress_ratios`", where=f"config '{name}'",
+                              expected="one of them (HF's default schedule is wrong for synthetic configs)")
+        if d.get("mlp_layer_types") is not None:
+            mlp = g.list("mlp_layer_types")
+            bad = sorted({t for t in mlp if t not in ("hash_moe", "moe")})
+            if bad:
+                raise ConfigError("unknown entry in `mlp_layer_types`", where=f"config '{name}'",
+                                  expected=["hash_moe", "moe"], found=bad)
+            n_hash = sum(1 for t in mlp if t == "hash_moe")
+            if list(mlp[:n_hash]) != ["hash_moe"] * n_hash:
+                raise ConfigError("hash-routed layers must come first in `mlp_layer_types`",
+                                  where=f"config '{name}'", found=mlp)
+            if len(mlp) != n_layers:
+                raise ConfigError("`mlp_layer_types` length must equal the layer count", where=f"config '{name}'",
+                                  expected=n_layers, found=len(mlp))
+        else:
+            n_hash = int(d.get("num_hash_layers", d.get("n_hash_layers", 3)))
+        rope_dim = d.get("qk_rope_head_dim")
+        if rope_dim is None:
+            rope_dim = int(round(g.int("head_dim") * float(d.get("partial_rotary_factor", 0.125))))
+        yarn = _hf_yarn(d)
+        quant = d.get("quantization_config") or {}
+        weight_format = "fp8" if quant.get("quant_method") == "fp8" or quant.get("fmt") == "e4m3" else "bf16"
+        expert_format = _fmt(str(quant.get("expert_dtype", d.get("expert_dtype", "fp4" if weight_format == "fp8"
+                                                                   else "bf16"))))
+        return cls(
+            vocab_size=g.int("vocab_size"), dim=g.int("hidden_size"), n_layers=n_layers,
+            n_heads=g.int("num_attention_heads"), head_dim=g.int("head_dim"), rope_dim=int(rope_dim),
+            q_lora_rank=g.int("q_lora_rank"), o_groups=g.int("o_groups"), o_lora_rank=g.int("o_lora_rank"),
+            window=int(d.get("sliding_window", d.get("window_size", 128))), layer_kinds=kinds, csa_ratio=csa,
+            hca_ratio=hca, index_n_heads=g.int("index_n_heads"), index_head_dim=g.int("index_head_dim"),
+            index_topk=g.int("index_topk"), n_experts=g.int("n_routed_experts"),
+            n_active_experts=g.int("num_experts_per_tok"), n_shared_experts=int(d.get("n_shared_experts", 1)),
+            moe_inter_dim=g.int("moe_intermediate_size"), n_hash_layers=n_hash,
+            route_scale=g.num("routed_scaling_factor"), swiglu_limit=g.num("swiglu_limit", default=10.0),
+            hc_mult=int(d.get("hc_mult", 4)), hc_sinkhorn_iters=int(d.get("hc_sinkhorn_iters", 20)),
+            hc_eps=float(d.get("hc_eps", 1e-6)), rms_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(d.get("rope_theta", 10000.0)),
+            compress_rope_theta=float(d.get("compress_rope_theta", 160000.0)),
+            yarn_factor=float(yarn.get("factor", 16.0)),
+            yarn_original_max_pos=int(yarn.get("original_max_position_embeddings", 65536)),
+            yarn_beta_fast=float(yarn.get("beta_fast") or 32.0), yarn_beta_slow=float(yarn.get("beta_slow") or 1.0),
+            max_position=int(d.get("max_position_embeddings", 1048576)),
+            n_mtp_layers=int(d.get("num_nextn_predict_layers", 1)),
+            score_func=str(d.get("scoring_func", "sqrtsoftplus")),
+            weight_format=weight_format, expert_format=expert_format, name=name,
+        ).validate()
+
+    # ---- files ---------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], name: str = "custom") -> "V4Config":
+        """Either layout; the presence of `dim` / `n_layers` marks the official one."""
+        if not isinstance(d, dict):
+            raise ConfigError("config must be a JSON object", where=f"config '{name}'", found=type(d).__name__)
+        mt = d.get("model_type", "deepseek_v4")
+        if mt != "deepseek_v4":
+            raise ConfigError("unsupported `model_type`", where=f"config '{name}'", expected="deepseek_v4",
+                              found=mt)
+        if "n_layers" in d or "dim" in d:
+            return cls.from_official(d, name)
+        return cls.from_hf(d, name)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "V4Config":
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config: {e.strerror}", where=str(path)) from None
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})",
+                              where=str(path)) from None
+        return cls.from_dict(d, name=str(path))
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "V4Config":
+        """A checkpoint directory: `config.json`, or `inference/config.json` of the official release."""
+        path = Path(path)
+        for cand in (path / "config.json", path / "inference" / "config.json"):
+            if cand.is_file():
+                return cls.from_file(cand)
+        raise ConfigError("no config.json in checkpoint directory", where=str(path),
+                          expected="config.json or inference/config.json")
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_official(), indent=2) + "\n"
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+class _Getter:
+    """Typed access to a raw JSON dict, with errors that name the config and the key."""
+
+    def __init__(self, d: dict[str, Any], name: str):
+        self.d, self.name = d, name
+
+    _MISSING = object()
+
+    def _get(self, key: str, default: Any) -> Any:
+        if key in self.d and self.d[key] is not None:
+            return self.d[key]
+        if default is self._MISSING:
+            raise ConfigError(f"missing required field `{key}`", where=f"config '{self.name}'")
+        return default
+
+    def int(self, key: str, default: Any = _MISSING) -> int:
+        v = self._get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
+            raise ConfigError(f"`{key}` must be an integer", where=f"config '{self.name}'", found=v)
+        return int(v)
+
+    def num(self, key: str, default: Any = _MISSING) -> float:
+        v = self._get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"`{key}` must be a number", where=f"config '{self.name}'", found=v)
+        return float(v)
+
+    def str(self, key: str, default: Any = _MISSING) -> str:
+        v = self._get(key, default)
+        if not isinstance(v, str):
+            raise ConfigError(f"`{key}` must be a string", where=f"config '{self.name}'", found=v)
+        return v
+
+    def list(self, key: str) -> list:
+        v = self._get(key, self._MISSING)
+        if not isinstance(v, list):
+            raise ConfigError(f"`{key}` must be a list", where=f"config '{self.name}'", found=type(v).__name__)
+        return v
+
+
+def _kinds_from_ratios(ratios: list, name: str, csa: int | None = None, hca: int | None = None):
+    """Official ratios -> kinds. 4 is CSA and 128 HCA in the releases; the overlapping (CSA) ratio is the
+    smaller non-zero one when a synthetic config uses other values."""
+    if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ratios):
+        raise ConfigError("`compress_ratios` entries must be non-negative integers", where=f"config '{name}'",
+                          found=ratios)
+    nonzero = sorted({r for r in ratios if r})
+    if len(nonzero) > 2:
+        raise ConfigError("at most two distinct non-zero compress ratios (CSA and HCA)", where=f"config '{name}'",
+                          found=nonzero)
+    c = csa if csa is not None else 4
+    h = hca if hca is not None else 128
+    if len(nonzero) == 2:
+        c, h = nonzero
+    elif len(nonzero) == 1:
+        if nonzero[0] == c or (nonzero[0] != h and nonzero[0] <= 4):
+            c = nonzero[0]
+        else:
+            h = nonzero[0]
+    kinds = tuple(SWA if r == 0 else (CSA if r == c else HCA) for r in ratios)
+    return kinds, c, h
+
+
+def _fmt(s: str) -> str:
+    s = s.lower()
+    return {"float8": "fp8", "e4m3": "fp8", "fp8_e4m3": "fp8", "bfloat16": "bf16", "float32": "fp32",
+            "mxfp4": "fp4", "e2m1": "fp4"}.get(s, s)
+
+
+def _hf_yarn(d: dict[str, Any]) -> dict[str, Any]:
+    rp = d.get("rope_parameters")
+    if isinstance(rp, dict) and isinstance(rp.get("compress"), dict):
+        return rp["compress"]
+    if isinstance(rp, dict) and rp.get("rope_type") == "yarn":
+        return rp
+    rs = d.get("rope_scaling")
+    return rs if isinstance(rs, dict) else {}
+
+
+# ---- presets -----------------------------------------------------------------------------------
+
+def _v4_pro() -> V4Config:
+    ratios = [128, 128] + [4, 128] * 29 + [4]
+    kinds, _, _ = _kinds_from_ratios(ratios, "v4-pro")
+    return V4Config(
+        vocab_size=129280, dim=7168, n_layers=61, n_heads=128, head_dim=512, rope_dim=64, q_lora_rank=1536,
+        o_groups=16, o_lora_rank=1024, window=128, layer_kinds=kinds, csa_ratio=4, hca_ratio=128,
+        index_n_heads=64, index_head_dim=128, index_topk=1024, n_experts=384, n_active_experts=6,
+        n_shared_experts=1, moe_inter_dim=3072, n_hash_layers=3, route_scale=2.5, swiglu_limit=10.0,
+        name="v4-pro")
+
+
+def _v4_flash() -> V4Config:
+    ratios = [0, 0] + [4, 128] * 20 + [4]
+    kinds, _, _ = _kinds_from_ratios(ratios, "v4-flash")
+    return V4Config(
+        vocab_size=129280, dim=4096, n_layers=43, n_heads=64, head_dim=512, rope_dim=64, q_lora_rank=1024,
+        o_groups=8, o_lora_rank=1024, window=128, layer_kinds=kinds, csa_ratio=4, hca_ratio=128,
+        index_n_heads=64, index_head_dim=128, index_topk=512, n_experts=256, n_active_experts=6,
+        n_shared_experts=1, moe_inter_dim=2048, n_hash_layers=3, route_scale=1.5, swiglu_limit=10.0,
+        name="v4-flash")
+
+
+def _tiny(kinds: tuple[str, ...], name: str) -> V4Config:
+    """Small dims, same structure. HCA ratio 16 and window 16 so a ~100-token prompt closes several HCA
+    windows and ~25 CSA windows (more than `index_topk` = 4, so the indexer really drops rows). Eight
+    indexer heads keep exact ReLU-zero ties away (spec section 6). `swiglu_limit` 1.0 (not 10) so
+    the clamp fires with unit-scale random activations."""
+    return V4Config(
+        vocab_size=512, dim=64, n_layers=len(kinds), n_heads=4, head_dim=32, rope_dim=16, q_lora_rank=48,
+        o_groups=2, o_lora_rank=16, window=16, layer_kinds=kinds, csa_ratio=4, hca_ratio=16,
+        index_n_heads=8, index_head_dim=32, index_topk=4, n_experts=8, n_active_experts=2,
+        n_shared_experts=1, moe_inter_dim=32, n_hash_layers=2, route_scale=2.5, swiglu_limit=1.0,
+        max_position=4096, yarn_original_max_pos=256, name=name)
+
+
+PRESETS = {
+    "v4-pro": _v4_pro,
+    "v4-flash": _v4_flash,
+    # The CLI default: every layer kind, hash + learned routing, MTP.
+    "tiny": lambda: _tiny((SWA, HCA, CSA, HCA, CSA), "tiny"),
+    # V4-Pro's layer pattern (HCA, HCA, then CSA/HCA alternating) at tiny size.
+    "tiny-pro": lambda: _tiny((HCA, HCA, CSA, HCA, CSA), "tiny-pro"),
+}
+
+
+def preset(name: str) -> V4Config:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset '{name}'", expected=" / ".join(sorted(PRESETS)))
+    return PRESETS[name]().validate()

@@ -1,0 +1,53 @@
+"""User-facing errors.
+
+Every problem caused by the user's input (a config, a checkpoint, IR text, a CLI flag) is raised as a
+`V4Error`: one message that says what went wrong, where, and what was expected. The CLI prints the
+message and exits with status 2; it never shows a traceback for these.
+"""
+
+from __future__ import annotations
+
+
+class V4Error(Exception):
+    """Base class for errors the user can fix."""
+
+    def __init__(self, what: str, *, where: str | None = None, expected: object = None, found: object = None):
+        self.what = what
+        self.where = where
+        self.expected = expected
+        self.found = found
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        parts = []
+        if self.where:
+            parts.append(f"{self.where}: ")
+        parts.append(self.what)
+        if self.expected is not None or self.found is not None:
+            detail = []
+            if self.expected is not None:
+                detail.append(f"expected {self.expected}")
+            if self.found is not None:
+                detail.append(f"found {self.found}")
+            parts.append(" (" + ", ".join(detail) + ")")
+        return "".join(parts)
+
+
+class ConfigError(V4Error):
+    """An invalid or inconsistent model configuration."""
+
+
+class CheckpointError(V4Error):
+    """A checkpoint file or directory that cannot be read as the config says it should be."""
+
+
+class InputError(V4Error):
+    """Bad runtime input: token ids, prompt length, cache capacity."""
+
+
+class IRError(V4Error):
+    """Malformed IR text, or IR that fails verification."""
+
+
+class PassError(V4Error):
+    """Unknown pass, bad pass option, or a pipeline that cannot run."""

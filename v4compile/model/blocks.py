@@ -1,0 +1,175 @@
+"""The DeepSeek-V4 forward step, written in registry ops (`v4-reference.md` sections 2-11).
+
+`model_step` processes one static chunk of T lanes for B sequences: token ids `[B, T]`, absolute
+positions `[B, T]` (-1 marks a padding lane) and the per-layer cache dicts, which it replaces with
+their updated versions. Called with tensors it computes; called with IR values (by the tracer) it
+records the static graph. There is no other copy of the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .. import ops
+from ..config import CSA, HCA, V4Config
+from ..ir.core import Value
+from ..ir.registry import scope
+from .params import Params
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    numerics: str = "hf"  # "hf": match transformers; "official": + FP8 KV and FP4 indexer rounding
+    last_only: bool = False  # logits of each sequence's last valid lane only ([B, V] instead of [B, T, V])
+
+
+def shape_of(x: Any) -> tuple[int, ...]:
+    return tuple(x.type.shape) if isinstance(x, Value) else tuple(x.shape)
+
+
+def rope_attrs(cfg: V4Config, layer: int) -> dict[str, Any]:
+    """Sliding-only layers (and MTP): plain theta; compressed layers: YaRN on `compress_rope_theta`."""
+    if cfg.kind(layer) in (CSA, HCA):
+        yarn = (float(cfg.yarn_factor), int(cfg.yarn_original_max_pos), float(cfg.yarn_beta_fast),
+                float(cfg.yarn_beta_slow))
+        return {"dim": cfg.rope_dim, "theta": float(cfg.compress_rope_theta), "yarn": yarn}
+    return {"dim": cfg.rope_dim, "theta": float(cfg.rope_theta), "yarn": ()}
+
+
+def compress_rope_attrs(cfg: V4Config) -> dict[str, Any]:
+    a = rope_attrs(cfg, next(i for i, k in enumerate(cfg.layer_kinds) if k in (CSA, HCA)))
+    return {"rope_dim": a["dim"], "theta": a["theta"], "yarn": a["yarn"]}
+
+
+def attention_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, pos: Any, cache: dict[str, Any],
+                    opts: StepOptions) -> Any:
+    B, T, _ = shape_of(x)
+    eps = cfg.rms_eps
+    rope = rope_attrs(cfg, layer)
+    kind = cfg.kind(layer)
+    official = opts.numerics == "official"
+    a = pre + "attn."
+    qr = ops.rms_norm(ops.linear(x, **P.lin(a + "wq_a.weight")), P.t(a + "q_norm.weight"), eps=eps)
+    q = ops.reshape(ops.linear(qr, **P.lin(a + "wq_b.weight")), shape=(B, T, cfg.n_heads, cfg.head_dim))
+    q = ops.rope(ops.rms_norm(q, None, eps=eps), pos, **rope)
+    kv = ops.rms_norm(ops.linear(x, **P.lin(a + "wkv.weight")), P.t(a + "kv_norm.weight"), eps=eps)
+    kv = ops.rope(kv, pos, **rope)
+    if official:
+        kv = ops.fp8_round(kv, dims=cfg.nope_dim)
+
+    rows = selected = None
+    ratio = cfg.ratio(layer) or 1
+    if kind in (CSA, HCA):
+        crope = {"rope_dim": rope["dim"], "theta": rope["theta"], "yarn": rope["yarn"]}
+        with scope("compressor"):
+            c = a + "compressor."
+            rows, cache["state_kv"], cache["state_gate"] = ops.compress(
+                ops.linear(x, **P.lin(c + "wkv.weight")), ops.linear(x, **P.lin(c + "wgate.weight")),
+                P.t(c + "ape"), P.t(c + "norm.weight"), cache["state_kv"], cache["state_gate"], cache["rows"], pos,
+                ratio=ratio, overlap=kind == CSA, eps=eps, round="fp8" if official else "none", **crope)
+            cache["rows"] = rows
+        if kind == CSA:
+            with scope("indexer"):
+                i = a + "indexer."
+                ic = i + "compressor."
+                keys, cache["index_state_kv"], cache["index_state_gate"] = ops.compress(
+                    ops.linear(x, **P.lin(ic + "wkv.weight")), ops.linear(x, **P.lin(ic + "wgate.weight")),
+                    P.t(ic + "ape"), P.t(ic + "norm.weight"), cache["index_state_kv"], cache["index_state_gate"],
+                    cache["index_rows"], pos, ratio=ratio, overlap=True, eps=eps,
+                    round="fp4" if official else "none", **crope)
+                cache["index_rows"] = keys
+                qi = ops.linear(qr, **P.lin(i + "wq_b.weight"))
+                qi = ops.rope(ops.reshape(qi, shape=(B, T, cfg.index_n_heads, cfg.index_head_dim)), pos, **rope)
+                if official:
+                    qi = ops.hadamard_fp4_round(qi)
+                wts = ops.linear(x, **P.lin(i + "weights_proj.weight"))
+                scores = ops.indexer_scores(qi, wts, keys, pos, ratio=ratio, q_scale=cfg.index_head_dim ** -0.5,
+                                            w_scale=cfg.index_n_heads ** -0.5)
+                selected = ops.topk(scores, k=min(cfg.index_topk, shape_of(keys)[1]))
+
+    o = ops.attention(q, kv, cache["win"], pos, P.t(a + "attn_sink"), rows, selected, window=cfg.window,
+                      ratio=ratio, scale=cfg.head_dim ** -0.5)
+    cache["win"] = ops.window_write(cache["win"], kv, pos)
+    o = ops.rope(o, pos, inverse=True, **rope)
+    z = ops.grouped_out_proj(o, **_grouped(P.lin(a + "wo_a.weight")), groups=cfg.o_groups)
+    return ops.linear(z, **P.lin(a + "wo_b.weight"))
+
+
+def _grouped(lin: dict[str, Any]) -> dict[str, Any]:
+    return {"w": lin["w"], "scale": lin["scale"], "block": lin["block"]}
+
+
+def moe_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, ids: Any) -> Any:
+    f = pre + "ffn."
+    hashed = cfg.is_hash(layer)
+    wts, idx = ops.router(x, P.t(f + "gate.weight"), None if hashed else P.t(f + "gate.bias"),
+                          P.t(f + "gate.tid2eid") if hashed else None, ids if hashed else None,
+                          k=cfg.n_active_experts, route_scale=float(cfg.route_scale))
+    y = ops.moe_experts(x, wts, idx, **P.experts(pre), limit=float(cfg.swiglu_limit))
+    with scope("shared"):
+        s = f + "shared_experts."
+        h = ops.swiglu(ops.linear(x, **P.lin(s + "w1.weight")), ops.linear(x, **P.lin(s + "w3.weight")),
+                       limit=float(cfg.swiglu_limit))
+        y = ops.add(y, ops.linear(h, **P.lin(s + "w2.weight")))
+    return y
+
+
+def decoder_layer(P: Params, cfg: V4Config, layer: int, pre: str, streams: Any, ids: Any, pos: Any,
+                  cache: dict[str, Any], opts: StepOptions) -> Any:
+    hc = {"eps": cfg.rms_eps, "hc_eps": cfg.hc_eps, "iters": cfg.hc_sinkhorn_iters}
+    with scope("attn_hc"):
+        y, post, comb = ops.hc_pre(streams, P.t(pre + "hc_attn_fn"), P.t(pre + "hc_attn_base"),
+                                   P.t(pre + "hc_attn_scale"), **hc)
+    with scope("attn"):
+        y = attention_block(P, cfg, layer, pre, ops.rms_norm(y, P.t(pre + "attn_norm.weight"), eps=cfg.rms_eps),
+                            pos, cache, opts)
+    with scope("attn_hc"):
+        streams = ops.hc_post(y, streams, post, comb)
+    with scope("ffn_hc"):
+        y, post, comb = ops.hc_pre(streams, P.t(pre + "hc_ffn_fn"), P.t(pre + "hc_ffn_base"),
+                                   P.t(pre + "hc_ffn_scale"), **hc)
+    with scope("ffn"):
+        y = moe_block(P, cfg, layer, pre, ops.rms_norm(y, P.t(pre + "ffn_norm.weight"), eps=cfg.rms_eps), ids)
+    with scope("ffn_hc"):
+        streams = ops.hc_post(y, streams, post, comb)
+    return streams
+
+
+def head(P: Params, cfg: V4Config, pre: str, streams: Any, pos: Any, opts: StepOptions) -> Any:
+    h = ops.hc_head(streams, P.t(pre + "hc_head_fn"), P.t(pre + "hc_head_base"), P.t(pre + "hc_head_scale"),
+                    eps=cfg.rms_eps, hc_eps=cfg.hc_eps)
+    if opts.last_only:
+        h = ops.last_token(h, pos)
+    h = ops.rms_norm(h, P.t(pre + "norm.weight"), eps=cfg.rms_eps)
+    return ops.linear(h, **P.lin("head.weight"))
+
+
+def model_step(P: Params, cfg: V4Config, ids: Any, pos: Any, caches: list[dict[str, Any]],
+               opts: StepOptions) -> tuple[Any, Any]:
+    """Logits (`[B, T, V]`, or `[B, V]` with `last_only`) and the final hidden streams `[B, T, n, D]`
+    (before `hc_head`; the MTP block's input). Updates `caches` in place (new tensors / values)."""
+    with scope("embed"):
+        streams = ops.hc_expand(ops.embed(ids, P.t("embed.weight")), n=cfg.hc_mult)
+    for layer in range(cfg.n_layers):
+        with scope(f"layers.{layer}"):
+            streams = decoder_layer(P, cfg, layer, f"layers.{layer}.", streams, ids, pos, caches[layer], opts)
+    with scope("head"):
+        logits = head(P, cfg, "", streams, pos, opts)
+    return logits, streams
+
+
+def mtp_step(P: Params, cfg: V4Config, j: int, streams: Any, next_ids: Any, pos: Any, cache: dict[str, Any],
+             opts: StepOptions) -> tuple[Any, Any]:
+    """MTP block j (spec section 11): from the backbone's last hidden streams at position t and the
+    embedding of token t+1, logits for token t+2. Returns (logits, the block's output streams)."""
+    pre = f"mtp.{j}."
+    B, T, n, D = shape_of(streams)
+    with scope(f"mtp.{j}"):
+        e = ops.rms_norm(ops.embed(next_ids, P.t("embed.weight")), P.t(pre + "enorm.weight"), eps=cfg.rms_eps)
+        h = ops.rms_norm(streams, P.t(pre + "hnorm.weight"), eps=cfg.rms_eps)
+        e = ops.reshape(ops.linear(e, **P.lin(pre + "e_proj.weight")), shape=(B, T, 1, D))
+        x0 = ops.add(e, ops.linear(h, **P.lin(pre + "h_proj.weight")))
+        out = decoder_layer(P, cfg, cfg.n_layers + j, pre, x0, next_ids, pos, cache, opts)
+        logits = head(P, cfg, pre, out, pos, opts)
+    return logits, out

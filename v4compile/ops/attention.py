@@ -1,0 +1,114 @@
+"""Attention over the sliding window and compressed rows, with the sink (`v4-reference.md` 4.4-4.6, 7-9).
+
+Static-shape formulation. A chunk holds T lanes per sequence; lane i of sequence b has absolute
+position `pos[b, i]` (-1 for padding; valid lanes come first and are consecutive, starting at the
+sequence's current length). The window ring holds the raw kv rows of earlier tokens at slot
+`p % W`; the compressed rows of a layer live at their window index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ir.registry import defop
+from ..ir.types import TensorType
+from .basic import dequant_weight
+
+
+def ring_positions(pos: torch.Tensor, slots: int) -> torch.Tensor:
+    """Position held by each ring slot before this chunk: the latest p < start with p = slot (mod
+    slots), or a negative number if none. `start` is the first lane's position."""
+    start = pos[:, :1].clamp(min=0)
+    j = torch.arange(slots, device=pos.device)
+    return start - 1 - torch.remainder(start - 1 - j, slots)
+
+
+@defop("attention(q, kv, window_kv, pos, sink, rows?, selected?) -> out",
+       attrs={"window": int, "ratio": int, "scale": float})
+def attention(q, kv, window_kv, pos, sink, rows, selected, *, window, ratio, scale):
+    """One softmax over the visible keys of each query, the sink in the denominator only.
+
+    Keys (= values): window ring rows and this chunk's kv rows at positions in (t - window, t]; plus,
+    when `rows` is given, compressed rows w < floor((t + 1) / ratio) — all of them (HCA) or only
+    those listed in `selected` (CSA, -1 = none).
+    """
+    B, T, H, d = q.shape
+    W = window_kv.shape[1]
+    keys = torch.cat([window_kv, kv], dim=1)  # [B, W + T, d]
+    kpos = torch.cat([ring_positions(pos, W), pos], dim=1)  # [B, W + T]
+    t = pos.unsqueeze(-1)  # [B, T, 1]
+    kp = kpos.unsqueeze(1)  # [B, 1, W + T]
+    vis = (kp >= 0) & (kp <= t) & (kp > t - window) & (t >= 0)  # [B, T, W + T]
+    s_win = torch.einsum("bthd,bkd->bthk", q, keys).float() * scale
+    s_win = s_win.masked_fill(~vis.unsqueeze(2), float("-inf"))
+    parts, values = [s_win], [keys]
+    if rows is not None:
+        limit = torch.div(pos + 1, ratio, rounding_mode="floor").unsqueeze(-1)  # [B, T, 1]
+        if selected is None:
+            w = torch.arange(rows.shape[1], device=q.device).view(1, 1, -1)
+            vis_r = (w < limit) & (t >= 0)  # [B, T, R]
+            s_r = torch.einsum("bthd,brd->bthr", q, rows).float() * scale
+            s_r = s_r.masked_fill(~vis_r.unsqueeze(2), float("-inf"))
+            parts.append(s_r)
+            values.append(rows)
+        else:
+            idx = selected.clamp(min=0)
+            gathered = rows[torch.arange(B, device=q.device).view(B, 1, 1), idx]  # [B, T, K, d]
+            vis_r = (selected >= 0) & (selected < limit) & (t >= 0)
+            s_r = torch.einsum("bthd,btkd->bthk", q, gathered).float() * scale
+            s_r = s_r.masked_fill(~vis_r.unsqueeze(2), float("-inf"))
+            parts.append(s_r)
+            values.append(gathered)
+    sink_col = sink.float().view(1, 1, H, 1).expand(B, T, H, 1)
+    logits = torch.cat(parts + [sink_col], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1].to(q.dtype)
+    n_win = keys.shape[1]
+    out = torch.einsum("bthk,bkd->bthd", probs[..., :n_win], keys)
+    if rows is not None:
+        pr = probs[..., n_win:]
+        if selected is None:
+            out = out + torch.einsum("bthr,brd->bthd", pr, values[1])
+        else:
+            out = out + torch.einsum("bthk,btkd->bthd", pr, values[1])
+    return out
+
+
+@attention.infer
+def _(q, kv, window_kv, pos, sink, rows, selected, *, window, ratio, scale):
+    return q
+
+
+@defop("window_write(window_kv, kv, pos) -> window_out")
+def window_write(window_kv, kv, pos):
+    """Store this chunk's kv rows in the ring at slot `p % W`; only the last W positions of each
+    sequence are written, so no slot is written twice."""
+    B, W, _ = window_kv.shape
+    out = window_kv.clone()
+    valid = pos >= 0
+    last = (pos[:, :1].clamp(min=0) + valid.sum(1, keepdim=True)) - 1
+    keep = valid & (pos > last - W)
+    b, i = keep.nonzero(as_tuple=True)
+    out[b, pos[b, i] % W] = kv[b, i].to(out.dtype)
+    return out
+
+
+@window_write.infer
+def _(window_kv, kv, pos):
+    return window_kv
+
+
+@defop("grouped_out_proj(o, w, scale?) -> z", attrs={"groups": int, "block": (int, 128)})
+def grouped_out_proj(o, w, scale, *, groups, block):
+    """`wo_a`: heads split into `groups` groups, each group's concatenated heads projected by its own
+    block of rows of W (block diagonal, no mixing across groups)."""
+    B, T = o.shape[:2]
+    W = dequant_weight(w, scale, block, o.dtype)
+    W = W.view(groups, -1, W.shape[-1])  # [G, R, Hd/G]
+    x = o.reshape(B, T, groups, -1)
+    return torch.einsum("btgi,gri->btgr", x, W).reshape(B, T, -1)
+
+
+@grouped_out_proj.infer
+def _(o, w, scale, *, groups, block):
+    return TensorType((o.shape[0], o.shape[1], w.shape[0]), o.dtype)

@@ -1,0 +1,58 @@
+"""Mixture of experts: the router (hash or learned) and the routed experts (`v4-reference.md` section 10)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..ir.registry import defop
+from ..ir.types import TensorType
+from .basic import dequant_weight
+
+
+@defop("router(x, w, bias?, tid2eid?, ids?) -> weights, indices", attrs={"k": int, "route_scale": float})
+def router(x, w, bias, tid2eid, ids, *, k, route_scale):
+    """`s = sqrt(softplus(x W^T))`; experts = `tid2eid[ids]` (hash layers) or top-k of `s + bias`
+    (the bias only steers selection); weights = `s[sel] / sum(s[sel]) * route_scale`."""
+    logits = F.linear(x, w.to(x.dtype))
+    scores = F.softplus(logits).sqrt()
+    if tid2eid is not None:
+        idx = tid2eid[ids.clamp(min=0)].long()
+    else:
+        idx = torch.topk(scores + bias, k, dim=-1, sorted=False).indices
+    wts = scores.gather(-1, idx)
+    wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20)
+    return wts * route_scale, idx
+
+
+@router.infer
+def _(x, w, bias, tid2eid, ids, *, k, route_scale):
+    lead = x.shape[:-1]
+    return TensorType((*lead, k), "fp32"), TensorType((*lead, k), "i64")
+
+
+@defop("moe_experts(x, weights, indices, w1, w2, w3, w1_scale?, w2_scale?, w3_scale?) -> y",
+       attrs={"limit": float, "block": (int, 32)})
+def moe_experts(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *, limit, block):
+    """`y = sum_k weights_k * w2_e(swiglu(w1_e x, w3_e x))` over each token's selected experts e; the
+    stacked expert weights are `[E, out, in]` (FP4 packed with 1 x block scales when scaled)."""
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    idx = indices.reshape(flat.shape[0], -1)
+    wts = weights.reshape(flat.shape[0], -1)
+    out = torch.zeros_like(flat)
+    for e in torch.unique(idx).tolist():
+        tok, slot = torch.where(idx == e)
+        xe = flat[tok]
+        sc = (lambda s: None if s is None else s[e])
+        g = F.linear(xe, dequant_weight(w1[e], sc(w1_scale), block, x.dtype))
+        u = F.linear(xe, dequant_weight(w3[e], sc(w3_scale), block, x.dtype))
+        h = F.silu(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
+        ye = F.linear(h, dequant_weight(w2[e], sc(w2_scale), block, x.dtype)) * wts[tok, slot, None]
+        out.index_add_(0, tok, ye.to(out.dtype))
+    return out.reshape(shape)
+
+
+@moe_experts.infer
+def _(x, weights, indices, w1, w2, w3, *_, **__):
+    return x
