@@ -11,7 +11,8 @@ from v4compile.names import canonical_sources
 def hf_config(cfg: V4Config):
     from transformers import DeepseekV4Config
 
-    return DeepseekV4Config(**{k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "model_type")})
+    skip = ("architectures", "model_type", "quantization_config", "expert_dtype")
+    return DeepseekV4Config(**{k: v for k, v in cfg.to_hf().items() if k not in skip})
 
 
 def hf_model(cfg: V4Config, dense: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
@@ -36,4 +37,15 @@ def hf_model(cfg: V4Config, dense: dict[str, torch.Tensor], dtype: torch.dtype =
     missing = set(k for k in state if "rotary_emb" not in k) - set(new)
     assert not missing, missing
     model.load_state_dict(new, strict=False)
-    return model.to(dtype)
+    if dtype == torch.float32:
+        return model
+    # What `from_pretrained(dtype=...)` does: modules in `_keep_in_fp32_modules_strict` stay fp32, and
+    # the RoPE frequency buffers (built explicitly in fp32) are not cast.
+    keep = set(model._keep_in_fp32_modules_strict) | {"rotary_emb"}
+    kept = {name: t.detach().clone() for name, t in list(model.named_parameters()) + list(model.named_buffers())
+            if keep & set(name.split("."))}
+    model = model.to(dtype)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name in kept:
+            t.data = kept[name]
+    return model

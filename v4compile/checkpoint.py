@@ -100,14 +100,9 @@ class Checkpoint:
         path = Path(path)
         if not path.exists():
             raise CheckpointError("checkpoint not found", where=str(path))
-        if path.is_file():
-            files = [path]
-            cfg_dir = path.parent
-        else:
-            files = _shard_files(path)
-            cfg_dir = path
         if cfg is None:
-            cfg = V4Config.from_dir(cfg_dir)
+            cfg = V4Config.from_dir(path.parent if path.is_file() else path)
+        files = [path] if path.is_file() else _shard_files(path)
         opened = {f: SafetensorsFile(f) for f in files}
         index_map = None
         if path.is_dir() and (path / INDEX_FILE).is_file():

@@ -244,10 +244,15 @@ class V4Config:
             "index_head_dim": self.index_head_dim, "index_topk": self.index_topk,
             "num_nextn_predict_layers": self.n_mtp_layers, "rms_norm_eps": self.rms_eps,
             "tie_word_embeddings": False,
+            "expert_dtype": self.expert_format,
             "rope_parameters": {"rope_type": "yarn", "factor": self.yarn_factor,
                                 "original_max_position_embeddings": self.yarn_original_max_pos,
                                 "beta_fast": self.yarn_beta_fast, "beta_slow": self.yarn_beta_slow},
         }
+        if self.weight_format == "fp8":
+            d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                        "weight_block_size": [self.quant_block, self.quant_block],
+                                        "scale_fmt": "ue8m0", "expert_dtype": self.expert_format}
         return d
 
     @classmethod

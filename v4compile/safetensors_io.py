@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .errors import CheckpointError
@@ -65,7 +66,7 @@ def parse_header(raw: bytes, data_len: int, where: str) -> tuple[dict[str, Tenso
         if not isinstance(ent, dict):
             raise CheckpointError("header entry must be an object", where=at, found=type(ent).__name__)
         dt, shape, offs = ent.get("dtype"), ent.get("shape"), ent.get("data_offsets")
-        if dt not in DTYPES:
+        if not isinstance(dt, str) or dt not in DTYPES:
             raise CheckpointError("unknown dtype", where=at, expected=" / ".join(DTYPES), found=dt)
         if (not isinstance(shape, list) or
                 not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
@@ -137,12 +138,8 @@ class SafetensorsFile:
         info = self.tensors[name]
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=DTYPES[info.dtype])
-        mm = self._map()
-        buf = memoryview(mm)[self.data_start + info.begin: self.data_start + info.end]
-        try:
-            t = torch.frombuffer(buf, dtype=torch.uint8).clone()
-        finally:
-            buf.release()
+        raw = np.frombuffer(self._map(), dtype=np.uint8, count=info.nbytes, offset=self.data_start + info.begin)
+        t = torch.from_numpy(raw.copy())
         return t.view(DTYPES[info.dtype]).reshape(info.shape)
 
     def close(self) -> None:

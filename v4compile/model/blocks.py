@@ -8,6 +8,7 @@ records the static graph. There is no other copy of the model.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,11 @@ class StepOptions:
 
 def shape_of(x: Any) -> tuple[int, ...]:
     return tuple(x.type.shape) if isinstance(x, Value) else tuple(x.shape)
+
+
+def kv_round_block(cfg: V4Config) -> int:
+    """FP8 KV simulation block: 64 values (448 = 7 x 64 for V4); smaller configs use a divisor."""
+    return math.gcd(64, cfg.nope_dim)
 
 
 def rope_attrs(cfg: V4Config, layer: int) -> dict[str, Any]:
@@ -56,7 +62,7 @@ def attention_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, pos:
     kv = ops.rms_norm(ops.linear(x, **P.lin(a + "wkv.weight")), P.t(a + "kv_norm.weight"), eps=eps)
     kv = ops.rope(kv, pos, **rope)
     if official:
-        kv = ops.fp8_round(kv, dims=cfg.nope_dim)
+        kv = ops.fp8_round(kv, dims=cfg.nope_dim, block=kv_round_block(cfg))
 
     rows = selected = None
     ratio = cfg.ratio(layer) or 1

@@ -63,6 +63,9 @@ class ReferenceModel:
                  dtype: torch.dtype = torch.float32):
         if numerics not in NUMERICS:
             raise InputError(f"unknown numerics mode '{numerics}'", expected=" / ".join(NUMERICS))
+        if numerics == "official" and cfg.index_head_dim & (cfg.index_head_dim - 1):
+            raise InputError("official numerics need a power-of-two `index_head_dim` (Hadamard rotation)",
+                             found=cfg.index_head_dim)
         if dtype not in (torch.float32, torch.bfloat16):
             raise InputError("unsupported model dtype", expected="torch.float32 or torch.bfloat16", found=dtype)
         self.cfg = cfg

@@ -30,7 +30,8 @@ def attention(q, kv, window_kv, pos, sink, rows, selected, *, window, ratio, sca
 
     Keys (= values): window ring rows and this chunk's kv rows at positions in (t - window, t]; plus,
     when `rows` is given, compressed rows w < floor((t + 1) / ratio) — all of them (HCA) or only
-    those listed in `selected` (CSA, -1 = none).
+    those listed in `selected` (CSA, -1 = none). Scores are formed in the activation dtype and the
+    softmax in fp32, as HF does.
     """
     B, T, H, d = q.shape
     W = window_kv.shape[1]
@@ -38,40 +39,24 @@ def attention(q, kv, window_kv, pos, sink, rows, selected, *, window, ratio, sca
     kpos = torch.cat([ring_positions(pos, W), pos], dim=1)  # [B, W + T]
     t = pos.unsqueeze(-1)  # [B, T, 1]
     kp = kpos.unsqueeze(1)  # [B, 1, W + T]
-    vis = (kp >= 0) & (kp <= t) & (kp > t - window) & (t >= 0)  # [B, T, W + T]
-    s_win = torch.einsum("bthd,bkd->bthk", q, keys).float() * scale
-    s_win = s_win.masked_fill(~vis.unsqueeze(2), float("-inf"))
-    parts, values = [s_win], [keys]
+    visible = (kp >= 0) & (kp <= t) & (kp > t - window) & (t >= 0)  # [B, T, W + T]
     if rows is not None:
+        R = rows.shape[1]
         limit = torch.div(pos + 1, ratio, rounding_mode="floor").unsqueeze(-1)  # [B, T, 1]
-        if selected is None:
-            w = torch.arange(rows.shape[1], device=q.device).view(1, 1, -1)
-            vis_r = (w < limit) & (t >= 0)  # [B, T, R]
-            s_r = torch.einsum("bthd,brd->bthr", q, rows).float() * scale
-            s_r = s_r.masked_fill(~vis_r.unsqueeze(2), float("-inf"))
-            parts.append(s_r)
-            values.append(rows)
-        else:
-            idx = selected.clamp(min=0)
-            gathered = rows[torch.arange(B, device=q.device).view(B, 1, 1), idx]  # [B, T, K, d]
-            vis_r = (selected >= 0) & (selected < limit) & (t >= 0)
-            s_r = torch.einsum("bthd,btkd->bthk", q, gathered).float() * scale
-            s_r = s_r.masked_fill(~vis_r.unsqueeze(2), float("-inf"))
-            parts.append(s_r)
-            values.append(gathered)
-    sink_col = sink.float().view(1, 1, H, 1).expand(B, T, H, 1)
-    logits = torch.cat(parts + [sink_col], dim=-1)
+        w = torch.arange(R, device=q.device).view(1, 1, -1)
+        vis_rows = (w < limit) & (t >= 0)  # HCA: every complete window
+        if selected is not None:  # CSA: only the indexer's picks
+            hit = torch.zeros(B, T, R + 1, dtype=torch.bool, device=q.device)
+            hit.scatter_(-1, torch.where(selected >= 0, selected, R), True)
+            vis_rows = vis_rows & hit[..., :R]
+        keys = torch.cat([keys, rows], dim=1)
+        visible = torch.cat([visible, vis_rows], dim=-1)
+    scores = (torch.einsum("bthd,bkd->bthk", q, keys) * scale).float()
+    scores = scores.masked_fill(~visible.unsqueeze(2), float("-inf"))
+    logits = torch.cat([scores, sink.float().view(1, 1, H, 1).expand(B, T, H, 1)], dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = torch.softmax(logits, dim=-1)[..., :-1].to(q.dtype)
-    n_win = keys.shape[1]
-    out = torch.einsum("bthk,bkd->bthd", probs[..., :n_win], keys)
-    if rows is not None:
-        pr = probs[..., n_win:]
-        if selected is None:
-            out = out + torch.einsum("bthr,brd->bthd", pr, values[1])
-        else:
-            out = out + torch.einsum("bthk,btkd->bthd", pr, values[1])
-    return out
+    return torch.einsum("bthk,bkd->bthd", probs, keys)
 
 
 @attention.infer
@@ -104,9 +89,9 @@ def grouped_out_proj(o, w, scale, *, groups, block):
     block of rows of W (block diagonal, no mixing across groups)."""
     B, T = o.shape[:2]
     W = dequant_weight(w, scale, block, o.dtype)
-    W = W.view(groups, -1, W.shape[-1])  # [G, R, Hd/G]
-    x = o.reshape(B, T, groups, -1)
-    return torch.einsum("btgi,gri->btgr", x, W).reshape(B, T, -1)
+    W = W.view(groups, -1, W.shape[-1]).transpose(1, 2)  # [G, Hd/G, R]
+    x = o.reshape(B * T, groups, -1).transpose(0, 1)  # [G, BT, Hd/G]
+    return torch.bmm(x, W).transpose(0, 1).reshape(B, T, -1)
 
 
 @grouped_out_proj.infer

@@ -8,6 +8,8 @@ CSA (c = 2, overlapping) pools 2m slots: the previous window's first half-width 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..ir.registry import defop
@@ -86,7 +88,7 @@ def compress(kv, gate, ape, norm, state_kv, state_gate, rows, pos, *, ratio, ove
     h = (norm.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(kv.dtype)
     h = rotate(h, m * w, rope_dim, theta, yarn)
     if round == "fp8":
-        h = fp8_round_ref(h, h.shape[-1] - rope_dim, 64)
+        h = fp8_round_ref(h, h.shape[-1] - rope_dim, math.gcd(64, h.shape[-1] - rope_dim))
     elif round == "fp4":
         h = hadamard_fp4_round_ref(h, 32)
     out = rows.clone()

@@ -28,7 +28,7 @@ def router(x, w, bias, tid2eid, ids, *, k, route_scale):
 @router.infer
 def _(x, w, bias, tid2eid, ids, *, k, route_scale):
     lead = x.shape[:-1]
-    return TensorType((*lead, k), "fp32"), TensorType((*lead, k), "i64")
+    return TensorType((*lead, k), x.dtype), TensorType((*lead, k), "i64")
 
 
 @defop("moe_experts(x, weights, indices, w1, w2, w3, w1_scale?, w2_scale?, w3_scale?) -> y",

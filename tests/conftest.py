@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny configs, seeded random weights, reference models and the HF oracle."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from v4compile.config import preset  # noqa: E402
+from v4compile.init_random import random_source  # noqa: E402
+from v4compile.model import ReferenceModel  # noqa: E402
+from v4compile.model.reference import build_weights  # noqa: E402
+from v4compile.weights import spec_table  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@functools.lru_cache(maxsize=None)
+def dense_weights(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Canonical name -> fp32 tensor for a preset (seeded)."""
+    cfg = preset(name)
+    src = random_source(cfg, seed)
+    return {n: src(s) for n, s in spec_table(cfg).items()}
+
+
+def make_model(name: str, numerics: str = "hf", dtype: torch.dtype = torch.float32, seed: int = 0,
+               weights: dict[str, torch.Tensor] | None = None, cfg=None) -> ReferenceModel:
+    cfg = cfg or preset(name)
+    dense = weights if weights is not None else dense_weights(name, seed)
+    return ReferenceModel(cfg, build_weights(cfg, lambda n: dense[n], dtype), numerics=numerics, dtype=dtype)
+
+
+def prompt(n: int, vocab: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return make_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_pro():
+    return make_model("tiny-pro")

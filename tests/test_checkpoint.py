@@ -1,0 +1,234 @@
+"""Checkpoint reading and writing: layouts, formats, sharding, header-only access, and every defect."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import dense_weights, make_model, prompt
+from v4compile.checkpoint import Checkpoint, write_checkpoint
+from v4compile.config import preset
+from v4compile.errors import CheckpointError
+from v4compile.formats import fp4_dequant, fp4_quant, fp8_block_dequant, fp8_block_quant
+from v4compile.init_random import init_random, random_source
+from v4compile.safetensors_io import SafetensorsFile, write_file
+from v4compile.weights import spec_table
+
+
+@pytest.fixture(scope="module")
+def fp32_ckpt(tmp_path_factory):
+    return init_random(tmp_path_factory.mktemp("ck") / "tiny", preset("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def quant_ckpt(tmp_path_factory):
+    return init_random(tmp_path_factory.mktemp("ckq") / "tiny-q", preset("tiny"), seed=0, quantized=True)
+
+
+def test_fp32_round_trip_is_exact(fp32_ckpt):
+    dense = dense_weights("tiny")
+    with Checkpoint.open(fp32_ckpt) as ck:
+        ck.validate()
+        assert set(ck.entries) == set(dense)
+        for name, t in dense.items():
+            assert torch.equal(ck.dense(name), t.float() if t.is_floating_point() else t), name
+
+
+def test_released_formats_on_disk_and_dequantised_values(quant_ckpt):
+    cfg = preset("tiny")
+    dense = dense_weights("tiny")
+    specs = spec_table(cfg)
+    with Checkpoint.open(quant_ckpt) as ck:
+        ck.validate()
+        dtypes = {n: e.dtype for n, e in ck.entries.items()}
+        assert dtypes["layers.1.attn.wq_a.weight"] == "F8_E4M3"
+        assert dtypes["layers.1.attn.wq_a.scale"] == "F8_E8M0"
+        assert dtypes["layers.1.ffn.experts.3.w2.weight"] == "I8"
+        assert ck.entries["layers.1.ffn.experts.3.w2.weight"].shape == (cfg.dim, cfg.moe_inter_dim // 2)
+        assert dtypes["layers.1.attn.compressor.wkv.weight"] == "BF16"
+        assert dtypes["layers.1.hc_attn_fn"] == "F32" and dtypes["layers.0.ffn.gate.tid2eid"] == "I64"
+        for name, s in specs.items():
+            got = ck.dense(name)
+            if s.fmt == "fp8":
+                assert torch.equal(got, fp8_block_dequant(*fp8_block_quant(dense[name]))), name
+            elif s.fmt == "fp4":
+                assert torch.equal(got, fp4_dequant(*fp4_quant(dense[name]))), name
+            elif s.fmt == "bf16":
+                assert torch.equal(got, dense[name].to(torch.bfloat16).float()), name
+            else:
+                assert torch.equal(got, dense[name]), name
+    # A quantized checkpoint runs.
+    from v4compile.model import ReferenceModel
+
+    model = ReferenceModel.from_pretrained(quant_ckpt)
+    assert len(model.generate([1, 2, 3], 4)) == 4
+
+
+def test_sharding_with_index(tmp_path):
+    cfg = preset("tiny")
+    out = write_checkpoint(tmp_path / "sharded", cfg, random_source(cfg, 0), dtype="fp32", max_shard_bytes=200_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 3 and all((out / s).is_file() for s in shards)
+    assert index["metadata"]["total_size"] == sum((out / s).stat().st_size for s in shards)
+    with Checkpoint.open(out) as ck:
+        ck.validate()
+        assert torch.equal(ck.dense("layers.3.attn.wo_b.weight"), dense_weights("tiny")["layers.3.attn.wo_b.weight"])
+
+
+def test_open_and_validate_read_no_tensor_data(fp32_ckpt, monkeypatch):
+    def boom(self, name):
+        raise AssertionError("tensor data read")
+
+    monkeypatch.setattr(SafetensorsFile, "read", boom)
+    with Checkpoint.open(fp32_ckpt) as ck:
+        ck.validate()
+        ck.header_specs()
+
+
+def test_hf_parameter_layout(tmp_path):
+    """HF in-memory names (stacked experts, `self_attn.*`, `weight_scale_inv`) load as the same tensors."""
+    from hf_oracle import hf_model
+
+    cfg = preset("tiny")
+    hf = hf_model(cfg, dense_weights("tiny"))
+    d = tmp_path / "hfnames"
+    d.mkdir()
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if "rotary_emb" not in k}
+    write_file(d / "model.safetensors", state)
+    (d / "config.json").write_text(json.dumps(cfg.to_hf()))
+    with Checkpoint.open(d) as ck:
+        ck.validate(include_mtp=False)
+        for name, t in dense_weights("tiny").items():
+            if not name.startswith("mtp."):
+                assert torch.equal(ck.dense(name), t.float() if t.is_floating_point() else t), name
+
+
+def test_official_layout_loads_into_hf(fp32_ckpt, tmp_path):
+    """Our writer's names are the official ones: HF's own loader (its conversion mapping) accepts them."""
+    from transformers import DeepseekV4ForCausalLM
+
+    d = tmp_path / "for-hf"
+    shutil.copytree(fp32_ckpt, d)
+    cfg = preset("tiny")
+    hf_cfg = {k: v for k, v in cfg.to_hf().items() if k != "quantization_config"}
+    (d / "config.json").write_text(json.dumps(hf_cfg))
+    hf = DeepseekV4ForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ids = prompt(40, cfg.vocab_size)
+    with torch.no_grad():
+        theirs = hf(ids[None]).logits[0]
+    torch.testing.assert_close(make_model("tiny").forward(ids), theirs, atol=1e-4, rtol=0)
+
+
+# ---- defects ----------------------------------------------------------------------------------
+
+def copy_ckpt(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def rewrite(path, fn):
+    """Rewrite the shard holding tensors with `fn(dict) -> dict`."""
+    with SafetensorsFile(path) as f:
+        ts = {k: f.read(k) for k in f.tensors}
+    write_file(path, fn(ts))
+
+
+def shard_of(ckdir, name):
+    wm = json.loads((ckdir / "model.safetensors.index.json").read_text())["weight_map"]
+    return ckdir / wm[name], wm
+
+
+@pytest.mark.parametrize("defect, needle", [
+    ("missing", "missing tensor"),
+    ("unexpected", "unexpected tensor"),
+    ("shape", "wrong shape"),
+    ("dtype", "wrong dtype"),
+])
+def test_tensor_defects(fp32_ckpt, tmp_path, defect, needle):
+    d = copy_ckpt(fp32_ckpt, tmp_path / "bad")
+    name = "layers.2.attn.wkv.weight"
+    path, wm = shard_of(d, name)
+
+    def change(ts):
+        if defect == "missing":
+            del ts[name]
+        elif defect == "unexpected":
+            ts["layers.2.attn.bogus.weight"] = torch.zeros(2)
+        elif defect == "shape":
+            ts[name] = ts[name][:, :-1].contiguous()
+        elif defect == "dtype":
+            ts[name] = ts[name].to(torch.int32)
+        return ts
+
+    rewrite(path, change)
+    if defect == "missing":
+        wm.pop(name)
+    if defect == "unexpected":
+        wm["layers.2.attn.bogus.weight"] = path.name
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    with pytest.raises(CheckpointError) as e:
+        Checkpoint.open(d).validate()
+    msg = str(e.value)
+    assert needle in msg and (str(d) if defect == "missing" else path.name) in msg, msg
+    if defect == "missing":
+        assert name in msg
+    if defect == "shape":
+        assert "expected [32, 64]" in msg and "found [32, 63]" in msg
+
+
+def test_scale_grid_mismatch(quant_ckpt, tmp_path):
+    d = copy_ckpt(quant_ckpt, tmp_path / "badscale")
+    name = "layers.2.attn.wq_b.scale"
+    path, _ = shard_of(d, name)
+    rewrite(path, lambda ts: {**ts, name: torch.cat([ts[name], ts[name]])})
+    with pytest.raises(CheckpointError, match="scale grid does not match") as e:
+        Checkpoint.open(d).validate()
+    assert "expected [1, 1]" in str(e.value) and "found [2, 1]" in str(e.value)
+
+
+def test_index_points_at_missing_shard(fp32_ckpt, tmp_path):
+    d = copy_ckpt(fp32_ckpt, tmp_path / "noshard")
+    path, _ = shard_of(d, "embed.weight")
+    os.unlink(path)
+    with pytest.raises(CheckpointError, match="missing shard") as e:
+        Checkpoint.open(d)
+    assert path.name in str(e.value)
+
+
+def test_index_names_a_tensor_the_shard_lacks(fp32_ckpt, tmp_path):
+    d = copy_ckpt(fp32_ckpt, tmp_path / "lying-index")
+    path, wm = shard_of(d, "embed.weight")
+    wm["layers.0.attn.phantom.weight"] = path.name
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    with pytest.raises(CheckpointError, match="does not hold"):
+        Checkpoint.open(d)
+
+
+def test_truncated_shard_is_named(fp32_ckpt, tmp_path):
+    d = copy_ckpt(fp32_ckpt, tmp_path / "trunc")
+    path, _ = shard_of(d, "head.weight")
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) - 100])
+    with pytest.raises(CheckpointError, match="run past the end") as e:
+        Checkpoint.open(d)
+    assert path.name in str(e.value)
+
+
+def test_writer_is_atomic(tmp_path):
+    cfg = preset("tiny")
+    src = random_source(cfg, 0)
+
+    def failing(spec):
+        if spec.name == "layers.3.attn.wo_a.weight":
+            raise RuntimeError("disk on fire")
+        return src(spec)
+
+    with pytest.raises(RuntimeError):
+        write_checkpoint(tmp_path / "out", cfg, failing)
+    assert not (tmp_path / "out").exists()
+    assert list(tmp_path.iterdir()) == []  # no temporary directory left behind either

@@ -1,0 +1,176 @@
+"""The `v4compile` command line.
+
+    v4compile generate [CHECKPOINT | --preset NAME] --ids 0,5,9 --max-new-tokens 16 [--json]
+    v4compile inspect (--preset NAME | CHECKPOINT) [--json]
+    v4compile init-random --preset tiny -o DIR [--seed N] [--quantized]
+
+Errors in the user's input print one line `error: ...` and exit with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+from .errors import InputError, V4Error
+
+log = logging.getLogger("v4compile")
+
+DEFAULT_PRESET = "tiny"
+MAX_RANDOM_PARAMS = 2_000_000_000  # in-memory random weights beyond this would not fit a laptop
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise InputError("--ids must be comma-separated integers", found=text) from None
+    return ids
+
+
+def load_model(args: argparse.Namespace):
+    """A `ReferenceModel` from a checkpoint, or from a preset with seeded random weights."""
+    import torch
+
+    from .accounting import account
+    from .config import preset
+    from .init_random import random_source
+    from .model import ReferenceModel
+    from .model.reference import build_weights
+    from .weights import spec_table
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    if args.checkpoint:
+        return ReferenceModel.from_pretrained(args.checkpoint, numerics=args.numerics, dtype=dtype)
+    cfg = preset(args.preset or DEFAULT_PRESET)
+    n = account(cfg).logical_params
+    if n > MAX_RANDOM_PARAMS:
+        raise InputError(f"preset '{cfg.name}' is too large for in-memory random weights",
+                         expected=f"<= {MAX_RANDOM_PARAMS:,} parameters (or pass a CHECKPOINT)", found=f"{n:,}")
+    src = random_source(cfg, args.seed)
+    specs = spec_table(cfg)
+    log.info("preset %s with random weights (seed %d)", cfg.name, args.seed)
+    return ReferenceModel(cfg, build_weights(cfg, lambda name: src(specs[name]), dtype), numerics=args.numerics,
+                          dtype=dtype)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    ids = _parse_ids(args.ids)
+    if not ids:
+        raise InputError("empty prompt", expected="at least one id in --ids")
+    model = load_model(args)
+    t0 = time.perf_counter()
+    out = model.generate(torch.tensor(ids), args.max_new_tokens)
+    dt = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"model": model.cfg.name, "numerics": model.numerics, "prompt": ids, "generated": out,
+                          "seconds": round(dt, 4)}))
+    else:
+        print(",".join(map(str, out)))
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .accounting import account, render
+    from .checkpoint import Checkpoint
+    from .config import preset
+
+    if args.checkpoint:
+        with Checkpoint.open(args.checkpoint) as ckpt:
+            cfg = ckpt.cfg
+            a = account(cfg, ckpt.header_specs())
+    else:
+        cfg = preset(args.preset or DEFAULT_PRESET)
+        a = account(cfg)
+    if args.json:
+        print(json.dumps({"config": cfg.name, **a.to_json()}, indent=1))
+    else:
+        sys.stdout.write(render(cfg, a))
+    return 0
+
+
+def cmd_init_random(args: argparse.Namespace) -> int:
+    from .accounting import account
+    from .config import preset
+    from .init_random import init_random
+
+    cfg = preset(args.preset)
+    n = account(cfg).logical_params
+    if n > MAX_RANDOM_PARAMS:
+        raise InputError(f"preset '{cfg.name}' is too large to write random weights for",
+                         expected=f"<= {MAX_RANDOM_PARAMS:,} parameters", found=f"{n:,}")
+    last = [0.0]
+
+    def progress(i: int, total: int) -> None:
+        now = time.monotonic()
+        if now - last[0] > 2 or i == total:
+            last[0] = now
+            log.info("init-random: %d / %d tensors", i, total)
+
+    path = init_random(args.output, cfg, seed=args.seed, quantized=args.quantized, progress=progress)
+    print(str(path))
+    return 0
+
+
+def _add_model_source(p: argparse.ArgumentParser, checkpoint_required: bool = False) -> None:
+    p.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT",
+                   help="checkpoint directory or .safetensors file (official or HF naming)")
+    p.add_argument("--preset", help="a named config instead of a checkpoint: tiny, tiny-pro, v4-flash, v4-pro")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="v4compile", description="Ahead-of-time compiler for DeepSeek-V4.")
+    ap.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="greedy generation with the reference model")
+    _add_model_source(g)
+    g.add_argument("--ids", required=True, help="prompt token ids, comma-separated")
+    g.add_argument("--max-new-tokens", type=int, default=16)
+    g.add_argument("--numerics", choices=("hf", "official"), default="hf")
+    g.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    g.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset")
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("inspect", help="parameter, disk and KV-cache accounting")
+    _add_model_source(i)
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_inspect)
+
+    r = sub.add_parser("init-random", help="write a seeded random checkpoint for a preset")
+    r.add_argument("--preset", default=DEFAULT_PRESET)
+    r.add_argument("-o", "--output", required=True, help="output directory (must not exist or be empty)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--quantized", action="store_true",
+                   help="released formats: FP8 128x128 dense weights, FP4 1x32 experts (default: fp32)")
+    r.set_defaults(func=cmd_init_random)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if getattr(args, "checkpoint", None) and getattr(args, "preset", None):
+        print("error: give either CHECKPOINT or --preset, not both", file=sys.stderr)
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except V4Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
