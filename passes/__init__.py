@@ -1,1 +1,13 @@
-"""v4compile.passes (placeholder package; see its issue)."""
+"""Compiler passes (installed as `v4compile.passes`).
+
+One pass per file, each a `Pass` subclass registered by name, whose docstring states what it requires
+and guarantees. The default pipeline is a list of names in `pipeline.py`; dumping, verification,
+timing and numerics checks are instruments of the `PassManager`, never inside passes.
+"""
+
+from .base import PASSES, Pass, PassResult, get_pass, parse_pass_spec, register
+from .manager import PassManager, PipelineOptions
+from .pipeline import DEFAULT_PIPELINE
+
+__all__ = ["PASSES", "Pass", "PassResult", "get_pass", "parse_pass_spec", "register", "PassManager",
+           "PipelineOptions", "DEFAULT_PIPELINE"]

@@ -3,6 +3,8 @@
     v4compile generate [CHECKPOINT | --preset NAME] --ids 0,5,9 --max-new-tokens 16 [--json]
     v4compile inspect (--preset NAME | CHECKPOINT) [--json]
     v4compile init-random --preset tiny -o DIR [--seed N] [--quantized]
+    v4compile ir (dump | diff | verify | bisect | passes) ...   IR dump and pass debugging
+    v4compile compile (--preset NAME | CHECKPOINT) [--weights none] [--report] ...
 
 Errors in the user's input print one line `error: ...` and exit with status 2; no traceback.
 """
@@ -151,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quantized", action="store_true",
                    help="released formats: FP8 128x128 dense weights, FP4 1x32 experts (default: fp32)")
     r.set_defaults(func=cmd_init_random)
+
+    from .compile_cli import add_compile_commands
+    add_compile_commands(sub)
     return ap
 
 

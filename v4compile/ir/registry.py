@@ -169,6 +169,12 @@ class OpDef:
         return list(r) if isinstance(r, (tuple, list)) else [r]
 
 
+def require(cond: bool, what: str, expected: object = None, found: object = None) -> None:
+    """For shape rules: an inconsistent operand raises an IRError (the verifier adds the op's place)."""
+    if not cond:
+        raise IRError(what, expected=expected, found=found)
+
+
 def defop(sig: str, attrs: dict[str, Any] | None = None) -> Callable[[Callable], OpDef]:
     def wrap(fn: Callable) -> OpDef:
         op = OpDef(sig, attrs or {}, fn, (fn.__doc__ or "").strip())

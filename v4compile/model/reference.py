@@ -21,6 +21,7 @@ from ..checkpoint import Checkpoint
 from ..config import V4Config
 from ..errors import InputError
 from ..weights import spec_table
+from .batching import prefill_chunks
 from .blocks import StepOptions, model_step, mtp_step
 from .cache import Cache
 from .params import Params, experts_name
@@ -143,21 +144,13 @@ class ReferenceModel:
             if cache.lengths[b] + len(p) > cache.capacity:
                 raise InputError("sequence does not fit in the cache", where=f"sequence {b}",
                                  expected=f"<= {cache.capacity} tokens", found=cache.lengths[b] + len(p))
-        chunk = chunk or longest
         last = torch.zeros(cache.batch, self.cfg.vocab_size)
-        for s in range(0, longest, chunk):
-            ids = torch.zeros(cache.batch, chunk, dtype=torch.long)
-            pos = torch.full((cache.batch, chunk), -1, dtype=torch.long)
-            for b, p in enumerate(prompts):
-                piece = p[s: s + chunk]
-                ids[b, : len(piece)] = torch.tensor(piece, dtype=torch.long)
-                pos[b, : len(piece)] = torch.arange(len(piece)) + cache.lengths[b]
+        for ids, pos, n in prefill_chunks(prompts, list(cache.lengths), chunk or longest):
             logits, _ = self.step(ids, pos, cache, last_only=True)
-            for b, p in enumerate(prompts):
-                n = len(p[s: s + chunk])
-                if n:
+            for b in range(cache.batch):
+                if n[b]:
                     last[b] = logits[b].float()
-                    cache.lengths[b] += n
+                    cache.lengths[b] += n[b]
         return cache, last
 
     @torch.no_grad()

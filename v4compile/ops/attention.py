@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ir.registry import defop
+from ..ir.registry import defop, require
 from ..ir.types import TensorType
 from .basic import dequant_weight
 
@@ -61,6 +61,16 @@ def attention(q, kv, window_kv, pos, sink, rows, selected, *, window, ratio, sca
 
 @attention.infer
 def _(q, kv, window_kv, pos, sink, rows, selected, *, window, ratio, scale):
+    B, T, H, d = q.shape
+    require(tuple(kv.shape) == (B, T, d), "attention kv must be [B, T, d]", expected=[B, T, d], found=list(kv.shape))
+    require(window_kv.rank == 3 and window_kv.shape[0] == B and window_kv.shape[2] == d, "attention window ring",
+            expected=f"[{B}, W, {d}]", found=list(window_kv.shape))
+    require(tuple(sink.shape) == (H,), "attention sink must be [H]", expected=[H], found=list(sink.shape))
+    require(tuple(pos.shape) == (B, T), "attention positions must be [B, T]", found=list(pos.shape))
+    require(rows is None or (rows.shape[0] == B and rows.shape[2] == d), "attention rows must be [B, R, d]",
+            found=None if rows is None else list(rows.shape))
+    require(selected is None or (rows is not None and tuple(selected.shape[:2]) == (B, T)),
+            "attention selection needs rows and must be [B, T, K]")
     return q
 
 
@@ -80,6 +90,8 @@ def window_write(window_kv, kv, pos):
 
 @window_write.infer
 def _(window_kv, kv, pos):
+    require(kv.shape[0] == window_kv.shape[0] and kv.shape[-1] == window_kv.shape[-1], "window_write kv rows",
+            expected=f"[{window_kv.shape[0]}, T, {window_kv.shape[-1]}]", found=list(kv.shape))
     return window_kv
 
 
@@ -96,4 +108,10 @@ def grouped_out_proj(o, w, scale, *, groups, block):
 
 @grouped_out_proj.infer
 def _(o, w, scale, *, groups, block):
+    from .basic import check_weight, weight_in_features
+    hd = o.numel // (o.shape[0] * o.shape[1])
+    require(hd % groups == 0 and weight_in_features(w) == hd // groups and w.shape[0] % groups == 0,
+            "grouped_out_proj weight must be [G * R, H * d / G]", expected=f"[G*R, {hd // groups}]",
+            found=list(w.shape))
+    check_weight(w, scale, block, "grouped_out_proj")
     return TensorType((o.shape[0], o.shape[1], w.shape[0]), o.dtype)

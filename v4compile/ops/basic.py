@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import fp4_dequant, fp8_block_dequant
-from ..ir.registry import defop
+from ..ir.registry import defop, require
 from ..ir.types import TensorType
 
 
@@ -32,6 +32,8 @@ def embed(ids, table):
 
 @embed.infer
 def _(ids, table):
+    require(ids.dtype in ("i32", "i64"), "embed ids must be integers", found=ids.dtype)
+    require(table.rank == 2, "embed table must be 2-D", found=table)
     return TensorType((*ids.shape, table.shape[1]), table.dtype)
 
 
@@ -41,8 +43,31 @@ def linear(x, w, scale, *, block):
     return F.linear(x, dequant_weight(w, scale, block, x.dtype))
 
 
+def check_weight(w: TensorType, scale: TensorType | None, block: int, what: str) -> None:
+    """A 2-D weight (or a stack of them) and its scale grid: FP8 needs `[ceil(out/b), ceil(in/b)]`,
+    FP4 `[out, in/b]`, plain float weights no scale."""
+    if w.dtype in ("fp8e4m3", "fp4x2"):
+        require(scale is not None, f"{what}: a {w.dtype} weight needs a scale operand")
+        require(scale.dtype == "e8m0" or scale.dtype == "fp32", f"{what}: scale must be e8m0", found=scale.dtype)
+        *lead, out_f, k = w.shape
+        if w.dtype == "fp8e4m3":
+            grid = (*lead, -(-out_f // block), -(-k // block))
+        else:
+            grid = (*lead, out_f, 2 * k // block)
+        require(tuple(scale.shape) == grid, f"{what}: scale grid does not match the weight", expected=list(grid),
+                found=list(scale.shape))
+    else:
+        require(w.dtype in ("fp32", "bf16"), f"{what}: unsupported weight dtype", found=w.dtype)
+        require(scale is None, f"{what}: a {w.dtype} weight takes no scale")
+
+
 @linear.infer
 def _(x, w, scale, *, block):
+    require(w.rank == 2, "linear weight must be 2-D", found=w)
+    require(x.dtype in ("fp32", "bf16"), "linear input must be fp32 or bf16", found=x.dtype)
+    require(x.shape[-1] == weight_in_features(w), "linear input width does not match the weight",
+            expected=weight_in_features(w), found=x.shape[-1])
+    check_weight(w, scale, block, "linear")
     return TensorType((*x.shape[:-1], w.shape[0]), x.dtype)
 
 
@@ -59,6 +84,8 @@ def rms_norm(x, weight, *, eps):
 
 @rms_norm.infer
 def _(x, weight, *, eps):
+    require(weight is None or weight.shape == (x.shape[-1],), "rms_norm weight must match the last dim",
+            expected=[x.shape[-1]], found=None if weight is None else list(weight.shape))
     return x
 
 
@@ -70,6 +97,7 @@ def swiglu(gate, up, *, limit):
 
 @swiglu.infer
 def _(gate, up, *, limit):
+    require(gate == up, "swiglu operands must have the same type", expected=gate, found=up)
     return gate
 
 
@@ -80,7 +108,9 @@ def reshape(x, *, shape):
 
 @reshape.infer
 def _(x, *, shape):
-    return TensorType(tuple(int(s) for s in shape), x.dtype)
+    out = TensorType(tuple(int(s) for s in shape), x.dtype)
+    require(out.numel == x.numel, "reshape must keep the element count", expected=x.numel, found=out.numel)
+    return out
 
 
 @defop("add(a, b) -> y")
@@ -91,7 +121,12 @@ def add(a, b):
 
 @add.infer
 def _(a, b):
-    return TensorType(tuple(torch.broadcast_shapes(a.shape, b.shape)), a.dtype)
+    require(a.dtype == b.dtype, "add operands must have the same dtype", expected=a.dtype, found=b.dtype)
+    try:
+        shape = tuple(torch.broadcast_shapes(a.shape, b.shape))
+    except RuntimeError:
+        require(False, "add operands do not broadcast", found=(list(a.shape), list(b.shape)))
+    return TensorType(shape, a.dtype)
 
 
 @defop("last_token(x, pos) -> y")
@@ -104,4 +139,6 @@ def last_token(x, pos):
 
 @last_token.infer
 def _(x, pos):
+    require(tuple(pos.shape) == tuple(x.shape[:2]), "last_token positions must be [B, T]", expected=list(x.shape[:2]),
+            found=list(pos.shape))
     return TensorType((x.shape[0], *x.shape[2:]), x.dtype)

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ..ir.registry import defop
+from ..ir.registry import defop, require
 from ..ir.types import TensorType
 from .numerics import fp8_round_ref, hadamard_fp4_round_ref
 from .rope import rotate
@@ -101,5 +101,14 @@ def compress(kv, gate, ape, norm, state_kv, state_gate, rows, pos, *, ratio, ove
 
 
 @compress.infer
-def _(kv, gate, ape, norm, state_kv, state_gate, rows, pos, **_):
+def _(kv, gate, ape, norm, state_kv, state_gate, rows, pos, *, ratio, overlap, **_):
+    B, T, cw = kv.shape
+    c = 2 if overlap else 1
+    require(gate.shape == kv.shape, "compress gate must match kv", expected=list(kv.shape), found=list(gate.shape))
+    require(tuple(ape.shape) == (ratio, cw), "compress position bias must be [ratio, c*dk]", expected=[ratio, cw],
+            found=list(ape.shape))
+    require(tuple(state_kv.shape) == (B, c * ratio, cw) and state_gate.shape == state_kv.shape,
+            "compress state rings must be [B, c*ratio, c*dk]", expected=[B, c * ratio, cw], found=list(state_kv.shape))
+    require(rows.shape[0] == B and rows.shape[2] == cw // c and norm.shape == (cw // c,),
+            "compress rows [B, R, dk] / norm [dk]", found=(list(rows.shape), list(norm.shape)))
     return rows, state_kv, state_gate

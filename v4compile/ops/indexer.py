@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ir.registry import defop
+from ..ir.registry import defop, require
 from ..ir.types import TensorType
 
 
@@ -22,6 +22,10 @@ def indexer_scores(q, weights, keys, pos, *, ratio, q_scale, w_scale):
 
 @indexer_scores.infer
 def _(q, weights, keys, pos, **_):
+    require(keys.shape[0] == q.shape[0] and keys.shape[2] == q.shape[3], "indexer keys must be [B, R, di]",
+            expected=f"[{q.shape[0]}, R, {q.shape[3]}]", found=list(keys.shape))
+    require(tuple(weights.shape) == tuple(q.shape[:3]), "indexer head weights must be [B, T, Hi]",
+            expected=list(q.shape[:3]), found=list(weights.shape))
     return TensorType((q.shape[0], q.shape[1], keys.shape[1]), "fp32")
 
 
@@ -34,4 +38,5 @@ def topk(scores, *, k):
 
 @topk.infer
 def _(scores, *, k):
+    require(0 < k <= scores.shape[-1], "topk k must be in 1..R", expected=f"<= {scores.shape[-1]}", found=k)
     return TensorType((*scores.shape[:-1], k), "i64")

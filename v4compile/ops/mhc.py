@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..ir.registry import defop
+from ..ir.registry import defop, require
 from ..ir.types import TensorType
 
 
@@ -54,6 +54,9 @@ def hc_pre(streams, fn, base, scale, *, eps, hc_eps, iters):
 @hc_pre.infer
 def _(streams, fn, base, scale, *, eps, hc_eps, iters):
     *lead, n, d = streams.shape
+    require(fn.shape == ((2 + n) * n, n * d), "hc_pre fn shape", expected=[(2 + n) * n, n * d], found=list(fn.shape))
+    require(base.shape == ((2 + n) * n,) and scale.shape == (3,), "hc_pre base [24] / scale [3]",
+            found=(list(base.shape), list(scale.shape)))
     return (TensorType((*lead, d), streams.dtype), TensorType((*lead, n), "fp32"),
             TensorType((*lead, n, n), "fp32"))
 
@@ -67,6 +70,10 @@ def hc_post(y, streams, post, comb):
 
 @hc_post.infer
 def _(y, streams, post, comb):
+    *lead, n, d = streams.shape
+    require(tuple(y.shape) == (*lead, d), "hc_post sub-layer output shape", expected=[*lead, d], found=list(y.shape))
+    require(tuple(post.shape) == (*lead, n) and tuple(comb.shape) == (*lead, n, n), "hc_post post / comb shapes",
+            found=(list(post.shape), list(comb.shape)))
     return streams
 
 
@@ -81,4 +88,5 @@ def hc_head(streams, fn, base, scale, *, eps, hc_eps):
 @hc_head.infer
 def _(streams, fn, base, scale, *, eps, hc_eps):
     *lead, n, d = streams.shape
+    require(fn.shape == (n, n * d), "hc_head fn shape", expected=[n, n * d], found=list(fn.shape))
     return TensorType((*lead, d), streams.dtype)

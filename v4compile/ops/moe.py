@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..ir.registry import defop
+from ..ir.registry import defop, require
 from ..ir.types import TensorType
 from .basic import dequant_weight
 
@@ -27,6 +27,9 @@ def router(x, w, bias, tid2eid, ids, *, k, route_scale):
 
 @router.infer
 def _(x, w, bias, tid2eid, ids, *, k, route_scale):
+    require(w.rank == 2 and w.shape[1] == x.shape[-1], "router weight must be [E, D]", found=list(w.shape))
+    require((tid2eid is None) != (bias is None), "router takes either a bias (learned) or tid2eid + ids (hash)")
+    require(tid2eid is None or (ids is not None and tid2eid.shape[1] == k), "hash router needs ids and a [V, k] table")
     lead = x.shape[:-1]
     return TensorType((*lead, k), x.dtype), TensorType((*lead, k), "i64")
 
@@ -54,5 +57,13 @@ def moe_experts(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *
 
 
 @moe_experts.infer
-def _(x, weights, indices, w1, w2, w3, *_, **__):
+def _(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *, limit, block):
+    from .basic import check_weight, weight_in_features
+    require(weights.shape == indices.shape, "moe weights / indices shapes differ")
+    require(weight_in_features(w1) == x.shape[-1] and w1.shape == w3.shape and w2.shape[1] == x.shape[-1]
+            and weight_in_features(w2) == w1.shape[1],
+            "moe expert weights must be w1, w3 [E, I, D] and w2 [E, D, I]",
+            found=(list(w1.shape), list(w2.shape), list(w3.shape)))
+    for w, s, n in ((w1, w1_scale, "w1"), (w2, w2_scale, "w2"), (w3, w3_scale, "w3")):
+        check_weight(w, s, block, f"moe_experts {n}")
     return x

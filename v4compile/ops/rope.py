@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..ir.registry import defop
+from ..ir.registry import defop, require
 
 
 def inv_freq(dim: int, theta: float, yarn: tuple) -> torch.Tensor:
@@ -58,4 +58,8 @@ def rope(x, pos, *, dim, theta, yarn, inverse):
 
 @rope.infer
 def _(x, pos, *, dim, theta, yarn, inverse):
+    require(dim % 2 == 0 and dim <= x.shape[-1], "rope dim must be even and fit the last axis", found=dim)
+    require(tuple(pos.shape) == tuple(x.shape[:pos.rank]), "rope positions must match the leading axes",
+            expected=list(x.shape[:pos.rank]), found=list(pos.shape))
+    require(len(yarn) in (0, 4), "yarn must be () or (factor, original_max_pos, beta_fast, beta_slow)", found=yarn)
     return x

@@ -1,0 +1,102 @@
+"""The pass interface and the registry of passes by name.
+
+A pass is a frozen dataclass whose fields are its typed options (set from the command line as
+`name{key=value,...}`), with a class-level `name`. `run(module)` returns a `PassResult`: the new
+module (the input is never modified) and hit counts (what the pass did, for reports).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from v4compile.errors import PassError
+from v4compile.ir.core import Module
+
+PASSES: dict[str, type["Pass"]] = {}
+
+# Every pass module, imported on first use so that `register` has run.
+_PASS_MODULES = ("dce", "cse", "merge_wq_a_wkv", "fuse_mhc_post_pre", "fold_inverse_rope_wo_a_quant",
+                 "fuse_qkv_norm_rope", "merge_compressor_gemms", "fuse_indexer_topk", "fuse_moe",
+                 "lower_sparse_attention", "plan_memory", "testing_corrupt")
+
+
+@dataclass
+class PassResult:
+    module: Module
+    hits: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: ClassVar[str] = ""
+
+    def run(self, module: Module) -> PassResult:
+        raise NotImplementedError
+
+    def spec(self) -> str:
+        opts = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                if getattr(self, f.name) != f.default]
+        return self.name + ("{" + ",".join(opts) + "}" if opts else "")
+
+
+def register(cls: type[Pass]) -> type[Pass]:
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    if cls.name in PASSES and PASSES[cls.name] is not cls:
+        raise ValueError(f"pass {cls.name} registered twice")
+    PASSES[cls.name] = cls
+    return cls
+
+
+def load_all() -> dict[str, type[Pass]]:
+    for mod in _PASS_MODULES:
+        try:
+            importlib.import_module(f"v4compile.passes.{mod}")
+        except ModuleNotFoundError as e:
+            if e.name != f"v4compile.passes.{mod}":
+                raise
+    return PASSES
+
+
+_SPEC = re.compile(r"^\s*([A-Za-z_][\w-]*)\s*(?:\{(.*)\})?\s*$")
+
+
+def _convert(value: str, typ: Any, where: str) -> Any:
+    t = typ if isinstance(typ, type) else {"int": int, "float": float, "bool": bool, "str": str}.get(str(typ), str)
+    try:
+        if t is bool:
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return value.lower() in ("true", "1")
+        return t(value)
+    except ValueError:
+        raise PassError(f"option value must be {t.__name__}", where=where, found=value) from None
+
+
+def parse_pass_spec(spec: str) -> Pass:
+    """`name` or `name{key=value,...}` -> a configured pass."""
+    m = _SPEC.match(spec)
+    if not m:
+        raise PassError("malformed pass spec", expected="name or name{key=value,...}", found=spec)
+    name, body = m.group(1), m.group(2)
+    return get_pass(name, dict(kv.split("=", 1) for kv in body.split(",") if kv.strip()) if body else {},
+                    raw=True)
+
+
+def get_pass(name: str, options: dict[str, Any] | None = None, raw: bool = False) -> Pass:
+    passes = load_all()
+    if name not in passes:
+        raise PassError(f"unknown pass '{name}'", expected=", ".join(sorted(passes)))
+    cls = passes[name]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in (options or {}).items():
+        k = k.strip()
+        if k not in fields:
+            raise PassError(f"unknown option '{k}' for pass '{name}'", expected=sorted(fields) or "no options")
+        kwargs[k] = _convert(v.strip(), fields[k].type, f"{name}.{k}") if raw else v
+    return cls(**kwargs)

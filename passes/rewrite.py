@@ -1,0 +1,89 @@
+"""Small helpers for passes that rebuild functions (ops are immutable; values are identities)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from v4compile.ir.core import SSA, Function, Module, Op, Value
+from v4compile.ir.registry import get_op
+from v4compile.ir.types import TensorType
+
+
+def new_module(m: Module, functions: dict[str, Function] | None = None, weights: dict[str, Value] | None = None,
+               attrs: dict | None = None) -> Module:
+    return Module(m.name, dict(weights if weights is not None else m.weights),
+                  dict(functions if functions is not None else m.functions), dict(attrs if attrs is not None else m.attrs))
+
+
+def substitute(fn: Function, mapping: dict[int, Value], ops: list[Op] | None = None) -> Function:
+    """The function with every use of `id(old)` replaced by `mapping[id(old)]`."""
+    def sub(v):
+        while v is not None and id(v) in mapping:
+            v = mapping[id(v)]
+        return v
+
+    new_ops = []
+    for op in (ops if ops is not None else fn.ops):
+        operands = tuple(sub(v) for v in op.operands)
+        new_ops.append(op if operands == op.operands else op.replace(operands=operands))
+    outputs = [(n, sub(v)) for n, v in fn.outputs]
+    return Function(fn.name, list(fn.inputs), new_ops, outputs, dict(fn.attrs))
+
+
+class Namer:
+    """Fresh SSA names for values a pass creates (after the function's largest numeric name)."""
+
+    def __init__(self, fn: Function):
+        nums = [int(r.name) for op in fn.ops for r in op.results if r.name.isdigit()]
+        self.next = max(nums, default=-1) + 1
+
+    def value(self, type: TensorType) -> Value:
+        v = Value(str(self.next), type, SSA)
+        self.next += 1
+        return v
+
+
+def make_op(namer: Namer, opname: str, operands: list, attrs: dict, loc: str,
+            result_names: list[Value] | None = None) -> Op:
+    """A new op with results typed by its shape rule; `result_names` reuses existing result values."""
+    opdef = get_op(opname)
+    attrs = opdef.normalize_attrs(attrs)
+    types = opdef.result_types([v.type if v is not None else None for v in operands], attrs)
+    if result_names is not None:
+        results = tuple(result_names)
+        assert [r.type for r in results] == types, (opname, [str(r.type) for r in results], [str(t) for t in types])
+    else:
+        results = tuple(namer.value(t) for t in types)
+    return Op(opname, tuple(operands), results, attrs, loc)
+
+
+def producers(fn: Function) -> dict[int, Op]:
+    return fn.producers()
+
+
+def use_counts(fn: Function) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for op in fn.ops:
+        for v in op.operands:
+            if v is not None:
+                counts[id(v)] = counts.get(id(v), 0) + 1
+    for _, v in fn.outputs:
+        counts[id(v)] = counts.get(id(v), 0) + 1
+    return counts
+
+
+def map_functions(m: Module, fn_pass: Callable[[Function], tuple[Function, dict[str, int]]]
+                  ) -> tuple[Module, dict[str, int]]:
+    hits: dict[str, int] = {}
+    funcs = {}
+    for name, fn in m.functions.items():
+        new, h = fn_pass(fn)
+        funcs[name] = new
+        for k, v in h.items():
+            hits[f"{name}.{k}"] = hits.get(f"{name}.{k}", 0) + v
+    return new_module(m, funcs), hits
+
+
+def prune_weights(m: Module) -> Module:
+    used = m.used_weights()
+    return new_module(m, weights={k: w for k, w in m.weights.items() if k in used})

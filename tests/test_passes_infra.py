@@ -1,0 +1,153 @@
+"""Pass registry, pass manager instruments, numerics checks and bisection, and the `ir` CLI."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from conftest import dense_weights, make_model
+from v4compile.config import preset
+from v4compile.errors import PassError
+from v4compile.harness import DenseSource, Scenario
+from v4compile.ir.core import Function
+from v4compile.ir.text import parse_module
+from v4compile.passes import PassManager, PipelineOptions, get_pass, parse_pass_spec
+from v4compile.passes.base import Pass, PassResult, register
+from v4compile.passes.numerics import NumericsCheck, bisect
+from v4compile.passes.rewrite import new_module
+from v4compile.trace import TraceOptions, trace
+
+OPTS = TraceOptions(batch=2, chunk=16, decode_batch=2, capacity=160)
+CORRUPT = "testing-corrupt{op=rms_norm,index=9}"
+
+
+@pytest.fixture(scope="module")
+def traced():
+    return trace(preset("tiny"), OPTS)
+
+
+@pytest.fixture(scope="module")
+def check():
+    sc = Scenario.make(512, 2, 100, 32, seed=0)
+    return NumericsCheck(make_model("tiny"), DenseSource(dense_weights("tiny")), sc, 16, 1e-4)
+
+
+def test_pass_specs():
+    p = parse_pass_spec("testing-corrupt{op=hc_pre, index=3, factor=2.5}")
+    assert (p.op, p.index, p.factor) == ("hc_pre", 3, 2.5)
+    assert p.spec() == "testing-corrupt{op=hc_pre,index=3,factor=2.5}"
+    with pytest.raises(PassError, match="unknown pass 'nope'"):
+        get_pass("nope")
+    with pytest.raises(PassError, match="unknown option 'bogus'"):
+        parse_pass_spec("dce{bogus=1}")
+    with pytest.raises(PassError, match="must be int"):
+        parse_pass_spec("testing-corrupt{index=x}")
+    with pytest.raises(PassError, match="not in the pipeline"):
+        PassManager(["dce"], PipelineOptions(stop_after="cse"))
+
+
+def test_instruments(traced, tmp_path):
+    out = io.StringIO()
+    opts = PipelineOptions(print_after_change=True, print_after=("dce",), dump_ir=str(tmp_path / "d"),
+                           verify_each=True, time_passes=True, out=out)
+    res = PassManager(["cse", CORRUPT, "dce"], opts).run(traced)
+    text = out.getvalue()
+    assert "IR after testing-corrupt" in text and "IR after dce (unchanged)" in text
+    assert "IR after cse" not in text  # cse changed nothing on the traced graph
+    assert "pass timing" in text and "total" in text
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["00-traced.ir", "01-cse.ir",
+                                                                  "02-testing-corrupt.ir", "03-dce.ir"]
+    assert [r.changed for r in res.records] == [False, True, False]
+    # stop-after, disable-pass, start-from
+    res = PassManager(["cse", CORRUPT, "dce"], PipelineOptions(stop_after="cse")).run(traced)
+    assert [r.name for r in res.records] == ["cse"]
+    res = PassManager(["cse", CORRUPT, "dce"], PipelineOptions(disable=("testing-corrupt",))).run(traced)
+    assert res.module.same_as(traced)
+    resumed = parse_module((tmp_path / "d" / "02-testing-corrupt.ir").read_text())
+    res = PassManager(["cse", CORRUPT, "dce"]).run(resumed, start_after="testing-corrupt")
+    assert [r.name for r in res.records] == ["dce"]
+
+
+@register
+@dataclass(frozen=True)
+class _BreakIR(Pass):
+    """Test-only: drops the first op, leaving its users with undefined operands."""
+
+    name = "testing-break-ir"
+
+    def run(self, module):
+        fns = {n: Function(f.name, f.inputs, f.ops[1:], f.outputs, f.attrs) for n, f in module.functions.items()}
+        return PassResult(new_module(module, fns))
+
+
+def test_verify_each_names_the_broken_pass(traced):
+    with pytest.raises(PassError) as e:
+        PassManager(["cse", "testing-break-ir"], PipelineOptions(verify_each=True)).run(traced)
+    assert "after pass 'testing-break-ir'" in str(e.value) and "after: cse" in str(e.value)
+
+
+def test_check_numerics_names_the_first_bad_pass(traced, check):
+    res = PassManager(["cse", "dce", CORRUPT, "dce"], PipelineOptions(check_numerics=check)).run(traced)
+    assert res.traced_error < 1e-5
+    errs = [r.numerics_error for r in res.records]
+    assert errs[0] < 1e-5 and errs[1] < 1e-5 and errs[2] > 1e-4
+    assert res.first_numerics_failure(1e-4).name == "testing-corrupt"
+
+
+@pytest.mark.parametrize("op, index", [("rms_norm", 9), ("hc_pre", 4), ("compress", 2)])
+def test_bisect_finds_the_pass_and_the_op(traced, check, op, index):
+    pipeline = ["cse", "dce", f"testing-corrupt{{op={op},index={index}}}", "dce"]
+    d = bisect(traced, pipeline, check)
+    assert d is not None and d.pass_index == 3 and d.pass_name.startswith("testing-corrupt")
+    corrupted = [o for o in traced.functions["prefill"].ops if o.name == op][index]
+    assert d.op_name == op and d.op_result == corrupted.results[0].name and d.op_loc == corrupted.loc
+    assert bisect(traced, ["cse", "dce"], check) is None
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "v4compile", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_ir_cli(tmp_path):
+    r = cli("ir", "dump", "--preset", "tiny", "--func", "prefill")
+    assert r.returncode == 0 and "func @prefill(" in r.stdout and "func @decode(" not in r.stdout
+    r = cli("ir", "dump", "--preset", "tiny", "--passes", f"cse,{CORRUPT},dce", "--dump-ir", str(tmp_path / "d"),
+            "--check-numerics", "--check-steps", "4", "-o", str(tmp_path / "final.ir"))
+    assert r.returncode == 0, r.stderr
+    assert "first pass that breaks tolerance: testing-corrupt" in r.stderr
+    r = cli("ir", "diff", str(tmp_path / "d" / "01-cse.ir"), str(tmp_path / "d" / "02-testing-corrupt.ir"))
+    assert r.returncode == 0 and r.stdout.count("~ %") == 1 and "rms_norm" in r.stdout
+    r = cli("ir", "verify", str(tmp_path / "final.ir"))
+    assert r.returncode == 0 and r.stdout.startswith("ok: @tiny")
+    r = cli("ir", "bisect", "--preset", "tiny", "--passes", f"cse,{CORRUPT},dce", "--check-steps", "2")
+    assert r.returncode == 0 and "first failing pass: #2 testing-corrupt" in r.stdout
+    assert "first diverging op in it:" in r.stdout and "rms_norm" in r.stdout
+    r = cli("ir", "dump", "--preset", "tiny", "--format", "dot")
+    assert r.returncode == 0 and r.stdout.startswith('digraph "decode"')
+    r = cli("ir", "dump", "--preset", "tiny", "--format", "json")
+    assert r.returncode == 0 and '"op": "hc_pre"' in r.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("ir", "dump", "--preset", "tiny", "--passes", "nope"), "unknown pass 'nope'"),
+    (("ir", "dump", "--preset", "tiny", "--passes", "dce{x=1}"), "unknown option 'x'"),
+    (("ir", "dump", "--preset", "tiny", "--stop-after", "cse", "--passes", "dce"), "not in the pipeline"),
+    (("ir", "dump", "--preset", "tiny", "--weights", "none", "--check-numerics"), "need weights"),
+])
+def test_ir_cli_errors(args, needle):
+    r = cli(*args)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_ir_cli_bad_files(tmp_path):
+    f = tmp_path / "bad.ir"
+    f.write_text("module @x\nfunc @f(%a : fp32[2]) {\n  %1 = frob(%a) : fp32[2]\n  return y = %1\n}\n")
+    r = cli("ir", "verify", str(f))
+    assert r.returncode == 2 and "line 3:8: unknown op 'frob'" in r.stderr and "Traceback" not in r.stderr
+    f.write_text("module @x\nfunc @f(%a : fp32[2]) {\n  return y = %b\n}\n")
+    r = cli("ir", "diff", str(f), str(f))
+    assert r.returncode == 2 and "line 3:14: use of undefined value %b" in r.stderr

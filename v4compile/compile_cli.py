@@ -1,0 +1,320 @@
+"""`v4compile ir ...` (IR dump and pass debugging) and `v4compile compile ...`.
+
+Shared by both: the model source (CHECKPOINT or --preset), the trace knobs (--batch, --chunk,
+--decode-batch, --max-context, --numerics, --dtype, --weights) and the pipeline flags
+(--passes, --print-ir-after-all, --print-ir-after-change, --print-ir-after PASS, --dump-ir DIR,
+--verify-each, --disable-pass PASS, --stop-after PASS, --start-from FILE.ir, --time-passes,
+--check-numerics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from .errors import InputError, V4Error
+
+log = logging.getLogger("v4compile")
+
+
+def add_source_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT", help="checkpoint directory or .safetensors file")
+    p.add_argument("--preset", help="tiny (default), tiny-pro, v4-flash, v4-pro")
+    p.add_argument("--weights", choices=("none", "random", "checkpoint"),
+                   help="none: shape-only, weights typed as released (FP8/FP4); random: seeded random weights "
+                        "(preset default); checkpoint: the checkpoint's (default with CHECKPOINT)")
+    p.add_argument("--seed", type=int, default=0, help="seed of random weights and of the numerics scenario")
+    g = p.add_argument_group("trace")
+    g.add_argument("--batch", type=int, default=2, help="prefill batch (sequences per prefill call)")
+    g.add_argument("--chunk", type=int, default=16, help="prefill chunk (tokens per sequence per call)")
+    g.add_argument("--decode-batch", type=int, default=2, help="decode batch")
+    g.add_argument("--max-context", type=int, default=256, help="max tokens per sequence (sizes the caches)")
+    g.add_argument("--numerics", choices=("hf", "official"), default="hf")
+    g.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
+
+
+def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("pipeline")
+    g.add_argument("--passes", help="comma-separated pass specs (name or name{k=v,...}); default: the default pipeline")
+    g.add_argument("--print-ir-after-all", action="store_true")
+    g.add_argument("--print-ir-after-change", action="store_true")
+    g.add_argument("--print-ir-after", action="append", default=[], metavar="PASS")
+    g.add_argument("--dump-ir", metavar="DIR", help="write NN-<pass>.ir after every pass (00-traced.ir first)")
+    g.add_argument("--verify-each", action="store_true", help="run the verifier after every pass")
+    g.add_argument("--disable-pass", action="append", default=[], metavar="PASS")
+    g.add_argument("--stop-after", metavar="PASS")
+    g.add_argument("--start-from", metavar="FILE.ir", help="resume from a dumped module (after the pass it names)")
+    g.add_argument("--time-passes", action="store_true")
+    g.add_argument("--check-numerics", action="store_true",
+                   help="after each pass, interpret the module on a seeded scenario against ReferenceModel")
+    g.add_argument("--tol", type=float, default=None, help="numerics tolerance on logits (default 1e-4 fp32, "
+                                                          "5e-2 bf16)")
+    g.add_argument("--check-prompt-len", type=int, default=100)
+    g.add_argument("--check-steps", type=int, default=32, help="decode steps of the numerics scenario")
+
+
+def _split_specs(text: str) -> list[str]:
+    """Split `a,b{x=1,y=2},c` at top-level commas."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+def pipeline_of(args) -> list[str]:
+    from .passes import DEFAULT_PIPELINE
+
+    return _split_specs(args.passes) if args.passes else list(DEFAULT_PIPELINE)
+
+
+def trace_options(args):
+    from .trace import TraceOptions
+
+    return TraceOptions(batch=args.batch, chunk=args.chunk, decode_batch=args.decode_batch, capacity=args.max_context,
+                        numerics=args.numerics, dtype=args.dtype)
+
+
+def frontend_of(args, need_weights: bool = False):
+    from . import frontend
+
+    if args.checkpoint and args.preset:
+        raise InputError("give either CHECKPOINT or --preset, not both")
+    weights = args.weights
+    if need_weights and weights == "none":
+        raise InputError("numerics checks need weights", expected="--weights random or a checkpoint")
+    return frontend.load(args.checkpoint, args.preset, weights, trace_options(args), seed=args.seed)
+
+
+def tolerance(args) -> float:
+    return args.tol if args.tol is not None else (1e-4 if args.dtype == "fp32" else 5e-2)
+
+
+def numerics_check(args, fe):
+    from .harness import Scenario
+    from .passes.numerics import NumericsCheck
+
+    if args.decode_batch != args.batch:
+        raise InputError("--check-numerics carries caches from prefill to decode: --batch must equal --decode-batch",
+                         found=(args.batch, args.decode_batch))
+    if args.check_prompt_len + args.check_steps > args.max_context:
+        raise InputError("the numerics scenario does not fit the max context",
+                         expected=f"--check-prompt-len + --check-steps <= {args.max_context}")
+    sc = Scenario.make(fe.cfg.vocab_size, args.batch, args.check_prompt_len, args.check_steps, seed=args.seed)
+    return NumericsCheck(fe.reference(), fe.source, sc, args.chunk, tolerance(args),
+                         prepare=_prepare_for(fe))
+
+
+def _prepare_for(fe):
+    """Per-step metadata the module's functions take beyond ids / pos (none before pool lowering)."""
+    return None
+
+
+def run_pipeline(args, fe, module=None):
+    from .ir.text import parse_module
+    from .passes import PassManager, PipelineOptions
+    from .passes.manager import stage_of_dump
+
+    start_after = None
+    if args.start_from:
+        try:
+            text = Path(args.start_from).read_text()
+        except OSError as e:
+            raise InputError(f"cannot read IR file: {e.strerror}", where=args.start_from) from None
+        module = parse_module(text)
+        from .ir.verify import verify
+        verify(module)
+        start_after = stage_of_dump(args.start_from) or "traced"
+    module = module or fe.module
+    check = numerics_check(args, fe) if args.check_numerics else None
+    opts = PipelineOptions(print_after_all=args.print_ir_after_all, print_after_change=args.print_ir_after_change,
+                           print_after=tuple(args.print_ir_after), dump_ir=args.dump_ir, verify_each=args.verify_each,
+                           disable=tuple(args.disable_pass), stop_after=args.stop_after, time_passes=args.time_passes,
+                           check_numerics=check)
+    result = PassManager(pipeline_of(args), opts).run(module, start_after=start_after)
+    if check is not None:
+        _report_numerics(result, check.tol)
+    return result
+
+
+def _report_numerics(result, tol: float) -> None:
+    o = sys.stderr
+    o.write(f"// ----- numerics (max |logit error| vs ReferenceModel, tolerance {tol:g}) -----\n")
+    if result.traced_error is not None:
+        o.write(f"  {'traced':<40} {result.traced_error:.3g}\n")
+    for r in result.records:
+        flag = "  <-- breaks tolerance" if r.numerics_error is not None and r.numerics_error > tol else ""
+        o.write(f"  {r.spec:<40} {r.numerics_error:.3g}{flag}\n")
+    bad = result.first_numerics_failure(tol)
+    if result.traced_error is not None and result.traced_error > tol:
+        o.write("  the traced module already breaks tolerance\n")
+    elif bad is not None:
+        o.write(f"  first pass that breaks tolerance: {bad.spec} (run `v4compile ir bisect` to find the op)\n")
+    else:
+        o.write("  every pass within tolerance\n")
+
+
+# ---- ir ----------------------------------------------------------------------------------------
+
+def cmd_ir_dump(args) -> int:
+    from .ir.export import to_dot, to_json
+    from .ir.text import print_module
+
+    fe = frontend_of(args, need_weights=args.check_numerics)
+    stage = args.stage or ("final" if _pipeline_flags_given(args) else "traced")
+    if stage == "traced":
+        module = fe.module
+    else:
+        if stage.startswith("after:"):
+            args.stop_after = stage.split(":", 1)[1]
+        elif stage != "final":
+            raise InputError("unknown --stage", expected="traced, final or after:PASS", found=stage)
+        module = run_pipeline(args, fe).module
+    funcs = None if args.function == "all" else [args.function]
+    if funcs and funcs[0] not in module.functions:
+        raise InputError(f"no function @{funcs[0]}", expected=", ".join(module.functions))
+    if args.format == "text":
+        text = print_module(module, funcs)
+    elif args.format == "json":
+        text = to_json(module, funcs)
+    else:
+        text = "".join(to_dot(module.functions[f]) for f in (funcs or list(module.functions)))
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _pipeline_flags_given(args) -> bool:
+    return bool(args.passes or args.print_ir_after_all or args.print_ir_after_change or args.print_ir_after
+                or args.dump_ir or args.verify_each or args.disable_pass or args.stop_after or args.start_from
+                or args.time_passes or args.check_numerics)
+
+
+def _read_ir(path: str):
+    from .ir.text import parse_module
+    from .ir.verify import verify
+
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise InputError(f"cannot read IR file: {e.strerror}", where=path) from None
+    try:
+        return verify(parse_module(text))
+    except V4Error as e:
+        raise type(e)(e.what, where=f"{path}: {e.where}" if e.where else path, expected=e.expected,
+                      found=e.found) from None
+
+
+def cmd_ir_diff(args) -> int:
+    from .ir.diff import diff_modules
+
+    d = diff_modules(_read_ir(args.a), _read_ir(args.b))
+    sys.stdout.write(d or "no differences\n")
+    return 0
+
+
+def cmd_ir_verify(args) -> int:
+    m = _read_ir(args.file)
+    print(f"ok: @{m.name}, {len(m.weights)} weights, "
+          + ", ".join(f"@{n} {len(f.ops)} ops" for n, f in m.functions.items()))
+    return 0
+
+
+def cmd_ir_bisect(args) -> int:
+    from .passes.numerics import bisect
+
+    fe = frontend_of(args, need_weights=True)
+    check = numerics_check(args, fe)
+    d = bisect(fe.module, pipeline_of(args), check)
+    if d is None:
+        print(f"no pass breaks numerics (tolerance {check.tol:g}) in: {', '.join(pipeline_of(args))}")
+    else:
+        print(d.render())
+    return 0
+
+
+def cmd_ir_passes(args) -> int:
+    from .passes import DEFAULT_PIPELINE
+    from .passes.base import load_all
+
+    for name, cls in sorted(load_all().items()):
+        doc = (cls.__module__ and sys.modules[cls.__module__].__doc__ or "").strip().splitlines()
+        print(f"{name:<32} {doc[0] if doc else ''}")
+    print("\ndefault pipeline: " + ", ".join(DEFAULT_PIPELINE))
+    return 0
+
+
+# ---- compile -----------------------------------------------------------------------------------
+
+def cmd_compile(args) -> int:
+    from .report import build_report, render_report
+
+    fe = frontend_of(args, need_weights=args.check_numerics)
+    result = run_pipeline(args, fe)
+    if args.report or args.json:
+        rep = build_report(fe.cfg, fe.module, result)
+        if args.json:
+            print(json.dumps(rep, indent=1))
+        else:
+            sys.stdout.write(render_report(rep))
+    if args.output:
+        from .ir.text import print_module
+
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "module.ir").write_text(print_module(result.module))
+    return 0
+
+
+def add_compile_commands(sub) -> None:
+    ir = sub.add_parser("ir", help="IR dump and pass debugging")
+    irs = ir.add_subparsers(dest="ir_command", required=True)
+
+    d = irs.add_parser("dump", help="print the IR at a stage of the pipeline")
+    add_source_flags(d)
+    add_pipeline_flags(d)
+    d.add_argument("--stage", help="traced, final, or after:PASS (default: traced, or final when a pipeline flag "
+                                   "is given)")
+    d.add_argument("--func", dest="function", default="decode", help="decode (default), prefill or all")
+    d.add_argument("--format", choices=("text", "dot", "json"), default="text")
+    d.add_argument("-o", "--output", help="write to a file instead of stdout")
+    d.set_defaults(func=cmd_ir_dump)
+
+    df = irs.add_parser("diff", help="op-level difference of two IR files")
+    df.add_argument("a", metavar="A.ir")
+    df.add_argument("b", metavar="B.ir")
+    df.set_defaults(func=cmd_ir_diff)
+
+    v = irs.add_parser("verify", help="parse and verify an IR file")
+    v.add_argument("file", metavar="FILE.ir")
+    v.set_defaults(func=cmd_ir_verify)
+
+    b = irs.add_parser("bisect", help="find the first pass, and op, that breaks numerics")
+    add_source_flags(b)
+    add_pipeline_flags(b)
+    b.set_defaults(func=cmd_ir_bisect)
+
+    ps = irs.add_parser("passes", help="list the registered passes and the default pipeline")
+    ps.set_defaults(func=cmd_ir_passes)
+
+    c = sub.add_parser("compile", help="run the compiler pipeline (and report)")
+    add_source_flags(c)
+    add_pipeline_flags(c)
+    c.add_argument("--report", action="store_true", help="print launches, pass hits, arena and KV bytes")
+    c.add_argument("--json", action="store_true", help="the report as JSON")
+    c.add_argument("-o", "--output", help="output directory (the final IR; the full artifact is future work)")
+    c.set_defaults(func=cmd_compile)

@@ -1,0 +1,94 @@
+"""From what the user names (a checkpoint, or a preset) to a traced module, its weight source and the
+reference model to check it against."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoint import Checkpoint
+from .config import V4Config, preset
+from .errors import InputError
+from .harness import DenseSource
+from .ir.core import Module
+from .trace import TraceOptions, trace
+
+log = logging.getLogger(__name__)
+
+WEIGHT_MODES = ("none", "random", "checkpoint")
+_FMT_OF_DTYPE = {"F8_E4M3": "fp8", "I8": "fp4", "U8": "fp4"}
+
+
+@dataclass
+class Frontend:
+    cfg: V4Config
+    module: Module
+    weights: str  # none / random / checkpoint
+    source: object | None  # gives IR weight tensors (None: shape-only)
+    checkpoint: Path | None
+    seed: int
+    options: TraceOptions
+
+    def reference(self):
+        """The ReferenceModel holding exactly the weights the IR will get."""
+        from .model import ReferenceModel
+        from .model.reference import build_weights
+
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[self.options.dtype]
+        if self.weights == "checkpoint":
+            return ReferenceModel.from_pretrained(self.checkpoint, numerics=self.options.numerics, dtype=dtype,
+                                                  include_mtp=False)
+        if self.weights == "random":
+            src = self.source
+            return ReferenceModel(self.cfg, build_weights(self.cfg, lambda n: src.dense(n), dtype, include_mtp=False),
+                                  numerics=self.options.numerics, dtype=dtype)
+        raise InputError("numerics checks need weights", expected="--weights random (presets) or a checkpoint",
+                         found="--weights none")
+
+
+def load(checkpoint: str | None, preset_name: str | None, weights: str | None, options: TraceOptions,
+         seed: int = 0) -> Frontend:
+    if checkpoint:
+        weights = weights or "checkpoint"
+        if weights == "random":
+            raise InputError("--weights random is for presets; a checkpoint brings its own weights")
+        ck = Checkpoint.open(checkpoint)
+        cfg = ck.cfg
+        ck.validate(include_mtp=any(n.startswith("mtp.") for n in ck.entries))
+        formats = {n: _FMT_OF_DTYPE.get(e.dtype, "dense") for n, e in ck.entries.items()}
+        module = trace(cfg, options, formats=formats)
+        return Frontend(cfg, module, weights, ck if weights == "checkpoint" else None, Path(checkpoint), seed, options)
+    cfg = preset(preset_name or "tiny")
+    weights = weights or "random"
+    if weights == "checkpoint":
+        raise InputError("--weights checkpoint needs a CHECKPOINT")
+    if weights == "none":
+        module = trace(cfg, TraceOptions(**{**options.__dict__, "weights": "released"}))
+        return Frontend(cfg, module, weights, None, None, seed, options)
+    from .accounting import account
+    from .init_random import random_source
+    from .weights import spec_table
+
+    if account(cfg).logical_params > 2_000_000_000:
+        raise InputError(f"preset '{cfg.name}' is too large for random weights", expected="--weights none")
+    src = random_source(cfg, seed)
+    specs = spec_table(cfg)
+    dense = DenseSource(_LazyDense(lambda n: src(specs[n])))
+    module = trace(cfg, options)
+    return Frontend(cfg, module, weights, dense, None, seed, options)
+
+
+class _LazyDense(dict):
+    """Random tensors drawn on first access (and kept)."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, name):
+        t = self.make(name)
+        self[name] = t
+        return t

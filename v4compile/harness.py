@@ -1,0 +1,169 @@
+"""Running IR functions like a runtime would, on CPU, and checking them against the reference model.
+
+* `load_ir_weights(module, source)`: the tensor of every IR weight, from a checkpoint or from dense
+  tensors, converted to the weight's IR type (quantised weights stay quantised; stacks are stacked;
+  several sources are concatenated along the first axis);
+* `IRRunner`: prefill / decode through the module's functions, carrying every state input (caches,
+  pools) from one call's outputs to the next call's inputs by name;
+* `check_numerics`: the same seeded scenario through `ReferenceModel` and the IR, max logit error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InputError, IRError
+from .ir.core import Module
+from .ir.interpret import interpret
+from .ir.types import DTYPES
+from .model.batching import prefill_chunks
+from .trace import expand_sources
+
+log = logging.getLogger(__name__)
+
+STEP_INPUTS = ("ids", "pos")
+
+
+class DenseSource:
+    """Canonical name -> float tensor (an in-memory model with no quantised storage)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def dense(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        t = self.tensors[name]
+        return t if not t.is_floating_point() else t.to(dtype)
+
+    def raw(self, name: str) -> torch.Tensor:
+        raise IRError(f"weight '{name}' is quantised in the IR but the source has only dense tensors")
+
+
+def _fetch(source, name: str, dtype: str) -> torch.Tensor:
+    if dtype == "fp8e4m3":
+        return source.raw(name).view(torch.float8_e4m3fn)
+    if dtype == "fp4x2":
+        return source.raw(name).view(torch.int8)
+    if dtype == "e8m0":
+        t = source.raw(name)
+        if t.dtype == torch.float32:  # V3-style fp32 scale: a power of two, stored as a multiplier
+            from .formats import float_to_e8m0
+            t = float_to_e8m0(t)
+        return t.view(torch.float8_e8m0fnu)
+    t = source.dense(name, DTYPES[dtype]) if dtype in ("fp32", "bf16") else source.dense(name)
+    return t.to(DTYPES[dtype])
+
+
+def load_ir_weights(m: Module, source, only: set[str] | None = None) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for w in m.weights.values():
+        if only is not None and w.name not in only:
+            continue
+        stacked = len(w.sources) == 1 and "{0.." in w.sources[0]
+        parts = [_fetch(source, n, w.type.dtype) for n in expand_sources(w.sources)]
+        t = torch.stack(parts) if stacked else (parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
+        if not w.type.matches(t):
+            raise IRError(f"weight @{w.name}: source tensors do not give its IR type", expected=str(w.type),
+                          found=f"{t.dtype} {list(t.shape)}")
+        out[w.name] = t
+    return out
+
+
+class IRRunner:
+    """Prefill and decode through a module's functions, with state carried between calls."""
+
+    def __init__(self, module: Module, weights: Mapping[str, torch.Tensor],
+                 prepare: Callable[["IRRunner", str, torch.Tensor, torch.Tensor], dict[str, torch.Tensor]] | None = None):
+        self.m = module
+        self.weights = weights
+        self.state: dict[str, torch.Tensor] = {}
+        self.lengths: list[int] | None = None
+        self.prepare = prepare  # extra per-step inputs (e.g. block tables after lowering)
+
+    def _batch(self, fname: str) -> int:
+        return self.m.functions[fname].attrs["batch"]
+
+    def call(self, fname: str, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        fn = self.m.functions[fname]
+        inputs = {"ids": ids, "pos": pos}
+        if self.prepare is not None:
+            inputs.update(self.prepare(self, fname, ids, pos))
+        for v in fn.inputs:
+            if v.name in inputs:
+                continue
+            if v.name not in self.state:
+                self.state[v.name] = torch.zeros(v.type.shape, dtype=DTYPES[v.type.dtype])
+            inputs[v.name] = self.state[v.name]
+        outs = interpret(fn, self.weights, inputs)
+        for name, t in outs.items():
+            if name != "logits":
+                self.state[name] = t
+        return outs["logits"]
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        fn = self.m.functions["prefill"]
+        B, T = fn.attrs["batch"], fn.attrs["tokens"]
+        if len(prompts) != B:
+            raise InputError("prefill batch does not match the compiled batch", expected=B, found=len(prompts))
+        if self.lengths is None:
+            self.lengths = [0] * B
+        last = torch.zeros(B, self.m.functions["prefill"].output("logits").type.shape[-1])
+        for ids, pos, n in prefill_chunks(prompts, self.lengths, T):
+            logits = self.call("prefill", ids, pos)
+            for b in range(B):
+                if n[b]:
+                    last[b] = logits[b].float()
+        for b, p in enumerate(prompts):
+            self.lengths[b] += len(p)
+        return last
+
+    def decode(self, tokens: Sequence[int]) -> torch.Tensor:
+        B = self._batch("decode")
+        if self.lengths is None or len(tokens) != B:
+            raise InputError("decode needs a prefilled batch of the compiled decode size", expected=B,
+                             found=len(tokens))
+        ids = torch.tensor(tokens, dtype=torch.long).view(B, 1)
+        pos = torch.tensor(self.lengths, dtype=torch.long).view(B, 1)
+        logits = self.call("decode", ids, pos)
+        self.lengths = [n + 1 for n in self.lengths]
+        return logits.float()
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A seeded workload: B prompts of different lengths, then teacher-forced decode tokens."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    decode: tuple[tuple[int, ...], ...]  # steps x B
+
+    @classmethod
+    def make(cls, vocab: int, batch: int, prompt_len: int, steps: int, seed: int = 0) -> "Scenario":
+        g = torch.Generator().manual_seed(seed)
+        lens = [max(1, prompt_len - (b * prompt_len) // (2 * batch)) for b in range(batch)]
+        prompts = tuple(tuple(torch.randint(0, vocab, (n,), generator=g).tolist()) for n in lens)
+        dec = tuple(tuple(torch.randint(0, vocab, (batch,), generator=g).tolist()) for _ in range(steps))
+        return cls(prompts, dec)
+
+
+def reference_logits(model, sc: Scenario, chunk: int) -> list[torch.Tensor]:
+    """[prefill last-token logits, decode step 1, ...] from the reference model."""
+    cache, last = model.prefill([list(p) for p in sc.prompts], chunk=chunk,
+                                capacity=max(map(len, sc.prompts)) + len(sc.decode))
+    out = [last]
+    for toks in sc.decode:
+        out.append(model.decode(list(toks), cache))
+    return out
+
+
+def ir_logits(runner: IRRunner, sc: Scenario) -> list[torch.Tensor]:
+    out = [runner.prefill([list(p) for p in sc.prompts])]
+    for toks in sc.decode:
+        out.append(runner.decode(list(toks)))
+    return out
+
+
+def max_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))

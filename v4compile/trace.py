@@ -1,0 +1,181 @@
+"""Tracing: derive the IR from the reference model's own code.
+
+`model_step` (the reference model) is run with IR values instead of tensors: each registry op it calls
+is recorded with its result types (from the op's shape rule) and its provenance (the model's scope).
+No tensor is ever computed, so the full V4-Pro graph traces shape-only in about a second.
+
+The module's functions:
+
+* `prefill`: a static chunk of `chunk` tokens for `batch` sequences (ids / pos `[B, T]`, pos -1 =
+  padding lane); logits of each sequence's last valid lane `[B, V]`;
+* `decode`: one token per sequence for `decode_batch` sequences; logits `[B, V]`;
+
+each with the per-layer caches (`cache.layers.<l>.<name>`) as explicit inputs and outputs.
+
+Weight types: GEMM weights the checkpoint stores in FP8 / FP4 stay quantised (plus an E8M0 scale
+weight) and are dequantised inside their op; every other weight takes the model's compute dtype
+(fp32-kept parameters stay fp32), as `ReferenceModel` holds them. The routed experts of a layer are
+one stacked weight per projection, `layers.<l>.ffn.experts.w1` `[E, out, in]`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .config import V4Config
+from .errors import InputError
+from .ir.builder import Builder
+from .ir.core import WEIGHT, Module, Value
+from .ir.types import TensorType
+from .model.blocks import StepOptions, model_step
+from .model.cache import layer_cache_shapes
+from .model.params import Params, experts_name
+from .model.reference import keeps_fp32
+from .weights import TensorSpec, spec_table
+
+log = logging.getLogger(__name__)
+
+FUNCTIONS = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class TraceOptions:
+    """Every knob that changes the traced graph (recorded in the module attributes)."""
+
+    batch: int = 2  # prefill batch
+    chunk: int = 16  # prefill chunk (tokens per sequence per step)
+    decode_batch: int = 2
+    capacity: int = 256  # max tokens per sequence (sizes the caches)
+    numerics: str = "hf"
+    dtype: str = "fp32"  # compute dtype of activations and dense weights
+    weights: str = "dense"  # "dense": every weight in the compute dtype; "released": FP8 / FP4 as released
+
+    def attrs(self) -> dict[str, Any]:
+        return {"batch": self.batch, "chunk": self.chunk, "decode_batch": self.decode_batch,
+                "capacity": self.capacity, "numerics": self.numerics, "dtype": self.dtype, "weights": self.weights}
+
+    def validate(self, cfg: V4Config) -> None:
+        for k in ("batch", "chunk", "decode_batch", "capacity"):
+            if getattr(self, k) < 1:
+                raise InputError(f"`{k}` must be >= 1", found=getattr(self, k))
+        if self.capacity > cfg.max_position:
+            raise InputError("max context exceeds the model's maximum position", expected=f"<= {cfg.max_position}",
+                             found=self.capacity)
+        if self.numerics not in ("hf", "official"):
+            raise InputError("unknown numerics mode", expected="hf / official", found=self.numerics)
+        if self.dtype not in ("fp32", "bf16"):
+            raise InputError("unknown compute dtype", expected="fp32 / bf16", found=self.dtype)
+        if self.weights not in ("dense", "released"):
+            raise InputError("unknown weight format mode", expected="dense / released", found=self.weights)
+
+
+def expert_sources(prefix: str, w: str, n: int, suffix: str = "weight") -> tuple[str, ...]:
+    """Source pattern of a stacked expert weight: one string with an index range."""
+    return (f"{prefix}ffn.experts.{{0..{n - 1}}}.{w}.{suffix}",)
+
+
+def expand_sources(sources: tuple[str, ...]) -> list[str]:
+    out: list[str] = []
+    for s in sources:
+        if "{0.." in s:
+            head, rest = s.split("{0..", 1)
+            last, tail = rest.split("}", 1)
+            out += [f"{head}{i}{tail}" for i in range(int(last) + 1)]
+        else:
+            out.append(s)
+    return out
+
+
+def _ir_dtype(spec: TensorSpec, compute: str) -> str:
+    if spec.fmt == "i64":
+        return "i64"
+    return "fp32" if keeps_fp32(spec.name) else compute
+
+
+def weight_values(cfg: V4Config, opts: TraceOptions, formats: dict[str, str] | None = None,
+                  include_mtp: bool = False) -> tuple[dict[str, Value], dict[str, Value]]:
+    """IR weights by name, and the scale weights by the name of the weight they scale.
+
+    `formats` overrides each tensor's stored format (from a checkpoint's headers); otherwise `weights`
+    decides: "released" keeps the spec's FP8 / FP4, "dense" dequantises everything.
+    """
+    specs = spec_table(cfg, include_mtp=include_mtp)
+    store: dict[str, Value] = {}
+    scales: dict[str, Value] = {}
+
+    def fmt_of(s: TensorSpec) -> str:
+        if formats is not None:
+            return formats.get(s.name, "dense")
+        return s.fmt if opts.weights == "released" else "dense"
+
+    stacks: dict[str, TensorSpec] = {}
+    for name, s in specs.items():
+        if ".ffn.experts." in name:
+            prefix, rest = name.split("ffn.experts.")
+            stacks.setdefault(experts_name(prefix, rest.split(".")[1]), s)
+            continue
+        f = fmt_of(s)
+        if f in ("fp8", "fp4") and s.quantizable:
+            q = s.with_format(f)
+            store[name] = Value(name, TensorType(q.stored_shape, "fp8e4m3" if f == "fp8" else "fp4x2"), WEIGHT, (name,))
+            sshape = q.scale_shape(cfg.quant_block, cfg.expert_scale_block)
+            scales[name] = Value(s.scale_key, TensorType(sshape, "e8m0"), WEIGHT, (s.scale_key,))
+        else:
+            store[name] = Value(name, TensorType(s.shape, _ir_dtype(s, opts.dtype)), WEIGHT, (name,))
+    for sname, s in stacks.items():
+        prefix = sname.split("ffn.experts.")[0]
+        w = sname.rsplit(".", 1)[1]
+        E = cfg.n_experts
+        f = fmt_of(s)
+        if f in ("fp8", "fp4"):
+            q = s.with_format(f)
+            store[sname] = Value(sname, TensorType((E, *q.stored_shape), "fp8e4m3" if f == "fp8" else "fp4x2"),
+                                 WEIGHT, expert_sources(prefix, w, E))
+            sshape = q.scale_shape(cfg.quant_block, cfg.expert_scale_block)
+            scales[sname] = Value(sname + ".scale", TensorType((E, *sshape), "e8m0"), WEIGHT,
+                                  expert_sources(prefix, w, E, "scale"))
+        else:
+            store[sname] = Value(sname, TensorType((E, *s.shape), opts.dtype), WEIGHT, expert_sources(prefix, w, E))
+    return store, scales
+
+
+def trace(cfg: V4Config, opts: TraceOptions | None = None, functions: tuple[str, ...] = FUNCTIONS,
+          formats: dict[str, str] | None = None, name: str | None = None) -> Module:
+    """Trace `cfg` into an IR module (shape-only: no weights are read)."""
+    opts = opts or TraceOptions()
+    opts.validate(cfg)
+    t0 = time.perf_counter()
+    store, scales = weight_values(cfg, opts, formats)
+    P = Params(cfg, store, scales)
+    module = Module(name=name or cfg.name, weights={}, functions={},
+                    attrs={"config": cfg.name, **opts.attrs()})
+    for fname in functions:
+        if fname == "prefill":
+            B, T = opts.batch, opts.chunk
+        elif fname == "decode":
+            B, T = opts.decode_batch, 1
+        else:
+            raise InputError(f"unknown function '{fname}'", expected=" / ".join(FUNCTIONS))
+        with Builder(fname) as b:
+            ids = b.input("ids", TensorType((B, T), "i64"))
+            pos = b.input("pos", TensorType((B, T), "i64"))
+            caches = []
+            for layer in range(cfg.n_layers):
+                shapes = layer_cache_shapes(cfg, layer, B, opts.capacity, opts.dtype)
+                caches.append({k: b.input(f"cache.layers.{layer}.{k}", TensorType(shape, dt))
+                               for k, (shape, dt) in shapes.items()})
+            logits, _ = model_step(P, cfg, ids, pos, caches, StepOptions(opts.numerics, last_only=True))
+            b.output("logits", logits)
+            for layer, c in enumerate(caches):
+                for k, v in c.items():
+                    b.output(f"cache.layers.{layer}.{k}", v)
+        b.fn.attrs = {"batch": B, "tokens": T}
+        module.functions[fname] = b.fn
+    used = module.used_weights()
+    module.weights = {v.name: v for v in list(store.values()) + list(scales.values()) if v.name in used}
+    log.info("traced %s: %s in %.2f s", module.name,
+             ", ".join(f"{f} {len(fn.ops)} ops" for f, fn in module.functions.items()), time.perf_counter() - t0)
+    return module
