@@ -78,8 +78,11 @@ def _prefill_inputs(check: NumericsCheck, m: Module) -> dict[str, torch.Tensor]:
     ids, pos, _ = next(prefill_chunks([list(p) for p in check.scenario.prompts], [0] * fn.attrs["batch"],
                                       fn.attrs["tokens"]))
     inputs = {"ids": ids, "pos": pos}
+    runner = check.runner(m)
+    if runner.allocator is not None:
+        inputs.update(runner.allocator.step_inputs(pos))
     if check.prepare is not None:
-        inputs.update(check.prepare(check.runner(m), "prefill", ids, pos))
+        inputs.update(check.prepare(runner, "prefill", ids, pos))
     for v in fn.inputs:
         inputs.setdefault(v.name, torch.zeros(v.type.shape, dtype=DTYPES[v.type.dtype]))
     return inputs

@@ -20,7 +20,7 @@ from .errors import InputError, V4Error
 log = logging.getLogger("v4compile")
 
 
-def add_source_flags(p: argparse.ArgumentParser) -> None:
+def add_source_flags(p: argparse.ArgumentParser, numerics: str = "hf", dtype: str = "fp32") -> None:
     p.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT", help="checkpoint directory or .safetensors file")
     p.add_argument("--preset", help="tiny (default), tiny-pro, v4-flash, v4-pro")
     p.add_argument("--weights", choices=("none", "random", "checkpoint"),
@@ -32,8 +32,9 @@ def add_source_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk", type=int, default=16, help="prefill chunk (tokens per sequence per call)")
     g.add_argument("--decode-batch", type=int, default=2, help="decode batch")
     g.add_argument("--max-context", type=int, default=256, help="max tokens per sequence (sizes the caches)")
-    g.add_argument("--numerics", choices=("hf", "official"), default="hf")
-    g.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
+    g.add_argument("--numerics", choices=("hf", "official"), default=numerics,
+                   help=f"hf: match transformers; official: + the QAT roundings (default {numerics})")
+    g.add_argument("--dtype", choices=("fp32", "bf16"), default=dtype, help=f"compute dtype (default {dtype})")
 
 
 def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
@@ -273,10 +274,13 @@ def cmd_compile(args) -> int:
             sys.stdout.write(render_report(rep))
     if args.output:
         from .ir.text import print_module
+        from .report import build_report
 
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)
         (out / "module.ir").write_text(print_module(result.module))
+        (out / "report.json").write_text(json.dumps(build_report(fe.cfg, fe.module, result), indent=1) + "\n")
+        log.info("wrote %s (the final IR and the report; kernels and the runtime come with codegen)", out)
     return 0
 
 
@@ -312,7 +316,7 @@ def add_compile_commands(sub) -> None:
     ps.set_defaults(func=cmd_ir_passes)
 
     c = sub.add_parser("compile", help="run the compiler pipeline (and report)")
-    add_source_flags(c)
+    add_source_flags(c, numerics="official", dtype="bf16")  # deployment defaults
     add_pipeline_flags(c)
     c.add_argument("--report", action="store_true", help="print launches, pass hits, arena and KV bytes")
     c.add_argument("--json", action="store_true", help="the report as JSON")

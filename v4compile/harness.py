@@ -21,6 +21,7 @@ from .ir.core import Module
 from .ir.interpret import interpret
 from .ir.types import DTYPES
 from .model.batching import prefill_chunks
+from .pool import PoolGeometry
 from .trace import expand_sources
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,36 @@ def load_ir_weights(m: Module, source, only: set[str] | None = None) -> dict[str
     return out
 
 
+class PagedAllocator:
+    """The host-side bookkeeping a runtime does before each step of a pool-lowered module: one slot per
+    sequence (from the top of the row space down) and pool blocks on demand. Blocks are handed out
+    highest first and interleave across sequences, so the block-table translation is really exercised."""
+
+    def __init__(self, geo: PoolGeometry):
+        self.geo = geo
+        self.free = list(range(geo.n_blocks))
+        self.tables: dict[int, list[int]] = {}
+
+    def step_inputs(self, pos: torch.Tensor) -> dict[str, torch.Tensor]:
+        B = pos.shape[0]
+        if B > self.geo.n_slots:
+            raise InputError("more sequences than pool slots", expected=f"<= {self.geo.n_slots}", found=B)
+        table = torch.full((B, self.geo.blocks_per_seq), -1, dtype=torch.int32)
+        for b in range(B):
+            last = int(pos[b].max())
+            need = (last + self.geo.block_tokens) // self.geo.block_tokens if last >= 0 else 0
+            blocks = self.tables.setdefault(b, [])
+            if need > self.geo.blocks_per_seq:
+                raise InputError("sequence longer than the compiled max context", where=f"sequence {b}",
+                                 expected=f"<= {self.geo.blocks_per_seq * self.geo.block_tokens} tokens", found=last + 1)
+            while len(blocks) < need:
+                blocks.append(self.free.pop())
+            if blocks:
+                table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        slot = torch.tensor([self.geo.n_slots - 1 - b for b in range(B)], dtype=torch.int32)
+        return {"block_table": table, "slot": slot}
+
+
 class IRRunner:
     """Prefill and decode through a module's functions, with state carried between calls."""
 
@@ -81,7 +112,9 @@ class IRRunner:
         self.weights = weights
         self.state: dict[str, torch.Tensor] = {}
         self.lengths: list[int] | None = None
-        self.prepare = prepare  # extra per-step inputs (e.g. block tables after lowering)
+        self.prepare = prepare  # extra per-step inputs
+        self.allocator = PagedAllocator(PoolGeometry.from_attrs(module.attrs)) if "pool.n_rows" in module.attrs or \
+            "pool.block_tokens" in module.attrs else None
 
     def _batch(self, fname: str) -> int:
         return self.m.functions[fname].attrs["batch"]
@@ -89,6 +122,8 @@ class IRRunner:
     def call(self, fname: str, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         fn = self.m.functions[fname]
         inputs = {"ids": ids, "pos": pos}
+        if self.allocator is not None and any(v.name == "block_table" for v in fn.inputs):
+            inputs.update(self.allocator.step_inputs(pos))
         if self.prepare is not None:
             inputs.update(self.prepare(self, fname, ids, pos))
         for v in fn.inputs:

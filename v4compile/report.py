@@ -1,5 +1,5 @@
-"""The compile report: kernel launches per decode step (total and per layer kind), pass hits, memory
-arena and KV bytes per token."""
+"""The compile report: kernel launches per decode step (total, per layer kind), pass hits, the memory
+arena and the KV bytes per token of the lowered pool."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from .ir.core import Function, Module
 
 # Ops that are views of their operand (no kernel launch).
 VIEW_OPS = {"reshape", "split"}
+# ATOM's V4-Pro decode (anchor-atom.md, our estimates from its code paths).
+ATOM_LAUNCHES = {"hca": (31, 34), "csa": (39, 42), "total": 2200}
 
 
 def layer_of(loc: str) -> str | None:
@@ -47,20 +49,41 @@ def launch_counts(cfg: V4Config, fn: Function) -> dict:
     }
 
 
+def _total_hits(hits: dict[str, int], func: str = "decode") -> dict[str, int]:
+    """Hits of one function (`decode.seams` -> `seams`), or the plain ones for module-level counters."""
+    out = {}
+    for k, v in hits.items():
+        f, _, name = k.partition(".")
+        if not name:
+            out[k] = v
+        elif f == func:
+            out[name] = v
+    return out
+
+
 def build_report(cfg: V4Config, traced: Module, result) -> dict:
     final = result.module
     dec = final.functions.get("decode")
+    lowered = "pool.kv_bytes_per_token" in final.attrs
     rep = {
         "config": cfg.name,
+        "numerics": final.attrs.get("numerics"),
+        "dtype": final.attrs.get("dtype"),
         "pipeline": [r.spec for r in result.records],
-        "pass_hits": {r.name: r.hits for r in result.records},
+        "pass_hits": {r.name: _total_hits(r.hits) for r in result.records},
         "launches_per_decode_step": len(launches(dec)) if dec else None,
         "launches_per_layer": launch_counts(cfg, dec)["by_kind"] if dec else None,
-        "launches_traced_per_decode_step": len(launches(traced.functions["decode"])) if "decode" in traced.functions
-        else None,
+        "launches_per_layer_mean": launch_counts(cfg, dec)["mean_per_layer"] if dec else None,
+        "launches_traced_per_decode_step": len(launches(traced.functions["decode"]))
+        if "decode" in traced.functions else None,
         "arena_bytes": final.attrs.get("arena_bytes"),
         "arena_naive_bytes": final.attrs.get("arena_naive_bytes"),
-        "kv_bytes_per_token": final.attrs.get("kv_bytes_per_token", kv_bytes_per_token(cfg)),
+        "arena_bytes_by_function": {n: f.attrs.get("arena_bytes") for n, f in final.functions.items()},
+        "kv_bytes_per_token": final.attrs.get("pool.kv_bytes_per_token") if lowered else None,
+        "kv_pool": {"main": final.attrs.get("pool.main_fmt"), "index": final.attrs.get("pool.index_fmt"),
+                    "block_tokens": final.attrs.get("pool.block_tokens"),
+                    "envelope_rows": final.attrs.get("pool.envelope_rows")} if lowered else None,
+        "kv_bytes_per_token_accounting": kv_bytes_per_token(cfg),
         "seconds": {r.spec: round(r.seconds, 4) for r in result.records},
     }
     if dec:
@@ -69,21 +92,32 @@ def build_report(cfg: V4Config, traced: Module, result) -> dict:
 
 
 def render_report(rep: dict) -> str:
-    lines = [f"compile report: {rep['config']}", f"  pipeline: {', '.join(rep['pipeline'])}"]
+    lines = [f"compile report: {rep['config']} (numerics {rep['numerics']}, {rep['dtype']})",
+             f"  pipeline: {', '.join(rep['pipeline'])}"]
     if rep["launches_per_decode_step"] is not None:
         lines.append(f"  kernel launches per decode step: {rep['launches_per_decode_step']} "
-                     f"(traced: {rep['launches_traced_per_decode_step']})")
+                     f"(traced graph: {rep['launches_traced_per_decode_step']}; ATOM ~{ATOM_LAUNCHES['total']})")
         det = rep["decode_launches_detail"]
-        lines.append(f"    mean per layer {det['mean_per_layer']:.2f}, outside layers {det['outside_layers']}")
+        lines.append(f"    mean per layer {det['mean_per_layer']:.2f} (goal <= 15), outside layers "
+                     f"{det['outside_layers']}")
         for kind, v in rep["launches_per_layer"].items():
-            lines.append(f"    {kind}: {v['layers']} layers, {v['mean']:.2f} per layer (min {v['min']}, max {v['max']})")
-    lines.append("  pass hits:")
+            atom = ATOM_LAUNCHES.get(kind)
+            ref = f"; ATOM {atom[0]}-{atom[1]}" if atom else ""
+            lines.append(f"    {kind}: {v['layers']} layers, {v['mean']:.2f} per layer (min {v['min']}, max {v['max']}{ref})")
+    lines.append("  pass hits (decode):")
     for name, hits in rep["pass_hits"].items():
         shown = {k: v for k, v in hits.items() if v} or hits
         lines.append(f"    {name:<30} {', '.join(f'{k}={v}' for k, v in shown.items()) or '-'}")
     if rep["arena_bytes"] is not None:
-        lines.append(f"  arena: {rep['arena_bytes']:,} bytes (naive sum {rep['arena_naive_bytes']:,})")
-    kv = rep["kv_bytes_per_token"]
-    if kv:
-        lines.append("  KV bytes per token: " + ", ".join(f"{k} {v:.0f}" for k, v in kv.items()))
+        ratio = rep["arena_naive_bytes"] / max(rep["arena_bytes"], 1)
+        lines.append(f"  arena: {rep['arena_bytes']:,} bytes (naive sum {rep['arena_naive_bytes']:,}; "
+                     f"{ratio:.1f}x smaller); by function: "
+                     + ", ".join(f"{k} {v:,}" for k, v in rep["arena_bytes_by_function"].items()))
+    if rep["kv_bytes_per_token"] is not None:
+        p = rep["kv_pool"]
+        lines.append(f"  KV bytes per token of the lowered pool: {rep['kv_bytes_per_token']:.0f} "
+                     f"({p['main']} main + {p['index']} index; {p['block_tokens']}-token blocks of "
+                     f"{p['envelope_rows']} rows)")
+    acc = rep["kv_bytes_per_token_accounting"]
+    lines.append("  KV bytes per token, accounting: " + ", ".join(f"{k} {v:.0f}" for k, v in acc.items()))
     return "\n".join(lines) + "\n"

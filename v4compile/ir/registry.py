@@ -76,7 +76,8 @@ class OpDef:
         self.name = m.group(1)
         self.operands = tuple(Operand(a.strip().rstrip("?"), a.strip().endswith("?"))
                               for a in m.group(2).split(",") if a.strip())
-        self.results = tuple(r.strip() for r in m.group(3).split(","))
+        self.results = tuple(r.strip().rstrip("?") for r in m.group(3).split(","))
+        self.optional_results = sum(1 for r in m.group(3).split(",") if r.strip().endswith("?"))
         self.attrs: dict[str, AttrSpec] = {}
         for k, v in attrs.items():
             t, d = (v if isinstance(v, tuple) else (v, _NO_DEFAULT))
@@ -97,8 +98,11 @@ class OpDef:
 
     # ---- attribute checking --------------------------------------------------------------------
     def normalize_attrs(self, attrs: dict[str, Any], where: str = "") -> dict[str, Any]:
-        """Fill defaults, reject unknown / missing / mistyped attributes."""
+        """Fill defaults, reject unknown / missing / mistyped attributes. Names starting with `_` are
+        annotations (e.g. the memory plan's `_arena`): any op may carry them and references never see them."""
         at = where or f"op '{self.name}'"
+        notes = {k: v for k, v in attrs.items() if k.startswith("_")}
+        attrs = {k: v for k, v in attrs.items() if not k.startswith("_")}
         unknown = sorted(set(attrs) - set(self.attrs))
         if unknown:
             raise IRError(f"unknown attribute '{unknown[0]}' for op '{self.name}'", where=at,
@@ -122,15 +126,19 @@ class OpDef:
                 raise IRError(f"attribute '{k}' of op '{self.name}' must be {spec.type.__name__}", where=at,
                               found=repr(v))
             out[k] = v
+        for k, v in notes.items():
+            if not isinstance(v, ATTR_TYPES):
+                raise IRError(f"annotation '{k}' has an unsupported value", where=at, found=repr(v))
+            out[k] = v
         return out
 
     # ---- typing --------------------------------------------------------------------------------
     def result_types(self, operand_types: list[TensorType | None], attrs: dict[str, Any]) -> list[TensorType]:
         if self._infer is None:
             raise NotImplementedError(f"op {self.name} has no shape rule")
-        r = self._infer(*operand_types, **attrs)
+        r = self._infer(*operand_types, **semantic(attrs))
         rs = list(r) if isinstance(r, (tuple, list)) else [r]
-        if len(rs) != len(self.results):
+        if not len(self.results) - self.optional_results <= len(rs) <= len(self.results):
             raise AssertionError(f"{self.name}: shape rule returned {len(rs)} types for {len(self.results)} results")
         return rs
 
@@ -159,14 +167,19 @@ class OpDef:
             results = current_builder().emit(self, operands, attrs, current_loc())
         else:
             results = self.ref(*operands, **attrs)
-        if isinstance(results, (list, tuple)) and len(self.results) == 1:
+        if isinstance(results, (list, tuple)) and len(results) == 1:
             return results[0]
         return results
 
     def run(self, operands: list[Any], attrs: dict[str, Any]) -> list[Any]:
         """The reference on concrete tensors, always returning a list of results."""
-        r = self.ref(*operands, **attrs)
+        r = self.ref(*operands, **semantic(attrs))
         return list(r) if isinstance(r, (tuple, list)) else [r]
+
+
+def semantic(attrs: dict[str, Any]) -> dict[str, Any]:
+    """Attributes without annotations."""
+    return {k: v for k, v in attrs.items() if not k.startswith("_")}
 
 
 def require(cond: bool, what: str, expected: object = None, found: object = None) -> None:

@@ -95,11 +95,16 @@ def _(window_kv, kv, pos):
     return window_kv
 
 
-@defop("grouped_out_proj(o, w, scale?) -> z", attrs={"groups": int, "block": (int, 128)})
-def grouped_out_proj(o, w, scale, *, groups, block):
+@defop("grouped_out_proj(o, w, scale?, o_scale?) -> z",
+       attrs={"groups": int, "block": (int, 128), "out_dtype": (str, "")})
+def grouped_out_proj(o, w, scale, o_scale, *, groups, block, out_dtype):
     """`wo_a`: heads split into `groups` groups, each group's concatenated heads projected by its own
-    block of rows of W (block diagonal, no mixing across groups)."""
+    block of rows of W (block diagonal, no mixing across groups). With `o_scale`, o is FP8 with one scale
+    per 128 values of the flattened heads, and the result is `out_dtype`."""
     B, T = o.shape[:2]
+    if o_scale is not None:
+        g = o.float().reshape(B, T, o_scale.shape[-1], -1) * o_scale.float().unsqueeze(-1)
+        o = g.reshape(o.shape).to({"fp32": torch.float32, "bf16": torch.bfloat16}[out_dtype])
     W = dequant_weight(w, scale, block, o.dtype)
     W = W.view(groups, -1, W.shape[-1]).transpose(1, 2)  # [G, Hd/G, R]
     x = o.reshape(B * T, groups, -1).transpose(0, 1)  # [G, BT, Hd/G]
@@ -107,11 +112,16 @@ def grouped_out_proj(o, w, scale, *, groups, block):
 
 
 @grouped_out_proj.infer
-def _(o, w, scale, *, groups, block):
+def _(o, w, scale, o_scale, *, groups, block, out_dtype):
     from .basic import check_weight, weight_in_features
     hd = o.numel // (o.shape[0] * o.shape[1])
     require(hd % groups == 0 and weight_in_features(w) == hd // groups and w.shape[0] % groups == 0,
             "grouped_out_proj weight must be [G * R, H * d / G]", expected=f"[G*R, {hd // groups}]",
             found=list(w.shape))
     check_weight(w, scale, block, "grouped_out_proj")
+    if o_scale is not None:
+        require(o.dtype == "fp8e4m3" and out_dtype in ("fp32", "bf16"), "quantised grouped_out_proj takes an fp8 "
+                "input and an out_dtype", found=(o.dtype, out_dtype))
+        return TensorType((o.shape[0], o.shape[1], w.shape[0]), out_dtype)
+    require(out_dtype in ("", o.dtype), "out_dtype must match an unquantised input", found=out_dtype)
     return TensorType((o.shape[0], o.shape[1], w.shape[0]), o.dtype)

@@ -142,3 +142,16 @@ def _(x, pos):
     require(tuple(pos.shape) == tuple(x.shape[:2]), "last_token positions must be [B, T]", expected=list(x.shape[:2]),
             found=list(pos.shape))
     return TensorType((x.shape[0], *x.shape[2:]), x.dtype)
+
+
+@defop("split(x) -> a, b", attrs={"at": int})
+def split(x, *, at):
+    """A view: the last axis cut at `at` (the two outputs of a merged GEMM)."""
+    return x[..., :at], x[..., at:]
+
+
+@split.infer
+def _(x, *, at):
+    require(0 < at < x.shape[-1], "split point must be inside the last axis", expected=f"0 < at < {x.shape[-1]}",
+            found=at)
+    return x.with_shape(*x.shape[:-1], at), x.with_shape(*x.shape[:-1], x.shape[-1] - at)

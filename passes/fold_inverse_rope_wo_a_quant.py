@@ -1,0 +1,65 @@
+"""Fold the inverse RoPE of the attention output into the activation quantisation feeding `wo_a`.
+
+Requires: `rope(o, pos, inverse=true)` whose only user is `grouped_out_proj` (the traced attention).
+Guarantees: the two become `inv_rope_group_quant(o, pos)` + `grouped_out_proj`: one op rotates the
+output's RoPE dims back and produces `wo_a`'s input in the activation format. Option `quant`:
+* `none` (default, the hf / official numerics, whose GEMMs read activations as they are): the op emits
+  the rotated output; numerics bit-identical;
+* `fp8`: it also quantises to e4m3 with one UE8M0 scale per 128 values (spec 13.1, the FP8-activation
+  GEMM path) and `grouped_out_proj` reads the scales; values then move by FP8 rounding (~2^-4 relative)
+  by design.
+Hits: `<func>.folded`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from v4compile.errors import PassError
+from v4compile.ir.core import Function
+
+from .base import Pass, PassResult, register
+from .rewrite import Namer, make_op, map_functions, use_counts
+
+
+@register
+@dataclass(frozen=True)
+class FoldInverseRopeWoAQuant(Pass):
+    name = "fold_inverse_rope_wo_a_quant"
+    quant: str = "none"
+
+    def run(self, module):
+        if self.quant not in ("none", "fp8"):
+            raise PassError("fold_inverse_rope_wo_a_quant: quant must be none or fp8", found=self.quant)
+
+        def fold(fn: Function):
+            namer = Namer(fn)
+            uses = use_counts(fn)
+            users = {}
+            for op in fn.ops:
+                for v in op.operands:
+                    if v is not None:
+                        users.setdefault(id(v), []).append(op)
+            replace, drop, n = {}, set(), 0
+            for op in fn.ops:
+                if op.name != "rope" or not op.attrs["inverse"]:
+                    continue
+                u = users.get(id(op.result), [])
+                if uses.get(id(op.result)) != 1 or len(u) != 1 or u[0].name != "grouped_out_proj":
+                    continue
+                proj = u[0]
+                attrs = {k: op.attrs[k] for k in ("dim", "theta", "yarn")}
+                q = make_op(namer, "inv_rope_group_quant", list(op.operands), {**attrs, "fmt": self.quant}, op.loc,
+                            None if self.quant == "fp8" else [op.result])
+                o_scale = q.results[1] if self.quant == "fp8" else None
+                new_proj = make_op(namer, "grouped_out_proj", [q.results[0], proj.operands[1], proj.operands[2], o_scale],
+                                   {**proj.attrs, "out_dtype": op.result.type.dtype if o_scale is not None else ""},
+                                   proj.loc, [proj.result])
+                replace[id(op)] = q
+                replace[id(proj)] = new_proj
+                n += 1
+            ops = [replace.get(id(op), op) for op in fn.ops if id(op) not in drop]
+            return Function(fn.name, list(fn.inputs), ops, list(fn.outputs), dict(fn.attrs)), {"folded": n}
+
+        m, hits = map_functions(module, fold)
+        return PassResult(m, hits)

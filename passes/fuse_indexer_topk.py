@@ -1,0 +1,62 @@
+"""Fuse the lightning indexer's scoring with its top-k (and, on the pool, the CSR translation).
+
+Requires: `topk(indexer_scores(...))` (before lowering) or `csr_selected(topk(indexer_scores_paged(...)))`
+(after `lower_sparse_attention`), each intermediate used once.
+Guarantees: one `indexer_topk` (before lowering) or one `indexer_select` producing the CSA CSR directly
+(after), so the `[B, T, rows]` score matrix never reaches memory. Result names kept; numerics identical.
+Hits: `<func>.fused`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from v4compile.ir.core import Function
+
+from .base import Pass, PassResult, register
+from .rewrite import Namer, make_op, map_functions, use_counts
+
+
+def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
+    namer = Namer(fn)
+    prod = fn.producers()
+    uses = use_counts(fn)
+    replace, drop, n = {}, set(), 0
+    for op in fn.ops:
+        if op.name == "csr_selected":
+            tk = prod.get(id(op.operands[0]))
+            sc = prod.get(id(tk.operands[0])) if tk is not None and tk.name == "topk" else None
+            if sc is None or sc.name != "indexer_scores_paged" or uses.get(id(tk.result)) != 1 \
+                    or uses.get(id(sc.result)) != 1:
+                continue
+            a = sc.attrs
+            new = make_op(namer, "indexer_select", [sc.operands[0], sc.operands[1], op.operands[1], op.operands[2],
+                                                    *sc.operands[4:]],
+                          {"ratio": a["ratio"], "q_scale": a["q_scale"], "w_scale": a["w_scale"], "k": tk.attrs["k"],
+                           "block_tokens": a["block_tokens"], "index_envelope_rows": a["envelope_rows"],
+                           "index_offset": a["layer_offset"], "envelope_rows": op.attrs["envelope_rows"],
+                           "max_rows": a["max_rows"], "fmt": a["fmt"]}, sc.loc, list(op.results))
+            replace[id(op)] = new
+            drop.update((id(tk), id(sc)))
+            n += 1
+    for op in fn.ops:
+        if op.name == "topk" and id(op) not in drop:
+            sc = prod.get(id(op.operands[0]))
+            if sc is None or sc.name != "indexer_scores" or uses.get(id(sc.result)) != 1:
+                continue
+            replace[id(op)] = make_op(namer, "indexer_topk", list(sc.operands), {**sc.attrs, "k": op.attrs["k"]},
+                                      sc.loc, [op.result])
+            drop.add(id(sc))
+            n += 1
+    ops = [replace.get(id(op), op) for op in fn.ops if id(op) not in drop]
+    return Function(fn.name, list(fn.inputs), ops, list(fn.outputs), dict(fn.attrs)), {"fused": n}
+
+
+@register
+@dataclass(frozen=True)
+class FuseIndexerTopk(Pass):
+    name = "fuse_indexer_topk"
+
+    def run(self, module):
+        m, hits = map_functions(module, fuse_function)
+        return PassResult(m, hits)

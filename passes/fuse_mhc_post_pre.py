@@ -1,0 +1,102 @@
+"""Fuse every mHC seam: a sub-layer's `hc_post` and the next sub-layer's `hc_pre` become one
+`mhc_post_pre` launch, with the next sub-layer's RMSNorm (attn_norm / ffn_norm) folded in.
+
+Requires: a traced module (after the GEMM merges or not).
+Guarantees:
+* every `hc_post` whose streams feed an `hc_pre` becomes, with it, one `mhc_post_pre` — except the seams
+  of layer 0, as the seed describes (its attention pre has no post to fold; its attention post and FFN
+  pre stay separate). V4-Pro: 2 x 60 = 120 seams;
+* an `hc_pre` left unfused (layer 0's two) still absorbs its RMSNorm: `hc_pre_norm`;
+* decision: the last layer's FFN `hc_post` folds into `hc_head` (`mhc_post_head`) when the final streams
+  have no other user (they do when an MTP draft reads them), saving one launch per step;
+* result values keep their names; numerics are bit-identical (the fused references compose the
+  originals).
+Hits: `<func>.seams`, `<func>.pre_norm`, `<func>.post_head`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from v4compile.ir.core import Function
+
+from .base import Pass, PassResult, register
+from .rewrite import Namer, make_op, map_functions, use_counts
+
+
+def _users(fn: Function) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for op in fn.ops:
+        for v in op.operands:
+            if v is not None:
+                out.setdefault(id(v), []).append(op)
+    return out
+
+
+def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
+    namer = Namer(fn)
+    users = _users(fn)
+    uses = use_counts(fn)
+    replace: dict[int, object] = {}  # id(op) -> new op (placed there)
+    drop: set[int] = set()
+    hits = {"seams": 0, "pre_norm": 0, "post_head": 0}
+
+    def norm_of(pre) -> object | None:
+        """The weighted rms_norm that is the only user of an hc_pre's collapsed output."""
+        y = pre.results[0]
+        u = users.get(id(y), [])
+        if uses.get(id(y)) == 1 and len(u) == 1 and u[0].name == "rms_norm" and u[0].operands[1] is not None:
+            return u[0]
+        return None
+
+    def pre_attrs(pre, norm) -> dict:
+        return {**pre.attrs, "norm_eps": norm.attrs["eps"] if norm is not None else 1e-6}
+
+    fused_pres: set[int] = set()
+    for op in fn.ops:
+        if op.name != "hc_post":
+            continue
+        out = op.results[0]
+        nxt = [u for u in users.get(id(out), []) if u.name == "hc_pre" and u.operands[0] is out]
+        if nxt and not nxt[0].loc.startswith("layers.0."):  # layer 0's own seam stays separate
+            pre = nxt[0]
+            norm = norm_of(pre)
+            y_next = norm.results[0] if norm is not None else pre.results[0]
+            new = make_op(namer, "mhc_post_pre", [*op.operands, *pre.operands[1:4], norm.operands[1] if norm else None],
+                          pre_attrs(pre, norm), pre.loc, [out, y_next, pre.results[1], pre.results[2]])
+            replace[id(op)] = new
+            drop.add(id(pre))
+            if norm is not None:
+                drop.add(id(norm))
+            fused_pres.add(id(pre))
+            hits["seams"] += 1
+            continue
+        head = [u for u in users.get(id(out), []) if u.name == "hc_head"]
+        if head and uses.get(id(out)) == 1:
+            h = head[0]
+            new = make_op(namer, "mhc_post_head", [*op.operands, *h.operands[1:4]], dict(h.attrs), h.loc, [h.results[0]])
+            replace[id(op)] = new
+            drop.add(id(h))
+            hits["post_head"] += 1
+    for op in fn.ops:
+        if op.name == "hc_pre" and id(op) not in fused_pres:
+            norm = norm_of(op)
+            if norm is None:
+                continue
+            y = norm.results[0]
+            replace[id(op)] = make_op(namer, "hc_pre_norm", [*op.operands, norm.operands[1]], pre_attrs(op, norm),
+                                      op.loc, [y, op.results[1], op.results[2]])
+            drop.add(id(norm))
+            hits["pre_norm"] += 1
+    ops = [replace.get(id(op), op) for op in fn.ops if id(op) not in drop]
+    return Function(fn.name, list(fn.inputs), ops, list(fn.outputs), dict(fn.attrs)), hits
+
+
+@register
+@dataclass(frozen=True)
+class FuseMhcPostPre(Pass):
+    name = "fuse_mhc_post_pre"
+
+    def run(self, module):
+        m, hits = map_functions(module, fuse_function)
+        return PassResult(m, hits)

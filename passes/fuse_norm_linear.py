@@ -1,0 +1,45 @@
+"""Fold a weighted RMSNorm into the one GEMM that reads it (`q_norm` into the merged `wq_b`, the final
+norm into the LM head).
+
+Requires: `linear(rms_norm(x, w))` with the norm's result used only by that linear.
+Guarantees: one `norm_linear(x, w, W, scale)`: the norm is the GEMM's prologue. Result names kept;
+numerics identical (the reference composes the two).
+Hits: `<func>.fused`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from v4compile.ir.core import Function
+
+from .base import Pass, PassResult, register
+from .rewrite import Namer, make_op, map_functions, use_counts
+
+
+def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
+    namer = Namer(fn)
+    prod = fn.producers()
+    uses = use_counts(fn)
+    replace, drop = {}, set()
+    for op in fn.ops:
+        if op.name != "linear":
+            continue
+        n = prod.get(id(op.operands[0]))
+        if n is None or n.name != "rms_norm" or n.operands[1] is None or uses.get(id(n.result)) != 1:
+            continue
+        replace[id(op)] = make_op(namer, "norm_linear", [n.operands[0], n.operands[1], op.operands[1], op.operands[2]],
+                                  {"eps": n.attrs["eps"], "block": op.attrs["block"]}, op.loc, [op.result])
+        drop.add(id(n))
+    ops = [replace.get(id(op), op) for op in fn.ops if id(op) not in drop]
+    return Function(fn.name, list(fn.inputs), ops, list(fn.outputs), dict(fn.attrs)), {"fused": len(replace)}
+
+
+@register
+@dataclass(frozen=True)
+class FuseNormLinear(Pass):
+    name = "fuse_norm_linear"
+
+    def run(self, module):
+        m, hits = map_functions(module, fuse_function)
+        return PassResult(m, hits)

@@ -1,0 +1,49 @@
+"""Merge the two projections of the attention input, `wq_a` and `wkv`, into one `wqkv_a` GEMM.
+
+Requires: a traced module (each attention reads its normalised input `x` with `linear(x, wq_a)` and
+`linear(x, wkv)`).
+Guarantees: per layer, one `linear(x, wqkv_a)` (`[q_lora + head_dim, D]`; FP8 with the two 128x128 scale
+grids concatenated) followed by a `split` into the original two results; the merged weight is built at
+compile time from the two checkpoint tensors. Numerics: identical values (same dot products).
+Skips (and counts as `unaligned`) quantised layers whose q_lora rank is not a multiple of the scale
+block, where the scale grids could not simply be stacked.
+Hits: `<func>.merged`, `<func>.unaligned`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import Pass, PassResult, register
+from .gemm_merge import can_merge, merge_linears
+from .rewrite import new_module, prune_weights
+
+
+@register
+@dataclass(frozen=True)
+class MergeWqAWkv(Pass):
+    name = "merge_wq_a_wkv"
+
+    def run(self, module):
+        weights = dict(module.weights)
+        funcs, hits = {}, {}
+        for fname, fn in module.functions.items():
+            by_input: dict[int, dict[str, object]] = {}
+            for op in fn.ops:
+                w = op.operands[1] if op.name == "linear" else None
+                if w is not None and w.kind == "weight":
+                    for role in ("wq_a", "wkv"):
+                        if w.name.endswith(f".attn.{role}.weight"):
+                            by_input.setdefault(id(op.operands[0]), {})[role] = op
+            groups, unaligned = [], 0
+            for pair in by_input.values():
+                if len(pair) == 2:
+                    g = [pair["wq_a"], pair["wkv"]]
+                    if can_merge(g):
+                        groups.append(g)
+                    else:
+                        unaligned += 1
+            funcs[fname], n = merge_linears(fn, groups, weights, lambda g: "wqkv_a")
+            hits[f"{fname}.merged"] = n
+            hits[f"{fname}.unaligned"] = unaligned
+        return PassResult(prune_weights(new_module(module, funcs, weights)), hits)

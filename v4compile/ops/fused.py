@@ -1,0 +1,217 @@
+"""Fused ops produced by passes. Each reference is the composition of the references it replaces, so a
+fusion never changes a value."""
+
+from __future__ import annotations
+
+from ..ir.registry import defop, require
+from ..ir.types import TensorType
+from .attention import grouped_out_proj
+from .basic import linear, rms_norm, swiglu
+from .mhc import hc_head, hc_post, hc_pre
+from .moe import moe_experts
+from .numerics import fp8_round_ref
+from .rope import rotate
+
+# ---- mHC seams ---------------------------------------------------------------------------------
+
+
+def _pre(streams, fn, base, scale, norm, eps, hc_eps, iters, norm_eps):
+    y, post, comb = hc_pre.ref(streams, fn, base, scale, eps=eps, hc_eps=hc_eps, iters=iters)
+    if norm is not None:
+        y = rms_norm.ref(y, norm, eps=norm_eps)
+    return y, post, comb
+
+
+@defop("hc_pre_norm(streams, fn, base, scale, norm?) -> y, post, comb",
+       attrs={"eps": float, "hc_eps": float, "iters": int, "norm_eps": float})
+def hc_pre_norm(streams, fn, base, scale, norm, *, eps, hc_eps, iters, norm_eps):
+    """`hc_pre` with the sub-layer's RMSNorm (attn_norm / ffn_norm) folded in: y is returned normalised."""
+    return _pre(streams, fn, base, scale, norm, eps, hc_eps, iters, norm_eps)
+
+
+@hc_pre_norm.infer
+def _(streams, fn, base, scale, norm, **attrs):
+    a = {k: attrs[k] for k in ("eps", "hc_eps", "iters")}
+    return hc_pre.result_types([streams, fn, base, scale], a)
+
+
+@defop("mhc_post_pre(y, streams, post, comb, fn, base, scale, norm?) -> streams_out, y_next, post_next, comb_next",
+       attrs={"eps": float, "hc_eps": float, "iters": int, "norm_eps": float})
+def mhc_post_pre(y, streams, post, comb, fn, base, scale, norm, *, eps, hc_eps, iters, norm_eps):
+    """One seam between sub-layers: the previous sub-layer's `hc_post` and the next one's `hc_pre` (and
+    its RMSNorm), in one launch."""
+    out = hc_post.ref(y, streams, post, comb)
+    return (out, *_pre(out, fn, base, scale, norm, eps, hc_eps, iters, norm_eps))
+
+
+@mhc_post_pre.infer
+def _(y, streams, post, comb, fn, base, scale, norm, **attrs):
+    out = hc_post.result_types([y, streams, post, comb], {})[0]
+    a = {k: attrs[k] for k in ("eps", "hc_eps", "iters")}
+    return (out, *hc_pre.result_types([out, fn, base, scale], a))
+
+
+@defop("mhc_post_head(y, streams, post, comb, fn, base, scale) -> h", attrs={"eps": float, "hc_eps": float})
+def mhc_post_head(y, streams, post, comb, fn, base, scale, *, eps, hc_eps):
+    """The last sub-layer's `hc_post` folded into the final `hc_head` collapse."""
+    return hc_head.ref(hc_post.ref(y, streams, post, comb), fn, base, scale, eps=eps, hc_eps=hc_eps)
+
+
+@mhc_post_head.infer
+def _(y, streams, post, comb, fn, base, scale, *, eps, hc_eps):
+    out = hc_post.result_types([y, streams, post, comb], {})[0]
+    return hc_head.result_types([out, fn, base, scale], {"eps": eps, "hc_eps": hc_eps})
+
+
+# ---- attention output ----------------------------------------------------------------------------
+
+
+@defop("inv_rope_group_quant(x, pos) -> y, scale?",
+       attrs={"dim": int, "theta": float, "yarn": tuple, "fmt": (str, "none"), "group": (int, 128)})
+def inv_rope_group_quant(x, pos, *, dim, theta, yarn, fmt, group):
+    """The inverse RoPE of the attention output, and the activation quantisation feeding `wo_a`, in one op.
+
+    `fmt="none"` (the hf / official numerics, whose GEMMs take activations as they are): y is the rotated
+    output, no scale. `fmt="fp8"` (FP8 activation GEMMs, spec 13.1): y is e4m3 with one UE8M0 scale per
+    `group` values along the flattened heads `[B, T, H*d / group]`.
+    """
+    y = rotate(x, pos, dim, theta, yarn, inverse=True)
+    if fmt == "none":
+        return (y,)
+    from ..formats import FP8_MAX, pow2_scale
+    import torch
+
+    B, T = y.shape[:2]
+    g = y.float().reshape(B, T, -1, group)
+    s = pow2_scale(g.abs().amax(-1, keepdim=True), FP8_MAX, 1e-4)
+    q = (g / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(y.shape), s.squeeze(-1)
+
+
+@inv_rope_group_quant.infer
+def _(x, pos, *, dim, theta, yarn, fmt, group):
+    require(fmt in ("none", "fp8"), "inv_rope_group_quant fmt must be none or fp8", found=fmt)
+    if fmt == "none":
+        return (x,)
+    hd = x.numel // (x.shape[0] * x.shape[1])
+    require(hd % group == 0, "heads * head_dim must be a multiple of the quantisation group")
+    return x.with_dtype("fp8e4m3"), TensorType((x.shape[0], x.shape[1], hd // group), "fp32")
+
+
+# ---- MoE -----------------------------------------------------------------------------------------
+
+@defop("moe_experts_shared(x, weights, indices, w1, w2, w3, s1, s2, s3, w1_scale?, w2_scale?, w3_scale?, "
+       "s1_scale?, s2_scale?, s3_scale?) -> y",
+       attrs={"limit": float, "block": (int, 32), "shared_block": (int, 128)})
+def moe_experts_shared(x, weights, indices, w1, w2, w3, s1, s2, s3, w1_scale, w2_scale, w3_scale, s1_scale, s2_scale,
+                       s3_scale, *, limit, block, shared_block):
+    """Routed experts and the shared expert in one launch: `moe_experts(...) + w2_s(swiglu(w1_s x, w3_s x))`."""
+    routed = moe_experts.ref(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, limit=limit, block=block)
+    g = linear.ref(x, s1, s1_scale, block=shared_block)
+    u = linear.ref(x, s3, s3_scale, block=shared_block)
+    return routed + linear.ref(swiglu.ref(g, u, limit=limit), s2, s2_scale, block=shared_block)
+
+
+@moe_experts_shared.infer
+def _(x, weights, indices, w1, w2, w3, s1, s2, s3, w1_scale, w2_scale, w3_scale, s1_scale, s2_scale, s3_scale, *, limit,
+      block, shared_block):
+    moe_experts.result_types([x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale],
+                             {"limit": limit, "block": block})
+    h = linear.result_types([x, s1, s1_scale], {"block": shared_block})[0]
+    linear.result_types([x, s3, s3_scale], {"block": shared_block})
+    linear.result_types([h, s2, s2_scale], {"block": shared_block})
+    return x
+
+
+# ---- indexer -------------------------------------------------------------------------------------
+
+@defop("indexer_topk(q, weights, keys, pos) -> indices", attrs={"ratio": int, "q_scale": float, "w_scale": float,
+                                                                "k": int})
+def indexer_topk(q, weights, keys, pos, *, ratio, q_scale, w_scale, k):
+    """Lightning-indexer scores and their top-k in one launch (the scores never reach memory)."""
+    from .indexer import indexer_scores, topk
+    return topk.ref(indexer_scores.ref(q, weights, keys, pos, ratio=ratio, q_scale=q_scale, w_scale=w_scale), k=k)
+
+
+@indexer_topk.infer
+def _(q, weights, keys, pos, *, ratio, q_scale, w_scale, k):
+    from .indexer import indexer_scores, topk
+    s = indexer_scores.result_types([q, weights, keys, pos], {"ratio": ratio, "q_scale": q_scale, "w_scale": w_scale})
+    return topk.result_types(s, {"k": k})
+
+
+@defop("indexer_select(q, weights, pos, block_table, p0, p1?) -> indptr, indices",
+       attrs={"ratio": int, "q_scale": float, "w_scale": float, "k": int, "block_tokens": int,
+              "index_envelope_rows": int, "index_offset": int, "envelope_rows": int, "max_rows": int, "fmt": str})
+def indexer_select(q, weights, pos, block_table, p0, p1, *, ratio, q_scale, w_scale, k, block_tokens,
+                   index_envelope_rows, index_offset, envelope_rows, max_rows, fmt):
+    """On the pool: indexer scores over the index plane, top-k, and translation of the picks to physical
+    main-pool rows packed as CSR (ATOM's paged MQA logits + top_k_per_row + csa_translate_pack)."""
+    from .indexer import topk
+    from .paged import csr_selected, indexer_scores_paged
+    s = indexer_scores_paged.ref(q, weights, pos, block_table, p0, p1, ratio=ratio, q_scale=q_scale, w_scale=w_scale,
+                                 block_tokens=block_tokens, envelope_rows=index_envelope_rows,
+                                 layer_offset=index_offset, max_rows=max_rows, fmt=fmt)
+    return csr_selected.ref(topk.ref(s, k=k), pos, block_table, ratio=ratio, block_tokens=block_tokens,
+                            envelope_rows=envelope_rows)
+
+
+@indexer_select.infer
+def _(q, weights, pos, block_table, p0, p1, *, k, **_):
+    B, T = q.shape[:2]
+    return TensorType((B * T + 1,), "i32"), TensorType((B * T * k,), "i32")
+
+
+# ---- q / kv norm + RoPE (+ window write) ---------------------------------------------------------
+
+@defop("qkv_norm_rope(q, kv, norm, pos, qi?, slot?, p0?, p1?, p2?) -> q_out, kv_out, qi_out?, q0?, q1?, q2?",
+       attrs={"eps": float, "dim": int, "theta": float, "yarn": tuple, "kv_round_dims": (int, 0),
+              "kv_round_block": (int, 64), "qi_round": (str, "none"), "window": (int, 0), "slot_rows": (int, 0),
+              "n_rows": (int, 0), "layer_row": (int, 0), "fmt": (str, "")})
+def qkv_norm_rope(q, kv, norm, pos, qi, slot, p0, p1, p2, *, eps, dim, theta, yarn, kv_round_dims, kv_round_block,
+                  qi_round, window, slot_rows, n_rows, layer_row, fmt):
+    """One launch for the attention's query / key prologue: the per-head unweighted RMSNorm + RoPE of q,
+    the weighted RMSNorm + RoPE of the kv latent (+ its official FP8 rounding), the RoPE of the indexer
+    query `qi` (+ Hadamard / FP4 rounding) when given, and, in decode (with `slot` and planes), the
+    write of the new kv row into the window ring. Results: q, kv, [qi], [planes]."""
+    from .numerics import hadamard_fp4_round_ref
+    from .paged import pool_write_window
+
+    qo = rotate(rms_norm.ref(q, None, eps=eps), pos, dim, theta, yarn)
+    kvo = rotate(rms_norm.ref(kv, norm, eps=eps), pos, dim, theta, yarn)
+    if kv_round_dims:
+        kvo = fp8_round_ref(kvo, kv_round_dims, kv_round_block)
+    out = [qo, kvo]
+    if qi is not None:
+        qio = rotate(qi, pos, dim, theta, yarn)
+        out.append(hadamard_fp4_round_ref(qio, 32) if qi_round == "fp4" else qio)
+    if p0 is not None:
+        out += list(pool_write_window.ref(kvo, pos, slot, p0, p1, p2, window=window, slot_rows=slot_rows,
+                                          n_rows=n_rows, layer_row=layer_row, fmt=fmt))
+    return tuple(out)
+
+
+@qkv_norm_rope.infer
+def _(q, kv, norm, pos, qi, slot, p0, p1, p2, *, window, fmt, **_):
+    require(q.rank == 4 and kv.rank == 3 and q.shape[3] == kv.shape[2], "qkv_norm_rope q [B, T, H, d] / kv [B, T, d]",
+            found=(list(q.shape), list(kv.shape)))
+    require(norm.shape == (kv.shape[2],), "qkv_norm_rope norm must be [d]", found=list(norm.shape))
+    out = [q, kv] + ([qi] if qi is not None else [])
+    if p0 is not None:
+        require(slot is not None and window > 0 and fmt != "", "the window write needs slot, window and fmt")
+        out += [p for p in (p0, p1, p2) if p is not None]
+    return out
+
+
+@defop("norm_linear(x, norm, w, scale?) -> y", attrs={"eps": float, "block": (int, 128)})
+def norm_linear(x, norm, w, scale, *, eps, block):
+    """A weighted RMSNorm folded into the GEMM that alone reads it: the kernel's prologue already streams
+    every input row in full (it is the reduction axis), so the row's rsqrt(mean(x^2)) and the norm weight
+    are applied on the way in."""
+    return linear.ref(rms_norm.ref(x, norm, eps=eps), w, scale, block=block)
+
+
+@norm_linear.infer
+def _(x, norm, w, scale, *, eps, block):
+    rms_norm.result_types([x, norm], {"eps": eps})
+    return linear.result_types([x, w, scale], {"block": block})

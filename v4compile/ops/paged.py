@@ -1,0 +1,328 @@
+"""Ops of the lowered attention: writes into the paged KV pool, CSR index construction, and one sparse
+MQA attention over the union of window and compressed rows (see `v4compile/pool.py` for the geometry).
+
+Planes are passed as up to three operands `p0, p1?, p2?` whose meaning the `fmt` attribute gives
+(main: native `[N, d]` | fp8 `nope, nope_scale, rope`; index: native `[N, di]` | fp4 `packed, scale` |
+fp8 `values, scale`). Writes return the updated planes. CSR lists are flat over query lanes
+`b * T + t`: `indptr [B*T + 1]` (i32) and `indices [cap]` (i32, the tail past `indptr[-1]` is unused).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import FP8_MAX, e8m0_to_float, float_to_e8m0, fp4_dequant, fp4_quant, pow2_scale
+from ..ir.registry import defop, require
+from ..ir.types import TensorType
+from .compressor import pooled_rows, update_ring
+from .numerics import fp8_round_ref, hadamard_fp4_round_ref
+from .rope import rotate
+
+
+# ---- plane access --------------------------------------------------------------------------------
+
+_BYTE_DTYPES = (torch.float8_e4m3fn, torch.float8_e8m0fnu)
+
+
+def _take(plane: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """plane[rows] (float8 planes are indexed through a uint8 view: torch has no float8 gather)."""
+    if plane.dtype in _BYTE_DTYPES:
+        return plane.view(torch.uint8)[rows].view(plane.dtype)
+    return plane[rows]
+
+
+def _put(plane: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """plane[rows] = values, in place (through a uint8 view for float8 planes)."""
+    if plane.dtype in _BYTE_DTYPES:
+        plane.view(torch.uint8)[rows] = values.to(plane.dtype).view(torch.uint8)
+    else:
+        plane[rows] = values.to(plane.dtype)
+
+
+def read_rows(planes: list, rows: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of a plane family as `dtype` (rows < 0 read as zeros)."""
+    safe = rows.clamp(min=0)
+    if fmt == "fp8" and len(planes) == 3:  # main: NoPE fp8 + scales, RoPE bf16
+        nope, scale, rope = planes
+        s = e8m0_to_float(_take(scale, safe)).repeat_interleave(nope.shape[1] // scale.shape[1], dim=-1)
+        v = torch.cat([(_take(nope, safe).float() * s).to(rope.dtype), rope[safe]], dim=-1)
+    elif fmt == "fp4":
+        packed, scale = planes
+        flat = safe.reshape(-1)
+        v = fp4_dequant(packed[flat], _take(scale, flat).view(torch.uint8)).reshape(*safe.shape, -1)
+    elif fmt == "fp8":  # index: e4m3 + fp32 row scale
+        vals, scale = planes
+        v = _take(vals, safe).float() * scale[safe].float()
+    else:
+        v = planes[0][safe]
+    v = v.to(dtype)
+    return v.masked_fill((rows < 0).unsqueeze(-1), 0)
+
+
+def write_rows(planes: list, rows: torch.Tensor, values: torch.Tensor, fmt: str) -> list:
+    """Copies of the planes with `values [n, width]` stored at `rows [n]`."""
+    out = [p.clone() for p in planes]
+    if rows.numel() == 0:
+        return out
+    if fmt == "fp8" and len(planes) == 3:
+        nope_dim = planes[0].shape[1]
+        g = values[:, :nope_dim].float().reshape(len(rows), planes[1].shape[1], -1)
+        s = pow2_scale(g.abs().amax(-1, keepdim=True), FP8_MAX, 1e-4)
+        _put(out[0], rows, (g / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(len(rows), nope_dim))
+        _put(out[1], rows, float_to_e8m0(s.squeeze(-1)).view(torch.float8_e8m0fnu))
+        _put(out[2], rows, values[:, nope_dim:])
+    elif fmt == "fp4":
+        packed, scale = fp4_quant(values.float(), 32)
+        _put(out[0], rows, packed)
+        _put(out[1], rows, scale.view(torch.float8_e8m0fnu))
+    elif fmt == "fp8":
+        s = pow2_scale(values.float().abs().amax(-1, keepdim=True), FP8_MAX, 1e-4)
+        _put(out[0], rows, (values.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))
+        _put(out[1], rows, s)
+    else:
+        _put(out[0], rows, values)
+    return out
+
+
+def _planes(*ps):
+    return [p for p in ps if p is not None]
+
+
+def _plane_types(p0, p1, p2):
+    return tuple(p for p in (p0, p1, p2) if p is not None)
+
+
+def _check_planes(fmt: str, p0, p1, p2, width: int | None = None) -> None:
+    n = len(_plane_types(p0, p1, p2))
+    want = {"native": 1, "bf16": 1, "fp8": (3, 2), "fp4": 2}[fmt]
+    require(n in (want if isinstance(want, tuple) else (want,)), f"plane count does not fit format '{fmt}'",
+            expected=want, found=n)
+
+
+def window_rows(pos: torch.Tensor, slot: torch.Tensor, window: int, slot_rows: int, n_rows: int) -> torch.Tensor:
+    """Physical row (before the layer's ring offset) of each position's window entry."""
+    base = n_rows - (slot.long() + 1) * slot_rows
+    return base.unsqueeze(-1) + torch.remainder(pos, window)
+
+
+def compressed_row(w: torch.Tensor, b: torch.Tensor, block_table: torch.Tensor, ratio: int, block_tokens: int,
+                   envelope_rows: int) -> torch.Tensor:
+    """Physical row (before the layer's envelope offset) of window w of sequence b."""
+    per_block = block_tokens // ratio
+    blk = block_table.long()[b, torch.div(w, per_block, rounding_mode="floor")]
+    return blk * envelope_rows + torch.remainder(w, per_block)
+
+
+# ---- writes --------------------------------------------------------------------------------------
+
+@defop("pool_write_window(kv, pos, slot, p0, p1?, p2?) -> q0, q1?, q2?",
+       attrs={"window": int, "slot_rows": int, "n_rows": int, "layer_row": int, "fmt": str})
+def pool_write_window(kv, pos, slot, p0, p1, p2, *, window, slot_rows, n_rows, layer_row, fmt):
+    """Store this chunk's raw kv rows in the layer's window ring of each sequence's slot (the last
+    `window` positions of each sequence only)."""
+    valid = pos >= 0
+    last = pos[:, :1].clamp(min=0) + valid.sum(1, keepdim=True) - 1
+    keep = valid & (pos > last - window)
+    b, i = keep.nonzero(as_tuple=True)
+    rows = window_rows(pos, slot, window, slot_rows, n_rows)[b, i] + layer_row
+    return tuple(write_rows(_planes(p0, p1, p2), rows, kv[b, i], fmt))
+
+
+@pool_write_window.infer
+def _(kv, pos, slot, p0, p1, p2, *, fmt, **_):
+    _check_planes(fmt, p0, p1, p2)
+    require(tuple(pos.shape) == tuple(kv.shape[:2]) and slot.shape == (kv.shape[0],), "kv [B, T, d] / pos [B, T] / "
+            "slot [B]", found=(list(kv.shape), list(pos.shape), list(slot.shape)))
+    return _plane_types(p0, p1, p2)
+
+
+@defop("compress_paged(kv, gate, ape, norm, state_kv, state_gate, pos, slot, block_table, p0, p1?, p2?) "
+       "-> state_kv_out, state_gate_out, q0, q1?, q2?",
+       attrs={"ratio": int, "overlap": bool, "eps": float, "rope_dim": int, "theta": float, "yarn": tuple,
+              "round": (str, "none"), "block_tokens": int, "envelope_rows": int, "layer_offset": int, "fmt": str})
+def compress_paged(kv, gate, ape, norm, state_kv, state_gate, pos, slot, block_table, p0, p1, p2, *, ratio, overlap,
+                   eps, rope_dim, theta, yarn, round, block_tokens, envelope_rows, layer_offset, fmt):
+    """`compress` on the pool: the state rings live per slot, and each closed window's row is written at
+    its physical row `block_table[b, w // per_block] * envelope + layer_offset + w % per_block`."""
+    m = ratio
+    slot = slot.long()
+    skv, sg = state_kv[slot], state_gate[slot]
+    g = gate.float() + ape.float()[torch.remainder(pos.clamp(min=0), m)]
+    pooled, w, closed = pooled_rows(kv, g, skv, sg, pos, m, overlap)
+    h = pooled.float()
+    h = (norm.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(kv.dtype)
+    h = rotate(h, m * w, rope_dim, theta, yarn)
+    if round == "fp8":
+        import math
+        h = fp8_round_ref(h, h.shape[-1] - rope_dim, math.gcd(64, h.shape[-1] - rope_dim))
+    elif round == "fp4":
+        h = hadamard_fp4_round_ref(h, 32)
+    b, j = closed.nonzero(as_tuple=True)
+    rows = compressed_row(w[b, j], b, block_table, m, block_tokens, envelope_rows) + layer_offset
+    planes = write_rows(_planes(p0, p1, p2), rows, h[b, j], fmt)
+    nkv, ng = update_ring(skv, sg, kv, g, pos)
+    out_kv, out_g = state_kv.clone(), state_gate.clone()
+    out_kv[slot], out_g[slot] = nkv, ng
+    return (out_kv, out_g, *planes)
+
+
+@compress_paged.infer
+def _(kv, gate, ape, norm, state_kv, state_gate, pos, slot, block_table, p0, p1, p2, *, fmt, ratio, overlap, **_):
+    _check_planes(fmt, p0, p1, p2)
+    c = 2 if overlap else 1
+    require(state_kv.shape[1:] == (c * ratio, kv.shape[-1]) and state_gate.shape == state_kv.shape,
+            "compress_paged state rings must be [slots, c*ratio, c*dk]", found=list(state_kv.shape))
+    require(block_table.dtype == "i32" and block_table.shape[0] == kv.shape[0], "block_table must be i32 [B, blocks]",
+            found=str(block_table))
+    return (state_kv, state_gate, *_plane_types(p0, p1, p2))
+
+
+# ---- CSR construction ----------------------------------------------------------------------------
+
+def _to_csr(rows: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[L, W] candidate rows + mask -> (indptr [L + 1], indices [L * W]) with kept rows packed in order."""
+    L, W = rows.shape
+    counts = keep.sum(1)
+    indptr = torch.zeros(L + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    indices = torch.zeros(L * W, dtype=torch.int32)
+    indices[: int(indptr[-1])] = rows[keep].to(torch.int32)
+    return indptr, indices
+
+
+@defop("csr_window(pos, slot) -> indptr, indices", attrs={"window": int, "slot_rows": int, "n_rows": int})
+def csr_window(pos, slot, *, window, slot_rows, n_rows):
+    """Per query lane: the window-ring rows of the positions before this chunk that it sees
+    (p in (t - window, start)), oldest first; the chunk's own tokens are read from the chunk itself."""
+    B, T = pos.shape
+    start = pos[:, :1].clamp(min=0)
+    back = torch.arange(window - 1, 0, -1)  # distance to the query, oldest first
+    p = pos.unsqueeze(-1) - back  # [B, T, W - 1]
+    keep = (p >= 0) & (p < start.unsqueeze(-1)) & (pos.unsqueeze(-1) >= 0)
+    rows = window_rows(p.reshape(B, -1), slot, window, slot_rows, n_rows).reshape(B, T, -1)
+    return _to_csr(rows.reshape(B * T, -1), keep.reshape(B * T, -1))
+
+
+@csr_window.infer
+def _(pos, slot, *, window, **_):
+    L = pos.shape[0] * pos.shape[1]
+    return TensorType((L + 1,), "i32"), TensorType((L * (window - 1),), "i32")
+
+
+@defop("csr_compressed(pos, block_table) -> indptr, indices",
+       attrs={"ratio": int, "block_tokens": int, "envelope_rows": int, "max_rows": int})
+def csr_compressed(pos, block_table, *, ratio, block_tokens, envelope_rows, max_rows):
+    """Per query lane: every compressed row it may see (w < floor((t + 1) / ratio)), translated to
+    physical rows through the block table (HCA: no selection)."""
+    B, T = pos.shape
+    w = torch.arange(max_rows).view(1, 1, -1).expand(B, T, -1)
+    keep = (w < torch.div(pos + 1, ratio, rounding_mode="floor").unsqueeze(-1)) & (pos.unsqueeze(-1) >= 0)
+    b = torch.arange(B).view(B, 1, 1).expand_as(w)
+    rows = torch.where(keep, compressed_row(w.clamp(max=max_rows - 1), b, block_table.clamp(min=0), ratio,
+                                            block_tokens, envelope_rows), 0)
+    return _to_csr(rows.reshape(B * T, -1), keep.reshape(B * T, -1))
+
+
+@csr_compressed.infer
+def _(pos, block_table, *, max_rows, **_):
+    L = pos.shape[0] * pos.shape[1]
+    return TensorType((L + 1,), "i32"), TensorType((L * max_rows,), "i32")
+
+
+@defop("csr_selected(selected, pos, block_table) -> indptr, indices",
+       attrs={"ratio": int, "block_tokens": int, "envelope_rows": int})
+def csr_selected(selected, pos, block_table, *, ratio, block_tokens, envelope_rows):
+    """The indexer's picks (sequence-local row numbers, -1 = none) translated to physical rows, -1s
+    skipped (ATOM's `csa_translate_pack`)."""
+    B, T, K = selected.shape
+    keep = (selected >= 0) & (pos.unsqueeze(-1) >= 0)
+    b = torch.arange(B).view(B, 1, 1).expand_as(selected)
+    rows = torch.where(keep, compressed_row(selected.clamp(min=0), b, block_table.clamp(min=0), ratio, block_tokens,
+                                            envelope_rows), 0)
+    return _to_csr(rows.reshape(B * T, K), keep.reshape(B * T, K))
+
+
+@csr_selected.infer
+def _(selected, pos, block_table, **_):
+    B, T, K = selected.shape
+    return TensorType((B * T + 1,), "i32"), TensorType((B * T * K,), "i32")
+
+
+# ---- the sparse attention ------------------------------------------------------------------------
+
+def _gather_csr(indptr: torch.Tensor, indices: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSR -> padded [L, width] rows and mask."""
+    L = indptr.shape[0] - 1
+    counts = (indptr[1:] - indptr[:-1]).long()
+    j = torch.arange(width).view(1, -1)
+    mask = j < counts.view(-1, 1)
+    flat = (indptr[:-1].long().view(-1, 1) + j).clamp(max=max(indices.shape[0] - 1, 0))
+    rows = torch.where(mask, indices.long()[flat], torch.full_like(flat, -1))
+    return rows, mask
+
+
+@defop("sparse_attention(q, kv, pos, sink, win_indptr, win_indices, comp_indptr?, comp_indices?, p0, p1?, p2?) -> out",
+       attrs={"window": int, "scale": float, "win_base": int, "comp_base": int, "fmt": str})
+def sparse_attention(q, kv, pos, sink, win_indptr, win_indices, comp_indptr, comp_indices, p0, p1, p2, *, window, scale,
+                     win_base, comp_base, fmt):
+    """One softmax per query over: the pool rows of its window CSR (+ `win_base`), the pool rows of its
+    compressed CSR (+ `comp_base`), and the chunk's own kv rows at positions in (t - window, t]; the sink
+    joins the denominator only. K = V = the 512-wide latent."""
+    B, T, H, d = q.shape
+    L = B * T
+    planes = _planes(p0, p1, p2)
+    wr, wm = _gather_csr(win_indptr, win_indices, max(window - 1, 1))
+    parts_rows, parts_mask = [torch.where(wm, wr + win_base, -1)], [wm]
+    if comp_indptr is not None:
+        width = int((comp_indptr[1:] - comp_indptr[:-1]).max()) if L else 0
+        cr, cm = _gather_csr(comp_indptr, comp_indices, max(width, 1))
+        parts_rows.append(torch.where(cm, cr + comp_base, -1))
+        parts_mask.append(cm)
+    rows = torch.cat(parts_rows, dim=1)  # [L, P]
+    pool_keys = read_rows(planes, rows, fmt, q.dtype).view(B, T, rows.shape[1], d)
+    pool_mask = torch.cat(parts_mask, dim=1).view(B, T, -1)
+    t = pos.unsqueeze(-1)
+    s = pos.unsqueeze(1)
+    ext_mask = (s >= 0) & (s <= t) & (s > t - window) & (t >= 0)  # [B, T, T]
+    s_pool = (torch.einsum("bthd,btkd->bthk", q, pool_keys) * scale).float()
+    s_ext = (torch.einsum("bthd,bkd->bthk", q, kv) * scale).float()
+    s_pool = s_pool.masked_fill(~pool_mask.unsqueeze(2), float("-inf"))
+    s_ext = s_ext.masked_fill(~ext_mask.unsqueeze(2), float("-inf"))
+    logits = torch.cat([s_pool, s_ext, sink.float().view(1, 1, H, 1).expand(B, T, H, 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1].to(q.dtype)
+    P = pool_keys.shape[2]
+    return (torch.einsum("bthk,btkd->bthd", probs[..., :P], pool_keys)
+            + torch.einsum("bthk,bkd->bthd", probs[..., P:], kv))
+
+
+@sparse_attention.infer
+def _(q, kv, pos, sink, win_indptr, win_indices, comp_indptr, comp_indices, p0, p1, p2, *, fmt, **_):
+    _check_planes(fmt, p0, p1, p2)
+    B, T, H, d = q.shape
+    require(tuple(kv.shape) == (B, T, d) and sink.shape == (H,), "sparse_attention kv [B, T, d] / sink [H]",
+            found=(list(kv.shape), list(sink.shape)))
+    require(win_indptr.shape == (B * T + 1,) and (comp_indptr is None or comp_indptr.shape == (B * T + 1,)),
+            "CSR indptr must be [B*T + 1]")
+    return q
+
+
+@defop("indexer_scores_paged(q, weights, pos, block_table, p0, p1?) -> scores",
+       attrs={"ratio": int, "q_scale": float, "w_scale": float, "block_tokens": int, "envelope_rows": int,
+              "layer_offset": int, "max_rows": int, "fmt": str})
+def indexer_scores_paged(q, weights, pos, block_table, p0, p1, *, ratio, q_scale, w_scale, block_tokens,
+                         envelope_rows, layer_offset, max_rows, fmt):
+    """`indexer_scores` with the keys read from the index pool through the block table."""
+    from .indexer import indexer_scores
+
+    B = q.shape[0]
+    w = torch.arange(max_rows).view(1, -1).expand(B, -1)
+    b = torch.arange(B).view(B, 1).expand_as(w)
+    rows = compressed_row(w, b, block_table.clamp(min=0), ratio, block_tokens, envelope_rows) + layer_offset
+    keys = read_rows(_planes(p0, p1), rows, fmt, torch.float32)
+    return indexer_scores.ref(q, weights, keys, pos, ratio=ratio, q_scale=q_scale, w_scale=w_scale)
+
+
+@indexer_scores_paged.infer
+def _(q, weights, pos, block_table, p0, p1, *, max_rows, **_):
+    return TensorType((q.shape[0], q.shape[1], max_rows), "fp32")
