@@ -24,14 +24,21 @@ log = logging.getLogger(__name__)
 
 
 class NumericsCheck:
-    """Logits of the IR vs the reference model on one seeded scenario (reference computed once)."""
+    """Logits of the IR vs the reference model on one seeded scenario (reference computed once).
 
-    def __init__(self, reference, source, scenario: Scenario, chunk: int, tol: float, prepare=None):
+    `error` is the max absolute logit difference; `tol` is absolute too (callers derive it from a relative
+    tolerance and `scale`, the largest reference logit). `capacity` sizes the reference's caches like the
+    module's, so that a traced module reproduces the reference bit for bit.
+    """
+
+    def __init__(self, reference, source, scenario: Scenario, chunk: int, tol: float, prepare=None,
+                 capacity: int | None = None):
         self.source = source
         self.scenario = scenario
         self.tol = tol
         self.prepare = prepare
-        self.expected = reference_logits(reference, scenario, chunk)
+        self.expected = reference_logits(reference, scenario, chunk, capacity)
+        self.scale = max(float(t.abs().max()) for t in self.expected)
         self._weights: dict[tuple, torch.Tensor] = {}
 
     def weights(self, m: Module) -> dict[str, torch.Tensor]:

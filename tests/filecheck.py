@@ -7,6 +7,7 @@ import re
 
 
 def _pattern(s: str) -> re.Pattern:
+    s = re.sub(r"\[\[\w*:\]\]", "", s)  # `[[NAME:]]` labels are documentation only
     parts = re.split(r"\{\{(.*?)\}\}", s.strip())
     return re.compile("".join(re.escape(p) if i % 2 == 0 else p for i, p in enumerate(parts)))
 

@@ -17,15 +17,28 @@ GOLDEN = sorted((Path(__file__).parent / "golden").glob("*.ir"))
 
 
 def run_golden(path: Path) -> str:
+    """`# RUN: [trace=PRESET] passes=a,b [func=NAME]`: the IR in the file body (or the traced preset, with
+    TraceOptions(batch=2, chunk=16, decode_batch=2, capacity=160)), through the passes, printed."""
     src = path.read_text()
-    m = re.search(r"#\s*RUN:\s*passes=(.*)$", src, re.M)
+    m = re.search(r"#\s*RUN:(.*)$", src, re.M)
     assert m, f"{path.name}: no RUN line"
-    passes = [p for p in m.group(1).strip().split(",") if p]
-    module = verify(parse_module(src))
+    args = dict(kv.split("=", 1) for kv in m.group(1).split())
+    passes = [p for p in _split(args.get("passes", "")) if p]
+    if "trace" in args:
+        from v4compile.config import preset
+        from v4compile.trace import TraceOptions, trace
+
+        module = trace(preset(args["trace"]), TraceOptions(batch=2, chunk=16, decode_batch=2, capacity=160))
+    else:
+        module = verify(parse_module(src))
     out = PassManager(passes, PipelineOptions(verify_each=True)).run(module).module
-    text = print_module(out)
-    assert verify(parse_module(text)).same_as(out)  # and the output round-trips
-    return text
+    assert verify(parse_module(print_module(out))).same_as(out)  # the output round-trips
+    return print_module(out, [args["func"]] if "func" in args else None)
+
+
+def _split(text: str) -> list[str]:
+    from v4compile.compile_cli import _split_specs
+    return _split_specs(text)
 
 
 @pytest.mark.parametrize("path", GOLDEN, ids=[p.stem for p in GOLDEN])

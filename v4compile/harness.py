@@ -107,8 +107,10 @@ class IRRunner:
     """Prefill and decode through a module's functions, with state carried between calls."""
 
     def __init__(self, module: Module, weights: Mapping[str, torch.Tensor],
-                 prepare: Callable[["IRRunner", str, torch.Tensor, torch.Tensor], dict[str, torch.Tensor]] | None = None):
+                 prepare: Callable[["IRRunner", str, torch.Tensor, torch.Tensor], dict[str, torch.Tensor]] | None = None,
+                 interpreter: Callable = interpret):
         self.m = module
+        self.interpreter = interpreter
         self.weights = weights
         self.state: dict[str, torch.Tensor] = {}
         self.lengths: list[int] | None = None
@@ -132,7 +134,7 @@ class IRRunner:
             if v.name not in self.state:
                 self.state[v.name] = torch.zeros(v.type.shape, dtype=DTYPES[v.type.dtype])
             inputs[v.name] = self.state[v.name]
-        outs = interpret(fn, self.weights, inputs)
+        outs = self.interpreter(fn, self.weights, inputs)
         for name, t in outs.items():
             if name != "logits":
                 self.state[name] = t
@@ -183,10 +185,10 @@ class Scenario:
         return cls(prompts, dec)
 
 
-def reference_logits(model, sc: Scenario, chunk: int) -> list[torch.Tensor]:
+def reference_logits(model, sc: Scenario, chunk: int, capacity: int | None = None) -> list[torch.Tensor]:
     """[prefill last-token logits, decode step 1, ...] from the reference model."""
     cache, last = model.prefill([list(p) for p in sc.prompts], chunk=chunk,
-                                capacity=max(map(len, sc.prompts)) + len(sc.decode))
+                                capacity=capacity or max(map(len, sc.prompts)) + len(sc.decode))
     out = [last]
     for toks in sc.decode:
         out.append(model.decode(list(toks), cache))

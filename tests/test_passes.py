@@ -1,0 +1,330 @@
+"""The optimisation passes: numerics of every pass, V4-Pro hit counts and report, the memory plan, the
+paged pool's formats, and `compile --check-numerics`.
+
+Numerics tolerance: each pass must keep the interpreted logits within 1e-5 relative to the logit scale
+of the reference (fp32). The passes are exact rewrites, so the remaining difference is fp32 summation
+order (~2e-6 absolute on logits of magnitude ~4 here, i.e. ~5e-7 relative); 1e-5 leaves room for that
+and is far below any real defect (a wrong row or missed mask moves logits by > 1e-2).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import dense_weights, make_model
+from v4compile.config import CSA, preset
+from v4compile.harness import DenseSource, IRRunner, Scenario, ir_logits, load_ir_weights, reference_logits
+from v4compile.ir.core import WEIGHT
+from v4compile.ir.registry import get_op
+from v4compile.ir.types import DTYPES
+from v4compile.passes import DEFAULT_PIPELINE, PassManager, PipelineOptions
+from v4compile.passes.numerics import NumericsCheck
+from v4compile.pool import PoolGeometry
+from v4compile.report import build_report, launch_counts
+from v4compile.trace import TraceOptions, trace
+
+OPTS = dict(batch=2, chunk=16, decode_batch=2, capacity=160)
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=["hf", "official"])
+def run(request):
+    """The default pipeline on tiny with a numerics check after every pass."""
+    numerics = request.param
+    cfg = preset("tiny")
+    m = trace(cfg, TraceOptions(numerics=numerics, **OPTS))
+    sc = Scenario.make(cfg.vocab_size, 2, 100, 32, seed=4)  # 25 CSA rows per 100 tokens > index_topk 4
+    check = NumericsCheck(make_model("tiny", numerics=numerics), DenseSource(dense_weights("tiny")), sc, 16, 1e-4)
+    res = PassManager(DEFAULT_PIPELINE, PipelineOptions(verify_each=True, check_numerics=check)).run(m)
+    scale = max(float(t.abs().max()) for t in check.expected)
+    return numerics, m, res, check, scale
+
+
+def test_sparsity_is_active_in_the_scenario():
+    cfg = preset("tiny")
+    assert 75 // cfg.csa_ratio > cfg.index_topk and 100 // cfg.csa_ratio > cfg.index_topk
+
+
+def test_every_pass_preserves_numerics(run):
+    numerics, m, res, check, scale = run
+    assert scale > 1
+    assert res.traced_error / scale < RTOL
+    for r in res.records:
+        assert r.numerics_error / scale < RTOL, (numerics, r.spec, r.numerics_error)
+    assert [r.name for r in res.records] == DEFAULT_PIPELINE
+
+
+def test_every_pass_did_something(run):
+    numerics, m, res, check, scale = run
+    hits = {r.name: r.hits for r in res.records}
+    assert hits["merge_wq_a_wkv"]["decode.merged"] == 5
+    assert hits["fuse_mhc_post_pre"]["decode.seams"] == 2 * (5 - 1)
+    assert hits["fuse_mhc_post_pre"]["decode.pre_norm"] == 2 and hits["fuse_mhc_post_pre"]["decode.post_head"] == 1
+    assert hits["fold_inverse_rope_wo_a_quant"]["decode.folded"] == 5
+    assert hits["lower_sparse_attention"]["decode.attention"] == 5
+    assert hits["fuse_indexer_topk"]["decode.fused"] == 2
+    assert hits["fuse_qkv_norm_rope"]["decode.window_writes"] == 5 and hits["fuse_qkv_norm_rope"]["prefill.window_writes"] == 0
+    assert hits["fuse_moe"]["decode.fused"] == 5
+    assert hits["cse"]["decode.ops_merged"] >= 5  # the CSR builders shared across layers
+    final = res.module
+    names = {op.name for op in final.functions["decode"].ops}
+    assert not names & {"attention", "window_write", "compress", "indexer_scores", "topk"}
+    assert sum(op.name == "hc_post" for op in final.functions["decode"].ops) == 1  # layer 0's own seam
+    assert final.attrs["pool.main_fmt"] == ("fp8" if numerics == "official" else "native")
+
+
+def test_lossy_pool_formats_are_really_lossy():
+    """The exactness above is not vacuous: the FP8 / FP4 pool under hf numerics does move logits."""
+    cfg = preset("tiny")
+    m = trace(cfg, TraceOptions(**OPTS))
+    sc = Scenario.make(cfg.vocab_size, 2, 100, 8, seed=4)
+    check = NumericsCheck(make_model("tiny"), DenseSource(dense_weights("tiny")), sc, 16, 1e-4)
+    res = PassManager(["lower_sparse_attention{kv_format=fp8,index_format=fp4}"]).run(m)
+    assert check.error(res.module) > 1e-2
+
+
+def test_quantized_checkpoint_through_the_pipeline(tmp_path):
+    """Released FP8 / FP4 weights (tiny-pro: V4-Pro's pattern), official numerics, FP8 + FP4 pool."""
+    from v4compile import frontend
+    from v4compile.checkpoint import Checkpoint
+    from v4compile.init_random import init_random
+    from v4compile.model import ReferenceModel
+
+    out = init_random(tmp_path / "q", preset("tiny-pro"), seed=5, quantized=True)
+    fe = frontend.load(str(out), None, None, TraceOptions(numerics="official", **OPTS))
+    res = PassManager(DEFAULT_PIPELINE, PipelineOptions(verify_each=True)).run(fe.module)
+    assert res.records[0].hits["decode.unaligned"] == 5  # q_lora 48 is not a multiple of 128: kept apart
+    sc = Scenario.make(512, 2, 90, 32, seed=6)
+    with Checkpoint.open(out) as ck:
+        got = ir_logits(IRRunner(res.module, load_ir_weights(res.module, ck)), sc)
+    exp = reference_logits(ReferenceModel.from_pretrained(out, numerics="official"), sc, 16)
+    scale = max(float(t.abs().max()) for t in exp)
+    assert max(float((a - b).abs().max()) for a, b in zip(exp, got)) / scale < RTOL
+
+
+# ---- V4-Pro, shape-only ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pro():
+    cfg = preset("v4-pro")
+    opts = TraceOptions(batch=1, chunk=512, decode_batch=64, capacity=1 << 20, weights="released", dtype="bf16",
+                        numerics="official")
+    traced = trace(cfg, opts)
+    return cfg, traced, PassManager(DEFAULT_PIPELINE, PipelineOptions(verify_each=True)).run(traced)
+
+
+def test_v4_pro_pass_hits(pro):
+    cfg, traced, res = pro
+    hits = {r.name: r.hits for r in res.records}
+    assert hits["merge_wq_a_wkv"]["decode.merged"] == 61 and hits["merge_wq_a_wkv"]["decode.unaligned"] == 0
+    assert hits["fuse_mhc_post_pre"]["decode.seams"] == 120
+    assert hits["fold_inverse_rope_wo_a_quant"]["decode.folded"] == 61
+    assert hits["lower_sparse_attention"]["decode.indexers"] == 30
+    merged = res.module.weights["layers.7.attn.wqkv_a.weight"]
+    assert merged.type.shape == (2048, 7168) and merged.type.dtype == "fp8e4m3"
+    assert res.module.weights["layers.7.attn.wqkv_a.scale"].type.shape == (16, 56)
+    assert merged.sources == ("layers.7.attn.wq_a.weight", "layers.7.attn.wkv.weight")
+
+
+def test_v4_pro_report(pro):
+    cfg, traced, res = pro
+    rep = build_report(cfg, traced, res)
+    for key in ("launches_per_decode_step", "launches_per_layer", "pass_hits", "arena_bytes", "kv_bytes_per_token"):
+        assert rep[key] is not None, key
+    assert rep["kv_bytes_per_token"] == pytest.approx(5465, abs=0.5)  # = the accounting's fp8+fp4
+    assert rep["kv_bytes_per_token"] == pytest.approx(rep["kv_bytes_per_token_accounting"]["fp8+fp4"])
+    lc = launch_counts(cfg, res.module.functions["decode"])
+    assert lc["mean_per_layer"] <= 15  # the goal (ATOM: 31-34 HCA, 39-42 CSA)
+    assert rep["launches_per_decode_step"] < 1000
+    assert rep["pass_hits"]["fuse_mhc_post_pre"]["seams"] == 120
+    assert 0 < rep["arena_bytes"] < rep["arena_naive_bytes"] / 10
+    geo = PoolGeometry.from_attrs(res.module.attrs)
+    assert geo.envelope_rows == 1982 and geo.block_tokens == 256 and geo.index_envelope_rows == 1920
+    assert geo.row_bytes() == (640, 68)
+
+
+def test_v4_pro_pool_geometry():
+    cfg = preset("v4-pro")
+    geo = PoolGeometry.for_config(cfg, 4096, 2, "fp8", "fp4", "bf16")
+    off = dict(geo.layer_offset)
+    assert off[0] == 0 and off[1] == 2 and off[3] == 4  # HCA layers first, 2 rows each
+    first_csa = 31 * 2
+    assert off[2] == first_csa and off[4] == first_csa + 64
+    assert dict(geo.index_offset)[2] == 0 and dict(geo.index_offset)[4] == 64
+    assert geo.slot_rows == 61 * 128
+
+
+# ---- memory plan ---------------------------------------------------------------------------------
+
+VIEWS = {"reshape", "split"}
+
+
+def arena_interpret(fn, weights, inputs, **_):
+    """Interpret with every arena value living in one byte buffer at its planned offset: a plan that
+    lets two live values overlap corrupts one of them."""
+    arena = torch.zeros(fn.attrs["arena_bytes"] + 64, dtype=torch.uint8)
+    where: dict[int, int] = {}
+    env = {id(v): inputs[v.name] for v in fn.inputs}
+    views: dict[int, tuple] = {}
+
+    def get(v):
+        if v is None:
+            return None
+        if v.kind == WEIGHT:
+            return weights[v.name]
+        if id(v) in views:
+            op, k = views[id(v)]
+            return get_op(op.name).run([get(op.operands[0])], op.attrs)[k]
+        if id(v) in where:
+            o, n = where[id(v)], v.type.nbytes
+            return arena[o:o + n].view(DTYPES[v.type.dtype]).reshape(v.type.shape)
+        return env[id(v)]
+
+    for op in fn.ops:
+        outs = get_op(op.name).run([get(v) for v in op.operands], op.attrs)
+        for k, (r, t, off) in enumerate(zip(op.results, outs, op.attrs["_arena"])):
+            if op.name in VIEWS:
+                views[id(r)] = (op, k)
+            elif off >= 0:
+                arena[off:off + r.type.nbytes] = t.contiguous().reshape(-1).view(torch.uint8)
+                where[id(r)] = off
+            else:
+                env[id(r)] = t
+    return {n: get(v).clone() for n, v in fn.outputs}
+
+
+def test_memory_plan_runs_in_one_arena(run):
+    numerics, m, res, check, scale = run
+    final = res.module
+    w = check.weights(final)
+    plain = ir_logits(IRRunner(final, w), check.scenario)
+    in_arena = ir_logits(IRRunner(final, w, interpreter=arena_interpret), check.scenario)
+    assert all(torch.equal(a, b) for a, b in zip(plain, in_arena))
+    # ... and a corrupted plan (two values alive together on one offset) is caught.
+    fn = final.functions["decode"]
+    ops = list(fn.ops)
+    last_use = {}
+    for k, op in enumerate(ops):
+        for v in op.operands:
+            if v is not None:
+                last_use[id(v)] = k
+    # a value still needed after the next arena value is born: give that next value the same offset
+    def next_arena(k):
+        return next(n for n in range(k + 1, len(ops)) if ops[n].name not in VIEWS and ops[n].attrs["_arena"][0] >= 0)
+
+    i = next(k for k, op in enumerate(ops) if op.name not in VIEWS and op.attrs["_arena"][0] >= 0
+             and last_use.get(id(op.results[0]), k) > next_arena(k))
+    j = next_arena(i)
+    bad = (ops[i].attrs["_arena"][0],) + ops[j].attrs["_arena"][1:]
+    ops[j] = ops[j].replace(attrs={**ops[j].attrs, "_arena": bad})
+    from v4compile.ir.core import Function
+    broken = Function(fn.name, fn.inputs, ops, fn.outputs, fn.attrs)
+    mod = type(final)(final.name, final.weights, {**final.functions, "decode": broken}, final.attrs)
+    corrupted = ir_logits(IRRunner(mod, w, interpreter=arena_interpret), check.scenario)
+    assert not all(torch.equal(a, b) for a, b in zip(plain, corrupted))
+
+
+def test_memory_plan_never_overlaps_live_values(pro):
+    cfg, traced, res = pro
+    for fn in res.module.functions.values():
+        born, dies, off, size = {}, {}, {}, {}
+        for i, op in enumerate(fn.ops):
+            for r, o in zip(op.results, op.attrs["_arena"]):
+                if op.name not in VIEWS and o >= 0:
+                    born[id(r)], dies[id(r)], off[id(r)], size[id(r)] = i, i, o, r.type.nbytes
+            for v in op.operands:
+                if v is not None and id(v) in dies:
+                    dies[id(v)] = i
+        # views extend their operand's life: reuse the plan's own rule by checking through them
+        vals = sorted(off, key=lambda v: off[v])
+        for a_i, a in enumerate(vals):
+            for b in vals[a_i + 1:]:
+                if off[b] >= off[a] + size[a]:
+                    break
+                assert dies[a] < born[b] or dies[b] < born[a], "overlapping live values"
+        assert fn.attrs["arena_bytes"] >= max(off[v] + size[v] for v in off)
+
+
+# ---- pool ops ------------------------------------------------------------------------------------
+
+def test_pool_formats_round_trip():
+    from v4compile.ops.paged import read_rows, write_rows
+    from v4compile.formats import fp8_qdq, hadamard, fp4_qdq
+
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(5, 128, generator=g) * 3
+    rows = torch.tensor([7, 0, 3, 9, 2])
+    # main fp8: values already on the FP8 grid (official rounding) survive exactly; RoPE dims untouched
+    official = torch.cat([fp8_qdq(v[:, :64], 64), v[:, 64:]], dim=1)
+    planes = [torch.zeros(10, 64, dtype=torch.float8_e4m3fn), torch.zeros(10, 1, dtype=torch.float8_e8m0fnu),
+              torch.zeros(10, 64)]
+    planes = write_rows(planes, rows, official, "fp8")
+    assert torch.equal(read_rows(planes, rows, "fp8", torch.float32), official)
+    assert torch.equal(read_rows(planes, torch.tensor([-1]), "fp8", torch.float32), torch.zeros(1, 128))
+    # index fp4: Hadamard-rotated + FP4-rounded keys survive exactly
+    key = fp4_qdq(v @ hadamard(128), 32)
+    ip = write_rows([torch.zeros(10, 64, dtype=torch.int8), torch.zeros(10, 4, dtype=torch.float8_e8m0fnu)], rows,
+                    key, "fp4")
+    assert torch.equal(read_rows(ip, rows, "fp4", torch.float32), key)
+    # native planes are exact for anything
+    nat = write_rows([torch.zeros(10, 128)], rows, v, "native")
+    assert torch.equal(read_rows(nat, rows, "native", torch.float32), v)
+
+
+def test_csr_translation_through_the_block_table():
+    from v4compile.ops.paged import csr_compressed, csr_selected, csr_window
+
+    # Sequence 0 at positions 40..43 (ratio 4 -> rows 0..10 visible), blocks [5, 2] of 32 tokens
+    pos = torch.tensor([[40, 41, 42, 43]])
+    table = torch.tensor([[5, 2]], dtype=torch.int32)
+    sel = torch.tensor([[[9, -1, 0], [1, 8, -1], [-1, -1, -1], [10, 7, 2]]])
+    indptr, idx = csr_selected(sel, pos, table, ratio=4, block_tokens=32, envelope_rows=20)
+    # per block 8 rows: row w -> block table[w // 8] * 20 + w % 8
+    assert indptr.tolist() == [0, 2, 4, 4, 7]
+    assert idx[:7].tolist() == [2 * 20 + 1, 5 * 20 + 0, 5 * 20 + 1, 2 * 20 + 0, 2 * 20 + 2, 5 * 20 + 7, 5 * 20 + 2]
+    ip, ix = csr_compressed(pos, table, ratio=16, block_tokens=32, envelope_rows=20, max_rows=4)
+    assert ip.tolist() == [0, 2, 4, 6, 8] and ix[:2].tolist() == [5 * 20, 5 * 20 + 1]
+    # window: positions 37..39 are before the chunk and within 4 of 40 -> ring rows of slot 1
+    wp, wx = csr_window(pos, torch.tensor([1], dtype=torch.int32), window=4, slot_rows=8, n_rows=100)
+    base = 100 - 2 * 8
+    assert wp.tolist() == [0, 3, 5, 6, 6]
+    assert wx[:3].tolist() == [base + 37 % 4, base + 38 % 4, base + 39 % 4]
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "v4compile", *args], capture_output=True, text=True, timeout=900)
+
+
+def test_compile_check_numerics_on_tiny(tmp_path):
+    r = cli("compile", "--preset", "tiny", "--numerics", "official", "--dtype", "fp32", "--check-numerics",
+            "--max-context", "160", "--report", "-o", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    assert "every pass within tolerance" in r.stderr
+    assert "kernel launches per decode step" in r.stdout
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["pass_hits"]["fuse_mhc_post_pre"]["seams"] == 8
+    assert (tmp_path / "out" / "module.ir").is_file()
+    r = cli("ir", "verify", str(tmp_path / "out" / "module.ir"))
+    assert r.returncode == 0, r.stderr
+
+
+def test_compile_v4_pro_json():
+    r = cli("compile", "--preset", "v4-pro", "--weights", "none", "--report", "--json")
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["kv_bytes_per_token"] == pytest.approx(5465, abs=0.5)
+    assert j["pass_hits"]["fuse_mhc_post_pre"]["seams"] == 120
+    assert set(j["launches_per_layer"]) == {"hca", "csa"}
+    assert j["launches_per_layer_mean"] <= 15
+
+
+def test_compile_rejects_random_weights_for_v4_pro():
+    r = cli("compile", "--preset", "v4-pro", "--report")
+    assert r.returncode == 2 and "--weights none" in r.stderr and "Traceback" not in r.stderr
