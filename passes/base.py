@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from v4compile.errors import PassError
-from v4compile.ir.core import Module
+from v4compile.ir.core import Function, Module
 
 PASSES: dict[str, type["Pass"]] = {}
 
@@ -41,6 +41,21 @@ class Pass:
         opts = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
                 if getattr(self, f.name) != f.default]
         return self.name + ("{" + ",".join(opts) + "}" if opts else "")
+
+
+@dataclass(frozen=True)
+class FunctionPass(Pass):
+    """A pass that rewrites each function on its own: subclasses implement `rewrite(fn) -> (fn, hits)`;
+    hits are reported per function (`decode.fused`)."""
+
+    def rewrite(self, fn: Function) -> tuple[Function, dict[str, int]]:
+        raise NotImplementedError
+
+    def run(self, module: Module) -> PassResult:
+        from .rewrite import map_functions
+
+        m, hits = map_functions(module, self.rewrite)
+        return PassResult(m, hits)
 
 
 def register(cls: type[Pass]) -> type[Pass]:

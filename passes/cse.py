@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from v4compile.ir.core import Function
 
-from .base import Pass, PassResult, register
-from .rewrite import map_functions, substitute
+from .base import FunctionPass, register
+from .rewrite import substitute
 
 
 def cse_function(fn: Function) -> tuple[Function, dict[str, int]]:
@@ -36,9 +36,8 @@ def cse_function(fn: Function) -> tuple[Function, dict[str, int]]:
 
 @register
 @dataclass(frozen=True)
-class CommonSubexpressionElimination(Pass):
+class CommonSubexpressionElimination(FunctionPass):
     name = "cse"
 
-    def run(self, module):
-        m, hits = map_functions(module, cse_function)
-        return PassResult(m, hits)
+    def rewrite(self, fn):
+        return cse_function(fn)

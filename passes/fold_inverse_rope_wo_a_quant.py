@@ -18,48 +18,46 @@ from dataclasses import dataclass
 from v4compile.errors import PassError
 from v4compile.ir.core import Function
 
-from .base import Pass, PassResult, register
-from .rewrite import Namer, make_op, map_functions, use_counts
+from .base import FunctionPass, register
+from .rewrite import Namer, make_op, use_counts
 
 
 @register
 @dataclass(frozen=True)
-class FoldInverseRopeWoAQuant(Pass):
+class FoldInverseRopeWoAQuant(FunctionPass):
     name = "fold_inverse_rope_wo_a_quant"
     quant: str = "none"
 
     def run(self, module):
         if self.quant not in ("none", "fp8"):
             raise PassError("fold_inverse_rope_wo_a_quant: quant must be none or fp8", found=self.quant)
+        return super().run(module)
 
-        def fold(fn: Function):
-            namer = Namer(fn)
-            uses = use_counts(fn)
-            users = {}
-            for op in fn.ops:
-                for v in op.operands:
-                    if v is not None:
-                        users.setdefault(id(v), []).append(op)
-            replace, drop, n = {}, set(), 0
-            for op in fn.ops:
-                if op.name != "rope" or not op.attrs["inverse"]:
-                    continue
-                u = users.get(id(op.result), [])
-                if uses.get(id(op.result)) != 1 or len(u) != 1 or u[0].name != "grouped_out_proj":
-                    continue
-                proj = u[0]
-                attrs = {k: op.attrs[k] for k in ("dim", "theta", "yarn")}
-                q = make_op(namer, "inv_rope_group_quant", list(op.operands), {**attrs, "fmt": self.quant}, op.loc,
-                            None if self.quant == "fp8" else [op.result])
-                o_scale = q.results[1] if self.quant == "fp8" else None
-                new_proj = make_op(namer, "grouped_out_proj", [q.results[0], proj.operands[1], proj.operands[2], o_scale],
-                                   {**proj.attrs, "out_dtype": op.result.type.dtype if o_scale is not None else ""},
-                                   proj.loc, [proj.result])
-                replace[id(op)] = q
-                replace[id(proj)] = new_proj
-                n += 1
-            ops = [replace.get(id(op), op) for op in fn.ops if id(op) not in drop]
-            return Function(fn.name, list(fn.inputs), ops, list(fn.outputs), dict(fn.attrs)), {"folded": n}
-
-        m, hits = map_functions(module, fold)
-        return PassResult(m, hits)
+    def rewrite(self, fn: Function):
+        namer = Namer(fn)
+        uses = use_counts(fn)
+        users = {}
+        for op in fn.ops:
+            for v in op.operands:
+                if v is not None:
+                    users.setdefault(id(v), []).append(op)
+        replace, n = {}, 0
+        for op in fn.ops:
+            if op.name != "rope" or not op.attrs["inverse"]:
+                continue
+            u = users.get(id(op.result), [])
+            if uses.get(id(op.result)) != 1 or len(u) != 1 or u[0].name != "grouped_out_proj":
+                continue
+            proj = u[0]
+            attrs = {k: op.attrs[k] for k in ("dim", "theta", "yarn")}
+            q = make_op(namer, "inv_rope_group_quant", list(op.operands), {**attrs, "fmt": self.quant}, op.loc,
+                        None if self.quant == "fp8" else [op.result])
+            o_scale = q.results[1] if self.quant == "fp8" else None
+            new_proj = make_op(namer, "grouped_out_proj", [q.results[0], proj.operands[1], proj.operands[2], o_scale],
+                               {**proj.attrs, "out_dtype": op.result.type.dtype if o_scale is not None else ""},
+                               proj.loc, [proj.result])
+            replace[id(op)] = q
+            replace[id(proj)] = new_proj
+            n += 1
+        ops = [replace.get(id(op), op) for op in fn.ops]
+        return Function(fn.name, list(fn.inputs), ops, list(fn.outputs), dict(fn.attrs)), {"folded": n}

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from v4compile.ir.core import Function
 
-from .base import Pass, PassResult, register
-from .rewrite import Namer, make_op, map_functions, use_counts
+from .base import FunctionPass, register
+from .rewrite import Namer, make_op, use_counts
 
 
 def _users(fn: Function) -> dict[int, list]:
@@ -94,9 +94,8 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
 
 @register
 @dataclass(frozen=True)
-class FuseMhcPostPre(Pass):
+class FuseMhcPostPre(FunctionPass):
     name = "fuse_mhc_post_pre"
 
-    def run(self, module):
-        m, hits = map_functions(module, fuse_function)
-        return PassResult(m, hits)
+    def rewrite(self, fn):
+        return fuse_function(fn)

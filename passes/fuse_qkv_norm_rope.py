@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from v4compile.ir.core import Function
 
-from .base import Pass, PassResult, register
-from .rewrite import Namer, make_op, map_functions, use_counts
+from .base import FunctionPass, register
+from .rewrite import Namer, make_op, use_counts
 
 PLANE_OPERANDS = {"pool_write_window": (3, 0), "compress_paged": (9, 2)}  # first plane operand, first plane result
 
@@ -147,9 +147,8 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
 
 @register
 @dataclass(frozen=True)
-class FuseQkvNormRope(Pass):
+class FuseQkvNormRope(FunctionPass):
     name = "fuse_qkv_norm_rope"
 
-    def run(self, module):
-        m, hits = map_functions(module, fuse_function)
-        return PassResult(m, hits)
+    def rewrite(self, fn):
+        return fuse_function(fn)

@@ -17,9 +17,15 @@ from .rewrite import Namer, make_op
 
 
 def merged_name(names: list[str], suffix: str) -> str:
-    """`layers.3.attn.wq_a.weight` + `layers.3.attn.wkv.weight` -> `layers.3.attn.<suffix>.weight`."""
-    prefix = names[0].rsplit(".", 2)[0]
-    return f"{prefix}.{suffix}.weight"
+    """The members' common module path + suffix: `layers.3.attn.wq_a.weight` + `layers.3.attn.wkv.weight`
+    -> `layers.3.attn.<suffix>.weight`."""
+    parts = [n.split(".")[:-2] for n in names]
+    common = []
+    for seg in zip(*parts):
+        if len(set(seg)) != 1:
+            break
+        common.append(seg[0])
+    return ".".join(common + [suffix, "weight"])
 
 
 def can_merge(ops: list[Op]) -> bool:

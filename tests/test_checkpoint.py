@@ -31,6 +31,10 @@ def quant_ckpt(tmp_path_factory):
 
 def test_fp32_round_trip_is_exact(fp32_ckpt):
     dense = dense_weights("tiny")
+    for layer in range(preset("tiny").n_hash_layers):
+        table = dense[f"layers.{layer}.ffn.gate.tid2eid"]
+        assert all(len(set(row)) == len(row) for row in table.tolist())  # no expert twice for a token
+        assert len(torch.unique(table)) == preset("tiny").n_experts  # and every expert is used
     with Checkpoint.open(fp32_ckpt) as ck:
         ck.validate()
         assert set(ck.entries) == set(dense)

@@ -59,6 +59,19 @@ def test_every_pass_preserves_numerics(run):
     assert [r.name for r in res.records] == DEFAULT_PIPELINE
 
 
+def test_every_pass_output_round_trips(tmp_path):
+    from v4compile.ir.text import parse_module, print_module
+    from v4compile.ir.verify import verify
+
+    m = trace(preset("tiny-pro"), TraceOptions(numerics="official", **OPTS))
+    PassManager(DEFAULT_PIPELINE, PipelineOptions(dump_ir=str(tmp_path))).run(m)
+    dumps = sorted(tmp_path.glob("*.ir"))
+    assert len(dumps) == len(DEFAULT_PIPELINE) + 1
+    for f in dumps:
+        text = f.read_text()
+        assert print_module(verify(parse_module(text))) == text, f.name
+
+
 def test_every_pass_did_something(run):
     numerics, m, res, check, scale = run
     hits = {r.name: r.hits for r in res.records}

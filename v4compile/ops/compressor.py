@@ -59,6 +59,23 @@ def pooled_rows(kv, gate, state_kv, state_gate, pos, m: int, overlap: bool):
     return pooled, w, closed
 
 
+def closed_rows(kv, gate, ape, norm, state_kv, state_gate, pos, ratio: int, overlap: bool, eps: float, rope_dim: int,
+                theta: float, yarn: tuple, round: str):
+    """The finished rows of the windows this chunk closes: pooled, RMSNorm-ed, RoPE-d at `ratio * w`
+    and (official numerics) rounded. Returns (rows [B, J, dk], w, closed, gate logits with the position
+    bias, which is what the state ring stores)."""
+    g = gate.float() + ape.float()[torch.remainder(pos.clamp(min=0), ratio)]
+    pooled, w, closed = pooled_rows(kv, g, state_kv, state_gate, pos, ratio, overlap)
+    h = pooled.float()
+    h = (norm.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(kv.dtype)
+    h = rotate(h, ratio * w, rope_dim, theta, yarn)
+    if round == "fp8":
+        h = fp8_round_ref(h, h.shape[-1] - rope_dim, math.gcd(64, h.shape[-1] - rope_dim))
+    elif round == "fp4":
+        h = hadamard_fp4_round_ref(h, 32)
+    return h, w, closed, g
+
+
 def update_ring(state_kv, state_gate, kv, gate, pos):
     """Write this chunk's tokens into ring slot `p % S` (only each sequence's last S positions)."""
     S = state_kv.shape[1]
@@ -81,16 +98,8 @@ def compress(kv, gate, ape, norm, state_kv, state_gate, rows, pos, *, ratio, ove
     channel), RMSNorm, RoPE at the window's first position `m * w`, optional official rounding
     (`fp8`: FP8 on the non-RoPE dims; `fp4`: Hadamard + FP4), store the row at index w; then push the
     chunk's tokens into the state ring. `kv` / `gate` are the raw projections of the chunk."""
-    m = ratio
-    g = gate.float() + ape.float()[torch.remainder(pos.clamp(min=0), m)]
-    pooled, w, closed = pooled_rows(kv, g, state_kv, state_gate, pos, m, overlap)
-    h = pooled.float()
-    h = (norm.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(kv.dtype)
-    h = rotate(h, m * w, rope_dim, theta, yarn)
-    if round == "fp8":
-        h = fp8_round_ref(h, h.shape[-1] - rope_dim, math.gcd(64, h.shape[-1] - rope_dim))
-    elif round == "fp4":
-        h = hadamard_fp4_round_ref(h, 32)
+    h, w, closed, g = closed_rows(kv, gate, ape, norm, state_kv, state_gate, pos, ratio, overlap, eps, rope_dim, theta,
+                                  yarn, round)
     out = rows.clone()
     R = rows.shape[1]
     ok = closed & (w < R)

@@ -14,9 +14,7 @@ import torch
 from ..formats import FP8_MAX, e8m0_to_float, float_to_e8m0, fp4_dequant, fp4_quant, pow2_scale
 from ..ir.registry import defop, require
 from ..ir.types import TensorType
-from .compressor import pooled_rows, update_ring
-from .numerics import fp8_round_ref, hadamard_fp4_round_ref
-from .rope import rotate
+from .compressor import closed_rows, update_ring
 
 
 # ---- plane access --------------------------------------------------------------------------------
@@ -144,21 +142,11 @@ def compress_paged(kv, gate, ape, norm, state_kv, state_gate, pos, slot, block_t
                    eps, rope_dim, theta, yarn, round, block_tokens, envelope_rows, layer_offset, fmt):
     """`compress` on the pool: the state rings live per slot, and each closed window's row is written at
     its physical row `block_table[b, w // per_block] * envelope + layer_offset + w % per_block`."""
-    m = ratio
     slot = slot.long()
     skv, sg = state_kv[slot], state_gate[slot]
-    g = gate.float() + ape.float()[torch.remainder(pos.clamp(min=0), m)]
-    pooled, w, closed = pooled_rows(kv, g, skv, sg, pos, m, overlap)
-    h = pooled.float()
-    h = (norm.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(kv.dtype)
-    h = rotate(h, m * w, rope_dim, theta, yarn)
-    if round == "fp8":
-        import math
-        h = fp8_round_ref(h, h.shape[-1] - rope_dim, math.gcd(64, h.shape[-1] - rope_dim))
-    elif round == "fp4":
-        h = hadamard_fp4_round_ref(h, 32)
+    h, w, closed, g = closed_rows(kv, gate, ape, norm, skv, sg, pos, ratio, overlap, eps, rope_dim, theta, yarn, round)
     b, j = closed.nonzero(as_tuple=True)
-    rows = compressed_row(w[b, j], b, block_table, m, block_tokens, envelope_rows) + layer_offset
+    rows = compressed_row(w[b, j], b, block_table, ratio, block_tokens, envelope_rows) + layer_offset
     planes = write_rows(_planes(p0, p1, p2), rows, h[b, j], fmt)
     nkv, ng = update_ring(skv, sg, kv, g, pos)
     out_kv, out_g = state_kv.clone(), state_gate.clone()
