@@ -45,3 +45,18 @@ def test_checkpoint_errors_exit_2(tmp_path):
     assert r.returncode == 2 and "checkpoint not found" in r.stderr and "Traceback" not in r.stderr
     r = cli("generate", "x", "--preset", "tiny", "--ids", "1", check=False)
     assert r.returncode == 2 and "not both" in r.stderr
+
+
+def test_init_random_from_a_config_file_and_single_file_checkpoint(tmp_path):
+    from v4compile.config import preset
+    from v4compile.model import ReferenceModel
+
+    cfg = preset("tiny").replace(n_layers=3, layer_kinds=("hca", "csa", "swa"), n_hash_layers=1, name="custom")
+    (tmp_path / "c.json").write_text(json.dumps(cfg.to_hf()))
+    out = tmp_path / "ck"
+    cli("init-random", "--config", str(tmp_path / "c.json"), "-o", str(out))
+    shard = next(out.glob("*.safetensors"))
+    (out / "model.safetensors.index.json").unlink()
+    model = ReferenceModel.from_pretrained(shard)  # a single file; config.json beside it
+    assert model.cfg.n_layers == 3 and model.cfg.layer_kinds == ("hca", "csa", "swa")
+    assert len(model.generate([1, 2, 3], 3)) == 3

@@ -99,13 +99,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_init_random(args: argparse.Namespace) -> int:
     from .accounting import account
-    from .config import preset
+    from .config import V4Config, preset
     from .init_random import init_random
 
-    cfg = preset(args.preset)
+    if args.config and args.preset:
+        raise InputError("give either --preset or --config, not both")
+    cfg = V4Config.from_file(args.config) if args.config else preset(args.preset or DEFAULT_PRESET)
     n = account(cfg).logical_params
     if n > MAX_RANDOM_PARAMS:
-        raise InputError(f"preset '{cfg.name}' is too large to write random weights for",
+        raise InputError(f"config '{cfg.name}' is too large to write random weights for",
                          expected=f"<= {MAX_RANDOM_PARAMS:,} parameters", found=f"{n:,}")
     last = [0.0]
 
@@ -146,8 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_inspect)
 
-    r = sub.add_parser("init-random", help="write a seeded random checkpoint for a preset")
-    r.add_argument("--preset", default=DEFAULT_PRESET)
+    r = sub.add_parser("init-random", help="write a seeded random checkpoint for a preset or a config file")
+    r.add_argument("--preset", help=f"a named config (default {DEFAULT_PRESET})")
+    r.add_argument("--config", help="a config.json in either layout (official or HF)")
     r.add_argument("-o", "--output", required=True, help="output directory (must not exist or be empty)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--quantized", action="store_true",
