@@ -19,7 +19,7 @@ from v4compile.errors import PassError
 from v4compile.ir.core import Function
 
 from .base import FunctionPass, register
-from .rewrite import Namer, make_op, use_counts
+from .rewrite import Namer, make_op, rebuild, use_counts
 
 
 @register
@@ -59,5 +59,4 @@ class FoldInverseRopeWoAQuant(FunctionPass):
             replace[id(op)] = q
             replace[id(proj)] = new_proj
             n += 1
-        ops = [replace.get(id(op), op) for op in fn.ops]
-        return Function(fn.name, list(fn.inputs), ops, list(fn.outputs), dict(fn.attrs)), {"folded": n}
+        return rebuild(fn, replace), {"folded": n}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from v4compile.ir.core import Function
 
 from .base import FunctionPass, register
-from .rewrite import Namer, make_op, use_counts
+from .rewrite import make_op, Namer, rebuild, use_counts
 
 
 def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
@@ -49,8 +49,7 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
         replace[id(op)] = new
         drop.update(id(o) for o in inner)
         n += 1
-    ops = [replace.get(id(op), op) for op in fn.ops if id(op) not in drop]
-    return Function(fn.name, list(fn.inputs), ops, list(fn.outputs), dict(fn.attrs)), {"fused": n}
+    return rebuild(fn, replace, drop), {"fused": n}
 
 
 @register

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from v4compile.ir.core import Function
 
 from .base import FunctionPass, register
-from .rewrite import Namer, make_op, use_counts
+from .rewrite import make_op, Namer, rebuild, use_counts
 
 
 def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
@@ -31,8 +31,7 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
         replace[id(op)] = make_op(namer, "norm_linear", [n.operands[0], n.operands[1], op.operands[1], op.operands[2]],
                                   {"eps": n.attrs["eps"], "block": op.attrs["block"]}, op.loc, [op.result])
         drop.add(id(n))
-    ops = [replace.get(id(op), op) for op in fn.ops if id(op) not in drop]
-    return Function(fn.name, list(fn.inputs), ops, list(fn.outputs), dict(fn.attrs)), {"fused": len(replace)}
+    return rebuild(fn, replace, drop), {"fused": len(replace)}
 
 
 @register

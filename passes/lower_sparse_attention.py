@@ -92,7 +92,6 @@ def lower_function(fn: Function, geo: PoolGeometry) -> tuple[Function, dict[str,
     cur_main, cur_index = list(main), list(index)
     cur_state = dict(states)
     rows_of: dict[int, tuple[int, str]] = {}  # id(rows value) -> (layer, main | index)
-    pos = next(v for v in fn.inputs if v.name == "pos")
     hits = {"attention": 0, "window_writes": 0, "compressors": 0, "indexers": 0}
     ops = []
 

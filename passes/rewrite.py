@@ -58,6 +58,12 @@ def make_op(namer: Namer, opname: str, operands: list, attrs: dict, loc: str,
     return Op(opname, tuple(operands), results, attrs, loc)
 
 
+def rebuild(fn: Function, replace: dict[int, Op], drop: set[int] = frozenset()) -> Function:
+    """The function with `replace[id(op)]` in place of those ops and the ops in `drop` removed."""
+    ops = [replace.get(id(op), op) for op in fn.ops if id(op) not in drop]
+    return Function(fn.name, list(fn.inputs), ops, list(fn.outputs), dict(fn.attrs))
+
+
 def producers(fn: Function) -> dict[int, Op]:
     return fn.producers()
 

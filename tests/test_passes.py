@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import dense_weights, make_model
-from v4compile.config import CSA, preset
+from v4compile.config import preset
 from v4compile.harness import DenseSource, IRRunner, Scenario, ir_logits, load_ir_weights, reference_logits
 from v4compile.ir.core import WEIGHT
 from v4compile.ir.registry import get_op

@@ -13,7 +13,6 @@ import math
 import torch
 
 from ..ir.registry import defop, require
-from ..ir.types import TensorType
 from .numerics import fp8_round_ref, hadamard_fp4_round_ref
 from .rope import rotate
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from ..ir.registry import defop, require
 from ..ir.types import TensorType
-from .attention import grouped_out_proj
 from .basic import linear, rms_norm, swiglu
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import moe_experts

@@ -239,8 +239,7 @@ def _(selected, pos, block_table, **_):
 # ---- the sparse attention ------------------------------------------------------------------------
 
 def _gather_csr(indptr: torch.Tensor, indices: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """CSR -> padded [L, width] rows and mask."""
-    L = indptr.shape[0] - 1
+    """CSR over L = len(indptr) - 1 lanes -> padded [L, width] rows and mask."""
     counts = (indptr[1:] - indptr[:-1]).long()
     j = torch.arange(width).view(1, -1)
     mask = j < counts.view(-1, 1)
@@ -257,12 +256,11 @@ def sparse_attention(q, kv, pos, sink, win_indptr, win_indices, comp_indptr, com
     compressed CSR (+ `comp_base`), and the chunk's own kv rows at positions in (t - window, t]; the sink
     joins the denominator only. K = V = the 512-wide latent."""
     B, T, H, d = q.shape
-    L = B * T
     planes = _planes(p0, p1, p2)
     wr, wm = _gather_csr(win_indptr, win_indices, max(window - 1, 1))
     parts_rows, parts_mask = [torch.where(wm, wr + win_base, -1)], [wm]
     if comp_indptr is not None:
-        width = int((comp_indptr[1:] - comp_indptr[:-1]).max()) if L else 0
+        width = int((comp_indptr[1:] - comp_indptr[:-1]).max()) if B * T else 0
         cr, cm = _gather_csr(comp_indptr, comp_indices, max(width, 1))
         parts_rows.append(torch.where(cm, cr + comp_base, -1))
         parts_mask.append(cm)
