@@ -115,8 +115,9 @@ class IRRunner:
         self.state: dict[str, torch.Tensor] = {}
         self.lengths: list[int] | None = None
         self.prepare = prepare  # extra per-step inputs
-        self.allocator = PagedAllocator(PoolGeometry.from_attrs(module.attrs)) if "pool.n_rows" in module.attrs or \
-            "pool.block_tokens" in module.attrs else None
+        # A pool-lowered module carries its geometry; the runner then does the runtime's paging.
+        self.allocator = PagedAllocator(PoolGeometry.from_attrs(module.attrs)) if "pool.block_tokens" in module.attrs \
+            else None
 
     def _batch(self, fname: str) -> int:
         return self.m.functions[fname].attrs["batch"]
