@@ -36,11 +36,7 @@ class FoldInverseRopeWoAQuant(FunctionPass):
     def rewrite(self, fn: Function):
         namer = Namer(fn)
         uses = use_counts(fn)
-        users = {}
-        for op in fn.ops:
-            for v in op.operands:
-                if v is not None:
-                    users.setdefault(id(v), []).append(op)
+        users = fn.users()
         replace, n = {}, 0
         for op in fn.ops:
             if op.name != "rope" or not op.attrs["inverse"]:

@@ -24,18 +24,9 @@ from .base import FunctionPass, register
 from .rewrite import Namer, make_op, use_counts
 
 
-def _users(fn: Function) -> dict[int, list]:
-    out: dict[int, list] = {}
-    for op in fn.ops:
-        for v in op.operands:
-            if v is not None:
-                out.setdefault(id(v), []).append(op)
-    return out
-
-
 def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     namer = Namer(fn)
-    users = _users(fn)
+    users = fn.users()
     uses = use_counts(fn)
     replace: dict[int, object] = {}  # id(op) -> new op (placed there)
     drop: set[int] = set()

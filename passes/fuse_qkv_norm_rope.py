@@ -32,11 +32,7 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     namer = Namer(fn)
     prod = fn.producers()
     uses = use_counts(fn)
-    users: dict[int, list] = {}
-    for op in fn.ops:
-        for v in op.operands:
-            if v is not None:
-                users.setdefault(id(v), []).append(op)
+    users = fn.users()
 
     def sole_user(v, name):
         u = users.get(id(v), [])

@@ -23,6 +23,14 @@ def ring_positions(pos: torch.Tensor, slots: int) -> torch.Tensor:
     return start - 1 - torch.remainder(start - 1 - j, slots)
 
 
+def ring_lanes(pos: torch.Tensor, slots: int) -> torch.Tensor:
+    """Lanes whose token a ring of `slots` entries keeps after this chunk: each sequence's last `slots`
+    positions (so no slot is written twice)."""
+    valid = pos >= 0
+    last = pos[:, :1].clamp(min=0) + valid.sum(1, keepdim=True) - 1
+    return valid & (pos > last - slots)
+
+
 @defop("attention(q, kv, window_kv, pos, sink, rows?, selected?) -> out",
        attrs={"window": int, "ratio": int, "scale": float})
 def attention(q, kv, window_kv, pos, sink, rows, selected, *, window, ratio, scale):
@@ -80,10 +88,7 @@ def window_write(window_kv, kv, pos):
     sequence are written, so no slot is written twice."""
     B, W, _ = window_kv.shape
     out = window_kv.clone()
-    valid = pos >= 0
-    last = (pos[:, :1].clamp(min=0) + valid.sum(1, keepdim=True)) - 1
-    keep = valid & (pos > last - W)
-    b, i = keep.nonzero(as_tuple=True)
+    b, i = ring_lanes(pos, W).nonzero(as_tuple=True)
     out[b, pos[b, i] % W] = kv[b, i].to(out.dtype)
     return out
 

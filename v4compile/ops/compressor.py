@@ -13,6 +13,7 @@ import math
 import torch
 
 from ..ir.registry import defop, require
+from .attention import ring_lanes
 from .numerics import fp8_round_ref, hadamard_fp4_round_ref
 from .rope import rotate
 
@@ -79,10 +80,7 @@ def update_ring(state_kv, state_gate, kv, gate, pos):
     """Write this chunk's tokens into ring slot `p % S` (only each sequence's last S positions)."""
     S = state_kv.shape[1]
     out_kv, out_g = state_kv.clone(), state_gate.clone()
-    valid = pos >= 0
-    last = pos[:, :1].clamp(min=0) + valid.sum(1, keepdim=True) - 1
-    keep = valid & (pos > last - S)
-    b, i = keep.nonzero(as_tuple=True)
+    b, i = ring_lanes(pos, S).nonzero(as_tuple=True)
     out_kv[b, pos[b, i] % S] = kv[b, i].to(out_kv.dtype)
     out_g[b, pos[b, i] % S] = gate[b, i].to(out_g.dtype)
     return out_kv, out_g

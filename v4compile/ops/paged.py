@@ -14,6 +14,7 @@ import torch
 from ..formats import FP8_MAX, e8m0_to_float, float_to_e8m0, fp4_dequant, fp4_quant, pow2_scale
 from ..ir.registry import defop, require
 from ..ir.types import TensorType
+from .attention import ring_lanes
 from .compressor import closed_rows, update_ring
 
 
@@ -118,10 +119,7 @@ def compressed_row(w: torch.Tensor, b: torch.Tensor, block_table: torch.Tensor, 
 def pool_write_window(kv, pos, slot, p0, p1, p2, *, window, slot_rows, n_rows, layer_row, fmt):
     """Store this chunk's raw kv rows in the layer's window ring of each sequence's slot (the last
     `window` positions of each sequence only)."""
-    valid = pos >= 0
-    last = pos[:, :1].clamp(min=0) + valid.sum(1, keepdim=True) - 1
-    keep = valid & (pos > last - window)
-    b, i = keep.nonzero(as_tuple=True)
+    b, i = ring_lanes(pos, window).nonzero(as_tuple=True)
     rows = window_rows(pos, slot, window, slot_rows, n_rows)[b, i] + layer_row
     return tuple(write_rows(_planes(p0, p1, p2), rows, kv[b, i], fmt))
 
