@@ -48,6 +48,17 @@ class Op:
     def attr(self, key: str, default: Any = None) -> Any:
         return self.attrs.get(key, default)
 
+    def operand(self, name: str) -> Value | None:
+        """The operand of that name in the op's signature (None when an optional one is absent)."""
+        from .registry import get_op
+        return self.operands[get_op(self.name).operand_index(name)]
+
+    def out(self, name: str) -> Value | None:
+        """The result of that name in the op's signature (None when an optional one is absent)."""
+        from .registry import get_op
+        i = get_op(self.name).result_index(name)
+        return self.results[i] if i < len(self.results) else None
+
     @property
     def result(self) -> Value:
         assert len(self.results) == 1, self.name

@@ -10,7 +10,16 @@ An op is declared with a signature string and a torch reference implementation:
 
 The same `OpDef` is what the reference model calls. With tensors it runs the reference; with IR
 values (while tracing) it records an op in the function being built. The interpreter, the verifier,
-and later the kernel tests and cost reports all read this one entry.
+the memory plan, the program stage, the kernel tests, the ONNX export and the cost reports all read
+this one entry.
+
+Traits, declared with `defop`:
+* `view=`: the result is a view of an operand (no launch): a rule giving each result's layout (byte
+  offset, element strides) from the operand's layout. See `Layout`, `split_view`, `reshape_view`.
+* `tied={"result": "operand"}`: that result is the operand updated in place (same buffer, same type).
+* `kernel="family"`: the Triton kernel family (`v4compile.codegen.kernels.<family>`) that runs it.
+* `@op.cost`: FLOPs and bytes moved from the operand / result types (a default counts bytes only).
+* `@op.onnx`: the ONNX lowering (see `v4compile.codegen.onnx_export`).
 """
 
 from __future__ import annotations
@@ -55,6 +64,32 @@ class Operand:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """Where a value sits in its buffer: a byte offset from the buffer's base and element strides."""
+    offset: int
+    strides: tuple[int, ...]
+
+    @staticmethod
+    def contiguous(shape: tuple[int, ...], offset: int = 0) -> "Layout":
+        strides, acc = [], 1
+        for s in reversed(shape):
+            strides.append(acc)
+            acc *= max(s, 1)
+        return Layout(offset, tuple(reversed(strides)))
+
+    def is_contiguous(self, shape: tuple[int, ...]) -> bool:
+        want = Layout.contiguous(shape).strides
+        return all(st == w for st, w, n in zip(self.strides, want, shape) if n > 1)
+
+
+@dataclass(frozen=True)
+class Cost:
+    flops: int
+    bytes_read: int
+    bytes_written: int
+
+
+@dataclass(frozen=True)
 class AttrSpec:
     name: str
     type: type
@@ -69,7 +104,8 @@ _SIG = re.compile(r"^\s*(\w+)\s*\((.*)\)\s*->\s*(.+)$")
 
 
 class OpDef:
-    def __init__(self, sig: str, attrs: dict[str, Any], ref: Callable, doc: str):
+    def __init__(self, sig: str, attrs: dict[str, Any], ref: Callable, doc: str, *, view: Callable | None = None,
+                 tied: dict[str, str] | None = None, kernel: str | None = None):
         m = _SIG.match(sig)
         if not m:
             raise ValueError(f"bad op signature {sig!r}")
@@ -88,6 +124,54 @@ class OpDef:
         self.doc = doc
         self._infer: Callable | None = None
         self.sig = sig
+        self.view = view
+        self.tied = dict(tied or {})
+        self.kernel = kernel
+        self._cost: Callable | None = None
+        self.onnx_lowering: Callable | None = None
+        for r, o in self.tied.items():
+            if r not in self.results or o not in self.operand_names:
+                raise ValueError(f"{self.name}: tied {r} -> {o} names no result / operand")
+
+    @property
+    def operand_names(self) -> tuple[str, ...]:
+        return tuple(o.name for o in self.operands)
+
+    def operand_index(self, name: str) -> int:
+        try:
+            return self.operand_names.index(name)
+        except ValueError:
+            raise KeyError(f"op '{self.name}' has no operand '{name}'") from None
+
+    def result_index(self, name: str) -> int:
+        try:
+            return self.results.index(name)
+        except ValueError:
+            raise KeyError(f"op '{self.name}' has no result '{name}'") from None
+
+    @property
+    def launch(self) -> bool:
+        """Whether the op becomes a kernel launch (views do not)."""
+        return self.view is None
+
+    def cost(self, fn: Callable) -> Callable:
+        self._cost = fn
+        return fn
+
+    def onnx(self, fn: Callable) -> Callable:
+        self.onnx_lowering = fn
+        return fn
+
+    def cost_of(self, operands: list[TensorType | None], results: list[TensorType], attrs: dict[str, Any]) -> Cost:
+        """FLOPs and bytes of one launch. The default reads every operand once and writes every result once
+        (a tied result that is a pool / state plane writes only what the op's own rule says)."""
+        if self.view is not None:
+            return Cost(0, 0, 0)
+        if self._cost is not None:
+            return self._cost(operands, results, semantic(attrs))
+        read = sum(t.nbytes for t in operands if t is not None)
+        written = sum(t.nbytes for t in results)
+        return Cost(sum(t.numel for t in results), read, written)
 
     def __repr__(self) -> str:
         return f"OpDef({self.sig})"
@@ -188,9 +272,75 @@ def require(cond: bool, what: str, expected: object = None, found: object = None
         raise IRError(what, expected=expected, found=found)
 
 
-def defop(sig: str, attrs: dict[str, Any] | None = None) -> Callable[[Callable], OpDef]:
+def split_view(operand: Layout, operand_type: TensorType, results: list[TensorType], attrs: dict) -> list[Layout]:
+    """`split` on the last axis: both parts keep the operand's strides; the second starts `at` columns in."""
+    from .types import BYTES
+    step = operand.strides[-1] * BYTES[operand_type.dtype]
+    return [Layout(operand.offset, operand.strides), Layout(operand.offset + attrs["at"] * step, operand.strides)]
+
+
+def reshape_view(operand: Layout, operand_type: TensorType, results: list[TensorType], attrs: dict) -> list[Layout]:
+    """`reshape` as a view: possible when every run of merged / split axes is contiguous in the operand
+    (the same rule as torch's `view`); the strides follow from the operand's."""
+    old, new = list(operand_type.shape), list(results[0].shape)
+    strides = _view_strides(old, list(operand.strides), new)
+    if strides is None:
+        raise IRError("reshape of a strided value is not a view", expected="groups of axes contiguous in memory",
+                      found=f"shape {old} strides {list(operand.strides)} -> {new}")
+    return [Layout(operand.offset, tuple(strides))]
+
+
+def _view_strides(old: list[int], old_strides: list[int], new: list[int]) -> list[int] | None:
+    # Drop size-1 axes of the operand (their stride is irrelevant), then walk both shapes in chunks of equal
+    # element count; each operand chunk must be contiguous within itself.
+    pairs = [(n, s) for n, s in zip(old, old_strides) if n != 1]
+    out: list[int] = [0] * len(new)
+    if any(n == 0 for n in new):
+        return [1] * len(new)
+    i, j = 0, 0
+    while j < len(new):
+        if new[j] == 1:
+            out[j] = 1
+            j += 1
+            continue
+        if i >= len(pairs):
+            return None
+        chunk_old, chunk_new = [pairs[i]], [j]
+        a, b = pairs[i][0], new[j]
+        while a != b:
+            if a < b:
+                i += 1
+                if i >= len(pairs):
+                    return None
+                chunk_old.append(pairs[i])
+                a *= pairs[i][0]
+            else:
+                j += 1
+                if j >= len(new):
+                    return None
+                if new[j] != 1:
+                    chunk_new.append(j)
+                else:
+                    out[j] = 1
+                b *= new[j]
+        for (n0, s0), (n1, s1) in zip(chunk_old, chunk_old[1:]):
+            if s0 != n1 * s1:
+                return None
+        stride = chunk_old[-1][1]
+        for k in reversed(chunk_new):
+            out[k] = stride
+            stride *= new[k]
+        i += 1
+        j += 1
+    if i != len(pairs):
+        return None
+    return out
+
+
+def defop(sig: str, attrs: dict[str, Any] | None = None, *, view: Callable | None = None,
+          tied: dict[str, str] | None = None, kernel: str | None = None) -> Callable[[Callable], OpDef]:
     def wrap(fn: Callable) -> OpDef:
-        op = OpDef(sig, attrs or {}, fn, (fn.__doc__ or "").strip())
+        op = OpDef(sig, attrs or {}, fn, (fn.__doc__ or "").strip(), view=view, tied=tied, kernel=kernel)
         if op.name in REGISTRY:
             raise ValueError(f"op {op.name} registered twice")
         REGISTRY[op.name] = op

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import fp4_dequant, fp8_block_dequant
-from ..ir.registry import defop, require
+from ..ir.registry import defop, require, reshape_view, split_view
 from ..ir.types import TensorType
 
 
@@ -24,7 +24,7 @@ def weight_in_features(w: TensorType) -> int:
     return w.shape[-1] * 2 if w.dtype == "fp4x2" else w.shape[-1]
 
 
-@defop("embed(ids, table) -> x")
+@defop("embed(ids, table) -> x", kernel="embed")
 def embed(ids, table):
     """Row `ids[b, t]` of the embedding table."""
     return table[ids.clamp(min=0)]
@@ -37,7 +37,7 @@ def _(ids, table):
     return TensorType((*ids.shape, table.shape[1]), table.dtype)
 
 
-@defop("linear(x, w, scale?) -> y", attrs={"block": (int, 128)})
+@defop("linear(x, w, scale?) -> y", attrs={"block": (int, 128)}, kernel="gemm")
 def linear(x, w, scale, *, block):
     """`y = x W^T` with W dequantised to the activation dtype (FP8 128x128 or FP4 1x32 when scaled)."""
     return F.linear(x, dequant_weight(w, scale, block, x.dtype))
@@ -71,7 +71,7 @@ def _(x, w, scale, *, block):
     return TensorType((*x.shape[:-1], w.shape[0]), x.dtype)
 
 
-@defop("rms_norm(x, weight?) -> y", attrs={"eps": float})
+@defop("rms_norm(x, weight?) -> y", attrs={"eps": float}, kernel="rms_norm")
 def rms_norm(x, weight, *, eps):
     """RMSNorm over the last axis in fp32; weighted: multiply by the (fp32) weight and cast back once;
     unweighted (the per-head q norm): rescale x by the rsqrt cast to x's dtype, as HF does."""
@@ -89,7 +89,7 @@ def _(x, weight, *, eps):
     return x
 
 
-@defop("swiglu(gate, up) -> y", attrs={"limit": float})
+@defop("swiglu(gate, up) -> y", attrs={"limit": float}, kernel="elementwise")
 def swiglu(gate, up, *, limit):
     """`silu(min(gate, L)) * clamp(up, -L, L)`: the clamped SwiGLU of every V4 expert."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
@@ -101,7 +101,7 @@ def _(gate, up, *, limit):
     return gate
 
 
-@defop("reshape(x) -> y", attrs={"shape": tuple})
+@defop("reshape(x) -> y", attrs={"shape": tuple}, view=reshape_view)
 def reshape(x, *, shape):
     return x.reshape(shape)
 
@@ -113,7 +113,7 @@ def _(x, *, shape):
     return out
 
 
-@defop("add(a, b) -> y")
+@defop("add(a, b) -> y", kernel="elementwise")
 def add(a, b):
     """Elementwise sum with broadcasting."""
     return a + b
@@ -129,7 +129,7 @@ def _(a, b):
     return TensorType(shape, a.dtype)
 
 
-@defop("last_token(x, pos) -> y")
+@defop("last_token(x, pos) -> y", kernel="last_token")
 def last_token(x, pos):
     """`x[b, n_b - 1]`: the last valid lane of each sequence in a padded chunk (lane 0 if none)."""
     n = (pos >= 0).sum(1)
@@ -144,7 +144,7 @@ def _(x, pos):
     return TensorType((x.shape[0], *x.shape[2:]), x.dtype)
 
 
-@defop("split(x) -> a, b", attrs={"at": int})
+@defop("split(x) -> a, b", attrs={"at": int}, view=split_view)
 def split(x, *, at):
     """A view: the last axis cut at `at` (the two outputs of a merged GEMM)."""
     return x[..., :at], x[..., at:]
