@@ -1,0 +1,219 @@
+"""GEMM family: `linear` and `norm_linear` (`y = [rmsnorm](x) W^T`), every weight format of the checkpoint.
+
+Weights: fp32 / bf16; FP8 e4m3 with a 128x128 scale grid (E8M0 bytes or fp32 multipliers); FP4 e2m1 packed
+two per byte along K with 1x32 E8M0 scales. Activations: `act="native"` (x in its dtype times the
+dequantised weight, fp32 accumulation) or `act="fp8"` (spec 13.1: per token and 128-wide K block,
+s = 2^ceil(log2(max(amax, 1e-4) / 448)), q = e4m3(clamp(x / s)); the scales are applied per K block to the
+fp32 partial sums). `norm_linear` applies the weighted RMSNorm on the way in (a first pass over the row for
+its rsqrt, then the normalised row is rounded to x's dtype exactly as `rms_norm` would store it).
+
+Always swap-AB: the accumulator is `acc[BN, BM] = W[BN, BK] @ x^T[BK, BM]`, so the weight rows sit on the
+MMA's M side. Decode batches have few tokens and sm_90's fp8 wgmma needs M >= 64 (otherwise Triton falls
+back to fp16 mma.sync); gfx950's MFMA is indifferent, so one orientation serves both targets and all M.
+Weight scales are per output row (a [BN] vector) and per K tile, because BK divides the scale block.
+FP4 weights use `tl.dot_scaled` (native MXFP4 MFMA on gfx950) for bf16 / fp8 activations; fp32
+activations (the fp32 debug numerics) dequantise the nibbles in registers instead, to stay exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+from . import KernelCall, TensorArg, call_name, ptr, unaligned
+
+FP8_MAX = 448.0
+ACT_BLOCK = 128  # spec 13.1: one activation scale per 128 K values
+
+
+@triton.jit
+def _e8m0(b):
+    """E8M0 byte(s) -> fp32 2^(b-127), exactly, by placing the byte in the exponent field."""
+    return (b.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pow2_ceil(v):
+    """2^ceil(log2(v)) for positive normal fp32 v, exactly (from the bits, not a log approximation)."""
+    bits = v.to(tl.int32, bitcast=True)
+    e = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp4_value(code):
+    """e2m1 code (4 bits, sign in bit 3) -> fp32 value: exponent bits 2..1, mantissa bit 0."""
+    e = (code >> 1) & 3
+    m = (code & 1).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def gemm_kernel(x_ptr, w_ptr, s_ptr, n_ptr, y_ptr,
+                M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                X_RS: tl.constexpr, X_CS: tl.constexpr, Y_RS: tl.constexpr, Y_CS: tl.constexpr,
+                W_RS: tl.constexpr, W_CS: tl.constexpr, S_RS: tl.constexpr, S_CS: tl.constexpr,
+                W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
+                NORM: tl.constexpr, EPS: tl.constexpr, CDT: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    rk = tl.arange(0, BK)
+
+    if NORM:
+        ss = tl.zeros([BM], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            xt = tl.load(x_ptr + offs_m[None, :] * X_RS + kk[:, None] * X_CS,
+                         mask=m_ok[None, :] & (kk[:, None] < K), other=0.0).to(tl.float32)
+            ss += tl.sum(xt * xt, axis=0)
+        rinv = 1.0 / tl.sqrt_rn(ss / K + EPS)
+
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        kk = k0 + rk
+        k_ok = kk < K
+        xt = tl.load(x_ptr + offs_m[None, :] * X_RS + kk[:, None] * X_CS, mask=m_ok[None, :] & k_ok[:, None],
+                     other=0.0)
+        if NORM:
+            nw = tl.load(n_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            xt = (nw[:, None] * (xt.to(tl.float32) * rinv[None, :])).to(x_ptr.dtype.element_ty)
+        if ACT == "fp8":
+            xf = xt.to(tl.float32)
+            sa = _pow2_ceil(tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-4) / FP8_MAX)  # [BM]
+            inv = (((254 << 23) - sa.to(tl.int32, bitcast=True))).to(tl.float32, bitcast=True)  # 1/sa, exact
+            xq = tl.minimum(tl.maximum(xf * inv[None, :], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+        # ---- weight tile and its contribution ----
+        if W_FMT == "float":
+            w = tl.load(w_ptr + offs_n[:, None] * W_RS + kk[None, :] * W_CS, mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(CDT)
+            if ACT == "fp8":
+                xa = (xq.to(tl.float32) * sa[None, :]).to(CDT)
+            else:
+                xa = xt.to(CDT)
+            acc = tl.dot(w, xa, acc, input_precision="ieee")
+        elif W_FMT == "fp8":
+            wq = tl.load(w_ptr + offs_n[:, None] * W_RS + kk[None, :] * W_CS, mask=n_ok[:, None] & k_ok[None, :],
+                         other=0.0)
+            sb = tl.load(s_ptr + (offs_n // BLOCK) * S_RS + (k0 // BLOCK) * S_CS, mask=n_ok, other=0)
+            sw = _e8m0(sb) if S_E8M0 else sb.to(tl.float32)
+            if ACT == "fp8":
+                part = tl.dot(wq, xq)
+                acc += part * sw[:, None] * sa[None, :]
+            else:
+                part = tl.dot(wq.to(CDT), xt.to(CDT), input_precision="ieee")
+                acc += part * sw[:, None]
+        else:  # fp4: packed [N, K/2] bytes, scales [N, K/32]
+            if CDT == tl.float32:
+                # exact fp32 path: decode the nibble of every (n, k) in registers
+                byte = tl.load(w_ptr + offs_n[:, None] * W_RS + (kk[None, :] // 2) * W_CS,
+                               mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.int32)
+                code = (byte >> ((kk[None, :] & 1) * 4)) & 15
+                sb = tl.load(s_ptr + offs_n[:, None] * S_RS + (kk[None, :] // BLOCK) * S_CS,
+                             mask=n_ok[:, None] & k_ok[None, :], other=0)
+                w = _fp4_value(code) * _e8m0(sb)
+                if ACT == "fp8":
+                    xa = xq.to(tl.float32) * sa[None, :]
+                else:
+                    xa = xt.to(tl.float32)
+                acc = tl.dot(w, xa, acc, input_precision="ieee")
+            else:
+                kh = k0 // 2 + tl.arange(0, BK // 2)
+                wp = tl.load(w_ptr + offs_n[:, None] * W_RS + kh[None, :] * W_CS,
+                             mask=n_ok[:, None] & (kh[None, :] < K // 2), other=0)
+                ks = k0 // BLOCK + tl.arange(0, BK // BLOCK)
+                ws = tl.load(s_ptr + offs_n[:, None] * S_RS + ks[None, :] * S_CS,
+                             mask=n_ok[:, None] & (ks[None, :] < K // BLOCK), other=127)
+                if ACT == "fp8":
+                    part = tl.dot_scaled(wp, ws, "e2m1", xq, None, "e4m3")
+                    acc += part * sa[None, :]
+                else:
+                    acc = tl.dot_scaled(wp, ws, "e2m1", xt.to(tl.bfloat16), None, "bf16", acc)
+
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + offs_m[None, :] * Y_RS + offs_n[:, None] * Y_CS, y, mask=n_ok[:, None] & m_ok[None, :])
+
+
+def rows_of(a: TensorArg, what: str) -> tuple[int, int, int]:
+    """(rows, row stride, column stride) of a [..., K] value whose leading axes collapse to one stride."""
+    shape, st = a.shape, a.strides
+    rows = math.prod(shape[:-1])
+    lead = [(n, s) for n, s in zip(shape[:-1], st[:-1]) if n != 1]
+    for (n0, s0), (n1, s1) in zip(lead, lead[1:]):
+        if s0 != n1 * s1:
+            raise ValueError(f"gemm: {what} leading axes {shape[:-1]} with strides {st[:-1]} do not collapse to rows")
+    return rows, (lead[-1][1] if lead else shape[-1] * st[-1]), st[-1]
+
+
+def _tl_dtype(ir: str):
+    return {"fp32": tl.float32, "bf16": tl.bfloat16}[ir]
+
+
+def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, y: TensorArg,
+              norm: TensorArg | None, *, block: int, act: str, eps: float, names: dict[str, str]) -> KernelCall:
+    """One GEMM launch. `names` maps kernel roles (x, w, s, n, y) to the op's operand / result names."""
+    if act not in ("native", "fp8"):
+        raise ValueError(f"gemm: act must be native or fp8, got {act!r}")
+    M, x_rs, x_cs = rows_of(x, "x")
+    _, y_rs, y_cs = rows_of(y, "y")
+    w_fmt = {"fp32": "float", "bf16": "float", "fp8e4m3": "fp8", "fp4x2": "fp4"}[w.dtype]
+    N = w.shape[0]
+    K = x.shape[-1]
+    blk = block
+    if w_fmt == "fp8" and blk % 32:
+        raise ValueError(f"gemm: FP8 scale block must be a multiple of 32, got {blk}")
+    if w_fmt == "fp4" and blk != 32:
+        raise ValueError(f"gemm: FP4 weights need 1x32 scales (MXFP4), got block {blk}")
+    cdt = x.dtype
+    BK = 128 if K >= 128 else max(32, triton.next_power_of_2(K))
+    if w_fmt == "fp8":
+        BK = min(BK, blk)
+    if act == "fp8" and K % ACT_BLOCK:
+        raise ValueError(f"gemm: act=fp8 needs K a multiple of {ACT_BLOCK}, got {K}")
+    if act == "fp8" or (w_fmt == "fp4" and cdt != "fp32"):
+        BK = 128
+    if w_fmt == "fp4" and K % BK:
+        raise ValueError(f"gemm: FP4 weights need K a multiple of {BK}, got {K}")
+    BN = 64 if N <= 64 else 128
+    BM = min(64, max(16, triton.next_power_of_2(M)))
+    ce = dict(M=M, N=N, K=K, X_RS=x_rs, X_CS=x_cs, Y_RS=y_rs, Y_CS=y_cs, W_RS=w.strides[0], W_CS=w.strides[1],
+              S_RS=scale.strides[0] if scale is not None else 0, S_CS=scale.strides[1] if scale is not None else 0,
+              W_FMT=w_fmt, S_E8M0=scale is not None and scale.dtype == "e8m0", BLOCK=blk, ACT=act,
+              NORM=norm is not None, EPS=float(eps), CDT=_tl_dtype(cdt), BM=BM, BN=BN, BK=BK, STAGES=2)
+    pointers = [ptr("x_ptr", "operand", names["x"], x), ptr("w_ptr", "operand", names["w"], w)]
+    if scale is not None:
+        pointers.append(ptr("s_ptr", "operand", names["s"], scale))
+    else:
+        ce["s_ptr"] = None
+    if norm is not None:
+        pointers.append(ptr("n_ptr", "operand", names["n"], norm))
+    else:
+        ce["n_ptr"] = None
+    pointers.append(ptr("y_ptr", "result", names["y"], y))
+    wbytes = w.type.nbytes + (scale.type.nbytes if scale is not None else 0)
+    tag = f"{w_fmt}w_{act}_m{M}_n{N}_k{K}" + ("_norm" if norm is not None else "")
+    return KernelCall(
+        name=call_name(prefix, ce, tag), fn=gemm_kernel, constexprs=ce, pointers=pointers,
+        grid=(triton.cdiv(N, BN), triton.cdiv(M, BM), 1), num_warps=4, num_stages=2,
+        unaligned=unaligned({"x_ptr": x, "w_ptr": w, "s_ptr": scale, "n_ptr": norm, "y_ptr": y}),
+        flops=2 * M * N * K, bytes_moved=wbytes + x.type.nbytes + y.type.nbytes + (norm.type.nbytes if norm else 0))
+
+
+def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg],
+               attrs: dict) -> list[KernelCall]:
+    act = attrs.get("act", "native")
+    names = {"x": "x", "w": "w", "s": "scale", "n": "norm", "y": "y"}
+    if op_name == "linear":
+        return [gemm_call("gemm", operands["x"], operands["w"], operands.get("scale"), results["y"], None,
+                          block=attrs.get("block", 128), act=act, eps=0.0, names=names)]
+    if op_name == "norm_linear":
+        return [gemm_call("gemm", operands["x"], operands["w"], operands.get("scale"), results["y"], operands["norm"],
+                          block=attrs.get("block", 128), act=act, eps=attrs["eps"], names=names)]
+    raise KeyError(f"gemm family has no op '{op_name}'")
