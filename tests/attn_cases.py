@@ -7,6 +7,7 @@ import math
 import torch
 
 from kernel_check import assert_matches
+from v4compile.ops.paged import write_rows
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -21,12 +22,12 @@ def positions(starts: list[int], counts: list[int], T: int) -> torch.Tensor:
 
 def main_planes(fmt: str, n: int, d: int, rope: int, dtype: torch.dtype, g: torch.Generator) -> list:
     """Random existing pool content (so the test sees which rows a kernel wrote and which it kept)."""
-    if fmt == "fp8":
+    if fmt == "fp8":  # realistic rows: random values quantised by the reference writer
         nope = d - rope
-        blk = math.gcd(64, nope)
-        return [finite_fp8(torch.randint(0, 255, (n, nope), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)),
-                torch.randint(120, 130, (n, nope // blk), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu),
-                torch.randn(n, rope, generator=g).to(dtype)]
+        empty = [torch.zeros(n, nope, dtype=torch.float8_e4m3fn),
+                 torch.zeros(n, nope // math.gcd(64, nope), dtype=torch.float8_e8m0fnu), torch.zeros(n, rope, dtype=dtype)]
+        vals = torch.randn(n, d, generator=g) * torch.exp2(torch.randint(-2, 3, (n, 1), generator=g).float())
+        return write_rows(empty, torch.arange(n), vals.to(dtype), "fp8")
     return [torch.randn(n, d, generator=g).to(torch.bfloat16 if fmt == "bf16" else dtype)]
 
 
