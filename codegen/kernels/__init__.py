@@ -78,7 +78,8 @@ class KernelCall:
     signature name is the op's operand / result name, or the scratch buffer's name (size in
     `scratch_bytes`, shared by the calls of one op in order). `unaligned` names pointer params whose base
     is not known to be 16-byte aligned (the AOT stage gives every other pointer `tt.divisibility=16`).
-    `flops` / `bytes_moved` are the modeled work of this launch (for the roofline cost)."""
+    `flops` / `bytes_moved` are the modeled work of this launch and `mma_dtype` ("bf16" | "fp8" | "fp4") the
+    MMA precision that bounds it (for the roofline cost in `codegen.aot`)."""
     name: str
     fn: Any
     constexprs: dict[str, Any]
@@ -90,6 +91,7 @@ class KernelCall:
     unaligned: tuple[str, ...] = ()
     flops: int = 0
     bytes_moved: int = 0
+    mma_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
         self.grid = tuple(int(g) for g in self.grid)

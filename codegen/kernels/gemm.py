@@ -24,7 +24,7 @@ import triton.language as tl
 
 from . import KernelCall, TensorArg, call_name, ptr, unaligned
 
-FP8_MAX = 448.0
+FP8_MAX = tl.constexpr(448.0)
 ACT_BLOCK = 128  # spec 13.1: one activation scale per 128 K values
 
 
@@ -203,7 +203,7 @@ def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, 
         name=call_name(prefix, ce, tag), fn=gemm_kernel, constexprs=ce, pointers=pointers,
         grid=(triton.cdiv(N, BN), triton.cdiv(M, BM), 1), num_warps=4, num_stages=2,
         unaligned=unaligned({"x_ptr": x, "w_ptr": w, "s_ptr": scale, "n_ptr": norm, "y_ptr": y}),
-        flops=2 * M * N * K, bytes_moved=wbytes + x.type.nbytes + y.type.nbytes + (norm.type.nbytes if norm else 0))
+        flops=2 * M * N * K, mma_dtype="fp8" if act == "fp8" else "bf16", bytes_moved=wbytes + x.type.nbytes + y.type.nbytes + (norm.type.nbytes if norm else 0))
 
 
 def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg],
