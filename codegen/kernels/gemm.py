@@ -17,12 +17,10 @@ activations (the fp32 debug numerics) dequantise the nibbles in registers instea
 
 from __future__ import annotations
 
-import math
-
 import triton
 import triton.language as tl
 
-from . import KernelCall, TensorArg, call_name, ptr, unaligned
+from . import KernelCall, TensorArg, call_name, ptr, rows_of, unaligned
 
 FP8_MAX = tl.constexpr(448.0)
 ACT_BLOCK = 128  # spec 13.1: one activation scale per 128 K values
@@ -139,17 +137,6 @@ def gemm_kernel(x_ptr, w_ptr, s_ptr, n_ptr, y_ptr,
 
     y = acc.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs_m[None, :] * Y_RS + offs_n[:, None] * Y_CS, y, mask=n_ok[:, None] & m_ok[None, :])
-
-
-def rows_of(a: TensorArg, what: str) -> tuple[int, int, int]:
-    """(rows, row stride, column stride) of a [..., K] value whose leading axes collapse to one stride."""
-    shape, st = a.shape, a.strides
-    rows = math.prod(shape[:-1])
-    lead = [(n, s) for n, s in zip(shape[:-1], st[:-1]) if n != 1]
-    for (n0, s0), (n1, s1) in zip(lead, lead[1:]):
-        if s0 != n1 * s1:
-            raise ValueError(f"gemm: {what} leading axes {shape[:-1]} with strides {st[:-1]} do not collapse to rows")
-    return rows, (lead[-1][1] if lead else shape[-1] * st[-1]), st[-1]
 
 
 def _tl_dtype(ir: str):
