@@ -50,6 +50,63 @@ def _fp4_value(code):
 
 
 @triton.jit
+def mma_step(acc, xt, w_ptr, s_ptr, offs_n, n_ok, kk, k_ok, k0,
+             K: tl.constexpr, W_RS: tl.constexpr, W_CS: tl.constexpr, S_RS: tl.constexpr, S_CS: tl.constexpr,
+             W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
+             CDT: tl.constexpr, BK: tl.constexpr):
+    """acc[BN, BM] += W[offs_n, kk] @ xt[kk, BM] for one K tile, in any weight format / activation mode.
+    xt is the activation tile transposed (K on axis 0), in the activation dtype, zero where masked."""
+    if ACT == "fp8":
+        xf = xt.to(tl.float32)
+        sa = _pow2_ceil(tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-4) / FP8_MAX)  # [BM]
+        inv = ((254 << 23) - sa.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)  # 1 / sa, exact
+        xq = tl.minimum(tl.maximum(xf * inv[None, :], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+    if W_FMT == "float":
+        w = tl.load(w_ptr + offs_n[:, None] * W_RS + kk[None, :] * W_CS, mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(CDT)
+        if ACT == "fp8":
+            xa = (xq.to(tl.float32) * sa[None, :]).to(CDT)
+        else:
+            xa = xt.to(CDT)
+        acc = tl.dot(w, xa, acc, input_precision="ieee")
+    elif W_FMT == "fp8":
+        wq = tl.load(w_ptr + offs_n[:, None] * W_RS + kk[None, :] * W_CS, mask=n_ok[:, None] & k_ok[None, :],
+                     other=0.0)
+        sb = tl.load(s_ptr + (offs_n // BLOCK) * S_RS + (k0 // BLOCK) * S_CS, mask=n_ok, other=0)
+        sw = _e8m0(sb) if S_E8M0 else sb.to(tl.float32)
+        if ACT == "fp8":
+            acc += tl.dot(wq, xq) * sw[:, None] * sa[None, :]
+        else:
+            acc += tl.dot(wq.to(CDT), xt.to(CDT), input_precision="ieee") * sw[:, None]
+    else:  # fp4: packed [N, K/2] bytes, scales [N, K/32]
+        if CDT == tl.float32:
+            # exact fp32 path (the fp32 debug numerics): decode each (n, k) nibble in registers
+            byte = tl.load(w_ptr + offs_n[:, None] * W_RS + (kk[None, :] // 2) * W_CS,
+                           mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.int32)
+            code = (byte >> ((kk[None, :] & 1) * 4)) & 15
+            sb = tl.load(s_ptr + offs_n[:, None] * S_RS + (kk[None, :] // BLOCK) * S_CS,
+                         mask=n_ok[:, None] & k_ok[None, :], other=0)
+            w = _fp4_value(code) * _e8m0(sb)
+            if ACT == "fp8":
+                xa = xq.to(tl.float32) * sa[None, :]
+            else:
+                xa = xt.to(tl.float32)
+            acc = tl.dot(w, xa, acc, input_precision="ieee")
+        else:
+            kh = k0 // 2 + tl.arange(0, BK // 2)
+            wp = tl.load(w_ptr + offs_n[:, None] * W_RS + kh[None, :] * W_CS,
+                         mask=n_ok[:, None] & (kh[None, :] < K // 2), other=0)
+            ks = k0 // BLOCK + tl.arange(0, BK // BLOCK)
+            ws = tl.load(s_ptr + offs_n[:, None] * S_RS + ks[None, :] * S_CS,
+                         mask=n_ok[:, None] & (ks[None, :] < K // BLOCK), other=127)
+            if ACT == "fp8":
+                acc += tl.dot_scaled(wp, ws, "e2m1", xq, None, "e4m3") * sa[None, :]
+            else:
+                acc = tl.dot_scaled(wp, ws, "e2m1", xt.to(tl.bfloat16), None, "bf16", acc)
+    return acc
+
+
+@triton.jit
 def gemm_kernel(x_ptr, w_ptr, s_ptr, n_ptr, y_ptr,
                 M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                 X_RS: tl.constexpr, X_CS: tl.constexpr, Y_RS: tl.constexpr, Y_CS: tl.constexpr,
@@ -83,60 +140,33 @@ def gemm_kernel(x_ptr, w_ptr, s_ptr, n_ptr, y_ptr,
         if NORM:
             nw = tl.load(n_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
             xt = (nw[:, None] * (xt.to(tl.float32) * rinv[None, :])).to(x_ptr.dtype.element_ty)
-        if ACT == "fp8":
-            xf = xt.to(tl.float32)
-            sa = _pow2_ceil(tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-4) / FP8_MAX)  # [BM]
-            inv = (((254 << 23) - sa.to(tl.int32, bitcast=True))).to(tl.float32, bitcast=True)  # 1/sa, exact
-            xq = tl.minimum(tl.maximum(xf * inv[None, :], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
-        # ---- weight tile and its contribution ----
-        if W_FMT == "float":
-            w = tl.load(w_ptr + offs_n[:, None] * W_RS + kk[None, :] * W_CS, mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(CDT)
-            if ACT == "fp8":
-                xa = (xq.to(tl.float32) * sa[None, :]).to(CDT)
-            else:
-                xa = xt.to(CDT)
-            acc = tl.dot(w, xa, acc, input_precision="ieee")
-        elif W_FMT == "fp8":
-            wq = tl.load(w_ptr + offs_n[:, None] * W_RS + kk[None, :] * W_CS, mask=n_ok[:, None] & k_ok[None, :],
-                         other=0.0)
-            sb = tl.load(s_ptr + (offs_n // BLOCK) * S_RS + (k0 // BLOCK) * S_CS, mask=n_ok, other=0)
-            sw = _e8m0(sb) if S_E8M0 else sb.to(tl.float32)
-            if ACT == "fp8":
-                part = tl.dot(wq, xq)
-                acc += part * sw[:, None] * sa[None, :]
-            else:
-                part = tl.dot(wq.to(CDT), xt.to(CDT), input_precision="ieee")
-                acc += part * sw[:, None]
-        else:  # fp4: packed [N, K/2] bytes, scales [N, K/32]
-            if CDT == tl.float32:
-                # exact fp32 path: decode the nibble of every (n, k) in registers
-                byte = tl.load(w_ptr + offs_n[:, None] * W_RS + (kk[None, :] // 2) * W_CS,
-                               mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.int32)
-                code = (byte >> ((kk[None, :] & 1) * 4)) & 15
-                sb = tl.load(s_ptr + offs_n[:, None] * S_RS + (kk[None, :] // BLOCK) * S_CS,
-                             mask=n_ok[:, None] & k_ok[None, :], other=0)
-                w = _fp4_value(code) * _e8m0(sb)
-                if ACT == "fp8":
-                    xa = xq.to(tl.float32) * sa[None, :]
-                else:
-                    xa = xt.to(tl.float32)
-                acc = tl.dot(w, xa, acc, input_precision="ieee")
-            else:
-                kh = k0 // 2 + tl.arange(0, BK // 2)
-                wp = tl.load(w_ptr + offs_n[:, None] * W_RS + kh[None, :] * W_CS,
-                             mask=n_ok[:, None] & (kh[None, :] < K // 2), other=0)
-                ks = k0 // BLOCK + tl.arange(0, BK // BLOCK)
-                ws = tl.load(s_ptr + offs_n[:, None] * S_RS + ks[None, :] * S_CS,
-                             mask=n_ok[:, None] & (ks[None, :] < K // BLOCK), other=127)
-                if ACT == "fp8":
-                    part = tl.dot_scaled(wp, ws, "e2m1", xq, None, "e4m3")
-                    acc += part * sa[None, :]
-                else:
-                    acc = tl.dot_scaled(wp, ws, "e2m1", xt.to(tl.bfloat16), None, "bf16", acc)
+        acc = mma_step(acc, xt, w_ptr, s_ptr, offs_n, n_ok, kk, k_ok, k0, K, W_RS, W_CS, S_RS, S_CS, W_FMT, S_E8M0,
+                       BLOCK, ACT, CDT, BK)
 
     y = acc.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs_m[None, :] * Y_RS + offs_n[:, None] * Y_CS, y, mask=n_ok[:, None] & m_ok[None, :])
+
+
+def tiles(w_fmt: str, K: int, blk: int, act: str, cdt: str) -> int:
+    """BK for a weight format: 128 (or the next power of two of a smaller K, >= 32); it must divide an FP8
+    scale block, and FP4 via dot_scaled / fp8 activations use 128 (one activation scale per tile)."""
+    BK = 128 if K >= 128 else max(32, triton.next_power_of_2(K))
+    if w_fmt == "fp8":
+        BK = min(BK, blk)
+    if act == "fp8" and K % ACT_BLOCK:
+        raise ValueError(f"gemm: act=fp8 needs K a multiple of {ACT_BLOCK}, got {K}")
+    if act == "fp8" or (w_fmt == "fp4" and cdt != "fp32"):
+        BK = 128
+    if w_fmt == "fp4" and K % BK:
+        raise ValueError(f"gemm: FP4 weights need K a multiple of {BK}, got {K}")
+    if w_fmt == "fp8" and blk % 32:
+        raise ValueError(f"gemm: FP8 scale block must be a multiple of 32, got {blk}")
+    if w_fmt == "fp4" and blk != 32:
+        raise ValueError(f"gemm: FP4 weights need 1x32 scales (MXFP4), got block {blk}")
+    return BK
+
+
+W_FMT = {"fp32": "float", "bf16": "float", "fp8e4m3": "fp8", "fp4x2": "fp4"}
 
 
 def _tl_dtype(ir: str):
@@ -150,24 +180,12 @@ def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, 
         raise ValueError(f"gemm: act must be native or fp8, got {act!r}")
     M, x_rs, x_cs = rows_of(x, "x")
     _, y_rs, y_cs = rows_of(y, "y")
-    w_fmt = {"fp32": "float", "bf16": "float", "fp8e4m3": "fp8", "fp4x2": "fp4"}[w.dtype]
+    w_fmt = W_FMT[w.dtype]
     N = w.shape[0]
     K = x.shape[-1]
     blk = block
-    if w_fmt == "fp8" and blk % 32:
-        raise ValueError(f"gemm: FP8 scale block must be a multiple of 32, got {blk}")
-    if w_fmt == "fp4" and blk != 32:
-        raise ValueError(f"gemm: FP4 weights need 1x32 scales (MXFP4), got block {blk}")
     cdt = x.dtype
-    BK = 128 if K >= 128 else max(32, triton.next_power_of_2(K))
-    if w_fmt == "fp8":
-        BK = min(BK, blk)
-    if act == "fp8" and K % ACT_BLOCK:
-        raise ValueError(f"gemm: act=fp8 needs K a multiple of {ACT_BLOCK}, got {K}")
-    if act == "fp8" or (w_fmt == "fp4" and cdt != "fp32"):
-        BK = 128
-    if w_fmt == "fp4" and K % BK:
-        raise ValueError(f"gemm: FP4 weights need K a multiple of {BK}, got {K}")
+    BK = tiles(w_fmt, K, blk, act, cdt)
     BN = 64 if N <= 64 else 128
     BM = min(64, max(16, triton.next_power_of_2(M)))
     ce = dict(M=M, N=N, K=K, X_RS=x_rs, X_CS=x_cs, Y_RS=y_rs, Y_CS=y_cs, W_RS=w.strides[0], W_CS=w.strides[1],
