@@ -50,13 +50,17 @@ def _fp4_value(code):
 
 
 @triton.jit
-def mma_step(acc, xt, w_ptr, s_ptr, offs_n, n_ok, kk, k_ok, k0,
+def mma_step(acc, xt, xs, w_ptr, s_ptr, offs_n, n_ok, kk, k_ok, k0,
              K: tl.constexpr, W_RS: tl.constexpr, W_CS: tl.constexpr, S_RS: tl.constexpr, S_CS: tl.constexpr,
              W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
              CDT: tl.constexpr, BK: tl.constexpr):
     """acc[BN, BM] += W[offs_n, kk] @ xt[kk, BM] for one K tile, in any weight format / activation mode.
-    xt is the activation tile transposed (K on axis 0), in the activation dtype, zero where masked."""
-    if ACT == "fp8":
+    xt is the activation tile transposed (K on axis 0), in the activation dtype, zero where masked.
+    ACT "pre": xt is already e4m3 with per-column scales xs [BM] (a pre-quantised activation)."""
+    if ACT == "pre":
+        xq = xt
+        sa = xs
+    elif ACT == "fp8":
         xf = xt.to(tl.float32)
         sa = _pow2_ceil(tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-4) / FP8_MAX)  # [BM]
         inv = ((254 << 23) - sa.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)  # 1 / sa, exact
@@ -64,7 +68,7 @@ def mma_step(acc, xt, w_ptr, s_ptr, offs_n, n_ok, kk, k_ok, k0,
     if W_FMT == "float":
         w = tl.load(w_ptr + offs_n[:, None] * W_RS + kk[None, :] * W_CS, mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0).to(CDT)
-        if ACT == "fp8":
+        if ACT != "native":
             xa = (xq.to(tl.float32) * sa[None, :]).to(CDT)
         else:
             xa = xt.to(CDT)
@@ -74,7 +78,7 @@ def mma_step(acc, xt, w_ptr, s_ptr, offs_n, n_ok, kk, k_ok, k0,
                      other=0.0)
         sb = tl.load(s_ptr + (offs_n // BLOCK) * S_RS + (k0 // BLOCK) * S_CS, mask=n_ok, other=0)
         sw = _e8m0(sb) if S_E8M0 else sb.to(tl.float32)
-        if ACT == "fp8":
+        if ACT != "native":
             acc += tl.dot(wq, xq) * sw[:, None] * sa[None, :]
         else:
             acc += tl.dot(wq.to(CDT), xt.to(CDT), input_precision="ieee") * sw[:, None]
@@ -87,7 +91,7 @@ def mma_step(acc, xt, w_ptr, s_ptr, offs_n, n_ok, kk, k_ok, k0,
             sb = tl.load(s_ptr + offs_n[:, None] * S_RS + (kk[None, :] // BLOCK) * S_CS,
                          mask=n_ok[:, None] & k_ok[None, :], other=0)
             w = _fp4_value(code) * _e8m0(sb)
-            if ACT == "fp8":
+            if ACT != "native":
                 xa = xq.to(tl.float32) * sa[None, :]
             else:
                 xa = xt.to(tl.float32)
@@ -99,7 +103,7 @@ def mma_step(acc, xt, w_ptr, s_ptr, offs_n, n_ok, kk, k_ok, k0,
             ks = k0 // BLOCK + tl.arange(0, BK // BLOCK)
             ws = tl.load(s_ptr + offs_n[:, None] * S_RS + ks[None, :] * S_CS,
                          mask=n_ok[:, None] & (ks[None, :] < K // BLOCK), other=127)
-            if ACT == "fp8":
+            if ACT != "native":
                 acc += tl.dot_scaled(wp, ws, "e2m1", xq, None, "e4m3") * sa[None, :]
             else:
                 acc = tl.dot_scaled(wp, ws, "e2m1", xt.to(tl.bfloat16), None, "bf16", acc)
@@ -107,8 +111,8 @@ def mma_step(acc, xt, w_ptr, s_ptr, offs_n, n_ok, kk, k_ok, k0,
 
 
 @triton.jit
-def gemm_kernel(x_ptr, w_ptr, s_ptr, n_ptr, y_ptr,
-                M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr,
+                M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, G_K: tl.constexpr, XS_RS: tl.constexpr,
                 X_RS: tl.constexpr, X_CS: tl.constexpr, Y_RS: tl.constexpr, Y_CS: tl.constexpr,
                 W_RS: tl.constexpr, W_CS: tl.constexpr, S_RS: tl.constexpr, S_CS: tl.constexpr,
                 W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
@@ -116,11 +120,14 @@ def gemm_kernel(x_ptr, w_ptr, s_ptr, n_ptr, y_ptr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    offs_n = pid_n * BN + tl.arange(0, BN)
+    gid = tl.program_id(2)  # group (grouped_out_proj): x columns [gid*G_K, +K), weight rows / y columns [gid*N, +N)
+    local_n = pid_n * BN + tl.arange(0, BN)
+    offs_n = gid * N + local_n
     offs_m = pid_m * BM + tl.arange(0, BM)
-    n_ok = offs_n < N
+    n_ok = local_n < N
     m_ok = offs_m < M
     rk = tl.arange(0, BK)
+    x_ptr = x_ptr + gid * G_K * X_CS
 
     if NORM:
         ss = tl.zeros([BM], dtype=tl.float32)
@@ -140,8 +147,11 @@ def gemm_kernel(x_ptr, w_ptr, s_ptr, n_ptr, y_ptr,
         if NORM:
             nw = tl.load(n_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
             xt = (nw[:, None] * (xt.to(tl.float32) * rinv[None, :])).to(x_ptr.dtype.element_ty)
-        acc = mma_step(acc, xt, w_ptr, s_ptr, offs_n, n_ok, kk, k_ok, k0, K, W_RS, W_CS, S_RS, S_CS, W_FMT, S_E8M0,
-                       BLOCK, ACT, CDT, BK)
+        xs = None
+        if ACT == "pre":
+            xs = tl.load(xs_ptr + offs_m * XS_RS + (gid * G_K + k0) // 128, mask=m_ok, other=0.0)
+        acc = mma_step(acc, xt, xs, w_ptr, s_ptr, offs_n, n_ok, kk, k_ok, k0, K, W_RS, W_CS, S_RS, S_CS, W_FMT,
+                       S_E8M0, BLOCK, ACT, CDT, BK)
 
     y = acc.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs_m[None, :] * Y_RS + offs_n[:, None] * Y_CS, y, mask=n_ok[:, None] & m_ok[None, :])
@@ -174,25 +184,36 @@ def _tl_dtype(ir: str):
 
 
 def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, y: TensorArg,
-              norm: TensorArg | None, *, block: int, act: str, eps: float, names: dict[str, str]) -> KernelCall:
-    """One GEMM launch. `names` maps kernel roles (x, w, s, n, y) to the op's operand / result names."""
-    if act not in ("native", "fp8"):
+              norm: TensorArg | None, *, block: int, act: str, eps: float, names: dict[str, str],
+              groups: int = 1, x_scale: TensorArg | None = None) -> KernelCall:
+    """One GEMM launch. `names` maps kernel roles (x, xs, w, s, n, y) to the op's operand / result names.
+    groups > 1: block-diagonal (grouped_out_proj): group g multiplies x columns [g*K, (g+1)*K) by weight
+    rows [g*N, (g+1)*N). x_scale: x is pre-quantised e4m3 with one fp32 scale per 128 columns (act "pre")."""
+    if x_scale is not None:
+        act = "pre"
+    if act not in ("native", "fp8", "pre"):
         raise ValueError(f"gemm: act must be native or fp8, got {act!r}")
     M, x_rs, x_cs = rows_of(x, "x")
     _, y_rs, y_cs = rows_of(y, "y")
     w_fmt = W_FMT[w.dtype]
-    N = w.shape[0]
-    K = x.shape[-1]
+    N = w.shape[0] // groups
+    K = x.shape[-1] // groups
     blk = block
-    cdt = x.dtype
+    cdt = y.dtype if act == "pre" else x.dtype
     BK = tiles(w_fmt, K, blk, act, cdt)
     BN = 64 if N <= 64 else 128
     BM = min(64, max(16, triton.next_power_of_2(M)))
-    ce = dict(M=M, N=N, K=K, X_RS=x_rs, X_CS=x_cs, Y_RS=y_rs, Y_CS=y_cs, W_RS=w.strides[0], W_CS=w.strides[1],
+    xs_rs = rows_of(x_scale, "x scale")[1] if x_scale is not None else 0
+    ce = dict(M=M, N=N, K=K, G_K=K if groups > 1 else 0, XS_RS=xs_rs, X_RS=x_rs, X_CS=x_cs, Y_RS=y_rs, Y_CS=y_cs, W_RS=w.strides[0], W_CS=w.strides[1],
               S_RS=scale.strides[0] if scale is not None else 0, S_CS=scale.strides[1] if scale is not None else 0,
               W_FMT=w_fmt, S_E8M0=scale is not None and scale.dtype == "e8m0", BLOCK=blk, ACT=act,
               NORM=norm is not None, EPS=float(eps), CDT=_tl_dtype(cdt), BM=BM, BN=BN, BK=BK, STAGES=2)
-    pointers = [ptr("x_ptr", "operand", names["x"], x), ptr("w_ptr", "operand", names["w"], w)]
+    pointers = [ptr("x_ptr", "operand", names["x"], x)]
+    if x_scale is not None:
+        pointers.append(ptr("xs_ptr", "operand", names["xs"], x_scale))
+    else:
+        ce["xs_ptr"] = None
+    pointers.append(ptr("w_ptr", "operand", names["w"], w))
     if scale is not None:
         pointers.append(ptr("s_ptr", "operand", names["s"], scale))
     else:
@@ -203,12 +224,12 @@ def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, 
         ce["n_ptr"] = None
     pointers.append(ptr("y_ptr", "result", names["y"], y))
     wbytes = w.type.nbytes + (scale.type.nbytes if scale is not None else 0)
-    tag = f"{w_fmt}w_{act}_m{M}_n{N}_k{K}" + ("_norm" if norm is not None else "")
+    tag = f"{w_fmt}w_{act}_m{M}_n{N}_k{K}" + ("_norm" if norm is not None else "") + (f"_g{groups}" if groups > 1 else "")
     return KernelCall(
         name=call_name(prefix, ce, tag), fn=gemm_kernel, constexprs=ce, pointers=pointers,
-        grid=(triton.cdiv(N, BN), triton.cdiv(M, BM), 1), num_warps=4, num_stages=2,
-        unaligned=unaligned({"x_ptr": x, "w_ptr": w, "s_ptr": scale, "n_ptr": norm, "y_ptr": y}),
-        flops=2 * M * N * K, mma_dtype="fp8" if act == "fp8" else "bf16", bytes_moved=wbytes + x.type.nbytes + y.type.nbytes + (norm.type.nbytes if norm else 0))
+        grid=(triton.cdiv(N, BN), triton.cdiv(M, BM), groups), num_warps=4, num_stages=2,
+        unaligned=unaligned({"x_ptr": x, "xs_ptr": x_scale, "w_ptr": w, "s_ptr": scale, "n_ptr": norm, "y_ptr": y}),
+        flops=2 * M * N * K * groups, mma_dtype="fp8" if act != "native" else "bf16", bytes_moved=wbytes + x.type.nbytes + y.type.nbytes + (norm.type.nbytes if norm else 0))
 
 
 def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg],

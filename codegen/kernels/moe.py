@@ -65,9 +65,9 @@ def moe_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr,
                 k_ok = kk < D
                 xt = tl.load(x_ptr + tok[None, :].to(tl.int64) * X_RS + kk[:, None],
                              mask=sel[None, :] & k_ok[:, None], other=0.0)
-                g = mma_step(g, xt, w1, s1, offs_n, n_ok, kk, k_ok, k0, D, W_RS, 1, S_RS, 1, W_FMT, S_E8M0, BLOCK,
+                g = mma_step(g, xt, None, w1, s1, offs_n, n_ok, kk, k_ok, k0, D, W_RS, 1, S_RS, 1, W_FMT, S_E8M0, BLOCK,
                              ACT, CDT, BK)
-                u = mma_step(u, xt, w3, s3, offs_n, n_ok, kk, k_ok, k0, D, W_RS, 1, S_RS, 1, W_FMT, S_E8M0, BLOCK,
+                u = mma_step(u, xt, None, w3, s3, offs_n, n_ok, kk, k_ok, k0, D, W_RS, 1, S_RS, 1, W_FMT, S_E8M0, BLOCK,
                              ACT, CDT, BK)
             h = _swiglu(g, u, LIMIT, dt)
             tl.store(h_ptr + pr[None, :].to(tl.int64) * H_RS + offs_n[:, None], h, mask=sel[None, :] & n_ok[:, None])
@@ -99,7 +99,7 @@ def moe_down_kernel(h_ptr, idx_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
                 k_ok = kk < I
                 ht = tl.load(h_ptr + pr[None, :].to(tl.int64) * H_RS + kk[:, None], mask=sel[None, :] & k_ok[:, None],
                              other=0.0)
-                acc = mma_step(acc, ht, w2, s2, offs_n, n_ok, kk, k_ok, k0, I, W_RS, 1, S_RS, 1, W_FMT, S_E8M0,
+                acc = mma_step(acc, ht, None, w2, s2, offs_n, n_ok, kk, k_ok, k0, I, W_RS, 1, S_RS, 1, W_FMT, S_E8M0,
                                BLOCK, ACT, CDT, BK)
             wt = tl.load(wt_ptr + tok * WT_RS + pr % KSEL, mask=sel, other=0.0).to(tl.float32)
             ye = (acc.to(dt).to(tl.float32) * wt[None, :]).to(dt)
@@ -138,7 +138,7 @@ def moe_combine_kernel(hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr,
             k_ok = kk < IS
             ht = tl.load(hs_ptr + tok[None, :].to(tl.int64) * HS_RS + kk[:, None], mask=t_ok[None, :] & k_ok[:, None],
                          other=0.0)
-            acc = mma_step(acc, ht, w2_ptr, s2_ptr, offs_n, n_ok, kk, k_ok, k0, IS, W_RS, 1, S_RS, 1, W_FMT, S_E8M0,
+            acc = mma_step(acc, ht, None, w2_ptr, s2_ptr, offs_n, n_ok, kk, k_ok, k0, IS, W_RS, 1, S_RS, 1, W_FMT, S_E8M0,
                            BLOCK, ACT, CDT, BK)
         out = out + acc.to(dt).to(tl.float32)
     tl.store(y_ptr + tok[None, :].to(tl.int64) * Y_RS + offs_n[:, None], out.to(dt), mask=t_ok[None, :] & n_ok[:, None])
