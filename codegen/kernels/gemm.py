@@ -159,16 +159,16 @@ def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr,
 
 def tiles(w_fmt: str, K: int, blk: int, act: str, cdt: str) -> int:
     """BK for a weight format: 128 (or the next power of two of a smaller K, >= 32); it must divide an FP8
-    scale block, and FP4 via dot_scaled / fp8 activations use 128 (one activation scale per tile)."""
+    scale block; quantised activations use 128 (one activation scale per tile); FP4 via dot_scaled >= 64."""
     BK = 128 if K >= 128 else max(32, triton.next_power_of_2(K))
     if w_fmt == "fp8":
         BK = min(BK, blk)
-    if act == "fp8" and K % ACT_BLOCK:
-        raise ValueError(f"gemm: act=fp8 needs K a multiple of {ACT_BLOCK}, got {K}")
-    if act == "fp8" or (w_fmt == "fp4" and cdt != "fp32"):
-        BK = 128
-    if w_fmt == "fp4" and K % BK:
-        raise ValueError(f"gemm: FP4 weights need K a multiple of {BK}, got {K}")
+    if act != "native":
+        BK = 128  # one activation scale per 128 K values (a partial last block is scaled by its own amax)
+    elif w_fmt == "fp4" and cdt != "fp32":
+        BK = max(64, BK)  # dot_scaled: whole 32-value scale groups, at least 64 values per tile
+    if w_fmt == "fp4" and K % 32:
+        raise ValueError(f"gemm: FP4 weights need K a multiple of 32, got {K}")
     if w_fmt == "fp8" and blk % 32:
         raise ValueError(f"gemm: FP8 scale block must be a multiple of 32, got {blk}")
     if w_fmt == "fp4" and blk != 32:
