@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 
+import kernel_check  # noqa: F401  (TRITON_INTERPRET=1 before kernel modules load)
 from v4compile.codegen import aot
 from v4compile.codegen.kernels import TensorArg, gemm
 from v4compile.formats import fp8_block_quant

@@ -59,11 +59,10 @@ def run_case(op, fmt, xdtype, act="native", M=(1, 3), N=80, K=256, pad=0, xstrid
     if mutate is None:
         calls = kernels.launch(op, args, call_attrs, {"y": y})
     else:
-        calls = kernels.specialise(op, args, call_attrs, {"y": y})
+        calls = kernels.specialise_tensors(op, args, call_attrs, {"y": y})
         for c in calls:
             mutate(c)
-            c.fn[c.grid](**{p: (args if kd == "operand" else {"y": y})[n].view(kernels.TRITON_TORCH[t[1:]])
-                            for p, kd, n, t in c.pointers}, **c.constexprs, num_warps=c.num_warps)
+        kernels.run_calls(calls, args, {"y": y})
     if pad:
         assert buf[..., N:].float().isnan().all(), "kernel wrote outside its (strided) result"
     kc.assert_matches(y, ref, f"{op} {fmt} {xdtype} act={act}")

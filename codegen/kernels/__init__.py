@@ -222,8 +222,9 @@ def full_attrs(op_name: str, attrs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def specialise(op_name: str, args: dict[str, torch.Tensor | None], attrs: dict[str, Any],
+def specialise_tensors(op_name: str, args: dict[str, torch.Tensor | None], attrs: dict[str, Any],
                outs: dict[str, torch.Tensor]) -> list[KernelCall]:
+    """The family's `specialise` on the TensorArgs of real tensors (types, strides, base alignment)."""
     operands = {k: (None if v is None else TensorArg.of(v)) for k, v in args.items()}
     results = {k: TensorArg.of(v) for k, v in outs.items()}
     return family(op_name).specialise(op_name, operands, results, full_attrs(op_name, attrs))
@@ -237,7 +238,7 @@ def launch(op_name: str, args: dict[str, torch.Tensor | None], attrs: dict[str, 
     for r, o in op.tied.items():
         if r in outs and args.get(o) is not None and outs[r].data_ptr() != args[o].data_ptr():
             raise ValueError(f"{op_name}: tied result '{r}' must be operand '{o}' itself")
-    calls = specialise(op_name, args, attrs, outs)
+    calls = specialise_tensors(op_name, args, attrs, outs)
     run_calls(calls, args, outs)
     return calls
 

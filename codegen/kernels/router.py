@@ -92,7 +92,9 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     k = attrs["k"]
     ce = dict(R=R, D=D, E=E, KSEL=k, X_RS=x_rs, W_RS=w.strides[0], T_RS=0, I_S=0, WO_RS=wo_rs, IO_RS=io_rs,
               ROUTE_SCALE=float(attrs["route_scale"]), SUM_IN_DT=bias is not None and bias.dtype == x.dtype,
-              BR=16, BE=max(16, triton.next_power_of_2(E)), BK=min(128, max(16, triton.next_power_of_2(D))),
+              BR=16, BE=max(16, triton.next_power_of_2(E)),
+              # the [BK, BE] weight tile is the big one: keep it near 32 KB of bf16
+              BK=min(max(16, 16384 // max(16, triton.next_power_of_2(E))), 128, max(16, triton.next_power_of_2(D))),
               BKS=triton.next_power_of_2(k))
     pointers = [ptr("x_ptr", "operand", "x", x), ptr("w_ptr", "operand", "w", w)]
     if tid2eid is not None:
@@ -105,7 +107,7 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     pointers += [ptr("wo_ptr", "result", "weights", wo), ptr("io_ptr", "result", "indices", io)]
     mode = "hash" if tid2eid is not None else "topk"
     return [KernelCall(call_name("router", ce, f"{mode}_r{R}_e{E}_d{D}_k{k}_{x.dtype}"), router_kernel, ce, pointers,
-                       (triton.cdiv(R, 16), 1, 1), num_warps=4,
+                       (triton.cdiv(R, 16), 1, 1), num_warps=8 if ce["BE"] >= 256 else 4,
                        unaligned=unaligned({"x_ptr": x, "w_ptr": w, "b_ptr": bias, "t_ptr": tid2eid, "ids_ptr": ids,
                                             "wo_ptr": wo, "io_ptr": io}),
                        flops=2 * R * E * D, bytes_moved=w.type.nbytes + x.type.nbytes + wo.type.nbytes + io.type.nbytes)]
