@@ -113,7 +113,14 @@ def _ce_decode(v: Any) -> Any:
 
 
 def _module_source(module: str) -> str:
-    return inspect.getsource(importlib.import_module(module))
+    """The kernel's module source plus every module of its package (kernels call @triton.jit helpers from
+    sibling modules, e.g. moe uses gemm.mma_step; hashing the package keeps the cache from going stale)."""
+    mod = importlib.import_module(module)
+    parts = [inspect.getsource(mod)]
+    pkg = Path(mod.__file__).parent
+    for f in sorted(pkg.glob("*.py")):
+        parts.append(f"{f.name}\n{f.read_text()}")
+    return "\n".join(parts)
 
 
 def job_of(call: KernelCall, target: str) -> dict:

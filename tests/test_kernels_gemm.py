@@ -133,3 +133,12 @@ def test_names_are_deterministic_and_unique():
     c = gemm.specialise("linear", ops, {"y": y}, {"block": 128, "act": "fp8"})[0]
     assert a.name == b.name and a.name != c.name
     assert a.signature()["x_ptr"] == "*bf16" and a.signature()["M"] == "constexpr"
+
+
+@pytest.mark.parametrize("op,fmt,xdtype", [("linear", "fp8", torch.bfloat16), ("norm_linear", "float", torch.float32),
+                                            ("linear", "fp4", torch.bfloat16)])
+def test_split_k(op, fmt, xdtype):
+    """Few output tiles and a long K: the K range is split over programs (fp32 partials in scratch) and a
+    second launch adds the partials in split order."""
+    calls = run_case(op, fmt, xdtype, N=72, K=640, pad=2)
+    assert len(calls) == 2 and calls[0].constexprs["SPLIT"] == 2 and calls[1].pointers[0][1] == "scratch"

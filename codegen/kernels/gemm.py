@@ -111,8 +111,9 @@ def mma_step(acc, xt, xs, w_ptr, s_ptr, offs_n, n_ok, kk, k_ok, k0,
 
 
 @triton.jit
-def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr,
+def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr, part_ptr,
                 M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, G_K: tl.constexpr, XS_RS: tl.constexpr,
+                SPLIT: tl.constexpr, KS: tl.constexpr, NT: tl.constexpr,
                 X_RS: tl.constexpr, X_CS: tl.constexpr, Y_RS: tl.constexpr, Y_CS: tl.constexpr,
                 W_RS: tl.constexpr, W_CS: tl.constexpr, S_RS: tl.constexpr, S_CS: tl.constexpr,
                 W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
@@ -120,7 +121,9 @@ def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    gid = tl.program_id(2)  # group (grouped_out_proj): x columns [gid*G_K, +K), weight rows / y columns [gid*N, +N)
+    # axis 2: group (grouped_out_proj: x columns [gid*G_K, +K), weight rows / y columns [gid*N, +N)) x K split
+    gid = tl.program_id(2) // SPLIT
+    sid = tl.program_id(2) % SPLIT
     local_n = pid_n * BN + tl.arange(0, BN)
     offs_n = gid * N + local_n
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -139,7 +142,7 @@ def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr,
         rinv = 1.0 / tl.sqrt_rn(ss / K + EPS)
 
     acc = tl.zeros([BN, BM], dtype=tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+    for k0 in tl.range(sid * KS, tl.minimum(sid * KS + KS, K), BK, num_stages=STAGES):
         kk = k0 + rk
         k_ok = kk < K
         xt = tl.load(x_ptr + offs_m[None, :] * X_RS + kk[:, None] * X_CS, mask=m_ok[None, :] & k_ok[:, None],
@@ -153,8 +156,30 @@ def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr,
         acc = mma_step(acc, xt, xs, w_ptr, s_ptr, offs_n, n_ok, kk, k_ok, k0, K, W_RS, W_CS, S_RS, S_CS, W_FMT,
                        S_E8M0, BLOCK, ACT, CDT, BK)
 
-    y = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + offs_m[None, :] * Y_RS + offs_n[:, None] * Y_CS, y, mask=n_ok[:, None] & m_ok[None, :])
+    if SPLIT == 1:
+        y = acc.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + offs_m[None, :] * Y_RS + offs_n[:, None] * Y_CS, y, mask=n_ok[:, None] & m_ok[None, :])
+    else:  # fp32 partial sums [SPLIT, M, NT]; gemm_reduce_kernel adds them in split order
+        tl.store(part_ptr + (sid * M + offs_m[None, :]).to(tl.int64) * NT + offs_n[:, None], acc,
+                 mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def gemm_reduce_kernel(part_ptr, y_ptr, M: tl.constexpr, NT: tl.constexpr, Y_RS: tl.constexpr, Y_CS: tl.constexpr,
+                       SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < M * NT
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + s * M * NT + idx, mask=ok, other=0.0)
+    m = idx // NT
+    n = idx % NT
+    tl.store(y_ptr + m.to(tl.int64) * Y_RS + n * Y_CS, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+# Split K when the output tiles alone would leave most of the GPU idle (decode GEMVs): aim for this many
+# programs (about the CU count of MI355X / 2x the SM count of H200), never below 2 K tiles per split.
+TARGET_PROGRAMS = 256
 
 
 def tiles(w_fmt: str, K: int, blk: int, act: str, cdt: str) -> int:
@@ -185,7 +210,7 @@ def _tl_dtype(ir: str):
 
 def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, y: TensorArg,
               norm: TensorArg | None, *, block: int, act: str, eps: float, names: dict[str, str],
-              groups: int = 1, x_scale: TensorArg | None = None) -> KernelCall:
+              groups: int = 1, x_scale: TensorArg | None = None) -> list[KernelCall]:
     """One GEMM launch. `names` maps kernel roles (x, xs, w, s, n, y) to the op's operand / result names.
     groups > 1: block-diagonal (grouped_out_proj): group g multiplies x columns [g*K, (g+1)*K) by weight
     rows [g*N, (g+1)*N). x_scale: x is pre-quantised e4m3 with one fp32 scale per 128 columns (act "pre")."""
@@ -204,7 +229,13 @@ def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, 
     BN = 64 if N <= 64 else 128
     BM = min(64, max(16, triton.next_power_of_2(M)))
     xs_rs = rows_of(x_scale, "x scale")[1] if x_scale is not None else 0
-    ce = dict(M=M, N=N, K=K, G_K=K if groups > 1 else 0, XS_RS=xs_rs, X_RS=x_rs, X_CS=x_cs, Y_RS=y_rs, Y_CS=y_cs, W_RS=w.strides[0], W_CS=w.strides[1],
+    tiles_out = triton.cdiv(N, BN) * triton.cdiv(M, BM) * groups
+    ktiles = triton.cdiv(K, BK)
+    split = max(1, min(ktiles // 2, TARGET_PROGRAMS // tiles_out))
+    KS = triton.cdiv(ktiles, split) * BK
+    split = triton.cdiv(K, KS)
+    NT = N * groups
+    ce = dict(M=M, N=N, K=K, G_K=K if groups > 1 else 0, XS_RS=xs_rs, SPLIT=split, KS=KS, NT=NT, X_RS=x_rs, X_CS=x_cs, Y_RS=y_rs, Y_CS=y_cs, W_RS=w.strides[0], W_CS=w.strides[1],
               S_RS=scale.strides[0] if scale is not None else 0, S_CS=scale.strides[1] if scale is not None else 0,
               W_FMT=w_fmt, S_E8M0=scale is not None and scale.dtype == "e8m0", BLOCK=blk, ACT=act,
               NORM=norm is not None, EPS=float(eps), CDT=_tl_dtype(cdt), BM=BM, BN=BN, BK=BK, STAGES=2)
@@ -222,14 +253,33 @@ def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, 
         pointers.append(ptr("n_ptr", "operand", names["n"], norm))
     else:
         ce["n_ptr"] = None
-    pointers.append(ptr("y_ptr", "result", names["y"], y))
+    scratch = {}
+    if split == 1:
+        pointers.append(ptr("y_ptr", "result", names["y"], y))
+        ce["part_ptr"] = None
+    else:
+        ce["y_ptr"] = None
+        scratch = {"gemm_partial": split * M * NT * 4}
+        pointers.append(ptr("part_ptr", "scratch", "gemm_partial", "*fp32"))
     wbytes = w.type.nbytes + (scale.type.nbytes if scale is not None else 0)
-    tag = f"{w_fmt}w_{act}_m{M}_n{N}_k{K}" + ("_norm" if norm is not None else "") + (f"_g{groups}" if groups > 1 else "")
-    return KernelCall(
+    tag = (f"{w_fmt}w_{act}_m{M}_n{N}_k{K}" + ("_norm" if norm is not None else "") + (f"_g{groups}" if groups > 1 else "")
+           + (f"_s{split}" if split > 1 else ""))
+    calls = [KernelCall(
         name=call_name(prefix, ce, tag), fn=gemm_kernel, constexprs=ce, pointers=pointers,
-        grid=(triton.cdiv(N, BN), triton.cdiv(M, BM), groups), num_warps=4, num_stages=2,
+        grid=(triton.cdiv(N, BN), triton.cdiv(M, BM), groups * split), num_warps=4, num_stages=2,
+        scratch_bytes=scratch,
         unaligned=unaligned({"x_ptr": x, "xs_ptr": x_scale, "w_ptr": w, "s_ptr": scale, "n_ptr": norm, "y_ptr": y}),
-        flops=2 * M * N * K * groups, mma_dtype="fp8" if act != "native" else "bf16", bytes_moved=wbytes + x.type.nbytes + y.type.nbytes + (norm.type.nbytes if norm else 0))
+        flops=2 * M * N * K * groups, mma_dtype="fp8" if act != "native" else "bf16",
+        bytes_moved=wbytes + split * x.type.nbytes + (y.type.nbytes if split == 1 else scratch["gemm_partial"])
+        + (norm.type.nbytes if norm else 0))]
+    if split > 1:
+        rce = dict(M=M, NT=NT, Y_RS=y_rs, Y_CS=y_cs, SPLIT=split, BLOCK=1024)
+        calls.append(KernelCall(
+            name=call_name(prefix + "_reduce", rce, f"m{M}_n{NT}_s{split}"), fn=gemm_reduce_kernel, constexprs=rce,
+            pointers=[ptr("part_ptr", "scratch", "gemm_partial", "*fp32"), ptr("y_ptr", "result", names["y"], y)],
+            grid=(triton.cdiv(M * NT, 1024), 1, 1), num_warps=4, scratch_bytes=scratch,
+            unaligned=unaligned({"y_ptr": y}), bytes_moved=scratch["gemm_partial"] + y.type.nbytes))
+    return calls
 
 
 def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg],
@@ -237,9 +287,9 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     act = attrs.get("act", "native")
     names = {"x": "x", "w": "w", "s": "scale", "n": "norm", "y": "y"}
     if op_name == "linear":
-        return [gemm_call("gemm", operands["x"], operands["w"], operands.get("scale"), results["y"], None,
-                          block=attrs.get("block", 128), act=act, eps=0.0, names=names)]
+        return gemm_call("gemm", operands["x"], operands["w"], operands.get("scale"), results["y"], None,
+                         block=attrs.get("block", 128), act=act, eps=0.0, names=names)
     if op_name == "norm_linear":
-        return [gemm_call("gemm", operands["x"], operands["w"], operands.get("scale"), results["y"], operands["norm"],
-                          block=attrs.get("block", 128), act=act, eps=attrs["eps"], names=names)]
+        return gemm_call("gemm", operands["x"], operands["w"], operands.get("scale"), results["y"], operands["norm"],
+                         block=attrs.get("block", 128), act=act, eps=attrs["eps"], names=names)
     raise KeyError(f"gemm family has no op '{op_name}'")

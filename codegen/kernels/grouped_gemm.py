@@ -22,7 +22,7 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     if st[-1] != 1 or any(st[i] != st[i + 1] * o.shape[i + 1] for i in range(2, o.type.rank - 1)):
         raise ValueError(f"grouped_out_proj: heads of o must be contiguous, strides {st}")
     flat = TensorArg(o.type.with_shape(B, T, hd), (st[0], st[1], 1), o.align)
-    return [gemm_call("grouped_gemm", flat, operands["w"], operands.get("scale"), z, None,
+    return gemm_call("grouped_gemm", flat, operands["w"], operands.get("scale"), z, None,
                       block=attrs.get("block", 128), act=attrs.get("act", "native"), eps=0.0,
                       names={"x": "o", "xs": "o_scale", "w": "w", "s": "scale", "y": "z"},
-                      groups=attrs["groups"], x_scale=operands.get("o_scale"))]
+                      groups=attrs["groups"], x_scale=operands.get("o_scale"))
