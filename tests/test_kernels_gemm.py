@@ -59,11 +59,10 @@ def run_case(op, fmt, xdtype, act="native", M=(1, 3), N=80, K=256, pad=0, xstrid
     if mutate is None:
         calls = kernels.launch(op, args, call_attrs, {"y": y})
     else:
-        calls = kernels.specialise(op, args, call_attrs, {"y": y})
+        calls = kernels.specialise_tensors(op, args, call_attrs, {"y": y})
         for c in calls:
             mutate(c)
-            c.fn[c.grid](**{p: (args if kd == "operand" else {"y": y})[n].view(kernels.TRITON_TORCH[t[1:]])
-                            for p, kd, n, t in c.pointers}, **c.constexprs, num_warps=c.num_warps)
+        kernels.run_calls(calls, args, {"y": y})
     if pad:
         assert buf[..., N:].float().isnan().all(), "kernel wrote outside its (strided) result"
     kc.assert_matches(y, ref, f"{op} {fmt} {xdtype} act={act}")
@@ -134,3 +133,12 @@ def test_names_are_deterministic_and_unique():
     c = gemm.specialise("linear", ops, {"y": y}, {"block": 128, "act": "fp8"})[0]
     assert a.name == b.name and a.name != c.name
     assert a.signature()["x_ptr"] == "*bf16" and a.signature()["M"] == "constexpr"
+
+
+@pytest.mark.parametrize("op,fmt,xdtype", [("linear", "fp8", torch.bfloat16), ("norm_linear", "float", torch.float32),
+                                            ("linear", "fp4", torch.bfloat16)])
+def test_split_k(op, fmt, xdtype):
+    """Few output tiles and a long K: the K range is split over programs (fp32 partials in scratch) and a
+    second launch adds the partials in split order."""
+    calls = run_case(op, fmt, xdtype, N=72, K=640, pad=2)
+    assert len(calls) == 2 and calls[0].constexprs["SPLIT"] == 2 and calls[1].pointers[0][1] == "scratch"

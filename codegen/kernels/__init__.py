@@ -78,7 +78,8 @@ class KernelCall:
     signature name is the op's operand / result name, or the scratch buffer's name (size in
     `scratch_bytes`, shared by the calls of one op in order). `unaligned` names pointer params whose base
     is not known to be 16-byte aligned (the AOT stage gives every other pointer `tt.divisibility=16`).
-    `flops` / `bytes_moved` are the modeled work of this launch (for the roofline cost)."""
+    `flops` / `bytes_moved` are the modeled work of this launch and `mma_dtype` ("bf16" | "fp8" | "fp4") the
+    MMA precision that bounds it (for the roofline cost in `codegen.aot`)."""
     name: str
     fn: Any
     constexprs: dict[str, Any]
@@ -90,6 +91,7 @@ class KernelCall:
     unaligned: tuple[str, ...] = ()
     flops: int = 0
     bytes_moved: int = 0
+    mma_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
         self.grid = tuple(int(g) for g in self.grid)
@@ -136,6 +138,57 @@ def call_name(prefix: str, constexprs: dict[str, Any], readable: str = "") -> st
     return "_".join(p for p in (prefix, readable, h) if p)
 
 
+def rows_of(a: TensorArg, what: str) -> tuple[int, int, int]:
+    """(rows, row stride, column stride) of a [..., D] value whose leading axes collapse to one stride
+    (true for contiguous values and for the halves of a `split`)."""
+    shape, st = a.shape, a.strides
+    rows = 1
+    for n in shape[:-1]:
+        rows *= n
+    lead = [(n, s) for n, s in zip(shape[:-1], st[:-1]) if n != 1]
+    for (n0, s0), (n1, s1) in zip(lead, lead[1:]):
+        if s0 != n1 * s1:
+            raise ValueError(f"{what}: leading axes {shape[:-1]} with strides {st[:-1]} do not collapse to rows")
+    return rows, (lead[-1][1] if lead else shape[-1] * st[-1]), st[-1]
+
+
+def dims4(a: TensorArg, shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """Element strides of `a` broadcast to `shape` (rank <= 4), left-padded to 4 axes (stride 0 where
+    broadcast)."""
+    if len(shape) > 4:
+        raise ValueError(f"rank {len(shape)} > 4 not supported")
+    pad = len(shape) - len(a.shape)
+    st = []
+    for i, n in enumerate(shape):
+        j = i - pad
+        st.append(0 if j < 0 or a.shape[j] == 1 and n != 1 else a.strides[j])
+    return tuple([0] * (4 - len(st)) + st)
+
+
+def pad4(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    return tuple([1] * (4 - len(shape)) + list(shape))
+
+
+def run_calls(calls: list[KernelCall], args: dict[str, torch.Tensor | None], outs: dict[str, torch.Tensor]) -> None:
+    """Launch prepared calls on tensors (scratch buffers allocated per name, shared by the calls)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        interpreter_fixes()
+    device = next(t.device for t in list(args.values()) + list(outs.values()) if t is not None)
+    scratch: dict[str, torch.Tensor] = {}
+    for call in calls:
+        kw: dict[str, Any] = {}
+        for param, kind, name, ty in call.pointers:
+            if kind == "scratch":
+                if name not in scratch:
+                    scratch[name] = torch.empty(max(call.scratch_bytes[name], 16), dtype=torch.uint8, device=device)
+                t = scratch[name]
+            else:
+                t = (args if kind == "operand" else outs)[name]
+            want = TRITON_TORCH[ty[1:]]
+            kw[param] = t if t.dtype == want else t.view(want)
+        call.fn[call.grid](**kw, **call.constexprs, num_warps=call.num_warps, num_stages=call.num_stages)
+
+
 def _jsonable(v: Any) -> Any:
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
@@ -169,8 +222,9 @@ def full_attrs(op_name: str, attrs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def specialise(op_name: str, args: dict[str, torch.Tensor | None], attrs: dict[str, Any],
+def specialise_tensors(op_name: str, args: dict[str, torch.Tensor | None], attrs: dict[str, Any],
                outs: dict[str, torch.Tensor]) -> list[KernelCall]:
+    """The family's `specialise` on the TensorArgs of real tensors (types, strides, base alignment)."""
     operands = {k: (None if v is None else TensorArg.of(v)) for k, v in args.items()}
     results = {k: TensorArg.of(v) for k, v in outs.items()}
     return family(op_name).specialise(op_name, operands, results, full_attrs(op_name, attrs))
@@ -184,26 +238,8 @@ def launch(op_name: str, args: dict[str, torch.Tensor | None], attrs: dict[str, 
     for r, o in op.tied.items():
         if r in outs and args.get(o) is not None and outs[r].data_ptr() != args[o].data_ptr():
             raise ValueError(f"{op_name}: tied result '{r}' must be operand '{o}' itself")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        interpreter_fixes()
-    calls = specialise(op_name, args, attrs, outs)
-    device = next(t.device for t in list(args.values()) + list(outs.values()) if t is not None)
-    scratch: dict[str, torch.Tensor] = {}
-    for call in calls:
-        kw: dict[str, Any] = {}
-        for param, kind, name, ty in call.pointers:
-            if kind == "scratch":
-                if name not in scratch:
-                    nbytes = call.scratch_bytes[name]
-                    scratch[name] = torch.empty(max(nbytes, 16), dtype=torch.uint8, device=device)
-                t = scratch[name]
-            else:
-                t = (args if kind == "operand" else outs)[name]
-            want = TRITON_TORCH[ty[1:]]
-            if t.dtype != want:
-                t = t.view(want) if kind != "scratch" else t.view(want)
-            kw[param] = t
-        call.fn[call.grid](**kw, **call.constexprs, num_warps=call.num_warps, num_stages=call.num_stages)
+    calls = specialise_tensors(op_name, args, attrs, outs)
+    run_calls(calls, args, outs)
     return calls
 
 
