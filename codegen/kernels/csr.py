@@ -61,9 +61,9 @@ def csr_kernel(pos_ptr, slot_ptr, bt_ptr, sel_ptr, indptr_ptr, indices_ptr,
     for c in range(0, lane, BL):
         prev = c + tl.arange(0, BL)
         n = _count(pos_ptr, sel_ptr, prev, KIND, L, T, WINDOW, RATIO, MAXR, K, KP)
-        off += tl.sum(tl.where(prev < lane, n, 0), axis=0)
+        off += tl.sum(tl.where(prev < lane, n, 0), axis=0).to(tl.int32)
     me = lane + tl.arange(0, 1)
-    cnt = tl.sum(_count(pos_ptr, sel_ptr, me, KIND, L, T, WINDOW, RATIO, MAXR, K, KP), axis=0)
+    cnt = tl.sum(_count(pos_ptr, sel_ptr, me, KIND, L, T, WINDOW, RATIO, MAXR, K, KP), axis=0).to(tl.int32)
     tl.store(indptr_ptr + lane, off)
     if lane == L - 1:
         tl.store(indptr_ptr + L, off + cnt)
@@ -90,7 +90,7 @@ def csr_kernel(pos_ptr, slot_ptr, bt_ptr, sel_ptr, indptr_ptr, indices_ptr,
             at = run + tl.cumsum(keep.to(tl.int32), axis=0) - 1
             row = _comp_row(bt_ptr, b, tl.maximum(s, 0), BT_S, PER_BLOCK, ENV, keep)
             tl.store(indices_ptr + at, row, mask=keep)
-            run += tl.sum(keep.to(tl.int32), axis=0)
+            run += tl.sum(keep.to(tl.int32), axis=0).to(tl.int32)
 
 
 def specialise(op_name, operands, results, attrs):

@@ -71,7 +71,7 @@ def indexer_pick_kernel(pos_ptr, bt_ptr, sc_ptr, indptr_ptr, indices_ptr,
     off = 0
     for c0 in range(0, lane, BL):
         prev = c0 + tl.arange(0, BL)
-        off += tl.sum(tl.where(prev < lane, tl.minimum(_visible(pos_ptr, prev, L, RATIO, MAXR), K), 0), axis=0)
+        off += tl.sum(tl.where(prev < lane, tl.minimum(_visible(pos_ptr, prev, L, RATIO, MAXR), K), 0), axis=0).to(tl.int32)
     n = tl.sum(_visible(pos_ptr, lane + tl.arange(0, 1), L, RATIO, MAXR), axis=0)
     tl.store(indptr_ptr + lane, off)
     if lane == L - 1:
@@ -88,7 +88,7 @@ def indexer_pick_kernel(pos_ptr, bt_ptr, sc_ptr, indptr_ptr, indices_ptr,
             for w0 in range(0, n, BR):
                 w = w0 + tl.arange(0, BR)
                 key = _key(tl.load(base + w, mask=w < n, other=0.0)).to(tl.int64)
-                cnt += tl.sum(((w < n) & (key >= mid)).to(tl.int32), axis=0)
+                cnt += tl.sum(((w < n) & (key >= mid)).to(tl.int32), axis=0).to(tl.int32)
             ge = cnt >= K
             lo = tl.where(ge, mid, lo)
             hi = tl.where(ge, hi, mid - 1)
@@ -97,7 +97,7 @@ def indexer_pick_kernel(pos_ptr, bt_ptr, sc_ptr, indptr_ptr, indices_ptr,
         for w0 in range(0, n, BR):
             w = w0 + tl.arange(0, BR)
             key = _key(tl.load(base + w, mask=w < n, other=0.0)).to(tl.int64)
-            n_gt += tl.sum(((w < n) & (key > lo)).to(tl.int32), axis=0)
+            n_gt += tl.sum(((w < n) & (key > lo)).to(tl.int32), axis=0).to(tl.int32)
     run = off
     eq_seen = 0
     for w0 in range(0, n, BR):
@@ -110,8 +110,8 @@ def indexer_pick_kernel(pos_ptr, bt_ptr, sc_ptr, indptr_ptr, indices_ptr,
         at = run + tl.cumsum(pick.to(tl.int32), axis=0) - 1
         blk = tl.maximum(tl.load(bt_ptr + b * BT_S + w // PER_BLOCK, mask=pick, other=0), 0)
         tl.store(indices_ptr + at, blk * ENV + w % PER_BLOCK, mask=pick)
-        run += tl.sum(pick.to(tl.int32), axis=0)
-        eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+        run += tl.sum(pick.to(tl.int32), axis=0).to(tl.int32)
+        eq_seen += tl.sum(eq.to(tl.int32), axis=0).to(tl.int32)
 
 
 def specialise(op_name, operands, results, attrs):

@@ -48,35 +48,36 @@ def qkv_norm_rope_kernel(q_ptr, kv_ptr, norm_ptr, pos_ptr, qi_ptr, slot_ptr, p0,
     tl.store(qo_ptr + b * QO_S[0] + tq * QO_S[1] + h * QO_S[2] + col, y.to(DT), mask=m)
 
     if hb == 0:
-        x = tl.load(kv_ptr + b * KV_S[0] + tq * KV_S[1] + col, mask=cm, other=0.0).to(tl.float32)
-        w = tl.load(norm_ptr + col, mask=cm, other=0.0).to(tl.float32)
-        r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / D + EPS)
-        y = (w * (x * r[:, None])).to(DT).to(tl.float32)
-        y = rope(y, tl.full([1], 0.0, tl.float32) + posf, F, 1, DP, D, ROPE_DIM, DT)
+        xk = tl.load(kv_ptr + b * KV_S[0] + tq * KV_S[1] + col, mask=cm, other=0.0).to(tl.float32)
+        wk = tl.load(norm_ptr + col, mask=cm, other=0.0).to(tl.float32)
+        rk = 1.0 / tl.sqrt_rn(tl.sum(xk * xk, axis=1) / D + EPS)
+        yk = (wk * (xk * rk[:, None])).to(DT).to(tl.float32)
+        yk = rope(yk, tl.full([1], 0.0, tl.float32) + posf, F, 1, DP, D, ROPE_DIM, DT)
         if KV_ROUND_DIMS > 0:
-            y = fp8_qdq(y, KV_ROUND_DIMS, 1, DP, KV_ROUND_BLOCK).to(DT).to(tl.float32)
-        tl.store(kvo_ptr + b * KVO_S[0] + tq * KVO_S[1] + col, y.to(DT), mask=cm)
+            yk = fp8_qdq(yk, KV_ROUND_DIMS, 1, DP, KV_ROUND_BLOCK).to(DT).to(tl.float32)
+        tl.store(kvo_ptr + b * KVO_S[0] + tq * KVO_S[1] + col, yk.to(DT), mask=cm)
         if p0 is not None:
             keep, p = ring_keep(pos_ptr, b, tq + tl.arange(0, 1), T, TP, WINDOW)
             slot = tl.load(slot_ptr + b).to(tl.int64)
             rows = N_ROWS - (slot + 1) * SLOT_ROWS + LAYER_ROW + (tl.maximum(p, 0) % WINDOW)
-            store_rows(p0, p1, p2, rows, keep, y, FMT, NPLANES, 1, DP, D, NOPE, BLK, S0, S1, S2)
+            store_rows(p0, p1, p2, rows, keep, yk, FMT, NPLANES, 1, DP, D, NOPE, BLK, S0, S1, S2)
         if qi_ptr is not None:
             hi = tl.arange(0, HIP)[:, None]
             ci = tl.arange(0, DIP)[None, :]
             mi = (hi < HI) & (ci < DI)
-            x = tl.load(qi_ptr + b * QI_S[0] + tq * QI_S[1] + hi * QI_S[2] + ci, mask=mi, other=0.0).to(tl.float32)
-            y = rope(x, tl.full([HIP], 0.0, tl.float32) + posf, F, HIP, DIP, DI, ROPE_DIM, DT)
+            xi = tl.load(qi_ptr + b * QI_S[0] + tq * QI_S[1] + hi * QI_S[2] + ci, mask=mi, other=0.0).to(tl.float32)
+            yi = rope(xi, tl.full([HIP], 0.0, tl.float32) + posf, F, HIP, DIP, DI, ROPE_DIM, DT)
             if QI_FP4:
-                y = tl.dot(y, hadamard(DIP, HS), input_precision="ieee").to(DT).to(tl.float32)
-                y = fp4_qdq(y, HIP, DIP).to(DT).to(tl.float32)
-            tl.store(qio_ptr + b * QIO_S[0] + tq * QIO_S[1] + hi * QIO_S[2] + ci, y.to(DT), mask=mi)
+                yi = tl.dot(yi, hadamard(DIP, HS), input_precision="ieee").to(DT).to(tl.float32)
+                yi = fp4_qdq(yi, HIP, DIP).to(DT).to(tl.float32)
+            tl.store(qio_ptr + b * QIO_S[0] + tq * QIO_S[1] + hi * QIO_S[2] + ci, yi.to(DT), mask=mi)
 
 
 def specialise(op_name, operands, results, attrs):
     assert op_name == "qkv_norm_rope", op_name
     q, kv, qi = operands["q"], operands["kv"], operands.get("qi")
-    qo, kvo, qio = results["q_out"], results["kv_out"], results.get("qi_out")
+    # qi_out exists iff qi does (a caller that zips result names positionally may mislabel a plane as it).
+    qo, kvo, qio = results["q_out"], results["kv_out"], (results.get("qi_out") if qi is not None else None)
     planes = [operands.get(f"p{i}") for i in range(3)]
     B, T, H, D = q.shape
     for a in (q, kv, qo, kvo, qi, qio):
