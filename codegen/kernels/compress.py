@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import KernelCall, call_name, ptr, unaligned
-from .kvrows import (TL_DTYPE, fp4_qdq, fp8_qdq, hadamard, hadamard_scale, plane_consts, pow2, ring_keep, rope,
+from .kvrows import (TL_DTYPE, fp4_qdq, fp8_qdq, fwht, hadamard_scale, plane_consts, pow2, ring_keep, rope,
                      rope_table, store_rows)
 
 
@@ -77,7 +77,7 @@ def compress_kernel(kv_ptr, gate_ptr, ape_ptr, norm_ptr, skv_ptr, sg_ptr, pos_pt
         w = start // M + i
         mx = tl.full([DKP], -1e30, tl.float32)
         den = tl.zeros([DKP], tl.float32)
-        for s0 in tl.static_range(0, CM, BS):
+        for s0 in range(0, CM, BS):
             v, g = _slot_tile(kv_ptr, gate_ptr, ape_ptr, skv_ptr, sg_ptr, b, sb, start, w, s0, j, M, OVERLAP, CM, S,
                               BS, DK, KV_S, G_S, SKV_S, SG_S, DT)
             mx_new = tl.maximum(mx, tl.max(g, axis=0))
@@ -85,7 +85,7 @@ def compress_kernel(kv_ptr, gate_ptr, ape_ptr, norm_ptr, skv_ptr, sg_ptr, pos_pt
             mx = mx_new
         den = tl.where(j < DK, den, 1.0)  # padded columns have no slot at all
         h = tl.zeros([DKP], tl.float32)
-        for s0 in tl.static_range(0, CM, BS):
+        for s0 in range(0, CM, BS):
             v, g = _slot_tile(kv_ptr, gate_ptr, ape_ptr, skv_ptr, sg_ptr, b, sb, start, w, s0, j, M, OVERLAP, CM, S,
                               BS, DK, KV_S, G_S, SKV_S, SG_S, DT)
             wt = (tl.exp(g - mx[None, :]) / den[None, :]).to(DT).to(tl.float32)
@@ -98,14 +98,13 @@ def compress_kernel(kv_ptr, gate_ptr, ape_ptr, norm_ptr, skv_ptr, sg_ptr, pos_pt
         if ROUND == "fp8":
             x = fp8_qdq(x, DK - ROPE_DIM, 1, DKP, RBLK).to(DT).to(tl.float32)
         elif ROUND == "fp4":
-            hx = tl.sum(tl.reshape(x, [DKP, 1]) * hadamard(DKP, HS), axis=0)
-            x = fp4_qdq(tl.reshape(hx.to(DT).to(tl.float32), [1, DKP]), 1, DKP).to(DT).to(tl.float32)
+            x = fp4_qdq(fwht(x, 1, DKP, HS).to(DT).to(tl.float32), 1, DKP).to(DT).to(tl.float32)
         blk = tl.load(bt_ptr + b * BT_S + w // PER_BLOCK).to(tl.int64)
         row = blk * ENV + w % PER_BLOCK + LAYER_OFFSET + tl.zeros([1], tl.int64)
         store_rows(p0, p1, p2, row, row >= 0, x, FMT, NPLANES, 1, DKP, DK, NOPE, BLK, S0, S1, S2)
     tl.debug_barrier()  # every window above read the ring; now overwrite it
     c = tl.arange(0, CWP)[None, :]
-    for i0 in tl.static_range(0, T, BT):
+    for i0 in range(0, T, BT):
         lane = i0 + tl.arange(0, BT)
         keep, p = ring_keep(pos_ptr, b, lane, T, TP, S)
         ring = (tl.maximum(p, 0) % S)[:, None]

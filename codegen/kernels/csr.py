@@ -83,7 +83,7 @@ def csr_kernel(pos_ptr, slot_ptr, bt_ptr, sel_ptr, indptr_ptr, indices_ptr,
             tl.store(indices_ptr + off + j, _comp_row(bt_ptr, b, j, BT_S, PER_BLOCK, ENV, m), mask=m)
     else:
         run = off
-        for k0 in tl.static_range(0, K, BW):
+        for k0 in range(0, K, BW):
             k = k0 + tl.arange(0, BW)
             s = tl.load(sel_ptr + lane.to(tl.int64) * K + k, mask=k < K, other=-1).to(tl.int32)
             keep = (s >= 0) & ((s * 0 + t) >= 0)  # (a 0-d operand of & breaks the interpreter's mask)

@@ -112,17 +112,16 @@ def fp4_qdq(x, R: tl.constexpr, DP: tl.constexpr):
 
 
 @triton.jit
-def hadamard(DP: tl.constexpr, HS: tl.constexpr):
-    """The orthonormal Sylvester Walsh-Hadamard matrix [DP, DP] (DP a power of two); HS = fp32(1/sqrt(DP))
-    (`hadamard_scale`), the reference's entry magnitude."""
-    i = tl.arange(0, DP)[:, None]
-    j = tl.arange(0, DP)[None, :]
-    b = i & j
-    par = tl.zeros([DP, DP], tl.int32)
+def fwht(x, R: tl.constexpr, DP: tl.constexpr, HS: tl.constexpr):
+    """x [R, DP] times the orthonormal Sylvester Walsh-Hadamard matrix (DP a power of two; HS =
+    fp32(1/sqrt(DP)), `hadamard_scale`): log2(DP) butterfly stages (a + b, a - b) on pairs h apart, then
+    the scale. The reference multiplies by the dense matrix; the sums round differently by fp32 ulps."""
     for k in tl.static_range(16):
         if (1 << k) < DP:
-            par = par ^ ((b >> k) & 1)
-    return tl.where(par == 0, HS, -HS)
+            y = tl.permute(tl.reshape(x, [R, DP // (2 << k), 2, 1 << k]), (0, 1, 3, 2))
+            a, b = tl.split(y)
+            x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), [R, DP])
+    return x * HS
 
 
 @triton.jit

@@ -30,7 +30,7 @@ BT = 16  # tokens per program (tl.dot needs M >= 16)
 def hc_expand_kernel(x_ptr, out_ptr, M: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                      X_S: tl.constexpr, O_S: tl.constexpr, O_SN: tl.constexpr):
     t = tl.program_id(0)
-    for d0 in tl.static_range(0, D, BD):
+    for d0 in range(0, D, BD):
         c = d0 + tl.arange(0, BD)
         x = tl.load(x_ptr + t * X_S + c, mask=c < D)
         for k in tl.static_range(N):
@@ -74,7 +74,7 @@ def mhc_kernel(y_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, no
     fj = f % BD
     rn = tl.arange(0, NM)[None, :]
     rc = tl.arange(0, N * N)[None, :]
-    for d0 in tl.static_range(0, D, BD):
+    for d0 in range(0, D, BD):
         c = d0 + tl.arange(0, BD)
         cm = c < D
         if POST:
@@ -116,7 +116,7 @@ def mhc_kernel(y_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, no
             z = tl.exp(z - tl.max(z, axis=2)[:, :, None])
             z = z / tl.sum(z, axis=2)[:, :, None] + HC_EPS
             z = z / (tl.sum(z, axis=1)[:, None, :] + HC_EPS)
-            for _ in tl.static_range(ITERS - 1):
+            for _ in range(ITERS - 1):
                 z = z / (tl.sum(z, axis=2)[:, :, None] + HC_EPS)
                 z = z / (tl.sum(z, axis=1)[:, None, :] + HC_EPS)
             tl.store(combo_ptr + tok[:, None] * (N * N) + cc[None, :], tl.reshape(z, [BT, N * N]), mask=tm[:, None])
@@ -127,7 +127,7 @@ def mhc_kernel(y_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, no
         sst = SO_S if POST else S_S
         ssn = SO_SN if POST else S_SN
         ysq = tl.zeros([BT], tl.float32)
-        for d0 in tl.static_range(0, D, BD):
+        for d0 in range(0, D, BD):
             c = d0 + tl.arange(0, BD)
             m2 = tm[:, None] & (c[None, :] < D)
             y = tl.zeros([BT, BD], tl.float32)
@@ -141,7 +141,7 @@ def mhc_kernel(y_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, no
         if NORM:
             tl.debug_barrier()
             r2 = 1.0 / tl.sqrt_rn(ysq / D + NORM_EPS)
-            for d0 in tl.static_range(0, D, BD):
+            for d0 in range(0, D, BD):
                 c = d0 + tl.arange(0, BD)
                 m2 = tm[:, None] & (c[None, :] < D)
                 y = tl.load(yo_ptr + tok[:, None] * YO_S + c[None, :], mask=m2, other=0.0).to(tl.float32)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import KernelCall, call_name, ptr, unaligned
-from .kvrows import (TL_DTYPE, fp4_qdq, fp8_qdq, hadamard, hadamard_scale, plane_consts, pow2, ring_keep, rope,
+from .kvrows import (TL_DTYPE, fp4_qdq, fp8_qdq, fwht, hadamard_scale, plane_consts, pow2, ring_keep, rope,
                      rope_table, store_rows)
 
 
@@ -68,7 +68,7 @@ def qkv_norm_rope_kernel(q_ptr, kv_ptr, norm_ptr, pos_ptr, qi_ptr, slot_ptr, p0,
             xi = tl.load(qi_ptr + b * QI_S[0] + tq * QI_S[1] + hi * QI_S[2] + ci, mask=mi, other=0.0).to(tl.float32)
             yi = rope(xi, tl.full([HIP], 0.0, tl.float32) + posf, F, HIP, DIP, DI, ROPE_DIM, DT)
             if QI_FP4:
-                yi = tl.dot(yi, hadamard(DIP, HS), input_precision="ieee").to(DT).to(tl.float32)
+                yi = fwht(yi, HIP, DIP, HS).to(DT).to(tl.float32)
                 yi = fp4_qdq(yi, HIP, DIP).to(DT).to(tl.float32)
             tl.store(qio_ptr + b * QIO_S[0] + tq * QIO_S[1] + hi * QIO_S[2] + ci, yi.to(DT), mask=mi)
 
@@ -87,7 +87,7 @@ def specialise(op_name, operands, results, attrs):
     qi_fp4 = attrs.get("qi_round", "none") == "fp4"
     assert not qi_fp4 or DI == pow2(DI), "the Hadamard rotation needs a power-of-two indexer head dim"
     BH = min(pow2(H), 16)
-    c = dict(T=T, H=H, D=D, DP=pow2(D), BH=BH, HI=HI, HIP=max(pow2(HI), 16), DI=DI, DIP=pow2(DI),
+    c = dict(T=T, H=H, D=D, DP=pow2(D), BH=BH, HI=HI, HIP=pow2(HI), DI=DI, DIP=pow2(DI),
              EPS=float(attrs["eps"]), ROPE_DIM=dim, F=rope_table(dim, attrs["theta"], attrs["yarn"]),
              KV_ROUND_DIMS=attrs.get("kv_round_dims", 0), KV_ROUND_BLOCK=attrs.get("kv_round_block", 64),
              QI_FP4=qi_fp4, HS=hadamard_scale(pow2(DI)),
