@@ -34,7 +34,7 @@ def indexer_scores_kernel(q_ptr, w_ptr, pos_ptr, bt_ptr, p0, p1, sc_ptr,
                           PER_BLOCK: tl.constexpr, IENV: tl.constexpr, IOFF: tl.constexpr, BT_S: tl.constexpr,
                           Q_S: tl.constexpr, W_S: tl.constexpr, Q_SCALE: tl.constexpr, W_SCALE: tl.constexpr,
                           FMT: tl.constexpr, NPLANES: tl.constexpr, NOPE: tl.constexpr, BLK: tl.constexpr,
-                          S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
+                          S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, EXACT_BF16: tl.constexpr):
     lane = tl.program_id(0)
     w0 = tl.program_id(1) * BR
     n = tl.sum(_visible(pos_ptr, lane + tl.arange(0, 1), L, RATIO, MAXR), axis=0)
@@ -51,7 +51,11 @@ def indexer_scores_kernel(q_ptr, w_ptr, pos_ptr, bt_ptr, p0, p1, sc_ptr,
         blk = tl.maximum(tl.load(bt_ptr + b * BT_S + w // PER_BLOCK, mask=ok, other=0), 0)
         rows = blk.to(tl.int64) * IENV + w % PER_BLOCK + IOFF
         k = load_rows(p0, p1, None, rows, ok, FMT, NPLANES, BR, DIP, DI, NOPE, BLK, S0, S1, S2)
-        s = tl.maximum(tl.dot(q, tl.trans(k), input_precision="ieee"), 0.0) * Q_SCALE  # [HIP, BR]
+        if EXACT_BF16:  # bf16 q and keys exact in bf16 (FP4 / FP8 x power of two, bf16 rows): exact products
+            s = tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        s = tl.maximum(s, 0.0) * Q_SCALE  # [HIP, BR]
         tl.store(sc_ptr + lane.to(tl.int64) * MAXR + w, tl.sum(s * wt[:, None], axis=0), mask=ok)
 
 
@@ -126,7 +130,10 @@ def specialise(op_name, operands, results, attrs):
     c1 = dict(T=T, L=L, HI=HI, HIP=max(pow2(HI), 16), DI=DI, DIP=pow2(DI), BR=BR, RATIO=ratio, MAXR=MAXR,
               PER_BLOCK=attrs["block_tokens"] // ratio, IENV=attrs["index_envelope_rows"], IOFF=attrs["index_offset"],
               BT_S=bt.strides[0], Q_S=q.strides[:3], W_S=wts.strides[:2], Q_SCALE=float(attrs["q_scale"]),
-              W_SCALE=float(attrs["w_scale"]), **pc)
+              W_SCALE=float(attrs["w_scale"]), **pc,
+              # bf16 MMA when it is exact: a bf16 query and keys that bf16 holds exactly (an fp32 FMA dot
+              # of this size spills on sm_90, which has no fp32 MMA).
+              EXACT_BF16=q.dtype == "bf16" and (attrs["fmt"] in ("fp4", "fp8") or planes[0].dtype == "bf16"))
     p1 = [ptr("p1", "operand", "p1", planes[1])] if planes[1] is not None else []
     if planes[1] is None:
         c1["p1"] = None

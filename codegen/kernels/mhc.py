@@ -53,6 +53,23 @@ def _post_chunk(y_ptr, s_ptr, post_ptr, comb_ptr, tok, tm, c, cm, k: tl.constexp
 
 
 @triton.jit
+def _dot_fp32_weight(x, w, DT: tl.constexpr):
+    """x [BT, K] (values of DT) times an fp32 weight tile [K, NW], fp32 exact products. bf16 streams: the
+    weight is split exactly into three bf16 parts (8 + 8 + 8 significant bits) and each part goes through
+    a bf16 MMA (x is exact in bf16): the fp32 result up to summation order, on matrix units of both
+    targets (sm_90 has no fp32 MMA, and an fp32 FMA dot of this size spills there)."""
+    if DT == tl.bfloat16:
+        xb = x.to(tl.bfloat16)
+        hi = w.to(tl.bfloat16)
+        r = w - hi.to(tl.float32)
+        mid = r.to(tl.bfloat16)
+        lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+        return tl.dot(xb, hi) + tl.dot(xb, mid) + tl.dot(xb, lo)
+    else:
+        return tl.dot(x, w, input_precision="ieee")
+
+
+@triton.jit
 def mhc_kernel(y_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, norm_ptr,
                so_ptr, yo_ptr, posto_ptr, combo_ptr,
                M: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
@@ -95,12 +112,12 @@ def mhc_kernel(y_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, no
             ssq += tl.sum(x * x, axis=1)
             col = (fk * D + fc)[:, None]
             w = tl.load(fn_ptr + rn * (N * D) + col, mask=fmask[:, None] & (rn < N), other=0.0)
-            a_pre += tl.dot(x, w, input_precision="ieee")
+            a_pre += _dot_fp32_weight(x, w, DT)
             if MIX == "pre":
                 w = tl.load(fn_ptr + (N + rn) * (N * D) + col, mask=fmask[:, None] & (rn < N), other=0.0)
-                a_post += tl.dot(x, w, input_precision="ieee")
+                a_post += _dot_fp32_weight(x, w, DT)
                 w = tl.load(fn_ptr + (2 * N + rc) * (N * D) + col, mask=fmask[:, None], other=0.0)
-                a_comb += tl.dot(x, w, input_precision="ieee")
+                a_comb += _dot_fp32_weight(x, w, DT)
     if MIX != "":
         # Pass 2: the mixing weights.
         r = 1.0 / tl.sqrt_rn(ssq / (N * D) + EPS)
@@ -191,7 +208,7 @@ def specialise(op_name, operands, results, attrs):
     if op_name == "mhc_post_head":
         so = None
     yv = operands.get("y")
-    c = dict(M=M, N=n, D=D, BD=min(pow2(D), max(16, 256 // n)), BT=BT, POST=post, MIX=mix, NORM=has_norm,
+    c = dict(M=M, N=n, D=D, BD=min(pow2(D), max(16, 128 // n)), BT=BT, POST=post, MIX=mix, NORM=has_norm,
              NM=max(pow2(n), 16), EPS=float(attrs.get("eps", 0.0)), HC_EPS=float(attrs.get("hc_eps", 0.0)),
              ITERS=int(attrs.get("iters", 1)), NORM_EPS=float(attrs.get("norm_eps", 0.0)),
              Y_S=_rows(yv, len(lead)) if yv is not None else 0, S_S=_rows(s, len(lead)), S_SN=s.strides[-2],
