@@ -126,7 +126,7 @@ def specialise(op_name, operands, results, attrs):
     n_rows = B * T * (attrs["window"] - 1 + (operands["comp_indices"].shape[0] // (B * T) if has_comp else 0))
     return [KernelCall(name=call_name("sparse_attention", c, f"b{B}_t{T}_h{H}_d{D}_{attrs['fmt']}"),
                        fn=sparse_attention_kernel, constexprs=c, pointers=pointers,
-                       grid=(B * T, triton.cdiv(H, BH), 1), num_warps=4,
+                       grid=(B * T, triton.cdiv(H, BH), 1), num_warps=8 if D > 256 else 4,
                        unaligned=unaligned({"q_ptr": q, "kv_ptr": kv, "out_ptr": out,
                                             **{f"p{i}": p for i, p in enumerate(planes)}}),
                        flops=4 * B * T * H * D * n_rows, bytes_moved=n_rows * row_bytes + 2 * q.type.nbytes)]
