@@ -105,7 +105,8 @@ _SIG = re.compile(r"^\s*(\w+)\s*\((.*)\)\s*->\s*(.+)$")
 
 class OpDef:
     def __init__(self, sig: str, attrs: dict[str, Any], ref: Callable, doc: str, *, view: Callable | None = None,
-                 tied: dict[str, str] | None = None, kernel: str | None = None):
+                 tied: dict[str, str] | None = None, kernel: str | None = None,
+                 follows: dict[str, str] | None = None):
         m = _SIG.match(sig)
         if not m:
             raise ValueError(f"bad op signature {sig!r}")
@@ -113,7 +114,9 @@ class OpDef:
         self.operands = tuple(Operand(a.strip().rstrip("?"), a.strip().endswith("?"))
                               for a in m.group(2).split(",") if a.strip())
         self.results = tuple(r.strip().rstrip("?") for r in m.group(3).split(","))
-        self.optional_results = sum(1 for r in m.group(3).split(",") if r.strip().endswith("?"))
+        self.optional_result_names = tuple(r.strip().rstrip("?") for r in m.group(3).split(",")
+                                           if r.strip().endswith("?"))
+        self.optional_results = len(self.optional_result_names)
         self.attrs: dict[str, AttrSpec] = {}
         for k, v in attrs.items():
             t, d = (v if isinstance(v, tuple) else (v, _NO_DEFAULT))
@@ -127,6 +130,8 @@ class OpDef:
         self.view = view
         self.tied = dict(tied or {})
         self.kernel = kernel
+        # An optional result exists exactly when the operand it is tied to (or `follows`) is given.
+        self.follows = dict(follows or {})
         self._cost: Callable | None = None
         self.onnx_lowering: Callable | None = None
         for r, o in self.tied.items():
@@ -148,6 +153,17 @@ class OpDef:
             return self.results.index(name)
         except ValueError:
             raise KeyError(f"op '{self.name}' has no result '{name}'") from None
+
+    def result_names(self, operands: list[Any] | tuple[Any, ...], n_results: int) -> list[str]:
+        """The signature names of an op's actual results: an optional result tied to (or following) an
+        optional operand is there exactly when that operand is; other optional results are trailing."""
+        names = []
+        for r in self.results:
+            link = self.tied.get(r) or self.follows.get(r)
+            if r in self.optional_result_names and link is not None and operands[self.operand_index(link)] is None:
+                continue
+            names.append(r)
+        return names[:n_results]
 
     @property
     def launch(self) -> bool:
@@ -338,9 +354,11 @@ def _view_strides(old: list[int], old_strides: list[int], new: list[int]) -> lis
 
 
 def defop(sig: str, attrs: dict[str, Any] | None = None, *, view: Callable | None = None,
-          tied: dict[str, str] | None = None, kernel: str | None = None) -> Callable[[Callable], OpDef]:
+          tied: dict[str, str] | None = None, kernel: str | None = None,
+          follows: dict[str, str] | None = None) -> Callable[[Callable], OpDef]:
     def wrap(fn: Callable) -> OpDef:
-        op = OpDef(sig, attrs or {}, fn, (fn.__doc__ or "").strip(), view=view, tied=tied, kernel=kernel)
+        op = OpDef(sig, attrs or {}, fn, (fn.__doc__ or "").strip(), view=view, tied=tied, kernel=kernel,
+                   follows=follows)
         if op.name in REGISTRY:
             raise ValueError(f"op {op.name} registered twice")
         REGISTRY[op.name] = op

@@ -166,7 +166,8 @@ def _(q, weights, pos, block_table, p0, p1, *, k, **_):
 @defop("qkv_norm_rope(q, kv, norm, pos, qi?, slot?, p0?, p1?, p2?) -> q_out, kv_out, qi_out?, q0?, q1?, q2?",
        attrs={"eps": float, "dim": int, "theta": float, "yarn": tuple, "kv_round_dims": (int, 0),
               "kv_round_block": (int, 64), "qi_round": (str, "none"), "window": (int, 0), "slot_rows": (int, 0),
-              "n_rows": (int, 0), "layer_row": (int, 0), "fmt": (str, "")}, tied={"q0": "p0", "q1": "p1", "q2": "p2"}, kernel="qkv_norm_rope")
+              "n_rows": (int, 0), "layer_row": (int, 0), "fmt": (str, "")}, tied={"q0": "p0", "q1": "p1", "q2": "p2"},
+       follows={"qi_out": "qi"}, kernel="qkv_norm_rope")
 def qkv_norm_rope(q, kv, norm, pos, qi, slot, p0, p1, p2, *, eps, dim, theta, yarn, kv_round_dims, kv_round_block,
                   qi_round, window, slot_rows, n_rows, layer_row, fmt):
     """One launch for the attention's query / key prologue: the per-head unweighted RMSNorm + RoPE of q,
