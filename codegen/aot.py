@@ -82,6 +82,9 @@ def bandwidth_time(bytes_moved: int, target: str) -> float:
     return bytes_moved / TARGETS[target].hbm_bytes_s
 
 
+AOT_FORMAT = 2  # bump when what a cache entry holds (binary, sidecar, stats) changes
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("V4COMPILE_CACHE") or Path.home() / ".cache" / "v4compile")
 
@@ -139,7 +142,7 @@ def job_of(call: KernelCall, target: str) -> dict:
     import triton
     blob = json.dumps({k: v for k, v in job.items() if k != "name"}, sort_keys=True)
     src = _module_source(module)
-    job["key"] = hashlib.sha256(f"{triton.__version__}\n{blob}\n{src}".encode()).hexdigest()[:32]
+    job["key"] = hashlib.sha256(f"{AOT_FORMAT}\n{triton.__version__}\n{blob}\n{src}".encode()).hexdigest()[:32]
     return job
 
 
@@ -147,8 +150,10 @@ def job_of(call: KernelCall, target: str) -> dict:
 
 def _worker_init() -> None:
     os.environ.pop("TRITON_INTERPRET", None)
+    # Our cache is the cache: a hit in Triton's own would skip ptxas and lose its register / spill log.
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    os.environ["TRITON_CACHE_DIR"] = str(cache_root() / "triton")
+    os.environ["TRITON_CACHE_DIR"] = str(cache_root() / "triton")  # scratch only (always compiling)
 
 
 def _compile_job(job: dict, cache_dir: str) -> dict:
