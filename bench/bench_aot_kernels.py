@@ -54,7 +54,8 @@ def calls_of(module, funcs, families):
                 align = 16 if off % 16 == 0 else (off & -off)
                 return TensorArg(v.type, lo.strides, align)
             operands = {o.name: arg(v) for o, v in zip(od.operands, op.operands)}
-            results = {n: arg(v) for n, v in zip(od.results, op.results)}
+            rnames = od.result_names(op.operands, len(op.results)) if hasattr(od, "result_names") else od.results
+            results = {n: arg(v) for n, v in zip(rnames, op.results)}
             for c in family(op.name).specialise(op.name, operands, results, dict(op.attrs)):
                 if c.name not in seen:
                     seen.add(c.name)

@@ -82,6 +82,9 @@ def bandwidth_time(bytes_moved: int, target: str) -> float:
     return bytes_moved / TARGETS[target].hbm_bytes_s
 
 
+AOT_FORMAT = 2  # bump when what a cache entry holds (binary, sidecar, stats) changes
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("V4COMPILE_CACHE") or Path.home() / ".cache" / "v4compile")
 
@@ -139,7 +142,7 @@ def job_of(call: KernelCall, target: str) -> dict:
     import triton
     blob = json.dumps({k: v for k, v in job.items() if k != "name"}, sort_keys=True)
     src = _module_source(module)
-    job["key"] = hashlib.sha256(f"{triton.__version__}\n{blob}\n{src}".encode()).hexdigest()[:32]
+    job["key"] = hashlib.sha256(f"{AOT_FORMAT}\n{triton.__version__}\n{blob}\n{src}".encode()).hexdigest()[:32]
     return job
 
 
@@ -147,8 +150,10 @@ def job_of(call: KernelCall, target: str) -> dict:
 
 def _worker_init() -> None:
     os.environ.pop("TRITON_INTERPRET", None)
+    # Our cache is the cache: a hit in Triton's own would skip ptxas and lose its register / spill log.
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    os.environ["TRITON_CACHE_DIR"] = str(cache_root() / "triton")
+    os.environ["TRITON_CACHE_DIR"] = str(cache_root() / "triton")  # scratch only (always compiling)
 
 
 def _compile_job(job: dict, cache_dir: str) -> dict:
@@ -318,11 +323,10 @@ def compile_calls(calls: list[KernelCall], targets: list[str] | tuple[str, ...],
                   jobs: int | None = None) -> list[dict]:
     """Compile every call for every target; write binaries + sidecars to out_dir/<target>/; return the
     static report rows (one per call and target, in call order then target order)."""
+    from ..errors import InputError
     for t in targets:
         if t not in TARGETS:
-            raise ValueError(f"unknown target {t!r}; expected one of {sorted(TARGETS)}")
-    names = [c.name for c in calls]
-    dup = {n for n in names if names.count(n) > 1}
+            raise InputError("unknown target", where="--target", expected=", ".join(TARGETS), found=t)
     todo: list[tuple[KernelCall, dict]] = []
     seen: dict[tuple[str, str], dict] = {}
     for c in calls:
@@ -334,10 +338,10 @@ def compile_calls(calls: list[KernelCall], targets: list[str] | tuple[str, ...],
                 continue
             seen[(c.name, t)] = j
             todo.append((c, j))
-    del dup
     cache = cache_root() / "aot"
     cache.mkdir(parents=True, exist_ok=True)
     missing = [j for _, j in todo if not (cache / j["key"] / "sidecar.json").exists()]
+    fresh = {j["key"] for j in missing}
     t0 = time.perf_counter()
     if missing:
         _run_workers(missing, str(cache), max(1, min(jobs or os.cpu_count() or 1, len(missing))))
@@ -361,7 +365,7 @@ def compile_calls(calls: list[KernelCall], targets: list[str] | tuple[str, ...],
             "grid": side["grid"], "flops": c.flops, "bytes": c.bytes_moved, "mma_dtype": mma_dtype,
             "modeled_us": round(modeled_time(c.flops, c.bytes_moved, j["target"], mma_dtype) * 1e6, 3),
             "bandwidth_us": round(bandwidth_time(c.bytes_moved, j["target"]) * 1e6, 3),
-            "compile_s": st.get("compile_s"), "cached": j not in missing,
+            "compile_s": st.get("compile_s"), "cached": j["key"] not in fresh,
             "path": f"{j['target']}/{side['binary']}", "sidecar": f"{j['target']}/{c.name}.json",
         })
     return rows

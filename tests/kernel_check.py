@@ -32,8 +32,11 @@ def poisoned(shape, dtype, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference(op_name: str, args: dict, attrs: dict) -> list[torch.Tensor]:
     op = get_op(op_name)
-    a = op.normalize_attrs({k: v for k, v in attrs.items() if k in op.attrs})
-    return op.run([args.get(o.name) for o in op.operands], a)
+    operands = [args.get(o.name) for o in op.operands]
+    a = {k: v for k, v in attrs.items() if k in op.attrs}
+    if hasattr(op, "with_variant"):  # ops whose optional operands select a variant name it
+        a = op.with_variant(operands, a)
+    return op.run(operands, op.normalize_attrs(a))
 
 
 def bf16_ulp(v: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 import kernel_check  # noqa: F401  (TRITON_INTERPRET=1 before kernel modules load)
 from v4compile.codegen import aot
 from v4compile.codegen.kernels import TensorArg, gemm
+from v4compile.errors import V4Error
 from v4compile.formats import fp8_block_quant
 
 pytestmark = pytest.mark.slow
@@ -63,7 +64,7 @@ def test_compile_small_gemm_both_targets(tmp_path, monkeypatch):
 
 
 def test_unknown_target_is_rejected(tmp_path):
-    with pytest.raises(ValueError, match="unknown target"):
+    with pytest.raises(V4Error, match="unknown target"):
         aot.compile_calls(_calls(), ["sm_100"], tmp_path)
 
 

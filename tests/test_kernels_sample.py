@@ -60,6 +60,13 @@ def test_greedy():
     assert torch.equal(tok, ref) and tok[0] == 5
 
 
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.8, 0.95)])
+def test_vocab_over_several_chunks(temperature, top_p):
+    """V larger than the kernel's 4096-wide chunk: maxima, masses and the draw span chunks."""
+    tok, ref = run(2, 5000, temperature, top_p, g_seed=3)
+    assert torch.equal(tok, ref)
+
+
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (1.3, 0.5)])
 def test_sampling_matches_reference(temperature, top_p):
     tok, ref = run(4, 777, temperature, top_p)

@@ -266,7 +266,9 @@ def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, 
            + (f"_s{split}" if split > 1 else ""))
     calls = [KernelCall(
         name=call_name(prefix, ce, tag), fn=gemm_kernel, constexprs=ce, pointers=pointers,
-        grid=(triton.cdiv(N, BN), triton.cdiv(M, BM), groups * split), num_warps=4, num_stages=2,
+        # 64x128 fp32 accumulators need 8 warps on sm_90 (255-register cap); gfx950 is spill-free either way
+        grid=(triton.cdiv(N, BN), triton.cdiv(M, BM), groups * split), num_warps=8 if BM * BN >= 8192 else 4,
+        num_stages=2,
         scratch_bytes=scratch,
         unaligned=unaligned({"x_ptr": x, "xs_ptr": x_scale, "w_ptr": w, "s_ptr": scale, "n_ptr": norm, "y_ptr": y}),
         flops=2 * M * N * K * groups, mma_dtype="fp8" if act != "native" else "bf16",
