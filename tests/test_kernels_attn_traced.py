@@ -2,8 +2,8 @@
 scenario runs through the op references (IRRunner), and in one prefill chunk (with padding lanes and
 compressed history) and one decode step every op of the mhc / qkv_norm_rope / compress / csr / indexer /
 sparse_attention / pool_write families is also launched on copies of its operands and compared with the
-reference's results. hf numerics in fp32 (native pool) and official numerics in bf16 (FP8 main pool,
-FP4 index pool).
+reference's results: official numerics in bf16 (FP8 main pool, FP4 index pool). (`("hf", "fp32")` also
+passes; it is left out of CI for time.)
 
 Tolerances are the families' own (see their test modules): float results 1 bf16 ulp / 1e-5 x max|ref|
 (sparse_attention bf16: 2^-8 x max|value rows| + 2 ulps); pool planes and state rings bit for bit
@@ -36,21 +36,14 @@ FAMILIES = {"mhc", "qkv_norm_rope", "compress", "csr", "indexer", "sparse_attent
 CHECK_CALLS = {"official": {("prefill", 2), ("decode", 0)}, "hf": {("decode", 0)}}
 
 
-def present_results(opdef, args) -> list[str]:
-    """Names of the results an op instance returns. The registry does not say which optional results
-    are present; the convention of the attention ops: a tied result exists iff its operand does, and
-    `X_out` iff operand `X` does."""
-    out = []
-    for r in opdef.results:
-        src = opdef.tied.get(r) or (r[:-4] if r.endswith("_out") and r[:-4] in opdef.operand_names else None)
-        if src is None or args.get(src) is not None:
-            out.append(r)
-    return out
+def present_results(opdef, args, n: int) -> list[str]:
+    """Names of the n results an op instance returns (the registry's rule: tied / `follows` operands)."""
+    return opdef.result_names([args.get(o) for o in opdef.operand_names], n)
 
 
 def _compare(op, args, want, got, seen):
     opdef = get_op(op.name)
-    names = present_results(opdef, args)
+    names = present_results(opdef, args, len(want))
     assert len(names) == len(want), (op.name, names, len(want))
     for n, w in zip(names, want):
         g = got[n]
@@ -78,8 +71,9 @@ def _compare(op, args, want, got, seen):
 
 
 def _kind(fn, op, opdef, vals) -> tuple:
-    """One check per distinct variant of an op in a function (operands present, overlap, format)."""
-    return (fn.name, op.name, tuple(v is None for v in vals), op.attrs.get("overlap"), op.attrs.get("fmt"))
+    """One check per distinct variant of an op (operands present, overlap, format), whichever function
+    meets it first (CI time: each launch runs in the interpreter)."""
+    return (op.name, tuple(v is None for v in vals), op.attrs.get("overlap"), op.attrs.get("fmt"))
 
 
 def _checking_interpreter(calls, seen, check_calls):
@@ -103,7 +97,7 @@ def _checking_interpreter(calls, seen, check_calls):
             outs = opdef.run(vals, op.attrs)
             if check:
                 res = {}
-                for n, w in zip(present_results(opdef, args), outs):
+                for n, w in zip(present_results(opdef, args, len(outs)), outs):
                     tied = opdef.tied.get(n)
                     res[n] = args[tied] if tied else poisoned(w.shape, w.dtype)[0]
                 launch(op.name, args, op.attrs, res)
@@ -115,7 +109,9 @@ def _checking_interpreter(calls, seen, check_calls):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("numerics,dtype", [("hf", "fp32"), ("official", "bf16")])
+# hf / fp32 (native pool) runs the same kernels with other constexprs; its unit tests cover it, and each
+# traced run costs tens of seconds of interpreter time, so CI runs the official / bf16 one only.
+@pytest.mark.parametrize("numerics,dtype", [("official", "bf16")])
 def test_families_on_traced_operands(numerics, dtype):
     cfg = preset("tiny")
     m = trace(cfg, TraceOptions(numerics=numerics, dtype=dtype, batch=2, chunk=16, decode_batch=2, capacity=160))
