@@ -28,6 +28,8 @@ from .params import Params, experts_name
 
 log = logging.getLogger(__name__)
 
+GENERATION_ROOM = 256  # tokens a default-sized prefill cache leaves for decode
+
 NUMERICS = ("hf", "official")
 _FP32_SUFFIXES = ("norm.weight", "_fn", "_base", "_scale", "attn_sink", ".ape", "gate.bias")
 
@@ -128,6 +130,8 @@ class ReferenceModel:
                 capacity: int | None = None) -> tuple[Cache, torch.Tensor]:
         """Feed B prompts of any lengths, `chunk` tokens per step (None: all at once).
 
+        A new cache holds `capacity` tokens per sequence; by default the longest prompt plus
+        `GENERATION_ROOM` (256) tokens to decode, within the model's maximum position.
         Returns the cache and the logits of each prompt's last token `[B, vocab]`.
         """
         prompts = [list(map(int, p)) for p in prompts]
@@ -137,7 +141,8 @@ class ReferenceModel:
             self._check_ids(torch.tensor(p))
         longest = max(len(p) for p in prompts)
         if cache is None:
-            cache = self.new_cache(len(prompts), capacity or longest)
+            cache = self.new_cache(len(prompts), capacity or max(longest, min(longest + GENERATION_ROOM,
+                                                                               self.cfg.max_position)))
         if len(prompts) != cache.batch:
             raise InputError("batch size does not match the cache", expected=cache.batch, found=len(prompts))
         for b, p in enumerate(prompts):
