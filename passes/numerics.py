@@ -82,6 +82,9 @@ class Divergence:
     ops: list[OpDivergence] = field(default_factory=list)  # the first diverging op of each function
     clean: list[str] = field(default_factory=list)  # functions in which no op diverges
     op_rtol: float = 0.0
+    # The first op of each function whose result differs at all: where a divergence really starts when
+    # rounding-order differences (1 ulp) are amplified later (e.g. by an FP8 rounding at a boundary).
+    first_diffs: list[OpDivergence] = field(default_factory=list)
 
     def op(self, func: str) -> OpDivergence | None:
         return next((o for o in self.ops if o.func == func), None)
@@ -93,6 +96,11 @@ class Divergence:
                   f"loc(\"{o.op_loc}\") (error {o.op_error:.3g}, relative to the op's result before the pass)")
         for f in self.clean:
             s += f"\n@{f}: no op's result differs from before the pass by more than {self.op_rtol:g} (relative)"
+        for o in self.first_diffs:
+            if self.op(o.func) is None or (o.op_index, o.op_result) != (self.op(o.func).op_index,
+                                                                        self.op(o.func).op_result):
+                s += (f"\nfirst op whose result differs at all in @{o.func}: #{o.op_index} %{o.op_result} = "
+                      f"{o.op_name} loc(\"{o.op_loc}\") (error {o.op_error:.3g})")
         return s
 
 
@@ -122,8 +130,14 @@ def first_diverging_op(check: NumericsCheck, before: Module, after: Module, rtol
     """Run the scenario through both modules up to the first call of `func`; in that call, the first op
     of `after` (in order) whose result also exists by name in `before` and differs by more than `rtol`
     (relative to its magnitude)."""
+    return first_diverging_ops(check, before, after, [rtol], func)[0]
+
+
+def first_diverging_ops(check: NumericsCheck, before: Module, after: Module, rtols: list[float],
+                        func: str = "prefill") -> list[OpDivergence | None]:
+    """`first_diverging_op` for several thresholds in one run of each module."""
     if func not in before.functions or func not in after.functions:
-        return None
+        return [None] * len(rtols)
     seen: dict[str, torch.Tensor] = {}
 
     def keep(op, outs):
@@ -131,10 +145,10 @@ def first_diverging_op(check: NumericsCheck, before: Module, after: Module, rtol
             seen[r.name] = t
 
     _observe_first_call(check, before, func, keep)
-    found: list = []
+    found: list = [None] * len(rtols)
 
     def compare(op, outs):
-        if found:
+        if all(f is not None for f in found):
             return
         for r, t in zip(op.results, outs):
             ref = seen.get(r.name)
@@ -142,15 +156,14 @@ def first_diverging_op(check: NumericsCheck, before: Module, after: Module, rtol
                 continue
             scale = float(ref.float().abs().max()) or 1.0
             err = float((t.float() - ref.float()).nan_to_num(nan=float("inf")).abs().max()) / scale
-            if err > rtol:
-                found.append((op, r.name, err))
-                return
+            for i, rtol in enumerate(rtols):
+                if found[i] is None and err > rtol:
+                    found[i] = (op, r.name, err)
 
     _observe_first_call(check, after, func, compare)
-    if not found:
-        return None
-    op, name, err = found[0]
-    return OpDivergence(func, after.functions[func].ops.index(op), op.name, op.loc, name, err)
+    ops = after.functions[func].ops
+    return [None if f is None else OpDivergence(func, ops.index(f[0]), f[0].name, f[0].loc, f[1], f[2])
+            for f in found]
 
 
 def bisect(module: Module, pipeline: list[str], check: NumericsCheck, op_rtol: float = 1e-4) -> Divergence | None:
@@ -184,11 +197,13 @@ def bisect(module: Module, pipeline: list[str], check: NumericsCheck, op_rtol: f
             lo = mid
     d = Divergence(hi, records[hi - 1].spec(), err(hi), op_rtol=op_rtol)
     for func in modules[hi].functions:
-        o = first_diverging_op(check, modules[lo], modules[hi], op_rtol, func)
+        o, any_diff = first_diverging_ops(check, modules[lo], modules[hi], [op_rtol, 0.0], func)
         if o is None:
             d.clean.append(func)
         else:
             d.ops.append(o)
+        if any_diff is not None:
+            d.first_diffs.append(any_diff)
     return d
 
 

@@ -428,6 +428,13 @@ def cmd_ir_verify(args) -> int:
 def cmd_ir_bisect(args) -> int:
     from .passes.numerics import ERROR_UNIT, bisect
 
+    unused = [flag for flag, given in (("--dump-ir", args.dump_ir), ("--start-from", args.start_from),
+                                       ("--print-ir-after-all", args.print_ir_after_all),
+                                       ("--print-ir-after-change", args.print_ir_after_change),
+                                       ("--print-ir-after", args.print_ir_after), ("--stop-after", args.stop_after),
+                                       ("--verify-each", args.verify_each)) if given]
+    if unused:
+        raise InputError(f"ir bisect does not take {', '.join(unused)}", expected="ir dump or compile for those")
     fe = frontend_of(args, need_weights=True, announce="ir bisect")
     check = numerics_check(args, fe)
     pipeline = [p for p in pipeline_of(args) if p.split("{", 1)[0].strip() not in args.disable_pass]
