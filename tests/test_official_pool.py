@@ -29,7 +29,7 @@ from v4compile.weights import spec_table
 
 CAPACITY = 64
 CONFIGS = {
-    "tiny": lambda: preset("tiny"),
+    "tiny": lambda: preset("tiny"),  # (also covered per pass by test_passes.py)
     "tiny-pro": lambda: preset("tiny-pro"),
     # Other ratios, windows and top-k than the presets (the pool's block is 2 x lcm of the ratios).
     "hca8-win8-top2": lambda: preset("tiny").replace(hca_ratio=8, window=8, index_topk=2, name="hca8"),
@@ -62,7 +62,7 @@ def lowered(request):
 def test_the_fp8_fp4_pool_is_lossless_under_official_numerics(lowered):
     cfg, check, _, _, native, pooled = lowered
     assert pooled.attrs["pool.main_fmt"] == "fp8" and native.attrs["pool.main_fmt"] == "native"
-    assert (pooled.attrs["pool.index_fmt"] == "fp4") == any(cfg.kind(i) == CSA for i in range(cfg.n_layers))
+    assert pooled.attrs["pool.index_fmt"] == "fp4" and native.attrs["pool.index_fmt"] == "native"
     a = ir_logits(IRRunner(native, check.weights(native)), check.scenario)
     b = ir_logits(IRRunner(pooled, check.weights(pooled)), check.scenario)
     assert all(torch.equal(x, y) for x, y in zip(a, b))  # bit for bit: the planes lose nothing
@@ -75,12 +75,11 @@ def test_traced_and_unlowered_modules_are_bit_exact(lowered):
 
 def test_lowering_differs_only_by_the_sparse_attention_summation_order(lowered):
     """In each function, the first op whose result differs at all is `sparse_attention`, by rounding."""
-    _, check, _, before, native, pooled = lowered
-    for after in (native, pooled):
-        for func in ("prefill", "decode"):
-            (first,) = first_diverging_ops(check, before, after, [0.0], func)
-            if first is not None:
-                assert first.op_name == "sparse_attention" and first.op_error < 1e-6, first
+    _, check, _, before, _, pooled = lowered
+    for func in ("prefill", "decode"):
+        (first,) = first_diverging_ops(check, before, pooled, [0.0], func)
+        if first is not None:
+            assert first.op_name == "sparse_attention" and first.op_error < 1e-6, first
 
 
 def test_a_wrong_pool_scale_is_caught(lowered, monkeypatch):
@@ -88,7 +87,9 @@ def test_a_wrong_pool_scale_is_caught(lowered, monkeypatch):
     small (the kind of scale mismatch suspected) no longer matches the native pool."""
     from v4compile.ops import paged
 
-    _, check, _, _, native, pooled = lowered
+    cfg, check, _, _, native, pooled = lowered
+    if cfg.name != "tiny-pro":
+        pytest.skip("one config is enough to show the check can fail")
     real = paged.pow2_scale
     monkeypatch.setattr(paged, "pow2_scale", lambda amax, qmax, floor: real(amax, qmax, floor) / 2)
     a = ir_logits(IRRunner(native, check.weights(native)), check.scenario)
