@@ -112,6 +112,9 @@ def _name(spec: str) -> str:
 
 class PassManager:
     def __init__(self, pipeline: list[str], options: PipelineOptions | None = None):
+        from v4compile import ops
+
+        ops.load_all()  # passes create ops of every set
         self.options = options or PipelineOptions()
         self.passes: list[Pass] = [parse_pass_spec(s) for s in pipeline]
         names = [p.name for p in self.passes]

@@ -179,6 +179,9 @@ class _Formatter(logging.Formatter):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from . import ops
+
+    ops.load_all()  # every command may read or build IR of any op set
     ap = build_parser()
     args = ap.parse_args(argv)
     level = logging.WARNING if args.quiet else logging.INFO - 10 * min(args.verbose, 1)

@@ -156,6 +156,9 @@ def module_name(config_name: str) -> str:
 def trace(cfg: V4Config, opts: TraceOptions | None = None, functions: tuple[str, ...] = FUNCTIONS,
           formats: dict[str, str] | None = None, name: str | None = None) -> Module:
     """Trace `cfg` into an IR module (shape-only: no weights are read)."""
+    from . import ops
+
+    ops.load_all()
     opts = opts or TraceOptions()
     opts.validate(cfg)
     t0 = time.perf_counter()

@@ -105,5 +105,8 @@ def build_function(fn: Function, m: Module) -> FunctionProgram:
 
 
 def build_program(m: Module) -> Program:
+    from .. import ops
+
+    ops.load_all()
     attrs = {k: v for k, v in m.attrs.items() if not k.startswith("_")}
     return Program(m.name, {name: build_function(fn, m) for name, fn in m.functions.items()}, attrs)
