@@ -19,7 +19,7 @@ from v4compile.errors import PassError
 from v4compile.ir.core import Function
 
 from .base import FunctionPass, register
-from .rewrite import Namer, make_op, rebuild, use_counts
+from .rewrite import Namer, make_op, rebuild, tags_of, use_counts
 
 
 @register
@@ -46,10 +46,12 @@ class FoldInverseRopeWoAQuant(FunctionPass):
                 continue
             proj = u[0]
             attrs = {k: op.attrs[k] for k in ("dim", "theta", "yarn")}
-            q = make_op(namer, "inv_rope_group_quant", list(op.operands), {**attrs, "fmt": self.quant}, op.loc,
+            q = make_op(namer, "inv_rope_group_quant", {"x": op.operand("x"), "pos": op.operand("pos")},
+                        {**attrs, "fmt": self.quant, **tags_of(op)}, op.loc,
                         None if self.quant == "fp8" else [op.result])
-            o_scale = q.results[1] if self.quant == "fp8" else None
-            new_proj = make_op(namer, "grouped_out_proj", [q.results[0], proj.operands[1], proj.operands[2], o_scale],
+            o_scale = q.out("scale") if self.quant == "fp8" else None
+            new_proj = make_op(namer, "grouped_out_proj", {"o": q.out("y"), "w": proj.operand("w"),
+                                                           "scale": proj.operand("scale"), "o_scale": o_scale},
                                {**proj.attrs, "out_dtype": op.result.type.dtype if o_scale is not None else ""},
                                proj.loc, [proj.result])
             replace[id(op)] = q

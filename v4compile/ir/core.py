@@ -56,8 +56,10 @@ class Op:
     def out(self, name: str) -> Value | None:
         """The result of that name in the op's signature (None when an optional one is absent)."""
         from .registry import get_op
-        i = get_op(self.name).result_index(name)
-        return self.results[i] if i < len(self.results) else None
+        opdef = get_op(self.name)
+        opdef.result_index(name)  # unknown names raise
+        names = opdef.present_results(self.operands, len(self.results))
+        return self.results[names.index(name)] if name in names else None
 
     @property
     def result(self) -> Value:

@@ -33,6 +33,7 @@ from typing import Any
 
 from ..errors import IRError
 from .core import Value
+from .semantics import TAGS, check_tags
 from .types import TensorType
 
 REGISTRY: dict[str, "OpDef"] = {}
@@ -40,21 +41,34 @@ REGISTRY: dict[str, "OpDef"] = {}
 ATTR_TYPES = (int, float, bool, str, tuple)
 _NO_DEFAULT = object()
 
-# Provenance: the model pushes module paths (`layers.7.attn`) while it runs; traced ops record them.
+# Provenance: the model pushes module paths (`layers.7.attn`) and semantic tags (`layer`, `role`; see
+# `semantics.py`) while it runs; traced ops record them.
 _scope: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("v4_scope", default=())
+_tags: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("v4_tags", default={})
 
 
 @contextlib.contextmanager
-def scope(name: str):
-    token = _scope.set(_scope.get() + (name,))
+def scope(name: str = "", *, layer: int | None = None, role: str | None = None):
+    """Inside: ops record `name` in their `loc` (an empty name adds nothing) and the given tags (inner
+    scopes and explicit `role=` on a call override)."""
+    tags = {k: v for k, v in (("layer", layer), ("role", role)) if v is not None}
+    token = _scope.set(_scope.get() + (name,)) if name else None
+    ttoken = _tags.set({**_tags.get(), **tags}) if tags else None
     try:
         yield
     finally:
-        _scope.reset(token)
+        if ttoken is not None:
+            _tags.reset(ttoken)
+        if token is not None:
+            _scope.reset(token)
 
 
 def current_loc() -> str:
     return ".".join(_scope.get())
+
+
+def current_tags() -> dict[str, Any]:
+    return dict(_tags.get())
 
 
 @dataclass(frozen=True)
@@ -114,6 +128,7 @@ class OpDef:
                               for a in m.group(2).split(",") if a.strip())
         self.results = tuple(r.strip().rstrip("?") for r in m.group(3).split(","))
         self.optional_results = sum(1 for r in m.group(3).split(",") if r.strip().endswith("?"))
+        self._optional_result_names = {r.strip().rstrip("?") for r in m.group(3).split(",") if r.strip().endswith("?")}
         self.attrs: dict[str, AttrSpec] = {}
         for k, v in attrs.items():
             t, d = (v if isinstance(v, tuple) else (v, _NO_DEFAULT))
@@ -142,6 +157,22 @@ class OpDef:
             return self.operand_names.index(name)
         except ValueError:
             raise KeyError(f"op '{self.name}' has no operand '{name}'") from None
+
+    def present_results(self, operands: tuple, n_results: int) -> list[str]:
+        """Names of the results an op instance has, in order: an optional result tied to an operand is
+        there iff that operand is; the other optional results fill the remaining count in order."""
+        present_op = {o.name for o, v in zip(self.operands, operands) if v is not None}
+        optional = self._optional_result_names
+        names = [r for r in self.results if r not in optional or (r in self.tied and self.tied[r] in present_op)]
+        free = n_results - len(names)
+        out = []
+        for r in self.results:
+            if r in names:
+                out.append(r)
+            elif r not in self.tied and free > 0:
+                out.append(r)
+                free -= 1
+        return out
 
     def result_index(self, name: str) -> int:
         try:
@@ -183,10 +214,12 @@ class OpDef:
     # ---- attribute checking --------------------------------------------------------------------
     def normalize_attrs(self, attrs: dict[str, Any], where: str = "") -> dict[str, Any]:
         """Fill defaults, reject unknown / missing / mistyped attributes. Names starting with `_` are
-        annotations (e.g. the memory plan's `_arena`): any op may carry them and references never see them."""
+        annotations (e.g. the memory plan's `_arena`) and `layer` / `role` are semantic tags
+        (`semantics.py`): any op may carry them and references never see them."""
         at = where or f"op '{self.name}'"
         notes = {k: v for k, v in attrs.items() if k.startswith("_")}
-        attrs = {k: v for k, v in attrs.items() if not k.startswith("_")}
+        tags = check_tags({k: v for k, v in attrs.items() if k in TAGS}, at)
+        attrs = {k: v for k, v in attrs.items() if not k.startswith("_") and k not in TAGS}
         unknown = sorted(set(attrs) - set(self.attrs))
         if unknown:
             raise IRError(f"unknown attribute '{unknown[0]}' for op '{self.name}'", where=at,
@@ -210,6 +243,7 @@ class OpDef:
                 raise IRError(f"attribute '{k}' of op '{self.name}' must be {spec.type.__name__}", where=at,
                               found=repr(v))
             out[k] = v
+        out.update(tags)
         for k, v in notes.items():
             if not isinstance(v, ATTR_TYPES):
                 raise IRError(f"annotation '{k}' has an unsupported value", where=at, found=repr(v))
@@ -245,12 +279,15 @@ class OpDef:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         operands, attrs = self.bind(args, kwargs)
+        tracing = any(isinstance(v, Value) for v in operands)
+        if tracing:
+            attrs = {**current_tags(), **attrs}
         attrs = self.normalize_attrs(attrs)
-        if any(isinstance(v, Value) for v in operands):
+        if tracing:
             from .builder import current_builder
             results = current_builder().emit(self, operands, attrs, current_loc())
         else:
-            results = self.ref(*operands, **attrs)
+            results = self.ref(*operands, **semantic(attrs))
         if isinstance(results, (list, tuple)) and len(results) == 1:
             return results[0]
         return results
@@ -262,8 +299,9 @@ class OpDef:
 
 
 def semantic(attrs: dict[str, Any]) -> dict[str, Any]:
-    """Attributes without annotations."""
-    return {k: v for k, v in attrs.items() if not k.startswith("_")}
+    """The attributes an op's own rules (reference, shape, cost) take: without annotations (`_...`) and
+    without the semantic tags (`layer`, `role`)."""
+    return {k: v for k, v in attrs.items() if not k.startswith("_") and k not in TAGS}
 
 
 def require(cond: bool, what: str, expected: object = None, found: object = None) -> None:

@@ -14,6 +14,7 @@ keeps each sequence's length.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,28 @@ def layer_cache_shapes(cfg: V4Config, layer: int, batch: int, capacity: int, dty
 
 
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# ---- names of the state as IR function inputs / outputs -------------------------------------------
+# A traced function takes each layer's cache tensor `key` (a name of `layer_cache_shapes`) as input and
+# returns its new value as output, both named `cache.layers.<layer>.<key>`; after lowering to the pool
+# the per-slot compressor rings are `state.layers.<layer>.<key>`. Function inputs carry no attributes,
+# so these names are the one convention that says which layer's state an input is; they are made and
+# read only here.
+_CACHE_INPUT = re.compile(r"^cache\.layers\.(\d+)\.(\w+)$")
+
+
+def cache_input_name(layer: int, key: str) -> str:
+    return f"cache.layers.{layer}.{key}"
+
+
+def state_input_name(layer: int, key: str) -> str:
+    return f"state.layers.{layer}.{key}"
+
+
+def parse_cache_input(name: str) -> tuple[int, str] | None:
+    """(layer, key) of a `cache.layers.<layer>.<key>` input / output name, None for any other name."""
+    m = _CACHE_INPUT.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
 
 
 @dataclass
