@@ -164,7 +164,7 @@ def trace(cfg: V4Config, opts: TraceOptions | None = None, functions: tuple[str,
             pos = b.input("pos", TensorType((B, T), "i64"))
             caches = []
             for layer in range(cfg.n_layers):
-                shapes = layer_cache_shapes(cfg, layer, B, opts.capacity, opts.dtype)
+                shapes = layer_cache_shapes(cfg, layer, B, opts.capacity, opts.dtype, opts.numerics)
                 caches.append({k: b.input(cache_input_name(layer, k), TensorType(shape, dt))
                                for k, (shape, dt) in shapes.items()})
             logits, _ = model_step(P, cfg, ids, pos, caches, StepOptions(opts.numerics, last_only=True))

@@ -16,12 +16,13 @@ from .. import ops
 from ..config import CSA, HCA, V4Config
 from ..ir.core import Value
 from ..ir.registry import scope
-from .params import Params
+from .params import Params, experts_name
 
 
 @dataclass(frozen=True)
 class StepOptions:
-    numerics: str = "hf"  # "hf": match transformers; "official": + FP8 KV and FP4 indexer rounding
+    numerics: str = "hf"  # "hf": match transformers; "official": + FP8 KV / FP4 indexer rounding, FP8 activations
+    #                       into FP8 / FP4 GEMMs, fp32 logits, fp32 compressor state (spec 12, 13)
     last_only: bool = False  # logits of each sequence's last valid lane only ([B, V] instead of [B, T, V])
 
 
@@ -106,9 +107,14 @@ def attention_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, pos:
     return ops.linear(z, **gemm(P, opts, a + "wo_b.weight", "attn.wo_b"))
 
 
-def gemm(P: Params, opts: StepOptions, name: str, role: str) -> dict[str, Any]:
-    """Keyword arguments of the GEMM reading weight `name`: the weight (+ scale, block) and its role."""
-    return {**P.lin(name), "role": role}
+def gemm(P: Params, opts: StepOptions, name: str, role: str, out_dtype: str = "") -> dict[str, Any]:
+    """Keyword arguments of the GEMM reading weight `name`: the weight (+ scale, block), its role and its
+    numerics (`ops/basic.py` GEMM_ATTRS). `hf`: every GEMM native (activation x weight dequantised to the
+    activation dtype, as transformers runs it). `official` (`v4-reference.md` 12, 13.1): FP8 activations
+    on every GEMM whose weight the checkpoint stores in FP8 / FP4, except `wo_a`, which DeepSeek's
+    conversion dequantises to bf16 and runs as a bf16 einsum."""
+    fp8 = opts.numerics == "official" and P.quantized(name) and role != "attn.wo_a"
+    return {**P.lin(name), "act": "fp8" if fp8 else "native", "out_dtype": out_dtype, "role": role}
 
 
 def moe_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, ids: Any, opts: StepOptions) -> Any:
@@ -117,7 +123,9 @@ def moe_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, ids: Any, 
     wts, idx = ops.router(x, P.t(f + "gate.weight"), None if hashed else P.t(f + "gate.bias"),
                           P.t(f + "gate.tid2eid") if hashed else None, ids if hashed else None,
                           k=cfg.n_active_experts, route_scale=float(cfg.route_scale), role="ffn.gate")
-    y = ops.moe_experts(x, wts, idx, **P.experts(pre), limit=float(cfg.swiglu_limit), role="ffn.experts")
+    fp8 = opts.numerics == "official" and P.quantized(experts_name(pre, "w1"))
+    y = ops.moe_experts(x, wts, idx, **P.experts(pre), limit=float(cfg.swiglu_limit), act="fp8" if fp8 else "native",
+                        role="ffn.experts")
     with scope("shared", role="ffn.shared"):
         s = f + "shared_experts."
         h = ops.swiglu(ops.linear(x, **gemm(P, opts, s + "w1.weight", "ffn.shared.w1")),
@@ -155,7 +163,8 @@ def head(P: Params, cfg: V4Config, pre: str, streams: Any, pos: Any, opts: StepO
     if opts.last_only:
         h = ops.last_token(h, pos)
     h = ops.rms_norm(h, P.t(pre + "norm.weight"), eps=cfg.rms_eps)
-    return ops.linear(h, **gemm(P, opts, "head.weight", "head"))
+    # Official logits are fp32 (spec 11, 12: the head weight upcast, an fp32 GEMM).
+    return ops.linear(h, **gemm(P, opts, "head.weight", "head", "fp32" if opts.numerics == "official" else ""))
 
 
 def model_step(P: Params, cfg: V4Config, ids: Any, pos: Any, caches: list[dict[str, Any]],
