@@ -35,6 +35,7 @@ from v4compile.pool import INDEX_FORMATS, MAIN_FORMATS, PoolGeometry
 
 from .base import Pass, PassResult, register
 from .rewrite import Namer, has_role, make_op, new_module, tags_of
+from .rewrite import planes as plane_values
 
 
 def _layers(fn: Function) -> dict[int, dict[str, Value]]:
@@ -124,9 +125,9 @@ def lower_function(fn: Function, geo: PoolGeometry) -> tuple[Function, dict[str,
             cur_state[state_input_name(layer, pre + "state_kv")] = new.out("state_kv_out")
             cur_state[state_input_name(layer, pre + "state_gate")] = new.out("state_gate_out")
             if is_index:
-                cur_index = list(new.results[2:])
+                cur_index = plane_values(new, "q", results=True)
             else:
-                cur_main = list(new.results[2:])
+                cur_main = plane_values(new, "q", results=True)
             rows_of[id(op.out("rows_out"))] = (layer, "index" if is_index else "main")
             ops.append(new)
             hits["compressors"] += 1
