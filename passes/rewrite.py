@@ -57,7 +57,7 @@ def make_op(namer: Namer, opname: str, operands: dict[str, Value | None] | list,
             raise KeyError(f"op '{opname}' has no operand {sorted(unknown)[0]!r}")
         operands = [operands.get(n) for n in opdef.operand_names]
     operands = list(operands) + [None] * (len(opdef.operands) - len(operands))  # absent trailing optionals
-    attrs = opdef.normalize_attrs(attrs)
+    attrs = opdef.normalize_attrs(opdef.with_variant(operands, attrs))
     types = opdef.result_types([v.type if v is not None else None for v in operands], attrs)
     if result_names is not None:
         results = tuple(result_names)

@@ -32,7 +32,8 @@ def ring_lanes(pos: torch.Tensor, slots: int) -> torch.Tensor:
 
 
 @defop("attention(q, kv, window_kv, pos, sink, rows?, selected?) -> out",
-       attrs={"window": int, "ratio": int, "scale": float})
+       attrs={"window": int, "ratio": int, "scale": float},
+       variants={"window": (), "compressed": ("rows",), "indexed": ("rows", "selected")})
 def attention(q, kv, window_kv, pos, sink, rows, selected, *, window, ratio, scale):
     """One softmax over the visible keys of each query, the sink in the denominator only.
 
@@ -109,7 +110,7 @@ def grouped_out_proj(o, w, scale, o_scale, *, groups, block, act, acc, out_dtype
     `act="fp8"` each group's K axis is quantised in 128-wide blocks. With `o_scale`, o arrives already
     quantised (e4m3, one scale per `K / o_scale.shape[-1]` values of the flattened heads, as
     `inv_rope_group_quant` makes it): the same values as quantising here, so the same result."""
-    from .basic import TORCH_DTYPE
+    from .basic import torch_dtype
     from ..formats import act_qdq
 
     B, T = o.shape[:2]
@@ -119,9 +120,9 @@ def grouped_out_proj(o, w, scale, o_scale, *, groups, block, act, acc, out_dtype
         x = act_qdq(o.reshape(B, T, groups, -1))
     else:
         x = o.reshape(B, T, groups, -1)
-        if out_dtype and TORCH_DTYPE[out_dtype] != o.dtype:
+        if out_dtype and torch_dtype(out_dtype) != o.dtype:
             x = x.float()  # another output dtype: run in fp32, as `linear` does
-    out = TORCH_DTYPE[out_dtype] if out_dtype else o.dtype
+    out = torch_dtype(out_dtype) if out_dtype else o.dtype
     W = dequant_weight(w, scale, block, x.dtype)
     W = W.view(groups, -1, W.shape[-1]).transpose(1, 2)  # [G, Hd/G, R]
     x = x.reshape(B * T, groups, -1).transpose(0, 1)  # [G, BT, Hd/G]

@@ -1,18 +1,22 @@
-"""Elementary ops: embedding, linear layers (any weight format), RMSNorm, SwiGLU, reshape, add."""
+"""Elementary ops (the `core` op set): embedding, linear layers (any weight format), RMSNorm, SwiGLU,
+reshape, split, add. Torch is imported inside the references, so that loading this op set to read or
+verify IR does not load it."""
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import Any
 
-from ..formats import act_qdq, fp4_dequant, fp8_block_dequant
 from ..ir.registry import defop, require, reshape_view, split_view
 from ..ir.types import TensorType
 
 
-def dequant_weight(w: torch.Tensor, scale: torch.Tensor | None, block: int, dtype: torch.dtype) -> torch.Tensor:
+def dequant_weight(w: Any, scale: Any, block: int, dtype: Any) -> Any:
     """A 2-D weight as `dtype`: fp8 e4m3 with a block x block E8M0 grid, packed fp4 with 1 x block
     scales, or a plain float tensor (scale None)."""
+    import torch
+
+    from ..formats import fp4_dequant, fp8_block_dequant
+
     if scale is None:
         return w.to(dtype)
     if w.dtype == torch.float8_e4m3fn:
@@ -51,13 +55,22 @@ def _(ids, table):
 GEMM_ATTRS = {"block": (int, 128), "act": (str, "native"), "acc": (str, "fp32"), "out_dtype": (str, "")}
 ACTS = ("native", "fp8")
 OUT_DTYPES = ("", "fp32", "bf16")
-TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block: int, act: str,
-         out_dtype: str = "") -> torch.Tensor:
+def torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def gemm(x: Any, w: Any, scale: Any, block: int, act: str, out_dtype: str = "") -> Any:
     """`x W^T` with the numerics of the GEMM attributes (see GEMM_ATTRS)."""
-    out = TORCH_DTYPE[out_dtype] if out_dtype else x.dtype
+    import torch
+    import torch.nn.functional as F
+
+    from ..formats import act_qdq
+
+    out = torch_dtype(out_dtype) if out_dtype else x.dtype
     if act == "fp8":
         return F.linear(act_qdq(x), dequant_weight(w, scale, block, torch.float32)).to(out)
     if out != x.dtype:
@@ -107,10 +120,13 @@ def _(x, w, scale, *, block, act, acc, out_dtype):
     return TensorType((*x.shape[:-1], w.shape[0]), out_dtype or x.dtype)
 
 
-@defop("rms_norm(x, weight?) -> y", attrs={"eps": float}, kernel="rms_norm")
+@defop("rms_norm(x, weight?) -> y", attrs={"eps": float}, kernel="rms_norm",
+       variants={"weighted": ("weight",), "unweighted": ()})
 def rms_norm(x, weight, *, eps):
     """RMSNorm over the last axis in fp32; weighted: multiply by the (fp32) weight and cast back once;
     unweighted (the per-head q norm): rescale x by the rsqrt cast to x's dtype, as HF does."""
+    import torch
+
     if weight is None:
         return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
     h = x.float()
@@ -128,6 +144,8 @@ def _(x, weight, *, eps):
 @defop("swiglu(gate, up) -> y", attrs={"limit": float}, kernel="elementwise")
 def swiglu(gate, up, *, limit):
     """`silu(min(gate, L)) * clamp(up, -L, L)`: the clamped SwiGLU of every V4 expert."""
+    import torch.nn.functional as F
+
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
@@ -158,16 +176,18 @@ def add(a, b):
 @add.infer
 def _(a, b):
     require(a.dtype == b.dtype, "add operands must have the same dtype", expected=a.dtype, found=b.dtype)
-    try:
-        shape = tuple(torch.broadcast_shapes(a.shape, b.shape))
-    except RuntimeError:
-        require(False, "add operands do not broadcast", found=(list(a.shape), list(b.shape)))
-    return TensorType(shape, a.dtype)
+    n = max(a.rank, b.rank)
+    sa, sb = (1,) * (n - a.rank) + a.shape, (1,) * (n - b.rank) + b.shape
+    require(all(x == y or 1 in (x, y) for x, y in zip(sa, sb)), "add operands do not broadcast",
+            found=(list(a.shape), list(b.shape)))
+    return TensorType(tuple(max(x, y) if 1 in (x, y) else x for x, y in zip(sa, sb)), a.dtype)
 
 
 @defop("last_token(x, pos) -> y", kernel="last_token")
 def last_token(x, pos):
     """`x[b, n_b - 1]`: the last valid lane of each sequence in a padded chunk (lane 0 if none)."""
+    import torch
+
     n = (pos >= 0).sum(1)
     idx = (n - 1).clamp(min=0)
     return x[torch.arange(x.shape[0]), idx]
