@@ -32,7 +32,7 @@ from .ir.builder import Builder
 from .ir.core import WEIGHT, Module, Value
 from .ir.types import TensorType
 from .model.blocks import StepOptions, model_step
-from .model.cache import layer_cache_shapes
+from .model.cache import cache_input_name, layer_cache_shapes
 from .model.params import Params, experts_name
 from .model.reference import keeps_fp32
 from .weights import TensorSpec, spec_table
@@ -178,14 +178,14 @@ def trace(cfg: V4Config, opts: TraceOptions | None = None, functions: tuple[str,
             pos = b.input("pos", TensorType((B, T), "i64"))
             caches = []
             for layer in range(cfg.n_layers):
-                shapes = layer_cache_shapes(cfg, layer, B, opts.capacity, opts.dtype)
-                caches.append({k: b.input(f"cache.layers.{layer}.{k}", TensorType(shape, dt))
+                shapes = layer_cache_shapes(cfg, layer, B, opts.capacity, opts.dtype, opts.numerics)
+                caches.append({k: b.input(cache_input_name(layer, k), TensorType(shape, dt))
                                for k, (shape, dt) in shapes.items()})
             logits, _ = model_step(P, cfg, ids, pos, caches, StepOptions(opts.numerics, last_only=True))
             b.output("logits", logits)
             for layer, c in enumerate(caches):
                 for k, v in c.items():
-                    b.output(f"cache.layers.{layer}.{k}", v)
+                    b.output(cache_input_name(layer, k), v)
         b.fn.attrs = {"batch": B, "tokens": T}
         module.functions[fname] = b.fn
     used = module.used_weights()
