@@ -64,7 +64,7 @@ def _ref_act_fp8(args, attrs, dtype):
 
 
 def run(dtype, efmt="fp4", sfmt="fp8", act="native", op="moe_experts_shared", E=5, D=128, I=128, IS=128, k=2,
-        B=2, T=3, seed=0, wrong=None):
+        B=2, T=3, seed=0, wrong=None, shared_act="native"):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, T, D, generator=g).to(dtype)
     idx = torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(B * T)]).reshape(B, T, k)  # E-1 idle
@@ -84,6 +84,8 @@ def run(dtype, efmt="fp4", sfmt="fp8", act="native", op="moe_experts_shared", E=
         s2, s2s = _shared(sfmt, D, IS, g, dtype)
         args.update(s1=s1, s2=s2, s3=s3, s1_scale=s1s, s2_scale=s2s, s3_scale=s3s)
         attrs["shared_block"] = 128
+        if "shared_act" in get_op(op).attrs:
+            attrs["shared_act"] = shared_act
     if act == "fp8" and "act" not in get_op(op).attrs:
         ref = _ref_act_fp8(args, attrs, dtype)
     else:
@@ -110,8 +112,9 @@ def test_float_experts_float_shared(dtype):
     run(dtype, efmt="float", sfmt="float", D=64, I=96, IS=80, k=3, E=6, T=9 if dtype == torch.float32 else 3)
 
 
-def test_act_fp8():
-    run(torch.bfloat16, act="fp8")
+@pytest.mark.parametrize("shared_act", ["native", "fp8"])
+def test_act_fp8(shared_act):
+    run(torch.bfloat16, act="fp8", shared_act=shared_act)
 
 
 def test_moe_experts_without_shared():

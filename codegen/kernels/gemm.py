@@ -225,6 +225,8 @@ def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, 
     K = x.shape[-1] // groups
     blk = block
     cdt = y.dtype if act == "pre" else x.dtype
+    if act == "native" and y.dtype == "fp32" and (w.dtype == "fp32" or scale is not None and scale.dtype == "fp32"):
+        cdt = "fp32"  # out_dtype fp32: the reference multiplies in fp32; only bf16-exact weights may use bf16 MMA
     BK = tiles(w_fmt, K, blk, act, cdt)
     BN = 64 if N <= 64 else 128
     BM = min(64, max(16, triton.next_power_of_2(M)))

@@ -162,6 +162,7 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     x, wts, idx, y = o["x"], o["weights"], o["indices"], results["y"]
     shared = op_name == "moe_experts_shared"
     act = attrs.get("act", "native")
+    sact = attrs.get("shared_act", "native")  # the shared expert's activation format (its own attribute)
     limit, block, sblock = float(attrs["limit"]), attrs["block"], attrs.get("shared_block", 128)
     M, x_rs, x_cs = rows_of(x, "moe x")
     _, y_rs, y_cs = rows_of(y, "moe y")
@@ -182,9 +183,10 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     calls = []
     scratch = {"h": P * I * dsize, "yr": P * D * dsize}
     common = dict(ACT=act, CDT=_tl_dtype(cdt), BM=BM)
+    common_s = dict(ACT=sact, CDT=_tl_dtype(cdt), BM=BM)
 
-    def wce(w, s, K, blk, prefix=""):
-        fmt, BK, e8 = _wfmt(w, s, blk, K, act, cdt)
+    def wce(w, s, K, blk, a=act):
+        fmt, BK, e8 = _wfmt(w, s, blk, K, a, cdt)
         return {"W_FMT": fmt, "S_E8M0": e8, "BLOCK": blk, "BK": BK,
                 "W_RS": w.strides[-2], "S_RS": s.strides[-2] if s is not None else 0}
 
@@ -213,7 +215,7 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
         scratch["hs"] = M * IS * dsize
         BNS = 64 if IS <= 64 else 128
         ce = dict(P=M, KSEL=1, ROUTED=False, I=IS, D=D, X_RS=x_rs, IDX_RS=0, H_RS=IS, W_ES=0, S_ES=0, LIMIT=limit,
-                  BN=BNS, idx_ptr=None, **common, **wce(g1, t1, D, sblock))
+                  BN=BNS, idx_ptr=None, **common_s, **wce(g1, t1, D, sblock, sact))
         pts = [("x_ptr", "operand", "x", x), ("w1_ptr", "operand", "s1", g1), ("w3_ptr", "operand", "s3", g3)]
         if t1 is not None:
             pts += [("s1_ptr", "operand", "s1_scale", t1), ("s3_ptr", "operand", "s3_scale", t3)]
@@ -224,7 +226,7 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
                                 ce, [ptr(*p) for p in pts], (1, triton.cdiv(IS, BNS), 1), num_warps=4,
                                 scratch_bytes=scratch,
                                 unaligned=unaligned({"x_ptr": x, "w1_ptr": g1, "w3_ptr": g3, "s1_ptr": t1, "s3_ptr": t3}),
-                                flops=4 * M * IS * D, mma_dtype="fp8" if act == "fp8" else "bf16",
+                                flops=4 * M * IS * D, mma_dtype="fp8" if sact == "fp8" else "bf16",
                                 bytes_moved=2 * g1.type.nbytes + (2 * t1.type.nbytes if t1 else 0) + x.type.nbytes))
     # 3. routed down
     w2, s2 = o["w2"], o.get("w2_scale")
@@ -245,12 +247,12 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
                             + P * (I + D) * dsize))
     # 4. shared down + combine
     ce = dict(M=M, KSEL=k, D=D, HS_RS=0, YR_RS=D, IDX_RS=idx_rs, Y_RS=y_rs, BN=BND,
-              BKS=triton.next_power_of_2(k), **common)
+              BKS=triton.next_power_of_2(k), **common_s)
     pts = [("yr_ptr", "scratch", "yr", "*" + cdt), ("idx_ptr", "operand", "indices", idx)]
     if shared:
         g2, t2 = o["s2"], o.get("s2_scale")
         IS = g2.shape[1] * (2 if g2.dtype == "fp4x2" else 1)
-        ce.update(IS=IS, HS_RS=IS, **wce(g2, t2, IS, sblock))
+        ce.update(IS=IS, HS_RS=IS, **wce(g2, t2, IS, sblock, sact))
         pts += [("hs_ptr", "scratch", "hs", "*" + cdt), ("w2_ptr", "operand", "s2", g2)]
         if t2 is not None:
             pts.append(("s2_ptr", "operand", "s2_scale", t2))
@@ -267,6 +269,6 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
                             ce, [ptr(*p) for p in pts], (triton.cdiv(D, BND), triton.cdiv(M, BM), 1), num_warps=4,
                             scratch_bytes=scratch,
                             unaligned=unaligned({"idx_ptr": idx, "w2_ptr": g2, "s2_ptr": t2, "y_ptr": y}),
-                            flops=2 * M * D * ce["IS"], mma_dtype="fp8" if act == "fp8" else "bf16",
+                            flops=2 * M * D * ce["IS"], mma_dtype="fp8" if sact == "fp8" else "bf16",
                             bytes_moved=sbytes + P * D * dsize + y.type.nbytes))
     return calls
