@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from v4compile.errors import PassError
+from v4compile.files import write_text_atomic
 from v4compile.ir.core import Module
 from v4compile.ir.text import print_module
 from v4compile.ir.verify import verify
@@ -97,7 +98,7 @@ class PassManager:
         dump = Path(opts.dump_ir) if opts.dump_ir else None
         if dump:
             dump.mkdir(parents=True, exist_ok=True)
-            (dump / "00-traced.ir").write_text(print_module(module))
+            write_text_atomic(dump / "00-traced.ir", print_module(module))
         if opts.verify_each:
             verify(module)
         result = RunResult(module, [])
@@ -135,7 +136,7 @@ class PassManager:
             if opts.print_after_all or p.name in opts.print_after or (opts.print_after_change and changed):
                 self._print(f"after {p.spec()}{'' if changed else ' (unchanged)'}", module)
             if dump:
-                (dump / f"{i:02d}-{p.name}.ir").write_text(print_module(module))
+                write_text_atomic(dump / f"{i:02d}-{p.name}.ir", print_module(module))
             result.records.append(rec)
             log.info("pass %-28s %6.3f s  %s", p.spec(), seconds, rec.hits)
             if opts.stop_after == p.name:

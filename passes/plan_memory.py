@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from v4compile.errors import PassError
 from v4compile.ir.core import Function
 
 from .base import Pass, PassResult, register
@@ -100,6 +101,8 @@ class PlanMemory(Pass):
     align: int = 256
 
     def run(self, module):
+        if not (isinstance(self.align, int) and 0 < self.align <= 1 << 16 and self.align & (self.align - 1) == 0):
+            raise PassError("plan_memory: align must be a power of two in [1, 65536] bytes", found=self.align)
         funcs, hits = {}, {}
         for name, fn in module.functions.items():
             funcs[name], h = plan_function(fn, self.align)

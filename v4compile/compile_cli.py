@@ -15,29 +15,43 @@ import logging
 import sys
 from pathlib import Path
 
-from .errors import InputError, V4Error
+from .errors import InputError, IRError, PassError, V4Error
 
 log = logging.getLogger("v4compile")
 
+# Module attributes a `--start-from` dump must share with the module the command line traces.
+TRACE_ATTRS = ("config", "batch", "chunk", "decode_batch", "capacity", "numerics", "dtype", "weights")
+
+
+def _ints():
+    from .cli import INT64_MAX, float_arg, int_arg
+    return INT64_MAX, int_arg, float_arg
+
 
 def add_source_flags(p: argparse.ArgumentParser, numerics: str = "hf", dtype: str = "fp32") -> None:
+    int64_max, int_arg, _ = _ints()
     p.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT", help="checkpoint directory or .safetensors file")
     p.add_argument("--preset", help="tiny (default), tiny-pro, v4-flash, v4-pro")
     p.add_argument("--weights", choices=("none", "random", "checkpoint"),
                    help="none: shape-only, weights typed as released (FP8/FP4); random: seeded random weights "
                         "(preset default); checkpoint: the checkpoint's (default with CHECKPOINT)")
-    p.add_argument("--seed", type=int, default=0, help="seed of random weights and of the numerics scenario")
+    p.add_argument("--seed", type=int_arg(0, int64_max), default=0,
+                   help="seed of random weights and of the numerics scenario")
+    p.add_argument("--allow-nonfinite", action="store_true", help="load NaN / Inf weights instead of refusing them")
     g = p.add_argument_group("trace")
-    g.add_argument("--batch", type=int, default=2, help="prefill batch (sequences per prefill call)")
-    g.add_argument("--chunk", type=int, default=16, help="prefill chunk (tokens per sequence per call)")
-    g.add_argument("--decode-batch", type=int, default=2, help="decode batch")
-    g.add_argument("--max-context", type=int, default=256, help="max tokens per sequence (sizes the caches)")
+    g.add_argument("--batch", type=int_arg(1, 1024), default=2, help="prefill batch (sequences per prefill call)")
+    g.add_argument("--chunk", type=int_arg(1, 1 << 16), default=16,
+                   help="prefill chunk (tokens per sequence per call)")
+    g.add_argument("--decode-batch", type=int_arg(1, 1024), default=2, help="decode batch")
+    g.add_argument("--max-context", type=int_arg(1, 1 << 22), default=256,
+                   help="max tokens per sequence (sizes the caches)")
     g.add_argument("--numerics", choices=("hf", "official"), default=numerics,
                    help=f"hf: match transformers; official: + the QAT roundings (default {numerics})")
     g.add_argument("--dtype", choices=("fp32", "bf16"), default=dtype, help=f"compute dtype (default {dtype})")
 
 
 def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
+    _, int_arg, float_arg = _ints()
     g = p.add_argument_group("pipeline")
     g.add_argument("--passes", help="comma-separated pass specs (name or name{k=v,...}); default: the default pipeline")
     g.add_argument("--print-ir-after-all", action="store_true")
@@ -51,27 +65,37 @@ def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-passes", action="store_true")
     g.add_argument("--check-numerics", action="store_true",
                    help="after each pass, interpret the module on a seeded scenario against ReferenceModel")
-    g.add_argument("--tol", type=float, default=1e-5,
+    g.add_argument("--tol", type=float_arg(0.0, 1e6), default=1e-5,
                    help="numerics tolerance: max |logit error| relative to the largest reference logit (default 1e-5)")
-    g.add_argument("--check-prompt-len", type=int, default=100)
-    g.add_argument("--check-steps", type=int, default=32, help="decode steps of the numerics scenario")
+    g.add_argument("--check-prompt-len", type=int_arg(1, 1 << 20), default=100)
+    g.add_argument("--check-steps", type=int_arg(0, 1 << 20), default=32, help="decode steps of the numerics scenario")
 
 
 def _split_specs(text: str) -> list[str]:
-    """Split `a,b{x=1,y=2},c` at top-level commas."""
+    """Split `a,b{x=1,y=2},c` at top-level commas; braces must balance and not nest."""
     out, depth, cur = [], 0, ""
-    for ch in text:
+    for i, ch in enumerate(text):
         if ch == "{":
             depth += 1
+            if depth > 1:
+                raise PassError("nested '{' in --passes", where=f"--passes column {i + 1}", found=text[:80])
         elif ch == "}":
             depth -= 1
+            if depth < 0:
+                raise PassError("unbalanced '}' in --passes", where=f"--passes column {i + 1}", found=text[:80])
         if ch == "," and depth == 0:
+            if not cur.strip():
+                raise PassError("empty pass name in --passes", where=f"--passes column {i + 1}", found=text[:80])
             out.append(cur.strip())
             cur = ""
         else:
             cur += ch
+    if depth:
+        raise PassError("unclosed '{' in --passes", found=text[:80])
     if cur.strip():
         out.append(cur.strip())
+    elif out:
+        raise PassError("--passes ends with ','", found=text[:80])
     return out
 
 
@@ -96,7 +120,8 @@ def frontend_of(args, need_weights: bool = False):
     weights = args.weights
     if need_weights and weights == "none":
         raise InputError("numerics checks need weights", expected="--weights random or a checkpoint")
-    return frontend.load(args.checkpoint, args.preset, weights, trace_options(args), seed=args.seed)
+    return frontend.load(args.checkpoint, args.preset, weights, trace_options(args), seed=args.seed,
+                         allow_nonfinite=getattr(args, "allow_nonfinite", False))
 
 
 def numerics_check(args, fe):
@@ -122,13 +147,8 @@ def run_pipeline(args, fe, module=None):
 
     start_after = None
     if args.start_from:
-        try:
-            text = Path(args.start_from).read_text()
-        except OSError as e:
-            raise InputError(f"cannot read IR file: {e.strerror}", where=args.start_from) from None
-        module = parse_module(text)
-        from .ir.verify import verify
-        verify(module)
+        module = _read_ir(args.start_from)
+        _check_same_trace(module, fe.module, args.start_from)
         start_after = stage_of_dump(args.start_from) or "traced"
     module = module or fe.module
     check = None
@@ -144,6 +164,33 @@ def run_pipeline(args, fe, module=None):
     if check is not None:
         _report_numerics(result, check.tol, check.scale)
     return result
+
+
+def _check_same_trace(loaded, traced, path: str) -> None:
+    """A resumed module must come from the trace the command line asks for (same model, shapes, numerics)."""
+    for k in TRACE_ATTRS:
+        if k in traced.attrs and loaded.attrs.get(k) != traced.attrs[k]:
+            raise IRError(f"--start-from module was traced with another `{k}` than this command line asks for",
+                          where=path, expected=traced.attrs[k], found=loaded.attrs.get(k, "absent"))
+    for name, fn in traced.functions.items():
+        got = loaded.functions.get(name)
+        if got is None or [v.type for v in got.inputs] != [v.type for v in fn.inputs]:
+            raise IRError(f"--start-from module's @{name} inputs differ from this command line's trace", where=path,
+                          expected=", ".join(str(v.type) for v in fn.inputs),
+                          found="absent" if got is None else ", ".join(str(v.type) for v in got.inputs))
+
+
+def _check_outputs(args) -> None:
+    """Output paths are checked before any work starts."""
+    from .files import check_output_dir, check_output_file
+
+    if getattr(args, "dump_ir", None):
+        check_output_dir(args.dump_ir, InputError, force=True, what="--dump-ir directory")
+    out = getattr(args, "output", None)
+    if out and args.func is cmd_compile:
+        check_output_dir(out, InputError, force=args.force, what="-o output directory")
+    elif out:
+        check_output_file(out, InputError, what="-o output file")
 
 
 def _check_fp32_shadow(args, start_after) -> None:
@@ -192,6 +239,7 @@ def cmd_ir_dump(args) -> int:
     from .ir.export import to_dot, to_json
     from .ir.text import print_module
 
+    _check_outputs(args)
     fe = frontend_of(args, need_weights=args.check_numerics)
     stage = args.stage or ("final" if _pipeline_flags_given(args) else "traced")
     if stage == "traced":
@@ -212,7 +260,8 @@ def cmd_ir_dump(args) -> int:
     else:
         text = "".join(to_dot(module.functions[f]) for f in (funcs or list(module.functions)))
     if args.output:
-        Path(args.output).write_text(text)
+        from .files import write_text_atomic
+        write_text_atomic(args.output, text)
     else:
         sys.stdout.write(text)
     return 0
@@ -225,13 +274,11 @@ def _pipeline_flags_given(args) -> bool:
 
 
 def _read_ir(path: str):
+    from .files import read_text
     from .ir.text import parse_module
     from .ir.verify import verify
 
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise InputError(f"cannot read IR file: {e.strerror}", where=path) from None
+    text = read_text(path, IRError, "IR file")
     try:
         return verify(parse_module(text))
     except V4Error as e:
@@ -257,6 +304,7 @@ def cmd_ir_verify(args) -> int:
 def cmd_ir_bisect(args) -> int:
     from .passes.numerics import bisect
 
+    _check_outputs(args)
     fe = frontend_of(args, need_weights=True)
     check = numerics_check(args, fe)
     d = bisect(fe.module, pipeline_of(args), check)
@@ -283,6 +331,7 @@ def cmd_ir_passes(args) -> int:
 def cmd_compile(args) -> int:
     from .report import build_report, render_report
 
+    _check_outputs(args)
     fe = frontend_of(args, need_weights=args.check_numerics)
     result = run_pipeline(args, fe)
     if args.report or args.json:
@@ -295,10 +344,12 @@ def cmd_compile(args) -> int:
         from .ir.text import print_module
         from .report import build_report
 
+        from .files import atomic_dir
+
         out = Path(args.output)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "module.ir").write_text(print_module(result.module))
-        (out / "report.json").write_text(json.dumps(build_report(fe.cfg, fe.module, result), indent=1) + "\n")
+        with atomic_dir(out, force=args.force) as tmp:
+            (tmp / "module.ir").write_text(print_module(result.module))
+            (tmp / "report.json").write_text(json.dumps(build_report(fe.cfg, fe.module, result), indent=1) + "\n")
         log.info("wrote %s (the final IR and the report; kernels and the runtime come with codegen)", out)
     return 0
 
@@ -340,4 +391,5 @@ def add_compile_commands(sub) -> None:
     c.add_argument("--report", action="store_true", help="print launches, pass hits, arena and KV bytes")
     c.add_argument("--json", action="store_true", help="the report as JSON")
     c.add_argument("-o", "--output", help="output directory (the final IR; the full artifact is future work)")
+    c.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     c.set_defaults(func=cmd_compile)

@@ -129,8 +129,13 @@ def _check_parent(p: Path, error: type[V4Error], what: str) -> None:
         probe = probe.parent
     if not probe.is_dir():
         raise error(f"{what}: a parent is not a directory", where=str(p), found=f"{probe} is a file")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise error(f"{what}: directory is not writable", where=str(probe))
+    # A real probe (not os.access): root passes access checks on read-only file systems.
+    try:
+        fd, name = tempfile.mkstemp(prefix=".v4compile-probe-", dir=probe)
+    except OSError as e:
+        raise error(f"{what}: directory is not writable ({e.strerror})", where=str(probe)) from None
+    os.close(fd)
+    os.unlink(name)
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
