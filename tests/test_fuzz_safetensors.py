@@ -22,30 +22,50 @@ from v4compile.safetensors_io import SafetensorsFile
 
 @pytest.fixture(scope="module")
 def ckdir(tmp_path_factory):
+    """A 3-shard checkpoint, an exact copy of its shards outside it (followed, they would load fine), a
+    symlink to that copy inside it, and a sub-directory."""
     root = tmp_path_factory.mktemp("fuzzck")
     from v4compile.checkpoint import write_checkpoint
     from v4compile.init_random import random_source
 
     cfg = preset("tiny")
     d = write_checkpoint(root / "ck", cfg, random_source(cfg, 0), dtype="fp32", max_shard_bytes=1 << 20)
-    shutil.copy(sorted(d.glob("*.safetensors"))[0], root / "outside.safetensors")  # valid bait outside
+    (root / "outside").mkdir()
+    for f in d.glob("*.safetensors"):
+        shutil.copy(f, root / "outside" / f.name)
     (d / "sub").mkdir()
+    (d / "link").symlink_to(root / "outside")
     return d
 
 
+def redirects(ckdir_name_holder=None):
+    return st.sampled_from(["same", "dotdot", "absolute", "symlinked", "dot", "sub-dotdot", "ck-dotdot"])
+
+
+def where(kind: str, shard: str, d) -> str:
+    return {"same": shard, "dotdot": f"../outside/{shard}", "absolute": str(d.parent / "outside" / shard),
+            "symlinked": f"link/{shard}", "dot": f"./{shard}", "sub-dotdot": f"sub/../{shard}",
+            "ck-dotdot": f"../{d.name}/{shard}"}[kind]
+
+
 names = st.sampled_from(["embed.weight", "head.weight", "norm.weight", "layers.0.ffn.gate.tid2eid", "x", ""])
-files = st.sampled_from(["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
-                         "../outside.safetensors", "/etc/passwd", "sub/../model-00001-of-00003.safetensors",
-                         "sub", "", ".", "config.json", "model.safetensors.index.json", "\x00", "C:\\x"]) \
-    | st.text(max_size=6) | st.integers() | st.none() | st.lists(st.text(max_size=2), max_size=2)
+files = st.sampled_from(["model-00001-of-00003.safetensors", "../outside/model-00001-of-00003.safetensors",
+                         "/etc/passwd", "sub", "", ".", "config.json", "model.safetensors.index.json", "\x00",
+                         "C:\\x", "link"]) | st.text(max_size=6) | st.integers() | st.none() \
+    | st.lists(st.text(max_size=2), max_size=2)
 
 
 @fuzz_settings(120)
-@given(st.dictionaries(names, files, max_size=5), st.booleans(), st.sampled_from([None, [], "x", 3]))
-def test_fuzz_index(ckdir, wm_extra, keep, top):
-    good = json.loads((ckdir / INDEX_FILE).read_text())
+@given(st.lists(redirects(), min_size=3, max_size=3), st.dictionaries(names, files, max_size=3),
+       st.sampled_from([None, None, None, [], "x", 3]))
+def test_fuzz_index(ckdir, kinds, wm_extra, top):
+    """Shards redirected through `..`, absolute paths or symlinks (to exact copies), junk entries: the
+    checkpoint opens with every file inside its directory, or one CheckpointError."""
     saved = (ckdir / INDEX_FILE).read_text()
-    wm = {**(good["weight_map"] if keep else {}), **wm_extra}
+    good = json.loads(saved)["weight_map"]
+    shards = sorted(set(good.values()))
+    moved = dict(zip(shards, kinds))
+    wm = {**{k: where(moved[v], v, ckdir) for k, v in good.items()}, **wm_extra}
     index = {"weight_map": wm} if top is None else {"weight_map": top}
     try:
         (ckdir / INDEX_FILE).write_text(json.dumps(index))
