@@ -1,8 +1,13 @@
-"""The default pass pipeline: the one place that lists it.
+"""The pass pipelines, one named list per target: the one place that lists them.
+
+* `gpu` (the default): down to the program (`lower_to_program`): exact buffers and launches that
+  codegen and the C runtime execute.
+* `cpu`: the lowered graph the ONNX export turns into one ONNX model per function; ONNX Runtime plans
+  its own memory, so the arena plan and the program stage are left out.
 
 Order matters in three places: `fuse_moe` runs before `merge_sibling_gemms` (which would otherwise merge
 the shared expert's w1 / w3); `fuse_qkv_norm_rope` runs after `lower_sparse_attention` so that in decode
-it can fold the window write; `plan_memory` runs last, on the final op list.
+it can fold the window write; `plan_memory` runs on the final op list, and `lower_to_program` after it.
 """
 
 DEFAULT_PIPELINE: list[str] = [
@@ -18,4 +23,10 @@ DEFAULT_PIPELINE: list[str] = [
     "cse",
     "dce",
     "plan_memory",
+    "lower_to_program",
 ]
+
+GPU_PIPELINE: list[str] = DEFAULT_PIPELINE
+CPU_PIPELINE: list[str] = [p for p in DEFAULT_PIPELINE if p not in ("plan_memory", "lower_to_program")]
+
+PIPELINES: dict[str, list[str]] = {"gpu": GPU_PIPELINE, "cpu": CPU_PIPELINE}

@@ -234,6 +234,9 @@ def _on_signal(signum, frame) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     for s in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, _on_signal)
+    from . import ops
+
+    ops.load_all()  # every command may read or build IR of any op set
     ap = build_parser()
     args = ap.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)

@@ -53,7 +53,10 @@ def add_source_flags(p: argparse.ArgumentParser, numerics: str = "hf", dtype: st
 def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
     _, int_arg, float_arg = _ints()
     g = p.add_argument_group("pipeline")
-    g.add_argument("--passes", help="comma-separated pass specs (name or name{k=v,...}); default: the default pipeline")
+    g.add_argument("--passes", help="comma-separated pass specs (name or name{k=v,...}); default: the target's pipeline")
+    g.add_argument("--target", default="gpu",
+                   help="what to compile for, comma-separated: gfx950, sm_90a (or gpu: both; their pipeline runs to "
+                        "the program) and cpu (the ONNX path's pipeline); default gpu")
     g.add_argument("--print-ir-after-all", action="store_true")
     g.add_argument("--print-ir-after-change", action="store_true")
     g.add_argument("--print-ir-after", action="append", default=[], metavar="PASS")
@@ -99,10 +102,34 @@ def _split_specs(text: str) -> list[str]:
     return out
 
 
-def pipeline_of(args) -> list[str]:
-    from .passes import DEFAULT_PIPELINE
+GPU_TARGETS = ("gfx950", "sm_90a")
 
-    return _split_specs(args.passes) if args.passes else list(DEFAULT_PIPELINE)
+
+def targets_of(args) -> list[str]:
+    """The requested targets, `gpu` expanded to every GPU target; an unknown name is an error."""
+    out: list[str] = []
+    for t in (x.strip() for x in str(getattr(args, "target", "gpu")).split(",")):
+        names = list(GPU_TARGETS) if t == "gpu" else [t]
+        for n in names:
+            if n not in (*GPU_TARGETS, "cpu"):
+                raise InputError("unknown --target", expected="gfx950, sm_90a, gpu or cpu", found=t)
+            if n not in out:
+                out.append(n)
+    if not out:
+        raise InputError("--target names no target", expected="gfx950, sm_90a, gpu or cpu")
+    return out
+
+
+def pipeline_name(target: str) -> str:
+    return "cpu" if target == "cpu" else "gpu"
+
+
+def pipeline_of(args) -> list[str]:
+    from .passes import PIPELINES
+
+    if args.passes:
+        return _split_specs(args.passes)
+    return list(PIPELINES[pipeline_name(targets_of(args)[0])])
 
 
 def trace_options(args):
@@ -247,13 +274,21 @@ def cmd_ir_dump(args) -> int:
     else:
         if stage.startswith("after:"):
             args.stop_after = stage.split(":", 1)[1]
-        elif stage != "final":
-            raise InputError("unknown --stage", expected="traced, final or after:PASS", found=stage)
+        elif stage not in ("final", "program"):
+            raise InputError("unknown --stage", expected="traced, final, program or after:PASS", found=stage)
         module = run_pipeline(args, fe).module
     funcs = None if args.function == "all" else [args.function]
     if funcs and funcs[0] not in module.functions:
         raise InputError(f"no function @{funcs[0]}", expected=", ".join(module.functions))
-    if args.format == "text":
+    if stage == "program":
+        from .program.build import build_program
+        from .program.text import print_program
+        from .program.verify import verify_program
+
+        if args.format != "text":
+            raise InputError("the program prints as text only", found=f"--format {args.format}")
+        text = print_program(verify_program(build_program(module)), funcs)
+    elif args.format == "text":
         text = print_module(module, funcs)
     elif args.format == "json":
         text = to_json(module, funcs)
@@ -316,13 +351,15 @@ def cmd_ir_bisect(args) -> int:
 
 
 def cmd_ir_passes(args) -> int:
-    from .passes import DEFAULT_PIPELINE
+    from .passes import PIPELINES
     from .passes.base import load_all
 
     for name, cls in sorted(load_all().items()):
         doc = (cls.__module__ and sys.modules[cls.__module__].__doc__ or "").strip().splitlines()
         print(f"{name:<32} {doc[0] if doc else ''}")
-    print("\ndefault pipeline: " + ", ".join(DEFAULT_PIPELINE))
+    shown = [pipeline_name(t) for t in targets_of(args)] if args.target else list(PIPELINES)
+    for name in dict.fromkeys(shown):
+        print(f"\npipeline '{name}'{' (default)' if name == 'gpu' else ''}: " + ", ".join(PIPELINES[name]))
     return 0
 
 
@@ -361,8 +398,8 @@ def add_compile_commands(sub) -> None:
     d = irs.add_parser("dump", help="print the IR at a stage of the pipeline")
     add_source_flags(d)
     add_pipeline_flags(d)
-    d.add_argument("--stage", help="traced, final, or after:PASS (default: traced, or final when a pipeline flag "
-                                   "is given)")
+    d.add_argument("--stage", help="traced, final, program (the launch-level program of the final module), or "
+                                   "after:PASS (default: traced, or final when a pipeline flag is given)")
     d.add_argument("--func", dest="function", default="decode", help="decode (default), prefill or all")
     d.add_argument("--format", choices=("text", "dot", "json"), default="text")
     d.add_argument("-o", "--output", help="write to a file instead of stdout")
@@ -382,7 +419,8 @@ def add_compile_commands(sub) -> None:
     add_pipeline_flags(b)
     b.set_defaults(func=cmd_ir_bisect)
 
-    ps = irs.add_parser("passes", help="list the registered passes and the default pipeline")
+    ps = irs.add_parser("passes", help="list the registered passes and each target's pipeline")
+    ps.add_argument("--target", default=None, help="show only this target's pipeline (gpu, gfx950, sm_90a, cpu)")
     ps.set_defaults(func=cmd_ir_passes)
 
     c = sub.add_parser("compile", help="run the compiler pipeline (and report)")

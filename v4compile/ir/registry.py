@@ -10,7 +10,16 @@ An op is declared with a signature string and a torch reference implementation:
 
 The same `OpDef` is what the reference model calls. With tensors it runs the reference; with IR
 values (while tracing) it records an op in the function being built. The interpreter, the verifier,
-and later the kernel tests and cost reports all read this one entry.
+the memory plan, the program stage, the kernel tests, the ONNX export and the cost reports all read
+this one entry.
+
+Traits, declared with `defop`:
+* `view=`: the result is a view of an operand (no launch): a rule giving each result's layout (byte
+  offset, element strides) from the operand's layout. See `Layout`, `split_view`, `reshape_view`.
+* `tied={"result": "operand"}`: that result is the operand updated in place (same buffer, same type).
+* `kernel="family"`: the Triton kernel family (`v4compile.codegen.kernels.<family>`) that runs it.
+* `@op.cost`: FLOPs and bytes moved from the operand / result types (a default counts bytes only).
+* `@op.onnx`: the ONNX lowering (see `v4compile.codegen.onnx_export`).
 """
 
 from __future__ import annotations
@@ -55,6 +64,32 @@ class Operand:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """Where a value sits in its buffer: a byte offset from the buffer's base and element strides."""
+    offset: int
+    strides: tuple[int, ...]
+
+    @staticmethod
+    def contiguous(shape: tuple[int, ...], offset: int = 0) -> "Layout":
+        strides, acc = [], 1
+        for s in reversed(shape):
+            strides.append(acc)
+            acc *= max(s, 1)
+        return Layout(offset, tuple(reversed(strides)))
+
+    def is_contiguous(self, shape: tuple[int, ...]) -> bool:
+        want = Layout.contiguous(shape).strides
+        return all(st == w for st, w, n in zip(self.strides, want, shape) if n > 1)
+
+
+@dataclass(frozen=True)
+class Cost:
+    flops: int
+    bytes_read: int
+    bytes_written: int
+
+
+@dataclass(frozen=True)
 class AttrSpec:
     name: str
     type: type
@@ -69,7 +104,9 @@ _SIG = re.compile(r"^\s*(\w+)\s*\((.*)\)\s*->\s*(.+)$")
 
 
 class OpDef:
-    def __init__(self, sig: str, attrs: dict[str, Any], ref: Callable, doc: str):
+    def __init__(self, sig: str, attrs: dict[str, Any], ref: Callable, doc: str, *, view: Callable | None = None,
+                 tied: dict[str, str] | None = None, kernel: str | None = None,
+                 follows: dict[str, str] | None = None, variants: dict[str, tuple[str, ...]] | None = None):
         m = _SIG.match(sig)
         if not m:
             raise ValueError(f"bad op signature {sig!r}")
@@ -77,7 +114,9 @@ class OpDef:
         self.operands = tuple(Operand(a.strip().rstrip("?"), a.strip().endswith("?"))
                               for a in m.group(2).split(",") if a.strip())
         self.results = tuple(r.strip().rstrip("?") for r in m.group(3).split(","))
-        self.optional_results = sum(1 for r in m.group(3).split(",") if r.strip().endswith("?"))
+        self.optional_result_names = tuple(r.strip().rstrip("?") for r in m.group(3).split(",")
+                                           if r.strip().endswith("?"))
+        self.optional_results = len(self.optional_result_names)
         self.attrs: dict[str, AttrSpec] = {}
         for k, v in attrs.items():
             t, d = (v if isinstance(v, tuple) else (v, _NO_DEFAULT))
@@ -88,6 +127,98 @@ class OpDef:
         self.doc = doc
         self._infer: Callable | None = None
         self.sig = sig
+        self.view = view
+        self.tied = dict(tied or {})
+        self.kernel = kernel
+        # An optional result exists exactly when the operand it is tied to (or `follows`) is given.
+        self.follows = dict(follows or {})
+        # One behaviour per op: where optional operands select a behaviour, the `variant` attribute names it
+        # and the verifier checks that exactly that variant's operands are given.
+        self.variants = {k: frozenset(v) for k, v in (variants or {}).items()}
+        self.variant_operands = frozenset().union(*self.variants.values()) if self.variants else frozenset()
+        if self.variants:
+            if not all(self.operands[self.operand_index(n)].optional for n in self.variant_operands):
+                raise ValueError(f"{self.name}: variants may only select optional operands")
+            self.attrs["variant"] = AttrSpec("variant", str)
+        self._cost: Callable | None = None
+        self.onnx_lowering: Callable | None = None
+        for r, o in self.tied.items():
+            if r not in self.results or o not in self.operand_names:
+                raise ValueError(f"{self.name}: tied {r} -> {o} names no result / operand")
+
+    @property
+    def operand_names(self) -> tuple[str, ...]:
+        return tuple(o.name for o in self.operands)
+
+    def operand_index(self, name: str) -> int:
+        try:
+            return self.operand_names.index(name)
+        except ValueError:
+            raise KeyError(f"op '{self.name}' has no operand '{name}'") from None
+
+    def result_index(self, name: str) -> int:
+        try:
+            return self.results.index(name)
+        except ValueError:
+            raise KeyError(f"op '{self.name}' has no result '{name}'") from None
+
+    def variant_of(self, operands: list[Any] | tuple[Any, ...]) -> str:
+        """The variant that the given optional operands select."""
+        present = frozenset(n for n in self.variant_operands if operands[self.operand_index(n)] is not None)
+        for k, v in self.variants.items():
+            if v == present:
+                return k
+        raise IRError(f"op '{self.name}' has no variant taking optional operands {sorted(present) or 'none'}",
+                      expected=", ".join(f"{k}: {sorted(v) or 'none'}" for k, v in self.variants.items()))
+
+    def with_variant(self, operands: list[Any] | tuple[Any, ...], attrs: dict[str, Any]) -> dict[str, Any]:
+        if self.variants and "variant" not in attrs:
+            return {**attrs, "variant": self.variant_of(operands)}
+        return attrs
+
+    def check_variant(self, operands: list[Any] | tuple[Any, ...], attrs: dict[str, Any]) -> None:
+        v = attrs.get("variant")
+        if v not in self.variants:
+            raise IRError(f"unknown variant of op '{self.name}'", expected=", ".join(self.variants), found=v)
+        got = self.variant_of(operands)
+        if got != v:
+            raise IRError(f"the optional operands given are those of variant '{got}', not '{v}'",
+                          expected=f"{sorted(self.variants[v]) or 'no optional operands'}")
+
+    def result_names(self, operands: list[Any] | tuple[Any, ...], n_results: int) -> list[str]:
+        """The signature names of an op's actual results: an optional result tied to (or following) an
+        optional operand is there exactly when that operand is; other optional results are trailing."""
+        names = []
+        for r in self.results:
+            link = self.tied.get(r) or self.follows.get(r)
+            if r in self.optional_result_names and link is not None and operands[self.operand_index(link)] is None:
+                continue
+            names.append(r)
+        return names[:n_results]
+
+    @property
+    def launch(self) -> bool:
+        """Whether the op becomes a kernel launch (views do not)."""
+        return self.view is None
+
+    def cost(self, fn: Callable) -> Callable:
+        self._cost = fn
+        return fn
+
+    def onnx(self, fn: Callable) -> Callable:
+        self.onnx_lowering = fn
+        return fn
+
+    def cost_of(self, operands: list[TensorType | None], results: list[TensorType], attrs: dict[str, Any]) -> Cost:
+        """FLOPs and bytes of one launch. The default reads every operand once and writes every result once
+        (a tied result that is a pool / state plane writes only what the op's own rule says)."""
+        if self.view is not None:
+            return Cost(0, 0, 0)
+        if self._cost is not None:
+            return self._cost(operands, results, ref_attrs(attrs))
+        read = sum(t.nbytes for t in operands if t is not None)
+        written = sum(t.nbytes for t in results)
+        return Cost(sum(t.numel for t in results), read, written)
 
     def __repr__(self) -> str:
         return f"OpDef({self.sig})"
@@ -136,7 +267,7 @@ class OpDef:
     def result_types(self, operand_types: list[TensorType | None], attrs: dict[str, Any]) -> list[TensorType]:
         if self._infer is None:
             raise NotImplementedError(f"op {self.name} has no shape rule")
-        r = self._infer(*operand_types, **semantic(attrs))
+        r = self._infer(*operand_types, **ref_attrs(attrs))
         rs = list(r) if isinstance(r, (tuple, list)) else [r]
         if not len(self.results) - self.optional_results <= len(rs) <= len(self.results):
             raise AssertionError(f"{self.name}: shape rule returned {len(rs)} types for {len(self.results)} results")
@@ -161,19 +292,19 @@ class OpDef:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         operands, attrs = self.bind(args, kwargs)
-        attrs = self.normalize_attrs(attrs)
+        attrs = self.normalize_attrs(self.with_variant(operands, attrs))
         if any(isinstance(v, Value) for v in operands):
             from .builder import current_builder
             results = current_builder().emit(self, operands, attrs, current_loc())
         else:
-            results = self.ref(*operands, **attrs)
+            results = self.ref(*operands, **ref_attrs(attrs))
         if isinstance(results, (list, tuple)) and len(results) == 1:
             return results[0]
         return results
 
     def run(self, operands: list[Any], attrs: dict[str, Any]) -> list[Any]:
         """The reference on concrete tensors, always returning a list of results."""
-        r = self.ref(*operands, **semantic(attrs))
+        r = self.ref(*operands, **ref_attrs(attrs))
         return list(r) if isinstance(r, (tuple, list)) else [r]
 
 
@@ -182,15 +313,96 @@ def semantic(attrs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in attrs.items() if not k.startswith("_")}
 
 
+# Attributes that describe an op for the compiler (which variant) but are not arguments of its reference.
+NON_REF_ATTRS = frozenset({"variant"})
+
+
+def ref_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of an op's reference and shape rule."""
+    return {k: v for k, v in attrs.items() if not k.startswith("_") and k not in NON_REF_ATTRS}
+
+
 def require(cond: bool, what: str, expected: object = None, found: object = None) -> None:
     """For shape rules: an inconsistent operand raises an IRError (the verifier adds the op's place)."""
     if not cond:
         raise IRError(what, expected=expected, found=found)
 
 
-def defop(sig: str, attrs: dict[str, Any] | None = None) -> Callable[[Callable], OpDef]:
+def split_view(operand: Layout, operand_type: TensorType, results: list[TensorType], attrs: dict) -> list[Layout]:
+    """`split` on the last axis: both parts keep the operand's strides; the second starts `at` columns in."""
+    from .types import BYTES
+    step = operand.strides[-1] * BYTES[operand_type.dtype]
+    return [Layout(operand.offset, operand.strides), Layout(operand.offset + attrs["at"] * step, operand.strides)]
+
+
+def reshape_view(operand: Layout, operand_type: TensorType, results: list[TensorType], attrs: dict) -> list[Layout]:
+    """`reshape` as a view: possible when every run of merged / split axes is contiguous in the operand
+    (the same rule as torch's `view`); the strides follow from the operand's."""
+    old, new = list(operand_type.shape), list(results[0].shape)
+    strides = _view_strides(old, list(operand.strides), new)
+    if strides is None:
+        raise IRError("reshape of a strided value is not a view", expected="groups of axes contiguous in memory",
+                      found=f"shape {old} strides {list(operand.strides)} -> {new}")
+    return [Layout(operand.offset, tuple(strides))]
+
+
+def _view_strides(old: list[int], old_strides: list[int], new: list[int]) -> list[int] | None:
+    # Drop size-1 axes of the operand (their stride is irrelevant), then walk both shapes in chunks of equal
+    # element count; each operand chunk must be contiguous within itself.
+    pairs = [(n, s) for n, s in zip(old, old_strides) if n != 1]
+    out: list[int] = [0] * len(new)
+    if any(n == 0 for n in new):
+        return [1] * len(new)
+    i, j = 0, 0
+    while j < len(new):
+        if new[j] == 1:
+            out[j] = 1
+            j += 1
+            continue
+        if i >= len(pairs):
+            return None
+        chunk_old, chunk_new = [pairs[i]], [j]
+        a, b = pairs[i][0], new[j]
+        while a != b:
+            if a < b:
+                i += 1
+                if i >= len(pairs):
+                    return None
+                chunk_old.append(pairs[i])
+                a *= pairs[i][0]
+            else:
+                j += 1
+                if j >= len(new):
+                    return None
+                if new[j] != 1:
+                    chunk_new.append(j)
+                else:
+                    out[j] = 1
+                b *= new[j]
+        for (n0, s0), (n1, s1) in zip(chunk_old, chunk_old[1:]):
+            if s0 != n1 * s1:
+                return None
+        stride = chunk_old[-1][1]
+        for k in reversed(chunk_new):
+            out[k] = stride
+            stride *= new[k]
+        i += 1
+        j += 1
+    if i != len(pairs):
+        return None
+    for k in reversed(range(len(new))):  # size-1 axes: the stride a contiguous tensor would have
+        if new[k] == 1:
+            out[k] = out[k + 1] * new[k + 1] if k + 1 < len(new) else 1
+    return out
+
+
+def defop(sig: str, attrs: dict[str, Any] | None = None, *, view: Callable | None = None,
+          tied: dict[str, str] | None = None, kernel: str | None = None,
+          follows: dict[str, str] | None = None,
+          variants: dict[str, tuple[str, ...]] | None = None) -> Callable[[Callable], OpDef]:
     def wrap(fn: Callable) -> OpDef:
-        op = OpDef(sig, attrs or {}, fn, (fn.__doc__ or "").strip())
+        op = OpDef(sig, attrs or {}, fn, (fn.__doc__ or "").strip(), view=view, tied=tied, kernel=kernel,
+                   follows=follows, variants=variants)
         if op.name in REGISTRY:
             raise ValueError(f"op {op.name} registered twice")
         REGISTRY[op.name] = op
@@ -199,11 +411,9 @@ def defop(sig: str, attrs: dict[str, Any] | None = None) -> Callable[[Callable],
 
 
 def get_op(name: str, where: str = "") -> OpDef:
-    _ensure_loaded()
+    """A registered op. Op sets are registered by loading them (`v4compile.ops.load(...)`); the registry
+    imports none itself."""
     if name not in REGISTRY:
-        raise IRError(f"unknown op '{name}'", where=where or None)
+        raise IRError(f"unknown op '{name}'", where=where or None,
+                      expected="an op of a loaded op set" if REGISTRY else "an op (no op set is loaded)")
     return REGISTRY[name]
-
-
-def _ensure_loaded() -> None:
-    from .. import ops  # noqa: F401  (registers every op)

@@ -32,7 +32,8 @@ def ring_lanes(pos: torch.Tensor, slots: int) -> torch.Tensor:
 
 
 @defop("attention(q, kv, window_kv, pos, sink, rows?, selected?) -> out",
-       attrs={"window": int, "ratio": int, "scale": float})
+       attrs={"window": int, "ratio": int, "scale": float},
+       variants={"window": (), "compressed": ("rows",), "indexed": ("rows", "selected")})
 def attention(q, kv, window_kv, pos, sink, rows, selected, *, window, ratio, scale):
     """One softmax over the visible keys of each query, the sink in the denominator only.
 
@@ -82,7 +83,7 @@ def _(q, kv, window_kv, pos, sink, rows, selected, *, window, ratio, scale):
     return q
 
 
-@defop("window_write(window_kv, kv, pos) -> window_out")
+@defop("window_write(window_kv, kv, pos) -> window_out", tied={"window_out": "window_kv"})
 def window_write(window_kv, kv, pos):
     """Store this chunk's kv rows in the ring at slot `p % W`; only the last W positions of each
     sequence are written, so no slot is written twice."""
@@ -101,7 +102,7 @@ def _(window_kv, kv, pos):
 
 
 @defop("grouped_out_proj(o, w, scale?, o_scale?) -> z",
-       attrs={"groups": int, "block": (int, 128), "out_dtype": (str, "")})
+       attrs={"groups": int, "block": (int, 128), "out_dtype": (str, "")}, kernel="grouped_gemm")
 def grouped_out_proj(o, w, scale, o_scale, *, groups, block, out_dtype):
     """`wo_a`: heads split into `groups` groups, each group's concatenated heads projected by its own
     block of rows of W (block diagonal, no mixing across groups). With `o_scale`, o is FP8 with one scale

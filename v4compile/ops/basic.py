@@ -1,18 +1,22 @@
-"""Elementary ops: embedding, linear layers (any weight format), RMSNorm, SwiGLU, reshape, add."""
+"""Elementary ops (the `core` op set): embedding, linear layers (any weight format), RMSNorm, SwiGLU,
+reshape, split, add. Torch is imported inside the references, so that loading this op set to read or
+verify IR does not load it."""
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import Any
 
-from ..formats import fp4_dequant, fp8_block_dequant
-from ..ir.registry import defop, require
+from ..ir.registry import defop, require, reshape_view, split_view
 from ..ir.types import TensorType
 
 
-def dequant_weight(w: torch.Tensor, scale: torch.Tensor | None, block: int, dtype: torch.dtype) -> torch.Tensor:
+def dequant_weight(w: Any, scale: Any, block: int, dtype: Any) -> Any:
     """A 2-D weight as `dtype`: fp8 e4m3 with a block x block E8M0 grid, packed fp4 with 1 x block
     scales, or a plain float tensor (scale None)."""
+    import torch
+
+    from ..formats import fp4_dequant, fp8_block_dequant
+
     if scale is None:
         return w.to(dtype)
     if w.dtype == torch.float8_e4m3fn:
@@ -24,7 +28,7 @@ def weight_in_features(w: TensorType) -> int:
     return w.shape[-1] * 2 if w.dtype == "fp4x2" else w.shape[-1]
 
 
-@defop("embed(ids, table) -> x")
+@defop("embed(ids, table) -> x", kernel="embed")
 def embed(ids, table):
     """Row `ids[b, t]` of the embedding table."""
     return table[ids.clamp(min=0)]
@@ -37,9 +41,11 @@ def _(ids, table):
     return TensorType((*ids.shape, table.shape[1]), table.dtype)
 
 
-@defop("linear(x, w, scale?) -> y", attrs={"block": (int, 128)})
+@defop("linear(x, w, scale?) -> y", attrs={"block": (int, 128)}, kernel="gemm")
 def linear(x, w, scale, *, block):
     """`y = x W^T` with W dequantised to the activation dtype (FP8 128x128 or FP4 1x32 when scaled)."""
+    import torch.nn.functional as F
+
     return F.linear(x, dequant_weight(w, scale, block, x.dtype))
 
 
@@ -71,10 +77,13 @@ def _(x, w, scale, *, block):
     return TensorType((*x.shape[:-1], w.shape[0]), x.dtype)
 
 
-@defop("rms_norm(x, weight?) -> y", attrs={"eps": float})
+@defop("rms_norm(x, weight?) -> y", attrs={"eps": float}, kernel="rms_norm",
+       variants={"weighted": ("weight",), "unweighted": ()})
 def rms_norm(x, weight, *, eps):
     """RMSNorm over the last axis in fp32; weighted: multiply by the (fp32) weight and cast back once;
     unweighted (the per-head q norm): rescale x by the rsqrt cast to x's dtype, as HF does."""
+    import torch
+
     if weight is None:
         return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
     h = x.float()
@@ -89,9 +98,11 @@ def _(x, weight, *, eps):
     return x
 
 
-@defop("swiglu(gate, up) -> y", attrs={"limit": float})
+@defop("swiglu(gate, up) -> y", attrs={"limit": float}, kernel="elementwise")
 def swiglu(gate, up, *, limit):
     """`silu(min(gate, L)) * clamp(up, -L, L)`: the clamped SwiGLU of every V4 expert."""
+    import torch.nn.functional as F
+
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
@@ -101,7 +112,7 @@ def _(gate, up, *, limit):
     return gate
 
 
-@defop("reshape(x) -> y", attrs={"shape": tuple})
+@defop("reshape(x) -> y", attrs={"shape": tuple}, view=reshape_view)
 def reshape(x, *, shape):
     return x.reshape(shape)
 
@@ -113,7 +124,7 @@ def _(x, *, shape):
     return out
 
 
-@defop("add(a, b) -> y")
+@defop("add(a, b) -> y", kernel="elementwise")
 def add(a, b):
     """Elementwise sum with broadcasting."""
     return a + b
@@ -122,16 +133,18 @@ def add(a, b):
 @add.infer
 def _(a, b):
     require(a.dtype == b.dtype, "add operands must have the same dtype", expected=a.dtype, found=b.dtype)
-    try:
-        shape = tuple(torch.broadcast_shapes(a.shape, b.shape))
-    except RuntimeError:
-        require(False, "add operands do not broadcast", found=(list(a.shape), list(b.shape)))
-    return TensorType(shape, a.dtype)
+    n = max(a.rank, b.rank)
+    sa, sb = (1,) * (n - a.rank) + a.shape, (1,) * (n - b.rank) + b.shape
+    require(all(x == y or 1 in (x, y) for x, y in zip(sa, sb)), "add operands do not broadcast",
+            found=(list(a.shape), list(b.shape)))
+    return TensorType(tuple(max(x, y) if 1 in (x, y) else x for x, y in zip(sa, sb)), a.dtype)
 
 
-@defop("last_token(x, pos) -> y")
+@defop("last_token(x, pos) -> y", kernel="last_token")
 def last_token(x, pos):
     """`x[b, n_b - 1]`: the last valid lane of each sequence in a padded chunk (lane 0 if none)."""
+    import torch
+
     n = (pos >= 0).sum(1)
     idx = (n - 1).clamp(min=0)
     return x[torch.arange(x.shape[0]), idx]
@@ -144,7 +157,7 @@ def _(x, pos):
     return TensorType((x.shape[0], *x.shape[2:]), x.dtype)
 
 
-@defop("split(x) -> a, b", attrs={"at": int})
+@defop("split(x) -> a, b", attrs={"at": int}, view=split_view)
 def split(x, *, at):
     """A view: the last axis cut at `at` (the two outputs of a merged GEMM)."""
     return x[..., :at], x[..., at:]

@@ -88,7 +88,7 @@ def update_ring(state_kv, state_gate, kv, gate, pos):
 
 @defop("compress(kv, gate, ape, norm, state_kv, state_gate, rows, pos) -> rows_out, state_kv_out, state_gate_out",
        attrs={"ratio": int, "overlap": bool, "eps": float, "rope_dim": int, "theta": float, "yarn": tuple,
-              "round": (str, "none")})
+              "round": (str, "none")}, tied={"rows_out": "rows", "state_kv_out": "state_kv", "state_gate_out": "state_gate"})
 def compress(kv, gate, ape, norm, state_kv, state_gate, rows, pos, *, ratio, overlap, eps, rope_dim, theta, yarn,
              round):
     """Ingest a chunk: pool every window that closes in it (softmax over the window's slots, per

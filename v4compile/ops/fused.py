@@ -22,7 +22,8 @@ def _pre(streams, fn, base, scale, norm, eps, hc_eps, iters, norm_eps):
 
 
 @defop("hc_pre_norm(streams, fn, base, scale, norm?) -> y, post, comb",
-       attrs={"eps": float, "hc_eps": float, "iters": int, "norm_eps": float})
+       attrs={"eps": float, "hc_eps": float, "iters": int, "norm_eps": float}, kernel="mhc",
+       variants={"norm": ("norm",), "plain": ()})
 def hc_pre_norm(streams, fn, base, scale, norm, *, eps, hc_eps, iters, norm_eps):
     """`hc_pre` with the sub-layer's RMSNorm (attn_norm / ffn_norm) folded in: y is returned normalised."""
     return _pre(streams, fn, base, scale, norm, eps, hc_eps, iters, norm_eps)
@@ -35,7 +36,8 @@ def _(streams, fn, base, scale, norm, **attrs):
 
 
 @defop("mhc_post_pre(y, streams, post, comb, fn, base, scale, norm?) -> streams_out, y_next, post_next, comb_next",
-       attrs={"eps": float, "hc_eps": float, "iters": int, "norm_eps": float})
+       attrs={"eps": float, "hc_eps": float, "iters": int, "norm_eps": float}, kernel="mhc",
+       variants={"norm": ("norm",), "plain": ()})
 def mhc_post_pre(y, streams, post, comb, fn, base, scale, norm, *, eps, hc_eps, iters, norm_eps):
     """One seam between sub-layers: the previous sub-layer's `hc_post` and the next one's `hc_pre` (and
     its RMSNorm), in one launch."""
@@ -50,7 +52,7 @@ def _(y, streams, post, comb, fn, base, scale, norm, **attrs):
     return (out, *hc_pre.result_types([out, fn, base, scale], a))
 
 
-@defop("mhc_post_head(y, streams, post, comb, fn, base, scale) -> h", attrs={"eps": float, "hc_eps": float})
+@defop("mhc_post_head(y, streams, post, comb, fn, base, scale) -> h", attrs={"eps": float, "hc_eps": float}, kernel="mhc")
 def mhc_post_head(y, streams, post, comb, fn, base, scale, *, eps, hc_eps):
     """The last sub-layer's `hc_post` folded into the final `hc_head` collapse."""
     return hc_head.ref(hc_post.ref(y, streams, post, comb), fn, base, scale, eps=eps, hc_eps=hc_eps)
@@ -66,7 +68,7 @@ def _(y, streams, post, comb, fn, base, scale, *, eps, hc_eps):
 
 
 @defop("inv_rope_group_quant(x, pos) -> y, scale?",
-       attrs={"dim": int, "theta": float, "yarn": tuple, "fmt": (str, "none"), "group": (int, 128)})
+       attrs={"dim": int, "theta": float, "yarn": tuple, "fmt": (str, "none"), "group": (int, 128)}, kernel="inv_rope_quant")
 def inv_rope_group_quant(x, pos, *, dim, theta, yarn, fmt, group):
     """The inverse RoPE of the attention output, and the activation quantisation feeding `wo_a`, in one op.
 
@@ -101,7 +103,7 @@ def _(x, pos, *, dim, theta, yarn, fmt, group):
 
 @defop("moe_experts_shared(x, weights, indices, w1, w2, w3, s1, s2, s3, w1_scale?, w2_scale?, w3_scale?, "
        "s1_scale?, s2_scale?, s3_scale?) -> y",
-       attrs={"limit": float, "block": (int, 32), "shared_block": (int, 128)})
+       attrs={"limit": float, "block": (int, 32), "shared_block": (int, 128)}, kernel="moe")
 def moe_experts_shared(x, weights, indices, w1, w2, w3, s1, s2, s3, w1_scale, w2_scale, w3_scale, s1_scale, s2_scale,
                        s3_scale, *, limit, block, shared_block):
     """Routed experts and the shared expert in one launch: `moe_experts(...) + w2_s(swiglu(w1_s x, w3_s x))`."""
@@ -141,7 +143,7 @@ def _(q, weights, keys, pos, *, ratio, q_scale, w_scale, k):
 
 @defop("indexer_select(q, weights, pos, block_table, p0, p1?) -> indptr, indices",
        attrs={"ratio": int, "q_scale": float, "w_scale": float, "k": int, "block_tokens": int,
-              "index_envelope_rows": int, "index_offset": int, "envelope_rows": int, "max_rows": int, "fmt": str})
+              "index_envelope_rows": int, "index_offset": int, "envelope_rows": int, "max_rows": int, "fmt": str}, kernel="indexer")
 def indexer_select(q, weights, pos, block_table, p0, p1, *, ratio, q_scale, w_scale, k, block_tokens,
                    index_envelope_rows, index_offset, envelope_rows, max_rows, fmt):
     """On the pool: indexer scores over the index plane, top-k, and translation of the picks to physical
@@ -166,7 +168,9 @@ def _(q, weights, pos, block_table, p0, p1, *, k, **_):
 @defop("qkv_norm_rope(q, kv, norm, pos, qi?, slot?, p0?, p1?, p2?) -> q_out, kv_out, qi_out?, q0?, q1?, q2?",
        attrs={"eps": float, "dim": int, "theta": float, "yarn": tuple, "kv_round_dims": (int, 0),
               "kv_round_block": (int, 64), "qi_round": (str, "none"), "window": (int, 0), "slot_rows": (int, 0),
-              "n_rows": (int, 0), "layer_row": (int, 0), "fmt": (str, "")})
+              "n_rows": (int, 0), "layer_row": (int, 0), "fmt": (str, "")}, tied={"q0": "p0", "q1": "p1", "q2": "p2"},
+       follows={"qi_out": "qi"}, kernel="qkv_norm_rope",
+       variants={"plain": (), "indexer": ("qi",), "write": ("slot", "p0"), "indexer_write": ("qi", "slot", "p0")})
 def qkv_norm_rope(q, kv, norm, pos, qi, slot, p0, p1, p2, *, eps, dim, theta, yarn, kv_round_dims, kv_round_block,
                   qi_round, window, slot_rows, n_rows, layer_row, fmt):
     """One launch for the attention's query / key prologue: the per-head unweighted RMSNorm + RoPE of q,
@@ -202,7 +206,7 @@ def _(q, kv, norm, pos, qi, slot, p0, p1, p2, *, window, fmt, **_):
     return out
 
 
-@defop("norm_linear(x, norm, w, scale?) -> y", attrs={"eps": float, "block": (int, 128)})
+@defop("norm_linear(x, norm, w, scale?) -> y", attrs={"eps": float, "block": (int, 128)}, kernel="gemm")
 def norm_linear(x, norm, w, scale, *, eps, block):
     """A weighted RMSNorm folded into the GEMM that alone reads it: the kernel's prologue already streams
     every input row in full (it is the reduction axis), so the row's rsqrt(mean(x^2)) and the norm weight

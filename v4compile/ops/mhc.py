@@ -9,7 +9,7 @@ from ..ir.registry import defop, require
 from ..ir.types import TensorType
 
 
-@defop("hc_expand(x) -> streams", attrs={"n": int})
+@defop("hc_expand(x) -> streams", attrs={"n": int}, kernel="mhc")
 def hc_expand(x, *, n):
     """`[B, T, D] -> [B, T, n, D]`: n identical copies of the embedding."""
     return x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1]).contiguous()
@@ -27,7 +27,7 @@ def _mix_inputs(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Te
 
 
 @defop("hc_pre(streams, fn, base, scale) -> y, post, comb",
-       attrs={"eps": float, "hc_eps": float, "iters": int})
+       attrs={"eps": float, "hc_eps": float, "iters": int}, kernel="mhc")
 def hc_pre(streams, fn, base, scale, *, eps, hc_eps, iters):
     """Collapse the n streams into one sub-layer input and predict the post / comb weights.
 
@@ -61,7 +61,7 @@ def _(streams, fn, base, scale, *, eps, hc_eps, iters):
             TensorType((*lead, n, n), "fp32"))
 
 
-@defop("hc_post(y, streams, post, comb) -> streams_out")
+@defop("hc_post(y, streams, post, comb) -> streams_out", kernel="mhc")
 def hc_post(y, streams, post, comb):
     """`X'_k = post_k * y + sum_j comb[j, k] X_j` (comb used transposed), in the streams' dtype."""
     dt = streams.dtype
@@ -77,7 +77,7 @@ def _(y, streams, post, comb):
     return streams
 
 
-@defop("hc_head(streams, fn, base, scale) -> y", attrs={"eps": float, "hc_eps": float})
+@defop("hc_head(streams, fn, base, scale) -> y", attrs={"eps": float, "hc_eps": float}, kernel="mhc")
 def hc_head(streams, fn, base, scale, *, eps, hc_eps):
     """Final collapse of the streams: `pre = sigmoid(m * scale + base) + hc_eps`, no Sinkhorn, no post."""
     m = _mix_inputs(streams, fn, eps)

@@ -10,7 +10,8 @@ from ..ir.types import TensorType
 from .basic import dequant_weight
 
 
-@defop("router(x, w, bias?, tid2eid?, ids?) -> weights, indices", attrs={"k": int, "route_scale": float})
+@defop("router(x, w, bias?, tid2eid?, ids?) -> weights, indices", attrs={"k": int, "route_scale": float}, kernel="router",
+       variants={"learned": ("bias",), "hash": ("tid2eid", "ids")})
 def router(x, w, bias, tid2eid, ids, *, k, route_scale):
     """`s = sqrt(softplus(x W^T))`; experts = `tid2eid[ids]` (hash layers) or top-k of `s + bias`
     (the bias only steers selection); weights = `s[sel] / sum(s[sel]) * route_scale`."""
@@ -35,7 +36,7 @@ def _(x, w, bias, tid2eid, ids, *, k, route_scale):
 
 
 @defop("moe_experts(x, weights, indices, w1, w2, w3, w1_scale?, w2_scale?, w3_scale?) -> y",
-       attrs={"limit": float, "block": (int, 32)})
+       attrs={"limit": float, "block": (int, 32)}, kernel="moe")
 def moe_experts(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *, limit, block):
     """`y = sum_k weights_k * w2_e(swiglu(w1_e x, w3_e x))` over each token's selected experts e; the
     stacked expert weights are `[E, out, in]` (FP4 packed with 1 x block scales when scaled)."""

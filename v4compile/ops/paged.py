@@ -115,7 +115,7 @@ def compressed_row(w: torch.Tensor, b: torch.Tensor, block_table: torch.Tensor, 
 # ---- writes --------------------------------------------------------------------------------------
 
 @defop("pool_write_window(kv, pos, slot, p0, p1?, p2?) -> q0, q1?, q2?",
-       attrs={"window": int, "slot_rows": int, "n_rows": int, "layer_row": int, "fmt": str})
+       attrs={"window": int, "slot_rows": int, "n_rows": int, "layer_row": int, "fmt": str}, tied={"q0": "p0", "q1": "p1", "q2": "p2"}, kernel="pool_write")
 def pool_write_window(kv, pos, slot, p0, p1, p2, *, window, slot_rows, n_rows, layer_row, fmt):
     """Store this chunk's raw kv rows in the layer's window ring of each sequence's slot (the last
     `window` positions of each sequence only)."""
@@ -135,7 +135,7 @@ def _(kv, pos, slot, p0, p1, p2, *, fmt, **_):
 @defop("compress_paged(kv, gate, ape, norm, state_kv, state_gate, pos, slot, block_table, p0, p1?, p2?) "
        "-> state_kv_out, state_gate_out, q0, q1?, q2?",
        attrs={"ratio": int, "overlap": bool, "eps": float, "rope_dim": int, "theta": float, "yarn": tuple,
-              "round": (str, "none"), "block_tokens": int, "envelope_rows": int, "layer_offset": int, "fmt": str})
+              "round": (str, "none"), "block_tokens": int, "envelope_rows": int, "layer_offset": int, "fmt": str}, tied={"state_kv_out": "state_kv", "state_gate_out": "state_gate", "q0": "p0", "q1": "p1", "q2": "p2"}, kernel="compress")
 def compress_paged(kv, gate, ape, norm, state_kv, state_gate, pos, slot, block_table, p0, p1, p2, *, ratio, overlap,
                    eps, rope_dim, theta, yarn, round, block_tokens, envelope_rows, layer_offset, fmt):
     """`compress` on the pool: the state rings live per slot, and each closed window's row is written at
@@ -176,7 +176,7 @@ def _to_csr(rows: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch
     return indptr, indices
 
 
-@defop("csr_window(pos, slot) -> indptr, indices", attrs={"window": int, "slot_rows": int, "n_rows": int})
+@defop("csr_window(pos, slot) -> indptr, indices", attrs={"window": int, "slot_rows": int, "n_rows": int}, kernel="csr")
 def csr_window(pos, slot, *, window, slot_rows, n_rows):
     """Per query lane: the window-ring rows of the positions before this chunk that it sees
     (p in (t - window, start)), oldest first; the chunk's own tokens are read from the chunk itself."""
@@ -196,7 +196,7 @@ def _(pos, slot, *, window, **_):
 
 
 @defop("csr_compressed(pos, block_table) -> indptr, indices",
-       attrs={"ratio": int, "block_tokens": int, "envelope_rows": int, "max_rows": int})
+       attrs={"ratio": int, "block_tokens": int, "envelope_rows": int, "max_rows": int}, kernel="csr")
 def csr_compressed(pos, block_table, *, ratio, block_tokens, envelope_rows, max_rows):
     """Per query lane: every compressed row it may see (w < floor((t + 1) / ratio)), translated to
     physical rows through the block table (HCA: no selection)."""
@@ -216,7 +216,7 @@ def _(pos, block_table, *, max_rows, **_):
 
 
 @defop("csr_selected(selected, pos, block_table) -> indptr, indices",
-       attrs={"ratio": int, "block_tokens": int, "envelope_rows": int})
+       attrs={"ratio": int, "block_tokens": int, "envelope_rows": int}, kernel="csr")
 def csr_selected(selected, pos, block_table, *, ratio, block_tokens, envelope_rows):
     """The indexer's picks (sequence-local row numbers, -1 = none) translated to physical rows, -1s
     skipped (ATOM's `csa_translate_pack`)."""
@@ -247,7 +247,8 @@ def _gather_csr(indptr: torch.Tensor, indices: torch.Tensor, width: int) -> tupl
 
 
 @defop("sparse_attention(q, kv, pos, sink, win_indptr, win_indices, comp_indptr?, comp_indices?, p0, p1?, p2?) -> out",
-       attrs={"window": int, "scale": float, "win_base": int, "comp_base": int, "fmt": str})
+       attrs={"window": int, "scale": float, "win_base": int, "comp_base": int, "fmt": str}, kernel="sparse_attention",
+       variants={"window": (), "window_compressed": ("comp_indptr", "comp_indices")})
 def sparse_attention(q, kv, pos, sink, win_indptr, win_indices, comp_indptr, comp_indices, p0, p1, p2, *, window, scale,
                      win_base, comp_base, fmt):
     """One softmax per query over: the pool rows of its window CSR (+ `win_base`), the pool rows of its
