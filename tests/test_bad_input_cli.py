@@ -91,8 +91,8 @@ def bad_ir_cases(text: str) -> dict[str, tuple[bytes, str]]:
         "rank0-linear": (RANK0_LINEAR.encode(), "outside what the op accepts"),
         "block0": (text.replace("{block = 128}", "{block = 0}", 1).encode(), "'block' must be >= 1"),
         "block-negative": (text.replace("{block = 128}", "{block = -128}", 1).encode(), "'block' must be >= 1"),
-        "eps-inf": (text.replace("{eps = 1e-06}", "{eps = inf}", 1).encode(), "finite"),
-        "eps-nan": (text.replace("{eps = 1e-06}", "{eps = nan}", 1).encode(), "finite"),
+        "eps-inf": (text.replace("{eps = 1e-06,", "{eps = inf,", 1).encode(), "finite"),
+        "eps-nan": (text.replace("{eps = 1e-06,", "{eps = nan,", 1).encode(), "finite"),
         "huge-dim": (text.replace("%ids : i64[2,16]", "%ids : i64[2," + "9" * 30 + "]", 1).encode(), "too large"),
         "huge-attr": (text.replace("{block = 128}", "{block = " + "9" * 40 + "}", 1).encode(), "out of range"),
     }
@@ -101,6 +101,7 @@ def bad_ir_cases(text: str) -> dict[str, tuple[bytes, str]]:
 def test_bad_ir_text_api_and_cli(traced_text, tmp_path):
     verify(parse_module(traced_text))  # the control
     for name, (raw, needle) in bad_ir_cases(traced_text).items():
+        assert raw != traced_text.encode(), name  # the case really damages the text
         with pytest.raises(IRError, match=needle):
             verify(parse_module(raw))
         f = tmp_path / f"{name}.ir"
