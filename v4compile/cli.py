@@ -104,7 +104,7 @@ def load_model(args: argparse.Namespace):
                          expected=f"<= {MAX_RANDOM_PARAMS:,} parameters (or pass a CHECKPOINT)", found=f"{n:,}")
     src = random_source(cfg, args.seed)
     specs = spec_table(cfg)
-    log.info("preset %s with random weights (seed %d)", cfg.name, args.seed)
+    log.debug("preset %s with random weights (seed %d)", cfg.name, args.seed)
     return ReferenceModel(cfg, build_weights(cfg, lambda name: src(specs[name]), dtype), numerics=args.numerics,
                           dtype=dtype)
 
@@ -112,9 +112,12 @@ def load_model(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from .compile_cli import apply_threads
+
     ids = _parse_ids(args.ids)
     if not ids:
         raise InputError("empty prompt", expected="at least one id in --ids")
+    apply_threads(args)
     model = load_model(args)
     t0 = time.perf_counter()
     out = model.generate(torch.tensor(ids), args.max_new_tokens)
@@ -183,7 +186,8 @@ def _add_model_source(p: argparse.ArgumentParser, checkpoint_required: bool = Fa
 
 def build_parser() -> argparse.ArgumentParser:
     ap = ArgParser(prog="v4compile", description="Ahead-of-time compiler for DeepSeek-V4.")
-    ap.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    ap.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v: debug)")
+    ap.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only (no info lines)")
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="greedy generation with the reference model")
@@ -195,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int_arg(0, INT64_MAX), default=0, help="seed of the random weights of a preset")
     g.add_argument("--allow-nonfinite", action="store_true", help="load NaN / Inf weights instead of refusing them")
     g.add_argument("--json", action="store_true")
+    from .compile_cli import add_threads_flag
+    add_threads_flag(g)
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("inspect", help="parameter, disk and KV-cache accounting")
@@ -231,6 +237,16 @@ def _on_signal(signum, frame) -> None:
     raise Terminated(signum)
 
 
+class _Formatter(logging.Formatter):
+    """`info: ...` / `warning: ...` for the user; debug lines also name their logger."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        if record.levelno <= logging.DEBUG:
+            return f"debug {record.name}: {msg}"
+        return f"{record.levelname.lower()}: {msg}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     for s in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, _on_signal)
@@ -239,8 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ops.load_all()  # every command may read or build IR of any op set
     ap = build_parser()
     args = ap.parse_args(argv)
-    level = logging.WARNING - 10 * min(args.verbose, 2)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    level = logging.WARNING if args.quiet else logging.INFO - 10 * min(args.verbose, 1)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter())
+    logging.basicConfig(level=level, handlers=[handler], force=True)
     if getattr(args, "checkpoint", None) and getattr(args, "preset", None):
         print("error: give either CHECKPOINT or --preset, not both", file=sys.stderr)
         return 2
