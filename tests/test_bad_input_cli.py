@@ -86,15 +86,15 @@ def traced_text():
 def bad_ir_cases(text: str) -> dict[str, tuple[bytes, str]]:
     return {
         "non-utf8": (text.encode().replace(b"module @", b"module \xff@", 1), "not UTF-8"),
-        "deep": (text.replace("{block = 128}", "{block = " + "(" * 100_000 + ")" * 100_000 + "}", 1).encode(),
+        "deep": (text.replace("block = 128", "block = " + "(" * 100_000 + ")" * 100_000, 1).encode(),
                  "nest deeper"),
         "rank0-linear": (RANK0_LINEAR.encode(), "outside what the op accepts"),
-        "block0": (text.replace("{block = 128}", "{block = 0}", 1).encode(), "'block' must be >= 1"),
-        "block-negative": (text.replace("{block = 128}", "{block = -128}", 1).encode(), "'block' must be >= 1"),
+        "block0": (text.replace("block = 128", "block = 0", 1).encode(), "'block' must be >= 1"),
+        "block-negative": (text.replace("block = 128", "block = -128", 1).encode(), "'block' must be >= 1"),
         "eps-inf": (text.replace("{eps = 1e-06,", "{eps = inf,", 1).encode(), "finite"),
         "eps-nan": (text.replace("{eps = 1e-06,", "{eps = nan,", 1).encode(), "finite"),
         "huge-dim": (text.replace("%ids : i64[2,16]", "%ids : i64[2," + "9" * 30 + "]", 1).encode(), "too large"),
-        "huge-attr": (text.replace("{block = 128}", "{block = " + "9" * 40 + "}", 1).encode(), "out of range"),
+        "huge-attr": (text.replace("block = 128", "block = " + "9" * 40, 1).encode(), "out of range"),
     }
 
 
