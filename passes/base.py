@@ -98,8 +98,17 @@ def parse_pass_spec(spec: str) -> Pass:
     if not m:
         raise PassError("malformed pass spec", expected="name or name{key=value,...}", found=spec)
     name, body = m.group(1), m.group(2)
-    return get_pass(name, dict(kv.split("=", 1) for kv in body.split(",") if kv.strip()) if body else {},
-                    raw=True)
+    options: dict[str, str] = {}
+    for kv in (body or "").split(","):
+        if not kv.strip():
+            continue
+        if "=" not in kv:
+            raise PassError("pass option needs a value", where=f"pass '{name}'", expected="key=value", found=kv.strip())
+        k, v = kv.split("=", 1)
+        if k.strip() in options:
+            raise PassError(f"option '{k.strip()}' given twice", where=f"pass '{name}'")
+        options[k.strip()] = v
+    return get_pass(name, options, raw=True)
 
 
 def get_pass(name: str, options: dict[str, Any] | None = None, raw: bool = False) -> Pass:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from v4compile.errors import PassError
+from v4compile.files import write_text_atomic
 from v4compile.ir.core import Module
 from v4compile.ir.text import print_module
 from v4compile.ir.verify import verify
@@ -201,5 +202,5 @@ class PassManager:
         return result
 
     def _dump(self, path: Path, module: Module) -> None:
-        path.write_text(print_module(module))
+        write_text_atomic(path, print_module(module))
         self.options.dump_written.append(path)

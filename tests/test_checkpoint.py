@@ -84,14 +84,22 @@ def test_sharding_with_index(tmp_path):
         assert torch.equal(ck.dense("layers.3.attn.wo_b.weight"), dense_weights("tiny")["layers.3.attn.wo_b.weight"])
 
 
-def test_open_and_validate_read_no_tensor_data(fp32_ckpt, monkeypatch):
-    def boom(self, name):
-        raise AssertionError("tensor data read")
+def test_open_and_validate_read_no_tensor_data_but_hash_tables(fp32_ckpt, monkeypatch):
+    """`validate` reads the (small, integer) hash-routing tables to range-check their ids; nothing else."""
+    read = []
+    real = SafetensorsFile.read
 
-    monkeypatch.setattr(SafetensorsFile, "read", boom)
+    def only_tables(self, name):
+        if not name.endswith("tid2eid"):
+            raise AssertionError(f"tensor data read: {name}")
+        read.append(name)
+        return real(self, name)
+
+    monkeypatch.setattr(SafetensorsFile, "read", only_tables)
     with Checkpoint.open(fp32_ckpt) as ck:
         ck.validate()
         ck.header_specs()
+    assert sorted(read) == [f"layers.{i}.ffn.gate.tid2eid" for i in range(preset("tiny").n_hash_layers)]
 
 
 def test_hf_parameter_layout(tmp_path):

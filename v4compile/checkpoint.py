@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +23,10 @@ import torch
 
 from .config import V4Config
 from .errors import CheckpointError
-from .formats import fp4_dequant, fp4_quant, fp8_block_dequant, fp8_block_quant
+from .files import atomic_dir, inside, read_text
+from .formats import fp4_dequant, fp4_quant, fp8_block_dequant, fp8_block_quant, nonfinite_error
 from .names import Slice, canonical_sources
-from .safetensors_io import SafetensorsFile, TensorInfo, write_file
+from .safetensors_io import SafetensorsFile, TensorInfo, loads_strict, write_file
 from .weights import TensorSpec, spec_table
 
 log = logging.getLogger(__name__)
@@ -63,67 +61,94 @@ class Entry:
         return self.info.dtype
 
 
-def _shard_files(path: Path) -> list[Path]:
+def _read_index(path: Path) -> dict[str, str]:
+    """The index's `weight_map` (tensor name -> shard file name)."""
     index = path / INDEX_FILE
-    if index.is_file():
-        try:
-            obj = json.loads(index.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"index is not valid JSON ({e})", where=str(index)) from None
-        wm = obj.get("weight_map") if isinstance(obj, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-            raise CheckpointError("index has no `weight_map` object of name -> shard file", where=str(index))
+    inside(path, INDEX_FILE, CheckpointError, str(index))
+    obj = loads_strict(read_text(index, CheckpointError, "index"), str(index), "index")
+    wm = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise CheckpointError("index has no `weight_map` object of name -> shard file", where=str(index))
+    return wm
+
+
+def _shard_files(path: Path, wm: dict[str, str] | None) -> list[Path]:
+    """The shard files, each checked to lie inside the checkpoint directory before it is opened."""
+    if wm is not None:
+        index = path / INDEX_FILE
         files = []
         for shard in sorted(set(wm.values())):
-            f = path / shard
-            if not f.is_file():
-                names = [k for k, v in wm.items() if v == shard]
+            names = [k for k, v in wm.items() if v == shard]
+            holding = f"holding {names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''}"
+            f = inside(path, shard, CheckpointError, f"{index}: shard of '{names[0]}'")
+            if not f.exists():
                 raise CheckpointError("index points at a missing shard", where=str(index),
-                                      expected=f"file {shard} (holding {names[0]}"
-                                               f"{f' and {len(names) - 1} more' if len(names) > 1 else ''})",
-                                      found="no such file")
+                                      expected=f"file {shard} ({holding})", found="no such file")
             files.append(f)
         return files
-    files = sorted(path.glob("*.safetensors"))
+    files = [inside(path, f.name, CheckpointError, str(f)) for f in sorted(path.glob("*.safetensors"))]
     if not files:
         raise CheckpointError("no .safetensors files in checkpoint directory", where=str(path))
     return files
+
+
+def _check_stacked(f: Path, key: str, info: TensorInfo, sl: Slice, cfg: V4Config) -> None:
+    """A stacked HF expert tensor holds exactly one slice per expert (and gate_up 2 x moe_inter_dim rows)."""
+    where = f"{f}: '{key}'"
+    if sl.index is not None and (len(info.shape) < 2 or info.shape[0] != cfg.n_experts):
+        raise CheckpointError("stacked expert tensor does not hold one slice per expert", where=where,
+                              expected=f"[{cfg.n_experts}, ...] (n_routed_experts)", found=list(info.shape))
+    if sl.rows is not None and (len(info.shape) < 3 or info.shape[1] != 2 * cfg.moe_inter_dim):
+        raise CheckpointError("stacked gate_up tensor does not hold gate and up rows", where=where,
+                              expected=f"[{cfg.n_experts}, {2 * cfg.moe_inter_dim}, ...] (2 x moe_intermediate_size)",
+                              found=list(info.shape))
 
 
 class Checkpoint:
     """A lazily read checkpoint, indexed by canonical tensor name."""
 
     def __init__(self, path: Path, cfg: V4Config, entries: dict[str, Entry], files: dict[Path, SafetensorsFile],
-                 index_map: dict[str, str] | None):
+                 index_map: dict[str, str] | None, allow_nonfinite: bool = False):
         self.path, self.cfg, self.entries, self._files = path, cfg, entries, files
         self._index_map = index_map
+        self.allow_nonfinite = allow_nonfinite
 
     @classmethod
-    def open(cls, path: str | Path, cfg: V4Config | None = None) -> "Checkpoint":
+    def open(cls, path: str | Path, cfg: V4Config | None = None, allow_nonfinite: bool = False) -> "Checkpoint":
+        """Open a checkpoint (headers only). Every file read lies inside the directory; with the default
+        `allow_nonfinite=False` a tensor holding NaN / Inf (or an E8M0 scale byte 0xFF) is refused when read."""
         path = Path(path)
         if not path.exists():
             raise CheckpointError("checkpoint not found", where=str(path))
         if cfg is None:
             cfg = V4Config.from_dir(path.parent if path.is_file() else path)
-        files = [path] if path.is_file() else _shard_files(path)
-        opened = {f: SafetensorsFile(f) for f in files}
-        index_map = None
-        if path.is_dir() and (path / INDEX_FILE).is_file():
-            index_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-            for name, shard in index_map.items():
-                if name not in opened[path / shard].tensors:
-                    raise CheckpointError("index names a tensor its shard does not hold", where=str(path / shard),
-                                          expected=name, found="absent")
-        entries: dict[str, Entry] = {}
-        for f, sf in opened.items():
-            for key, info in sf.tensors.items():
-                for cname, sl in canonical_sources(key, cfg.n_experts, cfg.moe_inter_dim):
-                    if cname in entries:
-                        raise CheckpointError("tensor appears twice", where=f"{f}: '{key}'",
-                                              found=f"also in {entries[cname].file.name} as '{entries[cname].key}'")
-                    entries[cname] = Entry(f, key, info, sl)
+        wm = _read_index(path) if path.is_dir() and (path / INDEX_FILE).exists() else None
+        files = [path] if not path.is_dir() else _shard_files(path, wm)
+        opened: dict[Path, SafetensorsFile] = {}
+        try:
+            for f in files:
+                opened[f] = SafetensorsFile(f)
+            if wm is not None:
+                for name, shard in wm.items():
+                    if name not in opened[path / shard].tensors:
+                        raise CheckpointError("index names a tensor its shard does not hold",
+                                              where=str(path / shard), expected=name, found="absent")
+            entries: dict[str, Entry] = {}
+            for f, sf in opened.items():
+                for key, info in sf.tensors.items():
+                    for cname, sl in canonical_sources(key, cfg.n_experts, cfg.moe_inter_dim):
+                        _check_stacked(f, key, info, sl, cfg)
+                        if cname in entries:
+                            raise CheckpointError("tensor appears twice", where=f"{f}: '{key}'",
+                                                  found=f"also in {entries[cname].file.name} as "
+                                                        f"'{entries[cname].key}'")
+                        entries[cname] = Entry(f, key, info, sl)
+        except BaseException:
+            for sf in opened.values():
+                sf.close()
+            raise
         log.debug("opened %s: %d files, %d canonical tensors", path, len(files), len(entries))
-        return cls(path, cfg, entries, opened, index_map)
+        return cls(path, cfg, entries, opened, wm, allow_nonfinite)
 
     def close(self) -> None:
         for f in self._files.values():
@@ -152,7 +177,22 @@ class Checkpoint:
             if name not in expected and not (name.startswith("mtp.") and not include_mtp):
                 raise CheckpointError("unexpected tensor", where=f"{e.file}: '{e.key}'",
                                       expected=f"only the tensors of config '{self.cfg.name}'", found=name)
+        for s in specs.values():
+            if s.fmt == "i64":
+                self._check_ids(s.name)
         return self
+
+    def _check_ids(self, name: str) -> None:
+        """Hash-routing tables name experts: every id in [0, n_experts). The one data check of `validate`
+        (a table is vocab x top-k integers, small next to the weights)."""
+        e = self.entries[name]
+        t = self.raw(name)
+        bad = (t < 0) | (t >= self.cfg.n_experts)
+        if bool(bad.any()):
+            idx = [int(i) for i in bad.nonzero()[0]]
+            raise CheckpointError("hash-routing table names an expert that does not exist",
+                                  where=f"{e.file}: '{e.key}'", expected=f"ids in [0, {self.cfg.n_experts})",
+                                  found=f"{int(t[tuple(idx)])} at {idx}")
 
     def _check(self, s: TensorSpec, e: Entry) -> None:
         where = f"{e.file}: '{e.key}'"
@@ -203,6 +243,10 @@ class Checkpoint:
             t = t[e.slice.index]
         if e.slice.rows is not None:
             t = t[e.slice.rows[0]: e.slice.rows[1]]
+        if not self.allow_nonfinite:
+            err = nonfinite_error(t, scale=name.endswith(".scale"), where=f"{e.file}: '{e.key}'")
+            if err is not None:
+                raise err
         return t.contiguous()
 
     def dense(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -270,25 +314,29 @@ def stored_format(spec: TensorSpec, dtype: str) -> str:
 
 def write_checkpoint(out: str | Path, cfg: V4Config, get: Callable[[TensorSpec], torch.Tensor],
                      dtype: str = "released", max_shard_bytes: int = 4 << 30, include_mtp: bool = True,
-                     progress: Callable[[int, int], None] | None = None) -> Path:
+                     progress: Callable[[int, int], None] | None = None, force: bool = False) -> Path:
     """Write a sharded official-layout checkpoint to directory `out`, atomically.
 
-    `get(spec)` returns the tensor's float (or int) value in its logical shape. The directory is built
-    under a temporary name next to `out` and renamed into place only when complete.
+    `get(spec)` returns the tensor's float (or int) value in its logical shape; a non-finite value is
+    refused. The directory is built under a temporary name next to `out` and renamed into place only when
+    complete; an existing non-empty `out` is replaced only with `force`.
     """
     if dtype not in ("released", "fp32", "bf16"):
         raise ValueError(f"unknown checkpoint dtype {dtype!r}")
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError("output directory exists and is not empty", where=str(out))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise CheckpointError("output directory exists and is not empty", where=str(out),
+                              expected="a new or empty directory (or force)")
+    with atomic_dir(out, force=force) as tmp:
         specs = list(spec_table(cfg, include_mtp=include_mtp).values())
         shards: list[dict[str, torch.Tensor]] = [{}]
         sizes = [0]
         for i, s in enumerate(specs):
-            stored = encode(s, get(s), stored_format(s, dtype), cfg)
+            value = get(s)
+            err = nonfinite_error(value, where=f"tensor '{s.name}' to write")
+            if err is not None:
+                raise err
+            stored = encode(s, value, stored_format(s, dtype), cfg)
             nbytes = sum(t.numel() * t.element_size() for t in stored.values())
             if sizes[-1] and sizes[-1] + nbytes > max_shard_bytes:
                 shards.append({})
@@ -306,11 +354,5 @@ def write_checkpoint(out: str | Path, cfg: V4Config, get: Callable[[TensorSpec],
         (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                  indent=1) + "\n")
         (tmp / "config.json").write_text(cfg.to_json())
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 

@@ -6,7 +6,8 @@
     v4compile ir (dump | diff | verify | bisect | passes) ...   IR dump and pass debugging
     v4compile compile (--preset NAME | CHECKPOINT) [--weights none] [--report] ...
 
-Errors in the user's input print one line `error: ...` and exit with status 2; no traceback.
+Errors in the user's input (including argparse's own) print one line `error: ...` and exit with status 2;
+no traceback. SIGTERM and SIGHUP are handled like Ctrl-C: whatever was being written is removed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -24,13 +27,58 @@ log = logging.getLogger("v4compile")
 
 DEFAULT_PRESET = "tiny"
 MAX_RANDOM_PARAMS = 2_000_000_000  # in-memory random weights beyond this would not fit a laptop
+INT64_MAX = 2 ** 63 - 1
+MAX_IDS = 1 << 20
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse with the project's error convention: one `error:` line, then the usage, exit status 2."""
+
+    def error(self, message: str):
+        sys.stderr.write(f"error: {message}\n")
+        self.print_usage(sys.stderr)
+        raise SystemExit(2)
+
+
+def int_arg(lo: int, hi: int):
+    """An argparse type: a decimal integer in [lo, hi]."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text.strip(), 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, found {text[:40]!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"expected an integer in [{lo}, {hi}], found {text[:40]}")
+        return v
+    parse.__name__ = "integer"
+    return parse
+
+
+def float_arg(lo: float, hi: float):
+    """An argparse type: a finite number in (lo, hi]."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, found {text[:40]!r}") from None
+        if not (math.isfinite(v) and lo < v <= hi):
+            raise argparse.ArgumentTypeError(f"expected a finite number in ({lo:g}, {hi:g}], found {text[:40]}")
+        return v
+    parse.__name__ = "number"
+    return parse
 
 
 def _parse_ids(text: str) -> list[int]:
+    parts = [x for x in text.replace(" ", "").split(",") if x != ""]
+    if len(parts) > MAX_IDS:
+        raise InputError("too many --ids", expected=f"<= {MAX_IDS}", found=len(parts))
     try:
-        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+        ids = [int(x, 10) for x in parts]
     except ValueError:
-        raise InputError("--ids must be comma-separated integers", found=text) from None
+        raise InputError("--ids must be comma-separated integers", found=text[:80]) from None
+    bad = next((i for i in ids if not -INT64_MAX - 1 <= i <= INT64_MAX), None)
+    if bad is not None:
+        raise InputError("--ids: id out of the 64-bit integer range", found=str(bad)[:40])
     return ids
 
 
@@ -47,7 +95,8 @@ def load_model(args: argparse.Namespace):
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     if args.checkpoint:
-        return ReferenceModel.from_pretrained(args.checkpoint, numerics=args.numerics, dtype=dtype)
+        return ReferenceModel.from_pretrained(args.checkpoint, numerics=args.numerics, dtype=dtype,
+                                              allow_nonfinite=args.allow_nonfinite)
     cfg = preset(args.preset or DEFAULT_PRESET)
     n = account(cfg).logical_params
     if n > MAX_RANDOM_PARAMS:
@@ -105,8 +154,12 @@ def cmd_init_random(args: argparse.Namespace) -> int:
     from .config import V4Config, preset
     from .init_random import init_random
 
+    from .errors import CheckpointError
+    from .files import check_output_dir
+
     if args.config and args.preset:
         raise InputError("give either --preset or --config, not both")
+    check_output_dir(args.output, CheckpointError, force=args.force)
     cfg = V4Config.from_file(args.config) if args.config else preset(args.preset or DEFAULT_PRESET)
     n = account(cfg).logical_params
     if n > MAX_RANDOM_PARAMS:
@@ -120,7 +173,7 @@ def cmd_init_random(args: argparse.Namespace) -> int:
             last[0] = now
             log.info("init-random: %d / %d tensors", i, total)
 
-    path = init_random(args.output, cfg, seed=args.seed, quantized=args.quantized, progress=progress)
+    path = init_random(args.output, cfg, seed=args.seed, quantized=args.quantized, progress=progress, force=args.force)
     print(str(path))
     return 0
 
@@ -132,7 +185,7 @@ def _add_model_source(p: argparse.ArgumentParser, checkpoint_required: bool = Fa
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="v4compile", description="Ahead-of-time compiler for DeepSeek-V4.")
+    ap = ArgParser(prog="v4compile", description="Ahead-of-time compiler for DeepSeek-V4.")
     ap.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v: debug)")
     ap.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only (no info lines)")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -140,10 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="greedy generation with the reference model")
     _add_model_source(g)
     g.add_argument("--ids", required=True, help="prompt token ids, comma-separated")
-    g.add_argument("--max-new-tokens", type=int, default=16)
+    g.add_argument("--max-new-tokens", type=int_arg(0, 1 << 24), default=16)
     g.add_argument("--numerics", choices=("hf", "official"), default="hf")
     g.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    g.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset")
+    g.add_argument("--seed", type=int_arg(0, INT64_MAX), default=0, help="seed of the random weights of a preset")
+    g.add_argument("--allow-nonfinite", action="store_true", help="load NaN / Inf weights instead of refusing them")
     g.add_argument("--json", action="store_true")
     from .compile_cli import add_threads_flag
     add_threads_flag(g)
@@ -158,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--preset", help=f"a named config (default {DEFAULT_PRESET})")
     r.add_argument("--config", help="a config.json in either layout (official or HF)")
     r.add_argument("-o", "--output", required=True, help="output directory (must not exist or be empty)")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    r.add_argument("--seed", type=int_arg(0, INT64_MAX), default=0)
     r.add_argument("--quantized", action="store_true",
                    help="released formats: FP8 128x128 dense weights, FP4 1x32 experts (default: fp32)")
     r.set_defaults(func=cmd_init_random)
@@ -166,6 +221,20 @@ def build_parser() -> argparse.ArgumentParser:
     from .compile_cli import add_compile_commands
     add_compile_commands(sub)
     return ap
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM / SIGHUP, raised in the main thread so that every writer cleans up as for Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_signal(signum, frame) -> None:
+    for s in (signal.SIGTERM, signal.SIGHUP):  # one clean-up is enough; ignore repeats while it runs
+        signal.signal(s, signal.SIG_IGN)
+    raise Terminated(signum)
 
 
 class _Formatter(logging.Formatter):
@@ -179,6 +248,8 @@ class _Formatter(logging.Formatter):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, _on_signal)
     from . import ops
 
     ops.load_all()  # every command may read or build IR of any op set
@@ -196,6 +267,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except V4Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the environment, not the program: a full disk, a file removed under us
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
+    except Terminated as e:
+        print(f"interrupted by signal {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -24,10 +24,18 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import InputError, V4Error
+from .errors import InputError, IRError, PassError, V4Error
 from .timing import Stages
 
 log = logging.getLogger("v4compile")
+
+# Module attributes a `--start-from` dump must share with the module the command line traces.
+TRACE_ATTRS = ("config", "batch", "chunk", "decode_batch", "capacity", "numerics", "dtype", "weights")
+
+
+def _ints():
+    from .cli import INT64_MAX, float_arg, int_arg
+    return INT64_MAX, int_arg, float_arg
 
 _T0 = time.perf_counter()  # the command's start (this module is imported while parsing arguments)
 NUMERICS_FAILED = 1  # exit status of a check that found a broken tolerance (bad input is 2)
@@ -85,17 +93,22 @@ def _tolerance(text: str) -> float:
 
 
 def add_source_flags(p: argparse.ArgumentParser, numerics: str = "hf", dtype: str = "fp32") -> None:
+    int64_max, int_arg, _ = _ints()
     p.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT", help="checkpoint directory or .safetensors file")
     p.add_argument("--preset", help="tiny (default), tiny-pro, v4-flash, v4-pro")
     p.add_argument("--weights", choices=("none", "random", "checkpoint"),
                    help="none: shape-only, weights typed as released (FP8/FP4); random: seeded random weights "
                         "(preset default); checkpoint: the checkpoint's (default with CHECKPOINT)")
-    p.add_argument("--seed", type=int, default=0, help="seed of random weights and of the numerics scenario")
+    p.add_argument("--seed", type=int_arg(0, int64_max), default=0,
+                   help="seed of random weights and of the numerics scenario")
+    p.add_argument("--allow-nonfinite", action="store_true", help="load NaN / Inf weights instead of refusing them")
     g = p.add_argument_group("trace")
-    g.add_argument("--batch", type=int, default=2, help="prefill batch (sequences per prefill call)")
-    g.add_argument("--chunk", type=int, default=16, help="prefill chunk (tokens per sequence per call)")
-    g.add_argument("--decode-batch", type=int, default=2, help="decode batch")
-    g.add_argument("--max-context", type=int, default=256, help="max tokens per sequence (sizes the caches)")
+    g.add_argument("--batch", type=int_arg(1, 1024), default=2, help="prefill batch (sequences per prefill call)")
+    g.add_argument("--chunk", type=int_arg(1, 1 << 16), default=16,
+                   help="prefill chunk (tokens per sequence per call)")
+    g.add_argument("--decode-batch", type=int_arg(1, 1024), default=2, help="decode batch")
+    g.add_argument("--max-context", type=int_arg(1, 1 << 22), default=256,
+                   help="max tokens per sequence (sizes the caches)")
     g.add_argument("--numerics", choices=("hf", "official"), default=numerics,
                    help=f"hf: match transformers; official: + the QAT roundings (default {numerics})")
     g.add_argument("--dtype", choices=("fp32", "bf16"), default=dtype, help=f"compute dtype (default {dtype})")
@@ -103,6 +116,7 @@ def add_source_flags(p: argparse.ArgumentParser, numerics: str = "hf", dtype: st
 
 
 def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
+    _, int_arg, _ = _ints()
     g = p.add_argument_group("pipeline")
     g.add_argument("--passes", help="comma-separated pass specs (name or name{k=v,...}); default: the target's pipeline")
     g.add_argument("--target", default="gpu",
@@ -123,25 +137,35 @@ def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
                    help="after each pass, interpret the module on a seeded scenario against ReferenceModel")
     g.add_argument("--tol", type=_tolerance, default=1e-5,
                    help="numerics tolerance: max |logit error| relative to the largest reference logit (default 1e-5)")
-    g.add_argument("--check-prompt-len", type=int, default=100)
-    g.add_argument("--check-steps", type=int, default=32, help="decode steps of the numerics scenario")
+    g.add_argument("--check-prompt-len", type=int_arg(1, 1 << 20), default=100)
+    g.add_argument("--check-steps", type=int_arg(0, 1 << 20), default=32, help="decode steps of the numerics scenario")
 
 
 def _split_specs(text: str) -> list[str]:
-    """Split `a,b{x=1,y=2},c` at top-level commas."""
+    """Split `a,b{x=1,y=2},c` at top-level commas; braces must balance and not nest."""
     out, depth, cur = [], 0, ""
-    for ch in text:
+    for i, ch in enumerate(text):
         if ch == "{":
             depth += 1
+            if depth > 1:
+                raise PassError("nested '{' in --passes", where=f"--passes column {i + 1}", found=text[:80])
         elif ch == "}":
             depth -= 1
+            if depth < 0:
+                raise PassError("unbalanced '}' in --passes", where=f"--passes column {i + 1}", found=text[:80])
         if ch == "," and depth == 0:
+            if not cur.strip():
+                raise PassError("empty pass name in --passes", where=f"--passes column {i + 1}", found=text[:80])
             out.append(cur.strip())
             cur = ""
         else:
             cur += ch
+    if depth:
+        raise PassError("unclosed '{' in --passes", found=text[:80])
     if cur.strip():
         out.append(cur.strip())
+    elif out:
+        raise PassError("--passes ends with ','", found=text[:80])
     return out
 
 
@@ -223,7 +247,8 @@ def frontend_of(args, need_weights: bool = False, shape_only_default: bool = Fal
                  "max context %d, %s, threads %d", announce, src, w, args.seed, args.numerics, args.dtype, args.batch,
                  args.chunk, args.decode_batch, args.max_context, passes, threads)
     with stages_of(args)("trace", progress="tracing"):
-        return frontend.load(args.checkpoint, args.preset, weights, trace_options(args), seed=args.seed)
+        return frontend.load(args.checkpoint, args.preset, weights, trace_options(args), seed=args.seed,
+                             allow_nonfinite=getattr(args, "allow_nonfinite", False))
 
 
 def numerics_check(args, fe):
@@ -271,6 +296,7 @@ def run_pipeline(args, fe, module=None):
     if args.start_from:
         with st("read --start-from"):
             module = _read_ir(args.start_from)
+            _check_same_trace(module, fe.module, args.start_from)
     module = module or fe.module
     check = outcome = None
     if args.check_numerics and args.dtype != "fp32":
@@ -361,9 +387,38 @@ def _finish(args, outcome) -> int:
     return 0
 
 
-def _write(path: Path, text: str, what: str, check_ir: bool = False) -> None:
-    """Write one artifact and say so (path, size, what was checked)."""
-    path.write_text(text)
+def _check_same_trace(loaded, traced, path: str) -> None:
+    """A resumed module must come from the trace the command line asks for (same model, shapes, numerics)."""
+    for k in TRACE_ATTRS:
+        if k in traced.attrs and loaded.attrs.get(k) != traced.attrs[k]:
+            raise IRError(f"--start-from module was traced with another `{k}` than this command line asks for",
+                          where=path, expected=traced.attrs[k], found=loaded.attrs.get(k, "absent"))
+    for name, fn in traced.functions.items():
+        got = loaded.functions.get(name)
+        if got is None or [v.type for v in got.inputs] != [v.type for v in fn.inputs]:
+            raise IRError(f"--start-from module's @{name} inputs differ from this command line's trace", where=path,
+                          expected=", ".join(str(v.type) for v in fn.inputs),
+                          found="absent" if got is None else ", ".join(str(v.type) for v in got.inputs))
+
+
+def _check_outputs(args) -> None:
+    """Output paths are checked before any work starts."""
+    from .files import check_output_dir, check_output_file
+
+    if getattr(args, "dump_ir", None):
+        check_output_dir(args.dump_ir, InputError, force=True, what="--dump-ir directory")
+    out = getattr(args, "output", None)
+    if out and args.func is cmd_compile:
+        check_output_dir(out, InputError, force=args.force, what="-o output directory")
+    elif out:
+        check_output_file(out, InputError, what="-o output file")
+
+
+def _write(path: Path, text: str, what: str, check_ir: bool = False, shown: Path | None = None) -> None:
+    """Write one artifact atomically and say so (path, size, what was checked)."""
+    from .files import write_text_atomic
+
+    write_text_atomic(path, text)
     checked = ""
     if check_ir:
         from .ir.text import parse_module
@@ -371,7 +426,7 @@ def _write(path: Path, text: str, what: str, check_ir: bool = False) -> None:
 
         verify(parse_module(text))
         checked = "; parses back and verifies"
-    log.info("wrote %s (%s bytes, %s%s)", path, f"{path.stat().st_size:,}", what, checked)
+    log.info("wrote %s (%s bytes, %s%s)", shown or path, f"{path.stat().st_size:,}", what, checked)
 
 
 # ---- ir ----------------------------------------------------------------------------------------
@@ -380,6 +435,7 @@ def cmd_ir_dump(args) -> int:
     from .ir.export import to_dot, to_json
     from .ir.text import print_module
 
+    _check_outputs(args)
     fe = frontend_of(args, need_weights=args.check_numerics, shape_only_default=True, announce="ir dump")
     stage = args.stage or ("final" if _pipeline_flags_given(args) else "traced")
     outcome = None
@@ -429,15 +485,11 @@ def _pipeline_flags_given(args) -> bool:
 
 
 def _read_ir(path: str):
+    from .files import read_text
     from .ir.text import parse_module
     from .ir.verify import verify
 
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise InputError(f"cannot read IR file: {e.strerror}", where=path) from None
-    except UnicodeDecodeError:
-        raise InputError("IR file is not UTF-8 text", where=path) from None
+    text = read_text(path, IRError, "IR file")
     try:
         return verify(parse_module(text))
     except V4Error as e:
@@ -470,6 +522,7 @@ def cmd_ir_bisect(args) -> int:
                                        ("--verify-each", args.verify_each)) if given]
     if unused:
         raise InputError(f"ir bisect does not take {', '.join(unused)}", expected="ir dump or compile for those")
+    _check_outputs(args)
     fe = frontend_of(args, need_weights=True, announce="ir bisect")
     check = numerics_check(args, fe)
     pipeline = [p for p in pipeline_of(args) if p.split("{", 1)[0].strip() not in args.disable_pass]
@@ -523,6 +576,7 @@ def cmd_ir_passes(args) -> int:
 def cmd_compile(args) -> int:
     from .report import build_report, render_report
 
+    _check_outputs(args)
     fe = frontend_of(args, need_weights=args.check_numerics, announce="compile")
     result, outcome = run_pipeline(args, fe)
     st = stages_of(args)
@@ -538,11 +592,14 @@ def cmd_compile(args) -> int:
     if args.output:
         from .ir.text import print_module
 
+        from .files import atomic_dir
+
         out = Path(args.output)
-        with st("write output", progress="writing the output"):
-            out.mkdir(parents=True, exist_ok=True)
-            _write(out / "module.ir", print_module(result.module), "the final IR", check_ir=True)
-            _write(out / "report.json", json.dumps(rep, indent=1) + "\n", "the compile report")
+        with st("write output", progress="writing the output"), atomic_dir(out, force=args.force) as tmp:
+            _write(tmp / "module.ir", print_module(result.module), "the final IR", check_ir=True,
+                   shown=out / "module.ir")
+            _write(tmp / "report.json", json.dumps(rep, indent=1) + "\n", "the compile report",
+                   shown=out / "report.json")
     if not (args.output or args.report or args.json or args.dump_ir):
         log.info("compiled %s: %d passes, nothing written (use -o DIR, --report or --dump-ir)", result.module.name,
                  len(result.records))
@@ -594,4 +651,5 @@ def add_compile_commands(sub) -> None:
     c.add_argument("--report", action="store_true", help="print launches, pass hits, arena and KV bytes")
     c.add_argument("--json", action="store_true", help="the report as JSON")
     c.add_argument("-o", "--output", help="output directory (the final IR; the full artifact is future work)")
+    c.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     c.set_defaults(func=cmd_compile)

@@ -32,7 +32,28 @@ HF_LAYER_TYPES = {
 }
 HF_LAYER_TYPE_OF = {v: k for k, v in HF_LAYER_TYPES.items()}
 WEIGHT_FORMATS = ("fp8", "bf16", "fp32")
+
+# Bounds checked before anything is sized or enumerated from a config (V4-Pro is far inside each).
+MAX_INT = 2 ** 53  # any integer field, before its own bound
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+MAX_LAYERS = 1024
+MAX_MTP_LAYERS = 16
+MAX_TENSORS = 1_000_000  # tensors in the checkpoint (V4-Pro: about 71 thousand)
+LIMITS = {  # field -> largest accepted value
+    "vocab_size": 1 << 24, "dim": 1 << 16, "n_layers": MAX_LAYERS, "n_heads": 1 << 12, "head_dim": 1 << 14,
+    "rope_dim": 1 << 14, "q_lora_rank": 1 << 16, "o_groups": 1 << 12, "o_lora_rank": 1 << 16,
+    "window": 1 << 24, "csa_ratio": 1 << 16, "hca_ratio": 1 << 16, "index_n_heads": 1 << 12,
+    "index_head_dim": 1 << 14, "index_topk": 1 << 24, "n_experts": 1 << 14, "n_active_experts": 1 << 10,
+    "n_shared_experts": 64, "moe_inter_dim": 1 << 17, "n_hash_layers": MAX_LAYERS, "hc_mult": 64,
+    "hc_sinkhorn_iters": 10_000, "max_position": 1 << 26, "yarn_original_max_pos": 1 << 26,
+    "n_mtp_layers": MAX_MTP_LAYERS, "quant_block": 1 << 12, "expert_scale_block": 1 << 12,
+}
 EXPERT_FORMATS = ("fp4", "fp8", "bf16", "fp32")
+FLOAT_LIMITS = {  # field -> (exclusive lower, inclusive upper)
+    "route_scale": (0.0, 1e6), "swiglu_limit": (0.0, 1e6), "rope_theta": (0.0, 1e12),
+    "compress_rope_theta": (0.0, 1e12), "rms_eps": (0.0, 1.0), "hc_eps": (0.0, 1.0), "yarn_factor": (0.0, 1e6),
+    "yarn_beta_fast": (0.0, 1e6), "yarn_beta_slow": (0.0, 1e6),
+}
 
 
 @dataclass(frozen=True)
@@ -130,9 +151,18 @@ class V4Config:
             v = getattr(self, f)
             need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"`{f}` must be a positive integer",
                  found=v)
-        for f in ("n_shared_experts", "n_hash_layers", "n_mtp_layers"):
+        for f in ("n_shared_experts", "n_hash_layers", "n_mtp_layers", "yarn_original_max_pos"):
             v = getattr(self, f)
-            need(isinstance(v, int) and v >= 0, f"`{f}` must be a non-negative integer", found=v)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"`{f}` must be a non-negative integer",
+                 found=v)
+        for f, hi in LIMITS.items():
+            need(getattr(self, f) <= hi, f"`{f}` is beyond what this tool handles", expected=f"<= {hi:,}",
+                 found=f"{getattr(self, f):,}")
+        for f in ("yarn_factor", "yarn_beta_fast", "yarn_beta_slow"):
+            v = getattr(self, f)
+            need(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+                 f"`{f}` must be a finite number", found=v)
+        need(isinstance(self.layer_kinds, tuple), "layer kinds must be a tuple", found=type(self.layer_kinds).__name__)
         need(len(self.layer_kinds) == self.n_layers, "layer kind list length must equal the layer count",
              expected=self.n_layers, found=len(self.layer_kinds))
         bad = sorted({k for k in self.layer_kinds if k not in KINDS})
@@ -162,10 +192,16 @@ class V4Config:
         need(self.window < self.max_position, "`window` must be smaller than `max_position`",
              found=(self.window, self.max_position))
         need(self.yarn_factor >= 1, "`rope_factor` must be >= 1", found=self.yarn_factor)
-        for f in ("route_scale", "swiglu_limit", "rope_theta", "compress_rope_theta", "rms_eps", "hc_eps"):
+        need(self.index_topk <= self.max_position, "`index_topk` must not exceed `max_position`",
+             found=(self.index_topk, self.max_position))
+        per_layer = 3 * self.n_experts + 3 * self.n_shared_experts + 60
+        n_tensors = (self.n_layers + self.n_mtp_layers) * per_layer
+        need(n_tensors <= MAX_TENSORS, "config describes too many tensors (layers x experts)",
+             expected=f"<= {MAX_TENSORS:,}", found=f"about {n_tensors:,}")
+        for f, (lo, hi) in FLOAT_LIMITS.items():
             v = getattr(self, f)
-            need(isinstance(v, (int, float)) and math.isfinite(v) and v > 0, f"`{f}` must be a positive number",
-                 found=v)
+            need(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo < v <= hi,
+                 f"`{f}` must be a number in ({lo:g}, {hi:g}]", found=v)
         return self
 
     # ---- official layout -----------------------------------------------------------------------
@@ -193,9 +229,9 @@ class V4Config:
     @classmethod
     def from_official(cls, d: dict[str, Any], name: str = "custom") -> "V4Config":
         g = _Getter(d, name)
-        n_layers = g.int("n_layers")
-        ratios = g.list("compress_ratios")
-        n_mtp = g.int("n_mtp_layers", default=max(len(ratios) - n_layers, 0))
+        n_layers = g.int("n_layers", hi=MAX_LAYERS)
+        ratios = g.list("compress_ratios", int, max_len=MAX_LAYERS + MAX_MTP_LAYERS)
+        n_mtp = g.int("n_mtp_layers", default=max(len(ratios) - n_layers, 0), hi=MAX_MTP_LAYERS)
         if len(ratios) not in (n_layers, n_layers + n_mtp):
             raise ConfigError("`compress_ratios` length must be n_layers (+ one entry per MTP layer)",
                               where=f"config '{name}'", expected=f"{n_layers} or {n_layers + n_mtp}",
@@ -258,25 +294,25 @@ class V4Config:
     @classmethod
     def from_hf(cls, d: dict[str, Any], name: str = "custom") -> "V4Config":
         g = _Getter(d, name)
-        n_layers = g.int("num_hidden_layers")
-        rates = dict(d.get("compress_rates") or {})
-        csa = int(d.get("compress_rate_csa", rates.get("compressed_sparse_attention", 4)))
-        hca = int(d.get("compress_rate_hca", rates.get("heavily_compressed_attention", 128)))
-        if d.get("layer_types") is not None:
-            types = g.list("layer_types")
+        n_layers = g.int("num_hidden_layers", hi=MAX_LAYERS)
+        rates = g.obj("compress_rates")
+        csa = g.int("compress_rate_csa", default=rates.int("compressed_sparse_attention", default=4))
+        hca = g.int("compress_rate_hca", default=rates.int("heavily_compressed_attention", default=128))
+        if g.has("layer_types"):
+            types = g.list("layer_types", str, max_len=MAX_LAYERS)
             unknown = sorted({t for t in types if t not in HF_LAYER_TYPES})
             if unknown:
                 raise ConfigError("unknown entry in `layer_types`", where=f"config '{name}'",
                                   expected=sorted(HF_LAYER_TYPES), found=unknown)
             kinds = tuple(HF_LAYER_TYPES[t] for t in types)
-        elif d.get("compress_ratios") is not None:
-            ratios = g.list("compress_ratios")
+        elif g.has("compress_ratios"):
+            ratios = g.list("compress_ratios", int, max_len=MAX_LAYERS + MAX_MTP_LAYERS)
             kinds, csa, hca = _kinds_from_ratios(ratios[:n_layers], name, csa, hca)
         else:
             raise ConfigError("config has neither `layer_types` nor `compress_ratios`", where=f"config '{name}'",
                               expected="one of them (HF's default schedule is wrong for synthetic configs)")
-        if d.get("mlp_layer_types") is not None:
-            mlp = g.list("mlp_layer_types")
+        if g.has("mlp_layer_types"):
+            mlp = g.list("mlp_layer_types", str, max_len=MAX_LAYERS)
             bad = sorted({t for t in mlp if t not in ("hash_moe", "moe")})
             if bad:
                 raise ConfigError("unknown entry in `mlp_layer_types`", where=f"config '{name}'",
@@ -289,35 +325,41 @@ class V4Config:
                 raise ConfigError("`mlp_layer_types` length must equal the layer count", where=f"config '{name}'",
                                   expected=n_layers, found=len(mlp))
         else:
-            n_hash = int(d.get("num_hash_layers", d.get("n_hash_layers", 3)))
-        rope_dim = d.get("qk_rope_head_dim")
-        if rope_dim is None:
-            rope_dim = int(round(g.int("head_dim") * float(d.get("partial_rotary_factor", 0.125))))
-        yarn = _hf_yarn(d)
-        quant = d.get("quantization_config") or {}
-        weight_format = "fp8" if quant.get("quant_method") == "fp8" or quant.get("fmt") == "e4m3" else "bf16"
-        expert_format = _fmt(str(quant.get("expert_dtype", d.get("expert_dtype", "fp4" if weight_format == "fp8"
-                                                                   else "bf16"))))
+            n_hash = g.int("num_hash_layers", default=g.int("n_hash_layers", default=3))
+        head_dim = g.int("head_dim")
+        if g.has("qk_rope_head_dim"):
+            rope_dim = g.int("qk_rope_head_dim")
+        else:
+            factor = g.num("partial_rotary_factor", default=0.125)
+            if not 0 < factor <= 1:
+                raise ConfigError("`partial_rotary_factor` must be in (0, 1]", where=f"config '{name}'", found=factor)
+            rope_dim = int(round(head_dim * factor))
+        yarn = _hf_yarn(g)
+        quant = g.obj("quantization_config")
+        is_fp8 = quant.str("quant_method", default="") == "fp8" or quant.str("fmt", default="") == "e4m3"
+        weight_format = "fp8" if is_fp8 else "bf16"
+        expert_format = _fmt(quant.str("expert_dtype", default=g.str("expert_dtype",
+                                                                     default="fp4" if is_fp8 else "bf16")))
         return cls(
             vocab_size=g.int("vocab_size"), dim=g.int("hidden_size"), n_layers=n_layers,
-            n_heads=g.int("num_attention_heads"), head_dim=g.int("head_dim"), rope_dim=int(rope_dim),
+            n_heads=g.int("num_attention_heads"), head_dim=head_dim, rope_dim=rope_dim,
             q_lora_rank=g.int("q_lora_rank"), o_groups=g.int("o_groups"), o_lora_rank=g.int("o_lora_rank"),
-            window=int(d.get("sliding_window", d.get("window_size", 128))), layer_kinds=kinds, csa_ratio=csa,
-            hca_ratio=hca, index_n_heads=g.int("index_n_heads"), index_head_dim=g.int("index_head_dim"),
-            index_topk=g.int("index_topk"), n_experts=g.int("n_routed_experts"),
-            n_active_experts=g.int("num_experts_per_tok"), n_shared_experts=int(d.get("n_shared_experts", 1)),
-            moe_inter_dim=g.int("moe_intermediate_size"), n_hash_layers=n_hash,
-            route_scale=g.num("routed_scaling_factor"), swiglu_limit=g.num("swiglu_limit", default=10.0),
-            hc_mult=int(d.get("hc_mult", 4)), hc_sinkhorn_iters=int(d.get("hc_sinkhorn_iters", 20)),
-            hc_eps=float(d.get("hc_eps", 1e-6)), rms_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(d.get("rope_theta", 10000.0)),
-            compress_rope_theta=float(d.get("compress_rope_theta", 160000.0)),
-            yarn_factor=float(yarn.get("factor", 16.0)),
-            yarn_original_max_pos=int(yarn.get("original_max_position_embeddings", 65536)),
-            yarn_beta_fast=float(yarn.get("beta_fast") or 32.0), yarn_beta_slow=float(yarn.get("beta_slow") or 1.0),
-            max_position=int(d.get("max_position_embeddings", 1048576)),
-            n_mtp_layers=int(d.get("num_nextn_predict_layers", 1)),
-            score_func=str(d.get("scoring_func", "sqrtsoftplus")),
+            window=g.int("sliding_window", default=g.int("window_size", default=128)), layer_kinds=kinds,
+            csa_ratio=csa, hca_ratio=hca, index_n_heads=g.int("index_n_heads"),
+            index_head_dim=g.int("index_head_dim"), index_topk=g.int("index_topk"),
+            n_experts=g.int("n_routed_experts"), n_active_experts=g.int("num_experts_per_tok"),
+            n_shared_experts=g.int("n_shared_experts", default=1), moe_inter_dim=g.int("moe_intermediate_size"),
+            n_hash_layers=n_hash, route_scale=g.num("routed_scaling_factor"),
+            swiglu_limit=g.num("swiglu_limit", default=10.0), hc_mult=g.int("hc_mult", default=4),
+            hc_sinkhorn_iters=g.int("hc_sinkhorn_iters", default=20), hc_eps=g.num("hc_eps", default=1e-6),
+            rms_eps=g.num("rms_norm_eps", default=1e-6), rope_theta=g.num("rope_theta", default=10000.0),
+            compress_rope_theta=g.num("compress_rope_theta", default=160000.0),
+            yarn_factor=yarn.num("factor", default=16.0),
+            yarn_original_max_pos=yarn.int("original_max_position_embeddings", default=65536),
+            yarn_beta_fast=yarn.num("beta_fast", default=32.0), yarn_beta_slow=yarn.num("beta_slow", default=1.0),
+            max_position=g.int("max_position_embeddings", default=1048576),
+            n_mtp_layers=g.int("num_nextn_predict_layers", default=1),
+            score_func=g.str("scoring_func", default="sqrtsoftplus"),
             weight_format=weight_format, expert_format=expert_format, name=name,
         ).validate()
 
@@ -337,25 +379,23 @@ class V4Config:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "V4Config":
-        path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise ConfigError(f"cannot read config: {e.strerror}", where=str(path)) from None
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})",
-                              where=str(path)) from None
-        return cls.from_dict(d, name=str(path))
+        from .files import read_text
+        from .safetensors_io import loads_strict
+
+        text = read_text(path, ConfigError, "config", limit=MAX_CONFIG_BYTES)
+        return cls.from_dict(loads_strict(text, str(path), "config", ConfigError), name=str(path))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "V4Config":
-        """A checkpoint directory: `config.json`, or `inference/config.json` of the official release."""
+        """A checkpoint directory: `config.json`, or `inference/config.json` of the official release
+        (neither may lead out of the directory through a symlink)."""
+        from .files import inside
+
         path = Path(path)
-        for cand in (path / "config.json", path / "inference" / "config.json"):
-            if cand.is_file():
-                return cls.from_file(cand)
+        for rel in ("config.json", "inference/config.json"):
+            cand = path / rel
+            if cand.exists() or cand.is_symlink():
+                return cls.from_file(inside(path, rel, ConfigError, str(cand)))
         raise ConfigError("no config.json in checkpoint directory", where=str(path),
                           expected="config.json or inference/config.json")
 
@@ -366,43 +406,85 @@ class V4Config:
 # ---- helpers -----------------------------------------------------------------------------------
 
 class _Getter:
-    """Typed access to a raw JSON dict, with errors that name the config and the key."""
-
-    def __init__(self, d: dict[str, Any], name: str):
-        self.d, self.name = d, name
+    """Typed access to a raw JSON object, with errors that name the config and the key. The one schema of
+    both layouts: integers are JSON integers (or integral floats), never booleans; numbers are finite;
+    `null` means absent; every integer is bounded (`MAX_INT`) before anything is sized from it."""
 
     _MISSING = object()
 
+    def __init__(self, d: dict[str, Any], name: str, prefix: str = ""):
+        self.d, self.name, self.prefix = d, name, prefix
+
+    def _err(self, what: str, **kw: Any) -> ConfigError:
+        return ConfigError(what, where=f"config '{self.name}'", **kw)
+
+    def has(self, key: str) -> bool:
+        return self.d.get(key) is not None
+
     def _get(self, key: str, default: Any) -> Any:
-        if key in self.d and self.d[key] is not None:
+        if self.d.get(key) is not None:
             return self.d[key]
         if default is self._MISSING:
-            raise ConfigError(f"missing required field `{key}`", where=f"config '{self.name}'")
+            raise self._err(f"missing required field `{self.prefix}{key}`")
         return default
 
-    def int(self, key: str, default: Any = _MISSING) -> int:
+    def int(self, key: str, default: Any = _MISSING, hi: int = None) -> int:
         v = self._get(key, default)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
-            raise ConfigError(f"`{key}` must be an integer", where=f"config '{self.name}'", found=v)
-        return int(v)
+        return _as_int(v, f"{self.prefix}{key}", self._err, hi)
 
     def num(self, key: str, default: Any = _MISSING) -> float:
         v = self._get(key, default)
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigError(f"`{key}` must be a number", where=f"config '{self.name}'", found=v)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise self._err(f"`{self.prefix}{key}` must be a finite number", found=_show(v))
         return float(v)
 
     def str(self, key: str, default: Any = _MISSING) -> str:
         v = self._get(key, default)
         if not isinstance(v, str):
-            raise ConfigError(f"`{key}` must be a string", where=f"config '{self.name}'", found=v)
+            raise self._err(f"`{self.prefix}{key}` must be a string", found=_show(v))
         return v
 
-    def list(self, key: str) -> list:
+    def list(self, key: str, elem: type, max_len: int) -> list:
         v = self._get(key, self._MISSING)
         if not isinstance(v, list):
-            raise ConfigError(f"`{key}` must be a list", where=f"config '{self.name}'", found=type(v).__name__)
+            raise self._err(f"`{self.prefix}{key}` must be a list", found=_show(v))
+        if len(v) > max_len:
+            raise self._err(f"`{self.prefix}{key}` is too long", expected=f"<= {max_len} entries", found=len(v))
+        if elem is int:
+            return [_as_int(x, f"{self.prefix}{key}[{i}]", self._err) for i, x in enumerate(v)]
+        bad = next((x for x in v if not isinstance(x, elem)), None)
+        if bad is not None:
+            raise self._err(f"`{self.prefix}{key}` entries must be {_JSON_NAME.get(elem, elem.__name__)}",
+                            found=_show(bad))
         return v
+
+    def obj(self, key: str) -> "_Getter":
+        """A nested object (absent or null: an empty one)."""
+        v = self._get(key, {})
+        if not isinstance(v, dict):
+            raise self._err(f"`{self.prefix}{key}` must be an object", found=_show(v))
+        return _Getter(v, self.name, f"{self.prefix}{key}.")
+
+
+_JSON_NAME = {str: "strings", int: "integers", float: "numbers", dict: "objects"}
+
+
+def _as_int(v: Any, key: str, err, hi: int | None = None) -> int:
+    ok = (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and math.isfinite(v)
+                                                               and v == int(v))
+    if not ok:
+        raise err(f"`{key}` must be an integer", found=_show(v))
+    v = int(v)
+    hi = MAX_INT if hi is None else hi
+    if not -MAX_INT <= v <= hi:
+        raise err(f"`{key}` is out of range", expected=f"|value| <= {hi}", found=v)
+    return v
+
+
+def _show(v: Any) -> str:
+    """A short rendering of a JSON value for messages."""
+    r = "null" if v is None else json.dumps(v) if isinstance(v, (bool, str)) else repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def _kinds_from_ratios(ratios: list, name: str, csa: int | None = None, hca: int | None = None):
@@ -434,14 +516,13 @@ def _fmt(s: str) -> str:
             "mxfp4": "fp4", "e2m1": "fp4"}.get(s, s)
 
 
-def _hf_yarn(d: dict[str, Any]) -> dict[str, Any]:
-    rp = d.get("rope_parameters")
-    if isinstance(rp, dict) and isinstance(rp.get("compress"), dict):
-        return rp["compress"]
-    if isinstance(rp, dict) and rp.get("rope_type") == "yarn":
+def _hf_yarn(g: _Getter) -> _Getter:
+    rp = g.obj("rope_parameters")
+    if rp.has("compress"):
+        return rp.obj("compress")
+    if rp.d.get("rope_type") == "yarn":
         return rp
-    rs = d.get("rope_scaling")
-    return rs if isinstance(rs, dict) else {}
+    return g.obj("rope_scaling")
 
 
 # ---- presets -----------------------------------------------------------------------------------

@@ -50,6 +50,26 @@ def pow2_scale(amax: torch.Tensor, qmax: float, floor: float) -> torch.Tensor:
     return torch.exp2(torch.ceil(torch.log2(amax.float().clamp(min=floor) / qmax)))
 
 
+def nonfinite_error(t: torch.Tensor, where: str, scale: bool = False) -> CheckpointError | None:
+    """The error for a tensor holding NaN / Inf (an E8M0 scale: the NaN byte 0xFF), or None if all finite.
+    `scale`: a uint8 tensor holds E8M0 scale bytes."""
+    if t.dtype == torch.float8_e8m0fnu or (scale and t.dtype == torch.uint8):
+        bad = t.view(torch.uint8) == 255
+        what = "E8M0 scale byte 0xFF (NaN)"
+    elif t.is_floating_point():
+        bad = ~torch.isfinite(t.float() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t)
+        what = "NaN or Inf"
+    else:
+        return None
+    n = int(bad.sum())
+    if n == 0:
+        return None
+    first = [int(i) for i in bad.nonzero()[0]] if bad.dim() else []
+    return CheckpointError("tensor holds non-finite values", where=where,
+                           expected="finite values (--allow-nonfinite to load them anyway)",
+                           found=f"{n} x {what}, first at index {first}")
+
+
 # ---- FP8 e4m3, 128x128 blocks ------------------------------------------------------------------
 
 def _expand_grid(scale: torch.Tensor, shape: tuple[int, int], block: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ class Frontend:
     checkpoint: Path | None
     seed: int
     options: TraceOptions
+    allow_nonfinite: bool = False
 
     def reference(self):
         """The ReferenceModel holding exactly the weights the IR will get."""
@@ -39,7 +40,7 @@ class Frontend:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[self.options.dtype]
         if self.weights == "checkpoint":
             return ReferenceModel.from_pretrained(self.checkpoint, numerics=self.options.numerics, dtype=dtype,
-                                                  include_mtp=False)
+                                                  include_mtp=False, allow_nonfinite=self.allow_nonfinite)
         if self.weights == "random":
             src = self.source
             return ReferenceModel(self.cfg, build_weights(self.cfg, lambda n: src.dense(n), dtype, include_mtp=False),
@@ -49,17 +50,18 @@ class Frontend:
 
 
 def load(checkpoint: str | None, preset_name: str | None, weights: str | None, options: TraceOptions,
-         seed: int = 0) -> Frontend:
+         seed: int = 0, allow_nonfinite: bool = False) -> Frontend:
     if checkpoint:
         weights = weights or "checkpoint"
         if weights == "random":
             raise InputError("--weights random is for presets; a checkpoint brings its own weights")
-        ck = Checkpoint.open(checkpoint)
+        ck = Checkpoint.open(checkpoint, allow_nonfinite=allow_nonfinite)
         cfg = ck.cfg
         ck.validate(include_mtp=any(n.startswith("mtp.") for n in ck.entries))
         formats = ck.stored_formats()
         module = trace(cfg, options, formats=formats)
-        return Frontend(cfg, module, weights, ck if weights == "checkpoint" else None, Path(checkpoint), seed, options)
+        return Frontend(cfg, module, weights, ck if weights == "checkpoint" else None, Path(checkpoint), seed, options,
+                        allow_nonfinite)
     cfg = preset(preset_name or "tiny")
     weights = weights or "random"
     if weights == "checkpoint":

@@ -66,7 +66,8 @@ def random_source(cfg: V4Config, seed: int) -> Callable[[TensorSpec], torch.Tens
 
 
 def init_random(out: str | Path, cfg: V4Config, seed: int = 0, quantized: bool = False,
-                include_mtp: bool = True, progress: Callable[[int, int], None] | None = None) -> Path:
+                include_mtp: bool = True, progress: Callable[[int, int], None] | None = None,
+                force: bool = False) -> Path:
     """Write a random checkpoint in the official layout: fp32, or the released formats (`quantized`)."""
     return write_checkpoint(out, cfg, random_source(cfg, seed), dtype="released" if quantized else "fp32",
-                            include_mtp=include_mtp, progress=progress)
+                            include_mtp=include_mtp, progress=progress, force=force)

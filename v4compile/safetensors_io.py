@@ -1,26 +1,33 @@
-"""A strict reader and an atomic writer for the safetensors format.
+"""Strict safetensors reading over the `safetensors` package, and an atomic writer.
 
-The reader parses the header itself so that every defect of a file (truncation, a corrupt or oversized
-JSON header, overlapping or out-of-file tensor bytes, an unknown dtype) becomes one `CheckpointError`
-naming the file and the tensor. Tensors are read one at a time from a memory map; opening a file reads
-only its header. Nothing here ever unpickles.
+Tensor data is read by the `safetensors` package (`safe_open`), one tensor at a time; opening a file
+reads only its header. In front of it sits a thin strict layer that turns every defect into one
+`CheckpointError` naming the file and, where there is one, the tensor:
+
+* the file is opened only if it is a regular file, without blocking (a FIFO would hang the library);
+* the header is checked here first (`parse_header`) because the library accepts what we must refuse
+  (a tensor name given twice with the same entry, `"__metadata__": null`; `tests/test_safetensors.py`
+  shows each) and names no tensor in some of its own errors (a size that does not match dtype x shape);
+* anything else the library refuses (gaps between tensors, trailing bytes) is reported with its message
+  and the file name.
+
+Nothing here ever unpickles.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .errors import CheckpointError
+from .files import open_regular
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # same limit as the reference implementation
 
@@ -47,19 +54,52 @@ class TensorInfo:
         return self.end - self.begin
 
 
+class _Duplicate(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _Duplicate(k)
+        out[k] = v
+    return out
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads_strict(raw: bytes | str, where: str, what: str, error: type = CheckpointError) -> object:
+    """JSON with every key once per object, no NaN / Infinity, UTF-8, bounded nesting: one `error` otherwise."""
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise error(f"{what} is not UTF-8", where=where, found=f"byte 0x{raw[e.start]:02x} at offset {e.start}") \
+                from None
+    try:
+        return json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except _Duplicate as e:
+        raise error(f"{what} gives the key '{e.args[0]}' twice", where=where) from None
+    except json.JSONDecodeError as e:
+        raise error(f"{what} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})", where=where) from None
+    except ValueError as e:  # NaN / Infinity
+        raise error(f"{what} is not valid JSON ({e})", where=where) from None
+    except RecursionError:
+        raise error(f"{what} is nested too deeply", where=where) from None
+
+
 def parse_header(raw: bytes, data_len: int, where: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Validate a header (the JSON bytes) against a data section of `data_len` bytes."""
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise CheckpointError("header is not UTF-8", where=where) from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"header is not valid JSON ({e.msg} at char {e.pos})", where=where) from None
+    obj = loads_strict(raw, where, "header")
     if not isinstance(obj, dict):
         raise CheckpointError("header must be a JSON object", where=where, found=type(obj).__name__)
-    meta = obj.pop("__metadata__", None) or {}
+    meta = obj.pop("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise CheckpointError("`__metadata__` must map strings to strings", where=where)
+        raise CheckpointError("`__metadata__` must be an object mapping strings to strings", where=where,
+                              found=type(meta).__name__ if not isinstance(meta, dict) else "non-string values")
     infos: dict[str, TensorInfo] = {}
     for name, ent in obj.items():
         at = f"{where}: tensor '{name}'"
@@ -93,60 +133,63 @@ def parse_header(raw: bytes, data_len: int, where: str) -> tuple[dict[str, Tenso
 
 
 class SafetensorsFile:
-    """One `.safetensors` file: header parsed at open, tensors read lazily through mmap."""
+    """One `.safetensors` file: header checked at open, tensors read lazily by the `safetensors` package."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         where = str(self.path)
-        try:
-            self._fh = open(self.path, "rb")
-        except OSError as e:
-            raise CheckpointError(f"cannot open: {e.strerror}", where=where) from None
-        size = os.fstat(self._fh.fileno()).st_size
-        if size < 8:
-            self._fh.close()
-            raise CheckpointError("file is truncated (shorter than the 8-byte header length)", where=where,
-                                  found=f"{size} bytes")
-        (hlen,) = struct.unpack("<Q", self._fh.read(8))
-        if hlen > MAX_HEADER_BYTES:
-            self._fh.close()
-            raise CheckpointError("header length is implausibly large", where=where,
-                                  expected=f"<= {MAX_HEADER_BYTES}", found=hlen)
-        if 8 + hlen > size:
-            self._fh.close()
-            raise CheckpointError("file is truncated inside its header", where=where,
-                                  expected=f"{8 + hlen} bytes at least", found=f"{size} bytes")
-        raw = self._fh.read(hlen)
+        fd = open_regular(self.path, CheckpointError, "safetensors file")
+        with os.fdopen(fd, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size < 8:
+                raise CheckpointError("file is truncated (shorter than the 8-byte header length)", where=where,
+                                      found=f"{size} bytes")
+            (hlen,) = struct.unpack("<Q", fh.read(8))
+            if hlen > MAX_HEADER_BYTES:
+                raise CheckpointError("header length is implausibly large", where=where,
+                                      expected=f"<= {MAX_HEADER_BYTES}", found=hlen)
+            if 8 + hlen > size:
+                raise CheckpointError("file is truncated inside its header", where=where,
+                                      expected=f"{8 + hlen} bytes at least", found=f"{size} bytes")
+            raw = fh.read(hlen)
         self.data_start = 8 + hlen
-        try:
-            self.tensors, self.metadata = parse_header(raw, size - self.data_start, where)
-        except CheckpointError:
-            self._fh.close()
-            raise
-        self._mm: mmap.mmap | None = None
+        self.tensors, self.metadata = parse_header(raw, size - self.data_start, where)
+        self._st = None
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
-    def _map(self) -> mmap.mmap:
-        if self._mm is None:
-            self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
-        return self._mm
+    def _lib(self):
+        if self._st is None:
+            from safetensors import SafetensorError, safe_open
+
+            # Re-check: the path must still be a regular file (safe_open itself would block on a FIFO).
+            os.close(open_regular(self.path, CheckpointError, "safetensors file"))
+            try:
+                self._st = safe_open(str(self.path), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"the safetensors library refuses the file: {e}", where=str(self.path)) from None
+        return self._st
 
     def read(self, name: str) -> torch.Tensor:
-        """A copy of one tensor (the map is not kept alive by the result)."""
-        info = self.tensors[name]
-        if info.nbytes == 0:
-            return torch.empty(info.shape, dtype=DTYPES[info.dtype])
-        raw = np.frombuffer(self._map(), dtype=np.uint8, count=info.nbytes, offset=self.data_start + info.begin)
-        t = torch.from_numpy(raw.copy())
-        return t.view(DTYPES[info.dtype]).reshape(info.shape)
+        """One tensor (a copy, independent of the file)."""
+        from safetensors import SafetensorError
+
+        info = self.tensors.get(name)
+        where = f"{self.path}: tensor '{name}'"
+        if info is None:
+            raise CheckpointError("no such tensor in the file", where=where)
+        try:
+            t = self._lib().get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read tensor: {e}", where=where) from None
+        if DTYPE_NAMES.get(t.dtype) != info.dtype or tuple(t.shape) != info.shape:
+            raise CheckpointError("file changed since it was opened", where=where,
+                                  expected=f"{info.dtype} {list(info.shape)}", found=f"{t.dtype} {list(t.shape)}")
+        return t.clone()
 
     def close(self) -> None:
-        if self._mm is not None:
-            self._mm.close()
-            self._mm = None
-        self._fh.close()
+        self._st = None
 
     def __enter__(self) -> "SafetensorsFile":
         return self

@@ -17,7 +17,7 @@ equal module.
 Absent optional operands print as `none`. `#` starts a comment. Parse errors name line and column; a
 parsed module keeps the line:column of its functions and ops (`source_positions`, by object id) so that
 the verifier's errors can name them too. Names always print as identifiers (`ir_ident`), so every
-printed module parses back.
+printed module parses back. Tuples nest at most `MAX_NESTING` deep (the parser recurses on them).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from typing import Any
 from ..errors import IRError
 from .core import INPUT, SSA, WEIGHT, Function, Module, Op, Value
 from .types import DTYPES, TensorType
+
+MAX_NESTING = 32
 
 # ---- printing ----------------------------------------------------------------------------------
 
@@ -192,8 +194,10 @@ class Parser:
         self.expect("]")
         return TensorType(tuple(dims), t.text)
 
-    def parse_attr_value(self) -> Any:
+    def parse_attr_value(self, depth: int = 0) -> Any:
         t = self.tok
+        if depth > MAX_NESTING:
+            raise self.error(f"attribute tuples nest deeper than {MAX_NESTING}")
         if t.kind == "str":
             self.next()
             return re.sub(r"\\(.)", r"\1", t.text[1:-1])
@@ -209,7 +213,7 @@ class Parser:
             self.next()
             items: list[Any] = []
             while self.tok.text != ")":
-                items.append(self.parse_attr_value())
+                items.append(self.parse_attr_value(depth + 1))
                 if not self.accept(","):
                     break
             self.expect(")")
@@ -384,5 +388,10 @@ class Parser:
         return op
 
 
-def parse_module(text: str) -> Module:
+def parse_module(text: str | bytes) -> Module:
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise IRError("IR text is not UTF-8", found=f"byte 0x{text[e.start]:02x} at offset {e.start}") from None
     return Parser(text).parse_module()

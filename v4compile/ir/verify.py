@@ -4,7 +4,10 @@
 * SSA names are unique; output names are unique and refer to defined values;
 * every op is registered, its required operands are present, its attributes are valid, and its
   result types are exactly what its shape rule infers from the operand types (which also checks the
-  operands against the op's signature).
+  operands against the op's signature: their ranks, dims and dtypes);
+* every type is bounded (rank <= MAX_RANK, elements <= MAX_NUMEL), every attribute is in range: floats
+  finite, integers non-negative and bounded, sizes and divisors (`SIZE_ATTRS`) at least 1; a shape rule
+  that fails in any way on what it is given is reported as an `IRError` naming the op.
 
 Cheap enough to run after every pass. A module parsed from text carries the line:column of its
 functions and ops (`source_positions`); errors then start with it.
@@ -12,9 +15,42 @@ functions and ops (`source_positions`); errors then start with it.
 
 from __future__ import annotations
 
+import math
+
 from ..errors import IRError
-from .core import INPUT, WEIGHT, Function, Module
-from .registry import get_op
+from .core import INPUT, WEIGHT, Function, Module, Value
+from .registry import get_op, semantic
+
+MAX_RANK = 8
+MAX_NUMEL = 1 << 48
+MAX_ATTR_INT = 1 << 53
+# Attribute names that are sizes or divisors wherever they occur: a block, group, ratio, top-k count,
+# element count or iteration count of 0 is never meaningful.
+SIZE_ATTRS = frozenset({"block", "shared_block", "kv_round_block", "group", "groups", "ratio", "k", "n", "iters",
+                        "block_tokens"})
+
+
+def check_type(v: Value, where: str) -> None:
+    t = v.type
+    if t.rank > MAX_RANK or math.prod(t.shape) > MAX_NUMEL:
+        raise IRError(f"type of {'@' if v.kind == WEIGHT else '%'}{v.name} is too large", where=where,
+                      expected=f"rank <= {MAX_RANK}, <= {MAX_NUMEL} elements", found=str(t))
+
+
+def check_attrs(attrs: dict, where: str) -> None:
+    for k, v in semantic(attrs).items():
+        items = v if isinstance(v, tuple) else (v,)
+        for x in items:
+            if isinstance(x, bool) or isinstance(x, str):
+                continue
+            if isinstance(x, float) and not math.isfinite(x):
+                raise IRError(f"attribute '{k}' must be finite", where=where, found=repr(v))
+            if isinstance(x, int) and not -MAX_ATTR_INT <= x <= MAX_ATTR_INT:
+                raise IRError(f"attribute '{k}' is out of range", where=where, expected=f"|value| <= 2^53", found=x)
+        if isinstance(v, int) and not isinstance(v, bool):
+            lo = 1 if k in SIZE_ATTRS else 0
+            if v < lo:
+                raise IRError(f"attribute '{k}' must be >= {lo}", where=where, found=v)
 
 
 def _line(m: Module, obj: object) -> str:
@@ -26,6 +62,7 @@ def verify_function(fn: Function, m: Module) -> None:
     where = f"{_line(m, fn)}@{fn.name}"
     defined: dict[str, object] = {}
     for v in fn.inputs:
+        check_type(v, where)
         if v.kind != INPUT:
             raise IRError(f"input %{v.name} is not marked as an input", where=where)
         if v.name in defined:
@@ -49,10 +86,18 @@ def verify_function(fn: Function, m: Module) -> None:
         attrs = opdef.normalize_attrs(dict(op.attrs), where=at)
         if attrs != op.attrs:
             raise IRError("attributes are not normalised (missing defaults)", where=at)
+        check_attrs(op.attrs, at)
+        for r in op.results:
+            check_type(r, at)
+        types = [v.type if v is not None else None for v in op.operands]
         try:
-            want = opdef.result_types([v.type if v is not None else None for v in op.operands], op.attrs)
+            want = opdef.result_types(types, op.attrs)
         except IRError as e:
             raise IRError(e.what, where=at, expected=e.expected, found=e.found) from None
+        except Exception as e:  # noqa: BLE001 - a shape rule given ranks or sizes it does not handle
+            raise IRError("operand types or attributes are outside what the op accepts", where=at,
+                          expected=opdef.sig, found=", ".join("none" if t is None else str(t) for t in types)
+                          + f" ({type(e).__name__}: {e})") from None
         got = [r.type for r in op.results]
         if want != got:
             raise IRError("result types do not match the op's shape rule", where=at,
@@ -86,6 +131,7 @@ def verify(m: Module) -> Module:
     for w in m.weights.values():
         if w.kind != WEIGHT:
             raise IRError(f"weight @{w.name} is not marked as a weight")
+        check_type(w, f"weight @{w.name}")
     for fn in m.functions.values():
         verify_function(fn, m)
     return m

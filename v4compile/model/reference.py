@@ -97,9 +97,10 @@ class ReferenceModel:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, numerics: str = "hf", dtype: torch.dtype = torch.float32,
-                        include_mtp: bool = True) -> "ReferenceModel":
-        """Load a checkpoint directory (or file) in any supported naming and format."""
-        with Checkpoint.open(path) as ckpt:
+                        include_mtp: bool = True, allow_nonfinite: bool = False) -> "ReferenceModel":
+        """Load a checkpoint directory (or file) in any supported naming and format (a NaN / Inf weight is
+        refused unless `allow_nonfinite`)."""
+        with Checkpoint.open(path, allow_nonfinite=allow_nonfinite) as ckpt:
             mtp = include_mtp and any(n.startswith("mtp.") for n in ckpt.entries)
             ckpt.validate(include_mtp=mtp)
             log.info("loading %s (%s, %d tensors)", path, ckpt.cfg.name, len(ckpt.entries))
