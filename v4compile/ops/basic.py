@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -35,6 +36,11 @@ def _(ids, table):
     require(ids.dtype in ("i32", "i64"), "embed ids must be integers", found=ids.dtype)
     require(table.rank == 2, "embed table must be 2-D", found=table)
     return TensorType((*ids.shape, table.shape[1]), table.dtype)
+
+
+@embed.onnx
+def _(g, o, a, r):
+    return g.op("Gather", o.table, g.clamp_min0(g.as_i64(o.ids, o.types["ids"].dtype)), axis=0)
 
 
 @defop("linear(x, w, scale?) -> y", attrs={"block": (int, 128)}, kernel="gemm")
@@ -71,6 +77,13 @@ def _(x, w, scale, *, block):
     return TensorType((*x.shape[:-1], w.shape[0]), x.dtype)
 
 
+@linear.onnx
+def _(g, o, a, r):
+    if a.get("act", "none") not in ("none", ""):
+        raise NotImplementedError(f"linear act={a['act']!r} has no ONNX lowering")
+    return g.linear(o.x, o.types["x"], o.w, o.types["w"], o.scale)
+
+
 @defop("rms_norm(x, weight?) -> y", attrs={"eps": float}, kernel="rms_norm")
 def rms_norm(x, weight, *, eps):
     """RMSNorm over the last axis in fp32; weighted: multiply by the (fp32) weight and cast back once;
@@ -89,6 +102,11 @@ def _(x, weight, *, eps):
     return x
 
 
+@rms_norm.onnx
+def _(g, o, a, r):
+    return g.rms(o.x, o.weight, a["eps"])
+
+
 @defop("swiglu(gate, up) -> y", attrs={"limit": float}, kernel="elementwise")
 def swiglu(gate, up, *, limit):
     """`silu(min(gate, L)) * clamp(up, -L, L)`: the clamped SwiGLU of every V4 expert."""
@@ -101,6 +119,13 @@ def _(gate, up, *, limit):
     return gate
 
 
+@swiglu.onnx
+def _(g, o, a, r):
+    lim = a["limit"]
+    gate = g.op("Min", o.gate, g.scalar(lim))
+    return g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), g.op("Clip", o.up, g.scalar(-lim), g.scalar(lim)))
+
+
 @defop("reshape(x) -> y", attrs={"shape": tuple}, view=reshape_view)
 def reshape(x, *, shape):
     return x.reshape(shape)
@@ -111,6 +136,11 @@ def _(x, *, shape):
     out = TensorType(tuple(int(s) for s in shape), x.dtype)
     require(out.numel == x.numel, "reshape must keep the element count", expected=x.numel, found=out.numel)
     return out
+
+
+@reshape.onnx
+def _(g, o, a, r):
+    return g.reshape(o.x, r[0].shape)
 
 
 @defop("add(a, b) -> y", kernel="elementwise")
@@ -129,6 +159,11 @@ def _(a, b):
     return TensorType(shape, a.dtype)
 
 
+@add.onnx
+def _(g, o, a, r):
+    return g.op("Add", o.a, o.b)
+
+
 @defop("last_token(x, pos) -> y", kernel="last_token")
 def last_token(x, pos):
     """`x[b, n_b - 1]`: the last valid lane of each sequence in a padded chunk (lane 0 if none)."""
@@ -144,6 +179,15 @@ def _(x, pos):
     return TensorType((x.shape[0], *x.shape[2:]), x.dtype)
 
 
+@last_token.onnx
+def _(g, o, a, r):
+    B, T = o.types["x"].shape[:2]
+    pos = g.as_i64(o.pos, o.types["pos"].dtype)
+    n = g.sum(g.cast(g.op("GreaterOrEqual", pos, g.iscalar(0)), 7), 1)  # 7: INT64
+    idx = g.op("Add", g.clamp_min0(g.op("Sub", n, g.iscalar(1))), g.const(np.arange(B) * T, np.int64))
+    return g.op("Gather", g.reshape(o.x, (B * T, *o.types["x"].shape[2:])), idx, axis=0)
+
+
 @defop("split(x) -> a, b", attrs={"at": int}, view=split_view)
 def split(x, *, at):
     """A view: the last axis cut at `at` (the two outputs of a merged GEMM)."""
@@ -155,3 +199,8 @@ def _(x, *, at):
     require(0 < at < x.shape[-1], "split point must be inside the last axis", expected=f"0 < at < {x.shape[-1]}",
             found=at)
     return x.with_shape(*x.shape[:-1], at), x.with_shape(*x.shape[:-1], x.shape[-1] - at)
+
+
+@split.onnx
+def _(g, o, a, r):
+    return g.split(o.x, (a["at"], o.types["x"].shape[-1] - a["at"]))
