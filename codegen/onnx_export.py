@@ -1,6 +1,6 @@
 """ONNX export of a lowered IR function (the CPU target, run by ONNX Runtime).
 
-Each function of the `cpu` pipeline becomes one ONNX model (opset 21, plus ONNX Runtime's `FusedMatMul`
+Each function of the `cpu` pipeline becomes one ONNX model (opset 23, plus ONNX Runtime's `FusedMatMul`
 for batched GEMMs against a transposed weight). Every op's lowering is declared next to its other facts
 with `@<op>.onnx` (see `v4compile/ops/*.py`): `fn(g, o, a, r) -> results`, where `g` is the `Graph` below,
 `o` the operands by name (ONNX tensor names, `Planes`, `RowList` or None), `a` the attributes and `r` the IR
@@ -35,7 +35,7 @@ from v4compile.ir.core import INPUT, WEIGHT, Function, Module
 from v4compile.ir.registry import get_op, semantic
 from v4compile.ir.types import TensorType
 
-OPSET = 21
+OPSET = 23
 MS_DOMAIN = "com.microsoft"
 ONNX_DTYPES = {"fp32": TensorProto.FLOAT, "bf16": TensorProto.BFLOAT16, "i32": TensorProto.INT32,
                "i64": TensorProto.INT64, "bool": TensorProto.BOOL, "fp8e4m3": TensorProto.UINT8,
@@ -128,6 +128,13 @@ class Graph:
     def iscalar(self, v: int) -> str:
         return self.const(v, np.int64)
 
+    def cached(self, key: tuple, make):
+        """One graph value per key: index arithmetic that depends only on the step inputs (positions,
+        slots, block tables) is built once and shared by every layer."""
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
+
     # ---- shape / arithmetic shorthands ---------------------------------------------------------
     def reshape(self, x: str, shape) -> str:
         return self.op("Reshape", x, self.i64(*shape))
@@ -182,45 +189,41 @@ class Graph:
         """`x W^T` for a dense 2-D weight `[out, in]`: one Gemm over the flattened rows."""
         if scale is not None or wt.dtype not in ("fp32",):
             raise IRError("the ONNX (cpu) target takes dense fp32 weights", expected="fp32", found=wt.dtype)
-        lead = xt.shape[:-1]
-        flat = x if len(lead) == 1 else self.reshape(x, (-1, xt.shape[-1]))
-        y = self.op("Gemm", flat, w, transB=1)
-        return y if len(lead) == 1 else self.reshape(y, (*lead, wt.shape[0]))
+        if xt.rank == 2:
+            return self.op("Gemm", x, w, transB=1)
+        return self.matmul_t(x, w)
 
-    def rms(self, x: str, w: str | None, eps: float) -> str:
-        """RMSNorm over the last axis (fp32)."""
-        ms = self.mean(self.op("Mul", x, x), -1)
-        inv = self.op("Reciprocal", self.op("Sqrt", self.op("Add", ms, self.scalar(eps))))
-        y = self.op("Mul", x, inv)
-        return y if w is None else self.op("Mul", w, y)
+    def rms(self, x: str, w: str | None, eps: float, width: int | None = None) -> str:
+        """RMSNorm over the last axis (fp32); unweighted: scale 1 (`width` channels)."""
+        if w is None:
+            w = self.const(np.ones(width, np.float32))
+        return self.op("RMSNormalization", x, w, axis=-1, epsilon=eps)
 
-    def rope_tables(self, pos: str, pos_rank: int, extra: int, dim: int, theta: float, yarn: tuple) -> tuple[str, str]:
-        """cos / sin `[*pos, 1 * extra, dim/2, 1]` of the interleaved RoPE at integer positions."""
-        key = ("rope", pos, extra, dim, theta, tuple(yarn))
-        if key not in self.memo:
+    def rope_tables(self, pos: str, pos_rank: int, extra: int, dim: int, theta: float, yarn: tuple,
+                    inverse: bool) -> tuple[str, str]:
+        """cos / sin `[*pos, 1 * extra, dim]` (each pair's value twice) at integer positions."""
+        def make():
             from v4compile.ops.rope import inv_freq
 
-            f = inv_freq(dim, theta, tuple(yarn)).numpy()
+            f = np.repeat(inv_freq(dim, theta, tuple(yarn)).numpy(), 2)
             ang = self.op("Mul", self.unsqueeze(self.cast(pos, TensorProto.FLOAT), -1), self.const(f))
-            shape_axes = list(range(pos_rank, pos_rank + extra)) + [pos_rank + extra + 1]
-            cos = self.op("Unsqueeze", self.op("Cos", ang), self.i64(*shape_axes))
-            sin = self.op("Unsqueeze", self.op("Sin", ang), self.i64(*shape_axes))
-            self.memo[key] = (cos, sin)
-        return self.memo[key]
+            if extra:
+                ang = self.op("Unsqueeze", ang, self.i64(*range(pos_rank, pos_rank + extra)))
+            sin = self.op("Sin", ang)
+            return self.op("Cos", ang), (self.op("Neg", sin) if inverse else sin)
+        return self.cached(("rope", pos, extra, dim, theta, tuple(yarn), inverse), make)
 
     def rotate(self, x: str, xt: TensorType, pos: str, pos_rank: int, dim: int, theta: float, yarn: tuple,
                inverse: bool = False) -> str:
-        """Interleaved RoPE on the last `dim` channels (pairs of adjacent channels), as `ops.rope.rotate`."""
+        """Interleaved RoPE on the last `dim` channels, as `ops.rope.rotate`: r * cos + rot_half(r) * sin,
+        with rot_half (pairs (a, b) -> (-b, a)) an exact product with a constant +-1 matrix."""
         lead, D = xt.shape[:-1], xt.shape[-1]
-        cos, sin = self.rope_tables(pos, pos_rank, len(lead) - pos_rank, dim, theta, yarn)
+        cos, sin = self.rope_tables(pos, pos_rank, len(lead) - pos_rank, dim, theta, yarn, inverse)
         nope, r = (None, x) if D == dim else self.split(x, (D - dim, dim))
-        pairs = self.reshape(r, (*lead, dim // 2, 2))
-        x0, x1 = self.split(pairs, (1, 1))
-        if inverse:
-            sin = self.memo.setdefault(("neg", sin), self.op("Neg", sin))
-        o0 = self.op("Sub", self.op("Mul", x0, cos), self.op("Mul", x1, sin))
-        o1 = self.op("Add", self.op("Mul", x1, cos), self.op("Mul", x0, sin))
-        out = self.reshape(self.concat([o0, o1], -1), (*lead, dim))
+        R = np.zeros((dim, dim), np.float32)
+        for i in range(0, dim, 2):
+            R[i + 1, i], R[i, i + 1] = -1.0, 1.0
+        out = self.op("Add", self.op("Mul", r, cos), self.op("Mul", self.op("MatMul", r, self.const(R)), sin))
         return out if nope is None else self.concat([nope, out], -1)
 
     def pow2_scale(self, amax: str, qmax: float, floor: float) -> str:
@@ -280,7 +283,7 @@ class Graph:
     def hc_mix(self, streams: str, st: TensorType, fn: str, eps: float) -> str:
         """RMS-normalised flattened streams times fn^T (`ops.mhc._mix_inputs`)."""
         *lead, n, d = st.shape
-        flat = self.rms(self.reshape(streams, (*lead, n * d)), None, eps)
+        flat = self.rms(self.reshape(streams, (*lead, n * d)), None, eps, n * d)
         return self.matmul_t(flat, fn)
 
     def hc_pre(self, streams: str, st: TensorType, fn: str, base: str, scale: str, eps: float, hc_eps: float,
@@ -294,13 +297,30 @@ class Graph:
         post = self.op("Mul", self.op("Sigmoid", self.op("Add", self.op("Mul", post_w, s1), b1)), self.scalar(2.0))
         comb = self.op("Add", self.op("Mul", self.reshape(comb_w, (*lead, n, n)), s2), self.reshape(b2, (n, n)))
         comb = self.op("Add", self.op("Softmax", comb, axis=-1), self.scalar(hc_eps))
-        eps_c = self.scalar(hc_eps)
-        comb = self.op("Div", comb, self.op("Add", self.sum(comb, -2, 1), eps_c))
-        for _ in range(iters - 1):
-            comb = self.op("Div", comb, self.op("Add", self.sum(comb, -1, 1), eps_c))
-            comb = self.op("Div", comb, self.op("Add", self.sum(comb, -2, 1), eps_c))
+        comb = self.sinkhorn(comb, int(np.prod(lead)), n, hc_eps, iters)
         y = self.sum(self.op("Mul", self.unsqueeze(pre, -1), streams), -2)
         return y, post, comb
+
+    def sinkhorn(self, comb: str, M: int, n: int, eps: float, iters: int) -> str:
+        """One column normalisation, then `iters - 1` (row, column) pairs, eps in every denominator, on M
+        n x n matrices. Small M: the matrices stacked as [M*n, n], each sum(+eps) one Gemm (rows: times a
+        ones column; columns: a block-diagonal ones matrix), so a normalisation is two nodes, not three."""
+        e = self.scalar(eps)
+        shape = self.op("Shape", comb)
+        if M * n > 64:
+            comb = self.op("Div", comb, self.op("Add", self.sum(comb, -2, 1), e))
+            for _ in range(iters - 1):
+                comb = self.op("Div", comb, self.op("Add", self.sum(comb, -1, 1), e))
+                comb = self.op("Div", comb, self.op("Add", self.sum(comb, -2, 1), e))
+            return comb
+        c = self.reshape(comb, (M * n, n))
+        ones = self.const(np.ones((n, 1), np.float32))
+        blocks = self.const(np.kron(np.eye(M, dtype=np.float32), np.ones((n, n), np.float32)))
+        c = self.op("Div", c, self.op("Gemm", blocks, c, e))
+        for _ in range(iters - 1):
+            c = self.op("Div", c, self.op("Gemm", c, ones, e))
+            c = self.op("Div", c, self.op("Gemm", blocks, c, e))
+        return self.op("Reshape", c, shape)
 
     def hc_post(self, y: str, streams: str, st: TensorType, post: str, comb: str) -> str:
         mixed = self.op("MatMul", self.transpose_last(comb, st.rank), streams)
@@ -361,9 +381,13 @@ class Graph:
                    per_lane: bool) -> str:
         """Physical row of window `w` (`ops.paged.compressed_row`): w `[W]` shared by all sequences
         (-> `[B, W]`) or `[B, ...]` per sequence (`per_lane`)."""
+        return self.cached(("block_rows", w, bt, ratio, block_tokens, envelope_rows, per_lane),
+                           lambda: self._block_rows(w, bt, ratio, block_tokens, envelope_rows, n_blocks, per_lane))
+
+    def _block_rows(self, w, bt, ratio, block_tokens, envelope_rows, n_blocks, per_lane) -> str:
         per_block = block_tokens // ratio
         bi = self.op("Clip", self.op("Div", w, self.iscalar(per_block)), self.iscalar(0), self.iscalar(n_blocks - 1))
-        btc = self.clamp_min0(bt)
+        btc = self.cached(("clamp0", bt), lambda: self.clamp_min0(bt))
         if per_lane:
             shape = self.op("Shape", w)
             B = self.op("Shape", bt, start=0, end=1)
@@ -376,20 +400,23 @@ class Graph:
 
     def visible_limit(self, pos: str, ratio: int) -> str:
         """floor((t + 1) / ratio): compressed rows a query at t may see."""
-        return self.op("Div", self.op("Add", pos, self.iscalar(1)), self.iscalar(ratio))
+        return self.cached(("limit", pos, ratio),
+                           lambda: self.op("Div", self.op("Add", pos, self.iscalar(1)), self.iscalar(ratio)))
 
     def dyn_range(self, limit: str, max_rows: int) -> str:
         """0..W-1 with W = the largest limit of the step (at least 1, at most `max_rows`): the rows a
         static kernel would mask are never read, so the cost follows the context, not the capacity."""
-        w = self.op("Clip", self.op("ReduceMax", limit, keepdims=0), self.iscalar(1), self.iscalar(max_rows))
-        return self.op("Range", self.iscalar(0), w, self.iscalar(1))
+        def make():
+            w = self.op("Clip", self.op("ReduceMax", limit, keepdims=0), self.iscalar(1), self.iscalar(max_rows))
+            return self.op("Range", self.iscalar(0), w, self.iscalar(1))
+        return self.cached(("range", limit, max_rows), make)
 
     def sparse_attention(self, q: str, qt: TensorType, kv: str, pos: str, sink: str, parts: list[tuple[RowList, int]],
                          plane: Planes, window: int, scale: float) -> str:
         B, T, H, d = qt.shape
         rows, masks = [], []
         for rl, base in parts:
-            m = self.op("GreaterOrEqual", rl.rows, self.iscalar(0))
+            m = self.cached(("mask", rl.rows), lambda: self.op("GreaterOrEqual", rl.rows, self.iscalar(0)))
             rows.append(self.where(m, self.op("Add", rl.rows, self.iscalar(base)), self.iscalar(0)))
             masks.append(m)
         rows, mask = self.concat(rows, 1), self.concat(masks, 1)  # [L, P]
@@ -400,13 +427,7 @@ class Graph:
         s_pool = self.where(self.reshape(mask, (B, T, 1, -1)), s_pool, ninf)
         s_ext = self.op("Mul", self.matmul_t(self.reshape(q, (B, T * H, d)), kv), sc)
         s_ext = self.reshape(s_ext, (B, T, H, T))
-        t = self.unsqueeze(pos, 2)
-        s = self.unsqueeze(pos, 1)
-        ext = self.op("And", self.op("And", self.op("GreaterOrEqual", s, self.iscalar(0)),
-                                     self.op("LessOrEqual", s, t)),
-                      self.op("And", self.op("Greater", s, self.op("Sub", t, self.iscalar(window))),
-                              self.op("GreaterOrEqual", t, self.iscalar(0))))
-        s_ext = self.where(self.unsqueeze(ext, 2), s_ext, ninf)
+        s_ext = self.where(self.cached(("ext", pos, window), lambda: self._ext_mask(pos, window)), s_ext, ninf)
         sinks = self.op("Expand", self.reshape(sink, (1, 1, H, 1)), self.i64(B, T, H, 1))
         probs = self.op("Softmax", self.concat([s_pool, s_ext, sinks], -1), axis=-1)
         P = self.op("Shape", rows, start=1, end=2)
@@ -415,6 +436,15 @@ class Graph:
         out = self.op("MatMul", p_pool, keys)
         ext_out = self.reshape(self.op("MatMul", self.reshape(p_ext, (B, T * H, T)), kv), (B, T, H, d))
         return self.op("Add", out, ext_out)
+
+    def _ext_mask(self, pos: str, window: int) -> str:
+        """[B, T, 1, T]: query t sees the chunk's own key s when s in (t - window, t]."""
+        t = self.unsqueeze(pos, 2)
+        s = self.unsqueeze(pos, 1)
+        ext = self.op("And", self.op("And", self.op("GreaterOrEqual", s, self.iscalar(0)), self.op("LessOrEqual", s, t)),
+                      self.op("And", self.op("Greater", s, self.op("Sub", t, self.iscalar(window))),
+                              self.op("GreaterOrEqual", t, self.iscalar(0))))
+        return self.unsqueeze(ext, 2)
 
     def indexer_rows(self, q: str, qt: TensorType, weights: str, pos: str, bt: str, plane: Planes, *, ratio: int,
                      q_scale: float, w_scale: float, k: int, block_tokens: int, index_envelope_rows: int,
@@ -449,27 +479,13 @@ class Graph:
         slot = self.as_i64(o.slot, o.types["slot"].dtype)
         bt = self.as_i64(o.block_table, o.types["block_table"].dtype)
         n_blocks = o.types["block_table"].shape[1]
-        gate = self.op("Add", o.gate, self.op("Gather", o.ape, self.op("Mod", self.clamp_min0(pos), self.iscalar(m)),
-                                              axis=0))
-        sl = self.clamp_min0(slot)
+        gate = self.op("Add", o.gate, self.op("Gather", o.ape, self.cached(
+            ("mod", pos, m), lambda: self.op("Mod", self.clamp_min0(pos), self.iscalar(m))), axis=0))
+        sl = self.cached(("clamp0", slot), lambda: self.clamp_min0(slot))
         skv, sg = self.read_rows(skv_in, sl), self.read_rows(sg_in, sl)  # [B, S, cw]
-        start = self.clamp_min0(self.slice(pos, 0, 1, 1))  # [B, 1]
-        valid = self.op("GreaterOrEqual", pos, self.iscalar(0))
-        n = self.sum(self.cast(valid, TensorProto.INT64), 1, 1)  # [B, 1]
-        w = self.op("Add", self.op("Div", start, self.iscalar(m)), self.const(np.arange(J), np.int64))  # [B, J]
-        closed = self.op("And", self.op("LessOrEqual", self.op("Sub", self.op("Mul", self.op("Add", w, self.iscalar(1)),
-                                                                                self.iscalar(m)), self.iscalar(1)),
-                                         self.op("Sub", self.op("Add", start, n), self.iscalar(1))),
-                         self.op("Greater", n, self.iscalar(0)))
-        first = self.op("Sub", w, self.iscalar(1)) if overlap else w
-        p = self.op("Add", self.unsqueeze(self.op("Mul", first, self.iscalar(m)), -1),
-                    self.const(np.arange(S), np.int64))  # [B, J, S]
-        present = self.unsqueeze(self.op("GreaterOrEqual", p, self.iscalar(0)), -1)
-        from_state = self.unsqueeze(self.op("Less", p, self.unsqueeze(start, -1)), -1)
-        boff = self.reshape(self.const(np.arange(B), np.int64), (B, 1, 1))
-        lane = self.op("Clip", self.op("Sub", p, self.unsqueeze(start, -1)), self.iscalar(0), self.iscalar(T - 1))
-        lane = self.op("Add", self.op("Mul", boff, self.iscalar(T)), lane)
-        ring = self.op("Add", self.op("Mul", boff, self.iscalar(S)), self.op("Mod", p, self.iscalar(S)))
+        ix = self.cached(("compress", pos, m, overlap, B, T), lambda: self._compress_index(pos, m, overlap, B, T))
+        w, closed, present, from_state, lane, ring = (ix[k] for k in ("w", "closed", "present", "from_state", "lane",
+                                                                      "ring"))
 
         def source(state: str, chunk: str) -> str:
             v = self.where(from_state, self.op("Gather", self.reshape(state, (B * S, cw)), ring, axis=0),
@@ -490,28 +506,57 @@ class Graph:
             h = self.fp8_round(h, ht, dk - a["rope_dim"], math.gcd(64, dk - a["rope_dim"]))
         elif rnd == "fp4":
             h = self.hadamard_fp4(h, ht, 32)
-        rows = self.op("Add", self.block_rows(w, bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True),
-                       self.iscalar(a["layer_offset"]))
-        rows = self.reshape(self.where(closed, rows, self.iscalar(-1)), (B * J,))
+        rows = self.cached(("closed_rows", w, bt, m, a["block_tokens"], a["envelope_rows"]), lambda: self.where(
+            closed, self.block_rows(w, bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True), self.iscalar(-1)))
+        rows = self.reshape(self.where(closed, self.op("Add", rows, self.iscalar(a["layer_offset"])), rows), (B * J,))
         plane = self.write_rows(plane_in, rows, self.reshape(h, (B * J, dk)))
-        # the state ring: slot p % S takes the token of each sequence's last S positions
-        keep = self.ring_lanes(pos, S)
-        hit = self.op("And", self.op("Equal", self.unsqueeze(self.op("Mod", pos, self.iscalar(S)), 1),
-                                     self.const(np.arange(S).reshape(1, S, 1), np.int64)),
-                      self.unsqueeze(keep, 1))  # [B, S, T]
-        onehot = self.cast(hit, TensorProto.FLOAT)
-        has = self.unsqueeze(self.op("Greater", self.max(onehot, 2), self.scalar(0.0)), -1)
+        onehot, has, srows = ix["onehot"], ix["has"], self.cached(
+            ("srows", pos, slot), lambda: self.where(ix["live"], slot, self.iscalar(-1)))
         new_kv = self.where(has, self.op("MatMul", onehot, o.kv), skv)
         new_g = self.where(has, self.op("MatMul", onehot, gate), sg)
-        srows = self.where(self.reshape(self.op("Greater", n, self.iscalar(0)), (B,)), slot, self.iscalar(-1))
         return plane, self.write_rows(skv_in, srows, new_kv), self.write_rows(sg_in, srows, new_g)
+
+    def _compress_index(self, pos: str, m: int, overlap: bool, B: int, T: int) -> dict[str, str]:
+        """Which windows this chunk closes and where each pooling slot's token comes from (state ring or
+        chunk lane): a function of the positions only, shared by every compressor with the same ratio."""
+        c = 2 if overlap else 1
+        S, J = c * m, T // m + 1
+        start = self.clamp_min0(self.slice(pos, 0, 1, 1))  # [B, 1]
+        valid = self.op("GreaterOrEqual", pos, self.iscalar(0))
+        n = self.sum(self.cast(valid, TensorProto.INT64), 1, 1)  # [B, 1]
+        w = self.op("Add", self.op("Div", start, self.iscalar(m)), self.const(np.arange(J), np.int64))  # [B, J]
+        end = self.op("Sub", self.op("Add", start, n), self.iscalar(1))
+        live = self.op("Greater", n, self.iscalar(0))
+        closed = self.op("And", self.op("LessOrEqual", self.op("Sub", self.op("Mul", self.op("Add", w, self.iscalar(1)),
+                                                                                self.iscalar(m)), self.iscalar(1)), end),
+                         live)
+        first = self.op("Sub", w, self.iscalar(1)) if overlap else w
+        p = self.op("Add", self.unsqueeze(self.op("Mul", first, self.iscalar(m)), -1),
+                    self.const(np.arange(S), np.int64))  # [B, J, S]
+        present = self.unsqueeze(self.op("GreaterOrEqual", p, self.iscalar(0)), -1)
+        from_state = self.unsqueeze(self.op("Less", p, self.unsqueeze(start, -1)), -1)
+        boff = self.reshape(self.const(np.arange(B), np.int64), (B, 1, 1))
+        lane = self.op("Clip", self.op("Sub", p, self.unsqueeze(start, -1)), self.iscalar(0), self.iscalar(T - 1))
+        lane = self.op("Add", self.op("Mul", boff, self.iscalar(T)), lane)
+        ring = self.op("Add", self.op("Mul", boff, self.iscalar(S)), self.op("Mod", p, self.iscalar(S)))
+        # the state ring after the chunk: slot p % S takes the token of each sequence's last S positions
+        hit = self.op("And", self.op("Equal", self.unsqueeze(self.op("Mod", pos, self.iscalar(S)), 1),
+                                     self.const(np.arange(S).reshape(1, S, 1), np.int64)),
+                      self.unsqueeze(self.ring_lanes(pos, S), 1))  # [B, S, T]
+        onehot = self.cast(hit, TensorProto.FLOAT)
+        has = self.unsqueeze(self.op("Greater", self.max(onehot, 2), self.scalar(0.0)), -1)
+        return {"w": w, "closed": closed, "present": present, "from_state": from_state, "lane": lane, "ring": ring,
+                "onehot": onehot, "has": has, "live": self.reshape(live, (B,))}
 
     def window_write(self, plane: Planes, kv: str, kvt: TensorType, pos: str, slot: str, a: dict) -> Planes:
         B, T, d = kvt.shape
-        rows = self.op("Add", self.window_rows(pos, slot, a["window"], a["slot_rows"], a["n_rows"]),
-                       self.iscalar(a["layer_row"]))
-        rows = self.where(self.ring_lanes(pos, a["window"]), rows, self.iscalar(-1))
-        return self.write_rows(plane, self.reshape(rows, (B * T,)), self.reshape(kv, (B * T, d)))
+        key = ("winrows", pos, slot, a["window"], a["slot_rows"], a["n_rows"])
+        base = self.cached(key, lambda: self.reshape(self.where(
+            self.ring_lanes(pos, a["window"]), self.window_rows(pos, slot, a["window"], a["slot_rows"], a["n_rows"]),
+            self.iscalar(-1)), (B * T,)))
+        keep = self.cached(key + ("keep",), lambda: self.op("GreaterOrEqual", base, self.iscalar(0)))
+        rows = self.where(keep, self.op("Add", base, self.iscalar(a["layer_row"])), base)
+        return self.write_rows(plane, rows, self.reshape(kv, (B * T, d)))
 
     # ---- MoE ----------------------------------------------------------------------------------
     def moe_routed(self, x: str, xt: TensorType, weights: str, indices: str, w1: str, w2: str, w3: str,

@@ -104,7 +104,7 @@ def _(x, weight, *, eps):
 
 @rms_norm.onnx
 def _(g, o, a, r):
-    return g.rms(o.x, o.weight, a["eps"])
+    return g.rms(o.x, o.weight, a["eps"], o.types["x"].shape[-1])
 
 
 @defop("swiglu(gate, up) -> y", attrs={"limit": float}, kernel="elementwise")

@@ -257,7 +257,7 @@ def _(q, kv, norm, pos, qi, slot, p0, p1, p2, *, window, fmt, **_):
 def _(g, o, a, r):
     pos = g.as_i64(o.pos, o.types["pos"].dtype)
     rot = dict(dim=a["dim"], theta=a["theta"], yarn=tuple(a["yarn"]))
-    qo = g.rotate(g.rms(o.q, None, a["eps"]), o.types["q"], pos, 2, **rot)
+    qo = g.rotate(g.rms(o.q, None, a["eps"], o.types["q"].shape[-1]), o.types["q"], pos, 2, **rot)
     kvo = g.rotate(g.rms(o.kv, o.norm, a["eps"]), o.types["kv"], pos, 2, **rot)
     if a.get("kv_round_dims", 0):
         kvo = g.fp8_round(kvo, o.types["kv"], a["kv_round_dims"], a.get("kv_round_block", 64))
