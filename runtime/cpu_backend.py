@@ -76,10 +76,14 @@ class OrtBackend:
         spec = self.target["functions"][fname]
         model = onnx.load(str(self.art.file(spec["file"])))
         g = model.graph
-        wnames = set(spec["weights"])
+        used = {x for n in g.node for x in n.input}
+        wnames = set(spec["weights"]) & used
         keep, moved = [], []
         for vi in g.input:
-            (moved if vi.name in wnames else keep).append(vi)
+            if vi.name in wnames:
+                moved.append(vi)
+            elif vi.name not in spec["weights"]:
+                keep.append(vi)
         del g.input[:]
         g.input.extend(keep)
         for vi in moved:  # declared as an external initializer; the data comes from add_external_initializers

@@ -228,6 +228,21 @@ def write_artifact(ci: CompileInputs, out: str | Path) -> Path:
     return out
 
 
+def compile_artifact(fe, out: str | Path, buckets: Buckets = Buckets(), pipeline: list[str] | None = None,
+                     targets: tuple[str, ...] = ("cpu",), disable: tuple[str, ...] = ()) -> Path:
+    """Trace the frontend's model per bucket, run the pipeline (default: the cpu one), write the artifact."""
+    from .passes import CPU_PIPELINE, PassManager, PipelineOptions
+
+    pipeline = list(pipeline or CPU_PIPELINE)
+    module = trace_buckets(fe.cfg, fe.options, buckets)
+    res = PassManager(pipeline, PipelineOptions(disable=tuple(disable))).run(module)
+    origin = {"kind": fe.weights, "seed": fe.seed if fe.weights == "random" else None,
+              "checkpoint": str(fe.checkpoint) if fe.checkpoint else None}
+    ci = CompileInputs(fe.cfg, res.module, fe.source, fe.options.numerics, fe.options.dtype, buckets,
+                       fe.options.capacity, origin, pipeline, res.hits(), targets)
+    return write_artifact(ci, out)
+
+
 def _write_onnx(ci: CompileInputs, tmp: Path) -> dict[str, Any]:
     import onnx
 

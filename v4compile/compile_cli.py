@@ -309,20 +309,13 @@ def cmd_compile(args) -> int:
             else:
                 sys.stdout.write(render_report(rep))
     if args.output:
-        from .artifact import Buckets, CompileInputs, trace_buckets, write_artifact
+        from .artifact import Buckets, compile_artifact
 
         if args.start_from:
             raise InputError("an artifact is traced per bucket: --start-from cannot be combined with -o")
         buckets = Buckets(_int_list(args.decode_buckets, "--decode-buckets"),
                           _int_list(args.prefill_buckets, "--prefill-buckets"))
-        module = trace_buckets(fe.cfg, trace_options(args), buckets)
-        from .passes import PassManager, PipelineOptions
-        res = PassManager(pipeline_of(args), PipelineOptions(disable=tuple(args.disable_pass))).run(module)
-        origin = {"kind": fe.weights, "seed": args.seed if fe.weights == "random" else None,
-                  "checkpoint": str(fe.checkpoint) if fe.checkpoint else None}
-        ci = CompileInputs(fe.cfg, res.module, fe.source, args.numerics, args.dtype, buckets, args.max_context, origin,
-                           pipeline_of(args), res.hits(), targets)
-        write_artifact(ci, args.output)
+        compile_artifact(fe, args.output, buckets, pipeline_of(args), targets, tuple(args.disable_pass))
         log.info("wrote %s", args.output)
     return 0
 
