@@ -7,7 +7,7 @@ timing and numerics checks are instruments of the `PassManager`, never inside pa
 
 from .base import PASSES, Pass, PassResult, get_pass, parse_pass_spec, register
 from .manager import PassManager, PipelineOptions
-from .pipeline import CPU_PIPELINE, DEFAULT_PIPELINE
+from .pipeline import CPU_PIPELINE, DEFAULT_PIPELINE, GPU_PIPELINE, PIPELINES
 
 __all__ = ["PASSES", "Pass", "PassResult", "get_pass", "parse_pass_spec", "register", "PassManager",
-           "PipelineOptions", "DEFAULT_PIPELINE", "CPU_PIPELINE"]
+           "PipelineOptions", "DEFAULT_PIPELINE", "GPU_PIPELINE", "CPU_PIPELINE", "PIPELINES"]

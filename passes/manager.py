@@ -78,6 +78,9 @@ def stage_of_dump(path: str | Path) -> str | None:
 
 class PassManager:
     def __init__(self, pipeline: list[str], options: PipelineOptions | None = None):
+        from v4compile import ops
+
+        ops.load_all()  # passes create ops of every set
         self.options = options or PipelineOptions()
         self.passes: list[Pass] = [parse_pass_spec(s) for s in pipeline]
         names = [p.name for p in self.passes]

@@ -1,8 +1,13 @@
-"""The default pass pipeline: the one place that lists it.
+"""The pass pipelines, one named list per target: the one place that lists them.
+
+* `gpu` (the default): down to the program (`lower_to_program`): exact buffers and launches that
+  codegen and the C runtime execute.
+* `cpu`: the lowered graph the ONNX export turns into one ONNX model per function; ONNX Runtime plans
+  its own memory, so the arena plan and the program stage are left out.
 
 Order matters in three places: `fuse_moe` runs before `merge_sibling_gemms` (which would otherwise merge
 the shared expert's w1 / w3); `fuse_qkv_norm_rope` runs after `lower_sparse_attention` so that in decode
-it can fold the window write; `plan_memory` runs last, on the final op list.
+it can fold the window write; `plan_memory` runs on the final op list, and `lower_to_program` after it.
 """
 
 DEFAULT_PIPELINE: list[str] = [
@@ -18,21 +23,16 @@ DEFAULT_PIPELINE: list[str] = [
     "cse",
     "dce",
     "plan_memory",
+    "lower_to_program",
 ]
 
-# The `cpu` target (ONNX Runtime): the same rewrites, on native pool planes (ONNX has no FP8 / FP4 row
-# formats worth emulating on a CPU, and `numerics=official` rounds every value onto those grids anyway, so
-# native planes hold the same numbers); no memory plan (ONNX Runtime plans its own buffers).
+GPU_PIPELINE: list[str] = DEFAULT_PIPELINE
+# The `cpu` target (ONNX Runtime): the same rewrites on native pool planes (numerics=official already
+# rounds every value onto the FP8 / FP4 grids, so native planes hold the same numbers, and a CPU gains
+# nothing from emulating packed row formats); ONNX Runtime plans its own memory, so the arena plan and the
+# program stage are left out.
 CPU_PIPELINE: list[str] = [
-    "merge_wq_a_wkv",
-    "fuse_moe",
-    "merge_sibling_gemms",
-    "fuse_mhc_post_pre",
-    "fold_inverse_rope_wo_a_quant",
-    "lower_sparse_attention{kv_format=native,index_format=native}",
-    "fuse_indexer_topk",
-    "fuse_qkv_norm_rope",
-    "fuse_norm_linear",
-    "cse",
-    "dce",
-]
+    "lower_sparse_attention{kv_format=native,index_format=native}" if p == "lower_sparse_attention" else p
+    for p in DEFAULT_PIPELINE if p not in ("plan_memory", "lower_to_program")]
+
+PIPELINES: dict[str, list[str]] = {"gpu": GPU_PIPELINE, "cpu": CPU_PIPELINE}

@@ -1,14 +1,16 @@
 """Memory plan: give every intermediate value an offset in one arena, by liveness.
 
-Requires: a verified module (typically the last pass).
-Guarantees: every op carries an `_arena` annotation, one byte offset per result: an offset into the
-function's arena, or -1 for values that live elsewhere: function outputs and the pool / state buffers
-their updates write in place (`pool_write_window`, `compress_paged`, `qkv_norm_rope`'s planes, and the
-unlowered cache ops). Views (`reshape`, `split`) alias their operand (`split` parts at their column offset
-within it, so strided) and extend its lifetime. Offsets are found greedily, largest value first, at the
-lowest aligned address free during its lifetime; two values whose lifetimes overlap never overlap in
-memory. Function attributes `arena_bytes` / `arena_naive_bytes` (the sum of all intermediates) and module
-attribute `arena_bytes` (the largest function's: functions run one at a time) record the result.
+Requires: a verified module (typically the last pass before `lower_to_program`).
+Guarantees: every op carries two annotations: `_arena`, one byte offset per result (the value's first
+element in the function's arena, views and tied results included; -1 for values that live elsewhere:
+function inputs such as the pool and state planes, weights, and function outputs), and `_strides`, the
+element strides of every result, concatenated in result order. Storage sharing comes from the op
+registry's traits only (`view` results alias their operand at the offset and strides the view rule
+gives, through any depth of views; `tied` results are their operand). Storage roots are placed greedily,
+largest first, at the lowest aligned address free during their lifetime (from their definition to the
+last use of any value sharing them); two roots whose lifetimes overlap never overlap in memory.
+Function attributes `arena_bytes` / `arena_naive_bytes` (the sum of all roots) and module attribute
+`arena_bytes` (the largest function's: functions run one at a time) record the result.
 Option: `align` (bytes, default 256). Hits: `<func>.values`, `<func>.arena_bytes`, `<func>.naive_bytes`.
 """
 
@@ -16,54 +18,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from v4compile.errors import PassError
 from v4compile.ir.core import Function
+from v4compile.program.layout import layouts, storage_roots
 
 from .base import Pass, PassResult, register
 from .rewrite import new_module
 
-VIEWS = {"reshape", "split"}
-# result index -> operand index it updates in place
-IN_PLACE = {"pool_write_window": {0: 3, 1: 4, 2: 5}, "compress_paged": {0: 4, 1: 5, 2: 9, 3: 10, 4: 11},
-            "window_write": {0: 0}, "compress": {0: 6, 1: 4, 2: 5}}
-
-
-def in_place_results(op) -> dict[int, int]:
-    if op.name == "qkv_norm_rope":
-        first = 3 if op.operands[4] is not None else 2
-        return {first + k: 6 + k for k in range(len(op.results) - first)}
-    return IN_PLACE.get(op.name, {})
-
 
 def plan_function(fn: Function, align: int) -> tuple[Function, dict[str, int]]:
-    root: dict[int, int] = {}  # view value -> the value whose buffer it uses
-    persistent = {id(v) for _, v in fn.outputs}
-    for op in fn.ops:
-        for r_i, o_i in in_place_results(op).items():
-            if r_i < len(op.results):
-                persistent.add(id(op.results[r_i]))
-        if op.name in VIEWS:
-            base = op.operands[0]
-            for r in op.results:
-                root[id(r)] = root.get(id(base), id(base))
-    # A view of a persistent value is persistent; a value viewed by an output must persist too.
-    for v_id, base in list(root.items()):
-        if v_id in persistent:
-            persistent.add(base)
-    size: dict[int, int] = {}
+    root = storage_roots(fn)
+    inputs = {id(v) for v in fn.inputs}
+    # A root that backs a function output lives in the output's own buffer.
+    elsewhere = {id(root.get(id(v), v)) for _, v in fn.outputs}
     born: dict[int, int] = {}
     dies: dict[int, int] = {}
+    size: dict[int, int] = {}
     for i, op in enumerate(fn.ops):
-        for r in op.results:
-            if op.name not in VIEWS:
-                size[id(r)] = r.type.nbytes
-                born[id(r)] = i
-                dies[id(r)] = i
         for v in op.operands:
             if v is not None:
-                b = root.get(id(v), id(v))
+                r = root.get(id(v), v)
+                if id(r) in dies:
+                    dies[id(r)] = max(dies[id(r)], i)
+        for r in op.results:
+            if root[id(r)] is r and id(r) not in inputs:
+                size[id(r)] = r.type.nbytes
+                born[id(r)] = dies[id(r)] = i
+            else:  # a write through an alias keeps the root alive
+                b = id(root[id(r)])
                 if b in dies:
                     dies[b] = max(dies[b], i)
-    arena = [v for v in size if v not in persistent]
+    arena = [v for v in size if v not in elsewhere]
     placed: list[tuple[int, int, int, int]] = []  # (offset, end, born, dies)
     offset: dict[int, int] = {}
     for v in sorted(arena, key=lambda v: (-size[v], born[v])):
@@ -78,16 +63,14 @@ def plan_function(fn: Function, align: int) -> tuple[Function, dict[str, int]]:
         placed.append((at, at + n, born[v], dies[v]))
     total = max((e for _, e, _, _ in placed), default=0)
     naive = sum(size[v] for v in arena)
+    lay = layouts(fn, offset)
     ops = []
     for op in fn.ops:
-        offs = []
-        for k, r in enumerate(op.results):
-            base = root.get(id(r), id(r))
-            o = offset.get(base, -1)
-            if o >= 0 and op.name == "split" and k == 1:
-                o += op.results[0].type.shape[-1] * (r.type.nbytes // max(r.type.numel, 1))
-            offs.append(o)
-        ops.append(op.replace(attrs={**op.attrs, "_arena": tuple(offs)}))
+        offs, strides = [], []
+        for r in op.results:
+            offs.append(lay[id(r)].offset if id(root[id(r)]) in offset else -1)
+            strides.extend(lay[id(r)].strides)
+        ops.append(op.replace(attrs={**op.attrs, "_arena": tuple(offs), "_strides": tuple(strides)}))
     attrs = {**fn.attrs, "arena_bytes": total, "arena_naive_bytes": naive}
     return Function(fn.name, list(fn.inputs), ops, list(fn.outputs), attrs), \
         {"values": len(arena), "arena_bytes": total, "naive_bytes": naive}
@@ -100,6 +83,8 @@ class PlanMemory(Pass):
     align: int = 256
 
     def run(self, module):
+        if self.align <= 0 or self.align & (self.align - 1):
+            raise PassError("plan_memory{align} must be a positive power of two", found=self.align)
         funcs, hits = {}, {}
         for name, fn in module.functions.items():
             funcs[name], h = plan_function(fn, self.align)
@@ -107,4 +92,4 @@ class PlanMemory(Pass):
         arena = max((f.attrs["arena_bytes"] for f in funcs.values()), default=0)
         naive = max((f.attrs["arena_naive_bytes"] for f in funcs.values()), default=0)
         return PassResult(new_module(module, funcs, attrs={**module.attrs, "arena_bytes": arena,
-                                                           "arena_naive_bytes": naive}), hits)
+                                                           "arena_naive_bytes": naive, "arena_align": self.align}), hits)

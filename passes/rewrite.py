@@ -48,7 +48,7 @@ def make_op(namer: Namer, opname: str, operands: list, attrs: dict, loc: str,
     """A new op with results typed by its shape rule; `result_names` reuses existing result values."""
     opdef = get_op(opname)
     operands = list(operands) + [None] * (len(opdef.operands) - len(operands))  # absent trailing optionals
-    attrs = opdef.normalize_attrs(attrs)
+    attrs = opdef.normalize_attrs(opdef.with_variant(operands, attrs))
     types = opdef.result_types([v.type if v is not None else None for v in operands], attrs)
     if result_names is not None:
         results = tuple(result_names)

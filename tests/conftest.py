@@ -19,6 +19,10 @@ from v4compile.weights import spec_table  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+import v4compile.ops  # noqa: E402
+
+v4compile.ops.load_all()  # tests parse IR of every op set
+
 
 @functools.lru_cache(maxsize=None)
 def dense_weights(name: str, seed: int = 0) -> dict[str, torch.Tensor]:

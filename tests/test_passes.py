@@ -173,97 +173,39 @@ def test_v4_pro_pool_geometry():
 
 
 # ---- memory plan ---------------------------------------------------------------------------------
-
-VIEWS = {"reshape", "split"}
-
-
-def arena_interpret(fn, weights, inputs, **_):
-    """Interpret with every arena value living in one byte buffer at its planned offset: a plan that
-    lets two live values overlap corrupts one of them."""
-    arena = torch.zeros(fn.attrs["arena_bytes"] + 64, dtype=torch.uint8)
-    where: dict[int, int] = {}
-    env = {id(v): inputs[v.name] for v in fn.inputs}
-    views: dict[int, tuple] = {}
-
-    def get(v):
-        if v is None:
-            return None
-        if v.kind == WEIGHT:
-            return weights[v.name]
-        if id(v) in views:
-            op, k = views[id(v)]
-            return get_op(op.name).run([get(op.operands[0])], op.attrs)[k]
-        if id(v) in where:
-            o, n = where[id(v)], v.type.nbytes
-            return arena[o:o + n].view(DTYPES[v.type.dtype]).reshape(v.type.shape)
-        return env[id(v)]
-
-    for op in fn.ops:
-        outs = get_op(op.name).run([get(v) for v in op.operands], op.attrs)
-        for k, (r, t, off) in enumerate(zip(op.results, outs, op.attrs["_arena"])):
-            if op.name in VIEWS:
-                views[id(r)] = (op, k)
-            elif off >= 0:
-                arena[off:off + r.type.nbytes] = t.contiguous().reshape(-1).view(torch.uint8)
-                where[id(r)] = off
-            else:
-                env[id(r)] = t
-    return {n: get(v).clone() for n, v in fn.outputs}
+# The plan is executed for real by the program executor (tests/test_program.py): every value, views
+# included, at its annotated place in one byte arena.
 
 
 def test_memory_plan_runs_in_one_arena(run):
+    from v4compile.program.build import build_program
+    from v4compile.program.execute import Buffers, execute
+
     numerics, m, res, check, scale = run
     final = res.module
     w = check.weights(final)
     plain = ir_logits(IRRunner(final, w), check.scenario)
-    in_arena = ir_logits(IRRunner(final, w, interpreter=arena_interpret), check.scenario)
-    assert all(torch.equal(a, b) for a, b in zip(plain, in_arena))
-    # ... and a corrupted plan (two values alive together on one offset) is caught.
-    fn = final.functions["decode"]
-    ops = list(fn.ops)
-    last_use = {}
-    for k, op in enumerate(ops):
-        for v in op.operands:
-            if v is not None:
-                last_use[id(v)] = k
-    # a value still needed after the next arena value is born: give that next value the same offset
-    def next_arena(k):
-        return next(n for n in range(k + 1, len(ops)) if ops[n].name not in VIEWS and ops[n].attrs["_arena"][0] >= 0)
+    prog = build_program(final)
+    bufs = Buffers()
 
-    i = next(k for k, op in enumerate(ops) if op.name not in VIEWS and op.attrs["_arena"][0] >= 0
-             and last_use.get(id(op.results[0]), k) > next_arena(k))
-    j = next_arena(i)
-    bad = (ops[i].attrs["_arena"][0],) + ops[j].attrs["_arena"][1:]
-    ops[j] = ops[j].replace(attrs={**ops[j].attrs, "_arena": bad})
-    from v4compile.ir.core import Function
-    broken = Function(fn.name, fn.inputs, ops, fn.outputs, fn.attrs)
-    mod = type(final)(final.name, final.weights, {**final.functions, "decode": broken}, final.attrs)
-    corrupted = ir_logits(IRRunner(mod, w, interpreter=arena_interpret), check.scenario)
-    assert not all(torch.equal(a, b) for a, b in zip(plain, corrupted))
+    def run_program(fn, weights, inputs, **_):
+        return execute(prog.functions[fn.name], bufs, inputs, weights)
+
+    in_arena = ir_logits(IRRunner(final, w, interpreter=run_program), check.scenario)
+    assert all(torch.equal(a, b) for a, b in zip(plain, in_arena))
 
 
 def test_memory_plan_never_overlaps_live_values(pro):
+    from v4compile.program.build import build_program
+    from v4compile.program.verify import verify_program
+
     cfg, traced, res = pro
-    for fn in res.module.functions.values():
-        born, dies, off, size = {}, {}, {}, {}
-        for i, op in enumerate(fn.ops):
-            for r, o in zip(op.results, op.attrs["_arena"]):
-                if op.name not in VIEWS and o >= 0:
-                    born[id(r)], dies[id(r)], off[id(r)], size[id(r)] = i, i, o, r.type.nbytes
-            for v in op.operands:
-                if v is not None and id(v) in dies:
-                    dies[id(v)] = i
-        # views extend their operand's life: reuse the plan's own rule by checking through them
-        vals = sorted(off, key=lambda v: off[v])
-        for a_i, a in enumerate(vals):
-            for b in vals[a_i + 1:]:
-                if off[b] >= off[a] + size[a]:
-                    break
-                assert dies[a] < born[b] or dies[b] < born[a], "overlapping live values"
-        assert fn.attrs["arena_bytes"] >= max(off[v] + size[v] for v in off)
+    prog = verify_program(build_program(res.module))  # pairwise: no two live arena values share a byte
+    for name, fn in res.module.functions.items():
+        f = prog.functions[name]
+        assert fn.attrs["arena_bytes"] >= max(a.extent[1] for l in f.launches for _, a in l.results
+                                               if a.buffer == "arena")
 
-
-# ---- pool ops ------------------------------------------------------------------------------------
 
 def test_pool_formats_round_trip():
     from v4compile.ops.paged import read_rows, write_rows

@@ -1,18 +1,23 @@
-"""v4compile: an ahead-of-time compiler for the DeepSeek-V4 model family."""
+"""v4compile: an ahead-of-time compiler for the DeepSeek-V4 model family.
+
+The names below are loaded on first use, so that importing a part of the package (the IR, say) does not
+load the reference model or torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-from .config import V4Config, preset  # noqa: E402
-from .errors import V4Error  # noqa: E402
-from .model import ReferenceModel  # noqa: E402
+_LAZY = {"ReferenceModel": ".model", "V4Config": ".config", "preset": ".config", "V4Error": ".errors",
+         "load": ".runtime"}  # load(artifact_dir, device="auto") -> runtime.Session
+
+__all__ = [*_LAZY, "__version__"]
 
 
-
-def load(path, device: str = "auto", **kw):
-    """Load a compiled artifact directory: a `v4compile.runtime.Session` (see runtime/session.py)."""
-    from .runtime import load as _load
-
-    return _load(path, device, **kw)
-
-
-__all__ = ["ReferenceModel", "V4Config", "V4Error", "load", "preset", "__version__"]
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from . import ops
+
+    ops.load_all()  # every command may read or build IR of any op set
     ap = build_parser()
     args = ap.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)

@@ -88,7 +88,37 @@ def build_report(cfg: V4Config, traced: Module, result) -> dict:
     }
     if dec:
         rep["decode_launches_detail"] = launch_counts(cfg, dec)
+    if final.attrs.get("stage") == "program":
+        from .program.build import build_program
+
+        rep["program"] = program_summary(build_program(final))
+        if "decode" in rep["program"]:
+            rep["launches_per_decode_step"] = rep["program"]["decode"]["launches"]
     return rep
+
+
+def program_summary(prog) -> dict:
+    """Per function: launches, kernel families with counts, distinct specialisations, buffer bytes by kind,
+    and the registry's cost rules summed (FLOPs, bytes read / written)."""
+    from .ir.registry import get_op
+
+    out = {}
+    for name, f in prog.functions.items():
+        flops = read = written = 0
+        for l in f.launches:
+            opdef = get_op(l.op)
+            operands = [a.type if a is not None else None for _, a in l.operands]
+            c = opdef.cost_of(operands, [a.type for _, a in l.results], l.attrs)
+            flops, read, written = flops + c.flops, read + c.bytes_read, written + c.bytes_written
+        by_kind: Counter = Counter()
+        for b in f.buffers:
+            by_kind[b.kind] += b.nbytes
+        out[name] = {"launches": len(f.launches),
+                     "kernel_families": dict(sorted(Counter(l.kernel for l in f.launches).items())),
+                     "specialisations": len({l.specialisation for l in f.launches}),
+                     "buffer_bytes": dict(sorted(by_kind.items())),
+                     "flops": flops, "bytes_read": read, "bytes_written": written}
+    return out
 
 
 def render_report(rep: dict) -> str:
@@ -118,6 +148,9 @@ def render_report(rep: dict) -> str:
         lines.append(f"  KV bytes per token of the lowered pool: {rep['kv_bytes_per_token']:.0f} "
                      f"({p['main']} main + {p['index']} index; {p['block_tokens']}-token blocks of "
                      f"{p['envelope_rows']} rows)")
+    for fname, p in (rep.get("program") or {}).items():
+        lines.append(f"  program @{fname}: {p['launches']} launches, {p['specialisations']} kernel specialisations; "
+                     + ", ".join(f"{k} x{v}" for k, v in p["kernel_families"].items()))
     acc = rep["kv_bytes_per_token_accounting"]
     lines.append("  KV bytes per token, accounting: " + ", ".join(f"{k} {v:.0f}" for k, v in acc.items()))
     return "\n".join(lines) + "\n"

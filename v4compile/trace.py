@@ -145,6 +145,9 @@ def weight_values(cfg: V4Config, opts: TraceOptions, formats: dict[str, str] | N
 def trace(cfg: V4Config, opts: TraceOptions | None = None, functions: tuple[str, ...] = FUNCTIONS,
           formats: dict[str, str] | None = None, name: str | None = None) -> Module:
     """Trace `cfg` into an IR module (shape-only: no weights are read)."""
+    from . import ops
+
+    ops.load_all()
     opts = opts or TraceOptions()
     opts.validate(cfg)
     t0 = time.perf_counter()

@@ -56,8 +56,13 @@ class Op:
     def out(self, name: str) -> Value | None:
         """The result of that name in the op's signature (None when an optional one is absent)."""
         from .registry import get_op
-        i = get_op(self.name).result_index(name)
-        return self.results[i] if i < len(self.results) else None
+        names = get_op(self.name).result_names(self.operands, len(self.results))
+        get_op(self.name).result_index(name)  # an unknown name is an error, an absent one is None
+        return self.results[names.index(name)] if name in names else None
+
+    def named_results(self) -> list[tuple[str, Value]]:
+        from .registry import get_op
+        return list(zip(get_op(self.name).result_names(self.operands, len(self.results)), self.results))
 
     @property
     def result(self) -> Value:

@@ -105,7 +105,8 @@ _SIG = re.compile(r"^\s*(\w+)\s*\((.*)\)\s*->\s*(.+)$")
 
 class OpDef:
     def __init__(self, sig: str, attrs: dict[str, Any], ref: Callable, doc: str, *, view: Callable | None = None,
-                 tied: dict[str, str] | None = None, kernel: str | None = None):
+                 tied: dict[str, str] | None = None, kernel: str | None = None,
+                 follows: dict[str, str] | None = None, variants: dict[str, tuple[str, ...]] | None = None):
         m = _SIG.match(sig)
         if not m:
             raise ValueError(f"bad op signature {sig!r}")
@@ -113,7 +114,9 @@ class OpDef:
         self.operands = tuple(Operand(a.strip().rstrip("?"), a.strip().endswith("?"))
                               for a in m.group(2).split(",") if a.strip())
         self.results = tuple(r.strip().rstrip("?") for r in m.group(3).split(","))
-        self.optional_results = sum(1 for r in m.group(3).split(",") if r.strip().endswith("?"))
+        self.optional_result_names = tuple(r.strip().rstrip("?") for r in m.group(3).split(",")
+                                           if r.strip().endswith("?"))
+        self.optional_results = len(self.optional_result_names)
         self.attrs: dict[str, AttrSpec] = {}
         for k, v in attrs.items():
             t, d = (v if isinstance(v, tuple) else (v, _NO_DEFAULT))
@@ -127,6 +130,16 @@ class OpDef:
         self.view = view
         self.tied = dict(tied or {})
         self.kernel = kernel
+        # An optional result exists exactly when the operand it is tied to (or `follows`) is given.
+        self.follows = dict(follows or {})
+        # One behaviour per op: where optional operands select a behaviour, the `variant` attribute names it
+        # and the verifier checks that exactly that variant's operands are given.
+        self.variants = {k: frozenset(v) for k, v in (variants or {}).items()}
+        self.variant_operands = frozenset().union(*self.variants.values()) if self.variants else frozenset()
+        if self.variants:
+            if not all(self.operands[self.operand_index(n)].optional for n in self.variant_operands):
+                raise ValueError(f"{self.name}: variants may only select optional operands")
+            self.attrs["variant"] = AttrSpec("variant", str)
         self._cost: Callable | None = None
         self.onnx_lowering: Callable | None = None
         for r, o in self.tied.items():
@@ -149,6 +162,40 @@ class OpDef:
         except ValueError:
             raise KeyError(f"op '{self.name}' has no result '{name}'") from None
 
+    def variant_of(self, operands: list[Any] | tuple[Any, ...]) -> str:
+        """The variant that the given optional operands select."""
+        present = frozenset(n for n in self.variant_operands if operands[self.operand_index(n)] is not None)
+        for k, v in self.variants.items():
+            if v == present:
+                return k
+        raise IRError(f"op '{self.name}' has no variant taking optional operands {sorted(present) or 'none'}",
+                      expected=", ".join(f"{k}: {sorted(v) or 'none'}" for k, v in self.variants.items()))
+
+    def with_variant(self, operands: list[Any] | tuple[Any, ...], attrs: dict[str, Any]) -> dict[str, Any]:
+        if self.variants and "variant" not in attrs:
+            return {**attrs, "variant": self.variant_of(operands)}
+        return attrs
+
+    def check_variant(self, operands: list[Any] | tuple[Any, ...], attrs: dict[str, Any]) -> None:
+        v = attrs.get("variant")
+        if v not in self.variants:
+            raise IRError(f"unknown variant of op '{self.name}'", expected=", ".join(self.variants), found=v)
+        got = self.variant_of(operands)
+        if got != v:
+            raise IRError(f"the optional operands given are those of variant '{got}', not '{v}'",
+                          expected=f"{sorted(self.variants[v]) or 'no optional operands'}")
+
+    def result_names(self, operands: list[Any] | tuple[Any, ...], n_results: int) -> list[str]:
+        """The signature names of an op's actual results: an optional result tied to (or following) an
+        optional operand is there exactly when that operand is; other optional results are trailing."""
+        names = []
+        for r in self.results:
+            link = self.tied.get(r) or self.follows.get(r)
+            if r in self.optional_result_names and link is not None and operands[self.operand_index(link)] is None:
+                continue
+            names.append(r)
+        return names[:n_results]
+
     @property
     def launch(self) -> bool:
         """Whether the op becomes a kernel launch (views do not)."""
@@ -168,7 +215,7 @@ class OpDef:
         if self.view is not None:
             return Cost(0, 0, 0)
         if self._cost is not None:
-            return self._cost(operands, results, semantic(attrs))
+            return self._cost(operands, results, ref_attrs(attrs))
         read = sum(t.nbytes for t in operands if t is not None)
         written = sum(t.nbytes for t in results)
         return Cost(sum(t.numel for t in results), read, written)
@@ -220,7 +267,7 @@ class OpDef:
     def result_types(self, operand_types: list[TensorType | None], attrs: dict[str, Any]) -> list[TensorType]:
         if self._infer is None:
             raise NotImplementedError(f"op {self.name} has no shape rule")
-        r = self._infer(*operand_types, **semantic(attrs))
+        r = self._infer(*operand_types, **ref_attrs(attrs))
         rs = list(r) if isinstance(r, (tuple, list)) else [r]
         if not len(self.results) - self.optional_results <= len(rs) <= len(self.results):
             raise AssertionError(f"{self.name}: shape rule returned {len(rs)} types for {len(self.results)} results")
@@ -245,25 +292,34 @@ class OpDef:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         operands, attrs = self.bind(args, kwargs)
-        attrs = self.normalize_attrs(attrs)
+        attrs = self.normalize_attrs(self.with_variant(operands, attrs))
         if any(isinstance(v, Value) for v in operands):
             from .builder import current_builder
             results = current_builder().emit(self, operands, attrs, current_loc())
         else:
-            results = self.ref(*operands, **attrs)
+            results = self.ref(*operands, **ref_attrs(attrs))
         if isinstance(results, (list, tuple)) and len(results) == 1:
             return results[0]
         return results
 
     def run(self, operands: list[Any], attrs: dict[str, Any]) -> list[Any]:
         """The reference on concrete tensors, always returning a list of results."""
-        r = self.ref(*operands, **semantic(attrs))
+        r = self.ref(*operands, **ref_attrs(attrs))
         return list(r) if isinstance(r, (tuple, list)) else [r]
 
 
 def semantic(attrs: dict[str, Any]) -> dict[str, Any]:
     """Attributes without annotations."""
     return {k: v for k, v in attrs.items() if not k.startswith("_")}
+
+
+# Attributes that describe an op for the compiler (which variant) but are not arguments of its reference.
+NON_REF_ATTRS = frozenset({"variant"})
+
+
+def ref_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of an op's reference and shape rule."""
+    return {k: v for k, v in attrs.items() if not k.startswith("_") and k not in NON_REF_ATTRS}
 
 
 def require(cond: bool, what: str, expected: object = None, found: object = None) -> None:
@@ -334,13 +390,19 @@ def _view_strides(old: list[int], old_strides: list[int], new: list[int]) -> lis
         j += 1
     if i != len(pairs):
         return None
+    for k in reversed(range(len(new))):  # size-1 axes: the stride a contiguous tensor would have
+        if new[k] == 1:
+            out[k] = out[k + 1] * new[k + 1] if k + 1 < len(new) else 1
     return out
 
 
 def defop(sig: str, attrs: dict[str, Any] | None = None, *, view: Callable | None = None,
-          tied: dict[str, str] | None = None, kernel: str | None = None) -> Callable[[Callable], OpDef]:
+          tied: dict[str, str] | None = None, kernel: str | None = None,
+          follows: dict[str, str] | None = None,
+          variants: dict[str, tuple[str, ...]] | None = None) -> Callable[[Callable], OpDef]:
     def wrap(fn: Callable) -> OpDef:
-        op = OpDef(sig, attrs or {}, fn, (fn.__doc__ or "").strip(), view=view, tied=tied, kernel=kernel)
+        op = OpDef(sig, attrs or {}, fn, (fn.__doc__ or "").strip(), view=view, tied=tied, kernel=kernel,
+                   follows=follows, variants=variants)
         if op.name in REGISTRY:
             raise ValueError(f"op {op.name} registered twice")
         REGISTRY[op.name] = op
@@ -349,11 +411,9 @@ def defop(sig: str, attrs: dict[str, Any] | None = None, *, view: Callable | Non
 
 
 def get_op(name: str, where: str = "") -> OpDef:
-    _ensure_loaded()
+    """A registered op. Op sets are registered by loading them (`v4compile.ops.load(...)`); the registry
+    imports none itself."""
     if name not in REGISTRY:
-        raise IRError(f"unknown op '{name}'", where=where or None)
+        raise IRError(f"unknown op '{name}'", where=where or None,
+                      expected="an op of a loaded op set" if REGISTRY else "an op (no op set is loaded)")
     return REGISTRY[name]
-
-
-def _ensure_loaded() -> None:
-    from .. import ops  # noqa: F401  (registers every op)

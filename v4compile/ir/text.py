@@ -332,7 +332,8 @@ class Parser:
         attr_tok = self.tok
         attrs = self.parse_attrs()
         try:
-            attrs = opdef.normalize_attrs(attrs, where=f"line {attr_tok.line}:{attr_tok.col}")
+            # `variant` may be left out in hand-written IR: the optional operands given name it.
+            attrs = opdef.normalize_attrs(opdef.with_variant(operands, attrs), where=f"line {attr_tok.line}:{attr_tok.col}")
         except IRError as e:
             raise IRError(e.what, where=f"line {attr_tok.line}:{attr_tok.col}", expected=e.expected,
                           found=e.found) from None

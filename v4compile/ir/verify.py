@@ -51,6 +51,15 @@ def verify_function(fn: Function, m: Module) -> None:
         if want != got:
             raise IRError("result types do not match the op's shape rule", where=at,
                           expected=", ".join(map(str, want)), found=", ".join(map(str, got)))
+        for name, r in op.named_results():
+            if name in opdef.tied and op.operand(opdef.tied[name]).type != r.type:
+                raise IRError(f"result '{name}' updates operand '{opdef.tied[name]}' in place, so it must have its type",
+                              where=at, expected=str(op.operand(opdef.tied[name]).type), found=str(r.type))
+        if opdef.variants:
+            try:
+                opdef.check_variant(op.operands, op.attrs)
+            except IRError as e:
+                raise IRError(e.what, where=at, expected=e.expected, found=e.found) from None
         for r in op.results:
             if r.name in defined:
                 raise IRError(f"%{r.name} defined twice", where=at)

@@ -1,18 +1,49 @@
-"""Every op of the IR, with its torch reference and shape rule (see `ir/registry.py`).
+"""Every op of the IR, with its torch reference and shape rule (see `ir/registry.py`), in op sets that are
+loaded explicitly: `load("core")` registers the elementary ops only (no torch, no model ops), `load_all()`
+everything. The registry itself never imports this package; whoever reads or builds IR loads the op sets
+it needs (the frontend, the CLI, the runtimes call `load_all()`).
 
-The reference model is written in these ops; importing this package registers all of them.
+* `core`: embed, linear, rms_norm, swiglu, reshape, split, add, last_token (`basic`);
+* `model`: the ops the reference model is written in (mHC, RoPE, attention, compressor, indexer, MoE,
+  the official numerics' roundings);
+* `lowered`: the ops passes create (fusions, the paged pool).
+
+The reference model calls ops as attributes of this package (`ops.rms_norm(...)`), which loads every set.
 """
 
-from .basic import add, embed, last_token, linear, reshape, rms_norm, split, swiglu
-from .mhc import hc_expand, hc_head, hc_post, hc_pre
-from .rope import rope
-from .attention import attention, grouped_out_proj, window_write
-from .compressor import compress
-from .indexer import indexer_scores, topk
-from .moe import moe_experts, router
-from .numerics import fp8_round, hadamard_fp4_round
-from . import fused, paged  # noqa: F401  (ops made by passes)
+from __future__ import annotations
 
-__all__ = ["add", "embed", "last_token", "linear", "reshape", "rms_norm", "split", "swiglu", "hc_expand", "hc_head",
-           "hc_post", "hc_pre", "rope", "attention", "grouped_out_proj", "window_write", "compress",
-           "indexer_scores", "topk", "moe_experts", "router", "fp8_round", "hadamard_fp4_round"]
+import importlib
+from typing import Any
+
+OPSETS: dict[str, tuple[str, ...]] = {
+    "core": ("basic",),
+    "model": ("mhc", "rope", "attention", "compressor", "indexer", "moe", "numerics"),
+    "lowered": ("fused", "paged"),
+}
+
+
+def load(*names: str) -> None:
+    """Register the ops of these op sets (idempotent)."""
+    for name in names:
+        if name not in OPSETS:
+            raise KeyError(f"unknown op set {name!r} (one of {', '.join(OPSETS)})")
+        for mod in OPSETS[name]:
+            importlib.import_module(f"{__name__}.{mod}")
+    from ..ir.registry import REGISTRY
+
+    # `ops.<name>` is the op, also where a module of the same name exists (`rope`, `attention`).
+    globals().update(REGISTRY)
+
+
+def load_all() -> None:
+    load(*OPSETS)
+
+
+def __getattr__(name: str) -> Any:
+    load_all()
+    from ..ir.registry import REGISTRY
+
+    if name in REGISTRY:
+        return REGISTRY[name]
+    raise AttributeError(f"module {__name__!r} has no op {name!r}")

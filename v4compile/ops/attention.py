@@ -32,7 +32,8 @@ def ring_lanes(pos: torch.Tensor, slots: int) -> torch.Tensor:
 
 
 @defop("attention(q, kv, window_kv, pos, sink, rows?, selected?) -> out",
-       attrs={"window": int, "ratio": int, "scale": float})
+       attrs={"window": int, "ratio": int, "scale": float},
+       variants={"window": (), "compressed": ("rows",), "indexed": ("rows", "selected")})
 def attention(q, kv, window_kv, pos, sink, rows, selected, *, window, ratio, scale):
     """One softmax over the visible keys of each query, the sink in the denominator only.
 

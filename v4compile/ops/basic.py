@@ -1,19 +1,22 @@
-"""Elementary ops: embedding, linear layers (any weight format), RMSNorm, SwiGLU, reshape, add."""
+"""Elementary ops (the `core` op set): embedding, linear layers (any weight format), RMSNorm, SwiGLU,
+reshape, split, add. Torch is imported inside the references, so that loading this op set to read or
+verify IR does not load it."""
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+from typing import Any
 
-from ..formats import fp4_dequant, fp8_block_dequant
 from ..ir.registry import defop, require, reshape_view, split_view
 from ..ir.types import TensorType
 
 
-def dequant_weight(w: torch.Tensor, scale: torch.Tensor | None, block: int, dtype: torch.dtype) -> torch.Tensor:
+def dequant_weight(w: Any, scale: Any, block: int, dtype: Any) -> Any:
     """A 2-D weight as `dtype`: fp8 e4m3 with a block x block E8M0 grid, packed fp4 with 1 x block
     scales, or a plain float tensor (scale None)."""
+    import torch
+
+    from ..formats import fp4_dequant, fp8_block_dequant
+
     if scale is None:
         return w.to(dtype)
     if w.dtype == torch.float8_e4m3fn:
@@ -46,6 +49,8 @@ def _(g, o, a, r):
 @defop("linear(x, w, scale?) -> y", attrs={"block": (int, 128)}, kernel="gemm")
 def linear(x, w, scale, *, block):
     """`y = x W^T` with W dequantised to the activation dtype (FP8 128x128 or FP4 1x32 when scaled)."""
+    import torch.nn.functional as F
+
     return F.linear(x, dequant_weight(w, scale, block, x.dtype))
 
 
@@ -84,10 +89,13 @@ def _(g, o, a, r):
     return g.linear(o.x, o.types["x"], o.w, o.types["w"], o.scale)
 
 
-@defop("rms_norm(x, weight?) -> y", attrs={"eps": float}, kernel="rms_norm")
+@defop("rms_norm(x, weight?) -> y", attrs={"eps": float}, kernel="rms_norm",
+       variants={"weighted": ("weight",), "unweighted": ()})
 def rms_norm(x, weight, *, eps):
     """RMSNorm over the last axis in fp32; weighted: multiply by the (fp32) weight and cast back once;
     unweighted (the per-head q norm): rescale x by the rsqrt cast to x's dtype, as HF does."""
+    import torch
+
     if weight is None:
         return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
     h = x.float()
@@ -110,6 +118,8 @@ def _(g, o, a, r):
 @defop("swiglu(gate, up) -> y", attrs={"limit": float}, kernel="elementwise")
 def swiglu(gate, up, *, limit):
     """`silu(min(gate, L)) * clamp(up, -L, L)`: the clamped SwiGLU of every V4 expert."""
+    import torch.nn.functional as F
+
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
@@ -152,11 +162,11 @@ def add(a, b):
 @add.infer
 def _(a, b):
     require(a.dtype == b.dtype, "add operands must have the same dtype", expected=a.dtype, found=b.dtype)
-    try:
-        shape = tuple(torch.broadcast_shapes(a.shape, b.shape))
-    except RuntimeError:
-        require(False, "add operands do not broadcast", found=(list(a.shape), list(b.shape)))
-    return TensorType(shape, a.dtype)
+    n = max(a.rank, b.rank)
+    sa, sb = (1,) * (n - a.rank) + a.shape, (1,) * (n - b.rank) + b.shape
+    require(all(x == y or 1 in (x, y) for x, y in zip(sa, sb)), "add operands do not broadcast",
+            found=(list(a.shape), list(b.shape)))
+    return TensorType(tuple(max(x, y) if 1 in (x, y) else x for x, y in zip(sa, sb)), a.dtype)
 
 
 @add.onnx
@@ -167,6 +177,8 @@ def _(g, o, a, r):
 @defop("last_token(x, pos) -> y", kernel="last_token")
 def last_token(x, pos):
     """`x[b, n_b - 1]`: the last valid lane of each sequence in a padded chunk (lane 0 if none)."""
+    import torch
+
     n = (pos >= 0).sum(1)
     idx = (n - 1).clamp(min=0)
     return x[torch.arange(x.shape[0]), idx]
@@ -184,7 +196,7 @@ def _(g, o, a, r):
     B, T = o.types["x"].shape[:2]
     pos = g.as_i64(o.pos, o.types["pos"].dtype)
     n = g.sum(g.cast(g.op("GreaterOrEqual", pos, g.iscalar(0)), 7), 1)  # 7: INT64
-    idx = g.op("Add", g.clamp_min0(g.op("Sub", n, g.iscalar(1))), g.const(np.arange(B) * T, np.int64))
+    idx = g.op("Add", g.clamp_min0(g.op("Sub", n, g.iscalar(1))), g.const([b * T for b in range(B)], "int64"))
     return g.op("Gather", g.reshape(o.x, (B * T, *o.types["x"].shape[2:])), idx, axis=0)
 
 

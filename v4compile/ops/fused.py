@@ -22,7 +22,8 @@ def _pre(streams, fn, base, scale, norm, eps, hc_eps, iters, norm_eps):
 
 
 @defop("hc_pre_norm(streams, fn, base, scale, norm?) -> y, post, comb",
-       attrs={"eps": float, "hc_eps": float, "iters": int, "norm_eps": float}, kernel="mhc")
+       attrs={"eps": float, "hc_eps": float, "iters": int, "norm_eps": float}, kernel="mhc",
+       variants={"norm": ("norm",), "plain": ()})
 def hc_pre_norm(streams, fn, base, scale, norm, *, eps, hc_eps, iters, norm_eps):
     """`hc_pre` with the sub-layer's RMSNorm (attn_norm / ffn_norm) folded in: y is returned normalised."""
     return _pre(streams, fn, base, scale, norm, eps, hc_eps, iters, norm_eps)
@@ -41,7 +42,8 @@ def _(g, o, a, r):
 
 
 @defop("mhc_post_pre(y, streams, post, comb, fn, base, scale, norm?) -> streams_out, y_next, post_next, comb_next",
-       attrs={"eps": float, "hc_eps": float, "iters": int, "norm_eps": float}, kernel="mhc")
+       attrs={"eps": float, "hc_eps": float, "iters": int, "norm_eps": float}, kernel="mhc",
+       variants={"norm": ("norm",), "plain": ()})
 def mhc_post_pre(y, streams, post, comb, fn, base, scale, norm, *, eps, hc_eps, iters, norm_eps):
     """One seam between sub-layers: the previous sub-layer's `hc_post` and the next one's `hc_pre` (and
     its RMSNorm), in one launch."""
@@ -217,7 +219,9 @@ def _(g, o, a, r):
 @defop("qkv_norm_rope(q, kv, norm, pos, qi?, slot?, p0?, p1?, p2?) -> q_out, kv_out, qi_out?, q0?, q1?, q2?",
        attrs={"eps": float, "dim": int, "theta": float, "yarn": tuple, "kv_round_dims": (int, 0),
               "kv_round_block": (int, 64), "qi_round": (str, "none"), "window": (int, 0), "slot_rows": (int, 0),
-              "n_rows": (int, 0), "layer_row": (int, 0), "fmt": (str, "")}, tied={"q0": "p0", "q1": "p1", "q2": "p2"}, kernel="qkv_norm_rope")
+              "n_rows": (int, 0), "layer_row": (int, 0), "fmt": (str, "")}, tied={"q0": "p0", "q1": "p1", "q2": "p2"},
+       follows={"qi_out": "qi"}, kernel="qkv_norm_rope",
+       variants={"plain": (), "indexer": ("qi",), "write": ("slot", "p0"), "indexer_write": ("qi", "slot", "p0")})
 def qkv_norm_rope(q, kv, norm, pos, qi, slot, p0, p1, p2, *, eps, dim, theta, yarn, kv_round_dims, kv_round_block,
                   qi_round, window, slot_rows, n_rows, layer_row, fmt):
     """One launch for the attention's query / key prologue: the per-head unweighted RMSNorm + RoPE of q,

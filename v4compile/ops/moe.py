@@ -10,7 +10,8 @@ from ..ir.types import TensorType
 from .basic import dequant_weight
 
 
-@defop("router(x, w, bias?, tid2eid?, ids?) -> weights, indices", attrs={"k": int, "route_scale": float}, kernel="router")
+@defop("router(x, w, bias?, tid2eid?, ids?) -> weights, indices", attrs={"k": int, "route_scale": float}, kernel="router",
+       variants={"learned": ("bias",), "hash": ("tid2eid", "ids")})
 def router(x, w, bias, tid2eid, ids, *, k, route_scale):
     """`s = sqrt(softplus(x W^T))`; experts = `tid2eid[ids]` (hash layers) or top-k of `s + bias`
     (the bias only steers selection); weights = `s[sel] / sum(s[sel]) * route_scale`."""

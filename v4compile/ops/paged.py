@@ -309,7 +309,8 @@ def _gather_csr(indptr: torch.Tensor, indices: torch.Tensor, width: int) -> tupl
 
 
 @defop("sparse_attention(q, kv, pos, sink, win_indptr, win_indices, comp_indptr?, comp_indices?, p0, p1?, p2?) -> out",
-       attrs={"window": int, "scale": float, "win_base": int, "comp_base": int, "fmt": str}, kernel="sparse_attention")
+       attrs={"window": int, "scale": float, "win_base": int, "comp_base": int, "fmt": str}, kernel="sparse_attention",
+       variants={"window": (), "window_compressed": ("comp_indptr", "comp_indices")})
 def sparse_attention(q, kv, pos, sink, win_indptr, win_indices, comp_indptr, comp_indices, p0, p1, p2, *, window, scale,
                      win_base, comp_base, fmt):
     """One softmax per query over: the pool rows of its window CSR (+ `win_base`), the pool rows of its
