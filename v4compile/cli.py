@@ -91,6 +91,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise InputError("--max-new-tokens must be >= 1", found=args.max_new_tokens)
     sess = load(args.artifact, device=args.device, threads=args.threads)
+    sess.check_prompt(ids, "--ids")
+    if len(ids) + args.max_new_tokens > sess.max_context:
+        raise InputError("prompt + --max-new-tokens exceed the compiled maximum context",
+                         expected=f"<= {sess.max_context} tokens", found=len(ids) + args.max_new_tokens)
     sess.warmup(len(ids))
     t0 = time.perf_counter()
     out = sess.generate([ids], args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)[0]
