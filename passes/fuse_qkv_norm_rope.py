@@ -110,6 +110,16 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
             v = latest.get(root[id(v)], v)
         return v
 
+    values = {id(v): v for v in fn.inputs} | {id(r): r for op in fn.ops for r in op.results}
+
+    def current(v):
+        """The latest in-place version, as of the ops emitted so far, of the plane `v` is a version of: the
+        fused op may sit before writes that came first in the unfused order (e.g. an HCA layer's compressor
+        write), and must then take the plane as it is at its own place."""
+        if id(v) in root:
+            return latest.get(root[id(v)], values[root[id(v)]])
+        return sub(v)
+
     def note(op):
         for rname, oname in get_op(op.name).tied.items():
             o, r = op.operand(oname), op.out(rname)
@@ -137,7 +147,7 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
             if w is not None:
                 operands["slot"] = sub(w.operand("slot"))
                 for k, p in enumerate(planes(w, "p")):
-                    operands[f"p{k}"] = sub(p)
+                    operands[f"p{k}"] = current(p)
                 attrs.update({k: w.attrs[k] for k in ("window", "slot_rows", "n_rows", "layer_row", "fmt")})
             new = make_op(namer, "qkv_norm_rope", operands, attrs, qr.loc)
             for old, newv in zip(results, new.results):

@@ -27,7 +27,10 @@ from v4compile.trace import TraceOptions, trace
 def lowered(name: str, numerics: str = "hf", decode_batch: int = 3, batch: int = 3) -> Module:
     m = trace(preset(name), TraceOptions(numerics=numerics, batch=batch, chunk=16, decode_batch=decode_batch,
                                          capacity=160))
-    return PassManager(DEFAULT_PIPELINE, PipelineOptions()).run(m).module
+    from v4compile.ir.verify import verify
+
+    # verified: a pass that threads the pool planes wrongly (a read before the write it needs) fails here
+    return verify(PassManager(DEFAULT_PIPELINE, PipelineOptions()).run(m).module)
 
 
 @pytest.fixture(scope="module", params=[("tiny", "official"), ("tiny-pro", "hf")])
