@@ -140,15 +140,19 @@ def test_ir_cli(tmp_path):
     assert r.returncode == 0 and "func @prefill(" in r.stdout and "func @decode(" not in r.stdout
     r = cli("ir", "dump", "--preset", "tiny", "--passes", f"cse,{CORRUPT},dce", "--dump-ir", str(tmp_path / "d"),
             "--check-numerics", "--check-steps", "4", "-o", str(tmp_path / "final.ir"))
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr  # a broken tolerance fails the command
     assert "first pass that breaks tolerance: testing-corrupt" in r.stderr
     r = cli("ir", "diff", str(tmp_path / "d" / "01-cse.ir"), str(tmp_path / "d" / "02-testing-corrupt.ir"))
     assert r.returncode == 0 and r.stdout.count("~ %") == 1 and "rms_norm" in r.stdout
     r = cli("ir", "verify", str(tmp_path / "final.ir"))
     assert r.returncode == 0 and r.stdout.startswith("ok: @tiny")
     r = cli("ir", "bisect", "--preset", "tiny", "--passes", f"cse,{CORRUPT},dce", "--check-steps", "2")
-    assert r.returncode == 0 and "first failing pass: #2 testing-corrupt" in r.stdout
-    assert "first diverging op in it:" in r.stdout and "rms_norm" in r.stdout
+    assert r.returncode == 1 and "first failing pass: #2 testing-corrupt" in r.stdout
+    assert "first diverging op in @prefill:" in r.stdout and "rms_norm" in r.stdout
+    # A corruption of decode only: bisect names the op there too.
+    r = cli("ir", "bisect", "--preset", "tiny", "--passes", "cse,testing-corrupt{func=decode,index=3}",
+            "--check-steps", "2")
+    assert r.returncode == 1 and "first diverging op in @decode:" in r.stdout and "rms_norm" in r.stdout, r.stdout
     r = cli("ir", "dump", "--preset", "tiny", "--format", "dot")
     assert r.returncode == 0 and r.stdout.startswith('digraph "decode"')
     r = cli("ir", "dump", "--preset", "tiny", "--format", "json")

@@ -308,8 +308,8 @@ def run_pipeline(args, fe, module=None):
                            print_after=tuple(args.print_ir_after), dump_ir=args.dump_ir, verify_each=args.verify_each,
                            disable=tuple(args.disable_pass), stop_after=args.stop_after, check_numerics=check,
                            stages=st)
-    history = passes_run(module)
     try:
+        history = passes_run(module)
         result = PassManager(pipeline_of(args), opts).run(module)
     except V4Error as e:
         if not args.start_from:
