@@ -1,0 +1,175 @@
+"""The launch schedule of a program: what the C runtime (runtime/c) reads, as one binary table.
+
+A table rather than generated C source: the C core is compiled once (cached by its source hash) and reads
+any artifact's table, so loading an artifact never needs a compiler, and the table is plain data the
+runtime checks (magic, version, sizes, every index and offset, an FNV-1a checksum against tampering).
+
+* Buffers are program-wide: one `arena` (the largest function's), one `scratch` region (the largest
+  launch's kernel scratch), and pool planes, state and weights shared by name; step inputs and outputs
+  are per function (`<function>/<name>`), since their shapes differ between buckets.
+* A launch becomes one or more KERNEL CALLS (code object, symbol, grid, block, shared bytes, pointer
+  parameters = buffer + byte offset). When a family provides `specialise` (see `kernels.py`), its
+  KernelCalls are the calls; otherwise (until the family lands) one placeholder call per launch whose
+  parameters are the launch's operands then results in signature order (absent optionals: NULL), run
+  by the host driver's callback with the op's reference.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from v4compile.errors import IRError
+from v4compile.program.core import Arg, FunctionProgram, Launch, Program
+
+MAGIC = b"V4RTTBL1"
+TABLE_VERSION = 1
+KIND_CODE = {"arena": 0, "input": 1, "pool": 2, "state": 3, "weight": 4, "output": 5, "scratch": 6}
+PER_FUNCTION = ("input", "output")
+HOST_CODE_OBJECT = b"v4rt host placeholder code object\0"  # host kernels run in the callback
+
+
+def fnv1a64(data: bytes) -> int:
+    h = 1469598103934665603
+    for b in data:
+        h = ((h ^ b) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+@dataclass(frozen=True)
+class Param:
+    buffer: int  # -1: NULL (an absent optional)
+    offset: int
+    role: str = ""  # "operand:x", "result:y", "scratch:s" (what it is, for the host callback and checks)
+
+
+@dataclass(frozen=True)
+class Call:
+    code: int
+    symbol: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared: int
+    params: tuple[Param, ...]
+    kernel: Any = None  # the KernelCall it came from (None: placeholder running the op's reference)
+
+
+@dataclass
+class FunctionSchedule:
+    name: str
+    program: FunctionProgram
+    calls: list[Call]
+    launch_of: list[int]  # call index -> launch index
+
+
+@dataclass
+class Schedule:
+    buffer_names: list[str]
+    buffer_kinds: list[str]
+    buffer_bytes: list[int]
+    buffer_align: list[int]
+    code_objects: list[bytes]
+    functions: list[FunctionSchedule]
+    index: dict[str, int] = field(default_factory=dict)
+
+    def buffer_index(self, fname: str, name: str) -> int:
+        key = f"{fname}/{name}" if f"{fname}/{name}" in self.index else name
+        return self.index[key]
+
+    def function_index(self, fname: str) -> int:
+        for i, f in enumerate(self.functions):
+            if f.name == fname:
+                return i
+        raise KeyError(fname)
+
+    def to_bytes(self) -> bytes:
+        out = bytearray()
+        for n, a, k in zip(self.buffer_bytes, self.buffer_align, self.buffer_kinds):
+            out += struct.pack("<QII", n, a, KIND_CODE[k])
+        for img in self.code_objects:
+            out += struct.pack("<Q", len(img)) + img + b"\0" * (-len(img) % 8)
+        for f in self.functions:
+            out += struct.pack("<II", len(f.calls), 0)
+            for c in f.calls:
+                sym = c.symbol.encode()
+                out += struct.pack("<II3I3III", c.code, len(sym), *c.grid, *c.block, c.shared, len(c.params))
+                out += sym + b"\0" * (8 - len(sym) % 8)  # NUL-terminated, padded to 8
+                for p in c.params:
+                    out += struct.pack("<qQ", p.buffer, p.offset)
+        header = MAGIC + struct.pack("<IIIIQQ", TABLE_VERSION, len(self.buffer_names), len(self.code_objects),
+                                     len(self.functions), len(out), fnv1a64(bytes(out)))
+        return header + bytes(out)
+
+
+def _placeholder(l: Launch, slot) -> Call:
+    params = [Param(-1, 0, f"operand:{n}") if a is None else Param(*slot(a), f"operand:{n}") for n, a in l.operands]
+    params += [Param(*slot(a), f"result:{n}") for n, a in l.results]
+    return Call(0, l.specialisation, (1, 1, 1), (1, 1, 1), 0, tuple(params))
+
+
+def build_schedule(p: Program, kernel_calls=None, functions: list[str] | None = None, warp: int = 32) -> Schedule:
+    """`kernel_calls(launch) -> list[KernelCall] | None` (see kernels.py): the real kernels of a launch
+    where its family has them. `warp`: threads per warp of the target (32 CUDA, 64 AMD)."""
+    names = list(functions or p.functions)
+    bnames, kinds, sizes, aligns, index = [], [], [], [], {}
+
+    def add(key: str, kind: str, nbytes: int, align: int) -> None:
+        if key in index:
+            i = index[key]
+            if kind in ("arena", "scratch"):
+                sizes[i] = max(sizes[i], nbytes)
+                aligns[i] = max(aligns[i], align)
+            elif (kinds[i], sizes[i]) != (kind, nbytes):
+                raise IRError(f"buffer %{key} differs between functions", expected=(kinds[i], sizes[i]),
+                              found=(kind, nbytes))
+            return
+        index[key] = len(bnames)
+        bnames.append(key)
+        kinds.append(kind)
+        sizes.append(nbytes)
+        aligns.append(align)
+
+    add("scratch", "scratch", 0, 256)
+    for fname in names:
+        for b in p.functions[fname].buffers:
+            add(f"{fname}/{b.name}" if b.kind in PER_FUNCTION else b.name, b.kind, b.nbytes, b.align)
+    sched = Schedule(bnames, kinds, sizes, aligns, [HOST_CODE_OBJECT], [], index)
+    symbols: dict[str, int] = {}
+    for fname in names:
+        f = p.functions[fname]
+
+        def slot(a: Arg, fname=fname) -> tuple[int, int]:
+            return sched.buffer_index(fname, a.buffer), a.offset
+
+        calls, launch_of = [], []
+        for li, l in enumerate(f.launches):
+            kcs = kernel_calls(l) if kernel_calls is not None else None
+            if kcs is None:
+                calls.append(_placeholder(l, slot))
+                launch_of.append(li)
+                continue
+            scratch_at, top = {}, 0
+            for kc in kcs:
+                for name, n in kc.scratch_bytes.items():
+                    if name not in scratch_at:
+                        scratch_at[name] = top
+                        top += (max(n, 16) + 255) // 256 * 256
+            sizes[index["scratch"]] = max(sizes[index["scratch"]], top)
+            ops, res = dict(l.operands), dict(l.results)
+            for kc in kcs:
+                if 0 in kc.grid:
+                    continue  # nothing to do for this shape
+                params = []
+                for param, kind, name, _ty in kc.pointers:
+                    if kind == "scratch":
+                        params.append(Param(index["scratch"], scratch_at[name], f"scratch:{name}"))
+                        continue
+                    a = (ops if kind == "operand" else res).get(name)
+                    params.append(Param(-1, 0, f"{kind}:{name}") if a is None else Param(*slot(a), f"{kind}:{name}"))
+                symbols.setdefault(kc.name, 0)
+                calls.append(Call(0, kc.name, tuple(kc.grid), (kc.num_warps * warp, 1, 1),
+                                  int(getattr(kc, "shared", 0)), tuple(params), kc))
+                launch_of.append(li)
+        sched.functions.append(FunctionSchedule(fname, f, calls, launch_of))
+    return sched
