@@ -27,6 +27,12 @@ DEFAULT_PIPELINE: list[str] = [
 ]
 
 GPU_PIPELINE: list[str] = DEFAULT_PIPELINE
-CPU_PIPELINE: list[str] = [p for p in DEFAULT_PIPELINE if p not in ("plan_memory", "lower_to_program")]
+# The `cpu` target (ONNX Runtime): the same rewrites on native pool planes (numerics=official already
+# rounds every value onto the FP8 / FP4 grids, so native planes hold the same numbers, and a CPU gains
+# nothing from emulating packed row formats); ONNX Runtime plans its own memory, so the arena plan and the
+# program stage are left out.
+CPU_PIPELINE: list[str] = [
+    "lower_sparse_attention{kv_format=native,index_format=native}" if p == "lower_sparse_attention" else p
+    for p in DEFAULT_PIPELINE if p not in ("plan_memory", "lower_to_program")]
 
 PIPELINES: dict[str, list[str]] = {"gpu": GPU_PIPELINE, "cpu": CPU_PIPELINE}

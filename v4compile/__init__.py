@@ -11,7 +11,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_LAZY = {"ReferenceModel": ".model", "V4Config": ".config", "preset": ".config", "V4Error": ".errors"}
+_LAZY = {"ReferenceModel": ".model", "V4Config": ".config", "preset": ".config", "V4Error": ".errors",
+         "load": ".runtime"}  # load(artifact_dir, device="auto") -> runtime.Session
 
 __all__ = [*_LAZY, "__version__"]
 

@@ -4,7 +4,8 @@
     v4compile inspect (--preset NAME | CHECKPOINT) [--json]
     v4compile init-random --preset tiny -o DIR [--seed N] [--quantized]
     v4compile ir (dump | diff | verify | bisect | passes) ...   IR dump and pass debugging
-    v4compile compile (--preset NAME | CHECKPOINT) [--weights none] [--report] ...
+    v4compile compile (--preset NAME | CHECKPOINT) [--weights none] [--report] [-o DIR [--target cpu]] ...
+    v4compile run ARTIFACT --ids 1,2,3 --max-new-tokens N [--device cpu] [--temperature T --seed S] [--json]
 
 Errors in the user's input print one line `error: ...` and exit with status 2; no traceback.
 """
@@ -78,6 +79,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from .runtime import load
+
+    ids = _parse_ids(args.ids)
+    if not ids:
+        raise InputError("empty prompt", expected="at least one id in --ids")
+    if args.max_new_tokens < 1:
+        raise InputError("--max-new-tokens must be >= 1", found=args.max_new_tokens)
+    sess = load(args.artifact, device=args.device, threads=args.threads)
+    sess.warmup(len(ids))
+    t0 = time.perf_counter()
+    out = sess.generate([ids], args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)[0]
+    dt = time.perf_counter() - t0
+    tps = len(out) / dt if dt > 0 else 0.0
+    if args.json:
+        print(json.dumps({"ids": out, "tokens_per_s": round(tps, 2)}))
+    else:
+        print(",".join(map(str, out)))
+        print(f"{len(out)} tokens in {dt:.3f} s ({tps:.1f} tokens/s, prefill included) on {args.device}",
+              file=sys.stderr)
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .accounting import account, render
     from .checkpoint import Checkpoint
@@ -137,11 +161,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_source(g)
     g.add_argument("--ids", required=True, help="prompt token ids, comma-separated")
     g.add_argument("--max-new-tokens", type=int, default=16)
-    g.add_argument("--numerics", choices=("hf", "official"), default="hf")
+    g.add_argument("--numerics", choices=("hf", "official"), default="official",
+                   help="official (default, as `compile` and the deployed model) or hf (transformers)")
     g.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     g.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset")
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_generate)
+
+    rn = sub.add_parser("run", help="generate with a compiled artifact (v4compile compile -o DIR)")
+    rn.add_argument("artifact", metavar="ARTIFACT", help="artifact directory")
+    rn.add_argument("--ids", required=True, help="prompt token ids, comma-separated")
+    rn.add_argument("--max-new-tokens", type=int, default=16)
+    rn.add_argument("--device", choices=("auto", "cpu"), default="auto", help="auto (default) or cpu (ONNX Runtime)")
+    rn.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    rn.add_argument("--top-p", type=float, default=1.0)
+    rn.add_argument("--seed", type=int, default=None, help="sampling seed")
+    rn.add_argument("--threads", type=int, default=None, help="CPU threads (default: cores, at most 8)")
+    rn.add_argument("--json", action="store_true", help='print {"ids": [...], "tokens_per_s": ...}')
+    rn.set_defaults(func=cmd_run)
 
     i = sub.add_parser("inspect", help="parameter, disk and KV-cache accounting")
     _add_model_source(i)

@@ -20,7 +20,7 @@ from .errors import InputError, V4Error
 log = logging.getLogger("v4compile")
 
 
-def add_source_flags(p: argparse.ArgumentParser, numerics: str = "hf", dtype: str = "fp32") -> None:
+def add_source_flags(p: argparse.ArgumentParser, numerics: str = "hf", dtype: str | None = "fp32") -> None:
     p.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT", help="checkpoint directory or .safetensors file")
     p.add_argument("--preset", help="tiny (default), tiny-pro, v4-flash, v4-pro")
     p.add_argument("--weights", choices=("none", "random", "checkpoint"),
@@ -34,7 +34,8 @@ def add_source_flags(p: argparse.ArgumentParser, numerics: str = "hf", dtype: st
     g.add_argument("--max-context", type=int, default=256, help="max tokens per sequence (sizes the caches)")
     g.add_argument("--numerics", choices=("hf", "official"), default=numerics,
                    help=f"hf: match transformers; official: + the QAT roundings (default {numerics})")
-    g.add_argument("--dtype", choices=("fp32", "bf16"), default=dtype, help=f"compute dtype (default {dtype})")
+    g.add_argument("--dtype", choices=("fp32", "bf16"), default=dtype,
+                   help=f"compute dtype (default {dtype or 'fp32 for the cpu target, else bf16'})")
 
 
 def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
@@ -317,26 +318,55 @@ def cmd_ir_passes(args) -> int:
 
 # ---- compile -----------------------------------------------------------------------------------
 
+def _int_list(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise InputError(f"{what} must be comma-separated integers", found=text) from None
+
+
+SMALL_MODEL_PARAMS = 2_000_000_000  # the cpu target comes by default with models up to this size
+
+
 def cmd_compile(args) -> int:
     from .report import build_report, render_report
 
+    targets = targets_of(args)
+    if args.dtype is None:
+        # ONNX Runtime's CPU kernels compute in fp32, and the cpu target is the only one an artifact holds
+        # until GPU codegen lands; a report of the GPU pipeline defaults to bf16.
+        args.dtype = "fp32" if (args.output or targets == ["cpu"]) else "bf16"
     fe = frontend_of(args, need_weights=args.check_numerics)
-    result = run_pipeline(args, fe)
-    if args.report or args.json:
-        rep = build_report(fe.cfg, fe.module, result)
-        if args.json:
-            print(json.dumps(rep, indent=1))
-        else:
-            sys.stdout.write(render_report(rep))
+    if args.output is None or args.report or args.json or args.check_numerics:
+        result = run_pipeline(args, fe)
+        if args.report or args.json:
+            rep = build_report(fe.cfg, fe.module, result)
+            if args.json:
+                print(json.dumps(rep, indent=1))
+            else:
+                sys.stdout.write(render_report(rep))
     if args.output:
-        from .ir.text import print_module
-        from .report import build_report
+        from .accounting import account
+        from .artifact import Buckets, compile_artifact
+        from .passes import CPU_PIPELINE
 
-        out = Path(args.output)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "module.ir").write_text(print_module(result.module))
-        (out / "report.json").write_text(json.dumps(build_report(fe.cfg, fe.module, result), indent=1) + "\n")
-        log.info("wrote %s (the final IR and the report; kernels and the runtime come with codegen)", out)
+        if args.start_from:
+            raise InputError("an artifact is traced per bucket: --start-from cannot be combined with -o")
+        gpu = [t for t in targets if t != "cpu"]
+        small = account(fe.cfg).logical_params <= SMALL_MODEL_PARAMS
+        if gpu:
+            log.warning("GPU targets (%s) are not generated yet (kernel codegen pending): the artifact holds the cpu "
+                        "target only", ", ".join(gpu))
+        if "cpu" not in targets and not small:
+            raise InputError("nothing to write: GPU targets are not generated yet and the cpu target comes by "
+                             "default only with small models", expected="--target cpu")
+        if args.dtype != "fp32":
+            raise InputError("the cpu target computes in fp32", expected="--dtype fp32", found=args.dtype)
+        buckets = Buckets(_int_list(args.decode_buckets, "--decode-buckets"),
+                          _int_list(args.prefill_buckets, "--prefill-buckets"))
+        pipeline = _split_specs(args.passes) if args.passes else list(CPU_PIPELINE)
+        compile_artifact(fe, args.output, buckets, pipeline, ("cpu",), tuple(args.disable_pass))
+        log.info("wrote %s", args.output)
     return 0
 
 
@@ -373,9 +403,11 @@ def add_compile_commands(sub) -> None:
     ps.set_defaults(func=cmd_ir_passes)
 
     c = sub.add_parser("compile", help="run the compiler pipeline (and report)")
-    add_source_flags(c, numerics="official", dtype="bf16")  # deployment defaults
+    add_source_flags(c, numerics="official", dtype=None)  # deployment defaults (dtype: by target)
     add_pipeline_flags(c)
     c.add_argument("--report", action="store_true", help="print launches, pass hits, arena and KV bytes")
     c.add_argument("--json", action="store_true", help="the report as JSON")
-    c.add_argument("-o", "--output", help="output directory (the final IR; the full artifact is future work)")
+    c.add_argument("-o", "--output", help="write the artifact directory (manifest, weights, onnx/, module.ir, report)")
+    c.add_argument("--decode-buckets", default="1,2,4,8", help="decode batch buckets (default 1,2,4,8)")
+    c.add_argument("--prefill-buckets", default="16,64", help="prefill chunk buckets, batch 1 (default 16,64)")
     c.set_defaults(func=cmd_compile)

@@ -41,6 +41,11 @@ def _(ids, table):
     return TensorType((*ids.shape, table.shape[1]), table.dtype)
 
 
+@embed.onnx
+def _(g, o, a, r):
+    return g.op("Gather", o.table, g.clamp_min0(g.as_i64(o.ids, o.types["ids"].dtype)), axis=0)
+
+
 @defop("linear(x, w, scale?) -> y", attrs={"block": (int, 128)}, kernel="gemm")
 def linear(x, w, scale, *, block):
     """`y = x W^T` with W dequantised to the activation dtype (FP8 128x128 or FP4 1x32 when scaled)."""
@@ -77,6 +82,13 @@ def _(x, w, scale, *, block):
     return TensorType((*x.shape[:-1], w.shape[0]), x.dtype)
 
 
+@linear.onnx
+def _(g, o, a, r):
+    if a.get("act", "none") not in ("none", ""):
+        raise NotImplementedError(f"linear act={a['act']!r} has no ONNX lowering")
+    return g.linear(o.x, o.types["x"], o.w, o.types["w"], o.scale)
+
+
 @defop("rms_norm(x, weight?) -> y", attrs={"eps": float}, kernel="rms_norm",
        variants={"weighted": ("weight",), "unweighted": ()})
 def rms_norm(x, weight, *, eps):
@@ -98,6 +110,11 @@ def _(x, weight, *, eps):
     return x
 
 
+@rms_norm.onnx
+def _(g, o, a, r):
+    return g.rms(o.x, o.weight, a["eps"], o.types["x"].shape[-1])
+
+
 @defop("swiglu(gate, up) -> y", attrs={"limit": float}, kernel="elementwise")
 def swiglu(gate, up, *, limit):
     """`silu(min(gate, L)) * clamp(up, -L, L)`: the clamped SwiGLU of every V4 expert."""
@@ -112,6 +129,13 @@ def _(gate, up, *, limit):
     return gate
 
 
+@swiglu.onnx
+def _(g, o, a, r):
+    lim = a["limit"]
+    gate = g.op("Min", o.gate, g.scalar(lim))
+    return g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), g.op("Clip", o.up, g.scalar(-lim), g.scalar(lim)))
+
+
 @defop("reshape(x) -> y", attrs={"shape": tuple}, view=reshape_view)
 def reshape(x, *, shape):
     return x.reshape(shape)
@@ -122,6 +146,11 @@ def _(x, *, shape):
     out = TensorType(tuple(int(s) for s in shape), x.dtype)
     require(out.numel == x.numel, "reshape must keep the element count", expected=x.numel, found=out.numel)
     return out
+
+
+@reshape.onnx
+def _(g, o, a, r):
+    return g.reshape(o.x, r[0].shape)
 
 
 @defop("add(a, b) -> y", kernel="elementwise")
@@ -138,6 +167,11 @@ def _(a, b):
     require(all(x == y or 1 in (x, y) for x, y in zip(sa, sb)), "add operands do not broadcast",
             found=(list(a.shape), list(b.shape)))
     return TensorType(tuple(max(x, y) if 1 in (x, y) else x for x, y in zip(sa, sb)), a.dtype)
+
+
+@add.onnx
+def _(g, o, a, r):
+    return g.op("Add", o.a, o.b)
 
 
 @defop("last_token(x, pos) -> y", kernel="last_token")
@@ -157,6 +191,15 @@ def _(x, pos):
     return TensorType((x.shape[0], *x.shape[2:]), x.dtype)
 
 
+@last_token.onnx
+def _(g, o, a, r):
+    B, T = o.types["x"].shape[:2]
+    pos = g.as_i64(o.pos, o.types["pos"].dtype)
+    n = g.sum(g.cast(g.op("GreaterOrEqual", pos, g.iscalar(0)), 7), 1)  # 7: INT64
+    idx = g.op("Add", g.clamp_min0(g.op("Sub", n, g.iscalar(1))), g.const([b * T for b in range(B)], "int64"))
+    return g.op("Gather", g.reshape(o.x, (B * T, *o.types["x"].shape[2:])), idx, axis=0)
+
+
 @defop("split(x) -> a, b", attrs={"at": int}, view=split_view)
 def split(x, *, at):
     """A view: the last axis cut at `at` (the two outputs of a merged GEMM)."""
@@ -168,3 +211,8 @@ def _(x, *, at):
     require(0 < at < x.shape[-1], "split point must be inside the last axis", expected=f"0 < at < {x.shape[-1]}",
             found=at)
     return x.with_shape(*x.shape[:-1], at), x.with_shape(*x.shape[:-1], x.shape[-1] - at)
+
+
+@split.onnx
+def _(g, o, a, r):
+    return g.split(o.x, (a["at"], o.types["x"].shape[-1] - a["at"]))

@@ -35,6 +35,19 @@ def _(x, w, bias, tid2eid, ids, *, k, route_scale):
     return TensorType((*lead, k), x.dtype), TensorType((*lead, k), "i64")
 
 
+@router.onnx
+def _(g, o, a, r):
+    k = a["k"]
+    scores = g.op("Sqrt", g.op("Softplus", g.linear(o.x, o.types["x"], o.w, o.types["w"])))
+    if o.tid2eid is not None:
+        idx = g.op("Gather", o.tid2eid, g.clamp_min0(g.as_i64(o.ids, o.types["ids"].dtype)), axis=0)
+    else:
+        idx = g.op("TopK", g.op("Add", scores, o.bias), g.i64(k), n_out=2, axis=-1, largest=1, sorted=1)[1]
+    wts = g.op("GatherElements", scores, idx, axis=-1)
+    wts = g.op("Div", wts, g.op("Add", g.sum(wts, -1, 1), g.scalar(1e-20)))
+    return g.op("Mul", wts, g.scalar(a["route_scale"])), idx
+
+
 @defop("moe_experts(x, weights, indices, w1, w2, w3, w1_scale?, w2_scale?, w3_scale?) -> y",
        attrs={"limit": float, "block": (int, 32)}, kernel="moe")
 def moe_experts(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *, limit, block):
@@ -68,3 +81,11 @@ def _(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *, limit, b
     for w, s, n in ((w1, w1_scale, "w1"), (w2, w2_scale, "w2"), (w3, w3_scale, "w3")):
         check_weight(w, s, block, f"moe_experts {n}")
     return x
+
+
+@moe_experts.onnx
+def _(g, o, a, r):
+    if o.w1_scale is not None:
+        raise NotImplementedError("moe_experts: the ONNX lowering takes dense fp32 experts")
+    return g.moe_routed(o.x, o.types["x"], o.weights, o.indices, o.w1, o.w2, o.w3, o.types["w1"],
+                        o.types["indices"].shape[-1], a["limit"])

@@ -1,0 +1,253 @@
+"""CPU throughput: the compiled artifact on ONNX Runtime vs HF transformers' eager model vs ReferenceModel.
+
+    python bench/bench_cpu.py [--quick] [--threads N] [--configs tiny,mid] [--json OUT]
+
+For each config (tiny; `mid`: a random ~0.5 B-parameter V4 stated below), all in fp32 with `hf` numerics
+(what transformers computes) and the same seeded weights:
+* prefill tokens/s (one 64-token prompt), decode tokens/s at batch 1 and batch 8;
+* ONNX Runtime decode time at two compiled pool capacities (4k and 64k tokens per sequence) with the same
+  context (the step must not grow with the pool);
+* where ONNX Runtime's decode time goes (its profiler, by ONNX op type and by IR op).
+Figures print as ratios to HF eager. Needs the test extras (transformers). Not a test: run it once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from v4compile import frontend  # noqa: E402
+from v4compile.artifact import Buckets, compile_artifact  # noqa: E402
+from v4compile.config import CSA, HCA, preset  # noqa: E402
+from v4compile.trace import TraceOptions  # noqa: E402
+
+PROMPT = 64
+
+
+def mid_config():
+    """~0.52 B parameters: 8 layers (HCA / CSA alternating), dim 1024, 32 experts (4 active) of 512."""
+    kinds = (HCA, HCA, CSA, HCA, CSA, HCA, CSA, HCA)
+    return replace(preset("tiny"), vocab_size=32000, dim=1024, n_layers=len(kinds), n_heads=16, head_dim=128,
+                   rope_dim=64, q_lora_rank=512, o_groups=4, o_lora_rank=256, window=128, layer_kinds=kinds,
+                   csa_ratio=4, hca_ratio=128, index_n_heads=16, index_head_dim=128, index_topk=256, n_experts=32,
+                   n_active_experts=4, moe_inter_dim=512, swiglu_limit=10.0, max_position=1 << 20,
+                   yarn_original_max_pos=4096, name="mid").validate()
+
+
+def big_tiny():
+    return replace(preset("tiny"), max_position=1 << 20, name="tiny").validate()
+
+
+def _frontend(cfg, capacity):
+    from v4compile.harness import DenseSource
+    from v4compile.init_random import random_source
+    from v4compile.trace import trace
+    from v4compile.weights import spec_table
+
+    opts = TraceOptions(numerics="hf", dtype="fp32", capacity=capacity)
+    src, specs = random_source(cfg, 0), spec_table(cfg)
+    dense = frontend._LazyDense(lambda n: src(specs[n]))
+    return frontend.Frontend(cfg, trace(cfg, opts, functions=("decode",)), "random", DenseSource(dense), None, 0, opts)
+
+
+def timed(fn, reps=1):
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps
+
+
+def ort_profile(art, threads, steps, profile_dir):
+    """A separate short run with ONNX Runtime's profiler on (it slows every node down, so the timed runs
+    keep it off): decode batch 1."""
+    from v4compile.artifact import load_artifact
+    from v4compile.runtime.cpu_backend import OrtBackend
+    from v4compile.runtime.session import Session
+
+    a = load_artifact(art)
+    be = OrtBackend(a, threads=threads, profile=profile_dir)
+    s = Session(a, be)
+    seqs, lg = s.prefill([list(range(1, PROMPT + 1))])
+    tok = [int(lg[0].argmax())]
+    for _ in range(steps):
+        tok = [int(s.decode(seqs, tok)[0].argmax())]
+    return be.end_profiling()
+
+
+def bench_ort(art, threads, steps, profile_dir=None):
+    from v4compile.artifact import load_artifact
+    from v4compile.runtime.cpu_backend import OrtBackend
+    from v4compile.runtime.session import Session
+
+    a = load_artifact(art)
+    be = OrtBackend(a, threads=threads, profile=profile_dir)
+    s = Session(a, be)
+    s.warmup(PROMPT, 8)
+    rng = np.random.default_rng(0)
+    vocab = s.vocab
+    prompts = [rng.integers(0, vocab, PROMPT).tolist() for _ in range(8)]
+    t = time.perf_counter()
+    seqs, lg = s.prefill(prompts[:1])
+    prefill = PROMPT / (time.perf_counter() - t)
+    tok = [int(lg[0].argmax())]
+    s.decode(seqs, tok)
+    t = time.perf_counter()
+    for _ in range(steps):
+        tok = [int(s.decode(seqs, tok)[0].argmax())]
+    d1 = steps / (time.perf_counter() - t)
+    s.release(seqs[0])
+    seqs, lg = s.prefill(prompts)
+    toks = [int(x) for x in lg.argmax(-1)]
+    s.decode(seqs, toks)
+    t = time.perf_counter()
+    for _ in range(steps):
+        toks = [int(x) for x in s.decode(seqs, toks).argmax(-1)]
+    d8 = 8 * steps / (time.perf_counter() - t)
+    for q in seqs:
+        s.release(q)
+    files = be.end_profiling() if profile_dir else []
+    return {"prefill_tok_s": prefill, "decode_b1_tok_s": d1, "decode_b8_tok_s": d8}, files
+
+
+def bench_reference(fe, steps):
+    model = fe.reference()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, fe.cfg.vocab_size, PROMPT).tolist() for _ in range(8)]
+    t = time.perf_counter()
+    cache, lg = model.prefill(prompts[:1], capacity=PROMPT + steps + 2)
+    prefill = PROMPT / (time.perf_counter() - t)
+    tok = [int(lg[0].argmax())]
+    t = time.perf_counter()
+    for _ in range(steps):
+        tok = [int(model.decode(tok, cache)[0].argmax())]
+    d1 = steps / (time.perf_counter() - t)
+    cache, lg = model.prefill(prompts, capacity=PROMPT + steps + 2)
+    toks = lg.argmax(-1).tolist()
+    t = time.perf_counter()
+    for _ in range(steps):
+        toks = model.decode(toks, cache).argmax(-1).tolist()
+    d8 = 8 * steps / (time.perf_counter() - t)
+    del model
+    return {"prefill_tok_s": prefill, "decode_b1_tok_s": d1, "decode_b8_tok_s": d8}
+
+
+def bench_hf(fe, steps):
+    from hf_oracle import hf_model
+
+    model = hf_model(fe.cfg, fe.source.tensors)
+    rng = np.random.default_rng(0)
+    ids = torch.tensor(np.stack([rng.integers(0, fe.cfg.vocab_size, PROMPT) for _ in range(8)]))
+
+    def gen(x, n):
+        with torch.no_grad():
+            return model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    gen(ids[:1, :8], 2)  # warm-up
+    p1 = timed(lambda: gen(ids[:1], 1))
+    d1 = steps / max(timed(lambda: gen(ids[:1], steps + 1)) - p1, 1e-9)
+    p8 = timed(lambda: gen(ids, 1))
+    d8 = 8 * steps / max(timed(lambda: gen(ids, steps + 1)) - p8, 1e-9)
+    del model
+    return {"prefill_tok_s": PROMPT / p1, "decode_b1_tok_s": d1, "decode_b8_tok_s": d8}
+
+
+def profile_breakdown(files, art):
+    import onnx
+
+    f = next((x for x in files if "decode_b1" in os.path.basename(x)), None)
+    if f is None:
+        return {}
+    doc = {n.name: n.doc_string.split(" ")[0] for n in onnx.load(str(Path(art) / "onnx/decode_b1.onnx")).graph.node}
+    by_type, by_ir = collections.Counter(), collections.Counter()
+    runs = 0
+    for e in json.load(open(f)):
+        if e.get("cat") == "Session" and e["name"] == "model_run":
+            runs += 1
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            by_type[e["args"]["op_name"]] += e["dur"]
+            by_ir[doc.get(e["name"][: -len("_kernel_time")], "(fused by ORT)")] += e["dur"]
+    runs = max(runs, 1)
+    tot = sum(by_type.values()) / runs
+    return {"profiled_us_per_step": round(tot), "nodes": len(doc), "by_onnx_op": {k: round(v / runs, 1) for k, v in by_type.most_common(8)},
+            "by_ir_op": {k: round(v / runs, 1) for k, v in by_ir.most_common(8)}}
+
+
+def capacity_check(threads, steps, work):
+    """tiny, same 100-token context, pools compiled for 4k and 64k tokens per sequence."""
+    out = {}
+    for cap in (4096, 65536):
+        fe = _frontend(big_tiny(), cap)
+        art = compile_artifact(fe, work / f"tiny-cap{cap}", Buckets(decode=(1,), prefill=(64,)))
+        from v4compile.runtime import load
+        s = load(art, "cpu", threads=threads)
+        s.warmup(100, 1)
+        seqs, lg = s.prefill([list(range(1, 101))])
+        tok = [int(lg[0].argmax())]
+        s.decode(seqs, tok)
+        t = time.perf_counter()
+        for _ in range(steps):
+            tok = [int(s.decode(seqs, tok)[0].argmax())]
+        out[cap] = 1e3 * (time.perf_counter() - t) / steps
+        out[f"pool_rows_{cap}"] = s.art.manifest["pool"]["n_blocks"] * s.art.manifest["pool"]["envelope_rows"]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer decode steps (8 instead of 32)")
+    ap.add_argument("--threads", type=int, default=1, help="threads for every engine (default 1: shared machines)")
+    ap.add_argument("--configs", default="tiny,mid")
+    ap.add_argument("--json", help="write the figures to this file")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    steps = 8 if args.quick else 32
+    work = Path(tempfile.mkdtemp(prefix="bench_cpu_"))
+    from v4compile.accounting import account
+
+    results = {"threads": args.threads, "steps": steps, "prompt": PROMPT}
+    for name in args.configs.split(","):
+        cfg = big_tiny() if name == "tiny" else mid_config()
+        n = account(cfg).logical_params
+        print(f"== {name}: {n / 1e6:.1f} M parameters (fp32, hf numerics), {args.threads} thread(s)", flush=True)
+        fe = _frontend(cfg, 512)
+        t = time.perf_counter()
+        art = compile_artifact(fe, work / name, Buckets(decode=(1, 8), prefill=(PROMPT,)))
+        print(f"   compiled in {time.perf_counter() - t:.1f} s", flush=True)
+        prof = work / f"prof-{name}"
+        prof.mkdir()
+        r = {"params": n}
+        r["ort"], _ = bench_ort(art, args.threads, steps)
+        r["profile"] = profile_breakdown(ort_profile(art, args.threads, 4, str(prof)), art)
+        print("   ort", {k: round(v, 2) for k, v in r["ort"].items()}, flush=True)
+        r["reference"] = bench_reference(fe, steps)
+        print("   reference", {k: round(v, 2) for k, v in r["reference"].items()}, flush=True)
+        r["hf"] = bench_hf(fe, steps)
+        print("   hf eager", {k: round(v, 2) for k, v in r["hf"].items()}, flush=True)
+        for k in r["ort"]:
+            print(f"   {k:16s} ort / hf = {r['ort'][k] / r['hf'][k]:6.2f}x   ort / reference = "
+                  f"{r['ort'][k] / r['reference'][k]:6.2f}x", flush=True)
+        print("   ort decode b1 profile:", json.dumps(r["profile"]), flush=True)
+        results[name] = r
+        del fe
+    results["capacity_ms_per_decode_step"] = capacity_check(args.threads, steps, work)
+    print("== decode b1 ms/step at pool capacity 4k vs 64k tokens/sequence (same 100-token context):",
+          results["capacity_ms_per_decode_step"], flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

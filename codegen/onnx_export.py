@@ -1,0 +1,688 @@
+"""ONNX export of a lowered IR function (the CPU target, run by ONNX Runtime).
+
+Each function of the `cpu` pipeline becomes one ONNX model (opset 23, plus ONNX Runtime's `FusedMatMul`
+for batched GEMMs against a transposed weight). Every op's lowering is declared next to its other facts
+with `@<op>.onnx` (see `v4compile/ops/*.py`): `fn(g, o, a, r) -> results`, where `g` is the `Graph` below,
+`o` the operands by name (ONNX tensor names, `Planes`, `RowList` or None), `a` the attributes and `r` the IR
+result types. This file holds only the graph-building machinery and helpers shared by several lowerings.
+
+Interface of an exported model (what the runtime binds):
+* inputs: the step inputs (`ids`, `pos`, `block_table`, `slot`), every pool plane / state tensor the
+  function updates (read only: never copied), and every weight the function reads, by its IR name (the
+  artifact stores the tensors in `weights/*.safetensors`; the runtime hands them to ONNX Runtime as
+  shared initializers, so the ONNX files hold no weight bytes);
+* outputs: `logits`, and for each updated plane / state tensor `X` the rows the step wrote: `X.rows`
+  (int64 `[N]`, -1 = nothing to write) and `X.vals` (`[N, *row shape]`), in write order (a later row wins).
+  The runtime stores them in place into its own buffers.
+
+No copy of the pool: a write op only records its rows (`Planes.write`); a later reader in the same step
+gathers the rows it needs from the input plane and patches those that an earlier write in this step
+replaced (`Graph.read_rows`), so a step costs what it reads, never the pool's capacity.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from v4compile.errors import IRError
+from v4compile.ir.core import INPUT, WEIGHT, Function, Module
+from v4compile.ir.registry import get_op, semantic
+from v4compile.ir.types import TensorType
+
+OPSET = 23
+MS_DOMAIN = "com.microsoft"
+ONNX_DTYPES = {"fp32": TensorProto.FLOAT, "bf16": TensorProto.BFLOAT16, "i32": TensorProto.INT32,
+               "i64": TensorProto.INT64, "bool": TensorProto.BOOL, "fp8e4m3": TensorProto.UINT8,
+               "e8m0": TensorProto.UINT8, "fp4x2": TensorProto.INT8}
+NP_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.INT64: np.int64, TensorProto.INT32: np.int32,
+             TensorProto.BOOL: np.bool_, TensorProto.UINT8: np.uint8}
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class Planes:
+    """A pool plane or state tensor as the step sees it: the input tensor `base` plus the rows written so
+    far in this step (`rows` int64 [N], -1 = none; `vals` [N, *row]) or None before the first write."""
+
+    base: str
+    rows: str | None = None
+    vals: str | None = None
+
+
+@dataclass(frozen=True)
+class RowList:
+    """What a CSR construction op hands to its readers in ONNX: padded physical rows `[L, W]` (int64,
+    -1 = no row). The packed indptr / indices form is a device layout; in ONNX a reader wants the rows
+    padded, so the pair (indptr, indices) of the IR both map to this one object."""
+
+    rows: str
+
+
+@dataclass
+class Operands:
+    """Operands of one op by signature name, and their IR types (`types.<name>`)."""
+
+    values: dict[str, Any]
+    types: dict[str, TensorType | None] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class Graph:
+    """An ONNX graph under construction, with small helpers that the op lowerings share."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self._n = 0
+        self._consts: dict[tuple, str] = {}
+        self.memo: dict[tuple, Any] = {}  # per-graph caches of helpers (cos / sin tables, casts)
+        self.uses_ms = False
+        self.loc = ""
+
+    # ---- raw construction ----------------------------------------------------------------------
+    def fresh(self, hint: str = "t") -> str:
+        self._n += 1
+        return f"{hint}_{self._n}"
+
+    def op(self, op_type: str, *inputs: str | None, n_out: int = 1, domain: str = "", out: str | None = None,
+           **attrs) -> Any:
+        outs = [out] if out else [self.fresh(op_type.lower()) for _ in range(n_out)]
+        node = helper.make_node(op_type, ["" if i is None else i for i in inputs], outs,
+                                name=self.fresh("n"), domain=domain or None, **attrs)
+        if self.loc:
+            node.doc_string = self.loc
+        if domain == MS_DOMAIN:
+            self.uses_ms = True
+        self.nodes.append(node)
+        return outs[0] if n_out == 1 else outs
+
+    def const(self, value, dtype=np.float32) -> str:
+        arr = np.asarray(value, dtype=dtype)
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        if key not in self._consts:
+            name = self.fresh("c")
+            self.inits.append(onnx.numpy_helper.from_array(arr, name))
+            self._consts[key] = name
+        return self._consts[key]
+
+    def i64(self, *values: int) -> str:
+        return self.const(list(values), np.int64)
+
+    def scalar(self, v: float) -> str:
+        return self.const(v, np.float32)
+
+    def iscalar(self, v: int) -> str:
+        return self.const(v, np.int64)
+
+    def cached(self, key: tuple, make):
+        """One graph value per key: index arithmetic that depends only on the step inputs (positions,
+        slots, block tables) is built once and shared by every layer."""
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
+
+    # ---- shape / arithmetic shorthands ---------------------------------------------------------
+    def reshape(self, x: str, shape) -> str:
+        return self.op("Reshape", x, self.i64(*shape))
+
+    def unsqueeze(self, x: str, *axes: int) -> str:
+        return self.op("Unsqueeze", x, self.i64(*axes))
+
+    def squeeze(self, x: str, *axes: int) -> str:
+        return self.op("Squeeze", x, self.i64(*axes))
+
+    def slice(self, x: str, start: int, end: int, axis: int) -> str:
+        return self.op("Slice", x, self.i64(start), self.i64(end), self.i64(axis))
+
+    def split(self, x: str, sizes, axis: int = -1) -> list[str]:
+        return self.op("Split", x, self.i64(*sizes), n_out=len(sizes), axis=axis)
+
+    def concat(self, xs, axis: int = -1) -> str:
+        return xs[0] if len(xs) == 1 else self.op("Concat", *xs, axis=axis)
+
+    def cast(self, x: str, to: int) -> str:
+        return self.op("Cast", x, to=to)
+
+    def as_i64(self, x: str, ir_dtype: str | None) -> str:
+        if ir_dtype == "i64":
+            return x
+        key = ("i64", x)
+        if key not in self.memo:
+            self.memo[key] = self.cast(x, TensorProto.INT64)
+        return self.memo[key]
+
+    def where(self, c: str, a: str, b: str) -> str:
+        return self.op("Where", c, a, b)
+
+    def sum(self, x: str, axis: int, keepdims: int = 0) -> str:
+        return self.op("ReduceSum", x, self.i64(axis), keepdims=keepdims)
+
+    def max(self, x: str, axis: int, keepdims: int = 0) -> str:
+        return self.op("ReduceMax", x, self.i64(axis), keepdims=keepdims)
+
+    def mean(self, x: str, axis: int, keepdims: int = 1) -> str:
+        return self.op("ReduceMean", x, self.i64(axis), keepdims=keepdims)
+
+    def clamp_min0(self, x: str) -> str:
+        return self.op("Max", x, self.iscalar(0))
+
+    def matmul_t(self, x: str, w: str) -> str:
+        """x @ w^T over the last two axes (a batched GEMM against a weight stored [.., out, in])."""
+        return self.op("FusedMatMul", x, w, domain=MS_DOMAIN, transB=1)
+
+    # ---- model-level helpers -------------------------------------------------------------------
+    def linear(self, x: str, xt: TensorType, w: str, wt: TensorType, scale: str | None = None) -> str:
+        """`x W^T` for a dense 2-D weight `[out, in]`: one Gemm over the flattened rows."""
+        if scale is not None or wt.dtype not in ("fp32",):
+            raise IRError("the ONNX (cpu) target takes dense fp32 weights", expected="fp32", found=wt.dtype)
+        if xt.rank == 2:
+            return self.op("Gemm", x, w, transB=1)
+        return self.matmul_t(x, w)
+
+    def rms(self, x: str, w: str | None, eps: float, width: int | None = None) -> str:
+        """RMSNorm over the last axis (fp32); unweighted: scale 1 (`width` channels)."""
+        if w is None:
+            w = self.const(np.ones(width, np.float32))
+        return self.op("RMSNormalization", x, w, axis=-1, epsilon=eps)
+
+    def rope_tables(self, pos: str, pos_rank: int, extra: int, dim: int, theta: float, yarn: tuple,
+                    inverse: bool) -> tuple[str, str]:
+        """cos / sin `[*pos, 1 * extra, dim]` (each pair's value twice) at integer positions."""
+        def make():
+            from v4compile.ops.rope import inv_freq
+
+            f = np.repeat(inv_freq(dim, theta, tuple(yarn)).numpy(), 2)
+            ang = self.op("Mul", self.unsqueeze(self.cast(pos, TensorProto.FLOAT), -1), self.const(f))
+            if extra:
+                ang = self.op("Unsqueeze", ang, self.i64(*range(pos_rank, pos_rank + extra)))
+            sin = self.op("Sin", ang)
+            return self.op("Cos", ang), (self.op("Neg", sin) if inverse else sin)
+        return self.cached(("rope", pos, extra, dim, theta, tuple(yarn), inverse), make)
+
+    def rotate(self, x: str, xt: TensorType, pos: str, pos_rank: int, dim: int, theta: float, yarn: tuple,
+               inverse: bool = False) -> str:
+        """Interleaved RoPE on the last `dim` channels, as `ops.rope.rotate`: r * cos + rot_half(r) * sin,
+        with rot_half (pairs (a, b) -> (-b, a)) an exact product with a constant +-1 matrix."""
+        lead, D = xt.shape[:-1], xt.shape[-1]
+        cos, sin = self.rope_tables(pos, pos_rank, len(lead) - pos_rank, dim, theta, yarn, inverse)
+        nope, r = (None, x) if D == dim else self.split(x, (D - dim, dim))
+        R = np.zeros((dim, dim), np.float32)
+        for i in range(0, dim, 2):
+            R[i + 1, i], R[i, i + 1] = -1.0, 1.0
+        out = self.op("Add", self.op("Mul", r, cos), self.op("Mul", self.op("MatMul", r, self.const(R)), sin))
+        return out if nope is None else self.concat([nope, out], -1)
+
+    def pow2_scale(self, amax: str, qmax: float, floor: float) -> str:
+        """2^ceil(log2(max(amax, floor) / qmax)), exact: the log2 estimate is corrected by one step each way."""
+        r = self.op("Div", self.op("Max", amax, self.scalar(floor)), self.scalar(qmax))
+        e = self.op("Ceil", self.op("Div", self.op("Log", r), self.scalar(math.log(2.0))))
+        two = self.scalar(2.0)
+        lower = self.op("Pow", two, self.op("Sub", e, self.scalar(1.0)))
+        e = self.where(self.op("GreaterOrEqual", lower, r), self.op("Sub", e, self.scalar(1.0)), e)
+        e = self.where(self.op("Less", self.op("Pow", two, e), r), self.op("Add", e, self.scalar(1.0)), e)
+        return self.op("Pow", two, e)
+
+    def fp8_qdq(self, x: str, xt: TensorType, block: int) -> str:
+        """Spec 13.2: round through e4m3 with one UE8M0 scale per `block` values of the last axis."""
+        lead, n = xt.shape[:-1], xt.shape[-1]
+        g = self.reshape(x, (*lead, n // block, block))
+        s = self.pow2_scale(self.max(self.op("Abs", g), -1, 1), 448.0, 1e-4)
+        q = self.op("Clip", self.op("Div", g, s), self.scalar(-448.0), self.scalar(448.0))
+        q = self.cast(self.op("Cast", q, to=TensorProto.FLOAT8E4M3FN, saturate=1), TensorProto.FLOAT)
+        return self.reshape(self.op("Mul", q, s), xt.shape)
+
+    def fp4_qdq(self, x: str, xt: TensorType, block: int = 32) -> str:
+        """Spec 13.3: round through e2m1 (nearest magnitude, ties to the even code) with a UE8M0 scale."""
+        from v4compile.formats import FP4_VALUES
+
+        lead, n = xt.shape[:-1], xt.shape[-1]
+        g = self.reshape(x, (*lead, n // block, block))
+        s = self.pow2_scale(self.max(self.op("Abs", g), -1, 1), 6.0, 6.0 * 2.0 ** -126)
+        y = self.op("Clip", self.op("Div", g, s), self.scalar(-6.0), self.scalar(6.0))
+        dist = self.op("Abs", self.op("Sub", self.unsqueeze(self.op("Abs", y), -1), self.const(FP4_VALUES)))
+        best = self.op("ReduceMin", dist, self.i64(-1), keepdims=1)
+        pref = self.op("Mul", self.cast(self.op("Equal", dist, best), TensorProto.FLOAT),
+                       self.const([2.0 - (i & 1) for i in range(8)]))
+        code = self.op("ArgMax", pref, axis=-1, keepdims=0)
+        mag = self.op("Gather", self.const(FP4_VALUES), code)
+        val = self.where(self.op("Less", y, self.scalar(0.0)), self.op("Neg", mag), mag)
+        return self.reshape(self.op("Mul", val, s), xt.shape)
+
+    def hadamard_fp4(self, x: str, xt: TensorType, block: int = 32) -> str:
+        from v4compile.formats import hadamard
+
+        h = self.op("MatMul", x, self.const(hadamard(xt.shape[-1]).numpy()))
+        return self.fp4_qdq(h, xt, block)
+
+    def ring_lanes(self, pos: str, slots: int) -> str:
+        """Lanes whose token a ring of `slots` entries keeps after this chunk (`ops.attention.ring_lanes`)."""
+        key = ("ring", pos, slots)
+        if key not in self.memo:
+            valid = self.op("GreaterOrEqual", pos, self.iscalar(0))
+            n = self.sum(self.cast(valid, TensorProto.INT64), 1, 1)
+            last = self.op("Sub", self.op("Add", self.clamp_min0(self.slice(pos, 0, 1, 1)), n), self.iscalar(1))
+            keep = self.op("And", valid, self.op("Greater", pos, self.op("Sub", last, self.iscalar(slots))))
+            self.memo[key] = keep
+        return self.memo[key]
+
+    # ---- mHC ----------------------------------------------------------------------------------
+    def hc_mix(self, streams: str, st: TensorType, fn: str, eps: float) -> str:
+        """RMS-normalised flattened streams times fn^T (`ops.mhc._mix_inputs`)."""
+        *lead, n, d = st.shape
+        flat = self.rms(self.reshape(streams, (*lead, n * d)), None, eps, n * d)
+        return self.matmul_t(flat, fn)
+
+    def hc_pre(self, streams: str, st: TensorType, fn: str, base: str, scale: str, eps: float, hc_eps: float,
+               iters: int) -> tuple[str, str, str]:
+        *lead, n, d = st.shape
+        m = self.hc_mix(streams, st, fn, eps)
+        pre_w, post_w, comb_w = self.split(m, (n, n, n * n))
+        s0, s1, s2 = self.split(scale, (1, 1, 1), 0)
+        b0, b1, b2 = self.split(base, (n, n, n * n), 0)
+        pre = self.op("Add", self.op("Sigmoid", self.op("Add", self.op("Mul", pre_w, s0), b0)), self.scalar(hc_eps))
+        post = self.op("Mul", self.op("Sigmoid", self.op("Add", self.op("Mul", post_w, s1), b1)), self.scalar(2.0))
+        comb = self.op("Add", self.op("Mul", self.reshape(comb_w, (*lead, n, n)), s2), self.reshape(b2, (n, n)))
+        comb = self.op("Add", self.op("Softmax", comb, axis=-1), self.scalar(hc_eps))
+        comb = self.sinkhorn(comb, int(np.prod(lead)), n, hc_eps, iters)
+        y = self.sum(self.op("Mul", self.unsqueeze(pre, -1), streams), -2)
+        return y, post, comb
+
+    def sinkhorn(self, comb: str, M: int, n: int, eps: float, iters: int) -> str:
+        """One column normalisation, then `iters - 1` (row, column) pairs, eps in every denominator, on M
+        n x n matrices. Small M: the matrices stacked as [M*n, n], each sum(+eps) one Gemm (rows: times a
+        ones column; columns: a block-diagonal ones matrix), so a normalisation is two nodes, not three."""
+        e = self.scalar(eps)
+        shape = self.op("Shape", comb)
+        if M * n > 64:
+            comb = self.op("Div", comb, self.op("Add", self.sum(comb, -2, 1), e))
+            for _ in range(iters - 1):
+                comb = self.op("Div", comb, self.op("Add", self.sum(comb, -1, 1), e))
+                comb = self.op("Div", comb, self.op("Add", self.sum(comb, -2, 1), e))
+            return comb
+        c = self.reshape(comb, (M * n, n))
+        ones = self.const(np.ones((n, 1), np.float32))
+        blocks = self.const(np.kron(np.eye(M, dtype=np.float32), np.ones((n, n), np.float32)))
+        c = self.op("Div", c, self.op("Gemm", blocks, c, e))
+        for _ in range(iters - 1):
+            c = self.op("Div", c, self.op("Gemm", c, ones, e))
+            c = self.op("Div", c, self.op("Gemm", blocks, c, e))
+        return self.op("Reshape", c, shape)
+
+    def hc_post(self, y: str, streams: str, st: TensorType, post: str, comb: str) -> str:
+        mixed = self.op("MatMul", self.transpose_last(comb, st.rank), streams)
+        return self.op("Add", self.op("Mul", self.unsqueeze(post, -1), self.unsqueeze(y, -2)), mixed)
+
+    def transpose_last(self, x: str, rank: int | None = None) -> str:
+        r = rank or self.memo.get(("rank_of", x), None)
+        if r is None:
+            raise ValueError("transpose_last needs the rank")
+        perm = list(range(r - 2)) + [r - 1, r - 2]
+        return self.op("Transpose", x, perm=perm)
+
+    def hc_head(self, streams: str, st: TensorType, fn: str, base: str, scale: str, eps: float, hc_eps: float) -> str:
+        m = self.hc_mix(streams, st, fn, eps)
+        pre = self.op("Add", self.op("Sigmoid", self.op("Add", self.op("Mul", m, scale), base)), self.scalar(hc_eps))
+        return self.sum(self.op("Mul", self.unsqueeze(pre, -1), streams), -2)
+
+    # ---- pool planes ---------------------------------------------------------------------------
+    def read_rows(self, p: Planes, rows: str, n_rows: int | None = None) -> str:
+        """`plane[rows]` (rows int64 of any shape, >= 0) as this step sees it: the input plane, patched
+        with the rows written earlier in the step (a later write wins)."""
+        got = self.op("Gather", p.base, rows, axis=0)
+        if p.rows is None:
+            return got
+        flat = self.reshape(rows, (-1, 1))
+        hit = self.cast(self.op("Equal", flat, self.unsqueeze(p.rows, 0)), TensorProto.INT32)  # [M, N]
+        has = self.op("Greater", self.max(hit, 1), self.const(0, np.int32))
+        j = self.op("ArgMax", hit, axis=1, keepdims=0, select_last_index=1)
+        new = self.op("Gather", p.vals, j, axis=0)  # [M, *row]
+        shape_rows = self.op("Shape", rows)
+        row_shape = self.op("Shape", p.vals, start=1)
+        new = self.op("Reshape", new, self.concat([shape_rows, row_shape], 0))
+        has = self.op("Reshape", has, shape_rows)
+        rank_row = self.memo.get(("rank", p.base), 1)
+        for _ in range(rank_row):
+            has = self.unsqueeze(has, -1)
+        return self.where(has, new, got)
+
+    def write_rows(self, p: Planes, rows: str, vals: str) -> Planes:
+        """Record `plane[rows] = vals` (rows int64 [N], -1 = skip; vals [N, *row])."""
+        if p.rows is None:
+            return Planes(p.base, rows, vals)
+        return Planes(p.base, self.concat([p.rows, rows], 0), self.concat([p.vals, vals], 0))
+
+    # ---- attention-side helpers -------------------------------------------------------------
+    def fp8_round(self, x: str, xt: TensorType, dims: int, block: int) -> str:
+        """`ops.numerics.fp8_round_ref`: FP8 on the first `dims` channels, the rest kept."""
+        head, tail = self.split(x, (dims, xt.shape[-1] - dims))
+        return self.concat([self.fp8_qdq(head, xt.with_shape(*xt.shape[:-1], dims), block), tail], -1)
+
+    def window_rows(self, pos: str, slot: str, window: int, slot_rows: int, n_rows: int) -> str:
+        """Physical ring row of each position (before the layer's ring offset); pos [B, X], slot [B]."""
+        base = self.op("Sub", self.iscalar(n_rows), self.op("Mul", self.op("Add", slot, self.iscalar(1)),
+                                                            self.iscalar(slot_rows)))
+        return self.op("Add", self.unsqueeze(base, -1), self.op("Mod", pos, self.iscalar(window)))
+
+    def block_rows(self, w: str, bt: str, ratio: int, block_tokens: int, envelope_rows: int, n_blocks: int,
+                   per_lane: bool) -> str:
+        """Physical row of window `w` (`ops.paged.compressed_row`): w `[W]` shared by all sequences
+        (-> `[B, W]`) or `[B, ...]` per sequence (`per_lane`)."""
+        return self.cached(("block_rows", w, bt, ratio, block_tokens, envelope_rows, per_lane),
+                           lambda: self._block_rows(w, bt, ratio, block_tokens, envelope_rows, n_blocks, per_lane))
+
+    def _block_rows(self, w, bt, ratio, block_tokens, envelope_rows, n_blocks, per_lane) -> str:
+        per_block = block_tokens // ratio
+        bi = self.op("Clip", self.op("Div", w, self.iscalar(per_block)), self.iscalar(0), self.iscalar(n_blocks - 1))
+        btc = self.cached(("clamp0", bt), lambda: self.clamp_min0(bt))
+        if per_lane:
+            shape = self.op("Shape", w)
+            B = self.op("Shape", bt, start=0, end=1)
+            blk = self.op("GatherElements", btc, self.op("Reshape", bi, self.concat([B, self.i64(-1)], 0)), axis=1)
+            blk = self.op("Reshape", blk, shape)
+        else:
+            blk = self.op("Gather", btc, bi, axis=1)
+        return self.op("Add", self.op("Mul", blk, self.iscalar(envelope_rows)),
+                       self.op("Mod", w, self.iscalar(per_block)))
+
+    def visible_limit(self, pos: str, ratio: int) -> str:
+        """floor((t + 1) / ratio): compressed rows a query at t may see."""
+        return self.cached(("limit", pos, ratio),
+                           lambda: self.op("Div", self.op("Add", pos, self.iscalar(1)), self.iscalar(ratio)))
+
+    def dyn_range(self, limit: str, max_rows: int) -> str:
+        """0..W-1 with W = the largest limit of the step (at least 1, at most `max_rows`): the rows a
+        static kernel would mask are never read, so the cost follows the context, not the capacity."""
+        def make():
+            w = self.op("Clip", self.op("ReduceMax", limit, keepdims=0), self.iscalar(1), self.iscalar(max_rows))
+            return self.op("Range", self.iscalar(0), w, self.iscalar(1))
+        return self.cached(("range", limit, max_rows), make)
+
+    def sparse_attention(self, q: str, qt: TensorType, kv: str, pos: str, sink: str, parts: list[tuple[RowList, int]],
+                         plane: Planes, window: int, scale: float) -> str:
+        B, T, H, d = qt.shape
+        rows, masks = [], []
+        for rl, base in parts:
+            m = self.cached(("mask", rl.rows), lambda: self.op("GreaterOrEqual", rl.rows, self.iscalar(0)))
+            rows.append(self.where(m, self.op("Add", rl.rows, self.iscalar(base)), self.iscalar(0)))
+            masks.append(m)
+        rows, mask = self.concat(rows, 1), self.concat(masks, 1)  # [L, P]
+        keys = self.reshape(self.read_rows(plane, rows), (B, T, -1, d))  # [B, T, P, d]
+        sc = self.scalar(scale)
+        ninf = self.scalar(NEG_INF)
+        s_pool = self.op("Mul", self.matmul_t(q, keys), sc)  # [B, T, H, P]
+        s_pool = self.where(self.reshape(mask, (B, T, 1, -1)), s_pool, ninf)
+        s_ext = self.op("Mul", self.matmul_t(self.reshape(q, (B, T * H, d)), kv), sc)
+        s_ext = self.reshape(s_ext, (B, T, H, T))
+        s_ext = self.where(self.cached(("ext", pos, window), lambda: self._ext_mask(pos, window)), s_ext, ninf)
+        sinks = self.op("Expand", self.reshape(sink, (1, 1, H, 1)), self.i64(B, T, H, 1))
+        probs = self.op("Softmax", self.concat([s_pool, s_ext, sinks], -1), axis=-1)
+        P = self.op("Shape", rows, start=1, end=2)
+        p_pool = self.op("Slice", probs, self.i64(0), P, self.i64(3))
+        p_ext = self.op("Slice", probs, P, self.op("Add", P, self.i64(T)), self.i64(3))
+        out = self.op("MatMul", p_pool, keys)
+        ext_out = self.reshape(self.op("MatMul", self.reshape(p_ext, (B, T * H, T)), kv), (B, T, H, d))
+        return self.op("Add", out, ext_out)
+
+    def _ext_mask(self, pos: str, window: int) -> str:
+        """[B, T, 1, T]: query t sees the chunk's own key s when s in (t - window, t]."""
+        t = self.unsqueeze(pos, 2)
+        s = self.unsqueeze(pos, 1)
+        ext = self.op("And", self.op("And", self.op("GreaterOrEqual", s, self.iscalar(0)), self.op("LessOrEqual", s, t)),
+                      self.op("And", self.op("Greater", s, self.op("Sub", t, self.iscalar(window))),
+                              self.op("GreaterOrEqual", t, self.iscalar(0))))
+        return self.unsqueeze(ext, 2)
+
+    def indexer_rows(self, q: str, qt: TensorType, weights: str, pos: str, bt: str, plane: Planes, *, ratio: int,
+                     q_scale: float, w_scale: float, k: int, block_tokens: int, index_envelope_rows: int,
+                     index_offset: int, envelope_rows: int, max_rows: int, n_blocks: int) -> RowList:
+        """Indexer scores over the index plane, top-k, picks translated to main-pool rows (`indexer_select`)."""
+        B, T, Hi, di = qt.shape
+        limit = self.visible_limit(pos, ratio)  # [B, T]
+        w = self.dyn_range(limit, max_rows)  # [W]
+        irow = self.op("Add", self.block_rows(w, bt, ratio, block_tokens, index_envelope_rows, n_blocks, False),
+                       self.iscalar(index_offset))  # [B, W]
+        keys = self.unsqueeze(self.read_rows(plane, irow), 1)  # [B, 1, W, di]
+        s = self.op("Mul", self.op("Relu", self.matmul_t(q, keys)), self.scalar(q_scale))  # [B, T, H, W]
+        s = self.sum(self.op("Mul", s, self.unsqueeze(self.op("Mul", weights, self.scalar(w_scale)), -1)), 2)
+        hide = self.op("Or", self.op("GreaterOrEqual", w, self.unsqueeze(limit, -1)),
+                       self.unsqueeze(self.op("Less", pos, self.iscalar(0)), -1))
+        s = self.where(hide, self.scalar(NEG_INF), s)
+        kk = self.op("Min", self.i64(k), self.op("Shape", w))
+        vals, idx = self.op("TopK", s, kk, n_out=2, axis=-1, largest=1, sorted=1)
+        keep = self.op("And", self.op("Not", self.op("IsInf", vals, detect_positive=0)),
+                       self.unsqueeze(self.op("GreaterOrEqual", pos, self.iscalar(0)), -1))
+        rows = self.block_rows(idx, bt, ratio, block_tokens, envelope_rows, n_blocks, True)
+        return RowList(self.reshape(self.where(keep, rows, self.iscalar(-1)), (B * T, -1)))
+
+    def compress(self, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) -> tuple[Planes, Planes, Planes]:
+        """`compress_paged`: pool the windows this chunk closes (softmax over their slots), norm, RoPE,
+        round; write them at their physical rows; push the chunk into the slot's state ring."""
+        B, T, cw = o.types["kv"].shape
+        m, overlap = a["ratio"], a["overlap"]
+        c = 2 if overlap else 1
+        dk, S, J = cw // c, c * m, T // m + 1
+        pos = self.as_i64(o.pos, o.types["pos"].dtype)
+        slot = self.as_i64(o.slot, o.types["slot"].dtype)
+        bt = self.as_i64(o.block_table, o.types["block_table"].dtype)
+        n_blocks = o.types["block_table"].shape[1]
+        gate = self.op("Add", o.gate, self.op("Gather", o.ape, self.cached(
+            ("mod", pos, m), lambda: self.op("Mod", self.clamp_min0(pos), self.iscalar(m))), axis=0))
+        sl = self.cached(("clamp0", slot), lambda: self.clamp_min0(slot))
+        skv, sg = self.read_rows(skv_in, sl), self.read_rows(sg_in, sl)  # [B, S, cw]
+        ix = self.cached(("compress", pos, m, overlap, B, T), lambda: self._compress_index(pos, m, overlap, B, T))
+        w, closed, present, from_state, lane, ring = (ix[k] for k in ("w", "closed", "present", "from_state", "lane",
+                                                                      "ring"))
+
+        def source(state: str, chunk: str) -> str:
+            v = self.where(from_state, self.op("Gather", self.reshape(state, (B * S, cw)), ring, axis=0),
+                           self.op("Gather", self.reshape(chunk, (B * T, cw)), lane, axis=0))  # [B, J, S, cw]
+            if overlap:  # slots [0, m) read columns [0, dk) ("A"), slots [m, 2m) columns [dk, 2dk) ("B")
+                va, vb = self.split(v, (m, m), 2)
+                v = self.concat([self.slice(va, 0, dk, 3), self.slice(vb, dk, 2 * dk, 3)], 2)
+            return v
+
+        v = self.where(present, source(skv, o.kv), self.scalar(0.0))
+        gl = self.where(present, source(sg, gate), self.scalar(NEG_INF))
+        pooled = self.sum(self.op("Mul", v, self.op("Softmax", gl, axis=2)), 2)  # [B, J, dk]
+        h = self.rms(pooled, o.norm, a["eps"])
+        ht = TensorType((B, J, dk), "fp32")
+        h = self.rotate(h, ht, self.op("Mul", w, self.iscalar(m)), 2, a["rope_dim"], a["theta"], tuple(a["yarn"]))
+        rnd = a.get("round", "none")
+        if rnd == "fp8":
+            h = self.fp8_round(h, ht, dk - a["rope_dim"], math.gcd(64, dk - a["rope_dim"]))
+        elif rnd == "fp4":
+            h = self.hadamard_fp4(h, ht, 32)
+        rows = self.cached(("closed_rows", w, bt, m, a["block_tokens"], a["envelope_rows"]), lambda: self.where(
+            closed, self.block_rows(w, bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True), self.iscalar(-1)))
+        rows = self.reshape(self.where(closed, self.op("Add", rows, self.iscalar(a["layer_offset"])), rows), (B * J,))
+        plane = self.write_rows(plane_in, rows, self.reshape(h, (B * J, dk)))
+        onehot, has, srows = ix["onehot"], ix["has"], self.cached(
+            ("srows", pos, slot), lambda: self.where(ix["live"], slot, self.iscalar(-1)))
+        new_kv = self.where(has, self.op("MatMul", onehot, o.kv), skv)
+        new_g = self.where(has, self.op("MatMul", onehot, gate), sg)
+        return plane, self.write_rows(skv_in, srows, new_kv), self.write_rows(sg_in, srows, new_g)
+
+    def _compress_index(self, pos: str, m: int, overlap: bool, B: int, T: int) -> dict[str, str]:
+        """Which windows this chunk closes and where each pooling slot's token comes from (state ring or
+        chunk lane): a function of the positions only, shared by every compressor with the same ratio."""
+        c = 2 if overlap else 1
+        S, J = c * m, T // m + 1
+        start = self.clamp_min0(self.slice(pos, 0, 1, 1))  # [B, 1]
+        valid = self.op("GreaterOrEqual", pos, self.iscalar(0))
+        n = self.sum(self.cast(valid, TensorProto.INT64), 1, 1)  # [B, 1]
+        w = self.op("Add", self.op("Div", start, self.iscalar(m)), self.const(np.arange(J), np.int64))  # [B, J]
+        end = self.op("Sub", self.op("Add", start, n), self.iscalar(1))
+        live = self.op("Greater", n, self.iscalar(0))
+        closed = self.op("And", self.op("LessOrEqual", self.op("Sub", self.op("Mul", self.op("Add", w, self.iscalar(1)),
+                                                                                self.iscalar(m)), self.iscalar(1)), end),
+                         live)
+        first = self.op("Sub", w, self.iscalar(1)) if overlap else w
+        p = self.op("Add", self.unsqueeze(self.op("Mul", first, self.iscalar(m)), -1),
+                    self.const(np.arange(S), np.int64))  # [B, J, S]
+        present = self.unsqueeze(self.op("GreaterOrEqual", p, self.iscalar(0)), -1)
+        from_state = self.unsqueeze(self.op("Less", p, self.unsqueeze(start, -1)), -1)
+        boff = self.reshape(self.const(np.arange(B), np.int64), (B, 1, 1))
+        lane = self.op("Clip", self.op("Sub", p, self.unsqueeze(start, -1)), self.iscalar(0), self.iscalar(T - 1))
+        lane = self.op("Add", self.op("Mul", boff, self.iscalar(T)), lane)
+        ring = self.op("Add", self.op("Mul", boff, self.iscalar(S)), self.op("Mod", p, self.iscalar(S)))
+        # the state ring after the chunk: slot p % S takes the token of each sequence's last S positions
+        hit = self.op("And", self.op("Equal", self.unsqueeze(self.op("Mod", pos, self.iscalar(S)), 1),
+                                     self.const(np.arange(S).reshape(1, S, 1), np.int64)),
+                      self.unsqueeze(self.ring_lanes(pos, S), 1))  # [B, S, T]
+        onehot = self.cast(hit, TensorProto.FLOAT)
+        has = self.unsqueeze(self.op("Greater", self.max(onehot, 2), self.scalar(0.0)), -1)
+        return {"w": w, "closed": closed, "present": present, "from_state": from_state, "lane": lane, "ring": ring,
+                "onehot": onehot, "has": has, "live": self.reshape(live, (B,))}
+
+    def window_write(self, plane: Planes, kv: str, kvt: TensorType, pos: str, slot: str, a: dict) -> Planes:
+        B, T, d = kvt.shape
+        key = ("winrows", pos, slot, a["window"], a["slot_rows"], a["n_rows"])
+        base = self.cached(key, lambda: self.reshape(self.where(
+            self.ring_lanes(pos, a["window"]), self.window_rows(pos, slot, a["window"], a["slot_rows"], a["n_rows"]),
+            self.iscalar(-1)), (B * T,)))
+        keep = self.cached(key + ("keep",), lambda: self.op("GreaterOrEqual", base, self.iscalar(0)))
+        rows = self.where(keep, self.op("Add", base, self.iscalar(a["layer_row"])), base)
+        return self.write_rows(plane, rows, self.reshape(kv, (B * T, d)))
+
+    # ---- MoE ----------------------------------------------------------------------------------
+    def moe_routed(self, x: str, xt: TensorType, weights: str, indices: str, w1: str, w2: str, w3: str,
+                   w1t: TensorType, k: int, limit: float) -> str:
+        """Routed experts. Few (token, expert) pairs: gather each pair's expert matrices (what decode reads);
+        as many pairs as experts or more: every expert on every token, combined with the routing weights."""
+        D = xt.shape[-1]
+        N = xt.numel // D
+        E = w1t.shape[0]
+        flat = self.reshape(x, (N, D))
+        idx = self.reshape(indices, (N, k))
+        wts = self.reshape(weights, (N, k))
+        lim = self.scalar(limit)
+
+        def swiglu(gt: str, up: str) -> str:
+            gt = self.op("Min", gt, lim)
+            return self.op("Mul", self.op("Mul", gt, self.op("Sigmoid", gt)), self.op("Clip", up, self.op("Neg", lim), lim))
+
+        if N * k < E:
+            fi = self.reshape(idx, (N * k,))
+            xr = self.reshape(self.op("Expand", self.unsqueeze(flat, 1), self.i64(N, k, D)), (N * k, 1, D))
+            h = swiglu(self.matmul_t(xr, self.op("Gather", w1, fi, axis=0)),
+                       self.matmul_t(xr, self.op("Gather", w3, fi, axis=0)))
+            y = self.matmul_t(h, self.op("Gather", w2, fi, axis=0))  # [N*k, 1, D]
+            y = self.op("Mul", self.reshape(y, (N, k, D)), self.unsqueeze(wts, -1))
+            out = self.sum(y, 1)
+        else:
+            xe = self.unsqueeze(flat, 0)  # [1, N, D]
+            h = swiglu(self.matmul_t(xe, w1), self.matmul_t(xe, w3))  # [E, N, I]
+            y = self.matmul_t(h, w2)  # [E, N, D]
+            onehot = self.cast(self.op("Equal", self.unsqueeze(idx, -1), self.const(np.arange(E), np.int64)),
+                               TensorProto.FLOAT)  # [N, k, E]
+            comb = self.sum(self.op("Mul", onehot, self.unsqueeze(wts, -1)), 1)  # [N, E]
+            out = self.sum(self.op("Mul", y, self.unsqueeze(self.op("Transpose", comb, perm=[1, 0]), -1)), 0)
+        return self.reshape(out, xt.shape)
+
+    # ---- finish --------------------------------------------------------------------------------
+    def model(self, doc: str = "") -> onnx.ModelProto:
+        opsets = [helper.make_opsetid("", OPSET)] + ([helper.make_opsetid(MS_DOMAIN, 1)] if self.uses_ms else [])
+        g = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializer=self.inits)
+        m = helper.make_model(g, opset_imports=opsets, producer_name="v4compile", doc_string=doc)
+        m.ir_version = 10
+        return m
+
+
+def value_info(name: str, t: TensorType) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, ONNX_DTYPES[t.dtype], list(t.shape))
+
+
+def state_names(fn: Function) -> list[str]:
+    """Inputs the function updates (pool planes, per-slot state): inputs that are also outputs by name."""
+    outs = {n for n, _ in fn.outputs}
+    return [v.name for v in fn.inputs if v.name in outs]
+
+
+def lower_function(module: Module, fname: str) -> onnx.ModelProto:
+    fn = module.functions[fname]
+    g = Graph(f"{module.name}.{fname}")
+    states = set(state_names(fn))
+    env: dict[int, Any] = {}
+    types: dict[int, TensorType] = {}
+    for v in fn.inputs:
+        g.inputs.append(value_info(v.name, v.type))
+        if v.type.dtype not in ("fp32", "i32", "i64"):
+            raise IRError("the ONNX (cpu) target needs native fp32 pool planes and fp32 compute",
+                          where=f"@{fname} %{v.name}", expected="fp32 / native planes", found=v.type.dtype,)
+        if v.name in states:
+            env[id(v)] = Planes(v.name)
+            g.memo[("rank", v.name)] = v.type.rank - 1
+        else:
+            env[id(v)] = v.name
+        types[id(v)] = v.type
+    weights_used = []
+    for op in fn.ops:
+        for v in op.operands:
+            if v is not None and v.kind == WEIGHT and id(v) not in env:
+                env[id(v)] = v.name
+                types[id(v)] = v.type
+                weights_used.append(v)
+    for w in sorted({w.name: w for w in weights_used}.values(), key=lambda w: w.name):
+        g.inputs.append(value_info(w.name, w.type))
+    for op in fn.ops:
+        opdef = get_op(op.name)
+        if opdef.onnx_lowering is None:
+            raise IRError(f"op '{op.name}' has no ONNX lowering", where=f"@{fname} ({op.loc})",
+                          expected="an @{0}.onnx rule in v4compile/ops".format(op.name))
+        names = opdef.operand_names
+        o = Operands({n: (env[id(v)] if v is not None else None) for n, v in zip(names, op.operands)},
+                     {n: (types.get(id(v), v.type) if v is not None else None) for n, v in zip(names, op.operands)})
+        g.loc = f"{op.name} {op.loc}"
+        outs = opdef.onnx_lowering(g, o, semantic(op.attrs), [r.type for r in op.results])
+        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        if len(outs) < len(op.results):
+            raise IRError(f"ONNX lowering of '{op.name}' returned {len(outs)} results", expected=len(op.results))
+        for r, x in zip(op.results, outs):
+            env[id(r)] = x
+            types[id(r)] = r.type
+    for name, v in fn.outputs:
+        x = env[id(v)]
+        if isinstance(x, Planes):
+            if x.rows is None:
+                continue  # never written by this function
+            t = v.type
+            g.op("Identity", x.rows, out=f"{name}.rows")
+            g.op("Identity", x.vals, out=f"{name}.vals")
+            g.outputs.append(helper.make_tensor_value_info(f"{name}.rows", TensorProto.INT64, [None]))
+            g.outputs.append(helper.make_tensor_value_info(f"{name}.vals", ONNX_DTYPES[t.dtype], [None, *t.shape[1:]]))
+        else:
+            g.op("Identity", x, out=name)
+            g.outputs.append(value_info(name, v.type))
+    return g.model(doc=f"v4compile function @{fname} of module @{module.name}")
+
+
+def export_function(module: Module, fname: str, check: bool = True) -> onnx.ModelProto:
+    m = lower_function(module, fname)
+    if check:
+        onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def function_io(model: onnx.ModelProto, weight_names: set[str]) -> dict[str, list[str]]:
+    """The model's inputs split into step inputs, state inputs and weights; its outputs."""
+    ins = [i.name for i in model.graph.input]
+    return {"weights": [n for n in ins if n in weight_names], "inputs": [n for n in ins if n not in weight_names],
+            "outputs": [o.name for o in model.graph.output]}
+
+
+def is_input(v) -> bool:
+    return v.kind == INPUT

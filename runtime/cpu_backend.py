@@ -1,0 +1,152 @@
+"""Device `cpu`: the artifact's ONNX models run by ONNX Runtime.
+
+* Weights are read once from `weights/*.safetensors` into host arrays and handed to every session as
+  shared external initializers (the ONNX files declare them as graph inputs; here they become
+  initializers, so ONNX Runtime treats them as constants and no session copies them from a file).
+* Pool planes and per-slot state live in host arrays owned by this backend, bound as inputs through
+  IO binding (never copied per step); a step's outputs are only the rows it wrote (`X.rows`, `X.vals`),
+  stored here in place, in write order.
+* Threads: `threads` (default: the machine's cores, capped at 8) intra-op threads per session, one
+  inter-op thread; sessions are created lazily, one per function, on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+import onnx
+
+from v4compile.artifact import Artifact
+from v4compile.errors import InputError
+from v4compile.safetensors_io import SafetensorsFile
+
+from .backend import FunctionInfo
+
+log = logging.getLogger(__name__)
+
+_NP = {"fp32": np.float32, "i64": np.int64, "i32": np.int32}
+
+
+def default_threads() -> int:
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+class OrtBackend:
+    device = "cpu"
+
+    def __init__(self, art: Artifact, threads: int | None = None, profile: str | None = None):
+        import onnxruntime as ort
+
+        self.ort = ort
+        self.art = art
+        self.threads = threads or default_threads()
+        self.profile = profile
+        self.target = art.target("cpu")
+        self._funcs = {n: FunctionInfo(n, f["kind"], f["batch"], f["tokens"]) for n, f in self.target["functions"].items()}
+        t0 = time.perf_counter()
+        self.weights: dict[str, np.ndarray] = {}
+        shards: dict[str, list[str]] = {}
+        for name, w in art.manifest["weights"]["tensors"].items():
+            shards.setdefault(w["shard"], []).append(name)
+        for shard, names in sorted(shards.items()):
+            with SafetensorsFile(art.file(shard)) as f:
+                for n in names:
+                    t = f.read(n)
+                    if t.dtype.is_floating_point and str(t.dtype) != "torch.float32":
+                        raise InputError("the cpu device needs fp32 weights", where=n, found=str(t.dtype))
+                    self.weights[n] = np.ascontiguousarray(t.numpy())
+        self._w_values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self.weights.items()}
+        log.info("cpu backend: %d weights loaded in %.2f s", len(self.weights), time.perf_counter() - t0)
+        self.state: dict[str, np.ndarray] = {}
+        pool = art.manifest["pool"]
+        self.geometry = pool
+        self._sessions: dict[str, tuple] = {}
+
+    def functions(self) -> dict[str, FunctionInfo]:
+        return dict(self._funcs)
+
+    # ---- sessions --------------------------------------------------------------------------------
+    def _session(self, fname: str):
+        if fname in self._sessions:
+            return self._sessions[fname]
+        ort = self.ort
+        spec = self.target["functions"][fname]
+        model = onnx.load(str(self.art.file(spec["file"])))
+        g = model.graph
+        used = {x for n in g.node for x in n.input}
+        wnames = set(spec["weights"]) & used
+        keep, moved = [], []
+        for vi in g.input:
+            if vi.name in wnames:
+                moved.append(vi)
+            elif vi.name not in spec["weights"]:
+                keep.append(vi)
+        del g.input[:]
+        g.input.extend(keep)
+        for vi in moved:  # declared as an external initializer; the data comes from add_external_initializers
+            t = onnx.TensorProto()
+            t.name = vi.name
+            t.data_type = vi.type.tensor_type.elem_type
+            t.dims.extend(d.dim_value for d in vi.type.tensor_type.shape.dim)
+            t.data_location = onnx.TensorProto.EXTERNAL
+            for k, v in (("location", "v4compile-weights"), ("offset", "0"), ("length", str(self.weights[vi.name].nbytes))):
+                e = t.external_data.add()
+                e.key, e.value = k, v
+            g.initializer.append(t)
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = self.threads
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if self.profile:
+            so.enable_profiling = True
+            so.profile_file_prefix = os.path.join(self.profile, fname)
+        names = sorted(wnames)
+        so.add_external_initializers(names, [self._w_values[n] for n in names])
+        t0 = time.perf_counter()
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        log.info("cpu backend: session %s ready in %.2f s", fname, time.perf_counter() - t0)
+        del model
+        ins = {i.name: i for i in sess.get_inputs()}
+        for n, i in ins.items():
+            if n not in ("ids", "pos", "block_table", "slot") and n not in self.state:
+                dt = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32}[i.type]
+                self.state[n] = np.zeros(i.shape, dtype=dt)
+        outs = [o.name for o in sess.get_outputs()]
+        self._sessions[fname] = (sess, list(ins), outs)
+        return self._sessions[fname]
+
+    def prepare(self, fnames) -> None:
+        """Create the sessions of these functions now (each takes ONNX Runtime's graph optimisation)."""
+        for f in fnames:
+            self._session(f)
+
+    def run(self, fname: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        sess, ins, outs = self._session(fname)
+        io = sess.io_binding()
+        for n in ins:
+            a = inputs[n] if n in inputs else self.state[n]
+            io.bind_cpu_input(n, a)
+        for n in outs:
+            io.bind_output(n, "cpu")
+        sess.run_with_iobinding(io)
+        res = dict(zip(outs, io.copy_outputs_to_cpu()))
+        for n in outs:
+            if n.endswith(".rows"):
+                base = n[: -len(".rows")]
+                rows, vals = res[n], res[base + ".vals"]
+                ok = rows >= 0
+                if ok.all():
+                    self.state[base][rows] = vals
+                elif ok.any():
+                    self.state[base][rows[ok]] = vals[ok]
+        return res["logits"]
+
+    def end_profiling(self) -> list[str]:
+        return [s.end_profiling() for s, _, _ in self._sessions.values()]
+
+    def close(self) -> None:
+        self._sessions.clear()

@@ -1,0 +1,245 @@
+"""`v4compile.load(dir, device=...)`: a session over a compiled artifact, independent of the device.
+
+The session does the host side of serving: per-sequence slots and KV-pool blocks (allocated when a
+sequence joins, freed when it finishes), chunked prefill (batch 1, the smallest chunk bucket that holds
+the rest of the prompt), decode steps over any set of live sequences (the smallest batch bucket that
+holds them; padding lanes have pos = -1 and slot = -1 and write nothing), sampling, and continuous
+batching in `generate` (sequences join as slots free up and finish at their own step). The device
+work is one call: `backend.run(function, step inputs)` (see `backend.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from v4compile.artifact import Artifact, load_artifact
+from v4compile.errors import InputError
+
+log = logging.getLogger(__name__)
+
+DEVICES = ("auto", "cpu")
+
+
+@dataclass
+class SeqState:
+    """One live sequence: its slot, its pool blocks and how many tokens the pool holds for it."""
+
+    id: int
+    slot: int
+    length: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+
+class Session:
+    def __init__(self, art: Artifact, backend):
+        self.art = art
+        self.backend = backend
+        m = art.manifest
+        pool = m["pool"]
+        self.vocab = int(m["vocab_size"])
+        self.max_context = int(m["max_context"])
+        self.block_tokens = int(pool["block_tokens"])
+        self.blocks_per_seq = int(pool["blocks_per_seq"])
+        fns = backend.functions()
+        self.decode_fns = sorted((f.batch, f.name) for f in fns.values() if f.kind == "decode")
+        self.prefill_fns = sorted((f.tokens, f.name) for f in fns.values() if f.kind == "prefill")
+        if not self.decode_fns or not self.prefill_fns:
+            raise InputError("the artifact needs decode and prefill functions", where=str(art.path))
+        self.free_slots = list(range(int(pool["n_slots"]) - 1, -1, -1))
+        self.free_blocks = list(range(int(pool["n_blocks"]) - 1, -1, -1))
+        self.seqs: dict[int, SeqState] = {}
+        self._next = 0
+
+    @property
+    def max_batch(self) -> int:
+        return self.decode_fns[-1][0]
+
+    # ---- sequences -------------------------------------------------------------------------------
+    def _check_prompt(self, ids: Sequence[int], where: str) -> list[int]:
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise InputError("empty prompt", where=where, expected="at least one token id")
+        bad = [t for t in ids if not 0 <= t < self.vocab]
+        if bad:
+            raise InputError("token id outside the vocabulary", where=where, expected=f"0 <= id < {self.vocab}",
+                             found=bad[0])
+        return ids
+
+    def _reserve(self, s: SeqState, last_pos: int) -> None:
+        if last_pos >= self.max_context:
+            raise InputError("context beyond the compiled maximum", where=f"sequence {s.id}",
+                             expected=f"<= {self.max_context} tokens", found=last_pos + 1)
+        need = last_pos // self.block_tokens + 1
+        while len(s.blocks) < need:
+            if not self.free_blocks:
+                raise InputError("the KV pool is full", where=f"sequence {s.id}")
+            s.blocks.append(self.free_blocks.pop())
+
+    def open(self) -> SeqState:
+        if not self.free_slots:
+            raise InputError("no free sequence slot", expected=f"<= {self.max_batch} live sequences")
+        s = SeqState(self._next, self.free_slots.pop())
+        self._next += 1
+        self.seqs[s.id] = s
+        return s
+
+    def release(self, s: SeqState) -> None:
+        if self.seqs.pop(s.id, None) is not None:
+            self.free_slots.append(s.slot)
+            self.free_blocks.extend(reversed(s.blocks))
+            s.blocks = []
+
+    def _table(self, seqs: Sequence[SeqState | None], B: int) -> tuple[np.ndarray, np.ndarray]:
+        table = np.full((B, self.blocks_per_seq), -1, dtype=np.int32)
+        slot = np.full((B,), -1, dtype=np.int32)
+        for b, s in enumerate(seqs):
+            if s is not None:
+                table[b, : len(s.blocks)] = s.blocks
+                slot[b] = s.slot
+        return table, slot
+
+    # ---- steps -----------------------------------------------------------------------------------
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[list[SeqState], np.ndarray]:
+        """Open one sequence per prompt and run its prompt through chunked prefill. Returns the sequences
+        and the logits after each prompt's last token `[n, V]`."""
+        prompts = [self._check_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        for i, p in enumerate(prompts):
+            if len(p) > self.max_context:
+                raise InputError("prompt longer than the compiled maximum context", where=f"prompt {i}",
+                                 expected=f"<= {self.max_context} tokens", found=len(p))
+        if len(prompts) > len(self.free_slots):
+            raise InputError("more prompts than free sequence slots", expected=f"<= {len(self.free_slots)}",
+                             found=len(prompts))
+        seqs, out = [], []
+        for p in prompts:
+            s = self.open()
+            seqs.append(s)
+            out.append(self.extend(s, p))
+        return seqs, np.stack(out)
+
+    def extend(self, s: SeqState, ids: Sequence[int]) -> np.ndarray:
+        """Append tokens to a sequence through prefill chunks; logits after the last one `[V]`."""
+        ids = list(ids)
+        last = None
+        while ids:
+            T, fname = next(((t, f) for t, f in self.prefill_fns if t >= len(ids)), self.prefill_fns[-1])
+            part, ids = ids[:T], ids[T:]
+            self._reserve(s, s.length + len(part) - 1)
+            x = np.zeros((1, T), dtype=np.int64)
+            pos = np.full((1, T), -1, dtype=np.int64)
+            x[0, : len(part)] = part
+            pos[0, : len(part)] = np.arange(s.length, s.length + len(part))
+            table, slot = self._table([s], 1)
+            last = self.backend.run(fname, {"ids": x, "pos": pos, "block_table": table, "slot": slot})[0]
+            s.length += len(part)
+        return last
+
+    def decode(self, seqs: Sequence[SeqState], tokens: Sequence[int]) -> np.ndarray:
+        """One token for each of the given live sequences; their next-token logits `[n, V]`."""
+        n = len(seqs)
+        if n != len(tokens) or n == 0:
+            raise InputError("decode needs one token per sequence", expected=n, found=len(tokens))
+        if n > self.max_batch:
+            raise InputError("more sequences than the largest decode bucket", expected=f"<= {self.max_batch}",
+                             found=n)
+        toks = self._check_prompt(tokens, "decode tokens")
+        B, fname = next((b, f) for b, f in self.decode_fns if b >= n)
+        for s in seqs:
+            self._reserve(s, s.length)
+        x = np.zeros((B, 1), dtype=np.int64)
+        pos = np.full((B, 1), -1, dtype=np.int64)
+        x[:n, 0] = toks
+        pos[:n, 0] = [s.length for s in seqs]
+        table, slot = self._table(list(seqs), B)
+        logits = self.backend.run(fname, {"ids": x, "pos": pos, "block_table": table, "slot": slot})[:n]
+        for s in seqs:
+            s.length += 1
+        return logits
+
+    def warmup(self, prompt_len: int, batch: int = 1) -> None:
+        """Prepare the functions a generation of `batch` prompts of `prompt_len` tokens will use."""
+        names = {f for t, f in self.prefill_fns if t >= prompt_len}
+        names = {min(names)} if names else {self.prefill_fns[-1][1]}
+        names |= {f for b, f in self.decode_fns if b <= max(batch, 1)} | {next(f for b, f in self.decode_fns if b >= batch)}
+        if hasattr(self.backend, "prepare"):
+            self.backend.prepare(sorted(names))
+
+    # ---- generation ------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None, stop_ids: Sequence[int] = ()) -> list[list[int]]:
+        """New ids for every prompt (continuous batching: at most `max_batch` sequences live at once; a
+        waiting prompt joins as soon as a slot is free; each sequence stops at `max_new_tokens` or at a
+        stop id, which is included)."""
+        if max_new_tokens < 0:
+            raise InputError("max_new_tokens must be >= 0", found=max_new_tokens)
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise InputError("sampling needs temperature >= 0 and 0 < top_p <= 1", found=(temperature, top_p))
+        prompts = [self._check_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        for i, p in enumerate(prompts):
+            if len(p) + max_new_tokens > self.max_context:
+                raise InputError("prompt + max_new_tokens exceed the compiled maximum context", where=f"prompt {i}",
+                                 expected=f"<= {self.max_context} tokens", found=len(p) + max_new_tokens)
+        rng = np.random.default_rng(seed)
+        stops = set(int(t) for t in stop_ids)
+        out: list[list[int]] = [[] for _ in prompts]
+        if max_new_tokens == 0:
+            return out
+        waiting = deque(range(len(prompts)))
+        live: list[tuple[int, SeqState, int]] = []  # (prompt index, sequence, next token to feed)
+        while waiting or live:
+            while waiting and self.free_slots and len(live) < self.max_batch:
+                i = waiting.popleft()
+                s = self.open()
+                tok = self._sample(self.extend(s, prompts[i])[None], temperature, top_p, rng)[0]
+                out[i].append(tok)
+                if len(out[i]) >= max_new_tokens or tok in stops:
+                    self.release(s)
+                else:
+                    live.append((i, s, tok))
+            if not live:
+                continue
+            logits = self.decode([s for _, s, _ in live], [t for _, _, t in live])
+            toks = self._sample(logits, temperature, top_p, rng)
+            nxt = []
+            for (i, s, _), tok in zip(live, toks):
+                out[i].append(tok)
+                if len(out[i]) >= max_new_tokens or tok in stops:
+                    self.release(s)
+                else:
+                    nxt.append((i, s, tok))
+            live = nxt
+        return out
+
+    @staticmethod
+    def _sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> list[int]:
+        if temperature == 0:
+            return [int(t) for t in logits.argmax(-1)]
+        out = []
+        for row in logits.astype(np.float64) / temperature:
+            p = np.exp(row - row.max())
+            p /= p.sum()
+            order = np.argsort(-p, kind="stable")
+            cum = np.cumsum(p[order])
+            keep = order[: int(np.searchsorted(cum, top_p) + 1)]
+            q = p[keep] / p[keep].sum()
+            out.append(int(keep[rng.choice(len(keep), p=q)]))
+        return out
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def load(path, device: str = "auto", *, threads: int | None = None, verify: bool = True) -> Session:
+    """Load an artifact directory for `device` (`cpu`: ONNX Runtime; `auto`: the best device available,
+    today `cpu`; the C runtime's `host` / `hip` / `cuda` come with it)."""
+    if device not in DEVICES:
+        raise InputError(f"unknown device '{device}'", expected=", ".join(DEVICES))
+    art = load_artifact(path, verify=verify)
+    from .cpu_backend import OrtBackend
+
+    return Session(art, OrtBackend(art, threads=threads))

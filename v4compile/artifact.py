@@ -1,0 +1,322 @@
+"""The artifact directory: what `v4compile compile -o DIR` writes and `v4compile.load(DIR)` reads.
+
+    DIR/manifest.json          format and compiler versions, the config and its hash, numerics, dtype,
+                               buckets, pool geometry, targets (+ their functions' files and interfaces),
+                               kernels (GPU targets, later), the weights layout, and the sha256 of every file
+    DIR/weights/*.safetensors  the IR weights exactly as the functions take them (after merges), in shards
+    DIR/onnx/<function>.onnx   the `cpu` target: one ONNX model per function (weights are graph inputs,
+                               never copied into these files)
+    DIR/module.ir              the final IR (text form)
+    DIR/report.json            what was compiled: functions, op counts, pass hits, sizes
+
+Writing is atomic (everything goes to a temporary sibling directory renamed at the end; on any error it
+is removed) and byte-reproducible (no timestamps, sorted keys, deterministic names). Weights are streamed:
+each IR weight is built from the source and written on its own, so the whole model is never in memory.
+Loading checks every file's hash and names the file that changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import InputError
+from .ir.core import Module
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SHARD_BYTES = 1 << 30  # 1 GiB of tensor data per weights shard
+TARGETS = ("cpu",)  # GPU targets (hip / cuda) plug in here with their kernels
+
+
+class ArtifactError(InputError):
+    """An artifact directory that cannot be loaded: missing, damaged, or from another format version."""
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The static shapes compiled: decode per batch bucket, prefill per chunk bucket (prefill batch 1)."""
+
+    decode: tuple[int, ...] = (1, 2, 4, 8)
+    prefill: tuple[int, ...] = (16, 64)
+
+    def validate(self) -> None:
+        for what, v in (("decode batch buckets", self.decode), ("prefill chunk buckets", self.prefill)):
+            if not v or any(b < 1 for b in v) or list(v) != sorted(set(v)):
+                raise InputError(f"{what} must be increasing positive integers", found=list(v))
+
+
+def decode_name(b: int) -> str:
+    return f"decode_b{b}"
+
+
+def prefill_name(t: int) -> str:
+    return f"prefill_c{t}"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, indent=1, sort_keys=True) + "\n"
+
+
+# ---- building the bucketed module -------------------------------------------------------------
+
+def trace_buckets(cfg, options, buckets: Buckets) -> Module:
+    """One module holding `decode_b<B>` for every decode bucket and `prefill_c<T>` for every chunk bucket.
+    The pool is sized for the largest decode bucket (one slot per sequence in flight)."""
+    from dataclasses import replace
+
+    from .trace import trace
+
+    buckets.validate()
+    fns, weights, attrs = {}, {}, None
+    for kind, sizes in (("decode", buckets.decode), ("prefill", buckets.prefill)):
+        for n in sizes:
+            o = replace(options, decode_batch=n) if kind == "decode" else replace(options, batch=1, chunk=n)
+            m = trace(cfg, o, functions=(kind,))
+            fn = m.functions[kind]
+            fn.name = decode_name(n) if kind == "decode" else prefill_name(n)
+            fns[fn.name] = fn
+            weights.update(m.weights)
+            attrs = attrs or m.attrs
+    attrs = {**attrs, "decode_buckets": tuple(buckets.decode), "prefill_buckets": tuple(buckets.prefill),
+             "batch": 1, "decode_batch": max(buckets.decode)}
+    return Module(cfg.name, dict(sorted(weights.items())), fns, attrs)
+
+
+# ---- weights ------------------------------------------------------------------------------------
+
+def _st_dtype(ir_dtype: str) -> str:
+    return {"fp32": "F32", "bf16": "BF16", "i64": "I64", "i32": "I32", "fp8e4m3": "F8_E4M3", "e8m0": "F8_E8M0",
+            "fp4x2": "I8"}[ir_dtype]
+
+
+def write_weights(module: Module, source, wdir: Path) -> dict[str, Any]:
+    """Shards of IR weights (sorted by name, at most SHARD_BYTES each), every tensor fetched and written
+    on its own. The header is written first from the IR types, so nothing is held back."""
+    import torch
+
+    from .harness import load_ir_weights
+
+    names = sorted(module.weights)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for n in names:
+        nb = module.weights[n].type.nbytes
+        if shards[-1] and size + nb > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += nb
+    tensors: dict[str, dict[str, Any]] = {}
+    files = []
+    for i, group in enumerate(shards):
+        fname = f"weights-{i:05d}-of-{len(shards):05d}.safetensors"
+        header: dict[str, Any] = {"__metadata__": {"format": "v4compile-ir-weights"}}
+        off = 0
+        for n in group:
+            t = module.weights[n].type
+            header[n] = {"dtype": _st_dtype(t.dtype), "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+            off += t.nbytes
+        raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(wdir / fname, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for n in sorted(group, key=lambda n: header[n]["data_offsets"][0]):
+                t = load_ir_weights(module, source, only={n})[n].contiguous()
+                if t.numel():
+                    f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+                tensors[n] = {"shard": f"weights/{fname}", "dtype": module.weights[n].type.dtype,
+                              "shape": list(module.weights[n].type.shape)}
+        files.append(f"weights/{fname}")
+    return {"layout": "ir", "shards": files, "tensors": tensors}
+
+
+# ---- write --------------------------------------------------------------------------------------
+
+@dataclass
+class CompileInputs:
+    cfg: Any
+    module: Module  # the final IR of the pipeline
+    source: Any  # gives the IR weights (None: shape-only, no weights written)
+    numerics: str
+    dtype: str
+    buckets: Buckets
+    max_context: int
+    weights_origin: dict[str, Any]
+    pipeline: list[str]
+    hits: dict[str, Any] = field(default_factory=dict)
+    targets: tuple[str, ...] = ("cpu",)
+
+
+def write_artifact(ci: CompileInputs, out: str | Path) -> Path:
+    """Write the artifact to `out` atomically (replacing an existing artifact there)."""
+    from . import __version__
+    from .ir.text import print_module
+
+    out = Path(out)
+    if out.exists() and not (out / MANIFEST).is_file() and any(out.iterdir()):
+        raise InputError("output directory exists and is not an artifact; refusing to replace it", where=str(out))
+    if ci.source is None:
+        raise InputError("an artifact needs weights", expected="--weights random (presets) or a checkpoint")
+    unknown = [t for t in ci.targets if t not in TARGETS]
+    if unknown:
+        raise InputError(f"unknown target '{unknown[0]}'", expected=", ".join(TARGETS))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        (tmp / "weights").mkdir(parents=True)
+        weights = write_weights(ci.module, ci.source, tmp / "weights")
+        targets = []
+        if "cpu" in ci.targets:
+            targets.append(_write_onnx(ci, tmp))
+        (tmp / "module.ir").write_text(print_module(ci.module))
+        (tmp / "report.json").write_text(_json(_report(ci, targets)))
+        cfg_json = json.loads(ci.cfg.to_json())
+        files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "compiler_version": __version__,
+            "model": ci.cfg.name,
+            "config": cfg_json,
+            "config_hash": hashlib.sha256(json.dumps(cfg_json, sort_keys=True).encode()).hexdigest(),
+            "numerics": ci.numerics,
+            "dtype": ci.dtype,
+            "max_context": ci.max_context,
+            "buckets": {"decode_batch": list(ci.buckets.decode), "prefill_chunk": list(ci.buckets.prefill),
+                        "prefill_batch": 1},
+            "pool": {k[len("pool."):]: (list(v) if isinstance(v, tuple) else v)
+                     for k, v in ci.module.attrs.items() if k.startswith("pool.")},
+            "vocab_size": ci.cfg.vocab_size,
+            "pipeline": list(ci.pipeline),
+            "weights_origin": ci.weights_origin,
+            "targets": targets,
+            "kernels": [],
+            "weights": weights,
+            "files": files,
+        }
+        (tmp / MANIFEST).write_text(_json(manifest))
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("wrote artifact %s (%d files)", out, len(files) + 1)
+    return out
+
+
+def compile_artifact(fe, out: str | Path, buckets: Buckets = Buckets(), pipeline: list[str] | None = None,
+                     targets: tuple[str, ...] = ("cpu",), disable: tuple[str, ...] = ()) -> Path:
+    """Trace the frontend's model per bucket, run the pipeline (default: the cpu one), write the artifact."""
+    from .passes import CPU_PIPELINE, PassManager, PipelineOptions
+
+    pipeline = list(pipeline or CPU_PIPELINE)
+    module = trace_buckets(fe.cfg, fe.options, buckets)
+    res = PassManager(pipeline, PipelineOptions(disable=tuple(disable))).run(module)
+    origin = {"kind": fe.weights, "seed": fe.seed if fe.weights == "random" else None,
+              "checkpoint": str(fe.checkpoint) if fe.checkpoint else None}
+    ci = CompileInputs(fe.cfg, res.module, fe.source, fe.options.numerics, fe.options.dtype, buckets,
+                       fe.options.capacity, origin, pipeline, res.hits(), targets)
+    return write_artifact(ci, out)
+
+
+def _write_onnx(ci: CompileInputs, tmp: Path) -> dict[str, Any]:
+    import onnx
+
+    from .codegen.onnx_export import OPSET, export_function, function_io
+
+    (tmp / "onnx").mkdir()
+    funcs = {}
+    for fname, fn in ci.module.functions.items():
+        model = export_function(ci.module, fname)
+        path = tmp / "onnx" / f"{fname}.onnx"
+        path.write_bytes(model.SerializeToString(deterministic=True))
+        io = function_io(model, set(ci.module.weights))
+        funcs[fname] = {"file": f"onnx/{fname}.onnx", "kind": fname.split("_")[0], "batch": fn.attrs["batch"],
+                        "tokens": fn.attrs["tokens"], "nodes": len(model.graph.node), **io}
+        del model
+    return {"name": "cpu", "format": "onnx", "opset": OPSET, "onnx_version": onnx.__version__, "functions": funcs}
+
+
+def _report(ci: CompileInputs, targets: list[dict]) -> dict[str, Any]:
+    from collections import Counter
+
+    return {
+        "model": ci.cfg.name,
+        "numerics": ci.numerics,
+        "dtype": ci.dtype,
+        "pipeline": list(ci.pipeline),
+        "pass_hits": ci.hits,
+        "functions": {n: {"ops": len(f.ops), "op_counts": dict(sorted(Counter(op.name for op in f.ops).items())),
+                          "batch": f.attrs["batch"], "tokens": f.attrs["tokens"]}
+                      for n, f in ci.module.functions.items()},
+        "weights_bytes": sum(w.type.nbytes for w in ci.module.weights.values()),
+        "kv_bytes_per_token": ci.module.attrs.get("pool.kv_bytes_per_token"),
+        "targets": {t["name"]: {f: v["nodes"] for f, v in t["functions"].items()} for t in targets},
+    }
+
+
+# ---- load ---------------------------------------------------------------------------------------
+
+@dataclass
+class Artifact:
+    path: Path
+    manifest: dict[str, Any]
+
+    def target(self, name: str) -> dict[str, Any]:
+        for t in self.manifest["targets"]:
+            if t["name"] == name:
+                return t
+        raise ArtifactError(f"the artifact has no '{name}' target", where=str(self.path),
+                            expected=", ".join(t["name"] for t in self.manifest["targets"]) or "a target")
+
+    def file(self, rel: str) -> Path:
+        return self.path / rel
+
+
+def load_artifact(path: str | Path, verify: bool = True) -> Artifact:
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise ArtifactError("not an artifact directory (no manifest.json)", where=str(path))
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactError(f"manifest.json cannot be read: {e}", where=str(mpath)) from None
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError("unsupported artifact format version", where=str(mpath), expected=FORMAT_VERSION,
+                            found=manifest.get("format_version") if isinstance(manifest, dict) else None)
+    files = manifest.get("files", {})
+    for rel, digest in sorted(files.items()):
+        p = (path / rel).resolve()
+        if path.resolve() not in p.parents:
+            raise ArtifactError("manifest names a file outside the artifact", where=rel)
+        if not p.is_file():
+            raise ArtifactError("file listed in the manifest is missing", where=str(path / rel))
+        if verify and sha256_file(p) != digest:
+            raise ArtifactError("file does not match its hash in the manifest (changed or damaged)",
+                                where=str(path / rel), expected=digest[:16] + "...")
+    return Artifact(path, manifest)
