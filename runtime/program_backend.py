@@ -1,0 +1,84 @@
+"""Devices `host`, `hip`, `cuda`: an artifact's program run by the C runtime, behind the session's backend
+interface (`backend.py`: `functions()`, `run(function, step inputs) -> logits`, `close()`).
+
+The program is rebuilt from the artifact's final IR (`module.ir`, hash-checked at load) by the last two
+passes of the gpu pipeline (`plan_memory`, `lower_to_program`): the cpu and gpu pipelines differ only by
+those two, so the weights in the artifact are exactly the program's. Decode functions run as a graph
+captured on their first step and replayed after that; prefill functions run launch by launch.
+
+Kernels: until the Triton kernel families land, every launch is a placeholder call that only the host
+driver can run (its callback runs the op's reference); a GPU device therefore needs kernels and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from v4compile.artifact import Artifact
+from v4compile.errors import DeviceError
+
+from .backend import FunctionInfo
+from .c_backend import CRuntime
+from .kernels import kernel_calls_for
+
+log = logging.getLogger(__name__)
+
+PROGRAM_PASSES = ["plan_memory", "lower_to_program"]
+
+
+def artifact_program(art: Artifact):
+    from v4compile.ir.text import parse_module
+    from v4compile.passes import PassManager
+    from v4compile.program.build import build_program
+    from v4compile.program.verify import verify_program
+
+    module = parse_module(art.file("module.ir").read_text())
+    module = PassManager(PROGRAM_PASSES).run(module).module
+    return verify_program(build_program(module))
+
+
+def artifact_weights(art: Artifact) -> dict:
+    from v4compile.safetensors_io import SafetensorsFile
+
+    shards: dict[str, list[str]] = {}
+    for name, w in art.manifest["weights"]["tensors"].items():
+        shards.setdefault(w["shard"], []).append(name)
+    out = {}
+    for shard, names in sorted(shards.items()):
+        with SafetensorsFile(art.file(shard)) as f:
+            for n in names:
+                out[n] = f.read(n)
+    return out
+
+
+class ProgramBackend:
+    def __init__(self, art: Artifact, device: str = "host", *, driver_lib: str | None = None, graphs: bool = True,
+                 kernels: str = "auto"):
+        t0 = time.perf_counter()
+        self.device = device
+        self.graphs = graphs
+        self.program = artifact_program(art)
+        calls = kernel_calls_for(kernels, device)
+        self.rt = CRuntime(self.program, artifact_weights(art), device, driver_lib=driver_lib, kernel_calls=calls)
+        if device != "host" and any(c.kernel is None for f in self.rt.sched.functions for c in f.calls):
+            self.rt.close()
+            raise DeviceError(f"device '{device}' needs compiled kernels for every launch; this artifact's launches "
+                              "have none yet (kernel codegen pending): use --device host or cpu")
+        self._funcs = {n: FunctionInfo(n, n.split("_")[0], int(f.attrs["batch"]), int(f.attrs["tokens"]))
+                       for n, f in self.program.functions.items()}
+        log.info("%s backend: program of %d functions loaded in %.2f s", device, len(self._funcs),
+                 time.perf_counter() - t0)
+
+    def functions(self) -> dict[str, FunctionInfo]:
+        return dict(self._funcs)
+
+    def run(self, fname: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        graph = self.graphs and self._funcs[fname].kind == "decode"
+        out = self.rt.run(fname, inputs, graph=graph)
+        return out["logits"].float().numpy()
+
+    def close(self) -> None:
+        self.rt.close()
