@@ -19,7 +19,7 @@ FAKE_DIR = Path(__file__).parent / "fake_driver"
 
 
 @functools.lru_cache(maxsize=None)
-def tiny(decode_batch: int = 2, batch: int = 3, chunk: int = 16, capacity: int = 64):
+def tiny(decode_batch: int = 3, batch: int = 3, chunk: int = 16, capacity: int = 64):
     m = trace(preset("tiny"), TraceOptions(numerics="hf", batch=batch, chunk=chunk, decode_batch=decode_batch,
                                            capacity=capacity))
     m = PassManager(DEFAULT_PIPELINE, PipelineOptions()).run(m).module
