@@ -246,7 +246,8 @@ def load(path, device: str = "auto", *, threads: int | None = None, verify: bool
     if device in ("host", "hip", "cuda"):
         from .program_backend import ProgramBackend
 
-        return Session(art, ProgramBackend(art, device, driver_lib=driver_lib, graphs=graphs, kernels=kernels))
+        return Session(art, ProgramBackend(art, device, driver_lib=driver_lib, graphs=graphs, kernels=kernels,
+                                          threads=threads))
     from .cpu_backend import OrtBackend
 
     return Session(art, OrtBackend(art, threads=threads))
