@@ -83,13 +83,14 @@ class CRuntime:
     def __init__(self, program: Program, weights: Mapping[str, torch.Tensor], device: str = "host", *,
                  driver_lib: str | None = None, kernel_calls: Callable | None = None,
                  functions: list[str] | None = None, lib: ctypes.CDLL | None = None, abi: int = ABI_VERSION,
-                 table: Callable[[Schedule], bytes] | None = None):
+                 table: Callable[[Schedule], bytes] | None = None, binaries: Callable | None = None):
         if device not in DEVICES:
             raise InputError(f"unknown device '{device}'", expected=", ".join(DEVICES))
         self.program = program
         self.device = device
         self.lib = lib or load_library()
-        self.sched: Schedule = build_schedule(program, kernel_calls, functions, warp=64 if device == "hip" else 32)
+        self.sched: Schedule = build_schedule(program, kernel_calls, functions, warp=64 if device == "hip" else 32,
+                                              binaries=binaries)
         # `table`: how the schedule becomes the bytes handed to the C runtime (tests use fake code objects)
         self.table = self.sched.to_bytes() if table is None else table(self.sched)
         self.error: BaseException | None = None

@@ -102,16 +102,26 @@ class Schedule:
         return header + bytes(out)
 
 
-def _placeholder(l: Launch, slot) -> Call:
+def _placeholder(l: Launch, slot, code: int) -> Call:
     params = [Param(-1, 0, f"operand:{n}") if a is None else Param(*slot(a), f"operand:{n}") for n, a in l.operands]
     params += [Param(*slot(a), f"result:{n}") for n, a in l.results]
-    return Call(0, l.specialisation, (1, 1, 1), (1, 1, 1), 0, tuple(params))
+    return Call(code, l.specialisation, (1, 1, 1), (1, 1, 1), 0, tuple(params))
 
 
-def build_schedule(p: Program, kernel_calls=None, functions: list[str] | None = None, warp: int = 32) -> Schedule:
+def build_schedule(p: Program, kernel_calls=None, functions: list[str] | None = None, warp: int = 32,
+                   binaries=None) -> Schedule:
     """`kernel_calls(launch) -> list[KernelCall] | None` (see kernels.py): the real kernels of a launch
-    where its family has them. `warp`: threads per warp of the target (32 CUDA, 64 AMD)."""
+    where its family has them. `warp`: threads per warp of the target (32 CUDA, 64 AMD).
+    `binaries([KernelCall]) -> {name: (code object bytes, sidecar)}` (a GPU target; see kernels.py): each
+    kernel then gets its own code object, its compiled symbol, block and shared bytes from the sidecar, and
+    Triton's trailing scratch pointers (global, profile): a per-program scratch region, or NULL."""
     names = list(functions or p.functions)
+    plan = {fname: [(l, kernel_calls(l) if kernel_calls is not None else None) for l in p.functions[fname].launches]
+            for fname in names}
+    bins = {}
+    if binaries is not None:
+        todo = {kc.name: kc for pl in plan.values() for _, kcs in pl for kc in (kcs or ())}
+        bins = binaries(list(todo.values()))
     bnames, kinds, sizes, aligns, index = [], [], [], [], {}
 
     def add(key: str, kind: str, nbytes: int, align: int) -> None:
@@ -134,8 +144,14 @@ def build_schedule(p: Program, kernel_calls=None, functions: list[str] | None = 
     for fname in names:
         for b in p.functions[fname].buffers:
             add(f"{fname}/{b.name}" if b.kind in PER_FUNCTION else b.name, b.kind, b.nbytes, b.align)
-    sched = Schedule(bnames, kinds, sizes, aligns, [HOST_CODE_OBJECT], [], index)
-    symbols: dict[str, int] = {}
+    sched = Schedule(bnames, kinds, sizes, aligns, [], [], index)
+    code_of: dict[str, int] = {}
+
+    def host_code() -> int:  # the placeholder object, present only if some call runs in the host callback
+        if "" not in code_of:
+            code_of[""] = len(sched.code_objects)
+            sched.code_objects.append(HOST_CODE_OBJECT)
+        return code_of[""]
     for fname in names:
         f = p.functions[fname]
 
@@ -143,21 +159,28 @@ def build_schedule(p: Program, kernel_calls=None, functions: list[str] | None = 
             return sched.buffer_index(fname, a.buffer), a.offset
 
         calls, launch_of = [], []
-        for li, l in enumerate(f.launches):
-            kcs = kernel_calls(l) if kernel_calls is not None else None
+        for li, (l, kcs) in enumerate(plan[fname]):
             if kcs is None:
-                calls.append(_placeholder(l, slot))
+                calls.append(_placeholder(l, slot, host_code()))
                 launch_of.append(li)
                 continue
             scratch_at, top = {}, 0
-            for kc in kcs:
+
+            def region(key: str, n: int) -> None:
+                nonlocal top
+                if key not in scratch_at:
+                    scratch_at[key] = top
+                    top += (max(n, 16) + 255) // 256 * 256
+
+            for k, kc in enumerate(kcs):
                 for name, n in kc.scratch_bytes.items():
-                    if name not in scratch_at:
-                        scratch_at[name] = top
-                        top += (max(n, 16) + 255) // 256 * 256
+                    region(name, n)
+                for tp in (bins[kc.name][1]["params"] if kc.name in bins else ()):
+                    if tp.get("kind") == "triton_scratch" and tp["size_per_program"]:
+                        region(f"{k}:{tp['name']}", tp["size_per_program"] * kc.grid[0] * kc.grid[1] * kc.grid[2])
             sizes[index["scratch"]] = max(sizes[index["scratch"]], top)
             ops, res = dict(l.operands), dict(l.results)
-            for kc in kcs:
+            for k, kc in enumerate(kcs):
                 if 0 in kc.grid:
                     continue  # nothing to do for this shape
                 params = []
@@ -167,9 +190,21 @@ def build_schedule(p: Program, kernel_calls=None, functions: list[str] | None = 
                         continue
                     a = (ops if kind == "operand" else res).get(name)
                     params.append(Param(-1, 0, f"{kind}:{name}") if a is None else Param(*slot(a), f"{kind}:{name}"))
-                symbols.setdefault(kc.name, 0)
-                calls.append(Call(0, kc.name, tuple(kc.grid), (kc.num_warps * warp, 1, 1),
-                                  int(getattr(kc, "shared", 0)), tuple(params), kc))
+                if kc.name not in bins:
+                    calls.append(Call(host_code(), kc.name, tuple(kc.grid), (kc.num_warps * warp, 1, 1), 0, tuple(params),
+                                      kc))
+                else:
+                    image, side = bins[kc.name]
+                    if kc.name not in code_of:
+                        code_of[kc.name] = len(sched.code_objects)
+                        sched.code_objects.append(image)
+                    for tp in side["params"]:
+                        if tp.get("kind") == "triton_scratch":
+                            key = f"{k}:{tp['name']}"
+                            params.append(Param(index["scratch"], scratch_at[key], f"scratch:{tp['name']}")
+                                          if key in scratch_at else Param(-1, 0, f"scratch:{tp['name']}"))
+                    calls.append(Call(code_of[kc.name], side["symbol"], tuple(kc.grid), tuple(side["block"]),
+                                      int(side["shared_bytes"]), tuple(params), kc))
                 launch_of.append(li)
         sched.functions.append(FunctionSchedule(fname, f, calls, launch_of))
     return sched

@@ -102,3 +102,37 @@ def test_the_table_carries_the_kernel_call_to_the_driver():
     assert args == (rt.addr[idx("decode", "ids")], rt.addr[idx("decode", "embed.weight")],
                     rt.addr[idx("decode", "arena")] + l.results[0][1].offset)
     rt.close()
+
+
+def test_compiled_kernels_get_their_own_code_object_symbol_block_shared_and_triton_scratch():
+    """With binaries (a GPU target: cubin / hsaco + sidecar from codegen.aot), a kernel call launches the
+    compiled symbol from its own code object, with the sidecar's block and shared bytes and Triton's two
+    trailing scratch pointers (a per-program region of the scratch buffer, or NULL when it needs none)."""
+    from v4compile.runtime.schedule import HOST_CODE_OBJECT
+    from runtime_helpers import fake_code_object
+
+    m, prog, w = tiny()
+    fake = Fake("cuda")
+    sidecar = {"symbol": "embed_kernel_0d1d2d", "block": [128, 1, 1], "shared_bytes": 4096,
+               "params": [{"name": "ids"}, {"name": "table"}, {"name": "out"},
+                          {"name": "global_scratch", "kind": "triton_scratch", "size_per_program": 32},
+                          {"name": "profile_scratch", "kind": "triton_scratch", "size_per_program": 0}]}
+
+    def binaries(kcs):
+        return {kc.name: (b"FAKE\nembed_kernel_0d1d2d 5\n\0", sidecar) for kc in kcs}
+
+    def table(sched):  # the placeholder object becomes a fake one holding the placeholder symbols
+        sched.code_objects = [fake_code_object(sched) if c == HOST_CODE_OBJECT else c for c in sched.code_objects]
+        return sched.to_bytes()
+
+    rt = CRuntime(prog, w, "cuda", driver_lib=fake.path, table=table, kernel_calls=make_kernel_calls(fake_embed()),
+                  binaries=binaries)
+    assert fake.counts()["loads"] == len(rt.sched.code_objects) == 3  # placeholders + the two embed shapes
+    rt.run("decode", {b.name: torch.zeros(b.type.shape, dtype=torch.long) for b in prog.functions["decode"].buffers
+                      if b.kind == "input"})
+    name, geom, args, _ = fake.log()[0]
+    assert name == "embed_kernel_0d1d2d" and geom == (3, 1, 1, 128, 1, 1, 4096)
+    scratch = rt.addr[rt.sched.buffer_index("decode", "scratch")]
+    assert len(args) == 5 and scratch <= args[3] < scratch + rt.sched.buffer_bytes[0] and args[4] == 0
+    assert rt.sched.buffer_bytes[rt.sched.buffer_index("decode", "scratch")] >= 3 * 32
+    rt.close()
