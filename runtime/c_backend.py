@@ -183,6 +183,14 @@ class CRuntime:
                 out[n] = _typed(self.buffer(fname, a.buffer), a).clone()
         return out
 
+    def launch(self, fname: str, graph: bool = False) -> None:
+        """Run `fname` on the inputs already uploaded (no transfers; for timing)."""
+        self._check(self.lib.v4rt_run(self.handle, self.sched.function_index(fname), 1 if graph else 0),
+                    f"running @{fname}")
+
+    def sync(self) -> None:
+        self._check(self.lib.v4rt_sync(self.handle), "synchronising")
+
     def _where(self, ptr: int) -> tuple[str, int]:
         i = bisect.bisect_right(self._by_addr, (ptr, 1 << 62)) - 1
         if i >= 0:

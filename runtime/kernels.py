@@ -72,3 +72,26 @@ def kernel_calls_for(mode: str, device: str) -> Callable | None:
     if device == "host":  # Triton kernels run on the host buffers through the interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
     return make_kernel_calls()
+
+
+GPU_TARGET = {"cuda": "sm_90a", "hip": "gfx950"}
+
+
+def aot_binaries(device: str, out_dir) -> Callable:
+    """[KernelCall] -> {name: (binary, sidecar)} compiled by `codegen.aot.compile_calls` for the device's
+    target (cached there by specialisation). Today at load time; an artifact's GPU target will carry them."""
+    import json
+    from pathlib import Path
+
+    target = GPU_TARGET[device]
+
+    def get(kcs) -> dict:
+        from v4compile.codegen.aot import compile_calls
+
+        compile_calls(kcs, [target], out_dir)
+        out = {}
+        for kc in kcs:
+            side = json.loads((Path(out_dir) / target / f"{kc.name}.json").read_text())
+            out[kc.name] = ((Path(out_dir) / target / side["binary"]).read_bytes(), side)
+        return out
+    return get

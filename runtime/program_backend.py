@@ -22,7 +22,7 @@ from v4compile.errors import DeviceError
 
 from .backend import FunctionInfo
 from .c_backend import CRuntime
-from .kernels import kernel_calls_for
+from .kernels import aot_binaries, kernel_calls_for
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,14 @@ class ProgramBackend:
             if missing:
                 raise DeviceError(f"device '{device}' needs compiled kernels for every launch; none yet for the "
                                   f"families {', '.join(missing)} (kernel codegen pending): use --device host or cpu")
-        self.rt = CRuntime(self.program, artifact_weights(art), device, driver_lib=driver_lib, kernel_calls=calls)
+        binaries = None
+        if device != "host":
+            import tempfile
+
+            self._aot_dir = tempfile.TemporaryDirectory(prefix="v4compile-aot-")
+            binaries = aot_binaries(device, self._aot_dir.name)
+        self.rt = CRuntime(self.program, artifact_weights(art), device, driver_lib=driver_lib, kernel_calls=calls,
+                           binaries=binaries)
         self._funcs = {n: FunctionInfo(n, n.split("_")[0], int(f.attrs["batch"]), int(f.attrs["tokens"]))
                        for n, f in self.program.functions.items()}
         log.info("%s backend: program of %d functions loaded in %.2f s", device, len(self._funcs),
@@ -82,6 +89,16 @@ class ProgramBackend:
 
     def functions(self) -> dict[str, FunctionInfo]:
         return dict(self._funcs)
+
+    def timed(self, fname: str, inputs: dict[str, np.ndarray], graph: bool, reps: int = 20) -> float:
+        """Seconds per run of `fname` (inputs uploaded once; launch by launch or graph replay), synchronised."""
+        self.rt.run(fname, inputs, graph=graph)  # warm up (and capture)
+        self.rt.sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            self.rt.launch(fname, graph=graph)
+        self.rt.sync()
+        return (time.perf_counter() - t0) / reps
 
     def run(self, fname: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
         graph = self.graphs and self._funcs[fname].kind == "decode"
