@@ -33,10 +33,18 @@ def _build(name: str, flags: tuple[str, ...], sources: list[Path]) -> Path:
                        + " ".join(flags).encode()).hexdigest()[:16]
     out = cache_dir() / "tests" / h / name
     if not out.is_file():
+        import os
+        import tempfile
+
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        compile_shared(sources, tmp, flags, libs=("-ldl",), include=SOURCE_DIR)
-        tmp.replace(out)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")  # xdist workers may build it at once
+        os.close(fd)
+        try:
+            compile_shared(sources, Path(tmp), flags, libs=("-ldl",), include=SOURCE_DIR)
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return out
 
 
