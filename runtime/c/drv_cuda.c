@@ -32,8 +32,8 @@ typedef struct {
     CUresult (*cuFuncSetAttribute)(CUfunction, int, int);
     CUresult (*cuMemAlloc)(CUdeviceptr *, size_t);
     CUresult (*cuMemFree)(CUdeviceptr);
-    CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void *, size_t);
-    CUresult (*cuMemcpyDtoH)(void *, CUdeviceptr, size_t);
+    CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
+    CUresult (*cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
     CUresult (*cuStreamCreate)(CUstream *, unsigned);
     CUresult (*cuStreamDestroy)(CUstream);
     CUresult (*cuStreamSynchronize)(CUstream);
@@ -71,15 +71,18 @@ static int c_free(v4drv *d, uint64_t addr) {
     CK(c, c->cuMemFree((CUdeviceptr)addr), "cuMemFree");
     return 0;
 }
+/* Copies go on the runtime's (non-blocking) stream, so they are ordered with its kernels and graphs, and
+ * complete before returning: the host buffer may be freed right after. */
 static int c_h2d(v4drv *d, uint64_t dst, const void *src, uint64_t n) {
     cu_t *c = d->state;
+    CK(c, c->cuMemcpyHtoDAsync((CUdeviceptr)dst, src, (size_t)n, c->stream), "cuMemcpyHtoDAsync");
     CK(c, c->cuStreamSynchronize(c->stream), "cuStreamSynchronize");
-    CK(c, c->cuMemcpyHtoD((CUdeviceptr)dst, src, (size_t)n), "cuMemcpyHtoD");
     return 0;
 }
 static int c_d2h(v4drv *d, void *dst, uint64_t src, uint64_t n) {
     cu_t *c = d->state;
-    CK(c, c->cuMemcpyDtoH(dst, (CUdeviceptr)src, (size_t)n), "cuMemcpyDtoH");
+    CK(c, c->cuMemcpyDtoHAsync(dst, (CUdeviceptr)src, (size_t)n, c->stream), "cuMemcpyDtoHAsync");
+    CK(c, c->cuStreamSynchronize(c->stream), "cuStreamSynchronize");
     return 0;
 }
 static int c_module_load(v4drv *d, const void *image, uint64_t size, void **module) {
@@ -217,8 +220,8 @@ int v4drv_cuda_open(v4drv *d, const char *lib) {
     SYM(c, cuFuncSetAttribute, "cuFuncSetAttribute");
     SYM(c, cuMemAlloc, "cuMemAlloc_v2");
     SYM(c, cuMemFree, "cuMemFree_v2");
-    SYM(c, cuMemcpyHtoD, "cuMemcpyHtoD_v2");
-    SYM(c, cuMemcpyDtoH, "cuMemcpyDtoH_v2");
+    SYM(c, cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
+    SYM(c, cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
     SYM(c, cuStreamCreate, "cuStreamCreate");
     SYM(c, cuStreamDestroy, "cuStreamDestroy_v2");
     SYM(c, cuStreamSynchronize, "cuStreamSynchronize");

@@ -24,7 +24,7 @@ typedef struct {
     hipError_t (*hipModuleGetFunction)(hipFunction_t *, hipModule_t, const char *);
     hipError_t (*hipMalloc)(void **, size_t);
     hipError_t (*hipFree)(void *);
-    hipError_t (*hipMemcpy)(void *, const void *, size_t, int);
+    hipError_t (*hipMemcpyAsync)(void *, const void *, size_t, int, hipStream_t);
     hipError_t (*hipStreamCreateWithFlags)(hipStream_t *, unsigned);
     hipError_t (*hipStreamDestroy)(hipStream_t);
     hipError_t (*hipStreamSynchronize)(hipStream_t);
@@ -61,15 +61,18 @@ static int h_free(v4drv *d, uint64_t addr) {
     CK(c, c->hipFree((void *)(uintptr_t)addr), "hipFree");
     return 0;
 }
+/* Copies go on the runtime's (non-blocking) stream, ordered with its kernels and graphs, and complete
+ * before returning: the host buffer may be freed right after. */
 static int h_h2d(v4drv *d, uint64_t dst, const void *src, uint64_t n) {
     hip_t *c = d->state;
+    CK(c, c->hipMemcpyAsync((void *)(uintptr_t)dst, src, (size_t)n, HIP_MEMCPY_H2D, c->stream), "hipMemcpyAsync(H2D)");
     CK(c, c->hipStreamSynchronize(c->stream), "hipStreamSynchronize");
-    CK(c, c->hipMemcpy((void *)(uintptr_t)dst, src, (size_t)n, HIP_MEMCPY_H2D), "hipMemcpy(H2D)");
     return 0;
 }
 static int h_d2h(v4drv *d, void *dst, uint64_t src, uint64_t n) {
     hip_t *c = d->state;
-    CK(c, c->hipMemcpy(dst, (const void *)(uintptr_t)src, (size_t)n, HIP_MEMCPY_D2H), "hipMemcpy(D2H)");
+    CK(c, c->hipMemcpyAsync(dst, (const void *)(uintptr_t)src, (size_t)n, HIP_MEMCPY_D2H, c->stream), "hipMemcpyAsync(D2H)");
+    CK(c, c->hipStreamSynchronize(c->stream), "hipStreamSynchronize");
     return 0;
 }
 static int h_module_load(v4drv *d, const void *image, uint64_t size, void **module) {
@@ -198,7 +201,7 @@ int v4drv_hip_open(v4drv *d, const char *lib) {
     SYM(c, hipModuleGetFunction, "hipModuleGetFunction");
     SYM(c, hipMalloc, "hipMalloc");
     SYM(c, hipFree, "hipFree");
-    SYM(c, hipMemcpy, "hipMemcpy");
+    SYM(c, hipMemcpyAsync, "hipMemcpyAsync");
     SYM(c, hipStreamCreateWithFlags, "hipStreamCreateWithFlags");
     SYM(c, hipStreamDestroy, "hipStreamDestroy");
     SYM(c, hipStreamSynchronize, "hipStreamSynchronize");

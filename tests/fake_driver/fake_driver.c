@@ -189,8 +189,8 @@ int cuModuleGetFunction(void **f, void *m, const char *n) { return f_getfn(f, m,
 int cuFuncSetAttribute(void *f, int a, int v) { (void)f; (void)a; (void)v; return 0; }
 int cuMemAlloc_v2(CUdeviceptr *p, size_t n) { void *q = NULL; int r = f_alloc(&q, n); *p = (CUdeviceptr)(uintptr_t)q; return r ? 2 : 0; }
 int cuMemFree_v2(CUdeviceptr p) { return f_free((void *)(uintptr_t)p) ? 1 : 0; }
-int cuMemcpyHtoD_v2(CUdeviceptr d, const void *s, size_t n) { memcpy((void *)(uintptr_t)d, s, n); return 0; }
-int cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n) { memcpy(d, (const void *)(uintptr_t)s, n); return 0; }
+int cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, void *st) { (void)st; memcpy((void *)(uintptr_t)d, s, n); return 0; }
+int cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, void *st) { (void)st; memcpy(d, (const void *)(uintptr_t)s, n); return 0; }
 int cuStreamCreate(void **s, unsigned f) { (void)f; g_streams++; *s = (void *)2; return 0; }
 int cuStreamDestroy_v2(void *s) { (void)s; g_streams--; return 0; }
 int cuStreamSynchronize(void *s) { (void)s; return 0; }
@@ -213,7 +213,7 @@ int hipModuleUnload(void *m) { return f_unload(m); }
 int hipModuleGetFunction(void **f, void *m, const char *n) { return f_getfn(f, m, n) ? 500 : 0; }
 int hipMalloc(void **p, size_t n) { return f_alloc(p, n) ? 2 : 0; }
 int hipFree(void *p) { return f_free(p) ? 1 : 0; }
-int hipMemcpy(void *d, const void *s, size_t n, int kind) { (void)kind; memcpy(d, s, n); return 0; }
+int hipMemcpyAsync(void *d, const void *s, size_t n, int kind, void *st) { (void)kind; (void)st; memcpy(d, s, n); return 0; }
 int hipStreamCreateWithFlags(void **s, unsigned f) { (void)f; g_streams++; *s = (void *)2; return 0; }
 int hipStreamDestroy(void *s) { (void)s; g_streams--; return 0; }
 int hipStreamSynchronize(void *s) { (void)s; return 0; }
