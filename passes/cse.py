@@ -1,7 +1,8 @@
 """Common-subexpression elimination.
 
 Requires: a verified module (ops are pure).
-Guarantees: of several ops with the same name, the same operands (by identity) and the same attributes,
+Guarantees: of several ops with the same name, the same operands (by identity) and the same attributes
+(the semantic tags `layer` / `role` aside, like `loc`: they say where an op came from, not what it computes),
 only the first remains; uses of the others' results are redirected to it. Outputs are unchanged.
 Hits: `<func>.ops_merged`.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from v4compile.ir.core import Function
+from v4compile.ir.semantics import without_tags
 
 from .base import FunctionPass, register
 from .rewrite import substitute
@@ -22,7 +24,8 @@ def cse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     kept = []
     for op in fn.ops:
         operands = tuple(mapping.get(id(v), v) if v is not None else None for v in op.operands)
-        key = (op.name, tuple(id(v) if v is not None else None for v in operands), tuple(sorted(op.attrs.items())))
+        key = (op.name, tuple(id(v) if v is not None else None for v in operands),
+               tuple(sorted(without_tags(op.attrs).items())))
         if key in seen:
             for old, new in zip(op.results, seen[key].results):
                 mapping[id(old)] = new

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from v4compile.ir.core import Function
 
 from .base import FunctionPass, register
-from .rewrite import make_op, Namer, rebuild, use_counts
+from .rewrite import Namer, make_op, operands_of, rebuild, tags_of, use_counts
 
 
 def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
@@ -24,27 +24,28 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     replace, drop, n = {}, set(), 0
     for op in fn.ops:
         if op.name == "csr_selected":
-            tk = prod.get(id(op.operands[0]))
-            sc = prod.get(id(tk.operands[0])) if tk is not None and tk.name == "topk" else None
+            tk = prod.get(id(op.operand("selected")))
+            sc = prod.get(id(tk.operand("scores"))) if tk is not None and tk.name == "topk" else None
             if sc is None or sc.name != "indexer_scores_paged" or uses.get(id(tk.result)) != 1 \
                     or uses.get(id(sc.result)) != 1:
                 continue
             a = sc.attrs
-            new = make_op(namer, "indexer_select", [sc.operands[0], sc.operands[1], op.operands[1], op.operands[2],
-                                                    *sc.operands[4:]],
+            operands = {"q": sc.operand("q"), "weights": sc.operand("weights"), "pos": op.operand("pos"),
+                        "block_table": op.operand("block_table"), "p0": sc.operand("p0"), "p1": sc.operand("p1")}
+            new = make_op(namer, "indexer_select", operands,
                           {"ratio": a["ratio"], "q_scale": a["q_scale"], "w_scale": a["w_scale"], "k": tk.attrs["k"],
                            "block_tokens": a["block_tokens"], "index_envelope_rows": a["envelope_rows"],
                            "index_offset": a["layer_offset"], "envelope_rows": op.attrs["envelope_rows"],
-                           "max_rows": a["max_rows"], "fmt": a["fmt"]}, sc.loc, list(op.results))
+                           "max_rows": a["max_rows"], "fmt": a["fmt"], **tags_of(sc)}, sc.loc, list(op.results))
             replace[id(op)] = new
             drop.update((id(tk), id(sc)))
             n += 1
     for op in fn.ops:
         if op.name == "topk" and id(op) not in drop:
-            sc = prod.get(id(op.operands[0]))
+            sc = prod.get(id(op.operand("scores")))
             if sc is None or sc.name != "indexer_scores" or uses.get(id(sc.result)) != 1:
                 continue
-            replace[id(op)] = make_op(namer, "indexer_topk", list(sc.operands), {**sc.attrs, "k": op.attrs["k"]},
+            replace[id(op)] = make_op(namer, "indexer_topk", operands_of(sc), {**sc.attrs, "k": op.attrs["k"]},
                                       sc.loc, [op.result])
             drop.add(id(sc))
             n += 1

@@ -3,8 +3,8 @@
 
 Requires: a traced module (after the GEMM merges or not).
 Guarantees:
-* every `hc_post` whose streams feed an `hc_pre` becomes, with it, one `mhc_post_pre` — except the seams
-  of layer 0, as the seed describes (its attention pre has no post to fold; its attention post and FFN
+* every `hc_post` whose streams feed an `hc_pre` becomes, with it, one `mhc_post_pre` (tagged with the
+  `hc_pre`'s layer, roles joined) — except the seams of layer 0 (`layer` tag 0), as the seed describes (its attention pre has no post to fold; its attention post and FFN
   pre stay separate). V4-Pro: 2 x 60 = 120 seams;
 * an `hc_pre` left unfused (layer 0's two) still absorbs its RMSNorm: `hc_pre_norm`;
 * decision: the last layer's FFN `hc_post` folds into `hc_head` (`mhc_post_head`) when the final streams
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from v4compile.ir.core import Function
 
 from .base import FunctionPass, register
-from .rewrite import Namer, make_op, use_counts
+from .rewrite import Namer, join_roles, make_op, tags_of, use_counts
 
 
 def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
@@ -34,27 +34,33 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
 
     def norm_of(pre) -> object | None:
         """The weighted rms_norm that is the only user of an hc_pre's collapsed output."""
-        y = pre.results[0]
+        y = pre.out("y")
         u = users.get(id(y), [])
-        if uses.get(id(y)) == 1 and len(u) == 1 and u[0].name == "rms_norm" and u[0].operands[1] is not None:
+        if uses.get(id(y)) == 1 and len(u) == 1 and u[0].name == "rms_norm" and u[0].operand("weight") is not None:
             return u[0]
         return None
 
     def pre_attrs(pre, norm) -> dict:
         return {**pre.attrs, "norm_eps": norm.attrs["eps"] if norm is not None else 1e-6}
 
+    def pre_operands(pre, norm) -> dict:
+        return {"fn": pre.operand("fn"), "base": pre.operand("base"), "scale": pre.operand("scale"),
+                "norm": norm.operand("weight") if norm is not None else None}
+
     fused_pres: set[int] = set()
     for op in fn.ops:
         if op.name != "hc_post":
             continue
-        out = op.results[0]
-        nxt = [u for u in users.get(id(out), []) if u.name == "hc_pre" and u.operands[0] is out]
-        if nxt and not nxt[0].loc.startswith("layers.0."):  # layer 0's own seam stays separate
+        out = op.out("streams_out")
+        nxt = [u for u in users.get(id(out), []) if u.name == "hc_pre" and u.operand("streams") is out]
+        if nxt and nxt[0].attrs.get("layer") != 0:  # layer 0's own seam stays separate
             pre = nxt[0]
             norm = norm_of(pre)
-            y_next = norm.results[0] if norm is not None else pre.results[0]
-            new = make_op(namer, "mhc_post_pre", [*op.operands, *pre.operands[1:4], norm.operands[1] if norm else None],
-                          pre_attrs(pre, norm), pre.loc, [out, y_next, pre.results[1], pre.results[2]])
+            y_next = norm.result if norm is not None else pre.out("y")
+            post_in = {k: op.operand(k) for k in ("y", "streams", "post", "comb")}
+            new = make_op(namer, "mhc_post_pre", {**post_in, **pre_operands(pre, norm)},
+                          {**pre_attrs(pre, norm), **tags_of(pre, role=join_roles(op, pre))}, pre.loc,
+                          [out, y_next, pre.out("post"), pre.out("comb")])
             replace[id(op)] = new
             drop.add(id(pre))
             if norm is not None:
@@ -65,7 +71,9 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
         head = [u for u in users.get(id(out), []) if u.name == "hc_head"]
         if head and uses.get(id(out)) == 1:
             h = head[0]
-            new = make_op(namer, "mhc_post_head", [*op.operands, *h.operands[1:4]], dict(h.attrs), h.loc, [h.results[0]])
+            post_in = {k: op.operand(k) for k in ("y", "streams", "post", "comb")}
+            new = make_op(namer, "mhc_post_head", {**post_in, **{k: h.operand(k) for k in ("fn", "base", "scale")}},
+                          {**h.attrs, **tags_of(h, role=join_roles(op, h))}, h.loc, [h.result])
             replace[id(op)] = new
             drop.add(id(h))
             hits["post_head"] += 1
@@ -74,9 +82,8 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
             norm = norm_of(op)
             if norm is None:
                 continue
-            y = norm.results[0]
-            replace[id(op)] = make_op(namer, "hc_pre_norm", [*op.operands, norm.operands[1]], pre_attrs(op, norm),
-                                      op.loc, [y, op.results[1], op.results[2]])
+            replace[id(op)] = make_op(namer, "hc_pre_norm", {"streams": op.operand("streams"), **pre_operands(op, norm)},
+                                      pre_attrs(op, norm), op.loc, [norm.result, op.out("post"), op.out("comb")])
             drop.add(id(norm))
             hits["pre_norm"] += 1
     ops = [replace.get(id(op), op) for op in fn.ops if id(op) not in drop]

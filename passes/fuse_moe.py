@@ -4,7 +4,8 @@ Requires: the traced FFN (`moe_experts`, and the shared expert as `linear` w1, `
 `linear` w2 on the same input, summed by `add`); run it before `merge_sibling_gemms`, which would
 otherwise merge the shared expert's w1 / w3.
 Guarantees: `y = add(moe_experts(x, ...), w2(swiglu(w1 x, w3 x)))` becomes one `moe_experts_shared`
-(the router stays its own op). Result names kept; numerics bit-identical.
+(the router stays its own op; role `ffn.experts+ffn.shared`; `act` is the routed experts' activation
+format, `shared_act` the shared expert's). Result names kept; numerics bit-identical.
 Hits: `<func>.fused`.
 """
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from v4compile.ir.core import Function
 
 from .base import FunctionPass, register
-from .rewrite import make_op, Namer, rebuild, use_counts
+from .rewrite import Namer, join_roles, make_op, rebuild, tags_of, use_counts
 
 
 def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
@@ -26,26 +27,31 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     for op in fn.ops:
         if op.name != "add":
             continue
-        a, b = op.operands
-        moe, down = prod.get(id(a)), prod.get(id(b))
+        moe, down = prod.get(id(op.operand("a"))), prod.get(id(op.operand("b")))
         if moe is None or down is None or moe.name != "moe_experts" or down.name != "linear":
             continue
-        sw = prod.get(id(down.operands[0]))
+        sw = prod.get(id(down.operand("x")))
         if sw is None or sw.name != "swiglu":
             continue
-        gate, up = prod.get(id(sw.operands[0])), prod.get(id(sw.operands[1]))
-        x = moe.operands[0]
-        if (gate is None or up is None or gate.name != "linear" or up.name != "linear" or gate.operands[0] is not x
-                or up.operands[0] is not x):
+        gate, up = prod.get(id(sw.operand("gate"))), prod.get(id(sw.operand("up")))
+        x = moe.operand("x")
+        if (gate is None or up is None or gate.name != "linear" or up.name != "linear" or gate.operand("x") is not x
+                or up.operand("x") is not x):
             continue
         inner = [moe, down, sw, gate, up]
         if any(uses.get(id(o.result)) != 1 for o in inner):
             continue
-        new = make_op(namer, "moe_experts_shared",
-                      [*moe.operands[:6], gate.operands[1], down.operands[1], up.operands[1], *moe.operands[6:9],
-                       gate.operands[2], down.operands[2], up.operands[2]],
-                      {"limit": moe.attrs["limit"], "block": moe.attrs["block"], "shared_block": gate.attrs["block"]},
-                      moe.loc, [op.result])
+        lin = {(g.attrs["block"], g.attrs["act"], g.attrs["acc"], g.attrs["out_dtype"]) for g in (gate, up, down)}
+        if len(lin) != 1 or gate.attrs["out_dtype"] or gate.attrs["acc"] != moe.attrs["acc"]:
+            continue  # the fused op has one shared-expert numerics, results in the activation dtype
+        operands = {k: moe.operand(k) for k in ("x", "weights", "indices", "w1", "w2", "w3", "w1_scale", "w2_scale",
+                                                "w3_scale")}
+        operands.update(s1=gate.operand("w"), s2=down.operand("w"), s3=up.operand("w"), s1_scale=gate.operand("scale"),
+                        s2_scale=down.operand("scale"), s3_scale=up.operand("scale"))
+        attrs = {"limit": moe.attrs["limit"], "block": moe.attrs["block"], "act": moe.attrs["act"],
+                 "acc": moe.attrs["acc"], "out_dtype": moe.attrs["out_dtype"], "shared_block": gate.attrs["block"],
+                 "shared_act": gate.attrs["act"], **tags_of(moe, role=join_roles(moe, op))}
+        new = make_op(namer, "moe_experts_shared", operands, attrs, moe.loc, [op.result])
         replace[id(op)] = new
         drop.update(id(o) for o in inner)
         n += 1

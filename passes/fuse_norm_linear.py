@@ -25,11 +25,12 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     for op in fn.ops:
         if op.name != "linear":
             continue
-        n = prod.get(id(op.operands[0]))
-        if n is None or n.name != "rms_norm" or n.operands[1] is None or uses.get(id(n.result)) != 1:
+        n = prod.get(id(op.operand("x")))
+        if n is None or n.name != "rms_norm" or n.operand("weight") is None or uses.get(id(n.result)) != 1:
             continue
-        replace[id(op)] = make_op(namer, "norm_linear", [n.operands[0], n.operands[1], op.operands[1], op.operands[2]],
-                                  {"eps": n.attrs["eps"], "block": op.attrs["block"]}, op.loc, [op.result])
+        replace[id(op)] = make_op(namer, "norm_linear", {"x": n.operand("x"), "norm": n.operand("weight"),
+                                                         "w": op.operand("w"), "scale": op.operand("scale")},
+                                  {**op.attrs, "eps": n.attrs["eps"]}, op.loc, [op.result])
         drop.add(id(n))
     return rebuild(fn, replace, drop), {"fused": len(replace)}
 

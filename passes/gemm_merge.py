@@ -13,7 +13,7 @@ from __future__ import annotations
 from v4compile.ir.core import WEIGHT, Function, Op, Value
 from v4compile.ir.types import TensorType
 
-from .rewrite import Namer, make_op
+from .rewrite import Namer, join_roles, make_op, tags_of
 
 
 def merged_name(names: list[str], suffix: str) -> str:
@@ -28,15 +28,23 @@ def merged_name(names: list[str], suffix: str) -> str:
     return ".".join(common + [suffix, "weight"])
 
 
+# GEMM attributes every member of a merged group must share (the numerics of the one merged GEMM).
+SHARED_ATTRS = ("block", "act", "acc", "out_dtype")
+
+
 def can_merge(ops: list[Op]) -> bool:
-    ws = [op.operands[1] for op in ops]
+    ws = [op.operand("w") for op in ops]
     if any(w is None or w.kind != WEIGHT for w in ws):
         return False
     if len({(w.type.dtype, w.type.shape[1:]) for w in ws}) != 1:
         return False
-    if len({op.operands[2] is None for op in ops}) != 1 or len({op.attrs["block"] for op in ops}) != 1:
+    if len({op.operand("scale") is None for op in ops}) != 1:
         return False
-    if ops[0].operands[2] is not None:
+    if len({tuple(op.attrs.get(k) for k in SHARED_ATTRS) for op in ops}) != 1:
+        return False
+    if len({op.attrs.get("layer") for op in ops}) != 1:
+        return False
+    if ops[0].operand("scale") is not None:
         block = ops[0].attrs["block"]
         if ws[0].type.dtype == "fp8e4m3" and any(w.type.shape[0] % block for w in ws[:-1]):
             return False
@@ -45,7 +53,8 @@ def can_merge(ops: list[Op]) -> bool:
 
 def merge_linears(fn: Function, groups: list[list[Op]], weights: dict[str, Value], suffix_of) -> tuple[Function, int]:
     """Replace each group of linears (same input) by one merged linear + splits. Returns the new function
-    and the number of groups merged; new weights are added to `weights`."""
+    and the number of groups merged; new weights are added to `weights`. The merged GEMM and its splits
+    carry the members' joined role."""
     namer = Namer(fn)
     first_of = {id(g[0]): g for g in groups}
     drop = {id(op) for g in groups for op in g[1:]}
@@ -57,8 +66,8 @@ def merge_linears(fn: Function, groups: list[list[Op]], weights: dict[str, Value
         if group is None:
             ops.append(op)
             continue
-        ws = [g.operands[1] for g in group]
-        scales = [g.operands[2] for g in group]
+        ws = [g.operand("w") for g in group]
+        scales = [g.operand("scale") for g in group]
         name = merged_name([w.name for w in ws], suffix_of(group))
         rows = sum(w.type.shape[0] for w in ws)
         w = weights.get(name) or Value(name, TensorType((rows, *ws[0].type.shape[1:]), ws[0].type.dtype), WEIGHT,
@@ -72,15 +81,17 @@ def merge_linears(fn: Function, groups: list[list[Op]], weights: dict[str, Value
                                             WEIGHT, tuple(src for x in scales for src in x.sources))
             weights[sname] = s
         loc = group[0].loc
-        merged = make_op(namer, "linear", [group[0].operands[0], w, s], dict(group[0].attrs), loc)
+        tags = tags_of(group[0], role=join_roles(*group))
+        merged = make_op(namer, "linear", {"x": group[0].operand("x"), "w": w, "scale": s},
+                         {**group[0].attrs, **tags}, loc)
         ops.append(merged)
         rest = merged.result
         for k, g in enumerate(group[:-1]):
             n = g.result.type.shape[-1]
             if k == len(group) - 2:
-                ops.append(make_op(namer, "split", [rest], {"at": n}, loc, [g.result, group[-1].result]))
+                ops.append(make_op(namer, "split", {"x": rest}, {"at": n, **tags}, loc, [g.result, group[-1].result]))
             else:
                 tail = namer.value(rest.type.with_shape(*rest.type.shape[:-1], rest.type.shape[-1] - n))
-                ops.append(make_op(namer, "split", [rest], {"at": n}, loc, [g.result, tail]))
+                ops.append(make_op(namer, "split", {"x": rest}, {"at": n, **tags}, loc, [g.result, tail]))
                 rest = tail
     return Function(fn.name, list(fn.inputs), ops, list(fn.outputs), dict(fn.attrs)), len(groups)

@@ -1,7 +1,8 @@
 """Lower the three attention kinds to one CSR sparse attention over a paged KV pool.
 
 Requires: the traced per-sequence caches (`cache.layers.<l>.{win, rows, state_*, index_*}` inputs and
-outputs, with `window_write`, `compress`, `attention` and `indexer_scores` reading them).
+outputs, named by `model/cache.py`), with `window_write`, `compress` (role `attn.compressor` or
+`attn.indexer.compressor`), `attention` and `indexer_scores` reading them, each tagged with its `layer`.
 Guarantees:
 * the caches are replaced by the pool of `v4compile/pool.py`: planes `pool.*` (main rows: window rings
   per slot growing down from the top, compressed history in block envelopes growing up from row 0;
@@ -23,28 +24,33 @@ Hits: `<func>.attention`, `<func>.window_writes`, `<func>.compressors`, `<func>.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from v4compile.config import CSA, HCA, SWA
 from v4compile.errors import PassError
 from v4compile.ir.core import INPUT, Function, Module, Value
 from v4compile.ir.types import TensorType
+from v4compile.model.cache import parse_cache_input, state_input_name
 from v4compile.pool import INDEX_FORMATS, MAIN_FORMATS, PoolGeometry
 
 from .base import Pass, PassResult, register
-from .rewrite import Namer, make_op, new_module
-
-_CACHE = re.compile(r"^cache\.layers\.(\d+)\.(\w+)$")
+from .rewrite import Namer, has_role, make_op, new_module, tags_of
+from .rewrite import planes as plane_values
 
 
 def _layers(fn: Function) -> dict[int, dict[str, Value]]:
     out: dict[int, dict[str, Value]] = {}
     for v in fn.inputs:
-        m = _CACHE.match(v.name)
+        m = parse_cache_input(v.name)
         if m:
-            out.setdefault(int(m.group(1)), {})[m.group(2)] = v
+            out.setdefault(m[0], {})[m[1]] = v
     return out
+
+
+def _layer(op) -> int:
+    if "layer" not in op.attrs:
+        raise PassError(f"lower_sparse_attention: op '{op.name}' has no `layer` attribute", where=op.loc or None)
+    return op.attrs["layer"]
 
 
 def _geometry(module: Module, kv_format: str, index_format: str) -> PoolGeometry:
@@ -54,8 +60,8 @@ def _geometry(module: Module, kv_format: str, index_format: str) -> PoolGeometry
         raise PassError("lower_sparse_attention: no `cache.layers.*` inputs (already lowered?)")
     ratio: dict[int, int] = {}
     for op in fns[0].ops:
-        if op.name == "compress" and op.operands[4].name.endswith(".state_kv"):
-            ratio[int(_CACHE.match(op.operands[4].name).group(1))] = op.attrs["ratio"]
+        if op.name == "compress" and has_role(op, "attn.compressor"):
+            ratio[_layer(op)] = op.attrs["ratio"]
     layers = []
     for layer, c in sorted(caches.items()):
         kind = CSA if "index_rows" in c else (HCA if "rows" in c else SWA)
@@ -76,7 +82,7 @@ def lower_function(fn: Function, geo: PoolGeometry) -> tuple[Function, dict[str,
     namer = Namer(fn)
     caches = _layers(fn)
     B = fn.inputs[0].type.shape[0]
-    inputs = [v for v in fn.inputs if not _CACHE.match(v.name)]
+    inputs = [v for v in fn.inputs if not parse_cache_input(v.name)]
     block_table = Value("block_table", TensorType((B, geo.blocks_per_seq), "i32"), INPUT)
     slot = Value("slot", TensorType((B,), "i32"), INPUT)
     main = [Value(n, TensorType(s, dt), INPUT) for n, s, dt in geo.main_planes()]
@@ -86,8 +92,8 @@ def lower_function(fn: Function, geo: PoolGeometry) -> tuple[Function, dict[str,
         for key in ("state_kv", "state_gate", "index_state_kv", "index_state_gate"):
             if key in c:
                 t = c[key].type
-                states[f"state.layers.{layer}.{key}"] = Value(f"state.layers.{layer}.{key}",
-                                                             TensorType((geo.n_slots, *t.shape[1:]), t.dtype), INPUT)
+                states[state_input_name(layer, key)] = Value(state_input_name(layer, key),
+                                                            TensorType((geo.n_slots, *t.shape[1:]), t.dtype), INPUT)
     inputs += [block_table, slot, *main, *index, *states.values()]
     cur_main, cur_index = list(main), list(index)
     cur_state = dict(states)
@@ -95,53 +101,48 @@ def lower_function(fn: Function, geo: PoolGeometry) -> tuple[Function, dict[str,
     hits = {"attention": 0, "window_writes": 0, "compressors": 0, "indexers": 0}
     ops = []
 
-    def layer_of(v: Value, what: str) -> tuple[int, str]:
-        m = _CACHE.match(v.name) if v is not None else None
-        if m is None:
-            raise PassError(f"lower_sparse_attention: {what} does not read a cache input", found=v and v.name)
-        return int(m.group(1)), m.group(2)
-
     for op in fn.ops:
         if op.name == "window_write":
-            layer, _ = layer_of(op.operands[0], "window_write")
-            new = make_op(namer, "pool_write_window", [op.operands[1], op.operands[2], slot, *cur_main],
+            layer = _layer(op)
+            new = make_op(namer, "pool_write_window", [op.operand("kv"), op.operand("pos"), slot, *cur_main],
                           {"window": geo.window, "slot_rows": geo.slot_rows, "n_rows": geo.n_rows,
-                           "layer_row": layer * geo.window, "fmt": geo.main_fmt}, op.loc)
+                           "layer_row": layer * geo.window, "fmt": geo.main_fmt, **tags_of(op)}, op.loc)
             cur_main = list(new.results)
             ops.append(new)
             hits["window_writes"] += 1
         elif op.name == "compress":
-            layer, key = layer_of(op.operands[4], "compress state")
-            is_index = key.startswith("index_")
+            layer = _layer(op)
+            is_index = has_role(op, "attn.indexer.compressor")
             pre = "index_" if is_index else ""
-            skv, sg = cur_state[f"state.layers.{layer}.{pre}state_kv"], cur_state[f"state.layers.{layer}.{pre}state_gate"]
+            skv, sg = cur_state[state_input_name(layer, pre + "state_kv")], cur_state[state_input_name(layer, pre + "state_gate")]
             planes = cur_index if is_index else cur_main
             attrs = {**op.attrs, "block_tokens": geo.block_tokens,
                      "envelope_rows": geo.index_envelope_rows if is_index else geo.envelope_rows,
                      "layer_offset": geo.index_offset_of(layer) if is_index else geo.offset(layer),
                      "fmt": geo.index_fmt if is_index else geo.main_fmt}
-            new = make_op(namer, "compress_paged", [*op.operands[:4], skv, sg, op.operands[7], slot, block_table, *planes],
-                          attrs, op.loc)
-            cur_state[f"state.layers.{layer}.{pre}state_kv"] = new.results[0]
-            cur_state[f"state.layers.{layer}.{pre}state_gate"] = new.results[1]
+            new = make_op(namer, "compress_paged", [*(op.operand(k) for k in ("kv", "gate", "ape", "norm")), skv, sg,
+                                                    op.operand("pos"), slot, block_table, *planes], attrs, op.loc)
+            cur_state[state_input_name(layer, pre + "state_kv")] = new.out("state_kv_out")
+            cur_state[state_input_name(layer, pre + "state_gate")] = new.out("state_gate_out")
             if is_index:
-                cur_index = list(new.results[2:])
+                cur_index = plane_values(new, "q", results=True)
             else:
-                cur_main = list(new.results[2:])
-            rows_of[id(op.results[0])] = (layer, "index" if is_index else "main")
+                cur_main = plane_values(new, "q", results=True)
+            rows_of[id(op.out("rows_out"))] = (layer, "index" if is_index else "main")
             ops.append(new)
             hits["compressors"] += 1
         elif op.name == "attention":
-            q, kv, win, p, sink, rows, sel = op.operands
-            layer, _ = layer_of(win, "attention window")
+            q, kv, p, sink, rows, sel = (op.operand(k) for k in ("q", "kv", "pos", "sink", "rows", "selected"))
+            layer = _layer(op)
             cw = make_op(namer, "csr_window", [p, slot], {"window": geo.window, "slot_rows": geo.slot_rows,
-                                                          "n_rows": geo.n_rows}, op.loc)
+                                                          "n_rows": geo.n_rows, **tags_of(op)}, op.loc)
             ops.append(cw)
             wip, wix = cw.results
             cip = cix = None
             if rows is not None:
                 r = op.attrs["ratio"]
-                common = {"ratio": r, "block_tokens": geo.block_tokens, "envelope_rows": geo.envelope_rows}
+                common = {"ratio": r, "block_tokens": geo.block_tokens, "envelope_rows": geo.envelope_rows,
+                          **tags_of(op)}
                 if sel is None:
                     c = make_op(namer, "csr_compressed", [p, block_table], {**common, "max_rows": rows.type.shape[1]},
                                 op.loc)
@@ -151,12 +152,13 @@ def lower_function(fn: Function, geo: PoolGeometry) -> tuple[Function, dict[str,
                 cip, cix = c.results
             new = make_op(namer, "sparse_attention", [q, kv, p, sink, wip, wix, cip, cix, *cur_main],
                           {"window": op.attrs["window"], "scale": op.attrs["scale"], "win_base": layer * geo.window,
-                           "comp_base": geo.offset(layer) if rows is not None else 0, "fmt": geo.main_fmt},
+                           "comp_base": geo.offset(layer) if rows is not None else 0, "fmt": geo.main_fmt,
+                           **tags_of(op)},
                           op.loc, [op.result])
             ops.append(new)
             hits["attention"] += 1
         elif op.name == "indexer_scores":
-            q, w, keys, p = op.operands
+            q, w, keys, p = (op.operand(k) for k in ("q", "weights", "keys", "pos"))
             if id(keys) not in rows_of:
                 raise PassError("lower_sparse_attention: indexer keys do not come from an indexer compressor")
             layer, _ = rows_of[id(keys)]
@@ -168,10 +170,10 @@ def lower_function(fn: Function, geo: PoolGeometry) -> tuple[Function, dict[str,
             hits["indexers"] += 1
         else:
             for v in op.operands:
-                if v is not None and (_CACHE.match(v.name) or id(v) in rows_of) and v.kind == INPUT:
+                if v is not None and (parse_cache_input(v.name) or id(v) in rows_of) and v.kind == INPUT:
                     raise PassError(f"lower_sparse_attention: op '{op.name}' reads cache {v.name} directly")
             ops.append(op)
-    outputs = [(n, v) for n, v in fn.outputs if not n.startswith("cache.")]
+    outputs = [(n, v) for n, v in fn.outputs if not parse_cache_input(n)]
     outputs += [(v.name, cur) for v, cur in zip(main, cur_main)] + [(v.name, cur) for v, cur in zip(index, cur_index)]
     outputs += [(name, cur_state[name]) for name in states]
     return Function(fn.name, inputs, ops, outputs, dict(fn.attrs)), hits

@@ -3,12 +3,18 @@
 `PassManager(pipeline, options).run(module)` runs the named passes in order. Between passes its
 instruments print or dump the IR, verify it, time the pass and check numerics; the passes themselves
 never do any of that. Every pass gets a `PassRecord` (hits, seconds, changed, numerics error).
+
+Every module the manager hands back records the passes run on it so far in its attribute
+`passes_run` (pass specs, in order), so that a dumped module says where it stands in the pipeline
+(`--start-from` reads it; the dump's file name is not needed). Time spent in the instruments (change
+detection, verification, numerics checks, printing and dumps) is recorded in `options.stages` next
+to the passes' own time, so that `--time-passes` accounts for the whole run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,6 +25,7 @@ from v4compile.errors import PassError
 from v4compile.ir.core import Module
 from v4compile.ir.text import print_module
 from v4compile.ir.verify import verify
+from v4compile.timing import Stages
 
 from .base import Pass, parse_pass_spec
 
@@ -37,6 +44,8 @@ class PipelineOptions:
     time_passes: bool = False
     check_numerics: Any = None  # an object with `error(module) -> float` and `tol`
     out: TextIO = field(default_factory=lambda: sys.stderr)
+    stages: Stages = field(default_factory=lambda: Stages(progress_after=None))
+    dump_written: list[Path] = field(default_factory=list)  # files written by `dump_ir`, in order
 
 
 @dataclass
@@ -67,13 +76,38 @@ class RunResult:
         return {r.name: r.hits for r in self.records}
 
 
-_DUMP_NAME = re.compile(r"^(\d+)-(.+)\.ir$")
+PASSES_RUN = "passes_run"  # module attribute: the specs of the passes run so far, in order
 
 
-def stage_of_dump(path: str | Path) -> str | None:
-    """The pass that produced a dump named `NN-<pass>.ir`, if the name says so."""
-    m = _DUMP_NAME.match(Path(path).name)
-    return m.group(2) if m else None
+def passes_run(module: Module) -> tuple[str, ...]:
+    """The passes run on `module` so far, from its own attributes (empty for a traced module)."""
+    ran = module.attrs.get(PASSES_RUN, ())
+    if isinstance(ran, str):
+        ran = (ran,)
+    if not isinstance(ran, tuple) or not all(isinstance(x, str) for x in ran):
+        raise PassError(f"module attribute '{PASSES_RUN}' must be a tuple of pass specs", found=repr(ran))
+    return ran
+
+
+def resume_index(pipeline: list[str], ran: tuple[str, ...]) -> int:
+    """Where to continue `pipeline` (pass names) on a module that has already run `ran` (specs): after
+    the pipeline's prefix that matches the history, else after the last pass run (its k-th occurrence
+    in the pipeline if it ran k times), else from the start (the pipeline does not contain it)."""
+    done = [_name(s) for s in ran]
+    if not done:
+        return 0
+    if pipeline[:len(done)] == done:
+        return len(done)
+    last = done[-1]
+    where = [i for i, n in enumerate(pipeline) if n == last]
+    if not where:
+        return 0
+    k = done.count(last)
+    return (where[k - 1] if k <= len(where) else where[-1]) + 1
+
+
+def _name(spec: str) -> str:
+    return spec.split("{", 1)[0].strip()
 
 
 class PassManager:
@@ -96,23 +130,34 @@ class PassManager:
         o.flush()
 
     def run(self, module: Module, start_after: str | None = None) -> RunResult:
+        """Run the pipeline. A module that has already run passes (`passes_run`) continues after them;
+        `start_after` (a pass name) overrides that."""
         opts = self.options
+        st = opts.stages
         dump = Path(opts.dump_ir) if opts.dump_ir else None
+        ran = list(passes_run(module))
+        names = [p.name for p in self.passes]
+        if start_after is not None:
+            if start_after != "traced" and start_after not in names:
+                raise PassError(f"cannot start after '{start_after}': not in the pipeline", expected=", ".join(names))
+            start = 0 if start_after == "traced" else names.index(start_after) + 1
+        else:
+            start = resume_index(names, tuple(ran))
+        if start:
+            log.info("module has run %s: continuing with %s", ", ".join(ran) or "nothing",
+                     ", ".join(names[start:]) or "nothing")
         if dump:
-            dump.mkdir(parents=True, exist_ok=True)
-            (dump / "00-traced.ir").write_text(print_module(module))
+            with st("print / dump IR"):
+                dump.mkdir(parents=True, exist_ok=True)
+                self._dump(dump / f"{start:02d}-{'traced' if not ran else _name(ran[-1])}.ir", module)
         if opts.verify_each:
-            verify(module)
+            with st("verify"):
+                verify(module)
         result = RunResult(module, [])
         if opts.check_numerics is not None:
-            result.traced_error = opts.check_numerics.error(module)
-            log.info("numerics of the traced module: max |logit error| %.3g", result.traced_error)
-        names = [p.name for p in self.passes]
-        start = 0
-        if start_after not in (None, "traced"):
-            if start_after not in names:
-                raise PassError(f"cannot start after '{start_after}': not in the pipeline", expected=", ".join(names))
-            start = names.index(start_after) + 1
+            with st("numerics checks"):
+                result.traced_error = opts.check_numerics.error(module)
+            log.debug("numerics of the input module: max |logit error| %.3g", result.traced_error)
         for i, p in enumerate(self.passes, start=1):
             if i <= start:
                 continue
@@ -122,33 +167,39 @@ class PassManager:
             t0 = time.perf_counter()
             res = p.run(module)
             seconds = time.perf_counter() - t0
-            changed = not res.module.same_as(module)
+            st.add(f"pass {p.spec()}", seconds)
+            with st("change detection"):
+                changed = not res.module.same_as(module)
             rec = PassRecord(i, p.name, p.spec(), res.hits, seconds, changed)
+            ran.append(p.spec())
             module = res.module
+            module = dataclasses.replace(module, attrs={**module.attrs, PASSES_RUN: tuple(ran)})
             if opts.verify_each:
-                try:
-                    verify(module)
-                except Exception as e:
-                    ran = ", ".join(r.name for r in result.records)
-                    raise PassError(f"IR after pass '{p.name}' does not verify: {e}",
-                                    where=f"pipeline (after: {ran or 'nothing'})") from None
+                with st("verify"):
+                    try:
+                        verify(module)
+                    except Exception as e:
+                        done = ", ".join(r.name for r in result.records)
+                        raise PassError(f"IR after pass '{p.name}' does not verify: {e}",
+                                        where=f"pipeline (after: {done or 'nothing'})") from None
             if opts.check_numerics is not None:
-                rec.numerics_error = opts.check_numerics.error(module)
-                log.info("numerics after %s: max |logit error| %.3g", p.name, rec.numerics_error)
-            if opts.print_after_all or p.name in opts.print_after or (opts.print_after_change and changed):
-                self._print(f"after {p.spec()}{'' if changed else ' (unchanged)'}", module)
-            if dump:
-                (dump / f"{i:02d}-{p.name}.ir").write_text(print_module(module))
+                with st("numerics checks"):
+                    rec.numerics_error = opts.check_numerics.error(module)
+                log.debug("numerics after %s: max |logit error| %.3g", p.name, rec.numerics_error)
+            with st("print / dump IR"):
+                if opts.print_after_all or p.name in opts.print_after or (opts.print_after_change and changed):
+                    self._print(f"after {p.spec()}{'' if changed else ' (unchanged)'}", module)
+                if dump:
+                    self._dump(dump / f"{i:02d}-{p.name}.ir", module)
             result.records.append(rec)
-            log.info("pass %-28s %6.3f s  %s", p.spec(), seconds, rec.hits)
+            log.debug("pass %-28s %6.3f s  %s", p.spec(), seconds, rec.hits)
             if opts.stop_after == p.name:
                 break
         result.module = module
         if opts.time_passes:
-            o = opts.out
-            total = sum(r.seconds for r in result.records)
-            o.write("// ----- pass timing -----\n")
-            for r in result.records:
-                o.write(f"  {r.seconds:8.4f} s  {100 * r.seconds / max(total, 1e-9):5.1f}%  {r.spec}\n")
-            o.write(f"  {total:8.4f} s  total\n")
+            opts.out.write(st.render(title="pass timing"))
         return result
+
+    def _dump(self, path: Path, module: Module) -> None:
+        path.write_text(print_module(module))
+        self.options.dump_written.append(path)

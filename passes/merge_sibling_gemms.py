@@ -1,8 +1,8 @@
 """Merge every other group of GEMMs that read the same input with the same weight format.
 
 Requires: a module after `merge_wq_a_wkv` (optional).
-Guarantees: linears sharing one input value and one weight format (dtype, scale block, columns) become
-one merged `linear` + `split`s, as in `merge_wq_a_wkv`. In the released formats this merges the BF16
+Guarantees: linears sharing one input value, one layer, one weight format (dtype, scale block, columns)
+and one numerics (`act`, `acc`, `out_dtype`) become one merged `linear` + `split`s, as in `merge_wq_a_wkv`. In the released formats this merges the BF16
 GEMMs of an attention input (compressor wkv + wgate, and on CSA layers the indexer compressor's wkv +
 wgate and `weights_proj`) into one launch, and the indexer's `wq_b` with the main `wq_b` (both read
 `qr`); with dense weights everything reading `x` merges. Numerics: identical values.
@@ -14,18 +14,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import Pass, PassResult, register
-from .gemm_merge import can_merge, merge_linears
+from v4compile.ir.semantics import roles_of
+
+from .gemm_merge import SHARED_ATTRS, can_merge, merge_linears
 from .rewrite import new_module, prune_weights
 
 
 def _suffix(group) -> str:
-    names = [g.operands[1].name for g in group]
-    roles = {n.split(".attn.", 1)[1].rsplit(".", 1)[0] if ".attn." in n else n for n in names}
-    if roles <= {"wq_b", "indexer.wq_b"}:
+    """Name of the merged weight (`layers.<l>.<common path>.<suffix>.weight`), from the members' roles."""
+    roles = [r for g in group for r in roles_of(g.attrs.get("role", ""))]
+    if roles and set(roles) <= {"attn.wq_b", "attn.indexer.wq_b"}:
         return "wq_b_merged"
-    if all(".attn." in n for n in names):
+    if roles and all(r.startswith("attn.") for r in roles):
         return "x_gemm"  # GEMMs of the attention input x (compressors, indexer weights, wqkv_a)
-    return "merged_" + "_".join(n.rsplit(".", 2)[-2] for n in names)
+    return "merged_" + "_".join(r.rsplit(".", 1)[-1] for r in roles)
 
 
 @register
@@ -39,10 +41,11 @@ class MergeSiblingGemms(Pass):
         for fname, fn in module.functions.items():
             groups: dict[tuple, list] = {}
             for op in fn.ops:
-                if op.name != "linear" or op.operands[1].kind != "weight":
+                w = op.operand("w") if op.name == "linear" else None
+                if w is None or w.kind != "weight":
                     continue
-                w, s = op.operands[1], op.operands[2]
-                key = (id(op.operands[0]), w.type.dtype, w.type.shape[1:], s is None, op.attrs["block"])
+                key = (id(op.operand("x")), w.type.dtype, w.type.shape[1:], op.operand("scale") is None,
+                       op.attrs.get("layer"), *(op.attrs.get(k) for k in SHARED_ATTRS))
                 groups.setdefault(key, []).append(op)
             merged = [g for g in groups.values() if len(g) > 1 and can_merge(g)]
             funcs[fname], n = merge_linears(fn, merged, weights, _suffix)

@@ -1,8 +1,8 @@
 """Merge the two projections of the attention input, `wq_a` and `wkv`, into one `wqkv_a` GEMM.
 
-Requires: a traced module (each attention reads its normalised input `x` with `linear(x, wq_a)` and
-`linear(x, wkv)`).
-Guarantees: per layer, one `linear(x, wqkv_a)` (`[q_lora + head_dim, D]`; FP8 with the two 128x128 scale
+Requires: a traced module (each attention reads its normalised input `x` with the GEMMs of roles
+`attn.wq_a` and `attn.wkv`, same `layer`).
+Guarantees: per layer, one `linear(x, wqkv_a)` (role `attn.wq_a+attn.wkv`) (`[q_lora + head_dim, D]`; FP8 with the two 128x128 scale
 grids concatenated) followed by a `split` into the original two results; the merged weight is built at
 compile time from the two checkpoint tensors. Numerics: identical values (same dot products).
 Skips (and counts as `unaligned`) quantised layers whose q_lora rank is not a multiple of the scale
@@ -28,17 +28,17 @@ class MergeWqAWkv(Pass):
         weights = dict(module.weights)
         funcs, hits = {}, {}
         for fname, fn in module.functions.items():
-            by_input: dict[int, dict[str, object]] = {}
+            by_input: dict[tuple, dict[str, object]] = {}
             for op in fn.ops:
-                w = op.operands[1] if op.name == "linear" else None
-                if w is not None and w.kind == "weight":
-                    for role in ("wq_a", "wkv"):
-                        if w.name.endswith(f".attn.{role}.weight"):
-                            by_input.setdefault(id(op.operands[0]), {})[role] = op
+                if op.name != "linear":
+                    continue
+                for role in ("attn.wq_a", "attn.wkv"):
+                    if op.attrs.get("role") == role:
+                        by_input.setdefault((id(op.operand("x")), op.attrs.get("layer")), {})[role] = op
             groups, unaligned = [], 0
             for pair in by_input.values():
                 if len(pair) == 2:
-                    g = [pair["wq_a"], pair["wkv"]]
+                    g = [pair["attn.wq_a"], pair["attn.wkv"]]
                     if can_merge(g):
                         groups.append(g)
                     else:

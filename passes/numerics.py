@@ -2,33 +2,37 @@
 
 `NumericsCheck.error(module)` runs a seeded scenario (a ragged batch prefilled in chunks, then teacher-
 forced decode steps) through the module's functions with the interpreter and returns the largest logit
-difference from `ReferenceModel` on the same scenario. `bisect(...)` finds the first pass whose output
-breaks the tolerance and, inside it, the first op whose results diverge from the module before it.
+difference from `ReferenceModel` on the same scenario, relative to the largest reference logit
+(`ERROR_UNIT`); its tolerance is in the same unit. `bisect(...)` finds the first pass whose output
+breaks the tolerance and, inside it and in every function, the first op whose results diverge from
+the module before it.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from v4compile.harness import IRRunner, Scenario, ir_logits, load_ir_weights, max_error, reference_logits
 from v4compile.ir.core import Module
 from v4compile.ir.interpret import interpret
-from v4compile.ir.types import DTYPES
 
 from .manager import PassManager, PipelineOptions, RunResult
 
 log = logging.getLogger(__name__)
 
 
+ERROR_UNIT = "max |logit - reference logit| / max |reference logit|"
+
+
 class NumericsCheck:
     """Logits of the IR vs the reference model on one seeded scenario (reference computed once).
 
-    `error` is the max absolute logit difference; `tol` is absolute too (callers derive it from a relative
-    tolerance and `scale`, the largest reference logit). `capacity` sizes the reference's caches like the
-    module's, so that a traced module reproduces the reference bit for bit.
+    `error` and `tol` are relative: the max absolute logit difference divided by `scale`, the largest
+    reference logit (`ERROR_UNIT`). `capacity` sizes the reference's caches like the module's, so that a
+    traced module reproduces the reference bit for bit.
     """
 
     def __init__(self, reference, source, scenario: Scenario, chunk: int, tol: float, prepare=None,
@@ -38,7 +42,7 @@ class NumericsCheck:
         self.tol = tol
         self.prepare = prepare
         self.expected = reference_logits(reference, scenario, chunk, capacity)
-        self.scale = max(float(t.abs().max()) for t in self.expected)
+        self.scale = max(float(t.abs().max()) for t in self.expected) or 1.0
         self._weights: dict[tuple, torch.Tensor] = {}
 
     def weights(self, m: Module) -> dict[str, torch.Tensor]:
@@ -55,61 +59,96 @@ class NumericsCheck:
         return IRRunner(m, self.weights(m), prepare=self.prepare)
 
     def error(self, m: Module) -> float:
-        return max_error(self.expected, ir_logits(self.runner(m), self.scenario))
+        """Relative logit error of `m` on the scenario (NaN counts as infinitely wrong)."""
+        err = max_error(self.expected, ir_logits(self.runner(m), self.scenario)) / self.scale
+        return float("inf") if err != err else err
+
+
+@dataclass
+class OpDivergence:
+    func: str
+    op_index: int
+    op_name: str
+    op_loc: str
+    op_result: str
+    op_error: float  # max |result - result before the pass| / max |result before the pass|
 
 
 @dataclass
 class Divergence:
     pass_index: int
     pass_name: str
-    pass_error: float
-    op_index: int | None
-    op_name: str | None
-    op_loc: str | None
-    op_result: str | None
-    op_error: float | None
+    pass_error: float  # ERROR_UNIT
+    ops: list[OpDivergence] = field(default_factory=list)  # the first diverging op of each function
+    clean: list[str] = field(default_factory=list)  # functions in which no op diverges
+    op_rtol: float = 0.0
+    # The first op of each function whose result differs at all: where a divergence really starts when
+    # rounding-order differences (1 ulp) are amplified later (e.g. by an FP8 rounding at a boundary).
+    first_diffs: list[OpDivergence] = field(default_factory=list)
+
+    def op(self, func: str) -> OpDivergence | None:
+        return next((o for o in self.ops if o.func == func), None)
 
     def render(self) -> str:
-        s = f"first failing pass: #{self.pass_index} {self.pass_name} (max |logit error| {self.pass_error:.3g})"
-        if self.op_name is not None:
-            s += (f"\nfirst diverging op in it: #{self.op_index} %{self.op_result} = {self.op_name} "
-                  f"loc(\"{self.op_loc}\") (relative error {self.op_error:.3g})")
+        s = f"first failing pass: #{self.pass_index} {self.pass_name} (error {self.pass_error:.3g}; {ERROR_UNIT})"
+        for o in self.ops:
+            s += (f"\nfirst diverging op in @{o.func}: #{o.op_index} %{o.op_result} = {o.op_name} "
+                  f"loc(\"{o.op_loc}\") (error {o.op_error:.3g}, relative to the op's result before the pass)")
+        for f in self.clean:
+            s += f"\n@{f}: no op's result differs from before the pass by more than {self.op_rtol:g} (relative)"
+        for o in self.first_diffs:
+            if self.op(o.func) is None or (o.op_index, o.op_result) != (self.op(o.func).op_index,
+                                                                        self.op(o.func).op_result):
+                s += (f"\nfirst op whose result differs at all in @{o.func}: #{o.op_index} %{o.op_result} = "
+                      f"{o.op_name} loc(\"{o.op_loc}\") (error {o.op_error:.3g})")
         return s
 
 
-def _prefill_inputs(check: NumericsCheck, m: Module) -> dict[str, torch.Tensor]:
-    """Inputs of the first prefill call of the scenario (fresh state)."""
-    from v4compile.model.batching import prefill_chunks
-
-    fn = m.functions["prefill"]
-    ids, pos, _ = next(prefill_chunks([list(p) for p in check.scenario.prompts], [0] * fn.attrs["batch"],
-                                      fn.attrs["tokens"]))
-    inputs = {"ids": ids, "pos": pos}
-    runner = check.runner(m)
-    if runner.allocator is not None:
-        inputs.update(runner.allocator.step_inputs(pos))
-    if check.prepare is not None:
-        inputs.update(check.prepare(runner, "prefill", ids, pos))
-    for v in fn.inputs:
-        inputs.setdefault(v.name, torch.zeros(v.type.shape, dtype=DTYPES[v.type.dtype]))
-    return inputs
+class _Stop(Exception):
+    pass
 
 
-def first_diverging_op(check: NumericsCheck, before: Module, after: Module, rtol: float
-                       ) -> tuple[int, object, str, float] | None:
-    """Run the first prefill step through both modules; the first op of `after` (in order) whose result
-    also exists by name in `before` and differs by more than `rtol` (relative to its magnitude)."""
+def _observe_first_call(check: NumericsCheck, m: Module, func: str, observe) -> bool:
+    """Run the scenario through `m` (state carried as the runtime would) up to the first call of `func`,
+    which runs with `observe`. False if the scenario never calls `func`."""
+    def interp(fn, weights, inputs):
+        if fn.name == func:
+            interpret(fn, weights, inputs, observe=observe)
+            raise _Stop
+        return interpret(fn, weights, inputs)
+
+    runner = IRRunner(m, check.weights(m), prepare=check.prepare, interpreter=interp)
+    try:
+        ir_logits(runner, check.scenario)
+    except _Stop:
+        return True
+    return False
+
+
+def first_diverging_op(check: NumericsCheck, before: Module, after: Module, rtol: float, func: str = "prefill"
+                       ) -> OpDivergence | None:
+    """Run the scenario through both modules up to the first call of `func`; in that call, the first op
+    of `after` (in order) whose result also exists by name in `before` and differs by more than `rtol`
+    (relative to its magnitude)."""
+    return first_diverging_ops(check, before, after, [rtol], func)[0]
+
+
+def first_diverging_ops(check: NumericsCheck, before: Module, after: Module, rtols: list[float],
+                        func: str = "prefill") -> list[OpDivergence | None]:
+    """`first_diverging_op` for several thresholds in one run of each module."""
+    if func not in before.functions or func not in after.functions:
+        return [None] * len(rtols)
     seen: dict[str, torch.Tensor] = {}
 
     def keep(op, outs):
         for r, t in zip(op.results, outs):
             seen[r.name] = t
 
-    interpret(before.functions["prefill"], check.weights(before), _prefill_inputs(check, before), observe=keep)
-    found: list = []
+    _observe_first_call(check, before, func, keep)
+    found: list = [None] * len(rtols)
 
     def compare(op, outs):
-        if found:
+        if all(f is not None for f in found):
             return
         for r, t in zip(op.results, outs):
             ref = seen.get(r.name)
@@ -117,20 +156,19 @@ def first_diverging_op(check: NumericsCheck, before: Module, after: Module, rtol
                 continue
             scale = float(ref.float().abs().max()) or 1.0
             err = float((t.float() - ref.float()).nan_to_num(nan=float("inf")).abs().max()) / scale
-            if err > rtol:
-                found.append((op, r.name, err))
-                return
+            for i, rtol in enumerate(rtols):
+                if found[i] is None and err > rtol:
+                    found[i] = (op, r.name, err)
 
-    fn = after.functions["prefill"]
-    interpret(fn, check.weights(after), _prefill_inputs(check, after), observe=compare)
-    if not found:
-        return None
-    op, name, err = found[0]
-    return fn.ops.index(op), op, name, err
+    _observe_first_call(check, after, func, compare)
+    ops = after.functions[func].ops
+    return [None if f is None else OpDivergence(func, ops.index(f[0]), f[0].name, f[0].loc, f[1], f[2])
+            for f in found]
 
 
 def bisect(module: Module, pipeline: list[str], check: NumericsCheck, op_rtol: float = 1e-4) -> Divergence | None:
-    """First pass of `pipeline` after which `check` exceeds its tolerance, and the op inside it."""
+    """First pass of `pipeline` after which `check` exceeds its tolerance, and the first diverging op
+    inside it in every function."""
     modules = [module]
     records = []
     pm = PassManager(pipeline, PipelineOptions())
@@ -138,23 +176,34 @@ def bisect(module: Module, pipeline: list[str], check: NumericsCheck, op_rtol: f
         res = p.run(modules[-1])
         modules.append(res.module)
         records.append(p)
+    errors: dict[int, float] = {}
+
+    def err(i: int) -> float:
+        if i not in errors:
+            errors[i] = check.error(modules[i])
+        return errors[i]
+
     # Numerics are monotone in practice (a broken value stays broken), so binary search the stages.
     lo, hi = 0, len(modules) - 1
-    if check.error(modules[hi]) <= check.tol:
+    if err(hi) <= check.tol:
         return None
-    if check.error(modules[lo]) > check.tol:
-        return Divergence(0, "traced", check.error(modules[0]), None, None, None, None, None)
+    if err(lo) > check.tol:
+        return Divergence(0, "traced", err(0))
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if check.error(modules[mid]) > check.tol:
+        if err(mid) > check.tol:
             hi = mid
         else:
             lo = mid
-    d = Divergence(hi, records[hi - 1].spec(), check.error(modules[hi]), None, None, None, None, None)
-    op = first_diverging_op(check, modules[lo], modules[hi], op_rtol)
-    if op is not None:
-        d.op_index, o, d.op_result, d.op_error = op
-        d.op_name, d.op_loc = o.name, o.loc
+    d = Divergence(hi, records[hi - 1].spec(), err(hi), op_rtol=op_rtol)
+    for func in modules[hi].functions:
+        o, any_diff = first_diverging_ops(check, modules[lo], modules[hi], [op_rtol, 0.0], func)
+        if o is None:
+            d.clean.append(func)
+        else:
+            d.ops.append(o)
+        if any_diff is not None:
+            d.first_diffs.append(any_diff)
     return d
 
 

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from v4compile.ir.core import SSA, Function, Module, Op, Value
 from v4compile.ir.registry import get_op
+from v4compile.ir.semantics import has_role, join_roles, tags_of  # noqa: F401  (re-exported for passes)
 from v4compile.ir.types import TensorType
 
 
@@ -43,10 +44,18 @@ class Namer:
         return v
 
 
-def make_op(namer: Namer, opname: str, operands: list, attrs: dict, loc: str,
+def make_op(namer: Namer, opname: str, operands: dict[str, Value | None] | list, attrs: dict, loc: str,
             result_names: list[Value] | None = None) -> Op:
-    """A new op with results typed by its shape rule; `result_names` reuses existing result values."""
+    """A new op with results typed by its shape rule; `result_names` reuses existing result values.
+
+    `operands` by name (`{"x": v, "w": w}`; absent optionals may be left out), or a list in signature
+    order for ops whose operands are a uniform run (pool planes)."""
     opdef = get_op(opname)
+    if isinstance(operands, dict):
+        unknown = set(operands) - set(opdef.operand_names)
+        if unknown:
+            raise KeyError(f"op '{opname}' has no operand {sorted(unknown)[0]!r}")
+        operands = [operands.get(n) for n in opdef.operand_names]
     operands = list(operands) + [None] * (len(opdef.operands) - len(operands))  # absent trailing optionals
     attrs = opdef.normalize_attrs(opdef.with_variant(operands, attrs))
     types = opdef.result_types([v.type if v is not None else None for v in operands], attrs)
@@ -94,3 +103,16 @@ def map_functions(m: Module, fn_pass: Callable[[Function], tuple[Function, dict[
 def prune_weights(m: Module) -> Module:
     used = m.used_weights()
     return new_module(m, weights={k: w for k, w in m.weights.items() if k in used})
+
+
+def operands_of(op: Op) -> dict[str, Value | None]:
+    """The op's operands by signature name (to rebuild it with some of them changed)."""
+    return dict(zip(get_op(op.name).operand_names, op.operands))
+
+
+def planes(op: Op, prefix: str, results: bool = False) -> list[Value]:
+    """The present pool-plane operands (`p0`, `p1`, `p2`) or results (`q0`, ...) of an op, in order."""
+    opdef = get_op(op.name)
+    names = opdef.results if results else opdef.operand_names
+    values = op.results if results else op.operands
+    return [v for n, v in zip(names, values) if n.startswith(prefix) and n[len(prefix):].isdigit() and v is not None]

@@ -59,7 +59,7 @@ class OrtBackend:
                         raise InputError("the cpu device needs fp32 weights", where=n, found=str(t.dtype))
                     self.weights[n] = np.ascontiguousarray(t.numpy())
         self._w_values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self.weights.items()}
-        log.info("cpu backend: %d weights loaded in %.2f s", len(self.weights), time.perf_counter() - t0)
+        log.debug("cpu backend: %d weights loaded in %.2f s", len(self.weights), time.perf_counter() - t0)
         self.state: dict[str, np.ndarray] = {}
         pool = art.manifest["pool"]
         self.geometry = pool
@@ -108,7 +108,7 @@ class OrtBackend:
         so.add_external_initializers(names, [self._w_values[n] for n in names])
         t0 = time.perf_counter()
         sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        log.info("cpu backend: session %s ready in %.2f s", fname, time.perf_counter() - t0)
+        log.debug("cpu backend: session %s ready in %.2f s", fname, time.perf_counter() - t0)
         del model
         ins = {i.name: i for i in sess.get_inputs()}
         for n, i in ins.items():

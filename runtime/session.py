@@ -60,7 +60,7 @@ class Session:
         return self.decode_fns[-1][0]
 
     # ---- sequences -------------------------------------------------------------------------------
-    def _check_prompt(self, ids: Sequence[int], where: str) -> list[int]:
+    def check_prompt(self, ids: Sequence[int], where: str) -> list[int]:
         ids = [int(t) for t in ids]
         if not ids:
             raise InputError("empty prompt", where=where, expected="at least one token id")
@@ -107,7 +107,7 @@ class Session:
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[list[SeqState], np.ndarray]:
         """Open one sequence per prompt and run its prompt through chunked prefill. Returns the sequences
         and the logits after each prompt's last token `[n, V]`."""
-        prompts = [self._check_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        prompts = [self.check_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
         for i, p in enumerate(prompts):
             if len(p) > self.max_context:
                 raise InputError("prompt longer than the compiled maximum context", where=f"prompt {i}",
@@ -147,7 +147,7 @@ class Session:
         if n > self.max_batch:
             raise InputError("more sequences than the largest decode bucket", expected=f"<= {self.max_batch}",
                              found=n)
-        toks = self._check_prompt(tokens, "decode tokens")
+        toks = self.check_prompt(tokens, "decode tokens")
         B, fname = next((b, f) for b, f in self.decode_fns if b >= n)
         for s in seqs:
             self._reserve(s, s.length)
@@ -179,7 +179,7 @@ class Session:
             raise InputError("max_new_tokens must be >= 0", found=max_new_tokens)
         if temperature < 0 or not 0 < top_p <= 1:
             raise InputError("sampling needs temperature >= 0 and 0 < top_p <= 1", found=(temperature, top_p))
-        prompts = [self._check_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        prompts = [self.check_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
         for i, p in enumerate(prompts):
             if len(p) + max_new_tokens > self.max_context:
                 raise InputError("prompt + max_new_tokens exceed the compiled maximum context", where=f"prompt {i}",

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+# Kernel tests run Triton kernels on CPU tensors: the interpreter must be on before any kernel module is
+# imported (the @triton.jit decorator reads it), whichever test module pytest collects first.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from v4compile.config import preset  # noqa: E402
 from v4compile.init_random import random_source  # noqa: E402

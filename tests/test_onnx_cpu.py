@@ -224,4 +224,5 @@ def test_cli_compile_then_run_matches_generate(tmp_path):
     gen = cli("generate", "--preset", "tiny", "--ids", "1,2,3", "--max-new-tokens", "16").stdout.strip()
     assert ran == gen and len(ran.split(",")) == 16
     r = cli("run", str(out), "--ids", "1,9999", check=False)
-    assert r.returncode == 2 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "vocabulary" in errors[0] and "Traceback" not in r.stderr

@@ -66,10 +66,33 @@ def test_instruments(traced, tmp_path):
     res = PassManager(["cse", CORRUPT, "dce"], PipelineOptions(stop_after="cse")).run(traced)
     assert [r.name for r in res.records] == ["cse"]
     res = PassManager(["cse", CORRUPT, "dce"], PipelineOptions(disable=("testing-corrupt",))).run(traced)
-    assert res.module.same_as(traced)
+    assert res.module.attrs["passes_run"] == ("cse", "dce")
+    assert _without_history(res.module).same_as(traced)
     resumed = parse_module((tmp_path / "d" / "02-testing-corrupt.ir").read_text())
     res = PassManager(["cse", CORRUPT, "dce"]).run(resumed, start_after="testing-corrupt")
     assert [r.name for r in res.records] == ["dce"]
+    # Without start_after, the module's own record of the passes it has run says where it stands.
+    assert resumed.attrs["passes_run"] == ("cse", "testing-corrupt{index=9}")
+    res = PassManager(["cse", CORRUPT, "dce"]).run(resumed)
+    assert [r.name for r in res.records] == ["dce"] and res.module.attrs["passes_run"][-1] == "dce"
+
+
+def _without_history(m):
+    import dataclasses
+
+    return dataclasses.replace(m, attrs={k: v for k, v in m.attrs.items() if k != "passes_run"})
+
+
+@pytest.mark.parametrize("pipeline, ran, start", [
+    (["a", "b", "c"], (), 0), (["a", "b", "c"], ("a",), 1), (["a", "b", "c"], ("a", "b{x=1}"), 2),
+    (["c"], ("a", "b"), 0),  # the pipeline does not contain the last pass run: run all of it
+    (["b", "c"], ("a", "b"), 1),  # a different pipeline: continue after the last pass run
+    (["dce", "x", "dce", "y"], ("dce", "x", "dce"), 3), (["x", "dce", "dce", "y"], ("q", "dce", "dce"), 3),
+])
+def test_resume_index(pipeline, ran, start):
+    from v4compile.passes.manager import resume_index
+
+    assert resume_index(pipeline, ran) == start
 
 
 @register

@@ -27,7 +27,10 @@ from v4compile.trace import TraceOptions, trace
 def lowered(name: str, numerics: str = "hf", decode_batch: int = 3, batch: int = 3) -> Module:
     m = trace(preset(name), TraceOptions(numerics=numerics, batch=batch, chunk=16, decode_batch=decode_batch,
                                          capacity=160))
-    return PassManager(DEFAULT_PIPELINE, PipelineOptions()).run(m).module
+    from v4compile.ir.verify import verify
+
+    # verified: a pass that threads the pool planes wrongly (a read before the write it needs) fails here
+    return verify(PassManager(DEFAULT_PIPELINE, PipelineOptions()).run(m).module)
 
 
 @pytest.fixture(scope="module", params=[("tiny", "official"), ("tiny-pro", "hf")])
@@ -192,3 +195,25 @@ def test_program_parse_errors_name_line_and_column():
         parse_program("program @x\nfunc @f { buffer %a : nonsense 3 align 256 }")
     with pytest.raises(IRError, match="strides"):
         parse_program("program @x\nfunc @f {\n buffer %arena : arena 64 align 256\n return y = %arena[0] fp32[2,2] (2,) %y\n}")
+
+
+def test_ir_dump_program_and_targets(tmp_path):
+    import subprocess
+    import sys
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "v4compile", *args], capture_output=True, text=True, timeout=600)
+
+    out = tmp_path / "p.txt"
+    r = cli("ir", "dump", "--stage", "program", "--func", "all", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    prog = verify_program(parse_program(out.read_text()))  # the dump parses back and verifies
+    assert set(prog.functions) == {"prefill", "decode"}
+    assert all(l.kernel for f in prog.functions.values() for l in f.launches)
+    r = cli("ir", "passes", "--target", "cpu")
+    assert r.returncode == 0 and "pipeline 'cpu'" in r.stdout and "pipeline 'gpu'" not in r.stdout
+    assert "lower_to_program" not in r.stdout.split("pipeline 'cpu'")[1]
+    r = cli("ir", "passes")
+    assert "pipeline 'gpu' (default)" in r.stdout and "lower_to_program" in r.stdout.split("pipeline 'gpu'")[1]
+    r = cli("ir", "dump", "--stage", "final", "--target", "vax")
+    assert r.returncode == 2 and "unknown --target" in r.stderr and "Traceback" not in r.stderr

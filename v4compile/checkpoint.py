@@ -37,6 +37,9 @@ INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 
 
+_QUANT_OF_DTYPE = {"F8_E4M3": "fp8", "I8": "fp4", "U8": "fp4"}
+
+
 @dataclass(frozen=True)
 class Entry:
     """Where a canonical tensor lives."""
@@ -221,6 +224,11 @@ class Checkpoint:
 
     def names(self) -> list[str]:
         return sorted(self.entries)
+
+    def stored_formats(self) -> dict[str, str]:
+        """Canonical name -> "fp8" / "fp4" (quantised GEMM weights) or "dense" (anything else), from the
+        file headers."""
+        return {n: _QUANT_OF_DTYPE.get(e.dtype, "dense") for n, e in self.entries.items()}
 
     def header_specs(self) -> list[TensorSpec]:
         """The config's specs with the formats actually found in the files (for `inspect`)."""

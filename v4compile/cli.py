@@ -56,7 +56,7 @@ def load_model(args: argparse.Namespace):
                          expected=f"<= {MAX_RANDOM_PARAMS:,} parameters (or pass a CHECKPOINT)", found=f"{n:,}")
     src = random_source(cfg, args.seed)
     specs = spec_table(cfg)
-    log.info("preset %s with random weights (seed %d)", cfg.name, args.seed)
+    log.debug("preset %s with random weights (seed %d)", cfg.name, args.seed)
     return ReferenceModel(cfg, build_weights(cfg, lambda name: src(specs[name]), dtype), numerics=args.numerics,
                           dtype=dtype)
 
@@ -64,9 +64,12 @@ def load_model(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from .compile_cli import apply_threads
+
     ids = _parse_ids(args.ids)
     if not ids:
         raise InputError("empty prompt", expected="at least one id in --ids")
+    apply_threads(args)
     model = load_model(args)
     t0 = time.perf_counter()
     out = model.generate(torch.tensor(ids), args.max_new_tokens)
@@ -88,6 +91,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise InputError("--max-new-tokens must be >= 1", found=args.max_new_tokens)
     sess = load(args.artifact, device=args.device, threads=args.threads)
+    sess.check_prompt(ids, "--ids")
+    if len(ids) + args.max_new_tokens > sess.max_context:
+        raise InputError("prompt + --max-new-tokens exceed the compiled maximum context",
+                         expected=f"<= {sess.max_context} tokens", found=len(ids) + args.max_new_tokens)
     sess.warmup(len(ids))
     t0 = time.perf_counter()
     out = sess.generate([ids], args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)[0]
@@ -154,7 +161,8 @@ def _add_model_source(p: argparse.ArgumentParser, checkpoint_required: bool = Fa
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="v4compile", description="Ahead-of-time compiler for DeepSeek-V4.")
-    ap.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    ap.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v: debug)")
+    ap.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only (no info lines)")
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="greedy generation with the reference model")
@@ -166,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     g.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset")
     g.add_argument("--json", action="store_true")
+    from .compile_cli import add_threads_flag
+    add_threads_flag(g)
     g.set_defaults(func=cmd_generate)
 
     rn = sub.add_parser("run", help="generate with a compiled artifact (v4compile compile -o DIR)")
@@ -201,14 +211,26 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+class _Formatter(logging.Formatter):
+    """`info: ...` / `warning: ...` for the user; debug lines also name their logger."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        if record.levelno <= logging.DEBUG:
+            return f"debug {record.name}: {msg}"
+        return f"{record.levelname.lower()}: {msg}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from . import ops
 
     ops.load_all()  # every command may read or build IR of any op set
     ap = build_parser()
     args = ap.parse_args(argv)
-    level = logging.WARNING - 10 * min(args.verbose, 2)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    level = logging.WARNING if args.quiet else logging.INFO - 10 * min(args.verbose, 1)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter())
+    logging.basicConfig(level=level, handlers=[handler], force=True)
     if getattr(args, "checkpoint", None) and getattr(args, "preset", None):
         print("error: give either CHECKPOINT or --preset, not both", file=sys.stderr)
         return 2

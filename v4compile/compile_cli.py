@@ -5,6 +5,11 @@ Shared by both: the model source (CHECKPOINT or --preset), the trace knobs (--ba
 (--passes, --print-ir-after-all, --print-ir-after-change, --print-ir-after PASS, --dump-ir DIR,
 --verify-each, --disable-pass PASS, --stop-after PASS, --start-from FILE.ir, --time-passes,
 --check-numerics).
+
+What the user sees: one `info:` line with the settings in use (compile and ir have different defaults:
+deployment vs debugging), one line per file written (path, size, what was checked), progress for
+stages over ~2 s, and with `--check-numerics` a table whose last line says whether every pass is within
+tolerance; a broken tolerance exits with status 1 and prints the `ir bisect` command that reproduces it.
 """
 
 from __future__ import annotations
@@ -12,12 +17,71 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
+import shlex
 import sys
+import time
 from pathlib import Path
 
 from .errors import InputError, V4Error
+from .timing import Stages
 
 log = logging.getLogger("v4compile")
+
+_T0 = time.perf_counter()  # the command's start (this module is imported while parsing arguments)
+NUMERICS_FAILED = 1  # exit status of a check that found a broken tolerance (bad input is 2)
+MAX_DEFAULT_THREADS = 4
+
+
+def default_threads() -> int:
+    """min(4, the cores this process may use, minus the ones other processes keep busy), at least 1.
+    Torch's default (every core) oversubscribes a shared machine: two such processes on 2 cores took
+    3 minutes for a 9 s compile; one thread each, 19 s."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    try:
+        busy = int(os.getloadavg()[0] + 0.5)
+    except OSError:
+        busy = 0
+    return max(1, min(MAX_DEFAULT_THREADS, cores, cores - busy))
+
+
+def threads_arg(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, found {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, found {n}")
+    return n
+
+
+def add_threads_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=threads_arg, default=None,
+                   help="CPU threads for torch (default: min(4, free cores), at least 1; "
+                        "the count can change the last bits of results)")
+
+
+def apply_threads(args) -> int:
+    import torch
+
+    n = args.threads or default_threads()
+    torch.set_num_threads(n)
+    args._threads = n  # recorded in the compile report: the count can change the last bits of results
+    return n
+
+
+def _tolerance(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, found {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, found {text}")
+    return v
 
 
 def add_source_flags(p: argparse.ArgumentParser, numerics: str = "hf", dtype: str | None = "fp32") -> None:
@@ -35,7 +99,8 @@ def add_source_flags(p: argparse.ArgumentParser, numerics: str = "hf", dtype: st
     g.add_argument("--numerics", choices=("hf", "official"), default=numerics,
                    help=f"hf: match transformers; official: + the QAT roundings (default {numerics})")
     g.add_argument("--dtype", choices=("fp32", "bf16"), default=dtype,
-                   help=f"compute dtype (default {dtype or 'fp32 for the cpu target, else bf16'})")
+                   help=f"compute dtype (default {dtype or 'fp32 for an artifact (cpu target), else bf16'})")
+    add_threads_flag(p)
 
 
 def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
@@ -51,11 +116,13 @@ def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--verify-each", action="store_true", help="run the verifier after every pass")
     g.add_argument("--disable-pass", action="append", default=[], metavar="PASS")
     g.add_argument("--stop-after", metavar="PASS")
-    g.add_argument("--start-from", metavar="FILE.ir", help="resume from a dumped module (after the pass it names)")
-    g.add_argument("--time-passes", action="store_true")
+    g.add_argument("--start-from", metavar="FILE.ir",
+                   help="resume from a dumped module, after the passes it records having run (attribute passes_run)")
+    g.add_argument("--time-passes", action="store_true",
+                   help="time every stage (tracing, each pass, change detection, checks, output) against the wall clock")
     g.add_argument("--check-numerics", action="store_true",
                    help="after each pass, interpret the module on a seeded scenario against ReferenceModel")
-    g.add_argument("--tol", type=float, default=1e-5,
+    g.add_argument("--tol", type=_tolerance, default=1e-5,
                    help="numerics tolerance: max |logit error| relative to the largest reference logit (default 1e-5)")
     g.add_argument("--check-prompt-len", type=int, default=100)
     g.add_argument("--check-steps", type=int, default=32, help="decode steps of the numerics scenario")
@@ -116,7 +183,26 @@ def trace_options(args):
                         numerics=args.numerics, dtype=args.dtype)
 
 
-def frontend_of(args, need_weights: bool = False):
+def stages_of(args) -> Stages:
+    """The command's stage timer (one per command, kept on its arguments)."""
+    st = getattr(args, "_stages", None)
+    if st is None:
+        st = args._stages = Stages()
+    return st
+
+
+def _too_big_for_random_weights(name: str) -> bool:
+    from .accounting import account
+    from .cli import MAX_RANDOM_PARAMS
+    from .config import preset
+
+    return account(preset(name)).logical_params > MAX_RANDOM_PARAMS
+
+
+def frontend_of(args, need_weights: bool = False, shape_only_default: bool = False, announce: str | None = None):
+    """Trace the model the user named. `shape_only_default`: a preset too large for random weights gets
+    `--weights none` unless weights were asked for (with a note). `announce`: the command's name, for
+    the info line that states the settings in use."""
     from . import frontend
 
     if args.checkpoint and args.preset:
@@ -124,7 +210,21 @@ def frontend_of(args, need_weights: bool = False):
     weights = args.weights
     if need_weights and weights == "none":
         raise InputError("numerics checks need weights", expected="--weights random or a checkpoint")
-    return frontend.load(args.checkpoint, args.preset, weights, trace_options(args), seed=args.seed)
+    if (weights is None and shape_only_default and not need_weights and not args.checkpoint
+            and _too_big_for_random_weights(args.preset or "tiny")):
+        weights = "none"
+        log.info("%s: shape-only weights (as --weights none): random weights for a model this size would not fit in "
+                 "memory", args.preset)
+    threads = apply_threads(args)
+    if announce:
+        src = f"checkpoint {args.checkpoint}" if args.checkpoint else f"preset {args.preset or 'tiny'}"
+        w = weights or ("checkpoint" if args.checkpoint else "random")
+        passes = "--passes " + args.passes if args.passes else "the default pipeline"
+        log.info("%s: %s (weights %s, seed %d), numerics %s, dtype %s, batch %d, chunk %d, decode batch %d, "
+                 "max context %d, %s, threads %d", announce, src, w, args.seed, args.numerics, args.dtype, args.batch,
+                 args.chunk, args.decode_batch, args.max_context, passes, threads)
+    with stages_of(args)("trace", progress="tracing"):
+        return frontend.load(args.checkpoint, args.preset, weights, trace_options(args), seed=args.seed)
 
 
 def numerics_check(args, fe):
@@ -138,43 +238,69 @@ def numerics_check(args, fe):
         raise InputError("the numerics scenario does not fit the max context",
                          expected=f"--check-prompt-len + --check-steps <= {args.max_context}")
     sc = Scenario.make(fe.cfg.vocab_size, args.batch, args.check_prompt_len, args.check_steps, seed=args.seed)
-    check = NumericsCheck(fe.reference(), fe.source, sc, args.chunk, 0.0, capacity=args.max_context)
-    check.tol = args.tol * check.scale
-    return check
+    with stages_of(args)("reference model on the numerics scenario", progress="running the reference model"):
+        return NumericsCheck(fe.reference(), fe.source, sc, args.chunk, args.tol, capacity=args.max_context)
+
+
+def bisect_command(args, passes: list[str], dtype: str) -> str:
+    """The `ir bisect` command line that reproduces a numerics check: every setting that matters."""
+    cmd = ["v4compile", "ir", "bisect"]
+    cmd += [args.checkpoint] if args.checkpoint else ["--preset", args.preset or "tiny"]
+    if args.weights:
+        cmd += ["--weights", args.weights]
+    cmd += ["--seed", str(args.seed), "--numerics", args.numerics, "--dtype", dtype, "--batch", str(args.batch),
+            "--chunk", str(args.chunk), "--decode-batch", str(args.decode_batch), "--max-context", str(args.max_context),
+            "--tol", f"{args.tol:g}", "--check-prompt-len", str(args.check_prompt_len), "--check-steps",
+            str(args.check_steps), "--passes", ",".join(passes)]
+    return " ".join(shlex.quote(c) for c in cmd)
+
+
+class NumericsOutcome:
+    """What a `--check-numerics` run found: ok, or the failing pass and the command to bisect it."""
+
+    def __init__(self, ok: bool, summary: str):
+        self.ok = ok
+        self.summary = summary
 
 
 def run_pipeline(args, fe, module=None):
-    from .ir.text import parse_module
+    """Run the pipeline with the instruments the flags ask for. Returns (RunResult, NumericsOutcome or None)."""
     from .passes import PassManager, PipelineOptions
-    from .passes.manager import stage_of_dump
+    from .passes.manager import passes_run
 
-    start_after = None
+    st = stages_of(args)
     if args.start_from:
-        try:
-            text = Path(args.start_from).read_text()
-        except OSError as e:
-            raise InputError(f"cannot read IR file: {e.strerror}", where=args.start_from) from None
-        module = parse_module(text)
-        from .ir.verify import verify
-        verify(module)
-        start_after = stage_of_dump(args.start_from) or "traced"
+        with st("read --start-from"):
+            module = _read_ir(args.start_from)
     module = module or fe.module
-    check = None
+    check = outcome = None
     if args.check_numerics and args.dtype != "fp32":
-        _check_fp32_shadow(args, start_after)
+        outcome = _check_fp32_shadow(args)
     elif args.check_numerics:
         check = numerics_check(args, fe)
     opts = PipelineOptions(print_after_all=args.print_ir_after_all, print_after_change=args.print_ir_after_change,
                            print_after=tuple(args.print_ir_after), dump_ir=args.dump_ir, verify_each=args.verify_each,
-                           disable=tuple(args.disable_pass), stop_after=args.stop_after, time_passes=args.time_passes,
-                           check_numerics=check)
-    result = PassManager(pipeline_of(args), opts).run(module, start_after=start_after)
+                           disable=tuple(args.disable_pass), stop_after=args.stop_after, check_numerics=check,
+                           stages=st)
+    history = passes_run(module)
+    try:
+        result = PassManager(pipeline_of(args), opts).run(module)
+    except V4Error as e:
+        if not args.start_from:
+            raise
+        raise type(e)(e.what, where=f"{args.start_from}: {e.where}" if e.where else args.start_from,
+                      expected=e.expected, found=e.found) from None
+    for path in opts.dump_written:
+        log.info("wrote %s (%s bytes)", path, f"{path.stat().st_size:,}")
+    if args.verify_each:
+        log.info("verified the IR before the pipeline and after each of its %d passes", len(result.records))
     if check is not None:
-        _report_numerics(result, check.tol, check.scale)
-    return result
+        ran = list(history) + [r.spec for r in result.records]
+        outcome = _report_numerics(args, result, check, ran, len(history), args.dtype)
+    return result, outcome
 
 
-def _check_fp32_shadow(args, start_after) -> None:
+def _check_fp32_shadow(args) -> NumericsOutcome:
     """bf16 rounding differences flip discrete choices (indexer / router top-k) on random weights, so
     logit comparisons in bf16 say nothing about a pass. The passes are dtype-independent rewrites: check
     the same pipeline on an fp32 trace of the same model instead."""
@@ -186,32 +312,67 @@ def _check_fp32_shadow(args, start_after) -> None:
     shadow.dtype = "fp32"
     if args.start_from:
         raise InputError("--check-numerics with --start-from needs --dtype fp32 (the dump is the module to check)")
-    log.warning("checking numerics on an fp32 trace of the same model and pipeline (compute dtype here: %s)",
-                args.dtype)
+    log.info("--check-numerics checks the passes on an fp32 trace of the same model and pipeline: in %s, rounding "
+             "flips the indexer's and router's top-k choices on random weights, so %s logits cannot tell a broken "
+             "pass from a flipped choice (the passes do not depend on the dtype)", args.dtype, args.dtype)
     fe = frontend_of(shadow, need_weights=True)
     check = numerics_check(shadow, fe)
     result = PassManager(pipeline_of(args), PipelineOptions(disable=tuple(args.disable_pass),
-                                                            stop_after=args.stop_after,
-                                                            check_numerics=check)).run(fe.module)
-    _report_numerics(result, check.tol, check.scale, "fp32 shadow")
+                                                            stop_after=args.stop_after, check_numerics=check,
+                                                            stages=stages_of(args))).run(fe.module)
+    return _report_numerics(args, result, check, [r.spec for r in result.records], 0, "fp32", "fp32 shadow")
 
 
-def _report_numerics(result, tol: float, scale: float, what: str = "") -> None:
+def _report_numerics(args, result, check, ran: list[str], before: int, dtype: str, what: str = "") -> NumericsOutcome:
+    from .passes.numerics import ERROR_UNIT
+
+    tol = check.tol
     o = sys.stderr
-    o.write(f"// ----- numerics{' (' + what + ')' if what else ''}: max |logit error| vs ReferenceModel, "
-            f"relative to max |logit| {scale:.3g}; tolerance {tol / scale:g} -----\n")
+    o.write(f"// ----- numerics{' (' + what + ')' if what else ''}: error = {ERROR_UNIT} (max |reference logit| "
+            f"{check.scale:.3g}); tolerance {tol:g} -----\n")
     if result.traced_error is not None:
-        o.write(f"  {'traced':<40} {result.traced_error / scale:.3g}\n")
+        o.write(f"  {'input' if before else 'traced':<40} {result.traced_error:.3g}\n")
     for r in result.records:
         flag = "  <-- breaks tolerance" if r.numerics_error is not None and r.numerics_error > tol else ""
-        o.write(f"  {r.spec:<40} {r.numerics_error / scale:.3g}{flag}\n")
+        o.write(f"  {r.spec:<40} {r.numerics_error:.3g}{flag}\n")
     bad = result.first_numerics_failure(tol)
     if result.traced_error is not None and result.traced_error > tol:
-        o.write("  the traced module already breaks tolerance\n")
-    elif bad is not None:
-        o.write(f"  first pass that breaks tolerance: {bad.spec} (run `v4compile ir bisect` to find the op)\n")
-    else:
+        o.write("  the module before the passes already breaks tolerance\n")
+        return NumericsOutcome(False, f"the module before the passes breaks the tolerance {tol:g} "
+                                      f"(error {result.traced_error:.3g})")
+    if bad is None:
         o.write("  every pass within tolerance\n")
+        return NumericsOutcome(True, "")
+    upto = ran[: before + result.records.index(bad) + 1]
+    o.write(f"  first pass that breaks tolerance: {bad.spec}; to find the op, run:\n"
+            f"    {bisect_command(args, upto, dtype)}\n")
+    return NumericsOutcome(False, f"pass {bad.spec} breaks the tolerance {tol:g} (error {bad.numerics_error:.3g})")
+
+
+def _finish(args, outcome) -> int:
+    """The command's last lines: --time-passes, then the numerics verdict (exit status 1 if broken)."""
+    if args.time_passes:
+        from .timing import process_seconds
+
+        wall = process_seconds()
+        sys.stderr.write(stages_of(args).render(wall if wall is not None else time.perf_counter() - _T0))
+    if outcome is not None and not outcome.ok:
+        print(f"error: numerics check failed: {outcome.summary}", file=sys.stderr)
+        return NUMERICS_FAILED
+    return 0
+
+
+def _write(path: Path, text: str, what: str, check_ir: bool = False) -> None:
+    """Write one artifact and say so (path, size, what was checked)."""
+    path.write_text(text)
+    checked = ""
+    if check_ir:
+        from .ir.text import parse_module
+        from .ir.verify import verify
+
+        verify(parse_module(text))
+        checked = "; parses back and verifies"
+    log.info("wrote %s (%s bytes, %s%s)", path, f"{path.stat().st_size:,}", what, checked)
 
 
 # ---- ir ----------------------------------------------------------------------------------------
@@ -220,38 +381,46 @@ def cmd_ir_dump(args) -> int:
     from .ir.export import to_dot, to_json
     from .ir.text import print_module
 
-    fe = frontend_of(args, need_weights=args.check_numerics)
+    fe = frontend_of(args, need_weights=args.check_numerics, shape_only_default=True, announce="ir dump")
     stage = args.stage or ("final" if _pipeline_flags_given(args) else "traced")
-    if stage == "traced":
+    outcome = None
+    if stage == "traced" and not args.start_from:
         module = fe.module
     else:
         if stage.startswith("after:"):
             args.stop_after = stage.split(":", 1)[1]
-        elif stage not in ("final", "program"):
+        elif stage not in ("final", "program", "traced"):
             raise InputError("unknown --stage", expected="traced, final, program or after:PASS", found=stage)
-        module = run_pipeline(args, fe).module
+        result, outcome = run_pipeline(args, fe)
+        module = result.module
     funcs = None if args.function == "all" else [args.function]
     if funcs and funcs[0] not in module.functions:
         raise InputError(f"no function @{funcs[0]}", expected=", ".join(module.functions))
-    if stage == "program":
-        from .program.build import build_program
-        from .program.text import print_program
-        from .program.verify import verify_program
+    st = stages_of(args)
+    with st("print IR"):
+        if stage == "program":
+            from .program.build import build_program
+            from .program.text import print_program
+            from .program.verify import verify_program
 
-        if args.format != "text":
-            raise InputError("the program prints as text only", found=f"--format {args.format}")
-        text = print_program(verify_program(build_program(module)), funcs)
-    elif args.format == "text":
-        text = print_module(module, funcs)
-    elif args.format == "json":
-        text = to_json(module, funcs)
-    else:
-        text = "".join(to_dot(module.functions[f]) for f in (funcs or list(module.functions)))
+            if args.format != "text":
+                raise InputError("the program prints as text only", found=f"--format {args.format}")
+            text = print_program(verify_program(build_program(module)), funcs)
+        elif args.format == "text":
+            weights = "none" if args.no_weights else ("last" if args.functions_first else "first")
+            text = print_module(module, funcs, weights=weights)
+        elif args.format == "json":
+            text = to_json(module, funcs)
+        else:
+            text = "".join(to_dot(module.functions[f]) for f in (funcs or list(module.functions)))
     if args.output:
-        Path(args.output).write_text(text)
+        with st("write output"):
+            parses = args.format == "text" and not args.no_weights and not args.functions_first
+            _write(Path(args.output), text, f"{args.format}, {'all functions' if funcs is None else '@' + funcs[0]}",
+                   check_ir=parses)
     else:
         sys.stdout.write(text)
-    return 0
+    return _finish(args, outcome)
 
 
 def _pipeline_flags_given(args) -> bool:
@@ -268,6 +437,8 @@ def _read_ir(path: str):
         text = Path(path).read_text()
     except OSError as e:
         raise InputError(f"cannot read IR file: {e.strerror}", where=path) from None
+    except UnicodeDecodeError:
+        raise InputError("IR file is not UTF-8 text", where=path) from None
     try:
         return verify(parse_module(text))
     except V4Error as e:
@@ -291,28 +462,60 @@ def cmd_ir_verify(args) -> int:
 
 
 def cmd_ir_bisect(args) -> int:
-    from .passes.numerics import bisect
+    from .passes.numerics import ERROR_UNIT, bisect
 
-    fe = frontend_of(args, need_weights=True)
+    unused = [flag for flag, given in (("--dump-ir", args.dump_ir), ("--start-from", args.start_from),
+                                       ("--print-ir-after-all", args.print_ir_after_all),
+                                       ("--print-ir-after-change", args.print_ir_after_change),
+                                       ("--print-ir-after", args.print_ir_after), ("--stop-after", args.stop_after),
+                                       ("--verify-each", args.verify_each)) if given]
+    if unused:
+        raise InputError(f"ir bisect does not take {', '.join(unused)}", expected="ir dump or compile for those")
+    fe = frontend_of(args, need_weights=True, announce="ir bisect")
     check = numerics_check(args, fe)
-    d = bisect(fe.module, pipeline_of(args), check)
+    pipeline = [p for p in pipeline_of(args) if p.split("{", 1)[0].strip() not in args.disable_pass]
+    with stages_of(args)("bisect", progress="bisecting"):
+        d = bisect(fe.module, pipeline, check)
     if d is None:
-        print(f"no pass breaks numerics (tolerance {check.tol:g}) in: {', '.join(pipeline_of(args))}")
-    else:
-        print(d.render())
-    return 0
+        print(f"no pass breaks numerics (tolerance {check.tol:g}; error = {ERROR_UNIT}) in: {', '.join(pipeline)}")
+        return _finish(args, None)
+    print(d.render())
+    return _finish(args, NumericsOutcome(False, f"pass {d.pass_name} breaks the tolerance {check.tol:g} "
+                                                f"(error {d.pass_error:.3g})"))
+
+
+def pass_summary(cls) -> str:
+    """The first sentence of a pass's module docstring (its one-line summary)."""
+    doc = (sys.modules[cls.__module__].__doc__ or "").strip()
+    para = " ".join(doc.split("\n\n", 1)[0].split())
+    for stop in (". ", ": "):
+        if stop in para:
+            para = para.split(stop, 1)[0] + "."
+            break
+    return para
 
 
 def cmd_ir_passes(args) -> int:
+    from .errors import PassError
     from .passes import PIPELINES
     from .passes.base import load_all
 
-    for name, cls in sorted(load_all().items()):
-        doc = (cls.__module__ and sys.modules[cls.__module__].__doc__ or "").strip().splitlines()
-        print(f"{name:<32} {doc[0] if doc else ''}")
+    passes = load_all()
+    if args.name:
+        if args.name not in passes:
+            raise PassError(f"unknown pass '{args.name}'", expected=", ".join(sorted(passes)))
+        cls = passes[args.name]
+        print(f"{args.name}\n\n{(sys.modules[cls.__module__].__doc__ or '').strip()}")
+        import dataclasses
+        opts = [f"{f.name} = {f.default!r}" for f in dataclasses.fields(cls)]
+        print("\noptions: " + (", ".join(opts) if opts else "none"))
+        return 0
+    for name, cls in sorted(passes.items()):
+        print(f"{name:<32} {pass_summary(cls)}")
     shown = [pipeline_name(t) for t in targets_of(args)] if args.target else list(PIPELINES)
     for name in dict.fromkeys(shown):
         print(f"\npipeline '{name}'{' (default)' if name == 'gpu' else ''}: " + ", ".join(PIPELINES[name]))
+    print("\n`v4compile ir passes NAME` prints a pass's requirements, guarantees and options.")
     return 0
 
 
@@ -336,38 +539,49 @@ def cmd_compile(args) -> int:
         # ONNX Runtime's CPU kernels compute in fp32, and the cpu target is the only one an artifact holds
         # until GPU codegen lands; a report of the GPU pipeline defaults to bf16.
         args.dtype = "fp32" if (args.output or targets == ["cpu"]) else "bf16"
-    fe = frontend_of(args, need_weights=args.check_numerics)
-    if args.output is None or args.report or args.json or args.check_numerics:
-        result = run_pipeline(args, fe)
-        if args.report or args.json:
+    fe = frontend_of(args, need_weights=args.check_numerics, announce="compile")
+    result, outcome = run_pipeline(args, fe)
+    st = stages_of(args)
+    rep = None
+    if args.report or args.json:
+        with st("report"):
             rep = build_report(fe.cfg, fe.module, result)
-            if args.json:
-                print(json.dumps(rep, indent=1))
-            else:
-                sys.stdout.write(render_report(rep))
+            rep["threads"] = args._threads
+    if args.json:
+        print(json.dumps(rep, indent=1))
+    elif args.report:
+        sys.stdout.write(render_report(rep))
     if args.output:
-        from .accounting import account
-        from .artifact import Buckets, compile_artifact
-        from .passes import CPU_PIPELINE
+        with st("write output", progress="writing the artifact"):
+            _write_artifact(args, fe, targets)
+    if not (args.output or args.report or args.json or args.dump_ir):
+        log.info("compiled %s: %d passes, nothing written (use -o DIR, --report or --dump-ir)", result.module.name,
+                 len(result.records))
+    return _finish(args, outcome)
 
-        if args.start_from:
-            raise InputError("an artifact is traced per bucket: --start-from cannot be combined with -o")
-        gpu = [t for t in targets if t != "cpu"]
-        small = account(fe.cfg).logical_params <= SMALL_MODEL_PARAMS
-        if gpu:
-            log.warning("GPU targets (%s) are not generated yet (kernel codegen pending): the artifact holds the cpu "
-                        "target only", ", ".join(gpu))
-        if "cpu" not in targets and not small:
-            raise InputError("nothing to write: GPU targets are not generated yet and the cpu target comes by "
-                             "default only with small models", expected="--target cpu")
-        if args.dtype != "fp32":
-            raise InputError("the cpu target computes in fp32", expected="--dtype fp32", found=args.dtype)
-        buckets = Buckets(_int_list(args.decode_buckets, "--decode-buckets"),
-                          _int_list(args.prefill_buckets, "--prefill-buckets"))
-        pipeline = _split_specs(args.passes) if args.passes else list(CPU_PIPELINE)
-        compile_artifact(fe, args.output, buckets, pipeline, ("cpu",), tuple(args.disable_pass))
-        log.info("wrote %s", args.output)
-    return 0
+
+def _write_artifact(args, fe, targets) -> None:
+    """The artifact directory (v4compile/artifact.py): the cpu target, traced per bucket."""
+    from .accounting import account
+    from .artifact import Buckets, compile_artifact
+    from .passes import CPU_PIPELINE
+
+    if args.start_from:
+        raise InputError("an artifact is traced per bucket: --start-from cannot be combined with -o")
+    gpu = [t for t in targets if t != "cpu"]
+    small = account(fe.cfg).logical_params <= SMALL_MODEL_PARAMS
+    if gpu:
+        log.warning("GPU targets (%s) are not generated yet (kernel codegen pending): the artifact holds the cpu "
+                    "target only", ", ".join(gpu))
+    if "cpu" not in targets and not small:
+        raise InputError("nothing to write: GPU targets are not generated yet and the cpu target comes by "
+                         "default only with small models", expected="--target cpu")
+    if args.dtype != "fp32":
+        raise InputError("the cpu target computes in fp32", expected="--dtype fp32", found=args.dtype)
+    buckets = Buckets(_int_list(args.decode_buckets, "--decode-buckets"),
+                      _int_list(args.prefill_buckets, "--prefill-buckets"))
+    pipeline = _split_specs(args.passes) if args.passes and "cpu" in targets else list(CPU_PIPELINE)
+    compile_artifact(fe, args.output, buckets, pipeline, ("cpu",), tuple(args.disable_pass))
 
 
 def add_compile_commands(sub) -> None:
@@ -382,6 +596,10 @@ def add_compile_commands(sub) -> None:
     d.add_argument("--func", dest="function", default="decode", help="decode (default), prefill or all")
     d.add_argument("--format", choices=("text", "dot", "json"), default="text")
     d.add_argument("-o", "--output", help="write to a file instead of stdout")
+    d.add_argument("--no-weights", action="store_true",
+                   help="leave out the weight declarations (a view: the text then does not parse back)")
+    d.add_argument("--functions-first", action="store_true",
+                   help="print the functions before the weight declarations (a view: does not parse back)")
     d.set_defaults(func=cmd_ir_dump)
 
     df = irs.add_parser("diff", help="op-level difference of two IR files")
@@ -393,12 +611,15 @@ def add_compile_commands(sub) -> None:
     v.add_argument("file", metavar="FILE.ir")
     v.set_defaults(func=cmd_ir_verify)
 
-    b = irs.add_parser("bisect", help="find the first pass, and op, that breaks numerics")
+    b = irs.add_parser("bisect", help="find the first pass, and the op in each function, that breaks numerics "
+                                      "(exit status 1 when one does)")
     add_source_flags(b)
     add_pipeline_flags(b)
     b.set_defaults(func=cmd_ir_bisect)
 
-    ps = irs.add_parser("passes", help="list the registered passes and each target's pipeline")
+    ps = irs.add_parser("passes", help="list the registered passes and each target's pipeline; with NAME, one "
+                                       "pass in full")
+    ps.add_argument("name", nargs="?", metavar="NAME", help="a pass: print its requirements, guarantees and options")
     ps.add_argument("--target", default=None, help="show only this target's pipeline (gpu, gfx950, sm_90a, cpu)")
     ps.set_defaults(func=cmd_ir_passes)
 

@@ -6,6 +6,8 @@
   1x32 scale grid `[out, in/32]`.
 * Quantise-dequantise simulations used by `numerics="official"` (FP8 KV rows, FP4 indexer keys) and the
   Walsh-Hadamard rotation of the indexer.
+* FP8 activations of the FP8 / FP4 GEMMs (spec 13.1): per token and `ACT_BLOCK`-wide block of the
+  reduction axis, e4m3 with a UE8M0 scale.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from .errors import CheckpointError
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
+ACT_BLOCK = 128  # FP8 activation quantisation: values per scale along K (spec 13.1)
+ACT_FLOOR = 1e-4  # amax floor of an activation block (spec 13.1)
 # e2m1 magnitudes by 3-bit code (bit 2..1 exponent, bit 0 mantissa); bit 3 of a nibble is the sign.
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -139,6 +143,30 @@ def fp8_qdq(x: torch.Tensor, block: int) -> torch.Tensor:
     s = pow2_scale(g.abs().amax(dim=-1, keepdim=True), FP8_MAX, 1e-4)
     q = (g / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s
     return q.reshape(shape).to(x.dtype)
+
+
+def act_quant(x: torch.Tensor, block: int = ACT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spec 13.1, the activation side of an FP8 / FP4 GEMM: along the last (reduction) axis, per
+    `block` values, `s = 2^ceil(log2(max(amax, 1e-4) / 448))`, `q = e4m3(clamp(x / s, -448, 448))`.
+    Returns q (e4m3, x's shape) and s (fp32 `[..., ceil(K / block)]`); a partial last block has its own
+    scale (the padding is zeros, which do not change an amax)."""
+    K = x.shape[-1]
+    nb = -(-K // block)
+    g = torch.nn.functional.pad(x.float(), (0, nb * block - K)).reshape(*x.shape[:-1], nb, block)
+    s = pow2_scale(g.abs().amax(dim=-1, keepdim=True), FP8_MAX, ACT_FLOOR)
+    q = (g / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(*x.shape[:-1], nb * block)[..., :K], s.squeeze(-1)
+
+
+def act_dequant(q: torch.Tensor, s: torch.Tensor, block: int = ACT_BLOCK) -> torch.Tensor:
+    """The fp32 values `q * s` of `act_quant`'s output (exact: an e4m3 value times a power of two)."""
+    K = q.shape[-1]
+    return (q.float() * s.repeat_interleave(block, dim=-1)[..., :K])
+
+
+def act_qdq(x: torch.Tensor, block: int = ACT_BLOCK) -> torch.Tensor:
+    """x as the FP8 GEMM sees it (spec 13.1), in fp32."""
+    return act_dequant(*act_quant(x, block), block)
 
 
 def fp4_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:

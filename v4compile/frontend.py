@@ -19,7 +19,6 @@ from .trace import TraceOptions, trace
 log = logging.getLogger(__name__)
 
 WEIGHT_MODES = ("none", "random", "checkpoint")
-_FMT_OF_DTYPE = {"F8_E4M3": "fp8", "I8": "fp4", "U8": "fp4"}
 
 
 @dataclass
@@ -58,7 +57,7 @@ def load(checkpoint: str | None, preset_name: str | None, weights: str | None, o
         ck = Checkpoint.open(checkpoint)
         cfg = ck.cfg
         ck.validate(include_mtp=any(n.startswith("mtp.") for n in ck.entries))
-        formats = {n: _FMT_OF_DTYPE.get(e.dtype, "dense") for n, e in ck.entries.items()}
+        formats = ck.stored_formats()
         module = trace(cfg, options, formats=formats)
         return Frontend(cfg, module, weights, ck if weights == "checkpoint" else None, Path(checkpoint), seed, options)
     cfg = preset(preset_name or "tiny")

@@ -8,43 +8,35 @@ from collections import Counter
 from .accounting import kv_bytes_per_token
 from .config import V4Config
 from .ir.core import Function, Module
-
-# Ops that are views of their operand (no kernel launch).
-VIEW_OPS = {"reshape", "split"}
+from .ir.registry import get_op
 # ATOM's V4-Pro decode (anchor-atom.md, our estimates from its code paths).
 ATOM_LAUNCHES = {"hca": (31, 34), "csa": (39, 42), "total": 2200}
 
 
-def layer_of(loc: str) -> str | None:
-    parts = loc.split(".")
-    if len(parts) >= 2 and parts[0] in ("layers", "mtp") and parts[1].isdigit():
-        return f"{parts[0]}.{parts[1]}"
-    return None
-
-
 def launches(fn: Function) -> list:
-    return [op for op in fn.ops if op.name not in VIEW_OPS]
+    """The ops that become kernel launches (the registry's `launch` trait: views are not)."""
+    return [op for op in fn.ops if get_op(op.name).launch]
 
 
 def launch_counts(cfg: V4Config, fn: Function) -> dict:
     per_layer: Counter = Counter()
     other = 0
     for op in launches(fn):
-        layer = layer_of(op.loc)
+        layer = op.attrs.get("layer")  # MTP block j: layer n_layers + j
         if layer is None:
             other += 1
         else:
             per_layer[layer] += 1
     by_kind: dict[str, list[int]] = {}
     for i in range(cfg.n_layers):
-        by_kind.setdefault(cfg.kind(i), []).append(per_layer.get(f"layers.{i}", 0))
+        by_kind.setdefault(cfg.kind(i), []).append(per_layer.get(i, 0))
     return {
         "total": len(launches(fn)),
         "outside_layers": other,
         "per_layer": dict(per_layer),
         "by_kind": {k: {"layers": len(v), "mean": sum(v) / len(v), "min": min(v), "max": max(v)}
                     for k, v in by_kind.items()},
-        "mean_per_layer": sum(per_layer.values()) / max(cfg.n_layers, 1),
+        "mean_per_layer": sum(v for k, v in per_layer.items() if k < cfg.n_layers) / max(cfg.n_layers, 1),
         "ops": dict(Counter(op.name for op in launches(fn))),
     }
 

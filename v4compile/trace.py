@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .config import V4Config
@@ -31,7 +32,7 @@ from .ir.builder import Builder
 from .ir.core import WEIGHT, Module, Value
 from .ir.types import TensorType
 from .model.blocks import StepOptions, model_step
-from .model.cache import layer_cache_shapes
+from .model.cache import cache_input_name, layer_cache_shapes
 from .model.params import Params, experts_name
 from .model.reference import keeps_fp32
 from .weights import TensorSpec, spec_table
@@ -142,6 +143,16 @@ def weight_values(cfg: V4Config, opts: TraceOptions, formats: dict[str, str] | N
     return store, scales
 
 
+def module_name(config_name: str) -> str:
+    """An IR identifier for a config: a preset's name, or a checkpoint's directory name (a config read
+    from a file is named by its path; the attribute `config` keeps that)."""
+    from .ir.text import ir_ident
+
+    if config_name.endswith(".json"):
+        config_name = Path(config_name).parent.name or Path(config_name).stem
+    return ir_ident(config_name)
+
+
 def trace(cfg: V4Config, opts: TraceOptions | None = None, functions: tuple[str, ...] = FUNCTIONS,
           formats: dict[str, str] | None = None, name: str | None = None) -> Module:
     """Trace `cfg` into an IR module (shape-only: no weights are read)."""
@@ -153,7 +164,7 @@ def trace(cfg: V4Config, opts: TraceOptions | None = None, functions: tuple[str,
     t0 = time.perf_counter()
     store, scales = weight_values(cfg, opts, formats)
     P = Params(cfg, store, scales)
-    module = Module(name=name or cfg.name, weights={}, functions={},
+    module = Module(name=name or module_name(cfg.name), weights={}, functions={},
                     attrs={"config": cfg.name, **opts.attrs()})
     for fname in functions:
         if fname == "prefill":
@@ -167,18 +178,18 @@ def trace(cfg: V4Config, opts: TraceOptions | None = None, functions: tuple[str,
             pos = b.input("pos", TensorType((B, T), "i64"))
             caches = []
             for layer in range(cfg.n_layers):
-                shapes = layer_cache_shapes(cfg, layer, B, opts.capacity, opts.dtype)
-                caches.append({k: b.input(f"cache.layers.{layer}.{k}", TensorType(shape, dt))
+                shapes = layer_cache_shapes(cfg, layer, B, opts.capacity, opts.dtype, opts.numerics)
+                caches.append({k: b.input(cache_input_name(layer, k), TensorType(shape, dt))
                                for k, (shape, dt) in shapes.items()})
             logits, _ = model_step(P, cfg, ids, pos, caches, StepOptions(opts.numerics, last_only=True))
             b.output("logits", logits)
             for layer, c in enumerate(caches):
                 for k, v in c.items():
-                    b.output(f"cache.layers.{layer}.{k}", v)
+                    b.output(cache_input_name(layer, k), v)
         b.fn.attrs = {"batch": B, "tokens": T}
         module.functions[fname] = b.fn
     used = module.used_weights()
     module.weights = {v.name: v for v in list(store.values()) + list(scales.values()) if v.name in used}
-    log.info("traced %s: %s in %.2f s", module.name,
+    log.debug("traced %s: %s in %.2f s", module.name,
              ", ".join(f"{f} {len(fn.ops)} ops" for f, fn in module.functions.items()), time.perf_counter() - t0)
     return module

@@ -2,7 +2,9 @@
 
 Ops are matched by their first result's name (passes keep result names of the values they preserve);
 a matched op whose name, operands, attributes or types changed is reported as changed. Weights, function
-inputs and outputs are compared by name, and a per-op-kind count summary closes the report.
+inputs and outputs are compared by name, and a per-op-kind count summary closes the report. The output
+is deterministic: weights, inputs, outputs, functions and module attributes in sorted order (ops in
+program order), one line per changed module attribute.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 
 from .core import Function, Module, Op
-from .text import fmt_op
+from .text import fmt_attr, fmt_op
 
 
 def _op_key(op: Op) -> tuple:
@@ -19,14 +21,14 @@ def _op_key(op: Op) -> tuple:
 
 
 def diff_functions(a: Function, b: Function) -> list[str]:
-    out: list[str] = []
+    out: list[str] = diff_attrs(a.attrs, b.attrs, "func attribute")
     ai = {v.name: v.type for v in a.inputs}
     bi = {v.name: v.type for v in b.inputs}
-    for n in ai.keys() - bi.keys():
+    for n in sorted(ai.keys() - bi.keys()):
         out.append(f"- input %{n} : {ai[n]}")
-    for n in bi.keys() - ai.keys():
+    for n in sorted(bi.keys() - ai.keys()):
         out.append(f"+ input %{n} : {bi[n]}")
-    for n in ai.keys() & bi.keys():
+    for n in sorted(ai.keys() & bi.keys()):
         if ai[n] != bi[n]:
             out.append(f"~ input %{n} : {ai[n]} -> {bi[n]}")
     amap = {op.results[0].name: op for op in a.ops}
@@ -51,20 +53,34 @@ def diff_functions(a: Function, b: Function) -> list[str]:
     return out
 
 
+def diff_attrs(a: dict, b: dict, what: str = "module attribute") -> list[str]:
+    """One line per added, removed or changed key, sorted by key."""
+    out = []
+    for k in sorted(a.keys() | b.keys()):
+        if k not in b:
+            out.append(f"- {what} {k} = {fmt_attr(a[k])}")
+        elif k not in a:
+            out.append(f"+ {what} {k} = {fmt_attr(b[k])}")
+        elif a[k] != b[k]:
+            out.append(f"~ {what} {k} = {fmt_attr(a[k])} -> {fmt_attr(b[k])}")
+    return out
+
+
 def diff_modules(a: Module, b: Module) -> str:
     lines: list[str] = []
-    if a.attrs != b.attrs:
-        lines.append(f"~ module attributes {a.attrs} -> {b.attrs}")
-    for n in a.weights.keys() - b.weights.keys():
+    if a.name != b.name:
+        lines.append(f"~ module @{a.name} -> @{b.name}")
+    lines += diff_attrs(a.attrs, b.attrs)
+    for n in sorted(a.weights.keys() - b.weights.keys()):
         lines.append(f"- weight @{n} : {a.weights[n].type}")
-    for n in b.weights.keys() - a.weights.keys():
+    for n in sorted(b.weights.keys() - a.weights.keys()):
         w = b.weights[n]
         lines.append(f"+ weight @{n} : {w.type} from {', '.join(w.sources)}")
-    for n in a.weights.keys() & b.weights.keys():
+    for n in sorted(a.weights.keys() & b.weights.keys()):
         wa, wb = a.weights[n], b.weights[n]
         if (wa.type, wa.sources) != (wb.type, wb.sources):
             lines.append(f"~ weight @{n} : {wa.type} -> {wb.type}")
-    for name in a.functions.keys() | b.functions.keys():
+    for name in sorted(a.functions.keys() | b.functions.keys()):
         if name not in b.functions:
             lines.append(f"- func @{name}")
         elif name not in a.functions:

@@ -33,6 +33,7 @@ from typing import Any
 
 from ..errors import IRError
 from .core import Value
+from .semantics import TAGS, check_tags
 from .types import TensorType
 
 REGISTRY: dict[str, "OpDef"] = {}
@@ -40,21 +41,34 @@ REGISTRY: dict[str, "OpDef"] = {}
 ATTR_TYPES = (int, float, bool, str, tuple)
 _NO_DEFAULT = object()
 
-# Provenance: the model pushes module paths (`layers.7.attn`) while it runs; traced ops record them.
+# Provenance: the model pushes module paths (`layers.7.attn`) and semantic tags (`layer`, `role`; see
+# `semantics.py`) while it runs; traced ops record them.
 _scope: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("v4_scope", default=())
+_tags: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("v4_tags", default={})
 
 
 @contextlib.contextmanager
-def scope(name: str):
-    token = _scope.set(_scope.get() + (name,))
+def scope(name: str = "", *, layer: int | None = None, role: str | None = None):
+    """Inside: ops record `name` in their `loc` (an empty name adds nothing) and the given tags (inner
+    scopes and explicit `role=` on a call override)."""
+    tags = {k: v for k, v in (("layer", layer), ("role", role)) if v is not None}
+    token = _scope.set(_scope.get() + (name,)) if name else None
+    ttoken = _tags.set({**_tags.get(), **tags}) if tags else None
     try:
         yield
     finally:
-        _scope.reset(token)
+        if ttoken is not None:
+            _tags.reset(ttoken)
+        if token is not None:
+            _scope.reset(token)
 
 
 def current_loc() -> str:
     return ".".join(_scope.get())
+
+
+def current_tags() -> dict[str, Any]:
+    return dict(_tags.get())
 
 
 @dataclass(frozen=True)
@@ -230,10 +244,12 @@ class OpDef:
     # ---- attribute checking --------------------------------------------------------------------
     def normalize_attrs(self, attrs: dict[str, Any], where: str = "") -> dict[str, Any]:
         """Fill defaults, reject unknown / missing / mistyped attributes. Names starting with `_` are
-        annotations (e.g. the memory plan's `_arena`): any op may carry them and references never see them."""
+        annotations (e.g. the memory plan's `_arena`) and `layer` / `role` are semantic tags
+        (`semantics.py`): any op may carry them and references never see them."""
         at = where or f"op '{self.name}'"
         notes = {k: v for k, v in attrs.items() if k.startswith("_")}
-        attrs = {k: v for k, v in attrs.items() if not k.startswith("_")}
+        tags = check_tags({k: v for k, v in attrs.items() if k in TAGS}, at)
+        attrs = {k: v for k, v in attrs.items() if not k.startswith("_") and k not in TAGS}
         unknown = sorted(set(attrs) - set(self.attrs))
         if unknown:
             raise IRError(f"unknown attribute '{unknown[0]}' for op '{self.name}'", where=at,
@@ -257,6 +273,7 @@ class OpDef:
                 raise IRError(f"attribute '{k}' of op '{self.name}' must be {spec.type.__name__}", where=at,
                               found=repr(v))
             out[k] = v
+        out.update(tags)
         for k, v in notes.items():
             if not isinstance(v, ATTR_TYPES):
                 raise IRError(f"annotation '{k}' has an unsupported value", where=at, found=repr(v))
@@ -292,8 +309,11 @@ class OpDef:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         operands, attrs = self.bind(args, kwargs)
+        tracing = any(isinstance(v, Value) for v in operands)
+        if tracing:
+            attrs = {**current_tags(), **attrs}
         attrs = self.normalize_attrs(self.with_variant(operands, attrs))
-        if any(isinstance(v, Value) for v in operands):
+        if tracing:
             from .builder import current_builder
             results = current_builder().emit(self, operands, attrs, current_loc())
         else:
@@ -309,8 +329,9 @@ class OpDef:
 
 
 def semantic(attrs: dict[str, Any]) -> dict[str, Any]:
-    """Attributes without annotations."""
-    return {k: v for k, v in attrs.items() if not k.startswith("_")}
+    """The attributes an op's own rules (reference, shape, cost) take: without annotations (`_...`) and
+    without the semantic tags (`layer`, `role`)."""
+    return {k: v for k, v in attrs.items() if not k.startswith("_") and k not in TAGS}
 
 
 # Attributes that describe an op for the compiler (which variant) but are not arguments of its reference.
@@ -318,8 +339,8 @@ NON_REF_ATTRS = frozenset({"variant"})
 
 
 def ref_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of an op's reference and shape rule."""
-    return {k: v for k, v in attrs.items() if not k.startswith("_") and k not in NON_REF_ATTRS}
+    """The keyword arguments of an op's reference and shape rule (no annotations, no semantic tags)."""
+    return {k: v for k, v in attrs.items() if not k.startswith("_") and k not in NON_REF_ATTRS and k not in TAGS}
 
 
 def require(cond: bool, what: str, expected: object = None, found: object = None) -> None:

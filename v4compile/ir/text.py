@@ -14,7 +14,10 @@ equal module.
       return logits = %170, cache.layers.0.win = %17, ...
     }
 
-Absent optional operands print as `none`. `#` starts a comment. Parse errors name line and column.
+Absent optional operands print as `none`. `#` starts a comment. Parse errors name line and column; a
+parsed module keeps the line:column of its functions and ops (`source_positions`, by object id) so that
+the verifier's errors can name them too. Names always print as identifiers (`ir_ident`), so every
+printed module parses back.
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ from .core import INPUT, SSA, WEIGHT, Function, Module, Op, Value
 from .types import DTYPES, TensorType
 
 # ---- printing ----------------------------------------------------------------------------------
+
+_IDENT = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
+def ir_ident(name: str) -> str:
+    """`name` as an IR identifier (what may follow `@` or `%`): other characters become `_`."""
+    return name if _IDENT.fullmatch(name) else (re.sub(r"[^A-Za-z0-9_.\-]", "_", name) or "_")
+
 
 
 def fmt_attr(v: Any) -> str:
@@ -69,15 +80,20 @@ def print_function(fn: Function) -> str:
     return "\n".join(lines)
 
 
-def print_module(m: Module, functions: list[str] | None = None) -> str:
-    out = [f"module @{m.name}{' attributes' + fmt_attrs(m.attrs) if m.attrs else ''}"]
-    for w in m.weights.values():
-        src = ", ".join(fmt_attr(s) for s in w.sources)
-        out.append(f"weight {w.ref} : {w.type} from {src}")
+def print_module(m: Module, functions: list[str] | None = None, weights: str = "first") -> str:
+    """The module's text. `weights`: "first" (parses back), or, as views for reading only, "last" (after
+    the functions) or "none" (no weight declarations)."""
+    head = [f"module @{ir_ident(m.name)}{' attributes' + fmt_attrs(m.attrs) if m.attrs else ''}"]
+    decls = [f"weight {w.ref} : {w.type} from {', '.join(fmt_attr(s) for s in w.sources)}"
+             for w in m.weights.values()]
+    body = []
     for name, fn in m.functions.items():
         if functions is None or name in functions:
-            out.append("")
-            out.append(print_function(fn))
+            body += ["", print_function(fn)]
+    if weights == "none":
+        head.append(f"# {len(decls)} weight declarations left out")
+        decls = []
+    out = head + (decls + body if weights == "first" else body + ([""] if decls else []) + decls)
     return "\n".join(out) + "\n"
 
 
@@ -127,6 +143,7 @@ class Parser:
     def __init__(self, text: str):
         self.toks = lex(text)
         self.i = 0
+        self.positions: dict[int, tuple[int, int]] = {}  # id(op or function) -> (line, column)
 
     @property
     def tok(self) -> Tok:
@@ -230,6 +247,7 @@ class Parser:
                 m.functions[fn.name] = fn
             else:
                 raise self.error("expected 'weight' or 'func'")
+        m.source_positions = self.positions
         return m
 
     def parse_weight(self, m: Module) -> None:
@@ -250,6 +268,7 @@ class Parser:
         m.weights[t.text[1:]] = Value(t.text[1:], ty, WEIGHT, tuple(sources))
 
     def parse_function(self, m: Module) -> Function:
+        start = self.tok
         self.expect("func")
         name = self.expect_kind("ref", "a function name like @decode")
         env: dict[str, Value] = {}
@@ -286,7 +305,9 @@ class Parser:
             if self.tok.kind == "eof" or self.tok.text == "}":
                 raise self.error("function body must end with 'return name = %value, ...' and '}'")
             ops.append(self.parse_op(m, env))
-        return Function(name.text[1:], inputs, ops, outputs, attrs)
+        fn = Function(name.text[1:], inputs, ops, outputs, attrs)
+        self.positions[id(fn)] = (start.line, start.col)
+        return fn
 
     def parse_use(self, m: Module, env: dict[str, Value]) -> Value:
         r = self.expect_kind("ref", "a value like %3 or @weight")
@@ -303,6 +324,7 @@ class Parser:
         from .registry import get_op
 
         names: list[Tok] = []
+        start = self.tok
         while True:
             r = self.expect_kind("ref", "a result like %3")
             if not r.text.startswith("%"):
@@ -357,7 +379,9 @@ class Parser:
             v = Value(key, ty, SSA)
             env[key] = v
             results.append(v)
-        return Op(opdef.name, tuple(operands), tuple(results), attrs, loc)
+        op = Op(opdef.name, tuple(operands), tuple(results), attrs, loc)
+        self.positions[id(op)] = (start.line, start.col)
+        return op
 
 
 def parse_module(text: str) -> Module:

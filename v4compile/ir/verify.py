@@ -6,7 +6,8 @@
   result types are exactly what its shape rule infers from the operand types (which also checks the
   operands against the op's signature).
 
-Cheap enough to run after every pass.
+Cheap enough to run after every pass. A module parsed from text carries the line:column of its
+functions and ops (`source_positions`); errors then start with it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,13 @@ from .core import INPUT, WEIGHT, Function, Module
 from .registry import get_op
 
 
+def _line(m: Module, obj: object) -> str:
+    pos = getattr(m, "source_positions", {}).get(id(obj))
+    return f"line {pos[0]}:{pos[1]}: " if pos else ""
+
+
 def verify_function(fn: Function, m: Module) -> None:
-    where = f"@{fn.name}"
+    where = f"{_line(m, fn)}@{fn.name}"
     defined: dict[str, object] = {}
     for v in fn.inputs:
         if v.kind != INPUT:
@@ -26,7 +32,7 @@ def verify_function(fn: Function, m: Module) -> None:
             raise IRError(f"input %{v.name} defined twice", where=where)
         defined[v.name] = v
     for i, op in enumerate(fn.ops):
-        at = f"{where} op #{i} ({op.name}{', ' + op.loc if op.loc else ''})"
+        at = f"{_line(m, op) or _line(m, fn)}@{fn.name} op #{i} ({op.name}{', ' + op.loc if op.loc else ''})"
         opdef = get_op(op.name, where=at)
         if len(op.operands) != len(opdef.operands):
             raise IRError(f"op takes {len(opdef.operands)} operands", where=at, found=len(op.operands))

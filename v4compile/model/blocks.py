@@ -16,12 +16,13 @@ from .. import ops
 from ..config import CSA, HCA, V4Config
 from ..ir.core import Value
 from ..ir.registry import scope
-from .params import Params
+from .params import Params, experts_name
 
 
 @dataclass(frozen=True)
 class StepOptions:
-    numerics: str = "hf"  # "hf": match transformers; "official": + FP8 KV and FP4 indexer rounding
+    numerics: str = "hf"  # "hf": match transformers; "official": + FP8 KV / FP4 indexer rounding, FP8 activations
+    #                       into FP8 / FP4 GEMMs, fp32 logits, fp32 compressor state (spec 12, 13)
     last_only: bool = False  # logits of each sequence's last valid lane only ([B, V] instead of [B, T, V])
 
 
@@ -56,10 +57,12 @@ def attention_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, pos:
     kind = cfg.kind(layer)
     official = opts.numerics == "official"
     a = pre + "attn."
-    qr = ops.rms_norm(ops.linear(x, **P.lin(a + "wq_a.weight")), P.t(a + "q_norm.weight"), eps=eps)
-    q = ops.reshape(ops.linear(qr, **P.lin(a + "wq_b.weight")), shape=(B, T, cfg.n_heads, cfg.head_dim))
+    qr = ops.rms_norm(ops.linear(x, **gemm(P, opts, a + "wq_a.weight", "attn.wq_a")), P.t(a + "q_norm.weight"), eps=eps)
+    q = ops.reshape(ops.linear(qr, **gemm(P, opts, a + "wq_b.weight", "attn.wq_b")),
+                    shape=(B, T, cfg.n_heads, cfg.head_dim))
     q = ops.rope(ops.rms_norm(q, None, eps=eps), pos, **rope)
-    kv = ops.rms_norm(ops.linear(x, **P.lin(a + "wkv.weight")), P.t(a + "kv_norm.weight"), eps=eps)
+    kv = ops.rms_norm(ops.linear(x, **gemm(P, opts, a + "wkv.weight", "attn.wkv")), P.t(a + "kv_norm.weight"),
+                      eps=eps)
     kv = ops.rope(kv, pos, **rope)
     if official:
         kv = ops.fp8_round(kv, dims=cfg.nope_dim, block=kv_round_block(cfg))
@@ -68,28 +71,30 @@ def attention_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, pos:
     ratio = cfg.ratio(layer) or 1
     if kind in (CSA, HCA):
         crope = {"rope_dim": rope["dim"], "theta": rope["theta"], "yarn": rope["yarn"]}
-        with scope("compressor"):
+        with scope("compressor", role="attn.compressor"):
             c = a + "compressor."
             rows, cache["state_kv"], cache["state_gate"] = ops.compress(
-                ops.linear(x, **P.lin(c + "wkv.weight")), ops.linear(x, **P.lin(c + "wgate.weight")),
+                ops.linear(x, **gemm(P, opts, c + "wkv.weight", "attn.compressor.wkv")),
+                ops.linear(x, **gemm(P, opts, c + "wgate.weight", "attn.compressor.wgate")),
                 P.t(c + "ape"), P.t(c + "norm.weight"), cache["state_kv"], cache["state_gate"], cache["rows"], pos,
                 ratio=ratio, overlap=kind == CSA, eps=eps, round="fp8" if official else "none", **crope)
             cache["rows"] = rows
         if kind == CSA:
-            with scope("indexer"):
+            with scope("indexer", role="attn.indexer"):
                 i = a + "indexer."
                 ic = i + "compressor."
                 keys, cache["index_state_kv"], cache["index_state_gate"] = ops.compress(
-                    ops.linear(x, **P.lin(ic + "wkv.weight")), ops.linear(x, **P.lin(ic + "wgate.weight")),
+                    ops.linear(x, **gemm(P, opts, ic + "wkv.weight", "attn.indexer.compressor.wkv")),
+                    ops.linear(x, **gemm(P, opts, ic + "wgate.weight", "attn.indexer.compressor.wgate")),
                     P.t(ic + "ape"), P.t(ic + "norm.weight"), cache["index_state_kv"], cache["index_state_gate"],
                     cache["index_rows"], pos, ratio=ratio, overlap=True, eps=eps,
-                    round="fp4" if official else "none", **crope)
+                    round="fp4" if official else "none", role="attn.indexer.compressor", **crope)
                 cache["index_rows"] = keys
-                qi = ops.linear(qr, **P.lin(i + "wq_b.weight"))
+                qi = ops.linear(qr, **gemm(P, opts, i + "wq_b.weight", "attn.indexer.wq_b"))
                 qi = ops.rope(ops.reshape(qi, shape=(B, T, cfg.index_n_heads, cfg.index_head_dim)), pos, **rope)
                 if official:
                     qi = ops.hadamard_fp4_round(qi)
-                wts = ops.linear(x, **P.lin(i + "weights_proj.weight"))
+                wts = ops.linear(x, **gemm(P, opts, i + "weights_proj.weight", "attn.indexer.weights_proj"))
                 scores = ops.indexer_scores(qi, wts, keys, pos, ratio=ratio, q_scale=cfg.index_head_dim ** -0.5,
                                             w_scale=cfg.index_n_heads ** -0.5)
                 selected = ops.topk(scores, k=min(cfg.index_topk, shape_of(keys)[1]))
@@ -98,46 +103,56 @@ def attention_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, pos:
                       ratio=ratio, scale=cfg.head_dim ** -0.5)
     cache["win"] = ops.window_write(cache["win"], kv, pos)
     o = ops.rope(o, pos, inverse=True, **rope)
-    z = ops.grouped_out_proj(o, **_grouped(P.lin(a + "wo_a.weight")), groups=cfg.o_groups)
-    return ops.linear(z, **P.lin(a + "wo_b.weight"))
+    z = ops.grouped_out_proj(o, **gemm(P, opts, a + "wo_a.weight", "attn.wo_a"), groups=cfg.o_groups)
+    return ops.linear(z, **gemm(P, opts, a + "wo_b.weight", "attn.wo_b"))
 
 
-def _grouped(lin: dict[str, Any]) -> dict[str, Any]:
-    return {"w": lin["w"], "scale": lin["scale"], "block": lin["block"]}
+def gemm(P: Params, opts: StepOptions, name: str, role: str, out_dtype: str = "") -> dict[str, Any]:
+    """Keyword arguments of the GEMM reading weight `name`: the weight (+ scale, block), its role and its
+    numerics (`ops/basic.py` GEMM_ATTRS). `hf`: every GEMM native (activation x weight dequantised to the
+    activation dtype, as transformers runs it). `official` (`v4-reference.md` 12, 13.1): FP8 activations
+    on every GEMM whose weight the checkpoint stores in FP8 / FP4, except `wo_a`, which DeepSeek's
+    conversion dequantises to bf16 and runs as a bf16 einsum."""
+    fp8 = opts.numerics == "official" and P.quantized(name) and role != "attn.wo_a"
+    return {**P.lin(name), "act": "fp8" if fp8 else "native", "out_dtype": out_dtype, "role": role}
 
 
-def moe_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, ids: Any) -> Any:
+def moe_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, ids: Any, opts: StepOptions) -> Any:
     f = pre + "ffn."
     hashed = cfg.is_hash(layer)
     wts, idx = ops.router(x, P.t(f + "gate.weight"), None if hashed else P.t(f + "gate.bias"),
                           P.t(f + "gate.tid2eid") if hashed else None, ids if hashed else None,
-                          k=cfg.n_active_experts, route_scale=float(cfg.route_scale))
-    y = ops.moe_experts(x, wts, idx, **P.experts(pre), limit=float(cfg.swiglu_limit))
-    with scope("shared"):
+                          k=cfg.n_active_experts, route_scale=float(cfg.route_scale), role="ffn.gate")
+    fp8 = opts.numerics == "official" and P.quantized(experts_name(pre, "w1"))
+    y = ops.moe_experts(x, wts, idx, **P.experts(pre), limit=float(cfg.swiglu_limit), act="fp8" if fp8 else "native",
+                        role="ffn.experts")
+    with scope("shared", role="ffn.shared"):
         s = f + "shared_experts."
-        h = ops.swiglu(ops.linear(x, **P.lin(s + "w1.weight")), ops.linear(x, **P.lin(s + "w3.weight")),
+        h = ops.swiglu(ops.linear(x, **gemm(P, opts, s + "w1.weight", "ffn.shared.w1")),
+                       ops.linear(x, **gemm(P, opts, s + "w3.weight", "ffn.shared.w3")),
                        limit=float(cfg.swiglu_limit))
-        y = ops.add(y, ops.linear(h, **P.lin(s + "w2.weight")))
+        y = ops.add(y, ops.linear(h, **gemm(P, opts, s + "w2.weight", "ffn.shared.w2")))
     return y
 
 
 def decoder_layer(P: Params, cfg: V4Config, layer: int, pre: str, streams: Any, ids: Any, pos: Any,
                   cache: dict[str, Any], opts: StepOptions) -> Any:
     hc = {"eps": cfg.rms_eps, "hc_eps": cfg.hc_eps, "iters": cfg.hc_sinkhorn_iters}
-    with scope("attn_hc"):
+    with scope("attn_hc", role="attn_hc"):
         y, post, comb = ops.hc_pre(streams, P.t(pre + "hc_attn_fn"), P.t(pre + "hc_attn_base"),
                                    P.t(pre + "hc_attn_scale"), **hc)
-    with scope("attn"):
+    with scope("attn", role="attn"):
         y = attention_block(P, cfg, layer, pre, ops.rms_norm(y, P.t(pre + "attn_norm.weight"), eps=cfg.rms_eps),
                             pos, cache, opts)
-    with scope("attn_hc"):
+    with scope("attn_hc", role="attn_hc"):
         streams = ops.hc_post(y, streams, post, comb)
-    with scope("ffn_hc"):
+    with scope("ffn_hc", role="ffn_hc"):
         y, post, comb = ops.hc_pre(streams, P.t(pre + "hc_ffn_fn"), P.t(pre + "hc_ffn_base"),
                                    P.t(pre + "hc_ffn_scale"), **hc)
-    with scope("ffn"):
-        y = moe_block(P, cfg, layer, pre, ops.rms_norm(y, P.t(pre + "ffn_norm.weight"), eps=cfg.rms_eps), ids)
-    with scope("ffn_hc"):
+    with scope("ffn", role="ffn"):
+        y = moe_block(P, cfg, layer, pre, ops.rms_norm(y, P.t(pre + "ffn_norm.weight"), eps=cfg.rms_eps), ids,
+                      opts)
+    with scope("ffn_hc", role="ffn_hc"):
         streams = ops.hc_post(y, streams, post, comb)
     return streams
 
@@ -148,19 +163,20 @@ def head(P: Params, cfg: V4Config, pre: str, streams: Any, pos: Any, opts: StepO
     if opts.last_only:
         h = ops.last_token(h, pos)
     h = ops.rms_norm(h, P.t(pre + "norm.weight"), eps=cfg.rms_eps)
-    return ops.linear(h, **P.lin("head.weight"))
+    # Official logits are fp32 (spec 11, 12: the head weight upcast, an fp32 GEMM).
+    return ops.linear(h, **gemm(P, opts, "head.weight", "head", "fp32" if opts.numerics == "official" else ""))
 
 
 def model_step(P: Params, cfg: V4Config, ids: Any, pos: Any, caches: list[dict[str, Any]],
                opts: StepOptions) -> tuple[Any, Any]:
     """Logits (`[B, T, V]`, or `[B, V]` with `last_only`) and the final hidden streams `[B, T, n, D]`
     (before `hc_head`; the MTP block's input). Updates `caches` in place (new tensors / values)."""
-    with scope("embed"):
+    with scope("embed", role="embed"):
         streams = ops.hc_expand(ops.embed(ids, P.t("embed.weight")), n=cfg.hc_mult)
     for layer in range(cfg.n_layers):
-        with scope(f"layers.{layer}"):
+        with scope(f"layers.{layer}", layer=layer):
             streams = decoder_layer(P, cfg, layer, f"layers.{layer}.", streams, ids, pos, caches[layer], opts)
-    with scope("head"):
+    with scope("head", role="head"):
         logits = head(P, cfg, "", streams, pos, opts)
     return logits, streams
 
@@ -171,11 +187,12 @@ def mtp_step(P: Params, cfg: V4Config, j: int, streams: Any, next_ids: Any, pos:
     embedding of token t+1, logits for token t+2. Returns (logits, the block's output streams)."""
     pre = f"mtp.{j}."
     B, T, n, D = shape_of(streams)
-    with scope(f"mtp.{j}"):
+    with scope(f"mtp.{j}", layer=cfg.n_layers + j, role="mtp"):
         e = ops.rms_norm(ops.embed(next_ids, P.t("embed.weight")), P.t(pre + "enorm.weight"), eps=cfg.rms_eps)
         h = ops.rms_norm(streams, P.t(pre + "hnorm.weight"), eps=cfg.rms_eps)
-        e = ops.reshape(ops.linear(e, **P.lin(pre + "e_proj.weight")), shape=(B, T, 1, D))
-        x0 = ops.add(e, ops.linear(h, **P.lin(pre + "h_proj.weight")))
+        e = ops.reshape(ops.linear(e, **gemm(P, opts, pre + "e_proj.weight", "mtp.e_proj")), shape=(B, T, 1, D))
+        x0 = ops.add(e, ops.linear(h, **gemm(P, opts, pre + "h_proj.weight", "mtp.h_proj")))
         out = decoder_layer(P, cfg, cfg.n_layers + j, pre, x0, next_ids, pos, cache, opts)
-        logits = head(P, cfg, pre, out, pos, opts)
+        with scope(role="head"):
+            logits = head(P, cfg, pre, out, pos, opts)
     return logits, out

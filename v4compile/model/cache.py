@@ -14,6 +14,7 @@ keeps each sequence's length.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -21,9 +22,10 @@ import torch
 from ..config import CSA, HCA, V4Config
 
 
-def layer_cache_shapes(cfg: V4Config, layer: int, batch: int, capacity: int, dtype: str = "fp32"
-                       ) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Name -> (shape, IR dtype) of one layer's state (layer >= n_layers: an MTP layer)."""
+def layer_cache_shapes(cfg: V4Config, layer: int, batch: int, capacity: int, dtype: str = "fp32",
+                       numerics: str = "hf") -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, IR dtype) of one layer's state (layer >= n_layers: an MTP layer). The compressor
+    gate rings are fp32; official numerics keep the kv rings fp32 too (as DeepSeek's code does)."""
     d = cfg.head_dim
     kind = cfg.kind(layer)
     out = {"win": ((batch, cfg.window, d), dtype)}
@@ -32,17 +34,40 @@ def layer_cache_shapes(cfg: V4Config, layer: int, batch: int, capacity: int, dty
         c = 2 if kind == CSA else 1
         r = max(capacity // m, 1)
         out["rows"] = ((batch, r, d), dtype)
-        out["state_kv"] = ((batch, c * m, c * d), dtype)
+        state = "fp32" if numerics == "official" else dtype
+        out["state_kv"] = ((batch, c * m, c * d), state)
         out["state_gate"] = ((batch, c * m, c * d), "fp32")
         if kind == CSA:
             di = cfg.index_head_dim
             out["index_rows"] = ((batch, r, di), dtype)
-            out["index_state_kv"] = ((batch, 2 * m, 2 * di), dtype)
+            out["index_state_kv"] = ((batch, 2 * m, 2 * di), state)
             out["index_state_gate"] = ((batch, 2 * m, 2 * di), "fp32")
     return out
 
 
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# ---- names of the state as IR function inputs / outputs -------------------------------------------
+# A traced function takes each layer's cache tensor `key` (a name of `layer_cache_shapes`) as input and
+# returns its new value as output, both named `cache.layers.<layer>.<key>`; after lowering to the pool
+# the per-slot compressor rings are `state.layers.<layer>.<key>`. Function inputs carry no attributes,
+# so these names are the one convention that says which layer's state an input is; they are made and
+# read only here.
+_CACHE_INPUT = re.compile(r"^cache\.layers\.(\d+)\.(\w+)$")
+
+
+def cache_input_name(layer: int, key: str) -> str:
+    return f"cache.layers.{layer}.{key}"
+
+
+def state_input_name(layer: int, key: str) -> str:
+    return f"state.layers.{layer}.{key}"
+
+
+def parse_cache_input(name: str) -> tuple[int, str] | None:
+    """(layer, key) of a `cache.layers.<layer>.<key>` input / output name, None for any other name."""
+    m = _CACHE_INPUT.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
 
 
 @dataclass
@@ -58,12 +83,12 @@ class Cache:
 
     @classmethod
     def new(cls, cfg: V4Config, batch: int, capacity: int, dtype: torch.dtype = torch.float32,
-            device: str | torch.device = "cpu") -> "Cache":
+            device: str | torch.device = "cpu", numerics: str = "hf") -> "Cache":
         name = "bf16" if dtype == torch.bfloat16 else "fp32"
 
         def make(layer: int) -> dict[str, torch.Tensor]:
             return {k: torch.zeros(shape, dtype=_TORCH[dt], device=device)
-                    for k, (shape, dt) in layer_cache_shapes(cfg, layer, batch, capacity, name).items()}
+                    for k, (shape, dt) in layer_cache_shapes(cfg, layer, batch, capacity, name, numerics).items()}
 
         return cls(batch, capacity, [make(i) for i in range(cfg.n_layers)],
                    [make(cfg.n_layers + j) for j in range(cfg.n_mtp_layers)], [0] * batch, [0] * batch)

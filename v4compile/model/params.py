@@ -23,10 +23,19 @@ def experts_name(prefix: str, w: str) -> str:
 class Params:
     """Named tensors (or IR values) with the linear-weight conventions of the model code."""
 
-    def __init__(self, cfg: V4Config, store: dict[str, Any], scales: dict[str, Any] | None = None):
+    def __init__(self, cfg: V4Config, store: dict[str, Any], scales: dict[str, Any] | None = None,
+                 quantized: frozenset[str] = frozenset()):
         self.cfg = cfg
         self.store = store
         self.scales = scales or {}
+        self.quantized_names = quantized  # eager: weights the checkpoint stores in FP8 / FP4 (held dequantised)
+
+    def quantized(self, name: str) -> bool:
+        """Whether the checkpoint stores weight `name` in FP8 / FP4 (a traced weight says it by its dtype)."""
+        w = self.store[name]
+        if isinstance(w, Value):
+            return w.type.dtype in ("fp8e4m3", "fp4x2")
+        return name in self.quantized_names
 
     def t(self, name: str) -> Any:
         return self.store[name]

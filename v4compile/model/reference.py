@@ -28,6 +28,8 @@ from .params import Params, experts_name
 
 log = logging.getLogger(__name__)
 
+GENERATION_ROOM = 256  # tokens a default-sized prefill cache leaves for decode
+
 NUMERICS = ("hf", "official")
 _FP32_SUFFIXES = ("norm.weight", "_fn", "_base", "_scale", "attn_sink", ".ape", "gate.bias")
 
@@ -59,9 +61,26 @@ def build_weights(cfg: V4Config, load, dtype: torch.dtype, include_mtp: bool = T
     return out
 
 
+def quantized_params(formats: dict[str, str]) -> frozenset[str]:
+    """Parameter names (as `build_weights` keys them: routed experts stacked) of the weights stored in
+    FP8 / FP4, from canonical name -> stored format."""
+    out = set()
+    for name, fmt in formats.items():
+        if fmt not in ("fp8", "fp4") or not name.endswith(".weight"):
+            continue
+        if ".ffn.experts." in name:
+            prefix, rest = name.split("ffn.experts.")
+            out.add(experts_name(prefix, rest.split(".")[1]))
+        else:
+            out.add(name)
+    return frozenset(out)
+
+
 class ReferenceModel:
     def __init__(self, cfg: V4Config, weights: dict[str, torch.Tensor], numerics: str = "hf",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, quantized: frozenset[str] = frozenset()):
+        """`quantized`: names of the (dense-held) weights the checkpoint stores in FP8 / FP4, whose GEMMs take
+        FP8 activations under official numerics (`quantized_params`)."""
         if numerics not in NUMERICS:
             raise InputError(f"unknown numerics mode '{numerics}'", expected=" / ".join(NUMERICS))
         if numerics == "official" and cfg.index_head_dim & (cfg.index_head_dim - 1):
@@ -73,7 +92,7 @@ class ReferenceModel:
         self.weights = weights
         self.numerics = numerics
         self.dtype = dtype
-        self.params = Params(cfg, weights)
+        self.params = Params(cfg, weights, quantized=quantized)
         self.has_mtp = all(f"mtp.{j}.e_proj.weight" in weights for j in range(cfg.n_mtp_layers))
 
     @classmethod
@@ -85,14 +104,15 @@ class ReferenceModel:
             ckpt.validate(include_mtp=mtp)
             log.info("loading %s (%s, %d tensors)", path, ckpt.cfg.name, len(ckpt.entries))
             weights = build_weights(ckpt.cfg, lambda n: ckpt.dense(n), dtype, include_mtp=mtp)
-        return cls(ckpt.cfg, weights, numerics=numerics, dtype=dtype)
+            quantized = quantized_params(ckpt.stored_formats())
+        return cls(ckpt.cfg, weights, numerics=numerics, dtype=dtype, quantized=quantized)
 
     # ---- the step ------------------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int) -> Cache:
         if capacity > self.cfg.max_position:
             raise InputError("context is longer than the model's maximum position",
                              expected=f"<= {self.cfg.max_position} tokens", found=capacity)
-        return Cache.new(self.cfg, batch, capacity, self.dtype)
+        return Cache.new(self.cfg, batch, capacity, self.dtype, numerics=self.numerics)
 
     def _opts(self, last_only: bool = False) -> StepOptions:
         return StepOptions(numerics=self.numerics, last_only=last_only)
@@ -128,6 +148,8 @@ class ReferenceModel:
                 capacity: int | None = None) -> tuple[Cache, torch.Tensor]:
         """Feed B prompts of any lengths, `chunk` tokens per step (None: all at once).
 
+        A new cache holds `capacity` tokens per sequence; by default the longest prompt plus
+        `GENERATION_ROOM` (256) tokens to decode, within the model's maximum position.
         Returns the cache and the logits of each prompt's last token `[B, vocab]`.
         """
         prompts = [list(map(int, p)) for p in prompts]
@@ -137,7 +159,8 @@ class ReferenceModel:
             self._check_ids(torch.tensor(p))
         longest = max(len(p) for p in prompts)
         if cache is None:
-            cache = self.new_cache(len(prompts), capacity or longest)
+            cache = self.new_cache(len(prompts), capacity or max(longest, min(longest + GENERATION_ROOM,
+                                                                               self.cfg.max_position)))
         if len(prompts) != cache.batch:
             raise InputError("batch size does not match the cache", expected=cache.batch, found=len(prompts))
         for b, p in enumerate(prompts):

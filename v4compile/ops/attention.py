@@ -102,41 +102,56 @@ def _(window_kv, kv, pos):
 
 
 @defop("grouped_out_proj(o, w, scale?, o_scale?) -> z",
-       attrs={"groups": int, "block": (int, 128), "out_dtype": (str, "")}, kernel="grouped_gemm")
-def grouped_out_proj(o, w, scale, o_scale, *, groups, block, out_dtype):
+       attrs={"groups": int, "block": (int, 128), "act": (str, "native"), "acc": (str, "fp32"),
+              "out_dtype": (str, "")}, kernel="grouped_gemm")
+def grouped_out_proj(o, w, scale, o_scale, *, groups, block, act, acc, out_dtype):
     """`wo_a`: heads split into `groups` groups, each group's concatenated heads projected by its own
-    block of rows of W (block diagonal, no mixing across groups). With `o_scale`, o is FP8 with one scale
-    per 128 values of the flattened heads, and the result is `out_dtype`."""
+    block of rows of W (block diagonal, no mixing across groups). GEMM numerics as `linear`'s; with
+    `act="fp8"` each group's K axis is quantised in 128-wide blocks. With `o_scale`, o arrives already
+    quantised (e4m3, one scale per `K / o_scale.shape[-1]` values of the flattened heads, as
+    `inv_rope_group_quant` makes it): the same values as quantising here, so the same result."""
+    from .basic import torch_dtype
+    from ..formats import act_qdq
+
     B, T = o.shape[:2]
     if o_scale is not None:
-        g = o.float().reshape(B, T, o_scale.shape[-1], -1) * o_scale.float().unsqueeze(-1)
-        o = g.reshape(o.shape).to({"fp32": torch.float32, "bf16": torch.bfloat16}[out_dtype])
-    W = dequant_weight(w, scale, block, o.dtype)
+        x = (o.float().reshape(B, T, o_scale.shape[-1], -1) * o_scale.float().unsqueeze(-1)).reshape(B, T, groups, -1)
+    elif act == "fp8":
+        x = act_qdq(o.reshape(B, T, groups, -1))
+    else:
+        x = o.reshape(B, T, groups, -1)
+        if out_dtype and torch_dtype(out_dtype) != o.dtype:
+            x = x.float()  # another output dtype: run in fp32, as `linear` does
+    out = torch_dtype(out_dtype) if out_dtype else o.dtype
+    W = dequant_weight(w, scale, block, x.dtype)
     W = W.view(groups, -1, W.shape[-1]).transpose(1, 2)  # [G, Hd/G, R]
-    x = o.reshape(B * T, groups, -1).transpose(0, 1)  # [G, BT, Hd/G]
-    return torch.bmm(x, W).transpose(0, 1).reshape(B, T, -1)
+    x = x.reshape(B * T, groups, -1).transpose(0, 1)  # [G, BT, Hd/G]
+    return torch.bmm(x, W).transpose(0, 1).reshape(B, T, -1).to(out)
 
 
 @grouped_out_proj.infer
-def _(o, w, scale, o_scale, *, groups, block, out_dtype):
-    from .basic import check_weight, weight_in_features
+def _(o, w, scale, o_scale, *, groups, block, act, acc, out_dtype):
+    from .basic import check_gemm_attrs, check_weight, weight_in_features
     hd = o.numel // (o.shape[0] * o.shape[1])
     require(hd % groups == 0 and weight_in_features(w) == hd // groups and w.shape[0] % groups == 0,
             "grouped_out_proj weight must be [G * R, H * d / G]", expected=f"[G*R, {hd // groups}]",
             found=list(w.shape))
     check_weight(w, scale, block, "grouped_out_proj")
+    check_gemm_attrs("grouped_out_proj", act, acc, out_dtype)
     if o_scale is not None:
-        require(o.dtype == "fp8e4m3" and out_dtype in ("fp32", "bf16"), "quantised grouped_out_proj takes an fp8 "
-                "input and an out_dtype", found=(o.dtype, out_dtype))
+        require(o.dtype == "fp8e4m3" and act == "fp8" and out_dtype in ("fp32", "bf16"),
+                "a pre-quantised grouped_out_proj takes an fp8 input, act fp8 and an out_dtype",
+                found=(o.dtype, act, out_dtype))
         return TensorType((o.shape[0], o.shape[1], w.shape[0]), out_dtype)
-    require(out_dtype in ("", o.dtype), "out_dtype must match an unquantised input", found=out_dtype)
-    return TensorType((o.shape[0], o.shape[1], w.shape[0]), o.dtype)
+    require(o.dtype in ("fp32", "bf16"), "grouped_out_proj input must be fp32 or bf16 (or fp8 with o_scale)",
+            found=o.dtype)
+    return TensorType((o.shape[0], o.shape[1], w.shape[0]), out_dtype or o.dtype)
 
 
 @grouped_out_proj.onnx
 def _(g, o, a, r):
-    if o.scale is not None or o.o_scale is not None:
-        raise NotImplementedError("grouped_out_proj: the ONNX lowering takes dense fp32 operands")
+    if o.scale is not None or o.o_scale is not None or a.get("act", "native") != "native":
+        raise NotImplementedError("grouped_out_proj: the ONNX lowering takes dense fp32 operands (act native)")
     B, T = o.types["o"].shape[:2]
     G, (R, k) = a["groups"], o.types["w"].shape
     x = g.op("Transpose", g.reshape(o.o, (B * T, G, k)), perm=[1, 0, 2])  # [G, BT, k]

@@ -46,12 +46,54 @@ def _(g, o, a, r):
     return g.op("Gather", o.table, g.clamp_min0(g.as_i64(o.ids, o.types["ids"].dtype)), axis=0)
 
 
-@defop("linear(x, w, scale?) -> y", attrs={"block": (int, 128)}, kernel="gemm")
-def linear(x, w, scale, *, block):
-    """`y = x W^T` with W dequantised to the activation dtype (FP8 128x128 or FP4 1x32 when scaled)."""
+# ---- GEMM numerics ----------------------------------------------------------------------------
+# Every GEMM op (`linear`, `norm_linear`, `grouped_out_proj`, `moe_experts`, `moe_experts_shared`) records
+# how it computes (`v4-reference.md` 12, 13.1); the weight format is the weight operand's dtype:
+#   act: "native": the activation as it is times the weight dequantised to the activation dtype (what
+#        transformers does); "fp8": the activation quantised per token and 128-wide K block to e4m3 with a
+#        UE8M0 scale (`formats.act_quant`), times the dequantised weight, in fp32 (what DeepSeek's
+#        FP8 / FP4 GEMMs do; with fp32 accumulation the per-block `s_act * s_weight` factors give exactly
+#        this product up to summation order);
+#   acc: the accumulation dtype ("fp32", the only one);
+#   out_dtype: "" = the activation dtype; "fp32" / "bf16": the result's dtype (official logits: "fp32",
+#        with the GEMM then run in fp32).
+GEMM_ATTRS = {"block": (int, 128), "act": (str, "native"), "acc": (str, "fp32"), "out_dtype": (str, "")}
+ACTS = ("native", "fp8")
+OUT_DTYPES = ("", "fp32", "bf16")
+
+
+def torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def gemm(x: Any, w: Any, scale: Any, block: int, act: str, out_dtype: str = "") -> Any:
+    """`x W^T` with the numerics of the GEMM attributes (see GEMM_ATTRS)."""
+    import torch
     import torch.nn.functional as F
 
+    from ..formats import act_qdq
+
+    out = torch_dtype(out_dtype) if out_dtype else x.dtype
+    if act == "fp8":
+        return F.linear(act_qdq(x), dequant_weight(w, scale, block, torch.float32)).to(out)
+    if out != x.dtype:
+        return F.linear(x.float(), dequant_weight(w, scale, block, torch.float32)).to(out)
     return F.linear(x, dequant_weight(w, scale, block, x.dtype))
+
+
+def check_gemm_attrs(what: str, act: str, acc: str, out_dtype: str) -> None:
+    require(act in ACTS, f"{what}: act must be one of {ACTS}", found=act)
+    require(acc == "fp32", f"{what}: acc must be fp32", found=acc)
+    require(out_dtype in OUT_DTYPES, f"{what}: out_dtype must be one of {OUT_DTYPES}", found=out_dtype)
+
+
+@defop("linear(x, w, scale?) -> y", attrs=GEMM_ATTRS, kernel="gemm")
+def linear(x, w, scale, *, block, act, acc, out_dtype):
+    """`y = x W^T` (W plain, FP8 128x128 or FP4 1x32 when scaled) with the numerics of `act`, `acc`,
+    `out_dtype` (see GEMM_ATTRS)."""
+    return gemm(x, w, scale, block, act, out_dtype)
 
 
 def check_weight(w: TensorType, scale: TensorType | None, block: int, what: str) -> None:
@@ -73,19 +115,25 @@ def check_weight(w: TensorType, scale: TensorType | None, block: int, what: str)
 
 
 @linear.infer
-def _(x, w, scale, *, block):
+def _(x, w, scale, *, block, act, acc, out_dtype):
     require(w.rank == 2, "linear weight must be 2-D", found=w)
     require(x.dtype in ("fp32", "bf16"), "linear input must be fp32 or bf16", found=x.dtype)
     require(x.shape[-1] == weight_in_features(w), "linear input width does not match the weight",
             expected=weight_in_features(w), found=x.shape[-1])
     check_weight(w, scale, block, "linear")
-    return TensorType((*x.shape[:-1], w.shape[0]), x.dtype)
+    check_gemm_attrs("linear", act, acc, out_dtype)
+    return TensorType((*x.shape[:-1], w.shape[0]), out_dtype or x.dtype)
+
+
+def _native_gemm(what: str, a: dict) -> None:
+    """The ONNX lowerings compute GEMMs in fp32 on the activation as it is (act native)."""
+    if a.get("act", "native") != "native" or a.get("out_dtype", "") not in ("", "fp32"):
+        raise NotImplementedError(f"{what} act={a.get('act')!r} out_dtype={a.get('out_dtype')!r} (cpu: act native, fp32)")
 
 
 @linear.onnx
 def _(g, o, a, r):
-    if a.get("act", "none") not in ("none", ""):
-        raise NotImplementedError(f"linear act={a['act']!r} has no ONNX lowering")
+    _native_gemm("linear", a)
     return g.linear(o.x, o.types["x"], o.w, o.types["w"], o.scale)
 
 

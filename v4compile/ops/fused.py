@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..ir.registry import defop, require
 from ..ir.types import TensorType
-from .basic import linear, rms_norm, swiglu
+from .basic import GEMM_ATTRS, _native_gemm, linear, rms_norm, swiglu
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import moe_experts
 from .numerics import fp8_round_ref
@@ -130,24 +130,29 @@ def _(g, o, a, r):
 
 @defop("moe_experts_shared(x, weights, indices, w1, w2, w3, s1, s2, s3, w1_scale?, w2_scale?, w3_scale?, "
        "s1_scale?, s2_scale?, s3_scale?) -> y",
-       attrs={"limit": float, "block": (int, 32), "shared_block": (int, 128)}, kernel="moe")
+       attrs={"limit": float, "block": (int, 32), "act": (str, "native"), "acc": (str, "fp32"),
+              "out_dtype": (str, ""), "shared_block": (int, 128), "shared_act": (str, "native")}, kernel="moe")
 def moe_experts_shared(x, weights, indices, w1, w2, w3, s1, s2, s3, w1_scale, w2_scale, w3_scale, s1_scale, s2_scale,
-                       s3_scale, *, limit, block, shared_block):
-    """Routed experts and the shared expert in one launch: `moe_experts(...) + w2_s(swiglu(w1_s x, w3_s x))`."""
-    routed = moe_experts.ref(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, limit=limit, block=block)
-    g = linear.ref(x, s1, s1_scale, block=shared_block)
-    u = linear.ref(x, s3, s3_scale, block=shared_block)
-    return routed + linear.ref(swiglu.ref(g, u, limit=limit), s2, s2_scale, block=shared_block)
+                       s3_scale, *, limit, block, act, acc, out_dtype, shared_block, shared_act):
+    """Routed experts and the shared expert in one launch: `moe_experts(...) + w2_s(swiglu(w1_s x, w3_s x))`
+    (`act`: the routed GEMMs' activation format, `shared_act`: the shared expert's)."""
+    routed = moe_experts.ref(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, limit=limit, block=block,
+                             act=act, acc=acc, out_dtype=out_dtype)
+    lin = {"block": shared_block, "act": shared_act, "acc": acc, "out_dtype": out_dtype}
+    g = linear.ref(x, s1, s1_scale, **lin)
+    u = linear.ref(x, s3, s3_scale, **lin)
+    return routed + linear.ref(swiglu.ref(g, u, limit=limit), s2, s2_scale, **lin)
 
 
 @moe_experts_shared.infer
 def _(x, weights, indices, w1, w2, w3, s1, s2, s3, w1_scale, w2_scale, w3_scale, s1_scale, s2_scale, s3_scale, *, limit,
-      block, shared_block):
+      block, act, acc, out_dtype, shared_block, shared_act):
     moe_experts.result_types([x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale],
-                             {"limit": limit, "block": block})
-    h = linear.result_types([x, s1, s1_scale], {"block": shared_block})[0]
-    linear.result_types([x, s3, s3_scale], {"block": shared_block})
-    linear.result_types([h, s2, s2_scale], {"block": shared_block})
+                             {"limit": limit, "block": block, "act": act, "acc": acc, "out_dtype": out_dtype})
+    lin = {"block": shared_block, "act": shared_act, "acc": acc, "out_dtype": out_dtype}
+    h = linear.result_types([x, s1, s1_scale], lin)[0]
+    linear.result_types([x, s3, s3_scale], lin)
+    linear.result_types([h, s2, s2_scale], lin)
     return x
 
 
@@ -155,6 +160,7 @@ def _(x, weights, indices, w1, w2, w3, s1, s2, s3, w1_scale, w2_scale, w3_scale,
 def _(g, o, a, r):
     if any(getattr(o, n) is not None for n in ("w1_scale", "s1_scale")):
         raise NotImplementedError("moe_experts_shared: the ONNX lowering takes dense fp32 experts")
+    _native_gemm("moe_experts_shared", a)
     x, xt, lim = o.x, o.types["x"], a["limit"]
     routed = g.moe_routed(x, xt, o.weights, o.indices, o.w1, o.w2, o.w3, o.types["w1"], o.types["indices"].shape[-1],
                           lim)
@@ -276,20 +282,21 @@ def _(g, o, a, r):
     return out
 
 
-@defop("norm_linear(x, norm, w, scale?) -> y", attrs={"eps": float, "block": (int, 128)}, kernel="gemm")
-def norm_linear(x, norm, w, scale, *, eps, block):
+@defop("norm_linear(x, norm, w, scale?) -> y", attrs={"eps": float, **GEMM_ATTRS}, kernel="gemm")
+def norm_linear(x, norm, w, scale, *, eps, block, act, acc, out_dtype):
     """A weighted RMSNorm folded into the GEMM that alone reads it: the kernel's prologue already streams
     every input row in full (it is the reduction axis), so the row's rsqrt(mean(x^2)) and the norm weight
     are applied on the way in."""
-    return linear.ref(rms_norm.ref(x, norm, eps=eps), w, scale, block=block)
+    return linear.ref(rms_norm.ref(x, norm, eps=eps), w, scale, block=block, act=act, acc=acc, out_dtype=out_dtype)
 
 
 @norm_linear.infer
-def _(x, norm, w, scale, *, eps, block):
+def _(x, norm, w, scale, *, eps, block, act, acc, out_dtype):
     rms_norm.result_types([x, norm], {"eps": eps})
-    return linear.result_types([x, w, scale], {"block": block})
+    return linear.result_types([x, w, scale], {"block": block, "act": act, "acc": acc, "out_dtype": out_dtype})
 
 
 @norm_linear.onnx
 def _(g, o, a, r):
+    _native_gemm("norm_linear", a)
     return g.linear(g.rms(o.x, o.norm, a["eps"]), o.types["x"], o.w, o.types["w"], o.scale)

@@ -49,10 +49,14 @@ def _(g, o, a, r):
 
 
 @defop("moe_experts(x, weights, indices, w1, w2, w3, w1_scale?, w2_scale?, w3_scale?) -> y",
-       attrs={"limit": float, "block": (int, 32)}, kernel="moe")
-def moe_experts(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *, limit, block):
+       attrs={"limit": float, "block": (int, 32), "act": (str, "native"), "acc": (str, "fp32"),
+              "out_dtype": (str, "")}, kernel="moe")
+def moe_experts(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *, limit, block, act, acc, out_dtype):
     """`y = sum_k weights_k * w2_e(swiglu(w1_e x, w3_e x))` over each token's selected experts e; the
-    stacked expert weights are `[E, out, in]` (FP4 packed with 1 x block scales when scaled)."""
+    stacked expert weights are `[E, out, in]` (FP4 packed with 1 x block scales when scaled). The three
+    GEMMs of an expert have `linear`'s numerics for `act` (each GEMM's result in the activation dtype)."""
+    from .basic import gemm
+
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     idx = indices.reshape(flat.shape[0], -1)
@@ -62,17 +66,24 @@ def moe_experts(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *
         tok, slot = torch.where(idx == e)
         xe = flat[tok]
         sc = (lambda s: None if s is None else s[e])
-        g = F.linear(xe, dequant_weight(w1[e], sc(w1_scale), block, x.dtype))
-        u = F.linear(xe, dequant_weight(w3[e], sc(w3_scale), block, x.dtype))
+        if act == "native":
+            g = F.linear(xe, dequant_weight(w1[e], sc(w1_scale), block, x.dtype))
+            u = F.linear(xe, dequant_weight(w3[e], sc(w3_scale), block, x.dtype))
+        else:
+            g = gemm(xe, w1[e], sc(w1_scale), block, act)
+            u = gemm(xe, w3[e], sc(w3_scale), block, act)
         h = F.silu(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
-        ye = F.linear(h, dequant_weight(w2[e], sc(w2_scale), block, x.dtype)) * wts[tok, slot, None]
+        if act == "native":
+            ye = F.linear(h, dequant_weight(w2[e], sc(w2_scale), block, x.dtype)) * wts[tok, slot, None]
+        else:
+            ye = gemm(h, w2[e], sc(w2_scale), block, act) * wts[tok, slot, None]
         out.index_add_(0, tok, ye.to(out.dtype))
     return out.reshape(shape)
 
 
 @moe_experts.infer
-def _(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *, limit, block):
-    from .basic import check_weight, weight_in_features
+def _(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *, limit, block, act, acc, out_dtype):
+    from .basic import check_gemm_attrs, check_weight, weight_in_features
     require(weights.shape == indices.shape, "moe weights / indices shapes differ")
     require(weight_in_features(w1) == x.shape[-1] and w1.shape == w3.shape and w2.shape[1] == x.shape[-1]
             and weight_in_features(w2) == w1.shape[1],
@@ -80,12 +91,17 @@ def _(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *, limit, b
             found=(list(w1.shape), list(w2.shape), list(w3.shape)))
     for w, s, n in ((w1, w1_scale, "w1"), (w2, w2_scale, "w2"), (w3, w3_scale, "w3")):
         check_weight(w, s, block, f"moe_experts {n}")
+    check_gemm_attrs("moe_experts", act, acc, out_dtype)
+    require(out_dtype == "", "moe_experts returns the activation dtype (out_dtype \"\")", found=out_dtype)
     return x
 
 
 @moe_experts.onnx
 def _(g, o, a, r):
+    from .basic import _native_gemm
+
     if o.w1_scale is not None:
         raise NotImplementedError("moe_experts: the ONNX lowering takes dense fp32 experts")
+    _native_gemm("moe_experts", a)
     return g.moe_routed(o.x, o.types["x"], o.weights, o.indices, o.w1, o.w2, o.w3, o.types["w1"],
                         o.types["indices"].shape[-1], a["limit"])

@@ -1,0 +1,378 @@
+"""Ahead-of-time compilation of KernelCalls for gfx950 (MI355X) and sm_90a (H200) on a CPU-only host.
+
+    compile_calls(calls, targets, out_dir, jobs) -> report rows
+
+For each (call, target): `triton.compile(ASTSource(...), target=GPUTarget(...))` in a spawned worker
+process (the parent may run kernels under TRITON_INTERPRET=1, whose `@triton.jit` objects cannot be
+compiled; workers import the kernel modules with the interpreter off). Results are cached under
+`$V4COMPILE_CACHE` (default ~/.cache/v4compile)/aot/<key>/ where key hashes the kernel module's source,
+the specialisation (constexprs, pointer types, alignment, warps, stages), the target and the Triton
+version; an unchanged rerun only copies files.
+
+Written per kernel into `out_dir/<target>/`: the binary (`<name>.hsaco` / `<name>.cubin`) and
+`<name>.json`, the sidecar with all a launcher needs that the binary does not hold (symbol, parameter
+list with Triton's two trailing scratch pointers, dynamic shared memory, warps, grid, specialisation).
+Every file is a pure function of its inputs (sorted JSON, no times or paths), so output is
+byte-reproducible. Report rows: name, target, regs, spills, shared_bytes, mma_instructions, occupancy,
+and the roofline model's flops, bytes and modeled_us (see `TARGETS` and `modeled_time`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import inspect
+import io
+import json
+import logging
+import queue
+import sys
+import threading
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .kernels import KernelCall
+
+log = logging.getLogger(__name__)
+
+
+# ---- target figures: the one place the roofline constants live ----------------------------------------
+@dataclass(frozen=True)
+class TargetSpec:
+    name: str
+    backend: str          # GPUTarget backend
+    arch: Any             # GPUTarget arch ("gfx950" or the int 90)
+    warp_size: int
+    binary_ext: str
+    hbm_bytes_s: float    # peak HBM bandwidth
+    fp8_flops_s: float    # dense fp8 MMA peak
+    bf16_flops_s: float   # dense bf16 MMA peak
+    launch_s: float       # per-launch latency under graph replay (kernel-to-kernel gap, stated assumption)
+    lds_bytes: int        # shared memory / LDS per CU / SM available to CTAs
+    units: int            # CUs / SMs
+
+
+TARGETS: dict[str, TargetSpec] = {
+    # MI355X: 8 TB/s HBM3E, ~2.5 PFLOP/s dense fp8 (OCP), ~1.25 PFLOP/s dense bf16, 256 CUs, 160 KB LDS / CU.
+    # Graph-replay launch gap on MI300-class parts measures ~2-4 us; we model 3 us.
+    "gfx950": TargetSpec("gfx950", "hip", "gfx950", 64, "hsaco", 8.0e12, 2.5e15, 1.25e15, 3.0e-6, 160 * 1024, 256),
+    # H200: 4.8 TB/s HBM3E, 1979 TFLOP/s dense fp8, 989 TFLOP/s dense bf16, 132 SMs, 227 KB smem / SM.
+    # CUDA graph kernel-node gap ~1.5-2 us; we model 2 us.
+    "sm_90a": TargetSpec("sm_90a", "cuda", 90, 32, "cubin", 4.8e12, 1.979e15, 0.989e15, 2.0e-6, 227 * 1024, 132),
+}
+
+
+def modeled_time(flops: int, bytes_moved: int, target: str, mma_dtype: str = "bf16") -> float:
+    """Seconds for one launch: max(bytes / HBM, flops / MMA peak) + the graph-replay launch latency."""
+    t = TARGETS[target]
+    peak = t.fp8_flops_s if mma_dtype in ("fp8", "fp4") else t.bf16_flops_s
+    return max(bytes_moved / t.hbm_bytes_s, flops / peak) + t.launch_s
+
+
+def bandwidth_time(bytes_moved: int, target: str) -> float:
+    """The pure-bandwidth roofline of the same bytes (no launch latency, no compute)."""
+    return bytes_moved / TARGETS[target].hbm_bytes_s
+
+
+AOT_FORMAT = 2  # bump when what a cache entry holds (binary, sidecar, stats) changes
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("V4COMPILE_CACHE") or Path.home() / ".cache" / "v4compile")
+
+
+# ---- job description (plain data, sent to workers) -------------------------------------------------------
+
+def _ce_encode(v: Any) -> Any:
+    import triton.language as tl
+    if isinstance(v, tl.dtype):
+        return {"tl_dtype": v.name}
+    if isinstance(v, tl.constexpr):
+        return _ce_encode(v.value)
+    if isinstance(v, (list, tuple)):
+        return [_ce_encode(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    raise TypeError(f"constexpr value {v!r} cannot be recorded")
+
+
+def _ce_decode(v: Any) -> Any:
+    import triton.language as tl
+    if isinstance(v, dict) and "tl_dtype" in v:
+        return getattr(tl, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8e4nv": "float8e4nv",
+                            "fp8e5": "float8e5", "u8": "uint8", "i8": "int8", "i32": "int32", "i64": "int64",
+                            "i1": "int1"}.get(v["tl_dtype"], v["tl_dtype"]))
+    if isinstance(v, list):
+        return tuple(_ce_decode(x) for x in v)
+    return v
+
+
+def _module_source(module: str) -> str:
+    """The kernel's module source plus every module of its package (kernels call @triton.jit helpers from
+    sibling modules, e.g. moe uses gemm.mma_step; hashing the package keeps the cache from going stale)."""
+    mod = importlib.import_module(module)
+    parts = [inspect.getsource(mod)]
+    pkg = Path(mod.__file__).parent
+    for f in sorted(pkg.glob("*.py")):
+        parts.append(f"{f.name}\n{f.read_text()}")
+    return "\n".join(parts)
+
+
+def job_of(call: KernelCall, target: str) -> dict:
+    fn = call.fn
+    py = getattr(fn, "fn", fn)
+    module, qual = py.__module__, py.__qualname__
+    sig = call.signature()
+    job = {
+        "name": call.name, "module": module, "fn": qual, "target": target, "signature": sig,
+        "constexprs": {k: _ce_encode(v) for k, v in sorted(call.constexprs.items())},
+        "aligned": [a for a, t in sig.items() if t.startswith("*") and a not in call.unaligned],
+        "num_warps": call.num_warps, "num_stages": call.num_stages,
+        "pointers": [list(p) for p in call.pointers], "grid": list(call.grid),
+        "scratch_bytes": dict(sorted(call.scratch_bytes.items())),
+    }
+    import triton
+    blob = json.dumps({k: v for k, v in job.items() if k != "name"}, sort_keys=True)
+    src = _module_source(module)
+    job["key"] = hashlib.sha256(f"{AOT_FORMAT}\n{triton.__version__}\n{blob}\n{src}".encode()).hexdigest()[:32]
+    return job
+
+
+# ---- worker ---------------------------------------------------------------------------------------------
+
+def _worker_init() -> None:
+    os.environ.pop("TRITON_INTERPRET", None)
+    # Our cache is the cache: a hit in Triton's own would skip ptxas and lose its register / spill log.
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    os.environ["TRITON_CACHE_DIR"] = str(cache_root() / "triton")  # scratch only (always compiling)
+
+
+def _compile_job(job: dict, cache_dir: str) -> dict:
+    """Compile one job into cache_dir/<key>/ (binary, sidecar, stats); returns the stats."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+
+    spec = TARGETS[job["target"]]
+    mod = importlib.import_module(job["module"])
+    fn = getattr(mod, job["fn"])
+    constexprs = {k: _ce_decode(v) for k, v in job["constexprs"].items()}
+    names = list(job["signature"])
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in job["aligned"]}
+    src = triton.compiler.ASTSource(fn=fn, signature=job["signature"], constexprs=constexprs, attrs=attrs)
+    t0 = time.perf_counter()
+    ptxas_log = io.StringIO()
+    knobs.nvidia.dump_ptxas_log = spec.backend == "cuda"
+    with contextlib.redirect_stdout(ptxas_log):
+        c = triton.compile(src, target=GPUTarget(spec.backend, spec.arch, spec.warp_size),
+                           options={"num_warps": job["num_warps"], "num_stages": job["num_stages"]})
+    compile_s = time.perf_counter() - t0
+    md = c.metadata
+    binary = c.asm["hsaco"] if spec.backend == "hip" else c.asm["cubin"]
+    stats = (_amd_stats(c.asm["amdgcn"], md.shared, job["num_warps"]) if spec.backend == "hip"
+             else _nv_stats(binary, c.asm["ptx"], ptxas_log.getvalue(), md.shared, job["num_warps"]))
+    ptr_params = [p for p in names if job["signature"][p] != "constexpr"]
+    roles = {p[0]: p for p in job["pointers"]}
+    params = [{"name": p, "type": job["signature"][p], "kind": roles[p][1], "value": roles[p][2]} for p in ptr_params]
+    params += [{"name": "global_scratch", "type": "*u8", "kind": "triton_scratch",
+                "size_per_program": int(md.global_scratch_size), "align": int(getattr(md, "global_scratch_align", 1))},
+               {"name": "profile_scratch", "type": "*u8", "kind": "triton_scratch",
+                "size_per_program": int(md.profile_scratch_size), "align": int(getattr(md, "profile_scratch_align", 1))}]
+    sidecar = {
+        "name": job["name"], "symbol": md.name, "target": job["target"], "binary": f"{job['name']}.{spec.binary_ext}",
+        "binary_sha256": hashlib.sha256(binary).hexdigest(), "params": params,
+        "shared_bytes": int(md.shared), "num_warps": int(md.num_warps), "warp_size": spec.warp_size,
+        "block": [int(md.num_warps) * spec.warp_size, 1, 1], "grid": job["grid"], "num_stages": job["num_stages"],
+        "constexprs": job["constexprs"], "aligned_16": job["aligned"], "scratch_bytes": job["scratch_bytes"],
+        "kernel": f"{job['module']}.{job['fn']}", "triton_version": triton.__version__, "key": job["key"],
+    }
+    out = Path(cache_dir) / job["key"]
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".tmp-"))
+    (tmp / "binary").write_bytes(binary)
+    (tmp / "sidecar.json").write_text(json.dumps(sidecar, indent=1, sort_keys=True) + "\n")
+    (tmp / "stats.json").write_text(json.dumps({**stats, "compile_s": round(compile_s, 3)}, sort_keys=True))
+    try:
+        tmp.rename(out)
+    except OSError:  # another worker / process finished the same key first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return stats
+
+
+def _strip_comments(asm: str) -> list[str]:
+    return [ln.split(";")[0].strip() for ln in asm.splitlines() if ln.split(";")[0].strip()]
+
+
+def _amd_stats(amdgcn: str, shared: int, num_warps: int) -> dict:
+    def meta(key: str) -> int:
+        m = re.search(rf"^\s*\.{key}:\s*(\d+)", amdgcn, re.M)
+        return int(m.group(1)) if m else 0
+    code = _strip_comments(amdgcn)
+    mma = sum(1 for ln in code if re.match(r"v_mfma\w*", ln))
+    m = re.search(r";\s*Occupancy:\s*(\d+)", amdgcn)
+    reg_occ = int(m.group(1)) if m else 0
+    # The Occupancy comment counts registers only; dynamic LDS also limits waves per SIMD (160 KB per CU,
+    # a workgroup of num_warps waves spreads over the CU's 4 SIMDs).
+    lds_occ = (TARGETS["gfx950"].lds_bytes // shared) * num_warps // 4 if shared else reg_occ
+    return {"regs": meta("vgpr_count"), "agprs": meta("agpr_count"), "sgprs": meta("sgpr_count"),
+            "spills": meta("vgpr_spill_count") + meta("sgpr_spill_count"), "mma_instructions": mma,
+            "occupancy": max(0, min(reg_occ, lds_occ)), "occupancy_unit": "waves/SIMD"}
+
+
+def _nv_stats(cubin: bytes, ptx: str, ptxas_log: str, shared: int, num_warps: int) -> dict:
+    m = re.search(r"Used (\d+) registers", ptxas_log)
+    regs = int(m.group(1)) if m else 0
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", ptxas_log))
+    sass = _nvdisasm(cubin)
+    if sass is not None:
+        mma = len(re.findall(r"\b(?:HGMMA|QGMMA|IGMMA|HMMA|IMMA)\.", sass))
+        source = "sass"
+    else:
+        mma = len(re.findall(r"^\s*(?:wgmma\.mma_async|mma\.sync)", ptx, re.M))
+        source = "ptx"
+    # CTAs per SM from registers (64K per SM, allocated per warp in units of 256), smem (+1 KB reserve),
+    # the 64-warp and 32-CTA limits.
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = 65536 // (per_warp * num_warps)
+    by_smem = TARGETS["sm_90a"].lds_bytes // (shared + 1024)
+    occ = max(0, min(by_regs, by_smem, 64 // num_warps, 32))
+    return {"regs": regs, "spills": spills, "mma_instructions": mma, "mma_source": source, "occupancy": occ,
+            "occupancy_unit": "CTAs/SM"}
+
+
+def _nvdisasm(cubin: bytes) -> str | None:
+    from triton import knobs
+    try:
+        tool = knobs.nvidia.nvdisasm.path
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(cubin)
+            f.flush()
+            r = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, timeout=120)
+        return r.stdout if r.returncode == 0 else None
+    except Exception as e:  # noqa: BLE001  (a missing tool falls back to counting PTX)
+        log.warning("nvdisasm failed (%s); counting MMA instructions in PTX", e)
+        return None
+
+
+def _run_workers(jobs: list[dict], cache_dir: str, n: int) -> None:
+    """n persistent worker processes (`python -m v4compile.codegen.aot --worker`), fed one job at a time
+    over stdin (JSON lines) by one thread each, so slow kernels do not hold up a static partition."""
+    q: queue.Queue = queue.Queue()
+    for j in jobs:
+        q.put(j)
+    errors: list[str] = []
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+    def feed() -> None:
+        p = subprocess.Popen([sys.executable, "-m", "v4compile.codegen.aot", "--worker", cache_dir], env=env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            while not errors:
+                try:
+                    j = q.get_nowait()
+                except queue.Empty:
+                    break
+                p.stdin.write(json.dumps(j) + "\n")
+                p.stdin.flush()
+                line = p.stdout.readline()
+                if not line:
+                    errors.append(f"{j['name']} ({j['target']}): worker died: {p.stderr.read()[-4000:]}")
+                    break
+                r = json.loads(line)
+                if "error" in r:
+                    errors.append(f"{j['name']} ({j['target']}): {r['error']}")
+        finally:
+            with contextlib.suppress(Exception):
+                p.stdin.close()
+            p.wait()
+
+    threads = [threading.Thread(target=feed, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError("AOT compile failed: " + "; ".join(errors[:3]))
+
+
+def _worker_main(cache_dir: str) -> None:
+    _worker_init()
+    for line in sys.stdin:
+        job = json.loads(line)
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                _compile_job(job, cache_dir)
+            out = {"ok": job["key"]}
+        except Exception as e:  # noqa: BLE001  (reported to the parent with the kernel's name)
+            out = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
+        sys.stdout.write(json.dumps(out) + "\n")
+        sys.stdout.flush()
+
+
+# ---- driver ---------------------------------------------------------------------------------------------
+
+def compile_calls(calls: list[KernelCall], targets: list[str] | tuple[str, ...], out_dir: str | os.PathLike,
+                  jobs: int | None = None) -> list[dict]:
+    """Compile every call for every target; write binaries + sidecars to out_dir/<target>/; return the
+    static report rows (one per call and target, in call order then target order)."""
+    from ..errors import InputError
+    for t in targets:
+        if t not in TARGETS:
+            raise InputError("unknown target", where="--target", expected=", ".join(TARGETS), found=t)
+    todo: list[tuple[KernelCall, dict]] = []
+    seen: dict[tuple[str, str], dict] = {}
+    for c in calls:
+        for t in targets:
+            j = job_of(c, t)
+            if (c.name, t) in seen:
+                if seen[(c.name, t)]["key"] != j["key"]:
+                    raise ValueError(f"two different specialisations share the name {c.name}")
+                continue
+            seen[(c.name, t)] = j
+            todo.append((c, j))
+    cache = cache_root() / "aot"
+    cache.mkdir(parents=True, exist_ok=True)
+    missing = [j for _, j in todo if not (cache / j["key"] / "sidecar.json").exists()]
+    fresh = {j["key"] for j in missing}
+    t0 = time.perf_counter()
+    if missing:
+        _run_workers(missing, str(cache), max(1, min(jobs or os.cpu_count() or 1, len(missing))))
+    log.info("aot: %d kernels x targets, %d compiled in %.1f s, %d cached", len(todo), len(missing),
+             time.perf_counter() - t0, len(todo) - len(missing))
+    out = Path(out_dir)
+    rows = []
+    for c, j in todo:
+        d = cache / j["key"]
+        tdir = out / j["target"]
+        tdir.mkdir(parents=True, exist_ok=True)
+        side = json.loads((d / "sidecar.json").read_text())
+        shutil.copyfile(d / "binary", tdir / side["binary"])
+        shutil.copyfile(d / "sidecar.json", tdir / f"{c.name}.json")
+        st = json.loads((d / "stats.json").read_text())
+        mma_dtype = getattr(c, "mma_dtype", "bf16")
+        rows.append({
+            "name": c.name, "target": j["target"], "regs": st["regs"], "spills": int(st["spills"]),
+            "shared_bytes": side["shared_bytes"], "mma_instructions": st["mma_instructions"],
+            "occupancy": st["occupancy"], "occupancy_unit": st["occupancy_unit"], "num_warps": side["num_warps"],
+            "grid": side["grid"], "flops": c.flops, "bytes": c.bytes_moved, "mma_dtype": mma_dtype,
+            "modeled_us": round(modeled_time(c.flops, c.bytes_moved, j["target"], mma_dtype) * 1e6, 3),
+            "bandwidth_us": round(bandwidth_time(c.bytes_moved, j["target"]) * 1e6, 3),
+            "compile_s": st.get("compile_s"), "cached": j["key"] not in fresh,
+            "path": f"{j['target']}/{side['binary']}", "sidecar": f"{j['target']}/{c.name}.json",
+        })
+    return rows
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        _worker_main(sys.argv[2])
+    else:
+        sys.exit("usage: python -m v4compile.codegen.aot --worker CACHE_DIR")

@@ -1,0 +1,300 @@
+"""Triton kernel families: one file per family, one shared launch description (`KernelCall`).
+
+Each family module `v4compile.codegen.kernels.<family>` (the family an op names with `defop(kernel=...)`)
+exposes
+
+    specialise(op_name, operands: dict[str, TensorArg | None], results: dict[str, TensorArg], attrs) -> [KernelCall]
+
+Every shape, stride and attribute is a compile-time constant of the call (`constexprs`), so a launch passes
+only base pointers; that is what lets the AOT stage compile each call once and the runtime replay it.
+An optional operand that is absent is passed as a `None` constexpr (Triton specialises it away).
+
+`launch(op_name, args, attrs, outs)` runs an op through its family on real tensors (CPU under
+TRITON_INTERPRET=1, or GPU). Under the interpreter it first applies `interpreter_fixes()` (see there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...ir.registry import get_op
+from ...ir.types import TensorType, dtype_of
+
+log = logging.getLogger(__name__)
+
+# Triton pointer element type -> the torch dtype a tensor is viewed as before launch (same element size).
+TRITON_TORCH: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8e4nv": torch.float8_e4m3fn,
+    "u8": torch.uint8, "i8": torch.int8, "i32": torch.int32, "i64": torch.int64, "i1": torch.bool,
+}
+# IR dtype -> the Triton element type kernels read it as. e8m0 scale bytes and packed fp4 pairs are bytes.
+IR_TRITON: dict[str, str] = {
+    "fp32": "fp32", "bf16": "bf16", "fp8e4m3": "fp8e4nv", "e8m0": "u8", "fp4x2": "u8", "i32": "i32", "i64": "i64",
+    "bool": "i1",
+}
+KINDS = ("operand", "result", "scratch")
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """A value as a kernel sees it: its type and element strides. `align` is the byte alignment known for
+    its base address (16 for every buffer the memory plan places; less for e.g. the second half of a split)."""
+    type: TensorType
+    strides: tuple[int, ...]
+    align: int = 16
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "TensorArg":
+        ptr = t.data_ptr()
+        align = 16 if ptr % 16 == 0 else (ptr & -ptr)
+        return TensorArg(TensorType(tuple(t.shape), _ir_dtype(t)), tuple(t.stride()), align)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.type.shape
+
+    @property
+    def dtype(self) -> str:
+        return self.type.dtype
+
+    @property
+    def ptr_type(self) -> str:
+        return "*" + IR_TRITON[self.type.dtype]
+
+
+@dataclass
+class KernelCall:
+    """One static launch: `fn[grid](**pointers, **constexprs, num_warps=, num_stages=)`.
+
+    pointers: ordered (kernel param, kind, signature name, Triton pointer type) with kind in KINDS; the
+    signature name is the op's operand / result name, or the scratch buffer's name (size in
+    `scratch_bytes`, shared by the calls of one op in order). `unaligned` names pointer params whose base
+    is not known to be 16-byte aligned (the AOT stage gives every other pointer `tt.divisibility=16`).
+    `flops` / `bytes_moved` are the modeled work of this launch and `mma_dtype` ("bf16" | "fp8" | "fp4") the
+    MMA precision that bounds it (for the roofline cost in `codegen.aot`)."""
+    name: str
+    fn: Any
+    constexprs: dict[str, Any]
+    pointers: list[tuple[str, str, str, str]]
+    grid: tuple[int, int, int]
+    num_warps: int = 4
+    num_stages: int = 1
+    scratch_bytes: dict[str, int] = field(default_factory=dict)
+    unaligned: tuple[str, ...] = ()
+    flops: int = 0
+    bytes_moved: int = 0
+    mma_dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        self.grid = tuple(int(g) for g in self.grid)
+        if len(self.grid) != 3 or any(g < 0 for g in self.grid):
+            raise ValueError(f"{self.name}: grid must be 3 non-negative ints, got {self.grid}")
+        for p in self.pointers:
+            if len(p) != 4 or p[1] not in KINDS or not p[3].startswith("*"):
+                raise ValueError(f"{self.name}: bad pointer entry {p}")
+            if p[1] == "scratch" and p[2] not in self.scratch_bytes:
+                raise ValueError(f"{self.name}: scratch '{p[2]}' has no size in scratch_bytes")
+
+    @property
+    def kernel_name(self) -> str:
+        return self.fn.__name__ if hasattr(self.fn, "__name__") else self.fn.fn.__name__
+
+    def signature(self) -> dict[str, str]:
+        """Every parameter of `fn` in order: a pointer type or "constexpr" (what `ASTSource` takes)."""
+        ptr = {p[0]: p[3] for p in self.pointers}
+        sig = {}
+        for a in self.fn.arg_names:
+            if a in ptr:
+                sig[a] = ptr[a]
+            elif a in self.constexprs:
+                sig[a] = "constexpr"
+            else:
+                raise ValueError(f"{self.name}: kernel parameter '{a}' is neither a pointer nor a constexpr")
+        return sig
+
+
+def ptr(param: str, kind: str, name: str, arg: TensorArg | str) -> tuple[str, str, str, str]:
+    """A `pointers` entry; `arg` is the TensorArg (its pointer type) or an explicit type like "*fp32"."""
+    return (param, kind, name, arg if isinstance(arg, str) else arg.ptr_type)
+
+
+def unaligned(pairs: dict[str, TensorArg | None]) -> tuple[str, ...]:
+    """Kernel params (keyed by param name) whose TensorArg base is not 16-byte aligned."""
+    return tuple(sorted(p for p, a in pairs.items() if a is not None and a.align % 16))
+
+
+def call_name(prefix: str, constexprs: dict[str, Any], readable: str = "") -> str:
+    """A deterministic, unique name: family prefix, a readable shape tag, a hash of the specialisation."""
+    blob = json.dumps({k: _jsonable(v) for k, v in sorted(constexprs.items())}, sort_keys=True)
+    h = hashlib.sha256(f"{prefix}|{blob}".encode()).hexdigest()[:10]
+    return "_".join(p for p in (prefix, readable, h) if p)
+
+
+def rows_of(a: TensorArg, what: str) -> tuple[int, int, int]:
+    """(rows, row stride, column stride) of a [..., D] value whose leading axes collapse to one stride
+    (true for contiguous values and for the halves of a `split`)."""
+    shape, st = a.shape, a.strides
+    rows = 1
+    for n in shape[:-1]:
+        rows *= n
+    lead = [(n, s) for n, s in zip(shape[:-1], st[:-1]) if n != 1]
+    for (n0, s0), (n1, s1) in zip(lead, lead[1:]):
+        if s0 != n1 * s1:
+            raise ValueError(f"{what}: leading axes {shape[:-1]} with strides {st[:-1]} do not collapse to rows")
+    return rows, (lead[-1][1] if lead else shape[-1] * st[-1]), st[-1]
+
+
+def dims4(a: TensorArg, shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """Element strides of `a` broadcast to `shape` (rank <= 4), left-padded to 4 axes (stride 0 where
+    broadcast)."""
+    if len(shape) > 4:
+        raise ValueError(f"rank {len(shape)} > 4 not supported")
+    pad = len(shape) - len(a.shape)
+    st = []
+    for i, n in enumerate(shape):
+        j = i - pad
+        st.append(0 if j < 0 or a.shape[j] == 1 and n != 1 else a.strides[j])
+    return tuple([0] * (4 - len(st)) + st)
+
+
+def pad4(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    return tuple([1] * (4 - len(shape)) + list(shape))
+
+
+def run_calls(calls: list[KernelCall], args: dict[str, torch.Tensor | None], outs: dict[str, torch.Tensor]) -> None:
+    """Launch prepared calls on tensors (scratch buffers allocated per name, shared by the calls)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        interpreter_fixes()
+    device = next(t.device for t in list(args.values()) + list(outs.values()) if t is not None)
+    scratch: dict[str, torch.Tensor] = {}
+    for call in calls:
+        kw: dict[str, Any] = {}
+        for param, kind, name, ty in call.pointers:
+            if kind == "scratch":
+                if name not in scratch:
+                    scratch[name] = torch.empty(max(call.scratch_bytes[name], 16), dtype=torch.uint8, device=device)
+                t = scratch[name]
+            else:
+                t = (args if kind == "operand" else outs)[name]
+            want = TRITON_TORCH[ty[1:]]
+            kw[param] = t if t.dtype == want else t.view(want)
+        call.fn[call.grid](**kw, **call.constexprs, num_warps=call.num_warps, num_stages=call.num_stages)
+
+
+def _jsonable(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (tuple, list)):
+        return [_jsonable(x) for x in v]
+    return str(v)  # tl.dtype constexprs
+
+
+def _ir_dtype(t: torch.Tensor) -> str:
+    if t.dtype == torch.int8:
+        return "fp4x2"
+    if t.dtype == torch.float8_e8m0fnu:
+        return "e8m0"
+    return dtype_of(t)
+
+
+def family(op_name: str):
+    """The kernel family module of an op."""
+    op = get_op(op_name)
+    if op.kernel is None:
+        raise KeyError(f"op '{op_name}' names no kernel family")
+    return importlib.import_module(f"{__name__}.{op.kernel}")
+
+
+def full_attrs(op_name: str, attrs: dict[str, Any]) -> dict[str, Any]:
+    """The op's attributes with declared defaults filled in (attributes not declared yet, like `act`, pass
+    through so the kernels read them with their own defaults)."""
+    op = get_op(op_name)
+    out = {k: s.default for k, s in op.attrs.items() if not s.required}
+    out.update({k: v for k, v in attrs.items() if not k.startswith("_")})
+    return out
+
+
+def specialise_tensors(op_name: str, args: dict[str, torch.Tensor | None], attrs: dict[str, Any],
+               outs: dict[str, torch.Tensor]) -> list[KernelCall]:
+    """The family's `specialise` on the TensorArgs of real tensors (types, strides, base alignment)."""
+    operands = {k: (None if v is None else TensorArg.of(v)) for k, v in args.items()}
+    results = {k: TensorArg.of(v) for k, v in outs.items()}
+    return family(op_name).specialise(op_name, operands, results, full_attrs(op_name, attrs))
+
+
+def launch(op_name: str, args: dict[str, torch.Tensor | None], attrs: dict[str, Any],
+           outs: dict[str, torch.Tensor]) -> list[KernelCall]:
+    """Run an op's kernels on real tensors. `outs` are preallocated (possibly strided) results; a tied result
+    must be the operand tensor itself. Returns the calls it ran."""
+    op = get_op(op_name)
+    for r, o in op.tied.items():
+        if r in outs and args.get(o) is not None and outs[r].data_ptr() != args[o].data_ptr():
+            raise ValueError(f"{op_name}: tied result '{r}' must be operand '{o}' itself")
+    calls = specialise_tensors(op_name, args, attrs, outs)
+    run_calls(calls, args, outs)
+    return calls
+
+
+# ---- interpreter fixes ---------------------------------------------------------------------------------
+
+_FIXED = False
+
+
+def interpreter_fixes() -> None:
+    """Make Triton 3.9's CPU interpreter compute what the GPU computes, in this one place.
+
+    1. bf16 `tl.dot`: the interpreter multiplies the raw uint16 storage of bf16 operands (results ~1e10;
+       triton-lang/triton#11584). Fix: widen bf16 (and fp16) operands to fp32 before the matmul, which is
+       what the MMA units do (exact products, fp32 accumulation).
+    2. fp32 -> bf16 / fp8 casts: the interpreter truncates (and its fp8 "rtne" carries a mantissa overflow
+       into the wrong bit). The GPU rounds to nearest even. Fix: do float downcasts with torch, which rounds
+       to nearest even; fp8 e4m3 values are saturated to +-448 first, like the GPU's satfinite conversion.
+    With both, interpreter results match a correctly rounded reference, so tests need no extra slack.
+    Idempotent; only call it under TRITON_INTERPRET=1."""
+    global _FIXED
+    if _FIXED:
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as it
+
+    orig_convert = it._convert_float
+    torch_of = {tl.bfloat16: torch.bfloat16, tl.float16: torch.float16, tl.float8e4nv: torch.float8_e4m3fn,
+                tl.float8e5: torch.float8_e5m2, tl.float32: torch.float32}
+    uint_of = {16: torch.int16, 8: torch.uint8, 32: torch.int32}
+
+    def convert_float(data, input_dtype, output_dtype, rounding_mode):
+        if (input_dtype.primitive_bitwidth > output_dtype.primitive_bitwidth and input_dtype in torch_of
+                and output_dtype in torch_of):
+            src = torch.from_numpy(np.ascontiguousarray(data)).view(torch_of[input_dtype]).float()
+            if output_dtype == tl.float8e4nv:
+                src = torch.where(src.isnan(), src, src.clamp(-448.0, 448.0))
+            out = src.to(torch_of[output_dtype]).view(uint_of[output_dtype.primitive_bitwidth])
+            return out.numpy().view(getattr(np, f"uint{output_dtype.primitive_bitwidth}")).reshape(data.shape)
+        return orig_convert(data, input_dtype, output_dtype, rounding_mode)
+
+    orig_dot = it.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar in (tl.bfloat16, tl.float16) and b.dtype.scalar in (tl.bfloat16, tl.float16):
+            a = it.TensorHandle(convert_float_up(a), tl.float32)
+            b = it.TensorHandle(convert_float_up(b), tl.float32)
+        return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    def convert_float_up(h):
+        if h.dtype.scalar == tl.float16:
+            return h.data.astype(np.float32)
+        return orig_convert(h.data, tl.bfloat16, tl.float32, None).view(np.float32)
+
+    it._convert_float = convert_float
+    it.InterpreterBuilder.create_dot = create_dot
+    _FIXED = True
+    log.debug("applied Triton interpreter fixes (bf16 dot, rounding downcasts)")

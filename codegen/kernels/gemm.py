@@ -1,0 +1,299 @@
+"""GEMM family: `linear` and `norm_linear` (`y = [rmsnorm](x) W^T`), every weight format of the checkpoint.
+
+Weights: fp32 / bf16; FP8 e4m3 with a 128x128 scale grid (E8M0 bytes or fp32 multipliers); FP4 e2m1 packed
+two per byte along K with 1x32 E8M0 scales. Activations: `act="native"` (x in its dtype times the
+dequantised weight, fp32 accumulation) or `act="fp8"` (spec 13.1: per token and 128-wide K block,
+s = 2^ceil(log2(max(amax, 1e-4) / 448)), q = e4m3(clamp(x / s)); the scales are applied per K block to the
+fp32 partial sums). `norm_linear` applies the weighted RMSNorm on the way in (a first pass over the row for
+its rsqrt, then the normalised row is rounded to x's dtype exactly as `rms_norm` would store it).
+
+Always swap-AB: the accumulator is `acc[BN, BM] = W[BN, BK] @ x^T[BK, BM]`, so the weight rows sit on the
+MMA's M side. Decode batches have few tokens and sm_90's fp8 wgmma needs M >= 64 (otherwise Triton falls
+back to fp16 mma.sync); gfx950's MFMA is indifferent, so one orientation serves both targets and all M.
+Weight scales are per output row (a [BN] vector) and per K tile, because BK divides the scale block.
+FP4 weights use `tl.dot_scaled` (native MXFP4 MFMA on gfx950) for bf16 / fp8 activations; fp32
+activations (the fp32 debug numerics) dequantise the nibbles in registers instead, to stay exact.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import KernelCall, TensorArg, call_name, ptr, rows_of, unaligned
+
+FP8_MAX = tl.constexpr(448.0)
+ACT_BLOCK = 128  # spec 13.1: one activation scale per 128 K values
+
+
+@triton.jit
+def _e8m0(b):
+    """E8M0 byte(s) -> fp32 2^(b-127), exactly, by placing the byte in the exponent field."""
+    return (b.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pow2_ceil(v):
+    """2^ceil(log2(v)) for positive normal fp32 v, exactly (from the bits, not a log approximation)."""
+    bits = v.to(tl.int32, bitcast=True)
+    e = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp4_value(code):
+    """e2m1 code (4 bits, sign in bit 3) -> fp32 value: exponent bits 2..1, mantissa bit 0."""
+    e = (code >> 1) & 3
+    m = (code & 1).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def mma_step(acc, xt, xs, w_ptr, s_ptr, offs_n, n_ok, kk, k_ok, k0,
+             K: tl.constexpr, W_RS: tl.constexpr, W_CS: tl.constexpr, S_RS: tl.constexpr, S_CS: tl.constexpr,
+             W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
+             CDT: tl.constexpr, BK: tl.constexpr):
+    """acc[BN, BM] += W[offs_n, kk] @ xt[kk, BM] for one K tile, in any weight format / activation mode.
+    xt is the activation tile transposed (K on axis 0), in the activation dtype, zero where masked.
+    ACT "pre": xt is already e4m3 with per-column scales xs [BM] (a pre-quantised activation)."""
+    if ACT == "pre":
+        xq = xt
+        sa = xs
+    elif ACT == "fp8":
+        xf = xt.to(tl.float32)
+        sa = _pow2_ceil(tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-4) / FP8_MAX)  # [BM]
+        inv = ((254 << 23) - sa.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)  # 1 / sa, exact
+        xq = tl.minimum(tl.maximum(xf * inv[None, :], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+    if W_FMT == "float":
+        w = tl.load(w_ptr + offs_n[:, None] * W_RS + kk[None, :] * W_CS, mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(CDT)
+        if ACT != "native":
+            xa = (xq.to(tl.float32) * sa[None, :]).to(CDT)
+        else:
+            xa = xt.to(CDT)
+        acc = tl.dot(w, xa, acc, input_precision="ieee")
+    elif W_FMT == "fp8":
+        wq = tl.load(w_ptr + offs_n[:, None] * W_RS + kk[None, :] * W_CS, mask=n_ok[:, None] & k_ok[None, :],
+                     other=0.0)
+        sb = tl.load(s_ptr + (offs_n // BLOCK) * S_RS + (k0 // BLOCK) * S_CS, mask=n_ok, other=0)
+        sw = _e8m0(sb) if S_E8M0 else sb.to(tl.float32)
+        if ACT != "native":
+            acc += tl.dot(wq, xq) * sw[:, None] * sa[None, :]
+        else:
+            acc += tl.dot(wq.to(CDT), xt.to(CDT), input_precision="ieee") * sw[:, None]
+    else:  # fp4: packed [N, K/2] bytes, scales [N, K/32]
+        if CDT == tl.float32:
+            # exact fp32 path (the fp32 debug numerics): decode each (n, k) nibble in registers
+            byte = tl.load(w_ptr + offs_n[:, None] * W_RS + (kk[None, :] // 2) * W_CS,
+                           mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.int32)
+            code = (byte >> ((kk[None, :] & 1) * 4)) & 15
+            sb = tl.load(s_ptr + offs_n[:, None] * S_RS + (kk[None, :] // BLOCK) * S_CS,
+                         mask=n_ok[:, None] & k_ok[None, :], other=0)
+            w = _fp4_value(code) * _e8m0(sb)
+            if ACT != "native":
+                xa = xq.to(tl.float32) * sa[None, :]
+            else:
+                xa = xt.to(tl.float32)
+            acc = tl.dot(w, xa, acc, input_precision="ieee")
+        else:
+            kh = k0 // 2 + tl.arange(0, BK // 2)
+            wp = tl.load(w_ptr + offs_n[:, None] * W_RS + kh[None, :] * W_CS,
+                         mask=n_ok[:, None] & (kh[None, :] < K // 2), other=0)
+            ks = k0 // BLOCK + tl.arange(0, BK // BLOCK)
+            ws = tl.load(s_ptr + offs_n[:, None] * S_RS + ks[None, :] * S_CS,
+                         mask=n_ok[:, None] & (ks[None, :] < K // BLOCK), other=127)
+            if ACT != "native":
+                acc += tl.dot_scaled(wp, ws, "e2m1", xq, None, "e4m3") * sa[None, :]
+            else:
+                acc = tl.dot_scaled(wp, ws, "e2m1", xt.to(tl.bfloat16), None, "bf16", acc)
+    return acc
+
+
+@triton.jit
+def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr, part_ptr,
+                M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, G_K: tl.constexpr, XS_RS: tl.constexpr,
+                SPLIT: tl.constexpr, KS: tl.constexpr, NT: tl.constexpr,
+                X_RS: tl.constexpr, X_CS: tl.constexpr, Y_RS: tl.constexpr, Y_CS: tl.constexpr,
+                W_RS: tl.constexpr, W_CS: tl.constexpr, S_RS: tl.constexpr, S_CS: tl.constexpr,
+                W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
+                NORM: tl.constexpr, EPS: tl.constexpr, CDT: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    # axis 2: group (grouped_out_proj: x columns [gid*G_K, +K), weight rows / y columns [gid*N, +N)) x K split
+    gid = tl.program_id(2) // SPLIT
+    sid = tl.program_id(2) % SPLIT
+    local_n = pid_n * BN + tl.arange(0, BN)
+    offs_n = gid * N + local_n
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    n_ok = local_n < N
+    m_ok = offs_m < M
+    rk = tl.arange(0, BK)
+    x_ptr = x_ptr + gid * G_K * X_CS
+
+    if NORM:
+        ss = tl.zeros([BM], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            xt = tl.load(x_ptr + offs_m[None, :] * X_RS + kk[:, None] * X_CS,
+                         mask=m_ok[None, :] & (kk[:, None] < K), other=0.0).to(tl.float32)
+            ss += tl.sum(xt * xt, axis=0)
+        rinv = 1.0 / tl.sqrt_rn(ss / K + EPS)
+
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for k0 in tl.range(sid * KS, tl.minimum(sid * KS + KS, K), BK, num_stages=STAGES):
+        kk = k0 + rk
+        k_ok = kk < K
+        xt = tl.load(x_ptr + offs_m[None, :] * X_RS + kk[:, None] * X_CS, mask=m_ok[None, :] & k_ok[:, None],
+                     other=0.0)
+        if NORM:
+            nw = tl.load(n_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            xt = (nw[:, None] * (xt.to(tl.float32) * rinv[None, :])).to(x_ptr.dtype.element_ty)
+        xs = None
+        if ACT == "pre":
+            xs = tl.load(xs_ptr + offs_m * XS_RS + (gid * G_K + k0) // 128, mask=m_ok, other=0.0)
+        acc = mma_step(acc, xt, xs, w_ptr, s_ptr, offs_n, n_ok, kk, k_ok, k0, K, W_RS, W_CS, S_RS, S_CS, W_FMT,
+                       S_E8M0, BLOCK, ACT, CDT, BK)
+
+    if SPLIT == 1:
+        y = acc.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + offs_m[None, :] * Y_RS + offs_n[:, None] * Y_CS, y, mask=n_ok[:, None] & m_ok[None, :])
+    else:  # fp32 partial sums [SPLIT, M, NT]; gemm_reduce_kernel adds them in split order
+        tl.store(part_ptr + (sid * M + offs_m[None, :]).to(tl.int64) * NT + offs_n[:, None], acc,
+                 mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def gemm_reduce_kernel(part_ptr, y_ptr, M: tl.constexpr, NT: tl.constexpr, Y_RS: tl.constexpr, Y_CS: tl.constexpr,
+                       SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < M * NT
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + s * M * NT + idx, mask=ok, other=0.0)
+    m = idx // NT
+    n = idx % NT
+    tl.store(y_ptr + m.to(tl.int64) * Y_RS + n * Y_CS, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+# Split K when the output tiles alone would leave most of the GPU idle (decode GEMVs): aim for this many
+# programs (about the CU count of MI355X / 2x the SM count of H200), never below 2 K tiles per split.
+TARGET_PROGRAMS = 256
+
+
+def tiles(w_fmt: str, K: int, blk: int, act: str, cdt: str) -> int:
+    """BK for a weight format: 128 (or the next power of two of a smaller K, >= 32); it must divide an FP8
+    scale block; quantised activations use 128 (one activation scale per tile); FP4 via dot_scaled >= 64."""
+    BK = 128 if K >= 128 else max(32, triton.next_power_of_2(K))
+    if w_fmt == "fp8":
+        BK = min(BK, blk)
+    if act != "native":
+        BK = 128  # one activation scale per 128 K values (a partial last block is scaled by its own amax)
+    elif w_fmt == "fp4" and cdt != "fp32":
+        BK = max(64, BK)  # dot_scaled: whole 32-value scale groups, at least 64 values per tile
+    if w_fmt == "fp4" and K % 32:
+        raise ValueError(f"gemm: FP4 weights need K a multiple of 32, got {K}")
+    if w_fmt == "fp8" and blk % 32:
+        raise ValueError(f"gemm: FP8 scale block must be a multiple of 32, got {blk}")
+    if w_fmt == "fp4" and blk != 32:
+        raise ValueError(f"gemm: FP4 weights need 1x32 scales (MXFP4), got block {blk}")
+    return BK
+
+
+W_FMT = {"fp32": "float", "bf16": "float", "fp8e4m3": "fp8", "fp4x2": "fp4"}
+
+
+def _tl_dtype(ir: str):
+    return {"fp32": tl.float32, "bf16": tl.bfloat16}[ir]
+
+
+def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, y: TensorArg,
+              norm: TensorArg | None, *, block: int, act: str, eps: float, names: dict[str, str],
+              groups: int = 1, x_scale: TensorArg | None = None) -> list[KernelCall]:
+    """One GEMM launch. `names` maps kernel roles (x, xs, w, s, n, y) to the op's operand / result names.
+    groups > 1: block-diagonal (grouped_out_proj): group g multiplies x columns [g*K, (g+1)*K) by weight
+    rows [g*N, (g+1)*N). x_scale: x is pre-quantised e4m3 with one fp32 scale per 128 columns (act "pre")."""
+    if x_scale is not None:
+        act = "pre"
+    if act not in ("native", "fp8", "pre"):
+        raise ValueError(f"gemm: act must be native or fp8, got {act!r}")
+    M, x_rs, x_cs = rows_of(x, "x")
+    _, y_rs, y_cs = rows_of(y, "y")
+    w_fmt = W_FMT[w.dtype]
+    N = w.shape[0] // groups
+    K = x.shape[-1] // groups
+    blk = block
+    cdt = y.dtype if act == "pre" else x.dtype
+    if act == "native" and y.dtype == "fp32" and (w.dtype == "fp32" or scale is not None and scale.dtype == "fp32"):
+        cdt = "fp32"  # out_dtype fp32: the reference multiplies in fp32; only bf16-exact weights may use bf16 MMA
+    BK = tiles(w_fmt, K, blk, act, cdt)
+    BN = 64 if N <= 64 else 128
+    BM = min(64, max(16, triton.next_power_of_2(M)))
+    xs_rs = rows_of(x_scale, "x scale")[1] if x_scale is not None else 0
+    tiles_out = triton.cdiv(N, BN) * triton.cdiv(M, BM) * groups
+    ktiles = triton.cdiv(K, BK)
+    split = max(1, min(ktiles // 2, TARGET_PROGRAMS // tiles_out))
+    KS = triton.cdiv(ktiles, split) * BK
+    split = triton.cdiv(K, KS)
+    NT = N * groups
+    ce = dict(M=M, N=N, K=K, G_K=K if groups > 1 else 0, XS_RS=xs_rs, SPLIT=split, KS=KS, NT=NT, X_RS=x_rs, X_CS=x_cs, Y_RS=y_rs, Y_CS=y_cs, W_RS=w.strides[0], W_CS=w.strides[1],
+              S_RS=scale.strides[0] if scale is not None else 0, S_CS=scale.strides[1] if scale is not None else 0,
+              W_FMT=w_fmt, S_E8M0=scale is not None and scale.dtype == "e8m0", BLOCK=blk, ACT=act,
+              NORM=norm is not None, EPS=float(eps), CDT=_tl_dtype(cdt), BM=BM, BN=BN, BK=BK, STAGES=2)
+    pointers = [ptr("x_ptr", "operand", names["x"], x)]
+    if x_scale is not None:
+        pointers.append(ptr("xs_ptr", "operand", names["xs"], x_scale))
+    else:
+        ce["xs_ptr"] = None
+    pointers.append(ptr("w_ptr", "operand", names["w"], w))
+    if scale is not None:
+        pointers.append(ptr("s_ptr", "operand", names["s"], scale))
+    else:
+        ce["s_ptr"] = None
+    if norm is not None:
+        pointers.append(ptr("n_ptr", "operand", names["n"], norm))
+    else:
+        ce["n_ptr"] = None
+    scratch = {}
+    if split == 1:
+        pointers.append(ptr("y_ptr", "result", names["y"], y))
+        ce["part_ptr"] = None
+    else:
+        ce["y_ptr"] = None
+        scratch = {"gemm_partial": split * M * NT * 4}
+        pointers.append(ptr("part_ptr", "scratch", "gemm_partial", "*fp32"))
+    wbytes = w.type.nbytes + (scale.type.nbytes if scale is not None else 0)
+    tag = (f"{w_fmt}w_{act}_m{M}_n{N}_k{K}" + ("_norm" if norm is not None else "") + (f"_g{groups}" if groups > 1 else "")
+           + (f"_s{split}" if split > 1 else ""))
+    calls = [KernelCall(
+        name=call_name(prefix, ce, tag), fn=gemm_kernel, constexprs=ce, pointers=pointers,
+        # 64x128 fp32 accumulators need 8 warps on sm_90 (255-register cap); gfx950 is spill-free either way
+        grid=(triton.cdiv(N, BN), triton.cdiv(M, BM), groups * split), num_warps=8 if BM * BN >= 8192 else 4,
+        num_stages=2,
+        scratch_bytes=scratch,
+        unaligned=unaligned({"x_ptr": x, "xs_ptr": x_scale, "w_ptr": w, "s_ptr": scale, "n_ptr": norm, "y_ptr": y}),
+        flops=2 * M * N * K * groups, mma_dtype="fp8" if act != "native" else "bf16",
+        bytes_moved=wbytes + split * x.type.nbytes + (y.type.nbytes if split == 1 else scratch["gemm_partial"])
+        + (norm.type.nbytes if norm else 0))]
+    if split > 1:
+        rce = dict(M=M, NT=NT, Y_RS=y_rs, Y_CS=y_cs, SPLIT=split, BLOCK=1024)
+        calls.append(KernelCall(
+            name=call_name(prefix + "_reduce", rce, f"m{M}_n{NT}_s{split}"), fn=gemm_reduce_kernel, constexprs=rce,
+            pointers=[ptr("part_ptr", "scratch", "gemm_partial", "*fp32"), ptr("y_ptr", "result", names["y"], y)],
+            grid=(triton.cdiv(M * NT, 1024), 1, 1), num_warps=4, scratch_bytes=scratch,
+            unaligned=unaligned({"y_ptr": y}), bytes_moved=scratch["gemm_partial"] + y.type.nbytes))
+    return calls
+
+
+def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg],
+               attrs: dict) -> list[KernelCall]:
+    act = attrs.get("act", "native")
+    names = {"x": "x", "w": "w", "s": "scale", "n": "norm", "y": "y"}
+    if op_name == "linear":
+        return gemm_call("gemm", operands["x"], operands["w"], operands.get("scale"), results["y"], None,
+                         block=attrs.get("block", 128), act=act, eps=0.0, names=names)
+    if op_name == "norm_linear":
+        return gemm_call("gemm", operands["x"], operands["w"], operands.get("scale"), results["y"], operands["norm"],
+                         block=attrs.get("block", 128), act=act, eps=attrs["eps"], names=names)
+    raise KeyError(f"gemm family has no op '{op_name}'")

@@ -1,0 +1,60 @@
+"""Shared helpers of the kernel tests: poisoned outputs, the reference, and the closeness check.
+
+Tolerance rule (`assert_matches`): the interpreter runs with `interpreter_fixes()` (correct bf16 dot,
+round-to-nearest-even casts), so a kernel and its torch reference differ only by fp32 summation order.
+fp32 results: |d| <= 1e-5 * max|ref| + 1e-6 * |ref| (a few fp32 ulps of the accumulated magnitude).
+bf16 results: |d| <= 1 bf16 ulp of |ref| + 1e-5 * max|ref| (a sum that lands near a rounding boundary
+may round the other way; the fp32 part covers cancellation near zero).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+from v4compile.ir.registry import get_op  # noqa: E402
+
+
+def poisoned(shape, dtype, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A NaN-filled (or -7-filled for ints) result buffer with `pad` extra columns; returns (view, buffer).
+    The view has the row stride of the buffer, so kernels must honour strides and masks."""
+    shape = tuple(shape)
+    buf_shape = (*shape[:-1], shape[-1] + pad)
+    if dtype.is_floating_point:
+        buf = torch.full(buf_shape, float("nan"), dtype=torch.float32).to(dtype)
+    else:
+        buf = torch.full(buf_shape, -7, dtype=dtype)
+    return buf[..., : shape[-1]], buf
+
+
+def reference(op_name: str, args: dict, attrs: dict) -> list[torch.Tensor]:
+    op = get_op(op_name)
+    operands = [args.get(o.name) for o in op.operands]
+    a = {k: v for k, v in attrs.items() if k in op.attrs}
+    if hasattr(op, "with_variant"):  # ops whose optional operands select a variant name it
+        a = op.with_variant(operands, a)
+    return op.run(operands, op.normalize_attrs(a))
+
+
+def bf16_ulp(v: torch.Tensor) -> torch.Tensor:
+    e = torch.floor(torch.log2(v.float().abs().clamp(min=2.0 ** -126)))
+    return torch.exp2(e - 7)
+
+
+def assert_matches(y: torch.Tensor, ref: torch.Tensor, what: str, ulps: float = 1.0) -> None:
+    assert y.shape == ref.shape, f"{what}: shape {tuple(y.shape)} != {tuple(ref.shape)}"
+    assert y.dtype == ref.dtype, f"{what}: dtype {y.dtype} != {ref.dtype}"
+    yf, rf = y.float(), ref.float()
+    assert not yf.isnan().any(), f"{what}: NaN in the result (unwritten lanes?)"
+    scale = rf.abs().max().clamp(min=1e-30)
+    if y.dtype == torch.bfloat16:
+        tol = ulps * bf16_ulp(rf) + 1e-5 * scale
+    else:
+        tol = 1e-5 * scale + 1e-6 * rf.abs()
+    d = (yf - rf).abs()
+    bad = d > tol
+    assert not bad.any(), (f"{what}: {int(bad.sum())}/{d.numel()} elements off, max |d| {d.max().item():.3g} "
+                           f"(max |ref| {scale.item():.3g}) first at {tuple(bad.nonzero()[0].tolist())}")

@@ -1,0 +1,74 @@
+"""AOT: one small FP8 GEMM specialisation compiled for gfx950 and sm_90a on this CPU-only host.
+
+Checks the sidecar (symbol, params incl. Triton's two trailing scratch pointers, shared bytes, warps, grid,
+specialisation), the report row fields, matrix instructions on both targets, 0 spills on gfx950, and that
+a rerun is served from the content-hash cache with byte-identical files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+import kernel_check  # noqa: F401  (TRITON_INTERPRET=1 before kernel modules load)
+from v4compile.codegen import aot
+from v4compile.codegen.kernels import TensorArg, gemm
+from v4compile.errors import V4Error
+from v4compile.formats import fp8_block_quant
+
+pytestmark = pytest.mark.slow
+
+
+def _calls():
+    x = TensorArg.of(torch.zeros(1, 8, 256, dtype=torch.bfloat16))
+    y = TensorArg.of(torch.zeros(1, 8, 128, dtype=torch.bfloat16))
+    w, s = fp8_block_quant(torch.randn(128, 256), 128)
+    return gemm.specialise("linear", {"x": x, "w": TensorArg.of(w), "scale": TensorArg.of(s)}, {"y": y},
+                           {"block": 128, "act": "fp8"})
+
+
+def _tree(d):
+    return {p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*"))
+            if p.is_file()}
+
+
+def test_compile_small_gemm_both_targets(tmp_path, monkeypatch):
+    monkeypatch.setenv("V4COMPILE_CACHE", str(tmp_path / "cache"))
+    calls = _calls()
+    rows = aot.compile_calls(calls, ["gfx950", "sm_90a"], tmp_path / "a", jobs=1)
+    assert [(r["name"], r["target"]) for r in rows] == [(calls[0].name, "gfx950"), (calls[0].name, "sm_90a")]
+    for r in rows:
+        for k in ("name", "target", "regs", "spills", "shared_bytes", "mma_instructions", "occupancy", "modeled_us"):
+            assert k in r, k
+        assert isinstance(r["spills"], int) and r["regs"] > 0 and r["occupancy"] >= 1
+        assert r["mma_instructions"] > 0, f"{r['target']}: no matrix instructions"
+        assert r["modeled_us"] > 0 and not r["cached"]
+        side = json.loads((tmp_path / "a" / r["sidecar"]).read_text())
+        assert side["symbol"] == "gemm_kernel" and side["num_warps"] == calls[0].num_warps
+        assert [p["name"] for p in side["params"]] == ["x_ptr", "w_ptr", "s_ptr", "y_ptr", "global_scratch",
+                                                       "profile_scratch"]
+        assert side["grid"] == list(calls[0].grid) and side["constexprs"]["K"] == 256
+        assert side["shared_bytes"] == r["shared_bytes"]
+        binary = (tmp_path / "a" / r["path"]).read_bytes()
+        assert hashlib.sha256(binary).hexdigest() == side["binary_sha256"]
+        assert binary[:4] == b"\x7fELF"
+    amd = rows[0]
+    assert amd["spills"] == 0, "gfx950 goal: no spills"
+    # second compile: all cached, identical files
+    rows2 = aot.compile_calls(_calls(), ["gfx950", "sm_90a"], tmp_path / "b", jobs=2)
+    assert all(r["cached"] for r in rows2)
+    assert _tree(tmp_path / "a") == _tree(tmp_path / "b")
+
+
+def test_unknown_target_is_rejected(tmp_path):
+    with pytest.raises(V4Error, match="unknown target"):
+        aot.compile_calls(_calls(), ["sm_100"], tmp_path)
+
+
+def test_roofline_model():
+    # 1 GB at 8 TB/s = 125 us (+3 us launch) on gfx950; a compute-bound case uses the MMA peak
+    assert abs(aot.modeled_time(0, 10**9, "gfx950") - (125e-6 + 3e-6)) < 1e-9
+    assert abs(aot.modeled_time(2 * 10**15, 0, "sm_90a", "fp8") - (2e15 / 1.979e15 + 2e-6)) < 1e-9
