@@ -1,0 +1,155 @@
+"""compress_paged: the KV compressor on the paged pool (`ops.paged.compress_paged`, `ops.compressor`):
+pool every window this chunk closes (softmax over the window's slots per channel, gate + position bias),
+RMSNorm, RoPE at the window's first position, official rounding (FP8 on the NoPE dims, or Hadamard +
+FP4), store the row at its physical pool row in the plane format; then push the chunk's tokens into the
+per-slot state rings. HCA (c = 1) and CSA (c = 2, overlapping halves) and the indexer's compressor
+(index planes) are the same kernel with other constexprs.
+
+One program per sequence: it reads the ring before it overwrites it (a block barrier separates the two).
+The window softmax runs over slot chunks of BS in two passes (max / sum, then the weighted sum), so a
+128-slot HCA window never sits in registers whole.
+bf16: the softmax weights, each product and the pooled sum are rounded to bf16 as the reference rounds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+from . import KernelCall, call_name, ptr, unaligned
+from .kvrows import (TL_DTYPE, fp4_qdq, fp8_qdq, fwht, hadamard_scale, plane_consts, pow2, ring_keep, rope,
+                     rope_table, store_rows)
+
+
+@triton.jit
+def _slot_tile(kv_ptr, gate_ptr, ape_ptr, skv_ptr, sg_ptr, b, sb, start, w, s0, j,
+               M: tl.constexpr, OVERLAP: tl.constexpr, CM: tl.constexpr, S: tl.constexpr, BS: tl.constexpr,
+               DK: tl.constexpr, KV_S: tl.constexpr, G_S: tl.constexpr, SKV_S: tl.constexpr, SG_S: tl.constexpr,
+               DT: tl.constexpr):
+    """Values and gate logits [BS, DKP] of pooling slots s0 .. s0 + BS of window w (-inf / 0 when absent)."""
+    s = s0 + tl.arange(0, BS)
+    if OVERLAP:
+        p = M * (w - 1) + s
+        half = (s >= M).to(tl.int32)
+    else:
+        p = M * w + s
+        half = s * 0
+    ok = (s < CM) & (p >= 0)
+    st = ok & (p < start)
+    ch = ok & (p >= start)
+    col = (half * DK)[:, None] + j[None, :]
+    cm = (j < DK)[None, :]
+    ring = (tl.maximum(p, 0) % S)[:, None]
+    lane = (p - start)[:, None]
+    v_st = tl.load(skv_ptr + sb * SKV_S[0] + ring * SKV_S[1] + col, mask=st[:, None] & cm, other=0.0)
+    v_ch = tl.load(kv_ptr + b * KV_S[0] + lane * KV_S[1] + col, mask=ch[:, None] & cm, other=0.0)
+    v = tl.where(st[:, None], v_st.to(DT).to(tl.float32), v_ch.to(tl.float32))
+    g_st = tl.load(sg_ptr + sb * SG_S[0] + ring * SG_S[1] + col, mask=st[:, None] & cm, other=0.0)
+    g_ch = (tl.load(gate_ptr + b * G_S[0] + lane * G_S[1] + col, mask=ch[:, None] & cm, other=0.0).to(tl.float32)
+            + tl.load(ape_ptr + (tl.maximum(p, 0) % M)[:, None] * (DK * (1 + OVERLAP)) + col,
+                      mask=ch[:, None] & cm, other=0.0).to(tl.float32))
+    g = tl.where(st[:, None], g_st.to(tl.float32), g_ch)
+    g = tl.where(ok[:, None] & cm, g, float("-inf"))
+    return tl.where(ok[:, None], v, 0.0), g
+
+
+@triton.jit
+def compress_kernel(kv_ptr, gate_ptr, ape_ptr, norm_ptr, skv_ptr, sg_ptr, pos_ptr, slot_ptr, bt_ptr, p0, p1, p2,
+                    T: tl.constexpr, TP: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, CM: tl.constexpr,
+                    S: tl.constexpr, BS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, CW: tl.constexpr,
+                    CWP: tl.constexpr, BT: tl.constexpr, EPS: tl.constexpr, ROPE_DIM: tl.constexpr,
+                    F: tl.constexpr, ROUND: tl.constexpr, RBLK: tl.constexpr, HS: tl.constexpr,
+                    PER_BLOCK: tl.constexpr, ENV: tl.constexpr, LAYER_OFFSET: tl.constexpr, BT_S: tl.constexpr,
+                    KV_S: tl.constexpr, G_S: tl.constexpr, SKV_S: tl.constexpr, SG_S: tl.constexpr,
+                    FMT: tl.constexpr, NPLANES: tl.constexpr, NOPE: tl.constexpr, BLK: tl.constexpr,
+                    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, DT: tl.constexpr):
+    b = tl.program_id(0)
+    sb = tl.load(slot_ptr + b).to(tl.int64)
+    t = tl.arange(0, TP)
+    allp = tl.load(pos_ptr + b * T + t, mask=t < T, other=-1)
+    n = tl.sum((allp >= 0).to(tl.int32), axis=0)
+    start = tl.maximum(tl.max(tl.where(t == 0, allp, -1), axis=0), 0)
+    n_closed = tl.where(n > 0, (start + n) // M - start // M, 0)
+    j = tl.arange(0, DKP)
+    for i in range(0, n_closed):
+        w = start // M + i
+        mx = tl.full([DKP], -1e30, tl.float32)
+        den = tl.zeros([DKP], tl.float32)
+        for s0 in range(0, CM, BS):
+            v, g = _slot_tile(kv_ptr, gate_ptr, ape_ptr, skv_ptr, sg_ptr, b, sb, start, w, s0, j, M, OVERLAP, CM, S,
+                              BS, DK, KV_S, G_S, SKV_S, SG_S, DT)
+            mx_new = tl.maximum(mx, tl.max(g, axis=0))
+            den = den * tl.exp(mx - mx_new) + tl.sum(tl.exp(g - mx_new[None, :]), axis=0)
+            mx = mx_new
+        den = tl.where(j < DK, den, 1.0)  # padded columns have no slot at all
+        h = tl.zeros([DKP], tl.float32)
+        for s0 in range(0, CM, BS):
+            v, g = _slot_tile(kv_ptr, gate_ptr, ape_ptr, skv_ptr, sg_ptr, b, sb, start, w, s0, j, M, OVERLAP, CM, S,
+                              BS, DK, KV_S, G_S, SKV_S, SG_S, DT)
+            wt = (tl.exp(g - mx[None, :]) / den[None, :]).to(DT).to(tl.float32)
+            h += tl.sum((v * wt).to(DT).to(tl.float32), axis=0)
+        h = tl.where(j < DK, h.to(DT).to(tl.float32), 0.0)
+        r = 1.0 / tl.sqrt_rn(tl.sum(h * h, axis=0) / DK + EPS)
+        h = (tl.load(norm_ptr + j, mask=j < DK, other=0.0).to(tl.float32) * (h * r)).to(DT).to(tl.float32)
+        x = rope(tl.reshape(h, [1, DKP]), tl.full([1], 0.0, tl.float32) + (M * w).to(tl.float32), F, 1, DKP, DK,
+                 ROPE_DIM, DT)
+        if ROUND == "fp8":
+            x = fp8_qdq(x, DK - ROPE_DIM, 1, DKP, RBLK).to(DT).to(tl.float32)
+        elif ROUND == "fp4":
+            x = fp4_qdq(fwht(x, 1, DKP, HS).to(DT).to(tl.float32), 1, DKP).to(DT).to(tl.float32)
+        blk = tl.load(bt_ptr + b * BT_S + w // PER_BLOCK).to(tl.int64)
+        row = blk * ENV + w % PER_BLOCK + LAYER_OFFSET + tl.zeros([1], tl.int64)
+        store_rows(p0, p1, p2, row, row >= 0, x, FMT, NPLANES, 1, DKP, DK, NOPE, BLK, S0, S1, S2)
+    tl.debug_barrier()  # every window above read the ring; now overwrite it
+    c = tl.arange(0, CWP)[None, :]
+    for i0 in range(0, T, BT):
+        lane = i0 + tl.arange(0, BT)
+        keep, p = ring_keep(pos_ptr, b, lane, T, TP, S)
+        ring = (tl.maximum(p, 0) % S)[:, None]
+        m2 = keep[:, None] & (c < CW)
+        x = tl.load(kv_ptr + b * KV_S[0] + lane[:, None] * KV_S[1] + c, mask=m2, other=0.0)
+        g = (tl.load(gate_ptr + b * G_S[0] + lane[:, None] * G_S[1] + c, mask=m2, other=0.0).to(tl.float32)
+             + tl.load(ape_ptr + (tl.maximum(p, 0) % M)[:, None] * CW + c, mask=m2, other=0.0).to(tl.float32))
+        tl.store(skv_ptr + sb * SKV_S[0] + ring * SKV_S[1] + c, x.to(skv_ptr.dtype.element_ty), mask=m2)
+        tl.store(sg_ptr + sb * SG_S[0] + ring * SG_S[1] + c, g.to(sg_ptr.dtype.element_ty), mask=m2)
+
+
+def specialise(op_name, operands, results, attrs):
+    assert op_name == "compress_paged", op_name
+    kv, gate, skv, sg, bt = (operands[n] for n in ("kv", "gate", "state_kv", "state_gate", "block_table"))
+    planes = [operands.get(f"p{i}") for i in range(3)]
+    B, T, CW = kv.shape
+    m, overlap = attrs["ratio"], bool(attrs["overlap"])
+    c_ = 2 if overlap else 1
+    DK = CW // c_
+    S = skv.shape[1]
+    for a in (kv, gate, skv, sg, operands["ape"], bt):
+        assert a.strides[-1] == 1, "compress_paged: rows must be dense"
+    assert operands["ape"].strides[0] == CW
+    rnd = attrs.get("round", "none")
+    rope_dim = attrs["rope_dim"]
+    assert rnd != "fp4" or DK == pow2(DK), "the Hadamard rotation needs a power-of-two row"
+    CM = c_ * m
+    c = dict(T=T, TP=pow2(T), M=m, OVERLAP=overlap, CM=CM, S=S, BS=min(pow2(CM), max(1, 4096 // pow2(DK)), 32),
+             DK=DK, DKP=pow2(DK), CW=CW, CWP=pow2(CW), BT=min(pow2(T), max(1, 4096 // pow2(CW))),
+             EPS=float(attrs["eps"]), ROPE_DIM=rope_dim, F=rope_table(rope_dim, attrs["theta"], attrs["yarn"]),
+             ROUND=rnd, RBLK=math.gcd(64, DK - rope_dim), HS=hadamard_scale(pow2(DK)),
+             PER_BLOCK=attrs["block_tokens"] // m, ENV=attrs["envelope_rows"], LAYER_OFFSET=attrs["layer_offset"],
+             BT_S=bt.strides[0], KV_S=kv.strides[:2], G_S=gate.strides[:2], SKV_S=skv.strides[:2],
+             SG_S=sg.strides[:2], **plane_consts(attrs["fmt"], planes, DK), DT=TL_DTYPE[kv.dtype])
+    names = [("kv_ptr", "kv"), ("gate_ptr", "gate"), ("ape_ptr", "ape"), ("norm_ptr", "norm"),
+             ("skv_ptr", "state_kv"), ("sg_ptr", "state_gate"), ("pos_ptr", "pos"), ("slot_ptr", "slot"),
+             ("bt_ptr", "block_table")]
+    # Tied results (state rings, planes) are updated in place through the operand pointers.
+    pointers = [ptr(p, "operand", n, operands[n]) for p, n in names]
+    for i, p in enumerate(planes):
+        if p is None:
+            c[f"p{i}"] = None
+        else:
+            pointers.append(ptr(f"p{i}", "operand", f"p{i}", p))
+    return [KernelCall(name=call_name("compress_paged", c, f"b{B}_t{T}_m{m}_{'csa' if overlap else 'hca'}_{attrs['fmt']}"),
+                       fn=compress_kernel, constexprs=c, pointers=pointers, grid=(B, 1, 1), num_warps=4,
+                       unaligned=unaligned({"kv_ptr": kv, "gate_ptr": gate}),
+                       bytes_moved=2 * (kv.type.nbytes + gate.type.nbytes) + B * 2 * CM * CW * 4)]
