@@ -36,9 +36,11 @@ def test_compile_then_run_on_host_prints_the_reference_ids(art, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device", ["cuda", "hip"])
-def test_a_gpu_device_without_kernels_is_one_clear_error(art, device, capsys):
+def test_a_gpu_device_that_cannot_run_is_one_clear_error(art, device, capsys):
+    """No GPU here: either a family still lacks kernels, or (all kernels compiled by codegen.aot) the driver
+    library cannot be opened; either way one error line and exit status 2."""
     capsys.readouterr()
     assert main(["run", str(art), "--ids", "1,2,3", "--max-new-tokens", "2", "--device", device]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"error: device '{device}' needs compiled kernels for every launch")
-    assert err.count("\n") == 1
+    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+    assert len(err) == 1
+    assert (f"device '{device}' needs compiled kernels" in err[0] or "cannot open the driver library" in err[0]), err
