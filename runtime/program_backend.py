@@ -27,6 +27,7 @@ from .kernels import aot_binaries, kernel_calls_for
 log = logging.getLogger(__name__)
 
 PROGRAM_PASSES = ["plan_memory", "lower_to_program"]
+DRIVER_LIB = {"cuda": "libcuda.so.1", "hip": "libamdhip64.so"}  # the C drivers' defaults (runtime/c/drv_*.c)
 
 
 def artifact_program(art: Artifact):
@@ -67,6 +68,14 @@ class ProgramBackend:
         self.device = device
         self.graphs = graphs
         self.program = artifact_program(art)
+        if device != "host":  # before compiling any kernel: no driver, nothing to compile for
+            import ctypes
+
+            lib = driver_lib or DRIVER_LIB[device]
+            try:
+                ctypes.CDLL(lib)
+            except OSError as e:
+                raise DeviceError(f"device '{device}': cannot open the driver library {lib}: {e}") from None
         calls = kernel_calls_for(kernels, device)
         if device != "host":
             missing = sorted({l.kernel for f in self.program.functions.values() for l in f.launches
