@@ -22,7 +22,7 @@ from v4compile.errors import InputError
 
 log = logging.getLogger(__name__)
 
-DEVICES = ("auto", "cpu")
+DEVICES = ("auto", "cpu", "host", "hip", "cuda")
 
 
 @dataclass
@@ -234,12 +234,20 @@ class Session:
         self.backend.close()
 
 
-def load(path, device: str = "auto", *, threads: int | None = None, verify: bool = True) -> Session:
-    """Load an artifact directory for `device` (`cpu`: ONNX Runtime; `auto`: the best device available,
-    today `cpu`; the C runtime's `host` / `hip` / `cuda` come with it)."""
+def load(path, device: str = "auto", *, threads: int | None = None, verify: bool = True,
+         driver_lib: str | None = None, graphs: bool = True, kernels: str = "auto") -> Session:
+    """Load an artifact directory for `device`: `cpu` (ONNX Runtime), `host` (the C runtime on host memory,
+    kernels run from Python), `hip` / `cuda` (the C runtime on a GPU; `driver_lib` overrides the driver
+    library path), `auto` (the best device available: today `cpu`, since no artifact carries GPU kernels
+    yet). `graphs`: decode steps as captured graphs (C runtime devices)."""
     if device not in DEVICES:
         raise InputError(f"unknown device '{device}'", expected=", ".join(DEVICES))
     art = load_artifact(path, verify=verify)
+    if device in ("host", "hip", "cuda"):
+        from .program_backend import ProgramBackend
+
+        return Session(art, ProgramBackend(art, device, driver_lib=driver_lib, graphs=graphs, kernels=kernels,
+                                          threads=threads))
     from .cpu_backend import OrtBackend
 
     return Session(art, OrtBackend(art, threads=threads))

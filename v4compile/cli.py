@@ -236,7 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument("artifact", metavar="ARTIFACT", help="artifact directory")
     rn.add_argument("--ids", required=True, help="prompt token ids, comma-separated")
     rn.add_argument("--max-new-tokens", type=int, default=16)
-    rn.add_argument("--device", choices=("auto", "cpu"), default="auto", help="auto (default) or cpu (ONNX Runtime)")
+    rn.add_argument("--device", choices=("auto", "cpu", "host", "hip", "cuda"), default="auto",
+                    help="auto (default), cpu (ONNX Runtime), host (the C runtime on host memory, reference kernels), "
+                         "hip / cuda (the C runtime on a GPU)")
     rn.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     rn.add_argument("--top-p", type=float, default=1.0)
     rn.add_argument("--seed", type=int, default=None, help="sampling seed")

@@ -51,3 +51,8 @@ class IRError(V4Error):
 
 class PassError(V4Error):
     """Unknown pass, bad pass option, or a pipeline that cannot run."""
+
+
+class DeviceError(V4Error):
+    """The C runtime or a device driver failed: a driver that cannot be opened, a code object that does
+    not load, a missing kernel, an allocation, a launch, a capture (the runtime's message says which)."""

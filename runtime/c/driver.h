@@ -1,0 +1,42 @@
+/* The driver vtable the core runs on (internal to the library). Device addresses are uint64. */
+#ifndef V4RT_DRIVER_H
+#define V4RT_DRIVER_H
+
+#include <stdint.h>
+
+#include "v4rt.h"
+
+typedef struct v4drv v4drv;
+struct v4drv {
+    const char *name;
+    void *state;
+    /* Every entry returns 0 on success, else sets the error text (v4rt_seterr) and returns nonzero. */
+    int (*mem_alloc)(v4drv *d, uint64_t nbytes, uint64_t *addr);
+    int (*mem_free)(v4drv *d, uint64_t addr);
+    int (*h2d)(v4drv *d, uint64_t dst, const void *src, uint64_t nbytes);
+    int (*d2h)(v4drv *d, void *dst, uint64_t src, uint64_t nbytes);
+    int (*module_load)(v4drv *d, const void *image, uint64_t size, void **module);
+    int (*module_unload)(v4drv *d, void *module);
+    int (*get_function)(v4drv *d, void *module, const char *symbol, void **fn);
+    /* tag = function << 32 | call (only the host driver uses it) */
+    int (*launch)(v4drv *d, void *fn, const uint32_t grid[3], const uint32_t block[3], uint32_t shared,
+                  uint32_t n_params, const uint64_t *params, uint64_t tag);
+    int (*capture_begin)(v4drv *d);
+    int (*capture_end)(v4drv *d, void **graph);
+    int (*graph_launch)(v4drv *d, void *graph);
+    int (*graph_destroy)(v4drv *d, void *graph);
+    int (*sync)(v4drv *d);
+    void (*shutdown)(v4drv *d);
+};
+
+void v4rt_seterr(const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 1, 2)))
+#endif
+    ;
+
+int v4drv_host_open(v4drv *d, v4rt_host_kernel cb, void *user);
+int v4drv_hip_open(v4drv *d, const char *lib);
+int v4drv_cuda_open(v4drv *d, const char *lib);
+
+#endif

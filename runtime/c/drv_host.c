@@ -1,0 +1,195 @@
+/* Host driver: buffers in host memory; every kernel call goes to a callback (Python runs the kernel).
+ * Capture records the calls (with their parameters) instead of running them; a graph launch runs the
+ * recorded list, the same contract as stream capture on a GPU. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "driver.h"
+
+typedef struct {
+    uint64_t tag;
+    uint32_t n;
+    uint64_t *params;
+} rec_t;
+
+typedef struct {
+    uint32_t n, cap;
+    rec_t *recs;
+} hgraph;
+
+typedef struct {
+    v4rt_host_kernel cb;
+    void *user;
+    hgraph *capturing;
+    int failed; /* a launch failed while capturing */
+} hstate;
+
+static int h_alloc(v4drv *d, uint64_t n, uint64_t *addr) {
+    (void)d;
+    uint64_t rounded = (n + 255) & ~(uint64_t)255;
+    void *p = aligned_alloc(256, rounded);
+    if (!p) {
+        v4rt_seterr("host allocation of %llu bytes failed", (unsigned long long)n);
+        return 1;
+    }
+    *addr = (uint64_t)(uintptr_t)p;
+    return 0;
+}
+
+static int h_free(v4drv *d, uint64_t addr) {
+    (void)d;
+    free((void *)(uintptr_t)addr);
+    return 0;
+}
+
+static int h_h2d(v4drv *d, uint64_t dst, const void *src, uint64_t n) {
+    (void)d;
+    memcpy((void *)(uintptr_t)dst, src, n);
+    return 0;
+}
+
+static int h_d2h(v4drv *d, void *dst, uint64_t src, uint64_t n) {
+    (void)d;
+    memcpy(dst, (const void *)(uintptr_t)src, n);
+    return 0;
+}
+
+static int h_module_load(v4drv *d, const void *image, uint64_t size, void **module) {
+    (void)d;
+    (void)image;
+    (void)size;
+    *module = (void *)(uintptr_t)1; /* host code objects are placeholders: the callback runs the kernel */
+    return 0;
+}
+
+static int h_module_unload(v4drv *d, void *module) {
+    (void)d;
+    (void)module;
+    return 0;
+}
+
+static int h_get_function(v4drv *d, void *module, const char *symbol, void **fn) {
+    (void)d;
+    (void)module;
+    *fn = (void *)symbol;
+    return 0;
+}
+
+static int h_run(hstate *s, uint64_t tag, uint32_t n, const uint64_t *params) {
+    if (s->cb(s->user, (uint32_t)(tag >> 32), (uint32_t)tag, n, params)) {
+        v4rt_seterr("the host kernel callback failed");
+        return 1;
+    }
+    return 0;
+}
+
+static int h_launch(v4drv *d, void *fn, const uint32_t grid[3], const uint32_t block[3], uint32_t shared,
+                    uint32_t n, const uint64_t *params, uint64_t tag) {
+    (void)fn;
+    (void)grid;
+    (void)block;
+    (void)shared;
+    hstate *s = d->state;
+    hgraph *g = s->capturing;
+    if (!g) return h_run(s, tag, n, params);
+    if (g->n == g->cap) {
+        uint32_t cap = g->cap ? 2 * g->cap : 64;
+        rec_t *r = realloc(g->recs, cap * sizeof(rec_t));
+        if (!r) {
+            s->failed = 1;
+            v4rt_seterr("out of host memory recording a graph");
+            return 1;
+        }
+        g->recs = r;
+        g->cap = cap;
+    }
+    rec_t *r = &g->recs[g->n];
+    r->tag = tag;
+    r->n = n;
+    r->params = malloc((n ? n : 1) * sizeof(uint64_t));
+    if (!r->params) {
+        s->failed = 1;
+        v4rt_seterr("out of host memory recording a graph");
+        return 1;
+    }
+    memcpy(r->params, params, n * sizeof(uint64_t));
+    g->n++;
+    return 0;
+}
+
+static void h_graph_free(hgraph *g) {
+    for (uint32_t i = 0; i < g->n; i++) free(g->recs[i].params);
+    free(g->recs);
+    free(g);
+}
+
+static int h_capture_begin(v4drv *d) {
+    hstate *s = d->state;
+    if (s->capturing) {
+        v4rt_seterr("a capture is already in progress");
+        return 1;
+    }
+    s->capturing = calloc(1, sizeof(hgraph));
+    s->failed = 0;
+    if (!s->capturing) {
+        v4rt_seterr("out of host memory starting a capture");
+        return 1;
+    }
+    return 0;
+}
+
+static int h_capture_end(v4drv *d, void **graph) {
+    hstate *s = d->state;
+    hgraph *g = s->capturing;
+    s->capturing = NULL;
+    *graph = NULL;
+    if (!g) {
+        v4rt_seterr("no capture in progress");
+        return 1;
+    }
+    if (s->failed) {
+        h_graph_free(g);
+        v4rt_seterr("a launch failed during capture");
+        return 1;
+    }
+    *graph = g;
+    return 0;
+}
+
+static int h_graph_launch(v4drv *d, void *graph) {
+    hgraph *g = graph;
+    for (uint32_t i = 0; i < g->n; i++)
+        if (h_run(d->state, g->recs[i].tag, g->recs[i].n, g->recs[i].params)) return 1;
+    return 0;
+}
+
+static int h_graph_destroy(v4drv *d, void *graph) {
+    (void)d;
+    h_graph_free(graph);
+    return 0;
+}
+
+static int h_sync(v4drv *d) {
+    (void)d;
+    return 0;
+}
+
+static void h_shutdown(v4drv *d) {
+    hstate *s = d->state;
+    if (s && s->capturing) h_graph_free(s->capturing);
+    free(s);
+    d->state = NULL;
+}
+
+int v4drv_host_open(v4drv *d, v4rt_host_kernel cb, void *user) {
+    hstate *s = calloc(1, sizeof *s);
+    if (!s) {
+        v4rt_seterr("out of host memory");
+        return 1;
+    }
+    s->cb = cb;
+    s->user = user;
+    *d = (v4drv){"host", s, h_alloc, h_free, h_h2d, h_d2h, h_module_load, h_module_unload, h_get_function,
+                 h_launch, h_capture_begin, h_capture_end, h_graph_launch, h_graph_destroy, h_sync, h_shutdown};
+    return 0;
+}

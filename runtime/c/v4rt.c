@@ -1,0 +1,500 @@
+/* The runtime core: launch-table parsing, buffers, code objects, eager runs and captured graphs.
+ *
+ * Launch table (little-endian; written by runtime/schedule.py):
+ *   header  : magic "V4RTTBL1", u32 version, u32 n_buffers, u32 n_code, u32 n_functions,
+ *             u64 payload bytes, u64 FNV-1a 64 checksum of the payload
+ *   buffers : n_buffers x {u64 nbytes, u32 align, u32 kind}
+ *   code    : n_code x {u64 size, bytes padded to 8}
+ *   function: n_functions x {u32 n_calls, u32 flags, then n_calls x call}
+ *   call    : {u32 code, u32 symbol length, u32 grid[3], u32 block[3], u32 shared, u32 n_params},
+ *             symbol bytes padded to 8, n_params x {i64 buffer (-1: NULL), u64 byte offset}
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "driver.h"
+
+static _Thread_local char g_err[1024];
+
+void v4rt_seterr(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_err, sizeof g_err, fmt, ap);
+    va_end(ap);
+}
+
+
+/* Put context in front of the error a driver just reported: "<context>: <driver's message>". */
+static void wrap_err(const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 1, 2)))
+#endif
+    ;
+static void wrap_err(const char *fmt, ...) {
+    char why[sizeof g_err];
+    memcpy(why, g_err, sizeof why);
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(g_err, sizeof g_err, fmt, ap);
+    va_end(ap);
+    if (n < 0 || (size_t)n >= sizeof g_err - 3) return;
+    g_err[n] = ':';
+    g_err[n + 1] = ' ';
+    size_t room = sizeof g_err - (size_t)n - 3, len = 0;
+    while (len < room && why[len]) len++;
+    memcpy(g_err + n + 2, why, len);
+    g_err[n + 2 + len] = 0;
+}
+
+uint32_t v4rt_abi_version(void) { return V4RT_ABI_VERSION; }
+const char *v4rt_last_error(void) { return g_err; }
+
+typedef struct {
+    uint32_t code;
+    const char *symbol; /* points into the table copy */
+    void *fn;
+    uint32_t grid[3], block[3], shared, n_params;
+    int64_t *buffer;
+    uint64_t *offset;
+    uint64_t *param; /* resolved addresses */
+} call_t;
+
+typedef struct {
+    uint32_t n_calls;
+    call_t *calls;
+    void *graph;
+} func_t;
+
+typedef struct {
+    uint64_t nbytes, addr;
+    uint32_t align, kind;
+    int allocated;
+} buf_t;
+
+struct v4rt {
+    v4drv drv;
+    int drv_open;
+    unsigned char *table; /* our copy: symbols point into it */
+    uint32_t n_buffers, n_code, n_functions;
+    buf_t *buffers;
+    void **modules;
+    func_t *functions;
+    v4rt_stats stats;
+};
+
+typedef struct {
+    const unsigned char *p, *end;
+    int ok;
+} reader;
+
+static uint64_t rd(reader *r, unsigned nbytes) {
+    uint64_t v = 0;
+    if (!r->ok || (size_t)(r->end - r->p) < nbytes) {
+        r->ok = 0;
+        return 0;
+    }
+    for (unsigned i = 0; i < nbytes; i++) v |= (uint64_t)r->p[i] << (8 * i);
+    r->p += nbytes;
+    return v;
+}
+
+static const unsigned char *take(reader *r, uint64_t nbytes) {
+    uint64_t padded = (nbytes + 7) & ~(uint64_t)7;
+    if (!r->ok || nbytes > (uint64_t)(r->end - r->p) || padded > (uint64_t)(r->end - r->p)) {
+        r->ok = 0;
+        return NULL;
+    }
+    const unsigned char *q = r->p;
+    r->p += padded;
+    return q;
+}
+
+static uint64_t fnv1a(const unsigned char *p, size_t n) {
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; i++) {
+        h ^= p[i];
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+static void release(v4rt *rt) {
+    if (rt->functions) {
+        for (uint32_t f = 0; f < rt->n_functions; f++) {
+            func_t *fn = &rt->functions[f];
+            if (fn->graph && rt->drv_open) rt->drv.graph_destroy(&rt->drv, fn->graph);
+            if (fn->calls)
+                for (uint32_t c = 0; c < fn->n_calls; c++) {
+                    free(fn->calls[c].buffer);
+                    free(fn->calls[c].offset);
+                    free(fn->calls[c].param);
+                }
+            free(fn->calls);
+        }
+    }
+    if (rt->buffers && rt->drv_open)
+        for (uint32_t b = 0; b < rt->n_buffers; b++)
+            if (rt->buffers[b].allocated) rt->drv.mem_free(&rt->drv, rt->buffers[b].addr);
+    if (rt->modules && rt->drv_open)
+        for (uint32_t m = 0; m < rt->n_code; m++)
+            if (rt->modules[m]) rt->drv.module_unload(&rt->drv, rt->modules[m]);
+    if (rt->drv_open) rt->drv.shutdown(&rt->drv);
+    free(rt->functions);
+    free(rt->buffers);
+    free(rt->modules);
+    free(rt->table);
+    free(rt);
+}
+
+static v4rt_status parse(v4rt *rt, const unsigned char **code_img, uint64_t *code_size) {
+    reader r = {rt->table + 40, rt->table + 40, 1};
+    const unsigned char *h = rt->table;
+    uint64_t payload = 0;
+    for (int i = 0; i < 8; i++) payload |= (uint64_t)h[24 + i] << (8 * i);
+    r.end = r.p + payload;
+    for (uint32_t b = 0; b < rt->n_buffers; b++) {
+        rt->buffers[b].nbytes = rd(&r, 8);
+        rt->buffers[b].align = (uint32_t)rd(&r, 4);
+        rt->buffers[b].kind = (uint32_t)rd(&r, 4);
+    }
+    for (uint32_t m = 0; m < rt->n_code; m++) {
+        code_size[m] = rd(&r, 8);
+        code_img[m] = take(&r, code_size[m]);
+    }
+    if (!r.ok) {
+        v4rt_seterr("launch table: truncated in the buffer or code-object section");
+        return V4RT_E_TABLE;
+    }
+    for (uint32_t f = 0; f < rt->n_functions; f++) {
+        func_t *fn = &rt->functions[f];
+        uint32_t n = (uint32_t)rd(&r, 4);
+        (void)rd(&r, 4);
+        if (!r.ok || n > (uint64_t)(r.end - r.p) / 40) {
+            v4rt_seterr("launch table: function %u: bad call count", f);
+            return V4RT_E_TABLE;
+        }
+        fn->calls = calloc(n ? n : 1, sizeof(call_t));
+        if (!fn->calls) {
+            v4rt_seterr("out of host memory reading the launch table");
+            return V4RT_E_OOM;
+        }
+        fn->n_calls = n;
+        for (uint32_t c = 0; c < n; c++) {
+            call_t *k = &fn->calls[c];
+            k->code = (uint32_t)rd(&r, 4);
+            uint32_t slen = (uint32_t)rd(&r, 4);
+            for (int i = 0; i < 3; i++) k->grid[i] = (uint32_t)rd(&r, 4);
+            for (int i = 0; i < 3; i++) k->block[i] = (uint32_t)rd(&r, 4);
+            k->shared = (uint32_t)rd(&r, 4);
+            k->n_params = (uint32_t)rd(&r, 4);
+            const unsigned char *sym = take(&r, (uint64_t)slen + 1);
+            if (!r.ok || sym[slen] != 0 || strlen((const char *)sym) != slen || slen == 0) {
+                v4rt_seterr("launch table: function %u call %u: bad kernel symbol", f, c);
+                return V4RT_E_TABLE;
+            }
+            k->symbol = (const char *)sym;
+            if (k->code >= rt->n_code) {
+                v4rt_seterr("launch table: function %u call %u (%s): code object %u of %u", f, c, k->symbol,
+                            k->code, rt->n_code);
+                return V4RT_E_TABLE;
+            }
+            if (!k->grid[0] || !k->grid[1] || !k->grid[2] || !k->block[0] || !k->block[1] || !k->block[2]) {
+                v4rt_seterr("launch table: function %u call %u (%s): empty grid or block", f, c, k->symbol);
+                return V4RT_E_TABLE;
+            }
+            if (k->n_params > (uint64_t)(r.end - r.p) / 16) {
+                v4rt_seterr("launch table: function %u call %u (%s): truncated parameters", f, c, k->symbol);
+                return V4RT_E_TABLE;
+            }
+            uint32_t np = k->n_params ? k->n_params : 1;
+            k->buffer = calloc(np, sizeof(int64_t));
+            k->offset = calloc(np, sizeof(uint64_t));
+            k->param = calloc(np, sizeof(uint64_t));
+            if (!k->buffer || !k->offset || !k->param) {
+                v4rt_seterr("out of host memory reading the launch table");
+                return V4RT_E_OOM;
+            }
+            for (uint32_t p = 0; p < k->n_params; p++) {
+                k->buffer[p] = (int64_t)rd(&r, 8);
+                k->offset[p] = rd(&r, 8);
+                int64_t b = k->buffer[p];
+                if (b < -1 || b >= (int64_t)rt->n_buffers || (b >= 0 && k->offset[p] > rt->buffers[b].nbytes) ||
+                    (b < 0 && k->offset[p])) {
+                    v4rt_seterr("launch table: function %u call %u (%s) parameter %u: buffer %lld offset %llu "
+                                "outside the buffers", f, c, k->symbol, p, (long long)b,
+                                (unsigned long long)k->offset[p]);
+                    return V4RT_E_TABLE;
+                }
+            }
+        }
+    }
+    if (!r.ok || r.p != r.end) {
+        v4rt_seterr("launch table: %s", r.ok ? "trailing bytes after the last function" : "truncated");
+        return V4RT_E_TABLE;
+    }
+    return V4RT_OK;
+}
+
+v4rt_status v4rt_open(uint32_t abi_version, const char *driver, const char *driver_lib, const void *table,
+                      size_t table_len, v4rt_host_kernel host_kernel, void *host_user, v4rt **out) {
+    g_err[0] = 0;
+    if (!out) {
+        v4rt_seterr("v4rt_open: no output handle pointer");
+        return V4RT_E_ARG;
+    }
+    *out = NULL;
+    if (abi_version != V4RT_ABI_VERSION) {
+        v4rt_seterr("ABI version mismatch: the caller expects %u, this library is %u", abi_version,
+                    V4RT_ABI_VERSION);
+        return V4RT_E_ABI;
+    }
+    if (!driver || !table) {
+        v4rt_seterr("v4rt_open: driver name and table are required");
+        return V4RT_E_ARG;
+    }
+    const unsigned char *t = table;
+    if (table_len < 40 || memcmp(t, "V4RTTBL1", 8) != 0) {
+        v4rt_seterr("launch table: bad magic (not a v4rt launch table)");
+        return V4RT_E_TABLE;
+    }
+    reader h = {t + 8, t + 40, 1};
+    uint32_t version = (uint32_t)rd(&h, 4), nb = (uint32_t)rd(&h, 4), nc = (uint32_t)rd(&h, 4),
+             nf = (uint32_t)rd(&h, 4);
+    uint64_t payload = rd(&h, 8), sum = rd(&h, 8);
+    if (version != V4RT_TABLE_VERSION) {
+        v4rt_seterr("launch table: version %u, this runtime reads version %u", version, V4RT_TABLE_VERSION);
+        return V4RT_E_TABLE;
+    }
+    if (payload != table_len - 40) {
+        v4rt_seterr("launch table: %llu payload bytes, header says %llu (truncated or extended)",
+                    (unsigned long long)(table_len - 40), (unsigned long long)payload);
+        return V4RT_E_TABLE;
+    }
+    if (fnv1a(t + 40, payload) != sum) {
+        v4rt_seterr("launch table: checksum mismatch (the file was changed or damaged)");
+        return V4RT_E_TABLE;
+    }
+    if (nb > payload / 16 || nc > payload / 8 || nf > payload / 8) {
+        v4rt_seterr("launch table: section counts exceed the table size");
+        return V4RT_E_TABLE;
+    }
+    v4rt *rt = calloc(1, sizeof *rt);
+    if (!rt) {
+        v4rt_seterr("out of host memory");
+        return V4RT_E_OOM;
+    }
+    rt->n_buffers = nb;
+    rt->n_code = nc;
+    rt->n_functions = nf;
+    rt->table = malloc(table_len);
+    rt->buffers = calloc(nb ? nb : 1, sizeof(buf_t));
+    rt->modules = calloc(nc ? nc : 1, sizeof(void *));
+    rt->functions = calloc(nf ? nf : 1, sizeof(func_t));
+    const unsigned char **img = calloc(nc ? nc : 1, sizeof(*img));
+    uint64_t *isz = calloc(nc ? nc : 1, sizeof(*isz));
+    v4rt_status st = V4RT_OK;
+    if (!rt->table || !rt->buffers || !rt->modules || !rt->functions || !img || !isz) {
+        v4rt_seterr("out of host memory");
+        st = V4RT_E_OOM;
+        goto fail;
+    }
+    memcpy(rt->table, table, table_len);
+    if ((st = parse(rt, img, isz)) != V4RT_OK) goto fail;
+
+    int rc;
+    if (strcmp(driver, "host") == 0) {
+        if (!host_kernel) {
+            v4rt_seterr("the host driver needs a kernel callback");
+            st = V4RT_E_ARG;
+            goto fail;
+        }
+        rc = v4drv_host_open(&rt->drv, host_kernel, host_user);
+    } else if (strcmp(driver, "hip") == 0) {
+        rc = v4drv_hip_open(&rt->drv, driver_lib);
+    } else if (strcmp(driver, "cuda") == 0) {
+        rc = v4drv_cuda_open(&rt->drv, driver_lib);
+    } else {
+        v4rt_seterr("unknown driver '%s' (expected host, hip or cuda)", driver);
+        st = V4RT_E_ARG;
+        goto fail;
+    }
+    if (rc) {
+        st = V4RT_E_DRIVER;
+        goto fail;
+    }
+    rt->drv_open = 1;
+    for (uint32_t m = 0; m < nc; m++)
+        if (rt->drv.module_load(&rt->drv, img[m], isz[m], &rt->modules[m])) {
+            wrap_err("code object %u (%llu bytes) failed to load", m, (unsigned long long)isz[m]);
+            rt->modules[m] = NULL;
+            st = V4RT_E_MODULE;
+            goto fail;
+        }
+    for (uint32_t f = 0; f < nf; f++)
+        for (uint32_t c = 0; c < rt->functions[f].n_calls; c++) {
+            call_t *k = &rt->functions[f].calls[c];
+            for (uint32_t g = 0; g <= f && !k->fn; g++) /* one lookup per (code object, symbol) */
+                for (uint32_t d = 0; d < (g == f ? c : rt->functions[g].n_calls); d++) {
+                    call_t *e = &rt->functions[g].calls[d];
+                    if (e->code == k->code && strcmp(e->symbol, k->symbol) == 0) {
+                        k->fn = e->fn;
+                        break;
+                    }
+                }
+            if (!k->fn && rt->drv.get_function(&rt->drv, rt->modules[k->code], k->symbol, &k->fn)) {
+                wrap_err("kernel symbol '%s' not found in code object %u (function %u call %u)", k->symbol,
+                            k->code, f, c);
+                st = V4RT_E_SYMBOL;
+                goto fail;
+            }
+        }
+    for (uint32_t b = 0; b < nb; b++) {
+        buf_t *bf = &rt->buffers[b];
+        uint64_t n = bf->nbytes ? bf->nbytes : 1;
+        if (rt->drv.mem_alloc(&rt->drv, n, &bf->addr)) {
+            wrap_err("allocating buffer %u (%llu bytes) failed", b, (unsigned long long)n);
+            st = V4RT_E_OOM;
+            goto fail;
+        }
+        bf->allocated = 1;
+        rt->stats.bytes_allocated += n;
+        if (bf->align && bf->addr % bf->align) {
+            v4rt_seterr("buffer %u: the driver returned an address not aligned to %u bytes", b, bf->align);
+            st = V4RT_E_OOM;
+            goto fail;
+        }
+    }
+    for (uint32_t f = 0; f < nf; f++)
+        for (uint32_t c = 0; c < rt->functions[f].n_calls; c++) {
+            call_t *k = &rt->functions[f].calls[c];
+            for (uint32_t p = 0; p < k->n_params; p++)
+                k->param[p] = k->buffer[p] < 0 ? 0 : rt->buffers[k->buffer[p]].addr + k->offset[p];
+        }
+    free(img);
+    free(isz);
+    *out = rt;
+    return V4RT_OK;
+fail:
+    free(img);
+    free(isz);
+    release(rt);
+    return st;
+}
+
+void v4rt_close(v4rt *rt) {
+    if (rt) release(rt);
+}
+
+uint32_t v4rt_num_buffers(const v4rt *rt) { return rt ? rt->n_buffers : 0; }
+uint32_t v4rt_num_functions(const v4rt *rt) { return rt ? rt->n_functions : 0; }
+
+v4rt_status v4rt_buffer_info(const v4rt *rt, uint32_t buffer, uint64_t *address, uint64_t *nbytes) {
+    if (!rt || buffer >= rt->n_buffers) {
+        v4rt_seterr("buffer %u does not exist (%u buffers)", buffer, rt ? rt->n_buffers : 0);
+        return V4RT_E_ARG;
+    }
+    if (address) *address = rt->buffers[buffer].addr;
+    if (nbytes) *nbytes = rt->buffers[buffer].nbytes;
+    return V4RT_OK;
+}
+
+static v4rt_status check_range(const v4rt *rt, uint32_t buffer, uint64_t offset, uint64_t n, const char *what) {
+    if (!rt || buffer >= rt->n_buffers) {
+        v4rt_seterr("%s: buffer %u does not exist", what, buffer);
+        return V4RT_E_ARG;
+    }
+    uint64_t size = rt->buffers[buffer].nbytes;
+    if (offset > size || n > size - offset) {
+        v4rt_seterr("%s: bytes [%llu, %llu) outside buffer %u of %llu bytes", what, (unsigned long long)offset,
+                    (unsigned long long)(offset + n), buffer, (unsigned long long)size);
+        return V4RT_E_ARG;
+    }
+    return V4RT_OK;
+}
+
+v4rt_status v4rt_write(v4rt *rt, uint32_t buffer, uint64_t offset, const void *src, uint64_t nbytes) {
+    v4rt_status st = check_range(rt, buffer, offset, nbytes, "write");
+    if (st || !nbytes) return st;
+    return rt->drv.h2d(&rt->drv, rt->buffers[buffer].addr + offset, src, nbytes) ? V4RT_E_LAUNCH : V4RT_OK;
+}
+
+v4rt_status v4rt_read(v4rt *rt, uint32_t buffer, uint64_t offset, void *dst, uint64_t nbytes) {
+    v4rt_status st = check_range(rt, buffer, offset, nbytes, "read");
+    if (st || !nbytes) return st;
+    if (rt->drv.sync(&rt->drv)) return V4RT_E_LAUNCH;
+    return rt->drv.d2h(&rt->drv, dst, rt->buffers[buffer].addr + offset, nbytes) ? V4RT_E_LAUNCH : V4RT_OK;
+}
+
+static v4rt_status issue(v4rt *rt, uint32_t f) {
+    func_t *fn = &rt->functions[f];
+    for (uint32_t c = 0; c < fn->n_calls; c++) {
+        call_t *k = &fn->calls[c];
+        if (rt->drv.launch(&rt->drv, k->fn, k->grid, k->block, k->shared, k->n_params, k->param,
+                           ((uint64_t)f << 32) | c)) {
+            wrap_err("function %u call %u (%s): launch failed", f, c, k->symbol);
+            return V4RT_E_LAUNCH;
+        }
+    }
+    return V4RT_OK;
+}
+
+v4rt_status v4rt_run(v4rt *rt, uint32_t function, int graph) {
+    if (!rt || function >= rt->n_functions) {
+        v4rt_seterr("function %u does not exist (%u functions)", function, rt ? rt->n_functions : 0);
+        return V4RT_E_ARG;
+    }
+    func_t *fn = &rt->functions[function];
+    if (!graph) {
+        v4rt_status st = issue(rt, function);
+        if (st == V4RT_OK) rt->stats.launches += fn->n_calls;
+        return st;
+    }
+    if (!fn->graph) {
+        if (rt->drv.capture_begin(&rt->drv)) {
+            wrap_err("capturing function %u", function);
+            return V4RT_E_GRAPH;
+        }
+        v4rt_status st = issue(rt, function);
+        char why[sizeof g_err];
+        memcpy(why, g_err, sizeof why); /* the launch's error, before ending the capture reports its own */
+        void *g = NULL;
+        int rc = rt->drv.capture_end(&rt->drv, &g); /* always end the capture, even after a failed launch */
+        if (st) {
+            if (!rc && g) rt->drv.graph_destroy(&rt->drv, g);
+            memcpy(g_err, why, sizeof g_err);
+            wrap_err("capturing function %u", function);
+            return st;
+        }
+        if (rc) {
+            wrap_err("capturing function %u", function);
+            return V4RT_E_GRAPH;
+        }
+        fn->graph = g;
+        rt->stats.captures++;
+    }
+    if (rt->drv.graph_launch(&rt->drv, fn->graph)) {
+        wrap_err("replaying function %u", function);
+        return V4RT_E_GRAPH;
+    }
+    rt->stats.replays++;
+    return V4RT_OK;
+}
+
+v4rt_status v4rt_sync(v4rt *rt) {
+    if (!rt) {
+        v4rt_seterr("v4rt_sync: no runtime");
+        return V4RT_E_ARG;
+    }
+    return rt->drv.sync(&rt->drv) ? V4RT_E_LAUNCH : V4RT_OK;
+}
+
+v4rt_status v4rt_get_stats(const v4rt *rt, v4rt_stats *out) {
+    if (!rt || !out) {
+        v4rt_seterr("v4rt_get_stats: no runtime or output");
+        return V4RT_E_ARG;
+    }
+    *out = rt->stats;
+    return V4RT_OK;
+}

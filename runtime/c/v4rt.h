@@ -1,0 +1,75 @@
+/* v4rt: the v4compile C runtime ABI.
+ *
+ * One runtime handle runs one compiled program: it parses the launch table (buffers, code objects,
+ * functions = ordered kernel calls whose parameters are all pointers: buffer + byte offset), loads every
+ * code object once through a driver (hip, cuda, or host), allocates every buffer, and runs a function
+ * launch by launch or as a graph captured once per function and replayed after that.
+ *
+ * Every call returns a v4rt_status; on failure v4rt_last_error() (per thread) says what, where and why.
+ * The library never exits the process and has no link-time dependency on a GPU library: the driver's
+ * shared library is opened with dlopen.
+ */
+#ifndef V4RT_H
+#define V4RT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define V4RT_ABI_VERSION 1u
+#define V4RT_TABLE_VERSION 1u
+
+typedef struct v4rt v4rt;
+
+typedef enum {
+    V4RT_OK = 0,
+    V4RT_E_ARG = 1,     /* a bad argument to an ABI call (unknown buffer, out-of-range copy, ...) */
+    V4RT_E_ABI = 2,     /* the caller was built for another ABI version */
+    V4RT_E_TABLE = 3,   /* the launch table is malformed, from another version, or tampered with */
+    V4RT_E_DRIVER = 4,  /* the driver library cannot be opened or initialised */
+    V4RT_E_MODULE = 5,  /* a code object failed to load */
+    V4RT_E_SYMBOL = 6,  /* a kernel symbol is missing from its code object */
+    V4RT_E_OOM = 7,     /* a buffer allocation failed */
+    V4RT_E_LAUNCH = 8,  /* a kernel launch, copy or synchronisation failed */
+    V4RT_E_GRAPH = 9    /* stream capture, graph instantiation or replay failed */
+} v4rt_status;
+
+/* Host driver: every kernel call is handed to this callback with its function and call index and its
+ * pointer parameters (NULL for an absent optional). Return 0 on success. */
+typedef int (*v4rt_host_kernel)(void *user, uint32_t function, uint32_t call, uint32_t n_params,
+                                const uint64_t *params);
+
+/* Counters, for checks and reports. */
+typedef struct {
+    uint64_t launches;  /* kernel calls issued to the driver outside capture */
+    uint64_t captures;  /* graphs captured */
+    uint64_t replays;   /* graph launches */
+    uint64_t bytes_allocated;
+} v4rt_stats;
+
+uint32_t v4rt_abi_version(void);
+const char *v4rt_last_error(void);
+
+/* driver: "host", "hip" or "cuda"; driver_lib: the driver library path (NULL: the system's). */
+v4rt_status v4rt_open(uint32_t abi_version, const char *driver, const char *driver_lib, const void *table,
+                      size_t table_len, v4rt_host_kernel host_kernel, void *host_user, v4rt **out);
+void v4rt_close(v4rt *rt);
+
+uint32_t v4rt_num_buffers(const v4rt *rt);
+uint32_t v4rt_num_functions(const v4rt *rt);
+v4rt_status v4rt_buffer_info(const v4rt *rt, uint32_t buffer, uint64_t *address, uint64_t *nbytes);
+v4rt_status v4rt_write(v4rt *rt, uint32_t buffer, uint64_t offset, const void *src, uint64_t nbytes);
+v4rt_status v4rt_read(v4rt *rt, uint32_t buffer, uint64_t offset, void *dst, uint64_t nbytes);
+
+/* Run function `function`: graph = 0 launch by launch; graph = 1 as a graph (captured on first use). */
+v4rt_status v4rt_run(v4rt *rt, uint32_t function, int graph);
+v4rt_status v4rt_sync(v4rt *rt);
+v4rt_status v4rt_get_stats(const v4rt *rt, v4rt_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

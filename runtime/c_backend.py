@@ -1,0 +1,265 @@
+"""The C runtime from Python (ctypes): `CRuntime` runs a program's functions through libv4rt.
+
+* `device="host"`: buffers in host memory; each kernel call comes back to `_host_kernel` (a
+  `ctypes.CFUNCTYPE` callback) with its pointers. A placeholder call runs the op's reference
+  (`program.execute.run_launch`) on tensors viewing the C buffers at those pointers, so a wrong
+  pointer, offset or order in the C runtime gives wrong numbers; a real KernelCall runs its Triton
+  kernel the same way (under TRITON_INTERPRET=1).
+* `device="hip" | "cuda"`: the C runtime on a GPU (the driver library is dlopened; `driver_lib`
+  overrides its path, which is how the fake drivers of the tests are plugged in).
+Function runs are launch by launch (`graph=False`) or through a graph captured on first use and then
+replayed (`graph=True`): per-step inputs are re-uploaded into the same buffers before each replay.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+
+from v4compile.errors import DeviceError, InputError
+from v4compile.ir.types import BYTES, DTYPES
+from v4compile.program.core import Program
+from v4compile.program.execute import _typed, run_launch
+
+from .build import library
+from .schedule import Schedule, build_schedule
+
+log = logging.getLogger(__name__)
+
+ABI_VERSION = 1
+DEVICES = ("host", "hip", "cuda")
+STATUS = ("ok", "bad argument", "ABI version mismatch", "bad launch table", "driver unavailable",
+          "code object load failed", "kernel symbol missing", "out of memory", "launch failed", "graph failed")
+HOST_KERNEL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32,
+                               ctypes.POINTER(ctypes.c_uint64))
+# Triton pointer element type -> torch dtype (for running a KernelCall on the host buffers).
+TRITON_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                "fp8e4nv": torch.float8_e4m3fn, "u8": torch.uint8, "i8": torch.int8, "i32": torch.int32,
+                "i64": torch.int64, "i1": torch.bool}
+
+
+class Stats(ctypes.Structure):
+    _fields_ = [("launches", ctypes.c_uint64), ("captures", ctypes.c_uint64), ("replays", ctypes.c_uint64),
+                ("bytes_allocated", ctypes.c_uint64)]
+
+
+_LIBS: dict[str, ctypes.CDLL] = {}
+
+
+def load_library(path=None, sanitize: bool = False) -> ctypes.CDLL:
+    path = str(path or library(sanitize))
+    if path in _LIBS:
+        return _LIBS[path]
+    lib = ctypes.CDLL(path)
+    c = ctypes
+    lib.v4rt_abi_version.restype = c.c_uint32
+    lib.v4rt_last_error.restype = c.c_char_p
+    lib.v4rt_open.argtypes = [c.c_uint32, c.c_char_p, c.c_char_p, c.c_void_p, c.c_size_t, HOST_KERNEL, c.c_void_p,
+                              c.POINTER(c.c_void_p)]
+    lib.v4rt_close.argtypes = [c.c_void_p]
+    lib.v4rt_close.restype = None
+    lib.v4rt_buffer_info.argtypes = [c.c_void_p, c.c_uint32, c.POINTER(c.c_uint64), c.POINTER(c.c_uint64)]
+    lib.v4rt_write.argtypes = [c.c_void_p, c.c_uint32, c.c_uint64, c.c_void_p, c.c_uint64]
+    lib.v4rt_read.argtypes = [c.c_void_p, c.c_uint32, c.c_uint64, c.c_void_p, c.c_uint64]
+    lib.v4rt_run.argtypes = [c.c_void_p, c.c_uint32, c.c_int]
+    lib.v4rt_sync.argtypes = [c.c_void_p]
+    lib.v4rt_get_stats.argtypes = [c.c_void_p, c.POINTER(Stats)]
+    if lib.v4rt_abi_version() != ABI_VERSION:
+        raise DeviceError("the C runtime library has another ABI version", where=path, expected=ABI_VERSION,
+                          found=lib.v4rt_abi_version())
+    _LIBS[path] = lib
+    return lib
+
+
+class CRuntime:
+    """One program loaded in the C runtime: every buffer allocated, weights uploaded, pool / state zeroed."""
+
+    def __init__(self, program: Program, weights: Mapping[str, torch.Tensor], device: str = "host", *,
+                 driver_lib: str | None = None, kernel_calls: Callable | None = None,
+                 functions: list[str] | None = None, lib: ctypes.CDLL | None = None, abi: int = ABI_VERSION,
+                 table: Callable[[Schedule], bytes] | None = None, binaries: Callable | None = None):
+        if device not in DEVICES:
+            raise InputError(f"unknown device '{device}'", expected=", ".join(DEVICES))
+        self.program = program
+        self.device = device
+        self.lib = lib or load_library()
+        self.sched: Schedule = build_schedule(program, kernel_calls, functions, warp=64 if device == "hip" else 32,
+                                              binaries=binaries)
+        # `table`: how the schedule becomes the bytes handed to the C runtime (tests use fake code objects)
+        self.table = self.sched.to_bytes() if table is None else table(self.sched)
+        self.error: BaseException | None = None
+        self._cb = HOST_KERNEL(self._host_kernel)  # kept alive as long as the runtime
+        self.handle = ctypes.c_void_p()
+        rc = self.lib.v4rt_open(abi, device.encode(), driver_lib.encode() if driver_lib else None, self.table,
+                                len(self.table), self._cb, None, ctypes.byref(self.handle))
+        if rc:
+            self.handle = None
+            self._raise(rc, f"opening the C runtime ({device})")
+        try:
+            self.addr, self.views = [], {}
+            for i, key in enumerate(self.sched.buffer_names):
+                a, n = ctypes.c_uint64(), ctypes.c_uint64()
+                self._check(self.lib.v4rt_buffer_info(self.handle, i, ctypes.byref(a), ctypes.byref(n)), "buffer info")
+                self.addr.append(a.value)
+                if device == "host":  # tensors viewing the C memory (no copy): what the callback computes on
+                    raw = (ctypes.c_uint8 * max(n.value, 1)).from_address(a.value)
+                    self.views[key] = torch.frombuffer(raw, dtype=torch.uint8)[: n.value]
+            self._by_addr = sorted((a, i) for i, a in enumerate(self.addr))
+            for i, (key, kind) in enumerate(zip(self.sched.buffer_names, self.sched.buffer_kinds)):
+                if kind == "weight":
+                    if key not in weights:
+                        raise InputError(f"no tensor for weight @{key}")
+                    self.write(i, weights[key])
+                elif kind in ("pool", "state"):
+                    self.write(i, torch.zeros(self.sched.buffer_bytes[i], dtype=torch.uint8))
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- errors ----------------------------------------------------------------------------------
+    def _raise(self, rc: int, what: str):
+        if self.error is not None:  # the host callback failed: its exception is the cause
+            e, self.error = self.error, None
+            raise DeviceError(f"{what}: a host kernel failed: {e}") from e
+        msg = self.lib.v4rt_last_error().decode(errors="replace")
+        kind = STATUS[rc] if 0 <= rc < len(STATUS) else f"status {rc}"
+        raise DeviceError(f"{what}: {kind}: {msg}")
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc:
+            self._raise(rc, what)
+
+    # ---- buffers ---------------------------------------------------------------------------------
+    def write(self, buffer: int, t, offset: int = 0) -> None:
+        if isinstance(t, np.ndarray):
+            t = torch.from_numpy(np.ascontiguousarray(t))
+        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        self._check(self.lib.v4rt_write(self.handle, buffer, offset, b.data_ptr(), b.numel()),
+                    f"writing buffer {self.sched.buffer_names[buffer]}")
+
+    def read(self, buffer: int) -> torch.Tensor:
+        out = torch.empty(self.sched.buffer_bytes[buffer], dtype=torch.uint8)
+        self._check(self.lib.v4rt_read(self.handle, buffer, 0, out.data_ptr(), out.numel()),
+                    f"reading buffer {self.sched.buffer_names[buffer]}")
+        return out
+
+    def buffer(self, fname: str, name: str) -> torch.Tensor:
+        """A copy of a function's buffer as raw bytes (pool, state, arena, input, output ...)."""
+        return self.read(self.sched.buffer_index(fname, name))
+
+    def stats(self) -> dict[str, int]:
+        s = Stats()
+        self._check(self.lib.v4rt_get_stats(self.handle, ctypes.byref(s)), "stats")
+        return {k: getattr(s, k) for k, _ in Stats._fields_}
+
+    # ---- running ---------------------------------------------------------------------------------
+    def run(self, fname: str, inputs: Mapping[str, object], graph: bool = False) -> dict[str, torch.Tensor]:
+        """Upload the step inputs, run `fname`, return its `output` buffers (pool and state stay here)."""
+        if fname not in self.program.functions:
+            raise InputError(f"no function '{fname}'", expected=", ".join(self.program.functions))
+        f = self.program.functions[fname]
+        for b in f.buffers:
+            if b.kind != "input":
+                continue
+            if b.name not in inputs:
+                raise InputError(f"missing step input '{b.name}'", where=f"@{fname}")
+            t = inputs[b.name]
+            t = torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else torch.as_tensor(t)
+            if tuple(t.shape) != b.type.shape:
+                raise InputError(f"step input '{b.name}' has the wrong shape", where=f"@{fname}",
+                                 expected=list(b.type.shape), found=list(t.shape))
+            self.write(self.sched.buffer_index(fname, b.name), t.to(DTYPES[b.type.dtype]))
+        self._check(self.lib.v4rt_run(self.handle, self.sched.function_index(fname), 1 if graph else 0),
+                    f"running @{fname}")
+        out = {}
+        for n, a in f.outputs:
+            if f.buffer(a.buffer).kind == "output":
+                out[n] = _typed(self.buffer(fname, a.buffer), a).clone()
+        return out
+
+    def launch(self, fname: str, graph: bool = False) -> None:
+        """Run `fname` on the inputs already uploaded (no transfers; for timing)."""
+        self._check(self.lib.v4rt_run(self.handle, self.sched.function_index(fname), 1 if graph else 0),
+                    f"running @{fname}")
+
+    def sync(self) -> None:
+        self._check(self.lib.v4rt_sync(self.handle), "synchronising")
+
+    def _where(self, ptr: int) -> tuple[str, int]:
+        i = bisect.bisect_right(self._by_addr, (ptr, 1 << 62)) - 1
+        if i >= 0:
+            base, b = self._by_addr[i]
+            if ptr - base <= self.sched.buffer_bytes[b]:
+                return self.sched.buffer_names[b], ptr - base
+        raise DeviceError(f"kernel pointer {ptr:#x} lies in no buffer of the runtime")
+
+    def _host_kernel(self, _user, fidx: int, cidx: int, n: int, params) -> int:
+        try:
+            fs = self.sched.functions[fidx]
+            call = fs.calls[cidx]
+            if n != len(call.params):
+                raise DeviceError(f"call {cidx} of @{fs.name}: {n} parameters", expected=len(call.params))
+            places = [None if params[i] == 0 else self._where(params[i]) for i in range(n)]
+            launch = fs.program.launches[fs.launch_of[cidx]]
+            if call.kernel is None:
+                self._run_reference(launch, call, places)
+            else:
+                self._run_kernel(call, places)
+            return 0
+        except BaseException as e:  # never unwind through C
+            self.error = e
+            return 1
+
+    def _run_reference(self, launch, call, places) -> None:
+        """The op's reference on the values at the pointers the C runtime passed (types and strides from
+        the program: they are compile-time constants of the kernel)."""
+        at = {p.role: w for p, w in zip(call.params, places)}
+
+        def moved(kind, n, a):
+            w = at[f"{kind}:{n}"]
+            if a is None or w is None:
+                if (a is None) != (w is None):
+                    raise DeviceError(f"{launch.op}: '{n}' is {'NULL' if w is None else 'set'} in the call")
+                return a
+            return dataclasses.replace(a, buffer=w[0], offset=w[1])
+
+        l = dataclasses.replace(launch, operands=tuple((n, moved("operand", n, a)) for n, a in launch.operands),
+                                results=tuple((n, moved("result", n, a)) for n, a in launch.results))
+        run_launch(l, self.views)
+
+    def _run_kernel(self, call, places) -> None:
+        kc = call.kernel
+        kw = {}
+        for (param, _kind, _name, ty), w in zip(kc.pointers, places):
+            if w is None:
+                kw[param] = None
+                continue
+            dt = TRITON_TORCH[ty[1:]]
+            raw = self.views[w[0]][w[1]:]
+            size = torch.tensor([], dtype=dt).element_size()
+            kw[param] = raw[: raw.numel() // size * size].view(dt)
+        kc.fn[kc.grid](**kw, **kc.constexprs, num_warps=kc.num_warps, num_stages=kc.num_stages)
+
+    def close(self) -> None:
+        if getattr(self, "handle", None):
+            self.lib.v4rt_close(self.handle)
+            self.handle = None
+        self.views = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

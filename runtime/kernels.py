@@ -1,0 +1,97 @@
+"""Where a launch's kernel calls come from: the hook between the program and the Triton kernel families.
+
+A family `v4compile.codegen.kernels.<family>` that exposes `specialise(op, operands, results, attrs) ->
+[KernelCall]` (see /KERNELS.md, issue 9) gives the real kernels of each launch of that family: the
+schedule then launches its calls (pointer parameters only) and the host driver's callback runs each
+Triton kernel on the host buffers (under TRITON_INTERPRET=1). A family without `specialise` keeps the
+placeholder call (the op's reference in the callback).
+
+`kernels` knob (recorded by the caller): "reference" (always the placeholder), "auto" (a family's kernels
+where `specialise` exists).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from v4compile.ir.types import TensorType
+from v4compile.program.core import Arg, Launch
+
+log = logging.getLogger(__name__)
+
+KERNEL_MODES = ("auto", "reference")
+
+
+@dataclass(frozen=True)
+class _TensorArg:
+    """Stand-in with the fields of codegen.kernels.TensorArg (used only when that package is absent)."""
+    type: TensorType
+    strides: tuple[int, ...]
+    align: int = 16
+
+
+def tensor_arg(a: Arg):
+    try:
+        from v4compile.codegen.kernels import TensorArg
+    except ImportError:
+        TensorArg = _TensorArg
+    align = 16 if a.offset % 16 == 0 else (a.offset & -a.offset)
+    return TensorArg(a.type, tuple(a.strides), align)
+
+
+def family_specialise(family: str) -> Callable | None:
+    try:
+        mod = importlib.import_module(f"v4compile.codegen.kernels.{family}")
+    except ImportError:
+        return None
+    return getattr(mod, "specialise", None)
+
+
+def make_kernel_calls(resolve: Callable[[str], Callable | None] = family_specialise) -> Callable:
+    """launch -> [KernelCall] from its family's `specialise`, or None (placeholder)."""
+    def calls(l: Launch):
+        spec = resolve(l.kernel) if l.kernel else None
+        if spec is None:
+            return None
+        operands = {n: (None if a is None else tensor_arg(a)) for n, a in l.operands}
+        results = {n: tensor_arg(a) for n, a in l.results}
+        return spec(l.op, operands, results, dict(l.attrs))
+    return calls
+
+
+def kernel_calls_for(mode: str, device: str) -> Callable | None:
+    if mode not in KERNEL_MODES:
+        from v4compile.errors import InputError
+        raise InputError(f"unknown kernels mode '{mode}'", expected=", ".join(KERNEL_MODES))
+    if mode == "reference":
+        return None
+    if device == "host":  # Triton kernels run on the host buffers through the interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return make_kernel_calls()
+
+
+GPU_TARGET = {"cuda": "sm_90a", "hip": "gfx950"}
+
+
+def aot_binaries(device: str, out_dir) -> Callable:
+    """[KernelCall] -> {name: (binary, sidecar)} compiled by `codegen.aot.compile_calls` for the device's
+    target (cached there by specialisation). Today at load time; an artifact's GPU target will carry them."""
+    import json
+    from pathlib import Path
+
+    target = GPU_TARGET[device]
+
+    def get(kcs) -> dict:
+        from v4compile.codegen.aot import compile_calls
+
+        compile_calls(kcs, [target], out_dir)
+        out = {}
+        for kc in kcs:
+            side = json.loads((Path(out_dir) / target / f"{kc.name}.json").read_text())
+            out[kc.name] = ((Path(out_dir) / target / side["binary"]).read_bytes(), side)
+        return out
+    return get

@@ -1,0 +1,210 @@
+"""The launch schedule of a program: what the C runtime (runtime/c) reads, as one binary table.
+
+A table rather than generated C source: the C core is compiled once (cached by its source hash) and reads
+any artifact's table, so loading an artifact never needs a compiler, and the table is plain data the
+runtime checks (magic, version, sizes, every index and offset, an FNV-1a checksum against tampering).
+
+* Buffers are program-wide: one `arena` (the largest function's), one `scratch` region (the largest
+  launch's kernel scratch), and pool planes, state and weights shared by name; step inputs and outputs
+  are per function (`<function>/<name>`), since their shapes differ between buckets.
+* A launch becomes one or more KERNEL CALLS (code object, symbol, grid, block, shared bytes, pointer
+  parameters = buffer + byte offset). When a family provides `specialise` (see `kernels.py`), its
+  KernelCalls are the calls; otherwise (until the family lands) one placeholder call per launch whose
+  parameters are the launch's operands then results in signature order (absent optionals: NULL), run
+  by the host driver's callback with the op's reference.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from v4compile.errors import IRError
+from v4compile.program.core import Arg, FunctionProgram, Launch, Program
+
+MAGIC = b"V4RTTBL1"
+TABLE_VERSION = 1
+KIND_CODE = {"arena": 0, "input": 1, "pool": 2, "state": 3, "weight": 4, "output": 5, "scratch": 6}
+PER_FUNCTION = ("input", "output")
+HOST_CODE_OBJECT = b"v4rt host placeholder code object\0"  # host kernels run in the callback
+
+
+def fnv1a64(data: bytes) -> int:
+    h = 1469598103934665603
+    for b in data:
+        h = ((h ^ b) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+@dataclass(frozen=True)
+class Param:
+    buffer: int  # -1: NULL (an absent optional)
+    offset: int
+    role: str = ""  # "operand:x", "result:y", "scratch:s" (what it is, for the host callback and checks)
+
+
+@dataclass(frozen=True)
+class Call:
+    code: int
+    symbol: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared: int
+    params: tuple[Param, ...]
+    kernel: Any = None  # the KernelCall it came from (None: placeholder running the op's reference)
+
+
+@dataclass
+class FunctionSchedule:
+    name: str
+    program: FunctionProgram
+    calls: list[Call]
+    launch_of: list[int]  # call index -> launch index
+
+
+@dataclass
+class Schedule:
+    buffer_names: list[str]
+    buffer_kinds: list[str]
+    buffer_bytes: list[int]
+    buffer_align: list[int]
+    code_objects: list[bytes]
+    functions: list[FunctionSchedule]
+    index: dict[str, int] = field(default_factory=dict)
+
+    def buffer_index(self, fname: str, name: str) -> int:
+        key = f"{fname}/{name}" if f"{fname}/{name}" in self.index else name
+        return self.index[key]
+
+    def function_index(self, fname: str) -> int:
+        for i, f in enumerate(self.functions):
+            if f.name == fname:
+                return i
+        raise KeyError(fname)
+
+    def to_bytes(self) -> bytes:
+        out = bytearray()
+        for n, a, k in zip(self.buffer_bytes, self.buffer_align, self.buffer_kinds):
+            out += struct.pack("<QII", n, a, KIND_CODE[k])
+        for img in self.code_objects:
+            out += struct.pack("<Q", len(img)) + img + b"\0" * (-len(img) % 8)
+        for f in self.functions:
+            out += struct.pack("<II", len(f.calls), 0)
+            for c in f.calls:
+                sym = c.symbol.encode()
+                out += struct.pack("<II3I3III", c.code, len(sym), *c.grid, *c.block, c.shared, len(c.params))
+                out += sym + b"\0" * (8 - len(sym) % 8)  # NUL-terminated, padded to 8
+                for p in c.params:
+                    out += struct.pack("<qQ", p.buffer, p.offset)
+        header = MAGIC + struct.pack("<IIIIQQ", TABLE_VERSION, len(self.buffer_names), len(self.code_objects),
+                                     len(self.functions), len(out), fnv1a64(bytes(out)))
+        return header + bytes(out)
+
+
+def _placeholder(l: Launch, slot, code: int) -> Call:
+    params = [Param(-1, 0, f"operand:{n}") if a is None else Param(*slot(a), f"operand:{n}") for n, a in l.operands]
+    params += [Param(*slot(a), f"result:{n}") for n, a in l.results]
+    return Call(code, l.specialisation, (1, 1, 1), (1, 1, 1), 0, tuple(params))
+
+
+def build_schedule(p: Program, kernel_calls=None, functions: list[str] | None = None, warp: int = 32,
+                   binaries=None) -> Schedule:
+    """`kernel_calls(launch) -> list[KernelCall] | None` (see kernels.py): the real kernels of a launch
+    where its family has them. `warp`: threads per warp of the target (32 CUDA, 64 AMD).
+    `binaries([KernelCall]) -> {name: (code object bytes, sidecar)}` (a GPU target; see kernels.py): each
+    kernel then gets its own code object, its compiled symbol, block and shared bytes from the sidecar, and
+    Triton's trailing scratch pointers (global, profile): a per-program scratch region, or NULL."""
+    names = list(functions or p.functions)
+    plan = {fname: [(l, kernel_calls(l) if kernel_calls is not None else None) for l in p.functions[fname].launches]
+            for fname in names}
+    bins = {}
+    if binaries is not None:
+        todo = {kc.name: kc for pl in plan.values() for _, kcs in pl for kc in (kcs or ())}
+        bins = binaries(list(todo.values()))
+    bnames, kinds, sizes, aligns, index = [], [], [], [], {}
+
+    def add(key: str, kind: str, nbytes: int, align: int) -> None:
+        if key in index:
+            i = index[key]
+            if kind in ("arena", "scratch"):
+                sizes[i] = max(sizes[i], nbytes)
+                aligns[i] = max(aligns[i], align)
+            elif (kinds[i], sizes[i]) != (kind, nbytes):
+                raise IRError(f"buffer %{key} differs between functions", expected=(kinds[i], sizes[i]),
+                              found=(kind, nbytes))
+            return
+        index[key] = len(bnames)
+        bnames.append(key)
+        kinds.append(kind)
+        sizes.append(nbytes)
+        aligns.append(align)
+
+    add("scratch", "scratch", 0, 256)
+    for fname in names:
+        for b in p.functions[fname].buffers:
+            add(f"{fname}/{b.name}" if b.kind in PER_FUNCTION else b.name, b.kind, b.nbytes, b.align)
+    sched = Schedule(bnames, kinds, sizes, aligns, [], [], index)
+    code_of: dict[str, int] = {}
+
+    def host_code() -> int:  # the placeholder object, present only if some call runs in the host callback
+        if "" not in code_of:
+            code_of[""] = len(sched.code_objects)
+            sched.code_objects.append(HOST_CODE_OBJECT)
+        return code_of[""]
+    for fname in names:
+        f = p.functions[fname]
+
+        def slot(a: Arg, fname=fname) -> tuple[int, int]:
+            return sched.buffer_index(fname, a.buffer), a.offset
+
+        calls, launch_of = [], []
+        for li, (l, kcs) in enumerate(plan[fname]):
+            if kcs is None:
+                calls.append(_placeholder(l, slot, host_code()))
+                launch_of.append(li)
+                continue
+            scratch_at, top = {}, 0
+
+            def region(key: str, n: int) -> None:
+                nonlocal top
+                if key not in scratch_at:
+                    scratch_at[key] = top
+                    top += (max(n, 16) + 255) // 256 * 256
+
+            for k, kc in enumerate(kcs):
+                for name, n in kc.scratch_bytes.items():
+                    region(name, n)
+                for tp in (bins[kc.name][1]["params"] if kc.name in bins else ()):
+                    if tp.get("kind") == "triton_scratch" and tp["size_per_program"]:
+                        region(f"{k}:{tp['name']}", tp["size_per_program"] * kc.grid[0] * kc.grid[1] * kc.grid[2])
+            sizes[index["scratch"]] = max(sizes[index["scratch"]], top)
+            ops, res = dict(l.operands), dict(l.results)
+            for k, kc in enumerate(kcs):
+                if 0 in kc.grid:
+                    continue  # nothing to do for this shape
+                params = []
+                for param, kind, name, _ty in kc.pointers:
+                    if kind == "scratch":
+                        params.append(Param(index["scratch"], scratch_at[name], f"scratch:{name}"))
+                        continue
+                    a = (ops if kind == "operand" else res).get(name)
+                    params.append(Param(-1, 0, f"{kind}:{name}") if a is None else Param(*slot(a), f"{kind}:{name}"))
+                if kc.name not in bins:
+                    calls.append(Call(host_code(), kc.name, tuple(kc.grid), (kc.num_warps * warp, 1, 1), 0, tuple(params),
+                                      kc))
+                else:
+                    image, side = bins[kc.name]
+                    if kc.name not in code_of:
+                        code_of[kc.name] = len(sched.code_objects)
+                        sched.code_objects.append(image)
+                    for tp in side["params"]:
+                        if tp.get("kind") == "triton_scratch":
+                            key = f"{k}:{tp['name']}"
+                            params.append(Param(index["scratch"], scratch_at[key], f"scratch:{tp['name']}")
+                                          if key in scratch_at else Param(-1, 0, f"scratch:{tp['name']}"))
+                    calls.append(Call(code_of[kc.name], side["symbol"], tuple(kc.grid), tuple(side["block"]),
+                                      int(side["shared_bytes"]), tuple(params), kc))
+                launch_of.append(li)
+        sched.functions.append(FunctionSchedule(fname, f, calls, launch_of))
+    return sched

@@ -1,0 +1,99 @@
+/* Drives the C runtime through success and failure paths for AddressSanitizer / LeakSanitizer:
+ *   asan_main TABLE FAKE_TABLE FAKE_CUDA_LIB FAKE_HIP_LIB
+ * TABLE is a host table; FAKE_TABLE the same with fake code objects. Exits non-zero on any surprise. */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "v4rt.h"
+
+static long g_calls;
+static int count(void *u, uint32_t f, uint32_t c, uint32_t n, const uint64_t *p) {
+    (void)u; (void)f; (void)c; (void)n; (void)p;
+    g_calls++;
+    return 0;
+}
+static int failing(void *u, uint32_t f, uint32_t c, uint32_t n, const uint64_t *p) {
+    (void)u; (void)f; (void)n; (void)p;
+    return c == 3;
+}
+
+static unsigned char *slurp(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    *n = (size_t)ftell(f);
+    fseek(f, 0, SEEK_SET);
+    unsigned char *b = malloc(*n);
+    if (fread(b, 1, *n, f) != *n) *n = 0;
+    fclose(f);
+    return b;
+}
+
+#define EXPECT(cond, what)                          \
+    do {                                            \
+        if (!(cond)) {                              \
+            fprintf(stderr, "FAILED: %s (%s)\n", what, v4rt_last_error()); \
+            return 1;                               \
+        }                                           \
+    } while (0)
+
+static int run_all(v4rt *rt) {
+    for (uint32_t f = 0; f < v4rt_num_functions(rt); f++) {
+        EXPECT(v4rt_run(rt, f, 0) == V4RT_OK, "eager run");
+        EXPECT(v4rt_run(rt, f, 1) == V4RT_OK, "capture + replay");
+        EXPECT(v4rt_run(rt, f, 1) == V4RT_OK, "replay");
+    }
+    unsigned char buf[64];
+    EXPECT(v4rt_write(rt, 0, 0, buf, 0) == V4RT_OK, "empty write");
+    EXPECT(v4rt_read(rt, 9999, 0, buf, 1) == V4RT_E_ARG, "read of a bad buffer");
+    EXPECT(v4rt_run(rt, 9999, 0) == V4RT_E_ARG, "run of a bad function");
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc != 5) return 2;
+    size_t n, nf;
+    unsigned char *t = slurp(argv[1], &n), *ft = slurp(argv[2], &nf);
+    EXPECT(t && ft && n && nf, "reading the tables");
+    v4rt *rt = NULL;
+    EXPECT(v4rt_open(V4RT_ABI_VERSION, "host", NULL, t, n, count, NULL, &rt) == V4RT_OK, "host open");
+    if (run_all(rt)) return 1;
+    v4rt_close(rt);
+    EXPECT(v4rt_open(V4RT_ABI_VERSION, "host", NULL, t, n, failing, NULL, &rt) == V4RT_OK, "host open 2");
+    EXPECT(v4rt_run(rt, 0, 1) == V4RT_E_GRAPH, "a failing kernel in a replay (capture only records)");
+    EXPECT(v4rt_run(rt, 0, 0) == V4RT_E_LAUNCH, "a failing kernel");
+    v4rt_close(rt);
+    EXPECT(v4rt_open(V4RT_ABI_VERSION + 1, "host", NULL, t, n, count, NULL, &rt) == V4RT_E_ABI && !rt, "abi");
+    t[n / 2] ^= 1;
+    EXPECT(v4rt_open(V4RT_ABI_VERSION, "host", NULL, t, n, count, NULL, &rt) == V4RT_E_TABLE, "tampered");
+    t[n / 2] ^= 1;
+    EXPECT(v4rt_open(V4RT_ABI_VERSION, "host", NULL, t, n - 8, count, NULL, &rt) == V4RT_E_TABLE, "truncated");
+    for (int d = 0; d < 2; d++) {
+        const char *drv = d ? "hip" : "cuda", *lib = argv[3 + d];
+        void *h = dlopen(lib, RTLD_NOW);
+        EXPECT(h, "dlopen fake");
+        void (*fail)(const char *, long) = (void (*)(const char *, long))dlsym(h, "fake_fail");
+        void (*counts)(long *) = (void (*)(long *))dlsym(h, "fake_counts");
+        void (*reset)(void) = (void (*)(void))dlsym(h, "fake_reset");
+        long c[11];
+        reset();
+        EXPECT(v4rt_open(V4RT_ABI_VERSION, drv, lib, ft, nf, NULL, NULL, &rt) == V4RT_OK, "fake open");
+        if (run_all(rt)) return 1;
+        v4rt_close(rt);
+        EXPECT(v4rt_open(V4RT_ABI_VERSION, drv, lib, t, n, NULL, NULL, &rt) == V4RT_E_MODULE, "bad image");
+        reset();
+        fail("alloc", 3);
+        EXPECT(v4rt_open(V4RT_ABI_VERSION, drv, lib, ft, nf, NULL, NULL, &rt) == V4RT_E_OOM, "oom");
+        counts(c);
+        EXPECT(c[2] == 0 && c[8] == 0 && c[3] == c[4], "nothing leaked after oom");
+        EXPECT(v4rt_open(V4RT_ABI_VERSION, drv, "/nonexistent/libfake.so", ft, nf, NULL, NULL, &rt) == V4RT_E_DRIVER,
+               "missing driver");
+        dlclose(h);
+    }
+    free(t);
+    free(ft);
+    printf("asan_main: ok (%ld host kernel calls)\n", g_calls);
+    return 0;
+}

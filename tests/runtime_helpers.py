@@ -1,0 +1,103 @@
+"""Shared set-up of the C runtime tests: a small lowered tiny program, its weights, the fake drivers."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+from conftest import dense_weights
+from v4compile.config import preset
+from v4compile.harness import DenseSource, load_ir_weights
+from v4compile.passes import DEFAULT_PIPELINE, PassManager, PipelineOptions
+from v4compile.program.build import build_program
+from v4compile.program.verify import verify_program
+from v4compile.runtime.build import SOURCE_DIR, cache_dir, compile_shared
+from v4compile.trace import TraceOptions, trace
+
+FAKE_DIR = Path(__file__).parent / "fake_driver"
+
+
+@functools.lru_cache(maxsize=None)
+def tiny(decode_batch: int = 3, batch: int = 3, chunk: int = 16, capacity: int = 64):
+    m = trace(preset("tiny"), TraceOptions(numerics="hf", batch=batch, chunk=chunk, decode_batch=decode_batch,
+                                           capacity=capacity))
+    m = PassManager(DEFAULT_PIPELINE, PipelineOptions()).run(m).module
+    return m, verify_program(build_program(m)), load_ir_weights(m, DenseSource(dense_weights("tiny")))
+
+
+def _build(name: str, flags: tuple[str, ...], sources: list[Path]) -> Path:
+    import hashlib
+
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(sources) + sorted(SOURCE_DIR.glob("*.[ch]")))
+                       + " ".join(flags).encode()).hexdigest()[:16]
+    out = cache_dir() / "tests" / h / name
+    if not out.is_file():
+        import os
+        import tempfile
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")  # xdist workers may build it at once
+        os.close(fd)
+        try:
+            compile_shared(sources, Path(tmp), flags, libs=("-ldl",), include=SOURCE_DIR)
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return out
+
+
+def fake_driver(kind: str) -> Path:
+    """The fake libcuda / libamdhip64 (kind "cuda" / "hip"), built once per source hash."""
+    return _build(f"libfake_{kind}.so", ("-std=c11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared",
+                                         f"-DFAKE_{kind.upper()}"), [FAKE_DIR / "fake_driver.c"])
+
+
+class Fake:
+    """The fake driver's record, read through ctypes (same library instance the runtime dlopens)."""
+
+    def __init__(self, kind: str):
+        self.path = str(fake_driver(kind))
+        self.lib = ctypes.CDLL(self.path)
+        self.lib.fake_fail.argtypes = [ctypes.c_char_p, ctypes.c_long]
+        self.lib.fake_launch.argtypes = [ctypes.c_long, ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint32),
+                                         ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int)]
+        self.lib.fake_reset()
+
+    def counts(self) -> dict[str, int]:
+        c = (ctypes.c_long * 11)()
+        self.lib.fake_counts(c)
+        names = ("allocs", "frees", "live", "loads", "unloads", "captures", "graph_launches", "logged", "streams",
+                 "graphs", "execs")
+        return dict(zip(names, c))
+
+    def log(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...], bool]]:
+        out = []
+        name = ctypes.create_string_buffer(200)
+        geom = (ctypes.c_uint32 * 7)()
+        args = (ctypes.c_uint64 * 64)()
+        rep = ctypes.c_int()
+        for i in range(self.counts()["logged"]):
+            n = self.lib.fake_launch(i, name, geom, args, ctypes.byref(rep))
+            out.append((name.value.decode(), tuple(geom), tuple(args[:n]), bool(rep.value)))
+        return out
+
+
+def fake_code_object(sched, drop: str | None = None) -> bytes:
+    """The fake driver's code object for a schedule: every symbol with its parameter count."""
+    syms = {}
+    for f in sched.functions:
+        for c in f.calls:
+            syms[c.symbol] = len(c.params)
+    return ("FAKE\n" + "".join(f"{s} {n}\n" for s, n in sorted(syms.items()) if s != drop)).encode() + b"\0"
+
+
+def fake_table(drop: str | None = None, tamper: bool = False):
+    def make(sched) -> bytes:
+        sched.code_objects = [fake_code_object(sched, drop)]
+        t = bytearray(sched.to_bytes())
+        if tamper:
+            t[len(t) // 2] ^= 0x10
+        return bytes(t)
+    return make

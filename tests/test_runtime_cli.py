@@ -1,0 +1,46 @@
+"""`v4compile compile -o` then `v4compile run --device host` (the issue's done-when) and the clear error of
+a GPU device without kernels. In-process (`cli.main`): the subprocess start-up dominates otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from v4compile.cli import main
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "tiny"
+    assert main(["compile", "--preset", "tiny", "-o", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.slow
+def test_compile_then_run_on_host_prints_the_reference_ids(art, capsys):
+    capsys.readouterr()
+    assert main(["run", str(art), "--ids", "1,2,3", "--max-new-tokens", "8", "--device", "host"]) == 0
+    ran = capsys.readouterr()
+    assert main(["generate", "--preset", "tiny", "--ids", "1,2,3", "--max-new-tokens", "8"]) == 0
+    ref = capsys.readouterr().out.strip()
+    assert ran.out.strip() == ref and len(ref.split(",")) == 8
+    assert "on host" in ran.err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cuda", "hip"])
+def test_a_gpu_device_that_cannot_run_is_one_clear_error(art, device, capsys):
+    """No GPU here: either a family still lacks kernels, or (all kernels compiled by codegen.aot) the driver
+    library cannot be opened; either way one error line and exit status 2."""
+    capsys.readouterr()
+    assert main(["run", str(art), "--ids", "1,2,3", "--max-new-tokens", "2", "--device", device]) == 2
+    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+    assert len(err) == 1
+    assert (f"device '{device}' needs compiled kernels" in err[0] or "cannot open the driver library" in err[0]), err

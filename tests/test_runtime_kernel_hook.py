@@ -1,0 +1,138 @@
+"""The kernel-family hook: where a family has `specialise`, its KernelCalls replace the placeholder call,
+the launch table carries their name, grid, block (num_warps x warp) and pointers, and the host driver runs
+the Triton kernel on the C buffers under TRITON_INTERPRET=1. Uses a fake `embed` family (the real
+families are written in parallel, issue 9); a wrong fake kernel is caught by the same comparison."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dataclasses import dataclass, field  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from runtime_helpers import Fake, fake_table, tiny  # noqa: E402
+from test_runtime_host import PROMPTS, _compare, _poison, _steps  # noqa: E402
+from v4compile.program.execute import Buffers, execute  # noqa: E402
+from v4compile.runtime.c_backend import CRuntime  # noqa: E402
+from v4compile.runtime.kernels import make_kernel_calls  # noqa: E402
+
+
+@triton.jit
+def _embed_rows(ids, table, out, D: tl.constexpr, ROW: tl.constexpr, SHIFT: tl.constexpr):
+    r = tl.program_id(0)
+    i = tl.maximum(tl.load(ids + r), 0) + SHIFT
+    cols = tl.arange(0, D)
+    tl.store(out + r * ROW + cols, tl.load(table + i * D + cols))
+
+
+@dataclass
+class FakeCall:  # the fields of codegen.kernels.KernelCall the runtime reads
+    name: str
+    fn: Any
+    constexprs: dict
+    pointers: list
+    grid: tuple
+    num_warps: int = 2
+    num_stages: int = 1
+    scratch_bytes: dict = field(default_factory=dict)
+
+
+def fake_embed(shift: int = 0):
+    def specialise(op, operands, results, attrs):
+        assert op == "embed"
+        ids, table, x = operands["ids"], operands["table"], results["x"]
+        n = 1
+        for d in ids.type.shape:
+            n *= d
+        D = table.type.shape[1]
+        return [FakeCall(f"fake_embed_n{n}_d{D}_s{shift}", _embed_rows, {"D": D, "ROW": x.strides[-2], "SHIFT": shift},
+                         [("ids", "operand", "ids", "*i64"), ("table", "operand", "table", "*fp32"),
+                          ("out", "result", "x", "*fp32")], (n, 1, 1))]
+    return lambda family: specialise if family == "embed" else None
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_a_family_kernel_replaces_the_placeholder_and_runs_interpreted(shift):
+    m, prog, w = tiny()
+    rt = CRuntime(prog, w, "host", kernel_calls=make_kernel_calls(fake_embed(shift)))
+    f = rt.sched.functions[rt.sched.function_index("prefill")]
+    kinds = [(f.program.launches[f.launch_of[i]].op, c.kernel is not None) for i, c in enumerate(f.calls)]
+    assert kinds[0] == ("embed", True) and all(not k for op, k in kinds if op != "embed")
+    assert f.calls[0].grid == (48, 1, 1) and f.calls[0].block == (64, 1, 1)
+    bufs = Buffers()
+    fname, inputs = next(_steps(m, PROMPTS, 0))
+    state = {b.name: torch.zeros(b.type.shape) for b in prog.functions[fname].buffers if b.kind in ("pool", "state")}
+    execute(prog.functions[fname], bufs, {**inputs, **state}, w)
+    _poison(rt, fname)
+    rt.run(fname, inputs)
+    bad = _compare(rt, bufs, fname)
+    if shift == 0:
+        assert bad == []  # a row copy: bit-exact
+    else:
+        assert "logits" in bad  # the wrong kernel (rows shifted by one) is caught
+    rt.close()
+
+
+def test_the_table_carries_the_kernel_call_to_the_driver():
+    m, prog, w = tiny()
+    fake = Fake("cuda")
+    rt = CRuntime(prog, w, "cuda", driver_lib=fake.path, table=fake_table(),
+                  kernel_calls=make_kernel_calls(fake_embed()))
+    rt.run("decode", {b.name: torch.zeros(b.type.shape, dtype=torch.long) for b in prog.functions["decode"].buffers
+                      if b.kind == "input"})
+    name, geom, args, _ = fake.log()[0]
+    l = prog.functions["decode"].launches[0]
+    assert name == "fake_embed_n3_d64_s0" and geom == (3, 1, 1, 64, 1, 1, 0)
+    idx = rt.sched.buffer_index
+    assert args == (rt.addr[idx("decode", "ids")], rt.addr[idx("decode", "embed.weight")],
+                    rt.addr[idx("decode", "arena")] + l.results[0][1].offset)
+    rt.close()
+
+
+def test_compiled_kernels_get_their_own_code_object_symbol_block_shared_and_triton_scratch():
+    """With binaries (a GPU target: cubin / hsaco + sidecar from codegen.aot), a kernel call launches the
+    compiled symbol from its own code object, with the sidecar's block and shared bytes and Triton's two
+    trailing scratch pointers (a per-program region of the scratch buffer, or NULL when it needs none)."""
+    from v4compile.runtime.schedule import HOST_CODE_OBJECT
+    from runtime_helpers import fake_code_object
+
+    m, prog, w = tiny()
+    fake = Fake("cuda")
+    sidecar = {"symbol": "embed_kernel_0d1d2d", "block": [128, 1, 1], "shared_bytes": 4096,
+               "params": [{"name": "ids"}, {"name": "table"}, {"name": "out"},
+                          {"name": "global_scratch", "kind": "triton_scratch", "size_per_program": 32},
+                          {"name": "profile_scratch", "kind": "triton_scratch", "size_per_program": 0}]}
+
+    def binaries(kcs):
+        return {kc.name: (b"FAKE\nembed_kernel_0d1d2d 5\n\0", sidecar) for kc in kcs}
+
+    def table(sched):  # the placeholder object becomes a fake one holding the placeholder symbols
+        sched.code_objects = [fake_code_object(sched) if c == HOST_CODE_OBJECT else c for c in sched.code_objects]
+        return sched.to_bytes()
+
+    rt = CRuntime(prog, w, "cuda", driver_lib=fake.path, table=table, kernel_calls=make_kernel_calls(fake_embed()),
+                  binaries=binaries)
+    assert fake.counts()["loads"] == len(rt.sched.code_objects) == 3  # placeholders + the two embed shapes
+    rt.run("decode", {b.name: torch.zeros(b.type.shape, dtype=torch.long) for b in prog.functions["decode"].buffers
+                      if b.kind == "input"})
+    name, geom, args, _ = fake.log()[0]
+    assert name == "embed_kernel_0d1d2d" and geom == (3, 1, 1, 128, 1, 1, 4096)
+    scratch = rt.addr[rt.sched.buffer_index("decode", "scratch")]
+    assert len(args) == 5 and scratch <= args[3] < scratch + rt.sched.buffer_bytes[0] and args[4] == 0
+    assert rt.sched.buffer_bytes[rt.sched.buffer_index("decode", "scratch")] >= 3 * 32
+    rt.close()
