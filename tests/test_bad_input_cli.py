@@ -168,17 +168,21 @@ def test_compile_output_is_atomic_and_force_replaces(tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
     (out / "old").write_text("old")
-    rc, _, err = run_main("compile", "--weights", "none", "-o", str(out), "--force")
+    rc, _, err = run_main("compile", "-o", str(out), "--force", "--decode-buckets", "1", "--prefill-buckets", "16")
     assert rc == 0, err
-    assert sorted(p.name for p in out.iterdir()) == ["module.ir", "report.json"]
+    names = sorted(p.name for p in out.iterdir())
+    assert "old" not in names and {"manifest.json", "module.ir", "report.json"} <= set(names)
     # a failure while writing leaves nothing behind, not even a temporary directory
     import v4compile.report as report
 
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
 
+    import v4compile.artifact as artifact
+
     monkeypatch.setattr(report, "build_report", boom)
-    rc, _, err = run_main("compile", "--weights", "none", "-o", str(tmp_path / "new"))
+    monkeypatch.setattr(artifact, "write_weights", boom)
+    rc, _, err = run_main("compile", "-o", str(tmp_path / "new"), "--decode-buckets", "1", "--prefill-buckets", "16")
     assert_one_error(rc, err, "No space left")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 

@@ -127,7 +127,8 @@ def test_bisect_finds_the_pass_and_the_op(traced, check, op, index):
     d = bisect(traced, pipeline, check)
     assert d is not None and d.pass_index == 3 and d.pass_name.startswith("testing-corrupt")
     corrupted = [o for o in traced.functions["prefill"].ops if o.name == op][index]
-    assert d.op_name == op and d.op_result == corrupted.results[0].name and d.op_loc == corrupted.loc
+    o = d.op("prefill")
+    assert o is not None and o.op_name == op and o.op_result == corrupted.results[0].name and o.op_loc == corrupted.loc
     assert bisect(traced, ["cse", "dce"], check) is None
 
 

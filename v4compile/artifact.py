@@ -97,7 +97,9 @@ def trace_buckets(cfg, options, buckets: Buckets) -> Module:
             attrs = attrs or m.attrs
     attrs = {**attrs, "decode_buckets": tuple(buckets.decode), "prefill_buckets": tuple(buckets.prefill),
              "batch": 1, "decode_batch": max(buckets.decode)}
-    return Module(cfg.name, dict(sorted(weights.items())), fns, attrs)
+    from .trace import module_name
+
+    return Module(module_name(cfg.name), dict(sorted(weights.items())), fns, attrs)
 
 
 # ---- weights ------------------------------------------------------------------------------------
@@ -165,13 +167,14 @@ class CompileInputs:
     targets: tuple[str, ...] = ("cpu",)
 
 
-def write_artifact(ci: CompileInputs, out: str | Path) -> Path:
-    """Write the artifact to `out` atomically (replacing an existing artifact there)."""
+def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> Path:
+    """Write the artifact to `out` atomically (replacing an existing artifact there, or with `force` any
+    directory)."""
     from . import __version__
     from .ir.text import print_module
 
     out = Path(out)
-    if out.exists() and not (out / MANIFEST).is_file() and any(out.iterdir()):
+    if out.exists() and not force and not (out / MANIFEST).is_file() and any(out.iterdir()):
         raise InputError("output directory exists and is not an artifact; refusing to replace it", where=str(out))
     if ci.source is None:
         raise InputError("an artifact needs weights", expected="--weights random (presets) or a checkpoint")
@@ -229,7 +232,7 @@ def write_artifact(ci: CompileInputs, out: str | Path) -> Path:
 
 
 def compile_artifact(fe, out: str | Path, buckets: Buckets = Buckets(), pipeline: list[str] | None = None,
-                     targets: tuple[str, ...] = ("cpu",), disable: tuple[str, ...] = ()) -> Path:
+                     targets: tuple[str, ...] = ("cpu",), disable: tuple[str, ...] = (), force: bool = False) -> Path:
     """Trace the frontend's model per bucket, run the pipeline (default: the cpu one), write the artifact."""
     from .passes import CPU_PIPELINE, PassManager, PipelineOptions
 
@@ -240,7 +243,7 @@ def compile_artifact(fe, out: str | Path, buckets: Buckets = Buckets(), pipeline
               "checkpoint": str(fe.checkpoint) if fe.checkpoint else None}
     ci = CompileInputs(fe.cfg, res.module, fe.source, fe.options.numerics, fe.options.dtype, buckets,
                        fe.options.capacity, origin, pipeline, res.hits(), targets)
-    return write_artifact(ci, out)
+    return write_artifact(ci, out, force=force)
 
 
 def _write_onnx(ci: CompileInputs, tmp: Path) -> dict[str, Any]:

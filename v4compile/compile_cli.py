@@ -415,7 +415,8 @@ def _check_outputs(args) -> None:
         check_output_file(out, InputError, what="-o output file")
 
 
-def _write(path: Path, text: str, what: str, check_ir: bool = False, shown: Path | None = None) -> None:
+def _write(path: Path, text: str, what: str, check_ir: bool = False, shown: Path | None = None,
+           check_program: bool = False) -> None:
     """Write one artifact atomically and say so (path, size, what was checked)."""
     from .files import write_text_atomic
 
@@ -426,6 +427,12 @@ def _write(path: Path, text: str, what: str, check_ir: bool = False, shown: Path
         from .ir.verify import verify
 
         verify(parse_module(text))
+        checked = "; parses back and verifies"
+    if check_program:
+        from .program.text import parse_program
+        from .program.verify import verify_program
+
+        verify_program(parse_program(text))
         checked = "; parses back and verifies"
     log.info("wrote %s (%s bytes, %s%s)", shown or path, f"{path.stat().st_size:,}", what, checked)
 
@@ -472,8 +479,10 @@ def cmd_ir_dump(args) -> int:
     if args.output:
         with st("write output"):
             parses = args.format == "text" and not args.no_weights and not args.functions_first
-            _write(Path(args.output), text, f"{args.format}, {'all functions' if funcs is None else '@' + funcs[0]}",
-                   check_ir=parses)
+            what = f"{'program' if stage == 'program' else args.format}, " \
+                   f"{'all functions' if funcs is None else '@' + funcs[0]}"
+            _write(Path(args.output), text, what, check_ir=parses and stage != "program",
+                   check_program=stage == "program")
     else:
         sys.stdout.write(text)
     return _finish(args, outcome)
@@ -635,7 +644,7 @@ def _write_artifact(args, fe, targets) -> None:
     buckets = Buckets(_int_list(args.decode_buckets, "--decode-buckets"),
                       _int_list(args.prefill_buckets, "--prefill-buckets"))
     pipeline = _split_specs(args.passes) if args.passes and "cpu" in targets else list(CPU_PIPELINE)
-    compile_artifact(fe, args.output, buckets, pipeline, ("cpu",), tuple(args.disable_pass))
+    compile_artifact(fe, args.output, buckets, pipeline, ("cpu",), tuple(args.disable_pass), force=args.force)
 
 
 def add_compile_commands(sub) -> None:
