@@ -75,6 +75,11 @@ def _json(obj: Any) -> str:
     return json.dumps(obj, indent=1, sort_keys=True) + "\n"
 
 
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """sha256 of the manifest's canonical text without its own digest field."""
+    return hashlib.sha256(_json({k: v for k, v in manifest.items() if k != "manifest_sha256"}).encode()).hexdigest()
+
+
 # ---- building the bucketed module -------------------------------------------------------------
 
 def trace_buckets(cfg, options, buckets: Buckets) -> Module:
@@ -216,6 +221,7 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
             "weights": weights,
             "files": files,
         }
+        manifest["manifest_sha256"] = manifest_digest(manifest)  # the manifest's own bytes are checked too
         (tmp / MANIFEST).write_text(_json(manifest))
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -312,7 +318,11 @@ def load_artifact(path: str | Path, verify: bool = True) -> Artifact:
     if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
         raise ArtifactError("unsupported artifact format version", where=str(mpath), expected=FORMAT_VERSION,
                             found=manifest.get("format_version") if isinstance(manifest, dict) else None)
+    if verify and manifest.get("manifest_sha256") != manifest_digest(manifest):
+        raise ArtifactError("manifest.json does not match its own hash (changed or damaged)", where=str(mpath))
     files = manifest.get("files", {})
+    if not isinstance(files, dict):
+        raise ArtifactError("manifest.json: `files` must be an object", where=str(mpath))
     for rel, digest in sorted(files.items()):
         p = (path / rel).resolve()
         if path.resolve() not in p.parents:
