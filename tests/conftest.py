@@ -54,3 +54,12 @@ def tiny():
 @pytest.fixture(scope="session")
 def tiny_pro():
     return make_model("tiny-pro")
+
+
+@pytest.fixture
+def one_torch_thread():
+    """The reference model's small ops run fastest (and steadiest on a shared CI machine) on one thread."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -34,13 +34,7 @@ def _fe(numerics: str, capacity: int = 128):
 _BUILT: dict = {}
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """The reference model's small ops run fastest (and steadiest on a shared CI machine) on one thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _tiny(numerics: str, tmp_path_factory):

@@ -30,12 +30,7 @@ from v4compile.runtime.c_backend import CRuntime
 TOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _steps(m, prompts, decode_steps, seed=3):

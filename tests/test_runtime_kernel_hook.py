@@ -58,12 +58,7 @@ def fake_embed(shift: int = 0):
     return lambda family: specialise if family == "embed" else None
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("shift", [0, 1])

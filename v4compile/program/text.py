@@ -85,15 +85,20 @@ class ProgramParser(Parser):
         root = self.name("the storage root, like %213") if self.accept("in") else value
         return Arg(buf, off, ty, tuple(strides), value, root)
 
-    def parse_named_args(self) -> tuple:
+    def parse_pairs(self, what: str, end: str) -> list:
+        """`name = ARG, ...` up to (not including) `end`."""
         out = []
-        self.expect("(")
-        while self.tok.text != ")":
-            n = self.expect_kind("id", "an argument name")
+        while self.tok.text != end:
+            n = self.expect_kind("id", what)
             self.expect("=")
             out.append((n.text, self.parse_arg()))
             if not self.accept(","):
                 break
+        return out
+
+    def parse_named_args(self) -> tuple:
+        self.expect("(")
+        out = self.parse_pairs("an argument name", ")")
         self.expect(")")
         return tuple(out)
 
@@ -133,13 +138,7 @@ class ProgramParser(Parser):
                     self.expect(")")
                 launches.append(Launch(op, None if kernel == "none" else kernel, operands, results, lattrs, loc))
             elif self.accept("return"):
-                outputs = []
-                while True:
-                    n = self.expect_kind("id", "an output name")
-                    self.expect("=")
-                    outputs.append((n.text, self.parse_arg()))
-                    if not self.accept(","):
-                        break
+                outputs = self.parse_pairs("an output name", "}")
                 self.expect("}")
                 return FunctionProgram(name, buffers, launches, outputs, attrs)
             else:
