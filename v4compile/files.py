@@ -16,6 +16,7 @@ import os
 import shutil
 import stat
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -164,8 +165,11 @@ def atomic_dir(path: str | Path, force: bool = False) -> Iterator[Path]:
     or any directory with `force`); on any failure or interruption the temporary directory is removed."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    # The name is chosen before the directory exists, so that a signal arriving just after it is created still
+    # finds it in the clean-up below (mkdtemp's return would leave a window).
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
+        tmp.mkdir()
         yield tmp
         old = None
         if out.exists():
