@@ -305,11 +305,18 @@ def _run_workers(jobs: list[dict], cache_dir: str, n: int) -> None:
 
 def _worker_main(cache_dir: str) -> None:
     _worker_init()
+    import fcntl
+
     for line in sys.stdin:
         job = json.loads(line)
         try:
-            with contextlib.redirect_stdout(sys.stderr):
-                _compile_job(job, cache_dir)
+            # Two compiles sharing the cache (e.g. parallel test workers) wait for each other's result
+            # instead of compiling the same kernel twice.
+            with open(Path(cache_dir) / f".{job['key']}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not (Path(cache_dir) / job["key"] / "sidecar.json").exists():
+                    with contextlib.redirect_stdout(sys.stderr):
+                        _compile_job(job, cache_dir)
             out = {"ok": job["key"]}
         except Exception as e:  # noqa: BLE001  (reported to the parent with the kernel's name)
             out = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}

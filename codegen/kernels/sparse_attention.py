@@ -2,9 +2,12 @@
 attention sink in the denominator only (`ops.paged.sparse_attention`).
 
 One program per (query lane, block of BH heads). Keys = values = the d-wide latent: pool rows of the
-window CSR (+ win_base) and of the compressed CSR (+ comp_base), read in the plane format (native, or
+window CSR and of the compressed CSR, read in the plane format (native, or
 fp8: e4m3 NoPE groups x UE8M0 + RoPE plane, dequantised in the RoPE dtype as the reference does), then
 the chunk's rows at positions in (t - window, t]. Every loop is bounded by the lane's real row count.
+The planes come twice, as window pointers `p*` (moved on by `win_base` rows at launch) and compressed
+pointers `c*` (moved on by `comp_base` rows): the layer's place in the pool is not a constexpr, so every
+layer of a kind shares one binary.
 
 Online softmax with the sink trick: the running max starts at the sink logit and the running sum at 1,
 so the sink lands in the denominator only and a lane with no rows (padding) yields exactly 0.
@@ -17,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import KernelCall, call_name, ptr, unaligned
+from . import KernelCall, any_row, call_name, ptr, row_offsets, unaligned
 from .kvrows import TL_DTYPE, load_rows, plane_consts, pow2
 
 
@@ -38,7 +41,7 @@ def _step(q, k, ok, m, l, acc, SCALE: tl.constexpr, DT: tl.constexpr, PREC: tl.c
 
 
 @triton.jit
-def _csr_rows(q, m, l, acc, indptr_ptr, indices_ptr, lane, BASE: tl.constexpr, p0, p1, p2,
+def _csr_rows(q, m, l, acc, indptr_ptr, indices_ptr, lane, p0, p1, p2,
               FMT: tl.constexpr, NPLANES: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, D: tl.constexpr,
               NOPE: tl.constexpr, BLK: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
               SCALE: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
@@ -47,7 +50,7 @@ def _csr_rows(q, m, l, acc, indptr_ptr, indices_ptr, lane, BASE: tl.constexpr, p
     for j0 in range(lo, hi, BN):
         j = j0 + tl.arange(0, BN)
         ok = j < hi
-        rows = tl.load(indices_ptr + j, mask=ok, other=0) + BASE
+        rows = tl.load(indices_ptr + j, mask=ok, other=0)
         k = load_rows(p0, p1, p2, rows, ok, FMT, NPLANES, BN, DP, D, NOPE, BLK, S0, S1, S2).to(DT)
         m, l, acc = _step(q, k, ok, m, l, acc, SCALE, DT, PREC)
     return m, l, acc
@@ -55,10 +58,9 @@ def _csr_rows(q, m, l, acc, indptr_ptr, indices_ptr, lane, BASE: tl.constexpr, p
 
 @triton.jit
 def sparse_attention_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indices, comp_indptr, comp_indices,
-                            p0, p1, p2, out_ptr,
+                            p0, p1, p2, c0, c1, c2, out_ptr,
                             T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                             BH: tl.constexpr, BN: tl.constexpr, WINDOW: tl.constexpr, SCALE: tl.constexpr,
-                            WIN_BASE: tl.constexpr, COMP_BASE: tl.constexpr,
                             Q_SB: tl.constexpr, Q_ST: tl.constexpr, Q_SH: tl.constexpr,
                             KV_SB: tl.constexpr, KV_ST: tl.constexpr,
                             O_SB: tl.constexpr, O_ST: tl.constexpr, O_SH: tl.constexpr,
@@ -76,10 +78,10 @@ def sparse_attention_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_in
     m = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32)
     l = tl.full([BH], 1.0, tl.float32)
     acc = tl.zeros([BH, DP], tl.float32)
-    m, l, acc = _csr_rows(q, m, l, acc, win_indptr, win_indices, lane, WIN_BASE, p0, p1, p2, FMT, NPLANES, BN, DP,
+    m, l, acc = _csr_rows(q, m, l, acc, win_indptr, win_indices, lane, p0, p1, p2, FMT, NPLANES, BN, DP,
                           D, NOPE, BLK, S0, S1, S2, SCALE, DT, PREC)
     if comp_indptr is not None:
-        m, l, acc = _csr_rows(q, m, l, acc, comp_indptr, comp_indices, lane, COMP_BASE, p0, p1, p2, FMT, NPLANES,
+        m, l, acc = _csr_rows(q, m, l, acc, comp_indptr, comp_indices, lane, c0, c1, c2, FMT, NPLANES,
                               BN, DP, D, NOPE, BLK, S0, S1, S2, SCALE, DT, PREC)
     # The chunk's own rows: lanes s with pos in (t - window, t] are the lanes (tq - window, tq].
     t = tl.load(pos_ptr + lane)
@@ -106,7 +108,6 @@ def specialise(op_name, operands, results, attrs):
     BN = 16 if D > 256 else 32
     has_comp = operands.get("comp_indptr") is not None
     c = dict(T=T, H=H, D=D, DP=pow2(D), BH=BH, BN=BN, WINDOW=attrs["window"], SCALE=float(attrs["scale"]),
-             WIN_BASE=attrs["win_base"], COMP_BASE=attrs["comp_base"],
              Q_SB=q.strides[0], Q_ST=q.strides[1], Q_SH=q.strides[2], KV_SB=kv.strides[0], KV_ST=kv.strides[1],
              O_SB=out.strides[0], O_ST=out.strides[1], O_SH=out.strides[2],
              **plane_consts(attrs["fmt"], planes, D), DT=TL_DTYPE[q.dtype],
@@ -116,17 +117,25 @@ def specialise(op_name, operands, results, attrs):
     pointers = [ptr(params.get(n, n), "operand", n, operands[n]) for n in names]
     if not has_comp:
         c.update(comp_indptr=None, comp_indices=None)
-    for i, p in enumerate(planes):
-        if p is None:
-            c[f"p{i}"] = None
-        else:
-            pointers.append(ptr(f"p{i}", "operand", f"p{i}", p))
+    for pre in ("p", "c"):
+        for i, p in enumerate(planes):
+            if p is None or (pre == "c" and not has_comp):
+                c[f"{pre}{i}"] = None
+            else:
+                pointers.append(ptr(f"{pre}{i}", "operand", f"p{i}", p))
     pointers.append(ptr("out_ptr", "result", "out", out))
+    offsets = row_offsets({f"p{i}": p for i, p in enumerate(planes)}, attrs["win_base"])
+    if has_comp:
+        offsets.update(row_offsets({f"c{i}": p for i, p in enumerate(planes)}, attrs["comp_base"]))
     row_bytes = sum(p.type.nbytes // p.shape[0] for p in planes if p is not None)
     n_rows = B * T * (attrs["window"] - 1 + (operands["comp_indices"].shape[0] // (B * T) if has_comp else 0))
     return [KernelCall(name=call_name("sparse_attention", c, f"b{B}_t{T}_h{H}_d{D}_{attrs['fmt']}"),
                        fn=sparse_attention_kernel, constexprs=c, pointers=pointers,
                        grid=(B * T, triton.cdiv(H, BH), 1), num_warps=8 if D > 256 else 4,
                        unaligned=unaligned({"q_ptr": q, "kv_ptr": kv, "out_ptr": out,
-                                            **{f"p{i}": p for i, p in enumerate(planes)}}),
-                       flops=4 * B * T * H * D * n_rows, bytes_moved=n_rows * row_bytes + 2 * q.type.nbytes)]
+                                            **{f"{pre}{i}": any_row(p) for i, p in enumerate(planes)
+                                               for pre in ("p", "c")}}),
+                       offsets=offsets,
+                       # every block of BH heads reads the lane's rows again (L2 may catch it; HBM does not promise)
+                       flops=4 * B * T * H * D * n_rows,
+                       bytes_moved=n_rows * row_bytes * triton.cdiv(H, BH) + 2 * q.type.nbytes)]
