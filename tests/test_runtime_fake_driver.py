@@ -117,7 +117,7 @@ def test_each_failure_is_one_clear_error_with_nothing_leaked(driver, case):
     kw, msg = FAILURES[case]
     kw = dict(kw)
     if "fail" in kw:
-        fake.lib.fake_fail(kw.pop("fail")[0].encode(), 4)
+        fake.fail(kw.pop("fail")[0], 4)
     if kw.get("table") is not None and case == "symbol":
         first = prog.functions["prefill"].launches[0].specialisation
         kw["table"] = fake_table(drop=first)

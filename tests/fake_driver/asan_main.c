@@ -77,7 +77,7 @@ int main(int argc, char **argv) {
         void (*fail)(const char *, long) = (void (*)(const char *, long))dlsym(h, "fake_fail");
         void (*counts)(long *) = (void (*)(long *))dlsym(h, "fake_counts");
         void (*reset)(void) = (void (*)(void))dlsym(h, "fake_reset");
-        long c[11];
+        long c[13]; /* fake_counts */
         reset();
         EXPECT(v4rt_open(V4RT_ABI_VERSION, drv, lib, ft, nf, NULL, NULL, &rt) == V4RT_OK, "fake open");
         if (run_all(rt)) return 1;
