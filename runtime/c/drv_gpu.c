@@ -25,10 +25,11 @@ static const char *sym(const gpu *g, size_t offset) {
         if (s->offset == offset) return s->symbol;
     return "?";
 }
-#define CK(g, field, call) \
-    do {                   \
-        int r_ = (call);   \
-        if (r_) return gpu_check(g, r_, sym(g, offsetof(gpu, field))); \
+/* `call` calls the shared entry point `field`; on failure, report it under the driver's symbol and return 1. */
+#define CK(g, field, call)                                               \
+    do {                                                                 \
+        int r_ = (call);                                                 \
+        if (r_) return gpu_check(g, r_, sym(g, offsetof(gpu, field)));   \
     } while (0)
 
 static int g_alloc(v4drv *d, uint64_t n, uint64_t *addr) {
