@@ -4,9 +4,10 @@
  * A code object is text: "FAKE\n" then one "symbol n_params" line per kernel (the driver needs the
  * parameter count to read a launch's argument bytes). Anything else fails to load. Failures can be
  * injected: fake_fail(what, n) fails the n-th (1-based) call of one kind: "alloc", "load", "instantiate",
- * "launch", "attr" (a function attribute), "graph_launch". Like the real drivers, a launch with more dynamic
- * shared memory than the kernel's limit fails: the limit is the driver's default (CUDA 48 KiB, HIP 64 KiB)
- * until the kernel's max-dynamic-shared attribute raises it (up to the device's opt-in maximum).
+ * "launch", "attr" (a function attribute), "graph_launch". As on CUDA, a launch with more dynamic shared
+ * memory than the kernel's limit fails: the limit is the driver's default (CUDA 48 KiB, HIP 64 KiB) until
+ * the kernel's max-dynamic-shared attribute raises it (up to the device's maximum). Real HIP is looser (it
+ * checks the attribute's value, and a launch only against the device), so the fake holds both to CUDA's rule.
  * The test reads the record through fake_* functions (it loads the same library path, so it shares it):
  * counts, the launches (eager and replayed), the attribute calls, and the name of every driver call in
  * order (the trace). */
