@@ -6,12 +6,16 @@ A measurement, not a test (issue 9's goal for V4-Pro shape-only on a 2-core mach
 
 Each run is `v4compile compile ... -o DIR --time-passes` in a fresh process: the cold run gets an empty kernel
 cache (a temporary V4COMPILE_CACHE), the warm run the same cache again. Printed per run: wall time, the
-stages of `--time-passes` (trace, passes, report, write output) and the AOT line (kernels compiled / cached).
+stages of `--time-passes` (trace, passes, report, write output) and the AOT line (kernels compiled / cached);
+after the cold run, the per-kernel table of compile seconds per target (from the cache's stats), slowest first,
+and their sum per target (less noisy than wall time on a shared machine: it does not depend on how the jobs
+packed onto the workers).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -43,12 +47,36 @@ def run(args, out: Path, cache: Path) -> dict:
             "aot": aot.groups() if aot else None}
 
 
+def kernel_table(cache: Path, top: int) -> str:
+    """Per kernel: compile seconds, regs, spills, MMA count on each target, from the cache entries."""
+    per: dict[str, dict[str, dict]] = {}
+    for d in sorted((cache / "aot").glob("*/")):
+        if not (d / "stats.json").exists():
+            continue
+        side = json.loads((d / "sidecar.json").read_text())
+        per.setdefault(side["name"], {})[side["target"]] = json.loads((d / "stats.json").read_text())
+    targets = sorted({t for v in per.values() for t in v})
+    lines = [f"{'kernel':56s} " + " ".join(f"{t + ' s':>10s} {'regs':>4s} {'spill':>5s} {'mma':>4s}" for t in targets)]
+
+    def cell(st):
+        return (f"{st['compile_s']:10.2f} {st['regs']:4d} {st['spills']:5d} {st['mma_instructions']:4d}" if st
+                else f"{'-':>10s} {'':4s} {'':5s} {'':4s}")
+    order = sorted(per, key=lambda n: -max(s["compile_s"] for s in per[n].values()))
+    for n in order[:top]:
+        lines.append(f"{n[:56]:56s} " + " ".join(cell(per[n].get(t)) for t in targets))
+    sums = {t: sum(v[t]["compile_s"] for v in per.values() if t in v) for t in targets}
+    lines.append(f"{len(per)} kernels; sum of compile seconds: "
+                 + ", ".join(f"{t} {v:.1f} s" for t, v in sums.items()) + f", total {sum(sums.values()):.1f} s")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="v4-pro")
     p.add_argument("--weights", default="none")
     p.add_argument("--target", default="gfx950,sm_90a")
     p.add_argument("--jobs", type=int, default=None)
+    p.add_argument("--top", type=int, default=1000, help="rows of the per-kernel table (slowest first)")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="v4bench-") as tmp:
         tmp = Path(tmp)
@@ -62,6 +90,8 @@ def main(argv=None) -> int:
             print(f"{name}: {r['wall']:.1f} s wall; {aot_s}")
             big = sorted(((v, k) for k, v in r["stages"].items() if k != "total"), reverse=True)[:6]
             print("    " + ", ".join(f"{k} {v:.1f} s" for v, k in big))
+            if name == "cold":
+                print(kernel_table(tmp / "cache", a.top))
         n = sum(1 for _ in (tmp / "out" / "kernels").rglob("*.json")) if (tmp / "out" / "kernels").exists() else 0
         print(f"{a.preset}: {n} kernel sidecars; cold {res['cold']['wall']:.1f} s (goal <= 60), "
               f"warm {res['warm']['wall']:.1f} s (goal <= 10); {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")

@@ -20,6 +20,7 @@ and the roofline model's flops, bytes and modeled_us (see `TARGETS` and `modeled
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import inspect
@@ -115,6 +116,7 @@ def _ce_decode(v: Any) -> Any:
     return v
 
 
+@functools.lru_cache(maxsize=None)
 def _module_source(module: str) -> str:
     """The kernel's module source plus every module of its package (kernels call @triton.jit helpers from
     sibling modules, e.g. moe uses gemm.mma_step; hashing the package keeps the cache from going stale)."""
@@ -231,8 +233,13 @@ def _nv_stats(cubin: bytes, ptx: str, ptxas_log: str, shared: int, num_warps: in
     m = re.search(r"Used (\d+) registers", ptxas_log)
     regs = int(m.group(1)) if m else 0
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", ptxas_log))
-    sass = _nvdisasm(cubin)
-    if sass is not None:
+    # nvdisasm costs ~1 s per kernel (its start-up, whatever the size): only ask it when the PTX has a matrix
+    # instruction anywhere (predicated too), as ptxas never turns scalar code into MMA.
+    has_mma = re.search(r"\b(?:wgmma\.mma_async|mma\.sync)", ptx) is not None
+    sass = _nvdisasm(cubin) if has_mma else None
+    if not has_mma:
+        mma, source = 0, "ptx"
+    elif sass is not None:
         mma = len(re.findall(r"\b(?:HGMMA|QGMMA|IGMMA|HMMA|IMMA)\.", sass))
         source = "sass"
     else:
@@ -262,11 +269,41 @@ def _nvdisasm(cubin: bytes) -> str | None:
         return None
 
 
+@functools.lru_cache(maxsize=None)
+def _source_size(module: str, qual: str) -> int:
+    """Characters of a kernel's source and of the @triton.jit helpers it calls (transitively): a cheap static
+    stand-in for its compile time (the big fused kernels are the long ones)."""
+    import triton
+    seen: set[int] = set()
+
+    def size(fn) -> int:
+        py = getattr(fn, "fn", fn)
+        if id(py) in seen:
+            return 0
+        seen.add(id(py))
+        n = len(inspect.getsource(py))
+        for name in py.__code__.co_names:
+            g = py.__globals__.get(name)
+            if isinstance(g, triton.runtime.JITFunction):
+                n += size(g)
+        return n
+    return size(getattr(importlib.import_module(module), qual))
+
+
+# sm_90a costs more per kernel than gfx950 (ptxas, and nvdisasm on MMA kernels): measured ~1.5x on V4-Pro.
+_TARGET_WEIGHT = {"sm_90a": 1.5}
+
+
+def longest_first(jobs: list[dict]) -> list[dict]:
+    """Jobs by estimated compile time, longest first, so the workers finish together (greedy LPT order)."""
+    return sorted(jobs, key=lambda j: -_source_size(j["module"], j["fn"]) * _TARGET_WEIGHT.get(j["target"], 1.0))
+
+
 def _run_workers(jobs: list[dict], cache_dir: str, n: int) -> None:
     """n persistent worker processes (`python -m v4compile.codegen.aot --worker`), fed one job at a time
     over stdin (JSON lines) by one thread each, so slow kernels do not hold up a static partition."""
     q: queue.Queue = queue.Queue()
-    for j in jobs:
+    for j in longest_first(jobs):
         q.put(j)
     errors: list[str] = []
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
