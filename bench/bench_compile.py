@@ -7,7 +7,8 @@ A measurement, not a test (issue 9's goal for V4-Pro shape-only on a 2-core mach
 Each run is `v4compile compile ... -o DIR --time-passes` in a fresh process: the cold run gets an empty kernel
 cache (a temporary V4COMPILE_CACHE), the warm run the same cache again. Printed per run: wall time, the
 stages of `--time-passes` (trace, passes, report, write output) and the AOT line (kernels compiled / cached);
-after the cold run, the per-kernel table of compile seconds per target (from the cache's stats), slowest first,
+after the cold run, the per-kernel table per target (from the cache's stats), slowest first: compile seconds
+(wall, in the worker), CPU seconds of the whole job (ptxas and nvdisasm included), regs, spills, MMA count,
 and their sum per target (less noisy than wall time on a shared machine: it does not depend on how the jobs
 packed onto the workers).
 """
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -33,8 +35,13 @@ def run(args, out: Path, cache: Path) -> dict:
     if args.jobs:
         cmd += ["--jobs", str(args.jobs)]
     t0 = time.perf_counter()
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "V4COMPILE_CACHE": str(cache)})
     wall = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # CPU seconds of the compile and every process it waited for (workers, ptxas, nvdisasm): unlike wall
+    # time, barely moved by other load on a shared machine.
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
     if r.returncode:
         sys.exit(f"compile failed ({r.returncode}):\n{r.stderr[-3000:]}")
     stages = {}
@@ -43,7 +50,7 @@ def run(args, out: Path, cache: Path) -> dict:
                                      re.M):
             stages[name.strip()] = float(secs)
     aot = re.search(r"aot: (\d+) kernels x targets, (\d+) compiled in ([\d.]+) s, (\d+) cached", r.stderr)
-    return {"wall": wall, "stages": stages,
+    return {"wall": wall, "cpu": cpu, "stages": stages,
             "aot": aot.groups() if aot else None}
 
 
@@ -56,17 +63,19 @@ def kernel_table(cache: Path, top: int) -> str:
         side = json.loads((d / "sidecar.json").read_text())
         per.setdefault(side["name"], {})[side["target"]] = json.loads((d / "stats.json").read_text())
     targets = sorted({t for v in per.values() for t in v})
-    lines = [f"{'kernel':56s} " + " ".join(f"{t + ' s':>10s} {'regs':>4s} {'spill':>5s} {'mma':>4s}" for t in targets)]
+    lines = [f"{'kernel':56s} " + " ".join(f"{t:>6s} {'cpu':>5s} {'regs':>4s} {'spill':>5s} {'mma':>4s}" for t in targets)]
 
     def cell(st):
-        return (f"{st['compile_s']:10.2f} {st['regs']:4d} {st['spills']:5d} {st['mma_instructions']:4d}" if st
-                else f"{'-':>10s} {'':4s} {'':5s} {'':4s}")
+        return (f"{st['compile_s']:6.2f} {st.get('cpu_s', float('nan')):5.2f} {st['regs']:4d} {st['spills']:5d} "
+                f"{st['mma_instructions']:4d}" if st
+                else f"{'-':>6s} {'':5s} {'':4s} {'':5s} {'':4s}")
     order = sorted(per, key=lambda n: -max(s["compile_s"] for s in per[n].values()))
     for n in order[:top]:
         lines.append(f"{n[:56]:56s} " + " ".join(cell(per[n].get(t)) for t in targets))
-    sums = {t: sum(v[t]["compile_s"] for v in per.values() if t in v) for t in targets}
-    lines.append(f"{len(per)} kernels; sum of compile seconds: "
-                 + ", ".join(f"{t} {v:.1f} s" for t, v in sums.items()) + f", total {sum(sums.values()):.1f} s")
+    for key, what in (("compile_s", "compile seconds (wall, in the worker)"), ("cpu_s", "CPU seconds (with stats)")):
+        sums = {t: sum(v[t].get(key, 0.0) for v in per.values() if t in v) for t in targets}
+        lines.append(f"{len(per)} kernels; sum of {what}: "
+                     + ", ".join(f"{t} {v:.1f} s" for t, v in sums.items()) + f", total {sum(sums.values()):.1f} s")
     return "\n".join(lines)
 
 
@@ -87,7 +96,7 @@ def main(argv=None) -> int:
             aot = r["aot"]
             aot_s = (f"{aot[1]} of {aot[0]} kernel x target compiled in {float(aot[2]):.1f} s, {aot[3]} cached"
                      if aot else "no AOT line")
-            print(f"{name}: {r['wall']:.1f} s wall; {aot_s}")
+            print(f"{name}: {r['wall']:.1f} s wall, {r['cpu']:.1f} s CPU (all processes); {aot_s}")
             big = sorted(((v, k) for k, v in r["stages"].items() if k != "total"), reverse=True)[:6]
             print("    " + ", ".join(f"{k} {v:.1f} s" for v, k in big))
             if name == "cold":

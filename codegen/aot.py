@@ -171,7 +171,7 @@ def _compile_job(job: dict, cache_dir: str) -> dict:
     names = list(job["signature"])
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in job["aligned"]}
     src = triton.compiler.ASTSource(fn=fn, signature=job["signature"], constexprs=constexprs, attrs=attrs)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu_seconds()
     ptxas_log = io.StringIO()
     knobs.nvidia.dump_ptxas_log = spec.backend == "cuda"
     with contextlib.redirect_stdout(ptxas_log):
@@ -182,6 +182,7 @@ def _compile_job(job: dict, cache_dir: str) -> dict:
     binary = c.asm["hsaco"] if spec.backend == "hip" else c.asm["cubin"]
     stats = (_amd_stats(c.asm["amdgcn"], md.shared, job["num_warps"]) if spec.backend == "hip"
              else _nv_stats(binary, c.asm["ptx"], ptxas_log.getvalue(), md.shared, job["num_warps"]))
+    cpu_s = _cpu_seconds() - cpu0  # compile + stats (ptxas, nvdisasm included): the job's whole CPU cost
     ptr_params = [p for p in names if job["signature"][p] != "constexpr"]
     roles = {p[0]: p for p in job["pointers"]}
     params = [{"name": p, "type": job["signature"][p], "kind": roles[p][1], "value": roles[p][2]} for p in ptr_params]
@@ -201,12 +202,19 @@ def _compile_job(job: dict, cache_dir: str) -> dict:
     tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".tmp-"))
     (tmp / "binary").write_bytes(binary)
     (tmp / "sidecar.json").write_text(json.dumps(sidecar, indent=1, sort_keys=True) + "\n")
-    (tmp / "stats.json").write_text(json.dumps({**stats, "compile_s": round(compile_s, 3)}, sort_keys=True))
+    (tmp / "stats.json").write_text(json.dumps({**stats, "compile_s": round(compile_s, 3), "cpu_s": round(cpu_s, 3)}, sort_keys=True))
     try:
         tmp.rename(out)
     except OSError:  # another worker / process finished the same key first
         shutil.rmtree(tmp, ignore_errors=True)
     return stats
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of the children it waited for (ptxas, nvdisasm)."""
+    import resource
+    me, ch = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + ch.ru_utime + ch.ru_stime
 
 
 def _strip_comments(asm: str) -> list[str]:
