@@ -203,6 +203,8 @@ def sparse_attention_merge_kernel(sink_ptr, part_ptr, out_ptr, H: tl.constexpr, 
 # fp32 partial round trip (512 KiB at V4-Pro), as much as ~900 fp8 pool rows.
 TARGET_PROGRAMS = 512
 MIN_SPLIT_ROWS = 128
+# Heads per pass-1 program at d = 512 (8 warps): each head block reads the lane's rows once more.
+DECODE_BH = 64
 
 
 def split_plan(max_rows: int, lanes: int, head_blocks: int, bn: int) -> tuple[int, int]:
@@ -266,7 +268,7 @@ def specialise(op_name, operands, results, attrs):
 def _decode_calls(c, pointers, offsets, aligned, flops, n_rows, row_bytes, q, kv, out, max_rows, attrs):
     """T == 1: split-KV pass 1 over (lane, head block, split) + the LSE merge (pass 2)."""
     B, _T, H, D = q.shape
-    BH = 64 if D > 256 else 16  # 64 heads x 512 fp32 accumulators = 128 regs / thread at 8 warps
+    BH = DECODE_BH if D > 256 else 16
     HB = triton.cdiv(H, BH)
     NS, RS = split_plan(max_rows, B, HB, c["BN"])
     ACC0 = B * NS * 2 * H
