@@ -13,6 +13,15 @@ Online softmax with the sink trick: the running max starts at the sink logit and
 so the sink lands in the denominator only and a lane with no rows (padding) yields exactly 0.
 bf16: scores are rounded to bf16 before and after the scale, as the reference's bf16 einsum and scalar
 multiply do, so the softmax sees the same logits; probabilities feed the PV dot as bf16.
+
+Decode (T == 1) runs split-KV instead: pass 1 over (lane, block of DECODE_BH heads, split) walks a static
+slice of RS entries of the lane's row list (window rows then compressed rows, counts read in the kernel;
+the own kv row goes to split 0) and writes an fp32 partial (m, l, acc) to the scratch `sa_partial`; its
+running max starts at the sink logit only as a finite reference point, l at 0, so a split past the end
+writes the neutral partial (sink, 0, 0). Pass 2 merges a lane's partials with the LSE rule and adds the
+sink to the denominator once. `split_plan` picks the splits. The cost is honest about the trade: a
+partial is an [H, d] fp32 tile (V4-Pro: 256 KiB, written and read back), so splits buy parallelism with
+bytes; larger head blocks buy back the re-reads of the rows.
 """
 
 from __future__ import annotations
