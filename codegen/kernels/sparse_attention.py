@@ -212,8 +212,9 @@ def sparse_attention_merge_kernel(sink_ptr, part_ptr, out_ptr, H: tl.constexpr, 
 # fp32 partial round trip (512 KiB at V4-Pro), as much as ~900 fp8 pool rows.
 TARGET_PROGRAMS = 512
 MIN_SPLIT_ROWS = 128
-# Heads per pass-1 program at d = 512 (8 warps): each head block reads the lane's rows once more.
+# Heads per pass-1 program at d = 512 (DECODE_WARPS warps): each head block reads the lane's rows once more.
 DECODE_BH = 64
+DECODE_WARPS = 8
 
 
 def split_plan(max_rows: int, lanes: int, head_blocks: int, bn: int) -> tuple[int, int]:
@@ -287,7 +288,7 @@ def _decode_calls(c, pointers, offsets, aligned, flops, n_rows, row_bytes, q, kv
     part = ptr("part_ptr", "scratch", "sa_partial", "*fp32")
     split = KernelCall(name=call_name("sparse_attention_split", sc, f"b{B}_h{H}_d{D}_s{NS}_{attrs['fmt']}"),
                        fn=sparse_attention_split_kernel, constexprs=sc, pointers=pointers[:-1] + [part],
-                       grid=(B, HB, NS), num_warps=8 if D > 256 else 4, scratch_bytes={"sa_partial": part_bytes},
+                       grid=(B, HB, NS), num_warps=DECODE_WARPS if D > 256 else 4, scratch_bytes={"sa_partial": part_bytes},
                        unaligned=tuple(a for a in aligned if a != "out_ptr"), offsets=offsets, flops=flops,
                        # each head block reads the lane's rows; every program reads its q block
                        bytes_moved=n_rows * row_bytes * HB + NS * q.type.nbytes + kv.type.nbytes + part_bytes)
