@@ -159,6 +159,7 @@ def write_weights(module: Module, source, wdir: Path) -> dict[str, Any]:
                 tensors[n] = {"shard": f"weights/{fname}", "dtype": module.weights[n].type.dtype,
                               "shape": list(module.weights[n].type.shape)}
         files.append(f"weights/{fname}")
+        log.info("weights: shard %d of %d written (%d tensors, %.2f GB)", i + 1, len(shards), len(group), off / 1e9)
     return {"layout": "ir", "shards": files, "tensors": tensors}
 
 
