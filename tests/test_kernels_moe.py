@@ -8,6 +8,12 @@ each index_add_ step in ascending expert order, the final + shared), so what rem
 order inside each GEMM (1 bf16 ulp at a rounding boundary, which can propagate once: 2 ulps allowed).
 act="fp8" reference: spec 13.1 applied to each GEMM input with `formats.fp8_qdq` (the registry's moe
 ops do not declare `act` yet).
+
+Grouping (prefill-sized P, the grouping launch): hash and learned routing from the router reference with
+idle experts and experts of more than one BM tile, the same tolerances, and bit-identical to the in-register
+scan path; a wrong grouping kernel is caught; instrumented interpreter loads show every active expert's
+weights are read once per BM pairs routed to it (and a kernel cut into smaller tiles is caught); the
+V4-Pro prefill specialisations compile for gfx950 and sm_90a with matrix instructions and no gfx950 spills.
 """
 
 from __future__ import annotations
@@ -183,9 +189,12 @@ def launch_calls(args, attrs, patch=None, op="moe_experts_shared"):
     return y, calls
 
 
-@pytest.mark.parametrize("dtype,routing,fmts", [(d, r, ("fp4", "fp8")) for d in (torch.float32, torch.bfloat16)
-                                                for r in ("hash", "learned")]
-                         + [(d, "hash", ("float", "float")) for d in (torch.float32, torch.bfloat16)])
+# (bf16, hash, FP4 / FP8) runs in test_weights_read_once_per_tile, with the same numerics check
+@pytest.mark.parametrize("dtype,routing,fmts", [(torch.float32, "hash", ("fp4", "fp8")),
+                                                (torch.bfloat16, "learned", ("fp4", "fp8")),
+                                                (torch.float32, "learned", ("float", "float")),
+                                                (torch.bfloat16, "hash", ("float", "float"))],
+                         ids=["fp32-hash-fp4", "bf16-learned-fp4", "fp32-learned-float", "bf16-hash-float"])
 def test_grouped_prefill(dtype, routing, fmts, monkeypatch):
     args, attrs = prefill_case(dtype, routing, *fmts)
     y, calls = launch_calls(args, attrs)
@@ -357,3 +366,55 @@ def test_modeled_cost_counts_active_experts_once():
     assert 11.5 < a_dec <= 12 and abs(r_dec - 12 * 16) <= 1
     a_pre, _ = moe._routed_work(384, 6, 64)  # V4-Pro prefill chunk of 64 tokens: ~243 of 384 experts
     assert 240 < a_pre < 246
+
+
+# ---- AOT: the V4-Pro prefill specialisations compile for both targets, matrix instructions, no gfx950 spills
+
+def _ta(shape, dt):
+    from v4compile.codegen.kernels import TensorArg
+    from v4compile.ir.types import TensorType
+    st, s = [], 1
+    for n in reversed(shape):
+        st.append(s)
+        s *= n
+    return TensorArg(TensorType(tuple(shape), dt), tuple(reversed(st)))
+
+
+def v4pro_calls(M, E=384, k=6, D=7168, I=3072, dt="bf16"):
+    """moe_experts_shared as `v4compile ir dump --preset v4-pro --weights none --stage final --func prefill
+    --batch 1 --chunk 64 --dtype bf16` has it: FP4 routed experts (1x32 E8M0), FP8 shared (128x128 E8M0)."""
+    ops = dict(x=_ta((1, M, D), dt), weights=_ta((1, M, k), dt), indices=_ta((1, M, k), "i64"),
+               w1=_ta((E, I, D // 2), "fp4x2"), w3=_ta((E, I, D // 2), "fp4x2"), w2=_ta((E, D, I // 2), "fp4x2"),
+               w1_scale=_ta((E, I, D // 32), "e8m0"), w3_scale=_ta((E, I, D // 32), "e8m0"),
+               w2_scale=_ta((E, D, I // 32), "e8m0"), s1=_ta((I, D), "fp8e4m3"), s3=_ta((I, D), "fp8e4m3"),
+               s2=_ta((D, I), "fp8e4m3"), s1_scale=_ta((I // 128, D // 128), "e8m0"),
+               s3_scale=_ta((I // 128, D // 128), "e8m0"), s2_scale=_ta((D // 128, I // 128), "e8m0"))
+    return moe.specialise("moe_experts_shared", ops, {"y": _ta((1, M, D), dt)},
+                          {"limit": 10.0, "block": 32, "shared_block": 128, "act": "native", "shared_act": "native"})
+
+
+@pytest.mark.slow
+def test_aot_v4pro_prefill_grouped(tmp_path, monkeypatch):
+    from v4compile.codegen import aot
+    monkeypatch.setenv("V4COMPILE_CACHE", str(tmp_path / "cache"))
+    calls = [c for c in v4pro_calls(64) if c.kernel_name in ("moe_group_kernel", "moe_up_kernel", "moe_down_kernel")
+             and c.constexprs.get("MODE") != "all"]
+    assert [c.kernel_name for c in calls] == ["moe_group_kernel", "moe_up_kernel", "moe_down_kernel"]
+    assert calls[0].grid == (6 + 7, 1, 1) and calls[0].scratch_bytes["grp"] == (385 + 384) * 4
+    rows = aot.compile_calls(calls, ["gfx950", "sm_90a"], tmp_path / "out", jobs=2)
+    for r in rows:
+        if r["target"] == "gfx950":
+            assert r["spills"] == 0, f"{r['name']}: gfx950 goal is 0 spills"
+        if not r["name"].startswith("moe_group"):
+            assert r["mma_instructions"] > 0, f"{r['name']} {r['target']}: no matrix instructions"
+
+
+def test_mode_by_shape():
+    """Decode-sized P ranks in registers (4 launches, as before grouping); above SCAN_MAX_PAIRS one grouping
+    launch is added and the routed kernels read grp instead of the expert ids."""
+    dec, pre = v4pro_calls(10), v4pro_calls(11)  # P = 60 and 66 pairs
+    assert [c.kernel_name for c in dec] == ["moe_up_kernel", "moe_up_kernel", "moe_down_kernel", "moe_combine_kernel"]
+    assert "grp" not in dec[0].scratch_bytes and dec[0].constexprs["MODE"] == "scan" and dec[0].constexprs["PB"] == 64
+    assert [c.kernel_name for c in pre][:2] == ["moe_group_kernel", "moe_up_kernel"]
+    assert pre[1].constexprs["MODE"] == "grouped" and pre[1].constexprs["idx_ptr"] is None
+    assert [p[2] for p in pre[1].pointers if p[1] == "scratch"] == ["grp", "h"]
