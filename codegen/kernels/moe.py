@@ -289,6 +289,11 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     scratch = {"h": P * I * dsize, "yr": P * D * dsize}
     common = dict(ACT=act, CDT=_tl_dtype(cdt), BM=BM)
     common_s = dict(ACT=sact, CDT=_tl_dtype(cdt), BM=BM)
+    # The shared gate/up program loops over all tokens: token tiles as wide as `linear` uses, so a prefill
+    # chunk passes over the weight tile once per 64 tokens, not once per 16 (same program count). The
+    # combine keeps BM-token tiles: its token axis is in the grid, and it has few programs already.
+    BMS = min(64, max(BM, triton.next_power_of_2(M)))
+    warps_s = 8 if BMS * 128 >= 8192 else 4
     active, rows = _routed_work(E, k, M)
 
     def wce(w, s, K, blk, a=act):
@@ -339,7 +344,8 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
         scratch["hs"] = M * IS * dsize
         BNS = 64 if IS <= 64 else 128
         ce = dict(P=M, E=1, KSEL=1, MODE="all", PB=1, I=IS, D=D, X_RS=x_rs, IDX_RS=0, H_RS=IS, W_ES=0, S_ES=0,
-                  LIMIT=limit, BN=BNS, idx_ptr=None, grp_ptr=None, **common_s, **wce(g1, t1, D, sblock, sact))
+                  LIMIT=limit, BN=BNS, idx_ptr=None, grp_ptr=None, **{**common_s, "BM": BMS},
+                  **wce(g1, t1, D, sblock, sact))
         pts = [("x_ptr", "operand", "x", x), ("w1_ptr", "operand", "s1", g1), ("w3_ptr", "operand", "s3", g3)]
         if t1 is not None:
             pts += [("s1_ptr", "operand", "s1_scale", t1), ("s3_ptr", "operand", "s3_scale", t3)]
@@ -347,7 +353,7 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
             ce.update(s1_ptr=None, s3_ptr=None)
         pts.append(("h_ptr", "scratch", "hs", "*" + cdt))
         calls.append(KernelCall(call_name("moe_shared_up", ce, f"m{M}_i{IS}_d{D}_{ce['W_FMT']}_{cdt}"), moe_up_kernel,
-                                ce, [ptr(*p) for p in pts], (1, triton.cdiv(IS, BNS), 1), num_warps=4,
+                                ce, [ptr(*p) for p in pts], (1, triton.cdiv(IS, BNS), 1), num_warps=warps_s,
                                 scratch_bytes=scratch,
                                 unaligned=unaligned({"x_ptr": x, "w1_ptr": g1, "w3_ptr": g3, "s1_ptr": t1, "s3_ptr": t3}),
                                 flops=4 * M * IS * D, mma_dtype="fp8" if sact == "fp8" else "bf16",
