@@ -311,7 +311,8 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
         ce = dict(P=P, E=E, KSEL=k, IDX_RS=idx_rs, NRB=nrb, BP=GROUP_BP, BQ=GROUP_BQ)
         calls.append(KernelCall(call_name("moe_group", ce, f"e{E}_p{P}"), moe_group_kernel, ce,
                                 [ptr("idx_ptr", "operand", "indices", idx), ptr("grp_ptr", "scratch", "grp", "*i32")],
-                                (nrb + triton.cdiv(E + 1, GROUP_BP), 1, 1), num_warps=GROUP_WARPS, scratch_bytes=scratch,
+                                (nrb + triton.cdiv(E + 1, GROUP_BP), 1, 1), num_warps=GROUP_WARPS,
+                                scratch_bytes=scratch,
                                 unaligned=unaligned({"idx_ptr": idx}), bytes_moved=idx.type.nbytes + scratch["grp"]))
         find = [("grp_ptr", "scratch", "grp", "*i32")]
         find_ce = dict(idx_ptr=None)
@@ -332,8 +333,8 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     pts.append(("h_ptr", "scratch", "h", "*" + cdt))
     calls.append(KernelCall(call_name("moe_up", ce, f"e{E}_p{P}_i{I}_d{D}_{ce['W_FMT']}_{cdt}_{mode}"), moe_up_kernel,
                             ce, [ptr(*p) for p in pts], (E, triton.cdiv(I, BNI), 1), num_warps=4, scratch_bytes=scratch,
-                            unaligned=unaligned({"x_ptr": x, "idx_ptr": idx, "w1_ptr": w1, "w3_ptr": w3, "s1_ptr": s1,
-                                                 "s3_ptr": s3}),
+                            unaligned=unaligned({"x_ptr": x, "idx_ptr": idx if mode == "scan" else None, "w1_ptr": w1,
+                                                 "w3_ptr": w3, "s1_ptr": s1, "s3_ptr": s3}),
                             flops=4 * rows * I * D, mma_dtype="fp8" if act == "fp8" else "bf16",
                             bytes_moved=round(active * (per_expert(w1, s1) + per_expert(w3, s3)))
                             + x.type.nbytes + P * I * dsize))
@@ -372,7 +373,8 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     calls.append(KernelCall(call_name("moe_down", ce, f"e{E}_p{P}_i{I}_d{D}_{ce['W_FMT']}_{cdt}_{mode}"),
                             moe_down_kernel, ce, [ptr(*p) for p in pts], (E, triton.cdiv(D, BND), 1), num_warps=4,
                             scratch_bytes=scratch,
-                            unaligned=unaligned({"idx_ptr": idx, "wt_ptr": wts, "w2_ptr": w2, "s2_ptr": s2}),
+                            unaligned=unaligned({"idx_ptr": idx if mode == "scan" else None, "wt_ptr": wts,
+                                                 "w2_ptr": w2, "s2_ptr": s2}),
                             flops=2 * rows * I * D, mma_dtype="fp8" if act == "fp8" else "bf16",
                             bytes_moved=round(active * per_expert(w2, s2)) + wts.type.nbytes + P * (I + D) * dsize))
     # 4. shared down + combine
