@@ -313,7 +313,9 @@ def _run_workers(jobs: list[dict], cache_dir: str, n: int) -> None:
     for t in threads:
         t.join()
     if errors:
-        raise RuntimeError("AOT compile failed: " + "; ".join(errors[:3]))
+        from ..errors import CodegenError
+
+        raise CodegenError("ahead-of-time kernel compile failed: " + "; ".join(errors[:3]))
 
 
 def _worker_main(cache_dir: str) -> None:
