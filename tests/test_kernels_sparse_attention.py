@@ -113,12 +113,12 @@ def test_wrong_kernel_is_caught(wrong):
 # Decode lanes: 64 compressed + 7 window rows (the largest count), 2 + 7 rows, an empty history (own row
 # only), a padding lane (pos = -1).
 DECODE = [  # case, rows per split floor
-    (("hca", "native", "fp32", [255, 9, 0, 5], [1, 1, 1, 0], 1, 20, 24, 8), 16),   # 5 splits of 15, last 11
-    (("hca", "native", "fp32", [255, 9, 0, 5], [1, 1, 1, 0], 1, 20, 24, 8), 40),   # splits of 64 > BN, last 7
+    (("hca", "native", "fp32", [255, 9, 0, 5], [1, 1, 1, 0], 1, 20, 24, 8), 16),   # 4 splits of 18, last 17
+    (("hca", "native", "fp32", [255, 9, 0, 5], [1, 1, 1, 0], 1, 20, 24, 8), 33),   # splits of 64 > BN, last 7
     (("hca", "fp8", "bf16", [255, 30, 5], [1, 1, 0], 1, 4, 56, 8), 24),
     (("csa", "fp8", "fp32", [200, 60, 3], [1, 1, 0], 1, 4, 40, 8), 4),             # 12 rows -> 3 splits
     (("csa", "native", "bf16", [200, 7], [1, 1], 1, 4, 32, 8), 5),
-    (("swa", "native", "fp32", [100, 2, 0, 9], [1, 1, 1, 0], 1, 4, 32, 8), 3),      # window only: 3 splits
+    (("swa", "native", "fp32", [100, 2, 0, 9], [1, 1, 1, 0], 1, 4, 32, 8), 3),      # window only: 4 + 3 rows
     (("swa", "bf16", "bf16", [100, 4], [1, 1], 1, 6, 32, 8), 3),
 ]
 
@@ -131,10 +131,16 @@ def test_decode_splits(case, rows, monkeypatch):
     assert calls[0].grid[2] > 1, "the case must span several splits"
 
 
+def test_decode_one_split_is_one_pass(monkeypatch):
+    calls = _check(DECODE[0][0])
+    assert [c.kernel_name for c in calls] == ["sparse_attention_kernel"]
+
+
 def test_decode_production_plan():
     """V4-Pro decode shape: 8 lanes, 128 heads, 127 window + 1024 selected rows -> >= 2 x 256 programs
-    would need 32 splits; the 128-row floor gives 9 (split, merge) with 64-head blocks."""
-    assert sa.split_plan(1151, 8, 2, 16) == (9, 128)
+    would need 32 splits; the 128-row floor gives 8 of 144 rows (split, merge) with 64-head blocks."""
+    assert sa.split_plan(1151, 8, 2, 16) == (8, 144)
+    assert sa.split_plan(129, 8, 2, 16)[0] == 1
     assert sa.split_plan(7, 8, 1, 16) == (1, 7)
     assert sa.split_plan(0, 8, 1, 16) == (1, 1)
 

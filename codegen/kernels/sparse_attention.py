@@ -208,8 +208,8 @@ def sparse_attention_merge_kernel(sink_ptr, part_ptr, out_ptr, H: tl.constexpr, 
 
 
 # Decode split-KV plan. Programs of pass 1 aim at 2 x the larger CU count of the targets (gfx950: 256 CUs;
-# sm_90a: 132 SMs) without slicing a lane's rows finer than MIN_SPLIT_ROWS: every split costs an [H, d]
-# fp32 partial round trip (512 KiB at V4-Pro), as much as ~900 fp8 pool rows.
+# sm_90a: 132 SMs) without giving a split fewer than MIN_SPLIT_ROWS rows: every split costs an [H, d]
+# fp32 partial round trip (512 KiB at V4-Pro), as much as ~900 fp8 pool rows. One split: one pass.
 TARGET_PROGRAMS = 512
 MIN_SPLIT_ROWS = 128
 # Heads per pass-1 program at d = 512 (DECODE_WARPS warps): each head block reads the lane's rows once more.
@@ -219,7 +219,7 @@ DECODE_WARPS = 8
 
 def split_plan(max_rows: int, lanes: int, head_blocks: int, bn: int) -> tuple[int, int]:
     """(splits, rows per split) for a lane row list of static capacity `max_rows`."""
-    ns = max(1, min(triton.cdiv(TARGET_PROGRAMS, lanes * head_blocks), triton.cdiv(max_rows, MIN_SPLIT_ROWS)))
+    ns = max(1, min(triton.cdiv(TARGET_PROGRAMS, lanes * head_blocks), max_rows // MIN_SPLIT_ROWS))
     rs = triton.cdiv(max(max_rows, 1), ns)
     if rs > bn:
         rs = triton.cdiv(rs, bn) * bn
@@ -281,6 +281,12 @@ def _decode_calls(c, pointers, offsets, aligned, flops, n_rows, row_bytes, q, kv
     BH = DECODE_BH if D > 256 else 16
     HB = triton.cdiv(H, BH)
     NS, RS = split_plan(max_rows, B, HB, c["BN"])
+    if NS == 1:  # nothing to split: the one-pass kernel, no partials and no second launch
+        c = dict(c, BH=BH)
+        return [KernelCall(name=call_name("sparse_attention", c, f"b{B}_t1_h{H}_d{D}_{attrs['fmt']}"),
+                           fn=sparse_attention_kernel, constexprs=c, pointers=pointers, grid=(B, HB, 1),
+                           num_warps=DECODE_WARPS if D > 256 else 4, unaligned=aligned, offsets=offsets, flops=flops,
+                           bytes_moved=n_rows * row_bytes * HB + 2 * q.type.nbytes)]
     ACC0 = B * NS * 2 * H
     part_bytes = (ACC0 + B * NS * H * D) * 4
     sc = {k: v for k, v in c.items() if k not in ("T", "Q_ST", "KV_ST", "O_SB", "O_ST", "O_SH")}
