@@ -137,10 +137,10 @@ def test_decode_one_split_is_one_pass(monkeypatch):
 
 
 def test_decode_production_plan():
-    """V4-Pro decode shape: 8 lanes, 128 heads, 127 window + 1024 selected rows -> >= 2 x 256 programs
-    would need 32 splits; the 128-row floor gives 8 of 144 rows (split, merge) with 64-head blocks."""
-    assert sa.split_plan(1151, 8, 2, 16) == (8, 144)
-    assert sa.split_plan(129, 8, 2, 16)[0] == 1
+    """V4-Pro decode shape: 8 lanes, 128 heads in 32-head blocks, 127 window + 1024 selected rows ->
+    >= 2 x 256 programs would need 16 splits; the 256-row floor gives 4 of 288 rows (split, merge)."""
+    assert sa.split_plan(1151, 8, 4, 16) == (4, 288)
+    assert sa.split_plan(257, 8, 4, 16)[0] == 1
     assert sa.split_plan(7, 8, 1, 16) == (1, 7)
     assert sa.split_plan(0, 8, 1, 16) == (1, 1)
 
