@@ -36,7 +36,10 @@ def gpu_entry(art: Artifact) -> dict | None:
 
 
 def artifact_program(art: Artifact):
+    from v4compile import ops
     from v4compile.ir.text import parse_module
+
+    ops.load_all()  # the program names ops of every set (its verifier and the kernel families look them up)
     from v4compile.passes import PassManager
     from v4compile.program.build import build_program
     from v4compile.program.verify import verify_program

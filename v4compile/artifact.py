@@ -89,7 +89,7 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
 
 # ---- building the bucketed module -------------------------------------------------------------
 
-def trace_buckets(cfg, options, buckets: Buckets) -> Module:
+def trace_buckets(cfg, options, buckets: Buckets, formats: dict | None = None) -> Module:
     """One module holding `decode_b<B>` for every decode bucket and `prefill_c<T>` for every chunk bucket.
     The pool is sized for the largest decode bucket (one slot per sequence in flight)."""
     from dataclasses import replace
@@ -101,7 +101,7 @@ def trace_buckets(cfg, options, buckets: Buckets) -> Module:
     for kind, sizes in (("decode", buckets.decode), ("prefill", buckets.prefill)):
         for n in sizes:
             o = replace(options, decode_batch=n) if kind == "decode" else replace(options, batch=1, chunk=n)
-            m = trace(cfg, o, functions=(kind,))
+            m = trace(cfg, o, functions=(kind,), formats=formats)
             fn = m.functions[kind]
             fn.name = decode_name(n) if kind == "decode" else prefill_name(n)
             fns[fn.name] = fn
@@ -159,6 +159,7 @@ def write_weights(module: Module, source, wdir: Path) -> dict[str, Any]:
                 tensors[n] = {"shard": f"weights/{fname}", "dtype": module.weights[n].type.dtype,
                               "shape": list(module.weights[n].type.shape)}
         files.append(f"weights/{fname}")
+        log.info("weights: shard %d of %d written (%d tensors, %.2f GB)", i + 1, len(shards), len(group), off / 1e9)
     return {"layout": "ir", "shards": files, "tensors": tensors}
 
 
@@ -295,9 +296,9 @@ def compile_artifact(fe, out: str | Path, buckets: Buckets = Buckets(), pipeline
     opts = PipelineOptions(disable=tuple(disable))
     cpu_res = gpu_res = None
     if "cpu" in targets:
-        cpu_res = PassManager(pipeline, opts).run(trace_buckets(fe.cfg, fe.options, buckets))
+        cpu_res = PassManager(pipeline, opts).run(trace_buckets(fe.cfg, fe.options, buckets, fe.formats))
     if any(t in GPU_TARGETS for t in targets):
-        gpu_res = PassManager(gpu_pipeline, opts).run(trace_buckets(fe.cfg, fe.options, gpu_buckets))
+        gpu_res = PassManager(gpu_pipeline, opts).run(trace_buckets(fe.cfg, fe.options, gpu_buckets, fe.formats))
     main = cpu_res or gpu_res
     if cpu_res is not None and gpu_res is not None:
         a = {n: w.type for n, w in cpu_res.module.weights.items()}
