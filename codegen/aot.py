@@ -281,7 +281,8 @@ def _nvdisasm(cubin: bytes) -> str | None:
 def _source_size(module: str, qual: str) -> int:
     """Characters of a kernel's source and of the @triton.jit helpers it calls (transitively): a cheap static
     stand-in for its compile time (the big fused kernels are the long ones)."""
-    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
     seen: set[int] = set()
 
     def size(fn) -> int:
@@ -292,7 +293,7 @@ def _source_size(module: str, qual: str) -> int:
         n = len(inspect.getsource(py))
         for name in py.__code__.co_names:
             g = py.__globals__.get(name)
-            if isinstance(g, triton.runtime.JITFunction):
+            if isinstance(g, (JITFunction, InterpretedFunction)):  # the latter under TRITON_INTERPRET=1
                 n += size(g)
         return n
     return size(getattr(importlib.import_module(module), qual))
