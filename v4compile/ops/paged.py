@@ -338,8 +338,9 @@ def _listed(indptr: torch.Tensor, indices: torch.Tensor, layout: torch.Tensor, T
 @defop("sparse_attention(q, kv, pos, sink, slot, block_table?, win_indptr, win_indices, comp_indptr?, comp_indices?, "
        "p0, p1?, p2?) -> out",
        attrs={"window": int, "scale": float, "win_base": int, "comp_base": int, "fmt": str, "slot_rows": int,
-              "n_rows": int, "ratio": (int, 0), "block_tokens": (int, 0), "envelope_rows": (int, 0),
-              "comp_rows": (int, 0)},
+              "n_rows": int,
+              # the compressed variant's geometry (the window variant has no compressed rows: sizes 1 / 0)
+              "ratio": (int, 1), "block_tokens": (int, 1), "envelope_rows": (int, 0), "comp_rows": (int, 0)},
        kernel="sparse_attention",
        variants={"window": (), "window_compressed": ("block_table", "comp_indptr", "comp_indices")})
 def sparse_attention(q, kv, pos, sink, slot, block_table, win_indptr, win_indices, comp_indptr, comp_indices, p0, p1,
