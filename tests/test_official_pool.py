@@ -208,9 +208,10 @@ def test_sparse_attention_rejects_rows_outside_its_layout_and_repeated_rows():
 
     args, attrs, _ = _op_case(True)
     bad = dict(args, win_indices=args["win_indices"].clone())
-    bad["win_indices"][0] = 50  # not a ring row of slot 0
-    with pytest.raises(InputError, match="window CSR row of lane 0 is not one of its sequence's window rows"):
-        sparse_attention(**bad, **attrs)
+    for row in (50, -1):  # not a ring row of slot 0; no row at all
+        bad["win_indices"][0] = row
+        with pytest.raises(InputError, match="window CSR row of lane 0 is not one of its sequence's window rows"):
+            sparse_attention(**bad, **attrs)
     bad = dict(args, comp_indices=args["comp_indices"].clone())
     bad["comp_indices"][1] = bad["comp_indices"][0]
     with pytest.raises(InputError, match="lane 0 lists a compressed row twice"):

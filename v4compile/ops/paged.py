@@ -322,7 +322,7 @@ def _listed(indptr: torch.Tensor, indices: torch.Tensor, layout: torch.Tensor, T
     lane_b = torch.arange(L) // T
     srt_l = srt[lane_b]
     at = torch.searchsorted(srt_l, rows).clamp(max=K - 1)
-    found = srt_l.gather(1, at) == rows
+    found = (srt_l.gather(1, at) == rows) & (rows >= 0)
     if bool((mask & ~found).any()):
         lane = int((mask & ~found).any(1).nonzero()[0])
         raise InputError(f"sparse_attention: a {what} CSR row of lane {lane} is not one of its sequence's {what} "
