@@ -73,7 +73,8 @@ def _lowered(name: str, capacity: int, numerics: str) -> SimpleNamespace:
                          numerics=numerics)
     check = NumericsCheck(ref, DenseSource(dense), sc, 16, 1e-5, capacity=capacity)
     # The pass manager's own numerics check, as `compile --check-numerics` runs it.
-    result = PassManager(["lower_sparse_attention"], PipelineOptions(check_numerics=check, out=io.StringIO())).run(before)
+    lowering = PassManager(["lower_sparse_attention"], PipelineOptions(check_numerics=check, out=io.StringIO()))
+    result = lowering.run(before)
     return SimpleNamespace(cfg=cfg, numerics=numerics, check=check, traced=_logits(check, traced), before=before,
                            before_logits=_logits(check, before), pooled=result.module,
                            pooled_logits=_logits(check, result.module), result=result)
