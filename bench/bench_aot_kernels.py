@@ -4,8 +4,8 @@ family (regs, spills, MMA count, compile time). A measurement, not a test.
 
     python bench/bench_aot_kernels.py --preset v4-pro --dtype bf16 --decode-batch 4 --funcs decode -j 2
 
-Value layouts: contiguous, except views (`split`, `reshape`), whose strides / offsets come from the
-registry's view rules (the same rule the memory plan uses).
+The kernel calls, and the value layouts they are specialised for, come from the program
+(`build_program` then `program_kernels`): the same calls the runtime launches.
 """
 
 from __future__ import annotations
@@ -19,47 +19,27 @@ import time
 from collections import defaultdict
 
 from v4compile.codegen import aot
-from v4compile.codegen.kernels import TensorArg, family
-from v4compile.ir.registry import Layout, get_op
-from v4compile.ir.types import BYTES
+from v4compile.codegen.program_kernels import program_kernels
+from v4compile.program.build import build_program
 
 MINE = ("gemm", "grouped_gemm", "inv_rope_quant", "moe", "router", "embed", "rms_norm", "elementwise", "last_token")
 
 
 def calls_of(module, funcs, families):
+    """The distinct kernel specialisations of `funcs` whose family is in `families`, in launch order, as the
+    program specialises them (its value layouts), and how many launches of other families were left out."""
+    prog = build_program(module)
+    kernels = program_kernels(prog)
     out, seen, skipped = [], set(), defaultdict(int)
     for fname in funcs:
-        f = module.functions[fname]
-        lay: dict[str, Layout] = {}
-
-        def layout(v):
-            return lay.get(v.name) or Layout.contiguous(v.type.shape)
-
-        for op in f.ops:
-            od = get_op(op.name)
-            if od.view is not None:
-                src = op.operands[0]
-                for r, l in zip(op.results, od.view(layout(src), src.type, [r.type for r in op.results], op.attrs)):
-                    lay[r.name] = l
+        for launch, calls in zip(prog.functions[fname].launches, kernels.calls[fname]):
+            if launch.kernel not in families or launch.kernel in kernels.missing:
+                skipped[launch.kernel] += 1
                 continue
-            if od.kernel not in families:
-                skipped[od.kernel] += 1
-                continue
-
-            def arg(v):
-                if v is None:
-                    return None
-                lo = layout(v)
-                off = lo.offset
-                align = 16 if off % 16 == 0 else (off & -off)
-                return TensorArg(v.type, lo.strides, align)
-            operands = {o.name: arg(v) for o, v in zip(od.operands, op.operands)}
-            rnames = od.result_names(op.operands, len(op.results)) if hasattr(od, "result_names") else od.results
-            results = {n: arg(v) for n, v in zip(rnames, op.results)}
-            for c in family(op.name).specialise(op.name, operands, results, dict(op.attrs)):
+            for c in calls:
                 if c.name not in seen:
                     seen.add(c.name)
-                    out.append((od.kernel, c))
+                    out.append((launch.kernel, c))
     return out, dict(skipped)
 
 

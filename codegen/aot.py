@@ -270,6 +270,17 @@ def _run_workers(jobs: list[dict], cache_dir: str, n: int) -> None:
         q.put(j)
     errors: list[str] = []
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = [0]
+    lock = threading.Lock()
+    t0, last = [time.perf_counter()], [time.perf_counter()]
+
+    def progress() -> None:  # a line at most every 10 s: a cold compile of a large model takes minutes
+        with lock:
+            done[0] += 1
+            now = time.perf_counter()
+            if now - last[0] >= 10 or done[0] == len(jobs):
+                last[0] = now
+                log.info("aot: %d of %d kernels compiled (%.0f s)", done[0], len(jobs), now - t0[0])
 
     def feed() -> None:
         p = subprocess.Popen([sys.executable, "-m", "v4compile.codegen.aot", "--worker", cache_dir], env=env,
@@ -289,6 +300,8 @@ def _run_workers(jobs: list[dict], cache_dir: str, n: int) -> None:
                 r = json.loads(line)
                 if "error" in r:
                     errors.append(f"{j['name']} ({j['target']}): {r['error']}")
+                else:
+                    progress()
         finally:
             with contextlib.suppress(Exception):
                 p.stdin.close()
@@ -300,16 +313,25 @@ def _run_workers(jobs: list[dict], cache_dir: str, n: int) -> None:
     for t in threads:
         t.join()
     if errors:
-        raise RuntimeError("AOT compile failed: " + "; ".join(errors[:3]))
+        from ..errors import CodegenError
+
+        raise CodegenError("ahead-of-time kernel compile failed: " + "; ".join(errors[:3]))
 
 
 def _worker_main(cache_dir: str) -> None:
     _worker_init()
+    import fcntl
+
     for line in sys.stdin:
         job = json.loads(line)
         try:
-            with contextlib.redirect_stdout(sys.stderr):
-                _compile_job(job, cache_dir)
+            # Two compiles sharing the cache (e.g. parallel test workers) wait for each other's result
+            # instead of compiling the same kernel twice.
+            with open(Path(cache_dir) / f".{job['key']}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not (Path(cache_dir) / job["key"] / "sidecar.json").exists():
+                    with contextlib.redirect_stdout(sys.stderr):
+                        _compile_job(job, cache_dir)
             out = {"ok": job["key"]}
         except Exception as e:  # noqa: BLE001  (reported to the parent with the kernel's name)
             out = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}

@@ -20,7 +20,7 @@ from v4compile.errors import DeviceError
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "c"
-SOURCES = ("v4rt.c", "drv_host.c", "drv_hip.c", "drv_cuda.c")
+SOURCES = ("v4rt.c", "drv_host.c", "drv_gpu.c", "drv_hip.c", "drv_cuda.c")
 CFLAGS = ("-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared")
 ASAN_FLAGS = ("-g", "-O1", "-fsanitize=address,undefined", "-fno-omit-frame-pointer")
 

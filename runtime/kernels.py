@@ -74,24 +74,4 @@ def kernel_calls_for(mode: str, device: str) -> Callable | None:
     return make_kernel_calls()
 
 
-GPU_TARGET = {"cuda": "sm_90a", "hip": "gfx950"}
-
-
-def aot_binaries(device: str, out_dir) -> Callable:
-    """[KernelCall] -> {name: (binary, sidecar)} compiled by `codegen.aot.compile_calls` for the device's
-    target (cached there by specialisation). Today at load time; an artifact's GPU target will carry them."""
-    import json
-    from pathlib import Path
-
-    target = GPU_TARGET[device]
-
-    def get(kcs) -> dict:
-        from v4compile.codegen.aot import compile_calls
-
-        compile_calls(kcs, [target], out_dir)
-        out = {}
-        for kc in kcs:
-            side = json.loads((Path(out_dir) / target / f"{kc.name}.json").read_text())
-            out[kc.name] = ((Path(out_dir) / target / side["binary"]).read_bytes(), side)
-        return out
-    return get
+GPU_TARGET = {"cuda": "sm_90a", "hip": "gfx950"}  # the artifact target whose binaries a device launches

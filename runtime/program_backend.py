@@ -1,13 +1,13 @@
 """Devices `host`, `hip`, `cuda`: an artifact's program run by the C runtime, behind the session's backend
 interface (`backend.py`: `functions()`, `run(function, step inputs) -> logits`, `close()`).
 
-The program is rebuilt from the artifact's final IR (`module.ir`, hash-checked at load) by the last two
-passes of the gpu pipeline (`plan_memory`, `lower_to_program`): the cpu and gpu pipelines differ only by
-those two, so the weights in the artifact are exactly the program's. Decode functions run as a graph
-captured on their first step and replayed after that; prefill functions run launch by launch.
-
-Kernels: until the Triton kernel families land, every launch is a placeholder call that only the host
-driver can run (its callback runs the op's reference); a GPU device therefore needs kernels and says so.
+The program: an artifact with GPU targets carries it (`gpu/program.txt`, hash-checked at load, parsed and
+verified); `hip` / `cuda` launch the binaries compiled ahead of time for their target
+(`kernels/<gfx950|sm_90a>/`, each checked against the manifest's sha256 and the call it serves), and
+`host` runs the same program with the same kernels interpreted. An artifact with the cpu target only is
+run on `host` from its final IR (`module.ir`) through the last two passes of the gpu pipeline
+(`plan_memory`, `lower_to_program`). Decode functions run as a graph captured on their first step and
+replayed after that; prefill functions run launch by launch.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from v4compile.errors import DeviceError
 
 from .backend import FunctionInfo
 from .c_backend import CRuntime
-from .kernels import aot_binaries, kernel_calls_for
+from .kernels import GPU_TARGET, kernel_calls_for
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +30,56 @@ PROGRAM_PASSES = ["plan_memory", "lower_to_program"]
 DRIVER_LIB = {"cuda": "libcuda.so.1", "hip": "libamdhip64.so"}  # the C drivers' defaults (runtime/c/drv_*.c)
 
 
+def gpu_entry(art: Artifact) -> dict | None:
+    """The artifact's first GPU target entry (they share one program), or None."""
+    return next((t for t in art.manifest["targets"] if t.get("format") == "triton-aot"), None)
+
+
 def artifact_program(art: Artifact):
+    from v4compile import ops
     from v4compile.ir.text import parse_module
+
+    ops.load_all()  # the program names ops of every set (its verifier and the kernel families look them up)
     from v4compile.passes import PassManager
     from v4compile.program.build import build_program
     from v4compile.program.verify import verify_program
 
+    entry = gpu_entry(art)
+    if entry is not None:
+        from v4compile.program.text import parse_program
+
+        return verify_program(parse_program(art.file(entry["program"]).read_text()))
     module = parse_module(art.file("module.ir").read_text())
     module = PassManager(PROGRAM_PASSES).run(module).module
     return verify_program(build_program(module))
+
+
+def artifact_binaries(art: Artifact, device: str):
+    """[KernelCall] -> {name: (binary, sidecar)} from the artifact's kernels for the device's target; a
+    kernel the artifact lacks, or whose sidecar disagrees with the call, is one clear error."""
+    import hashlib
+    import json
+
+    target = GPU_TARGET[device]
+    art.target(target)  # "the artifact has no 'sm_90a' target" when it was compiled without it
+    have = {k["name"]: k for k in art.manifest["kernels"] if k["target"] == target}
+
+    def get(kcs) -> dict:
+        out = {}
+        for kc in kcs:
+            k = have.get(kc.name)
+            if k is None:
+                raise DeviceError(f"the artifact has no {target} kernel '{kc.name}' (compiled by another version?)",
+                                  where=str(art.path))
+            binary = art.file(k["path"]).read_bytes()
+            if hashlib.sha256(binary).hexdigest() != k["sha256"]:
+                raise DeviceError("kernel binary does not match its hash in the manifest", where=k["path"])
+            side = json.loads(art.file(k["sidecar"]).read_text())
+            if list(side["grid"]) != list(kc.grid) or side["binary_sha256"] != k["sha256"]:
+                raise DeviceError(f"kernel sidecar disagrees with the program's call {kc.name}", where=k["sidecar"])
+            out[kc.name] = (binary, side)
+        return out
+    return get
 
 
 def artifact_weights(art: Artifact) -> dict:
@@ -83,12 +124,10 @@ class ProgramBackend:
             if missing:
                 raise DeviceError(f"device '{device}' needs compiled kernels for every launch; none yet for the "
                                   f"families {', '.join(missing)} (kernel codegen pending): use --device host or cpu")
-        binaries = None
-        if device != "host":
-            import tempfile
-
-            self._aot_dir = tempfile.TemporaryDirectory(prefix="v4compile-aot-")
-            binaries = aot_binaries(device, self._aot_dir.name)
+        if art.manifest["weights"].get("shape_only"):
+            raise DeviceError("a shape-only artifact (--weights none) has kernels and a program but no weights to "
+                              "run", where=str(art.path))
+        binaries = artifact_binaries(art, device) if device != "host" else None
         self.rt = CRuntime(self.program, artifact_weights(art), device, driver_lib=driver_lib, kernel_calls=calls,
                            binaries=binaries)
         self._funcs = {n: FunctionInfo(n, n.split("_")[0], int(f.attrs["batch"]), int(f.attrs["tokens"]))

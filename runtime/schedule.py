@@ -189,7 +189,11 @@ def build_schedule(p: Program, kernel_calls=None, functions: list[str] | None = 
                         params.append(Param(index["scratch"], scratch_at[name], f"scratch:{name}"))
                         continue
                     a = (ops if kind == "operand" else res).get(name)
-                    params.append(Param(-1, 0, f"{kind}:{name}") if a is None else Param(*slot(a), f"{kind}:{name}"))
+                    if a is None:
+                        params.append(Param(-1, 0, f"{kind}:{name}"))
+                    else:  # the call's launch-time offset (e.g. a layer's first pool row) moves the pointer on
+                        buf, off = slot(a)
+                        params.append(Param(buf, off + kc.offsets.get(param, 0), f"{kind}:{name}"))
                 if kc.name not in bins:
                     calls.append(Call(host_code(), kc.name, tuple(kc.grid), (kc.num_warps * warp, 1, 1), 0, tuple(params),
                                       kc))

@@ -234,15 +234,39 @@ class Session:
         self.backend.close()
 
 
+def auto_device(art: Artifact) -> str:
+    import ctypes
+
+    from .kernels import GPU_TARGET
+    from .program_backend import DRIVER_LIB
+
+    names = {t["name"] for t in art.manifest["targets"]}
+    for dev in ("cuda", "hip"):
+        if GPU_TARGET[dev] in names:
+            try:
+                ctypes.CDLL(DRIVER_LIB[dev])
+            except OSError:
+                continue
+            return dev
+    return "cpu" if "cpu" in names else "host"
+
+
 def load(path, device: str = "auto", *, threads: int | None = None, verify: bool = True,
          driver_lib: str | None = None, graphs: bool = True, kernels: str = "auto") -> Session:
     """Load an artifact directory for `device`: `cpu` (ONNX Runtime), `host` (the C runtime on host memory,
     kernels run from Python), `hip` / `cuda` (the C runtime on a GPU; `driver_lib` overrides the driver
-    library path), `auto` (the best device available: today `cpu`, since no artifact carries GPU kernels
-    yet). `graphs`: decode steps as captured graphs (C runtime devices)."""
+    library path), `auto` (a GPU whose driver library loads and whose target the artifact holds, else
+    `cpu` when the artifact has it, else `host`). `graphs`: decode steps as captured graphs (C runtime
+    devices)."""
     if device not in DEVICES:
         raise InputError(f"unknown device '{device}'", expected=", ".join(DEVICES))
     art = load_artifact(path, verify=verify)
+    if art.manifest["weights"].get("shape_only"):
+        raise InputError("a shape-only artifact (compiled with --weights none) has no weights to run",
+                         where=str(art.path), expected="an artifact compiled with weights")
+    if device == "auto":
+        device = auto_device(art)
+        log.info("device auto: %s", device)
     if device in ("host", "hip", "cuda"):
         from .program_backend import ProgramBackend
 

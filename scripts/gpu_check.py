@@ -3,8 +3,8 @@
     python scripts/gpu_check.py [--device cuda] [--configs tiny,mid] [--steps 8] [--reps 50] [--json OUT]
 
 For each config (tiny; `mid`: the ~0.5 B random V4 of bench/bench_cpu.py), random weights (seed 0):
-1. compile the artifact (decode buckets 1 and 4, prefill chunk 64) and load it on the device (kernels:
-   each launch's family `specialise`, compiled for sm_90a / gfx950 by codegen.aot at load);
+1. compile the artifact with the device's GPU target (its program: decode bucket 4, prefill chunk 64; the
+   kernels compiled ahead of time into kernels/<sm_90a|gfx950>/) and load it on the device;
 2. generate `--steps` greedy tokens for a ragged batch of 3 prompts (40, 23, 70 tokens: chunked prefill)
    and compare the ids with `ReferenceModel.generate` (exit 1 on any difference);
 3. time one decode step of the batch-4 bucket launch by launch and as a graph replay (inputs uploaded
@@ -52,7 +52,10 @@ def check(name, cfg, device, steps, reps, work):
 
     t0 = time.perf_counter()
     fe = _bench()._frontend(cfg, 256)  # random weights (seed 0), hf numerics, fp32
-    art = compile_artifact(fe, Path(work) / name, Buckets(decode=(1, 4), prefill=(64,)))
+    from v4compile.runtime.kernels import GPU_TARGET
+
+    art = compile_artifact(fe, Path(work) / name, Buckets(decode=(1, 4), prefill=(64,)),
+                           targets=("cpu", GPU_TARGET[device]))  # the GPU program: decode_b4, prefill_c64
     compile_s = time.perf_counter() - t0
     sess = v4compile.load(art, device=device)
     ref = fe.reference()

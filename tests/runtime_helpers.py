@@ -61,16 +61,35 @@ class Fake:
         self.path = str(fake_driver(kind))
         self.lib = ctypes.CDLL(self.path)
         self.lib.fake_fail.argtypes = [ctypes.c_char_p, ctypes.c_long]
+        self.lib.fake_trace.argtypes = [ctypes.c_long]
+        self.lib.fake_trace.restype = ctypes.c_char_p
+        self.lib.fake_attr.argtypes = [ctypes.c_long, ctypes.c_char_p, ctypes.POINTER(ctypes.c_long)]
         self.lib.fake_launch.argtypes = [ctypes.c_long, ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint32),
                                          ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int)]
         self.lib.fake_reset()
 
+    def fail(self, what: str, n: int) -> None:
+        """Make the n-th (1-based) call of one kind fail (see fake_driver.c)."""
+        assert self.lib.fake_fail(what.encode(), n) == 0, f"the fake driver cannot fail '{what}'"
+
     def counts(self) -> dict[str, int]:
-        c = (ctypes.c_long * 11)()
-        self.lib.fake_counts(c)
         names = ("allocs", "frees", "live", "loads", "unloads", "captures", "graph_launches", "logged", "streams",
-                 "graphs", "execs")
+                 "graphs", "execs", "attrs", "traced")
+        c = (ctypes.c_long * len(names))()
+        self.lib.fake_counts(c)
         return dict(zip(names, c))
+
+    def trace(self) -> list[str]:
+        """The name of every driver call so far, in order."""
+        return [self.lib.fake_trace(i).decode() for i in range(self.counts()["traced"])]
+
+    def attrs(self) -> list[tuple[str, int, int, int, bool]]:
+        """Each function-attribute call: kernel, attribute, value, launches logged before it, during capture."""
+        out, name, v = [], ctypes.create_string_buffer(200), (ctypes.c_long * 4)()
+        for i in range(self.counts()["attrs"]):
+            assert self.lib.fake_attr(i, name, v) == 0
+            out.append((name.value.decode(), v[0], v[1], v[2], bool(v[3])))
+        return out
 
     def log(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...], bool]]:
         out = []

@@ -168,7 +168,8 @@ def test_compile_output_is_atomic_and_force_replaces(tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
     (out / "old").write_text("old")
-    rc, _, err = run_main("compile", "-o", str(out), "--force", "--decode-buckets", "1", "--prefill-buckets", "16")
+    rc, _, err = run_main("compile", "-o", str(out), "--force", "--decode-buckets", "1", "--prefill-buckets", "16",
+                           "--target", "cpu")
     assert rc == 0, err
     names = sorted(p.name for p in out.iterdir())
     assert "old" not in names and {"manifest.json", "module.ir", "report.json"} <= set(names)
@@ -182,7 +183,8 @@ def test_compile_output_is_atomic_and_force_replaces(tmp_path, monkeypatch):
 
     monkeypatch.setattr(report, "build_report", boom)
     monkeypatch.setattr(artifact, "write_weights", boom)
-    rc, _, err = run_main("compile", "-o", str(tmp_path / "new"), "--decode-buckets", "1", "--prefill-buckets", "16")
+    rc, _, err = run_main("compile", "-o", str(tmp_path / "new"), "--decode-buckets", "1", "--prefill-buckets", "16",
+                          "--target", "cpu")
     assert_one_error(rc, err, "No space left")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 

@@ -97,7 +97,12 @@ def test_every_written_file_parses_back(tmp_path):
     files = sorted(p for p in (tmp_path / "dumps").iterdir())
     assert {p for p, _ in written} >= {str(f) for f in files}
     assert f"info: wrote artifact {tmp_path / 'out'}" in r.stderr
-    files.append(tmp_path / "out" / "module.ir")  # the artifact's IR parses back too
+    files.append(tmp_path / "out" / "module.ir")  # the artifact's IR parses back too, that of the GPU targets too
+    files.append(tmp_path / "out" / "gpu" / "module.ir")
+    from v4compile.program.text import parse_program
+    from v4compile.program.verify import verify_program
+
+    verify_program(parse_program((tmp_path / "out" / "gpu" / "program.txt").read_text()))
     assert "verified the IR before the pipeline and after each of" in r.stderr
     for f in files:
         ir_verify(f)

@@ -18,7 +18,7 @@ def artifact(tmp_path_factory):
     from v4compile.cli import main
 
     out = tmp_path_factory.mktemp("art") / "tiny"
-    assert main(["compile", "-o", str(out), "--decode-buckets", "1", "--prefill-buckets", "16"]) == 0
+    assert main(["compile", "-o", str(out), "--decode-buckets", "1", "--prefill-buckets", "16", "--target", "cpu"]) == 0
     load_artifact(out)  # the undamaged artifact loads
     return out
 

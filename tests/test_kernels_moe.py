@@ -8,16 +8,27 @@ each index_add_ step in ascending expert order, the final + shared), so what rem
 order inside each GEMM (1 bf16 ulp at a rounding boundary, which can propagate once: 2 ulps allowed).
 act="fp8" reference: spec 13.1 applied to each GEMM input with `formats.fp8_qdq` (the registry's moe
 ops do not declare `act` yet).
+
+Grouping (prefill-sized P, the grouping launch): hash and learned routing from the router reference with
+idle experts and experts of more than one BM tile, the same tolerances, and bit-identical to the in-register
+scan path; a wrong grouping kernel is caught; instrumented interpreter loads show every active expert's
+weights are read once per BM pairs routed to it (and a kernel cut into smaller tiles is caught); the
+V4-Pro prefill specialisations compile for gfx950 and sm_90a with matrix instructions and no gfx950 spills.
 """
 
 from __future__ import annotations
 
 import kernel_check as kc
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+import triton
+import triton.language as tl
+
 from v4compile.codegen import kernels
+from v4compile.codegen.kernels import moe
 from v4compile.formats import fp4_quant, fp8_block_quant, fp8_qdq
 from v4compile.ir.registry import get_op
 from v4compile.ops.basic import dequant_weight
@@ -124,3 +135,286 @@ def test_moe_experts_without_shared():
 def test_wrong_limit_is_caught():
     with pytest.raises(AssertionError):
         run(torch.float32, efmt="float", sfmt="float", D=64, I=64, IS=64, wrong=True)
+
+
+# ---- grouping: prefill-like shapes where many pairs share an expert ------------------------------------
+# P = 29 tokens x 3 slots = 87 pairs (> SCAN_MAX_PAIRS, so the grouping launch runs; not a multiple of BM),
+# E = 7 experts (not a power of two), experts 3 and 6 never routed, some experts with more than BM pairs
+# (two tiles). The routing comes from the router op's reference, hash (tid2eid[ids], a 4-row table so
+# tokens share expert sets) or learned (top-k of s + bias, the bias favouring experts 0 and 1).
+
+def _routing(kind, x, E, k, g):
+    M = x.shape[0] * x.shape[1]
+    if kind == "hash":
+        pool = torch.tensor([0, 1, 2, 4, 5])
+        table = torch.stack([pool[torch.randperm(5, generator=g)[:k]] for _ in range(4)])
+        ids = torch.randint(0, 4, (x.shape[0], x.shape[1]), generator=g)
+        args = {"x": x, "w": (torch.randn(E, x.shape[-1], generator=g) * 0.2).to(x.dtype), "bias": None,
+                "tid2eid": table, "ids": ids}
+    else:
+        bias = torch.tensor([4.0, 4.0, 0.0, -100.0, 0.0, 0.0, -100.0])
+        args = {"x": x, "w": (torch.randn(E, x.shape[-1], generator=g) * 0.2).to(x.dtype), "bias": bias,
+                "tid2eid": None, "ids": None}
+    wts, idx = kc.reference("router", args, {"k": k, "route_scale": 2.5})
+    counts = torch.bincount(idx.reshape(-1), minlength=E)
+    assert counts[3] == counts[6] == 0 and (counts[[0, 1, 2, 4, 5]] > 0).all() and counts.max() > moe.BM, counts
+    return wts, idx
+
+
+def prefill_case(dtype, routing="hash", efmt="fp4", sfmt="fp8", E=7, D=64, I=96, IS=64, k=3, B=1, T=29, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, D, generator=g).to(dtype)
+    wts, idx = _routing(routing, x, E, k, g)
+    w1, w1s = _experts(efmt, E, I, D, g)
+    w3, w3s = _experts(efmt, E, I, D, g)
+    w2, w2s = _experts(efmt, E, D, I, g)
+    if efmt != "fp4":
+        w1, w3, w2 = w1.to(dtype), w3.to(dtype), w2.to(dtype)
+    s1, s1s = _shared(sfmt, IS, D, g, dtype)
+    s3, s3s = _shared(sfmt, IS, D, g, dtype)
+    s2, s2s = _shared(sfmt, D, IS, g, dtype)
+    args = {"x": x, "weights": wts, "indices": idx, "w1": w1, "w2": w2, "w3": w3, "w1_scale": w1s, "w2_scale": w2s,
+            "w3_scale": w3s, "s1": s1, "s2": s2, "s3": s3, "s1_scale": s1s, "s2_scale": s2s, "s3_scale": s3s}
+    attrs = {"limit": 1.5, "block": 32 if efmt == "fp4" else 128, "shared_block": 128}
+    return args, attrs
+
+
+def launch_calls(args, attrs, patch=None, op="moe_experts_shared"):
+    """Poisoned y from the op's calls; `patch(calls)` may swap a call's kernel first."""
+    y, _ = kc.poisoned(args["x"].shape, args["x"].dtype)
+    calls = kernels.specialise_tensors(op, args, attrs, {"y": y})
+    if patch:
+        patch(calls)
+    kernels.run_calls(calls, args, {"y": y})
+    return y, calls
+
+
+# (bf16, hash, FP4 / FP8) runs in test_weights_read_once_per_tile, with the same numerics check
+@pytest.mark.parametrize("dtype,routing,fmts", [(torch.float32, "hash", ("fp4", "fp8")),
+                                                (torch.bfloat16, "learned", ("fp4", "fp8")),
+                                                (torch.float32, "learned", ("float", "float")),
+                                                (torch.bfloat16, "hash", ("float", "float"))],
+                         ids=["fp32-hash-fp4", "bf16-learned-fp4", "fp32-learned-float", "bf16-hash-float"])
+def test_grouped_prefill(dtype, routing, fmts, monkeypatch):
+    args, attrs = prefill_case(dtype, routing, *fmts)
+    y, calls = launch_calls(args, attrs)
+    assert [c.kernel_name for c in calls] == ["moe_group_kernel", "moe_up_kernel", "moe_up_kernel",
+                                              "moe_down_kernel", "moe_combine_kernel"]
+    kc.assert_matches(y, kc.reference("moe_experts_shared", args, attrs)[0], f"grouped {fmts} {routing} {dtype}",
+                      ulps=2)
+    # the in-register scan walks the same lists: bit-identical results, one launch fewer
+    monkeypatch.setattr(moe, "SCAN_MAX_PAIRS", 10 ** 9)
+    ys, scalls = launch_calls(args, attrs)
+    assert [c.kernel_name for c in scalls][0] == "moe_up_kernel"
+    assert torch.equal(y, ys), "grouped and scan paths differ"
+
+
+def test_grouped_act_fp8():
+    args, attrs = prefill_case(torch.bfloat16, "learned")
+    attrs = {**attrs, "act": "fp8", "shared_act": "fp8"}
+    y, calls = launch_calls(args, attrs)
+    assert calls[0].kernel_name == "moe_group_kernel"
+    kc.assert_matches(y, kc.reference("moe_experts_shared", args, attrs)[0], "grouped act=fp8", ulps=2)
+
+
+def test_grouped_moe_experts_without_shared():
+    args, attrs = prefill_case(torch.bfloat16, "hash", efmt="float")
+    args = {n: args[n] for n in ("x", "weights", "indices", "w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale")}
+    y, calls = launch_calls(args, attrs, op="moe_experts")
+    assert calls[0].kernel_name == "moe_group_kernel"
+    kc.assert_matches(y, kc.reference("moe_experts", args, attrs)[0], "grouped moe_experts", ulps=2)
+
+
+@triton.jit
+def _group_off_by_one(idx_ptr, grp_ptr, P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, IDX_RS: tl.constexpr,
+                      NRB: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr):
+    """moe_group_kernel with `<=` for `<` in the offsets: expert e gets the range of expert e + 1."""
+    pid = tl.program_id(0)
+    rq = tl.arange(0, BQ)
+    if pid < NRB:
+        p = pid * BP + tl.arange(0, BP)
+        ep = moe._expert_of(idx_ptr, p, p < P, KSEL, IDX_RS)
+        pos = tl.zeros([BP], dtype=tl.int32)
+        for q0 in range(0, P, BQ):
+            q = q0 + rq
+            eq = moe._expert_of(idx_ptr, q, q < P, KSEL, IDX_RS)
+            pos += tl.sum(((eq[None, :] < ep[:, None]) | ((eq[None, :] == ep[:, None]) & (q[None, :] < p[:, None])))
+                          .to(tl.int32), axis=1)
+        tl.store(grp_ptr + (E + 1) + pos, p, mask=p < P)
+    else:
+        e = (pid - NRB) * BP + tl.arange(0, BP)
+        off = tl.zeros([BP], dtype=tl.int32)
+        for q0 in range(0, P, BQ):
+            q = q0 + rq
+            eq = moe._expert_of(idx_ptr, q, q < P, KSEL, IDX_RS)
+            off += tl.sum((eq[None, :] <= e[:, None]).to(tl.int32), axis=1)
+        tl.store(grp_ptr + e, tl.minimum(off, P), mask=e <= E)
+
+
+@triton.jit
+def _group_unstable(idx_ptr, grp_ptr, P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, IDX_RS: tl.constexpr,
+                    NRB: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr):
+    """moe_group_kernel with the pairs of each expert in descending pair id."""
+    pid = tl.program_id(0)
+    rq = tl.arange(0, BQ)
+    if pid < NRB:
+        p = pid * BP + tl.arange(0, BP)
+        ep = moe._expert_of(idx_ptr, p, p < P, KSEL, IDX_RS)
+        pos = tl.zeros([BP], dtype=tl.int32)
+        for q0 in range(0, P, BQ):
+            q = q0 + rq
+            eq = moe._expert_of(idx_ptr, q, q < P, KSEL, IDX_RS)
+            pos += tl.sum(((eq[None, :] < ep[:, None]) | ((eq[None, :] == ep[:, None]) & (q[None, :] > p[:, None]))
+                           & (q[None, :] < P)).to(tl.int32), axis=1)
+        tl.store(grp_ptr + (E + 1) + pos, p, mask=p < P)
+    else:
+        moe.moe_group_kernel(idx_ptr, grp_ptr, P, E, KSEL, IDX_RS, NRB, BP, BQ)
+
+
+def _swap_group(fn):
+    def patch(calls):
+        assert calls[0].kernel_name == "moe_group_kernel"
+        calls[0].fn = fn
+    return patch
+
+
+def test_wrong_grouping_is_caught():
+    args, attrs = prefill_case(torch.float32, "hash", "float", "float")
+    ref = kc.reference("moe_experts_shared", args, attrs)[0]
+    y, _ = launch_calls(args, attrs, _swap_group(_group_off_by_one))
+    with pytest.raises(AssertionError):
+        kc.assert_matches(y, ref, "off-by-one offsets")
+    # Pair order inside an expert's list is NOT a fault: rows are written by pair id, so a descending
+    # order gives the very same bits (the combine order comes from the expert ids, not from the list).
+    y_ok, _ = launch_calls(args, attrs)
+    y_uns, _ = launch_calls(args, attrs, _swap_group(_group_unstable))
+    assert torch.equal(y_ok, y_uns)
+    kc.assert_matches(y_ok, ref, "grouped")
+
+
+# ---- structure: each active expert's weights are read once per BM pairs routed to it --------------------
+
+def _weight_reads(args, attrs, monkeypatch, names=("w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale")):
+    """Run the op under the interpreter counting, for every element of the named weights, how many times a
+    kernel loaded it (masked-off lanes not counted); returns name -> [E, elements per expert] counts."""
+    from triton.runtime import interpreter as it
+
+    counts = {n: np.zeros(args[n].numel(), dtype=np.int64) for n in names}
+    spans = {n: (args[n].data_ptr(), args[n].element_size(), args[n].numel()) for n in names}
+    orig = it.InterpreterBuilder.create_masked_load
+
+    def counting_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        addr = np.broadcast_to(ptrs.data, mask.data.shape)[mask.data].astype(np.int64)
+        for n, (base, size, numel) in spans.items():
+            hit = addr[(addr >= base) & (addr < base + size * numel)]
+            np.add.at(counts[n], (hit - base) // size, 1)
+        return orig(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    monkeypatch.setattr(it.InterpreterBuilder, "create_masked_load", counting_load)
+    y, calls = launch_calls(args, attrs)
+    monkeypatch.undo()
+    kc.assert_matches(y, kc.reference("moe_experts_shared", args, attrs)[0], "counted run", ulps=2)
+    E = args["w1"].shape[0]
+    return {n: c.reshape(E, -1) for n, c in counts.items()}, calls
+
+
+def _assert_once_per_tile(reads, idx, E, bm=16):
+    tiles = (torch.bincount(idx.reshape(-1), minlength=E) + bm - 1) // bm
+    for n, c in reads.items():
+        for e in range(E):
+            got = sorted(set(c[e].tolist()))
+            assert got == [int(tiles[e])], f"{n} of expert {e}: elements read {got} times, want {int(tiles[e])}"
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_weights_read_once_per_tile(scan, monkeypatch):
+    """bf16 activations, FP4 experts (the dot_scaled path: one load per weight byte and scale per tile).
+    Experts 3 and 6 idle (0 reads), one or two tiles for the others: never one read per chunk of pairs."""
+    args, attrs = prefill_case(torch.bfloat16, "hash")
+    if scan:
+        monkeypatch.setattr(moe, "SCAN_MAX_PAIRS", 10 ** 9)
+    reads, calls = _weight_reads(args, attrs, monkeypatch)
+    assert (calls[0].kernel_name == "moe_group_kernel") != scan
+    _assert_once_per_tile(reads, args["indices"], 7)
+
+
+def test_weight_rereads_are_caught(monkeypatch):
+    """The same check on kernels cut into 8-pair tiles (an expert with 9..16 pairs reads its weights twice)."""
+    args, attrs = prefill_case(torch.bfloat16, "hash")
+    monkeypatch.setattr(moe, "BM", 8)
+    reads, _ = _weight_reads(args, attrs, monkeypatch)
+    with pytest.raises(AssertionError, match="read"):
+        _assert_once_per_tile(reads, args["indices"], 7)
+
+
+def test_modeled_cost_counts_active_experts_once():
+    """Modeled bytes of the routed launches: expected active experts' weights once, so a prefill chunk
+    models fewer weight bytes than one read per pair, and a decode step about one expert per pair."""
+    from v4compile.codegen.kernels import TensorArg
+    args, attrs = prefill_case(torch.bfloat16, "hash")
+    y = torch.empty_like(args["x"])
+    calls = {c.kernel_name + ("_shared" if c.constexprs.get("MODE") == "all" else ""): c
+             for c in kernels.specialise_tensors("moe_experts_shared", args, attrs, {"y": y})}
+    E, k, M = 7, 3, 29
+    active, rows = moe._routed_work(E, k, M)
+    assert 6.9 < active <= E and M * k <= rows <= M * k + E * (moe.BM - 1)
+    per = sum(TensorArg.of(args[n]).type.nbytes for n in ("w1", "w3", "w1_scale", "w3_scale")) / E
+    up = calls["moe_up_kernel"]
+    assert up.bytes_moved == round(active * per) + args["x"].nbytes + M * k * 96 * 2
+    assert up.flops == 4 * rows * 96 * 64
+    a_dec, r_dec = moe._routed_work(384, 6, 2)  # V4-Pro decode, 2 tokens: ~12 experts, 12 tiles of 16 rows
+    assert 11.5 < a_dec <= 12 and abs(r_dec - 12 * 16) <= 1
+    a_pre, _ = moe._routed_work(384, 6, 64)  # V4-Pro prefill chunk of 64 tokens: ~243 of 384 experts
+    assert 240 < a_pre < 246
+
+
+# ---- AOT: the V4-Pro prefill specialisations compile for both targets, matrix instructions, no gfx950 spills
+
+def _ta(shape, dt):
+    from v4compile.codegen.kernels import TensorArg
+    from v4compile.ir.types import TensorType
+    st, s = [], 1
+    for n in reversed(shape):
+        st.append(s)
+        s *= n
+    return TensorArg(TensorType(tuple(shape), dt), tuple(reversed(st)))
+
+
+def v4pro_calls(M, E=384, k=6, D=7168, I=3072, dt="bf16"):
+    """moe_experts_shared as `v4compile ir dump --preset v4-pro --weights none --stage final --func prefill
+    --batch 1 --chunk 64 --dtype bf16` has it: FP4 routed experts (1x32 E8M0), FP8 shared (128x128 E8M0)."""
+    ops = dict(x=_ta((1, M, D), dt), weights=_ta((1, M, k), dt), indices=_ta((1, M, k), "i64"),
+               w1=_ta((E, I, D // 2), "fp4x2"), w3=_ta((E, I, D // 2), "fp4x2"), w2=_ta((E, D, I // 2), "fp4x2"),
+               w1_scale=_ta((E, I, D // 32), "e8m0"), w3_scale=_ta((E, I, D // 32), "e8m0"),
+               w2_scale=_ta((E, D, I // 32), "e8m0"), s1=_ta((I, D), "fp8e4m3"), s3=_ta((I, D), "fp8e4m3"),
+               s2=_ta((D, I), "fp8e4m3"), s1_scale=_ta((I // 128, D // 128), "e8m0"),
+               s3_scale=_ta((I // 128, D // 128), "e8m0"), s2_scale=_ta((D // 128, I // 128), "e8m0"))
+    return moe.specialise("moe_experts_shared", ops, {"y": _ta((1, M, D), dt)},
+                          {"limit": 10.0, "block": 32, "shared_block": 128, "act": "native", "shared_act": "native"})
+
+
+@pytest.mark.slow
+def test_aot_v4pro_prefill_grouped(tmp_path, monkeypatch):
+    from v4compile.codegen import aot
+    monkeypatch.setenv("V4COMPILE_CACHE", str(tmp_path / "cache"))
+    calls = [c for c in v4pro_calls(64) if c.kernel_name in ("moe_group_kernel", "moe_up_kernel", "moe_down_kernel")
+             and c.constexprs.get("MODE") != "all"]
+    assert [c.kernel_name for c in calls] == ["moe_group_kernel", "moe_up_kernel", "moe_down_kernel"]
+    assert calls[0].grid == (6 + 7, 1, 1) and calls[0].scratch_bytes["grp"] == (385 + 384) * 4
+    rows = aot.compile_calls(calls, ["gfx950", "sm_90a"], tmp_path / "out", jobs=2)
+    for r in rows:
+        if r["target"] == "gfx950":
+            assert r["spills"] == 0, f"{r['name']}: gfx950 goal is 0 spills"
+        if not r["name"].startswith("moe_group"):
+            assert r["mma_instructions"] > 0, f"{r['name']} {r['target']}: no matrix instructions"
+
+
+def test_mode_by_shape():
+    """Decode-sized P ranks in registers (4 launches, as before grouping); above SCAN_MAX_PAIRS one grouping
+    launch is added and the routed kernels read grp instead of the expert ids."""
+    dec, pre = v4pro_calls(10), v4pro_calls(11)  # P = 60 and 66 pairs
+    assert [c.kernel_name for c in dec] == ["moe_up_kernel", "moe_up_kernel", "moe_down_kernel", "moe_combine_kernel"]
+    assert "grp" not in dec[0].scratch_bytes and dec[0].constexprs["MODE"] == "scan" and dec[0].constexprs["PB"] == 64
+    assert [c.kernel_name for c in pre][:2] == ["moe_group_kernel", "moe_up_kernel"]
+    assert pre[1].constexprs["MODE"] == "grouped" and pre[1].constexprs["idx_ptr"] is None
+    assert [p[2] for p in pre[1].pointers if p[1] == "scratch"] == ["grp", "h"]

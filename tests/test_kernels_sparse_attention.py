@@ -1,6 +1,8 @@
 """sparse_attention kernel vs its op reference (interpreter): native and fp8 pool planes, window-only
 (SWA), window + all compressed rows (HCA) and window + selected rows (CSA) layers, prefill chunks with
-padding lanes and decode, fp32 and bf16.
+padding lanes and decode, fp32 and bf16. Decode (T == 1) runs the split-KV pair (pass 1 over splits of
+each lane's row list, then the LSE merge); the split tests shrink the rows per split so these tiny row
+lists span several splits (the production plan would give one).
 
 Tolerances. fp32: 2e-6 x max|ref| + 1e-5 x |ref| (online softmax rescaling and exp order; a few fp32
 ulps). bf16: the logits are rounded exactly as the reference rounds them, the only difference is where
@@ -8,7 +10,9 @@ the probabilities are rounded to bf16 before the PV product: the reference round
 probabilities p, the kernel unnormalised exp(s - m_running) (each a relative 2^-9), and the reference
 rounds its pool and chunk halves separately before adding them. Bound: 2^-8 x max|value rows| (both
 probability roundings, summed over rows with weights adding to <= 1) + 2 bf16 ulps of |ref| (output
-roundings).
+roundings). Split-KV decode keeps both bounds: each split rounds its probabilities relative to its own
+running max (still a relative 2^-9 each) and the LSE merge rescales fp32 partials (a few fp32 ulps;
+measured <= 6e-7 x max|ref| on the fp32 decode cases).
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ import torch  # noqa: E402
 
 from attn_cases import DT, main_planes, positions  # noqa: E402
 from kernel_check import bf16_ulp, poisoned, reference  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from v4compile.codegen.kernels import launch  # noqa: E402
+from v4compile.codegen.kernels import sparse_attention as sa  # noqa: E402
 from v4compile.ops.paged import read_rows  # noqa: E402
 
 
@@ -80,7 +87,7 @@ def _check(case, seed=0, wrong=None):
     args, attrs = _operands(*case, seed=seed)
     want = reference("sparse_attention", args, attrs)[0]
     out = poisoned(want.shape, want.dtype)[0]
-    launch("sparse_attention", args, dict(attrs, **(wrong or {})), {"out": out})
+    calls = launch("sparse_attention", args, dict(attrs, **(wrong or {})), {"out": out})
     assert not out.float().isnan().any(), "unwritten output lanes"
     d = (out.float() - want.float()).abs()
     if want.dtype == torch.float32:
@@ -93,6 +100,7 @@ def _check(case, seed=0, wrong=None):
     bad = d > tol
     assert not bad.any(), (f"sparse_attention {case[:3]}: {int(bad.sum())}/{d.numel()} off, max |d| {d.max():.3g}, "
                            f"max |ref| {want.float().abs().max():.3g}")
+    return calls
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}-T{c[5]}" for c in CASES])
@@ -104,3 +112,70 @@ def test_sparse_attention(case):
 def test_wrong_kernel_is_caught(wrong):
     with pytest.raises(AssertionError, match="off"):
         _check(CASES[3] if "comp_base" in wrong else CASES[2], wrong=wrong)
+
+
+# Decode lanes: 64 compressed + 7 window rows (the largest count), 2 + 7 rows, an empty history (own row
+# only), a padding lane (pos = -1).
+DECODE = [  # case, rows per split floor
+    (("hca", "native", "fp32", [255, 9, 0, 5], [1, 1, 1, 0], 1, 20, 24, 8), 16),   # 4 splits of 18, last 17
+    (("hca", "native", "fp32", [255, 9, 0, 5], [1, 1, 1, 0], 1, 20, 24, 8), 33),   # splits of 64 > BN, last 7
+    (("hca", "fp8", "bf16", [255, 30, 5], [1, 1, 0], 1, 4, 56, 8), 24),
+    (("csa", "fp8", "fp32", [200, 60, 3], [1, 1, 0], 1, 4, 40, 8), 4),             # 12 rows -> 3 splits
+    (("csa", "native", "bf16", [200, 7], [1, 1], 1, 4, 32, 8), 5),
+    (("swa", "native", "fp32", [100, 2, 0, 9], [1, 1, 1, 0], 1, 4, 32, 8), 3),      # window only: 4 + 3 rows
+    (("swa", "bf16", "bf16", [100, 4], [1, 1], 1, 6, 32, 8), 3),
+]
+
+
+@pytest.mark.parametrize("case,rows", DECODE, ids=[f"{c[0]}-{c[1]}-{c[2]}-rs{r}" for c, r in DECODE])
+def test_decode_splits(case, rows, monkeypatch):
+    monkeypatch.setattr(sa, "MIN_SPLIT_ROWS", rows)
+    calls = _check(case)
+    assert [c.kernel_name for c in calls] == ["sparse_attention_split_kernel", "sparse_attention_merge_kernel"]
+    assert calls[0].grid[2] > 1, "the case must span several splits"
+
+
+def test_decode_one_split_is_one_pass(monkeypatch):
+    calls = _check(DECODE[0][0])
+    assert [c.kernel_name for c in calls] == ["sparse_attention_kernel"]
+
+
+def test_decode_production_plan():
+    """V4-Pro decode shape: 8 lanes, 128 heads in 32-head blocks, 127 window + 1024 selected rows ->
+    >= 2 x 256 programs would need 16 splits; the 256-row floor gives 4 of 288 rows (split, merge)."""
+    assert sa.split_plan(1151, 8, 4, 16) == (4, 288)
+    assert sa.split_plan(257, 8, 4, 16)[0] == 1
+    assert sa.split_plan(7, 8, 1, 16) == (1, 7)
+    assert sa.split_plan(0, 8, 1, 16) == (1, 1)
+
+
+@triton.jit
+def _merge_sink_per_split(sink_ptr, part_ptr, out_ptr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                          BH: tl.constexpr, NS: tl.constexpr, ACC0: tl.constexpr,
+                          O_SB: tl.constexpr, O_SH: tl.constexpr, DT: tl.constexpr):
+    """The merge with a deliberate bug: the sink enters the denominator once per split."""
+    lane = tl.program_id(0)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    col = tl.arange(0, DP)
+    hm = h < H
+    sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32)
+    mx = sink
+    for sp in range(NS):
+        mx = tl.maximum(mx, tl.load(part_ptr + ((lane * NS + sp) * 2) * H + h, mask=hm, other=0.0))
+    den = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, DP], tl.float32)
+    for sp in range(NS):
+        part = lane * NS + sp
+        w = tl.exp(tl.load(part_ptr + (part * 2) * H + h, mask=hm, other=0.0) - mx)
+        den += tl.load(part_ptr + (part * 2 + 1) * H + h, mask=hm, other=0.0) * w + tl.exp(sink - mx)
+        acc += tl.load(part_ptr + ACC0 + (part * H + h[:, None]) * D + col[None, :],
+                       mask=hm[:, None] & (col[None, :] < D), other=0.0) * w[:, None]
+    tl.store(out_ptr + lane * O_SB + h[:, None] * O_SH + col[None, :], (acc / den[:, None]).to(DT),
+             mask=hm[:, None] & (col[None, :] < D))
+
+
+def test_wrong_merge_is_caught(monkeypatch):
+    monkeypatch.setattr(sa, "MIN_SPLIT_ROWS", 16)
+    monkeypatch.setattr(sa, "sparse_attention_merge_kernel", _merge_sink_per_split)
+    with pytest.raises(AssertionError, match="off"):
+        _check(DECODE[0][0])

@@ -49,7 +49,7 @@ def _bash(code: str) -> str:
 @pytest.mark.parametrize("i", [i for i, (lang, _) in enumerate(blocks()) if lang == "bash"])
 def test_bash_blocks_run(i, tmp_path):
     code = _bash(blocks()[i][1])
-    r = subprocess.run(["bash", "-e", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(["bash", "-e", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -58,7 +58,7 @@ def test_python_blocks_run(i, tmp_path):
     code = blocks()[i][1]
     if '"out/tiny"' in code:  # a block that loads the artifact the README's compile command writes
         subprocess.run([sys.executable, "-m", "v4compile", "compile", "--preset", "tiny", "-o",
-                        str(tmp_path / "out" / "tiny")], check=True, capture_output=True, timeout=600)
+                        str(tmp_path / "out" / "tiny")], check=True, capture_output=True, timeout=900)
     else:
         ckpt = tmp_path / "ckpt"
         subprocess.run([sys.executable, "-m", "v4compile", "init-random", "--preset", "tiny", "-o", str(ckpt)],

@@ -6,6 +6,7 @@ clear error with nothing leaked. The whole runtime is also driven under AddressS
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 
 import pytest
@@ -117,7 +118,7 @@ def test_each_failure_is_one_clear_error_with_nothing_leaked(driver, case):
     kw, msg = FAILURES[case]
     kw = dict(kw)
     if "fail" in kw:
-        fake.lib.fake_fail(kw.pop("fail")[0].encode(), 4)
+        fake.fail(kw.pop("fail")[0], 4)
     if kw.get("table") is not None and case == "symbol":
         first = prog.functions["prefill"].launches[0].specialisation
         kw["table"] = fake_table(drop=first)
@@ -133,18 +134,22 @@ def test_each_failure_is_one_clear_error_with_nothing_leaked(driver, case):
 
 
 def test_the_runtime_under_address_sanitizer(tmp_path):
-    """Success and failure paths of the C runtime (host and both fake drivers) under ASan + UBSan +
-    LeakSanitizer, in a C driver program (tests/fake_driver/asan_main.c)."""
+    """Success and failure paths of the C runtime (host and both fake drivers: open, runs, failed runs,
+    a large-shared-memory opt-in and its refusal) under ASan + UBSan + LeakSanitizer, in a C driver program
+    (tests/fake_driver/asan_main.c)."""
     m, prog, w = tiny()
     sched_rt = CRuntime(prog, w, "host")
     (tmp_path / "host.tbl").write_bytes(sched_rt.table)
     (tmp_path / "fake.tbl").write_bytes(fake_table()(sched_rt.sched))
+    f = sched_rt.sched.functions[0]
+    f.calls[0] = dataclasses.replace(f.calls[0], shared=100 * 1024)  # above both drivers' default
+    (tmp_path / "shared.tbl").write_bytes(fake_table()(sched_rt.sched))
     sched_rt.close()
     exe = tmp_path / "asan_main"
     flags = ("-std=c11", "-Wall", "-Wextra", "-Werror") + ASAN_FLAGS
     compile_shared([FAKE_DIR / "asan_main.c"] + [SOURCE_DIR / s for s in SOURCES], exe, flags)
     r = subprocess.run([str(exe), str(tmp_path / "host.tbl"), str(tmp_path / "fake.tbl"), str(fake_driver("cuda")),
-                        str(fake_driver("hip"))], capture_output=True, text=True, timeout=120,
+                        str(fake_driver("hip")), str(tmp_path / "shared.tbl")], capture_output=True, text=True, timeout=120,
                        env={"ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0", "UBSAN_OPTIONS": "halt_on_error=1",
                             "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stdout + r.stderr

@@ -42,6 +42,7 @@ class FakeCall:  # the fields of codegen.kernels.KernelCall the runtime reads
     num_warps: int = 2
     num_stages: int = 1
     scratch_bytes: dict = field(default_factory=dict)
+    offsets: dict = field(default_factory=dict)
 
 
 def fake_embed(shift: int = 0):

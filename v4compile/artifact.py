@@ -2,12 +2,18 @@
 
     DIR/manifest.json          format and compiler versions, the config and its hash, numerics, dtype,
                                buckets, pool geometry, targets (+ their functions' files and interfaces),
-                               kernels (GPU targets, later), the weights layout, and the sha256 of every file
+                               kernels (target, path, sha256 of every GPU binary and sidecar), the weights
+                               layout, and the sha256 of every file
     DIR/weights/*.safetensors  the IR weights exactly as the functions take them (after merges), in shards
+                               (none in a shape-only artifact, `--weights none`: kernels and program only)
     DIR/onnx/<function>.onnx   the `cpu` target: one ONNX model per function (weights are graph inputs,
                                never copied into these files)
-    DIR/module.ir              the final IR (text form)
-    DIR/report.json            what was compiled: functions, op counts, pass hits, sizes
+    DIR/module.ir              the final IR (text form) of the cpu pipeline
+    DIR/gpu/module.ir          the final IR of the gpu pipeline (GPU targets)
+    DIR/gpu/program.txt        its program: buffers and ordered launches (codegen/gpu_target.py)
+    DIR/kernels/<target>/      gfx950 / sm_90a: one binary + JSON sidecar per kernel specialisation
+    DIR/report.json            what was compiled: functions, op counts, pass hits, sizes; for GPU targets
+                               the static kernel report (`kernels`) and the modeled decode step per bucket
 
 Writing is atomic (everything goes to a temporary sibling directory renamed at the end; on any error it
 is removed) and byte-reproducible (no timestamps, sorted keys, deterministic names). Weights are streamed:
@@ -35,7 +41,8 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARD_BYTES = 1 << 30  # 1 GiB of tensor data per weights shard
-TARGETS = ("cpu",)  # GPU targets (hip / cuda) plug in here with their kernels
+TARGETS = ("cpu", "gfx950", "sm_90a")
+GPU_TARGETS = ("gfx950", "sm_90a")
 
 
 class ArtifactError(InputError):
@@ -82,7 +89,7 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
 
 # ---- building the bucketed module -------------------------------------------------------------
 
-def trace_buckets(cfg, options, buckets: Buckets) -> Module:
+def trace_buckets(cfg, options, buckets: Buckets, formats: dict | None = None) -> Module:
     """One module holding `decode_b<B>` for every decode bucket and `prefill_c<T>` for every chunk bucket.
     The pool is sized for the largest decode bucket (one slot per sequence in flight)."""
     from dataclasses import replace
@@ -94,7 +101,7 @@ def trace_buckets(cfg, options, buckets: Buckets) -> Module:
     for kind, sizes in (("decode", buckets.decode), ("prefill", buckets.prefill)):
         for n in sizes:
             o = replace(options, decode_batch=n) if kind == "decode" else replace(options, batch=1, chunk=n)
-            m = trace(cfg, o, functions=(kind,))
+            m = trace(cfg, o, functions=(kind,), formats=formats)
             fn = m.functions[kind]
             fn.name = decode_name(n) if kind == "decode" else prefill_name(n)
             fns[fn.name] = fn
@@ -152,6 +159,7 @@ def write_weights(module: Module, source, wdir: Path) -> dict[str, Any]:
                 tensors[n] = {"shard": f"weights/{fname}", "dtype": module.weights[n].type.dtype,
                               "shape": list(module.weights[n].type.shape)}
         files.append(f"weights/{fname}")
+        log.info("weights: shard %d of %d written (%d tensors, %.2f GB)", i + 1, len(shards), len(group), off / 1e9)
     return {"layout": "ir", "shards": files, "tensors": tensors}
 
 
@@ -170,6 +178,10 @@ class CompileInputs:
     pipeline: list[str]
     hits: dict[str, Any] = field(default_factory=dict)
     targets: tuple[str, ...] = ("cpu",)
+    gpu_module: Module | None = None  # the gpu pipeline's final module (GPU targets)
+    gpu_buckets: Buckets | None = None  # its buckets (default: the largest decode batch and prefill chunk)
+    gpu_pipeline: list[str] = field(default_factory=list)
+    jobs: int | None = None  # AOT worker processes (does not change any output)
 
 
 def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> Path:
@@ -181,23 +193,41 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
     out = Path(out)
     if out.exists() and not force and not (out / MANIFEST).is_file() and any(out.iterdir()):
         raise InputError("output directory exists and is not an artifact; refusing to replace it", where=str(out))
-    if ci.source is None:
-        raise InputError("an artifact needs weights", expected="--weights random (presets) or a checkpoint")
     unknown = [t for t in ci.targets if t not in TARGETS]
     if unknown:
         raise InputError(f"unknown target '{unknown[0]}'", expected=", ".join(TARGETS))
+    gpu = [t for t in ci.targets if t in GPU_TARGETS]
+    if gpu and ci.gpu_module is None:
+        raise InputError("GPU targets need the gpu pipeline's module", found=", ".join(gpu))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
         (tmp / "weights").mkdir(parents=True)
-        weights = write_weights(ci.module, ci.source, tmp / "weights")
+        if ci.source is not None:
+            weights = write_weights(ci.module, ci.source, tmp / "weights")
+        else:  # shape-only: the layout the weights will have, no data
+            weights = {"layout": "ir", "shape_only": True, "shards": [],
+                       "tensors": {n: {"shard": None, "dtype": w.type.dtype, "shape": list(w.type.shape)}
+                                   for n, w in sorted(ci.module.weights.items())}}
         targets = []
         if "cpu" in ci.targets:
             targets.append(_write_onnx(ci, tmp))
-        (tmp / "module.ir").write_text(print_module(ci.module))
-        (tmp / "report.json").write_text(_json(_report(ci, targets)))
+            (tmp / "module.ir").write_text(print_module(ci.module))
+        gt = None
+        if gpu:
+            from .codegen.gpu_target import write_gpu_targets
+
+            (tmp / "gpu").mkdir()
+            (tmp / "gpu" / "module.ir").write_text(print_module(ci.gpu_module))
+            gt = write_gpu_targets(ci.gpu_module, gpu, tmp, ci.jobs)
+            targets += gt.targets
+        report = _report(ci, targets)
+        if gt is not None:
+            report["kernels"] = gt.rows
+            report["decode_step"] = gt.decode_step
+        (tmp / "report.json").write_text(_json(report))
         cfg_json = json.loads(ci.cfg.to_json())
         files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {
@@ -210,14 +240,18 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
             "dtype": ci.dtype,
             "max_context": ci.max_context,
             "buckets": {"decode_batch": list(ci.buckets.decode), "prefill_chunk": list(ci.buckets.prefill),
-                        "prefill_batch": 1},
+                        "prefill_batch": 1,
+                        **({"gpu": {"decode_batch": list(ci.gpu_buckets.decode),
+                                    "prefill_chunk": list(ci.gpu_buckets.prefill)}} if gpu else {})},
             "pool": {k[len("pool."):]: (list(v) if isinstance(v, tuple) else v)
                      for k, v in ci.module.attrs.items() if k.startswith("pool.")},
             "vocab_size": ci.cfg.vocab_size,
             "pipeline": list(ci.pipeline),
+            "pipelines": {k: v for k, v in (("cpu", list(ci.pipeline) if "cpu" in ci.targets else None),
+                                            ("gpu", list(ci.gpu_pipeline) if gpu else None)) if v is not None},
             "weights_origin": ci.weights_origin,
             "targets": targets,
-            "kernels": [],
+            "kernels": gt.kernels if gt is not None else [],
             "weights": weights,
             "files": files,
         }
@@ -237,18 +271,46 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
     return out
 
 
+def gpu_default_buckets(buckets: Buckets) -> Buckets:
+    """The GPU targets' default: one decode and one prefill function, the largest of each. A GPU decode
+    step is bound by reading the weights, so padding a smaller batch costs little, while every bucket
+    multiplies the kernels to compile (every shape is a compile-time constant of a kernel)."""
+    return Buckets((max(buckets.decode),), (max(buckets.prefill),))
+
+
 def compile_artifact(fe, out: str | Path, buckets: Buckets = Buckets(), pipeline: list[str] | None = None,
-                     targets: tuple[str, ...] = ("cpu",), disable: tuple[str, ...] = (), force: bool = False) -> Path:
-    """Trace the frontend's model per bucket, run the pipeline (default: the cpu one), write the artifact."""
-    from .passes import CPU_PIPELINE, PassManager, PipelineOptions
+                     targets: tuple[str, ...] = ("cpu",), disable: tuple[str, ...] = (), force: bool = False,
+                     gpu_pipeline: list[str] | None = None, jobs: int | None = None,
+                     gpu_buckets: Buckets | None = None) -> Path:
+    """Trace the frontend's model per bucket, run each requested target's pipeline (`pipeline`: the cpu
+    one, default CPU_PIPELINE; `gpu_pipeline`: default GPU_PIPELINE, down to the program, on
+    `gpu_buckets`, default `gpu_default_buckets`), write the artifact."""
+    from .passes import CPU_PIPELINE, GPU_PIPELINE, PassManager, PipelineOptions
 
     pipeline = list(pipeline or CPU_PIPELINE)
-    module = trace_buckets(fe.cfg, fe.options, buckets)
-    res = PassManager(pipeline, PipelineOptions(disable=tuple(disable))).run(module)
+    gpu_pipeline = list(gpu_pipeline or GPU_PIPELINE)
+    gpu_buckets = gpu_buckets or gpu_default_buckets(buckets)
+    if max(gpu_buckets.decode) != max(buckets.decode):  # one pool (slots) serves every target
+        raise InputError("the largest GPU decode bucket must be the largest decode bucket",
+                         expected=max(buckets.decode), found=max(gpu_buckets.decode))
+    opts = PipelineOptions(disable=tuple(disable))
+    cpu_res = gpu_res = None
+    if "cpu" in targets:
+        cpu_res = PassManager(pipeline, opts).run(trace_buckets(fe.cfg, fe.options, buckets, fe.formats))
+    if any(t in GPU_TARGETS for t in targets):
+        gpu_res = PassManager(gpu_pipeline, opts).run(trace_buckets(fe.cfg, fe.options, gpu_buckets, fe.formats))
+    main = cpu_res or gpu_res
+    if cpu_res is not None and gpu_res is not None:
+        a = {n: w.type for n, w in cpu_res.module.weights.items()}
+        b = {n: w.type for n, w in gpu_res.module.weights.items()}
+        if a != b:  # one weights directory serves both targets
+            raise InputError("the cpu and gpu pipelines take different weights", found=sorted(set(a) ^ set(b))[:4])
     origin = {"kind": fe.weights, "seed": fe.seed if fe.weights == "random" else None,
               "checkpoint": str(fe.checkpoint) if fe.checkpoint else None}
-    ci = CompileInputs(fe.cfg, res.module, fe.source, fe.options.numerics, fe.options.dtype, buckets,
-                       fe.options.capacity, origin, pipeline, res.hits(), targets)
+    ci = CompileInputs(fe.cfg, main.module, fe.source, fe.options.numerics, fe.options.dtype, buckets,
+                       fe.options.capacity, origin, pipeline if cpu_res is not None else gpu_pipeline, main.hits(),
+                       tuple(targets), gpu_res.module if gpu_res is not None else None, gpu_buckets, gpu_pipeline,
+                       jobs)
     return write_artifact(ci, out, force=force)
 
 
@@ -284,7 +346,9 @@ def _report(ci: CompileInputs, targets: list[dict]) -> dict[str, Any]:
                       for n, f in ci.module.functions.items()},
         "weights_bytes": sum(w.type.nbytes for w in ci.module.weights.values()),
         "kv_bytes_per_token": ci.module.attrs.get("pool.kv_bytes_per_token"),
-        "targets": {t["name"]: {f: v["nodes"] for f, v in t["functions"].items()} for t in targets},
+        "targets": {t["name"]: {f: v["nodes"] if "nodes" in v else v["launches"] for f, v in t["functions"].items()}
+                    for t in targets},
+        **({"gpu_kv_bytes_per_token": ci.gpu_module.attrs.get("pool.kv_bytes_per_token")} if ci.gpu_module else {}),
     }
 
 

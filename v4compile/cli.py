@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from .errors import InputError, V4Error
+from .errors import CodegenError, InputError, V4Error
 
 log = logging.getLogger("v4compile")
 
@@ -307,6 +307,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except CodegenError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except V4Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

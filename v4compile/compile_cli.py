@@ -120,9 +120,10 @@ def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
     _, int_arg, _ = _ints()
     g = p.add_argument_group("pipeline")
     g.add_argument("--passes", help="comma-separated pass specs (name or name{k=v,...}); default: the target's pipeline")
-    g.add_argument("--target", default="gpu",
+    g.add_argument("--target", default=None,
                    help="what to compile for, comma-separated: gfx950, sm_90a (or gpu: both; their pipeline runs to "
-                        "the program) and cpu (the ONNX path's pipeline); default gpu")
+                        "the program) and cpu (the ONNX path's pipeline); default gpu, and with -o also cpu for a "
+                        "model of up to 2 B parameters with weights")
     g.add_argument("--print-ir-after-all", action="store_true")
     g.add_argument("--print-ir-after-change", action="store_true")
     g.add_argument("--print-ir-after", action="append", default=[], metavar="PASS")
@@ -176,7 +177,7 @@ GPU_TARGETS = ("gfx950", "sm_90a")
 def targets_of(args) -> list[str]:
     """The requested targets, `gpu` expanded to every GPU target; an unknown name is an error."""
     out: list[str] = []
-    for t in (x.strip() for x in str(getattr(args, "target", "gpu")).split(",")):
+    for t in (x.strip() for x in str(getattr(args, "target", None) or "gpu").split(",")):
         names = list(GPU_TARGETS) if t == "gpu" else [t]
         for n in names:
             if n not in (*GPU_TARGETS, "cpu"):
@@ -598,17 +599,19 @@ def cmd_compile(args) -> int:
 
     _check_outputs(args)
     targets = targets_of(args)
+    if args.output:
+        targets = artifact_targets(args, targets)
     if args.dtype is None:
-        # ONNX Runtime's CPU kernels compute in fp32, and the cpu target is the only one an artifact holds
-        # until GPU codegen lands; a report of the GPU pipeline defaults to bf16.
-        args.dtype = "fp32" if (args.output or targets == ["cpu"]) else "bf16"
-    fe = frontend_of(args, need_weights=args.check_numerics, announce="compile")
+        # ONNX Runtime's CPU kernels compute in fp32; GPU targets alone default to bf16.
+        args.dtype = "fp32" if "cpu" in targets else "bf16"
+    fe = frontend_of(args, need_weights=args.check_numerics, shape_only_default=bool(args.output) and "cpu" not in targets,
+                     announce="compile")
     result, outcome = run_pipeline(args, fe)
     st = stages_of(args)
     rep = None
     if args.report or args.json:
         with st("report"):
-            rep = build_report(fe.cfg, fe.module, result)
+            rep = build_report(fe.cfg, fe.module, result, tuple(targets))
             rep["threads"] = args._threads
     if args.json:
         print(json.dumps(rep, indent=1))
@@ -623,28 +626,66 @@ def cmd_compile(args) -> int:
     return _finish(args, outcome)
 
 
-def _write_artifact(args, fe, targets) -> None:
-    """The artifact directory (v4compile/artifact.py): the cpu target, traced per bucket."""
+def _config_only(args):
+    """The config of the model named (preset or checkpoint directory), without tracing it."""
+    from .config import V4Config, preset
+
+    if args.checkpoint:
+        return V4Config.from_dir(args.checkpoint)
+    return preset(args.preset or "tiny")
+
+
+def artifact_targets(args, targets: list[str]) -> list[str]:
+    """What `-o` writes: the requested targets, plus, unless --target was given, the cpu target for a
+    small model with weights (so that its artifact runs on any machine)."""
     from .accounting import account
-    from .artifact import Buckets, compile_artifact
-    from .passes import CPU_PIPELINE
+
+    out = list(targets)
+    if (args.target is not None or "cpu" in out or args.weights == "none"
+            or account(_config_only(args)).logical_params > SMALL_MODEL_PARAMS):
+        return out
+    if args.checkpoint:
+        from .checkpoint import Checkpoint
+
+        if set(Checkpoint.open(args.checkpoint).stored_formats().values()) - {"dense"}:
+            log.info("compile: the cpu target is left out: its ONNX lowering has no FP8 / FP4 weights yet")
+            return out
+    return out + ["cpu"]
+
+
+def _write_artifact(args, fe, targets) -> None:
+    """The artifact directory (v4compile/artifact.py): every target's pipeline, traced per bucket."""
+    from .artifact import Buckets, compile_artifact, gpu_default_buckets
+    from .passes import CPU_PIPELINE, GPU_PIPELINE
 
     if args.start_from:
         raise InputError("an artifact is traced per bucket: --start-from cannot be combined with -o")
+    if "cpu" in targets and args.dtype != "fp32":
+        raise InputError("the cpu target computes in fp32", expected="--dtype fp32 (or --target gfx950,sm_90a)",
+                         found=args.dtype)
+    if "cpu" in targets and fe.source is None:
+        raise InputError("the cpu target needs weights", expected="--weights random (presets), a checkpoint, or "
+                                                                  "--target gfx950,sm_90a for a shape-only artifact")
     gpu = [t for t in targets if t != "cpu"]
-    small = account(fe.cfg).logical_params <= SMALL_MODEL_PARAMS
-    if gpu:
-        log.warning("GPU targets (%s) are not generated yet (kernel codegen pending): the artifact holds the cpu "
-                    "target only", ", ".join(gpu))
-    if "cpu" not in targets and not small:
-        raise InputError("nothing to write: GPU targets are not generated yet and the cpu target comes by "
-                         "default only with small models", expected="--target cpu")
-    if args.dtype != "fp32":
-        raise InputError("the cpu target computes in fp32", expected="--dtype fp32", found=args.dtype)
+    cpu_pipeline, gpu_pipeline = list(CPU_PIPELINE), list(GPU_PIPELINE)
+    if args.passes:
+        if gpu and "cpu" in targets:
+            raise InputError("--passes with -o names one pipeline: give either GPU targets or cpu", found=targets)
+        if gpu:
+            gpu_pipeline = _split_specs(args.passes)
+        else:
+            cpu_pipeline = _split_specs(args.passes)
     buckets = Buckets(_int_list(args.decode_buckets, "--decode-buckets"),
                       _int_list(args.prefill_buckets, "--prefill-buckets"))
-    pipeline = _split_specs(args.passes) if args.passes and "cpu" in targets else list(CPU_PIPELINE)
-    compile_artifact(fe, args.output, buckets, pipeline, ("cpu",), tuple(args.disable_pass), force=args.force)
+    buckets.validate()
+    gpu_buckets = gpu_default_buckets(buckets)
+    if args.gpu_decode_buckets or args.gpu_prefill_buckets:
+        gpu_buckets = Buckets(_int_list(args.gpu_decode_buckets, "--gpu-decode-buckets") if args.gpu_decode_buckets
+                              else gpu_buckets.decode,
+                              _int_list(args.gpu_prefill_buckets, "--gpu-prefill-buckets") if args.gpu_prefill_buckets
+                              else gpu_buckets.prefill)
+    compile_artifact(fe, args.output, buckets, cpu_pipeline, tuple(targets), tuple(args.disable_pass),
+                     force=args.force, gpu_pipeline=gpu_pipeline, jobs=args.jobs, gpu_buckets=gpu_buckets)
 
 
 def add_compile_commands(sub) -> None:
@@ -695,4 +736,11 @@ def add_compile_commands(sub) -> None:
     c.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     c.add_argument("--decode-buckets", default="1,2,4,8", help="decode batch buckets (default 1,2,4,8)")
     c.add_argument("--prefill-buckets", default="16,64", help="prefill chunk buckets, batch 1 (default 16,64)")
+    c.add_argument("--gpu-decode-buckets", default=None,
+                   help="decode batch buckets of the GPU targets (default: the largest --decode-buckets; smaller "
+                        "batches run padded)")
+    c.add_argument("--gpu-prefill-buckets", default=None,
+                   help="prefill chunk buckets of the GPU targets (default: the largest --prefill-buckets)")
+    c.add_argument("--jobs", type=int, default=None,
+                   help="worker processes compiling kernels ahead of time (default: the CPU count; same output)")
     c.set_defaults(func=cmd_compile)

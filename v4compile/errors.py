@@ -56,3 +56,8 @@ class PassError(V4Error):
 class DeviceError(V4Error):
     """The C runtime or a device driver failed: a driver that cannot be opened, a code object that does
     not load, a missing kernel, an allocation, a launch, a capture (the runtime's message says which)."""
+
+
+class CodegenError(V4Error):
+    """A kernel that Triton cannot compile for a target (an internal error of the compiler: the message
+    names the kernel and target; the CLI exits with status 1, since no input of the user's is at fault)."""

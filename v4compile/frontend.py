@@ -29,8 +29,9 @@ class Frontend:
     source: object | None  # gives IR weight tensors (None: shape-only)
     checkpoint: Path | None
     seed: int
-    options: TraceOptions
+    options: TraceOptions  # what `module` was traced with (shape-only: the released FP8 / FP4 formats)
     allow_nonfinite: bool = False
+    formats: dict | None = None  # a checkpoint's stored weight formats (every later trace must use them)
 
     def reference(self):
         """The ReferenceModel holding exactly the weights the IR will get."""
@@ -61,14 +62,14 @@ def load(checkpoint: str | None, preset_name: str | None, weights: str | None, o
         formats = ck.stored_formats()
         module = trace(cfg, options, formats=formats)
         return Frontend(cfg, module, weights, ck if weights == "checkpoint" else None, Path(checkpoint), seed, options,
-                        allow_nonfinite)
+                        allow_nonfinite, formats)
     cfg = preset(preset_name or "tiny")
     weights = weights or "random"
     if weights == "checkpoint":
         raise InputError("--weights checkpoint needs a CHECKPOINT")
     if weights == "none":
-        module = trace(cfg, TraceOptions(**{**options.__dict__, "weights": "released"}))
-        return Frontend(cfg, module, weights, None, None, seed, options)
+        options = TraceOptions(**{**options.__dict__, "weights": "released"})
+        return Frontend(cfg, trace(cfg, options), weights, None, None, seed, options)
     from .accounting import account
     from .init_random import random_source
     from .weights import spec_table

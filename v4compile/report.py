@@ -53,7 +53,8 @@ def _total_hits(hits: dict[str, int], func: str = "decode") -> dict[str, int]:
     return out
 
 
-def build_report(cfg: V4Config, traced: Module, result) -> dict:
+def build_report(cfg: V4Config, traced: Module, result, targets: tuple[str, ...] = ()) -> dict:
+    """`targets`: GPU targets whose modeled decode step (codegen/roofline.py) joins the report."""
     final = result.module
     dec = final.functions.get("decode")
     lowered = "pool.kv_bytes_per_token" in final.attrs
@@ -83,9 +84,18 @@ def build_report(cfg: V4Config, traced: Module, result) -> dict:
     if final.attrs.get("stage") == "program":
         from .program.build import build_program
 
-        rep["program"] = program_summary(build_program(final))
+        prog = build_program(final)
+        rep["program"] = program_summary(prog)
         if "decode" in rep["program"]:
             rep["launches_per_decode_step"] = rep["program"]["decode"]["launches"]
+        gpu = [t for t in targets if t != "cpu"]
+        if gpu and "decode" in prog.functions:
+            from .codegen.program_kernels import program_kernels
+            from .codegen.roofline import step_model
+
+            pk = program_kernels(prog)
+            if pk.complete:
+                rep["decode_step"] = {t: step_model(prog, pk, "decode", t) for t in gpu}
     return rep
 
 
@@ -143,6 +153,11 @@ def render_report(rep: dict) -> str:
     for fname, p in (rep.get("program") or {}).items():
         lines.append(f"  program @{fname}: {p['launches']} launches, {p['specialisations']} kernel specialisations; "
                      + ", ".join(f"{k} x{v}" for k, v in p["kernel_families"].items()))
+    if rep.get("decode_step"):
+        from .codegen.roofline import render_step
+
+        lines.append("  modeled decode step (kernel bytes and FLOPs at the target's roofline + per-launch latency):")
+        lines += [render_step(m) for m in rep["decode_step"].values()]
     acc = rep["kv_bytes_per_token_accounting"]
     lines.append("  KV bytes per token, accounting: " + ", ".join(f"{k} {v:.0f}" for k, v in acc.items()))
     return "\n".join(lines) + "\n"

@@ -41,6 +41,7 @@ IR_TRITON: dict[str, str] = {
     "bool": "i1",
 }
 KINDS = ("operand", "result", "scratch")
+BYTES_OF = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8e4nv": 1, "u8": 1, "i8": 1, "i32": 4, "i64": 8, "i1": 1}
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,11 @@ class KernelCall:
     `scratch_bytes`, shared by the calls of one op in order). `unaligned` names pointer params whose base
     is not known to be 16-byte aligned (the AOT stage gives every other pointer `tt.divisibility=16`).
     `flops` / `bytes_moved` are the modeled work of this launch and `mma_dtype` ("bf16" | "fp8" | "fp4") the
-    MMA precision that bounds it (for the roofline cost in `codegen.aot`)."""
+    MMA precision that bounds it (for the roofline cost in `codegen.aot`).
+
+    `offsets`: bytes added to a pointer param's base at launch. Not part of the specialisation (not a
+    constexpr, not in `name`): per-layer row offsets into the shared pool planes go here, so every layer of
+    a kind launches the same binary (V4-Pro decode: 547 specialisations -> ~60)."""
     name: str
     fn: Any
     constexprs: dict[str, Any]
@@ -92,6 +97,7 @@ class KernelCall:
     flops: int = 0
     bytes_moved: int = 0
     mma_dtype: str = "bf16"
+    offsets: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.grid = tuple(int(g) for g in self.grid)
@@ -102,6 +108,10 @@ class KernelCall:
                 raise ValueError(f"{self.name}: bad pointer entry {p}")
             if p[1] == "scratch" and p[2] not in self.scratch_bytes:
                 raise ValueError(f"{self.name}: scratch '{p[2]}' has no size in scratch_bytes")
+        params = {p[0]: p[1] for p in self.pointers}
+        for param, off in self.offsets.items():
+            if params.get(param) not in ("operand", "result") or off < 0:
+                raise ValueError(f"{self.name}: offset {off} for '{param}' (not an operand / result pointer)")
 
     @property
     def kernel_name(self) -> str:
@@ -124,6 +134,20 @@ class KernelCall:
 def ptr(param: str, kind: str, name: str, arg: TensorArg | str) -> tuple[str, str, str, str]:
     """A `pointers` entry; `arg` is the TensorArg (its pointer type) or an explicit type like "*fp32"."""
     return (param, kind, name, arg if isinstance(arg, str) else arg.ptr_type)
+
+
+def row_offsets(params: dict[str, TensorArg | None], rows: int) -> dict[str, int]:
+    """Launch-time byte offsets (`KernelCall.offsets`) moving each [N, ...] plane pointer `rows` rows on."""
+    return {p: rows * a.strides[0] * BYTES_OF[a.ptr_type[1:]] for p, a in params.items() if a is not None and rows}
+
+
+def any_row(a: TensorArg | None) -> TensorArg | None:
+    """`a` with the base alignment that holds at every row offset (what a pointer moved by `row_offsets`
+    can promise the compiler, whatever the layer)."""
+    if a is None:
+        return None
+    row = a.strides[0] * BYTES_OF[a.ptr_type[1:]]
+    return TensorArg(a.type, a.strides, min(a.align, row & -row if row else a.align))
 
 
 def unaligned(pairs: dict[str, TensorArg | None]) -> tuple[str, ...]:
@@ -185,7 +209,12 @@ def run_calls(calls: list[KernelCall], args: dict[str, torch.Tensor | None], out
             else:
                 t = (args if kind == "operand" else outs)[name]
             want = TRITON_TORCH[ty[1:]]
-            kw[param] = t if t.dtype == want else t.view(want)
+            off = call.offsets.get(param, 0)
+            if off:
+                raw = t.view(torch.uint8).reshape(-1)[off:] if t.dtype != torch.bool else t.reshape(-1)[off:]
+                kw[param] = raw[: raw.numel() // BYTES_OF[ty[1:]] * BYTES_OF[ty[1:]]].view(want)
+            else:
+                kw[param] = t if t.dtype == want else t.view(want)
         call.fn[call.grid](**kw, **call.constexprs, num_warps=call.num_warps, num_stages=call.num_stages)
 
 

@@ -18,7 +18,7 @@ import math
 import triton
 import triton.language as tl
 
-from . import KernelCall, call_name, ptr, unaligned
+from . import KernelCall, any_row, call_name, ptr, row_offsets, unaligned
 from .kvrows import (TL_DTYPE, fp4_qdq, fp8_qdq, fwht, hadamard_scale, plane_consts, pow2, ring_keep, rope,
                      rope_table, store_rows)
 
@@ -61,7 +61,7 @@ def compress_kernel(kv_ptr, gate_ptr, ape_ptr, norm_ptr, skv_ptr, sg_ptr, pos_pt
                     S: tl.constexpr, BS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, CW: tl.constexpr,
                     CWP: tl.constexpr, BT: tl.constexpr, EPS: tl.constexpr, ROPE_DIM: tl.constexpr,
                     F: tl.constexpr, ROUND: tl.constexpr, RBLK: tl.constexpr, HS: tl.constexpr,
-                    PER_BLOCK: tl.constexpr, ENV: tl.constexpr, LAYER_OFFSET: tl.constexpr, BT_S: tl.constexpr,
+                    PER_BLOCK: tl.constexpr, ENV: tl.constexpr, BT_S: tl.constexpr,
                     KV_S: tl.constexpr, G_S: tl.constexpr, SKV_S: tl.constexpr, SG_S: tl.constexpr,
                     FMT: tl.constexpr, NPLANES: tl.constexpr, NOPE: tl.constexpr, BLK: tl.constexpr,
                     S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, DT: tl.constexpr):
@@ -100,7 +100,7 @@ def compress_kernel(kv_ptr, gate_ptr, ape_ptr, norm_ptr, skv_ptr, sg_ptr, pos_pt
         elif ROUND == "fp4":
             x = fp4_qdq(fwht(x, 1, DKP, HS).to(DT).to(tl.float32), 1, DKP).to(DT).to(tl.float32)
         blk = tl.load(bt_ptr + b * BT_S + w // PER_BLOCK).to(tl.int64)
-        row = blk * ENV + w % PER_BLOCK + LAYER_OFFSET + tl.zeros([1], tl.int64)
+        row = blk * ENV + w % PER_BLOCK + tl.zeros([1], tl.int64)  # planes start at the layer's offset
         store_rows(p0, p1, p2, row, row >= 0, x, FMT, NPLANES, 1, DKP, DK, NOPE, BLK, S0, S1, S2)
     tl.debug_barrier()  # every window above read the ring; now overwrite it
     c = tl.arange(0, CWP)[None, :]
@@ -136,7 +136,7 @@ def specialise(op_name, operands, results, attrs):
              DK=DK, DKP=pow2(DK), CW=CW, CWP=pow2(CW), BT=min(pow2(T), max(1, 4096 // pow2(CW))),
              EPS=float(attrs["eps"]), ROPE_DIM=rope_dim, F=rope_table(rope_dim, attrs["theta"], attrs["yarn"]),
              ROUND=rnd, RBLK=math.gcd(64, DK - rope_dim), HS=hadamard_scale(pow2(DK)),
-             PER_BLOCK=attrs["block_tokens"] // m, ENV=attrs["envelope_rows"], LAYER_OFFSET=attrs["layer_offset"],
+             PER_BLOCK=attrs["block_tokens"] // m, ENV=attrs["envelope_rows"],
              BT_S=bt.strides[0], KV_S=kv.strides[:2], G_S=gate.strides[:2], SKV_S=skv.strides[:2],
              SG_S=sg.strides[:2], **plane_consts(attrs["fmt"], planes, DK), DT=TL_DTYPE[kv.dtype])
     names = [("kv_ptr", "kv"), ("gate_ptr", "gate"), ("ape_ptr", "ape"), ("norm_ptr", "norm"),
@@ -151,5 +151,7 @@ def specialise(op_name, operands, results, attrs):
             pointers.append(ptr(f"p{i}", "operand", f"p{i}", p))
     return [KernelCall(name=call_name("compress_paged", c, f"b{B}_t{T}_m{m}_{'csa' if overlap else 'hca'}_{attrs['fmt']}"),
                        fn=compress_kernel, constexprs=c, pointers=pointers, grid=(B, 1, 1), num_warps=4,
-                       unaligned=unaligned({"kv_ptr": kv, "gate_ptr": gate}),
+                       unaligned=unaligned({"kv_ptr": kv, "gate_ptr": gate,
+                                            **{f"p{i}": any_row(p) for i, p in enumerate(planes)}}),
+                       offsets=row_offsets({f"p{i}": p for i, p in enumerate(planes)}, attrs["layer_offset"]),
                        bytes_moved=2 * (kv.type.nbytes + gate.type.nbytes) + B * 2 * CM * CW * 4)]

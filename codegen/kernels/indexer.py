@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import KernelCall, call_name, ptr
+from . import KernelCall, any_row, call_name, ptr, row_offsets, unaligned
 from .kvrows import load_rows, plane_consts, pow2
 
 BR = 64
@@ -31,7 +31,7 @@ def _visible(pos_ptr, lane, L: tl.constexpr, RATIO: tl.constexpr, MAXR: tl.const
 def indexer_scores_kernel(q_ptr, w_ptr, pos_ptr, bt_ptr, p0, p1, sc_ptr,
                           T: tl.constexpr, L: tl.constexpr, HI: tl.constexpr, HIP: tl.constexpr, DI: tl.constexpr,
                           DIP: tl.constexpr, BR: tl.constexpr, RATIO: tl.constexpr, MAXR: tl.constexpr,
-                          PER_BLOCK: tl.constexpr, IENV: tl.constexpr, IOFF: tl.constexpr, BT_S: tl.constexpr,
+                          PER_BLOCK: tl.constexpr, IENV: tl.constexpr, BT_S: tl.constexpr,
                           Q_S: tl.constexpr, W_S: tl.constexpr, Q_SCALE: tl.constexpr, W_SCALE: tl.constexpr,
                           FMT: tl.constexpr, NPLANES: tl.constexpr, NOPE: tl.constexpr, BLK: tl.constexpr,
                           S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, EXACT_BF16: tl.constexpr):
@@ -49,7 +49,7 @@ def indexer_scores_kernel(q_ptr, w_ptr, pos_ptr, bt_ptr, p0, p1, sc_ptr,
         w = w0 + tl.arange(0, BR)
         ok = w < n
         blk = tl.maximum(tl.load(bt_ptr + b * BT_S + w // PER_BLOCK, mask=ok, other=0), 0)
-        rows = blk.to(tl.int64) * IENV + w % PER_BLOCK + IOFF
+        rows = blk.to(tl.int64) * IENV + w % PER_BLOCK  # planes start at the layer's offset
         k = load_rows(p0, p1, None, rows, ok, FMT, NPLANES, BR, DIP, DI, NOPE, BLK, S0, S1, S2)
         if EXACT_BF16:  # bf16 q and keys exact in bf16 (FP4 / FP8 x power of two, bf16 rows): exact products
             s = tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
@@ -128,7 +128,7 @@ def specialise(op_name, operands, results, attrs):
     assert q.strides[3] == 1 and wts.strides[2] == 1 and pos.strides == (T, 1) and bt.strides[1] == 1
     pc = plane_consts(attrs["fmt"], planes, DI)
     c1 = dict(T=T, L=L, HI=HI, HIP=max(pow2(HI), 16), DI=DI, DIP=pow2(DI), BR=BR, RATIO=ratio, MAXR=MAXR,
-              PER_BLOCK=attrs["block_tokens"] // ratio, IENV=attrs["index_envelope_rows"], IOFF=attrs["index_offset"],
+              PER_BLOCK=attrs["block_tokens"] // ratio, IENV=attrs["index_envelope_rows"],
               BT_S=bt.strides[0], Q_S=q.strides[:3], W_S=wts.strides[:2], Q_SCALE=float(attrs["q_scale"]),
               W_SCALE=float(attrs["w_scale"]), **pc,
               # bf16 MMA when it is exact: a bf16 query and keys that bf16 holds exactly (an fp32 FMA dot
@@ -144,6 +144,8 @@ def specialise(op_name, operands, results, attrs):
                                  ptr("pos_ptr", "operand", "pos", pos), ptr("bt_ptr", "operand", "block_table", bt),
                                  ptr("p0", "operand", "p0", planes[0]), *p1, ptr("sc_ptr", "scratch", "scores", "*fp32")],
         grid=(L, triton.cdiv(MAXR, BR), 1), num_warps=4, scratch_bytes=scratch,
+        unaligned=unaligned({"p0": any_row(planes[0]), "p1": any_row(planes[1])}),
+        offsets=row_offsets({"p0": planes[0], "p1": planes[1]}, attrs["index_offset"]),
         flops=2 * L * HI * DI * MAXR, bytes_moved=L * MAXR * (planes[0].type.nbytes // planes[0].shape[0] + 4))
     c2 = dict(T=T, L=L, K=K, BR=BR, RATIO=ratio, MAXR=MAXR, PER_BLOCK=attrs["block_tokens"] // ratio,
               ENV=attrs["envelope_rows"], BT_S=bt.strides[0], BL=64)

@@ -4,14 +4,28 @@ Numerics follow the op reference exactly, rounding to x's dtype wherever it does
 output, silu and the SwiGLU product, the routed output times its routing weight, then the per-token sum
 over the selected experts in ascending expert id (the reference's `index_add_` order), then `+ shared`.
 
-Four launches, scratch buffers between them (all in x's dtype; P = tokens x k (token, slot) pairs):
-  1. routed gate/up + SwiGLU, expert-major: program (expert e, I tile) scans the pairs in chunks of BM,
-     and for a chunk with any pair routed to e runs the W1 / W3 tiles against those pairs' rows
-     (others masked to zero) -> h[P, I]. A weight tile is read once per chunk that uses it, so a decode
-     step reads each active expert about once and an idle expert costs one scan of the indices.
+Launches, scratch buffers between them (h, yr in x's dtype; P = tokens x k (token, slot) pairs, pair
+p = token * k + slot):
+  0. (grouped mode only) group: per-expert offsets and the pair ids sorted by expert -> grp (int32).
+  1. routed gate/up + SwiGLU, expert-major: program (expert e, I tile) walks the compact list of e's
+     pairs in tiles of BM rows -> h[P, I] (row = pair id). Each weight tile is read once per BM pairs
+     routed to e; an expert without pairs runs no tile.
   2. shared gate/up + SwiGLU (same kernel, every token "routed" to the one shared expert) -> hs[M, Is].
-  3. routed down, expert-major -> yr[P, D] = round(round(W2_e h) * weight).
+  3. routed down, same walk -> yr[P, D] = round(round(W2_e h) * weight) (row = pair id).
   4. shared down + combine: y = round(sum over slots by ascending expert id (rounded each add) + W2_s hs).
+Every row of h / yr depends only on its own pair, so the order of the pairs inside an expert's list and
+how they are cut into tiles do not change a bit of the result; only the set of pairs per expert matters.
+
+How an expert's pair list is found (chosen per shape in `specialise`, same results either way):
+  "scan"    (P <= SCAN_MAX_PAIRS, decode): each program loads all P expert ids once (as the kernels
+            always did), ranks its own pairs with a prefix sum and picks each tile's pair ids from the
+            ranks in registers. No extra launch, no scratch.
+  "grouped" (larger P, prefill chunks): one small launch first computes, for every pair, its place in
+            the list sorted by (expert, pair id) (a stable counting by comparison: the number of pairs
+            with a smaller key), and off[e] = #pairs with expert < e. Programs then read off[e], off[e+1]
+            and the pair ids from grp; an idle expert reads two ints and exits. The grouping is
+            deterministic (no atomics), O(P^2 + P E) comparisons spread over cdiv(P, BP) + cdiv(E+1, BP)
+            programs; expert ids outside [0, E) fall outside every expert's range, as in the scan.
 The GEMM tiles are `gemm.mma_step` (swap-AB; FP4 experts via `tl.dot_scaled`, FP8 128x128 / float
 shared expert; `act="fp8"` quantises each GEMM's input per 128 K values as `linear` does).
 """
@@ -24,6 +38,14 @@ import triton.language as tl
 from . import KernelCall, TensorArg, call_name, ptr, rows_of, unaligned
 from .gemm import W_FMT, _tl_dtype, mma_step, tiles
 
+BM = 16  # pair rows per MMA tile (the MMA's N side under swap-AB)
+# Up to this many pairs every expert program ranks its pairs itself (one [P] scan per program, as decode did
+# before grouping, and a [BM, P] one-hot pick per tile, small enough to stay in registers next to the MMA
+# tiles); above it one grouping launch (~2-3 us under graph replay) is cheaper than E x tiles scans of P ids.
+SCAN_MAX_PAIRS = 64
+GROUP_BP, GROUP_BQ, GROUP_WARPS = 64, 32, 4  # grouping: pairs (experts) per program, compare block (0 spills on gfx950)
+BIG = tl.constexpr(2 ** 30)
+
 
 @triton.jit
 def _swiglu(g, u, LIMIT: tl.constexpr, DT: tl.constexpr):
@@ -34,8 +56,83 @@ def _swiglu(g, u, LIMIT: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def moe_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr,
-                  P: tl.constexpr, KSEL: tl.constexpr, ROUTED: tl.constexpr, I: tl.constexpr, D: tl.constexpr,
+def _expert_of(idx_ptr, p, ok, KSEL: tl.constexpr, IDX_RS: tl.constexpr):
+    """Expert id of pairs p (int32), BIG where not ok (sorts after every real expert)."""
+    return tl.load(idx_ptr + (p // KSEL) * IDX_RS + p % KSEL, mask=ok, other=BIG).to(tl.int32)
+
+
+@triton.jit
+def moe_group_kernel(idx_ptr, grp_ptr, P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, IDX_RS: tl.constexpr,
+                     NRB: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr):
+    """grp[0 : E+1] = off (off[e] = #pairs with expert < e), grp[E+1 : E+1+P] = pair ids sorted by
+    (expert, pair id). Programs [0, NRB) place BP pairs each; the rest compute BP offsets each; both
+    compare against all pairs in blocks of BQ."""
+    pid = tl.program_id(0)
+    rq = tl.arange(0, BQ)
+    if pid < NRB:
+        p = pid * BP + tl.arange(0, BP)
+        p_ok = p < P
+        ep = _expert_of(idx_ptr, p, p_ok, KSEL, IDX_RS)
+        pos = tl.zeros([BP], dtype=tl.int32)
+        for q0 in range(0, P, BQ):
+            q = q0 + rq
+            eq = _expert_of(idx_ptr, q, q < P, KSEL, IDX_RS)
+            before = (eq[None, :] < ep[:, None]) | ((eq[None, :] == ep[:, None]) & (q[None, :] < p[:, None]))
+            pos += tl.sum(before.to(tl.int32), axis=1)
+        tl.store(grp_ptr + (E + 1) + pos, p, mask=p_ok)
+    else:
+        e = (pid - NRB) * BP + tl.arange(0, BP)
+        off = tl.zeros([BP], dtype=tl.int32)
+        for q0 in range(0, P, BQ):
+            q = q0 + rq
+            eq = _expert_of(idx_ptr, q, q < P, KSEL, IDX_RS)
+            off += tl.sum((eq[None, :] < e[:, None]).to(tl.int32), axis=1)
+        tl.store(grp_ptr + e, off, mask=e <= E)
+
+
+@triton.jit
+def _span(e, idx_ptr, grp_ptr, P: tl.constexpr, KSEL: tl.constexpr, IDX_RS: tl.constexpr, MODE: tl.constexpr,
+          PB: tl.constexpr):
+    """Expert e's pairs as list positions [lo, hi), plus what `_tile` needs in "scan" mode (pair index,
+    selection, rank among e's pairs). MODE "all": every pair (the shared expert)."""
+    pa = tl.arange(0, PB)
+    if MODE == "grouped":
+        lo = tl.load(grp_ptr + e)
+        hi = tl.load(grp_ptr + e + 1)
+        sel = pa < 0
+        rank = pa
+    elif MODE == "scan":
+        sel = _expert_of(idx_ptr, pa, pa < P, KSEL, IDX_RS) == e
+        rank = tl.cumsum(sel.to(tl.int32), 0) - 1
+        lo = 0
+        hi = tl.sum(sel.to(tl.int32), 0)
+    else:
+        sel = pa < P
+        rank = pa
+        lo = 0
+        hi = P
+    return lo, hi, pa, sel, rank
+
+
+@triton.jit
+def _tile(j, hi, grp_ptr, pa, sel, rank, E: tl.constexpr, MODE: tl.constexpr, BM: tl.constexpr):
+    """Pair ids of list positions [j, j + BM) and which of them exist."""
+    r = j + tl.arange(0, BM)
+    ok = r < hi
+    if MODE == "grouped":
+        pr = tl.load(grp_ptr + (E + 1) + r, mask=ok, other=0)
+    elif MODE == "scan":
+        hit = sel[None, :] & (rank[None, :] == r[:, None])
+        pr = tl.sum(tl.where(hit, pa[None, :], 0), axis=1)
+    else:
+        pr = r
+    return pr, ok
+
+
+@triton.jit
+def moe_up_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr,
+                  P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, MODE: tl.constexpr, PB: tl.constexpr,
+                  I: tl.constexpr, D: tl.constexpr,
                   X_RS: tl.constexpr, IDX_RS: tl.constexpr, H_RS: tl.constexpr,
                   W_ES: tl.constexpr, W_RS: tl.constexpr, S_ES: tl.constexpr, S_RS: tl.constexpr,
                   W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
@@ -49,33 +146,29 @@ def moe_up_kernel(x_ptr, idx_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr,
     s1 = s1_ptr + e.to(tl.int64) * S_ES if s1_ptr is not None else s1_ptr
     s3 = s3_ptr + e.to(tl.int64) * S_ES if s3_ptr is not None else s3_ptr
     dt = h_ptr.dtype.element_ty
-    for c0 in range(0, P, BM):
-        pr = c0 + tl.arange(0, BM)
+    lo, hi, pa, sel, rank = _span(e, idx_ptr, grp_ptr, P, KSEL, IDX_RS, MODE, PB)
+    for j in range(lo, hi, BM):
+        pr, ok = _tile(j, hi, grp_ptr, pa, sel, rank, E, MODE, BM)
         tok = pr // KSEL
-        if ROUTED:
-            ex = tl.load(idx_ptr + tok * IDX_RS + pr % KSEL, mask=pr < P, other=-1)
-            sel = (pr < P) & (ex == e)
-        else:
-            sel = pr < P
-        if tl.max(sel.to(tl.int32), axis=0) > 0:
-            g = tl.zeros([BN, BM], dtype=tl.float32)
-            u = tl.zeros([BN, BM], dtype=tl.float32)
-            for k0 in range(0, D, BK):
-                kk = k0 + rk
-                k_ok = kk < D
-                xt = tl.load(x_ptr + tok[None, :].to(tl.int64) * X_RS + kk[:, None],
-                             mask=sel[None, :] & k_ok[:, None], other=0.0)
-                g = mma_step(g, xt, None, w1, s1, offs_n, n_ok, kk, k_ok, k0, D, W_RS, 1, S_RS, 1, W_FMT, S_E8M0, BLOCK,
-                             ACT, CDT, BK)
-                u = mma_step(u, xt, None, w3, s3, offs_n, n_ok, kk, k_ok, k0, D, W_RS, 1, S_RS, 1, W_FMT, S_E8M0, BLOCK,
-                             ACT, CDT, BK)
-            h = _swiglu(g, u, LIMIT, dt)
-            tl.store(h_ptr + pr[None, :].to(tl.int64) * H_RS + offs_n[:, None], h, mask=sel[None, :] & n_ok[:, None])
+        g = tl.zeros([BN, BM], dtype=tl.float32)
+        u = tl.zeros([BN, BM], dtype=tl.float32)
+        for k0 in range(0, D, BK):
+            kk = k0 + rk
+            k_ok = kk < D
+            xt = tl.load(x_ptr + tok[None, :].to(tl.int64) * X_RS + kk[:, None],
+                         mask=ok[None, :] & k_ok[:, None], other=0.0)
+            g = mma_step(g, xt, None, w1, s1, offs_n, n_ok, kk, k_ok, k0, D, W_RS, 1, S_RS, 1, W_FMT, S_E8M0, BLOCK,
+                         ACT, CDT, BK)
+            u = mma_step(u, xt, None, w3, s3, offs_n, n_ok, kk, k_ok, k0, D, W_RS, 1, S_RS, 1, W_FMT, S_E8M0, BLOCK,
+                         ACT, CDT, BK)
+        h = _swiglu(g, u, LIMIT, dt)
+        tl.store(h_ptr + pr[None, :].to(tl.int64) * H_RS + offs_n[:, None], h, mask=ok[None, :] & n_ok[:, None])
 
 
 @triton.jit
-def moe_down_kernel(h_ptr, idx_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
-                    P: tl.constexpr, KSEL: tl.constexpr, I: tl.constexpr, D: tl.constexpr,
+def moe_down_kernel(h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
+                    P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, MODE: tl.constexpr, PB: tl.constexpr,
+                    I: tl.constexpr, D: tl.constexpr,
                     H_RS: tl.constexpr, IDX_RS: tl.constexpr, WT_RS: tl.constexpr, Y_RS: tl.constexpr,
                     W_ES: tl.constexpr, W_RS: tl.constexpr, S_ES: tl.constexpr, S_RS: tl.constexpr,
                     W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
@@ -87,23 +180,20 @@ def moe_down_kernel(h_ptr, idx_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
     w2 = w2_ptr + e.to(tl.int64) * W_ES
     s2 = s2_ptr + e.to(tl.int64) * S_ES if s2_ptr is not None else s2_ptr
     dt = y_ptr.dtype.element_ty
-    for c0 in range(0, P, BM):
-        pr = c0 + tl.arange(0, BM)
-        tok = pr // KSEL
-        ex = tl.load(idx_ptr + tok * IDX_RS + pr % KSEL, mask=pr < P, other=-1)
-        sel = (pr < P) & (ex == e)
-        if tl.max(sel.to(tl.int32), axis=0) > 0:
-            acc = tl.zeros([BN, BM], dtype=tl.float32)
-            for k0 in range(0, I, BK):
-                kk = k0 + rk
-                k_ok = kk < I
-                ht = tl.load(h_ptr + pr[None, :].to(tl.int64) * H_RS + kk[:, None], mask=sel[None, :] & k_ok[:, None],
-                             other=0.0)
-                acc = mma_step(acc, ht, None, w2, s2, offs_n, n_ok, kk, k_ok, k0, I, W_RS, 1, S_RS, 1, W_FMT, S_E8M0,
-                               BLOCK, ACT, CDT, BK)
-            wt = tl.load(wt_ptr + tok * WT_RS + pr % KSEL, mask=sel, other=0.0).to(tl.float32)
-            ye = (acc.to(dt).to(tl.float32) * wt[None, :]).to(dt)
-            tl.store(y_ptr + pr[None, :].to(tl.int64) * Y_RS + offs_n[:, None], ye, mask=sel[None, :] & n_ok[:, None])
+    lo, hi, pa, sel, rank = _span(e, idx_ptr, grp_ptr, P, KSEL, IDX_RS, MODE, PB)
+    for j in range(lo, hi, BM):
+        pr, ok = _tile(j, hi, grp_ptr, pa, sel, rank, E, MODE, BM)
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            kk = k0 + rk
+            k_ok = kk < I
+            ht = tl.load(h_ptr + pr[None, :].to(tl.int64) * H_RS + kk[:, None], mask=ok[None, :] & k_ok[:, None],
+                         other=0.0)
+            acc = mma_step(acc, ht, None, w2, s2, offs_n, n_ok, kk, k_ok, k0, I, W_RS, 1, S_RS, 1, W_FMT, S_E8M0,
+                           BLOCK, ACT, CDT, BK)
+        wt = tl.load(wt_ptr + (pr // KSEL) * WT_RS + pr % KSEL, mask=ok, other=0.0).to(tl.float32)
+        ye = (acc.to(dt).to(tl.float32) * wt[None, :]).to(dt)
+        tl.store(y_ptr + pr[None, :].to(tl.int64) * Y_RS + offs_n[:, None], ye, mask=ok[None, :] & n_ok[:, None])
 
 
 @triton.jit
@@ -144,6 +234,20 @@ def moe_combine_kernel(hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr,
     tl.store(y_ptr + tok[None, :].to(tl.int64) * Y_RS + offs_n[:, None], out.to(dt), mask=t_ok[None, :] & n_ok[:, None])
 
 
+def _routed_work(E: int, k: int, M: int) -> tuple[float, int]:
+    """Modeled routed work of one launch: (expected active experts, MMA rows run).
+
+    The routing is data, so the model assumes uniform routing (each token picks k distinct experts, as
+    learned and hash routing do on average): an expert is idle with probability (1 - k/E)^M. Each active
+    expert's weights are read once per BM routed pairs, and nearly always once (V4-Pro, 64 tokens:
+    ~243 of 384 experts active, <= a few pairs each). MMA rows: every expert pads its last tile to BM,
+    so rows <= P + active * (BM - 1), the bound used for `flops` (what the MMA units run, padding
+    included)."""
+    P = M * k
+    active = min(float(min(E, P)), E * (1.0 - (1.0 - k / E) ** M))
+    return active, P + round(active * (BM - 1))
+
+
 def _wfmt(w: TensorArg, s: TensorArg | None, block: int, K: int, act: str, cdt: str):
     fmt = W_FMT[w.dtype]
     return fmt, tiles(fmt, K, block, act, cdt), (s is not None and s.dtype == "e8m0")
@@ -177,36 +281,62 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     E, I = o["w1"].shape[0], o["w1"].shape[1]
     cdt = x.dtype
     dsize = {"fp32": 4, "bf16": 2}[cdt]
-    BM = 16
     BNI = 64 if I <= 64 else 128
     BND = 64 if D <= 64 else 128
+    mode = "scan" if P <= SCAN_MAX_PAIRS else "grouped"
+    PB = triton.next_power_of_2(P) if mode == "scan" else 1
     calls = []
     scratch = {"h": P * I * dsize, "yr": P * D * dsize}
     common = dict(ACT=act, CDT=_tl_dtype(cdt), BM=BM)
     common_s = dict(ACT=sact, CDT=_tl_dtype(cdt), BM=BM)
+    # The shared gate/up program loops over all tokens: token tiles as wide as `linear` uses, so a prefill
+    # chunk passes over the weight tile once per 64 tokens, not once per 16 (same program count). The
+    # combine keeps BM-token tiles: its token axis is in the grid, and it has few programs already.
+    BMS = min(64, max(BM, triton.next_power_of_2(M)))
+    warps_s = 8 if BMS * 128 >= 8192 else 4
+    active, rows = _routed_work(E, k, M)
 
     def wce(w, s, K, blk, a=act):
         fmt, BK, e8 = _wfmt(w, s, blk, K, a, cdt)
         return {"W_FMT": fmt, "S_E8M0": e8, "BLOCK": blk, "BK": BK,
                 "W_RS": w.strides[-2], "S_RS": s.strides[-2] if s is not None else 0}
 
+    def per_expert(w, s):  # bytes of one expert's weight (+ scales)
+        return (w.type.nbytes + (s.type.nbytes if s is not None else 0)) // E
+
+    # where the routed kernels find each expert's pairs: the ids themselves (scan) or the grouped list
+    if mode == "grouped":
+        scratch["grp"] = (E + 1 + P) * 4
+        nrb = triton.cdiv(P, GROUP_BP)
+        ce = dict(P=P, E=E, KSEL=k, IDX_RS=idx_rs, NRB=nrb, BP=GROUP_BP, BQ=GROUP_BQ)
+        calls.append(KernelCall(call_name("moe_group", ce, f"e{E}_p{P}"), moe_group_kernel, ce,
+                                [ptr("idx_ptr", "operand", "indices", idx), ptr("grp_ptr", "scratch", "grp", "*i32")],
+                                (nrb + triton.cdiv(E + 1, GROUP_BP), 1, 1), num_warps=GROUP_WARPS,
+                                scratch_bytes=scratch,
+                                unaligned=unaligned({"idx_ptr": idx}), bytes_moved=idx.type.nbytes + scratch["grp"]))
+        find = [("grp_ptr", "scratch", "grp", "*i32")]
+        find_ce = dict(idx_ptr=None)
+    else:
+        find = [("idx_ptr", "operand", "indices", idx)]
+        find_ce = dict(grp_ptr=None)
+    routed = dict(P=P, E=E, KSEL=k, MODE=mode, PB=PB, IDX_RS=idx_rs, **find_ce)
+
     # 1. routed gate / up
     w1, w3, s1, s3 = o["w1"], o["w3"], o.get("w1_scale"), o.get("w3_scale")
-    ce = dict(P=P, KSEL=k, ROUTED=True, I=I, D=D, X_RS=x_rs, IDX_RS=idx_rs, H_RS=I, W_ES=w1.strides[0],
-              S_ES=s1.strides[0] if s1 is not None else 0, LIMIT=limit, BN=BNI, **common, **wce(w1, s1, D, block))
-    pts = [("x_ptr", "operand", "x", x), ("idx_ptr", "operand", "indices", idx), ("w1_ptr", "operand", "w1", w1),
-           ("w3_ptr", "operand", "w3", w3)]
+    ce = dict(I=I, D=D, X_RS=x_rs, H_RS=I, W_ES=w1.strides[0], S_ES=s1.strides[0] if s1 is not None else 0,
+              LIMIT=limit, BN=BNI, **routed, **common, **wce(w1, s1, D, block))
+    pts = [("x_ptr", "operand", "x", x), *find, ("w1_ptr", "operand", "w1", w1), ("w3_ptr", "operand", "w3", w3)]
     if s1 is not None:
         pts += [("s1_ptr", "operand", "w1_scale", s1), ("s3_ptr", "operand", "w3_scale", s3)]
     else:
         ce.update(s1_ptr=None, s3_ptr=None)
     pts.append(("h_ptr", "scratch", "h", "*" + cdt))
-    calls.append(KernelCall(call_name("moe_up", ce, f"e{E}_p{P}_i{I}_d{D}_{ce['W_FMT']}_{cdt}"), moe_up_kernel, ce,
-                            [ptr(*p) for p in pts], (E, triton.cdiv(I, BNI), 1), num_warps=4, scratch_bytes=scratch,
-                            unaligned=unaligned({"x_ptr": x, "idx_ptr": idx, "w1_ptr": w1, "w3_ptr": w3, "s1_ptr": s1,
-                                                 "s3_ptr": s3}),
-                            flops=4 * P * I * D, mma_dtype="fp8" if act == "fp8" else "bf16",
-                            bytes_moved=min(E, P) * (2 * w1.type.nbytes + (2 * s1.type.nbytes if s1 else 0)) // E
+    calls.append(KernelCall(call_name("moe_up", ce, f"e{E}_p{P}_i{I}_d{D}_{ce['W_FMT']}_{cdt}_{mode}"), moe_up_kernel,
+                            ce, [ptr(*p) for p in pts], (E, triton.cdiv(I, BNI), 1), num_warps=4, scratch_bytes=scratch,
+                            unaligned=unaligned({"x_ptr": x, "idx_ptr": idx if mode == "scan" else None, "w1_ptr": w1,
+                                                 "w3_ptr": w3, "s1_ptr": s1, "s3_ptr": s3}),
+                            flops=4 * rows * I * D, mma_dtype="fp8" if act == "fp8" else "bf16",
+                            bytes_moved=round(active * (per_expert(w1, s1) + per_expert(w3, s3)))
                             + x.type.nbytes + P * I * dsize))
     # 2. shared gate / up
     if shared:
@@ -214,8 +344,9 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
         IS = g1.shape[0]
         scratch["hs"] = M * IS * dsize
         BNS = 64 if IS <= 64 else 128
-        ce = dict(P=M, KSEL=1, ROUTED=False, I=IS, D=D, X_RS=x_rs, IDX_RS=0, H_RS=IS, W_ES=0, S_ES=0, LIMIT=limit,
-                  BN=BNS, idx_ptr=None, **common_s, **wce(g1, t1, D, sblock, sact))
+        ce = dict(P=M, E=1, KSEL=1, MODE="all", PB=1, I=IS, D=D, X_RS=x_rs, IDX_RS=0, H_RS=IS, W_ES=0, S_ES=0,
+                  LIMIT=limit, BN=BNS, idx_ptr=None, grp_ptr=None, **{**common_s, "BM": BMS},
+                  **wce(g1, t1, D, sblock, sact))
         pts = [("x_ptr", "operand", "x", x), ("w1_ptr", "operand", "s1", g1), ("w3_ptr", "operand", "s3", g3)]
         if t1 is not None:
             pts += [("s1_ptr", "operand", "s1_scale", t1), ("s3_ptr", "operand", "s3_scale", t3)]
@@ -223,28 +354,29 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
             ce.update(s1_ptr=None, s3_ptr=None)
         pts.append(("h_ptr", "scratch", "hs", "*" + cdt))
         calls.append(KernelCall(call_name("moe_shared_up", ce, f"m{M}_i{IS}_d{D}_{ce['W_FMT']}_{cdt}"), moe_up_kernel,
-                                ce, [ptr(*p) for p in pts], (1, triton.cdiv(IS, BNS), 1), num_warps=4,
+                                ce, [ptr(*p) for p in pts], (1, triton.cdiv(IS, BNS), 1), num_warps=warps_s,
                                 scratch_bytes=scratch,
                                 unaligned=unaligned({"x_ptr": x, "w1_ptr": g1, "w3_ptr": g3, "s1_ptr": t1, "s3_ptr": t3}),
                                 flops=4 * M * IS * D, mma_dtype="fp8" if sact == "fp8" else "bf16",
                                 bytes_moved=2 * g1.type.nbytes + (2 * t1.type.nbytes if t1 else 0) + x.type.nbytes))
     # 3. routed down
     w2, s2 = o["w2"], o.get("w2_scale")
-    ce = dict(P=P, KSEL=k, I=I, D=D, H_RS=I, IDX_RS=idx_rs, WT_RS=wt_rs, Y_RS=D, W_ES=w2.strides[0],
-              S_ES=s2.strides[0] if s2 is not None else 0, BN=BND, **common, **wce(w2, s2, I, block))
-    pts = [("h_ptr", "scratch", "h", "*" + cdt), ("idx_ptr", "operand", "indices", idx),
-           ("wt_ptr", "operand", "weights", wts), ("w2_ptr", "operand", "w2", w2)]
+    ce = dict(I=I, D=D, H_RS=I, WT_RS=wt_rs, Y_RS=D, W_ES=w2.strides[0], S_ES=s2.strides[0] if s2 is not None else 0,
+              BN=BND, **routed, **common, **wce(w2, s2, I, block))
+    pts = [("h_ptr", "scratch", "h", "*" + cdt), *find, ("wt_ptr", "operand", "weights", wts),
+           ("w2_ptr", "operand", "w2", w2)]
     if s2 is not None:
         pts.append(("s2_ptr", "operand", "w2_scale", s2))
     else:
         ce["s2_ptr"] = None
     pts.append(("y_ptr", "scratch", "yr", "*" + cdt))
-    calls.append(KernelCall(call_name("moe_down", ce, f"e{E}_p{P}_i{I}_d{D}_{ce['W_FMT']}_{cdt}"), moe_down_kernel,
-                            ce, [ptr(*p) for p in pts], (E, triton.cdiv(D, BND), 1), num_warps=4, scratch_bytes=scratch,
-                            unaligned=unaligned({"idx_ptr": idx, "wt_ptr": wts, "w2_ptr": w2, "s2_ptr": s2}),
-                            flops=2 * P * I * D, mma_dtype="fp8" if act == "fp8" else "bf16",
-                            bytes_moved=min(E, P) * (w2.type.nbytes + (s2.type.nbytes if s2 else 0)) // E
-                            + P * (I + D) * dsize))
+    calls.append(KernelCall(call_name("moe_down", ce, f"e{E}_p{P}_i{I}_d{D}_{ce['W_FMT']}_{cdt}_{mode}"),
+                            moe_down_kernel, ce, [ptr(*p) for p in pts], (E, triton.cdiv(D, BND), 1), num_warps=4,
+                            scratch_bytes=scratch,
+                            unaligned=unaligned({"idx_ptr": idx if mode == "scan" else None, "wt_ptr": wts,
+                                                 "w2_ptr": w2, "s2_ptr": s2}),
+                            flops=2 * rows * I * D, mma_dtype="fp8" if act == "fp8" else "bf16",
+                            bytes_moved=round(active * per_expert(w2, s2)) + wts.type.nbytes + P * (I + D) * dsize))
     # 4. shared down + combine
     ce = dict(M=M, KSEL=k, D=D, HS_RS=0, YR_RS=D, IDX_RS=idx_rs, Y_RS=y_rs, BN=BND,
               BKS=triton.next_power_of_2(k), **common_s)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import KernelCall, call_name, ptr, unaligned
+from . import KernelCall, any_row, call_name, ptr, row_offsets, unaligned
 from .kvrows import (TL_DTYPE, fp4_qdq, fp8_qdq, fwht, hadamard_scale, plane_consts, pow2, ring_keep, rope,
                      rope_table, store_rows)
 
@@ -27,7 +27,7 @@ def qkv_norm_rope_kernel(q_ptr, kv_ptr, norm_ptr, pos_ptr, qi_ptr, slot_ptr, p0,
                          HS: tl.constexpr, Q_S: tl.constexpr, KV_S: tl.constexpr, QI_S: tl.constexpr,
                          QO_S: tl.constexpr, KVO_S: tl.constexpr, QIO_S: tl.constexpr,
                          WINDOW: tl.constexpr, SLOT_ROWS: tl.constexpr, N_ROWS: tl.constexpr,
-                         LAYER_ROW: tl.constexpr, TP: tl.constexpr, FMT: tl.constexpr, NPLANES: tl.constexpr,
+                         TP: tl.constexpr, FMT: tl.constexpr, NPLANES: tl.constexpr,
                          NOPE: tl.constexpr, BLK: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
                          S2: tl.constexpr, DT: tl.constexpr):
     """Strides: *_S = (batch, token, head) element strides; rows are dense."""
@@ -59,7 +59,7 @@ def qkv_norm_rope_kernel(q_ptr, kv_ptr, norm_ptr, pos_ptr, qi_ptr, slot_ptr, p0,
         if p0 is not None:
             keep, p = ring_keep(pos_ptr, b, tq + tl.arange(0, 1), T, TP, WINDOW)
             slot = tl.load(slot_ptr + b).to(tl.int64)
-            rows = N_ROWS - (slot + 1) * SLOT_ROWS + LAYER_ROW + (tl.maximum(p, 0) % WINDOW)
+            rows = N_ROWS - (slot + 1) * SLOT_ROWS + (tl.maximum(p, 0) % WINDOW)  # planes start at the layer's row
             store_rows(p0, p1, p2, rows, keep, yk, FMT, NPLANES, 1, DP, D, NOPE, BLK, S0, S1, S2)
         if qi_ptr is not None:
             hi = tl.arange(0, HIP)[:, None]
@@ -94,7 +94,7 @@ def specialise(op_name, operands, results, attrs):
              Q_S=q.strides[:3], KV_S=kv.strides[:2] + (0,), QI_S=qi.strides[:3] if qi is not None else (0, 0, 0),
              QO_S=qo.strides[:3], KVO_S=kvo.strides[:2] + (0,), QIO_S=qio.strides[:3] if qio is not None else (0, 0, 0),
              WINDOW=max(attrs.get("window", 0), 1), SLOT_ROWS=attrs.get("slot_rows", 0), N_ROWS=attrs.get("n_rows", 0),
-             LAYER_ROW=attrs.get("layer_row", 0), TP=pow2(T),
+             TP=pow2(T),
              **plane_consts(attrs.get("fmt") or "native", planes, D), DT=TL_DTYPE[q.dtype])
     pointers = [ptr("q_ptr", "operand", "q", q), ptr("kv_ptr", "operand", "kv", kv),
                 ptr("norm_ptr", "operand", "norm", operands["norm"]), ptr("pos_ptr", "operand", "pos", operands["pos"])]
@@ -113,5 +113,6 @@ def specialise(op_name, operands, results, attrs):
     return [KernelCall(name=call_name("qkv_norm_rope", c, f"b{B}_t{T}_h{H}_d{D}"), fn=qkv_norm_rope_kernel,
                        constexprs=c, pointers=pointers, grid=(B * T, triton.cdiv(H, BH), 1), num_warps=4,
                        unaligned=unaligned({"q_ptr": q, "kv_ptr": kv, "qi_ptr": qi, "qo_ptr": qo, "kvo_ptr": kvo,
-                                            "qio_ptr": qio}),
+                                            "qio_ptr": qio, **{f"p{i}": any_row(p) for i, p in enumerate(planes)}}),
+                       offsets=row_offsets({f"p{i}": p for i, p in enumerate(planes)}, attrs.get("layer_row", 0)),
                        bytes_moved=2 * (q.type.nbytes + kv.type.nbytes + (qi.type.nbytes if qi is not None else 0)))]

@@ -18,6 +18,9 @@ struct v4drv {
     int (*module_load)(v4drv *d, const void *image, uint64_t size, void **module);
     int (*module_unload)(v4drv *d, void *module);
     int (*get_function)(v4drv *d, void *module, const char *symbol, void **fn);
+    /* Let fn take `shared` dynamic shared bytes per launch: called once per kernel, with the most any of
+     * its calls uses, before any launch. NULL: nothing to do (the host driver). */
+    int (*func_shared)(v4drv *d, void *fn, uint32_t shared);
     /* tag = function << 32 | call (only the host driver uses it) */
     int (*launch)(v4drv *d, void *fn, const uint32_t grid[3], const uint32_t block[3], uint32_t shared,
                   uint32_t n_params, const uint64_t *params, uint64_t tag);

@@ -1,262 +1,105 @@
-/* CUDA driver: libcuda opened with dlopen (driver API: modules, launches, stream capture, graphs). */
-#include <dlfcn.h>
-#include <stdlib.h>
-#include <string.h>
+/* CUDA driver: libcuda (driver API) through the shared GPU flow (drv_gpu.c); here its symbols and what
+ * differs: the primary context, device pointers as integers, copy and instantiate signatures. */
+#include <stddef.h>
+#include <stdint.h>
 
-#include "driver.h"
+#include "drv_gpu.h"
 
-typedef int CUresult;
-typedef void *CUmodule, *CUfunction, *CUstream, *CUgraph, *CUgraphExec, *CUcontext;
 typedef unsigned long long CUdeviceptr;
-typedef int CUdevice;
 
 #define CU_STREAM_CAPTURE_MODE_THREAD_LOCAL 1
 #define CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES 8
 #define CU_STREAM_NON_BLOCKING 1
 
 typedef struct {
-    void *lib;
-    CUdevice dev;
-    CUcontext ctx;
-    CUstream stream;
+    gpu g;
+    int dev;
+    void *ctx;
     int ctx_retained;
-    CUresult (*cuInit)(unsigned);
-    CUresult (*cuDeviceGet)(CUdevice *, int);
-    CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
-    CUresult (*cuDevicePrimaryCtxRelease)(CUdevice);
-    CUresult (*cuCtxSetCurrent)(CUcontext);
-    CUresult (*cuGetErrorString)(CUresult, const char **);
-    CUresult (*cuModuleLoadData)(CUmodule *, const void *);
-    CUresult (*cuModuleUnload)(CUmodule);
-    CUresult (*cuModuleGetFunction)(CUfunction *, CUmodule, const char *);
-    CUresult (*cuFuncSetAttribute)(CUfunction, int, int);
-    CUresult (*cuMemAlloc)(CUdeviceptr *, size_t);
-    CUresult (*cuMemFree)(CUdeviceptr);
-    CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
-    CUresult (*cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
-    CUresult (*cuStreamCreate)(CUstream *, unsigned);
-    CUresult (*cuStreamDestroy)(CUstream);
-    CUresult (*cuStreamSynchronize)(CUstream);
-    CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                               CUstream, void **, void **);
-    CUresult (*cuStreamBeginCapture)(CUstream, int);
-    CUresult (*cuStreamEndCapture)(CUstream, CUgraph *);
-    CUresult (*cuGraphInstantiateWithFlags)(CUgraphExec *, CUgraph, unsigned long long);
-    CUresult (*cuGraphLaunch)(CUgraphExec, CUstream);
-    CUresult (*cuGraphExecDestroy)(CUgraphExec);
-    CUresult (*cuGraphDestroy)(CUgraph);
+    int (*cuDeviceGet)(int *, int);
+    int (*cuDevicePrimaryCtxRetain)(void **, int);
+    int (*cuDevicePrimaryCtxRelease)(int);
+    int (*cuCtxSetCurrent)(void *);
+    int (*cuGetErrorString)(int, const char **);
+    int (*cuMemAlloc)(CUdeviceptr *, size_t);
+    int (*cuMemFree)(CUdeviceptr);
+    int (*cuMemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, void *);
+    int (*cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, void *);
+    int (*cuGraphInstantiateWithFlags)(void **, void *, unsigned long long);
 } cu_t;
 
-static int fail(cu_t *c, CUresult r, const char *what) {
-    const char *s = NULL;
-    if (c->cuGetErrorString) c->cuGetErrorString(r, &s);
-    v4rt_seterr("cuda: %s failed with error %d (%s)", what, r, s ? s : "no description");
-    return 1;
-}
-#define CK(c, call, what)                 \
-    do {                                  \
-        CUresult r_ = (call);             \
-        if (r_) return fail(c, r_, what); \
-    } while (0)
+static cu_t *C(gpu *g) { return (cu_t *)g; }
 
-static int c_alloc(v4drv *d, uint64_t n, uint64_t *addr) {
-    cu_t *c = d->state;
+static int cu_device_open(gpu *g) {
+    cu_t *c = C(g);
+    if (gpu_check(g, c->cuDeviceGet(&c->dev, 0), "cuDeviceGet") ||
+        gpu_check(g, c->cuDevicePrimaryCtxRetain(&c->ctx, c->dev), "cuDevicePrimaryCtxRetain"))
+        return 1;
+    c->ctx_retained = 1;
+    return gpu_check(g, c->cuCtxSetCurrent(c->ctx), "cuCtxSetCurrent");
+}
+static void cu_device_close(gpu *g) {
+    if (C(g)->ctx_retained) C(g)->cuDevicePrimaryCtxRelease(C(g)->dev);
+}
+static const char *cu_error_string(gpu *g, int r) {
+    const char *s = NULL;
+    if (C(g)->cuGetErrorString) C(g)->cuGetErrorString(r, &s);
+    return s;
+}
+static int cu_alloc(gpu *g, uint64_t n, uint64_t *addr) {
     CUdeviceptr p = 0;
-    CK(c, c->cuMemAlloc(&p, (size_t)n), "cuMemAlloc");
+    if (gpu_check(g, C(g)->cuMemAlloc(&p, (size_t)n), "cuMemAlloc")) return 1;
     *addr = p;
     return 0;
 }
-static int c_free(v4drv *d, uint64_t addr) {
-    cu_t *c = d->state;
-    CK(c, c->cuMemFree((CUdeviceptr)addr), "cuMemFree");
-    return 0;
+static int cu_free(gpu *g, uint64_t addr) { return gpu_check(g, C(g)->cuMemFree((CUdeviceptr)addr), "cuMemFree"); }
+static int cu_h2d(gpu *g, uint64_t dst, const void *src, uint64_t n) {
+    return gpu_check(g, C(g)->cuMemcpyHtoDAsync((CUdeviceptr)dst, src, (size_t)n, g->stream), "cuMemcpyHtoDAsync");
 }
-/* Copies go on the runtime's (non-blocking) stream, so they are ordered with its kernels and graphs, and
- * complete before returning: the host buffer may be freed right after. */
-static int c_h2d(v4drv *d, uint64_t dst, const void *src, uint64_t n) {
-    cu_t *c = d->state;
-    CK(c, c->cuMemcpyHtoDAsync((CUdeviceptr)dst, src, (size_t)n, c->stream), "cuMemcpyHtoDAsync");
-    CK(c, c->cuStreamSynchronize(c->stream), "cuStreamSynchronize");
-    return 0;
+static int cu_d2h(gpu *g, void *dst, uint64_t src, uint64_t n) {
+    return gpu_check(g, C(g)->cuMemcpyDtoHAsync(dst, (CUdeviceptr)src, (size_t)n, g->stream), "cuMemcpyDtoHAsync");
 }
-static int c_d2h(v4drv *d, void *dst, uint64_t src, uint64_t n) {
-    cu_t *c = d->state;
-    CK(c, c->cuMemcpyDtoHAsync(dst, (CUdeviceptr)src, (size_t)n, c->stream), "cuMemcpyDtoHAsync");
-    CK(c, c->cuStreamSynchronize(c->stream), "cuStreamSynchronize");
-    return 0;
-}
-static int c_module_load(v4drv *d, const void *image, uint64_t size, void **module) {
-    cu_t *c = d->state;
-    (void)size;
-    CUmodule m = NULL;
-    CK(c, c->cuModuleLoadData(&m, image), "cuModuleLoadData");
-    *module = m;
-    return 0;
-}
-static int c_module_unload(v4drv *d, void *module) {
-    cu_t *c = d->state;
-    CK(c, c->cuModuleUnload(module), "cuModuleUnload");
-    return 0;
-}
-static int c_get_function(v4drv *d, void *module, const char *symbol, void **fn) {
-    cu_t *c = d->state;
-    CUfunction f = NULL;
-    CK(c, c->cuModuleGetFunction(&f, module, symbol), "cuModuleGetFunction");
-    *fn = f;
-    return 0;
-}
-static int c_launch(v4drv *d, void *fn, const uint32_t g[3], const uint32_t b[3], uint32_t shared, uint32_t n,
-                    const uint64_t *params, uint64_t tag) {
-    cu_t *c = d->state;
-    (void)tag;
-    void *stack[64];
-    void **args = n <= 64 ? stack : malloc(n * sizeof(void *));
-    if (!args) {
-        v4rt_seterr("out of host memory for kernel arguments");
-        return 1;
-    }
-    /* The parameter values outlive the launch (they live in the runtime's call table): a captured graph
-     * copies them at capture time anyway. */
-    for (uint32_t i = 0; i < n; i++) args[i] = (void *)&params[i];
-    CUresult r = 0;
-    if (shared > 48 * 1024) r = c->cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, (int)shared);
-    if (!r) r = c->cuLaunchKernel(fn, g[0], g[1], g[2], b[0], b[1], b[2], shared, c->stream, args, NULL);
-    if (args != stack) free(args);
-    return r ? fail(c, r, "cuLaunchKernel") : 0;
-}
-static int c_capture_begin(v4drv *d) {
-    cu_t *c = d->state;
-    CK(c, c->cuStreamBeginCapture(c->stream, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture");
-    return 0;
-}
-typedef struct {
-    CUgraph graph;
-    CUgraphExec exec;
-} cgraph;
-static int c_capture_end(v4drv *d, void **graph) {
-    cu_t *c = d->state;
-    *graph = NULL;
-    CUgraph g = NULL;
-    CK(c, c->cuStreamEndCapture(c->stream, &g), "cuStreamEndCapture");
-    CUgraphExec e = NULL;
-    CUresult r = c->cuGraphInstantiateWithFlags(&e, g, 0);
-    if (r) {
-        c->cuGraphDestroy(g);
-        return fail(c, r, "cuGraphInstantiateWithFlags");
-    }
-    cgraph *h = malloc(sizeof *h);
-    if (!h) {
-        c->cuGraphExecDestroy(e);
-        c->cuGraphDestroy(g);
-        v4rt_seterr("out of host memory");
-        return 1;
-    }
-    h->graph = g;
-    h->exec = e;
-    *graph = h;
-    return 0;
-}
-static int c_graph_launch(v4drv *d, void *graph) {
-    cu_t *c = d->state;
-    CK(c, c->cuGraphLaunch(((cgraph *)graph)->exec, c->stream), "cuGraphLaunch");
-    return 0;
-}
-static int c_graph_destroy(v4drv *d, void *graph) {
-    cu_t *c = d->state;
-    cgraph *h = graph;
-    c->cuGraphExecDestroy(h->exec);
-    c->cuGraphDestroy(h->graph);
-    free(h);
-    return 0;
-}
-static int c_sync(v4drv *d) {
-    cu_t *c = d->state;
-    CK(c, c->cuStreamSynchronize(c->stream), "cuStreamSynchronize");
-    return 0;
-}
-static void c_shutdown(v4drv *d) {
-    cu_t *c = d->state;
-    if (!c) return;
-    if (c->stream) c->cuStreamDestroy(c->stream);
-    if (c->ctx_retained) c->cuDevicePrimaryCtxRelease(c->dev);
-    if (c->lib) dlclose(c->lib);
-    free(c);
-    d->state = NULL;
+static int cu_instantiate(gpu *g, void **exec, void *graph) {
+    return gpu_check(g, C(g)->cuGraphInstantiateWithFlags(exec, graph, 0), "cuGraphInstantiateWithFlags");
 }
 
-#define SYM(c, field, name)                                                                 \
-    do {                                                                                    \
-        *(void **)(&(c)->field) = dlsym((c)->lib, name);                                    \
-        if (!(c)->field) {                                                                  \
-            v4rt_seterr("cuda: symbol %s missing from the driver library %s", name, path); \
-            goto bad;                                                                       \
-        }                                                                                   \
-    } while (0)
+#define G(field) offsetof(cu_t, g.field)
+#define OWN(field) offsetof(cu_t, field)
+static const gpu_sym SYMS[] = {
+    {"cuInit", G(init)},
+    {"cuDeviceGet", OWN(cuDeviceGet)},
+    {"cuDevicePrimaryCtxRetain", OWN(cuDevicePrimaryCtxRetain)},
+    {"cuDevicePrimaryCtxRelease_v2", OWN(cuDevicePrimaryCtxRelease)},
+    {"cuCtxSetCurrent", OWN(cuCtxSetCurrent)},
+    {"cuGetErrorString", OWN(cuGetErrorString)},
+    {"cuModuleLoadData", G(module_load)},
+    {"cuModuleUnload", G(module_unload)},
+    {"cuModuleGetFunction", G(get_function)},
+    {"cuFuncSetAttribute", G(func_set_attribute)},
+    {"cuMemAlloc_v2", OWN(cuMemAlloc)},
+    {"cuMemFree_v2", OWN(cuMemFree)},
+    {"cuMemcpyHtoDAsync_v2", OWN(cuMemcpyHtoDAsync)},
+    {"cuMemcpyDtoHAsync_v2", OWN(cuMemcpyDtoHAsync)},
+    {"cuStreamCreate", G(stream_create)},
+    {"cuStreamDestroy_v2", G(stream_destroy)},
+    {"cuStreamSynchronize", G(stream_sync)},
+    {"cuLaunchKernel", G(launch)},
+    {"cuStreamBeginCapture_v2", G(capture_begin)},
+    {"cuStreamEndCapture", G(capture_end)},
+    {"cuGraphInstantiateWithFlags", OWN(cuGraphInstantiateWithFlags)},
+    {"cuGraphLaunch", G(graph_launch)},
+    {"cuGraphExecDestroy", G(graph_exec_destroy)},
+    {"cuGraphDestroy", G(graph_destroy)},
+    {NULL, 0}};
 
-int v4drv_cuda_open(v4drv *d, const char *lib) {
-    const char *path = lib ? lib : "libcuda.so.1";
-    cu_t *c = calloc(1, sizeof *c);
-    if (!c) {
-        v4rt_seterr("out of host memory");
-        return 1;
-    }
-    *d = (v4drv){"cuda", c, c_alloc, c_free, c_h2d, c_d2h, c_module_load, c_module_unload, c_get_function,
-                 c_launch, c_capture_begin, c_capture_end, c_graph_launch, c_graph_destroy, c_sync, c_shutdown};
-    c->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (!c->lib) {
-        const char *e = dlerror();
-        v4rt_seterr("cuda: cannot open the driver library %s: %s", path, e ? e : "unknown error");
-        goto bad;
-    }
-    SYM(c, cuInit, "cuInit");
-    SYM(c, cuDeviceGet, "cuDeviceGet");
-    SYM(c, cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
-    SYM(c, cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
-    SYM(c, cuCtxSetCurrent, "cuCtxSetCurrent");
-    SYM(c, cuGetErrorString, "cuGetErrorString");
-    SYM(c, cuModuleLoadData, "cuModuleLoadData");
-    SYM(c, cuModuleUnload, "cuModuleUnload");
-    SYM(c, cuModuleGetFunction, "cuModuleGetFunction");
-    SYM(c, cuFuncSetAttribute, "cuFuncSetAttribute");
-    SYM(c, cuMemAlloc, "cuMemAlloc_v2");
-    SYM(c, cuMemFree, "cuMemFree_v2");
-    SYM(c, cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
-    SYM(c, cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
-    SYM(c, cuStreamCreate, "cuStreamCreate");
-    SYM(c, cuStreamDestroy, "cuStreamDestroy_v2");
-    SYM(c, cuStreamSynchronize, "cuStreamSynchronize");
-    SYM(c, cuLaunchKernel, "cuLaunchKernel");
-    SYM(c, cuStreamBeginCapture, "cuStreamBeginCapture_v2");
-    SYM(c, cuStreamEndCapture, "cuStreamEndCapture");
-    SYM(c, cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags");
-    SYM(c, cuGraphLaunch, "cuGraphLaunch");
-    SYM(c, cuGraphExecDestroy, "cuGraphExecDestroy");
-    SYM(c, cuGraphDestroy, "cuGraphDestroy");
-    CUresult r;
-    if ((r = c->cuInit(0))) {
-        fail(c, r, "cuInit");
-        goto bad;
-    }
-    if ((r = c->cuDeviceGet(&c->dev, 0))) {
-        fail(c, r, "cuDeviceGet");
-        goto bad;
-    }
-    if ((r = c->cuDevicePrimaryCtxRetain(&c->ctx, c->dev))) {
-        fail(c, r, "cuDevicePrimaryCtxRetain");
-        goto bad;
-    }
-    c->ctx_retained = 1;
-    if ((r = c->cuCtxSetCurrent(c->ctx))) {
-        fail(c, r, "cuCtxSetCurrent");
-        goto bad;
-    }
-    /* Non-blocking: stream capture is illegal on the legacy default stream and must not sync with it. */
-    if ((r = c->cuStreamCreate(&c->stream, CU_STREAM_NON_BLOCKING))) {
-        fail(c, r, "cuStreamCreate");
-        goto bad;
-    }
-    return 0;
-bad:
-    c_shutdown(d);
-    return 1;
-}
+/* 48 KiB is the default dynamic shared memory of a block on every NVIDIA GPU; more (sm_90: up to 227 KiB)
+ * needs the opt-in. */
+static const gpu_api CUDA = {.name = "cuda", .default_lib = "libcuda.so.1", .state_size = sizeof(cu_t),
+                             .syms = SYMS, .stream_flags = CU_STREAM_NON_BLOCKING,
+                             .capture_mode = CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, .shared_default = 48 * 1024,
+                             .shared_attribute = CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                             .device_open = cu_device_open, .device_close = cu_device_close,
+                             .error_string = cu_error_string, .mem_alloc = cu_alloc, .mem_free = cu_free,
+                             .h2d = cu_h2d, .d2h = cu_d2h, .graph_instantiate = cu_instantiate};
+
+int v4drv_cuda_open(v4drv *d, const char *lib) { return gpu_open(d, &CUDA, lib); }

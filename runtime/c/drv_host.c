@@ -189,7 +189,10 @@ int v4drv_host_open(v4drv *d, v4rt_host_kernel cb, void *user) {
     }
     s->cb = cb;
     s->user = user;
-    *d = (v4drv){"host", s, h_alloc, h_free, h_h2d, h_d2h, h_module_load, h_module_unload, h_get_function,
-                 h_launch, h_capture_begin, h_capture_end, h_graph_launch, h_graph_destroy, h_sync, h_shutdown};
+    *d = (v4drv){.name = "host", .state = s, .mem_alloc = h_alloc, .mem_free = h_free, .h2d = h_h2d, .d2h = h_d2h,
+                 .module_load = h_module_load, .module_unload = h_module_unload, .get_function = h_get_function,
+                 .launch = h_launch, .capture_begin = h_capture_begin, .capture_end = h_capture_end,
+                 .graph_launch = h_graph_launch, .graph_destroy = h_graph_destroy, .sync = h_sync,
+                 .shutdown = h_shutdown};
     return 0;
 }

@@ -51,11 +51,13 @@ static void wrap_err(const char *fmt, ...) {
 uint32_t v4rt_abi_version(void) { return V4RT_ABI_VERSION; }
 const char *v4rt_last_error(void) { return g_err; }
 
-typedef struct {
+typedef struct call_t {
     uint32_t code;
     const char *symbol; /* points into the table copy */
     void *fn;
     uint32_t grid[3], block[3], shared, n_params;
+    struct call_t *owner; /* the first call of the same kernel (code object, symbol): it resolved fn */
+    uint32_t shared_max;  /* on an owner: the most dynamic shared bytes any call of its kernel uses */
     int64_t *buffer;
     uint64_t *offset;
     uint64_t *param; /* resolved addresses */
@@ -340,13 +342,30 @@ v4rt_status v4rt_open(uint32_t abi_version, const char *driver, const char *driv
                     call_t *e = &rt->functions[g].calls[d];
                     if (e->code == k->code && strcmp(e->symbol, k->symbol) == 0) {
                         k->fn = e->fn;
+                        k->owner = e->owner;
                         break;
                     }
                 }
-            if (!k->fn && rt->drv.get_function(&rt->drv, rt->modules[k->code], k->symbol, &k->fn)) {
-                wrap_err("kernel symbol '%s' not found in code object %u (function %u call %u)", k->symbol,
-                            k->code, f, c);
-                st = V4RT_E_SYMBOL;
+            if (!k->fn) {
+                if (rt->drv.get_function(&rt->drv, rt->modules[k->code], k->symbol, &k->fn)) {
+                    wrap_err("kernel symbol '%s' not found in code object %u (function %u call %u)", k->symbol,
+                             k->code, f, c);
+                    st = V4RT_E_SYMBOL;
+                    goto fail;
+                }
+                k->owner = k;
+            }
+            if (k->shared > k->owner->shared_max) k->owner->shared_max = k->shared;
+        }
+    /* Dynamic shared memory above the driver's default needs a per-kernel opt-in: once, for the most any
+     * call of the kernel uses, before anything is launched or captured. */
+    for (uint32_t f = 0; f < nf && rt->drv.func_shared; f++)
+        for (uint32_t c = 0; c < rt->functions[f].n_calls; c++) {
+            call_t *k = &rt->functions[f].calls[c];
+            if (k->owner == k && k->shared_max && rt->drv.func_shared(&rt->drv, k->fn, k->shared_max)) {
+                wrap_err("kernel '%s' in code object %u: allowing %u bytes of dynamic shared memory failed",
+                         k->symbol, k->code, k->shared_max);
+                st = V4RT_E_LAUNCH;
                 goto fail;
             }
         }

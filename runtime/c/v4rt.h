@@ -33,7 +33,7 @@ typedef enum {
     V4RT_E_MODULE = 5,  /* a code object failed to load */
     V4RT_E_SYMBOL = 6,  /* a kernel symbol is missing from its code object */
     V4RT_E_OOM = 7,     /* a buffer allocation failed */
-    V4RT_E_LAUNCH = 8,  /* a kernel launch, copy or synchronisation failed */
+    V4RT_E_LAUNCH = 8,  /* a kernel launch (or its shared-memory opt-in), copy or synchronisation failed */
     V4RT_E_GRAPH = 9    /* stream capture, graph instantiation or replay failed */
 } v4rt_status;
 

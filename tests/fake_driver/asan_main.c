@@ -1,6 +1,8 @@
 /* Drives the C runtime through success and failure paths for AddressSanitizer / LeakSanitizer:
- *   asan_main TABLE FAKE_TABLE FAKE_CUDA_LIB FAKE_HIP_LIB
- * TABLE is a host table; FAKE_TABLE the same with fake code objects. Exits non-zero on any surprise. */
+ *   asan_main TABLE FAKE_TABLE FAKE_CUDA_LIB FAKE_HIP_LIB FAKE_SHARED_TABLE
+ * TABLE is a host table; FAKE_TABLE the same with fake code objects; FAKE_SHARED_TABLE that with one call
+ * asking for more dynamic shared memory than either driver's default (an opt-in at open). Exits non-zero
+ * on any surprise. */
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -53,10 +55,10 @@ static int run_all(v4rt *rt) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 5) return 2;
-    size_t n, nf;
-    unsigned char *t = slurp(argv[1], &n), *ft = slurp(argv[2], &nf);
-    EXPECT(t && ft && n && nf, "reading the tables");
+    if (argc != 6) return 2;
+    size_t n, nf, ns;
+    unsigned char *t = slurp(argv[1], &n), *ft = slurp(argv[2], &nf), *st = slurp(argv[5], &ns);
+    EXPECT(t && ft && st && n && nf && ns, "reading the tables");
     v4rt *rt = NULL;
     EXPECT(v4rt_open(V4RT_ABI_VERSION, "host", NULL, t, n, count, NULL, &rt) == V4RT_OK, "host open");
     if (run_all(rt)) return 1;
@@ -77,7 +79,7 @@ int main(int argc, char **argv) {
         void (*fail)(const char *, long) = (void (*)(const char *, long))dlsym(h, "fake_fail");
         void (*counts)(long *) = (void (*)(long *))dlsym(h, "fake_counts");
         void (*reset)(void) = (void (*)(void))dlsym(h, "fake_reset");
-        long c[11];
+        long c[13]; /* fake_counts */
         reset();
         EXPECT(v4rt_open(V4RT_ABI_VERSION, drv, lib, ft, nf, NULL, NULL, &rt) == V4RT_OK, "fake open");
         if (run_all(rt)) return 1;
@@ -90,10 +92,39 @@ int main(int argc, char **argv) {
         EXPECT(c[2] == 0 && c[8] == 0 && c[3] == c[4], "nothing leaked after oom");
         EXPECT(v4rt_open(V4RT_ABI_VERSION, drv, "/nonexistent/libfake.so", ft, nf, NULL, NULL, &rt) == V4RT_E_DRIVER,
                "missing driver");
+        /* failures inside runs: each leaves the runtime usable, and closing it frees everything */
+        struct {
+            const char *kind;
+            int graph;
+            v4rt_status want;
+        } runs[] = {{"instantiate", 1, V4RT_E_GRAPH}, {"launch", 1, V4RT_E_LAUNCH}, {"graph_launch", 1, V4RT_E_GRAPH},
+                    {"launch", 0, V4RT_E_LAUNCH}};
+        for (int i = 0; i < 4; i++) {
+            reset();
+            EXPECT(v4rt_open(V4RT_ABI_VERSION, drv, lib, ft, nf, NULL, NULL, &rt) == V4RT_OK, "fake open 2");
+            fail(runs[i].kind, 1);
+            EXPECT(v4rt_run(rt, 0, runs[i].graph) == runs[i].want, runs[i].kind);
+            if (run_all(rt)) return 1;
+            v4rt_close(rt);
+            counts(c);
+            EXPECT(c[2] == 0 && c[8] == 0 && c[9] == 0 && c[10] == 0 && c[3] == c[4], "nothing leaked after a failed run");
+        }
+        reset();
+        EXPECT(v4rt_open(V4RT_ABI_VERSION, drv, lib, st, ns, NULL, NULL, &rt) == V4RT_OK, "large shared memory");
+        counts(c);
+        EXPECT(c[11] == 1, "one opt-in");
+        if (run_all(rt)) return 1;
+        v4rt_close(rt);
+        reset();
+        fail("attr", 1);
+        EXPECT(v4rt_open(V4RT_ABI_VERSION, drv, lib, st, ns, NULL, NULL, &rt) == V4RT_E_LAUNCH && !rt, "opt-in refused");
+        counts(c);
+        EXPECT(c[2] == 0 && c[8] == 0 && c[3] == c[4], "nothing leaked after a refused opt-in");
         dlclose(h);
     }
     free(t);
     free(ft);
+    free(st);
     printf("asan_main: ok (%ld host kernel calls)\n", g_calls);
     return 0;
 }

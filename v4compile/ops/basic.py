@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..ir.registry import defop, require, reshape_view, split_view
+from ..ir.registry import Cost, defop, require, reshape_view, split_view
 from ..ir.types import TensorType
 
 
@@ -32,6 +32,12 @@ def weight_in_features(w: TensorType) -> int:
 def embed(ids, table):
     """Row `ids[b, t]` of the embedding table."""
     return table[ids.clamp(min=0)]
+
+
+@embed.cost
+def _(operands, results, attrs):
+    ids, table = operands
+    return Cost(0, ids.nbytes + results[0].nbytes, results[0].nbytes)  # only the rows looked up
 
 
 @embed.infer

@@ -3,7 +3,7 @@ fusion never changes a value."""
 
 from __future__ import annotations
 
-from ..ir.registry import defop, require
+from ..ir.registry import Cost, defop, require
 from ..ir.types import TensorType
 from .basic import GEMM_ATTRS, _native_gemm, linear, rms_norm, swiglu
 from .mhc import hc_head, hc_post, hc_pre
@@ -156,6 +156,16 @@ def _(x, weights, indices, w1, w2, w3, s1, s2, s3, w1_scale, w2_scale, w3_scale,
     return x
 
 
+@moe_experts_shared.cost
+def _(operands, results, attrs):
+    from .moe import expert_cost
+    x, weights, indices, w1, w2, w3, s1, s2, s3 = operands[:9]
+    dense = sum(t.nbytes for t in operands[9:] if t is not None and t.rank < 3) + s1.nbytes + s2.nbytes + s3.nbytes
+    c = expert_cost(x, weights, indices, [t for t in (w1, w2, w3, *operands[9:12]) if t is not None], results[0])
+    tokens = x.numel // x.shape[-1]
+    return Cost(c.flops + 6 * tokens * s1.shape[0] * s1.shape[1], c.bytes_read + dense, c.bytes_written)
+
+
 @moe_experts_shared.onnx
 def _(g, o, a, r):
     if any(getattr(o, n) is not None for n in ("w1_scale", "s1_scale")):
@@ -222,6 +232,17 @@ def _(g, o, a, r):
 
 # ---- q / kv norm + RoPE (+ window write) ---------------------------------------------------------
 
+@indexer_select.cost
+def _(operands, results, attrs):
+    """Every visible compressed index row of a sequence once (its lanes share them), scores in fp32."""
+    from .paged import row_bytes
+    q, weights, pos, block_table, p0, p1 = operands
+    B, T, HI, DI = q.shape
+    return Cost(2 * B * T * HI * DI * attrs["max_rows"],
+                q.nbytes + weights.nbytes + pos.nbytes + block_table.nbytes + B * attrs["max_rows"] * row_bytes(p0, p1),
+                sum(r.nbytes for r in results))
+
+
 @defop("qkv_norm_rope(q, kv, norm, pos, qi?, slot?, p0?, p1?, p2?) -> q_out, kv_out, qi_out?, q0?, q1?, q2?",
        attrs={"eps": float, "dim": int, "theta": float, "yarn": tuple, "kv_round_dims": (int, 0),
               "kv_round_block": (int, 64), "qi_round": (str, "none"), "window": (int, 0), "slot_rows": (int, 0),
@@ -261,6 +282,17 @@ def _(q, kv, norm, pos, qi, slot, p0, p1, p2, *, window, fmt, **_):
         require(slot is not None and window > 0 and fmt != "", "the window write needs slot, window and fmt")
         out += [p for p in (p0, p1, p2) if p is not None]
     return out
+
+
+@qkv_norm_rope.cost
+def _(operands, results, attrs):
+    """Activations in and out; in decode also one window-ring row per token written to the pool."""
+    from .paged import row_bytes
+    q, kv, norm, pos, qi, slot, p0, p1, p2 = operands
+    acts = [r for r in results[:3] if r is not None] if qi is not None else list(results[:2])
+    rows = kv.shape[0] * kv.shape[1] if p0 is not None else 0
+    return Cost(0, sum(t.nbytes for t in (q, kv, norm, pos, qi, slot) if t is not None),
+                sum(t.nbytes for t in acts) + rows * row_bytes(p0, p1, p2))
 
 
 @qkv_norm_rope.onnx

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..ir.registry import defop, require
+from ..ir.registry import Cost, defop, require
 from ..ir.types import TensorType
 from .basic import dequant_weight
 
@@ -94,6 +94,34 @@ def _(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *, limit, b
     check_gemm_attrs("moe_experts", act, acc, out_dtype)
     require(out_dtype == "", "moe_experts returns the activation dtype (out_dtype \"\")", found=out_dtype)
     return x
+
+
+@router.cost
+def _(operands, results, attrs):
+    """A hash layer looks up one `tid2eid` row per token, not the table."""
+    x, w, bias, tid2eid, ids = operands
+    tokens = x.numel // x.shape[-1]
+    table = ids.numel * tid2eid.nbytes // tid2eid.shape[0] + ids.nbytes if tid2eid is not None else 0
+    return Cost(2 * tokens * w.numel, x.nbytes + w.nbytes + (bias.nbytes if bias is not None else 0) + table,
+                sum(r.nbytes for r in results))
+
+
+def expert_cost(x, weights, indices, stacks, y) -> Cost:
+    """A step reads the stacked `[E, ...]` expert weights of its distinct active experts, each once (what
+    grouping by expert achieves), plus the activations. Routing is data, so the count is its expectation
+    under uniform routing (k distinct experts per token): E (1 - (1 - k/E)^tokens) <= min(E, tokens k)."""
+    tokens, k = x.numel // x.shape[-1], indices.shape[-1]
+    E = stacks[0].shape[0]
+    active = min(float(min(E, tokens * k)), E * (1.0 - (1.0 - k / E) ** tokens))
+    w = round(sum(t.nbytes // E for t in stacks) * active)
+    inter = stacks[0].shape[1]
+    return Cost(6 * tokens * k * inter * x.shape[-1], x.nbytes + weights.nbytes + indices.nbytes + w, y.nbytes)
+
+
+@moe_experts.cost
+def _(operands, results, attrs):
+    x, weights, indices = operands[:3]
+    return expert_cost(x, weights, indices, [t for t in operands[3:] if t is not None], results[0])
 
 
 @moe_experts.onnx

@@ -14,10 +14,21 @@ import torch
 
 from ..errors import InputError
 from ..formats import FP8_MAX, e8m0_to_float, float_to_e8m0, fp4_dequant, fp4_quant, pow2_scale
-from ..ir.registry import defop, require
+from ..ir.registry import Cost, defop, require
 from ..ir.types import TensorType
 from .attention import attend, ring_lanes
 from .compressor import closed_rows, update_ring
+
+# ---- cost rules: a pool op touches only its rows of the planes, never the whole pool -------------------
+
+def row_bytes(*planes: TensorType | None) -> int:
+    """Bytes of one row across the planes (a row of every plane)."""
+    return sum(p.nbytes // p.shape[0] for p in planes if p is not None and p.shape[0])
+
+
+def _small(*ts: TensorType | None) -> int:
+    return sum(t.nbytes for t in ts if t is not None)
+
 
 
 # ---- plane access --------------------------------------------------------------------------------
@@ -140,6 +151,13 @@ def _(kv, pos, slot, p0, p1, p2, *, fmt, **_):
     return _plane_types(p0, p1, p2)
 
 
+@pool_write_window.cost
+def _(operands, results, attrs):
+    kv, pos, slot, p0, p1, p2 = operands
+    B, T = kv.shape[0], kv.shape[1]
+    return Cost(0, _small(kv, pos, slot), B * min(T, attrs["window"]) * row_bytes(p0, p1, p2))
+
+
 @pool_write_window.onnx
 def _(g, o, a, r):
     _native_only(a, o)
@@ -176,6 +194,18 @@ def _(kv, gate, ape, norm, state_kv, state_gate, pos, slot, block_table, p0, p1,
     require(block_table.dtype == "i32" and block_table.shape[0] == kv.shape[0], "block_table must be i32 [B, blocks]",
             found=str(block_table))
     return (state_kv, state_gate, *_plane_types(p0, p1, p2))
+
+
+@compress_paged.cost
+def _(operands, results, attrs):
+    """The chunk's rows and the slots' state rings in, the chunk's rows pushed onto the rings; at most one
+    closed window per `ratio` positions (+1 at a chunk boundary) written to the pool."""
+    kv, gate, ape, norm, skv, sg, pos, slot, bt, p0, p1, p2 = operands
+    B, T = kv.shape[0], kv.shape[1]
+    ring = B * (skv.nbytes // skv.shape[0] + sg.nbytes // sg.shape[0])  # the slots' rings, read whole
+    pushed = B * min(T, skv.shape[1]) * (skv.nbytes + sg.nbytes) // (skv.shape[0] * skv.shape[1])
+    return Cost(0, _small(kv, gate, ape, norm, pos, slot, bt) + ring,
+                pushed + B * (T // attrs["ratio"] + 1) * row_bytes(p0, p1, p2))
 
 
 @compress_paged.onnx
@@ -393,6 +423,17 @@ def _(q, kv, pos, sink, slot, block_table, win_indptr, win_indices, comp_indptr,
                 "block_tokens / ratio", found={"ratio": ratio, "block_tokens": block_tokens, "comp_rows": comp_rows,
                                                 "blocks": block_table.shape[1]})
     return q
+
+
+@sparse_attention.cost
+def _(operands, results, attrs):
+    """Each query lane reads its CSR rows (capacity: window - 1 ring rows + the compressed rows) once."""
+    q, kv, pos, sink, wi, wx, ci, cx, p0, p1, p2 = operands
+    B, T, H, d = q.shape
+    rows = wx.shape[0] + (cx.shape[0] if cx is not None else 0)
+    keys = rows + B * T * T
+    return Cost(4 * H * d * keys, _small(q, kv, pos, sink, wi, wx, ci, cx) + rows * row_bytes(p0, p1, p2),
+                results[0].nbytes)
 
 
 @sparse_attention.onnx

@@ -1,0 +1,79 @@
+"""The GPU targets of an artifact (gfx950, sm_90a): the program and its kernels compiled ahead of time.
+
+    write_gpu_targets(module, targets, out_dir, jobs) -> GpuTargets
+
+`module` is the final module of the `gpu` pipeline (down to `lower_to_program`). Written under `out_dir`:
+    gpu/program.txt                  the program (buffers + ordered launches), parsed back at load
+    kernels/<target>/<name>.<hsaco|cubin>, <name>.json   each distinct specialisation's binary + sidecar
+The returned entries go into the manifest (`targets`, `kernels`) and report.json (`kernels`: the static
+report rows; `decode_step`: the roofline model of every decode bucket per target). Nothing here depends on
+time or paths, so the files are byte-reproducible (compile times and cache hits are only logged).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import InputError
+from ..program.build import build_program
+from ..program.text import print_program
+from ..program.verify import verify_program
+from . import aot
+from .program_kernels import program_kernels
+from .roofline import step_model
+
+log = logging.getLogger(__name__)
+
+PROGRAM_FILE = "gpu/program.txt"
+# Per-machine facts of a report row: logged, never written (they would break byte-reproducibility).
+VOLATILE = ("compile_s", "cached")
+
+
+@dataclass
+class GpuTargets:
+    targets: list[dict[str, Any]] = field(default_factory=list)
+    kernels: list[dict[str, Any]] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    decode_step: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_gpu_targets(module, targets: list[str] | tuple[str, ...], out_dir: str | Path,
+                      jobs: int | None = None) -> GpuTargets:
+    out = Path(out_dir)
+    prog = verify_program(build_program(module))
+    pk = program_kernels(prog)
+    if not pk.complete:
+        raise InputError("no Triton kernels for some launches of the program",
+                         found=", ".join(f"{k} ({v})" for k, v in sorted(pk.missing.items())))
+    (out / "gpu").mkdir(parents=True, exist_ok=True)
+    (out / PROGRAM_FILE).write_text(print_program(prog))
+    calls = list(pk.unique.values())
+    log.info("aot: %d kernel specialisations x %d targets (%s)", len(calls), len(targets), ", ".join(targets))
+    rows = aot.compile_calls(calls, list(targets), out / "kernels", jobs)
+    res = GpuTargets()
+    for r in rows:
+        binary, sidecar = out / "kernels" / r["path"], out / "kernels" / r["sidecar"]
+        res.kernels.append({"target": r["target"], "name": r["name"], "path": f"kernels/{r['path']}",
+                            "sidecar": f"kernels/{r['sidecar']}", "sha256": _sha(binary),
+                            "sidecar_sha256": _sha(sidecar)})
+        res.rows.append({k: v for k, v in r.items() if k not in VOLATILE})
+    for t in targets:
+        funcs = {}
+        for fname, f in prog.functions.items():
+            funcs[fname] = {"kind": fname.split("_")[0], "batch": int(f.attrs["batch"]),
+                            "tokens": int(f.attrs["tokens"]), "launches": len(f.launches),
+                            "kernel_calls": sum(len(c) for c in pk.calls[fname])}
+        res.targets.append({"name": t, "format": "triton-aot", "backend": aot.TARGETS[t].backend,
+                            "program": PROGRAM_FILE, "kernels_dir": f"kernels/{t}",
+                            "kernels": sum(1 for r in rows if r["target"] == t), "functions": funcs})
+        res.decode_step[t] = {fname: step_model(prog, pk, fname, t, rows)
+                              for fname in prog.functions if fname.startswith("decode")}
+    return res

@@ -1,0 +1,69 @@
+/* The one flow of the GPU drivers (internal to the library): drv_gpu.c runs it for HIP and CUDA alike; a
+ * driver file gives only its gpu_api, that is its symbol table and the few adapters where the two APIs
+ * differ in signature (device set-up, allocation, copies, graph instantiation, error text). */
+#ifndef V4RT_DRV_GPU_H
+#define V4RT_DRV_GPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "driver.h"
+
+typedef struct gpu_api gpu_api;
+
+/* A driver's state starts with this. The entry points here have the same C signature on both drivers
+ * (errors are ints, 0 = success; handles are pointers); the driver's own ones follow in its state. */
+typedef struct {
+    const gpu_api *api;
+    void *lib;
+    void *stream;
+    int (*init)(unsigned flags);
+    int (*stream_create)(void **stream, unsigned flags);
+    int (*stream_destroy)(void *stream);
+    int (*stream_sync)(void *stream);
+    int (*module_load)(void **module, const void *image);
+    int (*module_unload)(void *module);
+    int (*get_function)(void **fn, void *module, const char *symbol);
+    int (*func_set_attribute)(void *fn, int attribute, int value);
+    int (*launch)(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                  unsigned shared, void *stream, void **params, void **extra);
+    int (*capture_begin)(void *stream, int mode);
+    int (*capture_end)(void *stream, void **graph);
+    int (*graph_launch)(void *exec, void *stream);
+    int (*graph_exec_destroy)(void *exec);
+    int (*graph_destroy)(void *graph);
+} gpu;
+
+/* A driver symbol and the offset, in the driver's state, of the entry point it fills. */
+typedef struct {
+    const char *symbol;
+    size_t offset;
+} gpu_sym;
+
+struct gpu_api {
+    const char *name;        /* "hip" / "cuda": the v4drv name and the prefix of its errors */
+    const char *default_lib; /* the system's driver library */
+    size_t state_size;       /* the driver's state struct (a gpu first) */
+    const gpu_sym *syms;     /* every entry point to resolve, in this order; ends with {NULL, 0} */
+    unsigned stream_flags;   /* a non-blocking stream */
+    int capture_mode;        /* thread-local stream capture */
+    uint32_t shared_default; /* dynamic shared bytes a kernel may use without opting in */
+    int shared_attribute;    /* the function attribute that raises that limit for one kernel */
+    /* The adapters: each returns 0, or sets the error (gpu_check) and returns nonzero. */
+    int (*device_open)(gpu *g);   /* after init: device 0 (CUDA: its primary context made current) */
+    void (*device_close)(gpu *g); /* may be NULL; undoes what a full or partial device_open did */
+    const char *(*error_string)(gpu *g, int r); /* NULL: no description */
+    int (*mem_alloc)(gpu *g, uint64_t nbytes, uint64_t *addr);
+    int (*mem_free)(gpu *g, uint64_t addr);
+    int (*h2d)(gpu *g, uint64_t dst, const void *src, uint64_t nbytes); /* enqueued on g->stream */
+    int (*d2h)(gpu *g, void *dst, uint64_t src, uint64_t nbytes);      /* enqueued on g->stream */
+    int (*graph_instantiate)(gpu *g, void **exec, void *graph);
+};
+
+int gpu_open(v4drv *d, const gpu_api *api, const char *lib);
+
+/* r = 0: 0. Else sets "<driver>: <what> failed with error <r> (<driver's text>)" and returns 1; a
+ * versioned symbol's "_v2" is left out of <what>. */
+int gpu_check(gpu *g, int r, const char *what);
+
+#endif

@@ -1,0 +1,101 @@
+"""Which targets `compile -o` writes and how (fast: the ahead-of-time compiler is replaced by a recorder that
+writes placeholder binaries; the real one is tested in test_aot.py and, end to end, test_gpu_artifact.py).
+
+* the default is both GPU targets, plus the cpu target for a small model with weights;
+* `--weights none` gives a shape-only GPU artifact (bf16, the released FP8 / FP4 weight formats, no weight
+  data) that loads its manifest but refuses to run, in one clear error;
+* the GPU targets get one decode and one prefill bucket by default, `--gpu-*-buckets` to choose.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from v4compile.artifact import load_artifact
+from v4compile.cli import main
+from v4compile.codegen import aot
+
+GPU = ["gfx950", "sm_90a"]
+
+
+@pytest.fixture
+def fake_aot(monkeypatch):
+    """Record the calls; write a placeholder binary and sidecar per (call, target) as the real one lays them out."""
+    seen: list[tuple[str, str]] = []
+
+    def compile_calls(calls, targets, out_dir, jobs=None):
+        rows = []
+        for c in calls:
+            for t in targets:
+                seen.append((c.name, t))
+                d = out_dir / t
+                d.mkdir(parents=True, exist_ok=True)
+                binary = f"placeholder {c.name} {t}".encode()
+                ext = aot.TARGETS[t].binary_ext
+                (d / f"{c.name}.{ext}").write_bytes(binary)
+                side = {"name": c.name, "symbol": c.kernel_name, "grid": list(c.grid), "target": t,
+                        "binary_sha256": hashlib.sha256(binary).hexdigest(), "params": [], "shared_bytes": 0,
+                        "block": [c.num_warps * aot.TARGETS[t].warp_size, 1, 1], "num_warps": c.num_warps}
+                (d / f"{c.name}.json").write_text(json.dumps(side, sort_keys=True))
+                rows.append({"name": c.name, "target": t, "regs": 1, "spills": 0, "shared_bytes": 0,
+                             "mma_instructions": 1, "occupancy": 1, "flops": c.flops, "bytes": c.bytes_moved,
+                             "modeled_us": 1.0, "bandwidth_us": 0.5, "compile_s": 0.1, "cached": False,
+                             "path": f"{t}/{c.name}.{ext}", "sidecar": f"{t}/{c.name}.json"})
+        return rows
+
+    monkeypatch.setattr(aot, "compile_calls", compile_calls)
+    return seen
+
+
+def _manifest(out) -> dict:
+    return json.loads((out / "manifest.json").read_text())
+
+
+def test_default_targets_of_a_small_model(tmp_path, fake_aot):
+    out = tmp_path / "a"
+    assert main(["compile", "--preset", "tiny", "-o", str(out), "--decode-buckets", "1,2", "--prefill-buckets", "8"]) == 0
+    m = _manifest(out)
+    assert [t["name"] for t in m["targets"]] == ["cpu", *GPU] and m["dtype"] == "fp32"
+    assert m["buckets"]["gpu"] == {"decode_batch": [2], "prefill_chunk": [8]}
+    assert set(m["pipelines"]) == {"cpu", "gpu"} and m["pipelines"]["gpu"][-1] == "lower_to_program"
+    names = {n for n, _ in fake_aot}
+    assert {(k["name"], k["target"]) for k in m["kernels"]} == {(n, t) for n in names for t in GPU}
+    assert all(k["path"] in m["files"] and m["files"][k["path"]] == k["sha256"] for k in m["kernels"])
+    rep = json.loads((out / "report.json").read_text())
+    assert set(rep["decode_step"]) == set(GPU) and set(rep["decode_step"]["gfx950"]) == {"decode_b2"}
+    assert all("compile_s" not in r and "cached" not in r for r in rep["kernels"])
+    load_artifact(out)
+
+
+def test_explicit_targets_and_gpu_buckets(tmp_path, fake_aot):
+    out = tmp_path / "b"
+    assert main(["compile", "--preset", "tiny", "-o", str(out), "--target", "sm_90a", "--decode-buckets", "1,4",
+                 "--prefill-buckets", "8", "--gpu-decode-buckets", "1,4", "--dtype", "fp32"]) == 0
+    m = _manifest(out)
+    assert [t["name"] for t in m["targets"]] == ["sm_90a"]  # no cpu without being asked, once --target is given
+    assert set(m["targets"][0]["functions"]) == {"decode_b1", "decode_b4", "prefill_c8"}
+    assert {t for _, t in fake_aot} == {"sm_90a"}
+    assert main(["compile", "--preset", "tiny", "-o", str(tmp_path / "c"), "--target", "sm_90a",
+                 "--gpu-decode-buckets", "4"]) == 2  # the largest GPU decode bucket must be the pool's
+
+
+def test_shape_only_gpu_artifact(tmp_path, fake_aot, capsys):
+    out = tmp_path / "s"
+    assert main(["compile", "--preset", "tiny-pro", "--weights", "none", "-o", str(out), "--decode-buckets", "2",
+                 "--prefill-buckets", "8"]) == 0
+    m = _manifest(out)
+    assert [t["name"] for t in m["targets"]] == GPU and m["dtype"] == "bf16"
+    assert m["weights"]["shape_only"] and m["weights"]["shards"] == [] and not list((out / "weights").glob("*"))
+    experts = {n: t["dtype"] for n, t in m["weights"]["tensors"].items() if n.endswith("ffn.experts.w1")}
+    assert experts and set(experts.values()) == {"fp4x2"}  # the released formats, as the kernels read them
+    capsys.readouterr()
+    assert main(["run", str(out), "--ids", "1,2"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "shape-only" in err[0]
+    # the cpu target cannot be asked for without weights
+    assert main(["compile", "--preset", "tiny", "--weights", "none", "-o", str(tmp_path / "x"), "--target",
+                 "cpu"]) == 2
+    assert "the cpu target needs weights" in capsys.readouterr().err
