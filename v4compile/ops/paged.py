@@ -428,11 +428,11 @@ def _(q, kv, pos, sink, slot, block_table, win_indptr, win_indices, comp_indptr,
 @sparse_attention.cost
 def _(operands, results, attrs):
     """Each query lane reads its CSR rows (capacity: window - 1 ring rows + the compressed rows) once."""
-    q, kv, pos, sink, wi, wx, ci, cx, p0, p1, p2 = operands
+    q, kv, pos, sink, slot, bt, wi, wx, ci, cx, p0, p1, p2 = operands
     B, T, H, d = q.shape
     rows = wx.shape[0] + (cx.shape[0] if cx is not None else 0)
     keys = rows + B * T * T
-    return Cost(4 * H * d * keys, _small(q, kv, pos, sink, wi, wx, ci, cx) + rows * row_bytes(p0, p1, p2),
+    return Cost(4 * H * d * keys, _small(q, kv, pos, sink, slot, bt, wi, wx, ci, cx) + rows * row_bytes(p0, p1, p2),
                 results[0].nbytes)
 
 
