@@ -13,7 +13,8 @@ Guarantees:
 * (b) CSR construction: `csr_window` (ring rows before the chunk), `csr_compressed` (all visible HCA rows)
   and `csr_selected` (the CSA top-k translated from sequence-local row numbers to physical rows);
 * (c) `attention` -> `sparse_attention`: one softmax with the sink over window rows, compressed rows and
-  the chunk's own keys (prefix + extend); `indexer_scores` -> `indexer_scores_paged`;
+  the chunk's own keys (prefix + extend), given the slot, block table and geometry so that its reference
+  sums over `attention`'s key layout (bit-exact to it); `indexer_scores` -> `indexer_scores_paged`;
 * the pool geometry is recorded in the module attributes (`pool.*`), so the IR is self-contained;
 * numerics: `native` planes hold exactly the values of the caches; `fp8` / `fp4` planes are exact for
   `numerics=official` (whose roundings put every value on those grids) and lossy otherwise.
@@ -150,10 +151,21 @@ def lower_function(fn: Function, geo: PoolGeometry) -> tuple[Function, dict[str,
                     c = make_op(namer, "csr_selected", [sel, p, block_table], common, op.loc)
                 ops.append(c)
                 cip, cix = c.results
-            new = make_op(namer, "sparse_attention", [q, kv, p, sink, wip, wix, cip, cix, *cur_main],
+            if op.attrs["window"] != geo.window:
+                raise PassError("lower_sparse_attention: an attention window differs from the window ring's size",
+                                where=op.loc or None, expected=geo.window, found=op.attrs["window"])
+            # The geometry lets the op's reference lay its keys out as `attention` does (ring slots, chunk,
+            # compressed rows by window index), so both sum in the same order; the kernels ignore it.
+            comp = {} if rows is None else {"ratio": op.attrs["ratio"], "block_tokens": geo.block_tokens,
+                                            "envelope_rows": geo.envelope_rows, "comp_rows": rows.type.shape[1]}
+            operands = {"q": q, "kv": kv, "pos": p, "sink": sink, "slot": slot,
+                        "block_table": None if rows is None else block_table, "win_indptr": wip, "win_indices": wix,
+                        "comp_indptr": cip, "comp_indices": cix,
+                        **{f"p{i}": v for i, v in enumerate(cur_main)}}
+            new = make_op(namer, "sparse_attention", operands,
                           {"window": op.attrs["window"], "scale": op.attrs["scale"], "win_base": layer * geo.window,
                            "comp_base": geo.offset(layer) if rows is not None else 0, "fmt": geo.main_fmt,
-                           **tags_of(op)},
+                           "slot_rows": geo.slot_rows, "n_rows": geo.n_rows, **comp, **tags_of(op)},
                           op.loc, [op.result])
             ops.append(new)
             hits["attention"] += 1

@@ -53,18 +53,22 @@ def _operands(kind, fmt, dtype, starts, counts, T, H, d, rope, seed):
     if kind == "hca":
         comp = reference("csr_compressed", {"pos": pos, "block_table": bt}, dict(csr_attrs, max_rows=max_rows))
     elif kind == "csa":
-        sel = torch.randint(0, max_rows, (B, T, 5), generator=g)
+        # Distinct picks per lane, as the indexer's top-k makes them (the op lists each key once).
+        sel = torch.argsort(torch.rand(B, T, max_rows, generator=g), dim=-1)[..., :5]
         lim = (pos.clamp(min=0) + 1) // ratio
         sel = torch.where(sel < lim.unsqueeze(-1), sel, -1)
         comp = reference("csr_selected", {"selected": sel, "pos": pos, "block_table": bt}, csr_attrs)
     else:
         comp = (None, None)
     args = {"q": (torch.randn(B, T, H, d, generator=g) * 1.5).to(dt), "kv": torch.randn(B, T, d, generator=g).to(dt),
-            "pos": pos, "sink": torch.rand(H, generator=g) * 4 - 1, "win_indptr": win[0], "win_indices": win[1],
+            "pos": pos, "sink": torch.rand(H, generator=g) * 4 - 1, "slot": slot,
+            "block_table": bt if kind != "swa" else None, "win_indptr": win[0], "win_indices": win[1],
             "comp_indptr": comp[0], "comp_indices": comp[1],
             **{f"p{i}": (planes[i] if i < len(planes) else None) for i in range(3)}}
     attrs = {"window": window, "scale": d ** -0.5, "win_base": window, "comp_base": 2 if kind != "swa" else 0,
-             "fmt": fmt}
+             "fmt": fmt, "slot_rows": slot_rows, "n_rows": n_rows}
+    if kind != "swa":
+        attrs.update(csr_attrs, comp_rows=max_rows)
     return args, attrs
 
 

@@ -60,6 +60,16 @@ def attention(q, kv, window_kv, pos, sink, rows, selected, *, window, ratio, sca
             vis_rows = vis_rows & hit[..., :R]
         keys = torch.cat([keys, rows], dim=1)
         visible = torch.cat([visible, vis_rows], dim=-1)
+    return attend(q, keys, visible, sink, scale)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sink: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """q [B, T, H, d] over keys = values [B, K, d] where visible [B, T, K]: scores in the activation dtype,
+    one fp32 softmax with the sink in the denominator only. `sparse_attention`'s reference calls it on a
+    key tensor laid out exactly as `attention` lays out its keys, so both reduce in the same order and
+    round identically (a 1-ulp difference here becomes a whole FP8 step under official numerics)."""
+    B, T, H, _ = q.shape
     scores = (torch.einsum("bthd,bkd->bthk", q, keys) * scale).float()
     scores = scores.masked_fill(~visible.unsqueeze(2), float("-inf"))
     logits = torch.cat([scores, sink.float().view(1, 1, H, 1).expand(B, T, H, 1)], dim=-1)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import InputError
 from ..formats import FP8_MAX, e8m0_to_float, float_to_e8m0, fp4_dequant, fp4_quant, pow2_scale
 from ..ir.registry import Cost, defop, require
 from ..ir.types import TensorType
-from .attention import ring_lanes
+from .attention import attend, ring_lanes
 from .compressor import closed_rows, update_ring
 
 # ---- cost rules: a pool op touches only its rows of the planes, never the whole pool -------------------
@@ -338,60 +339,100 @@ def _gather_csr(indptr: torch.Tensor, indices: torch.Tensor, width: int) -> tupl
     return rows, mask
 
 
-@defop("sparse_attention(q, kv, pos, sink, win_indptr, win_indices, comp_indptr?, comp_indices?, p0, p1?, p2?) -> out",
-       attrs={"window": int, "scale": float, "win_base": int, "comp_base": int, "fmt": str}, kernel="sparse_attention",
-       variants={"window": (), "window_compressed": ("comp_indptr", "comp_indices")})
-def sparse_attention(q, kv, pos, sink, win_indptr, win_indices, comp_indptr, comp_indices, p0, p1, p2, *, window, scale,
-                     win_base, comp_base, fmt):
+def _listed(indptr: torch.Tensor, indices: torch.Tensor, layout: torch.Tensor, T: int, what: str) -> torch.Tensor:
+    """[B, T, K]: which keys of a sequence's layout `layout [B, K]` (physical rows, < 0 = none) each query
+    lane's CSR lists. Equal layout rows resolve to the first (a block table may repeat a block in its
+    unused tail). A listed row outside the layout, or listed twice, is an error: the layout holds each
+    key once, as `attention`'s key tensor does."""
+    B, K = layout.shape
+    L = indptr.shape[0] - 1
+    counts = (indptr[1:] - indptr[:-1]).long()
+    rows, mask = _gather_csr(indptr, indices, max(int(counts.max()) if L else 0, 1))
+    srt, order = torch.sort(layout.long(), dim=1, stable=True)
+    lane_b = torch.arange(L) // T
+    srt_l = srt[lane_b]
+    at = torch.searchsorted(srt_l, rows).clamp(max=K - 1)
+    found = (srt_l.gather(1, at) == rows) & (rows >= 0)
+    if bool((mask & ~found).any()):
+        lane = int((mask & ~found).any(1).nonzero()[0])
+        raise InputError(f"sparse_attention: a {what} CSR row of lane {lane} is not one of its sequence's {what} "
+                         "rows (slot / block table)", found=sorted(set(rows[lane][mask[lane]].tolist())
+                                                             - set(layout[lane // T].tolist())))
+    key = order[lane_b].gather(1, at)
+    hits = torch.zeros(L, K, dtype=torch.long).scatter_add_(1, torch.where(mask, key, 0), mask.long())
+    if bool((hits > 1).any()):
+        raise InputError(f"sparse_attention: lane {int((hits > 1).any(1).nonzero()[0])} lists a {what} row twice")
+    return (hits > 0).view(B, T, K)
+
+
+@defop("sparse_attention(q, kv, pos, sink, slot, block_table?, win_indptr, win_indices, comp_indptr?, comp_indices?, "
+       "p0, p1?, p2?) -> out",
+       attrs={"window": int, "scale": float, "win_base": int, "comp_base": int, "fmt": str, "slot_rows": int,
+              "n_rows": int,
+              # the compressed variant's geometry (the window variant has no compressed rows: sizes 1 / 0)
+              "ratio": (int, 1), "block_tokens": (int, 1), "envelope_rows": (int, 0), "comp_rows": (int, 0)},
+       kernel="sparse_attention",
+       variants={"window": (), "window_compressed": ("block_table", "comp_indptr", "comp_indices")})
+def sparse_attention(q, kv, pos, sink, slot, block_table, win_indptr, win_indices, comp_indptr, comp_indices, p0, p1,
+                     p2, *, window, scale, win_base, comp_base, fmt, slot_rows, n_rows, ratio, block_tokens,
+                     envelope_rows, comp_rows):
     """One softmax per query over: the pool rows of its window CSR (+ `win_base`), the pool rows of its
     compressed CSR (+ `comp_base`), and the chunk's own kv rows at positions in (t - window, t]; the sink
-    joins the denominator only. K = V = the 512-wide latent."""
-    B, T, H, d = q.shape
+    joins the denominator only. K = V = the 512-wide latent.
+
+    The CSRs say which keys a query sees; the sum runs over `attention`'s key layout: the sequence's
+    `window` ring slots in slot order (rows `window_rows` of `slot`), the chunk's T rows, then its
+    `comp_rows` compressed rows w = 0.. (rows `compressed_row` through `block_table`), keys no lane lists
+    read as zeros and masked. Same shapes, same order: the result is `attention`'s bit for bit (the
+    kernels keep their own order, within their stated tolerance). Each lane lists a row at most once."""
+    B, T = q.shape[:2]
     planes = _planes(p0, p1, p2)
-    wr, wm = _gather_csr(win_indptr, win_indices, max(window - 1, 1))
-    parts_rows, parts_mask = [torch.where(wm, wr + win_base, -1)], [wm]
+    ring = window_rows(torch.arange(window).expand(B, window), slot, window, slot_rows, n_rows)  # [B, W]
+    win_vis = _listed(win_indptr, win_indices, ring, T, "window")
+    t, s = pos.unsqueeze(-1), pos.unsqueeze(1)
+    ext_vis = (s >= 0) & (s <= t) & (s > t - window) & (t >= 0)  # [B, T, T]: the chunk's own keys
+    keys = [read_rows(planes, torch.where(win_vis.any(1), ring + win_base, -1), fmt, q.dtype), kv]
+    visible = [win_vis, ext_vis]
     if comp_indptr is not None:
-        width = int((comp_indptr[1:] - comp_indptr[:-1]).max()) if B * T else 0
-        cr, cm = _gather_csr(comp_indptr, comp_indices, max(width, 1))
-        parts_rows.append(torch.where(cm, cr + comp_base, -1))
-        parts_mask.append(cm)
-    rows = torch.cat(parts_rows, dim=1)  # [L, P]
-    pool_keys = read_rows(planes, rows, fmt, q.dtype).view(B, T, rows.shape[1], d)
-    pool_mask = torch.cat(parts_mask, dim=1).view(B, T, -1)
-    t = pos.unsqueeze(-1)
-    s = pos.unsqueeze(1)
-    ext_mask = (s >= 0) & (s <= t) & (s > t - window) & (t >= 0)  # [B, T, T]
-    s_pool = (torch.einsum("bthd,btkd->bthk", q, pool_keys) * scale).float()
-    s_ext = (torch.einsum("bthd,bkd->bthk", q, kv) * scale).float()
-    s_pool = s_pool.masked_fill(~pool_mask.unsqueeze(2), float("-inf"))
-    s_ext = s_ext.masked_fill(~ext_mask.unsqueeze(2), float("-inf"))
-    logits = torch.cat([s_pool, s_ext, sink.float().view(1, 1, H, 1).expand(B, T, H, 1)], dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(logits, dim=-1)[..., :-1].to(q.dtype)
-    P = pool_keys.shape[2]
-    return (torch.einsum("bthk,btkd->bthd", probs[..., :P], pool_keys)
-            + torch.einsum("bthk,bkd->bthd", probs[..., P:], kv))
+        per_block = block_tokens // ratio
+        w = torch.arange(comp_rows).expand(B, comp_rows)
+        blk = block_table.long().gather(1, torch.div(w, per_block, rounding_mode="floor"))
+        comp = torch.where(blk >= 0, blk * envelope_rows + torch.remainder(w, per_block), -1)  # [B, R]
+        comp_vis = _listed(comp_indptr, comp_indices, comp, T, "compressed")
+        keys.append(read_rows(planes, torch.where(comp_vis.any(1), comp + comp_base, -1), fmt, q.dtype))
+        visible.append(comp_vis)
+    return attend(q, torch.cat(keys, dim=1), torch.cat(visible, dim=-1), sink, scale)
 
 
 @sparse_attention.infer
-def _(q, kv, pos, sink, win_indptr, win_indices, comp_indptr, comp_indices, p0, p1, p2, *, fmt, **_):
+def _(q, kv, pos, sink, slot, block_table, win_indptr, win_indices, comp_indptr, comp_indices, p0, p1, p2, *, fmt,
+      ratio, block_tokens, comp_rows, **_):
     _check_planes(fmt, p0, p1, p2)
     B, T, H, d = q.shape
     require(tuple(kv.shape) == (B, T, d) and sink.shape == (H,), "sparse_attention kv [B, T, d] / sink [H]",
             found=(list(kv.shape), list(sink.shape)))
     require(win_indptr.shape == (B * T + 1,) and (comp_indptr is None or comp_indptr.shape == (B * T + 1,)),
             "CSR indptr must be [B*T + 1]")
+    require(slot.shape == (B,), "sparse_attention slot must be [B]", found=list(slot.shape))
+    if block_table is not None:
+        per_block = block_tokens // ratio if ratio > 0 else 0
+        require(block_table.dtype == "i32" and block_table.rank == 2 and block_table.shape[0] == B,
+                "sparse_attention block_table must be i32 [B, blocks]", found=str(block_table))
+        require(per_block > 0 and block_tokens % ratio == 0 and 0 < comp_rows <= block_table.shape[1] * per_block,
+                "sparse_attention compressed geometry: ratio divides block_tokens, 0 < comp_rows <= blocks x "
+                "block_tokens / ratio", found={"ratio": ratio, "block_tokens": block_tokens, "comp_rows": comp_rows,
+                                                "blocks": block_table.shape[1]})
     return q
 
 
 @sparse_attention.cost
 def _(operands, results, attrs):
     """Each query lane reads its CSR rows (capacity: window - 1 ring rows + the compressed rows) once."""
-    q, kv, pos, sink, wi, wx, ci, cx, p0, p1, p2 = operands
+    q, kv, pos, sink, slot, bt, wi, wx, ci, cx, p0, p1, p2 = operands
     B, T, H, d = q.shape
     rows = wx.shape[0] + (cx.shape[0] if cx is not None else 0)
     keys = rows + B * T * T
-    return Cost(4 * H * d * keys, _small(q, kv, pos, sink, wi, wx, ci, cx) + rows * row_bytes(p0, p1, p2),
+    return Cost(4 * H * d * keys, _small(q, kv, pos, sink, slot, bt, wi, wx, ci, cx) + rows * row_bytes(p0, p1, p2),
                 results[0].nbytes)
 
 
