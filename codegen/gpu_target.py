@@ -65,12 +65,10 @@ def write_gpu_targets(module, targets: list[str] | tuple[str, ...], out_dir: str
                             "sidecar": f"kernels/{r['sidecar']}", "sha256": _sha(binary),
                             "sidecar_sha256": _sha(sidecar)})
         res.rows.append({k: v for k, v in r.items() if k not in VOLATILE})
+    funcs = {fname: {"kind": fname.split("_")[0], "batch": int(f.attrs["batch"]), "tokens": int(f.attrs["tokens"]),
+                     "launches": len(f.launches), "kernel_calls": sum(len(c) for c in pk.calls[fname])}
+             for fname, f in prog.functions.items()}
     for t in targets:
-        funcs = {}
-        for fname, f in prog.functions.items():
-            funcs[fname] = {"kind": fname.split("_")[0], "batch": int(f.attrs["batch"]),
-                            "tokens": int(f.attrs["tokens"]), "launches": len(f.launches),
-                            "kernel_calls": sum(len(c) for c in pk.calls[fname])}
         res.targets.append({"name": t, "format": "triton-aot", "backend": aot.TARGETS[t].backend,
                             "program": PROGRAM_FILE, "kernels_dir": f"kernels/{t}",
                             "kernels": sum(1 for r in rows if r["target"] == t), "functions": funcs})

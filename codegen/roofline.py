@@ -32,13 +32,12 @@ MMA_FAMILIES = ("gemm", "grouped_gemm", "moe", "sparse_attention", "indexer")
 
 def ideal_bytes(prog: Program, function: str) -> int:
     """Registry cost of every launch of `function`; a weight buffer read by several launches counts once."""
+    f = prog.functions[function]
     total, seen = 0, set()
-    for l in prog.functions[function].launches:
-        od = get_op(l.op)
-        c = od.cost_of([a.type if a is not None else None for _, a in l.operands], [a.type for _, a in l.results],
-                       l.attrs)
+    for l in f.launches:
+        c = get_op(l.op).cost_of([a.type if a is not None else None for _, a in l.operands],
+                                 [a.type for _, a in l.results], l.attrs)
         total += c.bytes_read + c.bytes_written
-        f = prog.functions[function]
         for _, a in l.operands:  # a weight shared between launches (none today) would be read once
             if a is not None and f.buffer(a.buffer).kind == "weight":
                 if a.buffer in seen:

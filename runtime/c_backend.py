@@ -38,10 +38,6 @@ STATUS = ("ok", "bad argument", "ABI version mismatch", "bad launch table", "dri
           "code object load failed", "kernel symbol missing", "out of memory", "launch failed", "graph failed")
 HOST_KERNEL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32,
                                ctypes.POINTER(ctypes.c_uint64))
-# Triton pointer element type -> torch dtype (for running a KernelCall on the host buffers).
-TRITON_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-                "fp8e4nv": torch.float8_e4m3fn, "u8": torch.uint8, "i8": torch.int8, "i32": torch.int32,
-                "i64": torch.int64, "i1": torch.bool}
 
 
 class Stats(ctypes.Structure):
@@ -234,16 +230,15 @@ class CRuntime:
         run_launch(l, self.views)
 
     def _run_kernel(self, call, places) -> None:
+        from v4compile.codegen.kernels import typed_from
+
         kc = call.kernel
         kw = {}
         for (param, _kind, _name, ty), w in zip(kc.pointers, places):
             if w is None:
                 kw[param] = None
                 continue
-            dt = TRITON_TORCH[ty[1:]]
-            raw = self.views[w[0]][w[1]:]
-            size = torch.tensor([], dtype=dt).element_size()
-            kw[param] = raw[: raw.numel() // size * size].view(dt)
+            kw[param] = typed_from(self.views[w[0]][w[1]:], ty)
         kc.fn[kc.grid](**kw, **kc.constexprs, num_warps=kc.num_warps, num_stages=kc.num_stages)
 
     def close(self) -> None:

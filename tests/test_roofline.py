@@ -73,3 +73,16 @@ def test_pool_ops_cost_their_rows_not_the_pool(v4_pro):
         res = [a.type for _, a in l.results]
         assert get_op(l.op).cost_of(ops, res, l.attrs) == get_op(l.op).cost_of(big, res, l.attrs), l.op
     assert ideal_bytes(prog, "decode") > 0
+
+
+def test_a_launch_signature_is_one_set_of_binaries(v4_pro):
+    """Launches with equal `specialisation` (the registry's `offset_attrs` left out) get the same kernels, so
+    the declared offsets really are launch-time pointer offsets, not constexprs; and every layer of a kind
+    shares them (V4-Pro decode: 61 layers, a few dozen signatures)."""
+    prog, pk = v4_pro
+    f = prog.functions["decode"]
+    names: dict[str, set] = {}
+    for l, calls in zip(f.launches, pk.calls["decode"]):
+        names.setdefault(l.specialisation, set()).add(tuple(c.name for c in calls))
+    assert all(len(v) == 1 for v in names.values()), [k for k, v in names.items() if len(v) > 1][:3]
+    assert len(names) < 40 < len(f.launches)

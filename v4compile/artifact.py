@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARD_BYTES = 1 << 30  # 1 GiB of tensor data per weights shard
-TARGETS = ("cpu", "gfx950", "sm_90a")
 GPU_TARGETS = ("gfx950", "sm_90a")
+TARGETS = ("cpu", *GPU_TARGETS)
 
 
 class ArtifactError(InputError):

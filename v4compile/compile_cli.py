@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from .artifact import GPU_TARGETS
 from .errors import InputError, IRError, PassError, V4Error
 from .timing import Stages
 
@@ -169,9 +170,6 @@ def _split_specs(text: str) -> list[str]:
     elif out:
         raise PassError("--passes ends with ','", found=text[:80])
     return out
-
-
-GPU_TARGETS = ("gfx950", "sm_90a")
 
 
 def targets_of(args) -> list[str]:

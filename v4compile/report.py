@@ -151,7 +151,7 @@ def render_report(rep: dict) -> str:
                      f"({p['main']} main + {p['index']} index; {p['block_tokens']}-token blocks of "
                      f"{p['envelope_rows']} rows)")
     for fname, p in (rep.get("program") or {}).items():
-        lines.append(f"  program @{fname}: {p['launches']} launches, {p['specialisations']} kernel specialisations; "
+        lines.append(f"  program @{fname}: {p['launches']} launches, {p['specialisations']} launch signatures; "
                      + ", ".join(f"{k} x{v}" for k, v in p["kernel_families"].items()))
     if rep.get("decode_step"):
         from .codegen.roofline import render_step

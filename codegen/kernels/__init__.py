@@ -193,6 +193,12 @@ def pad4(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
     return tuple([1] * (4 - len(shape)) + list(shape))
 
 
+def typed_from(raw: torch.Tensor, ty: str) -> torch.Tensor:
+    """Bytes from a kernel pointer on (1-D uint8) as the 1-D tensor of its pointer type `ty` ("*bf16")."""
+    n = BYTES_OF[ty[1:]]
+    return raw[: raw.numel() // n * n].view(TRITON_TORCH[ty[1:]])
+
+
 def run_calls(calls: list[KernelCall], args: dict[str, torch.Tensor | None], outs: dict[str, torch.Tensor]) -> None:
     """Launch prepared calls on tensors (scratch buffers allocated per name, shared by the calls)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -211,8 +217,7 @@ def run_calls(calls: list[KernelCall], args: dict[str, torch.Tensor | None], out
             want = TRITON_TORCH[ty[1:]]
             off = call.offsets.get(param, 0)
             if off:
-                raw = t.view(torch.uint8).reshape(-1)[off:] if t.dtype != torch.bool else t.reshape(-1)[off:]
-                kw[param] = raw[: raw.numel() // BYTES_OF[ty[1:]] * BYTES_OF[ty[1:]]].view(want)
+                kw[param] = typed_from(t.view(torch.uint8).reshape(-1)[off:], ty)
             else:
                 kw[param] = t if t.dtype == want else t.view(want)
         call.fn[call.grid](**kw, **call.constexprs, num_warps=call.num_warps, num_stages=call.num_stages)

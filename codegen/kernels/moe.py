@@ -35,6 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ...ops.moe import expected_active_experts
 from . import KernelCall, TensorArg, call_name, ptr, rows_of, unaligned
 from .gemm import W_FMT, _tl_dtype, mma_step, tiles
 
@@ -238,14 +239,13 @@ def _routed_work(E: int, k: int, M: int) -> tuple[float, int]:
     """Modeled routed work of one launch: (expected active experts, MMA rows run).
 
     The routing is data, so the model assumes uniform routing (each token picks k distinct experts, as
-    learned and hash routing do on average): an expert is idle with probability (1 - k/E)^M. Each active
+    learned and hash routing do on average; the registry's cost rule counts the same). Each active
     expert's weights are read once per BM routed pairs, and nearly always once (V4-Pro, 64 tokens:
     ~243 of 384 experts active, <= a few pairs each). MMA rows: every expert pads its last tile to BM,
     so rows <= P + active * (BM - 1), the bound used for `flops` (what the MMA units run, padding
     included)."""
-    P = M * k
-    active = min(float(min(E, P)), E * (1.0 - (1.0 - k / E) ** M))
-    return active, P + round(active * (BM - 1))
+    active = expected_active_experts(E, k, M)
+    return active, M * k + round(active * (BM - 1))
 
 
 def _wfmt(w: TensorArg, s: TensorArg | None, block: int, K: int, act: str, cdt: str):

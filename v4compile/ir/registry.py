@@ -120,7 +120,8 @@ _SIG = re.compile(r"^\s*(\w+)\s*\((.*)\)\s*->\s*(.+)$")
 class OpDef:
     def __init__(self, sig: str, attrs: dict[str, Any], ref: Callable, doc: str, *, view: Callable | None = None,
                  tied: dict[str, str] | None = None, kernel: str | None = None,
-                 follows: dict[str, str] | None = None, variants: dict[str, tuple[str, ...]] | None = None):
+                 follows: dict[str, str] | None = None, variants: dict[str, tuple[str, ...]] | None = None,
+                 offset_attrs: tuple[str, ...] = ()):
         m = _SIG.match(sig)
         if not m:
             raise ValueError(f"bad op signature {sig!r}")
@@ -144,6 +145,11 @@ class OpDef:
         self.view = view
         self.tied = dict(tied or {})
         self.kernel = kernel
+        # Attributes that are launch-time pointer offsets (a layer's first pool row, `KernelCall.offsets`):
+        # not part of what a compiled kernel depends on, so every layer of a kind shares one binary.
+        self.offset_attrs = tuple(offset_attrs)
+        if set(self.offset_attrs) - set(attrs):
+            raise ValueError(f"{self.name}: offset_attrs {sorted(set(self.offset_attrs) - set(attrs))} are not attributes")
         # An optional result exists exactly when the operand it is tied to (or `follows`) is given.
         self.follows = dict(follows or {})
         # One behaviour per op: where optional operands select a behaviour, the `variant` attribute names it
@@ -420,10 +426,11 @@ def _view_strides(old: list[int], old_strides: list[int], new: list[int]) -> lis
 def defop(sig: str, attrs: dict[str, Any] | None = None, *, view: Callable | None = None,
           tied: dict[str, str] | None = None, kernel: str | None = None,
           follows: dict[str, str] | None = None,
-          variants: dict[str, tuple[str, ...]] | None = None) -> Callable[[Callable], OpDef]:
+          variants: dict[str, tuple[str, ...]] | None = None,
+          offset_attrs: tuple[str, ...] = ()) -> Callable[[Callable], OpDef]:
     def wrap(fn: Callable) -> OpDef:
         op = OpDef(sig, attrs or {}, fn, (fn.__doc__ or "").strip(), view=view, tied=tied, kernel=kernel,
-                   follows=follows, variants=variants)
+                   follows=follows, variants=variants, offset_attrs=offset_attrs)
         if op.name in REGISTRY:
             raise ValueError(f"op {op.name} registered twice")
         REGISTRY[op.name] = op

@@ -199,7 +199,8 @@ def _(q, weights, keys, pos, *, ratio, q_scale, w_scale, k):
 
 @defop("indexer_select(q, weights, pos, block_table, p0, p1?) -> indptr, indices",
        attrs={"ratio": int, "q_scale": float, "w_scale": float, "k": int, "block_tokens": int,
-              "index_envelope_rows": int, "index_offset": int, "envelope_rows": int, "max_rows": int, "fmt": str}, kernel="indexer")
+              "index_envelope_rows": int, "index_offset": int, "envelope_rows": int, "max_rows": int, "fmt": str}, kernel="indexer",
+       offset_attrs=("index_offset",))
 def indexer_select(q, weights, pos, block_table, p0, p1, *, ratio, q_scale, w_scale, k, block_tokens,
                    index_envelope_rows, index_offset, envelope_rows, max_rows, fmt):
     """On the pool: indexer scores over the index plane, top-k, and translation of the picks to physical
@@ -247,7 +248,7 @@ def _(operands, results, attrs):
        attrs={"eps": float, "dim": int, "theta": float, "yarn": tuple, "kv_round_dims": (int, 0),
               "kv_round_block": (int, 64), "qi_round": (str, "none"), "window": (int, 0), "slot_rows": (int, 0),
               "n_rows": (int, 0), "layer_row": (int, 0), "fmt": (str, "")}, tied={"q0": "p0", "q1": "p1", "q2": "p2"},
-       follows={"qi_out": "qi"}, kernel="qkv_norm_rope",
+       follows={"qi_out": "qi"}, kernel="qkv_norm_rope", offset_attrs=("layer_row",),
        variants={"plain": (), "indexer": ("qi",), "write": ("slot", "p0"), "indexer_write": ("qi", "slot", "p0")})
 def qkv_norm_rope(q, kv, norm, pos, qi, slot, p0, p1, p2, *, eps, dim, theta, yarn, kv_round_dims, kv_round_block,
                   qi_round, window, slot_rows, n_rows, layer_row, fmt):

@@ -106,13 +106,18 @@ def _(operands, results, attrs):
                 sum(r.nbytes for r in results))
 
 
+def expected_active_experts(E: int, k: int, tokens: int) -> float:
+    """Distinct experts that `tokens` tokens route to, each picking k distinct of E. Routing is data, so
+    this is the expectation under uniform routing: E (1 - (1 - k/E)^tokens) <= min(E, tokens k)."""
+    return min(float(min(E, tokens * k)), E * (1.0 - (1.0 - k / E) ** tokens))
+
+
 def expert_cost(x, weights, indices, stacks, y) -> Cost:
     """A step reads the stacked `[E, ...]` expert weights of its distinct active experts, each once (what
-    grouping by expert achieves), plus the activations. Routing is data, so the count is its expectation
-    under uniform routing (k distinct experts per token): E (1 - (1 - k/E)^tokens) <= min(E, tokens k)."""
+    grouping by expert achieves), plus the activations."""
     tokens, k = x.numel // x.shape[-1], indices.shape[-1]
     E = stacks[0].shape[0]
-    active = min(float(min(E, tokens * k)), E * (1.0 - (1.0 - k / E) ** tokens))
+    active = expected_active_experts(E, k, tokens)
     w = round(sum(t.nbytes // E for t in stacks) * active)
     inter = stacks[0].shape[1]
     return Cost(6 * tokens * k * inter * x.shape[-1], x.nbytes + weights.nbytes + indices.nbytes + w, y.nbytes)

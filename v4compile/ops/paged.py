@@ -134,7 +134,8 @@ def compressed_row(w: torch.Tensor, b: torch.Tensor, block_table: torch.Tensor, 
 # ---- writes --------------------------------------------------------------------------------------
 
 @defop("pool_write_window(kv, pos, slot, p0, p1?, p2?) -> q0, q1?, q2?",
-       attrs={"window": int, "slot_rows": int, "n_rows": int, "layer_row": int, "fmt": str}, tied={"q0": "p0", "q1": "p1", "q2": "p2"}, kernel="pool_write")
+       attrs={"window": int, "slot_rows": int, "n_rows": int, "layer_row": int, "fmt": str}, tied={"q0": "p0", "q1": "p1", "q2": "p2"}, kernel="pool_write",
+       offset_attrs=("layer_row",))
 def pool_write_window(kv, pos, slot, p0, p1, p2, *, window, slot_rows, n_rows, layer_row, fmt):
     """Store this chunk's raw kv rows in the layer's window ring of each sequence's slot (the last
     `window` positions of each sequence only)."""
@@ -168,7 +169,8 @@ def _(g, o, a, r):
 @defop("compress_paged(kv, gate, ape, norm, state_kv, state_gate, pos, slot, block_table, p0, p1?, p2?) "
        "-> state_kv_out, state_gate_out, q0, q1?, q2?",
        attrs={"ratio": int, "overlap": bool, "eps": float, "rope_dim": int, "theta": float, "yarn": tuple,
-              "round": (str, "none"), "block_tokens": int, "envelope_rows": int, "layer_offset": int, "fmt": str}, tied={"state_kv_out": "state_kv", "state_gate_out": "state_gate", "q0": "p0", "q1": "p1", "q2": "p2"}, kernel="compress")
+              "round": (str, "none"), "block_tokens": int, "envelope_rows": int, "layer_offset": int, "fmt": str}, tied={"state_kv_out": "state_kv", "state_gate_out": "state_gate", "q0": "p0", "q1": "p1", "q2": "p2"}, kernel="compress",
+       offset_attrs=("layer_offset",))
 def compress_paged(kv, gate, ape, norm, state_kv, state_gate, pos, slot, block_table, p0, p1, p2, *, ratio, overlap,
                    eps, rope_dim, theta, yarn, round, block_tokens, envelope_rows, layer_offset, fmt):
     """`compress` on the pool: the state rings live per slot, and each closed window's row is written at
@@ -371,7 +373,7 @@ def _listed(indptr: torch.Tensor, indices: torch.Tensor, layout: torch.Tensor, T
               "n_rows": int,
               # the compressed variant's geometry (the window variant has no compressed rows: sizes 1 / 0)
               "ratio": (int, 1), "block_tokens": (int, 1), "envelope_rows": (int, 0), "comp_rows": (int, 0)},
-       kernel="sparse_attention",
+       kernel="sparse_attention", offset_attrs=("win_base", "comp_base"),
        variants={"window": (), "window_compressed": ("block_table", "comp_indptr", "comp_indices")})
 def sparse_attention(q, kv, pos, sink, slot, block_table, win_indptr, win_indices, comp_indptr, comp_indices, p0, p1,
                      p2, *, window, scale, win_base, comp_base, fmt, slot_rows, n_rows, ratio, block_tokens,

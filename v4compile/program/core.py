@@ -60,9 +60,13 @@ class Launch:
 
     @property
     def specialisation(self) -> str:
-        """What a compiled kernel depends on: op, attributes, and every argument's type and strides (not its
-        address). Launches with equal keys share one binary."""
-        parts = [self.op, repr(sorted(self.attrs.items()))]
+        """What a compiled kernel depends on: op, attributes but the op's launch-time offsets (registry trait
+        `offset_attrs`: a layer's pool rows), and every argument's type and strides (not its address).
+        Launches with equal keys share one binary."""
+        from ..ir.registry import get_op
+
+        offsets = get_op(self.op).offset_attrs
+        parts = [self.op, repr(sorted((k, v) for k, v in self.attrs.items() if k not in offsets))]
         for n, a in self.operands + self.results:
             parts.append(f"{n}:-" if a is None else f"{n}:{a.type}:{a.strides}")
         return f"{self.op}-{hashlib.sha256('|'.join(parts).encode()).hexdigest()[:12]}"
