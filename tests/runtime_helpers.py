@@ -104,12 +104,23 @@ class Fake:
         return out
 
 
+def declared_params(launch, kernel=None) -> int:
+    """The parameter count a kernel really has, from the program or the kernel itself (never from the
+    schedule under test): a placeholder takes the launch's operands then results; a Triton kernel its
+    non-constexpr parameters."""
+    if kernel is None:
+        return len(launch.operands) + len(launch.results)
+    return sum(1 for a in kernel.fn.arg_names if a not in kernel.constexprs)
+
+
 def fake_code_object(sched, drop: str | None = None) -> bytes:
-    """The fake driver's code object for a schedule: every symbol with its parameter count."""
+    """The fake driver's code object for a schedule: every symbol with the parameter count its kernel
+    declares (`declared_params`), so a call packing another count is caught by the fake driver."""
     syms = {}
     for f in sched.functions:
-        for c in f.calls:
-            syms[c.symbol] = len(c.params)
+        for i, c in enumerate(f.calls):
+            n = declared_params(f.program.launches[f.launch_of[i]], c.kernel)
+            assert syms.setdefault(c.symbol, n) == n, c.symbol
     return ("FAKE\n" + "".join(f"{s} {n}\n" for s, n in sorted(syms.items()) if s != drop)).encode() + b"\0"
 
 
