@@ -67,6 +67,7 @@ class Fake:
         self.lib.fake_attr.argtypes = [ctypes.c_long, ctypes.c_char_p, ctypes.POINTER(ctypes.c_long)]
         self.lib.fake_launch.argtypes = [ctypes.c_long, ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint32),
                                          ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int)]
+        self.lib.fake_launch_module.argtypes = [ctypes.c_long, ctypes.c_char_p]
         self.lib.fake_reset()
 
     def fail(self, what: str, n: int) -> None:
@@ -90,6 +91,15 @@ class Fake:
         for i in range(self.counts()["attrs"]):
             assert self.lib.fake_attr(i, name, v) == 0
             out.append((name.value.decode(), v[0], v[1], v[2], bool(v[3])))
+        return out
+
+    def modules(self) -> list[str]:
+        """The tag of the code object each logged launch's kernel came from (see fake_driver.c)."""
+        tag = ctypes.create_string_buffer(80)
+        out = []
+        for i in range(self.counts()["logged"]):
+            assert self.lib.fake_launch_module(i, tag) == 0
+            out.append(tag.value.decode())
         return out
 
     def log(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...], bool]]:

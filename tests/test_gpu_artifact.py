@@ -111,10 +111,15 @@ def test_compiling_twice_gives_the_same_bytes(art, tmp_path):
     assert _tree(tmp_path / "again") == _tree(art.path)
 
 
-@pytest.mark.parametrize("device", ["cuda", "hip"])
-def test_the_c_runtime_launches_the_artifacts_binaries(art, device):
+@pytest.mark.parametrize("device, fault", [("cuda", None), ("hip", None), ("cuda", "binaries swapped")])
+def test_the_c_runtime_launches_the_artifacts_binaries(art, device, fault):
     """The schedule's code objects are the artifact's binaries for the device's target, each call with its
-    sidecar's symbol, block and shared bytes; the fake driver then sees exactly those launches."""
+    sidecar's symbol, block and shared bytes; the fake driver then sees exactly those launches, each from
+    the module that was loaded from ITS kernel's binary: every fake module is tagged with the sha256 of the
+    binary it stands in for, and the tags launched are checked against the manifest's hash of each call's
+    kernel (Triton names every symbol after its function, so a symbol alone cannot tell the binaries apart).
+    `binaries swapped`: two kernels' binaries exchanged in the table, caught by the same check."""
+    from runtime_helpers import declared_params
     from v4compile.runtime.schedule import build_schedule
 
     prog = artifact_program(art)
@@ -131,12 +136,18 @@ def test_the_c_runtime_launches_the_artifacts_binaries(art, device):
             side = sides[c.kernel.name]
             assert sched.code_objects[c.code] == files[c.kernel.name]
             assert (c.symbol, list(c.block), c.shared) == (side["symbol"], side["block"], side["shared_bytes"])
-            assert len(c.params) == len(c.kernel.pointers) + 2  # + Triton's two scratch pointers
+
     def fake_images(sched) -> bytes:
-        """The fake driver reads text code objects ("symbol n_params" lines): one per kernel, as the real
-        binaries are (Triton names the symbol after the function, so kernels share symbols)."""
-        lines = {c.code: f"{c.symbol} {len(c.params)}\n" for f in sched.functions for c in f.calls}
-        sched.code_objects = [("FAKE\n" + lines[i]).encode() + b"\0" for i in range(len(sched.code_objects))]
+        """One fake module per binary, tagged with the binary's sha256, holding the symbols of its calls with
+        the kernel's own parameter count (its signature's pointers + Triton's two scratch pointers)."""
+        if fault:
+            sched.code_objects[0], sched.code_objects[1] = sched.code_objects[1], sched.code_objects[0]
+        lines = {}
+        for f in sched.functions:
+            for i, c in enumerate(f.calls):
+                lines.setdefault(c.code, set()).add(f"{c.symbol} {declared_params(None, c.kernel) + 2}\n")
+        sched.code_objects = [(f"FAKE\n@{hashlib.sha256(img).hexdigest()}\n" + "".join(sorted(lines[i]))).encode()
+                              + b"\0" for i, img in enumerate(sched.code_objects)]
         return sched.to_bytes()
 
     fake = Fake(device)
@@ -147,8 +158,19 @@ def test_the_c_runtime_launches_the_artifacts_binaries(art, device):
         inputs = {b.name: torch.randint(0, 4, b.type.shape, generator=g)
                   for b in prog.functions["decode_b8"].buffers if b.kind == "input"}
         rt.run("decode_b8", inputs)
-        fs = rt.sched.functions[rt.sched.function_index("decode_b8")]
-        assert [n for n, *_ in fake.log()] == [c.symbol for c in fs.calls]
+        # the kernels the program launches, from the program itself, and the manifest's hash of each binary
+        want = [kc.name for l in prog.functions["decode_b8"].launches for kc in make_kernel_calls()(l)
+                if 0 not in kc.grid]
+        sha = {k["name"]: k["sha256"] for k in mine}
+        got = fake.modules()
+        assert len(got) == len(want)
+        wrong = [n for n, t in zip(want, got) if t != sha[n]]
+        if fault:
+            assert wrong, "two kernels' binaries exchanged, and every launch still came from its own binary"
+        else:
+            assert wrong == []
+            fs = rt.sched.functions[rt.sched.function_index("decode_b8")]
+            assert [n for n, *_ in fake.log()] == [sides[n]["symbol"] for n in want] == [c.symbol for c in fs.calls]
     finally:
         rt.close()
 
