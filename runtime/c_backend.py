@@ -141,9 +141,10 @@ class CRuntime:
         self._check(self.lib.v4rt_write(self.handle, buffer, offset, b.data_ptr(), b.numel()),
                     f"writing buffer {self.sched.buffer_names[buffer]}")
 
-    def read(self, buffer: int) -> torch.Tensor:
-        out = torch.empty(self.sched.buffer_bytes[buffer], dtype=torch.uint8)
-        self._check(self.lib.v4rt_read(self.handle, buffer, 0, out.data_ptr(), out.numel()),
+    def read(self, buffer: int, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
+        n = self.sched.buffer_bytes[buffer] - offset if nbytes is None else nbytes
+        out = torch.empty(n, dtype=torch.uint8)
+        self._check(self.lib.v4rt_read(self.handle, buffer, offset, out.data_ptr(), out.numel()),
                     f"reading buffer {self.sched.buffer_names[buffer]}")
         return out
 
@@ -159,6 +160,18 @@ class CRuntime:
     # ---- running ---------------------------------------------------------------------------------
     def run(self, fname: str, inputs: Mapping[str, object], graph: bool = False) -> dict[str, torch.Tensor]:
         """Upload the step inputs, run `fname`, return its `output` buffers (pool and state stay here)."""
+        self.upload(fname, inputs)
+        self._check(self.lib.v4rt_run(self.handle, self.sched.function_index(fname), 1 if graph else 0),
+                    f"running @{fname}")
+        f = self.program.functions[fname]
+        out = {}
+        for n, a in f.outputs:
+            if f.buffer(a.buffer).kind == "output":
+                out[n] = _typed(self.buffer(fname, a.buffer), a).clone()
+        return out
+
+    def upload(self, fname: str, inputs: Mapping[str, object]) -> None:
+        """Write `fname`'s step inputs into their buffers (checked: every input, its shape)."""
         if fname not in self.program.functions:
             raise InputError(f"no function '{fname}'", expected=", ".join(self.program.functions))
         f = self.program.functions[fname]
@@ -173,13 +186,6 @@ class CRuntime:
                 raise InputError(f"step input '{b.name}' has the wrong shape", where=f"@{fname}",
                                  expected=list(b.type.shape), found=list(t.shape))
             self.write(self.sched.buffer_index(fname, b.name), t.to(DTYPES[b.type.dtype]))
-        self._check(self.lib.v4rt_run(self.handle, self.sched.function_index(fname), 1 if graph else 0),
-                    f"running @{fname}")
-        out = {}
-        for n, a in f.outputs:
-            if f.buffer(a.buffer).kind == "output":
-                out[n] = _typed(self.buffer(fname, a.buffer), a).clone()
-        return out
 
     def launch(self, fname: str, graph: bool = False) -> None:
         """Run `fname` on the inputs already uploaded (no transfers; for timing)."""

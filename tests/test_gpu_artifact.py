@@ -114,12 +114,11 @@ def test_compiling_twice_gives_the_same_bytes(art, tmp_path):
 @pytest.mark.parametrize("device, fault", [("cuda", None), ("hip", None), ("cuda", "binaries swapped")])
 def test_the_c_runtime_launches_the_artifacts_binaries(art, device, fault):
     """The schedule's code objects are the artifact's binaries for the device's target, each call with its
-    sidecar's symbol, block and shared bytes; the fake driver then sees exactly those launches, each from
-    the module that was loaded from ITS kernel's binary: every fake module is tagged with the sha256 of the
-    binary it stands in for, and the tags launched are checked against the manifest's hash of each call's
-    kernel (Triton names every symbol after its function, so a symbol alone cannot tell the binaries apart).
+    sidecar's symbol, block and shared bytes; the fake driver loads those binaries themselves and sees
+    exactly those launches, each from the module loaded from ITS kernel's binary (the driver tags each
+    module with a hash of its image; Triton names every symbol after its function, so a symbol alone
+    cannot tell the binaries apart).
     `binaries swapped`: two kernels' binaries exchanged in the table, caught by the same check."""
-    from runtime_helpers import declared_params
     from v4compile.runtime.schedule import build_schedule
 
     prog = artifact_program(art)
@@ -137,34 +136,33 @@ def test_the_c_runtime_launches_the_artifacts_binaries(art, device, fault):
             assert sched.code_objects[c.code] == files[c.kernel.name]
             assert (c.symbol, list(c.block), c.shared) == (side["symbol"], side["block"], side["shared_bytes"])
 
-    def fake_images(sched) -> bytes:
-        """One fake module per binary, tagged with the binary's sha256, holding the symbols of its calls with
-        the kernel's own parameter count (its signature's pointers + Triton's two scratch pointers)."""
-        if fault:
-            sched.code_objects[0], sched.code_objects[1] = sched.code_objects[1], sched.code_objects[0]
-        lines = {}
+    def swapped(sched) -> bytes:
+        """The fault: the binaries of two kernels of one symbol (so both still load) exchanged in the table."""
+        codes = {}
         for f in sched.functions:
-            for i, c in enumerate(f.calls):
-                lines.setdefault(c.code, set()).add(f"{c.symbol} {declared_params(None, c.kernel) + 2}\n")
-        sched.code_objects = [(f"FAKE\n@{hashlib.sha256(img).hexdigest()}\n" + "".join(sorted(lines[i]))).encode()
-                              + b"\0" for i, img in enumerate(sched.code_objects)]
+            for c in f.calls:
+                codes.setdefault(c.symbol, set()).add(c.code)
+        i, j = sorted(next(v for v in codes.values() if len(v) > 1))[:2]
+        sched.code_objects[i], sched.code_objects[j] = sched.code_objects[j], sched.code_objects[i]
         return sched.to_bytes()
 
+    # The fake driver loads the real binaries (it reads each kernel's parameters and thread limit from the
+    # ELF, as the real driver does) and tags each module with a hash of the image it was loaded from.
     fake = Fake(device)
     rt = CRuntime(prog, artifact_weights(art), device, driver_lib=fake.path, kernel_calls=make_kernel_calls(),
-                  binaries=artifact_binaries(art, device), table=fake_images)
+                  binaries=artifact_binaries(art, device), table=swapped if fault else None)
     try:
         g = torch.Generator().manual_seed(0)
         inputs = {b.name: torch.randint(0, 4, b.type.shape, generator=g)
                   for b in prog.functions["decode_b8"].buffers if b.kind == "input"}
         rt.run("decode_b8", inputs)
-        # the kernels the program launches, from the program itself, and the manifest's hash of each binary
+        # the kernels the program launches, from the program itself, and the tag of each one's binary
         want = [kc.name for l in prog.functions["decode_b8"].launches for kc in make_kernel_calls()(l)
                 if 0 not in kc.grid]
-        sha = {k["name"]: k["sha256"] for k in mine}
+        tag = {n: _image_tag(b) for n, b in files.items()}
         got = fake.modules()
         assert len(got) == len(want)
-        wrong = [n for n, t in zip(want, got) if t != sha[n]]
+        wrong = [n for n, t in zip(want, got) if t != tag[n]]
         if fault:
             assert wrong, "two kernels' binaries exchanged, and every launch still came from its own binary"
         else:
@@ -173,6 +171,18 @@ def test_the_c_runtime_launches_the_artifacts_binaries(art, device, fault):
             assert [n for n, *_ in fake.log()] == [sides[n]["symbol"] for n in want] == [c.symbol for c in fs.calls]
     finally:
         rt.close()
+
+
+def _image_tag(image: bytes) -> str:
+    """The fake driver's module tag (tests/fake_driver/fake_driver.c): FNV-1a 64 of the ELF image up to
+    the end of its section header table."""
+    import struct
+
+    from v4compile.runtime.schedule import fnv1a64
+
+    shoff, = struct.unpack_from("<Q", image, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", image, 0x3a)
+    return f"{fnv1a64(image[: shoff + shnum * shentsize]):016x}"
 
 
 def test_the_host_device_runs_the_gpu_program_to_the_cpu_devices_tokens(art):
