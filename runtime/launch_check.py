@@ -79,7 +79,8 @@ def first_difference(dev, host, fname: str, inputs) -> dict | None:
                 calls = [c for c, i in zip(fs.calls, fs.launch_of) if i == li]
                 return {"function": fname, "launch": li, "op": l.op, "family": l.kernel, "result": name,
                         "buffer": a.buffer, "dtype": a.type.dtype, "exact": exact, "elements_differing": bad,
-                        "max_abs_diff": worst, "tolerance": "bit-exact" if exact else "kernel tests' (fp32 1e-5, bf16 1 ulp)",
+                        "max_abs_diff": worst,
+                        "tolerance": "bit-exact" if exact else "kernel tests' (fp32 1e-5, bf16 1 ulp)",
                         "kernels": [{"symbol": c.symbol,
                                      "params": [p.role for p in c.params] if c.kernel is None else
                                      [p[0] for p in c.kernel.pointers]} for c in calls]}

@@ -56,8 +56,8 @@ def artifact_program(art: Artifact):
 def artifact_binaries(art: Artifact, device: str):
     """[KernelCall] -> {name: (binary, sidecar)} from the artifact's kernels for the device's target; a
     kernel the artifact lacks, or whose sidecar disagrees with the call (grid, binary, or a parameter's
-    name or type), is one clear error (the files'
-    bytes were checked against the manifest by `load_artifact`)."""
+    name or type), is one clear error (the files' bytes were checked against the manifest by
+    `load_artifact`)."""
     import json
 
     target = GPU_TARGET[device]

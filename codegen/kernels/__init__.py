@@ -82,8 +82,8 @@ class KernelCall:
     by the calls of one op in order). A family may list them in any order: they are kept in the order
     `fn` declares its parameters, which is the order a GPU launch packs them in (Triton: by position,
     constexprs left out), and a pointer `fn` lacks, or a parameter of `fn` bound twice or not at all, is
-    refused here (`CodegenError`, naming the kernel and the parameter). `unaligned` names pointer params whose base
-    is not known to be 16-byte aligned (the AOT stage gives every other pointer `tt.divisibility=16`).
+    refused here (`CodegenError`, naming the kernel and the parameter). `unaligned` names pointer params
+    whose base is not known to be 16-byte aligned (the AOT stage gives every other pointer `tt.divisibility=16`).
     `flops` / `bytes_moved` are the modeled work of this launch and `mma_dtype` ("bf16" | "fp8" | "fp4") the
     MMA precision that bounds it (for the roofline cost in `codegen.aot`).
 

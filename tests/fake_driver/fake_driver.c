@@ -1,13 +1,23 @@
 /* A fake GPU driver for the C runtime's tests: the symbols of libcuda (-DFAKE_CUDA) or libamdhip64
  * (-DFAKE_HIP) that the runtime dlopens, backed by host memory, recording every call.
  *
- * A code object is text: "FAKE\n", optionally "@tag\n" (the module's name, reported per launch), then one
- * "symbol n_params" line per kernel (the driver needs the parameter count to read a launch's argument
- * bytes). Anything else fails to load. Failures can be injected: fake_fail(what, n) fails the n-th (1-based) call of one kind: "alloc", "load", "instantiate",
- * "launch", "attr" (a function attribute), "graph_launch". As on CUDA, a launch with more dynamic shared
- * memory than the kernel's limit fails: the limit is the driver's default (CUDA 48 KiB, HIP 64 KiB) until
- * the kernel's max-dynamic-shared attribute raises it (up to the device's maximum). Real HIP is looser (it
- * checks the attribute's value, and a launch only against the device), so the fake holds both to CUDA's rule.
+ * A code object is either a real binary (a cubin / an hsaco: each kernel's parameter count and sizes and
+ * its thread limit read from the ELF, as the real driver reads them; see load_cubin / load_hsaco) or text:
+ * "FAKE\n", optionally "@tag\n", then one "symbol n_params" line per kernel (the placeholders of the
+ * tests' tables). Anything else fails to load. A module is tagged (a real binary: the FNV-1a of its image)
+ * and each launch reports its kernel's tag. Failures can be injected: fake_fail(what, n) fails the n-th
+ * (1-based) call of one kind: "alloc", "load", "instantiate", "launch", "attr" (a function attribute),
+ * "graph_launch".
+ * What the real drivers refuse, the fake refuses with the real error number (CUDA's names / HIP's):
+ * a block beyond the kernel's thread limit or a grid beyond the device's (INVALID_VALUE); more dynamic
+ * shared memory than the kernel's limit, which is the driver's default (CUDA 48 KiB, HIP 64 KiB) until
+ * the kernel's max-dynamic-shared attribute raises it (up to the device's maximum; real HIP is looser, it
+ * checks the attribute's value, and a launch only against the device, so the fake holds both to CUDA's
+ * rule); a pointer parameter outside every live allocation (ILLEGAL_ADDRESS, where the GPU would fault);
+ * during stream capture an allocation, a free, a copy, a synchronize or a module load
+ * (STREAM_CAPTURE_UNSUPPORTED, and ending the capture then reports STREAM_CAPTURE_INVALIDATED); a HIP copy
+ * whose kind does not match its pointers (hipErrorInvalidValue); a CUDA call from a thread with no
+ * current context (CUDA_ERROR_INVALID_CONTEXT: the context is per thread).
  * The test reads the record through fake_* functions (it loads the same library path, so it shares it):
  * counts, the launches (eager and replayed), the attribute calls, and the name of every driver call in
  * order (the trace). */
