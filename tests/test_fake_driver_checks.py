@@ -9,7 +9,8 @@ runtime with the real driver's error code in the message:
   STREAM_CAPTURE_UNSUPPORTED (a runtime patched to do one inside its capture);
 * a pointer parameter outside every live allocation is ILLEGAL_ADDRESS (the host device, which knows
   each parameter's extent from the program, refuses a pointer one row past its buffer);
-* HIP copies must name their direction rightly (a runtime patched to swap the kinds);
+* HIP copies must name their direction rightly (a runtime patched to swap the kinds); a graph replays on
+  the runtime's stream (a runtime patched to replay on the default stream is INVALID_HANDLE);
 * `run` from a thread other than the opener's works: the runtime makes the CUDA context current on every
   entry (a runtime patched not to is CUDA_ERROR_INVALID_CONTEXT on the fake driver, whose context is per
   thread as CUDA's is).
@@ -313,5 +314,25 @@ def test_without_the_context_made_current_another_thread_is_refused(broken):
         with pytest.raises(DeviceError) as e:
             _run_in_thread(lambda: rt.run(fname, inputs))
         assert "error 201 (CUDA_ERROR_INVALID_CONTEXT)" in str(e.value), str(e.value)
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("device", DRIVERS)
+def test_a_replay_on_another_stream_is_refused(device, broken):
+    """The captured graph replays on the runtime's stream; a runtime replaying it on the legacy default
+    stream (NULL) is refused as an invalid handle."""
+    lib = broken("drv_gpu.c", "g->graph_launch(((graph_t *)graph)->exec, g->stream)",
+                 "g->graph_launch(((graph_t *)graph)->exec, NULL)")
+    m, prog, w = tiny()
+    fake = Fake(device)
+    rt = CRuntime(prog, w, device, driver_lib=fake.path, table=fake_table(), lib=lib)
+    try:
+        rt.run("decode", _inputs(prog, "decode"))  # launch by launch: the stream is right
+        with pytest.raises(DeviceError) as e:
+            rt.run("decode", _inputs(prog, "decode"), graph=True)
+        code = {"cuda": "cuGraphLaunch failed with error 400 (CUDA_ERROR_INVALID_HANDLE)",
+                "hip": "hipGraphLaunch failed with error 400 (hipErrorInvalidHandle)"}[device]
+        assert code in str(e.value), str(e.value)
     finally:
         rt.close()

@@ -160,18 +160,24 @@ def test_the_fake_driver_refuses_large_shared_memory_without_the_opt_in():
     for driver in DRIVERS:
         lib, k = Fake(driver).lib, CALLS[driver]
         load, getfn, launch, attr, unload = (getattr(lib, k[s]) for s in ("load", "getfn", "launch", "attr", "unload"))
+        if driver == "cuda":  # as the runtime does: a context current on this thread, a stream of its own
+            assert lib.cuCtxSetCurrent(ctypes.c_void_p(1)) == 0
+        stream = ctypes.c_void_p()
+        create = lib.cuStreamCreate if driver == "cuda" else lib.hipStreamCreateWithFlags
+        assert create(ctypes.byref(stream), 1) == 0
         mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
         assert load(ctypes.byref(mod), b"FAKE\nk 0\n\0") == 0 and getfn(ctypes.byref(fn), mod, b"k") == 0
         u = ctypes.c_uint
         n = SHARED_DEFAULT[driver]
 
         def go(shared):
-            return launch(fn, u(1), u(1), u(1), u(1), u(1), u(1), u(shared), None, None, None)
+            return launch(fn, u(1), u(1), u(1), u(1), u(1), u(1), u(shared), stream, None, None)
 
         assert go(n) == 0 and go(n + 1) == 1
         assert attr(fn, 8, n + 1) == 0 and go(n + 1) == 0 and go(n + 2) == 1
         assert attr(fn, 8, 1 << 20) == 1 and attr(fn, 7, n) == 1
         assert unload(mod) == 0
+        assert (lib.cuStreamDestroy_v2 if driver == "cuda" else lib.hipStreamDestroy)(stream) == 0
 
 
 @pytest.mark.parametrize("driver", DRIVERS)

@@ -45,6 +45,7 @@
 #define E_INVALID_IMAGE 200
 #define E_INVALID_CONTEXT 201
 #define E_ILLEGAL_ADDRESS 700
+#define E_INVALID_HANDLE 400
 #define E_LAUNCH_FAILED 719
 #define E_CAPTURE_UNSUPPORTED 900
 #define E_CAPTURE_INVALIDATED 901
@@ -174,6 +175,10 @@ static int refused_in_capture(void) {
     g_invalidated = 1;
     return 1;
 }
+/* Every copy, launch, capture, synchronize and graph replay goes to the runtime's one live stream (the
+ * fake's stream handle is 2); anything else (NULL: the legacy default stream, which cannot be captured
+ * and would synchronise with everything) is refused as INVALID_HANDLE. */
+#define STREAM(x) if (!g_streams || (x) != (void *)2) return E_INVALID_HANDLE
 /* An address inside a live allocation (a kernel dereferencing anything else faults). */
 static int in_live(uint64_t p) {
     for (int i = 0; i < MAXLIVE; i++)
@@ -480,7 +485,7 @@ int cuDevicePrimaryCtxRelease_v2(int d) { T; (void)d; return 0; }
 int cuCtxSetCurrent(void *c) { T; g_ctx = c; return 0; }
 int cuGetErrorString(int r, const char **s) {
     *s = r == 1 ? "CUDA_ERROR_INVALID_VALUE" : r == 2 ? "CUDA_ERROR_OUT_OF_MEMORY" : r == 200 ? "CUDA_ERROR_INVALID_IMAGE"
-       : r == 201 ? "CUDA_ERROR_INVALID_CONTEXT" : r == 500 ? "CUDA_ERROR_NOT_FOUND"
+       : r == 201 ? "CUDA_ERROR_INVALID_CONTEXT" : r == 400 ? "CUDA_ERROR_INVALID_HANDLE" : r == 500 ? "CUDA_ERROR_NOT_FOUND"
        : r == 700 ? "CUDA_ERROR_ILLEGAL_ADDRESS" : r == 719 ? "CUDA_ERROR_LAUNCH_FAILED"
        : r == 900 ? "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED" : r == 901 ? "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"
        : "CUDA_ERROR_UNKNOWN";
@@ -492,17 +497,17 @@ int cuModuleGetFunction(void **f, void *m, const char *n) { T; CTX; return f_get
 int cuFuncSetAttribute(void *f, int a, int v) { T; CTX; return f_attr(f, a, v); }
 int cuMemAlloc_v2(CUdeviceptr *p, size_t n) { T; CTX; NOCAP; void *q = NULL; int r = f_alloc(&q, n); *p = (CUdeviceptr)(uintptr_t)q; return r ? 2 : 0; }
 int cuMemFree_v2(CUdeviceptr p) { T; CTX; NOCAP; return f_free((void *)(uintptr_t)p) ? 1 : 0; }
-int cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, void *st) { T; CTX; NOCAP; (void)st; memcpy((void *)(uintptr_t)d, s, n); return 0; }
-int cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, void *st) { T; CTX; NOCAP; (void)st; memcpy(d, (const void *)(uintptr_t)s, n); return 0; }
+int cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, void *st) { T; CTX; NOCAP; STREAM(st); memcpy((void *)(uintptr_t)d, s, n); return 0; }
+int cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, void *st) { T; CTX; NOCAP; STREAM(st); memcpy(d, (const void *)(uintptr_t)s, n); return 0; }
 int cuStreamCreate(void **s, unsigned f) { T; CTX; (void)f; g_streams++; *s = (void *)2; return 0; }
-int cuStreamDestroy_v2(void *s) { T; CTX; (void)s; g_streams--; return 0; }
-int cuStreamSynchronize(void *s) { T; CTX; NOCAP; (void)s; return 0; }
+int cuStreamDestroy_v2(void *s) { T; CTX; STREAM(s); g_streams--; return 0; }
+int cuStreamSynchronize(void *s) { T; CTX; NOCAP; STREAM(s); return 0; }
 int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                   unsigned sh, void *st, void **p, void **e) { T; CTX; (void)st; (void)e; return f_launch(f, gx, gy, gz, bx, by, bz, sh, p); }
-int cuStreamBeginCapture_v2(void *s, int m) { T; CTX; (void)s; (void)m; return f_begin(); }
-int cuStreamEndCapture(void *s, void **g) { T; CTX; (void)s; return f_end(g); }
+                   unsigned sh, void *st, void **p, void **e) { T; CTX; STREAM(st); (void)e; return f_launch(f, gx, gy, gz, bx, by, bz, sh, p); }
+int cuStreamBeginCapture_v2(void *s, int m) { T; CTX; STREAM(s); (void)m; return f_begin(); }
+int cuStreamEndCapture(void *s, void **g) { T; CTX; STREAM(s); return f_end(g); }
 int cuGraphInstantiateWithFlags(void **e, void *g, unsigned long long f) { T; CTX; (void)f; return f_inst(e, g); }
-int cuGraphLaunch(void *e, void *s) { T; CTX; (void)s; return f_glaunch(e); }
+int cuGraphLaunch(void *e, void *s) { T; CTX; STREAM(s); return f_glaunch(e); }
 int cuGraphExecDestroy(void *e) { T; CTX; (void)e; g_execs--; return 0; }
 int cuGraphDestroy(void *g) { T; CTX; return f_gdestroy(g); }
 #endif
@@ -513,7 +518,7 @@ int hipInit(unsigned f) { T; return (int)f; }
 int hipSetDevice(int d) { T; return d; }
 const char *hipGetErrorString(int r) {
     return r == 1 ? "hipErrorInvalidValue" : r == 2 ? "hipErrorOutOfMemory" : r == 200 ? "hipErrorInvalidImage"
-         : r == 500 ? "hipErrorNotFound" : r == 700 ? "hipErrorIllegalAddress" : r == 719 ? "hipErrorLaunchFailure"
+         : r == 400 ? "hipErrorInvalidHandle" : r == 500 ? "hipErrorNotFound" : r == 700 ? "hipErrorIllegalAddress" : r == 719 ? "hipErrorLaunchFailure"
          : r == 900 ? "hipErrorStreamCaptureUnsupported" : r == 901 ? "hipErrorStreamCaptureInvalidated"
          : "hipErrorUnknown";
 }
@@ -526,20 +531,20 @@ int hipFree(void *p) { T; NOCAP; return f_free(p) ? 1 : 0; }
 int hipMemcpyAsync(void *d, const void *s, size_t n, int kind, void *st) {
     T;
     NOCAP;
-    (void)st;
+    STREAM(st);
     if (!copy_ok(kind, d, s)) return E_INVALID_VALUE;
     memcpy(d, s, n);
     return 0;
 }
 int hipStreamCreateWithFlags(void **s, unsigned f) { T; (void)f; g_streams++; *s = (void *)2; return 0; }
-int hipStreamDestroy(void *s) { T; (void)s; g_streams--; return 0; }
-int hipStreamSynchronize(void *s) { T; NOCAP; (void)s; return 0; }
+int hipStreamDestroy(void *s) { T; STREAM(s); g_streams--; return 0; }
+int hipStreamSynchronize(void *s) { T; NOCAP; STREAM(s); return 0; }
 int hipModuleLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                          unsigned sh, void *st, void **p, void **e) { T; (void)st; (void)e; return f_launch(f, gx, gy, gz, bx, by, bz, sh, p); }
-int hipStreamBeginCapture(void *s, int m) { T; (void)s; (void)m; return f_begin(); }
-int hipStreamEndCapture(void *s, void **g) { T; (void)s; return f_end(g); }
+                          unsigned sh, void *st, void **p, void **e) { T; STREAM(st); (void)e; return f_launch(f, gx, gy, gz, bx, by, bz, sh, p); }
+int hipStreamBeginCapture(void *s, int m) { T; STREAM(s); (void)m; return f_begin(); }
+int hipStreamEndCapture(void *s, void **g) { T; STREAM(s); return f_end(g); }
 int hipGraphInstantiate(void **e, void *g, void *n, char *l, size_t b) { T; (void)n; (void)l; (void)b; return f_inst(e, g); }
-int hipGraphLaunch(void *e, void *s) { T; (void)s; return f_glaunch(e); }
+int hipGraphLaunch(void *e, void *s) { T; STREAM(s); return f_glaunch(e); }
 int hipGraphExecDestroy(void *e) { T; (void)e; g_execs--; return 0; }
 int hipGraphDestroy(void *g) { T; return f_gdestroy(g); }
 #endif
