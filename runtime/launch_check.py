@@ -4,7 +4,8 @@ first launch whose results differ, named by op, family, kernels and parameters (
     first_difference(device_rt, host_rt, function, inputs) -> dict | None
 
 Both runtimes hold the same program and were opened with `table=per_launch(function)`, which adds one
-table function per launch of `function` (`<function>#<launch>`, its kernel calls). Each launch runs on
+table function per launch of `function` (`<function>#<launch>`, its kernel calls). The arena, scratch and
+outputs start poisoned alike on both (a kernel may leave part of a result unwritten). Each launch runs on
 both; its results are compared (bit-exact for pool, state and integer values; float values within the
 kernel tests' tolerance, tests/kernel_check.py: fp32 1e-5 x max|ref| + 1e-6 x |ref|, bf16 one ulp +
 1e-5 x max|ref|), then the device's result bytes are copied into the host runtime so the next launch
@@ -17,7 +18,7 @@ import dataclasses
 
 import torch
 
-from v4compile.program.execute import _typed
+from v4compile.program.execute import POISON, _typed
 
 from .schedule import FunctionSchedule, Schedule
 
@@ -54,6 +55,11 @@ def _region(rt, fname: str, a) -> tuple[int, int, int]:
 
 def first_difference(dev, host, fname: str, inputs) -> dict | None:
     """Run `fname` launch by launch on `dev` and `host` (CRuntimes opened with `per_launch(fname)`)."""
+    for i, kind in enumerate(dev.sched.buffer_kinds):  # the same bytes everywhere a launch may leave unwritten
+        if kind in ("arena", "scratch", "output"):
+            fill = torch.full((dev.sched.buffer_bytes[i],), POISON, dtype=torch.uint8)
+            dev.write(i, fill)
+            host.write(i, fill)
     dev.upload(fname, inputs)
     host.upload(fname, inputs)
     fs = dev.sched.functions[dev.sched.function_index(fname)]

@@ -5,6 +5,8 @@ them, and the host device binds the packed 64-bit values BY POSITION, so a wrong
   here from the Python function itself (`inspect.signature`), not from anything the schedule computed.
 * A call that disagrees with its kernel (a pointer the kernel lacks, a parameter bound twice or not at
   all) is refused when it is made; a compiled sidecar that disagrees is refused at load.
+* The host device bounds-checks every interpreted load and store (a read one element past its allocation
+  is refused).
 * For EVERY kernel family launched by tiny's and tiny-pro's decode and prefill programs, one call with two
   pointer parameters swapped in the launch table is refused by the host device (an extent or an illegal
   address) or changes the bytes it writes; the same call unswapped reproduces them exactly (the control).
@@ -272,3 +274,27 @@ def test_the_old_order_is_caught_by_the_host_device(family):
     t = _trials("tiny")
     assert t.outcome(f"{family}:old", "good") == []
     assert _caught(t.outcome(f"{family}:old", "bad"))
+
+
+def test_the_memory_guard_catches_an_access_outside_every_allocation():
+    """The host device's guard (`memory_guard`): the same copy kernel passes reading its own 8 floats and
+    is refused reading one element past them (the interpreter itself would read whatever lies there)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def shifted_copy(x_ptr, y_ptr, N: tl.constexpr, SHIFT: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs + SHIFT))
+
+    kernels.interpreter_fixes()
+    base, y = torch.arange(16, dtype=torch.float32), torch.zeros(8)
+    x = base[:8]  # the live allocation: 8 floats; the memory after it is readable, but not x's
+    live = [(x.data_ptr(), x.data_ptr() + 32), (y.data_ptr(), y.data_ptr() + 32)]
+    with kernels.memory_guard(live):
+        shifted_copy[(1,)](x, y, N=8, SHIFT=0)
+    assert torch.equal(y, x)
+    with pytest.raises(Exception, match="illegal address: a load of 4 bytes at .* lies outside every live "
+                                        "allocation \\(1 of 8 lanes\\)"):
+        with kernels.memory_guard(live):
+            shifted_copy[(1,)](x, y, N=8, SHIFT=1)
