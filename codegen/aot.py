@@ -169,6 +169,10 @@ def _compile_job(job: dict, cache_dir: str) -> dict:
     fn = getattr(mod, job["fn"])
     constexprs = {k: _ce_decode(v) for k, v in job["constexprs"].items()}
     names = list(job["signature"])
+    if names != list(fn.arg_names):  # the sidecar's parameter order below is the compiled kernel's
+        from ..errors import CodegenError
+        raise CodegenError(f"the signature of {job['fn']} does not list its parameters in declared order",
+                           where=job["name"], expected=", ".join(fn.arg_names), found=", ".join(names))
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in job["aligned"]}
     src = triton.compiler.ASTSource(fn=fn, signature=job["signature"], constexprs=constexprs, attrs=attrs)
     t0, cpu0 = time.perf_counter(), _cpu_seconds()

@@ -4,7 +4,8 @@
   `ctypes.CFUNCTYPE` callback) with its pointers. A placeholder call runs the op's reference
   (`program.execute.run_launch`) on tensors viewing the C buffers at those pointers, so a wrong
   pointer, offset or order in the C runtime gives wrong numbers; a real KernelCall runs its Triton
-  kernel the same way (under TRITON_INTERPRET=1).
+  kernel (under TRITON_INTERPRET=1) on the packed 64-bit parameter array a GPU driver would get, bound by
+  position to the kernel's signature (`_run_kernel`), so a wrong parameter order gives wrong numbers too.
 * `device="hip" | "cuda"`: the C runtime on a GPU (the driver library is dlopened; `driver_lib`
   overrides its path, which is how the fake drivers of the tests are plugged in).
 Function runs are launch by launch (`graph=False`) or through a graph captured on first use and then
@@ -107,6 +108,7 @@ class CRuntime:
                     raw = (ctypes.c_uint8 * max(n.value, 1)).from_address(a.value)
                     self.views[key] = torch.frombuffer(raw, dtype=torch.uint8)[: n.value]
             self._by_addr = sorted((a, i) for i, a in enumerate(self.addr))
+            self._allocations = [(a, a + n) for a, n in zip(self.addr, self.sched.buffer_bytes)]
             for i, (key, kind) in enumerate(zip(self.sched.buffer_names, self.sched.buffer_kinds)):
                 if kind == "weight":
                     if key not in weights:
@@ -139,9 +141,10 @@ class CRuntime:
         self._check(self.lib.v4rt_write(self.handle, buffer, offset, b.data_ptr(), b.numel()),
                     f"writing buffer {self.sched.buffer_names[buffer]}")
 
-    def read(self, buffer: int) -> torch.Tensor:
-        out = torch.empty(self.sched.buffer_bytes[buffer], dtype=torch.uint8)
-        self._check(self.lib.v4rt_read(self.handle, buffer, 0, out.data_ptr(), out.numel()),
+    def read(self, buffer: int, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
+        n = self.sched.buffer_bytes[buffer] - offset if nbytes is None else nbytes
+        out = torch.empty(n, dtype=torch.uint8)
+        self._check(self.lib.v4rt_read(self.handle, buffer, offset, out.data_ptr(), out.numel()),
                     f"reading buffer {self.sched.buffer_names[buffer]}")
         return out
 
@@ -157,6 +160,18 @@ class CRuntime:
     # ---- running ---------------------------------------------------------------------------------
     def run(self, fname: str, inputs: Mapping[str, object], graph: bool = False) -> dict[str, torch.Tensor]:
         """Upload the step inputs, run `fname`, return its `output` buffers (pool and state stay here)."""
+        self.upload(fname, inputs)
+        self._check(self.lib.v4rt_run(self.handle, self.sched.function_index(fname), 1 if graph else 0),
+                    f"running @{fname}")
+        f = self.program.functions[fname]
+        out = {}
+        for n, a in f.outputs:
+            if f.buffer(a.buffer).kind == "output":
+                out[n] = _typed(self.buffer(fname, a.buffer), a).clone()
+        return out
+
+    def upload(self, fname: str, inputs: Mapping[str, object]) -> None:
+        """Write `fname`'s step inputs into their buffers (checked: every input, its shape)."""
         if fname not in self.program.functions:
             raise InputError(f"no function '{fname}'", expected=", ".join(self.program.functions))
         f = self.program.functions[fname]
@@ -171,13 +186,6 @@ class CRuntime:
                 raise InputError(f"step input '{b.name}' has the wrong shape", where=f"@{fname}",
                                  expected=list(b.type.shape), found=list(t.shape))
             self.write(self.sched.buffer_index(fname, b.name), t.to(DTYPES[b.type.dtype]))
-        self._check(self.lib.v4rt_run(self.handle, self.sched.function_index(fname), 1 if graph else 0),
-                    f"running @{fname}")
-        out = {}
-        for n, a in f.outputs:
-            if f.buffer(a.buffer).kind == "output":
-                out[n] = _typed(self.buffer(fname, a.buffer), a).clone()
-        return out
 
     def launch(self, fname: str, graph: bool = False) -> None:
         """Run `fname` on the inputs already uploaded (no transfers; for timing)."""
@@ -206,7 +214,7 @@ class CRuntime:
             if call.kernel is None:
                 self._run_reference(launch, call, places)
             else:
-                self._run_kernel(call, places)
+                self._run_kernel(launch, call, cidx, places)
             return 0
         except BaseException as e:  # never unwind through C
             self.error = e
@@ -229,17 +237,38 @@ class CRuntime:
                                 results=tuple((n, moved("result", n, a)) for n, a in launch.results))
         run_launch(l, self.views)
 
-    def _run_kernel(self, call, places) -> None:
-        from v4compile.codegen.kernels import typed_from
+    def _run_kernel(self, launch, call, cidx: int, places) -> None:
+        """The Triton kernel on the packed parameter values, bound by position as a GPU binds them: the
+        i-th value goes to the i-th pointer parameter the kernel declares, viewed as that parameter's
+        element type. Before running, each value must point into one buffer with room for what the kernel
+        reads or writes through that parameter (the extent of the value the call binds it to, from the
+        program's types and strides), and every address the kernel then touches must lie in a buffer
+        (`memory_guard`: what a GPU would fault on, the interpreter would read or write unchecked)."""
+        from v4compile.codegen.kernels import memory_guard, typed_from
 
         kc = call.kernel
-        kw = {}
-        for (param, _kind, _name, ty), w in zip(kc.pointers, places):
+        if len(places) != len(kc.pointers):
+            raise DeviceError(f"call {cidx} ({kc.kernel_name}): {len(places)} parameters, the kernel declares "
+                              f"{len(kc.pointers)} pointers")
+        ops, res = dict(launch.operands), dict(launch.results)
+        values = []
+        for (param, kind, name, ty), w in zip(kc.pointers, places):
             if w is None:
-                kw[param] = None
+                values.append(None)
                 continue
-            kw[param] = typed_from(self.views[w[0]][w[1]:], ty)
-        kc.fn[kc.grid](**kw, **kc.constexprs, num_warps=kc.num_warps, num_stages=kc.num_stages)
+            if kind == "scratch":
+                need = kc.scratch_bytes[name]
+            else:
+                a = (ops if kind == "operand" else res)[name]
+                first, end = a.extent if a is not None else (0, 0)
+                need = end - first - kc.offsets.get(param, 0)
+            room = self.sched.buffer_bytes[self.sched.index[w[0]]] - w[1]
+            if need > room:
+                raise DeviceError(f"call {cidx} ({kc.kernel_name}): parameter '{param}' points at {w[0]}+{w[1]}, "
+                                  f"{need} bytes are read or written from there, the buffer has {room} left")
+            values.append(typed_from(self.views[w[0]][w[1]:], ty))
+        with memory_guard(self._allocations):
+            kc.fn[kc.grid](*kc.bind(values), num_warps=kc.num_warps, num_stages=kc.num_stages)
 
     def close(self) -> None:
         if getattr(self, "handle", None):

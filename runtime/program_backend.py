@@ -23,6 +23,7 @@ from v4compile.errors import DeviceError
 from .backend import FunctionInfo
 from .c_backend import CRuntime
 from .kernels import GPU_TARGET, kernel_calls_for
+from .schedule import compiled_params
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,9 @@ def artifact_program(art: Artifact):
 
 def artifact_binaries(art: Artifact, device: str):
     """[KernelCall] -> {name: (binary, sidecar)} from the artifact's kernels for the device's target; a
-    kernel the artifact lacks, or whose sidecar disagrees with the call, is one clear error (the files'
-    bytes were checked against the manifest by `load_artifact`)."""
+    kernel the artifact lacks, or whose sidecar disagrees with the call (grid, binary, or a parameter's
+    name or type), is one clear error (the files' bytes were checked against the manifest by
+    `load_artifact`)."""
     import json
 
     target = GPU_TARGET[device]
@@ -73,6 +75,7 @@ def artifact_binaries(art: Artifact, device: str):
             side = json.loads(art.file(k["sidecar"]).read_text())
             if list(side["grid"]) != list(kc.grid) or side["binary_sha256"] != k["sha256"]:
                 raise DeviceError(f"kernel sidecar disagrees with the program's call {kc.name}", where=k["sidecar"])
+            compiled_params(kc, side, where=k["sidecar"])  # the compiled parameters are the call's, by name and type
             out[kc.name] = (binary, side)
         return out
     return get

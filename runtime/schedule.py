@@ -8,8 +8,9 @@ runtime checks (magic, version, sizes, every index and offset, an FNV-1a checksu
   launch's kernel scratch), and pool planes, state and weights shared by name; step inputs and outputs
   are per function (`<function>/<name>`), since their shapes differ between buckets.
 * A launch becomes one or more KERNEL CALLS (code object, symbol, grid, block, shared bytes, pointer
-  parameters = buffer + byte offset). When a family provides `specialise` (see `kernels.py`), its
-  KernelCalls are the calls; otherwise (until the family lands) one placeholder call per launch whose
+  parameters = buffer + byte offset, in the order the kernel declares them: a GPU binds them by
+  position; with binaries, the order of the compiled kernel's sidecar, checked against the call).
+  When a family provides `specialise` (see `kernels.py`), its KernelCalls are the calls; otherwise (until the family lands) one placeholder call per launch whose
   parameters are the launch's operands then results in signature order (absent optionals: NULL), run
   by the host driver's callback with the op's reference.
 """
@@ -20,7 +21,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from v4compile.errors import IRError
+from v4compile.errors import DeviceError, IRError
 from v4compile.program.core import Arg, FunctionProgram, Launch, Program
 
 MAGIC = b"V4RTTBL1"
@@ -100,6 +101,30 @@ class Schedule:
         header = MAGIC + struct.pack("<IIIIQQ", TABLE_VERSION, len(self.buffer_names), len(self.code_objects),
                                      len(self.functions), len(out), fnv1a64(bytes(out)))
         return header + bytes(out)
+
+
+def compiled_params(kc, side: dict, where: str = "") -> list[tuple[str, str, str, str]]:
+    """The call's pointers in the order of the compiled kernel's parameters (its sidecar, written from the
+    kernel's signature at compile time; Triton's scratch pointers left out). The call and the binary must
+    agree on every name and type: a parameter one has and the other lacks, or typed differently, is one
+    clear error naming the kernel and the parameter (an artifact compiled from other kernel sources)."""
+    mine = {p[0]: p for p in kc.pointers}
+    compiled = [p for p in side["params"] if p.get("kind") != "triton_scratch"]
+    names = [p["name"] for p in compiled]
+    kernel = side.get("symbol", kc.name)
+    where = where or kc.name
+    for p in compiled:
+        if p["name"] not in mine:
+            raise DeviceError(f"compiled kernel {kernel} has a parameter '{p['name']}' the call does not bind",
+                              where=where, expected=", ".join(mine))
+        if p["type"] != mine[p["name"]][3]:
+            raise DeviceError(f"parameter '{p['name']}' of compiled kernel {kernel} is {p['type']}, the call "
+                              f"passes {mine[p['name']][3]}", where=where)
+    for n in mine:
+        if names.count(n) != 1:
+            raise DeviceError(f"the call binds '{n}', which compiled kernel {kernel} declares "
+                              f"{names.count(n)} times", where=where, expected=", ".join(names))
+    return [mine[n] for n in names]
 
 
 def _placeholder(l: Launch, slot, code: int) -> Call:
@@ -184,7 +209,8 @@ def build_schedule(p: Program, kernel_calls=None, functions: list[str] | None = 
                 if 0 in kc.grid:
                     continue  # nothing to do for this shape
                 params = []
-                for param, kind, name, _ty in kc.pointers:
+                order = compiled_params(kc, bins[kc.name][1]) if kc.name in bins else kc.pointers
+                for param, kind, name, _ty in order:
                     if kind == "scratch":
                         params.append(Param(index["scratch"], scratch_at[name], f"scratch:{name}"))
                         continue

@@ -19,11 +19,12 @@ FAKE_DIR = Path(__file__).parent / "fake_driver"
 
 
 @functools.lru_cache(maxsize=None)
-def tiny(decode_batch: int = 3, batch: int = 3, chunk: int = 16, capacity: int = 64):
-    m = trace(preset("tiny"), TraceOptions(numerics="hf", batch=batch, chunk=chunk, decode_batch=decode_batch,
-                                           capacity=capacity))
+def tiny(decode_batch: int = 3, batch: int = 3, chunk: int = 16, capacity: int = 64, preset_name: str = "tiny"):
+    """(module, program, weights) of a small lowered program of `preset_name` ("tiny" or "tiny-pro")."""
+    m = trace(preset(preset_name), TraceOptions(numerics="hf", batch=batch, chunk=chunk, decode_batch=decode_batch,
+                                                capacity=capacity))
     m = PassManager(DEFAULT_PIPELINE, PipelineOptions()).run(m).module
-    return m, verify_program(build_program(m)), load_ir_weights(m, DenseSource(dense_weights("tiny")))
+    return m, verify_program(build_program(m)), load_ir_weights(m, DenseSource(dense_weights(preset_name)))
 
 
 def _build(name: str, flags: tuple[str, ...], sources: list[Path]) -> Path:
@@ -66,6 +67,7 @@ class Fake:
         self.lib.fake_attr.argtypes = [ctypes.c_long, ctypes.c_char_p, ctypes.POINTER(ctypes.c_long)]
         self.lib.fake_launch.argtypes = [ctypes.c_long, ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint32),
                                          ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int)]
+        self.lib.fake_launch_module.argtypes = [ctypes.c_long, ctypes.c_char_p]
         self.lib.fake_reset()
 
     def fail(self, what: str, n: int) -> None:
@@ -91,6 +93,15 @@ class Fake:
             out.append((name.value.decode(), v[0], v[1], v[2], bool(v[3])))
         return out
 
+    def modules(self) -> list[str]:
+        """The tag of the code object each logged launch's kernel came from (see fake_driver.c)."""
+        tag = ctypes.create_string_buffer(80)
+        out = []
+        for i in range(self.counts()["logged"]):
+            assert self.lib.fake_launch_module(i, tag) == 0
+            out.append(tag.value.decode())
+        return out
+
     def log(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...], bool]]:
         out = []
         name = ctypes.create_string_buffer(200)
@@ -103,12 +114,23 @@ class Fake:
         return out
 
 
+def declared_params(launch, kernel=None) -> int:
+    """The parameter count a kernel really has, from the program or the kernel itself (never from the
+    schedule under test): a placeholder takes the launch's operands then results; a Triton kernel its
+    non-constexpr parameters."""
+    if kernel is None:
+        return len(launch.operands) + len(launch.results)
+    return sum(1 for a in kernel.fn.arg_names if a not in kernel.constexprs)
+
+
 def fake_code_object(sched, drop: str | None = None) -> bytes:
-    """The fake driver's code object for a schedule: every symbol with its parameter count."""
+    """The fake driver's code object for a schedule: every symbol with the parameter count its kernel
+    declares (`declared_params`), so a call packing another count is caught by the fake driver."""
     syms = {}
     for f in sched.functions:
-        for c in f.calls:
-            syms[c.symbol] = len(c.params)
+        for i, c in enumerate(f.calls):
+            n = declared_params(f.program.launches[f.launch_of[i]], c.kernel)
+            assert syms.setdefault(c.symbol, n) == n, c.symbol
     return ("FAKE\n" + "".join(f"{s} {n}\n" for s, n in sorted(syms.items()) if s != drop)).encode() + b"\0"
 
 

@@ -111,10 +111,14 @@ def test_compiling_twice_gives_the_same_bytes(art, tmp_path):
     assert _tree(tmp_path / "again") == _tree(art.path)
 
 
-@pytest.mark.parametrize("device", ["cuda", "hip"])
-def test_the_c_runtime_launches_the_artifacts_binaries(art, device):
+@pytest.mark.parametrize("device, fault", [("cuda", None), ("hip", None), ("cuda", "binaries swapped")])
+def test_the_c_runtime_launches_the_artifacts_binaries(art, device, fault):
     """The schedule's code objects are the artifact's binaries for the device's target, each call with its
-    sidecar's symbol, block and shared bytes; the fake driver then sees exactly those launches."""
+    sidecar's symbol, block and shared bytes; the fake driver loads those binaries themselves and sees
+    exactly those launches, each from the module loaded from ITS kernel's binary (the driver tags each
+    module with a hash of its image; Triton names every symbol after its function, so a symbol alone
+    cannot tell the binaries apart).
+    `binaries swapped`: two kernels' binaries exchanged in the table, caught by the same check."""
     from v4compile.runtime.schedule import build_schedule
 
     prog = artifact_program(art)
@@ -131,26 +135,54 @@ def test_the_c_runtime_launches_the_artifacts_binaries(art, device):
             side = sides[c.kernel.name]
             assert sched.code_objects[c.code] == files[c.kernel.name]
             assert (c.symbol, list(c.block), c.shared) == (side["symbol"], side["block"], side["shared_bytes"])
-            assert len(c.params) == len(c.kernel.pointers) + 2  # + Triton's two scratch pointers
-    def fake_images(sched) -> bytes:
-        """The fake driver reads text code objects ("symbol n_params" lines): one per kernel, as the real
-        binaries are (Triton names the symbol after the function, so kernels share symbols)."""
-        lines = {c.code: f"{c.symbol} {len(c.params)}\n" for f in sched.functions for c in f.calls}
-        sched.code_objects = [("FAKE\n" + lines[i]).encode() + b"\0" for i in range(len(sched.code_objects))]
+
+    def swapped(sched) -> bytes:
+        """The fault: the binaries of two kernels of one symbol (so both still load) exchanged in the table."""
+        codes = {}
+        for f in sched.functions:
+            for c in f.calls:
+                codes.setdefault(c.symbol, set()).add(c.code)
+        i, j = sorted(next(v for v in codes.values() if len(v) > 1))[:2]
+        sched.code_objects[i], sched.code_objects[j] = sched.code_objects[j], sched.code_objects[i]
         return sched.to_bytes()
 
+    # The fake driver loads the real binaries (it reads each kernel's parameters and thread limit from the
+    # ELF, as the real driver does) and tags each module with a hash of the image it was loaded from.
     fake = Fake(device)
     rt = CRuntime(prog, artifact_weights(art), device, driver_lib=fake.path, kernel_calls=make_kernel_calls(),
-                  binaries=artifact_binaries(art, device), table=fake_images)
+                  binaries=artifact_binaries(art, device), table=swapped if fault else None)
     try:
         g = torch.Generator().manual_seed(0)
         inputs = {b.name: torch.randint(0, 4, b.type.shape, generator=g)
                   for b in prog.functions["decode_b8"].buffers if b.kind == "input"}
         rt.run("decode_b8", inputs)
-        fs = rt.sched.functions[rt.sched.function_index("decode_b8")]
-        assert [n for n, *_ in fake.log()] == [c.symbol for c in fs.calls]
+        # the kernels the program launches, from the program itself, and the tag of each one's binary
+        want = [kc.name for l in prog.functions["decode_b8"].launches for kc in make_kernel_calls()(l)
+                if 0 not in kc.grid]
+        tag = {n: _image_tag(b) for n, b in files.items()}
+        got = fake.modules()
+        assert len(got) == len(want)
+        wrong = [n for n, t in zip(want, got) if t != tag[n]]
+        if fault:
+            assert wrong, "two kernels' binaries exchanged, and every launch still came from its own binary"
+        else:
+            assert wrong == []
+            fs = rt.sched.functions[rt.sched.function_index("decode_b8")]
+            assert [n for n, *_ in fake.log()] == [sides[n]["symbol"] for n in want] == [c.symbol for c in fs.calls]
     finally:
         rt.close()
+
+
+def _image_tag(image: bytes) -> str:
+    """The fake driver's module tag (tests/fake_driver/fake_driver.c): FNV-1a 64 of the ELF image up to
+    the end of its section header table."""
+    import struct
+
+    from v4compile.runtime.schedule import fnv1a64
+
+    shoff, = struct.unpack_from("<Q", image, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", image, 0x3a)
+    return f"{fnv1a64(image[: shoff + shnum * shentsize]):016x}"
 
 
 def test_the_host_device_runs_the_gpu_program_to_the_cpu_devices_tokens(art):

@@ -26,14 +26,15 @@ CALLS = {
                  sync="cuStreamSynchronize", launch="cuLaunchKernel", begin="cuStreamBeginCapture_v2",
                  end="cuStreamEndCapture", instantiate="cuGraphInstantiateWithFlags", replay="cuGraphLaunch",
                  exec_destroy="cuGraphExecDestroy", graph_destroy="cuGraphDestroy", free="cuMemFree_v2",
-                 unload="cuModuleUnload", close=["cuStreamDestroy_v2", "cuDevicePrimaryCtxRelease_v2"]),
+                 unload="cuModuleUnload", close=["cuStreamDestroy_v2", "cuDevicePrimaryCtxRelease_v2"],
+                 current=["cuCtxSetCurrent"]),
     "hip": dict(open=["hipInit", "hipSetDevice", "hipStreamCreateWithFlags"],
                 load="hipModuleLoadData", getfn="hipModuleGetFunction", attr="hipFuncSetAttribute",
                 alloc="hipMalloc", h2d="hipMemcpyAsync", d2h="hipMemcpyAsync", sync="hipStreamSynchronize",
                 launch="hipModuleLaunchKernel", begin="hipStreamBeginCapture", end="hipStreamEndCapture",
                 instantiate="hipGraphInstantiate", replay="hipGraphLaunch", exec_destroy="hipGraphExecDestroy",
                 graph_destroy="hipGraphDestroy", free="hipFree", unload="hipModuleUnload",
-                close=["hipStreamDestroy"]),
+                close=["hipStreamDestroy"], current=[]),
 }
 SHARED_DEFAULT = {"cuda": 48 * 1024, "hip": 64 * 1024}
 ERRORS = {"cuda": {719: "CUDA_ERROR_LAUNCH_FAILED", 999: "CUDA_ERROR_UNKNOWN", 1: "CUDA_ERROR_INVALID_VALUE"},
@@ -57,7 +58,9 @@ def _expected_trace(rt, driver, steps):
                 seen.add((c.code, c.symbol))
                 out.append(k["getfn"])
     out += [k["alloc"]] * len(s.buffer_names)
-    write, read = [k["h2d"], k["sync"]], [k["sync"], k["d2h"], k["sync"]]
+    # every public entry first makes the device current on the calling thread (CUDA: its context)
+    cur = k["current"]
+    write, read = cur + [k["h2d"], k["sync"]], cur + [k["sync"], k["d2h"], k["sync"]]
     for kind, n in zip(s.buffer_kinds, s.buffer_bytes):  # weights uploaded, pool and state zeroed
         if kind in ("weight", "pool", "state") and n:
             out += write
@@ -67,6 +70,7 @@ def _expected_trace(rt, driver, steps):
         for b in f.buffers:
             if b.kind == "input" and s.buffer_bytes[s.buffer_index(fname, b.name)]:
                 out += write
+        out += cur
         if not graph:
             out += [k["launch"]] * len(fs.calls)
         elif fname in captured:
@@ -76,7 +80,7 @@ def _expected_trace(rt, driver, steps):
             out += [k["begin"]] + [k["launch"]] * len(fs.calls) + [k["end"], k["instantiate"], k["replay"]]
         out += read * sum(1 for _, a in f.outputs if f.buffer(a.buffer).kind == "output")
     captured.sort(key=s.function_index)
-    out += [k["exec_destroy"], k["graph_destroy"]] * len(captured)
+    out += cur + [k["exec_destroy"], k["graph_destroy"]] * len(captured)
     return out + [k["free"]] * len(s.buffer_names) + [k["unload"]] * len(s.code_objects) + list(k["close"])
 
 
@@ -156,18 +160,24 @@ def test_the_fake_driver_refuses_large_shared_memory_without_the_opt_in():
     for driver in DRIVERS:
         lib, k = Fake(driver).lib, CALLS[driver]
         load, getfn, launch, attr, unload = (getattr(lib, k[s]) for s in ("load", "getfn", "launch", "attr", "unload"))
+        if driver == "cuda":  # as the runtime does: a context current on this thread, a stream of its own
+            assert lib.cuCtxSetCurrent(ctypes.c_void_p(1)) == 0
+        stream = ctypes.c_void_p()
+        create = lib.cuStreamCreate if driver == "cuda" else lib.hipStreamCreateWithFlags
+        assert create(ctypes.byref(stream), 1) == 0
         mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
         assert load(ctypes.byref(mod), b"FAKE\nk 0\n\0") == 0 and getfn(ctypes.byref(fn), mod, b"k") == 0
         u = ctypes.c_uint
         n = SHARED_DEFAULT[driver]
 
         def go(shared):
-            return launch(fn, u(1), u(1), u(1), u(1), u(1), u(1), u(shared), None, None, None)
+            return launch(fn, u(1), u(1), u(1), u(1), u(1), u(1), u(shared), stream, None, None)
 
         assert go(n) == 0 and go(n + 1) == 1
         assert attr(fn, 8, n + 1) == 0 and go(n + 1) == 0 and go(n + 2) == 1
         assert attr(fn, 8, 1 << 20) == 1 and attr(fn, 7, n) == 1
         assert unload(mod) == 0
+        assert (lib.cuStreamDestroy_v2 if driver == "cuda" else lib.hipStreamDestroy)(stream) == 0
 
 
 @pytest.mark.parametrize("driver", DRIVERS)

@@ -29,13 +29,28 @@ def _inputs(prog, fname, seed=0):
     return out
 
 
-def _expected(rt, fname):
-    fs = rt.sched.functions[rt.sched.function_index(fname)]
-    want = []
-    for c in fs.calls:
-        args = tuple(0 if p.buffer < 0 else rt.addr[p.buffer] + p.offset for p in c.params)
-        want.append((c.symbol, (*c.grid, *c.block, c.shared), args))
-    return want
+def _expected(rt, prog, fname):
+    """The launches of `fname` from the program alone (not the schedule under test): each launch's
+    placeholder symbol, grid and block (1, 1, 1), no shared bytes, and its operands then results as
+    buffer base + the program's byte offset (NULL for an absent optional)."""
+    def addr(a):
+        return 0 if a is None else rt.addr[rt.sched.buffer_index(fname, a.buffer)] + a.offset
+
+    return [(l.specialisation, (1, 1, 1, 1, 1, 1, 0), tuple(addr(a) for _, a in (*l.operands, *l.results)))
+            for l in prog.functions[fname].launches]
+
+
+def _differences(got, want):
+    """(launch, what, got, want) for each launch field that differs; lengths first."""
+    if len(got) != len(want):
+        return [("count", len(got), len(want))]
+    out = []
+    for i, (g, w) in enumerate(zip(got, want)):
+        for what, a, b in (("symbol", g[0], w[0]), ("geometry", g[1], w[1]), ("param count", len(g[2]), len(w[2]))):
+            if a != b:
+                out.append((i, what, a, b))
+        out += [(i, f"param {j}", a, b) for j, (a, b) in enumerate(zip(g[2], w[2])) if a != b]
+    return out
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
@@ -50,11 +65,8 @@ def test_launches_captures_and_frees_exactly(driver):
     rt.run("decode", _inputs(prog, "decode"))
     rt.run("prefill", _inputs(prog, "prefill"))
     log = fake.log()
-    want = _expected(rt, "decode") + _expected(rt, "prefill")
-    assert len(want) == len(prog.functions["decode"].launches) + len(prog.functions["prefill"].launches)
-    assert [(n, g, a) for n, g, a, _ in log] == want
-    assert [n for n, *_ in log[: len(prog.functions["decode"].launches)]] == \
-        [l.specialisation for l in prog.functions["decode"].launches]
+    want = _expected(rt, prog, "decode") + _expected(rt, prog, "prefill")
+    assert _differences([(n, g, a) for n, g, a, _ in log], want) == []
     # weights and step inputs really are at those addresses
     wname = prog.functions["decode"].launches[0].operands[1][1].buffer
     assert torch.equal(rt.buffer("decode", wname), w[wname].contiguous().reshape(-1).view(torch.uint8))
@@ -64,7 +76,7 @@ def test_launches_captures_and_frees_exactly(driver):
     c = fake.counts()
     assert c["captures"] == 1 and c["graph_launches"] == 3
     replayed = [(n, g, a) for n, g, a, r in fake.log() if r]
-    assert replayed == _expected(rt, "decode") * 3
+    assert _differences(replayed, _expected(rt, prog, "decode") * 3) == []
     rt.run("prefill", _inputs(prog, "prefill"), graph=True)
     assert fake.counts()["captures"] == 2
     assert rt.stats()["captures"] == 2 and rt.stats()["replays"] == 4
@@ -74,28 +86,38 @@ def test_launches_captures_and_frees_exactly(driver):
     assert c["streams"] == 0 and c["graphs"] == 0 and c["execs"] == 0
 
 
-def test_the_fake_driver_record_catches_a_wrong_offset():
-    """The argument check can fail: shift one parameter's offset in the table and the log differs."""
+# a fault in one call of the table -> (the field the comparison reports, got - want)
+FAULTS = {
+    "offset": (lambda c: dataclasses.replace(c, params=(dataclasses.replace(c.params[0], offset=c.params[0].offset + 4),
+                                                        *c.params[1:])), "param 0", 4),
+    "swap": (lambda c: dataclasses.replace(c, params=c.params[1:2] + c.params[:1] + c.params[2:]), "param 0", None),
+    "grid": (lambda c: dataclasses.replace(c, grid=(2, 1, 1)), "geometry", None),
+    "block": (lambda c: dataclasses.replace(c, block=(32, 1, 1)), "geometry", None),
+    "shared": (lambda c: dataclasses.replace(c, shared=16), "geometry", None),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_the_launch_check_catches_a_wrong_call(fault):
+    """The launch check above can fail: one call of the table changed (a parameter moved 4 bytes, two
+    parameters swapped, another grid, block or shared size) is what the same comparison reports (the
+    expectation comes from the program, not from the edited schedule)."""
     m, prog, w = tiny()
     fake = Fake("cuda")
+    change, field, delta = FAULTS[fault]
 
-    def shifted(sched):
-        import dataclasses
+    def faulty(sched):
         f = sched.functions[sched.function_index("decode")]
-        c = f.calls[5]
-        p = c.params[0]
-        f.calls[5] = dataclasses.replace(c, params=(dataclasses.replace(p, offset=p.offset + 4),) + c.params[1:])
+        f.calls[5] = change(f.calls[5])
         return fake_table()(sched)
 
-    rt = CRuntime(prog, w, "cuda", driver_lib=fake.path, table=shifted)
+    rt = CRuntime(prog, w, "cuda", driver_lib=fake.path, table=faulty)
     rt.run("decode", _inputs(prog, "decode"))
-    good = CRuntime.__new__(CRuntime)
     got = [(n, g, a) for n, g, a, _ in fake.log()]
-    want = _expected(rt, "decode")
-    assert got == want  # the runtime passes what its table says ...
-    base = rt.addr[rt.sched.functions[rt.sched.function_index("decode")].calls[5].params[0].buffer]
-    assert got[5][2][0] - base == prog.functions["decode"].launches[5].operands[0][1].offset + 4  # ... the wrong one
-    del good
+    diff = _differences(got, _expected(rt, prog, "decode"))
+    assert diff and {(i, what) for i, what, *_ in diff} <= {(5, field), (5, "param 1")} and diff[0][:2] == (5, field)
+    if delta is not None:
+        assert [d[2] - d[3] for d in diff] == [delta]
     rt.close()
 
 

@@ -9,9 +9,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dataclasses import dataclass, field  # noqa: E402
-from typing import Any  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -19,6 +16,7 @@ import triton.language as tl  # noqa: E402
 
 from runtime_helpers import Fake, fake_table, tiny  # noqa: E402
 from test_runtime_host import PROMPTS, _compare, _poison, _steps  # noqa: E402
+from v4compile.codegen.kernels import KernelCall  # noqa: E402
 from v4compile.program.execute import Buffers, execute  # noqa: E402
 from v4compile.runtime.c_backend import CRuntime  # noqa: E402
 from v4compile.runtime.kernels import make_kernel_calls  # noqa: E402
@@ -32,19 +30,6 @@ def _embed_rows(ids, table, out, D: tl.constexpr, ROW: tl.constexpr, SHIFT: tl.c
     tl.store(out + r * ROW + cols, tl.load(table + i * D + cols))
 
 
-@dataclass
-class FakeCall:  # the fields of codegen.kernels.KernelCall the runtime reads
-    name: str
-    fn: Any
-    constexprs: dict
-    pointers: list
-    grid: tuple
-    num_warps: int = 2
-    num_stages: int = 1
-    scratch_bytes: dict = field(default_factory=dict)
-    offsets: dict = field(default_factory=dict)
-
-
 def fake_embed(shift: int = 0):
     def specialise(op, operands, results, attrs):
         assert op == "embed"
@@ -53,9 +38,9 @@ def fake_embed(shift: int = 0):
         for d in ids.type.shape:
             n *= d
         D = table.type.shape[1]
-        return [FakeCall(f"fake_embed_n{n}_d{D}_s{shift}", _embed_rows, {"D": D, "ROW": x.strides[-2], "SHIFT": shift},
-                         [("ids", "operand", "ids", "*i64"), ("table", "operand", "table", "*fp32"),
-                          ("out", "result", "x", "*fp32")], (n, 1, 1))]
+        return [KernelCall(f"fake_embed_n{n}_d{D}_s{shift}", _embed_rows, {"D": D, "ROW": x.strides[-2], "SHIFT": shift},
+                           [("ids", "operand", "ids", "*i64"), ("table", "operand", "table", "*fp32"),
+                            ("out", "result", "x", "*fp32")], (n, 1, 1), num_warps=2)]
     return lambda family: specialise if family == "embed" else None
 
 
@@ -110,7 +95,7 @@ def test_compiled_kernels_get_their_own_code_object_symbol_block_shared_and_trit
     m, prog, w = tiny()
     fake = Fake("cuda")
     sidecar = {"symbol": "embed_kernel_0d1d2d", "block": [128, 1, 1], "shared_bytes": 4096,
-               "params": [{"name": "ids"}, {"name": "table"}, {"name": "out"},
+               "params": [{"name": "ids", "type": "*i64"}, {"name": "table", "type": "*fp32"}, {"name": "out", "type": "*fp32"},
                           {"name": "global_scratch", "kind": "triton_scratch", "size_per_program": 32},
                           {"name": "profile_scratch", "kind": "triton_scratch", "size_per_program": 0}]}
 

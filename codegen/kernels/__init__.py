@@ -15,6 +15,7 @@ TRITON_INTERPRET=1, or GPU). Under the interpreter it first applies `interpreter
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ...errors import CodegenError
 from ...ir.registry import get_op
 from ...ir.types import TensorType, dtype_of
 
@@ -73,12 +75,15 @@ class TensorArg:
 
 @dataclass
 class KernelCall:
-    """One static launch: `fn[grid](**pointers, **constexprs, num_warps=, num_stages=)`.
+    """One static launch: `fn[grid](*bind(pointer values), num_warps=, num_stages=)`.
 
-    pointers: ordered (kernel param, kind, signature name, Triton pointer type) with kind in KINDS; the
-    signature name is the op's operand / result name, or the scratch buffer's name (size in
-    `scratch_bytes`, shared by the calls of one op in order). `unaligned` names pointer params whose base
-    is not known to be 16-byte aligned (the AOT stage gives every other pointer `tt.divisibility=16`).
+    pointers: (kernel param, kind, signature name, Triton pointer type) with kind in KINDS; the signature
+    name is the op's operand / result name, or the scratch buffer's name (size in `scratch_bytes`, shared
+    by the calls of one op in order). A family may list them in any order: they are kept in the order
+    `fn` declares its parameters, which is the order a GPU launch packs them in (Triton: by position,
+    constexprs left out), and a pointer `fn` lacks, or a parameter of `fn` bound twice or not at all, is
+    refused here (`CodegenError`, naming the kernel and the parameter). `unaligned` names pointer params
+    whose base is not known to be 16-byte aligned (the AOT stage gives every other pointer `tt.divisibility=16`).
     `flops` / `bytes_moved` are the modeled work of this launch and `mma_dtype` ("bf16" | "fp8" | "fp4") the
     MMA precision that bounds it (for the roofline cost in `codegen.aot`).
 
@@ -108,6 +113,7 @@ class KernelCall:
                 raise ValueError(f"{self.name}: bad pointer entry {p}")
             if p[1] == "scratch" and p[2] not in self.scratch_bytes:
                 raise ValueError(f"{self.name}: scratch '{p[2]}' has no size in scratch_bytes")
+        self.pointers = in_kernel_order(self.name, self.fn, self.pointers, self.constexprs)
         params = {p[0]: p[1] for p in self.pointers}
         for param, off in self.offsets.items():
             if params.get(param) not in ("operand", "result") or off < 0:
@@ -120,15 +126,42 @@ class KernelCall:
     def signature(self) -> dict[str, str]:
         """Every parameter of `fn` in order: a pointer type or "constexpr" (what `ASTSource` takes)."""
         ptr = {p[0]: p[3] for p in self.pointers}
-        sig = {}
-        for a in self.fn.arg_names:
-            if a in ptr:
-                sig[a] = ptr[a]
-            elif a in self.constexprs:
-                sig[a] = "constexpr"
-            else:
-                raise ValueError(f"{self.name}: kernel parameter '{a}' is neither a pointer nor a constexpr")
-        return sig
+        return {a: ptr.get(a, "constexpr") for a in self.fn.arg_names}
+
+    def bind(self, values: list[Any]) -> list[Any]:
+        """The positional arguments of `fn` for the pointer values of one launch, given in `pointers`
+        order (the packed order of a GPU launch): each value goes to the next pointer parameter `fn`
+        declares, constexprs fill the rest. No names are involved, so a value packed in the wrong place
+        reaches the wrong parameter, as it would on a GPU."""
+        if len(values) != len(self.pointers):
+            raise CodegenError(f"{len(values)} pointer values for the {len(self.pointers)} pointer parameters of "
+                               f"{self.kernel_name}", where=self.name)
+        ptrs = {p[0] for p in self.pointers}
+        it = iter(values)
+        return [next(it) if a in ptrs else self.constexprs[a] for a in self.fn.arg_names]
+
+
+def in_kernel_order(name: str, fn: Any, pointers: list, constexprs: dict[str, Any]) -> list:
+    """`pointers` in the order `fn` declares them; every parameter of `fn` bound exactly once (a pointer or
+    a constexpr), nothing bound that `fn` lacks."""
+    kernel = fn.__name__ if hasattr(fn, "__name__") else fn.fn.__name__
+    declared = list(fn.arg_names)
+    by_param: dict[str, tuple] = {}
+    for p in pointers:
+        if p[0] not in declared:
+            raise CodegenError(f"pointer '{p[0]}' is not a parameter of {kernel}", where=name,
+                               expected=", ".join(declared))
+        if p[0] in by_param or p[0] in constexprs:
+            raise CodegenError(f"parameter '{p[0]}' of {kernel} is bound twice", where=name)
+        by_param[p[0]] = p
+    for a in declared:
+        if a not in by_param and a not in constexprs:
+            raise CodegenError(f"parameter '{a}' of {kernel} is bound to nothing (neither a pointer nor a constexpr)",
+                               where=name)
+    extra = sorted(set(constexprs) - set(declared))
+    if extra:
+        raise CodegenError(f"constexpr '{extra[0]}' is not a parameter of {kernel}", where=name)
+    return [by_param[a] for a in declared if a in by_param]
 
 
 def ptr(param: str, kind: str, name: str, arg: TensorArg | str) -> tuple[str, str, str, str]:
@@ -206,7 +239,7 @@ def run_calls(calls: list[KernelCall], args: dict[str, torch.Tensor | None], out
     device = next(t.device for t in list(args.values()) + list(outs.values()) if t is not None)
     scratch: dict[str, torch.Tensor] = {}
     for call in calls:
-        kw: dict[str, Any] = {}
+        values = []
         for param, kind, name, ty in call.pointers:
             if kind == "scratch":
                 if name not in scratch:
@@ -217,10 +250,10 @@ def run_calls(calls: list[KernelCall], args: dict[str, torch.Tensor | None], out
             want = TRITON_TORCH[ty[1:]]
             off = call.offsets.get(param, 0)
             if off:
-                kw[param] = typed_from(t.view(torch.uint8).reshape(-1)[off:], ty)
+                values.append(typed_from(t.view(torch.uint8).reshape(-1)[off:], ty))
             else:
-                kw[param] = t if t.dtype == want else t.view(want)
-        call.fn[call.grid](**kw, **call.constexprs, num_warps=call.num_warps, num_stages=call.num_stages)
+                values.append(t if t.dtype == want else t.view(want))
+        call.fn[call.grid](*call.bind(values), num_warps=call.num_warps, num_stages=call.num_stages)
 
 
 def _jsonable(v: Any) -> Any:
@@ -277,6 +310,48 @@ def launch(op_name: str, args: dict[str, torch.Tensor | None], attrs: dict[str, 
     return calls
 
 
+# ---- memory guard (the host device's illegal-address check) --------------------------------------------
+
+class IllegalAddress(RuntimeError):
+    """A kernel under the interpreter touched memory outside every live allocation (on a GPU: a fault,
+    CUDA_ERROR_ILLEGAL_ADDRESS / hipErrorIllegalAddress)."""
+
+
+_GUARD: list[Any] = []  # the active allocations: (sorted starts, ends) as numpy arrays, or empty
+
+
+@contextlib.contextmanager
+def memory_guard(allocations: list[tuple[int, int]]):
+    """Within the block, every load, store and atomic of an interpreted kernel must lie, whole, inside one of
+    `allocations` ([start, end) byte ranges); otherwise `IllegalAddress`. The interpreter itself reads and
+    writes raw addresses unchecked, so a wrong pointer or index would read other memory or crash."""
+    import numpy as np
+
+    spans = sorted(allocations)
+    _GUARD.append((np.array([a for a, _ in spans], dtype=np.uint64), np.array([b for _, b in spans], dtype=np.uint64)))
+    try:
+        yield
+    finally:
+        _GUARD.pop()
+
+
+def _check_access(what: str, ptrs, mask, nbytes: int) -> None:
+    import numpy as np
+
+    starts, ends = _GUARD[-1]
+    p = np.asarray(ptrs, dtype=np.uint64).reshape(-1)
+    if mask is not None:
+        p = p[np.broadcast_to(np.asarray(mask, dtype=bool), np.shape(ptrs)).reshape(-1)]
+    if p.size == 0:
+        return
+    i = np.searchsorted(starts, p, side="right").astype(np.int64) - 1
+    ok = (i >= 0) & (p + np.uint64(nbytes) <= ends[np.maximum(i, 0)])
+    if not ok.all():
+        bad = int(p[~ok][0])
+        raise IllegalAddress(f"illegal address: a {what} of {nbytes} bytes at {bad:#x} lies outside every live "
+                             f"allocation ({int((~ok).sum())} of {p.size} lanes)")
+
+
 # ---- interpreter fixes ---------------------------------------------------------------------------------
 
 _FIXED = False
@@ -292,6 +367,7 @@ def interpreter_fixes() -> None:
        into the wrong bit). The GPU rounds to nearest even. Fix: do float downcasts with torch, which rounds
        to nearest even; fp8 e4m3 values are saturated to +-448 first, like the GPU's satfinite conversion.
     With both, interpreter results match a correctly rounded reference, so tests need no extra slack.
+    3. Inside `memory_guard`, loads, stores and atomics are bounds-checked against live allocations.
     Idempotent; only call it under TRITON_INTERPRET=1."""
     global _FIXED
     if _FIXED:
@@ -328,7 +404,36 @@ def interpreter_fixes() -> None:
             return h.data.astype(np.float32)
         return orig_convert(h.data, tl.bfloat16, tl.float32, None).view(np.float32)
 
+    builder = it.InterpreterBuilder
+    orig_load, orig_store = builder.create_masked_load, builder.create_masked_store
+    orig_rmw, orig_cas = builder.create_atomic_rmw, builder.create_atomic_cas
+
+    def width(ptrs) -> int:
+        return max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
+
+    def load(self, ptrs, mask, other, *a):
+        if _GUARD:
+            _check_access("load", ptrs.data, mask.data, width(ptrs))
+        return orig_load(self, ptrs, mask, other, *a)
+
+    def store(self, ptrs, value, mask, *a):
+        if _GUARD:
+            _check_access("store", ptrs.data, mask.data, width(ptrs))
+        return orig_store(self, ptrs, value, mask, *a)
+
+    def rmw(self, op, ptr, val, mask, *a):
+        if _GUARD:
+            _check_access("atomic", ptr.data, mask.data, width(ptr))
+        return orig_rmw(self, op, ptr, val, mask, *a)
+
+    def cas(self, ptr, cmp, val, *a):
+        if _GUARD:
+            _check_access("atomic", ptr.data, None, width(ptr))
+        return orig_cas(self, ptr, cmp, val, *a)
+
     it._convert_float = convert_float
-    it.InterpreterBuilder.create_dot = create_dot
+    builder.create_dot = create_dot
+    builder.create_masked_load, builder.create_masked_store = load, store
+    builder.create_atomic_rmw, builder.create_atomic_cas = rmw, cas
     _FIXED = True
     log.debug("applied Triton interpreter fixes (bf16 dot, rounding downcasts)")

@@ -29,6 +29,9 @@ struct v4drv {
     int (*graph_launch)(v4drv *d, void *graph);
     int (*graph_destroy)(v4drv *d, void *graph);
     int (*sync)(v4drv *d);
+    /* Make the device usable from the calling thread (CUDA: its context current, as Triton's launchers do
+     * per launch): the core calls it on entry to every public function. NULL: nothing to do. */
+    int (*bind_thread)(v4drv *d);
     void (*shutdown)(v4drv *d);
 };
 

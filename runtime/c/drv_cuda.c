@@ -38,6 +38,9 @@ static int cu_device_open(gpu *g) {
     c->ctx_retained = 1;
     return gpu_check(g, c->cuCtxSetCurrent(c->ctx), "cuCtxSetCurrent");
 }
+/* The primary context is current per thread: a run from a thread other than the opener's needs it made
+ * current there (what Triton's launcher does before each launch). */
+static int cu_make_current(gpu *g) { return gpu_check(g, C(g)->cuCtxSetCurrent(C(g)->ctx), "cuCtxSetCurrent"); }
 static void cu_device_close(gpu *g) {
     if (C(g)->ctx_retained) C(g)->cuDevicePrimaryCtxRelease(C(g)->dev);
 }
@@ -99,6 +102,7 @@ static const gpu_api CUDA = {.name = "cuda", .default_lib = "libcuda.so.1", .sta
                              .capture_mode = CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, .shared_default = 48 * 1024,
                              .shared_attribute = CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                              .device_open = cu_device_open, .device_close = cu_device_close,
+                             .make_current = cu_make_current,
                              .error_string = cu_error_string, .mem_alloc = cu_alloc, .mem_free = cu_free,
                              .h2d = cu_h2d, .d2h = cu_d2h, .graph_instantiate = cu_instantiate};
 

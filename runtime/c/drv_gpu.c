@@ -149,6 +149,10 @@ static int g_sync(v4drv *d) {
     CK(g, stream_sync, g->stream_sync(g->stream));
     return 0;
 }
+static int g_bind_thread(v4drv *d) {
+    gpu *g = d->state;
+    return g->api->make_current ? g->api->make_current(g) : 0;
+}
 static void g_shutdown(v4drv *d) {
     gpu *g = d->state;
     if (!g) return;
@@ -171,7 +175,8 @@ int gpu_open(v4drv *d, const gpu_api *api, const char *lib) {
                  .d2h = g_d2h, .module_load = g_module_load, .module_unload = g_module_unload,
                  .get_function = g_get_function, .func_shared = g_func_shared, .launch = g_launch,
                  .capture_begin = g_capture_begin, .capture_end = g_capture_end, .graph_launch = g_graph_launch,
-                 .graph_destroy = g_graph_destroy, .sync = g_sync, .shutdown = g_shutdown};
+                 .graph_destroy = g_graph_destroy, .sync = g_sync, .bind_thread = g_bind_thread,
+                 .shutdown = g_shutdown};
     g->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!g->lib) {
         const char *e = dlerror();

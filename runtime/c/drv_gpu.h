@@ -52,6 +52,7 @@ struct gpu_api {
     /* The adapters: each returns 0, or sets the error (gpu_check) and returns nonzero. */
     int (*device_open)(gpu *g);   /* after init: device 0 (CUDA: its primary context made current) */
     void (*device_close)(gpu *g); /* may be NULL; undoes what a full or partial device_open did */
+    int (*make_current)(gpu *g);  /* may be NULL; the device current on the calling thread (CUDA: context) */
     const char *(*error_string)(gpu *g, int r); /* NULL: no description */
     int (*mem_alloc)(gpu *g, uint64_t nbytes, uint64_t *addr);
     int (*mem_free)(gpu *g, uint64_t addr);

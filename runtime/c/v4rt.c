@@ -122,7 +122,17 @@ static uint64_t fnv1a(const unsigned char *p, size_t n) {
     return h;
 }
 
+/* The device current on the calling thread (any thread may call the runtime, one at a time). */
+static v4rt_status bind_thread(v4rt *rt) {
+    if (rt->drv_open && rt->drv.bind_thread && rt->drv.bind_thread(&rt->drv)) {
+        wrap_err("making the device current on this thread");
+        return V4RT_E_DRIVER;
+    }
+    return V4RT_OK;
+}
+
 static void release(v4rt *rt) {
+    (void)bind_thread(rt); /* freeing needs the device too; a failure here leaves nothing better to do */
     if (rt->functions) {
         for (uint32_t f = 0; f < rt->n_functions; f++) {
             func_t *fn = &rt->functions[f];
@@ -435,13 +445,13 @@ static v4rt_status check_range(const v4rt *rt, uint32_t buffer, uint64_t offset,
 
 v4rt_status v4rt_write(v4rt *rt, uint32_t buffer, uint64_t offset, const void *src, uint64_t nbytes) {
     v4rt_status st = check_range(rt, buffer, offset, nbytes, "write");
-    if (st || !nbytes) return st;
+    if (st || !nbytes || (st = bind_thread(rt))) return st;
     return rt->drv.h2d(&rt->drv, rt->buffers[buffer].addr + offset, src, nbytes) ? V4RT_E_LAUNCH : V4RT_OK;
 }
 
 v4rt_status v4rt_read(v4rt *rt, uint32_t buffer, uint64_t offset, void *dst, uint64_t nbytes) {
     v4rt_status st = check_range(rt, buffer, offset, nbytes, "read");
-    if (st || !nbytes) return st;
+    if (st || !nbytes || (st = bind_thread(rt))) return st;
     if (rt->drv.sync(&rt->drv)) return V4RT_E_LAUNCH;
     return rt->drv.d2h(&rt->drv, dst, rt->buffers[buffer].addr + offset, nbytes) ? V4RT_E_LAUNCH : V4RT_OK;
 }
@@ -465,6 +475,8 @@ v4rt_status v4rt_run(v4rt *rt, uint32_t function, int graph) {
         return V4RT_E_ARG;
     }
     func_t *fn = &rt->functions[function];
+    v4rt_status bt = bind_thread(rt);
+    if (bt) return bt;
     if (!graph) {
         v4rt_status st = issue(rt, function);
         if (st == V4RT_OK) rt->stats.launches += fn->n_calls;
@@ -506,6 +518,8 @@ v4rt_status v4rt_sync(v4rt *rt) {
         v4rt_seterr("v4rt_sync: no runtime");
         return V4RT_E_ARG;
     }
+    v4rt_status st = bind_thread(rt);
+    if (st) return st;
     return rt->drv.sync(&rt->drv) ? V4RT_E_LAUNCH : V4RT_OK;
 }
 

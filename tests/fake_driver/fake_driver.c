@@ -1,13 +1,23 @@
 /* A fake GPU driver for the C runtime's tests: the symbols of libcuda (-DFAKE_CUDA) or libamdhip64
  * (-DFAKE_HIP) that the runtime dlopens, backed by host memory, recording every call.
  *
- * A code object is text: "FAKE\n" then one "symbol n_params" line per kernel (the driver needs the
- * parameter count to read a launch's argument bytes). Anything else fails to load. Failures can be
- * injected: fake_fail(what, n) fails the n-th (1-based) call of one kind: "alloc", "load", "instantiate",
- * "launch", "attr" (a function attribute), "graph_launch". As on CUDA, a launch with more dynamic shared
- * memory than the kernel's limit fails: the limit is the driver's default (CUDA 48 KiB, HIP 64 KiB) until
- * the kernel's max-dynamic-shared attribute raises it (up to the device's maximum). Real HIP is looser (it
- * checks the attribute's value, and a launch only against the device), so the fake holds both to CUDA's rule.
+ * A code object is either a real binary (a cubin / an hsaco: each kernel's parameter count and sizes and
+ * its thread limit read from the ELF, as the real driver reads them; see load_cubin / load_hsaco) or text:
+ * "FAKE\n", optionally "@tag\n", then one "symbol n_params" line per kernel (the placeholders of the
+ * tests' tables). Anything else fails to load. A module is tagged (a real binary: the FNV-1a of its image)
+ * and each launch reports its kernel's tag. Failures can be injected: fake_fail(what, n) fails the n-th
+ * (1-based) call of one kind: "alloc", "load", "instantiate", "launch", "attr" (a function attribute),
+ * "graph_launch".
+ * What the real drivers refuse, the fake refuses with the real error number (CUDA's names / HIP's):
+ * a block beyond the kernel's thread limit or a grid beyond the device's (INVALID_VALUE); more dynamic
+ * shared memory than the kernel's limit, which is the driver's default (CUDA 48 KiB, HIP 64 KiB) until
+ * the kernel's max-dynamic-shared attribute raises it (up to the device's maximum; real HIP is looser, it
+ * checks the attribute's value, and a launch only against the device, so the fake holds both to CUDA's
+ * rule); a pointer parameter outside every live allocation (ILLEGAL_ADDRESS, where the GPU would fault);
+ * during stream capture an allocation, a free, a copy, a synchronize or a module load
+ * (STREAM_CAPTURE_UNSUPPORTED, and ending the capture then reports STREAM_CAPTURE_INVALIDATED); a HIP copy
+ * whose kind does not match its pointers (hipErrorInvalidValue); a CUDA call from a thread with no
+ * current context (CUDA_ERROR_INVALID_CONTEXT: the context is per thread).
  * The test reads the record through fake_* functions (it loads the same library path, so it shares it):
  * counts, the launches (eager and replayed), the attribute calls, and the name of every driver call in
  * order (the trace). */
@@ -32,16 +42,27 @@
 #endif
 /* error numbers (the same on both drivers) */
 #define E_INVALID_VALUE 1
+#define E_INVALID_IMAGE 200
+#define E_INVALID_CONTEXT 201
+#define E_ILLEGAL_ADDRESS 700
+#define E_INVALID_HANDLE 400
 #define E_LAUNCH_FAILED 719
+#define E_CAPTURE_UNSUPPORTED 900
+#define E_CAPTURE_INVALIDATED 901
 #define E_UNKNOWN 999
 
 typedef struct {
     char name[200];
     int nparams;
-    int max_shared; /* dynamic shared bytes a launch may use */
+    int psize[MAXP];       /* each parameter's bytes */
+    unsigned maxntid[3];   /* the most threads per block along each axis (CUDA .maxntid) */
+    unsigned maxthreads;   /* the most threads per block (HIP: the flat work-group size) */
+    int max_shared;        /* dynamic shared bytes a launch may use */
+    const char *tag;       /* its module's tag */
 } kern;
 typedef struct {
     int n;
+    char tag[80];
     kern k[MAXK];
 } module;
 typedef struct {
@@ -118,6 +139,21 @@ int fake_attr(long i, char *name, long out[4]) {
     memcpy(out, v, sizeof v);
     return 0;
 }
+/* What the driver read about a kernel (a function handle): parameter count, .maxntid x y z, max threads
+ * per block, then each parameter's bytes. */
+int fake_kernel(const void *f, long out[5 + MAXP]) {
+    const kern *k = f;
+    long v[5] = {k->nparams, k->maxntid[0], k->maxntid[1], k->maxntid[2], k->maxthreads};
+    memcpy(out, v, sizeof v);
+    for (int i = 0; i < k->nparams && i < MAXP; i++) out[5 + i] = k->psize[i];
+    return 0;
+}
+/* The tag of the module the i-th logged launch's kernel was loaded from ("" when untagged). */
+int fake_launch_module(long i, char *tag) {
+    if (i < 0 || i >= g_nlog) return -1;
+    snprintf(tag, 80, "%s", g_log[i].k->tag);
+    return 0;
+}
 int fake_launch(long i, char *name, uint32_t geom[7], uint64_t *args, int *replay) {
     if (i < 0 || i >= g_nlog) return -1;
     snprintf(name, 200, "%s", g_log[i].k->name);
@@ -127,10 +163,35 @@ int fake_launch(long i, char *name, uint32_t geom[7], uint64_t *args, int *repla
     return g_log[i].nargs;
 }
 
+static size_t g_live_n[MAXLIVE];
+static int g_invalidated; /* an operation the capture cannot hold was attempted: the capture is invalid */
+
+/* During stream capture the real drivers refuse what cannot be recorded in a graph or would synchronise
+ * (an allocation or free, a copy from pageable host memory, a stream synchronize, a module load) with
+ * CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED / hipErrorStreamCaptureUnsupported, and the capture is then
+ * invalidated (ending it returns ..._STREAM_CAPTURE_INVALIDATED). */
+static int refused_in_capture(void) {
+    if (!g_capturing) return 0;
+    g_invalidated = 1;
+    return 1;
+}
+/* Every copy, launch, capture, synchronize and graph replay goes to the runtime's one live stream (the
+ * fake's stream handle is 2); anything else (NULL: the legacy default stream, which cannot be captured
+ * and would synchronise with everything) is refused as INVALID_HANDLE. */
+#define STREAM(x) if (!g_streams || (x) != (void *)2) return E_INVALID_HANDLE
+/* An address inside a live allocation (a kernel dereferencing anything else faults). */
+static int in_live(uint64_t p) {
+    for (int i = 0; i < MAXLIVE; i++)
+        if (g_live[i] && p >= (uint64_t)(uintptr_t)g_live[i] && p < (uint64_t)(uintptr_t)g_live[i] + g_live_n[i])
+            return 1;
+    return 0;
+}
+
 static int f_alloc(void **p, size_t n) {
     if (injected(F_ALLOC)) return 1;
     for (int i = 0; i < MAXLIVE; i++)
         if (!g_live[i]) {
+            g_live_n[i] = n;
             g_live[i] = aligned_alloc(256, (n + 255) / 256 * 256);
             *p = g_live[i];
             g_allocs += g_live[i] != NULL; /* successful allocations: each must be freed */
@@ -148,16 +209,157 @@ static int f_free(void *p) {
         }
     return 1; /* freeing something never allocated */
 }
+static void kern_defaults(kern *k, const char *tag) {
+    k->max_shared = SHARED_DEFAULT;
+    k->maxntid[0] = k->maxntid[1] = 1024;
+    k->maxntid[2] = 64;
+    k->maxthreads = 1024;
+    k->tag = tag;
+    for (int i = 0; i < MAXP; i++) k->psize[i] = 8;
+}
+
+/* ---- real code objects: what the real driver reads from the ELF image ---------------------------------
+ * cubin: a kernel per ".nv.info.<kernel>" section of EIATTR records {u8 format, u8 attribute, value}
+ * (format 4: u16 size then that many bytes; others: 2 bytes). EIATTR_KPARAM_INFO (0x17): one record per
+ * parameter, {u32 index, u16 ordinal, u16 offset, u32 flags}, its size in bytes in flags bits 18..31;
+ * EIATTR_MAX_THREADS (0x10): the kernel's .maxntid (x, y, z).
+ * hsaco: a kernel per "<kernel>.kd" symbol (its 64-byte kernel descriptor: kernarg_size, u32 at byte 8;
+ * Triton's parameters are all 8-byte pointers) and the metadata note's .max_flat_workgroup_size (msgpack;
+ * Triton's code objects hold one kernel). */
+static uint64_t le(const unsigned char *p, int n) {
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++) v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+typedef struct {
+    const unsigned char *b;
+    uint64_t shoff;
+    unsigned shnum, shentsize, shstrndx;
+} elf_t;
+static const unsigned char *sh(const elf_t *e, unsigned i) { return e->b + e->shoff + (uint64_t)i * e->shentsize; }
+static const unsigned char *sec_data(const elf_t *e, unsigned i) { return e->b + le(sh(e, i) + 24, 8); }
+static uint64_t sec_size(const elf_t *e, unsigned i) { return le(sh(e, i) + 32, 8); }
+
+#ifdef FAKE_CUDA
+static const char *sec_name(const elf_t *e, unsigned i) {
+    return (const char *)e->b + le(sh(e, e->shstrndx) + 24, 8) + le(sh(e, i), 4);
+}
+static int load_cubin(module *mod, const elf_t *e) {
+    for (unsigned i = 0; i < e->shnum && mod->n < MAXK; i++) {
+        const char *n = sec_name(e, i);
+        if (strncmp(n, ".nv.info.", 9)) continue;
+        kern *k = &mod->k[mod->n++];
+        kern_defaults(k, mod->tag);
+        snprintf(k->name, sizeof k->name, "%s", n + 9);
+        const unsigned char *d = sec_data(e, i), *end = d + sec_size(e, i);
+        while (d + 4 <= end) {
+            unsigned fmt = d[0], attr = d[1], len = fmt == 4 ? 4 + (unsigned)le(d + 2, 2) : 4;
+            const unsigned char *v = fmt == 4 ? d + 4 : d + 2;
+            if (d + len > end) return 1;
+            if (attr == 0x17 && fmt == 4 && len >= 16) {
+                unsigned ord = (unsigned)le(v + 4, 2), size = (unsigned)(le(v + 8, 4) >> 18) & 0x3fff;
+                if (ord >= MAXP) return 1;
+                k->psize[ord] = (int)size;
+                if ((int)ord + 1 > k->nparams) k->nparams = (int)ord + 1;
+            } else if (attr == 0x10 && fmt == 4 && len >= 16) {
+                for (int a = 0; a < 3; a++) k->maxntid[a] = (unsigned)le(v + 4 * a, 4);
+                k->maxthreads = k->maxntid[0] * k->maxntid[1] * k->maxntid[2];
+            }
+            d += len;
+        }
+    }
+    return mod->n ? 0 : 1;
+}
+
+#else
+static unsigned msgpack_uint(const unsigned char *p) {
+    if (p[0] < 0x80) return p[0];
+    if (p[0] == 0xcc) return p[1];
+    if (p[0] == 0xcd) return (unsigned)p[1] << 8 | p[2];
+    if (p[0] == 0xce) return (unsigned)p[1] << 24 | (unsigned)p[2] << 16 | (unsigned)p[3] << 8 | p[4];
+    return 0;
+}
+
+static int load_hsaco(module *mod, const elf_t *e) {
+    unsigned maxflat = 0;
+    static const char key[] = "\xb8.max_flat_workgroup_size";
+    for (unsigned i = 0; i < e->shnum; i++)
+        if (le(sh(e, i) + 4, 4) == 7) { /* SHT_NOTE */
+            const unsigned char *d = sec_data(e, i);
+            uint64_t n = sec_size(e, i), kl = sizeof key - 1;
+            for (uint64_t j = 0; j + kl + 5 <= n; j++)
+                if (!memcmp(d + j, key, kl)) maxflat = msgpack_uint(d + j + kl);
+        }
+    for (unsigned i = 0; i < e->shnum; i++) {
+        if (le(sh(e, i) + 4, 4) != 2) continue; /* SHT_SYMTAB */
+        const unsigned char *syms = sec_data(e, i);
+        unsigned strndx = (unsigned)le(sh(e, i) + 40, 4);
+        const char *str = (const char *)sec_data(e, strndx);
+        for (uint64_t s = 0; s + 24 <= sec_size(e, i) && mod->n < MAXK; s += 24) {
+            const char *n = str + le(syms + s, 4);
+            size_t len = strlen(n);
+            unsigned shndx = (unsigned)le(syms + s + 6, 2);
+            if (len < 4 || strcmp(n + len - 3, ".kd") || shndx == 0 || shndx >= e->shnum) continue;
+            int dup = 0;
+            for (int q = 0; q < mod->n; q++) dup |= !strncmp(mod->k[q].name, n, len - 3) && !mod->k[q].name[len - 3];
+            if (dup) continue;
+            const unsigned char *kd = sec_data(e, shndx) + (le(syms + s + 8, 8) - le(sh(e, shndx) + 16, 8));
+            kern *k = &mod->k[mod->n++];
+            kern_defaults(k, mod->tag);
+            snprintf(k->name, sizeof k->name, "%.*s", (int)(len - 3), n);
+            k->nparams = (int)(le(kd + 8, 4) / 8);
+            if (maxflat) k->maxthreads = maxflat;
+            k->maxntid[0] = k->maxntid[1] = k->maxntid[2] = k->maxthreads;
+        }
+    }
+    return mod->n ? 0 : 1;
+}
+
+#endif
+
+/* A 64-bit FNV-1a of the image's bytes (an ELF: up to the end of its section headers): the module's tag. */
+static void tag_of(module *mod, const unsigned char *b, uint64_t n) {
+    uint64_t h = 1469598103934665603ull;
+    for (uint64_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+    snprintf(mod->tag, sizeof mod->tag, "%016llx", (unsigned long long)h);
+}
+
 static int f_load(void **m, const void *image) {
     const char *s = image;
-    if (injected(F_LOAD) || strncmp(s, "FAKE\n", 5)) return 1;
+    if (injected(F_LOAD)) return 1;
+    if (!memcmp(s, "\x7f" "ELF", 4)) {
+        const unsigned char *b = image;
+        elf_t e = {b, le(b + 0x28, 8), (unsigned)le(b + 0x3c, 2), (unsigned)le(b + 0x3a, 2), (unsigned)le(b + 0x3e, 2)};
+        if (b[4] != 2 || e.shentsize != 64 || e.shstrndx >= e.shnum) return 1;
+        module *mod = calloc(1, sizeof *mod);
+        if (!mod) return 1;
+        tag_of(mod, b, e.shoff + (uint64_t)e.shnum * e.shentsize);
+#ifdef FAKE_CUDA
+        int bad = load_cubin(mod, &e);
+#else
+        int bad = load_hsaco(mod, &e);
+#endif
+        if (bad) {
+            free(mod);
+            return 1;
+        }
+        g_loads++;
+        *m = mod;
+        return 0;
+    }
+    if (strncmp(s, "FAKE\n", 5)) return 1;
     g_loads++; /* successful loads: each must be unloaded */
     module *mod = calloc(1, sizeof *mod);
     s += 5;
+    if (*s == '@') { /* "@tag": names the module (tests: which binary a launch's kernel came from) */
+        if (sscanf(s + 1, "%79s", mod->tag) != 1) mod->tag[0] = 0;
+        s = strchr(s, '\n');
+        s = s ? s + 1 : "";
+    }
     while (*s && mod->n < MAXK) {
         kern *k = &mod->k[mod->n];
+        kern_defaults(k, mod->tag);
         if (sscanf(s, "%199s %d", k->name, &k->nparams) != 2) break;
-        k->max_shared = SHARED_DEFAULT;
         mod->n++;
         s = strchr(s, '\n');
         if (!s) break;
@@ -193,8 +395,17 @@ static int f_launch(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
     const kern *k = f;
     if (injected(F_LAUNCH)) return E_LAUNCH_FAILED;
     if (shared > (unsigned)k->max_shared) return E_INVALID_VALUE;
+    /* the kernel's own thread limit (.maxntid / flat work-group size) and the grid limits of both drivers */
+    if (bx > k->maxntid[0] || by > k->maxntid[1] || bz > k->maxntid[2] || (uint64_t)bx * by * bz > k->maxthreads)
+        return E_INVALID_VALUE;
+    if (!gx || !gy || !gz || gx > 2147483647u || gy > 65535 || gz > 65535) return E_INVALID_VALUE;
     rec r = {k, {gx, gy, gz, bx, by, bz, shared}, {0}, k->nparams, 0};
-    for (int i = 0; i < k->nparams && i < MAXP; i++) memcpy(&r.args[i], params[i], 8);
+    for (int i = 0; i < k->nparams && i < MAXP; i++) { /* each parameter's bytes, as the binary sizes it */
+        memcpy(&r.args[i], params[i], (size_t)(k->psize[i] < 8 ? k->psize[i] : 8));
+        /* every parameter of these kernels is a pointer: NULL (an absent optional) or into a live allocation
+         * (on the GPU the kernel would fault: the error surfaces at the launch or the next synchronize) */
+        if (k->psize[i] == 8 && r.args[i] && !in_live(r.args[i])) return E_ILLEGAL_ADDRESS;
+    }
     if (g_capturing) {
         graph *g = g_capturing;
         g->r = realloc(g->r, sizeof(rec) * (size_t)(g->n + 1));
@@ -207,15 +418,31 @@ static int f_launch(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
 static int f_begin(void) {
     if (g_capturing) return 1;
     g_capturing = calloc(1, sizeof(graph));
+    g_invalidated = 0;
     return 0;
 }
 static int f_end(void **g) {
     if (!g_capturing) return 1;
+    *g = NULL;
+    if (g_invalidated) {
+        free(g_capturing->r);
+        free(g_capturing);
+        g_capturing = NULL;
+        return E_CAPTURE_INVALIDATED;
+    }
     *g = g_capturing;
     g_capturing = NULL;
     g_graphs++;
     return 0;
 }
+#ifdef FAKE_HIP
+/* The HIP copy kinds honoured: the device side must be a live allocation, the host side must not be. */
+static int copy_ok(int kind, const void *dst, const void *src) {
+    if (kind == 1) return in_live((uint64_t)(uintptr_t)dst) && !in_live((uint64_t)(uintptr_t)src);
+    if (kind == 2) return in_live((uint64_t)(uintptr_t)src) && !in_live((uint64_t)(uintptr_t)dst);
+    return 0;
+}
+#endif
 static int f_inst(void **e, void *g) {
     if (injected(F_INSTANTIATE)) return E_UNKNOWN;
     g_captures++;
@@ -245,61 +472,79 @@ static int f_gdestroy(void *g) {
 #define T trace(__func__)
 
 #ifdef FAKE_CUDA
+/* CUDA's context is per thread: every call below needs one current on the calling thread (else
+ * CUDA_ERROR_INVALID_CONTEXT), as a thread other than the one that opened the runtime finds none. */
+static _Thread_local void *g_ctx;
+#define CTX if (!g_ctx) return E_INVALID_CONTEXT
+#define NOCAP if (refused_in_capture()) return E_CAPTURE_UNSUPPORTED
 typedef unsigned long long CUdeviceptr;
 int cuInit(unsigned f) { T; return (int)f; }
 int cuDeviceGet(int *d, int o) { T; *d = o; return 0; }
 int cuDevicePrimaryCtxRetain(void **c, int d) { T; (void)d; *c = (void *)1; return 0; }
 int cuDevicePrimaryCtxRelease_v2(int d) { T; (void)d; return 0; }
-int cuCtxSetCurrent(void *c) { T; (void)c; return 0; }
+int cuCtxSetCurrent(void *c) { T; g_ctx = c; return 0; }
 int cuGetErrorString(int r, const char **s) {
     *s = r == 1 ? "CUDA_ERROR_INVALID_VALUE" : r == 2 ? "CUDA_ERROR_OUT_OF_MEMORY" : r == 200 ? "CUDA_ERROR_INVALID_IMAGE"
-       : r == 500 ? "CUDA_ERROR_NOT_FOUND" : r == 719 ? "CUDA_ERROR_LAUNCH_FAILED" : "CUDA_ERROR_UNKNOWN";
+       : r == 201 ? "CUDA_ERROR_INVALID_CONTEXT" : r == 400 ? "CUDA_ERROR_INVALID_HANDLE" : r == 500 ? "CUDA_ERROR_NOT_FOUND"
+       : r == 700 ? "CUDA_ERROR_ILLEGAL_ADDRESS" : r == 719 ? "CUDA_ERROR_LAUNCH_FAILED"
+       : r == 900 ? "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED" : r == 901 ? "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"
+       : "CUDA_ERROR_UNKNOWN";
     return 0;
 }
-int cuModuleLoadData(void **m, const void *img) { T; return f_load(m, img) ? 200 : 0; }
-int cuModuleUnload(void *m) { T; return f_unload(m); }
-int cuModuleGetFunction(void **f, void *m, const char *n) { T; return f_getfn(f, m, n) ? 500 : 0; }
-int cuFuncSetAttribute(void *f, int a, int v) { T; return f_attr(f, a, v); }
-int cuMemAlloc_v2(CUdeviceptr *p, size_t n) { T; void *q = NULL; int r = f_alloc(&q, n); *p = (CUdeviceptr)(uintptr_t)q; return r ? 2 : 0; }
-int cuMemFree_v2(CUdeviceptr p) { T; return f_free((void *)(uintptr_t)p) ? 1 : 0; }
-int cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, void *st) { T; (void)st; memcpy((void *)(uintptr_t)d, s, n); return 0; }
-int cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, void *st) { T; (void)st; memcpy(d, (const void *)(uintptr_t)s, n); return 0; }
-int cuStreamCreate(void **s, unsigned f) { T; (void)f; g_streams++; *s = (void *)2; return 0; }
-int cuStreamDestroy_v2(void *s) { T; (void)s; g_streams--; return 0; }
-int cuStreamSynchronize(void *s) { T; (void)s; return 0; }
+int cuModuleLoadData(void **m, const void *img) { T; CTX; NOCAP; return f_load(m, img) ? 200 : 0; }
+int cuModuleUnload(void *m) { T; CTX; NOCAP; return f_unload(m); }
+int cuModuleGetFunction(void **f, void *m, const char *n) { T; CTX; return f_getfn(f, m, n) ? 500 : 0; }
+int cuFuncSetAttribute(void *f, int a, int v) { T; CTX; return f_attr(f, a, v); }
+int cuMemAlloc_v2(CUdeviceptr *p, size_t n) { T; CTX; NOCAP; void *q = NULL; int r = f_alloc(&q, n); *p = (CUdeviceptr)(uintptr_t)q; return r ? 2 : 0; }
+int cuMemFree_v2(CUdeviceptr p) { T; CTX; NOCAP; return f_free((void *)(uintptr_t)p) ? 1 : 0; }
+int cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, void *st) { T; CTX; NOCAP; STREAM(st); memcpy((void *)(uintptr_t)d, s, n); return 0; }
+int cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, void *st) { T; CTX; NOCAP; STREAM(st); memcpy(d, (const void *)(uintptr_t)s, n); return 0; }
+int cuStreamCreate(void **s, unsigned f) { T; CTX; (void)f; g_streams++; *s = (void *)2; return 0; }
+int cuStreamDestroy_v2(void *s) { T; CTX; STREAM(s); g_streams--; return 0; }
+int cuStreamSynchronize(void *s) { T; CTX; NOCAP; STREAM(s); return 0; }
 int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                   unsigned sh, void *st, void **p, void **e) { T; (void)st; (void)e; return f_launch(f, gx, gy, gz, bx, by, bz, sh, p); }
-int cuStreamBeginCapture_v2(void *s, int m) { T; (void)s; (void)m; return f_begin(); }
-int cuStreamEndCapture(void *s, void **g) { T; (void)s; return f_end(g); }
-int cuGraphInstantiateWithFlags(void **e, void *g, unsigned long long f) { T; (void)f; return f_inst(e, g); }
-int cuGraphLaunch(void *e, void *s) { T; (void)s; return f_glaunch(e); }
-int cuGraphExecDestroy(void *e) { T; (void)e; g_execs--; return 0; }
-int cuGraphDestroy(void *g) { T; return f_gdestroy(g); }
+                   unsigned sh, void *st, void **p, void **e) { T; CTX; STREAM(st); (void)e; return f_launch(f, gx, gy, gz, bx, by, bz, sh, p); }
+int cuStreamBeginCapture_v2(void *s, int m) { T; CTX; STREAM(s); (void)m; return f_begin(); }
+int cuStreamEndCapture(void *s, void **g) { T; CTX; STREAM(s); return f_end(g); }
+int cuGraphInstantiateWithFlags(void **e, void *g, unsigned long long f) { T; CTX; (void)f; return f_inst(e, g); }
+int cuGraphLaunch(void *e, void *s) { T; CTX; STREAM(s); return f_glaunch(e); }
+int cuGraphExecDestroy(void *e) { T; CTX; (void)e; g_execs--; return 0; }
+int cuGraphDestroy(void *g) { T; CTX; return f_gdestroy(g); }
 #endif
 
 #ifdef FAKE_HIP
+#define NOCAP if (refused_in_capture()) return E_CAPTURE_UNSUPPORTED
 int hipInit(unsigned f) { T; return (int)f; }
 int hipSetDevice(int d) { T; return d; }
 const char *hipGetErrorString(int r) {
     return r == 1 ? "hipErrorInvalidValue" : r == 2 ? "hipErrorOutOfMemory" : r == 200 ? "hipErrorInvalidImage"
-         : r == 500 ? "hipErrorNotFound" : r == 719 ? "hipErrorLaunchFailure" : "hipErrorUnknown";
+         : r == 400 ? "hipErrorInvalidHandle" : r == 500 ? "hipErrorNotFound" : r == 700 ? "hipErrorIllegalAddress" : r == 719 ? "hipErrorLaunchFailure"
+         : r == 900 ? "hipErrorStreamCaptureUnsupported" : r == 901 ? "hipErrorStreamCaptureInvalidated"
+         : "hipErrorUnknown";
 }
-int hipModuleLoadData(void **m, const void *img) { T; return f_load(m, img) ? 200 : 0; }
+int hipModuleLoadData(void **m, const void *img) { T; NOCAP; return f_load(m, img) ? 200 : 0; }
 int hipModuleUnload(void *m) { T; return f_unload(m); }
 int hipModuleGetFunction(void **f, void *m, const char *n) { T; return f_getfn(f, m, n) ? 500 : 0; }
 int hipFuncSetAttribute(const void *f, int a, int v) { T; return f_attr((void *)f, a, v); }
-int hipMalloc(void **p, size_t n) { T; return f_alloc(p, n) ? 2 : 0; }
-int hipFree(void *p) { T; return f_free(p) ? 1 : 0; }
-int hipMemcpyAsync(void *d, const void *s, size_t n, int kind, void *st) { T; (void)kind; (void)st; memcpy(d, s, n); return 0; }
+int hipMalloc(void **p, size_t n) { T; NOCAP; return f_alloc(p, n) ? 2 : 0; }
+int hipFree(void *p) { T; NOCAP; return f_free(p) ? 1 : 0; }
+int hipMemcpyAsync(void *d, const void *s, size_t n, int kind, void *st) {
+    T;
+    NOCAP;
+    STREAM(st);
+    if (!copy_ok(kind, d, s)) return E_INVALID_VALUE;
+    memcpy(d, s, n);
+    return 0;
+}
 int hipStreamCreateWithFlags(void **s, unsigned f) { T; (void)f; g_streams++; *s = (void *)2; return 0; }
-int hipStreamDestroy(void *s) { T; (void)s; g_streams--; return 0; }
-int hipStreamSynchronize(void *s) { T; (void)s; return 0; }
+int hipStreamDestroy(void *s) { T; STREAM(s); g_streams--; return 0; }
+int hipStreamSynchronize(void *s) { T; NOCAP; STREAM(s); return 0; }
 int hipModuleLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                          unsigned sh, void *st, void **p, void **e) { T; (void)st; (void)e; return f_launch(f, gx, gy, gz, bx, by, bz, sh, p); }
-int hipStreamBeginCapture(void *s, int m) { T; (void)s; (void)m; return f_begin(); }
-int hipStreamEndCapture(void *s, void **g) { T; (void)s; return f_end(g); }
+                          unsigned sh, void *st, void **p, void **e) { T; STREAM(st); (void)e; return f_launch(f, gx, gy, gz, bx, by, bz, sh, p); }
+int hipStreamBeginCapture(void *s, int m) { T; STREAM(s); (void)m; return f_begin(); }
+int hipStreamEndCapture(void *s, void **g) { T; STREAM(s); return f_end(g); }
 int hipGraphInstantiate(void **e, void *g, void *n, char *l, size_t b) { T; (void)n; (void)l; (void)b; return f_inst(e, g); }
-int hipGraphLaunch(void *e, void *s) { T; (void)s; return f_glaunch(e); }
+int hipGraphLaunch(void *e, void *s) { T; STREAM(s); return f_glaunch(e); }
 int hipGraphExecDestroy(void *e) { T; (void)e; g_execs--; return 0; }
 int hipGraphDestroy(void *g) { T; return f_gdestroy(g); }
 #endif
