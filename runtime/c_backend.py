@@ -107,16 +107,31 @@ class CRuntime:
                     raw = (ctypes.c_uint8 * max(n.value, 1)).from_address(a.value)
                     self.views[key] = torch.frombuffer(raw, dtype=torch.uint8)[: n.value]
             self._by_addr = sorted((a, i) for i, a in enumerate(self.addr))
+            wbuf = {}
             for i, (key, kind) in enumerate(zip(self.sched.buffer_names, self.sched.buffer_kinds)):
                 if kind == "weight":
                     if key not in weights:
                         raise InputError(f"no tensor for weight @{key}")
-                    self.write(i, weights[key])
+                    wbuf[key] = i
                 elif kind in ("pool", "state"):
                     self.write(i, torch.zeros(self.sched.buffer_bytes[i], dtype=torch.uint8))
+            self._upload(weights, wbuf)
         except BaseException:
             self.close()
             raise
+
+    def _upload(self, weights, wbuf: dict[str, int]) -> None:
+        """Every weight into its buffer. Mapped weights (`weights_io.MappedWeights`) are streamed in file
+        order (hashed on the way when the load deferred their check) and each tensor's pages are dropped
+        from the process once copied, so host memory holds the weights once, not twice."""
+        if not hasattr(weights, "stream"):
+            for key, i in wbuf.items():
+                self.write(i, weights[key])
+            return
+        for key, t in weights.stream():
+            if key in wbuf:
+                self.write(wbuf[key], t)
+                weights.release(key)
 
     # ---- errors ----------------------------------------------------------------------------------
     def _raise(self, rc: int, what: str):
