@@ -126,10 +126,12 @@ def test_a_misordered_stack_is_caught_by_the_same_comparison(tiny_ck, tmp_path, 
 
 
 def test_byte_reproducible_whatever_the_workers(tiny_ck, tmp_path, monkeypatch):
-    """Two writes (1 and 4 workers, chunks and window far smaller than the tensors) give the same bytes."""
+    """Two writes (1 and 4 workers; chunks, window and buffer pool far smaller than the tensors) give the
+    same bytes."""
     a, ha, _ = write(tiny_ck, tmp_path / "a", workers=1)
     monkeypatch.setattr(weights_io, "CHUNK_BYTES", 4096)
     monkeypatch.setattr(weights_io, "WINDOW_BYTES", 3 * 4096)
+    monkeypatch.setattr(weights_io, "POOLED", 1024)  # most chunks go through the 5 reused buffers
     b, hb, _ = write(tiny_ck, tmp_path / "b", workers=4)
     assert a == b and ha == hb
     for rel in a["shards"]:

@@ -5,7 +5,8 @@
                                kernels (target, path, sha256 of every GPU binary and sidecar), the weights
                                layout, and the sha256 of every file
     DIR/weights/*.safetensors  the IR weights exactly as the functions take them (after merges), in shards
-                               (none in a shape-only artifact, `--weights none`: kernels and program only)
+                               (none in a shape-only artifact, `--weights none`: kernels and program only);
+                               the manifest gives each tensor's shard, dtype, shape and sha256
     DIR/onnx/<function>.onnx   the `cpu` target: one ONNX model per function (weights are graph inputs,
                                never copied into these files)
     DIR/module.ir              the final IR (text form) of the cpu pipeline

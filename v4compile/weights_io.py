@@ -29,6 +29,7 @@ import json
 import logging
 import mmap
 import os
+import queue
 import struct
 import threading
 import time
@@ -46,8 +47,9 @@ from .ir.core import Module
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 16 << 20  # a copied piece is read and written in chunks of at most this size
-WINDOW_BYTES = 64 << 20  # bytes produced ahead of the writer (plus one piece larger than that)
+CHUNK_BYTES = 8 << 20  # a copied piece is read and written in chunks of at most this size
+WINDOW_BYTES = 32 << 20  # bytes produced ahead of the writer (plus one piece larger than that)
+POOLED = 64 << 10  # copied chunks from this size up are read into a fixed set of reused buffers
 WRITE_BUFFER = 8 << 20  # small tensors are gathered into writes of this size
 SYNC_BYTES = 256 << 20  # start flushing a shard to disk after this many more bytes
 PROGRESS_S = 5.0  # seconds between progress lines
@@ -109,18 +111,18 @@ def _nonfinite_bits(stored: str, scale: bool) -> str | None:
     return {"F8_E4M3": "fp8", "BF16": "bf16", "F32": "fp32"}.get(stored)
 
 
-def _bits_bad(buf: bytearray, bits: str) -> bool:
-    """True if the stored bits hold a NaN / Inf (E8M0: the NaN byte 0xFF). Byte counting (memchr speed)
-    for the one-byte formats, which are most of a quantised checkpoint."""
+def _bits_bad(buf: bytearray, n: int, bits: str) -> bool:
+    """True if the first `n` stored bytes hold a NaN / Inf (E8M0: the NaN byte 0xFF). Byte counting
+    (memchr speed) for the one-byte formats, which are most of a quantised checkpoint."""
     if bits == "fp8":  # e4m3fn: NaN is S.1111.111, there is no Inf
-        return bool(buf.count(b"\x7f") or buf.count(b"\xff"))
+        return bool(buf.count(b"\x7f", 0, n) or buf.count(b"\xff", 0, n))
     if bits == "e8m0":
-        return bool(buf.count(b"\xff"))
+        return bool(buf.count(b"\xff", 0, n))
     if bits == "bf16":
-        a = np.frombuffer(buf, dtype=np.uint16)
+        a = np.frombuffer(buf, dtype=np.uint16, count=n // 2)
         return bool(np.any((a & 0x7F80) == 0x7F80))
     if bits == "fp32":
-        a = np.frombuffer(buf, dtype=np.uint32)
+        a = np.frombuffer(buf, dtype=np.uint32, count=n // 4)
         return bool(np.any((a & 0x7F800000) == 0x7F800000))
     return False
 
@@ -231,11 +233,14 @@ class _Progress:
 
 
 class _Reader:
-    """One read-only descriptor per checkpoint file, opened once, read with `pread`."""
+    """One read-only descriptor per checkpoint file, opened once, read with `pread` into a fixed set of
+    reused chunk buffers (freed memory is not handed back to the allocator chunk after chunk)."""
 
-    def __init__(self):
+    def __init__(self, nbufs: int):
         self.fds: dict[Path, int] = {}
         self.lock = threading.Lock()
+        self.nbufs, self.made = nbufs, 0
+        self.free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
 
     def fd(self, path: Path) -> int:
         with self.lock:
@@ -248,17 +253,35 @@ class _Reader:
                 self.fds[path] = fd
             return self.fds[path]
 
-    def read(self, path: Path, offset: int, n: int) -> bytearray:
-        buf = bytearray(n)
+    def _take(self) -> bytearray:
+        with self.lock:
+            if self.free.empty() and self.made < self.nbufs:
+                self.made += 1
+                return bytearray(CHUNK_BYTES)
+        return self.free.get()  # the writer's window never has more pooled chunks out than buffers
+
+    def give(self, buf: bytearray | None) -> None:
+        if buf is not None:
+            self.free.put(buf)
+
+    def read(self, path: Path, offset: int, n: int) -> tuple[bytearray, bytearray | None]:
+        """(buffer holding the bytes in its first `n`, the pooled buffer to give back or None)."""
+        pooled = self._take() if n >= POOLED else None
+        buf = pooled if pooled is not None else bytearray(n)
         view, got = memoryview(buf), 0
         fd = self.fd(path)
-        while got < n:
-            k = os.preadv(fd, [view[got:]], offset + got)
-            if k <= 0:
-                raise CheckpointError("file changed since it was opened (tensor bytes run past its end)",
-                                      where=str(path), expected=f"{offset + n} bytes at least", found=f"{offset + got}")
-            got += k
-        return buf
+        try:
+            while got < n:
+                k = os.preadv(fd, [view[got:n]], offset + got)
+                if k <= 0:
+                    raise CheckpointError("file changed since it was opened (tensor bytes run past its end)",
+                                          where=str(path), expected=f"{offset + n} bytes at least",
+                                          found=f"{offset + got}")
+                got += k
+        except BaseException:
+            self.give(pooled)
+            raise
+        return buf, pooled
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -280,20 +303,21 @@ def _jobs(plans: list[TensorPlan]) -> Iterator[tuple[TensorPlan, Piece, int, int
 
 
 def _produce(reader: _Reader, source, t: TensorPlan, p: Piece, off: int, n: int):
-    """The bytes of one job (a memoryview-able object)."""
+    """The bytes of one job: (a buffer-protocol object of exactly `n` bytes, pooled buffer or None)."""
     if p.copied:
-        buf = reader.read(p.file, p.offset + off, n)
-        if p.bits is not None and _bits_bad(buf, p.bits):
+        buf, pooled = reader.read(p.file, p.offset + off, n)
+        if p.bits is not None and _bits_bad(buf, n, p.bits):
+            reader.give(pooled)
             source.raw(p.name)  # raises the checkpoint's own error, naming the file, tensor and first index
             raise CheckpointError("tensor holds non-finite values", where=f"{p.file}: '{p.name}'")
-        return buf
+        return memoryview(buf)[:n], pooled
     import torch
 
     v = p.convert()
     if v.numel() * v.element_size() != n:
         raise IRError(f"weight @{t.name}: source tensors do not give its IR type",
                       expected=f"{n} bytes from '{p.name}'", found=f"{v.dtype} {list(v.shape)}")
-    return v.reshape(-1).view(torch.uint8).numpy() if n else b""
+    return (v.reshape(-1).view(torch.uint8).numpy() if n else b""), None
 
 
 @dataclass
@@ -316,7 +340,7 @@ def write_shards(plans: list[TensorPlan], source, wdir: Path, shard_bytes: int, 
     total = sum(p.nbytes for p in plans)
     out = WrittenShards([], {}, {})
     prog = _Progress(total, "weights")
-    reader = _Reader()
+    reader = _Reader(WINDOW_BYTES // CHUNK_BYTES + 2)
     t0 = time.perf_counter()
     pool = ThreadPoolExecutor(workers, thread_name_prefix="weights")
     hash_file = ThreadPoolExecutor(1, thread_name_prefix="sha-file")
@@ -351,18 +375,25 @@ def _write_one(group, source, path: Path, reader, pool, hash_file, hash_tensor, 
     fh.update(head)
     jobs = _jobs(group)
     window: deque[tuple[TensorPlan, Piece, int, int, Future]] = deque()
-    ahead = 0  # bytes submitted and not yet written
+    ahead = pooled = 0  # bytes submitted and not yet written; of those jobs, the ones reading into the pool
+    pending = None
 
     def fill():
-        nonlocal ahead
+        nonlocal ahead, pooled, pending
         while True:
             if window and ahead >= WINDOW_BYTES:
                 return
-            j = next(jobs, None)
+            j = pending or next(jobs, None)
             if j is None:
                 return
+            big = j[1].copied and j[3] >= POOLED
+            if big and pooled >= reader.nbufs - 1:  # one buffer stays for the chunk being written
+                pending = j
+                return
+            pending = None
             window.append((*j, pool.submit(_produce, reader, source, *j)))
             ahead += j[3]
+            pooled += big
 
     with open(path, "wb", buffering=WRITE_BUFFER) as f:
         fd = f.fileno()
@@ -372,8 +403,9 @@ def _write_one(group, source, path: Path, reader, pool, hash_file, hash_tensor, 
         fill()
         while window:
             t, p, off, n, fut = window.popleft()
-            buf = fut.result()
+            buf, held = fut.result()
             ahead -= n
+            pooled -= p.copied and n >= POOLED
             fill()  # keep the workers busy while this chunk is written
             if t is not current:
                 if current is not None:
@@ -385,6 +417,8 @@ def _write_one(group, source, path: Path, reader, pool, hash_file, hash_tensor, 
                 f.write(buf)
                 a.result()
                 b.result()
+                del buf
+                reader.give(held)
                 unsynced += n
                 prog.add(n)
             if unsynced >= SYNC_BYTES and (sync is None or sync.done()):
