@@ -51,7 +51,9 @@ class OrtBackend:
         for n, t in self._mapped.stream():
             if t.dtype.is_floating_point and str(t.dtype) != "torch.float32":
                 raise InputError("the cpu device needs fp32 weights", where=n, found=str(t.dtype))
-            self.weights[n] = t.numpy()
+            a = t.numpy()
+            # A view is used as is when its elements are aligned (the shards pack tensors without gaps).
+            self.weights[n] = a if a.ctypes.data % max(a.itemsize, 1) == 0 else a.copy()
         self._w_values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self.weights.items()}
         self.weights_s = time.perf_counter() - t0
         log.debug("cpu backend: %d weights mapped in %.2f s", len(self.weights), self.weights_s)

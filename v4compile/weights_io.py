@@ -465,6 +465,7 @@ class MappedWeights(Mapping):
                                 expected=f"{t['dtype']} {t['shape']}",
                                 found="absent" if i is None else f"{i.dtype} {list(i.shape)}")
         self.nbytes = sum(sh.mm.size() for sh in self.shards.values())
+        self._hashed: dict[str, Future] = {}  # tensor -> its bytes' hash update, while streaming
 
     def __getitem__(self, name: str):
         return self.shards[self.shard_of[name]].tensor(name)
@@ -476,35 +477,45 @@ class MappedWeights(Mapping):
         return len(self.shard_of)
 
     def stream(self) -> Iterator[tuple[str, Any]]:
-        """(name, tensor) in file order; with `expected`, a shard whose bytes do not match raises `error`
-        naming the file once its last tensor has been visited (before anything is returned to a user)."""
+        """(name, tensor) in file order; with `expected`, each shard is hashed in a second thread while its
+        tensors are used here, and a shard whose bytes do not match raises `error` naming the file once
+        its last tensor has been visited (before the load returns)."""
         t0, done = time.perf_counter(), 0
         prog = _Progress(self.nbytes, "weights read")
-        for rel, sh in self.shards.items():
-            h = hashlib.sha256() if self.expected is not None else None
-            pos = 0
-            mv = memoryview(sh.mm)
-            names = sorted((i.begin, n) for n, i in sh.tensors.items() if self.shard_of.get(n) == rel)
-            for _, n in names:
-                end = sh.data_start + sh.tensors[n].end
-                if h is not None and end > pos:
-                    h.update(mv[pos:end])
-                prog.add(max(end - pos, 0))
-                pos = max(pos, end)
-                yield n, sh.tensor(n)
-            if h is not None:
-                h.update(mv[pos:])
-            prog.add(len(mv) - pos)
-            done += len(mv)
-            del mv
-            if h is not None and h.hexdigest() != self.expected.get(rel):
-                raise self.error("file does not match its hash in the manifest (changed or damaged)",
-                                 where=str(self.root / rel), expected=str(self.expected.get(rel))[:16] + "...")
+        hasher = ThreadPoolExecutor(1, thread_name_prefix="sha-load") if self.expected is not None else None
+        try:
+            for rel, sh in self.shards.items():
+                h = hashlib.sha256()
+                pos = 0
+                mv = memoryview(sh.mm)
+                names = sorted((i.begin, n) for n, i in sh.tensors.items() if self.shard_of.get(n) == rel)
+                for _, n in names:
+                    end = sh.data_start + sh.tensors[n].end
+                    if hasher is not None and end > pos:
+                        self._hashed[n] = hasher.submit(h.update, mv[pos:end])
+                    prog.add(max(end - pos, 0))
+                    pos = max(pos, end)
+                    yield n, sh.tensor(n)
+                if hasher is not None:
+                    hasher.submit(h.update, mv[pos:]).result()
+                    self._hashed.clear()
+                prog.add(len(mv) - pos)
+                done += len(mv)
+                del mv
+                if hasher is not None and h.hexdigest() != self.expected.get(rel):
+                    raise self.error("file does not match its hash in the manifest (changed or damaged)",
+                                     where=str(self.root / rel), expected=str(self.expected.get(rel))[:16] + "...")
+        finally:
+            if hasher is not None:
+                hasher.shutdown(wait=True)
         dt = time.perf_counter() - t0
         log.info("weights: %.2f GB read in %.2f s (%.0f MB/s)%s", done / 1e9, dt, done / max(dt, 1e-9) / 1e6,
                  ", hashed" if self.expected is not None else "")
 
     def release(self, name: str) -> None:
+        f = self._hashed.pop(name, None)
+        if f is not None:
+            f.result()  # its pages are hashed before they are dropped
         self.shards[self.shard_of[name]].release(name)
 
     def close(self) -> None:
