@@ -235,4 +235,4 @@ def test_writing_needs_memory_for_the_largest_tensor_not_the_checkpoint(mid_ck, 
         written = sum(p.stat().st_size for p in (tmp_path / "out").iterdir())
         assert written > 2 * cap
     else:
-        assert r.returncode != 0 and "MemoryError" in r.stderr or "alloc" in r.stderr.lower(), r.stderr[-2000:]
+        assert r.returncode != 0 and ("MemoryError" in r.stderr or "alloc" in r.stderr.lower()), r.stderr[-2000:]
