@@ -18,10 +18,11 @@ Steps, each in a fresh process:
    it started, and of the whole process. `--kernels placeholder` (default) replaces the ahead-of-time kernel
    compiler with placeholder binaries (as tests/test_artifact_targets.py does): kernels take minutes per new
    shape on a shared 2-core machine and do not touch the weights; `--kernels real` runs it;
-4. load, after the shards are dropped from the page cache: `stream` is the host side of a GPU load (every
-   shard mapped, hashed against the manifest as streamed, each tensor copied to a staging buffer and its pages
-   dropped); `host` is `v4compile.load(DIR, device="host")`, whose C runtime keeps the weights in host memory
-   (its RSS is the weights plus a constant, by design).
+4. load, after the shards are dropped from the page cache, hashed against the manifest as read and not:
+   `stream` is the host side of a GPU load (`MappedWeights.chunks`: every shard read front to back into two
+   reused chunk buffers, the pieces a driver copy would take; the copy itself is not made here); `host` is
+   `v4compile.load(DIR, device="host")`, whose C runtime keeps the weights in host memory (its RSS is the
+   weights plus a constant, by design).
 """
 
 from __future__ import annotations
@@ -106,16 +107,9 @@ r0 = resource.getrusage(resource.RUSAGE_SELF)
 if mode == "stream":
     art = load_artifact(path, verify=verify, defer_weights=True)
     w = art.weights()
-    stage = torch.empty(0, dtype=torch.uint8)
     n = 0
-    for name, t in w.stream():
-        b = t.reshape(-1).view(torch.uint8)
-        if stage.numel() < b.numel():
-            stage = torch.empty(b.numel(), dtype=torch.uint8)
-        stage[: b.numel()].copy_(b)  # the staging copy a GPU upload makes
-        n += b.numel()
-        del t, b
-        w.release(name)
+    for name, off, buf, start, k in w.chunks():  # what a GPU upload hands the driver, chunk by chunk
+        n += k
     w.close()
     stats["weights_s"] = time.perf_counter() - t0
 else:

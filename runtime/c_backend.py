@@ -121,17 +121,18 @@ class CRuntime:
             raise
 
     def _upload(self, weights, wbuf: dict[str, int]) -> None:
-        """Every weight into its buffer. Mapped weights (`weights_io.MappedWeights`) are streamed in file
-        order (hashed on the way when the load deferred their check) and each tensor's pages are dropped
-        from the process once copied, so host memory holds the weights once, not twice."""
-        if not hasattr(weights, "stream"):
+        """Every weight into its buffer. An artifact's weights (`weights_io.MappedWeights`) are streamed in
+        file order through two reused chunk buffers (hashed on the way when the load deferred their check),
+        so host memory holds the weights once (host device) or not at all (GPU devices), never twice."""
+        if not hasattr(weights, "chunks"):
             for key, i in wbuf.items():
                 self.write(i, weights[key])
             return
-        for key, t in weights.stream():
+        for key, off, buf, start, n in weights.chunks():
             if key in wbuf:
-                self.write(wbuf[key], t)
-                weights.release(key)
+                ptr = ctypes.addressof(ctypes.c_char.from_buffer(buf, start))
+                self._check(self.lib.v4rt_write(self.handle, wbuf[key], off, ptr, n),
+                            f"writing buffer {self.sched.buffer_names[wbuf[key]]}")
 
     # ---- errors ----------------------------------------------------------------------------------
     def _raise(self, rc: int, what: str):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -155,8 +156,9 @@ def test_a_nan_in_a_copied_fp8_weight_is_refused_by_name(tmp_path):
 
 
 def test_a_changed_shard_is_named_while_streaming(tiny_ck, tmp_path):
-    """`load_artifact(defer_weights=True)` leaves the shards to the streaming reader, which hashes them
-    as it maps them: a flipped byte is one ArtifactError naming the shard."""
+    """`load_artifact(defer_weights=True)` leaves the shards to the streaming readers (mapped views, or
+    chunks through reused buffers, which reassemble every tensor with its manifest hash), which hash them
+    as they read them: a flipped byte is one ArtifactError naming the shard."""
     entry, hashes, _ = write(tiny_ck, tmp_path / "a")
     art_dir = tmp_path / "a"
     manifest = {"format_version": 1, "weights": entry, "files": hashes}
@@ -167,6 +169,13 @@ def test_a_changed_shard_is_named_while_streaming(tiny_ck, tmp_path):
     art = load_artifact(art_dir, defer_weights=True)
     w = art.weights()
     assert sum(1 for _ in w.stream()) == len(entry["tensors"])
+    got: dict[str, bytearray] = {}
+    for n, off, buf, start, k in w.chunks(size=4096):  # the upload path: pieces of two reused buffers
+        t = got.setdefault(n, bytearray())
+        assert off == len(t)
+        t += buf[start: start + k]
+    assert {n: hashlib.sha256(b).hexdigest() for n, b in got.items()} == \
+        {n: t["sha256"] for n, t in entry["tensors"].items() if math.prod(t["shape"])}
     w.close()
     shard = art_dir / entry["shards"][0]
     raw = bytearray(shard.read_bytes())
@@ -175,6 +184,9 @@ def test_a_changed_shard_is_named_while_streaming(tiny_ck, tmp_path):
     art = load_artifact(art_dir, defer_weights=True)  # the shard is not read here ...
     with pytest.raises(ArtifactError, match=shard.name):
         for _ in art.weights().stream():  # ... but here
+            pass
+    with pytest.raises(ArtifactError, match=shard.name):
+        for _ in art.weights().chunks(size=4096):  # and here
             pass
     with pytest.raises(ArtifactError, match=shard.name):
         load_artifact(art_dir)
