@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import shutil
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

@@ -210,6 +210,11 @@ class SafetensorsFile:
                 self._fd = None
             self._validated = False
 
+    def __del__(self) -> None:  # a file never closed does not keep its descriptor
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+
     def __enter__(self) -> "SafetensorsFile":
         return self
 
