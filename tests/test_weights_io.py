@@ -248,3 +248,21 @@ def test_writing_needs_memory_for_the_largest_tensor_not_the_checkpoint(mid_ck, 
         assert written > 2 * cap
     else:
         assert r.returncode != 0 and ("MemoryError" in r.stderr or "alloc" in r.stderr.lower()), r.stderr[-2000:]
+
+
+def test_the_copy_paths_nan_bit_test_is_isfinite_on_every_pattern():
+    """Copied bytes are checked on their bits: the answer is torch's isfinite for every fp8 and bf16
+    pattern, 20k random fp32 ones, and every E8M0 byte (0xFF is its NaN)."""
+    for dt, bits, raw in ((torch.float8_e4m3fn, "fp8", torch.arange(256).to(torch.uint8)),
+                          (torch.bfloat16, "bf16", torch.arange(-32768, 32768).to(torch.int16))):
+        vals = raw.view(dt)
+        bad = (~torch.isfinite(vals.float())).tolist()
+        data = vals.view(torch.uint8).numpy().tobytes()
+        k = vals.element_size()
+        assert [weights_io._bits_bad(bytearray(data[i * k:(i + 1) * k]), k, bits) for i in range(len(bad))] == bad
+    r = torch.randint(-2 ** 31, 2 ** 31 - 1, (20000,), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    r[:3] = torch.tensor([0x7F800000, -0x00400000, 0x7F7FFFFF], dtype=torch.int32)  # +Inf, a NaN, the largest finite
+    data = r.numpy().tobytes()
+    got = [weights_io._bits_bad(bytearray(data[4 * i: 4 * i + 4]), 4, "fp32") for i in range(len(r))]
+    assert got == (~torch.isfinite(r.view(torch.float32))).tolist() and got[:3] == [True, True, False]
+    assert [weights_io._bits_bad(bytearray([v]), 1, "e8m0") for v in range(256)] == [v == 255 for v in range(256)]

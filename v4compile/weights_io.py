@@ -115,18 +115,19 @@ def _nonfinite_bits(stored: str, scale: bool) -> str | None:
 
 
 def _bits_bad(buf: bytearray, n: int, bits: str) -> bool:
-    """True if the first `n` stored bytes hold a NaN / Inf (E8M0: the NaN byte 0xFF). Byte counting
-    (memchr speed) for the one-byte formats, which are most of a quantised checkpoint."""
+    """True if the first `n` stored bytes hold a NaN / Inf (E8M0: the NaN byte 0xFF). All exponent bits
+    set is the largest value the magnitude bits can take, so one max over them decides (~4 GB/s)."""
     if bits == "fp8":  # e4m3fn: NaN is S.1111.111, there is no Inf
-        return bool(buf.count(b"\x7f", 0, n) or buf.count(b"\xff", 0, n))
+        a = np.frombuffer(buf, dtype=np.uint8, count=n)
+        return n > 0 and int(np.max(a & 0x7F)) == 0x7F
     if bits == "e8m0":
-        return bool(buf.count(b"\xff", 0, n))
+        return n > 0 and int(np.max(np.frombuffer(buf, dtype=np.uint8, count=n))) == 0xFF
     if bits == "bf16":
         a = np.frombuffer(buf, dtype=np.uint16, count=n // 2)
-        return bool(np.any((a & 0x7F80) == 0x7F80))
+        return a.size > 0 and int(np.max(a & 0x7FFF)) >= 0x7F80
     if bits == "fp32":
         a = np.frombuffer(buf, dtype=np.uint32, count=n // 4)
-        return bool(np.any((a & 0x7F800000) == 0x7F800000))
+        return a.size > 0 and int(np.max(a & 0x7FFFFFFF)) >= 0x7F800000
     return False
 
 
