@@ -109,16 +109,32 @@ class CRuntime:
                     self.views[key] = torch.frombuffer(raw, dtype=torch.uint8)[: n.value]
             self._by_addr = sorted((a, i) for i, a in enumerate(self.addr))
             self._allocations = [(a, a + n) for a, n in zip(self.addr, self.sched.buffer_bytes)]
+            wbuf = {}
             for i, (key, kind) in enumerate(zip(self.sched.buffer_names, self.sched.buffer_kinds)):
                 if kind == "weight":
                     if key not in weights:
                         raise InputError(f"no tensor for weight @{key}")
-                    self.write(i, weights[key])
+                    wbuf[key] = i
                 elif kind in ("pool", "state"):
                     self.write(i, torch.zeros(self.sched.buffer_bytes[i], dtype=torch.uint8))
+            self._upload(weights, wbuf)
         except BaseException:
             self.close()
             raise
+
+    def _upload(self, weights, wbuf: dict[str, int]) -> None:
+        """Every weight into its buffer. An artifact's weights (`weights_io.MappedWeights`) are streamed in
+        file order through two reused chunk buffers (hashed on the way when the load deferred their check),
+        so host memory holds the weights once (host device) or not at all (GPU devices), never twice."""
+        if not hasattr(weights, "chunks"):
+            for key, i in wbuf.items():
+                self.write(i, weights[key])
+            return
+        for key, off, buf, start, n in weights.chunks():
+            if key in wbuf:
+                ptr = ctypes.addressof(ctypes.c_char.from_buffer(buf, start))
+                self._check(self.lib.v4rt_write(self.handle, wbuf[key], off, ptr, n),
+                            f"writing buffer {self.sched.buffer_names[wbuf[key]]}")
 
     # ---- errors ----------------------------------------------------------------------------------
     def _raise(self, rc: int, what: str):

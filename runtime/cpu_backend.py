@@ -1,7 +1,7 @@
 """Device `cpu`: the artifact's ONNX models run by ONNX Runtime.
 
-* Weights are read once from `weights/*.safetensors` into host arrays and handed to every session as
-  shared external initializers (the ONNX files declare them as graph inputs; here they become
+* Weights are mapped from `weights/*.safetensors` (no copy; hashed as they are first read when the load
+  deferred their check) and handed to every session as shared external initializers (the ONNX files declare them as graph inputs; here they become
   initializers, so ONNX Runtime treats them as constants and no session copies them from a file).
 * Pool planes and per-slot state live in host arrays owned by this backend, bound as inputs through
   IO binding (never copied per step); a step's outputs are only the rows it wrote (`X.rows`, `X.vals`),
@@ -21,7 +21,6 @@ import onnx
 
 from v4compile.artifact import Artifact
 from v4compile.errors import InputError
-from v4compile.safetensors_io import SafetensorsFile
 
 from .backend import FunctionInfo
 
@@ -48,18 +47,16 @@ class OrtBackend:
         self._funcs = {n: FunctionInfo(n, f["kind"], f["batch"], f["tokens"]) for n, f in self.target["functions"].items()}
         t0 = time.perf_counter()
         self.weights: dict[str, np.ndarray] = {}
-        shards: dict[str, list[str]] = {}
-        for name, w in art.manifest["weights"]["tensors"].items():
-            shards.setdefault(w["shard"], []).append(name)
-        for shard, names in sorted(shards.items()):
-            with SafetensorsFile(art.file(shard)) as f:
-                for n in names:
-                    t = f.read(n)
-                    if t.dtype.is_floating_point and str(t.dtype) != "torch.float32":
-                        raise InputError("the cpu device needs fp32 weights", where=n, found=str(t.dtype))
-                    self.weights[n] = np.ascontiguousarray(t.numpy())
+        self._mapped = art.weights()  # the arrays below view its mappings: kept open as long as the backend
+        for n, t in self._mapped.stream():
+            if t.dtype.is_floating_point and str(t.dtype) != "torch.float32":
+                raise InputError("the cpu device needs fp32 weights", where=n, found=str(t.dtype))
+            a = t.numpy()
+            # A view is used as is when its elements are aligned (the shards pack tensors without gaps).
+            self.weights[n] = a if a.ctypes.data % max(a.itemsize, 1) == 0 else a.copy()
         self._w_values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self.weights.items()}
-        log.debug("cpu backend: %d weights loaded in %.2f s", len(self.weights), time.perf_counter() - t0)
+        self.weights_s = time.perf_counter() - t0
+        log.debug("cpu backend: %d weights mapped in %.2f s", len(self.weights), self.weights_s)
         self.state: dict[str, np.ndarray] = {}
         pool = art.manifest["pool"]
         self.geometry = pool

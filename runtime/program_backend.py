@@ -81,18 +81,9 @@ def artifact_binaries(art: Artifact, device: str):
     return get
 
 
-def artifact_weights(art: Artifact) -> dict:
-    from v4compile.safetensors_io import SafetensorsFile
-
-    shards: dict[str, list[str]] = {}
-    for name, w in art.manifest["weights"]["tensors"].items():
-        shards.setdefault(w["shard"], []).append(name)
-    out = {}
-    for shard, names in sorted(shards.items()):
-        with SafetensorsFile(art.file(shard)) as f:
-            for n in names:
-                out[n] = f.read(n)
-    return out
+def artifact_weights(art: Artifact):
+    """The artifact's weights, mapped (no copy): `Artifact.weights()`."""
+    return art.weights()
 
 
 class ProgramBackend:
@@ -124,8 +115,14 @@ class ProgramBackend:
                 raise DeviceError(f"device '{device}' needs compiled kernels for every launch; none yet for the "
                                   f"families {', '.join(missing)} (kernel codegen pending): use --device host or cpu")
         binaries = artifact_binaries(art, device) if device != "host" else None
-        self.rt = CRuntime(self.program, artifact_weights(art), device, driver_lib=driver_lib, kernel_calls=calls,
-                           binaries=binaries)
+        t1 = time.perf_counter()
+        weights = artifact_weights(art)
+        try:
+            self.rt = CRuntime(self.program, weights, device, driver_lib=driver_lib, kernel_calls=calls,
+                               binaries=binaries)
+        finally:
+            weights.close()
+        self.weights_s = time.perf_counter() - t1
         self._funcs = {n: FunctionInfo(n, n.split("_")[0], int(f.attrs["batch"]), int(f.attrs["tokens"]))
                        for n, f in self.program.functions.items()}
         log.info("%s backend: program of %d functions loaded in %.2f s", device, len(self._funcs),

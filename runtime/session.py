@@ -11,6 +11,7 @@ work is one call: `backend.run(function, step inputs)` (see `backend.py`).
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ class Session:
         self.free_blocks = list(range(int(pool["n_blocks"]) - 1, -1, -1))
         self.seqs: dict[int, SeqState] = {}
         self._next = 0
+        self.first_token_s: float | None = None  # the last `generate`: seconds to its first token (prefill)
 
     @property
     def max_batch(self) -> int:
@@ -185,6 +187,7 @@ class Session:
                 raise InputError("prompt + max_new_tokens exceed the compiled maximum context", where=f"prompt {i}",
                                  expected=f"<= {self.max_context} tokens", found=len(p) + max_new_tokens)
         rng = np.random.default_rng(seed)
+        t0, self.first_token_s = time.perf_counter(), None
         stops = set(int(t) for t in stop_ids)
         out: list[list[int]] = [[] for _ in prompts]
         if max_new_tokens == 0:
@@ -196,6 +199,8 @@ class Session:
                 i = waiting.popleft()
                 s = self.open()
                 tok = self._sample(self.extend(s, prompts[i])[None], temperature, top_p, rng)[0]
+                if self.first_token_s is None:
+                    self.first_token_s = time.perf_counter() - t0
                 out[i].append(tok)
                 if len(out[i]) >= max_new_tokens or tok in stops:
                     self.release(s)
@@ -260,7 +265,7 @@ def load(path, device: str = "auto", *, threads: int | None = None, verify: bool
     devices)."""
     if device not in DEVICES:
         raise InputError(f"unknown device '{device}'", expected=", ".join(DEVICES))
-    art = load_artifact(path, verify=verify)
+    art = load_artifact(path, verify=verify, defer_weights=True)  # the backend hashes the shards as it reads them
     if art.manifest["weights"].get("shape_only"):
         raise InputError("a shape-only artifact (compiled with --weights none) has no weights to run",
                          where=str(art.path), expected="an artifact compiled with weights")

@@ -3,6 +3,8 @@ a GPU device that cannot run (the GPU artifact itself: tests/test_gpu_artifact.p
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -32,6 +34,10 @@ def test_compile_then_run_on_host_prints_the_reference_ids(art, capsys):
     ref = capsys.readouterr().out.strip()
     assert ran.out.strip() == ref and len(ref.split(",")) == 8
     assert "on host" in ran.err
+    ttft = re.search(r"time to first token ([\d.]+) s: load ([\d.]+) s \(weights ([\d.]+) s\), warmup ([\d.]+) s, "
+                     r"prefill ([\d.]+) s", ran.err)
+    total, load, weights, warmup, prefill = map(float, ttft.groups())
+    assert 0 < weights <= load and prefill > 0 and abs(total - (load + warmup + prefill)) < 0.01
 
 
 @pytest.mark.slow

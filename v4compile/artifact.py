@@ -5,7 +5,8 @@
                                kernels (target, path, sha256 of every GPU binary and sidecar), the weights
                                layout, and the sha256 of every file
     DIR/weights/*.safetensors  the IR weights exactly as the functions take them (after merges), in shards
-                               (none in a shape-only artifact, `--weights none`: kernels and program only)
+                               (none in a shape-only artifact, `--weights none`: kernels and program only);
+                               the manifest gives each tensor's shard, dtype, shape and sha256
     DIR/onnx/<function>.onnx   the `cpu` target: one ONNX model per function (weights are graph inputs,
                                never copied into these files)
     DIR/module.ir              the final IR (text form) of the cpu pipeline
@@ -16,8 +17,9 @@
                                the static kernel report (`kernels`) and the modeled decode step per bucket
 
 Writing is atomic (everything goes to a temporary sibling directory renamed at the end; on any error it
-is removed) and byte-reproducible (no timestamps, sorted keys, deterministic names). Weights are streamed:
-each IR weight is built from the source and written on its own, so the whole model is never in memory.
+is removed) and byte-reproducible (no timestamps, sorted keys, deterministic names). Weights are streamed
+(`weights_io`): copied or converted piece by piece in a bounded window, so the whole model is never in
+memory; every shard and every tensor is hashed as it is written (`weights.tensors.<name>.sha256`).
 Loading checks every file's hash and names the file that changed.
 """
 
@@ -28,7 +30,6 @@ import json
 import logging
 import os
 import shutil
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,51 +117,14 @@ def trace_buckets(cfg, options, buckets: Buckets, formats: dict | None = None) -
 
 # ---- weights ------------------------------------------------------------------------------------
 
-def _st_dtype(ir_dtype: str) -> str:
-    return {"fp32": "F32", "bf16": "BF16", "i64": "I64", "i32": "I32", "fp8e4m3": "F8_E4M3", "e8m0": "F8_E8M0",
-            "fp4x2": "I8"}[ir_dtype]
+def write_weights(module: Module, source, wdir: Path, workers: int | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Shards of IR weights (at most SHARD_BYTES each; see `weights_io`: stored bytes copied where they
+    are what the kernels read, converted otherwise, every file and tensor hashed as it is written).
+    Returns the manifest's `weights` entry (each tensor with its `sha256`) and the shards' file hashes."""
+    from .weights_io import plan_weights, write_shards
 
-
-def write_weights(module: Module, source, wdir: Path) -> dict[str, Any]:
-    """Shards of IR weights (sorted by name, at most SHARD_BYTES each), every tensor fetched and written
-    on its own. The header is written first from the IR types, so nothing is held back."""
-    import torch
-
-    from .harness import load_ir_weights
-
-    names = sorted(module.weights)
-    shards: list[list[str]] = [[]]
-    size = 0
-    for n in names:
-        nb = module.weights[n].type.nbytes
-        if shards[-1] and size + nb > SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append(n)
-        size += nb
-    tensors: dict[str, dict[str, Any]] = {}
-    files = []
-    for i, group in enumerate(shards):
-        fname = f"weights-{i:05d}-of-{len(shards):05d}.safetensors"
-        header: dict[str, Any] = {"__metadata__": {"format": "v4compile-ir-weights"}}
-        off = 0
-        for n in group:
-            t = module.weights[n].type
-            header[n] = {"dtype": _st_dtype(t.dtype), "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
-            off += t.nbytes
-        raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(wdir / fname, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            for n in sorted(group, key=lambda n: header[n]["data_offsets"][0]):
-                t = load_ir_weights(module, source, only={n})[n].contiguous()
-                if t.numel():
-                    f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-                tensors[n] = {"shard": f"weights/{fname}", "dtype": module.weights[n].type.dtype,
-                              "shape": list(module.weights[n].type.shape)}
-        files.append(f"weights/{fname}")
-        log.info("weights: shard %d of %d written (%d tensors, %.2f GB)", i + 1, len(shards), len(group), off / 1e9)
-    return {"layout": "ir", "shards": files, "tensors": tensors}
+    w = write_shards(plan_weights(module, source), source, wdir, SHARD_BYTES, workers=workers)
+    return {"layout": "ir", "shards": w.files, "tensors": dict(sorted(w.tensors.items()))}, w.file_sha256
 
 
 # ---- write --------------------------------------------------------------------------------------
@@ -205,8 +169,9 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
         shutil.rmtree(tmp)
     try:
         (tmp / "weights").mkdir(parents=True)
+        hashed: dict[str, str] = {}  # files hashed as they were written
         if ci.source is not None:
-            weights = write_weights(ci.module, ci.source, tmp / "weights")
+            weights, hashed = write_weights(ci.module, ci.source, tmp / "weights")
         else:  # shape-only: the layout the weights will have, no data
             weights = {"layout": "ir", "shape_only": True, "shards": [],
                        "tensors": {n: {"shard": None, "dtype": w.type.dtype, "shape": list(w.type.shape)}
@@ -229,7 +194,11 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
             report["decode_step"] = gt.decode_step
         (tmp / "report.json").write_text(_json(report))
         cfg_json = json.loads(ci.cfg.to_json())
-        files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = {}
+        for p in sorted(tmp.rglob("*")):
+            if p.is_file():
+                rel = str(p.relative_to(tmp))
+                files[rel] = hashed[rel] if rel in hashed else sha256_file(p)
         manifest = {
             "format_version": FORMAT_VERSION,
             "compiler_version": __version__,
@@ -358,6 +327,15 @@ def _report(ci: CompileInputs, targets: list[dict]) -> dict[str, Any]:
 class Artifact:
     path: Path
     manifest: dict[str, Any]
+    deferred: tuple[str, ...] = ()  # files whose hash the weights reader checks as it streams them
+
+    def weights(self):
+        """The weights, mapped (`weights_io.MappedWeights`); the deferred shards are hashed as streamed."""
+        from .weights_io import MappedWeights
+
+        files = self.manifest.get("files", {})
+        return MappedWeights(self.path, self.manifest["weights"]["tensors"], ArtifactError,
+                             {rel: files[rel] for rel in self.deferred} if self.deferred else None)
 
     def target(self, name: str) -> dict[str, Any]:
         for t in self.manifest["targets"]:
@@ -370,7 +348,10 @@ class Artifact:
         return self.path / rel
 
 
-def load_artifact(path: str | Path, verify: bool = True) -> Artifact:
+def load_artifact(path: str | Path, verify: bool = True, defer_weights: bool = False) -> Artifact:
+    """The artifact at `path`, every file checked against its hash (`verify`); with `defer_weights` the
+    weight shards are left to `Artifact.weights().stream()`, which hashes them as it reads them (one
+    read of every byte instead of two)."""
     path = Path(path)
     mpath = path / MANIFEST
     if not mpath.is_file():
@@ -387,13 +368,14 @@ def load_artifact(path: str | Path, verify: bool = True) -> Artifact:
     files = manifest.get("files", {})
     if not isinstance(files, dict):
         raise ArtifactError("manifest.json: `files` must be an object", where=str(mpath))
+    shards = set(manifest.get("weights", {}).get("shards", [])) if verify and defer_weights else set()
     for rel, digest in sorted(files.items()):
         p = (path / rel).resolve()
         if path.resolve() not in p.parents:
             raise ArtifactError("manifest names a file outside the artifact", where=rel)
         if not p.is_file():
             raise ArtifactError("file listed in the manifest is missing", where=str(path / rel))
-        if verify and sha256_file(p) != digest:
+        if verify and rel not in shards and sha256_file(p) != digest:
             raise ArtifactError("file does not match its hash in the manifest (changed or damaged)",
                                 where=str(path / rel), expected=digest[:16] + "...")
-    return Artifact(path, manifest)
+    return Artifact(path, manifest, tuple(sorted(shards & set(files))))

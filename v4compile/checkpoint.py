@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from .errors import CheckpointError
 from .files import atomic_dir, inside, read_text
 from .formats import fp4_dequant, fp4_quant, fp8_block_dequant, fp8_block_quant, nonfinite_error
 from .names import Slice, canonical_sources
-from .safetensors_io import SafetensorsFile, TensorInfo, loads_strict, write_file
+from .safetensors_io import ITEMSIZE, SafetensorsFile, TensorInfo, loads_strict, write_file
 from .weights import TensorSpec, spec_table
 
 log = logging.getLogger(__name__)
@@ -265,6 +266,20 @@ class Checkpoint:
             scale = self.raw(name[: -len(".weight")] + ".scale")
             return fp4_dequant(t, scale, self.cfg.expert_scale_block, where).to(dtype)
         return t.to(dtype)
+
+    def stored_range(self, name: str) -> tuple[Path, int, int]:
+        """(file, absolute byte offset, byte count) of a canonical tensor's stored bytes, read by nothing
+        here (a copier's `pread`). A slice of a stacked HF tensor (one expert, gate or up rows) is a
+        contiguous range of the row-major stored tensor."""
+        e = self.entries[name]
+        shape, start = e.info.shape, 0
+        if e.slice.index is not None:
+            start += e.slice.index * math.prod(shape[1:])
+            shape = shape[1:]
+        if e.slice.rows is not None:
+            start += e.slice.rows[0] * math.prod(shape[1:])
+        isz = ITEMSIZE[e.dtype]
+        return e.file, self._files[e.file].data_start + e.info.begin + start * isz, math.prod(e.shape) * isz
 
     def names(self) -> list[str]:
         return sorted(self.entries)

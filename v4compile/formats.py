@@ -135,12 +135,12 @@ def fp4_dequant(packed: torch.Tensor, scale: torch.Tensor, block: int = 32,
 
 def fp4_round(x: torch.Tensor) -> torch.Tensor:
     """Codes of the nearest e2m1 value of each element (|x| <= 6 assumed), ties to the even code."""
-    mags = torch.tensor(FP4_VALUES, dtype=torch.float32, device=x.device)
-    dist = (x.float().abs().unsqueeze(-1) - mags).abs()
-    best = dist.min(dim=-1, keepdim=True).values
-    # Among equally near magnitudes prefer the even code (mantissa bit 0): round-half-to-even.
-    pref = (dist == best).float() * (2.0 - (torch.arange(8, device=x.device) & 1).float())
-    code = pref.argmax(dim=-1)
+    m = x.float().abs()
+    # Midpoints between neighbouring magnitudes (exact dyadic numbers): the number of them below |x| is
+    # the nearest code; on a midpoint, round half to even (mantissa bit 0 clear).
+    mids = torch.tensor([(a + b) / 2 for a, b in zip(FP4_VALUES, FP4_VALUES[1:])] + [math.inf], device=x.device)
+    code = torch.bucketize(m, mids[:-1])
+    code += ((m == mids[code]) & (code % 2 == 1)).to(code.dtype)
     sign = (x < 0) & (code != 0)
     return code + 8 * sign.to(torch.int64)
 

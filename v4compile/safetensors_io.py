@@ -1,7 +1,7 @@
 """Strict safetensors reading over the `safetensors` package, and an atomic writer.
 
-Tensor data is read by the `safetensors` package (`safe_open`), one tensor at a time; opening a file
-reads only its header. In front of it sits a thin strict layer that turns every defect into one
+Tensor data is read one tensor at a time with `pread` (after the `safetensors` package has checked the
+whole file once, `safe_open`); opening a file reads only its header. In front of it sits a thin strict layer that turns every defect into one
 `CheckpointError` naming the file and, where there is one, the tensor:
 
 * the file is opened only if it is a regular file, without blocking (a FIFO would hang the library);
@@ -21,6 +21,7 @@ import math
 import os
 import struct
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,42 +155,65 @@ class SafetensorsFile:
             raw = fh.read(hlen)
         self.data_start = 8 + hlen
         self.tensors, self.metadata = parse_header(raw, size - self.data_start, where)
-        self._st = None
+        self._lock = threading.Lock()
+        self._validated, self._fd = False, None
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
-    def _lib(self):
-        if self._st is None:
+    def _validate(self) -> None:
+        """Once, before the first read: the `safetensors` package's own checks of the whole file. Its
+        handle (a mapping of the whole file) is dropped again: tensors are read with `pread`, so a
+        process reading a checkpoint holds only the tensor it reads, in address space too."""
+        with self._lock:
+            if self._validated:
+                return
             from safetensors import SafetensorError, safe_open
 
             # Re-check: the path must still be a regular file (safe_open itself would block on a FIFO).
             os.close(open_regular(self.path, CheckpointError, "safetensors file"))
             try:
-                self._st = safe_open(str(self.path), framework="pt")
+                with safe_open(str(self.path), framework="pt"):
+                    pass
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"the safetensors library refuses the file: {e}", where=str(self.path)) from None
-        return self._st
+            self._fd = open_regular(self.path, CheckpointError, "safetensors file")
+            self._validated = True
 
     def read(self, name: str) -> torch.Tensor:
-        """One tensor (a copy, independent of the file)."""
-        from safetensors import SafetensorError
-
+        """One tensor (its own memory, independent of the file), read with one `pread`."""
         info = self.tensors.get(name)
         where = f"{self.path}: tensor '{name}'"
         if info is None:
             raise CheckpointError("no such tensor in the file", where=where)
+        self._validate()
+        n = info.end - info.begin
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
         try:
-            t = self._lib().get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"cannot read tensor: {e}", where=where) from None
-        if DTYPE_NAMES.get(t.dtype) != info.dtype or tuple(t.shape) != info.shape:
-            raise CheckpointError("file changed since it was opened", where=where,
-                                  expected=f"{info.dtype} {list(info.shape)}", found=f"{t.dtype} {list(t.shape)}")
-        return t.clone()
+            while got < n:
+                k = os.preadv(self._fd, [view[got:]], self.data_start + info.begin + got)
+                if k <= 0:
+                    raise CheckpointError("file changed since it was opened (it is shorter now)", where=where,
+                                          expected=f"{self.data_start + info.end} bytes at least")
+                got += k
+        except OSError as e:
+            raise CheckpointError(f"cannot read tensor: {e.strerror}", where=where) from None
+        if n == 0:
+            return torch.empty(info.shape, dtype=DTYPES[info.dtype])
+        return torch.frombuffer(buf, dtype=torch.uint8).view(DTYPES[info.dtype]).reshape(info.shape)
 
     def close(self) -> None:
-        self._st = None
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            self._validated = False
+
+    def __del__(self) -> None:  # a file never closed does not keep its descriptor
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
 
     def __enter__(self) -> "SafetensorsFile":
         return self

@@ -1,0 +1,261 @@
+"""Weights at disk speed: `compile -o` writing and `v4compile.load` reading an artifact's weights, against the
+disk's own speed, and the peak memory of both at two checkpoint sizes. A measurement, not a test (issue 25's
+goals: writing >= 70 % of the disk's write speed, reading >= 70 % of its read speed, peak RSS the same
+within 15 % at both sizes and below 2x the largest tensor plus the process's baseline).
+
+    python bench/bench_weights.py                         # V4-Flash dims: 2 and 6 layers, 4 experts, 8k vocab
+    python bench/bench_weights.py --size issue            # 3 layers, 10 experts, 32k vocab (1.6 GB) and 6 layers
+    python bench/bench_weights.py --workdir /tmp/bw --keep  # reuse the checkpoints of an earlier run
+
+Steps, each in a fresh process:
+1. two quantised checkpoints with `v4compile init-random --config ... --quantized` (V4-Flash dims, fewer layers,
+   experts and vocabulary); kept in --workdir and reused when present;
+2. the disk: 512 MiB written in 16 MiB blocks then `fdatasync` (as `dd conv=fdatasync`), then read back after
+   its pages are dropped from the page cache (`posix_fadvise DONTNEED`, this file only: no root, no global
+   cache drop on a shared machine);
+3. `v4compile compile CKPT -o DIR --target sm_90a`: the weight rate is the writer's own line (bytes written,
+   hashed and `fdatasync`ed per second of the weights stage); peak RSS of the weights stage above the RSS when
+   it started, and of the whole process. `--kernels placeholder` (default) replaces the ahead-of-time kernel
+   compiler with placeholder binaries (as tests/test_artifact_targets.py does): kernels take minutes per new
+   shape on a shared 2-core machine and do not touch the weights; `--kernels real` runs it;
+4. load, after the shards are dropped from the page cache, hashed against the manifest as read and not:
+   `stream` is the host side of a GPU load (`MappedWeights.chunks`: every shard read front to back into two
+   reused chunk buffers, the pieces a driver copy would take; the copy itself is not made here); `host` is
+   `v4compile.load(DIR, device="host")`, whose C runtime keeps the weights in host memory (its RSS is the
+   weights plus a constant, by design).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SIZES = {  # name -> [(label, layers, experts, vocab)]
+    "small": [("A", 2, 4, 8192), ("B", 6, 4, 8192)],
+    "issue": [("A", 3, 10, 32768), ("B", 6, 10, 32768)],
+}
+
+COMPILE = r'''
+import json, os, resource, sys
+from v4compile import artifact
+
+def status(key):
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key)) * 1024
+
+stats = {}
+real = artifact.write_weights
+def measured(*a, **kw):
+    stats["peak_before"] = status("VmHWM")
+    stats["rss_before"] = status("VmRSS")
+    open("/proc/self/clear_refs", "w").write("5")  # the peak RSS starts again from here
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    out = real(*a, **kw)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    stats["cpu_weights"] = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)  # every thread
+    stats["peak_weights"] = status("VmHWM")
+    return out
+artifact.write_weights = measured
+if os.environ.get("BENCH_PLACEHOLDER_KERNELS"):
+    import hashlib
+    from v4compile.codegen import aot
+    def compile_calls(calls, targets, out_dir, jobs=None):
+        rows = []
+        for c in calls:
+            for t in targets:
+                d = out_dir / t
+                d.mkdir(parents=True, exist_ok=True)
+                binary = f"placeholder {c.name} {t}".encode()
+                ext = aot.TARGETS[t].binary_ext
+                (d / f"{c.name}.{ext}").write_bytes(binary)
+                side = {"name": c.name, "symbol": c.kernel_name, "grid": list(c.grid), "target": t,
+                        "binary_sha256": hashlib.sha256(binary).hexdigest(), "params": [], "shared_bytes": 0,
+                        "block": [c.num_warps * aot.TARGETS[t].warp_size, 1, 1], "num_warps": c.num_warps}
+                (d / f"{c.name}.json").write_text(json.dumps(side, sort_keys=True))
+                rows.append({"name": c.name, "target": t, "regs": 1, "spills": 0, "shared_bytes": 0,
+                             "mma_instructions": 1, "occupancy": 1, "flops": c.flops, "bytes": c.bytes_moved,
+                             "modeled_us": 1.0, "bandwidth_us": 0.5, "compile_s": 0.1, "cached": False,
+                             "path": f"{t}/{c.name}.{ext}", "sidecar": f"{t}/{c.name}.json"})
+        return rows
+    aot.compile_calls = compile_calls
+from v4compile.cli import main
+rc = main(sys.argv[1:])
+stats["peak_process"] = max(stats.get("peak_before", 0), status("VmHWM"))
+print("BENCH " + json.dumps(stats), file=sys.stderr)
+sys.exit(rc)
+'''
+
+LOAD = r'''
+import json, os, resource, sys, time
+import numpy as np
+
+def status(key):
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key)) * 1024
+
+mode, path, verify = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+import torch
+from v4compile.artifact import load_artifact
+import v4compile.runtime  # noqa: F401  (imports settle before the baseline)
+stats = {"rss_before": status("VmRSS")}
+open("/proc/self/clear_refs", "w").write("5")
+t0 = time.perf_counter()
+r0 = resource.getrusage(resource.RUSAGE_SELF)
+if mode == "stream":
+    art = load_artifact(path, verify=verify, defer_weights=True)
+    w = art.weights()
+    n = 0
+    for name, off, buf, start, k in w.chunks():  # what a GPU upload hands the driver, chunk by chunk
+        n += k
+    w.close()
+    stats["weights_s"] = time.perf_counter() - t0
+else:
+    from v4compile.runtime import load
+    s = load(path, device="host", verify=verify)
+    stats["weights_s"] = s.backend.weights_s
+stats["load_s"] = time.perf_counter() - t0
+r1 = resource.getrusage(resource.RUSAGE_SELF)
+stats["cpu"] = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+stats["peak"] = status("VmHWM")
+print("BENCH " + json.dumps(stats), file=sys.stderr)
+'''
+
+
+def evict(paths) -> None:
+    """Drop these files' pages from the page cache (so the next read comes from the disk)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def disk_speed(d: Path, nbytes: int = 512 << 20, block: int = 16 << 20) -> tuple[float, float]:
+    p = d / "disk-speed.bin"
+    buf = os.urandom(block)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    t0 = time.perf_counter()
+    for _ in range(nbytes // block):
+        os.write(fd, buf)
+    os.fdatasync(fd)
+    w = nbytes / (time.perf_counter() - t0)
+    os.close(fd)
+    evict([p])
+    fd = os.open(p, os.O_RDONLY)
+    t0 = time.perf_counter()
+    while os.read(fd, block):
+        pass
+    r = nbytes / (time.perf_counter() - t0)
+    os.close(fd)
+    p.unlink()
+    return w, r
+
+
+def bench_line(stderr: str) -> dict:
+    for line in stderr.splitlines()[::-1]:
+        if line.startswith("BENCH "):
+            return json.loads(line[6:])
+    sys.exit(f"no BENCH line:\n{stderr[-3000:]}")
+
+
+def checkpoint(work: Path, label: str, layers: int, experts: int, vocab: int, hash_layers: int) -> Path:
+    from v4compile.config import preset
+
+    ck = work / f"ck{label}"
+    if (ck / "config.json").exists():
+        return ck
+    c = preset("v4-flash")
+    cfg = c.replace(n_layers=layers, n_experts=experts, n_active_experts=min(6, experts), vocab_size=vocab,
+                    n_hash_layers=hash_layers, layer_kinds=c.layer_kinds[:layers])
+    cj = work / f"flash{label}.json"
+    cj.write_text(cfg.to_json())
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "v4compile", "-q", "init-random", "--config", str(cj), "--quantized",
+                    "-o", str(ck), "--force"], check=True)
+    print(f"checkpoint {label}: {layers} layers, {experts} experts, vocab {vocab}: written in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    return ck
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    ap.add_argument("--workdir", default="/tmp/bench_weights")
+    ap.add_argument("--kernels", choices=("placeholder", "real"), default="placeholder")
+    ap.add_argument("--load", choices=("stream", "host"), default="stream")
+    ap.add_argument("--keep", action="store_true", help="keep the artifacts (the checkpoints are always kept)")
+    args = ap.parse_args()
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    hash_layers = min(3, *(dims[0] for _, *dims in SIZES[args.size]))  # V4-Flash has 3
+    cks = [(label, checkpoint(work, label, *dims, hash_layers)) for label, *dims in SIZES[args.size]]
+    rows = []
+    for label, ck in cks:
+        wdisk, rdisk = disk_speed(work)
+        out = work / f"art{label}"
+        evict(sorted(ck.glob("*.safetensors")))
+        env = {**os.environ, **({"BENCH_PLACEHOLDER_KERNELS": "1"} if args.kernels == "placeholder" else {})}
+        r = subprocess.run([sys.executable, "-c", COMPILE, "compile", str(ck), "-o", str(out), "--force",
+                            "--target", "sm_90a", "--threads", "2"], capture_output=True, text=True, env=env)
+        if r.returncode:
+            sys.exit(f"compile failed:\n{r.stderr[-3000:]}")
+        c = bench_line(r.stderr)
+        wline = next(ln for ln in r.stderr.splitlines() if " GB in " in ln and "weights:" in ln)
+        wrate = float(wline.split("(")[1].split(" MB/s")[0]) * 1e6
+        m = json.loads((out / "manifest.json").read_text())
+        shards = [out / s for s in m["weights"]["shards"]]
+        nbytes = sum(p.stat().st_size for p in shards)
+        import math
+        largest = max(math.prod(t["shape"]) * (1 if t["dtype"] in ("fp8e4m3", "fp4x2", "e8m0") else
+                                              2 if t["dtype"] == "bf16" else 4 if t["dtype"] == "fp32" else 8)
+                      for t in m["weights"]["tensors"].values())
+        loads = {}
+        for verify in ("1", "0"):  # hashed against the manifest as read (the default), and not
+            evict(shards)
+            r = subprocess.run([sys.executable, "-c", LOAD, args.load, str(out), verify], capture_output=True,
+                               text=True)
+            if r.returncode:
+                sys.exit(f"load failed:\n{r.stderr[-3000:]}")
+            loads[verify] = bench_line(r.stderr)
+        ld = loads["1"]
+        rows.append({"label": label, "ckpt_gb": sum(p.stat().st_size for p in ck.glob("*.safetensors")) / 1e9,
+                     "weights_gb": nbytes / 1e9, "largest_mb": largest / 1e6,
+                     "disk_w": wdisk / 1e6, "disk_r": rdisk / 1e6, "write": wrate / 1e6,
+                     "read": nbytes / ld["weights_s"] / 1e6, "read_nohash": nbytes / loads["0"]["weights_s"] / 1e6,
+                     "c_cpu_gb": c["cpu_weights"] / (nbytes / 1e9), "l_cpu_gb": ld["cpu"] / (nbytes / 1e9),
+                     "l_cpu_gb_nohash": loads["0"]["cpu"] / (nbytes / 1e9),
+                     "c_base": c["rss_before"] / 1e6, "c_peak": c["peak_weights"] / 1e6,
+                     "c_proc": c["peak_process"] / 1e6, "l_base": ld["rss_before"] / 1e6, "l_peak": ld["peak"] / 1e6,
+                     "line": wline.split("info: ")[-1]})
+        print(json.dumps(rows[-1]), flush=True)
+        if not args.keep:
+            import shutil
+            shutil.rmtree(out)
+    print(f"\nload: {args.load}; kernels: {args.kernels}; MB = 1e6 bytes; RSS in MB")
+    print("| ckpt | ckpt GB | weights GB | largest MB | disk write | compile write (% disk) | disk read | "
+          "load read (% disk) | compile RSS base -> weights peak (+) | compile process peak | "
+          "load RSS base -> peak (+) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for w in rows:
+        print(f"| {w['label']} | {w['ckpt_gb']:.2f} | {w['weights_gb']:.2f} | {w['largest_mb']:.0f} | "
+              f"{w['disk_w']:.0f} MB/s | {w['write']:.0f} MB/s ({100 * w['write'] / w['disk_w']:.0f} %) | "
+              f"{w['disk_r']:.0f} MB/s | {w['read']:.0f} MB/s ({100 * w['read'] / w['disk_r']:.0f} %) | "
+              f"{w['c_base']:.0f} -> {w['c_peak']:.0f} (+{w['c_peak'] - w['c_base']:.0f}) | {w['c_proc']:.0f} | "
+              f"{w['l_base']:.0f} -> {w['l_peak']:.0f} (+{w['l_peak'] - w['l_base']:.0f}) |")
+    print("\n| ckpt | load read, not hashed (% disk) | CPU s per GB: compile weights / load hashed / load not hashed |")
+    print("|---|---|---|")
+    for w in rows:
+        print(f"| {w['label']} | {w['read_nohash']:.0f} MB/s ({100 * w['read_nohash'] / w['disk_r']:.0f} %) | "
+              f"{w['c_cpu_gb']:.2f} / {w['l_cpu_gb']:.2f} / {w['l_cpu_gb_nohash']:.2f} |")
+    print(f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: on a busy machine the CPU seconds, not "
+          f"the rates, are what carries over)")
+    for w in rows:
+        print(f"{w['label']}: {w['line']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,661 @@
+"""Streaming the IR weights between a checkpoint, the artifact's shards and the runtime, at disk speed
+and in memory that does not grow with the model.
+
+Writing (`plan_weights`, `write_shards`):
+
+* Every IR weight is a list of pieces, one per source tensor (a stack of experts, or a concatenation
+  along the first axis, is the pieces' bytes one after the other, row-major). A piece whose stored
+  bytes are exactly the IR's (`COPY`: FP8 / FP4 / E8M0 / BF16 / F32 / I64 stored as the IR takes it) is
+  *copied*: read with `pread` from one descriptor per checkpoint file, never decoded (the non-finite
+  check of `Checkpoint.raw` is done on the bits). Any other piece is *converted* by the checkpoint's
+  own reader (`harness._fetch`: BF16 norms to FP32, F32 scales to E8M0, dequantisation, ...).
+* Pieces are produced by a few worker threads (reads and torch conversions release the GIL) in a
+  sliding window bounded in bytes, and consumed in order: written with large buffered writes while the
+  file and the tensor are hashed in two more threads. Peak memory is the window plus the largest piece
+  being converted, whatever the checkpoint's size.
+* A checkpoint's weights are laid out in the order of their first source in the checkpoint (sequential
+  reads); other sources in name order. Both are deterministic, so the shards are byte-reproducible.
+* Each shard is flushed to disk (`fdatasync`, started in the background every `SYNC_BYTES`) before the
+  artifact is renamed into place, and a progress line (bytes, rate, ETA) is logged every few seconds.
+
+Reading (`MappedWeights`, from `Artifact.weights()`): each shard is mapped; `stream()` gives every
+tensor as a zero-copy view (the cpu device keeps them as ONNX Runtime initializers), `chunks()` reads
+each shard front to back into two reused buffers (an upload to a device or to the C runtime's host
+memory: no page faults, two chunks of memory). Both hash each shard in a second thread as they go, when
+the load deferred that check (`load_artifact(defer_weights=True)`), so every byte is read once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import queue
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import CheckpointError, IRError
+from .ir.core import Module
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 8 << 20  # a copied piece is read and written in chunks of at most this size
+WINDOW_BYTES = 32 << 20  # bytes produced ahead of the writer (plus one piece larger than that)
+POOLED = 64 << 10  # copied chunks from this size up are read into a fixed set of reused buffers
+WRITE_BUFFER = 8 << 20  # small tensors are gathered into writes of this size
+SYNC_BYTES = 256 << 20  # start flushing a shard to disk after this many more bytes
+PROGRESS_S = 5.0  # seconds between progress lines
+
+# (IR dtype, stored safetensors dtype) pairs whose bytes are the same: such pieces are copied.
+COPY = {("fp8e4m3", "F8_E4M3"), ("fp4x2", "I8"), ("fp4x2", "U8"), ("e8m0", "F8_E8M0"), ("e8m0", "U8"),
+        ("bf16", "BF16"), ("fp32", "F32"), ("i64", "I64")}
+ST_DTYPE = {"fp32": "F32", "bf16": "BF16", "i64": "I64", "i32": "I32", "fp8e4m3": "F8_E4M3", "e8m0": "F8_E8M0",
+            "fp4x2": "I8"}
+
+
+def default_workers() -> int:
+    """Conversion / read threads: the cores this process may use, at most 8, at least 2 (one reads while
+    another converts)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(2, min(8, cores))
+
+
+# ---- the plan ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Piece:
+    """The bytes of one source tensor inside an IR weight: a file range to copy, or a conversion."""
+
+    nbytes: int
+    name: str  # the source tensor (canonical name)
+    file: Path | None = None  # copy: the checkpoint file and absolute byte offset
+    offset: int = 0
+    bits: str | None = None  # copy: the non-finite check on the stored bits (fp8 / bf16 / fp32 / e8m0)
+    convert: Callable[[], Any] | None = None  # convert: returns the piece as a torch tensor
+
+    @property
+    def copied(self) -> bool:
+        return self.file is not None
+
+
+@dataclass
+class TensorPlan:
+    name: str
+    dtype: str  # IR dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    pieces: list[Piece]
+    position: tuple = ()  # where its first source lies in the checkpoint (file index, offset)
+
+    @property
+    def path(self) -> str:
+        kinds = {p.copied for p in self.pieces}
+        return "copy" if kinds == {True} else "convert" if kinds == {False} else "mixed"
+
+
+def _nonfinite_bits(stored: str, scale: bool) -> str | None:
+    """Which bit test `Checkpoint.raw`'s non-finite check amounts to for a stored dtype."""
+    if stored == "F8_E8M0" or (scale and stored == "U8"):
+        return "e8m0"
+    return {"F8_E4M3": "fp8", "BF16": "bf16", "F32": "fp32"}.get(stored)
+
+
+def _bits_bad(buf: bytearray, n: int, bits: str) -> bool:
+    """True if the first `n` stored bytes hold a NaN / Inf (E8M0: the NaN byte 0xFF). All exponent bits
+    set is the largest value the magnitude bits can take, so one max over them decides (~4 GB/s)."""
+    if bits == "fp8":  # e4m3fn: NaN is S.1111.111, there is no Inf
+        a = np.frombuffer(buf, dtype=np.uint8, count=n)
+        return n > 0 and int(np.max(a & 0x7F)) == 0x7F
+    if bits == "e8m0":
+        return n > 0 and int(np.max(np.frombuffer(buf, dtype=np.uint8, count=n))) == 0xFF
+    if bits == "bf16":
+        a = np.frombuffer(buf, dtype=np.uint16, count=n // 2)
+        return a.size > 0 and int(np.max(a & 0x7FFF)) >= 0x7F80
+    if bits == "fp32":
+        a = np.frombuffer(buf, dtype=np.uint32, count=n // 4)
+        return a.size > 0 and int(np.max(a & 0x7FFFFFFF)) >= 0x7F800000
+    return False
+
+
+def plan_weights(module: Module, source) -> list[TensorPlan]:
+    """Every IR weight as pieces to copy or convert, in the order they will be written."""
+    from .checkpoint import Checkpoint
+    from .trace import expand_sources
+
+    ck = source if isinstance(source, Checkpoint) else None
+    file_index = {f: i for i, f in enumerate(sorted({e.file for e in ck.entries.values()}))} if ck else {}
+    plans = []
+    for w in module.weights.values():
+        t = w.type
+        names = expand_sources(w.sources)
+        stacked = len(w.sources) == 1 and "{0.." in w.sources[0]
+        row = t.nbytes // t.shape[0] if t.shape and t.shape[0] else 0  # bytes per index of the first axis
+        pieces, position = [], ()
+        for n in names:
+            e = ck.entries.get(n) if ck is not None else None
+            if stacked:
+                want = t.shape[1:]
+            elif len(names) == 1:
+                want = t.shape
+            else:  # one part of a concatenation along the first axis
+                want = (_rows_of(source, n), *t.shape[1:])
+            if e is not None:
+                f, off, nbytes = ck.stored_range(n)
+                position = position or (file_index[f], off)
+                if (t.dtype, e.dtype) in COPY and e.shape == tuple(want):
+                    bits = None if ck.allow_nonfinite else _nonfinite_bits(e.dtype, n.endswith(".scale"))
+                    pieces.append(Piece(nbytes, n, f, off, bits))
+                    continue
+            # Converted by the source's own reader; the result's shape is checked when it is produced.
+            nbytes = row if stacked else t.nbytes if len(names) == 1 else want[0] * row
+            pieces.append(Piece(nbytes, n, convert=_converter(source, n, t.dtype, tuple(want), w.name)))
+        if sum(p.nbytes for p in pieces) != t.nbytes:
+            raise IRError(f"weight @{w.name}: source tensors do not give its IR type", expected=str(t),
+                          found=f"{sum(p.nbytes for p in pieces)} bytes from {len(pieces)} source tensors")
+        plans.append(TensorPlan(w.name, t.dtype, tuple(t.shape), t.nbytes, pieces, position))
+    plans.sort(key=lambda p: (0, p.position, p.name) if p.position else (1, (), p.name))
+    return plans
+
+
+def _converter(source, name: str, dtype: str, shape: tuple[int, ...], weight: str):
+    def run():
+        from .harness import _fetch
+
+        v = _fetch(source, name, dtype).contiguous()
+        if tuple(v.shape) != shape:
+            raise IRError(f"weight @{weight}: source tensors do not give its IR type",
+                          expected=f"{dtype} {list(shape)} from '{name}'", found=f"{v.dtype} {list(v.shape)}")
+        return v
+    return run
+
+
+def _rows_of(source, name: str) -> int:
+    """Rows of a source tensor, from its header (a checkpoint) or its value (an in-memory source)."""
+    e = getattr(source, "entries", {}).get(name)
+    if e is not None:
+        return e.shape[0]
+    tensors = getattr(source, "tensors", None)
+    try:
+        return int(tensors[name].shape[0])
+    except (TypeError, KeyError, IndexError):
+        return 0  # no such tensor: its conversion names the problem
+
+
+# ---- writing -------------------------------------------------------------------------------------
+
+def shard_groups(plans: list[TensorPlan], shard_bytes: int) -> list[list[TensorPlan]]:
+    groups: list[list[TensorPlan]] = [[]]
+    size = 0
+    for p in plans:
+        if groups[-1] and size + p.nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += p.nbytes
+    return groups
+
+
+def shard_header(group: list[TensorPlan]) -> bytes:
+    """The safetensors header (length prefix included) of one shard, its tensors in `group` order."""
+    header: dict[str, Any] = {"__metadata__": {"format": "v4compile-ir-weights"}}
+    off = 0
+    for p in group:
+        header[p.name] = {"dtype": ST_DTYPE[p.dtype], "shape": list(p.shape), "data_offsets": [off, off + p.nbytes]}
+        off += p.nbytes
+    raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class _Progress:
+    def __init__(self, total: int, what: str):
+        self.total, self.what, self.done = total, what, 0
+        self.t0 = self.last = time.perf_counter()
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if now - self.last >= PROGRESS_S and self.done < self.total:
+            self.last = now
+            rate = self.done / max(now - self.t0, 1e-9)
+            log.info("%s: %.2f of %.2f GB (%d%%), %.0f MB/s, ETA %.0f s", self.what, self.done / 1e9, self.total / 1e9,
+                     100 * self.done // max(self.total, 1), rate / 1e6, (self.total - self.done) / max(rate, 1))
+
+
+class _Reader:
+    """One read-only descriptor per checkpoint file, opened once, read with `pread` into a fixed set of
+    reused chunk buffers (freed memory is not handed back to the allocator chunk after chunk)."""
+
+    def __init__(self, nbufs: int):
+        self.fds: dict[Path, int] = {}
+        self.lock = threading.Lock()
+        self.nbufs, self.made = nbufs, 0
+        self.free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+
+    def fd(self, path: Path) -> int:
+        with self.lock:
+            if path not in self.fds:
+                from .files import open_regular
+
+                fd = open_regular(path, CheckpointError, "safetensors file")
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                self.fds[path] = fd
+            return self.fds[path]
+
+    def _take(self) -> bytearray:
+        with self.lock:
+            if self.free.empty() and self.made < self.nbufs:
+                self.made += 1
+                return bytearray(CHUNK_BYTES)
+        return self.free.get()  # the writer's window never has more pooled chunks out than buffers
+
+    def give(self, buf: bytearray | None) -> None:
+        if buf is not None:
+            self.free.put(buf)
+
+    def read(self, path: Path, offset: int, n: int) -> tuple[bytearray, bytearray | None]:
+        """(buffer holding the bytes in its first `n`, the pooled buffer to give back or None)."""
+        pooled = self._take() if n >= POOLED else None
+        buf = pooled if pooled is not None else bytearray(n)
+        view, got = memoryview(buf), 0
+        fd = self.fd(path)
+        try:
+            while got < n:
+                k = os.preadv(fd, [view[got:n]], offset + got)
+                if k <= 0:
+                    raise CheckpointError("file changed since it was opened (tensor bytes run past its end)",
+                                          where=str(path), expected=f"{offset + n} bytes at least",
+                                          found=f"{offset + got}")
+                got += k
+        except BaseException:
+            self.give(pooled)
+            raise
+        return buf, pooled
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _jobs(plans: list[TensorPlan]) -> Iterator[tuple[TensorPlan, Piece, int, int]]:
+    """(tensor, piece, offset within the piece, bytes) in write order; copied pieces in chunks."""
+    for t in plans:
+        for p in t.pieces:
+            if p.copied:
+                for off in range(0, p.nbytes, CHUNK_BYTES):
+                    yield t, p, off, min(CHUNK_BYTES, p.nbytes - off)
+                if p.nbytes == 0:
+                    yield t, p, 0, 0
+            else:
+                yield t, p, 0, p.nbytes
+
+
+def _produce(reader: _Reader, source, t: TensorPlan, p: Piece, off: int, n: int):
+    """The bytes of one job: (a buffer-protocol object of exactly `n` bytes, pooled buffer or None)."""
+    if p.copied:
+        buf, pooled = reader.read(p.file, p.offset + off, n)
+        if p.bits is not None and _bits_bad(buf, n, p.bits):
+            reader.give(pooled)
+            source.raw(p.name)  # raises the checkpoint's own error, naming the file, tensor and first index
+            raise CheckpointError("tensor holds non-finite values", where=f"{p.file}: '{p.name}'")
+        return memoryview(buf)[:n], pooled
+    import torch
+
+    v = p.convert()
+    if v.numel() * v.element_size() != n:
+        raise IRError(f"weight @{t.name}: source tensors do not give its IR type",
+                      expected=f"{n} bytes from '{p.name}'", found=f"{v.dtype} {list(v.shape)}")
+    return (v.reshape(-1).view(torch.uint8).numpy() if n else b""), None
+
+
+@dataclass
+class WrittenShards:
+    files: list[str]  # relative to the artifact
+    file_sha256: dict[str, str]  # relative path -> sha256 of the whole file
+    tensors: dict[str, dict[str, Any]]  # name -> {shard, dtype, shape, sha256}
+    copied: list[str] = field(default_factory=list)
+    converted: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    nbytes: int = 0
+
+
+def write_shards(plans: list[TensorPlan], source, wdir: Path, shard_bytes: int, rel: str = "weights",
+                 workers: int | None = None) -> WrittenShards:
+    """Write the planned tensors into safetensors shards in `wdir`, hashing each file and each tensor as
+    it is written (nothing is read back)."""
+    workers = workers or default_workers()
+    groups = shard_groups(plans, shard_bytes)
+    total = sum(p.nbytes for p in plans)
+    out = WrittenShards([], {}, {})
+    prog = _Progress(total, "weights")
+    reader = _Reader(WINDOW_BYTES // CHUNK_BYTES + 2)
+    t0 = time.perf_counter()
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="weights")
+    hash_file = ThreadPoolExecutor(1, thread_name_prefix="sha-file")
+    hash_tensor = ThreadPoolExecutor(1, thread_name_prefix="sha-tensor")
+    syncer = ThreadPoolExecutor(1, thread_name_prefix="fdatasync")
+    try:
+        for i, group in enumerate(groups):
+            fname = f"weights-{i:05d}-of-{len(groups):05d}.safetensors"
+            digest = _write_one(group, source, wdir / fname, reader, pool, hash_file, hash_tensor, syncer, prog, out,
+                                f"{rel}/{fname}")
+            out.files.append(f"{rel}/{fname}")
+            out.file_sha256[f"{rel}/{fname}"] = digest
+            log.debug("weights: shard %d of %d written (%d tensors)", i + 1, len(groups), len(group))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for ex in (hash_file, hash_tensor, syncer):
+            ex.shutdown(wait=True)
+        reader.close()
+    for p in plans:
+        (out.copied if p.path == "copy" else out.converted).append(p.name)
+    out.seconds, out.nbytes = time.perf_counter() - t0, total
+    cb = sum(p.nbytes for p in plans if p.path == "copy")
+    log.info("weights: %.2f GB in %.1f s (%.0f MB/s; %d tensors copied as stored, %.2f GB; %d converted, %.2f GB)",
+             total / 1e9, out.seconds, total / max(out.seconds, 1e-9) / 1e6, len(out.copied), cb / 1e9,
+             len(out.converted), (total - cb) / 1e9)
+    return out
+
+
+def _write_one(group, source, path: Path, reader, pool, hash_file, hash_tensor, syncer, prog, out, relname) -> str:
+    head = shard_header(group)
+    fh = hashlib.sha256()
+    fh.update(head)
+    jobs = _jobs(group)
+    window: deque[tuple[TensorPlan, Piece, int, int, Future]] = deque()
+    ahead = pooled = 0  # bytes submitted and not yet written; of those jobs, the ones reading into the pool
+    pending = None
+
+    def fill():
+        nonlocal ahead, pooled, pending
+        while True:
+            if window and ahead >= WINDOW_BYTES:
+                return
+            j = pending or next(jobs, None)
+            if j is None:
+                return
+            big = j[1].copied and j[3] >= POOLED
+            if big and pooled >= reader.nbufs - 1:  # one buffer stays for the chunk being written
+                pending = j
+                return
+            pending = None
+            window.append((*j, pool.submit(_produce, reader, source, *j)))
+            ahead += j[3]
+            pooled += big
+
+    with open(path, "wb", buffering=WRITE_BUFFER) as f:
+        fd = f.fileno()
+        f.write(head)
+        unsynced, sync = 0, None
+        th, current = None, None
+        fill()
+        while window:
+            t, p, off, n, fut = window.popleft()
+            buf, held = fut.result()
+            ahead -= n
+            pooled -= p.copied and n >= POOLED
+            fill()  # keep the workers busy while this chunk is written
+            if t is not current:
+                if current is not None:
+                    hash_tensor.submit(_finish, out, current, relname, th)
+                current, th = t, hashlib.sha256()
+            if n:
+                a = hash_file.submit(fh.update, buf)
+                b = hash_tensor.submit(th.update, buf)
+                f.write(buf)
+                a.result()
+                b.result()
+                del buf
+                reader.give(held)
+                unsynced += n
+                prog.add(n)
+            if unsynced >= SYNC_BYTES and (sync is None or sync.done()):
+                f.flush()
+                sync, unsynced = syncer.submit(os.fdatasync, fd), 0
+        if current is not None:
+            hash_tensor.submit(_finish, out, current, relname, th).result()
+        for t in group:  # a tensor with no bytes is hashed too
+            if t.name not in out.tensors:
+                _finish(out, t, relname, hashlib.sha256())
+        f.flush()
+        if sync is not None:
+            sync.result()
+        os.fdatasync(fd)
+    return fh.hexdigest()
+
+
+def _finish(out: WrittenShards, t: TensorPlan, relname: str, th) -> None:
+    out.tensors[t.name] = {"shard": relname, "dtype": t.dtype, "shape": list(t.shape), "sha256": th.hexdigest()}
+
+
+# ---- reading -------------------------------------------------------------------------------------
+
+class MappedWeights(Mapping):
+    """An artifact's weights, mapped: name -> a torch view of its shard's mapping (no copy). `stream()`
+    visits them shard by shard in file order, hashing each shard's bytes as it goes when `expected`
+    gives the shards' sha256 (so a verified load reads every byte once); `release(name)` drops a
+    tensor's pages from the process once it has been copied elsewhere (they stay in the page cache)."""
+
+    def __init__(self, root: Path, tensors: dict[str, dict[str, Any]], error: type,
+                 expected: dict[str, str] | None = None):
+        self.root, self.error, self.expected = Path(root), error, expected
+        self.shard_of: dict[str, str] = {n: t["shard"] for n, t in tensors.items()}
+        self.shards: dict[str, MappedShard] = {}
+        for rel in sorted(set(self.shard_of.values())):
+            sh = map_shard(self.root / rel, error)
+            self.shards[rel] = sh
+            for n, t in tensors.items():
+                if t["shard"] != rel:
+                    continue
+                i = sh.tensors.get(n)
+                if i is None or ST_DTYPE.get(t["dtype"]) != i.dtype or list(t["shape"]) != list(i.shape):
+                    raise error("weights shard does not hold the tensor the manifest names", where=f"{rel}: '{n}'",
+                                expected=f"{t['dtype']} {t['shape']}",
+                                found="absent" if i is None else f"{i.dtype} {list(i.shape)}")
+        self.nbytes = sum(sh.mm.size() for sh in self.shards.values())
+        self._hashed: dict[str, Future] = {}  # tensor -> its bytes' hash update, while streaming
+
+    def __getitem__(self, name: str):
+        return self.shards[self.shard_of[name]].tensor(name)
+
+    def __iter__(self):
+        return iter(self.shard_of)
+
+    def __len__(self) -> int:
+        return len(self.shard_of)
+
+    def stream(self) -> Iterator[tuple[str, Any]]:
+        """(name, tensor) in file order; with `expected`, each shard is hashed in a second thread while its
+        tensors are used here, and a shard whose bytes do not match raises `error` naming the file once
+        its last tensor has been visited (before the load returns)."""
+        t0, done = time.perf_counter(), 0
+        prog = _Progress(self.nbytes, "weights read")
+        hasher = ThreadPoolExecutor(1, thread_name_prefix="sha-load") if self.expected is not None else None
+        try:
+            for rel, sh in self.shards.items():
+                h = hashlib.sha256()
+                pos = 0
+                mv = memoryview(sh.mm)
+                names = sorted((i.begin, n) for n, i in sh.tensors.items() if self.shard_of.get(n) == rel)
+                for _, n in names:
+                    end = sh.data_start + sh.tensors[n].end
+                    if hasher is not None and end > pos:
+                        self._hashed[n] = hasher.submit(h.update, mv[pos:end])
+                    prog.add(max(end - pos, 0))
+                    pos = max(pos, end)
+                    yield n, sh.tensor(n)
+                if hasher is not None:
+                    hasher.submit(h.update, mv[pos:]).result()
+                    self._hashed.clear()
+                prog.add(len(mv) - pos)
+                done += len(mv)
+                del mv
+                if hasher is not None and h.hexdigest() != self.expected.get(rel):
+                    raise self.error("file does not match its hash in the manifest (changed or damaged)",
+                                     where=str(self.root / rel), expected=str(self.expected.get(rel))[:16] + "...")
+        finally:
+            if hasher is not None:
+                hasher.shutdown(wait=True)
+        dt = time.perf_counter() - t0
+        log.info("weights: %.2f GB read in %.2f s (%.0f MB/s)%s", done / 1e9, dt, done / max(dt, 1e-9) / 1e6,
+                 ", hashed" if self.expected is not None else "")
+
+    def chunks(self, size: int = CHUNK_BYTES) -> Iterator[tuple[str, int, bytearray, int, int]]:
+        """(tensor, offset in the tensor, buffer, start in the buffer, byte count) for every weight, shard by
+        shard, each shard read front to back with `pread` into two reused buffers: no mapping, no page
+        faults (a fifth of the CPU of touching the mapping), memory of two chunks. The host side of an
+        upload: use each piece before asking for the next. Hashed as in `stream`, in a second thread."""
+        from .files import open_regular
+
+        t0, done = time.perf_counter(), 0
+        prog = _Progress(self.nbytes, "weights read")
+        bufs = [bytearray(size), bytearray(size)]
+        hashing: list[Future | None] = [None, None]
+        hasher = ThreadPoolExecutor(1, thread_name_prefix="sha-load") if self.expected is not None else None
+        try:
+            for rel, sh in self.shards.items():
+                h = hashlib.sha256()
+                spans = sorted((sh.data_start + i.begin, sh.data_start + i.end, n) for n, i in sh.tensors.items()
+                               if self.shard_of.get(n) == rel and i.end > i.begin)
+                fd = open_regular(self.root / rel, self.error, "weights shard")
+                try:
+                    if hasattr(os, "posix_fadvise"):
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    total, pos, k, j = sh.mm.size(), 0, 0, 0
+                    while pos < total:
+                        b = k % 2
+                        if hashing[b] is not None:
+                            hashing[b].result()  # this buffer's bytes are hashed before it is refilled
+                        buf, n = bufs[b], min(size, total - pos)
+                        view, got = memoryview(buf), 0
+                        while got < n:
+                            r = os.preadv(fd, [view[got:n]], pos + got)
+                            if r <= 0:
+                                raise self.error("weights shard changed while it was read (shorter now)",
+                                                 where=str(self.root / rel))
+                            got += r
+                        if hasher is not None:
+                            hashing[b] = hasher.submit(h.update, view[:n])
+                        while j < len(spans) and spans[j][1] <= pos:
+                            j += 1
+                        i = j
+                        while i < len(spans) and spans[i][0] < pos + n:
+                            lo, hi, name = spans[i]
+                            a, e = max(lo, pos), min(hi, pos + n)
+                            yield name, a - lo, buf, a - pos, e - a
+                            i += 1
+                        prog.add(n)
+                        pos, k = pos + n, k + 1
+                finally:
+                    os.close(fd)
+                for b in (0, 1):
+                    if hashing[b] is not None:
+                        hashing[b].result()
+                        hashing[b] = None
+                done += sh.mm.size()
+                if hasher is not None and h.hexdigest() != self.expected.get(rel):
+                    raise self.error("file does not match its hash in the manifest (changed or damaged)",
+                                     where=str(self.root / rel), expected=str(self.expected.get(rel))[:16] + "...")
+        finally:
+            if hasher is not None:
+                hasher.shutdown(wait=True)
+        dt = time.perf_counter() - t0
+        log.info("weights: %.2f GB read in %.2f s (%.0f MB/s)%s", done / 1e9, dt, done / max(dt, 1e-9) / 1e6,
+                 ", hashed" if self.expected is not None else "")
+
+    def release(self, name: str) -> None:
+        f = self._hashed.pop(name, None)
+        if f is not None:
+            f.result()  # its pages are hashed before they are dropped
+        self.shards[self.shard_of[name]].release(name)
+
+    def close(self) -> None:
+        for sh in self.shards.values():
+            sh.close()
+
+
+@dataclass
+class MappedShard:
+    """One weights shard mapped read-only; tensors are views of the mapping (no copy)."""
+
+    path: Path
+    mm: mmap.mmap
+    data_start: int
+    tensors: dict[str, Any]  # name -> TensorInfo
+
+    def bytes_of(self, name: str) -> memoryview:
+        i = self.tensors[name]
+        return memoryview(self.mm)[self.data_start + i.begin: self.data_start + i.end]
+
+    def tensor(self, name: str):
+        """The tensor as a torch view of the mapping (read-only memory: do not write to it)."""
+        import warnings
+
+        import torch
+
+        from .safetensors_io import DTYPES
+
+        i = self.tensors[name]
+        if i.end == i.begin:
+            return torch.empty(i.shape, dtype=DTYPES[i.dtype])
+        with warnings.catch_warnings():  # torch warns that the buffer is not writable; it is never written
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(self.bytes_of(name), dtype=torch.uint8)
+        return flat.view(DTYPES[i.dtype]).reshape(i.shape)
+
+    def release(self, name: str) -> None:
+        """Drop this tensor's pages from the process (they stay in the page cache): RSS stays bounded
+        while a large artifact is streamed somewhere else."""
+        i = self.tensors[name]
+        lo = (self.data_start + i.begin) // mmap.PAGESIZE * mmap.PAGESIZE
+        hi = self.data_start + i.end
+        if hi > lo and hasattr(self.mm, "madvise"):
+            self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:  # a view is still alive: the mapping goes when the last view does
+            pass
+
+
+def map_shard(path: Path, error: type) -> MappedShard:
+    from .files import open_regular
+    from .safetensors_io import MAX_HEADER_BYTES, parse_header
+
+    fd = open_regular(path, error, "weights shard")
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise error("weights shard is truncated", where=str(path))
+        (hlen,) = struct.unpack("<Q", head)
+        if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
+            raise error("weights shard has a damaged header", where=str(path))
+        raw = os.pread(fd, hlen, 8)
+        try:
+            infos, _ = parse_header(raw, size - 8 - hlen, str(path))
+        except CheckpointError as e:
+            raise error(str(e), where=str(path)) from None
+        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else mmap.mmap(-1, 1)
+    finally:
+        os.close(fd)
+    if hasattr(mm, "madvise"):
+        mm.madvise(mmap.MADV_SEQUENTIAL)
+    return MappedShard(path, mm, 8 + hlen, infos)
