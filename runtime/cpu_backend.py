@@ -20,9 +20,9 @@ import numpy as np
 import onnx
 
 from v4compile.artifact import Artifact
-from v4compile.errors import InputError
-from v4compile.safetensors_io import SafetensorsFile
+from v4compile.errors import ArtifactError, InputError
 
+from .artifact_checks import onnx_model, read_weights
 from .backend import FunctionInfo
 
 log = logging.getLogger(__name__)
@@ -47,17 +47,12 @@ class OrtBackend:
         self.target = art.target("cpu")
         self._funcs = {n: FunctionInfo(n, f["kind"], f["batch"], f["tokens"]) for n, f in self.target["functions"].items()}
         t0 = time.perf_counter()
-        self.weights: dict[str, np.ndarray] = {}
-        shards: dict[str, list[str]] = {}
-        for name, w in art.manifest["weights"]["tensors"].items():
-            shards.setdefault(w["shard"], []).append(name)
-        for shard, names in sorted(shards.items()):
-            with SafetensorsFile(art.file(shard)) as f:
-                for n in names:
-                    t = f.read(n)
-                    if t.dtype.is_floating_point and str(t.dtype) != "torch.float32":
-                        raise InputError("the cpu device needs fp32 weights", where=n, found=str(t.dtype))
-                    self.weights[n] = np.ascontiguousarray(t.numpy())
+        def host(n, t):
+            if t.dtype.is_floating_point and str(t.dtype) != "torch.float32":
+                raise InputError("the cpu device needs fp32 weights", where=n, found=str(t.dtype))
+            return np.ascontiguousarray(t.numpy())
+
+        self.weights: dict[str, np.ndarray] = read_weights(art, host)
         self._w_values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self.weights.items()}
         log.debug("cpu backend: %d weights loaded in %.2f s", len(self.weights), time.perf_counter() - t0)
         self.state: dict[str, np.ndarray] = {}
@@ -74,7 +69,7 @@ class OrtBackend:
             return self._sessions[fname]
         ort = self.ort
         spec = self.target["functions"][fname]
-        model = onnx.load(str(self.art.file(spec["file"])))
+        model = onnx_model(self.art, fname, spec)
         g = model.graph
         used = {x for n in g.node for x in n.input}
         wnames = set(spec["weights"]) & used
@@ -107,7 +102,10 @@ class OrtBackend:
         names = sorted(wnames)
         so.add_external_initializers(names, [self._w_values[n] for n in names])
         t0 = time.perf_counter()
-        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        try:
+            sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        except Exception as e:  # noqa: BLE001  (ONNX Runtime's own refusal of a graph that passed our checks)
+            raise ArtifactError(f"ONNX Runtime refuses the graph: {str(e)[:300]}", where=spec["file"]) from None
         log.debug("cpu backend: session %s ready in %.2f s", fname, time.perf_counter() - t0)
         del model
         ins = {i.name: i for i in sess.get_inputs()}

@@ -18,8 +18,9 @@ import time
 import numpy as np
 
 from v4compile.artifact import Artifact
-from v4compile.errors import DeviceError
+from v4compile.errors import ArtifactError, DeviceError
 
+from .artifact_checks import check_sidecar, program_weight_types, read_weights
 from .backend import FunctionInfo
 from .c_backend import CRuntime
 from .kernels import GPU_TARGET, kernel_calls_for
@@ -46,17 +47,24 @@ def artifact_program(art: Artifact):
     ops.load_all()  # the program names ops of every set (its verifier and the kernel families look them up)
     entry = gpu_entry(art)
     if entry is not None:
-        return verify_program(parse_program(art.file(entry["program"]).read_text()))
-    module = parse_module(art.file("module.ir").read_text())
+        return verify_program(parse_program(_text(art, entry["program"], "GPU program")))
+    module = parse_module(_text(art, "module.ir", "IR module"))
     module = PassManager(PROGRAM_PASSES).run(module).module
     return verify_program(build_program(module))
+
+
+def _text(art: Artifact, rel: str, what: str) -> str:
+    try:
+        return art.read_bytes(rel, what).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ArtifactError(f"{what} is not UTF-8 text", where=rel, found=f"offset {e.start}") from None
 
 
 def artifact_binaries(art: Artifact, device: str):
     """[KernelCall] -> {name: (binary, sidecar)} from the artifact's kernels for the device's target; a
     kernel the artifact lacks, or whose sidecar disagrees with the call, is one clear error (the files'
     bytes were checked against the manifest by `load_artifact`)."""
-    import json
+    from v4compile.safetensors_io import loads_strict
 
     target = GPU_TARGET[device]
     art.target(target)  # "the artifact has no 'sm_90a' target" when it was compiled without it
@@ -69,8 +77,9 @@ def artifact_binaries(art: Artifact, device: str):
             if k is None:
                 raise DeviceError(f"the artifact has no {target} kernel '{kc.name}' (compiled by another version?)",
                                   where=str(art.path))
-            binary = art.file(k["path"]).read_bytes()
-            side = json.loads(art.file(k["sidecar"]).read_text())
+            binary = art.read_bytes(k["path"], "kernel binary")
+            side = check_sidecar(loads_strict(art.read_bytes(k["sidecar"], "kernel sidecar"), k["sidecar"],
+                                              "kernel sidecar", ArtifactError), k, target)
             if list(side["grid"]) != list(kc.grid) or side["binary_sha256"] != k["sha256"]:
                 raise DeviceError(f"kernel sidecar disagrees with the program's call {kc.name}", where=k["sidecar"])
             out[kc.name] = (binary, side)
@@ -78,18 +87,12 @@ def artifact_binaries(art: Artifact, device: str):
     return get
 
 
-def artifact_weights(art: Artifact) -> dict:
-    from v4compile.safetensors_io import SafetensorsFile
-
-    shards: dict[str, list[str]] = {}
-    for name, w in art.manifest["weights"]["tensors"].items():
-        shards.setdefault(w["shard"], []).append(name)
-    out = {}
-    for shard, names in sorted(shards.items()):
-        with SafetensorsFile(art.file(shard)) as f:
-            for n in names:
-                out[n] = f.read(n)
-    return out
+def artifact_weights(art: Artifact, program=None) -> dict:
+    """The manifest's weights (each shard's header checked against it; with `program`, the program's weight
+    buffers too)."""
+    if program is not None:
+        program_weight_types(art, program)
+    return read_weights(art)
 
 
 class ProgramBackend:
@@ -121,7 +124,7 @@ class ProgramBackend:
                 raise DeviceError(f"device '{device}' needs compiled kernels for every launch; none yet for the "
                                   f"families {', '.join(missing)} (kernel codegen pending): use --device host or cpu")
         binaries = artifact_binaries(art, device) if device != "host" else None
-        self.rt = CRuntime(self.program, artifact_weights(art), device, driver_lib=driver_lib, kernel_calls=calls,
+        self.rt = CRuntime(self.program, artifact_weights(art, self.program), device, driver_lib=driver_lib, kernel_calls=calls,
                            binaries=binaries)
         self._funcs = {n: FunctionInfo(n, n.split("_")[0], int(f.attrs["batch"]), int(f.attrs["tokens"]))
                        for n, f in self.program.functions.items()}

@@ -69,6 +69,20 @@ def float_arg(lo: float, hi: float):
     return parse
 
 
+def temperature_arg(text: str) -> float:
+    """--temperature: a finite number >= 0 (0: greedy)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, found {text[:40]!r}") from None
+    if not (math.isfinite(v) and 0 <= v <= 1e6):
+        raise argparse.ArgumentTypeError(f"expected a finite number in [0, 1e6], found {text[:40]}")
+    return v
+
+
+temperature_arg.__name__ = "number"
+
+
 def _parse_ids(text: str) -> list[int]:
     parts = [x for x in text.replace(" ", "").split(",") if x != ""]
     if len(parts) > MAX_IDS:
@@ -228,21 +242,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int_arg(0, INT64_MAX), default=0, help="seed of the random weights of a preset")
     g.add_argument("--allow-nonfinite", action="store_true", help="load NaN / Inf weights instead of refusing them")
     g.add_argument("--json", action="store_true")
-    from .compile_cli import add_threads_flag
+    from .compile_cli import add_threads_flag, threads_arg
     add_threads_flag(g)
     g.set_defaults(func=cmd_generate)
 
     rn = sub.add_parser("run", help="generate with a compiled artifact (v4compile compile -o DIR)")
     rn.add_argument("artifact", metavar="ARTIFACT", help="artifact directory")
     rn.add_argument("--ids", required=True, help="prompt token ids, comma-separated")
-    rn.add_argument("--max-new-tokens", type=int, default=16)
+    rn.add_argument("--max-new-tokens", type=int_arg(1, 1 << 24), default=16)
     rn.add_argument("--device", choices=("auto", "cpu", "host", "hip", "cuda"), default="auto",
                     help="auto (default), cpu (ONNX Runtime), host (the C runtime on host memory, reference kernels), "
                          "hip / cuda (the C runtime on a GPU)")
-    rn.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    rn.add_argument("--top-p", type=float, default=1.0)
-    rn.add_argument("--seed", type=int, default=None, help="sampling seed")
-    rn.add_argument("--threads", type=int, default=None, help="CPU threads (default: cores, at most 8)")
+    rn.add_argument("--temperature", type=temperature_arg, default=0.0, help="0 (default): greedy")
+    rn.add_argument("--top-p", type=float_arg(0.0, 1.0), default=1.0)
+    rn.add_argument("--seed", type=int_arg(0, 2 ** 64 - 1), default=None, help="sampling seed, in [0, 2^64)")
+    rn.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: cores, at most 8)")
     rn.add_argument("--json", action="store_true", help='print {"ids": [...], "tokens_per_s": ...}')
     rn.set_defaults(func=cmd_run)
 
