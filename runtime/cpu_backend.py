@@ -27,6 +27,10 @@ from .backend import FunctionInfo
 
 log = logging.getLogger(__name__)
 
+# ONNX Runtime's telemetry writes a device id and a database under HOME and a `.ses` file under TMPDIR as
+# soon as it is imported; a run writes nothing outside its outputs and the documented cache. Read at import.
+os.environ["ORT_DISABLE_TELEMETRY"] = "1"
+
 _NP = {"fp32": np.float32, "i64": np.int64, "i32": np.int32}
 
 

@@ -178,8 +178,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .config import preset
 
     if args.checkpoint:
+        from .errors import CheckpointError
+
         with Checkpoint.open(args.checkpoint) as ckpt:
             cfg = ckpt.cfg
+            missing = ckpt.missing()
+            if missing:  # the accounting would count tensors that are not there
+                raise CheckpointError(f"{len(missing)} tensor(s) missing", where=str(args.checkpoint),
+                                      expected="every tensor of the config", found=", ".join(missing[:3]) +
+                                      (", ..." if len(missing) > 3 else ""))
             a = account(cfg, ckpt.header_specs())
     else:
         cfg = preset(args.preset or DEFAULT_PRESET)
@@ -307,6 +314,17 @@ class _Formatter(logging.Formatter):
 def main(argv: Sequence[str] | None = None) -> int:
     for s in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, _on_signal)
+    try:  # from the first moment: a signal during the (slow) imports below is no traceback either
+        return _main(argv)
+    except Terminated as e:
+        print(f"interrupted by signal {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from . import ops
 
     ops.load_all()  # every command may read or build IR of any op set
@@ -331,13 +349,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
-    except Terminated as e:
-        print(f"interrupted by signal {signal.Signals(e.signum).name}", file=sys.stderr)
-        return 128 + e.signum
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-
 
 if __name__ == "__main__":
     sys.exit(main())
