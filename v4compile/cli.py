@@ -314,6 +314,8 @@ class _Formatter(logging.Formatter):
 def main(argv: Sequence[str] | None = None) -> int:
     for s in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, _on_signal)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: KeyboardInterrupt, cleaned up below
     try:  # from the first moment: a signal during the (slow) imports below is no traceback either
         return _main(argv)
     except Terminated as e:
