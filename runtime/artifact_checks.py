@@ -229,3 +229,29 @@ def ints_of(d: dict, key: str, bad, lo: int, hi: int, prefix: str = "") -> tuple
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise bad(f"`{prefix}{key}` must be an integer in [{lo}, {hi}]", found=repr(v)[:60])
     return (v,)
+
+
+# ---- the GPU program ----------------------------------------------------------------------------
+
+def program_interface(art: Artifact, program, gpu: bool) -> None:
+    """The program's functions are the manifest's (GPU target: its functions; else the cpu target's), each
+    taking `ids` [batch, tokens] and `block_table` [batch, blocks_per_seq] and giving `logits` [batch, vocab]."""
+    m = art.manifest
+    entry = next((t for t in m["targets"] if (t["name"] != "cpu") == gpu), None)
+    want = set(entry["functions"]) if entry is not None else set()
+    if set(program.functions) != want:
+        raise ArtifactError("the program's functions are not the manifest's", where="gpu/program.txt" if gpu else
+                            "module.ir", expected=", ".join(sorted(want)), found=", ".join(sorted(program.functions)))
+    for name, f in program.functions.items():
+        spec = entry["functions"][name]
+        B, T = spec["batch"], spec["tokens"]
+        ins = {b.name: b for b in f.buffers if b.kind == "input"}
+        for n, shape in (("ids", [B, T]), ("block_table", [B, m["pool"]["blocks_per_seq"]])):
+            b = ins.get(n)
+            if b is None or b.type is None or list(b.type.shape) != shape:
+                raise ArtifactError(f"the program's @{name} input '{n}' is not that of its bucket", expected=shape,
+                                    found=None if b is None or b.type is None else list(b.type.shape))
+        out = dict(f.outputs).get("logits")
+        if out is None or list(out.type.shape) != [B, m["vocab_size"]]:
+            raise ArtifactError(f"the program's @{name} logits are not [batch, vocab]", expected=[B, m["vocab_size"]],
+                                found=None if out is None else list(out.type.shape))

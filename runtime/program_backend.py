@@ -20,7 +20,7 @@ import numpy as np
 from v4compile.artifact import Artifact
 from v4compile.errors import ArtifactError, DeviceError
 
-from .artifact_checks import check_sidecar, program_weight_types, read_weights
+from .artifact_checks import check_sidecar, program_interface, program_weight_types, read_weights
 from .backend import FunctionInfo
 from .c_backend import CRuntime
 from .kernels import GPU_TARGET, kernel_calls_for
@@ -108,6 +108,7 @@ class ProgramBackend:
         self.device = device
         self.graphs = graphs
         self.program = artifact_program(art)
+        program_interface(art, self.program, gpu_entry(art) is not None)
         if device != "host":  # before compiling any kernel: no driver, nothing to compile for
             import ctypes
 

@@ -26,6 +26,15 @@ from v4compile.cli import main
 from v4compile.errors import ArtifactError, InputError
 
 
+@pytest.fixture(autouse=True)
+def _threads():
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)  # the host device sets torch's threads process-wide
+
+
 @pytest.fixture(scope="module")
 def art(tmp_path_factory):
     out = tmp_path_factory.mktemp("bad") / "tiny"
@@ -185,6 +194,17 @@ def test_weights_that_disagree_with_the_manifest_are_one_error(art, tmp_path):
     m["files"][rel] = sha(a / rel)
     write_manifest(a, m)
     _refused(a, "embed.weight", "differs from the manifest")
+
+
+def test_a_program_of_other_functions_is_one_error(art, tmp_path):
+    """The host device's program (from module.ir here) must hold the manifest's functions."""
+    a = copy(art, tmp_path / "a")
+    text = (a / "module.ir").read_text().replace("func @decode_b2(", "func @decode_b3(")
+    _swap_file(a, "module.ir", text.encode())
+    with pytest.raises(ArtifactError, match="program's functions"):
+        v4compile.load(a, device="host")
+    rc, _, err = run_main("run", str(a), "--ids", "1", "--max-new-tokens", "1", "--device", "host")
+    assert_one_error(rc, err, "program's functions")
 
 
 def _sidecar_case(side, k):
