@@ -60,12 +60,18 @@ def _text(art: Artifact, rel: str, what: str) -> str:
         raise ArtifactError(f"{what} is not UTF-8 text", where=rel, found=f"offset {e.start}") from None
 
 
+def read_sidecar(art: Artifact, k: dict) -> dict:
+    """A kernel's sidecar, strict JSON checked against the manifest and its target's limits."""
+    from v4compile.safetensors_io import loads_strict
+
+    raw = art.read_bytes(k["sidecar"], "kernel sidecar", limit=1 << 24)
+    return check_sidecar(loads_strict(raw, k["sidecar"], "kernel sidecar", ArtifactError), k, k["target"])
+
+
 def artifact_binaries(art: Artifact, device: str):
     """[KernelCall] -> {name: (binary, sidecar)} from the artifact's kernels for the device's target; a
     kernel the artifact lacks, or whose sidecar disagrees with the call, is one clear error (the files'
     bytes were checked against the manifest by `load_artifact`)."""
-    from v4compile.safetensors_io import loads_strict
-
     target = GPU_TARGET[device]
     art.target(target)  # "the artifact has no 'sm_90a' target" when it was compiled without it
     have = {k["name"]: k for k in art.manifest["kernels"] if k["target"] == target}
@@ -78,8 +84,7 @@ def artifact_binaries(art: Artifact, device: str):
                 raise DeviceError(f"the artifact has no {target} kernel '{kc.name}' (compiled by another version?)",
                                   where=str(art.path))
             binary = art.read_bytes(k["path"], "kernel binary")
-            side = check_sidecar(loads_strict(art.read_bytes(k["sidecar"], "kernel sidecar"), k["sidecar"],
-                                              "kernel sidecar", ArtifactError), k, target)
+            side = read_sidecar(art, k)
             if list(side["grid"]) != list(kc.grid) or side["binary_sha256"] != k["sha256"]:
                 raise DeviceError(f"kernel sidecar disagrees with the program's call {kc.name}", where=k["sidecar"])
             out[kc.name] = (binary, side)
@@ -109,6 +114,8 @@ class ProgramBackend:
         self.graphs = graphs
         self.program = artifact_program(art)
         program_interface(art, self.program, gpu_entry(art) is not None)
+        for k in art.manifest["kernels"]:  # every sidecar, whichever device: the artifact is checked as a whole
+            read_sidecar(art, k)
         if device != "host":  # before compiling any kernel: no driver, nothing to compile for
             import ctypes
 

@@ -29,6 +29,15 @@ from v4compile.errors import ArtifactError, InputError
 ATTACKS = ("absolute", "dotdot", "symlink")
 
 
+@pytest.fixture(autouse=True)
+def _threads():
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)  # the host device sets torch's threads process-wide
+
+
 @pytest.fixture(scope="module")
 def cpu_art(tmp_path_factory):
     out = tmp_path_factory.mktemp("sec") / "tiny"
@@ -186,3 +195,31 @@ def test_a_fifo_in_place_of_a_listed_file_does_not_block(cpu_art, tmp_path):
     os.mkfifo(art / "module.ir")
     rc, _, err = run_main("run", str(art), "--ids", "1", "--max-new-tokens", "1", timeout=60)
     assert_one_error(rc, err, "module.ir", "not a regular file")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("edit", ["no grid", "huge shared", "garbage"])
+def test_a_bad_sidecar_is_refused_on_any_device(gpu_art, tmp_path, edit):
+    """Class 3 on the real artifact: a sidecar edited (its hashes recomputed) is one error, on the host device
+    too (which launches no binary, but loads the artifact as a whole)."""
+    import json
+
+    art = copy(gpu_art, tmp_path / "art")
+    m = manifest(art)
+    k = m["kernels"][0]
+    side = json.loads((art / k["sidecar"]).read_text())
+    if edit == "no grid":
+        side.pop("grid")
+        raw = json.dumps(side).encode()
+    elif edit == "huge shared":
+        side["shared_bytes"] = 10 ** 9
+        raw = json.dumps(side).encode()
+    else:
+        raw = b"\x00\xff{garbage"
+    (art / k["sidecar"]).write_bytes(raw)
+    m["files"][k["sidecar"]] = k["sidecar_sha256"] = sha(art / k["sidecar"])
+    write_manifest(art, m)
+    with pytest.raises(ArtifactError, match="sidecar"):
+        v4compile.load(art, device="host")
+    rc, out, err = run_main("run", str(art), "--ids", "1,2,3", "--max-new-tokens", "2", "--device", "host")
+    assert_one_error(rc, err, "sidecar")
