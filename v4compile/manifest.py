@@ -87,37 +87,24 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
             raise ArtifactError(f"cannot read manifest.json: {e.strerror}", where=where) from None
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ArtifactError("manifest.json is too large", where=where, expected=f"<= {MAX_MANIFEST_BYTES} bytes")
-    depth = _max_depth(raw)
-    if depth > MAX_DEPTH:
-        raise ArtifactError("manifest.json is nested too deeply", where=where, expected=f"<= {MAX_DEPTH} levels",
-                            found=depth)
-    m = loads_strict(raw, where, "manifest.json", ArtifactError)
+    m = loads_strict(raw, where, "manifest.json", ArtifactError)  # (the parser's own recursion limit: ~1000)
     if not isinstance(m, dict):
         raise ArtifactError("manifest.json must be a JSON object", where=where, found=type(m).__name__)
+    if _depth(m) > MAX_DEPTH:
+        raise ArtifactError("manifest.json is nested too deeply", where=where, expected=f"<= {MAX_DEPTH} levels")
     return m
 
 
-def _max_depth(raw: bytes) -> int:
-    """The deepest nesting of brackets outside strings (counted before parsing: the parser recurses)."""
-    depth = best = 0
-    in_str = esc = False
-    for b in raw:
-        if in_str:
-            if esc:
-                esc = False
-            elif b == 0x5C:  # backslash
-                esc = True
-            elif b == 0x22:
-                in_str = False
-        elif b == 0x22:
-            in_str = True
-        elif b in (0x5B, 0x7B):
-            depth += 1
-            best = max(best, depth)
+def _depth(v: Any) -> int:
+    """The deepest nesting of lists and objects (iterative: stops as soon as it passes MAX_DEPTH)."""
+    best, stack = 0, [(v, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (dict, list)):
+            best = max(best, d)
             if best > MAX_DEPTH:
                 return best
-        elif b in (0x5D, 0x7D):
-            depth -= 1
+            stack.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
     return best
 
 
