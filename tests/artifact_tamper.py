@@ -39,6 +39,7 @@ class Sentinel:
     relatime records the first read after a change), and every Python-level open is audited."""
 
     opened: list[str] = []
+    recording = False  # audit hooks cannot be removed: this one records only between set-up and `touched`
     _hooked = False
     OLD = 1_000_000_000  # ns: 1970
 
@@ -50,14 +51,16 @@ class Sentinel:
             sys.addaudithook(Sentinel._audit)
             Sentinel._hooked = True
         Sentinel.opened = []
+        Sentinel.recording = True
 
     @staticmethod
     def _audit(event: str, args) -> None:
-        if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        if Sentinel.recording and event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
             Sentinel.opened.append(os.fsdecode(args[0]))
 
     def touched(self) -> list[str]:
         """The sentinels read (atime moved) or opened from Python since they were set up."""
+        Sentinel.recording = False
         read = [str(p) for p in self.paths if p.stat().st_atime_ns != self.OLD]
         opened = [o for o in Sentinel.opened if Path(o).resolve() in self.paths]
         return read + opened
