@@ -16,6 +16,7 @@ never a pass over weight bytes.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -24,8 +25,15 @@ from v4compile.artifact import Artifact
 from v4compile.errors import ArtifactError, CheckpointError
 
 # Every buffer the runtime allocates from a graph's state inputs, together (V4-Pro's pool at 1 M tokens
-# is far below).
+# is far below); and never more than this machine's memory.
 MAX_STATE_BYTES = 1 << 40
+
+
+def host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return MAX_STATE_BYTES
 ST_DTYPE = {"fp32": "F32", "bf16": "BF16", "i64": "I64", "i32": "I32", "fp8e4m3": "F8_E4M3", "e8m0": "F8_E8M0",
             "fp4x2": "I8", "bool": "BOOL"}
 ONNX_DTYPE = {1: "fp32", 16: "bf16", 7: "i64", 6: "i32", 9: "bool"}
@@ -160,9 +168,10 @@ def onnx_model(art: Artifact, fname: str, spec: dict[str, Any]):
         if et not in ONNX_NP or any(d is None or d < 0 for d in dims):
             raise ArtifactError(f"the ONNX graph's state input '{n}' has no static shape of a known type", where=rel)
         total += math.prod(dims) * np.dtype(ONNX_NP[et]).itemsize
-    if total > MAX_STATE_BYTES:
+    limit = min(MAX_STATE_BYTES, host_memory())
+    if total > limit:
         raise ArtifactError("the ONNX graph's state inputs are too large to allocate", where=rel,
-                            expected=f"<= {MAX_STATE_BYTES} bytes", found=f"{total} bytes")
+                            expected=f"<= {limit} bytes (this machine's memory)", found=f"{total} bytes")
     return model
 
 
@@ -233,10 +242,20 @@ def ints_of(d: dict, key: str, bad, lo: int, hi: int, prefix: str = "") -> tuple
 
 # ---- the GPU program ----------------------------------------------------------------------------
 
-def program_interface(art: Artifact, program, gpu: bool) -> None:
+def program_interface(art: Artifact, program, gpu: bool, host: bool = False) -> None:
     """The program's functions are the manifest's (GPU target: its functions; else the cpu target's), each
-    taking `ids` [batch, tokens] and `block_table` [batch, blocks_per_seq] and giving `logits` [batch, vocab]."""
+    taking `ids` [batch, tokens] and `block_table` [batch, blocks_per_seq] and giving `logits` [batch, vocab];
+    on the host device its buffers fit this machine's memory."""
     m = art.manifest
+    if host:
+        sizes = {}
+        for f in program.functions.values():
+            for b in f.buffers:
+                key = b.name if b.kind in ("pool", "state", "weight") else f"{f.name}/{b.name}"
+                sizes[key] = max(sizes.get(key, 0), b.nbytes)
+        if sum(sizes.values()) > host_memory():
+            raise ArtifactError("the program's buffers do not fit this machine's memory",
+                                expected=f"<= {host_memory()} bytes", found=f"{sum(sizes.values())} bytes")
     entry = next((t for t in m["targets"] if (t["name"] != "cpu") == gpu), None)
     want = set(entry["functions"]) if entry is not None else set()
     if set(program.functions) != want:

@@ -113,7 +113,7 @@ class ProgramBackend:
         self.device = device
         self.graphs = graphs
         self.program = artifact_program(art)
-        program_interface(art, self.program, gpu_entry(art) is not None)
+        program_interface(art, self.program, gpu_entry(art) is not None, host=device == "host")
         for k in art.manifest["kernels"]:  # every sidecar, whichever device: the artifact is checked as a whole
             read_sidecar(art, k)
         if device != "host":  # before compiling any kernel: no driver, nothing to compile for

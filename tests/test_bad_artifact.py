@@ -207,6 +207,18 @@ def test_a_program_of_other_functions_is_one_error(art, tmp_path):
     assert_one_error(rc, err, "program's functions")
 
 
+@pytest.mark.parametrize("device", ["cpu", "host"])
+def test_state_beyond_this_machines_memory_is_refused_before_allocating(art, monkeypatch, device):
+    """The graph's (cpu) or program's (host) buffers are summed before any is allocated; here the machine is
+    made to look small."""
+    from v4compile.runtime import artifact_checks
+
+    monkeypatch.setattr(artifact_checks, "host_memory", lambda: 4096)
+    with pytest.raises(ArtifactError, match="too large to allocate|do not fit"):
+        s = v4compile.load(art, device=device, threads=1)
+        s.generate([[1, 2]], 1)
+
+
 def _sidecar_case(side, k):
     from v4compile.runtime.artifact_checks import check_sidecar
     return check_sidecar(side, k, "sm_90a")

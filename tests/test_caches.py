@@ -165,3 +165,25 @@ def test_the_cache_check_catches_a_flipped_byte(tmp_path):
     assert aot.read_entry(tmp_path) == files
     _flip(tmp_path / "binary", 7)
     assert aot.read_entry(tmp_path) is None
+
+
+@pytest.mark.slow
+def test_an_artifact_from_a_damaged_cache_is_byte_identical(tmp_path):
+    """The README's default compile twice (the same kernels as test_gpu_artifact.py, so usually a warm cache):
+    between the two, one gfx950 entry of the cache gets a flipped byte and another loses its record; the
+    second artifact is byte for byte the first."""
+    import json
+
+    from v4compile.cli import main
+    from v4compile.codegen import aot
+
+    assert main(["compile", "--preset", "tiny", "-o", str(tmp_path / "a")]) == 0
+    keys = sorted(json.loads(p.read_text())["key"] for p in (tmp_path / "a" / "kernels" / "gfx950").glob("*.json"))
+    cache = aot.cache_root() / "aot"
+    flipped, unrecorded = cache / keys[0], cache / keys[1]
+    _flip(flipped / "binary")
+    (unrecorded / aot.DIGEST).unlink()
+    assert aot.read_entry(flipped) is None and aot.read_entry(unrecorded) is None
+    assert main(["compile", "--preset", "tiny", "-o", str(tmp_path / "b")]) == 0
+    assert _tree(tmp_path / "b") == _tree(tmp_path / "a")
+    assert aot.read_entry(flipped) is not None and aot.read_entry(unrecorded) is not None

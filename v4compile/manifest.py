@@ -41,6 +41,7 @@ MAX_ENTRIES = 1_000_000  # files, tensors, kernels, a function's inputs
 MAX_BATCH = 4096  # sequences in one decode bucket (and slots of the pool)
 MAX_CHUNK = 1 << 20  # tokens in one prefill bucket
 MAX_BUCKETS = 64
+MAX_BLOCKS = 1 << 22  # pool blocks (the session keeps a free list of them): V4-Pro, 8 x 1 M tokens: 32,768
 MAX_RANK = 8
 MAX_NUMEL = 1 << 48
 TARGET_FORMATS = {"cpu": "onnx", "gfx950": "triton-aot", "sm_90a": "triton-aot"}
@@ -287,7 +288,7 @@ def check_manifest(m: dict[str, Any], verify: bool = True) -> None:
     if n_slots != max(decode):
         raise _err("`pool.n_slots` must be the largest decode bucket (one slot per sequence in flight)",
                    expected=max(decode), found=n_slots)
-    for k, hi in (("block_tokens", 1 << 20), ("blocks_per_seq", 1 << 26), ("n_blocks", 1 << 32)):
+    for k, hi in (("block_tokens", 1 << 20), ("blocks_per_seq", MAX_BLOCKS), ("n_blocks", MAX_BLOCKS)):
         _int(_get(pool, k, f"pool.{k}"), f"pool.{k}", 1, hi)
     fmts = {k: _str(_get(pool, k, f"pool.{k}"), f"pool.{k}", ch) for k, ch in
             (("main_fmt", ("native", "bf16", "fp8")), ("index_fmt", ("native", "fp4", "fp8")),
