@@ -308,6 +308,18 @@ def test_a_released_sequence_cannot_be_used(session):
         session.decode(s, [4])  # not a list of sequences
 
 
+@pytest.mark.parametrize("path", [None, 3, "", b"x"])
+def test_a_bad_artifact_path_is_an_input_error(path):
+    with pytest.raises(InputError):
+        v4compile.load(path, device="cpu")
+
+
+@pytest.mark.parametrize("device", [None, "gpu", 3])
+def test_a_bad_device_is_an_input_error(art, device):
+    with pytest.raises(InputError, match="device"):
+        v4compile.load(art, device=device)
+
+
 @pytest.mark.parametrize("threads", [0, -1, 10 ** 9, 1.5, "2"])
 def test_bad_threads_at_load_are_an_input_error(art, threads):
     with pytest.raises(InputError, match="threads"):

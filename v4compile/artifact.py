@@ -387,6 +387,8 @@ def load_artifact(path: str | Path, verify: bool = True) -> Artifact:
     """Read and check an artifact directory: the manifest (not through a symlink; one typed schema, see
     `manifest.py`), then every file it lists (inside the artifact, a regular file, and with `verify` its
     sha256). Nothing outside the directory is opened."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ArtifactError("an artifact is named by a directory path", found=repr(path)[:60])
     path = Path(path)
     if not path.is_dir():
         raise ArtifactError("not an artifact directory", where=str(path))

@@ -241,17 +241,15 @@ def check_manifest(m: dict[str, Any], verify: bool = True) -> None:
     for k in ("compiler_version", "model"):
         if k in m:
             _str(m[k], k)
-    for k in ("pipeline",):
-        if k in m:
-            _strs(m[k], k, unique=False)
+    if "pipeline" in m:
+        _strs(m["pipeline"], "pipeline", unique=False)
     if "pipelines" in m:
         for k, v in _obj(m["pipelines"], "pipelines").items():
             _strs(v, f"pipelines.{k}", unique=False)
     if "weights_origin" in m:
         _obj(m["weights_origin"], "weights_origin")
-    numerics = _str(_get(m, "numerics", "numerics"), "numerics", ("hf", "official"))
+    _str(_get(m, "numerics", "numerics"), "numerics", ("hf", "official"))
     _str(_get(m, "dtype", "dtype"), "dtype", ("fp32", "bf16"))
-    del numerics
 
     # the config: a valid config, and the one its hash names
     cfg_json = _obj(_get(m, "config", "config"), "config")
