@@ -35,13 +35,14 @@ from typing import Any
 
 from .errors import ArtifactError, InputError
 from .ir.core import Module
-from .manifest import FORMAT_VERSION, MANIFEST, canonical, check_manifest, confined, manifest_digest, read_manifest
+from .manifest import (FORMAT_VERSION, MANIFEST, TARGET_FORMATS, canonical, check_manifest, confined, manifest_digest,
+                       read_manifest)
 
 log = logging.getLogger(__name__)
 
 SHARD_BYTES = 1 << 30  # 1 GiB of tensor data per weights shard
-GPU_TARGETS = ("gfx950", "sm_90a")
-TARGETS = ("cpu", *GPU_TARGETS)
+TARGETS = tuple(TARGET_FORMATS)  # cpu, gfx950, sm_90a
+GPU_TARGETS = tuple(t for t, f in TARGET_FORMATS.items() if f == "triton-aot")
 
 
 @dataclass(frozen=True)

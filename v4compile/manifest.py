@@ -44,10 +44,9 @@ MAX_BUCKETS = 64
 MAX_BLOCKS = 1 << 22  # pool blocks (the session keeps a free list of them): V4-Pro, 8 x 1 M tokens: 32,768
 MAX_RANK = 8
 MAX_NUMEL = 1 << 48
-TARGET_FORMATS = {"cpu": "onnx", "gfx950": "triton-aot", "sm_90a": "triton-aot"}
+TARGET_FORMATS = {"cpu": "onnx", "gfx950": "triton-aot", "sm_90a": "triton-aot"}  # the artifact's targets
 IR_DTYPES = ("fp32", "bf16", "fp8e4m3", "e8m0", "fp4x2", "i32", "i64", "bool")
 SHA256 = re.compile(r"[0-9a-f]{64}")
-FUNCTION_NAME = re.compile(r"(decode)_b([1-9][0-9]*)|(prefill)_c([1-9][0-9]*)")
 KERNEL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
