@@ -18,7 +18,9 @@
 Writing is atomic (everything goes to a temporary sibling directory renamed at the end; on any error it
 is removed) and byte-reproducible (no timestamps, sorted keys, deterministic names). Weights are streamed:
 each IR weight is built from the source and written on its own, so the whole model is never in memory.
-Loading checks every file's hash and names the file that changed.
+Loading treats the artifact as untrusted input: the manifest is checked against its schema and every path
+confined to the directory (`manifest.py`), then every file's hash is checked, naming the file that changed;
+the runtime checks the pieces against each other as it opens them (`runtime/artifact_checks.py`).
 """
 
 from __future__ import annotations
