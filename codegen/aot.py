@@ -7,7 +7,10 @@ process (the parent may run kernels under TRITON_INTERPRET=1, whose `@triton.jit
 compiled; workers import the kernel modules with the interpreter off). Results are cached under
 `$V4COMPILE_CACHE` (default ~/.cache/v4compile)/aot/<key>/ where key hashes the kernel module's source,
 the specialisation (constexprs, pointer types, alignment, warps, stages), the target and the Triton
-version; an unchanged rerun only copies files.
+version; an unchanged rerun only copies files. The cache is not trusted: each entry records the sha256 of
+its files (`digest.json`, written last, in a temporary directory renamed into place) and is used only if
+they match; an entry that does not (a flipped byte, a truncated or missing file) is removed and compiled
+again, and the artifact receives exactly the bytes that were checked.
 
 Written per kernel into `out_dir/<target>/`: the binary (`<name>.hsaco` / `<name>.cubin`) and
 `<name>.json`, the sidecar with all a launcher needs that the binary does not hold (symbol, parameter
@@ -83,7 +86,7 @@ def bandwidth_time(bytes_moved: int, target: str) -> float:
     return bytes_moved / TARGETS[target].hbm_bytes_s
 
 
-AOT_FORMAT = 2  # bump when what a cache entry holds (binary, sidecar, stats) changes
+AOT_FORMAT = 3  # bump when what a cache entry holds (binary, sidecar, stats) changes
 
 
 def cache_root() -> Path:
@@ -202,16 +205,54 @@ def _compile_job(job: dict, cache_dir: str) -> dict:
         "constexprs": job["constexprs"], "aligned_16": job["aligned"], "scratch_bytes": job["scratch_bytes"],
         "kernel": f"{job['module']}.{job['fn']}", "triton_version": triton.__version__, "key": job["key"],
     }
+    files = {"binary": binary,
+             "sidecar.json": (json.dumps(sidecar, indent=1, sort_keys=True) + "\n").encode(),
+             "stats.json": json.dumps({**stats, "compile_s": round(compile_s, 3), "cpu_s": round(cpu_s, 3)},
+                                      sort_keys=True).encode()}
     out = Path(cache_dir) / job["key"]
     tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".tmp-"))
-    (tmp / "binary").write_bytes(binary)
-    (tmp / "sidecar.json").write_text(json.dumps(sidecar, indent=1, sort_keys=True) + "\n")
-    (tmp / "stats.json").write_text(json.dumps({**stats, "compile_s": round(compile_s, 3), "cpu_s": round(cpu_s, 3)}, sort_keys=True))
     try:
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        (tmp / DIGEST).write_text(json.dumps({n: hashlib.sha256(d).hexdigest() for n, d in files.items()},
+                                             sort_keys=True))
+        discard_entry(out)  # a damaged entry of the same key (the caller holds the key's lock)
         tmp.rename(out)
-    except OSError:  # another worker / process finished the same key first
+    except OSError:  # another process finished the same key first
+        pass
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return stats
+
+
+# ---- the cache: entries verified before use --------------------------------------------------------------
+
+DIGEST = "digest.json"
+ENTRY_FILES = ("binary", "sidecar.json", "stats.json")
+
+
+def read_entry(d: Path) -> dict[str, bytes] | None:
+    """A cache entry's files, if every one matches the sha256 recorded when it was written; else None."""
+    try:
+        digest = json.loads((d / DIGEST).read_text())
+        files = {n: (d / n).read_bytes() for n in ENTRY_FILES}
+    except (OSError, ValueError):
+        return None
+    if not isinstance(digest, dict) or any(digest.get(n) != hashlib.sha256(b).hexdigest() for n, b in files.items()):
+        return None
+    return files
+
+
+def discard_entry(d: Path) -> None:
+    """Remove a (damaged) entry: renamed aside first, so no reader sees it half-removed."""
+    if not d.exists():
+        return
+    aside = d.with_name(f".bad-{d.name}-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        d.rename(aside)
+    except OSError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _cpu_seconds() -> float:
@@ -379,7 +420,7 @@ def _worker_main(cache_dir: str) -> None:
             # instead of compiling the same kernel twice.
             with open(Path(cache_dir) / f".{job['key']}.lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-                if not (Path(cache_dir) / job["key"] / "sidecar.json").exists():
+                if read_entry(Path(cache_dir) / job["key"]) is None:
                     with contextlib.redirect_stdout(sys.stderr):
                         _compile_job(job, cache_dir)
             out = {"ok": job["key"]}
@@ -412,7 +453,10 @@ def compile_calls(calls: list[KernelCall], targets: list[str] | tuple[str, ...],
             todo.append((c, j))
     cache = cache_root() / "aot"
     cache.mkdir(parents=True, exist_ok=True)
-    missing = [j for _, j in todo if not (cache / j["key"] / "sidecar.json").exists()]
+    missing = [j for _, j in todo if read_entry(cache / j["key"]) is None]
+    damaged = [j["key"] for j in missing if (cache / j["key"]).exists()]
+    if damaged:
+        log.warning("aot: %d cache entries do not match their recorded hashes: compiling them again", len(damaged))
     fresh = {j["key"] for j in missing}
     t0 = time.perf_counter()
     if missing:
@@ -422,13 +466,19 @@ def compile_calls(calls: list[KernelCall], targets: list[str] | tuple[str, ...],
     out = Path(out_dir)
     rows = []
     for c, j in todo:
-        d = cache / j["key"]
+        entry = read_entry(cache / j["key"])
+        if entry is None:  # compiled just now, yet not intact: the cache directory is being damaged under us
+            from ..errors import CodegenError
+
+            raise CodegenError(f"the kernel cache entry of {c.name} ({j['target']}) does not verify after compiling",
+                               where=str(cache / j["key"]))
         tdir = out / j["target"]
         tdir.mkdir(parents=True, exist_ok=True)
-        side = json.loads((d / "sidecar.json").read_text())
-        shutil.copyfile(d / "binary", tdir / side["binary"])
-        shutil.copyfile(d / "sidecar.json", tdir / f"{c.name}.json")
-        st = json.loads((d / "stats.json").read_text())
+        side = json.loads(entry["sidecar.json"])
+        binary_name = f"{c.name}.{TARGETS[j['target']].binary_ext}"  # never a name read from the cache
+        (tdir / binary_name).write_bytes(entry["binary"])  # the bytes that were checked, not a second read
+        (tdir / f"{c.name}.json").write_bytes(entry["sidecar.json"])
+        st = json.loads(entry["stats.json"])
         mma_dtype = getattr(c, "mma_dtype", "bf16")
         rows.append({
             "name": c.name, "target": j["target"], "regs": st["regs"], "spills": int(st["spills"]),
@@ -438,7 +488,7 @@ def compile_calls(calls: list[KernelCall], targets: list[str] | tuple[str, ...],
             "modeled_us": round(modeled_time(c.flops, c.bytes_moved, j["target"], mma_dtype) * 1e6, 3),
             "bandwidth_us": round(bandwidth_time(c.bytes_moved, j["target"]) * 1e6, 3),
             "compile_s": st.get("compile_s"), "cached": j["key"] not in fresh,
-            "path": f"{j['target']}/{side['binary']}", "sidecar": f"{j['target']}/{c.name}.json",
+            "path": f"{j['target']}/{binary_name}", "sidecar": f"{j['target']}/{c.name}.json",
         })
     return rows
 

@@ -20,11 +20,16 @@ import numpy as np
 import onnx
 
 from v4compile.artifact import Artifact
-from v4compile.errors import InputError
+from v4compile.errors import ArtifactError, InputError
 
+from .artifact_checks import onnx_model
 from .backend import FunctionInfo
 
 log = logging.getLogger(__name__)
+
+# ONNX Runtime's telemetry writes a device id and a database under HOME and a `.ses` file under TMPDIR as
+# soon as it is imported; a run writes nothing outside its outputs and the documented cache. Read at import.
+os.environ["ORT_DISABLE_TELEMETRY"] = "1"
 
 _NP = {"fp32": np.float32, "i64": np.int64, "i32": np.int32}
 
@@ -71,7 +76,7 @@ class OrtBackend:
             return self._sessions[fname]
         ort = self.ort
         spec = self.target["functions"][fname]
-        model = onnx.load(str(self.art.file(spec["file"])))
+        model = onnx_model(self.art, fname, spec)
         g = model.graph
         used = {x for n in g.node for x in n.input}
         wnames = set(spec["weights"]) & used
@@ -104,7 +109,10 @@ class OrtBackend:
         names = sorted(wnames)
         so.add_external_initializers(names, [self._w_values[n] for n in names])
         t0 = time.perf_counter()
-        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        try:
+            sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        except Exception as e:  # noqa: BLE001  (ONNX Runtime's own refusal of a graph that passed our checks)
+            raise ArtifactError(f"ONNX Runtime refuses the graph: {str(e)[:300]}", where=spec["file"]) from None
         log.debug("cpu backend: session %s ready in %.2f s", fname, time.perf_counter() - t0)
         del model
         ins = {i.name: i for i in sess.get_inputs()}

@@ -18,8 +18,9 @@ import time
 import numpy as np
 
 from v4compile.artifact import Artifact
-from v4compile.errors import DeviceError
+from v4compile.errors import ArtifactError, DeviceError
 
+from .artifact_checks import check_sidecar, program_interface, program_weight_types
 from .backend import FunctionInfo
 from .c_backend import CRuntime
 from .kernels import GPU_TARGET, kernel_calls_for
@@ -47,10 +48,25 @@ def artifact_program(art: Artifact):
     ops.load_all()  # the program names ops of every set (its verifier and the kernel families look them up)
     entry = gpu_entry(art)
     if entry is not None:
-        return verify_program(parse_program(art.file(entry["program"]).read_text()))
-    module = parse_module(art.file("module.ir").read_text())
+        return verify_program(parse_program(_text(art, entry["program"], "GPU program")))
+    module = parse_module(_text(art, "module.ir", "IR module"))
     module = PassManager(PROGRAM_PASSES).run(module).module
     return verify_program(build_program(module))
+
+
+def _text(art: Artifact, rel: str, what: str) -> str:
+    try:
+        return art.read_bytes(rel, what).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ArtifactError(f"{what} is not UTF-8 text", where=rel, found=f"offset {e.start}") from None
+
+
+def read_sidecar(art: Artifact, k: dict) -> dict:
+    """A kernel's sidecar, strict JSON checked against the manifest and its target's limits."""
+    from v4compile.safetensors_io import loads_strict
+
+    raw = art.read_bytes(k["sidecar"], "kernel sidecar", limit=1 << 24)
+    return check_sidecar(loads_strict(raw, k["sidecar"], "kernel sidecar", ArtifactError), k, k["target"])
 
 
 def artifact_binaries(art: Artifact, device: str):
@@ -71,8 +87,8 @@ def artifact_binaries(art: Artifact, device: str):
             if k is None:
                 raise DeviceError(f"the artifact has no {target} kernel '{kc.name}' (compiled by another version?)",
                                   where=str(art.path))
-            binary = art.file(k["path"]).read_bytes()
-            side = json.loads(art.file(k["sidecar"]).read_text())
+            binary = art.read_bytes(k["path"], "kernel binary")
+            side = read_sidecar(art, k)
             if list(side["grid"]) != list(kc.grid) or side["binary_sha256"] != k["sha256"]:
                 raise DeviceError(f"kernel sidecar disagrees with the program's call {kc.name}", where=k["sidecar"])
             compiled_params(kc, side, where=k["sidecar"])  # the compiled parameters are the call's, by name and type
@@ -81,8 +97,11 @@ def artifact_binaries(art: Artifact, device: str):
     return get
 
 
-def artifact_weights(art: Artifact):
-    """The artifact's weights, mapped (no copy): `Artifact.weights()`."""
+def artifact_weights(art: Artifact, program=None):
+    """The artifact's weights, mapped (no copy; `Artifact.weights()`: each shard's header checked against
+    the manifest); with `program`, the program's weight buffers are checked against the manifest first."""
+    if program is not None:
+        program_weight_types(art, program)
     return art.weights()
 
 
@@ -99,6 +118,9 @@ class ProgramBackend:
         self.device = device
         self.graphs = graphs
         self.program = artifact_program(art)
+        program_interface(art, self.program, gpu_entry(art) is not None, host=device == "host")
+        for k in art.manifest["kernels"]:  # every sidecar, whichever device: the artifact is checked as a whole
+            read_sidecar(art, k)
         if device != "host":  # before compiling any kernel: no driver, nothing to compile for
             import ctypes
 
@@ -116,7 +138,7 @@ class ProgramBackend:
                                   f"families {', '.join(missing)} (kernel codegen pending): use --device host or cpu")
         binaries = artifact_binaries(art, device) if device != "host" else None
         t1 = time.perf_counter()
-        weights = artifact_weights(art)
+        weights = artifact_weights(art, self.program)
         try:
             self.rt = CRuntime(self.program, weights, device, driver_lib=driver_lib, kernel_calls=calls,
                                binaries=binaries)

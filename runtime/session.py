@@ -11,6 +11,8 @@ work is one call: `backend.run(function, step inputs)` (see `backend.py`).
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -24,6 +26,68 @@ from v4compile.errors import InputError
 log = logging.getLogger(__name__)
 
 DEVICES = ("auto", "cpu", "host", "hip", "cuda")
+MAX_THREADS = 256  # (also the CLI's bound, v4compile/compile_cli.py)
+MAX_PROMPTS = 1 << 20
+MAX_IDS = 1 << 24  # ids in one prompt (far beyond any compiled context)
+
+
+def _is_int(v) -> bool:
+    """A Python or numpy integer (never a bool, a float or a string)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def check_ids(ids, where: str) -> list[int]:
+    """A list of token ids: a list, tuple or 1-D integer array of integers (a float, a string, None or a
+    nested list is refused, never truncated or iterated)."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise InputError("token ids must be a 1-D integer array", where=where,
+                             found=f"{ids.ndim}-D {ids.dtype}")
+        ids = ids.tolist()
+    elif not isinstance(ids, (list, tuple)):
+        raise InputError("token ids must be a list of integers", where=where, found=type(ids).__name__)
+    if len(ids) > MAX_IDS:
+        raise InputError("too many token ids", where=where, expected=f"<= {MAX_IDS}", found=len(ids))
+    bad = next((t for t in ids if not _is_int(t)), None)
+    if bad is not None or any(t is None for t in ids):
+        raise InputError("token ids must be integers", where=where, found=repr(bad)[:40])
+    return [int(t) for t in ids]
+
+
+def check_prompts(prompts, where: str = "prompts") -> list:
+    """A list of prompts, each a list of ids (a flat list of ids is refused: it is one prompt, not many)."""
+    if isinstance(prompts, np.ndarray):
+        if prompts.ndim != 2:
+            raise InputError("prompts must be a list of id lists (or a 2-D integer array)", where=where,
+                             found=f"{prompts.ndim}-D array")
+        return list(prompts)
+    if not isinstance(prompts, (list, tuple)):
+        raise InputError("prompts must be a list of id lists", where=where, found=type(prompts).__name__)
+    if len(prompts) > MAX_PROMPTS:
+        raise InputError("too many prompts", where=where, expected=f"<= {MAX_PROMPTS}", found=len(prompts))
+    bad = next((p for p in prompts if not isinstance(p, (list, tuple, np.ndarray))), None)
+    if bad is not None or any(p is None for p in prompts):
+        raise InputError("prompts must be a list of id lists (one list per prompt)", where=where,
+                         found=f"an entry {repr(bad)[:40]}")
+    return list(prompts)
+
+
+def check_sampling(temperature, top_p, seed) -> None:
+    """Sampling arguments: finite numbers in range, and a seed in [0, 2^64) (checked also for greedy decoding,
+    where it is unused: a bad argument is bad whatever the mode)."""
+    for name, v in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+            raise InputError(f"{name} must be a finite number", found=repr(v)[:40])
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise InputError("sampling needs temperature >= 0 and 0 < top_p <= 1", found=(temperature, top_p))
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2 ** 64):
+        raise InputError("seed must be an integer in [0, 2^64) or None", found=repr(seed)[:40])
+
+
+def check_threads(threads) -> None:
+    if threads is not None and (not _is_int(threads) or not 1 <= threads <= MAX_THREADS):
+        raise InputError("threads must be an integer in [1, %d] (or None: the default)" % MAX_THREADS,
+                         found=repr(threads)[:40])
 
 
 @dataclass
@@ -63,7 +127,7 @@ class Session:
 
     # ---- sequences -------------------------------------------------------------------------------
     def check_prompt(self, ids: Sequence[int], where: str) -> list[int]:
-        ids = [int(t) for t in ids]
+        ids = check_ids(ids, where)
         if not ids:
             raise InputError("empty prompt", where=where, expected="at least one token id")
         bad = [t for t in ids if not 0 <= t < self.vocab]
@@ -90,8 +154,19 @@ class Session:
         self.seqs[s.id] = s
         return s
 
+    def _live(self, s, where: str) -> SeqState:
+        if not isinstance(s, SeqState):
+            raise InputError("not a sequence of this session", where=where, found=type(s).__name__)
+        if self.seqs.get(s.id) is not s:
+            raise InputError("the sequence was released (or belongs to another session)", where=where,
+                             found=f"sequence {s.id}")
+        return s
+
     def release(self, s: SeqState) -> None:
-        if self.seqs.pop(s.id, None) is not None:
+        if not isinstance(s, SeqState):
+            raise InputError("not a sequence of this session", where="release", found=type(s).__name__)
+        if self.seqs.get(s.id) is s:
+            del self.seqs[s.id]
             self.free_slots.append(s.slot)
             self.free_blocks.extend(reversed(s.blocks))
             s.blocks = []
@@ -109,7 +184,7 @@ class Session:
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[list[SeqState], np.ndarray]:
         """Open one sequence per prompt and run its prompt through chunked prefill. Returns the sequences
         and the logits after each prompt's last token `[n, V]`."""
-        prompts = [self.check_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        prompts = [self.check_prompt(p, f"prompt {i}") for i, p in enumerate(check_prompts(prompts))]
         for i, p in enumerate(prompts):
             if len(p) > self.max_context:
                 raise InputError("prompt longer than the compiled maximum context", where=f"prompt {i}",
@@ -126,7 +201,8 @@ class Session:
 
     def extend(self, s: SeqState, ids: Sequence[int]) -> np.ndarray:
         """Append tokens to a sequence through prefill chunks; logits after the last one `[V]`."""
-        ids = list(ids)
+        s = self._live(s, "extend")
+        ids = self.check_prompt(ids, f"sequence {s.id}")
         last = None
         while ids:
             T, fname = next(((t, f) for t, f in self.prefill_fns if t >= len(ids)), self.prefill_fns[-1])
@@ -143,6 +219,12 @@ class Session:
 
     def decode(self, seqs: Sequence[SeqState], tokens: Sequence[int]) -> np.ndarray:
         """One token for each of the given live sequences; their next-token logits `[n, V]`."""
+        if not isinstance(seqs, (list, tuple)):
+            raise InputError("decode needs a list of sequences", found=type(seqs).__name__)
+        seqs = [self._live(s, "decode") for s in seqs]
+        if len({s.id for s in seqs}) != len(seqs):
+            raise InputError("decode names a sequence twice")
+        tokens = check_ids(tokens, "decode tokens")
         n = len(seqs)
         if n != len(tokens) or n == 0:
             raise InputError("decode needs one token per sequence", expected=n, found=len(tokens))
@@ -177,11 +259,11 @@ class Session:
         """New ids for every prompt (continuous batching: at most `max_batch` sequences live at once; a
         waiting prompt joins as soon as a slot is free; each sequence stops at `max_new_tokens` or at a
         stop id, which is included)."""
-        if max_new_tokens < 0:
-            raise InputError("max_new_tokens must be >= 0", found=max_new_tokens)
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise InputError("sampling needs temperature >= 0 and 0 < top_p <= 1", found=(temperature, top_p))
-        prompts = [self.check_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        if not _is_int(max_new_tokens) or max_new_tokens < 0:
+            raise InputError("max_new_tokens must be an integer >= 0", found=repr(max_new_tokens)[:40])
+        check_sampling(temperature, top_p, seed)
+        stop_ids = check_ids(list(stop_ids) if isinstance(stop_ids, (set, frozenset)) else stop_ids, "stop_ids")
+        prompts = [self.check_prompt(p, f"prompt {i}") for i, p in enumerate(check_prompts(prompts))]
         for i, p in enumerate(prompts):
             if len(p) + max_new_tokens > self.max_context:
                 raise InputError("prompt + max_new_tokens exceed the compiled maximum context", where=f"prompt {i}",
@@ -194,30 +276,42 @@ class Session:
             return out
         waiting = deque(range(len(prompts)))
         live: list[tuple[int, SeqState, int]] = []  # (prompt index, sequence, next token to feed)
-        while waiting or live:
-            while waiting and self.free_slots and len(live) < self.max_batch:
-                i = waiting.popleft()
-                s = self.open()
-                tok = self._sample(self.extend(s, prompts[i])[None], temperature, top_p, rng)[0]
-                if self.first_token_s is None:
-                    self.first_token_s = time.perf_counter() - t0
-                out[i].append(tok)
-                if len(out[i]) >= max_new_tokens or tok in stops:
-                    self.release(s)
-                else:
-                    live.append((i, s, tok))
-            if not live:
-                continue
-            logits = self.decode([s for _, s, _ in live], [t for _, _, t in live])
-            toks = self._sample(logits, temperature, top_p, rng)
-            nxt = []
-            for (i, s, _), tok in zip(live, toks):
-                out[i].append(tok)
-                if len(out[i]) >= max_new_tokens or tok in stops:
-                    self.release(s)
-                else:
-                    nxt.append((i, s, tok))
-            live = nxt
+        try:
+            while waiting or live:
+                while waiting and self.free_slots and len(live) < self.max_batch:
+                    i = waiting.popleft()
+                    s = self.open()
+                    try:
+                        tok = self._sample(self.extend(s, prompts[i])[None], temperature, top_p, rng)[0]
+                    except BaseException:
+                        self.release(s)
+                        raise
+                    if self.first_token_s is None:
+                        self.first_token_s = time.perf_counter() - t0
+                    out[i].append(tok)
+                    if len(out[i]) >= max_new_tokens or tok in stops:
+                        self.release(s)
+                    else:
+                        live.append((i, s, tok))
+                if not live:
+                    if waiting:  # no slot came free and none is live: another loop would never progress
+                        raise InputError("no free sequence slot for the waiting prompts (release the session's "
+                                         "open sequences first)", found=f"{len(self.seqs)} open")
+                    continue
+                logits = self.decode([s for _, s, _ in live], [t for _, _, t in live])
+                toks = self._sample(logits, temperature, top_p, rng)
+                nxt = []
+                for (i, s, _), tok in zip(live, toks):
+                    out[i].append(tok)
+                    if len(out[i]) >= max_new_tokens or tok in stops:
+                        self.release(s)
+                    else:
+                        nxt.append((i, s, tok))
+                live = nxt
+        except BaseException:  # an error mid-way (a full pool, say) must not leave this call's sequences open
+            for _, s, _ in live:
+                self.release(s)
+            raise
         return out
 
     @staticmethod
@@ -263,8 +357,9 @@ def load(path, device: str = "auto", *, threads: int | None = None, verify: bool
     library path), `auto` (a GPU whose driver library loads and whose target the artifact holds, else
     `cpu` when the artifact has it, else `host`). `graphs`: decode steps as captured graphs (C runtime
     devices)."""
-    if device not in DEVICES:
-        raise InputError(f"unknown device '{device}'", expected=", ".join(DEVICES))
+    if not isinstance(device, str) or device not in DEVICES:
+        raise InputError(f"unknown device {device!r}", expected=", ".join(DEVICES))
+    check_threads(threads)
     art = load_artifact(path, verify=verify, defer_weights=True)  # the backend hashes the shards as it reads them
     if art.manifest["weights"].get("shape_only"):
         raise InputError("a shape-only artifact (compiled with --weights none) has no weights to run",

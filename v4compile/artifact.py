@@ -20,7 +20,9 @@ Writing is atomic (everything goes to a temporary sibling directory renamed at t
 is removed) and byte-reproducible (no timestamps, sorted keys, deterministic names). Weights are streamed
 (`weights_io`): copied or converted piece by piece in a bounded window, so the whole model is never in
 memory; every shard and every tensor is hashed as it is written (`weights.tensors.<name>.sha256`).
-Loading checks every file's hash and names the file that changed.
+Loading treats the artifact as untrusted input: the manifest is checked against its schema and every path
+confined to the directory (`manifest.py`), then every file's hash is checked, naming the file that changed;
+the runtime checks the pieces against each other as it opens them (`runtime/artifact_checks.py`).
 """
 
 from __future__ import annotations
@@ -34,20 +36,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import InputError
+from .errors import ArtifactError, InputError
 from .ir.core import Module
+from .manifest import (FORMAT_VERSION, MANIFEST, TARGET_FORMATS, canonical, check_manifest, confined, manifest_digest,
+                       read_manifest)
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 SHARD_BYTES = 1 << 30  # 1 GiB of tensor data per weights shard
-GPU_TARGETS = ("gfx950", "sm_90a")
-TARGETS = ("cpu", *GPU_TARGETS)
-
-
-class ArtifactError(InputError):
-    """An artifact directory that cannot be loaded: missing, damaged, or from another format version."""
+TARGETS = tuple(TARGET_FORMATS)  # cpu, gfx950, sm_90a
+GPU_TARGETS = tuple(t for t, f in TARGET_FORMATS.items() if f == "triton-aot")
 
 
 @dataclass(frozen=True)
@@ -58,9 +56,15 @@ class Buckets:
     prefill: tuple[int, ...] = (16, 64)
 
     def validate(self) -> None:
-        for what, v in (("decode batch buckets", self.decode), ("prefill chunk buckets", self.prefill)):
+        from .manifest import MAX_BATCH, MAX_BUCKETS, MAX_CHUNK
+
+        for what, v, hi in (("decode batch buckets", self.decode, MAX_BATCH),
+                            ("prefill chunk buckets", self.prefill, MAX_CHUNK)):
             if not v or any(b < 1 for b in v) or list(v) != sorted(set(v)):
-                raise InputError(f"{what} must be increasing positive integers", found=list(v))
+                raise InputError(f"{what} must be increasing positive integers", found=list(v)[:8])
+            if len(v) > MAX_BUCKETS or max(v) > hi:
+                raise InputError(f"{what} out of range", expected=f"<= {MAX_BUCKETS} buckets, each <= {hi}",
+                                 found=list(v)[:8])
 
 
 def decode_name(b: int) -> str:
@@ -71,21 +75,18 @@ def prefill_name(t: int) -> str:
     return f"prefill_c{t}"
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, error: type = ArtifactError) -> str:
+    """sha256 of a regular file (opened without blocking: a FIFO is refused, never waited on)."""
+    from .files import open_regular
+
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path, error), "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
 
 
-def _json(obj: Any) -> str:
-    return json.dumps(obj, indent=1, sort_keys=True) + "\n"
-
-
-def manifest_digest(manifest: dict[str, Any]) -> str:
-    """sha256 of the manifest's canonical text without its own digest field."""
-    return hashlib.sha256(_json({k: v for k, v in manifest.items() if k != "manifest_sha256"}).encode()).hexdigest()
+_json = canonical
 
 
 # ---- building the bucketed module -------------------------------------------------------------
@@ -155,6 +156,8 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
     from .ir.text import print_module
 
     out = Path(out)
+    if out.is_symlink():  # replacing it would replace the link, not the directory it names
+        raise InputError("output directory is a symlink", where=str(out), expected="the directory it points to")
     if out.exists() and not force and not (out / MANIFEST).is_file() and any(out.iterdir()):
         raise InputError("output directory exists and is not an artifact; refusing to replace it", where=str(out))
     unknown = [t for t in ci.targets if t not in TARGETS]
@@ -327,15 +330,18 @@ def _report(ci: CompileInputs, targets: list[dict]) -> dict[str, Any]:
 class Artifact:
     path: Path
     manifest: dict[str, Any]
+    verified: bool = True
     deferred: tuple[str, ...] = ()  # files whose hash the weights reader checks as it streams them
 
     def weights(self):
-        """The weights, mapped (`weights_io.MappedWeights`); the deferred shards are hashed as streamed."""
+        """The weights, mapped (`weights_io.MappedWeights`), every shard opened through `file` (listed,
+        confined, a regular file); the deferred shards are hashed as streamed."""
         from .weights_io import MappedWeights
 
-        files = self.manifest.get("files", {})
+        files = self.manifest["files"]
         return MappedWeights(self.path, self.manifest["weights"]["tensors"], ArtifactError,
-                             {rel: files[rel] for rel in self.deferred} if self.deferred else None)
+                             {rel: files[rel] for rel in self.deferred} if self.deferred else None,
+                             path_of=lambda rel: self.file(rel, "weights shard"))
 
     def target(self, name: str) -> dict[str, Any]:
         for t in self.manifest["targets"]:
@@ -344,38 +350,43 @@ class Artifact:
         raise ArtifactError(f"the artifact has no '{name}' target", where=str(self.path),
                             expected=", ".join(t["name"] for t in self.manifest["targets"]) or "a target")
 
-    def file(self, rel: str) -> Path:
-        return self.path / rel
+    def file(self, rel: str, what: str = "file") -> Path:
+        """The path of a file of the artifact: listed in the manifest, inside the artifact after every
+        symlink, a regular file (checked again at every open: see `manifest.confined`)."""
+        return confined(self.path, rel, self.manifest["files"], what)
+
+    def read_bytes(self, rel: str, what: str = "file", limit: int = 1 << 32) -> bytes:
+        """A (small) file's bytes, checked against its hash in the manifest when the artifact was verified:
+        what is used is what was hashed, even if the file changed since `load_artifact`."""
+        from .files import read_bytes
+
+        data = read_bytes(self.file(rel, what), ArtifactError, what, limit)
+        if self.verified and hashlib.sha256(data).hexdigest() != self.manifest["files"][rel]:
+            raise ArtifactError(f"{what} does not match its hash in the manifest (changed or damaged)", where=rel)
+        return data
 
 
 def load_artifact(path: str | Path, verify: bool = True, defer_weights: bool = False) -> Artifact:
-    """The artifact at `path`, every file checked against its hash (`verify`); with `defer_weights` the
-    weight shards are left to `Artifact.weights().stream()`, which hashes them as it reads them (one
-    read of every byte instead of two)."""
+    """Read and check an artifact directory: the manifest (not through a symlink; one typed schema, see
+    `manifest.py`), then every file it lists (inside the artifact, a regular file, and with `verify` its
+    sha256). Nothing outside the directory is opened. With `defer_weights` the weight shards' hashes are
+    left to `Artifact.weights()`, which hashes them as it reads them (one read of every byte, not two)."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ArtifactError("an artifact is named by a directory path", found=repr(path)[:60])
     path = Path(path)
-    mpath = path / MANIFEST
-    if not mpath.is_file():
-        raise ArtifactError("not an artifact directory (no manifest.json)", where=str(path))
+    if not path.is_dir():
+        raise ArtifactError("not an artifact directory", where=str(path))
+    manifest = read_manifest(path)
     try:
-        manifest = json.loads(mpath.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ArtifactError(f"manifest.json cannot be read: {e}", where=str(mpath)) from None
-    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
-        raise ArtifactError("unsupported artifact format version", where=str(mpath), expected=FORMAT_VERSION,
-                            found=manifest.get("format_version") if isinstance(manifest, dict) else None)
-    if verify and manifest.get("manifest_sha256") != manifest_digest(manifest):
-        raise ArtifactError("manifest.json does not match its own hash (changed or damaged)", where=str(mpath))
-    files = manifest.get("files", {})
-    if not isinstance(files, dict):
-        raise ArtifactError("manifest.json: `files` must be an object", where=str(mpath))
-    shards = set(manifest.get("weights", {}).get("shards", [])) if verify and defer_weights else set()
+        check_manifest(manifest, verify)
+    except ArtifactError as e:
+        raise ArtifactError(e.what, where=str(path / MANIFEST) if e.where == MANIFEST else e.where,
+                            expected=e.expected, found=e.found) from None
+    files = manifest["files"]
+    shards = set(manifest["weights"].get("shards", [])) & set(files) if verify and defer_weights else set()
     for rel, digest in sorted(files.items()):
-        p = (path / rel).resolve()
-        if path.resolve() not in p.parents:
-            raise ArtifactError("manifest names a file outside the artifact", where=rel)
-        if not p.is_file():
-            raise ArtifactError("file listed in the manifest is missing", where=str(path / rel))
+        p = confined(path, rel, files)
         if verify and rel not in shards and sha256_file(p) != digest:
             raise ArtifactError("file does not match its hash in the manifest (changed or damaged)",
                                 where=str(path / rel), expected=digest[:16] + "...")
-    return Artifact(path, manifest, tuple(sorted(shards & set(files))))
+    return Artifact(path, manifest, verify, tuple(sorted(shards)))

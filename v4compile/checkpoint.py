@@ -289,6 +289,10 @@ class Checkpoint:
         file headers."""
         return {n: _QUANT_OF_DTYPE.get(e.dtype, "dense") for n, e in self.entries.items()}
 
+    def missing(self) -> list[str]:
+        """The config's tensors that no file holds (from the headers: no data read)."""
+        return [n for n in spec_table(self.cfg) if n not in self.entries]
+
     def header_specs(self) -> list[TensorSpec]:
         """The config's specs with the formats actually found in the files (for `inspect`)."""
         fmt_of = {"F32": "fp32", "BF16": "bf16", "F16": "bf16", "F8_E4M3": "fp8", "I8": "fp4", "U8": "fp4",

@@ -69,6 +69,20 @@ def float_arg(lo: float, hi: float):
     return parse
 
 
+def temperature_arg(text: str) -> float:
+    """--temperature: a finite number >= 0 (0: greedy)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, found {text[:40]!r}") from None
+    if not (math.isfinite(v) and 0 <= v <= 1e6):
+        raise argparse.ArgumentTypeError(f"expected a finite number in [0, 1e6], found {text[:40]}")
+    return v
+
+
+temperature_arg.__name__ = "number"
+
+
 def _parse_ids(text: str) -> list[int]:
     parts = [x for x in text.replace(" ", "").split(",") if x != ""]
     if len(parts) > MAX_IDS:
@@ -174,8 +188,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .config import preset
 
     if args.checkpoint:
+        from .errors import CheckpointError
+
         with Checkpoint.open(args.checkpoint) as ckpt:
             cfg = ckpt.cfg
+            missing = ckpt.missing()
+            if missing:  # the accounting would count tensors that are not there
+                raise CheckpointError(f"{len(missing)} tensor(s) missing", where=str(args.checkpoint),
+                                      expected="every tensor of the config", found=", ".join(missing[:3]) +
+                                      (", ..." if len(missing) > 3 else ""))
             a = account(cfg, ckpt.header_specs())
     else:
         cfg = preset(args.preset or DEFAULT_PRESET)
@@ -238,21 +259,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int_arg(0, INT64_MAX), default=0, help="seed of the random weights of a preset")
     g.add_argument("--allow-nonfinite", action="store_true", help="load NaN / Inf weights instead of refusing them")
     g.add_argument("--json", action="store_true")
-    from .compile_cli import add_threads_flag
+    from .compile_cli import add_threads_flag, threads_arg
     add_threads_flag(g)
     g.set_defaults(func=cmd_generate)
 
     rn = sub.add_parser("run", help="generate with a compiled artifact (v4compile compile -o DIR)")
     rn.add_argument("artifact", metavar="ARTIFACT", help="artifact directory")
     rn.add_argument("--ids", required=True, help="prompt token ids, comma-separated")
-    rn.add_argument("--max-new-tokens", type=int, default=16)
+    rn.add_argument("--max-new-tokens", type=int_arg(1, 1 << 24), default=16)
     rn.add_argument("--device", choices=("auto", "cpu", "host", "hip", "cuda"), default="auto",
                     help="auto (default), cpu (ONNX Runtime), host (the C runtime on host memory, reference kernels), "
                          "hip / cuda (the C runtime on a GPU)")
-    rn.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    rn.add_argument("--top-p", type=float, default=1.0)
-    rn.add_argument("--seed", type=int, default=None, help="sampling seed")
-    rn.add_argument("--threads", type=int, default=None, help="CPU threads (default: cores, at most 8)")
+    rn.add_argument("--temperature", type=temperature_arg, default=0.0, help="0 (default): greedy")
+    rn.add_argument("--top-p", type=float_arg(0.0, 1.0), default=1.0)
+    rn.add_argument("--seed", type=int_arg(0, 2 ** 64 - 1), default=None, help="sampling seed, in [0, 2^64)")
+    rn.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: cores, at most 8)")
     rn.add_argument("--json", action="store_true", help='print {"ids": [...], "tokens_per_s", "load_s", "warmup_s", "prefill_s"}')
     rn.set_defaults(func=cmd_run)
 
@@ -303,6 +324,19 @@ class _Formatter(logging.Formatter):
 def main(argv: Sequence[str] | None = None) -> int:
     for s in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, _on_signal)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: KeyboardInterrupt, cleaned up below
+    try:  # from the first moment: a signal during the (slow) imports below is no traceback either
+        return _main(argv)
+    except Terminated as e:
+        print(f"interrupted by signal {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from . import ops
 
     ops.load_all()  # every command may read or build IR of any op set
@@ -327,13 +361,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
-    except Terminated as e:
-        print(f"interrupted by signal {signal.Signals(e.signum).name}", file=sys.stderr)
-        return 128 + e.signum
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -58,13 +58,16 @@ def default_threads() -> int:
     return max(1, min(MAX_DEFAULT_THREADS, cores, cores - busy))
 
 
+MAX_THREADS = 256  # the same bound as the API's (runtime/session.py)
+
+
 def threads_arg(text: str) -> int:
     try:
         n = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, found {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, found {n}")
+        raise argparse.ArgumentTypeError(f"must be a positive integer, found {text[:40]!r}") from None
+    if not 1 <= n <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"must be an integer in [1, {MAX_THREADS}], found {text[:40]}")
     return n
 
 
@@ -409,6 +412,14 @@ def _check_outputs(args) -> None:
         check_output_dir(args.dump_ir, InputError, force=True, what="--dump-ir directory")
     out = getattr(args, "output", None)
     if out and args.func is cmd_compile:
+        if Path(out).is_symlink():  # replacing it would replace the link, not the directory it names
+            raise InputError("-o output directory is a symlink", where=out, expected="the directory it points to")
+        ckpt = getattr(args, "checkpoint", None)
+        if ckpt:
+            o, c = Path(out).resolve(), Path(ckpt).resolve()
+            if o == c or o in c.parents:
+                raise InputError("-o would replace the input checkpoint", where=out,
+                                 expected="an output directory apart from the checkpoint", found=str(c))
         check_output_dir(out, InputError, force=args.force, what="-o output directory")
     elif out:
         check_output_file(out, InputError, what="-o output file")
@@ -583,10 +594,30 @@ def cmd_ir_passes(args) -> int:
 # ---- compile -----------------------------------------------------------------------------------
 
 def _int_list(text: str, what: str) -> tuple[int, ...]:
+    parts = [x for x in text.split(",") if x.strip()]
+    if len(parts) > 64 or len(text) > 4096:
+        raise InputError(f"{what} lists too many buckets", expected="<= 64", found=len(parts))
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
+        return tuple(int(x, 10) for x in parts)
     except ValueError:
-        raise InputError(f"{what} must be comma-separated integers", found=text) from None
+        raise InputError(f"{what} must be comma-separated integers", found=text[:80]) from None
+
+
+def _buckets_of(args):
+    """The artifact's buckets from the command line, checked before any work starts."""
+    from .artifact import Buckets, gpu_default_buckets
+
+    buckets = Buckets(_int_list(args.decode_buckets, "--decode-buckets"),
+                      _int_list(args.prefill_buckets, "--prefill-buckets"))
+    buckets.validate()
+    gpu_buckets = gpu_default_buckets(buckets)
+    if args.gpu_decode_buckets or args.gpu_prefill_buckets:
+        gpu_buckets = Buckets(_int_list(args.gpu_decode_buckets, "--gpu-decode-buckets") if args.gpu_decode_buckets
+                              else gpu_buckets.decode,
+                              _int_list(args.gpu_prefill_buckets, "--gpu-prefill-buckets") if args.gpu_prefill_buckets
+                              else gpu_buckets.prefill)
+        gpu_buckets.validate()
+    return buckets, gpu_buckets
 
 
 SMALL_MODEL_PARAMS = 2_000_000_000  # the cpu target comes by default with models up to this size
@@ -598,6 +629,7 @@ def cmd_compile(args) -> int:
     _check_outputs(args)
     targets = targets_of(args)
     if args.output:
+        _buckets_of(args)  # before any work
         targets = artifact_targets(args, targets)
     if args.dtype is None:
         # ONNX Runtime's CPU kernels compute in fp32; GPU targets alone default to bf16.
@@ -653,7 +685,7 @@ def artifact_targets(args, targets: list[str]) -> list[str]:
 
 def _write_artifact(args, fe, targets) -> None:
     """The artifact directory (v4compile/artifact.py): every target's pipeline, traced per bucket."""
-    from .artifact import Buckets, compile_artifact, gpu_default_buckets
+    from .artifact import compile_artifact
     from .passes import CPU_PIPELINE, GPU_PIPELINE
 
     if args.start_from:
@@ -673,15 +705,7 @@ def _write_artifact(args, fe, targets) -> None:
             gpu_pipeline = _split_specs(args.passes)
         else:
             cpu_pipeline = _split_specs(args.passes)
-    buckets = Buckets(_int_list(args.decode_buckets, "--decode-buckets"),
-                      _int_list(args.prefill_buckets, "--prefill-buckets"))
-    buckets.validate()
-    gpu_buckets = gpu_default_buckets(buckets)
-    if args.gpu_decode_buckets or args.gpu_prefill_buckets:
-        gpu_buckets = Buckets(_int_list(args.gpu_decode_buckets, "--gpu-decode-buckets") if args.gpu_decode_buckets
-                              else gpu_buckets.decode,
-                              _int_list(args.gpu_prefill_buckets, "--gpu-prefill-buckets") if args.gpu_prefill_buckets
-                              else gpu_buckets.prefill)
+    buckets, gpu_buckets = _buckets_of(args)
     compile_artifact(fe, args.output, buckets, cpu_pipeline, tuple(targets), tuple(args.disable_pass),
                      force=args.force, gpu_pipeline=gpu_pipeline, jobs=args.jobs, gpu_buckets=gpu_buckets)
 
@@ -739,6 +763,6 @@ def add_compile_commands(sub) -> None:
                         "batches run padded)")
     c.add_argument("--gpu-prefill-buckets", default=None,
                    help="prefill chunk buckets of the GPU targets (default: the largest --prefill-buckets)")
-    c.add_argument("--jobs", type=int, default=None,
+    c.add_argument("--jobs", type=threads_arg, default=None,
                    help="worker processes compiling kernels ahead of time (default: the CPU count; same output)")
     c.set_defaults(func=cmd_compile)

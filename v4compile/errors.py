@@ -45,6 +45,12 @@ class InputError(V4Error):
     """Bad runtime input: token ids, prompt length, cache capacity."""
 
 
+class ArtifactError(InputError):
+    """A compiled artifact that cannot be loaded: missing, damaged, from another format version, or one whose
+    manifest or files break the artifact's rules (a path leading outside it, a field out of range, pieces
+    that disagree with each other). An `InputError`: the artifact is the user's input to the runtime."""
+
+
 class IRError(V4Error):
     """Malformed IR text, or IR that fails verification."""
 

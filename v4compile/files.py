@@ -86,7 +86,10 @@ def inside(root: str | Path, rel: str, error: type[V4Error], where: str) -> Path
         raise error("file name leaves the checkpoint directory", where=where, found=rel)
     base = Path(root).resolve()
     p = Path(root) / rel
-    real = p.resolve()
+    try:
+        real = p.resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python 3.11)
+        raise error(f"file name cannot be resolved ({e})", where=where, found=rel) from None
     if real != base and base not in real.parents:
         raise error("file resolves outside the checkpoint directory (symlink?)", where=where,
                     expected=f"a file under {base}", found=str(real))

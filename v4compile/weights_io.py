@@ -453,12 +453,14 @@ class MappedWeights(Mapping):
     tensor's pages from the process once it has been copied elsewhere (they stay in the page cache)."""
 
     def __init__(self, root: Path, tensors: dict[str, dict[str, Any]], error: type,
-                 expected: dict[str, str] | None = None):
+                 expected: dict[str, str] | None = None, path_of=None):
+        # `path_of(rel)`: the shard's path, checked by the caller (an artifact confines it to itself)
         self.root, self.error, self.expected = Path(root), error, expected
+        self.path_of = path_of if path_of is not None else (lambda rel: self.root / rel)
         self.shard_of: dict[str, str] = {n: t["shard"] for n, t in tensors.items()}
         self.shards: dict[str, MappedShard] = {}
         for rel in sorted(set(self.shard_of.values())):
-            sh = map_shard(self.root / rel, error)
+            sh = map_shard(self.path_of(rel), error)
             self.shards[rel] = sh
             for n, t in tensors.items():
                 if t["shard"] != rel:
@@ -533,7 +535,7 @@ class MappedWeights(Mapping):
                 h = hashlib.sha256()
                 spans = sorted((sh.data_start + i.begin, sh.data_start + i.end, n) for n, i in sh.tensors.items()
                                if self.shard_of.get(n) == rel and i.end > i.begin)
-                fd = open_regular(self.root / rel, self.error, "weights shard")
+                fd = open_regular(self.path_of(rel), self.error, "weights shard")
                 try:
                     if hasattr(os, "posix_fadvise"):
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)

@@ -1,0 +1,421 @@
+"""The artifact's `manifest.json` as untrusted input: read safely, checked against one typed schema, every
+path confined to the artifact.
+
+An artifact may come from another machine or another person: hashes prove that the files are the ones the
+manifest lists, not that the manifest is sane. So, before anything is opened or sized from it:
+
+* `read_manifest`: `DIR/manifest.json` is a regular file opened without following a symlink and without
+  blocking, at most `MAX_MANIFEST_BYTES`, strict JSON (no key twice, no NaN / Infinity, UTF-8), nested at
+  most `MAX_DEPTH` deep.
+* `check_manifest`: every field the loader and the runtime read has its type and range (integers are JSON
+  integers, never booleans; every size bounded before anything is allocated from it); the config is a
+  valid config and matches its hash; vocabulary, context, buckets, functions and pool geometry agree with
+  each other (the pool is recomputed from the config); every path the runtime opens is relative, free of
+  `..`, and listed (and so hashed) in `files`.
+* `confined`: a listed path resolved inside the artifact (after every symlink) that names a regular file;
+  `load_artifact` applies it to every listed file and the runtime again at every open.
+
+Every refusal is one `ArtifactError` naming the key (or file) and what was expected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import stat
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from .errors import ArtifactError, ConfigError
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024  # V4-Pro's manifest (cpu + gpu targets) is ~40 MB
+MAX_DEPTH = 16  # the manifest nests 7 deep (targets / i / functions / f / inputs / i)
+MAX_PATH = 1024  # characters of a path inside the artifact
+MAX_NAME = 1024  # characters of a tensor, function or kernel name
+MAX_ENTRIES = 1_000_000  # files, tensors, kernels, a function's inputs
+MAX_BATCH = 4096  # sequences in one decode bucket (and slots of the pool)
+MAX_CHUNK = 1 << 20  # tokens in one prefill bucket
+MAX_BUCKETS = 64
+MAX_BLOCKS = 1 << 22  # pool blocks (the session keeps a free list of them): V4-Pro, 8 x 1 M tokens: 32,768
+MAX_RANK = 8
+MAX_NUMEL = 1 << 48
+TARGET_FORMATS = {"cpu": "onnx", "gfx950": "triton-aot", "sm_90a": "triton-aot"}  # the artifact's targets
+IR_DTYPES = ("fp32", "bf16", "fp8e4m3", "e8m0", "fp4x2", "i32", "i64", "bool")
+SHA256 = re.compile(r"[0-9a-f]{64}")
+KERNEL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+def read_manifest(root: str | Path) -> dict[str, Any]:
+    """`root/manifest.json`, parsed strictly; refused if it is a symlink, not a regular file, too large, not
+    JSON, or nested too deeply."""
+    from .safetensors_io import loads_strict
+
+    root = Path(root)
+    mpath = root / MANIFEST
+    where = str(mpath)
+    try:
+        st = os.lstat(mpath)
+    except FileNotFoundError:
+        raise ArtifactError("not an artifact directory (no manifest.json)", where=str(root)) from None
+    except OSError as e:
+        raise ArtifactError(f"cannot open manifest.json: {e.strerror}", where=where) from None
+    if stat.S_ISLNK(st.st_mode):
+        raise ArtifactError("manifest.json is a symlink (the manifest must be a regular file in the artifact)",
+                            where=where)
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(mpath, flags)
+    except OSError as e:
+        raise ArtifactError(f"cannot open manifest.json: {e.strerror}", where=where) from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ArtifactError("manifest.json is not a regular file", where=where)
+        if st.st_size > MAX_MANIFEST_BYTES:
+            raise ArtifactError("manifest.json is too large", where=where, expected=f"<= {MAX_MANIFEST_BYTES} bytes",
+                                found=f"{st.st_size} bytes")
+        try:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        except OSError as e:
+            raise ArtifactError(f"cannot read manifest.json: {e.strerror}", where=where) from None
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ArtifactError("manifest.json is too large", where=where, expected=f"<= {MAX_MANIFEST_BYTES} bytes")
+    m = loads_strict(raw, where, "manifest.json", ArtifactError)  # (the parser's own recursion limit: ~1000)
+    if not isinstance(m, dict):
+        raise ArtifactError("manifest.json must be a JSON object", where=where, found=type(m).__name__)
+    if _depth(m) > MAX_DEPTH:
+        raise ArtifactError("manifest.json is nested too deeply", where=where, expected=f"<= {MAX_DEPTH} levels")
+    return m
+
+
+def _depth(v: Any) -> int:
+    """The deepest nesting of lists and objects (iterative: stops as soon as it passes MAX_DEPTH)."""
+    best, stack = 0, [(v, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (dict, list)):
+            best = max(best, d)
+            if best > MAX_DEPTH:
+                return best
+            stack.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
+    return best
+
+
+def canonical(manifest: dict[str, Any]) -> str:
+    return json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """sha256 of the manifest's canonical text without its own digest field."""
+    return hashlib.sha256(canonical({k: v for k, v in manifest.items() if k != "manifest_sha256"}).encode()) \
+        .hexdigest()
+
+
+# ---- paths --------------------------------------------------------------------------------------
+
+def check_rel(rel: Any, key: str) -> str:
+    """A syntactically safe path inside the artifact: a non-empty relative POSIX path without `..`."""
+    if not isinstance(rel, str) or not rel:
+        raise _err(f"`{key}` must be a non-empty path string", found=_show(rel))
+    if len(rel) > MAX_PATH or "\0" in rel or "\\" in rel:
+        raise _err(f"`{key}` is not a plain relative path", found=_show(rel))
+    p = PurePosixPath(rel)
+    if p.is_absolute() or rel.startswith("/"):
+        raise _err(f"`{key}` is an absolute path (every path must lie inside the artifact)", found=_show(rel))
+    if any(part in ("..", ".") for part in rel.split("/")) or "//" in rel or rel.endswith("/"):
+        raise _err(f"`{key}` leaves the artifact or is not normalised (`..`, `.`, `//`)", found=_show(rel))
+    return rel
+
+
+def confined(root: Path, rel: str, files: dict[str, str], what: str = "file") -> Path:
+    """`root / rel` if `rel` is listed in the manifest's `files`, resolves inside `root` after following
+    every symlink, and names a regular file; else one ArtifactError (nothing outside is opened)."""
+    check_rel(rel, what)
+    if rel not in files:
+        raise ArtifactError(f"{what} is not listed (and hashed) in the manifest's `files`", where=rel)
+    base = root.resolve()
+    p = root / rel
+    try:
+        real = p.resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise ArtifactError(f"{what} cannot be resolved ({e})", where=rel) from None
+    if base not in real.parents:
+        raise ArtifactError(f"{what} resolves outside the artifact (symlink?)", where=rel,
+                            expected=f"a file under {base}")
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        raise ArtifactError(f"{what} listed in the manifest is missing ({e.strerror})", where=str(p)) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ArtifactError(f"{what} is not a regular file", where=str(p))
+    return real
+
+
+# ---- the schema ---------------------------------------------------------------------------------
+
+def _err(what: str, **kw: Any) -> ArtifactError:
+    return ArtifactError(what, where=MANIFEST, **kw)
+
+
+def _show(v: Any) -> str:
+    r = "null" if v is None else json.dumps(v) if isinstance(v, (bool, str)) else repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _obj(v: Any, key: str) -> dict:
+    if not isinstance(v, dict):
+        raise _err(f"`{key}` must be an object", found=_show(v))
+    return v
+
+
+def _get(d: dict, k: str, key: str) -> Any:
+    if k not in d:
+        raise _err(f"missing field `{key}`")
+    return d[k]
+
+
+def _int(v: Any, key: str, lo: int, hi: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _err(f"`{key}` must be an integer", found=_show(v))
+    if not lo <= v <= hi:
+        raise _err(f"`{key}` is out of range", expected=f"{lo} <= value <= {hi}", found=v)
+    return v
+
+
+def _str(v: Any, key: str, choices: tuple[str, ...] | None = None, max_len: int = MAX_NAME) -> str:
+    if not isinstance(v, str) or len(v) > max_len:
+        raise _err(f"`{key}` must be a string of at most {max_len} characters", found=_show(v))
+    if choices is not None and v not in choices:
+        raise _err(f"`{key}` has an unknown value", expected=" / ".join(choices), found=_show(v))
+    return v
+
+
+def _list(v: Any, key: str, max_len: int = MAX_ENTRIES) -> list:
+    if not isinstance(v, list):
+        raise _err(f"`{key}` must be a list", found=_show(v))
+    if len(v) > max_len:
+        raise _err(f"`{key}` is too long", expected=f"<= {max_len} entries", found=len(v))
+    return v
+
+
+def _strs(v: Any, key: str, unique: bool = True) -> list[str]:
+    out = [_str(x, f"{key}[{i}]") for i, x in enumerate(_list(v, key))]
+    if unique and len(set(out)) != len(out):
+        raise _err(f"`{key}` names an entry twice")
+    return out
+
+
+def _buckets(v: Any, key: str, hi: int) -> list[int]:
+    out = [_int(x, f"{key}[{i}]", 1, hi) for i, x in enumerate(_list(v, key, MAX_BUCKETS))]
+    if not out or out != sorted(set(out)):
+        raise _err(f"`{key}` must be increasing positive integers", found=_show(out))
+    return out
+
+
+def _sha(v: Any, key: str) -> str:
+    if not isinstance(v, str) or not SHA256.fullmatch(v):
+        raise _err(f"`{key}` must be a sha256 (64 lowercase hex digits)", found=_show(v))
+    return v
+
+
+def check_manifest(m: dict[str, Any], verify: bool = True) -> None:
+    """Every field the loader and the runtime read: types, ranges, sizes, agreement. See the module doc."""
+    from .config import V4Config
+    from .pool import PoolGeometry
+
+    fv = m.get("format_version")
+    if isinstance(fv, bool) or fv != FORMAT_VERSION:
+        raise _err("unsupported artifact format version", expected=FORMAT_VERSION, found=_show(fv))
+    if verify:
+        _sha(_get(m, "manifest_sha256", "manifest_sha256"), "manifest_sha256")
+        if m["manifest_sha256"] != manifest_digest(m):
+            raise _err("manifest.json does not match its own hash (changed or damaged)")
+    for k in ("compiler_version", "model"):
+        if k in m:
+            _str(m[k], k)
+    if "pipeline" in m:
+        _strs(m["pipeline"], "pipeline", unique=False)
+    if "pipelines" in m:
+        for k, v in _obj(m["pipelines"], "pipelines").items():
+            _strs(v, f"pipelines.{k}", unique=False)
+    if "weights_origin" in m:
+        _obj(m["weights_origin"], "weights_origin")
+    _str(_get(m, "numerics", "numerics"), "numerics", ("hf", "official"))
+    _str(_get(m, "dtype", "dtype"), "dtype", ("fp32", "bf16"))
+
+    # the config: a valid config, and the one its hash names
+    cfg_json = _obj(_get(m, "config", "config"), "config")
+    try:
+        cfg = V4Config.from_dict(cfg_json, name="manifest.json config")
+    except ConfigError as e:
+        raise _err(f"`config` is not a valid config: {e}") from None
+    digest = hashlib.sha256(json.dumps(cfg_json, sort_keys=True).encode()).hexdigest()
+    if _sha(_get(m, "config_hash", "config_hash"), "config_hash") != digest:
+        raise _err("`config_hash` does not match `config`")
+    vocab = _int(_get(m, "vocab_size", "vocab_size"), "vocab_size", 1, cfg.vocab_size)
+    if vocab != cfg.vocab_size:
+        raise _err("`vocab_size` disagrees with the config", expected=cfg.vocab_size, found=vocab)
+    max_context = _int(_get(m, "max_context", "max_context"), "max_context", 1, cfg.max_position)
+
+    # buckets
+    b = _obj(_get(m, "buckets", "buckets"), "buckets")
+    decode = _buckets(_get(b, "decode_batch", "buckets.decode_batch"), "buckets.decode_batch", MAX_BATCH)
+    prefill = _buckets(_get(b, "prefill_chunk", "buckets.prefill_chunk"), "buckets.prefill_chunk", MAX_CHUNK)
+    _int(_get(b, "prefill_batch", "buckets.prefill_batch"), "buckets.prefill_batch", 1, 1)
+    gpu_b = None
+    if "gpu" in b:
+        g = _obj(b["gpu"], "buckets.gpu")
+        gpu_b = (_buckets(_get(g, "decode_batch", "buckets.gpu.decode_batch"), "buckets.gpu.decode_batch", MAX_BATCH),
+                 _buckets(_get(g, "prefill_chunk", "buckets.gpu.prefill_chunk"), "buckets.gpu.prefill_chunk",
+                          MAX_CHUNK))
+        if max(gpu_b[0]) != max(decode):
+            raise _err("the largest GPU decode bucket must be the largest decode bucket", expected=max(decode),
+                       found=max(gpu_b[0]))
+
+    # the pool: bounded field by field, then equal to the geometry the config, context and slots imply
+    pool = _obj(_get(m, "pool", "pool"), "pool")
+    n_slots = _int(_get(pool, "n_slots", "pool.n_slots"), "pool.n_slots", 1, MAX_BATCH)
+    if n_slots != max(decode):
+        raise _err("`pool.n_slots` must be the largest decode bucket (one slot per sequence in flight)",
+                   expected=max(decode), found=n_slots)
+    for k, hi in (("block_tokens", 1 << 20), ("blocks_per_seq", MAX_BLOCKS), ("n_blocks", MAX_BLOCKS)):
+        _int(_get(pool, k, f"pool.{k}"), f"pool.{k}", 1, hi)
+    fmts = {k: _str(_get(pool, k, f"pool.{k}"), f"pool.{k}", ch) for k, ch in
+            (("main_fmt", ("native", "bf16", "fp8")), ("index_fmt", ("native", "fp4", "fp8")),
+             ("compute_dtype", ("fp32", "bf16")))}
+    want = {k[len("pool."):]: (list(v) if isinstance(v, tuple) else v) for k, v in
+            PoolGeometry.for_config(cfg, max_context, n_slots, fmts["main_fmt"], fmts["index_fmt"],
+                                    fmts["compute_dtype"]).to_attrs().items()}
+    for k, v in want.items():
+        if k not in pool:
+            raise _err(f"missing field `pool.{k}`")
+        if isinstance(pool[k], bool) or pool[k] != v or type(pool[k]) is not type(v) and not isinstance(v, float):
+            raise _err(f"`pool.{k}` disagrees with the geometry of the config, max_context and slots",
+                       expected=_show(v), found=_show(pool[k]))
+    if set(pool) - set(want):
+        raise _err("`pool` has unknown fields", found=", ".join(sorted(set(pool) - set(want)))[:80])
+
+    # files: every listed path is a safe relative path with a sha256
+    files = _obj(_get(m, "files", "files"), "files")
+    if len(files) > MAX_ENTRIES:
+        raise _err("`files` is too long", expected=f"<= {MAX_ENTRIES} entries", found=len(files))
+    for rel, digest in files.items():
+        check_rel(rel, f"files[{_show(rel)}]")
+        _sha(digest, f"files[{_show(rel)}]")
+
+    def listed(rel: Any, key: str) -> str:
+        check_rel(rel, key)
+        if rel not in files:
+            raise _err(f"`{key}` names a file the manifest's `files` does not list (and hash)", found=_show(rel))
+        return rel
+
+    # weights
+    w = _obj(_get(m, "weights", "weights"), "weights")
+    _str(_get(w, "layout", "weights.layout"), "weights.layout", ("ir",))
+    shape_only = w.get("shape_only", False)
+    if not isinstance(shape_only, bool):
+        raise _err("`weights.shape_only` must be true or false", found=_show(shape_only))
+    shards = _strs(_get(w, "shards", "weights.shards"), "weights.shards")
+    for i, s in enumerate(shards):
+        listed(s, f"weights.shards[{i}]")
+    tensors = _obj(_get(w, "tensors", "weights.tensors"), "weights.tensors")
+    if len(tensors) > MAX_ENTRIES:
+        raise _err("`weights.tensors` is too long", expected=f"<= {MAX_ENTRIES} entries", found=len(tensors))
+    for name, t in tensors.items():
+        key = f"weights.tensors[{_show(name)}]"
+        _str(name, key)
+        t = _obj(t, key)
+        shard = _get(t, "shard", f"{key}.shard")
+        if shape_only:
+            if shard is not None:
+                raise _err(f"`{key}.shard` must be null in a shape-only artifact", found=_show(shard))
+        elif shard not in shards:
+            raise _err(f"`{key}.shard` is not one of `weights.shards`", found=_show(shard))
+        _str(_get(t, "dtype", f"{key}.dtype"), f"{key}.dtype", IR_DTYPES)
+        shape = [_int(d, f"{key}.shape[{i}]", 0, MAX_NUMEL)
+                 for i, d in enumerate(_list(_get(t, "shape", f"{key}.shape"), f"{key}.shape", MAX_RANK))]
+        if math.prod(shape) > MAX_NUMEL:
+            raise _err(f"`{key}.shape` has too many elements", expected=f"<= {MAX_NUMEL}", found=math.prod(shape))
+        if not shape_only:  # the tensor's bytes in its shard, hashed as written (`weights_io`)
+            _sha(_get(t, "sha256", f"{key}.sha256"), f"{key}.sha256")
+    if shape_only and shards:
+        raise _err("a shape-only artifact lists weight shards", found=len(shards))
+
+    # targets and their functions
+    targets = _list(_get(m, "targets", "targets"), "targets", len(TARGET_FORMATS))
+    if not targets:
+        raise _err("`targets` is empty", expected="at least one of " + ", ".join(TARGET_FORMATS))
+    names: list[str] = []
+    for i, t in enumerate(targets):
+        key = f"targets[{i}]"
+        t = _obj(t, key)
+        name = _str(_get(t, "name", f"{key}.name"), f"{key}.name", tuple(TARGET_FORMATS))
+        if name in names:
+            raise _err(f"`{key}.name` names the target '{name}' twice")
+        names.append(name)
+        _str(_get(t, "format", f"{key}.format"), f"{key}.format", (TARGET_FORMATS[name],))
+        fns = _obj(_get(t, "functions", f"{key}.functions"), f"{key}.functions")
+        if name == "cpu":
+            _int(_get(t, "opset", f"{key}.opset"), f"{key}.opset", 1, 1000)
+            want_fns = ({f"decode_b{x}": ("decode", x, 1) for x in decode} |
+                        {f"prefill_c{x}": ("prefill", 1, x) for x in prefill})
+        else:
+            listed(_get(t, "program", f"{key}.program"), f"{key}.program")
+            _str(_get(t, "backend", f"{key}.backend"), f"{key}.backend")
+            db, pb = gpu_b if gpu_b is not None else (decode, prefill)
+            want_fns = {f"decode_b{x}": ("decode", x, 1) for x in db} | {f"prefill_c{x}": ("prefill", 1, x) for x in pb}
+        if set(fns) != set(want_fns):
+            raise _err(f"`{key}.functions` does not hold one function per bucket",
+                       expected=", ".join(sorted(want_fns)), found=", ".join(sorted(map(str, fns)))[:200])
+        for fname, f in fns.items():
+            fk = f"{key}.functions.{fname}"
+            f = _obj(f, fk)
+            kind, batch, tokens = want_fns[fname]
+            for k, v in (("kind", kind), ("batch", batch), ("tokens", tokens)):
+                got = _get(f, k, f"{fk}.{k}")
+                if isinstance(got, bool) or got != v:
+                    raise _err(f"`{fk}.{k}` disagrees with the function's bucket", expected=_show(v), found=_show(got))
+            if name == "cpu":
+                listed(_get(f, "file", f"{fk}.file"), f"{fk}.file")
+                _int(_get(f, "nodes", f"{fk}.nodes"), f"{fk}.nodes", 0, MAX_ENTRIES * 100)
+                ins = _strs(_get(f, "inputs", f"{fk}.inputs"), f"{fk}.inputs")
+                _strs(_get(f, "outputs", f"{fk}.outputs"), f"{fk}.outputs")
+                ws = _strs(_get(f, "weights", f"{fk}.weights"), f"{fk}.weights")
+                unknown = [x for x in ws if x not in tensors]
+                if unknown:
+                    raise _err(f"`{fk}.weights` names a tensor `weights.tensors` lacks", found=_show(unknown[0]))
+                if set(ins) & set(ws):
+                    raise _err(f"`{fk}`: a name is both a step input and a weight", found=_show(sorted(set(ins) & set(ws))[0]))
+            else:
+                for k in ("launches", "kernel_calls"):
+                    _int(_get(f, k, f"{fk}.{k}"), f"{fk}.{k}", 0, MAX_ENTRIES)
+    gpu_targets = [n for n in names if n != "cpu"]
+    if gpu_targets and gpu_b is None:
+        raise _err("GPU targets need `buckets.gpu`")
+
+    # kernels
+    kernels = _list(_get(m, "kernels", "kernels"), "kernels")
+    seen: set[tuple[str, str]] = set()
+    for i, k in enumerate(kernels):
+        key = f"kernels[{i}]"
+        k = _obj(k, key)
+        target = _str(_get(k, "target", f"{key}.target"), f"{key}.target", tuple(gpu_targets) or ("(no GPU target)",))
+        kname = _str(_get(k, "name", f"{key}.name"), f"{key}.name")
+        if not KERNEL_NAME.fullmatch(kname):
+            raise _err(f"`{key}.name` is not a kernel name", found=_show(kname))
+        if (target, kname) in seen:
+            raise _err(f"`{key}` lists the {target} kernel '{kname}' twice")
+        seen.add((target, kname))
+        for field, hk in (("path", "sha256"), ("sidecar", "sidecar_sha256")):
+            rel = listed(_get(k, field, f"{key}.{field}"), f"{key}.{field}")
+            if not rel.startswith(f"kernels/{target}/"):
+                raise _err(f"`{key}.{field}` lies outside kernels/{target}/", found=_show(rel))
+            if _sha(_get(k, hk, f"{key}.{hk}"), f"{key}.{hk}") != files[rel]:
+                raise _err(f"`{key}.{hk}` disagrees with the hash of {rel} in `files`")
