@@ -54,7 +54,8 @@ def assert_matches(y: torch.Tensor, ref: torch.Tensor, what: str, ulps: float = 
     assert y.shape == ref.shape, f"{what}: shape {tuple(y.shape)} != {tuple(ref.shape)}"
     assert y.dtype == ref.dtype, f"{what}: dtype {y.dtype} != {ref.dtype}"
     yf, rf = y.float(), ref.float()
-    assert rf.isfinite().all(), f"{what}: the reference is not finite at {tuple((~rf.isfinite()).nonzero()[0].tolist())}"
+    if not rf.isfinite().all():
+        raise AssertionError(f"{what}: the reference is not finite at {tuple((~rf.isfinite()).nonzero()[0].tolist())}")
     assert not yf.isnan().any(), f"{what}: NaN in the result (unwritten lanes?)"
     scale = rf.abs().max().clamp(min=1e-30)
     if y.dtype == torch.bfloat16:

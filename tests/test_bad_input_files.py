@@ -187,13 +187,15 @@ NESTED = {
            ({"rope_parameters": {"rope_type": "yarn", "factor": [16]}},
             "`rope_parameters.factor` must be a finite number (found [16])"),
            ({"quantization_config": 1}, "`quantization_config` must be an object (found 1)"),
-           ({"quantization_config": {"quant_method": 8}}, "`quantization_config.quant_method` must be a string (found 8)"),
+           ({"quantization_config": {"quant_method": 8}},
+            "`quantization_config.quant_method` must be a string (found 8)"),
            ({"mlp_layer_types": [1, 2, 3, 4, 5]}, "`mlp_layer_types` entries must be strings (found 1)"),
            ({"layer_types": ["sliding_attention", None] * 3},
             "unknown entry in `layer_types` (expected ['compressed_sparse_attention', 'heavily_compressed_attention', "
             "'sliding_attention'], found [None])"),
            ({"sliding_window": True}, "`sliding_window` must be an integer (found true)"),
-           ({"partial_rotary_factor": 7, "qk_rope_head_dim": None}, "`partial_rotary_factor` must be in (0, 1] (found 7.0)")],
+           ({"partial_rotary_factor": 7, "qk_rope_head_dim": None},
+            "`partial_rotary_factor` must be in (0, 1] (found 7.0)")],
 }
 
 

@@ -30,8 +30,7 @@ def test_embed(dtype, idtype):
 
 # Kernel faults: the id off by one, and ids clamped to row 1 instead of 0 (padding ids read the wrong row).
 @pytest.mark.parametrize("old,new", [("ids[:, None] * T_RS", "(ids[:, None] + 1) * T_RS"),
-                                     ("ids = tl.maximum(tl.load(ids_ptr + rows * I_S, mask=rok, other=0).to(tl.int64), 0)",
-                                      "ids = tl.maximum(tl.load(ids_ptr + rows * I_S, mask=rok, other=0).to(tl.int64), 1)")],
+                                     (".to(tl.int64), 0)", ".to(tl.int64), 1)")],
                          ids=["id+1", "clamp-to-1"])
 def test_wrong_row_is_caught(monkeypatch, tmp_path, old, new):
     kc.install_broken_kernel(monkeypatch, tmp_path, embed, "embed_kernel", old, new)

@@ -131,8 +131,8 @@ def check_no_op_result_differs(x):
 
 # The FP8 / FP4 pool is the official numerics' pool (the configs with an indexer); the bit-exact tests above
 # cover the rest.
-@pytest.mark.parametrize("lowered", cases(lambda n, c, x: x == "official" and n in ("tiny", "tiny-pro", "csa-only-win4")),
-                         indirect=True)
+@pytest.mark.parametrize("lowered", cases(lambda n, c, x: x == "official" and n in ("tiny", "tiny-pro",
+                                                                                  "csa-only-win4")), indirect=True)
 def test_the_fp8_fp4_pool_is_lossless_under_official_numerics(lowered):
     x = lowered
     assert x.pooled.attrs["pool.index_fmt"] == "fp4"
