@@ -5,11 +5,17 @@ round-to-nearest-even casts), so a kernel and its torch reference differ only by
 fp32 results: |d| <= 1e-5 * max|ref| + 1e-6 * |ref| (a few fp32 ulps of the accumulated magnitude).
 bf16 results: |d| <= 1 bf16 ulp of |ref| + 1e-5 * max|ref| (a sum that lands near a rounding boundary
 may round the other way; the fp32 part covers cancellation near zero).
+The reference must be finite: a NaN or inf in it would make the tolerance NaN / inf and every compare pass.
+
+`install_broken_kernel` swaps a kernel for a copy with one source edit: the deliberately faulty variant a
+test uses to show that its check catches a kernel fault.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -48,6 +54,8 @@ def assert_matches(y: torch.Tensor, ref: torch.Tensor, what: str, ulps: float = 
     assert y.shape == ref.shape, f"{what}: shape {tuple(y.shape)} != {tuple(ref.shape)}"
     assert y.dtype == ref.dtype, f"{what}: dtype {y.dtype} != {ref.dtype}"
     yf, rf = y.float(), ref.float()
+    if not rf.isfinite().all():
+        raise AssertionError(f"{what}: the reference is not finite at {tuple((~rf.isfinite()).nonzero()[0].tolist())}")
     assert not yf.isnan().any(), f"{what}: NaN in the result (unwritten lanes?)"
     scale = rf.abs().max().clamp(min=1e-30)
     if y.dtype == torch.bfloat16:
@@ -58,3 +66,16 @@ def assert_matches(y: torch.Tensor, ref: torch.Tensor, what: str, ulps: float = 
     bad = d > tol
     assert not bad.any(), (f"{what}: {int(bad.sum())}/{d.numel()} elements off, max |d| {d.max().item():.3g} "
                            f"(max |ref| {scale.item():.3g}) first at {tuple(bad.nonzero()[0].tolist())}")
+
+
+def install_broken_kernel(monkeypatch, tmp_path: Path, module, name: str, old: str, new: str) -> None:
+    """Replace the @triton.jit kernel `module.name` (for this test) by its source with `old` -> `new`.
+    The variant runs in the module's namespace; its source is written under tmp_path so the interpreter
+    can read it back. `old` must occur exactly once, so a stale fault is an error, not a silent no-op."""
+    src = inspect.getsource(getattr(module, name).fn)
+    assert src.count(old) == 1, f"{module.__name__}.{name}: {old!r} occurs {src.count(old)} times"
+    path = tmp_path / f"broken_{name}.py"
+    path.write_text(src.replace(old, new))
+    namespace = dict(vars(module))
+    exec(compile(path.read_text(), str(path), "exec"), namespace)
+    monkeypatch.setattr(module, name, namespace[name])

@@ -14,6 +14,7 @@ import json
 
 import pytest
 
+from bad_input_util import cli_error
 from v4compile.artifact import load_artifact
 from v4compile.cli import main
 from v4compile.codegen import aot
@@ -78,8 +79,21 @@ def test_explicit_targets_and_gpu_buckets(tmp_path, fake_aot):
     assert [t["name"] for t in m["targets"]] == ["sm_90a"]  # no cpu without being asked, once --target is given
     assert set(m["targets"][0]["functions"]) == {"decode_b1", "decode_b4", "prefill_c8"}
     assert {t for _, t in fake_aot} == {"sm_90a"}
-    assert main(["compile", "--preset", "tiny", "-o", str(tmp_path / "c"), "--target", "sm_90a",
-                 "--gpu-decode-buckets", "4"]) == 2  # the largest GPU decode bucket must be the pool's
+    seen = list(fake_aot)
+    # The largest GPU decode bucket must be the pool's (the largest decode bucket, 8 by default).
+    cli_error("compile", "--preset", "tiny", "-o", str(tmp_path / "c"), "--target", "sm_90a", "--gpu-decode-buckets",
+              "4", needles=(LARGEST_GPU_BUCKET,))
+    assert not (tmp_path / "c").exists() and not fake_aot[len(seen):]
+
+
+LARGEST_GPU_BUCKET = "error: the largest GPU decode bucket must be the largest decode bucket (expected 8, found 4)"
+
+
+def test_another_bucket_error_does_not_pass_for_it(tmp_path, fake_aot):
+    """The same check fails when the command is refused for another reason (here: a bucket that is no integer)."""
+    with pytest.raises(AssertionError):
+        cli_error("compile", "--preset", "tiny", "-o", str(tmp_path / "c"), "--target", "sm_90a",
+                  "--gpu-decode-buckets", "4x", needles=(LARGEST_GPU_BUCKET,))
 
 
 def test_shape_only_gpu_artifact(tmp_path, fake_aot, capsys):

@@ -176,19 +176,51 @@ def test_config_values_of_the_wrong_kind(tmp_path, layout, bad):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("layout", ["official", "hf"])
+# A value of the wrong kind inside a list or object: the error names its path, the kind expected and the value.
+NESTED = {
+    "official": [({"compress_ratios": [0, 16, 4, 16, "4", 0]}, '`compress_ratios[4]` must be an integer (found "4")'),
+                 ({"compress_ratios": [0, 16, 4.5, 16, 4, 0]}, "`compress_ratios[2]` must be an integer (found 4.5)")],
+    "hf": [({"compress_rates": [4]}, "`compress_rates` must be an object (found [4])"),
+           ({"compress_rates": {"compressed_sparse_attention": "4"}},
+            '`compress_rates.compressed_sparse_attention` must be an integer (found "4")'),
+           ({"rope_parameters": "yarn"}, '`rope_parameters` must be an object (found "yarn")'),
+           ({"rope_parameters": {"rope_type": "yarn", "factor": [16]}},
+            "`rope_parameters.factor` must be a finite number (found [16])"),
+           ({"quantization_config": 1}, "`quantization_config` must be an object (found 1)"),
+           ({"quantization_config": {"quant_method": 8}},
+            "`quantization_config.quant_method` must be a string (found 8)"),
+           ({"mlp_layer_types": [1, 2, 3, 4, 5]}, "`mlp_layer_types` entries must be strings (found 1)"),
+           ({"layer_types": ["sliding_attention", None] * 3},
+            "unknown entry in `layer_types` (expected ['compressed_sparse_attention', 'heavily_compressed_attention', "
+            "'sliding_attention'], found [None])"),
+           ({"sliding_window": True}, "`sliding_window` must be an integer (found true)"),
+           ({"partial_rotary_factor": 7, "qk_rope_head_dim": None},
+            "`partial_rotary_factor` must be in (0, 1] (found 7.0)")],
+}
+
+
+def _base(layout):
+    return preset("tiny").to_official() if layout == "official" else preset("tiny").to_hf()
+
+
+def refused_with(base, change, message):
+    with pytest.raises(ConfigError) as e:
+        V4Config.from_dict({**base, **change})
+    assert str(e.value) == f"config 'custom': {message}"
+
+
+@pytest.mark.parametrize("layout", sorted(NESTED))
 def test_nested_values_of_the_wrong_kind(layout):
-    base = preset("tiny").to_official() if layout == "official" else preset("tiny").to_hf()
-    changes = [{"compress_ratios": [0, 16, 4, 16, "4", 0]}, {"compress_ratios": [0, 16, 4.5, 16, 4, 0]}]
-    if layout == "hf":
-        changes = [{"compress_rates": [4]}, {"compress_rates": {"compressed_sparse_attention": "4"}},
-                   {"rope_parameters": "yarn"}, {"rope_parameters": {"rope_type": "yarn", "factor": [16]}},
-                   {"quantization_config": 1}, {"quantization_config": {"quant_method": 8}},
-                   {"mlp_layer_types": [1, 2, 3, 4, 5]}, {"layer_types": ["sliding_attention", None] * 3},
-                   {"sliding_window": True}, {"partial_rotary_factor": 7, "qk_rope_head_dim": None}]
-    for ch in changes:
-        with pytest.raises(ConfigError):
-            V4Config.from_dict({**base, **ch})
+    for change, message in NESTED[layout]:
+        refused_with(_base(layout), change, message)
+
+
+def test_nested_value_errors_are_told_apart():
+    """Each bad value fails the check with its neighbour's message: another error does not pass for it."""
+    rows = NESTED["hf"]
+    for (change, _), (_, other) in zip(rows, rows[1:] + rows[:1]):
+        with pytest.raises(AssertionError):
+            refused_with(_base("hf"), change, other)
 
 
 def test_config_file_encoding_nesting_duplicates(tmp_path):

@@ -13,7 +13,6 @@ from conftest import dense_weights, make_model, prompt
 from v4compile.checkpoint import Checkpoint, write_checkpoint
 from v4compile.config import preset
 from v4compile.errors import CheckpointError
-from v4compile.formats import fp4_dequant, fp4_quant, fp8_block_dequant, fp8_block_quant
 from v4compile.init_random import init_random, random_source
 from v4compile.safetensors_io import SafetensorsFile, write_file
 from v4compile.weights import spec_table
@@ -42,11 +41,51 @@ def test_fp32_round_trip_is_exact(fp32_ckpt):
             assert torch.equal(ck.dense(name), t.float() if t.is_floating_point() else t), name
 
 
-def test_released_formats_on_disk_and_dequantised_values(quant_ckpt):
+# ---- the released formats against hand-made bytes (spec 14.2 - 14.3) ------------------------------------
+
+def _hand_made() -> dict[str, tuple[torch.Tensor, dict[tuple[int, int], int], list[int] | int, int]]:
+    """name -> (dense value, {(row, byte column): byte} of the weight (all other bytes 0), its scale bytes,
+    the weight's bytes per row). Values are on their grids, so the bytes follow from the spec alone."""
+    fp8 = torch.zeros(48, 64)  # one (partial) 128 x 128 block; amax 896 -> scale 2 (E8M0 byte 128)
+    fp8[0, 0], fp8[0, 1], fp8[0, 2], fp8[1, 0] = 1.0, -2.0, 3.0, 896.0  # / 2: 0.5, -1, 1.5, 448
+    fp4 = torch.zeros(64, 32)  # one 32-group per row
+    fp4[0, :4] = torch.tensor([0.5, 1.0, 6.0, -6.0])  # amax 6 -> scale 1 (127); codes 1, 2, 7, 15
+    fp4[1, :2] = torch.tensor([3.0, -0.5])  # amax 3 -> scale 1/2 (126); codes 7 (6), 10 (-1)
+    bf16 = torch.zeros(32, 64)
+    bf16[0, 0], bf16[0, 1] = 1.0, 1.0 / 3.0  # 0x3F80; 1/3 = 0x3EAAAAAB rounds up to 0x3EAB
+    # A zero fp4 group gets the writer's floor scale 2^-126 (byte 1).
+    return {"layers.1.attn.wq_a.weight": (fp8, {(0, 0): 0x30, (0, 1): 0xB8, (0, 2): 0x3C, (1, 0): 0x7E}, 128, 64),
+            "layers.1.ffn.experts.3.w2.weight": (fp4, {(0, 0): 0x21, (0, 1): 0xF7, (1, 0): 0xA7},
+                                                 [127, 126] + [1] * 62, 16),
+            "layers.1.attn.compressor.wkv.weight": (bf16, {(0, 0): 0x80, (0, 1): 0x3F, (0, 2): 0xAB, (0, 3): 0x3E},
+                                                    [], 128)}
+
+
+FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _spec_dequant(fmt: str, w: torch.Tensor, s: torch.Tensor | None, shape) -> torch.Tensor:
+    """Spec 14.2 / 14.3 written out here (not the package's codec): raw bytes -> float values."""
+    if fmt == "bf16":
+        return w.float()
+    o, i = shape
+    if fmt == "fp8":
+        scale = torch.exp2(s.view(torch.uint8).float() - 127).repeat_interleave(128, 0).repeat_interleave(128, 1)
+        return w.view(torch.float8_e4m3fn).float() * scale[:o, :i]
+    if fmt == "fp4":
+        b = w.view(torch.uint8).long()
+        codes = torch.stack([b & 0x0F, b >> 4], dim=-1).view(o, i)  # element 2k: the low nibble
+        values = torch.tensor(FP4_VALUES + [-v for v in FP4_VALUES])[codes]
+        return values * torch.exp2(s.view(torch.uint8).float() - 127).repeat_interleave(32, 1)
+    raise ValueError(fmt)
+
+
+def check_released_formats(out):
     cfg = preset("tiny")
-    dense = dense_weights("tiny")
     specs = spec_table(cfg)
-    with Checkpoint.open(quant_ckpt) as ck:
+    dense = dense_weights("tiny")
+    made = _hand_made()
+    with Checkpoint.open(out) as ck:
         ck.validate()
         dtypes = {n: e.dtype for n, e in ck.entries.items()}
         assert dtypes["layers.1.attn.wq_a.weight"] == "F8_E4M3"
@@ -55,21 +94,76 @@ def test_released_formats_on_disk_and_dequantised_values(quant_ckpt):
         assert ck.entries["layers.1.ffn.experts.3.w2.weight"].shape == (cfg.dim, cfg.moe_inter_dim // 2)
         assert dtypes["layers.1.attn.compressor.wkv.weight"] == "BF16"
         assert dtypes["layers.1.hc_attn_fn"] == "F32" and dtypes["layers.0.ffn.gate.tid2eid"] == "I64"
-        for name, s in specs.items():
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    for name, (value, nonzero, scale, row_bytes) in made.items():
+        with SafetensorsFile(out / index[name]) as f:
+            raw = f.read(name).contiguous().view(torch.uint8).view(value.shape[0], row_bytes)
+            sname = name.replace(".weight", ".scale")
+            raw_scale = f.read(sname).contiguous().view(torch.uint8).flatten().tolist() if scale != [] else []
+        want = torch.zeros_like(raw)
+        for (r, c), b in nonzero.items():
+            want[r, c] = b
+        assert torch.equal(raw, want), f"{name}: bytes {raw[:2, :4].tolist()} != {want[:2, :4].tolist()}"
+        assert raw_scale == (scale if isinstance(scale, list) else [scale]), (name, raw_scale[:4])
+    # Every tensor: the loader's dequantised values are the spec's reading of the stored bytes, and within
+    # the format's rounding of the dense source (e4m3: half a step, 2^-4 relative, or 2^-10 x the scale in
+    # the subnormals; e2m1: half the step at that magnitude <= 0.2 |w| + 0.25 x the scale; bf16: 2^-8 relative).
+    src = {**dense, **{n: v[0] for n, v in made.items()}}
+    with Checkpoint.open(out) as ck:
+        for name, sp in specs.items():
             got = ck.dense(name)
-            if s.fmt == "fp8":
-                assert torch.equal(got, fp8_block_dequant(*fp8_block_quant(dense[name]))), name
-            elif s.fmt == "fp4":
-                assert torch.equal(got, fp4_dequant(*fp4_quant(dense[name]))), name
-            elif s.fmt == "bf16":
-                assert torch.equal(got, dense[name].to(torch.bfloat16).float()), name
+            if sp.fmt not in ("fp8", "fp4", "bf16"):
+                assert torch.equal(got, src[name]), name
+                continue
+            with SafetensorsFile(out / index[name]) as f:
+                w = f.read(name)
+                s = f.read(name.replace(".weight", ".scale")) if sp.fmt != "bf16" else None
+            assert torch.equal(got, _spec_dequant(sp.fmt, w, s, sp.shape)), name
+            d, a = (got - src[name]).abs(), src[name].abs()
+            if sp.fmt == "fp8":
+                blocks = _spec_dequant("fp8", torch.ones(sp.shape, dtype=torch.float8_e4m3fn), s, sp.shape)
+                assert (d <= 2.0 ** -4 * a + 2.0 ** -10 * blocks).all(), name
+            elif sp.fmt == "fp4":
+                groups = torch.exp2(s.view(torch.uint8).float() - 127).repeat_interleave(32, 1)
+                assert (d <= 0.2 * a + 0.25 * groups).all(), name
             else:
-                assert torch.equal(got, dense[name]), name
+                assert (d <= 2.0 ** -8 * a).all(), name
+
+
+def _write_released(path):
+    cfg = preset("tiny")
+    made, src = _hand_made(), random_source(cfg, 0)
+    return write_checkpoint(path, cfg, lambda sp: made[sp.name][0] if sp.name in made else src(sp), dtype="released")
+
+
+def test_released_formats_on_disk_and_dequantised_values(tmp_path):
+    out = _write_released(tmp_path / "q")
+    check_released_formats(out)
     # A quantized checkpoint runs.
     from v4compile.model import ReferenceModel
 
-    model = ReferenceModel.from_pretrained(quant_ckpt)
+    model = ReferenceModel.from_pretrained(out)
     assert len(model.generate([1, 2, 3], 4)) == 4
+
+
+def _high_nibble_first(codes):
+    c = codes.to(torch.int64)
+    return ((c[..., 1::2] & 0x0F) | ((c[..., 0::2] & 0x0F) << 4)).to(torch.uint8).view(torch.int8)
+
+
+@pytest.mark.parametrize("fault", ["fp4-high-nibble-first", "scale-one-binade-up"])
+def test_a_broken_writer_is_caught(tmp_path, monkeypatch, fault):
+    from v4compile import formats
+
+    if fault == "fp4-high-nibble-first":
+        monkeypatch.setattr(formats, "fp4_pack", _high_nibble_first)
+    else:
+        real = formats.pow2_scale
+        monkeypatch.setattr(formats, "pow2_scale", lambda amax, qmax, floor: 2 * real(amax, qmax, floor))
+    out = _write_released(tmp_path / "q")
+    monkeypatch.undo()  # the reader is the real one
+    with pytest.raises(AssertionError):
+        check_released_formats(out)
 
 
 def test_sharding_with_index(tmp_path):

@@ -53,3 +53,34 @@ def test_filecheck_can_fail():
         filecheck("a\nx\nb", "# CHECK: a\n# CHECK-NEXT: b")
     with pytest.raises(AssertionError, match="not found"):
         filecheck("a", "# CHECK: z")
+
+
+def test_filecheck_variables_bind_and_are_reused():
+    src = "# CHECK: %[[A:[0-9]+]] = f(%x)\n# CHECK: = g(%[[A]], %[[A]])"
+    filecheck("%7 = f(%x)\n%8 = g(%7, %7)", src)
+    with pytest.raises(AssertionError, match="not found"):  # g reads another value than f's result
+        filecheck("%7 = f(%x)\n%8 = g(%7, %17)", src)
+    filecheck("%3 = h(%3)", "# CHECK: %[[B:[0-9]+]] = h(%[[B]])")  # a use on the defining line
+    with pytest.raises(AssertionError, match="not found"):
+        filecheck("%3 = h(%4)", "# CHECK: %[[B:[0-9]+]] = h(%[[B]])")
+    with pytest.raises(AssertionError, match="used before"):  # a typo in the check file is an error
+        filecheck("%1 = f(%x)", "# CHECK: %[[C]] = f(%x)")
+    with pytest.raises(AssertionError, match="binds nothing"):  # the old, binding-free spelling
+        filecheck("%1 = f(%x)", "# CHECK: %[[C:]]{{[0-9]+}} = f(%x)")
+
+
+# The data flow each golden claims, broken in its real output: the check must now fail.
+BROKEN_FLOW = {
+    "fold_inverse_rope_fp8": ("grouped_out_proj(%2, @wo_a, none, %3)", "grouped_out_proj(%3, @wo_a, none, %2)"),
+    "merge_wq_a_wkv": ("split(%4)", "split(%x)"),
+    "fuse_indexer_select": ("%225, %226, %227, %228, %221", "%225, %226, %228, %227, %221"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_FLOW))
+def test_a_golden_with_broken_data_flow_fails(name):
+    path = Path(__file__).parent / "golden" / f"{name}.ir"
+    good, (old, new) = run_golden(path), BROKEN_FLOW[name]
+    assert good.count(old) == 1, f"{name}: the output changed; update the fault to break its flow again"
+    with pytest.raises(AssertionError, match="not found|not on the line"):
+        filecheck(good.replace(old, new), path.read_text())

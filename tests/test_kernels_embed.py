@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from v4compile.codegen import kernels
+from v4compile.codegen.kernels import embed
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("idtype", [torch.int32, torch.int64])
-def test_embed(dtype, idtype):
+def check_embed(dtype, idtype):
     g = torch.Generator().manual_seed(0)
     table = torch.randn(50, 1100, generator=g).to(dtype)
     ids = torch.randint(0, 50, (3, 4), generator=g).to(idtype)
@@ -23,10 +22,17 @@ def test_embed(dtype, idtype):
     assert torch.equal(y, ref)
 
 
-def test_wrong_row_is_caught():
-    g = torch.Generator().manual_seed(1)
-    table = torch.randn(20, 16, generator=g)
-    ids = torch.tensor([[3, 4]])
-    y, _ = kc.poisoned((1, 2, 16), torch.float32)
-    kernels.launch("embed", {"ids": ids + 1, "table": table}, {}, {"x": y})
-    assert not torch.equal(y, kc.reference("embed", {"ids": ids, "table": table}, {})[0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("idtype", [torch.int32, torch.int64])
+def test_embed(dtype, idtype):
+    check_embed(dtype, idtype)
+
+
+# Kernel faults: the id off by one, and ids clamped to row 1 instead of 0 (padding ids read the wrong row).
+@pytest.mark.parametrize("old,new", [("ids[:, None] * T_RS", "(ids[:, None] + 1) * T_RS"),
+                                     (".to(tl.int64), 0)", ".to(tl.int64), 1)")],
+                         ids=["id+1", "clamp-to-1"])
+def test_wrong_row_is_caught(monkeypatch, tmp_path, old, new):
+    kc.install_broken_kernel(monkeypatch, tmp_path, embed, "embed_kernel", old, new)
+    with pytest.raises(AssertionError):
+        check_embed(torch.float32, torch.int64)

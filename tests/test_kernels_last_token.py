@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from v4compile.codegen import kernels
+from v4compile.codegen.kernels import last_token
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_last_token(dtype):
+def check_last_token(dtype):
     g = torch.Generator().manual_seed(0)
     xb = torch.randn(4, 5, 90, generator=g).to(dtype)
     x = xb[..., 3:80]
@@ -22,9 +22,15 @@ def test_last_token(dtype):
     assert torch.equal(y, ref)
 
 
-def test_wrong_lane_is_caught():
-    x = torch.randn(1, 3, 8)
-    pos = torch.tensor([[0, 1, -1]])
-    y, _ = kc.poisoned((1, 8), torch.float32)
-    kernels.launch("last_token", {"x": x, "pos": torch.tensor([[0, 1, 2]])}, {}, {"y": y})
-    assert not torch.equal(y, kc.reference("last_token", {"x": x, "pos": pos}, {})[0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_last_token(dtype):
+    check_last_token(dtype)
+
+
+# Kernel faults: the lane count off by one (reads the first padding lane), and a kernel that reads lane 0.
+@pytest.mark.parametrize("old,new", [("idx = tl.maximum(n - 1, 0)", "idx = tl.minimum(n, T - 1)"),
+                                     ("idx = tl.maximum(n - 1, 0)", "idx = 0")], ids=["n", "lane0"])
+def test_wrong_lane_is_caught(monkeypatch, tmp_path, old, new):
+    kc.install_broken_kernel(monkeypatch, tmp_path, last_token, "last_token_kernel", old, new)
+    with pytest.raises(AssertionError):
+        check_last_token(torch.float32)

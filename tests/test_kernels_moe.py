@@ -347,25 +347,38 @@ def test_weight_rereads_are_caught(monkeypatch):
         _assert_once_per_tile(reads, args["indices"], 7)
 
 
-def test_modeled_cost_counts_active_experts_once():
-    """Modeled bytes of the routed launches: expected active experts' weights once, so a prefill chunk
-    models fewer weight bytes than one read per pair, and a decode step about one expert per pair."""
+@pytest.mark.parametrize("wrong", [None, lambda E, k, t: float(min(E, t * k)), lambda E, k, t: float(E)],
+                         ids=["model", "broken-one-read-per-pair", "broken-every-expert"])
+def test_modeled_cost_counts_active_experts_once(monkeypatch, wrong):
+    """Modeled bytes of the routed launches: the expected active experts' weights once (so a prefill chunk
+    models fewer weight bytes than one read per pair, and a decode step about one expert per pair), and MMA
+    rows that bound the padded rows, all against counts over sampled uniform routings (tests/routing_sample:
+    within 5 standard errors). The broken variants miscount the experts and must fail the same checks."""
+    import contextlib
+
+    from routing_sample import sampled_routing
     from v4compile.codegen.kernels import TensorArg
-    args, attrs = prefill_case(torch.bfloat16, "hash")
-    y = torch.empty_like(args["x"])
-    calls = {c.kernel_name + ("_shared" if c.constexprs.get("MODE") == "all" else ""): c
-             for c in kernels.specialise_tensors("moe_experts_shared", args, attrs, {"y": y})}
-    E, k, M = 7, 3, 29
-    active, rows = moe._routed_work(E, k, M)
-    assert 6.9 < active <= E and M * k <= rows <= M * k + E * (moe.BM - 1)
-    per = sum(TensorArg.of(args[n]).type.nbytes for n in ("w1", "w3", "w1_scale", "w3_scale")) / E
-    up = calls["moe_up_kernel"]
-    assert up.bytes_moved == round(active * per) + args["x"].nbytes + M * k * 96 * 2
-    assert up.flops == 4 * rows * 96 * 64
-    a_dec, r_dec = moe._routed_work(384, 6, 2)  # V4-Pro decode, 2 tokens: ~12 experts, 12 tiles of 16 rows
-    assert 11.5 < a_dec <= 12 and abs(r_dec - 12 * 16) <= 1
-    a_pre, _ = moe._routed_work(384, 6, 64)  # V4-Pro prefill chunk of 64 tokens: ~243 of 384 experts
-    assert 240 < a_pre < 246
+
+    if wrong is not None:
+        monkeypatch.setattr(moe, "expected_active_experts", wrong)
+    checks = pytest.raises(AssertionError) if wrong is not None else contextlib.nullcontext()
+    with checks:
+        args, attrs = prefill_case(torch.bfloat16, "hash")
+        y = torch.empty_like(args["x"])
+        calls = {c.kernel_name + ("_shared" if c.constexprs.get("MODE") == "all" else ""): c
+                 for c in kernels.specialise_tensors("moe_experts_shared", args, attrs, {"y": y})}
+        E, k, M = 7, 3, 29
+        per = sum(TensorArg.of(args[n]).type.nbytes for n in ("w1", "w3", "w1_scale", "w3_scale")) / E
+        up = calls["moe_up_kernel"]
+        active = (up.bytes_moved - args["x"].nbytes - M * k * 96 * 2) / per
+        rows = up.flops / (4 * 96 * 64)
+        (a_mean, a_se), (r_mean, r_se) = sampled_routing(E, k, M, moe.BM)
+        assert abs(active - a_mean) <= 5 * a_se + 1 / per, (active, a_mean)
+        assert r_mean - 5 * r_se <= rows <= M * k + E * (moe.BM - 1), (rows, r_mean)  # bounds the padded rows
+        for tokens, lo, hi in ((2, 11.5, 12), (64, 240, 246)):  # V4-Pro decode (2 tokens), a prefill chunk of 64
+            a_model, _ = moe._routed_work(384, 6, tokens)
+            (a_mean, a_se), _ = sampled_routing(384, 6, tokens, samples=400)
+            assert abs(a_model - a_mean) <= 5 * a_se + 1e-9 and lo < a_model <= hi, (tokens, a_model, a_mean)
 
 
 # ---- AOT: the V4-Pro prefill specialisations compile for both targets, matrix instructions, no gfx950 spills

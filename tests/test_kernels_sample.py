@@ -4,10 +4,11 @@ Token ids must match exactly; the draws must also be deterministic and depend on
 
 from __future__ import annotations
 
-import kernel_check as kc  # noqa: F401  (TRITON_INTERPRET=1)
+import kernel_check as kc  # (also: TRITON_INTERPRET=1)
 import pytest
 import torch
 
+from v4compile.codegen.kernels import sample
 from v4compile.codegen.kernels.sample import launch_sample
 
 M32 = 0xFFFFFFFF
@@ -81,9 +82,10 @@ def test_seed_and_step_change_draws():
     assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a, d)
 
 
-def test_wrong_top_p_is_caught():
-    g = torch.Generator().manual_seed(5)
-    logits = 3 * torch.randn(6, 500, generator=g)
-    tokens = torch.full((6,), -7, dtype=torch.int64)
-    launch_sample(logits, torch.tensor([3, 4]), tokens, 1.0, 0.05)
-    assert not torch.equal(tokens, ref_sample(logits, 3, 4, 1.0, 1.0))
+def test_wrong_top_p_is_caught(monkeypatch, tmp_path):
+    """A kernel whose nucleus keeps every token (the bisected threshold dropped) fails the check of
+    test_sampling_matches_reference at its top-p 0.5 case."""
+    kc.install_broken_kernel(monkeypatch, tmp_path, sample, "sample_kernel",
+                             "tau = lo.to(tl.float32, bitcast=True)", "tau = 0.0")
+    with pytest.raises(AssertionError):
+        test_sampling_matches_reference(1.3, 0.5)

@@ -190,18 +190,44 @@ def test_failed_compile_leaves_nothing(tmp_path, monkeypatch):
 
 # ---- bad input ----------------------------------------------------------------------------------------
 
-def test_bad_input_gets_one_clear_error(tiny_hf):
+def refused(call, what, where=None, expected=None, found=None):
+    """`call()` raises InputError saying exactly what, where, expected and found (not just any InputError)."""
+    with pytest.raises(InputError) as e:
+        call()
+    got = (e.value.what, e.value.where, e.value.expected, e.value.found)
+    assert got == (what, where, expected, found), f"{got} != {(what, where, expected, found)}"
+
+
+def _bad_calls(tiny_hf):
+    import v4compile
+
     fe, art, sess, _ = tiny_hf
-    with pytest.raises(InputError, match="empty prompt"):
-        sess.generate([[]], 2)
-    with pytest.raises(InputError, match="vocabulary"):
-        sess.generate([[1, fe.cfg.vocab_size]], 2)
-    with pytest.raises(InputError, match="compiled maximum"):
-        sess.generate([[1, 2, 3]], 126)
-    with pytest.raises(InputError):
-        import v4compile
-        v4compile.load(art, device="gpu")
-    assert not sess.seqs
+    V, M = fe.cfg.vocab_size, sess.max_context
+    return [
+        (lambda: sess.generate([[]], 2), ("empty prompt", "prompt 0", "at least one token id", None)),
+        (lambda: sess.generate([[1, 2], [1, V]], 2),
+         ("token id outside the vocabulary", "prompt 1", f"0 <= id < {V}", V)),
+        (lambda: sess.generate([[1, 2, 3]], M - 2),
+         ("prompt + max_new_tokens exceed the compiled maximum context", "prompt 0", f"<= {M} tokens", M + 1)),
+        (lambda: v4compile.load(art, device="gpu"),
+         ("unknown device 'gpu'", None, "auto, cpu, host, hip, cuda", None)),
+    ]
+
+
+def test_bad_input_gets_one_clear_error(tiny_hf):
+    for call, message in _bad_calls(tiny_hf):
+        refused(call, *message)
+    assert not tiny_hf[2].seqs
+
+
+def test_another_error_does_not_pass_for_the_expected_one(tiny_hf):
+    """The check tells the errors apart: each bad call fails `refused` with any other row's message."""
+    rows = _bad_calls(tiny_hf)
+    for i, (call, _) in enumerate(rows):
+        for j, (_, message) in enumerate(rows):
+            if i != j:
+                with pytest.raises(AssertionError):
+                    refused(call, *message)
 
 
 @pytest.mark.slow

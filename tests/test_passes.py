@@ -45,9 +45,58 @@ def run(request):
     return numerics, m, res, check, scale
 
 
-def test_sparsity_is_active_in_the_scenario():
+def topk_drops(m, weights, scenario) -> dict[str, int]:
+    """Run `scenario` through the traced module `m` up to its first decode step; per function, the
+    selectable compressed rows (finite indexer scores) that its `topk` ops leave out, summed over query
+    lanes and layers."""
+    from v4compile.ir.interpret import interpret
+
+    drops = {"prefill": 0, "decode": 0}
+
+    class Done(Exception):
+        pass
+
+    def interp(fn, weights, inputs):
+        seen: dict[int, torch.Tensor] = {}
+
+        def observe(op, outs):
+            seen.update((id(r), t) for r, t in zip(op.results, outs))
+            if op.name == "topk":
+                selectable = torch.isfinite(seen[id(op.operands[0])]).sum(-1)
+                drops[fn.name] += int((selectable - op.attrs["k"]).clamp(min=0).sum())
+        out = interpret(fn, weights, inputs, observe=observe)
+        if fn.name == "decode":
+            raise Done  # prefill and one decode step are enough to see it
+        return out
+
+    try:
+        ir_logits(IRRunner(m, weights, interpreter=interp), scenario)
+    except Done:
+        pass
+    return drops
+
+
+def check_sparsity_is_active(m, weights, scenario):
+    drops = topk_drops(m, weights, scenario)
+    assert drops["prefill"] > 0 and drops["decode"] > 0, drops
+
+
+def test_sparsity_is_active_in_the_scenario(run):
+    """The numerics checks above see the indexer drop rows: in prefill and in decode, its top-k leaves out
+    selectable compressed rows (so a pass that mishandled the selection would change the logits)."""
+    numerics, m, _, check, _ = run
+    assert check.prepare is None
+    check_sparsity_is_active(m, check.weights(m), check.scenario)
+
+
+def test_a_scenario_without_drops_is_caught():
+    """Prompts of 12 tokens have at most 3 compressed rows per CSA layer (ratio 4) < index_topk 4: the
+    top-k keeps every row, and the same check fails."""
     cfg = preset("tiny")
-    assert 75 // cfg.csa_ratio > cfg.index_topk and 100 // cfg.csa_ratio > cfg.index_topk
+    m = trace(cfg, TraceOptions(**OPTS))
+    short = Scenario.make(cfg.vocab_size, 2, 12, 2, seed=4)
+    with pytest.raises(AssertionError):
+        check_sparsity_is_active(m, load_ir_weights(m, DenseSource(dense_weights("tiny"))), short)
 
 
 def test_every_pass_preserves_numerics(run):

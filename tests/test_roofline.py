@@ -8,11 +8,13 @@ import dataclasses
 
 import pytest
 
+from routing_sample import sampled_routing
 from v4compile.codegen.program_kernels import program_kernels
 from v4compile.codegen.roofline import BYTES_GOAL, ideal_bytes, step_model
 from v4compile.config import preset
 from v4compile.ir.registry import get_op
 from v4compile.ir.types import TensorType
+from v4compile.ops import moe as ops_moe
 from v4compile.passes import GPU_PIPELINE, PassManager
 from v4compile.program.build import build_program
 from v4compile.trace import TraceOptions, trace
@@ -47,16 +49,30 @@ def _cost(op, operands, results, attrs):
     return get_op(op).cost_of(operands, results, attrs)
 
 
-def test_moe_cost_counts_only_the_active_experts():
+def check_moe_cost_counts_the_active_experts():
+    """The weight bytes of `moe_experts`' cost, in experts, against the distinct experts counted over
+    sampled uniform routings (within 5 standard errors of the sample mean, plus the byte rounding)."""
     D, I, E, k = 64, 32, 16, 2
     w1, w3, w2 = TensorType((E, I, D), "bf16"), TensorType((E, I, D), "bf16"), TensorType((E, D, I), "bf16")
     per_expert = (w1.nbytes + w2.nbytes + w3.nbytes) // E
-    for tokens in (1, 3, 64):  # expected distinct experts of `tokens` x k uniform picks: 2, 5.3, ~16
+    for tokens in (1, 3, 64):  # about 2, 5.3 and 16 distinct experts
         xt, it, wt = TensorType((tokens, D), "bf16"), TensorType((tokens, k), "i32"), TensorType((tokens, k), "fp32")
         c = _cost("moe_experts", [xt, wt, it, w1, w2, w3, None, None, None], [xt], {"limit": 1.0})
-        active = E * (1 - (1 - k / E) ** tokens)
-        assert c.bytes_read - xt.nbytes - wt.nbytes - it.nbytes == round(per_expert * active)
-        assert active <= min(E, tokens * k) and (tokens > 1 or active == k)
+        modeled = (c.bytes_read - xt.nbytes - wt.nbytes - it.nbytes) / per_expert
+        (mean, se), _ = sampled_routing(E, k, tokens)
+        assert abs(modeled - mean) <= 5 * se + 1 / per_expert, (tokens, modeled, mean, se)
+
+
+def test_moe_cost_counts_only_the_active_experts():
+    check_moe_cost_counts_the_active_experts()
+
+
+@pytest.mark.parametrize("wrong", [lambda E, k, t: float(min(E, t * k)), lambda E, k, t: float(E)],
+                         ids=["one-read-per-pair", "every-expert"])
+def test_a_cost_rule_that_miscounts_experts_is_caught(monkeypatch, wrong):
+    monkeypatch.setattr(ops_moe, "expected_active_experts", wrong)
+    with pytest.raises(AssertionError):
+        check_moe_cost_counts_the_active_experts()
 
 
 def test_pool_ops_cost_their_rows_not_the_pool(v4_pro):
