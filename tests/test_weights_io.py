@@ -155,10 +155,14 @@ def test_a_nan_in_a_copied_fp8_weight_is_refused_by_name(tmp_path):
         write_weights(gpu_module(ck), ck, tmp_path / "b" / "weights")
 
 
-def test_a_changed_shard_is_named_while_streaming(tiny_ck, tmp_path):
+def test_a_changed_shard_is_named_while_streaming(tiny_ck, tmp_path, monkeypatch):
     """`load_artifact(defer_weights=True)` leaves the shards to the streaming readers (mapped views, or
     chunks through reused buffers, which reassemble every tensor with its manifest hash), which hash them
-    as they read them: a flipped byte is one ArtifactError naming the shard."""
+    as they read them: a flipped byte is one ArtifactError naming the shard. The manifest here holds only
+    the weights, so its schema check (tests/test_bad_artifact.py) is switched off."""
+    from v4compile import artifact
+
+    monkeypatch.setattr(artifact, "check_manifest", lambda m, verify: None)
     entry, hashes, _ = write(tiny_ck, tmp_path / "a")
     art_dir = tmp_path / "a"
     manifest = {"format_version": 1, "weights": entry, "files": hashes}
