@@ -1,6 +1,6 @@
 """Editing a compiled artifact as an attacker would: change the manifest, then recompute every hash so that
 only the loader's structural checks stand between the edit and the runtime; and sentinel files outside the
-artifact that show whether anything outside was opened or read."""
+artifact that show whether anything outside was opened or read; the cpu artifact those tests tamper with."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import os
 import shutil
 import sys
 from pathlib import Path
+
+import pytest
 
 from v4compile.manifest import canonical, manifest_digest
 
@@ -73,3 +75,23 @@ def atime_works(tmp: Path) -> bool:
     os.utime(p, ns=(Sentinel.OLD, p.stat().st_mtime_ns))
     p.read_bytes()
     return p.stat().st_atime_ns != Sentinel.OLD
+
+
+@pytest.fixture(autouse=True)
+def restore_torch_threads():
+    """The host device sets torch's threads process-wide: put them back after each test (autouse where a
+    test module imports it)."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def compile_cpu(out: Path, decode_buckets: str = "1") -> Path:
+    """A tiny artifact with the cpu target only (the cheapest to compile and run)."""
+    from v4compile.cli import main
+
+    assert main(["compile", "--preset", "tiny", "-o", str(out), "--target", "cpu", "--decode-buckets",
+                 decode_buckets, "--prefill-buckets", "16"]) == 0
+    return out

@@ -20,7 +20,7 @@ import shutil
 import pytest
 
 import v4compile
-from artifact_tamper import Sentinel, atime_works, copy, manifest, sha, write_manifest
+from artifact_tamper import compile_cpu, restore_torch_threads, Sentinel, atime_works, copy, manifest, sha, write_manifest  # noqa: F401 (an autouse fixture)
 from bad_input_util import run_main, assert_one_error
 from v4compile.artifact import load_artifact
 from v4compile.cli import main
@@ -29,21 +29,9 @@ from v4compile.errors import ArtifactError, InputError
 ATTACKS = ("absolute", "dotdot", "symlink")
 
 
-@pytest.fixture(autouse=True)
-def _threads():
-    import torch
-
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)  # the host device sets torch's threads process-wide
-
-
 @pytest.fixture(scope="module")
 def cpu_art(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sec") / "tiny"
-    assert main(["compile", "--preset", "tiny", "-o", str(out), "--target", "cpu", "--decode-buckets", "1",
-                 "--prefill-buckets", "16"]) == 0
-    return out
+    return compile_cpu(tmp_path_factory.mktemp("sec") / "tiny", "1")
 
 
 @pytest.fixture(scope="module")

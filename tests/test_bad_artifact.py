@@ -19,28 +19,16 @@ import numpy as np
 import pytest
 
 import v4compile
-from artifact_tamper import copy, manifest, sha, write_manifest
+from artifact_tamper import compile_cpu, restore_torch_threads, copy, manifest, sha, write_manifest  # noqa: F401 (an autouse fixture)
 from bad_input_util import assert_one_error, run_main
 from v4compile.artifact import load_artifact
 from v4compile.cli import main
 from v4compile.errors import ArtifactError, InputError
 
 
-@pytest.fixture(autouse=True)
-def _threads():
-    import torch
-
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)  # the host device sets torch's threads process-wide
-
-
 @pytest.fixture(scope="module")
 def art(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bad") / "tiny"
-    assert main(["compile", "--preset", "tiny", "-o", str(out), "--target", "cpu", "--decode-buckets", "1,2",
-                 "--prefill-buckets", "16"]) == 0
-    return out
+    return compile_cpu(tmp_path_factory.mktemp("bad") / "tiny", "1,2")
 
 
 @pytest.fixture(scope="module")

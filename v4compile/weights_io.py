@@ -508,15 +508,12 @@ class MappedWeights(Mapping):
                 prog.add(len(mv) - pos)
                 done += len(mv)
                 del mv
-                if hasher is not None and h.hexdigest() != self.expected.get(rel):
-                    raise self.error("file does not match its hash in the manifest (changed or damaged)",
-                                     where=str(self.root / rel), expected=str(self.expected.get(rel))[:16] + "...")
+                if hasher is not None:
+                    self._check_shard(rel, h)
         finally:
             if hasher is not None:
                 hasher.shutdown(wait=True)
-        dt = time.perf_counter() - t0
-        log.info("weights: %.2f GB read in %.2f s (%.0f MB/s)%s", done / 1e9, dt, done / max(dt, 1e-9) / 1e6,
-                 ", hashed" if self.expected is not None else "")
+        self._log_read(done, t0)
 
     def chunks(self, size: int = CHUNK_BYTES) -> Iterator[tuple[str, int, bytearray, int, int]]:
         """(tensor, offset in the tensor, buffer, start in the buffer, byte count) for every weight, shard by
@@ -571,12 +568,19 @@ class MappedWeights(Mapping):
                         hashing[b].result()
                         hashing[b] = None
                 done += sh.mm.size()
-                if hasher is not None and h.hexdigest() != self.expected.get(rel):
-                    raise self.error("file does not match its hash in the manifest (changed or damaged)",
-                                     where=str(self.root / rel), expected=str(self.expected.get(rel))[:16] + "...")
+                if hasher is not None:
+                    self._check_shard(rel, h)
         finally:
             if hasher is not None:
                 hasher.shutdown(wait=True)
+        self._log_read(done, t0)
+
+    def _check_shard(self, rel: str, h) -> None:
+        if h.hexdigest() != self.expected.get(rel):
+            raise self.error("file does not match its hash in the manifest (changed or damaged)",
+                             where=str(self.root / rel), expected=str(self.expected.get(rel))[:16] + "...")
+
+    def _log_read(self, done: int, t0: float) -> None:
         dt = time.perf_counter() - t0
         log.info("weights: %.2f GB read in %.2f s (%.0f MB/s)%s", done / 1e9, dt, done / max(dt, 1e-9) / 1e6,
                  ", hashed" if self.expected is not None else "")
