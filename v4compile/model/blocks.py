@@ -123,9 +123,11 @@ def moe_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, ids: Any, 
     wts, idx = ops.router(x, P.t(f + "gate.weight"), None if hashed else P.t(f + "gate.bias"),
                           P.t(f + "gate.tid2eid") if hashed else None, ids if hashed else None,
                           k=cfg.n_active_experts, route_scale=float(cfg.route_scale), role="ffn.gate")
-    fp8 = opts.numerics == "official" and P.quantized(experts_name(pre, "w1"))
+    official = opts.numerics == "official"
+    fp8 = official and P.quantized(experts_name(pre, "w1"))
+    # official: the routing weight scales w2's input, inside its activation quantisation (spec 10)
     y = ops.moe_experts(x, wts, idx, **P.experts(pre), limit=float(cfg.swiglu_limit), act="fp8" if fp8 else "native",
-                        role="ffn.experts")
+                        route_weight="before_w2" if official else "after_w2", role="ffn.experts")
     with scope("shared", role="ffn.shared"):
         s = f + "shared_experts."
         h = ops.swiglu(ops.linear(x, **gemm(P, opts, s + "w1.weight", "ffn.shared.w1")),

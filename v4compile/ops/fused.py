@@ -7,7 +7,7 @@ from ..ir.registry import Cost, defop, require
 from ..ir.types import TensorType
 from .basic import GEMM_ATTRS, _native_gemm, linear, rms_norm, swiglu
 from .mhc import hc_head, hc_post, hc_pre
-from .moe import moe_experts
+from .moe import MOE_ATTRS, moe_experts
 from .numerics import fp8_round_ref
 from .rope import rotate
 
@@ -130,14 +130,14 @@ def _(g, o, a, r):
 
 @defop("moe_experts_shared(x, weights, indices, w1, w2, w3, s1, s2, s3, w1_scale?, w2_scale?, w3_scale?, "
        "s1_scale?, s2_scale?, s3_scale?) -> y",
-       attrs={"limit": float, "block": (int, 32), "act": (str, "native"), "acc": (str, "fp32"),
-              "out_dtype": (str, ""), "shared_block": (int, 128), "shared_act": (str, "native")}, kernel="moe")
+       attrs={**MOE_ATTRS, "shared_block": (int, 128), "shared_act": (str, "native")}, kernel="moe")
 def moe_experts_shared(x, weights, indices, w1, w2, w3, s1, s2, s3, w1_scale, w2_scale, w3_scale, s1_scale, s2_scale,
-                       s3_scale, *, limit, block, act, acc, out_dtype, shared_block, shared_act):
+                       s3_scale, *, limit, block, act, acc, out_dtype, route_weight, shared_block, shared_act):
     """Routed experts and the shared expert in one launch: `moe_experts(...) + w2_s(swiglu(w1_s x, w3_s x))`
-    (`act`: the routed GEMMs' activation format, `shared_act`: the shared expert's)."""
+    (`act`: the routed GEMMs' activation format, `shared_act`: the shared expert's; `route_weight`: see
+    `moe.ROUTE_WEIGHTS`)."""
     routed = moe_experts.ref(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, limit=limit, block=block,
-                             act=act, acc=acc, out_dtype=out_dtype)
+                             act=act, acc=acc, out_dtype=out_dtype, route_weight=route_weight)
     lin = {"block": shared_block, "act": shared_act, "acc": acc, "out_dtype": out_dtype}
     g = linear.ref(x, s1, s1_scale, **lin)
     u = linear.ref(x, s3, s3_scale, **lin)
@@ -146,9 +146,10 @@ def moe_experts_shared(x, weights, indices, w1, w2, w3, s1, s2, s3, w1_scale, w2
 
 @moe_experts_shared.infer
 def _(x, weights, indices, w1, w2, w3, s1, s2, s3, w1_scale, w2_scale, w3_scale, s1_scale, s2_scale, s3_scale, *, limit,
-      block, act, acc, out_dtype, shared_block, shared_act):
+      block, act, acc, out_dtype, route_weight, shared_block, shared_act):
     moe_experts.result_types([x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale],
-                             {"limit": limit, "block": block, "act": act, "acc": acc, "out_dtype": out_dtype})
+                             {"limit": limit, "block": block, "act": act, "acc": acc, "out_dtype": out_dtype,
+                              "route_weight": route_weight})
     lin = {"block": shared_block, "act": shared_act, "acc": acc, "out_dtype": out_dtype}
     h = linear.result_types([x, s1, s1_scale], lin)[0]
     linear.result_types([x, s3, s3_scale], lin)
@@ -173,7 +174,7 @@ def _(g, o, a, r):
     _native_gemm("moe_experts_shared", a)
     x, xt, lim = o.x, o.types["x"], a["limit"]
     routed = g.moe_routed(x, xt, o.weights, o.indices, o.w1, o.w2, o.w3, o.types["w1"], o.types["indices"].shape[-1],
-                          lim)
+                          lim, a["route_weight"])
     gt = g.op("Min", g.linear(x, xt, o.s1, o.types["s1"]), g.scalar(lim))
     up = g.op("Clip", g.linear(x, xt, o.s3, o.types["s3"]), g.scalar(-lim), g.scalar(lim))
     h = g.op("Mul", g.op("Mul", gt, g.op("Sigmoid", gt)), up)
