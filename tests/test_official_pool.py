@@ -133,12 +133,13 @@ def _flipped_attend(q, keys, visible, sink, scale):
 
 def test_a_summation_order_change_is_caught(lowered, monkeypatch):
     """The bit-exact checks can fail: summing the same keys in another order makes `sparse_attention`
-    the first op that differs (by rounding only), and on hca8 the official roundings grow that to 9.2e-5
-    (> 1e-5, as the old CSR order did)."""
+    the first op that differs (by rounding only), and on tiny-pro the official roundings grow that to
+    3.1e-2 (> 1e-5, as the old CSR order did; whether a 1-ulp change reaches a rounding boundary is data:
+    with the official routing-weight order, issue 27, hca8 moved from 9.2e-5 to 4.9e-7)."""
     from v4compile.ops import paged
 
     x = lowered
-    if x.cfg.name != "hca8":
+    if x.cfg.name != "tiny-pro":
         pytest.skip("one config is enough to show the checks can fail")
     monkeypatch.setattr(paged, "attend", _flipped_attend)
     got = _logits(x.check, x.pooled)
