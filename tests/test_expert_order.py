@@ -172,10 +172,13 @@ def test_triton_kernel_official_order(case):
 
 
 def test_the_tracer_sets_the_order_from_the_numerics_mode():
+    """And the routing denominator's epsilon (spec 15 item 14: 1e-20 is HF's, DeepSeek divides by the sum)."""
     from v4compile.config import preset
     from v4compile.trace import TraceOptions, trace
 
-    for numerics, want in (("official", "before_w2"), ("hf", "after_w2")):
+    for numerics, want, eps in (("official", "before_w2", 0.0), ("hf", "after_w2", 1e-20)):
         m = trace(preset("tiny"), TraceOptions(numerics=numerics, batch=1, chunk=4, decode_batch=1, capacity=32))
-        got = {op.attrs["route_weight"] for fn in m.functions.values() for op in fn.ops if op.name == "moe_experts"}
+        ops = [op for fn in m.functions.values() for op in fn.ops]
+        got = {op.attrs["route_weight"] for op in ops if op.name == "moe_experts"}
         assert got == {want}, (numerics, got)
+        assert {op.attrs["denom_eps"] for op in ops if op.name == "router"} == {eps}

@@ -122,7 +122,8 @@ def moe_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, ids: Any, 
     hashed = cfg.is_hash(layer)
     wts, idx = ops.router(x, P.t(f + "gate.weight"), None if hashed else P.t(f + "gate.bias"),
                           P.t(f + "gate.tid2eid") if hashed else None, ids if hashed else None,
-                          k=cfg.n_active_experts, route_scale=float(cfg.route_scale), role="ffn.gate")
+                          k=cfg.n_active_experts, route_scale=float(cfg.route_scale),
+                          denom_eps=0.0 if opts.numerics == "official" else 1e-20, role="ffn.gate")
     official = opts.numerics == "official"
     fp8 = official and P.quantized(experts_name(pre, "w1"))
     # official: the routing weight scales w2's input, inside its activation quantisation (spec 10)

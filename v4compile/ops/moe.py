@@ -10,11 +10,13 @@ from ..ir.types import TensorType
 from .basic import dequant_weight
 
 
-@defop("router(x, w, bias?, tid2eid?, ids?) -> weights, indices", attrs={"k": int, "route_scale": float}, kernel="router",
+@defop("router(x, w, bias?, tid2eid?, ids?) -> weights, indices",
+       attrs={"k": int, "route_scale": float, "denom_eps": (float, 1e-20)}, kernel="router",
        variants={"learned": ("bias",), "hash": ("tid2eid", "ids")})
-def router(x, w, bias, tid2eid, ids, *, k, route_scale):
+def router(x, w, bias, tid2eid, ids, *, k, route_scale, denom_eps):
     """`s = sqrt(softplus(x W^T))`; experts = `tid2eid[ids]` (hash layers) or top-k of `s + bias`
-    (the bias only steers selection); weights = `s[sel] / sum(s[sel]) * route_scale`."""
+    (the bias only steers selection); weights = `s[sel] / (sum(s[sel]) + denom_eps) * route_scale`
+    (`denom_eps`: 1e-20 in transformers, 0 in DeepSeek's code, spec 15 item 14)."""
     logits = F.linear(x, w.to(x.dtype))
     scores = F.softplus(logits).sqrt()
     if tid2eid is not None:
@@ -22,12 +24,13 @@ def router(x, w, bias, tid2eid, ids, *, k, route_scale):
     else:
         idx = torch.topk(scores + bias, k, dim=-1, sorted=False).indices
     wts = scores.gather(-1, idx)
-    wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20)
+    wts = wts / (wts.sum(dim=-1, keepdim=True) + denom_eps)
     return wts * route_scale, idx
 
 
 @router.infer
-def _(x, w, bias, tid2eid, ids, *, k, route_scale):
+def _(x, w, bias, tid2eid, ids, *, k, route_scale, denom_eps):
+    require(denom_eps >= 0.0, "router: denom_eps must be >= 0", found=denom_eps)
     require(w.rank == 2 and w.shape[1] == x.shape[-1], "router weight must be [E, D]", found=list(w.shape))
     require((tid2eid is None) != (bias is None), "router takes either a bias (learned) or tid2eid + ids (hash)")
     require(tid2eid is None or (ids is not None and tid2eid.shape[1] == k), "hash router needs ids and a [V, k] table")
@@ -44,7 +47,7 @@ def _(g, o, a, r):
     else:
         idx = g.op("TopK", g.op("Add", scores, o.bias), g.i64(k), n_out=2, axis=-1, largest=1, sorted=1)[1]
     wts = g.op("GatherElements", scores, idx, axis=-1)
-    wts = g.op("Div", wts, g.op("Add", g.sum(wts, -1, 1), g.scalar(1e-20)))
+    wts = g.op("Div", wts, g.op("Add", g.sum(wts, -1, 1), g.scalar(a["denom_eps"])))
     return g.op("Mul", wts, g.scalar(a["route_scale"])), idx
 
 
