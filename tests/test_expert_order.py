@@ -172,7 +172,8 @@ def test_triton_kernel_official_order(case):
 
 
 def test_the_tracer_sets_the_order_from_the_numerics_mode():
-    """And the routing denominator's epsilon (spec 15 item 14: 1e-20 is HF's, DeepSeek divides by the sum)."""
+    """And the router's numerics: official routes in fp32 (spec 15 item 7) and without HF's 1e-20 in the
+    denominator (item 14)."""
     from v4compile.config import preset
     from v4compile.trace import TraceOptions, trace
 
@@ -181,4 +182,4 @@ def test_the_tracer_sets_the_order_from_the_numerics_mode():
         ops = [op for fn in m.functions.values() for op in fn.ops]
         got = {op.attrs["route_weight"] for op in ops if op.name == "moe_experts"}
         assert got == {want}, (numerics, got)
-        assert {op.attrs["denom_eps"] for op in ops if op.name == "router"} == {eps}
+        assert {(op.attrs["denom_eps"], op.attrs["fp32"]) for op in ops if op.name == "router"} == {(eps, eps == 0.0)}

@@ -84,3 +84,36 @@ def test_routing_denominator_eps(eps):
         except AssertionError:
             matched = False
         assert matched == ok, (launch_eps, eps)
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_fp32_router_on_bf16_activations(hashed):
+    """Spec 10 / 15 item 7 (official): logits from x and W upcast to fp32, every routing step in fp32, fp32
+    weights. The reference is that computation written out; the bf16 router (HF) differs from it, and the
+    kernel with `fp32` matches it."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(5)
+    B, T, D, E, k = 2, 7, 96, 12, 3
+    x = torch.randn(B, T, D, generator=g).bfloat16()
+    w = (torch.randn(E, D, generator=g) * 0.2).bfloat16()
+    args = {"x": x, "w": w, "bias": None, "tid2eid": None, "ids": None}
+    if hashed:
+        args.update(tid2eid=torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(20)]),
+                    ids=torch.randint(0, 20, (B, T), generator=g))
+    else:
+        args["bias"] = torch.randn(E, generator=g) * 0.5
+    attrs = {"k": k, "route_scale": 2.5, "denom_eps": 0.0, "fp32": True}
+    rw, ri = kc.reference("router", args, attrs)
+    s = F.softplus(x.float() @ w.float().T).sqrt()
+    want = s.gather(-1, ri) / s.gather(-1, ri).sum(-1, keepdim=True) * 2.5
+    assert rw.dtype == torch.float32 and torch.equal(rw, want)
+    bw, bi = kc.reference("router", args, {**attrs, "fp32": False})
+    assert bw.dtype == torch.bfloat16 and not torch.equal(_by_index(bw.float(), bi)[0], _by_index(rw, ri)[0])
+    wo, _ = kc.poisoned((B, T, k), torch.float32)
+    io, _ = kc.poisoned((B, T, k), torch.int64)
+    kernels.launch("router", args, attrs, {"weights": wo, "indices": io})
+    kw, ki = _by_index(wo, io)
+    sw, si = _by_index(rw, ri)
+    assert torch.equal(ki, si)
+    kc.assert_matches(kw, sw, f"fp32 router hashed={hashed}")

@@ -120,11 +120,11 @@ def gemm(P: Params, opts: StepOptions, name: str, role: str, out_dtype: str = ""
 def moe_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, ids: Any, opts: StepOptions) -> Any:
     f = pre + "ffn."
     hashed = cfg.is_hash(layer)
+    official = opts.numerics == "official"  # router in fp32 without HF's 1e-20 (spec 10; 15 items 7, 14)
     wts, idx = ops.router(x, P.t(f + "gate.weight"), None if hashed else P.t(f + "gate.bias"),
                           P.t(f + "gate.tid2eid") if hashed else None, ids if hashed else None,
                           k=cfg.n_active_experts, route_scale=float(cfg.route_scale),
-                          denom_eps=0.0 if opts.numerics == "official" else 1e-20, role="ffn.gate")
-    official = opts.numerics == "official"
+                          denom_eps=0.0 if official else 1e-20, fp32=official, role="ffn.gate")
     fp8 = official and P.quantized(experts_name(pre, "w1"))
     # official: the routing weight scales w2's input, inside its activation quantisation (spec 10)
     y = ops.moe_experts(x, wts, idx, **P.experts(pre), limit=float(cfg.swiglu_limit), act="fp8" if fp8 else "native",

@@ -11,13 +11,15 @@ from .basic import dequant_weight
 
 
 @defop("router(x, w, bias?, tid2eid?, ids?) -> weights, indices",
-       attrs={"k": int, "route_scale": float, "denom_eps": (float, 1e-20)}, kernel="router",
+       attrs={"k": int, "route_scale": float, "denom_eps": (float, 1e-20), "fp32": (bool, False)}, kernel="router",
        variants={"learned": ("bias",), "hash": ("tid2eid", "ids")})
-def router(x, w, bias, tid2eid, ids, *, k, route_scale, denom_eps):
+def router(x, w, bias, tid2eid, ids, *, k, route_scale, denom_eps, fp32):
     """`s = sqrt(softplus(x W^T))`; experts = `tid2eid[ids]` (hash layers) or top-k of `s + bias`
     (the bias only steers selection); weights = `s[sel] / (sum(s[sel]) + denom_eps) * route_scale`
-    (`denom_eps`: 1e-20 in transformers, 0 in DeepSeek's code, spec 15 item 14)."""
-    logits = F.linear(x, w.to(x.dtype))
+    (`denom_eps`: 1e-20 in transformers, 0 in DeepSeek's code, spec 15 item 14). Computed in x's dtype,
+    or with `fp32` from x and W upcast to fp32, the weights then fp32 (DeepSeek's code, spec 10, 15 item 7)."""
+    dt = torch.float32 if fp32 else x.dtype
+    logits = F.linear(x.to(dt), w.to(dt))
     scores = F.softplus(logits).sqrt()
     if tid2eid is not None:
         idx = tid2eid[ids.clamp(min=0)].long()
@@ -29,13 +31,13 @@ def router(x, w, bias, tid2eid, ids, *, k, route_scale, denom_eps):
 
 
 @router.infer
-def _(x, w, bias, tid2eid, ids, *, k, route_scale, denom_eps):
+def _(x, w, bias, tid2eid, ids, *, k, route_scale, denom_eps, fp32):
     require(denom_eps >= 0.0, "router: denom_eps must be >= 0", found=denom_eps)
     require(w.rank == 2 and w.shape[1] == x.shape[-1], "router weight must be [E, D]", found=list(w.shape))
     require((tid2eid is None) != (bias is None), "router takes either a bias (learned) or tid2eid + ids (hash)")
     require(tid2eid is None or (ids is not None and tid2eid.shape[1] == k), "hash router needs ids and a [V, k] table")
     lead = x.shape[:-1]
-    return TensorType((*lead, k), x.dtype), TensorType((*lead, k), "i64")
+    return TensorType((*lead, k), "fp32" if fp32 else x.dtype), TensorType((*lead, k), "i64")
 
 
 @router.onnx
