@@ -173,7 +173,7 @@ def test_triton_kernel_official_order(case):
 
 def test_the_tracer_sets_the_order_from_the_numerics_mode():
     """And the router's numerics: official routes in fp32 (spec 15 item 7) and without HF's 1e-20 in the
-    denominator (item 14)."""
+    denominator (item 14); the q norm's mean (item 10)."""
     from v4compile.config import preset
     from v4compile.trace import TraceOptions, trace
 
@@ -183,3 +183,6 @@ def test_the_tracer_sets_the_order_from_the_numerics_mode():
         got = {op.attrs["route_weight"] for op in ops if op.name == "moe_experts"}
         assert got == {want}, (numerics, got)
         assert {(op.attrs["denom_eps"], op.attrs["fp32"]) for op in ops if op.name == "router"} == {(eps, eps == 0.0)}
+        # and the per-head q norm's statistic (item 10): in the activation dtype under official
+        assert {op.attrs["mean"] for op in ops if op.name == "rms_norm" and op.operand("weight") is None} == \
+            {"dtype" if numerics == "official" else "fp32"}

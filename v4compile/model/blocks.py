@@ -60,7 +60,8 @@ def attention_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, pos:
     qr = ops.rms_norm(ops.linear(x, **gemm(P, opts, a + "wq_a.weight", "attn.wq_a")), P.t(a + "q_norm.weight"), eps=eps)
     q = ops.reshape(ops.linear(qr, **gemm(P, opts, a + "wq_b.weight", "attn.wq_b")),
                     shape=(B, T, cfg.n_heads, cfg.head_dim))
-    q = ops.rope(ops.rms_norm(q, None, eps=eps), pos, **rope)
+    # official: the per-head q norm's statistic in the activation dtype (spec 15 item 10)
+    q = ops.rope(ops.rms_norm(q, None, eps=eps, mean="dtype" if official else "fp32"), pos, **rope)
     kv = ops.rms_norm(ops.linear(x, **gemm(P, opts, a + "wkv.weight", "attn.wkv")), P.t(a + "kv_norm.weight"),
                       eps=eps)
     kv = ops.rope(kv, pos, **rope)

@@ -247,20 +247,22 @@ def _(operands, results, attrs):
 
 @defop("qkv_norm_rope(q, kv, norm, pos, qi?, slot?, p0?, p1?, p2?) -> q_out, kv_out, qi_out?, q0?, q1?, q2?",
        attrs={"eps": float, "dim": int, "theta": float, "yarn": tuple, "kv_round_dims": (int, 0),
-              "kv_round_block": (int, 64), "qi_round": (str, "none"), "window": (int, 0), "slot_rows": (int, 0),
+              "kv_round_block": (int, 64), "qi_round": (str, "none"), "q_mean": (str, "fp32"), "window": (int, 0),
+              "slot_rows": (int, 0),
               "n_rows": (int, 0), "layer_row": (int, 0), "fmt": (str, "")}, tied={"q0": "p0", "q1": "p1", "q2": "p2"},
        follows={"qi_out": "qi"}, kernel="qkv_norm_rope", offset_attrs=("layer_row",),
        variants={"plain": (), "indexer": ("qi",), "write": ("slot", "p0"), "indexer_write": ("qi", "slot", "p0")})
 def qkv_norm_rope(q, kv, norm, pos, qi, slot, p0, p1, p2, *, eps, dim, theta, yarn, kv_round_dims, kv_round_block,
-                  qi_round, window, slot_rows, n_rows, layer_row, fmt):
+                  qi_round, q_mean, window, slot_rows, n_rows, layer_row, fmt):
     """One launch for the attention's query / key prologue: the per-head unweighted RMSNorm + RoPE of q,
     the weighted RMSNorm + RoPE of the kv latent (+ its official FP8 rounding), the RoPE of the indexer
     query `qi` (+ Hadamard / FP4 rounding) when given, and, in decode (with `slot` and planes), the
-    write of the new kv row into the window ring. Results: q, kv, [qi], [planes]."""
+    write of the new kv row into the window ring (`q_mean`: the q norm's `rms_norm` mean). Results: q, kv,
+    [qi], [planes]."""
     from .numerics import hadamard_fp4_round_ref
     from .paged import pool_write_window
 
-    qo = rotate(rms_norm.ref(q, None, eps=eps), pos, dim, theta, yarn)
+    qo = rotate(rms_norm.ref(q, None, eps=eps, mean=q_mean), pos, dim, theta, yarn)
     kvo = rotate(rms_norm.ref(kv, norm, eps=eps), pos, dim, theta, yarn)
     if kv_round_dims:
         kvo = fp8_round_ref(kvo, kv_round_dims, kv_round_block)
@@ -275,7 +277,9 @@ def qkv_norm_rope(q, kv, norm, pos, qi, slot, p0, p1, p2, *, eps, dim, theta, ya
 
 
 @qkv_norm_rope.infer
-def _(q, kv, norm, pos, qi, slot, p0, p1, p2, *, window, fmt, **_):
+def _(q, kv, norm, pos, qi, slot, p0, p1, p2, *, window, fmt, q_mean, **_):
+    from .basic import RMS_MEANS
+    require(q_mean in RMS_MEANS, f"qkv_norm_rope: q_mean must be one of {RMS_MEANS}", found=q_mean)
     require(q.rank == 4 and kv.rank == 3 and q.shape[3] == kv.shape[2], "qkv_norm_rope q [B, T, H, d] / kv [B, T, d]",
             found=(list(q.shape), list(kv.shape)))
     require(norm.shape == (kv.shape[2],), "qkv_norm_rope norm must be [d]", found=list(norm.shape))
@@ -300,6 +304,8 @@ def _(operands, results, attrs):
 @qkv_norm_rope.onnx
 def _(g, o, a, r):
     pos = g.as_i64(o.pos, o.types["pos"].dtype)
+    if a["q_mean"] != "fp32" and o.types["q"].dtype != "fp32":  # in fp32 both statistics are the same maths
+        raise NotImplementedError("qkv_norm_rope q_mean=\"dtype\" on a non-fp32 input (cpu: fp32)")
     rot = dict(dim=a["dim"], theta=a["theta"], yarn=tuple(a["yarn"]))
     qo = g.rotate(g.rms(o.q, None, a["eps"], o.types["q"].shape[-1]), o.types["q"], pos, 2, **rot)
     kvo = g.rotate(g.rms(o.kv, o.norm, a["eps"]), o.types["kv"], pos, 2, **rot)
