@@ -405,7 +405,8 @@ def v4pro_calls(M, E=384, k=6, D=7168, I=3072, dt="bf16"):
                s2=_ta((D, I), "fp8e4m3"), s1_scale=_ta((I // 128, D // 128), "e8m0"),
                s3_scale=_ta((I // 128, D // 128), "e8m0"), s2_scale=_ta((D // 128, I // 128), "e8m0"))
     return moe.specialise("moe_experts_shared", ops, {"y": _ta((1, M, D), dt)},
-                          {"limit": 10.0, "block": 32, "shared_block": 128, "act": "native", "shared_act": "native"})
+                          {"limit": 10.0, "block": 32, "shared_block": 128, "act": "native", "shared_act": "native",
+                           "route_weight": "after_w2"})
 
 
 @pytest.mark.slow
