@@ -42,6 +42,8 @@ def _(x, w, bias, tid2eid, ids, *, k, route_scale, denom_eps, fp32):
 
 @router.onnx
 def _(g, o, a, r):
+    if a["fp32"] and o.types["x"].dtype != "fp32":  # on fp32 activations the fp32 router is the same maths
+        raise NotImplementedError("router fp32 on a non-fp32 input (cpu: fp32)")
     k = a["k"]
     scores = g.op("Sqrt", g.op("Softplus", g.linear(o.x, o.types["x"], o.w, o.types["w"])))
     if o.tid2eid is not None:
