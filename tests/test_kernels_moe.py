@@ -7,7 +7,8 @@ kernels round to x's dtype at every point the reference does (GEMM outputs, silu
 each index_add_ step in ascending expert order, the final + shared), so what remains is fp32 summation
 order inside each GEMM (1 bf16 ulp at a rounding boundary, which can propagate once: 2 ulps allowed).
 act="fp8" reference: spec 13.1 applied to each GEMM input with `formats.fp8_qdq` (the registry's moe
-ops do not declare `act` yet).
+ops do not declare `act` yet). route_weight "before_w2" (official: the weight inside w2's activation
+quantisation) matches the reference the same way, and a kernel run with the other order is caught.
 
 Grouping (prefill-sized P, the grouping launch): hash and learned routing from the router reference with
 idle experts and experts of more than one BM tile, the same tolerances, and bit-identical to the in-register
