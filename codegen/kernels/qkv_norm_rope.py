@@ -92,7 +92,8 @@ def specialise(op_name, operands, results, attrs):
     assert not qi_fp4 or DI == pow2(DI), "the Hadamard rotation needs a power-of-two indexer head dim"
     BH = min(pow2(H), 16)
     c = dict(T=T, H=H, D=D, DP=pow2(D), BH=BH, HI=HI, HIP=pow2(HI), DI=DI, DIP=pow2(DI),
-             EPS=float(attrs["eps"]), Q_MEAN_DT=attrs["q_mean"] == "dtype", ROPE_DIM=dim, F=rope_table(dim, attrs["theta"], attrs["yarn"]),
+             EPS=float(attrs["eps"]), Q_MEAN_DT=attrs["q_mean"] == "dtype", ROPE_DIM=dim,
+             F=rope_table(dim, attrs["theta"], attrs["yarn"]),
              KV_ROUND_DIMS=attrs.get("kv_round_dims", 0), KV_ROUND_BLOCK=attrs.get("kv_round_block", 64),
              QI_FP4=qi_fp4, HS=hadamard_scale(pow2(DI)),
              Q_S=q.strides[:3], KV_S=kv.strides[:2] + (0,), QI_S=qi.strides[:3] if qi is not None else (0, 0, 0),

@@ -42,7 +42,8 @@ def rms_norm_call(x: TensorArg, w: TensorArg | None, y: TensorArg, eps: float, m
     D = x.shape[-1]
     BD = triton.next_power_of_2(D)
     BR = max(1, min(16, 4096 // BD))
-    ce = dict(R=R, D=D, X_RS=x_rs, X_CS=x_cs, Y_RS=y_rs, Y_CS=y_cs, EPS=float(eps), MEAN_DT=mean == "dtype", BR=BR, BD=BD)
+    ce = dict(R=R, D=D, X_RS=x_rs, X_CS=x_cs, Y_RS=y_rs, Y_CS=y_cs, EPS=float(eps), MEAN_DT=mean == "dtype", BR=BR,
+              BD=BD)
     pointers = [ptr("x_ptr", "operand", "x", x)]
     if w is None:
         ce["w_ptr"] = None

@@ -5,7 +5,8 @@ One program per BR tokens: the [BR, E] logits from a K loop of `tl.dot`, then so
 rounds of arg-max (ties to the lowest expert id) in registers. Every step is rounded to x's dtype where
 the reference computes in that dtype (bf16 logits, softplus, sqrt, sum, quotient, product), so bf16
 results match the reference's roundings. The weights' dtype is that dtype: an `fp32` router (official
-numerics) writes fp32 weights, so every step, the logits GEMM included, is fp32. Indices are written best-first; the reference's `topk(sorted=
+numerics) writes fp32 weights, so every step, the logits GEMM included, is fp32.
+Indices are written best-first; the reference's `topk(sorted=
 False)` order is unspecified, so consumers (and tests) treat the k slots as a set.
 """
 
@@ -92,7 +93,8 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     E, D = w.shape
     k = attrs["k"]
     ce = dict(R=R, D=D, E=E, KSEL=k, X_RS=x_rs, W_RS=w.strides[0], T_RS=0, I_S=0, WO_RS=wo_rs, IO_RS=io_rs,
-              ROUTE_SCALE=float(attrs["route_scale"]), DENOM_EPS=float(attrs["denom_eps"]), SUM_IN_DT=bias is not None and bias.dtype == wo.dtype,
+              ROUTE_SCALE=float(attrs["route_scale"]), DENOM_EPS=float(attrs["denom_eps"]),
+              SUM_IN_DT=bias is not None and bias.dtype == wo.dtype,
               BR=16, BE=max(16, triton.next_power_of_2(E)),
               # the [BK, BE] weight tile is the big one: keep it near 32 KB of bf16
               BK=min(max(16, 16384 // max(16, triton.next_power_of_2(E))), 128, max(16, triton.next_power_of_2(D))),
