@@ -564,9 +564,10 @@ class Graph:
 
     # ---- MoE ----------------------------------------------------------------------------------
     def moe_routed(self, x: str, xt: TensorType, weights: str, indices: str, w1: str, w2: str, w3: str,
-                   w1t: TensorType, k: int, limit: float) -> str:
+                   w1t: TensorType, k: int, limit: float, route_weight: str) -> str:
         """Routed experts. Few (token, expert) pairs: gather each pair's expert matrices (what decode reads);
-        as many pairs as experts or more: every expert on every token, combined with the routing weights."""
+        as many pairs as experts or more: every expert on every token, combined with the routing weights.
+        The weight scales w2's output ("after_w2") or its input ("before_w2"), as the op says."""
         D = xt.shape[-1]
         N = xt.numel // D
         E = w1t.shape[0]
@@ -586,17 +587,26 @@ class Graph:
             xr = self.reshape(self.op("Expand", self.unsqueeze(flat, 1), self.i64(N, k, D)), (N * k, D, 1))
             h = swiglu(self.op("MatMul", self.op("Gather", w1, fi, axis=0), xr),
                        self.op("MatMul", self.op("Gather", w3, fi, axis=0), xr))  # [N*k, I, 1]
+            pw = self.reshape(wts, (N * k, 1, 1))
+            if route_weight == "before_w2":
+                h = self.op("Mul", h, pw)
             y = self.op("MatMul", self.op("Gather", w2, fi, axis=0), h)  # [N*k, D, 1]
-            y = self.op("Mul", self.reshape(y, (N, k, D)), self.unsqueeze(wts, -1))
-            out = self.sum(y, 1)
+            if route_weight == "after_w2":
+                y = self.op("Mul", y, pw)
+            out = self.sum(self.reshape(y, (N, k, D)), 1)
         else:
             xe = self.unsqueeze(flat, 0)  # [1, N, D]
             h = swiglu(self.matmul_t(xe, w1), self.matmul_t(xe, w3))  # [E, N, I]
-            y = self.matmul_t(h, w2)  # [E, N, D]
             onehot = self.cast(self.op("Equal", self.unsqueeze(idx, -1), self.const(np.arange(E), np.int64)),
                                TensorProto.FLOAT)  # [N, k, E]
             comb = self.sum(self.op("Mul", onehot, self.unsqueeze(wts, -1)), 1)  # [N, E]
-            out = self.sum(self.op("Mul", y, self.unsqueeze(self.op("Transpose", comb, perm=[1, 0]), -1)), 0)
+            comb = self.unsqueeze(self.op("Transpose", comb, perm=[1, 0]), -1)  # [E, N, 1]
+            if route_weight == "before_w2":
+                h = self.op("Mul", h, comb)
+            y = self.matmul_t(h, w2)  # [E, N, D]
+            if route_weight == "after_w2":
+                y = self.op("Mul", y, comb)
+            out = self.sum(y, 0)
         return self.reshape(out, xt.shape)
 
     # ---- finish --------------------------------------------------------------------------------

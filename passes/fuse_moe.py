@@ -49,7 +49,8 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
         operands.update(s1=gate.operand("w"), s2=down.operand("w"), s3=up.operand("w"), s1_scale=gate.operand("scale"),
                         s2_scale=down.operand("scale"), s3_scale=up.operand("scale"))
         attrs = {"limit": moe.attrs["limit"], "block": moe.attrs["block"], "act": moe.attrs["act"],
-                 "acc": moe.attrs["acc"], "out_dtype": moe.attrs["out_dtype"], "shared_block": gate.attrs["block"],
+                 "acc": moe.attrs["acc"], "out_dtype": moe.attrs["out_dtype"],
+                 "route_weight": moe.attrs["route_weight"], "shared_block": gate.attrs["block"],
                  "shared_act": gate.attrs["act"], **tags_of(moe, role=join_roles(moe, op))}
         new = make_op(namer, "moe_experts_shared", operands, attrs, moe.loc, [op.result])
         replace[id(op)] = new

@@ -135,7 +135,8 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
             qn, qr = g["q"]
             kn, kr = g["kv"]
             w = g["write"]
-            attrs = {"eps": qn.attrs["eps"], **{k: qr.attrs[k] for k in ("dim", "theta", "yarn")},
+            attrs = {"eps": qn.attrs["eps"], "q_mean": qn.attrs["mean"],
+                     **{k: qr.attrs[k] for k in ("dim", "theta", "yarn")},
                      **tags_of(qr, role=join_roles(*(m for m in (qr, g["qir"]) if m is not None)))}
             if g["rnd"] is not None:
                 attrs.update(kv_round_dims=g["rnd"].attrs["dims"], kv_round_block=g["rnd"].attrs["block"])

@@ -7,7 +7,8 @@ kernels round to x's dtype at every point the reference does (GEMM outputs, silu
 each index_add_ step in ascending expert order, the final + shared), so what remains is fp32 summation
 order inside each GEMM (1 bf16 ulp at a rounding boundary, which can propagate once: 2 ulps allowed).
 act="fp8" reference: spec 13.1 applied to each GEMM input with `formats.fp8_qdq` (the registry's moe
-ops do not declare `act` yet).
+ops do not declare `act` yet). route_weight "before_w2" (official: the weight inside w2's activation
+quantisation) matches the reference the same way, and a kernel run with the other order is caught.
 
 Grouping (prefill-sized P, the grouping launch): hash and learned routing from the router reference with
 idle experts and experts of more than one BM tile, the same tolerances, and bit-identical to the in-register
@@ -75,7 +76,7 @@ def _ref_act_fp8(args, attrs, dtype):
 
 
 def run(dtype, efmt="fp4", sfmt="fp8", act="native", op="moe_experts_shared", E=5, D=128, I=128, IS=128, k=2,
-        B=2, T=3, seed=0, wrong=None, shared_act="native"):
+        B=2, T=3, seed=0, wrong=None, shared_act="native", route="after_w2"):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, T, D, generator=g).to(dtype)
     idx = torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(B * T)]).reshape(B, T, k)  # E-1 idle
@@ -88,7 +89,7 @@ def run(dtype, efmt="fp4", sfmt="fp8", act="native", op="moe_experts_shared", E=
         w1, w3, w2 = w1.to(dtype), w3.to(dtype), w2.to(dtype)
     args = {"x": x, "weights": wts, "indices": idx, "w1": w1, "w2": w2, "w3": w3, "w1_scale": w1s,
             "w2_scale": w2s, "w3_scale": w3s}
-    attrs = {"limit": 1.5, "block": 32 if efmt == "fp4" else 128}
+    attrs = {"limit": 1.5, "block": 32 if efmt == "fp4" else 128, "route_weight": route}
     if op == "moe_experts_shared":
         s1, s1s = _shared(sfmt, IS, D, g, dtype)
         s3, s3s = _shared(sfmt, IS, D, g, dtype)
@@ -103,7 +104,9 @@ def run(dtype, efmt="fp4", sfmt="fp8", act="native", op="moe_experts_shared", E=
         ref = kc.reference(op, args, {**attrs, **({"act": act} if act != "native" else {})})[0]
     y, _ = kc.poisoned((B, T, D), dtype)
     call_attrs = {**attrs, **({"act": act} if act != "native" else {})}
-    if wrong:
+    if wrong == "route":
+        call_attrs["route_weight"] = "after_w2" if route == "before_w2" else "before_w2"
+    elif wrong:
         call_attrs["limit"] = 0.5
     calls = kernels.launch(op, args, call_attrs, {"y": y})
     kc.assert_matches(y, ref, f"{op} {efmt}/{sfmt} {dtype} act={act}", ulps=2)
@@ -130,6 +133,19 @@ def test_act_fp8(shared_act):
 
 def test_moe_experts_without_shared():
     run(torch.bfloat16, op="moe_experts", efmt="float", D=64, I=48)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_weight_before_w2(dtype):
+    # official order: the weight scales w2's input inside its 1x128 quantisation (FP4 experts, act fp8)
+    run(dtype, act="fp8", shared_act="fp8", route="before_w2")
+
+
+@pytest.mark.parametrize("route", ["after_w2", "before_w2"])
+def test_wrong_route_weight_is_caught(route):
+    # the kernel run with the other order misses the reference (weights from rand: not powers of two)
+    with pytest.raises(AssertionError):
+        run(torch.float32, act="fp8", route=route, wrong="route")
 
 
 def test_wrong_limit_is_caught():
@@ -403,7 +419,8 @@ def v4pro_calls(M, E=384, k=6, D=7168, I=3072, dt="bf16"):
                s2=_ta((D, I), "fp8e4m3"), s1_scale=_ta((I // 128, D // 128), "e8m0"),
                s3_scale=_ta((I // 128, D // 128), "e8m0"), s2_scale=_ta((D // 128, I // 128), "e8m0"))
     return moe.specialise("moe_experts_shared", ops, {"y": _ta((1, M, D), dt)},
-                          {"limit": 10.0, "block": 32, "shared_block": 128, "act": "native", "shared_act": "native"})
+                          {"limit": 10.0, "block": 32, "shared_block": 128, "act": "native", "shared_act": "native",
+                           "route_weight": "after_w2"})
 
 
 @pytest.mark.slow

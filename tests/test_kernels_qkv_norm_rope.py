@@ -31,7 +31,7 @@ CASES = [  # dtype, starts, counts, T, H, d, dim, yarn, kv_round, qi (Hi, di, ro
 ]
 
 
-def _run(dtype, starts, counts, T, H, d, dim, yarn, kv_round, qi, fmt, seed=0, wrong=None):
+def _run(dtype, starts, counts, T, H, d, dim, yarn, kv_round, qi, fmt, seed=0, wrong=None, q_mean="fp32"):
     g = torch.Generator().manual_seed(seed)
     dt = DT[dtype]
     B = len(starts)
@@ -40,7 +40,7 @@ def _run(dtype, starts, counts, T, H, d, dim, yarn, kv_round, qi, fmt, seed=0, w
             "norm": torch.rand(d, generator=g) + 0.5, "pos": pos, "qi": None, "slot": None,
             "p0": None, "p1": None, "p2": None}
     attrs = {"eps": 1e-6, "dim": dim, "theta": 10000.0, "yarn": yarn, "kv_round_dims": kv_round,
-             "kv_round_block": 16, "qi_round": "none"}
+             "kv_round_block": 16, "qi_round": "none", "q_mean": q_mean}
     if qi is not None:
         args["qi"] = torch.randn(B, T, qi[0], qi[1], generator=g).to(dt)
         attrs["qi_round"] = qi[2]
@@ -85,3 +85,8 @@ def test_qkv_norm_rope(case):
 def test_wrong_kernel_is_caught(wrong):
     with pytest.raises(AssertionError):
         _run(*CASES[2], wrong=wrong)
+
+
+def test_q_mean_in_the_activation_dtype():
+    """Official numerics (spec 15 item 10): the q norm's statistic in bf16, the official bf16 case."""
+    _run(*CASES[1], q_mean="dtype")

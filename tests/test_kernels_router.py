@@ -50,3 +50,70 @@ def test_router(dtype, hashed):
 def test_wrong_scale_is_caught():
     with pytest.raises(AssertionError):
         run(torch.float32, False, wrong_scale=2.0)
+
+
+def _tiny_scores(dtype, E=12, D=96, k=3, B=2, T=5):
+    """Logits near -80: every score s = sqrt(softplus(z)) ~ 4e-18, so `sum(s) + 1e-20` is not `sum(s)`."""
+    g = torch.Generator().manual_seed(4)
+    x = (1.0 + 0.01 * torch.randn(B, T, D, generator=g)).to(dtype)
+    w = (-80.0 / D + 0.01 * torch.randn(E, D, generator=g)).to(dtype)
+    return {"x": x, "w": w, "bias": torch.randn(E, generator=g) * 0.5, "tid2eid": None, "ids": None}, k
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-20])
+def test_routing_denominator_eps(eps):
+    """Spec 15 item 14: `denom_eps` 0 (official) or 1e-20 (HF). On scores ~4e-18 the two differ by ~1e-3
+    relative in fp32; the kernel follows the attribute, and with 0 the weights sum to route_scale."""
+    args, k = _tiny_scores(torch.float32)
+    attrs = {"k": k, "route_scale": 2.5, "denom_eps": eps}
+    rw, ri = kc.reference("router", args, attrs)
+    hw, _ = kc.reference("router", args, {**attrs, "denom_eps": 1e-20 - eps})
+    assert float(((rw - hw).abs() / rw.abs()).max()) > 1e-4  # the case tells the two apart
+    if eps == 0.0:
+        assert torch.allclose(rw.sum(-1), torch.full(rw.shape[:-1], 2.5), rtol=1e-6, atol=0)
+    for launch_eps, ok in ((eps, True), (1e-20 - eps, False)):
+        wo, _ = kc.poisoned(rw.shape, torch.float32)
+        io, _ = kc.poisoned(rw.shape, torch.int64)
+        kernels.launch("router", args, {**attrs, "denom_eps": launch_eps}, {"weights": wo, "indices": io})
+        kw, ki = _by_index(wo, io)
+        sw, si = _by_index(rw, ri)
+        assert torch.equal(ki, si)
+        try:
+            kc.assert_matches(kw, sw, f"router denom_eps={launch_eps}")
+            matched = True
+        except AssertionError:
+            matched = False
+        assert matched == ok, (launch_eps, eps)
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_fp32_router_on_bf16_activations(hashed):
+    """Spec 10 / 15 item 7 (official): logits from x and W upcast to fp32, every routing step in fp32, fp32
+    weights. The reference is that computation written out; the bf16 router (HF) differs from it, and the
+    kernel with `fp32` matches it."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(5)
+    B, T, D, E, k = 2, 7, 96, 12, 3
+    x = torch.randn(B, T, D, generator=g).bfloat16()
+    w = (torch.randn(E, D, generator=g) * 0.2).bfloat16()
+    args = {"x": x, "w": w, "bias": None, "tid2eid": None, "ids": None}
+    if hashed:
+        args.update(tid2eid=torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(20)]),
+                    ids=torch.randint(0, 20, (B, T), generator=g))
+    else:
+        args["bias"] = torch.randn(E, generator=g) * 0.5
+    attrs = {"k": k, "route_scale": 2.5, "denom_eps": 0.0, "fp32": True}
+    rw, ri = kc.reference("router", args, attrs)
+    s = F.softplus(x.float() @ w.float().T).sqrt()
+    want = s.gather(-1, ri) / s.gather(-1, ri).sum(-1, keepdim=True) * 2.5
+    assert rw.dtype == torch.float32 and torch.equal(rw, want)
+    bw, bi = kc.reference("router", args, {**attrs, "fp32": False})
+    assert bw.dtype == torch.bfloat16 and not torch.equal(_by_index(bw.float(), bi)[0], _by_index(rw, ri)[0])
+    wo, _ = kc.poisoned((B, T, k), torch.float32)
+    io, _ = kc.poisoned((B, T, k), torch.int64)
+    kernels.launch("router", args, attrs, {"weights": wo, "indices": io})
+    kw, ki = _by_index(wo, io)
+    sw, si = _by_index(rw, ri)
+    assert torch.equal(ki, si)
+    kc.assert_matches(kw, sw, f"fp32 router hashed={hashed}")

@@ -1,7 +1,8 @@
 """moe family: `moe_experts_shared` (routed experts + the shared expert, one op) and `moe_experts`.
 
 Numerics follow the op reference exactly, rounding to x's dtype wherever it does: each expert GEMM's
-output, silu and the SwiGLU product, the routed output times its routing weight, then the per-token sum
+output, silu and the SwiGLU product, the routing weight's product (with w2's output or input, as
+`route_weight` says), then the per-token sum
 over the selected experts in ascending expert id (the reference's `index_add_` order), then `+ shared`.
 
 Launches, scratch buffers between them (h, yr in x's dtype; P = tokens x k (token, slot) pairs, pair
@@ -11,7 +12,9 @@ p = token * k + slot):
      pairs in tiles of BM rows -> h[P, I] (row = pair id). Each weight tile is read once per BM pairs
      routed to e; an expert without pairs runs no tile.
   2. shared gate/up + SwiGLU (same kernel, every token "routed" to the one shared expert) -> hs[M, Is].
-  3. routed down, same walk -> yr[P, D] = round(round(W2_e h) * weight) (row = pair id).
+  3. routed down, same walk -> yr[P, D] (row = pair id): round(round(W2_e h) * weight) (route_weight
+     "after_w2") or round(W2_e round(weight * h)) ("before_w2": the weight inside w2's activation
+     quantisation, `v4-reference.md` 10).
   4. shared down + combine: y = round(sum over slots by ascending expert id (rounded each add) + W2_s hs).
 Every row of h / yr depends only on its own pair, so the order of the pairs inside an expert's list and
 how they are cut into tiles do not change a bit of the result; only the set of pairs per expert matters.
@@ -173,7 +176,7 @@ def moe_down_kernel(h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
                     H_RS: tl.constexpr, IDX_RS: tl.constexpr, WT_RS: tl.constexpr, Y_RS: tl.constexpr,
                     W_ES: tl.constexpr, W_RS: tl.constexpr, S_ES: tl.constexpr, S_RS: tl.constexpr,
                     W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
-                    CDT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    CDT: tl.constexpr, ROUTE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     e = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = offs_n < D
@@ -184,16 +187,21 @@ def moe_down_kernel(h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
     lo, hi, pa, sel, rank = _span(e, idx_ptr, grp_ptr, P, KSEL, IDX_RS, MODE, PB)
     for j in range(lo, hi, BM):
         pr, ok = _tile(j, hi, grp_ptr, pa, sel, rank, E, MODE, BM)
+        wt = tl.load(wt_ptr + (pr // KSEL) * WT_RS + pr % KSEL, mask=ok, other=0.0).to(tl.float32)
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         for k0 in range(0, I, BK):
             kk = k0 + rk
             k_ok = kk < I
             ht = tl.load(h_ptr + pr[None, :].to(tl.int64) * H_RS + kk[:, None], mask=ok[None, :] & k_ok[:, None],
                          other=0.0)
+            if ROUTE == "before_w2":  # the weight scales w2's input, before its activation quantisation
+                ht = (ht.to(tl.float32) * wt[None, :]).to(dt)
             acc = mma_step(acc, ht, None, w2, s2, offs_n, n_ok, kk, k_ok, k0, I, W_RS, 1, S_RS, 1, W_FMT, S_E8M0,
                            BLOCK, ACT, CDT, BK)
-        wt = tl.load(wt_ptr + (pr // KSEL) * WT_RS + pr % KSEL, mask=ok, other=0.0).to(tl.float32)
-        ye = (acc.to(dt).to(tl.float32) * wt[None, :]).to(dt)
+        if ROUTE == "before_w2":
+            ye = acc.to(dt)
+        else:
+            ye = (acc.to(dt).to(tl.float32) * wt[None, :]).to(dt)
         tl.store(y_ptr + pr[None, :].to(tl.int64) * Y_RS + offs_n[:, None], ye, mask=ok[None, :] & n_ok[:, None])
 
 
@@ -362,7 +370,7 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     # 3. routed down
     w2, s2 = o["w2"], o.get("w2_scale")
     ce = dict(I=I, D=D, H_RS=I, WT_RS=wt_rs, Y_RS=D, W_ES=w2.strides[0], S_ES=s2.strides[0] if s2 is not None else 0,
-              BN=BND, **routed, **common, **wce(w2, s2, I, block))
+              ROUTE=attrs["route_weight"], BN=BND, **routed, **common, **wce(w2, s2, I, block))
     pts = [("h_ptr", "scratch", "h", "*" + cdt), *find, ("wt_ptr", "operand", "weights", wts),
            ("w2_ptr", "operand", "w2", w2)]
     if s2 is not None:

@@ -22,7 +22,7 @@ from .kvrows import (TL_DTYPE, fp4_qdq, fp8_qdq, fwht, hadamard_scale, plane_con
 def qkv_norm_rope_kernel(q_ptr, kv_ptr, norm_ptr, pos_ptr, qi_ptr, slot_ptr, p0, p1, p2, qo_ptr, kvo_ptr, qio_ptr,
                          T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr,
                          HI: tl.constexpr, HIP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr,
-                         EPS: tl.constexpr, ROPE_DIM: tl.constexpr, F: tl.constexpr,
+                         EPS: tl.constexpr, Q_MEAN_DT: tl.constexpr, ROPE_DIM: tl.constexpr, F: tl.constexpr,
                          KV_ROUND_DIMS: tl.constexpr, KV_ROUND_BLOCK: tl.constexpr, QI_FP4: tl.constexpr,
                          HS: tl.constexpr, Q_S: tl.constexpr, KV_S: tl.constexpr, QI_S: tl.constexpr,
                          QO_S: tl.constexpr, KVO_S: tl.constexpr, QIO_S: tl.constexpr,
@@ -42,7 +42,11 @@ def qkv_norm_rope_kernel(q_ptr, kv_ptr, norm_ptr, pos_ptr, qi_ptr, slot_ptr, p0,
     h = hb * BH + tl.arange(0, BH)[:, None]
     m = (h < H) & cm
     x = tl.load(q_ptr + b * Q_S[0] + tq * Q_S[1] + h * Q_S[2] + col, mask=m, other=0.0).to(tl.float32)
-    r = (1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / D + EPS)).to(DT).to(tl.float32)
+    if Q_MEAN_DT:  # squares, their mean, + eps and the rsqrt each rounded to DT (rms_norm mean "dtype")
+        ms = (tl.sum((x * x).to(DT).to(tl.float32), axis=1) / D).to(DT).to(tl.float32)
+        r = (1.0 / tl.sqrt_rn((ms + EPS).to(DT).to(tl.float32))).to(DT).to(tl.float32)
+    else:
+        r = (1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / D + EPS)).to(DT).to(tl.float32)
     y = (x * r[:, None]).to(DT).to(tl.float32)
     y = rope(y, tl.full([BH], 0.0, tl.float32) + posf, F, BH, DP, D, ROPE_DIM, DT)
     tl.store(qo_ptr + b * QO_S[0] + tq * QO_S[1] + h * QO_S[2] + col, y.to(DT), mask=m)
@@ -88,7 +92,8 @@ def specialise(op_name, operands, results, attrs):
     assert not qi_fp4 or DI == pow2(DI), "the Hadamard rotation needs a power-of-two indexer head dim"
     BH = min(pow2(H), 16)
     c = dict(T=T, H=H, D=D, DP=pow2(D), BH=BH, HI=HI, HIP=pow2(HI), DI=DI, DIP=pow2(DI),
-             EPS=float(attrs["eps"]), ROPE_DIM=dim, F=rope_table(dim, attrs["theta"], attrs["yarn"]),
+             EPS=float(attrs["eps"]), Q_MEAN_DT=attrs["q_mean"] == "dtype", ROPE_DIM=dim,
+             F=rope_table(dim, attrs["theta"], attrs["yarn"]),
              KV_ROUND_DIMS=attrs.get("kv_round_dims", 0), KV_ROUND_BLOCK=attrs.get("kv_round_block", 64),
              QI_FP4=qi_fp4, HS=hadamard_scale(pow2(DI)),
              Q_S=q.strides[:3], KV_S=kv.strides[:2] + (0,), QI_S=qi.strides[:3] if qi is not None else (0, 0, 0),

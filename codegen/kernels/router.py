@@ -1,10 +1,12 @@
 """router family: `s = sqrt(softplus(x W^T))`, expert choice by hash table (`tid2eid[ids]`) or top-k of
-`s + bias` (the bias steers selection only), weights `s[sel] / (sum s[sel] + 1e-20) * route_scale`.
+`s + bias` (the bias steers selection only), weights `s[sel] / (sum s[sel] + denom_eps) * route_scale`.
 
 One program per BR tokens: the [BR, E] logits from a K loop of `tl.dot`, then softplus / sqrt, then k
 rounds of arg-max (ties to the lowest expert id) in registers. Every step is rounded to x's dtype where
 the reference computes in that dtype (bf16 logits, softplus, sqrt, sum, quotient, product), so bf16
-results match the reference's roundings. Indices are written best-first; the reference's `topk(sorted=
+results match the reference's roundings. The weights' dtype is that dtype: an `fp32` router (official
+numerics) writes fp32 weights, so every step, the logits GEMM included, is fp32.
+Indices are written best-first; the reference's `topk(sorted=
 False)` order is unspecified, so consumers (and tests) treat the k slots as a set.
 """
 
@@ -29,8 +31,8 @@ def _softplus(x):
 def router_kernel(x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr,
                   R: tl.constexpr, D: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr,
                   X_RS: tl.constexpr, W_RS: tl.constexpr, T_RS: tl.constexpr, I_S: tl.constexpr,
-                  WO_RS: tl.constexpr, IO_RS: tl.constexpr, ROUTE_SCALE: tl.constexpr, SUM_IN_DT: tl.constexpr,
-                  BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr):
+                  WO_RS: tl.constexpr, IO_RS: tl.constexpr, ROUTE_SCALE: tl.constexpr, DENOM_EPS: tl.constexpr,
+                  SUM_IN_DT: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     r_ok = rows < R
     e = tl.arange(0, BE)
@@ -70,7 +72,7 @@ def router_kernel(x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr,
         v = tl.sum(tl.where(e[None, :] == pick[:, None], sc, 0.0), axis=1)
         wts = tl.where(j[None, :] == s, v[:, None], wts)
     total = tl.sum(tl.where(j[None, :] < KSEL, wts, 0.0), axis=1).to(dt).to(tl.float32)
-    den = (total + 1e-20).to(dt).to(tl.float32)
+    den = (total + DENOM_EPS).to(dt).to(tl.float32)
     out = ((wts / den[:, None]).to(dt).to(tl.float32) * ROUTE_SCALE).to(dt)
     ok = r_ok[:, None] & (j[None, :] < KSEL)
     tl.store(wo_ptr + rows[:, None].to(tl.int64) * WO_RS + j[None, :], out, mask=ok)
@@ -91,7 +93,8 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     E, D = w.shape
     k = attrs["k"]
     ce = dict(R=R, D=D, E=E, KSEL=k, X_RS=x_rs, W_RS=w.strides[0], T_RS=0, I_S=0, WO_RS=wo_rs, IO_RS=io_rs,
-              ROUTE_SCALE=float(attrs["route_scale"]), SUM_IN_DT=bias is not None and bias.dtype == x.dtype,
+              ROUTE_SCALE=float(attrs["route_scale"]), DENOM_EPS=float(attrs["denom_eps"]),
+              SUM_IN_DT=bias is not None and bias.dtype == wo.dtype,
               BR=16, BE=max(16, triton.next_power_of_2(E)),
               # the [BK, BE] weight tile is the big one: keep it near 32 KB of bf16
               BK=min(max(16, 16384 // max(16, triton.next_power_of_2(E))), 128, max(16, triton.next_power_of_2(D))),

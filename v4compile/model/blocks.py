@@ -60,7 +60,8 @@ def attention_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, pos:
     qr = ops.rms_norm(ops.linear(x, **gemm(P, opts, a + "wq_a.weight", "attn.wq_a")), P.t(a + "q_norm.weight"), eps=eps)
     q = ops.reshape(ops.linear(qr, **gemm(P, opts, a + "wq_b.weight", "attn.wq_b")),
                     shape=(B, T, cfg.n_heads, cfg.head_dim))
-    q = ops.rope(ops.rms_norm(q, None, eps=eps), pos, **rope)
+    # official: the per-head q norm's statistic in the activation dtype (spec 15 item 10)
+    q = ops.rope(ops.rms_norm(q, None, eps=eps, mean="dtype" if official else "fp32"), pos, **rope)
     kv = ops.rms_norm(ops.linear(x, **gemm(P, opts, a + "wkv.weight", "attn.wkv")), P.t(a + "kv_norm.weight"),
                       eps=eps)
     kv = ops.rope(kv, pos, **rope)
@@ -120,12 +121,15 @@ def gemm(P: Params, opts: StepOptions, name: str, role: str, out_dtype: str = ""
 def moe_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, ids: Any, opts: StepOptions) -> Any:
     f = pre + "ffn."
     hashed = cfg.is_hash(layer)
+    official = opts.numerics == "official"  # router in fp32 without HF's 1e-20 (spec 10; 15 items 7, 14)
     wts, idx = ops.router(x, P.t(f + "gate.weight"), None if hashed else P.t(f + "gate.bias"),
                           P.t(f + "gate.tid2eid") if hashed else None, ids if hashed else None,
-                          k=cfg.n_active_experts, route_scale=float(cfg.route_scale), role="ffn.gate")
-    fp8 = opts.numerics == "official" and P.quantized(experts_name(pre, "w1"))
+                          k=cfg.n_active_experts, route_scale=float(cfg.route_scale),
+                          denom_eps=0.0 if official else 1e-20, fp32=official, role="ffn.gate")
+    fp8 = official and P.quantized(experts_name(pre, "w1"))
+    # official: the routing weight scales w2's input, inside its activation quantisation (spec 10)
     y = ops.moe_experts(x, wts, idx, **P.experts(pre), limit=float(cfg.swiglu_limit), act="fp8" if fp8 else "native",
-                        role="ffn.experts")
+                        route_weight="before_w2" if official else "after_w2", role="ffn.experts")
     with scope("shared", role="ffn.shared"):
         s = f + "shared_experts."
         h = ops.swiglu(ops.linear(x, **gemm(P, opts, s + "w1.weight", "ffn.shared.w1")),

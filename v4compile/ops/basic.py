@@ -143,14 +143,25 @@ def _(g, o, a, r):
     return g.linear(o.x, o.types["x"], o.w, o.types["w"], o.scale)
 
 
-@defop("rms_norm(x, weight?) -> y", attrs={"eps": float}, kernel="rms_norm",
+# How the unweighted RMSNorm (the per-head q norm) forms its statistic: "fp32" squares and averages the
+# fp32 values (transformers); "dtype" squares, averages, adds eps and takes the rsqrt in x's dtype, each
+# step rounded to it (DeepSeek's code, `v4-reference.md` 15 item 10). Weighted norms are always "fp32".
+RMS_MEANS = ("fp32", "dtype")
+
+
+@defop("rms_norm(x, weight?) -> y", attrs={"eps": float, "mean": (str, "fp32")}, kernel="rms_norm",
        variants={"weighted": ("weight",), "unweighted": ()})
-def rms_norm(x, weight, *, eps):
+def rms_norm(x, weight, *, eps, mean="fp32"):
     """RMSNorm over the last axis in fp32; weighted: multiply by the (fp32) weight and cast back once;
-    unweighted (the per-head q norm): rescale x by the rsqrt cast to x's dtype, as HF does."""
+    unweighted (the per-head q norm): rescale x by the rsqrt cast to x's dtype, as HF does, or with
+    `mean` "dtype" by the rsqrt of the mean of squares formed in x's dtype (RMS_MEANS)."""
     import torch
 
     if weight is None:
+        if mean == "dtype":  # each step's result rounded to x's dtype, each computed in fp32 (as on a GPU)
+            dt = x.dtype
+            ms = x.float().square().to(dt).float().mean(-1, keepdim=True).to(dt)
+            return x * torch.rsqrt((ms.float() + eps).to(dt).float()).to(dt)
         return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -158,14 +169,18 @@ def rms_norm(x, weight, *, eps):
 
 
 @rms_norm.infer
-def _(x, weight, *, eps):
+def _(x, weight, *, eps, mean="fp32"):
     require(weight is None or weight.shape == (x.shape[-1],), "rms_norm weight must match the last dim",
             expected=[x.shape[-1]], found=None if weight is None else list(weight.shape))
+    require(mean in RMS_MEANS and (mean == "fp32" or weight is None),
+            f"rms_norm: mean must be one of {RMS_MEANS} (\"dtype\" unweighted only)", found=mean)
     return x
 
 
 @rms_norm.onnx
 def _(g, o, a, r):
+    if a["mean"] != "fp32" and o.types["x"].dtype != "fp32":  # in fp32 both statistics are the same maths
+        raise NotImplementedError("rms_norm mean=\"dtype\" on a non-fp32 input (cpu: fp32)")
     return g.rms(o.x, o.weight, a["eps"], o.types["x"].shape[-1])
 
 

@@ -7,7 +7,7 @@ from ..ir.registry import Cost, defop, require
 from ..ir.types import TensorType
 from .basic import GEMM_ATTRS, _native_gemm, linear, rms_norm, swiglu
 from .mhc import hc_head, hc_post, hc_pre
-from .moe import moe_experts
+from .moe import MOE_ATTRS, moe_experts
 from .numerics import fp8_round_ref
 from .rope import rotate
 
@@ -130,14 +130,14 @@ def _(g, o, a, r):
 
 @defop("moe_experts_shared(x, weights, indices, w1, w2, w3, s1, s2, s3, w1_scale?, w2_scale?, w3_scale?, "
        "s1_scale?, s2_scale?, s3_scale?) -> y",
-       attrs={"limit": float, "block": (int, 32), "act": (str, "native"), "acc": (str, "fp32"),
-              "out_dtype": (str, ""), "shared_block": (int, 128), "shared_act": (str, "native")}, kernel="moe")
+       attrs={**MOE_ATTRS, "shared_block": (int, 128), "shared_act": (str, "native")}, kernel="moe")
 def moe_experts_shared(x, weights, indices, w1, w2, w3, s1, s2, s3, w1_scale, w2_scale, w3_scale, s1_scale, s2_scale,
-                       s3_scale, *, limit, block, act, acc, out_dtype, shared_block, shared_act):
+                       s3_scale, *, limit, block, act, acc, out_dtype, route_weight, shared_block, shared_act):
     """Routed experts and the shared expert in one launch: `moe_experts(...) + w2_s(swiglu(w1_s x, w3_s x))`
-    (`act`: the routed GEMMs' activation format, `shared_act`: the shared expert's)."""
+    (`act`: the routed GEMMs' activation format, `shared_act`: the shared expert's; `route_weight`: see
+    `moe.ROUTE_WEIGHTS`)."""
     routed = moe_experts.ref(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, limit=limit, block=block,
-                             act=act, acc=acc, out_dtype=out_dtype)
+                             act=act, acc=acc, out_dtype=out_dtype, route_weight=route_weight)
     lin = {"block": shared_block, "act": shared_act, "acc": acc, "out_dtype": out_dtype}
     g = linear.ref(x, s1, s1_scale, **lin)
     u = linear.ref(x, s3, s3_scale, **lin)
@@ -146,9 +146,10 @@ def moe_experts_shared(x, weights, indices, w1, w2, w3, s1, s2, s3, w1_scale, w2
 
 @moe_experts_shared.infer
 def _(x, weights, indices, w1, w2, w3, s1, s2, s3, w1_scale, w2_scale, w3_scale, s1_scale, s2_scale, s3_scale, *, limit,
-      block, act, acc, out_dtype, shared_block, shared_act):
+      block, act, acc, out_dtype, route_weight, shared_block, shared_act):
     moe_experts.result_types([x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale],
-                             {"limit": limit, "block": block, "act": act, "acc": acc, "out_dtype": out_dtype})
+                             {"limit": limit, "block": block, "act": act, "acc": acc, "out_dtype": out_dtype,
+                              "route_weight": route_weight})
     lin = {"block": shared_block, "act": shared_act, "acc": acc, "out_dtype": out_dtype}
     h = linear.result_types([x, s1, s1_scale], lin)[0]
     linear.result_types([x, s3, s3_scale], lin)
@@ -173,7 +174,7 @@ def _(g, o, a, r):
     _native_gemm("moe_experts_shared", a)
     x, xt, lim = o.x, o.types["x"], a["limit"]
     routed = g.moe_routed(x, xt, o.weights, o.indices, o.w1, o.w2, o.w3, o.types["w1"], o.types["indices"].shape[-1],
-                          lim)
+                          lim, a["route_weight"])
     gt = g.op("Min", g.linear(x, xt, o.s1, o.types["s1"]), g.scalar(lim))
     up = g.op("Clip", g.linear(x, xt, o.s3, o.types["s3"]), g.scalar(-lim), g.scalar(lim))
     h = g.op("Mul", g.op("Mul", gt, g.op("Sigmoid", gt)), up)
@@ -246,20 +247,22 @@ def _(operands, results, attrs):
 
 @defop("qkv_norm_rope(q, kv, norm, pos, qi?, slot?, p0?, p1?, p2?) -> q_out, kv_out, qi_out?, q0?, q1?, q2?",
        attrs={"eps": float, "dim": int, "theta": float, "yarn": tuple, "kv_round_dims": (int, 0),
-              "kv_round_block": (int, 64), "qi_round": (str, "none"), "window": (int, 0), "slot_rows": (int, 0),
+              "kv_round_block": (int, 64), "qi_round": (str, "none"), "q_mean": (str, "fp32"), "window": (int, 0),
+              "slot_rows": (int, 0),
               "n_rows": (int, 0), "layer_row": (int, 0), "fmt": (str, "")}, tied={"q0": "p0", "q1": "p1", "q2": "p2"},
        follows={"qi_out": "qi"}, kernel="qkv_norm_rope", offset_attrs=("layer_row",),
        variants={"plain": (), "indexer": ("qi",), "write": ("slot", "p0"), "indexer_write": ("qi", "slot", "p0")})
 def qkv_norm_rope(q, kv, norm, pos, qi, slot, p0, p1, p2, *, eps, dim, theta, yarn, kv_round_dims, kv_round_block,
-                  qi_round, window, slot_rows, n_rows, layer_row, fmt):
+                  qi_round, q_mean, window, slot_rows, n_rows, layer_row, fmt):
     """One launch for the attention's query / key prologue: the per-head unweighted RMSNorm + RoPE of q,
     the weighted RMSNorm + RoPE of the kv latent (+ its official FP8 rounding), the RoPE of the indexer
     query `qi` (+ Hadamard / FP4 rounding) when given, and, in decode (with `slot` and planes), the
-    write of the new kv row into the window ring. Results: q, kv, [qi], [planes]."""
+    write of the new kv row into the window ring (`q_mean`: the q norm's `rms_norm` mean). Results: q, kv,
+    [qi], [planes]."""
     from .numerics import hadamard_fp4_round_ref
     from .paged import pool_write_window
 
-    qo = rotate(rms_norm.ref(q, None, eps=eps), pos, dim, theta, yarn)
+    qo = rotate(rms_norm.ref(q, None, eps=eps, mean=q_mean), pos, dim, theta, yarn)
     kvo = rotate(rms_norm.ref(kv, norm, eps=eps), pos, dim, theta, yarn)
     if kv_round_dims:
         kvo = fp8_round_ref(kvo, kv_round_dims, kv_round_block)
@@ -274,7 +277,9 @@ def qkv_norm_rope(q, kv, norm, pos, qi, slot, p0, p1, p2, *, eps, dim, theta, ya
 
 
 @qkv_norm_rope.infer
-def _(q, kv, norm, pos, qi, slot, p0, p1, p2, *, window, fmt, **_):
+def _(q, kv, norm, pos, qi, slot, p0, p1, p2, *, window, fmt, q_mean, **_):
+    from .basic import RMS_MEANS
+    require(q_mean in RMS_MEANS, f"qkv_norm_rope: q_mean must be one of {RMS_MEANS}", found=q_mean)
     require(q.rank == 4 and kv.rank == 3 and q.shape[3] == kv.shape[2], "qkv_norm_rope q [B, T, H, d] / kv [B, T, d]",
             found=(list(q.shape), list(kv.shape)))
     require(norm.shape == (kv.shape[2],), "qkv_norm_rope norm must be [d]", found=list(norm.shape))
@@ -299,6 +304,8 @@ def _(operands, results, attrs):
 @qkv_norm_rope.onnx
 def _(g, o, a, r):
     pos = g.as_i64(o.pos, o.types["pos"].dtype)
+    if a["q_mean"] != "fp32" and o.types["q"].dtype != "fp32":  # in fp32 both statistics are the same maths
+        raise NotImplementedError("qkv_norm_rope q_mean=\"dtype\" on a non-fp32 input (cpu: fp32)")
     rot = dict(dim=a["dim"], theta=a["theta"], yarn=tuple(a["yarn"]))
     qo = g.rotate(g.rms(o.q, None, a["eps"], o.types["q"].shape[-1]), o.types["q"], pos, 2, **rot)
     kvo = g.rotate(g.rms(o.kv, o.norm, a["eps"]), o.types["kv"], pos, 2, **rot)

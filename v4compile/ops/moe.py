@@ -10,33 +10,40 @@ from ..ir.types import TensorType
 from .basic import dequant_weight
 
 
-@defop("router(x, w, bias?, tid2eid?, ids?) -> weights, indices", attrs={"k": int, "route_scale": float}, kernel="router",
+@defop("router(x, w, bias?, tid2eid?, ids?) -> weights, indices",
+       attrs={"k": int, "route_scale": float, "denom_eps": (float, 1e-20), "fp32": (bool, False)}, kernel="router",
        variants={"learned": ("bias",), "hash": ("tid2eid", "ids")})
-def router(x, w, bias, tid2eid, ids, *, k, route_scale):
+def router(x, w, bias, tid2eid, ids, *, k, route_scale, denom_eps, fp32):
     """`s = sqrt(softplus(x W^T))`; experts = `tid2eid[ids]` (hash layers) or top-k of `s + bias`
-    (the bias only steers selection); weights = `s[sel] / sum(s[sel]) * route_scale`."""
-    logits = F.linear(x, w.to(x.dtype))
+    (the bias only steers selection); weights = `s[sel] / (sum(s[sel]) + denom_eps) * route_scale`
+    (`denom_eps`: 1e-20 in transformers, 0 in DeepSeek's code, spec 15 item 14). Computed in x's dtype,
+    or with `fp32` from x and W upcast to fp32, the weights then fp32 (DeepSeek's code, spec 10, 15 item 7)."""
+    dt = torch.float32 if fp32 else x.dtype
+    logits = F.linear(x.to(dt), w.to(dt))
     scores = F.softplus(logits).sqrt()
     if tid2eid is not None:
         idx = tid2eid[ids.clamp(min=0)].long()
     else:
         idx = torch.topk(scores + bias, k, dim=-1, sorted=False).indices
     wts = scores.gather(-1, idx)
-    wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20)
+    wts = wts / (wts.sum(dim=-1, keepdim=True) + denom_eps)
     return wts * route_scale, idx
 
 
 @router.infer
-def _(x, w, bias, tid2eid, ids, *, k, route_scale):
+def _(x, w, bias, tid2eid, ids, *, k, route_scale, denom_eps, fp32):
+    require(denom_eps >= 0.0, "router: denom_eps must be >= 0", found=denom_eps)
     require(w.rank == 2 and w.shape[1] == x.shape[-1], "router weight must be [E, D]", found=list(w.shape))
     require((tid2eid is None) != (bias is None), "router takes either a bias (learned) or tid2eid + ids (hash)")
     require(tid2eid is None or (ids is not None and tid2eid.shape[1] == k), "hash router needs ids and a [V, k] table")
     lead = x.shape[:-1]
-    return TensorType((*lead, k), x.dtype), TensorType((*lead, k), "i64")
+    return TensorType((*lead, k), "fp32" if fp32 else x.dtype), TensorType((*lead, k), "i64")
 
 
 @router.onnx
 def _(g, o, a, r):
+    if a["fp32"] and o.types["x"].dtype != "fp32":  # on fp32 activations the fp32 router is the same maths
+        raise NotImplementedError("router fp32 on a non-fp32 input (cpu: fp32)")
     k = a["k"]
     scores = g.op("Sqrt", g.op("Softplus", g.linear(o.x, o.types["x"], o.w, o.types["w"])))
     if o.tid2eid is not None:
@@ -44,17 +51,28 @@ def _(g, o, a, r):
     else:
         idx = g.op("TopK", g.op("Add", scores, o.bias), g.i64(k), n_out=2, axis=-1, largest=1, sorted=1)[1]
     wts = g.op("GatherElements", scores, idx, axis=-1)
-    wts = g.op("Div", wts, g.op("Add", g.sum(wts, -1, 1), g.scalar(1e-20)))
+    wts = g.op("Div", wts, g.op("Add", g.sum(wts, -1, 1), g.scalar(a["denom_eps"])))
     return g.op("Mul", wts, g.scalar(a["route_scale"])), idx
 
 
-@defop("moe_experts(x, weights, indices, w1, w2, w3, w1_scale?, w2_scale?, w3_scale?) -> y",
-       attrs={"limit": float, "block": (int, 32), "act": (str, "native"), "acc": (str, "fp32"),
-              "out_dtype": (str, "")}, kernel="moe")
-def moe_experts(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *, limit, block, act, acc, out_dtype):
-    """`y = sum_k weights_k * w2_e(swiglu(w1_e x, w3_e x))` over each token's selected experts e; the
-    stacked expert weights are `[E, out, in]` (FP4 packed with 1 x block scales when scaled). The three
-    GEMMs of an expert have `linear`'s numerics for `act` (each GEMM's result in the activation dtype)."""
+# Where the routing weight enters a routed expert (`v4-reference.md` 10): "after_w2" multiplies w2's
+# output, `w2(h) * weight` (transformers); "before_w2" multiplies w2's input, `w2(round(weight * h))`
+# (DeepSeek's code: the weight scales the activation in fp32, which is rounded to the activation dtype and,
+# with act "fp8", then quantised per 1x128 block). Same maths without activation quantisation; with it,
+# not unless the weight is a power of two, so the order is part of the numerics.
+ROUTE_WEIGHTS = ("after_w2", "before_w2")
+MOE_ATTRS = {"limit": float, "block": (int, 32), "act": (str, "native"), "acc": (str, "fp32"), "out_dtype": (str, ""),
+             "route_weight": (str, "after_w2")}
+
+
+@defop("moe_experts(x, weights, indices, w1, w2, w3, w1_scale?, w2_scale?, w3_scale?) -> y", attrs=MOE_ATTRS,
+       kernel="moe")
+def moe_experts(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *, limit, block, act, acc, out_dtype,
+                route_weight):
+    """`y = sum_k weights_k * w2_e(swiglu(w1_e x, w3_e x))` over each token's selected experts e, the weight
+    applied where `route_weight` says (ROUTE_WEIGHTS); the stacked expert weights are `[E, out, in]` (FP4
+    packed with 1 x block scales when scaled). The three GEMMs of an expert have `linear`'s numerics for
+    `act` (each GEMM's result in the activation dtype)."""
     from .basic import gemm
 
     shape = x.shape
@@ -73,16 +91,22 @@ def moe_experts(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *
             g = gemm(xe, w1[e], sc(w1_scale), block, act)
             u = gemm(xe, w3[e], sc(w3_scale), block, act)
         h = F.silu(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
+        wt = wts[tok, slot, None]
+        if route_weight == "before_w2":
+            h = (h.float() * wt.float()).to(x.dtype)
         if act == "native":
-            ye = F.linear(h, dequant_weight(w2[e], sc(w2_scale), block, x.dtype)) * wts[tok, slot, None]
+            ye = F.linear(h, dequant_weight(w2[e], sc(w2_scale), block, x.dtype))
         else:
-            ye = gemm(h, w2[e], sc(w2_scale), block, act) * wts[tok, slot, None]
+            ye = gemm(h, w2[e], sc(w2_scale), block, act)
+        if route_weight == "after_w2":
+            ye = ye * wt
         out.index_add_(0, tok, ye.to(out.dtype))
     return out.reshape(shape)
 
 
 @moe_experts.infer
-def _(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *, limit, block, act, acc, out_dtype):
+def _(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *, limit, block, act, acc, out_dtype,
+      route_weight):
     from .basic import check_gemm_attrs, check_weight, weight_in_features
     require(weights.shape == indices.shape, "moe weights / indices shapes differ")
     require(weight_in_features(w1) == x.shape[-1] and w1.shape == w3.shape and w2.shape[1] == x.shape[-1]
@@ -93,6 +117,8 @@ def _(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *, limit, b
         check_weight(w, s, block, f"moe_experts {n}")
     check_gemm_attrs("moe_experts", act, acc, out_dtype)
     require(out_dtype == "", "moe_experts returns the activation dtype (out_dtype \"\")", found=out_dtype)
+    require(route_weight in ROUTE_WEIGHTS, f"moe_experts: route_weight must be one of {ROUTE_WEIGHTS}",
+            found=route_weight)
     return x
 
 
@@ -137,4 +163,4 @@ def _(g, o, a, r):
         raise NotImplementedError("moe_experts: the ONNX lowering takes dense fp32 experts")
     _native_gemm("moe_experts", a)
     return g.moe_routed(o.x, o.types["x"], o.weights, o.indices, o.w1, o.w2, o.w3, o.types["w1"],
-                        o.types["indices"].shape[-1], a["limit"])
+                        o.types["indices"].shape[-1], a["limit"], a["route_weight"])
