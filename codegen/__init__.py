@@ -1,1 +1,3 @@
-"""v4compile.codegen (placeholder package; see its issue)."""
+"""v4compile.codegen: the Triton kernel families (`kernels/`), their ahead-of-time compilation for the GPU
+targets (`aot`, `gpu_target`), the roofline model of a step (`roofline`) and the ONNX export of the cpu
+target (`onnx_export`)."""

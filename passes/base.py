@@ -68,12 +68,8 @@ def register(cls: type[Pass]) -> type[Pass]:
 
 
 def load_all() -> dict[str, type[Pass]]:
-    for mod in _PASS_MODULES:
-        try:
-            importlib.import_module(f"v4compile.passes.{mod}")
-        except ModuleNotFoundError as e:
-            if e.name != f"v4compile.passes.{mod}":
-                raise
+    for mod in _PASS_MODULES:  # a missing module is an install defect: let its ImportError say so
+        importlib.import_module(f"v4compile.passes.{mod}")
     return PASSES
 
 

@@ -1,7 +1,7 @@
 """Where a launch's kernel calls come from: the hook between the program and the Triton kernel families.
 
 A family `v4compile.codegen.kernels.<family>` that exposes `specialise(op, operands, results, attrs) ->
-[KernelCall]` (see /KERNELS.md, issue 9) gives the real kernels of each launch of that family: the
+[KernelCall]` (`v4compile.codegen.kernels`) gives the real kernels of each launch of that family: the
 schedule then launches its calls (pointer parameters only) and the host driver's callback runs each
 Triton kernel on the host buffers (under TRITON_INTERPRET=1). A family without `specialise` keeps the
 placeholder call (the op's reference in the callback).
@@ -16,31 +16,13 @@ import importlib
 import os
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from v4compile.ir.types import TensorType
-from v4compile.program.core import Arg, Launch
+from v4compile.codegen.program_kernels import tensor_arg
+from v4compile.program.core import Launch
 
 log = logging.getLogger(__name__)
 
 KERNEL_MODES = ("auto", "reference")
-
-
-@dataclass(frozen=True)
-class _TensorArg:
-    """Stand-in with the fields of codegen.kernels.TensorArg (used only when that package is absent)."""
-    type: TensorType
-    strides: tuple[int, ...]
-    align: int = 16
-
-
-def tensor_arg(a: Arg):
-    try:
-        from v4compile.codegen.kernels import TensorArg
-    except ImportError:
-        TensorArg = _TensorArg
-    align = 16 if a.offset % 16 == 0 else (a.offset & -a.offset)
-    return TensorArg(a.type, tuple(a.strides), align)
 
 
 def family_specialise(family: str) -> Callable | None:

@@ -134,8 +134,9 @@ class ProgramBackend:
             missing = sorted({l.kernel for f in self.program.functions.values() for l in f.launches
                               if calls is None or calls(l) is None})
             if missing:
-                raise DeviceError(f"device '{device}' needs compiled kernels for every launch; none yet for the "
-                                  f"families {', '.join(missing)} (kernel codegen pending): use --device host or cpu")
+                raise DeviceError(f"device '{device}' needs compiled kernels for every launch; none for the "
+                                  f"families {', '.join(missing)} (the reference kernels mode runs on the host "
+                                  f"device only): use --device host or cpu")
         binaries = artifact_binaries(art, device) if device != "host" else None
         t1 = time.perf_counter()
         weights = artifact_weights(art, self.program)

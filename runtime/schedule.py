@@ -10,7 +10,7 @@ runtime checks (magic, version, sizes, every index and offset, an FNV-1a checksu
 * A launch becomes one or more KERNEL CALLS (code object, symbol, grid, block, shared bytes, pointer
   parameters = buffer + byte offset, in the order the kernel declares them: a GPU binds them by
   position; with binaries, the order of the compiled kernel's sidecar, checked against the call).
-  When a family provides `specialise` (see `kernels.py`), its KernelCalls are the calls; otherwise (until the family lands) one placeholder call per launch whose
+  When a family provides `specialise` (see `kernels.py`), its KernelCalls are the calls; otherwise (the `reference` kernels mode) one placeholder call per launch whose
   parameters are the launch's operands then results in signature order (absent optionals: NULL), run
   by the host driver's callback with the op's reference.
 """

@@ -281,8 +281,7 @@ def family(op_name: str):
 
 
 def full_attrs(op_name: str, attrs: dict[str, Any]) -> dict[str, Any]:
-    """The op's attributes with declared defaults filled in (attributes not declared yet, like `act`, pass
-    through so the kernels read them with their own defaults)."""
+    """The op's attributes with declared defaults filled in (private `_` attributes dropped)."""
     op = get_op(op_name)
     out = {k: s.default for k, s in op.attrs.items() if not s.required}
     out.update({k: v for k, v in attrs.items() if not k.startswith("_")})

@@ -14,7 +14,6 @@ from ..ir.registry import Layout, get_op, semantic
 from .core import Arg, Buffer, FunctionProgram, Launch, Program
 from .layout import layouts, storage_roots
 
-STEP_INPUTS = ("ids", "pos", "block_table", "slot")
 
 
 def buffer_kind(input_name: str) -> str:
