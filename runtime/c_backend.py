@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from v4compile.errors import DeviceError, InputError
-from v4compile.ir.types import BYTES, DTYPES
+from v4compile.ir.types import DTYPES
 from v4compile.program.core import Program
 from v4compile.program.execute import _typed, run_launch
 

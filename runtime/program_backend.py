@@ -74,8 +74,6 @@ def artifact_binaries(art: Artifact, device: str):
     kernel the artifact lacks, or whose sidecar disagrees with the call (grid, binary, or a parameter's
     name or type), is one clear error (the files' bytes were checked against the manifest by
     `load_artifact`)."""
-    import json
-
     target = GPU_TARGET[device]
     art.target(target)  # "the artifact has no 'sm_90a' target" when it was compiled without it
     have = {k["name"]: k for k in art.manifest["kernels"] if k["target"] == target}

@@ -9,12 +9,12 @@ writes placeholder binaries; the real one is tested in test_aot.py and, end to e
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 import pytest
 
 from bad_input_util import cli_error
+from fake_aot import placeholder_compile_calls
 from v4compile.artifact import load_artifact
 from v4compile.cli import main
 from v4compile.codegen import aot
@@ -26,28 +26,7 @@ GPU = ["gfx950", "sm_90a"]
 def fake_aot(monkeypatch):
     """Record the calls; write a placeholder binary and sidecar per (call, target) as the real one lays them out."""
     seen: list[tuple[str, str]] = []
-
-    def compile_calls(calls, targets, out_dir, jobs=None):
-        rows = []
-        for c in calls:
-            for t in targets:
-                seen.append((c.name, t))
-                d = out_dir / t
-                d.mkdir(parents=True, exist_ok=True)
-                binary = f"placeholder {c.name} {t}".encode()
-                ext = aot.TARGETS[t].binary_ext
-                (d / f"{c.name}.{ext}").write_bytes(binary)
-                side = {"name": c.name, "symbol": c.kernel_name, "grid": list(c.grid), "target": t,
-                        "binary_sha256": hashlib.sha256(binary).hexdigest(), "params": [], "shared_bytes": 0,
-                        "block": [c.num_warps * aot.TARGETS[t].warp_size, 1, 1], "num_warps": c.num_warps}
-                (d / f"{c.name}.json").write_text(json.dumps(side, sort_keys=True))
-                rows.append({"name": c.name, "target": t, "regs": 1, "spills": 0, "shared_bytes": 0,
-                             "mma_instructions": 1, "occupancy": 1, "flops": c.flops, "bytes": c.bytes_moved,
-                             "modeled_us": 1.0, "bandwidth_us": 0.5, "compile_s": 0.1, "cached": False,
-                             "path": f"{t}/{c.name}.{ext}", "sidecar": f"{t}/{c.name}.json"})
-        return rows
-
-    monkeypatch.setattr(aot, "compile_calls", compile_calls)
+    monkeypatch.setattr(aot, "compile_calls", placeholder_compile_calls(seen))
     return seen
 
 

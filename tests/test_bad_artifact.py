@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +20,6 @@ import pytest
 import v4compile
 from artifact_tamper import compile_cpu, restore_torch_threads, copy, manifest, sha, write_manifest  # noqa: F401 (an autouse fixture)
 from bad_input_util import assert_one_error, run_main
-from v4compile.artifact import load_artifact
 from v4compile.cli import main
 from v4compile.errors import ArtifactError, InputError
 

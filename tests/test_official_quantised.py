@@ -72,34 +72,33 @@ def greedy(step, m, prompts, new):
         for b in range(len(prompts)):
             if n[b]:
                 last[b] = logits[b]
-    logits = torch.stack(last)
     lengths = [len(p) for p in prompts]
-    out, seen = [[] for _ in prompts], [logits]
+
+    def decode(tok):
+        pos = torch.tensor(lengths).view(-1, 1)
+        lengths[:] = [n + 1 for n in lengths]
+        return step("decode", {"ids": tok.view(-1, 1), "pos": pos, **alloc.step_inputs(pos)})
+    return _greedy_from(torch.stack(last), decode, new)
+
+
+def _greedy_from(logits, decode, new):
+    """`new` greedy ids per row from the first logits, `decode(tokens) -> logits` giving the next ones; also
+    every logits seen."""
+    out, seen = [[] for _ in range(logits.shape[0])], [logits]
     for _ in range(new):
         tok = logits.float().argmax(-1)
-        for b in range(len(prompts)):
+        for b in range(len(out)):
             out[b].append(int(tok[b]))
         if len(out[0]) == new:
             break
-        pos = torch.tensor(lengths).view(-1, 1)
-        logits = step("decode", {"ids": tok.view(-1, 1), "pos": pos, **alloc.step_inputs(pos)})
+        logits = decode(tok)
         seen.append(logits)
-        lengths = [n + 1 for n in lengths]
     return out, seen
 
 
 def reference_greedy(ref, prompts, new):
     cache, logits = ref.prefill(prompts, chunk=16, capacity=64)
-    out, seen = [[] for _ in prompts], [logits]
-    for _ in range(new):
-        tok = logits.float().argmax(-1)
-        for b in range(len(prompts)):
-            out[b].append(int(tok[b]))
-        if len(out[0]) == new:
-            break
-        logits = ref.decode(tok.tolist(), cache)
-        seen.append(logits)
-    return out, seen
+    return _greedy_from(logits, lambda tok: ref.decode(tok.tolist(), cache), new)
 
 
 def interpreter_greedy(m, w, prompts, new):

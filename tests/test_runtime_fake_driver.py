@@ -14,7 +14,7 @@ import torch
 
 from runtime_helpers import FAKE_DIR, Fake, fake_driver, fake_table, tiny
 from v4compile.errors import DeviceError
-from v4compile.runtime.build import ASAN_FLAGS, SOURCE_DIR, SOURCES, cache_dir, compile_shared
+from v4compile.runtime.build import ASAN_FLAGS, SOURCE_DIR, SOURCES, compile_shared
 from v4compile.runtime.c_backend import CRuntime
 
 DRIVERS = ("cuda", "hip")
