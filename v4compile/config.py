@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .errors import show_value as _show
 
 # Layer kinds, by the official compress ratio they come from.
 SWA, CSA, HCA = "swa", "csa", "hca"
@@ -479,12 +480,6 @@ def _as_int(v: Any, key: str, err, hi: int | None = None) -> int:
     if not -MAX_INT <= v <= hi:
         raise err(f"`{key}` is out of range", expected=f"|value| <= {hi}", found=v)
     return v
-
-
-def _show(v: Any) -> str:
-    """A short rendering of a JSON value for messages."""
-    r = "null" if v is None else json.dumps(v) if isinstance(v, (bool, str)) else repr(v)
-    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def _kinds_from_ratios(ratios: list, name: str, csa: int | None = None, hca: int | None = None):

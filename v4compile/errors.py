@@ -7,6 +7,14 @@ message and exits with status 2; it never shows a traceback for these.
 
 from __future__ import annotations
 
+import json
+
+
+def show_value(v: object) -> str:
+    """A short rendering of a JSON value for messages (the schemas' `found=`)."""
+    r = "null" if v is None else json.dumps(v) if isinstance(v, (bool, str)) else repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
 
 class V4Error(Exception):
     """Base class for errors the user can fix."""

@@ -30,6 +30,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import ArtifactError, ConfigError
+from .errors import show_value as _show
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -162,11 +163,6 @@ def confined(root: Path, rel: str, files: dict[str, str], what: str = "file") ->
 
 def _err(what: str, **kw: Any) -> ArtifactError:
     return ArtifactError(what, where=MANIFEST, **kw)
-
-
-def _show(v: Any) -> str:
-    r = "null" if v is None else json.dumps(v) if isinstance(v, (bool, str)) else repr(v)
-    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def _obj(v: Any, key: str) -> dict:

@@ -133,28 +133,33 @@ def parse_header(raw: bytes, data_len: int, where: str) -> tuple[dict[str, Tenso
     return infos, meta
 
 
+def read_header(fd: int, where: str) -> tuple[int, dict[str, TensorInfo], dict[str, str]]:
+    """(data start, tensors, metadata) of the open safetensors file `fd`, its header checked (`parse_header`)."""
+    size = os.fstat(fd).st_size
+    if size < 8:
+        raise CheckpointError("file is truncated (shorter than the 8-byte header length)", where=where,
+                              found=f"{size} bytes")
+    (hlen,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    if hlen > MAX_HEADER_BYTES:
+        raise CheckpointError("header length is implausibly large", where=where,
+                              expected=f"<= {MAX_HEADER_BYTES}", found=hlen)
+    if 8 + hlen > size:
+        raise CheckpointError("file is truncated inside its header", where=where,
+                              expected=f"{8 + hlen} bytes at least", found=f"{size} bytes")
+    tensors, metadata = parse_header(os.pread(fd, hlen, 8), size - 8 - hlen, where)
+    return 8 + hlen, tensors, metadata
+
+
 class SafetensorsFile:
     """One `.safetensors` file: header checked at open, tensors read lazily by the `safetensors` package."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        where = str(self.path)
         fd = open_regular(self.path, CheckpointError, "safetensors file")
-        with os.fdopen(fd, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            if size < 8:
-                raise CheckpointError("file is truncated (shorter than the 8-byte header length)", where=where,
-                                      found=f"{size} bytes")
-            (hlen,) = struct.unpack("<Q", fh.read(8))
-            if hlen > MAX_HEADER_BYTES:
-                raise CheckpointError("header length is implausibly large", where=where,
-                                      expected=f"<= {MAX_HEADER_BYTES}", found=hlen)
-            if 8 + hlen > size:
-                raise CheckpointError("file is truncated inside its header", where=where,
-                                      expected=f"{8 + hlen} bytes at least", found=f"{size} bytes")
-            raw = fh.read(hlen)
-        self.data_start = 8 + hlen
-        self.tensors, self.metadata = parse_header(raw, size - self.data_start, where)
+        try:
+            self.data_start, self.tensors, self.metadata = read_header(fd, str(self.path))
+        finally:
+            os.close(fd)
         self._lock = threading.Lock()
         self._validated, self._fd = False, None
 

@@ -643,25 +643,17 @@ class MappedShard:
 
 def map_shard(path: Path, error: type) -> MappedShard:
     from .files import open_regular
-    from .safetensors_io import MAX_HEADER_BYTES, parse_header
+    from .safetensors_io import read_header
 
     fd = open_regular(path, error, "weights shard")
     try:
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, 8, 0)
-        if len(head) < 8:
-            raise error("weights shard is truncated", where=str(path))
-        (hlen,) = struct.unpack("<Q", head)
-        if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
-            raise error("weights shard has a damaged header", where=str(path))
-        raw = os.pread(fd, hlen, 8)
         try:
-            infos, _ = parse_header(raw, size - 8 - hlen, str(path))
+            data_start, infos, _ = read_header(fd, str(path))
         except CheckpointError as e:
-            raise error(str(e), where=str(path)) from None
-        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else mmap.mmap(-1, 1)
+            raise error(e.what, where=e.where, expected=e.expected, found=e.found) from None
+        mm = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)  # read_header: at least 8 bytes
     finally:
         os.close(fd)
     if hasattr(mm, "madvise"):
         mm.madvise(mmap.MADV_SEQUENTIAL)
-    return MappedShard(path, mm, 8 + hlen, infos)
+    return MappedShard(path, mm, data_start, infos)
