@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from v4compile.errors import DeviceError
+from v4compile.files import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -69,20 +70,12 @@ def compile_shared(sources: list[Path], out: Path, flags: tuple[str, ...] = CFLA
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def verified(lib: Path) -> bool:
     """Whether a cached library matches the sha256 recorded when it was built."""
     record = lib.with_name(lib.name + ".sha256")
     try:
-        return lib.is_file() and record.read_text().strip() == _sha256(lib)
-    except (OSError, UnicodeDecodeError):
+        return lib.is_file() and record.read_text().strip() == sha256_file(lib, DeviceError)
+    except (OSError, UnicodeDecodeError, DeviceError):
         return False
 
 
@@ -118,7 +111,7 @@ def library(sanitize: bool = False) -> Path:
     try:
         tmp = build / lib.name
         compile_shared([SOURCE_DIR / s for s in SOURCES], tmp, flags)
-        (build / "sha256").write_text(_sha256(tmp) + "\n")
+        (build / "sha256").write_text(sha256_file(tmp, DeviceError) + "\n")
         # The library first, then its record: a reader never finds a record naming a library not yet there.
         os.replace(tmp, lib)
         os.replace(build / "sha256", lib.with_name(lib.name + ".sha256"))

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ArtifactError, InputError
+from .files import sha256_file as files_sha256
 from .ir.core import Module
 from .manifest import (FORMAT_VERSION, MANIFEST, TARGET_FORMATS, canonical, check_manifest, confined, manifest_digest,
                        read_manifest)
@@ -76,14 +77,7 @@ def prefill_name(t: int) -> str:
 
 
 def sha256_file(path: Path, error: type = ArtifactError) -> str:
-    """sha256 of a regular file (opened without blocking: a FIFO is refused, never waited on)."""
-    from .files import open_regular
-
-    h = hashlib.sha256()
-    with os.fdopen(open_regular(path, error), "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return files_sha256(path, error)
 
 
 _json = canonical

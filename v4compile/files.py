@@ -12,6 +12,7 @@ interrupted or failed run leaves nothing half-written behind.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import stat
@@ -189,3 +190,13 @@ def atomic_dir(path: str | Path, force: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def sha256_file(path: str | Path, error: type[V4Error]) -> str:
+    """sha256 of a regular file, read in 1 MiB pieces (opened without blocking: a FIFO is refused, never
+    waited on)."""
+    h = hashlib.sha256()
+    with os.fdopen(open_regular(path, error), "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
