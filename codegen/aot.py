@@ -86,7 +86,7 @@ def bandwidth_time(bytes_moved: int, target: str) -> float:
     return bytes_moved / TARGETS[target].hbm_bytes_s
 
 
-AOT_FORMAT = 3  # bump when what a cache entry holds (binary, sidecar, stats) changes
+AOT_FORMAT = 4  # bump when what a cache entry holds (binary, sidecar, stats) changes (4: no line info)
 
 
 def cache_root() -> Path:
@@ -158,6 +158,10 @@ def _worker_init() -> None:
     # Our cache is the cache: a hit in Triton's own would skip ptxas and lose its register / spill log.
     os.environ["TRITON_ALWAYS_COMPILE"] = "1"
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    # Line info embeds the absolute paths of the kernel sources and of Triton's install in the binary: the
+    # bytes would depend on where the checkout lies, and a cache warmed from another checkout would give an
+    # artifact that a cold compile does not reproduce.
+    os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
     os.environ["TRITON_CACHE_DIR"] = str(cache_root() / "triton")  # scratch only (always compiling)
 
 

@@ -2,16 +2,19 @@
 
 Checks the sidecar (symbol, params incl. Triton's two trailing scratch pointers, shared bytes, warps, grid,
 specialisation), the report row fields, matrix instructions on both targets, 0 spills on gfx950, and that
-a rerun is served from the content-hash cache with byte-identical files.
+a rerun is served from the content-hash cache with byte-identical files, and that the binaries name no path of
+the machine (no line info), so a cache warmed from another checkout gives the same bytes as a cold compile.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 import kernel_check  # noqa: F401  (TRITON_INTERPRET=1 before kernel modules load)
 from v4compile.codegen import aot
@@ -55,6 +58,9 @@ def test_compile_small_gemm_both_targets(tmp_path, monkeypatch):
         binary = (tmp_path / "a" / r["path"]).read_bytes()
         assert hashlib.sha256(binary).hexdigest() == side["binary_sha256"]
         assert binary[:4] == b"\x7fELF"
+        # reproducible wherever the checkout and Triton lie: no path of this machine in the bytes
+        for root in (Path(aot.__file__).resolve().parents[1], Path(triton.__file__).resolve().parent):
+            assert str(root).encode() not in binary, f"{r['target']}: the binary names {root}"
     amd = rows[0]
     assert amd["spills"] == 0, "gfx950 goal: no spills"
     # second compile: all cached, identical files
