@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -27,7 +28,9 @@ from v4compile.checkpoint import Checkpoint
 from v4compile.config import preset
 from v4compile.errors import CheckpointError
 from v4compile.harness import load_ir_weights
+from v4compile.manifest import FORMAT_VERSION
 from v4compile.safetensors_io import write_file
+from v4compile.shard_digest import TAG
 from v4compile.trace import TraceOptions
 from v4compile.weights import weight_specs
 
@@ -52,6 +55,17 @@ def stored_checkpoint(d: Path, cfg, seed: int = 0) -> Path:
     write_file(d / "model.safetensors", out)
     (d / "config.json").write_text(cfg.to_json())
     return d
+
+
+def digest_of_bytes(raw: bytes) -> str:
+    """A shard's digest from its bytes alone, as `v4compile/shard_digest.py` defines it: the file cut at the
+    header's end and at every tensor's bounds, each piece's sha256 in file order, after the tag."""
+    start = 8 + struct.unpack("<Q", raw[:8])[0]
+    head = json.loads(raw[8:start])
+    cuts = sorted({0, start, len(raw)} | {start + o for k, v in head.items() if k != "__metadata__"
+                                          for o in v["data_offsets"]})
+    pieces = [raw[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+    return hashlib.sha256(TAG + b"".join(hashlib.sha256(p).digest() for p in pieces)).hexdigest()
 
 
 def mid_cfg():
@@ -86,14 +100,14 @@ def write(ck_dir: Path, out: Path, **kw) -> tuple[dict, dict, list]:
 
 
 def test_every_tensor_is_the_per_tensor_readers_bytes_and_hashed(tiny_ck, tmp_path):
-    """Each written tensor equals `load_ir_weights` bit for bit; its sha256 and its shard's are in the
-    entry, computed while writing; quantised tensors are copied as stored, norms converted to fp32."""
+    """Each written tensor equals `load_ir_weights` bit for bit; its sha256 and its shard's digest (made of
+    its header's and tensors' sha256) are in the entry, computed while writing; quantised tensors are copied as stored, norms converted to fp32."""
     entry, hashes, plans = write(tiny_ck, tmp_path / "a")
     with Checkpoint.open(tiny_ck) as ck:
         want = load_ir_weights(gpu_module(ck), ck)
     assert sorted(entry["tensors"]) == sorted(want)
     for rel in entry["shards"]:
-        assert hashes[rel] == hashlib.sha256((tmp_path / "a" / rel).read_bytes()).hexdigest()
+        assert hashes[rel] == digest_of_bytes((tmp_path / "a" / rel).read_bytes())
     shards = {rel: weights_io.map_shard(tmp_path / "a" / rel, ArtifactError) for rel in entry["shards"]}
     for n, t in entry["tensors"].items():
         got = bytes(shards[t["shard"]].bytes_of(n))
@@ -165,7 +179,7 @@ def test_a_changed_shard_is_named_while_streaming(tiny_ck, tmp_path, monkeypatch
     monkeypatch.setattr(artifact, "check_manifest", lambda m, verify: None)
     entry, hashes, _ = write(tiny_ck, tmp_path / "a")
     art_dir = tmp_path / "a"
-    manifest = {"format_version": 1, "weights": entry, "files": hashes}
+    manifest = {"format_version": FORMAT_VERSION, "weights": entry, "files": hashes}
     from v4compile.artifact import manifest_digest
 
     manifest["manifest_sha256"] = manifest_digest(manifest)
