@@ -117,12 +117,12 @@ def _nonfinite_bits(stored: str, scale: bool) -> str | None:
 
 def _bits_bad(buf: bytearray, n: int, bits: str) -> bool:
     """True if the first `n` stored bytes hold a NaN / Inf (E8M0: the NaN byte 0xFF). All exponent bits
-    set is the largest value the magnitude bits can take, so one max over them decides (~4 GB/s)."""
-    if bits == "fp8":  # e4m3fn: NaN is S.1111.111, there is no Inf
-        a = np.frombuffer(buf, dtype=np.uint8, count=n)
-        return n > 0 and int(np.max(a & 0x7F)) == 0x7F
+    set is the largest value the magnitude bits can take, so one max over them decides (~4 GB/s); a
+    one-byte format's NaN bytes are found with `find` (memchr, no temporary: ~15 GB/s)."""
+    if bits == "fp8":  # e4m3fn: NaN is S.1111.111 (0x7F, 0xFF), there is no Inf
+        return buf.find(b"\x7f", 0, n) >= 0 or buf.find(b"\xff", 0, n) >= 0
     if bits == "e8m0":
-        return n > 0 and int(np.max(np.frombuffer(buf, dtype=np.uint8, count=n))) == 0xFF
+        return buf.find(b"\xff", 0, n) >= 0
     if bits == "bf16":
         a = np.frombuffer(buf, dtype=np.uint16, count=n // 2)
         return a.size > 0 and int(np.max(a & 0x7FFF)) >= 0x7F80
