@@ -359,3 +359,28 @@ def test_the_copy_paths_nan_bit_test_is_isfinite_on_every_pattern():
     got = [weights_io._bits_bad(bytearray(data[4 * i: 4 * i + 4]), 4, "fp32") for i in range(len(r))]
     assert got == (~torch.isfinite(r.view(torch.float32))).tolist() and got[:3] == [True, True, False]
     assert [weights_io._bits_bad(bytearray([v]), 1, "e8m0") for v in range(256)] == [v == 255 for v in range(256)]
+
+
+def test_a_progress_line_gives_bytes_rate_and_eta(tiny_ck, tmp_path, monkeypatch, caplog):
+    """Writing and reading log a progress line (GB done of the total, %, MB/s, ETA) at most every
+    PROGRESS_S seconds (here every chunk), the bytes growing to the total; at the default, none for a
+    write of a fraction of a second."""
+    import logging
+
+    line = re.compile(r"(weights|weights read): ([\d.]+) of ([\d.]+) GB \((\d+)%\), (\d+) MB/s, ETA (\d+) s")
+    with caplog.at_level(logging.INFO, logger="v4compile.weights_io"):
+        write(tiny_ck, tmp_path / "quiet")
+    assert not [r for r in caplog.records if line.fullmatch(r.getMessage())]
+    caplog.clear()
+    monkeypatch.setattr(weights_io, "PROGRESS_S", 0.0)
+    monkeypatch.setattr(weights_io, "CHUNK_BYTES", 64 << 10)
+    with caplog.at_level(logging.INFO, logger="v4compile.weights_io"):
+        entry = weights_artifact(tiny_ck, tmp_path / "a", monkeypatch)
+        read_all(tmp_path / "a", "chunks")
+    got = [line.fullmatch(r.getMessage()) for r in caplog.records]
+    for what in ("weights", "weights read"):
+        done = [float(m[2]) for m in got if m and m[1] == what]
+        assert len(done) > 3 and done == sorted(done), (what, done)
+        total = {float(m[3]) for m in got if m and m[1] == what}
+        assert len(total) == 1 and done[-1] <= total.pop()
+    assert entry["tensors"]
