@@ -219,7 +219,11 @@ def main() -> None:
         if not args.keep:
             import shutil
             shutil.rmtree(out)
-    print(f"\nload: {args.load}; kernels: {args.kernels}; MB = 1e6 bytes; RSS in MB")
+    report(rows, args.load, args.kernels)
+
+
+def report(rows: list[dict], load: str, kernels: str) -> None:
+    print(f"\nload: {load}; kernels: {kernels}; MB = 1e6 bytes; RSS in MB")
     print("| ckpt | ckpt GB | weights GB | largest MB | disk write | compile write (% disk) | disk read | "
           "load read (% disk) | compile RSS base -> weights peak (+) | compile process peak | "
           "load RSS base -> peak (+) |")
@@ -239,6 +243,20 @@ def main() -> None:
           f"the rates, are what carries over)")
     for w in rows:
         print(f"{w['label']}: {w['line']}")
+    a, b = rows[0], rows[-1]
+    print(f"\npeak RSS, larger / smaller checkpoint: compile weights {b['c_peak'] / a['c_peak']:.2f}, load "
+          f"{b['l_peak'] / a['l_peak']:.2f} (goal: within 15 %); bound 2 x largest tensor + baseline: compile "
+          + " / ".join(f"{w['c_peak']:.0f} <= {w['c_base'] + 2 * w['largest_mb']:.0f}" for w in rows) + ", load "
+          + " / ".join(f"{w['l_peak']:.0f} <= {w['l_base'] + 2 * w['largest_mb']:.0f}" for w in rows))
+    print("\nExtrapolation from the larger checkpoint (the weights taken as the checkpoint's size; memory does not "
+          "grow with it). Cores to keep up with the disk = CPU s per GB x the disk's GB/s.")
+    print("| model | size | compile: weights at the measured rate / at the disk's | load hashed: measured / disk's |")
+    print("|---|---|---|---|")
+    for name, size in (("V4-Pro", 805 * 2 ** 30), ("V4-Flash", 160e9)):
+        print(f"| {name} | {size / 1e9:.0f} GB | {size / b['write'] / 6e7:.0f} min / {size / b['disk_w'] / 6e7:.0f} min | "
+              f"{size / b['read'] / 6e7:.1f} min / {size / b['disk_r'] / 6e7:.1f} min |")
+    print(f"cores to keep up with the disk: writing {b['c_cpu_gb'] * b['disk_w'] / 1e3:.1f}, loading hashed "
+          f"{b['l_cpu_gb'] * b['disk_r'] / 1e3:.1f}")
 
 
 if __name__ == "__main__":
