@@ -70,7 +70,7 @@ class Lanes:
     def submit(self, stream: tuple[Any, ThreadPoolExecutor], data, done: Callable[[], None] | None = None) -> Future:
         """Hash `data` (kept alive until hashed) into `stream`; `done()` runs once it has been hashed."""
         h, lane = stream
-        n = len(data) if not isinstance(data, memoryview) else data.nbytes
+        n = memoryview(data).nbytes
         while self.pending and self.held + n > self.backlog:
             f, k = self.pending.popleft()
             f.result()
@@ -89,6 +89,7 @@ class Lanes:
         self.held = 0
 
     def close(self) -> None:
+        """Stop: updates not started are dropped (their `done` still runs), running ones finish."""
         for p in self.pools:
-            p.shutdown(wait=True)
+            p.shutdown(wait=True, cancel_futures=True)
 
