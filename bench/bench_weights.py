@@ -19,7 +19,7 @@ Steps, each in a fresh process:
    compiler with placeholder binaries (as tests/test_artifact_targets.py does): kernels take minutes per new
    shape on a shared 2-core machine and do not touch the weights; `--kernels real` runs it;
 4. load, after the shards are dropped from the page cache, hashed against the manifest as read and not:
-   `stream` is the host side of a GPU load (`MappedWeights.chunks`: every shard read front to back into two
+   `stream` is the host side of a GPU load (`MappedWeights.chunks`: every shard read front to back into a few
    reused chunk buffers, the pieces a driver copy would take; the copy itself is not made here); `host` is
    `v4compile.load(DIR, device="host")`, whose C runtime keeps the weights in host memory (its RSS is the
    weights plus a constant, by design).

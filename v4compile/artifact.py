@@ -117,11 +117,11 @@ def trace_buckets(cfg, options, buckets: Buckets, formats: dict | None = None) -
 def write_weights(module: Module, source, wdir: Path, workers: int | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """Shards of IR weights (at most SHARD_BYTES each; see `weights_io`: stored bytes copied where they
     are what the kernels read, converted otherwise, every file and tensor hashed as it is written).
-    Returns the manifest's `weights` entry (each tensor with its `sha256`) and the shards' file hashes."""
+    Returns the manifest's `weights` entry (each tensor with its `sha256`) and the shards' digests."""
     from .weights_io import plan_weights, write_shards
 
     w = write_shards(plan_weights(module, source), source, wdir, SHARD_BYTES, workers=workers)
-    return {"layout": "ir", "shards": w.files, "tensors": dict(sorted(w.tensors.items()))}, w.file_sha256
+    return {"layout": "ir", "shards": w.files, "tensors": dict(sorted(w.tensors.items()))}, w.file_digest
 
 
 # ---- write --------------------------------------------------------------------------------------

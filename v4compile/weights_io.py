@@ -10,9 +10,11 @@ Writing (`plan_weights`, `write_shards`):
   check of `Checkpoint.raw` is done on the bits). Any other piece is *converted* by the checkpoint's
   own reader (`harness._fetch`: BF16 norms to FP32, F32 scales to E8M0, dequantisation, ...).
 * Pieces are produced by a few worker threads (reads and torch conversions release the GIL) in a
-  sliding window bounded in bytes, and consumed in order: written with large buffered writes while the
-  file and the tensor are hashed in two more threads. Peak memory is the window plus the largest piece
-  being converted, whatever the checkpoint's size.
+  sliding window bounded in bytes, and consumed in order: written with large buffered writes while each
+  tensor is hashed on one of a few hash threads (`shard_digest.Lanes`: tensors in parallel, a bounded
+  backlog). Every byte is hashed once: a shard's digest is made of its tensors' sha256 and its header's
+  (`shard_digest`). Peak memory is the window and the backlog plus the largest piece being converted,
+  whatever the checkpoint's size.
 * A checkpoint's weights are laid out in the order of their first source in the checkpoint (sequential
   reads); other sources in name order. Both are deterministic, so the shards are byte-reproducible.
 * Each shard is flushed to disk (`fdatasync`, started in the background every `SYNC_BYTES`) before the
@@ -20,9 +22,10 @@ Writing (`plan_weights`, `write_shards`):
 
 Reading (`MappedWeights`, from `Artifact.weights()`): each shard is mapped; `stream()` gives every
 tensor as a zero-copy view (the cpu device keeps them as ONNX Runtime initializers), `chunks()` reads
-each shard front to back into two reused buffers (an upload to a device or to the C runtime's host
-memory: no page faults, two chunks of memory). Both hash each shard in a second thread as they go, when
-the load deferred that check (`load_artifact(defer_weights=True)`), so every byte is read once.
+each shard front to back into a few reused buffers (an upload to a device or to the C runtime's host
+memory: no page faults, a few chunks of memory). Both hash each shard's segments on hash threads as they
+go, when the load deferred that check (`load_artifact(defer_weights=True)`), so every byte is read once,
+and check each tensor against its sha256 (naming it) and the shard against its digest.
 """
 
 from __future__ import annotations
@@ -328,7 +331,7 @@ def _produce(reader: _Reader, source, t: TensorPlan, p: Piece, off: int, n: int)
 @dataclass
 class WrittenShards:
     files: list[str]  # relative to the artifact
-    file_sha256: dict[str, str]  # relative path -> sha256 of the whole file
+    file_digest: dict[str, str]  # relative path -> the shard's digest (`shard_digest`)
     tensors: dict[str, dict[str, Any]]  # name -> {shard, dtype, shape, sha256}
     copied: list[str] = field(default_factory=list)
     converted: list[str] = field(default_factory=list)
@@ -356,7 +359,7 @@ def write_shards(plans: list[TensorPlan], source, wdir: Path, shard_bytes: int, 
             fname = f"weights-{i:05d}-of-{len(groups):05d}.safetensors"
             digest = _write_one(group, source, wdir / fname, reader, pool, lanes, syncer, prog, out, f"{rel}/{fname}")
             out.files.append(f"{rel}/{fname}")
-            out.file_sha256[f"{rel}/{fname}"] = digest
+            out.file_digest[f"{rel}/{fname}"] = digest
             log.debug("weights: shard %d of %d written (%d tensors)", i + 1, len(groups), len(group))
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
