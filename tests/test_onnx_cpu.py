@@ -21,6 +21,7 @@ import torch
 from v4compile import frontend
 from v4compile.artifact import ArtifactError, Buckets, compile_artifact, load_artifact
 from v4compile.errors import InputError
+from v4compile.manifest import FORMAT_VERSION
 from v4compile.trace import TraceOptions
 
 TOL = 1e-4
@@ -166,7 +167,7 @@ def test_artifact_is_reproducible_and_hash_checked(tmp_path):
     h1, h2 = _tree_hash(a1), _tree_hash(a2)
     assert h1 == h2 and {"manifest.json", "module.ir", "report.json", "onnx/decode_b1.onnx"} <= set(h1)
     man = load_artifact(a1).manifest
-    assert man["format_version"] == 1 and man["targets"][0]["name"] == "cpu" and man["kernels"] == []
+    assert man["format_version"] == FORMAT_VERSION and man["targets"][0]["name"] == "cpu" and man["kernels"] == []
     assert set(man["files"]) == set(h1) - {"manifest.json"}
     shard = a1 / man["weights"]["shards"][0]
     data = bytearray(shard.read_bytes())

@@ -13,6 +13,8 @@ import hashlib
 import json
 import math
 import os
+import re
+import struct
 import subprocess
 import sys
 import textwrap
@@ -27,7 +29,9 @@ from v4compile.checkpoint import Checkpoint
 from v4compile.config import preset
 from v4compile.errors import CheckpointError
 from v4compile.harness import load_ir_weights
+from v4compile.manifest import FORMAT_VERSION
 from v4compile.safetensors_io import write_file
+from v4compile.shard_digest import TAG
 from v4compile.trace import TraceOptions
 from v4compile.weights import weight_specs
 
@@ -52,6 +56,17 @@ def stored_checkpoint(d: Path, cfg, seed: int = 0) -> Path:
     write_file(d / "model.safetensors", out)
     (d / "config.json").write_text(cfg.to_json())
     return d
+
+
+def digest_of_bytes(raw: bytes) -> str:
+    """A shard's digest from its bytes alone, as `v4compile/shard_digest.py` defines it: the file cut at the
+    header's end and at every tensor's bounds, each piece's sha256 in file order, after the tag."""
+    start = 8 + struct.unpack("<Q", raw[:8])[0]
+    head = json.loads(raw[8:start])
+    cuts = sorted({0, start, len(raw)} | {start + o for k, v in head.items() if k != "__metadata__"
+                                          for o in v["data_offsets"]})
+    pieces = [raw[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+    return hashlib.sha256(TAG + b"".join(hashlib.sha256(p).digest() for p in pieces)).hexdigest()
 
 
 def mid_cfg():
@@ -86,14 +101,14 @@ def write(ck_dir: Path, out: Path, **kw) -> tuple[dict, dict, list]:
 
 
 def test_every_tensor_is_the_per_tensor_readers_bytes_and_hashed(tiny_ck, tmp_path):
-    """Each written tensor equals `load_ir_weights` bit for bit; its sha256 and its shard's are in the
-    entry, computed while writing; quantised tensors are copied as stored, norms converted to fp32."""
+    """Each written tensor equals `load_ir_weights` bit for bit; its sha256 and its shard's digest (made of
+    its header's and tensors' sha256) are in the entry, computed while writing; quantised tensors are copied as stored, norms converted to fp32."""
     entry, hashes, plans = write(tiny_ck, tmp_path / "a")
     with Checkpoint.open(tiny_ck) as ck:
         want = load_ir_weights(gpu_module(ck), ck)
     assert sorted(entry["tensors"]) == sorted(want)
     for rel in entry["shards"]:
-        assert hashes[rel] == hashlib.sha256((tmp_path / "a" / rel).read_bytes()).hexdigest()
+        assert hashes[rel] == digest_of_bytes((tmp_path / "a" / rel).read_bytes())
     shards = {rel: weights_io.map_shard(tmp_path / "a" / rel, ArtifactError) for rel in entry["shards"]}
     for n, t in entry["tensors"].items():
         got = bytes(shards[t["shard"]].bytes_of(n))
@@ -155,45 +170,100 @@ def test_a_nan_in_a_copied_fp8_weight_is_refused_by_name(tmp_path):
         write_weights(gpu_module(ck), ck, tmp_path / "b" / "weights")
 
 
-def test_a_changed_shard_is_named_while_streaming(tiny_ck, tmp_path, monkeypatch):
-    """`load_artifact(defer_weights=True)` leaves the shards to the streaming readers (mapped views, or
-    chunks through reused buffers, which reassemble every tensor with its manifest hash), which hash them
-    as they read them: a flipped byte is one ArtifactError naming the shard. The manifest here holds only
-    the weights, so its schema check (tests/test_bad_artifact.py) is switched off."""
+def weights_artifact(ck_dir: Path, out: Path, monkeypatch) -> dict:
+    """An artifact directory holding only weights and a manifest (its schema check, tests/test_bad_artifact.py,
+    switched off); returns the manifest's `weights` entry."""
     from v4compile import artifact
 
     monkeypatch.setattr(artifact, "check_manifest", lambda m, verify: None)
-    entry, hashes, _ = write(tiny_ck, tmp_path / "a")
-    art_dir = tmp_path / "a"
-    manifest = {"format_version": 1, "weights": entry, "files": hashes}
-    from v4compile.artifact import manifest_digest
+    entry, hashes, _ = write(ck_dir, out)
+    manifest = {"format_version": FORMAT_VERSION, "weights": entry, "files": hashes}
+    manifest["manifest_sha256"] = artifact.manifest_digest(manifest)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return entry
 
-    manifest["manifest_sha256"] = manifest_digest(manifest)
-    (art_dir / "manifest.json").write_text(json.dumps(manifest))
-    art = load_artifact(art_dir, defer_weights=True)
-    w = art.weights()
-    assert sum(1 for _ in w.stream()) == len(entry["tensors"])
+
+def read_all(art_dir: Path, how: str) -> None:
+    w = load_artifact(art_dir, defer_weights=True).weights()  # the shards are not hashed here ...
+    try:
+        for _ in (w.stream() if how == "stream" else w.chunks(size=4096)):  # ... but here, as they are read
+            pass
+    finally:
+        w.close()
+
+
+def test_the_streaming_readers_give_every_tensor_with_its_hash(tiny_ck, tmp_path, monkeypatch):
+    """`load_artifact(defer_weights=True)` leaves the shards to the streaming readers (mapped views, or
+    chunks through reused buffers, here far smaller than the tensors, hashed on parallel lanes); the
+    chunks reassemble every tensor with its manifest sha256."""
+    entry = weights_artifact(tiny_ck, tmp_path / "a", monkeypatch)
+    w = load_artifact(tmp_path / "a", defer_weights=True).weights()
+    assert [n for n, _ in w.stream()] == sorted(entry["tensors"], key=lambda n: w.shards[w.shard_of[n]].tensors[n].begin)
     got: dict[str, bytearray] = {}
-    for n, off, buf, start, k in w.chunks(size=4096):  # the upload path: pieces of two reused buffers
+    for n, off, buf, start, k in w.chunks(size=4096):  # the upload path: pieces of reused buffers
         t = got.setdefault(n, bytearray())
         assert off == len(t)
         t += buf[start: start + k]
     assert {n: hashlib.sha256(b).hexdigest() for n, b in got.items()} == \
         {n: t["sha256"] for n, t in entry["tensors"].items() if math.prod(t["shape"])}
     w.close()
-    shard = art_dir / entry["shards"][0]
-    raw = bytearray(shard.read_bytes())
-    raw[-3] ^= 0x10
-    shard.write_bytes(bytes(raw))
-    art = load_artifact(art_dir, defer_weights=True)  # the shard is not read here ...
-    with pytest.raises(ArtifactError, match=shard.name):
-        for _ in art.weights().stream():  # ... but here
-            pass
-    with pytest.raises(ArtifactError, match=shard.name):
-        for _ in art.weights().chunks(size=4096):  # and here
-            pass
-    with pytest.raises(ArtifactError, match=shard.name):
-        load_artifact(art_dir)
+
+
+def test_a_flipped_byte_in_any_tensor_is_named(tiny_ck, tmp_path, monkeypatch):
+    """A flipped byte in a tensor (the first, the largest and two random ones, at a random place) is one
+    ArtifactError naming the tensor and its shard, from both streaming readers, and naming the shard from
+    a load that checks every file first."""
+    entry = weights_artifact(tiny_ck, tmp_path / "a", monkeypatch)
+    shard = tmp_path / "a" / entry["shards"][0]
+    sh = weights_io.map_shard(shard, ArtifactError)
+    spans = {n: (sh.data_start + i.begin, sh.data_start + i.end) for n, i in sh.tensors.items() if i.end > i.begin}
+    sh.close()
+    g = torch.Generator().manual_seed(1)
+    names = sorted(spans)
+    picks = [min(spans, key=lambda n: spans[n][0]), max(spans, key=lambda n: spans[n][1] - spans[n][0])]
+    picks += [names[int(torch.randint(len(names), (1,), generator=g))] for _ in range(2)]
+    good = shard.read_bytes()
+    for n in picks:
+        lo, hi = spans[n]
+        raw = bytearray(good)
+        raw[lo + int(torch.randint(hi - lo, (1,), generator=g))] ^= 0x10
+        shard.write_bytes(bytes(raw))
+        for how in ("stream", "chunks"):
+            with pytest.raises(ArtifactError, match=rf"{shard.name}: '{re.escape(n)}'.*sha256"):
+                read_all(tmp_path / "a", how)
+        with pytest.raises(ArtifactError, match=shard.name):
+            load_artifact(tmp_path / "a")
+    shard.write_bytes(good)
+    load_artifact(tmp_path / "a")
+    for how in ("stream", "chunks"):
+        read_all(tmp_path / "a", how)
+
+
+@pytest.mark.parametrize("digest", ["sound", "broken"])
+def test_a_changed_header_is_caught_by_the_shard_digest(tiny_ck, tmp_path, monkeypatch, digest):
+    """A header byte changed while every tensor stays the same (in the metadata, which no reader checks) is
+    caught by the shard's digest. The same check with a digest of the
+    tensors alone (the broken variant, its digests recomputed) lets it through."""
+    entry = weights_artifact(tiny_ck, tmp_path / "a", monkeypatch)
+    shard = tmp_path / "a" / entry["shards"][0]
+    if digest == "broken":
+        real = weights_io.segments
+        monkeypatch.setattr(weights_io, "segments", lambda *a: [s for s in real(*a) if s[2] is not None])
+        m = json.loads((tmp_path / "a" / "manifest.json").read_text())
+        m["files"][entry["shards"][0]] = weights_io.shard_file_digest(shard, ArtifactError)
+        from v4compile.artifact import manifest_digest
+
+        m["manifest_sha256"] = manifest_digest(m)
+        (tmp_path / "a" / "manifest.json").write_text(json.dumps(m))
+    raw = shard.read_bytes()
+    assert raw.count(b'"v4compile-ir-weights"') == 1
+    shard.write_bytes(raw.replace(b'"v4compile-ir-weights"', b'"v4compile-ir-weighTs"'))
+    for how in ("stream", "chunks"):
+        if digest == "sound":
+            with pytest.raises(ArtifactError, match=rf"{shard.name}\b.*does not match its hash"):
+                read_all(tmp_path / "a", how)
+        else:
+            read_all(tmp_path / "a", how)
 
 
 CAPPED = textwrap.dedent('''
@@ -202,27 +272,43 @@ CAPPED = textwrap.dedent('''
     torch.set_num_threads(1)
     threading.stack_size(1 << 20)
     from pathlib import Path
-    sys.path.insert(0, os.environ["TESTS"])
     from v4compile import weights_io
     from v4compile.trace import TraceOptions, trace
     from v4compile.artifact import write_weights
     from v4compile.checkpoint import Checkpoint
-    from v4compile.harness import load_ir_weights
+    from v4compile.errors import ArtifactError
     weights_io.CHUNK_BYTES, weights_io.WINDOW_BYTES, weights_io.WRITE_BUFFER = 1 << 20, 4 << 20, 1 << 20
     ck = Checkpoint.open(sys.argv[1]).validate()  # as `compile` does, before any weight is written
     m = trace(ck.cfg, TraceOptions(decode_batch=1, dtype="bf16"), functions=("decode",), formats=ck.stored_formats())
-    out = Path(sys.argv[2])
-    out.mkdir()
+    out = Path(sys.argv[2]) / "weights"
+    out.mkdir(parents=True)
+    cap, mode = int(sys.argv[3]), sys.argv[4]
     def status(key):
         return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key)) * 1024
-    cap = int(sys.argv[3])
-    resource.setrlimit(resource.RLIMIT_AS, (status("VmSize") + cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
-    open("/proc/self/clear_refs", "w").write("5")  # the peak RSS starts again from the RSS now
-    rss = status("VmRSS")
-    if sys.argv[4] == "whole":  # the broken variant: every weight in memory at once
-        w = load_ir_weights(m, ck)
-    else:
-        write_weights(m, ck, out, workers=2)
+    def capped(limit, key):  # the cap above the process's size now; the peak RSS starts again from the RSS now
+        resource.setrlimit(limit, (status(key) + cap, resource.getrlimit(limit)[1]))
+        open("/proc/self/clear_refs", "w").write("5")
+        return status("VmRSS")
+    held = []  # what a broken writer or reader keeps
+    if mode == "holding writer":  # every chunk the writer produces kept
+        real = weights_io._produce
+        def holding(*a):
+            buf, pooled = real(*a)
+            held.append(bytes(buf))
+            return buf, pooled
+        weights_io._produce = holding
+    rss = capped(resource.RLIMIT_AS, "VmSize")
+    entry, hashes = write_weights(m, ck, out, workers=2)
+    print(status("VmHWM") - rss)
+    # Loading: the shards are mapped read-only and shared (their pages are the page cache's, and outside
+    # RLIMIT_DATA); the reader's own memory is what is capped.
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    rss = capped(resource.RLIMIT_DATA, "VmData")
+    w = weights_io.MappedWeights(out.parent, entry["tensors"], ArtifactError, expected=hashes)
+    for name, off, buf, start, k in w.chunks(size=1 << 20):  # the upload path, hashed as read
+        if mode == "holding reader":
+            held.append(bytes(buf[start:start + k]))
+    w.close()
     print(status("VmHWM") - rss)
 ''')
 
@@ -232,26 +318,29 @@ def mid_ck(tmp_path_factory):
     return stored_checkpoint(tmp_path_factory.mktemp("ck") / "mid", mid_cfg())
 
 
-@pytest.mark.parametrize("mode", ["streamed", "whole"])
-def test_writing_needs_memory_for_the_largest_tensor_not_the_checkpoint(mid_ck, tmp_path, mode):
-    """Under an address-space cap of 48 MB above the process's size before writing, the ~110 MB checkpoint
-    (13x its largest IR tensor) is written, and the peak RSS grows by less than the cap (pages of a mapped
-    checkpoint would count there); holding every weight at once breaks the same cap. (The writer's
-    window is 4 MB here; its default only changes the constant.)"""
+@pytest.mark.parametrize("mode", ["streamed", "holding writer", "holding reader"])
+def test_writing_and_loading_need_memory_for_a_chunk_not_the_checkpoint(mid_ck, tmp_path, mode):
+    """Under a cap of 48 MB above the process's size (address space while writing, data while loading), the
+    ~110 MB checkpoint (13x its largest IR tensor) is written and its shards read back and hashed, the peak
+    RSS growing by less than the cap each time (pages of a mapped checkpoint would count there). The
+    broken variants, a writer or a reader that keeps what it has handled, break the same caps. (The writer's
+    window is 4 MB here, the reader's chunks 1 MB; the defaults only change the constant.)"""
     d = mid_ck
     total = (d / "model.safetensors").stat().st_size
     cap = 48 << 20
     assert total > 2 * cap
-    env = {**os.environ, "TESTS": str(Path(__file__).parent), "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-c", CAPPED, str(d), str(tmp_path / "out"), str(cap), mode],
                        capture_output=True, text=True, env=env, timeout=300)
     if mode == "streamed":
         assert r.returncode == 0, r.stderr[-2000:]
-        assert int(r.stdout) < cap, f"peak RSS grew by {int(r.stdout) >> 20} MB"
-        written = sum(p.stat().st_size for p in (tmp_path / "out").iterdir())
+        grew = [int(x) for x in r.stdout.split()]
+        assert len(grew) == 2 and max(grew) < cap, f"peak RSS grew by {[g >> 20 for g in grew]} MB"
+        written = sum(p.stat().st_size for p in (tmp_path / "out" / "weights").iterdir())
         assert written > 2 * cap
     else:
-        assert r.returncode != 0 and ("MemoryError" in r.stderr or "alloc" in r.stderr.lower()), r.stderr[-2000:]
+        assert r.returncode != 0 and "MemoryError" in r.stderr, r.stderr[-2000:]
+        assert len(r.stdout.split()) == (0 if mode == "holding writer" else 1)  # it broke in the step it broke
 
 
 def test_the_copy_paths_nan_bit_test_is_isfinite_on_every_pattern():
@@ -270,3 +359,28 @@ def test_the_copy_paths_nan_bit_test_is_isfinite_on_every_pattern():
     got = [weights_io._bits_bad(bytearray(data[4 * i: 4 * i + 4]), 4, "fp32") for i in range(len(r))]
     assert got == (~torch.isfinite(r.view(torch.float32))).tolist() and got[:3] == [True, True, False]
     assert [weights_io._bits_bad(bytearray([v]), 1, "e8m0") for v in range(256)] == [v == 255 for v in range(256)]
+
+
+def test_a_progress_line_gives_bytes_rate_and_eta(tiny_ck, tmp_path, monkeypatch, caplog):
+    """Writing and reading log a progress line (GB done of the total, %, MB/s, ETA) at most every
+    PROGRESS_S seconds (here every chunk), the bytes growing to the total; at the default, none for a
+    write of a fraction of a second."""
+    import logging
+
+    line = re.compile(r"(weights|weights read): ([\d.]+) of ([\d.]+) GB \((\d+)%\), (\d+) MB/s, ETA (\d+) s")
+    with caplog.at_level(logging.INFO, logger="v4compile.weights_io"):
+        write(tiny_ck, tmp_path / "quiet")
+    assert not [r for r in caplog.records if line.fullmatch(r.getMessage())]
+    caplog.clear()
+    monkeypatch.setattr(weights_io, "PROGRESS_S", 0.0)
+    monkeypatch.setattr(weights_io, "CHUNK_BYTES", 64 << 10)
+    with caplog.at_level(logging.INFO, logger="v4compile.weights_io"):
+        entry = weights_artifact(tiny_ck, tmp_path / "a", monkeypatch)
+        read_all(tmp_path / "a", "chunks")
+    got = [line.fullmatch(r.getMessage()) for r in caplog.records]
+    for what in ("weights", "weights read"):
+        done = [float(m[2]) for m in got if m and m[1] == what]
+        assert len(done) > 3 and done == sorted(done), (what, done)
+        total = {float(m[3]) for m in got if m and m[1] == what}
+        assert len(total) == 1 and done[-1] <= total.pop()
+    assert entry["tensors"]

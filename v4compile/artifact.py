@@ -3,7 +3,8 @@
     DIR/manifest.json          format and compiler versions, the config and its hash, numerics, dtype,
                                buckets, pool geometry, targets (+ their functions' files and interfaces),
                                kernels (target, path, sha256 of every GPU binary and sidecar), the weights
-                               layout, and the sha256 of every file
+                               layout, and the hash of every file (sha256; a weights shard's is
+                               made of its header's and tensors' sha256: `shard_digest`)
     DIR/weights/*.safetensors  the IR weights exactly as the functions take them (after merges), in shards
                                (none in a shape-only artifact, `--weights none`: kernels and program only);
                                the manifest gives each tensor's shard, dtype, shape and sha256
@@ -19,7 +20,8 @@
 Writing is atomic (everything goes to a temporary sibling directory renamed at the end; on any error it
 is removed) and byte-reproducible (no timestamps, sorted keys, deterministic names). Weights are streamed
 (`weights_io`): copied or converted piece by piece in a bounded window, so the whole model is never in
-memory; every shard and every tensor is hashed as it is written (`weights.tensors.<name>.sha256`).
+memory; every tensor is hashed as it is written (`weights.tensors.<name>.sha256`) and its shard's digest is
+made of those and its header's (every byte hashed once).
 Loading treats the artifact as untrusted input: the manifest is checked against its schema and every path
 confined to the directory (`manifest.py`), then every file's hash is checked, naming the file that changed;
 the runtime checks the pieces against each other as it opens them (`runtime/artifact_checks.py`).
@@ -115,11 +117,11 @@ def trace_buckets(cfg, options, buckets: Buckets, formats: dict | None = None) -
 def write_weights(module: Module, source, wdir: Path, workers: int | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """Shards of IR weights (at most SHARD_BYTES each; see `weights_io`: stored bytes copied where they
     are what the kernels read, converted otherwise, every file and tensor hashed as it is written).
-    Returns the manifest's `weights` entry (each tensor with its `sha256`) and the shards' file hashes."""
+    Returns the manifest's `weights` entry (each tensor with its `sha256`) and the shards' digests."""
     from .weights_io import plan_weights, write_shards
 
     w = write_shards(plan_weights(module, source), source, wdir, SHARD_BYTES, workers=workers)
-    return {"layout": "ir", "shards": w.files, "tensors": dict(sorted(w.tensors.items()))}, w.file_sha256
+    return {"layout": "ir", "shards": w.files, "tensors": dict(sorted(w.tensors.items()))}, w.file_digest
 
 
 # ---- write --------------------------------------------------------------------------------------
@@ -363,8 +365,9 @@ class Artifact:
 def load_artifact(path: str | Path, verify: bool = True, defer_weights: bool = False) -> Artifact:
     """Read and check an artifact directory: the manifest (not through a symlink; one typed schema, see
     `manifest.py`), then every file it lists (inside the artifact, a regular file, and with `verify` its
-    sha256). Nothing outside the directory is opened. With `defer_weights` the weight shards' hashes are
-    left to `Artifact.weights()`, which hashes them as it reads them (one read of every byte, not two)."""
+    hash; a weights shard's is its `shard_digest`). Nothing outside the directory is opened. With
+    `defer_weights` the weight shards' hashes are left to `Artifact.weights()`, which hashes them as it reads
+    them (one read of every byte, not two)."""
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise ArtifactError("an artifact is named by a directory path", found=repr(path)[:60])
     path = Path(path)
@@ -377,10 +380,19 @@ def load_artifact(path: str | Path, verify: bool = True, defer_weights: bool = F
         raise ArtifactError(e.what, where=str(path / MANIFEST) if e.where == MANIFEST else e.where,
                             expected=e.expected, found=e.found) from None
     files = manifest["files"]
-    shards = set(manifest["weights"].get("shards", [])) & set(files) if verify and defer_weights else set()
+    shards = set(manifest["weights"].get("shards", [])) & set(files)
+    deferred = shards if verify and defer_weights else set()
     for rel, digest in sorted(files.items()):
         p = confined(path, rel, files)
-        if verify and rel not in shards and sha256_file(p) != digest:
+        if not verify or rel in deferred:
+            continue
+        if rel in shards:
+            from .weights_io import shard_file_digest
+
+            found = shard_file_digest(p, ArtifactError)
+        else:
+            found = sha256_file(p)
+        if found != digest:
             raise ArtifactError("file does not match its hash in the manifest (changed or damaged)",
                                 where=str(path / rel), expected=digest[:16] + "...")
-    return Artifact(path, manifest, verify, tuple(sorted(shards)))
+    return Artifact(path, manifest, verify, tuple(sorted(deferred)))

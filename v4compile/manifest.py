@@ -33,7 +33,7 @@ from .errors import ArtifactError, ConfigError
 from .errors import show_value as _show
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a weights shard's hash in `files` is its `shard_digest` (1: its whole-file sha256)
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024  # V4-Pro's manifest (cpu + gpu targets) is ~40 MB
 MAX_DEPTH = 16  # the manifest nests 7 deep (targets / i / functions / f / inputs / i)
 MAX_PATH = 1024  # characters of a path inside the artifact

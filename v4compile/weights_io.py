@@ -10,9 +10,11 @@ Writing (`plan_weights`, `write_shards`):
   check of `Checkpoint.raw` is done on the bits). Any other piece is *converted* by the checkpoint's
   own reader (`harness._fetch`: BF16 norms to FP32, F32 scales to E8M0, dequantisation, ...).
 * Pieces are produced by a few worker threads (reads and torch conversions release the GIL) in a
-  sliding window bounded in bytes, and consumed in order: written with large buffered writes while the
-  file and the tensor are hashed in two more threads. Peak memory is the window plus the largest piece
-  being converted, whatever the checkpoint's size.
+  sliding window bounded in bytes, and consumed in order: written with large buffered writes while each
+  tensor is hashed on one of a few hash threads (`shard_digest.Lanes`: tensors in parallel, a bounded
+  backlog). Every byte is hashed once: a shard's digest is made of its tensors' sha256 and its header's
+  (`shard_digest`). Peak memory is the window and the backlog plus the largest piece being converted,
+  whatever the checkpoint's size.
 * A checkpoint's weights are laid out in the order of their first source in the checkpoint (sequential
   reads); other sources in name order. Both are deterministic, so the shards are byte-reproducible.
 * Each shard is flushed to disk (`fdatasync`, started in the background every `SYNC_BYTES`) before the
@@ -20,9 +22,10 @@ Writing (`plan_weights`, `write_shards`):
 
 Reading (`MappedWeights`, from `Artifact.weights()`): each shard is mapped; `stream()` gives every
 tensor as a zero-copy view (the cpu device keeps them as ONNX Runtime initializers), `chunks()` reads
-each shard front to back into two reused buffers (an upload to a device or to the C runtime's host
-memory: no page faults, two chunks of memory). Both hash each shard in a second thread as they go, when
-the load deferred that check (`load_artifact(defer_weights=True)`), so every byte is read once.
+each shard front to back into a few reused buffers (an upload to a device or to the C runtime's host
+memory: no page faults, a few chunks of memory). Both hash each shard's segments on hash threads as they
+go, when the load deferred that check (`load_artifact(defer_weights=True)`), so every byte is read once,
+and check each tensor against its sha256 (naming it) and the shard against its digest.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import numpy as np
 
 from .errors import CheckpointError, IRError
 from .ir.core import Module
+from .shard_digest import EMPTY, Lanes, combine, segments
 
 log = logging.getLogger(__name__)
 
@@ -116,12 +120,12 @@ def _nonfinite_bits(stored: str, scale: bool) -> str | None:
 
 def _bits_bad(buf: bytearray, n: int, bits: str) -> bool:
     """True if the first `n` stored bytes hold a NaN / Inf (E8M0: the NaN byte 0xFF). All exponent bits
-    set is the largest value the magnitude bits can take, so one max over them decides (~4 GB/s)."""
-    if bits == "fp8":  # e4m3fn: NaN is S.1111.111, there is no Inf
-        a = np.frombuffer(buf, dtype=np.uint8, count=n)
-        return n > 0 and int(np.max(a & 0x7F)) == 0x7F
+    set is the largest value the magnitude bits can take, so one max over them decides (~4 GB/s); a
+    one-byte format's NaN bytes are found with `find` (memchr, no temporary: ~15 GB/s)."""
+    if bits == "fp8":  # e4m3fn: NaN is S.1111.111 (0x7F, 0xFF), there is no Inf
+        return buf.find(b"\x7f", 0, n) >= 0 or buf.find(b"\xff", 0, n) >= 0
     if bits == "e8m0":
-        return n > 0 and int(np.max(np.frombuffer(buf, dtype=np.uint8, count=n))) == 0xFF
+        return buf.find(b"\xff", 0, n) >= 0
     if bits == "bf16":
         a = np.frombuffer(buf, dtype=np.uint16, count=n // 2)
         return a.size > 0 and int(np.max(a & 0x7FFF)) >= 0x7F80
@@ -327,7 +331,7 @@ def _produce(reader: _Reader, source, t: TensorPlan, p: Piece, off: int, n: int)
 @dataclass
 class WrittenShards:
     files: list[str]  # relative to the artifact
-    file_sha256: dict[str, str]  # relative path -> sha256 of the whole file
+    file_digest: dict[str, str]  # relative path -> the shard's digest (`shard_digest`)
     tensors: dict[str, dict[str, Any]]  # name -> {shard, dtype, shape, sha256}
     copied: list[str] = field(default_factory=list)
     converted: list[str] = field(default_factory=list)
@@ -337,8 +341,9 @@ class WrittenShards:
 
 def write_shards(plans: list[TensorPlan], source, wdir: Path, shard_bytes: int, rel: str = "weights",
                  workers: int | None = None) -> WrittenShards:
-    """Write the planned tensors into safetensors shards in `wdir`, hashing each file and each tensor as
-    it is written (nothing is read back)."""
+    """Write the planned tensors into safetensors shards in `wdir`, hashing each tensor as it is written
+    (on `workers` hash lanes; nothing is read back); a shard's digest is made of its tensors' and its
+    header's (`shard_digest`)."""
     workers = workers or default_workers()
     groups = shard_groups(plans, shard_bytes)
     total = sum(p.nbytes for p in plans)
@@ -347,21 +352,19 @@ def write_shards(plans: list[TensorPlan], source, wdir: Path, shard_bytes: int, 
     reader = _Reader(WINDOW_BYTES // CHUNK_BYTES + 2)
     t0 = time.perf_counter()
     pool = ThreadPoolExecutor(workers, thread_name_prefix="weights")
-    hash_file = ThreadPoolExecutor(1, thread_name_prefix="sha-file")
-    hash_tensor = ThreadPoolExecutor(1, thread_name_prefix="sha-tensor")
+    lanes = Lanes(workers, WINDOW_BYTES)
     syncer = ThreadPoolExecutor(1, thread_name_prefix="fdatasync")
     try:
         for i, group in enumerate(groups):
             fname = f"weights-{i:05d}-of-{len(groups):05d}.safetensors"
-            digest = _write_one(group, source, wdir / fname, reader, pool, hash_file, hash_tensor, syncer, prog, out,
-                                f"{rel}/{fname}")
+            digest = _write_one(group, source, wdir / fname, reader, pool, lanes, syncer, prog, out, f"{rel}/{fname}")
             out.files.append(f"{rel}/{fname}")
-            out.file_sha256[f"{rel}/{fname}"] = digest
+            out.file_digest[f"{rel}/{fname}"] = digest
             log.debug("weights: shard %d of %d written (%d tensors)", i + 1, len(groups), len(group))
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-        for ex in (hash_file, hash_tensor, syncer):
-            ex.shutdown(wait=True)
+        lanes.close()
+        syncer.shutdown(wait=True)
         reader.close()
     for p in plans:
         (out.copied if p.path == "copy" else out.converted).append(p.name)
@@ -373,10 +376,8 @@ def write_shards(plans: list[TensorPlan], source, wdir: Path, shard_bytes: int, 
     return out
 
 
-def _write_one(group, source, path: Path, reader, pool, hash_file, hash_tensor, syncer, prog, out, relname) -> str:
+def _write_one(group, source, path: Path, reader, pool, lanes: Lanes, syncer, prog, out, relname) -> str:
     head = shard_header(group)
-    fh = hashlib.sha256()
-    fh.update(head)
     jobs = _jobs(group)
     window: deque[tuple[TensorPlan, Piece, int, int, Future]] = deque()
     ahead = pooled = 0  # bytes submitted and not yet written; of those jobs, the ones reading into the pool
@@ -399,11 +400,11 @@ def _write_one(group, source, path: Path, reader, pool, hash_file, hash_tensor, 
             ahead += j[3]
             pooled += big
 
+    streams: dict[str, tuple] = {}  # tensor -> its hash stream (tensors with bytes)
     with open(path, "wb", buffering=WRITE_BUFFER) as f:
         fd = f.fileno()
         f.write(head)
         unsynced, sync = 0, None
-        th, current = None, None
         fill()
         while window:
             t, p, off, n, fut = window.popleft()
@@ -411,53 +412,50 @@ def _write_one(group, source, path: Path, reader, pool, hash_file, hash_tensor, 
             ahead -= n
             pooled -= p.copied and n >= POOLED
             fill()  # keep the workers busy while this chunk is written
-            if t is not current:
-                if current is not None:
-                    hash_tensor.submit(_finish, out, current, relname, th)
-                current, th = t, hashlib.sha256()
             if n:
-                a = hash_file.submit(fh.update, buf)
-                b = hash_tensor.submit(th.update, buf)
+                if t.name not in streams:
+                    streams[t.name] = lanes.stream()
+                # The pooled buffer goes back once written (here) and hashed (on its lane, in parallel).
                 f.write(buf)
-                a.result()
-                b.result()
+                lanes.submit(streams[t.name], buf, None if held is None else lambda b=held: reader.give(b))
                 del buf
-                reader.give(held)
                 unsynced += n
                 prog.add(n)
             if unsynced >= SYNC_BYTES and (sync is None or sync.done()):
                 f.flush()
                 sync, unsynced = syncer.submit(os.fdatasync, fd), 0
-        if current is not None:
-            hash_tensor.submit(_finish, out, current, relname, th).result()
-        for t in group:  # a tensor with no bytes is hashed too
-            if t.name not in out.tensors:
-                _finish(out, t, relname, hashlib.sha256())
+        lanes.drain()
+        digests = [hashlib.sha256(head).digest()]
+        for t in group:  # file order; a tensor with no bytes is hashed too, but is no segment
+            sha = streams[t.name][0] if t.nbytes else hashlib.sha256()
+            if t.nbytes:
+                digests.append(sha.digest())
+            out.tensors[t.name] = {"shard": relname, "dtype": t.dtype, "shape": list(t.shape), "sha256": sha.hexdigest()}
         f.flush()
         if sync is not None:
             sync.result()
         os.fdatasync(fd)
-    return fh.hexdigest()
-
-
-def _finish(out: WrittenShards, t: TensorPlan, relname: str, th) -> None:
-    out.tensors[t.name] = {"shard": relname, "dtype": t.dtype, "shape": list(t.shape), "sha256": th.hexdigest()}
+    return combine(digests)
 
 
 # ---- reading -------------------------------------------------------------------------------------
 
 class MappedWeights(Mapping):
-    """An artifact's weights, mapped: name -> a torch view of its shard's mapping (no copy). `stream()`
-    visits them shard by shard in file order, hashing each shard's bytes as it goes when `expected`
-    gives the shards' sha256 (so a verified load reads every byte once); `release(name)` drops a
-    tensor's pages from the process once it has been copied elsewhere (they stay in the page cache)."""
+    """An artifact's weights, mapped: name -> a torch view of its shard's mapping (no copy). `stream()` and
+    `chunks()` visit them shard by shard in file order; when `expected` gives the shards' digests
+    (`shard_digest`), they hash every segment of each shard on `lanes` threads as they go and check each
+    tensor's sha256 (the manifest's) and the shard's digest, so a verified load reads every byte once;
+    `release(name)` drops a tensor's pages from the process once it has been copied elsewhere (they stay in
+    the page cache)."""
 
     def __init__(self, root: Path, tensors: dict[str, dict[str, Any]], error: type,
-                 expected: dict[str, str] | None = None, path_of=None):
+                 expected: dict[str, str] | None = None, path_of=None, lanes: int | None = None):
         # `path_of(rel)`: the shard's path, checked by the caller (an artifact confines it to itself)
         self.root, self.error, self.expected = Path(root), error, expected
         self.path_of = path_of if path_of is not None else (lambda rel: self.root / rel)
+        self.lanes = lanes or default_workers()
         self.shard_of: dict[str, str] = {n: t["shard"] for n, t in tensors.items()}
+        self.sha256: dict[str, str | None] = {n: t.get("sha256") for n, t in tensors.items()}
         self.shards: dict[str, MappedShard] = {}
         for rel in sorted(set(self.shard_of.values())):
             sh = map_shard(self.path_of(rel), error)
@@ -471,7 +469,7 @@ class MappedWeights(Mapping):
                                 expected=f"{t['dtype']} {t['shape']}",
                                 found="absent" if i is None else f"{i.dtype} {list(i.shape)}")
         self.nbytes = sum(sh.mm.size() for sh in self.shards.values())
-        self._hashed: dict[str, Future] = {}  # tensor -> its bytes' hash update, while streaming
+        self._hashed: dict[str, Future] = {}  # tensor -> its last hash update, while streaming
 
     def __getitem__(self, name: str):
         return self.shards[self.shard_of[name]].tensor(name)
@@ -482,66 +480,73 @@ class MappedWeights(Mapping):
     def __len__(self) -> int:
         return len(self.shard_of)
 
+    def _mine(self, rel: str, sh: MappedShard) -> list[tuple[int, int, str]]:
+        """(begin, end, name) in the file of the tensors the manifest places in this shard, in file order."""
+        return sorted((sh.data_start + i.begin, sh.data_start + i.end, n) for n, i in sh.tensors.items()
+                      if self.shard_of.get(n) == rel)
+
     def stream(self) -> Iterator[tuple[str, Any]]:
-        """(name, tensor) in file order; with `expected`, each shard is hashed in a second thread while its
-        tensors are used here, and a shard whose bytes do not match raises `error` naming the file once
-        its last tensor has been visited (before the load returns)."""
+        """(name, tensor) in file order; with `expected`, each shard's segments are hashed on other threads
+        while its tensors are used here, and a tensor or shard whose bytes do not match raises `error`
+        naming it once the shard's last tensor has been visited (before the load returns)."""
         t0, done = time.perf_counter(), 0
         prog = _Progress(self.nbytes, "weights read")
-        hasher = ThreadPoolExecutor(1, thread_name_prefix="sha-load") if self.expected is not None else None
+        lanes = Lanes(self.lanes, 1 << 62) if self.expected is not None else None  # mapped: no buffers to bound
         try:
             for rel, sh in self.shards.items():
-                h = hashlib.sha256()
-                pos = 0
-                mv = memoryview(sh.mm)
-                names = sorted((i.begin, n) for n, i in sh.tensors.items() if self.shard_of.get(n) == rel)
-                for _, n in names:
-                    end = sh.data_start + sh.tensors[n].end
-                    if hasher is not None and end > pos:
-                        self._hashed[n] = hasher.submit(h.update, mv[pos:end])
-                    prog.add(max(end - pos, 0))
-                    pos = max(pos, end)
+                hashed = []
+                if lanes is not None:
+                    mv = memoryview(sh.mm)
+                    for lo, hi, n in segments(sh.data_start, sh.tensors, len(mv)):
+                        st = lanes.stream()
+                        fut = lanes.submit(st, mv[lo:hi])
+                        hashed.append((n, st[0]))
+                        if n is not None:
+                            self._hashed[n] = fut
+                    del mv
+                for lo, hi, n in self._mine(rel, sh):
+                    prog.add(hi - lo)
                     yield n, sh.tensor(n)
-                if hasher is not None:
-                    hasher.submit(h.update, mv[pos:]).result()
+                done += sh.mm.size()
+                if lanes is not None:
+                    lanes.drain()
                     self._hashed.clear()
-                prog.add(len(mv) - pos)
-                done += len(mv)
-                del mv
-                if hasher is not None:
-                    self._check_shard(rel, h)
+                    self._check_shard(rel, sh, hashed)
         finally:
-            if hasher is not None:
-                hasher.shutdown(wait=True)
+            if lanes is not None:
+                lanes.close()
         self._log_read(done, t0)
 
-    def chunks(self, size: int = CHUNK_BYTES) -> Iterator[tuple[str, int, bytearray, int, int]]:
+    def chunks(self, size: int = CHUNK_BYTES, nbufs: int = 4) -> Iterator[tuple[str, int, bytearray, int, int]]:
         """(tensor, offset in the tensor, buffer, start in the buffer, byte count) for every weight, shard by
-        shard, each shard read front to back with `pread` into two reused buffers: no mapping, no page
-        faults (a fifth of the CPU of touching the mapping), memory of two chunks. The host side of an
-        upload: use each piece before asking for the next. Hashed as in `stream`, in a second thread."""
+        shard, each shard read front to back with `pread` into `nbufs` reused buffers: no mapping, no page
+        faults (a fifth of the CPU of touching the mapping), memory of `nbufs` chunks. The host side of an
+        upload: use each piece before asking for the next. Hashed as in `stream`, on other threads, while
+        the next chunks are read."""
         from .files import open_regular
 
         t0, done = time.perf_counter(), 0
         prog = _Progress(self.nbytes, "weights read")
-        bufs = [bytearray(size), bytearray(size)]
-        hashing: list[Future | None] = [None, None]
-        hasher = ThreadPoolExecutor(1, thread_name_prefix="sha-load") if self.expected is not None else None
+        bufs = [bytearray(size) for _ in range(max(2, nbufs))]
+        hashing: list[list[Future]] = [[] for _ in bufs]  # each buffer's hash updates, done before it is refilled
+        lanes = Lanes(self.lanes, 1 << 62) if self.expected is not None else None  # bounded by the buffers
         try:
             for rel, sh in self.shards.items():
-                h = hashlib.sha256()
-                spans = sorted((sh.data_start + i.begin, sh.data_start + i.end, n) for n, i in sh.tensors.items()
-                               if self.shard_of.get(n) == rel and i.end > i.begin)
+                size_of = sh.mm.size()
+                segs = segments(sh.data_start, sh.tensors, size_of) if lanes is not None else []
+                streams: list[tuple] = []
+                spans = [s for s in self._mine(rel, sh) if s[1] > s[0]]
                 fd = open_regular(self.path_of(rel), self.error, "weights shard")
                 try:
                     if hasattr(os, "posix_fadvise"):
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                    total, pos, k, j = sh.mm.size(), 0, 0, 0
-                    while pos < total:
-                        b = k % 2
-                        if hashing[b] is not None:
-                            hashing[b].result()  # this buffer's bytes are hashed before it is refilled
-                        buf, n = bufs[b], min(size, total - pos)
+                    pos, k, j, g = 0, 0, 0, 0
+                    while pos < size_of:
+                        b = k % len(bufs)
+                        for f in hashing[b]:
+                            f.result()
+                        hashing[b].clear()
+                        buf, n = bufs[b], min(size, size_of - pos)
                         view, got = memoryview(buf), 0
                         while got < n:
                             r = os.preadv(fd, [view[got:n]], pos + got)
@@ -549,8 +554,18 @@ class MappedWeights(Mapping):
                                 raise self.error("weights shard changed while it was read (shorter now)",
                                                  where=str(self.root / rel))
                             got += r
-                        if hasher is not None:
-                            hashing[b] = hasher.submit(h.update, view[:n])
+                        while g < len(segs) and segs[g][0] < pos + n:  # the segments this chunk holds bytes of
+                            lo, hi, name = segs[g]
+                            if len(streams) <= g:
+                                streams.append(lanes.stream())
+                            a, e = max(lo, pos), min(hi, pos + n)
+                            fut = lanes.submit(streams[g], view[a - pos:e - pos])
+                            hashing[b].append(fut)
+                            if name is not None:
+                                self._hashed[name] = fut
+                            if hi > pos + n:
+                                break
+                            g += 1
                         while j < len(spans) and spans[j][1] <= pos:
                             j += 1
                         i = j
@@ -563,20 +578,29 @@ class MappedWeights(Mapping):
                         pos, k = pos + n, k + 1
                 finally:
                     os.close(fd)
-                for b in (0, 1):
-                    if hashing[b] is not None:
-                        hashing[b].result()
-                        hashing[b] = None
-                done += sh.mm.size()
-                if hasher is not None:
-                    self._check_shard(rel, h)
+                for h in hashing:
+                    for f in h:
+                        f.result()
+                    h.clear()
+                done += size_of
+                if lanes is not None:
+                    lanes.drain()
+                    self._hashed.clear()
+                    self._check_shard(rel, sh, [(s[2], st[0]) for s, st in zip(segs, streams)])
         finally:
-            if hasher is not None:
-                hasher.shutdown(wait=True)
+            if lanes is not None:
+                lanes.close()
         self._log_read(done, t0)
 
-    def _check_shard(self, rel: str, h) -> None:
-        if h.hexdigest() != self.expected.get(rel):
+    def _check_shard(self, rel: str, sh: MappedShard, hashed: list[tuple[str | None, Any]]) -> None:
+        """Every tensor the manifest places here against its sha256 (naming it), then the whole shard (its
+        header and any bytes outside the tensors too) against its digest."""
+        got = {n: h.hexdigest() for n, h in hashed if n is not None}
+        for _, _, n in self._mine(rel, sh):
+            if got.get(n, EMPTY) != self.sha256[n]:
+                raise self.error("tensor does not match its sha256 in the manifest (changed or damaged)",
+                                 where=f"{self.root / rel}: '{n}'", expected=str(self.sha256[n])[:16] + "...")
+        if combine(h.digest() for _, h in hashed) != self.expected.get(rel):
             raise self.error("file does not match its hash in the manifest (changed or damaged)",
                              where=str(self.root / rel), expected=str(self.expected.get(rel))[:16] + "...")
 
@@ -594,6 +618,27 @@ class MappedWeights(Mapping):
     def close(self) -> None:
         for sh in self.shards.values():
             sh.close()
+
+
+def shard_file_digest(path: Path, error: type, lanes: int | None = None) -> str:
+    """A shard file's digest (`shard_digest`), its segments hashed on `lanes` threads (a load that checks
+    every file before using any)."""
+    sh = map_shard(path, error)
+    try:
+        mv = memoryview(sh.mm)
+        ls = Lanes(lanes or default_workers(), 1 << 62)
+        try:
+            streams = []
+            for lo, hi, _ in segments(sh.data_start, sh.tensors, len(mv)):
+                streams.append(ls.stream())
+                ls.submit(streams[-1], mv[lo:hi])
+            ls.drain()
+        finally:
+            ls.close()
+        del mv
+        return combine(st[0].digest() for st in streams)
+    finally:
+        sh.close()
 
 
 @dataclass
