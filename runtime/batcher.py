@@ -57,6 +57,7 @@ class Batcher:
         self.live: list[Request] = []
         self.cond = threading.Condition()
         self.stopping = False
+        self.on_step: Callable[[], None] | None = None  # after every step (a server hands its tokens over at once)
 
     # ---- any thread ------------------------------------------------------------------------------
     def check(self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -114,6 +115,13 @@ class Batcher:
 
     def step(self) -> None:
         """One round: cancelled requests out, waiting requests in while slots are free, one decode step."""
+        try:
+            self._step()
+        finally:
+            if self.on_step is not None:
+                self.on_step()
+
+    def _step(self) -> None:
         sess = self.sess
         for r in [r for r in self.live if r.cancelled]:
             self._finish(r, "cancelled")

@@ -68,7 +68,17 @@ class Server:
         self.tok = sess.tokenizer
         self.batcher = Batcher(sess)
         self.finished: Counter[str] = Counter()
+        self.pending: list = []  # (queue, event) of the step under way, handed to the event loop in one call
+        self.loop = None
+        self.batcher.on_step = self._hand_over
         self.thread = threading.Thread(target=self.batcher.run_forever, name="v4compile-scheduler", daemon=True)
+
+    def _hand_over(self) -> None:
+        """On the scheduler's thread, after each step: one wake-up of the event loop for all its tokens (one
+        per token would cost the loop a wake-up and the scheduler the GIL hand-over, 8 times a step)."""
+        if self.pending:
+            items, self.pending = self.pending, []
+            self.loop.call_soon_threadsafe(_deliver, items)
 
     # ---- requests ---------------------------------------------------------------------------------
     async def body(self, request) -> dict:
@@ -159,22 +169,22 @@ class Server:
         except BadRequest as e:
             return _error(str(e), e.param, e.code)
 
-        loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         text = self.tok.stream(stops) if self.tok is not None else None
 
         def on_token(_r, tok: int) -> bool:
             if text is None:
-                loop.call_soon_threadsafe(q.put_nowait, ("token", "", tok))
+                self.pending.append((q, ("token", "", tok)))
                 return False
             piece, done = text.push(tok)
-            loop.call_soon_threadsafe(q.put_nowait, ("token", piece, tok))
+            self.pending.append((q, ("token", piece, tok)))
             return done
 
         def on_done(r) -> None:
             tail = text.finish() if text is not None and r.finish_reason == "length" else ""
             self.finished[r.finish_reason] += 1
-            loop.call_soon_threadsafe(q.put_nowait, ("done", tail, r))
+            self.pending.append((q, ("done", tail, r)))
 
         eos = self.tok.eos_ids if self.tok is not None else frozenset()
         req = Request(ids, max_tokens, temperature, top_p, seed, stop_ids=eos, on_token=on_token, on_done=on_done)
@@ -299,6 +309,11 @@ class Server:
             return _error(str(exc)[:300])
 
         return app
+
+
+def _deliver(items: list) -> None:
+    for q, event in items:
+        q.put_nowait(event)
 
 
 def _content(c):
