@@ -120,6 +120,7 @@ class Session:
         self.seqs: dict[int, SeqState] = {}
         self._next = 0
         self.first_token_s: float | None = None  # the last `generate`: seconds to its first token (prefill)
+        self._tokenizer = None  # read on first use (`tokenizer`)
 
     @property
     def max_batch(self) -> int:
@@ -132,7 +133,7 @@ class Session:
         entry = self.art.manifest.get("tokenizer")
         if entry is None:
             return None
-        if getattr(self, "_tokenizer", None) is None:
+        if self._tokenizer is None:
             from v4compile.errors import ArtifactError
             from v4compile.tokenizer import MAX_TOKENIZER_BYTES, Tokenizer
 

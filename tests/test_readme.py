@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+EXAMPLE = README.parent / "examples" / "tiny-doc"
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 SUBSTITUTIONS = [  # (what the README says, what runs here)
     ("python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]' && ", ""),
@@ -25,7 +26,7 @@ SUBSTITUTIONS = [  # (what the README says, what runs here)
     ("python -m pytest -q", f"(cd {str(README.parent)!r} && {sys.executable} -m pytest -q --collect-only "
                             "-p no:cacheprovider)"),
     ("v4compile ", f"{sys.executable} -m v4compile "),
-    ("examples/tiny-doc", str(README.parent / "examples" / "tiny-doc")),
+    ("examples/tiny-doc", str(EXAMPLE)),
 ]
 PORT = "8000"  # the serving examples' port: a free one here
 
@@ -88,7 +89,7 @@ def _with_server(code: str, tmp_path: Path) -> None:
     import time
 
     art, port, log = tmp_path / "out" / "doc", free_port(), tmp_path / "serve.log"
-    subprocess.run([sys.executable, "-m", "v4compile", "compile", SUBSTITUTIONS[-1][1], "-o", str(art), "--target",
+    subprocess.run([sys.executable, "-m", "v4compile", "compile", str(EXAMPLE), "-o", str(art), "--target",
                     "cpu"], check=True, capture_output=True, timeout=900)
     with open(log, "w") as err:
         p = subprocess.Popen([sys.executable, "-m", "v4compile", "serve", str(art), "--port", port, "--device", "cpu"],
