@@ -120,10 +120,29 @@ class Session:
         self.seqs: dict[int, SeqState] = {}
         self._next = 0
         self.first_token_s: float | None = None  # the last `generate`: seconds to its first token (prefill)
+        self._tokenizer = None  # read on first use (`tokenizer`)
 
     @property
     def max_batch(self) -> int:
         return self.decode_fns[-1][0]
+
+    @property
+    def tokenizer(self):
+        """The artifact's tokenizer (`v4compile.tokenizer.Tokenizer`: encode, decode, stream, chat template,
+        eos ids), or None when the checkpoint compiled had none. Read on first use, hash-checked."""
+        entry = self.art.manifest.get("tokenizer")
+        if entry is None:
+            return None
+        if self._tokenizer is None:
+            from v4compile.errors import ArtifactError
+            from v4compile.tokenizer import MAX_TOKENIZER_BYTES, Tokenizer
+
+            data = {k: self.art.read_bytes(rel, f"tokenizer {k}", MAX_TOKENIZER_BYTES) for k, rel in entry.items()}
+            self._tokenizer = Tokenizer.from_bytes(data["json"], data.get("config"), str(self.art.path), ArtifactError)
+            if self._tokenizer.vocab_size > self.vocab:
+                raise ArtifactError("the tokenizer has more ids than the model's vocabulary", where=str(self.art.path),
+                                    expected=f"<= {self.vocab}", found=self._tokenizer.vocab_size)
+        return self._tokenizer
 
     # ---- sequences -------------------------------------------------------------------------------
     def check_prompt(self, ids: Sequence[int], where: str) -> list[int]:

@@ -3,8 +3,9 @@
 Blocks are fenced with a language: `bash` and `python` blocks run; `text` blocks are not code. The
 only substitutions are for what this test cannot or need not repeat: creating the virtual environment
 and installing (the test runs inside the installed environment), the test suite itself (collected,
-not run: it is what runs this test), and the checkpoint path of the Python example (a seeded random
-tiny checkpoint written here).
+not run: it is what runs this test), the checkpoint path of the Python example (a seeded random
+tiny checkpoint written here), the example model's path (the blocks run in a temporary directory) and the
+serving examples' port (a free one; the `openai` client block runs against a server this test starts).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+EXAMPLE = README.parent / "examples" / "tiny-doc"
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 SUBSTITUTIONS = [  # (what the README says, what runs here)
     ("python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]' && ", ""),
@@ -24,7 +26,17 @@ SUBSTITUTIONS = [  # (what the README says, what runs here)
     ("python -m pytest -q", f"(cd {str(README.parent)!r} && {sys.executable} -m pytest -q --collect-only "
                             "-p no:cacheprovider)"),
     ("v4compile ", f"{sys.executable} -m v4compile "),
+    ("examples/tiny-doc", str(EXAMPLE)),
 ]
+PORT = "8000"  # the serving examples' port: a free one here
+
+
+def free_port() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
 
 
 def blocks() -> list[tuple[str, str]]:
@@ -42,7 +54,8 @@ def _bash(code: str) -> str:
     assert "pip install" not in code and "venv" not in code  # every install step was substituted
     for old, new in SUBSTITUTIONS[2:]:  # (the interpreter's own path may contain `.venv`)
         code = code.replace(old, new)
-    return code
+    port = free_port()
+    return code.replace(f"localhost:{PORT}", f"localhost:{port}").replace(f"--port {PORT}", f"--port {port}")
 
 
 @pytest.mark.slow
@@ -56,6 +69,9 @@ def test_bash_blocks_run(i, tmp_path):
 @pytest.mark.parametrize("i", [i for i, (lang, _) in enumerate(blocks()) if lang == "python"])
 def test_python_blocks_run(i, tmp_path):
     code = blocks()[i][1]
+    if f"localhost:{PORT}" in code:  # a client of the README's server: start one (killed at the end)
+        _with_server(code, tmp_path)
+        return
     if '"out/tiny"' in code:  # a block that loads the artifact the README's compile command writes
         subprocess.run([sys.executable, "-m", "v4compile", "compile", "--preset", "tiny", "-o",
                         str(tmp_path / "out" / "tiny")], check=True, capture_output=True, timeout=900)
@@ -67,3 +83,25 @@ def test_python_blocks_run(i, tmp_path):
         code = code.replace('"path/to/ckpt"', repr(str(ckpt)))
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _with_server(code: str, tmp_path: Path) -> None:
+    import time
+
+    art, port, log = tmp_path / "out" / "doc", free_port(), tmp_path / "serve.log"
+    subprocess.run([sys.executable, "-m", "v4compile", "compile", str(EXAMPLE), "-o", str(art), "--target",
+                    "cpu"], check=True, capture_output=True, timeout=900)
+    with open(log, "w") as err:
+        p = subprocess.Popen([sys.executable, "-m", "v4compile", "serve", str(art), "--port", port, "--device", "cpu"],
+                             stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 180
+        while "serving" not in log.read_text():
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        r = subprocess.run([sys.executable, "-c", code.replace(f"localhost:{PORT}", f"localhost:{port}")],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and r.stdout.strip(), r.stderr[-3000:]
+    finally:
+        p.kill()
+        p.wait(timeout=30)

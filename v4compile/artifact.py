@@ -14,6 +14,8 @@
     DIR/gpu/module.ir          the final IR of the gpu pipeline (GPU targets)
     DIR/gpu/program.txt        its program: buffers and ordered launches (codegen/gpu_target.py)
     DIR/kernels/<target>/      gfx950 / sm_90a: one binary + JSON sidecar per kernel specialisation
+    DIR/tokenizer/             the checkpoint's tokenizer.json and tokenizer_config.json, when it has them
+                               (manifest `tokenizer`: their paths; `v4compile/tokenizer.py`)
     DIR/report.json            what was compiled: functions, op counts, pass hits, sizes; for GPU targets
                                the static kernel report (`kernels`) and the modeled decode step per bucket
 
@@ -143,6 +145,7 @@ class CompileInputs:
     gpu_buckets: Buckets | None = None  # its buckets (default: the largest decode batch and prefill chunk)
     gpu_pipeline: list[str] = field(default_factory=list)
     jobs: int | None = None  # AOT worker processes (does not change any output)
+    tokenizer_from: Path | None = None  # a checkpoint directory whose tokenizer files are copied in
 
 
 def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> Path:
@@ -187,6 +190,9 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
             (tmp / "gpu" / "module.ir").write_text(print_module(ci.gpu_module))
             gt = write_gpu_targets(ci.gpu_module, gpu, tmp, ci.jobs)
             targets += gt.targets
+        from .tokenizer import copy_tokenizer
+
+        tokenizer = copy_tokenizer(ci.tokenizer_from, tmp / "tokenizer")
         report = _report(ci, targets)
         if gt is not None:
             report["kernels"] = gt.rows
@@ -221,6 +227,7 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
             "targets": targets,
             "kernels": gt.kernels if gt is not None else [],
             "weights": weights,
+            **({"tokenizer": tokenizer} if tokenizer else {}),
             "files": files,
         }
         manifest["manifest_sha256"] = manifest_digest(manifest)  # the manifest's own bytes are checked too
@@ -278,7 +285,7 @@ def compile_artifact(fe, out: str | Path, buckets: Buckets = Buckets(), pipeline
     ci = CompileInputs(fe.cfg, main.module, fe.source, fe.options.numerics, fe.options.dtype, buckets,
                        fe.options.capacity, origin, pipeline if cpu_res is not None else gpu_pipeline, main.hits(),
                        tuple(targets), gpu_res.module if gpu_res is not None else None, gpu_buckets, gpu_pipeline,
-                       jobs)
+                       jobs, fe.checkpoint)
     return write_artifact(ci, out, force=force)
 
 

@@ -6,6 +6,8 @@
     v4compile ir (dump | diff | verify | bisect | passes) ...   IR dump and pass debugging
     v4compile compile (--preset NAME | CHECKPOINT) [--weights none] [--report] [-o DIR [--target cpu]] ...
     v4compile run ARTIFACT --ids 1,2,3 --max-new-tokens N [--device cpu] [--temperature T --seed S] [--json]
+    v4compile run ARTIFACT --prompt TEXT [--chat] [--stop S] ...   text streamed (the artifact's tokenizer)
+    v4compile serve ARTIFACT [--host H] [--port P] [--device cpu]  an OpenAI-compatible server
 
 Errors in the user's input (including argparse's own) print one line `error: ...` and exit with status 2;
 no traceback. SIGTERM and SIGHUP are handled like Ctrl-C: whatever was being written is removed.
@@ -148,6 +150,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from .runtime import load
 
+    if args.prompt is not None:
+        from .text_cli import run_prompt
+
+        return run_prompt(args)
+    if args.chat or args.stop:
+        raise InputError("--chat and --stop need --prompt (text)")
     ids = _parse_ids(args.ids)
     if not ids:
         raise InputError("empty prompt", expected="at least one id in --ids")
@@ -265,7 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     rn = sub.add_parser("run", help="generate with a compiled artifact (v4compile compile -o DIR)")
     rn.add_argument("artifact", metavar="ARTIFACT", help="artifact directory")
-    rn.add_argument("--ids", required=True, help="prompt token ids, comma-separated")
+    src = rn.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ids", help="prompt token ids, comma-separated")
+    src.add_argument("--prompt", help="prompt text (the artifact's tokenizer); the text is streamed to stdout")
+    rn.add_argument("--chat", action="store_true", help="--prompt is a user message of the chat template")
+    rn.add_argument("--stop", action="append", default=[], metavar="TEXT", help="a stop string (--prompt; repeatable)")
     rn.add_argument("--max-new-tokens", type=int_arg(1, 1 << 24), default=16)
     rn.add_argument("--device", choices=("auto", "cpu", "host", "hip", "cuda"), default="auto",
                     help="auto (default), cpu (ONNX Runtime), host (the C runtime on host memory, reference kernels), "
@@ -274,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument("--top-p", type=float_arg(0.0, 1.0), default=1.0)
     rn.add_argument("--seed", type=int_arg(0, 2 ** 64 - 1), default=None, help="sampling seed, in [0, 2^64)")
     rn.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: cores, at most 8)")
-    rn.add_argument("--json", action="store_true", help='print {"ids": [...], "tokens_per_s", "load_s", "warmup_s", "prefill_s"}')
+    rn.add_argument("--json", action="store_true", help='print {"ids": [...], "tokens_per_s", "load_s", "warmup_s", '
+                                                        '"prefill_s"} (with --prompt also "text")')
     rn.set_defaults(func=cmd_run)
 
     i = sub.add_parser("inspect", help="parameter, disk and KV-cache accounting")
@@ -294,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .compile_cli import add_compile_commands
     add_compile_commands(sub)
+    from .serve import add_serve_command
+    add_serve_command(sub)
     return ap
 
 

@@ -53,6 +53,11 @@ class InputError(V4Error):
     """Bad runtime input: token ids, prompt length, cache capacity."""
 
 
+class TemplateError(InputError):
+    """A chat template that cannot render the messages: bad Jinja, a `raise_exception` of its own, or an
+    attempt to reach Python internals (`''.__class__`, `__globals__`), which the sandbox refuses."""
+
+
 class ArtifactError(InputError):
     """A compiled artifact that cannot be loaded: missing, damaged, from another format version, or one whose
     manifest or files break the artifact's rules (a path leading outside it, a field out of range, pieces

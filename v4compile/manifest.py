@@ -312,6 +312,13 @@ def check_manifest(m: dict[str, Any], verify: bool = True) -> None:
             raise _err(f"`{key}` names a file the manifest's `files` does not list (and hash)", found=_show(rel))
         return rel
 
+    if "tokenizer" in m:  # optional: the checkpoint's tokenizer files (`tokenizer.py`)
+        tk = _obj(m["tokenizer"], "tokenizer")
+        if "json" not in tk or set(tk) - {"json", "config"}:
+            raise _err("`tokenizer` must name `json` (and optionally `config`)", found=_show(sorted(tk)))
+        for k, rel in tk.items():
+            listed(rel, f"tokenizer.{k}")
+
     # weights
     w = _obj(_get(m, "weights", "weights"), "weights")
     _str(_get(w, "layout", "weights.layout"), "weights.layout", ("ir",))

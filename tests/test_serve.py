@@ -1,0 +1,196 @@
+"""Text in, text out on the example model (examples/tiny-doc, compiled once, cpu target): `run --prompt`
+streams exactly the decoded ids; an artifact without a tokenizer (or with a
+tokenizer path leading out) is one clear error; and `serve`, started as a subprocess on a free port and
+driven by the real `openai` client: 8 concurrent streaming chats give the sequential greedy texts, a client
+that disconnects frees its slot, bad requests get a 400 with OpenAI's error body while the server goes on.
+Every wait has a timeout; the server is always killed and reaped."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from artifact_tamper import copy, manifest, write_manifest
+from v4compile.cli import main
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny-doc"
+NAMES = ["json.dumps", "os.path.join", "re.compile", "textwrap.dedent", "heapq.heappush", "shutil.copy",
+         "functools.partial", "random.choice"]
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve") / "tiny-doc"
+    assert main(["-q", "compile", str(EXAMPLE), "-o", str(out), "--target", "cpu"]) == 0
+    return out
+
+
+def run(art, *args, capsys) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(["-q", "run", str(art), *args])
+    r = capsys.readouterr()
+    return rc, r.out, r.err
+
+
+def test_run_prompt_streams_the_decoded_ids(art, capsys):
+    import v4compile
+
+    tok = v4compile.load(art, device="cpu").tokenizer
+    texts = {}
+    for chat in ([], ["--chat"]):
+        args = ["--prompt", "Return the", "--max-new-tokens", "24", "--device", "cpu", *chat]
+        rc, out, err = run(art, *args, "--json", capsys=capsys)
+        assert rc == 0, err
+        j = json.loads(out)
+        ids = [i for i in j["ids"] if i not in tok.eos_ids]
+        assert j["text"] == tok.decode(ids) and j["tokens_per_s"] > 0
+        rc, streamed, err = run(art, *args, capsys=capsys)
+        assert rc == 0 and streamed == j["text"] + "\n", err
+        texts[bool(chat)] = j["text"]
+    words = re.findall(r"[a-z]{3,}", texts[False])
+    assert len(words) >= 3, texts  # the trained model writes words, not noise
+
+
+def test_a_prompt_without_a_tokenizer_is_one_clear_error(art, tmp_path, capsys):
+    bare = copy(art, tmp_path / "bare")
+    m = manifest(bare)
+    del m["tokenizer"]
+    write_manifest(bare, m)
+    rc, out, err = run(bare, "--prompt", "Return the", "--device", "cpu", capsys=capsys)
+    assert rc == 2 and out == "" and err.count("error:") == 1 and "no tokenizer" in err
+    assert main(["-q", "run", str(bare), "--ids", "1,2", "--device", "cpu", "--max-new-tokens", "2"]) == 0
+
+
+def test_a_tokenizer_path_leading_out_of_the_artifact_is_refused(art, tmp_path):
+    import v4compile
+    from v4compile.errors import ArtifactError
+
+    for bad in ("../tokenizer.json", "tokenizer/missing.json"):
+        t = copy(art, tmp_path / f"t{len(bad)}")
+        m = manifest(t)
+        m["tokenizer"]["json"] = bad
+        write_manifest(t, m)
+        with pytest.raises(ArtifactError, match="tokenizer.json"):
+            v4compile.load(t, device="cpu")
+
+
+# ---- serve ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(art, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve-log") / "stderr.txt"
+    with open(log, "w") as err:
+        p = subprocess.Popen([sys.executable, "-m", "v4compile", "serve", str(art), "--port", "0", "--device", "cpu",
+                              "--threads", "1"], stdout=subprocess.DEVNULL, stderr=err, env={**os.environ})
+    try:
+        deadline = time.monotonic() + 180
+        url = None
+        while url is None:
+            m = re.search(r"on (http://127\.0\.0\.1:\d+)", log.read_text())
+            if m:
+                url = m.group(1)
+            elif p.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"serve did not start: {log.read_text()[-2000:]}")
+            else:
+                time.sleep(0.2)
+        yield url
+    finally:
+        p.kill()
+        p.wait(timeout=30)
+
+
+def client(url):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120, max_retries=0)
+
+
+def health(url) -> dict:
+    import httpx
+
+    return httpx.get(url + "/health", timeout=30).json()
+
+
+def chat(c, name: str, **kw):
+    return c.chat.completions.create(model="tiny-doc", messages=[{"role": "user", "content": name}],
+                                     temperature=0, **kw)
+
+
+def test_concurrent_streaming_chats_equal_sequential_greedy_runs(server, art, capsys):
+    c = client(server)
+    assert [m.id for m in c.models.list().data] == ["tiny-doc"]
+    seq = [chat(c, n, max_tokens=16).choices[0].message.content for n in NAMES]
+    out: dict[int, str] = {}
+
+    def stream(i: int) -> None:
+        out[i] = "".join(ch.choices[0].delta.content or "" for ch in chat(c, NAMES[i], max_tokens=16, stream=True)
+                         if ch.choices)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(NAMES))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [out.get(i) for i in range(len(NAMES))] == seq
+    assert len(set(seq)) > 1  # the prompts lead to different texts: a mix-up between slots would show
+    # the same greedy request as `run --prompt --chat`
+    rc, ran, _ = run(art, "--prompt", NAMES[0], "--chat", "--max-new-tokens", "16", "--device", "cpu", "--json",
+                     capsys=capsys)
+    assert rc == 0 and json.loads(ran)["text"] == seq[0]
+    done = c.completions.create(model="tiny-doc", prompt="Return the", max_tokens=8, temperature=0)
+    assert done.choices[0].finish_reason in ("length", "stop") and done.usage.completion_tokens <= 8
+
+
+def test_a_disconnected_stream_frees_its_slot(server):
+    import httpx
+
+    before = health(server)["finished"].get("cancelled", 0)
+    body = {"messages": [{"role": "user", "content": "json.loads"}], "max_tokens": 200, "temperature": 0,
+            "stream": True}
+    with httpx.Client(timeout=60) as h:
+        for _ in range(8):  # every slot: a slot that is not freed would hold the next request back
+            with h.stream("POST", server + "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())  # the first event, then the client goes away
+    deadline = time.monotonic() + 60
+    while (h := health(server))["finished"].get("cancelled", 0) < before + 8 or h["live"]:
+        assert time.monotonic() < deadline, h
+        time.sleep(0.1)
+    assert h["free_slots"] == 8 and h["waiting"] == 0
+    r = chat(client(server), "json.loads", max_tokens=4)  # admitted at once
+    assert r.choices[0].message.content is not None
+
+
+def test_bad_requests_get_a_400_with_an_openai_error_body(server):
+    import httpx
+    import openai
+
+    c = client(server)
+    url = server + "/v1/chat/completions"
+    r = httpx.post(url, content=b'{"messages": [', headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert "JSON" in r.json()["error"]["message"]
+    cases = [
+        (dict(model="gpt-4", max_tokens=4), "model"),
+        (dict(model="tiny-doc", max_tokens=-1), "max_tokens"),
+        (dict(model="tiny-doc", max_tokens=10_000), "max_tokens"),
+    ]
+    for kw, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(messages=[{"role": "user", "content": "x"}], **kw)
+        assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+    with pytest.raises(openai.BadRequestError) as e:  # an over-long prompt
+        c.completions.create(model="tiny-doc", prompt="Return the value. " * 200, max_tokens=4)
+    assert "context" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="tiny-doc", messages=[{"role": "user"}], max_tokens=4)
+    assert chat(c, "json.dumps", max_tokens=4).choices[0].message.content is not None  # still serving
+    assert health(server)["live"] == 0

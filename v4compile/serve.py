@@ -1,0 +1,369 @@
+"""`v4compile serve ARTIFACT [--host H] [--port P] [--device D]`: an OpenAI-compatible HTTP server.
+
+    GET  /health                 {"status": "ok", "live", "waiting", "free_slots", "finished": {reason: n}}
+    GET  /v1/models              the one model, named by --model-name (default: the artifact's directory name)
+    POST /v1/completions         {"model", "prompt": text or ids, "max_tokens" (16), "temperature" (1), "top_p",
+                                  "seed", "stop", "stream", "stream_options": {"include_usage"}}
+    POST /v1/chat/completions    {"model", "messages", "max_tokens" / "max_completion_tokens" (the rest of the
+                                  context), ..., "stream"}; the prompt is the artifact's chat template
+
+One scheduler thread owns the session and runs `Batcher.run_forever` (runtime/batcher.py): a request joins
+the continuous batch when a slot is free and waits in a queue otherwise; its tokens go back to the event
+loop, which streams each new stable text piece as a server-sent event (or returns the whole text). A client
+that goes away cancels its request, which frees its slot and blocks at the next step. Every bad request
+is a 400 with OpenAI's error body {"error": {"message", "type", "param", "code"}}; the server goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+from .errors import InputError, V4Error
+
+log = logging.getLogger("v4compile")
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_MESSAGES = 1024
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def _error(message: str, param=None, code=None, status: int = 400):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                   "code": code}}, status_code=status)
+
+
+def _num(body: dict, key: str, default, lo: float, hi: float, integer: bool = False):
+    v = body.get(key, default)
+    if v is None:
+        return default
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok or not lo <= v <= hi:
+        kind = "an integer" if integer else "a number"
+        raise BadRequest(f"`{key}` must be {kind} in [{lo:g}, {hi:g}]", key, "invalid_value")
+    return v
+
+
+class Server:
+    def __init__(self, sess, model_name: str):
+        from .runtime.batcher import Batcher
+
+        self.sess = sess
+        self.model = model_name
+        self.tok = sess.tokenizer
+        self.batcher = Batcher(sess)
+        self.finished: Counter[str] = Counter()
+        self.pending: list = []  # (queue, event) of the step under way, handed to the event loop in one call
+        self.loop = None
+        self.batcher.on_step = self._hand_over
+        self.thread = threading.Thread(target=self.batcher.run_forever, name="v4compile-scheduler", daemon=True)
+
+    def _hand_over(self) -> None:
+        """On the scheduler's thread, after each step: one wake-up of the event loop for all its tokens (one
+        per token would cost the loop a wake-up and the scheduler the GIL hand-over, 8 times a step)."""
+        if self.pending:
+            items, self.pending = self.pending, []
+            self.loop.call_soon_threadsafe(_deliver, items)
+
+    # ---- requests ---------------------------------------------------------------------------------
+    async def body(self, request) -> dict:
+        size = 0
+        chunks = []
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise BadRequest(f"request body larger than {MAX_BODY_BYTES} bytes", None, "body_too_large")
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise BadRequest(f"the request body is not valid JSON: {str(e)[:120]}", None, "invalid_json") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object", None, "invalid_json")
+        model = body.get("model")
+        if model is not None and model != self.model:
+            raise BadRequest(f"the model `{str(model)[:80]}` does not exist (this server has `{self.model}`)",
+                             "model", "model_not_found")
+        if body.get("n", 1) != 1:
+            raise BadRequest("only `n` = 1 is supported", "n", "invalid_value")
+        return body
+
+    def prompt_of(self, body: dict, chat: bool) -> list[int]:
+        if self.tok is None and (chat or isinstance(body.get("prompt"), str)):
+            raise BadRequest("the artifact has no tokenizer: give the prompt as token ids", "prompt",
+                             "no_tokenizer")
+        if chat:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs or len(msgs) > MAX_MESSAGES:
+                raise BadRequest("`messages` must be a non-empty list", "messages", "invalid_value")
+            msgs = [{"role": m.get("role"), "content": _content(m.get("content"))} if isinstance(m, dict) else m
+                    for m in msgs]
+            try:
+                return self.tok.encode(self.tok.apply_chat_template(msgs, add_generation_prompt=True))
+            except V4Error as e:
+                raise BadRequest(str(e), "messages", "invalid_value") from None
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):  # a batch of one
+            p = p[0]
+        if isinstance(p, str):
+            return self.tok.encode(p)
+        if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return p
+        raise BadRequest("`prompt` must be a string or a list of token ids", "prompt", "invalid_value")
+
+    def stops_of(self, body: dict) -> list[str]:
+        stop = body.get("stop")
+        if stop is None:
+            return []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+            raise BadRequest("`stop` must be a string or a list of up to 4 non-empty strings", "stop", "invalid_value")
+        return stop
+
+    async def handle(self, request, chat: bool):
+        from fastapi.responses import JSONResponse, StreamingResponse
+
+        from .runtime.batcher import Request
+
+        try:
+            body = await self.body(request)
+            ids = self.prompt_of(body, chat)
+            ctx = self.sess.max_context
+            key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+            default = max(1, ctx - len(ids)) if chat else 16
+            max_tokens = body.get(key)
+            if max_tokens is None:
+                max_tokens = default
+            elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+                raise BadRequest(f"`{key}` must be an integer >= 1", key, "invalid_value")
+            temperature = _num(body, "temperature", 1.0, 0.0, 2.0)
+            top_p = _num(body, "top_p", 1.0, 0.0, 1.0)
+            if top_p == 0:
+                raise BadRequest("`top_p` must be in (0, 1]", "top_p", "invalid_value")
+            seed = _num(body, "seed", None, 0, 2 ** 63 - 1, integer=True)
+            stops = self.stops_of(body)
+            stream = bool(body.get("stream", False))
+            so = body.get("stream_options") or {}
+            usage_chunk = isinstance(so, dict) and bool(so.get("include_usage"))
+            try:
+                self.batcher.check(ids, max_tokens, temperature, top_p, seed)
+            except InputError as e:
+                param = key if "max_new_tokens" in str(e) else "messages" if chat else "prompt"
+                raise BadRequest(str(e).replace("max_new_tokens", key), param,
+                                 "context_length_exceeded" if "context" in str(e) else "invalid_value") from None
+        except BadRequest as e:
+            return _error(str(e), e.param, e.code)
+
+        self.loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        text = self.tok.stream(stops) if self.tok is not None else None
+
+        def on_token(_r, tok: int) -> bool:
+            if text is None:
+                self.pending.append((q, ("token", "", tok)))
+                return False
+            piece, done = text.push(tok)
+            self.pending.append((q, ("token", piece, tok)))
+            return done
+
+        def on_done(r) -> None:
+            tail = text.finish() if text is not None and r.finish_reason == "length" else ""
+            self.finished[r.finish_reason] += 1
+            self.pending.append((q, ("done", tail, r)))
+
+        eos = self.tok.eos_ids if self.tok is not None else frozenset()
+        req = Request(ids, max_tokens, temperature, top_p, seed, stop_ids=eos, on_token=on_token, on_done=on_done)
+        self.batcher.submit(req)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+
+        def choice(piece: str, finish, first: bool = False) -> dict:
+            if chat:
+                delta = ({"role": "assistant"} if first else {}) | ({"content": piece} if piece or first else {})
+                return {"index": 0, "delta": delta, "finish_reason": finish}
+            return {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
+
+        def usage(r) -> dict:
+            return {"prompt_tokens": len(ids), "completion_tokens": len(r.ids), "total_tokens": len(ids) + len(r.ids)}
+
+        def finish_reason(r) -> str:
+            return "stop" if r.finish_reason == "stop" else "length"
+
+        if stream:
+            async def events():
+                try:
+                    first = True
+                    while True:
+                        kind, piece, x = await q.get()
+                        if kind == "done":
+                            if x.error is not None:
+                                err = {"error": {"message": str(x.error), "type": "server_error", "param": None,
+                                                 "code": None}}
+                                yield f"data: {json.dumps(err)}\n\n"
+                                break
+                            chunk = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
+                                     "model": self.model, "choices": [choice(piece, finish_reason(x), first)]}
+                            yield f"data: {json.dumps(chunk)}\n\n"
+                            if usage_chunk:  # OpenAI's stream_options.include_usage: a last chunk, no choices
+                                chunk = {**chunk, "choices": [], "usage": usage(x)}
+                                yield f"data: {json.dumps(chunk)}\n\n"
+                            break
+                        if piece or first:
+                            chunk = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
+                                     "model": self.model, "choices": [choice(piece, None, first)]}
+                            first = False
+                            yield f"data: {json.dumps(chunk)}\n\n"
+                    yield "data: [DONE]\n\n"
+                finally:  # the client went away (or the stream ended): free the slot now, not at max_tokens
+                    if not req.done:
+                        self.batcher.cancel(req)
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        try:
+            while True:
+                try:
+                    kind, piece, x = await asyncio.wait_for(q.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        self.batcher.cancel(req)
+                        return _error("the client disconnected", status=499)
+                    continue
+                if kind == "done":
+                    break
+        finally:
+            if not req.done:
+                self.batcher.cancel(req)
+        if req.error is not None:
+            return _error(str(req.error), None, None, status=500)
+        out = text.text if text is not None else ""
+        c = ({"index": 0, "message": {"role": "assistant", "content": out}, "finish_reason": finish_reason(req)}
+             if chat else {"index": 0, "text": out, "logprobs": None, "finish_reason": finish_reason(req)})
+        if text is None and not chat:
+            c["token_ids"] = req.ids
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model, "choices": [c],
+                             "usage": usage(req)})
+
+    # ---- the app ----------------------------------------------------------------------------------
+    def app(self):
+        from contextlib import asynccontextmanager
+
+        from fastapi import FastAPI
+
+        @asynccontextmanager
+        async def lifespan(_app):
+            self.thread.start()
+            try:
+                yield
+            finally:
+                self.batcher.stop()
+                self.thread.join(timeout=10)
+
+        app = FastAPI(title="v4compile", lifespan=lifespan)
+
+        @app.get("/health")
+        async def health():
+            b = self.batcher
+            return {"status": "ok", "live": len(b.live), "waiting": len(b.waiting),
+                    "free_slots": len(self.sess.free_slots), "finished": dict(self.finished)}
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
+                                                "owned_by": "v4compile"}]}
+
+        async def completions(request):  # Starlette routes: the raw request, parsed and checked in `handle`
+            return await self.handle(request, chat=False)
+
+        async def chat_completions(request):
+            return await self.handle(request, chat=True)
+
+        app.add_route("/v1/completions", completions, methods=["POST"])
+        app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+
+        from fastapi.exceptions import RequestValidationError
+        from starlette.exceptions import HTTPException
+
+        @app.exception_handler(HTTPException)
+        async def http_error(_request, exc: HTTPException):
+            return _error(str(exc.detail), status=exc.status_code, code="not_found" if exc.status_code == 404 else None)
+
+        @app.exception_handler(RequestValidationError)
+        async def validation_error(_request, exc):
+            return _error(str(exc)[:300])
+
+        return app
+
+
+def _deliver(items: list) -> None:
+    for q, event in items:
+        q.put_nowait(event)
+
+
+def _content(c):
+    """A message's content: a string, or OpenAI's list of {"type": "text", "text": ...} parts."""
+    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                   for p in c):
+        return "".join(p["text"] for p in c)
+    return c
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from .runtime import load
+
+    sess = load(args.artifact, device=args.device, threads=args.threads)
+    name = args.model_name or Path(args.artifact).resolve().name
+    server = Server(sess, name)
+    sess.warmup(1, sess.max_batch)
+    try:
+        sock = socket.create_server((args.host, args.port))
+    except OSError as e:
+        raise InputError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    port = sock.getsockname()[1]
+    log.info("serving %s on http://%s:%d (%s device, %d slots)", name, args.host, port, args.device, sess.max_batch)
+    sys.stderr.flush()
+    config = uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=5, lifespan="on")
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+        sess.close()
+    return 0
+
+
+def add_serve_command(sub) -> None:
+    from .compile_cli import threads_arg
+    from .runtime.session import DEVICES
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over a compiled artifact")
+    s.add_argument("artifact", metavar="ARTIFACT", help="artifact directory")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free port, printed)")
+    s.add_argument("--device", choices=DEVICES, default="auto")
+    s.add_argument("--threads", type=threads_arg, default=None, help="CPU threads")
+    s.add_argument("--model-name", default=None, help="the model's name in the API (default: the directory name)")
+    s.set_defaults(func=cmd_serve)
+
+
+def _port(text: str) -> int:
+    from .cli import int_arg
+
+    return int_arg(0, 65535)(text)
