@@ -605,7 +605,8 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
 
 def _buckets_of(args):
     """The artifact's buckets from the command line, checked before any work starts."""
-    from .artifact import Buckets, gpu_default_buckets
+    from .artifact import Buckets
+    from .driver import gpu_default_buckets
 
     buckets = Buckets(_int_list(args.decode_buckets, "--decode-buckets"),
                       _int_list(args.prefill_buckets, "--prefill-buckets"))
@@ -684,8 +685,8 @@ def artifact_targets(args, targets: list[str]) -> list[str]:
 
 
 def _write_artifact(args, fe, targets) -> None:
-    """The artifact directory (v4compile/artifact.py): every target's pipeline, traced per bucket."""
-    from .artifact import compile_artifact
+    """The artifact directory (v4compile/driver.py): every target's pipeline, traced per bucket."""
+    from .driver import compile_artifact
     from .passes import CPU_PIPELINE, GPU_PIPELINE
 
     if args.start_from:
