@@ -26,7 +26,7 @@ from v4compile.errors import InputError
 log = logging.getLogger(__name__)
 
 DEVICES = ("auto", "cpu", "host", "hip", "cuda")
-MAX_THREADS = 256  # (also the CLI's bound, v4compile/compile_cli.py)
+MAX_THREADS = 256  # (also the CLI's bound: v4compile/cli/args.py)
 MAX_PROMPTS = 1 << 20
 MAX_IDS = 1 << 24  # ids in one prompt (far beyond any compiled context)
 
