@@ -1,10 +1,9 @@
 """ONNX export of a lowered IR function (the CPU target, run by ONNX Runtime).
 
 Each function of the `cpu` pipeline becomes one ONNX model (opset 23, plus ONNX Runtime's `FusedMatMul`
-for batched GEMMs against a transposed weight). Every op's lowering is declared next to its other facts
-with `@<op>.onnx` (see `v4compile/ops/*.py`): `fn(g, o, a, r) -> results`, where `g` is the `Graph` below,
-`o` the operands by name (ONNX tensor names, `Planes`, `RowList` or None), `a` the attributes and `r` the IR
-result types. This file holds only the graph-building machinery and helpers shared by several lowerings.
+for batched GEMMs against a transposed weight). Every op's lowering lives with its kernel family's in
+`codegen/onnx/<family>.py` (`lower_<op>(g, o, a, r) -> results`, see `codegen/onnx/__init__.py`), where `g`
+is the `Graph` below. This file holds the graph-building machinery and the helpers the lowerings share.
 
 Interface of an exported model (what the runtime binds):
 * inputs: the step inputs (`ids`, `pos`, `block_table`, `slot`), every pool plane / state tensor the
@@ -34,6 +33,8 @@ from v4compile.errors import IRError
 from v4compile.ir.core import WEIGHT, Function, Module
 from v4compile.ir.registry import get_op, semantic
 from v4compile.ir.types import TensorType
+
+from .onnx import COMMON, lowering
 
 OPSET = 23
 MS_DOMAIN = "com.microsoft"
@@ -656,15 +657,16 @@ def lower_function(module: Module, fname: str) -> onnx.ModelProto:
         g.inputs.append(value_info(w.name, w.type))
     for op in fn.ops:
         opdef = get_op(op.name)
-        if opdef.onnx_lowering is None:
+        lower = lowering(opdef)
+        if lower is None:
             raise IRError(f"op '{op.name}' has no ONNX lowering", where=f"@{fname} ({op.loc})",
-                          expected="an @{0}.onnx rule in v4compile/ops".format(op.name))
+                          expected=f"lower_{op.name} in v4compile/codegen/onnx/{opdef.kernel or COMMON}.py")
         names = opdef.operand_names
         o = Operands({n: (env[id(v)] if v is not None else None) for n, v in zip(names, op.operands)},
                      {n: (types.get(id(v), v.type) if v is not None else None) for n, v in zip(names, op.operands)})
         g.loc = f"{op.name} {op.loc}"
         try:
-            outs = opdef.onnx_lowering(g, o, semantic(op.attrs), [r.type for r in op.results])
+            outs = lower(g, o, semantic(op.attrs), [r.type for r in op.results])
         except NotImplementedError as e:  # a variant the cpu target does not cover: one clear error
             raise IRError(f"no ONNX lowering for this use of '{op.name}': {e}", where=f"@{fname} ({op.loc})") from None
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
