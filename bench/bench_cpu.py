@@ -60,7 +60,8 @@ def _frontend(cfg, capacity):
     opts = TraceOptions(numerics="hf", dtype="fp32", capacity=capacity)
     src, specs = random_source(cfg, 0), spec_table(cfg)
     dense = frontend._LazyDense(lambda n: src(specs[n]))
-    return frontend.Frontend(cfg, trace(cfg, opts, functions=("decode",)), "random", DenseSource(dense), None, 0, opts)
+    return frontend.Frontend(cfg, "random", DenseSource(dense), None, 0, opts,
+                             traced=trace(cfg, opts, functions=("decode",)))
 
 
 def timed(fn, reps=1):

@@ -56,4 +56,3 @@ def kernel_calls_for(mode: str, device: str) -> Callable | None:
     return make_kernel_calls()
 
 
-GPU_TARGET = {"cuda": "sm_90a", "hip": "gfx950"}  # the artifact target whose binaries a device launches

@@ -336,12 +336,11 @@ class Session:
 def auto_device(art: Artifact) -> str:
     import ctypes
 
-    from .kernels import GPU_TARGET
-    from .program_backend import DRIVER_LIB
+    from v4compile.targets import DEVICE_TARGET, DRIVER_LIB
 
     names = {t["name"] for t in art.manifest["targets"]}
     for dev in ("cuda", "hip"):
-        if GPU_TARGET[dev] in names:
+        if DEVICE_TARGET[dev] in names:
             try:
                 ctypes.CDLL(DRIVER_LIB[dev])
             except OSError:

@@ -37,13 +37,12 @@ from typing import Any
 
 from .errors import ArtifactError, InputError
 from .files import sha256_file as files_sha256
-from .manifest import (FORMAT_VERSION, MANIFEST, TARGET_FORMATS, canonical, check_manifest, confined, manifest_digest,
-                       read_manifest)
+from .manifest import FORMAT_VERSION, MANIFEST, canonical, check_manifest, confined, manifest_digest, read_manifest
+from .targets import TARGET_FORMATS
 
 log = logging.getLogger(__name__)
 
 TARGETS = tuple(TARGET_FORMATS)  # cpu, gfx950, sm_90a
-GPU_TARGETS = tuple(t for t, f in TARGET_FORMATS.items() if f == "triton-aot")
 
 
 @dataclass(frozen=True)

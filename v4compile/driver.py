@@ -18,27 +18,33 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .artifact import GPU_TARGETS, TARGETS, Buckets, decode_name, prefill_name, write_artifact_dir
+from .artifact import TARGETS, Buckets, decode_name, prefill_name, write_artifact_dir
 from .errors import InputError
 from .ir.core import Module
 from .manifest import canonical
+from .targets import GPU_TARGETS
+from .timing import Stages
 
 SHARD_BYTES = 1 << 30  # 1 GiB of tensor data per weights shard
+CPU_PROGRAM = "program.txt"  # an artifact without GPU targets: the program the host device runs
 
 
 # ---- building the bucketed module -------------------------------------------------------------
 
-def trace_buckets(cfg, options, buckets: Buckets, formats: dict | None = None) -> Module:
-    """One module holding `decode_b<B>` for every decode bucket and `prefill_c<T>` for every chunk bucket.
-    The pool is sized for the largest decode bucket (one slot per sequence in flight)."""
+def trace_buckets(cfg, options, buckets: Buckets, formats: dict | None = None, stages: Stages | None = None) -> Module:
+    """One module holding `decode_b<B>` for every decode bucket and `prefill_c<T>` for every chunk bucket,
+    each traced once (timed as `trace` in `stages`). The pool is sized for the largest decode bucket (one
+    slot per sequence in flight)."""
     from .trace import module_name, trace
 
     buckets.validate()
+    stages = stages or Stages(progress_after=None)
     fns, weights, attrs = {}, {}, None
     for kind, sizes in (("decode", buckets.decode), ("prefill", buckets.prefill)):
         for n in sizes:
             o = replace(options, decode_batch=n) if kind == "decode" else replace(options, batch=1, chunk=n)
-            m = trace(cfg, o, functions=(kind,), formats=formats)
+            with stages("trace", progress="tracing"):
+                m = trace(cfg, o, functions=(kind,), formats=formats)
             fn = m.functions[kind]
             fn.name = decode_name(n) if kind == "decode" else prefill_name(n)
             fns[fn.name] = fn
@@ -80,6 +86,8 @@ class CompileInputs:
     gpu_buckets: Buckets | None = None  # its buckets (default: the largest decode batch and prefill chunk)
     gpu_pipeline: list[str] = field(default_factory=list)
     jobs: int | None = None  # AOT worker processes (does not change any output)
+    # Without GPU targets: `module` continued through PROGRAM_PASSES, whose program the host device runs.
+    host_module: Module | None = None
 
 
 def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> Path:
@@ -106,6 +114,8 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
         if "cpu" in ci.targets:
             targets.append(_write_onnx(ci, tmp))
             (tmp / "module.ir").write_text(print_module(ci.module))
+            if ci.host_module is not None:
+                targets[-1]["program"] = _write_program(ci.host_module, tmp, CPU_PROGRAM)
         gt = None
         if gpu:
             from .codegen.gpu_target import write_gpu_targets
@@ -157,9 +167,19 @@ def compile_artifact(fe, out: str | Path, buckets: Buckets = Buckets(), pipeline
                      targets: tuple[str, ...] = ("cpu",), disable: tuple[str, ...] = (), force: bool = False,
                      gpu_pipeline: list[str] | None = None, jobs: int | None = None,
                      gpu_buckets: Buckets | None = None) -> Path:
-    """Trace the frontend's model per bucket, run each requested target's pipeline (`pipeline`: the cpu
-    one, default CPU_PIPELINE; `gpu_pipeline`: default GPU_PIPELINE, down to the program, on
-    `gpu_buckets`, default `gpu_default_buckets`), write the artifact."""
+    """`compile_buckets`, then write the artifact to `out`."""
+    return write_artifact(compile_buckets(fe, buckets, pipeline, targets, disable, gpu_pipeline, jobs, gpu_buckets),
+                          out, force=force)
+
+
+def compile_buckets(fe, buckets: Buckets = Buckets(), pipeline: list[str] | None = None,
+                    targets: tuple[str, ...] = ("cpu",), disable: tuple[str, ...] = (),
+                    gpu_pipeline: list[str] | None = None, jobs: int | None = None,
+                    gpu_buckets: Buckets | None = None, stages: Stages | None = None) -> CompileInputs:
+    """Trace the frontend's model once per bucket and run each requested target's pipeline once on it
+    (`pipeline`: the cpu one, default CPU_PIPELINE; `gpu_pipeline`: default GPU_PIPELINE, down to the
+    program, on `gpu_buckets`, default `gpu_default_buckets`): what `write_artifact` writes. `stages`
+    times the traces and every pass."""
     from .passes import CPU_PIPELINE, GPU_PIPELINE, PassManager, PipelineOptions
 
     pipeline = list(pipeline or CPU_PIPELINE)
@@ -168,25 +188,40 @@ def compile_artifact(fe, out: str | Path, buckets: Buckets = Buckets(), pipeline
     if max(gpu_buckets.decode) != max(buckets.decode):  # one pool (slots) serves every target
         raise InputError("the largest GPU decode bucket must be the largest decode bucket",
                          expected=max(buckets.decode), found=max(gpu_buckets.decode))
-    opts = PipelineOptions(disable=tuple(disable))
+    opts = PipelineOptions(disable=tuple(disable), **({"stages": stages} if stages is not None else {}))
     cpu_res = gpu_res = None
     if "cpu" in targets:
-        cpu_res = PassManager(pipeline, opts).run(trace_buckets(fe.cfg, fe.options, buckets, fe.formats))
+        cpu_res = PassManager(pipeline, opts).run(trace_buckets(fe.cfg, fe.options, buckets, fe.formats, stages))
     if any(t in GPU_TARGETS for t in targets):
-        gpu_res = PassManager(gpu_pipeline, opts).run(trace_buckets(fe.cfg, fe.options, gpu_buckets, fe.formats))
+        gpu_res = PassManager(gpu_pipeline, opts).run(trace_buckets(fe.cfg, fe.options, gpu_buckets, fe.formats,
+                                                                    stages))
     main = cpu_res or gpu_res
     if cpu_res is not None and gpu_res is not None:
         a = {n: w.type for n, w in cpu_res.module.weights.items()}
         b = {n: w.type for n, w in gpu_res.module.weights.items()}
         if a != b:  # one weights directory serves both targets
             raise InputError("the cpu and gpu pipelines take different weights", found=sorted(set(a) ^ set(b))[:4])
+    host = None
+    if cpu_res is not None and gpu_res is None:  # the host device's program (else the GPU targets')
+        from .passes import PROGRAM_PASSES
+
+        host = PassManager(PROGRAM_PASSES, opts).run(cpu_res.module).module
     origin = {"kind": fe.weights, "seed": fe.seed if fe.weights == "random" else None,
               "checkpoint": str(fe.checkpoint) if fe.checkpoint else None}
-    ci = CompileInputs(fe.cfg, main.module, fe.source, fe.options.numerics, fe.options.dtype, buckets,
-                       fe.options.capacity, origin, pipeline if cpu_res is not None else gpu_pipeline, main.hits(),
-                       tuple(targets), gpu_res.module if gpu_res is not None else None, gpu_buckets, gpu_pipeline,
-                       jobs)
-    return write_artifact(ci, out, force=force)
+    return CompileInputs(fe.cfg, main.module, fe.source, fe.options.numerics, fe.options.dtype, buckets,
+                         fe.options.capacity, origin, pipeline if cpu_res is not None else gpu_pipeline, main.hits(),
+                         tuple(targets), gpu_res.module if gpu_res is not None else None, gpu_buckets, gpu_pipeline,
+                         jobs, host)
+
+
+def _write_program(module: Module, tmp: Path, rel: str) -> str:
+    """The module's program as text (parsed back and verified at load)."""
+    from .program.build import build_program
+    from .program.text import print_program
+    from .program.verify import verify_program
+
+    (tmp / rel).write_text(print_program(verify_program(build_program(module))))
+    return rel
 
 
 def _write_onnx(ci: CompileInputs, tmp: Path) -> dict[str, Any]:

@@ -57,9 +57,13 @@ def cmd_compile(args) -> int:
     if args.dtype is None:
         # ONNX Runtime's CPU kernels compute in fp32; GPU targets alone default to bf16.
         args.dtype = "fp32" if "cpu" in targets else "bf16"
+    single = _single_pipeline(args)
     fe = frontend_of(args, need_weights=args.check_numerics, shape_only_default=bool(args.output) and "cpu" not in targets,
-                     announce="compile")
-    result, outcome = run_pipeline(args, fe)
+                     announce="compile", trace=single)
+    ci = _artifact_plan(args, fe, targets) if args.output else None  # checked before any work
+    result = outcome = None
+    if single:
+        result, outcome = run_pipeline(args, fe)
     st = stages_of(args)
     rep = None
     if args.report or args.json:
@@ -71,8 +75,11 @@ def cmd_compile(args) -> int:
     elif args.report:
         sys.stdout.write(render_report(rep))
     if args.output:
+        from ..driver import compile_buckets, write_artifact
+
+        inputs = compile_buckets(fe, **ci, stages=st)
         with st("write output", progress="writing the artifact"):
-            _write_artifact(args, fe, targets)
+            write_artifact(inputs, args.output, force=args.force)
     if not (args.output or args.report or args.json or args.dump_ir):
         log.info("compiled %s: %d passes, nothing written (use -o DIR, --report or --dump-ir)", result.module.name,
                  len(result.records))
@@ -106,9 +113,17 @@ def artifact_targets(args, targets: list[str]) -> list[str]:
     return out + ["cpu"]
 
 
-def _write_artifact(args, fe, targets) -> None:
-    """The artifact directory (v4compile/driver.py): every target's pipeline, traced per bucket."""
-    from ..driver import compile_artifact
+def _single_pipeline(args) -> bool:
+    """Whether the command runs the pipeline on one trace of the command line's shapes (--batch, --chunk,
+    --decode-batch): without -o, and with -o for what reads that run (report, numerics, IR prints, dumps);
+    the artifact itself is traced and compiled once per bucket."""
+    return not args.output or any((args.report, args.json, args.check_numerics, args.dump_ir, args.print_ir_after_all,
+                                   args.print_ir_after_change, args.print_ir_after, args.verify_each,
+                                   args.stop_after, args.start_from))
+
+
+def _artifact_plan(args, fe, targets) -> dict:
+    """What `driver.compile_buckets` compiles for -o: targets, pipelines, buckets (checked before any work)."""
     from ..passes import CPU_PIPELINE, GPU_PIPELINE
 
     if args.start_from:
@@ -129,8 +144,9 @@ def _write_artifact(args, fe, targets) -> None:
         else:
             cpu_pipeline = split_specs(args.passes)
     buckets, gpu_buckets = _buckets_of(args)
-    compile_artifact(fe, args.output, buckets, cpu_pipeline, tuple(targets), tuple(args.disable_pass),
-                     force=args.force, gpu_pipeline=gpu_pipeline, jobs=args.jobs, gpu_buckets=gpu_buckets)
+    return {"buckets": buckets, "pipeline": cpu_pipeline, "targets": tuple(targets),
+            "disable": tuple(args.disable_pass), "gpu_pipeline": gpu_pipeline, "jobs": args.jobs,
+            "gpu_buckets": gpu_buckets}
 
 
 def add_command(sub) -> None:

@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..artifact import GPU_TARGETS
 from ..errors import InputError, IRError, V4Error
+from ..targets import GPU_TARGETS
 from ..timing import Stages
 from .args import MAX_RANDOM_PARAMS, apply_threads, split_specs
 
@@ -74,10 +74,12 @@ def _too_big_for_random_weights(name: str) -> bool:
     return account(preset(name)).logical_params > MAX_RANDOM_PARAMS
 
 
-def frontend_of(args, need_weights: bool = False, shape_only_default: bool = False, announce: str | None = None):
-    """Trace the model the user named. `shape_only_default`: a preset too large for random weights gets
-    `--weights none` unless weights were asked for (with a note). `announce`: the command's name, for
-    the info line that states the settings in use."""
+def frontend_of(args, need_weights: bool = False, shape_only_default: bool = False, announce: str | None = None,
+                trace: bool = True):
+    """The model the user named, traced unless `trace` is false (`compile -o` traces per bucket instead).
+    `shape_only_default`: a preset too large for random weights gets `--weights none` unless weights were
+    asked for (with a note). `announce`: the command's name, for the info line that states the settings in
+    use."""
     from .. import frontend
 
     if args.checkpoint and args.preset:
@@ -99,8 +101,11 @@ def frontend_of(args, need_weights: bool = False, shape_only_default: bool = Fal
                  "max context %d, %s, threads %d", announce, src, w, args.seed, args.numerics, args.dtype, args.batch,
                  args.chunk, args.decode_batch, args.max_context, passes, threads)
     with stages_of(args)("trace", progress="tracing"):
-        return frontend.load(args.checkpoint, args.preset, weights, trace_options(args), seed=args.seed,
-                             allow_nonfinite=getattr(args, "allow_nonfinite", False))
+        fe = frontend.load(args.checkpoint, args.preset, weights, trace_options(args), seed=args.seed,
+                           allow_nonfinite=getattr(args, "allow_nonfinite", False))
+        if trace:
+            fe.module  # noqa: B018 (traced here, inside the stage)
+    return fe
 
 
 def numerics_check(args, fe):
