@@ -216,11 +216,10 @@ def compile_buckets(fe, buckets: Buckets = Buckets(), pipeline: list[str] | None
 
 def _write_program(module: Module, tmp: Path, rel: str) -> str:
     """The module's program as text (parsed back and verified at load)."""
-    from .program.build import build_program
+    from .program.build import program_of
     from .program.text import print_program
-    from .program.verify import verify_program
 
-    (tmp / rel).write_text(print_program(verify_program(build_program(module))))
+    (tmp / rel).write_text(print_program(program_of(module)))
     return rel
 
 

@@ -34,13 +34,12 @@ def cmd_ir_dump(args) -> int:
     st = stages_of(args)
     with st("print IR"):
         if stage == "program":
-            from ..program.build import build_program
+            from ..program.build import program_of
             from ..program.text import print_program
-            from ..program.verify import verify_program
 
             if args.format != "text":
                 raise InputError("the program prints as text only", found=f"--format {args.format}")
-            text = print_program(verify_program(build_program(module)), funcs)
+            text = print_program(program_of(module), funcs)
         elif args.format == "text":
             weights = "none" if args.no_weights else ("last" if args.functions_first else "first")
             text = print_module(module, funcs, weights=weights)
