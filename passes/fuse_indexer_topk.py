@@ -9,11 +9,9 @@ Hits: `<func>.fused`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from v4compile.ir.core import Function
 
-from .base import FunctionPass, register
+from .base import function_pass
 from .rewrite import Namer, make_op, operands_of, rebuild, tags_of, use_counts
 
 
@@ -52,10 +50,4 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     return rebuild(fn, replace, drop), {"fused": n}
 
 
-@register
-@dataclass(frozen=True)
-class FuseIndexerTopk(FunctionPass):
-    name = "fuse_indexer_topk"
-
-    def rewrite(self, fn):
-        return fuse_function(fn)
+FuseIndexerTopk = function_pass("fuse_indexer_topk", fuse_function)

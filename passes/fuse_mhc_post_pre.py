@@ -16,11 +16,9 @@ Hits: `<func>.seams`, `<func>.pre_norm`, `<func>.post_head`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from v4compile.ir.core import Function
 
-from .base import FunctionPass, register
+from .base import function_pass
 from .rewrite import Namer, join_roles, make_op, tags_of, use_counts
 
 
@@ -90,10 +88,4 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     return Function(fn.name, list(fn.inputs), ops, list(fn.outputs), dict(fn.attrs)), hits
 
 
-@register
-@dataclass(frozen=True)
-class FuseMhcPostPre(FunctionPass):
-    name = "fuse_mhc_post_pre"
-
-    def rewrite(self, fn):
-        return fuse_function(fn)
+FuseMhcPostPre = function_pass("fuse_mhc_post_pre", fuse_function)

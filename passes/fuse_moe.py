@@ -11,11 +11,9 @@ Hits: `<func>.fused`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from v4compile.ir.core import Function
 
-from .base import FunctionPass, register
+from .base import function_pass
 from .rewrite import Namer, join_roles, make_op, rebuild, tags_of, use_counts
 
 
@@ -59,10 +57,4 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     return rebuild(fn, replace, drop), {"fused": n}
 
 
-@register
-@dataclass(frozen=True)
-class FuseMoe(FunctionPass):
-    name = "fuse_moe"
-
-    def rewrite(self, fn):
-        return fuse_function(fn)
+FuseMoe = function_pass("fuse_moe", fuse_function)

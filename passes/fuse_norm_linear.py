@@ -9,11 +9,9 @@ Hits: `<func>.fused`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from v4compile.ir.core import Function
 
-from .base import FunctionPass, register
+from .base import function_pass
 from .rewrite import make_op, Namer, rebuild, use_counts
 
 
@@ -35,10 +33,4 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     return rebuild(fn, replace, drop), {"fused": len(replace)}
 
 
-@register
-@dataclass(frozen=True)
-class FuseNormLinear(FunctionPass):
-    name = "fuse_norm_linear"
-
-    def rewrite(self, fn):
-        return fuse_function(fn)
+FuseNormLinear = function_pass("fuse_norm_linear", fuse_function)

@@ -15,12 +15,10 @@ Hits: `<func>.fused`, `<func>.window_writes`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from v4compile.ir.core import Function
 from v4compile.ir.registry import get_op
 
-from .base import FunctionPass, register
+from .base import function_pass
 from .rewrite import Namer, has_role, join_roles, make_op, planes, tags_of, use_counts
 
 
@@ -169,10 +167,4 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     return Function(fn.name, list(fn.inputs), ops, outputs, dict(fn.attrs)), hits
 
 
-@register
-@dataclass(frozen=True)
-class FuseQkvNormRope(FunctionPass):
-    name = "fuse_qkv_norm_rope"
-
-    def rewrite(self, fn):
-        return fuse_function(fn)
+FuseQkvNormRope = function_pass("fuse_qkv_norm_rope", fuse_function)
