@@ -22,11 +22,11 @@ import numpy as np
 
 from v4compile.artifact import Artifact, load_artifact
 from v4compile.errors import InputError
+from v4compile.threads import MAX_THREADS
 
 log = logging.getLogger(__name__)
 
 DEVICES = ("auto", "cpu", "host", "hip", "cuda")
-MAX_THREADS = 256  # (also the CLI's bound: v4compile/cli/args.py)
 MAX_PROMPTS = 1 << 20
 MAX_IDS = 1 << 24  # ids in one prompt (far beyond any compiled context)
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 
 from ..errors import InputError, PassError
-from ..runtime.session import MAX_THREADS
+from ..threads import MAX_THREADS, TORCH_THREADS, default_threads
 
 DEFAULT_PRESET = "tiny"
 MAX_RANDOM_PARAMS = 2_000_000_000  # in-memory random weights beyond this would not fit a laptop
@@ -84,24 +83,6 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
-MAX_DEFAULT_THREADS = 4
-
-
-def default_threads() -> int:
-    """min(4, the cores this process may use, minus the ones other processes keep busy), at least 1.
-    Torch's default (every core) oversubscribes a shared machine: two such processes on 2 cores took
-    3 minutes for a 9 s compile; one thread each, 19 s."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    try:
-        busy = int(os.getloadavg()[0] + 0.5)
-    except OSError:
-        busy = 0
-    return max(1, min(MAX_DEFAULT_THREADS, cores, cores - busy))
-
-
 threads_arg = int_arg(1, MAX_THREADS)  # the API's bound (`v4compile.load(threads=)`)
 
 
@@ -114,7 +95,7 @@ def add_threads_flag(p: argparse.ArgumentParser) -> None:
 def apply_threads(args) -> int:
     import torch
 
-    n = args.threads or default_threads()
+    n = args.threads or default_threads(TORCH_THREADS)
     torch.set_num_threads(n)
     args._threads = n  # recorded in the compile report: the count can change the last bits of results
     return n
