@@ -10,13 +10,13 @@ base alignment of each argument follows from its byte offset in a 256-byte align
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..program.core import Arg, Launch, Program
+from . import family_module
 from .kernels import KernelCall, TensorArg, full_attrs
 
 log = logging.getLogger(__name__)
@@ -31,13 +31,8 @@ def tensor_arg(a: Arg) -> TensorArg:
 @functools.cache
 def family_specialise(name: str) -> Callable | None:
     """The family's `specialise`, or None when the family has no Triton kernels."""
-    try:
-        module = importlib.import_module(f"{__package__}.kernels.{name}")
-    except ModuleNotFoundError as e:
-        if e.name != f"{__package__}.kernels.{name}":
-            raise
-        return None
-    return getattr(module, "specialise", None)
+    module = family_module("kernels", name)
+    return getattr(module, "specialise", None) if module is not None else None
 
 
 def calls_of(l: Launch, resolve: Callable[[str], Callable | None] = family_specialise) -> list[KernelCall] | None:

@@ -11,22 +11,17 @@ A use of an op the cpu target does not cover raises NotImplementedError (one cle
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
+
+from .. import family_module
 
 COMMON = "common"
 
 
 def lowering(opdef) -> Callable | None:
     """The op's ONNX lowering, or None if its family has none."""
-    family = opdef.kernel or COMMON
-    try:
-        module = importlib.import_module(f"{__name__}.{family}")
-    except ModuleNotFoundError as e:
-        if e.name != f"{__name__}.{family}":
-            raise
-        return None
-    return getattr(module, f"lower_{opdef.name}", None)
+    module = family_module("onnx", opdef.kernel or COMMON)
+    return getattr(module, f"lower_{opdef.name}", None) if module is not None else None
 
 
 def native_gemm(what: str, a: dict) -> None:

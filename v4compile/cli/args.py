@@ -41,32 +41,22 @@ def int_arg(lo: int, hi: int):
     return parse
 
 
-def float_arg(lo: float, hi: float):
-    """An argparse type: a finite number in (lo, hi]."""
+def float_arg(lo: float, hi: float, lo_included: bool = False):
+    """An argparse type: a finite number in (lo, hi], or [lo, hi] with `lo_included`."""
     def parse(text: str) -> float:
         try:
             v = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, found {text[:40]!r}") from None
-        if not (math.isfinite(v) and lo < v <= hi):
-            raise argparse.ArgumentTypeError(f"expected a finite number in ({lo:g}, {hi:g}], found {text[:40]}")
+        if not (math.isfinite(v) and (lo <= v if lo_included else lo < v) and v <= hi):
+            raise argparse.ArgumentTypeError(f"expected a finite number in {'[' if lo_included else '('}{lo:g}, "
+                                             f"{hi:g}], found {text[:40]}")
         return v
     parse.__name__ = "number"
     return parse
 
 
-def temperature_arg(text: str) -> float:
-    """--temperature: a finite number >= 0 (0: greedy)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, found {text[:40]!r}") from None
-    if not (math.isfinite(v) and 0 <= v <= 1e6):
-        raise argparse.ArgumentTypeError(f"expected a finite number in [0, 1e6], found {text[:40]}")
-    return v
-
-
-temperature_arg.__name__ = "number"
+temperature_arg = float_arg(0.0, 1e6, lo_included=True)  # 0: greedy
 
 
 def parse_ids(text: str) -> list[int]:
@@ -99,16 +89,6 @@ def apply_threads(args) -> int:
     torch.set_num_threads(n)
     args._threads = n  # recorded in the compile report: the count can change the last bits of results
     return n
-
-
-def _tolerance(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, found {text!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, found {text}")
-    return v
 
 
 def add_model_source(p: argparse.ArgumentParser, checkpoint_required: bool = False) -> None:
@@ -160,7 +140,7 @@ def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
                    help="time every stage (tracing, each pass, change detection, checks, output) against the wall clock")
     g.add_argument("--check-numerics", action="store_true",
                    help="after each pass, interpret the module on a seeded scenario against ReferenceModel")
-    g.add_argument("--tol", type=_tolerance, default=1e-5,
+    g.add_argument("--tol", type=float_arg(0.0, math.inf, lo_included=True), default=1e-5,
                    help="numerics tolerance: max |logit error| relative to the largest reference logit (default 1e-5)")
     g.add_argument("--check-prompt-len", type=int_arg(1, 1 << 20), default=100)
     g.add_argument("--check-steps", type=int_arg(0, 1 << 20), default=32, help="decode steps of the numerics scenario")
