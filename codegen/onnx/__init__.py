@@ -7,6 +7,8 @@ op names with `defop(kernel=...)` (`common` for ops without one: views, `rope`, 
 `g` is the graph being built (`codegen/onnx_export.Graph`), `o` the operands by name (ONNX tensor names,
 `Planes`, `RowList` or None; their IR types in `o.types`), `a` the attributes and `r` the IR result types.
 A use of an op the cpu target does not cover raises NotImplementedError (one clear IRError at export).
+A family module also holds the graph helpers only its lowerings use (`mhc.hc_pre`, `compress.compress`, ...);
+the ones several families share are `Graph` methods.
 """
 
 from __future__ import annotations
