@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -26,7 +27,6 @@ from typing import Any
 import torch
 
 from ...errors import CodegenError
-from .. import family_module
 from ...ir.registry import get_op
 from ...ir.types import TensorType, dtype_of
 
@@ -275,10 +275,9 @@ def _ir_dtype(t: torch.Tensor) -> str:
 def family(op_name: str):
     """The kernel family module of an op."""
     op = get_op(op_name)
-    module = family_module("kernels", op.kernel) if op.kernel is not None else None
-    if module is None:
-        raise KeyError(f"op '{op_name}' has no Triton kernel family")
-    return module
+    if op.kernel is None:
+        raise KeyError(f"op '{op_name}' names no kernel family")
+    return importlib.import_module(f"{__name__}.{op.kernel}")
 
 
 def full_attrs(op_name: str, attrs: dict[str, Any]) -> dict[str, Any]:
