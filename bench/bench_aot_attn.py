@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     from v4compile import frontend
-    from v4compile.compile_cli import pipeline_of
+    from v4compile.cli.pipeline import pipeline_of
     from v4compile.passes import PassManager, PipelineOptions
     from v4compile.trace import TraceOptions
     fe = frontend.load(None, a.preset, "none", TraceOptions(batch=1, chunk=a.chunk, decode_batch=a.decode_batch,

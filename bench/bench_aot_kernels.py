@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     fe = frontend.load(None, a.preset, "none", TraceOptions(batch=a.batch, chunk=a.chunk, decode_batch=a.decode_batch,
                                                             capacity=256, numerics=a.numerics, dtype=a.dtype))
-    from v4compile.compile_cli import pipeline_of
+    from v4compile.cli.pipeline import pipeline_of
     module = PassManager(pipeline_of(argparse.Namespace(passes=None)), PipelineOptions()).run(fe.module).module
     t1 = time.perf_counter()
     calls, skipped = calls_of(module, a.funcs.split(","), set(a.families.split(",")))

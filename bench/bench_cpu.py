@@ -29,7 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from v4compile import frontend  # noqa: E402
-from v4compile.artifact import Buckets, compile_artifact  # noqa: E402
+from v4compile.artifact import Buckets  # noqa: E402
+from v4compile.driver import compile_artifact  # noqa: E402
 from v4compile.config import CSA, HCA, preset  # noqa: E402
 from v4compile.trace import TraceOptions  # noqa: E402
 
@@ -59,7 +60,8 @@ def _frontend(cfg, capacity):
     opts = TraceOptions(numerics="hf", dtype="fp32", capacity=capacity)
     src, specs = random_source(cfg, 0), spec_table(cfg)
     dense = frontend._LazyDense(lambda n: src(specs[n]))
-    return frontend.Frontend(cfg, trace(cfg, opts, functions=("decode",)), "random", DenseSource(dense), None, 0, opts)
+    return frontend.Frontend(cfg, "random", DenseSource(dense), None, 0, opts,
+                             traced=trace(cfg, opts, functions=("decode",)))
 
 
 def timed(fn, reps=1):

@@ -17,7 +17,7 @@ Written per kernel into `out_dir/<target>/`: the binary (`<name>.hsaco` / `<name
 list with Triton's two trailing scratch pointers, dynamic shared memory, warps, grid, specialisation).
 Every file is a pure function of its inputs (sorted JSON, no times or paths), so output is
 byte-reproducible. Report rows: name, target, regs, spills, shared_bytes, mma_instructions, occupancy,
-and the roofline model's flops, bytes and modeled_us (see `TARGETS` and `modeled_time`).
+and the roofline model's flops, bytes and modeled_us (`roofline.modeled_time`; target figures: `v4compile/targets.py`).
 """
 
 from __future__ import annotations
@@ -39,58 +39,17 @@ import shutil
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..targets import TARGETS, cache_root
 from .kernels import KernelCall
+from .roofline import bandwidth_time, modeled_time
 
 log = logging.getLogger(__name__)
 
 
-# ---- target figures: the one place the roofline constants live ----------------------------------------
-@dataclass(frozen=True)
-class TargetSpec:
-    name: str
-    backend: str          # GPUTarget backend
-    arch: Any             # GPUTarget arch ("gfx950" or the int 90)
-    warp_size: int
-    binary_ext: str
-    hbm_bytes_s: float    # peak HBM bandwidth
-    fp8_flops_s: float    # dense fp8 MMA peak
-    bf16_flops_s: float   # dense bf16 MMA peak
-    launch_s: float       # per-launch latency under graph replay (kernel-to-kernel gap, stated assumption)
-    lds_bytes: int        # shared memory / LDS per CU / SM available to CTAs
-    units: int            # CUs / SMs
-
-
-TARGETS: dict[str, TargetSpec] = {
-    # MI355X: 8 TB/s HBM3E, ~2.5 PFLOP/s dense fp8 (OCP), ~1.25 PFLOP/s dense bf16, 256 CUs, 160 KB LDS / CU.
-    # Graph-replay launch gap on MI300-class parts measures ~2-4 us; we model 3 us.
-    "gfx950": TargetSpec("gfx950", "hip", "gfx950", 64, "hsaco", 8.0e12, 2.5e15, 1.25e15, 3.0e-6, 160 * 1024, 256),
-    # H200: 4.8 TB/s HBM3E, 1979 TFLOP/s dense fp8, 989 TFLOP/s dense bf16, 132 SMs, 227 KB smem / SM.
-    # CUDA graph kernel-node gap ~1.5-2 us; we model 2 us.
-    "sm_90a": TargetSpec("sm_90a", "cuda", 90, 32, "cubin", 4.8e12, 1.979e15, 0.989e15, 2.0e-6, 227 * 1024, 132),
-}
-
-
-def modeled_time(flops: int, bytes_moved: int, target: str, mma_dtype: str = "bf16") -> float:
-    """Seconds for one launch: max(bytes / HBM, flops / MMA peak) + the graph-replay launch latency."""
-    t = TARGETS[target]
-    peak = t.fp8_flops_s if mma_dtype in ("fp8", "fp4") else t.bf16_flops_s
-    return max(bytes_moved / t.hbm_bytes_s, flops / peak) + t.launch_s
-
-
-def bandwidth_time(bytes_moved: int, target: str) -> float:
-    """The pure-bandwidth roofline of the same bytes (no launch latency, no compute)."""
-    return bytes_moved / TARGETS[target].hbm_bytes_s
-
-
 AOT_FORMAT = 4  # bump when what a cache entry holds (binary, sidecar, stats) changes (4: no line info)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("V4COMPILE_CACHE") or Path.home() / ".cache" / "v4compile")
 
 
 # ---- job description (plain data, sent to workers) -------------------------------------------------------

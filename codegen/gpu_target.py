@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
-from ..program.build import build_program
+from ..program.build import program_of
 from ..program.text import print_program
-from ..program.verify import verify_program
 from . import aot
 from .program_kernels import program_kernels
 from .roofline import step_model
@@ -48,7 +47,7 @@ def _sha(path: Path) -> str:
 def write_gpu_targets(module, targets: list[str] | tuple[str, ...], out_dir: str | Path,
                       jobs: int | None = None) -> GpuTargets:
     out = Path(out_dir)
-    prog = verify_program(build_program(module))
+    prog = program_of(module)
     pk = program_kernels(prog)
     if not pk.complete:
         raise InputError("no Triton kernels for some launches of the program",

@@ -1,10 +1,9 @@
 """ONNX export of a lowered IR function (the CPU target, run by ONNX Runtime).
 
 Each function of the `cpu` pipeline becomes one ONNX model (opset 23, plus ONNX Runtime's `FusedMatMul`
-for batched GEMMs against a transposed weight). Every op's lowering is declared next to its other facts
-with `@<op>.onnx` (see `v4compile/ops/*.py`): `fn(g, o, a, r) -> results`, where `g` is the `Graph` below,
-`o` the operands by name (ONNX tensor names, `Planes`, `RowList` or None), `a` the attributes and `r` the IR
-result types. This file holds only the graph-building machinery and helpers shared by several lowerings.
+for batched GEMMs against a transposed weight). Every op's lowering lives with its kernel family's in
+`codegen/onnx/<family>.py` (`lower_<op>(g, o, a, r) -> results`, see `codegen/onnx/__init__.py`), where `g`
+is the `Graph` below. This file holds the graph-building machinery and the helpers the lowerings share.
 
 Interface of an exported model (what the runtime binds):
 * inputs: the step inputs (`ids`, `pos`, `block_table`, `slot`), every pool plane / state tensor the
@@ -34,6 +33,8 @@ from v4compile.errors import IRError
 from v4compile.ir.core import WEIGHT, Function, Module
 from v4compile.ir.registry import get_op, semantic
 from v4compile.ir.types import TensorType
+
+from .onnx import COMMON, lowering
 
 OPSET = 23
 MS_DOMAIN = "com.microsoft"
@@ -284,63 +285,6 @@ class Graph:
         return self.memo[key]
 
     # ---- mHC ----------------------------------------------------------------------------------
-    def hc_mix(self, streams: str, st: TensorType, fn: str, eps: float) -> str:
-        """RMS-normalised flattened streams times fn^T (`ops.mhc._mix_inputs`)."""
-        *lead, n, d = st.shape
-        flat = self.rms(self.reshape(streams, (*lead, n * d)), None, eps, n * d)
-        return self.matmul_t(flat, fn)
-
-    def hc_pre(self, streams: str, st: TensorType, fn: str, base: str, scale: str, eps: float, hc_eps: float,
-               iters: int) -> tuple[str, str, str]:
-        *lead, n, d = st.shape
-        m = self.hc_mix(streams, st, fn, eps)
-        pre_w, post_w, comb_w = self.split(m, (n, n, n * n))
-        s0, s1, s2 = self.split(scale, (1, 1, 1), 0)
-        b0, b1, b2 = self.split(base, (n, n, n * n), 0)
-        pre = self.op("Add", self.op("Sigmoid", self.op("Add", self.op("Mul", pre_w, s0), b0)), self.scalar(hc_eps))
-        post = self.op("Mul", self.op("Sigmoid", self.op("Add", self.op("Mul", post_w, s1), b1)), self.scalar(2.0))
-        comb = self.op("Add", self.op("Mul", self.reshape(comb_w, (*lead, n, n)), s2), self.reshape(b2, (n, n)))
-        comb = self.op("Add", self.op("Softmax", comb, axis=-1), self.scalar(hc_eps))
-        comb = self.sinkhorn(comb, int(np.prod(lead)), n, hc_eps, iters)
-        y = self.sum(self.op("Mul", self.unsqueeze(pre, -1), streams), -2)
-        return y, post, comb
-
-    def sinkhorn(self, comb: str, M: int, n: int, eps: float, iters: int) -> str:
-        """One column normalisation, then `iters - 1` (row, column) pairs, eps in every denominator, on M
-        n x n matrices. Small M: the matrices stacked as [M*n, n], each sum(+eps) one Gemm (rows: times a
-        ones column; columns: a block-diagonal ones matrix), so a normalisation is two nodes, not three."""
-        e = self.scalar(eps)
-        shape = self.op("Shape", comb)
-        if M * n > 64:
-            comb = self.op("Div", comb, self.op("Add", self.sum(comb, -2, 1), e))
-            for _ in range(iters - 1):
-                comb = self.op("Div", comb, self.op("Add", self.sum(comb, -1, 1), e))
-                comb = self.op("Div", comb, self.op("Add", self.sum(comb, -2, 1), e))
-            return comb
-        c = self.reshape(comb, (M * n, n))
-        ones = self.const(np.ones((n, 1), np.float32))
-        blocks = self.const(np.kron(np.eye(M, dtype=np.float32), np.ones((n, n), np.float32)))
-        c = self.op("Div", c, self.op("Gemm", blocks, c, e))
-        for _ in range(iters - 1):
-            c = self.op("Div", c, self.op("Gemm", c, ones, e))
-            c = self.op("Div", c, self.op("Gemm", blocks, c, e))
-        return self.op("Reshape", c, shape)
-
-    def hc_post(self, y: str, streams: str, st: TensorType, post: str, comb: str) -> str:
-        mixed = self.op("MatMul", self.transpose_last(comb, st.rank), streams)
-        return self.op("Add", self.op("Mul", self.unsqueeze(post, -1), self.unsqueeze(y, -2)), mixed)
-
-    def transpose_last(self, x: str, rank: int | None = None) -> str:
-        r = rank or self.memo.get(("rank_of", x), None)
-        if r is None:
-            raise ValueError("transpose_last needs the rank")
-        perm = list(range(r - 2)) + [r - 1, r - 2]
-        return self.op("Transpose", x, perm=perm)
-
-    def hc_head(self, streams: str, st: TensorType, fn: str, base: str, scale: str, eps: float, hc_eps: float) -> str:
-        m = self.hc_mix(streams, st, fn, eps)
-        pre = self.op("Add", self.op("Sigmoid", self.op("Add", self.op("Mul", m, scale), base)), self.scalar(hc_eps))
-        return self.sum(self.op("Mul", self.unsqueeze(pre, -1), streams), -2)
 
     # ---- pool planes ---------------------------------------------------------------------------
     def read_rows(self, p: Planes, rows: str, n_rows: int | None = None) -> str:
@@ -415,143 +359,6 @@ class Graph:
             return self.op("Range", self.iscalar(0), w, self.iscalar(1))
         return self.cached(("range", limit, max_rows), make)
 
-    def sparse_attention(self, q: str, qt: TensorType, kv: str, pos: str, sink: str, parts: list[tuple[RowList, int]],
-                         plane: Planes, window: int, scale: float) -> str:
-        B, T, H, d = qt.shape
-        rows, masks = [], []
-        for rl, base in parts:
-            m = self.cached(("mask", rl.rows), lambda: self.op("GreaterOrEqual", rl.rows, self.iscalar(0)))
-            rows.append(self.where(m, self.op("Add", rl.rows, self.iscalar(base)), self.iscalar(0)))
-            masks.append(m)
-        rows, mask = self.concat(rows, 1), self.concat(masks, 1)  # [L, P]
-        keys = self.reshape(self.read_rows(plane, rows), (B, T, -1, d))  # [B, T, P, d]
-        sc = self.scalar(scale)
-        ninf = self.scalar(NEG_INF)
-        s_pool = self.op("Mul", self.matmul_t(q, keys), sc)  # [B, T, H, P]
-        s_pool = self.where(self.reshape(mask, (B, T, 1, -1)), s_pool, ninf)
-        s_ext = self.op("Mul", self.matmul_t(self.reshape(q, (B, T * H, d)), kv), sc)
-        s_ext = self.reshape(s_ext, (B, T, H, T))
-        s_ext = self.where(self.cached(("ext", pos, window), lambda: self._ext_mask(pos, window)), s_ext, ninf)
-        sinks = self.op("Expand", self.reshape(sink, (1, 1, H, 1)), self.i64(B, T, H, 1))
-        probs = self.op("Softmax", self.concat([s_pool, s_ext, sinks], -1), axis=-1)
-        P = self.op("Shape", rows, start=1, end=2)
-        p_pool = self.op("Slice", probs, self.i64(0), P, self.i64(3))
-        p_ext = self.op("Slice", probs, P, self.op("Add", P, self.i64(T)), self.i64(3))
-        out = self.op("MatMul", p_pool, keys)
-        ext_out = self.reshape(self.op("MatMul", self.reshape(p_ext, (B, T * H, T)), kv), (B, T, H, d))
-        return self.op("Add", out, ext_out)
-
-    def _ext_mask(self, pos: str, window: int) -> str:
-        """[B, T, 1, T]: query t sees the chunk's own key s when s in (t - window, t]."""
-        t = self.unsqueeze(pos, 2)
-        s = self.unsqueeze(pos, 1)
-        ext = self.op("And", self.op("And", self.op("GreaterOrEqual", s, self.iscalar(0)), self.op("LessOrEqual", s, t)),
-                      self.op("And", self.op("Greater", s, self.op("Sub", t, self.iscalar(window))),
-                              self.op("GreaterOrEqual", t, self.iscalar(0))))
-        return self.unsqueeze(ext, 2)
-
-    def indexer_rows(self, q: str, qt: TensorType, weights: str, pos: str, bt: str, plane: Planes, *, ratio: int,
-                     q_scale: float, w_scale: float, k: int, block_tokens: int, index_envelope_rows: int,
-                     index_offset: int, envelope_rows: int, max_rows: int, n_blocks: int) -> RowList:
-        """Indexer scores over the index plane, top-k, picks translated to main-pool rows (`indexer_select`)."""
-        B, T, Hi, di = qt.shape
-        limit = self.visible_limit(pos, ratio)  # [B, T]
-        w = self.dyn_range(limit, max_rows)  # [W]
-        irow = self.op("Add", self.block_rows(w, bt, ratio, block_tokens, index_envelope_rows, n_blocks, False),
-                       self.iscalar(index_offset))  # [B, W]
-        keys = self.unsqueeze(self.read_rows(plane, irow), 1)  # [B, 1, W, di]
-        s = self.op("Mul", self.op("Relu", self.matmul_t(q, keys)), self.scalar(q_scale))  # [B, T, H, W]
-        s = self.sum(self.op("Mul", s, self.unsqueeze(self.op("Mul", weights, self.scalar(w_scale)), -1)), 2)
-        hide = self.op("Or", self.op("GreaterOrEqual", w, self.unsqueeze(limit, -1)),
-                       self.unsqueeze(self.op("Less", pos, self.iscalar(0)), -1))
-        s = self.where(hide, self.scalar(NEG_INF), s)
-        kk = self.op("Min", self.i64(k), self.op("Shape", w))
-        vals, idx = self.op("TopK", s, kk, n_out=2, axis=-1, largest=1, sorted=1)
-        keep = self.op("And", self.op("Not", self.op("IsInf", vals, detect_positive=0)),
-                       self.unsqueeze(self.op("GreaterOrEqual", pos, self.iscalar(0)), -1))
-        rows = self.block_rows(idx, bt, ratio, block_tokens, envelope_rows, n_blocks, True)
-        return RowList(self.reshape(self.where(keep, rows, self.iscalar(-1)), (B * T, -1)))
-
-    def compress(self, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) -> tuple[Planes, Planes, Planes]:
-        """`compress_paged`: pool the windows this chunk closes (softmax over their slots), norm, RoPE,
-        round; write them at their physical rows; push the chunk into the slot's state ring."""
-        B, T, cw = o.types["kv"].shape
-        m, overlap = a["ratio"], a["overlap"]
-        c = 2 if overlap else 1
-        dk, S, J = cw // c, c * m, T // m + 1
-        pos = self.as_i64(o.pos, o.types["pos"].dtype)
-        slot = self.as_i64(o.slot, o.types["slot"].dtype)
-        bt = self.as_i64(o.block_table, o.types["block_table"].dtype)
-        n_blocks = o.types["block_table"].shape[1]
-        gate = self.op("Add", o.gate, self.op("Gather", o.ape, self.cached(
-            ("mod", pos, m), lambda: self.op("Mod", self.clamp_min0(pos), self.iscalar(m))), axis=0))
-        sl = self.cached(("clamp0", slot), lambda: self.clamp_min0(slot))
-        skv, sg = self.read_rows(skv_in, sl), self.read_rows(sg_in, sl)  # [B, S, cw]
-        ix = self.cached(("compress", pos, m, overlap, B, T), lambda: self._compress_index(pos, m, overlap, B, T))
-        w, closed, present, from_state, lane, ring = (ix[k] for k in ("w", "closed", "present", "from_state", "lane",
-                                                                      "ring"))
-
-        def source(state: str, chunk: str) -> str:
-            v = self.where(from_state, self.op("Gather", self.reshape(state, (B * S, cw)), ring, axis=0),
-                           self.op("Gather", self.reshape(chunk, (B * T, cw)), lane, axis=0))  # [B, J, S, cw]
-            if overlap:  # slots [0, m) read columns [0, dk) ("A"), slots [m, 2m) columns [dk, 2dk) ("B")
-                va, vb = self.split(v, (m, m), 2)
-                v = self.concat([self.slice(va, 0, dk, 3), self.slice(vb, dk, 2 * dk, 3)], 2)
-            return v
-
-        v = self.where(present, source(skv, o.kv), self.scalar(0.0))
-        gl = self.where(present, source(sg, gate), self.scalar(NEG_INF))
-        pooled = self.sum(self.op("Mul", v, self.op("Softmax", gl, axis=2)), 2)  # [B, J, dk]
-        h = self.rms(pooled, o.norm, a["eps"])
-        ht = TensorType((B, J, dk), "fp32")
-        h = self.rotate(h, ht, self.op("Mul", w, self.iscalar(m)), 2, a["rope_dim"], a["theta"], tuple(a["yarn"]))
-        rnd = a.get("round", "none")
-        if rnd == "fp8":
-            h = self.fp8_round(h, ht, dk - a["rope_dim"], math.gcd(64, dk - a["rope_dim"]))
-        elif rnd == "fp4":
-            h = self.hadamard_fp4(h, ht, 32)
-        rows = self.cached(("closed_rows", w, bt, m, a["block_tokens"], a["envelope_rows"]), lambda: self.where(
-            closed, self.block_rows(w, bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True), self.iscalar(-1)))
-        rows = self.reshape(self.where(closed, self.op("Add", rows, self.iscalar(a["layer_offset"])), rows), (B * J,))
-        plane = self.write_rows(plane_in, rows, self.reshape(h, (B * J, dk)))
-        onehot, has, srows = ix["onehot"], ix["has"], self.cached(
-            ("srows", pos, slot), lambda: self.where(ix["live"], slot, self.iscalar(-1)))
-        new_kv = self.where(has, self.op("MatMul", onehot, o.kv), skv)
-        new_g = self.where(has, self.op("MatMul", onehot, gate), sg)
-        return plane, self.write_rows(skv_in, srows, new_kv), self.write_rows(sg_in, srows, new_g)
-
-    def _compress_index(self, pos: str, m: int, overlap: bool, B: int, T: int) -> dict[str, str]:
-        """Which windows this chunk closes and where each pooling slot's token comes from (state ring or
-        chunk lane): a function of the positions only, shared by every compressor with the same ratio."""
-        c = 2 if overlap else 1
-        S, J = c * m, T // m + 1
-        start = self.clamp_min0(self.slice(pos, 0, 1, 1))  # [B, 1]
-        valid = self.op("GreaterOrEqual", pos, self.iscalar(0))
-        n = self.sum(self.cast(valid, TensorProto.INT64), 1, 1)  # [B, 1]
-        w = self.op("Add", self.op("Div", start, self.iscalar(m)), self.const(np.arange(J), np.int64))  # [B, J]
-        end = self.op("Sub", self.op("Add", start, n), self.iscalar(1))
-        live = self.op("Greater", n, self.iscalar(0))
-        closed = self.op("And", self.op("LessOrEqual", self.op("Sub", self.op("Mul", self.op("Add", w, self.iscalar(1)),
-                                                                                self.iscalar(m)), self.iscalar(1)), end),
-                         live)
-        first = self.op("Sub", w, self.iscalar(1)) if overlap else w
-        p = self.op("Add", self.unsqueeze(self.op("Mul", first, self.iscalar(m)), -1),
-                    self.const(np.arange(S), np.int64))  # [B, J, S]
-        present = self.unsqueeze(self.op("GreaterOrEqual", p, self.iscalar(0)), -1)
-        from_state = self.unsqueeze(self.op("Less", p, self.unsqueeze(start, -1)), -1)
-        boff = self.reshape(self.const(np.arange(B), np.int64), (B, 1, 1))
-        lane = self.op("Clip", self.op("Sub", p, self.unsqueeze(start, -1)), self.iscalar(0), self.iscalar(T - 1))
-        lane = self.op("Add", self.op("Mul", boff, self.iscalar(T)), lane)
-        ring = self.op("Add", self.op("Mul", boff, self.iscalar(S)), self.op("Mod", p, self.iscalar(S)))
-        # the state ring after the chunk: slot p % S takes the token of each sequence's last S positions
-        hit = self.op("And", self.op("Equal", self.unsqueeze(self.op("Mod", pos, self.iscalar(S)), 1),
-                                     self.const(np.arange(S).reshape(1, S, 1), np.int64)),
-                      self.unsqueeze(self.ring_lanes(pos, S), 1))  # [B, S, T]
-        onehot = self.cast(hit, TensorProto.FLOAT)
-        has = self.unsqueeze(self.op("Greater", self.max(onehot, 2), self.scalar(0.0)), -1)
-        return {"w": w, "closed": closed, "present": present, "from_state": from_state, "lane": lane, "ring": ring,
-                "onehot": onehot, "has": has, "live": self.reshape(live, (B,))}
-
     def window_write(self, plane: Planes, kv: str, kvt: TensorType, pos: str, slot: str, a: dict) -> Planes:
         B, T, d = kvt.shape
         key = ("winrows", pos, slot, a["window"], a["slot_rows"], a["n_rows"])
@@ -563,51 +370,6 @@ class Graph:
         return self.write_rows(plane, rows, self.reshape(kv, (B * T, d)))
 
     # ---- MoE ----------------------------------------------------------------------------------
-    def moe_routed(self, x: str, xt: TensorType, weights: str, indices: str, w1: str, w2: str, w3: str,
-                   w1t: TensorType, k: int, limit: float, route_weight: str) -> str:
-        """Routed experts. Few (token, expert) pairs: gather each pair's expert matrices (what decode reads);
-        as many pairs as experts or more: every expert on every token, combined with the routing weights.
-        The weight scales w2's output ("after_w2") or its input ("before_w2"), as the op says."""
-        D = xt.shape[-1]
-        N = xt.numel // D
-        E = w1t.shape[0]
-        flat = self.reshape(x, (N, D))
-        idx = self.reshape(indices, (N, k))
-        wts = self.reshape(weights, (N, k))
-        lim = self.scalar(limit)
-
-        def swiglu(gt: str, up: str) -> str:
-            gt = self.op("Min", gt, lim)
-            return self.op("Mul", self.op("Mul", gt, self.op("Sigmoid", gt)), self.op("Clip", up, self.op("Neg", lim), lim))
-
-        if N * k < E:
-            # each (token, expert) pair: W_e [out, in] times the token as a column (a GEMV on the weight as
-            # stored: no transposed copy of a weight)
-            fi = self.reshape(idx, (N * k,))
-            xr = self.reshape(self.op("Expand", self.unsqueeze(flat, 1), self.i64(N, k, D)), (N * k, D, 1))
-            h = swiglu(self.op("MatMul", self.op("Gather", w1, fi, axis=0), xr),
-                       self.op("MatMul", self.op("Gather", w3, fi, axis=0), xr))  # [N*k, I, 1]
-            pw = self.reshape(wts, (N * k, 1, 1))
-            if route_weight == "before_w2":
-                h = self.op("Mul", h, pw)
-            y = self.op("MatMul", self.op("Gather", w2, fi, axis=0), h)  # [N*k, D, 1]
-            if route_weight == "after_w2":
-                y = self.op("Mul", y, pw)
-            out = self.sum(self.reshape(y, (N, k, D)), 1)
-        else:
-            xe = self.unsqueeze(flat, 0)  # [1, N, D]
-            h = swiglu(self.matmul_t(xe, w1), self.matmul_t(xe, w3))  # [E, N, I]
-            onehot = self.cast(self.op("Equal", self.unsqueeze(idx, -1), self.const(np.arange(E), np.int64)),
-                               TensorProto.FLOAT)  # [N, k, E]
-            comb = self.sum(self.op("Mul", onehot, self.unsqueeze(wts, -1)), 1)  # [N, E]
-            comb = self.unsqueeze(self.op("Transpose", comb, perm=[1, 0]), -1)  # [E, N, 1]
-            if route_weight == "before_w2":
-                h = self.op("Mul", h, comb)
-            y = self.matmul_t(h, w2)  # [E, N, D]
-            if route_weight == "after_w2":
-                y = self.op("Mul", y, comb)
-            out = self.sum(y, 0)
-        return self.reshape(out, xt.shape)
 
     # ---- finish --------------------------------------------------------------------------------
     def model(self, doc: str = "") -> onnx.ModelProto:
@@ -656,15 +418,16 @@ def lower_function(module: Module, fname: str) -> onnx.ModelProto:
         g.inputs.append(value_info(w.name, w.type))
     for op in fn.ops:
         opdef = get_op(op.name)
-        if opdef.onnx_lowering is None:
+        lower = lowering(opdef)
+        if lower is None:
             raise IRError(f"op '{op.name}' has no ONNX lowering", where=f"@{fname} ({op.loc})",
-                          expected="an @{0}.onnx rule in v4compile/ops".format(op.name))
+                          expected=f"lower_{op.name} in v4compile/codegen/onnx/{opdef.kernel or COMMON}.py")
         names = opdef.operand_names
         o = Operands({n: (env[id(v)] if v is not None else None) for n, v in zip(names, op.operands)},
                      {n: (types.get(id(v), v.type) if v is not None else None) for n, v in zip(names, op.operands)})
         g.loc = f"{op.name} {op.loc}"
         try:
-            outs = opdef.onnx_lowering(g, o, semantic(op.attrs), [r.type for r in op.results])
+            outs = lower(g, o, semantic(op.attrs), [r.type for r in op.results])
         except NotImplementedError as e:  # a variant the cpu target does not cover: one clear error
             raise IRError(f"no ONNX lowering for this use of '{op.name}': {e}", where=f"@{fname} ({op.loc})") from None
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]

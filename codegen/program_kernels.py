@@ -1,18 +1,22 @@
 """The kernels of a program: each launch's Triton kernel calls, specialised from its arguments' exact
 types and strides (`v4compile.program`), deduplicated by specialisation, and compiled ahead of time.
 
-A launch's calls come from its op's kernel family (`v4compile.codegen.kernels.<family>.specialise`); the
+A launch's calls come from its op's kernel family (`v4compile.codegen.kernels.<family>.specialise`)
+through `calls_of`, the one path from a launch to its kernel calls: the AOT stage, the report and the
+runtime (`runtime/kernels.py`) all take it, so compile time and load time agree on every kernel name. The
 base alignment of each argument follows from its byte offset in a 256-byte aligned buffer.
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..program.core import Arg, Program
+from ..program.core import Arg, Launch, Program
+from . import family_module
 from .kernels import KernelCall, TensorArg, full_attrs
 
 log = logging.getLogger(__name__)
@@ -24,14 +28,21 @@ def tensor_arg(a: Arg) -> TensorArg:
     return TensorArg(a.type, tuple(a.strides), align)
 
 
-def available_family(name: str | None) -> bool:
-    if name is None:
-        return False
-    try:
-        importlib.import_module(f"{__package__}.kernels.{name}")
-    except ModuleNotFoundError:
-        return False
-    return True
+@functools.cache
+def family_specialise(name: str) -> Callable | None:
+    """The family's `specialise`, or None when the family has no Triton kernels."""
+    module = family_module("kernels", name)
+    return getattr(module, "specialise", None) if module is not None else None
+
+
+def calls_of(l: Launch, resolve: Callable[[str], Callable | None] = family_specialise) -> list[KernelCall] | None:
+    """The launch's kernel calls (None: its family has no kernels). `resolve`: family -> specialise."""
+    spec = resolve(l.kernel) if l.kernel else None
+    if spec is None:
+        return None
+    operands = {n: (tensor_arg(a) if a is not None else None) for n, a in l.operands}
+    results = {n: tensor_arg(a) for n, a in l.results}
+    return spec(l.op, operands, results, full_attrs(l.op, l.attrs))
 
 
 @dataclass
@@ -48,20 +59,15 @@ class ProgramKernels:
 
 
 def program_kernels(prog: Program) -> ProgramKernels:
-    from .kernels import family
-
     out = ProgramKernels()
-    have: dict[str, bool] = {}
     for fname, f in prog.functions.items():
         per = []
         for l in f.launches:
-            if not have.setdefault(l.kernel, available_family(l.kernel)):
+            calls = calls_of(l)
+            if calls is None:
                 out.missing[l.kernel] += 1
                 per.append([])
                 continue
-            operands = {n: (tensor_arg(a) if a is not None else None) for n, a in l.operands}
-            results = {n: tensor_arg(a) for n, a in l.results}
-            calls = family(l.op).specialise(l.op, operands, results, full_attrs(l.op, l.attrs))
             per.append(calls)
             for c in calls:
                 out.unique.setdefault(c.name, c)

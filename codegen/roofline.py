@@ -8,7 +8,7 @@ Two byte counts per step:
   reads or writes, activations once).
 * `kernel_bytes`: what our kernels are modeled to move (`KernelCall.bytes_moved`: re-reads, scratch round
   trips and split-K partials included).
-Times (microseconds): `modeled_us` sums every kernel call's `codegen.aot.modeled_time` (bandwidth or MMA
+Times (microseconds): `modeled_us` sums every kernel call's `modeled_time` (bandwidth or MMA
 bound, plus the target's stated per-launch latency under graph replay); `roofline_us` is `ideal_bytes`
 at the target's HBM bandwidth. `time_ratio = modeled_us / roofline_us` is what further fusion has to
 drive toward 1; `bytes_ratio = kernel_bytes / ideal_bytes` has the goal <= 1.05 (`BYTES_GOAL`).
@@ -22,12 +22,24 @@ from typing import Any
 
 from ..ir.registry import get_op
 from ..program.core import Program
-from .aot import TARGETS, modeled_time
+from ..targets import TARGETS
 
 BYTES_GOAL = 1.05
 # Kernel families whose FLOP-counting kernels multiply matrices: their binaries must hold MMA instructions
 # (an fp32 artifact on sm_90a has none: no fp32 MMA there, and tf32 would change the numerics).
 MMA_FAMILIES = ("gemm", "grouped_gemm", "moe", "sparse_attention", "indexer")
+
+
+def modeled_time(flops: int, bytes_moved: int, target: str, mma_dtype: str = "bf16") -> float:
+    """Seconds for one launch: max(bytes / HBM, flops / MMA peak) + the graph-replay launch latency."""
+    t = TARGETS[target]
+    peak = t.fp8_flops_s if mma_dtype in ("fp8", "fp4") else t.bf16_flops_s
+    return max(bytes_moved / t.hbm_bytes_s, flops / peak) + t.launch_s
+
+
+def bandwidth_time(bytes_moved: int, target: str) -> float:
+    """The pure-bandwidth roofline of the same bytes (no launch latency, no compute)."""
+    return bytes_moved / TARGETS[target].hbm_bytes_s
 
 
 def ideal_bytes(prog: Program, function: str) -> int:

@@ -7,7 +7,8 @@ timing and numerics checks are instruments of the `PassManager`, never inside pa
 
 from .base import PASSES, Pass, PassResult, get_pass, parse_pass_spec, register
 from .manager import PassManager, PipelineOptions
-from .pipeline import CPU_PIPELINE, DEFAULT_PIPELINE, GPU_PIPELINE, PIPELINES
+from .pipeline import CPU_PIPELINE, DEFAULT_PIPELINE, GPU_PIPELINE, PIPELINES, PROGRAM_PASSES
 
 __all__ = ["PASSES", "Pass", "PassResult", "get_pass", "parse_pass_spec", "register", "PassManager",
-           "PipelineOptions", "DEFAULT_PIPELINE", "GPU_PIPELINE", "CPU_PIPELINE", "PIPELINES"]
+           "PipelineOptions", "DEFAULT_PIPELINE", "GPU_PIPELINE", "CPU_PIPELINE", "PIPELINES",
+           "PROGRAM_PASSES"]

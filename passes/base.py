@@ -58,6 +58,15 @@ class FunctionPass(Pass):
         return PassResult(m, hits)
 
 
+def function_pass(name: str, rewrite) -> type[FunctionPass]:
+    """Register a pass without options that rewrites each function with `rewrite(fn) -> (fn, hits)`; its
+    documentation is its module's docstring (like every pass's: `ir passes NAME`)."""
+    cls = type(f"FunctionPass[{name}]", (FunctionPass,),
+               {"name": name, "rewrite": lambda self, fn: rewrite(fn), "__module__": rewrite.__module__,
+                "__qualname__": f"function_pass[{name}]"})
+    return register(dataclass(frozen=True)(cls))
+
+
 def register(cls: type[Pass]) -> type[Pass]:
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name")

@@ -9,12 +9,10 @@ Hits: `<func>.ops_merged`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from v4compile.ir.core import Function
 from v4compile.ir.semantics import without_tags
 
-from .base import FunctionPass, register
+from .base import function_pass
 from .rewrite import substitute
 
 
@@ -37,10 +35,4 @@ def cse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     return new, {"ops_merged": len(fn.ops) - len(kept)}
 
 
-@register
-@dataclass(frozen=True)
-class CommonSubexpressionElimination(FunctionPass):
-    name = "cse"
-
-    def rewrite(self, fn):
-        return cse_function(fn)
+CommonSubexpressionElimination = function_pass("cse", cse_function)

@@ -9,53 +9,37 @@ Hits: `<func>.fused`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from v4compile.ir.core import Function
 
-from .base import FunctionPass, register
-from .rewrite import Namer, make_op, operands_of, rebuild, tags_of, use_counts
+from .base import function_pass
+from .rewrite import Rewrite, make_op, operands_of, tags_of
 
 
 def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
-    namer = Namer(fn)
-    prod = fn.producers()
-    uses = use_counts(fn)
-    replace, drop, n = {}, set(), 0
+    rw = Rewrite(fn)
     for op in fn.ops:
         if op.name == "csr_selected":
-            tk = prod.get(id(op.operand("selected")))
-            sc = prod.get(id(tk.operand("scores"))) if tk is not None and tk.name == "topk" else None
-            if sc is None or sc.name != "indexer_scores_paged" or uses.get(id(tk.result)) != 1 \
-                    or uses.get(id(sc.result)) != 1:
+            tk = rw.producer(op.operand("selected"), "topk", only_use=True)
+            sc = rw.producer(tk.operand("scores"), "indexer_scores_paged", only_use=True) if tk is not None else None
+            if sc is None:
                 continue
             a = sc.attrs
             operands = {"q": sc.operand("q"), "weights": sc.operand("weights"), "pos": op.operand("pos"),
                         "block_table": op.operand("block_table"), "p0": sc.operand("p0"), "p1": sc.operand("p1")}
-            new = make_op(namer, "indexer_select", operands,
+            new = make_op(rw.namer, "indexer_select", operands,
                           {"ratio": a["ratio"], "q_scale": a["q_scale"], "w_scale": a["w_scale"], "k": tk.attrs["k"],
                            "block_tokens": a["block_tokens"], "index_envelope_rows": a["envelope_rows"],
                            "index_offset": a["layer_offset"], "envelope_rows": op.attrs["envelope_rows"],
                            "max_rows": a["max_rows"], "fmt": a["fmt"], **tags_of(sc)}, sc.loc, list(op.results))
-            replace[id(op)] = new
-            drop.update((id(tk), id(sc)))
-            n += 1
+            rw.replace(op, new, absorbed=[tk, sc])
     for op in fn.ops:
-        if op.name == "topk" and id(op) not in drop:
-            sc = prod.get(id(op.operand("scores")))
-            if sc is None or sc.name != "indexer_scores" or uses.get(id(sc.result)) != 1:
+        if op.name == "topk" and not rw.gone(op):
+            sc = rw.producer(op.operand("scores"), "indexer_scores", only_use=True)
+            if sc is None:
                 continue
-            replace[id(op)] = make_op(namer, "indexer_topk", operands_of(sc), {**sc.attrs, "k": op.attrs["k"]},
-                                      sc.loc, [op.result])
-            drop.add(id(sc))
-            n += 1
-    return rebuild(fn, replace, drop), {"fused": n}
+            rw.replace(op, make_op(rw.namer, "indexer_topk", operands_of(sc), {**sc.attrs, "k": op.attrs["k"]},
+                                   sc.loc, [op.result]), absorbed=[sc])
+    return rw.done("fused")
 
 
-@register
-@dataclass(frozen=True)
-class FuseIndexerTopk(FunctionPass):
-    name = "fuse_indexer_topk"
-
-    def rewrite(self, fn):
-        return fuse_function(fn)
+FuseIndexerTopk = function_pass("fuse_indexer_topk", fuse_function)

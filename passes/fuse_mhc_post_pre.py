@@ -16,29 +16,21 @@ Hits: `<func>.seams`, `<func>.pre_norm`, `<func>.post_head`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from v4compile.ir.core import Function
 
-from .base import FunctionPass, register
-from .rewrite import Namer, join_roles, make_op, tags_of, use_counts
+from .base import function_pass
+from .rewrite import Rewrite, join_roles, make_op, tags_of
 
 
 def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
-    namer = Namer(fn)
-    users = fn.users()
-    uses = use_counts(fn)
-    replace: dict[int, object] = {}  # id(op) -> new op (placed there)
-    drop: set[int] = set()
+    rw = Rewrite(fn)
+    namer, users, uses = rw.namer, rw.users, rw.uses
     hits = {"seams": 0, "pre_norm": 0, "post_head": 0}
 
     def norm_of(pre) -> object | None:
         """The weighted rms_norm that is the only user of an hc_pre's collapsed output."""
-        y = pre.out("y")
-        u = users.get(id(y), [])
-        if uses.get(id(y)) == 1 and len(u) == 1 and u[0].name == "rms_norm" and u[0].operand("weight") is not None:
-            return u[0]
-        return None
+        norm = rw.sole_user(pre.out("y"), "rms_norm")
+        return norm if norm is not None and norm.operand("weight") is not None else None
 
     def pre_attrs(pre, norm) -> dict:
         return {**pre.attrs, "norm_eps": norm.attrs["eps"] if norm is not None else 1e-6}
@@ -61,10 +53,7 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
             new = make_op(namer, "mhc_post_pre", {**post_in, **pre_operands(pre, norm)},
                           {**pre_attrs(pre, norm), **tags_of(pre, role=join_roles(op, pre))}, pre.loc,
                           [out, y_next, pre.out("post"), pre.out("comb")])
-            replace[id(op)] = new
-            drop.add(id(pre))
-            if norm is not None:
-                drop.add(id(norm))
+            rw.replace(op, new, absorbed=[pre] + ([norm] if norm is not None else []))
             fused_pres.add(id(pre))
             hits["seams"] += 1
             continue
@@ -74,26 +63,18 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
             post_in = {k: op.operand(k) for k in ("y", "streams", "post", "comb")}
             new = make_op(namer, "mhc_post_head", {**post_in, **{k: h.operand(k) for k in ("fn", "base", "scale")}},
                           {**h.attrs, **tags_of(h, role=join_roles(op, h))}, h.loc, [h.result])
-            replace[id(op)] = new
-            drop.add(id(h))
+            rw.replace(op, new, absorbed=[h])
             hits["post_head"] += 1
     for op in fn.ops:
         if op.name == "hc_pre" and id(op) not in fused_pres:
             norm = norm_of(op)
             if norm is None:
                 continue
-            replace[id(op)] = make_op(namer, "hc_pre_norm", {"streams": op.operand("streams"), **pre_operands(op, norm)},
-                                      pre_attrs(op, norm), op.loc, [norm.result, op.out("post"), op.out("comb")])
-            drop.add(id(norm))
+            rw.replace(op, make_op(namer, "hc_pre_norm", {"streams": op.operand("streams"), **pre_operands(op, norm)},
+                                   pre_attrs(op, norm), op.loc, [norm.result, op.out("post"), op.out("comb")]),
+                       absorbed=[norm])
             hits["pre_norm"] += 1
-    ops = [replace.get(id(op), op) for op in fn.ops if id(op) not in drop]
-    return Function(fn.name, list(fn.inputs), ops, list(fn.outputs), dict(fn.attrs)), hits
+    return rw.done(hits)
 
 
-@register
-@dataclass(frozen=True)
-class FuseMhcPostPre(FunctionPass):
-    name = "fuse_mhc_post_pre"
-
-    def rewrite(self, fn):
-        return fuse_function(fn)
+FuseMhcPostPre = function_pass("fuse_mhc_post_pre", fuse_function)

@@ -11,35 +11,27 @@ Hits: `<func>.fused`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from v4compile.ir.core import Function
 
-from .base import FunctionPass, register
-from .rewrite import Namer, join_roles, make_op, rebuild, tags_of, use_counts
+from .base import function_pass
+from .rewrite import Rewrite, join_roles, make_op, tags_of
 
 
 def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
-    namer = Namer(fn)
-    prod = fn.producers()
-    uses = use_counts(fn)
-    replace, drop, n = {}, set(), 0
+    rw = Rewrite(fn)
     for op in fn.ops:
         if op.name != "add":
             continue
-        moe, down = prod.get(id(op.operand("a"))), prod.get(id(op.operand("b")))
-        if moe is None or down is None or moe.name != "moe_experts" or down.name != "linear":
+        moe, down = rw.producer(op.operand("a"), "moe_experts"), rw.producer(op.operand("b"), "linear")
+        sw = rw.producer(down.operand("x"), "swiglu") if down is not None else None
+        if moe is None or sw is None:
             continue
-        sw = prod.get(id(down.operand("x")))
-        if sw is None or sw.name != "swiglu":
-            continue
-        gate, up = prod.get(id(sw.operand("gate"))), prod.get(id(sw.operand("up")))
+        gate, up = rw.producer(sw.operand("gate"), "linear"), rw.producer(sw.operand("up"), "linear")
         x = moe.operand("x")
-        if (gate is None or up is None or gate.name != "linear" or up.name != "linear" or gate.operand("x") is not x
-                or up.operand("x") is not x):
+        if gate is None or up is None or gate.operand("x") is not x or up.operand("x") is not x:
             continue
         inner = [moe, down, sw, gate, up]
-        if any(uses.get(id(o.result)) != 1 for o in inner):
+        if not rw.used_once(*inner):
             continue
         lin = {(g.attrs["block"], g.attrs["act"], g.attrs["acc"], g.attrs["out_dtype"]) for g in (gate, up, down)}
         if len(lin) != 1 or gate.attrs["out_dtype"] or gate.attrs["acc"] != moe.attrs["acc"]:
@@ -52,17 +44,8 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
                  "acc": moe.attrs["acc"], "out_dtype": moe.attrs["out_dtype"],
                  "route_weight": moe.attrs["route_weight"], "shared_block": gate.attrs["block"],
                  "shared_act": gate.attrs["act"], **tags_of(moe, role=join_roles(moe, op))}
-        new = make_op(namer, "moe_experts_shared", operands, attrs, moe.loc, [op.result])
-        replace[id(op)] = new
-        drop.update(id(o) for o in inner)
-        n += 1
-    return rebuild(fn, replace, drop), {"fused": n}
+        rw.replace(op, make_op(rw.namer, "moe_experts_shared", operands, attrs, moe.loc, [op.result]), absorbed=inner)
+    return rw.done("fused")
 
 
-@register
-@dataclass(frozen=True)
-class FuseMoe(FunctionPass):
-    name = "fuse_moe"
-
-    def rewrite(self, fn):
-        return fuse_function(fn)
+FuseMoe = function_pass("fuse_moe", fuse_function)

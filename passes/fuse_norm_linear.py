@@ -9,36 +9,24 @@ Hits: `<func>.fused`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from v4compile.ir.core import Function
 
-from .base import FunctionPass, register
-from .rewrite import make_op, Namer, rebuild, use_counts
+from .base import function_pass
+from .rewrite import Rewrite, make_op
 
 
 def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
-    namer = Namer(fn)
-    prod = fn.producers()
-    uses = use_counts(fn)
-    replace, drop = {}, set()
+    rw = Rewrite(fn)
     for op in fn.ops:
         if op.name != "linear":
             continue
-        n = prod.get(id(op.operand("x")))
-        if n is None or n.name != "rms_norm" or n.operand("weight") is None or uses.get(id(n.result)) != 1:
+        n = rw.producer(op.operand("x"), "rms_norm", only_use=True)
+        if n is None or n.operand("weight") is None:
             continue
-        replace[id(op)] = make_op(namer, "norm_linear", {"x": n.operand("x"), "norm": n.operand("weight"),
+        rw.replace(op, make_op(rw.namer, "norm_linear", {"x": n.operand("x"), "norm": n.operand("weight"),
                                                          "w": op.operand("w"), "scale": op.operand("scale")},
-                                  {**op.attrs, "eps": n.attrs["eps"]}, op.loc, [op.result])
-        drop.add(id(n))
-    return rebuild(fn, replace, drop), {"fused": len(replace)}
+                               {**op.attrs, "eps": n.attrs["eps"]}, op.loc, [op.result]), absorbed=[n])
+    return rw.done("fused")
 
 
-@register
-@dataclass(frozen=True)
-class FuseNormLinear(FunctionPass):
-    name = "fuse_norm_linear"
-
-    def rewrite(self, fn):
-        return fuse_function(fn)
+FuseNormLinear = function_pass("fuse_norm_linear", fuse_function)

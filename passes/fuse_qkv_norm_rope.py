@@ -15,13 +15,11 @@ Hits: `<func>.fused`, `<func>.window_writes`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from v4compile.ir.core import Function
 from v4compile.ir.registry import get_op
 
-from .base import FunctionPass, register
-from .rewrite import Namer, has_role, join_roles, make_op, planes, tags_of, use_counts
+from .base import function_pass
+from .rewrite import Rewrite, has_role, join_roles, make_op, planes, tags_of
 
 
 def thread_roots(fn: Function) -> dict[int, int]:
@@ -39,25 +37,19 @@ def thread_roots(fn: Function) -> dict[int, int]:
 
 
 def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
-    namer = Namer(fn)
-    prod = fn.producers()
-    uses = use_counts(fn)
-    users = fn.users()
-
-    def sole_user(v, name):
-        u = users.get(id(v), [])
-        return u[0] if uses.get(id(v)) == 1 and len(u) == 1 and u[0].name == name else None
+    rw = Rewrite(fn)  # the matching (the emission below threads the pool planes' in-place versions itself)
+    namer, users, sole_user = rw.namer, rw.users, rw.sole_user
 
     # Collect each layer's pieces.
     groups: dict[int, dict] = {}
     for op in fn.ops:
         if op.name != "rope" or op.attrs["inverse"] or "layer" not in op.attrs:
             continue
-        src = prod.get(id(op.operand("x")))
+        src = rw.producer(op.operand("x"), "rms_norm", only_use=True)
         g = groups.setdefault(op.attrs["layer"], {})
         if has_role(op, "attn.indexer"):
             g["qi"] = (None, op)
-        elif src is not None and src.name == "rms_norm" and uses.get(id(src.result)) == 1:
+        elif src is not None:
             key = "q" if src.operand("weight") is None else "kv"
             g[key] = (src, op)
     fused_at: dict[int, object] = {}  # id(last constituent op) -> group
@@ -169,10 +161,4 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     return Function(fn.name, list(fn.inputs), ops, outputs, dict(fn.attrs)), hits
 
 
-@register
-@dataclass(frozen=True)
-class FuseQkvNormRope(FunctionPass):
-    name = "fuse_qkv_norm_rope"
-
-    def rewrite(self, fn):
-        return fuse_function(fn)
+FuseQkvNormRope = function_pass("fuse_qkv_norm_rope", fuse_function)

@@ -10,10 +10,10 @@ concatenated scale grid is exactly the members' grids stacked.
 
 from __future__ import annotations
 
-from v4compile.ir.core import WEIGHT, Function, Op, Value
+from v4compile.ir.core import WEIGHT, Function, Module, Op, Value
 from v4compile.ir.types import TensorType
 
-from .rewrite import Namer, join_roles, make_op, tags_of
+from .rewrite import Namer, join_roles, make_op, new_module, prune_weights, tags_of
 
 
 def merged_name(names: list[str], suffix: str) -> str:
@@ -95,3 +95,15 @@ def merge_linears(fn: Function, groups: list[list[Op]], weights: dict[str, Value
                 ops.append(make_op(namer, "split", {"x": rest}, {"at": n, **tags}, loc, [g.result, tail]))
                 rest = tail
     return Function(fn.name, list(fn.inputs), ops, list(fn.outputs), dict(fn.attrs)), len(groups)
+
+
+def merge_module(module: Module, groups_of, suffix_of) -> tuple[Module, dict[str, int]]:
+    """The module with every function's GEMM groups merged (`merge_linears`), the weights they replace
+    pruned. `groups_of(fn) -> (groups, extra hits)`; hits: `<func>.merged` and the extra ones."""
+    weights = dict(module.weights)
+    funcs, hits = {}, {}
+    for fname, fn in module.functions.items():
+        groups, extra = groups_of(fn)
+        funcs[fname], hits[f"{fname}.merged"] = merge_linears(fn, groups, weights, suffix_of)
+        hits.update({f"{fname}.{k}": v for k, v in extra.items()})
+    return prune_weights(new_module(module, funcs, weights)), hits

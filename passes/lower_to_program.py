@@ -4,8 +4,8 @@ Requires: a memory-planned module (`plan_memory` last before it: every op annota
 Guarantees: the module is unchanged except for the module attribute `stage = "program"`; its program
 (`v4compile.program.build.build_program(module)`, a pure function of the module) builds and passes
 `verify_program`: every launch has a kernel family, every argument lies in its buffer, tied results are
-in place, and no two live arena values overlap. The program is rebuilt from the module wherever it is
-needed (dump, report, codegen), so a module read back from text gives the same program.
+in place, and no two live arena values overlap. The program built here travels with the module
+(`program_of`) to the dump, the report and codegen; a module read back from text gives the same program.
 Hits: `<func>.launches`, `<func>.buffers`.
 """
 
@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from v4compile.program.build import build_program
-from v4compile.program.verify import verify_program
+from v4compile.program.build import program_of
 
 from .base import Pass, PassResult, register
 from .rewrite import new_module
@@ -26,9 +25,10 @@ class LowerToProgram(Pass):
     name = "lower_to_program"
 
     def run(self, module):
-        prog = verify_program(build_program(module))
+        out = new_module(module, dict(module.functions), attrs={**module.attrs, "stage": "program"})
+        prog = program_of(out)  # built and verified once; carried with the module to the report and codegen
         hits = {}
         for name, f in prog.functions.items():
             hits[f"{name}.launches"] = len(f.launches)
             hits[f"{name}.buffers"] = len(f.buffers)
-        return PassResult(new_module(module, dict(module.functions), attrs={**module.attrs, "stage": "program"}), hits)
+        return PassResult(out, hits)

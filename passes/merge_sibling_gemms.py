@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from .base import Pass, PassResult, register
 from v4compile.ir.semantics import roles_of
 
-from .gemm_merge import SHARED_ATTRS, can_merge, merge_linears
-from .rewrite import new_module, prune_weights
+from .gemm_merge import SHARED_ATTRS, can_merge, merge_module
 
 
 def _suffix(group) -> str:
@@ -36,19 +35,17 @@ class MergeSiblingGemms(Pass):
     name = "merge_sibling_gemms"
 
     def run(self, module):
-        weights = dict(module.weights)
-        funcs, hits = {}, {}
-        for fname, fn in module.functions.items():
-            groups: dict[tuple, list] = {}
-            for op in fn.ops:
-                w = op.operand("w") if op.name == "linear" else None
-                if w is None or w.kind != "weight":
-                    continue
-                key = (id(op.operand("x")), w.type.dtype, w.type.shape[1:], op.operand("scale") is None,
-                       op.attrs.get("layer"), *(op.attrs.get(k) for k in SHARED_ATTRS))
-                groups.setdefault(key, []).append(op)
-            merged = [g for g in groups.values() if len(g) > 1 and can_merge(g)]
-            funcs[fname], n = merge_linears(fn, merged, weights, _suffix)
-            hits[f"{fname}.merged"] = n
-            hits[f"{fname}.gemms"] = sum(len(g) - 1 for g in merged)
-        return PassResult(prune_weights(new_module(module, funcs, weights)), hits)
+        return PassResult(*merge_module(module, _groups, _suffix))
+
+
+def _groups(fn):
+    groups: dict[tuple, list] = {}
+    for op in fn.ops:
+        w = op.operand("w") if op.name == "linear" else None
+        if w is None or w.kind != "weight":
+            continue
+        key = (id(op.operand("x")), w.type.dtype, w.type.shape[1:], op.operand("scale") is None,
+               op.attrs.get("layer"), *(op.attrs.get(k) for k in SHARED_ATTRS))
+        groups.setdefault(key, []).append(op)
+    merged = [g for g in groups.values() if len(g) > 1 and can_merge(g)]
+    return merged, {"gemms": sum(len(g) - 1 for g in merged)}

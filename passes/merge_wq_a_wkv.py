@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import Pass, PassResult, register
-from .gemm_merge import can_merge, merge_linears
-from .rewrite import new_module, prune_weights
+from .gemm_merge import can_merge, merge_module
 
 
 @register
@@ -25,25 +24,23 @@ class MergeWqAWkv(Pass):
     name = "merge_wq_a_wkv"
 
     def run(self, module):
-        weights = dict(module.weights)
-        funcs, hits = {}, {}
-        for fname, fn in module.functions.items():
-            by_input: dict[tuple, dict[str, object]] = {}
-            for op in fn.ops:
-                if op.name != "linear":
-                    continue
-                for role in ("attn.wq_a", "attn.wkv"):
-                    if op.attrs.get("role") == role:
-                        by_input.setdefault((id(op.operand("x")), op.attrs.get("layer")), {})[role] = op
-            groups, unaligned = [], 0
-            for pair in by_input.values():
-                if len(pair) == 2:
-                    g = [pair["attn.wq_a"], pair["attn.wkv"]]
-                    if can_merge(g):
-                        groups.append(g)
-                    else:
-                        unaligned += 1
-            funcs[fname], n = merge_linears(fn, groups, weights, lambda g: "wqkv_a")
-            hits[f"{fname}.merged"] = n
-            hits[f"{fname}.unaligned"] = unaligned
-        return PassResult(prune_weights(new_module(module, funcs, weights)), hits)
+        return PassResult(*merge_module(module, _groups, lambda g: "wqkv_a"))
+
+
+def _groups(fn):
+    by_input: dict[tuple, dict[str, object]] = {}
+    for op in fn.ops:
+        if op.name != "linear":
+            continue
+        for role in ("attn.wq_a", "attn.wkv"):
+            if op.attrs.get("role") == role:
+                by_input.setdefault((id(op.operand("x")), op.attrs.get("layer")), {})[role] = op
+    groups, unaligned = [], 0
+    for pair in by_input.values():
+        if len(pair) == 2:
+            g = [pair["attn.wq_a"], pair["attn.wkv"]]
+            if can_merge(g):
+                groups.append(g)
+            else:
+                unaligned += 1
+    return groups, {"unaligned": unaligned}

@@ -31,8 +31,11 @@ GPU_PIPELINE: list[str] = DEFAULT_PIPELINE
 # rounds every value onto the FP8 / FP4 grids, so native planes hold the same numbers, and a CPU gains
 # nothing from emulating packed row formats); ONNX Runtime plans its own memory, so the arena plan and the
 # program stage are left out.
+PROGRAM_PASSES: list[str] = ["plan_memory", "lower_to_program"]
 CPU_PIPELINE: list[str] = [
     "lower_sparse_attention{kv_format=native,index_format=native}" if p == "lower_sparse_attention" else p
-    for p in DEFAULT_PIPELINE if p not in ("plan_memory", "lower_to_program")]
+    for p in DEFAULT_PIPELINE if p not in PROGRAM_PASSES]
+# The host device runs an artifact with the cpu target only through the C runtime: its module continues
+# with PROGRAM_PASSES at compile time (`driver.py`), and the artifact carries that program.
 
 PIPELINES: dict[str, list[str]] = {"gpu": GPU_PIPELINE, "cpu": CPU_PIPELINE}

@@ -77,6 +77,58 @@ def producers(fn: Function) -> dict[int, Op]:
     return fn.producers()
 
 
+class Rewrite:
+    """One function's fusion: match producer chains, replace the op at the chain's end, drop what it absorbs.
+
+        rw = Rewrite(fn)
+        for op in fn.ops:
+            n = rw.producer(op.operand("x"), "rms_norm", only_use=True)  # None unless that is the chain
+            if n is not None:
+                rw.replace(op, make_op(rw.namer, "norm_linear", ..., [op.result]), absorbed=[n])
+        return rw.done("fused")
+
+    Producers, users and use counts are those of `fn` as given. A replacement takes the replaced op's
+    place and keeps its result values (`make_op(..., result_names)`), so every use of them is kept."""
+
+    def __init__(self, fn: Function):
+        self.fn = fn
+        self.namer = Namer(fn)
+        self.prod = fn.producers()
+        self.users = fn.users()
+        self.uses = use_counts(fn)
+        self.replaced: dict[int, Op] = {}
+        self.dropped: set[int] = set()
+        self.count = 0
+
+    def producer(self, v: Value | None, name: str | None = None, only_use: bool = False) -> Op | None:
+        """The op that produces `v`, if it is a `name` op (and with `only_use`, `v` has no other use)."""
+        op = self.prod.get(id(v)) if v is not None else None
+        if op is None or (name is not None and op.name != name) or (only_use and self.uses.get(id(v)) != 1):
+            return None
+        return op
+
+    def sole_user(self, v: Value, name: str) -> Op | None:
+        """The one op that uses `v`, if it is a `name` op and uses it once."""
+        u = self.users.get(id(v), [])
+        return u[0] if self.uses.get(id(v)) == 1 and len(u) == 1 and u[0].name == name else None
+
+    def used_once(self, *ops: Op) -> bool:
+        """Whether each op's single result has exactly one use (the chain owns it)."""
+        return all(self.uses.get(id(o.result)) == 1 for o in ops)
+
+    def replace(self, op: Op, new: Op, absorbed=()) -> None:
+        self.replaced[id(op)] = new
+        self.dropped.update(id(o) for o in absorbed)
+        self.count += 1
+
+    def gone(self, op: Op) -> bool:
+        return id(op) in self.dropped
+
+    def done(self, hits: str | dict[str, int] = "fused") -> tuple[Function, dict[str, int]]:
+        """The rewritten function and its hits: `{hits: replacements}`, or the pass's own counts."""
+        return rebuild(self.fn, self.replaced, self.dropped), {hits: self.count} if isinstance(hits, str) else hits
+
+
 def use_counts(fn: Function) -> dict[int, int]:
     counts: dict[int, int] = {}
     for op in fn.ops:

@@ -153,7 +153,7 @@ MAX_SCRATCH_BYTES = 1 << 34  # Triton scratch of one launch, all programs togeth
 def check_sidecar(side: Any, k: dict[str, Any], target: str) -> dict[str, Any]:
     """A kernel's sidecar: typed, within the target's limits, naming the manifest's kernel and binary (the
     parameter list against the kernel's call is checked where the call is known)."""
-    from v4compile.codegen.aot import TARGETS
+    from v4compile.targets import TARGETS
 
     where = k["sidecar"]
     spec = TARGETS[target]
@@ -228,7 +228,7 @@ def program_interface(art: Artifact, program, gpu: bool, host: bool = False) -> 
     want = set(entry["functions"]) if entry is not None else set()
     if set(program.functions) != want:
         raise ArtifactError("the program's functions are not the manifest's", where="gpu/program.txt" if gpu else
-                            "module.ir", expected=", ".join(sorted(want)), found=", ".join(sorted(program.functions)))
+                            "program.txt", expected=", ".join(sorted(want)), found=", ".join(sorted(program.functions)))
     for name, f in program.functions.items():
         spec = entry["functions"][name]
         B, T = spec["batch"], spec["tokens"]

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from v4compile.errors import DeviceError
 from v4compile.files import sha256_file
+from v4compile.targets import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +32,6 @@ SOURCE_DIR = Path(__file__).parent / "c"
 SOURCES = ("v4rt.c", "drv_host.c", "drv_gpu.c", "drv_hip.c", "drv_cuda.c")
 CFLAGS = ("-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared")
 ASAN_FLAGS = ("-g", "-O1", "-fsanitize=address,undefined", "-fno-omit-frame-pointer")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("V4COMPILE_CACHE") or Path.home() / ".cache" / "v4compile")
 
 
 def compiler() -> list[str]:
@@ -99,7 +96,7 @@ def library(sanitize: bool = False) -> Path:
     for name in sorted(p.name for p in SOURCE_DIR.iterdir() if p.suffix in (".c", ".h")):
         h.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes() + b"\0")
     h.update(" ".join(compiler() + list(flags)).encode())
-    d = cache_dir() / "runtime" / h.hexdigest()[:20]
+    d = cache_root() / "runtime" / h.hexdigest()[:20]
     lib = d / ("libv4rt-asan.so" if sanitize else "libv4rt.so")
     if verified(lib):
         return lib

@@ -6,7 +6,7 @@
 * Pool planes and per-slot state live in host arrays owned by this backend, bound as inputs through
   IO binding (never copied per step); a step's outputs are only the rows it wrote (`X.rows`, `X.vals`),
   stored here in place, in write order.
-* Threads: `threads` (default: the machine's cores, capped at 8) intra-op threads per session, one
+* Threads: `threads` (default: the free cores, at most 8: `threads.default_threads`) intra-op threads per session, one
   inter-op thread; sessions are created lazily, one per function, on first use.
 """
 
@@ -21,6 +21,7 @@ import onnx
 
 from v4compile.artifact import Artifact
 from v4compile.errors import ArtifactError, InputError
+from v4compile.threads import ORT_THREADS, default_threads
 
 from .artifact_checks import onnx_model
 from .backend import FunctionInfo
@@ -34,10 +35,6 @@ os.environ["ORT_DISABLE_TELEMETRY"] = "1"
 _NP = {"fp32": np.float32, "i64": np.int64, "i32": np.int32}
 
 
-def default_threads() -> int:
-    return max(1, min(os.cpu_count() or 1, 8))
-
-
 class OrtBackend:
     device = "cpu"
 
@@ -46,7 +43,7 @@ class OrtBackend:
 
         self.ort = ort
         self.art = art
-        self.threads = threads or default_threads()
+        self.threads = threads or default_threads(ORT_THREADS)
         self.profile = profile
         self.target = art.target("cpu")
         self._funcs = {n: FunctionInfo(n, f["kind"], f["batch"], f["tokens"]) for n, f in self.target["functions"].items()}

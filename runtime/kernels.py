@@ -12,37 +12,21 @@ where `specialise` exists).
 
 from __future__ import annotations
 
-import importlib
 import os
 import logging
 from collections.abc import Callable
 
-from v4compile.codegen.program_kernels import tensor_arg
-from v4compile.program.core import Launch
+from v4compile.codegen.program_kernels import calls_of, family_specialise
 
 log = logging.getLogger(__name__)
 
 KERNEL_MODES = ("auto", "reference")
 
 
-def family_specialise(family: str) -> Callable | None:
-    try:
-        mod = importlib.import_module(f"v4compile.codegen.kernels.{family}")
-    except ImportError:
-        return None
-    return getattr(mod, "specialise", None)
-
-
 def make_kernel_calls(resolve: Callable[[str], Callable | None] = family_specialise) -> Callable:
-    """launch -> [KernelCall] from its family's `specialise`, or None (placeholder)."""
-    def calls(l: Launch):
-        spec = resolve(l.kernel) if l.kernel else None
-        if spec is None:
-            return None
-        operands = {n: (None if a is None else tensor_arg(a)) for n, a in l.operands}
-        results = {n: tensor_arg(a) for n, a in l.results}
-        return spec(l.op, operands, results, dict(l.attrs))
-    return calls
+    """launch -> [KernelCall] from its family's `specialise`, or None (placeholder): `calls_of`, the path the
+    AOT stage took to name the artifact's kernels."""
+    return lambda l: calls_of(l, resolve)
 
 
 def kernel_calls_for(mode: str, device: str) -> Callable | None:
@@ -56,4 +40,3 @@ def kernel_calls_for(mode: str, device: str) -> Callable | None:
     return make_kernel_calls()
 
 
-GPU_TARGET = {"cuda": "sm_90a", "hip": "gfx950"}  # the artifact target whose binaries a device launches

@@ -5,8 +5,8 @@ The program: an artifact with GPU targets carries it (`gpu/program.txt`, hash-ch
 verified); `hip` / `cuda` launch the binaries compiled ahead of time for their target
 (`kernels/<gfx950|sm_90a>/`, each checked against the manifest's sha256 and the call it serves), and
 `host` runs the same program with the same kernels interpreted. An artifact with the cpu target only is
-run on `host` from its final IR (`module.ir`) through the last two passes of the gpu pipeline
-(`plan_memory`, `lower_to_program`). Decode functions run as a graph captured on their first step and
+run on `host` from the program it carries (`program.txt`: its final IR continued through `plan_memory`
+and `lower_to_program` at compile time). Decode functions run as a graph captured on their first step and
 replayed after that; prefill functions run launch by launch.
 """
 
@@ -19,17 +19,16 @@ import numpy as np
 
 from v4compile.artifact import Artifact
 from v4compile.errors import ArtifactError, DeviceError
+from v4compile.targets import DEVICE_TARGET, DRIVER_LIB
 
 from .artifact_checks import check_sidecar, program_interface, program_weight_types
 from .backend import FunctionInfo
 from .c_backend import CRuntime
-from .kernels import GPU_TARGET, kernel_calls_for
+from .kernels import kernel_calls_for
 from .schedule import compiled_params
 
 log = logging.getLogger(__name__)
 
-PROGRAM_PASSES = ["plan_memory", "lower_to_program"]
-DRIVER_LIB = {"cuda": "libcuda.so.1", "hip": "libamdhip64.so"}  # the C drivers' defaults (runtime/c/drv_*.c)
 
 
 def gpu_entry(art: Artifact) -> dict | None:
@@ -38,20 +37,17 @@ def gpu_entry(art: Artifact) -> dict | None:
 
 
 def artifact_program(art: Artifact):
+    """The program the artifact carries (its GPU targets', else its cpu target's), parsed and verified."""
     from v4compile import ops
-    from v4compile.ir.text import parse_module
-    from v4compile.passes import PassManager
-    from v4compile.program.build import build_program
     from v4compile.program.text import parse_program
     from v4compile.program.verify import verify_program
 
     ops.load_all()  # the program names ops of every set (its verifier and the kernel families look them up)
-    entry = gpu_entry(art)
-    if entry is not None:
-        return verify_program(parse_program(_text(art, entry["program"], "GPU program")))
-    module = parse_module(_text(art, "module.ir", "IR module"))
-    module = PassManager(PROGRAM_PASSES).run(module).module
-    return verify_program(build_program(module))
+    entry = gpu_entry(art) or art.target("cpu")
+    if "program" not in entry:
+        raise ArtifactError("the artifact carries no program for the C runtime (compiled by an older version?)",
+                            where=str(art.path), expected="an artifact of this version, or --device cpu")
+    return verify_program(parse_program(_text(art, entry["program"], "program")))
 
 
 def _text(art: Artifact, rel: str, what: str) -> str:
@@ -74,7 +70,7 @@ def artifact_binaries(art: Artifact, device: str):
     kernel the artifact lacks, or whose sidecar disagrees with the call (grid, binary, or a parameter's
     name or type), is one clear error (the files' bytes were checked against the manifest by
     `load_artifact`)."""
-    target = GPU_TARGET[device]
+    target = DEVICE_TARGET[device]
     art.target(target)  # "the artifact has no 'sm_90a' target" when it was compiled without it
     have = {k["name"]: k for k in art.manifest["kernels"] if k["target"] == target}
 

@@ -22,11 +22,12 @@ import numpy as np
 
 from v4compile.artifact import Artifact, load_artifact
 from v4compile.errors import InputError
+from v4compile.pool import Allocator
+from v4compile.threads import MAX_THREADS
 
 log = logging.getLogger(__name__)
 
 DEVICES = ("auto", "cpu", "host", "hip", "cuda")
-MAX_THREADS = 256  # (also the CLI's bound, v4compile/compile_cli.py)
 MAX_PROMPTS = 1 << 20
 MAX_IDS = 1 << 24  # ids in one prompt (far beyond any compiled context)
 
@@ -115,12 +116,19 @@ class Session:
         self.prefill_fns = sorted((f.tokens, f.name) for f in fns.values() if f.kind == "prefill")
         if not self.decode_fns or not self.prefill_fns:
             raise InputError("the artifact needs decode and prefill functions", where=str(art.path))
-        self.free_slots = list(range(int(pool["n_slots"]) - 1, -1, -1))
-        self.free_blocks = list(range(int(pool["n_blocks"]) - 1, -1, -1))
+        self.alloc = Allocator(int(pool["n_slots"]), int(pool["n_blocks"]))
         self.seqs: dict[int, SeqState] = {}
         self._next = 0
         self.first_token_s: float | None = None  # the last `generate`: seconds to its first token (prefill)
         self._tokenizer = None  # read on first use (`tokenizer`)
+
+    @property
+    def free_slots(self) -> list[int]:
+        return self.alloc.free_slots
+
+    @property
+    def free_blocks(self) -> list[int]:
+        return self.alloc.free_blocks
 
     @property
     def max_batch(self) -> int:
@@ -160,15 +168,14 @@ class Session:
             raise InputError("context beyond the compiled maximum", where=f"sequence {s.id}",
                              expected=f"<= {self.max_context} tokens", found=last_pos + 1)
         need = last_pos // self.block_tokens + 1
-        while len(s.blocks) < need:
-            if not self.free_blocks:
-                raise InputError("the KV pool is full", where=f"sequence {s.id}")
-            s.blocks.append(self.free_blocks.pop())
+        if not self.alloc.grow(s.blocks, need):
+            raise InputError("the KV pool is full", where=f"sequence {s.id}")
 
     def open(self) -> SeqState:
-        if not self.free_slots:
+        slot = self.alloc.slot()
+        if slot is None:
             raise InputError("no free sequence slot", expected=f"<= {self.max_batch} live sequences")
-        s = SeqState(self._next, self.free_slots.pop())
+        s = SeqState(self._next, slot)
         self._next += 1
         self.seqs[s.id] = s
         return s
@@ -186,8 +193,7 @@ class Session:
             raise InputError("not a sequence of this session", where="release", found=type(s).__name__)
         if self.seqs.get(s.id) is s:
             del self.seqs[s.id]
-            self.free_slots.append(s.slot)
-            self.free_blocks.extend(reversed(s.blocks))
+            self.alloc.release(s.slot, s.blocks)
             s.blocks = []
 
     def _table(self, seqs: Sequence[SeqState | None], B: int) -> tuple[np.ndarray, np.ndarray]:
@@ -355,12 +361,11 @@ class Session:
 def auto_device(art: Artifact) -> str:
     import ctypes
 
-    from .kernels import GPU_TARGET
-    from .program_backend import DRIVER_LIB
+    from v4compile.targets import DEVICE_TARGET, DRIVER_LIB
 
     names = {t["name"] for t in art.manifest["targets"]}
     for dev in ("cuda", "hip"):
-        if GPU_TARGET[dev] in names:
+        if DEVICE_TARGET[dev] in names:
             try:
                 ctypes.CDLL(DRIVER_LIB[dev])
             except OSError:

@@ -74,14 +74,15 @@ def check(name, cfg, device, steps, reps, work, compare):
     import numpy as np
 
     import v4compile
-    from v4compile.artifact import Buckets, compile_artifact
+    from v4compile.artifact import Buckets
+    from v4compile.driver import compile_artifact
 
     t0 = time.perf_counter()
     fe = _bench()._frontend(cfg, 256)  # random weights (seed 0), hf numerics, fp32
-    from v4compile.runtime.kernels import GPU_TARGET
+    from v4compile.targets import DEVICE_TARGET
 
     art = compile_artifact(fe, Path(work) / name, Buckets(decode=(1, 4), prefill=(64,)),
-                           targets=("cpu", GPU_TARGET[device]))  # the GPU program: decode_b4, prefill_c64
+                           targets=("cpu", DEVICE_TARGET[device]))  # the GPU program: decode_b4, prefill_c64
     compile_s = time.perf_counter() - t0
     sess = v4compile.load(art, device=device)
     ref = fe.reference()

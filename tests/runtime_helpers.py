@@ -12,7 +12,8 @@ from v4compile.harness import DenseSource, load_ir_weights
 from v4compile.passes import DEFAULT_PIPELINE, PassManager, PipelineOptions
 from v4compile.program.build import build_program
 from v4compile.program.verify import verify_program
-from v4compile.runtime.build import SOURCE_DIR, cache_dir, compile_shared
+from v4compile.runtime.build import SOURCE_DIR, compile_shared
+from v4compile.targets import cache_root
 from v4compile.trace import TraceOptions, trace
 
 FAKE_DIR = Path(__file__).parent / "fake_driver"
@@ -32,7 +33,7 @@ def _build(name: str, flags: tuple[str, ...], sources: list[Path]) -> Path:
 
     h = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(sources) + sorted(SOURCE_DIR.glob("*.[ch]")))
                        + " ".join(flags).encode()).hexdigest()[:16]
-    out = cache_dir() / "tests" / h / name
+    out = cache_root() / "tests" / h / name
     if not out.is_file():
         import os
         import tempfile

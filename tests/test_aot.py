@@ -17,7 +17,7 @@ import torch
 import triton
 
 import kernel_check  # noqa: F401  (TRITON_INTERPRET=1 before kernel modules load)
-from v4compile.codegen import aot
+from v4compile.codegen import aot, roofline
 from v4compile.codegen.kernels import TensorArg, gemm
 from v4compile.errors import V4Error
 from v4compile.formats import fp8_block_quant
@@ -76,5 +76,5 @@ def test_unknown_target_is_rejected(tmp_path):
 
 def test_roofline_model():
     # 1 GB at 8 TB/s = 125 us (+3 us launch) on gfx950; a compute-bound case uses the MMA peak
-    assert abs(aot.modeled_time(0, 10**9, "gfx950") - (125e-6 + 3e-6)) < 1e-9
-    assert abs(aot.modeled_time(2 * 10**15, 0, "sm_90a", "fp8") - (2e15 / 1.979e15 + 2e-6)) < 1e-9
+    assert abs(roofline.modeled_time(0, 10**9, "gfx950") - (125e-6 + 3e-6)) < 1e-9
+    assert abs(roofline.modeled_time(2 * 10**15, 0, "sm_90a", "fp8") - (2e15 / 1.979e15 + 2e-6)) < 1e-9

@@ -183,10 +183,11 @@ def test_weights_that_disagree_with_the_manifest_are_one_error(art, tmp_path):
 
 
 def test_a_program_of_other_functions_is_one_error(art, tmp_path):
-    """The host device's program (from module.ir here) must hold the manifest's functions."""
+    """The host device's program (the cpu target's `program.txt` here) must hold the manifest's functions."""
     a = copy(art, tmp_path / "a")
-    text = (a / "module.ir").read_text().replace("func @decode_b2(", "func @decode_b3(")
-    _swap_file(a, "module.ir", text.encode())
+    text = (a / "program.txt").read_text()
+    assert "func @decode_b2 " in text
+    _swap_file(a, "program.txt", text.replace("func @decode_b2 ", "func @decode_b3 ").encode())
     with pytest.raises(ArtifactError, match="program's functions"):
         v4compile.load(a, device="host")
     rc, _, err = run_main("run", str(a), "--ids", "1", "--max-new-tokens", "1", "--device", "host")

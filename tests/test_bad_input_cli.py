@@ -179,10 +179,10 @@ def test_compile_output_is_atomic_and_force_replaces(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
 
-    import v4compile.artifact as artifact
+    import v4compile.driver as driver
 
     monkeypatch.setattr(report, "build_report", boom)
-    monkeypatch.setattr(artifact, "write_weights", boom)
+    monkeypatch.setattr(driver, "write_weights", boom)
     rc, _, err = run_main("compile", "-o", str(tmp_path / "new"), "--decode-buckets", "1", "--prefill-buckets", "16",
                           "--target", "cpu")
     assert_one_error(rc, err, "No space left")

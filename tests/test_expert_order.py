@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from v4compile.formats import fp4_dequant, fp4_quant
-from v4compile.ops import moe_experts
+from v4compile.ops.moe import moe_experts
 
 RTOL = 1e-5
 L = 10.0  # swiglu_limit

@@ -71,18 +71,18 @@ def test_config_feature_is_live(base, feature):
 
 def test_clamp_actually_fires():
     """The SwiGLU pre-activations of the tiny model exceed the limit (so the clamp is exercised)."""
-    from v4compile import ops
+    from v4compile.ops import op
 
     seen = []
-    orig = ops.swiglu.ref
+    orig = op.swiglu.ref
 
     def spy(gate, up, *, limit):
         seen.append(bool((gate > limit).any() or (up.abs() > limit).any()))
         return orig(gate, up, limit=limit)
 
-    ops.swiglu.ref = spy
+    op.swiglu.ref = spy
     try:
         make_model("tiny").forward(prompt(50, 512))
     finally:
-        ops.swiglu.ref = orig
+        op.swiglu.ref = orig
     assert seen and all(seen)

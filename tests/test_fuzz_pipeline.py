@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fuzz_budget import fuzz_settings
-from v4compile.compile_cli import _split_specs
+from v4compile.cli.args import split_specs
 from v4compile.errors import PassError
 from v4compile.passes import DEFAULT_PIPELINE, PassManager
 
@@ -25,7 +25,7 @@ specs = st.tuples(names, st.none() | st.lists(items, max_size=3)).map(
 
 def check(text: str) -> None:
     try:
-        pm = PassManager(_split_specs(text))
+        pm = PassManager(split_specs(text))
     except PassError:
         return
     for p in pm.passes:  # an accepted pipeline names registered passes whose spec parses back

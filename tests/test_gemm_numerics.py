@@ -18,7 +18,8 @@ import torch
 from conftest import make_model
 from v4compile.config import preset
 from v4compile.formats import act_quant, fp4_dequant, fp4_quant, fp8_block_quant
-from v4compile.ops import grouped_out_proj, linear
+from v4compile.ops.attention import grouped_out_proj
+from v4compile.ops.basic import linear
 from v4compile.trace import TraceOptions, trace
 
 RTOL = 1e-5

@@ -37,8 +37,8 @@ def run_golden(path: Path) -> str:
 
 
 def _split(text: str) -> list[str]:
-    from v4compile.compile_cli import _split_specs
-    return _split_specs(text)
+    from v4compile.cli.args import split_specs
+    return split_specs(text)
 
 
 @pytest.mark.parametrize("path", GOLDEN, ids=[p.stem for p in GOLDEN])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from conftest import make_model, prompt
-from v4compile import ops
+from v4compile.ops import op
 from v4compile.formats import FP4_VALUES, hadamard
 
 
@@ -17,10 +17,10 @@ def test_official_differs_from_hf_only_by_the_roundings(monkeypatch):
     assert (off - hf).abs().max() > 1e-2  # the roundings matter (they flip indexer / router choices)
     # With the two rounding steps made identities and HF's routing-weight order (the same maths on these
     # fp32 weights, which quantise no activation; spec 10), official is bit-identical to hf.
-    monkeypatch.setattr(ops.fp8_round, "ref", lambda x, *, dims, block: x)
-    experts = ops.moe_experts.ref
-    monkeypatch.setattr(ops.moe_experts, "ref", lambda *a, route_weight, **k: experts(*a, route_weight="after_w2", **k))
-    monkeypatch.setattr(ops.hadamard_fp4_round, "ref", lambda x, *, block: x)
+    monkeypatch.setattr(op.fp8_round, "ref", lambda x, *, dims, block: x)
+    experts = op.moe_experts.ref
+    monkeypatch.setattr(op.moe_experts, "ref", lambda *a, route_weight, **k: experts(*a, route_weight="after_w2", **k))
+    monkeypatch.setattr(op.hadamard_fp4_round, "ref", lambda x, *, block: x)
     import v4compile.ops.compressor as comp
     monkeypatch.setattr(comp, "fp8_round_ref", lambda x, dims, block: x)
     monkeypatch.setattr(comp, "hadamard_fp4_round_ref", lambda x, block: x)
@@ -29,7 +29,7 @@ def test_official_differs_from_hf_only_by_the_roundings(monkeypatch):
 
 def test_fp8_round_keeps_rope_dims_and_lands_on_the_e4m3_grid():
     x = torch.randn(3, 7, 512) * 3
-    y = ops.fp8_round(x, dims=448, block=64)
+    y = op.fp8_round(x, dims=448, block=64)
     assert torch.equal(y[..., 448:], x[..., 448:])
     g = y[..., :448].reshape(3, 7, 7, 64)
     amax = x[..., :448].reshape(3, 7, 7, 64).abs().amax(-1, keepdim=True)
@@ -40,12 +40,12 @@ def test_fp8_round_keeps_rope_dims_and_lands_on_the_e4m3_grid():
     err = (g - x[..., :448].reshape(3, 7, 7, 64)).abs()
     assert (err <= torch.maximum(x[..., :448].reshape(3, 7, 7, 64).abs() * 2 ** -4, s * 2 ** -10)).all()
     assert not torch.equal(y, x)
-    assert torch.equal(ops.fp8_round(y, dims=448, block=64), y)  # idempotent
+    assert torch.equal(op.fp8_round(y, dims=448, block=64), y)  # idempotent
 
 
 def test_hadamard_fp4_round_lands_on_the_fp4_grid():
     x = torch.randn(5, 128)
-    y = ops.hadamard_fp4_round(x, block=32)
+    y = op.hadamard_fp4_round(x, block=32)
     g = y.reshape(5, 4, 32)
     rot = (x @ hadamard(128)).reshape(5, 4, 32)
     s = torch.exp2(torch.ceil(torch.log2(rot.abs().amax(-1, keepdim=True) / 6)))
@@ -59,8 +59,8 @@ def test_hadamard_alone_does_not_change_indexer_scores():
     q, keys = torch.randn(1, 6, 8, 128), torch.randn(1, 9, 128)
     w, pos = torch.randn(1, 6, 8), torch.arange(30, 36).view(1, 6)
     h = hadamard(128)
-    a = ops.indexer_scores(q, w, keys, pos, ratio=4, q_scale=0.1, w_scale=0.3)
-    b = ops.indexer_scores(q @ h, w, keys @ h, pos, ratio=4, q_scale=0.1, w_scale=0.3)
+    a = op.indexer_scores(q, w, keys, pos, ratio=4, q_scale=0.1, w_scale=0.3)
+    b = op.indexer_scores(q @ h, w, keys @ h, pos, ratio=4, q_scale=0.1, w_scale=0.3)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 

@@ -22,7 +22,7 @@ import torch
 
 from v4compile import frontend
 from v4compile.config import preset
-from v4compile import ops
+from v4compile.ops import op
 from v4compile.harness import IRRunner, PagedAllocator, Scenario, load_ir_weights, max_error, reference_logits
 from v4compile.init_random import init_random
 from v4compile.model.batching import prefill_chunks
@@ -166,7 +166,7 @@ def test_hf_order_in_the_reference_is_caught(case, monkeypatch):
     order): on these quantised weights the logits move by > 1e-2 of their scale (issue 27 measured 40 %
     on tiny-pro), far beyond the tolerance 0 above."""
     fe, ref, check, result, m, w = case
-    experts = ops.moe_experts.ref
-    monkeypatch.setattr(ops.moe_experts, "ref", lambda *a, route_weight, **k: experts(*a, route_weight="after_w2", **k))
+    experts = op.moe_experts.ref
+    monkeypatch.setattr(op.moe_experts, "ref", lambda *a, route_weight, **k: experts(*a, route_weight="after_w2", **k))
     old = reference_logits(ref, check.scenario, 16, 64)
     assert max_error(old, check.expected) / check.scale > 1e-2

@@ -124,7 +124,8 @@ def test_graph_replay_equals_launch_by_launch():
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
     from v4compile import frontend
-    from v4compile.artifact import Buckets, compile_artifact
+    from v4compile.artifact import Buckets
+    from v4compile.driver import compile_artifact
     from v4compile.trace import TraceOptions
 
     fe = frontend.load(None, "tiny", "random", TraceOptions(numerics="hf", dtype="fp32", capacity=64))

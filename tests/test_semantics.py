@@ -12,7 +12,7 @@ from v4compile.ir.registry import get_op, ref_attrs
 from v4compile.ir.semantics import ROLES, roles_of
 from v4compile.ir.text import parse_module
 from v4compile.ir.verify import verify
-from v4compile.ops import linear
+from v4compile.ops.basic import linear
 from v4compile.trace import TraceOptions, trace
 
 IR = """module @t

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from v4compile import weights_io
-from v4compile.artifact import ArtifactError, Buckets, load_artifact, trace_buckets, write_weights
+from v4compile.artifact import ArtifactError, Buckets, load_artifact
+from v4compile.driver import trace_buckets, write_weights
 from v4compile.checkpoint import Checkpoint
 from v4compile.config import preset
 from v4compile.errors import CheckpointError
@@ -274,7 +275,7 @@ CAPPED = textwrap.dedent('''
     from pathlib import Path
     from v4compile import weights_io
     from v4compile.trace import TraceOptions, trace
-    from v4compile.artifact import write_weights
+    from v4compile.driver import write_weights
     from v4compile.checkpoint import Checkpoint
     from v4compile.errors import ArtifactError
     weights_io.CHUNK_BYTES, weights_io.WINDOW_BYTES, weights_io.WRITE_BUFFER = 1 << 20, 4 << 20, 1 << 20

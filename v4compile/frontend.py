@@ -1,10 +1,10 @@
-"""From what the user names (a checkpoint, or a preset) to a traced module, its weight source and the
-reference model to check it against."""
+"""From what the user names (a checkpoint, or a preset) to a traced module (on first use), its weight
+source and the reference model to check it against."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,14 +24,21 @@ WEIGHT_MODES = ("none", "random", "checkpoint")
 @dataclass
 class Frontend:
     cfg: V4Config
-    module: Module
     weights: str  # none / random / checkpoint
     source: object | None  # gives IR weight tensors (None: shape-only)
     checkpoint: Path | None
     seed: int
-    options: TraceOptions  # what `module` was traced with (shape-only: the released FP8 / FP4 formats)
+    options: TraceOptions  # what `module` is traced with (shape-only: the released FP8 / FP4 formats)
     allow_nonfinite: bool = False
     formats: dict | None = None  # a checkpoint's stored weight formats (every later trace must use them)
+    traced: Module | None = field(default=None, repr=False)
+
+    @property
+    def module(self) -> Module:
+        """The model traced with `options`, on first use (an artifact is traced per bucket instead)."""
+        if self.traced is None:
+            self.traced = trace(self.cfg, self.options, formats=self.formats)
+        return self.traced
 
     def reference(self):
         """The ReferenceModel holding exactly the weights the IR will get."""
@@ -59,17 +66,15 @@ def load(checkpoint: str | None, preset_name: str | None, weights: str | None, o
         ck = Checkpoint.open(checkpoint, allow_nonfinite=allow_nonfinite)
         cfg = ck.cfg
         ck.validate(include_mtp=any(n.startswith("mtp.") for n in ck.entries))
-        formats = ck.stored_formats()
-        module = trace(cfg, options, formats=formats)
-        return Frontend(cfg, module, weights, ck if weights == "checkpoint" else None, Path(checkpoint), seed, options,
-                        allow_nonfinite, formats)
+        return Frontend(cfg, weights, ck if weights == "checkpoint" else None, Path(checkpoint), seed, options,
+                        allow_nonfinite, ck.stored_formats())
     cfg = preset(preset_name or "tiny")
     weights = weights or "random"
     if weights == "checkpoint":
         raise InputError("--weights checkpoint needs a CHECKPOINT")
     if weights == "none":
         options = TraceOptions(**{**options.__dict__, "weights": "released"})
-        return Frontend(cfg, trace(cfg, options), weights, None, None, seed, options)
+        return Frontend(cfg, weights, None, None, seed, options)
     from .accounting import account
     from .init_random import random_source
     from .weights import spec_table
@@ -79,8 +84,7 @@ def load(checkpoint: str | None, preset_name: str | None, weights: str | None, o
     src = random_source(cfg, seed)
     specs = spec_table(cfg)
     dense = DenseSource(_LazyDense(lambda n: src(specs[n])))
-    module = trace(cfg, options)
-    return Frontend(cfg, module, weights, dense, None, seed, options)
+    return Frontend(cfg, weights, dense, None, seed, options)
 
 
 class _LazyDense(dict):

@@ -21,7 +21,7 @@ from .ir.core import Module
 from .ir.interpret import interpret
 from .ir.types import DTYPES
 from .model.batching import prefill_chunks
-from .pool import PoolGeometry
+from .pool import Allocator, PoolGeometry
 from .trace import expand_sources
 
 log = logging.getLogger(__name__)
@@ -74,14 +74,15 @@ def load_ir_weights(m: Module, source, only: set[str] | None = None) -> dict[str
 
 
 class PagedAllocator:
-    """The host-side bookkeeping a runtime does before each step of a pool-lowered module: one slot per
-    sequence (from the top of the row space down) and pool blocks on demand. Blocks are handed out
-    highest first and interleave across sequences, so the block-table translation is really exercised."""
+    """The step inputs of a pool-lowered module for batch lanes `b` that stay the same sequences: one slot
+    per lane and pool blocks on demand, from the session's allocator (`pool.Allocator`) handing out the
+    highest first (slot `n_slots - 1 - b`; blocks interleave across sequences)."""
 
     def __init__(self, geo: PoolGeometry):
         self.geo = geo
-        self.free = list(range(geo.n_blocks))
+        self.alloc = Allocator(geo.n_slots, geo.n_blocks, descending=True)
         self.tables: dict[int, list[int]] = {}
+        self.slots: dict[int, int] = {}
 
     def step_inputs(self, pos: torch.Tensor) -> dict[str, torch.Tensor]:
         B = pos.shape[0]
@@ -95,11 +96,13 @@ class PagedAllocator:
             if need > self.geo.blocks_per_seq:
                 raise InputError("sequence longer than the compiled max context", where=f"sequence {b}",
                                  expected=f"<= {self.geo.blocks_per_seq * self.geo.block_tokens} tokens", found=last + 1)
-            while len(blocks) < need:
-                blocks.append(self.free.pop())
+            if not self.alloc.grow(blocks, need):
+                raise InputError("the KV pool is full", where=f"sequence {b}")
             if blocks:
                 table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        slot = torch.tensor([self.geo.n_slots - 1 - b for b in range(B)], dtype=torch.int32)
+            if b not in self.slots:
+                self.slots[b] = self.alloc.slot()
+        slot = torch.tensor([self.slots[b] for b in range(B)], dtype=torch.int32)
         return {"block_table": table, "slot": slot}
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from .errors import ArtifactError, ConfigError
 from .errors import show_value as _show
+from .targets import TARGET_FORMATS
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2  # 2: a weights shard's hash in `files` is its `shard_digest` (1: its whole-file sha256)
@@ -45,7 +46,6 @@ MAX_BUCKETS = 64
 MAX_BLOCKS = 1 << 22  # pool blocks (the session keeps a free list of them): V4-Pro, 8 x 1 M tokens: 32,768
 MAX_RANK = 8
 MAX_NUMEL = 1 << 48
-TARGET_FORMATS = {"cpu": "onnx", "gfx950": "triton-aot", "sm_90a": "triton-aot"}  # the artifact's targets
 IR_DTYPES = ("fp32", "bf16", "fp8e4m3", "e8m0", "fp4x2", "i32", "i64", "bool")
 SHA256 = re.compile(r"[0-9a-f]{64}")
 KERNEL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -367,6 +367,8 @@ def check_manifest(m: dict[str, Any], verify: bool = True) -> None:
         fns = _obj(_get(t, "functions", f"{key}.functions"), f"{key}.functions")
         if name == "cpu":
             _int(_get(t, "opset", f"{key}.opset"), f"{key}.opset", 1, 1000)
+            if "program" in t:  # without GPU targets: the program the host device runs
+                listed(t["program"], f"{key}.program")
             want_fns = ({f"decode_b{x}": ("decode", x, 1) for x in decode} |
                         {f"prefill_c{x}": ("prefill", 1, x) for x in prefill})
         else:

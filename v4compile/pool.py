@@ -157,3 +157,34 @@ class PoolGeometry:
                    pairs(a["index_offset"]), a["n_blocks"], a["blocks_per_seq"], a["window"], a["n_window_layers"],
                    a["n_slots"], a["head_dim"], a["rope_dim"], a["index_dim"], a["main_fmt"], a["index_fmt"],
                    a["compute_dtype"])
+
+
+class Allocator:
+    """Sequence slots and pool blocks: the host-side bookkeeping before each step of a pool-lowered function,
+    shared by the runtime's session and the IR harness. Free lists are stacks: `descending` hands out the
+    highest slot / block first (the harness: blocks interleave across sequences from the top of the row
+    space, so the block-table translation is really exercised), else the lowest first (the session)."""
+
+    def __init__(self, n_slots: int, n_blocks: int, descending: bool = False):
+        def stack(n: int) -> list[int]:
+            return list(range(n)) if descending else list(range(n - 1, -1, -1))
+
+        self.free_slots = stack(n_slots)
+        self.free_blocks = stack(n_blocks)
+
+    def slot(self) -> int | None:
+        """A free slot, or None when every slot is taken."""
+        return self.free_slots.pop() if self.free_slots else None
+
+    def grow(self, blocks: list[int], need: int) -> bool:
+        """Append free blocks to `blocks` until it holds `need`; False (and as many as there were) if the
+        pool runs out."""
+        while len(blocks) < need:
+            if not self.free_blocks:
+                return False
+            blocks.append(self.free_blocks.pop())
+        return True
+
+    def release(self, slot: int, blocks: list[int]) -> None:
+        self.free_slots.append(slot)
+        self.free_blocks.extend(reversed(blocks))

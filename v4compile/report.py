@@ -82,9 +82,9 @@ def build_report(cfg: V4Config, traced: Module, result, targets: tuple[str, ...]
     if dec:
         rep["decode_launches_detail"] = launch_counts(cfg, dec)
     if final.attrs.get("stage") == "program":
-        from .program.build import build_program
+        from .program.build import program_of
 
-        prog = build_program(final)
+        prog = program_of(final)
         rep["program"] = program_summary(prog)
         if "decode" in rep["program"]:
             rep["launches_per_decode_step"] = rep["program"]["decode"]["launches"]

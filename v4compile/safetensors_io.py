@@ -227,24 +227,30 @@ class SafetensorsFile:
         self.close()
 
 
-def serialize(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> tuple[bytes, list]:
-    """Header bytes (padded to 8) and the list of tensors to write after it, in order."""
+def header_bytes(entries, metadata: dict[str, str] | None = None, sort_keys: bool = False) -> bytes:
+    """A safetensors header (length prefix, JSON padded to 8 bytes) for tensors stored back to back in the
+    order of `entries`: (name, safetensors dtype name, shape, byte count)."""
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
     offset = 0
+    for name, dtype, shape, n in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":"), sort_keys=sort_keys).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def serialize(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> tuple[bytes, list]:
+    """Header bytes (padded to 8) and the list of tensors to write after it, in order."""
     order = []
     for name, t in tensors.items():
         if t.dtype not in DTYPE_NAMES:
             raise CheckpointError("dtype cannot be stored in safetensors", where=name, found=str(t.dtype))
-        t = t.detach().contiguous().cpu()
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-        order.append(t)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw, order
+        order.append(t.detach().contiguous().cpu())
+    entries = [(name, DTYPE_NAMES[t.dtype], t.shape, t.numel() * t.element_size()) for name, t in zip(tensors, order)]
+    return header_bytes(entries, metadata), order
 
 
 def write_file(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:

@@ -31,12 +31,10 @@ and check each tensor against its sha256 (naming it) and the shard against its d
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import mmap
 import os
 import queue
-import struct
 import threading
 import time
 from collections import deque
@@ -215,14 +213,10 @@ def shard_groups(plans: list[TensorPlan], shard_bytes: int) -> list[list[TensorP
 
 def shard_header(group: list[TensorPlan]) -> bytes:
     """The safetensors header (length prefix included) of one shard, its tensors in `group` order."""
-    header: dict[str, Any] = {"__metadata__": {"format": "v4compile-ir-weights"}}
-    off = 0
-    for p in group:
-        header[p.name] = {"dtype": ST_DTYPE[p.dtype], "shape": list(p.shape), "data_offsets": [off, off + p.nbytes]}
-        off += p.nbytes
-    raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
+    from .safetensors_io import header_bytes
+
+    return header_bytes([(p.name, ST_DTYPE[p.dtype], p.shape, p.nbytes) for p in group],
+                        {"format": "v4compile-ir-weights"}, sort_keys=True)
 
 
 class _Progress:

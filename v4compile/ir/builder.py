@@ -6,20 +6,11 @@ types from the op's shape rule and provenance from the current scope.
 
 from __future__ import annotations
 
-import contextvars
 from typing import Any
 
 from .core import INPUT, SSA, Function, Op, Value
+from .registry import RECORDER
 from .types import TensorType
-
-_builder: contextvars.ContextVar["Builder | None"] = contextvars.ContextVar("v4_builder", default=None)
-
-
-def current_builder() -> "Builder":
-    b = _builder.get()
-    if b is None:
-        raise RuntimeError("an op was called on IR values outside of a Builder")
-    return b
 
 
 class Builder:
@@ -29,11 +20,11 @@ class Builder:
         self._token = None
 
     def __enter__(self) -> "Builder":
-        self._token = _builder.set(self)
+        self._token = RECORDER.set(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        _builder.reset(self._token)
+        RECORDER.reset(self._token)
 
     def input(self, name: str, type: TensorType) -> Value:
         v = Value(name, type, INPUT)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .optable import get_op
 from .types import TensorType
 
 SSA, INPUT, WEIGHT = "ssa", "input", "weight"
@@ -50,18 +51,15 @@ class Op:
 
     def operand(self, name: str) -> Value | None:
         """The operand of that name in the op's signature (None when an optional one is absent)."""
-        from .registry import get_op
         return self.operands[get_op(self.name).operand_index(name)]
 
     def out(self, name: str) -> Value | None:
         """The result of that name in the op's signature (None when an optional one is absent)."""
-        from .registry import get_op
         names = get_op(self.name).result_names(self.operands, len(self.results))
         get_op(self.name).result_index(name)  # an unknown name is an error, an absent one is None
         return self.results[names.index(name)] if name in names else None
 
     def named_results(self) -> list[tuple[str, Value]]:
-        from .registry import get_op
         return list(zip(get_op(self.name).result_names(self.operands, len(self.results)), self.results))
 
     @property

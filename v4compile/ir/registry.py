@@ -17,9 +17,9 @@ Traits, declared with `defop`:
 * `view=`: the result is a view of an operand (no launch): a rule giving each result's layout (byte
   offset, element strides) from the operand's layout. See `Layout`, `split_view`, `reshape_view`.
 * `tied={"result": "operand"}`: that result is the operand updated in place (same buffer, same type).
-* `kernel="family"`: the Triton kernel family (`v4compile.codegen.kernels.<family>`) that runs it.
+* `kernel="family"`: the kernel family that runs it: its Triton kernels (`v4compile.codegen.kernels.<family>`)
+  and its ONNX lowerings (`v4compile.codegen.onnx.<family>`); backends are wired by family, never imported here.
 * `@op.cost`: FLOPs and bytes moved from the operand / result types (a default counts bytes only).
-* `@op.onnx`: the ONNX lowering (see `v4compile.codegen.onnx_export`).
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ from typing import Any
 
 from ..errors import IRError
 from .core import Value
+from .optable import REGISTRY, get_op  # noqa: F401 (get_op: the registry's reader)
 from .semantics import TAGS, check_tags
 from .types import TensorType
-
-REGISTRY: dict[str, "OpDef"] = {}
 
 ATTR_TYPES = (int, float, bool, str, tuple)
 _NO_DEFAULT = object()
@@ -45,6 +44,15 @@ _NO_DEFAULT = object()
 # `semantics.py`) while it runs; traced ops record them.
 _scope: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("v4_scope", default=())
 _tags: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("v4_tags", default={})
+# While tracing: the builder that records op calls on IR values (set by `builder.Builder`).
+RECORDER: contextvars.ContextVar[Any] = contextvars.ContextVar("v4_builder", default=None)
+
+
+def current_builder() -> Any:
+    b = RECORDER.get()
+    if b is None:
+        raise RuntimeError("an op was called on IR values outside of a Builder")
+    return b
 
 
 @contextlib.contextmanager
@@ -161,7 +169,6 @@ class OpDef:
                 raise ValueError(f"{self.name}: variants may only select optional operands")
             self.attrs["variant"] = AttrSpec("variant", str)
         self._cost: Callable | None = None
-        self.onnx_lowering: Callable | None = None
         for r, o in self.tied.items():
             if r not in self.results or o not in self.operand_names:
                 raise ValueError(f"{self.name}: tied {r} -> {o} names no result / operand")
@@ -223,10 +230,6 @@ class OpDef:
 
     def cost(self, fn: Callable) -> Callable:
         self._cost = fn
-        return fn
-
-    def onnx(self, fn: Callable) -> Callable:
-        self.onnx_lowering = fn
         return fn
 
     def cost_of(self, operands: list[TensorType | None], results: list[TensorType], attrs: dict[str, Any]) -> Cost:
@@ -320,7 +323,6 @@ class OpDef:
             attrs = {**current_tags(), **attrs}
         attrs = self.normalize_attrs(self.with_variant(operands, attrs))
         if tracing:
-            from .builder import current_builder
             results = current_builder().emit(self, operands, attrs, current_loc())
         else:
             results = self.ref(*operands, **ref_attrs(attrs))
@@ -438,10 +440,3 @@ def defop(sig: str, attrs: dict[str, Any] | None = None, *, view: Callable | Non
     return wrap
 
 
-def get_op(name: str, where: str = "") -> OpDef:
-    """A registered op. Op sets are registered by loading them (`v4compile.ops.load(...)`); the registry
-    imports none itself."""
-    if name not in REGISTRY:
-        raise IRError(f"unknown op '{name}'", where=where or None,
-                      expected="an op of a loaded op set" if REGISTRY else "an op (no op set is loaded)")
-    return REGISTRY[name]

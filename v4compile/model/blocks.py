@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .. import ops
+from ..ops import op
 from ..config import CSA, HCA, V4Config
 from ..ir.core import Value
 from ..ir.registry import scope
@@ -57,16 +57,16 @@ def attention_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, pos:
     kind = cfg.kind(layer)
     official = opts.numerics == "official"
     a = pre + "attn."
-    qr = ops.rms_norm(ops.linear(x, **gemm(P, opts, a + "wq_a.weight", "attn.wq_a")), P.t(a + "q_norm.weight"), eps=eps)
-    q = ops.reshape(ops.linear(qr, **gemm(P, opts, a + "wq_b.weight", "attn.wq_b")),
+    qr = op.rms_norm(op.linear(x, **gemm(P, opts, a + "wq_a.weight", "attn.wq_a")), P.t(a + "q_norm.weight"), eps=eps)
+    q = op.reshape(op.linear(qr, **gemm(P, opts, a + "wq_b.weight", "attn.wq_b")),
                     shape=(B, T, cfg.n_heads, cfg.head_dim))
     # official: the per-head q norm's statistic in the activation dtype (spec 15 item 10)
-    q = ops.rope(ops.rms_norm(q, None, eps=eps, mean="dtype" if official else "fp32"), pos, **rope)
-    kv = ops.rms_norm(ops.linear(x, **gemm(P, opts, a + "wkv.weight", "attn.wkv")), P.t(a + "kv_norm.weight"),
+    q = op.rope(op.rms_norm(q, None, eps=eps, mean="dtype" if official else "fp32"), pos, **rope)
+    kv = op.rms_norm(op.linear(x, **gemm(P, opts, a + "wkv.weight", "attn.wkv")), P.t(a + "kv_norm.weight"),
                       eps=eps)
-    kv = ops.rope(kv, pos, **rope)
+    kv = op.rope(kv, pos, **rope)
     if official:
-        kv = ops.fp8_round(kv, dims=cfg.nope_dim, block=kv_round_block(cfg))
+        kv = op.fp8_round(kv, dims=cfg.nope_dim, block=kv_round_block(cfg))
 
     rows = selected = None
     ratio = cfg.ratio(layer) or 1
@@ -74,9 +74,9 @@ def attention_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, pos:
         crope = {"rope_dim": rope["dim"], "theta": rope["theta"], "yarn": rope["yarn"]}
         with scope("compressor", role="attn.compressor"):
             c = a + "compressor."
-            rows, cache["state_kv"], cache["state_gate"] = ops.compress(
-                ops.linear(x, **gemm(P, opts, c + "wkv.weight", "attn.compressor.wkv")),
-                ops.linear(x, **gemm(P, opts, c + "wgate.weight", "attn.compressor.wgate")),
+            rows, cache["state_kv"], cache["state_gate"] = op.compress(
+                op.linear(x, **gemm(P, opts, c + "wkv.weight", "attn.compressor.wkv")),
+                op.linear(x, **gemm(P, opts, c + "wgate.weight", "attn.compressor.wgate")),
                 P.t(c + "ape"), P.t(c + "norm.weight"), cache["state_kv"], cache["state_gate"], cache["rows"], pos,
                 ratio=ratio, overlap=kind == CSA, eps=eps, round="fp8" if official else "none", **crope)
             cache["rows"] = rows
@@ -84,28 +84,28 @@ def attention_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, pos:
             with scope("indexer", role="attn.indexer"):
                 i = a + "indexer."
                 ic = i + "compressor."
-                keys, cache["index_state_kv"], cache["index_state_gate"] = ops.compress(
-                    ops.linear(x, **gemm(P, opts, ic + "wkv.weight", "attn.indexer.compressor.wkv")),
-                    ops.linear(x, **gemm(P, opts, ic + "wgate.weight", "attn.indexer.compressor.wgate")),
+                keys, cache["index_state_kv"], cache["index_state_gate"] = op.compress(
+                    op.linear(x, **gemm(P, opts, ic + "wkv.weight", "attn.indexer.compressor.wkv")),
+                    op.linear(x, **gemm(P, opts, ic + "wgate.weight", "attn.indexer.compressor.wgate")),
                     P.t(ic + "ape"), P.t(ic + "norm.weight"), cache["index_state_kv"], cache["index_state_gate"],
                     cache["index_rows"], pos, ratio=ratio, overlap=True, eps=eps,
                     round="fp4" if official else "none", role="attn.indexer.compressor", **crope)
                 cache["index_rows"] = keys
-                qi = ops.linear(qr, **gemm(P, opts, i + "wq_b.weight", "attn.indexer.wq_b"))
-                qi = ops.rope(ops.reshape(qi, shape=(B, T, cfg.index_n_heads, cfg.index_head_dim)), pos, **rope)
+                qi = op.linear(qr, **gemm(P, opts, i + "wq_b.weight", "attn.indexer.wq_b"))
+                qi = op.rope(op.reshape(qi, shape=(B, T, cfg.index_n_heads, cfg.index_head_dim)), pos, **rope)
                 if official:
-                    qi = ops.hadamard_fp4_round(qi)
-                wts = ops.linear(x, **gemm(P, opts, i + "weights_proj.weight", "attn.indexer.weights_proj"))
-                scores = ops.indexer_scores(qi, wts, keys, pos, ratio=ratio, q_scale=cfg.index_head_dim ** -0.5,
+                    qi = op.hadamard_fp4_round(qi)
+                wts = op.linear(x, **gemm(P, opts, i + "weights_proj.weight", "attn.indexer.weights_proj"))
+                scores = op.indexer_scores(qi, wts, keys, pos, ratio=ratio, q_scale=cfg.index_head_dim ** -0.5,
                                             w_scale=cfg.index_n_heads ** -0.5)
-                selected = ops.topk(scores, k=min(cfg.index_topk, shape_of(keys)[1]))
+                selected = op.topk(scores, k=min(cfg.index_topk, shape_of(keys)[1]))
 
-    o = ops.attention(q, kv, cache["win"], pos, P.t(a + "attn_sink"), rows, selected, window=cfg.window,
+    o = op.attention(q, kv, cache["win"], pos, P.t(a + "attn_sink"), rows, selected, window=cfg.window,
                       ratio=ratio, scale=cfg.head_dim ** -0.5)
-    cache["win"] = ops.window_write(cache["win"], kv, pos)
-    o = ops.rope(o, pos, inverse=True, **rope)
-    z = ops.grouped_out_proj(o, **gemm(P, opts, a + "wo_a.weight", "attn.wo_a"), groups=cfg.o_groups)
-    return ops.linear(z, **gemm(P, opts, a + "wo_b.weight", "attn.wo_b"))
+    cache["win"] = op.window_write(cache["win"], kv, pos)
+    o = op.rope(o, pos, inverse=True, **rope)
+    z = op.grouped_out_proj(o, **gemm(P, opts, a + "wo_a.weight", "attn.wo_a"), groups=cfg.o_groups)
+    return op.linear(z, **gemm(P, opts, a + "wo_b.weight", "attn.wo_b"))
 
 
 def gemm(P: Params, opts: StepOptions, name: str, role: str, out_dtype: str = "") -> dict[str, Any]:
@@ -122,20 +122,20 @@ def moe_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, ids: Any, 
     f = pre + "ffn."
     hashed = cfg.is_hash(layer)
     official = opts.numerics == "official"  # router in fp32 without HF's 1e-20 (spec 10; 15 items 7, 14)
-    wts, idx = ops.router(x, P.t(f + "gate.weight"), None if hashed else P.t(f + "gate.bias"),
+    wts, idx = op.router(x, P.t(f + "gate.weight"), None if hashed else P.t(f + "gate.bias"),
                           P.t(f + "gate.tid2eid") if hashed else None, ids if hashed else None,
                           k=cfg.n_active_experts, route_scale=float(cfg.route_scale),
                           denom_eps=0.0 if official else 1e-20, fp32=official, role="ffn.gate")
     fp8 = official and P.quantized(experts_name(pre, "w1"))
     # official: the routing weight scales w2's input, inside its activation quantisation (spec 10)
-    y = ops.moe_experts(x, wts, idx, **P.experts(pre), limit=float(cfg.swiglu_limit), act="fp8" if fp8 else "native",
+    y = op.moe_experts(x, wts, idx, **P.experts(pre), limit=float(cfg.swiglu_limit), act="fp8" if fp8 else "native",
                         route_weight="before_w2" if official else "after_w2", role="ffn.experts")
     with scope("shared", role="ffn.shared"):
         s = f + "shared_experts."
-        h = ops.swiglu(ops.linear(x, **gemm(P, opts, s + "w1.weight", "ffn.shared.w1")),
-                       ops.linear(x, **gemm(P, opts, s + "w3.weight", "ffn.shared.w3")),
+        h = op.swiglu(op.linear(x, **gemm(P, opts, s + "w1.weight", "ffn.shared.w1")),
+                       op.linear(x, **gemm(P, opts, s + "w3.weight", "ffn.shared.w3")),
                        limit=float(cfg.swiglu_limit))
-        y = ops.add(y, ops.linear(h, **gemm(P, opts, s + "w2.weight", "ffn.shared.w2")))
+        y = op.add(y, op.linear(h, **gemm(P, opts, s + "w2.weight", "ffn.shared.w2")))
     return y
 
 
@@ -143,32 +143,32 @@ def decoder_layer(P: Params, cfg: V4Config, layer: int, pre: str, streams: Any, 
                   cache: dict[str, Any], opts: StepOptions) -> Any:
     hc = {"eps": cfg.rms_eps, "hc_eps": cfg.hc_eps, "iters": cfg.hc_sinkhorn_iters}
     with scope("attn_hc", role="attn_hc"):
-        y, post, comb = ops.hc_pre(streams, P.t(pre + "hc_attn_fn"), P.t(pre + "hc_attn_base"),
+        y, post, comb = op.hc_pre(streams, P.t(pre + "hc_attn_fn"), P.t(pre + "hc_attn_base"),
                                    P.t(pre + "hc_attn_scale"), **hc)
     with scope("attn", role="attn"):
-        y = attention_block(P, cfg, layer, pre, ops.rms_norm(y, P.t(pre + "attn_norm.weight"), eps=cfg.rms_eps),
+        y = attention_block(P, cfg, layer, pre, op.rms_norm(y, P.t(pre + "attn_norm.weight"), eps=cfg.rms_eps),
                             pos, cache, opts)
     with scope("attn_hc", role="attn_hc"):
-        streams = ops.hc_post(y, streams, post, comb)
+        streams = op.hc_post(y, streams, post, comb)
     with scope("ffn_hc", role="ffn_hc"):
-        y, post, comb = ops.hc_pre(streams, P.t(pre + "hc_ffn_fn"), P.t(pre + "hc_ffn_base"),
+        y, post, comb = op.hc_pre(streams, P.t(pre + "hc_ffn_fn"), P.t(pre + "hc_ffn_base"),
                                    P.t(pre + "hc_ffn_scale"), **hc)
     with scope("ffn", role="ffn"):
-        y = moe_block(P, cfg, layer, pre, ops.rms_norm(y, P.t(pre + "ffn_norm.weight"), eps=cfg.rms_eps), ids,
+        y = moe_block(P, cfg, layer, pre, op.rms_norm(y, P.t(pre + "ffn_norm.weight"), eps=cfg.rms_eps), ids,
                       opts)
     with scope("ffn_hc", role="ffn_hc"):
-        streams = ops.hc_post(y, streams, post, comb)
+        streams = op.hc_post(y, streams, post, comb)
     return streams
 
 
 def head(P: Params, cfg: V4Config, pre: str, streams: Any, pos: Any, opts: StepOptions) -> Any:
-    h = ops.hc_head(streams, P.t(pre + "hc_head_fn"), P.t(pre + "hc_head_base"), P.t(pre + "hc_head_scale"),
+    h = op.hc_head(streams, P.t(pre + "hc_head_fn"), P.t(pre + "hc_head_base"), P.t(pre + "hc_head_scale"),
                     eps=cfg.rms_eps, hc_eps=cfg.hc_eps)
     if opts.last_only:
-        h = ops.last_token(h, pos)
-    h = ops.rms_norm(h, P.t(pre + "norm.weight"), eps=cfg.rms_eps)
+        h = op.last_token(h, pos)
+    h = op.rms_norm(h, P.t(pre + "norm.weight"), eps=cfg.rms_eps)
     # Official logits are fp32 (spec 11, 12: the head weight upcast, an fp32 GEMM).
-    return ops.linear(h, **gemm(P, opts, "head.weight", "head", "fp32" if opts.numerics == "official" else ""))
+    return op.linear(h, **gemm(P, opts, "head.weight", "head", "fp32" if opts.numerics == "official" else ""))
 
 
 def model_step(P: Params, cfg: V4Config, ids: Any, pos: Any, caches: list[dict[str, Any]],
@@ -176,7 +176,7 @@ def model_step(P: Params, cfg: V4Config, ids: Any, pos: Any, caches: list[dict[s
     """Logits (`[B, T, V]`, or `[B, V]` with `last_only`) and the final hidden streams `[B, T, n, D]`
     (before `hc_head`; the MTP block's input). Updates `caches` in place (new tensors / values)."""
     with scope("embed", role="embed"):
-        streams = ops.hc_expand(ops.embed(ids, P.t("embed.weight")), n=cfg.hc_mult)
+        streams = op.hc_expand(op.embed(ids, P.t("embed.weight")), n=cfg.hc_mult)
     for layer in range(cfg.n_layers):
         with scope(f"layers.{layer}", layer=layer):
             streams = decoder_layer(P, cfg, layer, f"layers.{layer}.", streams, ids, pos, caches[layer], opts)
@@ -192,10 +192,10 @@ def mtp_step(P: Params, cfg: V4Config, j: int, streams: Any, next_ids: Any, pos:
     pre = f"mtp.{j}."
     B, T, n, D = shape_of(streams)
     with scope(f"mtp.{j}", layer=cfg.n_layers + j, role="mtp"):
-        e = ops.rms_norm(ops.embed(next_ids, P.t("embed.weight")), P.t(pre + "enorm.weight"), eps=cfg.rms_eps)
-        h = ops.rms_norm(streams, P.t(pre + "hnorm.weight"), eps=cfg.rms_eps)
-        e = ops.reshape(ops.linear(e, **gemm(P, opts, pre + "e_proj.weight", "mtp.e_proj")), shape=(B, T, 1, D))
-        x0 = ops.add(e, ops.linear(h, **gemm(P, opts, pre + "h_proj.weight", "mtp.h_proj")))
+        e = op.rms_norm(op.embed(next_ids, P.t("embed.weight")), P.t(pre + "enorm.weight"), eps=cfg.rms_eps)
+        h = op.rms_norm(streams, P.t(pre + "hnorm.weight"), eps=cfg.rms_eps)
+        e = op.reshape(op.linear(e, **gemm(P, opts, pre + "e_proj.weight", "mtp.e_proj")), shape=(B, T, 1, D))
+        x0 = op.add(e, op.linear(h, **gemm(P, opts, pre + "h_proj.weight", "mtp.h_proj")))
         out = decoder_layer(P, cfg, cfg.n_layers + j, pre, x0, next_ids, pos, cache, opts)
         with scope(role="head"):
             logits = head(P, cfg, pre, out, pos, opts)

@@ -8,7 +8,8 @@ it needs (the frontend, the CLI, the runtimes call `load_all()`).
   the official numerics' roundings);
 * `lowered`: the ops passes create (fusions, the paged pool).
 
-The reference model calls ops as attributes of this package (`ops.rms_norm(...)`), which loads every set.
+The reference model calls ops through `op` (`op.rms_norm(...)`), which loads every set on first use. The
+package's own attributes are its modules: `ops.rope` is `ops/rope.py`, `op.rope` the op.
 """
 
 from __future__ import annotations
@@ -30,20 +31,22 @@ def load(*names: str) -> None:
             raise KeyError(f"unknown op set {name!r} (one of {', '.join(OPSETS)})")
         for mod in OPSETS[name]:
             importlib.import_module(f"{__name__}.{mod}")
-    from ..ir.registry import REGISTRY
-
-    # `ops.<name>` is the op, also where a module of the same name exists (`rope`, `attention`).
-    globals().update(REGISTRY)
 
 
 def load_all() -> None:
     load(*OPSETS)
 
 
-def __getattr__(name: str) -> Any:
-    load_all()
-    from ..ir.registry import REGISTRY
+class _Ops:
+    """`op.<name>`: the registered op of that name."""
 
-    if name in REGISTRY:
-        return REGISTRY[name]
-    raise AttributeError(f"module {__name__!r} has no op {name!r}")
+    def __getattr__(self, name: str) -> Any:
+        load_all()
+        from ..ir.optable import REGISTRY
+
+        if name in REGISTRY:
+            return REGISTRY[name]
+        raise AttributeError(f"no op {name!r}")
+
+
+op = _Ops()

@@ -156,14 +156,3 @@ def _(o, w, scale, o_scale, *, groups, block, act, acc, out_dtype):
     require(o.dtype in ("fp32", "bf16"), "grouped_out_proj input must be fp32 or bf16 (or fp8 with o_scale)",
             found=o.dtype)
     return TensorType((o.shape[0], o.shape[1], w.shape[0]), out_dtype or o.dtype)
-
-
-@grouped_out_proj.onnx
-def _(g, o, a, r):
-    if o.scale is not None or o.o_scale is not None or a.get("act", "native") != "native":
-        raise NotImplementedError("grouped_out_proj: the ONNX lowering takes dense fp32 operands (act native)")
-    B, T = o.types["o"].shape[:2]
-    G, (R, k) = a["groups"], o.types["w"].shape
-    x = g.op("Transpose", g.reshape(o.o, (B * T, G, k)), perm=[1, 0, 2])  # [G, BT, k]
-    z = g.matmul_t(x, g.reshape(o.w, (G, R // G, k)))  # [G, BT, R/G]
-    return g.reshape(g.op("Transpose", z, perm=[1, 0, 2]), (B, T, R))

@@ -47,11 +47,6 @@ def _(ids, table):
     return TensorType((*ids.shape, table.shape[1]), table.dtype)
 
 
-@embed.onnx
-def _(g, o, a, r):
-    return g.op("Gather", o.table, g.clamp_min0(g.as_i64(o.ids, o.types["ids"].dtype)), axis=0)
-
-
 # ---- GEMM numerics ----------------------------------------------------------------------------
 # Every GEMM op (`linear`, `norm_linear`, `grouped_out_proj`, `moe_experts`, `moe_experts_shared`) records
 # how it computes (`v4-reference.md` 12, 13.1); the weight format is the weight operand's dtype:
@@ -131,18 +126,6 @@ def _(x, w, scale, *, block, act, acc, out_dtype):
     return TensorType((*x.shape[:-1], w.shape[0]), out_dtype or x.dtype)
 
 
-def _native_gemm(what: str, a: dict) -> None:
-    """The ONNX lowerings compute GEMMs in fp32 on the activation as it is (act native)."""
-    if a.get("act", "native") != "native" or a.get("out_dtype", "") not in ("", "fp32"):
-        raise NotImplementedError(f"{what} act={a.get('act')!r} out_dtype={a.get('out_dtype')!r} (cpu: act native, fp32)")
-
-
-@linear.onnx
-def _(g, o, a, r):
-    _native_gemm("linear", a)
-    return g.linear(o.x, o.types["x"], o.w, o.types["w"], o.scale)
-
-
 # How the unweighted RMSNorm (the per-head q norm) forms its statistic: "fp32" squares and averages the
 # fp32 values (transformers); "dtype" squares, averages, adds eps and takes the rsqrt in x's dtype, each
 # step rounded to it (DeepSeek's code, `v4-reference.md` 15 item 10). Weighted norms are always "fp32".
@@ -177,13 +160,6 @@ def _(x, weight, *, eps, mean="fp32"):
     return x
 
 
-@rms_norm.onnx
-def _(g, o, a, r):
-    if a["mean"] != "fp32" and o.types["x"].dtype != "fp32":  # in fp32 both statistics are the same maths
-        raise NotImplementedError("rms_norm mean=\"dtype\" on a non-fp32 input (cpu: fp32)")
-    return g.rms(o.x, o.weight, a["eps"], o.types["x"].shape[-1])
-
-
 @defop("swiglu(gate, up) -> y", attrs={"limit": float}, kernel="elementwise")
 def swiglu(gate, up, *, limit):
     """`silu(min(gate, L)) * clamp(up, -L, L)`: the clamped SwiGLU of every V4 expert."""
@@ -198,13 +174,6 @@ def _(gate, up, *, limit):
     return gate
 
 
-@swiglu.onnx
-def _(g, o, a, r):
-    lim = a["limit"]
-    gate = g.op("Min", o.gate, g.scalar(lim))
-    return g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), g.op("Clip", o.up, g.scalar(-lim), g.scalar(lim)))
-
-
 @defop("reshape(x) -> y", attrs={"shape": tuple}, view=reshape_view)
 def reshape(x, *, shape):
     return x.reshape(shape)
@@ -215,11 +184,6 @@ def _(x, *, shape):
     out = TensorType(tuple(int(s) for s in shape), x.dtype)
     require(out.numel == x.numel, "reshape must keep the element count", expected=x.numel, found=out.numel)
     return out
-
-
-@reshape.onnx
-def _(g, o, a, r):
-    return g.reshape(o.x, r[0].shape)
 
 
 @defop("add(a, b) -> y", kernel="elementwise")
@@ -236,11 +200,6 @@ def _(a, b):
     require(all(x == y or 1 in (x, y) for x, y in zip(sa, sb)), "add operands do not broadcast",
             found=(list(a.shape), list(b.shape)))
     return TensorType(tuple(max(x, y) if 1 in (x, y) else x for x, y in zip(sa, sb)), a.dtype)
-
-
-@add.onnx
-def _(g, o, a, r):
-    return g.op("Add", o.a, o.b)
 
 
 @defop("last_token(x, pos) -> y", kernel="last_token")
@@ -260,15 +219,6 @@ def _(x, pos):
     return TensorType((x.shape[0], *x.shape[2:]), x.dtype)
 
 
-@last_token.onnx
-def _(g, o, a, r):
-    B, T = o.types["x"].shape[:2]
-    pos = g.as_i64(o.pos, o.types["pos"].dtype)
-    n = g.sum(g.cast(g.op("GreaterOrEqual", pos, g.iscalar(0)), 7), 1)  # 7: INT64
-    idx = g.op("Add", g.clamp_min0(g.op("Sub", n, g.iscalar(1))), g.const([b * T for b in range(B)], "int64"))
-    return g.op("Gather", g.reshape(o.x, (B * T, *o.types["x"].shape[2:])), idx, axis=0)
-
-
 @defop("split(x) -> a, b", attrs={"at": int}, view=split_view)
 def split(x, *, at):
     """A view: the last axis cut at `at` (the two outputs of a merged GEMM)."""
@@ -280,8 +230,3 @@ def _(x, *, at):
     require(0 < at < x.shape[-1], "split point must be inside the last axis", expected=f"0 < at < {x.shape[-1]}",
             found=at)
     return x.with_shape(*x.shape[:-1], at), x.with_shape(*x.shape[:-1], x.shape[-1] - at)
-
-
-@split.onnx
-def _(g, o, a, r):
-    return g.split(o.x, (a["at"], o.types["x"].shape[-1] - a["at"]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..ir.registry import Cost, defop, require
 from ..ir.types import TensorType
-from .basic import GEMM_ATTRS, _native_gemm, linear, rms_norm, swiglu
+from .basic import GEMM_ATTRS, linear, rms_norm, swiglu
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import MOE_ATTRS, moe_experts
 from .numerics import fp8_round_ref
@@ -35,12 +35,6 @@ def _(streams, fn, base, scale, norm, **attrs):
     return hc_pre.result_types([streams, fn, base, scale], a)
 
 
-@hc_pre_norm.onnx
-def _(g, o, a, r):
-    y, post, comb = g.hc_pre(o.streams, o.types["streams"], o.fn, o.base, o.scale, a["eps"], a["hc_eps"], a["iters"])
-    return (y if o.norm is None else g.rms(y, o.norm, a["norm_eps"])), post, comb
-
-
 @defop("mhc_post_pre(y, streams, post, comb, fn, base, scale, norm?) -> streams_out, y_next, post_next, comb_next",
        attrs={"eps": float, "hc_eps": float, "iters": int, "norm_eps": float}, kernel="mhc",
        variants={"norm": ("norm",), "plain": ()})
@@ -58,13 +52,6 @@ def _(y, streams, post, comb, fn, base, scale, norm, **attrs):
     return (out, *hc_pre.result_types([out, fn, base, scale], a))
 
 
-@mhc_post_pre.onnx
-def _(g, o, a, r):
-    out = g.hc_post(o.y, o.streams, o.types["streams"], o.post, o.comb)
-    y, post, comb = g.hc_pre(out, o.types["streams"], o.fn, o.base, o.scale, a["eps"], a["hc_eps"], a["iters"])
-    return out, (y if o.norm is None else g.rms(y, o.norm, a["norm_eps"])), post, comb
-
-
 @defop("mhc_post_head(y, streams, post, comb, fn, base, scale) -> h", attrs={"eps": float, "hc_eps": float}, kernel="mhc")
 def mhc_post_head(y, streams, post, comb, fn, base, scale, *, eps, hc_eps):
     """The last sub-layer's `hc_post` folded into the final `hc_head` collapse."""
@@ -75,12 +62,6 @@ def mhc_post_head(y, streams, post, comb, fn, base, scale, *, eps, hc_eps):
 def _(y, streams, post, comb, fn, base, scale, *, eps, hc_eps):
     out = hc_post.result_types([y, streams, post, comb], {})[0]
     return hc_head.result_types([out, fn, base, scale], {"eps": eps, "hc_eps": hc_eps})
-
-
-@mhc_post_head.onnx
-def _(g, o, a, r):
-    out = g.hc_post(o.y, o.streams, o.types["streams"], o.post, o.comb)
-    return g.hc_head(out, o.types["streams"], o.fn, o.base, o.scale, a["eps"], a["hc_eps"])
 
 
 # ---- attention output ----------------------------------------------------------------------------
@@ -116,14 +97,6 @@ def _(x, pos, *, dim, theta, yarn, fmt, group):
     hd = x.numel // (x.shape[0] * x.shape[1])
     require(hd % group == 0, "heads * head_dim must be a multiple of the quantisation group")
     return x.with_dtype("fp8e4m3"), TensorType((x.shape[0], x.shape[1], hd // group), "fp32")
-
-
-@inv_rope_group_quant.onnx
-def _(g, o, a, r):
-    if a.get("fmt", "none") != "none":
-        raise NotImplementedError("inv_rope_group_quant: the ONNX lowering has no FP8 activations (fmt none only)")
-    pos = g.as_i64(o.pos, o.types["pos"].dtype)
-    return g.rotate(o.x, o.types["x"], pos, 2, a["dim"], a["theta"], tuple(a["yarn"]), inverse=True)
 
 
 # ---- MoE -----------------------------------------------------------------------------------------
@@ -167,20 +140,6 @@ def _(operands, results, attrs):
     return Cost(c.flops + 6 * tokens * s1.shape[0] * s1.shape[1], c.bytes_read + dense, c.bytes_written)
 
 
-@moe_experts_shared.onnx
-def _(g, o, a, r):
-    if any(getattr(o, n) is not None for n in ("w1_scale", "s1_scale")):
-        raise NotImplementedError("moe_experts_shared: the ONNX lowering takes dense fp32 experts")
-    _native_gemm("moe_experts_shared", a)
-    x, xt, lim = o.x, o.types["x"], a["limit"]
-    routed = g.moe_routed(x, xt, o.weights, o.indices, o.w1, o.w2, o.w3, o.types["w1"], o.types["indices"].shape[-1],
-                          lim, a["route_weight"])
-    gt = g.op("Min", g.linear(x, xt, o.s1, o.types["s1"]), g.scalar(lim))
-    up = g.op("Clip", g.linear(x, xt, o.s3, o.types["s3"]), g.scalar(-lim), g.scalar(lim))
-    h = g.op("Mul", g.op("Mul", gt, g.op("Sigmoid", gt)), up)
-    return g.op("Add", routed, g.linear(h, xt.with_shape(*xt.shape[:-1], o.types["s1"].shape[0]), o.s2, o.types["s2"]))
-
-
 # ---- indexer -------------------------------------------------------------------------------------
 
 @defop("indexer_topk(q, weights, keys, pos) -> indices", attrs={"ratio": int, "q_scale": float, "w_scale": float,
@@ -219,17 +178,6 @@ def indexer_select(q, weights, pos, block_table, p0, p1, *, ratio, q_scale, w_sc
 def _(q, weights, pos, block_table, p0, p1, *, k, **_):
     B, T = q.shape[:2]
     return TensorType((B * T + 1,), "i32"), TensorType((B * T * k,), "i32")
-
-
-@indexer_select.onnx
-def _(g, o, a, r):
-    rl = g.indexer_rows(o.q, o.types["q"], o.weights, g.as_i64(o.pos, o.types["pos"].dtype),
-                        g.as_i64(o.block_table, o.types["block_table"].dtype), o.p0, ratio=a["ratio"],
-                        q_scale=a["q_scale"], w_scale=a["w_scale"], k=a["k"], block_tokens=a["block_tokens"],
-                        index_envelope_rows=a["index_envelope_rows"], index_offset=a["index_offset"],
-                        envelope_rows=a["envelope_rows"], max_rows=a["max_rows"],
-                        n_blocks=o.types["block_table"].shape[1])
-    return rl, rl  # (indptr, indices): one padded row list in ONNX (see codegen/onnx_export.RowList)
 
 
 # ---- q / kv norm + RoPE (+ window write) ---------------------------------------------------------
@@ -301,27 +249,6 @@ def _(operands, results, attrs):
                 sum(t.nbytes for t in acts) + rows * row_bytes(p0, p1, p2))
 
 
-@qkv_norm_rope.onnx
-def _(g, o, a, r):
-    pos = g.as_i64(o.pos, o.types["pos"].dtype)
-    if a["q_mean"] != "fp32" and o.types["q"].dtype != "fp32":  # in fp32 both statistics are the same maths
-        raise NotImplementedError("qkv_norm_rope q_mean=\"dtype\" on a non-fp32 input (cpu: fp32)")
-    rot = dict(dim=a["dim"], theta=a["theta"], yarn=tuple(a["yarn"]))
-    qo = g.rotate(g.rms(o.q, None, a["eps"], o.types["q"].shape[-1]), o.types["q"], pos, 2, **rot)
-    kvo = g.rotate(g.rms(o.kv, o.norm, a["eps"]), o.types["kv"], pos, 2, **rot)
-    if a.get("kv_round_dims", 0):
-        kvo = g.fp8_round(kvo, o.types["kv"], a["kv_round_dims"], a.get("kv_round_block", 64))
-    out = [qo, kvo]
-    if o.qi is not None:
-        qio = g.rotate(o.qi, o.types["qi"], pos, 2, **rot)
-        out.append(g.hadamard_fp4(qio, o.types["qi"], 32) if a.get("qi_round", "none") == "fp4" else qio)
-    if o.p0 is not None:
-        if a["fmt"] != "native" or o.p1 is not None:
-            raise NotImplementedError("qkv_norm_rope: the ONNX lowering writes native pool planes only")
-        out.append(g.window_write(o.p0, kvo, o.types["kv"], pos, g.as_i64(o.slot, o.types["slot"].dtype), a))
-    return out
-
-
 @defop("norm_linear(x, norm, w, scale?) -> y", attrs={"eps": float, **GEMM_ATTRS}, kernel="gemm")
 def norm_linear(x, norm, w, scale, *, eps, block, act, acc, out_dtype):
     """A weighted RMSNorm folded into the GEMM that alone reads it: the kernel's prologue already streams
@@ -334,9 +261,3 @@ def norm_linear(x, norm, w, scale, *, eps, block, act, acc, out_dtype):
 def _(x, norm, w, scale, *, eps, block, act, acc, out_dtype):
     rms_norm.result_types([x, norm], {"eps": eps})
     return linear.result_types([x, w, scale], {"block": block, "act": act, "acc": acc, "out_dtype": out_dtype})
-
-
-@norm_linear.onnx
-def _(g, o, a, r):
-    _native_gemm("norm_linear", a)
-    return g.linear(g.rms(o.x, o.norm, a["eps"]), o.types["x"], o.w, o.types["w"], o.scale)

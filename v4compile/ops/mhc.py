@@ -20,11 +20,6 @@ def _(x, *, n):
     return TensorType((*x.shape[:-1], n, x.shape[-1]), x.dtype)
 
 
-@hc_expand.onnx
-def _(g, o, a, r):
-    return g.op("Expand", g.unsqueeze(o.x, -2), g.i64(*r[0].shape))
-
-
 def _mix_inputs(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     flat = streams.flatten(-2).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
@@ -66,11 +61,6 @@ def _(streams, fn, base, scale, *, eps, hc_eps, iters):
             TensorType((*lead, n, n), "fp32"))
 
 
-@hc_pre.onnx
-def _(g, o, a, r):
-    return g.hc_pre(o.streams, o.types["streams"], o.fn, o.base, o.scale, a["eps"], a["hc_eps"], a["iters"])
-
-
 @defop("hc_post(y, streams, post, comb) -> streams_out", kernel="mhc")
 def hc_post(y, streams, post, comb):
     """`X'_k = post_k * y + sum_j comb[j, k] X_j` (comb used transposed), in the streams' dtype."""
@@ -87,11 +77,6 @@ def _(y, streams, post, comb):
     return streams
 
 
-@hc_post.onnx
-def _(g, o, a, r):
-    return g.hc_post(o.y, o.streams, o.types["streams"], o.post, o.comb)
-
-
 @defop("hc_head(streams, fn, base, scale) -> y", attrs={"eps": float, "hc_eps": float}, kernel="mhc")
 def hc_head(streams, fn, base, scale, *, eps, hc_eps):
     """Final collapse of the streams: `pre = sigmoid(m * scale + base) + hc_eps`, no Sinkhorn, no post."""
@@ -105,8 +90,3 @@ def _(streams, fn, base, scale, *, eps, hc_eps):
     *lead, n, d = streams.shape
     require(fn.shape == (n, n * d), "hc_head fn shape", expected=[n, n * d], found=list(fn.shape))
     return TensorType((*lead, d), streams.dtype)
-
-
-@hc_head.onnx
-def _(g, o, a, r):
-    return g.hc_head(o.streams, o.types["streams"], o.fn, o.base, o.scale, a["eps"], a["hc_eps"])

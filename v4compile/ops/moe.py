@@ -40,21 +40,6 @@ def _(x, w, bias, tid2eid, ids, *, k, route_scale, denom_eps, fp32):
     return TensorType((*lead, k), "fp32" if fp32 else x.dtype), TensorType((*lead, k), "i64")
 
 
-@router.onnx
-def _(g, o, a, r):
-    if a["fp32"] and o.types["x"].dtype != "fp32":  # on fp32 activations the fp32 router is the same maths
-        raise NotImplementedError("router fp32 on a non-fp32 input (cpu: fp32)")
-    k = a["k"]
-    scores = g.op("Sqrt", g.op("Softplus", g.linear(o.x, o.types["x"], o.w, o.types["w"])))
-    if o.tid2eid is not None:
-        idx = g.op("Gather", o.tid2eid, g.clamp_min0(g.as_i64(o.ids, o.types["ids"].dtype)), axis=0)
-    else:
-        idx = g.op("TopK", g.op("Add", scores, o.bias), g.i64(k), n_out=2, axis=-1, largest=1, sorted=1)[1]
-    wts = g.op("GatherElements", scores, idx, axis=-1)
-    wts = g.op("Div", wts, g.op("Add", g.sum(wts, -1, 1), g.scalar(a["denom_eps"])))
-    return g.op("Mul", wts, g.scalar(a["route_scale"])), idx
-
-
 # Where the routing weight enters a routed expert (`v4-reference.md` 10): "after_w2" multiplies w2's
 # output, `w2(h) * weight` (transformers); "before_w2" multiplies w2's input, `w2(round(weight * h))`
 # (DeepSeek's code: the weight scales the activation in fp32, which is rounded to the activation dtype and,
@@ -153,14 +138,3 @@ def expert_cost(x, weights, indices, stacks, y) -> Cost:
 def _(operands, results, attrs):
     x, weights, indices = operands[:3]
     return expert_cost(x, weights, indices, [t for t in operands[3:] if t is not None], results[0])
-
-
-@moe_experts.onnx
-def _(g, o, a, r):
-    from .basic import _native_gemm
-
-    if o.w1_scale is not None:
-        raise NotImplementedError("moe_experts: the ONNX lowering takes dense fp32 experts")
-    _native_gemm("moe_experts", a)
-    return g.moe_routed(o.x, o.types["x"], o.weights, o.indices, o.w1, o.w2, o.w3, o.types["w1"],
-                        o.types["indices"].shape[-1], a["limit"], a["route_weight"])

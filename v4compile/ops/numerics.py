@@ -30,11 +30,6 @@ def _(x, *, dims, block):
     return x
 
 
-@fp8_round.onnx
-def _(g, o, a, r):
-    return g.fp8_round(o.x, o.types["x"], a["dims"], a["block"])
-
-
 @defop("hadamard_fp4_round(x) -> y", attrs={"block": (int, 32)})
 def hadamard_fp4_round(x, *, block):
     """Rotate by the orthonormal Walsh-Hadamard matrix, then round through FP4 e2m1 with one UE8M0
@@ -45,8 +40,3 @@ def hadamard_fp4_round(x, *, block):
 @hadamard_fp4_round.infer
 def _(x, *, block):
     return x
-
-
-@hadamard_fp4_round.onnx
-def _(g, o, a, r):
-    return g.hadamard_fp4(o.x, o.types["x"], a["block"])

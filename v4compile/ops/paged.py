@@ -9,7 +9,6 @@ fp8 `values, scale`). Writes return the updated planes. CSR lists are flat over 
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..errors import InputError
@@ -96,12 +95,6 @@ def write_rows(planes: list, rows: torch.Tensor, values: torch.Tensor, fmt: str)
     return out
 
 
-def _native_only(a, o) -> None:
-    """The ONNX lowerings store and read native planes (the `cpu` pipeline's pool format)."""
-    if a["fmt"] != "native" or o.p1 is not None:
-        raise NotImplementedError(f"pool format '{a['fmt']}' has no ONNX lowering (the cpu pipeline uses native)")
-
-
 def _planes(*ps):
     return [p for p in ps if p is not None]
 
@@ -159,13 +152,6 @@ def _(operands, results, attrs):
     return Cost(0, _small(kv, pos, slot), B * min(T, attrs["window"]) * row_bytes(p0, p1, p2))
 
 
-@pool_write_window.onnx
-def _(g, o, a, r):
-    _native_only(a, o)
-    return g.window_write(o.p0, o.kv, o.types["kv"], g.as_i64(o.pos, o.types["pos"].dtype),
-                          g.as_i64(o.slot, o.types["slot"].dtype), a)
-
-
 @defop("compress_paged(kv, gate, ape, norm, state_kv, state_gate, pos, slot, block_table, p0, p1?, p2?) "
        "-> state_kv_out, state_gate_out, q0, q1?, q2?",
        attrs={"ratio": int, "overlap": bool, "eps": float, "rope_dim": int, "theta": float, "yarn": tuple,
@@ -210,13 +196,6 @@ def _(operands, results, attrs):
                 pushed + B * (T // attrs["ratio"] + 1) * row_bytes(p0, p1, p2))
 
 
-@compress_paged.onnx
-def _(g, o, a, r):
-    _native_only(a, o)
-    plane, skv, sg = g.compress(o, a, o.p0, o.state_kv, o.state_gate)
-    return skv, sg, plane
-
-
 # ---- CSR construction ----------------------------------------------------------------------------
 
 def _to_csr(rows: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,21 +228,6 @@ def _(pos, slot, *, window, **_):
     return TensorType((L + 1,), "i32"), TensorType((L * (window - 1),), "i32")
 
 
-@csr_window.onnx
-def _(g, o, a, r):
-    from v4compile.codegen.onnx_export import RowList
-    pos, W = g.as_i64(o.pos, o.types["pos"].dtype), a["window"]
-    B, T = o.types["pos"].shape
-    p = g.op("Sub", g.unsqueeze(pos, -1), g.const(np.arange(W - 1, 0, -1), np.int64))  # [B, T, W-1], oldest first
-    start = g.unsqueeze(g.clamp_min0(g.slice(pos, 0, 1, 1)), -1)
-    keep = g.op("And", g.op("And", g.op("GreaterOrEqual", p, g.iscalar(0)), g.op("Less", p, start)),
-                g.unsqueeze(g.op("GreaterOrEqual", pos, g.iscalar(0)), -1))
-    rows = g.reshape(g.window_rows(g.reshape(p, (B, -1)), g.as_i64(o.slot, o.types["slot"].dtype), W,
-                                   a["slot_rows"], a["n_rows"]), (B, T, W - 1))
-    rl = RowList(g.reshape(g.where(keep, rows, g.iscalar(-1)), (B * T, W - 1)))
-    return rl, rl
-
-
 @defop("csr_compressed(pos, block_table) -> indptr, indices",
        attrs={"ratio": int, "block_tokens": int, "envelope_rows": int, "max_rows": int}, kernel="csr")
 def csr_compressed(pos, block_table, *, ratio, block_tokens, envelope_rows, max_rows):
@@ -284,20 +248,6 @@ def _(pos, block_table, *, max_rows, **_):
     return TensorType((L + 1,), "i32"), TensorType((L * max_rows,), "i32")
 
 
-@csr_compressed.onnx
-def _(g, o, a, r):
-    from v4compile.codegen.onnx_export import RowList
-    pos = g.as_i64(o.pos, o.types["pos"].dtype)
-    B, T = o.types["pos"].shape
-    limit = g.visible_limit(pos, a["ratio"])
-    w = g.dyn_range(limit, a["max_rows"])
-    keep = g.op("And", g.op("Less", w, g.unsqueeze(limit, -1)), g.unsqueeze(g.op("GreaterOrEqual", pos, g.iscalar(0)), -1))
-    rows = g.block_rows(w, g.as_i64(o.block_table, o.types["block_table"].dtype), a["ratio"], a["block_tokens"],
-                        a["envelope_rows"], o.types["block_table"].shape[1], False)  # [B, W]
-    rl = RowList(g.reshape(g.where(keep, g.unsqueeze(rows, 1), g.iscalar(-1)), (B * T, -1)))
-    return rl, rl
-
-
 @defop("csr_selected(selected, pos, block_table) -> indptr, indices",
        attrs={"ratio": int, "block_tokens": int, "envelope_rows": int}, kernel="csr")
 def csr_selected(selected, pos, block_table, *, ratio, block_tokens, envelope_rows):
@@ -315,18 +265,6 @@ def csr_selected(selected, pos, block_table, *, ratio, block_tokens, envelope_ro
 def _(selected, pos, block_table, **_):
     B, T, K = selected.shape
     return TensorType((B * T + 1,), "i32"), TensorType((B * T * K,), "i32")
-
-
-@csr_selected.onnx
-def _(g, o, a, r):
-    from v4compile.codegen.onnx_export import RowList
-    pos, sel = g.as_i64(o.pos, o.types["pos"].dtype), g.as_i64(o.selected, o.types["selected"].dtype)
-    B, T, K = o.types["selected"].shape
-    keep = g.op("And", g.op("GreaterOrEqual", sel, g.iscalar(0)), g.unsqueeze(g.op("GreaterOrEqual", pos, g.iscalar(0)), -1))
-    rows = g.block_rows(g.clamp_min0(sel), g.as_i64(o.block_table, o.types["block_table"].dtype), a["ratio"],
-                        a["block_tokens"], a["envelope_rows"], o.types["block_table"].shape[1], True)
-    rl = RowList(g.reshape(g.where(keep, rows, g.iscalar(-1)), (B * T, K)))
-    return rl, rl
 
 
 # ---- the sparse attention ------------------------------------------------------------------------
@@ -436,14 +374,6 @@ def _(operands, results, attrs):
     keys = rows + B * T * T
     return Cost(4 * H * d * keys, _small(q, kv, pos, sink, slot, bt, wi, wx, ci, cx) + rows * row_bytes(p0, p1, p2),
                 results[0].nbytes)
-
-
-@sparse_attention.onnx
-def _(g, o, a, r):
-    _native_only(a, o)
-    parts = [(o.win_indptr, a["win_base"])] + ([(o.comp_indptr, a["comp_base"])] if o.comp_indptr is not None else [])
-    return g.sparse_attention(o.q, o.types["q"], o.kv, g.as_i64(o.pos, o.types["pos"].dtype), o.sink, parts, o.p0,
-                              a["window"], a["scale"])
 
 
 @defop("indexer_scores_paged(q, weights, pos, block_table, p0, p1?) -> scores",

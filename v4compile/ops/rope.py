@@ -63,9 +63,3 @@ def _(x, pos, *, dim, theta, yarn, inverse):
             expected=list(x.shape[:pos.rank]), found=list(pos.shape))
     require(len(yarn) in (0, 4), "yarn must be () or (factor, original_max_pos, beta_fast, beta_slow)", found=yarn)
     return x
-
-
-@rope.onnx
-def _(g, o, a, r):
-    return g.rotate(o.x, o.types["x"], g.as_i64(o.pos, o.types["pos"].dtype), o.types["pos"].rank, a["dim"],
-                    a["theta"], tuple(a["yarn"]), a["inverse"])

@@ -103,6 +103,18 @@ def build_function(fn: Function, m: Module) -> FunctionProgram:
     return FunctionProgram(fn.name, list(buffers.values()), launches, outputs, attrs)
 
 
+def program_of(m: Module) -> Program:
+    """The module's verified program, built once per module object: `lower_to_program` builds it and the
+    report, the GPU targets' codegen and `ir dump --stage program` take it from there. Passes never change
+    a module they are given, so a module's program stays its own."""
+    prog = m.__dict__.get("_program")
+    if prog is None:
+        from .verify import verify_program
+
+        prog = m.__dict__["_program"] = verify_program(build_program(m))
+    return prog
+
+
 def build_program(m: Module) -> Program:
     from .. import ops
 

@@ -27,7 +27,7 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-from .errors import InputError, V4Error
+from ..errors import InputError, V4Error
 
 log = logging.getLogger("v4compile")
 
@@ -61,7 +61,7 @@ def _num(body: dict, key: str, default, lo: float, hi: float, integer: bool = Fa
 
 class Server:
     def __init__(self, sess, model_name: str):
-        from .runtime.batcher import Batcher
+        from ..runtime.batcher import Batcher
 
         self.sess = sess
         self.model = model_name
@@ -138,7 +138,7 @@ class Server:
     async def handle(self, request, chat: bool):
         from fastapi.responses import JSONResponse, StreamingResponse
 
-        from .runtime.batcher import Request
+        from ..runtime.batcher import Request
 
         try:
             body = await self.body(request)
@@ -327,7 +327,7 @@ def _content(c):
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from .runtime import load
+    from ..runtime import load
 
     sess = load(args.artifact, device=args.device, threads=args.threads)
     name = args.model_name or Path(args.artifact).resolve().name
@@ -349,9 +349,9 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def add_serve_command(sub) -> None:
-    from .compile_cli import threads_arg
-    from .runtime.session import DEVICES
+def add_command(sub) -> None:
+    from ..runtime.session import DEVICES
+    from .args import threads_arg
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over a compiled artifact")
     s.add_argument("artifact", metavar="ARTIFACT", help="artifact directory")
@@ -364,6 +364,6 @@ def add_serve_command(sub) -> None:
 
 
 def _port(text: str) -> int:
-    from .cli import int_arg
+    from .args import int_arg
 
     return int_arg(0, 65535)(text)

@@ -13,7 +13,7 @@ import json
 import sys
 import time
 
-from .errors import InputError
+from ..errors import InputError
 
 
 def prompt_ids(sess, prompt: str, chat: bool, where: str = "--prompt") -> list[int]:
@@ -31,8 +31,8 @@ def prompt_ids(sess, prompt: str, chat: bool, where: str = "--prompt") -> list[i
 
 
 def run_prompt(args) -> int:
-    from .runtime import load
-    from .runtime.batcher import Batcher, Request
+    from ..runtime import load
+    from ..runtime.batcher import Batcher, Request
 
     t_load = time.perf_counter()
     sess = load(args.artifact, device=args.device, threads=args.threads)

@@ -1,0 +1,38 @@
+"""ONNX lowerings (the `cpu` target), one module per kernel family, wired as the Triton kernels are
+(`codegen/kernels`): an op's lowering is `lower_<op>` in `v4compile.codegen.onnx.<family>`, the family the
+op names with `defop(kernel=...)` (`common` for ops without one: views, `rope`, the QAT roundings).
+
+    lower_<op>(g, o, a, r) -> result or results
+
+`g` is the graph being built (`codegen/onnx_export.Graph`), `o` the operands by name (ONNX tensor names,
+`Planes`, `RowList` or None; their IR types in `o.types`), `a` the attributes and `r` the IR result types.
+A use of an op the cpu target does not cover raises NotImplementedError (one clear IRError at export).
+A family module also holds the graph helpers only its lowerings use (`mhc.hc_pre`, `compress.compress`, ...);
+the ones several families share are `Graph` methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .. import family_module
+
+COMMON = "common"
+
+
+def lowering(opdef) -> Callable | None:
+    """The op's ONNX lowering, or None if its family has none."""
+    module = family_module("onnx", opdef.kernel or COMMON)
+    return getattr(module, f"lower_{opdef.name}", None) if module is not None else None
+
+
+def native_gemm(what: str, a: dict) -> None:
+    """The ONNX lowerings compute GEMMs in fp32 on the activation as it is (act native)."""
+    if a.get("act", "native") != "native" or a.get("out_dtype", "") not in ("", "fp32"):
+        raise NotImplementedError(f"{what} act={a.get('act')!r} out_dtype={a.get('out_dtype')!r} (cpu: act native, fp32)")
+
+
+def native_only(a, o) -> None:
+    """The ONNX lowerings store and read native planes (the `cpu` pipeline's pool format)."""
+    if a["fmt"] != "native" or o.p1 is not None:
+        raise NotImplementedError(f"pool format '{a['fmt']}' has no ONNX lowering (the cpu pipeline uses native)")

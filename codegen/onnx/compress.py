@@ -1,0 +1,100 @@
+"""ONNX lowerings of the `compress` kernel family: compress_paged."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from onnx import TensorProto
+
+from ...ir.types import TensorType
+from ..onnx_export import NEG_INF, Planes
+from . import native_only
+
+
+def _compress_index(g, pos: str, m: int, overlap: bool, B: int, T: int) -> dict[str, str]:
+    """Which windows this chunk closes and where each pooling slot's token comes from (state ring or
+    chunk lane): a function of the positions only, shared by every compressor with the same ratio."""
+    c = 2 if overlap else 1
+    S, J = c * m, T // m + 1
+    start = g.clamp_min0(g.slice(pos, 0, 1, 1))  # [B, 1]
+    valid = g.op("GreaterOrEqual", pos, g.iscalar(0))
+    n = g.sum(g.cast(valid, TensorProto.INT64), 1, 1)  # [B, 1]
+    w = g.op("Add", g.op("Div", start, g.iscalar(m)), g.const(np.arange(J), np.int64))  # [B, J]
+    end = g.op("Sub", g.op("Add", start, n), g.iscalar(1))
+    live = g.op("Greater", n, g.iscalar(0))
+    closed = g.op("And", g.op("LessOrEqual", g.op("Sub", g.op("Mul", g.op("Add", w, g.iscalar(1)),
+                                                                            g.iscalar(m)), g.iscalar(1)), end),
+                     live)
+    first = g.op("Sub", w, g.iscalar(1)) if overlap else w
+    p = g.op("Add", g.unsqueeze(g.op("Mul", first, g.iscalar(m)), -1),
+                g.const(np.arange(S), np.int64))  # [B, J, S]
+    present = g.unsqueeze(g.op("GreaterOrEqual", p, g.iscalar(0)), -1)
+    from_state = g.unsqueeze(g.op("Less", p, g.unsqueeze(start, -1)), -1)
+    boff = g.reshape(g.const(np.arange(B), np.int64), (B, 1, 1))
+    lane = g.op("Clip", g.op("Sub", p, g.unsqueeze(start, -1)), g.iscalar(0), g.iscalar(T - 1))
+    lane = g.op("Add", g.op("Mul", boff, g.iscalar(T)), lane)
+    ring = g.op("Add", g.op("Mul", boff, g.iscalar(S)), g.op("Mod", p, g.iscalar(S)))
+    # the state ring after the chunk: slot p % S takes the token of each sequence's last S positions
+    hit = g.op("And", g.op("Equal", g.unsqueeze(g.op("Mod", pos, g.iscalar(S)), 1),
+                                 g.const(np.arange(S).reshape(1, S, 1), np.int64)),
+                  g.unsqueeze(g.ring_lanes(pos, S), 1))  # [B, S, T]
+    onehot = g.cast(hit, TensorProto.FLOAT)
+    has = g.unsqueeze(g.op("Greater", g.max(onehot, 2), g.scalar(0.0)), -1)
+    return {"w": w, "closed": closed, "present": present, "from_state": from_state, "lane": lane, "ring": ring,
+            "onehot": onehot, "has": has, "live": g.reshape(live, (B,))}
+
+
+def compress(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) -> tuple[Planes, Planes, Planes]:
+    """`compress_paged`: pool the windows this chunk closes (softmax over their slots), norm, RoPE,
+    round; write them at their physical rows; push the chunk into the slot's state ring."""
+    B, T, cw = o.types["kv"].shape
+    m, overlap = a["ratio"], a["overlap"]
+    c = 2 if overlap else 1
+    dk, S, J = cw // c, c * m, T // m + 1
+    pos = g.as_i64(o.pos, o.types["pos"].dtype)
+    slot = g.as_i64(o.slot, o.types["slot"].dtype)
+    bt = g.as_i64(o.block_table, o.types["block_table"].dtype)
+    n_blocks = o.types["block_table"].shape[1]
+    gate = g.op("Add", o.gate, g.op("Gather", o.ape, g.cached(
+        ("mod", pos, m), lambda: g.op("Mod", g.clamp_min0(pos), g.iscalar(m))), axis=0))
+    sl = g.cached(("clamp0", slot), lambda: g.clamp_min0(slot))
+    skv, sg = g.read_rows(skv_in, sl), g.read_rows(sg_in, sl)  # [B, S, cw]
+    ix = g.cached(("compress", pos, m, overlap, B, T), lambda: _compress_index(g, pos, m, overlap, B, T))
+    w, closed, present, from_state, lane, ring = (ix[k] for k in ("w", "closed", "present", "from_state", "lane",
+                                                                  "ring"))
+
+    def source(state: str, chunk: str) -> str:
+        v = g.where(from_state, g.op("Gather", g.reshape(state, (B * S, cw)), ring, axis=0),
+                       g.op("Gather", g.reshape(chunk, (B * T, cw)), lane, axis=0))  # [B, J, S, cw]
+        if overlap:  # slots [0, m) read columns [0, dk) ("A"), slots [m, 2m) columns [dk, 2dk) ("B")
+            va, vb = g.split(v, (m, m), 2)
+            v = g.concat([g.slice(va, 0, dk, 3), g.slice(vb, dk, 2 * dk, 3)], 2)
+        return v
+
+    v = g.where(present, source(skv, o.kv), g.scalar(0.0))
+    gl = g.where(present, source(sg, gate), g.scalar(NEG_INF))
+    pooled = g.sum(g.op("Mul", v, g.op("Softmax", gl, axis=2)), 2)  # [B, J, dk]
+    h = g.rms(pooled, o.norm, a["eps"])
+    ht = TensorType((B, J, dk), "fp32")
+    h = g.rotate(h, ht, g.op("Mul", w, g.iscalar(m)), 2, a["rope_dim"], a["theta"], tuple(a["yarn"]))
+    rnd = a.get("round", "none")
+    if rnd == "fp8":
+        h = g.fp8_round(h, ht, dk - a["rope_dim"], math.gcd(64, dk - a["rope_dim"]))
+    elif rnd == "fp4":
+        h = g.hadamard_fp4(h, ht, 32)
+    rows = g.cached(("closed_rows", w, bt, m, a["block_tokens"], a["envelope_rows"]), lambda: g.where(
+        closed, g.block_rows(w, bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True), g.iscalar(-1)))
+    rows = g.reshape(g.where(closed, g.op("Add", rows, g.iscalar(a["layer_offset"])), rows), (B * J,))
+    plane = g.write_rows(plane_in, rows, g.reshape(h, (B * J, dk)))
+    onehot, has, srows = ix["onehot"], ix["has"], g.cached(
+        ("srows", pos, slot), lambda: g.where(ix["live"], slot, g.iscalar(-1)))
+    new_kv = g.where(has, g.op("MatMul", onehot, o.kv), skv)
+    new_g = g.where(has, g.op("MatMul", onehot, gate), sg)
+    return plane, g.write_rows(skv_in, srows, new_kv), g.write_rows(sg_in, srows, new_g)
+
+
+def lower_compress_paged(g, o, a, r):
+    native_only(a, o)
+    plane, skv, sg = compress(g, o, a, o.p0, o.state_kv, o.state_gate)
+    return skv, sg, plane

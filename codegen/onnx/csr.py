@@ -1,0 +1,42 @@
+"""ONNX lowerings of the `csr` kernel family: csr_window, csr_compressed, csr_selected."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..onnx_export import RowList
+
+
+def lower_csr_window(g, o, a, r):
+    pos, W = g.as_i64(o.pos, o.types["pos"].dtype), a["window"]
+    B, T = o.types["pos"].shape
+    p = g.op("Sub", g.unsqueeze(pos, -1), g.const(np.arange(W - 1, 0, -1), np.int64))  # [B, T, W-1], oldest first
+    start = g.unsqueeze(g.clamp_min0(g.slice(pos, 0, 1, 1)), -1)
+    keep = g.op("And", g.op("And", g.op("GreaterOrEqual", p, g.iscalar(0)), g.op("Less", p, start)),
+                g.unsqueeze(g.op("GreaterOrEqual", pos, g.iscalar(0)), -1))
+    rows = g.reshape(g.window_rows(g.reshape(p, (B, -1)), g.as_i64(o.slot, o.types["slot"].dtype), W,
+                                   a["slot_rows"], a["n_rows"]), (B, T, W - 1))
+    rl = RowList(g.reshape(g.where(keep, rows, g.iscalar(-1)), (B * T, W - 1)))
+    return rl, rl
+
+
+def lower_csr_compressed(g, o, a, r):
+    pos = g.as_i64(o.pos, o.types["pos"].dtype)
+    B, T = o.types["pos"].shape
+    limit = g.visible_limit(pos, a["ratio"])
+    w = g.dyn_range(limit, a["max_rows"])
+    keep = g.op("And", g.op("Less", w, g.unsqueeze(limit, -1)), g.unsqueeze(g.op("GreaterOrEqual", pos, g.iscalar(0)), -1))
+    rows = g.block_rows(w, g.as_i64(o.block_table, o.types["block_table"].dtype), a["ratio"], a["block_tokens"],
+                        a["envelope_rows"], o.types["block_table"].shape[1], False)  # [B, W]
+    rl = RowList(g.reshape(g.where(keep, g.unsqueeze(rows, 1), g.iscalar(-1)), (B * T, -1)))
+    return rl, rl
+
+
+def lower_csr_selected(g, o, a, r):
+    pos, sel = g.as_i64(o.pos, o.types["pos"].dtype), g.as_i64(o.selected, o.types["selected"].dtype)
+    B, T, K = o.types["selected"].shape
+    keep = g.op("And", g.op("GreaterOrEqual", sel, g.iscalar(0)), g.unsqueeze(g.op("GreaterOrEqual", pos, g.iscalar(0)), -1))
+    rows = g.block_rows(g.clamp_min0(sel), g.as_i64(o.block_table, o.types["block_table"].dtype), a["ratio"],
+                        a["block_tokens"], a["envelope_rows"], o.types["block_table"].shape[1], True)
+    rl = RowList(g.reshape(g.where(keep, rows, g.iscalar(-1)), (B * T, K)))
+    return rl, rl

@@ -1,0 +1,39 @@
+"""ONNX lowerings of the `indexer` kernel family: indexer_select."""
+
+from __future__ import annotations
+
+from ...ir.types import TensorType
+from ..onnx_export import NEG_INF, Planes, RowList
+
+
+def indexer_rows(g, q: str, qt: TensorType, weights: str, pos: str, bt: str, plane: Planes, *, ratio: int,
+                 q_scale: float, w_scale: float, k: int, block_tokens: int, index_envelope_rows: int,
+                 index_offset: int, envelope_rows: int, max_rows: int, n_blocks: int) -> RowList:
+    """Indexer scores over the index plane, top-k, picks translated to main-pool rows (`indexer_select`)."""
+    B, T, Hi, di = qt.shape
+    limit = g.visible_limit(pos, ratio)  # [B, T]
+    w = g.dyn_range(limit, max_rows)  # [W]
+    irow = g.op("Add", g.block_rows(w, bt, ratio, block_tokens, index_envelope_rows, n_blocks, False),
+                   g.iscalar(index_offset))  # [B, W]
+    keys = g.unsqueeze(g.read_rows(plane, irow), 1)  # [B, 1, W, di]
+    s = g.op("Mul", g.op("Relu", g.matmul_t(q, keys)), g.scalar(q_scale))  # [B, T, H, W]
+    s = g.sum(g.op("Mul", s, g.unsqueeze(g.op("Mul", weights, g.scalar(w_scale)), -1)), 2)
+    hide = g.op("Or", g.op("GreaterOrEqual", w, g.unsqueeze(limit, -1)),
+                   g.unsqueeze(g.op("Less", pos, g.iscalar(0)), -1))
+    s = g.where(hide, g.scalar(NEG_INF), s)
+    kk = g.op("Min", g.i64(k), g.op("Shape", w))
+    vals, idx = g.op("TopK", s, kk, n_out=2, axis=-1, largest=1, sorted=1)
+    keep = g.op("And", g.op("Not", g.op("IsInf", vals, detect_positive=0)),
+                   g.unsqueeze(g.op("GreaterOrEqual", pos, g.iscalar(0)), -1))
+    rows = g.block_rows(idx, bt, ratio, block_tokens, envelope_rows, n_blocks, True)
+    return RowList(g.reshape(g.where(keep, rows, g.iscalar(-1)), (B * T, -1)))
+
+
+def lower_indexer_select(g, o, a, r):
+    rl = indexer_rows(g, o.q, o.types["q"], o.weights, g.as_i64(o.pos, o.types["pos"].dtype),
+                        g.as_i64(o.block_table, o.types["block_table"].dtype), o.p0, ratio=a["ratio"],
+                        q_scale=a["q_scale"], w_scale=a["w_scale"], k=a["k"], block_tokens=a["block_tokens"],
+                        index_envelope_rows=a["index_envelope_rows"], index_offset=a["index_offset"],
+                        envelope_rows=a["envelope_rows"], max_rows=a["max_rows"],
+                        n_blocks=o.types["block_table"].shape[1])
+    return rl, rl  # (indptr, indices): one padded row list in ONNX (see codegen/onnx_export.RowList)

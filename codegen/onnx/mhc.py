@@ -1,0 +1,105 @@
+"""ONNX lowerings of the `mhc` kernel family:
+hc_pre_norm, mhc_post_pre, mhc_post_head, hc_expand, hc_pre, hc_post, hc_head.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...ir.types import TensorType
+
+
+def hc_mix(g, streams: str, st: TensorType, fn: str, eps: float) -> str:
+    """RMS-normalised flattened streams times fn^T (`ops.mhc._mix_inputs`)."""
+    *lead, n, d = st.shape
+    flat = g.rms(g.reshape(streams, (*lead, n * d)), None, eps, n * d)
+    return g.matmul_t(flat, fn)
+
+
+def sinkhorn(g, comb: str, M: int, n: int, eps: float, iters: int) -> str:
+    """One column normalisation, then `iters - 1` (row, column) pairs, eps in every denominator, on M
+    n x n matrices. Small M: the matrices stacked as [M*n, n], each sum(+eps) one Gemm (rows: times a
+    ones column; columns: a block-diagonal ones matrix), so a normalisation is two nodes, not three."""
+    e = g.scalar(eps)
+    shape = g.op("Shape", comb)
+    if M * n > 64:
+        comb = g.op("Div", comb, g.op("Add", g.sum(comb, -2, 1), e))
+        for _ in range(iters - 1):
+            comb = g.op("Div", comb, g.op("Add", g.sum(comb, -1, 1), e))
+            comb = g.op("Div", comb, g.op("Add", g.sum(comb, -2, 1), e))
+        return comb
+    c = g.reshape(comb, (M * n, n))
+    ones = g.const(np.ones((n, 1), np.float32))
+    blocks = g.const(np.kron(np.eye(M, dtype=np.float32), np.ones((n, n), np.float32)))
+    c = g.op("Div", c, g.op("Gemm", blocks, c, e))
+    for _ in range(iters - 1):
+        c = g.op("Div", c, g.op("Gemm", c, ones, e))
+        c = g.op("Div", c, g.op("Gemm", blocks, c, e))
+    return g.op("Reshape", c, shape)
+
+
+def transpose_last(g, x: str, rank: int | None = None) -> str:
+    r = rank or g.memo.get(("rank_of", x), None)
+    if r is None:
+        raise ValueError("transpose_last needs the rank")
+    perm = list(range(r - 2)) + [r - 1, r - 2]
+    return g.op("Transpose", x, perm=perm)
+
+
+def hc_pre(g, streams: str, st: TensorType, fn: str, base: str, scale: str, eps: float, hc_eps: float,
+           iters: int) -> tuple[str, str, str]:
+    *lead, n, d = st.shape
+    m = hc_mix(g, streams, st, fn, eps)
+    pre_w, post_w, comb_w = g.split(m, (n, n, n * n))
+    s0, s1, s2 = g.split(scale, (1, 1, 1), 0)
+    b0, b1, b2 = g.split(base, (n, n, n * n), 0)
+    pre = g.op("Add", g.op("Sigmoid", g.op("Add", g.op("Mul", pre_w, s0), b0)), g.scalar(hc_eps))
+    post = g.op("Mul", g.op("Sigmoid", g.op("Add", g.op("Mul", post_w, s1), b1)), g.scalar(2.0))
+    comb = g.op("Add", g.op("Mul", g.reshape(comb_w, (*lead, n, n)), s2), g.reshape(b2, (n, n)))
+    comb = g.op("Add", g.op("Softmax", comb, axis=-1), g.scalar(hc_eps))
+    comb = sinkhorn(g, comb, int(np.prod(lead)), n, hc_eps, iters)
+    y = g.sum(g.op("Mul", g.unsqueeze(pre, -1), streams), -2)
+    return y, post, comb
+
+
+def hc_post(g, y: str, streams: str, st: TensorType, post: str, comb: str) -> str:
+    mixed = g.op("MatMul", transpose_last(g, comb, st.rank), streams)
+    return g.op("Add", g.op("Mul", g.unsqueeze(post, -1), g.unsqueeze(y, -2)), mixed)
+
+
+def hc_head(g, streams: str, st: TensorType, fn: str, base: str, scale: str, eps: float, hc_eps: float) -> str:
+    m = hc_mix(g, streams, st, fn, eps)
+    pre = g.op("Add", g.op("Sigmoid", g.op("Add", g.op("Mul", m, scale), base)), g.scalar(hc_eps))
+    return g.sum(g.op("Mul", g.unsqueeze(pre, -1), streams), -2)
+
+
+def lower_hc_pre_norm(g, o, a, r):
+    y, post, comb = hc_pre(g, o.streams, o.types["streams"], o.fn, o.base, o.scale, a["eps"], a["hc_eps"], a["iters"])
+    return (y if o.norm is None else g.rms(y, o.norm, a["norm_eps"])), post, comb
+
+
+def lower_mhc_post_pre(g, o, a, r):
+    out = hc_post(g, o.y, o.streams, o.types["streams"], o.post, o.comb)
+    y, post, comb = hc_pre(g, out, o.types["streams"], o.fn, o.base, o.scale, a["eps"], a["hc_eps"], a["iters"])
+    return out, (y if o.norm is None else g.rms(y, o.norm, a["norm_eps"])), post, comb
+
+
+def lower_mhc_post_head(g, o, a, r):
+    out = hc_post(g, o.y, o.streams, o.types["streams"], o.post, o.comb)
+    return hc_head(g, out, o.types["streams"], o.fn, o.base, o.scale, a["eps"], a["hc_eps"])
+
+
+def lower_hc_expand(g, o, a, r):
+    return g.op("Expand", g.unsqueeze(o.x, -2), g.i64(*r[0].shape))
+
+
+def lower_hc_pre(g, o, a, r):
+    return hc_pre(g, o.streams, o.types["streams"], o.fn, o.base, o.scale, a["eps"], a["hc_eps"], a["iters"])
+
+
+def lower_hc_post(g, o, a, r):
+    return hc_post(g, o.y, o.streams, o.types["streams"], o.post, o.comb)
+
+
+def lower_hc_head(g, o, a, r):
+    return hc_head(g, o.streams, o.types["streams"], o.fn, o.base, o.scale, a["eps"], a["hc_eps"])

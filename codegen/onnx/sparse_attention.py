@@ -1,0 +1,51 @@
+"""ONNX lowerings of the `sparse_attention` kernel family: sparse_attention."""
+
+from __future__ import annotations
+
+from ...ir.types import TensorType
+from ..onnx_export import NEG_INF, Planes, RowList
+from . import native_only
+
+
+def _ext_mask(g, pos: str, window: int) -> str:
+    """[B, T, 1, T]: query t sees the chunk's own key s when s in (t - window, t]."""
+    t = g.unsqueeze(pos, 2)
+    s = g.unsqueeze(pos, 1)
+    ext = g.op("And", g.op("And", g.op("GreaterOrEqual", s, g.iscalar(0)), g.op("LessOrEqual", s, t)),
+                  g.op("And", g.op("Greater", s, g.op("Sub", t, g.iscalar(window))),
+                          g.op("GreaterOrEqual", t, g.iscalar(0))))
+    return g.unsqueeze(ext, 2)
+
+
+def sparse_attention(g, q: str, qt: TensorType, kv: str, pos: str, sink: str, parts: list[tuple[RowList, int]],
+                     plane: Planes, window: int, scale: float) -> str:
+    B, T, H, d = qt.shape
+    rows, masks = [], []
+    for rl, base in parts:
+        m = g.cached(("mask", rl.rows), lambda: g.op("GreaterOrEqual", rl.rows, g.iscalar(0)))
+        rows.append(g.where(m, g.op("Add", rl.rows, g.iscalar(base)), g.iscalar(0)))
+        masks.append(m)
+    rows, mask = g.concat(rows, 1), g.concat(masks, 1)  # [L, P]
+    keys = g.reshape(g.read_rows(plane, rows), (B, T, -1, d))  # [B, T, P, d]
+    sc = g.scalar(scale)
+    ninf = g.scalar(NEG_INF)
+    s_pool = g.op("Mul", g.matmul_t(q, keys), sc)  # [B, T, H, P]
+    s_pool = g.where(g.reshape(mask, (B, T, 1, -1)), s_pool, ninf)
+    s_ext = g.op("Mul", g.matmul_t(g.reshape(q, (B, T * H, d)), kv), sc)
+    s_ext = g.reshape(s_ext, (B, T, H, T))
+    s_ext = g.where(g.cached(("ext", pos, window), lambda: _ext_mask(g, pos, window)), s_ext, ninf)
+    sinks = g.op("Expand", g.reshape(sink, (1, 1, H, 1)), g.i64(B, T, H, 1))
+    probs = g.op("Softmax", g.concat([s_pool, s_ext, sinks], -1), axis=-1)
+    P = g.op("Shape", rows, start=1, end=2)
+    p_pool = g.op("Slice", probs, g.i64(0), P, g.i64(3))
+    p_ext = g.op("Slice", probs, P, g.op("Add", P, g.i64(T)), g.i64(3))
+    out = g.op("MatMul", p_pool, keys)
+    ext_out = g.reshape(g.op("MatMul", g.reshape(p_ext, (B, T * H, T)), kv), (B, T, H, d))
+    return g.op("Add", out, ext_out)
+
+
+def lower_sparse_attention(g, o, a, r):
+    native_only(a, o)
+    parts = [(o.win_indptr, a["win_base"])] + ([(o.comp_indptr, a["comp_base"])] if o.comp_indptr is not None else [])
+    return sparse_attention(g, o.q, o.types["q"], o.kv, g.as_i64(o.pos, o.types["pos"].dtype), o.sink, parts, o.p0,
+                              a["window"], a["scale"])

@@ -1,0 +1,222 @@
+"""The folders are the layers: core < passes < codegen < runtime < top, and imports go only down.
+
+    core     v4compile/ (config, checkpoint, ir, ops, model, program, artifact format, errors, ...)
+    passes   passes/    (installed as v4compile.passes)
+    codegen  codegen/   (v4compile.codegen: Triton kernels, AOT, ONNX lowerings)
+    runtime  runtime/   (v4compile.runtime: needs the artifact format and the program only)
+    top      the compile driver, the compile report and the `cli` package
+
+Three checks, each shown to fail on a fault of its kind:
+* every import statement, also the ones inside functions, names a module of its own layer or a lower one;
+* no two modules import each other, even through a chain (a loop held together by imports inside
+  functions is still a loop);
+* importing every module of a layer in a fresh process loads no module of a higher layer (what an
+  `__init__` or a re-export pulls in is caught here), and the runtime never loads the passes or the tracer.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = {"v4compile": "v4compile", "passes": "v4compile.passes", "codegen": "v4compile.codegen",
+           "runtime": "v4compile.runtime"}
+LAYERS = ("core", "passes", "codegen", "runtime", "top")
+TOP = ("v4compile.driver", "v4compile.report", "v4compile.cli", "v4compile.__main__")
+# The runtime runs a compiled artifact: the pass pipeline and the tracer are the compiler's, not its.
+RUNTIME_NEVER = ("v4compile.passes", "v4compile.trace", "v4compile.frontend", "v4compile.driver")
+
+
+def _within(mod: str, pkg: str) -> bool:
+    return mod == pkg or mod.startswith(pkg + ".")
+
+
+def layer_of(mod: str) -> str:
+    if any(_within(mod, t) for t in TOP):
+        return "top"
+    for layer in ("passes", "codegen", "runtime"):
+        if _within(mod, f"v4compile.{layer}"):
+            return layer
+    return "core"
+
+
+@functools.cache
+def sources() -> dict[str, tuple[Path, str]]:
+    """module name -> (file, source) of every module of the four folders, under its installed name."""
+    out = {}
+    for folder, pkg in FOLDERS.items():
+        for p in sorted((ROOT / folder).rglob("*.py")):
+            parts = [pkg, *p.relative_to(ROOT / folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = (p, p.read_text())
+    return out
+
+
+@functools.cache
+def _tree(text: str) -> ast.Module:
+    return ast.parse(text)
+
+
+def imports(mod: str, path: Path, text: str, known) -> list[tuple[int, str]]:
+    """(line, module) for every import statement in the file, at any depth, resolved to a known module (the
+    longest known prefix of what it names: `from .x import y` is module `x.y` if there is one, else `x`)."""
+    is_pkg = path.name == "__init__.py"
+    out = []
+    for node in ast.walk(_tree(text)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                frm = ".".join(base + ([node.module] if node.module else []))
+            else:
+                frm = node.module or ""
+            names = [f"{frm}.{a.name}" for a in node.names]
+        else:
+            continue
+        for n in names:
+            while n and n not in known:
+                n = n.rpartition(".")[0]
+            if n and n != mod:
+                out.append((node.lineno, n))
+    return out
+
+
+def upward_imports(srcs: dict[str, tuple[Path, str]]) -> list[str]:
+    bad = []
+    for mod, (path, text) in srcs.items():
+        mine = LAYERS.index(layer_of(mod))
+        for line, dep in imports(mod, path, text, srcs):
+            if LAYERS.index(layer_of(dep)) > mine:
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {layer_of(mod)} module {mod} imports "
+                           f"{layer_of(dep)} module {dep}")
+            elif layer_of(mod) == "runtime" and any(_within(dep, n) for n in RUNTIME_NEVER):
+                bad.append(f"{path.relative_to(ROOT)}:{line}: the runtime imports the compiler's {dep}")
+    return bad
+
+
+def import_loops(srcs: dict[str, tuple[Path, str]]) -> list[list[str]]:
+    """The module import graph's strongly connected components of more than one module (iterative Tarjan)."""
+    graph = {m: sorted({d for _, d in imports(m, p, t, srcs)}) for m, (p, t) in srcs.items()}
+    index, low, stack, on, loops, counter = {}, {}, [], set(), [], 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            v, i = work.pop()
+            if i == 0:
+                index[v] = low[v] = counter
+                counter += 1
+                stack.append(v)
+                on.add(v)
+            if i < len(graph[v]):
+                work.append((v, i + 1))
+                w = graph[v][i]
+                if w not in index:
+                    work.append((w, 0))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    loops.append(sorted(comp))
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[v])
+    return loops
+
+
+def _add_line(srcs, mod: str, line: str):
+    path, text = srcs[mod]
+    return {**srcs, mod: (path, text + "\n" + line + "\n")}
+
+
+def test_every_import_goes_down():
+    assert upward_imports(sources()) == []
+
+
+@pytest.mark.parametrize("mod, line, expect", [
+    # an op definition reaching into a backend, inside a function (the kind of import that hid the last ones)
+    ("v4compile.ops.paged", "def _f():\n    from v4compile.codegen.onnx import csr", "core module"),
+    ("v4compile.artifact", "from .passes import PassManager", "imports passes module"),
+    ("v4compile.runtime.session", "from v4compile.trace import trace", "the runtime imports the compiler's"),
+    ("v4compile.codegen.aot", "import v4compile.runtime.session", "codegen module"),
+])
+def test_an_upward_import_is_caught(mod, line, expect):
+    bad = upward_imports(_add_line(sources(), mod, line))
+    assert len(bad) == 1 and expect in bad[0], bad
+
+
+def test_no_import_loops():
+    assert import_loops(sources()) == []
+
+
+def test_an_import_loop_is_caught():
+    # ir.types is below ir.registry; a lazy import back up closes a loop of two modules
+    srcs = _add_line(sources(), "v4compile.ir.types", "def _f():\n    from .registry import get_op")
+    assert ["v4compile.ir.registry", "v4compile.ir.types"] in [
+        [m for m in loop if m in ("v4compile.ir.registry", "v4compile.ir.types")] for loop in import_loops(srcs)]
+
+
+PROBE = textwrap.dedent('''
+    import importlib, sys
+    layers, top, never, overlay, mods = {layers!r}, {top!r}, {never!r}, {overlay!r}, {mods!r}
+    if overlay:  # the deliberately broken case: one module of the layer replaced by a copy that imports up
+        import v4compile
+        v4compile.__path__.insert(0, overlay)
+    def within(m, p):
+        return m == p or m.startswith(p + ".")
+    def layer_of(m):
+        if any(within(m, t) for t in top):
+            return "top"
+        for l in ("passes", "codegen", "runtime"):
+            if within(m, "v4compile." + l):
+                return l
+        return "core"
+    for m in mods:
+        importlib.import_module(m)
+    mine = layers.index(layer_of(mods[0]))
+    loaded = sorted(m for m in sys.modules if m.startswith("v4compile"))
+    bad = [m for m in loaded if layers.index(layer_of(m)) > mine]
+    if layer_of(mods[0]) == "runtime":
+        bad += [m for m in loaded if any(within(m, n) for n in never)]
+    print("higher:", bad)
+    sys.exit(1 if bad else 0)
+''')
+
+
+def _probe(layer: str, overlay: str = "") -> subprocess.CompletedProcess:
+    mods = sorted(m for m in sources() if layer_of(m) == layer and m != "v4compile.__main__")
+    code = PROBE.format(layers=LAYERS, top=TOP, never=RUNTIME_NEVER, overlay=overlay, mods=mods)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+@pytest.mark.parametrize("layer", LAYERS[:-1])
+def test_a_layer_loads_nothing_above_it(layer):
+    r = _probe(layer)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_layer_loading_a_higher_one_is_caught(tmp_path):
+    # v4compile/config.py as it is, plus one import of the runtime: the fresh process sees it loaded
+    (tmp_path / "config.py").write_text((ROOT / "v4compile" / "config.py").read_text()
+                                        + "\nimport v4compile.runtime.session\n")
+    r = _probe("core", overlay=str(tmp_path))
+    assert r.returncode == 1 and "v4compile.runtime.session" in r.stdout, r.stdout + r.stderr

@@ -1,0 +1,169 @@
+"""`v4compile compile`: the pipeline run on the model the command line names, its report (`--report`,
+`--json`), and with `-o DIR` the artifact (the compile driver, `v4compile/driver.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from ..errors import InputError
+from .args import add_pipeline_flags, add_source_flags, split_specs, threads_arg
+from .pipeline import check_outputs, finish, frontend_of, run_pipeline, stages_of, targets_of
+
+log = logging.getLogger("v4compile")
+
+
+def _int_list(text: str, what: str) -> tuple[int, ...]:
+    parts = [x for x in text.split(",") if x.strip()]
+    if len(parts) > 64 or len(text) > 4096:
+        raise InputError(f"{what} lists too many buckets", expected="<= 64", found=len(parts))
+    try:
+        return tuple(int(x, 10) for x in parts)
+    except ValueError:
+        raise InputError(f"{what} must be comma-separated integers", found=text[:80]) from None
+
+
+def _buckets_of(args):
+    """The artifact's buckets from the command line, checked before any work starts."""
+    from ..artifact import Buckets
+    from ..driver import gpu_default_buckets
+
+    buckets = Buckets(_int_list(args.decode_buckets, "--decode-buckets"),
+                      _int_list(args.prefill_buckets, "--prefill-buckets"))
+    buckets.validate()
+    gpu_buckets = gpu_default_buckets(buckets)
+    if args.gpu_decode_buckets or args.gpu_prefill_buckets:
+        gpu_buckets = Buckets(_int_list(args.gpu_decode_buckets, "--gpu-decode-buckets") if args.gpu_decode_buckets
+                              else gpu_buckets.decode,
+                              _int_list(args.gpu_prefill_buckets, "--gpu-prefill-buckets") if args.gpu_prefill_buckets
+                              else gpu_buckets.prefill)
+        gpu_buckets.validate()
+    return buckets, gpu_buckets
+
+
+SMALL_MODEL_PARAMS = 2_000_000_000  # the cpu target comes by default with models up to this size
+
+
+def cmd_compile(args) -> int:
+    from ..report import build_report, render_report
+
+    check_outputs(args, artifact_dir=True)
+    targets = targets_of(args)
+    if args.output:
+        _buckets_of(args)  # before any work
+        targets = artifact_targets(args, targets)
+    if args.dtype is None:
+        # ONNX Runtime's CPU kernels compute in fp32; GPU targets alone default to bf16.
+        args.dtype = "fp32" if "cpu" in targets else "bf16"
+    single = _single_pipeline(args)
+    fe = frontend_of(args, need_weights=args.check_numerics, shape_only_default=bool(args.output) and "cpu" not in targets,
+                     announce="compile", trace=single)
+    ci = _artifact_plan(args, fe, targets) if args.output else None  # checked before any work
+    result = outcome = None
+    if single:
+        result, outcome = run_pipeline(args, fe)
+    st = stages_of(args)
+    rep = None
+    if args.report or args.json:
+        with st("report"):
+            rep = build_report(fe.cfg, fe.module, result, tuple(targets))
+            rep["threads"] = args._threads
+    if args.json:
+        print(json.dumps(rep, indent=1))
+    elif args.report:
+        sys.stdout.write(render_report(rep))
+    if args.output:
+        from ..driver import compile_buckets, write_artifact
+
+        inputs = compile_buckets(fe, **ci, stages=st)
+        with st("write output", progress="writing the artifact"):
+            write_artifact(inputs, args.output, force=args.force)
+    if not (args.output or args.report or args.json or args.dump_ir):
+        log.info("compiled %s: %d passes, nothing written (use -o DIR, --report or --dump-ir)", result.module.name,
+                 len(result.records))
+    return finish(args, outcome)
+
+
+def _config_only(args):
+    """The config of the model named (preset or checkpoint directory), without tracing it."""
+    from ..config import V4Config, preset
+
+    if args.checkpoint:
+        return V4Config.from_dir(args.checkpoint)
+    return preset(args.preset or "tiny")
+
+
+def artifact_targets(args, targets: list[str]) -> list[str]:
+    """What `-o` writes: the requested targets, plus, unless --target was given, the cpu target for a
+    small model with weights (so that its artifact runs on any machine)."""
+    from ..accounting import account
+
+    out = list(targets)
+    if (args.target is not None or "cpu" in out or args.weights == "none"
+            or account(_config_only(args)).logical_params > SMALL_MODEL_PARAMS):
+        return out
+    if args.checkpoint:
+        from ..checkpoint import Checkpoint
+
+        if set(Checkpoint.open(args.checkpoint).stored_formats().values()) - {"dense"}:
+            log.info("compile: the cpu target is left out: its ONNX lowering has no FP8 / FP4 weights yet")
+            return out
+    return out + ["cpu"]
+
+
+def _single_pipeline(args) -> bool:
+    """Whether the command runs the pipeline on one trace of the command line's shapes (--batch, --chunk,
+    --decode-batch): without -o, and with -o for what reads that run (report, numerics, IR prints, dumps);
+    the artifact itself is traced and compiled once per bucket."""
+    return not args.output or any((args.report, args.json, args.check_numerics, args.dump_ir, args.print_ir_after_all,
+                                   args.print_ir_after_change, args.print_ir_after, args.verify_each,
+                                   args.stop_after, args.start_from))
+
+
+def _artifact_plan(args, fe, targets) -> dict:
+    """What `driver.compile_buckets` compiles for -o: targets, pipelines, buckets (checked before any work)."""
+    from ..passes import CPU_PIPELINE, GPU_PIPELINE
+
+    if args.start_from:
+        raise InputError("an artifact is traced per bucket: --start-from cannot be combined with -o")
+    if "cpu" in targets and args.dtype != "fp32":
+        raise InputError("the cpu target computes in fp32", expected="--dtype fp32 (or --target gfx950,sm_90a)",
+                         found=args.dtype)
+    if "cpu" in targets and fe.source is None:
+        raise InputError("the cpu target needs weights", expected="--weights random (presets), a checkpoint, or "
+                                                                  "--target gfx950,sm_90a for a shape-only artifact")
+    gpu = [t for t in targets if t != "cpu"]
+    cpu_pipeline, gpu_pipeline = list(CPU_PIPELINE), list(GPU_PIPELINE)
+    if args.passes:
+        if gpu and "cpu" in targets:
+            raise InputError("--passes with -o names one pipeline: give either GPU targets or cpu", found=targets)
+        if gpu:
+            gpu_pipeline = split_specs(args.passes)
+        else:
+            cpu_pipeline = split_specs(args.passes)
+    buckets, gpu_buckets = _buckets_of(args)
+    return {"buckets": buckets, "pipeline": cpu_pipeline, "targets": tuple(targets),
+            "disable": tuple(args.disable_pass), "gpu_pipeline": gpu_pipeline, "jobs": args.jobs,
+            "gpu_buckets": gpu_buckets}
+
+
+def add_command(sub) -> None:
+    c = sub.add_parser("compile", help="run the compiler pipeline (and report)")
+    add_source_flags(c, numerics="official", dtype=None)  # deployment defaults (dtype: by target)
+    add_pipeline_flags(c)
+    c.add_argument("--report", action="store_true", help="print launches, pass hits, arena and KV bytes")
+    c.add_argument("--json", action="store_true", help="the report as JSON")
+    c.add_argument("-o", "--output", help="write the artifact directory (manifest, weights, onnx/, module.ir, report)")
+    c.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    c.add_argument("--decode-buckets", default="1,2,4,8", help="decode batch buckets (default 1,2,4,8)")
+    c.add_argument("--prefill-buckets", default="16,64", help="prefill chunk buckets, batch 1 (default 16,64)")
+    c.add_argument("--gpu-decode-buckets", default=None,
+                   help="decode batch buckets of the GPU targets (default: the largest --decode-buckets; smaller "
+                        "batches run padded)")
+    c.add_argument("--gpu-prefill-buckets", default=None,
+                   help="prefill chunk buckets of the GPU targets (default: the largest --prefill-buckets)")
+    c.add_argument("--jobs", type=threads_arg, default=None,
+                   help="worker processes compiling kernels ahead of time (default: the CPU count; same output)")
+    c.set_defaults(func=cmd_compile)

@@ -1,0 +1,76 @@
+"""`v4compile run ARTIFACT`: generate with a compiled artifact through the runtime (`v4compile.load`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from ..errors import InputError
+from ..runtime.session import DEVICES
+from .args import float_arg, int_arg, parse_ids, temperature_arg, threads_arg
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ..runtime import load
+
+    if args.prompt is not None:
+        from .text import run_prompt
+
+        return run_prompt(args)
+    if args.chat or args.stop:
+        raise InputError("--chat and --stop need --prompt (text)")
+    ids = parse_ids(args.ids)
+    if not ids:
+        raise InputError("empty prompt", expected="at least one id in --ids")
+    if args.max_new_tokens < 1:
+        raise InputError("--max-new-tokens must be >= 1", found=args.max_new_tokens)
+    t_load = time.perf_counter()
+    sess = load(args.artifact, device=args.device, threads=args.threads)
+    t_load = time.perf_counter() - t_load
+    sess.check_prompt(ids, "--ids")
+    if len(ids) + args.max_new_tokens > sess.max_context:
+        raise InputError("prompt + --max-new-tokens exceed the compiled maximum context",
+                         expected=f"<= {sess.max_context} tokens", found=len(ids) + args.max_new_tokens)
+    t_warm = time.perf_counter()
+    sess.warmup(len(ids))
+    t_warm = time.perf_counter() - t_warm
+    t0 = time.perf_counter()
+    out = sess.generate([ids], args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)[0]
+    dt = time.perf_counter() - t0
+    tps = len(out) / dt if dt > 0 else 0.0
+    prefill = sess.first_token_s or 0.0
+    if args.json:
+        print(json.dumps({"ids": out, "tokens_per_s": round(tps, 2), "load_s": round(t_load, 4),
+                          "warmup_s": round(t_warm, 4), "prefill_s": round(prefill, 4)}))
+    else:
+        print(",".join(map(str, out)))
+        print(f"{len(out)} tokens in {dt:.3f} s ({tps:.1f} tokens/s, prefill included) on {args.device}",
+              file=sys.stderr)
+        ttft = t_load + t_warm + prefill
+        print(f"time to first token {ttft:.3f} s: load {t_load:.3f} s (weights "
+              f"{getattr(sess.backend, 'weights_s', 0.0):.3f} s), warmup {t_warm:.3f} s, prefill "
+              f"{prefill:.3f} s", file=sys.stderr)
+    return 0
+
+
+def add_command(sub) -> None:
+    rn = sub.add_parser("run", help="generate with a compiled artifact (v4compile compile -o DIR)")
+    rn.add_argument("artifact", metavar="ARTIFACT", help="artifact directory")
+    src = rn.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ids", help="prompt token ids, comma-separated")
+    src.add_argument("--prompt", help="prompt text (the artifact's tokenizer); the text is streamed to stdout")
+    rn.add_argument("--chat", action="store_true", help="--prompt is a user message of the chat template")
+    rn.add_argument("--stop", action="append", default=[], metavar="TEXT", help="a stop string (--prompt; repeatable)")
+    rn.add_argument("--max-new-tokens", type=int_arg(1, 1 << 24), default=16)
+    rn.add_argument("--device", choices=DEVICES, default="auto",
+                    help="auto (default), cpu (ONNX Runtime), host (the C runtime on host memory, reference kernels), "
+                         "hip / cuda (the C runtime on a GPU)")
+    rn.add_argument("--temperature", type=temperature_arg, default=0.0, help="0 (default): greedy")
+    rn.add_argument("--top-p", type=float_arg(0.0, 1.0), default=1.0)
+    rn.add_argument("--seed", type=int_arg(0, 2 ** 64 - 1), default=None, help="sampling seed, in [0, 2^64)")
+    rn.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: free cores, at most 8)")
+    rn.add_argument("--json", action="store_true", help='print {"ids": [...], "tokens_per_s", "load_s", "warmup_s", '
+                                                        '"prefill_s"} (with --prompt also "text")')
+    rn.set_defaults(func=cmd_run)

@@ -1,0 +1,266 @@
+"""The compile driver: from a traced model to an artifact directory (the format: `artifact.py`).
+
+`compile_artifact` traces the model once per bucket, runs each requested target's pipeline once on the
+bucketed module, and writes the artifact: the weights streamed (`weights_io`: copied or converted piece
+by piece in a bounded window, so the whole model is never in memory; every shard and every tensor hashed
+as it is written, `weights.tensors.<name>.sha256`), the cpu target's ONNX models (`codegen/onnx_export`),
+the GPU targets' program and kernels (`codegen/gpu_target`), the report, and the manifest.
+
+This is the top of the layers (tests/test_layers.py): it may use the passes and codegen; nothing below
+imports it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from .artifact import TARGETS, Buckets, decode_name, prefill_name, write_artifact_dir
+from .errors import InputError
+from .ir.core import Module
+from .manifest import canonical
+from .targets import GPU_TARGETS
+from .timing import Stages
+
+SHARD_BYTES = 1 << 30  # 1 GiB of tensor data per weights shard
+CPU_PROGRAM = "program.txt"  # an artifact without GPU targets: the program the host device runs
+
+
+# ---- building the bucketed module -------------------------------------------------------------
+
+def trace_buckets(cfg, options, buckets: Buckets, formats: dict | None = None, stages: Stages | None = None) -> Module:
+    """One module holding `decode_b<B>` for every decode bucket and `prefill_c<T>` for every chunk bucket,
+    each traced once (timed as `trace` in `stages`). The pool is sized for the largest decode bucket (one
+    slot per sequence in flight)."""
+    from .trace import module_name, trace
+
+    buckets.validate()
+    stages = stages or Stages(progress_after=None)
+    fns, weights, attrs = {}, {}, None
+    for kind, sizes in (("decode", buckets.decode), ("prefill", buckets.prefill)):
+        for n in sizes:
+            o = replace(options, decode_batch=n) if kind == "decode" else replace(options, batch=1, chunk=n)
+            with stages("trace", progress="tracing"):
+                m = trace(cfg, o, functions=(kind,), formats=formats)
+            fn = m.functions[kind]
+            fn.name = decode_name(n) if kind == "decode" else prefill_name(n)
+            fns[fn.name] = fn
+            weights.update(m.weights)
+            attrs = attrs or m.attrs
+    attrs = {**attrs, "decode_buckets": tuple(buckets.decode), "prefill_buckets": tuple(buckets.prefill),
+             "batch": 1, "decode_batch": max(buckets.decode)}
+    return Module(module_name(cfg.name), dict(sorted(weights.items())), fns, attrs)
+
+
+# ---- weights ------------------------------------------------------------------------------------
+
+def write_weights(module: Module, source, wdir: Path, workers: int | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Shards of IR weights (at most SHARD_BYTES each; see `weights_io`: stored bytes copied where they
+    are what the kernels read, converted otherwise, every file and tensor hashed as it is written).
+    Returns the manifest's `weights` entry (each tensor with its `sha256`) and the shards' digests."""
+    from .weights_io import plan_weights, write_shards
+
+    w = write_shards(plan_weights(module, source), source, wdir, SHARD_BYTES, workers=workers)
+    return {"layout": "ir", "shards": w.files, "tensors": dict(sorted(w.tensors.items()))}, w.file_digest
+
+
+# ---- write --------------------------------------------------------------------------------------
+
+@dataclass
+class CompileInputs:
+    cfg: Any
+    module: Module  # the final IR of the pipeline
+    source: Any  # gives the IR weights (None: shape-only, no weights written)
+    numerics: str
+    dtype: str
+    buckets: Buckets
+    max_context: int
+    weights_origin: dict[str, Any]
+    pipeline: list[str]
+    hits: dict[str, Any] = field(default_factory=dict)
+    targets: tuple[str, ...] = ("cpu",)
+    gpu_module: Module | None = None  # the gpu pipeline's final module (GPU targets)
+    gpu_buckets: Buckets | None = None  # its buckets (default: the largest decode batch and prefill chunk)
+    gpu_pipeline: list[str] = field(default_factory=list)
+    jobs: int | None = None  # AOT worker processes (does not change any output)
+    # Without GPU targets: `module` continued through PROGRAM_PASSES, whose program the host device runs.
+    host_module: Module | None = None
+    tokenizer_from: Path | None = None  # a checkpoint directory whose tokenizer files are copied in
+
+
+def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> Path:
+    """Write the artifact of `ci` to `out` atomically (`artifact.write_artifact_dir`)."""
+    from .ir.text import print_module
+
+    unknown = [t for t in ci.targets if t not in TARGETS]
+    if unknown:
+        raise InputError(f"unknown target '{unknown[0]}'", expected=", ".join(TARGETS))
+    gpu = [t for t in ci.targets if t in GPU_TARGETS]
+    if gpu and ci.gpu_module is None:
+        raise InputError("GPU targets need the gpu pipeline's module", found=", ".join(gpu))
+
+    def fill(tmp: Path) -> tuple[dict[str, Any], dict[str, str]]:
+        (tmp / "weights").mkdir()
+        hashed: dict[str, str] = {}  # files hashed as they were written
+        if ci.source is not None:
+            weights, hashed = write_weights(ci.module, ci.source, tmp / "weights")
+        else:  # shape-only: the layout the weights will have, no data
+            weights = {"layout": "ir", "shape_only": True, "shards": [],
+                       "tensors": {n: {"shard": None, "dtype": w.type.dtype, "shape": list(w.type.shape)}
+                                   for n, w in sorted(ci.module.weights.items())}}
+        targets = []
+        if "cpu" in ci.targets:
+            targets.append(_write_onnx(ci, tmp))
+            (tmp / "module.ir").write_text(print_module(ci.module))
+            if ci.host_module is not None:
+                targets[-1]["program"] = _write_program(ci.host_module, tmp, CPU_PROGRAM)
+        gt = None
+        if gpu:
+            from .codegen.gpu_target import write_gpu_targets
+
+            (tmp / "gpu").mkdir()
+            (tmp / "gpu" / "module.ir").write_text(print_module(ci.gpu_module))
+            gt = write_gpu_targets(ci.gpu_module, gpu, tmp, ci.jobs)
+            targets += gt.targets
+        from .tokenizer import copy_tokenizer
+
+        tokenizer = copy_tokenizer(ci.tokenizer_from, tmp / "tokenizer")
+        report = _report(ci, targets)
+        if gt is not None:
+            report["kernels"] = gt.rows
+            report["decode_step"] = gt.decode_step
+        (tmp / "report.json").write_text(canonical(report))
+        cfg_json = json.loads(ci.cfg.to_json())
+        return {
+            "model": ci.cfg.name,
+            "config": cfg_json,
+            "config_hash": hashlib.sha256(json.dumps(cfg_json, sort_keys=True).encode()).hexdigest(),
+            "numerics": ci.numerics,
+            "dtype": ci.dtype,
+            "max_context": ci.max_context,
+            "buckets": {"decode_batch": list(ci.buckets.decode), "prefill_chunk": list(ci.buckets.prefill),
+                        "prefill_batch": 1,
+                        **({"gpu": {"decode_batch": list(ci.gpu_buckets.decode),
+                                    "prefill_chunk": list(ci.gpu_buckets.prefill)}} if gpu else {})},
+            "pool": {k[len("pool."):]: (list(v) if isinstance(v, tuple) else v)
+                     for k, v in ci.module.attrs.items() if k.startswith("pool.")},
+            "vocab_size": ci.cfg.vocab_size,
+            "pipeline": list(ci.pipeline),
+            "pipelines": {k: v for k, v in (("cpu", list(ci.pipeline) if "cpu" in ci.targets else None),
+                                            ("gpu", list(ci.gpu_pipeline) if gpu else None)) if v is not None},
+            "weights_origin": ci.weights_origin,
+            "targets": targets,
+            "kernels": gt.kernels if gt is not None else [],
+            "weights": weights,
+            **({"tokenizer": tokenizer} if tokenizer else {}),
+        }, hashed
+
+    return write_artifact_dir(out, fill, force)
+
+
+def gpu_default_buckets(buckets: Buckets) -> Buckets:
+    """The GPU targets' default: one decode and one prefill function, the largest of each. A GPU decode
+    step is bound by reading the weights, so padding a smaller batch costs little, while every bucket
+    multiplies the kernels to compile (every shape is a compile-time constant of a kernel)."""
+    return Buckets((max(buckets.decode),), (max(buckets.prefill),))
+
+
+def compile_artifact(fe, out: str | Path, buckets: Buckets = Buckets(), pipeline: list[str] | None = None,
+                     targets: tuple[str, ...] = ("cpu",), disable: tuple[str, ...] = (), force: bool = False,
+                     gpu_pipeline: list[str] | None = None, jobs: int | None = None,
+                     gpu_buckets: Buckets | None = None) -> Path:
+    """`compile_buckets`, then write the artifact to `out`."""
+    return write_artifact(compile_buckets(fe, buckets, pipeline, targets, disable, gpu_pipeline, jobs, gpu_buckets),
+                          out, force=force)
+
+
+def compile_buckets(fe, buckets: Buckets = Buckets(), pipeline: list[str] | None = None,
+                    targets: tuple[str, ...] = ("cpu",), disable: tuple[str, ...] = (),
+                    gpu_pipeline: list[str] | None = None, jobs: int | None = None,
+                    gpu_buckets: Buckets | None = None, stages: Stages | None = None) -> CompileInputs:
+    """Trace the frontend's model once per bucket and run each requested target's pipeline once on it
+    (`pipeline`: the cpu one, default CPU_PIPELINE; `gpu_pipeline`: default GPU_PIPELINE, down to the
+    program, on `gpu_buckets`, default `gpu_default_buckets`): what `write_artifact` writes. `stages`
+    times the traces and every pass."""
+    from .passes import CPU_PIPELINE, GPU_PIPELINE, PassManager, PipelineOptions
+
+    pipeline = list(pipeline or CPU_PIPELINE)
+    gpu_pipeline = list(gpu_pipeline or GPU_PIPELINE)
+    gpu_buckets = gpu_buckets or gpu_default_buckets(buckets)
+    if max(gpu_buckets.decode) != max(buckets.decode):  # one pool (slots) serves every target
+        raise InputError("the largest GPU decode bucket must be the largest decode bucket",
+                         expected=max(buckets.decode), found=max(gpu_buckets.decode))
+    opts = PipelineOptions(disable=tuple(disable), **({"stages": stages} if stages is not None else {}))
+    cpu_res = gpu_res = None
+    if "cpu" in targets:
+        cpu_res = PassManager(pipeline, opts).run(trace_buckets(fe.cfg, fe.options, buckets, fe.formats, stages))
+    if any(t in GPU_TARGETS for t in targets):
+        gpu_res = PassManager(gpu_pipeline, opts).run(trace_buckets(fe.cfg, fe.options, gpu_buckets, fe.formats,
+                                                                    stages))
+    main = cpu_res or gpu_res
+    if cpu_res is not None and gpu_res is not None:
+        a = {n: w.type for n, w in cpu_res.module.weights.items()}
+        b = {n: w.type for n, w in gpu_res.module.weights.items()}
+        if a != b:  # one weights directory serves both targets
+            raise InputError("the cpu and gpu pipelines take different weights", found=sorted(set(a) ^ set(b))[:4])
+    host = None
+    if cpu_res is not None and gpu_res is None:  # the host device's program (else the GPU targets')
+        from .passes import PROGRAM_PASSES
+
+        host = PassManager(PROGRAM_PASSES, opts).run(cpu_res.module).module
+    origin = {"kind": fe.weights, "seed": fe.seed if fe.weights == "random" else None,
+              "checkpoint": str(fe.checkpoint) if fe.checkpoint else None}
+    return CompileInputs(fe.cfg, main.module, fe.source, fe.options.numerics, fe.options.dtype, buckets,
+                         fe.options.capacity, origin, pipeline if cpu_res is not None else gpu_pipeline, main.hits(),
+                         tuple(targets), gpu_res.module if gpu_res is not None else None, gpu_buckets, gpu_pipeline,
+                         jobs, host, fe.checkpoint)
+
+
+def _write_program(module: Module, tmp: Path, rel: str) -> str:
+    """The module's program as text (parsed back and verified at load)."""
+    from .program.build import program_of
+    from .program.text import print_program
+
+    (tmp / rel).write_text(print_program(program_of(module)))
+    return rel
+
+
+def _write_onnx(ci: CompileInputs, tmp: Path) -> dict[str, Any]:
+    import onnx
+
+    from .codegen.onnx_export import OPSET, export_function, function_io
+
+    (tmp / "onnx").mkdir()
+    funcs = {}
+    for fname, fn in ci.module.functions.items():
+        model = export_function(ci.module, fname)
+        path = tmp / "onnx" / f"{fname}.onnx"
+        path.write_bytes(model.SerializeToString(deterministic=True))
+        io = function_io(model, set(ci.module.weights))
+        funcs[fname] = {"file": f"onnx/{fname}.onnx", "kind": fname.split("_")[0], "batch": fn.attrs["batch"],
+                        "tokens": fn.attrs["tokens"], "nodes": len(model.graph.node), **io}
+        del model
+    return {"name": "cpu", "format": "onnx", "opset": OPSET, "onnx_version": onnx.__version__, "functions": funcs}
+
+
+def _report(ci: CompileInputs, targets: list[dict]) -> dict[str, Any]:
+    from collections import Counter
+
+    return {
+        "model": ci.cfg.name,
+        "numerics": ci.numerics,
+        "dtype": ci.dtype,
+        "pipeline": list(ci.pipeline),
+        "pass_hits": ci.hits,
+        "functions": {n: {"ops": len(f.ops), "op_counts": dict(sorted(Counter(op.name for op in f.ops).items())),
+                          "batch": f.attrs["batch"], "tokens": f.attrs["tokens"]}
+                      for n, f in ci.module.functions.items()},
+        "weights_bytes": sum(w.type.nbytes for w in ci.module.weights.values()),
+        "kv_bytes_per_token": ci.module.attrs.get("pool.kv_bytes_per_token"),
+        "targets": {t["name"]: {f: v["nodes"] if "nodes" in v else v["launches"] for f, v in t["functions"].items()}
+                    for t in targets},
+        **({"gpu_kv_bytes_per_token": ci.gpu_module.attrs.get("pool.kv_bytes_per_token")} if ci.gpu_module else {}),
+    }
