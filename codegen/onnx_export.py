@@ -22,6 +22,7 @@ replaced (`Graph.read_rows`), so a step costs what it reads, never the pool's ca
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,7 @@ ONNX_DTYPES = {"fp32": TensorProto.FLOAT, "bf16": TensorProto.BFLOAT16, "i32": T
 NP_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.INT64: np.int64, TensorProto.INT32: np.int32,
              TensorProto.BOOL: np.bool_, TensorProto.UINT8: np.uint8}
 NEG_INF = float("-inf")
+DERIVED_KEY = "v4compile.derived"  # model metadata: the derived weight inputs (onnx_weights), for the manifest
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class Graph:
         self.memo: dict[tuple, Any] = {}  # per-graph caches of helpers (cos / sin tables, casts)
         self.uses_ms = False
         self.loc = ""
+        self.derived: dict[str, dict] = {}  # graph inputs built from stored weights at load (onnx_weights)
 
     # ---- raw construction ----------------------------------------------------------------------
     def fresh(self, hint: str = "t") -> str:
@@ -185,10 +188,27 @@ class Graph:
         return self.op("FusedMatMul", x, w, domain=MS_DOMAIN, transB=1)
 
     # ---- model-level helpers -------------------------------------------------------------------
-    def linear(self, x: str, xt: TensorType, w: str, wt: TensorType, scale: str | None = None) -> str:
-        """`x W^T` for a dense 2-D weight `[out, in]`: one Gemm over the flattened rows."""
-        if scale is not None or wt.dtype not in ("fp32",):
-            raise IRError("the ONNX (cpu) target takes dense fp32 weights", expected="fp32", found=wt.dtype)
+    def weight(self, w: str, wt: TensorType, scale: str | None = None, block: int | None = None,
+               index: int | None = None) -> tuple[str, TensorType]:
+        """The graph input that holds weight `w` (expert `index` of it) as dense fp32, and its type: `w`
+        itself, or a tensor the runtime derives from it once at load (`onnx_weights`)."""
+        from .onnx_weights import QUANTISED, derived_name, entry
+
+        if wt.dtype not in ("fp32", "bf16", *QUANTISED) or (scale is None) != (wt.dtype not in QUANTISED):
+            raise IRError("the ONNX (cpu) target takes fp32, bf16, FP8 or FP4 weights (scaled iff quantised)",
+                          found=f"{wt.dtype}{' with' if scale else ' without'} a scale")
+        if index is None and wt.dtype == "fp32":
+            return w, wt
+        name = derived_name(w, index, wt.dtype != "fp32")
+        if name not in self.derived:
+            self.derived[name] = entry(w, wt.dtype, wt.shape, index, scale, block)
+        return name, TensorType(tuple(self.derived[name]["shape"]), "fp32")
+
+    def linear(self, x: str, xt: TensorType, w: str, wt: TensorType, scale: str | None = None,
+               block: int | None = None) -> str:
+        """`x W^T` for a 2-D weight `[out, in]` (dense fp32 as the graph sees it): one Gemm over the
+        flattened rows."""
+        w, wt = self.weight(w, wt, scale, block)
         if xt.rank == 2:
             return self.op("Gemm", x, w, transB=1)
         if wt.numel < 65536:  # small weights: one node, no reshapes
@@ -265,6 +285,24 @@ class Graph:
         mag = self.op("Gather", self.const(FP4_VALUES), code)
         val = self.where(self.op("Less", y, self.scalar(0.0)), self.op("Neg", mag), mag)
         return self.reshape(self.op("Mul", val, s), xt.shape)
+
+    def act_qdq(self, x: str, xt: TensorType, block: int = 128) -> str:
+        """`formats.act_qdq`: the FP8 GEMM's activation, per `block` values of the last axis (a partial last
+        block has its own scale: its zero padding changes no amax)."""
+        n = xt.shape[-1]
+        full = n - n % block
+        if full == 0:
+            return self.fp8_qdq(x, xt, n)
+        if full == n:
+            return self.fp8_qdq(x, xt, block)
+        a, b = self.split(x, (full, n - full))
+        return self.concat([self.fp8_qdq(a, xt.with_shape(*xt.shape[:-1], full), block),
+                            self.fp8_qdq(b, xt.with_shape(*xt.shape[:-1], n - full), n - full)], -1)
+
+    def moe_routed(self, *args, **kw) -> str:
+        from .onnx_moe import moe_routed
+
+        return moe_routed(self, *args, **kw)
 
     def hadamard_fp4(self, x: str, xt: TensorType, block: int = 32) -> str:
         from v4compile.formats import hadamard
@@ -562,59 +600,14 @@ class Graph:
         rows = self.where(keep, self.op("Add", base, self.iscalar(a["layer_row"])), base)
         return self.write_rows(plane, rows, self.reshape(kv, (B * T, d)))
 
-    # ---- MoE ----------------------------------------------------------------------------------
-    def moe_routed(self, x: str, xt: TensorType, weights: str, indices: str, w1: str, w2: str, w3: str,
-                   w1t: TensorType, k: int, limit: float, route_weight: str) -> str:
-        """Routed experts. Few (token, expert) pairs: gather each pair's expert matrices (what decode reads);
-        as many pairs as experts or more: every expert on every token, combined with the routing weights.
-        The weight scales w2's output ("after_w2") or its input ("before_w2"), as the op says."""
-        D = xt.shape[-1]
-        N = xt.numel // D
-        E = w1t.shape[0]
-        flat = self.reshape(x, (N, D))
-        idx = self.reshape(indices, (N, k))
-        wts = self.reshape(weights, (N, k))
-        lim = self.scalar(limit)
-
-        def swiglu(gt: str, up: str) -> str:
-            gt = self.op("Min", gt, lim)
-            return self.op("Mul", self.op("Mul", gt, self.op("Sigmoid", gt)), self.op("Clip", up, self.op("Neg", lim), lim))
-
-        if N * k < E:
-            # each (token, expert) pair: W_e [out, in] times the token as a column (a GEMV on the weight as
-            # stored: no transposed copy of a weight)
-            fi = self.reshape(idx, (N * k,))
-            xr = self.reshape(self.op("Expand", self.unsqueeze(flat, 1), self.i64(N, k, D)), (N * k, D, 1))
-            h = swiglu(self.op("MatMul", self.op("Gather", w1, fi, axis=0), xr),
-                       self.op("MatMul", self.op("Gather", w3, fi, axis=0), xr))  # [N*k, I, 1]
-            pw = self.reshape(wts, (N * k, 1, 1))
-            if route_weight == "before_w2":
-                h = self.op("Mul", h, pw)
-            y = self.op("MatMul", self.op("Gather", w2, fi, axis=0), h)  # [N*k, D, 1]
-            if route_weight == "after_w2":
-                y = self.op("Mul", y, pw)
-            out = self.sum(self.reshape(y, (N, k, D)), 1)
-        else:
-            xe = self.unsqueeze(flat, 0)  # [1, N, D]
-            h = swiglu(self.matmul_t(xe, w1), self.matmul_t(xe, w3))  # [E, N, I]
-            onehot = self.cast(self.op("Equal", self.unsqueeze(idx, -1), self.const(np.arange(E), np.int64)),
-                               TensorProto.FLOAT)  # [N, k, E]
-            comb = self.sum(self.op("Mul", onehot, self.unsqueeze(wts, -1)), 1)  # [N, E]
-            comb = self.unsqueeze(self.op("Transpose", comb, perm=[1, 0]), -1)  # [E, N, 1]
-            if route_weight == "before_w2":
-                h = self.op("Mul", h, comb)
-            y = self.matmul_t(h, w2)  # [E, N, D]
-            if route_weight == "after_w2":
-                y = self.op("Mul", y, comb)
-            out = self.sum(y, 0)
-        return self.reshape(out, xt.shape)
-
     # ---- finish --------------------------------------------------------------------------------
     def model(self, doc: str = "") -> onnx.ModelProto:
         opsets = [helper.make_opsetid("", OPSET)] + ([helper.make_opsetid(MS_DOMAIN, 1)] if self.uses_ms else [])
         g = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializer=self.inits)
         m = helper.make_model(g, opset_imports=opsets, producer_name="v4compile", doc_string=doc)
         m.ir_version = 10
+        if self.derived:
+            helper.set_model_props(m, {DERIVED_KEY: json.dumps(self.derived, sort_keys=True)})
         return m
 
 
@@ -652,8 +645,6 @@ def lower_function(module: Module, fname: str) -> onnx.ModelProto:
                 env[id(v)] = v.name
                 types[id(v)] = v.type
                 weights_used.append(v)
-    for w in sorted({w.name: w for w in weights_used}.values(), key=lambda w: w.name):
-        g.inputs.append(value_info(w.name, w.type))
     for op in fn.ops:
         opdef = get_op(op.name)
         if opdef.onnx_lowering is None:
@@ -673,6 +664,13 @@ def lower_function(module: Module, fname: str) -> onnx.ModelProto:
         for r, x in zip(op.results, outs):
             env[id(r)] = x
             types[id(r)] = r.type
+    # weights: the stored ones the graph reads as they are, then those it takes derived (onnx_weights)
+    read = {i for n in g.nodes for i in n.input}
+    for w in sorted({w.name: w for w in weights_used if w.name in read}.values(), key=lambda w: w.name):
+        g.inputs.append(value_info(w.name, w.type))
+    g.derived = {n: d for n, d in sorted(g.derived.items()) if n in read}
+    for n, d in g.derived.items():
+        g.inputs.append(value_info(n, TensorType(tuple(d["shape"]), "fp32")))
     for name, v in fn.outputs:
         x = env[id(v)]
         if isinstance(x, Planes):
@@ -696,10 +694,15 @@ def export_function(module: Module, fname: str, check: bool = True) -> onnx.Mode
     return m
 
 
-def function_io(model: onnx.ModelProto, weight_names: set[str]) -> dict[str, list[str]]:
-    """The model's inputs split into step inputs, state inputs and weights; its outputs."""
+def function_io(model: onnx.ModelProto, weight_names: set[str]) -> dict[str, Any]:
+    """The model's inputs split into step inputs (and state), stored weights and derived weights (name ->
+    how the runtime builds it, `onnx_weights`); its outputs."""
     ins = [i.name for i in model.graph.input]
-    return {"weights": [n for n in ins if n in weight_names], "inputs": [n for n in ins if n not in weight_names],
-            "outputs": [o.name for o in model.graph.output]}
+    props = {p.key: p.value for p in model.metadata_props}
+    derived = json.loads(props.get(DERIVED_KEY, "{}"))
+    io = {"weights": [n for n in ins if n in weight_names],
+          "inputs": [n for n in ins if n not in weight_names and n not in derived],
+          "outputs": [o.name for o in model.graph.output]}
+    return {**io, "derived": derived} if derived else io
 
 

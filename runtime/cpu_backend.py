@@ -22,6 +22,8 @@ import onnx
 from v4compile.artifact import Artifact
 from v4compile.errors import ArtifactError, InputError
 
+from v4compile.codegen.onnx_weights import check_derived, materialise
+
 from .artifact_checks import onnx_model
 from .backend import FunctionInfo
 
@@ -32,6 +34,28 @@ log = logging.getLogger(__name__)
 os.environ["ORT_DISABLE_TELEMETRY"] = "1"
 
 _NP = {"fp32": np.float32, "i64": np.int64, "i32": np.int32}
+
+
+def _aligned(a: np.ndarray) -> np.ndarray:
+    """A view is used as is when its elements are aligned (the shards pack tensors without gaps)."""
+    return a if a.ctypes.data % max(a.itemsize, 1) == 0 else a.copy()
+
+
+def derived_weights(art: Artifact, target: dict) -> dict[str, dict]:
+    """Every function's derived weight inputs (`codegen.onnx_weights`), checked against the stored weights;
+    one definition per name."""
+    tensors = art.manifest["weights"]["tensors"]
+    out: dict[str, dict] = {}
+    for f in target["functions"].values():
+        der = f.get("derived", {})
+        if not isinstance(der, dict):
+            raise ArtifactError("the cpu target's derived weights are not an object", where=f["file"])
+        for n, d in der.items():
+            check_derived(n, d, tensors, f["file"])
+            if out.setdefault(n, d) != d:
+                raise ArtifactError(f"the cpu target defines derived weight '{n[:80]}' twice, differently",
+                                    where=f["file"])
+    return out
 
 
 def default_threads() -> int:
@@ -53,12 +77,18 @@ class OrtBackend:
         t0 = time.perf_counter()
         self.weights: dict[str, np.ndarray] = {}
         self._mapped = art.weights()  # the arrays below view its mappings: kept open as long as the backend
-        for n, t in self._mapped.stream():
+        stored = dict(self._mapped.stream())
+        direct = {n for f in self.target["functions"].values() for n in f["weights"]}
+        for n in sorted(direct):
+            t = stored[n]
             if t.dtype.is_floating_point and str(t.dtype) != "torch.float32":
-                raise InputError("the cpu device needs fp32 weights", where=n, found=str(t.dtype))
-            a = t.numpy()
-            # A view is used as is when its elements are aligned (the shards pack tensors without gaps).
-            self.weights[n] = a if a.ctypes.data % max(a.itemsize, 1) == 0 else a.copy()
+                raise InputError("the cpu device takes this weight as stored, and needs it in fp32", where=n,
+                                 found=str(t.dtype))
+            self.weights[n] = _aligned(t.numpy())
+        # the derived inputs (experts as views of their stack, quantised weights dequantised): built once
+        for n, d in derived_weights(art, self.target).items():
+            self.weights[n] = _aligned(materialise(d, stored.__getitem__))
+        del stored
         self._w_values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self.weights.items()}
         self.weights_s = time.perf_counter() - t0
         log.debug("cpu backend: %d weights mapped in %.2f s", len(self.weights), self.weights_s)
@@ -79,12 +109,13 @@ class OrtBackend:
         model = onnx_model(self.art, fname, spec)
         g = model.graph
         used = {x for n in g.node for x in n.input}
-        wnames = set(spec["weights"]) & used
+        declared = set(spec["weights"]) | set(spec.get("derived", {}))
+        wnames = declared & used
         keep, moved = [], []
         for vi in g.input:
             if vi.name in wnames:
                 moved.append(vi)
-            elif vi.name not in spec["weights"]:
+            elif vi.name not in declared:
                 keep.append(vi)
         del g.input[:]
         g.input.extend(keep)

@@ -131,16 +131,19 @@ def _(x, w, scale, *, block, act, acc, out_dtype):
     return TensorType((*x.shape[:-1], w.shape[0]), out_dtype or x.dtype)
 
 
-def _native_gemm(what: str, a: dict) -> None:
-    """The ONNX lowerings compute GEMMs in fp32 on the activation as it is (act native)."""
-    if a.get("act", "native") != "native" or a.get("out_dtype", "") not in ("", "fp32"):
-        raise NotImplementedError(f"{what} act={a.get('act')!r} out_dtype={a.get('out_dtype')!r} (cpu: act native, fp32)")
+def gemm_input(g, what: str, a: dict, x: str, xt: TensorType) -> str:
+    """The ONNX lowerings compute GEMMs in fp32: the activation as it is (act native) or as the FP8 GEMM
+    sees it (act fp8: `formats.act_qdq`, 128-wide K blocks), times the weight dequantised to fp32."""
+    act = a.get("act", "native")
+    if xt.dtype != "fp32" or a.get("out_dtype", "") not in ("", "fp32"):
+        raise NotImplementedError(f"{what} on {xt.dtype} out_dtype={a.get('out_dtype')!r} (cpu: fp32)")
+    return g.act_qdq(x, xt) if act == "fp8" else x
 
 
 @linear.onnx
 def _(g, o, a, r):
-    _native_gemm("linear", a)
-    return g.linear(o.x, o.types["x"], o.w, o.types["w"], o.scale)
+    x = gemm_input(g, "linear", a, o.x, o.types["x"])
+    return g.linear(x, o.types["x"], o.w, o.types["w"], o.scale, a["block"])
 
 
 # How the unweighted RMSNorm (the per-head q norm) forms its statistic: "fp32" squares and averages the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..ir.registry import Cost, defop, require
 from ..ir.types import TensorType
-from .basic import GEMM_ATTRS, _native_gemm, linear, rms_norm, swiglu
+from .basic import GEMM_ATTRS, gemm_input, linear, rms_norm, swiglu
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import MOE_ATTRS, moe_experts
 from .numerics import fp8_round_ref
@@ -169,16 +169,20 @@ def _(operands, results, attrs):
 
 @moe_experts_shared.onnx
 def _(g, o, a, r):
-    if any(getattr(o, n) is not None for n in ("w1_scale", "s1_scale")):
-        raise NotImplementedError("moe_experts_shared: the ONNX lowering takes dense fp32 experts")
-    _native_gemm("moe_experts_shared", a)
-    x, xt, lim = o.x, o.types["x"], a["limit"]
-    routed = g.moe_routed(x, xt, o.weights, o.indices, o.w1, o.w2, o.w3, o.types["w1"], o.types["indices"].shape[-1],
-                          lim, a["route_weight"])
-    gt = g.op("Min", g.linear(x, xt, o.s1, o.types["s1"]), g.scalar(lim))
-    up = g.op("Clip", g.linear(x, xt, o.s3, o.types["s3"]), g.scalar(-lim), g.scalar(lim))
+    xt, lim = o.types["x"], a["limit"]
+    x = gemm_input(g, "moe_experts_shared", a, o.x, xt)
+    routed = g.moe_routed(x, xt, o.weights, o.indices, o.types["indices"], (o.w1, o.w2, o.w3),
+                          (o.types["w1"], o.types["w2"], o.types["w3"]), o.types["indices"].shape[-1], lim,
+                          a["route_weight"], (o.w1_scale, o.w2_scale, o.w3_scale), a["block"])
+    sa = {"act": a["shared_act"], "out_dtype": a["out_dtype"]}
+    xs = gemm_input(g, "moe_experts_shared", sa, o.x, xt)
+    sb = a["shared_block"]
+    gt = g.op("Min", g.linear(xs, xt, o.s1, o.types["s1"], o.s1_scale, sb), g.scalar(lim))
+    up = g.op("Clip", g.linear(xs, xt, o.s3, o.types["s3"], o.s3_scale, sb), g.scalar(-lim), g.scalar(lim))
     h = g.op("Mul", g.op("Mul", gt, g.op("Sigmoid", gt)), up)
-    return g.op("Add", routed, g.linear(h, xt.with_shape(*xt.shape[:-1], o.types["s1"].shape[0]), o.s2, o.types["s2"]))
+    ht = xt.with_shape(*xt.shape[:-1], o.types["s1"].shape[0])
+    h = gemm_input(g, "moe_experts_shared", sa, h, ht)
+    return g.op("Add", routed, g.linear(h, ht, o.s2, o.types["s2"], o.s2_scale, sb))
 
 
 # ---- indexer -------------------------------------------------------------------------------------
@@ -338,5 +342,5 @@ def _(x, norm, w, scale, *, eps, block, act, acc, out_dtype):
 
 @norm_linear.onnx
 def _(g, o, a, r):
-    _native_gemm("norm_linear", a)
-    return g.linear(g.rms(o.x, o.norm, a["eps"]), o.types["x"], o.w, o.types["w"], o.scale)
+    x = gemm_input(g, "norm_linear", a, g.rms(o.x, o.norm, a["eps"]), o.types["x"])
+    return g.linear(x, o.types["x"], o.w, o.types["w"], o.scale, a["block"])

@@ -157,10 +157,9 @@ def _(operands, results, attrs):
 
 @moe_experts.onnx
 def _(g, o, a, r):
-    from .basic import _native_gemm
+    from .basic import gemm_input
 
-    if o.w1_scale is not None:
-        raise NotImplementedError("moe_experts: the ONNX lowering takes dense fp32 experts")
-    _native_gemm("moe_experts", a)
-    return g.moe_routed(o.x, o.types["x"], o.weights, o.indices, o.w1, o.w2, o.w3, o.types["w1"],
-                        o.types["indices"].shape[-1], a["limit"], a["route_weight"])
+    x = gemm_input(g, "moe_experts", a, o.x, o.types["x"])
+    return g.moe_routed(x, o.types["x"], o.weights, o.indices, o.types["indices"], (o.w1, o.w2, o.w3),
+                      (o.types["w1"], o.types["w2"], o.types["w3"]), o.types["indices"].shape[-1], a["limit"],
+                      a["route_weight"], (o.w1_scale, o.w2_scale, o.w3_scale), a["block"])

@@ -1,0 +1,58 @@
+"""The routed experts in ONNX: tokens grouped by expert, never a copy of an expert's weights.
+
+Any ONNX node that picks expert e out of a stacked `[E, out, in]` weight (Gather, Slice) copies the matrix on
+every step, and computing every expert on every token reads all E of them. Here each expert's matrices are
+separate graph inputs (views of the stacked weight that the runtime makes once: `onnx_weights`), and a step
+sorts its (token, slot) pairs by expert, splits the sorted activations into one group per expert (empty
+for an expert no token chose: a zero-row Gemm reads nothing) and runs three Gemms per expert on its group.
+So a step reads each active expert's weights once, whatever the number of pairs routed to it, and prefill
+routes exactly like decode.
+
+The weighted sum back into the tokens is one ScatterND with reduction "add" over the pairs in expert
+order: each token's sum starts from zero and adds its experts in ascending order, the order of the
+reference (`ops.moe.moe_experts`: `index_add_` expert by expert).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto
+
+from v4compile.ir.types import TensorType
+
+
+def moe_routed(g, x: str, xt: TensorType, weights: str, indices: str, it: TensorType, w: tuple[str, str, str],
+               wt: tuple[TensorType, TensorType, TensorType], k: int, limit: float, route_weight: str,
+               scales: tuple = (None, None, None), block: int | None = None) -> str:
+    """`sum_k weight_k * w2_e(swiglu(w1_e x, w3_e x))` over each token's k experts (`ops.moe.moe_experts`);
+    `w` = (w1, w2, w3) stacked `[E, out, in]`, FP4 / FP8 with `scales` or fp32 / bf16 without."""
+    D = xt.shape[-1]
+    N = xt.numel // D
+    E = wt[0].shape[0]
+    P = N * k
+    flat = g.reshape(x, (N, D))
+    pairs = g.reshape(g.as_i64(indices, it.dtype), (P,))
+    # pairs sorted by expert (ascending; TopK on the ids as floats: exact below 2^24 experts)
+    order = g.op("TopK", g.cast(pairs, TensorProto.FLOAT), g.i64(P), n_out=2, axis=0, largest=0, sorted=1)[1]
+    tok = g.op("Div", order, g.iscalar(k))  # the token of each sorted pair
+    wsort = g.unsqueeze(g.op("Gather", g.reshape(weights, (P,)), order, axis=0), -1)  # [P, 1]
+    counts = g.sum(g.cast(g.op("Equal", g.unsqueeze(pairs, -1), g.const(np.arange(E), np.int64)),
+                          TensorProto.INT64), 0)  # [E]
+    xs = g.op("Split", g.op("Gather", flat, tok, axis=0), counts, n_out=E, axis=0)
+
+    def expert(which: int, e: int) -> str:
+        return g.weight(w[which], wt[which], scales[which], block, index=e)[0]
+
+    gate = g.concat([g.op("Gemm", xs[e], expert(0, e), transB=1) for e in range(E)], 0)  # [P, I]
+    up = g.concat([g.op("Gemm", xs[e], expert(2, e), transB=1) for e in range(E)], 0)
+    lim = g.scalar(limit)
+    gate = g.op("Min", gate, lim)
+    h = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), g.op("Clip", up, g.op("Neg", lim), lim))
+    if route_weight == "before_w2":
+        h = g.op("Mul", h, wsort)
+    hs = g.op("Split", h, counts, n_out=E, axis=0)
+    y = g.concat([g.op("Gemm", hs[e], expert(1, e), transB=1) for e in range(E)], 0)  # [P, D]
+    if route_weight == "after_w2":
+        y = g.op("Mul", y, wsort)
+    out = g.op("ScatterND", g.const(np.zeros((N, D), np.float32)), g.unsqueeze(tok, -1), y, reduction="add")
+    return g.reshape(out, xt.shape)
