@@ -23,9 +23,10 @@ from v4compile.ir.types import TensorType
 
 def moe_routed(g, x: str, xt: TensorType, weights: str, indices: str, it: TensorType, w: tuple[str, str, str],
                wt: tuple[TensorType, TensorType, TensorType], k: int, limit: float, route_weight: str,
-               scales: tuple = (None, None, None), block: int | None = None) -> str:
+               scales: tuple = (None, None, None), block: int | None = None, act: str = "native") -> str:
     """`sum_k weight_k * w2_e(swiglu(w1_e x, w3_e x))` over each token's k experts (`ops.moe.moe_experts`);
-    `w` = (w1, w2, w3) stacked `[E, out, in]`, FP4 / FP8 with `scales` or fp32 / bf16 without."""
+    `w` = (w1, w2, w3) stacked `[E, out, in]`, FP4 / FP8 with `scales` or fp32 / bf16 without; `x` as the
+    first GEMMs see it (`act` "fp8": already rounded, `ops.basic.gemm_input`), w2's input rounded here."""
     D = xt.shape[-1]
     N = xt.numel // D
     E = wt[0].shape[0]
@@ -50,6 +51,8 @@ def moe_routed(g, x: str, xt: TensorType, weights: str, indices: str, it: Tensor
     h = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), g.op("Clip", up, g.op("Neg", lim), lim))
     if route_weight == "before_w2":
         h = g.op("Mul", h, wsort)
+    if act == "fp8":  # w2's input as its FP8 GEMM sees it (the weighting above comes first, as in the op)
+        h = g.act_qdq(h, TensorType((P, wt[0].shape[1]), "fp32"))
     hs = g.op("Split", h, counts, n_out=E, axis=0)
     y = g.concat([g.op("Gemm", hs[e], expert(1, e), transB=1) for e in range(E)], 0)  # [P, D]
     if route_weight == "after_w2":

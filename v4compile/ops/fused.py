@@ -173,7 +173,7 @@ def _(g, o, a, r):
     x = gemm_input(g, "moe_experts_shared", a, o.x, xt)
     routed = g.moe_routed(x, xt, o.weights, o.indices, o.types["indices"], (o.w1, o.w2, o.w3),
                           (o.types["w1"], o.types["w2"], o.types["w3"]), o.types["indices"].shape[-1], lim,
-                          a["route_weight"], (o.w1_scale, o.w2_scale, o.w3_scale), a["block"])
+                          a["route_weight"], (o.w1_scale, o.w2_scale, o.w3_scale), a["block"], a["act"])
     sa = {"act": a["shared_act"], "out_dtype": a["out_dtype"]}
     xs = gemm_input(g, "moe_experts_shared", sa, o.x, xt)
     sb = a["shared_block"]

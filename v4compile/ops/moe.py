@@ -162,4 +162,4 @@ def _(g, o, a, r):
     x = gemm_input(g, "moe_experts", a, o.x, o.types["x"])
     return g.moe_routed(x, o.types["x"], o.weights, o.indices, o.types["indices"], (o.w1, o.w2, o.w3),
                       (o.types["w1"], o.types["w2"], o.types["w3"]), o.types["indices"].shape[-1], a["limit"],
-                      a["route_weight"], (o.w1_scale, o.w2_scale, o.w3_scale), a["block"])
+                      a["route_weight"], (o.w1_scale, o.w2_scale, o.w3_scale), a["block"], a["act"])
