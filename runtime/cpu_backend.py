@@ -6,8 +6,10 @@
 * Pool planes and per-slot state live in host arrays owned by this backend, bound as inputs through
   IO binding (never copied per step); a step's outputs are only the rows it wrote (`X.rows`, `X.vals`),
   stored here in place, in write order.
-* Threads: `threads` (default: the machine's cores, capped at 8) intra-op threads per session, one
-  inter-op thread; sessions are created lazily, one per function, on first use.
+* Threads: `threads` intra-op threads per session (default `threads.default_threads()`: the free cores,
+  at most 4, as `compile` uses: ONNX Runtime's own default, every core, oversubscribes a shared machine);
+  the other session options are the artifact's (`codegen.onnx_session`); sessions are created lazily, one
+  per function, on first use.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import onnx
 
 from v4compile.artifact import Artifact
 from v4compile.errors import ArtifactError, InputError
+from v4compile.threads import default_threads
 
+from v4compile.codegen.onnx_session import SessionOptions
 from v4compile.codegen.onnx_weights import check_derived, materialise
 
 from .artifact_checks import onnx_model
@@ -58,14 +62,11 @@ def derived_weights(art: Artifact, target: dict) -> dict[str, dict]:
     return out
 
 
-def default_threads() -> int:
-    return max(1, min(os.cpu_count() or 1, 8))
-
-
 class OrtBackend:
     device = "cpu"
 
-    def __init__(self, art: Artifact, threads: int | None = None, profile: str | None = None):
+    def __init__(self, art: Artifact, threads: int | None = None, profile: str | None = None,
+                 options: SessionOptions | None = None):
         import onnxruntime as ort
 
         self.ort = ort
@@ -73,6 +74,8 @@ class OrtBackend:
         self.threads = threads or default_threads()
         self.profile = profile
         self.target = art.target("cpu")
+        # the artifact's recorded session options (`options`: another choice, for measurements)
+        self.options = options or SessionOptions.from_manifest(self.target.get("session"), "manifest.json")
         self._funcs = {n: FunctionInfo(n, f["kind"], f["batch"], f["tokens"]) for n, f in self.target["functions"].items()}
         t0 = time.perf_counter()
         self.weights: dict[str, np.ndarray] = {}
@@ -131,9 +134,7 @@ class OrtBackend:
             g.initializer.append(t)
         so = ort.SessionOptions()
         so.intra_op_num_threads = self.threads
-        so.inter_op_num_threads = 1
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.options.apply(ort, so)
         if self.profile:
             so.enable_profiling = True
             so.profile_file_prefix = os.path.join(self.profile, fname)

@@ -273,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     rn.add_argument("--temperature", type=temperature_arg, default=0.0, help="0 (default): greedy")
     rn.add_argument("--top-p", type=float_arg(0.0, 1.0), default=1.0)
     rn.add_argument("--seed", type=int_arg(0, 2 ** 64 - 1), default=None, help="sampling seed, in [0, 2^64)")
-    rn.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: cores, at most 8)")
+    rn.add_argument("--threads", type=threads_arg, default=None,
+                    help="CPU threads: ONNX Runtime's intra-op threads on cpu (default: min(4, free cores), at least 1)")
     rn.add_argument("--json", action="store_true", help='print {"ids": [...], "tokens_per_s", "load_s", "warmup_s", "prefill_s"}')
     rn.set_defaults(func=cmd_run)
 

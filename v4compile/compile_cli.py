@@ -38,26 +38,10 @@ def _ints():
     from .cli import INT64_MAX, float_arg, int_arg
     return INT64_MAX, int_arg, float_arg
 
+from .threads import default_threads  # noqa: F401  (compile's default, re-exported for its callers)
+
 _T0 = time.perf_counter()  # the command's start (this module is imported while parsing arguments)
 NUMERICS_FAILED = 1  # exit status of a check that found a broken tolerance (bad input is 2)
-MAX_DEFAULT_THREADS = 4
-
-
-def default_threads() -> int:
-    """min(4, the cores this process may use, minus the ones other processes keep busy), at least 1.
-    Torch's default (every core) oversubscribes a shared machine: two such processes on 2 cores took
-    3 minutes for a 9 s compile; one thread each, 19 s."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    try:
-        busy = int(os.getloadavg()[0] + 0.5)
-    except OSError:
-        busy = 0
-    return max(1, min(MAX_DEFAULT_THREADS, cores, cores - busy))
-
-
 MAX_THREADS = 256  # the same bound as the API's (runtime/session.py)
 
 
