@@ -8,9 +8,11 @@ result types. This file holds only the graph-building machinery and helpers shar
 
 Interface of an exported model (what the runtime binds):
 * inputs: the step inputs (`ids`, `pos`, `block_table`, `slot`), every pool plane / state tensor the
-  function updates (read only: never copied), and every weight the function reads, by its IR name (the
-  artifact stores the tensors in `weights/*.safetensors`; the runtime hands them to ONNX Runtime as
-  shared initializers, so the ONNX files hold no weight bytes);
+  function updates (read only: never copied), every stored weight the function reads as it is, by its IR
+  name, and the weights it reads derived (an expert of a stacked weight, a quantised or bf16 weight as
+  fp32: `Graph.weight`, `onnx_weights.py`; listed in the model's metadata and the manifest). The artifact
+  stores the tensors in `weights/*.safetensors`; the runtime hands them (and the derived ones, built once
+  at load) to ONNX Runtime as shared initializers, so the ONNX files hold no weight bytes;
 * outputs: `logits`, and for each updated plane / state tensor `X` the rows the step wrote: `X.rows`
   (int64 `[N]`, -1 = nothing to write) and `X.vals` (`[N, *row shape]`), in write order (a later row wins).
   The runtime stores them in place into its own buffers.
