@@ -46,15 +46,23 @@ def check_derived(name: str, d: dict[str, Any], tensors: dict[str, Any], where: 
     def bad(why: str, **kw):
         raise ArtifactError(f"the cpu target's derived weight '{name[:80]}' {why}", where=where, **kw)
 
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
     if not isinstance(d, dict) or set(d) != {"of", "index", "scale", "block", "dtype", "shape"}:
         bad("is not an entry of {of, index, scale, block, dtype, shape}")
+    if not (isinstance(d["shape"], list) and all(is_int(x) and x >= 0 for x in d["shape"])
+            and (d["index"] is None or is_int(d["index"])) and (d["block"] is None or is_int(d["block"]))
+            and (d["scale"] is None or isinstance(d["scale"], str)) and isinstance(d["dtype"], str)):
+        bad("has fields of the wrong types", expected="shape [int], index / block int or null, scale str or null")
     base = tensors.get(d["of"]) if isinstance(d["of"], str) else None
     if base is None:
         bad("names no stored weight", found=str(d["of"])[:80])
+    if base["dtype"] not in ("fp32", "bf16", *QUANTISED) or len(base["shape"]) < 2:
+        bad("names a stored tensor that is not a weight matrix (or a stack of them)", found=base["dtype"])
     shape = logical_shape(base["dtype"], base["shape"])
     idx = d["index"]
-    if idx is not None and not (isinstance(idx, int) and not isinstance(idx, bool) and len(shape) == 3
-                                and 0 <= idx < shape[0]):
+    if idx is not None and not (len(shape) == 3 and 0 <= idx < shape[0]):
         bad("indexes outside its stacked weight", expected=f"0 <= index < {shape[0] if len(shape) == 3 else '-'}",
             found=idx)
     if d["scale"] is None:
@@ -65,7 +73,7 @@ def check_derived(name: str, d: dict[str, Any], tensors: dict[str, Any], where: 
         blk = d["block"]
         if base["dtype"] not in QUANTISED or sc is None or sc["dtype"] not in ("e8m0", "fp32"):
             bad("names a scale that is not the E8M0 grid of a quantised weight", found=str(d["scale"])[:80])
-        if not (isinstance(blk, int) and not isinstance(blk, bool) and blk > 0):
+        if blk is None or blk <= 0:
             bad("has no positive block", found=blk)
         *lead, o, k = shape
         grid = [*lead, -(-o // blk), -(-k // blk)] if base["dtype"] == "fp8e4m3" else [*lead, o, k // blk]
