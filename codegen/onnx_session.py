@@ -1,12 +1,13 @@
 """ONNX Runtime's session options for the cpu target: chosen when compiling, recorded in the artifact's
 manifest (`targets[cpu].session`), applied by the runtime (`runtime/cpu_backend.py`).
 
-Measured on tiny and mid (bench/bench_cpu.py's configs, 1 thread, CPU time; issue 22's closing note):
-the optimisation level changes a decode step by less than the noise on tiny (~4 ms a step at every level)
-and ... on mid, while session creation (every function's graph, at load) costs 0.3 s with no
-optimisation and ~1 s with all of them on tiny. "all" keeps ONNX Runtime's Gemm weight pre-packing and
-its fusions (what large models gain from); the graphs are exported small already (grouped experts, one
-Gemm per weight), so nothing is left that a lower level would save at run time.
+Measured (issue 22; bench/bench_cpu.py's configs, decode b1, 1 thread, min of 48 / 12 steps in process CPU
+time on a shared 2-core machine): tiny 3.1-4.2 ms a step at every level (within the noise), mid 58.3 ms
+("all"), 58.6 ("basic"), 59.6 ("disable"), 63.0 ("extended"); creating mid's sessions took 10.6 s
+("all") against 9.1 s ("disable"). The step is bound by reading the weights (~9.5 GB/s for a 1-row Gemm on
+one core here), which no graph rewrite changes, and the graphs are exported small already (grouped experts,
+one Gemm per weight): "all" is kept for ONNX Runtime's Gemm weight pre-packing and fusions, which larger
+batches gain from, at ~15 % more session creation time.
 
 `allow_spinning` false: an idle intra-op thread sleeps instead of spinning (ONNX Runtime's default
 spins, which takes cores from other processes on a shared machine).
