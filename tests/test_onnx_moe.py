@@ -147,3 +147,25 @@ def test_weight_bytes_do_not_scale_with_routed_pairs(tmp_path):
                        profile=tmp_path / f"p{N}")
         seen[N] = _gemm_weight_bytes(prof)
     assert seen == {1: 2 * per_expert, 16: 2 * per_expert, 4: 8 * per_expert}
+
+
+def test_compiled_graphs_read_expert_weights_only_through_their_gemms(tmp_path):
+    """In every function of a compiled tiny artifact (decode and prefill), no stacked expert weight is a
+    graph input, and each expert's matrix (a derived view) feeds exactly one node: a Gemm on a Split
+    group (decode and prefill alike)."""
+    from v4compile import frontend
+    from v4compile.artifact import Buckets, compile_artifact, load_artifact
+    from v4compile.trace import TraceOptions
+
+    fe = frontend.load(None, "tiny", "random", TraceOptions(numerics="hf", dtype="fp32", capacity=64))
+    art = compile_artifact(fe, tmp_path / "tiny", Buckets(decode=(1, 4), prefill=(16,)))
+    m = load_artifact(art).manifest
+    stacked = {n for n, t in m["weights"]["tensors"].items() if len(t["shape"]) == 3 and ".experts." in n}
+    assert stacked
+    for fname, spec in m["targets"][0]["functions"].items():
+        model = onnx.load(str(art / spec["file"]))
+        views = {n for n, d in spec["derived"].items() if d["index"] is not None}
+        assert {d["of"] for n, d in spec["derived"].items() if n in views} == stacked, fname
+        assert not stacked & {i.name for i in model.graph.input}, fname
+        readers = _weight_readers(model, views)
+        assert len(readers) == len(views) and set(readers) == {("Gemm", True)}, fname
