@@ -57,6 +57,9 @@ class Planes:
     base: str
     rows: str | None = None
     vals: str | None = None
+    # the same writes by writer: (layer scope, rows, vals) each; a reader patches only its own layer's
+    # (`Graph.read_rows`)
+    segs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -389,13 +392,21 @@ class Graph:
         got = self.op("Gather", p.base, rows, axis=0)
         if p.rows is None:
             return got
+        # A layer's pool rows (and state) are its own: only that layer's writes can hit its reads, so the
+        # [reads x writes] match below is over this layer's writes, not every earlier layer's too.
+        key = self.pool_scope()
+        segs = [sg for sg in p.segs if key is None or sg[0] in (key, None)]
+        if not segs:
+            return got
+        w_rows = self.concat([sg[1] for sg in segs], 0)
+        w_vals = self.concat([sg[2] for sg in segs], 0)
         flat = self.reshape(rows, (-1, 1))
-        hit = self.cast(self.op("Equal", flat, self.unsqueeze(p.rows, 0)), TensorProto.INT32)  # [M, N]
+        hit = self.cast(self.op("Equal", flat, self.unsqueeze(w_rows, 0)), TensorProto.INT32)  # [M, N]
         has = self.op("Greater", self.max(hit, 1), self.const(0, np.int32))
         j = self.op("ArgMax", hit, axis=1, keepdims=0, select_last_index=1)
-        new = self.op("Gather", p.vals, j, axis=0)  # [M, *row]
+        new = self.op("Gather", w_vals, j, axis=0)  # [M, *row]
         shape_rows = self.op("Shape", rows)
-        row_shape = self.op("Shape", p.vals, start=1)
+        row_shape = self.op("Shape", w_vals, start=1)
         new = self.op("Reshape", new, self.concat([shape_rows, row_shape], 0))
         has = self.op("Reshape", has, shape_rows)
         rank_row = self.memo.get(("rank", p.base), 1)
@@ -405,9 +416,17 @@ class Graph:
 
     def write_rows(self, p: Planes, rows: str, vals: str) -> Planes:
         """Record `plane[rows] = vals` (rows int64 [N], -1 = skip; vals [N, *row])."""
+        seg = ((self.pool_scope(), rows, vals),)
         if p.rows is None:
-            return Planes(p.base, rows, vals)
-        return Planes(p.base, self.concat([p.rows, rows], 0), self.concat([p.vals, vals], 0))
+            return Planes(p.base, rows, vals, seg)
+        return Planes(p.base, self.concat([p.rows, rows], 0), self.concat([p.vals, vals], 0), p.segs + seg)
+
+    def pool_scope(self) -> str | None:
+        """The layer the op being lowered belongs to (`layers.3`, `mtp.0`), from its location; None when
+        it names none (its reads then patch with every write)."""
+        parts = self.loc.split(" ")[-1].split(".")
+        return ".".join(parts[:2]) if len(parts) >= 2 and parts[0] in ("layers", "mtp") and parts[1].isdigit() \
+            else None
 
     # ---- attention-side helpers -------------------------------------------------------------
     def fp8_round(self, x: str, xt: TensorType, dims: int, block: int) -> str:
