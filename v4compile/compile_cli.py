@@ -18,7 +18,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import shlex
 import sys
 import time
