@@ -26,9 +26,12 @@ E, K, D, I = 8, 2, 64, 32
 LIMIT = 7.0
 
 
-def _weights(seed: int, quantised: bool):
+def _weights(seed: int, quantised):
+    """fp32 (quantised False), bf16 ("bf16": upcast once at load) or FP4 (True) expert stacks."""
     g = torch.Generator().manual_seed(seed)
     w = {n: torch.randn(E, *s, generator=g) / 8 for n, s in (("w1", (I, D)), ("w2", (D, I)), ("w3", (I, D)))}
+    if quantised == "bf16":
+        return {n: t.bfloat16() for n, t in w.items()}, {}
     if not quantised:
         return w, {}
     packed, scales = {}, {}
@@ -45,7 +48,8 @@ def _model(N: int, route_weight: str, w, scales, graph=Graph):
     g = graph("moe")
     xt = TensorType((N, D), "fp32")
     it = TensorType((N, K), "i64")
-    wt = tuple(TensorType(tuple(w[n].shape), "fp4x2" if scales else "fp32") for n in ("w1", "w2", "w3"))
+    dt = "fp4x2" if scales else {torch.float32: "fp32", torch.bfloat16: "bf16"}[w["w1"].dtype]
+    wt = tuple(TensorType(tuple(w[n].shape), dt) for n in ("w1", "w2", "w3"))
     sc = tuple(f"{n}.scale" for n in ("w1", "w2", "w3")) if scales else (None, None, None)
     y = g.moe_routed("x", xt, "wts", "idx", it, ("w1", "w2", "w3"), wt, K, LIMIT, route_weight, sc, 32)
     g.op("Identity", y, out="y")
@@ -80,7 +84,7 @@ def _routing(N: int, seed: int, experts=None):
     return x, wts, idx
 
 
-@pytest.mark.parametrize("quantised", [False, True], ids=["fp32", "fp4"])
+@pytest.mark.parametrize("quantised", [False, "bf16", True], ids=["fp32", "bf16", "fp4"])
 @pytest.mark.parametrize("route_weight", ["after_w2", "before_w2"])
 def test_grouped_experts_match_the_reference(quantised, route_weight):
     """Decode-sized (1, 3 tokens: some experts idle) and prefill-sized (16: every expert busy) steps."""
