@@ -7,9 +7,11 @@ is the `Graph` below. This file holds the graph-building machinery and the helpe
 
 Interface of an exported model (what the runtime binds):
 * inputs: the step inputs (`ids`, `pos`, `block_table`, `slot`), every pool plane / state tensor the
-  function updates (read only: never copied), and every weight the function reads, by its IR name (the
-  artifact stores the tensors in `weights/*.safetensors`; the runtime hands them to ONNX Runtime as
-  shared initializers, so the ONNX files hold no weight bytes);
+  function updates (read only: never copied), every stored weight the function reads as it is, by its IR
+  name, and the weights it reads derived (an expert of a stacked weight, a quantised or bf16 weight as
+  fp32: `Graph.weight`, `onnx_weights.py`; listed in the model's metadata and the manifest). The artifact
+  stores the tensors in `weights/*.safetensors`; the runtime hands them (and the derived ones, built once
+  at load) to ONNX Runtime as shared initializers, so the ONNX files hold no weight bytes;
 * outputs: `logits`, and for each updated plane / state tensor `X` the rows the step wrote: `X.rows`
   (int64 `[N]`, -1 = nothing to write) and `X.vals` (`[N, *row shape]`), in write order (a later row wins).
   The runtime stores them in place into its own buffers.
@@ -21,6 +23,7 @@ replaced (`Graph.read_rows`), so a step costs what it reads, never the pool's ca
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +47,7 @@ ONNX_DTYPES = {"fp32": TensorProto.FLOAT, "bf16": TensorProto.BFLOAT16, "i32": T
 NP_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.INT64: np.int64, TensorProto.INT32: np.int32,
              TensorProto.BOOL: np.bool_, TensorProto.UINT8: np.uint8}
 NEG_INF = float("-inf")
+DERIVED_KEY = "v4compile.derived"  # model metadata: the derived weight inputs (onnx_weights), for the manifest
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,9 @@ class Planes:
     base: str
     rows: str | None = None
     vals: str | None = None
+    # the same writes by writer: (layer scope, rows, vals) each; a reader patches only its own layer's
+    # (`Graph.read_rows`)
+    segs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,7 @@ class Graph:
         self.memo: dict[tuple, Any] = {}  # per-graph caches of helpers (cos / sin tables, casts)
         self.uses_ms = False
         self.loc = ""
+        self.derived: dict[str, dict] = {}  # graph inputs built from stored weights at load (onnx_weights)
 
     # ---- raw construction ----------------------------------------------------------------------
     def fresh(self, hint: str = "t") -> str:
@@ -186,10 +194,27 @@ class Graph:
         return self.op("FusedMatMul", x, w, domain=MS_DOMAIN, transB=1)
 
     # ---- model-level helpers -------------------------------------------------------------------
-    def linear(self, x: str, xt: TensorType, w: str, wt: TensorType, scale: str | None = None) -> str:
-        """`x W^T` for a dense 2-D weight `[out, in]`: one Gemm over the flattened rows."""
-        if scale is not None or wt.dtype not in ("fp32",):
-            raise IRError("the ONNX (cpu) target takes dense fp32 weights", expected="fp32", found=wt.dtype)
+    def weight(self, w: str, wt: TensorType, scale: str | None = None, block: int | None = None,
+               index: int | None = None) -> tuple[str, TensorType]:
+        """The graph input that holds weight `w` (expert `index` of it) as dense fp32, and its type: `w`
+        itself, or a tensor the runtime derives from it once at load (`onnx_weights`)."""
+        from .onnx_weights import QUANTISED, derived_name, entry
+
+        if wt.dtype not in ("fp32", "bf16", *QUANTISED) or (scale is None) != (wt.dtype not in QUANTISED):
+            raise IRError("the ONNX (cpu) target takes fp32, bf16, FP8 or FP4 weights (scaled iff quantised)",
+                          found=f"{wt.dtype}{' with' if scale else ' without'} a scale")
+        if index is None and wt.dtype == "fp32":
+            return w, wt
+        name = derived_name(w, index, wt.dtype != "fp32")
+        if name not in self.derived:
+            self.derived[name] = entry(w, wt.dtype, wt.shape, index, scale, block)
+        return name, TensorType(tuple(self.derived[name]["shape"]), "fp32")
+
+    def linear(self, x: str, xt: TensorType, w: str, wt: TensorType, scale: str | None = None,
+               block: int | None = None) -> str:
+        """`x W^T` for a 2-D weight `[out, in]` (dense fp32 as the graph sees it): one Gemm over the
+        flattened rows."""
+        w, wt = self.weight(w, wt, scale, block)
         if xt.rank == 2:
             return self.op("Gemm", x, w, transB=1)
         if wt.numel < 65536:  # small weights: one node, no reshapes
@@ -267,6 +292,19 @@ class Graph:
         val = self.where(self.op("Less", y, self.scalar(0.0)), self.op("Neg", mag), mag)
         return self.reshape(self.op("Mul", val, s), xt.shape)
 
+    def act_qdq(self, x: str, xt: TensorType, block: int = 128) -> str:
+        """`formats.act_qdq`: the FP8 GEMM's activation, per `block` values of the last axis (a partial last
+        block has its own scale: its zero padding changes no amax)."""
+        n = xt.shape[-1]
+        full = n - n % block
+        if full == 0:
+            return self.fp8_qdq(x, xt, n)
+        if full == n:
+            return self.fp8_qdq(x, xt, block)
+        a, b = self.split(x, (full, n - full))
+        return self.concat([self.fp8_qdq(a, xt.with_shape(*xt.shape[:-1], full), block),
+                            self.fp8_qdq(b, xt.with_shape(*xt.shape[:-1], n - full), n - full)], -1)
+
     def hadamard_fp4(self, x: str, xt: TensorType, block: int = 32) -> str:
         from v4compile.formats import hadamard
 
@@ -293,13 +331,21 @@ class Graph:
         got = self.op("Gather", p.base, rows, axis=0)
         if p.rows is None:
             return got
+        # A layer's pool rows (and state) are its own: only that layer's writes can hit its reads, so the
+        # [reads x writes] match below is over this layer's writes, not every earlier layer's too.
+        key = self.pool_scope()
+        segs = [sg for sg in p.segs if key is None or sg[0] in (key, None)]
+        if not segs:
+            return got
+        w_rows = self.concat([sg[1] for sg in segs], 0)
+        w_vals = self.concat([sg[2] for sg in segs], 0)
         flat = self.reshape(rows, (-1, 1))
-        hit = self.cast(self.op("Equal", flat, self.unsqueeze(p.rows, 0)), TensorProto.INT32)  # [M, N]
+        hit = self.cast(self.op("Equal", flat, self.unsqueeze(w_rows, 0)), TensorProto.INT32)  # [M, N]
         has = self.op("Greater", self.max(hit, 1), self.const(0, np.int32))
         j = self.op("ArgMax", hit, axis=1, keepdims=0, select_last_index=1)
-        new = self.op("Gather", p.vals, j, axis=0)  # [M, *row]
+        new = self.op("Gather", w_vals, j, axis=0)  # [M, *row]
         shape_rows = self.op("Shape", rows)
-        row_shape = self.op("Shape", p.vals, start=1)
+        row_shape = self.op("Shape", w_vals, start=1)
         new = self.op("Reshape", new, self.concat([shape_rows, row_shape], 0))
         has = self.op("Reshape", has, shape_rows)
         rank_row = self.memo.get(("rank", p.base), 1)
@@ -309,9 +355,17 @@ class Graph:
 
     def write_rows(self, p: Planes, rows: str, vals: str) -> Planes:
         """Record `plane[rows] = vals` (rows int64 [N], -1 = skip; vals [N, *row])."""
+        seg = ((self.pool_scope(), rows, vals),)
         if p.rows is None:
-            return Planes(p.base, rows, vals)
-        return Planes(p.base, self.concat([p.rows, rows], 0), self.concat([p.vals, vals], 0))
+            return Planes(p.base, rows, vals, seg)
+        return Planes(p.base, self.concat([p.rows, rows], 0), self.concat([p.vals, vals], 0), p.segs + seg)
+
+    def pool_scope(self) -> str | None:
+        """The layer the op being lowered belongs to (`layers.3`, `mtp.0`), from its location; None when
+        it names none (its reads then patch with every write)."""
+        parts = self.loc.split(" ")[-1].split(".")
+        return ".".join(parts[:2]) if len(parts) >= 2 and parts[0] in ("layers", "mtp") and parts[1].isdigit() \
+            else None
 
     # ---- attention-side helpers -------------------------------------------------------------
     def fp8_round(self, x: str, xt: TensorType, dims: int, block: int) -> str:
@@ -369,14 +423,14 @@ class Graph:
         rows = self.where(keep, self.op("Add", base, self.iscalar(a["layer_row"])), base)
         return self.write_rows(plane, rows, self.reshape(kv, (B * T, d)))
 
-    # ---- MoE ----------------------------------------------------------------------------------
-
     # ---- finish --------------------------------------------------------------------------------
     def model(self, doc: str = "") -> onnx.ModelProto:
         opsets = [helper.make_opsetid("", OPSET)] + ([helper.make_opsetid(MS_DOMAIN, 1)] if self.uses_ms else [])
         g = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializer=self.inits)
         m = helper.make_model(g, opset_imports=opsets, producer_name="v4compile", doc_string=doc)
         m.ir_version = 10
+        if self.derived:
+            helper.set_model_props(m, {DERIVED_KEY: json.dumps(self.derived, sort_keys=True)})
         return m
 
 
@@ -414,8 +468,6 @@ def lower_function(module: Module, fname: str) -> onnx.ModelProto:
                 env[id(v)] = v.name
                 types[id(v)] = v.type
                 weights_used.append(v)
-    for w in sorted({w.name: w for w in weights_used}.values(), key=lambda w: w.name):
-        g.inputs.append(value_info(w.name, w.type))
     for op in fn.ops:
         opdef = get_op(op.name)
         lower = lowering(opdef)
@@ -436,6 +488,13 @@ def lower_function(module: Module, fname: str) -> onnx.ModelProto:
         for r, x in zip(op.results, outs):
             env[id(r)] = x
             types[id(r)] = r.type
+    # weights: the stored ones the graph reads as they are, then those it takes derived (onnx_weights)
+    read = {i for n in g.nodes for i in n.input}
+    for w in sorted({w.name: w for w in weights_used if w.name in read}.values(), key=lambda w: w.name):
+        g.inputs.append(value_info(w.name, w.type))
+    g.derived = {n: d for n, d in sorted(g.derived.items()) if n in read}
+    for n, d in g.derived.items():
+        g.inputs.append(value_info(n, TensorType(tuple(d["shape"]), "fp32")))
     for name, v in fn.outputs:
         x = env[id(v)]
         if isinstance(x, Planes):
@@ -459,10 +518,15 @@ def export_function(module: Module, fname: str, check: bool = True) -> onnx.Mode
     return m
 
 
-def function_io(model: onnx.ModelProto, weight_names: set[str]) -> dict[str, list[str]]:
-    """The model's inputs split into step inputs, state inputs and weights; its outputs."""
+def function_io(model: onnx.ModelProto, weight_names: set[str]) -> dict[str, Any]:
+    """The model's inputs split into step inputs (and state), stored weights and derived weights (name ->
+    how the runtime builds it, `onnx_weights`); its outputs."""
     ins = [i.name for i in model.graph.input]
-    return {"weights": [n for n in ins if n in weight_names], "inputs": [n for n in ins if n not in weight_names],
-            "outputs": [o.name for o in model.graph.output]}
+    props = {p.key: p.value for p in model.metadata_props}
+    derived = json.loads(props.get(DERIVED_KEY, "{}"))
+    io = {"weights": [n for n in ins if n in weight_names],
+          "inputs": [n for n in ins if n not in weight_names and n not in derived],
+          "outputs": [o.name for o in model.graph.output]}
+    return {**io, "derived": derived} if derived else io
 
 

@@ -102,7 +102,7 @@ def onnx_model(art: Artifact, fname: str, spec: dict[str, Any]):
                             where=rel, found=ext)
     ins = [i.name for i in g.input]
     outs = [o.name for o in g.output]
-    want_in = list(spec["inputs"]) + list(spec["weights"])
+    want_in = list(spec["inputs"]) + list(spec["weights"]) + list(spec.get("derived", {}))
     if sorted(ins) != sorted(want_in) or outs != list(spec["outputs"]):
         diff = sorted(set(ins) ^ set(want_in)) or sorted(set(outs) ^ set(spec["outputs"])) or ["(order)"]
         raise ArtifactError(f"the ONNX graph's interface is not the one the manifest lists for {fname}", where=rel,
@@ -120,11 +120,12 @@ def onnx_model(art: Artifact, fname: str, spec: dict[str, Any]):
         raise ArtifactError(f"the ONNX graph's logits are not [batch, vocab] of {fname}", where=rel,
                             expected=[B, m["vocab_size"]], found=None if logits is None else _dims(logits))
     tensors = m["weights"]["tensors"]
-    for n in spec["weights"]:
+    for n in [*spec["weights"], *spec.get("derived", {})]:
         vi = by_name[n]
-        if _dims(vi) != tensors[n]["shape"] or ONNX_DTYPE.get(vi.type.tensor_type.elem_type) != tensors[n]["dtype"]:
+        want_w = spec["derived"][n] if n in spec.get("derived", {}) else tensors[n]  # derived: `onnx_weights`
+        if _dims(vi) != want_w["shape"] or ONNX_DTYPE.get(vi.type.tensor_type.elem_type) != want_w["dtype"]:
             raise ArtifactError(f"the ONNX graph takes weight '{n}' with another type than the manifest's",
-                                where=rel, expected=f"{tensors[n]['dtype']} {tensors[n]['shape']}",
+                                where=rel, expected=f"{want_w['dtype']} {want_w['shape']}",
                                 found=f"{ONNX_DTYPE.get(vi.type.tensor_type.elem_type)} {_dims(vi)}")
     total = 0
     for n in spec["inputs"]:

@@ -6,8 +6,10 @@
 * Pool planes and per-slot state live in host arrays owned by this backend, bound as inputs through
   IO binding (never copied per step); a step's outputs are only the rows it wrote (`X.rows`, `X.vals`),
   stored here in place, in write order.
-* Threads: `threads` (default: the free cores, at most 8: `threads.default_threads`) intra-op threads per session, one
-  inter-op thread; sessions are created lazily, one per function, on first use.
+* Threads: `threads` intra-op threads per session (default `threads.default_threads(ORT_THREADS)`: the free
+  cores, at most 8: ONNX Runtime's own default, every core, oversubscribes a shared machine); the other
+  session options are the artifact's (`codegen.onnx_session`); sessions are created lazily, one per
+  function, on first use.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from v4compile.artifact import Artifact
 from v4compile.errors import ArtifactError, InputError
 from v4compile.threads import ORT_THREADS, default_threads
 
+from v4compile.codegen.onnx_session import SessionOptions
+from v4compile.codegen.onnx_weights import check_derived, materialise
+
 from .artifact_checks import onnx_model
 from .backend import FunctionInfo
 
@@ -35,10 +40,33 @@ os.environ["ORT_DISABLE_TELEMETRY"] = "1"
 _NP = {"fp32": np.float32, "i64": np.int64, "i32": np.int32}
 
 
+def _aligned(a: np.ndarray) -> np.ndarray:
+    """A view is used as is when its elements are aligned (the shards pack tensors without gaps)."""
+    return a if a.ctypes.data % max(a.itemsize, 1) == 0 else a.copy()
+
+
+def derived_weights(art: Artifact, target: dict) -> dict[str, dict]:
+    """Every function's derived weight inputs (`codegen.onnx_weights`), checked against the stored weights;
+    one definition per name."""
+    tensors = art.manifest["weights"]["tensors"]
+    out: dict[str, dict] = {}
+    for f in target["functions"].values():
+        der = f.get("derived", {})
+        if not isinstance(der, dict):
+            raise ArtifactError("the cpu target's derived weights are not an object", where=f["file"])
+        for n, d in der.items():
+            check_derived(n, d, tensors, f["file"])
+            if out.setdefault(n, d) != d:
+                raise ArtifactError(f"the cpu target defines derived weight '{n[:80]}' twice, differently",
+                                    where=f["file"])
+    return out
+
+
 class OrtBackend:
     device = "cpu"
 
-    def __init__(self, art: Artifact, threads: int | None = None, profile: str | None = None):
+    def __init__(self, art: Artifact, threads: int | None = None, profile: str | None = None,
+                 options: SessionOptions | None = None):
         import onnxruntime as ort
 
         self.ort = ort
@@ -46,16 +74,24 @@ class OrtBackend:
         self.threads = threads or default_threads(ORT_THREADS)
         self.profile = profile
         self.target = art.target("cpu")
+        # the artifact's recorded session options (`options`: another choice, for measurements)
+        self.options = options or SessionOptions.from_manifest(self.target.get("session"), "manifest.json")
         self._funcs = {n: FunctionInfo(n, f["kind"], f["batch"], f["tokens"]) for n, f in self.target["functions"].items()}
         t0 = time.perf_counter()
         self.weights: dict[str, np.ndarray] = {}
         self._mapped = art.weights()  # the arrays below view its mappings: kept open as long as the backend
-        for n, t in self._mapped.stream():
+        stored = dict(self._mapped.stream())
+        direct = {n for f in self.target["functions"].values() for n in f["weights"]}
+        for n in sorted(direct):
+            t = stored[n]
             if t.dtype.is_floating_point and str(t.dtype) != "torch.float32":
-                raise InputError("the cpu device needs fp32 weights", where=n, found=str(t.dtype))
-            a = t.numpy()
-            # A view is used as is when its elements are aligned (the shards pack tensors without gaps).
-            self.weights[n] = a if a.ctypes.data % max(a.itemsize, 1) == 0 else a.copy()
+                raise InputError("the cpu device takes this weight as stored, and needs it in fp32", where=n,
+                                 found=str(t.dtype))
+            self.weights[n] = _aligned(t.numpy())
+        # the derived inputs (experts as views of their stack, quantised weights dequantised): built once
+        for n, d in derived_weights(art, self.target).items():
+            self.weights[n] = _aligned(materialise(d, stored.__getitem__))
+        del stored
         self._w_values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self.weights.items()}
         self.weights_s = time.perf_counter() - t0
         log.debug("cpu backend: %d weights mapped in %.2f s", len(self.weights), self.weights_s)
@@ -76,12 +112,13 @@ class OrtBackend:
         model = onnx_model(self.art, fname, spec)
         g = model.graph
         used = {x for n in g.node for x in n.input}
-        wnames = set(spec["weights"]) & used
+        declared = set(spec["weights"]) | set(spec.get("derived", {}))
+        wnames = declared & used
         keep, moved = [], []
         for vi in g.input:
             if vi.name in wnames:
                 moved.append(vi)
-            elif vi.name not in spec["weights"]:
+            elif vi.name not in declared:
                 keep.append(vi)
         del g.input[:]
         g.input.extend(keep)
@@ -97,9 +134,7 @@ class OrtBackend:
             g.initializer.append(t)
         so = ort.SessionOptions()
         so.intra_op_num_threads = self.threads
-        so.inter_op_num_threads = 1
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.options.apply(ort, so)
         if self.profile:
             so.enable_profiling = True
             so.profile_file_prefix = os.path.join(self.profile, fname)

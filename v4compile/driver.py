@@ -232,6 +232,7 @@ def _write_onnx(ci: CompileInputs, tmp: Path) -> dict[str, Any]:
     import onnx
 
     from .codegen.onnx_export import OPSET, export_function, function_io
+    from .codegen.onnx_session import SessionOptions
 
     (tmp / "onnx").mkdir()
     funcs = {}
@@ -243,7 +244,8 @@ def _write_onnx(ci: CompileInputs, tmp: Path) -> dict[str, Any]:
         funcs[fname] = {"file": f"onnx/{fname}.onnx", "kind": fname.split("_")[0], "batch": fn.attrs["batch"],
                         "tokens": fn.attrs["tokens"], "nodes": len(model.graph.node), **io}
         del model
-    return {"name": "cpu", "format": "onnx", "opset": OPSET, "onnx_version": onnx.__version__, "functions": funcs}
+    return {"name": "cpu", "format": "onnx", "opset": OPSET, "onnx_version": onnx.__version__, "functions": funcs,
+            "session": SessionOptions().to_manifest()}
 
 
 def _report(ci: CompileInputs, targets: list[dict]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ...ir.types import TensorType
 from .. import family_module
 
 COMMON = "common"
@@ -26,10 +27,13 @@ def lowering(opdef) -> Callable | None:
     return getattr(module, f"lower_{opdef.name}", None) if module is not None else None
 
 
-def native_gemm(what: str, a: dict) -> None:
-    """The ONNX lowerings compute GEMMs in fp32 on the activation as it is (act native)."""
-    if a.get("act", "native") != "native" or a.get("out_dtype", "") not in ("", "fp32"):
-        raise NotImplementedError(f"{what} act={a.get('act')!r} out_dtype={a.get('out_dtype')!r} (cpu: act native, fp32)")
+def gemm_input(g, what: str, a: dict, x: str, xt: TensorType) -> str:
+    """The ONNX lowerings compute GEMMs in fp32: the activation as it is (act native) or as the FP8 GEMM
+    sees it (act fp8: `formats.act_qdq`, 128-wide K blocks), times the weight dequantised to fp32."""
+    act = a.get("act", "native")
+    if xt.dtype != "fp32" or a.get("out_dtype", "") not in ("", "fp32"):
+        raise NotImplementedError(f"{what} on {xt.dtype} out_dtype={a.get('out_dtype')!r} (cpu: fp32)")
+    return g.act_qdq(x, xt) if act == "fp8" else x
 
 
 def native_only(a, o) -> None:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from . import native_gemm
+from . import gemm_input
 
 
 def lower_linear(g, o, a, r):
-    native_gemm("linear", a)
-    return g.linear(o.x, o.types["x"], o.w, o.types["w"], o.scale)
+    x = gemm_input(g, "linear", a, o.x, o.types["x"])
+    return g.linear(x, o.types["x"], o.w, o.types["w"], o.scale, a["block"])
 
 
 def lower_norm_linear(g, o, a, r):
-    native_gemm("norm_linear", a)
-    return g.linear(g.rms(o.x, o.norm, a["eps"]), o.types["x"], o.w, o.types["w"], o.scale)
+    x = gemm_input(g, "norm_linear", a, g.rms(o.x, o.norm, a["eps"]), o.types["x"])
+    return g.linear(x, o.types["x"], o.w, o.types["w"], o.scale, a["block"])

@@ -1,4 +1,19 @@
-"""ONNX lowerings of the `moe` kernel family: moe_experts_shared, moe_experts."""
+"""ONNX lowerings of the `moe` kernel family: moe_experts_shared, moe_experts.
+
+The routed experts (`moe_routed`): tokens grouped by expert, never a copy of an expert's weights.
+
+Any ONNX node that picks expert e out of a stacked `[E, out, in]` weight (Gather, Slice) copies the matrix on
+every step, and computing every expert on every token reads all E of them. Here each expert's matrices are
+separate graph inputs (views of the stacked weight that the runtime makes once: `onnx_weights`), and a step
+sorts its (token, slot) pairs by expert, splits the sorted activations into one group per expert (empty
+for an expert no token chose: a zero-row Gemm reads nothing) and runs three Gemms per expert on its group.
+So a step reads each active expert's weights once, whatever the number of pairs routed to it, and prefill
+routes exactly like decode.
+
+The weighted sum back into the tokens is one ScatterND with reduction "add" over the pairs in expert
+order: each token's sum starts from zero and adds its experts in ascending order, the order of the
+reference (`ops.moe.moe_experts`: `index_add_` expert by expert).
+"""
 
 from __future__ import annotations
 
@@ -6,72 +21,68 @@ import numpy as np
 from onnx import TensorProto
 
 from ...ir.types import TensorType
-from . import native_gemm
+from . import gemm_input
 
 
-def moe_routed(g, x: str, xt: TensorType, weights: str, indices: str, w1: str, w2: str, w3: str,
-               w1t: TensorType, k: int, limit: float, route_weight: str) -> str:
-    """Routed experts. Few (token, expert) pairs: gather each pair's expert matrices (what decode reads);
-    as many pairs as experts or more: every expert on every token, combined with the routing weights.
-    The weight scales w2's output ("after_w2") or its input ("before_w2"), as the op says."""
+def moe_routed(g, x: str, xt: TensorType, weights: str, indices: str, it: TensorType, w: tuple[str, str, str],
+               wt: tuple[TensorType, TensorType, TensorType], k: int, limit: float, route_weight: str,
+               scales: tuple = (None, None, None), block: int | None = None, act: str = "native") -> str:
+    """`sum_k weight_k * w2_e(swiglu(w1_e x, w3_e x))` over each token's k experts (`ops.moe.moe_experts`);
+    `w` = (w1, w2, w3) stacked `[E, out, in]`, FP4 / FP8 with `scales` or fp32 / bf16 without; `x` as the
+    first GEMMs see it (`act` "fp8": already rounded, `gemm_input`), w2's input rounded here."""
     D = xt.shape[-1]
     N = xt.numel // D
-    E = w1t.shape[0]
+    E = wt[0].shape[0]
+    P = N * k
     flat = g.reshape(x, (N, D))
-    idx = g.reshape(indices, (N, k))
-    wts = g.reshape(weights, (N, k))
+    pairs = g.reshape(g.as_i64(indices, it.dtype), (P,))
+    # pairs sorted by expert (ascending; TopK on the ids as floats: exact below 2^24 experts)
+    order = g.op("TopK", g.cast(pairs, TensorProto.FLOAT), g.i64(P), n_out=2, axis=0, largest=0, sorted=1)[1]
+    tok = g.op("Div", order, g.iscalar(k))  # the token of each sorted pair
+    wsort = g.unsqueeze(g.op("Gather", g.reshape(weights, (P,)), order, axis=0), -1)  # [P, 1]
+    counts = g.sum(g.cast(g.op("Equal", g.unsqueeze(pairs, -1), g.const(np.arange(E), np.int64)),
+                          TensorProto.INT64), 0)  # [E]
+    xs = g.op("Split", g.op("Gather", flat, tok, axis=0), counts, n_out=E, axis=0)
+
+    def expert(which: int, e: int) -> str:
+        return g.weight(w[which], wt[which], scales[which], block, index=e)[0]
+
+    gate = g.concat([g.op("Gemm", xs[e], expert(0, e), transB=1) for e in range(E)], 0)  # [P, I]
+    up = g.concat([g.op("Gemm", xs[e], expert(2, e), transB=1) for e in range(E)], 0)
     lim = g.scalar(limit)
-
-    def swiglu(gt: str, up: str) -> str:
-        gt = g.op("Min", gt, lim)
-        return g.op("Mul", g.op("Mul", gt, g.op("Sigmoid", gt)), g.op("Clip", up, g.op("Neg", lim), lim))
-
-    if N * k < E:
-        # each (token, expert) pair: W_e [out, in] times the token as a column (a GEMV on the weight as
-        # stored: no transposed copy of a weight)
-        fi = g.reshape(idx, (N * k,))
-        xr = g.reshape(g.op("Expand", g.unsqueeze(flat, 1), g.i64(N, k, D)), (N * k, D, 1))
-        h = swiglu(g.op("MatMul", g.op("Gather", w1, fi, axis=0), xr),
-                   g.op("MatMul", g.op("Gather", w3, fi, axis=0), xr))  # [N*k, I, 1]
-        pw = g.reshape(wts, (N * k, 1, 1))
-        if route_weight == "before_w2":
-            h = g.op("Mul", h, pw)
-        y = g.op("MatMul", g.op("Gather", w2, fi, axis=0), h)  # [N*k, D, 1]
-        if route_weight == "after_w2":
-            y = g.op("Mul", y, pw)
-        out = g.sum(g.reshape(y, (N, k, D)), 1)
-    else:
-        xe = g.unsqueeze(flat, 0)  # [1, N, D]
-        h = swiglu(g.matmul_t(xe, w1), g.matmul_t(xe, w3))  # [E, N, I]
-        onehot = g.cast(g.op("Equal", g.unsqueeze(idx, -1), g.const(np.arange(E), np.int64)),
-                           TensorProto.FLOAT)  # [N, k, E]
-        comb = g.sum(g.op("Mul", onehot, g.unsqueeze(wts, -1)), 1)  # [N, E]
-        comb = g.unsqueeze(g.op("Transpose", comb, perm=[1, 0]), -1)  # [E, N, 1]
-        if route_weight == "before_w2":
-            h = g.op("Mul", h, comb)
-        y = g.matmul_t(h, w2)  # [E, N, D]
-        if route_weight == "after_w2":
-            y = g.op("Mul", y, comb)
-        out = g.sum(y, 0)
+    gate = g.op("Min", gate, lim)
+    h = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), g.op("Clip", up, g.op("Neg", lim), lim))
+    if route_weight == "before_w2":
+        h = g.op("Mul", h, wsort)
+    if act == "fp8":  # w2's input as its FP8 GEMM sees it (the weighting above comes first, as in the op)
+        h = g.act_qdq(h, TensorType((P, wt[0].shape[1]), "fp32"))
+    hs = g.op("Split", h, counts, n_out=E, axis=0)
+    y = g.concat([g.op("Gemm", hs[e], expert(1, e), transB=1) for e in range(E)], 0)  # [P, D]
+    if route_weight == "after_w2":
+        y = g.op("Mul", y, wsort)
+    out = g.op("ScatterND", g.const(np.zeros((N, D), np.float32)), g.unsqueeze(tok, -1), y, reduction="add")
     return g.reshape(out, xt.shape)
 
 
 def lower_moe_experts_shared(g, o, a, r):
-    if any(getattr(o, n) is not None for n in ("w1_scale", "s1_scale")):
-        raise NotImplementedError("moe_experts_shared: the ONNX lowering takes dense fp32 experts")
-    native_gemm("moe_experts_shared", a)
-    x, xt, lim = o.x, o.types["x"], a["limit"]
-    routed = moe_routed(g, x, xt, o.weights, o.indices, o.w1, o.w2, o.w3, o.types["w1"], o.types["indices"].shape[-1],
-                          lim, a["route_weight"])
-    gt = g.op("Min", g.linear(x, xt, o.s1, o.types["s1"]), g.scalar(lim))
-    up = g.op("Clip", g.linear(x, xt, o.s3, o.types["s3"]), g.scalar(-lim), g.scalar(lim))
+    xt, lim = o.types["x"], a["limit"]
+    x = gemm_input(g, "moe_experts_shared", a, o.x, xt)
+    routed = moe_routed(g, x, xt, o.weights, o.indices, o.types["indices"], (o.w1, o.w2, o.w3),
+                        (o.types["w1"], o.types["w2"], o.types["w3"]), o.types["indices"].shape[-1], lim,
+                        a["route_weight"], (o.w1_scale, o.w2_scale, o.w3_scale), a["block"], a["act"])
+    sa = {"act": a["shared_act"], "out_dtype": a["out_dtype"]}
+    xs = gemm_input(g, "moe_experts_shared", sa, o.x, xt)
+    sb = a["shared_block"]
+    gt = g.op("Min", g.linear(xs, xt, o.s1, o.types["s1"], o.s1_scale, sb), g.scalar(lim))
+    up = g.op("Clip", g.linear(xs, xt, o.s3, o.types["s3"], o.s3_scale, sb), g.scalar(-lim), g.scalar(lim))
     h = g.op("Mul", g.op("Mul", gt, g.op("Sigmoid", gt)), up)
-    return g.op("Add", routed, g.linear(h, xt.with_shape(*xt.shape[:-1], o.types["s1"].shape[0]), o.s2, o.types["s2"]))
+    ht = xt.with_shape(*xt.shape[:-1], o.types["s1"].shape[0])
+    h = gemm_input(g, "moe_experts_shared", sa, h, ht)
+    return g.op("Add", routed, g.linear(h, ht, o.s2, o.types["s2"], o.s2_scale, sb))
 
 
 def lower_moe_experts(g, o, a, r):
-    if o.w1_scale is not None:
-        raise NotImplementedError("moe_experts: the ONNX lowering takes dense fp32 experts")
-    native_gemm("moe_experts", a)
-    return moe_routed(g, o.x, o.types["x"], o.weights, o.indices, o.w1, o.w2, o.w3, o.types["w1"],
-                        o.types["indices"].shape[-1], a["limit"], a["route_weight"])
+    x = gemm_input(g, "moe_experts", a, o.x, o.types["x"])
+    return moe_routed(g, x, o.types["x"], o.weights, o.indices, o.types["indices"], (o.w1, o.w2, o.w3),
+                      (o.types["w1"], o.types["w2"], o.types["w3"]), o.types["indices"].shape[-1], a["limit"],
+                      a["route_weight"], (o.w1_scale, o.w2_scale, o.w3_scale), a["block"], a["act"])

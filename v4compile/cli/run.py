@@ -70,7 +70,8 @@ def add_command(sub) -> None:
     rn.add_argument("--temperature", type=temperature_arg, default=0.0, help="0 (default): greedy")
     rn.add_argument("--top-p", type=float_arg(0.0, 1.0), default=1.0)
     rn.add_argument("--seed", type=int_arg(0, 2 ** 64 - 1), default=None, help="sampling seed, in [0, 2^64)")
-    rn.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: free cores, at most 8)")
+    rn.add_argument("--threads", type=threads_arg, default=None,
+                    help="CPU threads: ONNX Runtime's intra-op threads on cpu (default: free cores, at most 8, at least 1)")
     rn.add_argument("--json", action="store_true", help='print {"ids": [...], "tokens_per_s", "load_s", "warmup_s", '
                                                         '"prefill_s"} (with --prompt also "text")')
     rn.set_defaults(func=cmd_run)

@@ -1,0 +1,177 @@
+"""The cpu target's routed experts (`codegen/onnx/moe.py`): tokens grouped by expert, no copy of an
+expert's weights, the same numbers as `op.moe_experts`.
+
+Tolerance: 1e-5 relative to the output's scale (fp32; Gemm sums in another order than torch's, measured
+~1e-7). The bytes check reads ONNX Runtime's profile: the weight bytes a step's Gemms read (Gemms on an
+empty group read nothing) are those of its distinct experts, whether 1 or 16 tokens chose them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from v4compile.ops import op
+from v4compile.codegen.onnx.moe import moe_routed
+from v4compile.codegen.onnx_export import Graph, value_info
+from v4compile.codegen.onnx_weights import materialise
+from v4compile.formats import fp4_quant
+from v4compile.ir.types import TensorType
+
+E, K, D, I = 8, 2, 64, 32
+LIMIT = 7.0
+
+
+def _weights(seed: int, quantised):
+    """fp32 (quantised False), bf16 ("bf16": upcast once at load) or FP4 (True) expert stacks."""
+    g = torch.Generator().manual_seed(seed)
+    w = {n: torch.randn(E, *s, generator=g) / 8 for n, s in (("w1", (I, D)), ("w2", (D, I)), ("w3", (I, D)))}
+    if quantised == "bf16":
+        return {n: t.bfloat16() for n, t in w.items()}, {}
+    if not quantised:
+        return w, {}
+    packed, scales = {}, {}
+    for n, t in w.items():
+        qs = [fp4_quant(t[e]) for e in range(E)]
+        packed[n] = torch.stack([q for q, _ in qs])
+        scales[n] = torch.stack([s for _, s in qs])
+    return packed, scales
+
+
+def _model(N: int, route_weight: str, w, scales, graph=Graph):
+    """One MoE step as an ONNX model: inputs x [N, D], weights, indices [N, K] and the derived expert
+    weights; also the derived entries (how the runtime builds those)."""
+    g = graph("moe")
+    xt = TensorType((N, D), "fp32")
+    it = TensorType((N, K), "i64")
+    dt = "fp4x2" if scales else {torch.float32: "fp32", torch.bfloat16: "bf16"}[w["w1"].dtype]
+    wt = tuple(TensorType(tuple(w[n].shape), dt) for n in ("w1", "w2", "w3"))
+    sc = tuple(f"{n}.scale" for n in ("w1", "w2", "w3")) if scales else (None, None, None)
+    y = moe_routed(g, "x", xt, "wts", "idx", it, ("w1", "w2", "w3"), wt, K, LIMIT, route_weight, sc, 32)
+    g.op("Identity", y, out="y")
+    g.inputs += [value_info("x", xt), value_info("wts", TensorType((N, K), "fp32")), value_info("idx", it)]
+    g.inputs += [value_info(n, TensorType(tuple(d["shape"]), "fp32")) for n, d in sorted(g.derived.items())]
+    g.outputs.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, [N, D]))
+    return g.model(), g.derived
+
+
+def _run(model, derived, w, scales, feeds, profile=None):
+    import onnxruntime as ort
+
+    stored = {**w, **{f"{n}.scale": s for n, s in scales.items()}}
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    if profile:
+        so.enable_profiling = True
+        so.profile_file_prefix = str(profile)
+    s = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    y = s.run(None, {**feeds, **{n: materialise(d, stored.__getitem__) for n, d in derived.items()}})[0]
+    return y, (s.end_profiling() if profile else None)
+
+
+def _routing(N: int, seed: int, experts=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, D, generator=g)
+    if experts is None:
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+    else:
+        idx = torch.tensor([experts] * N)
+    wts = torch.rand(N, K, generator=g) + 0.1
+    return x, wts, idx
+
+
+@pytest.mark.parametrize("quantised", [False, "bf16", True], ids=["fp32", "bf16", "fp4"])
+@pytest.mark.parametrize("route_weight", ["after_w2", "before_w2"])
+def test_grouped_experts_match_the_reference(quantised, route_weight):
+    """Decode-sized (1, 3 tokens: some experts idle) and prefill-sized (16: every expert busy) steps."""
+    w, scales = _weights(0, quantised)
+    for N in (1, 3, 16):
+        x, wts, idx = _routing(N, N)
+        model, derived = _model(N, route_weight, w, scales)
+        onnx.checker.check_model(model, full_check=True)
+        got, _ = _run(model, derived, w, scales, {"x": x.numpy(), "wts": wts.numpy(), "idx": idx.numpy()})
+        sc = [scales.get(n) for n in ("w1", "w2", "w3")]
+        want = op.moe_experts.ref(x, wts, idx, w["w1"], w["w2"], w["w3"], *sc, limit=LIMIT, block=32,
+                                   act="native", acc="fp32", out_dtype="", route_weight=route_weight).numpy()
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (N, np.abs(got - want).max())
+
+
+def _weight_readers(model, derived):
+    """(node type, whether its first input comes from a Split) for every node that reads an expert weight."""
+    split_outs = {o for n in model.graph.node if n.op_type == "Split" for o in n.output}
+    stacked = {"w1", "w2", "w3"}
+    return [(n.op_type, n.input[0] in split_outs) for n in model.graph.node
+            if any(i in derived or i in stacked for i in n.input)]
+
+
+def test_no_node_copies_expert_weights():
+    """Every expert matrix is read by exactly one Gemm on its group of tokens, and by nothing else (no
+    Gather / Slice of a stacked weight); a lowering that gathers the weights is caught."""
+    w, scales = _weights(0, False)
+    model, derived = _model(4, "after_w2", w, scales)
+    readers = _weight_readers(model, derived)
+    assert len(readers) == 3 * E and set(readers) == {("Gemm", True)}
+    assert {n for node in model.graph.node for n in node.input} & {"w1", "w2", "w3"} == set()
+
+    class Gathering(Graph):  # the old lowering: each expert's matrix picked out of the stack per step
+        def weight(self, w_, wt, scale=None, block=None, index=None):
+            return self.op("Gather", w_, self.iscalar(index), axis=0), wt.with_shape(*wt.shape[1:])
+
+    bad, _ = _model(4, "after_w2", w, scales, graph=Gathering)
+    assert set(_weight_readers(bad, {})) != {("Gemm", True)}
+
+
+def _gemm_weight_bytes(profile: str) -> int:
+    """Bytes of the B operands of the Gemms that had rows to compute, from ONNX Runtime's profile."""
+    total = 0
+    for e in json.load(open(profile)):
+        if e.get("cat") == "Node" and e["args"].get("op_name") == "Gemm" and e["name"].endswith("_kernel_time"):
+            a, b = (next(iter(s.values())) for s in e["args"]["input_type_shape"][:2])
+            if a[0] > 0:
+                total += 4 * int(np.prod(b))
+    return total
+
+
+def test_weight_bytes_do_not_scale_with_routed_pairs(tmp_path):
+    """1 token or 16 tokens on the same 2 experts read the same weight bytes (2 experts x 3 matrices);
+    4 tokens on 4 distinct pairs of experts read 8 experts' worth."""
+    w, scales = _weights(0, False)
+    per_expert = 4 * 3 * I * D
+    seen = {}
+    for N, experts in ((1, [2, 5]), (16, [2, 5]), (4, None)):
+        x, wts, idx = _routing(N, 1, experts)
+        if experts is None:
+            idx = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
+        model, derived = _model(N, "after_w2", w, scales)
+        _, prof = _run(model, derived, w, scales, {"x": x.numpy(), "wts": wts.numpy(), "idx": idx.numpy()},
+                       profile=tmp_path / f"p{N}")
+        seen[N] = _gemm_weight_bytes(prof)
+    assert seen == {1: 2 * per_expert, 16: 2 * per_expert, 4: 8 * per_expert}
+
+
+def test_compiled_graphs_read_expert_weights_only_through_their_gemms(tmp_path):
+    """In every function of a compiled tiny artifact (decode and prefill), no stacked expert weight is a
+    graph input, and each expert's matrix (a derived view) feeds exactly one node: a Gemm on a Split
+    group (decode and prefill alike)."""
+    from v4compile import frontend
+    from v4compile.artifact import Buckets, load_artifact
+    from v4compile.driver import compile_artifact
+    from v4compile.trace import TraceOptions
+
+    fe = frontend.load(None, "tiny", "random", TraceOptions(numerics="hf", dtype="fp32", capacity=64))
+    art = compile_artifact(fe, tmp_path / "tiny", Buckets(decode=(1, 4), prefill=(16,)))
+    m = load_artifact(art).manifest
+    stacked = {n for n, t in m["weights"]["tensors"].items() if len(t["shape"]) == 3 and ".experts." in n}
+    assert stacked
+    for fname, spec in m["targets"][0]["functions"].items():
+        model = onnx.load(str(art / spec["file"]))
+        views = {n for n, d in spec["derived"].items() if d["index"] is not None}
+        assert {d["of"] for n, d in spec["derived"].items() if n in views} == stacked, fname
+        assert not stacked & {i.name for i in model.graph.input}, fname
+        readers = _weight_readers(model, views)
+        assert len(readers) == len(views) and set(readers) == {("Gemm", True)}, fname

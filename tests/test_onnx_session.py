@@ -1,0 +1,90 @@
+"""The cpu device's ONNX Runtime sessions (issue 22): `--threads` reaches the intra-op setting, the default
+does not oversubscribe, the artifact records its session options and the runtime applies exactly those; a
+tampered record (session options, derived weights) is one clear ArtifactError."""
+
+from __future__ import annotations
+
+import pytest
+
+import v4compile
+from v4compile import frontend
+from v4compile.artifact import Buckets
+from v4compile.codegen.onnx_session import SessionOptions
+from v4compile.driver import compile_artifact
+from v4compile.errors import ArtifactError
+from v4compile.trace import TraceOptions
+
+from artifact_tamper import copy, manifest, write_manifest
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    fe = frontend.load(None, "tiny", "random", TraceOptions(numerics="hf", dtype="fp32", capacity=64))
+    return compile_artifact(fe, tmp_path_factory.mktemp("art") / "tiny", Buckets(decode=(1,), prefill=(16,)))
+
+
+def _options(sess, fname="decode_b1"):
+    """The options ONNX Runtime's session for `fname` was created with."""
+    be = sess.backend
+    be.prepare([fname])
+    return be._sessions[fname][0].get_session_options()
+
+
+def test_threads_reach_onnx_runtime(art, monkeypatch):
+    assert _options(v4compile.load(art, device="cpu", threads=3)).intra_op_num_threads == 3
+    import v4compile.threads as T
+
+    monkeypatch.setattr(T.os, "getloadavg", lambda: (64.0, 64.0, 64.0))  # every core busy elsewhere
+    assert _options(v4compile.load(art, device="cpu")).intra_op_num_threads == 1
+    monkeypatch.setattr(T.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(T.os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert _options(v4compile.load(art, device="cpu")).intra_op_num_threads == T.ORT_THREADS
+
+
+def test_cli_threads_reach_the_backend(art, monkeypatch, capsys):
+    from v4compile.cli import main
+    from v4compile.runtime import cpu_backend
+
+    seen = []
+    init = cpu_backend.OrtBackend.__init__
+
+    def spy(self, *a, **k):
+        init(self, *a, **k)
+        seen.append(self.threads)
+    monkeypatch.setattr(cpu_backend.OrtBackend, "__init__", spy)
+    assert main(["run", str(art), "--device", "cpu", "--ids", "1,2,3", "--max-new-tokens", "2", "--threads", "2"]) == 0
+    assert seen == [2]
+
+
+def test_the_recorded_session_options_are_applied(art, tmp_path):
+    import onnxruntime as ort
+
+    rec = manifest(art)["targets"][0]["session"]
+    assert rec == SessionOptions().to_manifest() and rec["graph_optimization_level"] == "all"
+    so = _options(v4compile.load(art, device="cpu", threads=1))
+    assert so.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    assert so.inter_op_num_threads == 1 and so.execution_mode == ort.ExecutionMode.ORT_SEQUENTIAL
+    other = copy(art, tmp_path / "basic")
+    m = manifest(other)
+    m["targets"][0]["session"]["graph_optimization_level"] = "basic"
+    write_manifest(other, m)
+    so = _options(v4compile.load(other, device="cpu", threads=1))
+    assert so.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda t: t["session"].update(graph_optimization_level="max"), "optimisation level"),
+    (lambda t: t["session"].update(inter_op_threads=True), "inter-op threads"),
+    (lambda t: t["session"].pop("allow_spinning"), "session options"),
+    (lambda t: next(iter(t["functions"]["decode_b1"]["derived"].values())).update(index=99), "indexes outside"),
+    (lambda t: next(iter(t["functions"]["decode_b1"]["derived"].values())).update(of="embed.weight"), "derived weight"),
+])
+def test_a_tampered_record_is_one_clear_error(art, tmp_path, edit, words):
+    bad = copy(art, tmp_path / "bad")
+    m = manifest(bad)
+    edit(m["targets"][0])
+    write_manifest(bad, m)
+    with pytest.raises(ArtifactError, match=words):
+        v4compile.load(bad, device="cpu", threads=1).prefill([[1, 2, 3]])
