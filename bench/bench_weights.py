@@ -16,7 +16,7 @@ Steps, each in a fresh process:
 3. `v4compile compile CKPT -o DIR --target sm_90a`: the weight rate is the writer's own line (bytes written,
    hashed and `fdatasync`ed per second of the weights stage); peak RSS of the weights stage above the RSS when
    it started, and of the whole process. `--kernels placeholder` (default) replaces the ahead-of-time kernel
-   compiler with placeholder binaries (as tests/test_artifact_targets.py does): kernels take minutes per new
+   compiler with placeholder binaries (as tests/runtime/test_artifact_targets.py does): kernels take minutes per new
    shape on a shared 2-core machine and do not touch the weights; `--kernels real` runs it;
 4. load, after the shards are dropped from the page cache, hashed against the manifest as read and not:
    `stream` is the host side of a GPU load (`MappedWeights.chunks`: every shard read front to back into a few

@@ -7,5 +7,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export V4_FUZZ_SCALE="${V4_FUZZ_SCALE:-40}"
 exec nice python -m pytest -q -p no:cacheprovider --hypothesis-show-statistics \
-    tests/test_fuzz_config.py tests/test_fuzz_safetensors.py tests/test_fuzz_ir.py tests/test_fuzz_pipeline.py tests/test_fuzz_program.py \
-    tests/test_safetensors.py -k fuzz "$@"
+    tests/core/test_fuzz_config.py tests/core/test_fuzz_safetensors.py tests/core/test_fuzz_ir.py tests/passes/test_fuzz_pipeline.py tests/core/test_fuzz_program.py \
+    tests/core/test_safetensors.py -k fuzz "$@"

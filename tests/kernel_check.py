@@ -79,3 +79,15 @@ def install_broken_kernel(monkeypatch, tmp_path: Path, module, name: str, old: s
     namespace = dict(vars(module))
     exec(compile(path.read_text(), str(path), "exec"), namespace)
     monkeypatch.setattr(module, name, namespace[name])
+
+
+def small_gemm_calls():
+    """One small FP8 GEMM specialisation (the AOT and cache tests compile it for real: seconds, not minutes)."""
+    from v4compile.codegen.kernels import TensorArg, gemm
+    from v4compile.formats import fp8_block_quant
+
+    x = TensorArg.of(torch.zeros(1, 8, 256, dtype=torch.bfloat16))
+    y = TensorArg.of(torch.zeros(1, 8, 128, dtype=torch.bfloat16))
+    w, s = fp8_block_quant(torch.randn(128, 256), 128)
+    return gemm.specialise("linear", {"x": x, "w": TensorArg.of(w), "scale": TensorArg.of(s)}, {"y": y},
+                           {"block": 128, "act": "fp8"})

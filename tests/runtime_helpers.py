@@ -6,11 +6,16 @@ import ctypes
 import functools
 from pathlib import Path
 
+import torch
+
 from conftest import dense_weights
 from v4compile.config import preset
-from v4compile.harness import DenseSource, load_ir_weights
+from v4compile.harness import DenseSource, PagedAllocator, load_ir_weights
+from v4compile.model.batching import prefill_chunks
 from v4compile.passes import DEFAULT_PIPELINE, PassManager, PipelineOptions
+from v4compile.pool import PoolGeometry
 from v4compile.program.build import build_program
+from v4compile.program.execute import POISON
 from v4compile.program.verify import verify_program
 from v4compile.runtime.build import SOURCE_DIR, compile_shared
 from v4compile.targets import cache_root
@@ -143,3 +148,38 @@ def fake_table(drop: str | None = None, tamper: bool = False):
             t[len(t) // 2] ^= 0x10
         return bytes(t)
     return make
+
+
+# ---- the host-runtime step harness (one copy; the host, ABI, launch-check and hook tests use it) ----
+
+def step_inputs(m, prompts, decode_steps, seed=3):
+    """Step inputs as a runtime builds them: ragged chunked prefill, then decode of random tokens."""
+    alloc = PagedAllocator(PoolGeometry.from_attrs(m.attrs))
+    T = m.functions["prefill"].attrs["tokens"]
+    lengths = [0] * len(prompts)
+    for ids, pos, _ in prefill_chunks(prompts, lengths, T):
+        yield "prefill", {"ids": ids, "pos": pos, **alloc.step_inputs(pos)}
+    lengths = [len(p) for p in prompts]
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(decode_steps):
+        pos = torch.tensor(lengths).view(-1, 1)
+        ids = torch.randint(0, 512, (len(prompts), 1), generator=g)
+        yield "decode", {"ids": ids, "pos": pos, **alloc.step_inputs(pos)}
+        lengths = [n + 1 for n in lengths]
+
+
+def poison_buffers(rt, fname):
+    for b in rt.program.functions[fname].buffers:
+        if b.kind in ("arena", "output"):
+            rt.write(rt.sched.buffer_index(fname, b.name), torch.full((b.nbytes,), POISON, dtype=torch.uint8))
+
+
+def compare_buffers(rt, bufs, fname):
+    bad = []
+    for b in rt.program.functions[fname].buffers:
+        if not torch.equal(rt.buffer(fname, b.name)[: b.nbytes], bufs.data[b.name]):  # the arena is the largest function's
+            bad.append(b.name)
+    return bad
+
+
+PROMPTS = [list(range(5, 25)), list(range(40, 53)), [7, 8, 9, 10, 11, 12, 13]]

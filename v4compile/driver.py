@@ -6,7 +6,7 @@ by piece in a bounded window, so the whole model is never in memory; every shard
 as it is written, `weights.tensors.<name>.sha256`), the cpu target's ONNX models (`codegen/onnx_export`),
 the GPU targets' program and kernels (`codegen/gpu_target`), the report, and the manifest.
 
-This is the top of the layers (tests/test_layers.py): it may use the passes and codegen; nothing below
+This is the top of the layers (tests/cli/test_layers.py): it may use the passes and codegen; nothing below
 imports it.
 """
 

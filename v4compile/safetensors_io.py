@@ -6,7 +6,7 @@ whole file once, `safe_open`); opening a file reads only its header. In front of
 
 * the file is opened only if it is a regular file, without blocking (a FIFO would hang the library);
 * the header is checked here first (`parse_header`) because the library accepts what we must refuse
-  (a tensor name given twice with the same entry, `"__metadata__": null`; `tests/test_safetensors.py`
+  (a tensor name given twice with the same entry, `"__metadata__": null`; `tests/core/test_safetensors.py`
   shows each) and names no tensor in some of its own errors (a size that does not match dtype x shape);
 * anything else the library refuses (gaps between tensors, trailing bytes) is reported with its message
   and the file name.

@@ -1,7 +1,7 @@
 """The table of registered ops by name: `defop` (registry.py) fills it as op sets load, `get_op` reads it.
 
 It sits below the IR's core so that `Op` can name its operands and results by signature without importing
-the registry, which builds on the core (no loop of imports: tests/test_layers.py).
+the registry, which builds on the core (no loop of imports: tests/cli/test_layers.py).
 """
 
 from __future__ import annotations

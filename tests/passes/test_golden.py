@@ -13,7 +13,7 @@ from v4compile.ir.text import parse_module, print_module
 from v4compile.ir.verify import verify
 from v4compile.passes import PassManager, PipelineOptions
 
-GOLDEN = sorted((Path(__file__).parent / "golden").glob("*.ir"))
+GOLDEN = sorted((Path(__file__).resolve().parents[1] / "golden").glob("*.ir"))
 
 
 def run_golden(path: Path) -> str:
@@ -79,7 +79,7 @@ BROKEN_FLOW = {
 
 @pytest.mark.parametrize("name", sorted(BROKEN_FLOW))
 def test_a_golden_with_broken_data_flow_fails(name):
-    path = Path(__file__).parent / "golden" / f"{name}.ir"
+    path = Path(__file__).resolve().parents[1] / "golden" / f"{name}.ir"
     good, (old, new) = run_golden(path), BROKEN_FLOW[name]
     assert good.count(old) == 1, f"{name}: the output changed; update the fault to break its flow again"
     with pytest.raises(AssertionError, match="not found|not on the line"):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 EXAMPLE = README.parent / "examples" / "tiny-doc"
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 SUBSTITUTIONS = [  # (what the README says, what runs here)

@@ -20,11 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from runtime_helpers import tiny
-from v4compile.harness import PagedAllocator
-from v4compile.model.batching import prefill_chunks
-from v4compile.pool import PoolGeometry
-from v4compile.program.execute import POISON, Buffers, execute
+from runtime_helpers import PROMPTS, compare_buffers, poison_buffers, step_inputs, tiny
+from v4compile.program.execute import Buffers, execute
 from v4compile.runtime.c_backend import CRuntime
 
 TOL = 1e-4
@@ -33,37 +30,6 @@ TOL = 1e-4
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _steps(m, prompts, decode_steps, seed=3):
-    """Step inputs as a runtime builds them: ragged chunked prefill, then decode of random tokens."""
-    alloc = PagedAllocator(PoolGeometry.from_attrs(m.attrs))
-    T = m.functions["prefill"].attrs["tokens"]
-    lengths = [0] * len(prompts)
-    for ids, pos, _ in prefill_chunks(prompts, lengths, T):
-        yield "prefill", {"ids": ids, "pos": pos, **alloc.step_inputs(pos)}
-    lengths = [len(p) for p in prompts]
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(decode_steps):
-        pos = torch.tensor(lengths).view(-1, 1)
-        ids = torch.randint(0, 512, (len(prompts), 1), generator=g)
-        yield "decode", {"ids": ids, "pos": pos, **alloc.step_inputs(pos)}
-        lengths = [n + 1 for n in lengths]
-
-
-def _poison(rt, fname):
-    for b in rt.program.functions[fname].buffers:
-        if b.kind in ("arena", "output"):
-            rt.write(rt.sched.buffer_index(fname, b.name), torch.full((b.nbytes,), POISON, dtype=torch.uint8))
-
-
-def _compare(rt, bufs, fname):
-    bad = []
-    for b in rt.program.functions[fname].buffers:
-        if not torch.equal(rt.buffer(fname, b.name)[: b.nbytes], bufs.data[b.name]):  # the arena is the largest function's
-            bad.append(b.name)
-    return bad
-
-
-PROMPTS = [list(range(5, 25)), list(range(40, 53)), [7, 8, 9, 10, 11, 12, 13]]
 
 
 def test_every_buffer_equals_the_executor_after_every_step():
@@ -71,13 +37,13 @@ def test_every_buffer_equals_the_executor_after_every_step():
     rt = CRuntime(prog, w, "host")
     bufs = Buffers()
     n = 0
-    for fname, inputs in _steps(m, PROMPTS, 2):
+    for fname, inputs in step_inputs(m, PROMPTS, 2):
         state = {b.name: torch.zeros(b.type.shape, dtype=torch.float32) for b in prog.functions[fname].buffers
                  if b.kind in ("pool", "state")}
         execute(prog.functions[fname], bufs, {**inputs, **state}, w)
-        _poison(rt, fname)
+        poison_buffers(rt, fname)
         rt.run(fname, inputs, graph=fname == "decode")
-        assert _compare(rt, bufs, fname) == [], f"step {n} ({fname})"
+        assert compare_buffers(rt, bufs, fname) == [], f"step {n} ({fname})"
         n += 1
     assert n == 4  # two prefill chunks (20 tokens > chunk 16), two decode steps
     assert rt.stats()["captures"] == 1 and rt.stats()["replays"] == 2
@@ -97,19 +63,19 @@ def test_a_moved_pointer_is_caught_by_the_buffer_comparison():
 
     rt = CRuntime(prog, w, "host", table=moved)
     bufs = Buffers()
-    fname, inputs = next(_steps(m, PROMPTS, 0))
+    fname, inputs = next(step_inputs(m, PROMPTS, 0))
     state = {b.name: torch.zeros(b.type.shape) for b in prog.functions[fname].buffers if b.kind in ("pool", "state")}
     execute(prog.functions[fname], bufs, {**inputs, **state}, w)
-    _poison(rt, fname)
+    poison_buffers(rt, fname)
     rt.run(fname, inputs)
-    assert "logits" in _compare(rt, bufs, fname)
+    assert "logits" in compare_buffers(rt, bufs, fname)
     rt.close()
 
 
 def test_graph_replay_equals_launch_by_launch():
     m, prog, w = tiny()
     eager, graph = CRuntime(prog, w, "host"), CRuntime(prog, w, "host")
-    for fname, inputs in _steps(m, PROMPTS[:3], 3, seed=9):
+    for fname, inputs in step_inputs(m, PROMPTS[:3], 3, seed=9):
         a = eager.run(fname, inputs)
         b = graph.run(fname, inputs, graph=fname == "decode")
         assert torch.equal(a["logits"], b["logits"])

@@ -1,6 +1,6 @@
 """A damaged or hostile artifact, bad `run` arguments and misuse of the Python API (issue 24, classes 2, 3, 4,
-6, 7; the path confinement of class 1 is tests/test_artifact_security.py, the caches of class 5
-tests/test_caches.py). Each case: the API raises the documented `InputError` (`ArtifactError` for the
+6, 7; the path confinement of class 1 is tests/runtime/test_artifact_security.py, the caches of class 5
+tests/runtime/test_caches.py). Each case: the API raises the documented `InputError` (`ArtifactError` for the
 artifact), the CLI exits 2 with one `error:` line and no traceback. Edited manifests have their hashes
 recomputed, so only the schema and the cross-checks stand in the way.
 """

@@ -3,7 +3,7 @@ decode and prefill programs, at its exact places in the byte buffers, against th
 references.
 
 Tolerance: fp32, hf numerics. A kernel differs from its reference by fp32 summation order (~1e-6 relative
-per op, see tests/test_kernels_*.py); through 5 layers and 3 calls the logits then differ by ~1e-5 of their
+per op, see tests/kernels/test_kernels_*.py); through 5 layers and 3 calls the logits then differ by ~1e-5 of their
 scale. 1e-4 leaves room for that, while a wrong argument, stride or kernel moves logits by > 1e-2.
 """
 

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from runtime_helpers import tiny
-from test_runtime_host import PROMPTS, _steps
+from runtime_helpers import PROMPTS, step_inputs
 from v4compile.runtime.c_backend import CRuntime
 from v4compile.runtime.launch_check import first_difference, per_launch
 
@@ -33,7 +33,7 @@ def _moved(fname, li):
 @pytest.mark.parametrize("fault", [False, True])
 def test_the_first_differing_launch_is_named(fault):
     m, prog, w = tiny()
-    fname, inputs = next((f, i) for f, i in _steps(m, PROMPTS, 1) if f == "decode")
+    fname, inputs = next((f, i) for f, i in step_inputs(m, PROMPTS, 1) if f == "decode")
     launches = prog.functions[fname].launches
     li = next(i for i, l in enumerate(launches) if l.op == "linear" and i > 10)
     dev = CRuntime(prog, w, "host", table=_moved(fname, li) if fault else per_launch(fname))

@@ -29,7 +29,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from runtime_helpers import tiny  # noqa: E402
-from test_runtime_host import PROMPTS, _steps  # noqa: E402
+from runtime_helpers import PROMPTS, step_inputs  # noqa: E402
 from v4compile.codegen import kernels  # noqa: E402
 from v4compile.codegen.kernels import KernelCall  # noqa: E402
 from v4compile.errors import CodegenError, DeviceError  # noqa: E402
@@ -220,7 +220,7 @@ class _Trials:
         self.rt._run_kernel = hooked
         m = _program(preset)[0]
         steps = {}
-        for fname, inputs in _steps(m, PROMPTS, 1):  # real step inputs (slots, block tables) of a ragged batch
+        for fname, inputs in step_inputs(m, PROMPTS, 1):  # real step inputs (slots, block tables) of a ragged batch
             steps.setdefault(fname, inputs)
         try:
             for fname in ("prefill", "decode"):

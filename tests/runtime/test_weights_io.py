@@ -172,7 +172,7 @@ def test_a_nan_in_a_copied_fp8_weight_is_refused_by_name(tmp_path):
 
 
 def weights_artifact(ck_dir: Path, out: Path, monkeypatch) -> dict:
-    """An artifact directory holding only weights and a manifest (its schema check, tests/test_bad_artifact.py,
+    """An artifact directory holding only weights and a manifest (its schema check, tests/runtime/test_bad_artifact.py,
     switched off); returns the manifest's `weights` entry."""
     from v4compile import artifact
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"v4compile": "v4compile", "passes": "v4compile.passes", "codegen": "v4compile.codegen",
            "runtime": "v4compile.runtime"}
 LAYERS = ("core", "passes", "codegen", "runtime", "top")

@@ -121,12 +121,11 @@ def test_a_killed_build_is_cleaned_up_by_the_next(tmp_path, monkeypatch):
 def test_a_damaged_kernel_cache_entry_is_rebuilt_to_the_same_bytes(tmp_path, monkeypatch):
     """One small GEMM for gfx950: compiled into an empty cache (a missing entry), then each damage (a flipped
     binary byte, a truncated sidecar, a missing record) is compiled again; the output is byte-identical."""
-    import kernel_check  # noqa: F401  (TRITON_INTERPRET=1 before kernel modules load)
-    from test_aot import _calls
+    from kernel_check import small_gemm_calls  # (TRITON_INTERPRET=1 before kernel modules load)
     from v4compile.codegen import aot
 
     monkeypatch.setenv("V4COMPILE_CACHE", str(tmp_path / "cache"))
-    calls = _calls()
+    calls = small_gemm_calls()
     rows = aot.compile_calls(calls, ["gfx950"], tmp_path / "clean", jobs=1)
     clean = _tree(tmp_path / "clean")
     entry = tmp_path / "cache" / "aot" / aot.job_of(calls[0], "gfx950")["key"]

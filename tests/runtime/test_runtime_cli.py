@@ -1,5 +1,5 @@
 """`v4compile compile -o` then `v4compile run --device host` (the issue's done-when) and the clear error of
-a GPU device that cannot run (the GPU artifact itself: tests/test_gpu_artifact.py). In-process (`cli.main`): the subprocess start-up dominates otherwise."""
+a GPU device that cannot run (the GPU artifact itself: tests/runtime/test_gpu_artifact.py). In-process (`cli.main`): the subprocess start-up dominates otherwise."""
 
 from __future__ import annotations
 

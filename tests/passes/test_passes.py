@@ -222,7 +222,7 @@ def test_v4_pro_pool_geometry():
 
 
 # ---- memory plan ---------------------------------------------------------------------------------
-# The plan is executed for real by the program executor (tests/test_program.py): every value, views
+# The plan is executed for real by the program executor (tests/core/test_program.py): every value, views
 # included, at its annotated place in one byte arena.
 
 
@@ -309,7 +309,7 @@ def cli(*args):
 def test_compile_check_numerics_on_tiny(tmp_path):
     # Official numerics (the default) at max context 160: before the lowered attention summed in the
     # reference's key order, this scenario broke tolerance at lower_sparse_attention (7.0e-5 > 1e-5, exit 1).
-    # The lowering is bit-exact now (tests/test_official_pool.py), so every pass's error is exactly 0.
+    # The lowering is bit-exact now (tests/passes/test_official_pool.py), so every pass's error is exactly 0.
     r = cli("compile", "--preset", "tiny", "--dtype", "fp32", "--check-numerics", "--max-context", "160",
             "--report", "-o", str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr

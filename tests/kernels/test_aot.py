@@ -13,24 +13,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import triton
 
-import kernel_check  # noqa: F401  (TRITON_INTERPRET=1 before kernel modules load)
+from kernel_check import small_gemm_calls  # (TRITON_INTERPRET=1 before kernel modules load)
 from v4compile.codegen import aot, roofline
-from v4compile.codegen.kernels import TensorArg, gemm
 from v4compile.errors import V4Error
-from v4compile.formats import fp8_block_quant
 
 pytestmark = pytest.mark.slow
-
-
-def _calls():
-    x = TensorArg.of(torch.zeros(1, 8, 256, dtype=torch.bfloat16))
-    y = TensorArg.of(torch.zeros(1, 8, 128, dtype=torch.bfloat16))
-    w, s = fp8_block_quant(torch.randn(128, 256), 128)
-    return gemm.specialise("linear", {"x": x, "w": TensorArg.of(w), "scale": TensorArg.of(s)}, {"y": y},
-                           {"block": 128, "act": "fp8"})
 
 
 def _tree(d):
@@ -40,7 +29,7 @@ def _tree(d):
 
 def test_compile_small_gemm_both_targets(tmp_path, monkeypatch):
     monkeypatch.setenv("V4COMPILE_CACHE", str(tmp_path / "cache"))
-    calls = _calls()
+    calls = small_gemm_calls()
     rows = aot.compile_calls(calls, ["gfx950", "sm_90a"], tmp_path / "a", jobs=1)
     assert [(r["name"], r["target"]) for r in rows] == [(calls[0].name, "gfx950"), (calls[0].name, "sm_90a")]
     for r in rows:
@@ -64,14 +53,14 @@ def test_compile_small_gemm_both_targets(tmp_path, monkeypatch):
     amd = rows[0]
     assert amd["spills"] == 0, "gfx950 goal: no spills"
     # second compile: all cached, identical files
-    rows2 = aot.compile_calls(_calls(), ["gfx950", "sm_90a"], tmp_path / "b", jobs=2)
+    rows2 = aot.compile_calls(small_gemm_calls(), ["gfx950", "sm_90a"], tmp_path / "b", jobs=2)
     assert all(r["cached"] for r in rows2)
     assert _tree(tmp_path / "a") == _tree(tmp_path / "b")
 
 
 def test_unknown_target_is_rejected(tmp_path):
     with pytest.raises(V4Error, match="unknown target"):
-        aot.compile_calls(_calls(), ["sm_100"], tmp_path)
+        aot.compile_calls(small_gemm_calls(), ["sm_100"], tmp_path)
 
 
 def test_roofline_model():

@@ -21,7 +21,7 @@ import pytest
 from artifact_tamper import copy, manifest, write_manifest
 from v4compile.cli import main
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny-doc"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-doc"
 NAMES = ["json.dumps", "os.path.join", "re.compile", "textwrap.dedent", "heapq.heappush", "shutil.copy",
          "functools.partial", "random.choice"]
 

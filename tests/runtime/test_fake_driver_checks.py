@@ -30,7 +30,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from runtime_helpers import Fake, fake_code_object, fake_table, tiny  # noqa: E402
-from test_runtime_host import PROMPTS, _steps  # noqa: E402
+from runtime_helpers import PROMPTS, step_inputs  # noqa: E402
 from v4compile.errors import DeviceError  # noqa: E402
 from v4compile.runtime.build import CFLAGS, SOURCE_DIR, SOURCES, compile_shared  # noqa: E402
 from v4compile.runtime.c_backend import CRuntime, load_library  # noqa: E402
@@ -182,7 +182,7 @@ def test_the_host_device_refuses_a_pointer_one_row_past_its_buffer():
 
     for table, ok in ((None, True), (one_row_on, False)):
         rt = CRuntime(prog, w, "host", kernel_calls=_embed_only, table=table)
-        fname, inputs = next(_steps(m, PROMPTS, 0))
+        fname, inputs = next(step_inputs(m, PROMPTS, 0))
         try:
             if ok:
                 rt.run(fname, inputs)
@@ -287,7 +287,7 @@ def test_run_from_another_thread(device):
     kw = {} if fake is None else dict(driver_lib=fake.path, table=fake_table())
     rt = CRuntime(prog, w, device, **kw)
     try:
-        fname, inputs = list(_steps(m, PROMPTS, 1))[-1]
+        fname, inputs = list(step_inputs(m, PROMPTS, 1))[-1]
         here = rt.run(fname, inputs)
         there = _run_in_thread(lambda: rt.run(fname, inputs))
         graph = _run_in_thread(lambda: rt.run(fname, inputs, graph=True))
@@ -309,7 +309,7 @@ def test_without_the_context_made_current_another_thread_is_refused(broken):
     m, prog, w = tiny()
     rt = CRuntime(prog, w, "cuda", driver_lib=Fake("cuda").path, table=fake_table(), lib=lib)
     try:
-        fname, inputs = list(_steps(m, PROMPTS, 1))[-1]
+        fname, inputs = list(step_inputs(m, PROMPTS, 1))[-1]
         rt.run(fname, inputs)
         with pytest.raises(DeviceError) as e:
             _run_in_thread(lambda: rt.run(fname, inputs))

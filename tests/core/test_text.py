@@ -14,7 +14,7 @@ from v4compile import tokenizer as tk
 from v4compile.errors import InputError, TemplateError
 from v4compile.tokenizer import TOKENIZER_CONFIG, TOKENIZER_JSON, Tokenizer
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny-doc"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-doc"
 TEXT = "Return the café's naïve résumé: 3 € → 😀 ok\n\nDone. 日本語のテキスト"
 
 
