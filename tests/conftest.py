@@ -63,3 +63,21 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# ---- checkpoints on disk (the official layout, `init-random`): one builder for every test module -------
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    """tiny, fp32, seed 0. Module-scoped: a test that damages a checkpoint copies it first."""
+    from v4compile.init_random import init_random
+
+    return init_random(tmp_path_factory.mktemp("ck") / "tiny", preset("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_quant_ckpt(tmp_path_factory):
+    """tiny as released: FP8 / FP4 weights with E8M0 scales, seed 0."""
+    from v4compile.init_random import init_random
+
+    return init_random(tmp_path_factory.mktemp("ckq") / "tiny-q", preset("tiny"), seed=0, quantized=True)

@@ -15,7 +15,7 @@ from v4compile.model.batching import prefill_chunks
 from v4compile.passes import DEFAULT_PIPELINE, PassManager, PipelineOptions
 from v4compile.pool import PoolGeometry
 from v4compile.program.build import build_program
-from v4compile.program.execute import POISON
+from v4compile.program.execute import POISON, Buffers, execute
 from v4compile.program.verify import verify_program
 from v4compile.runtime.build import SOURCE_DIR, compile_shared
 from v4compile.targets import cache_root
@@ -183,3 +183,11 @@ def compare_buffers(rt, bufs, fname):
 
 
 PROMPTS = [list(range(5, 25)), list(range(40, 53)), [7, 8, 9, 10, 11, 12, 13]]
+
+
+def executed_step(prog, w, fname, inputs):
+    """The program executor's buffers after one step from zero pool and state: what the host device must match."""
+    bufs = Buffers()
+    state = {b.name: torch.zeros(b.type.shape) for b in prog.functions[fname].buffers if b.kind in ("pool", "state")}
+    execute(prog.functions[fname], bufs, {**inputs, **state}, w)
+    return bufs

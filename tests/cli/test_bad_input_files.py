@@ -17,19 +17,9 @@ from bad_input_util import cli_error, run_main
 from v4compile.checkpoint import INDEX_FILE, Checkpoint, write_checkpoint
 from v4compile.config import LIMITS, MAX_TENSORS, V4Config, preset
 from v4compile.errors import CheckpointError, ConfigError
-from v4compile.init_random import init_random, random_source
+from v4compile.init_random import random_source
 from v4compile.model import ReferenceModel
 from v4compile.safetensors_io import SafetensorsFile, write_file
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return init_random(tmp_path_factory.mktemp("ck") / "tiny", preset("tiny"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def qckpt(tmp_path_factory):
-    return init_random(tmp_path_factory.mktemp("ckq") / "tiny-q", preset("tiny"), seed=0, quantized=True)
 
 
 def copy(src, dst):
@@ -68,8 +58,8 @@ def each_command(d, *needles, commands=LOADERS):
 # ---- security: nothing outside the checkpoint directory is read -------------------------------
 
 @pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink", "symlinked-dir"])
-def test_shard_paths_leaving_the_checkpoint_are_refused(ckpt, tmp_path, how):
-    d = copy(ckpt, tmp_path / "ck")
+def test_shard_paths_leaving_the_checkpoint_are_refused(tiny_ckpt, tmp_path, how):
+    d = copy(tiny_ckpt, tmp_path / "ck")
     wm = index_of(d)["weight_map"]
     victim = wm["embed.weight"]
     outside = tmp_path / "outside"
@@ -91,8 +81,8 @@ def test_shard_paths_leaving_the_checkpoint_are_refused(ckpt, tmp_path, how):
     each_command(d, victim)
 
 
-def test_unindexed_shard_symlink_and_config_symlink_outside(ckpt, tmp_path):
-    d = copy(ckpt, tmp_path / "ck")
+def test_unindexed_shard_symlink_and_config_symlink_outside(tiny_ckpt, tmp_path):
+    d = copy(tiny_ckpt, tmp_path / "ck")
     os.unlink(d / INDEX_FILE)
     shard = sorted(d.glob("*.safetensors"))[0]
     (tmp_path / "elsewhere.safetensors").write_bytes(shard.read_bytes())
@@ -100,7 +90,7 @@ def test_unindexed_shard_symlink_and_config_symlink_outside(ckpt, tmp_path):
     os.symlink(tmp_path / "elsewhere.safetensors", shard)
     with pytest.raises(CheckpointError, match="outside"):
         Checkpoint.open(d)
-    d2 = copy(ckpt, tmp_path / "ck2")
+    d2 = copy(tiny_ckpt, tmp_path / "ck2")
     (tmp_path / "cfg.json").write_text((d2 / "config.json").read_text())
     (d2 / "config.json").unlink()
     os.symlink(tmp_path / "cfg.json", d2 / "config.json")
@@ -112,8 +102,8 @@ def test_unindexed_shard_symlink_and_config_symlink_outside(ckpt, tmp_path):
 # ---- hangs: only regular files are opened ------------------------------------------------------
 
 @pytest.mark.parametrize("what", ["shard", "unindexed-shard", "config", "index"])
-def test_fifos_are_refused_without_blocking(ckpt, tmp_path, what):
-    d = copy(ckpt, tmp_path / "ck")
+def test_fifos_are_refused_without_blocking(tiny_ckpt, tmp_path, what):
+    d = copy(tiny_ckpt, tmp_path / "ck")
     if what == "shard":
         target = shard_of(d, "embed.weight")
     elif what == "unindexed-shard":
@@ -276,8 +266,8 @@ def test_too_many_tensors_within_each_limit():
 # ---- checkpoint contents ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad_id", [-1, 8, 2 ** 40])
-def test_hash_table_ids_outside_the_expert_range(ckpt, tmp_path, bad_id):
-    d = copy(ckpt, tmp_path / "ck")
+def test_hash_table_ids_outside_the_expert_range(tiny_ckpt, tmp_path, bad_id):
+    d = copy(tiny_ckpt, tmp_path / "ck")
     name = "layers.1.ffn.gate.tid2eid"
 
     def change(ts):
@@ -321,15 +311,15 @@ def stack_experts(d, layer: int, cfg, damage: str | None = None):
     return ws
 
 
-def test_stacked_hf_experts_control_and_damage(ckpt, tmp_path):
+def test_stacked_hf_experts_control_and_damage(tiny_ckpt, tmp_path):
     cfg = preset("tiny")
-    d = copy(ckpt, tmp_path / "good")
+    d = copy(tiny_ckpt, tmp_path / "good")
     ws = stack_experts(d, 2, cfg)
     with Checkpoint.open(d) as ck:  # the control: stacked experts load as the same tensors
         ck.validate()
         assert torch.equal(ck.dense("layers.2.ffn.experts.5.w3.weight"), ws["layers.2.ffn.experts.5.w3.weight"])
     for damage, needle in (("experts", "one slice per expert"), ("rows", "gate and up rows")):
-        d = copy(ckpt, tmp_path / damage)
+        d = copy(tiny_ckpt, tmp_path / damage)
         stack_experts(d, 2, cfg, damage)
         with pytest.raises(CheckpointError, match=needle) as e:
             Checkpoint.open(d)
@@ -350,14 +340,14 @@ def test_non_object_metadata(tmp_path, meta):
         SafetensorsFile(p)
 
 
-def test_duplicate_tensor_names_in_one_header(ckpt, tmp_path):
+def test_duplicate_tensor_names_in_one_header(tiny_ckpt, tmp_path):
     ent = '{"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}'
     p = tmp_path / "dup.safetensors"
     header_file(p, f'{{"t": {ent}, "t": {ent}}}'.encode(), b"\0" * 4)
     with pytest.raises(CheckpointError, match="'t' twice"):
         SafetensorsFile(p)
     # in a real checkpoint, through every command
-    d = copy(ckpt, tmp_path / "ck")
+    d = copy(tiny_ckpt, tmp_path / "ck")
     shard = shard_of(d, "norm.weight")
     raw = shard.read_bytes()
     (hlen,) = struct.unpack("<Q", raw[:8])
@@ -374,8 +364,8 @@ def test_duplicate_tensor_names_in_one_header(ckpt, tmp_path):
 # ---- non-finite weights ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
-def test_nonfinite_weights_refused_when_read(ckpt, tmp_path, value):
-    d = copy(ckpt, tmp_path / "ck")
+def test_nonfinite_weights_refused_when_read(tiny_ckpt, tmp_path, value):
+    d = copy(tiny_ckpt, tmp_path / "ck")
     name = "layers.3.attn.wo_b.weight"
 
     def change(ts):
@@ -396,8 +386,8 @@ def test_nonfinite_weights_refused_when_read(ckpt, tmp_path, value):
     assert rc == 0, err
 
 
-def test_e8m0_nan_scale_and_fp8_nan_refused(qckpt, tmp_path):
-    d = copy(qckpt, tmp_path / "ck")
+def test_e8m0_nan_scale_and_fp8_nan_refused(tiny_quant_ckpt, tmp_path):
+    d = copy(tiny_quant_ckpt, tmp_path / "ck")
     scale = "layers.2.attn.wq_b.scale"
     weight = "layers.4.attn.wo_a.weight"
 

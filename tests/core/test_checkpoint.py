@@ -13,28 +13,18 @@ from conftest import dense_weights, make_model, prompt
 from v4compile.checkpoint import Checkpoint, write_checkpoint
 from v4compile.config import preset
 from v4compile.errors import CheckpointError
-from v4compile.init_random import init_random, random_source
+from v4compile.init_random import random_source
 from v4compile.safetensors_io import SafetensorsFile, write_file
 from v4compile.weights import spec_table
 
 
-@pytest.fixture(scope="module")
-def fp32_ckpt(tmp_path_factory):
-    return init_random(tmp_path_factory.mktemp("ck") / "tiny", preset("tiny"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def quant_ckpt(tmp_path_factory):
-    return init_random(tmp_path_factory.mktemp("ckq") / "tiny-q", preset("tiny"), seed=0, quantized=True)
-
-
-def test_fp32_round_trip_is_exact(fp32_ckpt):
+def test_fp32_round_trip_is_exact(tiny_ckpt):
     dense = dense_weights("tiny")
     for layer in range(preset("tiny").n_hash_layers):
         table = dense[f"layers.{layer}.ffn.gate.tid2eid"]
         assert all(len(set(row)) == len(row) for row in table.tolist())  # no expert twice for a token
         assert len(torch.unique(table)) == preset("tiny").n_experts  # and every expert is used
-    with Checkpoint.open(fp32_ckpt) as ck:
+    with Checkpoint.open(tiny_ckpt) as ck:
         ck.validate()
         assert set(ck.entries) == set(dense)
         for name, t in dense.items():
@@ -178,7 +168,7 @@ def test_sharding_with_index(tmp_path):
         assert torch.equal(ck.dense("layers.3.attn.wo_b.weight"), dense_weights("tiny")["layers.3.attn.wo_b.weight"])
 
 
-def test_open_and_validate_read_no_tensor_data_but_hash_tables(fp32_ckpt, monkeypatch):
+def test_open_and_validate_read_no_tensor_data_but_hash_tables(tiny_ckpt, monkeypatch):
     """`validate` reads the (small, integer) hash-routing tables to range-check their ids; nothing else."""
     read = []
     real = SafetensorsFile.read
@@ -190,7 +180,7 @@ def test_open_and_validate_read_no_tensor_data_but_hash_tables(fp32_ckpt, monkey
         return real(self, name)
 
     monkeypatch.setattr(SafetensorsFile, "read", only_tables)
-    with Checkpoint.open(fp32_ckpt) as ck:
+    with Checkpoint.open(tiny_ckpt) as ck:
         ck.validate()
         ck.header_specs()
     assert sorted(read) == [f"layers.{i}.ffn.gate.tid2eid" for i in range(preset("tiny").n_hash_layers)]
@@ -214,12 +204,12 @@ def test_hf_parameter_layout(tmp_path):
                 assert torch.equal(ck.dense(name), t.float() if t.is_floating_point() else t), name
 
 
-def test_official_layout_loads_into_hf(fp32_ckpt, tmp_path):
+def test_official_layout_loads_into_hf(tiny_ckpt, tmp_path):
     """Our writer's names are the official ones: HF's own loader (its conversion mapping) accepts them."""
     from transformers import DeepseekV4ForCausalLM
 
     d = tmp_path / "for-hf"
-    shutil.copytree(fp32_ckpt, d)
+    shutil.copytree(tiny_ckpt, d)
     cfg = preset("tiny")
     hf_cfg = {k: v for k, v in cfg.to_hf().items() if k != "quantization_config"}
     (d / "config.json").write_text(json.dumps(hf_cfg))
@@ -255,8 +245,8 @@ def shard_of(ckdir, name):
     ("shape", "wrong shape"),
     ("dtype", "wrong dtype"),
 ])
-def test_tensor_defects(fp32_ckpt, tmp_path, defect, needle):
-    d = copy_ckpt(fp32_ckpt, tmp_path / "bad")
+def test_tensor_defects(tiny_ckpt, tmp_path, defect, needle):
+    d = copy_ckpt(tiny_ckpt, tmp_path / "bad")
     name = "layers.2.attn.wkv.weight"
     path, wm = shard_of(d, name)
 
@@ -287,8 +277,8 @@ def test_tensor_defects(fp32_ckpt, tmp_path, defect, needle):
         assert "expected [32, 64]" in msg and "found [32, 63]" in msg
 
 
-def test_scale_grid_mismatch(quant_ckpt, tmp_path):
-    d = copy_ckpt(quant_ckpt, tmp_path / "badscale")
+def test_scale_grid_mismatch(tiny_quant_ckpt, tmp_path):
+    d = copy_ckpt(tiny_quant_ckpt, tmp_path / "badscale")
     name = "layers.2.attn.wq_b.scale"
     path, _ = shard_of(d, name)
     rewrite(path, lambda ts: {**ts, name: torch.cat([ts[name], ts[name]])})
@@ -297,8 +287,8 @@ def test_scale_grid_mismatch(quant_ckpt, tmp_path):
     assert "expected [1, 1]" in str(e.value) and "found [2, 1]" in str(e.value)
 
 
-def test_index_points_at_missing_shard(fp32_ckpt, tmp_path):
-    d = copy_ckpt(fp32_ckpt, tmp_path / "noshard")
+def test_index_points_at_missing_shard(tiny_ckpt, tmp_path):
+    d = copy_ckpt(tiny_ckpt, tmp_path / "noshard")
     path, _ = shard_of(d, "embed.weight")
     os.unlink(path)
     with pytest.raises(CheckpointError, match="missing shard") as e:
@@ -306,8 +296,8 @@ def test_index_points_at_missing_shard(fp32_ckpt, tmp_path):
     assert path.name in str(e.value)
 
 
-def test_index_names_a_tensor_the_shard_lacks(fp32_ckpt, tmp_path):
-    d = copy_ckpt(fp32_ckpt, tmp_path / "lying-index")
+def test_index_names_a_tensor_the_shard_lacks(tiny_ckpt, tmp_path):
+    d = copy_ckpt(tiny_ckpt, tmp_path / "lying-index")
     path, wm = shard_of(d, "embed.weight")
     wm["layers.0.attn.phantom.weight"] = path.name
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
@@ -315,8 +305,8 @@ def test_index_names_a_tensor_the_shard_lacks(fp32_ckpt, tmp_path):
         Checkpoint.open(d)
 
 
-def test_truncated_shard_is_named(fp32_ckpt, tmp_path):
-    d = copy_ckpt(fp32_ckpt, tmp_path / "trunc")
+def test_truncated_shard_is_named(tiny_ckpt, tmp_path):
+    d = copy_ckpt(tiny_ckpt, tmp_path / "trunc")
     path, _ = shard_of(d, "head.weight")
     raw = path.read_bytes()
     path.write_bytes(raw[: len(raw) - 100])

@@ -9,7 +9,7 @@ import functools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzz_budget import fuzz_settings
+from fuzz_budget import apply_token_edits, fuzz_settings, token_edits
 from v4compile.config import preset
 from v4compile.errors import IRError
 from v4compile.ir.text import lex, parse_module, print_module
@@ -44,23 +44,9 @@ EXTRA = ["(", ")", "{", "}", "[", "]", ",", ":", "=", "none", "0", "-1", "1e400"
 
 
 @fuzz_settings(150)
-@given(st.lists(st.tuples(st.sampled_from(["delete", "duplicate", "replace", "swap"]), st.integers(0, 10 ** 6),
-                          st.integers(0, 10 ** 6), st.sampled_from(EXTRA) | st.text(max_size=3)),
-                min_size=1, max_size=3))
+@given(token_edits(EXTRA))
 def test_fuzz_ir_tokens(edits):
-    toks = list(tokens())
-    for kind, i, j, new in edits:
-        i %= len(toks)
-        j %= len(toks)
-        if kind == "delete":
-            del toks[i]
-        elif kind == "duplicate":
-            toks.insert(i, toks[i])
-        elif kind == "replace":
-            toks[i] = new if new else toks[j]
-        else:
-            toks[i], toks[j] = toks[j], toks[i]
-    accepts(" ".join(toks))
+    accepts(apply_token_edits(tokens(), edits))
 
 
 @fuzz_settings(60)

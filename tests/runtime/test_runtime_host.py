@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime_helpers import PROMPTS, compare_buffers, poison_buffers, step_inputs, tiny
+from runtime_helpers import PROMPTS, compare_buffers, executed_step, poison_buffers, step_inputs, tiny
 from v4compile.program.execute import Buffers, execute
 from v4compile.runtime.c_backend import CRuntime
 
@@ -62,10 +62,8 @@ def test_a_moved_pointer_is_caught_by_the_buffer_comparison():
         return sched.to_bytes()
 
     rt = CRuntime(prog, w, "host", table=moved)
-    bufs = Buffers()
     fname, inputs = next(step_inputs(m, PROMPTS, 0))
-    state = {b.name: torch.zeros(b.type.shape) for b in prog.functions[fname].buffers if b.kind in ("pool", "state")}
-    execute(prog.functions[fname], bufs, {**inputs, **state}, w)
+    bufs = executed_step(prog, w, fname, inputs)
     poison_buffers(rt, fname)
     rt.run(fname, inputs)
     assert "logits" in compare_buffers(rt, bufs, fname)

@@ -14,10 +14,9 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from runtime_helpers import Fake, fake_table, tiny  # noqa: E402
-from runtime_helpers import PROMPTS, compare_buffers, poison_buffers, step_inputs  # noqa: E402
+from runtime_helpers import (PROMPTS, Fake, compare_buffers, executed_step, fake_table, poison_buffers,  # noqa: E402
+                             step_inputs, tiny)
 from v4compile.codegen.kernels import KernelCall  # noqa: E402
-from v4compile.program.execute import Buffers, execute  # noqa: E402
 from v4compile.runtime.c_backend import CRuntime  # noqa: E402
 from v4compile.runtime.kernels import make_kernel_calls  # noqa: E402
 
@@ -55,10 +54,8 @@ def test_a_family_kernel_replaces_the_placeholder_and_runs_interpreted(shift):
     kinds = [(f.program.launches[f.launch_of[i]].op, c.kernel is not None) for i, c in enumerate(f.calls)]
     assert kinds[0] == ("embed", True) and all(not k for op, k in kinds if op != "embed")
     assert f.calls[0].grid == (48, 1, 1) and f.calls[0].block == (64, 1, 1)
-    bufs = Buffers()
     fname, inputs = next(step_inputs(m, PROMPTS, 0))
-    state = {b.name: torch.zeros(b.type.shape) for b in prog.functions[fname].buffers if b.kind in ("pool", "state")}
-    execute(prog.functions[fname], bufs, {**inputs, **state}, w)
+    bufs = executed_step(prog, w, fname, inputs)
     poison_buffers(rt, fname)
     rt.run(fname, inputs)
     bad = compare_buffers(rt, bufs, fname)
