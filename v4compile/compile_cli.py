@@ -128,6 +128,10 @@ def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
                    help="what to compile for, comma-separated: gfx950, sm_90a (or gpu: both; their pipeline runs to "
                         "the program) and cpu (the ONNX path's pipeline); default gpu, and with -o also cpu for a "
                         "model of up to 2 B parameters with weights")
+    g.add_argument("--tp", type=int_arg(1, 1 << 12), default=1,
+                   help="tensor parallel ranks: attention heads split over them (runs partition{tp,ep} first)")
+    g.add_argument("--ep", type=int_arg(1, 1 << 14), default=1,
+                   help="expert parallel ranks: routed experts split over them; the world is max(tp, ep) ranks")
     g.add_argument("--print-ir-after-all", action="store_true")
     g.add_argument("--print-ir-after-change", action="store_true")
     g.add_argument("--print-ir-after", action="append", default=[], metavar="PASS")
@@ -197,9 +201,16 @@ def pipeline_name(target: str) -> str:
 def pipeline_of(args) -> list[str]:
     from .passes import PIPELINES
 
-    if args.passes:
-        return _split_specs(args.passes)
-    return list(PIPELINES[pipeline_name(targets_of(args)[0])])
+    passes = _split_specs(args.passes) if args.passes else list(PIPELINES[pipeline_name(targets_of(args)[0])])
+    tp, ep = getattr(args, "tp", 1), getattr(args, "ep", 1)
+    if tp > 1 or ep > 1:
+        if not args.passes and pipeline_name(targets_of(args)[0]) == "gpu":
+            raise InputError("--tp / --ep compile for --target cpu so far (the GPU program's collective launches "
+                             "and the C runtime's collective entry are not built yet)", found=f"--target {args.target or 'gpu'}")
+        if any(p.split("{", 1)[0].strip() == "partition" for p in passes):
+            raise InputError("--tp / --ep add the partition pass; --passes names it too", found=args.passes)
+        passes.insert(0, f"partition{{tp={tp},ep={ep}}}")
+    return passes
 
 
 def trace_options(args):
