@@ -192,3 +192,27 @@ def decode_error(traced, tp, ep) -> float:
 def test_interpret_ranks_runs_ranks_in_lockstep(traced):
     """A collective sees every rank's operands: four ranks (TP groups of 2) give the unpartitioned logits."""
     assert 0 < decode_error(traced, 2, 4) <= TOL
+
+
+def test_report_parallel_section(capsys):
+    """`--json` under "parallel": per-rank bytes against an independent count from the traced weights (the
+    split ones divided by their group, the owner tables added), the all-reduces of a decode step."""
+    import json
+
+    from v4compile.cli import main
+
+    assert main(["-q", "compile", "--preset", "tiny", "--dtype", "fp32", "--tp", "2", "--ep", "4", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)["parallel"]
+    cfg = preset("tiny")
+    m = trace(cfg, TraceOptions(batch=2, chunk=16, decode_batch=2, capacity=256))
+    split = {"attn.wq_b.weight": 2, "attn.wo_a.weight": 2, "attn.wo_b.weight": 2, "attn.attn_sink": 2,
+             "ffn.experts.w1": 4, "ffn.experts.w2": 4, "ffn.experts.w3": 4}
+    want = sum(w.type.nbytes // next((n for k, n in split.items() if w.name.endswith(k)), 1)
+               for w in m.weights.values()) + cfg.n_layers * cfg.n_experts * 8
+    assert (p["tp"], p["ep"], p["world"]) == (2, 4, 4)
+    assert p["per_rank_weight_bytes"] == want
+    assert p["unpartitioned_weight_bytes"] == sum(w.type.nbytes for w in m.weights.values())
+    c = p["collectives_per_decode_step"]
+    assert c["count"] == 2 * cfg.n_layers and {o["bytes"] for o in c["ops"]} == {2 * cfg.dim * 4}
+    assert sorted({o["group"] for o in c["ops"]}) == [2, 4]
+    assert p["per_rank_kv_bytes"] > 0 and set(p["decode_step"]) == {"gfx950", "sm_90a"}

@@ -205,8 +205,9 @@ def pipeline_of(args) -> list[str]:
     tp, ep = getattr(args, "tp", 1), getattr(args, "ep", 1)
     if tp > 1 or ep > 1:
         if not args.passes and pipeline_name(targets_of(args)[0]) == "gpu":
-            raise InputError("--tp / --ep compile for --target cpu so far (the GPU program's collective launches "
-                             "and the C runtime's collective entry are not built yet)", found=f"--target {args.target or 'gpu'}")
+            # The program stage has no collective launches yet (nor the C runtime a collective entry): a
+            # partitioned module goes down the gpu pipeline to its memory plan (reports), not to a program.
+            passes = [p for p in passes if p != "lower_to_program"]
         if any(p.split("{", 1)[0].strip() == "partition" for p in passes):
             raise InputError("--tp / --ep add the partition pass; --passes names it too", found=args.passes)
         passes.insert(0, f"partition{{tp={tp},ep={ep}}}")
@@ -654,10 +655,17 @@ def cmd_compile(args) -> int:
         with st("report"):
             rep = build_report(fe.cfg, fe.module, result, tuple(targets))
             rep["threads"] = args._threads
+            parallel = _parallel_report(args, fe, result, targets)
+            if parallel:
+                rep["parallel"] = parallel
     if args.json:
         print(json.dumps(rep, indent=1))
     elif args.report:
         sys.stdout.write(render_report(rep))
+        if rep.get("parallel"):
+            from .codegen.parallel_model import render_parallel
+
+            sys.stdout.write(render_parallel(rep["parallel"]))
     if args.output:
         with st("write output", progress="writing the artifact"):
             _write_artifact(args, fe, targets)
@@ -665,6 +673,20 @@ def cmd_compile(args) -> int:
         log.info("compiled %s: %d passes, nothing written (use -o DIR, --report or --dump-ir)", result.module.name,
                  len(result.records))
     return _finish(args, outcome)
+
+
+def _parallel_report(args, fe, result, targets) -> dict | None:
+    """The report's "parallel" entry of a partitioned compile (codegen/parallel_model.py)."""
+    from .parallel import ParallelLayout
+
+    if ParallelLayout.of(result.module) is None or "decode" not in result.module.functions:
+        return None
+    from .codegen.parallel_model import parallel_section
+    from .passes.base import get_pass
+
+    partitioned = get_pass("partition", {"tp": args.tp, "ep": args.ep}).run(fe.module).module
+    return parallel_section(fe.cfg, fe.module, partitioned, result.module, tuple(t for t in targets if t != "cpu")
+                            or ("gfx950", "sm_90a"))
 
 
 def _config_only(args):
