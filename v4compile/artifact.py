@@ -7,6 +7,9 @@
     DIR/weights/*.safetensors  the IR weights exactly as the functions take them (after merges), in shards
                                (none in a shape-only artifact, `--weights none`: kernels and program only);
                                the manifest gives each tensor's shard, dtype, shape and sha256
+    DIR/weights/rank-<r>/      instead, a partitioned module's (`--tp` / `--ep`): rank r's weights, each rank
+                               its own directory; the manifest's `parallel` gives the layout and every
+                               rank's `weights` entry (the top-level `weights` is rank 0's)
     DIR/onnx/<function>.onnx   the `cpu` target: one ONNX model per function (weights are graph inputs,
                                never copied into these files)
     DIR/module.ir              the final IR (text form) of the cpu pipeline
@@ -39,6 +42,7 @@ from typing import Any
 from .errors import ArtifactError, InputError
 from .files import sha256_file as files_sha256
 from .ir.core import Module
+from .parallel import ParallelLayout, RankTensors, rank_weights_module
 from .manifest import (FORMAT_VERSION, MANIFEST, TARGET_FORMATS, canonical, check_manifest, confined, manifest_digest,
                        read_manifest)
 
@@ -112,14 +116,30 @@ def trace_buckets(cfg, options, buckets: Buckets, formats: dict | None = None) -
 
 # ---- weights ------------------------------------------------------------------------------------
 
-def write_weights(module: Module, source, wdir: Path, workers: int | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+def write_weights(module: Module, source, wdir: Path, workers: int | None = None, rel: str = "weights"
+                  ) -> tuple[dict[str, Any], dict[str, str]]:
     """Shards of IR weights (at most SHARD_BYTES each; see `weights_io`: stored bytes copied where they
     are what the kernels read, converted otherwise, every file and tensor hashed as it is written).
     Returns the manifest's `weights` entry (each tensor with its `sha256`) and the shards' file hashes."""
     from .weights_io import plan_weights, write_shards
 
-    w = write_shards(plan_weights(module, source), source, wdir, SHARD_BYTES, workers=workers)
+    w = write_shards(plan_weights(module, source), source, wdir, SHARD_BYTES, workers=workers, rel=rel)
     return {"layout": "ir", "shards": w.files, "tensors": dict(sorted(w.tensors.items()))}, w.file_sha256
+
+
+def write_rank_weights(module: Module, source, tmp: Path) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
+    """A partitioned module's weights, one directory per rank (`weights/rank-<r>/`, each rank's own part of
+    every rank-local weight and a copy of every replicated one: a rank reads only its directory). Returns
+    rank 0's `weights` entry (the manifest's `weights`), the files' hashes and the manifest's `parallel`."""
+    layout = ParallelLayout.of(module)
+    ranks, hashed = [], {}
+    for r in range(layout.world):
+        rel = f"weights/rank-{r}"
+        (tmp / rel).mkdir(parents=True)
+        w, h = write_weights(rank_weights_module(module), RankTensors(module, source, r), tmp / rel, rel=rel)
+        ranks.append(w)
+        hashed.update(h)
+    return ranks[0], hashed, {"tp": layout.tp, "ep": layout.ep, "world": layout.world, "rank_weights": ranks}
 
 
 # ---- write --------------------------------------------------------------------------------------
@@ -167,7 +187,10 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
     try:
         (tmp / "weights").mkdir(parents=True)
         hashed: dict[str, str] = {}  # files hashed as they were written
-        if ci.source is not None:
+        parallel = None
+        if ci.source is not None and ParallelLayout.of(ci.module) is not None:
+            weights, hashed, parallel = write_rank_weights(ci.module, ci.source, tmp)
+        elif ci.source is not None:
             weights, hashed = write_weights(ci.module, ci.source, tmp / "weights")
         else:  # shape-only: the layout the weights will have, no data
             weights = {"layout": "ir", "shape_only": True, "shards": [],
@@ -219,6 +242,7 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
             "targets": targets,
             "kernels": gt.kernels if gt is not None else [],
             "weights": weights,
+            **({"parallel": parallel} if parallel is not None else {}),
             "files": files,
         }
         manifest["manifest_sha256"] = manifest_digest(manifest)  # the manifest's own bytes are checked too

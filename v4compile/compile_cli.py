@@ -643,6 +643,13 @@ def cmd_compile(args) -> int:
     if args.output:
         _buckets_of(args)  # before any work
         targets = artifact_targets(args, targets)
+        if args.tp > 1 or args.ep > 1:
+            # Written so far: the per-rank weights (artifact.write_rank_weights) and the manifest's layout;
+            # missing: the cpu target's ONNX segments cut at the collectives and the GPU program's collective
+            # launches. Refused before any work rather than failing after the weights.
+            raise InputError("-o with --tp / --ep: a partitioned artifact cannot be written yet (no ONNX segments "
+                             "at the collectives, no collective launches in the GPU program)",
+                             expected="--report / --check-numerics with --tp / --ep, or -o without them")
     if args.dtype is None:
         # ONNX Runtime's CPU kernels compute in fp32; GPU targets alone default to bf16.
         args.dtype = "fp32" if "cpu" in targets else "bf16"
@@ -731,6 +738,8 @@ def _write_artifact(args, fe, targets) -> None:
                                                                   "--target gfx950,sm_90a for a shape-only artifact")
     gpu = [t for t in targets if t != "cpu"]
     cpu_pipeline, gpu_pipeline = list(CPU_PIPELINE), list(GPU_PIPELINE)
+    if args.tp > 1 or args.ep > 1:
+        cpu_pipeline.insert(0, f"partition{{tp={args.tp},ep={args.ep}}}")
     if args.passes:
         if gpu and "cpu" in targets:
             raise InputError("--passes with -o names one pipeline: give either GPU targets or cpu", found=targets)
