@@ -261,3 +261,27 @@ def test_rank_weights_written_per_rank(tmp_path):
         breaks(bad)
         with pytest.raises(ArtifactError, match=needle):
             _check_parallel(bad, bad["rank_weights"][0], cfg, listed)
+
+
+def test_local_experts_onnx_lowering_matches_its_reference():
+    """The cpu target's lowering of the ownership mask, run by ONNX Runtime, against the op's reference."""
+    import onnxruntime as ort
+
+    from v4compile.codegen.onnx_export import export_function
+    from v4compile.ir.text import parse_module
+
+    m = parse_module('''module @t
+weight @owner : i64[8] from "owner"
+func @f(%w : fp32[2,3,2], %i : i64[2,3,2]) {
+  %0, %1 = local_experts(%w, %i, @owner) : fp32[2,3,2], i64[2,3,2]
+  return w_out = %0, i_out = %1
+}''')
+    g = _gen(7)
+    w, i = torch.rand(2, 3, 2, generator=g), torch.randint(0, 8, (2, 3, 2), generator=g)
+    for part in range(2):
+        owner = owner_table(8, 2, part)
+        sess = ort.InferenceSession(export_function(m, "f").SerializeToString(), providers=["CPUExecutionProvider"])
+        got = sess.run(["w_out", "i_out"], {"w": w.numpy(), "i": i.numpy(), "owner": owner.numpy()})
+        want = get_op("local_experts")(w, i, owner)
+        assert torch.equal(torch.from_numpy(got[0]), want[0]) and torch.equal(torch.from_numpy(got[1]), want[1])
+        assert (want[0] == 0).any() and (want[0] != 0).any()  # both owned and foreign slots occur
