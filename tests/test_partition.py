@@ -4,6 +4,7 @@ with every rank simulated (`interpret_ranks`), each check shown to catch the fau
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -285,3 +286,76 @@ func @f(%w : fp32[2,3,2], %i : i64[2,3,2]) {
         want = get_op("local_experts")(w, i, owner)
         assert torch.equal(torch.from_numpy(got[0]), want[0]) and torch.equal(torch.from_numpy(got[1]), want[1])
         assert (want[0] == 0).any() and (want[0] != 0).any()  # both owned and foreign slots occur
+
+
+# ---- the cpu target: ONNX segments cut at the collectives ----------------------------------------
+
+def run_segments(segments, rank_weights, inputs, states):
+    """Every rank's segments in one process, in lockstep: ONNX Runtime runs a segment on each rank, its
+    written state rows go into that rank's state (the cpu backend's rule), each collective combines the
+    ranks' values with its reference across ranks."""
+    import onnxruntime as ort
+
+    world = len(rank_weights)
+    env = [dict(inputs) for _ in range(world)]
+    for model, coll in segments:
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        names = [o.name for o in sess.get_outputs()]
+        for r in range(world):
+            feed = {i.name: env[r][i.name] if i.name in env[r] else states[r][i.name] if i.name in states[r]
+                    else rank_weights[r][i.name].numpy() for i in sess.get_inputs()}
+            res = dict(zip(names, sess.run(names, feed)))
+            for n, a in res.items():
+                if n.endswith(".rows"):
+                    base, vals = n[: -len(".rows")], res[n[: -len(".rows")] + ".vals"]
+                    states[r][base][a[a >= 0]] = vals[a >= 0]
+                elif not n.endswith(".vals"):
+                    env[r][n] = a
+        if coll is not None:
+            got = get_op(coll.name).spmd_ref([[torch.from_numpy(env[r][coll.operands[0].name])] for r in range(world)],
+                                             {"group": coll.attrs["group"]})
+            for r in range(world):
+                env[r][coll.results[0].name] = got[r][0].numpy()
+    return [e["logits"] for e in env]
+
+
+def test_onnx_segments_run_the_partitioned_function(fault=None):
+    """The cpu pipeline's partitioned prefill, cut at its 10 all-reduces into 11 ONNX segments, run for two
+    ranks with the sums between them: the interpreter's logits and states (every rank in lockstep).
+    `fault` (`test_segments_check_fails_without_the_sums`): breaks the segment runner after the expectation."""
+    from v4compile.codegen.onnx_segments import export_segments
+    from v4compile.harness import PagedAllocator, load_ir_weights
+    from v4compile.ir.types import DTYPES
+    from v4compile.pool import PoolGeometry
+
+    m = PassManager(CPU_PIPELINE, PipelineOptions()).run(partitioned("tiny", "hf", 2, 2)).module
+    fn = m.functions["prefill"]
+    segments = export_segments(m, "prefill")
+    assert len(segments) == 11 and [c is None for _, c in segments] == [False] * 10 + [True]
+    source = DenseSource(dense_weights("tiny"))
+    weights = [load_ir_weights(m, source, rank=r) for r in range(2)]
+    g = _gen(11)
+    pos = torch.arange(16).repeat(2, 1)
+    inputs = {"ids": torch.randint(0, 512, (2, 16), generator=g), "pos": pos,
+              **PagedAllocator(PoolGeometry.from_attrs(m.attrs)).step_inputs(pos)}
+    for v in fn.inputs:
+        inputs.setdefault(v.name, torch.zeros(v.type.shape, dtype=DTYPES[v.type.dtype]))
+    want = interpret_ranks(fn, weights, [inputs, inputs])
+    states = [{n: t.numpy().copy() for n, t in inputs.items() if n.startswith(("pool.", "state."))} for _ in range(2)]
+    if fault is not None:
+        fault()
+    logits = run_segments(segments, weights, {n: t.numpy() for n, t in inputs.items()}, states)
+    scale = float(want[0]["logits"].abs().max())
+    for r in range(2):
+        assert np.abs(logits[r] - want[r]["logits"].numpy()).max() <= 1e-5 * scale
+        for n, s in states[r].items():
+            assert np.abs(s - want[r][n].numpy()).max() <= 1e-5 * max(float(want[r][n].abs().max()), 1.0), n
+    assert any(np.abs(s).max() > 0 for s in states[0].values())  # the prefill really wrote the pool
+
+
+def test_segments_check_fails_without_the_sums(monkeypatch):
+    """The same comparison with a segment runner whose collective adds nothing (each rank keeps its part)."""
+    op = get_op("all_reduce")
+    with pytest.raises(AssertionError):
+        test_onnx_segments_run_the_partitioned_function(
+            lambda: monkeypatch.setattr(op, "spmd_ref", lambda per_rank, attrs: [[x[0].clone()] for x in per_rank]))
