@@ -291,26 +291,19 @@ func @f(%w : fp32[2,3,2], %i : i64[2,3,2]) {
 # ---- the cpu target: ONNX segments cut at the collectives ----------------------------------------
 
 def run_segments(segments, rank_weights, inputs, states):
-    """Every rank's segments in one process, in lockstep: ONNX Runtime runs a segment on each rank, its
-    written state rows go into that rank's state (the cpu backend's rule), each collective combines the
-    ranks' values with its reference across ranks."""
+    """Every rank's segments in one process, in lockstep (`runtime.distributed.run_segment` each), each
+    collective combining the ranks' values with its reference across ranks."""
     import onnxruntime as ort
+
+    from v4compile.runtime.distributed import run_segment
 
     world = len(rank_weights)
     env = [dict(inputs) for _ in range(world)]
+    weights = [{n: t.numpy() for n, t in w.items()} for w in rank_weights]
     for model, coll in segments:
         sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        names = [o.name for o in sess.get_outputs()]
         for r in range(world):
-            feed = {i.name: env[r][i.name] if i.name in env[r] else states[r][i.name] if i.name in states[r]
-                    else rank_weights[r][i.name].numpy() for i in sess.get_inputs()}
-            res = dict(zip(names, sess.run(names, feed)))
-            for n, a in res.items():
-                if n.endswith(".rows"):
-                    base, vals = n[: -len(".rows")], res[n[: -len(".rows")] + ".vals"]
-                    states[r][base][a[a >= 0]] = vals[a >= 0]
-                elif not n.endswith(".vals"):
-                    env[r][n] = a
+            run_segment(sess, env[r], states[r], weights[r])
         if coll is not None:
             got = get_op(coll.name).spmd_ref([[torch.from_numpy(env[r][coll.operands[0].name])] for r in range(world)],
                                              {"group": coll.attrs["group"]})
@@ -359,3 +352,101 @@ def test_segments_check_fails_without_the_sums(monkeypatch):
     with pytest.raises(AssertionError):
         test_onnx_segments_run_the_partitioned_function(
             lambda: monkeypatch.setattr(op, "spmd_ref", lambda per_rank, attrs: [[x[0].clone()] for x in per_rank]))
+
+
+# ---- two processes with gloo ---------------------------------------------------------------------
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(d, world: int, ranks, timeout_s: float = 120):
+    """Start `ranks` of a `world`-rank group (torchrun's environment), wait for all with a deadline, reap."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    port, procs = _free_port(), []
+    worker = Path(__file__).parent / "dist_worker.py"
+    for r in ranks:
+        env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(worker), str(d)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    out = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=timeout_s)
+            out.append((p.returncode, e))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+@pytest.fixture(scope="module")
+def gloo_plan(tmp_path_factory):
+    """A partitioned prefill (tiny, tp 2, ep 2) as files for `dist_worker.py`, and its expected logits."""
+    import json
+
+    from v4compile.codegen.onnx_segments import export_segments
+    from v4compile.harness import PagedAllocator, load_ir_weights
+    from v4compile.ir.types import DTYPES
+    from v4compile.pool import PoolGeometry
+
+    d = tmp_path_factory.mktemp("gloo")
+    m = PassManager(CPU_PIPELINE, PipelineOptions()).run(partitioned("tiny", "hf", 2, 2)).module
+    fn = m.functions["prefill"]
+    source = DenseSource(dense_weights("tiny"))
+    weights = [load_ir_weights(m, source, rank=r) for r in range(2)]
+    pos = torch.arange(16).repeat(2, 1)
+    inputs = {"ids": torch.randint(0, 512, (2, 16), generator=_gen(12)), "pos": pos,
+              **PagedAllocator(PoolGeometry.from_attrs(m.attrs)).step_inputs(pos)}
+    for v in fn.inputs:
+        inputs.setdefault(v.name, torch.zeros(v.type.shape, dtype=DTYPES[v.type.dtype]))
+    want = interpret_ranks(fn, weights, [inputs, inputs])[0]["logits"].numpy()
+    segs = []
+    for k, (model, c) in enumerate(export_segments(m, "prefill")):
+        (d / f"seg-{k}.onnx").write_bytes(model.SerializeToString())
+        segs.append({"file": f"seg-{k}.onnx", "collective": None if c is None else
+                     {"operand": c.operands[0].name, "result": c.results[0].name, "group": c.attrs["group"]}})
+    (d / "plan.json").write_text(json.dumps({"tp": 2, "ep": 2, "timeout_s": 60, "segments": segs}))
+    for r in range(2):
+        np.savez(d / f"rank-{r}.npz", **{n: t.numpy() for n, t in weights[r].items()})
+    states = {n for n in inputs if n.startswith(("pool.", "state."))}
+    np.savez(d / "inputs.npz", **{n: t.numpy() for n, t in inputs.items() if n not in states})
+    np.savez(d / "states.npz", **{n: inputs[n].numpy() for n in states})
+    return d, want
+
+
+def test_two_ranks_with_gloo_give_the_simulated_logits(gloo_plan):
+    d, want = gloo_plan
+    for code, err in _launch(d, 2, [0, 1]):
+        assert code == 0, err
+    got = [np.load(d / f"out-{r}.npz")["logits"] for r in range(2)]
+    assert np.array_equal(got[0], got[1])  # the all-reduce gives every rank the same sum
+    assert np.abs(got[0] - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_wrong_world_size_and_a_missing_rank_end_with_one_error(gloo_plan):
+    import json
+    import time
+
+    d, _ = gloo_plan
+    (code, err), = _launch(d, 3, [0], timeout_s=60)
+    assert code == 2 and err.count("error:") == 1 and "world size differs" in err and "WORLD_SIZE 3" in err
+    plan = json.loads((d / "plan.json").read_text())
+    (d / "plan.json").write_text(json.dumps({**plan, "timeout_s": 3}))
+    try:
+        t0 = time.monotonic()
+        (code, err), = _launch(d, 2, [0], timeout_s=60)  # rank 1 never arrives
+        assert code == 2 and err.strip().startswith("error:") and time.monotonic() - t0 < 45, err
+    finally:
+        (d / "plan.json").write_text(json.dumps(plan))
