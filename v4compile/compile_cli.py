@@ -644,11 +644,12 @@ def cmd_compile(args) -> int:
         _buckets_of(args)  # before any work
         targets = artifact_targets(args, targets)
         if args.tp > 1 or args.ep > 1:
-            # Written so far: the per-rank weights (artifact.write_rank_weights) and the manifest's layout;
-            # missing: the cpu target's ONNX segments cut at the collectives and the GPU program's collective
+            # Built so far: the per-rank weights (artifact.write_rank_weights), the manifest's layout, the ONNX
+            # segments (codegen/onnx_segments.py) and gloo between them (runtime/distributed.py); missing: the
+            # segments in the artifact and its cpu backend, `run` under torchrun, the GPU program's collective
             # launches. Refused before any work rather than failing after the weights.
-            raise InputError("-o with --tp / --ep: a partitioned artifact cannot be written yet (no ONNX segments "
-                             "at the collectives, no collective launches in the GPU program)",
+            raise InputError("-o with --tp / --ep: a partitioned artifact cannot be written yet (the artifact "
+                             "does not carry the ONNX segments, nor the GPU program collective launches)",
                              expected="--report / --check-numerics with --tp / --ep, or -o without them")
     if args.dtype is None:
         # ONNX Runtime's CPU kernels compute in fp32; GPU targets alone default to bf16.
