@@ -4,6 +4,8 @@ with every rank simulated (`interpret_ranks`), each check shown to catch the fau
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -98,7 +100,7 @@ def test_quantised_weights_split_only_into_whole_blocks():
     assert out.weights["layers.0.ffn.experts.w1.scale"].type.shape[0] == 4
 
 
-def test_partition_twice_and_the_cli_gpu_target(traced):
+def test_partition_twice_and_the_cli_pipelines(traced):
     once = get_pass("partition", {"tp": 2}).run(traced).module
     with pytest.raises(InputError, match="already partitioned"):
         get_pass("partition", {"tp": 2}).run(once)
@@ -106,10 +108,13 @@ def test_partition_twice_and_the_cli_gpu_target(traced):
 
     from v4compile.compile_cli import pipeline_of
     args = SimpleNamespace(passes=None, target=None, tp=2, ep=1)
-    with pytest.raises(InputError, match="--target cpu"):
-        pipeline_of(args)
+    gpu = pipeline_of(args)  # down to the memory plan: the program has no collective launches yet
+    assert gpu[0] == "partition{tp=2,ep=1}" and gpu[-1] == "plan_memory" and "lower_to_program" not in gpu
     args.target = "cpu"
     assert pipeline_of(args)[0] == "partition{tp=2,ep=1}"
+    args.passes = "partition{tp=2},dce"
+    with pytest.raises(InputError, match="--passes names it too"):
+        pipeline_of(args)
 
 
 # ---- numerics: every rank in one process ---------------------------------------------------------
@@ -129,6 +134,12 @@ def check_for(name: str, numerics: str) -> NumericsCheck:
 def partitioned(name, numerics, tp, ep):
     m = trace(preset(name), TraceOptions(numerics=numerics, **OPTS))
     return get_pass("partition", {"tp": tp, "ep": ep}).run(m).module
+
+
+@functools.cache
+def cpu_partitioned():
+    """tiny (hf) partitioned over tp 2, ep 2, then the cpu pipeline (modules are never changed in place)."""
+    return PassManager(CPU_PIPELINE, PipelineOptions()).run(partitioned("tiny", "hf", 2, 2)).module
 
 
 @pytest.mark.parametrize("name, numerics, tp, ep", [("tiny", "hf", 2, 2), ("tiny-pro", "official", 2, 4)])
@@ -164,8 +175,7 @@ def test_a_wrong_expert_owner_is_caught(traced, monkeypatch):
 
 def test_cpu_pipeline_after_the_partition():
     """The later passes (merges, fusions, the native pool) keep the partitioned module's numbers."""
-    m = partitioned("tiny", "hf", 2, 2)
-    out = PassManager(CPU_PIPELINE, PipelineOptions()).run(m).module
+    out = cpu_partitioned()
     assert sum(op.name == "all_reduce" for op in out.functions["decode"].ops) == 10
     assert check_for("tiny", "hf").error(out) <= TOL
 
@@ -233,7 +243,7 @@ def test_rank_weights_written_per_rank(tmp_path):
     from v4compile.manifest import _check_parallel
     from v4compile.weights_io import MappedWeights
 
-    m = PassManager(CPU_PIPELINE, PipelineOptions()).run(partitioned("tiny", "hf", 2, 2)).module
+    m = cpu_partitioned()
     source = DenseSource(dense_weights("tiny"))
     weights, hashed, par = write_rank_weights(m, source, tmp_path)
     assert weights is par["rank_weights"][0] and (par["tp"], par["ep"], par["world"]) == (2, 2, 2)
@@ -321,7 +331,7 @@ def test_onnx_segments_run_the_partitioned_function(fault=None):
     from v4compile.ir.types import DTYPES
     from v4compile.pool import PoolGeometry
 
-    m = PassManager(CPU_PIPELINE, PipelineOptions()).run(partitioned("tiny", "hf", 2, 2)).module
+    m = cpu_partitioned()
     fn = m.functions["prefill"]
     segments = export_segments(m, "prefill")
     assert len(segments) == 11 and [c is None for _, c in segments] == [False] * 10 + [True]
@@ -402,7 +412,7 @@ def gloo_plan(tmp_path_factory):
     from v4compile.pool import PoolGeometry
 
     d = tmp_path_factory.mktemp("gloo")
-    m = PassManager(CPU_PIPELINE, PipelineOptions()).run(partitioned("tiny", "hf", 2, 2)).module
+    m = cpu_partitioned()
     fn = m.functions["prefill"]
     source = DenseSource(dense_weights("tiny"))
     weights = [load_ir_weights(m, source, rank=r) for r in range(2)]
