@@ -18,6 +18,7 @@ import torch
 from v4compile.harness import IRRunner, Scenario, ir_logits, load_ir_weights, max_error, reference_logits
 from v4compile.ir.core import Module
 from v4compile.ir.interpret import interpret
+from v4compile.parallel import ParallelLayout, is_rank_local, spmd_interpreter
 
 from .manager import PassManager, PipelineOptions, RunResult
 
@@ -45,18 +46,25 @@ class NumericsCheck:
         self.scale = max(float(t.abs().max()) for t in self.expected) or 1.0
         self._weights: dict[tuple, torch.Tensor] = {}
 
-    def weights(self, m: Module) -> dict[str, torch.Tensor]:
+    def weights(self, m: Module, rank: int | None = None) -> dict[str, torch.Tensor]:
+        """The module's weights (a partitioned module's: rank `rank`'s; replicated ones are shared)."""
         out = {}
         for w in m.weights.values():
-            key = (w.name, w.type, w.sources)
+            local = rank if is_rank_local(w.sources) else None
+            key = (w.name, w.type, w.sources, local, local is not None and ParallelLayout.of(m))
             if key not in self._weights:
-                single = Module(m.name, {w.name: w}, {})
-                self._weights[key] = load_ir_weights(single, self.source)[w.name]
+                single = Module(m.name, {w.name: w}, {}, dict(m.attrs))
+                self._weights[key] = load_ir_weights(single, self.source, rank=local)[w.name]
             out[w.name] = self._weights[key]
         return out
 
     def runner(self, m: Module) -> IRRunner:
-        return IRRunner(m, self.weights(m), prepare=self.prepare)
+        layout = ParallelLayout.of(m)
+        if layout is None:
+            return IRRunner(m, self.weights(m), prepare=self.prepare)
+        # A partitioned module: all its ranks in this process, in lockstep (`spmd_interpreter`).
+        return IRRunner(m, [self.weights(m, r) for r in range(layout.world)], prepare=self.prepare,
+                        interpreter=spmd_interpreter)
 
     def error(self, m: Module) -> float:
         """Relative logit error of `m` on the scenario (NaN counts as infinitely wrong)."""

@@ -9,6 +9,9 @@ and `v4compile.load(DIR)` reads. The runtime needs this module and the program, 
     DIR/weights/*.safetensors  the IR weights exactly as the functions take them (after merges), in shards
                                (none in a shape-only artifact, `--weights none`: kernels and program only);
                                the manifest gives each tensor's shard, dtype, shape and sha256
+    DIR/weights/rank-<r>/      instead, a partitioned module's (`--tp` / `--ep`): rank r's weights, each rank
+                               its own directory; the manifest's `parallel` gives the layout and every
+                               rank's `weights` entry (the top-level `weights` is rank 0's)
     DIR/onnx/<function>.onnx   the `cpu` target: one ONNX model per function (weights are graph inputs,
                                never copied into these files)
     DIR/module.ir              the final IR (text form) of the cpu pipeline

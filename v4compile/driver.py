@@ -22,6 +22,8 @@ from .artifact import TARGETS, Buckets, decode_name, prefill_name, write_artifac
 from .errors import InputError
 from .ir.core import Module
 from .manifest import canonical
+from .parallel import ParallelLayout
+from .rank_weights import RankTensors, rank_weights_module
 from .targets import GPU_TARGETS
 from .timing import Stages
 
@@ -57,14 +59,30 @@ def trace_buckets(cfg, options, buckets: Buckets, formats: dict | None = None, s
 
 # ---- weights ------------------------------------------------------------------------------------
 
-def write_weights(module: Module, source, wdir: Path, workers: int | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+def write_weights(module: Module, source, wdir: Path, workers: int | None = None, rel: str = "weights"
+                  ) -> tuple[dict[str, Any], dict[str, str]]:
     """Shards of IR weights (at most SHARD_BYTES each; see `weights_io`: stored bytes copied where they
     are what the kernels read, converted otherwise, every file and tensor hashed as it is written).
     Returns the manifest's `weights` entry (each tensor with its `sha256`) and the shards' digests."""
     from .weights_io import plan_weights, write_shards
 
-    w = write_shards(plan_weights(module, source), source, wdir, SHARD_BYTES, workers=workers)
+    w = write_shards(plan_weights(module, source), source, wdir, SHARD_BYTES, workers=workers, rel=rel)
     return {"layout": "ir", "shards": w.files, "tensors": dict(sorted(w.tensors.items()))}, w.file_digest
+
+
+def write_rank_weights(module: Module, source, tmp: Path) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
+    """A partitioned module's weights, one directory per rank (`weights/rank-<r>/`, each rank's own part of
+    every rank-local weight and a copy of every replicated one: a rank reads only its directory). Returns
+    rank 0's `weights` entry (the manifest's `weights`), the files' digests and the manifest's `parallel`."""
+    layout = ParallelLayout.of(module)
+    ranks, hashed = [], {}
+    for r in range(layout.world):
+        rel = f"weights/rank-{r}"
+        (tmp / rel).mkdir(parents=True)
+        w, h = write_weights(rank_weights_module(module), RankTensors(module, source, r), tmp / rel, rel=rel)
+        ranks.append(w)
+        hashed.update(h)
+    return ranks[0], hashed, {"tp": layout.tp, "ep": layout.ep, "world": layout.world, "rank_weights": ranks}
 
 
 # ---- write --------------------------------------------------------------------------------------
@@ -105,7 +123,10 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
     def fill(tmp: Path) -> tuple[dict[str, Any], dict[str, str]]:
         (tmp / "weights").mkdir()
         hashed: dict[str, str] = {}  # files hashed as they were written
-        if ci.source is not None:
+        parallel = None
+        if ci.source is not None and ParallelLayout.of(ci.module) is not None:
+            weights, hashed, parallel = write_rank_weights(ci.module, ci.source, tmp)
+        elif ci.source is not None:
             weights, hashed = write_weights(ci.module, ci.source, tmp / "weights")
         else:  # shape-only: the layout the weights will have, no data
             weights = {"layout": "ir", "shape_only": True, "shards": [],
@@ -155,6 +176,7 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
             "targets": targets,
             "kernels": gt.kernels if gt is not None else [],
             "weights": weights,
+            **({"parallel": parallel} if parallel is not None else {}),
             **({"tokenizer": tokenizer} if tokenizer else {}),
         }, hashed
 

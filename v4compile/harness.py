@@ -2,7 +2,7 @@
 
 * `load_ir_weights(module, source)`: the tensor of every IR weight, from a checkpoint or from dense
   tensors, converted to the weight's IR type (quantised weights stay quantised; stacks are stacked;
-  several sources are concatenated along the first axis);
+  several sources are concatenated along the first axis; a partitioned module's for one rank);
 * `IRRunner`: prefill / decode through the module's functions, carrying every state input (caches,
   pools) from one call's outputs to the next call's inputs by name;
 * `check_numerics`: the same seeded scenario through `ReferenceModel` and the IR, max logit error.
@@ -58,14 +58,29 @@ def _fetch(source, name: str, dtype: str) -> torch.Tensor:
     return t.to(DTYPES[dtype])
 
 
-def load_ir_weights(m: Module, source, only: set[str] | None = None) -> dict[str, torch.Tensor]:
+def load_ir_weights(m: Module, source, only: set[str] | None = None, rank: int | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """Every IR weight's tensor; in a partitioned module, rank `rank`'s (`parallel.py`: a source `name#tp:0`
+    is this rank's part of `name`)."""
+    from .parallel import ParallelLayout, rank_part, split_shard, synthesized
+
+    layout = ParallelLayout.of(m)
     out: dict[str, torch.Tensor] = {}
     for w in m.weights.values():
         if only is not None and w.name not in only:
             continue
-        stacked = len(w.sources) == 1 and "{0.." in w.sources[0]
-        parts = [_fetch(source, n, w.type.dtype) for n in expand_sources(w.sources)]
-        t = torch.stack(parts) if stacked else (parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
+        parts = []
+        for s in w.sources:
+            base, group, axis = split_shard(s)
+            if group is not None and (layout is None or rank is None):
+                raise IRError(f"weight @{w.name} is rank-local ('{s}')",
+                              expected="a partitioned module loaded for one rank")
+            whole = synthesized(base, layout) if layout is not None else None
+            if whole is None:
+                fetched = [_fetch(source, n, w.type.dtype) for n in expand_sources((base,))]
+                whole = torch.stack(fetched) if "{0.." in base else fetched[0]
+            parts.append(whole if group is None else rank_part(whole, group, axis, layout, rank, f"weight @{w.name}"))
+        t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         if not w.type.matches(t):
             raise IRError(f"weight @{w.name}: source tensors do not give its IR type", expected=str(w.type),
                           found=f"{t.dtype} {list(t.shape)}")

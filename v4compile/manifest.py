@@ -221,6 +221,71 @@ def _sha(v: Any, key: str) -> str:
     return v
 
 
+def _check_weights(w: dict, wk: str, listed) -> dict:
+    """One `weights` entry (the top-level one, or a rank's in `parallel.rank_weights`): its shards and
+    tensors. Returns the tensors."""
+    _str(_get(w, "layout", f"{wk}.layout"), f"{wk}.layout", ("ir",))
+    shape_only = w.get("shape_only", False)
+    if not isinstance(shape_only, bool):
+        raise _err(f"`{wk}.shape_only` must be true or false", found=_show(shape_only))
+    shards = _strs(_get(w, "shards", f"{wk}.shards"), f"{wk}.shards")
+    for i, s in enumerate(shards):
+        listed(s, f"{wk}.shards[{i}]")
+    tensors = _obj(_get(w, "tensors", f"{wk}.tensors"), f"{wk}.tensors")
+    if len(tensors) > MAX_ENTRIES:
+        raise _err(f"`{wk}.tensors` is too long", expected=f"<= {MAX_ENTRIES} entries", found=len(tensors))
+    for name, t in tensors.items():
+        key = f"{wk}.tensors[{_show(name)}]"
+        _str(name, key)
+        t = _obj(t, key)
+        shard = _get(t, "shard", f"{key}.shard")
+        if shape_only:
+            if shard is not None:
+                raise _err(f"`{key}.shard` must be null in a shape-only artifact", found=_show(shard))
+        elif shard not in shards:
+            raise _err(f"`{key}.shard` is not one of `{wk}.shards`", found=_show(shard))
+        _str(_get(t, "dtype", f"{key}.dtype"), f"{key}.dtype", IR_DTYPES)
+        shape = [_int(d, f"{key}.shape[{i}]", 0, MAX_NUMEL)
+                 for i, d in enumerate(_list(_get(t, "shape", f"{key}.shape"), f"{key}.shape", MAX_RANK))]
+        if math.prod(shape) > MAX_NUMEL:
+            raise _err(f"`{key}.shape` has too many elements", expected=f"<= {MAX_NUMEL}", found=math.prod(shape))
+        if not shape_only:  # the tensor's bytes in its shard, hashed as written (`weights_io`)
+            _sha(_get(t, "sha256", f"{key}.sha256"), f"{key}.sha256")
+    if shape_only and shards:
+        raise _err("a shape-only artifact lists weight shards", found=len(shards))
+    return tensors
+
+
+def _check_parallel(p: Any, w: dict, cfg, listed) -> None:
+    """A partitioned artifact (`--tp` / `--ep`, `v4compile/parallel.py`): a layout the config allows, and one
+    `weights` entry per rank, each in its own directory, all with the same tensors (the top-level `weights`
+    is rank 0's)."""
+    p = _obj(p, "parallel")
+    tp = _int(_get(p, "tp", "parallel.tp"), "parallel.tp", 1, 1 << 12)
+    ep = _int(_get(p, "ep", "parallel.ep"), "parallel.ep", 1, 1 << 14)
+    world = _int(_get(p, "world", "parallel.world"), "parallel.world", 1, 1 << 14)
+    if world != max(tp, ep) or world % tp or world % ep:
+        raise _err("`parallel.world` must be max(tp, ep), a multiple of both", found=f"tp {tp}, ep {ep}, world {world}")
+    for what, n, k in (("attention heads", cfg.n_heads, tp), ("o_groups", cfg.o_groups, tp),
+                       ("routed experts", cfg.n_experts, ep)):
+        if n % k:
+            raise _err(f"`parallel`: {k} ranks do not divide the {what}", found=n)
+    ranks = _list(_get(p, "rank_weights", "parallel.rank_weights"), "parallel.rank_weights", world)
+    if len(ranks) != world:
+        raise _err("`parallel.rank_weights` needs one entry per rank", expected=world, found=len(ranks))
+    if ranks[0] != w:
+        raise _err("`weights` must be rank 0's entry of `parallel.rank_weights`")
+    want = {n: (t["dtype"], list(t["shape"])) for n, t in w["tensors"].items()}
+    for r, rw in enumerate(ranks):
+        key = f"parallel.rank_weights[{r}]"
+        tensors = _check_weights(_obj(rw, key), key, listed)
+        if {n: (t["dtype"], list(t["shape"])) for n, t in tensors.items()} != want:
+            raise _err(f"`{key}` holds other tensors than rank 0 (every rank runs the same program)")
+        outside = [s for s in rw["shards"] if not s.startswith(f"weights/rank-{r}/")]
+        if outside:
+            raise _err(f"`{key}.shards` lie outside weights/rank-{r}/", found=_show(outside[0]))
+
+
 def check_manifest(m: dict[str, Any], verify: bool = True) -> None:
     """Every field the loader and the runtime read: types, ranges, sizes, agreement. See the module doc."""
     from .config import V4Config
@@ -321,35 +386,9 @@ def check_manifest(m: dict[str, Any], verify: bool = True) -> None:
 
     # weights
     w = _obj(_get(m, "weights", "weights"), "weights")
-    _str(_get(w, "layout", "weights.layout"), "weights.layout", ("ir",))
-    shape_only = w.get("shape_only", False)
-    if not isinstance(shape_only, bool):
-        raise _err("`weights.shape_only` must be true or false", found=_show(shape_only))
-    shards = _strs(_get(w, "shards", "weights.shards"), "weights.shards")
-    for i, s in enumerate(shards):
-        listed(s, f"weights.shards[{i}]")
-    tensors = _obj(_get(w, "tensors", "weights.tensors"), "weights.tensors")
-    if len(tensors) > MAX_ENTRIES:
-        raise _err("`weights.tensors` is too long", expected=f"<= {MAX_ENTRIES} entries", found=len(tensors))
-    for name, t in tensors.items():
-        key = f"weights.tensors[{_show(name)}]"
-        _str(name, key)
-        t = _obj(t, key)
-        shard = _get(t, "shard", f"{key}.shard")
-        if shape_only:
-            if shard is not None:
-                raise _err(f"`{key}.shard` must be null in a shape-only artifact", found=_show(shard))
-        elif shard not in shards:
-            raise _err(f"`{key}.shard` is not one of `weights.shards`", found=_show(shard))
-        _str(_get(t, "dtype", f"{key}.dtype"), f"{key}.dtype", IR_DTYPES)
-        shape = [_int(d, f"{key}.shape[{i}]", 0, MAX_NUMEL)
-                 for i, d in enumerate(_list(_get(t, "shape", f"{key}.shape"), f"{key}.shape", MAX_RANK))]
-        if math.prod(shape) > MAX_NUMEL:
-            raise _err(f"`{key}.shape` has too many elements", expected=f"<= {MAX_NUMEL}", found=math.prod(shape))
-        if not shape_only:  # the tensor's bytes in its shard, hashed as written (`weights_io`)
-            _sha(_get(t, "sha256", f"{key}.sha256"), f"{key}.sha256")
-    if shape_only and shards:
-        raise _err("a shape-only artifact lists weight shards", found=len(shards))
+    tensors = _check_weights(w, "weights", listed)
+    if "parallel" in m:
+        _check_parallel(m["parallel"], w, cfg, listed)
 
     # targets and their functions
     targets = _list(_get(m, "targets", "targets"), "targets", len(TARGET_FORMATS))

@@ -127,6 +127,10 @@ def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
                    help="what to compile for, comma-separated: gfx950, sm_90a (or gpu: both; their pipeline runs to "
                         "the program) and cpu (the ONNX path's pipeline); default gpu, and with -o also cpu for a "
                         "model of up to 2 B parameters with weights")
+    g.add_argument("--tp", type=int_arg(1, 1 << 12), default=1,
+                   help="tensor parallel ranks: attention heads split over them (runs partition{tp,ep} first)")
+    g.add_argument("--ep", type=int_arg(1, 1 << 14), default=1,
+                   help="expert parallel ranks: routed experts split over them; the world is max(tp, ep) ranks")
     g.add_argument("--print-ir-after-all", action="store_true")
     g.add_argument("--print-ir-after-change", action="store_true")
     g.add_argument("--print-ir-after", action="append", default=[], metavar="PASS")

@@ -54,6 +54,14 @@ def cmd_compile(args) -> int:
     if args.output:
         _buckets_of(args)  # before any work
         targets = artifact_targets(args, targets)
+        if args.tp > 1 or args.ep > 1:
+            # Built so far: the per-rank weights (driver.write_rank_weights), the manifest's layout, the ONNX
+            # segments (codegen/onnx_segments.py) and gloo between them (runtime/distributed.py); missing: the
+            # segments in the artifact and its cpu backend, `run` under torchrun, the GPU program's collective
+            # launches. Refused before any work rather than failing after the weights.
+            raise InputError("-o with --tp / --ep: a partitioned artifact cannot be written yet (the artifact "
+                             "does not carry the ONNX segments, nor the GPU program collective launches)",
+                             expected="--report / --check-numerics with --tp / --ep, or -o without them")
     if args.dtype is None:
         # ONNX Runtime's CPU kernels compute in fp32; GPU targets alone default to bf16.
         args.dtype = "fp32" if "cpu" in targets else "bf16"
@@ -70,10 +78,17 @@ def cmd_compile(args) -> int:
         with st("report"):
             rep = build_report(fe.cfg, fe.module, result, tuple(targets))
             rep["threads"] = args._threads
+            parallel = _parallel_report(args, fe, result, targets)
+            if parallel:
+                rep["parallel"] = parallel
     if args.json:
         print(json.dumps(rep, indent=1))
     elif args.report:
         sys.stdout.write(render_report(rep))
+        if rep.get("parallel"):
+            from ..codegen.parallel_model import render_parallel
+
+            sys.stdout.write(render_parallel(rep["parallel"]))
     if args.output:
         from ..driver import compile_buckets, write_artifact
 
@@ -84,6 +99,20 @@ def cmd_compile(args) -> int:
         log.info("compiled %s: %d passes, nothing written (use -o DIR, --report or --dump-ir)", result.module.name,
                  len(result.records))
     return finish(args, outcome)
+
+
+def _parallel_report(args, fe, result, targets) -> dict | None:
+    """The report's "parallel" entry of a partitioned compile (codegen/parallel_model.py)."""
+    from ..parallel import ParallelLayout
+
+    if result is None or ParallelLayout.of(result.module) is None or "decode" not in result.module.functions:
+        return None
+    from ..codegen.parallel_model import parallel_section
+    from ..passes.base import get_pass
+
+    partitioned = get_pass("partition", {"tp": args.tp, "ep": args.ep}).run(fe.module).module
+    return parallel_section(fe.cfg, fe.module, partitioned, result.module, tuple(t for t in targets if t != "cpu")
+                            or ("gfx950", "sm_90a"))
 
 
 def _config_only(args):
@@ -136,6 +165,8 @@ def _artifact_plan(args, fe, targets) -> dict:
                                                                   "--target gfx950,sm_90a for a shape-only artifact")
     gpu = [t for t in targets if t != "cpu"]
     cpu_pipeline, gpu_pipeline = list(CPU_PIPELINE), list(GPU_PIPELINE)
+    if args.tp > 1 or args.ep > 1:
+        cpu_pipeline.insert(0, f"partition{{tp={args.tp},ep={args.ep}}}")
     if args.passes:
         if gpu and "cpu" in targets:
             raise InputError("--passes with -o names one pipeline: give either GPU targets or cpu", found=targets)

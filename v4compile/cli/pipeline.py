@@ -47,9 +47,17 @@ def pipeline_name(target: str) -> str:
 def pipeline_of(args) -> list[str]:
     from ..passes import PIPELINES
 
-    if args.passes:
-        return split_specs(args.passes)
-    return list(PIPELINES[pipeline_name(targets_of(args)[0])])
+    passes = split_specs(args.passes) if args.passes else list(PIPELINES[pipeline_name(targets_of(args)[0])])
+    tp, ep = getattr(args, "tp", 1), getattr(args, "ep", 1)
+    if tp > 1 or ep > 1:
+        if not args.passes and pipeline_name(targets_of(args)[0]) == "gpu":
+            # The program stage has no collective launches yet (nor the C runtime a collective entry): a
+            # partitioned module goes down the gpu pipeline to its memory plan (reports), not to a program.
+            passes = [p for p in passes if p != "lower_to_program"]
+        if any(p.split("{", 1)[0].strip() == "partition" for p in passes):
+            raise InputError("--tp / --ep add the partition pass; --passes names it too", found=args.passes)
+        passes.insert(0, f"partition{{tp={tp},ep={ep}}}")
+    return passes
 
 
 def trace_options(args):

@@ -20,6 +20,8 @@ Traits, declared with `defop`:
 * `kernel="family"`: the kernel family that runs it: its Triton kernels (`v4compile.codegen.kernels.<family>`)
   and its ONNX lowerings (`v4compile.codegen.onnx.<family>`); backends are wired by family, never imported here.
 * `@op.cost`: FLOPs and bytes moved from the operand / result types (a default counts bytes only).
+* `@op.spmd`: a collective: the reference across ranks (each rank's operands in, each rank's results out),
+  which the interpreter runs with every rank's values at once (`interpret_ranks`); `ref` is the one-rank case.
 """
 
 from __future__ import annotations
@@ -169,6 +171,7 @@ class OpDef:
                 raise ValueError(f"{self.name}: variants may only select optional operands")
             self.attrs["variant"] = AttrSpec("variant", str)
         self._cost: Callable | None = None
+        self.spmd_ref: Callable | None = None
         for r, o in self.tied.items():
             if r not in self.results or o not in self.operand_names:
                 raise ValueError(f"{self.name}: tied {r} -> {o} names no result / operand")
@@ -231,6 +234,15 @@ class OpDef:
     def cost(self, fn: Callable) -> Callable:
         self._cost = fn
         return fn
+
+    def spmd(self, fn: Callable) -> Callable:
+        self.spmd_ref = fn
+        return fn
+
+    @property
+    def collective(self) -> bool:
+        """Whether the op exchanges values between ranks (its reference needs every rank's operands)."""
+        return self.spmd_ref is not None
 
     def cost_of(self, operands: list[TensorType | None], results: list[TensorType], attrs: dict[str, Any]) -> Cost:
         """FLOPs and bytes of one launch. The default reads every operand once and writes every result once

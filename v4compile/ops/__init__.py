@@ -6,7 +6,8 @@ it needs (the frontend, the CLI, the runtimes call `load_all()`).
 * `core`: embed, linear, rms_norm, swiglu, reshape, split, add, last_token (`basic`);
 * `model`: the ops the reference model is written in (mHC, RoPE, attention, compressor, indexer, MoE,
   the official numerics' roundings);
-* `lowered`: the ops passes create (fusions, the paged pool).
+* `lowered`: the ops passes create (fusions, the paged pool);
+* `parallel`: the collectives and the expert ownership mask of a partitioned module (`partition` pass).
 
 The reference model calls ops through `op` (`op.rms_norm(...)`), which loads every set on first use. The
 package's own attributes are its modules: `ops.rope` is `ops/rope.py`, `op.rope` the op.
@@ -21,6 +22,7 @@ OPSETS: dict[str, tuple[str, ...]] = {
     "core": ("basic",),
     "model": ("mhc", "rope", "attention", "compressor", "indexer", "moe", "numerics"),
     "lowered": ("fused", "paged"),
+    "parallel": ("collective",),
 }
 
 

@@ -1,0 +1,159 @@
+"""The report of a partitioned module (`partition{tp,ep}`): what one rank holds and moves per decode step.
+
+    parallel_section(cfg, traced, final, targets) -> the report's "parallel" entry (JSON)
+
+* `per_rank_weight_bytes`: the rank-local weights of the final module (rank-local types, after merges),
+  next to the unpartitioned total, and which weights stay whole on every rank, with their bytes;
+* `per_rank_kv_bytes`: every state the decode function carries from step to step (KV pool planes, sliding
+  windows, compressor states) at the compiled decode batch and max context; the partition replicates it
+  (the single KV head), so every rank holds all of it;
+* `collectives_per_decode_step`: the decode function's collectives with the bytes each moves;
+* `decode_step`: per GPU target, a modeled per-rank decode step (stated model below) and whether the
+  rank's weights + KV fit the device.
+
+Model (per rank, serial, no overlap): weights read at the HBM roofline (`targets.TARGETS`; the routed experts
+a step touches: each of the rank's experts is read when one of the batch's tokens picks it, expected
+fraction `1 - (1 - k/E)^tokens`), plus the per-launch latency of every launch (`targets.TARGETS`), plus each
+all-reduce as a ring: `latency + 2 (n - 1) / n * bytes / link bandwidth` (`LINKS`). KV reads are left out
+(a decode step reads the window and the selected rows, small next to the weights at these batches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from v4compile.ir.core import Module
+from v4compile.ir.registry import get_op
+from v4compile.parallel import ParallelLayout, is_rank_local, split_shard
+from v4compile.targets import TARGETS
+from v4compile.trace import expand_sources
+from v4compile.weights import spec_table
+
+
+@dataclass(frozen=True)
+class Link:
+    device: str
+    memory_bytes: float  # HBM per device
+    bytes_s: float  # per-GPU scale-up bandwidth, one direction
+    allreduce_latency_s: float  # fixed cost of one small all-reduce inside a captured graph (assumption)
+    source: str
+
+
+LINKS = {
+    # AMD Instinct MI355X spec sheet: 288 GB HBM3E; 7 Infinity Fabric links, 1075 GB/s aggregate peer
+    # bandwidth (both directions): 537.6 GB/s one way.
+    "gfx950": Link("MI355X", 288e9, 537.6e9, 10e-6, "AMD MI355X data sheet: 288 GB HBM3E, 1075 GB/s Infinity Fabric"),
+    # NVIDIA H200 SXM spec sheet: 141 GB HBM3E; NVLink 4, 900 GB/s per GPU (both directions): 450 GB/s one way.
+    "sm_90a": Link("H200", 141e9, 450e9, 10e-6, "NVIDIA H200 data sheet: 141 GB HBM3E, 900 GB/s NVLink"),
+}
+# The latency: NCCL / RCCL all-reduce of a few hundred KB inside one 8-GPU node is ~5-15 us; we model 10 us.
+
+
+def _kind(name: str, specs: dict) -> str:
+    """What a weight is, for the replicated-bytes breakdown (the checkpoint's categories, the attention's
+    KV head and query low-rank part told apart)."""
+    base = expand_sources((split_shard(name)[0],))[0]
+    if base.startswith("="):
+        return "expert_owner"
+    tail = base.rsplit(".", 1)
+    weight = tail[0] + ".weight" if tail[-1] == "scale" else base
+    if any(k in base for k in ("attn.wkv.", "attn.kv_norm.")):
+        return "kv_head"
+    if any(k in base for k in ("attn.wq_a.", "attn.q_norm.")):
+        return "q_lora"
+    spec = specs.get(weight) or specs.get(base)
+    return spec.category if spec is not None else "other"
+
+
+def weight_bytes(partitioned: Module, cfg) -> dict[str, Any]:
+    """Per-rank bytes of a module straight after the partition (before merges: one weight per source),
+    split into replicated and rank-local, by kind."""
+    specs = spec_table(cfg)
+    rep: dict[str, int] = {}
+    local: dict[str, int] = {}
+    for w in partitioned.weights.values():
+        d = local if is_rank_local(w.sources) else rep
+        k = _kind(w.sources[0], specs)
+        d[k] = d.get(k, 0) + w.type.nbytes
+    return {"replicated": dict(sorted(rep.items(), key=lambda kv: -kv[1])),
+            "rank_local": dict(sorted(local.items(), key=lambda kv: -kv[1]))}
+
+
+def state_bytes(m: Module, func: str = "decode") -> int:
+    """Bytes of what `func` carries between steps (its inputs that are also outputs)."""
+    fn = m.functions[func]
+    carried = {n for n, _ in fn.outputs}
+    return sum(v.type.nbytes for v in fn.inputs if v.name in carried)
+
+
+def collectives(m: Module, func: str = "decode") -> list[dict[str, Any]]:
+    out = []
+    for op in m.functions[func].ops:
+        if get_op(op.name).collective:
+            out.append({"op": op.name, "group": op.attrs["group"], "bytes": op.operands[0].type.nbytes,
+                        "role": op.attrs.get("role", "")})
+    return out
+
+
+def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, targets: tuple[str, ...]) -> dict:
+    """`partitioned`: the module right after the partition pass; `final`: after the whole pipeline."""
+    layout = ParallelLayout.of(final)
+    coll = collectives(final)
+    per_rank = sum(w.type.nbytes for w in final.weights.values())
+    kv = state_bytes(final)
+    dec = final.functions["decode"]
+    tokens = int(dec.attrs["batch"]) * int(dec.attrs["tokens"])
+    kinds = weight_bytes(partitioned, cfg)
+    routed = kinds["rank_local"].get("routed_experts", 0)
+    touched = 1 - (1 - cfg.n_active_experts / cfg.n_experts) ** tokens
+    read = per_rank - routed + routed * touched
+    launches = sum(1 for op in dec.ops if get_op(op.name).launch and not get_op(op.name).collective)
+    steps = {}
+    for t in targets:
+        if t not in LINKS:
+            continue
+        link, spec = LINKS[t], TARGETS[t]
+        coll_s = sum(link.allreduce_latency_s + 2 * (c["group"] - 1) / c["group"] * c["bytes"] / link.bytes_s
+                     for c in coll)
+        roof_s, launch_s = read / spec.hbm_bytes_s, launches * spec.launch_s
+        steps[t] = {"device": link.device, "fits": per_rank + kv <= link.memory_bytes,
+                    "memory_bytes": link.memory_bytes, "weights_read_bytes": int(read),
+                    "roofline_us": round(roof_s * 1e6, 1), "launch_latency_us": round(launch_s * 1e6, 1),
+                    "collectives_us": round(coll_s * 1e6, 1),
+                    "modeled_us": round((roof_s + launch_s + coll_s) * 1e6, 1), "launches": launches,
+                    "link_bytes_s": link.bytes_s, "allreduce_latency_us": link.allreduce_latency_s * 1e6,
+                    "source": link.source}
+    return {
+        "tp": layout.tp, "ep": layout.ep, "world": layout.world,
+        "per_rank_weight_bytes": per_rank,
+        "unpartitioned_weight_bytes": sum(w.type.nbytes for w in traced.weights.values()),
+        "weight_bytes_by_kind": kinds,
+        "per_rank_kv_bytes": kv,
+        "kv_at": {"decode_batch": int(dec.attrs["batch"]), "max_context": final.attrs.get("capacity")},
+        "collectives_per_decode_step": {"count": len(coll), "bytes": sum(c["bytes"] for c in coll),
+                                        "ops": coll},
+        "decode_step": steps,
+    }
+
+
+def render_parallel(p: dict) -> str:
+    gb = 1e9
+    kinds = p["weight_bytes_by_kind"]
+    lines = [f"  parallel: tp {p['tp']}, ep {p['ep']} ({p['world']} ranks); per rank: weights "
+             f"{p['per_rank_weight_bytes'] / gb:.2f} GB (of {p['unpartitioned_weight_bytes'] / gb:.2f} GB), KV and "
+             f"state {p['per_rank_kv_bytes'] / gb:.3f} GB at decode batch {p['kv_at']['decode_batch']}, "
+             f"{p['kv_at']['max_context']} tokens",
+             "    rank-local: " + ", ".join(f"{k} {v / gb:.2f} GB" for k, v in kinds["rank_local"].items()),
+             "    replicated: " + ", ".join(f"{k} {v / gb:.3f} GB" for k, v in kinds["replicated"].items())]
+    c = p["collectives_per_decode_step"]
+    size = sorted({x["bytes"] for x in c["ops"]})
+    lines.append(f"    collectives per decode step: {c['count']} all-reduces, {c['bytes']:,} bytes in all "
+                 f"({', '.join(f'{s:,}' for s in size)} bytes each)")
+    for t, s in p["decode_step"].items():
+        lines.append(f"    {t} ({s['device']}, {s['memory_bytes'] / gb:.0f} GB: {'fits' if s['fits'] else 'does NOT fit'}): "
+                     f"modeled decode step {s['modeled_us']:.1f} us = weights at the HBM roofline "
+                     f"{s['roofline_us']:.1f} us ({s['weights_read_bytes'] / gb:.2f} GB read) + {s['launches']} launches "
+                     f"{s['launch_latency_us']:.1f} us + collectives {s['collectives_us']:.1f} us "
+                     f"({s['allreduce_latency_us']:.0f} us + bytes / {s['link_bytes_s'] / gb:.0f} GB/s each)")
+    return "\n".join(lines) + "\n"

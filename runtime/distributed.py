@@ -1,0 +1,113 @@
+"""torch.distributed for a partitioned program: the process group `torchrun` describes, the groups of the
+layout, and the collectives between ONNX segments (gloo on CPU).
+
+    ranks = join(layout, timeout_s)      # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment
+    y = ranks.all_reduce(x, group=2)     # sum over this rank's group of 2 consecutive ranks
+
+Every collective has the process group's timeout, so a rank that dies or never arrives ends the others
+with an error in bounded time instead of a hang. A world size other than the layout's is one InputError.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+from v4compile.errors import InputError
+from v4compile.parallel import ParallelLayout
+
+ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+DEFAULT_TIMEOUT_S = 120
+
+
+class Ranks:
+    """This process's place in the layout, and one gloo group per consecutive block of each group size."""
+
+    def __init__(self, layout: ParallelLayout):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.layout = layout
+        self.groups: dict[int, object] = {}
+        for size in sorted({layout.tp, layout.ep}):
+            for start in range(0, self.world, size):  # every rank creates every group, in the same order
+                g = dist.new_group(list(range(start, start + size)), backend="gloo")
+                if start <= self.rank < start + size:
+                    self.groups[size] = g
+
+    def all_reduce(self, x: np.ndarray, group: int) -> np.ndarray:
+        if group not in self.groups:
+            raise InputError("a collective over a group size the layout does not have", expected=sorted(self.groups),
+                             found=group)
+        t = torch.from_numpy(np.ascontiguousarray(x)).clone()
+        self.dist.all_reduce(t, group=self.groups[group])
+        return t.numpy()
+
+    def broadcast(self, x: np.ndarray, src: int = 0) -> np.ndarray:
+        t = torch.from_numpy(np.ascontiguousarray(x)).clone()
+        self.dist.broadcast(t, src)
+        return t.numpy()
+
+    def close(self) -> None:
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+
+def join(layout: ParallelLayout, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ranks:
+    """Join the process group of the standard environment (torchrun's) with gloo; check its size."""
+    import torch.distributed as dist
+
+    missing = [k for k in ENV if k not in os.environ]
+    if missing:
+        raise InputError(f"a partitioned program ({layout.world} ranks) runs under torchrun",
+                         expected=f"torchrun --nproc-per-node {layout.world} ...", found=f"no {', '.join(missing)}")
+    world = int(os.environ["WORLD_SIZE"])
+    if world != layout.world:
+        raise InputError("the world size differs from the program's", expected=f"{layout.world} ranks "
+                         f"(tp {layout.tp}, ep {layout.ep})", found=f"WORLD_SIZE {world}")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    return Ranks(layout)
+
+
+def run_segment(sess, env: dict[str, np.ndarray], state: dict[str, np.ndarray],
+                weights: dict[str, np.ndarray]) -> None:
+    """One ONNX segment of one rank (`codegen/onnx_segments.py`): inputs from `env` (step inputs, earlier
+    segments' and collectives' values), `state` or `weights` (with its derived weights, `add_derived`); the
+    rows it writes go into `state` (the cpu backend's rule), its other outputs into `env`."""
+    names = [o.name for o in sess.get_outputs()]
+    add_derived(sess, weights)
+    feed = {i.name: env[i.name] if i.name in env else state[i.name] if i.name in state else weights[i.name]
+            for i in sess.get_inputs()}
+    res = dict(zip(names, sess.run(names, feed)))
+    for n, a in res.items():
+        if n.endswith(".rows"):
+            base = n[: -len(".rows")]
+            ok = a >= 0
+            state[base][a[ok]] = res[base + ".vals"][ok]
+        elif not n.endswith(".vals"):
+            env[n] = a
+
+
+def add_derived(sess, weights: dict[str, np.ndarray]) -> None:
+    """The segment's derived weight inputs (an expert of a stacked weight, a weight as fp32:
+    `codegen/onnx_weights.py`, listed in the model's metadata), built from the rank's stored weights once
+    and kept in `weights` for the segments after it."""
+    import json
+
+    from v4compile.codegen.onnx_export import DERIVED_KEY
+    from v4compile.codegen.onnx_weights import materialise
+
+    derived = json.loads(sess.get_modelmeta().custom_metadata_map.get(DERIVED_KEY, "{}"))
+    for name, d in sorted(derived.items()):
+        if name in weights:
+            continue
+        missing = [n for n in (d["of"], d["scale"]) if n is not None and n not in weights]
+        if missing:
+            raise InputError(f"derived weight '{name}' is built from a weight this rank does not hold",
+                             found=missing[0])
+        weights[name] = materialise(d, lambda n: torch.from_numpy(weights[n]))

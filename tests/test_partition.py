@@ -1,0 +1,462 @@
+"""Tensor / expert parallelism in one process: the collectives' references across ranks, the expert
+ownership mask, the partition pass's constraints, and the partitioned module against the reference model
+with every rank simulated (`interpret_ranks`), each check shown to catch the fault it names."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import dense_weights, make_model
+from v4compile.config import preset
+from v4compile.errors import InputError, IRError
+from v4compile.harness import DenseSource, Scenario
+from v4compile.ir.interpret import interpret_ranks
+from v4compile.ir.registry import get_op
+from v4compile.ops.collective import owner_table
+from v4compile.passes import CPU_PIPELINE, PassManager, PipelineOptions
+from v4compile.passes.base import get_pass
+from v4compile.passes.numerics import NumericsCheck
+from v4compile.trace import TraceOptions, trace
+
+OPTS = dict(batch=2, chunk=16, decode_batch=2, capacity=64)
+TOL = 1e-5  # of the logit scale: the ranks' partial sums round otherwise than the whole sum (fp32: ~1e-7)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# ---- the ops -------------------------------------------------------------------------------------
+
+def test_all_reduce_and_all_gather_across_ranks():
+    g = _gen(0)
+    xs = [torch.randn(2, 3, generator=g) for _ in range(4)]
+    red = get_op("all_reduce").spmd_ref([[x] for x in xs], {"group": 2})
+    gat = get_op("all_gather").spmd_ref([[x] for x in xs], {"group": 2})
+    for r in range(4):
+        pair = xs[r // 2 * 2: r // 2 * 2 + 2]  # the rank's group: ranks 0, 1 and ranks 2, 3
+        torch.testing.assert_close(red[r][0], (pair[0].double() + pair[1].double()).float(), rtol=0, atol=1e-6)
+        assert torch.equal(gat[r][0], torch.cat(pair, dim=-1))
+    assert red[0][0] is not red[1][0]  # every rank gets its own tensor
+    with pytest.raises(IRError, match="groups of 3 ranks in a run of 4"):
+        get_op("all_reduce").spmd_ref([[x] for x in xs], {"group": 3})
+    with pytest.raises(IRError, match="needs every rank"):  # eagerly, one rank cannot sum over two
+        get_op("all_reduce")(xs[0], group=2)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_local_experts_parts_sum_to_the_whole_moe(ep):
+    """Each rank's experts, masked by its owner table, add up over the ranks to the unpartitioned MoE."""
+    g = _gen(ep)
+    E, D, I, k = 8, 16, 8, 2
+    x = torch.randn(3, 5, D, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(15)]).view(3, 5, k)
+    wts = torch.rand(3, 5, k, generator=g)
+    w1, w3 = torch.randn(E, I, D, generator=g), torch.randn(E, I, D, generator=g)
+    w2 = torch.randn(E, D, I, generator=g)
+    moe, mask = get_op("moe_experts"), get_op("local_experts")
+    attrs = {"limit": 10.0}
+    whole = moe(x, wts, idx, w1, w2, w3, **attrs)
+    parts = []
+    for p in range(ep):
+        sl = slice(p * E // ep, (p + 1) * E // ep)
+        lw, li = mask(wts, idx, owner_table(E, ep, p))
+        parts.append(moe(x, lw, li, w1[sl], w2[sl], w3[sl], **attrs))
+    torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(parts[0], whole, atol=1e-3)  # no single rank has it all
+    table = owner_table(E, ep, 1)
+    assert table.tolist() == [i - E // ep if E // ep <= i < 2 * E // ep else -1 for i in range(E)]
+
+
+# ---- the pass's constraints ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def traced():
+    return trace(preset("tiny"), TraceOptions(**OPTS))
+
+
+@pytest.mark.parametrize("tp, ep, needle", [
+    (3, 2, "the smaller must divide the larger"),
+    (3, 1, "--tp must divide the attention heads"),
+    (4, 1, "--tp must divide the output projection groups"),
+    (1, 16, "--ep must divide the routed experts"),
+])
+def test_bad_layout_is_one_input_error(traced, tp, ep, needle):
+    with pytest.raises(InputError, match=needle):
+        get_pass("partition", {"tp": tp, "ep": ep}).run(traced)
+
+
+def test_quantised_weights_split_only_into_whole_blocks():
+    """Shape-only (released FP8 / FP4) tiny: wo_b's 32 input columns are one 128 block; cutting them in two
+    would change the rounding, so TP is refused while EP (whole experts) is fine."""
+    m = trace(preset("tiny"), TraceOptions(weights="released", **OPTS))
+    with pytest.raises(InputError, match="whole blocks"):
+        get_pass("partition", {"tp": 2}).run(m)
+    out = get_pass("partition", {"ep": 2}).run(m).module
+    assert out.weights["layers.0.ffn.experts.w1.scale"].type.shape[0] == 4
+
+
+def test_partition_twice_and_the_cli_pipelines(traced):
+    once = get_pass("partition", {"tp": 2}).run(traced).module
+    with pytest.raises(InputError, match="already partitioned"):
+        get_pass("partition", {"tp": 2}).run(once)
+    from types import SimpleNamespace
+
+    from v4compile.cli.pipeline import pipeline_of
+    args = SimpleNamespace(passes=None, target=None, tp=2, ep=1)
+    gpu = pipeline_of(args)  # down to the memory plan: the program has no collective launches yet
+    assert gpu[0] == "partition{tp=2,ep=1}" and gpu[-1] == "plan_memory" and "lower_to_program" not in gpu
+    args.target = "cpu"
+    assert pipeline_of(args)[0] == "partition{tp=2,ep=1}"
+    args.passes = "partition{tp=2},dce"
+    with pytest.raises(InputError, match="--passes names it too"):
+        pipeline_of(args)
+
+
+# ---- numerics: every rank in one process ---------------------------------------------------------
+
+_CHECKS: dict = {}
+
+
+def check_for(name: str, numerics: str) -> NumericsCheck:
+    """A scenario long enough to close CSA windows past the indexer's top-k (24 tokens: 6 rows > 4)."""
+    if (name, numerics) not in _CHECKS:
+        sc = Scenario.make(preset(name).vocab_size, 2, 24, 2, seed=5)
+        _CHECKS[name, numerics] = NumericsCheck(make_model(name, numerics=numerics), DenseSource(dense_weights(name)),
+                                                sc, 16, TOL, capacity=OPTS["capacity"])
+    return _CHECKS[name, numerics]
+
+
+def partitioned(name, numerics, tp, ep):
+    m = trace(preset(name), TraceOptions(numerics=numerics, **OPTS))
+    return get_pass("partition", {"tp": tp, "ep": ep}).run(m).module
+
+
+@functools.cache
+def cpu_partitioned():
+    """tiny (hf) partitioned over tp 2, ep 2, then the cpu pipeline (modules are never changed in place)."""
+    return PassManager(CPU_PIPELINE, PipelineOptions()).run(partitioned("tiny", "hf", 2, 2)).module
+
+
+@pytest.mark.parametrize("name, numerics, tp, ep", [("tiny", "hf", 2, 2), ("tiny-pro", "official", 2, 4)])
+def test_partitioned_module_matches_the_reference(name, numerics, tp, ep):
+    check = check_for(name, numerics)
+    err = check.error(partitioned(name, numerics, tp, ep))
+    assert 0 < err <= TOL  # not 0: the ranks really computed partial sums
+
+
+def test_a_dropped_all_reduce_is_caught(monkeypatch):
+    """Without wo_b's all-reduce each rank continues with its own partial attention output: the ranks'
+    caches and logits part, which the simulation refuses."""
+    from v4compile.passes.partition import _Partitioner
+
+    keep = _Partitioner._reduce_group
+    monkeypatch.setattr(_Partitioner, "_reduce_group",
+                        lambda self, op: 0 if op.attrs.get("role") == "attn.wo_b" else keep(self, op))
+    m = partitioned("tiny", "hf", 2, 2)
+    assert sum(op.name == "all_reduce" for op in m.functions["decode"].ops) == 5  # the MoE's only
+    with pytest.raises(IRError, match="differs between rank 0 and rank 1"):
+        check_for("tiny", "hf").error(m)
+
+
+def test_a_wrong_expert_owner_is_caught(traced, monkeypatch):
+    """Every rank claiming every expert (as its local expert e mod E/ep): the all-reduce then counts each
+    routed expert twice, on every rank alike; the same comparison that passes above fails by far."""
+    import v4compile.ops.collective as coll
+
+    assert decode_error(traced, 1, 2) <= TOL
+    monkeypatch.setattr(coll, "owner_table", lambda E, parts, part: torch.arange(E) % (E // parts))
+    assert decode_error(traced, 1, 2) > 100 * TOL
+
+
+def test_cpu_pipeline_after_the_partition():
+    """The later passes (merges, fusions, the native pool) keep the partitioned module's numbers."""
+    out = cpu_partitioned()
+    assert sum(op.name == "all_reduce" for op in out.functions["decode"].ops) == 10
+    assert check_for("tiny", "hf").error(out) <= TOL
+
+
+def decode_error(traced, tp, ep) -> float:
+    """One decode step of the partitioned module, its ranks in lockstep on the same seeded inputs, against
+    the unpartitioned module (relative to its largest logit); the ranks' logits must agree bit for bit."""
+    from v4compile.harness import load_ir_weights
+    from v4compile.ir.interpret import interpret
+
+    m = get_pass("partition", {"tp": tp, "ep": ep}).run(traced).module
+    source = DenseSource(dense_weights("tiny"))
+    fn = m.functions["decode"]
+    g = _gen(3)
+    inputs = {v.name: (torch.randint(0, 512, v.type.shape, generator=g) if v.name == "ids" else
+                       torch.full(v.type.shape, 5) if v.name == "pos" else torch.randn(v.type.shape, generator=g))
+              for v in fn.inputs}
+    world = max(tp, ep)
+    outs = interpret_ranks(fn, [load_ir_weights(m, source, rank=r) for r in range(world)], [inputs] * world)
+    assert all(torch.equal(o["logits"], outs[0]["logits"]) for o in outs)
+    whole = interpret(traced.functions["decode"], load_ir_weights(traced, source), inputs)["logits"]
+    return float((outs[0]["logits"] - whole).abs().max()) / float(whole.abs().max())
+
+
+def test_interpret_ranks_runs_ranks_in_lockstep(traced):
+    """A collective sees every rank's operands: four ranks (TP groups of 2) give the unpartitioned logits."""
+    assert 0 < decode_error(traced, 2, 4) <= TOL
+
+
+def test_report_parallel_section(capsys):
+    """`--json` under "parallel": per-rank bytes against an independent count from the traced weights (the
+    split ones divided by their group, the owner tables added), the all-reduces of a decode step."""
+    import json
+
+    from v4compile.cli import main
+
+    assert main(["-q", "compile", "--preset", "tiny", "--dtype", "fp32", "--tp", "2", "--ep", "4", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)["parallel"]
+    cfg = preset("tiny")
+    m = trace(cfg, TraceOptions(batch=2, chunk=16, decode_batch=2, capacity=256))
+    split = {"attn.wq_b.weight": 2, "attn.wo_a.weight": 2, "attn.wo_b.weight": 2, "attn.attn_sink": 2,
+             "ffn.experts.w1": 4, "ffn.experts.w2": 4, "ffn.experts.w3": 4}
+    want = sum(w.type.nbytes // next((n for k, n in split.items() if w.name.endswith(k)), 1)
+               for w in m.weights.values()) + cfg.n_layers * cfg.n_experts * 8
+    assert (p["tp"], p["ep"], p["world"]) == (2, 4, 4)
+    assert p["per_rank_weight_bytes"] == want
+    assert p["unpartitioned_weight_bytes"] == sum(w.type.nbytes for w in m.weights.values())
+    c = p["collectives_per_decode_step"]
+    assert c["count"] == 2 * cfg.n_layers and {o["bytes"] for o in c["ops"]} == {2 * cfg.dim * 4}
+    assert sorted({o["group"] for o in c["ops"]}) == [2, 4]
+    assert p["per_rank_kv_bytes"] > 0 and set(p["decode_step"]) == {"gfx950", "sm_90a"}
+
+
+# ---- per-rank weights of an artifact -------------------------------------------------------------
+
+def test_rank_weights_written_per_rank(tmp_path):
+    """Each rank's directory holds exactly that rank's tensors (merged weights included: the cpu pipeline's
+    merges concatenate a rank's part of wq_b with the whole indexer wq_b), bit for bit; the manifest's
+    `parallel` entry passes the schema, and each of its rules refuses a broken entry."""
+    import copy
+
+    from v4compile.driver import write_rank_weights
+    from v4compile.errors import ArtifactError
+    from v4compile.harness import load_ir_weights
+    from v4compile.manifest import _check_parallel
+    from v4compile.weights_io import MappedWeights
+
+    m = cpu_partitioned()
+    source = DenseSource(dense_weights("tiny"))
+    weights, hashed, par = write_rank_weights(m, source, tmp_path)
+    assert weights is par["rank_weights"][0] and (par["tp"], par["ep"], par["world"]) == (2, 2, 2)
+    got = []
+    for r in range(2):
+        mapped = MappedWeights(tmp_path, par["rank_weights"][r]["tensors"], ArtifactError)
+        want = load_ir_weights(m, source, rank=r)
+        assert set(mapped) == set(want)
+        assert all(torch.equal(mapped[n], want[n]) for n in want)
+        assert all(s.startswith(f"weights/rank-{r}/") and s in hashed for s in par["rank_weights"][r]["shards"])
+        got.append(mapped)
+    merged = next(n for n in m.weights if n.endswith("wq_b_merged.weight"))
+    assert not torch.equal(got[0][merged], got[1][merged])  # each rank its own heads
+    kv = "layers.0.attn.wqkv_a.weight"  # wq_a and the KV head merged: whole on every rank
+    assert torch.equal(got[0][kv], got[1][kv])
+
+    cfg, listed = preset("tiny"), (lambda rel, key: rel)
+    _check_parallel(par, weights, cfg, listed)
+    for breaks, needle in ((lambda p: p.update(world=3), "must be max"), (lambda p: p.update(ep=16, world=16), "do not divide the routed experts"),
+                           (lambda p: p["rank_weights"].pop(), "one entry per rank"),
+                           (lambda p: p["rank_weights"][1]["shards"].__setitem__(0, "weights/rank-0/x.safetensors"),
+                            "shard` is not one of|lie outside"),
+                           (lambda p: next(iter(p["rank_weights"][1]["tensors"].values()))["shape"].append(1),
+                            "other tensors")):
+        bad = copy.deepcopy(par)
+        breaks(bad)
+        with pytest.raises(ArtifactError, match=needle):
+            _check_parallel(bad, bad["rank_weights"][0], cfg, listed)
+
+
+def test_local_experts_onnx_lowering_matches_its_reference():
+    """The cpu target's lowering of the ownership mask, run by ONNX Runtime, against the op's reference."""
+    import onnxruntime as ort
+
+    from v4compile.codegen.onnx_export import export_function
+    from v4compile.ir.text import parse_module
+
+    m = parse_module('''module @t
+weight @owner : i64[8] from "owner"
+func @f(%w : fp32[2,3,2], %i : i64[2,3,2]) {
+  %0, %1 = local_experts(%w, %i, @owner) : fp32[2,3,2], i64[2,3,2]
+  return w_out = %0, i_out = %1
+}''')
+    g = _gen(7)
+    w, i = torch.rand(2, 3, 2, generator=g), torch.randint(0, 8, (2, 3, 2), generator=g)
+    for part in range(2):
+        owner = owner_table(8, 2, part)
+        sess = ort.InferenceSession(export_function(m, "f").SerializeToString(), providers=["CPUExecutionProvider"])
+        got = sess.run(["w_out", "i_out"], {"w": w.numpy(), "i": i.numpy(), "owner": owner.numpy()})
+        want = get_op("local_experts")(w, i, owner)
+        assert torch.equal(torch.from_numpy(got[0]), want[0]) and torch.equal(torch.from_numpy(got[1]), want[1])
+        assert (want[0] == 0).any() and (want[0] != 0).any()  # both owned and foreign slots occur
+
+
+# ---- the cpu target: ONNX segments cut at the collectives ----------------------------------------
+
+def run_segments(segments, rank_weights, inputs, states):
+    """Every rank's segments in one process, in lockstep (`runtime.distributed.run_segment` each), each
+    collective combining the ranks' values with its reference across ranks."""
+    import onnxruntime as ort
+
+    from v4compile.runtime.distributed import run_segment
+
+    world = len(rank_weights)
+    env = [dict(inputs) for _ in range(world)]
+    weights = [{n: t.numpy() for n, t in w.items()} for w in rank_weights]
+    for model, coll in segments:
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        for r in range(world):
+            run_segment(sess, env[r], states[r], weights[r])
+        if coll is not None:
+            got = get_op(coll.name).spmd_ref([[torch.from_numpy(env[r][coll.operands[0].name])] for r in range(world)],
+                                             {"group": coll.attrs["group"]})
+            for r in range(world):
+                env[r][coll.results[0].name] = got[r][0].numpy()
+    return [e["logits"] for e in env]
+
+
+def test_onnx_segments_run_the_partitioned_function(fault=None):
+    """The cpu pipeline's partitioned prefill, cut at its 10 all-reduces into 11 ONNX segments, run for two
+    ranks with the sums between them: the interpreter's logits and states (every rank in lockstep).
+    `fault` (`test_segments_check_fails_without_the_sums`): breaks the segment runner after the expectation."""
+    from v4compile.codegen.onnx_segments import export_segments
+    from v4compile.harness import PagedAllocator, load_ir_weights
+    from v4compile.ir.types import DTYPES
+    from v4compile.pool import PoolGeometry
+
+    m = cpu_partitioned()
+    fn = m.functions["prefill"]
+    segments = export_segments(m, "prefill")
+    assert len(segments) == 11 and [c is None for _, c in segments] == [False] * 10 + [True]
+    source = DenseSource(dense_weights("tiny"))
+    weights = [load_ir_weights(m, source, rank=r) for r in range(2)]
+    g = _gen(11)
+    pos = torch.arange(16).repeat(2, 1)
+    inputs = {"ids": torch.randint(0, 512, (2, 16), generator=g), "pos": pos,
+              **PagedAllocator(PoolGeometry.from_attrs(m.attrs)).step_inputs(pos)}
+    for v in fn.inputs:
+        inputs.setdefault(v.name, torch.zeros(v.type.shape, dtype=DTYPES[v.type.dtype]))
+    want = interpret_ranks(fn, weights, [inputs, inputs])
+    states = [{n: t.numpy().copy() for n, t in inputs.items() if n.startswith(("pool.", "state."))} for _ in range(2)]
+    if fault is not None:
+        fault()
+    logits = run_segments(segments, weights, {n: t.numpy() for n, t in inputs.items()}, states)
+    scale = float(want[0]["logits"].abs().max())
+    for r in range(2):
+        assert np.abs(logits[r] - want[r]["logits"].numpy()).max() <= 1e-5 * scale
+        for n, s in states[r].items():
+            assert np.abs(s - want[r][n].numpy()).max() <= 1e-5 * max(float(want[r][n].abs().max()), 1.0), n
+    assert any(np.abs(s).max() > 0 for s in states[0].values())  # the prefill really wrote the pool
+
+
+def test_segments_check_fails_without_the_sums(monkeypatch):
+    """The same comparison with a segment runner whose collective adds nothing (each rank keeps its part)."""
+    op = get_op("all_reduce")
+    with pytest.raises(AssertionError):
+        test_onnx_segments_run_the_partitioned_function(
+            lambda: monkeypatch.setattr(op, "spmd_ref", lambda per_rank, attrs: [[x[0].clone()] for x in per_rank]))
+
+
+# ---- two processes with gloo ---------------------------------------------------------------------
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(d, world: int, ranks, timeout_s: float = 120):
+    """Start `ranks` of a `world`-rank group (torchrun's environment), wait for all with a deadline, reap."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    port, procs = _free_port(), []
+    worker = Path(__file__).parent / "dist_worker.py"
+    for r in ranks:
+        env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(worker), str(d)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    out = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=timeout_s)
+            out.append((p.returncode, e))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+@pytest.fixture(scope="module")
+def gloo_plan(tmp_path_factory):
+    """A partitioned prefill (tiny, tp 2, ep 2) as files for `dist_worker.py`, and its expected logits."""
+    import json
+
+    from v4compile.codegen.onnx_segments import export_segments
+    from v4compile.harness import PagedAllocator, load_ir_weights
+    from v4compile.ir.types import DTYPES
+    from v4compile.pool import PoolGeometry
+
+    d = tmp_path_factory.mktemp("gloo")
+    m = cpu_partitioned()
+    fn = m.functions["prefill"]
+    source = DenseSource(dense_weights("tiny"))
+    weights = [load_ir_weights(m, source, rank=r) for r in range(2)]
+    pos = torch.arange(16).repeat(2, 1)
+    inputs = {"ids": torch.randint(0, 512, (2, 16), generator=_gen(12)), "pos": pos,
+              **PagedAllocator(PoolGeometry.from_attrs(m.attrs)).step_inputs(pos)}
+    for v in fn.inputs:
+        inputs.setdefault(v.name, torch.zeros(v.type.shape, dtype=DTYPES[v.type.dtype]))
+    want = interpret_ranks(fn, weights, [inputs, inputs])[0]["logits"].numpy()
+    segs = []
+    for k, (model, c) in enumerate(export_segments(m, "prefill")):
+        (d / f"seg-{k}.onnx").write_bytes(model.SerializeToString())
+        segs.append({"file": f"seg-{k}.onnx", "collective": None if c is None else
+                     {"operand": c.operands[0].name, "result": c.results[0].name, "group": c.attrs["group"]}})
+    (d / "plan.json").write_text(json.dumps({"tp": 2, "ep": 2, "timeout_s": 60, "segments": segs}))
+    for r in range(2):
+        np.savez(d / f"rank-{r}.npz", **{n: t.numpy() for n, t in weights[r].items()})
+    states = {n for n in inputs if n.startswith(("pool.", "state."))}
+    np.savez(d / "inputs.npz", **{n: t.numpy() for n, t in inputs.items() if n not in states})
+    np.savez(d / "states.npz", **{n: inputs[n].numpy() for n in states})
+    return d, want
+
+
+def test_two_ranks_with_gloo_give_the_simulated_logits(gloo_plan):
+    d, want = gloo_plan
+    for code, err in _launch(d, 2, [0, 1]):
+        assert code == 0, err
+    got = [np.load(d / f"out-{r}.npz")["logits"] for r in range(2)]
+    assert np.array_equal(got[0], got[1])  # the all-reduce gives every rank the same sum
+    assert np.abs(got[0] - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_wrong_world_size_and_a_missing_rank_end_with_one_error(gloo_plan):
+    import json
+    import time
+
+    d, _ = gloo_plan
+    (code, err), = _launch(d, 3, [0], timeout_s=60)
+    assert code == 2 and err.count("error:") == 1 and "world size differs" in err and "WORLD_SIZE 3" in err
+    plan = json.loads((d / "plan.json").read_text())
+    (d / "plan.json").write_text(json.dumps({**plan, "timeout_s": 3}))
+    try:
+        t0 = time.monotonic()
+        (code, err), = _launch(d, 2, [0], timeout_s=60)  # rank 1 never arrives
+        assert code == 2 and err.strip().startswith("error:") and time.monotonic() - t0 < 45, err
+    finally:
+        (d / "plan.json").write_text(json.dumps(plan))

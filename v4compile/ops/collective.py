@@ -1,0 +1,116 @@
+"""Ops of a partitioned (SPMD) module (the `parallel` op set): the collectives and the expert ownership mask.
+
+A partitioned module is one program every rank runs on its own weights (`passes/partition.py`). Ranks
+form consecutive groups of `group` ranks (ranks `[g * group, (g + 1) * group)`); a collective combines
+the values of the ranks of one group. Each collective declares its reference across ranks (`@op.spmd`:
+every rank's operands in, every rank's results out), which `interpret_ranks` runs with all ranks in one
+process; its plain reference is the one-rank case. The sum of `all_reduce` adds the ranks in rank order
+in the value's dtype (NCCL's ring order differs: a rounding difference, within the numerics tolerance).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import IRError
+from ..ir.registry import Cost, defop, require
+
+
+def _groups(per_rank: list, group: int, op: str) -> list[list[int]]:
+    n = len(per_rank)
+    if group < 1 or n % group:
+        raise IRError(f"{op} over groups of {group} ranks in a run of {n} ranks",
+                      expected=f"a group size dividing the rank count {n}")
+    return [list(range(g, g + group)) for g in range(0, n, group)]
+
+
+def _one_rank(op: str, group: int) -> None:
+    if group != 1:
+        raise IRError(f"{op} over {group} ranks needs every rank's value", expected="interpret_ranks (all ranks)")
+
+
+@defop("all_reduce(x) -> y", attrs={"group": int})
+def all_reduce(x, *, group):
+    """The sum of `x` over the ranks of this rank's group (every rank gets the same sum)."""
+    _one_rank("all_reduce", group)
+    return x.clone()
+
+
+@all_reduce.infer
+def _(x, *, group):
+    require(group >= 1, "all_reduce: group must be >= 1", found=group)
+    require(x.dtype in ("fp32", "bf16"), "all_reduce sums floating-point values", found=x.dtype)
+    return x
+
+
+@all_reduce.spmd
+def _(per_rank, attrs):
+    out: list = [None] * len(per_rank)
+    for ranks in _groups(per_rank, attrs["group"], "all_reduce"):
+        total = per_rank[ranks[0]][0].clone()
+        for r in ranks[1:]:
+            total += per_rank[r][0]
+        for r in ranks:
+            out[r] = [total.clone()]
+    return out
+
+
+@all_reduce.cost
+def _(operands, results, attrs):
+    # What a rank moves in a ring all-reduce: 2 (n - 1) / n of the value each way; reported as read + written.
+    n, b = attrs["group"], operands[0].nbytes
+    moved = 2 * (n - 1) * b // n
+    return Cost(operands[0].numel * (n - 1) // n, b + moved, b + moved)
+
+
+@defop("all_gather(x) -> y", attrs={"group": int})
+def all_gather(x, *, group):
+    """The group's values concatenated along the last axis in rank order."""
+    _one_rank("all_gather", group)
+    return x.clone()
+
+
+@all_gather.infer
+def _(x, *, group):
+    require(group >= 1, "all_gather: group must be >= 1", found=group)
+    require(x.rank >= 1, "all_gather needs at least one axis", found=x)
+    return x.with_shape(*x.shape[:-1], x.shape[-1] * group)
+
+
+@all_gather.spmd
+def _(per_rank, attrs):
+    out: list = [None] * len(per_rank)
+    for ranks in _groups(per_rank, attrs["group"], "all_gather"):
+        whole = torch.cat([per_rank[r][0] for r in ranks], dim=-1)
+        for r in ranks:
+            out[r] = [whole.clone()]
+    return out
+
+
+@defop("local_experts(weights, indices, owner) -> weights_out, indices_out")
+def local_experts(weights, indices, owner):
+    """Expert parallelism: `owner[e]` is expert e's index in this rank's stack, -1 where another rank owns
+    it. Routed slots of other ranks' experts get weight 0 (so they add exactly nothing) and index 0; this
+    rank's get their local index. Every rank routes every token; the MoE output's all-reduce adds the
+    ranks' parts."""
+    local = owner[indices]
+    mine = local >= 0
+    return torch.where(mine, weights, torch.zeros_like(weights)), local.clamp(min=0)
+
+
+@local_experts.infer
+def _(weights, indices, owner):
+    require(weights.shape == indices.shape, "local_experts: routing weights and indices shapes differ",
+            found=(list(weights.shape), list(indices.shape)))
+    require(indices.dtype == "i64" and owner.dtype == "i64" and owner.rank == 1,
+            "local_experts: indices and the owner table must be i64, the table [n_experts]",
+            found=(indices.dtype, str(owner)))
+    return weights, indices
+
+
+def owner_table(n_experts: int, parts: int, part: int) -> torch.Tensor:
+    """`owner` of `local_experts` for the rank holding experts `[part * E / parts, (part + 1) * E / parts)`."""
+    per = n_experts // parts
+    e = torch.arange(n_experts, dtype=torch.int64) - part * per
+    return torch.where((e >= 0) & (e < per), e, torch.full_like(e, -1))
+

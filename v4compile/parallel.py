@@ -1,0 +1,105 @@
+"""Tensor and expert parallelism: the rank layout of a partitioned module and its rank-local weights.
+
+A partitioned module (`passes/partition.py`) is one SPMD program: every rank runs the same functions on
+its own weights. Its attributes `parallel.tp` and `parallel.ep` give the layout: `world = max(tp, ep)`
+ranks; a tensor-parallel group is `tp` consecutive ranks (rank r is part `r % tp` of its group), an
+expert-parallel group `ep` consecutive ranks (part `r % ep`). Which part of a checkpoint tensor a rank
+holds is written in the weight's source: `name#tp:0` is part `r % tp` of `name` cut into `tp` equal
+pieces along axis 0 (`#ep:0`: by `ep`). A merged weight concatenates such parts with whole tensors, so
+merges compose with the partition. `=expert_owner(E)` is the one rank-local table that is not a
+checkpoint tensor: `local_experts`' owner table (`ops/collective.py`), every rank's table stacked.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .errors import IRError
+from .ir.core import Function, Module
+
+TP, EP = "tp", "ep"
+_SHARD = re.compile(r"^(.*)#(tp|ep):(\d+)$")
+_OWNER = re.compile(r"^=expert_owner\((\d+)\)$")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def world(self) -> int:
+        return max(self.tp, self.ep)
+
+    def size(self, group: str) -> int:
+        return self.tp if group == TP else self.ep
+
+    def part(self, group: str, rank: int) -> int:
+        """Which piece of a `group`-sharded tensor rank `rank` holds."""
+        return rank % self.size(group)
+
+    def attrs(self) -> dict[str, int]:
+        return {"parallel.tp": self.tp, "parallel.ep": self.ep}
+
+    @staticmethod
+    def of(m: Module) -> "ParallelLayout | None":
+        """The layout of a partitioned module (None for a single-rank one)."""
+        if "parallel.tp" not in m.attrs:
+            return None
+        return ParallelLayout(int(m.attrs["parallel.tp"]), int(m.attrs["parallel.ep"]))
+
+
+def shard_source(source: str, group: str, axis: int) -> str:
+    return f"{source}#{group}:{axis}"
+
+
+def split_shard(source: str) -> tuple[str, str | None, int]:
+    """`name#tp:0` -> (`name`, `tp`, 0); a whole tensor -> (name, None, 0)."""
+    m = _SHARD.match(source)
+    return (m.group(1), m.group(2), int(m.group(3))) if m else (source, None, 0)
+
+
+def owner_source(n_experts: int) -> str:
+    return shard_source(f"=expert_owner({n_experts})", EP, 0)
+
+
+def synthesized(source: str, layout: ParallelLayout) -> torch.Tensor | None:
+    """The whole tensor of a source that is not a checkpoint tensor (None for a checkpoint name)."""
+    m = _OWNER.match(source)
+    if m is None:
+        return None
+    from .ops.collective import owner_table
+
+    E = int(m.group(1))
+    return torch.cat([owner_table(E, layout.ep, p) for p in range(layout.ep)])
+
+
+def rank_part(t: torch.Tensor, group: str, axis: int, layout: ParallelLayout, rank: int, what: str) -> torch.Tensor:
+    n = layout.size(group)
+    if t.shape[axis] % n:
+        raise IRError(f"{what}: axis {axis} does not split into {n} equal parts", found=list(t.shape))
+    return t.chunk(n, dim=axis)[layout.part(group, rank)].contiguous()
+
+
+def is_rank_local(sources: Sequence[str]) -> bool:
+    return any(split_shard(s)[1] is not None for s in sources)
+
+
+def spmd_interpreter(fn: Function, weights: Sequence[Mapping[str, torch.Tensor]], inputs: Mapping[str, torch.Tensor]
+                     ) -> dict[str, torch.Tensor]:
+    """An `IRRunner` interpreter for a partitioned module: every rank (one weight map each) runs `fn` on the
+    same inputs in one process. Everything a function returns (logits, caches) is replicated by the
+    partition, so every rank must return the same bits; rank 0's outputs are the result."""
+    from .ir.interpret import interpret_ranks
+
+    outs = interpret_ranks(fn, weights, [inputs] * len(weights))
+    for r, o in enumerate(outs[1:], 1):
+        for name, t in o.items():
+            if not torch.equal(t, outs[0][name]):
+                raise IRError(f"@{fn.name}: output '{name}' differs between rank 0 and rank {r}",
+                              expected="replicated outputs (the same on every rank)")
+    return outs[0]
