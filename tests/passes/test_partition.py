@@ -382,7 +382,7 @@ def _launch(d, world: int, ranks, timeout_s: float = 120):
     from pathlib import Path
 
     port, procs = _free_port(), []
-    worker = Path(__file__).parent / "dist_worker.py"
+    worker = Path(__file__).resolve().parents[1] / "dist_worker.py"
     for r in ranks:
         env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
