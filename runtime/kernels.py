@@ -12,8 +12,9 @@ where `specialise` exists).
 
 from __future__ import annotations
 
-import os
 import logging
+import os
+import sys
 from collections.abc import Callable
 
 from v4compile.codegen.program_kernels import calls_of, family_specialise
@@ -36,6 +37,16 @@ def kernel_calls_for(mode: str, device: str) -> Callable | None:
     if mode == "reference":
         return None
     if device == "host":  # Triton kernels run on the host buffers through the interpreter
+        # @triton.jit reads the switch when a kernel module is imported: modules imported for compiling
+        # (an AOT compile earlier in this process) would fail at the first launch with Triton's
+        # "0 active drivers". Say so once instead.
+        loaded = sorted(m for m in sys.modules if m.startswith("v4compile.codegen.kernels."))
+        if loaded and os.environ.get("TRITON_INTERPRET") != "1":
+            from v4compile.errors import DeviceError
+            raise DeviceError("the host device runs the kernels under Triton's interpreter, but this process "
+                              "imported them for compiling", found=loaded[0],
+                              expected="the host device loaded in a fresh process (or TRITON_INTERPRET=1 set "
+                                       "before v4compile is imported)")
         os.environ.setdefault("TRITON_INTERPRET", "1")
     return make_kernel_calls()
 

@@ -114,3 +114,18 @@ def test_compiled_kernels_get_their_own_code_object_symbol_block_shared_and_trit
     assert len(args) == 5 and scratch <= args[3] < scratch + rt.sched.buffer_bytes[0] and args[4] == 0
     assert rt.sched.buffer_bytes[rt.sched.buffer_index("decode", "scratch")] >= 3 * 32
     rt.close()
+
+
+def test_the_host_device_after_a_compile_in_the_same_process_is_one_clear_error(monkeypatch):
+    """Kernel modules imported without the interpreter (an AOT compile earlier in this process) cannot run on
+    the host device: one DeviceError naming the module, not Triton's "0 active drivers" at the first launch."""
+    from v4compile.errors import DeviceError
+    from v4compile.runtime.kernels import kernel_calls_for
+
+    import v4compile.codegen.kernels.gemm  # noqa: F401  (a family module in sys.modules, as after a compile)
+    monkeypatch.delenv("TRITON_INTERPRET")  # as if they had been imported for compiling
+    with pytest.raises(DeviceError, match="interpreter.*imported them for compiling"):
+        kernel_calls_for("auto", "host")
+    kernel_calls_for("auto", "cuda")  # a GPU device runs the compiled binaries: no objection
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernel_calls_for("auto", "host") is not None
