@@ -55,6 +55,37 @@ def _build(name: str, flags: tuple[str, ...], sources: list[Path]) -> Path:
     return out
 
 
+def runtime_variant(defines: tuple[str, ...] = (), edit: tuple[str, str, str] | None = None) -> Path:
+    """The C runtime built from its sources with `-D` defines and one source edit (file, old, new): a
+    re-sized or deliberately broken runtime, built once per content in the cache."""
+    import hashlib
+    import os
+    import shutil
+    import tempfile
+
+    from v4compile.runtime.build import CFLAGS, SOURCES
+
+    texts = {p.name: p.read_text() for p in sorted(SOURCE_DIR.glob("*.[ch]"))}
+    if edit is not None:
+        file, old, new = edit
+        assert texts[file].count(old) == 1, old
+        texts[file] = texts[file].replace(old, new)
+    flags = CFLAGS + tuple(f"-D{d}" for d in defines)
+    h = hashlib.sha256(repr((sorted(texts.items()), flags)).encode()).hexdigest()[:16]
+    out = cache_root() / "tests" / h / "libv4rt_variant.so"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        src = Path(tempfile.mkdtemp(dir=out.parent))  # xdist workers may build it at once
+        try:
+            for name, text in texts.items():
+                (src / name).write_text(text)
+            compile_shared([src / s for s in SOURCES], src / out.name, flags, include=src)
+            os.replace(src / out.name, out)
+        finally:
+            shutil.rmtree(src, ignore_errors=True)
+    return out
+
+
 def fake_driver(kind: str) -> Path:
     """The fake libcuda / libamdhip64 (kind "cuda" / "hip"), built once per source hash."""
     return _build(f"libfake_{kind}.so", ("-std=c11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared",
@@ -85,6 +116,14 @@ class Fake:
                  "graphs", "execs", "attrs", "traced")
         c = (ctypes.c_long * len(names))()
         self.lib.fake_counts(c)
+        return dict(zip(names, c))
+
+    def copies(self) -> dict[str, int]:
+        """The copies so far by source kind, and the synchronisations (see fake_copies in fake_driver.c)."""
+        names = ("pinned", "pinned_bytes", "pageable", "pageable_bytes", "d2h", "stream_syncs", "event_syncs",
+                 "waited", "pinned_live", "events_live", "queued")
+        c = (ctypes.c_long * len(names))()
+        self.lib.fake_copies(c)
         return dict(zip(names, c))
 
     def trace(self) -> list[str]:

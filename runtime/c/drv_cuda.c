@@ -93,6 +93,12 @@ static const gpu_sym SYMS[] = {
     {"cuGraphLaunch", G(graph_launch)},
     {"cuGraphExecDestroy", G(graph_exec_destroy)},
     {"cuGraphDestroy", G(graph_destroy)},
+    {"cuMemHostAlloc", G(host_alloc)},
+    {"cuMemFreeHost", G(host_free)},
+    {"cuEventCreate", G(event_create)},
+    {"cuEventRecord", G(event_record)},
+    {"cuEventSynchronize", G(event_sync)},
+    {"cuEventDestroy_v2", G(event_destroy)},
     {NULL, 0}};
 
 /* 48 KiB is the default dynamic shared memory of a block on every NVIDIA GPU; more (sm_90: up to 227 KiB)

@@ -1,6 +1,7 @@
 /* The GPU driver flow, shared by HIP and CUDA: the driver library opened with dlopen, its symbols resolved
  * from the driver's table, one non-blocking stream for copies, launches and stream capture, graphs
- * instantiated once and replayed, every error reported with the driver's own function name and text. */
+ * instantiated once and replayed, large writes staged through pinned buffers and left in flight, every
+ * error reported with the driver's own function name and text. */
 #include <dlfcn.h>
 #include <limits.h>
 #include <stdlib.h>
@@ -32,27 +33,96 @@ static const char *sym(const gpu *g, size_t offset) {
         if (r_) return gpu_check(g, r_, sym(g, offsetof(gpu, field)));   \
     } while (0)
 
+/* Wait for everything enqueued on the stream; staged copies are then no longer reading their buffers. */
+static int drain(gpu *g) {
+    CK(g, stream_sync, g->stream_sync(g->stream));
+    g->pending = 0;
+    return 0;
+}
+
 static int g_alloc(v4drv *d, uint64_t n, uint64_t *addr) {
     gpu *g = d->state;
     return g->api->mem_alloc(g, n, addr);
 }
+/* Freeing device memory is not ordered with the stream: a staged copy into it must have landed first. */
 static int g_free(v4drv *d, uint64_t addr) {
     gpu *g = d->state;
+    if (g->pending && drain(g)) return 1;
     return g->api->mem_free(g, addr);
 }
-/* Copies go on the runtime's (non-blocking) stream, ordered with its kernels and graphs, and complete
- * before returning: the host buffer may be freed right after. */
+
+/* Blocking-sync events (the host thread sleeps while it waits, leaving its core to the file reads and
+ * hashing) without timing: the same flag numbers on both drivers. */
+#define EVENT_FLAGS 3u
+
+static void stage_close(gpu *g) {
+    for (unsigned i = 0; i < V4RT_STAGE_COUNT; i++) {
+        if (g->stage[i]) g->host_free(g->stage[i]);
+        if (g->stage_done[i]) g->event_destroy(g->stage_done[i]);
+        g->stage[i] = NULL;
+        g->stage_done[i] = NULL;
+    }
+    g->staging = 0;
+}
+static int stage_open(gpu *g) {
+    for (unsigned i = 0; i < V4RT_STAGE_COUNT; i++) {
+        void *p = NULL, *e = NULL;
+        int r = g->host_alloc(&p, V4RT_STAGE_BYTES, 0);
+        if (r) {
+            gpu_check(g, r, sym(g, offsetof(gpu, host_alloc)));
+            stage_close(g);
+            return 1;
+        }
+        g->stage[i] = p;
+        r = g->event_create(&e, EVENT_FLAGS);
+        if (r) {
+            gpu_check(g, r, sym(g, offsetof(gpu, event_create)));
+            stage_close(g);
+            return 1;
+        }
+        g->stage_done[i] = e;
+    }
+    g->staging = 1;
+    g->stage_cur = 0;
+    g->stage_fill = 0;
+    return 0;
+}
+
+/* Copies go on the runtime's (non-blocking) stream, ordered with its kernels and graphs. A small write
+ * before any large one is copied from the caller's (pageable) memory, which both drivers consume before
+ * returning. From the first large write on, every write is copied into a pinned staging buffer and its
+ * copy left in flight: the caller's memory is free again at once, and its next piece is read from disk
+ * while this one crosses the link. The buffers are filled in turn; before one is refilled, the event
+ * recorded after its last copy is waited for. (After the first large write, small writes are staged too:
+ * a pageable copy would wait for the whole stream first, CUDA's documented behaviour, and end the overlap.) */
 static int g_h2d(v4drv *d, uint64_t dst, const void *src, uint64_t n) {
     gpu *g = d->state;
-    if (g->api->h2d(g, dst, src, n)) return 1;
-    CK(g, stream_sync, g->stream_sync(g->stream));
+    if (!g->staging && n < V4RT_STAGE_MIN) return g->api->h2d(g, dst, src, n);
+    if (!g->staging && stage_open(g)) return 1;
+    const unsigned char *s = src;
+    while (n) {
+        if (g->stage_fill == V4RT_STAGE_BYTES) { /* full: its copies are enqueued; on to the next buffer */
+            CK(g, event_record, g->event_record(g->stage_done[g->stage_cur], g->stream));
+            g->stage_cur = (g->stage_cur + 1) % V4RT_STAGE_COUNT;
+            g->stage_fill = 0;
+            CK(g, event_sync, g->event_sync(g->stage_done[g->stage_cur]));
+        }
+        uint64_t room = V4RT_STAGE_BYTES - g->stage_fill, m = n < room ? n : room;
+        unsigned char *p = g->stage[g->stage_cur] + g->stage_fill;
+        memcpy(p, s, (size_t)m);
+        if (g->api->h2d(g, dst, p, m)) return 1;
+        g->pending = 1;
+        g->stage_fill += m;
+        dst += m;
+        s += m;
+        n -= m;
+    }
     return 0;
 }
 static int g_d2h(v4drv *d, void *dst, uint64_t src, uint64_t n) {
     gpu *g = d->state;
     if (g->api->d2h(g, dst, src, n)) return 1;
-    CK(g, stream_sync, g->stream_sync(g->stream));
-    return 0;
+    return drain(g);
 }
 static int g_module_load(v4drv *d, const void *image, uint64_t size, void **module) {
     gpu *g = d->state;
@@ -102,8 +172,11 @@ static int g_launch(v4drv *d, void *fn, const uint32_t gr[3], const uint32_t b[3
     CK(g, launch, r);
     return 0;
 }
+/* The upload finishes (and reports any failure of its own) before a graph is built: nothing can be
+ * synchronised inside a capture. */
 static int g_capture_begin(v4drv *d) {
     gpu *g = d->state;
+    if (g->pending && drain(g)) return 1;
     CK(g, capture_begin, g->capture_begin(g->stream, g->api->capture_mode));
     return 0;
 }
@@ -144,11 +217,7 @@ static int g_graph_destroy(v4drv *d, void *graph) {
     free(h);
     return 0;
 }
-static int g_sync(v4drv *d) {
-    gpu *g = d->state;
-    CK(g, stream_sync, g->stream_sync(g->stream));
-    return 0;
-}
+static int g_sync(v4drv *d) { return drain(d->state); }
 static int g_bind_thread(v4drv *d) {
     gpu *g = d->state;
     return g->api->make_current ? g->api->make_current(g) : 0;
@@ -156,6 +225,8 @@ static int g_bind_thread(v4drv *d) {
 static void g_shutdown(v4drv *d) {
     gpu *g = d->state;
     if (!g) return;
+    if (g->pending) (void)drain(g); /* no copy may still read the staging buffers (a failure: nothing better to do) */
+    if (g->staging) stage_close(g);
     if (g->stream) g->stream_destroy(g->stream);
     if (g->api->device_close) g->api->device_close(g);
     if (g->lib) dlclose(g->lib);

@@ -11,6 +11,19 @@
 
 typedef struct gpu_api gpu_api;
 
+/* Large host-to-device writes go through pinned staging buffers (drv_gpu.c g_h2d): a copy from pinned
+ * memory runs at the link's speed and asynchronously, while one from pageable memory is staged by the driver
+ * on the calling thread. Overridable with -D (the tests build a runtime with small buffers). */
+#ifndef V4RT_STAGE_COUNT
+#define V4RT_STAGE_COUNT 2
+#endif
+#ifndef V4RT_STAGE_BYTES
+#define V4RT_STAGE_BYTES (16u << 20)
+#endif
+#ifndef V4RT_STAGE_MIN /* the smallest write that allocates the staging buffers */
+#define V4RT_STAGE_MIN (1u << 20)
+#endif
+
 /* A driver's state starts with this. The entry points here have the same C signature on both drivers
  * (errors are ints, 0 = success; handles are pointers); the driver's own ones follow in its state. */
 typedef struct {
@@ -32,6 +45,20 @@ typedef struct {
     int (*graph_launch)(void *exec, void *stream);
     int (*graph_exec_destroy)(void *exec);
     int (*graph_destroy)(void *graph);
+    int (*host_alloc)(void **p, size_t nbytes, unsigned flags); /* pinned (page-locked) host memory */
+    int (*host_free)(void *p);
+    int (*event_create)(void **event, unsigned flags);
+    int (*event_record)(void *event, void *stream);
+    int (*event_sync)(void *event);
+    int (*event_destroy)(void *event);
+    /* The staged upload (drv_gpu.c g_h2d): pinned buffers filled in turn, each with the event recorded
+     * after its last copy was enqueued, so it is refilled only once those copies have read it. */
+    unsigned char *stage[V4RT_STAGE_COUNT];
+    void *stage_done[V4RT_STAGE_COUNT];
+    unsigned stage_cur;  /* the buffer being filled */
+    uint64_t stage_fill; /* its bytes already handed to copies */
+    int staging;         /* the buffers exist (from the first large write until close) */
+    int pending;         /* staged copies may still be reading them (until the stream is synchronised) */
 } gpu;
 
 /* A driver symbol and the offset, in the driver's state, of the entry point it fills. */

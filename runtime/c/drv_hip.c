@@ -68,6 +68,12 @@ static const gpu_sym SYMS[] = {
     {"hipGraphLaunch", G(graph_launch)},
     {"hipGraphExecDestroy", G(graph_exec_destroy)},
     {"hipGraphDestroy", G(graph_destroy)},
+    {"hipHostMalloc", G(host_alloc)},
+    {"hipHostFree", G(host_free)},
+    {"hipEventCreateWithFlags", G(event_create)},
+    {"hipEventRecord", G(event_record)},
+    {"hipEventSynchronize", G(event_sync)},
+    {"hipEventDestroy", G(event_destroy)},
     {NULL, 0}};
 
 /* 64 KiB of LDS per workgroup is every AMD GPU's; above it (gfx950: up to 160 KiB) the kernel is opted in as

@@ -7,7 +7,7 @@
  * tests' tables). Anything else fails to load. A module is tagged (a real binary: the FNV-1a of its image)
  * and each launch reports its kernel's tag. Failures can be injected: fake_fail(what, n) fails the n-th
  * (1-based) call of one kind: "alloc", "load", "instantiate", "launch", "attr" (a function attribute),
- * "graph_launch".
+ * "graph_launch", "host_alloc" (pinned memory).
  * What the real drivers refuse, the fake refuses with the real error number (CUDA's names / HIP's):
  * a block beyond the kernel's thread limit or a grid beyond the device's (INVALID_VALUE); more dynamic
  * shared memory than the kernel's limit, which is the driver's default (CUDA 48 KiB, HIP 64 KiB) until
@@ -18,9 +18,18 @@
  * (STREAM_CAPTURE_UNSUPPORTED, and ending the capture then reports STREAM_CAPTURE_INVALIDATED); a HIP copy
  * whose kind does not match its pointers (hipErrorInvalidValue); a CUDA call from a thread with no
  * current context (CUDA_ERROR_INVALID_CONTEXT: the context is per thread).
+ * Copies keep a real GPU's timing: a host-to-device copy from pinned memory (cuMemHostAlloc / hipHostMalloc)
+ * is queued and performed later, reading its source then: when the stream is synchronised, when an event
+ * recorded after it is synchronised, or before a device-to-host copy or a copy from pageable memory on the
+ * stream (which the drivers perform at once, after the stream's earlier work). A runtime that refills a
+ * pinned buffer before its copy ran uploads the new bytes. Freeing pinned memory a queued copy still reads,
+ * or device memory one still writes, is refused (INVALID_VALUE; the real drivers may block instead, and a
+ * runtime must not count on it); so is an event or copy on a stream other than the runtime's
+ * (INVALID_HANDLE), and, during capture, a pinned allocation or free, or an event record or synchronize.
  * The test reads the record through fake_* functions (it loads the same library path, so it shares it):
- * counts, the launches (eager and replayed), the attribute calls, and the name of every driver call in
- * order (the trace). */
+ * counts, the copies (fake_copies: by source kind, bytes, synchronisations), the launches (eager and
+ * replayed), the attribute calls, and the name of every driver call in order (the trace). */
+#include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -93,13 +102,165 @@ static long g_nattr;
 static const char *g_trace[MAXTRACE];
 static long g_ntrace;
 
-static const char *const FAILS[] = {"alloc", "load", "instantiate", "launch", "attr", "graph_launch"};
-enum { F_ALLOC, F_LOAD, F_INSTANTIATE, F_LAUNCH, F_ATTR, F_GRAPH_LAUNCH, F_N };
+static const char *const FAILS[] = {"alloc", "load", "instantiate", "launch", "attr", "graph_launch", "host_alloc"};
+enum { F_ALLOC, F_LOAD, F_INSTANTIATE, F_LAUNCH, F_ATTR, F_GRAPH_LAUNCH, F_HOST_ALLOC, F_N };
 static long g_fail_at[F_N], g_attempts[F_N];
 static int injected(int what) { return ++g_attempts[what] == g_fail_at[what]; }
 
 static void trace(const char *fn) {
     if (g_ntrace < MAXTRACE) g_trace[g_ntrace++] = fn;
+}
+
+/* ---- copies, pinned memory, events ------------------------------------------------------------------ */
+#define MAXPIN 256
+#define MAXEV 256
+typedef struct {
+    void *dst;
+    const void *src;
+    size_t n;
+    long seq;
+} copy_t;
+typedef struct {
+    long mark; /* the copies enqueued before it was recorded (their seq is below it) */
+} event_t;
+static copy_t *g_queue;        /* queued copies from pinned memory, oldest first */
+static long g_nqueue, g_capq, g_qhead, g_seq;
+static void *g_pinned[MAXPIN];
+static size_t g_pinned_n[MAXPIN];
+static event_t *g_events[MAXEV];
+/* pinned copies, pinned bytes, pageable copies, pageable bytes, device-to-host copies, stream synchronises,
+ * event synchronises, copies that waited for queued ones (a pageable or device-to-host copy), pinned
+ * allocations live, events live, copies queued now */
+#define NCOPIES 11
+static long g_copy[NCOPIES];
+enum { C_PINNED, C_PINNED_BYTES, C_PAGEABLE, C_PAGEABLE_BYTES, C_D2H, C_STREAM_SYNC, C_EVENT_SYNC, C_WAITED };
+
+static void copies_reset(void) {
+    free(g_queue);
+    g_queue = NULL;
+    g_nqueue = g_capq = g_qhead = g_seq = 0;
+    memset(g_copy, 0, sizeof g_copy);
+    memset(g_pinned, 0, sizeof g_pinned);
+    memset(g_events, 0, sizeof g_events);
+}
+void fake_copies(long out[NCOPIES]) {
+    memcpy(out, g_copy, sizeof g_copy);
+    for (int i = 0; i < MAXPIN; i++) out[8] += g_pinned[i] != NULL;
+    for (int i = 0; i < MAXEV; i++) out[9] += g_events[i] != NULL;
+    out[10] = g_nqueue - g_qhead;
+}
+/* Perform the queued copies enqueued before `mark` (LONG_MAX: all), reading their sources now. */
+static void perform(long mark) {
+    while (g_qhead < g_nqueue && g_queue[g_qhead].seq < mark) {
+        copy_t *c = &g_queue[g_qhead++];
+        memcpy(c->dst, c->src, c->n);
+    }
+    if (g_qhead == g_nqueue) g_qhead = g_nqueue = 0;
+}
+static int pinned_slot(const void *p, size_t n) { /* the pinned allocation holding [p, p + n), or -1 */
+    uintptr_t a = (uintptr_t)p;
+    for (int i = 0; i < MAXPIN; i++)
+        if (g_pinned[i] && a >= (uintptr_t)g_pinned[i] && a + n <= (uintptr_t)g_pinned[i] + g_pinned_n[i]) return i;
+    return -1;
+}
+/* A host-to-device copy on the stream: from pinned memory queued; from pageable memory at once, after the
+ * stream's queued work. */
+static int h2d(void *dst, const void *src, size_t n) {
+    if (pinned_slot(src, n) >= 0) {
+        if (g_nqueue == g_capq) {
+            long cap = g_capq ? 2 * g_capq : 64;
+            copy_t *q = realloc(g_queue, sizeof(copy_t) * (size_t)cap);
+            if (!q) return 2;
+            g_queue = q;
+            g_capq = cap;
+        }
+        g_queue[g_nqueue++] = (copy_t){dst, src, n, g_seq++};
+        g_copy[C_PINNED]++;
+        g_copy[C_PINNED_BYTES] += (long)n;
+        return 0;
+    }
+    g_copy[C_WAITED] += g_qhead < g_nqueue;
+    perform(LONG_MAX);
+    memcpy(dst, src, n);
+    g_copy[C_PAGEABLE]++;
+    g_copy[C_PAGEABLE_BYTES] += (long)n;
+    return 0;
+}
+static void d2h(void *dst, const void *src, size_t n) {
+    g_copy[C_WAITED] += g_qhead < g_nqueue;
+    perform(LONG_MAX);
+    memcpy(dst, src, n);
+    g_copy[C_D2H]++;
+}
+static void stream_sync(void) {
+    perform(LONG_MAX);
+    g_copy[C_STREAM_SYNC]++;
+}
+/* Whether a queued copy still reads [p, p + n) (src) or writes it (dst). */
+static int queued_touching(const void *p, size_t n, int src) {
+    uintptr_t a = (uintptr_t)p;
+    for (long i = g_qhead; i < g_nqueue; i++) {
+        uintptr_t b = (uintptr_t)(src ? g_queue[i].src : g_queue[i].dst);
+        if (b < a + n && a < b + g_queue[i].n) return 1;
+    }
+    return 0;
+}
+static int host_alloc(void **p, size_t n) {
+    if (injected(F_HOST_ALLOC)) return 2;
+    for (int i = 0; i < MAXPIN; i++)
+        if (!g_pinned[i]) {
+            g_pinned[i] = malloc(n ? n : 1);
+            g_pinned_n[i] = n;
+            *p = g_pinned[i];
+            return g_pinned[i] ? 0 : 2;
+        }
+    return 2;
+}
+static int host_free(void *p) {
+    for (int i = 0; i < MAXPIN; i++)
+        if (g_pinned[i] == p && p) {
+            if (queued_touching(p, g_pinned_n[i], 1)) return 1;
+            free(p);
+            g_pinned[i] = NULL;
+            return 0;
+        }
+    return 1;
+}
+static int event_create(void **e) {
+    for (int i = 0; i < MAXEV; i++)
+        if (!g_events[i]) {
+            g_events[i] = calloc(1, sizeof(event_t));
+            *e = g_events[i];
+            return g_events[i] ? 0 : 2;
+        }
+    return 2;
+}
+static event_t *event_of(void *e) {
+    for (int i = 0; i < MAXEV; i++)
+        if (e && g_events[i] == e) return g_events[i];
+    return NULL;
+}
+static int event_record(void *e) {
+    event_t *ev = event_of(e);
+    if (!ev) return 400;
+    ev->mark = g_seq;
+    return 0;
+}
+static int event_sync(void *e) {
+    event_t *ev = event_of(e);
+    if (!ev) return 400;
+    perform(ev->mark);
+    g_copy[C_EVENT_SYNC]++;
+    return 0;
+}
+static int event_destroy(void *e) {
+    for (int i = 0; i < MAXEV; i++)
+        if (e && g_events[i] == e) {
+            free(e);
+            g_events[i] = NULL;
+            return 0;
+        }
+    return 400;
 }
 
 void fake_reset(void) {
@@ -109,6 +270,7 @@ void fake_reset(void) {
     memset(g_attempts, 0, sizeof g_attempts);
     memset(g_live, 0, sizeof g_live);
     g_capturing = NULL;
+    copies_reset();
 }
 /* Fail the n-th call of `what` (counted from the last reset); -1: no such kind. */
 int fake_fail(const char *what, long n) {
@@ -202,6 +364,7 @@ static int f_alloc(void **p, size_t n) {
 static int f_free(void *p) {
     for (int i = 0; i < MAXLIVE; i++)
         if (g_live[i] == p && p) {
+            if (queued_touching(p, g_live_n[i], 0)) return 1;
             free(p);
             g_live[i] = NULL;
             g_frees++;
@@ -497,11 +660,17 @@ int cuModuleGetFunction(void **f, void *m, const char *n) { T; CTX; return f_get
 int cuFuncSetAttribute(void *f, int a, int v) { T; CTX; return f_attr(f, a, v); }
 int cuMemAlloc_v2(CUdeviceptr *p, size_t n) { T; CTX; NOCAP; void *q = NULL; int r = f_alloc(&q, n); *p = (CUdeviceptr)(uintptr_t)q; return r ? 2 : 0; }
 int cuMemFree_v2(CUdeviceptr p) { T; CTX; NOCAP; return f_free((void *)(uintptr_t)p) ? 1 : 0; }
-int cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, void *st) { T; CTX; NOCAP; STREAM(st); memcpy((void *)(uintptr_t)d, s, n); return 0; }
-int cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, void *st) { T; CTX; NOCAP; STREAM(st); memcpy(d, (const void *)(uintptr_t)s, n); return 0; }
+int cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, void *st) { T; CTX; NOCAP; STREAM(st); return h2d((void *)(uintptr_t)d, s, n); }
+int cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, void *st) { T; CTX; NOCAP; STREAM(st); d2h(d, (const void *)(uintptr_t)s, n); return 0; }
 int cuStreamCreate(void **s, unsigned f) { T; CTX; (void)f; g_streams++; *s = (void *)2; return 0; }
-int cuStreamDestroy_v2(void *s) { T; CTX; STREAM(s); g_streams--; return 0; }
-int cuStreamSynchronize(void *s) { T; CTX; NOCAP; STREAM(s); return 0; }
+int cuStreamDestroy_v2(void *s) { T; CTX; STREAM(s); perform(LONG_MAX); g_streams--; return 0; } /* its work completes */
+int cuStreamSynchronize(void *s) { T; CTX; NOCAP; STREAM(s); stream_sync(); return 0; }
+int cuMemHostAlloc(void **p, size_t n, unsigned f) { T; CTX; NOCAP; return f > 7 ? 1 : host_alloc(p, n); }
+int cuMemFreeHost(void *p) { T; CTX; NOCAP; return host_free(p); }
+int cuEventCreate(void **e, unsigned f) { T; CTX; return f > 7 ? 1 : event_create(e); }
+int cuEventRecord(void *e, void *st) { T; CTX; NOCAP; STREAM(st); return event_record(e); }
+int cuEventSynchronize(void *e) { T; CTX; NOCAP; return event_sync(e); }
+int cuEventDestroy_v2(void *e) { T; CTX; return event_destroy(e); }
 int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                    unsigned sh, void *st, void **p, void **e) { T; CTX; STREAM(st); (void)e; return f_launch(f, gx, gy, gz, bx, by, bz, sh, p); }
 int cuStreamBeginCapture_v2(void *s, int m) { T; CTX; STREAM(s); (void)m; return f_begin(); }
@@ -533,12 +702,19 @@ int hipMemcpyAsync(void *d, const void *s, size_t n, int kind, void *st) {
     NOCAP;
     STREAM(st);
     if (!copy_ok(kind, d, s)) return E_INVALID_VALUE;
-    memcpy(d, s, n);
+    if (kind == 1) return h2d(d, s, n);
+    d2h(d, s, n);
     return 0;
 }
 int hipStreamCreateWithFlags(void **s, unsigned f) { T; (void)f; g_streams++; *s = (void *)2; return 0; }
-int hipStreamDestroy(void *s) { T; STREAM(s); g_streams--; return 0; }
-int hipStreamSynchronize(void *s) { T; NOCAP; STREAM(s); return 0; }
+int hipStreamDestroy(void *s) { T; STREAM(s); perform(LONG_MAX); g_streams--; return 0; } /* its work completes */
+int hipStreamSynchronize(void *s) { T; NOCAP; STREAM(s); stream_sync(); return 0; }
+int hipHostMalloc(void **p, size_t n, unsigned f) { T; NOCAP; return f > 7 ? 1 : host_alloc(p, n); }
+int hipHostFree(void *p) { T; NOCAP; return host_free(p); }
+int hipEventCreateWithFlags(void **e, unsigned f) { T; return f > 7 ? 1 : event_create(e); }
+int hipEventRecord(void *e, void *st) { T; NOCAP; STREAM(st); return event_record(e); }
+int hipEventSynchronize(void *e) { T; NOCAP; return event_sync(e); }
+int hipEventDestroy(void *e) { T; return event_destroy(e); }
 int hipModuleLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                           unsigned sh, void *st, void **p, void **e) { T; STREAM(st); (void)e; return f_launch(f, gx, gy, gz, bx, by, bz, sh, p); }
 int hipStreamBeginCapture(void *s, int m) { T; STREAM(s); (void)m; return f_begin(); }

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import threading
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -29,10 +28,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from runtime_helpers import Fake, fake_code_object, fake_table, tiny  # noqa: E402
+from runtime_helpers import Fake, fake_code_object, fake_table, runtime_variant, tiny  # noqa: E402
 from runtime_helpers import PROMPTS, step_inputs  # noqa: E402
 from v4compile.errors import DeviceError  # noqa: E402
-from v4compile.runtime.build import CFLAGS, SOURCE_DIR, SOURCES, compile_shared  # noqa: E402
 from v4compile.runtime.c_backend import CRuntime, load_library  # noqa: E402
 from v4compile.runtime.kernels import make_kernel_calls  # noqa: E402
 from v4compile.runtime.schedule import HOST_CODE_OBJECT  # noqa: E402
@@ -197,23 +195,10 @@ def test_the_host_device_refuses_a_pointer_one_row_past_its_buffer():
 # ---- deliberately broken runtimes -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def broken(tmp_path_factory):
+def broken():
     """broken(file, old, new): the C runtime built from its sources with one edit (`old` -> `new` in
-    `file`), once per edit in this module."""
-    built = {}
-
-    def build(file: str, old: str, new: str):
-        if (file, old, new) not in built:
-            src = tmp_path_factory.mktemp("v4rt-broken") / "src"
-            shutil.copytree(SOURCE_DIR, src)
-            text = (src / file).read_text()
-            assert text.count(old) == 1, old
-            (src / file).write_text(text.replace(old, new))
-            out = src.parent / "libv4rt_broken.so"
-            compile_shared([src / s for s in SOURCES], out, CFLAGS, include=src)
-            built[(file, old, new)] = load_library(out)
-        return built[(file, old, new)]
-    return build
+    `file`)."""
+    return lambda file, old, new: load_library(runtime_variant(edit=(file, old, new)))
 
 
 ISSUE = "static v4rt_status issue(v4rt *rt, uint32_t f) {\n"

@@ -13,9 +13,9 @@ import dataclasses
 import pytest
 import torch
 
-from runtime_helpers import Fake, fake_table, tiny
+from runtime_helpers import Fake, fake_table, runtime_variant, tiny
 from v4compile.errors import DeviceError
-from v4compile.runtime.c_backend import CRuntime
+from v4compile.runtime.c_backend import CRuntime, load_library
 
 DRIVERS = ("cuda", "hip")
 # Each step of the flow -> the driver's symbols it calls (as the fake driver traces them).
@@ -27,14 +27,18 @@ CALLS = {
                  end="cuStreamEndCapture", instantiate="cuGraphInstantiateWithFlags", replay="cuGraphLaunch",
                  exec_destroy="cuGraphExecDestroy", graph_destroy="cuGraphDestroy", free="cuMemFree_v2",
                  unload="cuModuleUnload", close=["cuStreamDestroy_v2", "cuDevicePrimaryCtxRelease_v2"],
-                 current=["cuCtxSetCurrent"]),
+                 current=["cuCtxSetCurrent"], host_alloc="cuMemHostAlloc", host_free="cuMemFreeHost",
+                 event_create="cuEventCreate", event_record="cuEventRecord", event_sync="cuEventSynchronize",
+                 event_destroy="cuEventDestroy_v2"),
     "hip": dict(open=["hipInit", "hipSetDevice", "hipStreamCreateWithFlags"],
                 load="hipModuleLoadData", getfn="hipModuleGetFunction", attr="hipFuncSetAttribute",
                 alloc="hipMalloc", h2d="hipMemcpyAsync", d2h="hipMemcpyAsync", sync="hipStreamSynchronize",
                 launch="hipModuleLaunchKernel", begin="hipStreamBeginCapture", end="hipStreamEndCapture",
                 instantiate="hipGraphInstantiate", replay="hipGraphLaunch", exec_destroy="hipGraphExecDestroy",
                 graph_destroy="hipGraphDestroy", free="hipFree", unload="hipModuleUnload",
-                close=["hipStreamDestroy"], current=[]),
+                close=["hipStreamDestroy"], current=[], host_alloc="hipHostMalloc", host_free="hipHostFree",
+                event_create="hipEventCreateWithFlags", event_record="hipEventRecord",
+                event_sync="hipEventSynchronize", event_destroy="hipEventDestroy"),
 }
 SHARED_DEFAULT = {"cuda": 48 * 1024, "hip": 64 * 1024}
 ERRORS = {"cuda": {719: "CUDA_ERROR_LAUNCH_FAILED", 999: "CUDA_ERROR_UNKNOWN", 1: "CUDA_ERROR_INVALID_VALUE"},
@@ -47,9 +51,63 @@ def _inputs(prog, fname, seed=0):
             for b in prog.functions[fname].buffers if b.kind == "input"}
 
 
-def _expected_trace(rt, driver, steps):
+# The staging of drv_gpu.c (V4RT_STAGE_COUNT, _BYTES, _MIN): its defaults, and small ones under which the tiny
+# program's writes are staged (a buffer's copies spanning buffers, several of them in one).
+STAGING = {"default": (2, 16 << 20, 1 << 20), "small": (2, 65536, 16384), "three": (3, 40000, 4096)}
+
+
+def staged_runtime(staging: str):
+    """The C runtime built with these staging sizes (None: the default build)."""
+    if staging == "default":
+        return None
+    n, size, least = STAGING[staging]
+    return load_library(runtime_variant((f"V4RT_STAGE_COUNT={n}", f"V4RT_STAGE_BYTES={size}",
+                                         f"V4RT_STAGE_MIN={least}")))
+
+
+class _Flow:
+    """The driver calls of the GPU flow, derived from its rules: a write below the staging minimum before
+    the staging buffers exist is one pageable copy; from the first large one on, each write is cut into
+    copies from the staging buffers filled in turn (the full one's event recorded, the next one's waited
+    for); the copies stay in flight until a synchronise, which a read, a capture's beginning and the
+    first free after them do."""
+
+    def __init__(self, driver: str, staging: str):
+        self.k, (self.count, self.size, self.least) = CALLS[driver], STAGING[staging]
+        self.staged = self.pending = False
+        self.fill = 0
+
+    def write(self, n: int) -> list[str]:
+        k, out = self.k, list(self.k["current"])
+        if not self.staged and n < self.least:
+            return out + [k["h2d"]]
+        if not self.staged:
+            out += [k["host_alloc"], k["event_create"]] * self.count
+            self.staged, self.fill = True, 0
+        while n:
+            if self.fill == self.size:
+                out += [k["event_record"], k["event_sync"]]
+                self.fill = 0
+            m = min(n, self.size - self.fill)
+            out.append(k["h2d"])
+            self.fill, n, self.pending = self.fill + m, n - m, True
+        return out
+
+    def drain(self) -> list[str]:
+        out, self.pending = [self.k["sync"]] if self.pending else [], False
+        return out
+
+    def read(self) -> list[str]:
+        self.pending = False
+        return self.k["current"] + [self.k["sync"], self.k["d2h"], self.k["sync"]]
+
+    def close(self) -> list[str]:
+        return [self.k["host_free"], self.k["event_destroy"]] * self.count if self.staged else []
+
+
+def _expected_trace(rt, driver, steps, staging="default"):
     """The driver calls of CRuntime(...) then `steps` [(function, graph)] then close(), from the schedule."""
-    k, s = CALLS[driver], rt.sched
+    k, s, flow = CALLS[driver], rt.sched, _Flow(driver, staging)
     out = list(k["open"]) + [k["load"]] * len(s.code_objects)
     seen = set()
     for f in s.functions:
@@ -60,16 +118,16 @@ def _expected_trace(rt, driver, steps):
     out += [k["alloc"]] * len(s.buffer_names)
     # every public entry first makes the device current on the calling thread (CUDA: its context)
     cur = k["current"]
-    write, read = cur + [k["h2d"], k["sync"]], cur + [k["sync"], k["d2h"], k["sync"]]
-    for kind, n in zip(s.buffer_kinds, s.buffer_bytes):  # weights uploaded, pool and state zeroed
-        if kind in ("weight", "pool", "state") and n:
-            out += write
+    for kinds in (("pool", "state"), ("weight",)):  # pool and state zeroed, then the weights uploaded
+        for kind, n in zip(s.buffer_kinds, s.buffer_bytes):
+            if kind in kinds and n:
+                out += flow.write(n)
     captured = []
     for fname, graph in steps:
         f, fs = rt.program.functions[fname], s.functions[s.function_index(fname)]
         for b in f.buffers:
             if b.kind == "input" and s.buffer_bytes[s.buffer_index(fname, b.name)]:
-                out += write
+                out += flow.write(s.buffer_bytes[s.buffer_index(fname, b.name)])
         out += cur
         if not graph:
             out += [k["launch"]] * len(fs.calls)
@@ -77,26 +135,34 @@ def _expected_trace(rt, driver, steps):
             out += [k["replay"]]
         else:
             captured.append(fname)
-            out += [k["begin"]] + [k["launch"]] * len(fs.calls) + [k["end"], k["instantiate"], k["replay"]]
-        out += read * sum(1 for _, a in f.outputs if f.buffer(a.buffer).kind == "output")
+            out += flow.drain() + [k["begin"]] + [k["launch"]] * len(fs.calls) + [k["end"], k["instantiate"], k["replay"]]
+        for _ in range(sum(1 for _, a in f.outputs if f.buffer(a.buffer).kind == "output")):
+            out += flow.read()
     captured.sort(key=s.function_index)
-    out += cur + [k["exec_destroy"], k["graph_destroy"]] * len(captured)
-    return out + [k["free"]] * len(s.buffer_names) + [k["unload"]] * len(s.code_objects) + list(k["close"])
+    out += cur + [k["exec_destroy"], k["graph_destroy"]] * len(captured) + flow.drain()
+    return (out + [k["free"]] * len(s.buffer_names) + [k["unload"]] * len(s.code_objects) + flow.close()
+            + list(k["close"]))
 
 
+@pytest.mark.parametrize("staging", list(STAGING))
 @pytest.mark.parametrize("driver", DRIVERS)
-def test_every_driver_call_in_order(driver):
+def test_every_driver_call_in_order(driver, staging):
+    """(Under the default staging the tiny program's writes are all pageable copies; under the small ones
+    they are staged, with the input writes of every step.)"""
     m, prog, w = tiny()
     fake = Fake(driver)
-    rt = CRuntime(prog, w, driver, driver_lib=fake.path, table=fake_table())
+    rt = CRuntime(prog, w, driver, driver_lib=fake.path, table=fake_table(), lib=staged_runtime(staging))
     steps = [("decode", False), ("decode", True), ("decode", True), ("prefill", True), ("prefill", False),
              ("decode", True)]
     for i, (fname, graph) in enumerate(steps):
         rt.run(fname, _inputs(prog, fname, i), graph=graph)
     rt.close()
-    want, got = _expected_trace(rt, driver, steps), fake.trace()
+    want, got = _expected_trace(rt, driver, steps, staging), fake.trace()
     assert got == want, next((i, g, w_) for i, (g, w_) in enumerate(zip(got + [None], want + [None])) if g != w_)
     assert fake.counts()["attrs"] == 0  # no kernel of the tiny table needs more than the default shared memory
+    c = fake.copies()
+    assert (c["pinned"] > 0) == (staging != "default") and c["waited"] == 0
+    assert c["pinned_live"] == c["events_live"] == c["queued"] == 0
 
 
 def _first_two_repeated_and_one_single(sched):
