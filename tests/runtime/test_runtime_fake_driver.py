@@ -157,8 +157,8 @@ def test_each_failure_is_one_clear_error_with_nothing_leaked(driver, case):
 
 def test_the_runtime_under_address_sanitizer(tmp_path):
     """Success and failure paths of the C runtime (host and both fake drivers: open, runs, failed runs,
-    a large-shared-memory opt-in and its refusal) under ASan + UBSan + LeakSanitizer, in a C driver program
-    (tests/fake_driver/asan_main.c)."""
+    a large-shared-memory opt-in and its refusal, writes through small pinned staging buffers read back)
+    under ASan + UBSan + LeakSanitizer, in a C driver program (tests/fake_driver/asan_main.c)."""
     m, prog, w = tiny()
     sched_rt = CRuntime(prog, w, "host")
     (tmp_path / "host.tbl").write_bytes(sched_rt.table)
@@ -168,7 +168,7 @@ def test_the_runtime_under_address_sanitizer(tmp_path):
     (tmp_path / "shared.tbl").write_bytes(fake_table()(sched_rt.sched))
     sched_rt.close()
     exe = tmp_path / "asan_main"
-    flags = ("-std=c11", "-Wall", "-Wextra", "-Werror") + ASAN_FLAGS
+    flags = ("-std=c11", "-Wall", "-Wextra", "-Werror", "-DV4RT_STAGE_BYTES=4096", "-DV4RT_STAGE_MIN=1024") + ASAN_FLAGS
     compile_shared([FAKE_DIR / "asan_main.c"] + [SOURCE_DIR / s for s in SOURCES], exe, flags)
     r = subprocess.run([str(exe), str(tmp_path / "host.tbl"), str(tmp_path / "fake.tbl"), str(fake_driver("cuda")),
                         str(fake_driver("hip")), str(tmp_path / "shared.tbl")], capture_output=True, text=True, timeout=120,
