@@ -102,10 +102,11 @@ static int g_h2d(v4drv *d, uint64_t dst, const void *src, uint64_t n) {
     const unsigned char *s = src;
     while (n) {
         if (g->stage_fill == V4RT_STAGE_BYTES) { /* full: its copies are enqueued; on to the next buffer */
+            unsigned next = (g->stage_cur + 1) % V4RT_STAGE_COUNT;
             CK(g, event_record, g->event_record(g->stage_done[g->stage_cur], g->stream));
-            g->stage_cur = (g->stage_cur + 1) % V4RT_STAGE_COUNT;
+            CK(g, event_sync, g->event_sync(g->stage_done[next])); /* (a failure leaves it full: no refill) */
+            g->stage_cur = next;
             g->stage_fill = 0;
-            CK(g, event_sync, g->event_sync(g->stage_done[g->stage_cur]));
         }
         uint64_t room = V4RT_STAGE_BYTES - g->stage_fill, m = n < room ? n : room;
         unsigned char *p = g->stage[g->stage_cur] + g->stage_fill;

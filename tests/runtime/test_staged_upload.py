@@ -109,7 +109,7 @@ def test_a_staged_upload_lands_every_byte_with_the_copies_in_flight(driver, shar
     assert c["pinned_live"] == c["events_live"] == n["live"] == 0 and n["frees"] == n["allocs"]
 
 
-WAIT = "            CK(g, event_sync, g->event_sync(g->stage_done[g->stage_cur]));\n"
+WAIT = "            CK(g, event_sync, g->event_sync(g->stage_done[next])); /* (a failure leaves it full: no refill) */\n"
 FREE = "    if (g->pending && drain(g)) return 1;\n    return g->api->mem_free(g, addr);"
 
 
