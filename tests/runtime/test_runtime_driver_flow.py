@@ -1,5 +1,7 @@
 """The one GPU driver flow (runtime/c/drv_gpu.c) on the fake HIP and CUDA drivers, call by call: the exact
-sequence of driver calls of open / eager run / capture / replay / close, derived here from the schedule;
+sequence of driver calls of open / eager run / capture / replay / close, derived here from the schedule
+(writes pageable, or through pinned staging buffers at three sizes: tests/runtime/test_staged_upload.py
+checks the bytes);
 the dynamic shared memory opt-in (once per kernel, for its largest call, only above the driver's default:
 CUDA 48 KiB, HIP 64 KiB); and the failures inside a run (graph instantiation, a launch eager or during
 capture, a graph replay): one clear error naming the driver call, nothing leaked, the runtime still usable."""
