@@ -61,6 +61,8 @@ void v4rt_close(v4rt *rt);
 uint32_t v4rt_num_buffers(const v4rt *rt);
 uint32_t v4rt_num_functions(const v4rt *rt);
 v4rt_status v4rt_buffer_info(const v4rt *rt, uint32_t buffer, uint64_t *address, uint64_t *nbytes);
+/* A write returns once `src` may be reused; on a GPU the copy may still be in flight, ordered before
+ * every later run, read and sync. */
 v4rt_status v4rt_write(v4rt *rt, uint32_t buffer, uint64_t offset, const void *src, uint64_t nbytes);
 v4rt_status v4rt_read(v4rt *rt, uint32_t buffer, uint64_t offset, void *dst, uint64_t nbytes);
 
