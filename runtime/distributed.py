@@ -52,16 +52,19 @@ def timeout_from_env() -> float:
 class Ranks:
     """This process's place in the layout, and one gloo group per consecutive block of each group size."""
 
-    def __init__(self, layout: ParallelLayout):
+    def __init__(self, layout: ParallelLayout, owns: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S):
         import torch.distributed as dist
 
         self.dist = dist
+        self.owns = owns  # whether `close` ends the process group (not when the caller had joined it)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.layout = layout
         self.groups: dict[int, object] = {}
         for size in sorted({layout.tp, layout.ep}):
             for start in range(0, self.world, size):  # every rank creates every group, in the same order
-                g = dist.new_group(list(range(start, start + size)), backend="gloo")
+                # the timeout again: a new group's default is torch's 30 minutes, not the process group's
+                g = dist.new_group(list(range(start, start + size)), backend="gloo",
+                                   timeout=timedelta(seconds=timeout_s))
                 if start <= self.rank < start + size:
                     self.groups[size] = g
 
@@ -110,7 +113,7 @@ class Ranks:
         return [int(t) for t in self.broadcast(np.asarray(ids, dtype=np.int64))]
 
     def close(self) -> None:
-        if self.dist.is_initialized():
+        if self.owns and self.dist.is_initialized():
             self.dist.destroy_process_group()
 
 
@@ -124,17 +127,20 @@ def join(layout: ParallelLayout, timeout_s: float | None = None) -> Ranks:
     if missing:
         raise InputError(f"a partitioned program ({layout.world} ranks) runs under torchrun",
                          expected=f"torchrun --nproc-per-node {layout.world} ...", found=f"no {', '.join(missing)}")
-    world = int(os.environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"]) if os.environ["WORLD_SIZE"].isdigit() else -1
+    if dist.is_initialized():
+        world = dist.get_world_size()
     if world != layout.world:
         raise InputError("the world size differs from the program's", expected=f"{layout.world} ranks "
                          f"(tp {layout.tp}, ep {layout.ep})", found=f"WORLD_SIZE {world}")
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()
+    if owns:
         try:
             dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
         except (RuntimeError, ValueError) as e:  # the store: a rank that never arrives, a bad address
             raise DeviceError(f"rank {os.environ['RANK']}: joining the process group failed: {_first(e)}") from None
     try:
-        return Ranks(layout)
+        return Ranks(layout, owns, timeout_s)
     except RuntimeError as e:  # new_group is itself a collective over the store
         raise DeviceError(f"rank {os.environ['RANK']}: creating the process groups failed: {_first(e)}") from None
 
