@@ -5,7 +5,8 @@ never a pass over weight bytes.
 * ONNX graphs (`onnx_model`): parse errors (garbage, empty files) are one error; no tensor may keep its data
   in an external file (the artifact's graphs never do: weights arrive from the shards in memory); the
   graph's inputs, weights and outputs are the ones the manifest lists for its function, `ids` is
-  [batch, tokens] of the function's bucket, `block_table` [batch, blocks_per_seq], `logits` [batch, vocab],
+  [batch, tokens] of the function's bucket, `block_table` [batch, blocks_per_seq], `logits` [batch, vocab]
+  (every graph but a partitioned function's segment that ends at a collective: `codegen/onnx_segments.py`),
   each weight input has its tensor's shape, and the state the runtime allocates from the graph is bounded.
 * weights: each shard's header holds every tensor the manifest places there with the manifest's dtype and
   shape (checked as the shards are mapped: `weights_io.MappedWeights`) and, for the program,

@@ -13,7 +13,9 @@ and `v4compile.load(DIR)` reads. The runtime needs this module and the program, 
                                its own directory; the manifest's `parallel` gives the layout and every
                                rank's `weights` entry (the top-level `weights` is rank 0's)
     DIR/onnx/<function>.onnx   the `cpu` target: one ONNX model per function (weights are graph inputs,
-                               never copied into these files)
+                               never copied into these files); a partitioned module's function is its
+                               segments cut at the collectives instead, `<function>.s<k>.onnx`, listed
+                               with the collective after each under the function's `segments`
     DIR/module.ir              the final IR (text form) of the cpu pipeline
     DIR/gpu/module.ir          the final IR of the gpu pipeline (GPU targets)
     DIR/gpu/program.txt        its program: buffers and ordered launches (codegen/gpu_target.py)

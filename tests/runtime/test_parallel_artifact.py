@@ -156,3 +156,34 @@ def test_host_device_refuses_a_partitioned_artifact(arts):
 
     with pytest.raises(InputError, match="runs on the cpu device"):
         v4compile.load(arts[2][0], device="host")
+
+
+def test_the_manifest_checks_the_segments(arts, tmp_path):
+    """The loader's structural checks of a partitioned cpu function (hashes recomputed, as an attacker would):
+    each edit is one ArtifactError naming the rule; the untouched copy loads its manifest."""
+    import copy
+
+    from artifact_tamper import copy as copy_art
+    from artifact_tamper import manifest, write_manifest
+    from v4compile.artifact import load_artifact
+    from v4compile.errors import ArtifactError
+
+    art = copy_art(arts[2][0], tmp_path / "a")
+    good = manifest(art)
+    load_artifact(art)
+    fn = lambda m: m["targets"][0]["functions"]["decode_b2"]  # noqa: E731
+    edits = [(lambda m: fn(m)["segments"][0].update(collective=None), "every segment but the last"),
+             (lambda m: fn(m)["segments"][-1].update(collective=fn(m)["segments"][0]["collective"]),
+              "every segment but the last"),
+             (lambda m: fn(m)["segments"][0]["collective"].update(operand="logits"), "not an output of its segment"),
+             (lambda m: fn(m)["segments"][0]["collective"].update(op="all_gather"), "collective.op"),
+             (lambda m: fn(m)["segments"][-1].update(outputs=["x"]), "must output the logits"),
+             (lambda m: fn(m).update(segments=[]), "is empty"),
+             (lambda m: fn(m).update(file="onnx/decode_b2.s0.onnx"), "no fields beside"),
+             (lambda m: m.pop("parallel"), "needs the manifest's `parallel`")]
+    for edit, needle in edits:
+        m = copy.deepcopy(good)
+        edit(m)
+        write_manifest(art, m)
+        with pytest.raises(ArtifactError, match=needle):
+            load_artifact(art)
