@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from v4compile.errors import DeviceError, InputError
+from v4compile.ir.registry import get_op
 from v4compile.ir.types import DTYPES
 from v4compile.program.core import Program
 from v4compile.program.execute import _typed, run_launch
@@ -80,11 +81,15 @@ class CRuntime:
     def __init__(self, program: Program, weights: Mapping[str, torch.Tensor], device: str = "host", *,
                  driver_lib: str | None = None, kernel_calls: Callable | None = None,
                  functions: list[str] | None = None, lib: ctypes.CDLL | None = None, abi: int = ABI_VERSION,
-                 table: Callable[[Schedule], bytes] | None = None, binaries: Callable | None = None):
+                 table: Callable[[Schedule], bytes] | None = None, binaries: Callable | None = None,
+                 collective: Callable | None = None):
         if device not in DEVICES:
             raise InputError(f"unknown device '{device}'", expected=", ".join(DEVICES))
         self.program = program
         self.device = device
+        # (op, tensor, group) -> the group's result: a partitioned program's collective launches (host device:
+        # `distributed.Ranks.collective`, torch.distributed with gloo); None: a collective is refused
+        self.collective = collective
         self.lib = lib or load_library()
         self.sched: Schedule = build_schedule(program, kernel_calls, functions, warp=64 if device == "hip" else 32,
                                               binaries=binaries)
@@ -251,7 +256,15 @@ class CRuntime:
 
         l = dataclasses.replace(launch, operands=tuple((n, moved("operand", n, a)) for n, a in launch.operands),
                                 results=tuple((n, moved("result", n, a)) for n, a in launch.results))
-        run_launch(l, self.views)
+        run_launch(l, self.views, self._collective if get_op(l.op).collective else None)
+
+    def _collective(self, l, args, outs) -> None:
+        """A collective launch (its placeholder call: no kernel family runs it) through `collective`."""
+        if self.collective is None:
+            raise DeviceError(f"{l.op}: a collective launch needs the process group of a partitioned artifact "
+                              "(v4compile.load under torchrun)")
+        (name, y), = outs.items()
+        y.copy_(self.collective(l.op, args[get_op(l.op).operand_names[0]], int(l.attrs["group"])))
 
     def _run_kernel(self, launch, call, cidx: int, places) -> None:
         """The Triton kernel on the packed parameter values, bound by position as a GPU binds them: the

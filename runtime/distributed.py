@@ -76,12 +76,22 @@ class Ranks:
             raise DeviceError(f"rank {self.rank}: {what} failed (a rank died or did not arrive): {_first(e)}") from None
 
     def all_reduce(self, x: np.ndarray, group: int) -> np.ndarray:
+        return self.collective("all_reduce", torch.from_numpy(np.ascontiguousarray(x)), group).numpy()
+
+    def collective(self, op: str, x: torch.Tensor, group: int) -> torch.Tensor:
+        """A collective registry op (`ops/collective.py`) over this rank's group of `group` ranks: a new tensor."""
         if group not in self.groups:
             raise InputError("a collective over a group size the layout does not have", expected=sorted(self.groups),
                              found=group)
-        t = torch.from_numpy(np.ascontiguousarray(x)).clone()
-        self._do("all_reduce", self.dist.all_reduce, t, group=self.groups[group])
-        return t.numpy()
+        if op == "all_reduce":
+            t = x.contiguous().clone()
+            self._do(op, self.dist.all_reduce, t, group=self.groups[group])
+            return t
+        if op == "all_gather":
+            parts = [torch.empty_like(x.contiguous()) for _ in range(group)]
+            self._do(op, self.dist.all_gather, parts, x.contiguous(), group=self.groups[group])
+            return torch.cat(parts, dim=-1)
+        raise InputError(f"no collective '{op}'", expected="all_reduce, all_gather")
 
     def broadcast(self, x: np.ndarray, src: int = 0) -> np.ndarray:
         t = torch.from_numpy(np.ascontiguousarray(x)).clone()

@@ -398,7 +398,7 @@ def load(path, device: str = "auto", *, threads: int | None = None, verify: bool
         device = auto_device(art)
         log.info("device auto: %s", device)
     if "parallel" in art.manifest:
-        return _load_rank(art, device, threads)
+        return _load_rank(art, device, threads, graphs, kernels)
     if device in ("host", "hip", "cuda"):
         from .program_backend import ProgramBackend
 
@@ -409,21 +409,28 @@ def load(path, device: str = "auto", *, threads: int | None = None, verify: bool
     return Session(art, OrtBackend(art, threads=threads))
 
 
-def _load_rank(art: Artifact, device: str, threads: int | None) -> Session:
+def _load_rank(art: Artifact, device: str, threads: int | None, graphs: bool, kernels: str) -> Session:
     """This process's rank of a partitioned artifact (`--tp` / `--ep`) under torchrun: it joins the process
-    group (`distributed.join`), maps its own weights only, and runs the ONNX segments with gloo between
-    them; every rank makes the same session calls, rank 0's steps and sampled ids are the ones run."""
+    group (`distributed.join`) and maps its own weights only. Device cpu: the ONNX segments with gloo
+    between them; host: the C runtime, whose collective launches come back to Python and run on gloo.
+    Every rank makes the same session calls; rank 0's steps and sampled ids are the ones run."""
     from v4compile.parallel import ParallelLayout
 
-    from .cpu_backend import OrtBackend
     from .distributed import join
 
-    if device != "cpu":
-        raise InputError("a partitioned artifact runs on the cpu device (the C runtime has no collectives yet)",
-                         where=str(art.path), expected="device cpu (or auto)", found=device)
+    if device not in ("cpu", "host"):
+        raise InputError("a partitioned artifact runs on the cpu or host device (the GPU program has no "
+                         "collective launches yet)", where=str(art.path), expected="device cpu or host", found=device)
     p = art.manifest["parallel"]
     ranks = join(ParallelLayout(p["tp"], p["ep"]))
     try:
+        if device == "host":
+            from .program_backend import ProgramBackend
+
+            return Session(art, ProgramBackend(art, "host", graphs=graphs, kernels=kernels, threads=threads,
+                                               ranks=ranks))
+        from .cpu_backend import OrtBackend
+
         return Session(art, OrtBackend(art, threads=threads, ranks=ranks))
     except BaseException:
         ranks.close()

@@ -229,9 +229,7 @@ def compile_buckets(fe, buckets: Buckets = Buckets(), pipeline: list[str] | None
         if a != b:  # one weights directory serves both targets
             raise InputError("the cpu and gpu pipelines take different weights", found=sorted(set(a) ^ set(b))[:4])
     host = None
-    partitioned = ParallelLayout.of((cpu_res or gpu_res).module) is not None
-    # the host device's program (else the GPU targets'); a partitioned one has no collective launches yet
-    if cpu_res is not None and gpu_res is None and not partitioned:
+    if cpu_res is not None and gpu_res is None:  # the host device's program (else the GPU targets')
         from .passes import PROGRAM_PASSES
 
         host = PassManager(PROGRAM_PASSES, opts).run(cpu_res.module).module
