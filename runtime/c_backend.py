@@ -68,6 +68,8 @@ def load_library(path=None, sanitize: bool = False) -> ctypes.CDLL:
     lib.v4rt_run.argtypes = [c.c_void_p, c.c_uint32, c.c_int]
     lib.v4rt_sync.argtypes = [c.c_void_p]
     lib.v4rt_get_stats.argtypes = [c.c_void_p, c.POINTER(Stats)]
+    lib.v4rt_comm_unique_id.argtypes = [c.c_char_p, c.c_char_p, c.c_void_p]
+    lib.v4rt_comm_init.argtypes = [c.c_void_p, c.c_char_p, c.c_uint32, c.c_uint32, c.POINTER(c.c_uint32), c.c_void_p]
     if lib.v4rt_abi_version() != ABI_VERSION:
         raise DeviceError("the C runtime library has another ABI version", where=path, expected=ABI_VERSION,
                           found=lib.v4rt_abi_version())
@@ -213,6 +215,15 @@ class CRuntime:
         self._check(self.lib.v4rt_run(self.handle, self.sched.function_index(fname), 1 if graph else 0),
                     f"running @{fname}")
 
+    def comm_init(self, rank: int, ids: Mapping[int, bytes], comm_lib: str | None = None) -> None:
+        """Join the NCCL / RCCL communicators (GPU devices): group size -> its unique id (`comm_unique_id`,
+        shared by the group's ranks: `distributed.Ranks.comm_ids`)."""
+        sizes = sorted(ids)
+        arr = (ctypes.c_uint32 * len(sizes))(*sizes)
+        blob = b"".join(ids[n] for n in sizes)
+        self._check(self.lib.v4rt_comm_init(self.handle, comm_lib.encode() if comm_lib else None, rank, len(sizes),
+                                            arr, blob), "joining the communicators")
+
     def sync(self) -> None:
         self._check(self.lib.v4rt_sync(self.handle), "synchronising")
 
@@ -316,3 +327,15 @@ class CRuntime:
             self.close()
         except Exception:
             pass
+
+
+COMM_ID_BYTES = 128  # V4RT_COMM_ID_BYTES (ncclUniqueId)
+
+
+def comm_unique_id(device: str, comm_lib: str | None = None, lib: ctypes.CDLL | None = None) -> bytes:
+    """A new communicator unique id from NCCL (cuda) / RCCL (hip), or `comm_lib`."""
+    lib = lib or load_library()
+    out = ctypes.create_string_buffer(COMM_ID_BYTES)
+    if lib.v4rt_comm_unique_id(device.encode(), comm_lib.encode() if comm_lib else None, out):
+        raise DeviceError(f"collectives: {lib.v4rt_last_error().decode(errors='replace')}")
+    return out.raw

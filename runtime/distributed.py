@@ -118,6 +118,24 @@ class Ranks:
             at += a.size
         return out
 
+    def comm_ids(self, unique_id) -> dict[int, bytes]:
+        """This rank's communicator unique ids, one per group size (the GPU runtime's NCCL / RCCL, issue 18):
+        the first rank of each group makes it (`unique_id()`) and puts it in torch.distributed's store; the
+        others wait for it there (within the process group's timeout)."""
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        store, out = _get_default_store(), {}
+        for size in sorted(self.groups):
+            key = f"v4compile/comm/{size}/{self.rank // size}"
+            if self.rank % size == 0:
+                store.set(key, unique_id())
+            try:
+                out[size] = bytes(store.get(key))
+            except RuntimeError as e:
+                raise DeviceError(f"rank {self.rank}: the communicator id of its group never came: {_first(e)}") \
+                    from None
+        return out
+
     def share_ids(self, ids: list[int]) -> list[int]:
         """Rank 0's sampled ids, on every rank."""
         return [int(t) for t in self.broadcast(np.asarray(ids, dtype=np.int64))]
