@@ -195,3 +195,11 @@ def test_the_manifest_checks_the_segments(arts, tmp_path):
         write_manifest(art, m)
         with pytest.raises(ArtifactError, match=needle):
             load_artifact(art)
+
+
+def test_gpu_targets_with_tp_are_refused_before_any_work(tmp_path, capsys):
+    """-o --tp / --ep writes the cpu target only: GPU targets are one error line, nothing written."""
+    out = tmp_path / "a"
+    assert main(["compile", "--preset", "tiny", "--tp", "2", "--target", "gfx950", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "--target cpu" in err and not out.exists()
