@@ -226,3 +226,24 @@ def test_gpu_targets_with_tp_are_refused_before_any_work(tmp_path, capsys):
     assert main(["compile", "--preset", "tiny", "--tp", "2", "--target", "gfx950", "-o", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "--target cpu" in err and not out.exists()
+
+
+def test_each_rank_reads_and_hashes_only_its_own_weights(arts, tmp_path):
+    """Rank 1's shard damaged: rank 0 maps and hashes its own weights untroubled (it never reads rank 1's),
+    rank 1's load names the damaged shard."""
+    from artifact_tamper import copy as copy_art
+    from v4compile.artifact import load_artifact
+    from v4compile.errors import ArtifactError
+
+    art = copy_art(arts[2][0], tmp_path / "a")
+    shard = art / load_artifact(art).manifest["parallel"]["rank_weights"][1]["shards"][0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01  # the last tensor's last byte
+    shard.write_bytes(bytes(data))
+    a = load_artifact(art, defer_weights=True)
+    w0 = a.weights(0)
+    assert len(dict(w0.stream())) == len(a.manifest["weights"]["tensors"])
+    w0.close()
+    with pytest.raises(ArtifactError, match="rank-1"):
+        w1 = a.weights(1)
+        dict(w1.stream())
