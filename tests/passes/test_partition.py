@@ -108,7 +108,7 @@ def test_partition_twice_and_the_cli_pipelines(traced):
 
     from v4compile.cli.pipeline import pipeline_of
     args = SimpleNamespace(passes=None, target=None, tp=2, ep=1)
-    gpu = pipeline_of(args)  # down to the memory plan: the program has no collective launches yet
+    gpu = pipeline_of(args)  # down to the memory plan: no GPU kernels for a partitioned program yet
     assert gpu[0] == "partition{tp=2,ep=1}" and gpu[-1] == "plan_memory" and "lower_to_program" not in gpu
     args.target = "cpu"
     assert pipeline_of(args)[0] == "partition{tp=2,ep=1}"
