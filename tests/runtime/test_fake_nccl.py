@@ -146,3 +146,21 @@ def test_collectives_need_the_communicators(monkeypatch):
     with pytest.raises(DeviceError, match="symbol ncclGetUniqueId missing"):
         rt.comm_init(0, {2: comm_unique_id("cuda", fake.path)}, fake.path)
     rt.close()
+
+
+def test_communicator_ids_go_through_the_store(monkeypatch):
+    """`Ranks.comm_ids`: the first rank of each group makes the id, every rank of the group reads the same
+    one from torch.distributed's store (here one rank, tp 1 / ep 1: one group of 1)."""
+    from dist_launch import free_port
+    from v4compile.parallel import ParallelLayout
+    from v4compile.runtime.distributed import join
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    ranks = join(ParallelLayout(1, 1), timeout_s=10)
+    try:
+        made = []
+        ids = ranks.comm_ids(lambda: made.append(bytes([len(made) + 1]) * 128) or made[-1])
+        assert ids == {1: b"\x01" * 128} and len(made) == 1
+    finally:
+        ranks.close()
