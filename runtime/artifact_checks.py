@@ -5,7 +5,8 @@ never a pass over weight bytes.
 * ONNX graphs (`onnx_model`): parse errors (garbage, empty files) are one error; no tensor may keep its data
   in an external file (the artifact's graphs never do: weights arrive from the shards in memory); the
   graph's inputs, weights and outputs are the ones the manifest lists for its function, `ids` is
-  [batch, tokens] of the function's bucket, `block_table` [batch, blocks_per_seq], `logits` [batch, vocab],
+  [batch, tokens] of the function's bucket, `block_table` [batch, blocks_per_seq], `logits` [batch, vocab]
+  (every graph but a partitioned function's segment that ends at a collective: `codegen/onnx_segments.py`),
   each weight input has its tensor's shape, and the state the runtime allocates from the graph is bounded.
 * weights: each shard's header holds every tensor the manifest places there with the manifest's dtype and
   shape (checked as the shards are mapped: `weights_io.MappedWeights`) and, for the program,
@@ -116,7 +117,8 @@ def onnx_model(art: Artifact, fname: str, spec: dict[str, Any]):
             raise ArtifactError(f"the ONNX graph's input '{n}' is not that of {fname}'s bucket", where=rel,
                                 expected=shape, found=_dims(by_name[n]))
     logits = next((o for o in g.output if o.name == "logits"), None)
-    if logits is None or _dims(logits) != [B, m["vocab_size"]]:
+    # every graph outputs the logits but a segment that ends at a collective (`codegen/onnx_segments.py`)
+    if (logits is not None or spec.get("collective") is None) and (logits is None or _dims(logits) != [B, m["vocab_size"]]):
         raise ArtifactError(f"the ONNX graph's logits are not [batch, vocab] of {fname}", where=rel,
                             expected=[B, m["vocab_size"]], found=None if logits is None else _dims(logits))
     tensors = m["weights"]["tensors"]

@@ -157,7 +157,7 @@ class Batcher:
             self._token(r, t)
 
     def _sample(self, r: Request, logits: np.ndarray) -> list[int]:
-        return Session._sample(logits, r.temperature, r.top_p, r._rng)
+        return self.sess._next_ids(logits, r.temperature, r.top_p, r._rng)  # a partitioned artifact: rank 0's
 
     def _token(self, r: Request, tok: int) -> None:
         r.ids.append(tok)

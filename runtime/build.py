@@ -29,7 +29,7 @@ from v4compile.targets import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "c"
-SOURCES = ("v4rt.c", "drv_host.c", "drv_gpu.c", "drv_hip.c", "drv_cuda.c")
+SOURCES = ("v4rt.c", "drv_host.c", "drv_gpu.c", "drv_hip.c", "drv_cuda.c", "drv_nccl.c")
 CFLAGS = ("-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared")
 ASAN_FLAGS = ("-g", "-O1", "-fsanitize=address,undefined", "-fno-omit-frame-pointer")
 

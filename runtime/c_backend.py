@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from v4compile.errors import DeviceError, InputError
+from v4compile.ir.registry import get_op
 from v4compile.ir.types import DTYPES
 from v4compile.program.core import Program
 from v4compile.program.execute import _typed, run_launch
@@ -67,6 +68,8 @@ def load_library(path=None, sanitize: bool = False) -> ctypes.CDLL:
     lib.v4rt_run.argtypes = [c.c_void_p, c.c_uint32, c.c_int]
     lib.v4rt_sync.argtypes = [c.c_void_p]
     lib.v4rt_get_stats.argtypes = [c.c_void_p, c.POINTER(Stats)]
+    lib.v4rt_comm_unique_id.argtypes = [c.c_char_p, c.c_char_p, c.c_void_p]
+    lib.v4rt_comm_init.argtypes = [c.c_void_p, c.c_char_p, c.c_uint32, c.c_uint32, c.POINTER(c.c_uint32), c.c_void_p]
     if lib.v4rt_abi_version() != ABI_VERSION:
         raise DeviceError("the C runtime library has another ABI version", where=path, expected=ABI_VERSION,
                           found=lib.v4rt_abi_version())
@@ -80,11 +83,15 @@ class CRuntime:
     def __init__(self, program: Program, weights: Mapping[str, torch.Tensor], device: str = "host", *,
                  driver_lib: str | None = None, kernel_calls: Callable | None = None,
                  functions: list[str] | None = None, lib: ctypes.CDLL | None = None, abi: int = ABI_VERSION,
-                 table: Callable[[Schedule], bytes] | None = None, binaries: Callable | None = None):
+                 table: Callable[[Schedule], bytes] | None = None, binaries: Callable | None = None,
+                 collective: Callable | None = None):
         if device not in DEVICES:
             raise InputError(f"unknown device '{device}'", expected=", ".join(DEVICES))
         self.program = program
         self.device = device
+        # (op, tensor, group) -> the group's result: a partitioned program's collective launches (host device:
+        # `distributed.Ranks.collective`, torch.distributed with gloo); None: a collective is refused
+        self.collective = collective
         self.lib = lib or load_library()
         self.sched: Schedule = build_schedule(program, kernel_calls, functions, warp=64 if device == "hip" else 32,
                                               binaries=binaries)
@@ -208,6 +215,15 @@ class CRuntime:
         self._check(self.lib.v4rt_run(self.handle, self.sched.function_index(fname), 1 if graph else 0),
                     f"running @{fname}")
 
+    def comm_init(self, rank: int, ids: Mapping[int, bytes], comm_lib: str | None = None) -> None:
+        """Join the NCCL / RCCL communicators (GPU devices): group size -> its unique id (`comm_unique_id`,
+        shared by the group's ranks: `distributed.Ranks.comm_ids`)."""
+        sizes = sorted(ids)
+        arr = (ctypes.c_uint32 * len(sizes))(*sizes)
+        blob = b"".join(ids[n] for n in sizes)
+        self._check(self.lib.v4rt_comm_init(self.handle, comm_lib.encode() if comm_lib else None, rank, len(sizes),
+                                            arr, blob), "joining the communicators")
+
     def sync(self) -> None:
         self._check(self.lib.v4rt_sync(self.handle), "synchronising")
 
@@ -251,7 +267,15 @@ class CRuntime:
 
         l = dataclasses.replace(launch, operands=tuple((n, moved("operand", n, a)) for n, a in launch.operands),
                                 results=tuple((n, moved("result", n, a)) for n, a in launch.results))
-        run_launch(l, self.views)
+        run_launch(l, self.views, self._collective if get_op(l.op).collective else None)
+
+    def _collective(self, l, args, outs) -> None:
+        """A collective launch (its placeholder call: no kernel family runs it) through `collective`."""
+        if self.collective is None:
+            raise DeviceError(f"{l.op}: a collective launch needs the process group of a partitioned artifact "
+                              "(v4compile.load under torchrun)")
+        (name, y), = outs.items()
+        y.copy_(self.collective(l.op, args[get_op(l.op).operand_names[0]], int(l.attrs["group"])))
 
     def _run_kernel(self, launch, call, cidx: int, places) -> None:
         """The Triton kernel on the packed parameter values, bound by position as a GPU binds them: the
@@ -303,3 +327,15 @@ class CRuntime:
             self.close()
         except Exception:
             pass
+
+
+COMM_ID_BYTES = 128  # V4RT_COMM_ID_BYTES (ncclUniqueId)
+
+
+def comm_unique_id(device: str, comm_lib: str | None = None, lib: ctypes.CDLL | None = None) -> bytes:
+    """A new communicator unique id from NCCL (cuda) / RCCL (hip), or `comm_lib`."""
+    lib = lib or load_library()
+    out = ctypes.create_string_buffer(COMM_ID_BYTES)
+    if lib.v4rt_comm_unique_id(device.encode(), comm_lib.encode() if comm_lib else None, out):
+        raise DeviceError(f"collectives: {lib.v4rt_last_error().decode(errors='replace')}")
+    return out.raw

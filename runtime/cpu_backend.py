@@ -45,12 +45,21 @@ def _aligned(a: np.ndarray) -> np.ndarray:
     return a if a.ctypes.data % max(a.itemsize, 1) == 0 else a.copy()
 
 
+def graphs_of(fname: str, f: dict) -> list[tuple[str, dict]]:
+    """A cpu function's ONNX graphs, each (session key, spec with the function's bucket): the function's
+    one graph, or a partitioned function's segments (`codegen/onnx_segments.py`) in order."""
+    if "segments" not in f:
+        return [(fname, f)]
+    return [(f"{fname}.s{k}", {**seg, "kind": f["kind"], "batch": f["batch"], "tokens": f["tokens"]})
+            for k, seg in enumerate(f["segments"])]
+
+
 def derived_weights(art: Artifact, target: dict) -> dict[str, dict]:
-    """Every function's derived weight inputs (`codegen.onnx_weights`), checked against the stored weights;
+    """Every graph's derived weight inputs (`codegen.onnx_weights`), checked against the stored weights;
     one definition per name."""
     tensors = art.manifest["weights"]["tensors"]
     out: dict[str, dict] = {}
-    for f in target["functions"].values():
+    for f in (g for n, fn in target["functions"].items() for _, g in graphs_of(n, fn)):
         der = f.get("derived", {})
         if not isinstance(der, dict):
             raise ArtifactError("the cpu target's derived weights are not an object", where=f["file"])
@@ -66,22 +75,30 @@ class OrtBackend:
     device = "cpu"
 
     def __init__(self, art: Artifact, threads: int | None = None, profile: str | None = None,
-                 options: SessionOptions | None = None):
+                 options: SessionOptions | None = None, ranks=None):
         import onnxruntime as ort
 
         self.ort = ort
         self.art = art
+        # a partitioned artifact: this process's rank (`distributed.Ranks`), its weights and collectives
+        self.ranks = ranks
         self.threads = threads or default_threads(ORT_THREADS)
         self.profile = profile
         self.target = art.target("cpu")
         # the artifact's recorded session options (`options`: another choice, for measurements)
         self.options = options or SessionOptions.from_manifest(self.target.get("session"), "manifest.json")
         self._funcs = {n: FunctionInfo(n, f["kind"], f["batch"], f["tokens"]) for n, f in self.target["functions"].items()}
+        self._graphs = {n: graphs_of(n, f) for n, f in self.target["functions"].items()}
+        self._index = {n: i for i, n in enumerate(sorted(self._funcs))}
+        if any(len(g) > 1 or "collective" in g[0][1] for g in self._graphs.values()) and ranks is None:
+            raise InputError("a partitioned artifact runs on every rank of its layout", where=str(art.path),
+                             expected="v4compile.load under torchrun")
         t0 = time.perf_counter()
         self.weights: dict[str, np.ndarray] = {}
-        self._mapped = art.weights()  # the arrays below view its mappings: kept open as long as the backend
+        # the arrays below view its mappings: kept open as long as the backend (a rank maps its own only)
+        self._mapped = art.weights(ranks.rank if ranks is not None else 0)
         stored = dict(self._mapped.stream())
-        direct = {n for f in self.target["functions"].values() for n in f["weights"]}
+        direct = {n for gs in self._graphs.values() for _, g in gs for n in g["weights"]}
         for n in sorted(direct):
             t = stored[n]
             if t.dtype.is_floating_point and str(t.dtype) != "torch.float32":
@@ -104,12 +121,12 @@ class OrtBackend:
         return dict(self._funcs)
 
     # ---- sessions --------------------------------------------------------------------------------
-    def _session(self, fname: str):
-        if fname in self._sessions:
-            return self._sessions[fname]
+    def _session(self, fname: str, k: int = 0):
+        key, spec = self._graphs[fname][k]
+        if key in self._sessions:
+            return self._sessions[key]
         ort = self.ort
-        spec = self.target["functions"][fname]
-        model = onnx_model(self.art, fname, spec)
+        model = onnx_model(self.art, key, spec)
         g = model.graph
         used = {x for n in g.node for x in n.input}
         declared = set(spec["weights"]) | set(spec.get("derived", {}))
@@ -137,7 +154,7 @@ class OrtBackend:
         self.options.apply(ort, so)
         if self.profile:
             so.enable_profiling = True
-            so.profile_file_prefix = os.path.join(self.profile, fname)
+            so.profile_file_prefix = os.path.join(self.profile, key)
         names = sorted(wnames)
         so.add_external_initializers(names, [self._w_values[n] for n in names])
         t0 = time.perf_counter()
@@ -145,24 +162,45 @@ class OrtBackend:
             sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
         except Exception as e:  # noqa: BLE001  (ONNX Runtime's own refusal of a graph that passed our checks)
             raise ArtifactError(f"ONNX Runtime refuses the graph: {str(e)[:300]}", where=spec["file"]) from None
-        log.debug("cpu backend: session %s ready in %.2f s", fname, time.perf_counter() - t0)
+        log.debug("cpu backend: session %s ready in %.2f s", key, time.perf_counter() - t0)
         del model
         ins = {i.name: i for i in sess.get_inputs()}
+        # values another segment of the function computes, or a collective returns, are not state
+        passed = {n for _, g in self._graphs[fname] for n in g["outputs"]} | {
+            g["collective"]["result"] for _, g in self._graphs[fname] if g.get("collective")}
         for n, i in ins.items():
-            if n not in ("ids", "pos", "block_table", "slot") and n not in self.state:
+            if n not in ("ids", "pos", "block_table", "slot") and n not in passed and n not in self.state:
                 dt = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32}[i.type]
                 self.state[n] = np.zeros(i.shape, dtype=dt)
         outs = [o.name for o in sess.get_outputs()]
-        self._sessions[fname] = (sess, list(ins), outs)
-        return self._sessions[fname]
+        self._sessions[key] = (sess, list(ins), outs)
+        return self._sessions[key]
 
     def prepare(self, fnames) -> None:
         """Create the sessions of these functions now (each takes ONNX Runtime's graph optimisation)."""
         for f in fnames:
-            self._session(f)
+            for k in range(len(self._graphs[f])):
+                self._session(f, k)
 
     def run(self, fname: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
-        sess, ins, outs = self._session(fname)
+        if self.ranks is None:
+            return self._run_graph(fname, 0, inputs)["logits"]
+        # every rank runs rank 0's step; the segments with the collectives between them
+        env = dict(self.ranks.step(self._index[fname], fname, inputs))
+        for k, (_, spec) in enumerate(self._graphs[fname]):
+            env.update(self._run_graph(fname, k, env))
+            c = spec.get("collective")
+            if c is not None:
+                env[c["result"]] = self.ranks.all_reduce(env[c["operand"]], c["group"])
+        return env["logits"]
+
+    def share_ids(self, ids: list[int]) -> list[int]:
+        """Sampled ids as every rank takes them: rank 0's (`distributed.Ranks.share_ids`)."""
+        return ids if self.ranks is None else self.ranks.share_ids(ids)
+
+    def _run_graph(self, fname: str, k: int, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One graph; the rows it wrote stored into the state; its other outputs returned."""
+        sess, ins, outs = self._session(fname, k)
         io = sess.io_binding()
         for n in ins:
             a = inputs[n] if n in inputs else self.state[n]
@@ -180,10 +218,13 @@ class OrtBackend:
                     self.state[base][rows] = vals
                 elif ok.any():
                     self.state[base][rows[ok]] = vals[ok]
-        return res["logits"]
+        return {n: a for n, a in res.items() if not n.endswith((".rows", ".vals"))}
 
     def end_profiling(self) -> list[str]:
         return [s.end_profiling() for s, _, _ in self._sessions.values()]
 
     def close(self) -> None:
         self._sessions.clear()
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None

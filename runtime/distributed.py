@@ -1,11 +1,17 @@
 """torch.distributed for a partitioned program: the process group `torchrun` describes, the groups of the
-layout, and the collectives between ONNX segments (gloo on CPU).
+layout, the collectives between ONNX segments (gloo on CPU), and the lockstep of the ranks' sessions.
 
     ranks = join(layout, timeout_s)      # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment
     y = ranks.all_reduce(x, group=2)     # sum over this rank's group of 2 consecutive ranks
+    inputs = ranks.step(f, fname, inputs)  # rank 0's step (function and inputs), on every rank
+    toks = ranks.share_ids(toks)         # rank 0's sampled ids, on every rank
 
-Every collective has the process group's timeout, so a rank that dies or never arrives ends the others
-with an error in bounded time instead of a hang. A world size other than the layout's is one InputError.
+Every rank runs the same session calls; rank 0 owns the scheduler and sampling: each step's function and
+inputs and each sampled id come from it (a rank whose own step differs, from other prompts or arguments,
+is an InputError rather than a silent divergence). Every collective has the process group's timeout
+(`timeout_s`, default `V4COMPILE_DIST_TIMEOUT` seconds from the environment, else DEFAULT_TIMEOUT_S), so
+a rank that dies or never arrives ends the others with one DeviceError in bounded time instead of a hang.
+A world size other than the layout's is one InputError.
 """
 
 from __future__ import annotations
@@ -16,62 +22,155 @@ from datetime import timedelta
 import numpy as np
 import torch
 
-from v4compile.errors import InputError
+from v4compile.errors import DeviceError, InputError
 from v4compile.parallel import ParallelLayout
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 DEFAULT_TIMEOUT_S = 120
+TIMEOUT_ENV = "V4COMPILE_DIST_TIMEOUT"
+STEP_INPUTS = ("ids", "pos", "block_table", "slot")  # what a session step sends (`backend.py`)
+
+
+def _first(e: BaseException) -> str:
+    """The first line of torch.distributed's message (gloo's run to pages of C++ context)."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def timeout_from_env() -> float:
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        t = float(raw)
+    except ValueError:
+        t = -1.0
+    if not 0 < t <= 86400:
+        raise InputError(f"{TIMEOUT_ENV} must be seconds in (0, 86400]", found=raw[:40])
+    return t
 
 
 class Ranks:
     """This process's place in the layout, and one gloo group per consecutive block of each group size."""
 
-    def __init__(self, layout: ParallelLayout):
+    def __init__(self, layout: ParallelLayout, owns: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S):
         import torch.distributed as dist
 
         self.dist = dist
+        self.owns = owns  # whether `close` ends the process group (not when the caller had joined it)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.layout = layout
         self.groups: dict[int, object] = {}
         for size in sorted({layout.tp, layout.ep}):
             for start in range(0, self.world, size):  # every rank creates every group, in the same order
-                g = dist.new_group(list(range(start, start + size)), backend="gloo")
+                # the timeout again: a new group's default is torch's 30 minutes, not the process group's
+                g = dist.new_group(list(range(start, start + size)), backend="gloo",
+                                   timeout=timedelta(seconds=timeout_s))
                 if start <= self.rank < start + size:
                     self.groups[size] = g
 
+    def _do(self, what: str, fn, *a, **kw) -> None:
+        """A torch.distributed call; its failure (a peer gone, the timeout) is one DeviceError."""
+        try:
+            fn(*a, **kw)
+        except RuntimeError as e:  # gloo: "Connection closed by peer", "Timed out waiting ..."
+            raise DeviceError(f"rank {self.rank}: {what} failed (a rank died or did not arrive): {_first(e)}") from None
+
     def all_reduce(self, x: np.ndarray, group: int) -> np.ndarray:
+        return self.collective("all_reduce", torch.from_numpy(np.ascontiguousarray(x)), group).numpy()
+
+    def collective(self, op: str, x: torch.Tensor, group: int) -> torch.Tensor:
+        """A collective registry op (`ops/collective.py`) over this rank's group of `group` ranks: a new tensor."""
         if group not in self.groups:
             raise InputError("a collective over a group size the layout does not have", expected=sorted(self.groups),
                              found=group)
-        t = torch.from_numpy(np.ascontiguousarray(x)).clone()
-        self.dist.all_reduce(t, group=self.groups[group])
-        return t.numpy()
+        if op == "all_reduce":
+            t = x.contiguous().clone()
+            self._do(op, self.dist.all_reduce, t, group=self.groups[group])
+            return t
+        if op == "all_gather":
+            parts = [torch.empty_like(x.contiguous()) for _ in range(group)]
+            self._do(op, self.dist.all_gather, parts, x.contiguous(), group=self.groups[group])
+            return torch.cat(parts, dim=-1)
+        raise InputError(f"no collective '{op}'", expected="all_reduce, all_gather")
 
     def broadcast(self, x: np.ndarray, src: int = 0) -> np.ndarray:
         t = torch.from_numpy(np.ascontiguousarray(x)).clone()
-        self.dist.broadcast(t, src)
+        self._do("broadcast", self.dist.broadcast, t, src)
         return t.numpy()
 
+    def step(self, index: int, fname: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Rank 0's step (function `index` and its step inputs) on every rank: the one each rank runs."""
+        mine = np.concatenate([np.asarray([index], dtype=np.int64)] +
+                              [np.asarray(inputs[n]).astype(np.int64).reshape(-1) for n in STEP_INPUTS])
+        head = self.broadcast(np.asarray([index, mine.size], dtype=np.int64))
+        if tuple(head) != (index, mine.size):
+            raise InputError(f"rank {self.rank} runs another function than rank 0 (every rank must make the same "
+                             "session calls: the same prompts and arguments)", expected=f"function #{head[0]}",
+                             found=fname)
+        got = self.broadcast(mine)
+        if not np.array_equal(got, mine):
+            raise InputError(f"rank {self.rank}'s step inputs differ from rank 0's (every rank must make the same "
+                             "session calls: the same prompts and arguments)", where=fname)
+        out, at = {}, 1
+        for n in STEP_INPUTS:
+            a = np.asarray(inputs[n])
+            out[n] = got[at: at + a.size].reshape(a.shape).astype(a.dtype)
+            at += a.size
+        return out
+
+    def comm_ids(self, unique_id) -> dict[int, bytes]:
+        """This rank's communicator unique ids, one per group size (the GPU runtime's NCCL / RCCL, issue 18):
+        the first rank of each group makes it (`unique_id()`) and puts it in torch.distributed's store; the
+        others wait for it there (within the process group's timeout)."""
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        store, out = _get_default_store(), {}
+        for size in sorted(self.groups):
+            key = f"v4compile/comm/{size}/{self.rank // size}"
+            if self.rank % size == 0:
+                store.set(key, unique_id())
+            try:
+                out[size] = bytes(store.get(key))
+            except RuntimeError as e:
+                raise DeviceError(f"rank {self.rank}: the communicator id of its group never came: {_first(e)}") \
+                    from None
+        return out
+
+    def share_ids(self, ids: list[int]) -> list[int]:
+        """Rank 0's sampled ids, on every rank."""
+        return [int(t) for t in self.broadcast(np.asarray(ids, dtype=np.int64))]
+
     def close(self) -> None:
-        if self.dist.is_initialized():
+        if self.owns and self.dist.is_initialized():
             self.dist.destroy_process_group()
 
 
-def join(layout: ParallelLayout, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ranks:
+def join(layout: ParallelLayout, timeout_s: float | None = None) -> Ranks:
     """Join the process group of the standard environment (torchrun's) with gloo; check its size."""
     import torch.distributed as dist
+
+    timeout_s = timeout_from_env() if timeout_s is None else timeout_s
 
     missing = [k for k in ENV if k not in os.environ]
     if missing:
         raise InputError(f"a partitioned program ({layout.world} ranks) runs under torchrun",
                          expected=f"torchrun --nproc-per-node {layout.world} ...", found=f"no {', '.join(missing)}")
-    world = int(os.environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"]) if os.environ["WORLD_SIZE"].isdigit() else -1
+    if dist.is_initialized():
+        world = dist.get_world_size()
     if world != layout.world:
         raise InputError("the world size differs from the program's", expected=f"{layout.world} ranks "
                          f"(tp {layout.tp}, ep {layout.ep})", found=f"WORLD_SIZE {world}")
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
-    return Ranks(layout)
+    owns = not dist.is_initialized()
+    if owns:
+        try:
+            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        except (RuntimeError, ValueError) as e:  # the store: a rank that never arrives, a bad address
+            raise DeviceError(f"rank {os.environ['RANK']}: joining the process group failed: {_first(e)}") from None
+    try:
+        return Ranks(layout, owns, timeout_s)
+    except RuntimeError as e:  # new_group is itself a collective over the store
+        raise DeviceError(f"rank {os.environ['RANK']}: creating the process groups failed: {_first(e)}") from None
 
 
 def run_segment(sess, env: dict[str, np.ndarray], state: dict[str, np.ndarray],

@@ -91,18 +91,21 @@ def artifact_binaries(art: Artifact, device: str):
     return get
 
 
-def artifact_weights(art: Artifact, program=None):
-    """The artifact's weights, mapped (no copy; `Artifact.weights()`: each shard's header checked against
-    the manifest); with `program`, the program's weight buffers are checked against the manifest first."""
+def artifact_weights(art: Artifact, program=None, rank: int = 0):
+    """The artifact's weights (rank `rank`'s of a partitioned one), mapped (no copy; `Artifact.weights()`:
+    each shard's header checked against the manifest); with `program`, the program's weight buffers are
+    checked against the manifest first."""
     if program is not None:
         program_weight_types(art, program)
-    return art.weights()
+    return art.weights(rank)
 
 
 class ProgramBackend:
     def __init__(self, art: Artifact, device: str = "host", *, driver_lib: str | None = None, graphs: bool = True,
-                 kernels: str = "auto", threads: int | None = None):
+                 kernels: str = "auto", threads: int | None = None, ranks=None):
         t0 = time.perf_counter()
+        # a partitioned artifact: this process's rank (`distributed.Ranks`): its weights, its collectives
+        self.ranks = ranks
         if device == "host":
             # The host kernels are many tiny torch ops: one thread runs them 5-10x faster than several on a
             # shared machine (measured: tiny, 8 tokens, 1.6 s vs 19.9 s on 2 busy cores). Process-wide.
@@ -133,10 +136,10 @@ class ProgramBackend:
                                   f"device only): use --device host or cpu")
         binaries = artifact_binaries(art, device) if device != "host" else None
         t1 = time.perf_counter()
-        weights = artifact_weights(art, self.program)
+        weights = artifact_weights(art, self.program, ranks.rank if ranks is not None else 0)
         try:
             self.rt = CRuntime(self.program, weights, device, driver_lib=driver_lib, kernel_calls=calls,
-                               binaries=binaries)
+                               binaries=binaries, collective=ranks.collective if ranks is not None else None)
         finally:
             weights.close()
         self.weights_s = time.perf_counter() - t1
@@ -160,8 +163,17 @@ class ProgramBackend:
 
     def run(self, fname: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
         graph = self.graphs and self._funcs[fname].kind == "decode"
+        if self.ranks is not None:  # every rank runs rank 0's step
+            inputs = self.ranks.step(sorted(self._funcs).index(fname), fname, inputs)
         out = self.rt.run(fname, inputs, graph=graph)
         return out["logits"].float().numpy()
 
+    def share_ids(self, ids: list[int]) -> list[int]:
+        """Sampled ids as every rank takes them: rank 0's (`distributed.Ranks.share_ids`)."""
+        return ids if self.ranks is None else self.ranks.share_ids(ids)
+
     def close(self) -> None:
         self.rt.close()
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None

@@ -13,6 +13,10 @@ runtime checks (magic, version, sizes, every index and offset, an FNV-1a checksu
   When a family provides `specialise` (see `kernels.py`), its KernelCalls are the calls; otherwise (the `reference` kernels mode) one placeholder call per launch whose
   parameters are the launch's operands then results in signature order (absent optionals: NULL), run
   by the host driver's callback with the op's reference.
+* A collective launch (a partitioned program's `all_reduce`, `all_gather`) becomes one COLLECTIVE call
+  (code V4RT_COLLECTIVE, runtime/c/v4rt.h): symbol = the op, grid = (group, dtype code, 1), shared = the
+  operand's element count, parameters = operand, result. The driver runs it in order with the kernels
+  (GPU: NCCL / RCCL on its stream; host: the callback, like a placeholder call).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from v4compile.errors import DeviceError, IRError
+from v4compile.ir.registry import get_op
 from v4compile.program.core import Arg, FunctionProgram, Launch, Program
 
 MAGIC = b"V4RTTBL1"
@@ -29,6 +34,8 @@ TABLE_VERSION = 1
 KIND_CODE = {"arena": 0, "input": 1, "pool": 2, "state": 3, "weight": 4, "output": 5, "scratch": 6}
 PER_FUNCTION = ("input", "output")
 HOST_CODE_OBJECT = b"v4rt host placeholder code object\0"  # host kernels run in the callback
+COLLECTIVE = 0xFFFFFFFF  # the code of a collective call (V4RT_COLLECTIVE)
+COLLECTIVE_DTYPE = {"fp32": 0, "bf16": 1}  # V4RT_F32, V4RT_BF16
 
 
 def fnv1a64(data: bytes) -> int:
@@ -133,6 +140,21 @@ def _placeholder(l: Launch, slot, code: int) -> Call:
     return Call(code, l.specialisation, (1, 1, 1), (1, 1, 1), 0, tuple(params))
 
 
+def _collective(l: Launch, slot) -> Call:
+    (xn, x), = l.operands
+    (yn, y), = l.results
+    if x.type.dtype not in COLLECTIVE_DTYPE:
+        raise IRError(f"{l.op} of {x.type.dtype} values", expected=", ".join(COLLECTIVE_DTYPE))
+    for a in (x, y):  # NCCL reads and writes whole contiguous ranges
+        dense = [1]
+        for n in reversed(a.type.shape[1:]):
+            dense.insert(0, dense[0] * n)
+        if a.type.rank and list(a.strides) != dense:
+            raise IRError(f"{l.op}: %{a.value} is not contiguous", expected=dense, found=list(a.strides))
+    return Call(COLLECTIVE, l.op, (int(l.attrs["group"]), COLLECTIVE_DTYPE[x.type.dtype], 1), (1, 1, 1),
+                x.type.numel, (Param(*slot(x), f"operand:{xn}"), Param(*slot(y), f"result:{yn}")))
+
+
 def build_schedule(p: Program, kernel_calls=None, functions: list[str] | None = None, warp: int = 32,
                    binaries=None) -> Schedule:
     """`kernel_calls(launch) -> list[KernelCall] | None` (see kernels.py): the real kernels of a launch
@@ -185,6 +207,10 @@ def build_schedule(p: Program, kernel_calls=None, functions: list[str] | None = 
 
         calls, launch_of = [], []
         for li, (l, kcs) in enumerate(plan[fname]):
+            if get_op(l.op).collective:
+                calls.append(_collective(l, slot))
+                launch_of.append(li)
+                continue
             if kcs is None:
                 calls.append(_placeholder(l, slot, host_code()))
                 launch_of.append(li)

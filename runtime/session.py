@@ -307,7 +307,7 @@ class Session:
                     i = waiting.popleft()
                     s = self.open()
                     try:
-                        tok = self._sample(self.extend(s, prompts[i])[None], temperature, top_p, rng)[0]
+                        tok = self._next_ids(self.extend(s, prompts[i])[None], temperature, top_p, rng)[0]
                     except BaseException:
                         self.release(s)
                         raise
@@ -324,7 +324,7 @@ class Session:
                                          "open sequences first)", found=f"{len(self.seqs)} open")
                     continue
                 logits = self.decode([s for _, s, _ in live], [t for _, _, t in live])
-                toks = self._sample(logits, temperature, top_p, rng)
+                toks = self._next_ids(logits, temperature, top_p, rng)
                 nxt = []
                 for (i, s, _), tok in zip(live, toks):
                     out[i].append(tok)
@@ -338,6 +338,12 @@ class Session:
                 self.release(s)
             raise
         return out
+
+    def _next_ids(self, logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> list[int]:
+        """The sampled ids; a partitioned artifact's ranks all take rank 0's (`distributed.Ranks.share_ids`)."""
+        toks = self._sample(logits, temperature, top_p, rng)
+        share = getattr(self.backend, "share_ids", None)
+        return share(toks) if share is not None else toks
 
     @staticmethod
     def _sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> list[int]:
@@ -391,6 +397,8 @@ def load(path, device: str = "auto", *, threads: int | None = None, verify: bool
     if device == "auto":
         device = auto_device(art)
         log.info("device auto: %s", device)
+    if "parallel" in art.manifest:
+        return _load_rank(art, device, threads, graphs, kernels)
     if device in ("host", "hip", "cuda"):
         from .program_backend import ProgramBackend
 
@@ -399,3 +407,31 @@ def load(path, device: str = "auto", *, threads: int | None = None, verify: bool
     from .cpu_backend import OrtBackend
 
     return Session(art, OrtBackend(art, threads=threads))
+
+
+def _load_rank(art: Artifact, device: str, threads: int | None, graphs: bool, kernels: str) -> Session:
+    """This process's rank of a partitioned artifact (`--tp` / `--ep`) under torchrun: it joins the process
+    group (`distributed.join`) and maps its own weights only. Device cpu: the ONNX segments with gloo
+    between them; host: the C runtime, whose collective launches come back to Python and run on gloo.
+    Every rank makes the same session calls; rank 0's steps and sampled ids are the ones run."""
+    from v4compile.parallel import ParallelLayout
+
+    from .distributed import join
+
+    if device not in ("cpu", "host"):
+        raise InputError("a partitioned artifact runs on the cpu or host device (the GPU program has no "
+                         "collective launches yet)", where=str(art.path), expected="device cpu or host", found=device)
+    p = art.manifest["parallel"]
+    ranks = join(ParallelLayout(p["tp"], p["ep"]))
+    try:
+        if device == "host":
+            from .program_backend import ProgramBackend
+
+            return Session(art, ProgramBackend(art, "host", graphs=graphs, kernels=kernels, threads=threads,
+                                               ranks=ranks))
+        from .cpu_backend import OrtBackend
+
+        return Session(art, OrtBackend(art, threads=threads, ranks=ranks))
+    except BaseException:
+        ranks.close()
+        raise

@@ -92,6 +92,12 @@ def fake_driver(kind: str) -> Path:
                                          f"-DFAKE_{kind.upper()}"), [FAKE_DIR / "fake_driver.c"])
 
 
+def fake_nccl() -> Path:
+    """The fake libnccl.so.2 (tests/fake_driver/fake_nccl.c), on top of the fake CUDA driver."""
+    return _build("libfake_nccl.so", ("-std=c11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared"),
+                  [FAKE_DIR / "fake_nccl.c"])
+
+
 class Fake:
     """The fake driver's record, read through ctypes (same library instance the runtime dlopens)."""
 

@@ -13,7 +13,9 @@ and `v4compile.load(DIR)` reads. The runtime needs this module and the program, 
                                its own directory; the manifest's `parallel` gives the layout and every
                                rank's `weights` entry (the top-level `weights` is rank 0's)
     DIR/onnx/<function>.onnx   the `cpu` target: one ONNX model per function (weights are graph inputs,
-                               never copied into these files)
+                               never copied into these files); a partitioned module's function is its
+                               segments cut at the collectives instead, `<function>.s<k>.onnx`, listed
+                               with the collective after each under the function's `segments`
     DIR/module.ir              the final IR (text form) of the cpu pipeline
     DIR/gpu/module.ir          the final IR of the gpu pipeline (GPU targets)
     DIR/gpu/program.txt        its program: buffers and ordered launches (codegen/gpu_target.py)
@@ -135,15 +137,30 @@ class Artifact:
     verified: bool = True
     deferred: tuple[str, ...] = ()  # files whose hash the weights reader checks as it streams them
 
-    def weights(self):
-        """The weights, mapped (`weights_io.MappedWeights`), every shard opened through `file` (listed,
-        confined, a regular file); the deferred shards are hashed as streamed."""
+    def weights(self, rank: int = 0):
+        """The weights (of rank `rank` in a partitioned artifact: its own directory only), mapped
+        (`weights_io.MappedWeights`), every shard opened through `file` (listed, confined, a regular file);
+        the deferred shards are hashed as streamed."""
         from .weights_io import MappedWeights
 
         files = self.manifest["files"]
-        return MappedWeights(self.path, self.manifest["weights"]["tensors"], ArtifactError,
-                             {rel: files[rel] for rel in self.deferred} if self.deferred else None,
+        entry = self.rank_weights(rank)
+        deferred = {rel: files[rel] for rel in self.deferred if rel in entry["shards"]}
+        return MappedWeights(self.path, entry["tensors"], ArtifactError, deferred or None,
                              path_of=lambda rel: self.file(rel, "weights shard"))
+
+    def rank_weights(self, rank: int) -> dict[str, Any]:
+        """The manifest's `weights` entry of rank `rank` (the top-level one for an unpartitioned artifact)."""
+        p = self.manifest.get("parallel")
+        if p is None:
+            if rank != 0:
+                raise ArtifactError("the artifact is not partitioned: it has rank 0 only", where=str(self.path),
+                                    found=f"rank {rank}")
+            return self.manifest["weights"]
+        if not 0 <= rank < p["world"]:
+            raise ArtifactError("no such rank in the artifact's layout", where=str(self.path),
+                                expected=f"0 <= rank < {p['world']}", found=rank)
+        return p["rank_weights"][rank]
 
     def target(self, name: str) -> dict[str, Any]:
         for t in self.manifest["targets"]:
@@ -172,8 +189,8 @@ def load_artifact(path: str | Path, verify: bool = True, defer_weights: bool = F
     """Read and check an artifact directory: the manifest (not through a symlink; one typed schema, see
     `manifest.py`), then every file it lists (inside the artifact, a regular file, and with `verify` its
     hash; a weights shard's is its `shard_digest`). Nothing outside the directory is opened. With
-    `defer_weights` the weight shards' hashes are left to `Artifact.weights()`, which hashes them as it reads
-    them (one read of every byte, not two)."""
+    `defer_weights` the weight shards' hashes (every rank's) are left to `Artifact.weights(rank)`, which
+    hashes its rank's as it reads them (one read of every byte, not two; never another rank's)."""
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise ArtifactError("an artifact is named by a directory path", found=repr(path)[:60])
     path = Path(path)
@@ -186,7 +203,8 @@ def load_artifact(path: str | Path, verify: bool = True, defer_weights: bool = F
         raise ArtifactError(e.what, where=str(path / MANIFEST) if e.where == MANIFEST else e.where,
                             expected=e.expected, found=e.found) from None
     files = manifest["files"]
-    shards = set(manifest["weights"].get("shards", [])) & set(files)
+    entries = [manifest["weights"], *manifest.get("parallel", {}).get("rank_weights", [])]
+    shards = {rel for w in entries for rel in w.get("shards", [])} & set(files)
     deferred = shards if verify and defer_weights else set()
     for rel, digest in sorted(files.items()):
         p = confined(path, rel, files)

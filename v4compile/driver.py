@@ -258,14 +258,26 @@ def _write_onnx(ci: CompileInputs, tmp: Path) -> dict[str, Any]:
 
     (tmp / "onnx").mkdir()
     funcs = {}
+    wnames = set(ci.module.weights)
+
+    def written(model, name: str) -> dict[str, Any]:
+        (tmp / "onnx" / f"{name}.onnx").write_bytes(model.SerializeToString(deterministic=True))
+        return {"file": f"onnx/{name}.onnx", "nodes": len(model.graph.node), **function_io(model, wnames)}
+
+    partitioned = ParallelLayout.of(ci.module) is not None
     for fname, fn in ci.module.functions.items():
-        model = export_function(ci.module, fname)
-        path = tmp / "onnx" / f"{fname}.onnx"
-        path.write_bytes(model.SerializeToString(deterministic=True))
-        io = function_io(model, set(ci.module.weights))
-        funcs[fname] = {"file": f"onnx/{fname}.onnx", "kind": fname.split("_")[0], "batch": fn.attrs["batch"],
-                        "tokens": fn.attrs["tokens"], "nodes": len(model.graph.node), **io}
-        del model
+        head = {"kind": fname.split("_")[0], "batch": fn.attrs["batch"], "tokens": fn.attrs["tokens"]}
+        if partitioned:  # ONNX Runtime cannot exchange values between ranks: segments cut at the collectives
+            from .codegen.onnx_segments import export_segments
+
+            segs = []
+            for k, (model, c) in enumerate(export_segments(ci.module, fname)):
+                segs.append({**written(model, f"{fname}.s{k}"), "collective": None if c is None else
+                             {"op": c.name, "operand": c.operands[0].name, "result": c.results[0].name,
+                              "group": c.attrs["group"]}})
+            funcs[fname] = {**head, "segments": segs}
+        else:
+            funcs[fname] = {**head, **written(export_function(ci.module, fname), fname)}
     return {"name": "cpu", "format": "onnx", "opset": OPSET, "onnx_version": onnx.__version__, "functions": funcs,
             "session": SessionOptions().to_manifest()}
 
@@ -284,7 +296,13 @@ def _report(ci: CompileInputs, targets: list[dict]) -> dict[str, Any]:
                       for n, f in ci.module.functions.items()},
         "weights_bytes": sum(w.type.nbytes for w in ci.module.weights.values()),
         "kv_bytes_per_token": ci.module.attrs.get("pool.kv_bytes_per_token"),
-        "targets": {t["name"]: {f: v["nodes"] if "nodes" in v else v["launches"] for f, v in t["functions"].items()}
-                    for t in targets},
+        "targets": {t["name"]: {f: _size(v) for f, v in t["functions"].items()} for t in targets},
         **({"gpu_kv_bytes_per_token": ci.gpu_module.attrs.get("pool.kv_bytes_per_token")} if ci.gpu_module else {}),
     }
+
+
+def _size(f: dict[str, Any]) -> int:
+    """A function's ONNX nodes (all its segments') or launches."""
+    if "segments" in f:
+        return sum(s["nodes"] for s in f["segments"])
+    return f["nodes"] if "nodes" in f else f["launches"]

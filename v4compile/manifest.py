@@ -286,6 +286,51 @@ def _check_parallel(p: Any, w: dict, cfg, listed) -> None:
             raise _err(f"`{key}.shards` lie outside weights/rank-{r}/", found=_show(outside[0]))
 
 
+def _check_onnx_graph(f: dict, fk: str, tensors: dict, listed) -> None:
+    """A cpu function's (or one of its segments') ONNX graph entry: its file, step inputs, outputs, weights."""
+    listed(_get(f, "file", f"{fk}.file"), f"{fk}.file")
+    _int(_get(f, "nodes", f"{fk}.nodes"), f"{fk}.nodes", 0, MAX_ENTRIES * 100)
+    ins = _strs(_get(f, "inputs", f"{fk}.inputs"), f"{fk}.inputs")
+    _strs(_get(f, "outputs", f"{fk}.outputs"), f"{fk}.outputs")
+    ws = _strs(_get(f, "weights", f"{fk}.weights"), f"{fk}.weights")
+    unknown = [x for x in ws if x not in tensors]
+    if unknown:
+        raise _err(f"`{fk}.weights` names a tensor `weights.tensors` lacks", found=_show(unknown[0]))
+    if set(ins) & set(ws):
+        raise _err(f"`{fk}`: a name is both a step input and a weight", found=_show(sorted(set(ins) & set(ws))[0]))
+
+
+def _check_segments(f: dict, fk: str, parallel: bool, tensors: dict, listed) -> None:
+    """A partitioned function's ONNX segments (`codegen/onnx_segments.py`): each a graph, each but the last
+    followed by a collective whose operand that segment outputs; the last outputs the logits."""
+    if not parallel:
+        raise _err(f"`{fk}.segments`: a function cut at collectives needs the manifest's `parallel` layout")
+    if set(f) - {"kind", "batch", "tokens", "segments"}:
+        raise _err(f"`{fk}`: a segmented function has no fields beside kind, batch, tokens and segments",
+                   found=_show(sorted(set(f) - {"kind", "batch", "tokens", "segments"})))
+    segs = _list(f["segments"], f"{fk}.segments")
+    if not segs:
+        raise _err(f"`{fk}.segments` is empty")
+    for k, seg in enumerate(segs):
+        sk = f"{fk}.segments[{k}]"
+        seg = _obj(seg, sk)
+        _check_onnx_graph(seg, sk, tensors, listed)
+        c = _get(seg, "collective", f"{sk}.collective")
+        if (c is None) != (k == len(segs) - 1):
+            raise _err(f"`{sk}.collective`: every segment but the last ends at a collective",
+                       found=_show(c))
+        if c is None:
+            if "logits" not in seg["outputs"]:
+                raise _err(f"`{sk}`: the last segment must output the logits")
+            continue
+        c = _obj(c, f"{sk}.collective")
+        _str(_get(c, "op", f"{sk}.collective.op"), f"{sk}.collective.op", ("all_reduce",))
+        _int(_get(c, "group", f"{sk}.collective.group"), f"{sk}.collective.group", 1, 1 << 14)
+        if _str(_get(c, "operand", f"{sk}.collective.operand"), f"{sk}.collective.operand") not in seg["outputs"]:
+            raise _err(f"`{sk}.collective.operand` is not an output of its segment", found=_show(c["operand"]))
+        _str(_get(c, "result", f"{sk}.collective.result"), f"{sk}.collective.result")
+
+
 def check_manifest(m: dict[str, Any], verify: bool = True) -> None:
     """Every field the loader and the runtime read: types, ranges, sizes, agreement. See the module doc."""
     from .config import V4Config
@@ -426,17 +471,10 @@ def check_manifest(m: dict[str, Any], verify: bool = True) -> None:
                 got = _get(f, k, f"{fk}.{k}")
                 if isinstance(got, bool) or got != v:
                     raise _err(f"`{fk}.{k}` disagrees with the function's bucket", expected=_show(v), found=_show(got))
-            if name == "cpu":
-                listed(_get(f, "file", f"{fk}.file"), f"{fk}.file")
-                _int(_get(f, "nodes", f"{fk}.nodes"), f"{fk}.nodes", 0, MAX_ENTRIES * 100)
-                ins = _strs(_get(f, "inputs", f"{fk}.inputs"), f"{fk}.inputs")
-                _strs(_get(f, "outputs", f"{fk}.outputs"), f"{fk}.outputs")
-                ws = _strs(_get(f, "weights", f"{fk}.weights"), f"{fk}.weights")
-                unknown = [x for x in ws if x not in tensors]
-                if unknown:
-                    raise _err(f"`{fk}.weights` names a tensor `weights.tensors` lacks", found=_show(unknown[0]))
-                if set(ins) & set(ws):
-                    raise _err(f"`{fk}`: a name is both a step input and a weight", found=_show(sorted(set(ins) & set(ws))[0]))
+            if name == "cpu" and "segments" in f:
+                _check_segments(f, fk, "parallel" in m, tensors, listed)
+            elif name == "cpu":
+                _check_onnx_graph(f, fk, tensors, listed)
             else:
                 for k in ("launches", "kernel_calls"):
                     _int(_get(f, k, f"{fk}.{k}"), f"{fk}.{k}", 0, MAX_ENTRIES)

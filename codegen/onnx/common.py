@@ -1,5 +1,4 @@
-"""ONNX lowerings of ops without a kernel family: reshape, split, fp8_round, hadamard_fp4_round, rope,
-local_experts."""
+"""ONNX lowerings of ops without a kernel family: reshape, split, fp8_round, hadamard_fp4_round, rope."""
 
 from __future__ import annotations
 
@@ -23,10 +22,3 @@ def lower_hadamard_fp4_round(g, o, a, r):
 def lower_rope(g, o, a, r):
     return g.rotate(o.x, o.types["x"], g.as_i64(o.pos, o.types["pos"].dtype), o.types["pos"].rank, a["dim"],
                     a["theta"], tuple(a["yarn"]), a["inverse"])
-
-
-def lower_local_experts(g, o, a, r):
-    if o.types["weights"].dtype != "fp32":
-        raise NotImplementedError("local_experts on non-fp32 routing weights (cpu: fp32)")
-    local = g.op("Gather", o.owner, o.indices, axis=0)
-    return g.where(g.op("GreaterOrEqual", local, g.iscalar(0)), o.weights, g.scalar(0.0)), g.clamp_min0(local)

@@ -29,6 +29,14 @@ struct v4drv {
     int (*graph_launch)(v4drv *d, void *graph);
     int (*graph_destroy)(v4drv *d, void *graph);
     int (*sync)(v4drv *d);
+    /* A collective call of the launch table (v4rt.h, V4RT_COLLECTIVE: op = its symbol) of `count` elements
+     * of `dtype` from `send` into `recv` over this rank's group of `group` ranks, on the runtime's stream
+     * (during a capture it is recorded into the graph). tag as for launch. NULL: the driver has none. */
+    int (*collective)(v4drv *d, const char *op, uint32_t group, uint32_t dtype, uint64_t count, uint64_t send,
+                      uint64_t recv, uint64_t tag);
+    /* Join the communicators (v4rt_comm_init). NULL: the driver needs none (the host's callback has them). */
+    int (*comm_init)(v4drv *d, const char *lib, uint32_t rank, uint32_t n, const uint32_t *sizes,
+                     const unsigned char *ids);
     /* Make the device usable from the calling thread (CUDA: its context current, as Triton's launchers do
      * per launch): the core calls it on entry to every public function. NULL: nothing to do. */
     int (*bind_thread)(v4drv *d);
@@ -44,5 +52,15 @@ void v4rt_seterr(const char *fmt, ...)
 int v4drv_host_open(v4drv *d, v4rt_host_kernel cb, void *user);
 int v4drv_hip_open(v4drv *d, const char *lib);
 int v4drv_cuda_open(v4drv *d, const char *lib);
+
+/* NCCL / RCCL (drv_nccl.c), for the GPU drivers: the library's unique id, communicators per group size,
+ * collectives enqueued on a stream; a comm is NULL until joined. */
+typedef struct v4comm v4comm;
+int v4comm_unique_id(const char *lib, unsigned char *id);
+int v4comm_open(v4comm **out, const char *lib, uint32_t rank, uint32_t n, const uint32_t *sizes,
+                const unsigned char *ids);
+int v4comm_run(v4comm *c, const char *op, uint32_t group, uint32_t dtype, uint64_t count, uint64_t send,
+               uint64_t recv, void *stream);
+void v4comm_close(v4comm *c);
 
 #endif

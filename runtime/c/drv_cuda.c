@@ -103,7 +103,8 @@ static const gpu_sym SYMS[] = {
 
 /* 48 KiB is the default dynamic shared memory of a block on every NVIDIA GPU; more (sm_90: up to 227 KiB)
  * needs the opt-in. */
-static const gpu_api CUDA = {.name = "cuda", .default_lib = "libcuda.so.1", .state_size = sizeof(cu_t),
+static const gpu_api CUDA = {.name = "cuda", .default_lib = "libcuda.so.1", .comm_lib = "libnccl.so.2",
+                             .state_size = sizeof(cu_t),
                              .syms = SYMS, .stream_flags = CU_STREAM_NON_BLOCKING,
                              .capture_mode = CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, .shared_default = 48 * 1024,
                              .shared_attribute = CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -223,11 +223,28 @@ static int g_bind_thread(v4drv *d) {
     gpu *g = d->state;
     return g->api->make_current ? g->api->make_current(g) : 0;
 }
+/* Collectives go on the runtime's stream too: ordered with the kernels, and captured with them. */
+static int g_collective(v4drv *d, const char *op, uint32_t group, uint32_t dtype, uint64_t count, uint64_t send,
+                        uint64_t recv, uint64_t tag) {
+    gpu *g = d->state;
+    (void)tag;
+    return v4comm_run(g->comm, op, group, dtype, count, send, recv, g->stream);
+}
+static int g_comm_init(v4drv *d, const char *lib, uint32_t rank, uint32_t n, const uint32_t *sizes,
+                       const unsigned char *ids) {
+    gpu *g = d->state;
+    if (g->comm) {
+        v4rt_seterr("collectives: the communicators are already joined");
+        return 1;
+    }
+    return v4comm_open(&g->comm, lib ? lib : g->api->comm_lib, rank, n, sizes, ids);
+}
 static void g_shutdown(v4drv *d) {
     gpu *g = d->state;
     if (!g) return;
     if (g->pending) (void)drain(g); /* no copy may still read the staging buffers (a failure: nothing better to do) */
     if (g->staging) stage_close(g);
+    v4comm_close(g->comm);
     if (g->stream) g->stream_destroy(g->stream);
     if (g->api->device_close) g->api->device_close(g);
     if (g->lib) dlclose(g->lib);
@@ -248,7 +265,7 @@ int gpu_open(v4drv *d, const gpu_api *api, const char *lib) {
                  .get_function = g_get_function, .func_shared = g_func_shared, .launch = g_launch,
                  .capture_begin = g_capture_begin, .capture_end = g_capture_end, .graph_launch = g_graph_launch,
                  .graph_destroy = g_graph_destroy, .sync = g_sync, .bind_thread = g_bind_thread,
-                 .shutdown = g_shutdown};
+                 .collective = g_collective, .comm_init = g_comm_init, .shutdown = g_shutdown};
     g->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!g->lib) {
         const char *e = dlerror();

@@ -30,6 +30,7 @@ typedef struct {
     const gpu_api *api;
     void *lib;
     void *stream;
+    v4comm *comm; /* NCCL / RCCL communicators (v4rt_comm_init), NULL until joined */
     int (*init)(unsigned flags);
     int (*stream_create)(void **stream, unsigned flags);
     int (*stream_destroy)(void *stream);
@@ -70,6 +71,7 @@ typedef struct {
 struct gpu_api {
     const char *name;        /* "hip" / "cuda": the v4drv name and the prefix of its errors */
     const char *default_lib; /* the system's driver library */
+    const char *comm_lib;    /* the system's collective library (NCCL / RCCL) */
     size_t state_size;       /* the driver's state struct (a gpu first) */
     const gpu_sym *syms;     /* every entry point to resolve, in this order; ends with {NULL, 0} */
     unsigned stream_flags;   /* a non-blocking stream */

@@ -78,7 +78,8 @@ static const gpu_sym SYMS[] = {
 
 /* 64 KiB of LDS per workgroup is every AMD GPU's; above it (gfx950: up to 160 KiB) the kernel is opted in as
  * on CUDA, and HIP checks the amount against the device's LDS then rather than at the first launch. */
-static const gpu_api HIP = {.name = "hip", .default_lib = "libamdhip64.so", .state_size = sizeof(hip_t),
+static const gpu_api HIP = {.name = "hip", .default_lib = "libamdhip64.so", .comm_lib = "librccl.so",
+                            .state_size = sizeof(hip_t),
                             .syms = SYMS, .stream_flags = HIP_STREAM_NON_BLOCKING,
                             .capture_mode = HIP_CAPTURE_MODE_THREAD_LOCAL, .shared_default = 64 * 1024,
                             .shared_attribute = HIP_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_MEMORY_SIZE,

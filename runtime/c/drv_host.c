@@ -117,6 +117,19 @@ static int h_launch(v4drv *d, void *fn, const uint32_t grid[3], const uint32_t b
     return 0;
 }
 
+/* A collective comes back to the callback like a kernel (its call's tag names it; the parameters are its
+ * operand and result): the caller runs it (torch.distributed), recorded and replayed in a graph alike. */
+static int h_collective(v4drv *d, const char *op, uint32_t group, uint32_t dtype, uint64_t count, uint64_t send,
+                        uint64_t recv, uint64_t tag) {
+    static const uint32_t one[3] = {1, 1, 1};
+    const uint64_t params[2] = {send, recv};
+    (void)op;
+    (void)group;
+    (void)dtype;
+    (void)count;
+    return h_launch(d, NULL, one, one, 0, 2, params, tag);
+}
+
 static void h_graph_free(hgraph *g) {
     for (uint32_t i = 0; i < g->n; i++) free(g->recs[i].params);
     free(g->recs);
@@ -193,6 +206,6 @@ int v4drv_host_open(v4drv *d, v4rt_host_kernel cb, void *user) {
                  .module_load = h_module_load, .module_unload = h_module_unload, .get_function = h_get_function,
                  .launch = h_launch, .capture_begin = h_capture_begin, .capture_end = h_capture_end,
                  .graph_launch = h_graph_launch, .graph_destroy = h_graph_destroy, .sync = h_sync,
-                 .shutdown = h_shutdown};
+                 .collective = h_collective, .shutdown = h_shutdown};
     return 0;
 }

@@ -8,6 +8,7 @@
  *   function: n_functions x {u32 n_calls, u32 flags, then n_calls x call}
  *   call    : {u32 code, u32 symbol length, u32 grid[3], u32 block[3], u32 shared, u32 n_params},
  *             symbol bytes padded to 8, n_params x {i64 buffer (-1: NULL), u64 byte offset}
+ *             (code V4RT_COLLECTIVE: a collective, not a kernel; its fields as v4rt.h says)
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -83,6 +84,7 @@ struct v4rt {
     buf_t *buffers;
     void **modules;
     func_t *functions;
+    uint32_t n_collectives; /* collective calls in the table */
     v4rt_stats stats;
 };
 
@@ -207,12 +209,21 @@ static v4rt_status parse(v4rt *rt, const unsigned char **code_img, uint64_t *cod
                 return V4RT_E_TABLE;
             }
             k->symbol = (const char *)sym;
-            if (k->code >= rt->n_code) {
+            if (k->code == V4RT_COLLECTIVE) {
+                if ((strcmp(k->symbol, "all_reduce") != 0 && strcmp(k->symbol, "all_gather") != 0) ||
+                    !k->grid[0] || k->grid[1] > V4RT_BF16 || k->n_params != 2 || !k->shared) {
+                    v4rt_seterr("launch table: function %u call %u (%s): not a collective (all_reduce or "
+                                "all_gather of f32 / bf16 elements, operand and result)", f, c, k->symbol);
+                    return V4RT_E_TABLE;
+                }
+                rt->n_collectives++;
+            } else if (k->code >= rt->n_code) {
                 v4rt_seterr("launch table: function %u call %u (%s): code object %u of %u", f, c, k->symbol,
                             k->code, rt->n_code);
                 return V4RT_E_TABLE;
             }
-            if (!k->grid[0] || !k->grid[1] || !k->grid[2] || !k->block[0] || !k->block[1] || !k->block[2]) {
+            if (k->code != V4RT_COLLECTIVE &&
+                (!k->grid[0] || !k->grid[1] || !k->grid[2] || !k->block[0] || !k->block[1] || !k->block[2])) {
                 v4rt_seterr("launch table: function %u call %u (%s): empty grid or block", f, c, k->symbol);
                 return V4RT_E_TABLE;
             }
@@ -337,6 +348,11 @@ v4rt_status v4rt_open(uint32_t abi_version, const char *driver, const char *driv
         goto fail;
     }
     rt->drv_open = 1;
+    if (rt->n_collectives && !rt->drv.collective) {
+        v4rt_seterr("the launch table has %u collectives; the %s driver runs none", rt->n_collectives, driver);
+        st = V4RT_E_DRIVER;
+        goto fail;
+    }
     for (uint32_t m = 0; m < nc; m++)
         if (rt->drv.module_load(&rt->drv, img[m], isz[m], &rt->modules[m])) {
             wrap_err("code object %u (%llu bytes) failed to load", m, (unsigned long long)isz[m]);
@@ -347,6 +363,7 @@ v4rt_status v4rt_open(uint32_t abi_version, const char *driver, const char *driv
     for (uint32_t f = 0; f < nf; f++)
         for (uint32_t c = 0; c < rt->functions[f].n_calls; c++) {
             call_t *k = &rt->functions[f].calls[c];
+            if (k->code == V4RT_COLLECTIVE) continue; /* no kernel behind it */
             for (uint32_t g = 0; g <= f && !k->fn; g++) /* one lookup per (code object, symbol) */
                 for (uint32_t d = 0; d < (g == f ? c : rt->functions[g].n_calls); d++) {
                     call_t *e = &rt->functions[g].calls[d];
@@ -372,7 +389,7 @@ v4rt_status v4rt_open(uint32_t abi_version, const char *driver, const char *driv
     for (uint32_t f = 0; f < nf && rt->drv.func_shared; f++)
         for (uint32_t c = 0; c < rt->functions[f].n_calls; c++) {
             call_t *k = &rt->functions[f].calls[c];
-            if (k->owner == k && k->shared_max && rt->drv.func_shared(&rt->drv, k->fn, k->shared_max)) {
+            if (k->code != V4RT_COLLECTIVE && k->owner == k && k->shared_max && rt->drv.func_shared(&rt->drv, k->fn, k->shared_max)) {
                 wrap_err("kernel '%s' in code object %u: allowing %u bytes of dynamic shared memory failed",
                          k->symbol, k->code, k->shared_max);
                 st = V4RT_E_LAUNCH;
@@ -460,8 +477,16 @@ static v4rt_status issue(v4rt *rt, uint32_t f) {
     func_t *fn = &rt->functions[f];
     for (uint32_t c = 0; c < fn->n_calls; c++) {
         call_t *k = &fn->calls[c];
-        if (rt->drv.launch(&rt->drv, k->fn, k->grid, k->block, k->shared, k->n_params, k->param,
-                           ((uint64_t)f << 32) | c)) {
+        uint64_t tag = ((uint64_t)f << 32) | c;
+        if (k->code == V4RT_COLLECTIVE) {
+            if (rt->drv.collective(&rt->drv, k->symbol, k->grid[0], k->grid[1], k->shared, k->param[0], k->param[1],
+                                   tag)) {
+                wrap_err("function %u call %u (%s over %u ranks): collective failed", f, c, k->symbol, k->grid[0]);
+                return V4RT_E_LAUNCH;
+            }
+            continue;
+        }
+        if (rt->drv.launch(&rt->drv, k->fn, k->grid, k->block, k->shared, k->n_params, k->param, tag)) {
             wrap_err("function %u call %u (%s): launch failed", f, c, k->symbol);
             return V4RT_E_LAUNCH;
         }
@@ -530,4 +555,32 @@ v4rt_status v4rt_get_stats(const v4rt *rt, v4rt_stats *out) {
     }
     *out = rt->stats;
     return V4RT_OK;
+}
+
+static const char *comm_default(const char *driver) {
+    return !driver ? NULL : strcmp(driver, "cuda") == 0 ? "libnccl.so.2" : strcmp(driver, "hip") == 0 ? "librccl.so" : NULL;
+}
+
+v4rt_status v4rt_comm_unique_id(const char *driver, const char *comm_lib, void *id) {
+    const char *lib = comm_lib ? comm_lib : comm_default(driver);
+    if (!lib || !id) {
+        v4rt_seterr("v4rt_comm_unique_id: a GPU driver (cuda, hip) or a library path, and an output, are required");
+        return V4RT_E_ARG;
+    }
+    return v4comm_unique_id(lib, id) ? V4RT_E_DRIVER : V4RT_OK;
+}
+
+v4rt_status v4rt_comm_init(v4rt *rt, const char *comm_lib, uint32_t rank, uint32_t n_groups, const uint32_t *sizes,
+                           const void *ids) {
+    if (!rt || !sizes || !ids) {
+        v4rt_seterr("v4rt_comm_init: runtime, group sizes and ids are required");
+        return V4RT_E_ARG;
+    }
+    if (!rt->drv.comm_init) {
+        v4rt_seterr("the %s driver joins no communicators (its collectives run in the host callback)", rt->drv.name);
+        return V4RT_E_ARG;
+    }
+    v4rt_status st = bind_thread(rt);
+    if (st) return st;
+    return rt->drv.comm_init(&rt->drv, comm_lib, rank, n_groups, sizes, ids) ? V4RT_E_DRIVER : V4RT_OK;
 }

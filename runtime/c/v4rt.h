@@ -42,6 +42,18 @@ typedef enum {
 typedef int (*v4rt_host_kernel)(void *user, uint32_t function, uint32_t call, uint32_t n_params,
                                 const uint64_t *params);
 
+/* Collectives of a partitioned program (issue 18): a launch-table call whose code object index is
+ * V4RT_COLLECTIVE is a collective, not a kernel: symbol "all_reduce" (sum) or "all_gather" (last axis),
+ * grid = {group size, dtype (V4RT_F32 / V4RT_BF16), 1}, block = {1, 1, 1}, shared = the element count of the
+ * operand, parameters = {operand, result}. The driver runs it on its stream, in order with the kernels
+ * (inside a captured graph: recorded and replayed with it): the host driver hands it to the host callback;
+ * the GPU drivers enqueue NCCL (CUDA, libnccl.so.2) or RCCL (HIP, librccl.so) on communicators joined
+ * with v4rt_comm_init, one per group size. */
+#define V4RT_COLLECTIVE 0xFFFFFFFFu
+#define V4RT_F32 0u
+#define V4RT_BF16 1u
+#define V4RT_COMM_ID_BYTES 128u /* ncclUniqueId */
+
 /* Counters, for checks and reports. */
 typedef struct {
     uint64_t launches;  /* kernel calls issued to the driver outside capture */
@@ -70,6 +82,16 @@ v4rt_status v4rt_read(v4rt *rt, uint32_t buffer, uint64_t offset, void *dst, uin
 v4rt_status v4rt_run(v4rt *rt, uint32_t function, int graph);
 v4rt_status v4rt_sync(v4rt *rt);
 v4rt_status v4rt_get_stats(const v4rt *rt, v4rt_stats *out);
+
+/* A communicator's unique id (V4RT_COMM_ID_BYTES bytes into `id`) from the collective library `comm_lib`
+ * (NCCL / RCCL; NULL: the default of `driver`, "cuda" or "hip"); the caller shares it with the other
+ * ranks of the group (torch.distributed's store). */
+v4rt_status v4rt_comm_unique_id(const char *driver, const char *comm_lib, void *id);
+/* Join this rank's communicators (GPU drivers): for each of `n_groups` group sizes `sizes[i]`, the group
+ * of consecutive ranks holding `rank`, as rank `rank % sizes[i]`, from its unique id (`ids`: n_groups x
+ * V4RT_COMM_ID_BYTES). Once per runtime, before running a function with collectives. */
+v4rt_status v4rt_comm_init(v4rt *rt, const char *comm_lib, uint32_t rank, uint32_t n_groups, const uint32_t *sizes,
+                           const void *ids);
 
 #ifdef __cplusplus
 }

@@ -108,7 +108,7 @@ def test_partition_twice_and_the_cli_pipelines(traced):
 
     from v4compile.cli.pipeline import pipeline_of
     args = SimpleNamespace(passes=None, target=None, tp=2, ep=1)
-    gpu = pipeline_of(args)  # down to the memory plan: the program has no collective launches yet
+    gpu = pipeline_of(args)  # down to the memory plan: no GPU kernels for a partitioned program yet
     assert gpu[0] == "partition{tp=2,ep=1}" and gpu[-1] == "plan_memory" and "lower_to_program" not in gpu
     args.target = "cpu"
     assert pipeline_of(args)[0] == "partition{tp=2,ep=1}"
@@ -366,39 +366,15 @@ def test_segments_check_fails_without_the_sums(monkeypatch):
 
 # ---- two processes with gloo ---------------------------------------------------------------------
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(d, world: int, ranks, timeout_s: float = 120):
-    """Start `ranks` of a `world`-rank group (torchrun's environment), wait for all with a deadline, reap."""
-    import os
-    import subprocess
+    """`dist_worker.py DIR` as ranks `ranks` of a `world`-rank group: (returncode, stderr) per rank."""
     import sys
     from pathlib import Path
 
-    port, procs = _free_port(), []
+    from dist_launch import launch
+
     worker = Path(__file__).resolve().parents[1] / "dist_worker.py"
-    for r in ranks:
-        env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(worker), str(d)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    out = []
-    try:
-        for p in procs:
-            o, e = p.communicate(timeout=timeout_s)
-            out.append((p.returncode, e))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+    return [(code, err) for code, _, err in launch([sys.executable, str(worker), str(d)], world, ranks, timeout_s)]
 
 
 @pytest.fixture(scope="module")

@@ -54,14 +54,11 @@ def cmd_compile(args) -> int:
     if args.output:
         _buckets_of(args)  # before any work
         targets = artifact_targets(args, targets)
-        if args.tp > 1 or args.ep > 1:
-            # Built so far: the per-rank weights (driver.write_rank_weights), the manifest's layout, the ONNX
-            # segments (codegen/onnx_segments.py) and gloo between them (runtime/distributed.py); missing: the
-            # segments in the artifact and its cpu backend, `run` under torchrun, the GPU program's collective
-            # launches. Refused before any work rather than failing after the weights.
-            raise InputError("-o with --tp / --ep: a partitioned artifact cannot be written yet (the artifact "
-                             "does not carry the ONNX segments, nor the GPU program collective launches)",
-                             expected="--report / --check-numerics with --tp / --ep, or -o without them")
+        if (args.tp > 1 or args.ep > 1) and targets != ["cpu"]:
+            # A partitioned artifact runs on the cpu device (ONNX segments cut at the collectives, gloo
+            # between them); the GPU program has no collective launches yet. Refused before any work.
+            raise InputError("-o with --tp / --ep writes the cpu target only (the GPU program has no collective "
+                             "launches yet)", expected="--target cpu", found=",".join(targets))
     if args.dtype is None:
         # ONNX Runtime's CPU kernels compute in fp32; GPU targets alone default to bf16.
         args.dtype = "fp32" if "cpu" in targets else "bf16"

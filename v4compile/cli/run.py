@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 import time
 
@@ -15,6 +17,12 @@ from .args import float_arg, int_arg, parse_ids, temperature_arg, threads_arg
 def cmd_run(args: argparse.Namespace) -> int:
     from ..runtime import load
 
+    if os.environ.get("RANK", "0") != "0":
+        # under torchrun every rank runs the same steps (a partitioned artifact) and only rank 0 prints;
+        # the others' errors still print (stderr, one `error:` line each)
+        logging.getLogger("v4compile").setLevel(logging.WARNING)
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (the process's stdout until it exits)
+        args.quiet_rank = True
     if args.prompt is not None:
         from .text import run_prompt
 
@@ -44,7 +52,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"ids": out, "tokens_per_s": round(tps, 2), "load_s": round(t_load, 4),
                           "warmup_s": round(t_warm, 4), "prefill_s": round(prefill, 4)}))
-    else:
+    elif not getattr(args, "quiet_rank", False):
         print(",".join(map(str, out)))
         print(f"{len(out)} tokens in {dt:.3f} s ({tps:.1f} tokens/s, prefill included) on {args.device}",
               file=sys.stderr)

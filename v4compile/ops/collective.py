@@ -29,7 +29,7 @@ def _one_rank(op: str, group: int) -> None:
         raise IRError(f"{op} over {group} ranks needs every rank's value", expected="interpret_ranks (all ranks)")
 
 
-@defop("all_reduce(x) -> y", attrs={"group": int})
+@defop("all_reduce(x) -> y", attrs={"group": int}, kernel="collective")
 def all_reduce(x, *, group):
     """The sum of `x` over the ranks of this rank's group (every rank gets the same sum)."""
     _one_rank("all_reduce", group)
@@ -63,7 +63,7 @@ def _(operands, results, attrs):
     return Cost(operands[0].numel * (n - 1) // n, b + moved, b + moved)
 
 
-@defop("all_gather(x) -> y", attrs={"group": int})
+@defop("all_gather(x) -> y", attrs={"group": int}, kernel="collective")
 def all_gather(x, *, group):
     """The group's values concatenated along the last axis in rank order."""
     _one_rank("all_gather", group)
@@ -87,7 +87,7 @@ def _(per_rank, attrs):
     return out
 
 
-@defop("local_experts(weights, indices, owner) -> weights_out, indices_out")
+@defop("local_experts(weights, indices, owner) -> weights_out, indices_out", kernel="local_experts")
 def local_experts(weights, indices, owner):
     """Expert parallelism: `owner[e]` is expert e's index in this rank's stack, -1 where another rank owns
     it. Routed slots of other ranks' experts get weight 0 (so they add exactly nothing) and index 0; this

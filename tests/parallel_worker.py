@@ -1,0 +1,66 @@
+"""One rank of partitioned artifacts loaded with `v4compile.load` under torchrun's environment, for
+tests/runtime/test_parallel_artifact.py:
+
+    python parallel_worker.py OUT PROMPTS.json ART [ART ...]
+
+For each artifact: load it (device `V4_TEST_DEVICE`: cpu, or host with the reference kernels), generate PROMPTS.json's prompts (`{"prompts": [...], "new": N}`,
+continuous batching over the decode bucket), recording every step's logits; writes `OUT/rank-<r>.npz`
+(`ids-<i>`, `logits-<i>` per artifact i). The process group is joined here once, so one launch checks
+several artifacts of the same world size. `V4_TEST_DIE_AT=K` (tests of a rank that dies): rank 1 exits
+abruptly at its K-th step. A V4Error prints one `error:` line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+
+
+def main(out: Path, prompts_file: Path, arts: list[str]) -> int:
+    import torch.distributed as dist
+
+    import v4compile
+    from v4compile.errors import V4Error
+    from v4compile.runtime.distributed import timeout_from_env
+
+    spec = json.loads(prompts_file.read_text())
+    rank = int(os.environ["RANK"])
+    die_at = int(os.environ.get("V4_TEST_DIE_AT", "0"))
+    device = os.environ.get("V4_TEST_DEVICE", "cpu")
+    kw = {"kernels": "reference"} if device == "host" else {}  # host: the ops' references (fast; see the test)
+    res = {}
+    try:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_from_env()))
+        for i, art in enumerate(arts):
+            sess = v4compile.load(art, device=device, threads=1, **kw)  # ranks share the cores
+            steps, run = [], sess.backend.run
+
+            def recorded(fname, inputs, run=run, steps=steps):
+                if rank == 1 and die_at and len(steps) + 1 == die_at:
+                    os._exit(3)  # no clean-up, no goodbye: as a killed process
+                steps.append(run(fname, inputs).copy())
+                return steps[-1]
+
+            sess.backend.run = recorded
+            ids = sess.generate(spec["prompts"], spec["new"])
+            res[f"ids-{i}"] = np.asarray([x for seq in ids for x in seq], dtype=np.int64)
+            res[f"lens-{i}"] = np.asarray([len(seq) for seq in ids], dtype=np.int64)
+            res[f"logits-{i}"] = np.concatenate(steps)
+            sess.close()
+        np.savez(out / f"rank-{rank}.npz", **res)
+        return 0
+    except V4Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]))
