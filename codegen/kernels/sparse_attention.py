@@ -31,6 +31,7 @@ import triton.language as tl
 
 from . import KernelCall, any_row, call_name, ptr, row_offsets, unaligned
 from .kvrows import TL_DTYPE, load_rows, plane_consts, pow2
+from .pdl import pdl_enter
 
 
 @triton.jit
@@ -101,7 +102,8 @@ def sparse_attention_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_in
                             O_SB: tl.constexpr, O_ST: tl.constexpr, O_SH: tl.constexpr,
                             FMT: tl.constexpr, NPLANES: tl.constexpr, NOPE: tl.constexpr, BLK: tl.constexpr,
                             S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
-                            DT: tl.constexpr, PREC: tl.constexpr):
+                            DT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     lane = tl.program_id(0)
     b = lane // T
     tq = lane % T
@@ -136,11 +138,12 @@ def sparse_attention_split_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, 
                                   NS: tl.constexpr, RS: tl.constexpr, ACC0: tl.constexpr,
                                   FMT: tl.constexpr, NPLANES: tl.constexpr, NOPE: tl.constexpr, BLK: tl.constexpr,
                                   S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
-                                  DT: tl.constexpr, PREC: tl.constexpr):
+                                  DT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
     """Decode (T == 1), pass 1: split `sp` of lane `lane` takes the slice [sp*RS, sp*RS + RS) of the lane's
     row list (window CSR rows, then compressed CSR rows; the last split also takes anything past NS*RS) and
     writes its partial (m, l, acc) without the sink. Split 0 also takes the lane's own kv row. A split past
     the end runs no loop and writes the neutral partial (m = sink, l = 0, acc = 0)."""
+    pdl_enter(PDL)
     lane = tl.program_id(0)
     sp = tl.program_id(2)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -182,9 +185,10 @@ def sparse_attention_split_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, 
 @triton.jit
 def sparse_attention_merge_kernel(sink_ptr, part_ptr, out_ptr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                                   BH: tl.constexpr, NS: tl.constexpr, ACC0: tl.constexpr,
-                                  O_SB: tl.constexpr, O_SH: tl.constexpr, DT: tl.constexpr):
+                                  O_SB: tl.constexpr, O_SH: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr = False):
     """Decode pass 2, the LSE merge of a lane's NS partials: M = max(sink, m_s),
     out = sum_s acc_s e^(m_s - M) / (e^(sink - M) + sum_s l_s e^(m_s - M)), the sink counted once."""
+    pdl_enter(PDL)
     lane = tl.program_id(0)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     col = tl.arange(0, DP)
