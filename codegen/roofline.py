@@ -130,8 +130,8 @@ def step_model(prog: Program, kernels, function: str, target: str, rows: list[di
         "calls_by_launch_kind": kinds,
         "launch_latency_s": {k: spec.launch_latency(k) for k in kinds},
         "hbm_bytes_s": spec.hbm_bytes_s, "launch_s": spec.launch_s,
-        "by_layer": {str(k): {"calls": v["calls"], "modeled_us": round(v["modeled_s"] * 1e6, 2), "kernel_bytes": v["bytes"]}
-                     for k, v in by_layer.items()},
+        "by_layer": {str(k): {"calls": v["calls"], "modeled_us": round(v["modeled_s"] * 1e6, 2),
+                              "kernel_bytes": v["bytes"]} for k, v in by_layer.items()},
     }
     out["time_ratio"] = round(out["modeled_us"] / max(out["roofline_us"], 1e-9), 3)
     if rows is not None:
@@ -141,6 +141,14 @@ def step_model(prog: Program, kernels, function: str, target: str, rows: list[di
         gemm_like = {c.name for c in calls if fam[c.name] in MMA_FAMILIES and c.flops}
         out["mma_missing"] = sorted(n for n in gemm_like if not by[n]["mma_instructions"])
     return out
+
+
+def add_collectives(m: dict[str, Any], collectives_us: float) -> None:
+    """Fold a partitioned step's collective time (the parallel model, `codegen/parallel_model.py`) into a
+    step model: the fourth part of its split, added to `modeled_us`."""
+    m["collectives_us"] = round(collectives_us, 2)
+    m["modeled_us"] = round(m["bandwidth_us"] + m["compute_us"] + m["launch_latency_us"] + collectives_us, 2)
+    m["time_ratio"] = round(m["modeled_us"] / max(m["roofline_us"], 1e-9), 3)
 
 
 def by_layer_kind(m: dict[str, Any], kind_of) -> dict[str, dict[str, Any]]:
@@ -162,7 +170,8 @@ def by_layer_kind(m: dict[str, Any], kind_of) -> dict[str, dict[str, Any]]:
 def render_layer_kinds(m: dict[str, Any]) -> str:
     return "      per layer kind: " + "; ".join(
         f"{k} ({v['layers']}{' layers' if k != 'other' else ''}): {v['calls_per_layer']:g} calls, "
-        f"{v['modeled_us_per_layer']:.1f} us, {v['kernel_bytes_per_layer']:,} bytes" for k, v in m["by_layer_kind"].items())
+        f"{v['modeled_us_per_layer']:.1f} us, {v['kernel_bytes_per_layer']:,} bytes"
+        for k, v in m["by_layer_kind"].items())
 
 
 def render_step(m: dict[str, Any]) -> str:
