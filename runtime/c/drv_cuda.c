@@ -29,6 +29,9 @@ typedef struct {
     unsigned n_attrs;
 } CUlaunchConfig;
 _Static_assert(sizeof(CUlaunchAttribute) == 72, "CUlaunchAttribute as in cuda.h");
+_Static_assert(offsetof(CUlaunchConfig, stream) == 32 && offsetof(CUlaunchConfig, attrs) == 40 &&
+                   offsetof(CUlaunchConfig, n_attrs) == 48 && sizeof(CUlaunchConfig) == 56,
+               "CUlaunchConfig as in cuda.h (LP64)");
 
 typedef struct {
     gpu g;
