@@ -44,12 +44,13 @@ from typing import Any
 
 from ..targets import TARGETS, cache_root
 from .kernels import KernelCall
-from .roofline import bandwidth_time, modeled_time
+from .kernels.pdl import PARAM as PDL_PARAM, declares_pdl, uses_pdl
+from .roofline import bandwidth_time, launch_kind, modeled_time
 
 log = logging.getLogger(__name__)
 
 
-AOT_FORMAT = 4  # bump when what a cache entry holds (binary, sidecar, stats) changes (4: no line info)
+AOT_FORMAT = 5  # bump when what a cache entry holds (binary, sidecar, stats) changes (5: PDL)
 
 
 # ---- job description (plain data, sent to workers) -------------------------------------------------------
@@ -95,9 +96,12 @@ def job_of(call: KernelCall, target: str) -> dict:
     py = getattr(fn, "fn", fn)
     module, qual = py.__module__, py.__qualname__
     sig = call.signature()
+    constexprs = dict(call.constexprs)
+    if declares_pdl(fn):  # the kernel's launches overlap on a target with PDL (kernels/pdl.py)
+        constexprs[PDL_PARAM] = uses_pdl(fn, target)
     job = {
         "name": call.name, "module": module, "fn": qual, "target": target, "signature": sig,
-        "constexprs": {k: _ce_encode(v) for k, v in sorted(call.constexprs.items())},
+        "constexprs": {k: _ce_encode(v) for k, v in sorted(constexprs.items())},
         "aligned": [a for a, t in sig.items() if t.startswith("*") and a not in call.unaligned],
         "num_warps": call.num_warps, "num_stages": call.num_stages,
         "pointers": [list(p) for p in call.pointers], "grid": list(call.grid),
@@ -153,6 +157,12 @@ def _compile_job(job: dict, cache_dir: str) -> dict:
     stats = (_amd_stats(c.asm["amdgcn"], md.shared, job["num_warps"]) if spec.backend == "hip"
              else _nv_stats(binary, c.asm["ptx"], ptxas_log.getvalue(), md.shared, job["num_warps"]))
     cpu_s = _cpu_seconds() - cpu0  # compile + stats (ptxas, nvdisasm included): the job's whole CPU cost
+    pdl = bool(constexprs.get(PDL_PARAM, False))
+    stats["gdc_waits"] = len(re.findall(r"^\s*griddepcontrol\.wait", c.asm.get("ptx", ""), re.M))
+    if pdl and not stats["gdc_waits"]:  # launched with the attribute, it would run before its inputs exist
+        from ..errors import CodegenError
+        raise CodegenError(f"{job['fn']} is to launch with PDL but its PTX holds no griddepcontrol.wait",
+                           where=job["name"])
     ptr_params = [p for p in names if job["signature"][p] != "constexpr"]
     roles = {p[0]: p for p in job["pointers"]}
     params = [{"name": p, "type": job["signature"][p], "kind": roles[p][1], "value": roles[p][2]} for p in ptr_params]
@@ -167,6 +177,7 @@ def _compile_job(job: dict, cache_dir: str) -> dict:
         "block": [int(md.num_warps) * spec.warp_size, 1, 1], "grid": job["grid"], "num_stages": job["num_stages"],
         "constexprs": job["constexprs"], "aligned_16": job["aligned"], "scratch_bytes": job["scratch_bytes"],
         "kernel": f"{job['module']}.{job['fn']}", "triton_version": triton.__version__, "key": job["key"],
+        "pdl": pdl,  # launch with programmatic stream serialization (kernels/pdl.py)
     }
     files = {"binary": binary,
              "sidecar.json": (json.dumps(sidecar, indent=1, sort_keys=True) + "\n").encode(),
@@ -448,7 +459,9 @@ def compile_calls(calls: list[KernelCall], targets: list[str] | tuple[str, ...],
             "shared_bytes": side["shared_bytes"], "mma_instructions": st["mma_instructions"],
             "occupancy": st["occupancy"], "occupancy_unit": st["occupancy_unit"], "num_warps": side["num_warps"],
             "grid": side["grid"], "flops": c.flops, "bytes": c.bytes_moved, "mma_dtype": mma_dtype,
-            "modeled_us": round(modeled_time(c.flops, c.bytes_moved, j["target"], mma_dtype) * 1e6, 3),
+            "modeled_us": round(modeled_time(c.flops, c.bytes_moved, j["target"], mma_dtype,
+                                             launch_kind(bool(side.get("pdl")))) * 1e6, 3),
+            "pdl": bool(side.get("pdl")), "gdc_waits": int(st.get("gdc_waits", 0)),
             "bandwidth_us": round(bandwidth_time(c.bytes_moved, j["target"]) * 1e6, 3),
             "compile_s": st.get("compile_s"), "cached": j["key"] not in fresh,
             "path": f"{j['target']}/{binary_name}", "sidecar": f"{j['target']}/{c.name}.json",

@@ -13,7 +13,8 @@
 
 Model (per rank, serial, no overlap): weights read at the HBM roofline (`targets.TARGETS`; the routed experts
 a step touches: each of the rank's experts is read when one of the batch's tokens picks it, expected
-fraction `1 - (1 - k/E)^tokens`), plus the per-launch latency of every launch (`targets.TARGETS`), plus each
+fraction `1 - (1 - k/E)^tokens`), plus the per-launch latency of every launch (`targets.TARGETS`: a graph node,
+with PDL on sm_90a), plus each
 all-reduce as a ring: `latency + 2 (n - 1) / n * bytes / link bandwidth` (`LINKS`). KV reads are left out
 (a decode step reads the window and the selected rows, small next to the weights at these batches).
 """
@@ -116,7 +117,9 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
         link, spec = LINKS[t], TARGETS[t]
         coll_s = sum(link.allreduce_latency_s + 2 * (c["group"] - 1) / c["group"] * c["bytes"] / link.bytes_s
                      for c in coll)
-        roof_s, launch_s = read / spec.hbm_bytes_s, launches * spec.launch_s
+        # every launch as a graph node, with PDL where the target has it (its kernels all wait: kernels/pdl.py)
+        kind = "graph_pdl" if spec.pdl else "graph"
+        roof_s, launch_s = read / spec.hbm_bytes_s, launches * spec.launch_latency(kind)
         steps[t] = {"device": link.device, "fits": per_rank + kv <= link.memory_bytes,
                     "memory_bytes": link.memory_bytes, "weights_read_bytes": int(read),
                     "roofline_us": round(roof_s * 1e6, 1), "launch_latency_us": round(launch_s * 1e6, 1),

@@ -1,4 +1,4 @@
-"""The modeled time of one step of a program on a GPU target, against the pure-bandwidth roofline.
+"""The modeled time of one step of a program on a GPU target, against its roofline.
 
     step_model(prog, kernels, function, target, rows=None) -> dict
 
@@ -8,21 +8,30 @@ Two byte counts per step:
   reads or writes, activations once).
 * `kernel_bytes`: what our kernels are modeled to move (`KernelCall.bytes_moved`: re-reads, scratch round
   trips and split-K partials included).
-Times (microseconds): `modeled_us` sums every kernel call's `modeled_time` (bandwidth or MMA
-bound, plus the target's stated per-launch latency under graph replay); `roofline_us` is `ideal_bytes`
-at the target's HBM bandwidth. `time_ratio = modeled_us / roofline_us` is what further fusion has to
-drive toward 1; `bytes_ratio = kernel_bytes / ideal_bytes` has the goal <= 1.05 (`BYTES_GOAL`).
+Times (microseconds): every kernel call costs max(its bytes at HBM bandwidth, its FLOPs at the MMA peak)
+plus the per-launch latency of its launch kind: "graph" (a node of the replayed graph) or "graph_pdl" (a
+node launched with programmatic dependent launch: kernels that wait in `kernels/pdl.py`, on a target with
+PDL). The figures and their published sources are the target's (`v4compile/targets.py`, one home).
+`modeled_us` is the sum, split into `bandwidth_us` (calls bound by bytes), `compute_us` (calls bound by
+FLOPs) and `launch_latency_us`; `roofline_us` is the step's own roofline: the larger of `ideal_bytes` at
+HBM bandwidth and the registry's FLOPs at the MMA peak (decode is always the former).
+`time_ratio = modeled_us / roofline_us` is what further fusion has to drive toward 1; `bytes_ratio =
+kernel_bytes / ideal_bytes` has the goal <= 1.05 (`BYTES_GOAL`). `by_layer` gives per decoder layer
+(from each launch's location, `layers.<i>.`) its kernel calls, modeled time and bytes; the report groups
+them by layer kind.
 With `rows` (the AOT report rows of these kernels) the step also says how many of its kernels spill and
 whether every GEMM-like kernel uses matrix instructions.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..ir.registry import get_op
 from ..program.core import Program
 from ..targets import TARGETS
+from .kernels.pdl import uses_pdl
 
 BYTES_GOAL = 1.05
 # Kernel families whose FLOP-counting kernels multiply matrices: their binaries must hold MMA instructions
@@ -30,11 +39,23 @@ BYTES_GOAL = 1.05
 MMA_FAMILIES = ("gemm", "grouped_gemm", "moe", "sparse_attention", "indexer")
 
 
-def modeled_time(flops: int, bytes_moved: int, target: str, mma_dtype: str = "bf16") -> float:
-    """Seconds for one launch: max(bytes / HBM, flops / MMA peak) + the graph-replay launch latency."""
+LAUNCH_KINDS = ("graph", "graph_pdl")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def launch_kind(pdl: bool) -> str:
+    return "graph_pdl" if pdl else "graph"
+
+
+def peak_flops(target: str, mma_dtype: str) -> float:
     t = TARGETS[target]
-    peak = t.fp8_flops_s if mma_dtype in ("fp8", "fp4") else t.bf16_flops_s
-    return max(bytes_moved / t.hbm_bytes_s, flops / peak) + t.launch_s
+    return t.fp8_flops_s if mma_dtype in ("fp8", "fp4") else t.bf16_flops_s
+
+
+def modeled_time(flops: int, bytes_moved: int, target: str, mma_dtype: str = "bf16", kind: str = "graph") -> float:
+    """Seconds for one launch: max(bytes / HBM, flops / MMA peak) + the latency of its launch kind."""
+    t = TARGETS[target]
+    return max(bytes_moved / t.hbm_bytes_s, flops / peak_flops(target, mma_dtype)) + t.launch_latency(kind)
 
 
 def bandwidth_time(bytes_moved: int, target: str) -> float:
@@ -42,13 +63,17 @@ def bandwidth_time(bytes_moved: int, target: str) -> float:
     return bytes_moved / TARGETS[target].hbm_bytes_s
 
 
+def _cost(l):
+    return get_op(l.op).cost_of([a.type if a is not None else None for _, a in l.operands],
+                                [a.type for _, a in l.results], l.attrs)
+
+
 def ideal_bytes(prog: Program, function: str) -> int:
     """Registry cost of every launch of `function`; a weight buffer read by several launches counts once."""
     f = prog.functions[function]
     total, seen = 0, set()
     for l in f.launches:
-        c = get_op(l.op).cost_of([a.type if a is not None else None for _, a in l.operands],
-                                 [a.type for _, a in l.results], l.attrs)
+        c = _cost(l)
         total += c.bytes_read + c.bytes_written
         for _, a in l.operands:  # a weight shared between launches (none today) would be read once
             if a is not None and f.buffer(a.buffer).kind == "weight":
@@ -58,26 +83,55 @@ def ideal_bytes(prog: Program, function: str) -> int:
     return total
 
 
+def layer_of(loc: str) -> int | None:
+    """The decoder layer a launch belongs to, from its location (`layers.<i>.`); None outside the layers."""
+    m = _LAYER.search(loc or "")
+    return int(m.group(1)) if m else None
+
+
 def step_model(prog: Program, kernels, function: str, target: str, rows: list[dict] | None = None) -> dict[str, Any]:
     """`kernels`: the program's `ProgramKernels` (codegen.program_kernels)."""
     spec = TARGETS[target]
     fam: dict[str, str] = {}
     calls = []
+    ideal_flop_s = 0.0
+    by_layer: dict[Any, dict[str, float]] = {}
+    split = {"bandwidth": 0.0, "compute": 0.0, "launch": 0.0}
+    kinds = {k: 0 for k in LAUNCH_KINDS if k == "graph" or spec.pdl}
     for l, per in zip(prog.functions[function].launches, kernels.calls[function]):
-        for c in per:
-            if 0 not in c.grid:
-                calls.append(c)
-                fam[c.name] = l.kernel
-    modeled = sum(modeled_time(c.flops, c.bytes_moved, target, c.mma_dtype) for c in calls)
+        live = [c for c in per if 0 not in c.grid]
+        mma = next((c.mma_dtype for c in live if c.flops), "bf16")
+        ideal_flop_s += _cost(l).flops / peak_flops(target, mma)
+        layer = layer_of(l.loc)
+        row = by_layer.setdefault("other" if layer is None else layer, {"calls": 0, "modeled_s": 0.0, "bytes": 0})
+        for c in live:
+            calls.append(c)
+            fam[c.name] = l.kernel
+            kind = launch_kind(uses_pdl(c.fn, target))
+            kinds[kind] += 1
+            bw, fl = c.bytes_moved / spec.hbm_bytes_s, c.flops / peak_flops(target, c.mma_dtype)
+            split["bandwidth" if bw >= fl else "compute"] += max(bw, fl)
+            split["launch"] += spec.launch_latency(kind)
+            row["calls"] += 1
+            row["modeled_s"] += max(bw, fl) + spec.launch_latency(kind)
+            row["bytes"] += c.bytes_moved
+    modeled = sum(split.values())
     kbytes = sum(c.bytes_moved for c in calls)
     ideal = ideal_bytes(prog, function)
+    roof = max(ideal / spec.hbm_bytes_s, ideal_flop_s)
     out: dict[str, Any] = {
         "function": function, "target": target, "launches": len(prog.functions[function].launches),
         "kernel_calls": len(calls), "kernels": len({c.name for c in calls}), "kernel_bytes": kbytes, "ideal_bytes": ideal,
         "bytes_ratio": round(kbytes / max(ideal, 1), 4), "bytes_goal": BYTES_GOAL,
-        "modeled_us": round(modeled * 1e6, 2), "roofline_us": round(ideal / spec.hbm_bytes_s * 1e6, 2),
-        "launch_latency_us": round(len(calls) * spec.launch_s * 1e6, 2),
+        "modeled_us": round(modeled * 1e6, 2), "roofline_us": round(roof * 1e6, 2),
+        "roofline_bound": "compute" if ideal_flop_s > ideal / spec.hbm_bytes_s else "bandwidth",
+        "bandwidth_us": round(split["bandwidth"] * 1e6, 2), "compute_us": round(split["compute"] * 1e6, 2),
+        "launch_latency_us": round(split["launch"] * 1e6, 2),
+        "calls_by_launch_kind": kinds,
+        "launch_latency_s": {k: spec.launch_latency(k) for k in kinds},
         "hbm_bytes_s": spec.hbm_bytes_s, "launch_s": spec.launch_s,
+        "by_layer": {str(k): {"calls": v["calls"], "modeled_us": round(v["modeled_s"] * 1e6, 2),
+                              "kernel_bytes": v["bytes"]} for k, v in by_layer.items()},
     }
     out["time_ratio"] = round(out["modeled_us"] / max(out["roofline_us"], 1e-9), 3)
     if rows is not None:
@@ -89,12 +143,49 @@ def step_model(prog: Program, kernels, function: str, target: str, rows: list[di
     return out
 
 
+def add_collectives(m: dict[str, Any], collectives_us: float) -> None:
+    """Fold a partitioned step's collective time (the parallel model, `codegen/parallel_model.py`) into a
+    step model: the fourth part of its split, added to `modeled_us`."""
+    m["collectives_us"] = round(collectives_us, 2)
+    m["modeled_us"] = round(m["bandwidth_us"] + m["compute_us"] + m["launch_latency_us"] + collectives_us, 2)
+    m["time_ratio"] = round(m["modeled_us"] / max(m["roofline_us"], 1e-9), 3)
+
+
+def by_layer_kind(m: dict[str, Any], kind_of) -> dict[str, dict[str, Any]]:
+    """A step model's `by_layer` grouped by layer kind (`kind_of(layer) -> str`, e.g. `V4Config.kind`): layers,
+    kernel calls per layer, modeled microseconds per layer, kernel bytes per layer; launches outside the
+    layers as "other" (totals)."""
+    acc: dict[str, dict[str, float]] = {}
+    for layer, v in m["by_layer"].items():
+        k = "other" if layer == "other" else kind_of(int(layer))
+        a = acc.setdefault(k, {"layers": 0, "calls": 0, "modeled_us": 0.0, "kernel_bytes": 0})
+        a["layers"] += 1
+        for f in ("calls", "modeled_us", "kernel_bytes"):
+            a[f] += v[f]
+    return {k: {"layers": a["layers"], "calls_per_layer": round(a["calls"] / a["layers"], 2),
+                "modeled_us_per_layer": round(a["modeled_us"] / a["layers"], 2),
+                "kernel_bytes_per_layer": int(a["kernel_bytes"] / a["layers"])} for k, a in acc.items()}
+
+
+def render_layer_kinds(m: dict[str, Any]) -> str:
+    return "      per layer kind: " + "; ".join(
+        f"{k} ({v['layers']}{' layers' if k != 'other' else ''}): {v['calls_per_layer']:g} calls, "
+        f"{v['modeled_us_per_layer']:.1f} us, {v['kernel_bytes_per_layer']:,} bytes"
+        for k, v in m["by_layer_kind"].items())
+
+
 def render_step(m: dict[str, Any]) -> str:
     goal = "ok" if m["bytes_ratio"] <= m["bytes_goal"] else "MISSED"
-    s = (f"    {m['target']} @{m['function']}: modeled {m['modeled_us']:.1f} us vs bandwidth roofline "
-         f"{m['roofline_us']:.1f} us ({m['time_ratio']:.2f}x; {m['kernel_calls']} calls of {m['kernels']} kernels x "
-         f"{m['launch_s'] * 1e6:.0f} us latency = {m['launch_latency_us']:.0f} us); HBM bytes {m['kernel_bytes']:,} "
-         f"vs ideal {m['ideal_bytes']:,} ({m['bytes_ratio']:.3f}x, goal <= {m['bytes_goal']}: {goal})")
+    bound = m.get("roofline_bound", "bandwidth")
+    lat = ", ".join(f"{n} {k.replace('_', '+')} x {m['launch_latency_s'][k] * 1e6:.2f} us"
+                    for k, n in m["calls_by_launch_kind"].items() if n)
+    s = (f"    {m['target']} @{m['function']}: modeled {m['modeled_us']:.1f} us vs {bound} roofline "
+         f"{m['roofline_us']:.1f} us ({m['time_ratio']:.2f}x; {m['kernel_calls']} calls of {m['kernels']} kernels, "
+         f"launch latency {m['launch_latency_us']:.0f} us); HBM bytes {m['kernel_bytes']:,} "
+         f"vs ideal {m['ideal_bytes']:,} ({m['bytes_ratio']:.3f}x, goal <= {m['bytes_goal']}: {goal})"
+         f"\n      time split: bandwidth {m['bandwidth_us']:.1f} us + compute {m['compute_us']:.1f} us + launch "
+         f"latency {m['launch_latency_us']:.1f} us ({lat})"
+         + (f" + collectives {m['collectives_us']:.1f} us" if m.get("collectives_us") else ""))
     if "kernels_spilling" in m:
         s += (f"\n      static report: {len(m['kernels_spilling'])} of {m['kernels']} kernels spill"
               f"{' (' + ', '.join(m['kernels_spilling'][:4]) + ')' if m['kernels_spilling'] else ''}; "

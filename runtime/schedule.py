@@ -30,7 +30,8 @@ from v4compile.ir.registry import get_op
 from v4compile.program.core import Arg, FunctionProgram, Launch, Program
 
 MAGIC = b"V4RTTBL1"
-TABLE_VERSION = 1
+TABLE_VERSION = 2  # 2: per-call launch flags; collective calls
+LAUNCH_PDL = 1  # call flag: programmatic dependent launch (runtime/c/driver.h V4DRV_LAUNCH_PDL)
 KIND_CODE = {"arena": 0, "input": 1, "pool": 2, "state": 3, "weight": 4, "output": 5, "scratch": 6}
 PER_FUNCTION = ("input", "output")
 HOST_CODE_OBJECT = b"v4rt host placeholder code object\0"  # host kernels run in the callback
@@ -61,6 +62,11 @@ class Call:
     shared: int
     params: tuple[Param, ...]
     kernel: Any = None  # the KernelCall it came from (None: placeholder running the op's reference)
+    pdl: bool = False  # launched with programmatic stream serialization (its binary waits: sidecar "pdl")
+
+    @property
+    def flags(self) -> int:
+        return LAUNCH_PDL if self.pdl else 0
 
 
 @dataclass
@@ -101,7 +107,8 @@ class Schedule:
             out += struct.pack("<II", len(f.calls), 0)
             for c in f.calls:
                 sym = c.symbol.encode()
-                out += struct.pack("<II3I3III", c.code, len(sym), *c.grid, *c.block, c.shared, len(c.params))
+                out += struct.pack("<II3I3IIII", c.code, len(sym), *c.grid, *c.block, c.shared, len(c.params),
+                                   c.flags)
                 out += sym + b"\0" * (8 - len(sym) % 8)  # NUL-terminated, padded to 8
                 for p in c.params:
                     out += struct.pack("<qQ", p.buffer, p.offset)
@@ -260,7 +267,7 @@ def build_schedule(p: Program, kernel_calls=None, functions: list[str] | None = 
                             params.append(Param(index["scratch"], scratch_at[key], f"scratch:{tp['name']}")
                                           if key in scratch_at else Param(-1, 0, f"scratch:{tp['name']}"))
                     calls.append(Call(code_of[kc.name], side["symbol"], tuple(kc.grid), tuple(side["block"]),
-                                      int(side["shared_bytes"]), tuple(params), kc))
+                                      int(side["shared_bytes"]), tuple(params), kc, bool(side.get("pdl", False))))
                 launch_of.append(li)
         sched.functions.append(FunctionSchedule(fname, f, calls, launch_of))
     return sched

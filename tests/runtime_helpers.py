@@ -153,6 +153,10 @@ class Fake:
             out.append(tag.value.decode())
         return out
 
+    def pdl(self) -> list[bool]:
+        """Per logged launch (eager and replayed): launched with programmatic stream serialization."""
+        return [self.lib.fake_launch_pdl(i) == 1 for i in range(self.counts()["logged"])]
+
     def log(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...], bool]]:
         out = []
         name = ctypes.create_string_buffer(200)

@@ -91,11 +91,15 @@ def build_report(cfg: V4Config, traced: Module, result, targets: tuple[str, ...]
         gpu = [t for t in targets if t != "cpu"]
         if gpu and "decode" in prog.functions:
             from .codegen.program_kernels import program_kernels
-            from .codegen.roofline import step_model
+            from .codegen.roofline import by_layer_kind, step_model
 
             pk = program_kernels(prog)
             if pk.complete:
                 rep["decode_step"] = {t: step_model(prog, pk, "decode", t) for t in gpu}
+                if "prefill" in prog.functions:
+                    rep["prefill_step"] = {t: step_model(prog, pk, "prefill", t) for t in gpu}
+                for m in [*rep["decode_step"].values(), *rep.get("prefill_step", {}).values()]:
+                    m["by_layer_kind"] = by_layer_kind(m, cfg.kind)
     return rep
 
 
@@ -154,10 +158,18 @@ def render_report(rep: dict) -> str:
         lines.append(f"  program @{fname}: {p['launches']} launches, {p['specialisations']} launch signatures; "
                      + ", ".join(f"{k} x{v}" for k, v in p["kernel_families"].items()))
     if rep.get("decode_step"):
-        from .codegen.roofline import render_step
+        from .codegen.roofline import render_layer_kinds, render_step
 
         lines.append("  modeled decode step (kernel bytes and FLOPs at the target's roofline + per-launch latency):")
-        lines += [render_step(m) for m in rep["decode_step"].values()]
+        for m in rep["decode_step"].values():
+            lines += [render_step(m), render_layer_kinds(m)]
+    if rep.get("prefill_step"):
+        from .codegen.roofline import render_layer_kinds, render_step
+
+        lines.append("  modeled prefill chunk (the same model; roofline: the larger of ideal bytes at HBM and FLOPs "
+                     "at the MMA peak):")
+        for m in rep["prefill_step"].values():
+            lines += [render_step(m), render_layer_kinds(m)]
     acc = rep["kv_bytes_per_token_accounting"]
     lines.append("  KV bytes per token, accounting: " + ", ".join(f"{k} {v:.0f}" for k, v in acc.items()))
     return "\n".join(lines) + "\n"

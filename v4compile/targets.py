@@ -24,18 +24,43 @@ class TargetSpec:
     hbm_bytes_s: float    # peak HBM bandwidth
     fp8_flops_s: float    # dense fp8 MMA peak
     bf16_flops_s: float   # dense bf16 MMA peak
-    launch_s: float       # per-launch latency under graph replay (kernel-to-kernel gap, stated assumption)
+    launch_s: float       # per-launch latency of a graph node (kernel-to-kernel gap under graph replay)
+    launch_pdl_s: float | None  # the same with programmatic dependent launch; None: the target has none
     lds_bytes: int        # shared memory / LDS per CU / SM available to CTAs
     units: int            # CUs / SMs
 
+    @property
+    def pdl(self) -> bool:
+        """Whether kernels launch with programmatic stream serialization (codegen/kernels/pdl.py)."""
+        return self.launch_pdl_s is not None
 
+    def launch_latency(self, kind: str) -> float:
+        """Seconds per launch of one kind: "graph" (a graph node) or "graph_pdl" (a graph node with PDL)."""
+        if kind == "graph_pdl" and self.launch_pdl_s is not None:
+            return self.launch_pdl_s
+        if kind == "graph":
+            return self.launch_s
+        raise ValueError(f"{self.name} has no launch kind {kind!r}")
+
+
+# Per-launch latency (launch_s, launch_pdl_s): the gap a kernel boundary adds to a step replayed as a graph.
+# * sm_90a graph node, 1.3 us: Hazy Research, "Look Ma, No Bubbles!" (2025-05-27), measured on an H100 with CUDA
+#   graphs: ~1.3 us of launch cost per kernel during which no useful work is done (Hopper, as the H200).
+# * sm_90a graph node with PDL, 0.35 us: msaroufim/megakernels-vs-cuda-graphs (llama/docs/RESULTS.md), Llama-1B
+#   batch-1 decode on an H200: CUDA graphs + PDL 794.74 us per step vs the Hazy megakernel 759.83 us; the 34.9 us
+#   difference spread over the ~100 kernel boundaries of a Llama-1B forward (Hazy's count) is ~0.35 us each
+#   (an upper bound: it also holds every other difference of the two arms; on the H100 the same study gives
+#   6.7 us, ~0.07 us each).
+# * gfx950 graph node, 3.9 us: ROCm/rocm-systems#10834, HIP graph replay of 941 serial tiny kernels, 3.865 us per
+#   node (gfx1100; RDNA3). No public per-node figure exists for MI300X / MI355X (shared/notes/anchor-engines.md),
+#   so the one HIP measurement stands in. HIP has no programmatic dependent launch: no PDL figure.
 TARGETS: dict[str, TargetSpec] = {
     # MI355X: 8 TB/s HBM3E, ~2.5 PFLOP/s dense fp8 (OCP), ~1.25 PFLOP/s dense bf16, 256 CUs, 160 KB LDS / CU.
-    # Graph-replay launch gap on MI300-class parts measures ~2-4 us; we model 3 us.
-    "gfx950": TargetSpec("gfx950", "hip", "gfx950", 64, "hsaco", 8.0e12, 2.5e15, 1.25e15, 3.0e-6, 160 * 1024, 256),
+    "gfx950": TargetSpec("gfx950", "hip", "gfx950", 64, "hsaco", 8.0e12, 2.5e15, 1.25e15, 3.9e-6, None,
+                         160 * 1024, 256),
     # H200: 4.8 TB/s HBM3E, 1979 TFLOP/s dense fp8, 989 TFLOP/s dense bf16, 132 SMs, 227 KB smem / SM.
-    # CUDA graph kernel-node gap ~1.5-2 us; we model 2 us.
-    "sm_90a": TargetSpec("sm_90a", "cuda", 90, 32, "cubin", 4.8e12, 1.979e15, 0.989e15, 2.0e-6, 227 * 1024, 132),
+    "sm_90a": TargetSpec("sm_90a", "cuda", 90, 32, "cubin", 4.8e12, 1.979e15, 0.989e15, 1.3e-6, 0.35e-6,
+                         227 * 1024, 132),
 }
 
 # The artifact's targets and the format each is written in.

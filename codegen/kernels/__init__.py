@@ -29,6 +29,7 @@ import torch
 from ...errors import CodegenError
 from ...ir.registry import get_op
 from ...ir.types import TensorType, dtype_of
+from .pdl import PARAM as PDL_PARAM, declares_pdl
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,8 @@ class KernelCall:
                 raise ValueError(f"{self.name}: bad pointer entry {p}")
             if p[1] == "scratch" and p[2] not in self.scratch_bytes:
                 raise ValueError(f"{self.name}: scratch '{p[2]}' has no size in scratch_bytes")
+        if declares_pdl(self.fn):  # off unless the AOT stage turns it on for its target (pdl.py)
+            self.constexprs = {**self.constexprs, PDL_PARAM: self.constexprs.get(PDL_PARAM, False)}
         self.pointers = in_kernel_order(self.name, self.fn, self.pointers, self.constexprs)
         params = {p[0]: p[1] for p in self.pointers}
         for param, off in self.offsets.items():

@@ -21,6 +21,7 @@ import triton.language as tl
 from . import KernelCall, any_row, call_name, ptr, row_offsets, unaligned
 from .kvrows import (TL_DTYPE, fp4_qdq, fp8_qdq, fwht, hadamard_scale, plane_consts, pow2, ring_keep, rope,
                      rope_table, store_rows)
+from .pdl import pdl_enter
 
 
 @triton.jit
@@ -64,7 +65,8 @@ def compress_kernel(kv_ptr, gate_ptr, ape_ptr, norm_ptr, skv_ptr, sg_ptr, pos_pt
                     PER_BLOCK: tl.constexpr, ENV: tl.constexpr, BT_S: tl.constexpr,
                     KV_S: tl.constexpr, G_S: tl.constexpr, SKV_S: tl.constexpr, SG_S: tl.constexpr,
                     FMT: tl.constexpr, NPLANES: tl.constexpr, NOPE: tl.constexpr, BLK: tl.constexpr,
-                    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, DT: tl.constexpr):
+                    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     sb = tl.load(slot_ptr + b).to(tl.int64)
     t = tl.arange(0, TP)

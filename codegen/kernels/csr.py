@@ -14,6 +14,7 @@ import triton.language as tl
 
 from . import KernelCall, call_name, ptr
 from .kvrows import pow2
+from .pdl import pdl_enter
 
 BL = 64  # lanes per chunk of the prefix sum
 BW = 64  # entries per chunk of a lane's list
@@ -55,7 +56,8 @@ def csr_kernel(pos_ptr, slot_ptr, bt_ptr, sel_ptr, indptr_ptr, indices_ptr,
                KIND: tl.constexpr, L: tl.constexpr, T: tl.constexpr, WINDOW: tl.constexpr,
                SLOT_ROWS: tl.constexpr, N_ROWS: tl.constexpr, RATIO: tl.constexpr, MAXR: tl.constexpr,
                PER_BLOCK: tl.constexpr, ENV: tl.constexpr, BT_S: tl.constexpr, K: tl.constexpr,
-               KP: tl.constexpr, BL: tl.constexpr, BW: tl.constexpr):
+               KP: tl.constexpr, BL: tl.constexpr, BW: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     lane = tl.program_id(0)
     off = 0
     for c in range(0, lane, BL):

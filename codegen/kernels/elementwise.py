@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from . import KernelCall, TensorArg, call_name, dims4, pad4, ptr, unaligned
+from .pdl import pdl_enter
 
 BLOCK = 1024
 
@@ -30,7 +31,8 @@ def binary_kernel(a_ptr, b_ptr, y_ptr, NUMEL: tl.constexpr, D1: tl.constexpr, D2
                   A0: tl.constexpr, A1: tl.constexpr, A2: tl.constexpr, A3: tl.constexpr,
                   B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
                   Y0: tl.constexpr, Y1: tl.constexpr, Y2: tl.constexpr, Y3: tl.constexpr,
-                  OP: tl.constexpr, LIMIT: tl.constexpr, BLOCK: tl.constexpr):
+                  OP: tl.constexpr, LIMIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < NUMEL
     a = tl.load(a_ptr + _offsets(idx, D1, D2, D3, A0, A1, A2, A3), mask=ok, other=0.0).to(tl.float32)

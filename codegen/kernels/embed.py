@@ -6,11 +6,13 @@ import triton
 import triton.language as tl
 
 from . import KernelCall, TensorArg, call_name, ptr, rows_of, unaligned
+from .pdl import pdl_enter
 
 
 @triton.jit
 def embed_kernel(ids_ptr, t_ptr, y_ptr, R: tl.constexpr, D: tl.constexpr, I_S: tl.constexpr, T_RS: tl.constexpr,
-                 Y_RS: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+                 Y_RS: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     rok = rows < R

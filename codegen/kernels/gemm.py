@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from . import KernelCall, TensorArg, call_name, ptr, rows_of, unaligned
+from .pdl import pdl_enter
 
 FP8_MAX = tl.constexpr(448.0)
 ACT_BLOCK = 128  # spec 13.1: one activation scale per 128 K values
@@ -118,7 +119,8 @@ def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr, part_ptr,
                 W_RS: tl.constexpr, W_CS: tl.constexpr, S_RS: tl.constexpr, S_CS: tl.constexpr,
                 W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
                 NORM: tl.constexpr, EPS: tl.constexpr, CDT: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     # axis 2: group (grouped_out_proj: x columns [gid*G_K, +K), weight rows / y columns [gid*N, +N)) x K split
@@ -166,7 +168,8 @@ def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr, part_ptr,
 
 @triton.jit
 def gemm_reduce_kernel(part_ptr, y_ptr, M: tl.constexpr, NT: tl.constexpr, Y_RS: tl.constexpr, Y_CS: tl.constexpr,
-                       SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+                       SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < M * NT
     acc = tl.zeros([BLOCK], dtype=tl.float32)

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from . import KernelCall, any_row, call_name, ptr, row_offsets, unaligned
 from .kvrows import load_rows, plane_consts, pow2
+from .pdl import pdl_enter
 
 BR = 64
 
@@ -34,7 +35,9 @@ def indexer_scores_kernel(q_ptr, w_ptr, pos_ptr, bt_ptr, p0, p1, sc_ptr,
                           PER_BLOCK: tl.constexpr, IENV: tl.constexpr, BT_S: tl.constexpr,
                           Q_S: tl.constexpr, W_S: tl.constexpr, Q_SCALE: tl.constexpr, W_SCALE: tl.constexpr,
                           FMT: tl.constexpr, NPLANES: tl.constexpr, NOPE: tl.constexpr, BLK: tl.constexpr,
-                          S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, EXACT_BF16: tl.constexpr):
+                          S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, EXACT_BF16: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     lane = tl.program_id(0)
     w0 = tl.program_id(1) * BR
     n = tl.sum(_visible(pos_ptr, lane + tl.arange(0, 1), L, RATIO, MAXR), axis=0)
@@ -70,7 +73,8 @@ def _key(x):
 def indexer_pick_kernel(pos_ptr, bt_ptr, sc_ptr, indptr_ptr, indices_ptr,
                         T: tl.constexpr, L: tl.constexpr, K: tl.constexpr, BR: tl.constexpr, RATIO: tl.constexpr,
                         MAXR: tl.constexpr, PER_BLOCK: tl.constexpr, ENV: tl.constexpr, BT_S: tl.constexpr,
-                        BL: tl.constexpr):
+                        BL: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     lane = tl.program_id(0)
     off = 0
     for c0 in range(0, lane, BL):

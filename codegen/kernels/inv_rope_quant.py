@@ -15,6 +15,7 @@ import triton.language as tl
 
 from . import KernelCall, TensorArg, call_name, ptr, unaligned
 from .gemm import FP8_MAX, _pow2_ceil
+from .pdl import pdl_enter
 
 
 @triton.jit
@@ -23,7 +24,9 @@ def inv_rope_quant_kernel(x_ptr, pos_ptr, y_ptr, s_ptr,
                           X_BS: tl.constexpr, X_TS: tl.constexpr, X_HS: tl.constexpr,
                           Y_BS: tl.constexpr, Y_TS: tl.constexpr, Y_HS: tl.constexpr,
                           P_BS: tl.constexpr, P_TS: tl.constexpr, S_BS: tl.constexpr, S_TS: tl.constexpr,
-                          FREQS: tl.constexpr, SIGN: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr):
+                          FREQS: tl.constexpr, SIGN: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     b = row // T
     t = row % T

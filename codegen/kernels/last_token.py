@@ -7,12 +7,15 @@ import triton
 import triton.language as tl
 
 from . import KernelCall, TensorArg, call_name, ptr, unaligned
+from .pdl import pdl_enter
 
 
 @triton.jit
 def last_token_kernel(x_ptr, pos_ptr, y_ptr, T: tl.constexpr, D: tl.constexpr, X_BS: tl.constexpr,
                       X_TS: tl.constexpr, X_CS: tl.constexpr, P_BS: tl.constexpr, P_TS: tl.constexpr,
-                      Y_BS: tl.constexpr, Y_CS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+                      Y_BS: tl.constexpr, Y_CS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     t = tl.arange(0, BT)

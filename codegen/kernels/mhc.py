@@ -22,13 +22,15 @@ import triton.language as tl
 
 from . import KernelCall, call_name, ptr
 from .kvrows import TL_DTYPE, pow2
+from .pdl import pdl_enter
 
 BT = 16  # tokens per program (tl.dot needs M >= 16)
 
 
 @triton.jit
 def hc_expand_kernel(x_ptr, out_ptr, M: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                     X_S: tl.constexpr, O_S: tl.constexpr, O_SN: tl.constexpr):
+                     X_S: tl.constexpr, O_S: tl.constexpr, O_SN: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     for d0 in range(0, D, BD):
         c = d0 + tl.arange(0, BD)
@@ -76,9 +78,10 @@ def mhc_kernel(y_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, no
                POST: tl.constexpr, MIX: tl.constexpr, NORM: tl.constexpr, NM: tl.constexpr,
                EPS: tl.constexpr, HC_EPS: tl.constexpr, ITERS: tl.constexpr, NORM_EPS: tl.constexpr,
                Y_S: tl.constexpr, S_S: tl.constexpr, S_SN: tl.constexpr, SO_S: tl.constexpr, SO_SN: tl.constexpr,
-               YO_S: tl.constexpr, DT: tl.constexpr):
+               YO_S: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr = False):
     """MIX: "pre" (fn [(2+N)N, ND]: pre, post, comb), "head" (fn [N, ND]: pre only) or "" (hc_post only).
     NM = the padded width (>= 16) of the pre / post projections; N*N is the comb width."""
+    pdl_enter(PDL)
     tok = tl.program_id(0) * BT + tl.arange(0, BT)
     tm = tok < M
     # Pass 1: (post) new streams; RMS and projection of the flattened streams.

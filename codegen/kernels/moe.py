@@ -41,6 +41,7 @@ import triton.language as tl
 from ...ops.moe import expected_active_experts
 from . import KernelCall, TensorArg, call_name, ptr, rows_of, unaligned
 from .gemm import W_FMT, _tl_dtype, mma_step, tiles
+from .pdl import pdl_enter
 
 BM = 16  # pair rows per MMA tile (the MMA's N side under swap-AB)
 # Up to this many pairs every expert program ranks its pairs itself (one [P] scan per program, as decode did
@@ -67,10 +68,11 @@ def _expert_of(idx_ptr, p, ok, KSEL: tl.constexpr, IDX_RS: tl.constexpr):
 
 @triton.jit
 def moe_group_kernel(idx_ptr, grp_ptr, P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, IDX_RS: tl.constexpr,
-                     NRB: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr):
+                     NRB: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr, PDL: tl.constexpr = False):
     """grp[0 : E+1] = off (off[e] = #pairs with expert < e), grp[E+1 : E+1+P] = pair ids sorted by
     (expert, pair id). Programs [0, NRB) place BP pairs each; the rest compute BP offsets each; both
     compare against all pairs in blocks of BQ."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     rq = tl.arange(0, BQ)
     if pid < NRB:
@@ -140,7 +142,9 @@ def moe_up_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr
                   X_RS: tl.constexpr, IDX_RS: tl.constexpr, H_RS: tl.constexpr,
                   W_ES: tl.constexpr, W_RS: tl.constexpr, S_ES: tl.constexpr, S_RS: tl.constexpr,
                   W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
-                  CDT: tl.constexpr, LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                  CDT: tl.constexpr, LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     e = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = offs_n < I
@@ -176,7 +180,9 @@ def moe_down_kernel(h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
                     H_RS: tl.constexpr, IDX_RS: tl.constexpr, WT_RS: tl.constexpr, Y_RS: tl.constexpr,
                     W_ES: tl.constexpr, W_RS: tl.constexpr, S_ES: tl.constexpr, S_RS: tl.constexpr,
                     W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
-                    CDT: tl.constexpr, ROUTE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    CDT: tl.constexpr, ROUTE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     e = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = offs_n < D
@@ -211,7 +217,9 @@ def moe_combine_kernel(hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr,
                        HS_RS: tl.constexpr, YR_RS: tl.constexpr, IDX_RS: tl.constexpr, Y_RS: tl.constexpr,
                        W_RS: tl.constexpr, S_RS: tl.constexpr, W_FMT: tl.constexpr, S_E8M0: tl.constexpr,
                        BLOCK: tl.constexpr, ACT: tl.constexpr, CDT: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     tok = tl.program_id(1) * BM + tl.arange(0, BM)
     n_ok = offs_n < D

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from . import KernelCall, any_row, call_name, ptr, row_offsets, unaligned
 from .kvrows import plane_consts, pow2, ring_keep, store_rows
+from .pdl import pdl_enter
 
 
 @triton.jit
@@ -20,7 +21,8 @@ def pool_write_window_kernel(kv_ptr, pos_ptr, slot_ptr, p0, p1, p2,
                              WINDOW: tl.constexpr, SLOT_ROWS: tl.constexpr, N_ROWS: tl.constexpr,
                              FMT: tl.constexpr, NPLANES: tl.constexpr,
                              NOPE: tl.constexpr, BLK: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
-                             S2: tl.constexpr):
+                             S2: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     lane = tl.program_id(1) * BT + tl.arange(0, BT)
     keep, p = ring_keep(pos_ptr, b, lane, T, TP, WINDOW)

@@ -16,6 +16,7 @@ import triton.language as tl
 from . import KernelCall, any_row, call_name, ptr, row_offsets, unaligned
 from .kvrows import (TL_DTYPE, fp4_qdq, fp8_qdq, fwht, hadamard_scale, plane_consts, pow2, ring_keep, rope,
                      rope_table, store_rows)
+from .pdl import pdl_enter
 
 
 @triton.jit
@@ -29,8 +30,9 @@ def qkv_norm_rope_kernel(q_ptr, kv_ptr, norm_ptr, pos_ptr, qi_ptr, slot_ptr, p0,
                          WINDOW: tl.constexpr, SLOT_ROWS: tl.constexpr, N_ROWS: tl.constexpr,
                          TP: tl.constexpr, FMT: tl.constexpr, NPLANES: tl.constexpr,
                          NOPE: tl.constexpr, BLK: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
-                         S2: tl.constexpr, DT: tl.constexpr):
+                         S2: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr = False):
     """Strides: *_S = (batch, token, head) element strides; rows are dense."""
+    pdl_enter(PDL)
     lane = tl.program_id(0)
     b = lane // T
     tq = lane % T

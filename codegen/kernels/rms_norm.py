@@ -12,12 +12,14 @@ import triton
 import triton.language as tl
 
 from . import KernelCall, TensorArg, call_name, ptr, rows_of, unaligned
+from .pdl import pdl_enter
 
 
 @triton.jit
 def rms_norm_kernel(x_ptr, w_ptr, y_ptr, R: tl.constexpr, D: tl.constexpr, X_RS: tl.constexpr, X_CS: tl.constexpr,
                     Y_RS: tl.constexpr, Y_CS: tl.constexpr, EPS: tl.constexpr, MEAN_DT: tl.constexpr, BR: tl.constexpr,
-                    BD: tl.constexpr):
+                    BD: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
     ok = (rows[:, None] < R) & (cols[None, :] < D)

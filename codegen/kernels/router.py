@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from . import KernelCall, TensorArg, call_name, ptr, rows_of, unaligned
+from .pdl import pdl_enter
 
 
 @triton.jit
@@ -32,7 +33,9 @@ def router_kernel(x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr,
                   R: tl.constexpr, D: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr,
                   X_RS: tl.constexpr, W_RS: tl.constexpr, T_RS: tl.constexpr, I_S: tl.constexpr,
                   WO_RS: tl.constexpr, IO_RS: tl.constexpr, ROUTE_SCALE: tl.constexpr, DENOM_EPS: tl.constexpr,
-                  SUM_IN_DT: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr):
+                  SUM_IN_DT: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     r_ok = rows < R
     e = tl.arange(0, BE)

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from . import KernelCall, TensorArg, call_name, ptr, run_calls, unaligned
+from .pdl import pdl_enter
 
 
 @triton.jit
@@ -35,7 +36,8 @@ def _mix(x):
 
 @triton.jit
 def sample_kernel(l_ptr, seed_ptr, out_ptr, V: tl.constexpr, L_RS: tl.constexpr, GREEDY: tl.constexpr,
-                  INV_T: tl.constexpr, TOP_P: tl.constexpr, BV: tl.constexpr):
+                  INV_T: tl.constexpr, TOP_P: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     lrow = l_ptr + row.to(tl.int64) * L_RS
     r = tl.arange(0, BV)

@@ -1,7 +1,8 @@
 """sparse_attention: sparse MQA over CSR rows of the paged pool plus the chunk's own kv rows, the
 attention sink in the denominator only (`ops.paged.sparse_attention`).
 
-One program per (query lane, block of BH heads). Keys = values = the d-wide latent: pool rows of the
+One program per (query lane, block of BH heads: `blocking`, 32 at V4's d = 512, so the lane's rows are read
+once per 32 heads). Keys = values = the d-wide latent: pool rows of the
 window CSR and of the compressed CSR, read in the plane format (native, or
 fp8: e4m3 NoPE groups x UE8M0 + RoPE plane, dequantised in the RoPE dtype as the reference does), then
 the chunk's rows at positions in (t - window, t]. Every loop is bounded by the lane's real row count.
@@ -14,7 +15,7 @@ so the sink lands in the denominator only and a lane with no rows (padding) yiel
 bf16: scores are rounded to bf16 before and after the scale, as the reference's bf16 einsum and scalar
 multiply do, so the softmax sees the same logits; probabilities feed the PV dot as bf16.
 
-Decode (T == 1) runs split-KV instead: pass 1 over (lane, block of DECODE_BH heads, split) walks a static
+Decode (T == 1) runs split-KV instead: pass 1 over (lane, block of heads, split) walks a static
 slice of RS entries of the lane's row list (window rows then compressed rows, counts read in the kernel;
 the own kv row goes to split 0) and writes an fp32 partial (m, l, acc) to the scratch `sa_partial`; its
 running max starts at the sink logit only as a finite reference point, l at 0, so a split past the end
@@ -31,6 +32,7 @@ import triton.language as tl
 
 from . import KernelCall, any_row, call_name, ptr, row_offsets, unaligned
 from .kvrows import TL_DTYPE, load_rows, plane_consts, pow2
+from .pdl import pdl_enter
 
 
 @triton.jit
@@ -101,7 +103,8 @@ def sparse_attention_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_in
                             O_SB: tl.constexpr, O_ST: tl.constexpr, O_SH: tl.constexpr,
                             FMT: tl.constexpr, NPLANES: tl.constexpr, NOPE: tl.constexpr, BLK: tl.constexpr,
                             S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
-                            DT: tl.constexpr, PREC: tl.constexpr):
+                            DT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     lane = tl.program_id(0)
     b = lane // T
     tq = lane % T
@@ -136,11 +139,12 @@ def sparse_attention_split_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, 
                                   NS: tl.constexpr, RS: tl.constexpr, ACC0: tl.constexpr,
                                   FMT: tl.constexpr, NPLANES: tl.constexpr, NOPE: tl.constexpr, BLK: tl.constexpr,
                                   S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
-                                  DT: tl.constexpr, PREC: tl.constexpr):
+                                  DT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
     """Decode (T == 1), pass 1: split `sp` of lane `lane` takes the slice [sp*RS, sp*RS + RS) of the lane's
     row list (window CSR rows, then compressed CSR rows; the last split also takes anything past NS*RS) and
     writes its partial (m, l, acc) without the sink. Split 0 also takes the lane's own kv row. A split past
     the end runs no loop and writes the neutral partial (m = sink, l = 0, acc = 0)."""
+    pdl_enter(PDL)
     lane = tl.program_id(0)
     sp = tl.program_id(2)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -182,9 +186,10 @@ def sparse_attention_split_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, 
 @triton.jit
 def sparse_attention_merge_kernel(sink_ptr, part_ptr, out_ptr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                                   BH: tl.constexpr, NS: tl.constexpr, ACC0: tl.constexpr,
-                                  O_SB: tl.constexpr, O_SH: tl.constexpr, DT: tl.constexpr):
+                                  O_SB: tl.constexpr, O_SH: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr = False):
     """Decode pass 2, the LSE merge of a lane's NS partials: M = max(sink, m_s),
     out = sum_s acc_s e^(m_s - M) / (e^(sink - M) + sum_s l_s e^(m_s - M)), the sink counted once."""
+    pdl_enter(PDL)
     lane = tl.program_id(0)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     col = tl.arange(0, DP)
@@ -212,10 +217,19 @@ def sparse_attention_merge_kernel(sink_ptr, part_ptr, out_ptr, H: tl.constexpr, 
 # fp32 partial round trip (512 KiB at V4-Pro), as much as ~900 fp8 pool rows. One split: one pass.
 TARGET_PROGRAMS = 512
 MIN_SPLIT_ROWS = 256  # (128 doubles the programs but adds ~0.5 GB of partial traffic per V4-Pro step)
-# Heads per pass-1 program at d = 512 (DECODE_WARPS warps): each head block reads the lane's rows once more.
-# 32 heads x 8 warps: 0 spills on both targets (64 heads: 676 B of spills on sm_90a; 16 warps spill on both).
-DECODE_BH = 32
-DECODE_WARPS = 8
+# Heads per program above a head dim of WIDE_D (V4: d = 512), prefill and decode alike: every head block reads
+# the lane's rows once more, so the blocks are as wide as registers allow. 32 heads x 8 warps: 0 spills on both
+# targets (64 heads: 676 B of spills on sm_90a; 16 warps spill on both). V4-Pro's 128 heads read each row 4x
+# (16-head blocks read it 8x).
+WIDE_D = 256
+WIDE_BH = 32
+WIDE_WARPS = 8
+
+
+def blocking(D: int) -> tuple[int, int]:
+    """(heads per program, warps) at head dim D: wide blocks above WIDE_D; else 16 heads (tl.dot needs
+    M >= 16; fewer heads are masked lanes) and 4 warps."""
+    return (WIDE_BH, WIDE_WARPS) if D > WIDE_D else (16, 4)
 
 
 def split_plan(max_rows: int, lanes: int, head_blocks: int, bn: int) -> tuple[int, int]:
@@ -233,7 +247,7 @@ def specialise(op_name, operands, results, attrs):
     planes = [operands.get(f"p{i}") for i in range(3)]
     B, T, H, D = q.shape
     assert q.strides[3] == 1 and kv.strides[2] == 1 and out.strides[3] == 1, "sparse_attention: rows must be dense"
-    BH = 16 if H >= 16 else 16  # tl.dot needs M >= 16; fewer heads are masked lanes
+    BH, warps = blocking(D)
     BN = 16 if D > 256 else 32
     has_comp = operands.get("comp_indptr") is not None
     c = dict(T=T, H=H, D=D, DP=pow2(D), BH=BH, BN=BN, WINDOW=attrs["window"], SCALE=float(attrs["scale"]),
@@ -269,7 +283,7 @@ def specialise(op_name, operands, results, attrs):
                              attrs)
     return [KernelCall(name=call_name("sparse_attention", c, f"b{B}_t{T}_h{H}_d{D}_{attrs['fmt']}"),
                        fn=sparse_attention_kernel, constexprs=c, pointers=pointers,
-                       grid=(B * T, triton.cdiv(H, BH), 1), num_warps=8 if D > 256 else 4,
+                       grid=(B * T, triton.cdiv(H, BH), 1), num_warps=warps,
                        unaligned=aligned, offsets=offsets,
                        # every block of BH heads reads the lane's rows again (L2 may catch it; HBM does not promise)
                        flops=flops,
@@ -279,14 +293,14 @@ def specialise(op_name, operands, results, attrs):
 def _decode_calls(c, pointers, offsets, aligned, flops, n_rows, row_bytes, q, kv, out, max_rows, attrs):
     """T == 1: split-KV pass 1 over (lane, head block, split) + the LSE merge (pass 2)."""
     B, _T, H, D = q.shape
-    BH = DECODE_BH if D > 256 else 16
+    BH, warps = blocking(D)
     HB = triton.cdiv(H, BH)
     NS, RS = split_plan(max_rows, B, HB, c["BN"])
     if NS == 1:  # nothing to split: the one-pass kernel, no partials and no second launch
         c = dict(c, BH=BH)
         return [KernelCall(name=call_name("sparse_attention", c, f"b{B}_t1_h{H}_d{D}_{attrs['fmt']}"),
                            fn=sparse_attention_kernel, constexprs=c, pointers=pointers, grid=(B, HB, 1),
-                           num_warps=DECODE_WARPS if D > 256 else 4, unaligned=aligned, offsets=offsets, flops=flops,
+                           num_warps=warps, unaligned=aligned, offsets=offsets, flops=flops,
                            bytes_moved=n_rows * row_bytes * HB + 2 * q.type.nbytes)]
     ACC0 = B * NS * 2 * H
     part_bytes = (ACC0 + B * NS * H * D) * 4
@@ -295,7 +309,7 @@ def _decode_calls(c, pointers, offsets, aligned, flops, n_rows, row_bytes, q, kv
     part = ptr("part_ptr", "scratch", "sa_partial", "*fp32")
     split = KernelCall(name=call_name("sparse_attention_split", sc, f"b{B}_h{H}_d{D}_s{NS}_{attrs['fmt']}"),
                        fn=sparse_attention_split_kernel, constexprs=sc, pointers=pointers[:-1] + [part],
-                       grid=(B, HB, NS), num_warps=DECODE_WARPS if D > 256 else 4, scratch_bytes={"sa_partial": part_bytes},
+                       grid=(B, HB, NS), num_warps=warps, scratch_bytes={"sa_partial": part_bytes},
                        unaligned=tuple(a for a in aligned if a != "out_ptr"), offsets=offsets, flops=flops,
                        # each head block reads the lane's rows; every program reads its q block
                        bytes_moved=n_rows * row_bytes * HB + NS * q.type.nbytes + kv.type.nbytes + part_bytes)

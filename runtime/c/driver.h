@@ -7,6 +7,11 @@
 #include "v4rt.h"
 
 typedef struct v4drv v4drv;
+
+/* Launch flags. PDL: launch with programmatic stream serialization (CUDA on sm_90+), so the kernel may start
+ * while the previous one finishes; only kernels that wait for it first (griddepcontrol.wait) carry it. */
+#define V4DRV_LAUNCH_PDL 1u
+#define V4DRV_LAUNCH_FLAGS V4DRV_LAUNCH_PDL /* every flag a table may set */
 struct v4drv {
     const char *name;
     void *state;
@@ -21,9 +26,10 @@ struct v4drv {
     /* Let fn take `shared` dynamic shared bytes per launch: called once per kernel, with the most any of
      * its calls uses, before any launch. NULL: nothing to do (the host driver). */
     int (*func_shared)(v4drv *d, void *fn, uint32_t shared);
-    /* tag = function << 32 | call (only the host driver uses it) */
+    /* tag = function << 32 | call (only the host driver uses it); flags: V4DRV_LAUNCH_* (the table's call
+     * flags) */
     int (*launch)(v4drv *d, void *fn, const uint32_t grid[3], const uint32_t block[3], uint32_t shared,
-                  uint32_t n_params, const uint64_t *params, uint64_t tag);
+                  uint32_t n_params, const uint64_t *params, uint64_t tag, uint32_t flags);
     int (*capture_begin)(v4drv *d);
     int (*capture_end)(v4drv *d, void **graph);
     int (*graph_launch)(v4drv *d, void *graph);

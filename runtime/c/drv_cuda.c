@@ -10,6 +10,28 @@ typedef unsigned long long CUdeviceptr;
 #define CU_STREAM_CAPTURE_MODE_THREAD_LOCAL 1
 #define CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES 8
 #define CU_STREAM_NON_BLOCKING 1
+#define CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION 6
+
+/* cuLaunchKernelEx's launch description, as cuda.h lays it out (CUDA >= 11.8): an attribute is its id padded
+ * to 8 bytes then a 64-byte value union, of which the programmatic-serialization flag is the first int. */
+typedef struct {
+    int id;
+    char pad[4];
+    union {
+        char bytes[64];
+        int programmatic_stream_serialization_allowed;
+    } value;
+} CUlaunchAttribute;
+typedef struct {
+    unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared;
+    void *stream;
+    CUlaunchAttribute *attrs;
+    unsigned n_attrs;
+} CUlaunchConfig;
+_Static_assert(sizeof(CUlaunchAttribute) == 72, "CUlaunchAttribute as in cuda.h");
+_Static_assert(offsetof(CUlaunchConfig, stream) == 32 && offsetof(CUlaunchConfig, attrs) == 40 &&
+                   offsetof(CUlaunchConfig, n_attrs) == 48 && sizeof(CUlaunchConfig) == 56,
+               "CUlaunchConfig as in cuda.h (LP64)");
 
 typedef struct {
     gpu g;
@@ -26,6 +48,7 @@ typedef struct {
     int (*cuMemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, void *);
     int (*cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, void *);
     int (*cuGraphInstantiateWithFlags)(void **, void *, unsigned long long);
+    int (*cuLaunchKernelEx)(const CUlaunchConfig *, void *, void **, void **);
 } cu_t;
 
 static cu_t *C(gpu *g) { return (cu_t *)g; }
@@ -65,6 +88,14 @@ static int cu_d2h(gpu *g, void *dst, uint64_t src, uint64_t n) {
 static int cu_instantiate(gpu *g, void **exec, void *graph) {
     return gpu_check(g, C(g)->cuGraphInstantiateWithFlags(exec, graph, 0), "cuGraphInstantiateWithFlags");
 }
+/* Programmatic dependent launch: the launch may begin while the stream's previous kernel runs (the kernel
+ * waits for it in griddepcontrol.wait). Captured into a graph, the attribute becomes a programmatic edge. */
+static int cu_launch_pdl(gpu *g, void *fn, const uint32_t gr[3], const uint32_t b[3], uint32_t shared, void **args) {
+    CUlaunchAttribute attr = {.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION};
+    attr.value.programmatic_stream_serialization_allowed = 1;
+    CUlaunchConfig cfg = {gr[0], gr[1], gr[2], b[0], b[1], b[2], shared, g->stream, &attr, 1};
+    return gpu_check(g, C(g)->cuLaunchKernelEx(&cfg, fn, args, NULL), "cuLaunchKernelEx");
+}
 
 #define G(field) offsetof(cu_t, g.field)
 #define OWN(field) offsetof(cu_t, field)
@@ -87,6 +118,7 @@ static const gpu_sym SYMS[] = {
     {"cuStreamDestroy_v2", G(stream_destroy)},
     {"cuStreamSynchronize", G(stream_sync)},
     {"cuLaunchKernel", G(launch)},
+    {"cuLaunchKernelEx", OWN(cuLaunchKernelEx)},
     {"cuStreamBeginCapture_v2", G(capture_begin)},
     {"cuStreamEndCapture", G(capture_end)},
     {"cuGraphInstantiateWithFlags", OWN(cuGraphInstantiateWithFlags)},
@@ -111,6 +143,7 @@ static const gpu_api CUDA = {.name = "cuda", .default_lib = "libcuda.so.1", .com
                              .device_open = cu_device_open, .device_close = cu_device_close,
                              .make_current = cu_make_current,
                              .error_string = cu_error_string, .mem_alloc = cu_alloc, .mem_free = cu_free,
-                             .h2d = cu_h2d, .d2h = cu_d2h, .graph_instantiate = cu_instantiate};
+                             .h2d = cu_h2d, .d2h = cu_d2h, .graph_instantiate = cu_instantiate,
+                             .launch_pdl = cu_launch_pdl};
 
 int v4drv_cuda_open(v4drv *d, const char *lib) { return gpu_open(d, &CUDA, lib); }

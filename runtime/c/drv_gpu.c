@@ -156,9 +156,14 @@ static int g_func_shared(v4drv *d, void *fn, uint32_t shared) {
     return 0;
 }
 static int g_launch(v4drv *d, void *fn, const uint32_t gr[3], const uint32_t b[3], uint32_t shared, uint32_t n,
-                    const uint64_t *params, uint64_t tag) {
+                    const uint64_t *params, uint64_t tag, uint32_t flags) {
     gpu *g = d->state;
     (void)tag;
+    if ((flags & V4DRV_LAUNCH_PDL) && !g->api->launch_pdl) {
+        v4rt_seterr("%s: programmatic dependent launch is not available on this driver (a launch table for "
+                    "another target?)", g->api->name);
+        return 1;
+    }
     void *stack[64];
     void **args = n <= 64 ? stack : malloc(n * sizeof(void *));
     if (!args) {
@@ -168,6 +173,11 @@ static int g_launch(v4drv *d, void *fn, const uint32_t gr[3], const uint32_t b[3
     /* The parameter values outlive the launch (they live in the runtime's call table): a captured graph
      * copies them at capture time anyway. */
     for (uint32_t i = 0; i < n; i++) args[i] = (void *)&params[i];
+    if (flags & V4DRV_LAUNCH_PDL) { /* the adapter reports its own error */
+        int bad = g->api->launch_pdl(g, fn, gr, b, shared, args);
+        if (args != stack) free(args);
+        return bad;
+    }
     int r = g->launch(fn, gr[0], gr[1], gr[2], b[0], b[1], b[2], shared, g->stream, args, NULL);
     if (args != stack) free(args);
     CK(g, launch, r);

@@ -88,6 +88,10 @@ struct gpu_api {
     int (*h2d)(gpu *g, uint64_t dst, const void *src, uint64_t nbytes); /* enqueued on g->stream */
     int (*d2h)(gpu *g, void *dst, uint64_t src, uint64_t nbytes);      /* enqueued on g->stream */
     int (*graph_instantiate)(gpu *g, void **exec, void *graph);
+    /* A launch with programmatic stream serialization (args: the kernel's parameter pointers), enqueued on
+     * g->stream; NULL: the driver has no programmatic dependent launch (HIP), and such a launch is refused. */
+    int (*launch_pdl)(gpu *g, void *fn, const uint32_t grid[3], const uint32_t block[3], uint32_t shared,
+                      void **args);
 };
 
 int gpu_open(v4drv *d, const gpu_api *api, const char *lib);

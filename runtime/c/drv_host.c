@@ -84,8 +84,9 @@ static int h_run(hstate *s, uint64_t tag, uint32_t n, const uint64_t *params) {
 }
 
 static int h_launch(v4drv *d, void *fn, const uint32_t grid[3], const uint32_t block[3], uint32_t shared,
-                    uint32_t n, const uint64_t *params, uint64_t tag) {
+                    uint32_t n, const uint64_t *params, uint64_t tag, uint32_t flags) {
     (void)fn;
+    (void)flags; /* the host runs calls one after another: every launch is already serialised */
     (void)grid;
     (void)block;
     (void)shared;
@@ -127,7 +128,7 @@ static int h_collective(v4drv *d, const char *op, uint32_t group, uint32_t dtype
     (void)group;
     (void)dtype;
     (void)count;
-    return h_launch(d, NULL, one, one, 0, 2, params, tag);
+    return h_launch(d, NULL, one, one, 0, 2, params, tag, 0);
 }
 
 static void h_graph_free(hgraph *g) {

@@ -6,9 +6,10 @@
  *   buffers : n_buffers x {u64 nbytes, u32 align, u32 kind}
  *   code    : n_code x {u64 size, bytes padded to 8}
  *   function: n_functions x {u32 n_calls, u32 flags, then n_calls x call}
- *   call    : {u32 code, u32 symbol length, u32 grid[3], u32 block[3], u32 shared, u32 n_params},
+ *   call    : {u32 code, u32 symbol length, u32 grid[3], u32 block[3], u32 shared, u32 n_params, u32 flags},
  *             symbol bytes padded to 8, n_params x {i64 buffer (-1: NULL), u64 byte offset}
  *             (code V4RT_COLLECTIVE: a collective, not a kernel; its fields as v4rt.h says)
+ *             flags: V4DRV_LAUNCH_* (driver.h); bit 0 = programmatic dependent launch
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -56,7 +57,7 @@ typedef struct call_t {
     uint32_t code;
     const char *symbol; /* points into the table copy */
     void *fn;
-    uint32_t grid[3], block[3], shared, n_params;
+    uint32_t grid[3], block[3], shared, n_params, flags;
     struct call_t *owner; /* the first call of the same kernel (code object, symbol): it resolved fn */
     uint32_t shared_max;  /* on an owner: the most dynamic shared bytes any call of its kernel uses */
     int64_t *buffer;
@@ -185,7 +186,7 @@ static v4rt_status parse(v4rt *rt, const unsigned char **code_img, uint64_t *cod
         func_t *fn = &rt->functions[f];
         uint32_t n = (uint32_t)rd(&r, 4);
         (void)rd(&r, 4);
-        if (!r.ok || n > (uint64_t)(r.end - r.p) / 40) {
+        if (!r.ok || n > (uint64_t)(r.end - r.p) / 44) {
             v4rt_seterr("launch table: function %u: bad call count", f);
             return V4RT_E_TABLE;
         }
@@ -203,12 +204,18 @@ static v4rt_status parse(v4rt *rt, const unsigned char **code_img, uint64_t *cod
             for (int i = 0; i < 3; i++) k->block[i] = (uint32_t)rd(&r, 4);
             k->shared = (uint32_t)rd(&r, 4);
             k->n_params = (uint32_t)rd(&r, 4);
+            k->flags = (uint32_t)rd(&r, 4);
             const unsigned char *sym = take(&r, (uint64_t)slen + 1);
             if (!r.ok || sym[slen] != 0 || strlen((const char *)sym) != slen || slen == 0) {
                 v4rt_seterr("launch table: function %u call %u: bad kernel symbol", f, c);
                 return V4RT_E_TABLE;
             }
             k->symbol = (const char *)sym;
+            if (k->flags & ~V4DRV_LAUNCH_FLAGS) {
+                v4rt_seterr("launch table: function %u call %u (%s): unknown launch flags %#x", f, c, k->symbol,
+                            k->flags & ~V4DRV_LAUNCH_FLAGS);
+                return V4RT_E_TABLE;
+            }
             if (k->code == V4RT_COLLECTIVE) {
                 if ((strcmp(k->symbol, "all_reduce") != 0 && strcmp(k->symbol, "all_gather") != 0) ||
                     !k->grid[0] || k->grid[1] > V4RT_BF16 || k->n_params != 2 || !k->shared) {
@@ -486,7 +493,7 @@ static v4rt_status issue(v4rt *rt, uint32_t f) {
             }
             continue;
         }
-        if (rt->drv.launch(&rt->drv, k->fn, k->grid, k->block, k->shared, k->n_params, k->param, tag)) {
+        if (rt->drv.launch(&rt->drv, k->fn, k->grid, k->block, k->shared, k->n_params, k->param, tag, k->flags)) {
             wrap_err("function %u call %u (%s): launch failed", f, c, k->symbol);
             return V4RT_E_LAUNCH;
         }

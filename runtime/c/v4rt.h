@@ -20,7 +20,7 @@ extern "C" {
 #endif
 
 #define V4RT_ABI_VERSION 1u
-#define V4RT_TABLE_VERSION 1u
+#define V4RT_TABLE_VERSION 2u /* 2: per-call launch flags; collective calls */
 
 typedef struct v4rt v4rt;
 

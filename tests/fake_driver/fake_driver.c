@@ -28,7 +28,9 @@
  * (INVALID_HANDLE), and, during capture, a pinned allocation or free, or an event record or synchronize.
  * The test reads the record through fake_* functions (it loads the same library path, so it shares it):
  * counts, the copies (fake_copies: by source kind, bytes, synchronisations), the launches (eager and
- * replayed), the attribute calls, and the name of every driver call in order (the trace). */
+ * replayed; each with whether it carried cuLaunchKernelEx's programmatic stream serialization attribute, kept
+ * through capture into the replays), the attribute calls, and the name of every driver call in order (the
+ * trace). */
 #include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -80,6 +82,7 @@ typedef struct {
     uint64_t args[MAXP];
     int nargs;
     int replay;
+    int pdl; /* launched with programmatic stream serialization (cuLaunchKernelEx's attribute) */
 } rec;
 typedef struct {
     int n;
@@ -316,6 +319,8 @@ int fake_launch_module(long i, char *tag) {
     snprintf(tag, 80, "%s", g_log[i].k->tag);
     return 0;
 }
+/* Whether the i-th logged launch (eager or replayed) carried the programmatic-serialization attribute. */
+int fake_launch_pdl(long i) { return i >= 0 && i < g_nlog ? g_log[i].pdl : -1; }
 int fake_launch(long i, char *name, uint32_t geom[7], uint64_t *args, int *replay) {
     if (i < 0 || i >= g_nlog) return -1;
     snprintf(name, 200, "%s", g_log[i].k->name);
@@ -554,7 +559,7 @@ static int f_attr(void *f, int attr, int value) {
     return 0;
 }
 static int f_launch(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                    unsigned shared, void **params) {
+                    unsigned shared, void **params, int pdl) {
     const kern *k = f;
     if (injected(F_LAUNCH)) return E_LAUNCH_FAILED;
     if (shared > (unsigned)k->max_shared) return E_INVALID_VALUE;
@@ -562,7 +567,7 @@ static int f_launch(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
     if (bx > k->maxntid[0] || by > k->maxntid[1] || bz > k->maxntid[2] || (uint64_t)bx * by * bz > k->maxthreads)
         return E_INVALID_VALUE;
     if (!gx || !gy || !gz || gx > 2147483647u || gy > 65535 || gz > 65535) return E_INVALID_VALUE;
-    rec r = {k, {gx, gy, gz, bx, by, bz, shared}, {0}, k->nparams, 0};
+    rec r = {k, {gx, gy, gz, bx, by, bz, shared}, {0}, k->nparams, 0, pdl};
     for (int i = 0; i < k->nparams && i < MAXP; i++) { /* each parameter's bytes, as the binary sizes it */
         memcpy(&r.args[i], params[i], (size_t)(k->psize[i] < 8 ? k->psize[i] : 8));
         /* every parameter of these kernels is a pointer: NULL (an absent optional) or into a live allocation
@@ -672,7 +677,38 @@ int cuEventRecord(void *e, void *st) { T; CTX; NOCAP; STREAM(st); return event_r
 int cuEventSynchronize(void *e) { T; CTX; NOCAP; return event_sync(e); }
 int cuEventDestroy_v2(void *e) { T; CTX; return event_destroy(e); }
 int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                   unsigned sh, void *st, void **p, void **e) { T; CTX; STREAM(st); (void)e; return f_launch(f, gx, gy, gz, bx, by, bz, sh, p); }
+                   unsigned sh, void *st, void **p, void **e) { T; CTX; STREAM(st); (void)e; return f_launch(f, gx, gy, gz, bx, by, bz, sh, p, 0); }
+/* cuLaunchKernelEx (cuda.h's CUlaunchConfig and CUlaunchAttribute layouts). Refused as the driver does: no
+ * config, attributes announced but absent, extra and kernelParams both given, an attribute id the driver does
+ * not know (INVALID_VALUE). Recorded: whether programmatic stream serialization (id 6) was allowed. */
+typedef struct {
+    int id;
+    char pad[4];
+    union {
+        char bytes[64];
+        int allowed;
+    } value;
+} cu_attr;
+typedef struct {
+    unsigned gx, gy, gz, bx, by, bz, shared;
+    void *stream;
+    cu_attr *attrs;
+    unsigned n;
+} cu_config;
+#define CU_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION 6
+#define CU_ATTR_LAST_KNOWN 12
+int cuLaunchKernelEx(const cu_config *c, void *f, void **p, void **e) {
+    T;
+    CTX;
+    if (!c || (c->n && !c->attrs) || (p && e)) return E_INVALID_VALUE;
+    STREAM(c->stream);
+    int pdl = 0;
+    for (unsigned i = 0; i < c->n; i++) {
+        if (c->attrs[i].id < 0 || c->attrs[i].id > CU_ATTR_LAST_KNOWN) return E_INVALID_VALUE;
+        if (c->attrs[i].id == CU_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION) pdl = c->attrs[i].value.allowed != 0;
+    }
+    return f_launch(f, c->gx, c->gy, c->gz, c->bx, c->by, c->bz, c->shared, p, pdl);
+}
 int cuStreamBeginCapture_v2(void *s, int m) { T; CTX; STREAM(s); (void)m; return f_begin(); }
 int cuStreamEndCapture(void *s, void **g) { T; CTX; STREAM(s); return f_end(g); }
 int cuGraphInstantiateWithFlags(void **e, void *g, unsigned long long f) { T; CTX; (void)f; return f_inst(e, g); }
@@ -716,7 +752,7 @@ int hipEventRecord(void *e, void *st) { T; NOCAP; STREAM(st); return event_recor
 int hipEventSynchronize(void *e) { T; NOCAP; return event_sync(e); }
 int hipEventDestroy(void *e) { T; return event_destroy(e); }
 int hipModuleLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                          unsigned sh, void *st, void **p, void **e) { T; STREAM(st); (void)e; return f_launch(f, gx, gy, gz, bx, by, bz, sh, p); }
+                          unsigned sh, void *st, void **p, void **e) { T; STREAM(st); (void)e; return f_launch(f, gx, gy, gz, bx, by, bz, sh, p, 0); }
 int hipStreamBeginCapture(void *s, int m) { T; STREAM(s); (void)m; return f_begin(); }
 int hipStreamEndCapture(void *s, void **g) { T; STREAM(s); return f_end(g); }
 int hipGraphInstantiate(void **e, void *g, void *n, char *l, size_t b) { T; (void)n; (void)l; (void)b; return f_inst(e, g); }

@@ -64,6 +64,10 @@ def test_unknown_target_is_rejected(tmp_path):
 
 
 def test_roofline_model():
-    # 1 GB at 8 TB/s = 125 us (+3 us launch) on gfx950; a compute-bound case uses the MMA peak
-    assert abs(roofline.modeled_time(0, 10**9, "gfx950") - (125e-6 + 3e-6)) < 1e-9
-    assert abs(roofline.modeled_time(2 * 10**15, 0, "sm_90a", "fp8") - (2e15 / 1.979e15 + 2e-6)) < 1e-9
+    # 1 GB at 8 TB/s = 125 us (+3.9 us: a graph node) on gfx950; a compute-bound case uses the MMA peak; a node
+    # launched with PDL costs the PDL figure (sm_90a), which gfx950 has not
+    assert abs(roofline.modeled_time(0, 10**9, "gfx950") - (125e-6 + 3.9e-6)) < 1e-9
+    assert abs(roofline.modeled_time(2 * 10**15, 0, "sm_90a", "fp8") - (2e15 / 1.979e15 + 1.3e-6)) < 1e-9
+    assert abs(roofline.modeled_time(0, 0, "sm_90a", kind="graph_pdl") - 0.35e-6) < 1e-12
+    with pytest.raises(ValueError, match="gfx950 has no launch kind 'graph_pdl'"):
+        roofline.modeled_time(0, 0, "gfx950", kind="graph_pdl")

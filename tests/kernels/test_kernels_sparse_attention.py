@@ -138,6 +138,21 @@ def _edit_row(args, csr, lane, k, dup):
     return dict(args, **{f"{csr}_indptr": ptr, f"{csr}_indices": idx})
 
 
+def test_prefill_wide_head_blocks(monkeypatch):
+    """The wide blocking (V4's d = 512, prefill and decode: 32 heads x 8 warps per program) run at a small head
+    dim: 40 heads in two blocks (the second with 8 real heads and 24 masked lanes) on a CSA prefill chunk with
+    padding lanes, against the reference; the narrow blocking of the same case needs 3 blocks, so it reads
+    every row once more."""
+    assert sa.blocking(512) == (32, 8) and sa.blocking(56) == (16, 4)
+    case = ("csa", "fp8", "bf16", [40, 3], [4, 2], 4, 40, 56, 8)
+    narrow = _check(case)
+    monkeypatch.setattr(sa, "WIDE_D", 0)
+    wide = _check(case)
+    assert [(c.grid, c.num_warps) for c in narrow] == [((8, 3, 1), 4)]
+    assert [(c.grid, c.num_warps) for c in wide] == [((8, 2, 1), 8)]
+    assert wide[0].bytes_moved < narrow[0].bytes_moved
+
+
 # The hca / fp8 / bf16 case, lane 0 (7 window rows, 64 compressed rows): dropping its first window row moves
 # the output by 0.047 (the old tolerance 2^-8 x max|v| was >= 0.059), dropping its compressed row 35 by 0.016.
 @pytest.mark.parametrize("csr,k,dup", [("win", 0, False), ("win", 0, True), ("comp", 35, False), ("comp", 35, True)],

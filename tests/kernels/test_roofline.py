@@ -102,3 +102,33 @@ def test_a_launch_signature_is_one_set_of_binaries(v4_pro):
         names.setdefault(l.specialisation, set()).add(tuple(c.name for c in calls))
     assert all(len(v) == 1 for v in names.values()), [k for k, v in names.items() if len(v) > 1][:3]
     assert len(names) < 40 < len(f.launches)
+
+
+def test_step_time_splits_into_bandwidth_compute_and_launch_kinds(v4_pro, monkeypatch):
+    """The modeled step is its parts: bandwidth + compute + launch latency; every sm_90a call is a graph node
+    with PDL (every kernel waits in pdl_enter), every gfx950 call a plain graph node; per layer the calls and
+    times add up to the step's, and the layer kinds are V4-Pro's (31 HCA, 30 CSA, the head and embedding
+    outside the layers). A kernel that did not wait would launch as a plain node: the model charges it so."""
+    from v4compile.codegen import roofline
+    from v4compile.codegen.roofline import by_layer_kind
+    from v4compile.targets import TARGETS
+
+    prog, pk = v4_pro
+    cfg = preset("v4-pro")
+    for t, kind in (("gfx950", "graph"), ("sm_90a", "graph_pdl")):
+        for fn in ("decode", "prefill"):
+            m = step_model(prog, pk, fn, t)
+            assert abs(m["bandwidth_us"] + m["compute_us"] + m["launch_latency_us"] - m["modeled_us"]) < 0.05
+            assert m["bandwidth_us"] > m["compute_us"] > 0
+            assert m["calls_by_launch_kind"][kind] == m["kernel_calls"] and sum(m["calls_by_launch_kind"].values()) \
+                == m["kernel_calls"]
+            lat = TARGETS[t].launch_latency(kind)
+            assert abs(m["launch_latency_us"] - m["kernel_calls"] * lat * 1e6) < 0.05
+            assert sum(v["calls"] for v in m["by_layer"].values()) == m["kernel_calls"]
+            assert abs(sum(v["modeled_us"] for v in m["by_layer"].values()) - m["modeled_us"]) < 1
+            kinds = by_layer_kind(m, cfg.kind)
+            assert {k: v["layers"] for k, v in kinds.items()} == {"other": 1, "hca": 31, "csa": 30}
+    monkeypatch.setattr(roofline, "uses_pdl", lambda fn, target: False)
+    m = step_model(prog, pk, "decode", "sm_90a")
+    assert m["calls_by_launch_kind"] == {"graph": m["kernel_calls"], "graph_pdl": 0}
+    assert abs(m["launch_latency_us"] - m["kernel_calls"] * 1.3) < 0.05

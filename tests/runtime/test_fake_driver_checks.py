@@ -11,6 +11,10 @@ runtime with the real driver's error code in the message:
   each parameter's extent from the program, refuses a pointer one row past its buffer);
 * HIP copies must name their direction rightly (a runtime patched to swap the kinds); a graph replays on
   the runtime's stream (a runtime patched to replay on the default stream is INVALID_HANDLE);
+* programmatic dependent launch: every launch carries cuLaunchKernelEx's serialization attribute exactly where
+  the schedule says (the compiled kernel waits: sidecar `pdl`), eagerly and in every replay of the captured
+  graph (a table that drops the flag is caught); HIP, which has none, refuses such a launch; a table with an
+  unknown launch flag is refused at open;
 * `run` from a thread other than the opener's works: the runtime makes the CUDA context current on every
   entry (a runtime patched not to is CUDA_ERROR_INVALID_CONTEXT on the fake driver, whose context is per
   thread as CUDA's is).
@@ -38,7 +42,8 @@ from v4compile.runtime.schedule import HOST_CODE_OBJECT  # noqa: E402
 DRIVERS = ("cuda", "hip")
 TARGET = {"cuda": "sm_90a", "hip": "gfx950"}
 WARP = {"cuda": 32, "hip": 64}
-INVALID_VALUE = {"cuda": "cuLaunchKernel failed with error 1 (CUDA_ERROR_INVALID_VALUE)",
+# sm_90a kernels launch with programmatic dependent launch (codegen/kernels/pdl.py): through cuLaunchKernelEx
+INVALID_VALUE = {"cuda": "cuLaunchKernelEx failed with error 1 (CUDA_ERROR_INVALID_VALUE)",
                  "hip": "hipModuleLaunchKernel failed with error 1 (hipErrorInvalidValue)"}
 
 
@@ -321,3 +326,68 @@ def test_a_replay_on_another_stream_is_refused(device, broken):
         assert code in str(e.value), str(e.value)
     finally:
         rt.close()
+
+
+def _pdl_mismatches(rt, fake, steps):
+    """(logged launch, recorded attribute, the schedule's flag) for every launch of `steps` runs of decode
+    (logged eagerly or replayed) whose programmatic-serialization attribute differs from its call's flag."""
+    calls = rt.sched.functions[rt.sched.function_index("decode")].calls
+    want = [c.pdl for c in calls] * steps
+    got = fake.pdl()
+    if len(got) != len(want):
+        return [("count", len(got), len(want))]
+    return [(i, g, w) for i, (g, w) in enumerate(zip(got, want)) if g != w]
+
+
+@pytest.mark.parametrize("device", DRIVERS)
+def test_pdl_launches_carry_the_attribute_exactly_where_the_schedule_says(device, compiled):
+    """sm_90a binaries wait for the previous kernel (PTX griddepcontrol.wait, checked when compiled) and launch
+    with the attribute; gfx950 binaries have neither. Eager, then two replays of the captured graph."""
+    for name, (_, side) in compiled[TARGET[device]].items():
+        assert side["pdl"] is (device == "cuda"), name
+    rt, fake, prog = _runtime(device, compiled)
+    try:
+        calls = rt.sched.functions[rt.sched.function_index("decode")].calls
+        assert any(c.pdl for c in calls) is (device == "cuda") and not all(c.pdl for c in calls)  # placeholders
+        rt.run("decode", _inputs(prog, "decode"))
+        for _ in range(2):
+            rt.run("decode", _inputs(prog, "decode"), graph=True)
+        assert fake.counts()["captures"] == 1
+        assert _pdl_mismatches(rt, fake, 3) == []
+        assert ("cuLaunchKernelEx" in fake.trace()) is (device == "cuda")
+    finally:
+        rt.close()
+
+
+def test_a_table_that_drops_the_pdl_flag_is_caught(compiled, monkeypatch):
+    """The broken variant of the test above: the table loses every call's flag, the kernels still wait."""
+    from v4compile.runtime import schedule
+
+    monkeypatch.setattr(schedule.Call, "flags", property(lambda self: 0))
+    rt, fake, prog = _runtime("cuda", compiled)
+    try:
+        rt.run("decode", _inputs(prog, "decode"))
+        rt.run("decode", _inputs(prog, "decode"), graph=True)
+        bad = _pdl_mismatches(rt, fake, 2)
+        assert bad and all(g is False and w is True for _, g, w in bad)
+        assert "cuLaunchKernelEx" not in fake.trace()
+    finally:
+        rt.close()
+
+
+def test_hip_refuses_a_programmatic_launch(compiled):
+    rt, fake, prog = _runtime("hip", compiled, lambda c, sched: dataclasses.replace(c, pdl=True))
+    try:
+        with pytest.raises(DeviceError, match="hip: programmatic dependent launch is not available"):
+            rt.run("decode", _inputs(prog, "decode"))
+    finally:
+        rt.close()
+
+
+def test_an_unknown_launch_flag_is_a_table_error(compiled, monkeypatch):
+    from v4compile.runtime import schedule
+
+    monkeypatch.setattr(schedule.Call, "flags", property(lambda self: 4 if self.kernel is not None else 0))
+    with pytest.raises(DeviceError, match=r"launch table: function \d+ call \d+ \(embed_kernel\): unknown launch "
+                                          r"flags 0x4"):
+        _runtime("cuda", compiled)

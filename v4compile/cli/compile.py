@@ -78,6 +78,11 @@ def cmd_compile(args) -> int:
             parallel = _parallel_report(args, fe, result, targets)
             if parallel:
                 rep["parallel"] = parallel
+                from ..codegen.roofline import add_collectives
+
+                for t, m in rep.get("decode_step", {}).items():  # the per-rank step pays its all-reduces too
+                    if t in parallel["decode_step"]:
+                        add_collectives(m, parallel["decode_step"][t]["collectives_us"])
     if args.json:
         print(json.dumps(rep, indent=1))
     elif args.report:
