@@ -153,7 +153,13 @@ class OrtBackend:
                 dt = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32}[i.type]
                 self.state[n] = np.zeros(i.shape, dtype=dt)
         outs = [o.name for o in sess.get_outputs()]
-        self._sessions[fname] = (sess, list(ins), outs)
+        io = sess.io_binding()
+        for n in ins:
+            if n in self.state:
+                io.bind_cpu_input(n, self.state[n])
+        for n in outs:
+            io.bind_output(n, "cpu")
+        self._sessions[fname] = (sess, list(ins), outs, io)
         return self._sessions[fname]
 
     def prepare(self, fnames) -> None:
@@ -162,13 +168,12 @@ class OrtBackend:
             self._session(f)
 
     def run(self, fname: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
-        sess, ins, outs = self._session(fname)
-        io = sess.io_binding()
+        sess, ins, outs, io = self._session(fname)
+        # The binding is the session's, made once: the state arrays are bound once (their buffers are
+        # updated in place below, never replaced) and the outputs once; a step binds its step inputs only.
         for n in ins:
-            a = inputs[n] if n in inputs else self.state[n]
-            io.bind_cpu_input(n, a)
-        for n in outs:
-            io.bind_output(n, "cpu")
+            if n not in self.state:
+                io.bind_cpu_input(n, inputs[n])
         sess.run_with_iobinding(io)
         res = dict(zip(outs, io.copy_outputs_to_cpu()))
         for n in outs:
@@ -183,7 +188,7 @@ class OrtBackend:
         return res["logits"]
 
     def end_profiling(self) -> list[str]:
-        return [s.end_profiling() for s, _, _ in self._sessions.values()]
+        return [s.end_profiling() for s, *_ in self._sessions.values()]
 
     def close(self) -> None:
         self._sessions.clear()
