@@ -16,6 +16,10 @@ Interface of an exported model (what the runtime binds):
   (int64 `[N]`, -1 = nothing to write) and `X.vals` (`[N, *row shape]`), in write order (a later row wins).
   The runtime stores them in place into its own buffers.
 
+bf16 (a model traced in bf16): the graphs compute in fp32 (ONNX Runtime's cpu kernels have none in bf16);
+bf16 weights come in upcast once at load (derived), bf16 planes and state are held in fp32, and every value
+the IR holds in bf16 (an op's result, a row written) is rounded to bf16 (`compute_type`, `Graph.bf16_round`).
+
 No copy of the pool: a write op only records its rows (`Planes.write`); a later reader in the same step
 gathers the rows it needs from the input plane and patches those that an earlier write in this step
 replaced (`Graph.read_rows`), so a step costs what it reads, never the pool's capacity.
@@ -101,6 +105,7 @@ class Graph:
         self.uses_ms = False
         self.loc = ""
         self.derived: dict[str, dict] = {}  # graph inputs built from stored weights at load (onnx_weights)
+        self.bf16_planes: set[str] = set()  # state inputs the IR stores in bf16 (held in fp32 here)
 
     # ---- raw construction ----------------------------------------------------------------------
     def fresh(self, hint: str = "t") -> str:
@@ -165,6 +170,10 @@ class Graph:
 
     def cast(self, x: str, to: int) -> str:
         return self.op("Cast", x, to=to)
+
+    def bf16_round(self, x: str) -> str:
+        """x rounded to bf16 (to nearest, ties to even, as torch's `.to(bfloat16)`), kept in fp32."""
+        return self.cast(self.cast(x, TensorProto.BFLOAT16), TensorProto.FLOAT)
 
     def as_i64(self, x: str, ir_dtype: str | None) -> str:
         if ir_dtype == "i64":
@@ -355,6 +364,8 @@ class Graph:
 
     def write_rows(self, p: Planes, rows: str, vals: str) -> Planes:
         """Record `plane[rows] = vals` (rows int64 [N], -1 = skip; vals [N, *row])."""
+        if p.base in self.bf16_planes:
+            vals = self.bf16_round(vals)
         seg = ((self.pool_scope(), rows, vals),)
         if p.rows is None:
             return Planes(p.base, rows, vals, seg)
@@ -434,6 +445,13 @@ class Graph:
         return m
 
 
+def compute_type(t: TensorType | None) -> TensorType | None:
+    """The type a value has in the ONNX graph: a bf16 value is held in fp32 (ONNX Runtime's cpu kernels
+    compute in fp32), rounded to bf16 wherever the IR stores it (an op's result, a plane's written rows),
+    so it carries exactly the reference's bf16 values between ops."""
+    return TensorType(t.shape, "fp32") if t is not None and t.dtype == "bf16" else t
+
+
 def value_info(name: str, t: TensorType) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(name, ONNX_DTYPES[t.dtype], list(t.shape))
 
@@ -451,13 +469,15 @@ def lower_function(module: Module, fname: str) -> onnx.ModelProto:
     env: dict[int, Any] = {}
     types: dict[int, TensorType] = {}
     for v in fn.inputs:
-        g.inputs.append(value_info(v.name, v.type))
-        if v.type.dtype not in ("fp32", "i32", "i64"):
-            raise IRError("the ONNX (cpu) target needs native fp32 pool planes and fp32 compute",
-                          where=f"@{fname} %{v.name}", expected="fp32 / native planes", found=v.type.dtype,)
+        if v.type.dtype not in ("fp32", "bf16", "i32", "i64"):
+            raise IRError("the ONNX (cpu) target needs native fp32 / bf16 pool planes and fp32 / bf16 compute",
+                          where=f"@{fname} %{v.name}", expected="fp32 / bf16 native planes", found=v.type.dtype)
+        g.inputs.append(value_info(v.name, compute_type(v.type)))
         if v.name in states:
             env[id(v)] = Planes(v.name)
             g.memo[("rank", v.name)] = v.type.rank - 1
+            if v.type.dtype == "bf16":
+                g.bf16_planes.add(v.name)
         else:
             env[id(v)] = v.name
         types[id(v)] = v.type
@@ -486,9 +506,15 @@ def lower_function(module: Module, fname: str) -> onnx.ModelProto:
         if len(outs) < len(op.results):
             raise IRError(f"ONNX lowering of '{op.name}' returned {len(outs)} results", expected=len(op.results))
         for r, x in zip(op.results, outs):
+            if r.type.dtype == "bf16" and isinstance(x, str):
+                x = g.bf16_round(x)  # a bf16 result: computed in fp32, stored as the reference stores it
             env[id(r)] = x
             types[id(r)] = r.type
     # weights: the stored ones the graph reads as they are, then those it takes derived (onnx_weights)
+    read = {i for n in g.nodes for i in n.input}
+    upcast = {w.name: g.weight(w.name, w.type)[0] for w in weights_used if w.name in read and w.type.dtype == "bf16"}
+    for n in g.nodes:  # a bf16 weight read as it is (norm weights, tables): its fp32 upcast, made at load
+        n.input[:] = [upcast.get(i, i) for i in n.input]
     read = {i for n in g.nodes for i in n.input}
     for w in sorted({w.name: w for w in weights_used if w.name in read}.values(), key=lambda w: w.name):
         g.inputs.append(value_info(w.name, w.type))
@@ -504,10 +530,11 @@ def lower_function(module: Module, fname: str) -> onnx.ModelProto:
             g.op("Identity", x.rows, out=f"{name}.rows")
             g.op("Identity", x.vals, out=f"{name}.vals")
             g.outputs.append(helper.make_tensor_value_info(f"{name}.rows", TensorProto.INT64, [None]))
-            g.outputs.append(helper.make_tensor_value_info(f"{name}.vals", ONNX_DTYPES[t.dtype], [None, *t.shape[1:]]))
+            g.outputs.append(helper.make_tensor_value_info(f"{name}.vals", ONNX_DTYPES[compute_type(t).dtype],
+                                                           [None, *t.shape[1:]]))
         else:
             g.op("Identity", x, out=name)
-            g.outputs.append(value_info(name, v.type))
+            g.outputs.append(value_info(name, compute_type(v.type)))
     return g.model(doc=f"v4compile function @{fname} of module @{module.name}")
 
 
