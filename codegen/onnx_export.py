@@ -239,31 +239,34 @@ class Graph:
         return self.op("RMSNormalization", x, w, axis=-1, epsilon=eps)
 
     def rope_tables(self, pos: str, pos_rank: int, extra: int, dim: int, theta: float, yarn: tuple,
-                    inverse: bool) -> tuple[str, str]:
-        """cos / sin `[*pos, 1 * extra, dim]` (each pair's value twice) at integer positions."""
+                    inverse: bool, width: int | None = None) -> tuple[str, str]:
+        """cos / sin `[*pos, 1 * extra, width]` (each pair's value twice) at integer positions, for the last
+        `dim` of `width` channels: the first `width - dim` have frequency 0 (cos 1, sin 0 exactly)."""
+        width = width or dim
+
         def make():
             from v4compile.ops.rope import inv_freq
 
-            f = np.repeat(inv_freq(dim, theta, tuple(yarn)).numpy(), 2)
+            f = np.concatenate([np.zeros(width - dim, np.float32), np.repeat(inv_freq(dim, theta, tuple(yarn)).numpy(), 2)])
             ang = self.op("Mul", self.unsqueeze(self.cast(pos, TensorProto.FLOAT), -1), self.const(f))
             if extra:
                 ang = self.op("Unsqueeze", ang, self.i64(*range(pos_rank, pos_rank + extra)))
             sin = self.op("Sin", ang)
             return self.op("Cos", ang), (self.op("Neg", sin) if inverse else sin)
-        return self.cached(("rope", pos, extra, dim, theta, tuple(yarn), inverse), make)
+        return self.cached(("rope", pos, extra, dim, width, theta, tuple(yarn), inverse), make)
 
     def rotate(self, x: str, xt: TensorType, pos: str, pos_rank: int, dim: int, theta: float, yarn: tuple,
                inverse: bool = False) -> str:
-        """Interleaved RoPE on the last `dim` channels, as `ops.rope.rotate`: r * cos + rot_half(r) * sin,
-        with rot_half (pairs (a, b) -> (-b, a)) an exact product with a constant +-1 matrix."""
+        """Interleaved RoPE on the last `dim` channels, as `ops.rope.rotate`: x * cos + rot_half(x) * sin over
+        all D channels, rot_half (pairs (a, b) -> (-b, a)) an exact product with a constant +-1 matrix that
+        is zero on the first D - dim channels, where cos is 1 and sin 0: those come out as x + 0 = x, bit
+        for bit (finite x), with no Split / Concat around the rotation (two nodes fewer a call)."""
         lead, D = xt.shape[:-1], xt.shape[-1]
-        cos, sin = self.rope_tables(pos, pos_rank, len(lead) - pos_rank, dim, theta, yarn, inverse)
-        nope, r = (None, x) if D == dim else self.split(x, (D - dim, dim))
-        R = np.zeros((dim, dim), np.float32)
-        for i in range(0, dim, 2):
+        cos, sin = self.rope_tables(pos, pos_rank, len(lead) - pos_rank, dim, theta, yarn, inverse, D)
+        R = np.zeros((D, D), np.float32)
+        for i in range(D - dim, D, 2):
             R[i + 1, i], R[i, i + 1] = -1.0, 1.0
-        out = self.op("Add", self.op("Mul", r, cos), self.op("Mul", self.op("MatMul", r, self.const(R)), sin))
-        return out if nope is None else self.concat([nope, out], -1)
+        return self.op("Add", self.op("Mul", x, cos), self.op("Mul", self.op("MatMul", x, self.const(R)), sin))
 
     def pow2_scale(self, amax: str, qmax: float, floor: float) -> str:
         """2^ceil(log2(max(amax, floor) / qmax)), exact: the log2 estimate is corrected by one step each way."""
