@@ -99,3 +99,12 @@ def test_official_bf16_is_refused_with_one_error(tmp_path):
     with pytest.raises(IRError, match="no ONNX lowering for this use of"):
         compile_artifact(_fe("official"), tmp_path / "off", BUCKETS)
     assert not (tmp_path / "off").exists()
+
+
+def test_cli_refuses_official_bf16_for_cpu_before_writing(tmp_path):
+    from bad_input_util import cli_error
+
+    out = tmp_path / "art"
+    cli_error("compile", "--weights", "random", "--numerics", "official", "--dtype", "bf16", "--target", "cpu",
+              "-o", str(out), needles=("bf16 with hf numerics only", "--numerics hf"))
+    assert not out.exists()
