@@ -16,6 +16,10 @@ Interface of an exported model (what the runtime binds):
   (int64 `[N]`, -1 = nothing to write) and `X.vals` (`[N, *row shape]`), in write order (a later row wins).
   The runtime stores them in place into its own buffers.
 
+bf16 (a model traced in bf16): the graphs compute in fp32 (ONNX Runtime's cpu kernels have none in bf16);
+bf16 weights come in upcast once at load (derived), bf16 planes and state are held in fp32, and every value
+the IR holds in bf16 (an op's result, a row written) is rounded to bf16 (`compute_type`, `Graph.bf16_round`).
+
 No copy of the pool: a write op only records its rows (`Planes.write`); a later reader in the same step
 gathers the rows it needs from the input plane and patches those that an earlier write in this step
 replaced (`Graph.read_rows`), so a step costs what it reads, never the pool's capacity.
@@ -101,6 +105,7 @@ class Graph:
         self.uses_ms = False
         self.loc = ""
         self.derived: dict[str, dict] = {}  # graph inputs built from stored weights at load (onnx_weights)
+        self.bf16_planes: set[str] = set()  # state inputs the IR stores in bf16 (held in fp32 here)
 
     # ---- raw construction ----------------------------------------------------------------------
     def fresh(self, hint: str = "t") -> str:
@@ -166,6 +171,10 @@ class Graph:
     def cast(self, x: str, to: int) -> str:
         return self.op("Cast", x, to=to)
 
+    def bf16_round(self, x: str) -> str:
+        """x rounded to bf16 (to nearest, ties to even, as torch's `.to(bfloat16)`), kept in fp32."""
+        return self.cast(self.cast(x, TensorProto.BFLOAT16), TensorProto.FLOAT)
+
     def as_i64(self, x: str, ir_dtype: str | None) -> str:
         if ir_dtype == "i64":
             return x
@@ -230,31 +239,34 @@ class Graph:
         return self.op("RMSNormalization", x, w, axis=-1, epsilon=eps)
 
     def rope_tables(self, pos: str, pos_rank: int, extra: int, dim: int, theta: float, yarn: tuple,
-                    inverse: bool) -> tuple[str, str]:
-        """cos / sin `[*pos, 1 * extra, dim]` (each pair's value twice) at integer positions."""
+                    inverse: bool, width: int | None = None) -> tuple[str, str]:
+        """cos / sin `[*pos, 1 * extra, width]` (each pair's value twice) at integer positions, for the last
+        `dim` of `width` channels: the first `width - dim` have frequency 0 (cos 1, sin 0 exactly)."""
+        width = width or dim
+
         def make():
             from v4compile.ops.rope import inv_freq
 
-            f = np.repeat(inv_freq(dim, theta, tuple(yarn)).numpy(), 2)
+            f = np.concatenate([np.zeros(width - dim, np.float32), np.repeat(inv_freq(dim, theta, tuple(yarn)).numpy(), 2)])
             ang = self.op("Mul", self.unsqueeze(self.cast(pos, TensorProto.FLOAT), -1), self.const(f))
             if extra:
                 ang = self.op("Unsqueeze", ang, self.i64(*range(pos_rank, pos_rank + extra)))
             sin = self.op("Sin", ang)
             return self.op("Cos", ang), (self.op("Neg", sin) if inverse else sin)
-        return self.cached(("rope", pos, extra, dim, theta, tuple(yarn), inverse), make)
+        return self.cached(("rope", pos, extra, dim, width, theta, tuple(yarn), inverse), make)
 
     def rotate(self, x: str, xt: TensorType, pos: str, pos_rank: int, dim: int, theta: float, yarn: tuple,
                inverse: bool = False) -> str:
-        """Interleaved RoPE on the last `dim` channels, as `ops.rope.rotate`: r * cos + rot_half(r) * sin,
-        with rot_half (pairs (a, b) -> (-b, a)) an exact product with a constant +-1 matrix."""
+        """Interleaved RoPE on the last `dim` channels, as `ops.rope.rotate`: x * cos + rot_half(x) * sin over
+        all D channels, rot_half (pairs (a, b) -> (-b, a)) an exact product with a constant +-1 matrix that
+        is zero on the first D - dim channels, where cos is 1 and sin 0: those come out as x + 0 = x, bit
+        for bit (finite x), with no Split / Concat around the rotation (two nodes fewer a call)."""
         lead, D = xt.shape[:-1], xt.shape[-1]
-        cos, sin = self.rope_tables(pos, pos_rank, len(lead) - pos_rank, dim, theta, yarn, inverse)
-        nope, r = (None, x) if D == dim else self.split(x, (D - dim, dim))
-        R = np.zeros((dim, dim), np.float32)
-        for i in range(0, dim, 2):
+        cos, sin = self.rope_tables(pos, pos_rank, len(lead) - pos_rank, dim, theta, yarn, inverse, D)
+        R = np.zeros((D, D), np.float32)
+        for i in range(D - dim, D, 2):
             R[i + 1, i], R[i, i + 1] = -1.0, 1.0
-        out = self.op("Add", self.op("Mul", r, cos), self.op("Mul", self.op("MatMul", r, self.const(R)), sin))
-        return out if nope is None else self.concat([nope, out], -1)
+        return self.op("Add", self.op("Mul", x, cos), self.op("Mul", self.op("MatMul", x, self.const(R)), sin))
 
     def pow2_scale(self, amax: str, qmax: float, floor: float) -> str:
         """2^ceil(log2(max(amax, floor) / qmax)), exact: the log2 estimate is corrected by one step each way."""
@@ -355,6 +367,8 @@ class Graph:
 
     def write_rows(self, p: Planes, rows: str, vals: str) -> Planes:
         """Record `plane[rows] = vals` (rows int64 [N], -1 = skip; vals [N, *row])."""
+        if p.base in self.bf16_planes:
+            vals = self.bf16_round(vals)
         seg = ((self.pool_scope(), rows, vals),)
         if p.rows is None:
             return Planes(p.base, rows, vals, seg)
@@ -434,6 +448,13 @@ class Graph:
         return m
 
 
+def compute_type(t: TensorType | None) -> TensorType | None:
+    """The type a value has in the ONNX graph: a bf16 value is held in fp32 (ONNX Runtime's cpu kernels
+    compute in fp32), rounded to bf16 wherever the IR stores it (an op's result, a plane's written rows),
+    so it carries exactly the reference's bf16 values between ops."""
+    return TensorType(t.shape, "fp32") if t is not None and t.dtype == "bf16" else t
+
+
 def value_info(name: str, t: TensorType) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(name, ONNX_DTYPES[t.dtype], list(t.shape))
 
@@ -451,13 +472,15 @@ def lower_function(module: Module, fname: str) -> onnx.ModelProto:
     env: dict[int, Any] = {}
     types: dict[int, TensorType] = {}
     for v in fn.inputs:
-        g.inputs.append(value_info(v.name, v.type))
-        if v.type.dtype not in ("fp32", "i32", "i64"):
-            raise IRError("the ONNX (cpu) target needs native fp32 pool planes and fp32 compute",
-                          where=f"@{fname} %{v.name}", expected="fp32 / native planes", found=v.type.dtype,)
+        if v.type.dtype not in ("fp32", "bf16", "i32", "i64"):
+            raise IRError("the ONNX (cpu) target needs native fp32 / bf16 pool planes and fp32 / bf16 compute",
+                          where=f"@{fname} %{v.name}", expected="fp32 / bf16 native planes", found=v.type.dtype)
+        g.inputs.append(value_info(v.name, compute_type(v.type)))
         if v.name in states:
             env[id(v)] = Planes(v.name)
             g.memo[("rank", v.name)] = v.type.rank - 1
+            if v.type.dtype == "bf16":
+                g.bf16_planes.add(v.name)
         else:
             env[id(v)] = v.name
         types[id(v)] = v.type
@@ -486,9 +509,15 @@ def lower_function(module: Module, fname: str) -> onnx.ModelProto:
         if len(outs) < len(op.results):
             raise IRError(f"ONNX lowering of '{op.name}' returned {len(outs)} results", expected=len(op.results))
         for r, x in zip(op.results, outs):
+            if r.type.dtype == "bf16" and isinstance(x, str):
+                x = g.bf16_round(x)  # a bf16 result: computed in fp32, stored as the reference stores it
             env[id(r)] = x
             types[id(r)] = r.type
     # weights: the stored ones the graph reads as they are, then those it takes derived (onnx_weights)
+    read = {i for n in g.nodes for i in n.input}
+    upcast = {w.name: g.weight(w.name, w.type)[0] for w in weights_used if w.name in read and w.type.dtype == "bf16"}
+    for n in g.nodes:  # a bf16 weight read as it is (norm weights, tables): its fp32 upcast, made at load
+        n.input[:] = [upcast.get(i, i) for i in n.input]
     read = {i for n in g.nodes for i in n.input}
     for w in sorted({w.name: w for w in weights_used if w.name in read}.values(), key=lambda w: w.name):
         g.inputs.append(value_info(w.name, w.type))
@@ -504,10 +533,11 @@ def lower_function(module: Module, fname: str) -> onnx.ModelProto:
             g.op("Identity", x.rows, out=f"{name}.rows")
             g.op("Identity", x.vals, out=f"{name}.vals")
             g.outputs.append(helper.make_tensor_value_info(f"{name}.rows", TensorProto.INT64, [None]))
-            g.outputs.append(helper.make_tensor_value_info(f"{name}.vals", ONNX_DTYPES[t.dtype], [None, *t.shape[1:]]))
+            g.outputs.append(helper.make_tensor_value_info(f"{name}.vals", ONNX_DTYPES[compute_type(t).dtype],
+                                                           [None, *t.shape[1:]]))
         else:
             g.op("Identity", x, out=name)
-            g.outputs.append(value_info(name, v.type))
+            g.outputs.append(value_info(name, compute_type(v.type)))
     return g.model(doc=f"v4compile function @{fname} of module @{module.name}")
 
 

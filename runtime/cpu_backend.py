@@ -3,9 +3,9 @@
 * Weights are mapped from `weights/*.safetensors` (no copy; hashed as they are first read when the load
   deferred their check) and handed to every session as shared external initializers (the ONNX files declare them as graph inputs; here they become
   initializers, so ONNX Runtime treats them as constants and no session copies them from a file).
-* Pool planes and per-slot state live in host arrays owned by this backend, bound as inputs through
-  IO binding (never copied per step); a step's outputs are only the rows it wrote (`X.rows`, `X.vals`),
-  stored here in place, in write order.
+* Pool planes and per-slot state live in host arrays owned by this backend, bound once as inputs of each
+  session's IO binding (never copied, never rebound: a step rebinds only its step inputs); a step's
+  outputs are only the rows it wrote (`X.rows`, `X.vals`), stored here in place, in write order.
 * Threads: `threads` intra-op threads per session (default `threads.default_threads(ORT_THREADS)`: the free
   cores, at most 8: ONNX Runtime's own default, every core, oversubscribes a shared machine); the other
   session options are the artifact's (`codegen.onnx_session`); sessions are created lazily, one per
@@ -173,7 +173,18 @@ class OrtBackend:
                 dt = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32}[i.type]
                 self.state[n] = np.zeros(i.shape, dtype=dt)
         outs = [o.name for o in sess.get_outputs()]
-        self._sessions[key] = (sess, list(ins), outs)
+        io = sess.io_binding()
+        for n in ins:
+            if n in self.state:
+                io.bind_cpu_input(n, self.state[n])
+        for n in outs:
+            io.bind_output(n, "cpu")
+        step_ins = [n for n in ins if n not in self.state]
+        # each written plane / state tensor: (its buffer, index of its rows output, index of its values)
+        writes = [(self.state[n[: -len(".rows")]], i, outs.index(n[: -len(".rows")] + ".vals"))
+                  for i, n in enumerate(outs) if n.endswith(".rows")]
+        kept = [(i, n) for i, n in enumerate(outs) if not n.endswith((".rows", ".vals"))]
+        self._sessions[key] = (sess, step_ins, outs, io, writes, kept)
         return self._sessions[key]
 
     def prepare(self, fnames) -> None:
@@ -200,28 +211,24 @@ class OrtBackend:
 
     def _run_graph(self, fname: str, k: int, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One graph; the rows it wrote stored into the state; its other outputs returned."""
-        sess, ins, outs = self._session(fname, k)
-        io = sess.io_binding()
-        for n in ins:
-            a = inputs[n] if n in inputs else self.state[n]
-            io.bind_cpu_input(n, a)
-        for n in outs:
-            io.bind_output(n, "cpu")
+        sess, step_ins, outs, io, writes, kept = self._session(fname, k)
+        # The binding is the session's, made once: the state arrays are bound once (their buffers are
+        # updated in place below, never replaced) and the outputs once; a step binds its step inputs only.
+        for n in step_ins:
+            io.bind_cpu_input(n, inputs[n])
         sess.run_with_iobinding(io)
-        res = dict(zip(outs, io.copy_outputs_to_cpu()))
-        for n in outs:
-            if n.endswith(".rows"):
-                base = n[: -len(".rows")]
-                rows, vals = res[n], res[base + ".vals"]
-                ok = rows >= 0
-                if ok.all():
-                    self.state[base][rows] = vals
-                elif ok.any():
-                    self.state[base][rows[ok]] = vals[ok]
-        return {n: a for n, a in res.items() if not n.endswith((".rows", ".vals"))}
+        res = io.copy_outputs_to_cpu()
+        for buf, r, v in writes:
+            rows, vals = res[r], res[v]
+            ok = rows >= 0
+            if ok.all():
+                buf[rows] = vals
+            elif ok.any():
+                buf[rows[ok]] = vals[ok]
+        return {n: res[i] for i, n in kept}
 
     def end_profiling(self) -> list[str]:
-        return [s.end_profiling() for s, _, _ in self._sessions.values()]
+        return [s.end_profiling() for s, *_ in self._sessions.values()]
 
     def close(self) -> None:
         self._sessions.clear()

@@ -29,10 +29,15 @@ def lowering(opdef) -> Callable | None:
 
 def gemm_input(g, what: str, a: dict, x: str, xt: TensorType) -> str:
     """The ONNX lowerings compute GEMMs in fp32: the activation as it is (act native) or as the FP8 GEMM
-    sees it (act fp8: `formats.act_qdq`, 128-wide K blocks), times the weight dequantised to fp32."""
+    sees it (act fp8: `formats.act_qdq`, 128-wide K blocks), times the weight dequantised to fp32; a bf16
+    result is rounded once (the op's result, `onnx_export.lower_function`), as torch's bf16 GEMM does.
+    FP8 activations of a bf16 activation are refused: the e4m3 grid's midpoints are bf16 values, so the
+    quantiser flips on any last-bit difference from the reference's bf16 arithmetic upstream."""
     act = a.get("act", "native")
-    if xt.dtype != "fp32" or a.get("out_dtype", "") not in ("", "fp32"):
-        raise NotImplementedError(f"{what} on {xt.dtype} out_dtype={a.get('out_dtype')!r} (cpu: fp32)")
+    if xt.dtype not in ("fp32", "bf16") or a.get("out_dtype", "") not in ("", "fp32", "bf16") or \
+            (act == "fp8" and xt.dtype == "bf16"):
+        raise NotImplementedError(f"{what} on {xt.dtype} act={act!r} out_dtype={a.get('out_dtype')!r} "
+                                  "(cpu: fp32, or bf16 with native activations)")
     return g.act_qdq(x, xt) if act == "fp8" else x
 
 

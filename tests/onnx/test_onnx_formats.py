@@ -6,12 +6,21 @@ The runtime dequantises each FP8 / FP4 weight once at load with the reference's 
 (`codegen/onnx_weights.py`), so the weights are bit for bit the reference's; the FP8 activation rounding
 (`formats.act_qdq`) is the same arithmetic in ONNX, and each GEMM op on the reference's own inputs gives
 its output exactly (measured: 0 error). What is not exact is the fp32 arithmetic between the roundings
-(Gemm / MatMul sum in another order than torch: ~1e-7); where such a value lies within an ulp of a
-rounding midpoint, the e4m3 rounding flips one value by a step (measured on this checkpoint: one flip in
-layer 2's `wo_b` input, 0.12109370 -> 0.12109375, the midpoint), and the tiny model carries that on.
-Measured: logits within 1.6e-2 of their scale (max |logit|), the same greedy ids. So: ids identical,
-logits within 3e-2 of the scale; without the FP8 activation rounding the error is >= 6e-2 (caught below).
-The issue's 1e-4 would need bit-exact fp32 GEMMs between torch and ONNX Runtime.
+(reductions in attention, norms, mHC summed in another order than torch's: activations differ by a few
+ulps), and where a quantiser's input lies within such a distance of an e4m3 rounding midpoint, it rounds
+the other way. On this checkpoint that happens once: layer 2's `wo_b` input at prefill token 0, channel 26.
+
+Why no lowering can round it like the reference (measured, issue 22): the midpoint is 0.12109375. The
+exact (fp64) `wo_a` product of the reference's own input is 0.1210937456, 0.6 fp32 ulp below it; torch's
+fp32 sum of that same product is 0.1210937053 (6 ulps below; ONNX Runtime's Gemm gives the same bits on
+that input). The cpu graph's `wo_a` input differs from the reference's by up to 4.8e-7 (the upstream
+reductions), which moves even the exact product to 0.1210938513, 14 ulps above the midpoint. So the
+flip is decided upstream of the GEMM, by the fp32 summation order of every reduction since the embedding,
+which torch does not specify (it follows its vectorisation and BLAS blocking); no summation order or
+precision chosen for the quantiser's own GEMM changes it. The rounding goes on to move the tiny model's
+logits by 1.6e-2 of their scale, the same greedy ids. So: ids identical, logits within 3e-2 of the scale;
+without the FP8 activation rounding the error is >= 6e-2 (caught below). The issue's 1e-4 would need
+torch's reduction order in every fp32 op.
 """
 
 from __future__ import annotations

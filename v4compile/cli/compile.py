@@ -159,9 +159,11 @@ def _artifact_plan(args, fe, targets) -> dict:
 
     if args.start_from:
         raise InputError("an artifact is traced per bucket: --start-from cannot be combined with -o")
-    if "cpu" in targets and args.dtype != "fp32":
-        raise InputError("the cpu target computes in fp32", expected="--dtype fp32 (or --target gfx950,sm_90a)",
-                         found=args.dtype)
+    if "cpu" in targets and args.dtype != "fp32" and args.numerics != "hf":
+        # bf16 on the cpu target rounds each stored value as the reference does, but not the in-op bf16
+        # arithmetic that official numerics' FP8 activation roundings would turn into e4m3 steps
+        raise InputError("the cpu target runs bf16 with hf numerics only", found=f"--dtype {args.dtype} "
+                         f"--numerics {args.numerics}", expected="--numerics hf, --dtype fp32, or --target gfx950,sm_90a")
     if "cpu" in targets and fe.source is None:
         raise InputError("the cpu target needs weights", expected="--weights random (presets), a checkpoint, or "
                                                                   "--target gfx950,sm_90a for a shape-only artifact")
