@@ -14,12 +14,13 @@ so the sink lands in the denominator only and a lane with no rows (padding) yiel
 bf16: scores are rounded to bf16 before and after the scale, as the reference's bf16 einsum and scalar
 multiply do, so the softmax sees the same logits; probabilities feed the PV dot as bf16.
 
-Decode (T == 1) runs split-KV instead: pass 1 over (lane, block of DECODE_BH heads, split) walks a static
+Decode (T == 1) runs split-KV instead: one program per (lane, block of DECODE_BH heads, split) walks a static
 slice of RS entries of the lane's row list (window rows then compressed rows, counts read in the kernel;
 the own kv row goes to split 0) and writes an fp32 partial (m, l, acc) to the scratch `sa_partial`; its
 running max starts at the sink logit only as a finite reference point, l at 0, so a split past the end
-writes the neutral partial (sink, 0, 0). Pass 2 merges a lane's partials with the LSE rule and adds the
-sink to the denominator once. `split_plan` picks the splits. The cost is honest about the trade: a
+writes the neutral partial (sink, 0, 0). The last split of a (lane, head block) to arrive (an arrival
+counter, a `semaphore` pointer) merges its partials with the LSE rule and adds the sink to the
+denominator once, in the same launch. `split_plan` picks the splits. The cost is honest about the trade: a
 partial is an [H, d] fp32 tile (V4-Pro: 256 KiB, written and read back), so splits buy parallelism with
 bytes; larger head blocks buy back the re-reads of the rows.
 """
@@ -129,18 +130,20 @@ def sparse_attention_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_in
 
 @triton.jit
 def sparse_attention_split_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indices, comp_indptr,
-                                  comp_indices, p0, p1, p2, c0, c1, c2, part_ptr,
+                                  comp_indices, p0, p1, p2, c0, c1, c2, part_ptr, sem_ptr, out_ptr,
                                   H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr,
                                   BN: tl.constexpr, WINDOW: tl.constexpr, SCALE: tl.constexpr,
                                   Q_SB: tl.constexpr, Q_SH: tl.constexpr, KV_SB: tl.constexpr,
+                                  O_SB: tl.constexpr, O_SH: tl.constexpr,
                                   NS: tl.constexpr, RS: tl.constexpr, ACC0: tl.constexpr,
                                   FMT: tl.constexpr, NPLANES: tl.constexpr, NOPE: tl.constexpr, BLK: tl.constexpr,
                                   S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
                                   DT: tl.constexpr, PREC: tl.constexpr):
-    """Decode (T == 1), pass 1: split `sp` of lane `lane` takes the slice [sp*RS, sp*RS + RS) of the lane's
+    """Decode (T == 1): split `sp` of lane `lane` takes the slice [sp*RS, sp*RS + RS) of the lane's
     row list (window CSR rows, then compressed CSR rows; the last split also takes anything past NS*RS) and
     writes its partial (m, l, acc) without the sink. Split 0 also takes the lane's own kv row. A split past
-    the end runs no loop and writes the neutral partial (m = sink, l = 0, acc = 0)."""
+    the end runs no loop and writes the neutral partial (m = sink, l = 0, acc = 0). The last of the NS
+    splits of a (lane, head block) to arrive merges their partials (`_merge`) and writes out."""
     lane = tl.program_id(0)
     sp = tl.program_id(2)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -177,18 +180,21 @@ def sparse_attention_split_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, 
     tl.store(part_ptr + (part * 2 + 1) * H + h, l, mask=hm)
     tl.store(part_ptr + ACC0 + (part * H + h[:, None]).to(tl.int64) * D + col[None, :], acc,
              mask=hm[:, None] & (col[None, :] < D))
+    # The barrier orders every thread's partial stores before the (one-thread, acq_rel) arrival.
+    tl.debug_barrier()
+    group = lane * tl.num_programs(1) + tl.program_id(1)
+    arrived = tl.atomic_add(sem_ptr + group, 1, sem="acq_rel")
+    if arrived == NS - 1:
+        _merge(sink_ptr, part_ptr, out_ptr, lane, h, col, hm, H, D, BH, DP, NS, ACC0, O_SB, O_SH, DT)
+        tl.store(sem_ptr + group, 0)
 
 
 @triton.jit
-def sparse_attention_merge_kernel(sink_ptr, part_ptr, out_ptr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                                  BH: tl.constexpr, NS: tl.constexpr, ACC0: tl.constexpr,
-                                  O_SB: tl.constexpr, O_SH: tl.constexpr, DT: tl.constexpr):
-    """Decode pass 2, the LSE merge of a lane's NS partials: M = max(sink, m_s),
+def _merge(sink_ptr, part_ptr, out_ptr, lane, h, col, hm, H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
+           DP: tl.constexpr, NS: tl.constexpr, ACC0: tl.constexpr, O_SB: tl.constexpr, O_SH: tl.constexpr,
+           DT: tl.constexpr):
+    """The LSE merge of a lane's NS partials for heads h: M = max(sink, m_s),
     out = sum_s acc_s e^(m_s - M) / (e^(sink - M) + sum_s l_s e^(m_s - M)), the sink counted once."""
-    lane = tl.program_id(0)
-    h = tl.program_id(1) * BH + tl.arange(0, BH)
-    col = tl.arange(0, DP)
-    hm = h < H
     sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32)
     mx = sink
     for sp in range(NS):
@@ -207,7 +213,7 @@ def sparse_attention_merge_kernel(sink_ptr, part_ptr, out_ptr, H: tl.constexpr, 
              mask=hm[:, None] & (col[None, :] < D))
 
 
-# Decode split-KV plan. Programs of pass 1 aim at 2 x the larger CU count of the targets (gfx950: 256 CUs;
+# Decode split-KV plan. The programs aim at 2 x the larger CU count of the targets (gfx950: 256 CUs;
 # sm_90a: 132 SMs) without giving a split fewer than MIN_SPLIT_ROWS rows: every split costs an [H, d]
 # fp32 partial round trip (512 KiB at V4-Pro), as much as ~900 fp8 pool rows. One split: one pass.
 TARGET_PROGRAMS = 512
@@ -277,7 +283,7 @@ def specialise(op_name, operands, results, attrs):
 
 
 def _decode_calls(c, pointers, offsets, aligned, flops, n_rows, row_bytes, q, kv, out, max_rows, attrs):
-    """T == 1: split-KV pass 1 over (lane, head block, split) + the LSE merge (pass 2)."""
+    """T == 1: split-KV over (lane, head block, split), the LSE merge by each group's last split."""
     B, _T, H, D = q.shape
     BH = DECODE_BH if D > 256 else 16
     HB = triton.cdiv(H, BH)
@@ -290,22 +296,16 @@ def _decode_calls(c, pointers, offsets, aligned, flops, n_rows, row_bytes, q, kv
                            bytes_moved=n_rows * row_bytes * HB + 2 * q.type.nbytes)]
     ACC0 = B * NS * 2 * H
     part_bytes = (ACC0 + B * NS * H * D) * 4
-    sc = {k: v for k, v in c.items() if k not in ("T", "Q_ST", "KV_ST", "O_SB", "O_ST", "O_SH")}
+    sc = {k: v for k, v in c.items() if k not in ("T", "Q_ST", "KV_ST", "O_ST")}
     sc.update(BH=BH, NS=NS, RS=RS, ACC0=ACC0)
     part = ptr("part_ptr", "scratch", "sa_partial", "*fp32")
-    split = KernelCall(name=call_name("sparse_attention_split", sc, f"b{B}_h{H}_d{D}_s{NS}_{attrs['fmt']}"),
-                       fn=sparse_attention_split_kernel, constexprs=sc, pointers=pointers[:-1] + [part],
-                       grid=(B, HB, NS), num_warps=DECODE_WARPS if D > 256 else 4, scratch_bytes={"sa_partial": part_bytes},
-                       unaligned=tuple(a for a in aligned if a != "out_ptr"), offsets=offsets, flops=flops,
-                       # each head block reads the lane's rows; every program reads its q block
-                       bytes_moved=n_rows * row_bytes * HB + NS * q.type.nbytes + kv.type.nbytes + part_bytes)
-    BM = 16
-    mc = dict(H=H, D=D, DP=c["DP"], BH=BM, NS=NS, ACC0=ACC0, O_SB=out.strides[0], O_SH=out.strides[2], DT=c["DT"])
-    sink = next(p for p in pointers if p[0] == "sink_ptr")
-    merge = KernelCall(name=call_name("sparse_attention_merge", mc, f"b{B}_h{H}_d{D}_s{NS}"),
-                       fn=sparse_attention_merge_kernel, constexprs=mc,
-                       pointers=[sink, part, pointers[-1]], grid=(B, triton.cdiv(H, BM), 1),
-                       num_warps=4, scratch_bytes={"sa_partial": part_bytes},
-                       unaligned=tuple(a for a in aligned if a == "out_ptr"),
-                       flops=3 * B * NS * H * D, bytes_moved=part_bytes + out.type.nbytes + 4 * H)
-    return [split, merge]
+    sem = ptr("sem_ptr", "semaphore", "sa_arrivals", "*i32")  # one counter per (lane, head block)
+    return [KernelCall(name=call_name("sparse_attention_split", sc, f"b{B}_h{H}_d{D}_s{NS}_{attrs['fmt']}"),
+                       fn=sparse_attention_split_kernel, constexprs=sc, pointers=pointers + [part, sem],
+                       grid=(B, HB, NS), num_warps=DECODE_WARPS if D > 256 else 4,
+                       scratch_bytes={"sa_partial": part_bytes, "sa_arrivals": B * HB * 4},
+                       unaligned=aligned, offsets=offsets, flops=flops + 3 * B * NS * H * D,
+                       # each head block reads the lane's rows; every program reads its q block; the partials
+                       # are written once and read once by the merging programs
+                       bytes_moved=n_rows * row_bytes * HB + NS * q.type.nbytes + kv.type.nbytes + 2 * part_bytes
+                       + out.type.nbytes + 4 * H)]
