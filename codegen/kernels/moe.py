@@ -6,7 +6,8 @@ output, silu and the SwiGLU product, the routing weight's product (with w2's out
 over the selected experts in ascending expert id (the reference's `index_add_` order), then `+ shared`.
 
 Launches, scratch buffers between them (h, yr in x's dtype; P = tokens x k (token, slot) pairs, pair
-p = token * k + slot):
+p = token * k + slot); 4 runs inside 3's launch, in the last expert program of each D tile to arrive (an
+arrival counter per D tile, a `semaphore` pointer):
   0. (grouped mode only) group: per-expert offsets and the pair ids sorted by expert -> grp (int32).
   1. routed gate/up + SwiGLU, expert-major: program (expert e, I tile) walks the compact list of e's
      pairs in tiles of BM rows -> h[P, I] (row = pair id). Each weight tile is read once per BM pairs
@@ -171,12 +172,18 @@ def moe_up_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr
 
 @triton.jit
 def moe_down_kernel(h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
+                    sem_ptr, cidx_ptr, hs_ptr, cw2_ptr, cs2_ptr, out_ptr,
                     P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, MODE: tl.constexpr, PB: tl.constexpr,
                     I: tl.constexpr, D: tl.constexpr,
                     H_RS: tl.constexpr, IDX_RS: tl.constexpr, WT_RS: tl.constexpr, Y_RS: tl.constexpr,
                     W_ES: tl.constexpr, W_RS: tl.constexpr, S_ES: tl.constexpr, S_RS: tl.constexpr,
                     W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
-                    CDT: tl.constexpr, ROUTE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    CDT: tl.constexpr, ROUTE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    C_M: tl.constexpr, C_IS: tl.constexpr, C_HS_RS: tl.constexpr, C_Y_RS: tl.constexpr,
+                    C_W_RS: tl.constexpr, C_S_RS: tl.constexpr, C_W_FMT: tl.constexpr, C_S_E8M0: tl.constexpr,
+                    C_BLOCK: tl.constexpr, C_ACT: tl.constexpr, C_BK: tl.constexpr, C_BKS: tl.constexpr):
+    """Routed down (expert e, D tile) -> yr rows; the last of a D tile's E expert programs to arrive then
+    combines that tile for every token (`_combine`: the shared expert's down GEMM and the ordered sum)."""
     e = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = offs_n < D
@@ -203,17 +210,27 @@ def moe_down_kernel(h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
         else:
             ye = (acc.to(dt).to(tl.float32) * wt[None, :]).to(dt)
         tl.store(y_ptr + pr[None, :].to(tl.int64) * Y_RS + offs_n[:, None], ye, mask=ok[None, :] & n_ok[:, None])
+    # The barrier orders every thread's yr stores before the (one-thread, acq_rel) arrival.
+    tl.debug_barrier()
+    n_tile = tl.program_id(1)
+    arrived = tl.atomic_add(sem_ptr + n_tile, 1, sem="acq_rel")
+    if arrived == E - 1:
+        for m_tile in range(0, (C_M + BM - 1) // BM):
+            _combine(n_tile, m_tile, hs_ptr, y_ptr, cidx_ptr, cw2_ptr, cs2_ptr, out_ptr, C_M, KSEL, C_IS, D, C_HS_RS,
+                     Y_RS, IDX_RS, C_Y_RS, C_W_RS, C_S_RS, C_W_FMT, C_S_E8M0, C_BLOCK, C_ACT, CDT, BM, BN, C_BK, C_BKS)
+        tl.store(sem_ptr + n_tile, 0)
 
 
 @triton.jit
-def moe_combine_kernel(hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr,
-                       M: tl.constexpr, KSEL: tl.constexpr, IS: tl.constexpr, D: tl.constexpr,
-                       HS_RS: tl.constexpr, YR_RS: tl.constexpr, IDX_RS: tl.constexpr, Y_RS: tl.constexpr,
-                       W_RS: tl.constexpr, S_RS: tl.constexpr, W_FMT: tl.constexpr, S_E8M0: tl.constexpr,
-                       BLOCK: tl.constexpr, ACT: tl.constexpr, CDT: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr):
-    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
-    tok = tl.program_id(1) * BM + tl.arange(0, BM)
+def _combine(n_tile, m_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr,
+             M: tl.constexpr, KSEL: tl.constexpr, IS: tl.constexpr, D: tl.constexpr,
+             HS_RS: tl.constexpr, YR_RS: tl.constexpr, IDX_RS: tl.constexpr, Y_RS: tl.constexpr,
+             W_RS: tl.constexpr, S_RS: tl.constexpr, W_FMT: tl.constexpr, S_E8M0: tl.constexpr,
+             BLOCK: tl.constexpr, ACT: tl.constexpr, CDT: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr):
+    """y[tokens of m_tile, columns of n_tile] = the routed rows summed by ascending expert id + W2_s hs."""
+    offs_n = n_tile * BN + tl.arange(0, BN)
+    tok = m_tile * BM + tl.arange(0, BM)
     n_ok = offs_n < D
     t_ok = tok < M
     dt = y_ptr.dtype.element_ty
@@ -367,7 +384,7 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
                                 unaligned=unaligned({"x_ptr": x, "w1_ptr": g1, "w3_ptr": g3, "s1_ptr": t1, "s3_ptr": t3}),
                                 flops=4 * M * IS * D, mma_dtype="fp8" if sact == "fp8" else "bf16",
                                 bytes_moved=2 * g1.type.nbytes + (2 * t1.type.nbytes if t1 else 0) + x.type.nbytes))
-    # 3. routed down
+    # 3. routed down, and in each D tile's last expert program 4. shared down + combine
     w2, s2 = o["w2"], o.get("w2_scale")
     ce = dict(I=I, D=D, H_RS=I, WT_RS=wt_rs, Y_RS=D, W_ES=w2.strides[0], S_ES=s2.strides[0] if s2 is not None else 0,
               ROUTE=attrs["route_weight"], BN=BND, **routed, **common, **wce(w2, s2, I, block))
@@ -378,37 +395,34 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     else:
         ce["s2_ptr"] = None
     pts.append(("y_ptr", "scratch", "yr", "*" + cdt))
-    calls.append(KernelCall(call_name("moe_down", ce, f"e{E}_p{P}_i{I}_d{D}_{ce['W_FMT']}_{cdt}_{mode}"),
-                            moe_down_kernel, ce, [ptr(*p) for p in pts], (E, triton.cdiv(D, BND), 1), num_warps=4,
-                            scratch_bytes=scratch,
-                            unaligned=unaligned({"idx_ptr": idx if mode == "scan" else None, "wt_ptr": wts,
-                                                 "w2_ptr": w2, "s2_ptr": s2}),
-                            flops=2 * rows * I * D, mma_dtype="fp8" if act == "fp8" else "bf16",
-                            bytes_moved=round(active * per_expert(w2, s2)) + wts.type.nbytes + P * (I + D) * dsize))
-    # 4. shared down + combine
-    ce = dict(M=M, KSEL=k, D=D, HS_RS=0, YR_RS=D, IDX_RS=idx_rs, Y_RS=y_rs, BN=BND,
-              BKS=triton.next_power_of_2(k), **common_s)
-    pts = [("yr_ptr", "scratch", "yr", "*" + cdt), ("idx_ptr", "operand", "indices", idx)]
+    ce.update(C_M=M, C_Y_RS=y_rs, C_BKS=triton.next_power_of_2(k), C_ACT=sact)
+    pts += [("cidx_ptr", "operand", "indices", idx), ("out_ptr", "result", "y", y)]
     if shared:
         g2, t2 = o["s2"], o.get("s2_scale")
         IS = g2.shape[1] * (2 if g2.dtype == "fp4x2" else 1)
-        ce.update(IS=IS, HS_RS=IS, **wce(g2, t2, IS, sblock, sact))
-        pts += [("hs_ptr", "scratch", "hs", "*" + cdt), ("w2_ptr", "operand", "s2", g2)]
+        ce.update(C_IS=IS, C_HS_RS=IS, **{"C_" + n: v for n, v in wce(g2, t2, IS, sblock, sact).items()})
+        pts += [("hs_ptr", "scratch", "hs", "*" + cdt), ("cw2_ptr", "operand", "s2", g2)]
         if t2 is not None:
-            pts.append(("s2_ptr", "operand", "s2_scale", t2))
+            pts.append(("cs2_ptr", "operand", "s2_scale", t2))
         else:
-            ce["s2_ptr"] = None
+            ce["cs2_ptr"] = None
         sbytes = g2.type.nbytes + (t2.type.nbytes if t2 else 0)
     else:
-        ce.update(IS=0, W_FMT="float", S_E8M0=False, BLOCK=128, BK=32, W_RS=0, S_RS=0, hs_ptr=None, w2_ptr=None,
-                  s2_ptr=None)
+        ce.update(C_IS=0, C_HS_RS=0, C_W_FMT="float", C_S_E8M0=False, C_BLOCK=128, C_BK=32, C_W_RS=0, C_S_RS=0,
+                  hs_ptr=None, cw2_ptr=None, cs2_ptr=None)
         g2 = t2 = None
         sbytes = 0
-    pts.append(("y_ptr", "result", "y", y))
-    calls.append(KernelCall(call_name("moe_combine", ce, f"m{M}_k{k}_d{D}_{ce['W_FMT']}_{cdt}"), moe_combine_kernel,
-                            ce, [ptr(*p) for p in pts], (triton.cdiv(D, BND), triton.cdiv(M, BM), 1), num_warps=4,
+    nd = triton.cdiv(D, BND)
+    scratch["moe_arrivals"] = nd * 4  # one arrival counter per D tile
+    pts.append(("sem_ptr", "semaphore", "moe_arrivals", "*i32"))
+    calls.append(KernelCall(call_name("moe_down", ce, f"e{E}_p{P}_i{I}_d{D}_{ce['W_FMT']}_{cdt}_{mode}"),
+                            moe_down_kernel, ce, [ptr(*p) for p in pts], (E, nd, 1), num_warps=4,
                             scratch_bytes=scratch,
-                            unaligned=unaligned({"idx_ptr": idx, "w2_ptr": g2, "s2_ptr": t2, "y_ptr": y}),
-                            flops=2 * M * D * ce["IS"], mma_dtype="fp8" if sact == "fp8" else "bf16",
-                            bytes_moved=sbytes + P * D * dsize + y.type.nbytes))
+                            unaligned=unaligned({"idx_ptr": idx if mode == "scan" else None, "wt_ptr": wts,
+                                                 "w2_ptr": w2, "s2_ptr": s2, "cidx_ptr": idx, "cw2_ptr": g2,
+                                                 "cs2_ptr": t2, "out_ptr": y}),
+                            flops=2 * rows * I * D + 2 * M * D * ce["C_IS"], mma_dtype="fp8" if act == "fp8" else "bf16",
+                            # yr written here and read back by the combining programs
+                            bytes_moved=round(active * per_expert(w2, s2)) + wts.type.nbytes + P * (I + 2 * D) * dsize
+                            + sbytes + y.type.nbytes))
     return calls

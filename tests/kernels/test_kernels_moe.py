@@ -117,7 +117,7 @@ def run(dtype, efmt="fp4", sfmt="fp8", act="native", op="moe_experts_shared", E=
 def test_fp4_experts_fp8_shared(dtype):
     calls = run(dtype)
     assert [c.fn.__name__ if hasattr(c.fn, "__name__") else c.fn.fn.__name__ for c in calls] == [
-        "moe_up_kernel", "moe_up_kernel", "moe_down_kernel", "moe_combine_kernel"]
+        "moe_up_kernel", "moe_up_kernel", "moe_down_kernel"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -215,7 +215,7 @@ def test_grouped_prefill(dtype, routing, fmts, monkeypatch):
     args, attrs = prefill_case(dtype, routing, *fmts)
     y, calls = launch_calls(args, attrs)
     assert [c.kernel_name for c in calls] == ["moe_group_kernel", "moe_up_kernel", "moe_up_kernel",
-                                              "moe_down_kernel", "moe_combine_kernel"]
+                                              "moe_down_kernel"]
     kc.assert_matches(y, kc.reference("moe_experts_shared", args, attrs)[0], f"grouped {fmts} {routing} {dtype}",
                       ulps=2)
     # the in-register scan walks the same lists: bit-identical results, one launch fewer
@@ -443,8 +443,23 @@ def test_mode_by_shape():
     """Decode-sized P ranks in registers (4 launches, as before grouping); above SCAN_MAX_PAIRS one grouping
     launch is added and the routed kernels read grp instead of the expert ids."""
     dec, pre = v4pro_calls(10), v4pro_calls(11)  # P = 60 and 66 pairs
-    assert [c.kernel_name for c in dec] == ["moe_up_kernel", "moe_up_kernel", "moe_down_kernel", "moe_combine_kernel"]
+    assert [c.kernel_name for c in dec] == ["moe_up_kernel", "moe_up_kernel", "moe_down_kernel"]
     assert "grp" not in dec[0].scratch_bytes and dec[0].constexprs["MODE"] == "scan" and dec[0].constexprs["PB"] == 64
     assert [c.kernel_name for c in pre][:2] == ["moe_group_kernel", "moe_up_kernel"]
     assert pre[1].constexprs["MODE"] == "grouped" and pre[1].constexprs["idx_ptr"] is None
     assert [p[2] for p in pre[1].pointers if p[1] == "scratch"] == ["grp", "h"]
+
+
+@pytest.mark.parametrize("old,new,error", [
+    # no expert program combines (nor resets its counter)
+    ("arrived == E - 1", "arrived == E", kernels.CodegenError),
+    # the last program combines the wrong D tile (D = 256: two tiles)
+    ("_combine(n_tile, m_tile,", "_combine(n_tile * 0, m_tile,", AssertionError),
+    # the counter is left set: the next call of the program would combine early
+    ("tl.store(sem_ptr + n_tile, 0)", "pass", kernels.CodegenError),
+])
+def test_broken_combine_arrival_is_caught(monkeypatch, tmp_path, old, new, error):
+    """The shared down + combine runs in the last expert program of each D tile to arrive."""
+    kc.install_broken_kernel(monkeypatch, tmp_path, moe, "moe_down_kernel", old, new)
+    with pytest.raises(error):
+        run(torch.float32, D=256)

@@ -10,7 +10,7 @@ them, and the host device binds the packed 64-bit values BY POSITION, so a wrong
 * For EVERY kernel family launched by tiny's and tiny-pro's decode and prefill programs, one call with two
   pointer parameters swapped in the launch table is refused by the host device (an extent or an illegal
   address) or changes the bytes it writes; the same call unswapped reproduces them exactly (the control).
-  The old orders of mhc (post) and moe_combine (shared experts) are shown wrong the same way.
+  The old orders of mhc (post) and moe_down (with the combine) are shown wrong the same way.
 
 Cheap by construction: everything before the chosen call runs the op references (placeholders); only the
 chosen launch runs its Triton kernels (interpreted), and each trial reruns that one call from a snapshot.
@@ -85,10 +85,10 @@ OLD = {"mhc": ("hc_post", "mhc_post_pre", "mhc_post_head"), "moe": ("moe_experts
 
 def test_the_same_check_fails_on_the_old_orders(monkeypatch):
     """Packing pointers as each family lists them (the schedule before the fix) fails the check above for
-    exactly the two families that listed them out of order: mhc with post, moe_combine with shared experts."""
+    exactly the two families that list them out of order: mhc with post, moe_down with the combine."""
     monkeypatch.setattr(kernels, "in_kernel_order", lambda name, fn, pointers, constexprs: list(pointers))
     _, prog, _ = _program("tiny")
-    assert _misordered(build_schedule(prog, make_kernel_calls())) == {"mhc_kernel", "moe_combine_kernel"}
+    assert _misordered(build_schedule(prog, make_kernel_calls())) == {"mhc_kernel", "moe_down_kernel"}
 
 
 def _fn(*names):
