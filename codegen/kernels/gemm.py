@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from . import KernelCall, TensorArg, call_name, ptr, rows_of, unaligned
+from .arrival import last_to_arrive
 
 FP8_MAX = tl.constexpr(448.0)
 ACT_BLOCK = 128  # spec 13.1: one activation scale per 128 K values
@@ -160,15 +161,12 @@ def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr, part_ptr, sem_ptr,
         y = acc.to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + offs_m[None, :] * Y_RS + offs_n[:, None] * Y_CS, y, mask=n_ok[:, None] & m_ok[None, :])
     else:
-        # fp32 partial sums [SPLIT, M, NT]; the last of a tile's SPLIT programs to arrive adds them in split
-        # order (the same sum whichever program that is) and stores y, then leaves the counter zero.
-        # The barrier orders every thread's partial store before the (one-thread, acq_rel) arrival.
+        # fp32 partial sums [SPLIT, M, NT]; the last of a tile's SPLIT programs to arrive (codegen/kernels/
+        # arrival.py) adds them in split order and stores y
         tile_ok = n_ok[:, None] & m_ok[None, :]
         tl.store(part_ptr + (sid * M + offs_m[None, :]).to(tl.int64) * NT + offs_n[:, None], acc, mask=tile_ok)
-        tl.debug_barrier()
         tile = (gid * ((M + BM - 1) // BM) + pid_m) * ((N + BN - 1) // BN) + pid_n
-        arrived = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:
+        if last_to_arrive(sem_ptr + tile, SPLIT):
             total = tl.zeros([BN, BM], dtype=tl.float32)
             for s in range(SPLIT):
                 total += tl.load(part_ptr + (s * M + offs_m[None, :]).to(tl.int64) * NT + offs_n[:, None],

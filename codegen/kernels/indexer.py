@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from . import KernelCall, any_row, call_name, ptr, row_offsets, unaligned
+from .arrival import last_to_arrive
 from .kvrows import load_rows, plane_consts, pow2
 
 BR = 64
@@ -58,10 +59,7 @@ def indexer_select_kernel(q_ptr, w_ptr, pos_ptr, bt_ptr, p0, p1, sc_ptr, sem_ptr
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         s = tl.maximum(s, 0.0) * Q_SCALE  # [HIP, BR]
         tl.store(sc_ptr + lane.to(tl.int64) * MAXR + w, tl.sum(s * wt[:, None], axis=0), mask=ok)
-    # The barrier orders every thread's score stores before the (one-thread, acq_rel) arrival.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(sem_ptr + lane, 1, sem="acq_rel")
-    if arrived == tl.num_programs(1) - 1:
+    if last_to_arrive(sem_ptr + lane, tl.num_programs(1)):  # codegen/kernels/arrival.py
         _pick(lane, pos_ptr, bt_ptr, sc_ptr, indptr_ptr, indices_ptr, T, L, K, BR, RATIO, MAXR, PER_BLOCK, ENV, BT_S,
               BL)
         tl.store(sem_ptr + lane, 0)

@@ -42,6 +42,7 @@ import triton.language as tl
 
 from ...ops.moe import expected_active_experts
 from . import KernelCall, TensorArg, call_name, ptr, rows_of, unaligned
+from .arrival import last_to_arrive
 from .gemm import W_FMT, _tl_dtype, mma_step, tiles
 
 BM = 16  # pair rows per MMA tile (the MMA's N side under swap-AB)
@@ -237,11 +238,8 @@ def moe_down_kernel(h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
         else:
             ye = (acc.to(dt).to(tl.float32) * wt[None, :]).to(dt)
         tl.store(y_ptr + pr[None, :].to(tl.int64) * Y_RS + offs_n[:, None], ye, mask=ok[None, :] & n_ok[:, None])
-    # The barrier orders every thread's yr stores before the (one-thread, acq_rel) arrival.
-    tl.debug_barrier()
     n_tile = tl.program_id(1)
-    arrived = tl.atomic_add(sem_ptr + n_tile, 1, sem="acq_rel")
-    if arrived == E - 1:
+    if last_to_arrive(sem_ptr + n_tile, E):  # codegen/kernels/arrival.py
         for m_tile in range(0, (C_M + BM - 1) // BM):
             _combine(n_tile, m_tile, hs_ptr, y_ptr, cidx_ptr, cw2_ptr, cs2_ptr, out_ptr, C_M, KSEL, C_IS, D, C_HS_RS,
                      Y_RS, IDX_RS, C_Y_RS, C_W_RS, C_S_RS, C_W_FMT, C_S_E8M0, C_BLOCK, C_ACT, CDT, BM, BN, C_BK, C_BKS)

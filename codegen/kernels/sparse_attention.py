@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from . import KernelCall, any_row, call_name, ptr, row_offsets, unaligned
+from .arrival import last_to_arrive
 from .kvrows import TL_DTYPE, load_rows, plane_consts, pow2
 
 
@@ -180,11 +181,8 @@ def sparse_attention_split_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, 
     tl.store(part_ptr + (part * 2 + 1) * H + h, l, mask=hm)
     tl.store(part_ptr + ACC0 + (part * H + h[:, None]).to(tl.int64) * D + col[None, :], acc,
              mask=hm[:, None] & (col[None, :] < D))
-    # The barrier orders every thread's partial stores before the (one-thread, acq_rel) arrival.
-    tl.debug_barrier()
     group = lane * tl.num_programs(1) + tl.program_id(1)
-    arrived = tl.atomic_add(sem_ptr + group, 1, sem="acq_rel")
-    if arrived == NS - 1:
+    if last_to_arrive(sem_ptr + group, NS):  # codegen/kernels/arrival.py
         _merge(sink_ptr, part_ptr, out_ptr, lane, h, col, hm, H, D, BH, DP, NS, ACC0, O_SB, O_SH, DT)
         tl.store(sem_ptr + group, 0)
 

@@ -147,7 +147,7 @@ def test_split_k(op, fmt, xdtype):
 
 
 @pytest.mark.parametrize("old,new,error", [
-    ("arrived == SPLIT - 1", "arrived == SPLIT", kernels.CodegenError),  # no program reduces (nor resets)
+    ("last_to_arrive(sem_ptr + tile, SPLIT)", "last_to_arrive(sem_ptr + tile, SPLIT + 1)", kernels.CodegenError),  # no program reduces (nor resets)
     ("tl.store(sem_ptr + tile, 0)", "pass", kernels.CodegenError),  # counters left set: the next call breaks
     ("for s in range(SPLIT):", "for s in range(SPLIT - 1):", AssertionError),  # a partial left out
 ])

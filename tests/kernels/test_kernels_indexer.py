@@ -81,7 +81,8 @@ def test_wrong_kernel_is_caught(wrong):
 
 @pytest.mark.parametrize("old,new,error", [
     # no program picks (nor resets its counter)
-    ("arrived == tl.num_programs(1) - 1", "arrived == tl.num_programs(1)", CodegenError),
+    ("last_to_arrive(sem_ptr + lane, tl.num_programs(1))", "last_to_arrive(sem_ptr + lane, tl.num_programs(1) + 1)",
+     CodegenError),
     # the last program picks for the wrong lane
     ("_pick(lane,", "_pick(lane * 0,", AssertionError),
     # the counter is left set: the next call of the program would pick early

@@ -188,7 +188,8 @@ def test_decode_production_plan():
     # the sink enters the denominator once per split
     ("_merge", "other=0.0) * w\n", "other=0.0) * w + tl.exp(sink - mx)\n", AssertionError),
     # no split merges (nor resets its counter)
-    ("sparse_attention_split_kernel", "arrived == NS - 1", "arrived == NS", kernels.CodegenError),
+    ("sparse_attention_split_kernel", "last_to_arrive(sem_ptr + group, NS)", "last_to_arrive(sem_ptr + group, NS + 1)",
+     kernels.CodegenError),
     # the counter is left set: the next call of the program would merge early
     ("sparse_attention_split_kernel", "tl.store(sem_ptr + group, 0)", "pass", kernels.CodegenError),
 ])
