@@ -59,7 +59,9 @@ def indexer_select_kernel(q_ptr, w_ptr, pos_ptr, bt_ptr, p0, p1, sc_ptr, sem_ptr
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         s = tl.maximum(s, 0.0) * Q_SCALE  # [HIP, BR]
         tl.store(sc_ptr + lane.to(tl.int64) * MAXR + w, tl.sum(s * wt[:, None], axis=0), mask=ok)
-    if last_to_arrive(sem_ptr + lane, tl.num_programs(1)):  # codegen/kernels/arrival.py
+    # the lane's (MAXR + BR - 1) // BR programs (a constexpr: tl.num_programs would need hidden kernel
+    # arguments on AMD); codegen/kernels/arrival.py
+    if last_to_arrive(sem_ptr + lane, (MAXR + BR - 1) // BR):
         _pick(lane, pos_ptr, bt_ptr, sc_ptr, indptr_ptr, indices_ptr, T, L, K, BR, RATIO, MAXR, PER_BLOCK, ENV, BT_S,
               BL)
         tl.store(sem_ptr + lane, 0)

@@ -181,7 +181,7 @@ def sparse_attention_split_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, 
     tl.store(part_ptr + (part * 2 + 1) * H + h, l, mask=hm)
     tl.store(part_ptr + ACC0 + (part * H + h[:, None]).to(tl.int64) * D + col[None, :], acc,
              mask=hm[:, None] & (col[None, :] < D))
-    group = lane * tl.num_programs(1) + tl.program_id(1)
+    group = lane * ((H + BH - 1) // BH) + tl.program_id(1)  # (not tl.num_programs: hidden kernargs on AMD)
     if last_to_arrive(sem_ptr + group, NS):  # codegen/kernels/arrival.py
         _merge(sink_ptr, part_ptr, out_ptr, lane, h, col, hm, H, D, BH, DP, NS, ACC0, O_SB, O_SH, DT)
         tl.store(sem_ptr + group, 0)

@@ -81,7 +81,7 @@ def test_wrong_kernel_is_caught(wrong):
 
 @pytest.mark.parametrize("old,new,error", [
     # no program picks (nor resets its counter)
-    ("last_to_arrive(sem_ptr + lane, tl.num_programs(1))", "last_to_arrive(sem_ptr + lane, tl.num_programs(1) + 1)",
+    ("last_to_arrive(sem_ptr + lane, (MAXR + BR - 1) // BR)", "last_to_arrive(sem_ptr + lane, (MAXR + BR - 1) // BR + 1)",
      CodegenError),
     # the last program picks for the wrong lane
     ("_pick(lane,", "_pick(lane * 0,", AssertionError),
