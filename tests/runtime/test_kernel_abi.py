@@ -61,6 +61,20 @@ def test_the_families_are_every_family_the_programs_launch():
     assert got == set(FAMILIES)
 
 
+def test_semaphores_are_one_zeroed_buffer_shared_by_the_calls():
+    """Calls that finish a reduction in their last-arriving program (codegen/kernels/arrival.py) get their
+    counters in the schedule's one `semaphores` buffer, at offset 0 (each call leaves them zero): a
+    "state" buffer, which the C runtime zeroes at load; it holds the largest call's counters."""
+    _, prog, _ = _program("tiny-pro")
+    sched = build_schedule(prog, make_kernel_calls())
+    i = sched.index["semaphores"]
+    assert sched.buffer_kinds[i] == "state"
+    sems = [(p, c.kernel) for f in sched.functions for c in f.calls for p in c.params if p.role.startswith("semaphore:")]
+    assert {kc.kernel_name for _, kc in sems} >= {"moe_down_kernel", "indexer_select_kernel"}
+    assert all(p.buffer == i and p.offset == 0 for p, _ in sems)
+    assert sched.buffer_bytes[i] >= max(kc.scratch_bytes[p.role.split(":", 1)[1]] for p, kc in sems)
+
+
 def _misordered(sched) -> set[str]:
     """Kernels of calls whose packed parameters are not in the order the kernel declares them."""
     bad = set()
