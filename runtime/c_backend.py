@@ -296,7 +296,7 @@ class CRuntime:
             if w is None:
                 values.append(None)
                 continue
-            if kind == "scratch":
+            if kind in ("scratch", "semaphore"):
                 need = kc.scratch_bytes[name]
             else:
                 a = (ops if kind == "operand" else res)[name]

@@ -5,7 +5,8 @@ any artifact's table, so loading an artifact never needs a compiler, and the tab
 runtime checks (magic, version, sizes, every index and offset, an FNV-1a checksum against tampering).
 
 * Buffers are program-wide: one `arena` (the largest function's), one `scratch` region (the largest
-  launch's kernel scratch), and pool planes, state and weights shared by name; step inputs and outputs
+  launch's kernel scratch), `semaphores` when a kernel asks for arrival counters (zeroed at load, left
+  zero by every call), and pool planes, state and weights shared by name; step inputs and outputs
   are per function (`<function>/<name>`), since their shapes differ between buckets.
 * A launch becomes one or more KERNEL CALLS (code object, symbol, grid, block, shared bytes, pointer
   parameters = buffer + byte offset, in the order the kernel declares them: a GPU binds them by
@@ -32,6 +33,7 @@ from v4compile.program.core import Arg, FunctionProgram, Launch, Program
 MAGIC = b"V4RTTBL1"
 TABLE_VERSION = 2  # 2: per-call launch flags; collective calls
 LAUNCH_PDL = 1  # call flag: programmatic dependent launch (runtime/c/driver.h V4DRV_LAUNCH_PDL)
+SEMAPHORES = "semaphores"  # the schedule's buffer of kernel arrival counters (see `schedule`)
 KIND_CODE = {"arena": 0, "input": 1, "pool": 2, "state": 3, "weight": 4, "output": 5, "scratch": 6}
 PER_FUNCTION = ("input", "output")
 HOST_CODE_OBJECT = b"v4rt host placeholder code object\0"  # host kernels run in the callback
@@ -50,7 +52,7 @@ def fnv1a64(data: bytes) -> int:
 class Param:
     buffer: int  # -1: NULL (an absent optional)
     offset: int
-    role: str = ""  # "operand:x", "result:y", "scratch:s" (what it is, for the host callback and checks)
+    role: str = ""  # "operand:x", "result:y", "scratch:s", "semaphore:c" (what it is, for the host callback and checks)
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,13 @@ def build_schedule(p: Program, kernel_calls=None, functions: list[str] | None = 
         aligns.append(align)
 
     add("scratch", "scratch", 0, 256)
+    # Kernel semaphores (`KernelCall` pointers of kind "semaphore"): one zeroed, persistent buffer for all
+    # calls; each call leaves its counters zero, so they may all start at offset 0. A "state" buffer is
+    # zeroed at load like the pool.
+    sem_bytes = max((n for pl in plan.values() for _, kcs in pl for kc in (kcs or ()) for p in kc.pointers
+                     if p[1] == "semaphore" for n in (kc.scratch_bytes[p[2]],)), default=0)
+    if sem_bytes:
+        add(SEMAPHORES, "state", (sem_bytes + 255) // 256 * 256, 256)
     for fname in names:
         for b in p.functions[fname].buffers:
             add(f"{fname}/{b.name}" if b.kind in PER_FUNCTION else b.name, b.kind, b.nbytes, b.align)
@@ -231,8 +240,10 @@ def build_schedule(p: Program, kernel_calls=None, functions: list[str] | None = 
                     top += (max(n, 16) + 255) // 256 * 256
 
             for k, kc in enumerate(kcs):
+                sems = {p[2] for p in kc.pointers if p[1] == "semaphore"}
                 for name, n in kc.scratch_bytes.items():
-                    region(name, n)
+                    if name not in sems:
+                        region(name, n)
                 for tp in (bins[kc.name][1]["params"] if kc.name in bins else ()):
                     if tp.get("kind") == "triton_scratch" and tp["size_per_program"]:
                         region(f"{k}:{tp['name']}", tp["size_per_program"] * kc.grid[0] * kc.grid[1] * kc.grid[2])
@@ -246,6 +257,9 @@ def build_schedule(p: Program, kernel_calls=None, functions: list[str] | None = 
                 for param, kind, name, _ty in order:
                     if kind == "scratch":
                         params.append(Param(index["scratch"], scratch_at[name], f"scratch:{name}"))
+                        continue
+                    if kind == "semaphore":
+                        params.append(Param(index[SEMAPHORES], 0, f"semaphore:{name}"))
                         continue
                     a = (ops if kind == "operand" else res).get(name)
                     if a is None:

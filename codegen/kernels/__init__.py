@@ -43,7 +43,7 @@ IR_TRITON: dict[str, str] = {
     "fp32": "fp32", "bf16": "bf16", "fp8e4m3": "fp8e4nv", "e8m0": "u8", "fp4x2": "u8", "i32": "i32", "i64": "i64",
     "bool": "i1",
 }
-KINDS = ("operand", "result", "scratch")
+KINDS = ("operand", "result", "scratch", "semaphore")
 BYTES_OF = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8e4nv": 1, "u8": 1, "i8": 1, "i32": 4, "i64": 8, "i1": 1}
 
 
@@ -80,7 +80,10 @@ class KernelCall:
 
     pointers: (kernel param, kind, signature name, Triton pointer type) with kind in KINDS; the signature
     name is the op's operand / result name, or the scratch buffer's name (size in `scratch_bytes`, shared
-    by the calls of one op in order). A family may list them in any order: they are kept in the order
+    by the calls of one op in order). A "semaphore" pointer (size also in `scratch_bytes`) is int32 arrival
+    counters: zero before the call, and the call leaves them zero (the last program of a group resets its
+    counter), so every call of a program can share one zeroed buffer (runtime: `semaphores`). That is how
+    a launch finishes a split reduction in its last-arriving program instead of a second call. A family may list them in any order: they are kept in the order
     `fn` declares its parameters, which is the order a GPU launch packs them in (Triton: by position,
     constexprs left out), and a pointer `fn` lacks, or a parameter of `fn` bound twice or not at all, is
     refused here (`CodegenError`, naming the kernel and the parameter). `unaligned` names pointer params
@@ -112,8 +115,8 @@ class KernelCall:
         for p in self.pointers:
             if len(p) != 4 or p[1] not in KINDS or not p[3].startswith("*"):
                 raise ValueError(f"{self.name}: bad pointer entry {p}")
-            if p[1] == "scratch" and p[2] not in self.scratch_bytes:
-                raise ValueError(f"{self.name}: scratch '{p[2]}' has no size in scratch_bytes")
+            if p[1] in ("scratch", "semaphore") and p[2] not in self.scratch_bytes:
+                raise ValueError(f"{self.name}: {p[1]} '{p[2]}' has no size in scratch_bytes")
         if declares_pdl(self.fn):  # off unless the AOT stage turns it on for its target (pdl.py)
             self.constexprs = {**self.constexprs, PDL_PARAM: self.constexprs.get(PDL_PARAM, False)}
         self.pointers = in_kernel_order(self.name, self.fn, self.pointers, self.constexprs)
@@ -236,7 +239,8 @@ def typed_from(raw: torch.Tensor, ty: str) -> torch.Tensor:
 
 
 def run_calls(calls: list[KernelCall], args: dict[str, torch.Tensor | None], outs: dict[str, torch.Tensor]) -> None:
-    """Launch prepared calls on tensors (scratch buffers allocated per name, shared by the calls)."""
+    """Launch prepared calls on tensors (scratch buffers allocated per name, shared by the calls, poisoned;
+    semaphores zeroed, and checked to be left zero, as the runtime's shared `semaphores` buffer needs)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         interpreter_fixes()
     device = next(t.device for t in list(args.values()) + list(outs.values()) if t is not None)
@@ -244,9 +248,11 @@ def run_calls(calls: list[KernelCall], args: dict[str, torch.Tensor | None], out
     for call in calls:
         values = []
         for param, kind, name, ty in call.pointers:
-            if kind == "scratch":
+            if kind in ("scratch", "semaphore"):
                 if name not in scratch:
-                    scratch[name] = torch.empty(max(call.scratch_bytes[name], 16), dtype=torch.uint8, device=device)
+                    # scratch starts as NaN bytes, so a read of what no program wrote shows in the result
+                    scratch[name] = torch.full((max(call.scratch_bytes[name], 16),), 0 if kind == "semaphore" else 0xFF,
+                                               dtype=torch.uint8, device=device)
                 t = scratch[name]
             else:
                 t = (args if kind == "operand" else outs)[name]
@@ -257,6 +263,9 @@ def run_calls(calls: list[KernelCall], args: dict[str, torch.Tensor | None], out
             else:
                 values.append(t if t.dtype == want else t.view(want))
         call.fn[call.grid](*call.bind(values), num_warps=call.num_warps, num_stages=call.num_stages)
+        for param, kind, name, _ in call.pointers:
+            if kind == "semaphore" and bool(scratch[name].any()):
+                raise CodegenError(f"semaphore '{name}' left non-zero by {call.kernel_name}", where=call.name)
 
 
 def _jsonable(v: Any) -> Any:

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from . import KernelCall, TensorArg, call_name, ptr, rows_of, unaligned
 from .pdl import pdl_enter
+from .arrival import last_to_arrive
 
 FP8_MAX = tl.constexpr(448.0)
 ACT_BLOCK = 128  # spec 13.1: one activation scale per 128 K values
@@ -112,7 +113,7 @@ def mma_step(acc, xt, xs, w_ptr, s_ptr, offs_n, n_ok, kk, k_ok, k0,
 
 
 @triton.jit
-def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr, part_ptr,
+def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr, part_ptr, sem_ptr,
                 M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, G_K: tl.constexpr, XS_RS: tl.constexpr,
                 SPLIT: tl.constexpr, KS: tl.constexpr, NT: tl.constexpr,
                 X_RS: tl.constexpr, X_CS: tl.constexpr, Y_RS: tl.constexpr, Y_CS: tl.constexpr,
@@ -161,23 +162,20 @@ def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr, part_ptr,
     if SPLIT == 1:
         y = acc.to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + offs_m[None, :] * Y_RS + offs_n[:, None] * Y_CS, y, mask=n_ok[:, None] & m_ok[None, :])
-    else:  # fp32 partial sums [SPLIT, M, NT]; gemm_reduce_kernel adds them in split order
-        tl.store(part_ptr + (sid * M + offs_m[None, :]).to(tl.int64) * NT + offs_n[:, None], acc,
-                 mask=n_ok[:, None] & m_ok[None, :])
-
-
-@triton.jit
-def gemm_reduce_kernel(part_ptr, y_ptr, M: tl.constexpr, NT: tl.constexpr, Y_RS: tl.constexpr, Y_CS: tl.constexpr,
-                       SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = idx < M * NT
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        acc += tl.load(part_ptr + s * M * NT + idx, mask=ok, other=0.0)
-    m = idx // NT
-    n = idx % NT
-    tl.store(y_ptr + m.to(tl.int64) * Y_RS + n * Y_CS, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    else:
+        # fp32 partial sums [SPLIT, M, NT]; the last of a tile's SPLIT programs to arrive (codegen/kernels/
+        # arrival.py) adds them in split order and stores y
+        tile_ok = n_ok[:, None] & m_ok[None, :]
+        tl.store(part_ptr + (sid * M + offs_m[None, :]).to(tl.int64) * NT + offs_n[:, None], acc, mask=tile_ok)
+        tile = (gid * ((M + BM - 1) // BM) + pid_m) * ((N + BN - 1) // BN) + pid_n
+        if last_to_arrive(sem_ptr + tile, SPLIT):
+            total = tl.zeros([BN, BM], dtype=tl.float32)
+            for s in range(SPLIT):
+                total += tl.load(part_ptr + (s * M + offs_m[None, :]).to(tl.int64) * NT + offs_n[:, None],
+                                 mask=tile_ok, other=0.0)
+            tl.store(y_ptr + offs_m[None, :] * Y_RS + offs_n[:, None] * Y_CS, total.to(y_ptr.dtype.element_ty),
+                     mask=tile_ok)
+            tl.store(sem_ptr + tile, 0)
 
 
 # Split K when the output tiles alone would leave most of the GPU idle (decode GEMVs): aim for this many
@@ -259,13 +257,14 @@ def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, 
     else:
         ce["n_ptr"] = None
     scratch = {}
+    pointers.append(ptr("y_ptr", "result", names["y"], y))
     if split == 1:
-        pointers.append(ptr("y_ptr", "result", names["y"], y))
-        ce["part_ptr"] = None
+        ce["part_ptr"] = ce["sem_ptr"] = None
     else:
-        ce["y_ptr"] = None
-        scratch = {"gemm_partial": split * M * NT * 4}
+        # one arrival counter per output tile: the tile's last split program reduces (see gemm_kernel)
+        scratch = {"gemm_partial": split * M * NT * 4, "gemm_arrivals": tiles_out * 4}
         pointers.append(ptr("part_ptr", "scratch", "gemm_partial", "*fp32"))
+        pointers.append(ptr("sem_ptr", "semaphore", "gemm_arrivals", "*i32"))
     wbytes = w.type.nbytes + (scale.type.nbytes if scale is not None else 0)
     tag = (f"{w_fmt}w_{act}_m{M}_n{N}_k{K}" + ("_norm" if norm is not None else "") + (f"_g{groups}" if groups > 1 else "")
            + (f"_s{split}" if split > 1 else ""))
@@ -277,15 +276,9 @@ def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, 
         scratch_bytes=scratch,
         unaligned=unaligned({"x_ptr": x, "xs_ptr": x_scale, "w_ptr": w, "s_ptr": scale, "n_ptr": norm, "y_ptr": y}),
         flops=2 * M * N * K * groups, mma_dtype="fp8" if act != "native" else "bf16",
-        bytes_moved=wbytes + split * x.type.nbytes + (y.type.nbytes if split == 1 else scratch["gemm_partial"])
+        # split > 1: the partials are written once and read once more by the reducing programs
+        bytes_moved=wbytes + split * x.type.nbytes + y.type.nbytes + 2 * scratch.get("gemm_partial", 0)
         + (norm.type.nbytes if norm else 0))]
-    if split > 1:
-        rce = dict(M=M, NT=NT, Y_RS=y_rs, Y_CS=y_cs, SPLIT=split, BLOCK=1024)
-        calls.append(KernelCall(
-            name=call_name(prefix + "_reduce", rce, f"m{M}_n{NT}_s{split}"), fn=gemm_reduce_kernel, constexprs=rce,
-            pointers=[ptr("part_ptr", "scratch", "gemm_partial", "*fp32"), ptr("y_ptr", "result", names["y"], y)],
-            grid=(triton.cdiv(M * NT, 1024), 1, 1), num_warps=4, scratch_bytes=scratch,
-            unaligned=unaligned({"y_ptr": y}), bytes_moved=scratch["gemm_partial"] + y.type.nbytes))
     return calls
 
 

@@ -1,10 +1,10 @@
 """indexer_select: lightning-indexer scores over the index pool, top-k, translation of the picks to main
 pool rows, packed as CSR (`ops.fused.indexer_select`).
 
-Two launches. `scores`: one program per (query lane, block of BR candidate rows); only the rows the lane
-may see (w < min((t + 1) // ratio, max_rows): the sequence's real length, not the compiled maximum)
-are scored, into a scratch [L, max_rows] fp32. `select`: one program per lane; when more than k rows are
-visible it finds the k-th largest score exactly by a 32-step bisection over the order-preserving integer
+One launch: one program per (query lane, block of BR candidate rows); only the rows the lane may see
+(w < min((t + 1) // ratio, max_rows): the sequence's real length, not the compiled maximum) are scored,
+into a scratch [L, max_rows] fp32. The last of a lane's programs to arrive (an arrival counter per lane,
+a `semaphore` pointer) then selects for the lane (`_pick`): when more than k rows are visible it finds the k-th largest score exactly by a 32-step bisection over the order-preserving integer
 image of the fp32 scores, then keeps every row above it and the first rows (ascending w) equal to it.
 Picks are emitted in ascending w (the reference lists them by descending score: the attention does not
 depend on the order). A lane's CSR offset is the closed-form sum of min(k, visible) of the lanes before.
@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from . import KernelCall, any_row, call_name, ptr, row_offsets, unaligned
+from .arrival import last_to_arrive
 from .kvrows import load_rows, plane_consts, pow2
 from .pdl import pdl_enter
 
@@ -29,7 +30,8 @@ def _visible(pos_ptr, lane, L: tl.constexpr, RATIO: tl.constexpr, MAXR: tl.const
 
 
 @triton.jit
-def indexer_scores_kernel(q_ptr, w_ptr, pos_ptr, bt_ptr, p0, p1, sc_ptr,
+def indexer_select_kernel(q_ptr, w_ptr, pos_ptr, bt_ptr, p0, p1, sc_ptr, sem_ptr, indptr_ptr, indices_ptr,
+                          K: tl.constexpr, ENV: tl.constexpr, BL: tl.constexpr,
                           T: tl.constexpr, L: tl.constexpr, HI: tl.constexpr, HIP: tl.constexpr, DI: tl.constexpr,
                           DIP: tl.constexpr, BR: tl.constexpr, RATIO: tl.constexpr, MAXR: tl.constexpr,
                           PER_BLOCK: tl.constexpr, IENV: tl.constexpr, BT_S: tl.constexpr,
@@ -60,6 +62,12 @@ def indexer_scores_kernel(q_ptr, w_ptr, pos_ptr, bt_ptr, p0, p1, sc_ptr,
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         s = tl.maximum(s, 0.0) * Q_SCALE  # [HIP, BR]
         tl.store(sc_ptr + lane.to(tl.int64) * MAXR + w, tl.sum(s * wt[:, None], axis=0), mask=ok)
+    # the lane's (MAXR + BR - 1) // BR programs (a constexpr: tl.num_programs would need hidden kernel
+    # arguments on AMD); codegen/kernels/arrival.py
+    if last_to_arrive(sem_ptr + lane, (MAXR + BR - 1) // BR):
+        _pick(lane, pos_ptr, bt_ptr, sc_ptr, indptr_ptr, indices_ptr, T, L, K, BR, RATIO, MAXR, PER_BLOCK, ENV, BT_S,
+              BL)
+        tl.store(sem_ptr + lane, 0)
 
 
 @triton.jit
@@ -70,12 +78,10 @@ def _key(x):
 
 
 @triton.jit
-def indexer_pick_kernel(pos_ptr, bt_ptr, sc_ptr, indptr_ptr, indices_ptr,
-                        T: tl.constexpr, L: tl.constexpr, K: tl.constexpr, BR: tl.constexpr, RATIO: tl.constexpr,
-                        MAXR: tl.constexpr, PER_BLOCK: tl.constexpr, ENV: tl.constexpr, BT_S: tl.constexpr,
-                        BL: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)
-    lane = tl.program_id(0)
+def _pick(lane, pos_ptr, bt_ptr, sc_ptr, indptr_ptr, indices_ptr,
+          T: tl.constexpr, L: tl.constexpr, K: tl.constexpr, BR: tl.constexpr, RATIO: tl.constexpr,
+          MAXR: tl.constexpr, PER_BLOCK: tl.constexpr, ENV: tl.constexpr, BT_S: tl.constexpr, BL: tl.constexpr):
+    """Lane `lane`'s top-k of its scores, as CSR: its indptr entry (and the last one) and its picks."""
     off = 0
     for c0 in range(0, lane, BL):
         prev = c0 + tl.arange(0, BL)
@@ -141,22 +147,19 @@ def specialise(op_name, operands, results, attrs):
     p1 = [ptr("p1", "operand", "p1", planes[1])] if planes[1] is not None else []
     if planes[1] is None:
         c1["p1"] = None
-    scratch = {"scores": L * MAXR * 4}
-    scores = KernelCall(
-        name=call_name("indexer_scores", c1, f"l{L}_h{HI}_r{MAXR}_{attrs['fmt']}"), fn=indexer_scores_kernel,
+    c1.update(K=K, ENV=attrs["envelope_rows"], BL=64)
+    scratch = {"scores": L * MAXR * 4, "ix_arrivals": L * 4}  # one arrival counter per lane
+    return [KernelCall(
+        name=call_name("indexer_select", c1, f"l{L}_h{HI}_r{MAXR}_k{K}_{attrs['fmt']}"), fn=indexer_select_kernel,
         constexprs=c1, pointers=[ptr("q_ptr", "operand", "q", q), ptr("w_ptr", "operand", "weights", wts),
                                  ptr("pos_ptr", "operand", "pos", pos), ptr("bt_ptr", "operand", "block_table", bt),
-                                 ptr("p0", "operand", "p0", planes[0]), *p1, ptr("sc_ptr", "scratch", "scores", "*fp32")],
+                                 ptr("p0", "operand", "p0", planes[0]), *p1, ptr("sc_ptr", "scratch", "scores", "*fp32"),
+                                 ptr("sem_ptr", "semaphore", "ix_arrivals", "*i32"),
+                                 ptr("indptr_ptr", "result", "indptr", results["indptr"]),
+                                 ptr("indices_ptr", "result", "indices", results["indices"])],
         grid=(L, triton.cdiv(MAXR, BR), 1), num_warps=4, scratch_bytes=scratch,
         unaligned=unaligned({"p0": any_row(planes[0]), "p1": any_row(planes[1])}),
         offsets=row_offsets({"p0": planes[0], "p1": planes[1]}, attrs["index_offset"]),
-        flops=2 * L * HI * DI * MAXR, bytes_moved=L * MAXR * (planes[0].type.nbytes // planes[0].shape[0] + 4))
-    c2 = dict(T=T, L=L, K=K, BR=BR, RATIO=ratio, MAXR=MAXR, PER_BLOCK=attrs["block_tokens"] // ratio,
-              ENV=attrs["envelope_rows"], BT_S=bt.strides[0], BL=64)
-    pick = KernelCall(
-        name=call_name("indexer_pick", c2, f"l{L}_k{K}_r{MAXR}"), fn=indexer_pick_kernel, constexprs=c2,
-        pointers=[ptr("pos_ptr", "operand", "pos", pos), ptr("bt_ptr", "operand", "block_table", bt),
-                  ptr("sc_ptr", "scratch", "scores", "*fp32"), ptr("indptr_ptr", "result", "indptr", results["indptr"]),
-                  ptr("indices_ptr", "result", "indices", results["indices"])],
-        grid=(L, 1, 1), num_warps=4, scratch_bytes=scratch, bytes_moved=34 * L * MAXR * 4)
-    return [scores, pick]
+        flops=2 * L * HI * DI * MAXR,
+        # the rows and the scores written once; the pick's bisection reads a lane's scores up to 34 times
+        bytes_moved=L * MAXR * (planes[0].type.nbytes // planes[0].shape[0] + 4) + 34 * L * MAXR * 4)]

@@ -6,12 +6,14 @@ output, silu and the SwiGLU product, the routing weight's product (with w2's out
 over the selected experts in ascending expert id (the reference's `index_add_` order), then `+ shared`.
 
 Launches, scratch buffers between them (h, yr in x's dtype; P = tokens x k (token, slot) pairs, pair
-p = token * k + slot):
+p = token * k + slot); 2 runs inside 1's launch and 4 inside 3's, in the last expert program of each D tile to arrive (an
+arrival counter per D tile, a `semaphore` pointer):
   0. (grouped mode only) group: per-expert offsets and the pair ids sorted by expert -> grp (int32).
   1. routed gate/up + SwiGLU, expert-major: program (expert e, I tile) walks the compact list of e's
      pairs in tiles of BM rows -> h[P, I] (row = pair id). Each weight tile is read once per BM pairs
      routed to e; an expert without pairs runs no tile.
-  2. shared gate/up + SwiGLU (same kernel, every token "routed" to the one shared expert) -> hs[M, Is].
+  2. shared gate/up + SwiGLU (programs (E, I tile) of 1's launch, every token "routed" to the one shared
+     expert) -> hs[M, Is].
   3. routed down, same walk -> yr[P, D] (row = pair id): round(round(W2_e h) * weight) (route_weight
      "after_w2") or round(W2_e round(weight * h)) ("before_w2": the weight inside w2's activation
      quantisation, `v4-reference.md` 10).
@@ -40,6 +42,7 @@ import triton.language as tl
 
 from ...ops.moe import expected_active_experts
 from . import KernelCall, TensorArg, call_name, ptr, rows_of, unaligned
+from .arrival import last_to_arrive
 from .gemm import W_FMT, _tl_dtype, mma_step, tiles
 from .pdl import pdl_enter
 
@@ -137,16 +140,41 @@ def _tile(j, hi, grp_ptr, pa, sel, rank, E: tl.constexpr, MODE: tl.constexpr, BM
 
 @triton.jit
 def moe_up_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr,
+                  sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, hs_ptr,
                   P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, MODE: tl.constexpr, PB: tl.constexpr,
                   I: tl.constexpr, D: tl.constexpr,
                   X_RS: tl.constexpr, IDX_RS: tl.constexpr, H_RS: tl.constexpr,
                   W_ES: tl.constexpr, W_RS: tl.constexpr, S_ES: tl.constexpr, S_RS: tl.constexpr,
                   W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
                   CDT: tl.constexpr, LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  S_M: tl.constexpr, S_I: tl.constexpr, S_W_RS: tl.constexpr, S_S_RS: tl.constexpr,
+                  S_W_FMT: tl.constexpr, S_S_E8M0: tl.constexpr, S_BLOCK: tl.constexpr, S_ACT: tl.constexpr,
+                  S_BM: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr, PDL: tl.constexpr = False):
+    """Gate / up + SwiGLU: programs (e < E, I tile) the routed experts -> h; with a shared expert
+    (sw1_ptr set), programs (E, I tile) run it over every token -> hs, in the same launch."""
     pdl_enter(PDL)
     e = tl.program_id(0)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nt = tl.program_id(1)
+    if e < E:
+        if nt * BN < I:
+            _up(e, nt, x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, P, E, KSEL, MODE, PB, I, D,
+                X_RS, IDX_RS, H_RS, W_ES, W_RS, S_ES, S_RS, W_FMT, S_E8M0, BLOCK, ACT, CDT, LIMIT, BM, BN, BK)
+    elif sw1_ptr is not None:
+        if nt * S_BN < S_I:
+            _up(e - E, nt, x_ptr, None, None, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, hs_ptr, S_M, 1, 1, "all", 1, S_I, D,
+                X_RS, 0, S_I, 0, S_W_RS, 0, S_S_RS, S_W_FMT, S_S_E8M0, S_BLOCK, S_ACT, CDT, LIMIT, S_BM, S_BN, S_BK)
+
+
+@triton.jit
+def _up(e, nt, x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr,
+        P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, MODE: tl.constexpr, PB: tl.constexpr,
+        I: tl.constexpr, D: tl.constexpr,
+        X_RS: tl.constexpr, IDX_RS: tl.constexpr, H_RS: tl.constexpr,
+        W_ES: tl.constexpr, W_RS: tl.constexpr, S_ES: tl.constexpr, S_RS: tl.constexpr,
+        W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
+        CDT: tl.constexpr, LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Expert e's I tile nt: h[pairs of e, tile] = SwiGLU(x W1_e^T, x W3_e^T), rounded as the reference."""
+    offs_n = nt * BN + tl.arange(0, BN)
     n_ok = offs_n < I
     rk = tl.arange(0, BK)
     w1 = w1_ptr + e.to(tl.int64) * W_ES
@@ -175,13 +203,19 @@ def moe_up_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr
 
 @triton.jit
 def moe_down_kernel(h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
+                    sem_ptr, cidx_ptr, hs_ptr, cw2_ptr, cs2_ptr, out_ptr,
                     P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, MODE: tl.constexpr, PB: tl.constexpr,
                     I: tl.constexpr, D: tl.constexpr,
                     H_RS: tl.constexpr, IDX_RS: tl.constexpr, WT_RS: tl.constexpr, Y_RS: tl.constexpr,
                     W_ES: tl.constexpr, W_RS: tl.constexpr, S_ES: tl.constexpr, S_RS: tl.constexpr,
                     W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
                     CDT: tl.constexpr, ROUTE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    C_M: tl.constexpr, C_IS: tl.constexpr, C_HS_RS: tl.constexpr, C_Y_RS: tl.constexpr,
+                    C_W_RS: tl.constexpr, C_S_RS: tl.constexpr, C_W_FMT: tl.constexpr, C_S_E8M0: tl.constexpr,
+                    C_BLOCK: tl.constexpr, C_ACT: tl.constexpr, C_BK: tl.constexpr, C_BKS: tl.constexpr,
                     PDL: tl.constexpr = False):
+    """Routed down (expert e, D tile) -> yr rows; the last of a D tile's E expert programs to arrive then
+    combines that tile for every token (`_combine`: the shared expert's down GEMM and the ordered sum)."""
     pdl_enter(PDL)
     e = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -209,19 +243,24 @@ def moe_down_kernel(h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
         else:
             ye = (acc.to(dt).to(tl.float32) * wt[None, :]).to(dt)
         tl.store(y_ptr + pr[None, :].to(tl.int64) * Y_RS + offs_n[:, None], ye, mask=ok[None, :] & n_ok[:, None])
+    n_tile = tl.program_id(1)
+    if last_to_arrive(sem_ptr + n_tile, E):  # codegen/kernels/arrival.py
+        for m_tile in range(0, (C_M + BM - 1) // BM):
+            _combine(n_tile, m_tile, hs_ptr, y_ptr, cidx_ptr, cw2_ptr, cs2_ptr, out_ptr, C_M, KSEL, C_IS, D, C_HS_RS,
+                     Y_RS, IDX_RS, C_Y_RS, C_W_RS, C_S_RS, C_W_FMT, C_S_E8M0, C_BLOCK, C_ACT, CDT, BM, BN, C_BK, C_BKS)
+        tl.store(sem_ptr + n_tile, 0)
 
 
 @triton.jit
-def moe_combine_kernel(hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr,
-                       M: tl.constexpr, KSEL: tl.constexpr, IS: tl.constexpr, D: tl.constexpr,
-                       HS_RS: tl.constexpr, YR_RS: tl.constexpr, IDX_RS: tl.constexpr, Y_RS: tl.constexpr,
-                       W_RS: tl.constexpr, S_RS: tl.constexpr, W_FMT: tl.constexpr, S_E8M0: tl.constexpr,
-                       BLOCK: tl.constexpr, ACT: tl.constexpr, CDT: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    pdl_enter(PDL)
-    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
-    tok = tl.program_id(1) * BM + tl.arange(0, BM)
+def _combine(n_tile, m_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr,
+             M: tl.constexpr, KSEL: tl.constexpr, IS: tl.constexpr, D: tl.constexpr,
+             HS_RS: tl.constexpr, YR_RS: tl.constexpr, IDX_RS: tl.constexpr, Y_RS: tl.constexpr,
+             W_RS: tl.constexpr, S_RS: tl.constexpr, W_FMT: tl.constexpr, S_E8M0: tl.constexpr,
+             BLOCK: tl.constexpr, ACT: tl.constexpr, CDT: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr):
+    """y[tokens of m_tile, columns of n_tile] = the routed rows summed by ascending expert id + W2_s hs."""
+    offs_n = n_tile * BN + tl.arange(0, BN)
+    tok = m_tile * BM + tl.arange(0, BM)
     n_ok = offs_n < D
     t_ok = tok < M
     dt = y_ptr.dtype.element_ty
@@ -304,7 +343,6 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     calls = []
     scratch = {"h": P * I * dsize, "yr": P * D * dsize}
     common = dict(ACT=act, CDT=_tl_dtype(cdt), BM=BM)
-    common_s = dict(ACT=sact, CDT=_tl_dtype(cdt), BM=BM)
     # The shared gate/up program loops over all tokens: token tiles as wide as `linear` uses, so a prefill
     # chunk passes over the weight tile once per 64 tokens, not once per 16 (same program count). The
     # combine keeps BM-token tiles: its token axis is in the grid, and it has few programs already.
@@ -337,7 +375,7 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
         find_ce = dict(grp_ptr=None)
     routed = dict(P=P, E=E, KSEL=k, MODE=mode, PB=PB, IDX_RS=idx_rs, **find_ce)
 
-    # 1. routed gate / up
+    # 1. routed gate / up, and 2. in programs (E, I tile) of the same launch the shared gate / up
     w1, w3, s1, s3 = o["w1"], o["w3"], o.get("w1_scale"), o.get("w3_scale")
     ce = dict(I=I, D=D, X_RS=x_rs, H_RS=I, W_ES=w1.strides[0], S_ES=s1.strides[0] if s1 is not None else 0,
               LIMIT=limit, BN=BNI, **routed, **common, **wce(w1, s1, D, block))
@@ -347,35 +385,37 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     else:
         ce.update(s1_ptr=None, s3_ptr=None)
     pts.append(("h_ptr", "scratch", "h", "*" + cdt))
-    calls.append(KernelCall(call_name("moe_up", ce, f"e{E}_p{P}_i{I}_d{D}_{ce['W_FMT']}_{cdt}_{mode}"), moe_up_kernel,
-                            ce, [ptr(*p) for p in pts], (E, triton.cdiv(I, BNI), 1), num_warps=4, scratch_bytes=scratch,
-                            unaligned=unaligned({"x_ptr": x, "idx_ptr": idx if mode == "scan" else None, "w1_ptr": w1,
-                                                 "w3_ptr": w3, "s1_ptr": s1, "s3_ptr": s3}),
-                            flops=4 * rows * I * D, mma_dtype="fp8" if act == "fp8" else "bf16",
-                            bytes_moved=round(active * (per_expert(w1, s1) + per_expert(w3, s3)))
-                            + x.type.nbytes + P * I * dsize))
-    # 2. shared gate / up
+    tiles_n, warps = triton.cdiv(I, BNI), 4
+    flops, wbytes = 4 * rows * I * D, round(active * (per_expert(w1, s1) + per_expert(w3, s3)))
+    g1 = g3 = t1 = t3 = None
     if shared:
         g1, g3, t1, t3 = o["s1"], o["s3"], o.get("s1_scale"), o.get("s3_scale")
         IS = g1.shape[0]
         scratch["hs"] = M * IS * dsize
         BNS = 64 if IS <= 64 else 128
-        ce = dict(P=M, E=1, KSEL=1, MODE="all", PB=1, I=IS, D=D, X_RS=x_rs, IDX_RS=0, H_RS=IS, W_ES=0, S_ES=0,
-                  LIMIT=limit, BN=BNS, idx_ptr=None, grp_ptr=None, **{**common_s, "BM": BMS},
-                  **wce(g1, t1, D, sblock, sact))
-        pts = [("x_ptr", "operand", "x", x), ("w1_ptr", "operand", "s1", g1), ("w3_ptr", "operand", "s3", g3)]
+        ce.update(S_M=M, S_I=IS, S_BM=BMS, S_BN=BNS, S_ACT=sact,
+                  **{"S_" + n: v for n, v in wce(g1, t1, D, sblock, sact).items()})
+        pts += [("sw1_ptr", "operand", "s1", g1), ("sw3_ptr", "operand", "s3", g3), ("hs_ptr", "scratch", "hs", "*" + cdt)]
         if t1 is not None:
-            pts += [("s1_ptr", "operand", "s1_scale", t1), ("s3_ptr", "operand", "s3_scale", t3)]
+            pts += [("ss1_ptr", "operand", "s1_scale", t1), ("ss3_ptr", "operand", "s3_scale", t3)]
         else:
-            ce.update(s1_ptr=None, s3_ptr=None)
-        pts.append(("h_ptr", "scratch", "hs", "*" + cdt))
-        calls.append(KernelCall(call_name("moe_shared_up", ce, f"m{M}_i{IS}_d{D}_{ce['W_FMT']}_{cdt}"), moe_up_kernel,
-                                ce, [ptr(*p) for p in pts], (1, triton.cdiv(IS, BNS), 1), num_warps=warps_s,
-                                scratch_bytes=scratch,
-                                unaligned=unaligned({"x_ptr": x, "w1_ptr": g1, "w3_ptr": g3, "s1_ptr": t1, "s3_ptr": t3}),
-                                flops=4 * M * IS * D, mma_dtype="fp8" if sact == "fp8" else "bf16",
-                                bytes_moved=2 * g1.type.nbytes + (2 * t1.type.nbytes if t1 else 0) + x.type.nbytes))
-    # 3. routed down
+            ce.update(ss1_ptr=None, ss3_ptr=None)
+        tiles_n, warps = max(tiles_n, triton.cdiv(IS, BNS)), warps_s
+        flops += 4 * M * IS * D
+        wbytes += 2 * g1.type.nbytes + (2 * t1.type.nbytes if t1 else 0) + x.type.nbytes
+    else:
+        ce.update(S_M=0, S_I=0, S_BM=BM, S_BN=BNI, S_ACT=act, S_W_FMT="float", S_S_E8M0=False, S_BLOCK=128, S_BK=32,
+                  S_W_RS=0, S_S_RS=0, sw1_ptr=None, sw3_ptr=None, ss1_ptr=None, ss3_ptr=None, hs_ptr=None)
+    calls.append(KernelCall(call_name("moe_up", ce, f"e{E}_p{P}_i{I}_d{D}_{ce['W_FMT']}_{cdt}_{mode}"), moe_up_kernel,
+                            ce, [ptr(*p) for p in pts], (E + int(shared), tiles_n, 1), num_warps=warps,
+                            scratch_bytes=scratch,
+                            unaligned=unaligned({"x_ptr": x, "idx_ptr": idx if mode == "scan" else None, "w1_ptr": w1,
+                                                 "w3_ptr": w3, "s1_ptr": s1, "s3_ptr": s3, "sw1_ptr": g1, "sw3_ptr": g3,
+                                                 "ss1_ptr": t1, "ss3_ptr": t3}),
+                            # routed and shared GEMMs in one call: the fp8 peak only if both run fp8
+                            flops=flops, mma_dtype="fp8" if act == "fp8" and (not shared or sact == "fp8") else "bf16",
+                            bytes_moved=wbytes + x.type.nbytes + P * I * dsize))
+    # 3. routed down, and in each D tile's last expert program 4. shared down + combine
     w2, s2 = o["w2"], o.get("w2_scale")
     ce = dict(I=I, D=D, H_RS=I, WT_RS=wt_rs, Y_RS=D, W_ES=w2.strides[0], S_ES=s2.strides[0] if s2 is not None else 0,
               ROUTE=attrs["route_weight"], BN=BND, **routed, **common, **wce(w2, s2, I, block))
@@ -386,37 +426,35 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     else:
         ce["s2_ptr"] = None
     pts.append(("y_ptr", "scratch", "yr", "*" + cdt))
-    calls.append(KernelCall(call_name("moe_down", ce, f"e{E}_p{P}_i{I}_d{D}_{ce['W_FMT']}_{cdt}_{mode}"),
-                            moe_down_kernel, ce, [ptr(*p) for p in pts], (E, triton.cdiv(D, BND), 1), num_warps=4,
-                            scratch_bytes=scratch,
-                            unaligned=unaligned({"idx_ptr": idx if mode == "scan" else None, "wt_ptr": wts,
-                                                 "w2_ptr": w2, "s2_ptr": s2}),
-                            flops=2 * rows * I * D, mma_dtype="fp8" if act == "fp8" else "bf16",
-                            bytes_moved=round(active * per_expert(w2, s2)) + wts.type.nbytes + P * (I + D) * dsize))
-    # 4. shared down + combine
-    ce = dict(M=M, KSEL=k, D=D, HS_RS=0, YR_RS=D, IDX_RS=idx_rs, Y_RS=y_rs, BN=BND,
-              BKS=triton.next_power_of_2(k), **common_s)
-    pts = [("yr_ptr", "scratch", "yr", "*" + cdt), ("idx_ptr", "operand", "indices", idx)]
+    ce.update(C_M=M, C_Y_RS=y_rs, C_BKS=triton.next_power_of_2(k), C_ACT=sact)
+    pts += [("cidx_ptr", "operand", "indices", idx), ("out_ptr", "result", "y", y)]
     if shared:
         g2, t2 = o["s2"], o.get("s2_scale")
         IS = g2.shape[1] * (2 if g2.dtype == "fp4x2" else 1)
-        ce.update(IS=IS, HS_RS=IS, **wce(g2, t2, IS, sblock, sact))
-        pts += [("hs_ptr", "scratch", "hs", "*" + cdt), ("w2_ptr", "operand", "s2", g2)]
+        ce.update(C_IS=IS, C_HS_RS=IS, **{"C_" + n: v for n, v in wce(g2, t2, IS, sblock, sact).items()})
+        pts += [("hs_ptr", "scratch", "hs", "*" + cdt), ("cw2_ptr", "operand", "s2", g2)]
         if t2 is not None:
-            pts.append(("s2_ptr", "operand", "s2_scale", t2))
+            pts.append(("cs2_ptr", "operand", "s2_scale", t2))
         else:
-            ce["s2_ptr"] = None
+            ce["cs2_ptr"] = None
         sbytes = g2.type.nbytes + (t2.type.nbytes if t2 else 0)
     else:
-        ce.update(IS=0, W_FMT="float", S_E8M0=False, BLOCK=128, BK=32, W_RS=0, S_RS=0, hs_ptr=None, w2_ptr=None,
-                  s2_ptr=None)
+        ce.update(C_IS=0, C_HS_RS=0, C_W_FMT="float", C_S_E8M0=False, C_BLOCK=128, C_BK=32, C_W_RS=0, C_S_RS=0,
+                  hs_ptr=None, cw2_ptr=None, cs2_ptr=None)
         g2 = t2 = None
         sbytes = 0
-    pts.append(("y_ptr", "result", "y", y))
-    calls.append(KernelCall(call_name("moe_combine", ce, f"m{M}_k{k}_d{D}_{ce['W_FMT']}_{cdt}"), moe_combine_kernel,
-                            ce, [ptr(*p) for p in pts], (triton.cdiv(D, BND), triton.cdiv(M, BM), 1), num_warps=4,
+    nd = triton.cdiv(D, BND)
+    scratch["moe_arrivals"] = nd * 4  # one arrival counter per D tile
+    pts.append(("sem_ptr", "semaphore", "moe_arrivals", "*i32"))
+    calls.append(KernelCall(call_name("moe_down", ce, f"e{E}_p{P}_i{I}_d{D}_{ce['W_FMT']}_{cdt}_{mode}"),
+                            moe_down_kernel, ce, [ptr(*p) for p in pts], (E, nd, 1), num_warps=4,
                             scratch_bytes=scratch,
-                            unaligned=unaligned({"idx_ptr": idx, "w2_ptr": g2, "s2_ptr": t2, "y_ptr": y}),
-                            flops=2 * M * D * ce["IS"], mma_dtype="fp8" if sact == "fp8" else "bf16",
-                            bytes_moved=sbytes + P * D * dsize + y.type.nbytes))
+                            unaligned=unaligned({"idx_ptr": idx if mode == "scan" else None, "wt_ptr": wts,
+                                                 "w2_ptr": w2, "s2_ptr": s2, "cidx_ptr": idx, "cw2_ptr": g2,
+                                                 "cs2_ptr": t2, "out_ptr": y}),
+                            flops=2 * rows * I * D + 2 * M * D * ce["C_IS"],
+                            mma_dtype="fp8" if act == "fp8" and (not shared or sact == "fp8") else "bf16",
+                            # yr written here and read back by the combining programs
+                            bytes_moved=round(active * per_expert(w2, s2)) + wts.type.nbytes + P * (I + 2 * D) * dsize
+                            + sbytes + y.type.nbytes))
     return calls

@@ -15,12 +15,13 @@ so the sink lands in the denominator only and a lane with no rows (padding) yiel
 bf16: scores are rounded to bf16 before and after the scale, as the reference's bf16 einsum and scalar
 multiply do, so the softmax sees the same logits; probabilities feed the PV dot as bf16.
 
-Decode (T == 1) runs split-KV instead: pass 1 over (lane, block of heads, split) walks a static
+Decode (T == 1) runs split-KV instead: one program per (lane, block of heads, split) walks a static
 slice of RS entries of the lane's row list (window rows then compressed rows, counts read in the kernel;
 the own kv row goes to split 0) and writes an fp32 partial (m, l, acc) to the scratch `sa_partial`; its
 running max starts at the sink logit only as a finite reference point, l at 0, so a split past the end
-writes the neutral partial (sink, 0, 0). Pass 2 merges a lane's partials with the LSE rule and adds the
-sink to the denominator once. `split_plan` picks the splits. The cost is honest about the trade: a
+writes the neutral partial (sink, 0, 0). The last split of a (lane, head block) to arrive (an arrival
+counter, a `semaphore` pointer) merges its partials with the LSE rule and adds the sink to the
+denominator once, in the same launch. `split_plan` picks the splits. The cost is honest about the trade: a
 partial is an [H, d] fp32 tile (V4-Pro: 256 KiB, written and read back), so splits buy parallelism with
 bytes; larger head blocks buy back the re-reads of the rows.
 """
@@ -31,6 +32,7 @@ import triton
 import triton.language as tl
 
 from . import KernelCall, any_row, call_name, ptr, row_offsets, unaligned
+from .arrival import last_to_arrive
 from .kvrows import TL_DTYPE, load_rows, plane_consts, pow2
 from .pdl import pdl_enter
 
@@ -132,18 +134,20 @@ def sparse_attention_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_in
 
 @triton.jit
 def sparse_attention_split_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indices, comp_indptr,
-                                  comp_indices, p0, p1, p2, c0, c1, c2, part_ptr,
+                                  comp_indices, p0, p1, p2, c0, c1, c2, part_ptr, sem_ptr, out_ptr,
                                   H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr,
                                   BN: tl.constexpr, WINDOW: tl.constexpr, SCALE: tl.constexpr,
                                   Q_SB: tl.constexpr, Q_SH: tl.constexpr, KV_SB: tl.constexpr,
+                                  O_SB: tl.constexpr, O_SH: tl.constexpr,
                                   NS: tl.constexpr, RS: tl.constexpr, ACC0: tl.constexpr,
                                   FMT: tl.constexpr, NPLANES: tl.constexpr, NOPE: tl.constexpr, BLK: tl.constexpr,
                                   S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
                                   DT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
-    """Decode (T == 1), pass 1: split `sp` of lane `lane` takes the slice [sp*RS, sp*RS + RS) of the lane's
+    """Decode (T == 1): split `sp` of lane `lane` takes the slice [sp*RS, sp*RS + RS) of the lane's
     row list (window CSR rows, then compressed CSR rows; the last split also takes anything past NS*RS) and
     writes its partial (m, l, acc) without the sink. Split 0 also takes the lane's own kv row. A split past
-    the end runs no loop and writes the neutral partial (m = sink, l = 0, acc = 0)."""
+    the end runs no loop and writes the neutral partial (m = sink, l = 0, acc = 0). The last of the NS
+    splits of a (lane, head block) to arrive merges their partials (`_merge`) and writes out."""
     pdl_enter(PDL)
     lane = tl.program_id(0)
     sp = tl.program_id(2)
@@ -181,19 +185,18 @@ def sparse_attention_split_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, 
     tl.store(part_ptr + (part * 2 + 1) * H + h, l, mask=hm)
     tl.store(part_ptr + ACC0 + (part * H + h[:, None]).to(tl.int64) * D + col[None, :], acc,
              mask=hm[:, None] & (col[None, :] < D))
+    group = lane * ((H + BH - 1) // BH) + tl.program_id(1)  # (not tl.num_programs: hidden kernargs on AMD)
+    if last_to_arrive(sem_ptr + group, NS):  # codegen/kernels/arrival.py
+        _merge(sink_ptr, part_ptr, out_ptr, lane, h, col, hm, H, D, BH, DP, NS, ACC0, O_SB, O_SH, DT)
+        tl.store(sem_ptr + group, 0)
 
 
 @triton.jit
-def sparse_attention_merge_kernel(sink_ptr, part_ptr, out_ptr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                                  BH: tl.constexpr, NS: tl.constexpr, ACC0: tl.constexpr,
-                                  O_SB: tl.constexpr, O_SH: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr = False):
-    """Decode pass 2, the LSE merge of a lane's NS partials: M = max(sink, m_s),
+def _merge(sink_ptr, part_ptr, out_ptr, lane, h, col, hm, H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
+           DP: tl.constexpr, NS: tl.constexpr, ACC0: tl.constexpr, O_SB: tl.constexpr, O_SH: tl.constexpr,
+           DT: tl.constexpr):
+    """The LSE merge of a lane's NS partials for heads h: M = max(sink, m_s),
     out = sum_s acc_s e^(m_s - M) / (e^(sink - M) + sum_s l_s e^(m_s - M)), the sink counted once."""
-    pdl_enter(PDL)
-    lane = tl.program_id(0)
-    h = tl.program_id(1) * BH + tl.arange(0, BH)
-    col = tl.arange(0, DP)
-    hm = h < H
     sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32)
     mx = sink
     for sp in range(NS):
@@ -212,7 +215,7 @@ def sparse_attention_merge_kernel(sink_ptr, part_ptr, out_ptr, H: tl.constexpr, 
              mask=hm[:, None] & (col[None, :] < D))
 
 
-# Decode split-KV plan. Programs of pass 1 aim at 2 x the larger CU count of the targets (gfx950: 256 CUs;
+# Decode split-KV plan. The programs aim at 2 x the larger CU count of the targets (gfx950: 256 CUs;
 # sm_90a: 132 SMs) without giving a split fewer than MIN_SPLIT_ROWS rows: every split costs an [H, d]
 # fp32 partial round trip (512 KiB at V4-Pro), as much as ~900 fp8 pool rows. One split: one pass.
 TARGET_PROGRAMS = 512
@@ -291,7 +294,7 @@ def specialise(op_name, operands, results, attrs):
 
 
 def _decode_calls(c, pointers, offsets, aligned, flops, n_rows, row_bytes, q, kv, out, max_rows, attrs):
-    """T == 1: split-KV pass 1 over (lane, head block, split) + the LSE merge (pass 2)."""
+    """T == 1: split-KV over (lane, head block, split), the LSE merge by each group's last split."""
     B, _T, H, D = q.shape
     BH, warps = blocking(D)
     HB = triton.cdiv(H, BH)
@@ -304,22 +307,16 @@ def _decode_calls(c, pointers, offsets, aligned, flops, n_rows, row_bytes, q, kv
                            bytes_moved=n_rows * row_bytes * HB + 2 * q.type.nbytes)]
     ACC0 = B * NS * 2 * H
     part_bytes = (ACC0 + B * NS * H * D) * 4
-    sc = {k: v for k, v in c.items() if k not in ("T", "Q_ST", "KV_ST", "O_SB", "O_ST", "O_SH")}
+    sc = {k: v for k, v in c.items() if k not in ("T", "Q_ST", "KV_ST", "O_ST")}
     sc.update(BH=BH, NS=NS, RS=RS, ACC0=ACC0)
     part = ptr("part_ptr", "scratch", "sa_partial", "*fp32")
-    split = KernelCall(name=call_name("sparse_attention_split", sc, f"b{B}_h{H}_d{D}_s{NS}_{attrs['fmt']}"),
-                       fn=sparse_attention_split_kernel, constexprs=sc, pointers=pointers[:-1] + [part],
-                       grid=(B, HB, NS), num_warps=warps, scratch_bytes={"sa_partial": part_bytes},
-                       unaligned=tuple(a for a in aligned if a != "out_ptr"), offsets=offsets, flops=flops,
-                       # each head block reads the lane's rows; every program reads its q block
-                       bytes_moved=n_rows * row_bytes * HB + NS * q.type.nbytes + kv.type.nbytes + part_bytes)
-    BM = 16
-    mc = dict(H=H, D=D, DP=c["DP"], BH=BM, NS=NS, ACC0=ACC0, O_SB=out.strides[0], O_SH=out.strides[2], DT=c["DT"])
-    sink = next(p for p in pointers if p[0] == "sink_ptr")
-    merge = KernelCall(name=call_name("sparse_attention_merge", mc, f"b{B}_h{H}_d{D}_s{NS}"),
-                       fn=sparse_attention_merge_kernel, constexprs=mc,
-                       pointers=[sink, part, pointers[-1]], grid=(B, triton.cdiv(H, BM), 1),
-                       num_warps=4, scratch_bytes={"sa_partial": part_bytes},
-                       unaligned=tuple(a for a in aligned if a == "out_ptr"),
-                       flops=3 * B * NS * H * D, bytes_moved=part_bytes + out.type.nbytes + 4 * H)
-    return [split, merge]
+    sem = ptr("sem_ptr", "semaphore", "sa_arrivals", "*i32")  # one counter per (lane, head block)
+    return [KernelCall(name=call_name("sparse_attention_split", sc, f"b{B}_h{H}_d{D}_s{NS}_{attrs['fmt']}"),
+                       fn=sparse_attention_split_kernel, constexprs=sc, pointers=pointers + [part, sem],
+                       grid=(B, HB, NS), num_warps=warps,
+                       scratch_bytes={"sa_partial": part_bytes, "sa_arrivals": B * HB * 4},
+                       unaligned=aligned, offsets=offsets, flops=flops + 3 * B * NS * H * D,
+                       # each head block reads the lane's rows; every program reads its q block; the partials
+                       # are written once and read once by the merging programs
+                       bytes_moved=n_rows * row_bytes * HB + NS * q.type.nbytes + kv.type.nbytes + 2 * part_bytes
+                       + out.type.nbytes + 4 * H)]

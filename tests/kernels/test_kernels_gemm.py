@@ -138,7 +138,21 @@ def test_names_are_deterministic_and_unique():
 @pytest.mark.parametrize("op,fmt,xdtype", [("linear", "fp8", torch.bfloat16), ("norm_linear", "float", torch.float32),
                                             ("linear", "fp4", torch.bfloat16)])
 def test_split_k(op, fmt, xdtype):
-    """Few output tiles and a long K: the K range is split over programs (fp32 partials in scratch) and a
-    second launch adds the partials in split order."""
+    """Few output tiles and a long K: the K range is split over programs (fp32 partials in scratch) and the
+    last program of each tile to arrive adds the partials in split order, in the same call (run_calls
+    also checks the arrival counters are left zero)."""
     calls = run_case(op, fmt, xdtype, N=72, K=640, pad=2)
-    assert len(calls) == 2 and calls[0].constexprs["SPLIT"] == 2 and calls[1].pointers[0][1] == "scratch"
+    assert len(calls) == 1 and calls[0].constexprs["SPLIT"] == 2
+    assert [p[1] for p in calls[0].pointers if p[0] in ("part_ptr", "sem_ptr")] == ["scratch", "semaphore"]
+
+
+@pytest.mark.parametrize("old,new,error", [
+    ("last_to_arrive(sem_ptr + tile, SPLIT)", "last_to_arrive(sem_ptr + tile, SPLIT + 1)", kernels.CodegenError),  # no program reduces (nor resets)
+    ("tl.store(sem_ptr + tile, 0)", "pass", kernels.CodegenError),  # counters left set: the next call breaks
+    ("for s in range(SPLIT):", "for s in range(SPLIT - 1):", AssertionError),  # a partial left out
+])
+def test_split_k_broken_reduction_is_caught(monkeypatch, tmp_path, old, new, error):
+    from v4compile.codegen.kernels import gemm
+    kc.install_broken_kernel(monkeypatch, tmp_path, gemm, "gemm_kernel", old, new)
+    with pytest.raises(error):
+        run_case("linear", "fp8", torch.bfloat16, N=72, K=640, pad=2)

@@ -1,4 +1,4 @@
-"""indexer_select kernels vs the op reference (interpreter): native / fp4 / fp8 index planes, fp32 and
+"""indexer_select kernel (scores, then the pick in each lane's last program) vs the op reference (interpreter): native / fp4 / fp8 index planes, fp32 and
 bf16 queries, lanes that see fewer rows than k (all taken), more (top-k), none (padding), a position
 beyond the compiled maximum (clamped) and a non-power-of-two row maximum (two score blocks).
 
@@ -19,7 +19,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from attn_cases import DT, index_planes, positions  # noqa: E402
-from kernel_check import poisoned, reference  # noqa: E402
+from kernel_check import install_broken_kernel, poisoned, reference  # noqa: E402
+from v4compile.errors import CodegenError  # noqa: E402
 from v4compile.codegen.kernels import launch  # noqa: E402
 from v4compile.ops.paged import compressed_row  # noqa: E402
 
@@ -76,3 +77,20 @@ def test_indexer_select(case):
 def test_wrong_kernel_is_caught(wrong):
     with pytest.raises(AssertionError):
         _run(*CASES[0], wrong=wrong)
+
+
+@pytest.mark.parametrize("old,new,error", [
+    # no program picks (nor resets its counter)
+    ("last_to_arrive(sem_ptr + lane, (MAXR + BR - 1) // BR)", "last_to_arrive(sem_ptr + lane, (MAXR + BR - 1) // BR + 1)",
+     CodegenError),
+    # the last program picks for the wrong lane
+    ("_pick(lane,", "_pick(lane * 0,", AssertionError),
+    # the counter is left set: the next call of the program would pick early
+    ("tl.store(sem_ptr + lane, 0)", "pass", CodegenError),
+])
+def test_broken_arrival_is_caught(monkeypatch, tmp_path, old, new, error):
+    """The pick runs in the last of a lane's score programs to arrive (case 1: two score blocks)."""
+    from v4compile.codegen.kernels import indexer
+    install_broken_kernel(monkeypatch, tmp_path, indexer, "indexer_select_kernel", old, new)
+    with pytest.raises(error):
+        _run(*CASES[1])

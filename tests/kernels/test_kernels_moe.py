@@ -117,7 +117,7 @@ def run(dtype, efmt="fp4", sfmt="fp8", act="native", op="moe_experts_shared", E=
 def test_fp4_experts_fp8_shared(dtype):
     calls = run(dtype)
     assert [c.fn.__name__ if hasattr(c.fn, "__name__") else c.fn.fn.__name__ for c in calls] == [
-        "moe_up_kernel", "moe_up_kernel", "moe_down_kernel", "moe_combine_kernel"]
+        "moe_up_kernel", "moe_down_kernel"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -214,8 +214,8 @@ def launch_calls(args, attrs, patch=None, op="moe_experts_shared"):
 def test_grouped_prefill(dtype, routing, fmts, monkeypatch):
     args, attrs = prefill_case(dtype, routing, *fmts)
     y, calls = launch_calls(args, attrs)
-    assert [c.kernel_name for c in calls] == ["moe_group_kernel", "moe_up_kernel", "moe_up_kernel",
-                                              "moe_down_kernel", "moe_combine_kernel"]
+    assert [c.kernel_name for c in calls] == ["moe_group_kernel", "moe_up_kernel",
+                                              "moe_down_kernel"]
     kc.assert_matches(y, kc.reference("moe_experts_shared", args, attrs)[0], f"grouped {fmts} {routing} {dtype}",
                       ulps=2)
     # the in-register scan walks the same lists: bit-identical results, one launch fewer
@@ -386,8 +386,11 @@ def test_modeled_cost_counts_active_experts_once(monkeypatch, wrong):
         E, k, M = 7, 3, 29
         per = sum(TensorArg.of(args[n]).type.nbytes for n in ("w1", "w3", "w1_scale", "w3_scale")) / E
         up = calls["moe_up_kernel"]
-        active = (up.bytes_moved - args["x"].nbytes - M * k * 96 * 2) / per
-        rows = up.flops / (4 * 96 * 64)
+        # the same launch runs the shared expert over every token: its weights and its read of x, its FLOPs
+        shared = sum(TensorArg.of(args[n]).type.nbytes for n in ("s1", "s3", "s1_scale", "s3_scale")
+                     if args.get(n) is not None) + args["x"].nbytes
+        active = (up.bytes_moved - shared - args["x"].nbytes - M * k * 96 * 2) / per
+        rows = (up.flops - 4 * M * args["s1"].shape[0] * 64) / (4 * 96 * 64)
         (a_mean, a_se), (r_mean, r_se) = sampled_routing(E, k, M, moe.BM)
         assert abs(active - a_mean) <= 5 * a_se + 1 / per, (active, a_mean)
         assert r_mean - 5 * r_se <= rows <= M * k + E * (moe.BM - 1), (rows, r_mean)  # bounds the padded rows
@@ -440,11 +443,36 @@ def test_aot_v4pro_prefill_grouped(tmp_path, monkeypatch):
 
 
 def test_mode_by_shape():
-    """Decode-sized P ranks in registers (4 launches, as before grouping); above SCAN_MAX_PAIRS one grouping
+    """Decode-sized P ranks in registers (2 calls: up with the shared up, down with the combine); above
+    SCAN_MAX_PAIRS one grouping
     launch is added and the routed kernels read grp instead of the expert ids."""
     dec, pre = v4pro_calls(10), v4pro_calls(11)  # P = 60 and 66 pairs
-    assert [c.kernel_name for c in dec] == ["moe_up_kernel", "moe_up_kernel", "moe_down_kernel", "moe_combine_kernel"]
+    assert [c.kernel_name for c in dec] == ["moe_up_kernel", "moe_down_kernel"]
     assert "grp" not in dec[0].scratch_bytes and dec[0].constexprs["MODE"] == "scan" and dec[0].constexprs["PB"] == 64
     assert [c.kernel_name for c in pre][:2] == ["moe_group_kernel", "moe_up_kernel"]
     assert pre[1].constexprs["MODE"] == "grouped" and pre[1].constexprs["idx_ptr"] is None
-    assert [p[2] for p in pre[1].pointers if p[1] == "scratch"] == ["grp", "h"]
+    assert [p[2] for p in pre[1].pointers if p[1] == "scratch"] == ["grp", "h", "hs"]  # hs: the shared expert
+
+
+@pytest.mark.parametrize("old,new,error", [
+    # no expert program combines (nor resets its counter)
+    ("last_to_arrive(sem_ptr + n_tile, E)", "last_to_arrive(sem_ptr + n_tile, E + 1)", kernels.CodegenError),
+    # the last program combines the wrong D tile (D = 256: two tiles)
+    ("_combine(n_tile, m_tile,", "_combine(n_tile * 0, m_tile,", AssertionError),
+    # the counter is left set: the next call of the program would combine early
+    ("tl.store(sem_ptr + n_tile, 0)", "pass", kernels.CodegenError),
+])
+def test_broken_combine_arrival_is_caught(monkeypatch, tmp_path, old, new, error):
+    """The shared down + combine runs in the last expert program of each D tile to arrive."""
+    kc.install_broken_kernel(monkeypatch, tmp_path, moe, "moe_down_kernel", old, new)
+    with pytest.raises(error):
+        run(torch.float32, D=256)
+
+
+def test_broken_shared_up_is_caught(monkeypatch, tmp_path):
+    """The shared expert's gate / up runs in programs (E, I tile) of the routed up launch; a kernel that
+    skips its last I tile leaves that part of hs unwritten (NaN scratch) and is caught."""
+    kc.install_broken_kernel(monkeypatch, tmp_path, moe, "moe_up_kernel", "if nt * S_BN < S_I:",
+                             "if nt * S_BN < S_I - S_BN:")
+    with pytest.raises(AssertionError):
+        run(torch.float32, IS=256)

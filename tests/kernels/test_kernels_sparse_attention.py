@@ -1,7 +1,7 @@
 """sparse_attention kernel vs its op reference (interpreter): native and fp8 pool planes, window-only
 (SWA), window + all compressed rows (HCA) and window + selected rows (CSA) layers, prefill chunks with
-padding lanes and decode, fp32 and bf16. Decode (T == 1) runs the split-KV pair (pass 1 over splits of
-each lane's row list, then the LSE merge); the split tests shrink the rows per split so these tiny row
+padding lanes and decode, fp32 and bf16. Decode (T == 1) runs split-KV (splits of each
+lane's row list, the LSE merge by the last split of each group to arrive, in the same call); the split tests shrink the rows per split so these tiny row
 lists span several splits (the production plan would give one).
 
 Tolerances. fp32: 2e-6 x max|ref| + 1e-5 x |ref| (online softmax rescaling and exp order; a few fp32
@@ -29,9 +29,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from attn_cases import DT, main_planes, positions  # noqa: E402
+import kernel_check as kc  # noqa: E402
 from kernel_check import bf16_ulp, poisoned, reference  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from v4compile.codegen import kernels  # noqa: E402
 from v4compile.codegen.kernels import launch  # noqa: E402
 from v4compile.codegen.kernels import sparse_attention as sa  # noqa: E402
 from v4compile.ops import paged  # noqa: E402
@@ -181,7 +181,7 @@ DECODE = [  # case, rows per split floor
 def test_decode_splits(case, rows, monkeypatch):
     monkeypatch.setattr(sa, "MIN_SPLIT_ROWS", rows)
     calls = _check(case)
-    assert [c.kernel_name for c in calls] == ["sparse_attention_split_kernel", "sparse_attention_merge_kernel"]
+    assert [c.kernel_name for c in calls] == ["sparse_attention_split_kernel"]  # the merge in the same call
     assert calls[0].grid[2] > 1, "the case must span several splits"
 
 
@@ -192,40 +192,24 @@ def test_decode_one_split_is_one_pass(monkeypatch):
 
 def test_decode_production_plan():
     """V4-Pro decode shape: 8 lanes, 128 heads in 32-head blocks, 127 window + 1024 selected rows ->
-    >= 2 x 256 programs would need 16 splits; the 256-row floor gives 4 of 288 rows (split, merge)."""
+    >= 2 x 256 programs would need 16 splits; the 256-row floor gives 4 of 288 rows."""
     assert sa.split_plan(1151, 8, 4, 16) == (4, 288)
     assert sa.split_plan(257, 8, 4, 16)[0] == 1
     assert sa.split_plan(7, 8, 1, 16) == (1, 7)
     assert sa.split_plan(0, 8, 1, 16) == (1, 1)
 
 
-@triton.jit
-def _merge_sink_per_split(sink_ptr, part_ptr, out_ptr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                          BH: tl.constexpr, NS: tl.constexpr, ACC0: tl.constexpr,
-                          O_SB: tl.constexpr, O_SH: tl.constexpr, DT: tl.constexpr):
-    """The merge with a deliberate bug: the sink enters the denominator once per split."""
-    lane = tl.program_id(0)
-    h = tl.program_id(1) * BH + tl.arange(0, BH)
-    col = tl.arange(0, DP)
-    hm = h < H
-    sink = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32)
-    mx = sink
-    for sp in range(NS):
-        mx = tl.maximum(mx, tl.load(part_ptr + ((lane * NS + sp) * 2) * H + h, mask=hm, other=0.0))
-    den = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, DP], tl.float32)
-    for sp in range(NS):
-        part = lane * NS + sp
-        w = tl.exp(tl.load(part_ptr + (part * 2) * H + h, mask=hm, other=0.0) - mx)
-        den += tl.load(part_ptr + (part * 2 + 1) * H + h, mask=hm, other=0.0) * w + tl.exp(sink - mx)
-        acc += tl.load(part_ptr + ACC0 + (part * H + h[:, None]) * D + col[None, :],
-                       mask=hm[:, None] & (col[None, :] < D), other=0.0) * w[:, None]
-    tl.store(out_ptr + lane * O_SB + h[:, None] * O_SH + col[None, :], (acc / den[:, None]).to(DT),
-             mask=hm[:, None] & (col[None, :] < D))
-
-
-def test_wrong_merge_is_caught(monkeypatch):
+@pytest.mark.parametrize("fn,old,new,error", [
+    # the sink enters the denominator once per split
+    ("_merge", "other=0.0) * w\n", "other=0.0) * w + tl.exp(sink - mx)\n", AssertionError),
+    # no split merges (nor resets its counter)
+    ("sparse_attention_split_kernel", "last_to_arrive(sem_ptr + group, NS)", "last_to_arrive(sem_ptr + group, NS + 1)",
+     kernels.CodegenError),
+    # the counter is left set: the next call of the program would merge early
+    ("sparse_attention_split_kernel", "tl.store(sem_ptr + group, 0)", "pass", kernels.CodegenError),
+])
+def test_wrong_merge_is_caught(monkeypatch, tmp_path, fn, old, new, error):
     monkeypatch.setattr(sa, "MIN_SPLIT_ROWS", 16)
-    monkeypatch.setattr(sa, "sparse_attention_merge_kernel", _merge_sink_per_split)
-    with pytest.raises(AssertionError, match="off"):
+    kc.install_broken_kernel(monkeypatch, tmp_path, sa, fn, old, new)
+    with pytest.raises(error):
         _check(DECODE[0][0])

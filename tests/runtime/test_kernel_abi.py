@@ -10,7 +10,7 @@ them, and the host device binds the packed 64-bit values BY POSITION, so a wrong
 * For EVERY kernel family launched by tiny's and tiny-pro's decode and prefill programs, one call with two
   pointer parameters swapped in the launch table is refused by the host device (an extent or an illegal
   address) or changes the bytes it writes; the same call unswapped reproduces them exactly (the control).
-  The old orders of mhc (post) and moe_combine (shared experts) are shown wrong the same way.
+  The old orders of mhc (post) and moe_down (with the combine) are shown wrong the same way.
 
 Cheap by construction: everything before the chosen call runs the op references (placeholders); only the
 chosen launch runs its Triton kernels (interpreted), and each trial reruns that one call from a snapshot.
@@ -61,6 +61,20 @@ def test_the_families_are_every_family_the_programs_launch():
     assert got == set(FAMILIES)
 
 
+def test_semaphores_are_one_zeroed_buffer_shared_by_the_calls():
+    """Calls that finish a reduction in their last-arriving program (codegen/kernels/arrival.py) get their
+    counters in the schedule's one `semaphores` buffer, at offset 0 (each call leaves them zero): a
+    "state" buffer, which the C runtime zeroes at load; it holds the largest call's counters."""
+    _, prog, _ = _program("tiny-pro")
+    sched = build_schedule(prog, make_kernel_calls())
+    i = sched.index["semaphores"]
+    assert sched.buffer_kinds[i] == "state"
+    sems = [(p, c.kernel) for f in sched.functions for c in f.calls for p in c.params if p.role.startswith("semaphore:")]
+    assert {kc.kernel_name for _, kc in sems} >= {"moe_down_kernel", "indexer_select_kernel"}
+    assert all(p.buffer == i and p.offset == 0 for p, _ in sems)
+    assert sched.buffer_bytes[i] >= max(kc.scratch_bytes[p.role.split(":", 1)[1]] for p, kc in sems)
+
+
 def _misordered(sched) -> set[str]:
     """Kernels of calls whose packed parameters are not in the order the kernel declares them."""
     bad = set()
@@ -85,10 +99,10 @@ OLD = {"mhc": ("hc_post", "mhc_post_pre", "mhc_post_head"), "moe": ("moe_experts
 
 def test_the_same_check_fails_on_the_old_orders(monkeypatch):
     """Packing pointers as each family lists them (the schedule before the fix) fails the check above for
-    exactly the two families that listed them out of order: mhc with post, moe_combine with shared experts."""
+    exactly the two families that list them out of order: mhc with post, moe_down with the combine."""
     monkeypatch.setattr(kernels, "in_kernel_order", lambda name, fn, pointers, constexprs: list(pointers))
     _, prog, _ = _program("tiny")
-    assert _misordered(build_schedule(prog, make_kernel_calls())) == {"mhc_kernel", "moe_combine_kernel"}
+    assert _misordered(build_schedule(prog, make_kernel_calls())) == {"mhc_kernel", "moe_down_kernel"}
 
 
 def _fn(*names):
