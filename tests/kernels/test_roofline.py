@@ -119,7 +119,8 @@ def test_step_time_splits_into_bandwidth_compute_and_launch_kinds(v4_pro, monkey
         for fn in ("decode", "prefill"):
             m = step_model(prog, pk, fn, t)
             assert abs(m["bandwidth_us"] + m["compute_us"] + m["launch_latency_us"] - m["modeled_us"]) < 0.05
-            assert m["bandwidth_us"] > m["compute_us"] > 0
+            # V4-Pro's steps here are bandwidth-bound through and through (no call's FLOPs outlast its bytes)
+            assert m["bandwidth_us"] > m["compute_us"] >= 0
             assert m["calls_by_launch_kind"][kind] == m["kernel_calls"] and sum(m["calls_by_launch_kind"].values()) \
                 == m["kernel_calls"]
             lat = TARGETS[t].launch_latency(kind)
