@@ -96,6 +96,11 @@ def build_report(cfg: V4Config, traced: Module, result, targets: tuple[str, ...]
             pk = program_kernels(prog)
             if pk.complete:
                 rep["decode_step"] = {t: step_model(prog, pk, "decode", t) for t in gpu}
+    gpu = tuple(t for t in targets if t != "cpu")
+    if gpu and cfg.n_mtp_layers:
+        from .codegen.spec_cost import REPORT_DRAFT_TOKENS, verify_models
+
+        rep["speculative_step"] = verify_models(cfg, REPORT_DRAFT_TOKENS, gpu)
     return rep
 
 
@@ -158,6 +163,11 @@ def render_report(rep: dict) -> str:
 
         lines.append("  modeled decode step (kernel bytes and FLOPs at the target's roofline + per-launch latency):")
         lines += [render_step(m) for m in rep["decode_step"].values()]
+    if rep.get("speculative_step"):
+        from .codegen.spec_cost import render
+
+        lines.append("  modeled speculative verify step (MTP, traced graphs at the roofline, batch 1):")
+        lines += [render(m) for ms in rep["speculative_step"].values() for m in ms]
     acc = rep["kv_bytes_per_token_accounting"]
     lines.append("  KV bytes per token, accounting: " + ", ".join(f"{k} {v:.0f}" for k, v in acc.items()))
     return "\n".join(lines) + "\n"
