@@ -39,6 +39,9 @@ class _Arrays:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.state[name].shape
 
+    def get_all(self, name: str) -> np.ndarray:
+        return self.state[name]
+
     def get(self, name: str, row: int) -> np.ndarray:
         a = self.state[name]
         return a.reshape(-1, a.shape[-1])[row].copy()
@@ -67,6 +70,9 @@ class _Buffers:
         t = self.types[name]
         rb = t.nbytes // int(np.prod(t.shape[:-1]))
         return self.rt.sched.buffer_index(self.fname, name), row * rb, rb
+
+    def get_all(self, name: str):
+        return self.rt.read(self.rt.sched.buffer_index(self.fname, name)).numpy()
 
     def get(self, name: str, row: int):
         i, off, n = self._where(name, row)

@@ -12,7 +12,7 @@ import v4compile
 from v4compile import frontend
 from v4compile.artifact import Buckets
 from v4compile.driver import compile_artifact
-from v4compile.runtime.undo import PoolUndo, geometry_of, written_rows
+from v4compile.runtime.undo import PoolUndo, access, geometry_of, written_rows
 from v4compile.trace import TraceOptions
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -28,8 +28,14 @@ def art(tmp_path_factory):
     return compile_artifact(fe, tmp_path_factory.mktemp("art") / "tiny", Buckets(decode=(1,), prefill=(16,)))
 
 
-def run(art, rejected: bool, restore: bool = True):
-    sess = v4compile.load(art, device="cpu", threads=1)
+def pool_bytes(backend) -> dict[str, np.ndarray]:
+    """Every pool plane and state ring, as bytes (cpu: the backend's arrays; host: the C runtime's buffers)."""
+    store = access(backend)
+    return {n: np.asarray(store.get_all(n)).copy() for n in sorted(store.names()) if n.startswith(("pool.", "state."))}
+
+
+def run(art, rejected: bool, restore: bool = True, device: str = "cpu"):
+    sess = v4compile.load(art, device=device, threads=1)
     s = sess.open()
     sess.extend(s, PROMPT)
     logits = [sess.decode([s], [t])[0] for t in TRUE[:2]]
@@ -44,7 +50,7 @@ def run(art, rejected: bool, restore: bool = True):
             undo.restore({s.slot: L})
         s.length = L
     logits += [sess.decode([s], [t])[0] for t in TRUE[2:]]
-    state = {k: v.copy() for k, v in sess.backend.state.items()}
+    state = pool_bytes(sess.backend)
     sess.close()
     return np.stack(logits), state
 
@@ -54,12 +60,15 @@ def plain(art):
     return run(art, rejected=False)
 
 
+@pytest.fixture(scope="module")
+def plain_host(art):
+    return run(art, rejected=False, device="host")
+
+
 def test_the_rejected_positions_write_every_kind_of_state(art):
     sess = v4compile.load(art, device="cpu", threads=1)
     s = sess.open()
     sess.extend(s, PROMPT + TRUE[:2])
-    from v4compile.runtime.undo import access
-
     names = {n for n, _ in written_rows(geometry_of(sess.art.manifest), access(sess.backend), s.slot, s.blocks, 15)}
     assert {"pool.main", "pool.index"} <= names
     assert any(n.endswith(".index_state_kv") for n in names) and any(n.endswith(".state_gate") for n in names)
@@ -78,3 +87,12 @@ def test_without_the_restore_the_pool_differs(art, plain):
     logits, state = run(art, rejected=True, restore=False)
     assert any(not np.array_equal(state[k], plain[1][k]) for k in state)
     assert not np.array_equal(logits, plain[0])
+
+
+def test_the_host_device_restores_its_buffers(art, plain_host, plain):
+    """The C runtime's buffers (host device: the GPU's stand-in), read and written a row at a time."""
+    logits, state = run(art, rejected=True, device="host")
+    assert np.allclose(plain_host[0], plain[0], atol=1e-4)  # the same model on both devices
+    assert np.array_equal(logits, plain_host[0])
+    for k in state:
+        assert np.array_equal(state[k], plain_host[1][k]), k
