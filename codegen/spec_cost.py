@@ -5,7 +5,8 @@
 Both steps are the traced graphs (`trace_verify`: decode, and verify = the main model on 1 + k lanes + the
 MTP block, applied k times), shape-only with the released FP8 / FP4 weights. Each op costs the registry's
 rule (`OpDef.cost_of`: only the active experts' weights, so 1 + k lanes read more experts than one) at
-the target's roofline, max(bytes / HBM, FLOPs / MMA peak); a weight read by several ops counts once.
+the target's roofline, max(bytes / HBM, FLOPs / MMA peak); every op reads its own weights (separate
+launches: the MTP head re-reads the main head's weight, each recursive draft the block's weights).
 The traced graphs are unfused, so the absolute times are upper bounds; both steps are modeled the same
 way, which is what the ratio needs. Expected tokens per verify step with acceptance rates a_j (draft j
 accepted given drafts 1..j-1 were): 1 + sum_j prod_{i<=j} a_i; the gain is that over the cost ratio.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from v4compile.ir.core import WEIGHT, Function
+from v4compile.ir.core import Function
 from v4compile.ir.registry import get_op
 from v4compile.targets import TARGETS
 
@@ -26,16 +27,11 @@ REPORT_DRAFT_TOKENS = (1, 3)  # the draft counts `compile --report` models
 def function_us(fn: Function, target: str) -> tuple[float, int, int]:
     """Modeled microseconds, bytes and FLOPs of one call of a traced function on `target`."""
     t = TARGETS[target]
-    seconds, total_bytes, total_flops, seen = 0.0, 0, 0, set()
-    for op in fn.ops:
+    seconds, total_bytes, total_flops = 0.0, 0, 0
+    for op in fn.ops:  # each op reads its weights (the MTP block's head and its recursive steps re-read theirs)
         c = get_op(op.name).cost_of([v.type if v is not None else None for v in op.operands],
                                     [v.type for v in op.results], op.attrs)
         b = c.bytes_read + c.bytes_written
-        for v in op.operands:  # the MTP block reads the embedding and head weights the backbone read
-            if v is not None and v.kind == WEIGHT:
-                if v.name in seen:
-                    b -= v.type.nbytes
-                seen.add(v.name)
         low = any(v is not None and v.type.dtype in ("fp8e4m3", "fp4x2") for v in op.operands)
         seconds += max(b / t.hbm_bytes_s, c.flops / (t.fp8_flops_s if low else t.bf16_flops_s))
         total_bytes += b
