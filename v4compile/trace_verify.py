@@ -3,13 +3,12 @@ what it computes).
 
 `verify`, for `B` sequences and `k` drafts: the main model on `1 + k` lanes (every lane's logits), the MTP
 block on those lanes' streams with the ids that follow them (`mtp_ids`, the accepted drafts and the
-token after them) and `k - 1` recursive MTP applications on one lane each (`draft_ids.<j>`), with the
-backbone's and the MTP block's caches as inputs and outputs, as `trace.trace` does for decode.
+token after them) and `k - 1` recursive MTP applications on one lane each (`draft_ids.<j>` at `draft_pos.<j>`),
+with the backbone's and the MTP block's caches as inputs and outputs, as `trace.trace` does for decode.
+Only the cost model reads it today: no pipeline lowers it, so no artifact carries a verify function yet.
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 from .config import V4Config
 from .errors import InputError
@@ -35,7 +34,7 @@ def trace_verify(cfg: V4Config, draft_tokens: int, opts: TraceOptions | None = N
         raise InputError("draft_tokens out of range", expected=f"1..{MAX_DRAFT_TOKENS}", found=draft_tokens)
     ops.load_all()
     opts = opts or TraceOptions()
-    module = trace(cfg, replace(opts), functions=("decode",), name=module_name(cfg.name))
+    module = trace(cfg, opts, functions=("decode",), name=module_name(cfg.name))
     store, scales = weight_values(cfg, opts, include_mtp=True)
     P = Params(cfg, store, scales)
     B, T, k = opts.decode_batch, 1 + draft_tokens, draft_tokens
@@ -52,9 +51,9 @@ def trace_verify(cfg: V4Config, draft_tokens: int, opts: TraceOptions | None = N
         draft, h = mtp_step(P, cfg, 0, streams, mtp_ids, pos, caches[-1], StepOptions(opts.numerics, last_only=True))
         b.output("logits", logits)
         b.output("draft_logits.0", draft)
-        lane = b.input("draft_pos", TensorType((B, 1), "i64"))
-        for j in range(1, k):  # the block again on its own output, one lane (cost: as many steps)
+        for j in range(1, k):  # the block again on its own output, one lane, one position further each time
             tok = b.input(f"draft_ids.{j}", TensorType((B, 1), "i64"))
+            lane = b.input(f"draft_pos.{j}", TensorType((B, 1), "i64"))
             draft, h = mtp_step(P, cfg, 0, h if j > 1 else last_lane(h, pos), tok, lane, caches[-1],
                                 StepOptions(opts.numerics, last_only=True))
             b.output(f"draft_logits.{j}", draft)
@@ -66,7 +65,6 @@ def trace_verify(cfg: V4Config, draft_tokens: int, opts: TraceOptions | None = N
     used = module.used_weights()
     module.weights = {v.name: v for v in list(store.values()) + list(scales.values()) if v.name in used}
     return module
-
 
 
 def last_lane(h, pos):

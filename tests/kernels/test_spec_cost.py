@@ -25,6 +25,11 @@ def test_tokens_per_step():
 
 
 def test_verify_reads_the_mtp_block_and_costs_more_with_more_drafts(traced):
+    ver = traced[3].functions["verify"]
+    shapes = {n: tuple(v.type.shape) for n, v in ver.outputs}
+    assert shapes["logits"] == (1, 4, 512)  # every lane's logits
+    assert [shapes[f"draft_logits.{j}"] for j in range(3)] == [(1, 512)] * 3  # one per draft
+    assert "cache.layers.5.win" in shapes  # the MTP block's own ring
     mtp_weights = sum(v.type.nbytes for n, v in traced[1].weights.items() if n.startswith("mtp."))
     assert mtp_weights > 0
     _, dec, _ = function_us(traced[1].functions["decode"], "sm_90a")
