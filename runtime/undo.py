@@ -32,6 +32,7 @@ class _Arrays:
 
     def __init__(self, backend):
         self.state = backend.state
+        self.geometry = geometry_of(backend.art.manifest)
 
     def names(self) -> set[str]:
         return set(self.state)
@@ -59,6 +60,7 @@ class _Buffers:
         fn = next(iter(backend.program.functions.values()))
         self.fname = fn.name
         self.types = {b.name: b.type for b in fn.buffers if b.type is not None}
+        self.geometry = PoolGeometry.from_attrs(backend.program.attrs)  # a GPU program's own pool (FP8 / FP4)
 
     def names(self) -> set[str]:
         return set(self.types)
@@ -119,12 +121,12 @@ def written_rows(geo: PoolGeometry, store, slot: int, blocks: list[int], q: int)
 class PoolUndo:
     """Saved rows of the positions `first .. last` of some sequences (`spans`: slot, blocks, first, last)."""
 
-    def __init__(self, backend, geo: PoolGeometry, spans: list[tuple[int, list[int], int, int]]):
+    def __init__(self, backend, spans: list[tuple[int, list[int], int, int]]):
         self.store = access(backend)
         self.saved = []
         for slot, blocks, first, last in spans:
             for q in range(first, last + 1):
-                for name, row in written_rows(geo, self.store, slot, blocks, q):
+                for name, row in written_rows(self.store.geometry, self.store, slot, blocks, q):
                     self.saved.append((slot, q, name, row, self.store.get(name, row)))
 
     def restore(self, keep: dict[int, int]) -> None:
