@@ -25,9 +25,13 @@ What each kind of state does (per layer; rejected positions are `q > L + a`):
 * the MTP block's own window ring: written for accepted positions only by step 4; the recursive drafts'
   writes are undone after drafting.
 
-So after a step the state holds exactly what feeding the accepted tokens (the rejected lanes as padding,
-pos = -1) would have left, which `tests/core/test_speculative.py` checks byte for byte. The undo log needs
-every ring to have more than k slots (`speculation.check_draft_tokens`).
+So after a step every state entry is either what it was before the step or what a kept position wrote
+(`tests/core/test_speculative.py` checks each restore byte for byte): no trace of a rejected draft. The
+kept lanes' values are those of the same chunk with the rejected lanes as padding (pos = -1), bit for bit
+when nothing was rejected, else to the last bits (the MoE groups a chunk's lanes per expert, so the GEMM
+shapes a lane meets depend on where the other lanes were routed). The undo log needs
+every ring to have more than k slots (`speculation.check_draft_tokens`). The compiled pool's counterpart
+(the same entries as physical rows of the paged pool, FP8 / FP4 planes included) is `runtime/undo.py`.
 """
 
 from __future__ import annotations
