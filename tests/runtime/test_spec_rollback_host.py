@@ -1,6 +1,6 @@
 """Rollback of the compiled pool (`runtime/undo.py`) on the C runtime's buffers (host device: the GPU's stand-in),
-for both programs an artifact carries: the cpu target's (native planes) and the GPU targets' (official numerics:
-FP8 main rows with UE8M0 scales and a RoPE plane, FP4 indexer rows). Three rejected tokens are decoded and
+running the GPU targets' program (official numerics: FP8 main rows with UE8M0 scales and a RoPE plane, FP4
+indexer rows; the cpu device's native planes are `tests/onnx/test_spec_rollback.py`'s). Three rejected tokens are decoded and
 rolled back (`tests/onnx/test_spec_rollback.py` has the scenario); the logits and every pool / state byte must
 equal a run that never saw them, and do not without the restore. The host runs the ops' reference kernels:
 the rollback is row copies, the Triton kernels' agreement with the references is tested elsewhere."""
@@ -12,14 +12,9 @@ import pytest
 
 from v4compile.cli import main
 
-from spec_rollback import cpu_artifact, run
+from spec_rollback import run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def art(tmp_path_factory):
-    return cpu_artifact(tmp_path_factory.mktemp("art") / "tiny")
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +26,10 @@ def gpu_art(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("which", ["cpu-program", "gpu-program"])
-def test_the_host_device_restores_its_buffers(art, gpu_art, which):
-    path = art if which == "cpu-program" else gpu_art
+def test_the_host_device_restores_fp8_and_fp4_rows(gpu_art):
+    path = gpu_art
     plain = run(path, rejected=False, device="host")
-    if which == "gpu-program":
-        assert {"pool.nope", "pool.nope_scale", "pool.rope", "pool.index", "pool.index_scale"} <= plain[1].keys()
+    assert {"pool.nope", "pool.nope_scale", "pool.rope", "pool.index", "pool.index_scale"} <= plain[1].keys()
     logits, state = run(path, rejected=True, device="host")
     assert np.array_equal(logits, plain[0])
     assert state.keys() == plain[1].keys()
