@@ -116,9 +116,10 @@ def onnx_model(art: Artifact, fname: str, spec: dict[str, Any]):
             raise ArtifactError(f"the ONNX graph's input '{n}' is not that of {fname}'s bucket", where=rel,
                                 expected=shape, found=_dims(by_name[n]))
     logits = next((o for o in g.output if o.name == "logits"), None)
-    if logits is None or _dims(logits) != [B, m["vocab_size"]]:
-        raise ArtifactError(f"the ONNX graph's logits are not [batch, vocab] of {fname}", where=rel,
-                            expected=[B, m["vocab_size"]], found=None if logits is None else _dims(logits))
+    want_logits = [B, T, m["vocab_size"]] if spec["kind"] == "verify" else [B, m["vocab_size"]]  # verify: every lane's
+    if logits is None or _dims(logits) != want_logits:
+        raise ArtifactError(f"the ONNX graph's logits are not those of {fname}", where=rel,
+                            expected=want_logits, found=None if logits is None else _dims(logits))
     tensors = m["weights"]["tensors"]
     for n in [*spec["weights"], *spec.get("derived", {})]:
         vi = by_name[n]

@@ -90,10 +90,11 @@ class Acceptance:
         self.offered = [0] * self.k
         self.accepted = [0] * self.k
 
-    def add(self, a: int, emitted: int) -> None:
+    def add(self, a: int, emitted: int, offered: int | None = None) -> None:
+        """One step: `a` of `offered` drafts (default k; fewer near a sequence's end) accepted."""
         self.steps += 1
         self.tokens += emitted
-        for j in range(min(a + 1, self.k)):
+        for j in range(min(a + 1, self.k if offered is None else offered)):
             self.offered[j] += 1
             self.accepted[j] += j < a
 
