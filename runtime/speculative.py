@@ -109,3 +109,14 @@ def speculative_generate(session, prompts: Sequence[Sequence[int]], max_new_toke
         for s in seqs:
             session.release(s)
     return out, stats
+
+
+def mtp_draft(session) -> Draft:
+    """The MTP block's drafts for `speculative="mtp"`. No artifact carries the MTP block yet (the pipeline
+    compiles the main model only: `mtp.*` weights are not written), so every artifact is refused here in one
+    line; the verify path above is what runs once a draft function exists."""
+    tensors = session.art.manifest["weights"]["tensors"]
+    if not any(n.startswith("mtp.") for n in tensors):
+        raise InputError("the artifact has no MTP weights: it cannot draft for --speculative mtp",
+                         where=str(session.art.path), expected="an artifact carrying the MTP block")
+    raise InputError("the artifact's MTP weights have no compiled draft function", where=str(session.art.path))

@@ -1,0 +1,96 @@
+"""Speculative decoding on the cpu device (`runtime/speculative.py`): the compiled `verify_b<B>` step, greedy
+acceptance and the pool's rollback give the ids of plain greedy decoding, whatever the drafts (an oracle
+that is always right, one that is always wrong, a mix), for k = 1..3 and a ragged batch (three prompts of
+different lengths in the batch-4 bucket). With the rollback broken the wrong drafts leave traces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import v4compile
+from v4compile import frontend
+from v4compile.artifact import Buckets
+from v4compile.driver import compile_artifact
+from v4compile.errors import InputError
+from v4compile.runtime import undo
+from v4compile.runtime.speculative import mtp_draft, speculative_generate
+from v4compile.trace import TraceOptions
+
+from spec_rollback import pool_bytes
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = [list(range(3, 16)), [5, 9, 200], list(range(40, 60))]  # 13, 3, 20 tokens: positions cross windows
+NEW = 64
+V = 512
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    fe = frontend.load(None, "tiny", "random", TraceOptions(numerics="hf", dtype="fp32", capacity=96))
+    return compile_artifact(fe, tmp_path_factory.mktemp("art") / "tiny", Buckets((1, 2, 4), (16,), draft_tokens=3))
+
+
+def _run(art, fn):
+    sess = v4compile.load(art, device="cpu", threads=1)
+    try:
+        return fn(sess), pool_bytes(sess.backend)
+    finally:
+        sess.close()
+
+
+@pytest.fixture(scope="module")
+def plain(art):
+    return _run(art, lambda s: s.generate(PROMPTS, NEW))
+
+
+def drafts(plain_ids, kind: str, seed: int = 0):
+    full = [p + o for p, o in zip(PROMPTS, plain_ids)]
+    rng = np.random.default_rng(seed)
+
+    def oracle(i, ctx, k):
+        return (full[i][len(ctx): len(ctx) + k] + [0] * k)[:k]
+
+    def draft(i, ctx, k):
+        right = oracle(i, ctx, k)
+        if kind == "oracle":
+            return right
+        return [t if kind == "mixed" and rng.random() < 0.6 else (t + 1) % V for t in right]
+    return draft
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["oracle", "wrong"])
+def test_speculative_ids_equal_plain_greedy(art, plain, k, kind):
+    (ids, stats), state = _run(art, lambda s: speculative_generate(s, PROMPTS, NEW, k, drafts(plain[0], kind)))
+    assert ids == plain[0]
+    rates = stats.rates()
+    assert rates == ([1.0] * k if kind == "oracle" else [0.0] + [0.0] * (k - 1))
+    assert stats.tokens == 3 * (NEW - 1)  # the first token comes from prefill
+    # every pool / state row ends as plain decoding left it: kept positions rewritten by the verify chunk
+    # (other GEMM shapes than decode's: fp32 rounding), rejected ones restored
+    assert state.keys() == plain[1].keys()
+    for n in state:
+        np.testing.assert_allclose(state[n], plain[1][n], rtol=1e-4, atol=1e-5, err_msg=n)
+
+
+def test_mixed_drafts_ragged(art, plain):
+    (ids, stats), _ = _run(art, lambda s: speculative_generate(s, PROMPTS, NEW, 2, drafts(plain[0], "mixed")))
+    assert ids == plain[0]
+    assert 0 < stats.rates()[0] < 1 and 1 < stats.tokens_per_step() < 3
+
+
+def test_broken_rollback_is_caught(art, plain, monkeypatch):
+    monkeypatch.setattr(undo.PoolUndo, "restore", lambda self, keep: None)
+    (ids, _), state = _run(art, lambda s: speculative_generate(s, PROMPTS, NEW, 3, drafts(plain[0], "wrong")))
+    assert ids != plain[0] or any(not np.allclose(state[n], plain[1][n], rtol=1e-4, atol=1e-5) for n in state)
+
+
+def test_no_mtp_weights_refused(art):
+    sess = v4compile.load(art, device="cpu", threads=1)
+    with pytest.raises(InputError, match="no MTP weights"):
+        mtp_draft(sess)
+    with pytest.raises(InputError, match="draft_tokens"):
+        speculative_generate(sess, PROMPTS[:1], 4, 4, drafts([[]], "oracle"))
+    sess.close()
