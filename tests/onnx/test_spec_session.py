@@ -94,3 +94,16 @@ def test_no_mtp_weights_refused(art):
     with pytest.raises(InputError, match="draft_tokens"):
         speculative_generate(sess, PROMPTS[:1], 4, 4, drafts([[]], "oracle"))
     sess.close()
+
+
+def test_cli_refuses_speculative_without_mtp(art, capsys):
+    from v4compile.cli import main
+
+    from bad_input_util import assert_one_error
+
+    capsys.readouterr()
+    rc = main(["-q", "run", str(art), "--ids", "1,2,3", "--speculative", "mtp", "--draft-tokens", "2", "--json",
+               "--device", "cpu", "--threads", "1"])
+    r = capsys.readouterr()
+    assert_one_error(rc, r.err, "no MTP weights")
+    assert r.out == ""
