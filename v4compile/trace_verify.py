@@ -5,7 +5,8 @@ what it computes).
 block on those lanes' streams with the ids that follow them (`mtp_ids`, the accepted drafts and the
 token after them) and `k - 1` recursive MTP applications on one lane each (`draft_ids.<j>` at `draft_pos.<j>`),
 with the backbone's and the MTP block's caches as inputs and outputs, as `trace.trace` does for decode.
-Only the cost model reads it today: no pipeline lowers it, so no artifact carries a verify function yet.
+Only the cost model reads it: artifacts carry the main model's part only (`trace.trace`'s `verify` function,
+`verify_b<B>` with `Buckets.draft_tokens`), the MTP block is not compiled yet.
 """
 
 from __future__ import annotations

@@ -107,3 +107,21 @@ def test_cli_refuses_speculative_without_mtp(art, capsys):
     r = capsys.readouterr()
     assert_one_error(rc, r.err, "no MTP weights")
     assert r.out == ""
+
+
+@pytest.mark.parametrize("draft_tokens", [None, 2, 8])
+def test_manifest_draft_tokens_must_match_the_verify_functions(art, tmp_path, draft_tokens):
+    from v4compile.errors import ArtifactError
+
+    from artifact_tamper import copy, manifest, write_manifest
+
+    assert manifest(art)["buckets"]["draft_tokens"] == 3
+    t = copy(art, tmp_path / "t")
+    m = manifest(t)
+    if draft_tokens is None:
+        del m["buckets"]["draft_tokens"]
+    else:
+        m["buckets"]["draft_tokens"] = draft_tokens
+    write_manifest(t, m)
+    with pytest.raises(ArtifactError, match="draft_tokens|one function per bucket|disagrees"):
+        v4compile.load(t, device="cpu", threads=1)
