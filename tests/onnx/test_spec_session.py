@@ -75,8 +75,11 @@ def test_speculative_ids_equal_plain_greedy(art, plain, k, kind):
         np.testing.assert_allclose(state[n], plain[1][n], rtol=1e-4, atol=1e-5, err_msg=n)
 
 
-def test_mixed_drafts_ragged(art, plain):
-    (ids, stats), _ = _run(art, lambda s: speculative_generate(s, PROMPTS, NEW, 2, drafts(plain[0], "mixed")))
+def test_mixed_drafts_ragged_through_generate(art, plain):
+    def gen(s):
+        return s.generate(PROMPTS, NEW, speculative="mtp", draft_tokens=2, draft=drafts(plain[0], "mixed")), \
+            s.last_acceptance
+    (ids, stats), _ = _run(art, gen)
     assert ids == plain[0]
     assert 0 < stats.rates()[0] < 1 and 1 < stats.tokens_per_step() < 3
 
@@ -91,6 +94,10 @@ def test_no_mtp_weights_refused(art):
     sess = v4compile.load(art, device="cpu", threads=1)
     with pytest.raises(InputError, match="no MTP weights"):
         mtp_draft(sess)
+    with pytest.raises(InputError, match="no MTP weights"):
+        sess.generate(PROMPTS[:1], 4, speculative="mtp")
+    with pytest.raises(InputError, match="greedy"):
+        sess.generate(PROMPTS[:1], 4, speculative="mtp", temperature=0.5)
     with pytest.raises(InputError, match="draft_tokens"):
         speculative_generate(sess, PROMPTS[:1], 4, 4, drafts([[]], "oracle"))
     sess.close()
@@ -125,3 +132,12 @@ def test_manifest_draft_tokens_must_match_the_verify_functions(art, tmp_path, dr
     write_manifest(t, m)
     with pytest.raises(ArtifactError, match="draft_tokens|one function per bucket|disagrees"):
         v4compile.load(t, device="cpu", threads=1)
+
+
+def test_stop_ids_end_each_sequence_where_plain_decoding_does(art, plain):
+    stop = [plain[0][0][10], plain[0][2][5]]
+    want, _ = _run(art, lambda s: s.generate(PROMPTS, NEW, stop_ids=stop))
+    assert [len(x) for x in want] != [NEW] * 3
+    got, _ = _run(art, lambda s: s.generate(PROMPTS, NEW, stop_ids=stop, speculative="mtp", draft_tokens=3,
+                                            draft=drafts(plain[0], "oracle")))
+    assert got == want
