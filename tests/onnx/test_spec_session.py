@@ -141,3 +141,29 @@ def test_stop_ids_end_each_sequence_where_plain_decoding_does(art, plain):
     got, _ = _run(art, lambda s: s.generate(PROMPTS, NEW, stop_ids=stop, speculative="mtp", draft_tokens=3,
                                             draft=drafts(plain[0], "oracle")))
     assert got == want
+
+
+def test_host_device(art):
+    """The same verify functions in the program the host device runs (the C runtime's buffers, reference
+    kernels: the Triton kernels' agreement with them is tested elsewhere), k = 3, 24 new tokens. The fp32
+    buffers end close to plain decoding's; the quantised ones (FP4 index rows) are not compared: a verify
+    chunk's values differ from decode's in the last bits, which flips FP4 codes near a boundary (the oracle,
+    which rolls nothing back, differs as much). Their byte-exact rollback is test_spec_rollback_host's."""
+    def run(fn):
+        sess = v4compile.load(art, device="host", threads=1, kernels="reference")
+        try:
+            out, types = fn(sess), undo.access(sess.backend).types
+            return out, {n: a.view(np.float32) for n, a in pool_bytes(sess.backend).items() if types[n].dtype == "fp32"}
+        finally:
+            sess.close()
+
+    new = 24
+    want, want_state = run(lambda s: s.generate(PROMPTS, new))
+    assert "pool.main" in want_state and "state.layers.1.state_kv" in want_state
+    for kind in ("oracle", "wrong"):
+        ids, state = run(lambda s: s.generate(PROMPTS, new, speculative="mtp", draft_tokens=3,
+                                              draft=drafts(want, kind)))
+        assert ids == want, kind
+        assert state.keys() == want_state.keys()
+        for n in state:
+            np.testing.assert_allclose(state[n], want_state[n], rtol=1e-4, atol=1e-5, err_msg=n)
