@@ -167,3 +167,38 @@ def test_host_device(art):
         assert state.keys() == want_state.keys()
         for n in state:
             np.testing.assert_allclose(state[n], want_state[n], rtol=1e-4, atol=1e-5, err_msg=n)
+
+
+def test_compile_draft_tokens_flag(tmp_path):
+    from v4compile.cli import main
+
+    from artifact_tamper import manifest
+    from bad_input_util import assert_one_error, run_main
+
+    out = tmp_path / "a"
+    assert main(["-q", "compile", "--preset", "tiny", "-o", str(out), "--target", "cpu", "--decode-buckets", "1,2",
+                 "--prefill-buckets", "16", "--draft-tokens", "1", "--max-context", "32", "--numerics", "hf",
+                 "--dtype", "fp32"]) == 0
+    fns = manifest(out)["targets"][0]["functions"]
+    assert {n: (f["kind"], f["batch"], f["tokens"]) for n, f in fns.items() if n.startswith("verify")} == \
+        {"verify_b1": ("verify", 1, 2), "verify_b2": ("verify", 2, 2)}
+    rc, _, err = run_main("-q", "compile", "--preset", "tiny", "-o", str(tmp_path / "b"), "--draft-tokens", "8")
+    assert_one_error(rc, err, "--draft-tokens")
+    assert not (tmp_path / "b").exists()
+
+
+def test_run_json_reports_acceptance(art, plain, capsys):
+    """`run --speculative`'s output once a draft source exists (here the oracle, handed in directly)."""
+    import argparse
+    import json
+
+    from v4compile.cli.run import _run_speculative
+
+    sess = v4compile.load(art, device="cpu", threads=1)
+    args = argparse.Namespace(temperature=0.0, max_new_tokens=8, draft_tokens=2, json=True, device="cpu")
+    capsys.readouterr()
+    assert _run_speculative(args, sess, PROMPTS[0], drafts(plain[0], "oracle"), 0.0) == 0
+    sess.close()
+    out = json.loads(capsys.readouterr().out)
+    assert out["ids"] == plain[0][0][:8]
+    assert out["acceptance"] == [1.0, 1.0] and out["tokens_per_step"] > 2
