@@ -39,7 +39,8 @@ def verify_functions(session) -> list[tuple[int, str, int]]:
 def speculative_generate(session, prompts: Sequence[Sequence[int]], max_new_tokens: int, draft_tokens: int,
                          draft: Draft, stop_ids: Sequence[int] = ()) -> tuple[list[list[int]], Acceptance]:
     """Greedy new ids for every prompt (identical to `session.generate`'s) and the acceptance statistics.
-    All prompts are decoded together (at most the largest verify bucket's batch)."""
+    Continuous batching: at most the largest verify bucket's batch of sequences live at once; a waiting
+    prompt joins (its prefill) when a slot is free; each sequence accepts its own number of drafts."""
     fns = verify_functions(session)
     if not fns:
         raise InputError("the artifact has no verify functions", where=str(session.art.path),
@@ -49,9 +50,6 @@ def speculative_generate(session, prompts: Sequence[Sequence[int]], max_new_toke
     if not callable(draft):
         raise InputError("draft must be a callable (prompt index, ids, k) -> k ids", found=type(draft).__name__)
     prompts = [session.check_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
-    if len(prompts) > fns[-1][0] or len(prompts) > len(session.free_slots):
-        raise InputError("more prompts than the largest verify bucket or the free slots",
-                         expected=f"<= {min(fns[-1][0], len(session.free_slots))}", found=len(prompts))
     for i, p in enumerate(prompts):
         if len(p) + max_new_tokens > session.max_context:
             raise InputError("prompt + max_new_tokens exceed the compiled maximum context", where=f"prompt {i}",
@@ -61,16 +59,23 @@ def speculative_generate(session, prompts: Sequence[Sequence[int]], max_new_toke
     out: list[list[int]] = [[] for _ in prompts]
     if max_new_tokens == 0:
         return out, stats
-    seqs, live = [], []
+    seqs: dict[int, object] = {}  # prompt index -> its open sequence
+    waiting, live = list(range(len(prompts))), []
     try:
-        for i, p in enumerate(prompts):
-            s = session.open()
-            seqs.append(s)
-            tok = int(session.extend(s, p).argmax())
-            out[i].append(tok)
-            if len(out[i]) < max_new_tokens and tok not in stops:
-                live.append(i)
-        while live:
+        while waiting or live:
+            while waiting and session.free_slots and len(live) < fns[-1][0]:
+                i = waiting.pop(0)
+                seqs[i] = session.open()
+                tok = int(session.extend(seqs[i], prompts[i]).argmax())
+                out[i].append(tok)
+                if len(out[i]) < max_new_tokens and tok not in stops:
+                    live.append(i)
+                else:
+                    session.release(seqs.pop(i))
+            if not live:
+                if waiting:  # no slot came free and none is live: another loop would never progress
+                    raise InputError("no free sequence slot for the waiting prompts", found=f"{len(session.seqs)} open")
+                continue
             B, fname, T = next(f for f in fns if f[0] >= len(live))
             ids = np.zeros((B, T), dtype=np.int64)
             pos = np.full((B, T), -1, dtype=np.int64)
@@ -104,9 +109,12 @@ def speculative_generate(session, prompts: Sequence[Sequence[int]], max_new_toke
                 if len(out[i]) < max_new_tokens and new[-1] not in stops:
                     nxt.append(i)
             undo.restore(keep)
+            for i in live:
+                if i not in nxt:
+                    session.release(seqs.pop(i))
             live = nxt
     finally:
-        for s in seqs:
+        for s in seqs.values():
             session.release(s)
     return out, stats
 

@@ -202,3 +202,21 @@ def test_run_json_reports_acceptance(art, plain, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["ids"] == plain[0][0][:8]
     assert out["acceptance"] == [1.0, 1.0] and out["tokens_per_step"] > 2
+
+
+def test_continuous_batching(art):
+    """Six prompts, at most four live (the largest bucket): the waiting ones join as sequences finish (their
+    own lengths: max_new_tokens, or a stop id); each accepts its own number of drafts."""
+    prompts = PROMPTS + [[7] * 5, list(range(100, 117)), [1, 2]]
+    want, _ = _run(art, lambda s: s.generate(prompts, 20))
+    stop = [want[1][6]]
+    want, _ = _run(art, lambda s: s.generate(prompts, 20, stop_ids=stop))
+    full = [p + o for p, o in zip(prompts, want)]
+    rng = np.random.default_rng(1)
+
+    def draft(i, ctx, k):
+        return [t if rng.random() < 0.5 else (t + 1) % V for t in (full[i][len(ctx): len(ctx) + k] + [0] * k)[:k]]
+    (got, stats), _ = _run(art, lambda s: (s.generate(prompts, 20, stop_ids=stop, speculative="mtp", draft_tokens=3,
+                                                      draft=draft), s.last_acceptance))
+    assert got == want
+    assert 0 < stats.rates()[0] < 1
