@@ -55,6 +55,8 @@ def cmd_compile(args) -> int:
     if args.output:
         _buckets_of(args)  # before any work
         targets = artifact_targets(args, targets)
+        if args.draft_tokens and "cpu" not in targets:  # the GPU programs carry no verify function yet
+            raise InputError("--draft-tokens needs the cpu target", found=", ".join(targets))
         if args.tp > 1 or args.ep > 1:
             # Built so far: the per-rank weights (driver.write_rank_weights), the manifest's layout, the ONNX
             # segments (codegen/onnx_segments.py) and gloo between them (runtime/distributed.py); missing: the
