@@ -117,10 +117,11 @@ def onnx_model(art: Artifact, fname: str, spec: dict[str, Any]):
             raise ArtifactError(f"the ONNX graph's input '{n}' is not that of {fname}'s bucket", where=rel,
                                 expected=shape, found=_dims(by_name[n]))
     logits = next((o for o in g.output if o.name == "logits"), None)
+    want_logits = logits_shape(spec, m["vocab_size"])
     # every graph outputs the logits but a segment that ends at a collective (`codegen/onnx_segments.py`)
-    if (logits is not None or spec.get("collective") is None) and (logits is None or _dims(logits) != [B, m["vocab_size"]]):
-        raise ArtifactError(f"the ONNX graph's logits are not [batch, vocab] of {fname}", where=rel,
-                            expected=[B, m["vocab_size"]], found=None if logits is None else _dims(logits))
+    if (logits is not None or spec.get("collective") is None) and (logits is None or _dims(logits) != want_logits):
+        raise ArtifactError(f"the ONNX graph's logits are not those of {fname}", where=rel,
+                            expected=want_logits, found=None if logits is None else _dims(logits))
     tensors = m["weights"]["tensors"]
     for n in [*spec["weights"], *spec.get("derived", {})]:
         vi = by_name[n]
@@ -213,9 +214,14 @@ def ints_of(d: dict, key: str, bad, lo: int, hi: int, prefix: str = "") -> tuple
 
 # ---- the GPU program ----------------------------------------------------------------------------
 
+def logits_shape(spec: dict, vocab: int) -> list[int]:
+    """A function's logits: [batch, vocab] (each sequence's last lane), a verify function's every lane's."""
+    return [spec["batch"], spec["tokens"], vocab] if spec["kind"] == "verify" else [spec["batch"], vocab]
+
+
 def program_interface(art: Artifact, program, gpu: bool, host: bool = False) -> None:
     """The program's functions are the manifest's (GPU target: its functions; else the cpu target's), each
-    taking `ids` [batch, tokens] and `block_table` [batch, blocks_per_seq] and giving `logits` [batch, vocab];
+    taking `ids` [batch, tokens] and `block_table` [batch, blocks_per_seq] and giving `logits` (`logits_shape`);
     on the host device its buffers fit this machine's memory."""
     m = art.manifest
     if host:
@@ -242,6 +248,7 @@ def program_interface(art: Artifact, program, gpu: bool, host: bool = False) -> 
                 raise ArtifactError(f"the program's @{name} input '{n}' is not that of its bucket", expected=shape,
                                     found=None if b is None or b.type is None else list(b.type.shape))
         out = dict(f.outputs).get("logits")
-        if out is None or list(out.type.shape) != [B, m["vocab_size"]]:
-            raise ArtifactError(f"the program's @{name} logits are not [batch, vocab]", expected=[B, m["vocab_size"]],
+        want_logits = logits_shape(spec, m["vocab_size"])
+        if out is None or list(out.type.shape) != want_logits:
+            raise ArtifactError(f"the program's @{name} logits are not those of its bucket", expected=want_logits,
                                 found=None if out is None else list(out.type.shape))

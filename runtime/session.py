@@ -121,6 +121,7 @@ class Session:
         self._next = 0
         self.first_token_s: float | None = None  # the last `generate`: seconds to its first token (prefill)
         self._tokenizer = None  # read on first use (`tokenizer`)
+        self.last_acceptance = None  # the last speculative `generate`'s `speculation.Acceptance`
 
     @property
     def free_slots(self) -> list[int]:
@@ -280,10 +281,13 @@ class Session:
 
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = None, stop_ids: Sequence[int] = ()) -> list[list[int]]:
+                 top_p: float = 1.0, seed: int | None = None, stop_ids: Sequence[int] = (),
+                 speculative: str | None = None, draft_tokens: int = 1, draft=None) -> list[list[int]]:
         """New ids for every prompt (continuous batching: at most `max_batch` sequences live at once; a
         waiting prompt joins as soon as a slot is free; each sequence stops at `max_new_tokens` or at a
-        stop id, which is included)."""
+        stop id, which is included). `speculative="mtp"`: greedy speculative decoding with `draft_tokens`
+        drafts per step (`runtime/speculative.py`; `draft` replaces the MTP block as the draft source;
+        `last_acceptance` then holds the statistics)."""
         if not _is_int(max_new_tokens) or max_new_tokens < 0:
             raise InputError("max_new_tokens must be an integer >= 0", found=repr(max_new_tokens)[:40])
         check_sampling(temperature, top_p, seed)
@@ -293,6 +297,15 @@ class Session:
             if len(p) + max_new_tokens > self.max_context:
                 raise InputError("prompt + max_new_tokens exceed the compiled maximum context", where=f"prompt {i}",
                                  expected=f"<= {self.max_context} tokens", found=len(p) + max_new_tokens)
+        if speculative is not None:
+            from .speculative import mtp_draft, speculative_generate
+
+            if speculative != "mtp" or temperature != 0:
+                raise InputError("speculative decoding is greedy, with the MTP block's drafts",
+                                 expected="speculative='mtp', temperature 0", found=(speculative, temperature))
+            out, self.last_acceptance = speculative_generate(self, prompts, max_new_tokens, draft_tokens,
+                                                             draft or mtp_draft(self), stop_ids)
+            return out
         rng = np.random.default_rng(seed)
         t0, self.first_token_s = time.perf_counter(), None
         stops = set(int(t) for t in stop_ids)

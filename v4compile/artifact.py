@@ -55,13 +55,22 @@ TARGETS = tuple(TARGET_FORMATS)  # cpu, gfx950, sm_90a
 
 @dataclass(frozen=True)
 class Buckets:
-    """The static shapes compiled: decode per batch bucket, prefill per chunk bucket (prefill batch 1)."""
+    """The static shapes compiled: decode per batch bucket, prefill per chunk bucket (prefill batch 1), and
+    with `draft_tokens` = K > 0 a speculative verify function per decode bucket (`verify_b<B>`, 1 + K lanes
+    per sequence: it serves any k <= K, the unused lanes as padding)."""
 
     decode: tuple[int, ...] = (1, 2, 4, 8)
     prefill: tuple[int, ...] = (16, 64)
+    draft_tokens: int = 0
 
     def validate(self) -> None:
         from .manifest import MAX_BATCH, MAX_BUCKETS, MAX_CHUNK
+        from .speculation import MAX_DRAFT_TOKENS
+
+        k = self.draft_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_DRAFT_TOKENS:
+            raise InputError("draft_tokens out of range", expected=f"an integer in 0..{MAX_DRAFT_TOKENS}",
+                             found=repr(k)[:40])
 
         for what, v, hi in (("decode batch buckets", self.decode, MAX_BATCH),
                             ("prefill chunk buckets", self.prefill, MAX_CHUNK)):
@@ -78,6 +87,10 @@ def decode_name(b: int) -> str:
 
 def prefill_name(t: int) -> str:
     return f"prefill_c{t}"
+
+
+def verify_name(b: int) -> str:
+    return f"verify_b{b}"
 
 
 def sha256_file(path: Path, error: type = ArtifactError) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .artifact import TARGETS, Buckets, decode_name, prefill_name, write_artifact_dir
+from .artifact import TARGETS, Buckets, decode_name, prefill_name, verify_name, write_artifact_dir
 from .errors import InputError
 from .ir.core import Module
 from .manifest import canonical
@@ -34,21 +34,23 @@ CPU_PROGRAM = "program.txt"  # an artifact without GPU targets: the program the 
 # ---- building the bucketed module -------------------------------------------------------------
 
 def trace_buckets(cfg, options, buckets: Buckets, formats: dict | None = None, stages: Stages | None = None) -> Module:
-    """One module holding `decode_b<B>` for every decode bucket and `prefill_c<T>` for every chunk bucket,
-    each traced once (timed as `trace` in `stages`). The pool is sized for the largest decode bucket (one
+    """One module holding `decode_b<B>` for every decode bucket and `prefill_c<T>` for every chunk bucket
+    (and `verify_b<B>` per decode bucket when `buckets.draft_tokens` > 0), each traced once (timed as `trace` in `stages`). The pool is sized for the largest decode bucket (one
     slot per sequence in flight)."""
     from .trace import module_name, trace
 
     buckets.validate()
     stages = stages or Stages(progress_after=None)
     fns, weights, attrs = {}, {}, None
-    for kind, sizes in (("decode", buckets.decode), ("prefill", buckets.prefill)):
+    verify = buckets.decode if buckets.draft_tokens else ()
+    for kind, sizes in (("decode", buckets.decode), ("prefill", buckets.prefill), ("verify", verify)):
         for n in sizes:
-            o = replace(options, decode_batch=n) if kind == "decode" else replace(options, batch=1, chunk=n)
+            o = {"decode": replace(options, decode_batch=n), "prefill": replace(options, batch=1, chunk=n),
+                 "verify": replace(options, decode_batch=n, chunk=1 + buckets.draft_tokens)}[kind]
             with stages("trace", progress="tracing"):
                 m = trace(cfg, o, functions=(kind,), formats=formats)
             fn = m.functions[kind]
-            fn.name = decode_name(n) if kind == "decode" else prefill_name(n)
+            fn.name = {"decode": decode_name, "prefill": prefill_name, "verify": verify_name}[kind](n)
             fns[fn.name] = fn
             weights.update(m.weights)
             attrs = attrs or m.attrs
@@ -163,7 +165,7 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
             "dtype": ci.dtype,
             "max_context": ci.max_context,
             "buckets": {"decode_batch": list(ci.buckets.decode), "prefill_chunk": list(ci.buckets.prefill),
-                        "prefill_batch": 1,
+                        "prefill_batch": 1, **({"draft_tokens": ci.buckets.draft_tokens} if ci.buckets.draft_tokens else {}),
                         **({"gpu": {"decode_batch": list(ci.gpu_buckets.decode),
                                     "prefill_chunk": list(ci.gpu_buckets.prefill)}} if gpu else {})},
             "pool": {k[len("pool."):]: (list(v) if isinstance(v, tuple) else v)

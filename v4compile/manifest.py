@@ -31,6 +31,7 @@ from typing import Any
 
 from .errors import ArtifactError, ConfigError
 from .errors import show_value as _show
+from .speculation import MAX_DRAFT_TOKENS
 from .targets import TARGET_FORMATS
 
 MANIFEST = "manifest.json"
@@ -375,6 +376,7 @@ def check_manifest(m: dict[str, Any], verify: bool = True) -> None:
     decode = _buckets(_get(b, "decode_batch", "buckets.decode_batch"), "buckets.decode_batch", MAX_BATCH)
     prefill = _buckets(_get(b, "prefill_chunk", "buckets.prefill_chunk"), "buckets.prefill_chunk", MAX_CHUNK)
     _int(_get(b, "prefill_batch", "buckets.prefill_batch"), "buckets.prefill_batch", 1, 1)
+    draft_tokens = _int(b["draft_tokens"], "buckets.draft_tokens", 1, MAX_DRAFT_TOKENS) if "draft_tokens" in b else 0
     gpu_b = None
     if "gpu" in b:
         g = _obj(b["gpu"], "buckets.gpu")
@@ -454,7 +456,8 @@ def check_manifest(m: dict[str, Any], verify: bool = True) -> None:
             if "program" in t:  # without GPU targets: the program the host device runs
                 listed(t["program"], f"{key}.program")
             want_fns = ({f"decode_b{x}": ("decode", x, 1) for x in decode} |
-                        {f"prefill_c{x}": ("prefill", 1, x) for x in prefill})
+                        {f"prefill_c{x}": ("prefill", 1, x) for x in prefill} |
+                        {f"verify_b{x}": ("verify", x, 1 + draft_tokens) for x in decode if draft_tokens})
         else:
             listed(_get(t, "program", f"{key}.program"), f"{key}.program")
             _str(_get(t, "backend", f"{key}.backend"), f"{key}.backend")

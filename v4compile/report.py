@@ -100,6 +100,11 @@ def build_report(cfg: V4Config, traced: Module, result, targets: tuple[str, ...]
                     rep["prefill_step"] = {t: step_model(prog, pk, "prefill", t) for t in gpu}
                 for m in [*rep["decode_step"].values(), *rep.get("prefill_step", {}).values()]:
                     m["by_layer_kind"] = by_layer_kind(m, cfg.kind)
+    gpu = tuple(t for t in targets if t != "cpu")
+    if gpu and cfg.n_mtp_layers:
+        from .codegen.spec_cost import REPORT_DRAFT_TOKENS, verify_models
+
+        rep["speculative_step"] = verify_models(cfg, REPORT_DRAFT_TOKENS, gpu)
     return rep
 
 
@@ -170,6 +175,11 @@ def render_report(rep: dict) -> str:
                      "at the MMA peak):")
         for m in rep["prefill_step"].values():
             lines += [render_step(m), render_layer_kinds(m)]
+    if rep.get("speculative_step"):
+        from .codegen.spec_cost import render
+
+        lines.append("  modeled speculative verify step (MTP, traced graphs at the roofline, batch 1):")
+        lines += [render(m) for ms in rep["speculative_step"].values() for m in ms]
     acc = rep["kv_bytes_per_token_accounting"]
     lines.append("  KV bytes per token, accounting: " + ", ".join(f"{k} {v:.0f}" for k, v in acc.items()))
     return "\n".join(lines) + "\n"

@@ -9,6 +9,8 @@ The module's functions:
 * `prefill`: a static chunk of `chunk` tokens for `batch` sequences (ids / pos `[B, T]`, pos -1 =
   padding lane); logits of each sequence's last valid lane `[B, V]`;
 * `decode`: one token per sequence for `decode_batch` sequences; logits `[B, V]`;
+* `verify`: speculative decoding's verify step, `chunk` tokens (the last accepted one and the drafts) for
+  `decode_batch` sequences; every lane's logits `[B, T, V]`;
 
 each with the per-layer caches (`cache.layers.<l>.<name>`) as explicit inputs and outputs.
 
@@ -171,8 +173,10 @@ def trace(cfg: V4Config, opts: TraceOptions | None = None, functions: tuple[str,
             B, T = opts.batch, opts.chunk
         elif fname == "decode":
             B, T = opts.decode_batch, 1
+        elif fname == "verify":
+            B, T = opts.decode_batch, opts.chunk
         else:
-            raise InputError(f"unknown function '{fname}'", expected=" / ".join(FUNCTIONS))
+            raise InputError(f"unknown function '{fname}'", expected=" / ".join(FUNCTIONS + ("verify",)))
         with Builder(fname) as b:
             ids = b.input("ids", TensorType((B, T), "i64"))
             pos = b.input("pos", TensorType((B, T), "i64"))
@@ -181,7 +185,7 @@ def trace(cfg: V4Config, opts: TraceOptions | None = None, functions: tuple[str,
                 shapes = layer_cache_shapes(cfg, layer, B, opts.capacity, opts.dtype, opts.numerics)
                 caches.append({k: b.input(cache_input_name(layer, k), TensorType(shape, dt))
                                for k, (shape, dt) in shapes.items()})
-            logits, _ = model_step(P, cfg, ids, pos, caches, StepOptions(opts.numerics, last_only=True))
+            logits, _ = model_step(P, cfg, ids, pos, caches, StepOptions(opts.numerics, last_only=fname != "verify"))
             b.output("logits", logits)
             for layer, c in enumerate(caches):
                 for k, v in c.items():

@@ -9,7 +9,8 @@ import logging
 import sys
 
 from ..errors import InputError
-from .args import add_pipeline_flags, add_source_flags, split_specs, threads_arg
+from ..speculation import MAX_DRAFT_TOKENS
+from .args import add_pipeline_flags, add_source_flags, int_arg, split_specs, threads_arg
 from .pipeline import check_outputs, finish, frontend_of, run_pipeline, stages_of, targets_of
 
 log = logging.getLogger("v4compile")
@@ -31,7 +32,7 @@ def _buckets_of(args):
     from ..driver import gpu_default_buckets
 
     buckets = Buckets(_int_list(args.decode_buckets, "--decode-buckets"),
-                      _int_list(args.prefill_buckets, "--prefill-buckets"))
+                      _int_list(args.prefill_buckets, "--prefill-buckets"), args.draft_tokens)
     buckets.validate()
     gpu_buckets = gpu_default_buckets(buckets)
     if args.gpu_decode_buckets or args.gpu_prefill_buckets:
@@ -59,6 +60,8 @@ def cmd_compile(args) -> int:
             # between them); the GPU program has no collective launches yet. Refused before any work.
             raise InputError("-o with --tp / --ep writes the cpu target only (the GPU program has no collective "
                              "launches yet)", expected="--target cpu", found=",".join(targets))
+        if args.draft_tokens and "cpu" not in targets:  # the GPU programs carry no verify function yet
+            raise InputError("--draft-tokens needs the cpu target", found=", ".join(targets))
     if args.dtype is None:
         # ONNX Runtime's CPU kernels compute in fp32; GPU targets alone default to bf16.
         args.dtype = "fp32" if "cpu" in targets else "bf16"
@@ -194,6 +197,9 @@ def add_command(sub) -> None:
     c.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     c.add_argument("--decode-buckets", default="1,2,4,8", help="decode batch buckets (default 1,2,4,8)")
     c.add_argument("--prefill-buckets", default="16,64", help="prefill chunk buckets, batch 1 (default 16,64)")
+    c.add_argument("--draft-tokens", type=int_arg(0, MAX_DRAFT_TOKENS), default=0,
+                   help="speculative decoding: a verify function per decode bucket for up to this many drafts "
+                        "(cpu target; default 0: none)")
     c.add_argument("--gpu-decode-buckets", default=None,
                    help="decode batch buckets of the GPU targets (default: the largest --decode-buckets; smaller "
                         "batches run padded)")

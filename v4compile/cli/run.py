@@ -11,12 +11,15 @@ import time
 
 from ..errors import InputError
 from ..runtime.session import DEVICES
+from ..speculation import MAX_DRAFT_TOKENS
 from .args import float_arg, int_arg, parse_ids, temperature_arg, threads_arg
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from ..runtime import load
 
+    if args.speculative and args.prompt is not None:
+        raise InputError("--speculative needs --ids")
     if os.environ.get("RANK", "0") != "0":
         # under torchrun every rank runs the same steps (a partitioned artifact) and only rank 0 prints;
         # the others' errors still print (stderr, one `error:` line each)
@@ -41,6 +44,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if len(ids) + args.max_new_tokens > sess.max_context:
         raise InputError("prompt + --max-new-tokens exceed the compiled maximum context",
                          expected=f"<= {sess.max_context} tokens", found=len(ids) + args.max_new_tokens)
+    if args.speculative:
+        from ..runtime.speculative import mtp_draft
+
+        return _run_speculative(args, sess, ids, mtp_draft(sess), t_load)
     t_warm = time.perf_counter()
     sess.warmup(len(ids))
     t_warm = time.perf_counter() - t_warm
@@ -63,6 +70,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_speculative(args, sess, ids, draft, t_load: float) -> int:
+    """Greedy speculative decoding (`runtime/speculative.py`): the ids of plain greedy decoding, fewer steps."""
+    from ..runtime.speculative import speculative_generate
+
+    if args.temperature != 0:
+        raise InputError("--speculative decodes greedily only", expected="--temperature 0", found=args.temperature)
+    t0 = time.perf_counter()
+    out, stats = speculative_generate(sess, [ids], args.max_new_tokens, args.draft_tokens, draft)
+    dt = time.perf_counter() - t0
+    tps = len(out[0]) / dt if dt > 0 else 0.0
+    if args.json:
+        print(json.dumps({"ids": out[0], "tokens_per_s": round(tps, 2), "load_s": round(t_load, 4),
+                          "acceptance": [round(r, 4) for r in stats.rates()],
+                          "tokens_per_step": round(stats.tokens_per_step(), 4)}))
+    else:
+        print(",".join(map(str, out[0])))
+        print(f"{len(out[0])} tokens in {dt:.3f} s ({tps:.1f} tokens/s, prefill included) on {args.device}; "
+              f"{stats.tokens_per_step():.2f} tokens per verify step", file=sys.stderr)
+    return 0
+
+
 def add_command(sub) -> None:
     rn = sub.add_parser("run", help="generate with a compiled artifact (v4compile compile -o DIR)")
     rn.add_argument("artifact", metavar="ARTIFACT", help="artifact directory")
@@ -80,6 +108,10 @@ def add_command(sub) -> None:
     rn.add_argument("--seed", type=int_arg(0, 2 ** 64 - 1), default=None, help="sampling seed, in [0, 2^64)")
     rn.add_argument("--threads", type=threads_arg, default=None,
                     help="CPU threads: ONNX Runtime's intra-op threads on cpu (default: free cores, at most 8, at least 1)")
+    rn.add_argument("--speculative", choices=("mtp",), default=None,
+                    help="speculative decoding, greedy: the MTP block drafts, a verify step checks (--ids only)")
+    rn.add_argument("--draft-tokens", type=int_arg(1, MAX_DRAFT_TOKENS), default=1, help="drafts per step (default 1)")
     rn.add_argument("--json", action="store_true", help='print {"ids": [...], "tokens_per_s", "load_s", "warmup_s", '
-                                                        '"prefill_s"} (with --prompt also "text")')
+                                                        '"prefill_s"} (with --prompt also "text"; with --speculative '
+                                                        '"acceptance" per draft position and "tokens_per_step")')
     rn.set_defaults(func=cmd_run)

@@ -1,0 +1,223 @@
+"""Speculative decoding on the cpu device (`runtime/speculative.py`): the compiled `verify_b<B>` step, greedy
+acceptance and the pool's rollback give the ids of plain greedy decoding, whatever the drafts (an oracle
+that is always right, one that is always wrong, a mix), for k = 1..3 and a ragged batch (three prompts of
+different lengths in the batch-4 bucket). With the rollback broken the wrong drafts leave traces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import v4compile
+from v4compile import frontend
+from v4compile.artifact import Buckets
+from v4compile.driver import compile_artifact
+from v4compile.errors import InputError
+from v4compile.runtime import undo
+from v4compile.runtime.speculative import mtp_draft, speculative_generate
+from v4compile.trace import TraceOptions
+
+from spec_rollback import pool_bytes
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = [list(range(3, 16)), [5, 9, 200], list(range(40, 60))]  # 13, 3, 20 tokens: positions cross windows
+NEW = 64
+V = 512
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    fe = frontend.load(None, "tiny", "random", TraceOptions(numerics="hf", dtype="fp32", capacity=96))
+    return compile_artifact(fe, tmp_path_factory.mktemp("art") / "tiny", Buckets((1, 2, 4), (16,), draft_tokens=3))
+
+
+def _run(art, fn):
+    sess = v4compile.load(art, device="cpu", threads=1)
+    try:
+        return fn(sess), pool_bytes(sess.backend)
+    finally:
+        sess.close()
+
+
+@pytest.fixture(scope="module")
+def plain(art):
+    return _run(art, lambda s: s.generate(PROMPTS, NEW))
+
+
+def drafts(plain_ids, kind: str, seed: int = 0):
+    full = [p + o for p, o in zip(PROMPTS, plain_ids)]
+    rng = np.random.default_rng(seed)
+
+    def oracle(i, ctx, k):
+        return (full[i][len(ctx): len(ctx) + k] + [0] * k)[:k]
+
+    def draft(i, ctx, k):
+        right = oracle(i, ctx, k)
+        if kind == "oracle":
+            return right
+        return [t if kind == "mixed" and rng.random() < 0.6 else (t + 1) % V for t in right]
+    return draft
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["oracle", "wrong"])
+def test_speculative_ids_equal_plain_greedy(art, plain, k, kind):
+    (ids, stats), state = _run(art, lambda s: speculative_generate(s, PROMPTS, NEW, k, drafts(plain[0], kind)))
+    assert ids == plain[0]
+    rates = stats.rates()
+    assert rates == ([1.0] * k if kind == "oracle" else [0.0] + [0.0] * (k - 1))
+    assert stats.tokens == 3 * (NEW - 1)  # the first token comes from prefill
+    # every pool / state row ends as plain decoding left it: kept positions rewritten by the verify chunk
+    # (other GEMM shapes than decode's: fp32 rounding), rejected ones restored
+    assert state.keys() == plain[1].keys()
+    for n in state:
+        np.testing.assert_allclose(state[n], plain[1][n], rtol=1e-4, atol=1e-5, err_msg=n)
+
+
+def test_mixed_drafts_ragged_through_generate(art, plain):
+    def gen(s):
+        return s.generate(PROMPTS, NEW, speculative="mtp", draft_tokens=2, draft=drafts(plain[0], "mixed")), \
+            s.last_acceptance
+    (ids, stats), _ = _run(art, gen)
+    assert ids == plain[0]
+    assert 0 < stats.rates()[0] < 1 and 1 < stats.tokens_per_step() < 3
+
+
+def test_broken_rollback_is_caught(art, plain, monkeypatch):
+    monkeypatch.setattr(undo.PoolUndo, "restore", lambda self, keep: None)
+    (ids, _), state = _run(art, lambda s: speculative_generate(s, PROMPTS, NEW, 3, drafts(plain[0], "wrong")))
+    assert ids != plain[0] or any(not np.allclose(state[n], plain[1][n], rtol=1e-4, atol=1e-5) for n in state)
+
+
+def test_no_mtp_weights_refused(art):
+    sess = v4compile.load(art, device="cpu", threads=1)
+    with pytest.raises(InputError, match="no MTP weights"):
+        mtp_draft(sess)
+    with pytest.raises(InputError, match="no MTP weights"):
+        sess.generate(PROMPTS[:1], 4, speculative="mtp")
+    with pytest.raises(InputError, match="greedy"):
+        sess.generate(PROMPTS[:1], 4, speculative="mtp", temperature=0.5)
+    with pytest.raises(InputError, match="draft_tokens"):
+        speculative_generate(sess, PROMPTS[:1], 4, 4, drafts([[]], "oracle"))
+    sess.close()
+
+
+def test_cli_refuses_speculative_without_mtp(art, capsys):
+    from v4compile.cli import main
+
+    from bad_input_util import assert_one_error
+
+    capsys.readouterr()
+    rc = main(["-q", "run", str(art), "--ids", "1,2,3", "--speculative", "mtp", "--draft-tokens", "2", "--json",
+               "--device", "cpu", "--threads", "1"])
+    r = capsys.readouterr()
+    assert_one_error(rc, r.err, "no MTP weights")
+    assert r.out == ""
+
+
+@pytest.mark.parametrize("draft_tokens", [None, 2, 8])
+def test_manifest_draft_tokens_must_match_the_verify_functions(art, tmp_path, draft_tokens):
+    from v4compile.errors import ArtifactError
+
+    from artifact_tamper import copy, manifest, write_manifest
+
+    assert manifest(art)["buckets"]["draft_tokens"] == 3
+    t = copy(art, tmp_path / "t")
+    m = manifest(t)
+    if draft_tokens is None:
+        del m["buckets"]["draft_tokens"]
+    else:
+        m["buckets"]["draft_tokens"] = draft_tokens
+    write_manifest(t, m)
+    with pytest.raises(ArtifactError, match="draft_tokens|one function per bucket|disagrees"):
+        v4compile.load(t, device="cpu", threads=1)
+
+
+def test_stop_ids_end_each_sequence_where_plain_decoding_does(art, plain):
+    stop = [plain[0][0][10], plain[0][2][5]]
+    want, _ = _run(art, lambda s: s.generate(PROMPTS, NEW, stop_ids=stop))
+    assert [len(x) for x in want] != [NEW] * 3
+    got, _ = _run(art, lambda s: s.generate(PROMPTS, NEW, stop_ids=stop, speculative="mtp", draft_tokens=3,
+                                            draft=drafts(plain[0], "oracle")))
+    assert got == want
+
+
+def test_host_device(art):
+    """The same verify functions in the program the host device runs (the C runtime's buffers, reference
+    kernels: the Triton kernels' agreement with them is tested elsewhere), k = 3, 24 new tokens. The fp32
+    buffers end close to plain decoding's; the quantised ones (FP4 index rows) are not compared: a verify
+    chunk's values differ from decode's in the last bits, which flips FP4 codes near a boundary (the oracle,
+    which rolls nothing back, differs as much). Their byte-exact rollback is test_spec_rollback_host's."""
+    def run(fn):
+        sess = v4compile.load(art, device="host", threads=1, kernels="reference")
+        try:
+            out, types = fn(sess), undo.access(sess.backend).types
+            return out, {n: a.view(np.float32) for n, a in pool_bytes(sess.backend).items() if types[n].dtype == "fp32"}
+        finally:
+            sess.close()
+
+    new = 24
+    want, want_state = run(lambda s: s.generate(PROMPTS, new))
+    assert "pool.main" in want_state and "state.layers.1.state_kv" in want_state
+    for kind in ("oracle", "wrong"):
+        ids, state = run(lambda s: s.generate(PROMPTS, new, speculative="mtp", draft_tokens=3,
+                                              draft=drafts(want, kind)))
+        assert ids == want, kind
+        assert state.keys() == want_state.keys()
+        for n in state:
+            np.testing.assert_allclose(state[n], want_state[n], rtol=1e-4, atol=1e-5, err_msg=n)
+
+
+def test_compile_draft_tokens_flag(tmp_path):
+    from v4compile.cli import main
+
+    from artifact_tamper import manifest
+    from bad_input_util import assert_one_error, run_main
+
+    out = tmp_path / "a"
+    assert main(["-q", "compile", "--preset", "tiny", "-o", str(out), "--target", "cpu", "--decode-buckets", "1,2",
+                 "--prefill-buckets", "16", "--draft-tokens", "1", "--max-context", "32", "--numerics", "hf",
+                 "--dtype", "fp32"]) == 0
+    fns = manifest(out)["targets"][0]["functions"]
+    assert {n: (f["kind"], f["batch"], f["tokens"]) for n, f in fns.items() if n.startswith("verify")} == \
+        {"verify_b1": ("verify", 1, 2), "verify_b2": ("verify", 2, 2)}
+    for bad in (["--draft-tokens", "8"], ["--draft-tokens", "2", "--target", "sm_90a"]):
+        rc, _, err = run_main("-q", "compile", "--preset", "tiny", "-o", str(tmp_path / "b"), *bad)
+        assert_one_error(rc, err, "--draft-tokens")
+        assert not (tmp_path / "b").exists()
+
+
+def test_run_json_reports_acceptance(art, plain, capsys):
+    """`run --speculative`'s output once a draft source exists (here the oracle, handed in directly)."""
+    import argparse
+    import json
+
+    from v4compile.cli.run import _run_speculative
+
+    sess = v4compile.load(art, device="cpu", threads=1)
+    args = argparse.Namespace(temperature=0.0, max_new_tokens=8, draft_tokens=2, json=True, device="cpu")
+    capsys.readouterr()
+    assert _run_speculative(args, sess, PROMPTS[0], drafts(plain[0], "oracle"), 0.0) == 0
+    sess.close()
+    out = json.loads(capsys.readouterr().out)
+    assert out["ids"] == plain[0][0][:8]
+    assert out["acceptance"] == [1.0, 1.0] and out["tokens_per_step"] > 2
+
+
+def test_continuous_batching(art):
+    """Six prompts, at most four live (the largest bucket): the waiting ones join as sequences finish (their
+    own lengths: max_new_tokens, or a stop id); each accepts its own number of drafts."""
+    prompts = PROMPTS + [[7] * 5, list(range(100, 117)), [1, 2]]
+    want, _ = _run(art, lambda s: s.generate(prompts, 20))
+    stop = [want[1][6]]
+    want, _ = _run(art, lambda s: s.generate(prompts, 20, stop_ids=stop))
+    full = [p + o for p, o in zip(prompts, want)]
+    rng = np.random.default_rng(1)
+
+    def draft(i, ctx, k):
+        return [t if rng.random() < 0.5 else (t + 1) % V for t in (full[i][len(ctx): len(ctx) + k] + [0] * k)[:k]]
+    (got, stats), _ = _run(art, lambda s: (s.generate(prompts, 20, stop_ids=stop, speculative="mtp", draft_tokens=3,
+                                                      draft=draft), s.last_acceptance))
+    assert got == want
+    assert 0 < stats.rates()[0] < 1
