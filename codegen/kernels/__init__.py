@@ -323,9 +323,12 @@ _GUARD: list[Any] = []  # the active allocations: (sorted starts, ends) as numpy
 def memory_guard(allocations: list[tuple[int, int]]):
     """Within the block, every load, store and atomic of an interpreted kernel must lie, whole, inside one of
     `allocations` ([start, end) byte ranges); otherwise `IllegalAddress`. The interpreter itself reads and
-    writes raw addresses unchecked, so a wrong pointer or index would read other memory or crash."""
+    writes raw addresses unchecked, so a wrong pointer or index would read other memory or crash.
+    Entering it applies `interpreter_fixes()`: the check lives in their patched loads and stores, and a
+    kernel run under the guard (the host device's) must also round as the GPU does."""
     import numpy as np
 
+    interpreter_fixes()
     spans = sorted(allocations)
     _GUARD.append((np.array([a for a, _ in spans], dtype=np.uint64), np.array([b for _, b in spans], dtype=np.uint64)))
     try:
