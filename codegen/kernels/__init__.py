@@ -357,6 +357,9 @@ def _check_access(what: str, ptrs, mask, nbytes: int) -> None:
 # ---- interpreter fixes ---------------------------------------------------------------------------------
 
 _FIXED = False
+# (owner, attribute, Triton's own value) of each patched attribute: a test restores them to see what an
+# unfixed interpreter computes (`interpreter_fixes` run again then patches them anew)
+UNFIXED: list[tuple[Any, str, Any]] = []
 
 
 def interpreter_fixes() -> None:
@@ -433,9 +436,11 @@ def interpreter_fixes() -> None:
             _check_access("atomic", ptr.data, None, width(ptr))
         return orig_cas(self, ptr, cmp, val, *a)
 
-    it._convert_float = convert_float
-    builder.create_dot = create_dot
-    builder.create_masked_load, builder.create_masked_store = load, store
-    builder.create_atomic_rmw, builder.create_atomic_cas = rmw, cas
+    fixed = ((it, "_convert_float", convert_float), (builder, "create_dot", create_dot),
+             (builder, "create_masked_load", load), (builder, "create_masked_store", store),
+             (builder, "create_atomic_rmw", rmw), (builder, "create_atomic_cas", cas))
+    UNFIXED[:] = UNFIXED or [(owner, name, getattr(owner, name)) for owner, name, _ in fixed]
+    for owner, name, fn in fixed:
+        setattr(owner, name, fn)
     _FIXED = True
     log.debug("applied Triton interpreter fixes (bf16 dot, rounding downcasts)")
