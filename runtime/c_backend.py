@@ -283,7 +283,8 @@ class CRuntime:
         element type. Before running, each value must point into one buffer with room for what the kernel
         reads or writes through that parameter (the extent of the value the call binds it to, from the
         program's types and strides), and every address the kernel then touches must lie in a buffer
-        (`memory_guard`: what a GPU would fault on, the interpreter would read or write unchecked)."""
+        (`memory_guard`: what a GPU would fault on, the interpreter would read or write unchecked; the guard also
+        applies `interpreter_fixes()`, without which the interpreter's fp8 casts round otherwise than a GPU)."""
         from v4compile.codegen.kernels import memory_guard, typed_from
 
         kc = call.kernel

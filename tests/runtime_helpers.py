@@ -25,9 +25,10 @@ FAKE_DIR = Path(__file__).parent / "fake_driver"
 
 
 @functools.lru_cache(maxsize=None)
-def tiny(decode_batch: int = 3, batch: int = 3, chunk: int = 16, capacity: int = 64, preset_name: str = "tiny"):
+def tiny(decode_batch: int = 3, batch: int = 3, chunk: int = 16, capacity: int = 64, preset_name: str = "tiny",
+         numerics: str = "hf"):
     """(module, program, weights) of a small lowered program of `preset_name` ("tiny" or "tiny-pro")."""
-    m = trace(preset(preset_name), TraceOptions(numerics="hf", batch=batch, chunk=chunk, decode_batch=decode_batch,
+    m = trace(preset(preset_name), TraceOptions(numerics=numerics, batch=batch, chunk=chunk, decode_batch=decode_batch,
                                                 capacity=capacity))
     m = PassManager(DEFAULT_PIPELINE, PipelineOptions()).run(m).module
     return m, verify_program(build_program(m)), load_ir_weights(m, DenseSource(dense_weights(preset_name)))

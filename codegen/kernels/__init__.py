@@ -335,9 +335,12 @@ _GUARD: list[Any] = []  # the active allocations: (sorted starts, ends) as numpy
 def memory_guard(allocations: list[tuple[int, int]]):
     """Within the block, every load, store and atomic of an interpreted kernel must lie, whole, inside one of
     `allocations` ([start, end) byte ranges); otherwise `IllegalAddress`. The interpreter itself reads and
-    writes raw addresses unchecked, so a wrong pointer or index would read other memory or crash."""
+    writes raw addresses unchecked, so a wrong pointer or index would read other memory or crash.
+    Entering it applies `interpreter_fixes()`: the check lives in their patched loads and stores, and a
+    kernel run under the guard (the host device's) must also round as the GPU does."""
     import numpy as np
 
+    interpreter_fixes()
     spans = sorted(allocations)
     _GUARD.append((np.array([a for a, _ in spans], dtype=np.uint64), np.array([b for _, b in spans], dtype=np.uint64)))
     try:
@@ -366,6 +369,9 @@ def _check_access(what: str, ptrs, mask, nbytes: int) -> None:
 # ---- interpreter fixes ---------------------------------------------------------------------------------
 
 _FIXED = False
+# (owner, attribute, Triton's own value) of each patched attribute: a test restores them to see what an
+# unfixed interpreter computes (`interpreter_fixes` run again then patches them anew)
+UNFIXED: list[tuple[Any, str, Any]] = []
 
 
 def interpreter_fixes() -> None:
@@ -442,9 +448,11 @@ def interpreter_fixes() -> None:
             _check_access("atomic", ptr.data, None, width(ptr))
         return orig_cas(self, ptr, cmp, val, *a)
 
-    it._convert_float = convert_float
-    builder.create_dot = create_dot
-    builder.create_masked_load, builder.create_masked_store = load, store
-    builder.create_atomic_rmw, builder.create_atomic_cas = rmw, cas
+    fixed = ((it, "_convert_float", convert_float), (builder, "create_dot", create_dot),
+             (builder, "create_masked_load", load), (builder, "create_masked_store", store),
+             (builder, "create_atomic_rmw", rmw), (builder, "create_atomic_cas", cas))
+    UNFIXED[:] = UNFIXED or [(owner, name, getattr(owner, name)) for owner, name, _ in fixed]
+    for owner, name, fn in fixed:
+        setattr(owner, name, fn)
     _FIXED = True
     log.debug("applied Triton interpreter fixes (bf16 dot, rounding downcasts)")
