@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from conftest import make_model, prompt
 from v4compile.config import preset
@@ -215,7 +214,26 @@ def second_token_pvalue(model) -> float:
     p1 = probs(model.forward(torch.tensor(ids))[-1].numpy(), 1.0)
     want = sum(p1[t] * probs(model.forward(torch.tensor(ids + [t]))[-1].numpy(), 1.0) for t in range(SMALL_VOCAB))
     got = np.bincount([o[1] for o in r.ids], minlength=SMALL_VOCAB)
-    return float(chisquare(got, want * N).pvalue)
+    return chisquare_pvalue(got, want * N)
+
+
+def chisquare_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
+    """Pearson's chi-square test of counts against expected counts (k - 1 degrees of freedom): the survival
+    function of the chi-square distribution is the regularised upper incomplete gamma Q(df / 2, stat / 2)."""
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    df = len(observed) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_chisquare_pvalue_is_the_chi_square_survival_function():
+    # statistic 4 at 1 degree of freedom: P(chi2_1 > 4) = 0.0455 (tables); counts equal to their expectation: 1
+    assert abs(chisquare_pvalue(np.array([60.0, 40.0]), np.array([50.0, 50.0])) - 0.0455) < 1e-4
+    assert chisquare_pvalue(np.full(8, 10.0), np.full(8, 10.0)) == 1.0
+    # statistic 24.322 at 7 degrees of freedom: the 0.001 critical value (tables)
+    d = (24.322 * 100 / 2) ** 0.5
+    observed = np.array([100 + d, 100 - d] + [100.0] * 6)
+    assert abs(chisquare_pvalue(observed, np.full(8, 100.0)) - 0.001) < 2e-5
 
 
 def test_sampling_matches_plain_sampling(small):
