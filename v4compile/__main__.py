@@ -1,9 +1,26 @@
+import signal
 import sys
 
-try:  # Ctrl-C before `main` installs its handlers: no traceback either
-    from .cli import main
-except KeyboardInterrupt:
-    sys.stderr.write("interrupted\n")
-    sys.exit(130)
+_early: list[int] = []  # signals before `main` installs its handlers (its imports take a second or two)
 
+
+def _on_early_signal(signum, frame) -> None:
+    _early.append(signum)
+    raise KeyboardInterrupt
+
+
+for _s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    if signal.getsignal(_s) is not signal.SIG_IGN:
+        signal.signal(_s, _on_early_signal)
+
+try:  # a signal here is no traceback either: also when it surfaces as an extension's import error
+    from .cli import RECEIVED, main
+except BaseException:
+    if not _early:
+        raise
+    sys.stderr.write("interrupted\n" if _early[-1] == signal.SIGINT
+                     else f"interrupted by signal {signal.Signals(_early[-1]).name}\n")
+    sys.exit(128 + _early[-1])
+
+RECEIVED.extend(_early)
 sys.exit(main())

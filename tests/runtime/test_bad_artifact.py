@@ -409,3 +409,22 @@ def test_a_signal_during_the_imports_prints_no_traceback(sig):
         _, err = p.communicate(timeout=120)
         assert "Traceback" not in err, (delay, err)
         assert p.returncode in (0, 128 + sig, -sig), (delay, p.returncode, err)
+
+
+def test_an_import_error_a_signal_caused_is_an_interruption(monkeypatch, capsys):
+    """A signal inside a C extension's import can surface as that import's own error (numpy's "cannot load
+    module more than once per process", seen in CI): after a signal it exits as interrupted, one line; the
+    same error without a signal is a real failure and propagates."""
+    from v4compile import cli
+
+    def failing(argv):
+        raise ImportError("cannot load module more than once per process")
+
+    monkeypatch.setattr(cli, "_main", failing)
+    monkeypatch.setattr(cli, "RECEIVED", [])
+    with pytest.raises(ImportError):
+        cli.main([])
+    cli.RECEIVED.append(signal.SIGINT)
+    assert cli.main([]) == 130 and capsys.readouterr().err == "interrupted\n"
+    cli.RECEIVED.append(signal.SIGTERM)
+    assert cli.main([]) == 128 + signal.SIGTERM and "SIGTERM" in capsys.readouterr().err

@@ -52,10 +52,19 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
+RECEIVED: list[int] = []  # the signals this process got (`__main__` records the early ones too)
+
+
 def _on_signal(signum, frame) -> None:
+    RECEIVED.append(signum)
     for s in (signal.SIGTERM, signal.SIGHUP):  # one clean-up is enough; ignore repeats while it runs
         signal.signal(s, signal.SIG_IGN)
     raise Terminated(signum)
+
+
+def _on_interrupt(signum, frame) -> None:
+    RECEIVED.append(signum)
+    raise KeyboardInterrupt
 
 
 class _Formatter(logging.Formatter):
@@ -72,15 +81,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     for s in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, _on_signal)
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: KeyboardInterrupt, cleaned up below
+        signal.signal(signal.SIGINT, _on_interrupt)  # Ctrl-C: KeyboardInterrupt, cleaned up below
     try:  # from the first moment: a signal during the (slow) imports below is no traceback either
         return _main(argv)
-    except Terminated as e:
-        print(f"interrupted by signal {signal.Signals(e.signum).name}", file=sys.stderr)
-        return 128 + e.signum
-    except KeyboardInterrupt:
+    except BaseException as e:
+        # A signal inside a C extension's import can surface as that import's own error (numpy: "cannot
+        # load module more than once per process"), not as KeyboardInterrupt: any exception after a signal
+        # is that signal's doing.
+        if not isinstance(e, KeyboardInterrupt) and not RECEIVED:
+            raise
+        return interrupted_exit(e.signum if isinstance(e, Terminated) else RECEIVED[-1] if RECEIVED else signal.SIGINT)
+
+
+def interrupted_exit(signum: int) -> int:
+    """Say so (one line) and give the shell's exit code of a process ended by `signum`."""
+    if signum == signal.SIGINT:
         print("interrupted", file=sys.stderr)
         return 130
+    print(f"interrupted by signal {signal.Signals(signum).name}", file=sys.stderr)
+    return 128 + signum
 
 
 def _main(argv: Sequence[str] | None) -> int:
