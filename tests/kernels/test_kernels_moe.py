@@ -25,8 +25,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import triton
-import triton.language as tl
 
 from v4compile.codegen import kernels
 from v4compile.codegen.kernels import moe
@@ -241,71 +239,32 @@ def test_grouped_moe_experts_without_shared():
     kc.assert_matches(y, kc.reference("moe_experts", args, attrs)[0], "grouped moe_experts", ulps=2)
 
 
-@triton.jit
-def _group_off_by_one(idx_ptr, grp_ptr, P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, IDX_RS: tl.constexpr,
-                      NRB: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr):
-    """moe_group_kernel with `<=` for `<` in the offsets: expert e gets the range of expert e + 1."""
-    pid = tl.program_id(0)
-    rq = tl.arange(0, BQ)
-    if pid < NRB:
-        p = pid * BP + tl.arange(0, BP)
-        ep = moe._expert_of(idx_ptr, p, p < P, KSEL, IDX_RS)
-        pos = tl.zeros([BP], dtype=tl.int32)
-        for q0 in range(0, P, BQ):
-            q = q0 + rq
-            eq = moe._expert_of(idx_ptr, q, q < P, KSEL, IDX_RS)
-            pos += tl.sum(((eq[None, :] < ep[:, None]) | ((eq[None, :] == ep[:, None]) & (q[None, :] < p[:, None])))
-                          .to(tl.int32), axis=1)
-        tl.store(grp_ptr + (E + 1) + pos, p, mask=p < P)
-    else:
-        e = (pid - NRB) * BP + tl.arange(0, BP)
-        off = tl.zeros([BP], dtype=tl.int32)
-        for q0 in range(0, P, BQ):
-            q = q0 + rq
-            eq = moe._expert_of(idx_ptr, q, q < P, KSEL, IDX_RS)
-            off += tl.sum((eq[None, :] <= e[:, None]).to(tl.int32), axis=1)
-        tl.store(grp_ptr + e, tl.minimum(off, P), mask=e <= E)
+# Faults of moe_group_kernel, each one edit of its source (kernel_check.install_broken_kernel)
+OFF_BY_ONE = (  # `<=` for `<` in the offsets: expert e gets the range of expert e + 1
+    "off += tl.sum((eq[None, :] < e[:, None]).to(tl.int32), axis=1)\n        tl.store(grp_ptr + e, off, mask=e <= E)",
+    "off += tl.sum((eq[None, :] <= e[:, None]).to(tl.int32), axis=1)\n"
+    "        tl.store(grp_ptr + e, tl.minimum(off, P), mask=e <= E)")
+UNSTABLE = (  # the pairs of each expert in descending pair id
+    "before = (eq[None, :] < ep[:, None]) | ((eq[None, :] == ep[:, None]) & (q[None, :] < p[:, None]))",
+    "before = ((eq[None, :] < ep[:, None]) | ((eq[None, :] == ep[:, None]) & (q[None, :] > p[:, None]))) "
+    "& (q[None, :] < P)")
 
 
-@triton.jit
-def _group_unstable(idx_ptr, grp_ptr, P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, IDX_RS: tl.constexpr,
-                    NRB: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr):
-    """moe_group_kernel with the pairs of each expert in descending pair id."""
-    pid = tl.program_id(0)
-    rq = tl.arange(0, BQ)
-    if pid < NRB:
-        p = pid * BP + tl.arange(0, BP)
-        ep = moe._expert_of(idx_ptr, p, p < P, KSEL, IDX_RS)
-        pos = tl.zeros([BP], dtype=tl.int32)
-        for q0 in range(0, P, BQ):
-            q = q0 + rq
-            eq = moe._expert_of(idx_ptr, q, q < P, KSEL, IDX_RS)
-            pos += tl.sum(((eq[None, :] < ep[:, None]) | ((eq[None, :] == ep[:, None]) & (q[None, :] > p[:, None]))
-                           & (q[None, :] < P)).to(tl.int32), axis=1)
-        tl.store(grp_ptr + (E + 1) + pos, p, mask=p < P)
-    else:
-        moe.moe_group_kernel(idx_ptr, grp_ptr, P, E, KSEL, IDX_RS, NRB, BP, BQ)
-
-
-def _swap_group(fn):
-    def patch(calls):
-        assert calls[0].kernel_name == "moe_group_kernel"
-        calls[0].fn = fn
-    return patch
-
-
-def test_wrong_grouping_is_caught():
+def test_wrong_grouping_is_caught(monkeypatch, tmp_path):
     args, attrs = prefill_case(torch.float32, "hash", "float", "float")
     ref = kc.reference("moe_experts_shared", args, attrs)[0]
-    y, _ = launch_calls(args, attrs, _swap_group(_group_off_by_one))
-    with pytest.raises(AssertionError):
-        kc.assert_matches(y, ref, "off-by-one offsets")
     # Pair order inside an expert's list is NOT a fault: rows are written by pair id, so a descending
     # order gives the very same bits (the combine order comes from the expert ids, not from the list).
     y_ok, _ = launch_calls(args, attrs)
-    y_uns, _ = launch_calls(args, attrs, _swap_group(_group_unstable))
+    kc.install_broken_kernel(monkeypatch, tmp_path, moe, "moe_group_kernel", *UNSTABLE)
+    y_uns, _ = launch_calls(args, attrs)
     assert torch.equal(y_ok, y_uns)
     kc.assert_matches(y_ok, ref, "grouped")
+    monkeypatch.undo()
+    kc.install_broken_kernel(monkeypatch, tmp_path, moe, "moe_group_kernel", *OFF_BY_ONE)
+    y, _ = launch_calls(args, attrs)
+    with pytest.raises(AssertionError):
+        kc.assert_matches(y, ref, "off-by-one offsets")
 
 
 # ---- structure: each active expert's weights are read once per BM pairs routed to it --------------------
