@@ -108,8 +108,8 @@ def test_partition_twice_and_the_cli_pipelines(traced):
 
     from v4compile.cli.pipeline import pipeline_of
     args = SimpleNamespace(passes=None, target=None, tp=2, ep=1)
-    gpu = pipeline_of(args)  # down to the memory plan: no GPU kernels for a partitioned program yet
-    assert gpu[0] == "partition{tp=2,ep=1}" and gpu[-1] == "plan_memory" and "lower_to_program" not in gpu
+    gpu = pipeline_of(args)  # down to the program: collective launches among the kernels
+    assert gpu[0] == "partition{tp=2,ep=1}" and gpu[-1] == "lower_to_program"
     args.target = "cpu"
     assert pipeline_of(args)[0] == "partition{tp=2,ep=1}"
     args.passes = "partition{tp=2},dce"
