@@ -227,6 +227,10 @@ def test_report_parallel_section(capsys):
     assert c["count"] == 2 * cfg.n_layers and {o["bytes"] for o in c["ops"]} == {2 * cfg.dim * 4}
     assert sorted({o["group"] for o in c["ops"]}) == [2, 4]
     assert p["per_rank_kv_bytes"] > 0 and set(p["decode_step"]) == {"gfx950", "sm_90a"}
+    # the partitioned program's kernel calls (a MoE launch makes two or three), its collectives launches of it
+    assert c["program_collective_launches"] == c["count"]
+    for s in p["decode_step"].values():
+        assert s["launches_counted"] == "kernel calls" and s["launches"] > c["program_launches"] - c["count"]
 
 
 # ---- per-rank weights of an artifact -------------------------------------------------------------
