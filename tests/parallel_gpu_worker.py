@@ -1,5 +1,5 @@
 """One rank of a partitioned GPU-target artifact on the fake CUDA driver and the fake NCCL, for
-tests/runtime/test_parallel_gpu.py:
+tests/runtime/test_parallel_artifact.py:
 
     python parallel_gpu_worker.py OUT ART FAKE_DRIVER FAKE_NCCL STEPS
 

@@ -3,7 +3,8 @@ tests/runtime/test_parallel_artifact.py:
 
     python parallel_worker.py OUT PROMPTS.json ART [ART ...]
 
-For each artifact: load it (device `V4_TEST_DEVICE`: cpu, or host with the reference kernels), generate PROMPTS.json's prompts (`{"prompts": [...], "new": N}`,
+For each artifact: load it (device `V4_TEST_DEVICE`: cpu, or host with the reference kernels or
+`V4_TEST_KERNELS`), generate PROMPTS.json's prompts (`{"prompts": [...], "new": N}`,
 continuous batching over the decode bucket), recording every step's logits; writes `OUT/rank-<r>.npz`
 (`ids-<i>`, `logits-<i>` per artifact i). The process group is joined here once, so one launch checks
 several artifacts of the same world size. `V4_TEST_DIE_AT=K` (tests of a rank that dies): rank 1 exits
@@ -32,7 +33,8 @@ def main(out: Path, prompts_file: Path, arts: list[str]) -> int:
     rank = int(os.environ["RANK"])
     die_at = int(os.environ.get("V4_TEST_DIE_AT", "0"))
     device = os.environ.get("V4_TEST_DEVICE", "cpu")
-    kw = {"kernels": "reference"} if device == "host" else {}  # host: the ops' references (fast; see the test)
+    # host: the ops' references (fast; see the test), or V4_TEST_KERNELS=auto: the Triton kernels, interpreted
+    kw = {"kernels": os.environ.get("V4_TEST_KERNELS", "reference")} if device == "host" else {}
     res = {}
     try:
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_from_env()))
