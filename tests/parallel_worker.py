@@ -8,7 +8,8 @@ For each artifact: load it (device `V4_TEST_DEVICE`: cpu, or host with the refer
 continuous batching over the decode bucket), recording every step's logits; writes `OUT/rank-<r>.npz`
 (`ids-<i>`, `logits-<i>` per artifact i). The process group is joined here once, so one launch checks
 several artifacts of the same world size. `V4_TEST_DIE_AT=K` (tests of a rank that dies): rank 1 exits
-abruptly at its K-th step. A V4Error prints one `error:` line and exits with status 2.
+abruptly at its K-th step. `V4_TEST_NCCL=FAKE_DRIVER:FAKE_NCCL`: then the first artifact's GPU program on the
+fake CUDA driver and fake NCCL (`parallel_gpu_worker.nccl_check`), written to `OUT/nccl-<r>.json`. A V4Error prints one `error:` line and exits with status 2.
 """
 
 from __future__ import annotations
@@ -55,6 +56,16 @@ def main(out: Path, prompts_file: Path, arts: list[str]) -> int:
             res[f"logits-{i}"] = np.concatenate(steps)
             sess.close()
         np.savez(out / f"rank-{rank}.npz", **res)
+        if os.environ.get("V4_TEST_NCCL"):  # then the first artifact on the fake CUDA driver and fake NCCL
+            from parallel_gpu_worker import nccl_check
+            from v4compile.parallel import ParallelLayout
+            from v4compile.runtime.distributed import Ranks
+
+            p = json.loads((Path(arts[0]) / "manifest.json").read_text())["parallel"]
+            driver, nccl = os.environ["V4_TEST_NCCL"].split(":")
+            got = nccl_check(arts[0], Ranks(ParallelLayout(p["tp"], p["ep"]), owns=False, timeout_s=timeout_from_env()),
+                             driver, nccl, 3)
+            (out / f"nccl-{rank}.json").write_text(json.dumps(got))
         return 0
     except V4Error as e:
         print(f"error: {e}", file=sys.stderr)

@@ -106,9 +106,24 @@ def _ranks(tmp: Path, world: int, arts_: list[Path], env: dict | None = None, ti
                   timeout_s=timeout_s, env=env)
 
 
+@pytest.fixture(scope="module")
+def host_ranks(arts, tmp_path_factory):
+    """The 2-rank artifact's ranks on the host device, then (same launch: one process start-up and one process
+    group for both) its GPU program on the fake CUDA driver and fake NCCL."""
+    from runtime_helpers import fake_driver, fake_nccl
+
+    tmp = tmp_path_factory.mktemp("host-ranks")
+    runs = _ranks(tmp, 2, [arts[2][0]], env={"V4_TEST_DEVICE": "host", "V4_TEST_NCCL": f"{fake_driver('cuda')}:"
+                                                                                       f"{fake_nccl()}"})
+    return tmp, runs
+
+
 @pytest.mark.parametrize("world, device", [(2, "cpu"), (4, "cpu"), (2, "host")])
-def test_ranks_match_the_single_process_run(arts, reference, tmp_path, world, device):
-    runs = _ranks(tmp_path, world, [arts[world][0]], env={"V4_TEST_DEVICE": device})
+def test_ranks_match_the_single_process_run(arts, reference, tmp_path, world, device, request):
+    if device == "host":  # the GPU program (sm_90a target) in the C runtime, its collectives on gloo
+        tmp_path, runs = request.getfixturevalue("host_ranks")
+    else:
+        runs = _ranks(tmp_path, world, [arts[world][0]], env={"V4_TEST_DEVICE": device})
     for r, (code, _, err) in enumerate(runs):
         assert code == 0, f"rank {r}: {err[-2000:]}"
     ids, logits = reference(world, device)
@@ -296,21 +311,12 @@ def test_one_gpu_program_one_kernel_set_and_rank_weights(arts):
     assert any(k["name"].startswith("local_experts_") for k in m["kernels"])
 
 
-def _nccl_ranks(art: Path, tmp_path: Path, steps: int = 3) -> list[dict]:
-    from runtime_helpers import fake_driver, fake_nccl
-
-    runs = launch([sys.executable, str(WORKER.parent / "parallel_gpu_worker.py"), str(tmp_path), str(art),
-                   str(fake_driver("cuda")), str(fake_nccl()), str(steps)], 2, timeout_s=180,
-                  env={"V4COMPILE_DIST_TIMEOUT": "60"})
-    for r, (code, _, err) in enumerate(runs):
-        assert code == 0, f"rank {r}: {err[-2000:]}"
-    return [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
-
-
-def test_nccl_gets_the_programs_collectives_inside_the_graph(arts, tmp_path):
+def test_nccl_gets_the_programs_collectives_inside_the_graph(host_ranks):
     """Device cuda through ProgramBackend: comm_init with rank 0's id through the store, then 3 decode steps
     (`test_fake_nccl.differences`, shown there to catch a swapped operand and result)."""
-    res = _nccl_ranks(arts[2][0], tmp_path)
+    tmp, runs = host_ranks
+    assert [code for code, _, _ in runs] == [0, 0], runs[0][2][-2000:] + runs[1][2][-2000:]
+    res = [json.loads((tmp / f"nccl-{r}.json").read_text()) for r in range(2)]
     for r, x in enumerate(res):
         assert x["differences"] == [] and x["collectives"] == 10 and x["captures"] == 1, (r, x["differences"])
         assert [c[:2] for c in x["comms"]] == [[2, r]]  # one communicator: the group of 2, this rank's place
