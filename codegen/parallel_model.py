@@ -14,9 +14,9 @@
 
 Model (per rank, serial, no overlap): weights read at the HBM roofline (`targets.TARGETS`; the routed experts
 a step touches: each of the rank's experts is read when one of the batch's tokens picks it, expected
-fraction `1 - (1 - k/E)^tokens`), plus the per-launch latency of every kernel call of the partitioned program
-(`decode_calls`; the graph's launch ops when no program is built) (`targets.TARGETS`: a graph node,
-with PDL on sm_90a), plus each
+fraction `1 - (1 - k/E)^tokens`), plus the per-launch latency (`targets.TARGETS`: a graph node, with PDL on
+sm_90a) of every kernel call of the partitioned program (`decode_calls`; of every launch op when the module
+was not lowered to a program), plus each
 all-reduce as a ring: `latency + 2 (n - 1) / n * bytes / link bandwidth` (`LINKS`). KV reads are left out
 (a decode step reads the window and the selected rows, small next to the weights at these batches).
 """

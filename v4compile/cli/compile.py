@@ -167,9 +167,6 @@ def _artifact_plan(args, fe, targets) -> dict:
                                                                   "--target gfx950,sm_90a for a shape-only artifact")
     gpu = [t for t in targets if t != "cpu"]
     cpu_pipeline, gpu_pipeline = list(CPU_PIPELINE), list(GPU_PIPELINE)
-    if args.tp > 1 or args.ep > 1:  # one SPMD module per target (a GPU program with collective launches)
-        for p in (cpu_pipeline, gpu_pipeline):
-            p.insert(0, f"partition{{tp={args.tp},ep={args.ep}}}")
     if args.passes:
         if gpu and "cpu" in targets:
             raise InputError("--passes with -o names one pipeline: give either GPU targets or cpu", found=targets)
@@ -177,6 +174,9 @@ def _artifact_plan(args, fe, targets) -> dict:
             gpu_pipeline = split_specs(args.passes)
         else:
             cpu_pipeline = split_specs(args.passes)
+    if args.tp > 1 or args.ep > 1:  # one SPMD module per target (a GPU program with collective launches)
+        for p in (cpu_pipeline, gpu_pipeline):
+            p.insert(0, f"partition{{tp={args.tp},ep={args.ep}}}")
     buckets, gpu_buckets = _buckets_of(args)
     return {"buckets": buckets, "pipeline": cpu_pipeline, "targets": tuple(targets),
             "disable": tuple(args.disable_pass), "gpu_pipeline": gpu_pipeline, "jobs": args.jobs,
