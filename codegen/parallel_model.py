@@ -7,14 +7,16 @@
 * `per_rank_kv_bytes`: every state the decode function carries from step to step (KV pool planes, sliding
   windows, compressor states) at the compiled decode batch and max context; the partition replicates it
   (the single KV head), so every rank holds all of it;
-* `collectives_per_decode_step`: the decode function's collectives with the bytes each moves;
+* `collectives_per_decode_step`: the decode function's collectives with the bytes each moves (and, for a
+  program, its collective launches among all its launches);
 * `decode_step`: per GPU target, a modeled per-rank decode step (stated model below) and whether the
   rank's weights + KV fit the device.
 
 Model (per rank, serial, no overlap): weights read at the HBM roofline (`targets.TARGETS`; the routed experts
 a step touches: each of the rank's experts is read when one of the batch's tokens picks it, expected
-fraction `1 - (1 - k/E)^tokens`), plus the per-launch latency of every launch (`targets.TARGETS`: a graph node,
-with PDL on sm_90a), plus each
+fraction `1 - (1 - k/E)^tokens`), plus the per-launch latency (`targets.TARGETS`: a graph node, with PDL on
+sm_90a) of every kernel call of the partitioned program (`decode_calls`; of every launch op when the module
+was not lowered to a program), plus each
 all-reduce as a ring: `latency + 2 (n - 1) / n * bytes / link bandwidth` (`LINKS`). KV reads are left out
 (a decode step reads the window and the selected rows, small next to the weights at these batches).
 """
@@ -109,7 +111,7 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
     routed = kinds["rank_local"].get("routed_experts", 0)
     touched = 1 - (1 - cfg.n_active_experts / cfg.n_experts) ** tokens
     read = per_rank - routed + routed * touched
-    launches = sum(1 for op in dec.ops if get_op(op.name).launch and not get_op(op.name).collective)
+    launches, counted = decode_calls(final)
     steps = {}
     for t in targets:
         if t not in LINKS:
@@ -125,6 +127,7 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
                     "roofline_us": round(roof_s * 1e6, 1), "launch_latency_us": round(launch_s * 1e6, 1),
                     "collectives_us": round(coll_s * 1e6, 1),
                     "modeled_us": round((roof_s + launch_s + coll_s) * 1e6, 1), "launches": launches,
+                    "launches_counted": counted,
                     "link_bytes_s": link.bytes_s, "allreduce_latency_us": link.allreduce_latency_s * 1e6,
                     "source": link.source}
     return {
@@ -135,9 +138,36 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
         "per_rank_kv_bytes": kv,
         "kv_at": {"decode_batch": int(dec.attrs["batch"]), "max_context": final.attrs.get("capacity")},
         "collectives_per_decode_step": {"count": len(coll), "bytes": sum(c["bytes"] for c in coll),
-                                        "ops": coll},
+                                        "ops": coll, **program_collectives(final)},
         "decode_step": steps,
     }
+
+
+def decode_calls(final: Module) -> tuple[int, str]:
+    """What a decode step launches besides its collectives, and what was counted: the program's kernel
+    calls (each launch's Triton calls, `program_kernels`; a MoE launch is two or three) when the module is
+    lowered to a program with kernels for every launch, else its launch ops."""
+    if final.attrs.get("stage") == "program":
+        from v4compile.program.build import program_of
+
+        from .program_kernels import program_kernels
+
+        pk = program_kernels(program_of(final))
+        if pk.complete:
+            return sum(1 for calls in pk.calls["decode"] for c in calls if 0 not in c.grid), "kernel calls"
+    return sum(1 for op in final.functions["decode"].ops if get_op(op.name).launch
+               and not get_op(op.name).collective), "launches"
+
+
+def program_collectives(final: Module) -> dict[str, int]:
+    """The decode program's collective launches next to all its launches (a program-stage module only)."""
+    if final.attrs.get("stage") != "program":
+        return {}
+    from v4compile.program.build import program_of
+
+    launches = program_of(final).functions["decode"].launches
+    return {"program_launches": len(launches),
+            "program_collective_launches": sum(1 for l in launches if get_op(l.op).collective)}
 
 
 def render_parallel(p: dict) -> str:
@@ -152,11 +182,14 @@ def render_parallel(p: dict) -> str:
     c = p["collectives_per_decode_step"]
     size = sorted({x["bytes"] for x in c["ops"]})
     lines.append(f"    collectives per decode step: {c['count']} all-reduces, {c['bytes']:,} bytes in all "
-                 f"({', '.join(f'{s:,}' for s in size)} bytes each)")
+                 f"({', '.join(f'{s:,}' for s in size)} bytes each)"
+                 + (f"; launches of the program: {c['program_collective_launches']} of its {c['program_launches']}"
+                    if "program_launches" in c else ""))
     for t, s in p["decode_step"].items():
         lines.append(f"    {t} ({s['device']}, {s['memory_bytes'] / gb:.0f} GB: {'fits' if s['fits'] else 'does NOT fit'}): "
                      f"modeled decode step {s['modeled_us']:.1f} us = weights at the HBM roofline "
-                     f"{s['roofline_us']:.1f} us ({s['weights_read_bytes'] / gb:.2f} GB read) + {s['launches']} launches "
+                     f"{s['roofline_us']:.1f} us ({s['weights_read_bytes'] / gb:.2f} GB read) + {s['launches']} "
+                     f"{s.get('launches_counted', 'launches')} "
                      f"{s['launch_latency_us']:.1f} us + collectives {s['collectives_us']:.1f} us "
                      f"({s['allreduce_latency_us']:.0f} us + bytes / {s['link_bytes_s'] / gb:.0f} GB/s each)")
     return "\n".join(lines) + "\n"

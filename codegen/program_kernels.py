@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..ir.registry import get_op
 from ..program.core import Arg, Launch, Program
 from . import family_module
 from .kernels import KernelCall, TensorArg, full_attrs
@@ -48,7 +49,9 @@ def calls_of(l: Launch, resolve: Callable[[str], Callable | None] = family_speci
 @dataclass
 class ProgramKernels:
     """Per function, per launch index: its kernel calls; `unique` holds each specialisation once;
-    `missing` counts launches whose family has no kernels yet (by family)."""
+    `missing` counts launches whose family has no kernels yet (by family). A collective launch (a
+    partitioned program's `all_reduce`) has no kernel calls: the runtime's communicator runs it (NCCL /
+    RCCL on the stream, gloo on the host device), so it is neither a call nor missing."""
     calls: dict[str, list[list[KernelCall]]] = field(default_factory=dict)
     unique: dict[str, KernelCall] = field(default_factory=dict)
     missing: Counter = field(default_factory=Counter)
@@ -63,6 +66,9 @@ def program_kernels(prog: Program) -> ProgramKernels:
     for fname, f in prog.functions.items():
         per = []
         for l in f.launches:
+            if get_op(l.op).collective:
+                per.append([])
+                continue
             calls = calls_of(l)
             if calls is None:
                 out.missing[l.kernel] += 1

@@ -19,11 +19,12 @@ import numpy as np
 
 from v4compile.artifact import Artifact
 from v4compile.errors import ArtifactError, DeviceError
+from v4compile.ir.registry import get_op
 from v4compile.targets import DEVICE_TARGET, DRIVER_LIB
 
 from .artifact_checks import check_sidecar, program_interface, program_weight_types
 from .backend import FunctionInfo
-from .c_backend import CRuntime
+from .c_backend import CRuntime, comm_unique_id
 from .kernels import kernel_calls_for
 from .schedule import compiled_params
 
@@ -100,9 +101,22 @@ def artifact_weights(art: Artifact, program=None, rank: int = 0):
     return art.weights(rank)
 
 
+COMM_LIB_ENV = "V4COMPILE_COMM_LIB"  # the NCCL / RCCL library to dlopen (default: libnccl.so.2, librccl.so)
+
+
+def join_communicators(rt: CRuntime, ranks, device: str, comm_lib: str | None = None) -> None:
+    """The runtime's NCCL / RCCL communicators, one per group size of the layout: the first rank of each
+    group makes the unique id, every rank of the group reads it from torch.distributed's store
+    (`distributed.Ranks.comm_ids`), then joins. `comm_lib`: else `V4COMPILE_COMM_LIB`, else the device's."""
+    import os
+
+    lib = comm_lib or os.environ.get(COMM_LIB_ENV) or None
+    rt.comm_init(ranks.rank, ranks.comm_ids(lambda: comm_unique_id(device, lib)), lib)
+
+
 class ProgramBackend:
     def __init__(self, art: Artifact, device: str = "host", *, driver_lib: str | None = None, graphs: bool = True,
-                 kernels: str = "auto", threads: int | None = None, ranks=None):
+                 kernels: str = "auto", threads: int | None = None, ranks=None, comm_lib: str | None = None):
         t0 = time.perf_counter()
         # a partitioned artifact: this process's rank (`distributed.Ranks`): its weights, its collectives
         self.ranks = ranks
@@ -129,7 +143,7 @@ class ProgramBackend:
         calls = kernel_calls_for(kernels, device)
         if device != "host":
             missing = sorted({l.kernel for f in self.program.functions.values() for l in f.launches
-                              if calls is None or calls(l) is None})
+                              if not get_op(l.op).collective and (calls is None or calls(l) is None)})
             if missing:
                 raise DeviceError(f"device '{device}' needs compiled kernels for every launch; none for the "
                                   f"families {', '.join(missing)} (the reference kernels mode runs on the host "
@@ -142,6 +156,8 @@ class ProgramBackend:
                                binaries=binaries, collective=ranks.collective if ranks is not None else None)
         finally:
             weights.close()
+        if ranks is not None and device != "host":  # GPUs: the collective launches run on NCCL / RCCL
+            join_communicators(self.rt, ranks, device, comm_lib)
         self.weights_s = time.perf_counter() - t1
         self._funcs = {n: FunctionInfo(n, n.split("_")[0], int(f.attrs["batch"]), int(f.attrs["tokens"]))
                        for n, f in self.program.functions.items()}

@@ -411,7 +411,7 @@ def load(path, device: str = "auto", *, threads: int | None = None, verify: bool
         device = auto_device(art)
         log.info("device auto: %s", device)
     if "parallel" in art.manifest:
-        return _load_rank(art, device, threads, graphs, kernels)
+        return _load_rank(art, device, threads, graphs, kernels, driver_lib)
     if device in ("host", "hip", "cuda"):
         from .program_backend import ProgramBackend
 
@@ -422,26 +422,30 @@ def load(path, device: str = "auto", *, threads: int | None = None, verify: bool
     return Session(art, OrtBackend(art, threads=threads))
 
 
-def _load_rank(art: Artifact, device: str, threads: int | None, graphs: bool, kernels: str) -> Session:
+def _load_rank(art: Artifact, device: str, threads: int | None, graphs: bool, kernels: str,
+               driver_lib: str | None = None) -> Session:
     """This process's rank of a partitioned artifact (`--tp` / `--ep`) under torchrun: it joins the process
     group (`distributed.join`) and maps its own weights only. Device cpu: the ONNX segments with gloo
-    between them; host: the C runtime, whose collective launches come back to Python and run on gloo.
+    between them; host: the C runtime, whose collective launches come back to Python and run on gloo;
+    cuda / hip: the C runtime's NCCL / RCCL communicators, their ids through the process group's store
+    (`program_backend.join_communicators`), the collectives enqueued on the stream.
     Every rank makes the same session calls; rank 0's steps and sampled ids are the ones run."""
     from v4compile.parallel import ParallelLayout
 
     from .distributed import join
 
-    if device not in ("cpu", "host"):
-        raise InputError("a partitioned artifact runs on the cpu or host device (the GPU program has no "
-                         "collective launches yet)", where=str(art.path), expected="device cpu or host", found=device)
+    if device in ("hip", "cuda"):
+        from v4compile.targets import DEVICE_TARGET
+
+        art.target(DEVICE_TARGET[device])  # before joining: a cpu-only artifact is one error, not a wait for peers
     p = art.manifest["parallel"]
     ranks = join(ParallelLayout(p["tp"], p["ep"]))
     try:
-        if device == "host":
+        if device != "cpu":
             from .program_backend import ProgramBackend
 
-            return Session(art, ProgramBackend(art, "host", graphs=graphs, kernels=kernels, threads=threads,
-                                               ranks=ranks))
+            return Session(art, ProgramBackend(art, device, driver_lib=driver_lib, graphs=graphs, kernels=kernels,
+                                               threads=threads, ranks=ranks))
         from .cpu_backend import OrtBackend
 
         return Session(art, OrtBackend(art, threads=threads, ranks=ranks))

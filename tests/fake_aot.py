@@ -8,8 +8,10 @@ import hashlib
 import json
 
 
-def placeholder_compile_calls(seen: list[tuple[str, str]] | None = None):
-    """`compile_calls` writing placeholders; each (call name, target) is appended to `seen` when given."""
+def placeholder_compile_calls(seen: list[tuple[str, str]] | None = None, loadable: bool = False):
+    """`compile_calls` writing placeholders; each (call name, target) is appended to `seen` when given.
+    `loadable`: sidecars a loader accepts (the target's warp size, the call's parameters), so the artifact
+    loads on the host device and, with a fake driver's table, on a GPU device (no binary is ever run)."""
     from v4compile.codegen import aot
 
     def compile_calls(calls, targets, out_dir, jobs=None):
@@ -26,6 +28,9 @@ def placeholder_compile_calls(seen: list[tuple[str, str]] | None = None):
                 side = {"name": c.name, "symbol": c.kernel_name, "grid": list(c.grid), "target": t,
                         "binary_sha256": hashlib.sha256(binary).hexdigest(), "params": [], "shared_bytes": 0,
                         "block": [c.num_warps * aot.TARGETS[t].warp_size, 1, 1], "num_warps": c.num_warps}
+                if loadable:
+                    side.update(warp_size=aot.TARGETS[t].warp_size,
+                                params=[{"kind": k, "name": p, "type": ty, "value": n} for p, k, n, ty in c.pointers])
                 (d / f"{c.name}.json").write_text(json.dumps(side, sort_keys=True))
                 rows.append({"name": c.name, "target": t, "regs": 1, "spills": 0, "shared_bytes": 0,
                              "mma_instructions": 1, "occupancy": 1, "flops": c.flops, "bytes": c.bytes_moved,

@@ -3,11 +3,13 @@ tests/runtime/test_parallel_artifact.py:
 
     python parallel_worker.py OUT PROMPTS.json ART [ART ...]
 
-For each artifact: load it (device `V4_TEST_DEVICE`: cpu, or host with the reference kernels), generate PROMPTS.json's prompts (`{"prompts": [...], "new": N}`,
+For each artifact: load it (device `V4_TEST_DEVICE`: cpu, or host with the reference kernels or
+`V4_TEST_KERNELS`), generate PROMPTS.json's prompts (`{"prompts": [...], "new": N}`,
 continuous batching over the decode bucket), recording every step's logits; writes `OUT/rank-<r>.npz`
 (`ids-<i>`, `logits-<i>` per artifact i). The process group is joined here once, so one launch checks
 several artifacts of the same world size. `V4_TEST_DIE_AT=K` (tests of a rank that dies): rank 1 exits
-abruptly at its K-th step. A V4Error prints one `error:` line and exits with status 2.
+abruptly at its K-th step. `V4_TEST_NCCL=FAKE_DRIVER:FAKE_NCCL`: then the first artifact's GPU program on the
+fake CUDA driver and fake NCCL (`parallel_gpu_worker.nccl_check`), written to `OUT/nccl-<r>.json`. A V4Error prints one `error:` line and exits with status 2.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def main(out: Path, prompts_file: Path, arts: list[str]) -> int:
     rank = int(os.environ["RANK"])
     die_at = int(os.environ.get("V4_TEST_DIE_AT", "0"))
     device = os.environ.get("V4_TEST_DEVICE", "cpu")
-    kw = {"kernels": "reference"} if device == "host" else {}  # host: the ops' references (fast; see the test)
+    # host: the ops' references (fast; see the test), or V4_TEST_KERNELS=auto: the Triton kernels, interpreted
+    kw = {"kernels": os.environ.get("V4_TEST_KERNELS", "reference")} if device == "host" else {}
     res = {}
     try:
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_from_env()))
@@ -53,6 +56,16 @@ def main(out: Path, prompts_file: Path, arts: list[str]) -> int:
             res[f"logits-{i}"] = np.concatenate(steps)
             sess.close()
         np.savez(out / f"rank-{rank}.npz", **res)
+        if os.environ.get("V4_TEST_NCCL"):  # then the first artifact on the fake CUDA driver and fake NCCL
+            from parallel_gpu_worker import nccl_check
+            from v4compile.parallel import ParallelLayout
+            from v4compile.runtime.distributed import Ranks
+
+            p = json.loads((Path(arts[0]) / "manifest.json").read_text())["parallel"]
+            driver, nccl = os.environ["V4_TEST_NCCL"].split(":")
+            got = nccl_check(arts[0], Ranks(ParallelLayout(p["tp"], p["ep"]), owns=False, timeout_s=timeout_from_env()),
+                             driver, nccl, 3)
+            (out / f"nccl-{rank}.json").write_text(json.dumps(got))
         return 0
     except V4Error as e:
         print(f"error: {e}", file=sys.stderr)

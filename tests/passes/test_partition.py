@@ -108,8 +108,8 @@ def test_partition_twice_and_the_cli_pipelines(traced):
 
     from v4compile.cli.pipeline import pipeline_of
     args = SimpleNamespace(passes=None, target=None, tp=2, ep=1)
-    gpu = pipeline_of(args)  # down to the memory plan: no GPU kernels for a partitioned program yet
-    assert gpu[0] == "partition{tp=2,ep=1}" and gpu[-1] == "plan_memory" and "lower_to_program" not in gpu
+    gpu = pipeline_of(args)  # down to the program: collective launches among the kernels
+    assert gpu[0] == "partition{tp=2,ep=1}" and gpu[-1] == "lower_to_program"
     args.target = "cpu"
     assert pipeline_of(args)[0] == "partition{tp=2,ep=1}"
     args.passes = "partition{tp=2},dce"
@@ -227,6 +227,10 @@ def test_report_parallel_section(capsys):
     assert c["count"] == 2 * cfg.n_layers and {o["bytes"] for o in c["ops"]} == {2 * cfg.dim * 4}
     assert sorted({o["group"] for o in c["ops"]}) == [2, 4]
     assert p["per_rank_kv_bytes"] > 0 and set(p["decode_step"]) == {"gfx950", "sm_90a"}
+    # the partitioned program's kernel calls (a MoE launch makes two or three), its collectives launches of it
+    assert c["program_collective_launches"] == c["count"]
+    for s in p["decode_step"].values():
+        assert s["launches_counted"] == "kernel calls" and s["launches"] > c["program_launches"] - c["count"]
 
 
 # ---- per-rank weights of an artifact -------------------------------------------------------------

@@ -67,9 +67,10 @@ def _inputs(prog, fname, seed):
             if b.kind == "input"}
 
 
-def expected(rt, prog, fname):
+def expected(rt, prog, fname, kernel_calls=None):
     """From the program alone: each collective launch as NCCL must get it (op, count, dtype, send, recv,
-    group), and the kernel-or-collective sequence of a step ("nccl" for a collective)."""
+    group), and the kernel-or-collective sequence of a step ("nccl" for a collective; a launch's kernel
+    calls from `kernel_calls` when given, else its one placeholder call)."""
     def addr(a):
         return rt.addr[rt.sched.buffer_index(fname, a.buffer)] + a.offset
 
@@ -81,12 +82,13 @@ def expected(rt, prog, fname):
             colls.append((l.op, x.type.numel, NCCL_TYPE[x.type.dtype], addr(x), addr(y), l.attrs["group"]))
             seq.append(("nccl", (addr(x), addr(y))))
         else:
-            seq.append((l.specialisation, None))
+            kcs = kernel_calls(l) if kernel_calls is not None else None
+            seq += [(l.specialisation, None)] if kcs is None else [(k.name, None) for k in kcs if 0 not in k.grid]
     return colls, seq
 
 
-def differences(rt, prog, nccl, fake, steps: int) -> list:
-    colls, seq = expected(rt, prog, "decode")
+def differences(rt, prog, nccl, fake, steps: int, fname: str = "decode", kernel_calls=None) -> list:
+    colls, seq = expected(rt, prog, fname, kernel_calls)
     out = []
     if nccl.calls() != colls:  # recorded once: at the capture
         out.append(("collectives", nccl.calls()[:2], colls[:2]))

@@ -50,11 +50,6 @@ def pipeline_of(args) -> list[str]:
     passes = split_specs(args.passes) if args.passes else list(PIPELINES[pipeline_name(targets_of(args)[0])])
     tp, ep = getattr(args, "tp", 1), getattr(args, "ep", 1)
     if tp > 1 or ep > 1:
-        if not args.passes and pipeline_name(targets_of(args)[0]) == "gpu":
-            # The GPU targets have no kernels for a partitioned program yet (`local_experts` has no Triton
-            # family; the program's collective launches and the C runtime's NCCL entry exist): a partitioned
-            # module goes down the gpu pipeline to its memory plan (reports), not to a program.
-            passes = [p for p in passes if p != "lower_to_program"]
         if any(p.split("{", 1)[0].strip() == "partition" for p in passes):
             raise InputError("--tp / --ep add the partition pass; --passes names it too", found=args.passes)
         passes.insert(0, f"partition{{tp={tp},ep={ep}}}")
