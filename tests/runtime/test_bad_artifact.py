@@ -400,10 +400,16 @@ def test_a_cpu_run_writes_nothing_under_home_or_tmpdir(art, tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_the_imports_prints_no_traceback(sig):
     """Signals at several moments of start-up (imports, op registry, the command itself). Not before the
-    interpreter itself has started (~0.1 s, its `site` imports): no code of the project's runs there."""
+    interpreter itself has started (its `site` imports): no code of the project's runs there, and on a loaded
+    machine that takes longer than any fixed delay, so the delays count from a line the child prints once the
+    interpreter is up, just before it runs `python -m v4compile`."""
+    start = ("import runpy, sys; print('up', flush=True); "
+             "sys.argv = ['v4compile', 'inspect', '--preset', 'tiny']; "
+             "runpy.run_module('v4compile', run_name='__main__', alter_sys=True)")
     for delay in (0.25, 0.5, 1.0):
-        p = subprocess.Popen([sys.executable, "-m", "v4compile", "inspect", "--preset", "tiny"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        p = subprocess.Popen([sys.executable, "-c", start],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert p.stdout.readline() == "up\n"
         time.sleep(delay)
         p.send_signal(sig)
         _, err = p.communicate(timeout=120)
