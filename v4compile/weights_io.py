@@ -59,6 +59,7 @@ WRITE_BUFFER = 8 << 20  # small tensors are gathered into writes of this size
 SYNC_BYTES = 256 << 20  # start flushing a shard to disk after this many more bytes
 PROGRESS_S = 5.0  # seconds between progress lines
 DIRECT_BYTES = 256 << 20  # shards from this size up are read around the page cache (MappedWeights.chunks)
+MAX_REGIONS = 4  # a shard is read in at most this many places at once (MappedWeights.chunks)
 DIRECT_ALIGN = 4096  # O_DIRECT's unit of file offsets, lengths and buffer addresses (4Kn disks included)
 
 # (IR dtype, stored safetensors dtype) pairs whose bytes are the same: such pieces are copied.
@@ -324,6 +325,10 @@ def _produce(reader: _Reader, source, t: TensorPlan, p: Piece, off: int, n: int)
     return (v.reshape(-1).view(torch.uint8).numpy() if n else b""), None
 
 
+class WriteStopped(Exception):
+    """A writer running beside others stopped because one of them failed (its error is the one reported)."""
+
+
 @dataclass
 class WrittenShards:
     files: list[str]  # relative to the artifact
@@ -336,27 +341,32 @@ class WrittenShards:
 
 
 def write_shards(plans: list[TensorPlan], source, wdir: Path, shard_bytes: int, rel: str = "weights",
-                 workers: int | None = None) -> WrittenShards:
+                 workers: int | None = None, share: int = 1, stop: threading.Event | None = None) -> WrittenShards:
     """Write the planned tensors into safetensors shards in `wdir`, hashing each tensor as it is written
     (on `workers` hash lanes; nothing is read back); a shard's digest is made of its tensors' and its
-    header's (`shard_digest`)."""
-    workers = workers or default_workers()
+    header's (`shard_digest`). `share`: this writer is one of that many running at once (each rank's
+    shards, `driver.write_rank_weights`): it takes that share of the window, its backlog and the default
+    workers, so together they need the memory of one; it stops (`WriteStopped`) once `stop` is set."""
+    share = max(1, share)
+    workers = workers or max(1, default_workers() // share)
+    window = max(CHUNK_BYTES, WINDOW_BYTES // share)
     groups = shard_groups(plans, shard_bytes)
     total = sum(p.nbytes for p in plans)
     out = WrittenShards([], {}, {})
-    prog = _Progress(total, "weights")
-    reader = _Reader(WINDOW_BYTES // CHUNK_BYTES + 2)
+    prog = _Progress(total, rel)
+    reader = _Reader(window // CHUNK_BYTES + 2)
     t0 = time.perf_counter()
     pool = ThreadPoolExecutor(workers, thread_name_prefix="weights")
-    lanes = Lanes(workers, WINDOW_BYTES)
+    lanes = Lanes(workers, window)
     syncer = ThreadPoolExecutor(1, thread_name_prefix="fdatasync")
     try:
         for i, group in enumerate(groups):
             fname = f"weights-{i:05d}-of-{len(groups):05d}.safetensors"
-            digest = _write_one(group, source, wdir / fname, reader, pool, lanes, syncer, prog, out, f"{rel}/{fname}")
+            digest = _write_one(group, source, wdir / fname, reader, pool, lanes, syncer, prog, out, f"{rel}/{fname}",
+                                window, stop)
             out.files.append(f"{rel}/{fname}")
             out.file_digest[f"{rel}/{fname}"] = digest
-            log.debug("weights: shard %d of %d written (%d tensors)", i + 1, len(groups), len(group))
+            log.debug("%s: shard %d of %d written (%d tensors)", rel, i + 1, len(groups), len(group))
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         lanes.close()
@@ -366,13 +376,14 @@ def write_shards(plans: list[TensorPlan], source, wdir: Path, shard_bytes: int, 
         (out.copied if p.path == "copy" else out.converted).append(p.name)
     out.seconds, out.nbytes = time.perf_counter() - t0, total
     cb = sum(p.nbytes for p in plans if p.path == "copy")
-    log.info("weights: %.2f GB in %.1f s (%.0f MB/s; %d tensors copied as stored, %.2f GB; %d converted, %.2f GB)",
-             total / 1e9, out.seconds, total / max(out.seconds, 1e-9) / 1e6, len(out.copied), cb / 1e9,
+    log.info("%s: %.2f GB in %.1f s (%.0f MB/s; %d tensors copied as stored, %.2f GB; %d converted, %.2f GB)",
+             rel, total / 1e9, out.seconds, total / max(out.seconds, 1e-9) / 1e6, len(out.copied), cb / 1e9,
              len(out.converted), (total - cb) / 1e9)
     return out
 
 
-def _write_one(group, source, path: Path, reader, pool, lanes: Lanes, syncer, prog, out, relname) -> str:
+def _write_one(group, source, path: Path, reader, pool, lanes: Lanes, syncer, prog, out, relname, window_bytes,
+               stop=None) -> str:
     head = shard_header(group)
     jobs = _jobs(group)
     window: deque[tuple[TensorPlan, Piece, int, int, Future]] = deque()
@@ -382,7 +393,7 @@ def _write_one(group, source, path: Path, reader, pool, lanes: Lanes, syncer, pr
     def fill():
         nonlocal ahead, pooled, pending
         while True:
-            if window and ahead >= WINDOW_BYTES:
+            if window and ahead >= window_bytes:
                 return
             j = pending or next(jobs, None)
             if j is None:
@@ -403,6 +414,8 @@ def _write_one(group, source, path: Path, reader, pool, lanes: Lanes, syncer, pr
         unsynced, sync = 0, None
         fill()
         while window:
+            if stop is not None and stop.is_set():
+                raise WriteStopped(f"writing {relname} stopped: another writer failed or was interrupted")
             t, p, off, n, fut = window.popleft()
             buf, held = fut.result()
             ahead -= n
@@ -452,6 +465,38 @@ def _direct(path, fd: int, nbytes: int, chunk: int) -> int | None:
         return d
     os.close(d)  # replaced since it was checked: read only the checked descriptor
     return None
+
+
+def _regions(segs: list[tuple[int, int, str | None]], k: int) -> list[list[tuple[int, int, str | None]]]:
+    """A shard's segments (file order) cut at their bounds into at most `k` runs of about equal bytes: each
+    run ends at the first bound at or past its share (a segment larger than a share stays whole)."""
+    first, total = segs[0][0], segs[-1][1] - segs[0][0]
+    out: list[list[tuple[int, int, str | None]]] = [[]]
+    for s in segs:
+        out[-1].append(s)
+        if len(out) < k and s[1] - first >= total * len(out) / k and s is not segs[-1]:
+            out.append([])
+    return out
+
+
+def _region_chunks(region: list[tuple[int, int, str | None]], size: int, align: int) -> list[tuple[int, int, int]]:
+    """(read from, first byte used, end) of each chunk of one region, front to back: a read starts at a
+    multiple of `align` (O_DIRECT's unit) and spans at most `size` bytes."""
+    out, pos, end = [], region[0][0], region[-1][1]
+    while pos < end:
+        r0 = pos - pos % align
+        hi = min(end, r0 + size)
+        out.append((r0, pos, hi))
+        pos = hi
+    return out
+
+
+def _interleave(per_region: list[list[tuple[int, int, int]]]) -> list[tuple[int, int, int, int]]:
+    """(region, read from, first byte used, end): the regions' chunks taken in turn."""
+    out = []
+    for i in range(max(map(len, per_region), default=0)):
+        out += [(r, *c[i]) for r, c in enumerate(per_region) if i < len(c)]
+    return out
 
 
 class MappedWeights(Mapping):
@@ -531,71 +576,90 @@ class MappedWeights(Mapping):
                 lanes.close()
         self._log_read(done, t0)
 
-    def chunks(self, size: int = CHUNK_BYTES, nbufs: int = 4) -> Iterator[tuple[str, int, bytearray, int, int]]:
+    def chunks(self, size: int = CHUNK_BYTES, nbufs: int | None = None) -> Iterator[tuple[str, int, bytearray, int, int]]:
         """(tensor, offset in the tensor, buffer, start in the buffer, byte count) for every weight, shard by
-        shard, each shard read front to back with `pread` (a large one with O_DIRECT: `_direct`) into
-        `nbufs` reused buffers: no mapping, no page faults (a fifth of the CPU of touching the mapping),
-        memory of `nbufs` chunks. The host side of an
-        upload: use each piece before asking for the next. Hashed as in `stream`, on other threads, while
-        the next chunks are read."""
+        shard, read with `pread` (a large shard with O_DIRECT: `_direct`) into `nbufs` reused buffers (default
+        three per region and one): no mapping, no page faults (a fifth of the CPU of touching the mapping),
+        memory of `nbufs` chunks. The host side of an upload: use each piece before asking for the next.
+
+        A shard is cut at tensor bounds into a few regions of about equal bytes (`_regions`, one per hash
+        lane, at most `MAX_REGIONS`), each read front to back, their chunks taken in turn and read ahead on
+        as many threads (the disk sees a queue of reads, not one at a time). A tensor's sha256 is one
+        sequential stream (one core, ~1.1-1.4 GB/s here, below a fast disk): a region's segments are hashed
+        on its own lane while the other regions' are hashed on theirs, so a shard of a few large tensors is
+        hashed at the lanes' combined speed. Each tensor's pieces still come in order, and the order of
+        every piece is fixed by the shard, the chunk size and the lanes (nothing depends on timing)."""
         from .files import open_regular
 
         t0, done = time.perf_counter(), 0
         prog = _Progress(self.nbytes, "weights read")
-        bufs = [mmap.mmap(-1, size) for _ in range(max(2, nbufs))]  # page-aligned: O_DIRECT reads into them
+        nreg = max(1, min(self.lanes, MAX_REGIONS))
+        bufs = [mmap.mmap(-1, size) for _ in range(max(2, nbufs or 3 * nreg + 1))]  # page-aligned (O_DIRECT)
+        # reads in flight: one per region; the other buffers are the caller's and those being hashed
+        ahead = max(1, min(nreg, len(bufs) - 1 - nreg))
         hashing: list[list[Future]] = [[] for _ in bufs]  # each buffer's hash updates, done before it is refilled
-        lanes = Lanes(self.lanes, 1 << 62) if self.expected is not None else None  # bounded by the buffers
+        lanes = Lanes(nreg, 1 << 62) if self.expected is not None else None  # bounded by the buffers
+        readers = ThreadPoolExecutor(min(nreg, ahead), thread_name_prefix="weights-read")
         try:
             for rel, sh in self.shards.items():
                 size_of = sh.mm.size()
-                segs = segments(sh.data_start, sh.tensors, size_of) if lanes is not None else []
-                streams: list[tuple] = []
+                segs = segments(sh.data_start, sh.tensors, size_of)
+                streams: list[tuple | None] = [None] * len(segs)
                 spans = [s for s in self._mine(rel, sh) if s[1] > s[0]]
                 fd = open_regular(self.path_of(rel), self.error, "weights shard")
                 direct = _direct(self.path_of(rel), fd, size_of, size)
+                reads: dict[int, Future] = {}
                 try:
                     if hasattr(os, "posix_fadvise"):
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                    pos, k, j, g = 0, 0, 0, 0
-                    while pos < size_of:
+                    regions = _regions(segs, nreg)
+                    order = _interleave([_region_chunks(r, size, DIRECT_ALIGN if direct is not None else 1)
+                                         for r in regions])
+                    # per region: its next segment and next span (indices into segs / spans)
+                    at = [[sum(map(len, regions[:r])), 0] for r in range(len(regions))]
+
+                    def start(k: int) -> None:  # read chunk k once its buffer's hashing is done
                         b = k % len(bufs)
                         for f in hashing[b]:
                             f.result()
                         hashing[b].clear()
-                        buf, n = bufs[b], min(size, size_of - pos)
-                        view, got = memoryview(buf), 0
-                        while got < n:
-                            if direct is not None and got % DIRECT_ALIGN == 0:  # whole units, the last one past EOF
-                                r = os.preadv(direct, [view[got:-(-n // DIRECT_ALIGN) * DIRECT_ALIGN]], pos + got)
-                            else:
-                                r = os.preadv(fd, [view[got:n]], pos + got)
-                            if r <= 0:
-                                raise self.error("weights shard changed while it was read (shorter now)",
-                                                 where=str(self.root / rel))
-                            got = min(n, got + r)
-                        while g < len(segs) and segs[g][0] < pos + n:  # the segments this chunk holds bytes of
-                            lo, hi, name = segs[g]
-                            if len(streams) <= g:
-                                streams.append(lanes.stream())
-                            a, e = max(lo, pos), min(hi, pos + n)
-                            fut = lanes.submit(streams[g], view[a - pos:e - pos])
+                        _, r0, _, hi = order[k]
+                        reads[k] = readers.submit(self._read, fd, direct, bufs[b], r0, hi - r0, rel)
+
+                    for k in range(min(ahead, len(order))):
+                        start(k)
+                    for k, (r, r0, lo, hi) in enumerate(order):
+                        reads.pop(k).result()
+                        if k + ahead < len(order):
+                            start(k + ahead)
+                        b = k % len(bufs)
+                        buf, view, cur = bufs[b], memoryview(bufs[b]), at[r]
+                        g = cur[0]
+                        while lanes is not None and g < len(segs) and segs[g][0] < hi:  # this chunk's segments
+                            slo, shi, name = segs[g]
+                            if streams[g] is None:
+                                streams[g] = lanes.stream(r)
+                            fut = lanes.submit(streams[g], view[max(slo, lo) - r0:min(shi, hi) - r0])
                             hashing[b].append(fut)
                             if name is not None:
                                 self._hashed[name] = fut
-                            if hi > pos + n:
+                            if shi > hi:
                                 break
                             g += 1
-                        while j < len(spans) and spans[j][1] <= pos:
+                        cur[0] = g
+                        j = cur[1]
+                        while j < len(spans) and spans[j][1] <= lo:
                             j += 1
-                        i = j
-                        while i < len(spans) and spans[i][0] < pos + n:
-                            lo, hi, name = spans[i]
-                            a, e = max(lo, pos), min(hi, pos + n)
-                            yield name, a - lo, buf, a - pos, e - a
-                            i += 1
-                        prog.add(n)
-                        pos, k = pos + n, k + 1
+                        cur[1] = j
+                        while j < len(spans) and spans[j][0] < hi:
+                            slo, shi, name = spans[j]
+                            a, e = max(slo, lo), min(shi, hi)
+                            yield name, a - slo, buf, a - r0, e - a
+                            j += 1
+                        prog.add(hi - lo)
                 finally:
+                    for f in reads.values():  # nothing may still read into a buffer or from a descriptor
+                        f.exception()
                     os.close(fd)
                     if direct is not None:
                         os.close(direct)
@@ -607,11 +671,25 @@ class MappedWeights(Mapping):
                 if lanes is not None:
                     lanes.drain()
                     self._hashed.clear()
-                    self._check_shard(rel, sh, [(s[2], st[0]) for s, st in zip(segs, streams)])
+                    self._check_shard(rel, sh, [(s[2], st[0]) for s, st in zip(segs, streams) if st is not None])
         finally:
+            readers.shutdown(wait=True, cancel_futures=True)
             if lanes is not None:
                 lanes.close()
         self._log_read(done, t0)
+
+    def _read(self, fd: int, direct: int | None, buf, pos: int, n: int, rel: str) -> None:
+        """Bytes [pos, pos + n) of a shard into the front of `buf`; with `direct`, in whole units (`pos` is
+        one's start; the last unit may run past the end of the file)."""
+        view, got = memoryview(buf), 0
+        while got < n:
+            if direct is not None and got % DIRECT_ALIGN == 0:
+                r = os.preadv(direct, [view[got:-(-n // DIRECT_ALIGN) * DIRECT_ALIGN]], pos + got)
+            else:
+                r = os.preadv(fd, [view[got:n]], pos + got)
+            if r <= 0:
+                raise self.error("weights shard changed while it was read (shorter now)", where=str(self.root / rel))
+            got = min(n, got + r)
 
     def _check_shard(self, rel: str, sh: MappedShard, hashed: list[tuple[str | None, Any]]) -> None:
         """Every tensor the manifest places here against its sha256 (naming it), then the whole shard (its

@@ -221,6 +221,52 @@ def test_the_streaming_readers_give_every_tensor_with_its_hash(tiny_ck, tmp_path
         assert None not in opened and any(os.path.getsize(tmp_path / "a" / r) % 4096 for r in entry["shards"])
 
 
+@pytest.mark.parametrize("fault", [None, "one region", "regions in turn"])
+def test_a_shards_regions_are_read_in_turn_and_hashed_on_their_own_lanes(tiny_ck, tmp_path, monkeypatch, fault):
+    """A tensor's sha256 is one sequential stream (one core, slower than a fast disk), so a shard is cut into
+    a region per hash lane and the regions' chunks are read in turn: every lane hashes about its share of
+    the shard (at most a share plus the largest tensor) and, until a region is done, no lane runs more than
+    two chunks ahead of another (all hash at once). Both faults, one region or the regions one after the
+    other, break that; the tensors and their hashes stay right either way."""
+    lanes, size = 3, 4096
+    entry = weights_artifact(tiny_ck, tmp_path / "a", monkeypatch)
+    if fault == "one region":
+        monkeypatch.setattr(weights_io, "_regions", lambda segs, k: [segs])
+    elif fault == "regions in turn":
+        monkeypatch.setattr(weights_io, "_interleave", lambda per: [(r, *c) for r, cs in enumerate(per) for c in cs])
+    monkeypatch.setattr(weights_io, "default_workers", lambda: lanes)
+    w = load_artifact(tmp_path / "a", defer_weights=True).weights()
+    fed: list[tuple[int, int]] = []  # (lane, bytes) of every hash update, in the order they were handed over
+    real = weights_io.Lanes.submit
+
+    def submit(self, stream, data, done=None):
+        fed.append((self.pools.index(stream[1]), memoryview(data).nbytes))
+        return real(self, stream, data, done)
+    monkeypatch.setattr(weights_io.Lanes, "submit", submit)
+    got: dict[str, bytearray] = {}
+    for n, off, buf, start, k in w.chunks(size=size):
+        t = got.setdefault(n, bytearray())
+        assert off == len(t)
+        t += buf[start: start + k]
+    w.close()
+    assert {n: hashlib.sha256(b).hexdigest() for n, b in got.items()} == \
+        {n: t["sha256"] for n, t in entry["tensors"].items() if math.prod(t["shape"])}
+    (shard,) = entry["shards"]
+    total = os.path.getsize(tmp_path / "a" / shard)
+    largest = max(math.prod(t["shape"]) * {"fp32": 4, "bf16": 2, "i64": 8}.get(t["dtype"], 1)
+                  for t in entry["tensors"].values())
+    per = [sum(n for i, n in fed if i == lane) for lane in range(lanes)]
+    assert sum(per) == total and total > 2 * lanes * largest  # every byte hashed once; a share is tensors
+    balanced = all(p <= total / lanes + largest for p in per)
+    sums, gap = [0] * lanes, 0
+    for lane, n in fed:
+        if any(s == p for s, p in zip(sums, per)):
+            break  # a region is done: the others go on without it
+        sums[lane] += n
+        gap = max(gap, max(sums) - min(sums))
+    assert (balanced and gap <= 2 * size) == (fault is None), (per, gap)
+
+
 def test_a_flipped_byte_in_any_tensor_is_named(tiny_ck, tmp_path, monkeypatch):
     """A flipped byte in a tensor (the first, the largest and two random ones, at a random place) is one
     ArtifactError naming the tensor and its shard, from both streaming readers, and naming the shard from
