@@ -401,6 +401,62 @@ def test_writing_and_loading_need_memory_for_a_chunk_not_the_checkpoint(mid_ck, 
         assert len(r.stdout.split()) == (0 if mode == "holding writer" else 1)  # it broke in the step it broke
 
 
+RANKS = textwrap.dedent('''
+    import json, sys
+    import torch
+    torch.set_num_threads(1)
+    from pathlib import Path
+    from v4compile import driver, weights_io
+    from v4compile.checkpoint import Checkpoint
+    from v4compile.passes.base import get_pass
+    from v4compile.trace import TraceOptions, trace
+    weights_io.CHUNK_BYTES, weights_io.WINDOW_BYTES, weights_io.WRITE_BUFFER = 1 << 20, 4 << 20, 1 << 20
+    def status(key):
+        return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key)) * 1024
+    ck = Checkpoint.open(sys.argv[1]).validate()
+    m = trace(ck.cfg, TraceOptions(decode_batch=1, dtype="bf16"), functions=("decode",), formats=ck.stored_formats())
+    grew = {}
+    for run in ("warm-up ep2", "ep2", "ep4", "ep4 unshared"):  # the first run's arena growth is no rank's
+        pm = get_pass("partition", {"tp": 1, "ep": int(run.split("ep")[1][0])}).run(m).module
+        writers, real = None, driver.write_weights
+        if run.endswith("unshared"):  # broken: every rank at once, each with a whole writer's memory
+            driver.write_weights, writers = (lambda *a, share=1, **k: real(*a, **k)), 4
+        rss = status("VmRSS")
+        open("/proc/self/clear_refs", "w").write("5")  # the peak RSS starts again from here
+        driver.write_rank_weights(pm, ck, Path(sys.argv[2]) / run, writers=writers)
+        grew[run] = status("VmHWM") - rss
+        driver.write_weights = real
+    print(json.dumps(grew))
+''')
+
+
+def test_rank_writers_need_the_memory_of_one_whatever_the_ranks(tmp_path):
+    """Each rank's shards are written by its own worker, RANK_WRITERS at a time sharing one writer's window,
+    backlog and threads: writing 4 ranks' shards (ep 4) grows the peak RSS as much as 2 ranks' (ep 2), give
+    or take one stacked expert weight (8 MB: a conversion holds it whole, and which conversions overlap is
+    timing), and the same 4 ranks written by 4 writers that each take a whole writer's memory (the broken
+    variant) grow it by three such weights more, with the same bytes. Freed blocks of 1 MiB and more go
+    back to the system at once (glibc's threshold fixed), so the peak is what the writers hold, not what
+    the allocator keeps after raising its threshold (measured: 22-28 MB at ep 2 and ep 4, 74-81 MB broken)."""
+    from v4compile.config import CSA
+
+    ck = stored_checkpoint(tmp_path / "ck", mid_cfg().replace(n_layers=1, layer_kinds=(CSA,), n_hash_layers=0,
+                                                                n_experts=8))
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", RANKS, str(ck), str(tmp_path / "out")], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    grew = json.loads(r.stdout)
+    cfg = json.loads((ck / "config.json").read_text())
+    stack = cfg["n_routed_experts"] * cfg["dim"] * cfg["moe_inter_dim"]  # FP8: a byte per weight
+    assert grew["ep4"] <= grew["ep2"] + stack and grew["ep4 unshared"] > grew["ep2"] + 3 * stack, (grew, stack)
+    shared, unshared = (sorted(p.relative_to(tmp_path / "out" / run) for p in (tmp_path / "out" / run).rglob("*.safetensors"))
+                        for run in ("ep4", "ep4 unshared"))
+    assert shared == unshared and len({p.parts[1] for p in shared}) == 4
+    assert all((tmp_path / "out" / "ep4" / p).read_bytes() == (tmp_path / "out" / "ep4 unshared" / p).read_bytes()
+               for p in shared)
+
+
 def test_the_copy_paths_nan_bit_test_is_isfinite_on_every_pattern():
     """Copied bytes are checked on their bits: the answer is torch's isfinite for every fp8 and bf16
     pattern, 20k random fp32 ones, and every E8M0 byte (0xFF is its NaN)."""
