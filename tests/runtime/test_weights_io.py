@@ -401,6 +401,47 @@ def test_writing_and_loading_need_memory_for_a_chunk_not_the_checkpoint(mid_ck, 
         assert len(r.stdout.split()) == (0 if mode == "holding writer" else 1)  # it broke in the step it broke
 
 
+@pytest.mark.parametrize("fault", [None, "one rank at a time", "bytes depend on the writer"])
+def test_each_rank_is_written_by_its_own_worker_and_the_bytes_do_not_depend_on_them(tiny_ck, tmp_path, monkeypatch,
+                                                                                       fault):
+    """tiny partitioned over ep 2: with 2 writers the two ranks' shards are written at once (each
+    rank's writer waits at a barrier for the other's), and every file and manifest entry is the same with 1
+    writer as with 2. Faults: writers that take the ranks one after the other never meet at the barrier; a
+    writer whose shards record which worker wrote them gives other bytes."""
+    import threading
+
+    from v4compile import driver
+    from v4compile.passes.base import get_pass
+    from v4compile.trace import trace
+
+    ck = Checkpoint.open(tiny_ck)
+    m = trace(ck.cfg, TraceOptions(decode_batch=1, dtype="bf16"), functions=("decode",), formats=ck.stored_formats())
+    m = get_pass("partition", {"tp": 1, "ep": 2}).run(m).module
+    real_write, real_header = driver.write_weights, weights_io.shard_header
+    met = threading.Barrier(2, timeout=1 if fault == "one rank at a time" else 60)
+    if fault == "one rank at a time":
+        monkeypatch.setattr(driver, "RANK_WRITERS", 1)
+    if fault == "bytes depend on the writer":
+        monkeypatch.setattr(weights_io, "shard_header", lambda g: real_header(g)[:-1] + threading.current_thread().name[-1:].encode())
+    out = {}
+    for writers in (2, 1):
+        def meeting(*a, **k):
+            if writers == 2:
+                met.wait()  # both ranks' writers are running
+            return real_write(*a, **k)
+        monkeypatch.setattr(driver, "write_weights", meeting)
+        d = tmp_path / f"w{writers}"
+        if fault == "one rank at a time" and writers == 2:
+            with pytest.raises(threading.BrokenBarrierError):
+                driver.write_rank_weights(m, ck, d)
+            return
+        got = driver.write_rank_weights(m, ck, d, writers=None if writers == 2 else 1)
+        out[writers] = got, {p.relative_to(d): p.read_bytes() for p in sorted(d.rglob("*.safetensors"))}
+    (w2, files2), (w1, files1) = out[2], out[1]
+    assert len(files2) >= 2 and {p.parts[1] for p in files2} == {"rank-0", "rank-1"}
+    assert (w2 == w1 and files2 == files1) == (fault is None)
+
+
 RANKS = textwrap.dedent('''
     import json, sys
     import torch
