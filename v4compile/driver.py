@@ -26,6 +26,7 @@ from .parallel import ParallelLayout
 from .rank_weights import RankTensors, rank_weights_module
 from .targets import GPU_TARGETS
 from .timing import Stages
+from .weights_io import WriteStopped
 
 SHARD_BYTES = 1 << 30  # 1 GiB of tensor data per weights shard
 CPU_PROGRAM = "program.txt"  # an artifact without GPU targets: the program the host device runs
@@ -91,17 +92,28 @@ def write_rank_weights(module: Module, source, tmp: Path, writers: int | None = 
     layout = ParallelLayout.of(module)
     writers = max(1, min(layout.world, writers or RANK_WRITERS))
     rank_module = rank_weights_module(module)
-    stop = threading.Event()  # set when this thread stops waiting (an error, an interrupt): the others stop too
+    stop = threading.Event()  # set on the first error (or an interrupt here): every other writer stops
+    failed: list[BaseException] = []  # the writers' own errors, first first
 
     def one(r: int) -> tuple[dict[str, Any], dict[str, str]]:
         rel = f"weights/rank-{r}"
-        (tmp / rel).mkdir(parents=True)
-        return write_weights(rank_module, RankTensors(module, source, r), tmp / rel, rel=rel, share=writers, stop=stop)
+        try:
+            (tmp / rel).mkdir(parents=True)
+            return write_weights(rank_module, RankTensors(module, source, r), tmp / rel, rel=rel, share=writers,
+                                 stop=stop)
+        except WriteStopped:
+            raise
+        except BaseException as e:
+            failed.append(e)
+            stop.set()
+            raise
 
     pool = ThreadPoolExecutor(writers, thread_name_prefix="rank-weights")
     try:
         futures = [pool.submit(one, r) for r in range(layout.world)]
-        done = [f.result() for f in futures]  # in rank order; the first error is raised here
+        done = [f.result() for f in futures]  # in rank order
+    except WriteStopped:  # this rank stopped because another failed: that error is the one to report
+        raise failed[0] from None
     except BaseException:
         stop.set()
         raise

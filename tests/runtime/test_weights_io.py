@@ -442,6 +442,37 @@ def test_each_rank_is_written_by_its_own_worker_and_the_bytes_do_not_depend_on_t
     assert (w2 == w1 and files2 == files1) == (fault is None)
 
 
+@pytest.mark.parametrize("fault", [None, "errors in rank order"])
+def test_a_rank_writer_that_fails_stops_the_others_and_its_error_is_the_one_raised(tiny_ck, monkeypatch, tmp_path,
+                                                                                      fault):
+    """Rank 1's source fails on its first tensor while rank 0 is still writing: rank 0's writer stops at
+    its next chunk, and the error raised is rank 1's own (naming its tensor), not rank 0's stop. The fault,
+    reporting the writers' outcomes in rank order, raises rank 0's stop instead."""
+    import threading
+
+    from v4compile import driver, rank_weights
+    from v4compile.passes.base import get_pass
+    from v4compile.trace import trace
+
+    ck = Checkpoint.open(tiny_ck)
+    m = trace(ck.cfg, TraceOptions(decode_batch=1, dtype="bf16"), functions=("decode",), formats=ck.stored_formats())
+    m = get_pass("partition", {"tp": 1, "ep": 2}).run(m).module
+    real, rank1_failed = rank_weights.RankTensors.__getitem__, threading.Event()
+
+    def get(self, name):
+        if self.rank == 1:
+            rank1_failed.set()
+            raise CheckpointError("unreadable", where=name)
+        assert rank1_failed.wait(60)  # rank 0 is mid-way when rank 1 fails
+        return real(self, name)
+    monkeypatch.setattr(rank_weights.RankTensors, "__getitem__", get)
+    if fault:
+        monkeypatch.setattr(driver, "WriteStopped", type("NeverRaised", (Exception,), {}))
+    with pytest.raises(Exception) as e:
+        driver.write_rank_weights(m, ck, tmp_path)
+    assert (type(e.value) is CheckpointError and "unreadable" in str(e.value)) == (fault is None), repr(e.value)
+
+
 RANKS = textwrap.dedent('''
     import json, sys
     import torch
