@@ -22,10 +22,10 @@ Writing (`plan_weights`, `write_shards`):
 
 Reading (`MappedWeights`, from `Artifact.weights()`): each shard is mapped; `stream()` gives every
 tensor as a zero-copy view (the cpu device keeps them as ONNX Runtime initializers), `chunks()` reads
-each shard front to back into a few reused buffers (an upload to a device or to the C runtime's host
-memory: no page faults, a few chunks of memory). Both hash each shard's segments on hash threads as they
-go, when the load deferred that check (`load_artifact(defer_weights=True)`), so every byte is read once,
-and check each tensor against its sha256 (naming it) and the shard against its digest.
+each shard into a few reused buffers, in a region per hash lane read in turn (an upload to a device or to
+the C runtime's host memory: no page faults, a few chunks of memory). Both hash each shard's segments on
+hash threads as they go, when the load deferred that check (`load_artifact(defer_weights=True)`), so every
+byte is read once, and check each tensor against its sha256 (naming it) and the shard against its digest.
 """
 
 from __future__ import annotations
@@ -501,11 +501,11 @@ def _interleave(per_region: list[list[tuple[int, int, int]]]) -> list[tuple[int,
 
 class MappedWeights(Mapping):
     """An artifact's weights, mapped: name -> a torch view of its shard's mapping (no copy). `stream()` and
-    `chunks()` visit them shard by shard in file order; when `expected` gives the shards' digests
-    (`shard_digest`), they hash every segment of each shard on `lanes` threads as they go and check each
-    tensor's sha256 (the manifest's) and the shard's digest, so a verified load reads every byte once;
-    `release(name)` drops a tensor's pages from the process once it has been copied elsewhere (they stay in
-    the page cache)."""
+    `chunks()` visit them shard by shard (`stream()` in file order, `chunks()` each tensor's pieces in
+    order); when `expected` gives the shards' digests (`shard_digest`), they hash every segment of each
+    shard on `lanes` threads as they go and check each tensor's sha256 (the manifest's) and the shard's
+    digest, so a verified load reads every byte once; `release(name)` drops a tensor's pages from the
+    process once it has been copied elsewhere (they stay in the page cache)."""
 
     def __init__(self, root: Path, tensors: dict[str, dict[str, Any]], error: type,
                  expected: dict[str, str] | None = None, path_of=None, lanes: int | None = None):

@@ -401,6 +401,16 @@ def test_writing_and_loading_need_memory_for_a_chunk_not_the_checkpoint(mid_ck, 
         assert len(r.stdout.split()) == (0 if mode == "holding writer" else 1)  # it broke in the step it broke
 
 
+def ep2_module(ck_dir: Path):
+    """(the checkpoint, its decode module partitioned over ep 2): two ranks' weights to write."""
+    from v4compile.passes.base import get_pass
+    from v4compile.trace import trace
+
+    ck = Checkpoint.open(ck_dir)
+    m = trace(ck.cfg, TraceOptions(decode_batch=1, dtype="bf16"), functions=("decode",), formats=ck.stored_formats())
+    return ck, get_pass("partition", {"tp": 1, "ep": 2}).run(m).module
+
+
 @pytest.mark.parametrize("fault", [None, "one rank at a time", "bytes depend on the writer"])
 def test_each_rank_is_written_by_its_own_worker_and_the_bytes_do_not_depend_on_them(tiny_ck, tmp_path, monkeypatch,
                                                                                        fault):
@@ -411,12 +421,8 @@ def test_each_rank_is_written_by_its_own_worker_and_the_bytes_do_not_depend_on_t
     import threading
 
     from v4compile import driver
-    from v4compile.passes.base import get_pass
-    from v4compile.trace import trace
 
-    ck = Checkpoint.open(tiny_ck)
-    m = trace(ck.cfg, TraceOptions(decode_batch=1, dtype="bf16"), functions=("decode",), formats=ck.stored_formats())
-    m = get_pass("partition", {"tp": 1, "ep": 2}).run(m).module
+    ck, m = ep2_module(tiny_ck)
     real_write, real_header = driver.write_weights, weights_io.shard_header
     met = threading.Barrier(2, timeout=1 if fault == "one rank at a time" else 60)
     if fault == "one rank at a time":
@@ -451,12 +457,8 @@ def test_a_rank_writer_that_fails_stops_the_others_and_its_error_is_the_one_rais
     import threading
 
     from v4compile import driver, rank_weights
-    from v4compile.passes.base import get_pass
-    from v4compile.trace import trace
 
-    ck = Checkpoint.open(tiny_ck)
-    m = trace(ck.cfg, TraceOptions(decode_batch=1, dtype="bf16"), functions=("decode",), formats=ck.stored_formats())
-    m = get_pass("partition", {"tp": 1, "ep": 2}).run(m).module
+    ck, m = ep2_module(tiny_ck)
     real, rank1_failed = rank_weights.RankTensors.__getitem__, threading.Event()
 
     def get(self, name):
