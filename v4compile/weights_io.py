@@ -467,36 +467,53 @@ def _direct(path, fd: int, nbytes: int, chunk: int) -> int | None:
     return None
 
 
-def _regions(segs: list[tuple[int, int, str | None]], k: int) -> list[list[tuple[int, int, str | None]]]:
-    """A shard's segments (file order) cut at their bounds into at most `k` runs of about equal bytes: each
+def _regions(units: list, sizes: list[int], k: int) -> list[list]:
+    """`units` (segments, in file order, of `sizes` bytes) cut into at most `k` runs of about equal bytes: each
     run ends at the first bound at or past its share (a segment larger than a share stays whole)."""
-    first, total = segs[0][0], segs[-1][1] - segs[0][0]
-    out: list[list[tuple[int, int, str | None]]] = [[]]
-    for s in segs:
-        out[-1].append(s)
-        if len(out) < k and s[1] - first >= total * len(out) / k and s is not segs[-1]:
+    total, done = sum(sizes), 0
+    out: list[list] = [[]]
+    for n, (u, size) in enumerate(zip(units, sizes)):
+        out[-1].append(u)
+        done += size
+        if len(out) < k and done >= total * len(out) / k and n < len(units) - 1:
             out.append([])
     return out
 
 
-def _region_chunks(region: list[tuple[int, int, str | None]], size: int, align: int) -> list[tuple[int, int, int]]:
-    """(read from, first byte used, end) of each chunk of one region, front to back: a read starts at a
-    multiple of `align` (O_DIRECT's unit) and spans at most `size` bytes."""
-    out, pos, end = [], region[0][0], region[-1][1]
-    while pos < end:
-        r0 = pos - pos % align
-        hi = min(end, r0 + size)
-        out.append((r0, pos, hi))
-        pos = hi
+def _region_chunks(run: list[tuple[int, int, str | None]], shard: list[int], size: int, align: int
+                   ) -> list[tuple[int, int, int, int]]:
+    """(shard, read from, first byte used, end) of each chunk of one region (its segments `run`, each in
+    shard `shard[n]`), front to back: a chunk stays in one shard, starts its read at a multiple of `align`
+    (O_DIRECT's unit) and spans at most `size` bytes."""
+    out: list[tuple[int, int, int, int]] = []
+    n = 0
+    while n < len(run):
+        m = n  # the segments of this shard that follow each other in the run
+        while m + 1 < len(run) and shard[m + 1] == shard[n] and run[m + 1][0] == run[m][1]:
+            m += 1
+        pos, end = run[n][0], run[m][1]
+        while pos < end:
+            r0 = pos - pos % align
+            hi = min(end, r0 + size)
+            out.append((shard[n], r0, pos, hi))
+            pos = hi
+        n = m + 1
     return out
 
 
-def _interleave(per_region: list[list[tuple[int, int, int]]]) -> list[tuple[int, int, int, int]]:
-    """(region, read from, first byte used, end): the regions' chunks taken in turn."""
-    out = []
-    for i in range(max(map(len, per_region), default=0)):
-        out += [(r, *c[i]) for r, c in enumerate(per_region) if i < len(c)]
-    return out
+def _interleave(per_region: list[list[tuple]]) -> list[tuple]:
+    """(region, *chunk): each next chunk from the region with the fewest bytes taken so far (ties: the first),
+    so every lane has about as much to hash as the others (a chunk is (..., first byte used, end))."""
+    heads, taken, out = [0] * len(per_region), [0] * len(per_region), []
+    while True:
+        live = [r for r, c in enumerate(per_region) if heads[r] < len(c)]
+        if not live:
+            return out
+        r = min(live, key=lambda r: (taken[r], r))
+        c = per_region[r][heads[r]]
+        heads[r] += 1
+        taken[r] += c[-1] - c[-2]
+        out.append((r, *c))
 
 
 class MappedWeights(Mapping):
@@ -577,21 +594,25 @@ class MappedWeights(Mapping):
         self._log_read(done, t0)
 
     def chunks(self, size: int = CHUNK_BYTES, nbufs: int | None = None) -> Iterator[tuple[str, int, bytearray, int, int]]:
-        """(tensor, offset in the tensor, buffer, start in the buffer, byte count) for every weight, shard by
-        shard, read with `pread` (a large shard with O_DIRECT: `_direct`) into `nbufs` reused buffers (default
-        three per region and one): no mapping, no page faults (a fifth of the CPU of touching the mapping),
-        memory of `nbufs` chunks. The host side of an upload: use each piece before asking for the next.
+        """(tensor, offset in the tensor, buffer, start in the buffer, byte count) for every weight, read with
+        `pread` (a large shard with O_DIRECT: `_direct`) into `nbufs` reused buffers (default three per region
+        and one): no mapping, no page faults (a fifth of the CPU of touching the mapping), memory of `nbufs`
+        chunks. The host side of an upload: use each piece before asking for the next.
 
-        A shard is cut at tensor bounds into a few regions of about equal bytes (`_regions`, one per hash
-        lane, at most `MAX_REGIONS`), each read front to back, their chunks taken in turn and read ahead on
-        as many threads (the disk sees a queue of reads, not one at a time). A tensor's sha256 is one
-        sequential stream (one core, ~1.1-1.4 GB/s here, below a fast disk): a region's segments are hashed
-        on its own lane while the other regions' are hashed on theirs, so a shard of a few large tensors is
-        hashed at the lanes' combined speed. Each tensor's pieces still come in order, and the order of
-        every piece is fixed by the shard, the chunk size and the lanes (nothing depends on timing)."""
+        The shards' segments, in file order, are cut at their bounds into a few regions of about equal bytes
+        (`_regions`, one per hash lane, at most `MAX_REGIONS`; a region may span shards, a shard regions),
+        each read front to back, their chunks taken in turn (`_interleave`) and read ahead on as many threads
+        (the disk sees a queue of reads, not one at a time). A tensor's sha256 is one sequential stream (one
+        core, ~1.1-1.4 GB/s here, below a fast disk): a region's segments are hashed on its own lane while
+        the others' are hashed on theirs, so a few large tensors (or shards of one tensor each) are hashed at
+        the lanes' combined speed. Each tensor's pieces still come in order, each shard is checked once its last chunk
+        has been used, and the order of every piece is fixed by the shards, the chunk size and the lanes
+        (nothing depends on timing)."""
+        from bisect import bisect_right
+
         from .files import open_regular
 
-        t0, done = time.perf_counter(), 0
+        t0 = time.perf_counter()
         prog = _Progress(self.nbytes, "weights read")
         nreg = max(1, min(self.lanes, MAX_REGIONS))
         bufs = [mmap.mmap(-1, size) for _ in range(max(2, nbufs or 3 * nreg + 1))]  # page-aligned (O_DIRECT)
@@ -600,83 +621,90 @@ class MappedWeights(Mapping):
         hashing: list[list[Future]] = [[] for _ in bufs]  # each buffer's hash updates, done before it is refilled
         lanes = Lanes(nreg, 1 << 62) if self.expected is not None else None  # bounded by the buffers
         readers = ThreadPoolExecutor(min(nreg, ahead), thread_name_prefix="weights-read")
+        shards = list(self.shards.items())
+        segs = [segments(sh.data_start, sh.tensors, sh.mm.size()) for _, sh in shards]
+        starts = [[g[0] for g in sg] for sg in segs]
+        spans = [[t for t in self._mine(rel, sh) if t[1] > t[0]] for rel, sh in shards]
+        streams: list[list[tuple | None]] = [[None] * len(sg) for sg in segs]
+        hashed: list[list[Future]] = [[] for _ in shards]  # each shard's hash updates, done before its check
+        align = DIRECT_ALIGN if size % DIRECT_ALIGN == 0 else 1  # reads start at whole units (O_DIRECT or not)
+        units = [(i, g) for i, sg in enumerate(segs) for g in range(len(sg))]
+        order = _interleave([_region_chunks([segs[i][g] for i, g in run], [i for i, _ in run], size, align)
+                             for run in _regions(units, [segs[i][g][1] - segs[i][g][0] for i, g in units], nreg)])
+        left = [0] * len(shards)  # chunks of each shard not yet used
+        for c in order:
+            left[c[1]] += 1
+        fds: dict[int, tuple[int, int | None]] = {}  # shard -> (descriptor, O_DIRECT descriptor or None), while read
+        reads: dict[int, Future] = {}
+
+        def start(k: int) -> None:  # read chunk k once its buffer's hashing is done
+            b = k % len(bufs)
+            for f in hashing[b]:
+                f.result()
+            hashing[b].clear()
+            _, i, r0, _, hi = order[k]
+            if i not in fds:
+                path = self.path_of(shards[i][0])
+                fd = open_regular(path, self.error, "weights shard")
+                fds[i] = fd, None  # (closed below whatever happens next)
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                fds[i] = fd, _direct(path, fd, shards[i][1].mm.size(), size)
+            reads[k] = readers.submit(self._read, *fds[i], bufs[b], r0, hi - r0, shards[i][0])
+
         try:
-            for rel, sh in self.shards.items():
-                size_of = sh.mm.size()
-                segs = segments(sh.data_start, sh.tensors, size_of)
-                streams: list[tuple | None] = [None] * len(segs)
-                spans = [s for s in self._mine(rel, sh) if s[1] > s[0]]
-                fd = open_regular(self.path_of(rel), self.error, "weights shard")
-                direct = _direct(self.path_of(rel), fd, size_of, size)
-                reads: dict[int, Future] = {}
-                try:
-                    if hasattr(os, "posix_fadvise"):
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                    regions = _regions(segs, nreg)
-                    order = _interleave([_region_chunks(r, size, DIRECT_ALIGN if direct is not None else 1)
-                                         for r in regions])
-                    # per region: its next segment and next span (indices into segs / spans)
-                    at = [[sum(map(len, regions[:r])), 0] for r in range(len(regions))]
-
-                    def start(k: int) -> None:  # read chunk k once its buffer's hashing is done
-                        b = k % len(bufs)
-                        for f in hashing[b]:
+            for k in range(min(ahead, len(order))):
+                start(k)
+            for k, (r, i, r0, lo, hi) in enumerate(order):
+                reads.pop(k).result()
+                if k + ahead < len(order):
+                    start(k + ahead)
+                b = k % len(bufs)
+                buf, view = bufs[b], memoryview(bufs[b])
+                g = bisect_right(starts[i], lo) - 1
+                while lanes is not None and g < len(segs[i]) and segs[i][g][0] < hi:  # this chunk's segments
+                    slo, shi, name = segs[i][g]
+                    if streams[i][g] is None:
+                        streams[i][g] = lanes.stream(r)
+                    fut = lanes.submit(streams[i][g], view[max(slo, lo) - r0:min(shi, hi) - r0])
+                    hashing[b].append(fut)
+                    hashed[i].append(fut)
+                    if name is not None:
+                        self._hashed[name] = fut
+                    g += 1
+                sp = spans[i]
+                j = max(0, bisect_right(sp, (lo, float("inf"))) - 1)
+                while j < len(sp) and sp[j][0] < hi:
+                    slo, shi, name = sp[j]
+                    if shi > lo:
+                        a, e = max(slo, lo), min(shi, hi)
+                        yield name, a - slo, buf, a - r0, e - a
+                    j += 1
+                prog.add(hi - lo)
+                left[i] -= 1
+                if left[i] == 0:  # the shard's last chunk: every read of it is done
+                    for fd in fds.pop(i):
+                        if fd is not None:
+                            os.close(fd)
+                    if lanes is not None:
+                        for f in hashed[i]:
                             f.result()
-                        hashing[b].clear()
-                        _, r0, _, hi = order[k]
-                        reads[k] = readers.submit(self._read, fd, direct, bufs[b], r0, hi - r0, rel)
-
-                    for k in range(min(ahead, len(order))):
-                        start(k)
-                    for k, (r, r0, lo, hi) in enumerate(order):
-                        reads.pop(k).result()
-                        if k + ahead < len(order):
-                            start(k + ahead)
-                        b = k % len(bufs)
-                        buf, view, cur = bufs[b], memoryview(bufs[b]), at[r]
-                        g = cur[0]
-                        while lanes is not None and g < len(segs) and segs[g][0] < hi:  # this chunk's segments
-                            slo, shi, name = segs[g]
-                            if streams[g] is None:
-                                streams[g] = lanes.stream(r)
-                            fut = lanes.submit(streams[g], view[max(slo, lo) - r0:min(shi, hi) - r0])
-                            hashing[b].append(fut)
-                            if name is not None:
-                                self._hashed[name] = fut
-                            if shi > hi:
-                                break
-                            g += 1
-                        cur[0] = g
-                        j = cur[1]
-                        while j < len(spans) and spans[j][1] <= lo:
-                            j += 1
-                        cur[1] = j
-                        while j < len(spans) and spans[j][0] < hi:
-                            slo, shi, name = spans[j]
-                            a, e = max(slo, lo), min(shi, hi)
-                            yield name, a - slo, buf, a - r0, e - a
-                            j += 1
-                        prog.add(hi - lo)
-                finally:
-                    for f in reads.values():  # nothing may still read into a buffer or from a descriptor
-                        f.exception()
-                    os.close(fd)
-                    if direct is not None:
-                        os.close(direct)
-                for h in hashing:
-                    for f in h:
-                        f.result()
-                    h.clear()
-                done += size_of
-                if lanes is not None:
-                    lanes.drain()
-                    self._hashed.clear()
-                    self._check_shard(rel, sh, [(s[2], st[0]) for s, st in zip(segs, streams) if st is not None])
+                        hashed[i].clear()
+                        rel, sh = shards[i]
+                        self._check_shard(rel, sh, [(s[2], st[0]) for s, st in zip(segs[i], streams[i])])
+                        for _, _, name in segs[i]:
+                            self._hashed.pop(name, None)
         finally:
+            for f in reads.values():  # nothing may still read into a buffer or from a descriptor
+                f.exception()
+            for pair in fds.values():
+                for fd in pair:
+                    if fd is not None:
+                        os.close(fd)
             readers.shutdown(wait=True, cancel_futures=True)
             if lanes is not None:
                 lanes.close()
-        self._log_read(done, t0)
+        self._log_read(sum(sh.mm.size() for _, sh in shards), t0)
 
     def _read(self, fd: int, direct: int | None, buf, pos: int, n: int, rel: str) -> None:
         """Bytes [pos, pos + n) of a shard into the front of `buf`; with `direct`, in whole units (`pos` is

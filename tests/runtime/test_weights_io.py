@@ -221,17 +221,25 @@ def test_the_streaming_readers_give_every_tensor_with_its_hash(tiny_ck, tmp_path
         assert None not in opened and any(os.path.getsize(tmp_path / "a" / r) % 4096 for r in entry["shards"])
 
 
-@pytest.mark.parametrize("fault", [None, "one region", "regions in turn"])
-def test_a_shards_regions_are_read_in_turn_and_hashed_on_their_own_lanes(tiny_ck, tmp_path, monkeypatch, fault):
-    """A tensor's sha256 is one sequential stream (one core, slower than a fast disk), so a shard is cut into
-    a region per hash lane and the regions' chunks are read in turn: every lane hashes about its share of
-    the shard (at most a share plus the largest tensor) and, until a region is done, no lane runs more than
-    two chunks ahead of another (all hash at once). Both faults, one region or the regions one after the
-    other, break that; the tensors and their hashes stay right either way."""
+@pytest.mark.parametrize("shards, fault", [("one", None), ("many", None), ("many", "one region"),
+                                           ("one", "regions in turn")])
+def test_the_shards_regions_are_read_in_turn_and_hashed_on_their_own_lanes(tiny_ck, tmp_path, monkeypatch, shards,
+                                                                           fault):
+    """A tensor's sha256 is one sequential stream (one core, slower than a fast disk), so the shards are cut
+    into a region per hash lane (inside one shard, or across shards of a tensor or two each) and the regions'
+    chunks are read in turn: every lane hashes about its share of the bytes (at most a share plus the
+    largest tensor) and, until a region is done, no lane runs more than two chunks ahead of another (all
+    hash at once). Both faults, one region or the regions one after the other, break that; the tensors and
+    their hashes stay right either way."""
+    from v4compile import driver
+
     lanes, size = 3, 4096
+    if shards == "many":
+        monkeypatch.setattr(driver, "SHARD_BYTES", 64 << 10)
     entry = weights_artifact(tiny_ck, tmp_path / "a", monkeypatch)
+    assert (len(entry["shards"]) > 6) == (shards == "many")
     if fault == "one region":
-        monkeypatch.setattr(weights_io, "_regions", lambda segs, k: [segs])
+        monkeypatch.setattr(weights_io, "_regions", lambda units, sizes, k: [units])
     elif fault == "regions in turn":
         monkeypatch.setattr(weights_io, "_interleave", lambda per: [(r, *c) for r, cs in enumerate(per) for c in cs])
     monkeypatch.setattr(weights_io, "default_workers", lambda: lanes)
@@ -251,8 +259,7 @@ def test_a_shards_regions_are_read_in_turn_and_hashed_on_their_own_lanes(tiny_ck
     w.close()
     assert {n: hashlib.sha256(b).hexdigest() for n, b in got.items()} == \
         {n: t["sha256"] for n, t in entry["tensors"].items() if math.prod(t["shape"])}
-    (shard,) = entry["shards"]
-    total = os.path.getsize(tmp_path / "a" / shard)
+    total = sum(os.path.getsize(tmp_path / "a" / rel) for rel in entry["shards"])
     largest = max(math.prod(t["shape"]) * {"fp32": 4, "bf16": 2, "i64": 8}.get(t["dtype"], 1)
                   for t in entry["tensors"].values())
     per = [sum(n for i, n in fed if i == lane) for lane in range(lanes)]
