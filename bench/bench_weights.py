@@ -21,10 +21,10 @@ Steps, each in a fresh process:
 4. load, after the shards are dropped from the page cache, hashed against the manifest as read (`--loads`
    times: the median is the table's, every run is listed) and not; the weights' rate is timed from the
    weights' first read (the manifest and the other files' checks before it are listed as the fixed cost):
-   `stream` is the host side of a GPU load (`MappedWeights.chunks`: every shard read, a region per hash lane, into a few
-   reused chunk buffers, the pieces a driver copy would take; the copy itself is not made here); `host` is
-   `v4compile.load(DIR, device="host")`, whose C runtime keeps the weights in host memory (its RSS is the
-   weights plus a constant, by design).
+   `stream` is the host side of a GPU load (`MappedWeights.chunks`: the shards read in a region per hash
+   lane, into a few reused chunk buffers, the pieces a driver copy would take; the copy itself is not made
+   here); `host` is `v4compile.load(DIR, device="host")`, whose C runtime keeps the weights in host memory
+   (its RSS is the weights plus a constant, by design).
 """
 
 from __future__ import annotations
