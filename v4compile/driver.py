@@ -26,6 +26,7 @@ from .parallel import ParallelLayout
 from .rank_weights import RankTensors, rank_weights_module
 from .targets import GPU_TARGETS
 from .timing import Stages
+from .weights_io import WriteStopped
 
 SHARD_BYTES = 1 << 30  # 1 GiB of tensor data per weights shard
 CPU_PROGRAM = "program.txt"  # an artifact without GPU targets: the program the host device runs
@@ -61,29 +62,65 @@ def trace_buckets(cfg, options, buckets: Buckets, formats: dict | None = None, s
 
 # ---- weights ------------------------------------------------------------------------------------
 
-def write_weights(module: Module, source, wdir: Path, workers: int | None = None, rel: str = "weights"
-                  ) -> tuple[dict[str, Any], dict[str, str]]:
+def write_weights(module: Module, source, wdir: Path, workers: int | None = None, rel: str = "weights",
+                  share: int = 1, stop=None) -> tuple[dict[str, Any], dict[str, str]]:
     """Shards of IR weights (at most SHARD_BYTES each; see `weights_io`: stored bytes copied where they
     are what the kernels read, converted otherwise, every file and tensor hashed as it is written).
-    Returns the manifest's `weights` entry (each tensor with its `sha256`) and the shards' digests."""
+    Returns the manifest's `weights` entry (each tensor with its `sha256`) and the shards' digests.
+    `share`, `stop`: one of that many writers at once, stopping when `stop` is set (`weights_io.write_shards`)."""
     from .weights_io import plan_weights, write_shards
 
-    w = write_shards(plan_weights(module, source), source, wdir, SHARD_BYTES, workers=workers, rel=rel)
+    w = write_shards(plan_weights(module, source), source, wdir, SHARD_BYTES, workers=workers, rel=rel, share=share,
+                     stop=stop)
     return {"layout": "ir", "shards": w.files, "tensors": dict(sorted(w.tensors.items()))}, w.file_digest
 
 
-def write_rank_weights(module: Module, source, tmp: Path) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
+RANK_WRITERS = 2  # ranks whose shards are written at once (their memory together is one writer's)
+
+
+def write_rank_weights(module: Module, source, tmp: Path, writers: int | None = None
+                       ) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
     """A partitioned module's weights, one directory per rank (`weights/rank-<r>/`, each rank's own part of
-    every rank-local weight and a copy of every replicated one: a rank reads only its directory). Returns
+    every rank-local weight and a copy of every replicated one: a rank reads only its directory). Each rank's
+    shards are written by its own worker thread, `writers` (default RANK_WRITERS) at a time, each with that
+    share of one writer's window, backlog and threads: the peak memory does not grow with the number of
+    ranks. Every rank's bytes are the same whatever the writers (each writer is deterministic). Returns
     rank 0's `weights` entry (the manifest's `weights`), the files' digests and the manifest's `parallel`."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
     layout = ParallelLayout.of(module)
-    ranks, hashed = [], {}
-    for r in range(layout.world):
+    writers = max(1, min(layout.world, writers or RANK_WRITERS))
+    rank_module = rank_weights_module(module)
+    stop = threading.Event()  # set on the first error (or an interrupt here): every other writer stops
+    failed: list[BaseException] = []  # the writers' own errors, first first
+
+    def one(r: int) -> tuple[dict[str, Any], dict[str, str]]:
         rel = f"weights/rank-{r}"
-        (tmp / rel).mkdir(parents=True)
-        w, h = write_weights(rank_weights_module(module), RankTensors(module, source, r), tmp / rel, rel=rel)
-        ranks.append(w)
-        hashed.update(h)
+        try:
+            (tmp / rel).mkdir(parents=True)
+            return write_weights(rank_module, RankTensors(module, source, r), tmp / rel, rel=rel, share=writers,
+                                 stop=stop)
+        except WriteStopped:
+            raise
+        except BaseException as e:
+            failed.append(e)
+            stop.set()
+            raise
+
+    pool = ThreadPoolExecutor(writers, thread_name_prefix="rank-weights")
+    try:
+        futures = [pool.submit(one, r) for r in range(layout.world)]
+        done = [f.result() for f in futures]  # in rank order
+    except WriteStopped:  # this rank stopped because another failed: that error is the one to report
+        raise failed[0] from None
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    ranks = [w for w, _ in done]
+    hashed = {k: v for _, h in done for k, v in h.items()}
     return ranks[0], hashed, {"tp": layout.tp, "ep": layout.ep, "world": layout.world, "rank_weights": ranks}
 
 

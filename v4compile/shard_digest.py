@@ -61,11 +61,11 @@ class Lanes:
         self.pending: deque[tuple[Future, int]] = deque()
         self.held = 0
 
-    def stream(self) -> tuple[Any, ThreadPoolExecutor]:
-        """A new stream: (its sha256 object, its lane)."""
-        lane = self.pools[self.turn % len(self.pools)]
-        self.turn += 1
-        return hashlib.sha256(), lane
+    def stream(self, lane: int | None = None) -> tuple[Any, ThreadPoolExecutor]:
+        """A new stream: (its sha256 object, its lane): the next lane in turn, or lane `lane` (modulo)."""
+        if lane is None:
+            lane, self.turn = self.turn, self.turn + 1
+        return hashlib.sha256(), self.pools[lane % len(self.pools)]
 
     def submit(self, stream: tuple[Any, ThreadPoolExecutor], data, done: Callable[[], None] | None = None) -> Future:
         """Hash `data` (kept alive until hashed) into `stream`; `done()` runs once it has been hashed."""

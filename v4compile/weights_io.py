@@ -22,10 +22,10 @@ Writing (`plan_weights`, `write_shards`):
 
 Reading (`MappedWeights`, from `Artifact.weights()`): each shard is mapped; `stream()` gives every
 tensor as a zero-copy view (the cpu device keeps them as ONNX Runtime initializers), `chunks()` reads
-each shard front to back into a few reused buffers (an upload to a device or to the C runtime's host
-memory: no page faults, a few chunks of memory). Both hash each shard's segments on hash threads as they
-go, when the load deferred that check (`load_artifact(defer_weights=True)`), so every byte is read once,
-and check each tensor against its sha256 (naming it) and the shard against its digest.
+each shard into a few reused buffers, in a region per hash lane read in turn (an upload to a device or to
+the C runtime's host memory: no page faults, a few chunks of memory). Both hash each shard's segments on
+hash threads as they go, when the load deferred that check (`load_artifact(defer_weights=True)`), so every
+byte is read once, and check each tensor against its sha256 (naming it) and the shard against its digest.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ WRITE_BUFFER = 8 << 20  # small tensors are gathered into writes of this size
 SYNC_BYTES = 256 << 20  # start flushing a shard to disk after this many more bytes
 PROGRESS_S = 5.0  # seconds between progress lines
 DIRECT_BYTES = 256 << 20  # shards from this size up are read around the page cache (MappedWeights.chunks)
+MAX_REGIONS = 4  # a shard is read in at most this many places at once (MappedWeights.chunks)
 DIRECT_ALIGN = 4096  # O_DIRECT's unit of file offsets, lengths and buffer addresses (4Kn disks included)
 
 # (IR dtype, stored safetensors dtype) pairs whose bytes are the same: such pieces are copied.
@@ -324,6 +325,10 @@ def _produce(reader: _Reader, source, t: TensorPlan, p: Piece, off: int, n: int)
     return (v.reshape(-1).view(torch.uint8).numpy() if n else b""), None
 
 
+class WriteStopped(Exception):
+    """A writer running beside others stopped because one of them failed (its error is the one reported)."""
+
+
 @dataclass
 class WrittenShards:
     files: list[str]  # relative to the artifact
@@ -336,27 +341,32 @@ class WrittenShards:
 
 
 def write_shards(plans: list[TensorPlan], source, wdir: Path, shard_bytes: int, rel: str = "weights",
-                 workers: int | None = None) -> WrittenShards:
+                 workers: int | None = None, share: int = 1, stop: threading.Event | None = None) -> WrittenShards:
     """Write the planned tensors into safetensors shards in `wdir`, hashing each tensor as it is written
     (on `workers` hash lanes; nothing is read back); a shard's digest is made of its tensors' and its
-    header's (`shard_digest`)."""
-    workers = workers or default_workers()
+    header's (`shard_digest`). `share`: this writer is one of that many running at once (each rank's
+    shards, `driver.write_rank_weights`): it takes that share of the window, its backlog and the default
+    workers, so together they need the memory of one; it stops (`WriteStopped`) once `stop` is set."""
+    share = max(1, share)
+    workers = workers or max(1, default_workers() // share)
+    window = max(CHUNK_BYTES, WINDOW_BYTES // share)
     groups = shard_groups(plans, shard_bytes)
     total = sum(p.nbytes for p in plans)
     out = WrittenShards([], {}, {})
-    prog = _Progress(total, "weights")
-    reader = _Reader(WINDOW_BYTES // CHUNK_BYTES + 2)
+    prog = _Progress(total, rel)
+    reader = _Reader(window // CHUNK_BYTES + 2)
     t0 = time.perf_counter()
     pool = ThreadPoolExecutor(workers, thread_name_prefix="weights")
-    lanes = Lanes(workers, WINDOW_BYTES)
+    lanes = Lanes(workers, window)
     syncer = ThreadPoolExecutor(1, thread_name_prefix="fdatasync")
     try:
         for i, group in enumerate(groups):
             fname = f"weights-{i:05d}-of-{len(groups):05d}.safetensors"
-            digest = _write_one(group, source, wdir / fname, reader, pool, lanes, syncer, prog, out, f"{rel}/{fname}")
+            digest = _write_one(group, source, wdir / fname, reader, pool, lanes, syncer, prog, out, f"{rel}/{fname}",
+                                window, stop)
             out.files.append(f"{rel}/{fname}")
             out.file_digest[f"{rel}/{fname}"] = digest
-            log.debug("weights: shard %d of %d written (%d tensors)", i + 1, len(groups), len(group))
+            log.debug("%s: shard %d of %d written (%d tensors)", rel, i + 1, len(groups), len(group))
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         lanes.close()
@@ -366,13 +376,14 @@ def write_shards(plans: list[TensorPlan], source, wdir: Path, shard_bytes: int, 
         (out.copied if p.path == "copy" else out.converted).append(p.name)
     out.seconds, out.nbytes = time.perf_counter() - t0, total
     cb = sum(p.nbytes for p in plans if p.path == "copy")
-    log.info("weights: %.2f GB in %.1f s (%.0f MB/s; %d tensors copied as stored, %.2f GB; %d converted, %.2f GB)",
-             total / 1e9, out.seconds, total / max(out.seconds, 1e-9) / 1e6, len(out.copied), cb / 1e9,
+    log.info("%s: %.2f GB in %.1f s (%.0f MB/s; %d tensors copied as stored, %.2f GB; %d converted, %.2f GB)",
+             rel, total / 1e9, out.seconds, total / max(out.seconds, 1e-9) / 1e6, len(out.copied), cb / 1e9,
              len(out.converted), (total - cb) / 1e9)
     return out
 
 
-def _write_one(group, source, path: Path, reader, pool, lanes: Lanes, syncer, prog, out, relname) -> str:
+def _write_one(group, source, path: Path, reader, pool, lanes: Lanes, syncer, prog, out, relname, window_bytes,
+               stop=None) -> str:
     head = shard_header(group)
     jobs = _jobs(group)
     window: deque[tuple[TensorPlan, Piece, int, int, Future]] = deque()
@@ -382,7 +393,7 @@ def _write_one(group, source, path: Path, reader, pool, lanes: Lanes, syncer, pr
     def fill():
         nonlocal ahead, pooled, pending
         while True:
-            if window and ahead >= WINDOW_BYTES:
+            if window and ahead >= window_bytes:
                 return
             j = pending or next(jobs, None)
             if j is None:
@@ -403,6 +414,8 @@ def _write_one(group, source, path: Path, reader, pool, lanes: Lanes, syncer, pr
         unsynced, sync = 0, None
         fill()
         while window:
+            if stop is not None and stop.is_set():
+                raise WriteStopped(f"writing {relname} stopped: another writer failed or was interrupted")
             t, p, off, n, fut = window.popleft()
             buf, held = fut.result()
             ahead -= n
@@ -454,13 +467,62 @@ def _direct(path, fd: int, nbytes: int, chunk: int) -> int | None:
     return None
 
 
+def _regions(units: list, sizes: list[int], k: int) -> list[list]:
+    """`units` (segments, in file order, of `sizes` bytes) cut into at most `k` runs of about equal bytes: each
+    run ends at the first bound at or past its share (a segment larger than a share stays whole)."""
+    total, done = sum(sizes), 0
+    out: list[list] = [[]]
+    for n, (u, size) in enumerate(zip(units, sizes)):
+        out[-1].append(u)
+        done += size
+        if len(out) < k and done >= total * len(out) / k and n < len(units) - 1:
+            out.append([])
+    return out
+
+
+def _region_chunks(run: list[tuple[int, int, str | None]], shard: list[int], size: int, align: int
+                   ) -> list[tuple[int, int, int, int]]:
+    """(shard, read from, first byte used, end) of each chunk of one region (its segments `run`, each in
+    shard `shard[n]`), front to back: a chunk stays in one shard, starts its read at a multiple of `align`
+    (O_DIRECT's unit) and spans at most `size` bytes."""
+    out: list[tuple[int, int, int, int]] = []
+    n = 0
+    while n < len(run):
+        m = n  # the segments of this shard that follow each other in the run
+        while m + 1 < len(run) and shard[m + 1] == shard[n] and run[m + 1][0] == run[m][1]:
+            m += 1
+        pos, end = run[n][0], run[m][1]
+        while pos < end:
+            r0 = pos - pos % align
+            hi = min(end, r0 + size)
+            out.append((shard[n], r0, pos, hi))
+            pos = hi
+        n = m + 1
+    return out
+
+
+def _interleave(per_region: list[list[tuple]]) -> list[tuple]:
+    """(region, *chunk): each next chunk from the region with the fewest bytes taken so far (ties: the first),
+    so every lane has about as much to hash as the others (a chunk is (..., first byte used, end))."""
+    heads, taken, out = [0] * len(per_region), [0] * len(per_region), []
+    while True:
+        live = [r for r, c in enumerate(per_region) if heads[r] < len(c)]
+        if not live:
+            return out
+        r = min(live, key=lambda r: (taken[r], r))
+        c = per_region[r][heads[r]]
+        heads[r] += 1
+        taken[r] += c[-1] - c[-2]
+        out.append((r, *c))
+
+
 class MappedWeights(Mapping):
     """An artifact's weights, mapped: name -> a torch view of its shard's mapping (no copy). `stream()` and
-    `chunks()` visit them shard by shard in file order; when `expected` gives the shards' digests
-    (`shard_digest`), they hash every segment of each shard on `lanes` threads as they go and check each
-    tensor's sha256 (the manifest's) and the shard's digest, so a verified load reads every byte once;
-    `release(name)` drops a tensor's pages from the process once it has been copied elsewhere (they stay in
-    the page cache)."""
+    `chunks()` visit them shard by shard (`stream()` in file order, `chunks()` each tensor's pieces in
+    order); when `expected` gives the shards' digests (`shard_digest`), they hash every segment of each
+    shard on `lanes` threads as they go and check each tensor's sha256 (the manifest's) and the shard's
+    digest, so a verified load reads every byte once; `release(name)` drops a tensor's pages from the
+    process once it has been copied elsewhere (they stay in the page cache)."""
 
     def __init__(self, root: Path, tensors: dict[str, dict[str, Any]], error: type,
                  expected: dict[str, str] | None = None, path_of=None, lanes: int | None = None):
@@ -531,87 +593,131 @@ class MappedWeights(Mapping):
                 lanes.close()
         self._log_read(done, t0)
 
-    def chunks(self, size: int = CHUNK_BYTES, nbufs: int = 4) -> Iterator[tuple[str, int, bytearray, int, int]]:
-        """(tensor, offset in the tensor, buffer, start in the buffer, byte count) for every weight, shard by
-        shard, each shard read front to back with `pread` (a large one with O_DIRECT: `_direct`) into
-        `nbufs` reused buffers: no mapping, no page faults (a fifth of the CPU of touching the mapping),
-        memory of `nbufs` chunks. The host side of an
-        upload: use each piece before asking for the next. Hashed as in `stream`, on other threads, while
-        the next chunks are read."""
+    def chunks(self, size: int = CHUNK_BYTES, nbufs: int | None = None) -> Iterator[tuple[str, int, bytearray, int, int]]:
+        """(tensor, offset in the tensor, buffer, start in the buffer, byte count) for every weight, read with
+        `pread` (a large shard with O_DIRECT: `_direct`) into `nbufs` reused buffers (default three per region
+        and one): no mapping, no page faults (a fifth of the CPU of touching the mapping), memory of `nbufs`
+        chunks. The host side of an upload: use each piece before asking for the next.
+
+        The shards' segments, in file order, are cut at their bounds into a few regions of about equal bytes
+        (`_regions`, one per hash lane, at most `MAX_REGIONS`; a region may span shards, a shard regions),
+        each read front to back, their chunks taken in turn (`_interleave`) and read ahead on as many threads
+        (the disk sees a queue of reads, not one at a time). A tensor's sha256 is one sequential stream (one
+        core, ~1.1-1.4 GB/s here, below a fast disk): a region's segments are hashed on its own lane while
+        the others' are hashed on theirs, so a few large tensors (or shards of one tensor each) are hashed at
+        the lanes' combined speed. Each tensor's pieces still come in order, each shard is checked once its last chunk
+        has been used, and the order of every piece is fixed by the shards, the chunk size and the lanes
+        (nothing depends on timing)."""
+        from bisect import bisect_right
+
         from .files import open_regular
 
-        t0, done = time.perf_counter(), 0
+        t0 = time.perf_counter()
         prog = _Progress(self.nbytes, "weights read")
-        bufs = [mmap.mmap(-1, size) for _ in range(max(2, nbufs))]  # page-aligned: O_DIRECT reads into them
+        nreg = max(1, min(self.lanes, MAX_REGIONS))
+        bufs = [mmap.mmap(-1, size) for _ in range(max(2, nbufs or 3 * nreg + 1))]  # page-aligned (O_DIRECT)
+        # reads in flight: one per region; the other buffers are the caller's and those being hashed
+        ahead = max(1, min(nreg, len(bufs) - 1 - nreg))
         hashing: list[list[Future]] = [[] for _ in bufs]  # each buffer's hash updates, done before it is refilled
-        lanes = Lanes(self.lanes, 1 << 62) if self.expected is not None else None  # bounded by the buffers
+        lanes = Lanes(nreg, 1 << 62) if self.expected is not None else None  # bounded by the buffers
+        readers = ThreadPoolExecutor(min(nreg, ahead), thread_name_prefix="weights-read")
+        shards = list(self.shards.items())
+        segs = [segments(sh.data_start, sh.tensors, sh.mm.size()) for _, sh in shards]
+        starts = [[g[0] for g in sg] for sg in segs]
+        spans = [[t for t in self._mine(rel, sh) if t[1] > t[0]] for rel, sh in shards]
+        streams: list[list[tuple | None]] = [[None] * len(sg) for sg in segs]
+        hashed: list[list[Future]] = [[] for _ in shards]  # each shard's hash updates, done before its check
+        align = DIRECT_ALIGN if size % DIRECT_ALIGN == 0 else 1  # reads start at whole units (O_DIRECT or not)
+        units = [(i, g) for i, sg in enumerate(segs) for g in range(len(sg))]
+        order = _interleave([_region_chunks([segs[i][g] for i, g in run], [i for i, _ in run], size, align)
+                             for run in _regions(units, [segs[i][g][1] - segs[i][g][0] for i, g in units], nreg)])
+        left = [0] * len(shards)  # chunks of each shard not yet used
+        for c in order:
+            left[c[1]] += 1
+        fds: dict[int, tuple[int, int | None]] = {}  # shard -> (descriptor, O_DIRECT descriptor or None), while read
+        reads: dict[int, Future] = {}
+
+        def start(k: int) -> None:  # read chunk k once its buffer's hashing is done
+            b = k % len(bufs)
+            for f in hashing[b]:
+                f.result()
+            hashing[b].clear()
+            _, i, r0, _, hi = order[k]
+            if i not in fds:
+                path = self.path_of(shards[i][0])
+                fd = open_regular(path, self.error, "weights shard")
+                fds[i] = fd, None  # (closed below whatever happens next)
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                fds[i] = fd, _direct(path, fd, shards[i][1].mm.size(), size)
+            reads[k] = readers.submit(self._read, *fds[i], bufs[b], r0, hi - r0, shards[i][0])
+
         try:
-            for rel, sh in self.shards.items():
-                size_of = sh.mm.size()
-                segs = segments(sh.data_start, sh.tensors, size_of) if lanes is not None else []
-                streams: list[tuple] = []
-                spans = [s for s in self._mine(rel, sh) if s[1] > s[0]]
-                fd = open_regular(self.path_of(rel), self.error, "weights shard")
-                direct = _direct(self.path_of(rel), fd, size_of, size)
-                try:
-                    if hasattr(os, "posix_fadvise"):
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                    pos, k, j, g = 0, 0, 0, 0
-                    while pos < size_of:
-                        b = k % len(bufs)
-                        for f in hashing[b]:
+            for k in range(min(ahead, len(order))):
+                start(k)
+            for k, (r, i, r0, lo, hi) in enumerate(order):
+                reads.pop(k).result()
+                if k + ahead < len(order):
+                    start(k + ahead)
+                b = k % len(bufs)
+                buf, view = bufs[b], memoryview(bufs[b])
+                g = bisect_right(starts[i], lo) - 1
+                while lanes is not None and g < len(segs[i]) and segs[i][g][0] < hi:  # this chunk's segments
+                    slo, shi, name = segs[i][g]
+                    if streams[i][g] is None:
+                        streams[i][g] = lanes.stream(r)
+                    fut = lanes.submit(streams[i][g], view[max(slo, lo) - r0:min(shi, hi) - r0])
+                    hashing[b].append(fut)
+                    hashed[i].append(fut)
+                    if name is not None:
+                        self._hashed[name] = fut
+                    g += 1
+                sp = spans[i]
+                j = max(0, bisect_right(sp, (lo, float("inf"))) - 1)
+                while j < len(sp) and sp[j][0] < hi:
+                    slo, shi, name = sp[j]
+                    if shi > lo:
+                        a, e = max(slo, lo), min(shi, hi)
+                        yield name, a - slo, buf, a - r0, e - a
+                    j += 1
+                prog.add(hi - lo)
+                left[i] -= 1
+                if left[i] == 0:  # the shard's last chunk: every read of it is done
+                    for fd in fds.pop(i):
+                        if fd is not None:
+                            os.close(fd)
+                    if lanes is not None:
+                        for f in hashed[i]:
                             f.result()
-                        hashing[b].clear()
-                        buf, n = bufs[b], min(size, size_of - pos)
-                        view, got = memoryview(buf), 0
-                        while got < n:
-                            if direct is not None and got % DIRECT_ALIGN == 0:  # whole units, the last one past EOF
-                                r = os.preadv(direct, [view[got:-(-n // DIRECT_ALIGN) * DIRECT_ALIGN]], pos + got)
-                            else:
-                                r = os.preadv(fd, [view[got:n]], pos + got)
-                            if r <= 0:
-                                raise self.error("weights shard changed while it was read (shorter now)",
-                                                 where=str(self.root / rel))
-                            got = min(n, got + r)
-                        while g < len(segs) and segs[g][0] < pos + n:  # the segments this chunk holds bytes of
-                            lo, hi, name = segs[g]
-                            if len(streams) <= g:
-                                streams.append(lanes.stream())
-                            a, e = max(lo, pos), min(hi, pos + n)
-                            fut = lanes.submit(streams[g], view[a - pos:e - pos])
-                            hashing[b].append(fut)
-                            if name is not None:
-                                self._hashed[name] = fut
-                            if hi > pos + n:
-                                break
-                            g += 1
-                        while j < len(spans) and spans[j][1] <= pos:
-                            j += 1
-                        i = j
-                        while i < len(spans) and spans[i][0] < pos + n:
-                            lo, hi, name = spans[i]
-                            a, e = max(lo, pos), min(hi, pos + n)
-                            yield name, a - lo, buf, a - pos, e - a
-                            i += 1
-                        prog.add(n)
-                        pos, k = pos + n, k + 1
-                finally:
-                    os.close(fd)
-                    if direct is not None:
-                        os.close(direct)
-                for h in hashing:
-                    for f in h:
-                        f.result()
-                    h.clear()
-                done += size_of
-                if lanes is not None:
-                    lanes.drain()
-                    self._hashed.clear()
-                    self._check_shard(rel, sh, [(s[2], st[0]) for s, st in zip(segs, streams)])
+                        hashed[i].clear()
+                        rel, sh = shards[i]
+                        self._check_shard(rel, sh, [(s[2], st[0]) for s, st in zip(segs[i], streams[i])])
+                        for _, _, name in segs[i]:
+                            self._hashed.pop(name, None)
         finally:
+            for f in reads.values():  # nothing may still read into a buffer or from a descriptor
+                f.exception()
+            for pair in fds.values():
+                for fd in pair:
+                    if fd is not None:
+                        os.close(fd)
+            readers.shutdown(wait=True, cancel_futures=True)
             if lanes is not None:
                 lanes.close()
-        self._log_read(done, t0)
+        self._log_read(sum(sh.mm.size() for _, sh in shards), t0)
+
+    def _read(self, fd: int, direct: int | None, buf, pos: int, n: int, rel: str) -> None:
+        """Bytes [pos, pos + n) of a shard into the front of `buf`; with `direct`, in whole units (`pos` is
+        one's start; the last unit may run past the end of the file)."""
+        view, got = memoryview(buf), 0
+        while got < n:
+            if direct is not None and got % DIRECT_ALIGN == 0:
+                r = os.preadv(direct, [view[got:-(-n // DIRECT_ALIGN) * DIRECT_ALIGN]], pos + got)
+            else:
+                r = os.preadv(fd, [view[got:n]], pos + got)
+            if r <= 0:
+                raise self.error("weights shard changed while it was read (shorter now)", where=str(self.root / rel))
+            got = min(n, got + r)
 
     def _check_shard(self, rel: str, sh: MappedShard, hashed: list[tuple[str | None, Any]]) -> None:
         """Every tensor the manifest places here against its sha256 (naming it), then the whole shard (its
