@@ -254,9 +254,26 @@ def main() -> int:
     results["capacity_ms_per_decode_step"] = capacity_check(args.threads, steps, work)
     print("== decode b1 ms/step at pool capacity 4k vs 64k tokens/sequence (same 100-token context):",
           results["capacity_ms_per_decode_step"], flush=True)
+    print(summary(results, args.configs.split(",")), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
+
+
+GOALS = {("tiny", "decode_b1_tok_s"): 10.0, ("mid", "decode_b1_tok_s"): 3.0, ("mid", "prefill_tok_s"): 2.0}
+
+
+def summary(results: dict, names: list[str]) -> str:
+    """Every figure the bench ran as ours / HF eager (same thread count), against issue 22's goals (>= 1
+    everywhere: no config slower than HF at any batch)."""
+    lines = [f"== ours / HF eager, both on {results['threads']} thread(s), {results['clock']} clock",
+             "| config | figure | ours / HF | goal | met |", "|---|---|---|---|---|"]
+    for name in names:
+        r = results[name]
+        for k in r["ort"]:
+            x, goal = r["ort"][k] / r["hf"][k], GOALS.get((name, k), 1.0)
+            lines.append(f"| {name} | {k} | {x:.2f}x | >= {goal:g}x | {'yes' if x >= goal else 'NO'} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
