@@ -4,6 +4,8 @@ hc_pre_norm, mhc_post_pre, mhc_post_head, hc_expand, hc_pre, hc_post, hc_head.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ...ir.types import TensorType
 
 
@@ -46,13 +48,13 @@ def hc_pre(g, streams: str, st: TensorType, fn: str, base: str, scale: str, eps:
            iters: int) -> tuple[str, str, str]:
     *lead, n, d = st.shape
     m = hc_mix(g, streams, st, fn, eps)
-    pre_w, post_w, comb_w = g.split(m, (n, n, n * n))
-    s0, s1, s2 = g.split(scale, (1, 1, 1), 0)
-    b0, b1, b2 = g.split(base, (n, n, n * n), 0)
-    pre = g.op("Add", g.op("Sigmoid", g.op("Add", g.op("Mul", pre_w, s0), b0)), g.scalar(hc_eps))
-    post = g.op("Mul", g.op("Sigmoid", g.op("Add", g.op("Mul", post_w, s1), b1)), g.scalar(2.0))
-    comb = g.op("Add", g.op("Mul", g.reshape(comb_w, (*lead, n, n)), s2), g.reshape(b2, (n, n)))
-    comb = g.op("Add", g.op("Softmax", comb, axis=-1), g.scalar(hc_eps))
+    # m * scale + base for all 2n + n*n entries at once (the same products and sums as per part): the
+    # scale per entry is a Gather of a weight by constants, which ONNX Runtime folds at session creation
+    per = g.op("Gather", scale, g.const(np.repeat(np.arange(3), (n, n, n * n)), np.int64), axis=0)
+    pre_z, post_z, comb_z = g.split(g.op("Add", g.op("Mul", m, per), base), (n, n, n * n))
+    pre = g.op("Add", g.op("Sigmoid", pre_z), g.scalar(hc_eps))
+    post = g.op("Mul", g.op("Sigmoid", post_z), g.scalar(2.0))
+    comb = g.op("Add", g.op("Softmax", g.reshape(comb_z, (*lead, n, n)), axis=-1), g.scalar(hc_eps))
     comb = sinkhorn(g, comb, hc_eps, iters)
     y = g.sum(g.op("Mul", g.unsqueeze(pre, -1), streams), -2)
     return y, post, comb
