@@ -7,7 +7,10 @@ time on a shared 2-core machine): tiny 3.1-4.2 ms a step at every level (within 
 ("all") against 9.1 s ("disable"). The step is bound by reading the weights (~9.5 GB/s for a 1-row Gemm on
 one core here), which no graph rewrite changes, and the graphs are exported small already (grouped experts,
 one Gemm per weight): "all" is kept for ONNX Runtime's Gemm weight pre-packing and fusions, which larger
-batches gain from, at ~15 % more session creation time.
+batches gain from, at ~15 % more session creation time. Re-measured after the Sinkhorn rewrite
+(`codegen/onnx/mhc.py`; tiny decode b1, interleaved in one process, median of 15 rounds, a loaded machine):
+"basic" +8 %, memory pattern off +6 %, CPU arena off -1 %, both off -7 %: all within that run's noise
+(+-8 %), so the choice stands.
 
 `allow_spinning` false: an idle intra-op thread sleeps instead of spinning (ONNX Runtime's default
 spins, which takes cores from other processes on a shared machine).

@@ -6,9 +6,11 @@ upcast once at load (exact), and every value the IR holds in bf16 (an op's resul
 rounded to bf16 (to nearest even, as torch). Inside an op the arithmetic is fp32 where the reference's is
 partly bf16, so logits differ by a few bf16 ulps. Measured (6 prompts x 16 teacher-forced steps): error /
 logit scale median 1.2e-2, and 93 of 96 argmaxes agree (the other 3: top-2 logits within those ulps);
-bf16's own step at the logit scale is 2^-7 ~ 7.8e-3 of it. So: greedy ids identical on this prompt, and
-the median teacher-forced error within 3e-2 of the scale (a few ulps); a wrong upcast of the embedding
-table is > 2x that (caught below). Measured too: the same graphs without the bf16 roundings (fp32 all
+bf16's own step at the logit scale is 2^-7 ~ 7.8e-3 of it. So: greedy ids identical on this prompt up to
+the reference's first near-tie (its top-2 logits closer than that one bf16 step: either id is within the
+error, and which one comes out changed with the fp32 summation order of the Sinkhorn, issue 22), and the
+median teacher-forced error within 3e-2 of the scale (a few ulps); a wrong upcast of the embedding table
+is > 2x that (caught below). Measured too: the same graphs without the bf16 roundings (fp32 all
 through) are as close (median 1.0e-2, 93 / 96): the roundings keep the IR's stored values, the reference's
 in-op bf16 arithmetic is what the error is made of, and no tolerance here tells the two apart.
 
@@ -48,7 +50,8 @@ def bf16(tmp_path_factory):
 
 
 def _errors(fe, sess):
-    """(greedy ids, the reference's, median teacher-forced logit error / logit scale)."""
+    """(greedy ids, the reference's, median teacher-forced logit error / logit scale, the reference's first
+    near-tie step: top-2 logits within one bf16 step of the scale, or NEW)."""
     ref = fe.reference()
     prompt = torch.randint(0, fe.cfg.vocab_size, (21,), generator=torch.Generator().manual_seed(0)).tolist()
     cache, r = ref.prefill([prompt], capacity=64)
@@ -62,7 +65,9 @@ def _errors(fe, sess):
     sess.release(seqs[0])
     got = sess.generate([prompt], NEW)[0]
     scale = max(float(np.abs(x).max()) for x in r_logits)
-    return got, want, float(np.median([np.abs(a - b).max() for a, b in zip(s_logits, r_logits)])) / scale
+    gaps = [float(np.diff(np.sort(x)[-2:])[0]) for x in r_logits]
+    tie = next((i for i, d in enumerate(gaps) if d < 2.0 ** -7 * scale), NEW)
+    return got, want, float(np.median([np.abs(a - b).max() for a, b in zip(s_logits, r_logits)])) / scale, tie
 
 
 def test_bf16_artifact_gives_the_reference_ids(bf16):
@@ -73,8 +78,9 @@ def test_bf16_artifact_gives_the_reference_ids(bf16):
     spec = m["targets"][0]["functions"]["decode_b1"]
     assert not [n for n in spec["weights"] if tensors[n]["dtype"] == "bf16"]  # none read as stored
     assert spec["derived"]["embed.weight#f32"]["of"] == "embed.weight"  # a table Gather reads: upcast too
-    got, want, err = _errors(fe, sess)
-    assert len(set(want)) > 1 and got == want and err <= TOL, (got, want, err)
+    got, want, err, tie = _errors(fe, sess)
+    assert tie >= NEW // 4 and len(set(want[:tie])) > 1, (want, tie)
+    assert got[:tie] == want[:tie] and err <= TOL, (got, want, tie, err)
 
 
 def test_wrong_table_upcast_is_caught(bf16, monkeypatch):
@@ -91,7 +97,7 @@ def test_wrong_table_upcast_is_caught(bf16, monkeypatch):
         return (a.view(np.uint32) & np.uint32(0xFFF00000)).view(np.float32) if d["of"] == "embed.weight" else a
 
     monkeypatch.setattr(cb, "materialise", broken)
-    got, want, err = _errors(fe, v4compile.load(art, device="cpu", threads=1))
+    err = _errors(fe, v4compile.load(art, device="cpu", threads=1))[2]
     assert err > 2 * TOL, err
 
 
