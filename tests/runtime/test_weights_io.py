@@ -25,7 +25,7 @@ import torch
 
 from v4compile import weights_io
 from v4compile.artifact import ArtifactError, Buckets, load_artifact
-from v4compile.driver import trace_buckets, write_weights
+from v4compile.driver import RANK_WRITERS, trace_buckets, write_weights
 from v4compile.checkpoint import Checkpoint
 from v4compile.config import preset
 from v4compile.errors import CheckpointError
@@ -517,7 +517,9 @@ def test_rank_writers_need_the_memory_of_one_whatever_the_ranks(tmp_path):
     backlog and threads: writing 4 ranks' shards (ep 4) grows the peak RSS as much as 2 ranks' (ep 2), give
     or take one stacked expert weight (8 MB: a conversion holds it whole, and which conversions overlap is
     timing), and the same 4 ranks written by 4 writers that each take a whole writer's memory (the broken
-    variant) grow it by three such weights more, with the same bytes. Freed blocks of 1 MiB and more go
+    variant) grow it by three such weights more, with the same bytes. "Give or take": RANK_WRITERS writers
+    each hold at most one stacked weight in conversion, and whether those overlap is timing, so ep 4 may
+    exceed ep 2 by up to RANK_WRITERS such weights (seen: 1.2 of them under load 12). Freed blocks of 1 MiB and more go
     back to the system at once (glibc's threshold fixed), so the peak is what the writers hold, not what
     the allocator keeps after raising its threshold (measured: 22-28 MB at ep 2 and ep 4, 74-81 MB broken)."""
     from v4compile.config import CSA
@@ -531,7 +533,8 @@ def test_rank_writers_need_the_memory_of_one_whatever_the_ranks(tmp_path):
     grew = json.loads(r.stdout)
     cfg = json.loads((ck / "config.json").read_text())
     stack = cfg["n_routed_experts"] * cfg["dim"] * cfg["moe_inter_dim"]  # FP8: a byte per weight
-    assert grew["ep4"] <= grew["ep2"] + stack and grew["ep4 unshared"] > grew["ep2"] + 3 * stack, (grew, stack)
+    slack = RANK_WRITERS * stack
+    assert grew["ep4"] <= grew["ep2"] + slack and grew["ep4 unshared"] > grew["ep4"] + 3 * stack, (grew, stack)
     shared, unshared = (sorted(p.relative_to(tmp_path / "out" / run) for p in (tmp_path / "out" / run).rglob("*.safetensors"))
                         for run in ("ep4", "ep4 unshared"))
     assert shared == unshared and len({p.parts[1] for p in shared}) == 4
