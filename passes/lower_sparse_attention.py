@@ -56,11 +56,16 @@ def _layer(op) -> int:
 
 def _geometry(module: Module, kv_format: str, index_format: str) -> PoolGeometry:
     fns = list(module.functions.values())
-    caches = _layers(fns[0])
+    caches: dict[int, dict[str, Value]] = {}
+    for fn in fns:  # every function's layers: the MTP draft functions add the MTP layer's window ring
+        for layer, c in _layers(fn).items():
+            caches.setdefault(layer, c)
     if not caches:
         raise PassError("lower_sparse_attention: no `cache.layers.*` inputs (already lowered?)")
+    if sorted(caches) != list(range(len(caches))):  # window rows are laid out by layer number
+        raise PassError("lower_sparse_attention: the cached layers are not 0..n-1", found=sorted(caches)[:8])
     ratio: dict[int, int] = {}
-    for op in fns[0].ops:
+    for op in (op for fn in fns for op in fn.ops):
         if op.name == "compress" and has_role(op, "attn.compressor"):
             ratio[_layer(op)] = op.attrs["ratio"]
     layers = []

@@ -93,6 +93,16 @@ def verify_name(b: int) -> str:
     return f"verify_b{b}"
 
 
+def draft_name(b: int) -> str:
+    """The MTP draft function of decode bucket `b` (1 + K lanes per sequence)."""
+    return f"draft_b{b}"
+
+
+def draft_prefill_name(t: int) -> str:
+    """The MTP draft function over a prefill chunk of `t` tokens (batch 1)."""
+    return f"draft_c{t}"
+
+
 def sha256_file(path: Path, error: type = ArtifactError) -> str:
     return files_sha256(path, error)
 
