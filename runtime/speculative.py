@@ -273,13 +273,14 @@ def speculative_generate(session, prompts: Sequence[Sequence[int]], max_new_toke
                 else:
                     kept[b] = -1  # a finished sequence needs no drafts
             undo.restore(keep)
-            if mtp is not None and nxt:
+            if mtp is not None and any(wanted(i) for i in nxt):
                 mlogits, mstreams = mtp.after_verify(B, res["streams"], next_ids, kept, [seqs[i] for i in live])
                 entries = [(seqs[i], seqs[i].length, mlogits[b], mstreams[b, kept_lane[i]])
                            for b, i in enumerate(live) if i in nxt]
-                for (s, *_), i, d in zip(entries, [i for i in live if i in nxt],
-                                         mtp.drafts(entries, [wanted(i) for i in live if i in nxt])):
+                for i, d in zip(nxt, mtp.drafts(entries, [wanted(i) for i in nxt])):
                     drafts[i] = d
+            elif mtp is not None:  # no draft wanted: the sequences' last verify lanes give their last tokens
+                drafts.update({i: ([], []) for i in nxt})
             for i in live:
                 if i not in nxt:
                     session.release(seqs.pop(i))

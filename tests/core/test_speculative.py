@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from chisquare import chisquare_pvalue
 from conftest import make_model, prompt
 from v4compile.config import preset
 from v4compile.errors import InputError
@@ -215,15 +216,6 @@ def second_token_pvalue(model) -> float:
     want = sum(p1[t] * probs(model.forward(torch.tensor(ids + [t]))[-1].numpy(), 1.0) for t in range(SMALL_VOCAB))
     got = np.bincount([o[1] for o in r.ids], minlength=SMALL_VOCAB)
     return chisquare_pvalue(got, want * N)
-
-
-def chisquare_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
-    """Pearson's chi-square test of counts against expected counts (k - 1 degrees of freedom): the survival
-    function of the chi-square distribution is the regularised upper incomplete gamma Q(df / 2, stat / 2)."""
-    stat = float(((observed - expected) ** 2 / expected).sum())
-    df = len(observed) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 def test_chisquare_pvalue_is_the_chi_square_survival_function():

@@ -90,27 +90,45 @@ def test_broken_rollback_is_caught(art, plain, monkeypatch):
     assert ids != plain[0] or any(not np.allclose(state[n], plain[1][n], rtol=1e-4, atol=1e-5) for n in state)
 
 
-def test_no_mtp_weights_refused(art):
-    sess = v4compile.load(art, device="cpu", threads=1)
+@pytest.fixture(scope="module")
+def no_mtp_art(tmp_path_factory):
+    """tiny from a checkpoint without the MTP block's weights, compiled with --draft-tokens: verify functions,
+    no draft functions."""
+    from v4compile.config import preset
+    from v4compile.init_random import init_random
+
+    ck = init_random(tmp_path_factory.mktemp("ck") / "tiny-no-mtp", preset("tiny"), include_mtp=False)
+    fe = frontend.load(str(ck), None, None, TraceOptions(numerics="hf", dtype="fp32", capacity=32))
+    return compile_artifact(fe, tmp_path_factory.mktemp("art") / "no-mtp", Buckets((1,), (16,), draft_tokens=1))
+
+
+def test_no_mtp_weights_refused(art, no_mtp_art):
+    from artifact_tamper import manifest
+
+    assert "mtp_draft" not in manifest(no_mtp_art)["buckets"] and manifest(art)["buckets"]["mtp_draft"] is True
+    sess = v4compile.load(no_mtp_art, device="cpu", threads=1)
+    assert not any(n.startswith("mtp.") for n in sess.art.manifest["weights"]["tensors"])
     with pytest.raises(InputError, match="no MTP weights"):
         mtp_draft(sess)
     with pytest.raises(InputError, match="no MTP weights"):
         sess.generate(PROMPTS[:1], 4, speculative="mtp")
-    with pytest.raises(InputError, match="greedy"):
-        sess.generate(PROMPTS[:1], 4, speculative="mtp", temperature=0.5)
+    sess.close()
+    sess = v4compile.load(art, device="cpu", threads=1)
+    with pytest.raises(InputError, match="top_p"):
+        sess.generate(PROMPTS[:1], 4, speculative="mtp", temperature=0.5, top_p=0.9)
     with pytest.raises(InputError, match="draft_tokens"):
         speculative_generate(sess, PROMPTS[:1], 4, 4, drafts([[]], "oracle"))
     sess.close()
 
 
-def test_cli_refuses_speculative_without_mtp(art, capsys):
+def test_cli_refuses_speculative_without_mtp(no_mtp_art, capsys):
     from v4compile.cli import main
 
     from bad_input_util import assert_one_error
 
     capsys.readouterr()
-    rc = main(["-q", "run", str(art), "--ids", "1,2,3", "--speculative", "mtp", "--draft-tokens", "2", "--json",
-               "--device", "cpu", "--threads", "1"])
+    rc = main(["-q", "run", str(no_mtp_art), "--ids", "1,2,3", "--speculative", "mtp", "--draft-tokens", "1",
+               "--json", "--device", "cpu", "--threads", "1"])
     r = capsys.readouterr()
     assert_one_error(rc, r.err, "no MTP weights")
     assert r.out == ""
@@ -196,7 +214,8 @@ def test_run_json_reports_acceptance(art, plain, capsys):
     from v4compile.cli.run import _run_speculative
 
     sess = v4compile.load(art, device="cpu", threads=1)
-    args = argparse.Namespace(temperature=0.0, max_new_tokens=8, draft_tokens=2, json=True, device="cpu")
+    args = argparse.Namespace(temperature=0.0, top_p=1.0, seed=None, max_new_tokens=8, draft_tokens=2, json=True,
+                              device="cpu")
     capsys.readouterr()
     assert _run_speculative(args, sess, PROMPTS[0], drafts(plain[0], "oracle"), 0.0) == 0
     sess.close()
