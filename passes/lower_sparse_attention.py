@@ -15,7 +15,9 @@ Guarantees:
 * (c) `attention` -> `sparse_attention`: one softmax with the sink over window rows, compressed rows and
   the chunk's own keys (prefix + extend), given the slot, block table and geometry so that its reference
   sums over `attention`'s key layout (bit-exact to it); `indexer_scores` -> `indexer_scores_paged`;
-* the pool geometry is recorded in the module attributes (`pool.*`), so the IR is self-contained;
+* the pool geometry (every function's layers: a speculative module's MTP draft functions add the MTP
+  layer, sliding-window only, as one more window ring per slot) is recorded in the module attributes
+  (`pool.*`), so the IR is self-contained;
 * numerics: `native` planes hold exactly the values of the caches; `fp8` / `fp4` planes are exact for
   `numerics=official` (whose roundings put every value on those grids) and lossy otherwise.
 Options: `kv_format` (auto | native | bf16 | fp8), `index_format` (auto | native | fp4 | fp8); auto means

@@ -231,17 +231,25 @@ class Session:
         ids = self.check_prompt(ids, f"sequence {s.id}")
         last = None
         while ids:
-            T, fname = next(((t, f) for t, f in self.prefill_fns if t >= len(ids)), self.prefill_fns[-1])
-            part, ids = ids[:T], ids[T:]
-            self._reserve(s, s.length + len(part) - 1)
-            x = np.zeros((1, T), dtype=np.int64)
-            pos = np.full((1, T), -1, dtype=np.int64)
-            x[0, : len(part)] = part
-            pos[0, : len(part)] = np.arange(s.length, s.length + len(part))
-            table, slot = self._table([s], 1)
-            last = self.backend.run(fname, {"ids": x, "pos": pos, "block_table": table, "slot": slot})[0]
-            s.length += len(part)
+            fname, inputs, n = self.prefill_chunk(s, ids)
+            last = self.backend.run(fname, inputs)[0]
+            s.length += n
+            ids = ids[n:]
         return last
+
+    def prefill_chunk(self, s: SeqState, ids: list[int]) -> tuple[str, dict[str, np.ndarray], int]:
+        """The next prefill chunk of `ids` for `s` (the smallest chunk bucket that holds them, else the largest),
+        its blocks reserved: (function, step inputs, tokens it takes). The caller runs it and advances
+        `s.length`."""
+        T, fname = next(((t, f) for t, f in self.prefill_fns if t >= len(ids)), self.prefill_fns[-1])
+        part = ids[:T]
+        self._reserve(s, s.length + len(part) - 1)
+        x = np.zeros((1, T), dtype=np.int64)
+        pos = np.full((1, T), -1, dtype=np.int64)
+        x[0, : len(part)] = part
+        pos[0, : len(part)] = np.arange(s.length, s.length + len(part))
+        table, slot = self._table([s], 1)
+        return fname, {"ids": x, "pos": pos, "block_table": table, "slot": slot}, len(part)
 
     def decode(self, seqs: Sequence[SeqState], tokens: Sequence[int]) -> np.ndarray:
         """One token for each of the given live sequences; their next-token logits `[n, V]`."""

@@ -80,36 +80,30 @@ class CompiledDraft:
         fns = session.backend.functions().values()
         self.batch_fns = sorted((f.batch, f.name, f.tokens) for f in fns if f.name.startswith("draft_b"))
         self.chunk_fns = {f.tokens: f.name for f in fns if f.name.startswith("draft_c")}
-        self.layer = access_layers(session) - 1  # the MTP layer's ring: the last of a slot
+        # the MTP layer's window ring: the last of a slot's rings in the pool
+        self.layer = int(session.art.manifest["pool"]["n_window_layers"]) - 1
 
     def _run(self, fname: str, hidden, ids, pos, seqs, B: int) -> dict[str, np.ndarray]:
         table, slot = self.s._table(seqs, B)
         return self.s.backend.run_outputs(fname, {"hidden": np.ascontiguousarray(hidden, dtype=np.float32),
                                                   "ids": ids, "pos": pos, "block_table": table, "slot": slot})
 
-    def prefill(self, seq, prompt: list[int]) -> tuple[int, np.ndarray | None, tuple]:
+    def prefill(self, seq, prompt: list[int]) -> tuple[int, tuple]:
         """Chunked prefill of `prompt` into `seq` (as `Session.extend`), the MTP block over every chunk once the
-        token after it is known. Returns the first new token (and its distribution, sampling) and the draft
-        entry of the sequence (`drafts`)."""
-        s, pending, ids, last = self.s, None, list(prompt), None
+        token after it is known. Returns the first new token and the sequence's entry for `drafts`."""
+        pending, ids, last = None, list(prompt), None
         while ids:
-            T, fname = next(((t, f) for t, f in s.prefill_fns if t >= len(ids)), s.prefill_fns[-1])
-            part, ids = ids[:T], ids[T:]
-            s._reserve(seq, seq.length + len(part) - 1)
-            x = np.zeros((1, T), dtype=np.int64)
-            pos = np.full((1, T), -1, dtype=np.int64)
-            x[0, : len(part)] = part
-            pos[0, : len(part)] = np.arange(seq.length, seq.length + len(part))
-            table, slot = s._table([seq], 1)
-            r = s.backend.run_outputs(fname, {"ids": x, "pos": pos, "block_table": table, "slot": slot})
+            fname, inputs, n = self.s.prefill_chunk(seq, ids)
+            part, ids = ids[:n], ids[n:]
+            r = self.s.backend.run_outputs(fname, inputs)
             if pending is not None:
                 self._chunk(seq, *pending, part[0])
-            pending = (T, r["streams"], part, seq.length)
-            seq.length += len(part)
+            pending = (inputs["ids"].shape[1], r["streams"], part, seq.length)
+            seq.length += n
             last = r["logits"][0]
-        tok, p = self.pick(last)
+        tok, _ = self.pick(last)
         logits, out = self._chunk(seq, *pending, tok)
-        return tok, p, (seq, seq.length, logits[0], out[0, len(pending[2]) - 1])
+        return tok, (seq, seq.length, logits[0], out[0, len(pending[2]) - 1])
 
     def _chunk(self, seq, T: int, streams, part: list[int], start: int, nxt: int):
         """The MTP block over one prefill chunk: lane t (position start + t) with the token after it."""
@@ -130,7 +124,8 @@ class CompiledDraft:
     def drafts(self, entries: list[tuple], counts: list[int]) -> list[tuple[list[int], list]]:
         """`counts[i]` drafts for each entry (sequence, its length L, the MTP logits `[V]` of its last kept lane
         and the block's output streams there `[n, D]`): the first from those logits, each next one from the
-        block applied to its own streams and the last draft at position L + j - 1 (MTP ring writes undone)."""
+        block applied to its own streams and the last draft, at position L for the second draft, L + 1 for the
+        third, ... (those MTP ring writes undone)."""
         toks: list[list[int]] = [[] for _ in entries]
         qs: list[list] = [[] for _ in entries]
         logits = [e[2] for e in entries]
@@ -161,11 +156,6 @@ class CompiledDraft:
         if undo is not None:
             undo.restore({})
         return list(zip(toks, qs))
-
-
-def access_layers(session) -> int:
-    """Window rings per slot in the artifact's pool (the backbone's layers, + 1 with the MTP block)."""
-    return int(session.art.manifest["pool"]["n_window_layers"])
 
 
 def speculative_generate(session, prompts: Sequence[Sequence[int]], max_new_tokens: int, draft_tokens: int,
@@ -218,7 +208,7 @@ def speculative_generate(session, prompts: Sequence[Sequence[int]], max_new_toke
                 i = waiting.pop(0)
                 seqs[i] = session.open()
                 if mtp is not None:
-                    tok, _, entry = mtp.prefill(seqs[i], prompts[i])
+                    tok, entry = mtp.prefill(seqs[i], prompts[i])
                 else:
                     tok, _ = pick(session.extend(seqs[i], prompts[i]))
                 out[i].append(tok)

@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from chisquare import chisquare_pvalue
 from conftest import make_model, prompt
+from spec_sampling import ALPHA, N, SMALL_VOCAB, always_accept, chisquare_pvalue
 from v4compile.config import preset
 from v4compile.errors import InputError
 from v4compile.model import ReferenceModel
 from v4compile.model import speculative
 from v4compile.model.speculative import speculative_generate
-from v4compile.speculation import Acceptance, clobbered, draw, probs
+from v4compile.speculation import Acceptance, clobbered, probs
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-doc"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -188,7 +188,6 @@ def test_a_broken_rollback_is_caught(models, monkeypatch, fault):
 
 # ---- sampling ----------------------------------------------------------------------------------------
 
-SMALL_VOCAB, N, ALPHA = 8, 400, 1e-3  # chi-square at significance 0.001 (df = 7 when no bin is merged)
 
 
 @pytest.fixture(scope="module")
@@ -233,10 +232,7 @@ def test_sampling_matches_plain_sampling(small):
 
 
 def test_always_accepting_fails_the_sampling_test(small, monkeypatch):
-    def always(drafts, target, draft_probs, rng, temperature):
-        return len(drafts), draw(probs(target[-1], temperature), rng)
-
-    monkeypatch.setattr(speculative, "accept", always)
+    monkeypatch.setattr(speculative, "accept", always_accept)
     assert second_token_pvalue(small) < ALPHA
 
 

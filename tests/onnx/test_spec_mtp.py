@@ -1,7 +1,7 @@
 """Speculative decoding with the artifact's compiled MTP block as the draft source (`runtime/speculative.py`
 without a `draft`: the `draft_b<B>` / `draft_c<T>` functions).
 
-* greedy: the ids of plain greedy decoding over 64 new tokens. Cells: the trained tiny-doc (acceptance ~0.5,
+* greedy: the ids of plain greedy decoding over 64 new tokens. Cells: the trained tiny-doc (acceptance ~0.7,
   so both accepted and rejected drafts occur) on the cpu device with k = 1, 2, 3 on a ragged batch (prompts of
   5 and 11 tokens in the batch-2 bucket) and on the host device with k = 2 on the same batch; tiny-pro
   (random weights) on cpu, k = 1, batch 1; tiny (random) is test_spec_session's `test_compiled_mtp_drafts`.
@@ -22,14 +22,14 @@ import numpy as np
 import pytest
 
 import v4compile
-from chisquare import chisquare_pvalue
+from spec_sampling import ALPHA, N, SMALL_VOCAB, always_accept, chisquare_pvalue
 from v4compile import frontend
 from v4compile.artifact import Buckets
 from v4compile.driver import compile_artifact
 from v4compile.model import ReferenceModel
 from v4compile.model import speculative as ref_speculative
 from v4compile.runtime import speculative as rs
-from v4compile.speculation import draw, probs
+from v4compile.speculation import probs
 from v4compile.trace import TraceOptions
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -97,7 +97,7 @@ def test_greedy_ids_equal_plain_cpu(doc, k, monkeypatch):
     finally:
         s.close()
     assert ids == want
-    assert 0.2 < stats.rates()[0] < 0.9 and stats.tokens_per_step() > 1.2  # drafts both accepted and rejected
+    assert 0.3 < stats.rates()[0] < 0.95 and stats.tokens_per_step() > 1.3  # drafts both accepted and rejected
     assert len(got) == 2 and all(len(v) >= (NEW - 1) // (k + 1) * k for v in got.values())
     if k == 2:  # against the reference decoder: the same drafts (ids and q)
         ref = ReferenceModel.from_pretrained(EXAMPLE)
@@ -136,6 +136,21 @@ def test_greedy_ids_equal_plain_host(doc):
         s.close()
 
 
+def test_run_cli(doc, capsys):
+    """`run --speculative mtp --draft-tokens k --json` drafts with the artifact's MTP block, end to end."""
+    import json
+
+    from v4compile.cli import main
+
+    art, prompts, want = doc
+    capsys.readouterr()
+    assert main(["-q", "run", str(art), "--ids", ",".join(map(str, prompts[1])), "--max-new-tokens", "16",
+                 "--speculative", "mtp", "--draft-tokens", "3", "--json", "--device", "cpu", "--threads", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ids"] == want[1][:16]
+    assert len(out["acceptance"]) == 3 and out["tokens_per_step"] > 1
+
+
 def test_tiny_pro(tmp_path):
     fe = frontend.load(None, "tiny-pro", "random", TraceOptions(numerics="hf", dtype="fp32", capacity=80))
     art = compiled(fe, tmp_path / "pro", Buckets((1,), (16,), draft_tokens=1))
@@ -149,7 +164,6 @@ def test_tiny_pro(tmp_path):
 
 # ---- sampling ----------------------------------------------------------------------------------------
 
-SMALL_VOCAB, N, ALPHA = 8, 400, 1e-3  # as tests/core/test_speculative.py (df = 7)
 PROMPT = [1, 2, 3]
 
 
@@ -194,8 +208,5 @@ def test_sampling_matches_plain_sampling(small):
 
 
 def test_always_accepting_fails_the_sampling_test(small, monkeypatch):
-    def always(drafts, target, draft_probs, rng, temperature):
-        return len(drafts), draw(probs(target[-1], temperature), rng)
-
-    monkeypatch.setattr(rs, "accept", always)
+    monkeypatch.setattr(rs, "accept", always_accept)
     assert second_token_pvalue(small) < ALPHA

@@ -84,6 +84,15 @@ def test_mixed_drafts_ragged_through_generate(art, plain):
     assert 0 < stats.rates()[0] < 1 and 1 < stats.tokens_per_step() < 3
 
 
+def test_compiled_mtp_drafts(art, plain):
+    """The artifact's own MTP block as the draft source (tiny, random weights: its drafts are rarely right, so
+    this is the always-rejecting path with the block's real writes and rollbacks), k = 3, the ragged batch."""
+    (ids, stats), _ = _run(art, lambda s: (s.generate(PROMPTS, NEW, speculative="mtp", draft_tokens=3),
+                                           s.last_acceptance))
+    assert ids == plain[0]
+    assert stats.steps >= NEW - 1 and stats.offered[0] > 0
+
+
 def test_broken_rollback_is_caught(art, plain, monkeypatch):
     monkeypatch.setattr(undo.PoolUndo, "restore", lambda self, keep: None)
     (ids, _), state = _run(art, lambda s: speculative_generate(s, PROMPTS, NEW, 3, drafts(plain[0], "wrong")))
@@ -149,6 +158,28 @@ def test_manifest_draft_tokens_must_match_the_verify_functions(art, tmp_path, dr
         m["buckets"]["draft_tokens"] = draft_tokens
     write_manifest(t, m)
     with pytest.raises(ArtifactError, match="draft_tokens|one function per bucket|disagrees"):
+        v4compile.load(t, device="cpu", threads=1)
+
+
+@pytest.mark.parametrize("mtp_draft", [None, False, 1])
+def test_manifest_mtp_draft_must_match_the_draft_functions(art, tmp_path, mtp_draft):
+    """The MTP block's functions and its window ring in the pool are there exactly when `mtp_draft` says so."""
+    from v4compile.errors import ArtifactError
+
+    from artifact_tamper import copy, manifest, write_manifest
+
+    m = manifest(art)
+    assert m["pool"]["n_window_layers"] == 6  # tiny's 5 layers + the MTP block's ring
+    assert {n for n in m["targets"][0]["functions"] if n.startswith("draft")} == {
+        "draft_b1", "draft_b2", "draft_b4", "draft_c16"}
+    t = copy(art, tmp_path / "t")
+    m = manifest(t)
+    if mtp_draft is None:
+        del m["buckets"]["mtp_draft"]
+    else:
+        m["buckets"]["mtp_draft"] = mtp_draft
+    write_manifest(t, m)
+    with pytest.raises(ArtifactError, match="mtp_draft|one function per bucket|n_window_layers"):
         v4compile.load(t, device="cpu", threads=1)
 
 
