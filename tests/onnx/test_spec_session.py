@@ -183,9 +183,15 @@ def test_manifest_mtp_draft_must_match_the_draft_functions(art, tmp_path, mtp_dr
         v4compile.load(t, device="cpu", threads=1)
 
 
+def stopped(ids: list[list[int]], stop: list[int]) -> list[list[int]]:
+    """Greedy ids as `generate(..., stop_ids=stop)` ends them: each sequence at its first stop id, included
+    (a sequence's greedy ids do not depend on the others in its batch)."""
+    return [x[: next((j + 1 for j, t in enumerate(x) if t in stop), len(x))] for x in ids]
+
+
 def test_stop_ids_end_each_sequence_where_plain_decoding_does(art, plain):
     stop = [plain[0][0][10], plain[0][2][5]]
-    want, _ = _run(art, lambda s: s.generate(PROMPTS, NEW, stop_ids=stop))
+    want = stopped(plain[0], stop)
     assert [len(x) for x in want] != [NEW] * 3
     got, _ = _run(art, lambda s: s.generate(PROMPTS, NEW, stop_ids=stop, speculative="mtp", draft_tokens=3,
                                             draft=drafts(plain[0], "oracle")))
@@ -194,7 +200,8 @@ def test_stop_ids_end_each_sequence_where_plain_decoding_does(art, plain):
 
 def test_host_device(art):
     """The same verify functions in the program the host device runs (the C runtime's buffers, reference
-    kernels: the Triton kernels' agreement with them is tested elsewhere), k = 3, 24 new tokens. The fp32
+    kernels: the Triton kernels' agreement with them is tested elsewhere), k = 3, 16 new tokens (the 3-token
+    prompt's window ring wraps). The fp32
     buffers end close to plain decoding's; the quantised ones (FP4 index rows) are not compared: a verify
     chunk's values differ from decode's in the last bits, which flips FP4 codes near a boundary (the oracle,
     which rolls nothing back, differs as much). Their byte-exact rollback is test_spec_rollback_host's."""
@@ -206,7 +213,7 @@ def test_host_device(art):
         finally:
             sess.close()
 
-    new = 24
+    new = 16
     want, want_state = run(lambda s: s.generate(PROMPTS, new))
     assert "pool.main" in want_state and "state.layers.1.state_kv" in want_state
     for kind in ("oracle", "wrong"):
@@ -261,7 +268,7 @@ def test_continuous_batching(art):
     prompts = PROMPTS + [[7] * 5, list(range(100, 117)), [1, 2]]
     want, _ = _run(art, lambda s: s.generate(prompts, 20))
     stop = [want[1][6]]
-    want, _ = _run(art, lambda s: s.generate(prompts, 20, stop_ids=stop))
+    want = stopped(want, stop)
     full = [p + o for p, o in zip(prompts, want)]
     rng = np.random.default_rng(1)
 
