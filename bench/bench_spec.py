@@ -1,15 +1,15 @@
 """Speculative decoding with the MTP block on the trained example model (examples/tiny-doc): acceptance and
 tokens/s against plain greedy decoding in the same run, and the modeled V4-Pro gain at that acceptance.
 
-    python bench/bench_spec.py [--new 64] [--k 1,2,3] [--repeat 5] [--reference] [--no-model] [--checkpoint DIR]
+    python bench/bench_spec.py [--new 64] [--k 1,2,3] [--repeat 7] [--reference] [--no-model] [--checkpoint DIR]
                                [--json OUT]
 
 What runs: the example compiled with `--draft-tokens k` for the cpu device, one artifact per k (ONNX Runtime,
 one thread, batch 1), so the artifact carries the MTP block (`draft_b1` / `draft_c16`): `runtime/speculative.py`'s steps (verify,
 then the compiled MTP drafting the next k tokens, its recursive drafts' ring writes undone) against the
 session's plain decode steps, the MTP's own cost included. Plain and every k are timed in interleaved
-rounds (plain, k=1, k=2, ... then again), `--repeat` rounds, and each figure is the median; times are this
-process's CPU time (`time.process_time`), which stays fair on a shared, loaded machine. Greedy ids must match
+rounds (plain, k=1, k=2, ... then again), `--repeat` rounds; tokens/s from the median time, the speedup the
+median of the rounds' own ratios (with their range); times are this process's CPU time (`time.process_time`), which stays fair on a shared, loaded machine. Greedy ids must match
 plain decoding (checked, not timed). `--reference` adds the same for the eager reference decoder
 (`v4compile/model/speculative.py`, torch on the CPU). The modeled part (`codegen/spec_cost.py`) traces
 V4-Pro's decode and verify steps shape-only (~10 s per k). Not a test: run it once.
@@ -38,7 +38,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new", type=int, default=64, help="new tokens per prompt")
     ap.add_argument("--k", default="1,2,3", help="draft counts")
-    ap.add_argument("--repeat", type=int, default=5, help="interleaved rounds (each figure is the median)")
+    ap.add_argument("--repeat", type=int, default=7, help="interleaved rounds (the figures are medians)")
     ap.add_argument("--reference", action="store_true", help="also the eager reference decoder")
     ap.add_argument("--no-model", action="store_true", help="skip the modeled V4-Pro gain")
     ap.add_argument("--checkpoint", type=Path, default=EXAMPLE, help="the trained example (default examples/tiny-doc)")
@@ -66,16 +66,19 @@ def main() -> None:
         Path(a.json).write_text(json.dumps(res, indent=1))
 
 
-def interleaved(runs: dict, repeat: int) -> dict:
-    """{name: (result, median CPU seconds)}: every run once per round, `repeat` rounds."""
-    times: dict = {n: [] for n in runs}
-    out = {}
-    for _ in range(repeat):
-        for n, fn in runs.items():
-            t0 = time.process_time()
-            out[n] = fn()
-            times[n].append(time.process_time() - t0)
-    return {n: (out[n], statistics.median(times[n])) for n in runs}
+def interleaved(runs: dict, prompts, repeat: int) -> dict:
+    """{name: (its results on the prompts, CPU seconds of each round)}: `repeat` rounds, each running every
+    prompt through every run in turn (plain, k=1, ... for prompt 0, then prompt 1, ...), so that the runs a
+    ratio compares are measured seconds apart."""
+    times: dict = {n: [0.0] * repeat for n in runs}
+    out: dict = {n: [None] * len(prompts) for n in runs}
+    for r in range(repeat):
+        for i, p in enumerate(prompts):
+            for n, fn in runs.items():
+                t0 = time.process_time()
+                out[n][i] = fn(p)
+                times[n][r] += time.process_time() - t0
+    return {n: (out[n], times[n]) for n in runs}
 
 
 def merged(stats):
@@ -90,20 +93,27 @@ def merged(stats):
 
 
 def report(label: str, ks: list[int], res: dict, n_tokens: int) -> dict:
-    plain_ids, plain_s = res["plain"]
+    """Tokens/s from the median CPU time; the speedup is the median of the rounds' own ratios (plain over
+    speculative in the same round), with their range: the spread a loaded machine leaves."""
+    plain_ids, plain_t = res["plain"]
+    res = {k: (([ids for ids, _ in v], [st for _, st in v]), ts) for k, (v, ts) in res.items() if k != "plain"}
+    plain_s = statistics.median(plain_t)
     out = {"plain_tokens_s": round(n_tokens / plain_s, 2), "speculative": {}}
     print(f"{label}, plain greedy: {out['plain_tokens_s']:.1f} tokens/s (median CPU time, batch 1, {n_tokens} tokens)")
     for k in ks:
-        (ids, stats), s = res[k]
+        (ids, stats), ts = res[k]
         if ids != plain_ids:
             raise SystemExit(f"{label} k={k}: speculative ids differ from plain greedy decoding")
         acc = merged(stats)
-        tps = n_tokens / s
+        tps = n_tokens / statistics.median(ts)
+        ratios = sorted(p / t for p, t in zip(plain_t, ts))
         out["speculative"][k] = {"acceptance": [round(x, 3) for x in acc.rates()],
                                  "tokens_per_step": round(acc.tokens_per_step(), 3), "tokens_s": round(tps, 2),
-                                 "speedup": round(plain_s / s, 3)}
+                                 "speedup": round(statistics.median(ratios), 3),
+                                 "speedup_range": [round(ratios[0], 3), round(ratios[-1], 3)]}
         print(f"{label} k={k}: acceptance {'/'.join(f'{x:.2f}' for x in acc.rates())}, {acc.tokens_per_step():.2f} "
-              f"tokens per step, {tps:.1f} tokens/s = {plain_s / s:.2f}x plain")
+              f"tokens per step, {tps:.1f} tokens/s; {statistics.median(ratios):.2f}x plain (median of "
+              f"{len(ratios)} rounds, range {ratios[0]:.2f}-{ratios[-1]:.2f})")
     return out
 
 
@@ -111,13 +121,13 @@ def reference(a, prompts, ks: list[int]) -> dict:
     """The eager reference decoder (its own MTP drafts) against `ReferenceModel.generate`."""
     model = ReferenceModel.from_pretrained(a.checkpoint)
     model.generate(prompts[0], 4)  # warm up
-    runs = {"plain": lambda: [model.generate(p, a.new) for p in prompts]}
+    runs = {"plain": lambda p: model.generate(p, a.new)}
     for k in ks:
-        def spec(k=k):
-            rs = [speculative_generate(model, [p], a.new, k) for p in prompts]
-            return [r.ids[0] for r in rs], [r.acceptance for r in rs]
+        def spec(p, k=k):
+            r = speculative_generate(model, [p], a.new, k)
+            return r.ids[0], r.acceptance
         runs[k] = spec
-    return report("reference", ks, interleaved(runs, a.repeat), a.new * len(prompts))
+    return report("reference", ks, interleaved(runs, prompts, a.repeat), a.new * len(prompts))
 
 
 def compiled_cpu(a, prompts, ks: list[int]) -> dict:
@@ -139,13 +149,13 @@ def compiled_cpu(a, prompts, ks: list[int]) -> dict:
             sessions[k] = sess = v4compile.load(art, device="cpu", threads=1)
             sess.backend.prepare(sorted(sess.backend.functions()))  # every session built before timing
         plain = sessions[ks[0]]
-        runs = {"plain": lambda: [plain.generate([p], a.new)[0] for p in prompts]}
+        runs = {"plain": lambda p: plain.generate([p], a.new)[0]}
         for k in ks:
-            def spec(k=k):
-                rs = [compiled_generate(sessions[k], [p], a.new, k) for p in prompts]
-                return [r[0][0] for r in rs], [r[1] for r in rs]
+            def spec(p, k=k):
+                ids, stats = compiled_generate(sessions[k], [p], a.new, k)
+                return ids[0], stats
             runs[k] = spec
-        out = report("compiled cpu", ks, interleaved(runs, a.repeat), a.new * len(prompts))
+        out = report("compiled cpu", ks, interleaved(runs, prompts, a.repeat), a.new * len(prompts))
         for sess in sessions.values():
             sess.close()
     return out
