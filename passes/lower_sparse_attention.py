@@ -15,7 +15,9 @@ Guarantees:
 * (c) `attention` -> `sparse_attention`: one softmax with the sink over window rows, compressed rows and
   the chunk's own keys (prefix + extend), given the slot, block table and geometry so that its reference
   sums over `attention`'s key layout (bit-exact to it); `indexer_scores` -> `indexer_scores_paged`;
-* the pool geometry is recorded in the module attributes (`pool.*`), so the IR is self-contained;
+* the pool geometry (every function's layers: a speculative module's MTP draft functions add the MTP
+  layer, sliding-window only, as one more window ring per slot) is recorded in the module attributes
+  (`pool.*`), so the IR is self-contained;
 * numerics: `native` planes hold exactly the values of the caches; `fp8` / `fp4` planes are exact for
   `numerics=official` (whose roundings put every value on those grids) and lossy otherwise.
 Options: `kv_format` (auto | native | bf16 | fp8), `index_format` (auto | native | fp4 | fp8); auto means
@@ -56,11 +58,16 @@ def _layer(op) -> int:
 
 def _geometry(module: Module, kv_format: str, index_format: str) -> PoolGeometry:
     fns = list(module.functions.values())
-    caches = _layers(fns[0])
+    caches: dict[int, dict[str, Value]] = {}
+    for fn in fns:  # every function's layers: the MTP draft functions add the MTP layer's window ring
+        for layer, c in _layers(fn).items():
+            caches.setdefault(layer, c)
     if not caches:
         raise PassError("lower_sparse_attention: no `cache.layers.*` inputs (already lowered?)")
+    if sorted(caches) != list(range(len(caches))):  # window rows are laid out by layer number
+        raise PassError("lower_sparse_attention: the cached layers are not 0..n-1", found=sorted(caches)[:8])
     ratio: dict[int, int] = {}
-    for op in fns[0].ops:
+    for op in (op for fn in fns for op in fn.ops):
         if op.name == "compress" and has_role(op, "attn.compressor"):
             ratio[_layer(op)] = op.attrs["ratio"]
     layers = []

@@ -22,7 +22,7 @@ import numpy as np
 @dataclass(frozen=True)
 class FunctionInfo:
     name: str
-    kind: str  # decode | prefill
+    kind: str  # decode | prefill | verify | draft (speculative artifacts: `runtime/speculative.py`)
     batch: int
     tokens: int
 
@@ -36,6 +36,11 @@ class Backend(Protocol):
 
     def run(self, fname: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
         """Run function `fname`; update the pool / state in place; return logits [B, V] (float32)."""
+        ...
+
+    def run_outputs(self, fname: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`run`, returning every output by name (float32): the logits, and a speculative artifact's final
+        hidden `streams` (the MTP draft functions take them as the step input `hidden` [B, T, n, D])."""
         ...
 
     def close(self) -> None:

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 os.environ["ORT_DISABLE_TELEMETRY"] = "1"
 
 _NP = {"fp32": np.float32, "i64": np.int64, "i32": np.int32}
+# inputs a step gives (`backend.py`; `hidden`: the MTP draft functions' input streams); any other non-weight
+# input is pool or state, owned here
+STEP_INPUTS = ("ids", "pos", "block_table", "slot", "hidden")
 
 
 def _aligned(a: np.ndarray) -> np.ndarray:
@@ -169,7 +172,7 @@ class OrtBackend:
         passed = {n for _, g in self._graphs[fname] for n in g["outputs"]} | {
             g["collective"]["result"] for _, g in self._graphs[fname] if g.get("collective")}
         for n, i in ins.items():
-            if n not in ("ids", "pos", "block_table", "slot") and n not in passed and n not in self.state:
+            if n not in STEP_INPUTS and n not in passed and n not in self.state:
                 dt = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32}[i.type]
                 self.state[n] = np.zeros(i.shape, dtype=dt)
         outs = [o.name for o in sess.get_outputs()]
@@ -194,8 +197,13 @@ class OrtBackend:
                 self._session(f, k)
 
     def run(self, fname: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        return self.run_outputs(fname, inputs)["logits"]
+
+    def run_outputs(self, fname: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`run`, returning every output the step does not keep here (logits; a speculative artifact's
+        `streams`)."""
         if self.ranks is None:
-            return self._run_graph(fname, 0, inputs)["logits"]
+            return self._run_graph(fname, 0, inputs)
         # every rank runs rank 0's step; the segments with the collectives between them
         env = dict(self.ranks.step(self._index[fname], fname, inputs))
         for k, (_, spec) in enumerate(self._graphs[fname]):
@@ -203,7 +211,7 @@ class OrtBackend:
             c = spec.get("collective")
             if c is not None:
                 env[c["result"]] = self.ranks.all_reduce(env[c["operand"]], c["group"])
-        return env["logits"]
+        return env
 
     def share_ids(self, ids: list[int]) -> list[int]:
         """Sampled ids as every rank takes them: rank 0's (`distributed.Ranks.share_ids`)."""

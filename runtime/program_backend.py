@@ -178,11 +178,15 @@ class ProgramBackend:
         return (time.perf_counter() - t0) / reps
 
     def run(self, fname: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        return self.run_outputs(fname, inputs)["logits"]
+
+    def run_outputs(self, fname: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`run`, returning every output buffer as float32 (logits; a speculative artifact's `streams`)."""
         graph = self.graphs and self._funcs[fname].kind == "decode"
         if self.ranks is not None:  # every rank runs rank 0's step
             inputs = self.ranks.step(sorted(self._funcs).index(fname), fname, inputs)
         out = self.rt.run(fname, inputs, graph=graph)
-        return out["logits"].float().numpy()
+        return {n: t.float().numpy() for n, t in out.items()}
 
     def share_ids(self, ids: list[int]) -> list[int]:
         """Sampled ids as every rank takes them: rank 0's (`distributed.Ranks.share_ids`)."""

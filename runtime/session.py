@@ -231,17 +231,25 @@ class Session:
         ids = self.check_prompt(ids, f"sequence {s.id}")
         last = None
         while ids:
-            T, fname = next(((t, f) for t, f in self.prefill_fns if t >= len(ids)), self.prefill_fns[-1])
-            part, ids = ids[:T], ids[T:]
-            self._reserve(s, s.length + len(part) - 1)
-            x = np.zeros((1, T), dtype=np.int64)
-            pos = np.full((1, T), -1, dtype=np.int64)
-            x[0, : len(part)] = part
-            pos[0, : len(part)] = np.arange(s.length, s.length + len(part))
-            table, slot = self._table([s], 1)
-            last = self.backend.run(fname, {"ids": x, "pos": pos, "block_table": table, "slot": slot})[0]
-            s.length += len(part)
+            fname, inputs, n = self.prefill_chunk(s, ids)
+            last = self.backend.run(fname, inputs)[0]
+            s.length += n
+            ids = ids[n:]
         return last
+
+    def prefill_chunk(self, s: SeqState, ids: list[int]) -> tuple[str, dict[str, np.ndarray], int]:
+        """The next prefill chunk of `ids` for `s` (the smallest chunk bucket that holds them, else the largest),
+        its blocks reserved: (function, step inputs, tokens it takes). The caller runs it and advances
+        `s.length`."""
+        T, fname = next(((t, f) for t, f in self.prefill_fns if t >= len(ids)), self.prefill_fns[-1])
+        part = ids[:T]
+        self._reserve(s, s.length + len(part) - 1)
+        x = np.zeros((1, T), dtype=np.int64)
+        pos = np.full((1, T), -1, dtype=np.int64)
+        x[0, : len(part)] = part
+        pos[0, : len(part)] = np.arange(s.length, s.length + len(part))
+        table, slot = self._table([s], 1)
+        return fname, {"ids": x, "pos": pos, "block_table": table, "slot": slot}, len(part)
 
     def decode(self, seqs: Sequence[SeqState], tokens: Sequence[int]) -> np.ndarray:
         """One token for each of the given live sequences; their next-token logits `[n, V]`."""
@@ -285,9 +293,10 @@ class Session:
                  speculative: str | None = None, draft_tokens: int = 1, draft=None) -> list[list[int]]:
         """New ids for every prompt (continuous batching: at most `max_batch` sequences live at once; a
         waiting prompt joins as soon as a slot is free; each sequence stops at `max_new_tokens` or at a
-        stop id, which is included). `speculative="mtp"`: greedy speculative decoding with `draft_tokens`
-        drafts per step (`runtime/speculative.py`; `draft` replaces the MTP block as the draft source;
-        `last_acceptance` then holds the statistics)."""
+        stop id, which is included). `speculative="mtp"`: speculative decoding with `draft_tokens` drafts per
+        step from the artifact's compiled MTP block (`runtime/speculative.py`: greedy ids identical, sampled
+        ones identically distributed; `draft` replaces the MTP block as the draft source; `last_acceptance`
+        then holds the statistics)."""
         if not _is_int(max_new_tokens) or max_new_tokens < 0:
             raise InputError("max_new_tokens must be an integer >= 0", found=repr(max_new_tokens)[:40])
         check_sampling(temperature, top_p, seed)
@@ -298,13 +307,13 @@ class Session:
                 raise InputError("prompt + max_new_tokens exceed the compiled maximum context", where=f"prompt {i}",
                                  expected=f"<= {self.max_context} tokens", found=len(p) + max_new_tokens)
         if speculative is not None:
-            from .speculative import mtp_draft, speculative_generate
+            from .speculative import speculative_generate
 
-            if speculative != "mtp" or temperature != 0:
-                raise InputError("speculative decoding is greedy, with the MTP block's drafts",
-                                 expected="speculative='mtp', temperature 0", found=(speculative, temperature))
-            out, self.last_acceptance = speculative_generate(self, prompts, max_new_tokens, draft_tokens,
-                                                             draft or mtp_draft(self), stop_ids)
+            if speculative != "mtp" or top_p != 1:
+                raise InputError("speculative decoding drafts with the MTP block and samples without top-p",
+                                 expected="speculative='mtp', top_p 1", found=(speculative, top_p))
+            out, self.last_acceptance = speculative_generate(self, prompts, max_new_tokens, draft_tokens, draft,
+                                                             stop_ids, temperature, seed)
             return out
         rng = np.random.default_rng(seed)
         t0, self.first_token_s = time.perf_counter(), None

@@ -5,7 +5,8 @@ A verify step writes positions L .. L + k of a sequence; before it, `PoolUndo` s
 positions can write, and `restore(keep)` puts back the rows of the rejected positions (>= keep). Rows, in
 the pool's geometry (`v4compile/pool.py`), for position q of the sequence in slot s with blocks `blocks`:
 
-* the window ring of every layer: main row `n_rows - (s + 1) * slot_rows + layer * window + q % window`;
+* the window ring of every layer (with a compiled MTP block, its ring too: layer `n_layers`): main row
+  `n_rows - (s + 1) * slot_rows + layer * window + q % window`;
 * a compressed row when q closes window w = q // m of a CSA / HCA layer: main row
   `blocks[w // per_block] * envelope + offset + w % per_block` (per_block = block_tokens / m), and the
   CSA indexer's key row at the same place in the index planes;
@@ -89,14 +90,18 @@ def access(backend):
     return _Buffers(backend) if hasattr(backend, "rt") else _Arrays(backend)
 
 
-def written_rows(geo: PoolGeometry, store, slot: int, blocks: list[int], q: int) -> list[tuple[str, int]]:
-    """(buffer, row) of everything decoding position q of the sequence in `slot` writes."""
+def written_rows(geo: PoolGeometry, store, slot: int, blocks: list[int], q: int,
+                 window_layer: int | None = None) -> list[tuple[str, int]]:
+    """(buffer, row) of everything decoding position q of the sequence in `slot` writes (`window_layer`:
+    only that layer's window ring row, e.g. the MTP layer's, whose ring is the last one of a slot)."""
     out: list[tuple[str, int]] = []
     main = [n for n, _, _ in geo.main_planes()]
     index = [n for n, _, _ in geo.index_planes()] if geo.index_offset else []
     base = geo.n_rows - (slot + 1) * geo.slot_rows
-    for layer in range(geo.n_window_layers):
+    for layer in range(geo.n_window_layers) if window_layer is None else (window_layer,):
         out += [(n, base + layer * geo.window + q % geo.window) for n in main]
+    if window_layer is not None:
+        return out
     names = store.names()
     csa = dict(geo.index_offset)
     for layer, off in geo.layer_offset:
@@ -121,12 +126,12 @@ def written_rows(geo: PoolGeometry, store, slot: int, blocks: list[int], q: int)
 class PoolUndo:
     """Saved rows of the positions `first .. last` of some sequences (`spans`: slot, blocks, first, last)."""
 
-    def __init__(self, backend, spans: list[tuple[int, list[int], int, int]]):
+    def __init__(self, backend, spans: list[tuple[int, list[int], int, int]], window_layer: int | None = None):
         self.store = access(backend)
         self.saved = []
         for slot, blocks, first, last in spans:
             for q in range(first, last + 1):
-                for name, row in written_rows(self.store.geometry, self.store, slot, blocks, q):
+                for name, row in written_rows(self.store.geometry, self.store, slot, blocks, q, window_layer):
                     self.saved.append((slot, q, name, row, self.store.get(name, row)))
 
     def restore(self, keep: dict[int, int]) -> None:

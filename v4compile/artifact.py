@@ -57,7 +57,8 @@ TARGETS = tuple(TARGET_FORMATS)  # cpu, gfx950, sm_90a
 class Buckets:
     """The static shapes compiled: decode per batch bucket, prefill per chunk bucket (prefill batch 1), and
     with `draft_tokens` = K > 0 a speculative verify function per decode bucket (`verify_b<B>`, 1 + K lanes
-    per sequence: it serves any k <= K, the unused lanes as padding)."""
+    per sequence: it serves any k <= K, the unused lanes as padding) and, when the weights carry the MTP
+    block, its draft functions (`draft_b<B>` per decode bucket, `draft_c<T>` per chunk bucket)."""
 
     decode: tuple[int, ...] = (1, 2, 4, 8)
     prefill: tuple[int, ...] = (16, 64)
@@ -91,6 +92,16 @@ def prefill_name(t: int) -> str:
 
 def verify_name(b: int) -> str:
     return f"verify_b{b}"
+
+
+def draft_name(b: int) -> str:
+    """The MTP draft function of decode bucket `b` (1 + K lanes per sequence)."""
+    return f"draft_b{b}"
+
+
+def draft_prefill_name(t: int) -> str:
+    """The MTP draft function over a prefill chunk of `t` tokens (batch 1)."""
+    return f"draft_c{t}"
 
 
 def sha256_file(path: Path, error: type = ArtifactError) -> str:

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .artifact import TARGETS, Buckets, decode_name, prefill_name, verify_name, write_artifact_dir
+from .artifact import (TARGETS, Buckets, decode_name, draft_name, draft_prefill_name, prefill_name, verify_name,
+                       write_artifact_dir)
 from .errors import InputError
 from .ir.core import Module
 from .manifest import canonical
@@ -34,24 +35,43 @@ CPU_PROGRAM = "program.txt"  # an artifact without GPU targets: the program the 
 
 # ---- building the bucketed module -------------------------------------------------------------
 
-def trace_buckets(cfg, options, buckets: Buckets, formats: dict | None = None, stages: Stages | None = None) -> Module:
+def has_mtp_weights(cfg, formats: dict | None) -> bool:
+    """Whether the weights carry the MTP block (`formats`: a checkpoint's stored tensors; None: the spec's
+    own weights, random or shape-only, which include it)."""
+    if cfg.n_mtp_layers < 1:
+        return False
+    return formats is None or any(n.startswith("mtp.") for n in formats)
+
+
+def trace_buckets(cfg, options, buckets: Buckets, formats: dict | None = None, stages: Stages | None = None,
+                  mtp: bool = False) -> Module:
     """One module holding `decode_b<B>` for every decode bucket and `prefill_c<T>` for every chunk bucket
-    (and `verify_b<B>` per decode bucket when `buckets.draft_tokens` > 0), each traced once (timed as `trace` in `stages`). The pool is sized for the largest decode bucket (one
-    slot per sequence in flight)."""
+    (and `verify_b<B>` per decode bucket when `buckets.draft_tokens` > 0; with `mtp` too, the MTP block's
+    `draft_b<B>` per decode bucket and `draft_c<T>` per chunk bucket, and prefill / verify return their
+    final streams), each traced once (timed as `trace` in `stages`). The pool is sized for the largest
+    decode bucket (one slot per sequence in flight)."""
     from .trace import module_name, trace
 
     buckets.validate()
     stages = stages or Stages(progress_after=None)
     fns, weights, attrs = {}, {}, None
-    verify = buckets.decode if buckets.draft_tokens else ()
-    for kind, sizes in (("decode", buckets.decode), ("prefill", buckets.prefill), ("verify", verify)):
+    K = buckets.draft_tokens
+    verify = buckets.decode if K else ()
+    mtp = bool(mtp and K)
+    kinds = (("decode", buckets.decode), ("prefill", buckets.prefill), ("verify", verify),
+             ("draft", buckets.decode if mtp else ()), ("draft_c", buckets.prefill if mtp else ()))
+    for kind, sizes in kinds:
         for n in sizes:
             o = {"decode": replace(options, decode_batch=n), "prefill": replace(options, batch=1, chunk=n),
-                 "verify": replace(options, decode_batch=n, chunk=1 + buckets.draft_tokens)}[kind]
+                 "verify": replace(options, decode_batch=n, chunk=1 + K),
+                 "draft": replace(options, decode_batch=n, chunk=1 + K),
+                 "draft_c": replace(options, decode_batch=1, chunk=n)}[kind]
+            traced = "draft" if kind == "draft_c" else kind
             with stages("trace", progress="tracing"):
-                m = trace(cfg, o, functions=(kind,), formats=formats)
-            fn = m.functions[kind]
-            fn.name = {"decode": decode_name, "prefill": prefill_name, "verify": verify_name}[kind](n)
+                m = trace(cfg, o, functions=(traced,), formats=formats, streams=mtp)
+            fn = m.functions[traced]
+            fn.name = {"decode": decode_name, "prefill": prefill_name, "verify": verify_name, "draft": draft_name,
+                       "draft_c": draft_prefill_name}[kind](n)
             fns[fn.name] = fn
             weights.update(m.weights)
             attrs = attrs or m.attrs
@@ -203,6 +223,7 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
             "max_context": ci.max_context,
             "buckets": {"decode_batch": list(ci.buckets.decode), "prefill_chunk": list(ci.buckets.prefill),
                         "prefill_batch": 1, **({"draft_tokens": ci.buckets.draft_tokens} if ci.buckets.draft_tokens else {}),
+                        **({"mtp_draft": True} if any(n.startswith("draft_") for n in ci.module.functions) else {}),
                         **({"gpu": {"decode_batch": list(ci.gpu_buckets.decode),
                                     "prefill_chunk": list(ci.gpu_buckets.prefill)}} if gpu else {})},
             "pool": {k[len("pool."):]: (list(v) if isinstance(v, tuple) else v)
@@ -257,7 +278,8 @@ def compile_buckets(fe, buckets: Buckets = Buckets(), pipeline: list[str] | None
     opts = PipelineOptions(disable=tuple(disable), **({"stages": stages} if stages is not None else {}))
     cpu_res = gpu_res = None
     if "cpu" in targets:
-        cpu_res = PassManager(pipeline, opts).run(trace_buckets(fe.cfg, fe.options, buckets, fe.formats, stages))
+        mtp = has_mtp_weights(fe.cfg, fe.formats)
+        cpu_res = PassManager(pipeline, opts).run(trace_buckets(fe.cfg, fe.options, buckets, fe.formats, stages, mtp))
     if any(t in GPU_TARGETS for t in targets):
         gpu_res = PassManager(gpu_pipeline, opts).run(trace_buckets(fe.cfg, fe.options, gpu_buckets, fe.formats,
                                                                     stages))

@@ -377,6 +377,9 @@ def check_manifest(m: dict[str, Any], verify: bool = True) -> None:
     prefill = _buckets(_get(b, "prefill_chunk", "buckets.prefill_chunk"), "buckets.prefill_chunk", MAX_CHUNK)
     _int(_get(b, "prefill_batch", "buckets.prefill_batch"), "buckets.prefill_batch", 1, 1)
     draft_tokens = _int(b["draft_tokens"], "buckets.draft_tokens", 1, MAX_DRAFT_TOKENS) if "draft_tokens" in b else 0
+    mtp_draft = b.get("mtp_draft", False)  # the MTP block compiled: `draft_b<B>` / `draft_c<T>` (1 + K / T lanes)
+    if mtp_draft is not False and (mtp_draft is not True or not draft_tokens):
+        raise _err("`buckets.mtp_draft` must be true (with `draft_tokens`) or absent", found=_show(mtp_draft))
     gpu_b = None
     if "gpu" in b:
         g = _obj(b["gpu"], "buckets.gpu")
@@ -400,7 +403,7 @@ def check_manifest(m: dict[str, Any], verify: bool = True) -> None:
              ("compute_dtype", ("fp32", "bf16")))}
     want = {k[len("pool."):]: (list(v) if isinstance(v, tuple) else v) for k, v in
             PoolGeometry.for_config(cfg, max_context, n_slots, fmts["main_fmt"], fmts["index_fmt"],
-                                    fmts["compute_dtype"]).to_attrs().items()}
+                                    fmts["compute_dtype"], 1 if mtp_draft else 0).to_attrs().items()}
     for k, v in want.items():
         if k not in pool:
             raise _err(f"missing field `pool.{k}`")
@@ -457,7 +460,9 @@ def check_manifest(m: dict[str, Any], verify: bool = True) -> None:
                 listed(t["program"], f"{key}.program")
             want_fns = ({f"decode_b{x}": ("decode", x, 1) for x in decode} |
                         {f"prefill_c{x}": ("prefill", 1, x) for x in prefill} |
-                        {f"verify_b{x}": ("verify", x, 1 + draft_tokens) for x in decode if draft_tokens})
+                        {f"verify_b{x}": ("verify", x, 1 + draft_tokens) for x in decode if draft_tokens} |
+                        {f"draft_b{x}": ("draft", x, 1 + draft_tokens) for x in decode if mtp_draft} |
+                        {f"draft_c{x}": ("draft", 1, x) for x in prefill if mtp_draft})
         else:
             listed(_get(t, "program", f"{key}.program"), f"{key}.program")
             _str(_get(t, "backend", f"{key}.backend"), f"{key}.backend")

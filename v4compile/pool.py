@@ -74,8 +74,9 @@ class PoolGeometry:
 
     @classmethod
     def for_config(cls, cfg: V4Config, capacity: int, n_seqs: int, main_fmt: str, index_fmt: str,
-                   compute_dtype: str) -> "PoolGeometry":
-        layers = [(i, cfg.kind(i), cfg.ratio(i)) for i in range(cfg.n_layers)]
+                   compute_dtype: str, mtp_layers: int = 0) -> "PoolGeometry":
+        """`mtp_layers`: the compiled MTP block's layers (sliding-window only: one more ring per slot each)."""
+        layers = [(i, cfg.kind(i), cfg.ratio(i)) for i in range(cfg.n_layers + mtp_layers)]
         return cls.build(layers, cfg.window, capacity, n_seqs, cfg.head_dim, cfg.rope_dim, cfg.index_head_dim,
                          main_fmt, index_fmt, compute_dtype)
 

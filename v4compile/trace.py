@@ -11,8 +11,14 @@ The module's functions:
 * `decode`: one token per sequence for `decode_batch` sequences; logits `[B, V]`;
 * `verify`: speculative decoding's verify step, `chunk` tokens (the last accepted one and the drafts) for
   `decode_batch` sequences; every lane's logits `[B, T, V]`;
+* `draft`: the MTP block (`mtp_step`, layer `n_layers`) on `chunk` lanes for `decode_batch` sequences: input
+  `hidden` `[B, T, n, D]` (the backbone's final streams, or the block's own for a recursive draft) and
+  `ids` (the token after each lane's position); the logits of each sequence's last valid lane `[B, V]` and
+  the block's output streams (`streams`, `[B, T, n, D]`);
 
-each with the per-layer caches (`cache.layers.<l>.<name>`) as explicit inputs and outputs.
+each with the per-layer caches (`cache.layers.<l>.<name>`) as explicit inputs and outputs. With `streams`,
+prefill and verify also return their final hidden streams (output `streams`, every lane): the draft
+function's input.
 
 Weight types: GEMM weights the checkpoint stores in FP8 / FP4 stay quantised (plus an E8M0 scale
 weight) and are dequantised inside their op; every other weight takes the model's compute dtype
@@ -33,7 +39,7 @@ from .errors import InputError
 from .ir.builder import Builder
 from .ir.core import WEIGHT, Module, Value
 from .ir.types import TensorType
-from .model.blocks import StepOptions, model_step
+from .model.blocks import StepOptions, model_step, mtp_step
 from .model.cache import cache_input_name, layer_cache_shapes
 from .model.params import Params, experts_name
 from .model.reference import keeps_fp32
@@ -156,7 +162,7 @@ def module_name(config_name: str) -> str:
 
 
 def trace(cfg: V4Config, opts: TraceOptions | None = None, functions: tuple[str, ...] = FUNCTIONS,
-          formats: dict[str, str] | None = None, name: str | None = None) -> Module:
+          formats: dict[str, str] | None = None, name: str | None = None, streams: bool = False) -> Module:
     """Trace `cfg` into an IR module (shape-only: no weights are read)."""
     from . import ops
 
@@ -164,7 +170,9 @@ def trace(cfg: V4Config, opts: TraceOptions | None = None, functions: tuple[str,
     opts = opts or TraceOptions()
     opts.validate(cfg)
     t0 = time.perf_counter()
-    store, scales = weight_values(cfg, opts, formats)
+    if "draft" in functions and cfg.n_mtp_layers < 1:
+        raise InputError("the draft function needs an MTP layer", found=f"n_mtp_layers {cfg.n_mtp_layers}")
+    store, scales = weight_values(cfg, opts, formats, include_mtp="draft" in functions)
     P = Params(cfg, store, scales)
     module = Module(name=name or module_name(cfg.name), weights={}, functions={},
                     attrs={"config": cfg.name, **opts.attrs()})
@@ -173,21 +181,31 @@ def trace(cfg: V4Config, opts: TraceOptions | None = None, functions: tuple[str,
             B, T = opts.batch, opts.chunk
         elif fname == "decode":
             B, T = opts.decode_batch, 1
-        elif fname == "verify":
+        elif fname in ("verify", "draft"):
             B, T = opts.decode_batch, opts.chunk
         else:
-            raise InputError(f"unknown function '{fname}'", expected=" / ".join(FUNCTIONS + ("verify",)))
+            raise InputError(f"unknown function '{fname}'", expected=" / ".join(FUNCTIONS + ("verify", "draft")))
         with Builder(fname) as b:
+            hidden = None
+            if fname == "draft":
+                hidden = b.input("hidden", TensorType((B, T, cfg.hc_mult, cfg.dim), opts.dtype))
             ids = b.input("ids", TensorType((B, T), "i64"))
             pos = b.input("pos", TensorType((B, T), "i64"))
+            layers = [cfg.n_layers] if fname == "draft" else range(cfg.n_layers)
             caches = []
-            for layer in range(cfg.n_layers):
+            for layer in layers:
                 shapes = layer_cache_shapes(cfg, layer, B, opts.capacity, opts.dtype, opts.numerics)
                 caches.append({k: b.input(cache_input_name(layer, k), TensorType(shape, dt))
                                for k, (shape, dt) in shapes.items()})
-            logits, _ = model_step(P, cfg, ids, pos, caches, StepOptions(opts.numerics, last_only=fname != "verify"))
+            step = StepOptions(opts.numerics, last_only=fname != "verify")
+            if fname == "draft":
+                logits, out = mtp_step(P, cfg, 0, hidden, ids, pos, caches[0], step)
+            else:
+                logits, out = model_step(P, cfg, ids, pos, caches, step)
             b.output("logits", logits)
-            for layer, c in enumerate(caches):
+            if fname == "draft" or (streams and fname in ("prefill", "verify")):
+                b.output("streams", out)
+            for layer, c in zip(layers, caches):
                 for k, v in c.items():
                     b.output(cache_input_name(layer, k), v)
         b.fn.attrs = {"batch": B, "tokens": T}

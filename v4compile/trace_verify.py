@@ -5,8 +5,10 @@ what it computes).
 block on those lanes' streams with the ids that follow them (`mtp_ids`, the accepted drafts and the
 token after them) and `k - 1` recursive MTP applications on one lane each (`draft_ids.<j>` at `draft_pos.<j>`),
 with the backbone's and the MTP block's caches as inputs and outputs, as `trace.trace` does for decode.
-Only the cost model reads it: artifacts carry the main model's part only (`trace.trace`'s `verify` function,
-`verify_b<B>` with `Buckets.draft_tokens`), the MTP block is not compiled yet.
+Only the cost model reads it, as one graph: an artifact compiled with `--draft-tokens` runs the same work as
+separate functions (`trace.trace`'s `verify` as `verify_b<B>`, its `draft` as `draft_b<B>`: once on the kept
+lanes, then once per recursive draft with one valid lane of the 1 + K), with the acceptance on the host
+between them (`runtime/speculative.py`).
 """
 
 from __future__ import annotations

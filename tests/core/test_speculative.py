@@ -17,12 +17,13 @@ import pytest
 import torch
 
 from conftest import make_model, prompt
+from spec_sampling import ALPHA, N, SMALL_VOCAB, always_accept, chisquare_pvalue
 from v4compile.config import preset
 from v4compile.errors import InputError
 from v4compile.model import ReferenceModel
 from v4compile.model import speculative
 from v4compile.model.speculative import speculative_generate
-from v4compile.speculation import Acceptance, clobbered, draw, probs
+from v4compile.speculation import Acceptance, clobbered, probs
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-doc"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -187,7 +188,6 @@ def test_a_broken_rollback_is_caught(models, monkeypatch, fault):
 
 # ---- sampling ----------------------------------------------------------------------------------------
 
-SMALL_VOCAB, N, ALPHA = 8, 400, 1e-3  # chi-square at significance 0.001 (df = 7 when no bin is merged)
 
 
 @pytest.fixture(scope="module")
@@ -217,15 +217,6 @@ def second_token_pvalue(model) -> float:
     return chisquare_pvalue(got, want * N)
 
 
-def chisquare_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
-    """Pearson's chi-square test of counts against expected counts (k - 1 degrees of freedom): the survival
-    function of the chi-square distribution is the regularised upper incomplete gamma Q(df / 2, stat / 2)."""
-    stat = float(((observed - expected) ** 2 / expected).sum())
-    df = len(observed) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
-
-
 def test_chisquare_pvalue_is_the_chi_square_survival_function():
     # statistic 4 at 1 degree of freedom: P(chi2_1 > 4) = 0.0455 (tables); counts equal to their expectation: 1
     assert abs(chisquare_pvalue(np.array([60.0, 40.0]), np.array([50.0, 50.0])) - 0.0455) < 1e-4
@@ -241,10 +232,7 @@ def test_sampling_matches_plain_sampling(small):
 
 
 def test_always_accepting_fails_the_sampling_test(small, monkeypatch):
-    def always(drafts, target, draft_probs, rng, temperature):
-        return len(drafts), draw(probs(target[-1], temperature), rng)
-
-    monkeypatch.setattr(speculative, "accept", always)
+    monkeypatch.setattr(speculative, "accept", always_accept)
     assert second_token_pvalue(small) < ALPHA
 
 

@@ -47,7 +47,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.speculative:
         from ..runtime.speculative import mtp_draft
 
-        return _run_speculative(args, sess, ids, mtp_draft(sess), t_load)
+        mtp_draft(sess)  # the artifact's compiled MTP block, or one line saying why not
+        return _run_speculative(args, sess, ids, None, t_load)
     t_warm = time.perf_counter()
     sess.warmup(len(ids))
     t_warm = time.perf_counter() - t_warm
@@ -71,13 +72,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_speculative(args, sess, ids, draft, t_load: float) -> int:
-    """Greedy speculative decoding (`runtime/speculative.py`): the ids of plain greedy decoding, fewer steps."""
+    """Speculative decoding (`runtime/speculative.py`; `draft` None: the compiled MTP block): the ids of plain
+    greedy decoding (sampled ones distributed as plain sampling's), fewer steps."""
     from ..runtime.speculative import speculative_generate
 
-    if args.temperature != 0:
-        raise InputError("--speculative decodes greedily only", expected="--temperature 0", found=args.temperature)
+    if args.temperature != 0 and args.top_p != 1:
+        raise InputError("--speculative samples without --top-p", expected="--top-p 1", found=args.top_p)
     t0 = time.perf_counter()
-    out, stats = speculative_generate(sess, [ids], args.max_new_tokens, args.draft_tokens, draft)
+    out, stats = speculative_generate(sess, [ids], args.max_new_tokens, args.draft_tokens, draft,
+                                      temperature=args.temperature, seed=args.seed)
     dt = time.perf_counter() - t0
     tps = len(out[0]) / dt if dt > 0 else 0.0
     if args.json:
@@ -109,7 +112,8 @@ def add_command(sub) -> None:
     rn.add_argument("--threads", type=threads_arg, default=None,
                     help="CPU threads: ONNX Runtime's intra-op threads on cpu (default: free cores, at most 8, at least 1)")
     rn.add_argument("--speculative", choices=("mtp",), default=None,
-                    help="speculative decoding, greedy: the MTP block drafts, a verify step checks (--ids only)")
+                    help="speculative decoding: the artifact's MTP block drafts, a verify step checks (--ids only; "
+                         "sampling without --top-p)")
     rn.add_argument("--draft-tokens", type=int_arg(1, MAX_DRAFT_TOKENS), default=1, help="drafts per step (default 1)")
     rn.add_argument("--json", action="store_true", help='print {"ids": [...], "tokens_per_s", "load_s", "warmup_s", '
                                                         '"prefill_s"} (with --prompt also "text"; with --speculative '

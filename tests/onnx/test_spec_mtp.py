@@ -1,0 +1,219 @@
+"""Speculative decoding with the artifact's compiled MTP block as the draft source (`runtime/speculative.py`
+without a `draft`: the `draft_b<B>` / `draft_c<T>` functions).
+
+* greedy: the ids of plain greedy decoding over 64 new tokens. Cells: the trained tiny-doc (acceptance ~0.7,
+  so both accepted and rejected drafts occur) on the cpu device with k = 1, 2, 3 on a ragged batch (prompts of
+  5 and 11 tokens in the batch-2 bucket) and on the host device with k = 2 (the 11-token prompt); tiny-pro
+  (random weights) on cpu, k = 1, batch 1; tiny (random) is test_spec_session's `test_compiled_mtp_drafts`.
+* the compiled drafts are the reference MTP's (`v4compile/model/speculative.py`): the same ids at the same
+  positions, and the distributions they are drawn from (q at temperature 1) within 1e-4 (fp32 GEMMs summed
+  in another order), over the reference's first 24 new tokens (k = 2: the recursive draft included).
+* sampling on the compiled path: the second new token (the first the acceptance rule decides, k = 1, its q
+  from the compiled block) is distributed as plain sampling's (chi-square, vocabulary 8, 200 sequences,
+  seed 0, significance 0.001); an always-accept rule fails the same test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import v4compile
+from spec_sampling import ALPHA, SMALL_VOCAB, always_accept, chisquare_pvalue
+from v4compile import frontend
+from v4compile.artifact import Buckets
+from v4compile.driver import compile_artifact
+from v4compile.model import ReferenceModel
+from v4compile.model import speculative as ref_speculative
+from v4compile.runtime import speculative as rs
+from v4compile.speculation import probs
+from v4compile.trace import TraceOptions
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-doc"
+NEW = 64
+REF_NEW = 24  # the reference decoder's run (eager torch: the slow part), compared with the compiled run's start
+
+
+def ragged(vocab: int) -> list[list[int]]:
+    return [[int(x) for x in np.random.default_rng(n).integers(0, vocab, n)] for n in (5, 11)]
+
+
+def compiled(fe, out, buckets: Buckets):
+    return compile_artifact(fe, out, buckets)
+
+
+def session(art, device: str = "cpu"):
+    return v4compile.load(art, device=device, threads=1, **({"kernels": "reference"} if device == "host" else {}))
+
+
+@pytest.fixture(scope="module")
+def doc(tmp_path_factory):
+    """tiny-doc compiled with K = 3 (buckets: decode 1, 2; prefill 16), and its plain greedy ids."""
+    fe = frontend.load(str(EXAMPLE), None, None, TraceOptions(numerics="hf", dtype="fp32", capacity=96))
+    art = compiled(fe, tmp_path_factory.mktemp("art") / "doc", Buckets((1, 2), (16,), draft_tokens=3))
+    prompts = ragged(fe.cfg.vocab_size)
+    s = session(art)
+    try:
+        return art, prompts, s.generate(prompts, NEW)
+    finally:
+        s.close()
+
+
+def recorded(monkeypatch) -> dict[int, list]:
+    """The compiled drafts, per sequence: (position, id, q at temperature 1), in the order drafted."""
+    got: dict[int, list] = {}
+    orig = rs.CompiledDraft.drafts
+
+    def drafts(self, entries, counts):
+        seen = []
+        pick = self.pick
+        self.pick = lambda logits: (seen.append(probs(logits, 1.0)), pick(logits))[1]
+        try:
+            res = orig(self, entries, counts)
+        finally:
+            self.pick = pick
+        it = iter(seen)
+        for j in range(max(counts, default=0)):  # the order `drafts` picks in
+            for e, c, (d, _) in zip(entries, counts, res):
+                if j < c:
+                    got.setdefault(e[0].id, []).append((e[1] + j + 1, d[j], next(it)))
+        return res
+    monkeypatch.setattr(rs.CompiledDraft, "drafts", drafts)
+    return got
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_ids_equal_plain_cpu(doc, k, monkeypatch):
+    art, prompts, want = doc
+    got = recorded(monkeypatch)
+    s = session(art)
+    try:
+        ids = s.generate(prompts, NEW, speculative="mtp", draft_tokens=k)
+        stats = s.last_acceptance
+    finally:
+        s.close()
+    assert ids == want
+    assert 0.3 < stats.rates()[0] < 0.95 and stats.tokens_per_step() > 1.3  # drafts both accepted and rejected
+    assert len(got) == 2 and all(len(v) >= (NEW - 1) // (k + 1) * k for v in got.values())
+    if k == 2:  # against the reference decoder: the same drafts (ids and q)
+        ref = ReferenceModel.from_pretrained(EXAMPLE)
+        want_d: dict[int, list] = {0: [], 1: []}
+        last = []
+        orig = ref_speculative._draft
+
+        def draft(model, streams, next_ids, pos, cache, L, live, k, pick, hook, chunks):
+            def rec_pick(logits):
+                last.append(probs(logits.numpy(), 1.0))
+                return pick(logits)
+            return orig(model, streams, next_ids, pos, cache, L, live, k, rec_pick, hook, chunks)
+
+        def hook(b, p, d):
+            want_d[b].append((p, d, last[-1]))
+            return d
+        monkeypatch.setattr(ref_speculative, "_draft", draft)
+        r = ref_speculative.speculative_generate(ref, prompts, REF_NEW, k, draft=hook)
+        assert r.ids == [w[:REF_NEW] for w in want]
+        for b, sid in enumerate(sorted(got)):
+            # the reference's shorter run drafts k at every step, also past its last token: the compiled run's
+            # drafts of the same steps
+            theirs = want_d[b]
+            mine = got[sid][: len(theirs)]
+            assert len(mine) == len(theirs) >= REF_NEW // 2
+            assert [(p, d) for p, d, _ in mine] == [(p, d) for p, d, _ in theirs]
+            err = max(float(np.abs(q - w).max()) for (_, _, q), (_, _, w) in zip(mine, theirs))
+            assert err < 1e-4, err
+
+
+def test_greedy_ids_equal_plain_host(doc):
+    """The host device (the C runtime's buffers, reference kernels) runs the same draft functions."""
+    art, prompts, want = doc
+    s = session(art, "host")
+    try:
+        assert s.generate(prompts[1:], NEW, speculative="mtp", draft_tokens=2) == want[1:]
+        assert s.last_acceptance.rates()[0] > 0.2
+    finally:
+        s.close()
+
+
+def test_run_cli(doc, capsys):
+    """`run --speculative mtp --draft-tokens k --json` drafts with the artifact's MTP block, end to end."""
+    import json
+
+    from v4compile.cli import main
+
+    art, prompts, want = doc
+    capsys.readouterr()
+    assert main(["-q", "run", str(art), "--ids", ",".join(map(str, prompts[1])), "--max-new-tokens", "16",
+                 "--speculative", "mtp", "--draft-tokens", "3", "--json", "--device", "cpu", "--threads", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ids"] == want[1][:16]
+    assert len(out["acceptance"]) == 3 and out["tokens_per_step"] > 1
+
+
+def test_tiny_pro(tmp_path):
+    fe = frontend.load(None, "tiny-pro", "random", TraceOptions(numerics="hf", dtype="fp32", capacity=80))
+    art = compiled(fe, tmp_path / "pro", Buckets((1,), (16,), draft_tokens=1))
+    s = session(art)
+    try:
+        p = ragged(fe.cfg.vocab_size)[1:]
+        assert s.generate(p, NEW, speculative="mtp", draft_tokens=1) == s.generate(p, NEW)
+    finally:
+        s.close()
+
+
+# ---- sampling ----------------------------------------------------------------------------------------
+
+PROMPT = [1, 2, 3]
+# 200 sequences (the reference's test takes 400): every expected count >= 12 (the smallest marginal is 0.064),
+# and always accepting is rejected at p ~ 3e-12 (at 400: 6e-19; the true rule's p-values 0.92 and 0.55)
+N = 200
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A session of tiny with a vocabulary of 8 (a checkpoint: random weights, seed 0), K = 1, 8 sequences at a
+    time (prefill chunk 4), and the exact plain-sampling marginal of the second new token after PROMPT,
+    sum_t1 p(t1) p(t2 | t1) (from the artifact's own prefill and decode)."""
+    from v4compile.checkpoint import write_checkpoint
+    from v4compile.config import preset
+    from v4compile.init_random import random_source
+
+    cfg = dataclasses.replace(preset("tiny"), vocab_size=SMALL_VOCAB)
+    ck = write_checkpoint(tmp_path_factory.mktemp("ck") / "small", cfg, random_source(cfg, 0), dtype="fp32")
+    fe = frontend.load(str(ck), None, None, TraceOptions(numerics="hf", dtype="fp32", capacity=16))
+    s = session(compiled(fe, tmp_path_factory.mktemp("art") / "small", Buckets((8,), (4,), draft_tokens=1)))
+    seq = s.open()
+    p1 = probs(s.extend(seq, PROMPT), 1.0)
+    s.release(seq)
+    want = np.zeros(SMALL_VOCAB)
+    for t in range(SMALL_VOCAB):
+        seq = s.open()
+        s.extend(seq, PROMPT)
+        want += p1[t] * probs(s.decode([seq], [t])[0], 1.0)
+        s.release(seq)
+    yield s, want
+    s.close()
+
+
+def second_token_pvalue(small) -> float:
+    """N copies of one prompt sampled at temperature 1 for three tokens (k = 1: the second decided by the
+    acceptance rule against the compiled draft's q): the p-value of the second token's counts against the
+    exact marginal."""
+    s, want = small
+    out = s.generate([PROMPT] * N, 3, temperature=1.0, seed=0, speculative="mtp", draft_tokens=1)
+    assert s.last_acceptance.offered[0] >= N  # every second token went through the acceptance rule
+    return chisquare_pvalue(np.bincount([o[1] for o in out], minlength=SMALL_VOCAB), want * N)
+
+
+def test_sampling_matches_plain_sampling(small):
+    assert second_token_pvalue(small) > ALPHA
+
+
+def test_always_accepting_fails_the_sampling_test(small, monkeypatch):
+    monkeypatch.setattr(rs, "accept", always_accept)
+    assert second_token_pvalue(small) < ALPHA
