@@ -44,7 +44,7 @@ from typing import Any
 
 from ..targets import TARGETS, cache_root
 from .kernels import KernelCall
-from .kernels.pdl import PARAM as PDL_PARAM, declares_pdl, uses_pdl
+from .kernels import PDL_PARAM, declares_pdl, uses_pdl
 from .roofline import bandwidth_time, launch_kind, modeled_time
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from typing import Any
 from ..ir.registry import get_op
 from ..program.core import Program
 from ..targets import TARGETS
-from .kernels.pdl import uses_pdl
+from .kernels import uses_pdl
 
 BYTES_GOAL = 1.05
 # Kernel families whose FLOP-counting kernels multiply matrices: their binaries must hold MMA instructions

@@ -29,9 +29,24 @@ import torch
 from ...errors import CodegenError
 from ...ir.registry import get_op
 from ...ir.types import TensorType, dtype_of
-from .pdl import PARAM as PDL_PARAM, declares_pdl
 
 log = logging.getLogger(__name__)
+
+# The PDL flag's facts (the kernel half is pdl.py). They live here, not in pdl.py, because that module
+# defines a @triton.jit function: importing it for these would fix Triton's compile-or-interpret choice
+# before the host device makes it (runtime/kernels.py refuses a process that imported kernel modules).
+PDL_PARAM = "PDL"
+
+
+def declares_pdl(fn: Any) -> bool:
+    """Whether a kernel (a @triton.jit function) takes the PDL flag, that is waits in `pdl_enter`."""
+    return PDL_PARAM in getattr(fn, "arg_names", ())
+
+
+def uses_pdl(fn: Any, target: str) -> bool:
+    """Whether the kernel's launches on `target` carry the programmatic-serialization attribute."""
+    from ...targets import TARGETS
+    return TARGETS[target].pdl and declares_pdl(fn)
 
 # Triton pointer element type -> the torch dtype a tensor is viewed as before launch (same element size).
 TRITON_TORCH: dict[str, torch.dtype] = {

@@ -11,7 +11,9 @@ lets the next kernel's blocks be scheduled as soon as every block of this one ha
 their own `pdl_enter`, so the next kernel's launch overlaps this one's run instead of following its end.
 Both are no-ops on a launch without the attribute. The chain stays ordered: a kernel completes only after
 its own wait returned, so waiting for the previous kernel waits for every earlier one too; hence the
-runtime sets the attribute only on launches of kernels that wait (`uses_pdl`).
+runtime sets the attribute only on launches of kernels that wait (`uses_pdl`, in the package's __init__:
+that and the flag's other facts live outside this @triton.jit module, so that importing the runtime loads no
+kernel module before the host device has chosen Triton's interpreter).
 
 With PDL False (gfx950: HIP has no programmatic launch; Triton's interpreter has no grid-dependency ops)
 nothing is emitted.
@@ -19,14 +21,8 @@ nothing is emitted.
 
 from __future__ import annotations
 
-from typing import Any
-
 import triton
 import triton.language as tl
-
-from ...targets import TARGETS
-
-PARAM = "PDL"
 
 
 @triton.jit
@@ -34,13 +30,3 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-def declares_pdl(fn: Any) -> bool:
-    """Whether a kernel (a @triton.jit function) takes the PDL flag, that is waits in `pdl_enter`."""
-    return PARAM in getattr(fn, "arg_names", ())
-
-
-def uses_pdl(fn: Any, target: str) -> bool:
-    """Whether the kernel's launches on `target` carry the programmatic-serialization attribute."""
-    return TARGETS[target].pdl and declares_pdl(fn)

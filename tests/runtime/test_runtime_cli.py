@@ -3,7 +3,10 @@ a GPU device that cannot run (the GPU artifact itself: tests/runtime/test_gpu_ar
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -38,6 +41,21 @@ def test_compile_then_run_on_host_prints_the_reference_ids(art, capsys):
                      r"prefill ([\d.]+) s", ran.err)
     total, load, weights, warmup, prefill = map(float, ttft.groups())
     assert 0 < weights <= load and prefill > 0 and abs(total - (load + warmup + prefill)) < 0.01
+
+
+@pytest.mark.slow
+def test_run_on_host_in_a_fresh_process_as_a_user_starts_it(art, capsys):
+    """The tests' own environment sets TRITON_INTERPRET=1 before anything loads; a user's does not. Then
+    only the host device chooses the interpreter, so importing the CLI and the runtime must load no kernel
+    module (one imported for compiling would fix the choice: the run would refuse, as it did when the PDL
+    flag's facts lived in a @triton.jit module every runtime import loaded)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "v4compile", "run", str(art), "--ids", "1,2,3", "--max-new-tokens",
+                        "2", "--device", "host"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    capsys.readouterr()
+    assert main(["run", str(art), "--ids", "1,2,3", "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    assert r.stdout.strip() == capsys.readouterr().out.strip()
 
 
 @pytest.mark.slow
