@@ -16,6 +16,7 @@ DEFAULT_PIPELINE: list[str] = [
     "merge_sibling_gemms",
     "fuse_mhc_post_pre",
     "fold_inverse_rope_wo_a_quant",
+    "fuse_inv_rope_wo_a",
     "lower_sparse_attention",
     "fuse_indexer_topk",
     "fuse_qkv_norm_rope",

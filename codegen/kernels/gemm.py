@@ -23,6 +23,7 @@ import triton.language as tl
 from . import KernelCall, TensorArg, call_name, ptr, rows_of, unaligned
 from .pdl import pdl_enter
 from .arrival import last_to_arrive
+from .rotary import inverse_rope, rope_constants
 
 FP8_MAX = tl.constexpr(448.0)
 ACT_BLOCK = 128  # spec 13.1: one activation scale per 128 K values
@@ -113,14 +114,18 @@ def mma_step(acc, xt, xs, w_ptr, s_ptr, offs_n, n_ok, kk, k_ok, k0,
 
 
 @triton.jit
-def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr, part_ptr, sem_ptr,
+def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, pos_ptr, y_ptr, part_ptr, sem_ptr,
                 M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, G_K: tl.constexpr, XS_RS: tl.constexpr,
                 SPLIT: tl.constexpr, KS: tl.constexpr, NT: tl.constexpr,
                 X_RS: tl.constexpr, X_CS: tl.constexpr, Y_RS: tl.constexpr, Y_CS: tl.constexpr,
                 W_RS: tl.constexpr, W_CS: tl.constexpr, S_RS: tl.constexpr, S_CS: tl.constexpr,
                 W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
                 NORM: tl.constexpr, EPS: tl.constexpr, CDT: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                ROPE_T: tl.constexpr, P_BS: tl.constexpr, P_TS: tl.constexpr, D: tl.constexpr,
+                DIM: tl.constexpr, FREQS: tl.constexpr, SIGN: tl.constexpr, PDL: tl.constexpr = False):
+    """pos_ptr (rope_out_proj): x is the attention output, rotated back (`rotary.inverse_rope`, heads of D
+    channels, token m = b * ROPE_T + t at pos[b, t]) as each K tile is loaded, before any quantisation."""
     pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -134,6 +139,9 @@ def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr, part_ptr, sem_ptr,
     m_ok = offs_m < M
     rk = tl.arange(0, BK)
     x_ptr = x_ptr + gid * G_K * X_CS
+    if pos_ptr is not None:
+        tb = offs_m // ROPE_T
+        pos = tl.load(pos_ptr + tb * P_BS + (offs_m - tb * ROPE_T) * P_TS, mask=m_ok, other=0).to(tl.float32)
 
     if NORM:
         ss = tl.zeros([BM], dtype=tl.float32)
@@ -153,6 +161,12 @@ def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr, part_ptr, sem_ptr,
         if NORM:
             nw = tl.load(n_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
             xt = (nw[:, None] * (xt.to(tl.float32) * rinv[None, :])).to(x_ptr.dtype.element_ty)
+        if pos_ptr is not None:
+            # the pair partner (channel ^ 1): heads and each group's K start at even columns
+            xp = tl.load(x_ptr + offs_m[None, :] * X_RS + (kk ^ 1)[:, None] * X_CS,
+                         mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+            xt = inverse_rope(xt.to(tl.float32), xp.to(tl.float32), ((gid * G_K + kk) % D)[:, None], pos[None, :],
+                              D, DIM, FREQS, SIGN, x_ptr.dtype.element_ty)
         xs = None
         if ACT == "pre":
             xs = tl.load(xs_ptr + offs_m * XS_RS + (gid * G_K + k0) // 128, mask=m_ok, other=0.0)
@@ -211,10 +225,12 @@ def _tl_dtype(ir: str):
 
 def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, y: TensorArg,
               norm: TensorArg | None, *, block: int, act: str, eps: float, names: dict[str, str],
-              groups: int = 1, x_scale: TensorArg | None = None) -> list[KernelCall]:
+              groups: int = 1, x_scale: TensorArg | None = None, rope: dict | None = None) -> list[KernelCall]:
     """One GEMM launch. `names` maps kernel roles (x, xs, w, s, n, y) to the op's operand / result names.
     groups > 1: block-diagonal (grouped_out_proj): group g multiplies x columns [g*K, (g+1)*K) by weight
-    rows [g*N, (g+1)*N). x_scale: x is pre-quantised e4m3 with one fp32 scale per 128 columns (act "pre")."""
+    rows [g*N, (g+1)*N). x_scale: x is pre-quantised e4m3 with one fp32 scale per 128 columns (act "pre").
+    rope: {"pos": TensorArg [B, T], "head_dim": d, "attrs": the op's rope attributes}: x (the flattened
+    [B, T, H * d] attention output) rotated back as it is loaded (rope_out_proj)."""
     if x_scale is not None:
         act = "pre"
     if act not in ("native", "fp8", "pre"):
@@ -256,6 +272,15 @@ def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, 
         pointers.append(ptr("n_ptr", "operand", names["n"], norm))
     else:
         ce["n_ptr"] = None
+    if rope is not None:
+        pos = rope["pos"]
+        if rope["head_dim"] % 2 or K % 2:
+            raise ValueError(f"gemm: a rope prologue pairs channels: head dim {rope['head_dim']} and K {K} must be even")
+        ce.update(ROPE_T=pos.shape[1], P_BS=pos.strides[0], P_TS=pos.strides[1], D=rope["head_dim"],
+                  **rope_constants(rope["attrs"]))
+        pointers.append(ptr("pos_ptr", "operand", names["pos"], pos))
+    else:
+        ce.update(pos_ptr=None, ROPE_T=1, P_BS=0, P_TS=0, D=0, DIM=0, FREQS=0, SIGN=-1.0)
     scratch = {}
     pointers.append(ptr("y_ptr", "result", names["y"], y))
     if split == 1:
@@ -266,7 +291,7 @@ def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, 
         pointers.append(ptr("part_ptr", "scratch", "gemm_partial", "*fp32"))
         pointers.append(ptr("sem_ptr", "semaphore", "gemm_arrivals", "*i32"))
     wbytes = w.type.nbytes + (scale.type.nbytes if scale is not None else 0)
-    tag = (f"{w_fmt}w_{act}_m{M}_n{N}_k{K}" + ("_norm" if norm is not None else "") + (f"_g{groups}" if groups > 1 else "")
+    tag = (f"{w_fmt}w_{act}_m{M}_n{N}_k{K}" + ("_norm" if norm is not None else "") + ("_rope" if rope else "") + (f"_g{groups}" if groups > 1 else "")
            + (f"_s{split}" if split > 1 else ""))
     calls = [KernelCall(
         name=call_name(prefix, ce, tag), fn=gemm_kernel, constexprs=ce, pointers=pointers,
@@ -274,11 +299,12 @@ def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, 
         grid=(triton.cdiv(N, BN), triton.cdiv(M, BM), groups * split), num_warps=8 if BM * BN >= 8192 else 4,
         num_stages=2,
         scratch_bytes=scratch,
-        unaligned=unaligned({"x_ptr": x, "xs_ptr": x_scale, "w_ptr": w, "s_ptr": scale, "n_ptr": norm, "y_ptr": y}),
+        unaligned=unaligned({"x_ptr": x, "xs_ptr": x_scale, "w_ptr": w, "s_ptr": scale, "n_ptr": norm,
+                             "pos_ptr": rope["pos"] if rope else None, "y_ptr": y}),
         flops=2 * M * N * K * groups, mma_dtype="fp8" if act != "native" else "bf16",
         # split > 1: the partials are written once and read once more by the reducing programs
         bytes_moved=wbytes + split * x.type.nbytes + y.type.nbytes + 2 * scratch.get("gemm_partial", 0)
-        + (norm.type.nbytes if norm else 0))]
+        + (norm.type.nbytes if norm else 0) + (rope["pos"].type.nbytes if rope else 0))]
     return calls
 
 
