@@ -107,6 +107,6 @@ def test_rope_out_proj(dtype, wfmt, act):
 ])
 def test_rope_out_proj_broken_loader_is_caught(monkeypatch, tmp_path, old, new):
     from v4compile.codegen.kernels import gemm
-    kc.install_broken_kernel(monkeypatch, tmp_path, gemm, "gemm_kernel", old, new)
+    kc.install_broken_kernel(monkeypatch, tmp_path, gemm, "gemm_program", old, new)
     with pytest.raises(AssertionError):
         run_rope(torch.bfloat16, "fp8", "native", H=3, d=48, dim=16)  # group 1 starts mid-head

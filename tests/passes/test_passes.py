@@ -188,6 +188,7 @@ def test_v4_pro_pass_hits(pro):
     assert hits["fuse_mhc_post_pre"]["decode.seams"] == 120
     assert hits["fold_inverse_rope_wo_a_quant"]["decode.folded"] == 61
     assert hits["fuse_inv_rope_wo_a"]["decode.fused"] == 61
+    assert hits["pair_sibling_gemms"]["decode.paired"] == 61  # wqkv_a (FP8) + x_gemm (BF16) on every layer
     assert hits["lower_sparse_attention"]["decode.indexers"] == 30
     merged = res.module.weights["layers.7.attn.wqkv_a.weight"]
     assert merged.type.shape == (2048, 7168) and merged.type.dtype == "fp8e4m3"

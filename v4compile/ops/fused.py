@@ -120,6 +120,30 @@ def _(o, pos, w, scale, *, dim, theta, yarn, groups, block, act, acc, out_dtype)
                                                                 "acc": acc, "out_dtype": out_dtype})
 
 
+# ---- GEMMs of one input --------------------------------------------------------------------------
+
+PAIR_ATTRS = {"block0": (int, 128), "act0": (str, "native"), "out_dtype0": (str, ""),
+              "block1": (int, 128), "act1": (str, "native"), "out_dtype1": (str, ""), "acc": (str, "fp32")}
+
+
+def _side(attrs: dict, i: int) -> dict:
+    """One GEMM's `linear` attributes out of a `linear_pair`'s."""
+    return {"block": attrs[f"block{i}"], "act": attrs[f"act{i}"], "acc": attrs["acc"], "out_dtype": attrs[f"out_dtype{i}"]}
+
+
+@defop("linear_pair(x, w0, w1, scale0?, scale1?) -> y0, y1", attrs=PAIR_ATTRS, kernel="gemm")
+def linear_pair(x, w0, w1, scale0, scale1, **attrs):
+    """Two `linear`s of one input whose weights cannot be stacked into one (another format or numerics:
+    V4's FP8 `wqkv_a` and the BF16 compressor / indexer GEMMs of the attention input), in one launch."""
+    return linear.ref(x, w0, scale0, **_side(attrs, 0)), linear.ref(x, w1, scale1, **_side(attrs, 1))
+
+
+@linear_pair.infer
+def _(x, w0, w1, scale0, scale1, **attrs):
+    return (linear.result_types([x, w0, scale0], _side(attrs, 0))[0],
+            linear.result_types([x, w1, scale1], _side(attrs, 1))[0])
+
+
 # ---- MoE -----------------------------------------------------------------------------------------
 
 @defop("moe_experts_shared(x, weights, indices, w1, w2, w3, s1, s2, s3, w1_scale?, w2_scale?, w3_scale?, "
