@@ -7,8 +7,8 @@ Guarantees: the pair becomes one `rope_out_proj(o, pos, w, scale)`: the GEMM rot
 loads it and, when the pair quantised (fmt fp8 or a GEMM with act fp8), quantises it per 128-wide K block
 itself (`act="fp8"`): the same e4m3 values and scales the fold made, so numerics are bit-identical
 (tests/kernels/test_gemm_numerics.py shows the pre-quantised and self-quantising GEMMs agree).
-The result keeps its name. GPU only: the cpu target's ONNX lowering composes the rotation and the GEMM
-(`codegen/onnx/grouped_gemm.py`), so the pass runs in both pipelines.
+The result keeps its name. The pass runs in both pipelines: the cpu target's ONNX lowering composes the
+rotation and the GEMM (`codegen/onnx/grouped_gemm.py`).
 Hits: `<func>.fused`.
 """
 
