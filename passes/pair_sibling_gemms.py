@@ -6,7 +6,8 @@ RMSNorm becomes `norm_linear` first; pairing it would keep the norm's own launch
 Guarantees: in op order, each two `linear`s of one input value and one layer become one `linear_pair`
 (V4: the FP8 `wqkv_a` and the BF16 compressor / indexer `x_gemm` of the attention input: one launch fewer
 per layer), at the first one's place, each half with its own weight, scale and numerics; result values
-keep their names; numerics identical (each half is the `linear` it replaces).
+keep their names; numerics identical (each half is the `linear` it replaces). Both pipelines: the cpu
+target's ONNX lowering is the two GEMMs (`codegen/onnx/gemm.py`).
 Hits: `<func>.paired`.
 """
 
