@@ -5,9 +5,11 @@
 * `cpu`: the lowered graph the ONNX export turns into one ONNX model per function; ONNX Runtime plans
   its own memory, so the arena plan and the program stage are left out.
 
-Order matters in three places: `fuse_moe` runs before `merge_sibling_gemms` (which would otherwise merge
-the shared expert's w1 / w3); `fuse_qkv_norm_rope` runs after `lower_sparse_attention` so that in decode
-it can fold the window write; `plan_memory` runs on the final op list, and `lower_to_program` after it.
+Order matters in these places: `fuse_moe` runs before `merge_sibling_gemms` (which would otherwise merge
+the shared expert's w1 / w3); `fuse_inv_rope_wo_a` after `fold_inverse_rope_wo_a_quant` (it fuses the
+fold's op); `fuse_qkv_norm_rope` runs after `lower_sparse_attention` so that in decode it can fold the
+window write; `pair_sibling_gemms` after the GEMM merges and `fuse_norm_linear` (it pairs what they leave);
+`plan_memory` runs on the final op list, and `lower_to_program` after it.
 """
 
 DEFAULT_PIPELINE: list[str] = [
@@ -16,10 +18,12 @@ DEFAULT_PIPELINE: list[str] = [
     "merge_sibling_gemms",
     "fuse_mhc_post_pre",
     "fold_inverse_rope_wo_a_quant",
+    "fuse_inv_rope_wo_a",
     "lower_sparse_attention",
     "fuse_indexer_topk",
     "fuse_qkv_norm_rope",
     "fuse_norm_linear",
+    "pair_sibling_gemms",
     "cse",
     "dce",
     "plan_memory",

@@ -1,4 +1,5 @@
-"""GEMM family: `linear` and `norm_linear` (`y = [rmsnorm](x) W^T`), every weight format of the checkpoint.
+"""GEMM family: `linear` and `norm_linear` (`y = [rmsnorm](x) W^T`), every weight format of the checkpoint;
+`linear_pair` (two GEMMs of one input whose weights cannot be stacked) in one launch of `gemm_pair_kernel`.
 
 Weights: fp32 / bf16; FP8 e4m3 with a 128x128 scale grid (E8M0 bytes or fp32 multipliers); FP4 e2m1 packed
 two per byte along K with 1x32 E8M0 scales. Activations: `act="native"` (x in its dtype times the
@@ -17,12 +18,15 @@ activations (the fp32 debug numerics) dequantise the nibbles in registers instea
 
 from __future__ import annotations
 
+import math
+
 import triton
 import triton.language as tl
 
 from . import KernelCall, TensorArg, call_name, ptr, rows_of, unaligned
 from .pdl import pdl_enter
 from .arrival import last_to_arrive
+from .rotary import inverse_rope, rope_constants
 
 FP8_MAX = tl.constexpr(448.0)
 ACT_BLOCK = 128  # spec 13.1: one activation scale per 128 K values
@@ -113,20 +117,41 @@ def mma_step(acc, xt, xs, w_ptr, s_ptr, offs_n, n_ok, kk, k_ok, k0,
 
 
 @triton.jit
-def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr, part_ptr, sem_ptr,
+def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, pos_ptr, y_ptr, part_ptr, sem_ptr,
                 M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, G_K: tl.constexpr, XS_RS: tl.constexpr,
                 SPLIT: tl.constexpr, KS: tl.constexpr, NT: tl.constexpr,
                 X_RS: tl.constexpr, X_CS: tl.constexpr, Y_RS: tl.constexpr, Y_CS: tl.constexpr,
                 W_RS: tl.constexpr, W_CS: tl.constexpr, S_RS: tl.constexpr, S_CS: tl.constexpr,
                 W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
                 NORM: tl.constexpr, EPS: tl.constexpr, CDT: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                ROPE_T: tl.constexpr, P_BS: tl.constexpr, P_TS: tl.constexpr, D: tl.constexpr,
+                DIM: tl.constexpr, FREQS: tl.constexpr, SIGN: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    # axis 2: group (grouped_out_proj: x columns [gid*G_K, +K), weight rows / y columns [gid*N, +N)) x K split
-    gid = tl.program_id(2) // SPLIT
-    sid = tl.program_id(2) % SPLIT
+    gemm_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, pos_ptr,
+                 y_ptr, part_ptr, sem_ptr, M, N, K, G_K, XS_RS, SPLIT, KS, NT, X_RS, X_CS, Y_RS, Y_CS, W_RS, W_CS,
+                 S_RS, S_CS, W_FMT, S_E8M0, BLOCK, ACT, NORM, EPS, CDT, BM, BN, BK, STAGES, ROPE_T, P_BS, P_TS, D,
+                 DIM, FREQS, SIGN)
+
+
+@triton.jit
+def gemm_program(pid_n, pid_m, pid_z, x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, pos_ptr, y_ptr, part_ptr, sem_ptr,
+                 M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, G_K: tl.constexpr, XS_RS: tl.constexpr,
+                 SPLIT: tl.constexpr, KS: tl.constexpr, NT: tl.constexpr,
+                 X_RS: tl.constexpr, X_CS: tl.constexpr, Y_RS: tl.constexpr, Y_CS: tl.constexpr,
+                 W_RS: tl.constexpr, W_CS: tl.constexpr, S_RS: tl.constexpr, S_CS: tl.constexpr,
+                 W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
+                 NORM: tl.constexpr, EPS: tl.constexpr, CDT: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                 ROPE_T: tl.constexpr, P_BS: tl.constexpr, P_TS: tl.constexpr, D: tl.constexpr,
+                 DIM: tl.constexpr, FREQS: tl.constexpr, SIGN: tl.constexpr):
+    """Output tile (pid_n, pid_m) of group / K split pid_z of one GEMM (the body of `gemm_kernel`, and of
+    each half of `gemm_pair_kernel`). pos_ptr (rope_out_proj): x is the attention output, rotated back
+    (`rotary.inverse_rope`, heads of D channels, token m = b * ROPE_T + t at pos[b, t]) as each K tile is
+    loaded, before any quantisation."""
+    # axis z: group (grouped_out_proj: x columns [gid*G_K, +K), weight rows / y columns [gid*N, +N)) x K split
+    gid = pid_z // SPLIT
+    sid = pid_z % SPLIT
     local_n = pid_n * BN + tl.arange(0, BN)
     offs_n = gid * N + local_n
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -134,6 +159,9 @@ def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr, part_ptr, sem_ptr,
     m_ok = offs_m < M
     rk = tl.arange(0, BK)
     x_ptr = x_ptr + gid * G_K * X_CS
+    if pos_ptr is not None:
+        tb = offs_m // ROPE_T
+        pos = tl.load(pos_ptr + tb * P_BS + (offs_m - tb * ROPE_T) * P_TS, mask=m_ok, other=0).to(tl.float32)
 
     if NORM:
         ss = tl.zeros([BM], dtype=tl.float32)
@@ -153,6 +181,12 @@ def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr, part_ptr, sem_ptr,
         if NORM:
             nw = tl.load(n_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
             xt = (nw[:, None] * (xt.to(tl.float32) * rinv[None, :])).to(x_ptr.dtype.element_ty)
+        if pos_ptr is not None:
+            # the pair partner (channel ^ 1): heads and each group's K start at even columns
+            xp = tl.load(x_ptr + offs_m[None, :] * X_RS + (kk ^ 1)[:, None] * X_CS,
+                         mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+            xt = inverse_rope(xt.to(tl.float32), xp.to(tl.float32), ((gid * G_K + kk) % D)[:, None], pos[None, :],
+                              D, DIM, FREQS, SIGN, x_ptr.dtype.element_ty)
         xs = None
         if ACT == "pre":
             xs = tl.load(xs_ptr + offs_m * XS_RS + (gid * G_K + k0) // 128, mask=m_ok, other=0.0)
@@ -176,6 +210,52 @@ def gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, n_ptr, y_ptr, part_ptr, sem_ptr,
             tl.store(y_ptr + offs_m[None, :] * Y_RS + offs_n[:, None] * Y_CS, total.to(y_ptr.dtype.element_ty),
                      mask=tile_ok)
             tl.store(sem_ptr + tile, 0)
+
+
+@triton.jit
+def _pair_half(pid, x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M: tl.constexpr, K: tl.constexpr,
+               X_RS: tl.constexpr, X_CS: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, N: tl.constexpr,
+               SPLIT: tl.constexpr, KS: tl.constexpr, NT: tl.constexpr, Y_RS: tl.constexpr, Y_CS: tl.constexpr,
+               W_RS: tl.constexpr, W_CS: tl.constexpr, S_RS: tl.constexpr, S_CS: tl.constexpr, W_FMT: tl.constexpr,
+               S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr, CDT: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr, PART: tl.constexpr, SEM: tl.constexpr):
+    """Program `pid` of one GEMM of a pair, its grid (N tiles, M tiles, K splits) flattened in that order;
+    its partials and arrival counters start PART / SEM elements into the pair's scratch."""
+    TN: tl.constexpr = (N + BN - 1) // BN
+    TM: tl.constexpr = (M + BM - 1) // BM
+    if SPLIT > 1:
+        part_ptr = part_ptr + PART
+        sem_ptr = sem_ptr + SEM
+    gemm_program(pid % TN, (pid // TN) % TM, pid // (TN * TM), x_ptr, None, w_ptr, s_ptr, None, None, y_ptr,
+                 part_ptr, sem_ptr, M, N, K, 0, 0, SPLIT, KS, NT, X_RS, X_CS, Y_RS, Y_CS, W_RS, W_CS, S_RS, S_CS,
+                 W_FMT, S_E8M0, BLOCK, ACT, False, 0.0, CDT, BM, BN, BK, STAGES, 1, 0, 0, 0, 0, 0, -1.0)
+
+
+@triton.jit
+def gemm_pair_kernel(x_ptr, w0_ptr, s0_ptr, y0_ptr, w1_ptr, s1_ptr, y1_ptr, part_ptr, sem_ptr,
+                     M: tl.constexpr, K: tl.constexpr, X_RS: tl.constexpr, X_CS: tl.constexpr, BM: tl.constexpr,
+                     STAGES: tl.constexpr, P0: tl.constexpr,
+                     N0: tl.constexpr, SPLIT0: tl.constexpr, KS0: tl.constexpr, NT0: tl.constexpr,
+                     Y_RS0: tl.constexpr, Y_CS0: tl.constexpr, W_RS0: tl.constexpr, W_CS0: tl.constexpr,
+                     S_RS0: tl.constexpr, S_CS0: tl.constexpr, W_FMT0: tl.constexpr, S_E8M00: tl.constexpr,
+                     BLOCK0: tl.constexpr, ACT0: tl.constexpr, CDT0: tl.constexpr, BN0: tl.constexpr, BK0: tl.constexpr,
+                     N1: tl.constexpr, SPLIT1: tl.constexpr, KS1: tl.constexpr, NT1: tl.constexpr,
+                     Y_RS1: tl.constexpr, Y_CS1: tl.constexpr, W_RS1: tl.constexpr, W_CS1: tl.constexpr,
+                     S_RS1: tl.constexpr, S_CS1: tl.constexpr, W_FMT1: tl.constexpr, S_E8M01: tl.constexpr,
+                     BLOCK1: tl.constexpr, ACT1: tl.constexpr, CDT1: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
+                     PART1: tl.constexpr, SEM1: tl.constexpr, PDL: tl.constexpr = False):
+    """`linear_pair`: two GEMMs of one input x in one launch; programs [0, P0) are the first GEMM's grid,
+    the rest the second's (each `gemm_program` with its own weight format, numerics and tiling)."""
+    pdl_enter(PDL)
+    pid = tl.program_id(0)
+    if pid < P0:
+        _pair_half(pid, x_ptr, w0_ptr, s0_ptr, y0_ptr, part_ptr, sem_ptr, M, K, X_RS, X_CS, BM, STAGES, N0, SPLIT0,
+                   KS0, NT0, Y_RS0, Y_CS0, W_RS0, W_CS0, S_RS0, S_CS0, W_FMT0, S_E8M00, BLOCK0, ACT0, CDT0, BN0, BK0,
+                   0, 0)
+    else:
+        _pair_half(pid - P0, x_ptr, w1_ptr, s1_ptr, y1_ptr, part_ptr, sem_ptr, M, K, X_RS, X_CS, BM, STAGES, N1,
+                   SPLIT1, KS1, NT1, Y_RS1, Y_CS1, W_RS1, W_CS1, S_RS1, S_CS1, W_FMT1, S_E8M01, BLOCK1, ACT1, CDT1,
+                   BN1, BK1, PART1, SEM1)
 
 
 # Split K when the output tiles alone would leave most of the GPU idle (decode GEMVs): aim for this many
@@ -211,10 +291,12 @@ def _tl_dtype(ir: str):
 
 def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, y: TensorArg,
               norm: TensorArg | None, *, block: int, act: str, eps: float, names: dict[str, str],
-              groups: int = 1, x_scale: TensorArg | None = None) -> list[KernelCall]:
+              groups: int = 1, x_scale: TensorArg | None = None, rope: dict | None = None) -> list[KernelCall]:
     """One GEMM launch. `names` maps kernel roles (x, xs, w, s, n, y) to the op's operand / result names.
     groups > 1: block-diagonal (grouped_out_proj): group g multiplies x columns [g*K, (g+1)*K) by weight
-    rows [g*N, (g+1)*N). x_scale: x is pre-quantised e4m3 with one fp32 scale per 128 columns (act "pre")."""
+    rows [g*N, (g+1)*N). x_scale: x is pre-quantised e4m3 with one fp32 scale per 128 columns (act "pre").
+    rope: {"pos": TensorArg [B, T], "head_dim": d, "attrs": the op's rope attributes}: x (the flattened
+    [B, T, H * d] attention output) rotated back as it is loaded (rope_out_proj)."""
     if x_scale is not None:
         act = "pre"
     if act not in ("native", "fp8", "pre"):
@@ -256,6 +338,15 @@ def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, 
         pointers.append(ptr("n_ptr", "operand", names["n"], norm))
     else:
         ce["n_ptr"] = None
+    if rope is not None:
+        pos = rope["pos"]
+        if rope["head_dim"] % 2 or K % 2:
+            raise ValueError(f"gemm: a rope prologue pairs channels: head dim {rope['head_dim']} and K {K} must be even")
+        ce.update(ROPE_T=pos.shape[1], P_BS=pos.strides[0], P_TS=pos.strides[1], D=rope["head_dim"],
+                  **rope_constants(rope["attrs"]))
+        pointers.append(ptr("pos_ptr", "operand", names["pos"], pos))
+    else:
+        ce.update(pos_ptr=None, ROPE_T=1, P_BS=0, P_TS=0, D=0, DIM=0, FREQS=0, SIGN=-1.0)
     scratch = {}
     pointers.append(ptr("y_ptr", "result", names["y"], y))
     if split == 1:
@@ -266,7 +357,7 @@ def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, 
         pointers.append(ptr("part_ptr", "scratch", "gemm_partial", "*fp32"))
         pointers.append(ptr("sem_ptr", "semaphore", "gemm_arrivals", "*i32"))
     wbytes = w.type.nbytes + (scale.type.nbytes if scale is not None else 0)
-    tag = (f"{w_fmt}w_{act}_m{M}_n{N}_k{K}" + ("_norm" if norm is not None else "") + (f"_g{groups}" if groups > 1 else "")
+    tag = (f"{w_fmt}w_{act}_m{M}_n{N}_k{K}" + ("_norm" if norm is not None else "") + ("_rope" if rope else "") + (f"_g{groups}" if groups > 1 else "")
            + (f"_s{split}" if split > 1 else ""))
     calls = [KernelCall(
         name=call_name(prefix, ce, tag), fn=gemm_kernel, constexprs=ce, pointers=pointers,
@@ -274,16 +365,67 @@ def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, 
         grid=(triton.cdiv(N, BN), triton.cdiv(M, BM), groups * split), num_warps=8 if BM * BN >= 8192 else 4,
         num_stages=2,
         scratch_bytes=scratch,
-        unaligned=unaligned({"x_ptr": x, "xs_ptr": x_scale, "w_ptr": w, "s_ptr": scale, "n_ptr": norm, "y_ptr": y}),
+        unaligned=unaligned({"x_ptr": x, "xs_ptr": x_scale, "w_ptr": w, "s_ptr": scale, "n_ptr": norm,
+                             "pos_ptr": rope["pos"] if rope else None, "y_ptr": y}),
         flops=2 * M * N * K * groups, mma_dtype="fp8" if act != "native" else "bf16",
         # split > 1: the partials are written once and read once more by the reducing programs
         bytes_moved=wbytes + split * x.type.nbytes + y.type.nbytes + 2 * scratch.get("gemm_partial", 0)
-        + (norm.type.nbytes if norm else 0))]
+        + (norm.type.nbytes if norm else 0) + (rope["pos"].type.nbytes if rope else 0))]
     return calls
+
+
+PAIR_SIDE = ("N", "SPLIT", "KS", "NT", "Y_RS", "Y_CS", "W_RS", "W_CS", "S_RS", "S_CS", "W_FMT", "S_E8M0", "BLOCK",
+             "ACT", "CDT", "BN", "BK")
+
+
+def gemm_pair_call(x: TensorArg, sides: list[dict]) -> list[KernelCall]:
+    """`linear_pair`: each side ({w, scale, y, block, act}) specialised as its own `gemm_call`, then the two
+    grids, scratch regions and arrival counters laid end to end in one launch of `gemm_pair_kernel`."""
+    names = [{"x": "x", "w": f"w{i}", "s": f"scale{i}", "y": f"y{i}"} for i in (0, 1)]
+    one = [gemm_call("gemm", x, s["w"], s["scale"], s["y"], None, block=s["block"], act=s["act"], eps=0.0,
+                     names=names[i])[0] for i, s in enumerate(sides)]
+    a, b = (c.constexprs for c in one)
+    if a["BM"] != b["BM"] or a["K"] != b["K"]:
+        raise ValueError(f"gemm pair: the GEMMs must share x's tiling, got BM {a['BM']}/{b['BM']}, K {a['K']}/{b['K']}")
+    ce = {k: a[k] for k in ("M", "K", "X_RS", "X_CS", "BM", "STAGES")}
+    ce["P0"] = math.prod(one[0].grid)
+    for i, c in enumerate((a, b)):
+        ce.update({f"{k}{i}": c[k] for k in PAIR_SIDE})
+    part0 = one[0].scratch_bytes.get("gemm_partial", 0)
+    sem0 = one[0].scratch_bytes.get("gemm_arrivals", 0)
+    ce.update(PART1=part0 // 4, SEM1=sem0 // 4)
+    scratch = {k: sum(c.scratch_bytes.get(k, 0) for c in one) for k in ("gemm_partial", "gemm_arrivals")}
+    scratch = {k: v for k, v in scratch.items() if v}
+    pointers = [ptr("x_ptr", "operand", "x", x)]
+    for i, s in enumerate(sides):
+        pointers.append(ptr(f"w{i}_ptr", "operand", f"w{i}", s["w"]))
+        if s["scale"] is not None:
+            pointers.append(ptr(f"s{i}_ptr", "operand", f"scale{i}", s["scale"]))
+        else:
+            ce[f"s{i}_ptr"] = None
+        pointers.append(ptr(f"y{i}_ptr", "result", f"y{i}", s["y"]))
+    if scratch:
+        pointers.append(ptr("part_ptr", "scratch", "gemm_partial", "*fp32"))
+        pointers.append(ptr("sem_ptr", "semaphore", "gemm_arrivals", "*i32"))
+    else:
+        ce["part_ptr"] = ce["sem_ptr"] = None
+    un = {f"{p}{i}_ptr": s[k] for i, s in enumerate(sides) for p, k in (("w", "w"), ("s", "scale"), ("y", "y"))}
+    tag = "_".join(c.name.split("_", 1)[1].rsplit("_", 1)[0] for c in one)
+    return [KernelCall(
+        name=call_name("gemm_pair", ce, tag), fn=gemm_pair_kernel, constexprs=ce, pointers=pointers,
+        grid=(ce["P0"] + math.prod(one[1].grid), 1, 1), num_warps=max(c.num_warps for c in one), num_stages=2,
+        scratch_bytes=scratch, unaligned=unaligned({"x_ptr": x, **un}), flops=sum(c.flops for c in one),
+        # x is read by both halves: the two calls' bytes, as two launches would move them
+        mma_dtype="fp8" if "fp8" in (a["ACT"], b["ACT"]) else "bf16",
+        bytes_moved=sum(c.bytes_moved for c in one))]
 
 
 def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg],
                attrs: dict) -> list[KernelCall]:
+    if op_name == "linear_pair":
+        return gemm_pair_call(operands["x"], [
+            {"w": operands[f"w{i}"], "scale": operands.get(f"scale{i}"), "y": results[f"y{i}"],
+             "block": attrs[f"block{i}"], "act": attrs[f"act{i}"]} for i in (0, 1)])
     act = attrs.get("act", "native")
     names = {"x": "x", "w": "w", "s": "scale", "n": "norm", "y": "y"}
     if op_name == "linear":

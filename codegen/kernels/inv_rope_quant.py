@@ -2,9 +2,7 @@
 last `dim` channels of every head, then (fmt="fp8") the activation quantisation feeding `wo_a`: one UE8M0
 scale per `group` values of the flattened heads, q = e4m3(clamp(y / s)).
 
-The rotation frequencies are the reference's own `inv_freq` values, computed on the host in fp32 and
-baked in as constants, so angles match the reference bit for bit; cos / sin are rounded to x's dtype
-before the rotation and the products summed in the reference's order. Grid: (tokens, chunks of the
+The rotation is `rotary.inverse_rope` (bit for bit the reference's angles). Grid: (tokens, chunks of the
 flattened heads, each a whole number of quantisation groups).
 """
 
@@ -16,6 +14,7 @@ import triton.language as tl
 from . import KernelCall, TensorArg, call_name, ptr, unaligned
 from .gemm import FP8_MAX, _pow2_ceil
 from .pdl import pdl_enter
+from .rotary import inverse_rope, rope_constants
 
 
 @triton.jit
@@ -37,19 +36,8 @@ def inv_rope_quant_kernel(x_ptr, pos_ptr, y_ptr, s_ptr,
     xrow = x_ptr + b.to(tl.int64) * X_BS + t * X_TS
     x = tl.load(xrow + h * X_HS + c, mask=ok, other=0.0).to(tl.float32)
     partner = tl.load(xrow + h * X_HS + (c ^ 1), mask=ok, other=0.0).to(tl.float32)
-    rc = c - (D - DIM)
-    is_rope = rc >= 0
-    pair = tl.where(is_rope, rc // 2, 0)
-    fr = tl.zeros([NG * GROUP], dtype=tl.float32)
-    for i in tl.static_range(DIM // 2):
-        fr = tl.where(pair == i, FREQS[i], fr)
     pos = tl.load(pos_ptr + b * P_BS + t * P_TS).to(tl.float32)
-    ang = pos * fr
-    dt = x_ptr.dtype.element_ty
-    cs = tl.cos(ang).to(dt).to(tl.float32)
-    sn = (SIGN * tl.sin(ang).to(dt).to(tl.float32))
-    rot = tl.where((c & 1) == 0, -partner, partner)
-    y = tl.where(is_rope, x * cs + rot * sn, x).to(dt)
+    y = inverse_rope(x, partner, c, pos, D, DIM, FREQS, SIGN, x_ptr.dtype.element_ty)
     yrow = y_ptr + b.to(tl.int64) * Y_BS + t * Y_TS + h * Y_HS + c
     if s_ptr is None:
         tl.store(yrow, y, mask=ok)
@@ -67,23 +55,21 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
                attrs: dict) -> list[KernelCall]:
     if op_name != "inv_rope_group_quant":
         raise KeyError(f"inv_rope_quant family has no op '{op_name}'")
-    from ...ops.rope import inv_freq
     x, pos, y, s = operands["x"], operands["pos"], results["y"], results.get("scale")
     if x.type.rank != 4 or x.strides[-1] != 1 or y.strides[-1] != 1:
         raise ValueError(f"inv_rope_group_quant: x must be [B, T, H, d] with contiguous heads, got {x.shape} {x.strides}")
     B, T, H, D = x.shape
-    dim, group = attrs["dim"], attrs["group"]
+    group = attrs["group"]
     HD = H * D
     fmt = attrs.get("fmt", "none")
     if fmt == "fp8" and (HD % group or group & (group - 1)):
         raise ValueError(f"inv_rope_group_quant: groups of {group} must tile H*d = {HD}")
     G = group if fmt == "fp8" else 128
     NG = max(1, min(8, triton.next_power_of_2(triton.cdiv(HD, G))))
-    freqs = tuple(float(v) for v in inv_freq(dim, attrs["theta"], tuple(attrs["yarn"])).tolist())
-    ce = dict(T=T, HD=HD, D=D, DIM=dim, X_BS=x.strides[0], X_TS=x.strides[1], X_HS=x.strides[2],
+    ce = dict(T=T, HD=HD, D=D, X_BS=x.strides[0], X_TS=x.strides[1], X_HS=x.strides[2],
               Y_BS=y.strides[0], Y_TS=y.strides[1], Y_HS=y.strides[2], P_BS=pos.strides[0], P_TS=pos.strides[1],
               S_BS=s.strides[0] if s is not None else 0, S_TS=s.strides[1] if s is not None else 0,
-              FREQS=freqs, SIGN=-1.0, GROUP=G, NG=NG)
+              GROUP=G, NG=NG, **rope_constants(attrs))
     pointers = [ptr("x_ptr", "operand", "x", x), ptr("pos_ptr", "operand", "pos", pos), ptr("y_ptr", "result", "y", y)]
     if fmt == "fp8":
         pointers.append(ptr("s_ptr", "result", "scale", s))

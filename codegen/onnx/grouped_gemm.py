@@ -1,4 +1,4 @@
-"""ONNX lowerings of the `grouped_gemm` kernel family: grouped_out_proj."""
+"""ONNX lowerings of the `grouped_gemm` kernel family: grouped_out_proj, rope_out_proj."""
 
 from __future__ import annotations
 
@@ -9,11 +9,23 @@ from . import gemm_input
 def lower_grouped_out_proj(g, o, a, r):
     if o.o_scale is not None:
         raise NotImplementedError("grouped_out_proj: the ONNX lowering takes an fp32 input (no o_scale)")
+    return _grouped(g, "grouped_out_proj", o.o, o, a)
+
+
+def lower_rope_out_proj(g, o, a, r):
+    """The rotation, then the GEMM (ONNX Runtime fuses what it fuses)."""
+    pos = g.as_i64(o.pos, o.types["pos"].dtype)
+    y = g.rotate(o.o, o.types["o"], pos, 2, a["dim"], a["theta"], tuple(a["yarn"]), inverse=True)
+    return _grouped(g, "rope_out_proj", y, o, a)
+
+
+def _grouped(g, what, x, o, a):
+    """The block-diagonal GEMM of x (o's type) by o's weight: [B, T, H, d] -> [B, T, R]."""
     B, T = o.types["o"].shape[:2]
     w, wt = g.weight(o.w, o.types["w"], o.scale, a["block"])
     G, (R, k) = a["groups"], wt.shape
-    x = g.reshape(o.o, (B * T, G, k))
-    x = gemm_input(g, "grouped_out_proj", a, x, TensorType((B * T, G, k), o.types["o"].dtype))  # per group's K
+    x = g.reshape(x, (B * T, G, k))
+    x = gemm_input(g, what, a, x, TensorType((B * T, G, k), o.types["o"].dtype))  # per group's K
     x = g.op("Transpose", x, perm=[1, 0, 2])  # [G, BT, k]
     z = g.matmul_t(x, g.reshape(w, (G, R // G, k)))  # [G, BT, R/G]
     return g.reshape(g.op("Transpose", z, perm=[1, 0, 2]), (B, T, R))

@@ -17,7 +17,7 @@ def test_traits_are_declared_in_the_registry():
     assert REGISTRY["split"].view is split_view
     assert REGISTRY["compress_paged"].tied == {"state_kv_out": "state_kv", "state_gate_out": "state_gate",
                                                "q0": "p0", "q1": "p1", "q2": "p2"}
-    lowered = ["embed", "linear", "norm_linear", "grouped_out_proj", "inv_rope_group_quant", "hc_pre_norm",
+    lowered = ["embed", "linear", "norm_linear", "grouped_out_proj", "inv_rope_group_quant", "rope_out_proj", "linear_pair", "hc_pre_norm",
                "mhc_post_pre", "mhc_post_head", "router", "moe_experts_shared", "qkv_norm_rope", "compress_paged",
                "csr_window", "csr_compressed", "indexer_select", "sparse_attention", "last_token", "hc_expand"]
     assert all(REGISTRY[n].kernel for n in lowered)

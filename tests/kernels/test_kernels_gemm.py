@@ -1,4 +1,4 @@
-"""GEMM family (linear, norm_linear) under the Triton interpreter against the op references.
+"""GEMM family (linear, norm_linear, linear_pair) under the Triton interpreter against the op references.
 
 Tolerances: see kernel_check.assert_matches (fp32 summation order only; bf16 within 1 ulp).
 act="fp8" is checked against spec 13.1 written with the project's own helper (`formats.fp8_qdq`: per
@@ -153,6 +153,50 @@ def test_split_k(op, fmt, xdtype):
 ])
 def test_split_k_broken_reduction_is_caught(monkeypatch, tmp_path, old, new, error):
     from v4compile.codegen.kernels import gemm
-    kc.install_broken_kernel(monkeypatch, tmp_path, gemm, "gemm_kernel", old, new)
+    kc.install_broken_kernel(monkeypatch, tmp_path, gemm, "gemm_program", old, new)
     with pytest.raises(error):
         run_case("linear", "fp8", torch.bfloat16, N=72, K=640, pad=2)
+
+
+# ---- linear_pair: two GEMMs of one input in one launch ---------------------------------------------
+
+def run_pair(K=640, N0=72, N1=40, xdtype=torch.bfloat16, M=(2, 3)):
+    """An FP8 GEMM with FP8 activations (split K: 2) and a float one with native activations (split K: 2)
+    of one x: each half against its own `linear` reference; results poisoned first (padded rows stay NaN)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(*M, K, generator=g).to(xdtype)
+    w0, s0, _ = _weights("fp8", N0, K, g)
+    w1, _, _ = _weights("float", N1, K, g, xdtype)
+    args = {"x": x, "w0": w0, "w1": w1, "scale0": s0, "scale1": None}
+    attrs = {"act0": "fp8", "act1": "native"}
+    refs = kc.reference("linear_pair", args, attrs)
+    assert torch.equal(refs[0], kc.reference("linear", {"x": x, "w": w0, "scale": s0}, {"act": "fp8"})[0])
+    y0, b0 = kc.poisoned((*M, N0), xdtype, 2)
+    y1, b1 = kc.poisoned((*M, N1), xdtype, 2)
+    calls = kernels.launch("linear_pair", args, attrs, {"y0": y0, "y1": y1})
+    assert b0[..., N0:].float().isnan().all() and b1[..., N1:].float().isnan().all()
+    kc.assert_matches(y0, refs[0], "linear_pair y0 (fp8)")
+    kc.assert_matches(y1, refs[1], "linear_pair y1 (float)")
+    return calls
+
+
+def test_linear_pair_scratch_regions_do_not_overlap():
+    """Both halves split K in two and reduce in-launch; the second half's partials and counters start where
+    the first half's end. (The interpreter runs
+    programs one by one, so halves sharing a region would pass the numerics above: this is checked here.)"""
+    (call,) = run_pair()
+    ce, (m0, m1) = call.constexprs, (2 * 3, 2 * 3)
+    assert ce["SPLIT0"] == 2 and ce["SPLIT1"] == 2
+    part0 = ce["SPLIT0"] * m0 * ce["NT0"]
+    tiles0 = -(-ce["N0"] // ce["BN0"]) * -(-m0 // ce["BM"])
+    assert (ce["PART1"], ce["SEM1"]) == (part0, tiles0)
+    assert call.scratch_bytes == {"gemm_partial": 4 * (part0 + ce["SPLIT1"] * m1 * ce["NT1"]),
+                                  "gemm_arrivals": 4 * (tiles0 + -(-ce["N1"] // ce["BN1"]) * -(-m1 // ce["BM"]))}
+
+
+# (Faults that move a program's tile out of its half write out of bounds: not faults to run on the host.)
+def test_linear_pair_broken_half_is_caught(monkeypatch, tmp_path):
+    from v4compile.codegen.kernels import gemm
+    kc.install_broken_kernel(monkeypatch, tmp_path, gemm, "gemm_pair_kernel", "ACT1, CDT1", "ACT0, CDT1")
+    with pytest.raises(AssertionError, match="y1"):  # the second GEMM takes the first's FP8 activations
+        run_pair()

@@ -74,6 +74,8 @@ BROKEN_FLOW = {
     "fold_inverse_rope_fp8": ("grouped_out_proj(%2, @wo_a, none, %3)", "grouped_out_proj(%3, @wo_a, none, %2)"),
     "merge_wq_a_wkv": ("split(%4)", "split(%x)"),
     "fuse_indexer_select": ("%225, %226, %227, %228, %221", "%225, %226, %228, %227, %221"),
+    "fuse_inv_rope_wo_a": ("rope_out_proj(%o, %pos,", "rope_out_proj(%pos, %o,"),
+    "pair_sibling_gemms": ("%0, %1 = linear_pair", "%1, %0 = linear_pair"),
 }
 
 

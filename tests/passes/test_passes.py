@@ -128,6 +128,7 @@ def test_every_pass_did_something(run):
     assert hits["fuse_mhc_post_pre"]["decode.seams"] == 2 * (5 - 1)
     assert hits["fuse_mhc_post_pre"]["decode.pre_norm"] == 2 and hits["fuse_mhc_post_pre"]["decode.post_head"] == 1
     assert hits["fold_inverse_rope_wo_a_quant"]["decode.folded"] == 5
+    assert hits["fuse_inv_rope_wo_a"]["decode.fused"] == 5
     assert hits["lower_sparse_attention"]["decode.attention"] == 5
     assert hits["fuse_indexer_topk"]["decode.fused"] == 2
     assert hits["fuse_qkv_norm_rope"]["decode.window_writes"] == 5 and hits["fuse_qkv_norm_rope"]["prefill.window_writes"] == 0
@@ -135,7 +136,7 @@ def test_every_pass_did_something(run):
     assert hits["cse"]["decode.ops_merged"] >= 5  # the CSR builders shared across layers
     final = res.module
     names = {op.name for op in final.functions["decode"].ops}
-    assert not names & {"attention", "window_write", "compress", "indexer_scores", "topk"}
+    assert not names & {"attention", "window_write", "compress", "indexer_scores", "topk", "inv_rope_group_quant"}
     assert sum(op.name == "hc_post" for op in final.functions["decode"].ops) == 1  # layer 0's own seam
     assert final.attrs["pool.main_fmt"] == ("fp8" if numerics == "official" else "native")
 
@@ -186,6 +187,8 @@ def test_v4_pro_pass_hits(pro):
     assert hits["merge_wq_a_wkv"]["decode.merged"] == 61 and hits["merge_wq_a_wkv"]["decode.unaligned"] == 0
     assert hits["fuse_mhc_post_pre"]["decode.seams"] == 120
     assert hits["fold_inverse_rope_wo_a_quant"]["decode.folded"] == 61
+    assert hits["fuse_inv_rope_wo_a"]["decode.fused"] == 61
+    assert hits["pair_sibling_gemms"]["decode.paired"] == 61  # wqkv_a (FP8) + x_gemm (BF16) on every layer
     assert hits["lower_sparse_attention"]["decode.indexers"] == 30
     merged = res.module.weights["layers.7.attn.wqkv_a.weight"]
     assert merged.type.shape == (2048, 7168) and merged.type.dtype == "fp8e4m3"

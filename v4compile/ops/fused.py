@@ -99,6 +99,51 @@ def _(x, pos, *, dim, theta, yarn, fmt, group):
     return x.with_dtype("fp8e4m3"), TensorType((x.shape[0], x.shape[1], hd // group), "fp32")
 
 
+@defop("rope_out_proj(o, pos, w, scale?) -> z",
+       attrs={"dim": int, "theta": float, "yarn": tuple, "groups": int, **GEMM_ATTRS}, kernel="grouped_gemm")
+def rope_out_proj(o, pos, w, scale, *, dim, theta, yarn, groups, block, act, acc, out_dtype):
+    """`wo_a` reading the attention output through its inverse RoPE: `grouped_out_proj(rope(o, pos,
+    inverse=true))`, the rotation (and, with `act="fp8"`, the activation quantisation) done as the GEMM
+    loads each K tile, so no rotated copy of o is stored."""
+    from .attention import grouped_out_proj
+    y = rotate(o, pos, dim, theta, yarn, inverse=True)
+    return grouped_out_proj.ref(y, w, scale, None, groups=groups, block=block, act=act, acc=acc, out_dtype=out_dtype)
+
+
+@rope_out_proj.infer
+def _(o, pos, w, scale, *, dim, theta, yarn, groups, block, act, acc, out_dtype):
+    from .attention import grouped_out_proj
+    require(o.rank == 4 and dim % 2 == 0 and dim <= o.shape[-1], "rope_out_proj takes o [B, T, H, d] and an even "
+            "rope dim <= d", found=(list(o.shape), dim))
+    require(list(pos.shape) == list(o.shape[:2]), "rope_out_proj pos must be [B, T]", found=list(pos.shape))
+    return grouped_out_proj.result_types([o, w, scale, None], {"groups": groups, "block": block, "act": act,
+                                                                "acc": acc, "out_dtype": out_dtype})
+
+
+# ---- GEMMs of one input --------------------------------------------------------------------------
+
+PAIR_ATTRS = {"block0": (int, 128), "act0": (str, "native"), "out_dtype0": (str, ""),
+              "block1": (int, 128), "act1": (str, "native"), "out_dtype1": (str, ""), "acc": (str, "fp32")}
+
+
+def _side(attrs: dict, i: int) -> dict:
+    """One GEMM's `linear` attributes out of a `linear_pair`'s."""
+    return {"block": attrs[f"block{i}"], "act": attrs[f"act{i}"], "acc": attrs["acc"], "out_dtype": attrs[f"out_dtype{i}"]}
+
+
+@defop("linear_pair(x, w0, w1, scale0?, scale1?) -> y0, y1", attrs=PAIR_ATTRS, kernel="gemm")
+def linear_pair(x, w0, w1, scale0, scale1, **attrs):
+    """Two `linear`s of one input whose weights cannot be stacked into one (another format or numerics:
+    V4's FP8 `wqkv_a` and the BF16 compressor / indexer GEMMs of the attention input), in one launch."""
+    return linear.ref(x, w0, scale0, **_side(attrs, 0)), linear.ref(x, w1, scale1, **_side(attrs, 1))
+
+
+@linear_pair.infer
+def _(x, w0, w1, scale0, scale1, **attrs):
+    return (linear.result_types([x, w0, scale0], _side(attrs, 0))[0],
+            linear.result_types([x, w1, scale1], _side(attrs, 1))[0])
+
+
 # ---- MoE -----------------------------------------------------------------------------------------
 
 @defop("moe_experts_shared(x, weights, indices, w1, w2, w3, s1, s2, s3, w1_scale?, w2_scale?, w3_scale?, "
