@@ -74,6 +74,7 @@ BROKEN_FLOW = {
     "fold_inverse_rope_fp8": ("grouped_out_proj(%2, @wo_a, none, %3)", "grouped_out_proj(%3, @wo_a, none, %2)"),
     "merge_wq_a_wkv": ("split(%4)", "split(%x)"),
     "fuse_indexer_select": ("%225, %226, %227, %228, %221", "%225, %226, %228, %227, %221"),
+    "fuse_moe_router": ("moe_router_experts_shared(%x, @g, @b,", "moe_router_experts_shared(%x, @b, @g,"),
 }
 
 
