@@ -41,6 +41,18 @@ RENAMED = {("result", "weights"): ("scratch", "route_weights"), ("result", "indi
            ("operand", "w"): ("operand", "gate")}
 
 
+@triton.jit(noinline=True)
+def _route_phase(rb, x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr,
+                 R: tl.constexpr, D: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr,
+                 X_RS: tl.constexpr, W_RS: tl.constexpr, T_RS: tl.constexpr, I_S: tl.constexpr,
+                 WO_RS: tl.constexpr, IO_RS: tl.constexpr, ROUTE_SCALE: tl.constexpr, DENOM_EPS: tl.constexpr,
+                 SUM_IN_DT: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr):
+    """`route_rows` as a function of its own: inlined next to the MMA tiles of the up programs, its [BR, E]
+    register arrays made sm_90a spill (720 B at V4-Pro); called, its registers are allocated apart."""
+    route_rows(rb, x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr, R, D, E, KSEL, X_RS, W_RS, T_RS, I_S, WO_RS,
+               IO_RS, ROUTE_SCALE, DENOM_EPS, SUM_IN_DT, BR, BE, BK, BKS)
+
+
 @triton.jit
 def moe_router_up_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr,
                          sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, hs_ptr,
@@ -65,9 +77,9 @@ def moe_router_up_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr
     pdl_enter(PDL)
     v = ticket(phase_ptr)
     if v < NR:
-        route_rows(v, x_ptr, r_w_ptr, r_b_ptr, r_t_ptr, r_ids_ptr, r_wo_ptr, idx_ptr, R_R, R_D, R_E, R_KSEL, R_X_RS,
-                   R_W_RS, R_T_RS, R_I_S, R_WO_RS, R_IO_RS, R_ROUTE_SCALE, R_DENOM_EPS, R_SUM_IN_DT, R_BR, R_BE, R_BK,
-                   R_BKS)
+        _route_phase(v, x_ptr, r_w_ptr, r_b_ptr, r_t_ptr, r_ids_ptr, r_wo_ptr, idx_ptr, R_R, R_D, R_E, R_KSEL, R_X_RS,
+                     R_W_RS, R_T_RS, R_I_S, R_WO_RS, R_IO_RS, R_ROUTE_SCALE, R_DENOM_EPS, R_SUM_IN_DT, R_BR, R_BE, R_BK,
+                     R_BKS)
         publish(phase_ptr + 1)
     elif v < NR + ST:
         _up(v * 0, v - NR, x_ptr, None, None,  # expert 0 of 1 (a tensor: _up casts it)

@@ -21,7 +21,7 @@ import torch
 
 from v4compile.codegen import kernels
 from v4compile.codegen.kernels import moe_router
-from test_kernels_moe import _experts, _shared
+from test_kernels_moe import expert_args
 
 
 def case(dtype, hashed, efmt="fp4", sfmt="fp8", E=5, D=64, I=64, IS=64, k=2, B=2, T=5, seed=0, fp32=False):
@@ -35,16 +35,7 @@ def case(dtype, hashed, efmt="fp4", sfmt="fp8", E=5, D=64, I=64, IS=64, k=2, B=2
         args["ids"][-1, -1] = -1  # padding
     else:
         args["bias"] = torch.randn(E, generator=g) * 0.5
-    w1, w1s = _experts(efmt, E, I, D, g)
-    w3, w3s = _experts(efmt, E, I, D, g)
-    w2, w2s = _experts(efmt, E, D, I, g)
-    if efmt != "fp4":
-        w1, w3, w2 = w1.to(dtype), w3.to(dtype), w2.to(dtype)
-    s1, s1s = _shared(sfmt, IS, D, g, dtype)
-    s3, s3s = _shared(sfmt, IS, D, g, dtype)
-    s2, s2s = _shared(sfmt, D, IS, g, dtype)
-    args.update(w1=w1, w2=w2, w3=w3, w1_scale=w1s, w2_scale=w2s, w3_scale=w3s, s1=s1, s2=s2, s3=s3, s1_scale=s1s,
-                s2_scale=s2s, s3_scale=s3s)
+    args.update(expert_args(efmt, sfmt, E, D, I, IS, g, dtype))
     attrs = {"limit": 1.5, "block": 32 if efmt == "fp4" else 128, "shared_block": 128, "route_weight": "before_w2",
              "k": k, "route_scale": 2.5, "fp32": fp32}
     return args, attrs
