@@ -87,7 +87,7 @@ def test_grouped_prefill_keeps_the_router_launch():
 BROKEN = {
     # every router program routes the first row block (T = 20 tokens: 2 blocks of BR = 16): the last tokens'
     # routing stays poison
-    "unrouted block": ("route_rows(v,", "route_rows(v * 0,", AssertionError),
+    "unrouted block": ("_route_phase(v,", "_route_phase(v * 0,", AssertionError),
     # the ticket counter is never reset: the next call of the program would start at the wrong ticket
     "ticket kept": ("tl.store(phase_ptr, 0)", "pass", kernels.CodegenError),
     # the routed programs map to the wrong experts: odd experts never run (their h rows stay poison)
@@ -112,6 +112,6 @@ def test_routed_programs_wait_for_every_router_program():
     router programs to publish after theirs."""
     import inspect
     src = inspect.getsource(moe_router.moe_router_up_kernel.fn)
-    route, pub = src.index("route_rows(v,"), src.index("publish(phase_ptr + 1)")
+    route, pub = src.index("_route_phase(v,"), src.index("publish(phase_ptr + 1)")
     wait, routed = src.index("wait_for(phase_ptr + 1, NR)"), src.index("_up(w // RT")
     assert route < pub < wait < routed
