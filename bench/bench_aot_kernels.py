@@ -22,7 +22,7 @@ from v4compile.codegen import aot
 from v4compile.codegen.program_kernels import program_kernels
 from v4compile.program.build import build_program
 
-MINE = ("gemm", "grouped_gemm", "inv_rope_quant", "moe", "router", "embed", "rms_norm", "elementwise", "last_token")
+MINE = ("gemm", "grouped_gemm", "inv_rope_quant", "moe", "moe_router", "router", "embed", "rms_norm", "elementwise", "last_token")
 
 
 def calls_of(module, funcs, families):

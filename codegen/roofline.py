@@ -19,6 +19,8 @@ HBM bandwidth and the registry's FLOPs at the MMA peak (decode is always the for
 kernel_bytes / ideal_bytes` has the goal <= 1.05 (`BYTES_GOAL`). `by_layer` gives per decoder layer
 (from each launch's location, `layers.<i>.`) its kernel calls, modeled time and bytes; the report groups
 them by layer kind.
+`by_family` gives per kernel family its calls, kernel bytes and ideal bytes (largest excess first): where
+the bytes above ideal come from (`render_excess`).
 With `rows` (the AOT report rows of these kernels) the step also says how many of its kernels spill and
 whether every GEMM-like kernel uses matrix instructions.
 """
@@ -36,7 +38,7 @@ from .kernels import uses_pdl
 BYTES_GOAL = 1.05
 # Kernel families whose FLOP-counting kernels multiply matrices: their binaries must hold MMA instructions
 # (an fp32 artifact on sm_90a has none: no fp32 MMA there, and tf32 would change the numerics).
-MMA_FAMILIES = ("gemm", "grouped_gemm", "moe", "sparse_attention", "indexer")
+MMA_FAMILIES = ("gemm", "grouped_gemm", "moe", "moe_router", "sparse_attention", "indexer")
 
 
 LAUNCH_KINDS = ("graph", "graph_pdl")
@@ -96,14 +98,22 @@ def step_model(prog: Program, kernels, function: str, target: str, rows: list[di
     calls = []
     ideal_flop_s = 0.0
     by_layer: dict[Any, dict[str, float]] = {}
+    by_family: dict[str, dict[str, int]] = {}  # where the kernel bytes exceed the ideal (no weight dedup here)
     split = {"bandwidth": 0.0, "compute": 0.0, "launch": 0.0}
     kinds = {k: 0 for k in LAUNCH_KINDS if k == "graph" or spec.pdl}
     for l, per in zip(prog.functions[function].launches, kernels.calls[function]):
         live = [c for c in per if 0 not in c.grid]
         mma = next((c.mma_dtype for c in live if c.flops), "bf16")
-        ideal_flop_s += _cost(l).flops / peak_flops(target, mma)
+        cost = _cost(l)
+        ideal_flop_s += cost.flops / peak_flops(target, mma)
         layer = layer_of(l.loc)
-        row = by_layer.setdefault("other" if layer is None else layer, {"calls": 0, "modeled_s": 0.0, "bytes": 0})
+        row = by_layer.setdefault("other" if layer is None else layer,
+                                  {"calls": 0, "modeled_s": 0.0, "bytes": 0, "ideal": 0})
+        row["ideal"] += cost.bytes_read + cost.bytes_written
+        fx = by_family.setdefault(l.kernel, {"calls": 0, "kernel_bytes": 0, "ideal_bytes": 0})
+        fx["calls"] += len(live)
+        fx["kernel_bytes"] += sum(k.bytes_moved for k in live)
+        fx["ideal_bytes"] += cost.bytes_read + cost.bytes_written
         for c in live:
             calls.append(c)
             fam[c.name] = l.kernel
@@ -131,7 +141,8 @@ def step_model(prog: Program, kernels, function: str, target: str, rows: list[di
         "launch_latency_s": {k: spec.launch_latency(k) for k in kinds},
         "hbm_bytes_s": spec.hbm_bytes_s, "launch_s": spec.launch_s,
         "by_layer": {str(k): {"calls": v["calls"], "modeled_us": round(v["modeled_s"] * 1e6, 2),
-                              "kernel_bytes": v["bytes"]} for k, v in by_layer.items()},
+                              "kernel_bytes": v["bytes"], "ideal_bytes": v["ideal"]} for k, v in by_layer.items()},
+        "by_family": dict(sorted(by_family.items(), key=lambda kv: kv[1]["ideal_bytes"] - kv[1]["kernel_bytes"])),
     }
     out["time_ratio"] = round(out["modeled_us"] / max(out["roofline_us"], 1e-9), 3)
     if rows is not None:
@@ -153,25 +164,35 @@ def add_collectives(m: dict[str, Any], collectives_us: float) -> None:
 
 def by_layer_kind(m: dict[str, Any], kind_of) -> dict[str, dict[str, Any]]:
     """A step model's `by_layer` grouped by layer kind (`kind_of(layer) -> str`, e.g. `V4Config.kind`): layers,
-    kernel calls per layer, modeled microseconds per layer, kernel bytes per layer; launches outside the
-    layers as "other" (totals)."""
+    kernel calls per layer, modeled microseconds per layer, kernel bytes per layer and their ratio to the
+    ideal bytes; launches outside the layers as "other" (totals)."""
     acc: dict[str, dict[str, float]] = {}
     for layer, v in m["by_layer"].items():
         k = "other" if layer == "other" else kind_of(int(layer))
-        a = acc.setdefault(k, {"layers": 0, "calls": 0, "modeled_us": 0.0, "kernel_bytes": 0})
+        a = acc.setdefault(k, {"layers": 0, "calls": 0, "modeled_us": 0.0, "kernel_bytes": 0, "ideal_bytes": 0})
         a["layers"] += 1
-        for f in ("calls", "modeled_us", "kernel_bytes"):
+        for f in ("calls", "modeled_us", "kernel_bytes", "ideal_bytes"):
             a[f] += v[f]
     return {k: {"layers": a["layers"], "calls_per_layer": round(a["calls"] / a["layers"], 2),
                 "modeled_us_per_layer": round(a["modeled_us"] / a["layers"], 2),
-                "kernel_bytes_per_layer": int(a["kernel_bytes"] / a["layers"])} for k, a in acc.items()}
+                "kernel_bytes_per_layer": int(a["kernel_bytes"] / a["layers"]),
+                "bytes_ratio": round(a["kernel_bytes"] / max(a["ideal_bytes"], 1), 4)} for k, a in acc.items()}
 
 
 def render_layer_kinds(m: dict[str, Any]) -> str:
     return "      per layer kind: " + "; ".join(
         f"{k} ({v['layers']}{' layers' if k != 'other' else ''}): {v['calls_per_layer']:g} calls, "
-        f"{v['modeled_us_per_layer']:.1f} us, {v['kernel_bytes_per_layer']:,} bytes"
+        f"{v['modeled_us_per_layer']:.1f} us, {v['kernel_bytes_per_layer']:,} bytes ({v['bytes_ratio']:.3f}x ideal)"
         for k, v in m["by_layer_kind"].items())
+
+
+def render_excess(m: dict[str, Any], top: int = 5) -> str:
+    """The kernel families whose bytes exceed their launches' ideal the most (split partials written and read
+    back, rows re-read per head block, scratch between launches), largest first."""
+    rows = [(f, v["kernel_bytes"] - v["ideal_bytes"]) for f, v in m["by_family"].items()]
+    return ("      bytes above ideal by kernel family: "
+            + ", ".join(f"{f} {d / 1e6:+,.0f} MB" for f, d in rows[:top] if d > 0)
+            + f" (all: {(m['kernel_bytes'] - m['ideal_bytes']) / 1e6:+,.0f} MB)")
 
 
 def render_step(m: dict[str, Any]) -> str:

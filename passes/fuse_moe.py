@@ -4,8 +4,9 @@ Requires: the traced FFN (`moe_experts`, and the shared expert as `linear` w1, `
 `linear` w2 on the same input, summed by `add`); run it before `merge_sibling_gemms`, which would
 otherwise merge the shared expert's w1 / w3.
 Guarantees: `y = add(moe_experts(x, ...), w2(swiglu(w1 x, w3 x)))` becomes one `moe_experts_shared`
-(the router stays its own op; role `ffn.experts+ffn.shared`; `act` is the routed experts' activation
-format, `shared_act` the shared expert's). Result names kept; numerics bit-identical.
+(the router stays its own op here: `fuse_moe_router` folds it in on the gpu pipeline; role
+`ffn.experts+ffn.shared`; `act` is the routed experts' activation format, `shared_act` the shared
+expert's). Result names kept; numerics bit-identical.
 Hits: `<func>.fused`.
 """
 

@@ -6,15 +6,17 @@
   its own memory, so the arena plan and the program stage are left out.
 
 Order matters in these places: `fuse_moe` runs before `merge_sibling_gemms` (which would otherwise merge
-the shared expert's w1 / w3); `fuse_inv_rope_wo_a` after `fold_inverse_rope_wo_a_quant` (it fuses the
-fold's op); `fuse_qkv_norm_rope` runs after `lower_sparse_attention` so that in decode it can fold the
-window write; `pair_sibling_gemms` after the GEMM merges and `fuse_norm_linear` (it pairs what they leave);
-`plan_memory` runs on the final op list, and `lower_to_program` after it.
+the shared expert's w1 / w3) and `fuse_moe_router` after `fuse_moe` (it folds the router into its op);
+`fuse_inv_rope_wo_a` after `fold_inverse_rope_wo_a_quant` (it fuses the fold's op); `fuse_qkv_norm_rope`
+runs after `lower_sparse_attention` so that in decode it can fold the window write; `pair_sibling_gemms`
+after the GEMM merges and `fuse_norm_linear` (it pairs what they leave); `plan_memory` runs on the final op
+list, and `lower_to_program` after it.
 """
 
 DEFAULT_PIPELINE: list[str] = [
     "merge_wq_a_wkv",
     "fuse_moe",
+    "fuse_moe_router",
     "merge_sibling_gemms",
     "fuse_mhc_post_pre",
     "fold_inverse_rope_wo_a_quant",
@@ -36,9 +38,12 @@ GPU_PIPELINE: list[str] = DEFAULT_PIPELINE
 # nothing from emulating packed row formats); ONNX Runtime plans its own memory, so the arena plan and the
 # program stage are left out.
 PROGRAM_PASSES: list[str] = ["plan_memory", "lower_to_program"]
+# Fusions that only save kernel launches: ONNX Runtime runs graph nodes, so the cpu target keeps the ops apart
+# (and needs no lowering of the fused op).
+LAUNCH_ONLY_PASSES: list[str] = ["fuse_moe_router"]
 CPU_PIPELINE: list[str] = [
     "lower_sparse_attention{kv_format=native,index_format=native}" if p == "lower_sparse_attention" else p
-    for p in DEFAULT_PIPELINE if p not in PROGRAM_PASSES]
+    for p in DEFAULT_PIPELINE if p not in PROGRAM_PASSES + LAUNCH_ONLY_PASSES]
 # The host device runs an artifact with the cpu target only through the C runtime: its module continues
 # with PROGRAM_PASSES at compile time (`driver.py`), and the artifact carries that program.
 

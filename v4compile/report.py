@@ -164,11 +164,11 @@ def render_report(rep: dict) -> str:
         lines.append(f"  program @{fname}: {p['launches']} launches, {p['specialisations']} launch signatures; "
                      + ", ".join(f"{k} x{v}" for k, v in p["kernel_families"].items()))
     if rep.get("decode_step"):
-        from .codegen.roofline import render_layer_kinds, render_step
+        from .codegen.roofline import render_excess, render_layer_kinds, render_step
 
         lines.append("  modeled decode step (kernel bytes and FLOPs at the target's roofline + per-launch latency):")
         for m in rep["decode_step"].values():
-            lines += [render_step(m), render_layer_kinds(m)]
+            lines += [render_step(m), render_layer_kinds(m), render_excess(m)]
     if rep.get("prefill_step"):
         from .codegen.roofline import render_layer_kinds, render_step
 

@@ -36,7 +36,19 @@ def router_kernel(x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr,
                   SUM_IN_DT: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
                   PDL: tl.constexpr = False):
     pdl_enter(PDL)
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    route_rows(tl.program_id(0), x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr, R, D, E, KSEL, X_RS, W_RS, T_RS,
+               I_S, WO_RS, IO_RS, ROUTE_SCALE, DENOM_EPS, SUM_IN_DT, BR, BE, BK, BKS)
+
+
+@triton.jit
+def route_rows(rb, x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr,
+               R: tl.constexpr, D: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr,
+               X_RS: tl.constexpr, W_RS: tl.constexpr, T_RS: tl.constexpr, I_S: tl.constexpr,
+               WO_RS: tl.constexpr, IO_RS: tl.constexpr, ROUTE_SCALE: tl.constexpr, DENOM_EPS: tl.constexpr,
+               SUM_IN_DT: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr):
+    """Route token rows [rb * BR, rb * BR + BR): the router's whole computation for one row block (also the
+    first phase of the fused MoE launch, `moe_router.py`)."""
+    rows = rb * BR + tl.arange(0, BR)
     r_ok = rows < R
     e = tl.arange(0, BE)
     e_ok = e < E

@@ -175,10 +175,9 @@ def _routing(kind, x, E, k, g):
     return wts, idx
 
 
-def prefill_case(dtype, routing="hash", efmt="fp4", sfmt="fp8", E=7, D=64, I=96, IS=64, k=3, B=1, T=29, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(B, T, D, generator=g).to(dtype)
-    wts, idx = _routing(routing, x, E, k, g)
+def expert_args(efmt, sfmt, E, D, I, IS, g, dtype) -> dict:
+    """The routed experts (w1, w3 [E, I, D], w2 [E, D, I]) and the shared expert (s1, s3 [IS, D], s2 [D, IS])
+    with their scales, as moe_experts_shared takes them."""
     w1, w1s = _experts(efmt, E, I, D, g)
     w3, w3s = _experts(efmt, E, I, D, g)
     w2, w2s = _experts(efmt, E, D, I, g)
@@ -187,8 +186,15 @@ def prefill_case(dtype, routing="hash", efmt="fp4", sfmt="fp8", E=7, D=64, I=96,
     s1, s1s = _shared(sfmt, IS, D, g, dtype)
     s3, s3s = _shared(sfmt, IS, D, g, dtype)
     s2, s2s = _shared(sfmt, D, IS, g, dtype)
-    args = {"x": x, "weights": wts, "indices": idx, "w1": w1, "w2": w2, "w3": w3, "w1_scale": w1s, "w2_scale": w2s,
-            "w3_scale": w3s, "s1": s1, "s2": s2, "s3": s3, "s1_scale": s1s, "s2_scale": s2s, "s3_scale": s3s}
+    return {"w1": w1, "w2": w2, "w3": w3, "w1_scale": w1s, "w2_scale": w2s, "w3_scale": w3s, "s1": s1, "s2": s2,
+            "s3": s3, "s1_scale": s1s, "s2_scale": s2s, "s3_scale": s3s}
+
+
+def prefill_case(dtype, routing="hash", efmt="fp4", sfmt="fp8", E=7, D=64, I=96, IS=64, k=3, B=1, T=29, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, D, generator=g).to(dtype)
+    wts, idx = _routing(routing, x, E, k, g)
+    args = {"x": x, "weights": wts, "indices": idx, **expert_args(efmt, sfmt, E, D, I, IS, g, dtype)}
     attrs = {"limit": 1.5, "block": 32 if efmt == "fp4" else 128, "shared_block": 128}
     return args, attrs
 

@@ -129,6 +129,14 @@ def test_step_time_splits_into_bandwidth_compute_and_launch_kinds(v4_pro, monkey
             assert abs(sum(v["modeled_us"] for v in m["by_layer"].values()) - m["modeled_us"]) < 1
             kinds = by_layer_kind(m, cfg.kind)
             assert {k: v["layers"] for k, v in kinds.items()} == {"other": 1, "hca": 31, "csa": 30}
+            # the bytes above ideal, by kernel family, add up to the step's (no weight is shared between launches)
+            fam = m["by_family"].values()
+            assert sum(v["kernel_bytes"] for v in fam) == m["kernel_bytes"]
+            assert sum(v["ideal_bytes"] for v in fam) == m["ideal_bytes"]
+            assert sum(v["ideal_bytes"] for v in m["by_layer"].values()) == m["ideal_bytes"]
+            assert sum(v["calls"] for v in fam) == m["kernel_calls"]
+            excess = [v["kernel_bytes"] - v["ideal_bytes"] for v in fam]
+            assert excess == sorted(excess, reverse=True)
     monkeypatch.setattr(roofline, "uses_pdl", lambda fn, target: False)
     m = step_model(prog, pk, "decode", "sm_90a")
     assert m["calls_by_launch_kind"] == {"graph": m["kernel_calls"], "graph_pdl": 0}

@@ -138,7 +138,7 @@ def test_the_compiled_module_is_bit_exact_against_the_reference(case):
     if _SEEDS:
         errors = {r.name: r.numerics_error for r in result.records}
         assert result.traced_error == 0.0 and set(errors.values()) == {0.0}, errors
-    assert any(op.name == "moe_experts_shared" and op.attrs["route_weight"] == "before_w2"
+    assert any(op.name == "moe_router_experts_shared" and op.attrs["route_weight"] == "before_w2"
                and op.attrs["act"] == "fp8" for fn in m.functions.values() for op in fn.ops)
 
 

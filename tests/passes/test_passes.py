@@ -133,10 +133,12 @@ def test_every_pass_did_something(run):
     assert hits["fuse_indexer_topk"]["decode.fused"] == 2
     assert hits["fuse_qkv_norm_rope"]["decode.window_writes"] == 5 and hits["fuse_qkv_norm_rope"]["prefill.window_writes"] == 0
     assert hits["fuse_moe"]["decode.fused"] == 5
+    assert hits["fuse_moe_router"]["decode.fused"] == 5 and hits["fuse_moe_router"]["prefill.fused"] == 5
     assert hits["cse"]["decode.ops_merged"] >= 5  # the CSR builders shared across layers
     final = res.module
     names = {op.name for op in final.functions["decode"].ops}
-    assert not names & {"attention", "window_write", "compress", "indexer_scores", "topk", "inv_rope_group_quant"}
+    assert not names & {"attention", "window_write", "compress", "indexer_scores", "topk", "inv_rope_group_quant",
+                        "router"}
     assert sum(op.name == "hc_post" for op in final.functions["decode"].ops) == 1  # layer 0's own seam
     assert final.attrs["pool.main_fmt"] == ("fp8" if numerics == "official" else "native")
 

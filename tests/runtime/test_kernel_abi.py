@@ -43,7 +43,7 @@ PRESETS = ("tiny", "tiny-pro")
 # Every family tiny's and tiny-pro's decode and prefill programs launch (checked below against the programs).
 # (inv_rope_quant is no longer among them: fuse_inv_rope_wo_a folds it into grouped_gemm's loader.)
 FAMILIES = ("compress", "csr", "embed", "gemm", "grouped_gemm", "indexer", "last_token", "mhc",
-            "moe", "pool_write", "qkv_norm_rope", "router", "sparse_attention")
+            "moe_router", "pool_write", "qkv_norm_rope", "sparse_attention")
 
 
 def _declared_pointers(kc) -> list[str]:
@@ -95,7 +95,7 @@ def test_every_call_packs_its_pointers_in_the_kernels_declared_order(preset):
     assert _misordered(sched) == set()
 
 
-OLD = {"mhc": ("hc_post", "mhc_post_pre", "mhc_post_head"), "moe": ("moe_experts_shared",)}
+OLD = {"mhc": ("hc_post", "mhc_post_pre", "mhc_post_head"), "moe": ("moe_router_experts_shared",)}
 
 
 def test_the_same_check_fails_on_the_old_orders(monkeypatch):

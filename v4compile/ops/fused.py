@@ -7,7 +7,7 @@ from ..ir.registry import Cost, defop, require
 from ..ir.types import TensorType
 from .basic import GEMM_ATTRS, linear, rms_norm, swiglu
 from .mhc import hc_head, hc_post, hc_pre
-from .moe import MOE_ATTRS, moe_experts
+from .moe import MOE_ATTRS, moe_experts, router
 from .numerics import fp8_round_ref
 from .rope import rotate
 
@@ -183,6 +183,53 @@ def _(operands, results, attrs):
     c = expert_cost(x, weights, indices, [t for t in (w1, w2, w3, *operands[9:12]) if t is not None], results[0])
     tokens = x.numel // x.shape[-1]
     return Cost(c.flops + 6 * tokens * s1.shape[0] * s1.shape[1], c.bytes_read + dense, c.bytes_written)
+
+
+ROUTER_ATTRS = {"k": int, "route_scale": float, "denom_eps": (float, 1e-20), "fp32": (bool, False)}
+
+
+@defop("moe_router_experts_shared(x, gate, bias?, tid2eid?, ids?, w1, w2, w3, s1, s2, s3, w1_scale?, w2_scale?, "
+       "w3_scale?, s1_scale?, s2_scale?, s3_scale?) -> y",
+       attrs={**MOE_ATTRS, "shared_block": (int, 128), "shared_act": (str, "native"), **ROUTER_ATTRS},
+       kernel="moe_router", variants={"learned": ("bias",), "hash": ("tid2eid", "ids")})
+def moe_router_experts_shared(x, gate, bias, tid2eid, ids, w1, w2, w3, s1, s2, s3, w1_scale, w2_scale, w3_scale,
+                              s1_scale, s2_scale, s3_scale, *, limit, block, act, acc, out_dtype, route_weight,
+                              shared_block, shared_act, k, route_scale, denom_eps, fp32):
+    """The router (`gate`: its [E, D] weight; learned with `bias` or hash with `tid2eid` + `ids`) and
+    `moe_experts_shared` on its weights and indices, in one op: the routing never leaves the op."""
+    wts, idx = router.ref(x, gate, bias, tid2eid, ids, k=k, route_scale=route_scale, denom_eps=denom_eps, fp32=fp32)
+    return moe_experts_shared.ref(x, wts, idx, w1, w2, w3, s1, s2, s3, w1_scale, w2_scale, w3_scale, s1_scale,
+                                  s2_scale, s3_scale, limit=limit, block=block, act=act, acc=acc,
+                                  out_dtype=out_dtype, route_weight=route_weight, shared_block=shared_block,
+                                  shared_act=shared_act)
+
+
+def _split_router(operands, attrs):
+    """(router operands, router attrs, moe_experts_shared operands without weights / indices, its attrs)."""
+    r_ops, m_ops = operands[:5], operands[5:]
+    r_attrs = {n: attrs[n] for n in ROUTER_ATTRS}
+    m_attrs = {n: attrs[n] for n in (*MOE_ATTRS, "shared_block", "shared_act")}
+    return r_ops, r_attrs, m_ops, m_attrs
+
+
+@moe_router_experts_shared.infer
+def _(x, gate, bias, tid2eid, ids, *rest, **attrs):
+    r_ops, r_attrs, m_ops, m_attrs = _split_router([x, gate, bias, tid2eid, ids, *rest], attrs)
+    wts, idx = router.result_types(r_ops, r_attrs)
+    return moe_experts_shared.result_types([x, wts, idx, *m_ops], m_attrs)
+
+
+@moe_router_experts_shared.cost
+def _(operands, results, attrs):
+    """The router's and the experts' costs, less what the fusion keeps off memory: the routing (written by
+    one, read by the other) and the second read of x."""
+    r_ops, r_attrs, m_ops, m_attrs = _split_router(operands, attrs)
+    x = operands[0]
+    wts, idx = router.result_types(r_ops, r_attrs)
+    rc = router.cost_of(r_ops, [wts, idx], r_attrs)
+    mc = moe_experts_shared.cost_of([x, wts, idx, *m_ops], results, m_attrs)
+    return Cost(rc.flops + mc.flops, rc.bytes_read + mc.bytes_read - x.nbytes - wts.nbytes - idx.nbytes,
+                mc.bytes_written)
 
 
 # ---- indexer -------------------------------------------------------------------------------------
