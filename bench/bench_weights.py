@@ -12,7 +12,10 @@ Steps, each in a fresh process:
    experts and vocabulary); kept in --workdir and reused when present;
 2. the disk: 512 MiB written in 16 MiB blocks then `fdatasync` (as `dd conv=fdatasync`), then read back after
    its pages are dropped from the page cache (`posix_fadvise DONTNEED`, this file only: no root, no global
-   cache drop on a shared machine);
+   cache drop on a shared machine); that read is listed, but the read speed the load is held against is the
+   artifact's own shards read as `dd bs=16M` after their pages are dropped, next to the loads (before and
+   after them in turn; the median): a virtual disk reads a file just written from its host's cache, faster
+   than one written minutes before;
 3. `v4compile compile CKPT -o DIR --target sm_90a`: the weight rate is the writer's own line (bytes written,
    hashed and `fdatasync`ed per second of the weights stage); peak RSS of the weights stage above the RSS when
    it started, and of the whole process. `--kernels placeholder` (default) replaces the ahead-of-time kernel
@@ -143,6 +146,23 @@ def disk_speed(d: Path, nbytes: int = 512 << 20, block: int = 16 << 20) -> tuple
     return w, r
 
 
+def read_speed(paths, block: int = 16 << 20) -> float:
+    """The disk's read speed on these very files: plain sequential reads through the page cache after their
+    pages are dropped, as `dd if=F of=/dev/null bs=16M`. On a virtual disk the host's own cache makes a file
+    just written (step 2's) read faster than one written minutes before, and the speed drifts by tens of
+    percent between minutes, so the load is compared with this, taken next to it, on the same bytes."""
+    evict(paths)
+    n, t0 = 0, time.perf_counter()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            while k := len(os.read(fd, block)):
+                n += k
+        finally:
+            os.close(fd)
+    return n / (time.perf_counter() - t0)
+
+
 def bench_line(stderr: str) -> dict:
     for line in stderr.splitlines()[::-1]:
         if line.startswith("BENCH "):
@@ -203,8 +223,10 @@ def main() -> None:
         largest = max(math.prod(t["shape"]) * (1 if t["dtype"] in ("fp8e4m3", "fp4x2", "e8m0") else
                                               2 if t["dtype"] == "bf16" else 4 if t["dtype"] == "fp32" else 8)
                       for t in m["weights"]["tensors"].values())
-        loads, hashed = {}, []
-        for verify in ["1"] * args.loads + ["0"]:  # hashed against the manifest as read (the default), and not
+        loads, hashed, dd = {}, [], []
+        for i, verify in enumerate(["1"] * args.loads + ["0"]):  # hashed against the manifest as read, and not
+            if i % 2 == 0:  # the disk's speed on the same shards, before and after the loads in turn
+                dd.append(read_speed(shards))
             evict(shards)
             r = subprocess.run([sys.executable, "-c", LOAD, args.load, str(out), verify], capture_output=True,
                                text=True)
@@ -213,10 +235,14 @@ def main() -> None:
             loads[verify] = bench_line(r.stderr)
             if verify == "1":
                 hashed.append(loads["1"])
+            if i % 2 == 1:
+                dd.append(read_speed(shards))
         ld = sorted(hashed, key=lambda x: x["weights_s"])[len(hashed) // 2]  # the median run
+        rdisk_fresh, rdisk = rdisk, sorted(dd)[len(dd) // 2]
         rows.append({"label": label, "ckpt_gb": sum(p.stat().st_size for p in ck.glob("*.safetensors")) / 1e9,
                      "weights_gb": nbytes / 1e9, "largest_mb": largest / 1e6,
-                     "disk_w": wdisk / 1e6, "disk_r": rdisk / 1e6, "write": wrate / 1e6,
+                     "disk_w": wdisk / 1e6, "disk_r": rdisk / 1e6, "disk_r_runs": [x / 1e6 for x in dd],
+                     "disk_r_fresh": rdisk_fresh / 1e6, "write": wrate / 1e6,
                      "read": nbytes / ld["weights_s"] / 1e6, "read_nohash": nbytes / loads["0"]["weights_s"] / 1e6,
                      "read_runs": [nbytes / x["weights_s"] / 1e6 for x in hashed],
                      "fixed_s": ld["load_s"] - ld["weights_s"], "read_whole": nbytes / ld["load_s"] / 1e6,
@@ -256,6 +282,8 @@ def report(rows: list[dict], load: str, kernels: str) -> None:
     print(f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: on a busy machine the CPU seconds, not "
           f"the rates, are what carries over)")
     for w in rows:
+        print(f"{w['label']}: disk read = the shards read as dd bs=16M next to the loads, median of "
+              + ", ".join(f"{r:.0f}" for r in w["disk_r_runs"]) + f" MB/s (a fresh 512 MiB file: {w['disk_r_fresh']:.0f} MB/s)")
         print(f"{w['label']}: {w['line']}")
     a, b = rows[0], rows[-1]
     print(f"\npeak RSS, larger / smaller checkpoint: compile weights {b['c_peak'] / a['c_peak']:.2f}, load "
