@@ -16,7 +16,7 @@ PDL). The figures and their published sources are the target's (`v4compile/targe
 FLOPs) and `launch_latency_us`; `roofline_us` is the step's own roofline: the larger of `ideal_bytes` at
 HBM bandwidth and the registry's FLOPs at the MMA peak (decode is always the former).
 `time_ratio = modeled_us / roofline_us` is what further fusion has to drive toward 1; `bytes_ratio =
-kernel_bytes / ideal_bytes` has the goal <= 1.05 (`BYTES_GOAL`). `by_layer` gives per decoder layer
+kernel_bytes / ideal_bytes` has the goal <= 1.01 (`BYTES_GOAL`; tests hold it <= `BYTES_BOUND`). `by_layer` gives per decoder layer
 (from each launch's location, `layers.<i>.`) its kernel calls, modeled time and bytes; the report groups
 them by layer kind.
 `by_family` gives per kernel family its calls, kernel bytes and ideal bytes (largest excess first): where
@@ -35,7 +35,8 @@ from ..program.core import Program
 from ..targets import TARGETS
 from .kernels import uses_pdl
 
-BYTES_GOAL = 1.05
+BYTES_GOAL = 1.01  # the decode step's goal (issue 21), printed met or not
+BYTES_BOUND = 1.05  # what the tests hold every program to until the goal is met: a regression fails them
 # Kernel families whose FLOP-counting kernels multiply matrices: their binaries must hold MMA instructions
 # (an fp32 artifact on sm_90a has none: no fp32 MMA there, and tf32 would change the numerics).
 MMA_FAMILIES = ("gemm", "grouped_gemm", "moe", "moe_router", "sparse_attention", "indexer")

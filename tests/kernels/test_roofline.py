@@ -10,7 +10,7 @@ import pytest
 
 from routing_sample import sampled_routing
 from v4compile.codegen.program_kernels import program_kernels
-from v4compile.codegen.roofline import BYTES_GOAL, ideal_bytes, step_model
+from v4compile.codegen.roofline import BYTES_BOUND, ideal_bytes, step_model
 from v4compile.config import preset
 from v4compile.ir.registry import get_op
 from v4compile.ir.types import TensorType
@@ -33,7 +33,7 @@ def test_v4_pro_decode_bytes_within_the_goal_and_the_check_can_fail(v4_pro):
     weights = sum(b.nbytes for b in prog.functions["decode"].buffers if b.kind == "weight")
     for t in ("gfx950", "sm_90a"):
         m = step_model(prog, pk, "decode", t)
-        assert m["bytes_ratio"] <= BYTES_GOAL, m
+        assert m["bytes_ratio"] <= BYTES_BOUND, m
         assert m["modeled_us"] > m["roofline_us"] > 0 and m["kernel_calls"] >= m["launches"]
         # 2 tokens x 6 of 384 routed experts per layer: a step reads ~6% of the 851 GB (dense layers and
         # the active experts), so the ideal is far below "every weight once"
@@ -42,7 +42,7 @@ def test_v4_pro_decode_bytes_within_the_goal_and_the_check_can_fail(v4_pro):
     doubled = dataclasses.replace(pk, calls={f: [[dataclasses.replace(c, bytes_moved=2 * c.bytes_moved)
                                                   if c.name.startswith("moe_") else c for c in per] for per in calls]
                                              for f, calls in pk.calls.items()})
-    assert step_model(prog, doubled, "decode", "gfx950")["bytes_ratio"] > BYTES_GOAL
+    assert step_model(prog, doubled, "decode", "gfx950")["bytes_ratio"] > BYTES_BOUND
 
 
 def _cost(op, operands, results, attrs):
