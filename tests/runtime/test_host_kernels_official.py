@@ -48,8 +48,9 @@ def unfixed_interpreter(monkeypatch):
     monkeypatch.setattr(kernels, "_FIXED", False)
 
 
-def _mismatches(only: tuple[str, ...] = ()) -> tuple[list[str], int]:
-    """(results of chosen launches that differ from their reference, number of chosen launches run)."""
+def _mismatches(only: tuple[str, ...] = ()) -> tuple[list[str], int, int]:
+    """(results of chosen launches that differ from their reference, number of chosen launches run, number
+    chosen)."""
     m, prog, w = tiny(decode_batch=2, batch=2, numerics="official")
     decode = prog.functions["decode"].launches
     first: dict[str, int] = {}
@@ -98,16 +99,17 @@ def _mismatches(only: tuple[str, ...] = ()) -> tuple[list[str], int]:
             rt.run(fname, inputs)
     finally:
         rt.close()
-    return bad, len(ran)
+    return bad, len(ran), len(chosen)
 
 
 def test_interpreted_kernels_equal_their_references_with_official_numerics(unfixed_interpreter):
-    bad, ran = _mismatches()
-    assert ran == 17 and bad == []  # tiny's decode: 5 qkv_norm_rope launches + 12 other families' first
+    bad, ran, chosen = _mismatches()
+    # tiny's decode: its 5 qkv_norm_rope launches and every other family's first (15 today), every one run
+    assert ran == chosen >= 15 and bad == []
 
 
 def test_the_unfixed_interpreter_is_caught(unfixed_interpreter, monkeypatch):
     """The fault put back: the host device's kernels on the unfixed interpreter (its fp8 cast) differ."""
     monkeypatch.setattr(kernels, "interpreter_fixes", lambda: None)
-    bad, ran = _mismatches(only=("qkv_norm_rope",))
+    bad, ran, _ = _mismatches(only=("qkv_norm_rope",))
     assert ran == 5 and any("kv_out" in b for b in bad), bad
