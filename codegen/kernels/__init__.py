@@ -29,6 +29,7 @@ import torch
 from ...errors import CodegenError
 from ...ir.registry import get_op
 from ...ir.types import TensorType, dtype_of
+from .calls import PARAM as CALLS_PARAM, declares_calls
 from .pdl import PARAM as PDL_PARAM, declares_pdl
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,8 @@ class KernelCall:
                 raise ValueError(f"{self.name}: {p[1]} '{p[2]}' has no size in scratch_bytes")
         if declares_pdl(self.fn):  # off unless the AOT stage turns it on for its target (pdl.py)
             self.constexprs = {**self.constexprs, PDL_PARAM: self.constexprs.get(PDL_PARAM, False)}
+        if declares_calls(self.fn):  # calls unless the AOT stage inlines them for its target (calls.py)
+            self.constexprs = {**self.constexprs, CALLS_PARAM: self.constexprs.get(CALLS_PARAM, True)}
         self.pointers = in_kernel_order(self.name, self.fn, self.pointers, self.constexprs)
         params = {p[0]: p[1] for p in self.pointers}
         for param, off in self.offsets.items():
