@@ -44,7 +44,7 @@ from typing import Any
 
 from ..targets import TARGETS, cache_root
 from .kernels import KernelCall
-from .kernels import PDL_PARAM, declares_pdl, uses_pdl
+from .kernels import CALLS_PARAM, PDL_PARAM, declares_calls, declares_pdl, uses_calls, uses_pdl
 from .roofline import bandwidth_time, launch_kind, modeled_time
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,8 @@ def job_of(call: KernelCall, target: str) -> dict:
     constexprs = dict(call.constexprs)
     if declares_pdl(fn):  # the kernel's launches overlap on a target with PDL (kernels/pdl.py)
         constexprs[PDL_PARAM] = uses_pdl(fn, target)
+    if declares_calls(fn):  # noinline calls where the target takes them (kernels/__init__.py)
+        constexprs[CALLS_PARAM] = uses_calls(target)
     job = {
         "name": call.name, "module": module, "fn": qual, "target": target, "signature": sig,
         "constexprs": {k: _ce_encode(v) for k, v in sorted(constexprs.items())},
@@ -163,6 +165,11 @@ def _compile_job(job: dict, cache_dir: str) -> dict:
         from ..errors import CodegenError
         raise CodegenError(f"{job['fn']} is to launch with PDL but its PTX holds no griddepcontrol.wait",
                            where=job["name"])
+    hidden = sorted(set(re.findall(r"\.value_kind:\s+(hidden_\w+)", c.asm.get("amdgcn", ""))))
+    if hidden:  # parameters past the explicit ones: the launch's parameter array would not describe them
+        from ..errors import CodegenError
+        raise CodegenError(f"{job['fn']} takes implicit kernel arguments on {job['target']} ({', '.join(hidden)}): "
+                           "a call to a noinline function? (kernels/__init__.py)", where=job["name"])
     ptr_params = [p for p in names if job["signature"][p] != "constexpr"]
     roles = {p[0]: p for p in job["pointers"]}
     params = [{"name": p, "type": job["signature"][p], "kind": roles[p][1], "value": roles[p][2]} for p in ptr_params]

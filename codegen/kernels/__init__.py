@@ -48,6 +48,30 @@ def uses_pdl(fn: Any, target: str) -> bool:
     from ...targets import TARGETS
     return TARGETS[target].pdl and declares_pdl(fn)
 
+
+# Calls to noinline functions, a target-bound flag like PDL (same reason to live here). A kernel that calls a
+# `@triton.jit(noinline=True)` function where it pays (sm_90a: the callee's registers are allocated apart, so
+# its arrays do not make the caller's MMA tiles spill) takes a `CALLS: tl.constexpr` and branches on it to an
+# inlined copy of the same function. KernelCall binds it to True (the interpreter runs the call); the AOT
+# stage sets it from the target (`uses_calls`). On gfx950 a real call is refused: LLVM's AMDGPU backend cannot
+# prove the callee needs no implicit kernel arguments, so the kernel grows the hidden-argument block
+# (hidden_block_count_x ... hidden_dynamic_lds_size) behind the parameters the KernelCall describes; the
+# launch's parameter array holds the explicit pointers only, so the binary's parameters and the call's no
+# longer agree (the fake HIP driver, sizing the parameters from the kernarg segment, refuses the launch);
+# `aot` checks every hsaco for hidden arguments.
+CALLS_PARAM = "CALLS"
+
+
+def declares_calls(fn: Any) -> bool:
+    """Whether a kernel (a @triton.jit function) takes the CALLS flag."""
+    return CALLS_PARAM in getattr(fn, "arg_names", ())
+
+
+def uses_calls(target: str) -> bool:
+    """Whether kernels on `target` call their noinline functions (else they run the inlined copies)."""
+    from ...targets import TARGETS
+    return TARGETS[target].backend == "cuda"
+
 # Triton pointer element type -> the torch dtype a tensor is viewed as before launch (same element size).
 TRITON_TORCH: dict[str, torch.dtype] = {
     "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8e4nv": torch.float8_e4m3fn,
@@ -134,6 +158,8 @@ class KernelCall:
                 raise ValueError(f"{self.name}: {p[1]} '{p[2]}' has no size in scratch_bytes")
         if declares_pdl(self.fn):  # off unless the AOT stage turns it on for its target (pdl.py)
             self.constexprs = {**self.constexprs, PDL_PARAM: self.constexprs.get(PDL_PARAM, False)}
+        if declares_calls(self.fn):  # calls unless the AOT stage inlines them for its target (CALLS_PARAM above)
+            self.constexprs = {**self.constexprs, CALLS_PARAM: self.constexprs.get(CALLS_PARAM, True)}
         self.pointers = in_kernel_order(self.name, self.fn, self.pointers, self.constexprs)
         params = {p[0]: p[1] for p in self.pointers}
         for param, off in self.offsets.items():

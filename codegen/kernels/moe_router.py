@@ -53,6 +53,10 @@ def _route_phase(rb, x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr,
                IO_RS, ROUTE_SCALE, DENOM_EPS, SUM_IN_DT, BR, BE, BK, BKS)
 
 
+# the same, inlined: on gfx950 a call would give the kernel hidden kernel arguments (kernels/__init__.py: CALLS_PARAM)
+_route_phase_inlined = triton.jit(_route_phase.fn)
+
+
 @triton.jit
 def moe_router_up_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr,
                          sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, hs_ptr,
@@ -72,14 +76,20 @@ def moe_router_up_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr
                          R_WO_RS: tl.constexpr, R_IO_RS: tl.constexpr, R_ROUTE_SCALE: tl.constexpr,
                          R_DENOM_EPS: tl.constexpr, R_SUM_IN_DT: tl.constexpr, R_BR: tl.constexpr, R_BE: tl.constexpr,
                          R_BK: tl.constexpr, R_BKS: tl.constexpr,
-                         NR: tl.constexpr, ST: tl.constexpr, RT: tl.constexpr, PDL: tl.constexpr = False):
+                         NR: tl.constexpr, ST: tl.constexpr, RT: tl.constexpr, PDL: tl.constexpr = False,
+                         CALLS: tl.constexpr = True):
     """Programs by ticket: NR router row blocks, ST shared gate / up tiles, E x RT routed (expert, I tile)."""
     pdl_enter(PDL)
     v = ticket(phase_ptr)
     if v < NR:
-        _route_phase(v, x_ptr, r_w_ptr, r_b_ptr, r_t_ptr, r_ids_ptr, r_wo_ptr, idx_ptr, R_R, R_D, R_E, R_KSEL, R_X_RS,
-                     R_W_RS, R_T_RS, R_I_S, R_WO_RS, R_IO_RS, R_ROUTE_SCALE, R_DENOM_EPS, R_SUM_IN_DT, R_BR, R_BE, R_BK,
-                     R_BKS)
+        if CALLS:  # sm_90a: a call, its registers allocated apart (kernels/__init__.py: CALLS_PARAM)
+            _route_phase(v, x_ptr, r_w_ptr, r_b_ptr, r_t_ptr, r_ids_ptr, r_wo_ptr, idx_ptr, R_R, R_D, R_E, R_KSEL,
+                         R_X_RS, R_W_RS, R_T_RS, R_I_S, R_WO_RS, R_IO_RS, R_ROUTE_SCALE, R_DENOM_EPS, R_SUM_IN_DT, R_BR,
+                         R_BE, R_BK, R_BKS)
+        else:  # gfx950: inlined (a call would add hidden kernel arguments)
+            _route_phase_inlined(v, x_ptr, r_w_ptr, r_b_ptr, r_t_ptr, r_ids_ptr, r_wo_ptr, idx_ptr, R_R, R_D, R_E,
+                                 R_KSEL, R_X_RS, R_W_RS, R_T_RS, R_I_S, R_WO_RS, R_IO_RS, R_ROUTE_SCALE, R_DENOM_EPS,
+                                 R_SUM_IN_DT, R_BR, R_BE, R_BK, R_BKS)
         publish(phase_ptr + 1)
     elif v < NR + ST:
         _up(v * 0, v - NR, x_ptr, None, None,  # expert 0 of 1 (a tensor: _up casts it)
@@ -136,8 +146,8 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
         return [rcall, *mcalls]
     # one launch: the up call's constexprs and pointers, the router's as R_* and renamed (x and the ids it
     # writes are the up call's own pointers)
-    ce = {n: v for n, v in up.constexprs.items() if n != "PDL"}
-    ce.update({ROUTER_PARAMS.get(n, "R_" + n): v for n, v in rcall.constexprs.items() if n != "PDL"})
+    ce = {n: v for n, v in up.constexprs.items() if n not in ("PDL", "CALLS")}
+    ce.update({ROUTER_PARAMS.get(n, "R_" + n): v for n, v in rcall.constexprs.items() if n not in ("PDL", "CALLS")})
     RT = triton.cdiv(ce["I"], ce["BN"])
     ST = triton.cdiv(ce["S_I"], ce["S_BN"]) if "sw1_ptr" not in up.constexprs else 0  # shared: a pointer
     ce.update(NR=rcall.grid[0], RT=RT, ST=ST)

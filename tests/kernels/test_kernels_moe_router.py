@@ -10,10 +10,14 @@ FP4 / FP8 and float weights. Every scratch starts as NaN and every counter must 
 deliberately broken variants of the fused kernel are caught: router programs that route the wrong row
 block (a token block left unrouted), the ticket counter left set, routed programs that run another
 expert's pairs (odd experts never run). That the routed programs wait for the router is shown on the source (the interpreter runs
-programs in ticket order, so a missing wait cannot fail there).
+programs in ticket order, so a missing wait cannot fail there). The gfx950 binary of the fused kernel takes
+only the parameters its call describes (the router phase is inlined there: a noinline call would add AMDGPU's
+hidden kernel arguments), and the AOT stage refuses a binary that takes hidden arguments.
 """
 
 from __future__ import annotations
+
+import json
 
 import kernel_check as kc
 import pytest
@@ -115,3 +119,21 @@ def test_routed_programs_wait_for_every_router_program():
     route, pub = src.index("_route_phase(v,"), src.index("publish(phase_ptr + 1)")
     wait, routed = src.index("wait_for(phase_ptr + 1, NR)"), src.index("_up(w // RT")
     assert route < pub < wait < routed
+
+
+@pytest.mark.slow
+def test_gfx950_binary_takes_only_the_calls_parameters(tmp_path, monkeypatch):
+    """The router phase is a noinline call on sm_90a only (kernels/__init__.py: CALLS_PARAM): called on gfx950, the kernel
+    grows AMDGPU's hidden kernel arguments behind the pointers the call describes (the launch's parameter
+    array would not cover them; the fake HIP driver refuses the launch), which the AOT stage refuses."""
+    from v4compile.codegen import aot
+
+    monkeypatch.setenv("V4COMPILE_CACHE", str(tmp_path / "cache"))
+    args, attrs = case(torch.float32, True, "float", "float")
+    _, calls = fused(args, attrs)
+    rows = aot.compile_calls(calls[:1], ["gfx950"], tmp_path / "ok", jobs=1)
+    side = json.loads((tmp_path / "ok" / rows[0]["sidecar"]).read_text())
+    assert side["constexprs"]["CALLS"] is False and b"hidden_" not in (tmp_path / "ok" / rows[0]["path"]).read_bytes()
+    monkeypatch.setattr(aot, "uses_calls", lambda target: True)  # the call kept on gfx950
+    with pytest.raises(kernels.CodegenError, match="implicit kernel arguments on gfx950"):
+        aot.compile_calls(calls[:1], ["gfx950"], tmp_path / "called", jobs=1)
