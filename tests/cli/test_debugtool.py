@@ -90,8 +90,9 @@ def test_every_written_file_parses_back(tmp_path):
     `ir verify`; `--start-from` resumes from a dump under any file name."""
     ck = tmp_path / "ck"
     assert cli("init-random", "--preset", "tiny", "-o", str(ck)).returncode == 0
+    # one GPU target is enough for the files of the GPU side (the other's kernels: tests/runtime/test_gpu_artifact.py)
     r = cli("compile", str(ck), "-o", str(tmp_path / "out"), "--dump-ir", str(tmp_path / "dumps"), "--verify-each",
-            "--threads", "1")
+            "--threads", "1", "--target", "cpu,sm_90a")
     assert r.returncode == 0, r.stderr
     written = re.findall(r"^info: wrote (\S+) \(([\d,]+) bytes", r.stderr, re.M)
     files = sorted(p for p in (tmp_path / "dumps").iterdir())
@@ -117,7 +118,7 @@ def test_every_written_file_parses_back(tmp_path):
     mid = tmp_path / "somewhere.ir"
     mid.write_text(dumps[5].read_text())
     r = cli("compile", str(ck), "--start-from", str(mid), "--dump-ir", str(tmp_path / "resumed"), "--threads", "1",
-            "--dtype", "fp32")  # as the first run (which wrote an artifact: fp32)
+            "--dtype", "fp32", "--target", "cpu,sm_90a")  # as the first run (which wrote an artifact: fp32)
     assert r.returncode == 0 and "continuing with" in r.stderr, r.stderr
     last = sorted((tmp_path / "resumed").iterdir())[-1]
     assert last.read_text() == dumps[-1].read_text()  # resumed mid-way, it ends where the full run ended
