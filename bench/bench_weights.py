@@ -135,13 +135,7 @@ def disk_speed(d: Path, nbytes: int = 512 << 20, block: int = 16 << 20) -> tuple
     os.fdatasync(fd)
     w = nbytes / (time.perf_counter() - t0)
     os.close(fd)
-    evict([p])
-    fd = os.open(p, os.O_RDONLY)
-    t0 = time.perf_counter()
-    while os.read(fd, block):
-        pass
-    r = nbytes / (time.perf_counter() - t0)
-    os.close(fd)
+    r = read_speed([p], block)
     p.unlink()
     return w, r
 

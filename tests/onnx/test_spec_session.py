@@ -143,20 +143,28 @@ def test_cli_refuses_speculative_without_mtp(no_mtp_art, capsys):
     assert r.out == ""
 
 
+def _with_bucket(art, dest, key, value):
+    """A copy of `art` whose manifest's buckets[key] is `value` (None: the entry removed)."""
+    from artifact_tamper import copy, manifest, write_manifest
+
+    t = copy(art, dest)
+    m = manifest(t)
+    if value is None:
+        del m["buckets"][key]
+    else:
+        m["buckets"][key] = value
+    write_manifest(t, m)
+    return t
+
+
 @pytest.mark.parametrize("draft_tokens", [None, 2, 8])
 def test_manifest_draft_tokens_must_match_the_verify_functions(art, tmp_path, draft_tokens):
     from v4compile.errors import ArtifactError
 
-    from artifact_tamper import copy, manifest, write_manifest
+    from artifact_tamper import manifest
 
     assert manifest(art)["buckets"]["draft_tokens"] == 3
-    t = copy(art, tmp_path / "t")
-    m = manifest(t)
-    if draft_tokens is None:
-        del m["buckets"]["draft_tokens"]
-    else:
-        m["buckets"]["draft_tokens"] = draft_tokens
-    write_manifest(t, m)
+    t = _with_bucket(art, tmp_path / "t", "draft_tokens", draft_tokens)
     with pytest.raises(ArtifactError, match="draft_tokens|one function per bucket|disagrees"):
         v4compile.load(t, device="cpu", threads=1)
 
@@ -166,19 +174,13 @@ def test_manifest_mtp_draft_must_match_the_draft_functions(art, tmp_path, mtp_dr
     """The MTP block's functions and its window ring in the pool are there exactly when `mtp_draft` says so."""
     from v4compile.errors import ArtifactError
 
-    from artifact_tamper import copy, manifest, write_manifest
+    from artifact_tamper import manifest
 
     m = manifest(art)
     assert m["pool"]["n_window_layers"] == 6  # tiny's 5 layers + the MTP block's ring
     assert {n for n in m["targets"][0]["functions"] if n.startswith("draft")} == {
         "draft_b1", "draft_b2", "draft_b4", "draft_c16"}
-    t = copy(art, tmp_path / "t")
-    m = manifest(t)
-    if mtp_draft is None:
-        del m["buckets"]["mtp_draft"]
-    else:
-        m["buckets"]["mtp_draft"] = mtp_draft
-    write_manifest(t, m)
+    t = _with_bucket(art, tmp_path / "t", "mtp_draft", mtp_draft)
     with pytest.raises(ArtifactError, match="mtp_draft|one function per bucket|n_window_layers"):
         v4compile.load(t, device="cpu", threads=1)
 
