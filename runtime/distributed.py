@@ -121,7 +121,9 @@ class Ranks:
     def comm_ids(self, unique_id) -> dict[int, bytes]:
         """This rank's communicator unique ids, one per group size (the GPU runtime's NCCL / RCCL, issue 18):
         the first rank of each group makes it (`unique_id()`) and puts it in torch.distributed's store; the
-        others wait for it there (within the process group's timeout)."""
+        others wait for it there (within the process group's timeout). It returns once every rank has its ids,
+        as NCCL's communicator init does: the store lives in rank 0, which may otherwise finish (its NCCL
+        a stand-in that waits for no peer) and take the store with it while another rank still reads."""
         from torch.distributed.distributed_c10d import _get_default_store
 
         store, out = _get_default_store(), {}
@@ -134,6 +136,7 @@ class Ranks:
             except RuntimeError as e:
                 raise DeviceError(f"rank {self.rank}: the communicator id of its group never came: {_first(e)}") \
                     from None
+        self._do("the barrier after the communicator ids", self.dist.barrier)
         return out
 
     def share_ids(self, ids: list[int]) -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import sys
 
 import pytest
 import torch
@@ -166,3 +167,27 @@ def test_communicator_ids_go_through_the_store(monkeypatch):
         assert ids == {1: b"\x01" * 128} and len(made) == 1
     finally:
         ranks.close()
+
+
+_LATE_READER = """
+import os, sys, time
+from v4compile.parallel import ParallelLayout
+from v4compile.runtime.distributed import join
+ranks = join(ParallelLayout(2, 2), timeout_s=20)
+if ranks.rank == 1:
+    time.sleep(3)  # the reader comes late (a loaded machine)
+ids = ranks.comm_ids(lambda: b"\\x07" * 128)
+print(ids[2].hex()[:8], flush=True)
+os._exit(0)  # no goodbye: rank 0, the store's host, leaves as soon as comm_ids returns
+"""
+
+
+def test_communicator_ids_reach_a_late_rank_after_the_first_rank_is_done():
+    """Rank 0 hosts the store and makes the id; it must not return from `comm_ids` (and so may not exit)
+    before every rank has read its id, or a late rank reads from a closed store (a race CI met: rank 0's
+    fake NCCL waits for no peer). Without the barrier in `comm_ids`, rank 1 fails here."""
+    from dist_launch import launch
+
+    runs = launch([sys.executable, "-c", _LATE_READER], 2, timeout_s=60)
+    assert [r[0] for r in runs] == [0, 0], [r[2][-800:] for r in runs]
+    assert [r[1].strip() for r in runs] == ["07070707"] * 2
