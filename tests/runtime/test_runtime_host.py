@@ -99,21 +99,22 @@ def artifact(tmp_path_factory):
 
 @pytest.mark.slow
 def test_host_session_greedy_ids_equal_the_reference(artifact):
-    """Ragged batch of 3 prompts (11, 5, 17 tokens: prefill chunks of 8), 8 new tokens each; decode in the
-    batch-4 bucket (one padding lane) as a captured graph."""
+    """Ragged batch of 3 prompts (9, 3, 5 tokens: prefill chunks of 8, the first in two), 5 new tokens each;
+    decode in the batch-4 bucket (one padding lane) as a captured graph. (Every call runs the Triton kernels
+    interpreted: kept short, it was the suite's slowest test.)"""
     import v4compile
 
     fe, art = artifact
     ref = fe.reference()
-    prompts = [list(range(3, 14)), [100, 7, 300, 2, 9], list(range(200, 217))]
+    prompts = [list(range(3, 12)), [100, 7, 300], [200, 201, 5, 7, 9]]
     sess = v4compile.load(art, device="host")
-    got = sess.generate(prompts, 8)
-    want = [ref.generate(p, 8) for p in prompts]
+    got = sess.generate(prompts, 5)
+    want = [ref.generate(p, 5) for p in prompts]
     assert got == want
     stats = sess.backend.rt.stats()
-    assert stats["captures"] == 1 and stats["replays"] == 7  # one decode bucket, captured once
+    assert stats["captures"] == 1 and stats["replays"] == 4  # one decode bucket, captured once
     # logits of one prefill against the reference's
-    seqs, logits = sess.prefill([prompts[0]])
-    _, want_logits = ref.prefill([prompts[0]], capacity=32)
+    seqs, logits = sess.prefill([prompts[1]])
+    _, want_logits = ref.prefill([prompts[1]], capacity=32)
     assert np.abs(logits[0] - want_logits[0].numpy()).max() < TOL
     sess.close()
