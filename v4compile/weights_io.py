@@ -443,9 +443,10 @@ def write_shards(plans: list[TensorPlan], source, wdir: Path, shard_bytes: int, 
         (out.copied if p.path == "copy" else out.converted).append(p.name)
     out.seconds, out.nbytes = time.perf_counter() - t0, total
     cb = sum(p.nbytes for p in plans if p.path == "copy")
-    log.info("%s: %.2f GB in %.1f s (%.0f MB/s; %d tensors copied as stored, %.2f GB; %d converted, %.2f GB)",
-             rel, total / 1e9, out.seconds, total / max(out.seconds, 1e-9) / 1e6, len(out.copied), cb / 1e9,
-             len(out.converted), (total - cb) / 1e9)
+    log.info("%s: %.2f GB in %.1f s (%.0f MB/s; %d tensors copied as stored, %.2f GB; %d converted, %.2f GB; "
+             "%d of %d shards written with O_DIRECT)", rel, total / 1e9, out.seconds,
+             total / max(out.seconds, 1e-9) / 1e6, len(out.copied), cb / 1e9, len(out.converted), (total - cb) / 1e9,
+             w.direct, len(groups))
     return out
 
 
@@ -458,6 +459,7 @@ class _ShardWriter:
 
     def __init__(self, source, workers: int, nbufs: int, prog: _Progress, stop: threading.Event | None):
         self.source, self.prog, self.stop = source, prog, stop
+        self.direct = 0  # shards written with O_DIRECT
         self.block = CHUNK_BYTES
         self.bufs = [mmap.mmap(-1, self.block) for _ in range(nbufs)]  # page-aligned (O_DIRECT)
         self.hashing: list[list[Future]] = [[] for _ in self.bufs]  # each buffer's hash updates
@@ -472,6 +474,7 @@ class _ShardWriter:
         head = shard_header(group)
         spans, size = _layout(head, group)
         fd, direct = _create(path, size >= DIRECT_BYTES and self.block % DIRECT_ALIGN == 0)
+        self.direct += direct
         streams: dict[str, tuple] = {}  # tensor -> its hash stream (tensors with bytes)
         pending: deque[tuple[int, list, Future]] = deque()  # blocks being filled, in file order
         unsynced, sync = 0, None
