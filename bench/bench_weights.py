@@ -17,8 +17,9 @@ Steps, each in a fresh process:
    after them in turn; the median): a virtual disk reads a file just written from its host's cache, faster
    than one written minutes before;
 3. `v4compile compile CKPT -o DIR --target sm_90a`: the weight rate is the writer's own line (bytes written,
-   hashed and `fdatasync`ed per second of the weights stage); peak RSS of the weights stage above the RSS when
-   it started, and of the whole process. `--kernels placeholder` (default) replaces the ahead-of-time kernel
+   hashed and `fdatasync`ed per second of the weights stage; shards of 256 MiB and more go out with O_DIRECT,
+   which the line counts); its CPU seconds per GB (every thread); peak RSS of the weights stage above the RSS
+   when it started, and of the whole process. `--kernels placeholder` (default) replaces the ahead-of-time kernel
    compiler with placeholder binaries (as tests/runtime/test_artifact_targets.py does): kernels take minutes per new
    shape on a shared 2-core machine and do not touch the weights; `--kernels real` runs it;
 4. load, after the shards are dropped from the page cache, hashed against the manifest as read (`--loads`
@@ -28,6 +29,10 @@ Steps, each in a fresh process:
    lane, into a few reused chunk buffers, the pieces a driver copy would take; the copy itself is not made
    here); `host` is `v4compile.load(DIR, device="host")`, whose C runtime keeps the weights in host memory
    (its RSS is the weights plus a constant, by design).
+
+On a shared machine the rates follow what the other processes do, the CPU seconds per GB much less: the report
+gives both, and the rate the CPU seconds allow on this process's cores when they are idle (next to one core's
+sha256 speed, the bound while one large tensor is hashed).
 """
 
 from __future__ import annotations
@@ -155,6 +160,17 @@ def read_speed(paths, block: int = 16 << 20) -> float:
         finally:
             os.close(fd)
     return n / (time.perf_counter() - t0)
+
+
+def sha256_speed(nbytes: int = 256 << 20) -> float:
+    """sha256's bytes per CPU second on one core (CPU time: the other processes on the machine count less)."""
+    import hashlib
+
+    buf = os.urandom(16 << 20)
+    h, t0 = hashlib.sha256(), time.process_time()
+    for _ in range(nbytes // len(buf)):
+        h.update(buf)
+    return nbytes / (time.process_time() - t0)
 
 
 def bench_line(stderr: str) -> dict:
@@ -296,6 +312,14 @@ def report(rows: list[dict], load: str, kernels: str) -> None:
               f"{size / b['read'] / 6e7:.1f} min / {size / b['disk_r'] / 6e7:.1f} min |")
     print(f"cores to keep up with the disk: writing {b['c_cpu_gb'] * b['disk_w'] / 1e3:.1f}, loading hashed "
           f"{b['l_cpu_gb'] * b['disk_r'] / 1e3:.1f}")
+    cores = len(os.sched_getaffinity(0))
+    print(f"\nOn a shared machine the rates follow the other processes; the CPU s per GB do much less. The rates "
+          f"they allow on {cores} idle cores (an upper bound: a tensor's sha256 runs on one core, "
+          f"{sha256_speed() / 1e9:.2f} GB/s per CPU second here):")
+    for w in rows:
+        print(f"{w['label']}: compile {cores / w['c_cpu_gb']:.2f} GB/s ({100e3 * cores / w['c_cpu_gb'] / w['disk_w']:.0f} % "
+              f"of the disk's write), load hashed {cores / w['l_cpu_gb']:.2f} GB/s "
+              f"({100e3 * cores / w['l_cpu_gb'] / w['disk_r']:.0f} % of its read)")
 
 
 if __name__ == "__main__":

@@ -9,16 +9,20 @@ Writing (`plan_weights`, `write_shards`):
   *copied*: read with `pread` from one descriptor per checkpoint file, never decoded (the non-finite
   check of `Checkpoint.raw` is done on the bits). Any other piece is *converted* by the checkpoint's
   own reader (`harness._fetch`: BF16 norms to FP32, F32 scales to E8M0, dequantisation, ...).
-* Pieces are produced by a few worker threads (reads and torch conversions release the GIL) in a
-  sliding window bounded in bytes, and consumed in order: written with large buffered writes while each
-  tensor is hashed on one of a few hash threads (`shard_digest.Lanes`: tensors in parallel, a bounded
-  backlog). Every byte is hashed once: a shard's digest is made of its tensors' sha256 and its header's
-  (`shard_digest`). Peak memory is the window and the backlog plus the largest piece being converted,
-  whatever the checkpoint's size.
+* A shard is made block by block (`CHUNK_BYTES`, a few reused page-aligned buffers): a worker thread
+  assembles a block (copied pieces `pread` straight into their place, converted ones placed from their
+  conversion, made once) and writes it at its place in the file (`pwrite`; reads, writes and torch
+  conversions release the GIL), while the bytes of the blocks before it are hashed, each tensor on one of
+  a few hash threads (`shard_digest.Lanes`: tensors in parallel). Every byte is copied once (disk to
+  buffer) and hashed once: a shard's digest is made of its tensors' sha256 and its header's
+  (`shard_digest`). A large shard is written with O_DIRECT (whole blocks, cut to its size at the end): the
+  page cache's copy and writeback cost more CPU than everything else together. Peak memory is the buffers
+  plus the pieces being converted, whatever the checkpoint's size.
 * A checkpoint's weights are laid out in the order of their first source in the checkpoint (sequential
   reads); other sources in name order. Both are deterministic, so the shards are byte-reproducible.
-* Each shard is flushed to disk (`fdatasync`, started in the background every `SYNC_BYTES`) before the
-  artifact is renamed into place, and a progress line (bytes, rate, ETA) is logged every few seconds.
+* Each shard is flushed to disk (`fdatasync`; through the page cache, started in the background every
+  `SYNC_BYTES`) before the artifact is renamed into place, and a progress line (bytes, rate, ETA) is
+  logged every few seconds.
 
 Reading (`MappedWeights`, from `Artifact.weights()`): each shard is mapped; `stream()` gives every
 tensor as a zero-copy view (the cpu device keeps them as ONNX Runtime initializers), `chunks()` reads
@@ -30,11 +34,11 @@ byte is read once, and check each tensor against its sha256 (naming it) and the 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import mmap
 import os
-import queue
 import threading
 import time
 from collections import deque
@@ -52,13 +56,11 @@ from .shard_digest import EMPTY, Lanes, combine, segments
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 8 << 20  # a copied piece is read and written in chunks of at most this size
-WINDOW_BYTES = 32 << 20  # bytes produced ahead of the writer (plus one piece larger than that)
-POOLED = 64 << 10  # copied chunks from this size up are read into a fixed set of reused buffers
-WRITE_BUFFER = 8 << 20  # small tensors are gathered into writes of this size
-SYNC_BYTES = 256 << 20  # start flushing a shard to disk after this many more bytes
+CHUNK_BYTES = 8 << 20  # a shard is written in blocks of this size, and read in chunks of it
+WINDOW_BYTES = 64 << 20  # a writer's blocks in flight (being filled, written or hashed)
+SYNC_BYTES = 256 << 20  # a shard written through the page cache starts flushing after this many more bytes
 PROGRESS_S = 5.0  # seconds between progress lines
-DIRECT_BYTES = 256 << 20  # shards from this size up are read around the page cache (MappedWeights.chunks)
+DIRECT_BYTES = 256 << 20  # shards from this size up are written and read around the page cache (O_DIRECT)
 MAX_REGIONS = 4  # a shard is read in at most this many places at once (MappedWeights.chunks)
 DIRECT_ALIGN = 4096  # O_DIRECT's unit of file offsets, lengths and buffer addresses (4Kn disks included)
 
@@ -119,19 +121,19 @@ def _nonfinite_bits(stored: str, scale: bool) -> str | None:
     return {"F8_E4M3": "fp8", "BF16": "bf16", "F32": "fp32"}.get(stored)
 
 
-def _bits_bad(buf: bytearray, n: int, bits: str) -> bool:
-    """True if the first `n` stored bytes hold a NaN / Inf (E8M0: the NaN byte 0xFF). All exponent bits
-    set is the largest value the magnitude bits can take, so one max over them decides (~4 GB/s); a
-    one-byte format's NaN bytes are found with `find` (memchr, no temporary: ~15 GB/s)."""
+def _bits_bad(buf, lo: int, hi: int, bits: str) -> bool:
+    """True if the stored bytes buf[lo:hi] (whole elements) hold a NaN / Inf (E8M0: the NaN byte 0xFF). All
+    exponent bits set is the largest value the magnitude bits can take, so one max over them decides (~4
+    GB/s); a one-byte format's NaN bytes are found with `find` (memchr, no temporary: ~15 GB/s)."""
     if bits == "fp8":  # e4m3fn: NaN is S.1111.111 (0x7F, 0xFF), there is no Inf
-        return buf.find(b"\x7f", 0, n) >= 0 or buf.find(b"\xff", 0, n) >= 0
+        return buf.find(b"\x7f", lo, hi) >= 0 or buf.find(b"\xff", lo, hi) >= 0
     if bits == "e8m0":
-        return buf.find(b"\xff", 0, n) >= 0
+        return buf.find(b"\xff", lo, hi) >= 0
     if bits == "bf16":
-        a = np.frombuffer(buf, dtype=np.uint16, count=n // 2)
+        a = np.frombuffer(buf, dtype=np.uint16, count=(hi - lo) // 2, offset=lo)
         return a.size > 0 and int(np.max(a & 0x7FFF)) >= 0x7F80
     if bits == "fp32":
-        a = np.frombuffer(buf, dtype=np.uint32, count=n // 4)
+        a = np.frombuffer(buf, dtype=np.uint32, count=(hi - lo) // 4, offset=lo)
         return a.size > 0 and int(np.max(a & 0x7FFFFFFF)) >= 0x7F800000
     return False
 
@@ -238,14 +240,12 @@ class _Progress:
 
 
 class _Reader:
-    """One read-only descriptor per checkpoint file, opened once, read with `pread` into a fixed set of
-    reused chunk buffers (freed memory is not handed back to the allocator chunk after chunk)."""
+    """One read-only descriptor per checkpoint file, opened once, read with `pread` straight into the block
+    being assembled (the page cache's readahead serves the reads, which go through each file in order)."""
 
-    def __init__(self, nbufs: int):
+    def __init__(self):
         self.fds: dict[Path, int] = {}
         self.lock = threading.Lock()
-        self.nbufs, self.made = nbufs, 0
-        self.free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
 
     def fd(self, path: Path) -> int:
         with self.lock:
@@ -258,35 +258,14 @@ class _Reader:
                 self.fds[path] = fd
             return self.fds[path]
 
-    def _take(self) -> bytearray:
-        with self.lock:
-            if self.free.empty() and self.made < self.nbufs:
-                self.made += 1
-                return bytearray(CHUNK_BYTES)
-        return self.free.get()  # the writer's window never has more pooled chunks out than buffers
-
-    def give(self, buf: bytearray | None) -> None:
-        if buf is not None:
-            self.free.put(buf)
-
-    def read(self, path: Path, offset: int, n: int) -> tuple[bytearray, bytearray | None]:
-        """(buffer holding the bytes in its first `n`, the pooled buffer to give back or None)."""
-        pooled = self._take() if n >= POOLED else None
-        buf = pooled if pooled is not None else bytearray(n)
-        view, got = memoryview(buf), 0
-        fd = self.fd(path)
-        try:
-            while got < n:
-                k = os.preadv(fd, [view[got:n]], offset + got)
-                if k <= 0:
-                    raise CheckpointError("file changed since it was opened (tensor bytes run past its end)",
-                                          where=str(path), expected=f"{offset + n} bytes at least",
-                                          found=f"{offset + got}")
-                got += k
-        except BaseException:
-            self.give(pooled)
-            raise
-        return buf, pooled
+    def read_into(self, path: Path, offset: int, view: memoryview) -> None:
+        fd, got, n = self.fd(path), 0, len(view)
+        while got < n:
+            k = os.preadv(fd, [view[got:]], offset + got)
+            if k <= 0:
+                raise CheckpointError("file changed since it was opened (tensor bytes run past its end)",
+                                      where=str(path), expected=f"{offset + n} bytes at least", found=f"{offset + got}")
+            got += k
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -294,35 +273,133 @@ class _Reader:
         self.fds.clear()
 
 
-def _jobs(plans: list[TensorPlan]) -> Iterator[tuple[TensorPlan, Piece, int, int]]:
-    """(tensor, piece, offset within the piece, bytes) in write order; copied pieces in chunks."""
-    for t in plans:
-        for p in t.pieces:
-            if p.copied:
-                for off in range(0, p.nbytes, CHUNK_BYTES):
-                    yield t, p, off, min(CHUNK_BYTES, p.nbytes - off)
-                if p.nbytes == 0:
-                    yield t, p, 0, 0
-            else:
-                yield t, p, 0, p.nbytes
+@dataclass(eq=False)
+class _Span:
+    """A run of a shard's bytes with one origin: its header, or one piece of one tensor."""
+
+    pos: int  # where it starts in the shard file
+    n: int
+    data: bytes | None = None  # the header's bytes
+    tensor: TensorPlan | None = None
+    piece: Piece | None = None
+    key: tuple = ()  # (tensor, piece index): a conversion's identity
 
 
-def _produce(reader: _Reader, source, t: TensorPlan, p: Piece, off: int, n: int):
-    """The bytes of one job: (a buffer-protocol object of exactly `n` bytes, pooled buffer or None)."""
-    if p.copied:
-        buf, pooled = reader.read(p.file, p.offset + off, n)
-        if p.bits is not None and _bits_bad(buf, n, p.bits):
-            reader.give(pooled)
-            source.raw(p.name)  # raises the checkpoint's own error, naming the file, tensor and first index
-            raise CheckpointError("tensor holds non-finite values", where=f"{p.file}: '{p.name}'")
-        return memoryview(buf)[:n], pooled
+def _layout(head: bytes, group: list[TensorPlan]) -> tuple[list[_Span], int]:
+    """The shard's spans in file order, and its size."""
+    spans, pos = [_Span(0, len(head), data=head)], len(head)
+    for t in group:
+        for i, p in enumerate(t.pieces):
+            spans.append(_Span(pos, p.nbytes, tensor=t, piece=p, key=(t.name, i)))
+            pos += p.nbytes
+    return spans, pos
+
+
+def _blocks(spans: list[_Span], size: int, block: int) -> Iterator[list[tuple[_Span, int, int]]]:
+    """Each block's parts, in file order: (span, first byte, end) as file offsets, cut at the block's bounds.
+    A span with no bytes is in the block its position falls in (its conversion still runs, and is checked)."""
+    last = max(1, -(-size // block)) - 1
+    j = 0
+    for k in range(last + 1):
+        lo, hi = k * block, min(size, (k + 1) * block)
+        parts = []
+        while j < len(spans) and (spans[j].pos < hi or k == last):
+            s = spans[j]
+            parts.append((s, max(s.pos, lo), min(s.pos + s.n, hi)))
+            if s.pos + s.n > hi:  # it goes on in the next block
+                break
+            j += 1
+        yield parts
+
+
+ELEMENT = {"fp8": 1, "e8m0": 1, "bf16": 2, "fp32": 4}  # bytes per element of each bit test's dtype
+
+
+def _check_bits(reader: _Reader, source, p: Piece, buf, at: int, lo: int, hi: int) -> None:
+    """The non-finite check of the piece's bytes [lo, hi), which lie at buf[at:]: every element that starts
+    there (one that a block's end cuts is read again whole, a few bytes), so each is checked once."""
+    size = ELEMENT[p.bits]
+    a, b = -(-lo // size) * size, hi // size * size
+    bad = b > a and _bits_bad(buf, at + a - lo, at + b - lo, p.bits)
+    if not bad and a <= b < hi:
+        whole = bytearray(size)
+        reader.read_into(p.file, p.offset + b, memoryview(whole))
+        bad = _bits_bad(whole, 0, size, p.bits)
+    if bad:
+        source.raw(p.name)  # raises the checkpoint's own error, naming the file, tensor and first index
+        raise CheckpointError("tensor holds non-finite values", where=f"{p.file}: '{p.name}'")
+
+
+def _convert(t: TensorPlan, p: Piece):
+    """A converted piece's bytes (a uint8 array), checked against the bytes the plan gives it."""
+    v = p.convert()
+    if v.numel() * v.element_size() != p.nbytes:
+        raise IRError(f"weight @{t.name}: source tensors do not give its IR type",
+                      expected=f"{p.nbytes} bytes from '{p.name}'", found=f"{v.dtype} {list(v.shape)}")
     import torch
 
-    v = p.convert()
-    if v.numel() * v.element_size() != n:
-        raise IRError(f"weight @{t.name}: source tensors do not give its IR type",
-                      expected=f"{n} bytes from '{p.name}'", found=f"{v.dtype} {list(v.shape)}")
-    return (v.reshape(-1).view(torch.uint8).numpy() if n else b""), None
+    return v.reshape(-1).view(torch.uint8).numpy() if p.nbytes else b""
+
+
+class _Conversions:
+    """Each converted piece made once, by the first block that needs it (blocks start in file order, so that
+    one never waits behind a later one), and dropped once its last byte is in a block."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.made: dict[tuple, list] = {}  # key -> [its lock, its bytes or None, bytes not yet placed]
+
+    def place(self, s: _Span, lo: int, hi: int, dst: memoryview) -> None:
+        with self.lock:
+            e = self.made.setdefault(s.key, [threading.Lock(), None, s.n])
+        with e[0]:
+            if e[1] is None:
+                e[1] = _convert(s.tensor, s.piece)
+            dst[:] = e[1][lo:hi]
+            e[2] -= hi - lo
+            if e[2] <= 0:
+                with self.lock:
+                    self.made.pop(s.key, None)
+
+
+def _fill(k: int, parts: list[tuple[_Span, int, int]], buf, size: int, fd: int, direct: bool,
+          w: _ShardWriter) -> None:
+    """Assemble block k of a shard (its bytes [k * block, ...)) in `buf`, copied pieces read straight into
+    place, and write it at its place (with O_DIRECT in whole units: the shard is cut to its size at the end)."""
+    block = w.block
+    view, base = memoryview(buf), k * block
+    for s, a, e in parts:
+        if w.stop is not None and w.stop.is_set():
+            raise WriteStopped("stopped: another writer failed or was interrupted")
+        dst, p = view[a - base:e - base], s.piece
+        if s.data is not None:
+            dst[:] = s.data[a:e]
+        elif p.copied:
+            w.reader.read_into(p.file, p.offset + a - s.pos, dst)
+            if p.bits is not None and e > a:
+                _check_bits(w.reader, w.source, p, buf, a - base, a - s.pos, e - s.pos)
+        else:
+            w.conv.place(s, a - s.pos, e - s.pos, dst)
+    end = min(block, size - base)
+    out, pos = view[:-(-end // DIRECT_ALIGN) * DIRECT_ALIGN if direct else end], base
+    while len(out):
+        n = os.pwrite(fd, out, pos)
+        out, pos = out[n:], pos + n
+
+
+def _create(path: Path, direct: bool) -> tuple[int, bool]:
+    """A new shard's descriptor; with `direct`, O_DIRECT where the file system takes it: the blocks go from
+    their buffers to the disk without the page cache's copy and dirty-page writeback (1.2-1.5 CPU s per GB
+    here, more than all the rest of the writer), and a shard larger than memory does not push everything
+    else out of the cache."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o666), True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, 0o666), False
 
 
 class WriteStopped(Exception):
@@ -345,106 +422,117 @@ def write_shards(plans: list[TensorPlan], source, wdir: Path, shard_bytes: int, 
     """Write the planned tensors into safetensors shards in `wdir`, hashing each tensor as it is written
     (on `workers` hash lanes; nothing is read back); a shard's digest is made of its tensors' and its
     header's (`shard_digest`). `share`: this writer is one of that many running at once (each rank's
-    shards, `driver.write_rank_weights`): it takes that share of the window, its backlog and the default
-    workers, so together they need the memory of one; it stops (`WriteStopped`) once `stop` is set."""
+    shards, `driver.write_rank_weights`): it takes that share of the window and the default workers, so
+    together they need the memory of one; it stops (`WriteStopped`) once `stop` is set."""
     share = max(1, share)
     workers = workers or max(1, default_workers() // share)
-    window = max(CHUNK_BYTES, WINDOW_BYTES // share)
     groups = shard_groups(plans, shard_bytes)
     total = sum(p.nbytes for p in plans)
     out = WrittenShards([], {}, {})
-    prog = _Progress(total, rel)
-    reader = _Reader(window // CHUNK_BYTES + 2)
     t0 = time.perf_counter()
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="weights")
-    lanes = Lanes(workers, window)
-    syncer = ThreadPoolExecutor(1, thread_name_prefix="fdatasync")
+    w = _ShardWriter(source, workers, max(3, WINDOW_BYTES // share // CHUNK_BYTES), _Progress(total, rel), stop)
     try:
         for i, group in enumerate(groups):
             fname = f"weights-{i:05d}-of-{len(groups):05d}.safetensors"
-            digest = _write_one(group, source, wdir / fname, reader, pool, lanes, syncer, prog, out, f"{rel}/{fname}",
-                                window, stop)
+            out.file_digest[f"{rel}/{fname}"] = w.write(group, wdir / fname, f"{rel}/{fname}", out.tensors)
             out.files.append(f"{rel}/{fname}")
-            out.file_digest[f"{rel}/{fname}"] = digest
             log.debug("%s: shard %d of %d written (%d tensors)", rel, i + 1, len(groups), len(group))
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-        lanes.close()
-        syncer.shutdown(wait=True)
-        reader.close()
+        w.close()
     for p in plans:
         (out.copied if p.path == "copy" else out.converted).append(p.name)
     out.seconds, out.nbytes = time.perf_counter() - t0, total
     cb = sum(p.nbytes for p in plans if p.path == "copy")
-    log.info("%s: %.2f GB in %.1f s (%.0f MB/s; %d tensors copied as stored, %.2f GB; %d converted, %.2f GB)",
-             rel, total / 1e9, out.seconds, total / max(out.seconds, 1e-9) / 1e6, len(out.copied), cb / 1e9,
-             len(out.converted), (total - cb) / 1e9)
+    log.info("%s: %.2f GB in %.1f s (%.0f MB/s; %d tensors copied as stored, %.2f GB; %d converted, %.2f GB; "
+             "%d of %d shards written with O_DIRECT)", rel, total / 1e9, out.seconds,
+             total / max(out.seconds, 1e-9) / 1e6, len(out.copied), cb / 1e9, len(out.converted), (total - cb) / 1e9,
+             w.direct, len(groups))
     return out
 
 
-def _write_one(group, source, path: Path, reader, pool, lanes: Lanes, syncer, prog, out, relname, window_bytes,
-               stop=None) -> str:
-    head = shard_header(group)
-    jobs = _jobs(group)
-    window: deque[tuple[TensorPlan, Piece, int, int, Future]] = deque()
-    ahead = pooled = 0  # bytes submitted and not yet written; of those jobs, the ones reading into the pool
-    pending = None
+class _ShardWriter:
+    """Shards made block by block (CHUNK_BYTES each, in `nbufs` reused page-aligned buffers): each block is
+    assembled and written by a worker (`_fill`: reads, conversions and writes release the GIL), blocks in
+    file order, half of the buffers being filled while the others' bytes are hashed, each tensor on its
+    lane (`shard_digest.Lanes`: tensors in parallel). A buffer is filled again once its hashes are done, so
+    memory is the buffers plus the conversions in flight, whatever the checkpoint's size."""
 
-    def fill():
-        nonlocal ahead, pooled, pending
-        while True:
-            if window and ahead >= window_bytes:
-                return
-            j = pending or next(jobs, None)
-            if j is None:
-                return
-            big = j[1].copied and j[3] >= POOLED
-            if big and pooled >= reader.nbufs - 1:  # one buffer stays for the chunk being written
-                pending = j
-                return
-            pending = None
-            window.append((*j, pool.submit(_produce, reader, source, *j)))
-            ahead += j[3]
-            pooled += big
+    def __init__(self, source, workers: int, nbufs: int, prog: _Progress, stop: threading.Event | None):
+        self.source, self.prog, self.stop = source, prog, stop
+        self.direct = 0  # shards written with O_DIRECT
+        self.block = CHUNK_BYTES
+        self.bufs = [mmap.mmap(-1, self.block) for _ in range(nbufs)]  # page-aligned (O_DIRECT)
+        self.hashing: list[list[Future]] = [[] for _ in self.bufs]  # each buffer's hash updates
+        self.ahead = max(1, nbufs // 2)  # blocks being filled; the other buffers' bytes are being hashed
+        self.reader, self.conv = _Reader(), _Conversions()
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="weights")
+        self.lanes = Lanes(workers, 1 << 62)  # bounded by the buffers
+        self.syncer = ThreadPoolExecutor(1, thread_name_prefix="fdatasync")
 
-    streams: dict[str, tuple] = {}  # tensor -> its hash stream (tensors with bytes)
-    with open(path, "wb", buffering=WRITE_BUFFER) as f:
-        fd = f.fileno()
-        f.write(head)
+    def write(self, group: list[TensorPlan], path: Path, relname: str, tensors: dict[str, dict]) -> str:
+        """One shard; its tensors' entries go into `tensors`; returns its digest."""
+        head = shard_header(group)
+        spans, size = _layout(head, group)
+        fd, direct = _create(path, size >= DIRECT_BYTES and self.block % DIRECT_ALIGN == 0)
+        self.direct += direct
+        streams: dict[str, tuple] = {}  # tensor -> its hash stream (tensors with bytes)
+        pending: deque[tuple[int, list, Future]] = deque()  # blocks being filled, in file order
         unsynced, sync = 0, None
-        fill()
-        while window:
-            if stop is not None and stop.is_set():
-                raise WriteStopped(f"writing {relname} stopped: another writer failed or was interrupted")
-            t, p, off, n, fut = window.popleft()
-            buf, held = fut.result()
-            ahead -= n
-            pooled -= p.copied and n >= POOLED
-            fill()  # keep the workers busy while this chunk is written
-            if n:
-                if t.name not in streams:
-                    streams[t.name] = lanes.stream()
-                # The pooled buffer goes back once written (here) and hashed (on its lane, in parallel).
-                f.write(buf)
-                lanes.submit(streams[t.name], buf, None if held is None else lambda b=held: reader.give(b))
-                del buf
-                unsynced += n
-                prog.add(n)
-            if unsynced >= SYNC_BYTES and (sync is None or sync.done()):
-                f.flush()
-                sync, unsynced = syncer.submit(os.fdatasync, fd), 0
-        lanes.drain()
+
+        def hash_next() -> int:  # the oldest block, once written: its tensors' bytes to their lanes
+            k, parts, fut = pending.popleft()
+            fut.result()
+            b = k % len(self.bufs)
+            view, base, n = memoryview(self.bufs[b]), k * self.block, 0
+            for s, a, e in parts:
+                if s.tensor is not None and e > a:
+                    if s.tensor.name not in streams:
+                        streams[s.tensor.name] = self.lanes.stream()
+                    self.hashing[b].append(self.lanes.submit(streams[s.tensor.name], view[a - base:e - base]))
+                    n += e - a
+            self.prog.add(n)
+            return n
+
+        try:
+            for k, parts in enumerate(_blocks(spans, size, self.block)):
+                if self.stop is not None and self.stop.is_set():
+                    raise WriteStopped(f"writing {relname} stopped: another writer failed or was interrupted")
+                if len(pending) >= self.ahead:
+                    unsynced += hash_next()
+                b = k % len(self.bufs)
+                for f in self.hashing[b]:  # its last block's bytes are hashed before it is filled again
+                    f.result()
+                self.hashing[b].clear()
+                pending.append((k, parts, self.pool.submit(_fill, k, parts, self.bufs[b], size, fd, direct, self)))
+                if not direct and unsynced >= SYNC_BYTES and (sync is None or sync.done()):
+                    sync, unsynced = self.syncer.submit(os.fdatasync, fd), 0  # dirty pages go out as they come
+            while pending:
+                hash_next()
+            self.lanes.drain()
+            if direct:
+                os.ftruncate(fd, size)
+            if sync is not None:
+                sync.result()
+            os.fdatasync(fd)
+        finally:
+            for _, _, f in pending:  # nothing may still write to the descriptor
+                f.exception()
+            if sync is not None:
+                sync.exception()
+            os.close(fd)
         digests = [hashlib.sha256(head).digest()]
         for t in group:  # file order; a tensor with no bytes is hashed too, but is no segment
             sha = streams[t.name][0] if t.nbytes else hashlib.sha256()
             if t.nbytes:
                 digests.append(sha.digest())
-            out.tensors[t.name] = {"shard": relname, "dtype": t.dtype, "shape": list(t.shape), "sha256": sha.hexdigest()}
-        f.flush()
-        if sync is not None:
-            sync.result()
-        os.fdatasync(fd)
-    return combine(digests)
+            tensors[t.name] = {"shard": relname, "dtype": t.dtype, "shape": list(t.shape), "sha256": sha.hexdigest()}
+        return combine(digests)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.lanes.close()
+        self.syncer.shutdown(wait=True)
+        self.reader.close()
 
 
 # ---- reading -------------------------------------------------------------------------------------

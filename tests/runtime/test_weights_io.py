@@ -9,6 +9,7 @@ writer itself.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -80,12 +81,19 @@ def mid_cfg():
                                   layer_kinds=(SWA, HCA, CSA), name="mid")
 
 
+_MODULES: dict[tuple[str, str], object] = {}  # (config, stored formats) -> its module: nothing here changes one
+
+
 def gpu_module(ck: Checkpoint):
+    """The GPU pipeline's module for this checkpoint's config (traced once per config and formats)."""
     from v4compile.passes import GPU_PIPELINE, PassManager
 
-    opts = TraceOptions(numerics="official", dtype="bf16")
-    m = trace_buckets(ck.cfg, opts, Buckets((2,), (16,)), ck.stored_formats())
-    return PassManager(list(GPU_PIPELINE)).run(m).module
+    key = (ck.cfg.to_json(), json.dumps(ck.stored_formats(), sort_keys=True, default=str))
+    if key not in _MODULES:
+        opts = TraceOptions(numerics="official", dtype="bf16")
+        m = trace_buckets(ck.cfg, opts, Buckets((2,), (16,)), ck.stored_formats())
+        _MODULES[key] = PassManager(list(GPU_PIPELINE)).run(m).module
+    return _MODULES[key]
 
 
 @pytest.fixture(scope="module")
@@ -142,17 +150,51 @@ def test_a_misordered_stack_is_caught_by_the_same_comparison(tiny_ck, tmp_path, 
     assert bytes(sh.bytes_of(n)) != want[n].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def test_byte_reproducible_whatever_the_workers(tiny_ck, tmp_path, monkeypatch):
-    """Two writes (1 and 4 workers; chunks, window and buffer pool far smaller than the tensors) give the
-    same bytes."""
+def direct_writes_work(d: Path) -> bool:
+    """Whether the file system under `d` takes O_DIRECT (tmpfs before Linux 6.6 does not)."""
+    try:
+        os.close(os.open(d / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("mode, fault", [("cached", None), ("direct", None), ("direct", "not cut to size"),
+                                         ("direct refused", None), ("odd blocks", None)])
+def test_byte_reproducible_whatever_the_workers(tiny_ck, tmp_path, monkeypatch, mode, fault):
+    """Two writes give the same bytes and hashes: 1 worker through the page cache (the tiny shards are below
+    DIRECT_BYTES), then 4 workers in blocks and buffers far smaller than the tensors, every shard written
+    with O_DIRECT (`direct`: whole 4 KiB units, the last one cut back to the shard's size) or through the
+    page cache in blocks of an odd size (every piece, and many bf16 / fp32 elements, cut at block bounds).
+    Where the file system refuses O_DIRECT (`direct refused`: EINVAL, as tmpfs before Linux 6.6), the shards
+    go through the page cache. The fault, O_DIRECT shards not cut back to their size, leaves the padding there."""
     a, ha, _ = write(tiny_ck, tmp_path / "a", workers=1)
-    monkeypatch.setattr(weights_io, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(weights_io, "CHUNK_BYTES", 4097 if mode == "odd blocks" else 4096)
     monkeypatch.setattr(weights_io, "WINDOW_BYTES", 3 * 4096)
-    monkeypatch.setattr(weights_io, "POOLED", 1024)  # most chunks go through the 5 reused buffers
+    used, real_create = [], weights_io._create
+
+    def create(*x):  # records whether each shard was opened with O_DIRECT
+        fd, direct = real_create(*x)
+        used.append(direct)
+        return fd, direct
+    monkeypatch.setattr(weights_io, "_create", create)
+    if mode.startswith("direct"):
+        monkeypatch.setattr(weights_io, "DIRECT_BYTES", 0)
+    if mode == "direct refused":
+        real_open = os.open
+
+        def refusing(path, flags, *a):
+            if flags & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument", str(path))
+            return real_open(path, flags, *a)
+        monkeypatch.setattr(weights_io.os, "open", refusing)
+    if fault:
+        monkeypatch.setattr(weights_io.os, "ftruncate", lambda fd, n: None)
     b, hb, _ = write(tiny_ck, tmp_path / "b", workers=4)
-    assert a == b and ha == hb
-    for rel in a["shards"]:
-        assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes()
+    assert used == [mode == "direct" and direct_writes_work(tmp_path)] * len(a["shards"])
+    same = a == b and ha == hb and all((tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes()
+                                       for rel in a["shards"])
+    assert same == (fault is None or not used[0])
 
 
 def test_a_nan_in_a_copied_fp8_weight_is_refused_by_name(tmp_path):
@@ -169,6 +211,38 @@ def test_a_nan_in_a_copied_fp8_weight_is_refused_by_name(tmp_path):
     with Checkpoint.open(d, allow_nonfinite=True) as ck:
         (tmp_path / "b" / "weights").mkdir(parents=True)
         write_weights(gpu_module(ck), ck, tmp_path / "b" / "weights")
+
+
+@pytest.mark.parametrize("fault", [None, "cut element not read again"])
+def test_a_nan_cut_by_a_block_bound_is_refused(tmp_path, monkeypatch, fault):
+    """A copied fp32 weight's NaN whose bytes a block bound cuts in two (the block size chosen so) is found:
+    the block where the element starts reads its 4 bytes again whole. The fault, the element's bytes not
+    read again (left zero), lets the NaN through."""
+    d = stored_checkpoint(tmp_path / "ck", preset("tiny"))
+    from v4compile.safetensors_io import SafetensorsFile
+
+    name, index = "layers.4.hc_attn_fn", (3, 5)
+    with SafetensorsFile(d / "model.safetensors") as f:
+        ts = {k: f.read(k) for k in f.tensors}
+    ts[name][index] = float("nan")
+    write_file(d / "model.safetensors", ts)
+    with Checkpoint.open(d, allow_nonfinite=True) as ck:  # where the element lies in its shard
+        (tmp_path / "free" / "weights").mkdir(parents=True)
+        entry, _ = write_weights(gpu_module(ck), ck, tmp_path / "free" / "weights")
+    sh = weights_io.map_shard(tmp_path / "free" / entry["tensors"][name]["shard"], ArtifactError)
+    at = sh.data_start + sh.tensors[name].begin + 4 * (index[0] * 256 + index[1]) + 2
+    sh.close()
+    monkeypatch.setattr(weights_io, "CHUNK_BYTES", at)  # a block ends 2 bytes into the NaN
+    monkeypatch.setattr(weights_io, "WINDOW_BYTES", 4 * at)
+    if fault:
+        real = weights_io._Reader.read_into
+        monkeypatch.setattr(weights_io._Reader, "read_into",
+                            lambda self, path, off, view: None if len(view) <= 4 else real(self, path, off, view))
+    if fault:
+        write(d, tmp_path / "a")
+    else:
+        with pytest.raises(CheckpointError, match=r"layers\.4\.hc_attn_fn"):
+            write(d, tmp_path / "a")
 
 
 def weights_artifact(ck_dir: Path, out: Path, monkeypatch) -> dict:
@@ -342,7 +416,7 @@ CAPPED = textwrap.dedent('''
     from v4compile.driver import write_weights
     from v4compile.checkpoint import Checkpoint
     from v4compile.errors import ArtifactError
-    weights_io.CHUNK_BYTES, weights_io.WINDOW_BYTES, weights_io.WRITE_BUFFER = 1 << 20, 4 << 20, 1 << 20
+    weights_io.CHUNK_BYTES, weights_io.WINDOW_BYTES = 1 << 20, 4 << 20
     ck = Checkpoint.open(sys.argv[1]).validate()  # as `compile` does, before any weight is written
     m = trace(ck.cfg, TraceOptions(decode_batch=1, dtype="bf16"), functions=("decode",), formats=ck.stored_formats())
     out = Path(sys.argv[2]) / "weights"
@@ -355,13 +429,12 @@ CAPPED = textwrap.dedent('''
         open("/proc/self/clear_refs", "w").write("5")
         return status("VmRSS")
     held = []  # what a broken writer or reader keeps
-    if mode == "holding writer":  # every chunk the writer produces kept
-        real = weights_io._produce
-        def holding(*a):
-            buf, pooled = real(*a)
+    if mode == "holding writer":  # every block the writer assembles kept
+        real = weights_io._fill
+        def holding(k, parts, buf, *a):
+            real(k, parts, buf, *a)
             held.append(bytes(buf))
-            return buf, pooled
-        weights_io._produce = holding
+        weights_io._fill = holding
     rss = capped(resource.RLIMIT_AS, "VmSize")
     entry, hashes = write_weights(m, ck, out, workers=2)
     print(status("VmHWM") - rss)
@@ -491,7 +564,7 @@ RANKS = textwrap.dedent('''
     from v4compile.checkpoint import Checkpoint
     from v4compile.passes.base import get_pass
     from v4compile.trace import TraceOptions, trace
-    weights_io.CHUNK_BYTES, weights_io.WINDOW_BYTES, weights_io.WRITE_BUFFER = 1 << 20, 4 << 20, 1 << 20
+    weights_io.CHUNK_BYTES, weights_io.WINDOW_BYTES = 1 << 20, 8 << 20  # a whole writer: 8 blocks, 4 filled at once
     os.fdatasync = lambda fd: None  # flushing to the disk is not this test's subject (and slow on a shared disk)
     def status(key):
         return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key)) * 1024
@@ -513,15 +586,15 @@ RANKS = textwrap.dedent('''
 
 
 def test_rank_writers_need_the_memory_of_one_whatever_the_ranks(tmp_path):
-    """Each rank's shards are written by its own worker, RANK_WRITERS at a time sharing one writer's window,
-    backlog and threads: writing 4 ranks' shards (ep 4) grows the peak RSS as much as 2 ranks' (ep 2), give
+    """Each rank's shards are written by its own worker, RANK_WRITERS at a time sharing one writer's blocks
+    (its window) and threads: writing 4 ranks' shards (ep 4) grows the peak RSS as much as 2 ranks' (ep 2), give
     or take one stacked expert weight (8 MB: a conversion holds it whole, and which conversions overlap is
     timing), and the same 4 ranks written by 4 writers that each take a whole writer's memory (the broken
     variant) grow it by three such weights more, with the same bytes. "Give or take": RANK_WRITERS writers
     each hold at most one stacked weight in conversion, and whether those overlap is timing, so ep 4 may
     exceed ep 2 by up to RANK_WRITERS such weights (seen: 1.2 of them under load 12). Freed blocks of 1 MiB and more go
     back to the system at once (glibc's threshold fixed), so the peak is what the writers hold, not what
-    the allocator keeps after raising its threshold (measured: 22-28 MB at ep 2 and ep 4, 74-81 MB broken)."""
+    the allocator keeps after raising its threshold (measured: 23-32 MB at ep 2 and ep 4, 74-84 MB broken)."""
     from v4compile.config import CSA
 
     ck = stored_checkpoint(tmp_path / "ck", mid_cfg().replace(n_layers=1, layer_kinds=(CSA,), n_hash_layers=0,
@@ -551,13 +624,13 @@ def test_the_copy_paths_nan_bit_test_is_isfinite_on_every_pattern():
         bad = (~torch.isfinite(vals.float())).tolist()
         data = vals.view(torch.uint8).numpy().tobytes()
         k = vals.element_size()
-        assert [weights_io._bits_bad(bytearray(data[i * k:(i + 1) * k]), k, bits) for i in range(len(bad))] == bad
+        assert [weights_io._bits_bad(data, i * k, (i + 1) * k, bits) for i in range(len(bad))] == bad
     r = torch.randint(-2 ** 31, 2 ** 31 - 1, (20000,), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
     r[:3] = torch.tensor([0x7F800000, -0x00400000, 0x7F7FFFFF], dtype=torch.int32)  # +Inf, a NaN, the largest finite
     data = r.numpy().tobytes()
-    got = [weights_io._bits_bad(bytearray(data[4 * i: 4 * i + 4]), 4, "fp32") for i in range(len(r))]
+    got = [weights_io._bits_bad(data, 4 * i, 4 * i + 4, "fp32") for i in range(len(r))]
     assert got == (~torch.isfinite(r.view(torch.float32))).tolist() and got[:3] == [True, True, False]
-    assert [weights_io._bits_bad(bytearray([v]), 1, "e8m0") for v in range(256)] == [v == 255 for v in range(256)]
+    assert [weights_io._bits_bad(bytes(range(256)), v, v + 1, "e8m0") for v in range(256)] == [v == 255 for v in range(256)]
 
 
 def test_a_progress_line_gives_bytes_rate_and_eta(tiny_ck, tmp_path, monkeypatch, caplog):
