@@ -78,7 +78,9 @@ def compress(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) -> tuple[
     pooled = g.sum(g.op("Mul", v, g.op("Softmax", gl, axis=2)), 2)  # [B, J, dk]
     h = g.rms(pooled, o.norm, a["eps"])
     ht = TensorType((B, J, dk), "fp32")
-    h = g.rotate(h, ht, g.op("Mul", w, g.iscalar(m)), 2, a["rope_dim"], a["theta"], tuple(a["yarn"]))
+    # the windows' first positions as one value per ratio: compressors with the same RoPE share its tables
+    wpos = g.cached(("window_pos", w, m), lambda: g.op("Mul", w, g.iscalar(m)))
+    h = g.rotate(h, ht, wpos, 2, a["rope_dim"], a["theta"], tuple(a["yarn"]))
     rnd = a.get("round", "none")
     if rnd == "fp8":
         h = g.fp8_round(h, ht, dk - a["rope_dim"], math.gcd(64, dk - a["rope_dim"]))
