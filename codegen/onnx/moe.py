@@ -10,13 +10,15 @@ for an expert no token chose: a zero-row Gemm reads nothing) and runs three Gemm
 So a step reads each active expert's weights once, whatever the number of pairs routed to it, and prefill
 routes exactly like decode.
 
-Small experts (at most `DENSE_EXPERT_BYTES` each, as fp32) are computed for every token instead: three
-GEMMs over the whole stacks (read in place: no copy), then the routed pairs' rows picked out.
-Grouping costs three Gemm nodes per expert plus the splits and concats whatever the step routes, ~1.3 us a
-node on one core (tiny decode b1: 2.5 ms for 1,888 nodes), the time to stream ~40 KB at ~10 GB/s: below
-that size reading every expert is cheaper than the nodes that avoid it (tiny: 8 experts of 24 KB, 61 ->
-39 nodes per MoE layer, its shared expert included; decode b1 -7 %). Larger experts (mid: 6 MB each)
-are grouped, so their bytes never scale with E.
+Where it is cheaper, every expert is computed for every token instead: three GEMMs over the whole
+stacks (read in place: no copy), then the routed pairs' rows picked out (`_dense`). Grouping costs three
+Gemm nodes per expert plus the splits and concats whatever the step routes (~1.3 us a node on one core:
+tiny decode b1 ran 2.5 ms for 1,888 nodes); computing every expert costs the bytes of the experts no pair
+chose (~10 GB/s) and the multiply-adds of the pairs not routed (~40 G/s for these small GEMMs):
+`dense_is_cheaper` weighs the two. Tiny's decode steps (8 experts of 24 KB) go dense: 61 -> 39 nodes
+per MoE layer, its shared expert included, decode b1 -7 %; its 64-token prefill (4x the multiply-adds,
++9 % measured when dense) and every step of a model with MB-sized experts (mid: 6 MB each) stay
+grouped, so their bytes never scale with E.
 
 The weighted sum back into the tokens is one ScatterND with reduction "add" over the pairs in expert
 order: each token's sum starts from zero and adds its experts in ascending order, the order of the
@@ -31,7 +33,18 @@ from onnx import TensorProto
 from ...ir.types import TensorType
 from . import gemm_input
 
-DENSE_EXPERT_BYTES = 32 * 1024  # one expert's three matrices in fp32, at most: computed for every token
+# the cost model of `dense_is_cheaper` (one core, measured on bench_cpu's tiny: see the module's docstring)
+NODE_US = 1.3  # a grouped-path node
+BYTES_PER_US = 10_000.0  # weights streamed
+MACS_PER_US = 40_000.0  # small fp32 GEMMs
+
+
+def dense_is_cheaper(E: int, k: int, N: int, I: int, D: int) -> bool:
+    """Whether computing all E experts on all N tokens (k experts each; matrices I x D) costs less than
+    the grouped path's 3 E Gemm nodes: the experts no pair chose read, the pairs not routed multiplied."""
+    unread = max(E - N * k, 0) * 3 * I * D * 4 / BYTES_PER_US  # at least this many experts unchosen
+    unrouted = N * (E - k) * 3 * I * D / MACS_PER_US
+    return unread + unrouted <= 3 * E * NODE_US
 
 
 def moe_routed(g, x: str, xt: TensorType, weights: str, indices: str, it: TensorType, w: tuple[str, str, str],
@@ -50,7 +63,7 @@ def moe_routed(g, x: str, xt: TensorType, weights: str, indices: str, it: Tensor
     order = g.op("TopK", g.cast(pairs, TensorProto.FLOAT), g.i64(P), n_out=2, axis=0, largest=0, sorted=1)[1]
     tok = g.op("Div", order, g.iscalar(k))  # the token of each sorted pair
     wsort = g.unsqueeze(g.op("Gather", g.reshape(weights, (P,)), order, axis=0), -1)  # [P, 1]
-    if 4 * 3 * wt[0].shape[1] * D <= DENSE_EXPERT_BYTES:  # w1, w3 [E, I, D], w2 [E, D, I]
+    if dense_is_cheaper(E, k, N, wt[0].shape[1], D):  # w1, w3 [E, I, D], w2 [E, D, I]
         return _dense(g, flat, pairs, order, tok, wsort, w, wt, limit, route_weight, scales, block, act, xt)
     counts = g.sum(g.cast(g.op("Equal", g.unsqueeze(pairs, -1), g.const(np.arange(E), np.int64)),
                           TensorProto.INT64), 0)  # [E]

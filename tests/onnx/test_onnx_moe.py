@@ -1,7 +1,7 @@
-"""The cpu target's routed experts (`codegen/onnx/moe.py`): tokens grouped by expert (or, for experts of
-at most `DENSE_EXPERT_BYTES`, every expert on every token), no copy of an expert's weights, the same
-numbers as `op.moe_experts`. These experts (24 KB) take the dense path unless a test sets the threshold
-to 0 (`grouped`).
+"""The cpu target's routed experts (`codegen/onnx/moe.py`): tokens grouped by expert (or, where
+`moe.dense_is_cheaper`, every expert on every token), no copy of an expert's weights, the same numbers as
+`op.moe_experts`. These small experts (24 KB) take the dense path at 1 to 16 tokens unless a test makes
+grouping free (`grouped`: NODE_US 0).
 
 Tolerance: 1e-5 relative to the output's scale (fp32; Gemm sums in another order than torch's, measured
 ~1e-7). The bytes check reads ONNX Runtime's profile: the weight bytes a step's Gemms read (Gemms on an
@@ -94,17 +94,21 @@ def _routing(N: int, seed: int, experts=None):
 
 @pytest.fixture
 def grouped(monkeypatch):
-    monkeypatch.setattr(moe, "DENSE_EXPERT_BYTES", 0)
+    monkeypatch.setattr(moe, "NODE_US", 0.0)
 
 
-@pytest.mark.parametrize("path", ["grouped", "dense"])
 @pytest.mark.parametrize("quantised", [False, "bf16", True], ids=["fp32", "bf16", "fp4"])
 @pytest.mark.parametrize("route_weight", ["after_w2", "before_w2"])
-def test_grouped_experts_match_the_reference(quantised, route_weight, path, monkeypatch):
-    """Decode-sized (1, 3 tokens: some experts idle) and prefill-sized (16: every expert busy) steps, on
-    both paths."""
-    if path == "grouped":
-        monkeypatch.setattr(moe, "DENSE_EXPERT_BYTES", 0)
+def test_grouped_experts_match_the_reference(quantised, route_weight, grouped):
+    """Decode-sized (1, 3 tokens: some experts idle) and prefill-sized (16: every expert busy) steps."""
+    _check_against_reference(quantised, route_weight)
+
+
+@pytest.mark.parametrize("quantised,route_weight", [(False, "after_w2"), (False, "before_w2"), (True, "after_w2")],
+                         ids=["fp32-after_w2", "fp32-before_w2", "fp4-after_w2"])
+def test_dense_experts_match_the_reference(quantised, route_weight):
+    """The same steps on the dense path (tiny's decode path: its bf16 and FP8 / FP4 artifacts are checked
+    end to end in test_onnx_bf16 / test_onnx_formats)."""
     _check_against_reference(quantised, route_weight)
 
 
@@ -176,6 +180,14 @@ def _gemm_weight_bytes(profile: str) -> int:
             if a[0] > 0:
                 total += 4 * int(np.prod(b))
     return total
+
+
+def test_dense_where_it_is_cheaper():
+    """tiny (8 experts of 32 x 64, 2 active): decode steps dense, a 64-token prefill grouped; mid (32 of
+    512 x 1024, 4 active): grouped even at one token."""
+    cheaper = moe.dense_is_cheaper
+    assert cheaper(8, 2, 1, 32, 64) and cheaper(8, 2, 8, 32, 64) and not cheaper(8, 2, 64, 32, 64)
+    assert not cheaper(32, 4, 1, 512, 1024)
 
 
 def test_dense_path_reads_each_stack_once():
