@@ -15,10 +15,10 @@ stacks (read in place: no copy), then the routed pairs' rows picked out (`_dense
 Gemm nodes per expert plus the splits and concats whatever the step routes (~1.3 us a node on one core:
 tiny decode b1 ran 2.5 ms for 1,888 nodes); computing every expert costs the bytes of the experts no pair
 chose (~10 GB/s) and the multiply-adds of the pairs not routed (~40 G/s for these small GEMMs):
-`dense_is_cheaper` weighs the two. Tiny's decode steps (8 experts of 24 KB) go dense: 61 -> 39 nodes
-per MoE layer, its shared expert included, decode b1 -7 %; its 64-token prefill (4x the multiply-adds,
-+9 % measured when dense) and every step of a model with MB-sized experts (mid: 6 MB each) stay
-grouped, so their bytes never scale with E.
+`dense_is_cheaper` weighs the two (for weights applied after w2, transformers' routing, only). Tiny's
+decode steps (8 experts of 24 KB) go dense: 61 -> 39 nodes per MoE layer, its shared expert included,
+decode b1 -7 %; its 64-token prefill (4x the multiply-adds, +9 % measured when dense) and every step of
+a model with MB-sized experts (mid: 6 MB each) stay grouped, so their bytes never scale with E.
 
 The weighted sum back into the tokens is one ScatterND with reduction "add" over the pairs in expert
 order: each token's sum starts from zero and adds its experts in ascending order, the order of the
@@ -63,8 +63,11 @@ def moe_routed(g, x: str, xt: TensorType, weights: str, indices: str, it: Tensor
     order = g.op("TopK", g.cast(pairs, TensorProto.FLOAT), g.i64(P), n_out=2, axis=0, largest=0, sorted=1)[1]
     tok = g.op("Div", order, g.iscalar(k))  # the token of each sorted pair
     wsort = g.unsqueeze(g.op("Gather", g.reshape(weights, (P,)), order, axis=0), -1)  # [P, 1]
-    if dense_is_cheaper(E, k, N, wt[0].shape[1], D):  # w1, w3 [E, I, D], w2 [E, D, I]
-        return _dense(g, flat, pairs, order, tok, wsort, w, wt, limit, route_weight, scales, block, act, xt)
+    # after w2 only: expert parallelism's `local_experts` maps other ranks' pairs to (expert 0, weight 0),
+    # so a token can hold one (expert, token) row twice; weighting after w2 zeroes the copy, before it
+    # the copy would add the row's output again
+    if route_weight == "after_w2" and dense_is_cheaper(E, k, N, wt[0].shape[1], D):  # w1, w3 [E, I, D]
+        return _dense(g, flat, pairs, order, tok, wsort, w, wt, limit, scales, block, act, xt)
     counts = g.sum(g.cast(g.op("Equal", g.unsqueeze(pairs, -1), g.const(np.arange(E), np.int64)),
                           TensorProto.INT64), 0)  # [E]
     xs = g.op("Split", g.op("Gather", flat, tok, axis=0), counts, n_out=E, axis=0)
@@ -93,9 +96,9 @@ def _swiglu(g, gate: str, up: str, limit: float) -> str:
     return g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), g.op("Clip", up, g.op("Neg", lim), lim))
 
 
-def _dense(g, flat, pairs, order, tok, wsort, w, wt, limit, route_weight, scales, block, act, xt):
-    """Every expert on every token, then each routed pair's row (expert e, token n: row e * N + n),
-    summed into the tokens as the grouped path does. w1 and w3 as one `[E * I, D]` matrix each (a Reshape
+def _dense(g, flat, pairs, order, tok, wsort, w, wt, limit, scales, block, act, xt):
+    """Every expert on every token, then each routed pair's row (expert e, token n: row e * N + n) times
+    its weight (after w2), summed into the tokens as the grouped path does. w1 and w3 as one `[E * I, D]` matrix each (a Reshape
     of the stack, which ONNX Runtime folds once: then a pre-packed Gemm, ~40 % cheaper a node than a
     batched MatMul on the 3-D stack); w2 a batched MatMul over the experts."""
     N, D = xt.numel // xt.shape[-1], xt.shape[-1]
@@ -108,14 +111,10 @@ def _dense(g, flat, pairs, order, tok, wsort, w, wt, limit, route_weight, scales
     h = _swiglu(g, up_proj(stack[0]), up_proj(stack[2]), limit)
     h = g.op("Transpose", g.reshape(h, (N, E, I)), perm=[1, 0, 2])  # [E, N, I]
     row = g.op("Add", g.op("Mul", g.op("Gather", pairs, order, axis=0), g.iscalar(N)), tok)  # [P]
-    if route_weight == "before_w2":  # each pair's weight on its own row; rows no pair uses are never read
-        dense_w = g.op("ScatterND", g.const(np.zeros((E * N, 1), np.float32)), g.unsqueeze(row, -1), wsort)
-        h = g.op("Mul", h, g.reshape(dense_w, (E, N, 1)))
     if act == "fp8":
         h = g.act_qdq(h, TensorType((E, N, I), "fp32"))
     y = g.op("Gather", g.reshape(g.matmul_t(h, stack[1]), (E * N, D)), row, axis=0)  # [P, D]
-    if route_weight == "after_w2":
-        y = g.op("Mul", y, wsort)
+    y = g.op("Mul", y, wsort)
     out = g.op("ScatterND", g.const(np.zeros((N, D), np.float32)), g.unsqueeze(tok, -1), y, reduction="add")
     return g.reshape(out, xt.shape)
 

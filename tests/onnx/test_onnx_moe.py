@@ -1,7 +1,7 @@
 """The cpu target's routed experts (`codegen/onnx/moe.py`): tokens grouped by expert (or, where
 `moe.dense_is_cheaper`, every expert on every token), no copy of an expert's weights, the same numbers as
-`op.moe_experts`. These small experts (24 KB) take the dense path at 1 to 16 tokens unless a test makes
-grouping free (`grouped`: NODE_US 0).
+`op.moe_experts`. These small experts (24 KB) take the dense path at 1 to 16 tokens (weights after w2)
+unless a test makes grouping free (`grouped`: NODE_US 0).
 
 Tolerance: 1e-5 relative to the output's scale (fp32; Gemm sums in another order than torch's, measured
 ~1e-7). The bytes check reads ONNX Runtime's profile: the weight bytes a step's Gemms read (Gemms on an
@@ -104,12 +104,28 @@ def test_grouped_experts_match_the_reference(quantised, route_weight, grouped):
     _check_against_reference(quantised, route_weight)
 
 
-@pytest.mark.parametrize("quantised,route_weight", [(False, "after_w2"), (False, "before_w2"), (True, "after_w2")],
-                         ids=["fp32-after_w2", "fp32-before_w2", "fp4-after_w2"])
-def test_dense_experts_match_the_reference(quantised, route_weight):
-    """The same steps on the dense path (tiny's decode path: its bf16 and FP8 / FP4 artifacts are checked
-    end to end in test_onnx_bf16 / test_onnx_formats)."""
-    _check_against_reference(quantised, route_weight)
+@pytest.mark.parametrize("quantised", [False, True], ids=["fp32", "fp4"])
+def test_dense_experts_match_the_reference(quantised):
+    """The same steps on the dense path (weights after w2 only: tiny's hf decode; its bf16 and FP8 / FP4
+    artifacts are checked end to end in test_onnx_bf16 / test_onnx_formats)."""
+    _check_against_reference(quantised, "after_w2")
+
+
+@pytest.mark.parametrize("route_weight", ["after_w2", "before_w2"])
+def test_expert_parallel_pairs_match_the_reference(route_weight):
+    """Routing as expert parallelism's `local_experts` leaves it: other ranks' pairs mapped to (expert 0,
+    weight 0), so one token can hold (0, n) twice. The dense path (taken after w2; a before-w2 dense path
+    would add the row's output twice, and the 2-rank cpu run caught it) and the grouped path match."""
+    w, scales = _weights(0, False)
+    x = torch.randn(3, D, generator=torch.Generator().manual_seed(9))
+    idx = torch.tensor([[0, 0], [2, 0], [0, 5]])
+    wts = torch.tensor([[0.7, 0.0], [0.4, 0.0], [0.0, 0.9]])
+    model, derived = _model(3, route_weight, w, scales)
+    assert bool(derived) == (route_weight == "before_w2")  # grouped: per-expert views; dense: the stacks
+    got, _ = _run(model, derived, w, scales, {"x": x.numpy(), "wts": wts.numpy(), "idx": idx.numpy()})
+    want = op.moe_experts.ref(x, wts, idx, w["w1"], w["w2"], w["w3"], None, None, None, limit=LIMIT, block=32,
+                               act="native", acc="fp32", out_dtype="", route_weight=route_weight).numpy()
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
 def _check_against_reference(quantised, route_weight):
@@ -135,8 +151,8 @@ def _weight_readers(model, derived):
 
 @pytest.mark.parametrize("fault", ["token", "weight"])
 def test_dense_path_faults_are_caught(fault, monkeypatch):
-    """The dense path with its pairs' tokens (the rows it picks and sums into), or its before-w2 weights,
-    taken in reversed pair order fails the reference comparison."""
+    """The dense path with its pairs' tokens (the rows it picks and sums into), or its weights, taken in
+    reversed pair order fails the reference comparison."""
     orig = moe._dense
 
     def broken(g, flat, pairs, order, tok, wsort, *rest):
@@ -151,7 +167,7 @@ def test_dense_path_faults_are_caught(fault, monkeypatch):
 
     monkeypatch.setattr(moe, "_dense", broken)
     with pytest.raises(AssertionError):
-        _check_against_reference(False, "before_w2" if fault == "weight" else "after_w2")
+        _check_against_reference(False, "after_w2")
 
 
 def test_no_node_copies_expert_weights(grouped):
