@@ -8,7 +8,7 @@ separate graph inputs (views of the stacked weight that the runtime makes once: 
 sorts its (token, slot) pairs by expert, splits the sorted activations into one group per expert (empty
 for an expert no token chose: a zero-row Gemm reads nothing) and runs three Gemms per expert on its group.
 So a step reads each active expert's weights once, whatever the number of pairs routed to it, and prefill
-routes exactly like decode.
+routes like decode.
 
 Where it is cheaper, every expert is computed for every token instead: three GEMMs over the whole
 stacks (read in place: no copy), then the routed pairs' rows picked out (`_dense`). Grouping costs three
