@@ -337,17 +337,20 @@ class Graph:
     # ---- mHC ----------------------------------------------------------------------------------
 
     # ---- pool planes ---------------------------------------------------------------------------
-    def read_rows(self, p: Planes, rows: str, n_rows: int | None = None) -> str:
+    def read_rows(self, p: Planes, rows: str, n_rows: int | None = None, shape: tuple | None = None) -> str:
         """`plane[rows]` (rows int64 of any shape, >= 0) as this step sees it: the input plane, patched
-        with the rows written earlier in the step (a later write wins)."""
+        with the rows written earlier in the step (a later write wins); `shape`: the caller's shape for
+        the result (one Reshape, static), instead of rows' shape + the row's (computed in the graph)."""
         if p.rows is None:
-            return self.op("Gather", p.base, rows, axis=0)
+            got = self.op("Gather", p.base, rows, axis=0)
+            return got if shape is None else self.reshape(got, shape)
         # A layer's pool rows (and state) are its own: only that layer's writes can hit its reads, so the
         # [reads x writes] match below is over this layer's writes, not every earlier layer's too.
         key = self.pool_scope()
         segs = [sg for sg in p.segs if key is None or sg[0] in (key, None)]
         if not segs:
-            return self.op("Gather", p.base, rows, axis=0)
+            got = self.op("Gather", p.base, rows, axis=0)
+            return got if shape is None else self.reshape(got, shape)
         w_rows = self.concat([sg[1] for sg in segs], 0)
         w_vals = self.concat([sg[2] for sg in segs], 0)
         flat = self.reshape(rows, (-1,))
@@ -360,6 +363,8 @@ class Graph:
         at = self.op("NonZero", has)  # [1, K]
         new = self.op("Gather", w_vals, self.op("Gather", j, self.reshape(at, (-1,)), axis=0), axis=0)
         out = self.op("ScatterND", got, self.op("Transpose", at, perm=[1, 0]), new)
+        if shape is not None:
+            return self.reshape(out, shape)
         return self.op("Reshape", out, self.concat([self.op("Shape", rows), self.op("Shape", w_vals, start=1)], 0))
 
     def write_rows(self, p: Planes, rows: str, vals: str) -> Planes:

@@ -29,20 +29,24 @@ def _compress_index(g, pos: str, m: int, overlap: bool, B: int, T: int) -> dict[
     first = g.op("Sub", w, g.iscalar(1)) if overlap else w
     p = g.op("Add", g.unsqueeze(g.op("Mul", first, g.iscalar(m)), -1),
                 g.const(np.arange(S), np.int64))  # [B, J, S]
-    present = g.unsqueeze(g.op("GreaterOrEqual", p, g.iscalar(0)), -1)
-    from_state = g.unsqueeze(g.op("Less", p, g.unsqueeze(start, -1)), -1)
+    # each slot's row in the table [state rows (B * S); chunk rows (B * T); one fill row] that `compress`
+    # gathers from: one Gather per source instead of two and two Wheres (the index is shared by every
+    # compressor with this ratio; the values are the same, moved, not computed)
     boff = g.reshape(g.const(np.arange(B), np.int64), (B, 1, 1))
     lane = g.op("Clip", g.op("Sub", p, g.unsqueeze(start, -1)), g.iscalar(0), g.iscalar(T - 1))
-    lane = g.op("Add", g.op("Mul", boff, g.iscalar(T)), lane)
+    lane = g.op("Add", g.op("Mul", boff, g.iscalar(T)), g.op("Add", lane, g.iscalar(B * S)))
     ring = g.op("Add", g.op("Mul", boff, g.iscalar(S)), g.op("Mod", p, g.iscalar(S)))
+    src = g.where(g.op("Less", p, g.unsqueeze(start, -1)), ring, lane)
+    src = g.where(g.op("GreaterOrEqual", p, g.iscalar(0)), src, g.iscalar(B * S + B * T))  # [B, J, S]
+    if overlap:  # slots [0, m) read columns [0, dk) ("A"), slots [m, 2m) columns [dk, 2dk) ("B"): half-rows
+        src = g.op("Add", g.op("Mul", src, g.iscalar(2)), g.const(np.repeat(np.arange(2), m), np.int64))
     # the state ring after the chunk: slot p % S takes the token of each sequence's last S positions
     hit = g.op("And", g.op("Equal", g.unsqueeze(g.op("Mod", pos, g.iscalar(S)), 1),
                                  g.const(np.arange(S).reshape(1, S, 1), np.int64)),
                   g.unsqueeze(g.ring_lanes(pos, S), 1))  # [B, S, T]
     onehot = g.cast(hit, TensorProto.FLOAT)
     has = g.unsqueeze(g.op("Greater", g.max(onehot, 2), g.scalar(0.0)), -1)
-    return {"w": w, "closed": closed, "present": present, "from_state": from_state, "lane": lane, "ring": ring,
-            "onehot": onehot, "has": has, "live": g.reshape(live, (B,))}
+    return {"w": w, "closed": closed, "src": src, "onehot": onehot, "has": has, "live": g.reshape(live, (B,))}
 
 
 def compress(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) -> tuple[Planes, Planes, Planes]:
@@ -61,23 +65,22 @@ def compress(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) -> tuple[
     sl = g.cached(("clamp0", slot), lambda: g.clamp_min0(slot))
     skv, sg = g.read_rows(skv_in, sl), g.read_rows(sg_in, sl)  # [B, S, cw]
     ix = g.cached(("compress", pos, m, overlap, B, T), lambda: _compress_index(g, pos, m, overlap, B, T))
-    w, closed, present, from_state, lane, ring = (ix[k] for k in ("w", "closed", "present", "from_state", "lane",
-                                                                  "ring"))
+    w, closed = ix["w"], ix["closed"]
 
-    def source(state: str, chunk: str) -> str:
-        v = g.where(from_state, g.op("Gather", g.reshape(state, (B * S, cw)), ring, axis=0),
-                       g.op("Gather", g.reshape(chunk, (B * T, cw)), lane, axis=0))  # [B, J, S, cw]
-        if overlap:  # slots [0, m) read columns [0, dk) ("A"), slots [m, 2m) columns [dk, 2dk) ("B")
-            va, vb = g.split(v, (m, m), 2)
-            v = g.concat([g.slice(va, 0, dk, 3), g.slice(vb, dk, 2 * dk, 3)], 2)
-        return v
+    def pick(state: str, chunk: str, fill: float) -> str:
+        """[B, J, S, dk]: each slot's values from the state ring, the chunk, or `fill` (no token there)."""
+        t = g.concat([g.reshape(state, (B * S, cw)), g.reshape(chunk, (B * T, cw)),
+                      g.const(np.full((1, cw), fill, np.float32))], 0)
+        return g.op("Gather", g.reshape(t, (-1, dk)) if overlap else t, ix["src"], axis=0)
 
-    v = g.where(present, source(skv, o.kv), g.scalar(0.0))
-    gl = g.where(present, source(sg, gate), g.scalar(NEG_INF))
+    v = pick(skv, o.kv, 0.0)
+    gl = pick(sg, gate, NEG_INF)
     pooled = g.sum(g.op("Mul", v, g.op("Softmax", gl, axis=2)), 2)  # [B, J, dk]
     h = g.rms(pooled, o.norm, a["eps"])
     ht = TensorType((B, J, dk), "fp32")
-    h = g.rotate(h, ht, g.op("Mul", w, g.iscalar(m)), 2, a["rope_dim"], a["theta"], tuple(a["yarn"]))
+    # the windows' first positions as one value per ratio: compressors with the same RoPE share its tables
+    wpos = g.cached(("window_pos", w, m), lambda: g.op("Mul", w, g.iscalar(m)))
+    h = g.rotate(h, ht, wpos, 2, a["rope_dim"], a["theta"], tuple(a["yarn"]))
     rnd = a.get("round", "none")
     if rnd == "fp8":
         h = g.fp8_round(h, ht, dk - a["rope_dim"], math.gcd(64, dk - a["rope_dim"]))

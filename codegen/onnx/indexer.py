@@ -15,7 +15,7 @@ def indexer_rows(g, q: str, qt: TensorType, weights: str, pos: str, bt: str, pla
     w = g.dyn_range(limit, max_rows)  # [W]
     irow = g.op("Add", g.block_rows(w, bt, ratio, block_tokens, index_envelope_rows, n_blocks, False),
                    g.iscalar(index_offset))  # [B, W]
-    keys = g.unsqueeze(g.read_rows(plane, irow), 1)  # [B, 1, W, di]
+    keys = g.read_rows(plane, irow, shape=(B, 1, -1, di))  # [B, 1, W, di]
     s = g.op("Mul", g.op("Relu", g.matmul_t(q, keys)), g.scalar(q_scale))  # [B, T, H, W]
     s = g.sum(g.op("Mul", s, g.unsqueeze(g.op("Mul", weights, g.scalar(w_scale)), -1)), 2)
     hide = g.op("Or", g.op("GreaterOrEqual", w, g.unsqueeze(limit, -1)),

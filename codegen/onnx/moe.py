@@ -8,7 +8,17 @@ separate graph inputs (views of the stacked weight that the runtime makes once: 
 sorts its (token, slot) pairs by expert, splits the sorted activations into one group per expert (empty
 for an expert no token chose: a zero-row Gemm reads nothing) and runs three Gemms per expert on its group.
 So a step reads each active expert's weights once, whatever the number of pairs routed to it, and prefill
-routes exactly like decode.
+routes like decode.
+
+Where it is cheaper, every expert is computed for every token instead: three GEMMs over the whole
+stacks (read in place: no copy), then the routed pairs' rows picked out (`_dense`). Grouping costs three
+Gemm nodes per expert plus the splits and concats whatever the step routes (~1.3 us a node on one core:
+tiny decode b1 ran 2.5 ms for 1,888 nodes); computing every expert costs the bytes of the experts no pair
+chose (~10 GB/s) and the multiply-adds of the pairs not routed (~40 G/s for these small GEMMs):
+`dense_is_cheaper` weighs the two (for weights applied after w2, transformers' routing, only). Tiny's
+decode steps (8 experts of 24 KB) go dense: 61 -> 39 nodes per MoE layer, its shared expert included,
+decode b1 -7 %; its 64-token prefill (4x the multiply-adds, +9 % measured when dense) and every step of
+a model with MB-sized experts (mid: 6 MB each) stay grouped, so their bytes never scale with E.
 
 The weighted sum back into the tokens is one ScatterND with reduction "add" over the pairs in expert
 order: each token's sum starts from zero and adds its experts in ascending order, the order of the
@@ -22,6 +32,19 @@ from onnx import TensorProto
 
 from ...ir.types import TensorType
 from . import gemm_input
+
+# the cost model of `dense_is_cheaper` (one core, measured on bench_cpu's tiny: see the module's docstring)
+NODE_US = 1.3  # a grouped-path node
+BYTES_PER_US = 10_000.0  # weights streamed
+MACS_PER_US = 40_000.0  # small fp32 GEMMs
+
+
+def dense_is_cheaper(E: int, k: int, N: int, I: int, D: int) -> bool:
+    """Whether computing all E experts on all N tokens (k experts each; matrices I x D) costs less than
+    the grouped path's 3 E Gemm nodes: the experts no pair chose read, the pairs not routed multiplied."""
+    unread = max(E - N * k, 0) * 3 * I * D * 4 / BYTES_PER_US  # at least this many experts unchosen
+    unrouted = N * (E - k) * 3 * I * D / MACS_PER_US
+    return unread + unrouted <= 3 * E * NODE_US
 
 
 def moe_routed(g, x: str, xt: TensorType, weights: str, indices: str, it: TensorType, w: tuple[str, str, str],
@@ -40,6 +63,11 @@ def moe_routed(g, x: str, xt: TensorType, weights: str, indices: str, it: Tensor
     order = g.op("TopK", g.cast(pairs, TensorProto.FLOAT), g.i64(P), n_out=2, axis=0, largest=0, sorted=1)[1]
     tok = g.op("Div", order, g.iscalar(k))  # the token of each sorted pair
     wsort = g.unsqueeze(g.op("Gather", g.reshape(weights, (P,)), order, axis=0), -1)  # [P, 1]
+    # after w2 only: expert parallelism's `local_experts` maps other ranks' pairs to (expert 0, weight 0),
+    # so a token can hold one (expert, token) row twice; weighting after w2 zeroes the copy, before it
+    # the copy would add the row's output again
+    if route_weight == "after_w2" and dense_is_cheaper(E, k, N, wt[0].shape[1], D):  # w1, w3 [E, I, D]
+        return _dense(g, flat, pairs, order, tok, wsort, w, wt, limit, scales, block, act, xt)
     counts = g.sum(g.cast(g.op("Equal", g.unsqueeze(pairs, -1), g.const(np.arange(E), np.int64)),
                           TensorProto.INT64), 0)  # [E]
     xs = g.op("Split", g.op("Gather", flat, tok, axis=0), counts, n_out=E, axis=0)
@@ -49,9 +77,7 @@ def moe_routed(g, x: str, xt: TensorType, weights: str, indices: str, it: Tensor
 
     gate = g.concat([g.op("Gemm", xs[e], expert(0, e), transB=1) for e in range(E)], 0)  # [P, I]
     up = g.concat([g.op("Gemm", xs[e], expert(2, e), transB=1) for e in range(E)], 0)
-    lim = g.scalar(limit)
-    gate = g.op("Min", gate, lim)
-    h = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), g.op("Clip", up, g.op("Neg", lim), lim))
+    h = _swiglu(g, gate, up, limit)
     if route_weight == "before_w2":
         h = g.op("Mul", h, wsort)
     if act == "fp8":  # w2's input as its FP8 GEMM sees it (the weighting above comes first, as in the op)
@@ -60,6 +86,35 @@ def moe_routed(g, x: str, xt: TensorType, weights: str, indices: str, it: Tensor
     y = g.concat([g.op("Gemm", hs[e], expert(1, e), transB=1) for e in range(E)], 0)  # [P, D]
     if route_weight == "after_w2":
         y = g.op("Mul", y, wsort)
+    out = g.op("ScatterND", g.const(np.zeros((N, D), np.float32)), g.unsqueeze(tok, -1), y, reduction="add")
+    return g.reshape(out, xt.shape)
+
+
+def _swiglu(g, gate: str, up: str, limit: float) -> str:
+    lim = g.scalar(limit)
+    gate = g.op("Min", gate, lim)
+    return g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), g.op("Clip", up, g.op("Neg", lim), lim))
+
+
+def _dense(g, flat, pairs, order, tok, wsort, w, wt, limit, scales, block, act, xt):
+    """Every expert on every token, then each routed pair's row (expert e, token n: row e * N + n) times
+    its weight (after w2), summed into the tokens as the grouped path does. w1 and w3 as one `[E * I, D]` matrix each (a Reshape
+    of the stack, which ONNX Runtime folds once: then a pre-packed Gemm, ~40 % cheaper a node than a
+    batched MatMul on the 3-D stack); w2 a batched MatMul over the experts."""
+    N, D = xt.numel // xt.shape[-1], xt.shape[-1]
+    E, I = wt[0].shape[0], wt[0].shape[1]
+    stack = [g.weight(w[i], wt[i], scales[i], block)[0] for i in range(3)]
+
+    def up_proj(s: str) -> str:
+        return g.op("Gemm", flat, g.reshape(s, (E * I, D)), transB=1)  # [N, E * I]
+
+    h = _swiglu(g, up_proj(stack[0]), up_proj(stack[2]), limit)
+    h = g.op("Transpose", g.reshape(h, (N, E, I)), perm=[1, 0, 2])  # [E, N, I]
+    row = g.op("Add", g.op("Mul", g.op("Gather", pairs, order, axis=0), g.iscalar(N)), tok)  # [P]
+    if act == "fp8":
+        h = g.act_qdq(h, TensorType((E, N, I), "fp32"))
+    y = g.op("Gather", g.reshape(g.matmul_t(h, stack[1]), (E * N, D)), row, axis=0)  # [P, D]
+    y = g.op("Mul", y, wsort)
     out = g.op("ScatterND", g.const(np.zeros((N, D), np.float32)), g.unsqueeze(tok, -1), y, reduction="add")
     return g.reshape(out, xt.shape)
 

@@ -26,7 +26,7 @@ def sparse_attention(g, q: str, qt: TensorType, kv: str, pos: str, sink: str, pa
         rows.append(g.where(m, g.op("Add", rl.rows, g.iscalar(base)), g.iscalar(0)))
         masks.append(m)
     rows, mask = g.concat(rows, 1), g.concat(masks, 1)  # [L, P]
-    keys = g.reshape(g.read_rows(plane, rows), (B, T, -1, d))  # [B, T, P, d]
+    keys = g.read_rows(plane, rows, shape=(B, T, -1, d))  # [B, T, P, d]
     sc = g.scalar(scale)
     ninf = g.scalar(NEG_INF)
     s_pool = g.op("Mul", g.matmul_t(q, keys), sc)  # [B, T, H, P]

@@ -108,14 +108,32 @@ def test_ragged_batch_with_continuous_batching(tiny_hf):
     assert not sess.seqs and len(sess.free_slots) == 4
 
 
-def test_a_wrong_lowering_is_caught(tmp_path, monkeypatch):
-    """The comparison can fail: a lowering that drops the RMSNorm of `norm_linear` breaks the logits."""
+def _overlap_halves_swapped(monkeypatch):
+    """`compress_paged` (overlapping windows) pooling each slot from the other half of its row."""
+    from v4compile.codegen.onnx import compress
+
+    real = compress._compress_index
+
+    def swapped(g, pos, m, overlap, B, T):
+        ix = real(g, pos, m, overlap, B, T)
+        return {**ix, "src": g.op("BitwiseXor", ix["src"], g.iscalar(1))} if overlap else ix
+
+    monkeypatch.setattr(compress, "_compress_index", swapped)
+
+
+@pytest.mark.parametrize("fault", ["norm_linear", "compress_halves"])
+def test_a_wrong_lowering_is_caught(tmp_path, monkeypatch, fault):
+    """The comparison can fail: a lowering that drops the RMSNorm of `norm_linear`, or a `compress_paged`
+    that reads the overlapping windows' half-rows swapped, breaks the logits."""
     from v4compile.codegen.onnx import gemm
 
-    monkeypatch.setattr(gemm, "lower_norm_linear", lambda g, o, a, r: g.linear(o.x, o.types["x"], o.w, o.types["w"]))
+    if fault == "norm_linear":
+        monkeypatch.setattr(gemm, "lower_norm_linear", lambda g, o, a, r: g.linear(o.x, o.types["x"], o.w, o.types["w"]))
+    else:
+        _overlap_halves_swapped(monkeypatch)
     fe = _fe("hf", capacity=64)
     art = compile_artifact(fe, tmp_path / "bad", Buckets(decode=(1,), prefill=(8,)))
-    prompt = [1, 2, 3, 4, 5]
+    prompt = [1, 2, 3, 4, 5, 6, 7]  # closes the first CSA window (4 tokens)
     _, r = fe.reference().prefill([prompt])
     _, s = _load(art).prefill([prompt])
     monkeypatch.undo()

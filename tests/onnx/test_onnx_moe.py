@@ -1,5 +1,7 @@
-"""The cpu target's routed experts (`codegen/onnx/moe.py`): tokens grouped by expert, no copy of an
-expert's weights, the same numbers as `op.moe_experts`.
+"""The cpu target's routed experts (`codegen/onnx/moe.py`): tokens grouped by expert (or, where
+`moe.dense_is_cheaper`, every expert on every token), no copy of an expert's weights, the same numbers as
+`op.moe_experts`. These small experts (24 KB) take the dense path at 1 to 16 tokens (weights after w2)
+unless a test makes grouping free (`grouped`: NODE_US 0).
 
 Tolerance: 1e-5 relative to the output's scale (fp32; Gemm sums in another order than torch's, measured
 ~1e-7). The bytes check reads ONNX Runtime's profile: the weight bytes a step's Gemms read (Gemms on an
@@ -17,6 +19,7 @@ import torch
 from onnx import TensorProto, helper
 
 from v4compile.ops import op
+from v4compile.codegen.onnx import moe
 from v4compile.codegen.onnx.moe import moe_routed
 from v4compile.codegen.onnx_export import Graph, value_info
 from v4compile.codegen.onnx_weights import materialise
@@ -56,6 +59,8 @@ def _model(N: int, route_weight: str, w, scales, graph=Graph):
     g.op("Identity", y, out="y")
     g.inputs += [value_info("x", xt), value_info("wts", TensorType((N, K), "fp32")), value_info("idx", it)]
     g.inputs += [value_info(n, TensorType(tuple(d["shape"]), "fp32")) for n, d in sorted(g.derived.items())]
+    used = {i for n in g.nodes for i in n.input}
+    g.inputs += [value_info(n, t) for n, t in zip(("w1", "w2", "w3"), wt) if n in used]  # fp32 stacks, dense
     g.outputs.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, [N, D]))
     return g.model(), g.derived
 
@@ -70,7 +75,9 @@ def _run(model, derived, w, scales, feeds, profile=None):
         so.enable_profiling = True
         so.profile_file_prefix = str(profile)
     s = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    y = s.run(None, {**feeds, **{n: materialise(d, stored.__getitem__) for n, d in derived.items()}})[0]
+    ins = {i.name for i in s.get_inputs()}
+    stacks = {n: t.numpy() for n, t in w.items() if n in ins}
+    y = s.run(None, {**feeds, **stacks, **{n: materialise(d, stored.__getitem__) for n, d in derived.items()}})[0]
     return y, (s.end_profiling() if profile else None)
 
 
@@ -85,10 +92,43 @@ def _routing(N: int, seed: int, experts=None):
     return x, wts, idx
 
 
+@pytest.fixture
+def grouped(monkeypatch):
+    monkeypatch.setattr(moe, "NODE_US", 0.0)
+
+
 @pytest.mark.parametrize("quantised", [False, "bf16", True], ids=["fp32", "bf16", "fp4"])
 @pytest.mark.parametrize("route_weight", ["after_w2", "before_w2"])
-def test_grouped_experts_match_the_reference(quantised, route_weight):
+def test_grouped_experts_match_the_reference(quantised, route_weight, grouped):
     """Decode-sized (1, 3 tokens: some experts idle) and prefill-sized (16: every expert busy) steps."""
+    _check_against_reference(quantised, route_weight)
+
+
+@pytest.mark.parametrize("quantised", [False, True], ids=["fp32", "fp4"])
+def test_dense_experts_match_the_reference(quantised):
+    """The same steps on the dense path (weights after w2 only: tiny's hf decode; its bf16 and FP8 / FP4
+    artifacts are checked end to end in test_onnx_bf16 / test_onnx_formats)."""
+    _check_against_reference(quantised, "after_w2")
+
+
+@pytest.mark.parametrize("route_weight", ["after_w2", "before_w2"])
+def test_expert_parallel_pairs_match_the_reference(route_weight):
+    """Routing as expert parallelism's `local_experts` leaves it: other ranks' pairs mapped to (expert 0,
+    weight 0), so one token can hold (0, n) twice. The dense path (taken after w2; a before-w2 dense path
+    would add the row's output twice, and the 2-rank cpu run caught it) and the grouped path match."""
+    w, scales = _weights(0, False)
+    x = torch.randn(3, D, generator=torch.Generator().manual_seed(9))
+    idx = torch.tensor([[0, 0], [2, 0], [0, 5]])
+    wts = torch.tensor([[0.7, 0.0], [0.4, 0.0], [0.0, 0.9]])
+    model, derived = _model(3, route_weight, w, scales)
+    assert bool(derived) == (route_weight == "before_w2")  # grouped: per-expert views; dense: the stacks
+    got, _ = _run(model, derived, w, scales, {"x": x.numpy(), "wts": wts.numpy(), "idx": idx.numpy()})
+    want = op.moe_experts.ref(x, wts, idx, w["w1"], w["w2"], w["w3"], None, None, None, limit=LIMIT, block=32,
+                               act="native", acc="fp32", out_dtype="", route_weight=route_weight).numpy()
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def _check_against_reference(quantised, route_weight):
     w, scales = _weights(0, quantised)
     for N in (1, 3, 16):
         x, wts, idx = _routing(N, N)
@@ -109,7 +149,28 @@ def _weight_readers(model, derived):
             if any(i in derived or i in stacked for i in n.input)]
 
 
-def test_no_node_copies_expert_weights():
+@pytest.mark.parametrize("fault", ["token", "weight"])
+def test_dense_path_faults_are_caught(fault, monkeypatch):
+    """The dense path with its pairs' tokens (the rows it picks and sums into), or its weights, taken in
+    reversed pair order fails the reference comparison."""
+    orig = moe._dense
+
+    def broken(g, flat, pairs, order, tok, wsort, *rest):
+        def rev(x):
+            return g.op("Slice", x, g.i64(-1), g.i64(-(2 ** 63)), g.i64(0), g.i64(-1))
+
+        if fault == "token":
+            tok = rev(tok)
+        else:
+            wsort = rev(wsort)
+        return orig(g, flat, pairs, order, tok, wsort, *rest)
+
+    monkeypatch.setattr(moe, "_dense", broken)
+    with pytest.raises(AssertionError):
+        _check_against_reference(False, "after_w2")
+
+
+def test_no_node_copies_expert_weights(grouped):
     """Every expert matrix is read by exactly one Gemm on its group of tokens, and by nothing else (no
     Gather / Slice of a stacked weight); a lowering that gathers the weights is caught."""
     w, scales = _weights(0, False)
@@ -137,7 +198,30 @@ def _gemm_weight_bytes(profile: str) -> int:
     return total
 
 
-def test_weight_bytes_do_not_scale_with_routed_pairs(tmp_path):
+def test_dense_where_it_is_cheaper():
+    """tiny (8 experts of 32 x 64, 2 active): decode steps dense, a 64-token prefill grouped; mid (32 of
+    512 x 1024, 4 active): grouped even at one token."""
+    cheaper = moe.dense_is_cheaper
+    assert cheaper(8, 2, 1, 32, 64) and cheaper(8, 2, 8, 32, 64) and not cheaper(8, 2, 64, 32, 64)
+    assert not cheaper(32, 4, 1, 512, 1024)
+
+
+def test_dense_path_reads_each_stack_once():
+    """Small experts: each stacked matrix is read in place by one GEMM over every token (w1 and w3 through
+    a Reshape of the stack, which ONNX Runtime folds; no Gather, Slice or Split of a weight), and the
+    grouped path's 3 Gemms per expert are gone."""
+    w, scales = _weights(0, False)
+    model, derived = _model(4, "after_w2", w, scales)
+    nodes = model.graph.node
+    readers = sorted((n.op_type, i) for n in nodes for i in n.input if i in ("w1", "w2", "w3"))
+    assert readers == [("FusedMatMul", "w2"), ("Reshape", "w1"), ("Reshape", "w3")]
+    for r in (n for n in nodes if n.op_type == "Reshape" and n.input[0] in ("w1", "w3")):
+        assert [n.op_type for n in nodes if r.output[0] in n.input] == ["Gemm"]
+    assert not derived and len([n for n in nodes if n.op_type == "Gemm"]) == 2
+    assert len(nodes) < 32  # the grouped path: 61
+
+
+def test_weight_bytes_do_not_scale_with_routed_pairs(tmp_path, grouped):
     """1 token or 16 tokens on the same 2 experts read the same weight bytes (2 experts x 3 matrices);
     4 tokens on 4 distinct pairs of experts read 8 experts' worth."""
     w, scales = _weights(0, False)
@@ -154,10 +238,10 @@ def test_weight_bytes_do_not_scale_with_routed_pairs(tmp_path):
     assert seen == {1: 2 * per_expert, 16: 2 * per_expert, 4: 8 * per_expert}
 
 
-def test_compiled_graphs_read_expert_weights_only_through_their_gemms(tmp_path):
-    """In every function of a compiled tiny artifact (decode and prefill), no stacked expert weight is a
-    graph input, and each expert's matrix (a derived view) feeds exactly one node: a Gemm on a Split
-    group (decode and prefill alike)."""
+def test_compiled_graphs_read_expert_weights_only_through_their_gemms(tmp_path, grouped):
+    """In every function of a compiled tiny artifact (decode and prefill; its experts grouped here, as a
+    larger model's are), no stacked expert weight is a graph input, and each expert's matrix (a derived
+    view) feeds exactly one node: a Gemm on a Split group (decode and prefill alike)."""
     from v4compile import frontend
     from v4compile.artifact import Buckets, load_artifact
     from v4compile.driver import compile_artifact
