@@ -87,7 +87,12 @@ class _Buffers:
 
 
 def access(backend):
-    return _Buffers(backend) if hasattr(backend, "rt") else _Arrays(backend)
+    """The backend's pool and state as row spaces: made once per backend (the geometry is parsed once; a
+    speculative step saves rows every step)."""
+    store = getattr(backend, "_row_store", None)
+    if store is None:
+        store = backend._row_store = _Buffers(backend) if hasattr(backend, "rt") else _Arrays(backend)
+    return store
 
 
 def written_rows(geo: PoolGeometry, store, slot: int, blocks: list[int], q: int,
