@@ -27,6 +27,8 @@ import onnx
 from onnx import TensorProto, helper
 
 PREFIX = "draft/"  # the draft graph's own value, node and constant names inside the fused graph
+# the draft graph's step inputs, fed from the graph above (verify's streams, the glue's ids and positions)
+DRAFT_INPUTS = {"hidden": "streams", "ids": "spec.next_ids", "pos": "spec.kept_pos"}
 DRAFT_OUTPUTS = {"logits": "draft.logits", "streams": "draft.streams"}
 
 
@@ -35,9 +37,9 @@ def fuse_verify_draft(verify: onnx.ModelProto, draft: onnx.ModelProto, batch: in
     gv, gd = verify.graph, draft.graph
     v_in = {i.name for i in gv.input}
     d_in = {i.name: i for i in gd.input}
-    # the draft's inputs keep their names (those verify declares too, the weights, pool planes, block table
-    # and slot, are one input), but hidden / ids / pos, which come from the graph above
-    own = {"hidden": "streams", "ids": "spec.next_ids", "pos": "spec.kept_pos"}
+    # the draft's other inputs keep their names (those verify declares too, the weights, pool planes, block
+    # table and slot, are one input)
+    own = DRAFT_INPUTS
     shared = {n for n in d_in if n not in own}
 
     def rename(x: str) -> str:
