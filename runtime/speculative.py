@@ -82,11 +82,17 @@ class CompiledDraft:
         self.chunk_fns = {f.tokens: f.name for f in fns if f.name.startswith("draft_c")}
         # the MTP layer's window ring: the last of a slot's rings in the pool
         self.layer = int(session.art.manifest["pool"]["n_window_layers"]) - 1
+        self._fused: dict[int, str | None] = {}
 
     def fused(self, B: int) -> str | None:
         """The cpu device's one-call greedy step for bucket `B` (`codegen/onnx_spec.py`: verify_b<B>, the
         acceptance and draft_b<B> in one ONNX graph, built at first use), or None (the host device, or a
         partitioned artifact: a verify call, then a draft call)."""
+        if B not in self._fused:
+            self._fused[B] = self._fuse(B)
+        return self._fused[B]
+
+    def _fuse(self, B: int) -> str | None:
         backend = self.s.backend
         vname, dname = f"verify_b{B}", next((f for b, f, _ in self.batch_fns if b == B), None)
         target = getattr(backend, "target", None)
