@@ -1,7 +1,7 @@
 """Speculative decoding with the artifact's compiled MTP block as the draft source (`runtime/speculative.py`
 without a `draft`: the `draft_b<B>` / `draft_c<T>` functions).
 
-* greedy: the ids of plain greedy decoding over 64 new tokens. Cells: the trained tiny-doc (acceptance ~0.7,
+* greedy: the ids of plain greedy decoding over 64 new tokens. Cells: the trained tiny-doc (acceptance ~0.8,
   so both accepted and rejected drafts occur) on the cpu device with k = 1, 2, 3 on a ragged batch (prompts of
   5 and 11 tokens in the batch-2 bucket) and on the host device with k = 2 (the 11-token prompt); tiny-pro
   (random weights) on cpu, k = 1, batch 1; tiny (random) is test_spec_session's `test_compiled_mtp_drafts`.
