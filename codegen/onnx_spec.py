@@ -112,19 +112,20 @@ def glue(batch: int, tokens: int) -> list[onnx.NodeProto]:
     n = helper.make_node
     return [
         n("ArgMax", ["logits"], ["spec.next_ids"], axis=2, keepdims=0, name="spec/argmax"),
-        const("spec/one", [1]), const("spec/last", [T - 1]), const("spec/zero", [0]), const("spec/axis", [1]),
-        const("spec/neg", [-1], dims=[]), const("spec/izero", [0], dims=[]),
-        const("spec/first", [True] * B, TensorProto.BOOL, [B, 1]), const("spec/tokens_end", [T]),
-        const("spec/axis1", [1], dims=[]),
-        n("Slice", ["spec.next_ids", "spec/zero", "spec/last", "spec/axis"], ["spec/best_head"], name="spec/s0"),
-        n("Slice", ["ids", "spec/one", "spec/tokens_end", "spec/axis"], ["spec/drafts"], name="spec/s1"),
-        n("Slice", ["pos", "spec/one", "spec/tokens_end", "spec/axis"], ["spec/draft_pos"], name="spec/s2"),
+        const("spec/zero", [0]), const("spec/one", [1]), const("spec/last", [T - 1]), const("spec/end", [T]),
+        const("spec/neg", [-1], dims=[]), const("spec/izero", [0], dims=[]), const("spec/ione", [1], dims=[]),
+        const("spec/first", [True] * B, TensorProto.BOOL, [B, 1]),
+        # lane j's argmax against draft j + 1 (its lane's id), for the real drafts (pos >= 0)
+        n("Slice", ["spec.next_ids", "spec/zero", "spec/last", "spec/one"], ["spec/best_head"], name="spec/s0"),
+        n("Slice", ["ids", "spec/one", "spec/end", "spec/one"], ["spec/drafts"], name="spec/s1"),
+        n("Slice", ["pos", "spec/one", "spec/end", "spec/one"], ["spec/draft_pos"], name="spec/s2"),
         n("Equal", ["spec/best_head", "spec/drafts"], ["spec/eq"], name="spec/eq"),
         n("GreaterOrEqual", ["spec/draft_pos", "spec/izero"], ["spec/real"], name="spec/real"),
         n("And", ["spec/eq", "spec/real"], ["spec/match"], name="spec/match"),
         n("Not", ["spec/match"], ["spec/miss_b"], name="spec/miss_b"),
         n("Cast", ["spec/miss_b"], ["spec/miss"], to=TensorProto.INT64, name="spec/miss"),
-        n("CumSum", ["spec/miss", "spec/axis1"], ["spec/misses"], name="spec/misses"),
+        # a draft survives when no draft up to it missed
+        n("CumSum", ["spec/miss", "spec/ione"], ["spec/misses"], name="spec/misses"),
         n("Equal", ["spec/misses", "spec/izero"], ["spec/survived"], name="spec/survived"),
         n("Concat", ["spec/first", "spec/survived"], ["spec/keep"], axis=1, name="spec/keep"),
         n("Where", ["spec/keep", "pos", "spec/neg"], ["spec.kept_pos"], name="spec/kept_pos"),
