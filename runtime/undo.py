@@ -34,6 +34,7 @@ class _Arrays:
     def __init__(self, backend):
         self.state = backend.state
         self.geometry = geometry_of(backend.art.manifest)
+        self._views: dict[str, np.ndarray] = {}
 
     def names(self) -> set[str]:
         return set(self.state)
@@ -44,13 +45,19 @@ class _Arrays:
     def get_all(self, name: str) -> np.ndarray:
         return self.state[name]
 
+    def _rows(self, name: str) -> np.ndarray:
+        """The buffer as a 2-D view, made once (the backend updates its arrays in place, never replaces them)."""
+        v = self._views.get(name)
+        if v is None:
+            a = self.state[name]
+            v = self._views[name] = a.reshape(-1, a.shape[-1])
+        return v
+
     def get(self, name: str, row: int) -> np.ndarray:
-        a = self.state[name]
-        return a.reshape(-1, a.shape[-1])[row].copy()
+        return self._rows(name)[row].copy()
 
     def put(self, name: str, row: int, value: np.ndarray) -> None:
-        a = self.state[name]
-        a.reshape(-1, a.shape[-1])[row] = value
+        self._rows(name)[row] = value
 
 
 class _Buffers:
