@@ -18,6 +18,11 @@ d_1..d_k_b, and for sampling the distributions q_j they were drawn from):
    positions and gives d'_1 from the last kept lane; for k > 1 the block runs again on its own output
    streams and the last draft, one position further each time, and those ring writes are undone.
 
+Greedy on the cpu device, steps 2-4's verify and first draft are one call (`CompiledDraft.fused`: the
+`spec_b<B>` graph of `codegen/onnx_spec.py`, the acceptance in the graph too, checked against step 3's each
+step): on a small model a call costs mostly its nodes and its overhead, and a separate draft call is ~0.2 of a
+decode step.
+
 After prefill (`CompiledDraft.prefill`), `draft_c<T>` runs the block over each prompt chunk the same way
 (its last lane, with the first sampled token, drafts d_1). A `draft(sequence index, ids so far, k) -> k ids`
 callable replaces the MTP block as the draft source (tests: an oracle, an always-wrong one); its drafts are
