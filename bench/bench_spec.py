@@ -5,9 +5,10 @@ tokens/s against plain greedy decoding in the same run, and the modeled V4-Pro g
                                [--json OUT]
 
 What runs: the example compiled with `--draft-tokens k` for the cpu device, one artifact per k (ONNX Runtime,
-one thread, batch 1), so the artifact carries the MTP block (`draft_b1` / `draft_c16`): `runtime/speculative.py`'s steps (verify,
-then the compiled MTP drafting the next k tokens, its recursive drafts' ring writes undone) against the
-session's plain decode steps, the MTP's own cost included. Plain and every k are timed in interleaved
+one thread, batch 1), so the artifact carries the MTP block (`draft_b1` / `draft_c16`): `runtime/speculative.py`'s
+steps (greedy: one call of the fused verify + acceptance + MTP graph, `codegen/onnx_spec.py`; for k > 1 the
+recursive drafts' `draft_b1` calls, their ring writes undone) against the session's plain decode steps, the
+MTP's own cost included. Plain and every k are timed in interleaved
 rounds (plain, k=1, k=2, ... then again), `--repeat` rounds; tokens/s from the median time, the speedup the
 median of the rounds' own ratios (with their range); times are this process's CPU time (`time.process_time`), which stays fair on a shared, loaded machine. Greedy ids must match
 plain decoding (checked, not timed). `--reference` adds the same for the eager reference decoder
@@ -148,6 +149,7 @@ def compiled_cpu(a, prompts, ks: list[int]) -> dict:
                 raise SystemExit("compiling the example failed")
             sessions[k] = sess = v4compile.load(art, device="cpu", threads=1)
             sess.backend.prepare(sorted(sess.backend.functions()))  # every session built before timing
+            compiled_generate(sess, [prompts[0]], 4, k)  # and the one-call greedy step's (built at first use)
         plain = sessions[ks[0]]
         runs = {"plain": lambda p: plain.generate([p], a.new)[0]}
         for k in ks:

@@ -119,6 +119,7 @@ class OrtBackend:
         pool = art.manifest["pool"]
         self.geometry = pool
         self._sessions: dict[str, tuple] = {}
+        self._built: dict[str, object] = {}  # graphs made here from the artifact's own (`built`), until their session
 
     def functions(self) -> dict[str, FunctionInfo]:
         return dict(self._funcs)
@@ -129,7 +130,7 @@ class OrtBackend:
         if key in self._sessions:
             return self._sessions[key]
         ort = self.ort
-        model = onnx_model(self.art, key, spec)
+        model = self._built.pop(key) if key in self._built else onnx_model(self.art, key, spec)
         g = model.graph
         used = {x for n in g.node for x in n.input}
         declared = set(spec["weights"]) | set(spec.get("derived", {}))
@@ -189,6 +190,16 @@ class OrtBackend:
         kept = [(i, n) for i, n in enumerate(outs) if not n.endswith((".rows", ".vals"))]
         self._sessions[key] = (sess, step_ins, outs, io, writes, kept)
         return self._sessions[key]
+
+    def built(self, fname: str, build) -> str:
+        """Graph `fname`, made at its first request by `build() -> (ONNX model, spec: file, weights, derived,
+        outputs)` from this artifact's own checked graphs (speculation's one-call step, `codegen/onnx_spec.py`):
+        run with `run_outputs(fname, ...)` like a function of the artifact, but not one of `functions()`."""
+        if fname not in self._graphs:
+            model, spec = build()
+            self._built[fname] = model
+            self._graphs[fname] = [(fname, spec)]
+        return fname
 
     def prepare(self, fnames) -> None:
         """Create the sessions of these functions now (each takes ONNX Runtime's graph optimisation)."""

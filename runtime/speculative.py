@@ -18,6 +18,11 @@ d_1..d_k_b, and for sampling the distributions q_j they were drawn from):
    positions and gives d'_1 from the last kept lane; for k > 1 the block runs again on its own output
    streams and the last draft, one position further each time, and those ring writes are undone.
 
+Greedy on the cpu device, steps 2-4's verify and first draft are one call (`CompiledDraft.fused`: the
+`spec_b<B>` graph of `codegen/onnx_spec.py`, the acceptance in the graph too, checked against step 3's each
+step): on a small model a call costs mostly its nodes and its overhead, and a separate draft call is ~0.2 of a
+decode step.
+
 After prefill (`CompiledDraft.prefill`), `draft_c<T>` runs the block over each prompt chunk the same way
 (its last lane, with the first sampled token, drafts d_1). A `draft(sequence index, ids so far, k) -> k ids`
 callable replaces the MTP block as the draft source (tests: an oracle, an always-wrong one); its drafts are
@@ -82,6 +87,37 @@ class CompiledDraft:
         self.chunk_fns = {f.tokens: f.name for f in fns if f.name.startswith("draft_c")}
         # the MTP layer's window ring: the last of a slot's rings in the pool
         self.layer = int(session.art.manifest["pool"]["n_window_layers"]) - 1
+        self._fused: dict[int, str | None] = {}
+
+    def fused(self, B: int) -> str | None:
+        """The cpu device's one-call greedy step for bucket `B` (`codegen/onnx_spec.py`: verify_b<B>, the
+        acceptance and draft_b<B> in one ONNX graph, built at first use), or None (the host device, or a
+        partitioned artifact: a verify call, then a draft call)."""
+        if B not in self._fused:
+            self._fused[B] = self._fuse(B)
+        return self._fused[B]
+
+    def _fuse(self, B: int) -> str | None:
+        backend = self.s.backend
+        vname, dname = f"verify_b{B}", next((f for b, f, _ in self.batch_fns if b == B), None)
+        target = getattr(backend, "target", None)
+        if not hasattr(backend, "built") or target is None or dname is None:
+            return None
+        v, d = target["functions"][vname], target["functions"][dname]
+        if "segments" in v or "segments" in d:
+            return None
+
+        def build():
+            from v4compile.codegen.onnx_spec import fuse_verify_draft
+
+            from .artifact_checks import onnx_model
+
+            model = fuse_verify_draft(onnx_model(backend.art, vname, v), onnx_model(backend.art, dname, d),
+                                      v["batch"], v["tokens"])
+            return model, {"file": v["file"], "weights": sorted(set(v["weights"]) | set(d["weights"])),
+                           "derived": {**v.get("derived", {}), **d.get("derived", {})},
+                           "outputs": [o.name for o in model.graph.output]}
+        return backend.built(f"spec_b{B}", build)
 
     def _run(self, fname: str, hidden, ids, pos, seqs, B: int) -> dict[str, np.ndarray]:
         table, slot = self.s._table(seqs, B)
@@ -240,7 +276,9 @@ def speculative_generate(session, prompts: Sequence[Sequence[int]], max_new_toke
                 spans.append((s.slot, list(s.blocks), L + 1, L + len(d)))
             undo = PoolUndo(session.backend, spans)
             table, slot = session._table([seqs[i] for i in live], B)
-            res = session.backend.run_outputs(fname, {"ids": ids, "pos": pos, "block_table": table, "slot": slot})
+            fused = mtp.fused(B) if mtp is not None and temperature == 0 else None
+            res = session.backend.run_outputs(fused or fname, {"ids": ids, "pos": pos, "block_table": table,
+                                                               "slot": slot})
             logits = res["logits"]
             keep, nxt, kept_lane = {}, [], {}
             next_ids, kept = np.zeros((B, T), dtype=np.int64), pos.copy()
@@ -258,13 +296,19 @@ def speculative_generate(session, prompts: Sequence[Sequence[int]], max_new_toke
                 next_ids[b, : a + 1] = d[:a] + [tok]
                 kept[b, a + 1:] = -1
                 kept_lane[i] = a
+                if fused and ((res["spec.kept_pos"][b] != kept[b]).any()
+                              or (res["spec.next_ids"][b, : a + 1] != next_ids[b, : a + 1]).any()):
+                    raise RuntimeError(f"{fused}'s in-graph acceptance disagrees with the host's")
                 if len(out[i]) < max_new_tokens and new[-1] not in stops:
                     nxt.append(i)
                 else:
                     kept[b] = -1  # a finished sequence needs no drafts
             undo.restore(keep)
             if mtp is not None and any(wanted(i) for i in nxt):
-                mlogits, mstreams = mtp.after_verify(B, res["streams"], next_ids, kept, [seqs[i] for i in live])
+                if fused:  # the graph drafted on every sequence's kept lanes already
+                    mlogits, mstreams = res["draft.logits"], res["draft.streams"]
+                else:
+                    mlogits, mstreams = mtp.after_verify(B, res["streams"], next_ids, kept, [seqs[i] for i in live])
                 entries = [(seqs[i], seqs[i].length, mlogits[b], mstreams[b, kept_lane[i]])
                            for b, i in enumerate(live) if i in nxt]
                 for i, d in zip(nxt, mtp.drafts(entries, [wanted(i) for i in nxt])):

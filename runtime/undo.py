@@ -34,6 +34,7 @@ class _Arrays:
     def __init__(self, backend):
         self.state = backend.state
         self.geometry = geometry_of(backend.art.manifest)
+        self._views: dict[str, np.ndarray] = {}
 
     def names(self) -> set[str]:
         return set(self.state)
@@ -44,13 +45,19 @@ class _Arrays:
     def get_all(self, name: str) -> np.ndarray:
         return self.state[name]
 
+    def _rows(self, name: str) -> np.ndarray:
+        """The buffer as a 2-D view, made once (the backend updates its arrays in place, never replaces them)."""
+        v = self._views.get(name)
+        if v is None:
+            a = self.state[name]
+            v = self._views[name] = a.reshape(-1, a.shape[-1])
+        return v
+
     def get(self, name: str, row: int) -> np.ndarray:
-        a = self.state[name]
-        return a.reshape(-1, a.shape[-1])[row].copy()
+        return self._rows(name)[row].copy()
 
     def put(self, name: str, row: int, value: np.ndarray) -> None:
-        a = self.state[name]
-        a.reshape(-1, a.shape[-1])[row] = value
+        self._rows(name)[row] = value
 
 
 class _Buffers:
@@ -87,30 +94,46 @@ class _Buffers:
 
 
 def access(backend):
-    return _Buffers(backend) if hasattr(backend, "rt") else _Arrays(backend)
+    """The backend's pool and state as row spaces: made once per backend (the geometry is parsed once; a
+    speculative step saves rows every step)."""
+    store = getattr(backend, "_row_store", None)
+    if store is None:
+        store = backend._row_store = _Buffers(backend) if hasattr(backend, "rt") else _Arrays(backend)
+    return store
+
+
+def _layout(geo: PoolGeometry, store) -> tuple[list[str], list[str], list[tuple]]:
+    """The part of `written_rows` that does not depend on the position: the main and index plane names and, per
+    compressed layer, (envelope offset, ring slots S, ratio m, its state buffers, its indexer offset or None).
+    Made once per store (again when the backend has made more state buffers)."""
+    names = store.names()
+    cached = getattr(store, "_layout", None)
+    if cached is not None and cached[0] == len(names):
+        return cached[1]
+    main = [n for n, _, _ in geo.main_planes()]
+    index = [n for n, _, _ in geo.index_planes()] if geo.index_offset else []
+    csa = dict(geo.index_offset)
+    layers = []
+    for layer, off in geo.layer_offset:
+        S = store.shape(state_input_name(layer, "state_kv"))[1]
+        states = [n for n in (state_input_name(layer, key) for key in _STATE_KEYS) if n in names]
+        layers.append((off, S, S // (2 if layer in csa else 1), states, csa.get(layer)))
+    store._layout = (len(names), (main, index, layers))
+    return main, index, layers
 
 
 def written_rows(geo: PoolGeometry, store, slot: int, blocks: list[int], q: int,
                  window_layer: int | None = None) -> list[tuple[str, int]]:
     """(buffer, row) of everything decoding position q of the sequence in `slot` writes (`window_layer`:
     only that layer's window ring row, e.g. the MTP layer's, whose ring is the last one of a slot)."""
-    out: list[tuple[str, int]] = []
-    main = [n for n, _, _ in geo.main_planes()]
-    index = [n for n, _, _ in geo.index_planes()] if geo.index_offset else []
-    base = geo.n_rows - (slot + 1) * geo.slot_rows
-    for layer in range(geo.n_window_layers) if window_layer is None else (window_layer,):
-        out += [(n, base + layer * geo.window + q % geo.window) for n in main]
+    main, index, layers = _layout(geo, store)
+    base = geo.n_rows - (slot + 1) * geo.slot_rows + q % geo.window
+    out = [(n, base + layer * geo.window) for layer in
+           (range(geo.n_window_layers) if window_layer is None else (window_layer,)) for n in main]
     if window_layer is not None:
         return out
-    names = store.names()
-    csa = dict(geo.index_offset)
-    for layer, off in geo.layer_offset:
-        S = store.shape(state_input_name(layer, "state_kv"))[1]
-        m = S // (2 if layer in csa else 1)
-        for key in _STATE_KEYS:
-            name = state_input_name(layer, key)
-            if name in names:
-                out.append((name, slot * S + q % S))
+    for off, S, m, states, index_off in layers:
+        out += [(n, slot * S + q % S) for n in states]
         if (q + 1) % m:
             continue
         w, per = q // m, geo.block_tokens // m
@@ -118,8 +141,8 @@ def written_rows(geo: PoolGeometry, store, slot: int, blocks: list[int], q: int,
             continue
         b = blocks[w // per]
         out += [(n, b * geo.envelope_rows + off + w % per) for n in main]
-        if layer in csa:
-            out += [(n, b * geo.index_envelope_rows + csa[layer] + w % per) for n in index]
+        if index_off is not None:
+            out += [(n, b * geo.index_envelope_rows + index_off + w % per) for n in index]
     return out
 
 
@@ -129,14 +152,18 @@ class PoolUndo:
     def __init__(self, backend, spans: list[tuple[int, list[int], int, int]], window_layer: int | None = None):
         self.store = access(backend)
         self.saved = []
+        self.last: dict[int, int] = {}  # slot -> its last saved position
         for slot, blocks, first, last in spans:
             for q in range(first, last + 1):
                 for name, row in written_rows(self.store.geometry, self.store, slot, blocks, q, window_layer):
                     self.saved.append((slot, q, name, row, self.store.get(name, row)))
+            self.last[slot] = max(last, self.last.get(slot, last))
 
     def restore(self, keep: dict[int, int]) -> None:
         """Put back the rows written for positions >= keep[slot] (in reverse, so a row two positions share
         gets its oldest saved value)."""
+        if all(keep.get(slot, 0) > last for slot, last in self.last.items()):
+            return  # every saved position kept (every draft accepted)
         for slot, q, name, row, value in reversed(self.saved):
             if q >= keep.get(slot, 0):
                 self.store.put(name, row, value)

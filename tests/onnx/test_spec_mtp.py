@@ -1,7 +1,7 @@
 """Speculative decoding with the artifact's compiled MTP block as the draft source (`runtime/speculative.py`
 without a `draft`: the `draft_b<B>` / `draft_c<T>` functions).
 
-* greedy: the ids of plain greedy decoding over 64 new tokens. Cells: the trained tiny-doc (acceptance ~0.7,
+* greedy: the ids of plain greedy decoding over 64 new tokens. Cells: the trained tiny-doc (acceptance ~0.8,
   so both accepted and rejected drafts occur) on the cpu device with k = 1, 2, 3 on a ragged batch (prompts of
   5 and 11 tokens in the batch-2 bucket) and on the host device with k = 2 (the 11-token prompt); tiny-pro
   (random weights) on cpu, k = 1, batch 1; tiny (random) is test_spec_session's `test_compiled_mtp_drafts`.
@@ -162,6 +162,99 @@ def test_tiny_pro(tmp_path):
     try:
         p = ragged(fe.cfg.vocab_size)[1:]
         assert s.generate(p, NEW, speculative="mtp", draft_tokens=1) == s.generate(p, NEW)
+    finally:
+        s.close()
+
+
+
+# ---- the cpu device's one-call greedy step (`codegen/onnx_spec.py`) ----------------------------------
+
+
+def one_step(art, prompts, want, fused: bool):
+    """One greedy speculative step of both prompts in the batch-2 bucket (prefilled plainly; drafts from the
+    plain ids: sequence 0's all right, sequence 1's second wrong), fused or as verify_b2 then draft_b2 on the
+    host's kept lanes: (the numbers each gives, the pool and state after)."""
+    from spec_rollback import pool_bytes
+    from v4compile.speculation import accept
+
+    s = session(art)
+    try:
+        seqs = [s.open() for _ in prompts]
+        for q, p in zip(seqs, prompts):
+            s.extend(q, p)
+        drafts = [want[0][1:4], [want[1][1], (want[1][2] + 1) % 512, want[1][3]]]
+        ids = np.array([[w[0]] + d for w, d in zip(want, drafts)], dtype=np.int64)
+        pos = np.array([np.arange(q.length, q.length + 4) for q in seqs], dtype=np.int64)
+        for q in seqs:
+            s._reserve(q, q.length + 3)
+        table, slot = s._table(seqs, 2)
+        inputs = {"ids": ids, "pos": pos, "block_table": table, "slot": slot}
+        mtp = rs.CompiledDraft(s, rs.Picker(0.0, None))
+        if fused:
+            r = s.backend.run_outputs(mtp.fused(2), inputs)
+            out = {"logits": r["logits"], "kept": r["spec.kept_pos"], "draft.logits": r["draft.logits"],
+                   "draft.streams": r["draft.streams"]}
+        else:
+            r = s.backend.run_outputs("verify_b2", inputs)
+            kept, nxt = pos.copy(), np.zeros_like(ids)
+            for b, d in enumerate(drafts):
+                a, tok = accept(d, r["logits"][b], None, None, 0.0)
+                kept[b, a + 1:] = -1
+                nxt[b, : a + 1] = d[:a] + [tok]
+            lg, st = mtp.after_verify(2, r["streams"], nxt, kept, seqs)
+            out = {"logits": r["logits"], "kept": kept, "draft.logits": lg, "draft.streams": st}
+        out["draft.streams"] = np.where(out["kept"][..., None, None] >= 0, out["draft.streams"], 0)  # kept lanes
+        return out, pool_bytes(s.backend)
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def two_calls(doc):
+    art, prompts, want = doc
+    return one_step(art, prompts, want, False)
+
+
+def fused_differences(doc, two_calls) -> list[str]:
+    """What the fused step gives differently from the two calls (fp32, the same nodes: within 1e-5)."""
+    art, prompts, want = doc
+    (a, pa), (b, pb) = one_step(art, prompts, want, True), two_calls
+    assert [int((k >= 0).sum()) for k in b["kept"]] == [4, 2]  # all three drafts kept; one, then a rejection
+    return [n for n in a if not np.allclose(a[n], b[n], rtol=1e-5, atol=1e-5)] + \
+        [n for n in pa if not np.allclose(pa[n], pb[n], rtol=1e-5, atol=1e-5)]
+
+
+def test_fused_step_equals_verify_then_draft(doc, two_calls):
+    assert fused_differences(doc, two_calls) == []
+
+
+def test_a_miswired_fused_draft_is_caught(doc, two_calls, monkeypatch):
+    """The MTP block fed the verify's own lane ids (not the token after each lane): its drafts and its ring
+    writes differ."""
+    from v4compile.codegen import onnx_spec
+
+    monkeypatch.setitem(onnx_spec.DRAFT_INPUTS, "ids", "ids")
+    bad = fused_differences(doc, two_calls)
+    assert "draft.logits" in bad and "pool.main" in bad
+
+
+def test_a_wrong_in_graph_acceptance_is_refused(doc, monkeypatch):
+    """The graph's acceptance keeping every lane (a rejected draft's MTP ring row written, the draft taken from
+    the wrong lane): the host's check stops the generation."""
+    from v4compile.codegen import onnx_spec
+
+    glue = onnx_spec.glue
+
+    def keep_all(batch, tokens):
+        nodes = glue(batch, tokens)
+        nodes[-1].op_type, nodes[-1].input[:] = "Identity", ["pos"]
+        return nodes
+    monkeypatch.setattr(onnx_spec, "glue", keep_all)
+    art, prompts, _ = doc
+    s = session(art)
+    try:
+        with pytest.raises(RuntimeError, match="in-graph acceptance disagrees"):
+            s.generate(prompts, NEW, speculative="mtp", draft_tokens=3)
     finally:
         s.close()
 
