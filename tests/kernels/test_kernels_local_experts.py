@@ -5,6 +5,8 @@ feeding the MoE kernels on one rank's stack: another rank's slot costs no weight
 
 from __future__ import annotations
 
+import contextlib
+
 import kernel_check as kc
 import pytest
 import torch
@@ -133,3 +135,23 @@ def test_a_non_local_slot_that_costs_is_caught(monkeypatch, tmp_path, name, old,
     kc.install_broken_kernel(monkeypatch, tmp_path, moe, name, old, new)
     with pytest.raises(AssertionError, match=why):
         run_ep_moe(monkeypatch, "mixed")
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["model", "broken-ignores-ep"])
+def test_the_cost_model_counts_only_this_ranks_slots(monkeypatch, broken):
+    """V4-Pro decode at EP 8 (384 experts, 48 a rank, k 6, 2 tokens): the MoE launch models the rank's
+    expected active experts, 1 / 8 of all active experts by symmetry (tests/routing_sample: within 5
+    standard errors), and k tokens / 8 pairs; a model that ignores `ep` (every slot landing on this rank's
+    48 experts: ~11 of them, not ~1.5) fails the same check."""
+    from routing_sample import sampled_routing
+
+    from v4compile.ops import moe as ops_moe
+
+    if broken:
+        orig = ops_moe.expected_active_experts
+        monkeypatch.setattr(moe, "expected_active_experts", lambda E, k, t, ep=1: orig(E, k, t))
+    (a_mean, a_se), _ = sampled_routing(384, 6, 2, samples=400)
+    with pytest.raises(AssertionError) if broken else contextlib.nullcontext():
+        active, rows = moe._routed_work(48, 6, 2, 8)
+        assert abs(active - a_mean / 8) <= 5 * a_se / 8 + 1e-9, (active, a_mean / 8)
+        assert rows == round(2 * 6 / 8 + active * (moe.BM - 1))

@@ -20,6 +20,7 @@ from v4compile.ops.collective import owner_table
 from v4compile.passes import CPU_PIPELINE, PassManager, PipelineOptions
 from v4compile.passes.base import get_pass
 from v4compile.passes.numerics import NumericsCheck
+from v4compile.targets import TARGETS
 from v4compile.trace import TraceOptions, trace
 
 OPTS = dict(batch=2, chunk=16, decode_batch=2, capacity=64)
@@ -229,8 +230,10 @@ def test_report_parallel_section(capsys):
     assert p["per_rank_kv_bytes"] > 0 and set(p["decode_step"]) == {"gfx950", "sm_90a"}
     # the partitioned program's kernel calls (a MoE launch makes two or three), its collectives launches of it
     assert c["program_collective_launches"] == c["count"]
-    for s in p["decode_step"].values():
+    for t, s in p["decode_step"].items():
         assert s["launches_counted"] == "kernel calls" and s["launches"] > c["program_launches"] - c["count"]
+        # the roofline term is what the program's kernel calls move (the MoE: this rank's slots only)
+        assert s["roofline_us"] == round(s["program_kernel_bytes"] / TARGETS[t].hbm_bytes_s * 1e6, 1) > 0
 
 
 # ---- per-rank weights of an artifact -------------------------------------------------------------
