@@ -16,7 +16,9 @@ layout in the attributes `parallel.tp` / `parallel.ep`, each weight's part in it
   `x` or `qr` and feeds every head), the router and the shared expert, mHC and the norms, and the
   embedding and head (vocab-parallel would add an all-gather of the logits per step).
 Numerics: the sums of `wo_b` and of the routed experts are split into per-rank partial sums added by
-the all-reduce: a rounding difference (fp32: ~1e-7 of the logit scale). Bad `tp` / `ep` (not dividing
+the all-reduce: a rounding difference from the unpartitioned module (fp32: ~1e-7 of the logit scale, more
+where it flips an FP8 rounding), none from the reference of the layout (`ReferenceModel.partitioned`),
+which the module reproduces exactly and `--check-numerics` holds it to. Bad `tp` / `ep` (not dividing
 the heads, `o_groups`, the experts, each other, or the scale blocks of a quantised weight) is an
 InputError naming the constraint.
 Hits: `<func>.all_reduce` (collectives inserted), `sharded_weights` (rank-local weights).
