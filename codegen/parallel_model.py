@@ -12,9 +12,12 @@
 * `decode_step`: per GPU target, a modeled per-rank decode step (stated model below) and whether the
   rank's weights + KV fit the device.
 
-Model (per rank, serial, no overlap): weights read at the HBM roofline (`targets.TARGETS`; the routed experts
-a step touches: each of the rank's experts is read when one of the batch's tokens picks it, expected
-fraction `1 - (1 - k/E)^tokens`), plus the per-launch latency (`targets.TARGETS`: a graph node, with PDL on
+Model (per rank, serial, no overlap): the bytes a step moves at the HBM roofline (`targets.TARGETS`): for a
+program with kernels for every launch, what its decode kernel calls move (`bytes_moved`, as the roofline
+step model counts them: the MoE kernels count only this rank's k / ep slots per token, other ranks' slots
+run nothing); else the weights model: every weight once, and of the routed experts those a step touches
+(each of the rank's experts is read when one of the batch's tokens picks it, expected fraction
+`1 - (1 - k/E)^tokens` under uniform routing), which `weights_read_bytes` keeps either way; plus the per-launch latency (`targets.TARGETS`: a graph node, with PDL on
 sm_90a) of every kernel call of the partitioned program (`decode_calls`; of every launch op when the module
 was not lowered to a program), plus each
 all-reduce as a ring: `latency + 2 (n - 1) / n * bytes / link bandwidth` (`LINKS`). KV reads are left out
@@ -111,7 +114,8 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
     routed = kinds["rank_local"].get("routed_experts", 0)
     touched = 1 - (1 - cfg.n_active_experts / cfg.n_experts) ** tokens
     read = per_rank - routed + routed * touched
-    launches, counted = decode_calls(final)
+    launches, counted, kernel_bytes = decode_calls(final)
+    moved = read if kernel_bytes is None else kernel_bytes
     steps = {}
     for t in targets:
         if t not in LINKS:
@@ -121,9 +125,10 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
                      for c in coll)
         # every launch as a graph node, with PDL where the target has it (its kernels all wait: kernels/pdl.py)
         kind = "graph_pdl" if spec.pdl else "graph"
-        roof_s, launch_s = read / spec.hbm_bytes_s, launches * spec.launch_latency(kind)
+        roof_s, launch_s = moved / spec.hbm_bytes_s, launches * spec.launch_latency(kind)
         steps[t] = {"device": link.device, "fits": per_rank + kv <= link.memory_bytes,
                     "memory_bytes": link.memory_bytes, "weights_read_bytes": int(read),
+                    "program_kernel_bytes": kernel_bytes,
                     "roofline_us": round(roof_s * 1e6, 1), "launch_latency_us": round(launch_s * 1e6, 1),
                     "collectives_us": round(coll_s * 1e6, 1),
                     "modeled_us": round((roof_s + launch_s + coll_s) * 1e6, 1), "launches": launches,
@@ -143,10 +148,10 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
     }
 
 
-def decode_calls(final: Module) -> tuple[int, str]:
-    """What a decode step launches besides its collectives, and what was counted: the program's kernel
-    calls (each launch's Triton calls, `program_kernels`; a MoE launch is two or three) when the module is
-    lowered to a program with kernels for every launch, else its launch ops."""
+def decode_calls(final: Module) -> tuple[int, str, int | None]:
+    """What a decode step launches besides its collectives, what was counted, and the bytes those calls move:
+    the program's kernel calls (each launch's Triton calls, `program_kernels`; a MoE launch is two or three)
+    when the module is lowered to a program with kernels for every launch, else its launch ops (bytes None)."""
     if final.attrs.get("stage") == "program":
         from v4compile.program.build import program_of
 
@@ -154,9 +159,10 @@ def decode_calls(final: Module) -> tuple[int, str]:
 
         pk = program_kernels(program_of(final))
         if pk.complete:
-            return sum(1 for calls in pk.calls["decode"] for c in calls if 0 not in c.grid), "kernel calls"
+            live = [c for calls in pk.calls["decode"] for c in calls if 0 not in c.grid]
+            return len(live), "kernel calls", sum(c.bytes_moved for c in live)
     return sum(1 for op in final.functions["decode"].ops if get_op(op.name).launch
-               and not get_op(op.name).collective), "launches"
+               and not get_op(op.name).collective), "launches", None
 
 
 def program_collectives(final: Module) -> dict[str, int]:
@@ -168,6 +174,14 @@ def program_collectives(final: Module) -> dict[str, int]:
     launches = program_of(final).functions["decode"].launches
     return {"program_launches": len(launches),
             "program_collective_launches": sum(1 for l in launches if get_op(l.op).collective)}
+
+
+def _moved(s: dict) -> str:
+    gb = 1e9
+    if s.get("program_kernel_bytes") is None:
+        return f"weights at the HBM roofline {s['roofline_us']:.1f} us ({s['weights_read_bytes'] / gb:.2f} GB read)"
+    return (f"the program's kernels at the HBM roofline {s['roofline_us']:.1f} us "
+            f"({s['program_kernel_bytes'] / gb:.2f} GB moved; weights model {s['weights_read_bytes'] / gb:.2f} GB)")
 
 
 def render_parallel(p: dict) -> str:
@@ -187,8 +201,7 @@ def render_parallel(p: dict) -> str:
                     if "program_launches" in c else ""))
     for t, s in p["decode_step"].items():
         lines.append(f"    {t} ({s['device']}, {s['memory_bytes'] / gb:.0f} GB: {'fits' if s['fits'] else 'does NOT fit'}): "
-                     f"modeled decode step {s['modeled_us']:.1f} us = weights at the HBM roofline "
-                     f"{s['roofline_us']:.1f} us ({s['weights_read_bytes'] / gb:.2f} GB read) + {s['launches']} "
+                     f"modeled decode step {s['modeled_us']:.1f} us = {_moved(s)} + {s['launches']} "
                      f"{s.get('launches_counted', 'launches')} "
                      f"{s['launch_latency_us']:.1f} us + collectives {s['collectives_us']:.1f} us "
                      f"({s['allreduce_latency_us']:.0f} us + bytes / {s['link_bytes_s'] / gb:.0f} GB/s each)")

@@ -34,6 +34,14 @@ class NumericsCheck:
     `error` and `tol` are relative: the max absolute logit difference divided by `scale`, the largest
     reference logit (`ERROR_UNIT`). `capacity` sizes the reference's caches like the module's, so that a
     traced module reproduces the reference bit for bit.
+
+    A partitioned module is compared with the reference of its layout (`ReferenceModel.partitioned`: the
+    same model summing wo_b and the routed experts per rank, in rank order, as the module's all-reduces
+    do; DeepSeek's own inference code defines its numbers per layout the same way), with the same
+    tolerance: the partition and every pass after it must keep those sums. How far the layout's reference
+    lies from the plain one (the authority) is `layout_error`, reported beside it: rounding-order
+    differences of ~1e-7, which with official numerics can flip a single FP8 rounding (a value at an e4m3
+    midpoint) and so move the logits by up to about 1e-4 of their scale.
     """
 
     def __init__(self, reference, source, scenario: Scenario, chunk: int, tol: float, prepare=None,
@@ -45,6 +53,24 @@ class NumericsCheck:
         self.expected = reference_logits(reference, scenario, chunk, capacity)
         self.scale = max(float(t.abs().max()) for t in self.expected) or 1.0
         self._weights: dict[tuple, torch.Tensor] = {}
+        self._reference, self._chunk, self._capacity = reference, chunk, capacity
+        self._by_layout: dict[tuple[int, int], list] = {}
+
+    def expected_for(self, m: Module) -> list:
+        """The reference logits `m` is held to: its layout's reference for a partitioned module."""
+        layout = ParallelLayout.of(m)
+        if layout is None or (layout.tp, layout.ep) == (1, 1):
+            return self.expected
+        key = (layout.tp, layout.ep)
+        if key not in self._by_layout:
+            self._by_layout[key] = reference_logits(self._reference.partitioned(*key), self.scenario, self._chunk,
+                                                    self._capacity)
+        return self._by_layout[key]
+
+    def layout_error(self, m: Module) -> float | None:
+        """How far the reference of `m`'s layout lies from the plain reference (None: not partitioned)."""
+        expected = self.expected_for(m)
+        return None if expected is self.expected else max_error(self.expected, expected) / self.scale
 
     def weights(self, m: Module, rank: int | None = None) -> dict[str, torch.Tensor]:
         """The module's weights (a partitioned module's: rank `rank`'s; replicated ones are shared)."""
@@ -68,7 +94,7 @@ class NumericsCheck:
 
     def error(self, m: Module) -> float:
         """Relative logit error of `m` on the scenario (NaN counts as infinitely wrong)."""
-        err = max_error(self.expected, ir_logits(self.runner(m), self.scenario)) / self.scale
+        err = max_error(self.expected_for(m), ir_logits(self.runner(m), self.scenario)) / self.scale
         return float("inf") if err != err else err
 
 

@@ -6,15 +6,19 @@ layout in the attributes `parallel.tp` / `parallel.ep`, each weight's part in it
 - attention: the query heads split over the `tp` ranks of a group (`wq_b` rows, `attn_sink`), `wo_a`'s
   output groups with their heads (`groups` / tp), `wo_b` on its input, then `all_reduce{group=tp}`;
 - MoE: the routed experts split over the `ep` ranks of a group (the stacks' first axis); every rank routes
-  every token, `local_experts` gives other ranks' experts weight 0 (`=expert_owner(E)`, the rank's owner
-  table), and one `all_reduce{group=ep}` adds the ranks' routed outputs before the shared expert's;
+  every token, `local_experts` marks other ranks' slots (index -1, weight 0: `moe_experts` skips them,
+  no weight read, no FLOPs; `=expert_owner(E)`, the rank's owner table), `moe_experts{ep}` tells the cost
+  models that 1 / ep of the slots land here, and one `all_reduce{group=ep}` adds the ranks' routed outputs
+  before the shared expert's;
 - replicated, because communicating them would cost more than holding them (bytes per layer of V4-Pro in
   the report, `parallel_report`): the single KV head (`wkv`; every rank keeps the whole KV pool), `wq_a`
   and `q_norm` (every rank needs the whole `qr`), the compressors and the indexer (each reads the whole
   `x` or `qr` and feeds every head), the router and the shared expert, mHC and the norms, and the
   embedding and head (vocab-parallel would add an all-gather of the logits per step).
 Numerics: the sums of `wo_b` and of the routed experts are split into per-rank partial sums added by
-the all-reduce: a rounding difference (fp32: ~1e-7 of the logit scale). Bad `tp` / `ep` (not dividing
+the all-reduce: a rounding difference from the unpartitioned module (fp32: ~1e-7 of the logit scale, more
+where it flips an FP8 rounding), none from the reference of the layout (`ReferenceModel.partitioned`),
+which the module reproduces exactly and `--check-numerics` holds it to. Bad `tp` / `ep` (not dividing
 the heads, `o_groups`, the experts, each other, or the scale blocks of a quantised weight) is an
 InputError naming the constraint.
 Hits: `<func>.all_reduce` (collectives inserted), `sharded_weights` (rank-local weights).
@@ -154,6 +158,7 @@ class _Partitioner:
                                _tags(op), op.loc)
                 ops.append(mask)
                 operands["weights"], operands["indices"] = mask.results
+                attrs["ep"] = self.layout.ep  # for the cost models: k / ep of each token's slots land here
             new = self._retyped(op, operands, attrs, namer)
             ops.append(new)
             for old, v in zip(op.results, new.results):

@@ -13,12 +13,14 @@ test uses to show that its check catches a kernel fault.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from v4compile.ir.registry import get_op  # noqa: E402
@@ -79,6 +81,28 @@ def install_broken_kernel(monkeypatch, tmp_path: Path, module, name: str, old: s
     namespace = dict(vars(module))
     exec(compile(path.read_text(), str(path), "exec"), namespace)
     monkeypatch.setattr(module, name, namespace[name])
+
+
+@contextlib.contextmanager
+def counted_loads(monkeypatch, tensors: dict[str, torch.Tensor]):
+    """Within the block, count for every element of `tensors` how many times an interpreted kernel loads it
+    (masked-off lanes not counted). Yields name -> flat int64 counts, filled as kernels run."""
+    from triton.runtime import interpreter as it
+
+    counts = {n: np.zeros(t.numel(), dtype=np.int64) for n, t in tensors.items()}
+    spans = {n: (t.data_ptr(), t.element_size(), t.numel()) for n, t in tensors.items()}
+    orig = it.InterpreterBuilder.create_masked_load
+
+    def counting_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        addr = np.broadcast_to(ptrs.data, mask.data.shape)[mask.data].astype(np.int64)
+        for n, (base, size, numel) in spans.items():
+            hit = addr[(addr >= base) & (addr < base + size * numel)]
+            np.add.at(counts[n], (hit - base) // size, 1)
+        return orig(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    with monkeypatch.context() as m:
+        m.setattr(it.InterpreterBuilder, "create_masked_load", counting_load)
+        yield counts
 
 
 def small_gemm_calls():

@@ -1,17 +1,16 @@
 """local_experts family: expert parallelism's ownership mask (`ops/collective.py`), one small launch.
 
 For every routed slot (token, k) with expert e = indices[token, k]: local = owner[e] (this rank's index of
-e in its expert stack, -1 where another rank owns it); weights_out = weights where local >= 0, else 0;
-indices_out = max(local, 0). The MoE launch after it is the unpartitioned one (`moe` family, unchanged):
-a slot of another rank's expert runs local expert 0 with weight 0 and so adds exactly zero to the token's
-sum, as the op's reference says.
+e in its expert stack, -1 where another rank owns it); indices_out = local, weights_out = weights where
+local >= 0, else 0. The MoE launch after it (`moe` family) skips a slot with id -1: it is in no expert's
+pair list and the combine adds nothing for it, so another rank's slot costs no weight read and no FLOPs
+(at EP 8, 7/8 of the slots).
 
 Why a launch of its own rather than an expert range inside the MoE kernels: the mask is what the cpu
 target's ONNX lowering and the reference run too (one op, one meaning on every target), and the rank's
 expert range is data (the `owner` table is a per-rank weight: one program and one kernel set serve
 every rank), not a compile-time constant of the MoE kernels. Its cost: one launch of a few hundred bytes
-per layer, and local expert 0 runs the other ranks' slots with weight 0 (at EP 8 about 7/8 of the slots);
-a MoE kernel that skips weight-0 pairs would remove that work (left to the MoE kernels' owners).
+per layer.
 """
 
 from __future__ import annotations
@@ -40,8 +39,7 @@ def local_experts_kernel(w_ptr, idx_ptr, owner_ptr, wo_ptr, io_ptr, R: tl.conste
     w = tl.load(w_ptr + r64 * W_RS + cols[None, :] * W_CS, mask=ok, other=0.0)
     mine = local >= 0
     tl.store(wo_ptr + r64 * WO_RS + cols[None, :] * WO_CS, tl.where(mine, w, tl.zeros_like(w)), mask=ok)
-    tl.store(io_ptr + r64 * IO_RS + cols[None, :] * IO_CS, tl.maximum(local, 0).to(io_ptr.dtype.element_ty),
-             mask=ok)
+    tl.store(io_ptr + r64 * IO_RS + cols[None, :] * IO_CS, local.to(io_ptr.dtype.element_ty), mask=ok)
 
 
 def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg],

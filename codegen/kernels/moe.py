@@ -18,6 +18,8 @@ arrival counter per D tile, a `semaphore` pointer):
      "after_w2") or round(W2_e round(weight * h)) ("before_w2": the weight inside w2's activation
      quantisation, `v4-reference.md` 10).
   4. shared down + combine: y = round(sum over slots by ascending expert id (rounded each add) + W2_s hs).
+A slot whose expert id lies outside [0, E) (expert parallelism: another rank's slot, id -1 from
+`local_experts`) is in no expert's list and is skipped by the combine: no weight read, no FLOPs, no row.
 Every row of h / yr depends only on its own pair, so the order of the pairs inside an expert's list and
 how they are cut into tiles do not change a bit of the result; only the set of pairs per expert matters.
 
@@ -246,19 +248,20 @@ def moe_down_kernel(h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
     n_tile = tl.program_id(1)
     if last_to_arrive(sem_ptr + n_tile, E):  # codegen/kernels/arrival.py
         for m_tile in range(0, (C_M + BM - 1) // BM):
-            _combine(n_tile, m_tile, hs_ptr, y_ptr, cidx_ptr, cw2_ptr, cs2_ptr, out_ptr, C_M, KSEL, C_IS, D, C_HS_RS,
+            _combine(n_tile, m_tile, hs_ptr, y_ptr, cidx_ptr, cw2_ptr, cs2_ptr, out_ptr, C_M, E, KSEL, C_IS, D, C_HS_RS,
                      Y_RS, IDX_RS, C_Y_RS, C_W_RS, C_S_RS, C_W_FMT, C_S_E8M0, C_BLOCK, C_ACT, CDT, BM, BN, C_BK, C_BKS)
         tl.store(sem_ptr + n_tile, 0)
 
 
 @triton.jit
 def _combine(n_tile, m_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr,
-             M: tl.constexpr, KSEL: tl.constexpr, IS: tl.constexpr, D: tl.constexpr,
+             M: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, IS: tl.constexpr, D: tl.constexpr,
              HS_RS: tl.constexpr, YR_RS: tl.constexpr, IDX_RS: tl.constexpr, Y_RS: tl.constexpr,
              W_RS: tl.constexpr, S_RS: tl.constexpr, W_FMT: tl.constexpr, S_E8M0: tl.constexpr,
              BLOCK: tl.constexpr, ACT: tl.constexpr, CDT: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr):
-    """y[tokens of m_tile, columns of n_tile] = the routed rows summed by ascending expert id + W2_s hs."""
+    """y[tokens of m_tile, columns of n_tile] = the routed rows summed by ascending expert id + W2_s hs.
+    A slot whose expert id lies outside [0, E) (another rank's, `local_experts`) has no row: it adds nothing."""
     offs_n = n_tile * BN + tl.arange(0, BN)
     tok = m_tile * BM + tl.arange(0, BM)
     n_ok = offs_n < D
@@ -274,7 +277,8 @@ def _combine(n_tile, m_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr,
         slot = tl.min(tl.where(ex == m[:, None], j[None, :], BKS), axis=1)
         ex = tl.where(j[None, :] == slot[:, None], 2 ** 30 + 1, ex)
         pr = tok * KSEL + slot
-        v = tl.load(yr_ptr + pr[None, :].to(tl.int64) * YR_RS + offs_n[:, None], mask=t_ok[None, :] & n_ok[:, None],
+        live = t_ok & (m >= 0) & (m < E)
+        v = tl.load(yr_ptr + pr[None, :].to(tl.int64) * YR_RS + offs_n[:, None], mask=live[None, :] & n_ok[:, None],
                     other=0.0).to(tl.float32)
         out = (out + v).to(dt).to(tl.float32)
     if w2_ptr is not None:
@@ -290,7 +294,7 @@ def _combine(n_tile, m_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr,
     tl.store(y_ptr + tok[None, :].to(tl.int64) * Y_RS + offs_n[:, None], out.to(dt), mask=t_ok[None, :] & n_ok[:, None])
 
 
-def _routed_work(E: int, k: int, M: int) -> tuple[float, int]:
+def _routed_work(E: int, k: int, M: int, ep: int = 1) -> tuple[float, int]:
     """Modeled routed work of one launch: (expected active experts, MMA rows run).
 
     The routing is data, so the model assumes uniform routing (each token picks k distinct experts, as
@@ -298,9 +302,10 @@ def _routed_work(E: int, k: int, M: int) -> tuple[float, int]:
     expert's weights are read once per BM routed pairs, and nearly always once (V4-Pro, 64 tokens:
     ~243 of 384 experts active, <= a few pairs each). MMA rows: every expert pads its last tile to BM,
     so rows <= P + active * (BM - 1), the bound used for `flops` (what the MMA units run, padding
-    included)."""
-    active = expected_active_experts(E, k, M)
-    return active, M * k + round(active * (BM - 1))
+    included). With `ep` > 1 the stack is one rank's 1 / ep of the experts: the other ranks' slots (id
+    -1) run nothing, so P / ep pairs are expected here (k M / ep) and the active experts among them."""
+    active = expected_active_experts(E, k, M, ep)
+    return active, round(M * k / ep + active * (BM - 1))
 
 
 def _wfmt(w: TensorArg, s: TensorArg | None, block: int, K: int, act: str, cdt: str):
@@ -348,7 +353,9 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     # combine keeps BM-token tiles: its token axis is in the grid, and it has few programs already.
     BMS = min(64, max(BM, triton.next_power_of_2(M)))
     warps_s = 8 if BMS * 128 >= 8192 else 4
-    active, rows = _routed_work(E, k, M)
+    ep = attrs.get("ep", 1)
+    active, rows = _routed_work(E, k, M, ep)
+    pl = P / ep  # the pairs expected on this rank's experts (all of them unless expert parallel)
 
     def wce(w, s, K, blk, a=act):
         fmt, BK, e8 = _wfmt(w, s, blk, K, a, cdt)
@@ -414,7 +421,7 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
                                                  "ss1_ptr": t1, "ss3_ptr": t3}),
                             # routed and shared GEMMs in one call: the fp8 peak only if both run fp8
                             flops=flops, mma_dtype="fp8" if act == "fp8" and (not shared or sact == "fp8") else "bf16",
-                            bytes_moved=wbytes + x.type.nbytes + P * I * dsize))
+                            bytes_moved=wbytes + x.type.nbytes + round(pl * I * dsize)))
     # 3. routed down, and in each D tile's last expert program 4. shared down + combine
     w2, s2 = o["w2"], o.get("w2_scale")
     ce = dict(I=I, D=D, H_RS=I, WT_RS=wt_rs, Y_RS=D, W_ES=w2.strides[0], S_ES=s2.strides[0] if s2 is not None else 0,
@@ -455,6 +462,7 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
                             flops=2 * rows * I * D + 2 * M * D * ce["C_IS"],
                             mma_dtype="fp8" if act == "fp8" and (not shared or sact == "fp8") else "bf16",
                             # yr written here and read back by the combining programs
-                            bytes_moved=round(active * per_expert(w2, s2)) + wts.type.nbytes + P * (I + 2 * D) * dsize
+                            bytes_moved=round(active * per_expert(w2, s2)) + wts.type.nbytes
+                            + round(pl * (I + 2 * D) * dsize)
                             + sbytes + y.type.nbytes))
     return calls

@@ -49,7 +49,7 @@ def dense_is_cheaper(E: int, k: int, N: int, I: int, D: int) -> bool:
 
 def moe_routed(g, x: str, xt: TensorType, weights: str, indices: str, it: TensorType, w: tuple[str, str, str],
                wt: tuple[TensorType, TensorType, TensorType], k: int, limit: float, route_weight: str,
-               scales: tuple = (None, None, None), block: int | None = None, act: str = "native") -> str:
+               scales: tuple = (None, None, None), block: int | None = None, act: str = "native", ep: int = 1) -> str:
     """`sum_k weight_k * w2_e(swiglu(w1_e x, w3_e x))` over each token's k experts (`ops.moe.moe_experts`);
     `w` = (w1, w2, w3) stacked `[E, out, in]`, FP4 / FP8 with `scales` or fp32 / bf16 without; `x` as the
     first GEMMs see it (`act` "fp8": already rounded, `gemm_input`), w2's input rounded here."""
@@ -60,12 +60,21 @@ def moe_routed(g, x: str, xt: TensorType, weights: str, indices: str, it: Tensor
     flat = g.reshape(x, (N, D))
     pairs = g.reshape(g.as_i64(indices, it.dtype), (P,))
     # pairs sorted by expert (ascending; TopK on the ids as floats: exact below 2^24 experts)
+    weights = g.reshape(weights, (P,))
+    if ep > 1:
+        # A pair of no expert of the stack (id outside [0, E): another rank's slot, `local_experts`) adds
+        # nothing: it runs on expert 0 with weight 0 (exactly +-0 for a finite expert output). Dropping
+        # the pairs would give the Gemms a data-dependent row count, which the fixed-shape FP8 rounding of
+        # w2's input below does not take; the GPU kernels skip them (`kernels/moe.py`).
+        foreign = g.op("Or", g.op("Less", pairs, g.iscalar(0)), g.op("GreaterOrEqual", pairs, g.iscalar(E)))
+        pairs = g.where(foreign, g.iscalar(0), pairs)
+        weights = g.where(foreign, g.scalar(0.0), weights)
     order = g.op("TopK", g.cast(pairs, TensorProto.FLOAT), g.i64(P), n_out=2, axis=0, largest=0, sorted=1)[1]
     tok = g.op("Div", order, g.iscalar(k))  # the token of each sorted pair
-    wsort = g.unsqueeze(g.op("Gather", g.reshape(weights, (P,)), order, axis=0), -1)  # [P, 1]
-    # after w2 only: expert parallelism's `local_experts` maps other ranks' pairs to (expert 0, weight 0),
-    # so a token can hold one (expert, token) row twice; weighting after w2 zeroes the copy, before it
-    # the copy would add the row's output again
+    wsort = g.unsqueeze(g.op("Gather", weights, order, axis=0), -1)  # [P, 1]
+    # after w2 only: another rank's pairs run on (expert 0, weight 0) above, so a token can hold one
+    # (expert, token) row twice; weighting after w2 zeroes the copy, before it the copy would add the
+    # row's output again
     if route_weight == "after_w2" and dense_is_cheaper(E, k, N, wt[0].shape[1], D):  # w1, w3 [E, I, D]
         return _dense(g, flat, pairs, order, tok, wsort, w, wt, limit, scales, block, act, xt)
     counts = g.sum(g.cast(g.op("Equal", g.unsqueeze(pairs, -1), g.const(np.arange(E), np.int64)),
@@ -140,4 +149,4 @@ def lower_moe_experts(g, o, a, r):
     x = gemm_input(g, "moe_experts", a, o.x, o.types["x"])
     return moe_routed(g, x, o.types["x"], o.weights, o.indices, o.types["indices"], (o.w1, o.w2, o.w3),
                       (o.types["w1"], o.types["w2"], o.types["w3"]), o.types["indices"].shape[-1], a["limit"],
-                      a["route_weight"], (o.w1_scale, o.w2_scale, o.w3_scale), a["block"], a["act"])
+                      a["route_weight"], (o.w1_scale, o.w2_scale, o.w3_scale), a["block"], a["act"], a.get("ep", 1))

@@ -278,22 +278,8 @@ def test_wrong_grouping_is_caught(monkeypatch, tmp_path):
 def _weight_reads(args, attrs, monkeypatch, names=("w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale")):
     """Run the op under the interpreter counting, for every element of the named weights, how many times a
     kernel loaded it (masked-off lanes not counted); returns name -> [E, elements per expert] counts."""
-    from triton.runtime import interpreter as it
-
-    counts = {n: np.zeros(args[n].numel(), dtype=np.int64) for n in names}
-    spans = {n: (args[n].data_ptr(), args[n].element_size(), args[n].numel()) for n in names}
-    orig = it.InterpreterBuilder.create_masked_load
-
-    def counting_load(self, ptrs, mask, other, cache_policy, is_volatile):
-        addr = np.broadcast_to(ptrs.data, mask.data.shape)[mask.data].astype(np.int64)
-        for n, (base, size, numel) in spans.items():
-            hit = addr[(addr >= base) & (addr < base + size * numel)]
-            np.add.at(counts[n], (hit - base) // size, 1)
-        return orig(self, ptrs, mask, other, cache_policy, is_volatile)
-
-    monkeypatch.setattr(it.InterpreterBuilder, "create_masked_load", counting_load)
-    y, calls = launch_calls(args, attrs)
-    monkeypatch.undo()
+    with kc.counted_loads(monkeypatch, {n: args[n] for n in names}) as counts:
+        y, calls = launch_calls(args, attrs)
     kc.assert_matches(y, kc.reference("moe_experts_shared", args, attrs)[0], "counted run", ulps=2)
     E = args["w1"].shape[0]
     return {n: c.reshape(E, -1) for n, c in counts.items()}, calls
@@ -328,7 +314,8 @@ def test_weight_rereads_are_caught(monkeypatch):
         _assert_once_per_tile(reads, args["indices"], 7)
 
 
-@pytest.mark.parametrize("wrong", [None, lambda E, k, t: float(min(E, t * k)), lambda E, k, t: float(E)],
+@pytest.mark.parametrize("wrong", [None, lambda E, k, t, ep=1: float(min(E, t * k)),
+                                           lambda E, k, t, ep=1: float(E)],
                          ids=["model", "broken-one-read-per-pair", "broken-every-expert"])
 def test_modeled_cost_counts_active_experts_once(monkeypatch, wrong):
     """Modeled bytes of the routed launches: the expected active experts' weights once (so a prefill chunk

@@ -67,7 +67,8 @@ def test_moe_cost_counts_only_the_active_experts():
     check_moe_cost_counts_the_active_experts()
 
 
-@pytest.mark.parametrize("wrong", [lambda E, k, t: float(min(E, t * k)), lambda E, k, t: float(E)],
+@pytest.mark.parametrize("wrong", [lambda E, k, t, ep=1: float(min(E, t * k)),
+                                   lambda E, k, t, ep=1: float(E)],
                          ids=["one-read-per-pair", "every-expert"])
 def test_a_cost_rule_that_miscounts_experts_is_caught(monkeypatch, wrong):
     monkeypatch.setattr(ops_moe, "expected_active_experts", wrong)

@@ -218,6 +218,11 @@ def _report_numerics(args, result, check, ran: list[str], before: int, dtype: st
             f"{check.scale:.3g}); tolerance {tol:g} -----\n")
     if result.traced_error is not None:
         o.write(f"  {'input' if before else 'traced':<40} {result.traced_error:.3g}\n")
+    gap = check.layout_error(result.module)
+    if gap is not None:
+        p = result.module.attrs
+        o.write(f"  (partitioned modules: against the reference of their layout, tp {p['parallel.tp']} ep "
+                f"{p['parallel.ep']}, whose sums split per rank as theirs do; it lies {gap:.3g} from the reference)\n")
     for r in result.records:
         flag = "  <-- breaks tolerance" if r.numerics_error is not None and r.numerics_error > tol else ""
         o.write(f"  {r.spec:<40} {r.numerics_error:.3g}{flag}\n")

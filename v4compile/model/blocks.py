@@ -16,6 +16,7 @@ from ..ops import op
 from ..config import CSA, HCA, V4Config
 from ..ir.core import Value
 from ..ir.registry import scope
+from ..ops.collective import owner_table
 from .params import Params, experts_name
 
 
@@ -24,6 +25,11 @@ class StepOptions:
     numerics: str = "hf"  # "hf": match transformers; "official": + FP8 KV / FP4 indexer rounding, FP8 activations
     #                       into FP8 / FP4 GEMMs, fp32 logits, fp32 compressor state (spec 12, 13)
     last_only: bool = False  # logits of each sequence's last valid lane only ([B, V] instead of [B, T, V])
+    # The sums a partitioned module splits, split the same way (eager only: the reference of a layout,
+    # `ReferenceModel.partitioned`): wo_b as `tp` partial GEMMs over its input's rank slices, the routed
+    # experts as `ep` sums over each rank's experts, each added in rank order as `all_reduce` adds them.
+    tp: int = 1
+    ep: int = 1
 
 
 def shape_of(x: Any) -> tuple[int, ...]:
@@ -105,7 +111,27 @@ def attention_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, pos:
     cache["win"] = op.window_write(cache["win"], kv, pos)
     o = op.rope(o, pos, inverse=True, **rope)
     z = op.grouped_out_proj(o, **gemm(P, opts, a + "wo_a.weight", "attn.wo_a"), groups=cfg.o_groups)
-    return op.linear(z, **gemm(P, opts, a + "wo_b.weight", "attn.wo_b"))
+    wo_b = gemm(P, opts, a + "wo_b.weight", "attn.wo_b")
+    if opts.tp == 1:
+        return op.linear(z, **wo_b)
+    n = _eager_dense(z, wo_b["scale"], "wo_b").shape[-1] // opts.tp  # rank r holds wo_b's input columns r * n ...
+    return rank_sum([op.linear(z[..., r * n:(r + 1) * n], **{**wo_b, "w": wo_b["w"][:, r * n:(r + 1) * n]})
+                     for r in range(opts.tp)])
+
+
+def _eager_dense(x: Any, scale: Any, what: str) -> Any:
+    if isinstance(x, Value) or scale is not None:
+        raise NotImplementedError(f"a layout's split {what} is a reference of tensors and dense weights only "
+                                  "(the traced module is split by the partition pass)")
+    return x
+
+
+def rank_sum(parts: list) -> Any:
+    """The ranks' partial values added in rank order in their dtype (`all_reduce`'s reference)."""
+    total = parts[0].clone()
+    for p in parts[1:]:
+        total += p
+    return total
 
 
 def gemm(P: Params, opts: StepOptions, name: str, role: str, out_dtype: str = "") -> dict[str, Any]:
@@ -128,8 +154,17 @@ def moe_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, ids: Any, 
                           denom_eps=0.0 if official else 1e-20, fp32=official, role="ffn.gate")
     fp8 = official and P.quantized(experts_name(pre, "w1"))
     # official: the routing weight scales w2's input, inside its activation quantisation (spec 10)
-    y = op.moe_experts(x, wts, idx, **P.experts(pre), limit=float(cfg.swiglu_limit), act="fp8" if fp8 else "native",
-                        route_weight="before_w2" if official else "after_w2", role="ffn.experts")
+    moe = {"limit": float(cfg.swiglu_limit), "act": "fp8" if fp8 else "native",
+           "route_weight": "before_w2" if official else "after_w2", "role": "ffn.experts"}
+    stacks = P.experts(pre)
+    if opts.ep == 1:
+        y = op.moe_experts(x, wts, idx, **stacks, **moe)
+    else:  # each rank's experts (a slice of the stacks) on its own slots, the ranks' sums added in rank order
+        E = _eager_dense(stacks["w1"], stacks["w1_scale"], "routed experts").shape[0]
+        n = E // opts.ep
+        y = rank_sum([op.moe_experts(x, *op.local_experts(wts, idx, owner_table(E, opts.ep, r)),
+                                     **{k: v[r * n:(r + 1) * n] if k in ("w1", "w2", "w3") else v
+                                        for k, v in stacks.items()}, **moe) for r in range(opts.ep)])
     with scope("shared", role="ffn.shared"):
         s = f + "shared_experts."
         h = op.swiglu(op.linear(x, **gemm(P, opts, s + "w1.weight", "ffn.shared.w1")),

@@ -11,6 +11,8 @@ padded lanes (position -1).
 
 from __future__ import annotations
 
+import copy
+
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -115,8 +117,19 @@ class ReferenceModel:
                              expected=f"<= {self.cfg.max_position} tokens", found=capacity)
         return Cache.new(self.cfg, batch, capacity, self.dtype, numerics=self.numerics)
 
+    tp, ep = 1, 1  # the layout whose sums the model splits (`partitioned`)
+
+    def partitioned(self, tp: int, ep: int) -> "ReferenceModel":
+        """The same model (same weights) summing as a `partition{tp, ep}` module does: wo_b as tp per-rank
+        partial GEMMs, the routed experts as ep per-rank sums, each added in rank order. DeepSeek's
+        inference code computes both this way (row-parallel linears and each rank's experts, then an
+        all-reduce), so its numbers are those of its layout; this is the reference of a layout."""
+        m = copy.copy(self)
+        m.tp, m.ep = tp, ep
+        return m
+
     def _opts(self, last_only: bool = False) -> StepOptions:
-        return StepOptions(numerics=self.numerics, last_only=last_only)
+        return StepOptions(numerics=self.numerics, last_only=last_only, tp=self.tp, ep=self.ep)
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, pos: torch.Tensor, cache: Cache, last_only: bool = False

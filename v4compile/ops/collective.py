@@ -90,12 +90,11 @@ def _(per_rank, attrs):
 @defop("local_experts(weights, indices, owner) -> weights_out, indices_out", kernel="local_experts")
 def local_experts(weights, indices, owner):
     """Expert parallelism: `owner[e]` is expert e's index in this rank's stack, -1 where another rank owns
-    it. Routed slots of other ranks' experts get weight 0 (so they add exactly nothing) and index 0; this
-    rank's get their local index. Every rank routes every token; the MoE output's all-reduce adds the
-    ranks' parts."""
+    it. This rank's slots get their local index; other ranks' slots get index -1, which `moe_experts`
+    skips (no weight read, no FLOPs: an index outside the stack adds nothing), and weight 0 as well.
+    Every rank routes every token; the MoE output's all-reduce adds the ranks' parts."""
     local = owner[indices]
-    mine = local >= 0
-    return torch.where(mine, weights, torch.zeros_like(weights)), local.clamp(min=0)
+    return torch.where(local >= 0, weights, torch.zeros_like(weights)), local
 
 
 @local_experts.infer

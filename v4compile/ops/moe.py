@@ -50,14 +50,17 @@ MOE_ATTRS = {"limit": float, "block": (int, 32), "act": (str, "native"), "acc": 
              "route_weight": (str, "after_w2")}
 
 
-@defop("moe_experts(x, weights, indices, w1, w2, w3, w1_scale?, w2_scale?, w3_scale?) -> y", attrs=MOE_ATTRS,
-       kernel="moe")
+@defop("moe_experts(x, weights, indices, w1, w2, w3, w1_scale?, w2_scale?, w3_scale?) -> y",
+       attrs={**MOE_ATTRS, "ep": (int, 1)}, kernel="moe")
 def moe_experts(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *, limit, block, act, acc, out_dtype,
-                route_weight):
+                route_weight, ep=1):
     """`y = sum_k weights_k * w2_e(swiglu(w1_e x, w3_e x))` over each token's selected experts e, the weight
     applied where `route_weight` says (ROUTE_WEIGHTS); the stacked expert weights are `[E, out, in]` (FP4
     packed with 1 x block scales when scaled). The three GEMMs of an expert have `linear`'s numerics for
-    `act` (each GEMM's result in the activation dtype)."""
+    `act` (each GEMM's result in the activation dtype). A slot whose index lies outside [0, E) adds
+    nothing (expert parallelism: `local_experts` marks other ranks' slots -1). `ep`: the stack is one of
+    `ep` equal parts of the routed experts (a rank's, `partition`); only the cost model uses it (a slot
+    lands here with probability 1 / ep)."""
     from .basic import gemm
 
     shape = x.shape
@@ -66,6 +69,8 @@ def moe_experts(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *
     wts = weights.reshape(flat.shape[0], -1)
     out = torch.zeros_like(flat)
     for e in torch.unique(idx).tolist():
+        if not 0 <= e < w1.shape[0]:
+            continue
         tok, slot = torch.where(idx == e)
         xe = flat[tok]
         sc = (lambda s: None if s is None else s[e])
@@ -91,8 +96,9 @@ def moe_experts(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *
 
 @moe_experts.infer
 def _(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *, limit, block, act, acc, out_dtype,
-      route_weight):
+      route_weight, ep=1):
     from .basic import check_gemm_attrs, check_weight, weight_in_features
+    require(ep >= 1, "moe_experts: ep (the expert-parallel parts) must be >= 1", found=ep)
     require(weights.shape == indices.shape, "moe weights / indices shapes differ")
     require(weight_in_features(w1) == x.shape[-1] and w1.shape == w3.shape and w2.shape[1] == x.shape[-1]
             and weight_in_features(w2) == w1.shape[1],
@@ -117,24 +123,26 @@ def _(operands, results, attrs):
                 sum(r.nbytes for r in results))
 
 
-def expected_active_experts(E: int, k: int, tokens: int) -> float:
-    """Distinct experts that `tokens` tokens route to, each picking k distinct of E. Routing is data, so
-    this is the expectation under uniform routing: E (1 - (1 - k/E)^tokens) <= min(E, tokens k)."""
-    return min(float(min(E, tokens * k)), E * (1.0 - (1.0 - k / E) ** tokens))
+def expected_active_experts(E: int, k: int, tokens: int, ep: int = 1) -> float:
+    """Distinct experts of a stack of E that `tokens` tokens route to, each picking k distinct of the E * ep
+    routed experts (`ep` > 1: the stack is one expert-parallel rank's part). Routing is data, so this is the
+    expectation under uniform routing: E (1 - (1 - k / (E ep))^tokens) <= min(E, tokens k / ep)."""
+    return min(float(E), tokens * k / ep, E * (1.0 - (1.0 - k / (E * ep)) ** tokens))
 
 
-def expert_cost(x, weights, indices, stacks, y) -> Cost:
+def expert_cost(x, weights, indices, stacks, y, ep: int = 1) -> Cost:
     """A step reads the stacked `[E, ...]` expert weights of its distinct active experts, each once (what
-    grouping by expert achieves), plus the activations."""
+    grouping by expert achieves), plus the activations; with `ep` parts, only the 1 / ep of the slots
+    routed to this stack (the others are skipped) cost FLOPs and expert reads."""
     tokens, k = x.numel // x.shape[-1], indices.shape[-1]
     E = stacks[0].shape[0]
-    active = expected_active_experts(E, k, tokens)
+    active = expected_active_experts(E, k, tokens, ep)
     w = round(sum(t.nbytes // E for t in stacks) * active)
     inter = stacks[0].shape[1]
-    return Cost(6 * tokens * k * inter * x.shape[-1], x.nbytes + weights.nbytes + indices.nbytes + w, y.nbytes)
+    return Cost(6 * tokens * k * inter * x.shape[-1] // ep, x.nbytes + weights.nbytes + indices.nbytes + w, y.nbytes)
 
 
 @moe_experts.cost
 def _(operands, results, attrs):
     x, weights, indices = operands[:3]
-    return expert_cost(x, weights, indices, [t for t in operands[3:] if t is not None], results[0])
+    return expert_cost(x, weights, indices, [t for t in operands[3:] if t is not None], results[0], attrs.get("ep", 1))
