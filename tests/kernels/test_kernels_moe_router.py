@@ -74,11 +74,94 @@ def fused(args, attrs):
 def test_fused_decode_equals_the_ops_apart(dtype, hashed, fmts, fp32):
     args, attrs = case(dtype, hashed, *fmts, fp32=fp32)
     y, calls = fused(args, attrs)
-    assert [c.kernel_name for c in calls] == ["moe_router_up_kernel", "moe_down_kernel"]
-    assert calls[0].grid[0] == 1 + 1 + 5 * 1  # NR router blocks + ST shared tiles + E x RT routed tiles
+    assert [c.kernel_name for c in calls] == ["moe_fused_kernel"]
+    # NR router blocks + ST shared tiles + E x RT routed up tiles + E x ND routed down tiles
+    assert calls[0].grid[0] == 1 + 1 + 5 * 1 + 5 * 1
     assert torch.equal(y, apart(args, attrs)), "the fused launches differ from the router + moe kernels"
     kc.assert_matches(y, kc.reference("moe_router_experts_shared", args, attrs)[0], "moe_router_experts_shared",
                       ulps=2)
+
+
+SEAM_ATTRS = {"eps": 1e-6, "hc_eps": 1e-6, "iters": 20, "norm_eps": 1e-6}
+
+
+def seam_case(dtype, hashed, *fmts, B=2, T=5, **kw):
+    """`case` plus the operands of the mhc_post_pre after the MoE (4 streams of x's width)."""
+    args, attrs = case(dtype, hashed, *fmts, B=B, T=T, **kw)
+    g = torch.Generator().manual_seed(7)
+    N, D = 4, args["x"].shape[-1]
+    args.update(streams=(torch.randn(B, T, N, D, generator=g) * 2).to(dtype), post=2 * torch.rand(B, T, N, generator=g),
+                comb=torch.softmax(torch.randn(B, T, N, N, generator=g), -1),
+                fn=torch.randn(6 * N, N * D, generator=g) * (2.0 / (N * D) ** 0.5),
+                base=torch.randn(6 * N, generator=g) * 0.5, scale=torch.rand(3, generator=g) + 0.5,
+                norm=torch.rand(D, generator=g) + 0.5)
+    return args, {**attrs, **SEAM_ATTRS}
+
+
+SEAM_RESULTS = ("streams_out", "y_next", "post_next", "comb_next")
+
+
+def seam_fused(args, attrs):
+    ref = kc.reference("moe_mhc_post_pre", args, attrs)
+    outs = {n: kc.poisoned(r.shape, r.dtype)[0] for n, r in zip(SEAM_RESULTS, ref)}
+    calls = kernels.launch("moe_mhc_post_pre", args, attrs, outs)
+    return outs, ref, calls
+
+
+def seam_apart(args, attrs, ref):
+    """The MoE's launch, then the mhc_post_pre kernel on its output."""
+    m_args = {n: v for n, v in args.items() if n not in moe_router.SEAM_OPERANDS}
+    m_attrs = {n: v for n, v in attrs.items() if n not in SEAM_ATTRS}
+    y, _ = fused(m_args, m_attrs)
+    outs = {n: kc.poisoned(r.shape, r.dtype)[0] for n, r in zip(SEAM_RESULTS, ref)}
+    kernels.launch("mhc_post_pre", {"y": y, **{n: args[n] for n in moe_router.SEAM_OPERANDS}}, SEAM_ATTRS, outs)
+    return outs
+
+
+@pytest.mark.parametrize("dtype,hashed,fmts", [(torch.float32, False, ("float", "float")),
+                                               (torch.bfloat16, True, ("fp4", "fp8"))],
+                         ids=["fp32-learned-float", "bf16-hash-fp4"])
+def test_seam_in_the_moe_launch_equals_the_launches_apart(dtype, hashed, fmts):
+    """`moe_mhc_post_pre` at decode: one launch (the seam its last phase), bit-identical to the MoE launch and
+    the mhc launch run one after the other, and within the mhc tests' tolerance of the reference (1 bf16 ulp;
+    2 for y_next, which also carries the MoE's 2-ulp sums through the seam's norm)."""
+    args, attrs = seam_case(dtype, hashed, *fmts)
+    outs, ref, calls = seam_fused(args, attrs)
+    assert [c.kernel_name for c in calls] == ["moe_fused_kernel"]
+    assert calls[0].grid[0] == 1 + 1 + 5 * 1 + 5 * 1 + 1  # ... + NH = 1 seam program (10 tokens)
+    want = seam_apart(args, attrs, ref)
+    for n, r in zip(SEAM_RESULTS, ref):
+        assert torch.equal(outs[n], want[n]), f"{n}: the fused launch differs from the two launches"
+        kc.assert_matches(outs[n], r, f"moe_mhc_post_pre {n}", ulps=2)
+
+
+def test_seam_prefill_keeps_its_own_launch():
+    args, attrs = seam_case(torch.float32, False, "float", "float", B=1, T=33)  # P = 66: grouped mode
+    outs, ref, calls = seam_fused(args, attrs)
+    assert [c.kernel_name for c in calls] == ["router_kernel", "moe_group_kernel", "moe_up_kernel", "moe_down_kernel",
+                                              "mhc_kernel"]
+    for n, r in zip(SEAM_RESULTS, ref):
+        kc.assert_matches(outs[n], r, f"grouped {n}", ulps=2)
+
+
+SEAM_BROKEN = {
+    # the seam programs do not wait for the combine: shown on the source (test_every_wait_...); here the seam
+    # reads another token block: the second block (T = 20 tokens: 2 blocks of BT = 16) stays poison
+    "seam block": ("mhc_rows(v - NR - ST - E * RT - E * ND,", "mhc_rows((v - NR - ST - E * RT - E * ND) * 0,"),
+    # the seam writes its new streams over its input streams (an operand): streams_out stays poison
+    "seam streams": ("m_scale_ptr, m_norm_ptr, m_so_ptr,", "m_scale_ptr, m_norm_ptr, m_s_ptr,"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(SEAM_BROKEN))
+def test_broken_seam_phase_is_caught(fault, monkeypatch, tmp_path):
+    old, new = SEAM_BROKEN[fault]
+    kc.install_broken_kernel(monkeypatch, tmp_path, moe_router, "moe_fused_kernel", old, new)
+    args, attrs = seam_case(torch.float32, True, "float", "float", B=1, T=20)
+    with pytest.raises(AssertionError):
+        outs, ref, _ = seam_fused(args, attrs)
+        for n, r in zip(SEAM_RESULTS, ref):
+            kc.assert_matches(outs[n], r, f"{fault} {n}")
 
 
 def test_grouped_prefill_keeps_the_router_launch():
@@ -92,17 +175,25 @@ BROKEN = {
     # every router program routes the first row block (T = 20 tokens: 2 blocks of BR = 16): the last tokens'
     # routing stays poison
     "unrouted block": ("_route_phase(v,", "_route_phase(v * 0,", AssertionError),
-    # the ticket counter is never reset: the next call of the program would start at the wrong ticket
-    "ticket kept": ("tl.store(phase_ptr, 0)", "pass", kernels.CodegenError),
-    # the routed programs map to the wrong experts: odd experts never run (their h rows stay poison)
+    # the phase counters are never reset: the next call of the program would start at the wrong ticket
+    "ticket kept": ("tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)", "pass", kernels.CodegenError),
+    # the routed up programs map to the wrong experts: odd experts never run (their h rows stay poison)
     "wrong expert": ("_up(w // RT, w % RT,", "_up(w // RT // 2 * 2, w % RT,", AssertionError),
+    # the routed down programs map to the wrong experts: odd experts' yr rows stay poison
+    "wrong down expert": ("_down(e, n_tile,", "_down(e // 2 * 2, n_tile,", AssertionError),
+    # the experts' I tile counts are never reset: the next call's down programs would not wait for h
+    "expert counts kept": ("tl.store(phase_ptr + COUNTERS + ND + eb, 0, mask=eb < E)", "pass", kernels.CodegenError),
+    # a D tile's arrival counter is left set: the next call would combine that tile before its experts ran
+    "arrival kept": ("tl.store(phase_ptr + COUNTERS + n_tile, 0)", "pass", kernels.CodegenError),
+    # the combine sums the routed rows but leaves out the shared expert's down GEMM
+    "no shared down": ("idx_ptr, cw2_ptr, cs2_ptr, out_ptr", "idx_ptr, None, cs2_ptr, out_ptr", AssertionError),
 }
 
 
 @pytest.mark.parametrize("fault", sorted(BROKEN))
 def test_broken_fused_kernel_is_caught(fault, monkeypatch, tmp_path):
     old, new, error = BROKEN[fault]
-    kc.install_broken_kernel(monkeypatch, tmp_path, moe_router, "moe_router_up_kernel", old, new)
+    kc.install_broken_kernel(monkeypatch, tmp_path, moe_router, "moe_fused_kernel", old, new)
     args, attrs = case(torch.float32, True, "float", "float", B=1, T=20)
     ref = kc.reference("moe_router_experts_shared", args, attrs)[0]
     with pytest.raises(error):
@@ -110,15 +201,22 @@ def test_broken_fused_kernel_is_caught(fault, monkeypatch, tmp_path):
         kc.assert_matches(y, ref, fault)
 
 
-def test_routed_programs_wait_for_every_router_program():
-    """The wait cannot be shown wrong by running it (the interpreter runs programs in ticket order), so the
-    kernel is checked to wait for all NR router programs before the routed programs' work, and the
-    router programs to publish after theirs."""
+def test_every_wait_follows_its_producers_publish():
+    """The waits cannot be shown wrong by running them (the interpreter runs programs in ticket order), so the
+    kernel's source is checked: each producer publishes after its work, each consumer waits before its own
+    (router -> routed up; routed up -> its expert's down programs; shared up -> the combining program)."""
     import inspect
-    src = inspect.getsource(moe_router.moe_router_up_kernel.fn)
-    route, pub = src.index("_route_phase(v,"), src.index("publish(phase_ptr + 1)")
-    wait, routed = src.index("wait_for(phase_ptr + 1, NR)"), src.index("_up(w // RT")
-    assert route < pub < wait < routed
+    src = inspect.getsource(moe_router.moe_fused_kernel.fn)
+    at = src.index
+    assert at("_route_phase(v,") < at("publish(phase_ptr + ROUTED)") < at("wait_for(phase_ptr + ROUTED, NR)") \
+        < at("_up(w // RT")
+    assert at("_up(w // RT") < at("publish(phase_ptr + COUNTERS + ND + w // RT)") \
+        < at("wait_for(phase_ptr + COUNTERS + ND + e, RT)") < at("_down(e, n_tile,")
+    assert at("_up(v * 0, v - NR") < at("publish(phase_ptr + SHARED_UP)") < at("wait_for(phase_ptr + SHARED_UP, ST)") \
+        < at("_combine_column(n_tile,")
+    assert at("_down(e, n_tile,") < at("last_to_arrive(phase_ptr + COUNTERS + n_tile, E)") < at("_combine_column(n_tile,")
+    assert at("_combine_column(n_tile,") < at("publish(phase_ptr + COMBINED)") < at("wait_for(phase_ptr + COMBINED, ND)") \
+        < at("mhc_rows(")
 
 
 @pytest.mark.slow
