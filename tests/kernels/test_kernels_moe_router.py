@@ -1,17 +1,20 @@
-"""moe_router family (`moe_router_experts_shared`: router + shared expert + routed experts) under the
-interpreter against the two ops it replaces, the router and moe_experts_shared kernels run apart.
+"""moe_router family (`moe_router_experts_shared`: router + shared expert + routed experts; `moe_mhc_post_pre`:
+the same and the mHC seam after it) under the interpreter against the launches it replaces: the router, the
+moe_experts_shared and the mhc_post_pre kernels run apart.
 
-Decode-sized P (scan mode): the router is the first phase of the routed up launch, so the op makes two
-calls, and y must be bit-identical to the router's and moe's kernels run one after the other (same
-arithmetic in the same order, nothing to tolerate) and match the op's reference within
-kernel_check.assert_matches (2 bf16 ulps as in test_kernels_moe). Prefill-sized P (grouped mode): the
-router keeps its own launch (four calls, the same kernels as apart), checked against the reference. Learned and hash routing, fp32 and bf16 (a bf16 router: the bias sum in bf16),
-FP4 / FP8 and float weights. Every scratch starts as NaN and every counter must end at 0 (run_calls), and
-deliberately broken variants of the fused kernel are caught: router programs that route the wrong row
-block (a token block left unrouted), the ticket counter left set, routed programs that run another
-expert's pairs (odd experts never run). That the routed programs wait for the router is shown on the source (the interpreter runs
-programs in ticket order, so a missing wait cannot fail there). The gfx950 binary of the fused kernel takes
-only the parameters its call describes (the router phase is inlined there: a noinline call would add AMDGPU's
+Decode-sized P (scan mode): the whole op is one launch (`moe_fused_kernel`: router, shared and routed gate /
+up, routed down, the combine, and the seam), and its results must be bit-identical to the kernels run one
+after the other (same arithmetic in the same order, nothing to tolerate) and match the op's reference
+within kernel_check.assert_matches (2 bf16 ulps as in test_kernels_moe). Prefill-sized P (grouped mode):
+the router and the seam keep their own launches (the same kernels as apart), checked against the
+reference. Learned and hash routing, fp32 and bf16 (a bf16 router: the bias sum in bf16), FP4 / FP8 and
+float weights. Every scratch starts as NaN and every counter must end at 0 (run_calls), and deliberately
+broken variants of the fused kernel are caught: router programs that route the wrong row block, a counter
+left set (the ticket, a D tile's arrivals), up or down programs that run another expert's pairs, a
+combine without the shared expert, seam programs on the wrong tokens. That
+every consumer waits for its producers is shown on the source (the interpreter runs programs in ticket
+order, so a missing wait cannot fail there). The gfx950 binary of the fused kernel takes only the
+parameters its call describes (the router phase is inlined there: a noinline call would add AMDGPU's
 hidden kernel arguments), and the AOT stage refuses a binary that takes hidden arguments.
 """
 
@@ -66,23 +69,8 @@ def fused(args, attrs):
     return y, calls
 
 
-@pytest.mark.parametrize("dtype,hashed,fmts,fp32", [
-    (torch.float32, False, ("float", "float"), False),
-    (torch.bfloat16, True, ("fp4", "fp8"), False),
-    (torch.bfloat16, False, ("float", "float"), True),  # official numerics: an fp32 router on bf16 activations
-], ids=["fp32-learned-float", "bf16-hash-fp4", "bf16-learned-float-fp32router"])
-def test_fused_decode_equals_the_ops_apart(dtype, hashed, fmts, fp32):
-    args, attrs = case(dtype, hashed, *fmts, fp32=fp32)
-    y, calls = fused(args, attrs)
-    assert [c.kernel_name for c in calls] == ["moe_fused_kernel"]
-    # NR router blocks + ST shared tiles + E x RT routed up tiles + E x ND routed down tiles
-    assert calls[0].grid[0] == 1 + 1 + 5 * 1 + 5 * 1
-    assert torch.equal(y, apart(args, attrs)), "the fused launches differ from the router + moe kernels"
-    kc.assert_matches(y, kc.reference("moe_router_experts_shared", args, attrs)[0], "moe_router_experts_shared",
-                      ulps=2)
-
-
-SEAM_ATTRS = {"eps": 1e-6, "hc_eps": 1e-6, "iters": 20, "norm_eps": 1e-6}
+SEAM_ATTRS = {"eps": 1e-6, "hc_eps": 1e-6, "iters": 3, "norm_eps": 1e-6}  # few Sinkhorn steps: interpreter time
+SEAM_RESULTS = ("streams_out", "y_next", "post_next", "comb_next")
 
 
 def seam_case(dtype, hashed, *fmts, B=2, T=5, **kw):
@@ -98,9 +86,6 @@ def seam_case(dtype, hashed, *fmts, B=2, T=5, **kw):
     return args, {**attrs, **SEAM_ATTRS}
 
 
-SEAM_RESULTS = ("streams_out", "y_next", "post_next", "comb_next")
-
-
 def seam_fused(args, attrs):
     ref = kc.reference("moe_mhc_post_pre", args, attrs)
     outs = {n: kc.poisoned(r.shape, r.dtype)[0] for n, r in zip(SEAM_RESULTS, ref)}
@@ -109,66 +94,51 @@ def seam_fused(args, attrs):
 
 
 def seam_apart(args, attrs, ref):
-    """The MoE's launch, then the mhc_post_pre kernel on its output."""
+    """The router and moe kernels (`apart`), then the mhc_post_pre kernel on their output."""
     m_args = {n: v for n, v in args.items() if n not in moe_router.SEAM_OPERANDS}
-    m_attrs = {n: v for n, v in attrs.items() if n not in SEAM_ATTRS}
-    y, _ = fused(m_args, m_attrs)
+    y = apart(m_args, {n: v for n, v in attrs.items() if n not in SEAM_ATTRS})
     outs = {n: kc.poisoned(r.shape, r.dtype)[0] for n, r in zip(SEAM_RESULTS, ref)}
     kernels.launch("mhc_post_pre", {"y": y, **{n: args[n] for n in moe_router.SEAM_OPERANDS}}, SEAM_ATTRS, outs)
     return outs
 
 
-@pytest.mark.parametrize("dtype,hashed,fmts", [(torch.float32, False, ("float", "float")),
-                                               (torch.bfloat16, True, ("fp4", "fp8"))],
-                         ids=["fp32-learned-float", "bf16-hash-fp4"])
-def test_seam_in_the_moe_launch_equals_the_launches_apart(dtype, hashed, fmts):
-    """`moe_mhc_post_pre` at decode: one launch (the seam its last phase), bit-identical to the MoE launch and
-    the mhc launch run one after the other, and within the mhc tests' tolerance of the reference (1 bf16 ulp;
-    2 for y_next, which also carries the MoE's 2-ulp sums through the seam's norm)."""
-    args, attrs = seam_case(dtype, hashed, *fmts)
+@pytest.mark.parametrize("dtype,hashed,fmts,fp32", [
+    (torch.float32, False, ("float", "float"), False),
+    (torch.bfloat16, True, ("fp4", "fp8"), False),
+    (torch.bfloat16, False, ("float", "float"), True),  # official numerics: an fp32 router on bf16 activations
+], ids=["fp32-learned-float", "bf16-hash-fp4", "bf16-learned-float-fp32router"])
+def test_fused_decode_equals_the_launches_apart(dtype, hashed, fmts, fp32):
+    """`moe_mhc_post_pre` at decode: one launch, bit-identical to the router, moe and mhc kernels run one
+    after the other, and within 2 bf16 ulps of the reference (the MoE's sums, carried through the seam)."""
+    args, attrs = seam_case(dtype, hashed, *fmts, fp32=fp32)
     outs, ref, calls = seam_fused(args, attrs)
     assert [c.kernel_name for c in calls] == ["moe_fused_kernel"]
-    assert calls[0].grid[0] == 1 + 1 + 5 * 1 + 5 * 1 + 1  # ... + NH = 1 seam program (10 tokens)
+    # NR router blocks + ST shared tiles + E x RT routed up tiles + E x ND routed down tiles + NH seam blocks
+    assert calls[0].grid[0] == 1 + 1 + 5 * 1 + 5 * 1 + 1
     want = seam_apart(args, attrs, ref)
     for n, r in zip(SEAM_RESULTS, ref):
-        assert torch.equal(outs[n], want[n]), f"{n}: the fused launch differs from the two launches"
+        assert torch.equal(outs[n], want[n]), f"{n}: the fused launch differs from the launches apart"
         kc.assert_matches(outs[n], r, f"moe_mhc_post_pre {n}", ulps=2)
 
 
-def test_seam_prefill_keeps_its_own_launch():
-    args, attrs = seam_case(torch.float32, False, "float", "float", B=1, T=33)  # P = 66: grouped mode
+def test_without_a_seam_the_same_launch_ends_at_the_combine():
+    """`moe_router_experts_shared` (the last layer's MoE): the same kernel with no seam programs, its y
+    bit-identical to the router and moe kernels run apart."""
+    args, attrs = case(torch.bfloat16, True, "fp4", "fp8")
+    y, calls = fused(args, attrs)
+    assert [c.kernel_name for c in calls] == ["moe_fused_kernel"] and calls[0].grid[0] == 1 + 1 + 5 + 5
+    assert torch.equal(y, apart(args, attrs)), "the fused launch differs from the router + moe kernels"
+    kc.assert_matches(y, kc.reference("moe_router_experts_shared", args, attrs)[0], "moe_router_experts_shared",
+                      ulps=2)
+
+
+def test_grouped_prefill_keeps_the_router_and_seam_launches():
+    args, attrs = seam_case(torch.float32, False, "float", "float", B=1, T=33)  # P = 66 > SCAN_MAX_PAIRS
     outs, ref, calls = seam_fused(args, attrs)
     assert [c.kernel_name for c in calls] == ["router_kernel", "moe_group_kernel", "moe_up_kernel", "moe_down_kernel",
                                               "mhc_kernel"]
     for n, r in zip(SEAM_RESULTS, ref):
         kc.assert_matches(outs[n], r, f"grouped {n}", ulps=2)
-
-
-SEAM_BROKEN = {
-    # the seam programs do not wait for the combine: shown on the source (test_every_wait_...); here the seam
-    # reads another token block: the second block (T = 20 tokens: 2 blocks of BT = 16) stays poison
-    "seam block": ("mhc_rows(v - NR - ST - E * RT - E * ND,", "mhc_rows((v - NR - ST - E * RT - E * ND) * 0,"),
-    # the seam writes its new streams over its input streams (an operand): streams_out stays poison
-    "seam streams": ("m_scale_ptr, m_norm_ptr, m_so_ptr,", "m_scale_ptr, m_norm_ptr, m_s_ptr,"),
-}
-
-
-@pytest.mark.parametrize("fault", sorted(SEAM_BROKEN))
-def test_broken_seam_phase_is_caught(fault, monkeypatch, tmp_path):
-    old, new = SEAM_BROKEN[fault]
-    kc.install_broken_kernel(monkeypatch, tmp_path, moe_router, "moe_fused_kernel", old, new)
-    args, attrs = seam_case(torch.float32, True, "float", "float", B=1, T=20)
-    with pytest.raises(AssertionError):
-        outs, ref, _ = seam_fused(args, attrs)
-        for n, r in zip(SEAM_RESULTS, ref):
-            kc.assert_matches(outs[n], r, f"{fault} {n}")
-
-
-def test_grouped_prefill_keeps_the_router_launch():
-    args, attrs = case(torch.float32, False, "float", "float", B=1, T=33, k=2)  # P = 66 > SCAN_MAX_PAIRS
-    y, calls = fused(args, attrs)
-    assert [c.kernel_name for c in calls] == ["router_kernel", "moe_group_kernel", "moe_up_kernel", "moe_down_kernel"]
-    kc.assert_matches(y, kc.reference("moe_router_experts_shared", args, attrs)[0], "grouped", ulps=2)
 
 
 BROKEN = {
@@ -181,12 +151,13 @@ BROKEN = {
     "wrong expert": ("_up(w // RT, w % RT,", "_up(w // RT // 2 * 2, w % RT,", AssertionError),
     # the routed down programs map to the wrong experts: odd experts' yr rows stay poison
     "wrong down expert": ("_down(e, n_tile,", "_down(e // 2 * 2, n_tile,", AssertionError),
-    # the experts' I tile counts are never reset: the next call's down programs would not wait for h
-    "expert counts kept": ("tl.store(phase_ptr + COUNTERS + ND + eb, 0, mask=eb < E)", "pass", kernels.CodegenError),
     # a D tile's arrival counter is left set: the next call would combine that tile before its experts ran
     "arrival kept": ("tl.store(phase_ptr + COUNTERS + n_tile, 0)", "pass", kernels.CodegenError),
     # the combine sums the routed rows but leaves out the shared expert's down GEMM
     "no shared down": ("idx_ptr, cw2_ptr, cs2_ptr, out_ptr", "idx_ptr, None, cs2_ptr, out_ptr", AssertionError),
+    # the seam programs all run the first token block (T = 20 tokens: 2 blocks of BT = 16): the rest stays poison
+    "seam block": ("mhc_rows(v - NR - ST - E * RT - E * ND,", "mhc_rows((v - NR - ST - E * RT - E * ND) * 0,",
+                   AssertionError),
 }
 
 
@@ -194,6 +165,13 @@ BROKEN = {
 def test_broken_fused_kernel_is_caught(fault, monkeypatch, tmp_path):
     old, new, error = BROKEN[fault]
     kc.install_broken_kernel(monkeypatch, tmp_path, moe_router, "moe_fused_kernel", old, new)
+    if fault.startswith("seam"):
+        args, attrs = seam_case(torch.float32, True, "float", "float", B=1, T=20)
+        with pytest.raises(error):
+            outs, ref, _ = seam_fused(args, attrs)
+            for n, r in zip(SEAM_RESULTS, ref):
+                kc.assert_matches(outs[n], r, f"{fault} {n}")
+        return
     args, attrs = case(torch.float32, True, "float", "float", B=1, T=20)
     ref = kc.reference("moe_router_experts_shared", args, attrs)[0]
     with pytest.raises(error):
@@ -227,8 +205,8 @@ def test_gfx950_binary_takes_only_the_calls_parameters(tmp_path, monkeypatch):
     from v4compile.codegen import aot
 
     monkeypatch.setenv("V4COMPILE_CACHE", str(tmp_path / "cache"))
-    args, attrs = case(torch.float32, True, "float", "float")
-    _, calls = fused(args, attrs)
+    args, attrs = seam_case(torch.float32, True, "float", "float")  # every phase, the seam's too
+    _, _, calls = seam_fused(args, attrs)
     rows = aot.compile_calls(calls[:1], ["gfx950"], tmp_path / "ok", jobs=1)
     side = json.loads((tmp_path / "ok" / rows[0]["sidecar"]).read_text())
     assert side["constexprs"]["CALLS"] is False and b"hidden_" not in (tmp_path / "ok" / rows[0]["path"]).read_bytes()
