@@ -205,8 +205,8 @@ def test_gfx950_binary_takes_only_the_calls_parameters(tmp_path, monkeypatch):
     from v4compile.codegen import aot
 
     monkeypatch.setenv("V4COMPILE_CACHE", str(tmp_path / "cache"))
-    args, attrs = seam_case(torch.float32, True, "float", "float")  # every phase, the seam's too
-    _, _, calls = seam_fused(args, attrs)
+    args, attrs = case(torch.float32, True, "float", "float")  # (the seam phase is inlined code: no call)
+    _, calls = fused(args, attrs)
     rows = aot.compile_calls(calls[:1], ["gfx950"], tmp_path / "ok", jobs=1)
     side = json.loads((tmp_path / "ok" / rows[0]["sidecar"]).read_text())
     assert side["constexprs"]["CALLS"] is False and b"hidden_" not in (tmp_path / "ok" / rows[0]["path"]).read_bytes()
