@@ -82,7 +82,22 @@ def mhc_kernel(y_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, no
     """MIX: "pre" (fn [(2+N)N, ND]: pre, post, comb), "head" (fn [N, ND]: pre only) or "" (hc_post only).
     NM = the padded width (>= 16) of the pre / post projections; N*N is the comb width."""
     pdl_enter(PDL)
-    tok = tl.program_id(0) * BT + tl.arange(0, BT)
+    mhc_rows(tl.program_id(0), y_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, norm_ptr, so_ptr, yo_ptr,
+             posto_ptr, combo_ptr, M, N, D, BD, BT, POST, MIX, NORM, NM, EPS, HC_EPS, ITERS, NORM_EPS, Y_S, S_S, S_SN,
+             SO_S, SO_SN, YO_S, DT)
+
+
+@triton.jit
+def mhc_rows(tb, y_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, norm_ptr,
+             so_ptr, yo_ptr, posto_ptr, combo_ptr,
+             M: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+             POST: tl.constexpr, MIX: tl.constexpr, NORM: tl.constexpr, NM: tl.constexpr,
+             EPS: tl.constexpr, HC_EPS: tl.constexpr, ITERS: tl.constexpr, NORM_EPS: tl.constexpr,
+             Y_S: tl.constexpr, S_S: tl.constexpr, S_SN: tl.constexpr, SO_S: tl.constexpr, SO_SN: tl.constexpr,
+             YO_S: tl.constexpr, DT: tl.constexpr):
+    """The seam for token block tb (tokens [tb * BT, tb * BT + BT)): the whole computation of one program
+    (also the last phase of the fused MoE launch, `moe_router.py`)."""
+    tok = tb * BT + tl.arange(0, BT)
     tm = tok < M
     # Pass 1: (post) new streams; RMS and projection of the flattened streams.
     ssq = tl.zeros([BT], tl.float32)

@@ -219,8 +219,25 @@ def moe_down_kernel(h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
     """Routed down (expert e, D tile) -> yr rows; the last of a D tile's E expert programs to arrive then
     combines that tile for every token (`_combine`: the shared expert's down GEMM and the ordered sum)."""
     pdl_enter(PDL)
-    e = tl.program_id(0)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_tile = tl.program_id(1)
+    _down(tl.program_id(0), n_tile, h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr, P, E, KSEL, MODE, PB, I,
+          D, H_RS, IDX_RS, WT_RS, Y_RS, W_ES, W_RS, S_ES, S_RS, W_FMT, S_E8M0, BLOCK, ACT, CDT, ROUTE, BM, BN, BK)
+    if last_to_arrive(sem_ptr + n_tile, E):  # codegen/kernels/arrival.py
+        _combine_column(n_tile, hs_ptr, y_ptr, cidx_ptr, cw2_ptr, cs2_ptr, out_ptr, C_M, E, KSEL, C_IS, D, C_HS_RS, Y_RS,
+                        IDX_RS, C_Y_RS, C_W_RS, C_S_RS, C_W_FMT, C_S_E8M0, C_BLOCK, C_ACT, CDT, BM, BN, C_BK, C_BKS)
+        tl.store(sem_ptr + n_tile, 0)
+
+
+@triton.jit
+def _down(e, n_tile, h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
+          P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, MODE: tl.constexpr, PB: tl.constexpr,
+          I: tl.constexpr, D: tl.constexpr,
+          H_RS: tl.constexpr, IDX_RS: tl.constexpr, WT_RS: tl.constexpr, Y_RS: tl.constexpr,
+          W_ES: tl.constexpr, W_RS: tl.constexpr, S_ES: tl.constexpr, S_RS: tl.constexpr,
+          W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
+          CDT: tl.constexpr, ROUTE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Expert e's D tile n_tile: yr[pairs of e, tile] = the routed down GEMM and its routing weight."""
+    offs_n = n_tile * BN + tl.arange(0, BN)
     n_ok = offs_n < D
     rk = tl.arange(0, BK)
     w2 = w2_ptr + e.to(tl.int64) * W_ES
@@ -245,12 +262,19 @@ def moe_down_kernel(h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
         else:
             ye = (acc.to(dt).to(tl.float32) * wt[None, :]).to(dt)
         tl.store(y_ptr + pr[None, :].to(tl.int64) * Y_RS + offs_n[:, None], ye, mask=ok[None, :] & n_ok[:, None])
-    n_tile = tl.program_id(1)
-    if last_to_arrive(sem_ptr + n_tile, E):  # codegen/kernels/arrival.py
-        for m_tile in range(0, (C_M + BM - 1) // BM):
-            _combine(n_tile, m_tile, hs_ptr, y_ptr, cidx_ptr, cw2_ptr, cs2_ptr, out_ptr, C_M, E, KSEL, C_IS, D, C_HS_RS,
-                     Y_RS, IDX_RS, C_Y_RS, C_W_RS, C_S_RS, C_W_FMT, C_S_E8M0, C_BLOCK, C_ACT, CDT, BM, BN, C_BK, C_BKS)
-        tl.store(sem_ptr + n_tile, 0)
+
+
+@triton.jit
+def _combine_column(n_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr,
+                    M: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, IS: tl.constexpr, D: tl.constexpr,
+                    HS_RS: tl.constexpr, YR_RS: tl.constexpr, IDX_RS: tl.constexpr, Y_RS: tl.constexpr,
+                    W_RS: tl.constexpr, S_RS: tl.constexpr, W_FMT: tl.constexpr, S_E8M0: tl.constexpr,
+                    BLOCK: tl.constexpr, ACT: tl.constexpr, CDT: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr):
+    """`_combine` of D tile n_tile for every token, BM tokens at a time."""
+    for m_tile in range(0, (M + BM - 1) // BM):
+        _combine(n_tile, m_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, M, E, KSEL, IS, D, HS_RS, YR_RS,
+                 IDX_RS, Y_RS, W_RS, S_RS, W_FMT, S_E8M0, BLOCK, ACT, CDT, BM, BN, BK, BKS)
 
 
 @triton.jit

@@ -1,16 +1,22 @@
-"""moe_router family: `moe_router_experts_shared` (router + shared expert + routed experts, one op) in two
-launches instead of three.
+"""moe_router family: `moe_router_experts_shared` (router + shared expert + routed experts, one op) in one
+launch at decode.
 
-Decode-sized P (the moe family's "scan" mode): the router runs as the first phase of the routed gate / up
-launch. Its programs are, in the order they start (`phases.ticket`):
+Decode-sized P (the moe family's "scan" mode): the router, both expert GEMMs of both kinds of expert and the
+combine run in one launch. Its programs are, in the order they start (`phases.ticket`):
   tickets [0, NR)            the router (`router.route_rows`, one per BR token rows) -> the routing weights
                              and expert ids, scratch `route_weights` / `route_indices`; each then publishes;
-  tickets [NR, NR + ST)      the shared expert's gate / up I tiles (they need no routing, so they run
-                             while the router does);
-  tickets [NR + ST, ...)     the routed experts' (expert, I tile) programs, which first wait for all NR
-                             router programs (`phases.wait_for`), then rank their pairs in the ids.
-The last program to finish resets the three counters (`semaphore` `moe_phase`). The routed down + shared
-down + combine launch is the moe family's own, reading the routing from the scratch.
+  tickets [NR, NR + ST)      the shared expert's gate / up I tiles -> hs (they need no routing, so they run
+                             while the router does); each publishes;
+  then E x RT                the routed experts' (expert, I tile) gate / up programs -> h: they first wait
+                             for all NR router programs (`phases.wait_for`), then rank their pairs in the
+                             ids; each publishes to its expert's count;
+  then E x ND                the routed (expert, D tile) down programs -> yr: each waits for its expert's RT
+                             I tiles; the last of a D tile's E programs to arrive (`arrival.last_to_arrive`)
+                             waits for the ST shared tiles and combines the tile (the shared down GEMM and
+                             the ordered sum, `moe._combine_column`) into y.
+A program waits only for programs that took earlier tickets (see `phases`), so no schedule deadlocks; what
+it reads was published along that chain (the router's ids reach the down programs through the up programs'
+acquire / release). The last program to finish resets the counters (one `semaphore`, `moe_phase`).
 Prefill-sized P (the "grouped" mode) keeps the router as its own launch, writing the same scratch, then the
 moe family's launches (grouping, up, down): the grouping needs every pair's expert before any up program.
 Every kernel computes what the router and moe kernels compute, in the same order, so the results are
@@ -24,10 +30,11 @@ import triton.language as tl
 
 from ...ir.registry import Layout
 from ...ir.types import TensorType
-from . import KernelCall, TensorArg, call_name, ptr
-from . import moe, router
+from . import CALLS_PARAM, PDL_PARAM, KernelCall, TensorArg, call_name, ptr
+from . import mhc, moe, router
 from .arrival import last_to_arrive
-from .moe import _up
+from .mhc import mhc_rows
+from .moe import _combine_column, _down, _up
 from .pdl import pdl_enter
 from .phases import publish, ticket, wait_for
 from .router import route_rows
@@ -39,6 +46,30 @@ ROUTER_PARAMS = {"x_ptr": "x_ptr", "w_ptr": "r_w_ptr", "b_ptr": "r_b_ptr", "t_pt
 RENAMED = {("result", "weights"): ("scratch", "route_weights"), ("result", "indices"): ("scratch", "route_indices"),
            ("operand", "weights"): ("scratch", "route_weights"), ("operand", "indices"): ("scratch", "route_indices"),
            ("operand", "w"): ("operand", "gate")}
+# with a seam: the MoE's output as the MoE kernels write it and the mhc kernel reads it -> scratch
+SEAM_RENAMED = {**RENAMED, ("result", "y"): ("scratch", "moe_y"), ("operand", "y"): ("scratch", "moe_y")}
+# moe_down kernel params -> the fused kernel's (the routing it reads is the router's scratch, its counters
+# the fused call's one semaphore)
+DOWN_PARAMS = {"h_ptr": "h_ptr", "idx_ptr": "idx_ptr", "grp_ptr": "grp_ptr", "wt_ptr": "r_wo_ptr", "w2_ptr": "w2_ptr",
+               "s2_ptr": "s2_ptr", "y_ptr": "yr_ptr", "cidx_ptr": "idx_ptr", "hs_ptr": "hs_ptr", "cw2_ptr": "cw2_ptr",
+               "cs2_ptr": "cs2_ptr", "out_ptr": "out_ptr"}
+# the down call's constexprs that are the up call's too (the same pairs, experts and formats)
+SHARED_CONSTEXPRS = ("P", "E", "KSEL", "MODE", "PB", "I", "D", "IDX_RS", "ACT", "CDT", "BM")
+# `moe_mhc_post_pre`: the seam's operands, and its mhc kernel's params -> the fused kernel's (the MoE's
+# output it reads is the combine's `out_ptr`)
+SEAM_OPERANDS = ("streams", "post", "comb", "fn", "base", "scale", "norm")
+SEAM_PARAMS = {"y_ptr": "out_ptr", "s_ptr": "m_s_ptr", "post_ptr": "m_post_ptr", "comb_ptr": "m_comb_ptr",
+               "fn_ptr": "m_fn_ptr", "base_ptr": "m_base_ptr", "scale_ptr": "m_scale_ptr", "norm_ptr": "m_norm_ptr",
+               "so_ptr": "m_so_ptr", "yo_ptr": "m_yo_ptr", "posto_ptr": "m_posto_ptr", "combo_ptr": "m_combo_ptr"}
+# the seam's constexprs when there is none (`moe_router_experts_shared`: NH = 0 programs run it)
+NO_SEAM = {**{p: None for p in SEAM_PARAMS if p != "y_ptr"}, "M": 0, "N": 1, "D": 16, "BD": 16, "BT": 16,
+           "POST": False, "MIX": "", "NORM": False, "NM": 16, "EPS": 0.0, "HC_EPS": 0.0, "ITERS": 1, "NORM_EPS": 0.0,
+           "Y_S": 0, "S_S": 0, "S_SN": 0, "SO_S": 0, "SO_SN": 0, "YO_S": 0, "DT": tl.float32}
+# the semaphore's int32 counters: the ticket, router programs done, shared gate / up tiles done, D tiles
+# combined, programs finished (COUNTERS slots, a power of two); then one arrival counter per D tile and one
+# count of finished I tiles per expert
+TICKET, ROUTED, SHARED_UP, COMBINED, FINISHED = (tl.constexpr(i) for i in range(5))
+COUNTERS = tl.constexpr(8)
 
 
 @triton.jit(noinline=True)
@@ -58,29 +89,47 @@ _route_phase_inlined = triton.jit(_route_phase.fn)
 
 
 @triton.jit
-def moe_router_up_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr,
-                         sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, hs_ptr,
-                         r_w_ptr, r_b_ptr, r_t_ptr, r_ids_ptr, r_wo_ptr, phase_ptr,
-                         P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, MODE: tl.constexpr, PB: tl.constexpr,
-                         I: tl.constexpr, D: tl.constexpr,
-                         X_RS: tl.constexpr, IDX_RS: tl.constexpr, H_RS: tl.constexpr,
-                         W_ES: tl.constexpr, W_RS: tl.constexpr, S_ES: tl.constexpr, S_RS: tl.constexpr,
-                         W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
-                         CDT: tl.constexpr, LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr,
-                         S_M: tl.constexpr, S_I: tl.constexpr, S_W_RS: tl.constexpr, S_S_RS: tl.constexpr,
-                         S_W_FMT: tl.constexpr, S_S_E8M0: tl.constexpr, S_BLOCK: tl.constexpr, S_ACT: tl.constexpr,
-                         S_BM: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
-                         R_R: tl.constexpr, R_D: tl.constexpr, R_E: tl.constexpr, R_KSEL: tl.constexpr,
-                         R_X_RS: tl.constexpr, R_W_RS: tl.constexpr, R_T_RS: tl.constexpr, R_I_S: tl.constexpr,
-                         R_WO_RS: tl.constexpr, R_IO_RS: tl.constexpr, R_ROUTE_SCALE: tl.constexpr,
-                         R_DENOM_EPS: tl.constexpr, R_SUM_IN_DT: tl.constexpr, R_BR: tl.constexpr, R_BE: tl.constexpr,
-                         R_BK: tl.constexpr, R_BKS: tl.constexpr,
-                         NR: tl.constexpr, ST: tl.constexpr, RT: tl.constexpr, PDL: tl.constexpr = False,
-                         CALLS: tl.constexpr = True):
-    """Programs by ticket: NR router row blocks, ST shared gate / up tiles, E x RT routed (expert, I tile)."""
+def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr,
+                     sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, hs_ptr,
+                     r_w_ptr, r_b_ptr, r_t_ptr, r_ids_ptr, r_wo_ptr,
+                     w2_ptr, s2_ptr, yr_ptr, cw2_ptr, cs2_ptr, out_ptr,
+                     m_s_ptr, m_post_ptr, m_comb_ptr, m_fn_ptr, m_base_ptr, m_scale_ptr, m_norm_ptr,
+                     m_so_ptr, m_yo_ptr, m_posto_ptr, m_combo_ptr, phase_ptr,
+                     P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, MODE: tl.constexpr, PB: tl.constexpr,
+                     I: tl.constexpr, D: tl.constexpr,
+                     X_RS: tl.constexpr, IDX_RS: tl.constexpr, H_RS: tl.constexpr,
+                     W_ES: tl.constexpr, W_RS: tl.constexpr, S_ES: tl.constexpr, S_RS: tl.constexpr,
+                     W_FMT: tl.constexpr, S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr,
+                     CDT: tl.constexpr, LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr,
+                     S_M: tl.constexpr, S_I: tl.constexpr, S_W_RS: tl.constexpr, S_S_RS: tl.constexpr,
+                     S_W_FMT: tl.constexpr, S_S_E8M0: tl.constexpr, S_BLOCK: tl.constexpr, S_ACT: tl.constexpr,
+                     S_BM: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr,
+                     R_R: tl.constexpr, R_D: tl.constexpr, R_E: tl.constexpr, R_KSEL: tl.constexpr,
+                     R_X_RS: tl.constexpr, R_W_RS: tl.constexpr, R_T_RS: tl.constexpr, R_I_S: tl.constexpr,
+                     R_WO_RS: tl.constexpr, R_IO_RS: tl.constexpr, R_ROUTE_SCALE: tl.constexpr,
+                     R_DENOM_EPS: tl.constexpr, R_SUM_IN_DT: tl.constexpr, R_BR: tl.constexpr, R_BE: tl.constexpr,
+                     R_BK: tl.constexpr, R_BKS: tl.constexpr,
+                     D_H_RS: tl.constexpr, D_WT_RS: tl.constexpr, D_Y_RS: tl.constexpr, D_W_ES: tl.constexpr,
+                     D_W_RS: tl.constexpr, D_S_ES: tl.constexpr, D_S_RS: tl.constexpr, D_W_FMT: tl.constexpr,
+                     D_S_E8M0: tl.constexpr, D_BLOCK: tl.constexpr, D_ROUTE: tl.constexpr, D_BN: tl.constexpr,
+                     D_BK: tl.constexpr,
+                     C_M: tl.constexpr, C_IS: tl.constexpr, C_HS_RS: tl.constexpr, C_Y_RS: tl.constexpr,
+                     C_W_RS: tl.constexpr, C_S_RS: tl.constexpr, C_W_FMT: tl.constexpr, C_S_E8M0: tl.constexpr,
+                     C_BLOCK: tl.constexpr, C_ACT: tl.constexpr, C_BK: tl.constexpr, C_BKS: tl.constexpr,
+                     H_M: tl.constexpr, H_N: tl.constexpr, H_D: tl.constexpr, H_BD: tl.constexpr,
+                     H_BT: tl.constexpr, H_POST: tl.constexpr, H_MIX: tl.constexpr, H_NORM: tl.constexpr,
+                     H_NM: tl.constexpr, H_EPS: tl.constexpr, H_HC_EPS: tl.constexpr, H_ITERS: tl.constexpr,
+                     H_NORM_EPS: tl.constexpr, H_Y_S: tl.constexpr, H_S_S: tl.constexpr, H_S_SN: tl.constexpr,
+                     H_SO_S: tl.constexpr, H_SO_SN: tl.constexpr, H_YO_S: tl.constexpr, H_DT: tl.constexpr,
+                     NR: tl.constexpr, ST: tl.constexpr, RT: tl.constexpr, ND: tl.constexpr, NH: tl.constexpr,
+                     EB: tl.constexpr,
+                     PDL: tl.constexpr = False, CALLS: tl.constexpr = True):
+    """Programs by ticket: NR router row blocks, ST shared gate / up tiles, E x RT routed (expert, I tile)
+    gate / up, E x ND routed (expert, D tile) down (the last down program of a D tile combines it), NH token
+    blocks of the seam after the MoE (`moe_mhc_post_pre`; none for `moe_router_experts_shared`)."""
     pdl_enter(PDL)
-    v = ticket(phase_ptr)
+    v = ticket(phase_ptr + TICKET)
     if v < NR:
         if CALLS:  # sm_90a: a call, its registers allocated apart (kernels/__init__.py: CALLS_PARAM)
             _route_phase(v, x_ptr, r_w_ptr, r_b_ptr, r_t_ptr, r_ids_ptr, r_wo_ptr, idx_ptr, R_R, R_D, R_E, R_KSEL,
@@ -90,40 +139,58 @@ def moe_router_up_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr
             _route_phase_inlined(v, x_ptr, r_w_ptr, r_b_ptr, r_t_ptr, r_ids_ptr, r_wo_ptr, idx_ptr, R_R, R_D, R_E,
                                  R_KSEL, R_X_RS, R_W_RS, R_T_RS, R_I_S, R_WO_RS, R_IO_RS, R_ROUTE_SCALE, R_DENOM_EPS,
                                  R_SUM_IN_DT, R_BR, R_BE, R_BK, R_BKS)
-        publish(phase_ptr + 1)
+        publish(phase_ptr + ROUTED)
     elif v < NR + ST:
         _up(v * 0, v - NR, x_ptr, None, None,  # expert 0 of 1 (a tensor: _up casts it)
             sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, hs_ptr, S_M, 1, 1, "all", 1, S_I, D,
             X_RS, 0, S_I, 0, S_W_RS, 0, S_S_RS, S_W_FMT, S_S_E8M0, S_BLOCK, S_ACT, CDT, LIMIT, S_BM, S_BN, S_BK)
-    else:
-        wait_for(phase_ptr + 1, NR)
+        publish(phase_ptr + SHARED_UP)
+    elif v < NR + ST + E * RT:
+        wait_for(phase_ptr + ROUTED, NR)
         w = v - NR - ST
         _up(w // RT, w % RT, x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, P, E, KSEL, MODE, PB, I, D,
             X_RS, IDX_RS, H_RS, W_ES, W_RS, S_ES, S_RS, W_FMT, S_E8M0, BLOCK, ACT, CDT, LIMIT, BM, BN, BK)
-    if last_to_arrive(phase_ptr + 2, NR + ST + E * RT):  # every program has its ticket and is past its wait
-        tl.store(phase_ptr, 0)
-        tl.store(phase_ptr + 1, 0)
-        tl.store(phase_ptr + 2, 0)
+        publish(phase_ptr + COUNTERS + ND + w // RT)  # one more of expert e's I tiles in h
+    elif v < NR + ST + E * RT + E * ND:
+        d = v - NR - ST - E * RT
+        e = d // ND
+        n_tile = d % ND
+        wait_for(phase_ptr + COUNTERS + ND + e, RT)  # expert e's h rows, every I tile (the routing came first)
+        _down(e, n_tile, h_ptr, idx_ptr, grp_ptr, r_wo_ptr, w2_ptr, s2_ptr, yr_ptr, P, E, KSEL, MODE, PB, I, D, D_H_RS,
+              IDX_RS, D_WT_RS, D_Y_RS, D_W_ES, D_W_RS, D_S_ES, D_S_RS, D_W_FMT, D_S_E8M0, D_BLOCK, ACT, CDT, D_ROUTE, BM,
+              D_BN, D_BK)
+        if last_to_arrive(phase_ptr + COUNTERS + n_tile, E):  # every expert's rows of this D tile are in yr
+            wait_for(phase_ptr + SHARED_UP, ST)  # the shared expert's hs, for its down GEMM
+            _combine_column(n_tile, hs_ptr, yr_ptr, idx_ptr, cw2_ptr, cs2_ptr, out_ptr, C_M, E, KSEL, C_IS, D, C_HS_RS,
+                            D_Y_RS, IDX_RS, C_Y_RS, C_W_RS, C_S_RS, C_W_FMT, C_S_E8M0, C_BLOCK, C_ACT, CDT, BM, D_BN,
+                            C_BK, C_BKS)
+            tl.store(phase_ptr + COUNTERS + n_tile, 0)
+            publish(phase_ptr + COMBINED)
+    else:
+        wait_for(phase_ptr + COMBINED, ND)  # every D tile of the MoE's output is in y
+        mhc_rows(v - NR - ST - E * RT - E * ND, out_ptr, m_s_ptr, m_post_ptr, m_comb_ptr, m_fn_ptr, m_base_ptr,
+                 m_scale_ptr, m_norm_ptr, m_so_ptr, m_yo_ptr, m_posto_ptr, m_combo_ptr, H_M, H_N, H_D, H_BD, H_BT,
+                 H_POST, H_MIX, H_NORM, H_NM, H_EPS, H_HC_EPS, H_ITERS, H_NORM_EPS, H_Y_S, H_S_S, H_S_SN, H_SO_S,
+                 H_SO_SN, H_YO_S, H_DT)
+    if last_to_arrive(phase_ptr + FINISHED, NR + ST + E * RT + E * ND + NH):  # every program is past its waits
+        tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)
+        eb = tl.arange(0, EB)
+        tl.store(phase_ptr + COUNTERS + ND + eb, 0, mask=eb < E)
 
 
-def _renamed(call: KernelCall, extra_scratch: dict[str, int], params: dict[str, str] | None = None) -> KernelCall:
-    """`call` with the routing as scratch and the router weight as `gate` (params renamed by `params`)."""
-    params = params or {}
-    pts = []
-    for p, kind, name, ty in call.pointers:
-        kind, name = RENAMED.get((kind, name), (kind, name))
-        pts.append((params.get(p, p), kind, name, ty))
-    call.pointers = pts
+def _renamed(call: KernelCall, extra_scratch: dict[str, int], renamed: dict = RENAMED) -> KernelCall:
+    """`call` with the routing (and with SEAM_RENAMED the MoE's output) as scratch and the router weight as
+    `gate`."""
+    call.pointers = [(p, *renamed.get((kind, name), (kind, name)), ty) for p, kind, name, ty in call.pointers]
     call.scratch_bytes.update(extra_scratch)
-    call.unaligned = tuple(sorted(params.get(p, p) for p in call.unaligned))
     return call
 
 
 def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg],
                attrs: dict) -> list[KernelCall]:
-    if op_name != "moe_router_experts_shared":
+    if op_name not in ("moe_router_experts_shared", "moe_mhc_post_pre"):
         raise KeyError(f"moe_router family has no op '{op_name}'")
-    from ...ops.fused import ROUTER_ATTRS
+    from ...ops.fused import MHC_ATTRS, ROUTER_ATTRS
 
     x = operands["x"]
     r_ops = {"x": x, "w": operands["gate"], "bias": operands.get("bias"), "tid2eid": operands.get("tid2eid"),
@@ -136,31 +203,58 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     strides = Layout.contiguous(wt.shape).strides  # the routing as dense scratch
     wa, ia = TensorArg(wt, strides), TensorArg(it, strides)
     extra = {"route_weights": wt.nbytes, "route_indices": it.nbytes}
+    seam = op_name == "moe_mhc_post_pre"
+    m_results = results
+    if seam:  # the MoE's output as dense scratch, read back by the seam
+        m_results = {"y": TensorArg(x.type, Layout.contiguous(x.shape).strides)}
+        extra["moe_y"] = x.type.nbytes
     rcall = _renamed(router.specialise("router", r_ops, {"weights": wa, "indices": ia}, r_attrs)[0], extra)
-    m_ops = {n: v for n, v in operands.items() if n not in r_ops}
+    m_ops = {n: v for n, v in operands.items() if n not in r_ops and n not in SEAM_OPERANDS}
     m_ops.update(x=x, weights=wa, indices=ia)
-    m_attrs = {n: v for n, v in attrs.items() if n not in ROUTER_ATTRS}
-    mcalls = [_renamed(c, extra) for c in moe.specialise("moe_experts_shared", m_ops, results, m_attrs)]
-    up = mcalls[0]
+    m_attrs = {n: v for n, v in attrs.items() if n not in ROUTER_ATTRS and n not in MHC_ATTRS}
+    names = SEAM_RENAMED if seam else RENAMED
+    mcalls = [_renamed(c, extra, names) for c in moe.specialise("moe_experts_shared", m_ops, m_results, m_attrs)]
+    hcalls = []
+    if seam:
+        h_ops = {n: operands[n] for n in SEAM_OPERANDS}
+        hcalls = [_renamed(c, extra, names) for c in mhc.specialise("mhc_post_pre", {"y": m_results["y"], **h_ops}, results,
+                                                            {n: attrs[n] for n in MHC_ATTRS})]
+    up, down = mcalls[0], mcalls[-1]
     if up.fn is not moe.moe_up_kernel:  # grouped mode: the grouping launch needs the routing first
-        return [rcall, *mcalls]
-    # one launch: the up call's constexprs and pointers, the router's as R_* and renamed (x and the ids it
-    # writes are the up call's own pointers)
-    ce = {n: v for n, v in up.constexprs.items() if n not in ("PDL", "CALLS")}
-    ce.update({ROUTER_PARAMS.get(n, "R_" + n): v for n, v in rcall.constexprs.items() if n not in ("PDL", "CALLS")})
-    RT = triton.cdiv(ce["I"], ce["BN"])
+        return [rcall, *mcalls, *hcalls]
+    # one launch: the up call's constexprs and pointers, the router's as R_*, the down call's as D_* (its
+    # combine's C_* as they are), the seam's as H_*, each renamed onto the fused kernel's parameters (x, the
+    # routing, h / hs and the MoE's output are one buffer each, whoever reads or writes them)
+    flags = (PDL_PARAM, CALLS_PARAM)
+    ce = {n: v for n, v in up.constexprs.items() if n not in flags}
+    ce.update({ROUTER_PARAMS.get(n, "R_" + n): v for n, v in rcall.constexprs.items() if n not in flags})
+    ce.update({DOWN_PARAMS.get(n, n if n.startswith("C_") else "D_" + n): v for n, v in down.constexprs.items()
+               if n not in flags and n not in SHARED_CONSTEXPRS})
+    hce = hcalls[0].constexprs if seam else NO_SEAM
+    ce.update({SEAM_PARAMS.get(n, "H_" + n): v for n, v in hce.items() if n not in flags})
+    RT, ND = triton.cdiv(ce["I"], ce["BN"]), triton.cdiv(ce["D"], ce["D_BN"])
     ST = triton.cdiv(ce["S_I"], ce["S_BN"]) if "sw1_ptr" not in up.constexprs else 0  # shared: a pointer
-    ce.update(NR=rcall.grid[0], RT=RT, ST=ST)
-    have = {p[0] for p in up.pointers}
-    pts = up.pointers + [(ROUTER_PARAMS[p], kind, name, ty) for p, kind, name, ty in rcall.pointers
-                         if ROUTER_PARAMS[p] not in have]
-    pts.append(ptr("phase_ptr", "semaphore", "moe_phase", "*i32"))  # ticket, router programs done, finished
+    E = ce["E"]
+    NH = hcalls[0].grid[0] if seam else 0
+    ce.update(NR=rcall.grid[0], RT=RT, ST=ST, ND=ND, NH=NH, EB=triton.next_power_of_2(E))
+    calls = (rcall, up, down, *hcalls)
+    pts, have = [], set()
+    for call in calls:
+        names = ROUTER_PARAMS if call is rcall else DOWN_PARAMS if call is down else SEAM_PARAMS if hcalls \
+            and call is hcalls[0] else {}
+        for p, kind, name, ty in call.pointers:
+            if kind == "semaphore" or names.get(p, p) in have:
+                continue
+            have.add(names.get(p, p))
+            pts.append((names.get(p, p), kind, name, ty))
+    pts.append(ptr("phase_ptr", "semaphore", "moe_phase", "*i32"))
     tag = up.name[len("moe_up_"):].rsplit("_", 1)[0]  # the up call's readable shape tag (name = prefix_tag_hash)
-    fused = KernelCall(call_name("moe_router_up", ce, tag), moe_router_up_kernel, ce, pts,
-                       (ce["NR"] + ST + ce["E"] * RT, 1, 1), num_warps=max(up.num_warps, rcall.num_warps),
-                       scratch_bytes=dict(up.scratch_bytes, moe_phase=3 * 4),
-                       unaligned=tuple(sorted(set(up.unaligned) | {ROUTER_PARAMS[p] for p in rcall.unaligned})),
-                       flops=up.flops + rcall.flops, mma_dtype=up.mma_dtype,
-                       bytes_moved=up.bytes_moved + rcall.bytes_moved)
-    return [fused, *mcalls[1:]]
-
+    scratch = {n: b for c in calls for n, b in c.scratch_bytes.items() if n != "moe_arrivals"}
+    scratch["moe_phase"] = (int(COUNTERS) + ND + E) * 4  # phase counters, the D tiles' arrivals, the experts' tiles
+    renamed = {**ROUTER_PARAMS, **DOWN_PARAMS, **SEAM_PARAMS}
+    return [KernelCall(call_name("moe_fused", ce, tag + ("_seam" if seam else "")), moe_fused_kernel, ce, pts,
+                       (ce["NR"] + ST + E * RT + E * ND + NH, 1, 1), num_warps=max(c.num_warps for c in calls),
+                       scratch_bytes=scratch,
+                       unaligned=tuple(sorted({renamed.get(p, p) for c in calls for p in c.unaligned})),
+                       flops=sum(c.flops for c in calls), mma_dtype=up.mma_dtype,
+                       bytes_moved=sum(c.bytes_moved for c in calls))]

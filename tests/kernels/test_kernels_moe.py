@@ -410,7 +410,7 @@ def test_mode_by_shape():
     # no expert program combines (nor resets its counter)
     ("last_to_arrive(sem_ptr + n_tile, E)", "last_to_arrive(sem_ptr + n_tile, E + 1)", kernels.CodegenError),
     # the last program combines the wrong D tile (D = 256: two tiles)
-    ("_combine(n_tile, m_tile,", "_combine(n_tile * 0, m_tile,", AssertionError),
+    ("_combine_column(n_tile,", "_combine_column(n_tile * 0,", AssertionError),
     # the counter is left set: the next call of the program would combine early
     ("tl.store(sem_ptr + n_tile, 0)", "pass", kernels.CodegenError),
 ])

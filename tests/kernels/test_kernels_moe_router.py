@@ -1,17 +1,20 @@
-"""moe_router family (`moe_router_experts_shared`: router + shared expert + routed experts) under the
-interpreter against the two ops it replaces, the router and moe_experts_shared kernels run apart.
+"""moe_router family (`moe_router_experts_shared`: router + shared expert + routed experts; `moe_mhc_post_pre`:
+the same and the mHC seam after it) under the interpreter against the launches it replaces: the router, the
+moe_experts_shared and the mhc_post_pre kernels run apart.
 
-Decode-sized P (scan mode): the router is the first phase of the routed up launch, so the op makes two
-calls, and y must be bit-identical to the router's and moe's kernels run one after the other (same
-arithmetic in the same order, nothing to tolerate) and match the op's reference within
-kernel_check.assert_matches (2 bf16 ulps as in test_kernels_moe). Prefill-sized P (grouped mode): the
-router keeps its own launch (four calls, the same kernels as apart), checked against the reference. Learned and hash routing, fp32 and bf16 (a bf16 router: the bias sum in bf16),
-FP4 / FP8 and float weights. Every scratch starts as NaN and every counter must end at 0 (run_calls), and
-deliberately broken variants of the fused kernel are caught: router programs that route the wrong row
-block (a token block left unrouted), the ticket counter left set, routed programs that run another
-expert's pairs (odd experts never run). That the routed programs wait for the router is shown on the source (the interpreter runs
-programs in ticket order, so a missing wait cannot fail there). The gfx950 binary of the fused kernel takes
-only the parameters its call describes (the router phase is inlined there: a noinline call would add AMDGPU's
+Decode-sized P (scan mode): the whole op is one launch (`moe_fused_kernel`: router, shared and routed gate /
+up, routed down, the combine, and the seam), and its results must be bit-identical to the kernels run one
+after the other (same arithmetic in the same order, nothing to tolerate) and match the op's reference
+within kernel_check.assert_matches (2 bf16 ulps as in test_kernels_moe). Prefill-sized P (grouped mode):
+the router and the seam keep their own launches (the same kernels as apart), checked against the
+reference. Learned and hash routing, fp32 and bf16 (a bf16 router: the bias sum in bf16), FP4 / FP8 and
+float weights. Every scratch starts as NaN and every counter must end at 0 (run_calls), and deliberately
+broken variants of the fused kernel are caught: router programs that route the wrong row block, a counter
+left set (the ticket, a D tile's arrivals), up or down programs that run another expert's pairs, a
+combine without the shared expert, seam programs on the wrong tokens. That
+every consumer waits for its producers is shown on the source (the interpreter runs programs in ticket
+order, so a missing wait cannot fail there). The gfx950 binary of the fused kernel takes only the
+parameters its call describes (the router phase is inlined there: a noinline call would add AMDGPU's
 hidden kernel arguments), and the AOT stage refuses a binary that takes hidden arguments.
 """
 
@@ -66,43 +69,109 @@ def fused(args, attrs):
     return y, calls
 
 
+SEAM_ATTRS = {"eps": 1e-6, "hc_eps": 1e-6, "iters": 3, "norm_eps": 1e-6}  # few Sinkhorn steps: interpreter time
+SEAM_RESULTS = ("streams_out", "y_next", "post_next", "comb_next")
+
+
+def seam_case(dtype, hashed, *fmts, B=2, T=5, **kw):
+    """`case` plus the operands of the mhc_post_pre after the MoE (4 streams of x's width)."""
+    args, attrs = case(dtype, hashed, *fmts, B=B, T=T, **kw)
+    g = torch.Generator().manual_seed(7)
+    N, D = 4, args["x"].shape[-1]
+    args.update(streams=(torch.randn(B, T, N, D, generator=g) * 2).to(dtype), post=2 * torch.rand(B, T, N, generator=g),
+                comb=torch.softmax(torch.randn(B, T, N, N, generator=g), -1),
+                fn=torch.randn(6 * N, N * D, generator=g) * (2.0 / (N * D) ** 0.5),
+                base=torch.randn(6 * N, generator=g) * 0.5, scale=torch.rand(3, generator=g) + 0.5,
+                norm=torch.rand(D, generator=g) + 0.5)
+    return args, {**attrs, **SEAM_ATTRS}
+
+
+def seam_fused(args, attrs):
+    ref = kc.reference("moe_mhc_post_pre", args, attrs)
+    outs = {n: kc.poisoned(r.shape, r.dtype)[0] for n, r in zip(SEAM_RESULTS, ref)}
+    calls = kernels.launch("moe_mhc_post_pre", args, attrs, outs)
+    return outs, ref, calls
+
+
+def seam_apart(args, attrs, ref):
+    """The router and moe kernels (`apart`), then the mhc_post_pre kernel on their output."""
+    m_args = {n: v for n, v in args.items() if n not in moe_router.SEAM_OPERANDS}
+    y = apart(m_args, {n: v for n, v in attrs.items() if n not in SEAM_ATTRS})
+    outs = {n: kc.poisoned(r.shape, r.dtype)[0] for n, r in zip(SEAM_RESULTS, ref)}
+    kernels.launch("mhc_post_pre", {"y": y, **{n: args[n] for n in moe_router.SEAM_OPERANDS}}, SEAM_ATTRS, outs)
+    return outs
+
+
 @pytest.mark.parametrize("dtype,hashed,fmts,fp32", [
     (torch.float32, False, ("float", "float"), False),
     (torch.bfloat16, True, ("fp4", "fp8"), False),
     (torch.bfloat16, False, ("float", "float"), True),  # official numerics: an fp32 router on bf16 activations
 ], ids=["fp32-learned-float", "bf16-hash-fp4", "bf16-learned-float-fp32router"])
-def test_fused_decode_equals_the_ops_apart(dtype, hashed, fmts, fp32):
-    args, attrs = case(dtype, hashed, *fmts, fp32=fp32)
+def test_fused_decode_equals_the_launches_apart(dtype, hashed, fmts, fp32):
+    """`moe_mhc_post_pre` at decode: one launch, bit-identical to the router, moe and mhc kernels run one
+    after the other, and within 2 bf16 ulps of the reference (the MoE's sums, carried through the seam)."""
+    args, attrs = seam_case(dtype, hashed, *fmts, fp32=fp32)
+    outs, ref, calls = seam_fused(args, attrs)
+    assert [c.kernel_name for c in calls] == ["moe_fused_kernel"]
+    # NR router blocks + ST shared tiles + E x RT routed up tiles + E x ND routed down tiles + NH seam blocks
+    assert calls[0].grid[0] == 1 + 1 + 5 * 1 + 5 * 1 + 1
+    want = seam_apart(args, attrs, ref)
+    for n, r in zip(SEAM_RESULTS, ref):
+        assert torch.equal(outs[n], want[n]), f"{n}: the fused launch differs from the launches apart"
+        kc.assert_matches(outs[n], r, f"moe_mhc_post_pre {n}", ulps=2)
+
+
+def test_without_a_seam_the_same_launch_ends_at_the_combine():
+    """`moe_router_experts_shared` (the last layer's MoE): the same kernel with no seam programs, its y
+    bit-identical to the router and moe kernels run apart."""
+    args, attrs = case(torch.bfloat16, True, "fp4", "fp8")
     y, calls = fused(args, attrs)
-    assert [c.kernel_name for c in calls] == ["moe_router_up_kernel", "moe_down_kernel"]
-    assert calls[0].grid[0] == 1 + 1 + 5 * 1  # NR router blocks + ST shared tiles + E x RT routed tiles
-    assert torch.equal(y, apart(args, attrs)), "the fused launches differ from the router + moe kernels"
+    assert [c.kernel_name for c in calls] == ["moe_fused_kernel"] and calls[0].grid[0] == 1 + 1 + 5 + 5
+    assert torch.equal(y, apart(args, attrs)), "the fused launch differs from the router + moe kernels"
     kc.assert_matches(y, kc.reference("moe_router_experts_shared", args, attrs)[0], "moe_router_experts_shared",
                       ulps=2)
 
 
-def test_grouped_prefill_keeps_the_router_launch():
-    args, attrs = case(torch.float32, False, "float", "float", B=1, T=33, k=2)  # P = 66 > SCAN_MAX_PAIRS
-    y, calls = fused(args, attrs)
-    assert [c.kernel_name for c in calls] == ["router_kernel", "moe_group_kernel", "moe_up_kernel", "moe_down_kernel"]
-    kc.assert_matches(y, kc.reference("moe_router_experts_shared", args, attrs)[0], "grouped", ulps=2)
+def test_grouped_prefill_keeps_the_router_and_seam_launches():
+    args, attrs = seam_case(torch.float32, False, "float", "float", B=1, T=33)  # P = 66 > SCAN_MAX_PAIRS
+    outs, ref, calls = seam_fused(args, attrs)
+    assert [c.kernel_name for c in calls] == ["router_kernel", "moe_group_kernel", "moe_up_kernel", "moe_down_kernel",
+                                              "mhc_kernel"]
+    for n, r in zip(SEAM_RESULTS, ref):
+        kc.assert_matches(outs[n], r, f"grouped {n}", ulps=2)
 
 
 BROKEN = {
     # every router program routes the first row block (T = 20 tokens: 2 blocks of BR = 16): the last tokens'
     # routing stays poison
     "unrouted block": ("_route_phase(v,", "_route_phase(v * 0,", AssertionError),
-    # the ticket counter is never reset: the next call of the program would start at the wrong ticket
-    "ticket kept": ("tl.store(phase_ptr, 0)", "pass", kernels.CodegenError),
-    # the routed programs map to the wrong experts: odd experts never run (their h rows stay poison)
+    # the phase counters are never reset: the next call of the program would start at the wrong ticket
+    "ticket kept": ("tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)", "pass", kernels.CodegenError),
+    # the routed up programs map to the wrong experts: odd experts never run (their h rows stay poison)
     "wrong expert": ("_up(w // RT, w % RT,", "_up(w // RT // 2 * 2, w % RT,", AssertionError),
+    # the routed down programs map to the wrong experts: odd experts' yr rows stay poison
+    "wrong down expert": ("_down(e, n_tile,", "_down(e // 2 * 2, n_tile,", AssertionError),
+    # a D tile's arrival counter is left set: the next call would combine that tile before its experts ran
+    "arrival kept": ("tl.store(phase_ptr + COUNTERS + n_tile, 0)", "pass", kernels.CodegenError),
+    # the combine sums the routed rows but leaves out the shared expert's down GEMM
+    "no shared down": ("idx_ptr, cw2_ptr, cs2_ptr, out_ptr", "idx_ptr, None, cs2_ptr, out_ptr", AssertionError),
+    # the seam programs all run the first token block (T = 20 tokens: 2 blocks of BT = 16): the rest stays poison
+    "seam block": ("mhc_rows(v - NR - ST - E * RT - E * ND,", "mhc_rows((v - NR - ST - E * RT - E * ND) * 0,",
+                   AssertionError),
 }
 
 
 @pytest.mark.parametrize("fault", sorted(BROKEN))
 def test_broken_fused_kernel_is_caught(fault, monkeypatch, tmp_path):
     old, new, error = BROKEN[fault]
-    kc.install_broken_kernel(monkeypatch, tmp_path, moe_router, "moe_router_up_kernel", old, new)
+    kc.install_broken_kernel(monkeypatch, tmp_path, moe_router, "moe_fused_kernel", old, new)
+    if fault.startswith("seam"):
+        args, attrs = seam_case(torch.float32, True, "float", "float", B=1, T=20)
+        with pytest.raises(error):
+            outs, ref, _ = seam_fused(args, attrs)
+            for n, r in zip(SEAM_RESULTS, ref):
+                kc.assert_matches(outs[n], r, f"{fault} {n}")
+        return
     args, attrs = case(torch.float32, True, "float", "float", B=1, T=20)
     ref = kc.reference("moe_router_experts_shared", args, attrs)[0]
     with pytest.raises(error):
@@ -110,15 +179,22 @@ def test_broken_fused_kernel_is_caught(fault, monkeypatch, tmp_path):
         kc.assert_matches(y, ref, fault)
 
 
-def test_routed_programs_wait_for_every_router_program():
-    """The wait cannot be shown wrong by running it (the interpreter runs programs in ticket order), so the
-    kernel is checked to wait for all NR router programs before the routed programs' work, and the
-    router programs to publish after theirs."""
+def test_every_wait_follows_its_producers_publish():
+    """The waits cannot be shown wrong by running them (the interpreter runs programs in ticket order), so the
+    kernel's source is checked: each producer publishes after its work, each consumer waits before its own
+    (router -> routed up; routed up -> its expert's down programs; shared up -> the combining program)."""
     import inspect
-    src = inspect.getsource(moe_router.moe_router_up_kernel.fn)
-    route, pub = src.index("_route_phase(v,"), src.index("publish(phase_ptr + 1)")
-    wait, routed = src.index("wait_for(phase_ptr + 1, NR)"), src.index("_up(w // RT")
-    assert route < pub < wait < routed
+    src = inspect.getsource(moe_router.moe_fused_kernel.fn)
+    at = src.index
+    assert at("_route_phase(v,") < at("publish(phase_ptr + ROUTED)") < at("wait_for(phase_ptr + ROUTED, NR)") \
+        < at("_up(w // RT")
+    assert at("_up(w // RT") < at("publish(phase_ptr + COUNTERS + ND + w // RT)") \
+        < at("wait_for(phase_ptr + COUNTERS + ND + e, RT)") < at("_down(e, n_tile,")
+    assert at("_up(v * 0, v - NR") < at("publish(phase_ptr + SHARED_UP)") < at("wait_for(phase_ptr + SHARED_UP, ST)") \
+        < at("_combine_column(n_tile,")
+    assert at("_down(e, n_tile,") < at("last_to_arrive(phase_ptr + COUNTERS + n_tile, E)") < at("_combine_column(n_tile,")
+    assert at("_combine_column(n_tile,") < at("publish(phase_ptr + COMBINED)") < at("wait_for(phase_ptr + COMBINED, ND)") \
+        < at("mhc_rows(")
 
 
 @pytest.mark.slow
@@ -129,7 +205,7 @@ def test_gfx950_binary_takes_only_the_calls_parameters(tmp_path, monkeypatch):
     from v4compile.codegen import aot
 
     monkeypatch.setenv("V4COMPILE_CACHE", str(tmp_path / "cache"))
-    args, attrs = case(torch.float32, True, "float", "float")
+    args, attrs = case(torch.float32, True, "float", "float")  # (the seam phase is inlined code: no call)
     _, calls = fused(args, attrs)
     rows = aot.compile_calls(calls[:1], ["gfx950"], tmp_path / "ok", jobs=1)
     side = json.loads((tmp_path / "ok" / rows[0]["sidecar"]).read_text())

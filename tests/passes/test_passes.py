@@ -134,6 +134,8 @@ def test_every_pass_did_something(run):
     assert hits["fuse_qkv_norm_rope"]["decode.window_writes"] == 5 and hits["fuse_qkv_norm_rope"]["prefill.window_writes"] == 0
     assert hits["fuse_moe"]["decode.fused"] == 5
     assert hits["fuse_moe_router"]["decode.fused"] == 5 and hits["fuse_moe_router"]["prefill.fused"] == 5
+    # every MoE but the last layer's (its output goes to mhc_post_head) takes the seam after it
+    assert hits["fuse_moe_mhc"]["decode.fused"] == 4 and hits["fuse_moe_mhc"]["prefill.fused"] == 4
     assert hits["cse"]["decode.ops_merged"] >= 5  # the CSR builders shared across layers
     final = res.module
     names = {op.name for op in final.functions["decode"].ops}
@@ -188,6 +190,7 @@ def test_v4_pro_pass_hits(pro):
     hits = {r.name: r.hits for r in res.records}
     assert hits["merge_wq_a_wkv"]["decode.merged"] == 61 and hits["merge_wq_a_wkv"]["decode.unaligned"] == 0
     assert hits["fuse_mhc_post_pre"]["decode.seams"] == 120
+    assert hits["fuse_moe_mhc"]["decode.fused"] == 60  # the FFN's seams (the last layer's is mhc_post_head)
     assert hits["fold_inverse_rope_wo_a_quant"]["decode.folded"] == 61
     assert hits["fuse_inv_rope_wo_a"]["decode.fused"] == 61
     assert hits["pair_sibling_gemms"]["decode.paired"] == 61  # wqkv_a (FP8) + x_gemm (BF16) on every layer

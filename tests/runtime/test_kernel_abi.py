@@ -10,7 +10,8 @@ them, and the host device binds the packed 64-bit values BY POSITION, so a wrong
 * For EVERY kernel family launched by tiny's and tiny-pro's decode and prefill programs, one call with two
   pointer parameters swapped in the launch table is refused by the host device (an extent or an illegal
   address) or changes the bytes it writes; the same call unswapped reproduces them exactly (the control).
-  The old orders of mhc (post) and moe_down (with the combine) are shown wrong the same way.
+  The old orders of mhc (post), moe_down (with the combine) and the fused MoE (moe_fused: the up, router and
+  down calls' pointers gathered) are shown wrong the same way.
 
 Cheap by construction: everything before the chosen call runs the op references (placeholders); only the
 chosen launch runs its Triton kernels (interpreted), and each trial reruns that one call from a snapshot.
@@ -71,7 +72,7 @@ def test_semaphores_are_one_zeroed_buffer_shared_by_the_calls():
     i = sched.index["semaphores"]
     assert sched.buffer_kinds[i] == "state"
     sems = [(p, c.kernel) for f in sched.functions for c in f.calls for p in c.params if p.role.startswith("semaphore:")]
-    assert {kc.kernel_name for _, kc in sems} >= {"moe_down_kernel", "indexer_select_kernel"}
+    assert {kc.kernel_name for _, kc in sems} >= {"moe_fused_kernel", "indexer_select_kernel"}
     assert all(p.buffer == i and p.offset == 0 for p, _ in sems)
     assert sched.buffer_bytes[i] >= max(kc.scratch_bytes[p.role.split(":", 1)[1]] for p, kc in sems)
 
@@ -100,10 +101,12 @@ OLD = {"mhc": ("hc_post", "mhc_post_pre", "mhc_post_head"), "moe": ("moe_router_
 
 def test_the_same_check_fails_on_the_old_orders(monkeypatch):
     """Packing pointers as each family lists them (the schedule before the fix) fails the check above for
-    exactly the two families that list them out of order: mhc with post, moe_down with the combine."""
+    exactly the kernels that are listed out of order: mhc with post, moe_down with the combine (prefill) and the
+    fused MoE (decode: its pointers gathered from the up, router and down calls)."""
     monkeypatch.setattr(kernels, "in_kernel_order", lambda name, fn, pointers, constexprs: list(pointers))
     _, prog, _ = _program("tiny")
-    assert _misordered(build_schedule(prog, make_kernel_calls())) == {"mhc_kernel", "moe_down_kernel"}
+    assert _misordered(build_schedule(prog, make_kernel_calls())) == {"mhc_kernel", "moe_down_kernel",
+                                                                          "moe_fused_kernel"}
 
 
 def _fn(*names):
@@ -171,7 +174,7 @@ class _Trials:
     family's first launch, and the first mhc-with-post and moe-with-shared-experts launch), every other
     launch its reference. Running a prefill then a decode step once records the writable buffers before and after
     each chosen call (a family's first call; the old-order trials: the launch's last call, mhc's only one
-    and moe's combine). Each trial is a one-call function appended to the same table (`<key>:good`, the
+    and moe's fused launch). Each trial is a one-call function appended to the same table (`<key>:good`, the
     call as scheduled; `<key>:bad`, two pointers swapped or the old order), run from the `before` snapshot."""
 
     FUNCS = ("decode", "prefill")

@@ -186,12 +186,12 @@ def _(operands, results, attrs):
 
 
 ROUTER_ATTRS = {"k": int, "route_scale": float, "denom_eps": (float, 1e-20), "fp32": (bool, False)}
+MOE_ROUTER_ATTRS = {**MOE_ATTRS, "shared_block": (int, 128), "shared_act": (str, "native"), **ROUTER_ATTRS}
 
 
 @defop("moe_router_experts_shared(x, gate, bias?, tid2eid?, ids?, w1, w2, w3, s1, s2, s3, w1_scale?, w2_scale?, "
        "w3_scale?, s1_scale?, s2_scale?, s3_scale?) -> y",
-       attrs={**MOE_ATTRS, "shared_block": (int, 128), "shared_act": (str, "native"), **ROUTER_ATTRS},
-       kernel="moe_router", variants={"learned": ("bias",), "hash": ("tid2eid", "ids")})
+       attrs=MOE_ROUTER_ATTRS, kernel="moe_router", variants={"learned": ("bias",), "hash": ("tid2eid", "ids")})
 def moe_router_experts_shared(x, gate, bias, tid2eid, ids, w1, w2, w3, s1, s2, s3, w1_scale, w2_scale, w3_scale,
                               s1_scale, s2_scale, s3_scale, *, limit, block, act, acc, out_dtype, route_weight,
                               shared_block, shared_act, k, route_scale, denom_eps, fp32):
@@ -230,6 +230,49 @@ def _(operands, results, attrs):
     mc = moe_experts_shared.cost_of([x, wts, idx, *m_ops], results, m_attrs)
     return Cost(rc.flops + mc.flops, rc.bytes_read + mc.bytes_read - x.nbytes - wts.nbytes - idx.nbytes,
                 mc.bytes_written)
+
+
+MHC_ATTRS = {"eps": float, "hc_eps": float, "iters": int, "norm_eps": float}
+
+
+@defop("moe_mhc_post_pre(x, gate, bias?, tid2eid?, ids?, w1, w2, w3, s1, s2, s3, w1_scale?, w2_scale?, w3_scale?, "
+       "s1_scale?, s2_scale?, s3_scale?, streams, post, comb, fn, base, scale, norm) "
+       "-> streams_out, y_next, post_next, comb_next",
+       attrs={**MOE_ROUTER_ATTRS, **MHC_ATTRS}, kernel="moe_router",
+       variants={"learned": ("bias",), "hash": ("tid2eid", "ids")})
+def moe_mhc_post_pre(x, gate, bias, tid2eid, ids, w1, w2, w3, s1, s2, s3, w1_scale, w2_scale, w3_scale, s1_scale,
+                     s2_scale, s3_scale, streams, post, comb, fn, base, scale, norm, *, eps, hc_eps, iters, norm_eps,
+                     **moe_attrs):
+    """`moe_router_experts_shared` and the seam after it (`mhc_post_pre`: the FFN's `hc_post` on the MoE's
+    output, the next attention's `hc_pre` and its RMSNorm) in one op: the MoE's output never leaves it."""
+    y = moe_router_experts_shared.ref(x, gate, bias, tid2eid, ids, w1, w2, w3, s1, s2, s3, w1_scale, w2_scale,
+                                      w3_scale, s1_scale, s2_scale, s3_scale, **moe_attrs)
+    return mhc_post_pre.ref(y, streams, post, comb, fn, base, scale, norm, eps=eps, hc_eps=hc_eps, iters=iters,
+                            norm_eps=norm_eps)
+
+
+def _split_mhc(operands, attrs):
+    """(moe_router_experts_shared operands, its attrs, mhc_post_pre operands without y, its attrs)."""
+    m_attrs = {n: v for n, v in attrs.items() if n not in MHC_ATTRS and n != "variant"}
+    return list(operands[:17]), m_attrs, list(operands[17:]), {n: attrs[n] for n in MHC_ATTRS}
+
+
+@moe_mhc_post_pre.infer
+def _(*operands, **attrs):
+    m_ops, m_attrs, h_ops, h_attrs = _split_mhc(operands, attrs)
+    y = moe_router_experts_shared.result_types(m_ops, m_attrs)[0]
+    return mhc_post_pre.result_types([y, *h_ops], h_attrs)
+
+
+@moe_mhc_post_pre.cost
+def _(operands, results, attrs):
+    """The MoE's and the seam's costs, summed: the fused kernel still writes the MoE's output (scratch) and
+    its last phase reads it back, as the two launches did; the fusion saves a launch, not traffic."""
+    m_ops, m_attrs, h_ops, h_attrs = _split_mhc(operands, attrs)
+    y = moe_router_experts_shared.result_types(m_ops, m_attrs)[0]
+    mc = moe_router_experts_shared.cost_of(m_ops, [y], m_attrs)
+    hc = mhc_post_pre.cost_of([y, *h_ops], results, h_attrs)
+    return Cost(mc.flops + hc.flops, mc.bytes_read + hc.bytes_read, mc.bytes_written + hc.bytes_written)
 
 
 # ---- indexer -------------------------------------------------------------------------------------

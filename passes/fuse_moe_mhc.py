@@ -1,0 +1,41 @@
+"""Fold the seam after the MoE into it: `moe_router_experts_shared` and the `mhc_post_pre` that reads its
+output become one op, so at decode the whole FFN and the next attention's mHC front are one launch.
+
+Requires: `moe_router_experts_shared` (from `fuse_moe_router`) whose output `y` is the `y` of one
+`mhc_post_pre` (from `fuse_mhc_post_pre`, its RMSNorm folded: the `norm` variant) and used by it alone.
+Guarantees: the pair becomes one `moe_mhc_post_pre` in the seam's place (the MoE's operands then the
+seam's, both attribute sets, the MoE's layer tag, roles joined), its results the seam's values (names
+kept); the MoE's output never leaves the op. Its kernel runs the seam as the last phase of the MoE's one
+decode launch (`codegen/kernels/moe_router.py`). Numerics bit-identical (the reference is the composition).
+The last layer's `mhc_post_head` and layer 0's unfused seam are left as they are.
+Kept out of the cpu pipeline (`passes/pipeline.py`): ONNX Runtime runs graph nodes, not launches.
+Hits: `<func>.fused`.
+"""
+
+from __future__ import annotations
+
+from v4compile.ir.core import Function
+from v4compile.ir.registry import get_op
+
+from .base import function_pass
+from .rewrite import Rewrite, join_roles, make_op, operands_of, tags_of
+
+
+def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
+    rw = Rewrite(fn)
+    for op in fn.ops:
+        if op.name != "mhc_post_pre" or op.operand("norm") is None:
+            continue
+        moe = rw.producer(op.operand("y"), "moe_router_experts_shared", only_use=True)
+        if moe is None:
+            continue
+        operands = {**operands_of(moe), **{n: v for n, v in operands_of(op).items() if n != "y"}}
+        attrs = {n: v for n, v in moe.attrs.items() if n in get_op(moe.name).attrs}
+        attrs.update({n: v for n, v in op.attrs.items() if n in get_op(op.name).attrs and n != "variant"})
+        attrs.update(tags_of(moe, role=join_roles(moe, op)))  # the MoE's layer: its weights are the launch's bulk
+        rw.replace(op, make_op(rw.namer, "moe_mhc_post_pre", operands, attrs, op.loc, list(op.results)),
+                   absorbed=[moe])
+    return rw.done("fused")
+
+
+FuseMoeMhc = function_pass("fuse_moe_mhc", fuse_function)
