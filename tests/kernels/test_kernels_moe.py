@@ -20,7 +20,6 @@ V4-Pro prefill specialisations compile for gfx950 and sm_90a with matrix instruc
 from __future__ import annotations
 
 import kernel_check as kc
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
