@@ -77,6 +77,7 @@ BROKEN_FLOW = {
     "fuse_inv_rope_wo_a": ("rope_out_proj(%o, %pos,", "rope_out_proj(%pos, %o,"),
     "pair_sibling_gemms": ("%0, %1 = linear_pair", "%1, %0 = linear_pair"),
     "fuse_moe_router": ("moe_router_experts_shared(%x, @g, @b,", "moe_router_experts_shared(%x, @b, @g,"),
+    "pair_compressors": ("compress_pair(%89, %90,", "compress_pair(%90, %89,"),
 }
 
 
