@@ -1,9 +1,10 @@
 """Launch the two compressors of one layer together.
 
 Requires: `lower_sparse_attention` (the compressors are `compress_paged` ops on the pool).
-Guarantees: in op order, each two `compress_paged` of one layer that read the same positions, slots and
-block table become one `compress_pair` at the first one's place (V4: a CSA layer's attention compressor and
-its indexer's compressor: one launch fewer per CSA layer), when no operand of the second is computed after
+Guarantees: in op order, each two `compress_paged` of one layer of a decode step (one token per sequence)
+that read the same positions, slots and block table become one `compress_pair` at the first one's place (V4:
+a CSA layer's attention compressor and its indexer's compressor: one launch fewer per CSA layer; a prefill
+chunk's pair would spill 10 bytes on gfx950 at V4-Pro shapes, so chunks keep two launches), when no operand of the second is computed after
 the first (nothing between them feeds it); each half keeps its own operands, attributes and result values
 (so every use of them is kept); numerics identical (each half is the `compress_paged` it replaces: they
 touch disjoint rings and pool planes). Kept out of the cpu pipeline (`passes/pipeline.py`): ONNX Runtime
@@ -27,7 +28,7 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     defined_at = {id(r): i for i, op in enumerate(fn.ops) for r in op.results}
     waiting: dict[tuple, tuple[int, object]] = {}  # (layer, shared operands) -> (place, first compressor)
     for i, op in enumerate(fn.ops):
-        if op.name != "compress_paged":
+        if op.name != "compress_paged" or op.operand("kv").type.shape[1] != 1:
             continue
         key = (op.attrs.get("layer"), *(id(op.operand(n)) for n in SHARED))
         at, first = waiting.pop(key, (None, None))

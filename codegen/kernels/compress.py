@@ -1,10 +1,10 @@
-"""compress_paged / compress_pair: the KV compressor on the paged pool (`ops.paged.compress_paged`, `ops.compressor`):
-pool every window this chunk closes (softmax over the window's slots per channel, gate + position bias),
+"""compress_paged / compress_pair: the KV compressor on the paged pool (`ops.paged.compress_paged`,
+`ops.compressor`): pool every window this chunk closes (softmax over the window's slots per channel, gate + position bias),
 RMSNorm, RoPE at the window's first position, official rounding (FP8 on the NoPE dims, or Hadamard +
 FP4), store the row at its physical pool row in the plane format; then push the chunk's tokens into the
 per-slot state rings. HCA (c = 1) and CSA (c = 2, overlapping halves) and the indexer's compressor
 (index planes) are the same kernel with other constexprs. `compress_pair` (a CSA layer's two compressors,
-`passes/pair_compressors.py`) runs both in one launch: the first's programs, then the second's.
+`passes/pair_compressors.py`, decode steps) runs both in one launch: the first's programs, then the second's.
 
 One program per sequence: it reads the ring before it overwrites it (a block barrier separates the two).
 The window softmax runs over slot chunks of BS in two passes (max / sum, then the weighted sum), so a
