@@ -45,7 +45,7 @@ from typing import Any
 from ..targets import TARGETS, cache_root
 from .kernels import KernelCall
 from .kernels import CALLS_PARAM, PDL_PARAM, declares_calls, declares_pdl, uses_calls, uses_pdl
-from .roofline import bandwidth_time, launch_kind, modeled_time
+from .roofline import bandwidth_time, hbm_bytes, launch_kind, modeled_time
 
 log = logging.getLogger(__name__)
 
@@ -464,12 +464,12 @@ def compile_calls(calls: list[KernelCall], targets: list[str] | tuple[str, ...],
             "name": c.name, "target": j["target"], "regs": st["regs"], "spills": int(st["spills"]),
             "shared_bytes": side["shared_bytes"], "mma_instructions": st["mma_instructions"],
             "occupancy": st["occupancy"], "occupancy_unit": st["occupancy_unit"], "num_warps": side["num_warps"],
-            "grid": side["grid"], "flops": c.flops, "bytes": c.bytes_moved, "mma_dtype": mma_dtype,
-            "modeled_us": round(modeled_time(c.flops, c.bytes_moved, j["target"], mma_dtype,
+            "grid": side["grid"], "flops": c.flops, "bytes": hbm_bytes(c, j["target"]), "mma_dtype": mma_dtype,
+            "modeled_us": round(modeled_time(c.flops, hbm_bytes(c, j["target"]), j["target"], mma_dtype,
                                              launch_kind(bool(side.get("pdl")))) * 1e6, 3),
             "pdl": bool(side.get("pdl")), "gdc_waits": int(st.get("gdc_waits", 0)),
             "hidden_args": int(st.get("hidden_args", 0)),
-            "bandwidth_us": round(bandwidth_time(c.bytes_moved, j["target"]) * 1e6, 3),
+            "bandwidth_us": round(bandwidth_time(hbm_bytes(c, j["target"]), j["target"]) * 1e6, 3),
             "compile_s": st.get("compile_s"), "cached": j["key"] not in fresh,
             "path": f"{j['target']}/{binary_name}", "sidecar": f"{j['target']}/{c.name}.json",
         })

@@ -6,8 +6,9 @@ Two byte counts per step:
 * `ideal_bytes`: what the step has to move at least: the registry's cost rule of every launch
   (`OpDef.cost_of`: weights read once, only the active experts' weights, only the pool rows a launch
   reads or writes, activations once).
-* `kernel_bytes`: what our kernels are modeled to move (`KernelCall.bytes_moved`: re-reads, scratch round
-  trips and split-K partials included).
+* `kernel_bytes`: what our kernels are modeled to move to and from HBM (`hbm_bytes` of each call: its
+  `bytes_moved`, re-reads, scratch round trips and split-K partials included, less the re-reads the target's
+  last-level cache serves); `traffic_bytes` is the same before the cache (every `bytes_moved`).
 Times (microseconds): every kernel call costs max(its bytes at HBM bandwidth, its FLOPs at the MMA peak)
 plus the per-launch latency of its launch kind: "graph" (a node of the replayed graph) or "graph_pdl" (a
 node launched with programmatic dependent launch: kernels that wait in `kernels/pdl.py`, on a target with
@@ -66,6 +67,21 @@ def bandwidth_time(bytes_moved: int, target: str) -> float:
     return bytes_moved / TARGETS[target].hbm_bytes_s
 
 
+# A launch's re-reads (`KernelCall.reread_bytes`: rows read by every head block, x read by every K split, partials
+# read back by the reducing program) hit the last-level cache when everything the launch touches (its footprint:
+# bytes_moved less those re-reads) fits in this share of it: then, even under plain LRU, nothing the launch
+# touched is evicted before the launch ends, whatever order its programs run in. The half is the margin for
+# Hopper's two L2 partitions (a line may be held in both) and for the neighbouring launches' lines (PDL overlap).
+CACHE_SHARE = 0.5
+
+
+def hbm_bytes(call, target: str) -> int:
+    """The HBM bytes of one kernel call on `target`: its footprint when that fits `CACHE_SHARE` of the target's
+    last-level cache (the re-reads are hits), else every byte it moves."""
+    footprint = call.bytes_moved - call.reread_bytes
+    return footprint if footprint <= CACHE_SHARE * TARGETS[target].llc_bytes else call.bytes_moved
+
+
 def _cost(l):
     return get_op(l.op).cost_of([a.type if a is not None else None for _, a in l.operands],
                                 [a.type for _, a in l.results], l.attrs)
@@ -111,28 +127,32 @@ def step_model(prog: Program, kernels, function: str, target: str, rows: list[di
         row = by_layer.setdefault("other" if layer is None else layer,
                                   {"calls": 0, "modeled_s": 0.0, "bytes": 0, "ideal": 0})
         row["ideal"] += cost.bytes_read + cost.bytes_written
-        fx = by_family.setdefault(l.kernel, {"calls": 0, "kernel_bytes": 0, "ideal_bytes": 0})
+        fx = by_family.setdefault(l.kernel, {"calls": 0, "kernel_bytes": 0, "ideal_bytes": 0,
+                                                    "traffic_bytes": 0})
         fx["calls"] += len(live)
-        fx["kernel_bytes"] += sum(k.bytes_moved for k in live)
+        fx["kernel_bytes"] += sum(hbm_bytes(k, target) for k in live)
+        fx["traffic_bytes"] += sum(k.bytes_moved for k in live)
         fx["ideal_bytes"] += cost.bytes_read + cost.bytes_written
         for c in live:
             calls.append(c)
             fam[c.name] = l.kernel
             kind = launch_kind(uses_pdl(c.fn, target))
             kinds[kind] += 1
-            bw, fl = c.bytes_moved / spec.hbm_bytes_s, c.flops / peak_flops(target, c.mma_dtype)
+            hb = hbm_bytes(c, target)
+            bw, fl = hb / spec.hbm_bytes_s, c.flops / peak_flops(target, c.mma_dtype)
             split["bandwidth" if bw >= fl else "compute"] += max(bw, fl)
             split["launch"] += spec.launch_latency(kind)
             row["calls"] += 1
             row["modeled_s"] += max(bw, fl) + spec.launch_latency(kind)
-            row["bytes"] += c.bytes_moved
+            row["bytes"] += hb
     modeled = sum(split.values())
-    kbytes = sum(c.bytes_moved for c in calls)
+    kbytes = sum(hbm_bytes(c, target) for c in calls)
     ideal = ideal_bytes(prog, function)
     roof = max(ideal / spec.hbm_bytes_s, ideal_flop_s)
     out: dict[str, Any] = {
         "function": function, "target": target, "launches": len(prog.functions[function].launches),
         "kernel_calls": len(calls), "kernels": len({c.name for c in calls}), "kernel_bytes": kbytes, "ideal_bytes": ideal,
+        "traffic_bytes": sum(c.bytes_moved for c in calls),
         "bytes_ratio": round(kbytes / max(ideal, 1), 4), "bytes_goal": BYTES_GOAL,
         "modeled_us": round(modeled * 1e6, 2), "roofline_us": round(roof * 1e6, 2),
         "roofline_bound": "compute" if ideal_flop_s > ideal / spec.hbm_bytes_s else "bandwidth",
@@ -193,7 +213,8 @@ def render_excess(m: dict[str, Any], top: int = 5) -> str:
     rows = [(f, v["kernel_bytes"] - v["ideal_bytes"]) for f, v in m["by_family"].items()]
     return ("      bytes above ideal by kernel family: "
             + ", ".join(f"{f} {d / 1e6:+,.0f} MB" for f, d in rows[:top] if d > 0)
-            + f" (all: {(m['kernel_bytes'] - m['ideal_bytes']) / 1e6:+,.0f} MB)")
+            + f" (all: {(m['kernel_bytes'] - m['ideal_bytes']) / 1e6:+,.0f} MB; before the last-level cache: "
+            f"{(m['traffic_bytes'] - m['ideal_bytes']) / 1e6:+,.0f} MB, {m['traffic_bytes'] / max(m['ideal_bytes'], 1):.3f}x)")
 
 
 def render_step(m: dict[str, Any]) -> str:

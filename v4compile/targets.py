@@ -28,6 +28,7 @@ class TargetSpec:
     launch_pdl_s: float | None  # the same with programmatic dependent launch; None: the target has none
     lds_bytes: int        # shared memory / LDS per CU / SM available to CTAs
     units: int            # CUs / SMs
+    llc_bytes: int        # the last cache level in front of HBM (every CU's / SM's misses pass through it)
 
     @property
     def pdl(self) -> bool:
@@ -54,13 +55,18 @@ class TargetSpec:
 # * gfx950 graph node, 3.9 us: ROCm/rocm-systems#10834, HIP graph replay of 941 serial tiny kernels, 3.865 us per
 #   node (gfx1100; RDNA3). No public per-node figure exists for MI300X / MI355X (shared/notes/anchor-engines.md),
 #   so the one HIP measurement stands in. HIP has no programmatic dependent launch: no PDL figure.
+# Last-level cache (llc_bytes), what a launch's re-reads can hit instead of HBM (codegen/roofline.py, `hbm_bytes`):
+# * gfx950, 256 MB: the MI355X's AMD Infinity Cache (AMD CDNA 4 architecture whitepaper, 2025), a memory-side cache
+#   every XCD's L2 misses go through (the 4 MB L2 per XCD is private to its XCD, so it is not the one counted).
+# * sm_90a, 50 MB: the L2 of the H100 SXM5 / H200 (NVIDIA H100 Tensor Core GPU architecture whitepaper; the H200 is
+#   the same GH100 with HBM3E), shared by every SM.
 TARGETS: dict[str, TargetSpec] = {
     # MI355X: 8 TB/s HBM3E, ~2.5 PFLOP/s dense fp8 (OCP), ~1.25 PFLOP/s dense bf16, 256 CUs, 160 KB LDS / CU.
     "gfx950": TargetSpec("gfx950", "hip", "gfx950", 64, "hsaco", 8.0e12, 2.5e15, 1.25e15, 3.9e-6, None,
-                         160 * 1024, 256),
+                         160 * 1024, 256, 256 << 20),
     # H200: 4.8 TB/s HBM3E, 1979 TFLOP/s dense fp8, 989 TFLOP/s dense bf16, 132 SMs, 227 KB smem / SM.
     "sm_90a": TargetSpec("sm_90a", "cuda", 90, 32, "cubin", 4.8e12, 1.979e15, 0.989e15, 1.3e-6, 0.35e-6,
-                         227 * 1024, 132),
+                         227 * 1024, 132, 50 << 20),
 }
 
 # The artifact's targets and the format each is written in.

@@ -128,7 +128,10 @@ class KernelCall:
     refused here (`CodegenError`, naming the kernel and the parameter). `unaligned` names pointer params
     whose base is not known to be 16-byte aligned (the AOT stage gives every other pointer `tt.divisibility=16`).
     `flops` / `bytes_moved` are the modeled work of this launch and `mma_dtype` ("bf16" | "fp8" | "fp4") the
-    MMA precision that bounds it (for the roofline cost in `codegen.aot`).
+    MMA precision that bounds it (for the roofline cost in `codegen.aot`). `reread_bytes`: the part of
+    `bytes_moved` that reads again what this same launch has already read or written (a row read by every
+    head block, x read by every K split, split partials read back by the reducing program): cache hits when
+    the launch's footprint fits the target's cache (`codegen/roofline.py`, `hbm_bytes`), HBM bytes otherwise.
 
     `offsets`: bytes added to a pointer param's base at launch. Not part of the specialisation (not a
     constexpr, not in `name`): per-layer row offsets into the shared pool planes go here, so every layer of
@@ -144,6 +147,7 @@ class KernelCall:
     unaligned: tuple[str, ...] = ()
     flops: int = 0
     bytes_moved: int = 0
+    reread_bytes: int = 0
     mma_dtype: str = "bf16"
     offsets: dict[str, int] = field(default_factory=dict)
 
@@ -151,6 +155,8 @@ class KernelCall:
         self.grid = tuple(int(g) for g in self.grid)
         if len(self.grid) != 3 or any(g < 0 for g in self.grid):
             raise ValueError(f"{self.name}: grid must be 3 non-negative ints, got {self.grid}")
+        if not 0 <= self.reread_bytes <= self.bytes_moved:
+            raise ValueError(f"{self.name}: reread_bytes {self.reread_bytes} outside [0, bytes_moved {self.bytes_moved}]")
         for p in self.pointers:
             if len(p) != 4 or p[1] not in KINDS or not p[3].startswith("*"):
                 raise ValueError(f"{self.name}: bad pointer entry {p}")

@@ -1,9 +1,10 @@
-"""compress_paged: the KV compressor on the paged pool (`ops.paged.compress_paged`, `ops.compressor`):
-pool every window this chunk closes (softmax over the window's slots per channel, gate + position bias),
+"""compress_paged / compress_pair: the KV compressor on the paged pool (`ops.paged.compress_paged`,
+`ops.compressor`): pool every window this chunk closes (softmax over the window's slots per channel, gate + position bias),
 RMSNorm, RoPE at the window's first position, official rounding (FP8 on the NoPE dims, or Hadamard +
 FP4), store the row at its physical pool row in the plane format; then push the chunk's tokens into the
 per-slot state rings. HCA (c = 1) and CSA (c = 2, overlapping halves) and the indexer's compressor
-(index planes) are the same kernel with other constexprs.
+(index planes) are the same kernel with other constexprs. `compress_pair` (a CSA layer's two compressors,
+`passes/pair_compressors.py`, decode steps) runs both in one launch: the first's programs, then the second's.
 
 One program per sequence: it reads the ring before it overwrites it (a block barrier separates the two).
 The window softmax runs over slot chunks of BS in two passes (max / sum, then the weighted sum), so a
@@ -56,6 +57,13 @@ def _slot_tile(kv_ptr, gate_ptr, ape_ptr, skv_ptr, sg_ptr, b, sb, start, w, s0, 
     return tl.where(ok[:, None], v, 0.0), g
 
 
+# The constexprs of one compressor, in `compress_program`'s order (a `compress_pair` launch takes them twice).
+HALF = ("T", "TP", "M", "OVERLAP", "CM", "S", "BS", "DK", "DKP", "CW", "CWP", "BT", "EPS", "ROPE_DIM", "F", "ROUND",
+        "RBLK", "HS", "PER_BLOCK", "ENV", "BT_S", "KV_S", "G_S", "SKV_S", "SG_S", "FMT", "NPLANES", "NOPE", "BLK", "S0",
+        "S1", "S2", "DT")
+HALF_POINTERS = ("kv_ptr", "gate_ptr", "ape_ptr", "norm_ptr", "skv_ptr", "sg_ptr", "p0", "p1", "p2")
+
+
 @triton.jit
 def compress_kernel(kv_ptr, gate_ptr, ape_ptr, norm_ptr, skv_ptr, sg_ptr, pos_ptr, slot_ptr, bt_ptr, p0, p1, p2,
                     T: tl.constexpr, TP: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, CM: tl.constexpr,
@@ -67,7 +75,60 @@ def compress_kernel(kv_ptr, gate_ptr, ape_ptr, norm_ptr, skv_ptr, sg_ptr, pos_pt
                     FMT: tl.constexpr, NPLANES: tl.constexpr, NOPE: tl.constexpr, BLK: tl.constexpr,
                     S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
-    b = tl.program_id(0)
+    compress_program(tl.program_id(0), kv_ptr, gate_ptr, ape_ptr, norm_ptr, skv_ptr, sg_ptr, pos_ptr, slot_ptr, bt_ptr,
+                     p0, p1, p2, T, TP, M, OVERLAP, CM, S, BS, DK, DKP, CW, CWP, BT, EPS, ROPE_DIM, F, ROUND, RBLK, HS,
+                     PER_BLOCK, ENV, BT_S, KV_S, G_S, SKV_S, SG_S, FMT, NPLANES, NOPE, BLK, S0, S1, S2, DT)
+
+
+@triton.jit
+def compress_pair_kernel(kv_ptr_0, gate_ptr_0, ape_ptr_0, norm_ptr_0, skv_ptr_0, sg_ptr_0, p0_0, p1_0, p2_0,
+                         kv_ptr_1, gate_ptr_1, ape_ptr_1, norm_ptr_1, skv_ptr_1, sg_ptr_1, p0_1, p1_1, p2_1,
+                         pos_ptr, slot_ptr, bt_ptr, B: tl.constexpr,
+                         T_0: tl.constexpr, TP_0: tl.constexpr, M_0: tl.constexpr, OVERLAP_0: tl.constexpr,
+                         CM_0: tl.constexpr, S_0: tl.constexpr, BS_0: tl.constexpr, DK_0: tl.constexpr,
+                         DKP_0: tl.constexpr, CW_0: tl.constexpr, CWP_0: tl.constexpr, BT_0: tl.constexpr,
+                         EPS_0: tl.constexpr, ROPE_DIM_0: tl.constexpr, F_0: tl.constexpr, ROUND_0: tl.constexpr,
+                         RBLK_0: tl.constexpr, HS_0: tl.constexpr, PER_BLOCK_0: tl.constexpr, ENV_0: tl.constexpr,
+                         BT_S_0: tl.constexpr, KV_S_0: tl.constexpr, G_S_0: tl.constexpr, SKV_S_0: tl.constexpr,
+                         SG_S_0: tl.constexpr, FMT_0: tl.constexpr, NPLANES_0: tl.constexpr, NOPE_0: tl.constexpr,
+                         BLK_0: tl.constexpr, S0_0: tl.constexpr, S1_0: tl.constexpr, S2_0: tl.constexpr,
+                         DT_0: tl.constexpr,
+                         T_1: tl.constexpr, TP_1: tl.constexpr, M_1: tl.constexpr, OVERLAP_1: tl.constexpr,
+                         CM_1: tl.constexpr, S_1: tl.constexpr, BS_1: tl.constexpr, DK_1: tl.constexpr,
+                         DKP_1: tl.constexpr, CW_1: tl.constexpr, CWP_1: tl.constexpr, BT_1: tl.constexpr,
+                         EPS_1: tl.constexpr, ROPE_DIM_1: tl.constexpr, F_1: tl.constexpr, ROUND_1: tl.constexpr,
+                         RBLK_1: tl.constexpr, HS_1: tl.constexpr, PER_BLOCK_1: tl.constexpr, ENV_1: tl.constexpr,
+                         BT_S_1: tl.constexpr, KV_S_1: tl.constexpr, G_S_1: tl.constexpr, SKV_S_1: tl.constexpr,
+                         SG_S_1: tl.constexpr, FMT_1: tl.constexpr, NPLANES_1: tl.constexpr, NOPE_1: tl.constexpr,
+                         BLK_1: tl.constexpr, S0_1: tl.constexpr, S1_1: tl.constexpr, S2_1: tl.constexpr,
+                         DT_1: tl.constexpr, PDL: tl.constexpr = False):
+    """`compress_pair`: programs [0, B) are the first compressor's sequences, [B, 2B) the second's (disjoint
+    rings and planes, so the halves never wait on each other)."""
+    pdl_enter(PDL)
+    pid = tl.program_id(0)
+    if pid < B:
+        compress_program(pid, kv_ptr_0, gate_ptr_0, ape_ptr_0, norm_ptr_0, skv_ptr_0, sg_ptr_0, pos_ptr, slot_ptr,
+                         bt_ptr, p0_0, p1_0, p2_0, T_0, TP_0, M_0, OVERLAP_0, CM_0, S_0, BS_0, DK_0, DKP_0, CW_0,
+                         CWP_0, BT_0, EPS_0, ROPE_DIM_0, F_0, ROUND_0, RBLK_0, HS_0, PER_BLOCK_0, ENV_0, BT_S_0, KV_S_0,
+                         G_S_0, SKV_S_0, SG_S_0, FMT_0, NPLANES_0, NOPE_0, BLK_0, S0_0, S1_0, S2_0, DT_0)
+    else:
+        compress_program(pid - B, kv_ptr_1, gate_ptr_1, ape_ptr_1, norm_ptr_1, skv_ptr_1, sg_ptr_1, pos_ptr, slot_ptr,
+                         bt_ptr, p0_1, p1_1, p2_1, T_1, TP_1, M_1, OVERLAP_1, CM_1, S_1, BS_1, DK_1, DKP_1, CW_1,
+                         CWP_1, BT_1, EPS_1, ROPE_DIM_1, F_1, ROUND_1, RBLK_1, HS_1, PER_BLOCK_1, ENV_1, BT_S_1, KV_S_1,
+                         G_S_1, SKV_S_1, SG_S_1, FMT_1, NPLANES_1, NOPE_1, BLK_1, S0_1, S1_1, S2_1, DT_1)
+
+
+@triton.jit
+def compress_program(b, kv_ptr, gate_ptr, ape_ptr, norm_ptr, skv_ptr, sg_ptr, pos_ptr, slot_ptr, bt_ptr, p0, p1, p2,
+                     T: tl.constexpr, TP: tl.constexpr, M: tl.constexpr, OVERLAP: tl.constexpr, CM: tl.constexpr,
+                     S: tl.constexpr, BS: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, CW: tl.constexpr,
+                     CWP: tl.constexpr, BT: tl.constexpr, EPS: tl.constexpr, ROPE_DIM: tl.constexpr,
+                     F: tl.constexpr, ROUND: tl.constexpr, RBLK: tl.constexpr, HS: tl.constexpr,
+                     PER_BLOCK: tl.constexpr, ENV: tl.constexpr, BT_S: tl.constexpr,
+                     KV_S: tl.constexpr, G_S: tl.constexpr, SKV_S: tl.constexpr, SG_S: tl.constexpr,
+                     FMT: tl.constexpr, NPLANES: tl.constexpr, NOPE: tl.constexpr, BLK: tl.constexpr,
+                     S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, DT: tl.constexpr):
+    """Sequence b of one compressor (the body of `compress_kernel` and of each half of `compress_pair_kernel`)."""
     sb = tl.load(slot_ptr + b).to(tl.int64)
     t = tl.arange(0, TP)
     allp = tl.load(pos_ptr + b * T + t, mask=t < T, other=-1)
@@ -119,6 +180,8 @@ def compress_kernel(kv_ptr, gate_ptr, ape_ptr, norm_ptr, skv_ptr, sg_ptr, pos_pt
 
 
 def specialise(op_name, operands, results, attrs):
+    if op_name == "compress_pair":
+        return _pair(operands, results, attrs)
     assert op_name == "compress_paged", op_name
     kv, gate, skv, sg, bt = (operands[n] for n in ("kv", "gate", "state_kv", "state_gate", "block_table"))
     planes = [operands.get(f"p{i}") for i in range(3)]
@@ -157,3 +220,33 @@ def specialise(op_name, operands, results, attrs):
                                             **{f"p{i}": any_row(p) for i, p in enumerate(planes)}}),
                        offsets=row_offsets({f"p{i}": p for i, p in enumerate(planes)}, attrs["layer_offset"]),
                        bytes_moved=2 * (kv.type.nbytes + gate.type.nbytes) + B * 2 * CM * CW * 4)]
+
+
+def _pair(operands, results, attrs):
+    """`compress_pair`: each half specialised as the `compress_paged` it replaces, then the two grids laid end to
+    end in one launch of `compress_pair_kernel` (every constexpr and pointer of half i suffixed `_i`)."""
+    names = ("kv", "gate", "ape", "norm", "state_kv", "state_gate", "pos", "slot", "block_table", "p0", "p1", "p2")
+    halves = []
+    for i in (0, 1):
+        ops = {n: operands.get(n if n in ("pos", "slot", "block_table") else f"{n}_{i}") for n in names}
+        half_attrs = {k[:-2]: v for k, v in attrs.items() if k.endswith(f"_{i}")}
+        halves.append(specialise("compress_paged", ops, {}, half_attrs)[0])
+    a, b = halves
+    if a.grid != b.grid or a.num_warps != b.num_warps:
+        raise ValueError(f"compress pair: the halves must have one grid and warp count, got {a.grid} / {b.grid}")
+    c = {"B": a.grid[0]}
+    pointers, offsets = [], {}
+    for i, h in enumerate(halves):
+        c.update({f"{k}_{i}": h.constexprs[k] for k in HALF})
+        c.update({f"{k}_{i}": None for k in HALF_POINTERS if h.constexprs.get(k, 0) is None})
+        for param, kind, name, ty in h.pointers:
+            if param in HALF_POINTERS:
+                pointers.append((f"{param}_{i}", kind, f"{name}_{i}", ty))
+            elif i == 0:
+                pointers.append((param, kind, name, ty))
+        offsets.update({f"{p}_{i}": off for p, off in h.offsets.items()})
+    tag = "_".join(h.name.split("_", 2)[2].rsplit("_", 1)[0] for h in halves)
+    return [KernelCall(name=call_name("compress_pair", c, tag), fn=compress_pair_kernel, constexprs=c,
+                       pointers=pointers, grid=(2 * a.grid[0], 1, 1), num_warps=a.num_warps,
+                       unaligned=tuple(f"{p}_{i}" for i, h in enumerate(halves) for p in h.unaligned),
+                       offsets=offsets, bytes_moved=a.bytes_moved + b.bytes_moved)]

@@ -368,9 +368,12 @@ def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, 
         unaligned=unaligned({"x_ptr": x, "xs_ptr": x_scale, "w_ptr": w, "s_ptr": scale, "n_ptr": norm,
                              "pos_ptr": rope["pos"] if rope else None, "y_ptr": y}),
         flops=2 * M * N * K * groups, mma_dtype="fp8" if act != "native" else "bf16",
-        # split > 1: the partials are written once and read once more by the reducing programs
+        # split > 1: the partials are written once and read once more by the reducing programs. Re-reads (cache
+        # hits when the launch fits, roofline.py): the partials' read-back, and x past its first read (each of
+        # the cdiv(N, BN) output columns of tiles reads all of x, so no more than that many reads are re-reads)
         bytes_moved=wbytes + split * x.type.nbytes + y.type.nbytes + 2 * scratch.get("gemm_partial", 0)
-        + (norm.type.nbytes if norm else 0) + (rope["pos"].type.nbytes if rope else 0))]
+        + (norm.type.nbytes if norm else 0) + (rope["pos"].type.nbytes if rope else 0),
+        reread_bytes=(min(split, triton.cdiv(N, BN)) - 1) * x.type.nbytes + scratch.get("gemm_partial", 0))]
     return calls
 
 
@@ -415,9 +418,9 @@ def gemm_pair_call(x: TensorArg, sides: list[dict]) -> list[KernelCall]:
         name=call_name("gemm_pair", ce, tag), fn=gemm_pair_kernel, constexprs=ce, pointers=pointers,
         grid=(ce["P0"] + math.prod(one[1].grid), 1, 1), num_warps=max(c.num_warps for c in one), num_stages=2,
         scratch_bytes=scratch, unaligned=unaligned({"x_ptr": x, **un}), flops=sum(c.flops for c in one),
-        # x is read by both halves: the two calls' bytes, as two launches would move them
+        # x is read by both halves: the two calls' bytes, as two launches would move them; the second half's x is a re-read
         mma_dtype="fp8" if "fp8" in (a["ACT"], b["ACT"]) else "bf16",
-        bytes_moved=sum(c.bytes_moved for c in one))]
+        bytes_moved=sum(c.bytes_moved for c in one), reread_bytes=sum(c.reread_bytes for c in one) + x.type.nbytes)]
 
 
 def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg],

@@ -288,9 +288,11 @@ def specialise(op_name, operands, results, attrs):
                        fn=sparse_attention_kernel, constexprs=c, pointers=pointers,
                        grid=(B * T, triton.cdiv(H, BH), 1), num_warps=warps,
                        unaligned=aligned, offsets=offsets,
-                       # every block of BH heads reads the lane's rows again (L2 may catch it; HBM does not promise)
+                       # every block of BH heads reads the lane's rows again: re-reads, cache hits when the launch
+                       # fits the target's cache (codegen/roofline.py)
                        flops=flops,
-                       bytes_moved=n_rows * row_bytes * triton.cdiv(H, BH) + 2 * q.type.nbytes)]
+                       bytes_moved=n_rows * row_bytes * triton.cdiv(H, BH) + 2 * q.type.nbytes,
+                       reread_bytes=n_rows * row_bytes * (triton.cdiv(H, BH) - 1))]
 
 
 def _decode_calls(c, pointers, offsets, aligned, flops, n_rows, row_bytes, q, kv, out, max_rows, attrs):
@@ -304,7 +306,8 @@ def _decode_calls(c, pointers, offsets, aligned, flops, n_rows, row_bytes, q, kv
         return [KernelCall(name=call_name("sparse_attention", c, f"b{B}_t1_h{H}_d{D}_{attrs['fmt']}"),
                            fn=sparse_attention_kernel, constexprs=c, pointers=pointers, grid=(B, HB, 1),
                            num_warps=warps, unaligned=aligned, offsets=offsets, flops=flops,
-                           bytes_moved=n_rows * row_bytes * HB + 2 * q.type.nbytes)]
+                           bytes_moved=n_rows * row_bytes * HB + 2 * q.type.nbytes,
+                           reread_bytes=n_rows * row_bytes * (HB - 1))]
     ACC0 = B * NS * 2 * H
     part_bytes = (ACC0 + B * NS * H * D) * 4
     sc = {k: v for k, v in c.items() if k not in ("T", "Q_ST", "KV_ST", "O_ST")}
@@ -317,6 +320,8 @@ def _decode_calls(c, pointers, offsets, aligned, flops, n_rows, row_bytes, q, kv
                        scratch_bytes={"sa_partial": part_bytes, "sa_arrivals": B * HB * 4},
                        unaligned=aligned, offsets=offsets, flops=flops + 3 * B * NS * H * D,
                        # each head block reads the lane's rows; every program reads its q block; the partials
-                       # are written once and read once by the merging programs
+                       # are written once and read once by the merging programs. Re-reads: the rows past the
+                       # first head block, q past the first split, the partials' read-back.
                        bytes_moved=n_rows * row_bytes * HB + NS * q.type.nbytes + kv.type.nbytes + 2 * part_bytes
-                       + out.type.nbytes + 4 * H)]
+                       + out.type.nbytes + 4 * H,
+                       reread_bytes=n_rows * row_bytes * (HB - 1) + (NS - 1) * q.type.nbytes + part_bytes)]

@@ -33,7 +33,8 @@ CASES = [  # dtype, ratio, overlap, starts, counts, T, dk, rope, fmt (main|index
 ]
 
 
-def _run(dtype, ratio, overlap, starts, counts, T, dk, rope, fmt, rnd, sdt, seed=0, wrong=None):
+def operands(dtype, ratio, overlap, starts, counts, T, dk, rope, fmt, rnd, sdt, seed=0):
+    """(args, attrs, planes, plane format) of one seeded case (also `test_kernels_compress_pair.py`'s)."""
     g = torch.Generator().manual_seed(seed)
     dt = DT[dtype]
     B = len(starts)
@@ -60,6 +61,11 @@ def _run(dtype, ratio, overlap, starts, counts, T, dk, rope, fmt, rnd, sdt, seed
     attrs = {"ratio": ratio, "overlap": overlap, "eps": 1e-6, "rope_dim": rope, "theta": 160000.0,
              "yarn": (16.0, 256, 32.0, 1.0), "round": rnd, "block_tokens": block_tokens, "envelope_rows": env,
              "layer_offset": layer_offset, "fmt": pf}
+    return args, attrs, planes, pf
+
+
+def _run(*case, seed=0, wrong=None):
+    args, attrs, planes, pf = operands(*case, seed=seed)
     want = reference("compress_paged", args, attrs)
     assert not torch.equal(want[2].view(torch.uint8) if want[2].element_size() == 1 else want[2],
                            args["p0"].view(torch.uint8) if want[2].element_size() == 1 else args["p0"]), \

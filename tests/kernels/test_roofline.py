@@ -10,7 +10,7 @@ import pytest
 
 from routing_sample import sampled_routing
 from v4compile.codegen.program_kernels import program_kernels
-from v4compile.codegen.roofline import BYTES_BOUND, ideal_bytes, step_model
+from v4compile.codegen.roofline import BYTES_BOUND, BYTES_GOAL, ideal_bytes, step_model
 from v4compile.config import preset
 from v4compile.ir.registry import get_op
 from v4compile.ir.types import TensorType
@@ -34,6 +34,8 @@ def test_v4_pro_decode_bytes_within_the_goal_and_the_check_can_fail(v4_pro):
     for t in ("gfx950", "sm_90a"):
         m = step_model(prog, pk, "decode", t)
         assert m["bytes_ratio"] <= BYTES_BOUND, m
+        # the goal holds at this shape too; the cache only takes re-reads off (codegen/roofline.py)
+        assert m["bytes_ratio"] <= BYTES_GOAL and m["ideal_bytes"] < m["kernel_bytes"] < m["traffic_bytes"], m
         assert m["modeled_us"] > m["roofline_us"] > 0 and m["kernel_calls"] >= m["launches"]
         # 2 tokens x 6 of 384 routed experts per layer: a step reads ~6% of the 851 GB (dense layers and
         # the active experts), so the ideal is far below "every weight once"
@@ -43,6 +45,13 @@ def test_v4_pro_decode_bytes_within_the_goal_and_the_check_can_fail(v4_pro):
                                                   if c.name.startswith("moe_") else c for c in per] for per in calls]
                                              for f, calls in pk.calls.items()})
     assert step_model(prog, doubled, "decode", "gfx950")["bytes_ratio"] > BYTES_BOUND
+    # With no cache every re-read is an HBM read again: the kernel bytes are the traffic.
+    from v4compile.codegen import roofline
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(roofline, "CACHE_SHARE", 0.0)
+        m = step_model(prog, pk, "decode", "sm_90a")
+    assert m["kernel_bytes"] == m["traffic_bytes"] > step_model(prog, pk, "decode", "sm_90a")["kernel_bytes"]
 
 
 def _cost(op, operands, results, attrs):

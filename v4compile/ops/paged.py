@@ -196,6 +196,65 @@ def _(operands, results, attrs):
                 pushed + B * (T // attrs["ratio"] + 1) * row_bytes(p0, p1, p2))
 
 
+
+# Two compressors of one layer in one launch (V4's CSA layers: the attention's and the indexer's), each half
+# with its own operands, results and attributes (names suffixed _0 / _1); the positions, slots and block table
+# are shared.
+_HALF_OPERANDS = ("kv", "gate", "ape", "norm", "state_kv", "state_gate")
+_HALF_ATTRS = {"ratio": int, "overlap": bool, "eps": float, "rope_dim": int, "theta": float, "yarn": tuple,
+               "round": (str, "none"), "block_tokens": int, "envelope_rows": int, "layer_offset": int, "fmt": str}
+COMPRESS_PAIR_ATTRS = {f"{k}_{i}": v for i in (0, 1) for k, v in _HALF_ATTRS.items()}
+
+
+def _pair_half(operands, attrs: dict, i: int) -> tuple[list, dict]:
+    """(compress_paged operands, its attributes) of half i of a `compress_pair`'s."""
+    per = 9  # kv, gate, ape, norm, state_kv, state_gate, p0, p1, p2
+    half = list(operands[i * per:(i + 1) * per])
+    pos, slot, bt = operands[2 * per:]
+    return [*half[:6], pos, slot, bt, *half[6:]], {k: attrs[f"{k}_{i}"] for k in _HALF_ATTRS}
+
+
+def _halves(names: tuple[str, ...]) -> str:
+    """`a_0, b_0?, ..., a_1, b_1?, ...` of names that may end in `?` (optional)."""
+    return ", ".join(f"{n.rstrip('?')}_{i}{'?' * n.endswith('?')}" for i in (0, 1) for n in names)
+
+
+@defop(f"compress_pair({_halves((*_HALF_OPERANDS, 'p0', 'p1?', 'p2?'))}, pos, slot, block_table) -> "
+       f"{_halves(('state_kv_out', 'state_gate_out', 'q0', 'q1?', 'q2?'))}",
+       attrs=COMPRESS_PAIR_ATTRS, kernel="compress", offset_attrs=("layer_offset_0", "layer_offset_1"),
+       tied={f"{r}_{i}": f"{o}_{i}" for i in (0, 1) for r, o in compress_paged.tied.items()})
+def compress_pair(*operands, **attrs):
+    """Two `compress_paged` of one chunk (another pool, ring and format each), in one launch: half 0's
+    results, then half 1's."""
+    out = []
+    for i in (0, 1):
+        ops, a = _pair_half(operands, attrs, i)
+        out += [r for r in compress_paged.ref(*ops, **a) if r is not None]
+    return tuple(out)
+
+
+@compress_pair.infer
+def _(*operands, **attrs):
+    out = []
+    for i in (0, 1):
+        ops, a = _pair_half(operands, attrs, i)
+        out += compress_paged.result_types(ops, a)
+    return tuple(out)
+
+
+@compress_pair.cost
+def _(operands, results, attrs):
+    """The two compressors' costs (what two launches would move: each reads the positions once)."""
+    costs = [compress_paged.cost_of(*_split_results(operands, results, attrs, i)) for i in (0, 1)]
+    return Cost(sum(c.flops for c in costs), sum(c.bytes_read for c in costs), sum(c.bytes_written for c in costs))
+
+
+def _split_results(operands, results, attrs, i):
+    ops, a = _pair_half(operands, attrs, i)
+    n0 = 2 + sum(p is not None for p in operands[6:9])
+    res = results[:n0] if i == 0 else results[n0:]
+    return ops, list(res), a
+
 # ---- CSR construction ----------------------------------------------------------------------------
 
 def _to_csr(rows: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
