@@ -109,6 +109,16 @@ def test_bad_ir_text_api_and_cli(traced_text, tmp_path):
         cli_error("ir", "verify", str(f), needles=(needle, str(f)))
 
 
+def test_ir_verify_of_several_files_stops_at_the_bad_one(traced_text, tmp_path):
+    """`ir verify A B C`: an ok line per good file up to the first bad one, then its one error (exit 2)."""
+    good, bad = tmp_path / "good.ir", tmp_path / "bad.ir"
+    good.write_text(traced_text)
+    bad.write_bytes(bad_ir_cases(traced_text)["eps-nan"][0])
+    rc, out, err = run_main("ir", "verify", str(good), str(bad), str(good), timeout=120)
+    assert_one_error(rc, err, "finite", str(bad))
+    assert out.splitlines() == [out.splitlines()[0]] and out.startswith("ok: @")
+
+
 def test_ir_fifo_is_refused_without_blocking(tmp_path):
     os.mkfifo(tmp_path / "p.ir")
     cli_error("ir", "verify", str(tmp_path / "p.ir"), needles=("not a regular file",), timeout=30)

@@ -23,9 +23,12 @@ def cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
                           cwd=cwd)
 
 
-def ir_verify(path) -> None:
-    r = cli("ir", "verify", str(path))
-    assert r.returncode == 0 and r.stdout.startswith("ok: @"), (path, r.stderr)
+def ir_verify(*paths) -> None:
+    """`ir verify` of every path in one process: one `ok:` line each, in order."""
+    r = cli("ir", "verify", *map(str, paths))
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and len(lines) == len(paths) and all(x.startswith("ok: @") for x in lines), \
+        (paths, r.stderr)
 
 
 # ---- numerics: a broken tolerance fails, and the hint reproduces it --------------------------------
@@ -105,14 +108,12 @@ def test_every_written_file_parses_back(tmp_path):
 
     verify_program(parse_program((tmp_path / "out" / "gpu" / "program.txt").read_text()))
     assert "verified the IR before the pipeline and after each of" in r.stderr
-    for f in files:
-        ir_verify(f)
+    ir_verify(*files)
     assert parse_module((tmp_path / "out" / "module.ir").read_text()).name == "ck"
     r = cli("ir", "dump", "--preset", "tiny", "--stage", "after:cse", "--func", "all", "-o", str(tmp_path / "d.ir"),
             "--dump-ir", str(tmp_path / "d2"), "--threads", "1")
     assert r.returncode == 0 and "parses back and verifies" in r.stderr, r.stderr
-    for f in [tmp_path / "d.ir", *(tmp_path / "d2").iterdir()]:
-        ir_verify(f)
+    ir_verify(tmp_path / "d.ir", *(tmp_path / "d2").iterdir())
     # --start-from: where the module stands comes from the module (file renamed on purpose).
     dumps = sorted((tmp_path / "dumps").iterdir())
     mid = tmp_path / "somewhere.ir"

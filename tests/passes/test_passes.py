@@ -316,24 +316,21 @@ def cli(*args):
     return subprocess.run([sys.executable, "-m", "v4compile", *args], capture_output=True, text=True, timeout=900)
 
 
-def test_compile_check_numerics_on_tiny(tmp_path):
+def test_compile_check_numerics_on_tiny():
     # Official numerics (the default) at max context 160: before the lowered attention summed in the
     # reference's key order, this scenario broke tolerance at lower_sparse_attention (7.0e-5 > 1e-5, exit 1).
     # The lowering is bit-exact now (tests/passes/test_official_pool.py), so every pass's error is exactly 0.
-    r = cli("compile", "--preset", "tiny", "--dtype", "fp32", "--check-numerics", "--max-context", "160",
-            "--report", "-o", str(tmp_path / "out"))
+    # No -o: the GPU binaries of an fp32 build would be compiled for nothing here (the artifact's files are
+    # test_debugtool's and test_artifact_targets'); the GPU pipeline still runs to lower_to_program.
+    r = cli("compile", "--preset", "tiny", "--dtype", "fp32", "--check-numerics", "--max-context", "160", "--json")
     assert r.returncode == 0, r.stderr
     assert "numerics official" in r.stderr and "max context 160" in r.stderr
     assert "every pass within tolerance" in r.stderr
     errors = dict(line.split() for line in r.stderr.splitlines()
                   if line.startswith("  ") and len(line.split()) == 2 and line.split()[0].isidentifier())
     assert errors["lower_sparse_attention"] == "0" and errors["lower_to_program"] == "0", errors
-    assert "kernel launches per decode step" in r.stdout
-    rep = json.loads((tmp_path / "out" / "report.json").read_text())  # the artifact's report, per bucket
-    assert rep["pass_hits"]["fuse_mhc_post_pre"]["decode_b1.seams"] == 8
-    assert (tmp_path / "out" / "module.ir").is_file()
-    r = cli("ir", "verify", str(tmp_path / "out" / "module.ir"))
-    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["launches_per_decode_step"] > 0 and rep["pass_hits"]["fuse_mhc_post_pre"]["seams"] == 8
 
 
 def test_compile_v4_pro_json():

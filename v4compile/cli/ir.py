@@ -74,9 +74,12 @@ def cmd_ir_diff(args) -> int:
 
 
 def cmd_ir_verify(args) -> int:
-    m = read_ir(args.file)
-    print(f"ok: @{m.name}, {len(m.weights)} weights, "
-          + ", ".join(f"@{n} {len(f.ops)} ops" for n, f in m.functions.items()))
+    # One process for many files: a pass's dumps are verified together (start-up costs more than a file).
+    # The first bad file stops it with its one error; the ok lines before it stand.
+    for path in args.files:
+        m = read_ir(path)
+        print(f"ok: @{m.name}, {len(m.weights)} weights, "
+              + ", ".join(f"@{n} {len(f.ops)} ops" for n, f in m.functions.items()), flush=True)
     return 0
 
 
@@ -162,8 +165,8 @@ def add_command(sub) -> None:
     df.add_argument("b", metavar="B.ir")
     df.set_defaults(func=cmd_ir_diff)
 
-    v = irs.add_parser("verify", help="parse and verify an IR file")
-    v.add_argument("file", metavar="FILE.ir")
+    v = irs.add_parser("verify", help="parse and verify IR files (one ok line each)")
+    v.add_argument("files", metavar="FILE.ir", nargs="+")
     v.set_defaults(func=cmd_ir_verify)
 
     b = irs.add_parser("bisect", help="find the first pass, and the op in each function, that breaks numerics "
