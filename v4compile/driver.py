@@ -88,11 +88,12 @@ def write_weights(module: Module, source, wdir: Path, workers: int | None = None
     are what the kernels read, converted otherwise, every file and tensor hashed as it is written).
     Returns the manifest's `weights` entry (each tensor with its `sha256`) and the shards' digests.
     `share`, `stop`: one of that many writers at once, stopping when `stop` is set (`weights_io.write_shards`)."""
+    from .shard_digest import HASH
     from .weights_io import plan_weights, write_shards
 
     w = write_shards(plan_weights(module, source), source, wdir, SHARD_BYTES, workers=workers, rel=rel, share=share,
                      stop=stop)
-    return {"layout": "ir", "shards": w.files, "tensors": dict(sorted(w.tensors.items()))}, w.file_digest
+    return {"layout": "ir", "hash": HASH, "shards": w.files, "tensors": dict(sorted(w.tensors.items()))}, w.file_digest
 
 
 RANK_WRITERS = 2  # ranks whose shards are written at once (their memory together is one writer's)

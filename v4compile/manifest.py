@@ -31,11 +31,14 @@ from typing import Any
 
 from .errors import ArtifactError, ConfigError
 from .errors import show_value as _show
+from .shard_digest import HASH
 from .speculation import MAX_DRAFT_TOKENS
 from .targets import TARGET_FORMATS
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 2  # 2: a weights shard's hash in `files` is its `shard_digest` (1: its whole-file sha256)
+# 3: a tensor's `sha256` and a shard's segments are tree digests (`weights.hash`, `shard_digest.HASH`); 2: a weights
+# shard's hash in `files` is its `shard_digest` of whole-segment sha256s; 1: its whole-file sha256
+FORMAT_VERSION = 3
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024  # V4-Pro's manifest (cpu + gpu targets) is ~40 MB
 MAX_DEPTH = 16  # the manifest nests 7 deep (targets / i / functions / f / inputs / i)
 MAX_PATH = 1024  # characters of a path inside the artifact
@@ -229,6 +232,8 @@ def _check_weights(w: dict, wk: str, listed) -> dict:
     shape_only = w.get("shape_only", False)
     if not isinstance(shape_only, bool):
         raise _err(f"`{wk}.shape_only` must be true or false", found=_show(shape_only))
+    if not shape_only:  # what the tensors' `sha256` and the shards' digests mean
+        _str(_get(w, "hash", f"{wk}.hash"), f"{wk}.hash", (HASH,))
     shards = _strs(_get(w, "shards", f"{wk}.shards"), f"{wk}.shards")
     for i, s in enumerate(shards):
         listed(s, f"{wk}.shards[{i}]")
@@ -250,7 +255,7 @@ def _check_weights(w: dict, wk: str, listed) -> dict:
                  for i, d in enumerate(_list(_get(t, "shape", f"{key}.shape"), f"{key}.shape", MAX_RANK))]
         if math.prod(shape) > MAX_NUMEL:
             raise _err(f"`{key}.shape` has too many elements", expected=f"<= {MAX_NUMEL}", found=math.prod(shape))
-        if not shape_only:  # the tensor's bytes in its shard, hashed as written (`weights_io`)
+        if not shape_only:  # the tensor's bytes in its shard, hashed as written (`weights_io`; `weights.hash`)
             _sha(_get(t, "sha256", f"{key}.sha256"), f"{key}.sha256")
     if shape_only and shards:
         raise _err("a shape-only artifact lists weight shards", found=len(shards))

@@ -35,7 +35,6 @@ byte is read once, and check each tensor against its sha256 (naming it) and the 
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import mmap
 import os
@@ -52,7 +51,7 @@ import numpy as np
 
 from .errors import CheckpointError, IRError
 from .ir.core import Module
-from .shard_digest import EMPTY, Lanes, combine, segments
+from .shard_digest import EMPTY, Lanes, Tree, combine, segments, tree_digest
 
 log = logging.getLogger(__name__)
 
@@ -520,9 +519,9 @@ class _ShardWriter:
             if sync is not None:
                 sync.exception()
             os.close(fd)
-        digests = [hashlib.sha256(head).digest()]
+        digests = [tree_digest(head).digest()]
         for t in group:  # file order; a tensor with no bytes is hashed too, but is no segment
-            sha = streams[t.name][0] if t.nbytes else hashlib.sha256()
+            sha = streams[t.name][0] if t.nbytes else Tree()
             if t.nbytes:
                 digests.append(sha.digest())
             tensors[t.name] = {"shard": relname, "dtype": t.dtype, "shape": list(t.shape), "sha256": sha.hexdigest()}

@@ -33,7 +33,7 @@ from v4compile.errors import CheckpointError
 from v4compile.harness import load_ir_weights
 from v4compile.manifest import FORMAT_VERSION
 from v4compile.safetensors_io import write_file
-from v4compile.shard_digest import TAG
+from v4compile.shard_digest import PIECE_BYTES, TAG, TREE_TAG
 from v4compile.trace import TraceOptions
 from v4compile.weights import weight_specs
 
@@ -60,15 +60,22 @@ def stored_checkpoint(d: Path, cfg, seed: int = 0) -> Path:
     return d
 
 
+def tree(b: bytes, piece: int = PIECE_BYTES) -> bytes:
+    """A segment's digest as `v4compile/shard_digest.py` defines it ("sha256-tree-8MiB"): the sha256 of each
+    8 MiB piece in order, after the tree's tag."""
+    return hashlib.sha256(TREE_TAG + b"".join(hashlib.sha256(b[i:i + piece]).digest()
+                                              for i in range(0, len(b), piece))).digest()
+
+
 def digest_of_bytes(raw: bytes) -> str:
     """A shard's digest from its bytes alone, as `v4compile/shard_digest.py` defines it: the file cut at the
-    header's end and at every tensor's bounds, each piece's sha256 in file order, after the tag."""
+    header's end and at every tensor's bounds, each segment's tree digest in file order, after the tag."""
     start = 8 + struct.unpack("<Q", raw[:8])[0]
     head = json.loads(raw[8:start])
     cuts = sorted({0, start, len(raw)} | {start + o for k, v in head.items() if k != "__metadata__"
                                           for o in v["data_offsets"]})
-    pieces = [raw[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
-    return hashlib.sha256(TAG + b"".join(hashlib.sha256(p).digest() for p in pieces)).hexdigest()
+    segs = [raw[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+    return hashlib.sha256(TAG + b"".join(tree(p) for p in segs)).hexdigest()
 
 
 def mid_cfg():
@@ -122,7 +129,7 @@ def test_every_tensor_is_the_per_tensor_readers_bytes_and_hashed(tiny_ck, tmp_pa
     for n, t in entry["tensors"].items():
         got = bytes(shards[t["shard"]].bytes_of(n))
         assert got == want[n].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), n
-        assert t["sha256"] == hashlib.sha256(got).hexdigest(), n
+        assert t["sha256"] == tree(got).hex(), n
     path = {p.name: p.path for p in plans}
     dtype = {p.name: p.dtype for p in plans}
     assert all(path[n] == "copy" for n in path if dtype[n] in ("fp8e4m3", "fp4x2", "e8m0", "i64"))
@@ -286,7 +293,7 @@ def test_the_streaming_readers_give_every_tensor_with_its_hash(tiny_ck, tmp_path
         t = got.setdefault(n, bytearray())
         assert off == len(t)
         t += buf[start: start + k]
-    assert {n: hashlib.sha256(b).hexdigest() for n, b in got.items()} == \
+    assert {n: tree(bytes(b)).hex() for n, b in got.items()} == \
         {n: t["sha256"] for n, t in entry["tensors"].items() if math.prod(t["shape"])}
     w.close()
     if read == "direct":
@@ -331,7 +338,7 @@ def test_the_shards_regions_are_read_in_turn_and_hashed_on_their_own_lanes(tiny_
         assert off == len(t)
         t += buf[start: start + k]
     w.close()
-    assert {n: hashlib.sha256(b).hexdigest() for n, b in got.items()} == \
+    assert {n: tree(bytes(b)).hex() for n, b in got.items()} == \
         {n: t["sha256"] for n, t in entry["tensors"].items() if math.prod(t["shape"])}
     total = sum(os.path.getsize(tmp_path / "a" / rel) for rel in entry["shards"])
     largest = max(math.prod(t["shape"]) * {"fp32": 4, "bf16": 2, "i64": 8}.get(t["dtype"], 1)
