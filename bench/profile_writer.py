@@ -17,6 +17,7 @@ reads come from the disk. A measurement, not a test.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import resource
 import shutil
@@ -64,8 +65,14 @@ def instrument() -> None:
         def __getattr__(self, name):
             return getattr(self.h, name)
 
-    stream = shard_digest.Lanes.stream
-    shard_digest.Lanes.stream = lambda self, lane=None: (lambda s: (Hash(s[0]), s[1]))(stream(self, lane))
+    class Hashlib:  # shard_digest's `hashlib`, each sha256 object's updates timed
+        def __getattr__(self, name):
+            return getattr(hashlib, name)
+
+        @staticmethod
+        def sha256(*a):
+            return Hash(hashlib.sha256(*a))
+    shard_digest.hashlib = Hashlib()
 
     from concurrent.futures import Future
     result = Future.result

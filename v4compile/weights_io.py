@@ -464,7 +464,9 @@ class _ShardWriter:
         self.hashing: list[list[Future]] = [[] for _ in self.bufs]  # each buffer's hash updates
         self.ahead = max(1, nbufs // 2)  # blocks being filled; the other buffers' bytes are being hashed
         self.reader, self.conv = _Reader(), _Conversions()
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="weights")
+        # a thread per block being filled: most of a block's time is a wait on a disk (its read, its write),
+        # so every block in flight has its own thread; `workers` threads hash
+        self.pool = ThreadPoolExecutor(max(workers, self.ahead), thread_name_prefix="weights")
         self.lanes = Lanes(workers, 1 << 62)  # bounded by the buffers
         self.syncer = ThreadPoolExecutor(1, thread_name_prefix="fdatasync")
 
