@@ -32,7 +32,8 @@ Steps, each in a fresh process:
 
 On a shared machine the rates follow what the other processes do, the CPU seconds per GB much less: the report
 gives both, and the rate the CPU seconds allow on this process's cores when they are idle (next to one core's
-sha256 speed, the bound while one large tensor is hashed).
+sha256 speed; a large tensor's 8 MiB pieces are hashed on every core). `bench/profile_writer.py` times the
+writer's stages on each thread.
 """
 
 from __future__ import annotations
@@ -314,7 +315,7 @@ def report(rows: list[dict], load: str, kernels: str) -> None:
           f"{b['l_cpu_gb'] * b['disk_r'] / 1e3:.1f}")
     cores = len(os.sched_getaffinity(0))
     print(f"\nOn a shared machine the rates follow the other processes; the CPU s per GB do much less. The rates "
-          f"they allow on {cores} idle cores (an upper bound: a tensor's sha256 runs on one core, "
+          f"they allow on {cores} idle cores (an upper bound; one core's sha256: "
           f"{sha256_speed() / 1e9:.2f} GB/s per CPU second here):")
     for w in rows:
         print(f"{w['label']}: compile {cores / w['c_cpu_gb']:.2f} GB/s ({100e3 * cores / w['c_cpu_gb'] / w['disk_w']:.0f} % "

@@ -5,10 +5,11 @@ and `v4compile.load(DIR)` reads. The runtime needs this module and the program, 
                                buckets, pool geometry, targets (+ their functions' files and interfaces),
                                kernels (target, path, sha256 of every GPU binary and sidecar), the weights
                                layout, and the hash of every file (sha256; a weights shard's is
-                               made of its header's and tensors' sha256: `shard_digest`)
+                               made of its header's and tensors' tree digests: `shard_digest`)
     DIR/weights/*.safetensors  the IR weights exactly as the functions take them (after merges), in shards
                                (none in a shape-only artifact, `--weights none`: kernels and program only);
-                               the manifest gives each tensor's shard, dtype, shape and sha256
+                               the manifest gives each tensor's shard, dtype, shape and digest
+                               (`sha256`: a tree of 8 MiB pieces' sha256, `weights.hash`)
     DIR/weights/rank-<r>/      instead, a partitioned module's (`--tp` / `--ep`): rank r's weights, each rank
                                its own directory; the manifest's `parallel` gives the layout and every
                                rank's `weights` entry (the top-level `weights` is rank 0's)

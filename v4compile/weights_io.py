@@ -12,10 +12,11 @@ Writing (`plan_weights`, `write_shards`):
 * A shard is made block by block (`CHUNK_BYTES`, a few reused page-aligned buffers): a worker thread
   assembles a block (copied pieces `pread` straight into their place, converted ones placed from their
   conversion, made once) and writes it at its place in the file (`pwrite`; reads, writes and torch
-  conversions release the GIL), while the bytes of the blocks before it are hashed, each tensor on one of
-  a few hash threads (`shard_digest.Lanes`: tensors in parallel). Every byte is copied once (disk to
-  buffer) and hashed once: a shard's digest is made of its tensors' sha256 and its header's
-  (`shard_digest`). A large shard is written with O_DIRECT (whole blocks, cut to its size at the end): the
+  conversions release the GIL; a thread per block in flight, as most of its time is a wait on a disk), while
+  the bytes of the blocks before it are hashed on a few hash threads (`shard_digest.Lanes`: each 8 MiB piece
+  of a tensor's tree digest on the next lane, so one large tensor is hashed on every core). Every byte is
+  copied once (disk to buffer) and hashed once: a shard's digest is made of its tensors' digests and its
+  header's (`shard_digest`). A large shard is written with O_DIRECT (whole blocks, cut to its size at the end): the
   page cache's copy and writeback cost more CPU than everything else together. Peak memory is the buffers
   plus the pieces being converted, whatever the checkpoint's size.
 * A checkpoint's weights are laid out in the order of their first source in the checkpoint (sequential
@@ -29,7 +30,8 @@ tensor as a zero-copy view (the cpu device keeps them as ONNX Runtime initialize
 each shard into a few reused buffers, in a region per hash lane read in turn (an upload to a device or to
 the C runtime's host memory: no page faults, a few chunks of memory). Both hash each shard's segments on
 hash threads as they go, when the load deferred that check (`load_artifact(defer_weights=True)`), so every
-byte is read once, and check each tensor against its sha256 (naming it) and the shard against its digest.
+byte is read once, and check each tensor against its digest (the manifest's `sha256`, a tree digest: naming
+it) and the shard against its digest.
 """
 
 from __future__ import annotations
@@ -452,8 +454,8 @@ def write_shards(plans: list[TensorPlan], source, wdir: Path, shard_bytes: int, 
 class _ShardWriter:
     """Shards made block by block (CHUNK_BYTES each, in `nbufs` reused page-aligned buffers): each block is
     assembled and written by a worker (`_fill`: reads, conversions and writes release the GIL), blocks in
-    file order, half of the buffers being filled while the others' bytes are hashed, each tensor on its
-    lane (`shard_digest.Lanes`: tensors in parallel). A buffer is filled again once its hashes are done, so
+    file order, half of the buffers being filled while the others' bytes are hashed, each 8 MiB piece of a
+    tensor on the next lane (`shard_digest.Lanes`: pieces and tensors in parallel). A buffer is filled again once its hashes are done, so
     memory is the buffers plus the conversions in flight, whatever the checkpoint's size."""
 
     def __init__(self, source, workers: int, nbufs: int, prog: _Progress, stop: threading.Event | None):
@@ -691,10 +693,10 @@ class MappedWeights(Mapping):
         The shards' segments, in file order, are cut at their bounds into a few regions of about equal bytes
         (`_regions`, one per hash lane, at most `MAX_REGIONS`; a region may span shards, a shard regions),
         each read front to back, their chunks taken in turn (`_interleave`) and read ahead on as many threads
-        (the disk sees a queue of reads, not one at a time). A tensor's sha256 is one sequential stream (one
-        core, ~1.1-1.4 GB/s here, below a fast disk): a region's segments are hashed on its own lane while
-        the others' are hashed on theirs, so a few large tensors (or shards of one tensor each) are hashed at
-        the lanes' combined speed. Each tensor's pieces still come in order, each shard is checked once its last chunk
+        (the disk sees a queue of reads, not one at a time). A region's segments (every piece of their tree
+        digests) are hashed on its own lane while the others' are hashed on theirs (one sha256 stream runs on
+        one core, ~1.1-1.4 GB/s here, below a fast disk), so the lanes hash at their combined speed, each a
+        region front to back. Each tensor's pieces still come in order, each shard is checked once its last chunk
         has been used, and the order of every piece is fixed by the shards, the chunk size and the lanes
         (nothing depends on timing)."""
         from bisect import bisect_right

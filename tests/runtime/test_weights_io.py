@@ -117,8 +117,8 @@ def write(ck_dir: Path, out: Path, **kw) -> tuple[dict, dict, list]:
 
 
 def test_every_tensor_is_the_per_tensor_readers_bytes_and_hashed(tiny_ck, tmp_path):
-    """Each written tensor equals `load_ir_weights` bit for bit; its sha256 and its shard's digest (made of
-    its header's and tensors' sha256) are in the entry, computed while writing; quantised tensors are copied as stored, norms converted to fp32."""
+    """Each written tensor equals `load_ir_weights` bit for bit; its digest (`tree`) and its shard's (made of
+    its header's and tensors' digests) are in the entry, computed while writing; quantised tensors are copied as stored, norms converted to fp32."""
     entry, hashes, plans = write(tiny_ck, tmp_path / "a")
     with Checkpoint.open(tiny_ck) as ck:
         want = load_ir_weights(gpu_module(ck), ck)
@@ -306,7 +306,7 @@ def test_the_streaming_readers_give_every_tensor_with_its_hash(tiny_ck, tmp_path
                                            ("one", "regions in turn")])
 def test_the_shards_regions_are_read_in_turn_and_hashed_on_their_own_lanes(tiny_ck, tmp_path, monkeypatch, shards,
                                                                            fault):
-    """A tensor's sha256 is one sequential stream (one core, slower than a fast disk), so the shards are cut
+    """One sha256 stream runs on one core (slower than a fast disk), so the shards are cut
     into a region per hash lane (inside one shard, or across shards of a tensor or two each) and the regions'
     chunks are read in turn: every lane hashes about its share of the bytes (at most a share plus the
     largest tensor) and, until a region is done, no lane runs more than two chunks ahead of another (all
@@ -410,6 +410,103 @@ def test_a_changed_header_is_caught_by_the_shard_digest(tiny_ck, tmp_path, monke
                 read_all(tmp_path / "a", how)
         else:
             read_all(tmp_path / "a", how)
+
+
+def test_the_lanes_tree_digest_is_the_definitions_whatever_the_cuts():
+    """`Lanes` gives a segment's tree digest ("sha256-tree-8MiB", the real piece size) from updates cut
+    anywhere (across and inside pieces), its pieces dealt to every lane; a one-piece and an empty segment too."""
+    from v4compile.shard_digest import Lanes, tree_digest
+
+    g = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 256, (2 * PIECE_BYTES + 12345,), generator=g, dtype=torch.uint8).numpy().tobytes()
+    cuts = sorted({0, len(data), PIECE_BYTES, PIECE_BYTES - 1, *(int(x) for x in torch.randint(len(data), (6,),
+                                                                                             generator=g))})
+    ls = Lanes(3, 1 << 62)
+    try:
+        big, small, empty = ls.stream(), ls.stream(), ls.stream()
+        for a, b in zip(cuts, cuts[1:]):
+            ls.submit(big, memoryview(data)[a:b])
+        ls.submit(small, data[:1000])
+        ls.submit(empty, b"")
+        ls.drain()
+    finally:
+        ls.close()
+    assert big[0].digest() == tree(data) == tree_digest(data).digest() != hashlib.sha256(data).digest()
+    assert len(big[0].pieces) == 3 and small[0].digest() == tree(data[:1000]) and empty[0].digest() == tree(b"")
+
+
+@pytest.mark.parametrize("fault", [None, "one lane per tensor"])
+def test_a_large_tensor_is_hashed_in_pieces_on_every_lane(tiny_ck, tmp_path, monkeypatch, fault):
+    """With pieces far smaller than the tensors (4 KiB here, 8 MiB in the format), every tensor's manifest
+    digest is the tree of its bytes, and the largest tensor's pieces are hashed on all the writer's lanes, so
+    one large tensor is not hashed at one core's speed. The fault, a tensor's pieces all on one lane (as a
+    whole-tensor sha256 is), is caught."""
+    from v4compile import shard_digest
+
+    monkeypatch.setattr(shard_digest, "PIECE_BYTES", 4096)
+    lanes_of: dict[int, set] = {}  # id(tree) -> the lanes its pieces went to
+    real = shard_digest.Lanes.submit
+
+    def submit(self, stream, data, done=None):
+        tree_ = stream[0]
+        before = tree_.pos
+        fut = real(self, stream, data, done)
+        if tree_.pos > before:
+            lanes_of.setdefault(id(tree_), set()).add(self.pools.index(tree_.piece_lane))
+        return fut
+    monkeypatch.setattr(shard_digest.Lanes, "submit", submit)
+    if fault:
+        stream = shard_digest.Lanes.stream
+        monkeypatch.setattr(shard_digest.Lanes, "stream", lambda self, lane=None: stream(self, 0))
+
+    entry, _, _ = write(tiny_ck, tmp_path / "a", workers=3)
+    shards = {rel: weights_io.map_shard(tmp_path / "a" / rel, ArtifactError) for rel in entry["shards"]}
+    sizes = {}
+    for n, t in entry["tensors"].items():
+        got = bytes(shards[t["shard"]].bytes_of(n))
+        assert t["sha256"] == tree(got, 4096).hex(), n
+        sizes[n] = len(got)
+    assert max(sizes.values()) > 3 * 4096
+    assert len(max(lanes_of.values(), key=len)) == (1 if fault else 3)
+
+
+@pytest.mark.parametrize("check", ["sound", "first piece only"])
+def test_a_changed_piece_of_a_large_tensor_is_caught_at_load(tiny_ck, tmp_path, monkeypatch, check):
+    """A byte changed in a later piece (neither the first nor the last) of the largest tensor is one
+    ArtifactError naming the tensor from both streaming readers, and naming the shard from a load that checks
+    every file first. A tree that digests its first piece alone (the broken variant, at write and load) lets
+    the change through."""
+    from v4compile import shard_digest
+
+    monkeypatch.setattr(shard_digest, "PIECE_BYTES", 4096)
+    if check != "sound":
+        def first_piece_only(self):
+            h = hashlib.sha256(TREE_TAG)
+            for p in self.pieces[:1]:
+                h.update(p.digest())
+            return h.digest()
+        monkeypatch.setattr(shard_digest.Tree, "digest", first_piece_only)
+    entry = weights_artifact(tiny_ck, tmp_path / "a", monkeypatch)
+    shard = tmp_path / "a" / entry["shards"][0]
+    sh = weights_io.map_shard(shard, ArtifactError)
+    n, i = max(sh.tensors.items(), key=lambda kv: kv[1].end - kv[1].begin)
+    lo, hi = sh.data_start + i.begin, sh.data_start + i.end
+    sh.close()
+    assert hi - lo > 3 * 4096
+    raw = bytearray(shard.read_bytes())
+    raw[lo + 2 * 4096 + 77] ^= 0x01  # in the tensor's third piece
+    shard.write_bytes(bytes(raw))
+    for how in ("stream", "chunks"):
+        if check == "sound":
+            with pytest.raises(ArtifactError, match=rf"{shard.name}: '{re.escape(n)}'.*sha256"):
+                read_all(tmp_path / "a", how)
+        else:
+            read_all(tmp_path / "a", how)
+    if check == "sound":
+        with pytest.raises(ArtifactError, match=shard.name):
+            load_artifact(tmp_path / "a")
+    else:
+        load_artifact(tmp_path / "a")
 
 
 CAPPED = textwrap.dedent('''
