@@ -82,6 +82,9 @@ FIELDS = [
     (("weights", "tensors", "embed.weight", "dtype"), "complex", "embed.weight"),
     (("kernels",), "none", "kernels"),
     (("format_version",), 1, "format version"),  # the whole-file hashes of shards: refused, not misread
+    (("format_version",), 2, "format version"),  # whole-tensor sha256s: refused, not misread as tree digests
+    (("weights", "hash"), "sha256", "weights.hash"),  # a hash scheme this reader does not compute
+    (("weights", "hash"), KeyError, "weights.hash"),
 ]
 
 
