@@ -174,7 +174,9 @@ def test_byte_reproducible_whatever_the_workers(tiny_ck, tmp_path, monkeypatch, 
     with O_DIRECT (`direct`: whole 4 KiB units, the last one cut back to the shard's size) or through the
     page cache in blocks of an odd size (every piece, and many bf16 / fp32 elements, cut at block bounds).
     Where the file system refuses O_DIRECT (`direct refused`: EINVAL, as tmpfs before Linux 6.6), the shards
-    go through the page cache. The fault, O_DIRECT shards not cut back to their size, leaves the padding there."""
+    go through the page cache. The checkpoint is read with O_DIRECT too (whole units through a buffer per
+    thread, the wanted bytes copied out) with 4 KiB and odd blocks, and through the page cache where refused.
+    The fault, O_DIRECT shards not cut back to their size, leaves the padding there."""
     a, ha, _ = write(tiny_ck, tmp_path / "a", workers=1)
     monkeypatch.setattr(weights_io, "CHUNK_BYTES", 4097 if mode == "odd blocks" else 4096)
     monkeypatch.setattr(weights_io, "WINDOW_BYTES", 3 * 4096)
@@ -185,8 +187,10 @@ def test_byte_reproducible_whatever_the_workers(tiny_ck, tmp_path, monkeypatch, 
         used.append(direct)
         return fd, direct
     monkeypatch.setattr(weights_io, "_create", create)
-    if mode.startswith("direct"):
+    if mode.startswith("direct") or mode == "odd blocks":  # the checkpoint read with O_DIRECT too
         monkeypatch.setattr(weights_io, "DIRECT_BYTES", 0)
+    read_direct, real_direct = [], weights_io._direct
+    monkeypatch.setattr(weights_io, "_direct", lambda *x: read_direct.append(real_direct(*x)) or read_direct[-1])
     if mode == "direct refused":
         real_open = os.open
 
@@ -199,6 +203,7 @@ def test_byte_reproducible_whatever_the_workers(tiny_ck, tmp_path, monkeypatch, 
         monkeypatch.setattr(weights_io.os, "ftruncate", lambda fd, n: None)
     b, hb, _ = write(tiny_ck, tmp_path / "b", workers=4)
     assert used == [mode == "direct" and direct_writes_work(tmp_path)] * len(a["shards"])
+    assert read_direct and (None not in read_direct) == (mode in ("direct", "odd blocks") and direct_writes_work(tmp_path))
     same = a == b and ha == hb and all((tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes()
                                        for rel in a["shards"])
     assert same == (fault is None or not used[0])
