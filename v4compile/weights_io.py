@@ -6,17 +6,18 @@ Writing (`plan_weights`, `write_shards`):
 * Every IR weight is a list of pieces, one per source tensor (a stack of experts, or a concatenation
   along the first axis, is the pieces' bytes one after the other, row-major). A piece whose stored
   bytes are exactly the IR's (`COPY`: FP8 / FP4 / E8M0 / BF16 / F32 / I64 stored as the IR takes it) is
-  *copied*: read with `pread` from one descriptor per checkpoint file, never decoded (the non-finite
+  *copied*: read with `pread` from one descriptor per checkpoint file (a large file with O_DIRECT: `_Reader`),
+  never decoded (the non-finite
   check of `Checkpoint.raw` is done on the bits). Any other piece is *converted* by the checkpoint's
   own reader (`harness._fetch`: BF16 norms to FP32, F32 scales to E8M0, dequantisation, ...).
 * A shard is made block by block (`CHUNK_BYTES`, a few reused page-aligned buffers): a worker thread
-  assembles a block (copied pieces `pread` straight into their place, converted ones placed from their
+  assembles a block (copied pieces `pread` into their place, converted ones placed from their
   conversion, made once) and writes it at its place in the file (`pwrite`; reads, writes and torch
   conversions release the GIL; a thread per block in flight, as most of its time is a wait on a disk), while
   the bytes of the blocks before it are hashed on a few hash threads (`shard_digest.Lanes`: each 8 MiB piece
   of a tensor's tree digest on the next lane, so one large tensor is hashed on every core). Every byte is
-  copied once (disk to buffer) and hashed once: a shard's digest is made of its tensors' digests and its
-  header's (`shard_digest`). A large shard is written with O_DIRECT (whole blocks, cut to its size at the end): the
+  copied once (disk to buffer; with O_DIRECT, from a unit-aligned buffer) and hashed once: a shard's digest
+  is made of its tensors' digests and its header's (`shard_digest`). A large shard is written with O_DIRECT (whole blocks, cut to its size at the end): the
   page cache's copy and writeback cost more CPU than everything else together. Peak memory is the buffers
   plus the pieces being converted, whatever the checkpoint's size.
 * A checkpoint's weights are laid out in the order of their first source in the checkpoint (sequential
