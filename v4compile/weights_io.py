@@ -123,20 +123,34 @@ def _nonfinite_bits(stored: str, scale: bool) -> str | None:
     return {"F8_E4M3": "fp8", "BF16": "bf16", "F32": "fp32"}.get(stored)
 
 
+_SCRATCH = threading.local()  # each thread's buffer for the masked magnitudes (`_bits_bad`)
+SCRATCH_BYTES = 256 << 10  # fits a core's L2; no temporary of a block's size (its page faults cost ~40 %)
+MAGNITUDE = {"bf16": (np.uint16, 0x7FFF, 0x7F80), "fp32": (np.uint32, 0x7FFFFFFF, 0x7F800000)}
+
+
 def _bits_bad(buf, lo: int, hi: int, bits: str) -> bool:
     """True if the stored bytes buf[lo:hi] (whole elements) hold a NaN / Inf (E8M0: the NaN byte 0xFF). All
-    exponent bits set is the largest value the magnitude bits can take, so one max over them decides (~4
-    GB/s); a one-byte format's NaN bytes are found with `find` (memchr, no temporary: ~15 GB/s)."""
+    exponent bits set is the largest value the magnitude bits can take, so one max over them decides (~7
+    GB/s, in L2-sized pieces); a one-byte format's NaN bytes are found with `find` (memchr, no temporary:
+    ~15 GB/s)."""
     if bits == "fp8":  # e4m3fn: NaN is S.1111.111 (0x7F, 0xFF), there is no Inf
         return buf.find(b"\x7f", lo, hi) >= 0 or buf.find(b"\xff", lo, hi) >= 0
     if bits == "e8m0":
         return buf.find(b"\xff", lo, hi) >= 0
-    if bits == "bf16":
-        a = np.frombuffer(buf, dtype=np.uint16, count=(hi - lo) // 2, offset=lo)
-        return a.size > 0 and int(np.max(a & 0x7FFF)) >= 0x7F80
-    if bits == "fp32":
-        a = np.frombuffer(buf, dtype=np.uint32, count=(hi - lo) // 4, offset=lo)
-        return a.size > 0 and int(np.max(a & 0x7FFFFFFF)) >= 0x7F800000
+    if bits not in MAGNITUDE:
+        return False
+    dtype, mask, inf = MAGNITUDE[bits]
+    a = np.frombuffer(buf, dtype=dtype, count=(hi - lo) // np.dtype(dtype).itemsize, offset=lo)
+    scratch = getattr(_SCRATCH, "buf", None)
+    if scratch is None:
+        scratch = _SCRATCH.buf = np.empty(SCRATCH_BYTES, np.uint8)
+    step = SCRATCH_BYTES // a.itemsize
+    for i in range(0, a.size, step):
+        part = a[i:i + step]
+        out = scratch[:part.nbytes].view(dtype)
+        np.bitwise_and(part, mask, out=out)
+        if int(out.max()) >= inf:
+            return True
     return False
 
 

@@ -19,6 +19,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -740,6 +741,28 @@ def test_the_copy_paths_nan_bit_test_is_isfinite_on_every_pattern():
     got = [weights_io._bits_bad(data, 4 * i, 4 * i + 4, "fp32") for i in range(len(r))]
     assert got == (~torch.isfinite(r.view(torch.float32))).tolist() and got[:3] == [True, True, False]
     assert [weights_io._bits_bad(bytes(range(256)), v, v + 1, "e8m0") for v in range(256)] == [v == 255 for v in range(256)]
+
+
+@pytest.mark.parametrize("fault", [None, "first scratch piece only"])
+def test_a_non_finite_element_is_found_in_any_scratch_piece(monkeypatch, fault):
+    """bf16 / fp32 magnitudes are masked in scratch-sized pieces (64 bytes here): a NaN / Inf in the first,
+    a middle, a piece's first or last, or the very last element of a range (starting at an odd element) is
+    found, and finite bytes pass. The fault, only the first piece looked at, misses the later ones."""
+    monkeypatch.setattr(weights_io, "SCRATCH_BYTES", 64)
+    monkeypatch.setattr(weights_io, "_SCRATCH", threading.local())
+    if fault:
+        real = weights_io._bits_bad
+        monkeypatch.setattr(weights_io, "_bits_bad", lambda buf, lo, hi, bits: real(buf, lo, min(hi, lo + 64), bits))
+    for dt, bits, k, n in ((torch.bfloat16, "bf16", 2, 1001), (torch.float32, "fp32", 4, 333)):
+        good = torch.randn(n, generator=torch.Generator().manual_seed(k)).to(dt)
+        lo = k  # ranges start one element in
+        assert not weights_io._bits_bad(good.view(torch.uint8).numpy().tobytes(), lo, n * k, bits)
+        found = []
+        for i in (1, 2, 64 // k, 64 // k + 1, 3 * 64 // k, n - 1):
+            t = good.clone()
+            t[i] = float("nan") if i % 2 else float("-inf")
+            found.append(weights_io._bits_bad(t.view(torch.uint8).numpy().tobytes(), lo, n * k, bits))
+        assert all(found) == (fault is None), (bits, found)
 
 
 def test_a_progress_line_gives_bytes_rate_and_eta(tiny_ck, tmp_path, monkeypatch, caplog):
