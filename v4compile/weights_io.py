@@ -268,6 +268,7 @@ class _Reader:
         self.lock = threading.Lock()
         self.size = -(-(block + 2 * DIRECT_ALIGN) // DIRECT_ALIGN) * DIRECT_ALIGN  # a block's bytes, in whole units
         self.bounce: dict[int, mmap.mmap] = {}  # thread -> its page-aligned buffer for O_DIRECT reads
+        self.refused: list[int] = []  # O_DIRECT descriptors whose reads were refused
 
     def fd(self, path: Path) -> tuple[int, int | None]:
         with self.lock:
@@ -293,6 +294,13 @@ class _Reader:
         bv = memoryview(bounce)
         try:
             self._read(path, direct, offset, view, bv)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            with self.lock:  # a file system that opens with O_DIRECT but refuses its reads: the page cache
+                self.fds[path] = fd, None
+                self.refused.append(direct)  # (closed with the others: another thread may be reading it)
+            self._read(path, fd, offset, view, None)
         finally:
             bv.release()  # (the buffer can be closed)
 
@@ -316,11 +324,10 @@ class _Reader:
             got += k
 
     def close(self) -> None:
-        for pair in self.fds.values():
-            for fd in pair:
-                if fd is not None:
-                    os.close(fd)
+        for fd in [fd for pair in self.fds.values() for fd in pair if fd is not None] + self.refused:
+            os.close(fd)
         self.fds.clear()
+        self.refused.clear()
         for b in self.bounce.values():
             b.close()
         self.bounce.clear()

@@ -168,7 +168,8 @@ def direct_writes_work(d: Path) -> bool:
 
 
 @pytest.mark.parametrize("mode, fault", [("cached", None), ("direct", None), ("direct", "not cut to size"),
-                                         ("direct refused", None), ("odd blocks", None)])
+                                         ("direct refused", None), ("direct reads refused", None),
+                                         ("odd blocks", None)])
 def test_byte_reproducible_whatever_the_workers(tiny_ck, tmp_path, monkeypatch, mode, fault):
     """Two writes give the same bytes and hashes: 1 worker through the page cache (the tiny shards are below
     DIRECT_BYTES), then 4 workers in blocks and buffers far smaller than the tensors, every shard written
@@ -176,7 +177,8 @@ def test_byte_reproducible_whatever_the_workers(tiny_ck, tmp_path, monkeypatch, 
     page cache in blocks of an odd size (every piece, and many bf16 / fp32 elements, cut at block bounds).
     Where the file system refuses O_DIRECT (`direct refused`: EINVAL, as tmpfs before Linux 6.6), the shards
     go through the page cache. The checkpoint is read with O_DIRECT too (whole units through a buffer per
-    thread, the wanted bytes copied out) with 4 KiB and odd blocks, and through the page cache where refused.
+    thread, the wanted bytes copied out) with 4 KiB and odd blocks, and through the page cache where refused
+    (at open, or at its first read).
     The fault, O_DIRECT shards not cut back to their size, leaves the padding there."""
     a, ha, _ = write(tiny_ck, tmp_path / "a", workers=1)
     monkeypatch.setattr(weights_io, "CHUNK_BYTES", 4097 if mode == "odd blocks" else 4096)
@@ -200,11 +202,22 @@ def test_byte_reproducible_whatever_the_workers(tiny_ck, tmp_path, monkeypatch, 
                 raise OSError(errno.EINVAL, "Invalid argument", str(path))
             return real_open(path, flags, *a)
         monkeypatch.setattr(weights_io.os, "open", refusing)
+    if mode == "direct reads refused":  # opened with O_DIRECT, its reads refused (EINVAL): the page cache's
+        import fcntl
+
+        real_preadv = os.preadv
+
+        def preadv(fd, bufs, pos):
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_preadv(fd, bufs, pos)
+        monkeypatch.setattr(weights_io.os, "preadv", preadv)
     if fault:
         monkeypatch.setattr(weights_io.os, "ftruncate", lambda fd, n: None)
     b, hb, _ = write(tiny_ck, tmp_path / "b", workers=4)
-    assert used == [mode == "direct" and direct_writes_work(tmp_path)] * len(a["shards"])
-    assert read_direct and (None not in read_direct) == (mode in ("direct", "odd blocks") and direct_writes_work(tmp_path))
+    direct = mode in ("direct", "direct reads refused") and direct_writes_work(tmp_path)
+    assert used == [direct] * len(a["shards"])
+    assert read_direct and (None not in read_direct) == (direct or mode == "odd blocks" and direct_writes_work(tmp_path))
     same = a == b and ha == hb and all((tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes()
                                        for rel in a["shards"])
     assert same == (fault is None or not used[0])
