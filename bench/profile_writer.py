@@ -8,8 +8,9 @@ disk out of the picture) with every stage timed on its thread: `read` (pread fro
 non-finite check on the stored bits), `convert`, `write` (pwrite into the shard), `hash` (a sha256 update on a
 hash lane), `wait` (the writer's own thread waiting for a block or a buffer). For each run it prints the
 rate, the process CPU seconds per GB, and per stage: wall and CPU seconds (`time.thread_time`), CPU s per GB,
-and how many threads were busy on CPU at once over the run (`busy k`: share of the wall time with k of the
-read / nan / convert / hash spans running; write spans are counted apart: O_DIRECT writes wait on the disk).
+and how many spans ran at once over the run (share of the wall time with k of them running: the read /
+nan / convert / hash spans (a read's wait on the disk included), the hash spans alone (1: one lane hashing
+while the other idles), the write spans (O_DIRECT writes wait on the disk)).
 `--cold` drops the checkpoint's pages from the page cache before each run (as bench_weights does), so the
 reads come from the disk. A measurement, not a test.
 """
