@@ -540,6 +540,7 @@ CAPPED = textwrap.dedent('''
     from v4compile.checkpoint import Checkpoint
     from v4compile.errors import ArtifactError
     weights_io.CHUNK_BYTES, weights_io.WINDOW_BYTES = 1 << 20, 4 << 20
+    weights_io.DIRECT_BYTES = 0  # a large checkpoint's paths: O_DIRECT reads (a buffer per thread) and writes
     ck = Checkpoint.open(sys.argv[1]).validate()  # as `compile` does, before any weight is written
     m = trace(ck.cfg, TraceOptions(decode_batch=1, dtype="bf16"), functions=("decode",), formats=ck.stored_formats())
     out = Path(sys.argv[2]) / "weights"
