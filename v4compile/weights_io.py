@@ -298,8 +298,9 @@ class _Reader:
             if e.errno != errno.EINVAL:
                 raise
             with self.lock:  # a file system that opens with O_DIRECT but refuses its reads: the page cache
-                self.fds[path] = fd, None
-                self.refused.append(direct)  # (closed with the others: another thread may be reading it)
+                if self.fds[path][1] == direct:  # (once, whichever thread was refused first)
+                    self.fds[path] = fd, None
+                    self.refused.append(direct)  # (closed with the others: another thread may be reading it)
             self._read(path, fd, offset, view, None)
         finally:
             bv.release()  # (the buffer can be closed)
@@ -329,7 +330,10 @@ class _Reader:
         self.fds.clear()
         self.refused.clear()
         for b in self.bounce.values():
-            b.close()
+            try:
+                b.close()
+            except BufferError:  # a view is still alive (an error's traceback): it goes with the last view
+                pass
         self.bounce.clear()
 
 
@@ -514,8 +518,9 @@ class _ShardWriter:
     """Shards made block by block (CHUNK_BYTES each, in `nbufs` reused page-aligned buffers): each block is
     assembled and written by a worker (`_fill`: reads, conversions and writes release the GIL), blocks in
     file order, half of the buffers being filled while the others' bytes are hashed, each 8 MiB piece of a
-    tensor on the next lane (`shard_digest.Lanes`: pieces and tensors in parallel). A buffer is filled again once its hashes are done, so
-    memory is the buffers plus the conversions in flight, whatever the checkpoint's size."""
+    tensor on the next lane (`shard_digest.Lanes`: pieces and tensors in parallel). A buffer is filled again
+    once its hashes are done, so memory is the buffers, a read buffer per filling thread (`_Reader`) and the
+    conversions in flight, whatever the checkpoint's size."""
 
     def __init__(self, source, workers: int, nbufs: int, prog: _Progress, stop: threading.Event | None):
         self.source, self.prog, self.stop = source, prog, stop
