@@ -119,7 +119,8 @@ def write(ck_dir: Path, out: Path, **kw) -> tuple[dict, dict, list]:
 
 def test_every_tensor_is_the_per_tensor_readers_bytes_and_hashed(tiny_ck, tmp_path):
     """Each written tensor equals `load_ir_weights` bit for bit; its digest (`tree`) and its shard's (made of
-    its header's and tensors' digests) are in the entry, computed while writing; quantised tensors are copied as stored, norms converted to fp32."""
+    its header's and tensors' digests) are in the entry, computed while writing; quantised tensors are copied
+    as stored, norms converted to fp32."""
     entry, hashes, plans = write(tiny_ck, tmp_path / "a")
     with Checkpoint.open(tiny_ck) as ck:
         want = load_ir_weights(gpu_module(ck), ck)
@@ -217,7 +218,8 @@ def test_byte_reproducible_whatever_the_workers(tiny_ck, tmp_path, monkeypatch, 
     b, hb, _ = write(tiny_ck, tmp_path / "b", workers=4)
     direct = mode in ("direct", "direct reads refused") and direct_writes_work(tmp_path)
     assert used == [direct] * len(a["shards"])
-    assert read_direct and (None not in read_direct) == (direct or mode == "odd blocks" and direct_writes_work(tmp_path))
+    read_too = direct or mode == "odd blocks" and direct_writes_work(tmp_path)
+    assert read_direct and (None not in read_direct) == read_too
     same = a == b and ha == hb and all((tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes()
                                        for rel in a["shards"])
     assert same == (fault is None or not used[0])
