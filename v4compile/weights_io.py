@@ -19,8 +19,8 @@ Writing (`plan_weights`, `write_shards`):
   copied once (disk to buffer; with O_DIRECT, from a unit-aligned buffer) and hashed once: a shard's digest
   is made of its tensors' digests and its header's (`shard_digest`). A large shard is written with O_DIRECT
   (whole blocks, cut to its size at the end): the page cache's copy and writeback cost more CPU than
-  everything else together. Peak memory is the buffers
-  plus the pieces being converted, whatever the checkpoint's size.
+  everything else together. Peak memory is the buffers, a read buffer per filling thread and the pieces
+  being converted, whatever the checkpoint's size.
 * A checkpoint's weights are laid out in the order of their first source in the checkpoint (sequential
   reads); other sources in name order. Both are deterministic, so the shards are byte-reproducible.
 * Each shard is flushed to disk (`fdatasync`; through the page cache, started in the background every
