@@ -12,8 +12,11 @@ other processes take turns on the core but still share the memory bus, so the be
 * `torch_gemv`: the same in torch (what HF eager's linears call at batch 1);
 * `ort_gemm_m1`: ONNX Runtime Gemm nodes, one row by 200 distinct [512, 1024] weights (transB, as the cpu
   target lowers a linear), the kernel our decode step spends its time in.
-With `--step-mb` (a step's weight bytes: bench_cpu.py's mid decode b1 reads 526.3 MB) and `--hf-ms` (HF
-eager's step time), it prints the step time each rate allows and the ratio to HF that bounds.
+With `--step-mb` (a step's weight bytes) and `--hf-ms` (HF eager's step time), it prints the step time each
+rate allows and the ratio to HF that bounds. `--config mid` (bench_cpu.py's configs) compiles that config and
+counts the weight bytes its decode b1 and 64-token prefill graphs read (`step_bytes`: an embedding's one row a
+token, each routed expert's matrices once, at most min(E, tokens x k) experts of a stack; HF eager reads the
+same: its expert loop visits the chosen experts only) and uses decode b1's as `--step-mb`.
 Not a test: a measurement.
 """
 
@@ -108,13 +111,67 @@ def ort_gemm_m1(repeats: int, n: int = 200) -> float:
     return n * 512 * 1024 * 4 / best_of(lambda: s.run(None, x), repeats)
 
 
+def step_bytes(art_path, fname: str, k: int) -> dict[str, float]:
+    """The weight bytes one run of `fname` reads: every weight input once, except an input only Gathered
+    (an embedding: one row a token) and the per-expert views (`codegen/onnx_weights` derived entries with
+    an index: a zero-row Gemm reads nothing, so min(E, tokens x k) experts of each stack)."""
+    import onnx
+
+    from v4compile.artifact import load_artifact
+
+    art = load_artifact(art_path)
+    spec = art.target("cpu")["functions"][fname]
+    tokens = spec["batch"] * spec["tokens"]
+    g = onnx.load(str(Path(art_path) / spec["file"]), load_external_data=False).graph
+    shape = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in g.input}
+    consumers: dict[str, set] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, set()).add(n.op_type)
+    derived = spec.get("derived", {})
+    dense = rows = 0.0
+    stacks: dict[str, list[int]] = {}
+    for name in set(spec["weights"]) | set(derived):
+        if name not in consumers:
+            continue
+        nbytes = 4 * int(np.prod(shape[name]))
+        if name in derived and derived[name]["index"] is not None:
+            stacks.setdefault(derived[name]["of"], []).append(nbytes)
+        elif consumers[name] == {"Gather"}:
+            rows += min(tokens, shape[name][0]) * nbytes / shape[name][0]
+        else:
+            dense += nbytes
+    experts = sum(min(len(b), tokens * k) * max(b) for b in stacks.values())
+    return {"tokens": tokens, "dense_mb": dense / 1e6, "gathered_rows_mb": rows / 1e6,
+            "experts_mb": experts / 1e6, "total_mb": (dense + rows + experts) / 1e6}
+
+
+def config_bytes(name: str) -> dict[str, dict]:
+    """Compile bench_cpu.py's `name` config (fp32, decode b1 and a 64-token prefill) and count its steps' bytes."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import bench_cpu as bc
+    from v4compile.artifact import Buckets
+    from v4compile.driver import compile_artifact
+
+    cfg = bc.big_tiny() if name == "tiny" else bc.mid_config()
+    with tempfile.TemporaryDirectory(prefix="bench_stream_") as d:
+        art = compile_artifact(bc._frontend(cfg, 512), Path(d) / name, Buckets(decode=(1,), prefill=(bc.PROMPT,)))
+        return {f: step_bytes(art, f, cfg.n_active_experts) for f in ("decode_b1", f"prefill_c{bc.PROMPT}")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0, help="buffer size (default 1 GiB: >> the last-level cache)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--step-mb", type=float, help="a decode step's weight bytes, MB")
     ap.add_argument("--hf-ms", type=float, help="HF eager's time for that step, ms")
+    ap.add_argument("--config", choices=("tiny", "mid"), help="count this bench_cpu.py config's step bytes")
     args = ap.parse_args()
+    if args.config:
+        for f, b in config_bytes(args.config).items():
+            print(f"{args.config} {f}: " + ", ".join(f"{k} {v:.1f}" for k, v in b.items()), flush=True)
+            if f == "decode_b1" and args.step_mb is None:
+                args.step_mb = b["total_mb"]
     nbytes = int(args.gib * (1 << 30))
     rates = {"c_sum": c_sum(nbytes, args.repeats), **gemv_rates(nbytes, args.repeats),
              "ort_gemm_m1": ort_gemm_m1(args.repeats)}
