@@ -93,3 +93,37 @@ def test_a_tampered_record_is_one_clear_error(art, tmp_path, edit, words):
     write_manifest(bad, m)
     with pytest.raises(ArtifactError, match=words):
         v4compile.load(bad, device="cpu", threads=1).prefill([[1, 2, 3]])
+
+
+def test_outputs_land_in_bound_arrays_and_the_caller_keeps_its_logits(art, monkeypatch):
+    """A step's outputs are written into arrays bound once (no copy_outputs_to_cpu per step), and the
+    logits a step returns are the caller's: the next step does not overwrite them. A backend that handed
+    out its bound buffer itself (the broken variant below) fails the second check."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from v4compile.runtime import cpu_backend
+
+    def steps(sess):
+        seqs, lg = sess.prefill([[5, 6, 7]])
+        a = sess.decode(seqs, [int(lg[0].argmax())])
+        kept = a.copy()
+        b = sess.decode(seqs, [int(a[0].argmax())])
+        return a, kept, b
+
+    copied, copy = [], ort.IOBinding.copy_outputs_to_cpu
+    monkeypatch.setattr(ort.IOBinding, "copy_outputs_to_cpu", lambda self: copied.append(1) or copy(self))
+    a, kept, b = steps(v4compile.load(art, device="cpu", threads=1))
+    assert copied == []
+    assert not np.array_equal(kept, b)  # two different steps: had they shared a buffer, `a` would be `b`
+    np.testing.assert_array_equal(a, kept)
+
+    run = cpu_backend.OrtBackend._run_graph
+
+    def shares(self, fname, k, inputs):  # the fault: the bound buffers themselves, not copies
+        run(self, fname, k, inputs)
+        *_, kept, bufs = self._sessions[self._graphs[fname][k][0]]
+        return {n: bufs[i] for i, n in kept}
+    monkeypatch.setattr(cpu_backend.OrtBackend, "_run_graph", shares)
+    a, kept, b = steps(v4compile.load(art, device="cpu", threads=1))
+    assert not np.array_equal(a, kept)
