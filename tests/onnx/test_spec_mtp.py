@@ -98,9 +98,9 @@ def test_greedy_ids_equal_plain_cpu(doc, k, monkeypatch):
     finally:
         s.close()
     assert ids == want
-    # the trained block drafts well (first draft accepted 0.91 / 0.91 / 0.97 of the time at k = 1 / 2 / 3,
-    # 1.88 / 2.63 / 3.32 tokens per step), and drafts are rejected too: both paths taken
-    assert stats.rates()[0] > 0.8 and stats.tokens_per_step() > 1.6 + 0.5 * (k - 1)
+    # the trained block drafts well (first draft accepted 0.95 / 0.96 / 0.95 of the time at k = 1 / 2 / 3,
+    # 1.94 / 2.74 / 3.32 tokens per step), and drafts are rejected too: both paths taken
+    assert stats.rates()[0] > 0.9 and stats.tokens_per_step() > 1.8 + 0.6 * (k - 1)
     assert sum(stats.accepted) < sum(stats.offered)
     assert len(got) == 2 and all(len(v) >= (NEW - 1) // (k + 1) * k for v in got.values())
     if k == 2:  # against the reference decoder: the same drafts (ids and q)
