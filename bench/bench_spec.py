@@ -13,7 +13,9 @@ rounds (plain, k=1, k=2, ... then again), `--repeat` rounds; tokens/s from the m
 median of the rounds' own ratios (with their range); times are this process's CPU time (`time.process_time`), which stays fair on a shared, loaded machine. Greedy ids must match
 plain decoding (checked, not timed). `--reference` adds the same for the eager reference decoder
 (`v4compile/model/speculative.py`, torch on the CPU). The modeled part (`codegen/spec_cost.py`) traces
-V4-Pro's decode and verify steps shape-only (~10 s per k). Not a test: run it once.
+V4-Pro's decode and verify steps shape-only (~10 s per k). Not a test: run it once. `PROMPTS` are held out of
+the example's MTP distillation (`scripts/distill_tiny_doc_mtp.py` imports them and trains on no prompt that
+contains one).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from v4compile.model.speculative import speculative_generate
 from v4compile.tokenizer import Tokenizer
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-doc"
-PROMPTS = ("The shutil module", "Return the", "import os\n", "This function")
+PROMPTS = ("The shutil module", "Return the", "import os\n", "This function")  # held out (module doc)
 
 
 def main() -> None:

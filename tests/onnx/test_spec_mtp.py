@@ -1,7 +1,7 @@
 """Speculative decoding with the artifact's compiled MTP block as the draft source (`runtime/speculative.py`
 without a `draft`: the `draft_b<B>` / `draft_c<T>` functions).
 
-* greedy: the ids of plain greedy decoding over 64 new tokens. Cells: the trained tiny-doc (acceptance ~0.8,
+* greedy: the ids of plain greedy decoding over 64 new tokens. Cells: the trained tiny-doc (acceptance ~0.9,
   so both accepted and rejected drafts occur) on the cpu device with k = 1, 2, 3 on a ragged batch (prompts of
   5 and 11 tokens in the batch-2 bucket) and on the host device with k = 2 (the 11-token prompt); tiny-pro
   (random weights) on cpu, k = 1, batch 1; tiny (random) is test_spec_session's `test_compiled_mtp_drafts`.
@@ -98,7 +98,10 @@ def test_greedy_ids_equal_plain_cpu(doc, k, monkeypatch):
     finally:
         s.close()
     assert ids == want
-    assert 0.3 < stats.rates()[0] < 0.95 and stats.tokens_per_step() > 1.3  # drafts both accepted and rejected
+    # the trained block drafts well (first draft accepted 0.95 / 0.96 / 0.95 of the time at k = 1 / 2 / 3,
+    # 1.94 / 2.74 / 3.32 tokens per step), and drafts are rejected too: both paths taken
+    assert stats.rates()[0] > 0.9 and stats.tokens_per_step() > 1.8 + 0.6 * (k - 1)
+    assert sum(stats.accepted) < sum(stats.offered)
     assert len(got) == 2 and all(len(v) >= (NEW - 1) // (k + 1) * k for v in got.values())
     if k == 2:  # against the reference decoder: the same drafts (ids and q)
         ref = ReferenceModel.from_pretrained(EXAMPLE)
