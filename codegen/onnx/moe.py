@@ -20,7 +20,8 @@ decode steps (8 experts of 24 KB) go dense: 61 -> 39 nodes per MoE layer, its sh
 decode b1 -7 %; its 64-token prefill (4x the multiply-adds, +9 % measured when dense) and every step of
 a model with MB-sized experts (mid: 6 MB each) stay grouped, so their bytes never scale with E.
 On the dense path the shared expert is one more expert of the stacks (expert E, its row of every token
-taken with weight 1: `lower_moe_experts_shared`), so its three GEMMs and SwiGLU are no nodes of their own.
+taken with weight 1: `lower_moe_experts_shared`), so its three GEMMs and SwiGLU are no nodes of their own:
+tiny's MoE step at one token 32 -> 26 nodes after ONNX Runtime's optimiser, 45 -> 38 us (same-process A/B).
 
 The weighted sum back into the tokens is one ScatterND with reduction "add" over the pairs in expert
 order: each token's sum starts from zero and adds its experts in ascending order, the order of the
