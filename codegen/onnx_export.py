@@ -339,8 +339,8 @@ class Graph:
     # ---- pool planes ---------------------------------------------------------------------------
     def read_rows(self, p: Planes, rows: str, n_rows: int | None = None, shape: tuple | None = None) -> str:
         """`plane[rows]` (rows int64 of any shape, >= 0) as this step sees it: the input plane, patched
-        with the rows written earlier in the step (a later write wins); `shape`: the caller's shape for
-        the result (one Reshape, static), instead of rows' shape + the row's (computed in the graph)."""
+        with the rows written earlier in the step (a later write wins), shaped rows' shape + the row's;
+        `shape`: the caller's shape for the result instead (one static Reshape)."""
         if p.rows is None:
             got = self.op("Gather", p.base, rows, axis=0)
             return got if shape is None else self.reshape(got, shape)
@@ -353,19 +353,17 @@ class Graph:
             return got if shape is None else self.reshape(got, shape)
         w_rows = self.concat([sg[1] for sg in segs], 0)
         w_vals = self.concat([sg[2] for sg in segs], 0)
-        flat = self.reshape(rows, (-1,))
-        got = self.op("Gather", p.base, flat, axis=0)  # [M, *row]
-        hit = self.cast(self.op("Equal", self.unsqueeze(flat, -1), self.unsqueeze(w_rows, 0)), TensorProto.INT32)
-        has = self.op("Greater", self.max(hit, 1), self.const(0, np.int32))  # [M]
-        j = self.op("ArgMax", hit, axis=1, keepdims=0, select_last_index=1)
+        got = self.op("Gather", p.base, rows, axis=0)  # [*rows, *row]
+        # hit[..., w]: the read row is write w's (a skipped write's -1 never is); kept in rows' own shape, so
+        # the patched rows come out in the reader's shape with no flattening or reshaping back
+        hit = self.cast(self.op("Equal", self.unsqueeze(rows, -1), w_rows), TensorProto.INT32)  # [*rows, W]
+        j = self.op("ArgMax", hit, axis=-1, keepdims=0, select_last_index=1)  # a later write wins
         # only the hit reads take their row from the writes: a ScatterND of those K rows into the gathered
         # ones (a Where over all M rows costs ~4x an elementwise op in ONNX Runtime: prefill reads are big)
-        at = self.op("NonZero", has)  # [1, K]
-        new = self.op("Gather", w_vals, self.op("Gather", j, self.reshape(at, (-1,)), axis=0), axis=0)
-        out = self.op("ScatterND", got, self.op("Transpose", at, perm=[1, 0]), new)
-        if shape is not None:
-            return self.reshape(out, shape)
-        return self.op("Reshape", out, self.concat([self.op("Shape", rows), self.op("Shape", w_vals, start=1)], 0))
+        at = self.op("Transpose", self.op("NonZero", self.max(hit, -1)), perm=[1, 0])  # [K, rank of rows]
+        new = self.op("Gather", w_vals, self.op("GatherND", j, at), axis=0)
+        out = self.op("ScatterND", got, at, new)
+        return out if shape is None else self.reshape(out, shape)
 
     def write_rows(self, p: Planes, rows: str, vals: str) -> Planes:
         """Record `plane[rows] = vals` (rows int64 [N], -1 = skip; vals [N, *row])."""

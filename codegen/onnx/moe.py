@@ -19,6 +19,9 @@ chose (~10 GB/s) and the multiply-adds of the pairs not routed (~40 G/s for thes
 decode steps (8 experts of 24 KB) go dense: 61 -> 39 nodes per MoE layer, its shared expert included,
 decode b1 -7 %; its 64-token prefill (4x the multiply-adds, +9 % measured when dense) and every step of
 a model with MB-sized experts (mid: 6 MB each) stay grouped, so their bytes never scale with E.
+On the dense path the shared expert is one more expert of the stacks (expert E, its row of every token
+taken with weight 1: `lower_moe_experts_shared`), so its three GEMMs and SwiGLU are no nodes of their own:
+tiny's MoE step at one token 32 -> 26 nodes after ONNX Runtime's optimiser, 45 -> 38 us (same-process A/B).
 
 The weighted sum back into the tokens is one ScatterND with reduction "add" over the pairs in expert
 order: each token's sum starts from zero and adds its experts in ascending order, the order of the
@@ -31,6 +34,7 @@ import numpy as np
 from onnx import TensorProto
 
 from ...ir.types import TensorType
+from ..onnx_weights import logical_shape
 from . import gemm_input
 
 # the cost model of `dense_is_cheaper` (one core, measured on bench_cpu's tiny: see the module's docstring)
@@ -47,12 +51,20 @@ def dense_is_cheaper(E: int, k: int, N: int, I: int, D: int) -> bool:
     return unread + unrouted <= 3 * E * NODE_US
 
 
+def takes_dense(route_weight: str, E: int, k: int, N: int, I: int, D: int) -> bool:
+    """Whether `moe_routed` computes every expert on every token (see the module's docstring)."""
+    return route_weight == "after_w2" and dense_is_cheaper(E, k, N, I, D)
+
+
 def moe_routed(g, x: str, xt: TensorType, weights: str, indices: str, it: TensorType, w: tuple[str, str, str],
                wt: tuple[TensorType, TensorType, TensorType], k: int, limit: float, route_weight: str,
-               scales: tuple = (None, None, None), block: int | None = None, act: str = "native", ep: int = 1) -> str:
+               scales: tuple = (None, None, None), block: int | None = None, act: str = "native", ep: int = 1,
+               shared: tuple | None = None) -> str:
     """`sum_k weight_k * w2_e(swiglu(w1_e x, w3_e x))` over each token's k experts (`ops.moe.moe_experts`);
     `w` = (w1, w2, w3) stacked `[E, out, in]`, FP4 / FP8 with `scales` or fp32 / bf16 without; `x` as the
-    first GEMMs see it (`act` "fp8": already rounded, `gemm_input`), w2's input rounded here."""
+    first GEMMs see it (`act` "fp8": already rounded, `gemm_input`), w2's input rounded here. `shared`
+    (dense path only): the shared expert's (s1, s2, s3) as fp32 graph inputs, computed as expert E and
+    added to the routed sum."""
     D = xt.shape[-1]
     N = xt.numel // D
     E = wt[0].shape[0]
@@ -75,8 +87,9 @@ def moe_routed(g, x: str, xt: TensorType, weights: str, indices: str, it: Tensor
     # after w2 only: another rank's pairs run on (expert 0, weight 0) above, so a token can hold one
     # (expert, token) row twice; weighting after w2 zeroes the copy, before it the copy would add the
     # row's output again
-    if route_weight == "after_w2" and dense_is_cheaper(E, k, N, wt[0].shape[1], D):  # w1, w3 [E, I, D]
-        return _dense(g, flat, pairs, order, tok, wsort, w, wt, limit, scales, block, act, xt)
+    if takes_dense(route_weight, E, k, N, wt[0].shape[1], D):  # w1, w3 [E, I, D]
+        return _dense(g, flat, pairs, order, tok, wsort, w, wt, limit, scales, block, act, xt, shared)
+    assert shared is None, "the shared expert joins the dense path's stacks only"
     counts = g.sum(g.cast(g.op("Equal", g.unsqueeze(pairs, -1), g.const(np.arange(E), np.int64)),
                           TensorProto.INT64), 0)  # [E]
     xs = g.op("Split", g.op("Gather", flat, tok, axis=0), counts, n_out=E, axis=0)
@@ -105,35 +118,59 @@ def _swiglu(g, gate: str, up: str, limit: float) -> str:
     return g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), g.op("Clip", up, g.op("Neg", lim), lim))
 
 
-def _dense(g, flat, pairs, order, tok, wsort, w, wt, limit, scales, block, act, xt):
+def _dense(g, flat, pairs, order, tok, wsort, w, wt, limit, scales, block, act, xt, shared=None):
     """Every expert on every token, then each routed pair's row (expert e, token n: row e * N + n) times
-    its weight (after w2), summed into the tokens as the grouped path does. w1 and w3 as one `[E * I, D]` matrix each (a Reshape
-    of the stack, which ONNX Runtime folds once: then a pre-packed Gemm, ~40 % cheaper a node than a
-    batched MatMul on the 3-D stack); w2 a batched MatMul over the experts."""
+    its weight (after w2), summed into the tokens as the grouped path does. w1 and w3 as one `[E * I, D]`
+    matrix each (a Reshape of the stack, which ONNX Runtime folds once: then a pre-packed Gemm, ~40 %
+    cheaper a node than a batched MatMul on the 3-D stack); w2 a batched MatMul over the experts. The
+    `shared` expert's matrices join the stacks as expert E (Concats of constants, folded once at load as
+    the Reshapes are: a second copy of the stacks, small wherever this path is taken), and its row of each
+    token is added after the routed sum, as the reference adds it."""
     N, D = xt.numel // xt.shape[-1], xt.shape[-1]
     E, I = wt[0].shape[0], wt[0].shape[1]
     stack = [g.weight(w[i], wt[i], scales[i], block)[0] for i in range(3)]
+    up = [g.reshape(stack[i], (E * I, D)) for i in (0, 2)]
+    if shared is not None:
+        up = [g.concat([up[0], shared[0]], 0), g.concat([up[1], shared[2]], 0)]  # [(E + 1) * I, D]
+        stack[1] = g.concat([stack[1], g.reshape(shared[1], (1, D, I))], 0)  # [E + 1, D, I]
+    X = E + (shared is not None)  # experts computed
 
     def up_proj(s: str) -> str:
-        return g.op("Gemm", flat, g.reshape(s, (E * I, D)), transB=1)  # [N, E * I]
+        return g.op("Gemm", flat, s, transB=1)  # [N, X * I]
 
-    h = _swiglu(g, up_proj(stack[0]), up_proj(stack[2]), limit)
-    h = g.op("Transpose", g.reshape(h, (N, E, I)), perm=[1, 0, 2])  # [E, N, I]
+    h = _swiglu(g, up_proj(up[0]), up_proj(up[1]), limit)
+    h = g.op("Transpose", g.reshape(h, (N, X, I)), perm=[1, 0, 2])  # [X, N, I]
     row = g.op("Add", g.op("Mul", g.op("Gather", pairs, order, axis=0), g.iscalar(N)), tok)  # [P]
     if act == "fp8":
-        h = g.act_qdq(h, TensorType((E, N, I), "fp32"))
-    y = g.op("Gather", g.reshape(g.matmul_t(h, stack[1]), (E * N, D)), row, axis=0)  # [P, D]
+        h = g.act_qdq(h, TensorType((X, N, I), "fp32"))
+    ys = g.matmul_t(h, stack[1])  # [X, N, D]
+    y = g.op("Gather", g.reshape(ys, (X * N, D)), row, axis=0)  # [P, D]
     y = g.op("Mul", y, wsort)
     out = g.op("ScatterND", g.const(np.zeros((N, D), np.float32)), g.unsqueeze(tok, -1), y, reduction="add")
+    if shared is not None:
+        out = g.op("Add", out, g.op("Gather", ys, g.iscalar(E), axis=0))
     return g.reshape(out, xt.shape)
 
 
 def lower_moe_experts_shared(g, o, a, r):
     xt, lim = o.types["x"], a["limit"]
     x = gemm_input(g, "moe_experts_shared", a, o.x, xt)
-    routed = moe_routed(g, x, xt, o.weights, o.indices, o.types["indices"], (o.w1, o.w2, o.w3),
-                        (o.types["w1"], o.types["w2"], o.types["w3"]), o.types["indices"].shape[-1], lim,
-                        a["route_weight"], (o.w1_scale, o.w2_scale, o.w3_scale), a["block"], a["act"])
+    wt = (o.types["w1"], o.types["w2"], o.types["w3"])
+    (E, I), D = wt[0].shape[:2], xt.shape[-1]
+    k = o.types["indices"].shape[-1]
+    st = (o.types["s1"], o.types["s2"], o.types["s3"])
+    # the shared expert as expert E of the dense path: where it sees the routed experts' activations (fp8
+    # blocks are fixed at 128 wide, `gemm_input`) and has their dense shapes (all fp32 to the graph)
+    fold = takes_dense(a["route_weight"], E, k, xt.numel // D, I, D) and a["shared_act"] == a["act"] and \
+        [logical_shape(t.dtype, t.shape) for t in st] == [logical_shape(t.dtype, t.shape)[1:] for t in wt]
+    sw = (o.s1, o.s2, o.s3)
+    shared = tuple(g.weight(sw[i], st[i], (o.s1_scale, o.s2_scale, o.s3_scale)[i], a["shared_block"])[0]
+                   for i in range(3)) if fold else None
+    routed = moe_routed(g, x, xt, o.weights, o.indices, o.types["indices"], (o.w1, o.w2, o.w3), wt, k, lim,
+                        a["route_weight"], (o.w1_scale, o.w2_scale, o.w3_scale), a["block"], a["act"],
+                        shared=shared)
+    if fold:
+        return routed
     sa = {"act": a["shared_act"], "out_dtype": a["out_dtype"]}
     xs = gemm_input(g, "moe_experts_shared", sa, o.x, xt)
     sb = a["shared_block"]

@@ -259,3 +259,86 @@ def test_compiled_graphs_read_expert_weights_only_through_their_gemms(tmp_path, 
         assert not stacked & {i.name for i in model.graph.input}, fname
         readers = _weight_readers(model, views)
         assert len(readers) == len(views) and set(readers) == {("Gemm", True)}, fname
+
+
+def _shared_model(N: int, w, scales, s, shared_act: str):
+    """One `moe_experts_shared` step (routed stacks `w`, fp32 shared expert `s`) as an ONNX model."""
+    from v4compile.codegen.onnx_export import Operands
+
+    g = Graph("moe_shared")
+    xt, it = TensorType((N, D), "fp32"), TensorType((N, K), "i64")
+    dt = "fp4x2" if scales else "fp32"
+    types = {"x": xt, "weights": TensorType((N, K), "fp32"), "indices": it,
+             **{n: TensorType(tuple(w[n].shape), dt) for n in ("w1", "w2", "w3")},
+             **{n: TensorType(tuple(t.shape), "fp32") for n, t in s.items()}}
+    names = {n: n for n in types} | {"weights": "wts", "indices": "idx"}
+    names |= {f"{n}_scale": (f"{n}.scale" if scales and n[0] == "w" else None) for n in (*w, *s)}
+    a = {"limit": LIMIT, "block": 32, "act": "native", "acc": "fp32", "out_dtype": "", "route_weight": "after_w2",
+         "shared_block": 128, "shared_act": shared_act}
+    y = moe.lower_moe_experts_shared(g, Operands(names, types), a, None)
+    g.op("Identity", y, out="y")
+    g.inputs += [value_info(n, t) for n, t in (("x", xt), ("wts", types["weights"]), ("idx", it))]
+    g.inputs += [value_info(n, TensorType(tuple(d["shape"]), "fp32")) for n, d in sorted(g.derived.items())]
+    used = {i for n in g.nodes for i in n.input}
+    g.inputs += [value_info(n, types[n]) for n in (*w, *s) if n in used]
+    g.outputs.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, [N, D]))
+    return g.model(), g.derived
+
+
+def _check_shared(quantised, shared_act="native", steps=(1, 3, 16)):
+    """`moe_experts_shared` at 1, 3 and 16 tokens (the dense path's sizes here) against the reference."""
+    w, scales = _weights(0, quantised)
+    gen = torch.Generator().manual_seed(7)
+    s = {n: torch.randn(*sh, generator=gen) / 8 for n, sh in (("s1", (I, D)), ("s2", (D, I)), ("s3", (I, D)))}
+    models = []
+    for N in steps:
+        x, wts, idx = _routing(N, N)
+        model, derived = _shared_model(N, w, scales, s, shared_act)
+        onnx.checker.check_model(model, full_check=True)
+        got, _ = _run(model, derived, {**w, **s}, scales, {"x": x.numpy(), "wts": wts.numpy(), "idx": idx.numpy()})
+        sc = [scales.get(n) for n in ("w1", "w2", "w3")]
+        want = op.moe_experts_shared.ref(x, wts, idx, w["w1"], w["w2"], w["w3"], s["s1"], s["s2"], s["s3"], *sc,
+                                          None, None, None, limit=LIMIT, block=32, act="native", acc="fp32",
+                                          out_dtype="", route_weight="after_w2", shared_block=128,
+                                          shared_act=shared_act).numpy()
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (N, np.abs(got - want).max())
+        models.append(model)
+    return models
+
+
+@pytest.mark.parametrize("quantised", [False, True], ids=["fp32", "fp4"])
+def test_shared_expert_joins_the_dense_stacks(quantised):
+    """On the dense path the shared expert is expert E of the stacks: the step has the routed experts'
+    two Gemms and one batched MatMul and no GEMM of its own (its weights reach them only through Concats of
+    constants, which ONNX Runtime folds once: tiny's decode b1, -7 nodes per MoE layer after its optimiser),
+    and matches the reference."""
+    for model in _check_shared(quantised):
+        nodes = model.graph.node
+        assert sorted(n.op_type for n in nodes if n.op_type in ("Gemm", "FusedMatMul", "MatMul")) == \
+            ["FusedMatMul", "Gemm", "Gemm"]
+        readers = {n.op_type for n in nodes for i in n.input if i in ("s1", "s2", "s3")}
+        assert readers <= {"Concat", "Reshape"}, readers
+
+
+def test_shared_expert_with_its_own_activations_stays_apart():
+    """A shared expert whose GEMMs see other activations (fp8 where the routed see native ones) is not
+    folded in: its own three GEMMs, the same numbers as the reference."""
+    for model in _check_shared(False, shared_act="fp8", steps=(3,)):
+        assert {i for n in model.graph.node if n.op_type == "Gemm" for i in n.input} >= {"s1", "s3"}
+
+
+@pytest.mark.parametrize("fault", ["dropped", "gate_up_swapped"])
+def test_shared_expert_faults_are_caught(fault, monkeypatch):
+    """The folded shared expert left out of the sum, or joined with its gate and up matrices swapped,
+    fails the reference comparison."""
+    orig = moe._dense
+
+    def broken(*args):
+        *rest, shared = args
+        if shared is not None:
+            shared = None if fault == "dropped" else (shared[2], shared[1], shared[0])
+        return orig(*rest, shared)
+
+    monkeypatch.setattr(moe, "_dense", broken)
+    with pytest.raises(AssertionError):
+        _check_shared(False)
