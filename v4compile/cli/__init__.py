@@ -22,6 +22,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import CodegenError, V4Error
+from ..signals import outside_imports, take_pending
 
 log = logging.getLogger("v4compile")
 
@@ -79,11 +80,16 @@ class _Formatter(logging.Formatter):
 
 def main(argv: Sequence[str] | None = None) -> int:
     for s in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, _on_signal)
+        signal.signal(s, outside_imports(_on_signal))
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        signal.signal(signal.SIGINT, _on_interrupt)  # Ctrl-C: KeyboardInterrupt, cleaned up below
+        signal.signal(signal.SIGINT, outside_imports(_on_interrupt))  # Ctrl-C: KeyboardInterrupt, cleaned up below
     try:  # from the first moment: a signal during the (slow) imports below is no traceback either
-        return _main(argv)
+        rc = _main(argv)
+        late = take_pending()  # a signal deferred by an import the command finished before its timer fired
+        if late is not None:
+            RECEIVED.append(late)
+            return interrupted_exit(late)
+        return rc
     except BaseException as e:
         # A signal inside a C extension's import can surface as that import's own error (numpy: "cannot
         # load module more than once per process"), not as KeyboardInterrupt: any exception after a signal
