@@ -1,0 +1,157 @@
+"""out_proj family: `rope_out_proj_linear` (the attention's output projection: `wo_a`, grouped, reading the
+attention output through its inverse RoPE, then `wo_b` on every group's output) in one launch.
+
+`wo_b` needs the whole row of `wo_a`'s output (all groups) before any of its programs can start, so the two
+GEMMs are ticketed phases of one launch (`phases`): the programs, in the order they start,
+  tickets [0, PA)        `wo_a`'s grid (N tiles x M tiles x groups x K splits), each the unfused
+                         `rope_out_proj` launch's `gemm_program` (its K splits finished by the tile's last
+                         arriving program, as apart), writing `wo_a`'s output to scratch `wo_a_out`; each
+                         then publishes;
+  tickets [PA, PA + PB)  `wo_b`'s grid (N tiles x M tiles x K splits): each waits for all PA `wo_a` programs
+                         (the last of a split `wo_a` tile publishes after its reduction), then runs the
+                         unfused `linear` launch's `gemm_program` on the scratch.
+A program waits only on programs with earlier tickets, so no schedule deadlocks. One semaphore,
+`out_proj_phase`: the phase counters (reset by the last program to finish), then `wo_a`'s and `wo_b`'s split
+arrival counters (each reset by its tile's reducing program); one `gemm_partial` scratch holds both GEMMs'
+split partials end to end. Each phase is the unfused call's specialisation (`gemm.gemm_call`: its tiles,
+splits, activation quantisation and roundings; `wo_a`'s output rounded to its dtype in scratch as it was in
+the buffer between the launches), so the result is bit-identical to the two launches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+from ...ir.registry import Layout, get_op
+from . import KernelCall, TensorArg, call_name, ptr
+from . import grouped_gemm
+from .arrival import last_to_arrive
+from .gemm import gemm_call, gemm_program
+from .pdl import pdl_enter
+from .phases import publish, ticket, wait_for
+
+# the semaphore's phase counters (COUNTERS int32 slots), then the two GEMMs' split arrival counters
+TICKET, WO_A_DONE, FINISHED = (tl.constexpr(i) for i in range(3))
+COUNTERS = tl.constexpr(4)
+# each phase's constexprs: the gemm_program constexprs of its unfused call, prefixed A_ (wo_a) / B_ (wo_b);
+# the rope prologue's (wo_a's only) keep their names
+SIDE = ("M", "N", "K", "SPLIT", "KS", "NT", "X_RS", "X_CS", "Y_RS", "Y_CS", "W_RS", "W_CS", "S_RS", "S_CS", "W_FMT",
+        "S_E8M0", "BLOCK", "ACT", "CDT", "BM", "BN", "BK", "STAGES")
+ROPE = ("G_K", "ROPE_T", "P_BS", "P_TS", "D", "DIM", "FREQS", "SIGN")
+
+
+@triton.jit
+def _grid_program(v, x_ptr, w_ptr, s_ptr, pos_ptr, y_ptr, part_ptr, sem_ptr,
+                  M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr,
+                  NT: tl.constexpr, X_RS: tl.constexpr, X_CS: tl.constexpr, Y_RS: tl.constexpr, Y_CS: tl.constexpr,
+                  W_RS: tl.constexpr, W_CS: tl.constexpr, S_RS: tl.constexpr, S_CS: tl.constexpr, W_FMT: tl.constexpr,
+                  S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr, CDT: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, G_K: tl.constexpr, ROPE_T: tl.constexpr,
+                  P_BS: tl.constexpr, P_TS: tl.constexpr, D: tl.constexpr, DIM: tl.constexpr, FREQS: tl.constexpr,
+                  SIGN: tl.constexpr):
+    """Program v of one GEMM's grid (N tiles, M tiles, groups x K splits), flattened in that order (the
+    unfused launch's program (v % TN, v // TN % TM, v // (TN * TM)))."""
+    TN: tl.constexpr = (N + BN - 1) // BN
+    TM: tl.constexpr = (M + BM - 1) // BM
+    gemm_program(v % TN, (v // TN) % TM, v // (TN * TM), x_ptr, None, w_ptr, s_ptr, None, pos_ptr, y_ptr, part_ptr,
+                 sem_ptr, M, N, K, G_K, 0, SPLIT, KS, NT, X_RS, X_CS, Y_RS, Y_CS, W_RS, W_CS, S_RS, S_CS, W_FMT, S_E8M0,
+                 BLOCK, ACT, False, 0.0, CDT, BM, BN, BK, STAGES, ROPE_T, P_BS, P_TS, D, DIM, FREQS, SIGN)
+
+
+@triton.jit
+def out_proj_kernel(o_ptr, pos_ptr, w_ptr, s_ptr, z_ptr, wb_ptr, sb_ptr, y_ptr, part_ptr, phase_ptr,
+                    A_M: tl.constexpr, A_N: tl.constexpr, A_K: tl.constexpr, A_SPLIT: tl.constexpr,
+                    A_KS: tl.constexpr, A_NT: tl.constexpr, A_X_RS: tl.constexpr, A_X_CS: tl.constexpr,
+                    A_Y_RS: tl.constexpr, A_Y_CS: tl.constexpr, A_W_RS: tl.constexpr, A_W_CS: tl.constexpr,
+                    A_S_RS: tl.constexpr, A_S_CS: tl.constexpr, A_W_FMT: tl.constexpr, A_S_E8M0: tl.constexpr,
+                    A_BLOCK: tl.constexpr, A_ACT: tl.constexpr, A_CDT: tl.constexpr, A_BM: tl.constexpr,
+                    A_BN: tl.constexpr, A_BK: tl.constexpr, A_STAGES: tl.constexpr,
+                    G_K: tl.constexpr, ROPE_T: tl.constexpr, P_BS: tl.constexpr, P_TS: tl.constexpr, D: tl.constexpr,
+                    DIM: tl.constexpr, FREQS: tl.constexpr, SIGN: tl.constexpr,
+                    B_M: tl.constexpr, B_N: tl.constexpr, B_K: tl.constexpr, B_SPLIT: tl.constexpr,
+                    B_KS: tl.constexpr, B_NT: tl.constexpr, B_X_RS: tl.constexpr, B_X_CS: tl.constexpr,
+                    B_Y_RS: tl.constexpr, B_Y_CS: tl.constexpr, B_W_RS: tl.constexpr, B_W_CS: tl.constexpr,
+                    B_S_RS: tl.constexpr, B_S_CS: tl.constexpr, B_W_FMT: tl.constexpr, B_S_E8M0: tl.constexpr,
+                    B_BLOCK: tl.constexpr, B_ACT: tl.constexpr, B_CDT: tl.constexpr, B_BM: tl.constexpr,
+                    B_BN: tl.constexpr, B_BK: tl.constexpr, B_STAGES: tl.constexpr,
+                    PA: tl.constexpr, PB: tl.constexpr, PART_B: tl.constexpr, SEM_B: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    """Programs by ticket: PA of wo_a (-> z, scratch), then PB of wo_b (z -> y), each wo_b program after every
+    wo_a program has published."""
+    pdl_enter(PDL)
+    v = ticket(phase_ptr + TICKET)
+    if v < PA:
+        _grid_program(v, o_ptr, w_ptr, s_ptr, pos_ptr, z_ptr, part_ptr, phase_ptr + COUNTERS, A_M, A_N, A_K, A_SPLIT,
+                      A_KS, A_NT, A_X_RS, A_X_CS, A_Y_RS, A_Y_CS, A_W_RS, A_W_CS, A_S_RS, A_S_CS, A_W_FMT, A_S_E8M0,
+                      A_BLOCK, A_ACT, A_CDT, A_BM, A_BN, A_BK, A_STAGES, G_K, ROPE_T, P_BS, P_TS, D, DIM, FREQS, SIGN)
+        publish(phase_ptr + WO_A_DONE)
+    else:
+        wait_for(phase_ptr + WO_A_DONE, PA)  # every group's z columns of every row (split tiles reduced)
+        if B_SPLIT > 1:
+            part_ptr = part_ptr + PART_B
+        _grid_program(v - PA, z_ptr, wb_ptr, sb_ptr, None, y_ptr, part_ptr, phase_ptr + COUNTERS + SEM_B, B_M, B_N,
+                      B_K, B_SPLIT, B_KS, B_NT, B_X_RS, B_X_CS, B_Y_RS, B_Y_CS, B_W_RS, B_W_CS, B_S_RS, B_S_CS,
+                      B_W_FMT, B_S_E8M0, B_BLOCK, B_ACT, B_CDT, B_BM, B_BN, B_BK, B_STAGES, 0, 1, 0, 0, 0, 0, 0, -1.0)
+    if last_to_arrive(phase_ptr + FINISHED, PA + PB):  # every program is past its wait
+        tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)
+
+
+def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg],
+               attrs: dict) -> list[KernelCall]:
+    if op_name != "rope_out_proj_linear":
+        raise KeyError(f"out_proj family has no op '{op_name}'")
+    from ...ops.attn_tail import wo_a_attrs, wo_b_attrs
+
+    o, y = operands["o"], results["y"]
+    B, T = o.shape[:2]
+    # wo_a's output as dense scratch, in the dtype the unfused launch stored it in
+    zt = get_op("rope_out_proj").result_types([o.type, operands["pos"].type, operands["w"].type,
+                                               operands["scale"].type if operands.get("scale") else None],
+                                              wo_a_attrs(attrs))[0]
+    z = TensorArg(zt, Layout.contiguous(zt.shape).strides)
+    a = grouped_gemm.specialise("rope_out_proj", {n: operands.get(n) for n in ("o", "pos", "w", "scale")}, {"z": z},
+                                wo_a_attrs(attrs))[0]
+    ba = wo_b_attrs(attrs)
+    b = gemm_call("gemm", z, operands["wb"], operands.get("wb_scale"), y, None, block=ba["block"], act=ba["act"],
+                  eps=0.0, names={"x": "z", "w": "wb", "s": "wb_scale", "y": "y"})[0]
+    for c in (a, b):
+        if c.constexprs["NORM"] or c.constexprs["xs_ptr"] is not None or c.constexprs["XS_RS"]:
+            raise ValueError(f"out_proj: {c.name} takes a norm or pre-quantised input the fused kernel lacks")
+    ce = {f"A_{k}": a.constexprs[k] for k in SIDE}
+    ce.update({k: a.constexprs[k] for k in ROPE})
+    ce.update({f"B_{k}": b.constexprs[k] for k in SIDE})
+    pa, pb = math.prod(a.grid), math.prod(b.grid)
+    part_a = a.scratch_bytes.get("gemm_partial", 0)
+    sem_a = a.scratch_bytes.get("gemm_arrivals", 0)
+    ce.update(PA=pa, PB=pb, PART_B=part_a // 4, SEM_B=sem_a // 4)
+    partial = part_a + b.scratch_bytes.get("gemm_partial", 0)
+    scratch = {"wo_a_out": zt.nbytes,
+               "out_proj_phase": int(COUNTERS) * 4 + sem_a + b.scratch_bytes.get("gemm_arrivals", 0)}
+    pointers = [ptr("o_ptr", "operand", "o", o), ptr("pos_ptr", "operand", "pos", operands["pos"]),
+                ptr("w_ptr", "operand", "w", operands["w"]), ptr("z_ptr", "scratch", "wo_a_out", z),
+                ptr("wb_ptr", "operand", "wb", operands["wb"]), ptr("y_ptr", "result", "y", y),
+                ptr("phase_ptr", "semaphore", "out_proj_phase", "*i32")]
+    for param, name in (("s_ptr", "scale"), ("sb_ptr", "wb_scale")):
+        if operands.get(name) is not None:
+            pointers.append(ptr(param, "operand", name, operands[name]))
+        else:
+            ce[param] = None
+    if partial:
+        scratch["gemm_partial"] = partial
+        pointers.append(ptr("part_ptr", "scratch", "gemm_partial", "*fp32"))
+    else:
+        ce["part_ptr"] = None
+    renamed = {"x_ptr": "o_ptr", "y_ptr": "z_ptr"}
+    unaligned = {renamed.get(p, p) for p in a.unaligned} | {{"w_ptr": "wb_ptr", "s_ptr": "sb_ptr"}.get(p, p)
+                                                            for p in b.unaligned if p != "x_ptr"}
+    tag = a.name[len("grouped_gemm_"):].rsplit("_", 1)[0] + "_" + b.name[len("gemm_"):].rsplit("_", 1)[0]
+    return [KernelCall(call_name("out_proj", ce, tag), out_proj_kernel, ce, pointers, (pa + pb, 1, 1),
+                       num_warps=max(a.num_warps, b.num_warps), num_stages=2, scratch_bytes=scratch,
+                       unaligned=tuple(sorted(unaligned)), flops=a.flops + b.flops,
+                       mma_dtype="fp8" if "fp8" in (a.mma_dtype, b.mma_dtype) else "bf16",
+                       # the two launches' bytes (wo_a's output still goes to scratch and back) and re-reads; the
+                       # footprint that decides whether the re-reads hit the cache is now both GEMMs' (roofline.py)
+                       bytes_moved=a.bytes_moved + b.bytes_moved, reread_bytes=a.reread_bytes + b.reread_bytes)]

@@ -1,0 +1,115 @@
+"""out_proj family (`rope_out_proj_linear`: wo_a through its inverse RoPE, then wo_b) under the interpreter
+against the launches it replaces: the rope_out_proj (grouped_gemm) and linear (gemm) kernels run one after the
+other.
+
+The fused op is one launch (`out_proj_kernel`: wo_a's programs, then wo_b's, ticketed phases), and its result
+must be bit-identical to the two launches (each phase is the unfused launch's GEMM body with its tiles, splits
+and roundings: nothing to tolerate) and match the op's reference within kernel_check.assert_matches. The
+shapes split K in both phases (the split partials and arrival counters of both GEMMs share the launch's
+scratch and semaphore). Every scratch starts as NaN and every counter must end at 0 (run_calls); deliberately
+broken variants of the fused kernel are caught: wo_b programs on the wrong tiles, the phase counters left
+set, wo_a's output read from the wrong place. That every wo_b program waits for every wo_a program is shown
+on the source (the interpreter runs programs in ticket order, so a missing wait cannot fail there).
+"""
+
+from __future__ import annotations
+
+import kernel_check as kc
+import pytest
+import torch
+
+from v4compile.codegen import kernels
+from v4compile.codegen.kernels import out_proj
+from v4compile.formats import fp8_block_quant
+
+ROT = {"dim": 32, "theta": 10000.0, "yarn": (16.0, 256, 32.0, 1.0)}
+
+
+def case(dtype, wfmt, act, B=2, T=3, H=8, d=128, G=2, R=256, DM=96, seed=0):
+    """wo_a [G * R, H * d / G] (K per group 512: split in two) and wo_b [DM, G * R] (K 512: split in two)."""
+    g = torch.Generator().manual_seed(seed)
+    o = (2 * torch.randn(B, T, H, d, generator=g)).to(dtype)
+    pos = torch.randint(0, 300, (B, T), generator=g)
+    pos[1, 2] = -1  # a padding lane
+    ws = {}
+    for n, shape in (("w", (G * R, H * d // G)), ("wb", (DM, G * R))):
+        w = torch.randn(*shape, generator=g) * 0.05
+        if wfmt == "fp8":
+            ws[n], ws[n + "_s"] = fp8_block_quant(w, 128)
+        else:
+            ws[n], ws[n + "_s"] = w.to(dtype), None
+    out_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype] if act == "fp8" else ""
+    args = {"o": o, "pos": pos, "w": ws["w"], "scale": ws["w_s"], "wb": ws["wb"], "wb_scale": ws["wb_s"]}
+    attrs = {**ROT, "groups": G, "block": 128, "act": act, "out_dtype": out_dtype, "block_b": 128, "act_b": act,
+             "out_dtype_b": out_dtype}
+    return args, attrs
+
+
+def fused(args, attrs):
+    B, T = args["o"].shape[:2]
+    y, buf = kc.poisoned((B, T, args["wb"].shape[0]), args["o"].dtype, pad=3)
+    calls = kernels.launch("rope_out_proj_linear", args, attrs, {"y": y})
+    assert buf[..., -3:].float().isnan().all(), "the fused launch wrote past its row"
+    return y, calls
+
+
+def apart(args, attrs):
+    """rope_out_proj's launch, then wo_b's linear launch on its output (as the program ran them)."""
+    B, T = args["o"].shape[:2]
+    a_attrs = {n: attrs[n] for n in ("dim", "theta", "yarn", "groups", "block", "act", "out_dtype")}
+    z, _ = kc.poisoned((B, T, args["w"].shape[0]), args["o"].dtype)
+    kernels.launch("rope_out_proj", {n: args[n] for n in ("o", "pos", "w", "scale")}, a_attrs, {"z": z})
+    y, _ = kc.poisoned((B, T, args["wb"].shape[0]), args["o"].dtype)
+    kernels.launch("linear", {"x": z, "w": args["wb"], "scale": args["wb_scale"]},
+                   {"block": attrs["block_b"], "act": attrs["act_b"], "out_dtype": attrs["out_dtype_b"]}, {"y": y})
+    return y
+
+
+# fp32 (the debug numerics), hf numerics on V4's FP8 weights, official numerics (both inputs quantised FP8)
+@pytest.mark.parametrize("dtype,wfmt,act", [(torch.float32, "float", "native"), (torch.bfloat16, "fp8", "native"),
+                                            (torch.bfloat16, "fp8", "fp8")])
+def test_fused_equals_the_launches_apart(dtype, wfmt, act):
+    args, attrs = case(dtype, wfmt, act)
+    y, calls = fused(args, attrs)
+    assert [c.kernel_name for c in calls] == ["out_proj_kernel"]
+    ce = calls[0].constexprs
+    assert ce["A_SPLIT"] == 2 and ce["B_SPLIT"] == 2, "both phases must split K (shared scratch and counters)"
+    assert calls[0].grid[0] == ce["PA"] + ce["PB"] == 2 * 2 * 2 + 1 * 2  # (N tiles x groups x splits) + (x splits)
+    assert torch.equal(y, apart(args, attrs)), "the fused launch differs from rope_out_proj + linear"
+    ulps = 2 if act == "fp8" else 1  # wo_a's bf16 output quantised again for wo_b: a rounding flip moves a block
+    kc.assert_matches(y, kc.reference("rope_out_proj_linear", args, attrs)[0], f"rope_out_proj_linear {act}",
+                      ulps=ulps)
+
+
+BROKEN = {
+    # wo_b's programs run every other output tile twice: the others stay poison
+    "wrong wo_b tile": ("_grid_program(v - PA,", "_grid_program((v - PA) // 2 * 2,", AssertionError),
+    # the phase counters are never reset: the next call would start at the wrong ticket
+    "ticket kept": ("tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)", "pass", kernels.CodegenError),
+    # wo_b reads wo_a's output as the attention output (the wrong buffer)
+    "wrong input": ("_grid_program(v - PA, z_ptr,", "_grid_program(v - PA, o_ptr,", AssertionError),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(BROKEN))
+def test_broken_fused_kernel_is_caught(fault, monkeypatch, tmp_path):
+    old, new, error = BROKEN[fault]
+    kc.install_broken_kernel(monkeypatch, tmp_path, out_proj, "out_proj_kernel", old, new)
+    args, attrs = case(torch.float32, "float", "native", H=4, d=64, R=64, DM=160)  # wo_b: 2 N tiles, no split
+    ref = kc.reference("rope_out_proj_linear", args, attrs)[0]
+    with pytest.raises(error):
+        y, _ = fused(args, attrs)
+        kc.assert_matches(y, ref, fault)
+
+
+def test_every_wo_b_program_waits_for_every_wo_a_program():
+    """The wait cannot be shown wrong by running it (the interpreter runs programs in ticket order), so the
+    kernel's source is checked: wo_a's programs publish after their GEMM; wo_b's wait for all PA of them
+    before theirs; the phase counters are reset only by the last program to finish."""
+    import inspect
+    src = inspect.getsource(out_proj.out_proj_kernel.fn)
+    at = src.index
+    assert at("_grid_program(v, o_ptr") < at("publish(phase_ptr + WO_A_DONE)") \
+        < at("wait_for(phase_ptr + WO_A_DONE, PA)") < at("_grid_program(v - PA, z_ptr")
+    assert at("_grid_program(v - PA, z_ptr") < at("last_to_arrive(phase_ptr + FINISHED, PA + PB)") \
+        < at("tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)")
