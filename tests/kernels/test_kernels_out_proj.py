@@ -113,3 +113,31 @@ def test_every_wo_b_program_waits_for_every_wo_a_program():
         < at("wait_for(phase_ptr + WO_A_DONE, PA)") < at("_grid_program(v - PA, z_ptr")
     assert at("_grid_program(v - PA, z_ptr") < at("last_to_arrive(phase_ptr + FINISHED, PA + PB)") \
         < at("tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)")
+
+
+# ---- AOT: V4-Pro's decode specialisation compiles for both targets, matrix instructions, no spills
+
+def v4pro_calls(M=8, act="fp8"):
+    """rope_out_proj_linear as `v4compile ir dump --preset v4-pro --weights none --func decode --stage program
+    --decode-batch 8 --dtype bf16 --numerics official` has it: FP8 wo_a [16384, 4096] in 16 groups, FP8 wo_b
+    [7168, 16384], 128x128 E8M0 scales; official numerics quantise both GEMMs' inputs (act fp8)."""
+    from test_kernels_moe import _ta
+    ops = dict(o=_ta((M, 1, 128, 512), "bf16"), pos=_ta((M, 1), "i64"), w=_ta((16384, 4096), "fp8e4m3"),
+               scale=_ta((128, 32), "e8m0"), wb=_ta((7168, 16384), "fp8e4m3"), wb_scale=_ta((56, 128), "e8m0"))
+    attrs = {**ROT, "dim": 64, "groups": 16, "block": 128, "act": act, "acc": "fp32", "out_dtype": "bf16" if act == "fp8" else "",
+             "block_b": 128, "act_b": act, "out_dtype_b": "bf16" if act == "fp8" else ""}
+    return out_proj.specialise("rope_out_proj_linear", ops, {"y": _ta((M, 1, 7168), "bf16")}, attrs)
+
+
+@pytest.mark.slow
+def test_aot_v4pro_decode(tmp_path, monkeypatch):
+    from v4compile.codegen import aot
+    monkeypatch.setenv("V4COMPILE_CACHE", str(tmp_path / "cache"))
+    calls = v4pro_calls()
+    ce = calls[0].constexprs
+    assert (ce["PA"], ce["PB"]) == (8 * 16 * 2, 56 * 4)  # wo_a: 8 N tiles x 16 groups x 2 splits; wo_b 56 x 4
+    rows = aot.compile_calls(calls, ["gfx950", "sm_90a"], tmp_path / "out", jobs=2)
+    for r in rows:
+        assert r["spills"] == 0, f"{r['name']} {r['target']}: spills"
+        assert r["mma_instructions"] > 0, f"{r['name']} {r['target']}: no matrix instructions"
+    print({r["target"]: (r["regs"], r["spills"], r["mma_instructions"], r["occupancy"]) for r in rows})
