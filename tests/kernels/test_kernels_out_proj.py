@@ -141,3 +141,21 @@ def test_aot_v4pro_decode(tmp_path, monkeypatch):
         assert r["spills"] == 0, f"{r['name']} {r['target']}: spills"
         assert r["mma_instructions"] > 0, f"{r['name']} {r['target']}: no matrix instructions"
     print({r["target"]: (r["regs"], r["spills"], r["mma_instructions"], r["occupancy"]) for r in rows})
+
+
+def test_each_phase_rereads_hit_the_cache_when_that_phase_fits():
+    """A launch of phases that each wait for the whole phase before (`KernelCall.phases`): a phase's re-reads
+    are hits when that phase's footprint fits the cache share, whatever the launch's whole footprint.
+    V4-Pro's decode call: wo_a's phase (64 MiB of weights) and wo_b's (112 MiB) each fit gfx950's 128 MiB
+    share, together they do not; neither fits sm_90a's 25 MB."""
+    import dataclasses
+    from v4compile.codegen.roofline import hbm_bytes
+
+    (call,) = v4pro_calls()
+    (a_moved, a_reread), (b_moved, b_reread) = call.phases
+    assert a_reread > 0 and b_reread > 0
+    assert hbm_bytes(call, "gfx950") == call.bytes_moved - call.reread_bytes
+    assert hbm_bytes(dataclasses.replace(call, phases=()), "gfx950") == call.bytes_moved  # the whole launch: misses
+    assert hbm_bytes(call, "sm_90a") == call.bytes_moved
+    with pytest.raises(ValueError, match="do not sum"):
+        dataclasses.replace(call, phases=((a_moved, a_reread), (b_moved, 0)))
