@@ -9,7 +9,7 @@ Order matters in these places: `fuse_moe` runs before `merge_sibling_gemms` (whi
 the shared expert's w1 / w3) and `fuse_moe_router` after `fuse_moe` (it folds the router into its op);
 `fuse_moe_mhc` after `fuse_moe_router` and `fuse_mhc_post_pre` (it fuses their two ops);
 `fuse_inv_rope_wo_a` after `fold_inverse_rope_wo_a_quant` (it fuses the fold's op) and `fuse_out_proj`
-after it (it fuses its op with wo_b); `fuse_qkv_norm_rope`
+after it, `lower_sparse_attention` and `fuse_qkv_norm_rope` (it fuses their ops); `fuse_qkv_norm_rope`
 runs after `lower_sparse_attention` so that in decode it can fold the window write; `pair_sibling_gemms`
 after the GEMM merges and `fuse_norm_linear` (it pairs what they leave); `pair_compressors` after
 `lower_sparse_attention` (it pairs the `compress_paged` ops that makes); `plan_memory` runs on the final op
@@ -25,13 +25,13 @@ DEFAULT_PIPELINE: list[str] = [
     "fuse_moe_mhc",
     "fold_inverse_rope_wo_a_quant",
     "fuse_inv_rope_wo_a",
-    "fuse_out_proj",
     "lower_sparse_attention",
     "fuse_indexer_topk",
     "fuse_qkv_norm_rope",
     "fuse_norm_linear",
     "pair_sibling_gemms",
     "pair_compressors",
+    "fuse_out_proj",
     "cse",
     "dce",
     "plan_memory",

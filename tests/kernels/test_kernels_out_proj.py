@@ -30,7 +30,7 @@ def case(dtype, wfmt, act, B=2, T=3, H=8, d=128, G=2, R=256, DM=96, seed=0):
     g = torch.Generator().manual_seed(seed)
     o = (2 * torch.randn(B, T, H, d, generator=g)).to(dtype)
     pos = torch.randint(0, 300, (B, T), generator=g)
-    pos[1, 2] = -1  # a padding lane
+    pos[1, -1] = -1  # a padding lane
     ws = {}
     for n, shape in (("w", (G * R, H * d // G)), ("wb", (DM, G * R))):
         w = torch.randn(*shape, generator=g) * 0.05
@@ -114,6 +114,105 @@ def test_every_wo_b_program_waits_for_every_wo_a_program():
     assert at("_grid_program(v - PA, z_ptr") < at("last_to_arrive(phase_ptr + FINISHED, PA + PB)") \
         < at("tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)")
 
+
+
+# ---- sparse_attention_out_proj: the decode attention (its split merge included) as the first phase
+
+def attn_case(kind, fmt, dtype, starts, counts, H, d, wfmt, act, G=2, R=64, DM=160):
+    """sparse_attention's operands (test_kernels_sparse_attention._operands: a decode step, one lane padding
+    when its count is 0) and the projection's: wo_a [G * R, H * d / G], wo_b [DM, G * R]."""
+    from test_kernels_sparse_attention import _operands
+    args, attrs = _operands(kind, fmt, dtype, starts, counts, 1, H, d, 8, seed=3)
+    p_args, p_attrs = case(args["q"].dtype, wfmt, act, B=len(starts), T=1, H=H, d=d, G=G, R=R, DM=DM, seed=4)
+    args.update(w=p_args["w"], w_scale=p_args["scale"], wb=p_args["wb"], wb_scale=p_args["wb_scale"])
+    return args, {**attrs, **p_attrs, "dim": 8}
+
+
+def attn_fused(args, attrs):
+    B = args["q"].shape[0]
+    y, buf = kc.poisoned((B, 1, args["wb"].shape[0]), args["q"].dtype, pad=3)
+    calls = kernels.launch("sparse_attention_out_proj", args, attrs, {"y": y})
+    assert buf[..., -3:].float().isnan().all(), "the fused launch wrote past its row"
+    return y, calls
+
+
+def attn_apart(args, attrs):
+    """The sparse_attention launch, then rope_out_proj's and wo_b's on its output."""
+    from v4compile.ir.registry import get_op
+    a_args = {n: args.get(n) for n in get_op("sparse_attention").operand_names}
+    a_attrs = {n: v for n, v in attrs.items() if n in get_op("sparse_attention").attrs}
+    o, _ = kc.poisoned(args["q"].shape, args["q"].dtype)
+    kernels.launch("sparse_attention", a_args, a_attrs, {"out": o})
+    return apart({"o": o, "pos": args["pos"], "w": args["w"], "scale": args["w_scale"], "wb": args["wb"],
+                  "wb_scale": args["wb_scale"]}, attrs)
+
+
+ATTN_CASES = {  # kind, fmt, dtype, starts, counts, H, d; weights, act; splits of the attention (MIN_SPLIT_ROWS)
+    # HCA, FP8 pool, bf16, official numerics (FP8 wo_a / wo_b inputs): split-KV (4 splits of 18 rows), its
+    # merge in the launch; a padding lane
+    "hca-fp8-split": (("hca", "fp8", "bf16", [255, 30, 5], [1, 1, 0], 4, 64), ("fp8", "fp8"), 16),
+    # CSA, native pool, fp32, float weights: the one-pass attention (the production split plan: one split)
+    "csa-native-one-pass": (("csa", "native", "fp32", [200, 7], [1, 1], 4, 64), ("float", "native"), None),
+}
+
+
+@pytest.mark.parametrize("name", list(ATTN_CASES))
+def test_attention_tail_equals_the_launches_apart(name, monkeypatch):
+    """`sparse_attention_out_proj`: one launch, bit-identical to the attention's launch and the projection's
+    two run one after the other; the fp32 case also within kernel_check.assert_matches of the op's reference
+    (the bf16 attention's own tolerance is test_kernels_sparse_attention's; here the launches apart are the
+    authority, each checked against its reference in its own test)."""
+    from v4compile.codegen.kernels import sparse_attention as sa
+    attn, (wfmt, act), rows = ATTN_CASES[name]
+    if rows:
+        monkeypatch.setattr(sa, "MIN_SPLIT_ROWS", rows)
+    args, attrs = attn_case(*attn, wfmt, act)
+    y, calls = attn_fused(args, attrs)
+    assert [c.kernel_name for c in calls] == ["attn_out_proj_kernel"]
+    ce = calls[0].constexprs
+    assert (ce["NS"] > 1) == bool(rows), ce["NS"]
+    assert calls[0].grid[0] == ce["PS"] + ce["PA"] + ce["PB"] and ce["PS"] == len(attn[3]) * ce["HB"] * ce["NS"]
+    assert torch.equal(y, attn_apart(args, attrs)), "the fused launch differs from the three launches apart"
+    if attn[2] == "fp32":
+        kc.assert_matches(y, kc.reference("sparse_attention_out_proj", args, attrs)[0], name)
+
+
+ATTN_BROKEN = {
+    # every attention program runs split 0: the other splits' partials stay poison, the merge reads them
+    "attention split": ("split_program(v // (HB * NS), v // NS % HB, v % NS,",
+                        "split_program(v // (HB * NS), v // NS % HB, 0,", AssertionError),
+    # wo_a reads the attention's query instead of its output
+    "wo_a input": ("_grid_program(v - PS, o_ptr,", "_grid_program(v - PS, q_ptr,", AssertionError),
+    # the phase counters are never reset: the next call would start at the wrong ticket
+    "ticket kept": ("tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)", "pass", kernels.CodegenError),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(ATTN_BROKEN))
+def test_broken_attention_tail_is_caught(fault, monkeypatch, tmp_path):
+    from v4compile.codegen.kernels import sparse_attention as sa
+    old, new, error = ATTN_BROKEN[fault]
+    kc.install_broken_kernel(monkeypatch, tmp_path, out_proj, "attn_out_proj_kernel", old, new)
+    monkeypatch.setattr(sa, "MIN_SPLIT_ROWS", 16)
+    args, attrs = attn_case("hca", "native", "fp32", [255, 30], [1, 1], 4, 64, "float", "native")
+    ref = kc.reference("sparse_attention_out_proj", args, attrs)[0]
+    with pytest.raises(error):
+        y, _ = attn_fused(args, attrs)
+        kc.assert_matches(y, ref, fault)
+
+
+def test_every_phase_of_the_attention_tail_waits_for_the_one_before():
+    """As above, on the source: the attention's programs publish after their work (a split group's merge
+    included), wo_a's wait for all PS of them, wo_b's for all PA of wo_a's."""
+    import inspect
+    src = inspect.getsource(out_proj.attn_out_proj_kernel.fn)
+    at = src.index
+    assert at("attend_program(") < at("publish(phase_ptr + ATTN_DONE)") and at("split_program(") \
+        < at("publish(phase_ptr + ATTN_DONE)") < at("wait_for(phase_ptr + ATTN_DONE, PS)") \
+        < at("_grid_program(v - PS, o_ptr")
+    assert at("_grid_program(v - PS, o_ptr") < at("publish(phase_ptr + WO_A_DONE)") \
+        < at("wait_for(phase_ptr + WO_A_DONE, PA)") < at("_grid_program(v - PS - PA, z_ptr")
+    assert at("_grid_program(v - PS - PA, z_ptr") < at("last_to_arrive(phase_ptr + FINISHED, PS + PA + PB)")
 
 # ---- AOT: V4-Pro's decode specialisation compiles for both targets, matrix instructions, no spills
 
