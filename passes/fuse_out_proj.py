@@ -11,8 +11,9 @@ Guarantees:
 * if moreover `o` is a decode `sparse_attention`'s output (one query per sequence, T = 1) used by wo_a alone,
   rotated back at the attention's own positions, the three become one `sparse_attention_out_proj` (the
   attention's operands, then w, w_scale, wb, wb_scale; the attention's attributes and the projection's) in
-  the linear's place; the attention output never leaves the op (hits `<func>.attention`). Prefill keeps its
-  attention launch.
+  the attention's place (so it reads the pool before any in-place write after it), its result the linear's
+  value; the attention output never leaves the op (hits `<func>.attention`). Prefill keeps its attention
+  launch.
 The kernels (`codegen/kernels/out_proj.py`) run the attention's programs (its split merge included), wo_a's
 and wo_b's as ticketed phases of one launch, each the unfused launch's body with its own roundings, so
 numerics are bit-identical (each op's reference is the composition of the ones it replaces).
@@ -50,8 +51,10 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
             attrs.update(tags_of(wo_a, role=join_roles(attn, wo_a, op)))
             operands = {**operands_of(attn), "w": proj["w"], "w_scale": proj["scale"], "wb": proj["wb"],
                         "wb_scale": proj["wb_scale"]}
-            rw.replace(op, make_op(rw.namer, "sparse_attention_out_proj", operands, attrs, op.loc, [op.result]),
-                       absorbed=[wo_a, attn])
+            # in the attention's place: it reads the pool planes before any later in-place write of them (the
+            # decode window write, until fuse_qkv_norm_rope folds it), and wo_a / wo_b read nothing written there
+            rw.replace(attn, make_op(rw.namer, "sparse_attention_out_proj", operands, attrs, op.loc, [op.result]),
+                       absorbed=[wo_a, op])
             n_attn += 1
             continue
         attrs.update(tags_of(wo_a, role=join_roles(wo_a, op)))

@@ -1,21 +1,28 @@
-"""out_proj family: `rope_out_proj_linear` (the attention's output projection: `wo_a`, grouped, reading the
-attention output through its inverse RoPE, then `wo_b` on every group's output) in one launch.
+"""out_proj family: the attention's tail in one launch. `rope_out_proj_linear`: the output projection (`wo_a`,
+grouped, reading the attention output through its inverse RoPE, then `wo_b` on every group's output);
+`sparse_attention_out_proj` (decode): the sparse attention, its split merge included, then the same.
 
-`wo_b` needs the whole row of `wo_a`'s output (all groups) before any of its programs can start, so the two
-GEMMs are ticketed phases of one launch (`phases`): the programs, in the order they start,
-  tickets [0, PA)        `wo_a`'s grid (N tiles x M tiles x groups x K splits), each the unfused
+`wo_b` needs the whole row of `wo_a`'s output (all groups), and `wo_a`'s group the whole attention output of
+its heads, so the stages are ticketed phases of one launch (`phases`): the programs, in the order they start,
+  tickets [0, PS)        (`attn_out_proj_kernel` only) the attention's decode grid (lane x head block x KV
+                         split: `sparse_attention.split_program`, the last split of a group merging it; or
+                         one pass, `attend_program`), writing its output to scratch `attn_out`; each then
+                         publishes;
+  next PA tickets        `wo_a`'s grid (N tiles x M tiles x groups x K splits), each the unfused
                          `rope_out_proj` launch's `gemm_program` (its K splits finished by the tile's last
-                         arriving program, as apart), writing `wo_a`'s output to scratch `wo_a_out`; each
-                         then publishes;
-  tickets [PA, PA + PB)  `wo_b`'s grid (N tiles x M tiles x K splits): each waits for all PA `wo_a` programs
+                         arriving program, as apart), first waiting for all PS attention programs, writing
+                         `wo_a`'s output to scratch `wo_a_out`; each then publishes;
+  last PB tickets        `wo_b`'s grid (N tiles x M tiles x K splits): each waits for all PA `wo_a` programs
                          (the last of a split `wo_a` tile publishes after its reduction), then runs the
                          unfused `linear` launch's `gemm_program` on the scratch.
 A program waits only on programs with earlier tickets, so no schedule deadlocks. One semaphore,
-`out_proj_phase`: the phase counters (reset by the last program to finish), then `wo_a`'s and `wo_b`'s split
-arrival counters (each reset by its tile's reducing program); one `gemm_partial` scratch holds both GEMMs'
-split partials end to end. Each phase is the unfused call's specialisation (`gemm.gemm_call`: its tiles,
-splits, activation quantisation and roundings; `wo_a`'s output rounded to its dtype in scratch as it was in
-the buffer between the launches), so the result is bit-identical to the two launches.
+`out_proj_phase`: the phase counters (reset by the last program to finish), then the attention's merge
+counters, `wo_a`'s and `wo_b`'s split arrival counters (each reset by its group's reducing program); one
+`gemm_partial` scratch holds both GEMMs' split partials end to end. Each phase is the unfused call's
+specialisation (its tiles, splits, activation quantisation and roundings; the attention's output and
+`wo_a`'s rounded to their dtypes in scratch as they were in the buffers between the launches), so the result
+is bit-identical to the launches apart. Each phase loads nothing before the phase before is done, so the
+cost model takes each phase's re-reads against that phase's footprint (`KernelCall.phases`).
 """
 
 from __future__ import annotations
@@ -100,6 +107,34 @@ def out_proj_kernel(o_ptr, pos_ptr, w_ptr, s_ptr, z_ptr, wb_ptr, sb_ptr, y_ptr, 
         tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)
 
 
+@triton.jit(noinline=True)
+def _attention_phase(v, q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indices, comp_indptr, comp_indices, p0, p1,
+                     p2, c0, c1, c2, part_ptr, sem_ptr, o_ptr,
+                     T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr,
+                     BN: tl.constexpr, WINDOW: tl.constexpr, SCALE: tl.constexpr, Q_SB: tl.constexpr,
+                     Q_ST: tl.constexpr, Q_SH: tl.constexpr, KV_SB: tl.constexpr, KV_ST: tl.constexpr,
+                     O_SB: tl.constexpr, O_ST: tl.constexpr, O_SH: tl.constexpr, FMT: tl.constexpr,
+                     NPLANES: tl.constexpr, NOPE: tl.constexpr, BLK: tl.constexpr, S0: tl.constexpr,
+                     S1: tl.constexpr, S2: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, NS: tl.constexpr,
+                     RS: tl.constexpr, ACC0: tl.constexpr, HB: tl.constexpr):
+    """Attention program v (lane x head block x split, or lane x head block in one pass). A function of its
+    own: inlined next to the GEMM phases' MMA tiles, its [BH, d] arrays made sm_90a spill (~2 KB at V4-Pro);
+    called, its registers are allocated apart."""
+    if NS == 1:
+        attend_program(v // HB, v % HB, q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indices, comp_indptr,
+                       comp_indices, p0, p1, p2, c0, c1, c2, o_ptr, T, H, D, DP, BH, BN, WINDOW, SCALE, Q_SB, Q_ST,
+                       Q_SH, KV_SB, KV_ST, O_SB, O_ST, O_SH, FMT, NPLANES, NOPE, BLK, S0, S1, S2, DT, PREC)
+    else:
+        split_program(v // (HB * NS), v // NS % HB, v % NS, q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr,
+                      win_indices, comp_indptr, comp_indices, p0, p1, p2, c0, c1, c2, part_ptr, sem_ptr, o_ptr, H, D,
+                      DP, BH, BN, WINDOW, SCALE, Q_SB, Q_SH, KV_SB, O_SB, O_SH, NS, RS, ACC0, FMT, NPLANES, NOPE, BLK,
+                      S0, S1, S2, DT, PREC)
+
+
+# the same, inlined: on gfx950 a call would give the kernel hidden kernel arguments (kernels/__init__.py: CALLS_PARAM)
+_attention_phase_inlined = triton.jit(_attention_phase.fn)
+
+
 @triton.jit
 def attn_out_proj_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indices, comp_indptr, comp_indices,
                          p0, p1, p2, c0, c1, c2, sa_part_ptr, o_ptr, w_ptr, s_ptr, z_ptr, wb_ptr, sb_ptr, y_ptr,
@@ -126,22 +161,24 @@ def attn_out_proj_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indic
                          B_BLOCK: tl.constexpr, B_ACT: tl.constexpr, B_CDT: tl.constexpr, B_BM: tl.constexpr,
                          B_BN: tl.constexpr, B_BK: tl.constexpr, B_STAGES: tl.constexpr,
                          PS: tl.constexpr, HB: tl.constexpr, PA: tl.constexpr, PB: tl.constexpr,
-                         SEM_A: tl.constexpr, PART_B: tl.constexpr, SEM_B: tl.constexpr, PDL: tl.constexpr = False):
+                         SEM_A: tl.constexpr, PART_B: tl.constexpr, SEM_B: tl.constexpr, PDL: tl.constexpr = False,
+                         CALLS: tl.constexpr = True):
     """Programs by ticket: PS of the attention (lane, head block[, split]; a split group's last program merges)
     -> o (scratch), PA of wo_a (o -> z, scratch) once every attention program has published, PB of wo_b
     (z -> y) once every wo_a program has. D: the head dim, the attention's and the inverse RoPE's."""
     pdl_enter(PDL)
     v = ticket(phase_ptr + TICKET)
     if v < PS:
-        if NS == 1:
-            attend_program(v // HB, v % HB, q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indices, comp_indptr,
-                           comp_indices, p0, p1, p2, c0, c1, c2, o_ptr, T, H, D, DP, BH, BN, WINDOW, SCALE, Q_SB, Q_ST,
-                           Q_SH, KV_SB, KV_ST, O_SB, O_ST, O_SH, FMT, NPLANES, NOPE, BLK, S0, S1, S2, DT, PREC)
-        else:
-            split_program(v // (HB * NS), v // NS % HB, v % NS, q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr,
-                          win_indices, comp_indptr, comp_indices, p0, p1, p2, c0, c1, c2, sa_part_ptr,
-                          phase_ptr + COUNTERS, o_ptr, H, D, DP, BH, BN, WINDOW, SCALE, Q_SB, Q_SH, KV_SB, O_SB, O_SH,
-                          NS, RS, ACC0, FMT, NPLANES, NOPE, BLK, S0, S1, S2, DT, PREC)
+        if CALLS:  # sm_90a: a call, its registers allocated apart (kernels/__init__.py: CALLS_PARAM)
+            _attention_phase(v, q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indices, comp_indptr, comp_indices,
+                             p0, p1, p2, c0, c1, c2, sa_part_ptr, phase_ptr + COUNTERS, o_ptr, T, H, D, DP, BH, BN,
+                             WINDOW, SCALE, Q_SB, Q_ST, Q_SH, KV_SB, KV_ST, O_SB, O_ST, O_SH, FMT, NPLANES, NOPE, BLK, S0,
+                             S1, S2, DT, PREC, NS, RS, ACC0, HB)
+        else:  # gfx950: inlined (a call would add hidden kernel arguments)
+            _attention_phase_inlined(v, q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indices, comp_indptr,
+                                     comp_indices, p0, p1, p2, c0, c1, c2, sa_part_ptr, phase_ptr + COUNTERS, o_ptr, T, H,
+                                     D, DP, BH, BN, WINDOW, SCALE, Q_SB, Q_ST, Q_SH, KV_SB, KV_ST, O_SB, O_ST, O_SH, FMT,
+                                     NPLANES, NOPE, BLK, S0, S1, S2, DT, PREC, NS, RS, ACC0, HB)
         publish(phase_ptr + ATTN_DONE)
     elif v < PS + PA:
         wait_for(phase_ptr + ATTN_DONE, PS)  # every head of every lane merged into o

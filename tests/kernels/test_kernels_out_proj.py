@@ -179,20 +179,22 @@ def test_attention_tail_equals_the_launches_apart(name, monkeypatch):
 
 ATTN_BROKEN = {
     # every attention program runs split 0: the other splits' partials stay poison, the merge reads them
-    "attention split": ("split_program(v // (HB * NS), v // NS % HB, v % NS,",
+    "attention split": ("_attention_phase", "split_program(v // (HB * NS), v // NS % HB, v % NS,",
                         "split_program(v // (HB * NS), v // NS % HB, 0,", AssertionError),
     # wo_a reads the attention's query instead of its output
-    "wo_a input": ("_grid_program(v - PS, o_ptr,", "_grid_program(v - PS, q_ptr,", AssertionError),
+    "wo_a input": ("attn_out_proj_kernel", "_grid_program(v - PS, o_ptr,", "_grid_program(v - PS, q_ptr,",
+                   AssertionError),
     # the phase counters are never reset: the next call would start at the wrong ticket
-    "ticket kept": ("tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)", "pass", kernels.CodegenError),
+    "ticket kept": ("attn_out_proj_kernel", "tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)", "pass",
+                    kernels.CodegenError),
 }
 
 
 @pytest.mark.parametrize("fault", sorted(ATTN_BROKEN))
 def test_broken_attention_tail_is_caught(fault, monkeypatch, tmp_path):
     from v4compile.codegen.kernels import sparse_attention as sa
-    old, new, error = ATTN_BROKEN[fault]
-    kc.install_broken_kernel(monkeypatch, tmp_path, out_proj, "attn_out_proj_kernel", old, new)
+    fn, old, new, error = ATTN_BROKEN[fault]
+    kc.install_broken_kernel(monkeypatch, tmp_path, out_proj, fn, old, new)
     monkeypatch.setattr(sa, "MIN_SPLIT_ROWS", 16)
     args, attrs = attn_case("hca", "native", "fp32", [255, 30], [1, 1], 4, 64, "float", "native")
     ref = kc.reference("sparse_attention_out_proj", args, attrs)[0]
@@ -207,9 +209,8 @@ def test_every_phase_of_the_attention_tail_waits_for_the_one_before():
     import inspect
     src = inspect.getsource(out_proj.attn_out_proj_kernel.fn)
     at = src.index
-    assert at("attend_program(") < at("publish(phase_ptr + ATTN_DONE)") and at("split_program(") \
-        < at("publish(phase_ptr + ATTN_DONE)") < at("wait_for(phase_ptr + ATTN_DONE, PS)") \
-        < at("_grid_program(v - PS, o_ptr")
+    assert at("_attention_phase(v,") < at("_attention_phase_inlined(v,") < at("publish(phase_ptr + ATTN_DONE)") \
+        < at("wait_for(phase_ptr + ATTN_DONE, PS)") < at("_grid_program(v - PS, o_ptr")
     assert at("_grid_program(v - PS, o_ptr") < at("publish(phase_ptr + WO_A_DONE)") \
         < at("wait_for(phase_ptr + WO_A_DONE, PA)") < at("_grid_program(v - PS - PA, z_ptr")
     assert at("_grid_program(v - PS - PA, z_ptr") < at("last_to_arrive(phase_ptr + FINISHED, PS + PA + PB)")
