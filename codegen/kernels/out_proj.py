@@ -107,7 +107,7 @@ def out_proj_kernel(o_ptr, pos_ptr, w_ptr, s_ptr, z_ptr, wb_ptr, sb_ptr, y_ptr, 
         tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)
 
 
-@triton.jit(noinline=True)
+@triton.jit
 def _attention_phase(v, q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indices, comp_indptr, comp_indices, p0, p1,
                      p2, c0, c1, c2, part_ptr, sem_ptr, o_ptr,
                      T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr,
@@ -117,9 +117,10 @@ def _attention_phase(v, q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indice
                      NPLANES: tl.constexpr, NOPE: tl.constexpr, BLK: tl.constexpr, S0: tl.constexpr,
                      S1: tl.constexpr, S2: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, NS: tl.constexpr,
                      RS: tl.constexpr, ACC0: tl.constexpr, HB: tl.constexpr):
-    """Attention program v (lane x head block x split, or lane x head block in one pass). A function of its
-    own: inlined next to the GEMM phases' MMA tiles, its [BH, d] arrays made sm_90a spill (~2 KB at V4-Pro);
-    called, its registers are allocated apart."""
+    """Attention program v (lane x head block x split, or lane x head block in one pass). Inlined: as a
+    noinline call (moe_router's way to keep a phase's registers apart) the V4-Pro kernel still spilled on
+    sm_90a (32 B, 1.9 KB with its loops pipelined); inlined, with the attention's loops unpipelined
+    (num_stages 1, as in its own launch), it takes 254 registers there and spills nothing."""
     if NS == 1:
         attend_program(v // HB, v % HB, q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indices, comp_indptr,
                        comp_indices, p0, p1, p2, c0, c1, c2, o_ptr, T, H, D, DP, BH, BN, WINDOW, SCALE, Q_SB, Q_ST,
@@ -129,10 +130,6 @@ def _attention_phase(v, q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indice
                       win_indices, comp_indptr, comp_indices, p0, p1, p2, c0, c1, c2, part_ptr, sem_ptr, o_ptr, H, D,
                       DP, BH, BN, WINDOW, SCALE, Q_SB, Q_SH, KV_SB, O_SB, O_SH, NS, RS, ACC0, FMT, NPLANES, NOPE, BLK,
                       S0, S1, S2, DT, PREC)
-
-
-# the same, inlined: on gfx950 a call would give the kernel hidden kernel arguments (kernels/__init__.py: CALLS_PARAM)
-_attention_phase_inlined = triton.jit(_attention_phase.fn)
 
 
 @triton.jit
@@ -161,24 +158,17 @@ def attn_out_proj_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indic
                          B_BLOCK: tl.constexpr, B_ACT: tl.constexpr, B_CDT: tl.constexpr, B_BM: tl.constexpr,
                          B_BN: tl.constexpr, B_BK: tl.constexpr, B_STAGES: tl.constexpr,
                          PS: tl.constexpr, HB: tl.constexpr, PA: tl.constexpr, PB: tl.constexpr,
-                         SEM_A: tl.constexpr, PART_B: tl.constexpr, SEM_B: tl.constexpr, PDL: tl.constexpr = False,
-                         CALLS: tl.constexpr = True):
+                         SEM_A: tl.constexpr, PART_B: tl.constexpr, SEM_B: tl.constexpr, PDL: tl.constexpr = False):
     """Programs by ticket: PS of the attention (lane, head block[, split]; a split group's last program merges)
     -> o (scratch), PA of wo_a (o -> z, scratch) once every attention program has published, PB of wo_b
     (z -> y) once every wo_a program has. D: the head dim, the attention's and the inverse RoPE's."""
     pdl_enter(PDL)
     v = ticket(phase_ptr + TICKET)
     if v < PS:
-        if CALLS:  # sm_90a: a call, its registers allocated apart (kernels/__init__.py: CALLS_PARAM)
-            _attention_phase(v, q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indices, comp_indptr, comp_indices,
-                             p0, p1, p2, c0, c1, c2, sa_part_ptr, phase_ptr + COUNTERS, o_ptr, T, H, D, DP, BH, BN,
-                             WINDOW, SCALE, Q_SB, Q_ST, Q_SH, KV_SB, KV_ST, O_SB, O_ST, O_SH, FMT, NPLANES, NOPE, BLK, S0,
-                             S1, S2, DT, PREC, NS, RS, ACC0, HB)
-        else:  # gfx950: inlined (a call would add hidden kernel arguments)
-            _attention_phase_inlined(v, q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indices, comp_indptr,
-                                     comp_indices, p0, p1, p2, c0, c1, c2, sa_part_ptr, phase_ptr + COUNTERS, o_ptr, T, H,
-                                     D, DP, BH, BN, WINDOW, SCALE, Q_SB, Q_ST, Q_SH, KV_SB, KV_ST, O_SB, O_ST, O_SH, FMT,
-                                     NPLANES, NOPE, BLK, S0, S1, S2, DT, PREC, NS, RS, ACC0, HB)
+        _attention_phase(v, q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indices, comp_indptr, comp_indices, p0,
+                         p1, p2, c0, c1, c2, sa_part_ptr, phase_ptr + COUNTERS, o_ptr, T, H, D, DP, BH, BN, WINDOW,
+                         SCALE, Q_SB, Q_ST, Q_SH, KV_SB, KV_ST, O_SB, O_ST, O_SH, FMT, NPLANES, NOPE, BLK, S0, S1, S2, DT,
+                         PREC, NS, RS, ACC0, HB)
         publish(phase_ptr + ATTN_DONE)
     elif v < PS + PA:
         wait_for(phase_ptr + ATTN_DONE, PS)  # every head of every lane merged into o
@@ -313,7 +303,10 @@ def _attention_tail(operands, results, attrs) -> list[KernelCall]:
     B, _, H, D = q.shape
     return [KernelCall(call_name("attn_out_proj", ce, f"b{B}_h{H}_d{D}_s{ce['NS']}_{attrs['fmt']}_{tag}"),
                        attn_out_proj_kernel, ce, pointers, (ce["PS"] + ce["PA"] + ce["PB"], 1, 1),
-                       num_warps=max(at.num_warps, a.num_warps, b.num_warps), num_stages=2, scratch_bytes=scratch,
+                       # the attention's loops unpipelined as in its own launch (2 stages of its [BN, d] row tiles
+                       # spilled ~1.9 KB on sm_90a); the GEMM phases pipeline theirs (tl.range num_stages)
+                       num_warps=max(at.num_warps, a.num_warps, b.num_warps), num_stages=at.num_stages,
+                       scratch_bytes=scratch,
                        unaligned=tuple(sorted(unaligned)), flops=at.flops + a.flops + b.flops,
                        mma_dtype="fp8" if "fp8" in (a.mma_dtype, b.mma_dtype) else "bf16", offsets=dict(at.offsets),
                        # the three launches' bytes and re-reads, per phase (each phase's programs load nothing
