@@ -132,6 +132,9 @@ class KernelCall:
     `bytes_moved` that reads again what this same launch has already read or written (a row read by every
     head block, x read by every K split, split partials read back by the reducing program): cache hits when
     the launch's footprint fits the target's cache (`codegen/roofline.py`, `hbm_bytes`), HBM bytes otherwise.
+    `phases`: for a launch run as ticketed phases, each of which waits for every program of the one before
+    (`phases.py`), the (bytes_moved, reread_bytes) of each phase, summing to the call's: a phase's re-reads
+    then compete for the cache with that phase's footprint only (`hbm_bytes`).
 
     `offsets`: bytes added to a pointer param's base at launch. Not part of the specialisation (not a
     constexpr, not in `name`): per-layer row offsets into the shared pool planes go here, so every layer of
@@ -150,6 +153,7 @@ class KernelCall:
     reread_bytes: int = 0
     mma_dtype: str = "bf16"
     offsets: dict[str, int] = field(default_factory=dict)
+    phases: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         self.grid = tuple(int(g) for g in self.grid)
@@ -157,6 +161,9 @@ class KernelCall:
             raise ValueError(f"{self.name}: grid must be 3 non-negative ints, got {self.grid}")
         if not 0 <= self.reread_bytes <= self.bytes_moved:
             raise ValueError(f"{self.name}: reread_bytes {self.reread_bytes} outside [0, bytes_moved {self.bytes_moved}]")
+        if self.phases and (sum(b for b, _ in self.phases), sum(r for _, r in self.phases)) != (self.bytes_moved,
+                                                                                             self.reread_bytes):
+            raise ValueError(f"{self.name}: phases {self.phases} do not sum to the call's bytes and re-reads")
         for p in self.pointers:
             if len(p) != 4 or p[1] not in KINDS or not p[3].startswith("*"):
                 raise ValueError(f"{self.name}: bad pointer entry {p}")

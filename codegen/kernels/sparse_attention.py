@@ -107,10 +107,27 @@ def sparse_attention_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_in
                             S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
                             DT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
-    lane = tl.program_id(0)
+    attend_program(tl.program_id(0), tl.program_id(1), q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indices,
+                   comp_indptr, comp_indices, p0, p1, p2, c0, c1, c2, out_ptr, T, H, D, DP, BH, BN, WINDOW, SCALE,
+                   Q_SB, Q_ST, Q_SH, KV_SB, KV_ST, O_SB, O_ST, O_SH, FMT, NPLANES, NOPE, BLK, S0, S1, S2, DT, PREC)
+
+
+@triton.jit
+def attend_program(lane, hblk, q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indices, comp_indptr, comp_indices,
+                   p0, p1, p2, c0, c1, c2, out_ptr,
+                   T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                   BH: tl.constexpr, BN: tl.constexpr, WINDOW: tl.constexpr, SCALE: tl.constexpr,
+                   Q_SB: tl.constexpr, Q_ST: tl.constexpr, Q_SH: tl.constexpr,
+                   KV_SB: tl.constexpr, KV_ST: tl.constexpr,
+                   O_SB: tl.constexpr, O_ST: tl.constexpr, O_SH: tl.constexpr,
+                   FMT: tl.constexpr, NPLANES: tl.constexpr, NOPE: tl.constexpr, BLK: tl.constexpr,
+                   S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+                   DT: tl.constexpr, PREC: tl.constexpr):
+    """Query lane `lane`, heads [hblk * BH, +BH): the one-pass attention (the body of
+    `sparse_attention_kernel`, and a phase of the out_proj family's one-launch attention tail)."""
     b = lane // T
     tq = lane % T
-    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    h = hblk * BH + tl.arange(0, BH)
     col = tl.arange(0, DP)
     hm = h < H
     q = tl.load(q_ptr + b * Q_SB + tq * Q_ST + h[:, None] * Q_SH + col[None, :],
@@ -143,15 +160,31 @@ def sparse_attention_split_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, 
                                   FMT: tl.constexpr, NPLANES: tl.constexpr, NOPE: tl.constexpr, BLK: tl.constexpr,
                                   S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
                                   DT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
+    split_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr,
+                  win_indices, comp_indptr, comp_indices, p0, p1, p2, c0, c1, c2, part_ptr, sem_ptr, out_ptr, H, D, DP,
+                  BH, BN, WINDOW, SCALE, Q_SB, Q_SH, KV_SB, O_SB, O_SH, NS, RS, ACC0, FMT, NPLANES, NOPE, BLK, S0, S1,
+                  S2, DT, PREC)
+
+
+@triton.jit
+def split_program(lane, hblk, sp, q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indices, comp_indptr,
+                  comp_indices, p0, p1, p2, c0, c1, c2, part_ptr, sem_ptr, out_ptr,
+                  H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr,
+                  BN: tl.constexpr, WINDOW: tl.constexpr, SCALE: tl.constexpr,
+                  Q_SB: tl.constexpr, Q_SH: tl.constexpr, KV_SB: tl.constexpr,
+                  O_SB: tl.constexpr, O_SH: tl.constexpr,
+                  NS: tl.constexpr, RS: tl.constexpr, ACC0: tl.constexpr,
+                  FMT: tl.constexpr, NPLANES: tl.constexpr, NOPE: tl.constexpr, BLK: tl.constexpr,
+                  S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+                  DT: tl.constexpr, PREC: tl.constexpr):
     """Decode (T == 1): split `sp` of lane `lane` takes the slice [sp*RS, sp*RS + RS) of the lane's
     row list (window CSR rows, then compressed CSR rows; the last split also takes anything past NS*RS) and
     writes its partial (m, l, acc) without the sink. Split 0 also takes the lane's own kv row. A split past
     the end runs no loop and writes the neutral partial (m = sink, l = 0, acc = 0). The last of the NS
-    splits of a (lane, head block) to arrive merges their partials (`_merge`) and writes out."""
-    pdl_enter(PDL)
-    lane = tl.program_id(0)
-    sp = tl.program_id(2)
-    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    splits of a (lane, head block) to arrive merges their partials (`_merge`) and writes out. (The body of
+    `sparse_attention_split_kernel`, and a phase of the out_proj family's one-launch attention tail.)"""
+    h = hblk * BH + tl.arange(0, BH)
     col = tl.arange(0, DP)
     hm = h < H
     q = tl.load(q_ptr + lane * Q_SB + h[:, None] * Q_SH + col[None, :], mask=hm[:, None] & (col[None, :] < D),
@@ -185,7 +218,7 @@ def sparse_attention_split_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, 
     tl.store(part_ptr + (part * 2 + 1) * H + h, l, mask=hm)
     tl.store(part_ptr + ACC0 + (part * H + h[:, None]).to(tl.int64) * D + col[None, :], acc,
              mask=hm[:, None] & (col[None, :] < D))
-    group = lane * ((H + BH - 1) // BH) + tl.program_id(1)  # (not tl.num_programs: hidden kernargs on AMD)
+    group = lane * ((H + BH - 1) // BH) + hblk  # (not tl.num_programs: hidden kernargs on AMD)
     if last_to_arrive(sem_ptr + group, NS):  # codegen/kernels/arrival.py
         _merge(sink_ptr, part_ptr, out_ptr, lane, h, col, hm, H, D, BH, DP, NS, ACC0, O_SB, O_SH, DT)
         tl.store(sem_ptr + group, 0)

@@ -203,10 +203,10 @@ def test_decode_production_plan():
     # the sink enters the denominator once per split
     ("_merge", "other=0.0) * w\n", "other=0.0) * w + tl.exp(sink - mx)\n", AssertionError),
     # no split merges (nor resets its counter)
-    ("sparse_attention_split_kernel", "last_to_arrive(sem_ptr + group, NS)", "last_to_arrive(sem_ptr + group, NS + 1)",
+    ("split_program", "last_to_arrive(sem_ptr + group, NS)", "last_to_arrive(sem_ptr + group, NS + 1)",
      kernels.CodegenError),
     # the counter is left set: the next call of the program would merge early
-    ("sparse_attention_split_kernel", "tl.store(sem_ptr + group, 0)", "pass", kernels.CodegenError),
+    ("split_program", "tl.store(sem_ptr + group, 0)", "pass", kernels.CodegenError),
 ])
 def test_wrong_merge_is_caught(monkeypatch, tmp_path, fn, old, new, error):
     monkeypatch.setattr(sa, "MIN_SPLIT_ROWS", 16)

@@ -75,6 +75,8 @@ BROKEN_FLOW = {
     "merge_wq_a_wkv": ("split(%4)", "split(%x)"),
     "fuse_indexer_select": ("%225, %226, %227, %228, %221", "%225, %226, %228, %227, %221"),
     "fuse_inv_rope_wo_a": ("rope_out_proj(%o, %pos,", "rope_out_proj(%pos, %o,"),
+    "fuse_out_proj": ("@wo_a, none, @wo_b, none)", "@wo_b, none, @wo_a, none)"),
+    "fuse_out_proj_attention": ("%227, %223, none, none, @layers.1.", "%227, %222, none, none, @layers.1."),
     "pair_sibling_gemms": ("%0, %1 = linear_pair", "%1, %0 = linear_pair"),
     "fuse_moe_router": ("moe_router_experts_shared(%x, @g, @b,", "moe_router_experts_shared(%x, @b, @g,"),
     "fuse_moe_mhc": ("none, %st, %po, %co, @fn,", "none, %st, %co, %po, @fn,"),

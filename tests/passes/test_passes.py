@@ -129,6 +129,8 @@ def test_every_pass_did_something(run):
     assert hits["fuse_mhc_post_pre"]["decode.pre_norm"] == 2 and hits["fuse_mhc_post_pre"]["decode.post_head"] == 1
     assert hits["fold_inverse_rope_wo_a_quant"]["decode.folded"] == 5
     assert hits["fuse_inv_rope_wo_a"]["decode.fused"] == 5
+    assert hits["fuse_out_proj"]["decode.fused"] == 5 and hits["fuse_out_proj"]["prefill.fused"] == 5
+    assert hits["fuse_out_proj"]["decode.attention"] == 5 and hits["fuse_out_proj"]["prefill.attention"] == 0
     assert hits["lower_sparse_attention"]["decode.attention"] == 5
     assert hits["fuse_indexer_topk"]["decode.fused"] == 2
     assert hits["fuse_qkv_norm_rope"]["decode.window_writes"] == 5 and hits["fuse_qkv_norm_rope"]["prefill.window_writes"] == 0
@@ -194,6 +196,7 @@ def test_v4_pro_pass_hits(pro):
     assert hits["fuse_moe_mhc"]["decode.fused"] == 60  # the FFN's seams (the last layer's is mhc_post_head)
     assert hits["fold_inverse_rope_wo_a_quant"]["decode.folded"] == 61
     assert hits["fuse_inv_rope_wo_a"]["decode.fused"] == 61
+    assert hits["fuse_out_proj"]["decode.fused"] == hits["fuse_out_proj"]["decode.attention"] == 61  # every layer
     assert hits["pair_sibling_gemms"]["decode.paired"] == 61  # wqkv_a (FP8) + x_gemm (BF16) on every layer
     assert hits["pair_compressors"]["decode.paired"] == 30  # the attention's and the indexer's on every CSA layer
     assert hits["lower_sparse_attention"]["decode.indexers"] == 30

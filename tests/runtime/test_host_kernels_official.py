@@ -104,8 +104,9 @@ def _mismatches(only: tuple[str, ...] = ()) -> tuple[list[str], int, int]:
 
 def test_interpreted_kernels_equal_their_references_with_official_numerics(unfixed_interpreter):
     bad, ran, chosen = _mismatches()
-    # tiny's decode: its 5 qkv_norm_rope launches and every other family's first (15 today), every one run
-    assert ran == chosen >= 15 and bad == []
+    # tiny's decode: its 5 qkv_norm_rope launches and every other family's first (14 today: the attention and
+    # wo_a run in out_proj's launch), every one run
+    assert ran == chosen >= 14 and bad == []
 
 
 def test_the_unfixed_interpreter_is_caught(unfixed_interpreter, monkeypatch):
