@@ -21,7 +21,7 @@ from typing import Any
 OPSETS: dict[str, tuple[str, ...]] = {
     "core": ("basic",),
     "model": ("mhc", "rope", "attention", "compressor", "indexer", "moe", "numerics"),
-    "lowered": ("fused", "paged"),
+    "lowered": ("fused", "front", "paged"),
     "parallel": ("collective",),
 }
 
