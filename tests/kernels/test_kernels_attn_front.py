@@ -118,3 +118,55 @@ def test_the_norm_programs_wait_for_the_half_they_read():
     assert at("_pair_half(v, ") < at("if SRC == 0:\n            publish(phase_ptr + WRITTEN)") \
         < at("_pair_half(v - P0,") < at("if SRC == 1:\n            publish(phase_ptr + WRITTEN)") \
         < at("wait_for(phase_ptr + WRITTEN, P0)") < at("wait_for(phase_ptr + WRITTEN, P1)") < at("gemm_program(b % TN")
+
+
+def test_declared_rereads_are_made_by_the_kernel(monkeypatch):
+    """The cost model's re-reads (`KernelCall.reread_bytes`, test_cache_model): x read by every K split of both
+    pair GEMMs, their partials read back, and the norm GEMM's reads of y0, which this launch wrote, are all
+    made, and the bytes the launch touches fit its declared footprint. A model that also called the first read
+    of the weights a re-read is caught."""
+    import dataclasses
+
+    from test_cache_model import check_declared, measured
+    from v4compile.codegen.kernels import gemm
+    monkeypatch.setattr(gemm, "TARGET_PROGRAMS", 4)
+    args, attrs = case(*CASES["official-view"])
+    ref = kc.reference("pair_norm_linear", args, attrs)
+    outs = {n: kc.poisoned(r.shape, r.dtype)[0] for n, r in zip(RESULTS, ref)}
+    regions = ("x", "w0", "w1", "norm", "w", "y0", "y1", "y", "scratch")
+    (call,), got = measured("pair_norm_linear", args, attrs, outs, regions)
+    assert call.constexprs["SPLIT0"] > 1 and got["y0"]["touched"] > got["y0"]["distinct"]
+    check_declared(call, got)
+    with pytest.raises(AssertionError, match="declares"):
+        check_declared(dataclasses.replace(call, reread_bytes=call.reread_bytes + got["w"]["distinct"]), got)
+
+
+# ---- AOT: the V4-Pro specialisations compile for both targets, matrix instructions, no gfx950 spills ------
+
+def v4pro_call(M, csa=True):
+    """pair_norm_linear as `v4compile ir dump --preset v4-pro --weights none --stage final --numerics official
+    --dtype bf16 --decode-batch 8` has it (M = 8 at decode): wqkv_a (FP8, FP8 activations) + the BF16 x_gemm
+    (the CSA layer's compressor and indexer columns, 2624; HCA's compressor, 1024), then q_norm + wq_b (FP8)
+    on q_a, the first 1536 columns of wqkv_a's 2048 (CSA: the merged wq_b with the indexer's, 73728 rows)."""
+    from test_kernels_moe import _ta
+    N1, NB = (2624, 73728) if csa else (1024, 65536)
+    ops = dict(x=_ta((M, 1, 7168), "bf16"), w0=_ta((2048, 7168), "fp8e4m3"), scale0=_ta((16, 56), "e8m0"),
+               w1=_ta((N1, 7168), "bf16"), scale1=None, norm=_ta((1536,), "bf16"), w=_ta((NB, 1536), "fp8e4m3"),
+               scale=_ta((NB // 128, 12), "e8m0"))
+    res = dict(y0=_ta((M, 1, 2048), "bf16"), y1=_ta((M, 1, N1), "bf16"), y=_ta((M, 1, NB), "bf16"))
+    attrs = {**kernels.full_attrs("pair_norm_linear", {"act0": "fp8", "act": "fp8", "eps": 1e-6, "src": 0})}
+    return attn_front.specialise("pair_norm_linear", ops, res, attrs)
+
+
+@pytest.mark.slow
+def test_aot_v4pro_decode(tmp_path, monkeypatch):
+    """The CSA layer's decode launch (the HCA one, `v4pro_call(8, csa=False)`, differs in sizes and K splits
+    only: measured gfx950 222 VGPRs / 0 spills / 28 MFMA, sm_90a 96 registers / 0 spills / 32 MMA)."""
+    from v4compile.codegen import aot
+    monkeypatch.setenv("V4COMPILE_CACHE", str(tmp_path / "cache"))
+    rows = aot.compile_calls(v4pro_call(8), ["gfx950", "sm_90a"], tmp_path / "out", jobs=2)
+    assert len(rows) == 2
+    for r in rows:
+        if r["target"] == "gfx950":
+            assert r["spills"] == 0, f"{r['name']}: gfx950 goal is 0 spills"
+        assert r["mma_instructions"] > 0, f"{r['name']} {r['target']}: no matrix instructions"

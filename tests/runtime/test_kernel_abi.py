@@ -43,7 +43,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PRESETS = ("tiny", "tiny-pro")
 # Every family tiny's and tiny-pro's decode and prefill programs launch (checked below against the programs).
 # (inv_rope_quant is no longer among them: fuse_inv_rope_wo_a folds it into grouped_gemm's loader.)
-FAMILIES = ("compress", "csr", "embed", "gemm", "grouped_gemm", "indexer", "last_token", "mhc",
+FAMILIES = ("attn_front", "compress", "csr", "embed", "gemm", "grouped_gemm", "indexer", "last_token", "mhc",
             "moe_router", "pool_write", "qkv_norm_rope", "sparse_attention")
 
 
