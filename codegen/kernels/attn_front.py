@@ -1,9 +1,9 @@
-"""attn_front family: `pair_norm_linear` (the attention input's `linear_pair` and the `norm_linear` of one of
-its outputs) in one launch of `pair_norm_kernel`.
+"""attn_front family: `pair_norm_linear` (the attention input's `linear_pair`, or one `linear`, and the
+`norm_linear` of one of its outputs) in one launch of `pair_norm_kernel`.
 
 Its programs, in the order they start (`phases.ticket`):
   tickets [0, P0)             the pair's first GEMM (`gemm._pair_half`, the grid `linear_pair` launches);
-  tickets [P0, P0 + P1)       its second; the programs of the half that writes y<SRC> each publish when done
+  tickets [P0, P0 + P1)       its second (none for one `linear`: P1 = 0); the programs of the half that writes y<SRC> each publish when done
                               (a K split's reducing program after it stored its tile of y);
   then PB                     the norm GEMM's programs (`gemm.gemm_program` with its RMSNorm prologue, the grid
                               `norm_linear` launches): each first waits (`phases.wait_for`) for every program of
@@ -24,7 +24,7 @@ import triton.language as tl
 
 from . import BYTES_OF, KernelCall, TensorArg, call_name, ptr, unaligned
 from .arrival import last_to_arrive
-from .gemm import PAIR_SIDE, _pair_half, gemm_call, gemm_pair_call, gemm_program
+from .gemm import PAIR_SIDE, _pair_half, gemm_call, gemm_pair_call, gemm_pair_kernel, gemm_program
 from .pdl import pdl_enter
 from .phases import publish, ticket, wait_for
 
@@ -72,10 +72,11 @@ def pair_norm_kernel(x_ptr, w0_ptr, s0_ptr, y0_ptr, w1_ptr, s1_ptr, y1_ptr, bn_p
                    0, 0)
         if SRC == 0:
             publish(phase_ptr + WRITTEN)
-    elif v < P0 + P1:
-        _pair_half(v - P0, x_ptr, w1_ptr, s1_ptr, y1_ptr, part_ptr, sem_ptr, M, K, X_RS, X_CS, BM, STAGES, N1,
-                   SPLIT1, KS1, NT1, Y_RS1, Y_CS1, W_RS1, W_CS1, S_RS1, S_CS1, W_FMT1, S_E8M01, BLOCK1, ACT1, CDT1,
-                   BN1, BK1, PART1, SEM1)
+    elif v < P0 + P1:  # (P1 = 0: one GEMM, `linear`, and no second half to compile)
+        if P1 > 0:
+            _pair_half(v - P0, x_ptr, w1_ptr, s1_ptr, y1_ptr, part_ptr, sem_ptr, M, K, X_RS, X_CS, BM, STAGES, N1,
+                       SPLIT1, KS1, NT1, Y_RS1, Y_CS1, W_RS1, W_CS1, S_RS1, S_CS1, W_FMT1, S_E8M01, BLOCK1, ACT1, CDT1,
+                       BN1, BK1, PART1, SEM1)
         if SRC == 1:
             publish(phase_ptr + WRITTEN)
     else:
@@ -105,31 +106,56 @@ def norm_input(y: TensorArg, col: int, k: int) -> TensorArg:
     return TensorArg(y.type.with_shape(*y.shape[:-1], k), y.strides, align)
 
 
+# one GEMM (`linear`) as the pair's first half: its gemm_call params -> the fused kernel's
+ONE_PARAMS = {"x_ptr": "x_ptr", "w_ptr": "w0_ptr", "s_ptr": "s0_ptr", "y_ptr": "y0_ptr"}
+
+
+def first_gemms(x: TensorArg, operands: dict, results: dict, attrs: dict) -> tuple[dict, KernelCall]:
+    """(the fused kernel's constexprs of the first GEMMs, their call): the pair's `gemm_pair_call`, or without
+    w1 the one GEMM's `gemm_call`, laid out as a pair whose second half has no programs (P1 = 0)."""
+    sides = [{"w": operands.get(f"w{i}"), "scale": operands.get(f"scale{i}"), "y": results.get(f"y{i}"),
+              "block": attrs[f"block{i}"], "act": attrs[f"act{i}"]} for i in (0, 1)]
+    if sides[1]["w"] is not None:
+        call = gemm_pair_call(x, sides)[0]
+        pc = call.constexprs
+        ce = {n: pc[n] for n in ("M", "K", "X_RS", "X_CS", "BM", "STAGES", "P0", "PART1", "SEM1", "s0_ptr",
+                                 "s1_ptr") if n in pc}
+        ce.update({f"{k}{i}": pc[f"{k}{i}"] for i in (0, 1) for k in PAIR_SIDE}, P1=call.grid[0] - pc["P0"])
+        return ce, call
+    s = sides[0]
+    call = gemm_call("gemm", x, s["w"], s["scale"], s["y"], None, block=s["block"], act=s["act"], eps=0.0,
+                     names={"x": "x", "w": "w0", "s": "scale0", "y": "y0"})[0]
+    c = call.constexprs
+    ce = {n: c[n] for n in ("M", "K", "X_RS", "X_CS", "BM", "STAGES")}
+    ce.update({f"{k}{i}": c[k] for i in (0, 1) for k in PAIR_SIDE}, P0=math.prod(call.grid), P1=0, PART1=0, SEM1=0,
+              w1_ptr=None, s1_ptr=None, y1_ptr=None)
+    if "s_ptr" in c:
+        ce["s0_ptr"] = None
+    call.pointers = [(ONE_PARAMS.get(p, p), *rest) for p, *rest in call.pointers]
+    call.unaligned = tuple(ONE_PARAMS.get(p, p) for p in call.unaligned)
+    return ce, call
+
+
 def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg],
                attrs: dict) -> list[KernelCall]:
     if op_name != "pair_norm_linear":
         raise KeyError(f"attn_front family has no op '{op_name}'")
-    x = operands["x"]
-    pair = gemm_pair_call(x, [{"w": operands[f"w{i}"], "scale": operands.get(f"scale{i}"), "y": results[f"y{i}"],
-                               "block": attrs[f"block{i}"], "act": attrs[f"act{i}"]} for i in (0, 1)])[0]
+    ce, pair = first_gemms(operands["x"], operands, results, attrs)
     src, col, norm = attrs["src"], attrs["col"], operands["norm"]
     a = norm_input(results[f"y{src}"], col, norm.shape[0])
     lin = gemm_call("gemm", a, operands["w"], operands.get("scale"), results["y"], norm, block=attrs["block"],
                     act=attrs["act"], eps=attrs["eps"], names={"x": f"y{src}", "w": "w", "s": "scale", "n": "norm",
                                                                "y": "y"})[0]
-    pc, lc = pair.constexprs, lin.constexprs
-    if lc["M"] != pc["M"] or lc["BM"] != pc["BM"]:
-        raise ValueError(f"pair_norm_linear: the norm GEMM must share the pair's rows and row tiling, got M "
-                         f"{lc['M']}/{pc['M']}, BM {lc['BM']}/{pc['BM']}")
-    ce = {n: pc[n] for n in ("M", "K", "X_RS", "X_CS", "BM", "STAGES", "P0", "PART1", "SEM1", "s0_ptr", "s1_ptr")
-          if n in pc}
-    ce.update({f"{k}{i}": pc[f"{k}{i}"] for i in (0, 1) for k in PAIR_SIDE})
+    lc = lin.constexprs
+    if lc["M"] != ce["M"] or lc["BM"] != ce["BM"]:
+        raise ValueError(f"pair_norm_linear: the norm GEMM must share the first GEMMs' rows and row tiling, got M "
+                         f"{lc['M']}/{ce['M']}, BM {lc['BM']}/{ce['BM']}")
     ce.update({"B_" + k: lc[k] for k in NORM_SIDE})
     if "s_ptr" in lc:
         ce["bs_ptr"] = None
     part = pair.scratch_bytes.get("gemm_partial", 0)
     arrivals = pair.scratch_bytes.get("gemm_arrivals", 0)
-    ce.update(B_PART=part // 4, B_SEM=arrivals // 4, SRC=src, COL=col, P1=pair.grid[0] - pc["P0"], PB=math.prod(lin.grid))
+    ce.update(B_PART=part // 4, B_SEM=arrivals // 4, SRC=src, COL=col, PB=math.prod(lin.grid))
     scratch = {"front_phase": (int(COUNTERS) * 4 + arrivals + lin.scratch_bytes.get("gemm_arrivals", 0))}
     partials = part + lin.scratch_bytes.get("gemm_partial", 0)
     pointers = [p for p in pair.pointers if p[1] not in ("scratch", "semaphore")]
@@ -143,10 +169,11 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     else:
         ce["part_ptr"] = None
     pointers.append(ptr("phase_ptr", "semaphore", "front_phase", "*i32"))
-    tag = f"{pair.name.split('_', 2)[2].rsplit('_', 1)[0]}__{lin.name.split('_', 1)[1].rsplit('_', 1)[0]}"
+    tag = f"{pair.name.split('_', 2 if pair.fn is gemm_pair_kernel else 1)[-1].rsplit('_', 1)[0]}__" \
+        f"{lin.name.split('_', 1)[1].rsplit('_', 1)[0]}"
     return [KernelCall(
         name=call_name("pair_norm", ce, tag), fn=pair_norm_kernel, constexprs=ce, pointers=pointers,
-        grid=(pair.grid[0] + ce["PB"], 1, 1), num_warps=max(pair.num_warps, lin.num_warps), num_stages=2,
+        grid=(ce["P0"] + ce["P1"] + ce["PB"], 1, 1), num_warps=max(pair.num_warps, lin.num_warps), num_stages=2,
         scratch_bytes=scratch,
         unaligned=tuple(sorted({*pair.unaligned, *unaligned({"bn_ptr": norm, "bw_ptr": operands["w"],
                                                              "bs_ptr": operands.get("scale"), "by_ptr": results["y"]})})),

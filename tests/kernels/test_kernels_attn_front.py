@@ -31,30 +31,40 @@ def _fp8(n, k, g):
 
 
 def case(dtype, act, src, col, KN, K=512, N0=96, N1=48, NB=192, M=(2, 1), seed=0):
-    """x [M, K]; y0 = x w0^T (FP8 weight), y1 = x w1^T (float weight); y = norm_linear of y<src> columns
-    [col, col + KN) by an FP8 [NB, KN] weight. K = 512: each pair GEMM splits K (decode-sized M)."""
+    """x [M, K]; y0 = x w0^T (FP8 weight), y1 = x w1^T (float weight; N1 = 0: none, one `linear`); y =
+    norm_linear of y<src> columns [col, col + KN) by an FP8 [NB, KN] weight. K = 512: each GEMM of x splits K
+    (decode-sized M)."""
     g = torch.Generator().manual_seed(seed)
     w0, s0 = _fp8(N0, K, g)
     w, s = _fp8(NB, KN, g)
     args = {"x": torch.randn(*M, K, generator=g).to(dtype), "w0": w0, "scale0": s0,
-            "w1": (torch.randn(N1, K, generator=g) * 0.05).to(dtype), "scale1": None,
+            "w1": (torch.randn(N1, K, generator=g) * 0.05).to(dtype) if N1 else None, "scale1": None,
             "norm": (1.0 + 0.1 * torch.randn(KN, generator=g)).to(dtype), "w": w, "scale": s}
     attrs = {"act0": act, "act1": "native", "act": act, "eps": 1e-6, "src": src, "col": col}
     return args, attrs
 
 
+def names(args):
+    return RESULTS if args["w1"] is not None else ("y0", "y")
+
+
 def fused(args, attrs):
     ref = kc.reference("pair_norm_linear", args, attrs)
-    outs = {n: kc.poisoned(r.shape, r.dtype)[0] for n, r in zip(RESULTS, ref)}
+    outs = {n: kc.poisoned(r.shape, r.dtype)[0] for n, r in zip(names(args), ref)}
     calls = kernels.launch("pair_norm_linear", args, attrs, outs)
     return outs, ref, calls
 
 
 def apart(args, attrs, ref):
-    """The `linear_pair` kernel, then the `norm_linear` kernel on columns [col, col + K) of y<src>."""
-    outs = {n: kc.poisoned(r.shape, r.dtype)[0] for n, r in zip(RESULTS, ref)}
-    kernels.launch("linear_pair", {n: args[n] for n in ("x", "w0", "w1", "scale0", "scale1")},
-                   {n: attrs[n] for n in ("act0", "act1")}, {"y0": outs["y0"], "y1": outs["y1"]})
+    """The `linear_pair` (without w1: `linear`) kernel, then the `norm_linear` kernel on columns [col, col + K)
+    of y<src>."""
+    outs = {n: kc.poisoned(r.shape, r.dtype)[0] for n, r in zip(names(args), ref)}
+    if args["w1"] is None:
+        kernels.launch("linear", {"x": args["x"], "w": args["w0"], "scale": args["scale0"]}, {"act": attrs["act0"]},
+                       {"y": outs["y0"]})
+    else:
+        kernels.launch("linear_pair", {n: args[n] for n in ("x", "w0", "w1", "scale0", "scale1")},
+                       {n: attrs[n] for n in ("act0", "act1")}, {"y0": outs["y0"], "y1": outs["y1"]})
     col, k = attrs["col"], args["norm"].shape[0]
     x = outs[f"y{attrs['src']}"][..., col:col + k]
     kernels.launch("norm_linear", {"x": x, "norm": args["norm"], "w": args["w"], "scale": args["scale"]},
@@ -69,6 +79,8 @@ CASES = {
     "fp32-whole": (torch.float32, "native", 0, 0, 96),
     # the second result, 16 columns in
     "bf16-second-offset": (torch.bfloat16, "native", 1, 16, 32),
+    # one `linear` (dense weights: every GEMM of x stacked), its columns 32.. (tiny: q_a after the kv columns)
+    "fp32-one-linear": (torch.float32, "native", 0, 32, 64, 512, 96, 0),
 }
 
 
@@ -81,7 +93,7 @@ def test_fused_equals_the_launches_apart(name):
     if name == "official-view":
         assert ce["SPLIT0"] > 1 and ce["SPLIT1"] > 1  # the pair's in-launch reductions run before the norm phase
     want = apart(args, attrs, ref)
-    for n, r in zip(RESULTS, ref):
+    for n, r in zip(names(args), ref):
         assert torch.equal(outs[n], want[n]), f"{name} {n}: the fused launch differs from the launches apart"
         kc.assert_matches(outs[n], r, f"{name} {n}")
 
@@ -105,7 +117,7 @@ def test_broken_fused_kernel_is_caught(fault, monkeypatch, tmp_path):
     args, attrs = case(*CASES["bf16-second-offset"], K=128)
     with pytest.raises(error):
         outs, ref, _ = fused(args, attrs)
-        for n, r in zip(RESULTS, ref):
+        for n, r in zip(names(args), ref):
             kc.assert_matches(outs[n], r, f"{fault} {n}")
 
 
