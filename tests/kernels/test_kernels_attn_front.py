@@ -60,16 +60,16 @@ def apart(args, attrs, ref):
     of y<src>."""
     outs = {n: kc.poisoned(r.shape, r.dtype)[0] for n, r in zip(names(args), ref)}
     if args["w1"] is None:
-        kernels.launch("linear", {"x": args["x"], "w": args["w0"], "scale": args["scale0"]}, {"act": attrs["act0"]},
+        calls = kernels.launch("linear", {"x": args["x"], "w": args["w0"], "scale": args["scale0"]}, {"act": attrs["act0"]},
                        {"y": outs["y0"]})
     else:
-        kernels.launch("linear_pair", {n: args[n] for n in ("x", "w0", "w1", "scale0", "scale1")},
+        calls = kernels.launch("linear_pair", {n: args[n] for n in ("x", "w0", "w1", "scale0", "scale1")},
                        {n: attrs[n] for n in ("act0", "act1")}, {"y0": outs["y0"], "y1": outs["y1"]})
     col, k = attrs["col"], args["norm"].shape[0]
     x = outs[f"y{attrs['src']}"][..., col:col + k]
-    kernels.launch("norm_linear", {"x": x, "norm": args["norm"], "w": args["w"], "scale": args["scale"]},
-                   {"act": attrs["act"], "eps": attrs["eps"]}, {"y": outs["y"]})
-    return outs
+    calls += kernels.launch("norm_linear", {"x": x, "norm": args["norm"], "w": args["w"], "scale": args["scale"]},
+                            {"act": attrs["act"], "eps": attrs["eps"]}, {"y": outs["y"]})
+    return outs, calls
 
 
 CASES = {
@@ -92,10 +92,15 @@ def test_fused_equals_the_launches_apart(name):
     ce = calls[0].constexprs
     if name == "official-view":
         assert ce["SPLIT0"] > 1 and ce["SPLIT1"] > 1  # the pair's in-launch reductions run before the norm phase
-    want = apart(args, attrs, ref)
+    want, two = apart(args, attrs, ref)
     for n, r in zip(names(args), ref):
         assert torch.equal(outs[n], want[n]), f"{name} {n}: the fused launch differs from the launches apart"
         kc.assert_matches(outs[n], r, f"{name} {n}")
+    # the cost model: the two launches' FLOPs and bytes in one launch; the norm GEMM's input, written by this
+    # launch, is one more re-read (a last-level cache hit when the launch fits: roofline.hbm_bytes)
+    (call,), src = calls, outs[f"y{attrs['src']}"][..., :args["norm"].shape[0]]
+    assert call.flops == sum(c.flops for c in two) and call.bytes_moved == sum(c.bytes_moved for c in two)
+    assert call.reread_bytes == sum(c.reread_bytes for c in two) + src.numel() * src.element_size()
 
 
 BROKEN = {
