@@ -10,8 +10,9 @@ Requires: `pair_sibling_gemms` (the `linear_pair`) and `fuse_norm_linear` (the `
 Guarantees: the pair (or linear) becomes one `pair_norm_linear` in its place (the first GEMMs' operands then
 the norm GEMM's, both attribute sets (a linear's as the pair's first side), `src` / `col` naming the columns
 the norm GEMM reads, the first GEMMs' layer tag, roles joined), its results their values and the
-`norm_linear`'s (names kept); the `norm_linear` is absorbed; the `split`s stay (other ops read their views). Its kernel runs the norm GEMM as the phase after
-the pair's programs that write y<src> (`codegen/kernels/attn_front.py`). Numerics bit-identical (the
+`norm_linear`'s (names kept); the `norm_linear` is absorbed; the `split`s stay (other ops read their views).
+Its kernel runs the norm GEMM as the phase after the programs that write y<src>
+(`codegen/kernels/attn_front.py`). Numerics bit-identical (the
 reference is the composition). Both functions (prefill's launch is the same kernel).
 Kept out of the cpu pipeline (`passes/pipeline.py`): ONNX Runtime runs graph nodes, not launches.
 Hits: `<func>.fused`.

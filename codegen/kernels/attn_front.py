@@ -3,8 +3,9 @@
 
 Its programs, in the order they start (`phases.ticket`):
   tickets [0, P0)             the pair's first GEMM (`gemm._pair_half`, the grid `linear_pair` launches);
-  tickets [P0, P0 + P1)       its second (none for one `linear`: P1 = 0); the programs of the half that writes y<SRC> each publish when done
-                              (a K split's reducing program after it stored its tile of y);
+  tickets [P0, P0 + P1)       its second (none for one `linear`: P1 = 0); the programs of the half that
+                              writes y<SRC> each publish when done (a K split's reducing program after it
+                              stored its tile of y);
   then PB                     the norm GEMM's programs (`gemm.gemm_program` with its RMSNorm prologue, the grid
                               `norm_linear` launches): each first waits (`phases.wait_for`) for every program of
                               that half, since the RMS is over the whole row of columns [COL, COL + K) of y<SRC>.
