@@ -40,7 +40,8 @@ BYTES_GOAL = 1.01  # the decode step's goal (issue 21), printed met or not
 BYTES_BOUND = 1.05  # what the tests hold every program to until the goal is met: a regression fails them
 # Kernel families whose FLOP-counting kernels multiply matrices: their binaries must hold MMA instructions
 # (an fp32 artifact on sm_90a has none: no fp32 MMA there, and tf32 would change the numerics).
-MMA_FAMILIES = ("gemm", "grouped_gemm", "out_proj", "moe", "moe_router", "sparse_attention", "indexer")
+MMA_FAMILIES = ("gemm", "grouped_gemm", "out_proj", "moe", "moe_router", "sparse_attention", "indexer",
+                "attn_front")
 
 
 LAUNCH_KINDS = ("graph", "graph_pdl")

@@ -11,7 +11,8 @@ the shared expert's w1 / w3) and `fuse_moe_router` after `fuse_moe` (it folds th
 `fuse_inv_rope_wo_a` after `fold_inverse_rope_wo_a_quant` (it fuses the fold's op) and `fuse_out_proj`
 after it, `lower_sparse_attention` and `fuse_qkv_norm_rope` (it fuses their ops); `fuse_qkv_norm_rope`
 runs after `lower_sparse_attention` so that in decode it can fold the window write; `pair_sibling_gemms`
-after the GEMM merges and `fuse_norm_linear` (it pairs what they leave); `pair_compressors` after
+after the GEMM merges and `fuse_norm_linear` (it pairs what they leave), `fuse_attn_front` after both (it
+fuses their two ops); `pair_compressors` after
 `lower_sparse_attention` (it pairs the `compress_paged` ops that makes); `plan_memory` runs on the final op
 list, and `lower_to_program` after it.
 """
@@ -30,6 +31,7 @@ DEFAULT_PIPELINE: list[str] = [
     "fuse_qkv_norm_rope",
     "fuse_norm_linear",
     "pair_sibling_gemms",
+    "fuse_attn_front",
     "pair_compressors",
     "fuse_out_proj",
     "cse",
@@ -46,7 +48,8 @@ GPU_PIPELINE: list[str] = DEFAULT_PIPELINE
 PROGRAM_PASSES: list[str] = ["plan_memory", "lower_to_program"]
 # Fusions that only save kernel launches: ONNX Runtime runs graph nodes, so the cpu target keeps the ops apart
 # (and needs no lowering of the fused op).
-LAUNCH_ONLY_PASSES: list[str] = ["fuse_moe_router", "fuse_moe_mhc", "fuse_out_proj", "pair_compressors"]
+LAUNCH_ONLY_PASSES: list[str] = ["fuse_moe_router", "fuse_moe_mhc", "fuse_attn_front", "pair_compressors",
+                                   "fuse_out_proj"]
 CPU_PIPELINE: list[str] = [
     "lower_sparse_attention{kv_format=native,index_format=native}" if p == "lower_sparse_attention" else p
     for p in DEFAULT_PIPELINE if p not in PROGRAM_PASSES + LAUNCH_ONLY_PASSES]

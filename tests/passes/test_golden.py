@@ -81,6 +81,7 @@ BROKEN_FLOW = {
     "fuse_moe_router": ("moe_router_experts_shared(%x, @g, @b,", "moe_router_experts_shared(%x, @b, @g,"),
     "fuse_moe_mhc": ("none, %st, %po, %co, @fn,", "none, %st, %co, %po, @fn,"),
     "pair_compressors": ("compress_pair(%89, %90,", "compress_pair(%90, %89,"),
+    "fuse_attn_front": ("col = 16,", "col = 48,"),
 }
 
 

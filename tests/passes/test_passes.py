@@ -139,6 +139,7 @@ def test_every_pass_did_something(run):
     # every MoE but the last layer's (its output goes to mhc_post_head) takes the seam after it
     assert hits["fuse_moe_mhc"]["decode.fused"] == 4 and hits["fuse_moe_mhc"]["prefill.fused"] == 4
     assert hits["pair_compressors"]["decode.paired"] == 2 and hits["pair_compressors"]["prefill.paired"] == 0  # CSA
+    assert hits["fuse_attn_front"]["decode.fused"] == 5 and hits["fuse_attn_front"]["prefill.fused"] == 5
     assert hits["cse"]["decode.ops_merged"] >= 5  # the CSR builders shared across layers
     final = res.module
     names = {op.name for op in final.functions["decode"].ops}
@@ -199,6 +200,7 @@ def test_v4_pro_pass_hits(pro):
     assert hits["fuse_out_proj"]["decode.fused"] == hits["fuse_out_proj"]["decode.attention"] == 61  # every layer
     assert hits["pair_sibling_gemms"]["decode.paired"] == 61  # wqkv_a (FP8) + x_gemm (BF16) on every layer
     assert hits["pair_compressors"]["decode.paired"] == 30  # the attention's and the indexer's on every CSA layer
+    assert hits["fuse_attn_front"]["decode.fused"] == 61  # wqkv_a + x_gemm, then q_norm + wq_b, on every layer
     assert hits["lower_sparse_attention"]["decode.indexers"] == 30
     merged = res.module.weights["layers.7.attn.wqkv_a.weight"]
     assert merged.type.shape == (2048, 7168) and merged.type.dtype == "fp8e4m3"

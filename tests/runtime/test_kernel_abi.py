@@ -44,8 +44,8 @@ PRESETS = ("tiny", "tiny-pro")
 # Every family tiny's and tiny-pro's decode and prefill programs launch (checked below against the programs).
 # (inv_rope_quant is no longer among them: fuse_inv_rope_wo_a folds it into grouped_gemm's loader; nor is
 # grouped_gemm: fuse_out_proj runs it in wo_b's launch, out_proj.)
-FAMILIES = ("compress", "csr", "embed", "gemm", "indexer", "last_token", "mhc", "moe_router", "out_proj",
-            "pool_write", "qkv_norm_rope", "sparse_attention")
+FAMILIES = ("attn_front", "compress", "csr", "embed", "gemm", "indexer", "last_token", "mhc", "moe_router",
+            "out_proj", "pool_write", "qkv_norm_rope", "sparse_attention")
 
 
 def _declared_pointers(kc) -> list[str]:

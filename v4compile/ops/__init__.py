@@ -21,7 +21,7 @@ from typing import Any
 OPSETS: dict[str, tuple[str, ...]] = {
     "core": ("basic",),
     "model": ("mhc", "rope", "attention", "compressor", "indexer", "moe", "numerics"),
-    "lowered": ("fused", "attn_tail", "paged"),
+    "lowered": ("fused", "front", "attn_tail", "paged"),
     "parallel": ("collective",),
 }
 
