@@ -103,12 +103,14 @@ OLD = {"mhc": ("hc_post", "mhc_post_pre", "mhc_post_head"), "moe": ("moe_router_
 def test_the_same_check_fails_on_the_old_orders(monkeypatch):
     """Packing pointers as each family lists them (the schedule before the fix) fails the check above for
     exactly the kernels that are listed out of order: mhc with post, moe_down with the combine (prefill), the
-    fused MoE (decode: its pointers gathered from the up, router and down calls) and the compress pair (decode:
-    its two halves' pointers one after the other)."""
+    fused MoE (decode: its pointers gathered from the up, router and down calls), the compress pair (decode:
+    its two halves' pointers one after the other) and the attention tail (`out_proj` and, at decode,
+    `attn_out_proj`: their phases' pointers one call after the other)."""
     monkeypatch.setattr(kernels, "in_kernel_order", lambda name, fn, pointers, constexprs: list(pointers))
     _, prog, _ = _program("tiny")
-    assert _misordered(build_schedule(prog, make_kernel_calls())) == {"mhc_kernel", "moe_down_kernel",
-                                                                          "moe_fused_kernel", "compress_pair_kernel"}
+    assert _misordered(build_schedule(prog, make_kernel_calls())) == {
+        "mhc_kernel", "moe_down_kernel", "moe_fused_kernel", "compress_pair_kernel", "out_proj_kernel",
+        "attn_out_proj_kernel"}
 
 
 def _fn(*names):
