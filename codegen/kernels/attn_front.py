@@ -181,4 +181,6 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
         flops=pair.flops + lin.flops, mma_dtype="fp8" if "fp8" in (pair.mma_dtype, lin.mma_dtype) else "bf16",
         # the two launches' bytes; the norm GEMM's first read of its input is a re-read too (this launch wrote it)
         bytes_moved=pair.bytes_moved + lin.bytes_moved,
-        reread_bytes=pair.reread_bytes + lin.reread_bytes + a.type.nbytes)]
+        reread_bytes=pair.reread_bytes + lin.reread_bytes + a.type.nbytes,
+        # the norm GEMM's programs start once every pair program is done: each phase's footprint meets the cache
+        phases=((pair.bytes_moved, pair.reread_bytes), (lin.bytes_moved, lin.reread_bytes + a.type.nbytes)))]
