@@ -7,7 +7,8 @@
 
 Order matters in these places: `fuse_moe` runs before `merge_sibling_gemms` (which would otherwise merge
 the shared expert's w1 / w3) and `fuse_moe_router` after `fuse_moe` (it folds the router into its op);
-`fuse_moe_mhc` after `fuse_moe_router` and `fuse_mhc_post_pre` (it fuses their two ops);
+`fuse_moe_mhc` after `fuse_moe_router` and `fuse_mhc_post_pre` (it fuses their two ops) and `fuse_mhc_moe`
+after it (it folds the seam before into its op);
 `fuse_inv_rope_wo_a` after `fold_inverse_rope_wo_a_quant` (it fuses the fold's op); `fuse_qkv_norm_rope`
 runs after `lower_sparse_attention` so that in decode it can fold the window write; `pair_sibling_gemms`
 after the GEMM merges and `fuse_norm_linear` (it pairs what they leave); `pair_compressors` after
@@ -22,6 +23,7 @@ DEFAULT_PIPELINE: list[str] = [
     "merge_sibling_gemms",
     "fuse_mhc_post_pre",
     "fuse_moe_mhc",
+    "fuse_mhc_moe",
     "fold_inverse_rope_wo_a_quant",
     "fuse_inv_rope_wo_a",
     "lower_sparse_attention",
@@ -44,7 +46,7 @@ GPU_PIPELINE: list[str] = DEFAULT_PIPELINE
 PROGRAM_PASSES: list[str] = ["plan_memory", "lower_to_program"]
 # Fusions that only save kernel launches: ONNX Runtime runs graph nodes, so the cpu target keeps the ops apart
 # (and needs no lowering of the fused op).
-LAUNCH_ONLY_PASSES: list[str] = ["fuse_moe_router", "fuse_moe_mhc", "pair_compressors"]
+LAUNCH_ONLY_PASSES: list[str] = ["fuse_moe_router", "fuse_moe_mhc", "fuse_mhc_moe", "pair_compressors"]
 CPU_PIPELINE: list[str] = [
     "lower_sparse_attention{kv_format=native,index_format=native}" if p == "lower_sparse_attention" else p
     for p in DEFAULT_PIPELINE if p not in PROGRAM_PASSES + LAUNCH_ONLY_PASSES]

@@ -194,7 +194,7 @@ def test_every_wait_follows_its_producers_publish():
         < at("_combine_column(n_tile,")
     assert at("_down(e, n_tile,") < at("last_to_arrive(phase_ptr + COUNTERS + n_tile, E)") < at("_combine_column(n_tile,")
     assert at("_combine_column(n_tile,") < at("publish(phase_ptr + COMBINED)") < at("wait_for(phase_ptr + COMBINED, ND)") \
-        < at("mhc_rows(")
+        < at("mhc_rows(v - NR")
 
 
 @pytest.mark.slow

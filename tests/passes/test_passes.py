@@ -136,6 +136,7 @@ def test_every_pass_did_something(run):
     assert hits["fuse_moe_router"]["decode.fused"] == 5 and hits["fuse_moe_router"]["prefill.fused"] == 5
     # every MoE but the last layer's (its output goes to mhc_post_head) takes the seam after it
     assert hits["fuse_moe_mhc"]["decode.fused"] == 4 and hits["fuse_moe_mhc"]["prefill.fused"] == 4
+    assert hits["fuse_mhc_moe"]["decode.fused"] == 3  # and the seam before it, but layer 0's (hc_pre_norm) and the last's
     assert hits["pair_compressors"]["decode.paired"] == 2 and hits["pair_compressors"]["prefill.paired"] == 0  # CSA
     assert hits["cse"]["decode.ops_merged"] >= 5  # the CSR builders shared across layers
     final = res.module
@@ -192,6 +193,7 @@ def test_v4_pro_pass_hits(pro):
     assert hits["merge_wq_a_wkv"]["decode.merged"] == 61 and hits["merge_wq_a_wkv"]["decode.unaligned"] == 0
     assert hits["fuse_mhc_post_pre"]["decode.seams"] == 120
     assert hits["fuse_moe_mhc"]["decode.fused"] == 60  # the FFN's seams (the last layer's is mhc_post_head)
+    assert hits["fuse_mhc_moe"]["decode.fused"] == 59  # the seams before those MoEs but layer 0's (hc_pre_norm)
     assert hits["fold_inverse_rope_wo_a_quant"]["decode.folded"] == 61
     assert hits["fuse_inv_rope_wo_a"]["decode.fused"] == 61
     assert hits["pair_sibling_gemms"]["decode.paired"] == 61  # wqkv_a (FP8) + x_gemm (BF16) on every layer
