@@ -94,6 +94,23 @@ NO_FRONT = {**{p: None for p in FRONT_PARAMS.values() if p.startswith("a_")},
 # counter per D tile and one count of finished I tiles per expert
 TICKET, ROUTED, SHARED_UP, COMBINED, FINISHED, SEAM_IN = (tl.constexpr(i) for i in range(6))
 COUNTERS = tl.constexpr(8)
+# Params that may be scratch: where they are, the call carves them from its one scratch pointer (`scr_ptr`,
+# `<param>_AT`: the byte offset, `<param>_DT`: the element type) instead of taking a pointer each. Every
+# pointer argument holds two scalar registers for the whole kernel on gfx950, and with the seam before's
+# eight pointers the one-launch MoE ran out of them (16 SGPRs spilled at V4-Pro).
+CARVED = ("x_ptr", "idx_ptr", "h_ptr", "hs_ptr", "r_wo_ptr", "yr_ptr", "out_ptr", "m_s_ptr", "m_post_ptr",
+          "m_comb_ptr")
+CARVE_ALIGN = 256  # bytes: every part starts aligned as a buffer of its own would
+TL_OF = {"fp32": tl.float32, "bf16": tl.bfloat16, "i64": tl.int64, "i32": tl.int32}
+
+
+@triton.jit
+def _carve(p, base, AT: tl.constexpr, DT: tl.constexpr):
+    """`p`, or (AT >= 0) the part of the scratch at `base` that starts AT bytes in, as a pointer to DT."""
+    if AT >= 0:
+        return (base + AT).to(tl.pointer_type(DT))
+    else:
+        return p
 
 
 @triton.jit(noinline=True)
@@ -119,7 +136,8 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                      w2_ptr, s2_ptr, yr_ptr, cw2_ptr, cs2_ptr, out_ptr,
                      m_s_ptr, m_post_ptr, m_comb_ptr, m_fn_ptr, m_base_ptr, m_scale_ptr, m_norm_ptr,
                      m_so_ptr, m_yo_ptr, m_posto_ptr, m_combo_ptr,
-                     a_y_ptr, a_s_ptr, a_post_ptr, a_comb_ptr, a_fn_ptr, a_base_ptr, a_scale_ptr, a_norm_ptr, phase_ptr,
+                     a_y_ptr, a_s_ptr, a_post_ptr, a_comb_ptr, a_fn_ptr, a_base_ptr, a_scale_ptr, a_norm_ptr,
+                     scr_ptr, phase_ptr,
                      P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, MODE: tl.constexpr, PB: tl.constexpr,
                      I: tl.constexpr, D: tl.constexpr,
                      X_RS: tl.constexpr, IDX_RS: tl.constexpr, H_RS: tl.constexpr,
@@ -152,14 +170,30 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                      A_NM: tl.constexpr, A_EPS: tl.constexpr, A_HC_EPS: tl.constexpr, A_ITERS: tl.constexpr,
                      A_NORM_EPS: tl.constexpr, A_Y_S: tl.constexpr, A_S_S: tl.constexpr, A_S_SN: tl.constexpr,
                      A_SO_S: tl.constexpr, A_SO_SN: tl.constexpr, A_YO_S: tl.constexpr, A_DT: tl.constexpr,
-                     NA: tl.constexpr, NR: tl.constexpr, ST: tl.constexpr, RT: tl.constexpr, ND: tl.constexpr, NH: tl.constexpr,
-                     EB: tl.constexpr,
+                     NA: tl.constexpr, NR: tl.constexpr,
+                     x_ptr_AT: tl.constexpr, x_ptr_DT: tl.constexpr, idx_ptr_AT: tl.constexpr, idx_ptr_DT: tl.constexpr,
+                     h_ptr_AT: tl.constexpr, h_ptr_DT: tl.constexpr, hs_ptr_AT: tl.constexpr, hs_ptr_DT: tl.constexpr,
+                     r_wo_ptr_AT: tl.constexpr, r_wo_ptr_DT: tl.constexpr, yr_ptr_AT: tl.constexpr,
+                     yr_ptr_DT: tl.constexpr, out_ptr_AT: tl.constexpr, out_ptr_DT: tl.constexpr,
+                     m_s_ptr_AT: tl.constexpr, m_s_ptr_DT: tl.constexpr, m_post_ptr_AT: tl.constexpr,
+                     m_post_ptr_DT: tl.constexpr, m_comb_ptr_AT: tl.constexpr, m_comb_ptr_DT: tl.constexpr,
+                     ST: tl.constexpr, RT: tl.constexpr, ND: tl.constexpr, NH: tl.constexpr, EB: tl.constexpr,
                      PDL: tl.constexpr = False, CALLS: tl.constexpr = True):
     """Programs by ticket: NA token blocks of the seam before the MoE (`mhc_moe_mhc`; else none), NR router
     row blocks, ST shared gate / up tiles, E x RT routed (expert, I tile) gate / up, E x ND routed (expert,
     D tile) down (the last down program of a D tile combines it), NH token blocks of the seam after the MoE
     (`moe_mhc_post_pre`, `mhc_moe_mhc`; none for `moe_router_experts_shared`)."""
     pdl_enter(PDL)
+    x_ptr = _carve(x_ptr, scr_ptr, x_ptr_AT, x_ptr_DT)
+    idx_ptr = _carve(idx_ptr, scr_ptr, idx_ptr_AT, idx_ptr_DT)
+    h_ptr = _carve(h_ptr, scr_ptr, h_ptr_AT, h_ptr_DT)
+    hs_ptr = _carve(hs_ptr, scr_ptr, hs_ptr_AT, hs_ptr_DT)
+    r_wo_ptr = _carve(r_wo_ptr, scr_ptr, r_wo_ptr_AT, r_wo_ptr_DT)
+    yr_ptr = _carve(yr_ptr, scr_ptr, yr_ptr_AT, yr_ptr_DT)
+    out_ptr = _carve(out_ptr, scr_ptr, out_ptr_AT, out_ptr_DT)
+    m_s_ptr = _carve(m_s_ptr, scr_ptr, m_s_ptr_AT, m_s_ptr_DT)
+    m_post_ptr = _carve(m_post_ptr, scr_ptr, m_post_ptr_AT, m_post_ptr_DT)
+    m_comb_ptr = _carve(m_comb_ptr, scr_ptr, m_comb_ptr_AT, m_comb_ptr_DT)
     v = ticket(phase_ptr + TICKET) - NA
     if v < 0:
         if NA > 0:  # the seam before: x, and the streams / post / comb the seam after reads, into scratch
@@ -217,6 +251,25 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
         tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)
         eb = tl.arange(0, EB)
         tl.store(phase_ptr + COUNTERS + ND + eb, 0, mask=eb < E)
+
+
+def _carve_scratch(pts: list, scratch: dict[str, int], ce: dict) -> tuple[list, int]:
+    """The CARVED scratch pointers of `pts` as parts of one scratch buffer (`moe_scratch`, in `scratch`
+    instead of theirs): their `_AT` / `_DT` constexprs set, the pointers left out. Returns the other pointers
+    and the carved bytes."""
+    kept, at = [], 0
+    for p, kind, name, ty in pts:
+        if kind == "scratch" and p in CARVED:
+            ce.update({p: None, p + "_AT": at, p + "_DT": TL_OF[ty[1:]]})
+            at += triton.cdiv(scratch.pop(name), CARVE_ALIGN) * CARVE_ALIGN
+        else:
+            kept.append((p, kind, name, ty))
+    for p in CARVED:
+        if p + "_AT" not in ce:
+            ce.update({p + "_AT": -1, p + "_DT": tl.float32})
+    if at:
+        scratch["moe_scratch"] = at
+    return kept, at
 
 
 def _renamed(call: KernelCall, extra_scratch: dict[str, int], renamed: dict = RENAMED) -> KernelCall:
@@ -325,9 +378,14 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
                 continue
             have.add(names.get(p, p))
             pts.append((names.get(p, p), kind, name, ty))
-    pts.append(ptr("phase_ptr", "semaphore", "moe_phase", "*i32"))
     tag = up.name[len("moe_up_"):].rsplit("_", 1)[0]  # the up call's readable shape tag (name = prefix_tag_hash)
     scratch = {n: b for c in calls for n, b in c.scratch_bytes.items() if n != "moe_arrivals"}
+    pts, carved = _carve_scratch(pts, scratch, ce)
+    if carved:
+        pts.append(ptr("scr_ptr", "scratch", "moe_scratch", "*u8"))
+    else:
+        ce["scr_ptr"] = None
+    pts.append(ptr("phase_ptr", "semaphore", "moe_phase", "*i32"))
     scratch["moe_phase"] = (int(COUNTERS) + ND + E) * 4  # phase counters, the D tiles' arrivals, the experts' tiles
     renamed = {**ROUTER_PARAMS, **DOWN_PARAMS, **SEAM_PARAMS}
     unaligned = {renamed.get(p, p) for c in calls if c is not front for p in c.unaligned}
