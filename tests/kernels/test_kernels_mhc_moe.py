@@ -22,7 +22,7 @@ import torch
 
 from v4compile.codegen import kernels
 from v4compile.codegen.kernels import moe_router
-from test_kernels_moe_router import SEAM_ATTRS, SEAM_RESULTS, seam_apart, seam_case
+from test_kernels_moe_router import SEAM_ATTRS, SEAM_RESULTS, seam_apart, seam_case, seam_fused, seam_weights
 
 FRONT = ("y", "streams", "post", "comb")  # the seam before's activations (its weights: in_fn, ...)
 IN_ATTRS = {"in_" + n: v for n, v in SEAM_ATTRS.items()}
@@ -35,17 +35,12 @@ def front_case(dtype, hashed, *fmts, B=2, T=5, **kw):
     g = torch.Generator().manual_seed(11)
     N, D = 4, args["x"].shape[-1]
     args["y"] = args.pop("x")
-    args.update(in_fn=torch.randn(6 * N, N * D, generator=g) * (2.0 / (N * D) ** 0.5),
-                in_base=torch.randn(6 * N, generator=g) * 0.5, in_scale=torch.rand(3, generator=g) + 0.5,
-                in_norm=torch.rand(D, generator=g) + 0.5)
+    args.update(seam_weights(g, N, D, "in_"))
     return args, {**attrs, **IN_ATTRS}
 
 
 def fused(args, attrs):
-    ref = kc.reference("mhc_moe_mhc", args, attrs)
-    outs = {n: kc.poisoned(r.shape, r.dtype)[0] for n, r in zip(SEAM_RESULTS, ref)}
-    calls = kernels.launch("mhc_moe_mhc", args, attrs, outs)
-    return outs, ref, calls
+    return seam_fused(args, attrs, "mhc_moe_mhc")
 
 
 def apart(args, attrs, ref):

@@ -79,17 +79,24 @@ def seam_case(dtype, hashed, *fmts, B=2, T=5, **kw):
     g = torch.Generator().manual_seed(7)
     N, D = 4, args["x"].shape[-1]
     args.update(streams=(torch.randn(B, T, N, D, generator=g) * 2).to(dtype), post=2 * torch.rand(B, T, N, generator=g),
-                comb=torch.softmax(torch.randn(B, T, N, N, generator=g), -1),
-                fn=torch.randn(6 * N, N * D, generator=g) * (2.0 / (N * D) ** 0.5),
-                base=torch.randn(6 * N, generator=g) * 0.5, scale=torch.rand(3, generator=g) + 0.5,
-                norm=torch.rand(D, generator=g) + 0.5)
+                comb=torch.softmax(torch.randn(B, T, N, N, generator=g), -1))
+    args.update(seam_weights(g, N, D))
     return args, {**attrs, **SEAM_ATTRS}
 
 
-def seam_fused(args, attrs):
-    ref = kc.reference("moe_mhc_post_pre", args, attrs)
+def seam_weights(g, N, D, prefix=""):
+    """An mhc_post_pre's fn / base / scale / norm for N streams of width D (named with `prefix`)."""
+    w = dict(fn=torch.randn(6 * N, N * D, generator=g) * (2.0 / (N * D) ** 0.5),
+             base=torch.randn(6 * N, generator=g) * 0.5, scale=torch.rand(3, generator=g) + 0.5,
+             norm=torch.rand(D, generator=g) + 0.5)
+    return {prefix + n: v for n, v in w.items()}
+
+
+def seam_fused(args, attrs, op_name="moe_mhc_post_pre"):
+    """The op's reference, and the op's launches on poisoned results (also `mhc_moe_mhc`'s: the same results)."""
+    ref = kc.reference(op_name, args, attrs)
     outs = {n: kc.poisoned(r.shape, r.dtype)[0] for n, r in zip(SEAM_RESULTS, ref)}
-    calls = kernels.launch("moe_mhc_post_pre", args, attrs, outs)
+    calls = kernels.launch(op_name, args, attrs, outs)
     return outs, ref, calls
 
 
