@@ -7,7 +7,8 @@
 
 Order matters in these places: `fuse_moe` runs before `merge_sibling_gemms` (which would otherwise merge
 the shared expert's w1 / w3) and `fuse_moe_router` after `fuse_moe` (it folds the router into its op);
-`fuse_moe_mhc` after `fuse_moe_router` and `fuse_mhc_post_pre` (it fuses their two ops);
+`fuse_moe_mhc` after `fuse_moe_router` and `fuse_mhc_post_pre` (it fuses their two ops) and `fuse_mhc_moe`
+after it (it folds the seam before into its op);
 `fuse_inv_rope_wo_a` after `fold_inverse_rope_wo_a_quant` (it fuses the fold's op) and `fuse_out_proj`
 after it, `lower_sparse_attention` and `fuse_qkv_norm_rope` (it fuses their ops); `fuse_qkv_norm_rope`
 runs after `lower_sparse_attention` so that in decode it can fold the window write; `pair_sibling_gemms`
@@ -24,6 +25,7 @@ DEFAULT_PIPELINE: list[str] = [
     "merge_sibling_gemms",
     "fuse_mhc_post_pre",
     "fuse_moe_mhc",
+    "fuse_mhc_moe",
     "fold_inverse_rope_wo_a_quant",
     "fuse_inv_rope_wo_a",
     "lower_sparse_attention",

@@ -1,8 +1,13 @@
-"""moe_router family: `moe_router_experts_shared` (router + shared expert + routed experts, one op) in one
-launch at decode.
+"""moe_router family: `moe_router_experts_shared` (router + shared expert + routed experts, one op), and with
+the seam after it (`moe_mhc_post_pre`) and the seam before it too (`mhc_moe_mhc`), in one launch at decode.
 
 Decode-sized P (the moe family's "scan" mode): the router, both expert GEMMs of both kinds of expert and the
 combine run in one launch. Its programs are, in the order they start (`phases.ticket`):
+  tickets [0, NA)            (`mhc_moe_mhc`) the seam before the MoE (`mhc.mhc_rows`, one per BT tokens: the
+                             attention output's hc_post into the streams, hc_pre, ffn_norm) -> the MoE's
+                             input x and the streams / post / comb the seam after reads, all scratch; each
+                             publishes; every router and shared program waits for all NA first (the routed
+                             and combining programs follow them, so they see x too);
   tickets [0, NR)            the router (`router.route_rows`, one per BR token rows) -> the routing weights
                              and expert ids, scratch `route_weights` / `route_indices`; each then publishes;
   tickets [NR, NR + ST)      the shared expert's gate / up I tiles -> hs (they need no routing, so they run
@@ -13,12 +18,15 @@ combine run in one launch. Its programs are, in the order they start (`phases.ti
   then E x ND                the routed (expert, D tile) down programs -> yr: each waits for its expert's RT
                              I tiles; the last of a D tile's E programs to arrive (`arrival.last_to_arrive`)
                              waits for the ST shared tiles and combines the tile (the shared down GEMM and
-                             the ordered sum, `moe._combine_column`) into y.
+                             the ordered sum, `moe._combine_column`) into y;
+  then NH                    (`moe_mhc_post_pre`, `mhc_moe_mhc`) the seam after the MoE, one per BT tokens,
+                             once every D tile is combined.
 A program waits only for programs that took earlier tickets (see `phases`), so no schedule deadlocks; what
 it reads was published along that chain (the router's ids reach the down programs through the up programs'
 acquire / release). The last program to finish resets the counters (one `semaphore`, `moe_phase`).
 Prefill-sized P (the "grouped" mode) keeps the router as its own launch, writing the same scratch, then the
-moe family's launches (grouping, up, down): the grouping needs every pair's expert before any up program.
+moe family's launches (grouping, up, down): the grouping needs every pair's expert before any up program;
+the seams keep their launches too.
 Every kernel computes what the router and moe kernels compute, in the same order, so the results are
 bit-identical to the two ops run apart.
 """
@@ -61,15 +69,48 @@ SEAM_OPERANDS = ("streams", "post", "comb", "fn", "base", "scale", "norm")
 SEAM_PARAMS = {"y_ptr": "out_ptr", "s_ptr": "m_s_ptr", "post_ptr": "m_post_ptr", "comb_ptr": "m_comb_ptr",
                "fn_ptr": "m_fn_ptr", "base_ptr": "m_base_ptr", "scale_ptr": "m_scale_ptr", "norm_ptr": "m_norm_ptr",
                "so_ptr": "m_so_ptr", "yo_ptr": "m_yo_ptr", "posto_ptr": "m_posto_ptr", "combo_ptr": "m_combo_ptr"}
+# `mhc_moe_mhc`: the seam before the MoE as the mhc kernel sees it -> the fused op's names (its results are
+# scratch, read back as the MoE's x and the seam after's streams / post / comb) ...
+FRONT_RENAMED = {("result", "streams_out"): ("scratch", "seam_streams"), ("result", "y_next"): ("scratch", "seam_x"),
+                 ("result", "post_next"): ("scratch", "seam_post"), ("result", "comb_next"): ("scratch", "seam_comb"),
+                 **{("operand", n): ("operand", "in_" + n) for n in ("fn", "base", "scale", "norm")}}
+# ... and those scratch buffers where the MoE's calls and the seam after read them as operands
+INNER_RENAMED = {("operand", n): ("scratch", "seam_" + r) for n, r in
+                 (("x", "x"), ("streams", "streams"), ("post", "post"), ("comb", "comb"))}
+# the seam before's mhc kernel params -> the fused kernel's (its outputs are the MoE's x and the seam after's
+# inputs: one buffer each, the same params)
+FRONT_PARAMS = {"y_ptr": "a_y_ptr", "s_ptr": "a_s_ptr", "post_ptr": "a_post_ptr", "comb_ptr": "a_comb_ptr",
+                "fn_ptr": "a_fn_ptr", "base_ptr": "a_base_ptr", "scale_ptr": "a_scale_ptr", "norm_ptr": "a_norm_ptr",
+                "so_ptr": "m_s_ptr", "yo_ptr": "x_ptr", "posto_ptr": "m_post_ptr", "combo_ptr": "m_comb_ptr"}
 # the seam's constexprs when there is none (`moe_router_experts_shared`: NH = 0 programs run it)
 NO_SEAM = {**{p: None for p in SEAM_PARAMS if p != "y_ptr"}, "M": 0, "N": 1, "D": 16, "BD": 16, "BT": 16,
            "POST": False, "MIX": "", "NORM": False, "NM": 16, "EPS": 0.0, "HC_EPS": 0.0, "ITERS": 1, "NORM_EPS": 0.0,
            "Y_S": 0, "S_S": 0, "S_SN": 0, "SO_S": 0, "SO_SN": 0, "YO_S": 0, "DT": tl.float32}
+# no seam before the MoE (NA = 0 programs; the branch is compiled out)
+NO_FRONT = {**{p: None for p in FRONT_PARAMS.values() if p.startswith("a_")},
+            **{"A_" + n: v for n, v in NO_SEAM.items() if not n.endswith("_ptr")}, "NA": 0}
 # the semaphore's int32 counters: the ticket, router programs done, shared gate / up tiles done, D tiles
-# combined, programs finished (COUNTERS slots, a power of two); then one arrival counter per D tile and one
-# count of finished I tiles per expert
-TICKET, ROUTED, SHARED_UP, COMBINED, FINISHED = (tl.constexpr(i) for i in range(5))
+# combined, programs finished, seam-before blocks done (COUNTERS slots, a power of two); then one arrival
+# counter per D tile and one count of finished I tiles per expert
+TICKET, ROUTED, SHARED_UP, COMBINED, FINISHED, SEAM_IN = (tl.constexpr(i) for i in range(6))
 COUNTERS = tl.constexpr(8)
+# Params that may be scratch: where they are, the call carves them from its one scratch pointer (`scr_ptr`,
+# `<param>_AT`: the byte offset, `<param>_DT`: the element type) instead of taking a pointer each. Every
+# pointer argument holds two scalar registers for the whole kernel on gfx950, and with the seam before's
+# eight pointers the one-launch MoE ran out of them (16 SGPRs spilled at V4-Pro).
+CARVED = ("x_ptr", "idx_ptr", "h_ptr", "hs_ptr", "r_wo_ptr", "yr_ptr", "out_ptr", "m_s_ptr", "m_post_ptr",
+          "m_comb_ptr")
+CARVE_ALIGN = 256  # bytes: every part starts aligned as a buffer of its own would
+TL_OF = {"fp32": tl.float32, "bf16": tl.bfloat16, "i64": tl.int64, "i32": tl.int32}
+
+
+@triton.jit
+def _carve(p, base, AT: tl.constexpr, DT: tl.constexpr):
+    """`p`, or (AT >= 0) the part of the scratch at `base` that starts AT bytes in, as a pointer to DT."""
+    if AT >= 0:
+        return (base + AT).to(tl.pointer_type(DT))
+    else:
+        return p
 
 
 @triton.jit(noinline=True)
@@ -94,7 +135,9 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                      r_w_ptr, r_b_ptr, r_t_ptr, r_ids_ptr, r_wo_ptr,
                      w2_ptr, s2_ptr, yr_ptr, cw2_ptr, cs2_ptr, out_ptr,
                      m_s_ptr, m_post_ptr, m_comb_ptr, m_fn_ptr, m_base_ptr, m_scale_ptr, m_norm_ptr,
-                     m_so_ptr, m_yo_ptr, m_posto_ptr, m_combo_ptr, phase_ptr,
+                     m_so_ptr, m_yo_ptr, m_posto_ptr, m_combo_ptr,
+                     a_y_ptr, a_s_ptr, a_post_ptr, a_comb_ptr, a_fn_ptr, a_base_ptr, a_scale_ptr, a_norm_ptr,
+                     scr_ptr, phase_ptr,
                      P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, MODE: tl.constexpr, PB: tl.constexpr,
                      I: tl.constexpr, D: tl.constexpr,
                      X_RS: tl.constexpr, IDX_RS: tl.constexpr, H_RS: tl.constexpr,
@@ -122,15 +165,45 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                      H_NM: tl.constexpr, H_EPS: tl.constexpr, H_HC_EPS: tl.constexpr, H_ITERS: tl.constexpr,
                      H_NORM_EPS: tl.constexpr, H_Y_S: tl.constexpr, H_S_S: tl.constexpr, H_S_SN: tl.constexpr,
                      H_SO_S: tl.constexpr, H_SO_SN: tl.constexpr, H_YO_S: tl.constexpr, H_DT: tl.constexpr,
-                     NR: tl.constexpr, ST: tl.constexpr, RT: tl.constexpr, ND: tl.constexpr, NH: tl.constexpr,
-                     EB: tl.constexpr,
+                     A_M: tl.constexpr, A_N: tl.constexpr, A_D: tl.constexpr, A_BD: tl.constexpr,
+                     A_BT: tl.constexpr, A_POST: tl.constexpr, A_MIX: tl.constexpr, A_NORM: tl.constexpr,
+                     A_NM: tl.constexpr, A_EPS: tl.constexpr, A_HC_EPS: tl.constexpr, A_ITERS: tl.constexpr,
+                     A_NORM_EPS: tl.constexpr, A_Y_S: tl.constexpr, A_S_S: tl.constexpr, A_S_SN: tl.constexpr,
+                     A_SO_S: tl.constexpr, A_SO_SN: tl.constexpr, A_YO_S: tl.constexpr, A_DT: tl.constexpr,
+                     NA: tl.constexpr, NR: tl.constexpr,
+                     x_ptr_AT: tl.constexpr, x_ptr_DT: tl.constexpr, idx_ptr_AT: tl.constexpr, idx_ptr_DT: tl.constexpr,
+                     h_ptr_AT: tl.constexpr, h_ptr_DT: tl.constexpr, hs_ptr_AT: tl.constexpr, hs_ptr_DT: tl.constexpr,
+                     r_wo_ptr_AT: tl.constexpr, r_wo_ptr_DT: tl.constexpr, yr_ptr_AT: tl.constexpr,
+                     yr_ptr_DT: tl.constexpr, out_ptr_AT: tl.constexpr, out_ptr_DT: tl.constexpr,
+                     m_s_ptr_AT: tl.constexpr, m_s_ptr_DT: tl.constexpr, m_post_ptr_AT: tl.constexpr,
+                     m_post_ptr_DT: tl.constexpr, m_comb_ptr_AT: tl.constexpr, m_comb_ptr_DT: tl.constexpr,
+                     ST: tl.constexpr, RT: tl.constexpr, ND: tl.constexpr, NH: tl.constexpr, EB: tl.constexpr,
                      PDL: tl.constexpr = False, CALLS: tl.constexpr = True):
-    """Programs by ticket: NR router row blocks, ST shared gate / up tiles, E x RT routed (expert, I tile)
-    gate / up, E x ND routed (expert, D tile) down (the last down program of a D tile combines it), NH token
-    blocks of the seam after the MoE (`moe_mhc_post_pre`; none for `moe_router_experts_shared`)."""
+    """Programs by ticket: NA token blocks of the seam before the MoE (`mhc_moe_mhc`; else none), NR router
+    row blocks, ST shared gate / up tiles, E x RT routed (expert, I tile) gate / up, E x ND routed (expert,
+    D tile) down (the last down program of a D tile combines it), NH token blocks of the seam after the MoE
+    (`moe_mhc_post_pre`, `mhc_moe_mhc`; none for `moe_router_experts_shared`)."""
     pdl_enter(PDL)
-    v = ticket(phase_ptr + TICKET)
-    if v < NR:
+    x_ptr = _carve(x_ptr, scr_ptr, x_ptr_AT, x_ptr_DT)
+    idx_ptr = _carve(idx_ptr, scr_ptr, idx_ptr_AT, idx_ptr_DT)
+    h_ptr = _carve(h_ptr, scr_ptr, h_ptr_AT, h_ptr_DT)
+    hs_ptr = _carve(hs_ptr, scr_ptr, hs_ptr_AT, hs_ptr_DT)
+    r_wo_ptr = _carve(r_wo_ptr, scr_ptr, r_wo_ptr_AT, r_wo_ptr_DT)
+    yr_ptr = _carve(yr_ptr, scr_ptr, yr_ptr_AT, yr_ptr_DT)
+    out_ptr = _carve(out_ptr, scr_ptr, out_ptr_AT, out_ptr_DT)
+    m_s_ptr = _carve(m_s_ptr, scr_ptr, m_s_ptr_AT, m_s_ptr_DT)
+    m_post_ptr = _carve(m_post_ptr, scr_ptr, m_post_ptr_AT, m_post_ptr_DT)
+    m_comb_ptr = _carve(m_comb_ptr, scr_ptr, m_comb_ptr_AT, m_comb_ptr_DT)
+    v = ticket(phase_ptr + TICKET) - NA
+    if v < 0:
+        if NA > 0:  # the seam before: x, and the streams / post / comb the seam after reads, into scratch
+            mhc_rows(v + NA, a_y_ptr, a_s_ptr, a_post_ptr, a_comb_ptr, a_fn_ptr, a_base_ptr, a_scale_ptr, a_norm_ptr,
+                     m_s_ptr, x_ptr, m_post_ptr, m_comb_ptr, A_M, A_N, A_D, A_BD, A_BT, A_POST, A_MIX, A_NORM, A_NM,
+                     A_EPS, A_HC_EPS, A_ITERS, A_NORM_EPS, A_Y_S, A_S_S, A_S_SN, A_SO_S, A_SO_SN, A_YO_S, A_DT)
+            publish(phase_ptr + SEAM_IN)
+    elif v < NR:
+        if NA > 0:
+            wait_for(phase_ptr + SEAM_IN, NA)  # every token's x
         if CALLS:  # sm_90a: a call, its registers allocated apart (kernels/__init__.py: CALLS_PARAM)
             _route_phase(v, x_ptr, r_w_ptr, r_b_ptr, r_t_ptr, r_ids_ptr, r_wo_ptr, idx_ptr, R_R, R_D, R_E, R_KSEL,
                          R_X_RS, R_W_RS, R_T_RS, R_I_S, R_WO_RS, R_IO_RS, R_ROUTE_SCALE, R_DENOM_EPS, R_SUM_IN_DT, R_BR,
@@ -141,6 +214,8 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                                  R_SUM_IN_DT, R_BR, R_BE, R_BK, R_BKS)
         publish(phase_ptr + ROUTED)
     elif v < NR + ST:
+        if NA > 0:
+            wait_for(phase_ptr + SEAM_IN, NA)  # every token's x
         _up(v * 0, v - NR, x_ptr, None, None,  # expert 0 of 1 (a tensor: _up casts it)
             sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, hs_ptr, S_M, 1, 1, "all", 1, S_I, D,
             X_RS, 0, S_I, 0, S_W_RS, 0, S_S_RS, S_W_FMT, S_S_E8M0, S_BLOCK, S_ACT, CDT, LIMIT, S_BM, S_BN, S_BK)
@@ -172,10 +247,29 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                  m_scale_ptr, m_norm_ptr, m_so_ptr, m_yo_ptr, m_posto_ptr, m_combo_ptr, H_M, H_N, H_D, H_BD, H_BT,
                  H_POST, H_MIX, H_NORM, H_NM, H_EPS, H_HC_EPS, H_ITERS, H_NORM_EPS, H_Y_S, H_S_S, H_S_SN, H_SO_S,
                  H_SO_SN, H_YO_S, H_DT)
-    if last_to_arrive(phase_ptr + FINISHED, NR + ST + E * RT + E * ND + NH):  # every program is past its waits
+    if last_to_arrive(phase_ptr + FINISHED, NA + NR + ST + E * RT + E * ND + NH):  # every program is past its waits
         tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)
         eb = tl.arange(0, EB)
         tl.store(phase_ptr + COUNTERS + ND + eb, 0, mask=eb < E)
+
+
+def _carve_scratch(pts: list, scratch: dict[str, int], ce: dict) -> tuple[list, int]:
+    """The CARVED scratch pointers of `pts` as parts of one scratch buffer (`moe_scratch`, in `scratch`
+    instead of theirs): their `_AT` / `_DT` constexprs set, the pointers left out. Returns the other pointers
+    and the carved bytes."""
+    kept, at = [], 0
+    for p, kind, name, ty in pts:
+        if kind == "scratch" and p in CARVED:
+            ce.update({p: None, p + "_AT": at, p + "_DT": TL_OF[ty[1:]]})
+            at += triton.cdiv(scratch.pop(name), CARVE_ALIGN) * CARVE_ALIGN
+        else:
+            kept.append((p, kind, name, ty))
+    for p in CARVED:
+        if p + "_AT" not in ce:
+            ce.update({p + "_AT": -1, p + "_DT": tl.float32})
+    if at:
+        scratch["moe_scratch"] = at
+    return kept, at
 
 
 def _renamed(call: KernelCall, extra_scratch: dict[str, int], renamed: dict = RENAMED) -> KernelCall:
@@ -188,8 +282,37 @@ def _renamed(call: KernelCall, extra_scratch: dict[str, int], renamed: dict = RE
 
 def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg],
                attrs: dict) -> list[KernelCall]:
+    if op_name == "mhc_moe_mhc":
+        return _with_seam_before(operands, results, attrs)
     if op_name not in ("moe_router_experts_shared", "moe_mhc_post_pre"):
         raise KeyError(f"moe_router family has no op '{op_name}'")
+    return _specialise(op_name, operands, results, attrs)
+
+
+def _with_seam_before(operands, results, attrs) -> list[KernelCall]:
+    """`mhc_moe_mhc`: the mhc kernel's call of the seam before (its results dense scratch), then
+    `moe_mhc_post_pre` on that scratch with the call as its first phase."""
+    from ...ir.registry import get_op
+    from ...ops.fused import IN_MHC_ATTRS, MHC_ATTRS
+
+    f_ops = {n: operands[n] for n in ("y", "streams", "post", "comb")}
+    f_ops.update({n: operands["in_" + n] for n in ("fn", "base", "scale", "norm")})
+    f_attrs = {n: attrs["in_" + n] for n in MHC_ATTRS}
+    opdef = get_op("mhc_post_pre")
+    types = opdef.result_types([f_ops[n].type for n in opdef.operand_names], f_attrs)
+    mid = {n: TensorArg(t, Layout.contiguous(t.shape).strides) for n, t in zip(opdef.results, types)}
+    front = _renamed(mhc.specialise("mhc_post_pre", f_ops, mid, f_attrs)[0],
+                     {FRONT_RENAMED[("result", n)][1]: a.type.nbytes for n, a in mid.items()}, FRONT_RENAMED)
+    m_ops = {n: v for n, v in operands.items() if n not in ("y", "streams", "post", "comb") and not n.startswith("in_")}
+    m_ops.update(x=mid["y_next"], streams=mid["streams_out"], post=mid["post_next"], comb=mid["comb_next"])
+    return _specialise("moe_mhc_post_pre", m_ops, results, {n: v for n, v in attrs.items() if n not in IN_MHC_ATTRS},
+                       front)
+
+
+def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg], attrs: dict,
+                front: KernelCall | None = None) -> list[KernelCall]:
+    """`front`: the seam before the MoE's call (`mhc_moe_mhc`); its scratch is the MoE's x and the seam
+    after's streams / post / comb (INNER_RENAMED)."""
     from ...ops.fused import MHC_ATTRS, ROUTER_ATTRS
 
     x = operands["x"]
@@ -202,17 +325,17 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     it = TensorType((*lead, k), "i64")
     strides = Layout.contiguous(wt.shape).strides  # the routing as dense scratch
     wa, ia = TensorArg(wt, strides), TensorArg(it, strides)
-    extra = {"route_weights": wt.nbytes, "route_indices": it.nbytes}
+    extra = {"route_weights": wt.nbytes, "route_indices": it.nbytes, **(front.scratch_bytes if front else {})}
     seam = op_name == "moe_mhc_post_pre"
     m_results = results
     if seam:  # the MoE's output as dense scratch, read back by the seam
         m_results = {"y": TensorArg(x.type, Layout.contiguous(x.shape).strides)}
         extra["moe_y"] = x.type.nbytes
-    rcall = _renamed(router.specialise("router", r_ops, {"weights": wa, "indices": ia}, r_attrs)[0], extra)
+    names = {**(SEAM_RENAMED if seam else RENAMED), **(INNER_RENAMED if front else {})}
+    rcall = _renamed(router.specialise("router", r_ops, {"weights": wa, "indices": ia}, r_attrs)[0], extra, names)
     m_ops = {n: v for n, v in operands.items() if n not in r_ops and n not in SEAM_OPERANDS}
     m_ops.update(x=x, weights=wa, indices=ia)
     m_attrs = {n: v for n, v in attrs.items() if n not in ROUTER_ATTRS and n not in MHC_ATTRS}
-    names = SEAM_RENAMED if seam else RENAMED
     mcalls = [_renamed(c, extra, names) for c in moe.specialise("moe_experts_shared", m_ops, m_results, m_attrs)]
     hcalls = []
     if seam:
@@ -221,10 +344,13 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
                                                             {n: attrs[n] for n in MHC_ATTRS})]
     up, down = mcalls[0], mcalls[-1]
     if up.fn is not moe.moe_up_kernel:  # grouped mode: the grouping launch needs the routing first
-        return [rcall, *mcalls, *hcalls]
+        if front:
+            front.scratch_bytes.update(extra)
+        return [*([front] if front else []), rcall, *mcalls, *hcalls]
     # one launch: the up call's constexprs and pointers, the router's as R_*, the down call's as D_* (its
     # combine's C_* as they are), the seam's as H_*, each renamed onto the fused kernel's parameters (x, the
-    # routing, h / hs and the MoE's output are one buffer each, whoever reads or writes them)
+    # routing, h / hs and the MoE's output are one buffer each, whoever reads or writes them); the seam before's
+    # as A_* (its outputs are the MoE's x and the seam after's inputs)
     flags = (PDL_PARAM, CALLS_PARAM)
     ce = {n: v for n, v in up.constexprs.items() if n not in flags}
     ce.update({ROUTER_PARAMS.get(n, "R_" + n): v for n, v in rcall.constexprs.items() if n not in flags})
@@ -232,29 +358,42 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
                if n not in flags and n not in SHARED_CONSTEXPRS})
     hce = hcalls[0].constexprs if seam else NO_SEAM
     ce.update({SEAM_PARAMS.get(n, "H_" + n): v for n, v in hce.items() if n not in flags})
+    if front:  # (its pointers are the a_* params and the MoE's own, below)
+        ce.update({"A_" + n: v for n, v in front.constexprs.items() if n not in flags}, NA=front.grid[0])
+    else:
+        ce.update(NO_FRONT)
     RT, ND = triton.cdiv(ce["I"], ce["BN"]), triton.cdiv(ce["D"], ce["D_BN"])
     ST = triton.cdiv(ce["S_I"], ce["S_BN"]) if "sw1_ptr" not in up.constexprs else 0  # shared: a pointer
     E = ce["E"]
     NH = hcalls[0].grid[0] if seam else 0
+    NA = ce["NA"]
     ce.update(NR=rcall.grid[0], RT=RT, ST=ST, ND=ND, NH=NH, EB=triton.next_power_of_2(E))
-    calls = (rcall, up, down, *hcalls)
+    calls = (*([front] if front else []), rcall, up, down, *hcalls)
     pts, have = [], set()
     for call in calls:
         names = ROUTER_PARAMS if call is rcall else DOWN_PARAMS if call is down else SEAM_PARAMS if hcalls \
-            and call is hcalls[0] else {}
+            and call is hcalls[0] else FRONT_PARAMS if call is front else {}
         for p, kind, name, ty in call.pointers:
             if kind == "semaphore" or names.get(p, p) in have:
                 continue
             have.add(names.get(p, p))
             pts.append((names.get(p, p), kind, name, ty))
-    pts.append(ptr("phase_ptr", "semaphore", "moe_phase", "*i32"))
     tag = up.name[len("moe_up_"):].rsplit("_", 1)[0]  # the up call's readable shape tag (name = prefix_tag_hash)
     scratch = {n: b for c in calls for n, b in c.scratch_bytes.items() if n != "moe_arrivals"}
+    pts, carved = _carve_scratch(pts, scratch, ce)
+    if carved:
+        pts.append(ptr("scr_ptr", "scratch", "moe_scratch", "*u8"))
+    else:
+        ce["scr_ptr"] = None
+    pts.append(ptr("phase_ptr", "semaphore", "moe_phase", "*i32"))
     scratch["moe_phase"] = (int(COUNTERS) + ND + E) * 4  # phase counters, the D tiles' arrivals, the experts' tiles
     renamed = {**ROUTER_PARAMS, **DOWN_PARAMS, **SEAM_PARAMS}
-    return [KernelCall(call_name("moe_fused", ce, tag + ("_seam" if seam else "")), moe_fused_kernel, ce, pts,
-                       (ce["NR"] + ST + E * RT + E * ND + NH, 1, 1), num_warps=max(c.num_warps for c in calls),
+    unaligned = {renamed.get(p, p) for c in calls if c is not front for p in c.unaligned}
+    unaligned |= {FRONT_PARAMS.get(p, p) for p in (front.unaligned if front else ())}
+    return [KernelCall(call_name("moe_fused", ce, tag + ("_seams" if front else "_seam" if seam else "")),
+                       moe_fused_kernel, ce, pts, (NA + ce["NR"] + ST + E * RT + E * ND + NH, 1, 1),
+                       num_warps=max(c.num_warps for c in calls),
                        scratch_bytes=scratch,
-                       unaligned=tuple(sorted({renamed.get(p, p) for c in calls for p in c.unaligned})),
+                       unaligned=tuple(sorted(unaligned)),
                        flops=sum(c.flops for c in calls), mma_dtype=up.mma_dtype,
                        bytes_moved=sum(c.bytes_moved for c in calls))]

@@ -80,6 +80,7 @@ BROKEN_FLOW = {
     "pair_sibling_gemms": ("%0, %1 = linear_pair", "%1, %0 = linear_pair"),
     "fuse_moe_router": ("moe_router_experts_shared(%x, @g, @b,", "moe_router_experts_shared(%x, @b, @g,"),
     "fuse_moe_mhc": ("none, %st, %po, %co, @fn,", "none, %st, %co, %po, @fn,"),
+    "fuse_mhc_moe": ("mhc_moe_mhc(%a, %st, %po, %co, @fa,", "mhc_moe_mhc(%a, %st, %co, %po, @fa,"),
     "pair_compressors": ("compress_pair(%89, %90,", "compress_pair(%90, %89,"),
     "fuse_attn_front": ("col = 16,", "col = 48,"),
 }

@@ -138,6 +138,7 @@ def test_every_pass_did_something(run):
     assert hits["fuse_moe_router"]["decode.fused"] == 5 and hits["fuse_moe_router"]["prefill.fused"] == 5
     # every MoE but the last layer's (its output goes to mhc_post_head) takes the seam after it
     assert hits["fuse_moe_mhc"]["decode.fused"] == 4 and hits["fuse_moe_mhc"]["prefill.fused"] == 4
+    assert hits["fuse_mhc_moe"]["decode.fused"] == 3  # and the seam before it, but layer 0's (hc_pre_norm) and the last's
     assert hits["pair_compressors"]["decode.paired"] == 2 and hits["pair_compressors"]["prefill.paired"] == 0  # CSA
     assert hits["fuse_attn_front"]["decode.fused"] == 5 and hits["fuse_attn_front"]["prefill.fused"] == 5
     assert hits["cse"]["decode.ops_merged"] >= 5  # the CSR builders shared across layers
@@ -195,6 +196,7 @@ def test_v4_pro_pass_hits(pro):
     assert hits["merge_wq_a_wkv"]["decode.merged"] == 61 and hits["merge_wq_a_wkv"]["decode.unaligned"] == 0
     assert hits["fuse_mhc_post_pre"]["decode.seams"] == 120
     assert hits["fuse_moe_mhc"]["decode.fused"] == 60  # the FFN's seams (the last layer's is mhc_post_head)
+    assert hits["fuse_mhc_moe"]["decode.fused"] == 59  # the seams before those MoEs but layer 0's (hc_pre_norm)
     assert hits["fold_inverse_rope_wo_a_quant"]["decode.folded"] == 61
     assert hits["fuse_inv_rope_wo_a"]["decode.fused"] == 61
     assert hits["fuse_out_proj"]["decode.fused"] == hits["fuse_out_proj"]["decode.attention"] == 61  # every layer

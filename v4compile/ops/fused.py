@@ -275,6 +275,58 @@ def _(operands, results, attrs):
     return Cost(mc.flops + hc.flops, mc.bytes_read + hc.bytes_read, mc.bytes_written + hc.bytes_written)
 
 
+# the seam before the MoE's attributes in `mhc_moe_mhc` (the seam after it keeps MHC_ATTRS' names)
+IN_MHC_ATTRS = {"in_" + n: t for n, t in MHC_ATTRS.items()}
+
+
+@defop("mhc_moe_mhc(y, streams, post, comb, in_fn, in_base, in_scale, in_norm, gate, bias?, tid2eid?, ids?, w1, w2, "
+       "w3, s1, s2, s3, w1_scale?, w2_scale?, w3_scale?, s1_scale?, s2_scale?, s3_scale?, fn, base, scale, norm) "
+       "-> streams_out, y_next, post_next, comb_next",
+       attrs={**MOE_ROUTER_ATTRS, **MHC_ATTRS, **IN_MHC_ATTRS}, kernel="moe_router",
+       variants={"learned": ("bias",), "hash": ("tid2eid", "ids")})
+def mhc_moe_mhc(y, streams, post, comb, in_fn, in_base, in_scale, in_norm, *rest, **attrs):
+    """The seam before the MoE (`mhc_post_pre`: the attention's `hc_post` on its output `y`, the FFN's
+    `hc_pre` and ffn_norm, `in_*` attributes) and `moe_mhc_post_pre` on what it returns, in one op: the MoE's
+    input and the seam's streams, post and comb never leave it."""
+    s, x, p, c = mhc_post_pre.ref(y, streams, post, comb, in_fn, in_base, in_scale, in_norm, **_in_attrs(attrs))
+    m_ops, h_ops = rest[:16], rest[16:]
+    return moe_mhc_post_pre.ref(x, *m_ops, s, p, c, *h_ops, **{n: v for n, v in attrs.items() if n not in IN_MHC_ATTRS})
+
+
+def _in_attrs(attrs):
+    return {n[len("in_"):]: attrs[n] for n in IN_MHC_ATTRS}
+
+
+def _split_in(operands, attrs):
+    """(the seam before's operands, its attrs, moe_mhc_post_pre's operands with x / streams / post / comb left
+    out, its attrs)."""
+    return (list(operands[:8]), _in_attrs(attrs), list(operands[8:]),
+            {n: v for n, v in attrs.items() if n not in IN_MHC_ATTRS and n != "variant"})
+
+
+def _inner(seam_types, rest):
+    """moe_mhc_post_pre's operands given the seam before's results (streams, x, post, comb) and the rest."""
+    s, x, p, c = seam_types
+    return [x, *rest[:16], s, p, c, *rest[16:]]
+
+
+@mhc_moe_mhc.infer
+def _(*operands, **attrs):
+    a_ops, a_attrs, rest, m_attrs = _split_in(operands, attrs)
+    return moe_mhc_post_pre.result_types(_inner(mhc_post_pre.result_types(a_ops, a_attrs), rest), m_attrs)
+
+
+@mhc_moe_mhc.cost
+def _(operands, results, attrs):
+    """The two seams' and the MoE's costs, summed: the seam before's results go to scratch and are read back
+    by the router, experts and the seam after, as between the two launches; the fusion saves a launch."""
+    a_ops, a_attrs, rest, m_attrs = _split_in(operands, attrs)
+    mid = mhc_post_pre.result_types(a_ops, a_attrs)
+    ac = mhc_post_pre.cost_of(a_ops, mid, a_attrs)
+    mc = moe_mhc_post_pre.cost_of(_inner(mid, rest), results, m_attrs)
+    return Cost(ac.flops + mc.flops, ac.bytes_read + mc.bytes_read, ac.bytes_written + mc.bytes_written)
+
+
 # ---- indexer -------------------------------------------------------------------------------------
 
 @defop("indexer_topk(q, weights, keys, pos) -> indices", attrs={"ratio": int, "q_scale": float, "w_scale": float,

@@ -1,0 +1,55 @@
+"""Fold the seam before the MoE into it: the `mhc_post_pre` after the attention (its `hc_post` on wo_b's
+output, the FFN's `hc_pre` and ffn_norm) and the `moe_mhc_post_pre` that reads it become one op, so at decode
+the attention's output goes through the seam, the router, both kinds of expert, the combine and the next
+seam in one launch.
+
+Requires: `moe_mhc_post_pre` (from `fuse_moe_mhc`) whose `x`, `streams`, `post` and `comb` are the `y_next`,
+`streams_out`, `post_next` and `comb_next` of one `mhc_post_pre` (from `fuse_mhc_post_pre`, its RMSNorm
+folded: the `norm` variant), each used by it alone.
+Guarantees: the pair becomes one `mhc_moe_mhc` in the MoE's place (the seam's operands, its fn / base /
+scale / norm as `in_*`, then the MoE's and the seam after it; the seam's attributes as `in_*`, the MoE's
+layer tag, roles joined), its results the MoE's values (names kept); the seam's four results never leave the
+op (its kernel keeps them in scratch: the first phase of the one decode launch writes them, the router,
+experts and the seam after read them, `codegen/kernels/moe_router.py`). Numerics bit-identical (the
+reference is the composition).
+Left as they are: layer 0 (its seam before the MoE is an `hc_pre_norm`, not an `mhc_post_pre`) and the last
+layer (its MoE is a `moe_router_experts_shared`: the seam after it is `mhc_post_head`).
+Kept out of the cpu pipeline (`passes/pipeline.py`): ONNX Runtime runs graph nodes, not launches.
+Hits: `<func>.fused`.
+"""
+
+from __future__ import annotations
+
+from v4compile.ir.core import Function
+from v4compile.ir.registry import get_op
+from v4compile.ops.fused import MHC_ATTRS
+
+from .base import function_pass
+from .rewrite import Rewrite, join_roles, make_op, operands_of, tags_of
+
+# moe_mhc_post_pre's operand <- the seam's result it must be
+FROM_SEAM = {"x": "y_next", "streams": "streams_out", "post": "post_next", "comb": "comb_next"}
+
+
+def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
+    rw = Rewrite(fn)
+    for op in fn.ops:
+        if op.name != "moe_mhc_post_pre":
+            continue
+        seam = rw.producer(op.operand("x"), "mhc_post_pre", only_use=True)
+        if seam is None or seam.operand("norm") is None:
+            continue
+        if not all(op.operand(n) is seam.out(r) and rw.uses.get(id(seam.out(r))) == 1 for n, r in FROM_SEAM.items()):
+            continue
+        front = operands_of(seam)
+        operands = {n: front[n] for n in ("y", "streams", "post", "comb")}
+        operands.update({"in_" + n: front[n] for n in ("fn", "base", "scale", "norm")})
+        operands.update({n: v for n, v in operands_of(op).items() if n not in FROM_SEAM})
+        attrs = {n: v for n, v in op.attrs.items() if n in get_op(op.name).attrs and n != "variant"}
+        attrs.update({"in_" + n: seam.attrs[n] for n in MHC_ATTRS})
+        attrs.update(tags_of(op, role=join_roles(seam, op)))  # the MoE's layer: its weights are the launch's bulk
+        rw.replace(op, make_op(rw.namer, "mhc_moe_mhc", operands, attrs, op.loc, list(op.results)), absorbed=[seam])
+    return rw.done("fused")
+
+
+FuseMhcMoe = function_pass("fuse_mhc_moe", fuse_function)
