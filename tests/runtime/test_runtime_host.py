@@ -55,7 +55,8 @@ def test_a_moved_pointer_is_caught_by_the_buffer_comparison():
 
     def moved(sched):
         f = sched.functions[sched.function_index("prefill")]
-        i = next(i for i, c in enumerate(f.calls) if f.program.launches[f.launch_of[i]].op == "linear")
+        # the attention input's GEMMs (fuse_attn_front); their first pointer is the activation
+        i = next(i for i, c in enumerate(f.calls) if f.program.launches[f.launch_of[i]].op == "pair_norm_linear")
         c = f.calls[i]
         p = c.params[0]  # the activation in the arena, read one element off
         f.calls[i] = dataclasses.replace(c, params=(dataclasses.replace(p, offset=p.offset + 4),) + c.params[1:])

@@ -5,6 +5,7 @@
   family (for a target: one that codegen provides for it);
 * every argument lies inside its buffer, aligned to its element size, with non-negative strides, and
   has the type its value has everywhere else in the function;
+* an arena value is read only after a launch has written it (the arena holds nothing between calls);
 * a tied result is in its operand's place (in-place update), and the updated value is not read after;
 * no two arena values whose lifetimes overlap share a byte unless they share a storage root (a view or
   an in-place update of one another);
@@ -82,6 +83,8 @@ def verify_function(f: FunctionProgram, target: str | None = None, families: set
             if a.value in dead:
                 raise IRError(f"%{a.value} is read after launch #{dead[a.value]} updated it in place", where=where)
             _check_arg(f, where, a, buffers, types)
+            if a.buffer == "arena" and a.root not in first:  # the arena holds nothing between calls
+                raise IRError(f"%{a.value} is read before any launch writes it", where=where)
             last[a.root] = i
             if a.buffer == "arena":
                 arena_args.setdefault(a.root, []).append(a)
