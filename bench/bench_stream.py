@@ -156,6 +156,58 @@ def step_bytes(art_path, fname: str, k: int) -> dict[str, float]:
             "experts_mb": experts / 1e6, "total_mb": (dense + rows + experts) / 1e6}
 
 
+def gemm_peak(repeats: int, n: int = 1024) -> float:
+    """One core's fp32 GEMM rate (flop/s): torch's [n, n] x [n, n], the best of `repeats` (a square GEMM is the
+    most favourable shape: a floor computed with it is an upper bound on any engine's speed)."""
+    import torch
+
+    torch.set_num_threads(1)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    return 2 * n ** 3 / best_of(lambda: a @ b, repeats)
+
+
+def step_floor(art_path, fname: str, k: int, vocab: int, bw: float, flops: float) -> dict[str, float]:
+    """A lower bound on one run of `fname` on one core: each weight's bytes over the best streaming rate `bw`
+    or its GEMM flops over the best GEMM rate `flops`, whichever is larger, summed (ONNX Runtime runs one node
+    after another on one thread; everything that is not a weight's GEMM (attention, norms, mHC) counted as
+    free). A dense matrix multiplies every token's row, except the LM head (first dimension `vocab`): the last
+    token of each sequence; a routed expert stack multiplies tokens x k rows in all and reads
+    min(E, tokens x k) experts' matrices. An embedding is one row a token, read only."""
+    import onnx
+
+    from v4compile.artifact import load_artifact
+
+    art = load_artifact(art_path)
+    spec = art.target("cpu")["functions"][fname]
+    batch, tokens = spec["batch"], spec["batch"] * spec["tokens"]
+    g = onnx.load(str(Path(art_path) / spec["file"]), load_external_data=False).graph
+    shape = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in g.input}
+    consumers: dict[str, set] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, set()).add(n.op_type)
+    derived = spec.get("derived", {})
+    floor = 0.0
+    stacks: dict[str, list[int]] = {}
+    for name in set(spec["weights"]) | set(derived):
+        if name not in consumers:
+            continue
+        numel = int(np.prod(shape[name]))
+        if name in derived and derived[name]["index"] is not None:
+            stacks.setdefault(derived[name]["of"], []).append(numel)
+        elif consumers[name] == {"Gather"}:
+            floor += min(tokens, shape[name][0]) * 4 * numel / shape[name][0] / bw
+        elif consumers[name] & {"Gemm", "MatMul", "FusedMatMul"} and len(shape[name]) == 2:
+            rows = batch if shape[name][0] == vocab else tokens
+            floor += max(4 * numel / bw, 2 * rows * numel / flops)
+        else:
+            floor += 4 * numel / bw
+    for b in stacks.values():
+        floor += max(min(len(b), tokens * k) * 4 * max(b) / bw, 2 * tokens * k * max(b) / flops)
+    return {"tokens": tokens, "floor_s": floor}
+
+
 def config_bytes(name: str) -> dict[str, dict]:
     """Compile bench_cpu.py's `name` config (fp32, decode b1 and a 64-token prefill) and count its steps' bytes."""
     sys.path.insert(0, str(Path(__file__).parent))
