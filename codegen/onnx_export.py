@@ -56,15 +56,18 @@ DERIVED_KEY = "v4compile.derived"  # model metadata: the derived weight inputs (
 
 @dataclass(frozen=True)
 class Planes:
-    """A pool plane or state tensor as the step sees it: the input tensor `base` plus the rows written so
-    far in this step (`rows` int64 [N], -1 = none; `vals` [N, *row]) or None before the first write."""
+    """A pool plane or state tensor as the step sees it: the input tensor `base` plus the writes made so far
+    in this step, in write order (a later row wins): (layer scope, rows int64 [N] (-1 = none), vals
+    [N, *row], vals' static shape or None) each. A reader patches only its own layer's writes
+    (`Graph.read_rows`); the function's outputs `X.rows` / `X.vals` are all of them concatenated once, at
+    the end (`lower_function`), not a Concat per write."""
 
     base: str
-    rows: str | None = None
-    vals: str | None = None
-    # the same writes by writer: (layer scope, rows, vals) each; a reader patches only its own layer's
-    # (`Graph.read_rows`)
     segs: tuple = ()
+
+    @property
+    def written(self) -> bool:
+        return bool(self.segs)
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class Graph:
         self.loc = ""
         self.derived: dict[str, dict] = {}  # graph inputs built from stored weights at load (onnx_weights)
         self.bf16_planes: set[str] = set()  # state inputs the IR stores in bf16 (held in fp32 here)
+        self._outs: dict[str, str] = {}  # values renamed to graph outputs (`output_as`): value -> output
 
     # ---- raw construction ----------------------------------------------------------------------
     def fresh(self, hint: str = "t") -> str:
@@ -341,19 +345,18 @@ class Graph:
         """`plane[rows]` (rows int64 of any shape, >= 0) as this step sees it: the input plane, patched
         with the rows written earlier in the step (a later write wins), shaped rows' shape + the row's;
         `shape`: the caller's shape for the result instead (one static Reshape)."""
-        if p.rows is None:
-            got = self.op("Gather", p.base, rows, axis=0)
-            return got if shape is None else self.reshape(got, shape)
+        got = self.op("Gather", p.base, rows, axis=0)  # [*rows, *row]
         # A layer's pool rows (and state) are its own: only that layer's writes can hit its reads, so the
         # [reads x writes] match below is over this layer's writes, not every earlier layer's too.
         key = self.pool_scope()
         segs = [sg for sg in p.segs if key is None or sg[0] in (key, None)]
         if not segs:
-            got = self.op("Gather", p.base, rows, axis=0)
             return got if shape is None else self.reshape(got, shape)
+        if all(sg[3] is not None and sg[3][0] == 1 for sg in segs):
+            out = self._patch_single_rows(got, rows, segs)
+            return out if shape is None else self.reshape(out, shape)
         w_rows = self.concat([sg[1] for sg in segs], 0)
         w_vals = self.concat([sg[2] for sg in segs], 0)
-        got = self.op("Gather", p.base, rows, axis=0)  # [*rows, *row]
         # hit[..., w]: the read row is write w's (a skipped write's -1 never is); kept in rows' own shape, so
         # the patched rows come out in the reader's shape with no flattening or reshaping back
         hit = self.cast(self.op("Equal", self.unsqueeze(rows, -1), w_rows), TensorProto.INT32)  # [*rows, W]
@@ -365,14 +368,22 @@ class Graph:
         out = self.op("ScatterND", got, at, new)
         return out if shape is None else self.reshape(out, shape)
 
-    def write_rows(self, p: Planes, rows: str, vals: str) -> Planes:
-        """Record `plane[rows] = vals` (rows int64 [N], -1 = skip; vals [N, *row])."""
+    def _patch_single_rows(self, got: str, rows: str, segs: list) -> str:
+        """The patch when every write is one row (a decode step at batch 1): one Where per write, in write
+        order, so a later write of a row wins; 2 nodes a write and one Unsqueeze (the general match takes 10
+        and two Concats). The reads are few there, so a Where over all of them is cheap."""
+        row_rank = len(segs[0][3]) - 1
+        ru = self.unsqueeze(rows, *range(-row_rank, 0))  # [*rows, 1 * row_rank]
+        for _, w_row, w_val, _ in segs:  # w_row [1] vs ru [*rows, 1 * row_rank]; w_val [1, *row]
+            got = self.where(self.op("Equal", ru, w_row), w_val, got)
+        return got
+
+    def write_rows(self, p: Planes, rows: str, vals: str, vals_shape: tuple | None = None) -> Planes:
+        """Record `plane[rows] = vals` (rows int64 [N], -1 = skip; vals [N, *row], of static shape
+        `vals_shape` where the caller knows it: a read patches a one-row write with a Where)."""
         if p.base in self.bf16_planes:
             vals = self.bf16_round(vals)
-        seg = ((self.pool_scope(), rows, vals),)
-        if p.rows is None:
-            return Planes(p.base, rows, vals, seg)
-        return Planes(p.base, self.concat([p.rows, rows], 0), self.concat([p.vals, vals], 0), p.segs + seg)
+        return Planes(p.base, p.segs + ((self.pool_scope(), rows, vals, vals_shape),))
 
     def pool_scope(self) -> str | None:
         """The layer the op being lowered belongs to (`layers.3`, `mtp.0`), from its location; None when
@@ -435,9 +446,26 @@ class Graph:
             self.iscalar(-1)), (B * T,)))
         keep = self.cached(key + ("keep",), lambda: self.op("GreaterOrEqual", base, self.iscalar(0)))
         rows = self.where(keep, self.op("Add", base, self.iscalar(a["layer_row"])), base)
-        return self.write_rows(plane, rows, self.reshape(kv, (B * T, d)))
+        return self.write_rows(plane, rows, self.reshape(kv, (B * T, d)), (B * T, d))
 
     # ---- finish --------------------------------------------------------------------------------
+    def output_as(self, x: str, name: str) -> None:
+        """Graph output `name` holding value `x`: the node that makes `x` renamed to make `name` (an
+        Identity costs ONNX Runtime a node a step: it keeps those that write a graph output); an Identity
+        where `x` is no node's own (a graph input, a constant, a value already output under a name)."""
+        if x in self._outs:  # already an output: it goes by that name now
+            self.op("Identity", self._outs[x], out=name)
+            return
+        prod = next((n for n in reversed(self.nodes) if x in n.output), None)
+        if prod is None:
+            self.op("Identity", x, out=name)
+            return
+        prod.output[:] = [name if o == x else o for o in prod.output]
+        for n in self.nodes:
+            if x in n.input:
+                n.input[:] = [name if i == x else i for i in n.input]
+        self._outs[x] = name
+
     def model(self, doc: str = "") -> onnx.ModelProto:
         opsets = [helper.make_opsetid("", OPSET)] + ([helper.make_opsetid(MS_DOMAIN, 1)] if self.uses_ms else [])
         g = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializer=self.inits)
@@ -526,16 +554,16 @@ def lower_function(module: Module, fname: str) -> onnx.ModelProto:
     for name, v in fn.outputs:
         x = env[id(v)]
         if isinstance(x, Planes):
-            if x.rows is None:
+            if not x.written:
                 continue  # never written by this function
             t = v.type
-            g.op("Identity", x.rows, out=f"{name}.rows")
-            g.op("Identity", x.vals, out=f"{name}.vals")
+            g.output_as(g.concat([sg[1] for sg in x.segs], 0), f"{name}.rows")
+            g.output_as(g.concat([sg[2] for sg in x.segs], 0), f"{name}.vals")
             g.outputs.append(helper.make_tensor_value_info(f"{name}.rows", TensorProto.INT64, [None]))
             g.outputs.append(helper.make_tensor_value_info(f"{name}.vals", ONNX_DTYPES[compute_type(t).dtype],
                                                            [None, *t.shape[1:]]))
         else:
-            g.op("Identity", x, out=name)
+            g.output_as(x, name)
             g.outputs.append(value_info(name, compute_type(v.type)))
     return g.model(doc=f"v4compile function @{fname} of module @{module.name}")
 

@@ -89,12 +89,12 @@ def compress(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) -> tuple[
     rows = g.cached(("closed_rows", w, bt, m, a["block_tokens"], a["envelope_rows"]), lambda: g.where(
         closed, g.block_rows(w, bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True), g.iscalar(-1)))
     rows = g.reshape(g.where(closed, g.op("Add", rows, g.iscalar(a["layer_offset"])), rows), (B * J,))
-    plane = g.write_rows(plane_in, rows, g.reshape(h, (B * J, dk)))
+    plane = g.write_rows(plane_in, rows, g.reshape(h, (B * J, dk)), (B * J, dk))
     onehot, has, srows = ix["onehot"], ix["has"], g.cached(
         ("srows", pos, slot), lambda: g.where(ix["live"], slot, g.iscalar(-1)))
     new_kv = g.where(has, g.op("MatMul", onehot, o.kv), skv)
     new_g = g.where(has, g.op("MatMul", onehot, gate), sg)
-    return plane, g.write_rows(skv_in, srows, new_kv), g.write_rows(sg_in, srows, new_g)
+    return plane, g.write_rows(skv_in, srows, new_kv, (B, S, cw)), g.write_rows(sg_in, srows, new_g, (B, S, cw))
 
 
 def lower_compress_paged(g, o, a, r):
