@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...ir.types import TensorType
-from ..onnx_export import NEG_INF, Planes, RowList
+from ..onnx_export import MS_DOMAIN, NEG_INF, Planes, RowList
 from . import native_only
 
 
@@ -22,7 +22,7 @@ def sparse_attention(g, q: str, qt: TensorType, kv: str, pos: str, sink: str, pa
     B, T, H, d = qt.shape
     rows, masks = [], []
     for rl, base in parts:
-        m = g.cached(("mask", rl.rows), lambda: g.op("GreaterOrEqual", rl.rows, g.iscalar(0)))
+        m = _mask(g, rl)
         rows.append(g.where(m, g.op("Add", rl.rows, g.iscalar(base)), g.iscalar(0)))
         masks.append(m)
     rows, mask = g.concat(rows, 1), g.concat(masks, 1)  # [L, P]
@@ -44,8 +44,41 @@ def sparse_attention(g, q: str, qt: TensorType, kv: str, pos: str, sink: str, pa
     return g.op("Add", out, ext_out)
 
 
+def sparse_attention_one(g, q: str, qt: TensorType, kv: str, pos: str, sink: str, parts: list[tuple[RowList, int]],
+                         plane: Planes, scale: float) -> str:
+    """`sparse_attention` for a one-token chunk (a decode step): the token's own key (the chunk's only one,
+    visible iff the lane is live) joins the pool keys as one more row, so the scores, the masking and the
+    weighted sum are one op each over [pool rows; own key] (`sparse_attention` keeps them apart: ~20 nodes
+    a layer here against ~36). The same softmax; the weighted sum adds the own key's term inside the MatMul
+    rather than after it (a reordered fp32 sum: within the cpu target's logits tolerance)."""
+    B, T, H, d = qt.shape
+    rows = []
+    for rl, base in parts:  # a masked row reads the layer's first row: finite, and weighted 0
+        r0 = g.cached(("rows0", rl.rows), lambda: g.where(_mask(g, rl), rl.rows, g.iscalar(0)))
+        rows.append(g.op("Add", r0, g.iscalar(base)) if base else r0)
+    keys = g.read_rows(plane, g.concat(rows, 1), shape=(B, 1, -1, d))  # [B, 1, P, d]
+    keys = g.concat([keys, g.reshape(kv, (B, 1, 1, d))], 2)  # [B, 1, P + 1, d]
+
+    def mask():
+        live = g.reshape(g.op("GreaterOrEqual", pos, g.iscalar(0)), (B, 1))
+        return g.reshape(g.concat([_mask(g, rl) for rl, _ in parts] + [live], 1), (B, 1, 1, -1))
+    s = g.op("FusedMatMul", q, keys, domain=MS_DOMAIN, transB=1, alpha=scale)  # [B, 1, H, P + 1]
+    s = g.where(g.cached(("mask1", tuple(rl.rows for rl, _ in parts), pos), mask), s, g.scalar(NEG_INF))
+    sinks = g.reshape(sink, (1, 1, H, 1))
+    if B > 1:
+        sinks = g.op("Expand", sinks, g.i64(B, 1, H, 1))
+    probs = g.slice(g.op("Softmax", g.concat([s, sinks], -1), axis=-1), 0, -1, 3)  # the sink's share dropped
+    return g.op("MatMul", probs, keys)
+
+
+def _mask(g, rl: RowList) -> str:
+    return g.cached(("mask", rl.rows), lambda: g.op("GreaterOrEqual", rl.rows, g.iscalar(0)))
+
+
 def lower_sparse_attention(g, o, a, r):
     native_only(a, o)
     parts = [(o.win_indptr, a["win_base"])] + ([(o.comp_indptr, a["comp_base"])] if o.comp_indptr is not None else [])
-    return sparse_attention(g, o.q, o.types["q"], o.kv, g.as_i64(o.pos, o.types["pos"].dtype), o.sink, parts, o.p0,
-                              a["window"], a["scale"])
+    pos = g.as_i64(o.pos, o.types["pos"].dtype)
+    if o.types["q"].shape[1] == 1:
+        return sparse_attention_one(g, o.q, o.types["q"], o.kv, pos, o.sink, parts, o.p0, a["scale"])
+    return sparse_attention(g, o.q, o.types["q"], o.kv, pos, o.sink, parts, o.p0, a["window"], a["scale"])
