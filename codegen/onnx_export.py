@@ -245,32 +245,45 @@ class Graph:
     def rope_tables(self, pos: str, pos_rank: int, extra: int, dim: int, theta: float, yarn: tuple,
                     inverse: bool, width: int | None = None) -> tuple[str, str]:
         """cos / sin `[*pos, 1 * extra, width]` (each pair's value twice) at integer positions, for the last
-        `dim` of `width` channels: the first `width - dim` have frequency 0 (cos 1, sin 0 exactly)."""
+        `dim` of `width` channels: the first `width - dim` have frequency 0 (cos 1, sin 0 exactly). One
+        Sin / Cos per positions and frequencies: the other ranks (q's head axis) are Unsqueezes of them and
+        the inverse's sin their Neg (the same values, so every user shares the one computation)."""
         width = width or dim
+        key = (pos, dim, width, theta, tuple(yarn))
 
-        def make():
+        def base():
             from v4compile.ops.rope import inv_freq
 
             f = np.concatenate([np.zeros(width - dim, np.float32), np.repeat(inv_freq(dim, theta, tuple(yarn)).numpy(), 2)])
             ang = self.op("Mul", self.unsqueeze(self.cast(pos, TensorProto.FLOAT), -1), self.const(f))
-            if extra:
-                ang = self.op("Unsqueeze", ang, self.i64(*range(pos_rank, pos_rank + extra)))
-            sin = self.op("Sin", ang)
-            return self.op("Cos", ang), (self.op("Neg", sin) if inverse else sin)
-        return self.cached(("rope", pos, extra, dim, width, theta, tuple(yarn), inverse), make)
+            return self.op("Cos", ang), self.op("Sin", ang)
+
+        def ranked():
+            cos, sin = self.cached(("rope",) + key, base)
+            if not extra:
+                return cos, sin
+            axes = self.i64(*range(pos_rank, pos_rank + extra))
+            return self.op("Unsqueeze", cos, axes), self.op("Unsqueeze", sin, axes)
+
+        def make():
+            cos, sin = self.cached(("rope", extra) + key, ranked)
+            return cos, (self.op("Neg", sin) if inverse else sin)
+        return self.cached(("rope", extra, inverse) + key, make)
 
     def rotate(self, x: str, xt: TensorType, pos: str, pos_rank: int, dim: int, theta: float, yarn: tuple,
                inverse: bool = False) -> str:
         """Interleaved RoPE on the last `dim` channels, as `ops.rope.rotate`: x * cos + rot_half(x) * sin over
         all D channels, rot_half (pairs (a, b) -> (-b, a)) an exact product with a constant +-1 matrix that
         is zero on the first D - dim channels, where cos is 1 and sin 0: those come out as x + 0 = x, bit
-        for bit (finite x), with no Split / Concat around the rotation (two nodes fewer a call)."""
+        for bit (finite x), with no Split / Concat around the rotation (two nodes fewer a call). The inverse
+        (sin negated) subtracts the product instead: x * cos - r * sin is x * cos + r * (-sin) bit for bit."""
         lead, D = xt.shape[:-1], xt.shape[-1]
-        cos, sin = self.rope_tables(pos, pos_rank, len(lead) - pos_rank, dim, theta, yarn, inverse, D)
+        cos, sin = self.rope_tables(pos, pos_rank, len(lead) - pos_rank, dim, theta, yarn, False, D)
         R = np.zeros((D, D), np.float32)
         for i in range(D - dim, D, 2):
             R[i + 1, i], R[i, i + 1] = -1.0, 1.0
-        return self.op("Add", self.op("Mul", x, cos), self.op("Mul", self.op("MatMul", x, self.const(R)), sin))
+        return self.op("Sub" if inverse else "Add", self.op("Mul", x, cos),
+                       self.op("Mul", self.op("MatMul", x, self.const(R)), sin))
 
     def pow2_scale(self, amax: str, qmax: float, floor: float) -> str:
         """2^ceil(log2(max(amax, floor) / qmax)), exact: the log2 estimate is corrected by one step each way."""
@@ -400,22 +413,28 @@ class Graph:
 
     def window_rows(self, pos: str, slot: str, window: int, slot_rows: int, n_rows: int) -> str:
         """Physical ring row of each position (before the layer's ring offset); pos [B, X], slot [B]."""
-        base = self.op("Sub", self.iscalar(n_rows), self.op("Mul", self.op("Add", slot, self.iscalar(1)),
-                                                            self.iscalar(slot_rows)))
-        return self.op("Add", self.unsqueeze(base, -1), self.op("Mod", pos, self.iscalar(window)))
+        base = self.cached(("slot_rows", slot, slot_rows, n_rows), lambda: self.unsqueeze(self.op(
+            "Sub", self.iscalar(n_rows), self.op("Mul", self.op("Add", slot, self.iscalar(1)), self.iscalar(slot_rows))), -1))
+        return self.op("Add", base, self.op("Mod", pos, self.iscalar(window)))
 
     def block_rows(self, w: str, bt: str, ratio: int, block_tokens: int, envelope_rows: int, n_blocks: int,
-                   per_lane: bool) -> str:
+                   per_lane: bool, lanes: tuple | None = None) -> str:
         """Physical row of window `w` (`ops.paged.compressed_row`): w `[W]` shared by all sequences
-        (-> `[B, W]`) or `[B, ...]` per sequence (`per_lane`)."""
+        (-> `[B, W]`) or `[B, ...]` per sequence (`per_lane`; `lanes`: w's static shape with -1 for at most
+        one dynamic axis, where the caller knows it: constant reshapes, none for `[B, k]`)."""
         return self.cached(("block_rows", w, bt, ratio, block_tokens, envelope_rows, per_lane),
-                           lambda: self._block_rows(w, bt, ratio, block_tokens, envelope_rows, n_blocks, per_lane))
+                           lambda: self._block_rows(w, bt, ratio, block_tokens, envelope_rows, n_blocks, per_lane,
+                                                    lanes))
 
-    def _block_rows(self, w, bt, ratio, block_tokens, envelope_rows, n_blocks, per_lane) -> str:
+    def _block_rows(self, w, bt, ratio, block_tokens, envelope_rows, n_blocks, per_lane, lanes) -> str:
         per_block = block_tokens // ratio
         bi = self.op("Clip", self.op("Div", w, self.iscalar(per_block)), self.iscalar(0), self.iscalar(n_blocks - 1))
         btc = self.cached(("clamp0", bt), lambda: self.clamp_min0(bt))
-        if per_lane:
+        if per_lane and lanes is not None and len(lanes) == 2:
+            blk = self.op("GatherElements", btc, bi, axis=1)
+        elif per_lane and lanes is not None:
+            blk = self.reshape(self.op("GatherElements", btc, self.reshape(bi, (lanes[0], -1)), axis=1), lanes)
+        elif per_lane:
             shape = self.op("Shape", w)
             B = self.op("Shape", bt, start=0, end=1)
             blk = self.op("GatherElements", btc, self.op("Reshape", bi, self.concat([B, self.i64(-1)], 0)), axis=1)
@@ -441,11 +460,14 @@ class Graph:
     def window_write(self, plane: Planes, kv: str, kvt: TensorType, pos: str, slot: str, a: dict) -> Planes:
         B, T, d = kvt.shape
         key = ("winrows", pos, slot, a["window"], a["slot_rows"], a["n_rows"])
+        # a one-token chunk keeps its token iff the lane is live (`ring_lanes` of one lane)
+        lanes = (lambda: self.op("GreaterOrEqual", pos, self.iscalar(0))) if T == 1 else \
+            (lambda: self.ring_lanes(pos, a["window"]))
         base = self.cached(key, lambda: self.reshape(self.where(
-            self.ring_lanes(pos, a["window"]), self.window_rows(pos, slot, a["window"], a["slot_rows"], a["n_rows"]),
+            lanes(), self.window_rows(pos, slot, a["window"], a["slot_rows"], a["n_rows"]),
             self.iscalar(-1)), (B * T,)))
         keep = self.cached(key + ("keep",), lambda: self.op("GreaterOrEqual", base, self.iscalar(0)))
-        rows = self.where(keep, self.op("Add", base, self.iscalar(a["layer_row"])), base)
+        rows = self.where(keep, self.op("Add", base, self.iscalar(a["layer_row"])), base) if a["layer_row"] else base
         return self.write_rows(plane, rows, self.reshape(kv, (B * T, d)), (B * T, d))
 
     # ---- finish --------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ def compress(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) -> tuple[
     elif rnd == "fp4":
         h = g.hadamard_fp4(h, ht, 32)
     rows = g.cached(("closed_rows", w, bt, m, a["block_tokens"], a["envelope_rows"]), lambda: g.where(
-        closed, g.block_rows(w, bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True), g.iscalar(-1)))
+        closed, g.block_rows(w, bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True, (B, J)), g.iscalar(-1)))
     rows = g.reshape(g.where(closed, g.op("Add", rows, g.iscalar(a["layer_offset"])), rows), (B * J,))
     plane = g.write_rows(plane_in, rows, g.reshape(h, (B * J, dk)), (B * J, dk))
     onehot, has, srows = ix["onehot"], ix["has"], g.cached(
@@ -152,7 +152,7 @@ def compress_decode(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) ->
     elif rnd == "fp4":
         h = g.hadamard_fp4(h, ht, 32)
     base = g.cached(("block_rows1", ix["w"], bt, m, a["block_tokens"], a["envelope_rows"]), lambda: g.reshape(
-        g.block_rows(ix["w"], bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True), (B,)))
+        g.block_rows(ix["w"], bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True, (B, 1)), (B,)))
     rows = g.where(ix["closed"], g.op("Add", base, g.iscalar(a["layer_offset"])), g.iscalar(-1))
     srows = g.cached(("srows", pos, slot), lambda: g.where(ix["live"], slot, g.iscalar(-1)))
     return (g.write_rows(plane_in, rows, h, (B, dk)), g.write_rows(skv_in, srows, new_kv, (B, S, cw)),
