@@ -146,6 +146,12 @@ class Graph:
     def iscalar(self, v: int) -> str:
         return self.const(v, np.int64)
 
+    def one_token(self, T: int, what: str) -> bool:
+        """Whether lowering `what` takes its one-token (decode step) form: a chunk of one token a sequence.
+        The forms are exact rewrites of the general lowering for that case (`sparse_attention`'s reorders
+        one fp32 sum), and tests/onnx/test_onnx_decode_lowerings.py holds each against it."""
+        return T == 1
+
     def cached(self, key: tuple, make):
         """One graph value per key: index arithmetic that depends only on the step inputs (positions,
         slots, block tables) is built once and shared by every layer."""
@@ -461,7 +467,7 @@ class Graph:
         B, T, d = kvt.shape
         key = ("winrows", pos, slot, a["window"], a["slot_rows"], a["n_rows"])
         # a one-token chunk keeps its token iff the lane is live (`ring_lanes` of one lane)
-        lanes = (lambda: self.op("GreaterOrEqual", pos, self.iscalar(0))) if T == 1 else \
+        lanes = (lambda: self.op("GreaterOrEqual", pos, self.iscalar(0))) if self.one_token(T, "window_write") else \
             (lambda: self.ring_lanes(pos, a["window"]))
         base = self.cached(key, lambda: self.reshape(self.where(
             lanes(), self.window_rows(pos, slot, a["window"], a["slot_rows"], a["n_rows"]),

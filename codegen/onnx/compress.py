@@ -161,6 +161,6 @@ def compress_decode(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) ->
 
 def lower_compress_paged(g, o, a, r):
     native_only(a, o)
-    one = o.types["kv"].shape[1] == 1 and a["ratio"] >= 2
+    one = g.one_token(o.types["kv"].shape[1], "compress_paged") and a["ratio"] >= 2
     plane, skv, sg = (compress_decode if one else compress)(g, o, a, o.p0, o.state_kv, o.state_gate)
     return skv, sg, plane

@@ -20,7 +20,7 @@ def indexer_rows(g, q: str, qt: TensorType, weights: str, pos: str, bt: str, pla
     # rounds the same product): the scale is the GEMM's alpha
     s = g.op("Relu", g.op("FusedMatMul", q, keys, domain=MS_DOMAIN, transB=1, alpha=q_scale))  # [B, T, H, W]
     s = g.op("Mul", s, g.unsqueeze(g.op("Mul", weights, g.scalar(w_scale)), -1))
-    one = T == 1  # a one-token chunk: [B, W] scores, picks and rows are already the [B * T, .] row list
+    one = g.one_token(T, "indexer_select")  # a one-token chunk: [B, W] scores, picks and rows are already the [B * T, .] row list
     s = g.op("ReduceSum", s, g.i64(1, 2) if one else g.i64(2), keepdims=0)  # [B, W] or [B, T, W]
     lim = limit if one else g.unsqueeze(limit, -1)
     s = g.where(g.op("GreaterOrEqual", w, lim), g.scalar(NEG_INF), s)

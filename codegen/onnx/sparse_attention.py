@@ -79,6 +79,6 @@ def lower_sparse_attention(g, o, a, r):
     native_only(a, o)
     parts = [(o.win_indptr, a["win_base"])] + ([(o.comp_indptr, a["comp_base"])] if o.comp_indptr is not None else [])
     pos = g.as_i64(o.pos, o.types["pos"].dtype)
-    if o.types["q"].shape[1] == 1:
+    if g.one_token(o.types["q"].shape[1], "sparse_attention"):
         return sparse_attention_one(g, o.q, o.types["q"], o.kv, pos, o.sink, parts, o.p0, a["scale"])
     return sparse_attention(g, o.q, o.types["q"], o.kv, pos, o.sink, parts, o.p0, a["window"], a["scale"])
