@@ -58,7 +58,7 @@ DERIVED_KEY = "v4compile.derived"  # model metadata: the derived weight inputs (
 class Planes:
     """A pool plane or state tensor as the step sees it: the input tensor `base` plus the writes made so far
     in this step, in write order (a later row wins): (layer scope, rows int64 [N] (-1 = none), vals
-    [N, *row], vals' static shape or None) each. A reader patches only its own layer's writes
+    [N, *row], vals' static shape or None, kind or None) each. A reader patches only its own layer's writes
     (`Graph.read_rows`); the function's outputs `X.rows` / `X.vals` are all of them concatenated once, at
     the end (`lower_function`), not a Concat per write."""
 
@@ -77,6 +77,10 @@ class RowList:
     padded, so the pair (indptr, indices) of the IR both map to this one object."""
 
     rows: str
+    # where the maker has them at no cost: the mask `rows >= 0` and the rows with an in-range row (weighted
+    # 0 by the reader) in place of each -1, so a reader needs neither a compare nor a Where of its own
+    keep: str | None = None
+    safe: str | None = None
 
 
 @dataclass
@@ -360,15 +364,17 @@ class Graph:
     # ---- mHC ----------------------------------------------------------------------------------
 
     # ---- pool planes ---------------------------------------------------------------------------
-    def read_rows(self, p: Planes, rows: str, n_rows: int | None = None, shape: tuple | None = None) -> str:
+    def read_rows(self, p: Planes, rows: str, n_rows: int | None = None, shape: tuple | None = None,
+                  unseen: tuple = ()) -> str:
         """`plane[rows]` (rows int64 of any shape, >= 0) as this step sees it: the input plane, patched
         with the rows written earlier in the step (a later write wins), shaped rows' shape + the row's;
-        `shape`: the caller's shape for the result instead (one static Reshape)."""
+        `shape`: the caller's shape for the result instead (one static Reshape); `unseen`: kinds of write
+        (`write_rows`) the caller knows its rows never hit, left out of the patch."""
         got = self.op("Gather", p.base, rows, axis=0)  # [*rows, *row]
         # A layer's pool rows (and state) are its own: only that layer's writes can hit its reads, so the
         # [reads x writes] match below is over this layer's writes, not every earlier layer's too.
         key = self.pool_scope()
-        segs = [sg for sg in p.segs if key is None or sg[0] in (key, None)]
+        segs = [sg for sg in p.segs if (key is None or sg[0] in (key, None)) and sg[4] not in unseen]
         if not segs:
             return got if shape is None else self.reshape(got, shape)
         if all(sg[3] is not None and sg[3][0] == 1 for sg in segs):
@@ -393,16 +399,18 @@ class Graph:
         and two Concats). The reads are few there, so a Where over all of them is cheap."""
         row_rank = len(segs[0][3]) - 1
         ru = self.unsqueeze(rows, *range(-row_rank, 0))  # [*rows, 1 * row_rank]
-        for _, w_row, w_val, _ in segs:  # w_row [1] vs ru [*rows, 1 * row_rank]; w_val [1, *row]
+        for _, w_row, w_val, _, _ in segs:  # w_row [1] vs ru [*rows, 1 * row_rank]; w_val [1, *row]
             got = self.where(self.op("Equal", ru, w_row), w_val, got)
         return got
 
-    def write_rows(self, p: Planes, rows: str, vals: str, vals_shape: tuple | None = None) -> Planes:
+    def write_rows(self, p: Planes, rows: str, vals: str, vals_shape: tuple | None = None,
+                   kind: str | None = None) -> Planes:
         """Record `plane[rows] = vals` (rows int64 [N], -1 = skip; vals [N, *row], of static shape
-        `vals_shape` where the caller knows it: a read patches a one-row write with a Where)."""
+        `vals_shape` where the caller knows it: a read patches a one-row write with a Where; `kind`: what
+        the rows are, for a reader that knows it never reads such rows, `read_rows(unseen=)`)."""
         if p.base in self.bf16_planes:
             vals = self.bf16_round(vals)
-        return Planes(p.base, p.segs + ((self.pool_scope(), rows, vals, vals_shape),))
+        return Planes(p.base, p.segs + ((self.pool_scope(), rows, vals, vals_shape, kind),))
 
     def pool_scope(self) -> str | None:
         """The layer the op being lowered belongs to (`layers.3`, `mtp.0`), from its location; None when
@@ -418,9 +426,11 @@ class Graph:
         return self.concat([self.fp8_qdq(head, xt.with_shape(*xt.shape[:-1], dims), block), tail], -1)
 
     def window_rows(self, pos: str, slot: str, window: int, slot_rows: int, n_rows: int) -> str:
-        """Physical ring row of each position (before the layer's ring offset); pos [B, X], slot [B]."""
+        """Physical ring row of each position (before the layer's ring offset); pos [B, X], slot [B]. A
+        padding lane (slot -1) gets slot 0's rows: in range, so a reader may read them masked (weight 0)."""
         base = self.cached(("slot_rows", slot, slot_rows, n_rows), lambda: self.unsqueeze(self.op(
-            "Sub", self.iscalar(n_rows), self.op("Mul", self.op("Add", slot, self.iscalar(1)), self.iscalar(slot_rows))), -1))
+            "Sub", self.iscalar(n_rows), self.op("Mul", self.op("Add", self.cached(("clamp0", slot), lambda: self.clamp_min0(
+                slot)), self.iscalar(1)), self.iscalar(slot_rows))), -1))
         return self.op("Add", base, self.op("Mod", pos, self.iscalar(window)))
 
     def block_rows(self, w: str, bt: str, ratio: int, block_tokens: int, envelope_rows: int, n_blocks: int,
@@ -474,7 +484,7 @@ class Graph:
             self.iscalar(-1)), (B * T,)))
         keep = self.cached(key + ("keep",), lambda: self.op("GreaterOrEqual", base, self.iscalar(0)))
         rows = self.where(keep, self.op("Add", base, self.iscalar(a["layer_row"])), base) if a["layer_row"] else base
-        return self.write_rows(plane, rows, self.reshape(kv, (B * T, d)), (B * T, d))
+        return self.write_rows(plane, rows, self.reshape(kv, (B * T, d)), (B * T, d), "window")
 
     # ---- finish --------------------------------------------------------------------------------
     def output_as(self, x: str, name: str) -> None:

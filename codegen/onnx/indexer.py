@@ -28,8 +28,9 @@ def indexer_rows(g, q: str, qt: TensorType, weights: str, pos: str, bt: str, pla
     vals, idx = g.op("TopK", s, kk, n_out=2, axis=-1, largest=1, sorted=1)
     keep = g.op("Greater", vals, g.scalar(NEG_INF))  # a hidden row's -inf never picked
     rows = g.block_rows(idx, bt, ratio, block_tokens, envelope_rows, n_blocks, True, (B, -1) if one else (B, T, -1))
-    rows = g.where(keep, rows, g.iscalar(-1))
-    return RowList(rows if one else g.reshape(rows, (B * T, -1)))
+    if one:  # a pick's row is in range whether kept or not (a visible window's or a hidden one's)
+        return RowList(g.where(keep, rows, g.iscalar(-1)), keep, rows)
+    return RowList(g.reshape(g.where(keep, rows, g.iscalar(-1)), (B * T, -1)))
 
 
 def lower_indexer_select(g, o, a, r):

@@ -54,9 +54,11 @@ def sparse_attention_one(g, q: str, qt: TensorType, kv: str, pos: str, sink: str
     B, T, H, d = qt.shape
     rows = []
     for rl, base in parts:  # a masked row reads the layer's first row: finite, and weighted 0
-        r0 = g.cached(("rows0", rl.rows), lambda: g.where(_mask(g, rl), rl.rows, g.iscalar(0)))
+        r0 = rl.safe or g.cached(("rows0", rl.rows), lambda: g.where(_mask(g, rl), rl.rows, g.iscalar(0)))
         rows.append(g.op("Add", r0, g.iscalar(base)) if base else r0)
-    keys = g.read_rows(plane, g.concat(rows, 1), shape=(B, 1, -1, d))  # [B, 1, P, d]
+    # the window rows read are the positions before the token (`csr_window`), never the ring row it writes
+    # this step, and the compressed rows lie outside the rings: no window write can hit this read
+    keys = g.read_rows(plane, g.concat(rows, 1), shape=(B, 1, -1, d), unseen=("window",))  # [B, 1, P, d]
     keys = g.concat([keys, g.reshape(kv, (B, 1, 1, d))], 2)  # [B, 1, P + 1, d]
 
     def mask():
@@ -72,7 +74,7 @@ def sparse_attention_one(g, q: str, qt: TensorType, kv: str, pos: str, sink: str
 
 
 def _mask(g, rl: RowList) -> str:
-    return g.cached(("mask", rl.rows), lambda: g.op("GreaterOrEqual", rl.rows, g.iscalar(0)))
+    return rl.keep or g.cached(("mask", rl.rows), lambda: g.op("GreaterOrEqual", rl.rows, g.iscalar(0)))
 
 
 def lower_sparse_attention(g, o, a, r):

@@ -9,7 +9,7 @@ half before position 0) through ten CSA and two HCA closed windows, at batch 1 a
 with a padding lane. `sparse_attention` scoring the token's own key as one more pool row reorders one fp32
 sum: within ATTN_TOL of the general lowering (measured 3.1e-6 at most; logits |x| ~ 4.4). Each kind of fault
 (a wrong ring order, a window row off by one, the indexer's mask off by one, the own key left out, the
-sink's share kept) is caught by the same comparison.
+sink's share kept, this step's compressed row unpatched) is caught by the same comparison.
 """
 
 from __future__ import annotations
@@ -121,9 +121,12 @@ def test_a_wrong_exact_form_is_caught(runs, tmp_path, monkeypatch, fault):
         _same(bad, runs["general"])
 
 
-@pytest.mark.parametrize("fault", ["own_key_hidden", "sink_share_kept"])
+@pytest.mark.parametrize("fault", ["own_key_hidden", "sink_share_kept", "compressed_write_unseen"])
 def test_a_wrong_attention_form_is_caught(runs, tmp_path, monkeypatch, fault):
-    real = Graph.op
+    real, read = Graph.op, Graph.read_rows
+    if fault == "compressed_write_unseen":  # the row a compressor closed this step left unpatched
+        monkeypatch.setattr(Graph, "read_rows", lambda self, p, rows, n_rows=None, shape=None, unseen=(): read(
+            self, p, rows, n_rows, shape, unseen + (None,) if unseen else unseen))
 
     def op(self, op_type, *inputs, **attrs):
         if self.loc.startswith("sparse_attention"):
