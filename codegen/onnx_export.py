@@ -281,17 +281,30 @@ class Graph:
         return self.cached(("rope", extra, inverse) + key, make)
 
     def rotate(self, x: str, xt: TensorType, pos: str, pos_rank: int, dim: int, theta: float, yarn: tuple,
-               inverse: bool = False) -> str:
+               inverse: bool = False, fused: bool = False) -> str:
         """Interleaved RoPE on the last `dim` channels, as `ops.rope.rotate`: x * cos + rot_half(x) * sin over
         all D channels, rot_half (pairs (a, b) -> (-b, a)) an exact product with a constant +-1 matrix that
         is zero on the first D - dim channels, where cos is 1 and sin 0: those come out as x + 0 = x, bit
         for bit (finite x), with no Split / Concat around the rotation (two nodes fewer a call). The inverse
-        (sin negated) subtracts the product instead: x * cos - r * sin is x * cos + r * (-sin) bit for bit."""
+        (sin negated) subtracts the product instead: x * cos - r * sin is x * cos + r * (-sin) bit for bit.
+
+        `fused`, at a single position (a decode step at batch 1, `one_token(1, "rotate")`): one MatMul with
+        the step's rotation matrix diag(cos) + R diag(sin), built once per positions and frequencies, for
+        the four nodes. The first D - dim channels still come out exactly (a column of the identity); a
+        rotated one is x_a cos + x_b sin in one GEMM sum (an FMA may round once where the four nodes round
+        twice: ~1 ulp), so a caller whose result feeds a rounding to a coarse grid (FP4) keeps it off."""
         lead, D = xt.shape[:-1], xt.shape[-1]
-        cos, sin = self.rope_tables(pos, pos_rank, len(lead) - pos_rank, dim, theta, yarn, False, D)
         R = np.zeros((D, D), np.float32)
         for i in range(D - dim, D, 2):
             R[i + 1, i], R[i, i + 1] = -1.0, 1.0
+        if fused and math.prod(lead[:pos_rank]) == 1 and self.one_token(1, "rotate"):
+            def matrix():
+                cos, sin = self.rope_tables(pos, pos_rank, 0, dim, theta, yarn, False, D)  # [1.., D]
+                m = self.op("Sub" if inverse else "Add", self.op("Mul", cos, self.const(np.eye(D, dtype=np.float32))),
+                            self.op("Mul", sin, self.const(R)))
+                return self.reshape(m, (D, D))
+            return self.op("MatMul", x, self.cached(("rope_matrix", pos, dim, D, theta, tuple(yarn), inverse), matrix))
+        cos, sin = self.rope_tables(pos, pos_rank, len(lead) - pos_rank, dim, theta, yarn, False, D)
         return self.op("Sub" if inverse else "Add", self.op("Mul", x, cos),
                        self.op("Mul", self.op("MatMul", x, self.const(R)), sin))
 

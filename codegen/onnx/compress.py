@@ -145,8 +145,8 @@ def compress_decode(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) ->
     # a window not closed pools whatever the ring holds: its row is -1, never written nor read
     h = g.rms(g.sum(g.op("Mul", v, g.op("Softmax", gl, axis=1)), 1), o.norm, a["eps"])  # [B, dk]
     ht = TensorType((B, dk), "fp32")
-    h = g.rotate(h, ht, ix["wpos"], 1, a["rope_dim"], a["theta"], tuple(a["yarn"]))
-    rnd = a.get("round", "none")
+    rnd = a.get("round", "none")  # FP8 rounds the unrotated channels only: a fused rotation keeps them exact
+    h = g.rotate(h, ht, ix["wpos"], 1, a["rope_dim"], a["theta"], tuple(a["yarn"]), fused=rnd != "fp4")
     if rnd == "fp8":
         h = g.fp8_round(h, ht, dk - a["rope_dim"], math.gcd(64, dk - a["rope_dim"]))
     elif rnd == "fp4":

@@ -6,13 +6,17 @@ Exact rewrites: `compress_paged` pooling the updated state ring (`codegen/onnx/c
 `window_write` keeping a live lane's token: a decode artifact built with them gives bit-identical logits to
 one built with the general lowerings, step after step, from position 0 (the first overlapping CSA window,
 half before position 0) through ten CSA and two HCA closed windows, at batch 1 and in a batch-4 bucket
-with a padding lane. `sparse_attention` scoring the token's own key as one more pool row reorders one fp32
-sum: within ATTN_TOL of the general lowering (measured 3.1e-6 at most; logits |x| ~ 4.4). Each kind of fault
-(a wrong ring order, a window row off by one, the indexer's mask off by one, the own key left out, the
-sink's share kept, this step's compressed row unpatched) is caught by the same comparison.
+with a padding lane. Reordered sums: `sparse_attention` scoring the token's own key as one more pool row,
+and at batch 1 `rotate` as one MatMul with the step's rotation matrix (`Graph.rotate(fused=True)`): within
+ATTN_TOL of the general lowerings (measured 3.9e-6 at most, 3.1e-6 from the attention alone; logits |x| ~
+4.4). Each kind of fault (a wrong ring order, a window row off by one, the indexer's mask off by one, the
+own key left out, the sink's share kept, this step's compressed row unpatched, the rotation matrix turning
+the other way) is caught by the same comparison.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -83,7 +87,7 @@ def test_exact_forms_are_bit_identical_to_the_general_lowerings(runs, tmp_path):
     _same(runs["exact"], runs["general"])
 
 
-def test_own_key_as_a_pool_row_is_within_tolerance(runs, tmp_path):
+def test_reordered_forms_are_within_tolerance(runs, tmp_path):
     _same(_run(_build(tmp_path, "all")), runs["exact"], ATTN_TOL)
 
 
@@ -121,9 +125,13 @@ def test_a_wrong_exact_form_is_caught(runs, tmp_path, monkeypatch, fault):
         _same(bad, runs["general"])
 
 
-@pytest.mark.parametrize("fault", ["own_key_hidden", "sink_share_kept", "compressed_write_unseen"])
-def test_a_wrong_attention_form_is_caught(runs, tmp_path, monkeypatch, fault):
-    real, read = Graph.op, Graph.read_rows
+@pytest.mark.parametrize("fault", ["own_key_hidden", "sink_share_kept", "compressed_write_unseen", "rotation_inverted"])
+def test_a_wrong_reordered_form_is_caught(runs, tmp_path, monkeypatch, fault):
+    real, read, rotate = Graph.op, Graph.read_rows, Graph.rotate
+    if fault == "rotation_inverted":  # the fused (one-position) matrix built for the other direction
+        monkeypatch.setattr(Graph, "rotate", lambda self, x, xt, pos, pos_rank, *a, inverse=False, fused=False, **k: rotate(
+            self, x, xt, pos, pos_rank, *a, inverse=inverse ^ (fused and math.prod(xt.shape[:pos_rank]) == 1),
+            fused=fused, **k))
     if fault == "compressed_write_unseen":  # the row a compressor closed this step left unpatched
         monkeypatch.setattr(Graph, "read_rows", lambda self, p, rows, n_rows=None, shape=None, unseen=(): read(
             self, p, rows, n_rows, shape, unseen + (None,) if unseen else unseen))
