@@ -13,7 +13,8 @@ Interface of an exported model (what the runtime binds):
   stores the tensors in `weights/*.safetensors`; the runtime hands them (and the derived ones, built once
   at load) to ONNX Runtime as shared initializers, so the ONNX files hold no weight bytes;
 * outputs: `logits`, and for each updated plane / state tensor `X` the rows the step wrote: `X.rows`
-  (int64 `[N]`, -1 = nothing to write) and `X.vals` (`[N, *row shape]`), in write order (a later row wins).
+  (int64 `[N]`, negative = nothing to write) and `X.vals` (`[N, *row shape]`), in write order (a later row
+  wins).
   The runtime stores them in place into its own buffers.
 
 bf16 (a model traced in bf16): the graphs compute in fp32 (ONNX Runtime's cpu kernels have none in bf16);
@@ -51,13 +52,16 @@ ONNX_DTYPES = {"fp32": TensorProto.FLOAT, "bf16": TensorProto.BFLOAT16, "i32": T
 NP_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.INT64: np.int64, TensorProto.INT32: np.int32,
              TensorProto.BOOL: np.bool_, TensorProto.UINT8: np.uint8}
 NEG_INF = float("-inf")
+# a written row that is no row, so far below 0 that a layer's row offset added to it leaves it negative: one
+# Add offsets a shared row list (a compare and a Where to keep a -1 a -1 otherwise)
+SKIP_ROW = -(1 << 40)
 DERIVED_KEY = "v4compile.derived"  # model metadata: the derived weight inputs (onnx_weights), for the manifest
 
 
 @dataclass(frozen=True)
 class Planes:
     """A pool plane or state tensor as the step sees it: the input tensor `base` plus the writes made so far
-    in this step, in write order (a later row wins): (layer scope, rows int64 [N] (-1 = none), vals
+    in this step, in write order (a later row wins): (layer scope, rows int64 [N] (negative = none), vals
     [N, *row], vals' static shape or None, kind or None) each. A reader patches only its own layer's writes
     (`Graph.read_rows`); the function's outputs `X.rows` / `X.vals` are all of them concatenated once, at
     the end (`lower_function`), not a Concat per write."""
@@ -418,7 +422,7 @@ class Graph:
 
     def write_rows(self, p: Planes, rows: str, vals: str, vals_shape: tuple | None = None,
                    kind: str | None = None) -> Planes:
-        """Record `plane[rows] = vals` (rows int64 [N], -1 = skip; vals [N, *row], of static shape
+        """Record `plane[rows] = vals` (rows int64 [N], negative = skip; vals [N, *row], of static shape
         `vals_shape` where the caller knows it: a read patches a one-row write with a Where; `kind`: what
         the rows are, for a reader that knows it never reads such rows, `read_rows(unseen=)`)."""
         if p.base in self.bf16_planes:
@@ -494,9 +498,8 @@ class Graph:
             (lambda: self.ring_lanes(pos, a["window"]))
         base = self.cached(key, lambda: self.reshape(self.where(
             lanes(), self.window_rows(pos, slot, a["window"], a["slot_rows"], a["n_rows"]),
-            self.iscalar(-1)), (B * T,)))
-        keep = self.cached(key + ("keep",), lambda: self.op("GreaterOrEqual", base, self.iscalar(0)))
-        rows = self.where(keep, self.op("Add", base, self.iscalar(a["layer_row"])), base) if a["layer_row"] else base
+            self.iscalar(SKIP_ROW)), (B * T,)))
+        rows = self.op("Add", base, self.iscalar(a["layer_row"])) if a["layer_row"] else base
         return self.write_rows(plane, rows, self.reshape(kv, (B * T, d)), (B * T, d), "window")
 
     # ---- finish --------------------------------------------------------------------------------

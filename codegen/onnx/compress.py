@@ -8,7 +8,7 @@ import numpy as np
 from onnx import TensorProto
 
 from ...ir.types import TensorType
-from ..onnx_export import NEG_INF, Planes
+from ..onnx_export import NEG_INF, SKIP_ROW, Planes
 from . import native_only
 
 
@@ -142,7 +142,7 @@ def compress_decode(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) ->
     if overlap:
         v = g.op("Gather", g.reshape(new_kv, (B * S * 2, dk)), ix["src"], axis=0)  # [B, S, dk]
         gl = g.op("Add", g.op("Gather", g.reshape(new_g, (B * S * 2, dk)), ix["src"], axis=0), ix["bias"])
-    # a window not closed pools whatever the ring holds: its row is -1, never written nor read
+    # a window not closed pools whatever the ring holds: its row is negative, never written nor read
     h = g.rms(g.sum(g.op("Mul", v, g.op("Softmax", gl, axis=1)), 1), o.norm, a["eps"])  # [B, dk]
     ht = TensorType((B, dk), "fp32")
     rnd = a.get("round", "none")  # FP8 rounds the unrotated channels only: a fused rotation keeps them exact
@@ -151,9 +151,10 @@ def compress_decode(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) ->
         h = g.fp8_round(h, ht, dk - a["rope_dim"], math.gcd(64, dk - a["rope_dim"]))
     elif rnd == "fp4":
         h = g.hadamard_fp4(h, ht, 32)
-    base = g.cached(("block_rows1", ix["w"], bt, m, a["block_tokens"], a["envelope_rows"]), lambda: g.reshape(
-        g.block_rows(ix["w"], bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True, (B, 1)), (B,)))
-    rows = g.where(ix["closed"], g.op("Add", base, g.iscalar(a["layer_offset"])), g.iscalar(-1))
+    base = g.cached(("block_rows1", ix["w"], bt, m, a["block_tokens"], a["envelope_rows"]), lambda: g.where(
+        ix["closed"], g.reshape(g.block_rows(ix["w"], bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True,
+                                             (B, 1)), (B,)), g.iscalar(SKIP_ROW)))
+    rows = g.op("Add", base, g.iscalar(a["layer_offset"]))  # a window not closed: still negative
     srows = g.cached(("srows", pos, slot), lambda: g.where(ix["live"], slot, g.iscalar(-1)))
     return (g.write_rows(plane_in, rows, h, (B, dk)), g.write_rows(skv_in, srows, new_kv, (B, S, cw)),
             g.write_rows(sg_in, srows, new_g, (B, S, cw)))
