@@ -13,8 +13,8 @@ def indexer_rows(g, q: str, qt: TensorType, weights: str, pos: str, bt: str, pla
     B, T, Hi, di = qt.shape
     limit = g.visible_limit(pos, ratio)  # [B, T]; a padding lane (-1): 0, so it sees no row
     w = g.dyn_range(limit, max_rows)  # [W]
-    irow = g.op("Add", g.block_rows(w, bt, ratio, block_tokens, index_envelope_rows, n_blocks, False),
-                   g.iscalar(index_offset))  # [B, W]
+    irow = g.block_rows(w, bt, ratio, block_tokens, index_envelope_rows, n_blocks, False)  # [B, W]
+    irow = g.op("Add", irow, g.iscalar(index_offset)) if index_offset else irow
     keys = g.read_rows(plane, irow, shape=(B, 1, -1, di))  # [B, 1, W, di]
     # relu(q k * q_scale) as relu(q k) * q_scale bit for bit (a positive scale commutes with relu and
     # rounds the same product): the scale is the GEMM's alpha
@@ -27,9 +27,11 @@ def indexer_rows(g, q: str, qt: TensorType, weights: str, pos: str, bt: str, pla
     kk = g.cached(("topk", w, k), lambda: g.op("Min", g.i64(k), g.op("Shape", w)))
     vals, idx = g.op("TopK", s, kk, n_out=2, axis=-1, largest=1, sorted=1)
     keep = g.op("Greater", vals, g.scalar(NEG_INF))  # a hidden row's -inf never picked
-    rows = g.block_rows(idx, bt, ratio, block_tokens, envelope_rows, n_blocks, True, (B, -1) if one else (B, T, -1))
-    if one:  # a pick's row is in range whether kept or not (a visible window's or a hidden one's)
+    if one:  # the picks' rows out of every window's, shared by the layers; in range whether kept or not
+        rows = g.op("GatherElements", g.block_rows(w, bt, ratio, block_tokens, envelope_rows, n_blocks, False), idx,
+                    axis=1)
         return RowList(g.where(keep, rows, g.iscalar(-1)), keep, rows)
+    rows = g.block_rows(idx, bt, ratio, block_tokens, envelope_rows, n_blocks, True, (B, T, -1))
     return RowList(g.reshape(g.where(keep, rows, g.iscalar(-1)), (B * T, -1)))
 
 
