@@ -21,7 +21,7 @@ bf16 (a model traced in bf16): the graphs compute in fp32 (ONNX Runtime's cpu ke
 bf16 weights come in upcast once at load (derived), bf16 planes and state are held in fp32, and every value
 the IR holds in bf16 (an op's result, a row written) is rounded to bf16 (`compute_type`, `Graph.bf16_round`).
 
-No copy of the pool: a write op only records its rows (`Planes.write`); a later reader in the same step
+No copy of the pool: a write op only records its rows (`Graph.write_rows`); a later reader in the same step
 gathers the rows it needs from the input plane and patches those that an earlier write in this step
 replaced (`Graph.read_rows`), so a step costs what it reads, never the pool's capacity.
 """
