@@ -160,6 +160,10 @@ class Graph:
         one fp32 sum), and tests/onnx/test_onnx_decode_lowerings.py holds each against it."""
         return T == 1
 
+    def live(self, pos: str) -> str:
+        """pos >= 0: the lanes (tokens) of the step that are real, not padding; one node per graph."""
+        return self.cached(("live", pos), lambda: self.op("GreaterOrEqual", pos, self.iscalar(0)))
+
     def cached(self, key: tuple, make):
         """One graph value per key: index arithmetic that depends only on the step inputs (positions,
         slots, block tables) is built once and shared by every layer."""
@@ -306,7 +310,7 @@ class Graph:
                 cos, sin = self.rope_tables(pos, pos_rank, 0, dim, theta, yarn, False, D)  # [1.., D]
                 m = self.op("Sub" if inverse else "Add", self.op("Mul", cos, self.const(np.eye(D, dtype=np.float32))),
                             self.op("Mul", sin, self.const(R)))
-                return self.reshape(m, (D, D))
+                return m if pos_rank == 1 else self.reshape(m, (D, D))  # cos [1, D]: m is [D, D] already
             return self.op("MatMul", x, self.cached(("rope_matrix", pos, dim, D, theta, tuple(yarn), inverse), matrix))
         cos, sin = self.rope_tables(pos, pos_rank, len(lead) - pos_rank, dim, theta, yarn, False, D)
         return self.op("Sub" if inverse else "Add", self.op("Mul", x, cos),
@@ -494,7 +498,7 @@ class Graph:
         B, T, d = kvt.shape
         key = ("winrows", pos, slot, a["window"], a["slot_rows"], a["n_rows"])
         # a one-token chunk keeps its token iff the lane is live (`ring_lanes` of one lane)
-        lanes = (lambda: self.op("GreaterOrEqual", pos, self.iscalar(0))) if self.one_token(T, "window_write") else \
+        lanes = (lambda: self.live(pos)) if self.one_token(T, "window_write") else \
             (lambda: self.ring_lanes(pos, a["window"]))
         base = self.cached(key, lambda: self.reshape(self.where(
             lanes(), self.window_rows(pos, slot, a["window"], a["slot_rows"], a["n_rows"]),

@@ -109,10 +109,10 @@ def _decode_index(g, pos: str, m: int, overlap: bool, B: int) -> dict[str, str]:
     w = g.op("Div", pc, g.iscalar(m))
     start = g.op("Sub", pc, mod)  # w * m: the window's RoPE position
     # the ring slot the token enters; C-style Mod (fmod=1) keeps a padding lane's -1 out of every slot
-    has = g.op("Equal", g.op("Mod", g.unsqueeze(pos, -1), g.iscalar(S), fmod=1),
+    has = g.op("Equal", g.op("Mod", g.cached(("pos3", pos), lambda: g.unsqueeze(pos, -1)), g.iscalar(S), fmod=1),
                g.const(np.arange(S).reshape(1, S, 1), np.int64))  # [B, S, 1]
     ix = {"has": has, "wpos": g.reshape(start, (B,)), "closed": g.reshape(closed, (B,)),
-          "w": w, "live": g.reshape(g.op("GreaterOrEqual", pos, g.iscalar(0)), (B,))}
+          "w": w}
     if overlap:  # slot s holds position (w - 1) * m + s: ring slot ((w - 1) * m + s) % S; half A for s < m
         p = g.op("Add", g.op("Sub", start, g.iscalar(m)), g.const(np.arange(S), np.int64))  # [B, S]
         half = np.repeat(np.arange(2), m)[None, :] + 2 * S * np.arange(B)[:, None]  # + each sequence's rows
@@ -156,7 +156,7 @@ def compress_decode(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) ->
         ix["closed"], g.reshape(g.block_rows(ix["w"], bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True,
                                              (B, 1)), (B,)), g.iscalar(SKIP_ROW)))
     rows = g.op("Add", base, g.iscalar(a["layer_offset"]))  # a window not closed: still negative
-    srows = g.cached(("srows", pos, slot), lambda: g.where(ix["live"], slot, g.iscalar(-1)))
+    srows = g.cached(("srows", pos, slot), lambda: g.where(g.reshape(g.live(pos), (B,)), slot, g.iscalar(-1)))
     return (g.write_rows(plane_in, rows, h, (B, dk)), g.write_rows(skv_in, srows, new_kv, (B, S, cw)),
             g.write_rows(sg_in, srows, new_g, (B, S, cw)))
 

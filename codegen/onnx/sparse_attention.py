@@ -62,7 +62,7 @@ def sparse_attention_one(g, q: str, qt: TensorType, kv: str, pos: str, sink: str
     keys = g.concat([keys, g.reshape(kv, (B, 1, 1, d))], 2)  # [B, 1, P + 1, d]
 
     def mask():
-        live = g.reshape(g.op("GreaterOrEqual", pos, g.iscalar(0)), (B, 1))
+        live = g.reshape(g.live(pos), (B, 1))
         return g.reshape(g.concat([_mask(g, rl) for rl, _ in parts] + [live], 1), (B, 1, 1, -1))
     s = g.op("FusedMatMul", q, keys, domain=MS_DOMAIN, transB=1, alpha=scale)  # [B, 1, H, P + 1]
     s = g.where(g.cached(("mask1", tuple(rl.rows for rl, _ in parts), pos), mask), s, g.scalar(NEG_INF))
