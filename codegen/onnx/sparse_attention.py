@@ -58,8 +58,8 @@ def sparse_attention_one(g, q: str, qt: TensorType, kv: str, pos: str, sink: str
         rows.append(g.op("Add", r0, g.iscalar(base)) if base else r0)
     # the window rows read are the positions before the token (`csr_window`), never the ring row it writes
     # this step, and the compressed rows lie outside the rings: no window write can hit this read
-    keys = g.read_rows(plane, g.concat(rows, 1), shape=(B, 1, -1, d), unseen=("window",))  # [B, 1, P, d]
-    keys = g.concat([keys, g.reshape(kv, (B, 1, 1, d))], 2)  # [B, 1, P + 1, d]
+    keys = g.read_rows(plane, g.concat(rows, 1), unseen=("window",))  # [B, P, d]
+    keys = g.reshape(g.concat([keys, kv], 1), (B, 1, -1, d))  # [B, 1, P + 1, d]; kv [B, 1, d]
 
     def mask():
         live = g.reshape(g.live(pos), (B, 1))
