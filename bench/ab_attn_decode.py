@@ -84,11 +84,11 @@ def profile(art: str, steps: int = 16) -> None:
             by_type[e["args"]["op_name"]] += e["dur"]
             by_ir[ir] += e["dur"]
             by_ir_type[(ir, e["args"]["op_name"])] += e["dur"]
-    runs = max(runs - 1, 1)  # the first run (not counted below) is the warm-up; ORT counts all: approx.
-    print(f"profiled us/step {sum(by_type.values()) / (runs + 1):.0f} over {runs + 1} runs")
-    print("by ONNX op:", {k: round(v / (runs + 1)) for k, v in by_type.most_common(16)})
-    print("by IR op:", {k: round(v / (runs + 1)) for k, v in by_ir.most_common(16)})
-    print("by (IR op, ONNX op):", {f"{a}/{b}": round(v / (runs + 1)) for (a, b), v in by_ir_type.most_common(40)})
+    runs = max(runs, 1)  # the decode_b1 session's runs: the decode steps
+    print(f"profiled us/step {sum(by_type.values()) / runs:.0f} over {runs} runs")
+    print("by ONNX op:", {k: round(v / runs) for k, v in by_type.most_common(16)})
+    print("by IR op:", {k: round(v / runs) for k, v in by_ir.most_common(16)})
+    print("by (IR op, ONNX op):", {f"{a}/{b}": round(v / runs) for (a, b), v in by_ir_type.most_common(40)})
 
 
 def ab(art_a: str, art_b: str, rounds: int, steps: int) -> None:
