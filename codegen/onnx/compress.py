@@ -108,11 +108,10 @@ def _decode_index(g, pos: str, m: int, overlap: bool, B: int) -> dict[str, str]:
     closed = g.op("Equal", mod, g.iscalar(m - 1))  # a padding lane: 0, never m - 1
     w = g.op("Div", pc, g.iscalar(m))
     start = g.op("Sub", pc, mod)  # w * m: the window's RoPE position
-    # the ring slot the token enters; C-style Mod (fmod=1) keeps a padding lane's -1 out of every slot
-    has = g.op("Equal", g.op("Mod", g.cached(("pos3", pos), lambda: g.unsqueeze(pos, -1)), g.iscalar(S), fmod=1),
-               g.const(np.arange(S).reshape(1, S, 1), np.int64))  # [B, S, 1]
-    ix = {"has": has, "wpos": g.reshape(start, (B,)), "closed": g.reshape(closed, (B,)),
-          "w": w}
+    # (sequence, ring slot) the token enters, for a ScatterND (a broadcast Where costs ONNX Runtime ~2x as
+    # much); a padding lane's goes to slot 0 of its state copy, which is never written back (its row is -1)
+    at = g.unsqueeze(g.concat([g.const(np.arange(B).reshape(B, 1), np.int64), g.op("Mod", pc, g.iscalar(S))], -1), 1)
+    ix = {"at": at, "wpos": g.reshape(start, (B,)), "closed": g.reshape(closed, (B,)), "w": w}  # at [B, 1, 2]
     if overlap:  # slot s holds position (w - 1) * m + s: ring slot ((w - 1) * m + s) % S; half A for s < m
         p = g.op("Add", g.op("Sub", start, g.iscalar(m)), g.const(np.arange(S), np.int64))  # [B, S]
         half = np.repeat(np.arange(2), m)[None, :] + 2 * S * np.arange(B)[:, None]  # + each sequence's rows
@@ -123,7 +122,7 @@ def _decode_index(g, pos: str, m: int, overlap: bool, B: int) -> dict[str, str]:
 
 
 def compress_decode(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) -> tuple[Planes, Planes, Planes]:
-    """`compress_paged` for a one-token chunk (`_decode_index`): the token enters the ring (one Where a
+    """`compress_paged` for a one-token chunk (`_decode_index`): the token enters the ring (one ScatterND a
     state), the closed windows pool the updated ring; 11-16 nodes a compressor at batch 1 where `compress`
     takes ~32. The same values in the same order as `compress`, so bit-identical results (but for the
     RoPE, which at batch 1 is one MatMul: `Graph.rotate(fused=True)`)."""
@@ -137,8 +136,8 @@ def compress_decode(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) ->
     ix = g.cached(("compress1", pos, m, overlap, B), lambda: _decode_index(g, pos, m, overlap, B))
     gate = g.op("Add", o.gate, g.op("Gather", o.ape, g.memo[("mod", pos, m)], axis=0))  # [B, 1, cw]
     sl = g.cached(("clamp0", slot), lambda: g.clamp_min0(slot))
-    new_kv = g.where(ix["has"], o.kv, g.read_rows(skv_in, sl))  # [B, S, cw]
-    new_g = g.where(ix["has"], gate, g.read_rows(sg_in, sl))
+    new_kv = g.op("ScatterND", g.read_rows(skv_in, sl), ix["at"], o.kv)  # [B, S, cw]
+    new_g = g.op("ScatterND", g.read_rows(sg_in, sl), ix["at"], gate)
     v, gl = new_kv, new_g
     if overlap:
         v = g.op("Gather", g.reshape(new_kv, (B * S * 2, dk)), ix["src"], axis=0)  # [B, S, dk]
