@@ -13,14 +13,15 @@ Interface of an exported model (what the runtime binds):
   stores the tensors in `weights/*.safetensors`; the runtime hands them (and the derived ones, built once
   at load) to ONNX Runtime as shared initializers, so the ONNX files hold no weight bytes;
 * outputs: `logits`, and for each updated plane / state tensor `X` the rows the step wrote: `X.rows`
-  (int64 `[N]`, -1 = nothing to write) and `X.vals` (`[N, *row shape]`), in write order (a later row wins).
+  (int64 `[N]`, negative = nothing to write) and `X.vals` (`[N, *row shape]`), in write order (a later row
+  wins).
   The runtime stores them in place into its own buffers.
 
 bf16 (a model traced in bf16): the graphs compute in fp32 (ONNX Runtime's cpu kernels have none in bf16);
 bf16 weights come in upcast once at load (derived), bf16 planes and state are held in fp32, and every value
 the IR holds in bf16 (an op's result, a row written) is rounded to bf16 (`compute_type`, `Graph.bf16_round`).
 
-No copy of the pool: a write op only records its rows (`Planes.write`); a later reader in the same step
+No copy of the pool: a write op only records its rows (`Graph.write_rows`); a later reader in the same step
 gathers the rows it needs from the input plane and patches those that an earlier write in this step
 replaced (`Graph.read_rows`), so a step costs what it reads, never the pool's capacity.
 """
@@ -51,20 +52,26 @@ ONNX_DTYPES = {"fp32": TensorProto.FLOAT, "bf16": TensorProto.BFLOAT16, "i32": T
 NP_DTYPES = {TensorProto.FLOAT: np.float32, TensorProto.INT64: np.int64, TensorProto.INT32: np.int32,
              TensorProto.BOOL: np.bool_, TensorProto.UINT8: np.uint8}
 NEG_INF = float("-inf")
+# a written row that is no row, so far below 0 that a layer's row offset added to it leaves it negative: one
+# Add offsets a shared row list (a compare and a Where to keep a -1 a -1 otherwise)
+SKIP_ROW = -(1 << 40)
 DERIVED_KEY = "v4compile.derived"  # model metadata: the derived weight inputs (onnx_weights), for the manifest
 
 
 @dataclass(frozen=True)
 class Planes:
-    """A pool plane or state tensor as the step sees it: the input tensor `base` plus the rows written so
-    far in this step (`rows` int64 [N], -1 = none; `vals` [N, *row]) or None before the first write."""
+    """A pool plane or state tensor as the step sees it: the input tensor `base` plus the writes made so far
+    in this step, in write order (a later row wins): (layer scope, rows int64 [N] (negative = none), vals
+    [N, *row], vals' static shape or None, kind or None) each. A reader patches only its own layer's writes
+    (`Graph.read_rows`); the function's outputs `X.rows` / `X.vals` are all of them concatenated once, at
+    the end (`lower_function`), not a Concat per write."""
 
     base: str
-    rows: str | None = None
-    vals: str | None = None
-    # the same writes by writer: (layer scope, rows, vals) each; a reader patches only its own layer's
-    # (`Graph.read_rows`)
     segs: tuple = ()
+
+    @property
+    def written(self) -> bool:
+        return bool(self.segs)
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,10 @@ class RowList:
     padded, so the pair (indptr, indices) of the IR both map to this one object."""
 
     rows: str
+    # where the maker has them at no cost: the mask `rows >= 0` and the rows with an in-range row (weighted
+    # 0 by the reader) in place of each -1, so a reader needs neither a compare nor a Where of its own
+    keep: str | None = None
+    safe: str | None = None
 
 
 @dataclass
@@ -106,6 +117,7 @@ class Graph:
         self.loc = ""
         self.derived: dict[str, dict] = {}  # graph inputs built from stored weights at load (onnx_weights)
         self.bf16_planes: set[str] = set()  # state inputs the IR stores in bf16 (held in fp32 here)
+        self._outs: dict[str, str] = {}  # values renamed to graph outputs (`output_as`): value -> output
 
     # ---- raw construction ----------------------------------------------------------------------
     def fresh(self, hint: str = "t") -> str:
@@ -141,6 +153,16 @@ class Graph:
 
     def iscalar(self, v: int) -> str:
         return self.const(v, np.int64)
+
+    def one_token(self, T: int, what: str) -> bool:
+        """Whether lowering `what` takes its one-token (decode step) form: a chunk of one token a sequence.
+        The forms are exact rewrites of the general lowering for that case (`sparse_attention`'s reorders
+        one fp32 sum), and tests/onnx/test_onnx_decode_lowerings.py holds each against it."""
+        return T == 1
+
+    def live(self, pos: str) -> str:
+        """pos >= 0: the lanes (tokens) of the step that are real, not padding; one node per graph."""
+        return self.cached(("live", pos), lambda: self.op("GreaterOrEqual", pos, self.iscalar(0)))
 
     def cached(self, key: tuple, make):
         """One graph value per key: index arithmetic that depends only on the step inputs (positions,
@@ -241,32 +263,58 @@ class Graph:
     def rope_tables(self, pos: str, pos_rank: int, extra: int, dim: int, theta: float, yarn: tuple,
                     inverse: bool, width: int | None = None) -> tuple[str, str]:
         """cos / sin `[*pos, 1 * extra, width]` (each pair's value twice) at integer positions, for the last
-        `dim` of `width` channels: the first `width - dim` have frequency 0 (cos 1, sin 0 exactly)."""
+        `dim` of `width` channels: the first `width - dim` have frequency 0 (cos 1, sin 0 exactly). One
+        Sin / Cos per positions and frequencies: the other ranks (q's head axis) are Unsqueezes of them and
+        the inverse's sin their Neg (the same values, so every user shares the one computation)."""
         width = width or dim
+        key = (pos, dim, width, theta, tuple(yarn))
 
-        def make():
+        def base():
             from v4compile.ops.rope import inv_freq
 
             f = np.concatenate([np.zeros(width - dim, np.float32), np.repeat(inv_freq(dim, theta, tuple(yarn)).numpy(), 2)])
             ang = self.op("Mul", self.unsqueeze(self.cast(pos, TensorProto.FLOAT), -1), self.const(f))
-            if extra:
-                ang = self.op("Unsqueeze", ang, self.i64(*range(pos_rank, pos_rank + extra)))
-            sin = self.op("Sin", ang)
-            return self.op("Cos", ang), (self.op("Neg", sin) if inverse else sin)
-        return self.cached(("rope", pos, extra, dim, width, theta, tuple(yarn), inverse), make)
+            return self.op("Cos", ang), self.op("Sin", ang)
+
+        def ranked():
+            cos, sin = self.cached(("rope",) + key, base)
+            if not extra:
+                return cos, sin
+            axes = self.i64(*range(pos_rank, pos_rank + extra))
+            return self.op("Unsqueeze", cos, axes), self.op("Unsqueeze", sin, axes)
+
+        def make():
+            cos, sin = self.cached(("rope", extra) + key, ranked)
+            return cos, (self.op("Neg", sin) if inverse else sin)
+        return self.cached(("rope", extra, inverse) + key, make)
 
     def rotate(self, x: str, xt: TensorType, pos: str, pos_rank: int, dim: int, theta: float, yarn: tuple,
-               inverse: bool = False) -> str:
+               inverse: bool = False, fused: bool = False) -> str:
         """Interleaved RoPE on the last `dim` channels, as `ops.rope.rotate`: x * cos + rot_half(x) * sin over
         all D channels, rot_half (pairs (a, b) -> (-b, a)) an exact product with a constant +-1 matrix that
         is zero on the first D - dim channels, where cos is 1 and sin 0: those come out as x + 0 = x, bit
-        for bit (finite x), with no Split / Concat around the rotation (two nodes fewer a call)."""
+        for bit (finite x), with no Split / Concat around the rotation (two nodes fewer a call). The inverse
+        (sin negated) subtracts the product instead: x * cos - r * sin is x * cos + r * (-sin) bit for bit.
+
+        `fused`, at a single position (a decode step at batch 1, `one_token(1, "rotate")`): one MatMul with
+        the step's rotation matrix diag(cos) + R diag(sin), built once per positions and frequencies, for
+        the four nodes. The first D - dim channels still come out exactly (a column of the identity); a
+        rotated one is x_a cos + x_b sin in one GEMM sum (an FMA may round once where the four nodes round
+        twice: ~1 ulp), so a caller whose result feeds a rounding to a coarse grid (FP4) keeps it off."""
         lead, D = xt.shape[:-1], xt.shape[-1]
-        cos, sin = self.rope_tables(pos, pos_rank, len(lead) - pos_rank, dim, theta, yarn, inverse, D)
         R = np.zeros((D, D), np.float32)
         for i in range(D - dim, D, 2):
             R[i + 1, i], R[i, i + 1] = -1.0, 1.0
-        return self.op("Add", self.op("Mul", x, cos), self.op("Mul", self.op("MatMul", x, self.const(R)), sin))
+        if fused and math.prod(lead[:pos_rank]) == 1 and self.one_token(1, "rotate"):
+            def matrix():
+                cos, sin = self.rope_tables(pos, pos_rank, 0, dim, theta, yarn, False, D)  # [1.., D]
+                m = self.op("Sub" if inverse else "Add", self.op("Mul", cos, self.const(np.eye(D, dtype=np.float32))),
+                            self.op("Mul", sin, self.const(R)))
+                return m if pos_rank == 1 else self.reshape(m, (D, D))  # cos [1, D]: m is [D, D] already
+            return self.op("MatMul", x, self.cached(("rope_matrix", pos, dim, D, theta, tuple(yarn), inverse), matrix))
+        cos, sin = self.rope_tables(pos, pos_rank, len(lead) - pos_rank, dim, theta, yarn, False, D)
+        return self.op("Sub" if inverse else "Add", self.op("Mul", x, cos),
+                       self.op("Mul", self.op("MatMul", x, self.const(R)), sin))
 
     def pow2_scale(self, amax: str, qmax: float, floor: float) -> str:
         """2^ceil(log2(max(amax, floor) / qmax)), exact: the log2 estimate is corrected by one step each way."""
@@ -337,23 +385,24 @@ class Graph:
     # ---- mHC ----------------------------------------------------------------------------------
 
     # ---- pool planes ---------------------------------------------------------------------------
-    def read_rows(self, p: Planes, rows: str, n_rows: int | None = None, shape: tuple | None = None) -> str:
+    def read_rows(self, p: Planes, rows: str, n_rows: int | None = None, shape: tuple | None = None,
+                  unseen: tuple = ()) -> str:
         """`plane[rows]` (rows int64 of any shape, >= 0) as this step sees it: the input plane, patched
         with the rows written earlier in the step (a later write wins), shaped rows' shape + the row's;
-        `shape`: the caller's shape for the result instead (one static Reshape)."""
-        if p.rows is None:
-            got = self.op("Gather", p.base, rows, axis=0)
-            return got if shape is None else self.reshape(got, shape)
+        `shape`: the caller's shape for the result instead (one static Reshape); `unseen`: kinds of write
+        (`write_rows`) the caller knows its rows never hit, left out of the patch."""
+        got = self.op("Gather", p.base, rows, axis=0)  # [*rows, *row]
         # A layer's pool rows (and state) are its own: only that layer's writes can hit its reads, so the
         # [reads x writes] match below is over this layer's writes, not every earlier layer's too.
         key = self.pool_scope()
-        segs = [sg for sg in p.segs if key is None or sg[0] in (key, None)]
+        segs = [sg for sg in p.segs if (key is None or sg[0] in (key, None)) and sg[4] not in unseen]
         if not segs:
-            got = self.op("Gather", p.base, rows, axis=0)
             return got if shape is None else self.reshape(got, shape)
+        if all(sg[3] is not None and sg[3][0] == 1 for sg in segs):
+            out = self._patch_single_rows(got, rows, segs)
+            return out if shape is None else self.reshape(out, shape)
         w_rows = self.concat([sg[1] for sg in segs], 0)
         w_vals = self.concat([sg[2] for sg in segs], 0)
-        got = self.op("Gather", p.base, rows, axis=0)  # [*rows, *row]
         # hit[..., w]: the read row is write w's (a skipped write's -1 never is); kept in rows' own shape, so
         # the patched rows come out in the reader's shape with no flattening or reshaping back
         hit = self.cast(self.op("Equal", self.unsqueeze(rows, -1), w_rows), TensorProto.INT32)  # [*rows, W]
@@ -365,14 +414,24 @@ class Graph:
         out = self.op("ScatterND", got, at, new)
         return out if shape is None else self.reshape(out, shape)
 
-    def write_rows(self, p: Planes, rows: str, vals: str) -> Planes:
-        """Record `plane[rows] = vals` (rows int64 [N], -1 = skip; vals [N, *row])."""
+    def _patch_single_rows(self, got: str, rows: str, segs: list) -> str:
+        """The patch when every write is one row (a decode step at batch 1): one Where per write, in write
+        order, so a later write of a row wins; 2 nodes a write and one Unsqueeze (the general match takes 10
+        and two Concats). The reads are few there, so a Where over all of them is cheap."""
+        row_rank = len(segs[0][3]) - 1
+        ru = self.unsqueeze(rows, *range(-row_rank, 0))  # [*rows, 1 * row_rank]
+        for _, w_row, w_val, _, _ in segs:  # w_row [1] vs ru [*rows, 1 * row_rank]; w_val [1, *row]
+            got = self.where(self.op("Equal", ru, w_row), w_val, got)
+        return got
+
+    def write_rows(self, p: Planes, rows: str, vals: str, vals_shape: tuple | None = None,
+                   kind: str | None = None) -> Planes:
+        """Record `plane[rows] = vals` (rows int64 [N], negative = skip; vals [N, *row], of static shape
+        `vals_shape` where the caller knows it: a read patches a one-row write with a Where; `kind`: what
+        the rows are, for a reader that knows it never reads such rows, `read_rows(unseen=)`)."""
         if p.base in self.bf16_planes:
             vals = self.bf16_round(vals)
-        seg = ((self.pool_scope(), rows, vals),)
-        if p.rows is None:
-            return Planes(p.base, rows, vals, seg)
-        return Planes(p.base, self.concat([p.rows, rows], 0), self.concat([p.vals, vals], 0), p.segs + seg)
+        return Planes(p.base, p.segs + ((self.pool_scope(), rows, vals, vals_shape, kind),))
 
     def pool_scope(self) -> str | None:
         """The layer the op being lowered belongs to (`layers.3`, `mtp.0`), from its location; None when
@@ -388,23 +447,31 @@ class Graph:
         return self.concat([self.fp8_qdq(head, xt.with_shape(*xt.shape[:-1], dims), block), tail], -1)
 
     def window_rows(self, pos: str, slot: str, window: int, slot_rows: int, n_rows: int) -> str:
-        """Physical ring row of each position (before the layer's ring offset); pos [B, X], slot [B]."""
-        base = self.op("Sub", self.iscalar(n_rows), self.op("Mul", self.op("Add", slot, self.iscalar(1)),
-                                                            self.iscalar(slot_rows)))
-        return self.op("Add", self.unsqueeze(base, -1), self.op("Mod", pos, self.iscalar(window)))
+        """Physical ring row of each position (before the layer's ring offset); pos [B, X], slot [B]. A
+        padding lane (slot -1) gets slot 0's rows: in range, so a reader may read them masked (weight 0)."""
+        base = self.cached(("slot_rows", slot, slot_rows, n_rows), lambda: self.unsqueeze(self.op(
+            "Sub", self.iscalar(n_rows), self.op("Mul", self.op("Add", self.cached(("clamp0", slot), lambda: self.clamp_min0(
+                slot)), self.iscalar(1)), self.iscalar(slot_rows))), -1))
+        return self.op("Add", base, self.op("Mod", pos, self.iscalar(window)))
 
     def block_rows(self, w: str, bt: str, ratio: int, block_tokens: int, envelope_rows: int, n_blocks: int,
-                   per_lane: bool) -> str:
+                   per_lane: bool, lanes: tuple | None = None) -> str:
         """Physical row of window `w` (`ops.paged.compressed_row`): w `[W]` shared by all sequences
-        (-> `[B, W]`) or `[B, ...]` per sequence (`per_lane`)."""
+        (-> `[B, W]`) or `[B, ...]` per sequence (`per_lane`; `lanes`: w's static shape with -1 for at most
+        one dynamic axis, where the caller knows it: constant reshapes, none for `[B, k]`)."""
         return self.cached(("block_rows", w, bt, ratio, block_tokens, envelope_rows, per_lane),
-                           lambda: self._block_rows(w, bt, ratio, block_tokens, envelope_rows, n_blocks, per_lane))
+                           lambda: self._block_rows(w, bt, ratio, block_tokens, envelope_rows, n_blocks, per_lane,
+                                                    lanes))
 
-    def _block_rows(self, w, bt, ratio, block_tokens, envelope_rows, n_blocks, per_lane) -> str:
+    def _block_rows(self, w, bt, ratio, block_tokens, envelope_rows, n_blocks, per_lane, lanes) -> str:
         per_block = block_tokens // ratio
         bi = self.op("Clip", self.op("Div", w, self.iscalar(per_block)), self.iscalar(0), self.iscalar(n_blocks - 1))
         btc = self.cached(("clamp0", bt), lambda: self.clamp_min0(bt))
-        if per_lane:
+        if per_lane and lanes is not None and len(lanes) == 2:
+            blk = self.op("GatherElements", btc, bi, axis=1)
+        elif per_lane and lanes is not None:
+            blk = self.reshape(self.op("GatherElements", btc, self.reshape(bi, (lanes[0], -1)), axis=1), lanes)
+        elif per_lane:
             shape = self.op("Shape", w)
             B = self.op("Shape", bt, start=0, end=1)
             blk = self.op("GatherElements", btc, self.op("Reshape", bi, self.concat([B, self.i64(-1)], 0)), axis=1)
@@ -430,14 +497,33 @@ class Graph:
     def window_write(self, plane: Planes, kv: str, kvt: TensorType, pos: str, slot: str, a: dict) -> Planes:
         B, T, d = kvt.shape
         key = ("winrows", pos, slot, a["window"], a["slot_rows"], a["n_rows"])
+        # a one-token chunk keeps its token iff the lane is live (`ring_lanes` of one lane)
+        lanes = (lambda: self.live(pos)) if self.one_token(T, "window_write") else \
+            (lambda: self.ring_lanes(pos, a["window"]))
         base = self.cached(key, lambda: self.reshape(self.where(
-            self.ring_lanes(pos, a["window"]), self.window_rows(pos, slot, a["window"], a["slot_rows"], a["n_rows"]),
-            self.iscalar(-1)), (B * T,)))
-        keep = self.cached(key + ("keep",), lambda: self.op("GreaterOrEqual", base, self.iscalar(0)))
-        rows = self.where(keep, self.op("Add", base, self.iscalar(a["layer_row"])), base)
-        return self.write_rows(plane, rows, self.reshape(kv, (B * T, d)))
+            lanes(), self.window_rows(pos, slot, a["window"], a["slot_rows"], a["n_rows"]),
+            self.iscalar(SKIP_ROW)), (B * T,)))
+        rows = self.op("Add", base, self.iscalar(a["layer_row"])) if a["layer_row"] else base
+        return self.write_rows(plane, rows, self.reshape(kv, (B * T, d)), (B * T, d), "window")
 
     # ---- finish --------------------------------------------------------------------------------
+    def output_as(self, x: str, name: str) -> None:
+        """Graph output `name` holding value `x`: the node that makes `x` renamed to make `name` (an
+        Identity costs ONNX Runtime a node a step: it keeps those that write a graph output); an Identity
+        where `x` is no node's own (a graph input, a constant, a value already output under a name)."""
+        if x in self._outs:  # already an output: it goes by that name now
+            self.op("Identity", self._outs[x], out=name)
+            return
+        prod = next((n for n in reversed(self.nodes) if x in n.output), None)
+        if prod is None:
+            self.op("Identity", x, out=name)
+            return
+        prod.output[:] = [name if o == x else o for o in prod.output]
+        for n in self.nodes:
+            if x in n.input:
+                n.input[:] = [name if i == x else i for i in n.input]
+        self._outs[x] = name
+
     def model(self, doc: str = "") -> onnx.ModelProto:
         opsets = [helper.make_opsetid("", OPSET)] + ([helper.make_opsetid(MS_DOMAIN, 1)] if self.uses_ms else [])
         g = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializer=self.inits)
@@ -526,16 +612,16 @@ def lower_function(module: Module, fname: str) -> onnx.ModelProto:
     for name, v in fn.outputs:
         x = env[id(v)]
         if isinstance(x, Planes):
-            if x.rows is None:
+            if not x.written:
                 continue  # never written by this function
             t = v.type
-            g.op("Identity", x.rows, out=f"{name}.rows")
-            g.op("Identity", x.vals, out=f"{name}.vals")
+            g.output_as(g.concat([sg[1] for sg in x.segs], 0), f"{name}.rows")
+            g.output_as(g.concat([sg[2] for sg in x.segs], 0), f"{name}.vals")
             g.outputs.append(helper.make_tensor_value_info(f"{name}.rows", TensorProto.INT64, [None]))
             g.outputs.append(helper.make_tensor_value_info(f"{name}.vals", ONNX_DTYPES[compute_type(t).dtype],
                                                            [None, *t.shape[1:]]))
         else:
-            g.op("Identity", x, out=name)
+            g.output_as(x, name)
             g.outputs.append(value_info(name, compute_type(v.type)))
     return g.model(doc=f"v4compile function @{fname} of module @{module.name}")
 

@@ -8,7 +8,7 @@ import numpy as np
 from onnx import TensorProto
 
 from ...ir.types import TensorType
-from ..onnx_export import NEG_INF, Planes
+from ..onnx_export import NEG_INF, SKIP_ROW, Planes
 from . import native_only
 
 
@@ -87,17 +87,81 @@ def compress(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) -> tuple[
     elif rnd == "fp4":
         h = g.hadamard_fp4(h, ht, 32)
     rows = g.cached(("closed_rows", w, bt, m, a["block_tokens"], a["envelope_rows"]), lambda: g.where(
-        closed, g.block_rows(w, bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True), g.iscalar(-1)))
+        closed, g.block_rows(w, bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True, (B, J)), g.iscalar(-1)))
     rows = g.reshape(g.where(closed, g.op("Add", rows, g.iscalar(a["layer_offset"])), rows), (B * J,))
-    plane = g.write_rows(plane_in, rows, g.reshape(h, (B * J, dk)))
+    plane = g.write_rows(plane_in, rows, g.reshape(h, (B * J, dk)), (B * J, dk))
     onehot, has, srows = ix["onehot"], ix["has"], g.cached(
         ("srows", pos, slot), lambda: g.where(ix["live"], slot, g.iscalar(-1)))
     new_kv = g.where(has, g.op("MatMul", onehot, o.kv), skv)
     new_g = g.where(has, g.op("MatMul", onehot, gate), sg)
-    return plane, g.write_rows(skv_in, srows, new_kv), g.write_rows(sg_in, srows, new_g)
+    return plane, g.write_rows(skv_in, srows, new_kv, (B, S, cw)), g.write_rows(sg_in, srows, new_g, (B, S, cw))
+
+
+def _decode_index(g, pos: str, m: int, overlap: bool, B: int) -> dict[str, str]:
+    """The chunk is one token a sequence (a decode step, m >= 2): it closes window w = p // m when p % m is
+    m - 1, and enters the state ring at slot p % S. The closed window's tokens are then exactly the ring
+    after this token went in (the last S positions), so `compress_decode` pools the updated ring: no lane
+    / fill table. Shared by every compressor with this ratio."""
+    S = (2 if overlap else 1) * m
+    pc = g.cached(("clamp0", pos), lambda: g.clamp_min0(pos))  # [B, 1]; a padding lane (-1) as position 0
+    mod = g.cached(("mod", pos, m), lambda: g.op("Mod", pc, g.iscalar(m)))
+    closed = g.op("Equal", mod, g.iscalar(m - 1))  # a padding lane: 0, never m - 1
+    w = g.op("Div", pc, g.iscalar(m))
+    start = g.op("Sub", pc, mod)  # w * m: the window's RoPE position
+    # (sequence, ring slot) the token enters, for a ScatterND (a broadcast Where costs ONNX Runtime ~2x as
+    # much); a padding lane's goes to slot 0 of its state copy, which is never written back (its row is -1)
+    at = g.unsqueeze(g.concat([g.const(np.arange(B).reshape(B, 1), np.int64), g.op("Mod", pc, g.iscalar(S))], -1), 1)
+    ix = {"at": at, "wpos": g.reshape(start, (B,)), "closed": g.reshape(closed, (B,)), "w": w}  # at [B, 1, 2]
+    if overlap:  # slot s holds position (w - 1) * m + s: ring slot ((w - 1) * m + s) % S; half A for s < m
+        p = g.op("Add", g.op("Sub", start, g.iscalar(m)), g.const(np.arange(S), np.int64))  # [B, S]
+        half = np.repeat(np.arange(2), m)[None, :] + 2 * S * np.arange(B)[:, None]  # + each sequence's rows
+        ix["src"] = g.op("Add", g.op("Mul", g.op("Mod", p, g.iscalar(S)), g.iscalar(2)), g.const(half, np.int64))
+        # a slot before position 0 (the first window) weighs 0: its gate -inf (its stale value then adds 0)
+        ix["bias"] = g.unsqueeze(g.where(g.op("GreaterOrEqual", p, g.iscalar(0)), g.scalar(0.0), g.scalar(NEG_INF)), -1)
+    return ix
+
+
+def compress_decode(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) -> tuple[Planes, Planes, Planes]:
+    """`compress_paged` for a one-token chunk (`_decode_index`): the token enters the ring (one ScatterND a
+    state), the closed windows pool the updated ring; 11-16 nodes a compressor at batch 1 where `compress`
+    takes ~32. The same values in the same order as `compress`, so bit-identical results (but for the
+    RoPE, which at batch 1 is one MatMul: `Graph.rotate(fused=True)`)."""
+    B, T, cw = o.types["kv"].shape
+    m, overlap = a["ratio"], a["overlap"]
+    S, dk = (2 if overlap else 1) * m, cw // (2 if overlap else 1)
+    pos = g.as_i64(o.pos, o.types["pos"].dtype)
+    slot = g.as_i64(o.slot, o.types["slot"].dtype)
+    bt = g.as_i64(o.block_table, o.types["block_table"].dtype)
+    n_blocks = o.types["block_table"].shape[1]
+    ix = g.cached(("compress1", pos, m, overlap, B), lambda: _decode_index(g, pos, m, overlap, B))
+    gate = g.op("Add", o.gate, g.op("Gather", o.ape, g.memo[("mod", pos, m)], axis=0))  # [B, 1, cw]
+    sl = g.cached(("clamp0", slot), lambda: g.clamp_min0(slot))
+    new_kv = g.op("ScatterND", g.read_rows(skv_in, sl), ix["at"], o.kv)  # [B, S, cw]
+    new_g = g.op("ScatterND", g.read_rows(sg_in, sl), ix["at"], gate)
+    v, gl = new_kv, new_g
+    if overlap:
+        v = g.op("Gather", g.reshape(new_kv, (B * S * 2, dk)), ix["src"], axis=0)  # [B, S, dk]
+        gl = g.op("Add", g.op("Gather", g.reshape(new_g, (B * S * 2, dk)), ix["src"], axis=0), ix["bias"])
+    # a window not closed pools whatever the ring holds: its row is negative, never written nor read
+    h = g.rms(g.sum(g.op("Mul", v, g.op("Softmax", gl, axis=1)), 1), o.norm, a["eps"])  # [B, dk]
+    ht = TensorType((B, dk), "fp32")
+    rnd = a.get("round", "none")  # FP8 rounds the unrotated channels only: a fused rotation keeps them exact
+    h = g.rotate(h, ht, ix["wpos"], 1, a["rope_dim"], a["theta"], tuple(a["yarn"]), fused=rnd != "fp4")
+    if rnd == "fp8":
+        h = g.fp8_round(h, ht, dk - a["rope_dim"], math.gcd(64, dk - a["rope_dim"]))
+    elif rnd == "fp4":
+        h = g.hadamard_fp4(h, ht, 32)
+    base = g.cached(("block_rows1", ix["w"], bt, m, a["block_tokens"], a["envelope_rows"]), lambda: g.where(
+        ix["closed"], g.reshape(g.block_rows(ix["w"], bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True,
+                                             (B, 1)), (B,)), g.iscalar(SKIP_ROW)))
+    rows = g.op("Add", base, g.iscalar(a["layer_offset"]))  # a window not closed: still negative
+    srows = g.cached(("srows", pos, slot), lambda: g.where(g.reshape(g.live(pos), (B,)), slot, g.iscalar(-1)))
+    return (g.write_rows(plane_in, rows, h, (B, dk)), g.write_rows(skv_in, srows, new_kv, (B, S, cw)),
+            g.write_rows(sg_in, srows, new_g, (B, S, cw)))
 
 
 def lower_compress_paged(g, o, a, r):
     native_only(a, o)
-    plane, skv, sg = compress(g, o, a, o.p0, o.state_kv, o.state_gate)
+    one = g.one_token(o.types["kv"].shape[1], "compress_paged") and a["ratio"] >= 2
+    plane, skv, sg = (compress_decode if one else compress)(g, o, a, o.p0, o.state_kv, o.state_gate)
     return skv, sg, plane

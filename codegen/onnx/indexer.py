@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...ir.types import TensorType
-from ..onnx_export import NEG_INF, Planes, RowList
+from ..onnx_export import MS_DOMAIN, NEG_INF, Planes, RowList
 
 
 def indexer_rows(g, q: str, qt: TensorType, weights: str, pos: str, bt: str, plane: Planes, *, ratio: int,
@@ -11,21 +11,27 @@ def indexer_rows(g, q: str, qt: TensorType, weights: str, pos: str, bt: str, pla
                  index_offset: int, envelope_rows: int, max_rows: int, n_blocks: int) -> RowList:
     """Indexer scores over the index plane, top-k, picks translated to main-pool rows (`indexer_select`)."""
     B, T, Hi, di = qt.shape
-    limit = g.visible_limit(pos, ratio)  # [B, T]
+    limit = g.visible_limit(pos, ratio)  # [B, T]; a padding lane (-1): 0, so it sees no row
     w = g.dyn_range(limit, max_rows)  # [W]
-    irow = g.op("Add", g.block_rows(w, bt, ratio, block_tokens, index_envelope_rows, n_blocks, False),
-                   g.iscalar(index_offset))  # [B, W]
+    irow = g.block_rows(w, bt, ratio, block_tokens, index_envelope_rows, n_blocks, False)  # [B, W]
+    irow = g.op("Add", irow, g.iscalar(index_offset)) if index_offset else irow
     keys = g.read_rows(plane, irow, shape=(B, 1, -1, di))  # [B, 1, W, di]
-    s = g.op("Mul", g.op("Relu", g.matmul_t(q, keys)), g.scalar(q_scale))  # [B, T, H, W]
-    s = g.sum(g.op("Mul", s, g.unsqueeze(g.op("Mul", weights, g.scalar(w_scale)), -1)), 2)
-    hide = g.op("Or", g.op("GreaterOrEqual", w, g.unsqueeze(limit, -1)),
-                   g.unsqueeze(g.op("Less", pos, g.iscalar(0)), -1))
-    s = g.where(hide, g.scalar(NEG_INF), s)
-    kk = g.op("Min", g.i64(k), g.op("Shape", w))
+    # relu(q k * q_scale) as relu(q k) * q_scale bit for bit (a positive scale commutes with relu and
+    # rounds the same product): the scale is the GEMM's alpha
+    s = g.op("Relu", g.op("FusedMatMul", q, keys, domain=MS_DOMAIN, transB=1, alpha=q_scale))  # [B, T, H, W]
+    s = g.op("Mul", s, g.unsqueeze(g.op("Mul", weights, g.scalar(w_scale)), -1))
+    one = g.one_token(T, "indexer_select")  # a one-token chunk: [B, W] scores, picks and rows are already the [B * T, .] row list
+    s = g.op("ReduceSum", s, g.i64(1, 2) if one else g.i64(2), keepdims=0)  # [B, W] or [B, T, W]
+    lim = limit if one else g.unsqueeze(limit, -1)
+    s = g.where(g.op("GreaterOrEqual", w, lim), g.scalar(NEG_INF), s)
+    kk = g.cached(("topk", w, k), lambda: g.op("Min", g.i64(k), g.op("Shape", w)))
     vals, idx = g.op("TopK", s, kk, n_out=2, axis=-1, largest=1, sorted=1)
-    keep = g.op("And", g.op("Not", g.op("IsInf", vals, detect_positive=0)),
-                   g.unsqueeze(g.op("GreaterOrEqual", pos, g.iscalar(0)), -1))
-    rows = g.block_rows(idx, bt, ratio, block_tokens, envelope_rows, n_blocks, True)
+    keep = g.op("Greater", vals, g.scalar(NEG_INF))  # a hidden row's -inf never picked
+    if one:  # the picks' rows out of every window's, shared by the layers; in range whether kept or not
+        rows = g.op("GatherElements", g.block_rows(w, bt, ratio, block_tokens, envelope_rows, n_blocks, False), idx,
+                    axis=1)
+        return RowList(g.where(keep, rows, g.iscalar(-1)), keep, rows)
+    rows = g.block_rows(idx, bt, ratio, block_tokens, envelope_rows, n_blocks, True, (B, T, -1))
     return RowList(g.reshape(g.where(keep, rows, g.iscalar(-1)), (B * T, -1)))
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...ir.types import TensorType
-from ..onnx_export import NEG_INF, Planes, RowList
+from ..onnx_export import MS_DOMAIN, NEG_INF, Planes, RowList
 from . import native_only
 
 
@@ -22,7 +22,7 @@ def sparse_attention(g, q: str, qt: TensorType, kv: str, pos: str, sink: str, pa
     B, T, H, d = qt.shape
     rows, masks = [], []
     for rl, base in parts:
-        m = g.cached(("mask", rl.rows), lambda: g.op("GreaterOrEqual", rl.rows, g.iscalar(0)))
+        m = _mask(g, rl)
         rows.append(g.where(m, g.op("Add", rl.rows, g.iscalar(base)), g.iscalar(0)))
         masks.append(m)
     rows, mask = g.concat(rows, 1), g.concat(masks, 1)  # [L, P]
@@ -44,8 +44,43 @@ def sparse_attention(g, q: str, qt: TensorType, kv: str, pos: str, sink: str, pa
     return g.op("Add", out, ext_out)
 
 
+def sparse_attention_one(g, q: str, qt: TensorType, kv: str, pos: str, sink: str, parts: list[tuple[RowList, int]],
+                         plane: Planes, scale: float) -> str:
+    """`sparse_attention` for a one-token chunk (a decode step): the token's own key (the chunk's only one,
+    visible iff the lane is live) joins the pool keys as one more row, so the scores, the masking and the
+    weighted sum are one op each over [pool rows; own key] (`sparse_attention` keeps them apart: ~20 nodes
+    a layer here against ~36). The same softmax; the weighted sum adds the own key's term inside the MatMul
+    rather than after it (a reordered fp32 sum: within the cpu target's logits tolerance)."""
+    B, T, H, d = qt.shape
+    rows = []
+    for rl, base in parts:  # a masked row reads the layer's first row: finite, and weighted 0
+        r0 = rl.safe or g.cached(("rows0", rl.rows), lambda: g.where(_mask(g, rl), rl.rows, g.iscalar(0)))
+        rows.append(g.op("Add", r0, g.iscalar(base)) if base else r0)
+    # the window rows read are the positions before the token (`csr_window`), never the ring row it writes
+    # this step, and the compressed rows lie outside the rings: no window write can hit this read
+    keys = g.read_rows(plane, g.concat(rows, 1), unseen=("window",))  # [B, P, d]
+    keys = g.reshape(g.concat([keys, kv], 1), (B, 1, -1, d))  # [B, 1, P + 1, d]; kv [B, 1, d]
+
+    def mask():
+        live = g.reshape(g.live(pos), (B, 1))
+        return g.reshape(g.concat([_mask(g, rl) for rl, _ in parts] + [live], 1), (B, 1, 1, -1))
+    s = g.op("FusedMatMul", q, keys, domain=MS_DOMAIN, transB=1, alpha=scale)  # [B, 1, H, P + 1]
+    s = g.where(g.cached(("mask1", tuple(rl.rows for rl, _ in parts), pos), mask), s, g.scalar(NEG_INF))
+    sinks = g.reshape(sink, (1, 1, H, 1))
+    if B > 1:
+        sinks = g.op("Expand", sinks, g.i64(B, 1, H, 1))
+    probs = g.slice(g.op("Softmax", g.concat([s, sinks], -1), axis=-1), 0, -1, 3)  # the sink's share dropped
+    return g.op("MatMul", probs, keys)
+
+
+def _mask(g, rl: RowList) -> str:
+    return rl.keep or g.cached(("mask", rl.rows), lambda: g.op("GreaterOrEqual", rl.rows, g.iscalar(0)))
+
+
 def lower_sparse_attention(g, o, a, r):
     native_only(a, o)
     parts = [(o.win_indptr, a["win_base"])] + ([(o.comp_indptr, a["comp_base"])] if o.comp_indptr is not None else [])
-    return sparse_attention(g, o.q, o.types["q"], o.kv, g.as_i64(o.pos, o.types["pos"].dtype), o.sink, parts, o.p0,
-                              a["window"], a["scale"])
+    pos = g.as_i64(o.pos, o.types["pos"].dtype)
+    if g.one_token(o.types["q"].shape[1], "sparse_attention"):
+        return sparse_attention_one(g, o.q, o.types["q"], o.kv, pos, o.sink, parts, o.p0, a["scale"])
+    return sparse_attention(g, o.q, o.types["q"], o.kv, pos, o.sink, parts, o.p0, a["window"], a["scale"])

@@ -78,3 +78,57 @@ def test_patch_faults_are_caught(fault):
 
     with pytest.raises(AssertionError):
         _check(Broken)
+
+
+def _check_single_row_writes(graph=Graph, row=(WIDTH,)):
+    """plane [16, *row]; three one-row writes (rows 9, 5, 9: the last wins; a -1 skipped one) declared with
+    their static shapes, so the read takes the per-write Where patch; then a read of rows r [2, 3]."""
+    import onnxruntime as ort
+
+    g = graph("reads1")
+    p = Planes("plane")
+    names = ["w1", "w2", "w3", "w4"]
+    for n in names:
+        p = g.write_rows(p, n, "v" + n[1], (1, *row))
+    before = len(g.nodes)
+    out = g.read_rows(p, "r")
+    n_nodes = len(g.nodes) - before
+    g.op("Identity", out, out="y")
+    g.inputs += [value_info("plane", TensorType((ROWS, *row), "fp32")), value_info("r", TensorType((2, 3), "i64"))]
+    for n in names:
+        g.inputs += [value_info(n, TensorType((1,), "i64")), value_info("v" + n[1], TensorType((1, *row), "fp32"))]
+    g.outputs.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, *row]))
+    model = g.model()
+    onnx.checker.check_model(model, full_check=True)
+    rng = np.random.default_rng(1)
+    feed = {"plane": rng.standard_normal((ROWS, *row)).astype(np.float32), "r": np.array([[9, 0, 5], [2, 9, 7]])}
+    want = feed["plane"].copy()
+    for n, row_ix in zip(names, (9, 5, -1, 9)):
+        feed[n] = np.array([row_ix])
+        feed["v" + n[1]] = rng.standard_normal((1, *row)).astype(np.float32)
+        if row_ix >= 0:
+            want[row_ix] = feed["v" + n[1]][0]
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    assert got.shape == (2, 3, *row) and np.array_equal(got, want[feed["r"]])
+    return n_nodes
+
+
+def test_one_row_writes_patch_with_a_where_each():
+    """A decode step at batch 1 writes one row at a time: the read patches with one Where per write (in
+    write order: the later write of row 9 wins; the skipped -1 write hits nothing): 1 Gather, 1 Unsqueeze
+    and 2 nodes a write (4 writes: 10 nodes; the general match takes 2 Concats, a Gather and 10), for pool
+    rows [8] and state rows [2, 8] alike."""
+    assert _check_single_row_writes() == 10
+    assert _check_single_row_writes(row=(2, WIDTH)) == 10
+
+
+@pytest.mark.parametrize("fault", ["unpatched", "first_write_wins"])
+def test_one_row_patch_faults_are_caught(fault):
+    """The per-write patch left out, or applied in reverse write order (the first write of row 9 winning),
+    is caught."""
+    class Broken(Graph):
+        def _patch_single_rows(self, got, rows, segs):
+            return got if fault == "unpatched" else super()._patch_single_rows(got, rows, segs[::-1])
+
+    with pytest.raises(AssertionError):
+        _check_single_row_writes(Broken)
