@@ -149,21 +149,24 @@ def _weight_readers(model, derived):
             if any(i in derived or i in stacked for i in n.input)]
 
 
-@pytest.mark.parametrize("fault", ["token", "weight"])
+@pytest.mark.parametrize("fault", ["token", "weight", "after_w2 dropped"])
 def test_dense_path_faults_are_caught(fault, monkeypatch):
-    """The dense path with its pairs' tokens (the rows it picks and sums into), or its weights, taken in
-    reversed pair order fails the reference comparison."""
+    """The dense path with its tokens' routing taken in reversed token order, each token's weights given to
+    its experts in reversed order, or the weights not applied at all (w2's GEMM summing the raw experts)
+    fails the reference comparison."""
     orig = moe._dense
 
-    def broken(g, flat, pairs, order, tok, wsort, *rest):
-        def rev(x):
-            return g.op("Slice", x, g.i64(-1), g.i64(-(2 ** 63)), g.i64(0), g.i64(-1))
+    def broken(g, flat, pairs, weights, *rest):
+        def rev(x, axis):
+            return g.op("Slice", x, g.i64(-1), g.i64(-(2 ** 63)), g.i64(axis), g.i64(-1))
 
         if fault == "token":
-            tok = rev(tok)
+            pairs, weights = rev(pairs, 0), rev(weights, 0)
+        elif fault == "weight":
+            weights = rev(weights, 1)
         else:
-            wsort = rev(wsort)
-        return orig(g, flat, pairs, order, tok, wsort, *rest)
+            weights = g.op("Add", g.op("Mul", weights, g.scalar(0.0)), g.scalar(1.0))
+        return orig(g, flat, pairs, weights, *rest)
 
     monkeypatch.setattr(moe, "_dense", broken)
     with pytest.raises(AssertionError):
@@ -208,17 +211,24 @@ def test_dense_where_it_is_cheaper():
 
 def test_dense_path_reads_each_stack_once():
     """Small experts: each stacked matrix is read in place by one GEMM over every token (w1 and w3 through
-    a Reshape of the stack, which ONNX Runtime folds; no Gather, Slice or Split of a weight), and the
-    grouped path's 3 Gemms per expert are gone."""
+    a Reshape of the stack, w2 through a Transpose and Reshape, which ONNX Runtime folds; no Gather, Slice
+    or Split of a weight), and the grouped path's 3 Gemms per expert are gone, as are the pairs' sort and
+    gathers (no TopK, Gather or ScatterND)."""
     w, scales = _weights(0, False)
     model, derived = _model(4, "after_w2", w, scales)
     nodes = model.graph.node
     readers = sorted((n.op_type, i) for n in nodes for i in n.input if i in ("w1", "w2", "w3"))
-    assert readers == [("FusedMatMul", "w2"), ("Reshape", "w1"), ("Reshape", "w3")]
-    for r in (n for n in nodes if n.op_type == "Reshape" and n.input[0] in ("w1", "w3")):
-        assert [n.op_type for n in nodes if r.output[0] in n.input] == ["Gemm"]
-    assert not derived and len([n for n in nodes if n.op_type == "Gemm"]) == 2
-    assert len(nodes) < 32  # the grouped path: 61
+    assert readers == [("Reshape", "w1"), ("Reshape", "w3"), ("Transpose", "w2")]
+    consumers = {i: [n for n in nodes if i in n.input] for n in nodes for i in n.output}
+    for r in (n for n in nodes if n.input[0] in ("w1", "w2", "w3")):
+        after = consumers[r.output[0]]
+        if r.op_type == "Transpose":
+            assert [n.op_type for n in after] == ["Reshape"]
+            after = consumers[after[0].output[0]]
+        assert [n.op_type for n in after] == ["Gemm"]
+    assert not derived and len([n for n in nodes if n.op_type == "Gemm"]) == 3
+    assert not {"TopK", "Gather", "ScatterND"} & {n.op_type for n in nodes}
+    assert len(nodes) < 24  # the grouped path: 61; the dense path weighting after w2: 31
 
 
 def test_weight_bytes_do_not_scale_with_routed_pairs(tmp_path, grouped):
@@ -309,13 +319,13 @@ def _check_shared(quantised, shared_act="native", steps=(1, 3, 16)):
 @pytest.mark.parametrize("quantised", [False, True], ids=["fp32", "fp4"])
 def test_shared_expert_joins_the_dense_stacks(quantised):
     """On the dense path the shared expert is expert E of the stacks: the step has the routed experts'
-    two Gemms and one batched MatMul and no GEMM of its own (its weights reach them only through Concats of
-    constants, which ONNX Runtime folds once: tiny's decode b1, -7 nodes per MoE layer after its optimiser),
-    and matches the reference."""
+    three Gemms and no GEMM of its own (its weights reach them only through Concats of constants, which
+    ONNX Runtime folds once: tiny's decode b1, -7 nodes per MoE layer after its optimiser), and matches
+    the reference."""
     for model in _check_shared(quantised):
         nodes = model.graph.node
         assert sorted(n.op_type for n in nodes if n.op_type in ("Gemm", "FusedMatMul", "MatMul")) == \
-            ["FusedMatMul", "Gemm", "Gemm"]
+            ["Gemm", "Gemm", "Gemm"]
         readers = {n.op_type for n in nodes for i in n.input if i in ("s1", "s2", "s3")}
         assert readers <= {"Concat", "Reshape"}, readers
 
