@@ -7,8 +7,8 @@ ONNX lowerings), the same prompt, their decode steps timed in interleaved rounds
 `compile` builds bench_cpu.py's artifact (fp32, hf numerics, seeded weights; decode b1 / b8, prefill 64).
 `run` loads both (one thread each), checks that they emit the same greedy tokens, then alternates rounds
 (the order flipping each round: a burst of load falls on both): each round prefills the same 64-token
-prompt and times `--steps` decode steps. It prints each side's median us per step, the median of the
-per-round ratios B / A and their spread, and (`--nodes`) each side's exported node count. Not a test.
+prompt and times `--steps` decode steps. It prints each side's median and minimum us per step (on a
+shared machine the minimum is the least disturbed), the median of the per-round ratios B / A and their spread, and (`--nodes`) each side's exported node count. Not a test.
 """
 
 from __future__ import annotations
@@ -75,9 +75,9 @@ def run(a: str, b: str, rounds: int, steps: int, batch: int, clock, nodes: bool)
         tb.append(got[1][0])
         ratio.append(got[1][0] / got[0][0])
     q = statistics.quantiles(ratio, n=4) if len(ratio) >= 2 else [ratio[0]] * 3
-    print(f"A {a}: median {statistics.median(ta):.1f} us/step" +
+    print(f"A {a}: median {statistics.median(ta):.1f} us/step, min {min(ta):.1f}" +
           (f", {node_count(a, batch)} nodes" if nodes else ""))
-    print(f"B {b}: median {statistics.median(tb):.1f} us/step" +
+    print(f"B {b}: median {statistics.median(tb):.1f} us/step, min {min(tb):.1f}" +
           (f", {node_count(b, batch)} nodes" if nodes else ""))
     print(f"B / A per round: median {statistics.median(ratio):.3f} (quartiles {q[0]:.3f} .. {q[2]:.3f}, "
           f"{rounds} rounds of {steps} decode b{batch} steps)", flush=True)
