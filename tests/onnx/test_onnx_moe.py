@@ -46,16 +46,16 @@ def _weights(seed: int, quantised):
     return packed, scales
 
 
-def _model(N: int, route_weight: str, w, scales, graph=Graph):
-    """One MoE step as an ONNX model: inputs x [N, D], weights, indices [N, K] and the derived expert
-    weights; also the derived entries (how the runtime builds those)."""
+def _model(N: int, route_weight: str, w, scales, graph=Graph, act: str = "native"):
+    """One MoE step as an ONNX model: inputs x [N, D] (act "fp8": as the FP8 GEMMs see it), weights,
+    indices [N, K] and the derived expert weights; also the derived entries (how the runtime builds those)."""
     g = graph("moe")
     xt = TensorType((N, D), "fp32")
     it = TensorType((N, K), "i64")
     dt = "fp4x2" if scales else {torch.float32: "fp32", torch.bfloat16: "bf16"}[w["w1"].dtype]
     wt = tuple(TensorType(tuple(w[n].shape), dt) for n in ("w1", "w2", "w3"))
     sc = tuple(f"{n}.scale" for n in ("w1", "w2", "w3")) if scales else (None, None, None)
-    y = moe_routed(g, "x", xt, "wts", "idx", it, ("w1", "w2", "w3"), wt, K, LIMIT, route_weight, sc, 32)
+    y = moe_routed(g, "x", xt, "wts", "idx", it, ("w1", "w2", "w3"), wt, K, LIMIT, route_weight, sc, 32, act)
     g.op("Identity", y, out="y")
     g.inputs += [value_info("x", xt), value_info("wts", TensorType((N, K), "fp32")), value_info("idx", it)]
     g.inputs += [value_info(n, TensorType(tuple(d["shape"]), "fp32")) for n, d in sorted(g.derived.items())]
@@ -104,11 +104,13 @@ def test_grouped_experts_match_the_reference(quantised, route_weight, grouped):
     _check_against_reference(quantised, route_weight)
 
 
+@pytest.mark.parametrize("act", ["native", "fp8"])
 @pytest.mark.parametrize("quantised", [False, True], ids=["fp32", "fp4"])
-def test_dense_experts_match_the_reference(quantised):
+def test_dense_experts_match_the_reference(quantised, act):
     """The same steps on the dense path (weights after w2 only: tiny's hf decode; its bf16 and FP8 / FP4
-    artifacts are checked end to end in test_onnx_bf16 / test_onnx_formats)."""
-    _check_against_reference(quantised, "after_w2")
+    artifacts are checked end to end in test_onnx_bf16 / test_onnx_formats); with FP8 activations w2's
+    input is rounded per expert row before the routing weight is applied."""
+    _check_against_reference(quantised, "after_w2", act)
 
 
 @pytest.mark.parametrize("route_weight", ["after_w2", "before_w2"])
@@ -128,17 +130,27 @@ def test_expert_parallel_pairs_match_the_reference(route_weight):
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def _check_against_reference(quantised, route_weight):
+def _check_against_reference(quantised, route_weight, act="native"):
+    from v4compile.formats import act_qdq
+
     w, scales = _weights(0, quantised)
     for N in (1, 3, 16):
         x, wts, idx = _routing(N, N)
-        model, derived = _model(N, route_weight, w, scales)
+        model, derived = _model(N, route_weight, w, scales, act=act)
         onnx.checker.check_model(model, full_check=True)
-        got, _ = _run(model, derived, w, scales, {"x": x.numpy(), "wts": wts.numpy(), "idx": idx.numpy()})
+        xin = act_qdq(x) if act == "fp8" else x
+        got, _ = _run(model, derived, w, scales, {"x": xin.numpy(), "wts": wts.numpy(), "idx": idx.numpy()})
         sc = [scales.get(n) for n in ("w1", "w2", "w3")]
         want = op.moe_experts.ref(x, wts, idx, w["w1"], w["w2"], w["w3"], *sc, limit=LIMIT, block=32,
-                                   act="native", acc="fp32", out_dtype="", route_weight=route_weight).numpy()
+                                   act=act, acc="fp32", out_dtype="", route_weight=route_weight).numpy()
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (N, np.abs(got - want).max())
+
+
+def test_dense_fp8_activation_faults_are_caught(monkeypatch):
+    """w2's input not rounded to FP8 on the dense path fails the fp8 comparison above."""
+    monkeypatch.setattr(Graph, "act_qdq", lambda self, x, xt, block=128: x)
+    with pytest.raises(AssertionError):
+        _check_against_reference(False, "after_w2", "fp8")
 
 
 def _weight_readers(model, derived):
