@@ -8,7 +8,9 @@ ONNX lowerings), the same prompt, their decode steps timed in interleaved rounds
 `run` loads both (one thread each), checks that they emit the same greedy tokens, then alternates rounds
 (the order flipping each round: a burst of load falls on both): each round prefills the same 64-token
 prompt and times `--steps` decode steps. It prints each side's median and minimum us per step (on a
-shared machine the minimum is the least disturbed), the median of the per-round ratios B / A and their spread, and (`--nodes`) each side's exported node count. Not a test.
+shared machine the minimum is the least disturbed), the median of the per-round ratios B / A and their
+spread, and (`--nodes`) each side's exported node count. The session loaded second ran ~2 % slower in A/A
+runs on a shared 2-core machine (A A: ratio 1.021): run `A B` and `B A`, take the geometric mean. Not a test.
 """
 
 from __future__ import annotations
