@@ -20,12 +20,16 @@ def lower_rope_out_proj(g, o, a, r):
 
 
 def _grouped(g, what, x, o, a):
-    """The block-diagonal GEMM of x (o's type) by o's weight: [B, T, H, d] -> [B, T, R]."""
+    """The block-diagonal GEMM of x (o's type) by o's weight: [B, T, H, d] -> [B, T, R], as G batched GEMMs
+    [G, BT, k] x [G, k, R/G]. One token (decode b1): [1, G, k] is [G, 1, k] in memory, so Reshapes stand
+    for the two Transposes (two nodes fewer a layer, the same values)."""
     B, T = o.types["o"].shape[:2]
     w, wt = g.weight(o.w, o.types["w"], o.scale, a["block"])
     G, (R, k) = a["groups"], wt.shape
-    x = g.reshape(x, (B * T, G, k))
-    x = gemm_input(g, what, a, x, TensorType((B * T, G, k), o.types["o"].dtype))  # per group's K
+    shape = (G, 1, k) if B * T == 1 else (B * T, G, k)
+    x = gemm_input(g, what, a, g.reshape(x, shape), TensorType(shape, o.types["o"].dtype))  # per group's K
+    if B * T == 1:
+        return g.reshape(g.matmul_t(x, g.reshape(w, (G, R // G, k))), (B, T, R))
     x = g.op("Transpose", x, perm=[1, 0, 2])  # [G, BT, k]
     z = g.matmul_t(x, g.reshape(w, (G, R // G, k)))  # [G, BT, R/G]
     return g.reshape(g.op("Transpose", z, perm=[1, 0, 2]), (B, T, R))

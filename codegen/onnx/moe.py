@@ -11,7 +11,8 @@ So a step reads each active expert's weights once, whatever the number of pairs 
 routes like decode.
 
 Where it is cheaper, every expert is computed for every token instead: three GEMMs over the whole
-stacks (read in place: no copy), then the routed pairs' rows picked out (`_dense`). Grouping costs three
+stacks (read in place: no copy), the last one summing each token's experts weighted by its routing
+(`_dense`). Grouping costs three
 Gemm nodes per expert plus the splits and concats whatever the step routes (~1.3 us a node on one core:
 tiny decode b1 ran 2.5 ms for 1,888 nodes); computing every expert costs the bytes of the experts no pair
 chose (~10 GB/s) and the multiply-adds of the pairs not routed (~40 G/s for these small GEMMs):
@@ -22,10 +23,13 @@ a model with MB-sized experts (mid: 6 MB each) stay grouped, so their bytes neve
 On the dense path the shared expert is one more expert of the stacks (expert E, its row of every token
 taken with weight 1: `lower_moe_experts_shared`), so its three GEMMs and SwiGLU are no nodes of their own:
 tiny's MoE step at one token 32 -> 26 nodes after ONNX Runtime's optimiser, 45 -> 38 us (same-process A/B).
+With the routing weights applied before w2 and the sum over experts done by w2's GEMM (issue 22: no sort
+of the pairs, no gather of their rows, no scatter back): 26 -> 15 nodes, 17.1 -> 13.0 us a step of
+`moe_experts_shared` alone at one token, 26.8 -> 19.6 us at eight (same-process A/B, 1 thread).
 
-The weighted sum back into the tokens is one ScatterND with reduction "add" over the pairs in expert
-order: each token's sum starts from zero and adds its experts in ascending order, the order of the
-reference (`ops.moe.moe_experts`: `index_add_` expert by expert).
+On the grouped path the weighted sum back into the tokens is one ScatterND with reduction "add" over the
+pairs in expert order: each token's sum starts from zero and adds its experts in ascending order, the
+order of the reference (`ops.moe.moe_experts`: `index_add_` expert by expert).
 """
 
 from __future__ import annotations
@@ -70,9 +74,8 @@ def moe_routed(g, x: str, xt: TensorType, weights: str, indices: str, it: Tensor
     E = wt[0].shape[0]
     P = N * k
     flat = g.reshape(x, (N, D))
-    pairs = g.reshape(g.as_i64(indices, it.dtype), (P,))
-    # pairs sorted by expert (ascending; TopK on the ids as floats: exact below 2^24 experts)
-    weights = g.reshape(weights, (P,))
+    pairs = g.reshape(g.as_i64(indices, it.dtype), (N, k, 1))  # the dense path's layout: [N, X, 1] weights
+    weights = g.reshape(weights, (N, k, 1))
     if ep > 1:
         # A pair of no expert of the stack (id outside [0, E): another rank's slot, `local_experts`) adds
         # nothing: it runs on expert 0 with weight 0 (exactly +-0 for a finite expert output). Dropping
@@ -81,15 +84,17 @@ def moe_routed(g, x: str, xt: TensorType, weights: str, indices: str, it: Tensor
         foreign = g.op("Or", g.op("Less", pairs, g.iscalar(0)), g.op("GreaterOrEqual", pairs, g.iscalar(E)))
         pairs = g.where(foreign, g.iscalar(0), pairs)
         weights = g.where(foreign, g.scalar(0.0), weights)
+    # after w2 only: another rank's pairs run on (expert 0, weight 0) above, so a token can hold one
+    # (expert, token) pair twice; the dense path adds the copy's weight 0 to the expert's, before w2 the
+    # grouped path would add the row's output again
+    if takes_dense(route_weight, E, k, N, wt[0].shape[1], D):  # w1, w3 [E, I, D]
+        return _dense(g, flat, pairs, weights, w, wt, limit, scales, block, act, xt, shared)
+    assert shared is None, "the shared expert joins the dense path's stacks only"
+    pairs, weights = g.reshape(pairs, (P,)), g.reshape(weights, (P,))
+    # pairs sorted by expert (ascending; TopK on the ids as floats: exact below 2^24 experts)
     order = g.op("TopK", g.cast(pairs, TensorProto.FLOAT), g.i64(P), n_out=2, axis=0, largest=0, sorted=1)[1]
     tok = g.op("Div", order, g.iscalar(k))  # the token of each sorted pair
     wsort = g.unsqueeze(g.op("Gather", weights, order, axis=0), -1)  # [P, 1]
-    # after w2 only: another rank's pairs run on (expert 0, weight 0) above, so a token can hold one
-    # (expert, token) row twice; weighting after w2 zeroes the copy, before it the copy would add the
-    # row's output again
-    if takes_dense(route_weight, E, k, N, wt[0].shape[1], D):  # w1, w3 [E, I, D]
-        return _dense(g, flat, pairs, order, tok, wsort, w, wt, limit, scales, block, act, xt, shared)
-    assert shared is None, "the shared expert joins the dense path's stacks only"
     counts = g.sum(g.cast(g.op("Equal", g.unsqueeze(pairs, -1), g.const(np.arange(E), np.int64)),
                           TensorProto.INT64), 0)  # [E]
     xs = g.op("Split", g.op("Gather", flat, tok, axis=0), counts, n_out=E, axis=0)
@@ -118,14 +123,19 @@ def _swiglu(g, gate: str, up: str, limit: float) -> str:
     return g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), g.op("Clip", up, g.op("Neg", lim), lim))
 
 
-def _dense(g, flat, pairs, order, tok, wsort, w, wt, limit, scales, block, act, xt, shared=None):
-    """Every expert on every token, then each routed pair's row (expert e, token n: row e * N + n) times
-    its weight (after w2), summed into the tokens as the grouped path does. w1 and w3 as one `[E * I, D]`
-    matrix each (a Reshape of the stack, which ONNX Runtime folds once: then a pre-packed Gemm, ~40 %
-    cheaper a node than a batched MatMul on the 3-D stack); w2 a batched MatMul over the experts. The
-    `shared` expert's matrices join the stacks as expert E (Concats of constants, folded once at load as
-    the Reshapes are: a second copy of the stacks, small wherever this path is taken), and its row of each
-    token is added after the routed sum, as the reference adds it."""
+def _dense(g, flat, pairs, weights, w, wt, limit, scales, block, act, xt, shared=None):
+    """Every expert on every token, each token's experts weighted by its routing weight (0 for an expert
+    it did not choose) and summed by the GEMM of w2 itself: `sum_e w_ne h_ne w2_e^T` is one `[N, X * I] x
+    [X * I, D]` Gemm over the weighted activations of all experts, where the reference weights each routed
+    output after w2 and adds them in expert order (the same sum, rounded in another order: fp32, the same
+    size of error as the GEMMs' own summation order). `pairs` and `weights` `[N, k, 1]`: the routing; a
+    token's weights per expert `[N, X, 1]` are one ScatterElements (reduction add: a pair repeated, as
+    another rank's pairs on (expert 0, weight 0), adds its weight once per pair, as the reference does).
+    w1 and w3 as one `[E * I, D]` matrix each, w2 as one `[D, E * I]` (a Reshape / Transpose of the stack,
+    which ONNX Runtime folds once: then pre-packed Gemms). The `shared` expert's matrices join the stacks
+    as expert E with weight 1 for every token (Concats of constants, folded once at load as the Reshapes
+    are: a second copy of the stacks, small wherever this path is taken). FP8 activations (`act`): w2's
+    input is rounded per expert row before the weighting, as the reference rounds it before w2."""
     N, D = xt.numel // xt.shape[-1], xt.shape[-1]
     E, I = wt[0].shape[0], wt[0].shape[1]
     stack = [g.weight(w[i], wt[i], scales[i], block)[0] for i in range(3)]
@@ -134,21 +144,18 @@ def _dense(g, flat, pairs, order, tok, wsort, w, wt, limit, scales, block, act, 
         up = [g.concat([up[0], shared[0]], 0), g.concat([up[1], shared[2]], 0)]  # [(E + 1) * I, D]
         stack[1] = g.concat([stack[1], g.reshape(shared[1], (1, D, I))], 0)  # [E + 1, D, I]
     X = E + (shared is not None)  # experts computed
+    down = g.reshape(g.op("Transpose", stack[1], perm=[1, 0, 2]), (D, X * I))  # [D, X * I]
 
     def up_proj(s: str) -> str:
         return g.op("Gemm", flat, s, transB=1)  # [N, X * I]
 
-    h = _swiglu(g, up_proj(up[0]), up_proj(up[1]), limit)
-    h = g.op("Transpose", g.reshape(h, (N, X, I)), perm=[1, 0, 2])  # [X, N, I]
-    row = g.op("Add", g.op("Mul", g.op("Gather", pairs, order, axis=0), g.iscalar(N)), tok)  # [P]
+    h = g.reshape(_swiglu(g, up_proj(up[0]), up_proj(up[1]), limit), (N, X, I))
     if act == "fp8":
-        h = g.act_qdq(h, TensorType((X, N, I), "fp32"))
-    ys = g.matmul_t(h, stack[1])  # [X, N, D]
-    y = g.op("Gather", g.reshape(ys, (X * N, D)), row, axis=0)  # [P, D]
-    y = g.op("Mul", y, wsort)
-    out = g.op("ScatterND", g.const(np.zeros((N, D), np.float32)), g.unsqueeze(tok, -1), y, reduction="add")
-    if shared is not None:
-        out = g.op("Add", out, g.op("Gather", ys, g.iscalar(E), axis=0))
+        h = g.act_qdq(h, TensorType((N, X, I), "fp32"))
+    base = np.zeros((N, X, 1), np.float32)
+    base[:, E:] = 1.0  # the shared expert: weight 1 for every token
+    h = g.op("Mul", h, g.op("ScatterElements", g.const(base), pairs, weights, axis=1, reduction="add"))
+    out = g.op("Gemm", g.reshape(h, (N, X * I)), down, transB=1)  # [N, D]
     return g.reshape(out, xt.shape)
 
 

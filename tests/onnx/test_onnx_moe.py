@@ -46,16 +46,16 @@ def _weights(seed: int, quantised):
     return packed, scales
 
 
-def _model(N: int, route_weight: str, w, scales, graph=Graph):
-    """One MoE step as an ONNX model: inputs x [N, D], weights, indices [N, K] and the derived expert
-    weights; also the derived entries (how the runtime builds those)."""
+def _model(N: int, route_weight: str, w, scales, graph=Graph, act: str = "native"):
+    """One MoE step as an ONNX model: inputs x [N, D] (act "fp8": as the FP8 GEMMs see it), weights,
+    indices [N, K] and the derived expert weights; also the derived entries (how the runtime builds those)."""
     g = graph("moe")
     xt = TensorType((N, D), "fp32")
     it = TensorType((N, K), "i64")
     dt = "fp4x2" if scales else {torch.float32: "fp32", torch.bfloat16: "bf16"}[w["w1"].dtype]
     wt = tuple(TensorType(tuple(w[n].shape), dt) for n in ("w1", "w2", "w3"))
     sc = tuple(f"{n}.scale" for n in ("w1", "w2", "w3")) if scales else (None, None, None)
-    y = moe_routed(g, "x", xt, "wts", "idx", it, ("w1", "w2", "w3"), wt, K, LIMIT, route_weight, sc, 32)
+    y = moe_routed(g, "x", xt, "wts", "idx", it, ("w1", "w2", "w3"), wt, K, LIMIT, route_weight, sc, 32, act)
     g.op("Identity", y, out="y")
     g.inputs += [value_info("x", xt), value_info("wts", TensorType((N, K), "fp32")), value_info("idx", it)]
     g.inputs += [value_info(n, TensorType(tuple(d["shape"]), "fp32")) for n, d in sorted(g.derived.items())]
@@ -104,11 +104,13 @@ def test_grouped_experts_match_the_reference(quantised, route_weight, grouped):
     _check_against_reference(quantised, route_weight)
 
 
+@pytest.mark.parametrize("act", ["native", "fp8"])
 @pytest.mark.parametrize("quantised", [False, True], ids=["fp32", "fp4"])
-def test_dense_experts_match_the_reference(quantised):
+def test_dense_experts_match_the_reference(quantised, act):
     """The same steps on the dense path (weights after w2 only: tiny's hf decode; its bf16 and FP8 / FP4
-    artifacts are checked end to end in test_onnx_bf16 / test_onnx_formats)."""
-    _check_against_reference(quantised, "after_w2")
+    artifacts are checked end to end in test_onnx_bf16 / test_onnx_formats); with FP8 activations w2's
+    input is rounded per expert row before the routing weight is applied."""
+    _check_against_reference(quantised, "after_w2", act)
 
 
 @pytest.mark.parametrize("route_weight", ["after_w2", "before_w2"])
@@ -128,17 +130,27 @@ def test_expert_parallel_pairs_match_the_reference(route_weight):
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def _check_against_reference(quantised, route_weight):
+def _check_against_reference(quantised, route_weight, act="native"):
+    from v4compile.formats import act_qdq
+
     w, scales = _weights(0, quantised)
     for N in (1, 3, 16):
         x, wts, idx = _routing(N, N)
-        model, derived = _model(N, route_weight, w, scales)
+        model, derived = _model(N, route_weight, w, scales, act=act)
         onnx.checker.check_model(model, full_check=True)
-        got, _ = _run(model, derived, w, scales, {"x": x.numpy(), "wts": wts.numpy(), "idx": idx.numpy()})
+        xin = act_qdq(x) if act == "fp8" else x
+        got, _ = _run(model, derived, w, scales, {"x": xin.numpy(), "wts": wts.numpy(), "idx": idx.numpy()})
         sc = [scales.get(n) for n in ("w1", "w2", "w3")]
         want = op.moe_experts.ref(x, wts, idx, w["w1"], w["w2"], w["w3"], *sc, limit=LIMIT, block=32,
-                                   act="native", acc="fp32", out_dtype="", route_weight=route_weight).numpy()
+                                   act=act, acc="fp32", out_dtype="", route_weight=route_weight).numpy()
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (N, np.abs(got - want).max())
+
+
+def test_dense_fp8_activation_faults_are_caught(monkeypatch):
+    """w2's input not rounded to FP8 on the dense path fails the fp8 comparison above."""
+    monkeypatch.setattr(Graph, "act_qdq", lambda self, x, xt, block=128: x)
+    with pytest.raises(AssertionError):
+        _check_against_reference(False, "after_w2", "fp8")
 
 
 def _weight_readers(model, derived):
@@ -149,21 +161,24 @@ def _weight_readers(model, derived):
             if any(i in derived or i in stacked for i in n.input)]
 
 
-@pytest.mark.parametrize("fault", ["token", "weight"])
+@pytest.mark.parametrize("fault", ["token", "weight", "after_w2 dropped"])
 def test_dense_path_faults_are_caught(fault, monkeypatch):
-    """The dense path with its pairs' tokens (the rows it picks and sums into), or its weights, taken in
-    reversed pair order fails the reference comparison."""
+    """The dense path with its tokens' routing taken in reversed token order, each token's weights given to
+    its experts in reversed order, or the weights not applied at all (w2's GEMM summing the raw experts)
+    fails the reference comparison."""
     orig = moe._dense
 
-    def broken(g, flat, pairs, order, tok, wsort, *rest):
-        def rev(x):
-            return g.op("Slice", x, g.i64(-1), g.i64(-(2 ** 63)), g.i64(0), g.i64(-1))
+    def broken(g, flat, pairs, weights, *rest):
+        def rev(x, axis):
+            return g.op("Slice", x, g.i64(-1), g.i64(-(2 ** 63)), g.i64(axis), g.i64(-1))
 
         if fault == "token":
-            tok = rev(tok)
+            pairs, weights = rev(pairs, 0), rev(weights, 0)
+        elif fault == "weight":
+            weights = rev(weights, 1)
         else:
-            wsort = rev(wsort)
-        return orig(g, flat, pairs, order, tok, wsort, *rest)
+            weights = g.op("Add", g.op("Mul", weights, g.scalar(0.0)), g.scalar(1.0))
+        return orig(g, flat, pairs, weights, *rest)
 
     monkeypatch.setattr(moe, "_dense", broken)
     with pytest.raises(AssertionError):
@@ -208,17 +223,24 @@ def test_dense_where_it_is_cheaper():
 
 def test_dense_path_reads_each_stack_once():
     """Small experts: each stacked matrix is read in place by one GEMM over every token (w1 and w3 through
-    a Reshape of the stack, which ONNX Runtime folds; no Gather, Slice or Split of a weight), and the
-    grouped path's 3 Gemms per expert are gone."""
+    a Reshape of the stack, w2 through a Transpose and Reshape, which ONNX Runtime folds; no Gather, Slice
+    or Split of a weight), and the grouped path's 3 Gemms per expert are gone, as are the pairs' sort and
+    gathers (no TopK, Gather or ScatterND)."""
     w, scales = _weights(0, False)
     model, derived = _model(4, "after_w2", w, scales)
     nodes = model.graph.node
     readers = sorted((n.op_type, i) for n in nodes for i in n.input if i in ("w1", "w2", "w3"))
-    assert readers == [("FusedMatMul", "w2"), ("Reshape", "w1"), ("Reshape", "w3")]
-    for r in (n for n in nodes if n.op_type == "Reshape" and n.input[0] in ("w1", "w3")):
-        assert [n.op_type for n in nodes if r.output[0] in n.input] == ["Gemm"]
-    assert not derived and len([n for n in nodes if n.op_type == "Gemm"]) == 2
-    assert len(nodes) < 32  # the grouped path: 61
+    assert readers == [("Reshape", "w1"), ("Reshape", "w3"), ("Transpose", "w2")]
+    consumers = {i: [n for n in nodes if i in n.input] for n in nodes for i in n.output}
+    for r in (n for n in nodes if n.input[0] in ("w1", "w2", "w3")):
+        after = consumers[r.output[0]]
+        if r.op_type == "Transpose":
+            assert [n.op_type for n in after] == ["Reshape"]
+            after = consumers[after[0].output[0]]
+        assert [n.op_type for n in after] == ["Gemm"]
+    assert not derived and len([n for n in nodes if n.op_type == "Gemm"]) == 3
+    assert not {"TopK", "Gather", "ScatterND"} & {n.op_type for n in nodes}
+    assert len(nodes) < 24  # the grouped path: 61; the dense path weighting after w2: 31
 
 
 def test_weight_bytes_do_not_scale_with_routed_pairs(tmp_path, grouped):
@@ -309,13 +331,13 @@ def _check_shared(quantised, shared_act="native", steps=(1, 3, 16)):
 @pytest.mark.parametrize("quantised", [False, True], ids=["fp32", "fp4"])
 def test_shared_expert_joins_the_dense_stacks(quantised):
     """On the dense path the shared expert is expert E of the stacks: the step has the routed experts'
-    two Gemms and one batched MatMul and no GEMM of its own (its weights reach them only through Concats of
-    constants, which ONNX Runtime folds once: tiny's decode b1, -7 nodes per MoE layer after its optimiser),
-    and matches the reference."""
+    three Gemms and no GEMM of its own (its weights reach them only through Concats of constants, which
+    ONNX Runtime folds once: tiny's decode b1, -7 nodes per MoE layer after its optimiser), and matches
+    the reference."""
     for model in _check_shared(quantised):
         nodes = model.graph.node
         assert sorted(n.op_type for n in nodes if n.op_type in ("Gemm", "FusedMatMul", "MatMul")) == \
-            ["FusedMatMul", "Gemm", "Gemm"]
+            ["Gemm", "Gemm", "Gemm"]
         readers = {n.op_type for n in nodes for i in n.input if i in ("s1", "s2", "s3")}
         assert readers <= {"Concat", "Reshape"}, readers
 
