@@ -533,7 +533,7 @@ class _OpenShard:
     relname: str
     head: bytes
     size: int
-    blocks: list[list[tuple[_Span, int, int]]]
+    nblocks: int
     fd: int = -1
     direct: bool = False
     streams: dict[str, tuple] = field(default_factory=dict)  # tensor -> its hash stream (tensors with bytes)
@@ -571,18 +571,14 @@ class _ShardWriter:
     def write(self, groups: list[list[TensorPlan]], paths: list[Path], relnames: list[str],
               tensors: dict[str, dict]) -> list[str]:
         """The shards, in order; their tensors' entries go into `tensors`; returns their digests."""
-        shards = []
-        for group, path, relname in zip(groups, paths, relnames):
-            head = shard_header(group)
-            spans, size = _layout(head, group)
-            shards.append(_OpenShard(group, path, relname, head, size, list(_blocks(spans, size, self.block))))
-        pending: deque[tuple[_OpenShard, int, int, Future, Future]] = deque()  # blocks being filled, in order
+        shards: list[_OpenShard] = []  # those begun
+        pending: deque[tuple[_OpenShard, int, list, int, Future]] = deque()  # blocks being filled, in order
 
         def hash_next() -> None:  # the oldest block, once assembled: its tensors' bytes to their lanes
-            sh, k, b, ready, written = pending.popleft()
+            sh, k, parts, b, ready = pending.popleft()
             ready.result()
             view, base, n = memoryview(self.bufs[b]), k * self.block, 0
-            for s, a, e in sh.blocks[k]:
+            for s, a, e in parts:
                 if s.tensor is not None and e > a:
                     if s.tensor.name not in sh.streams:
                         sh.streams[s.tensor.name] = self.lanes.stream()
@@ -595,15 +591,19 @@ class _ShardWriter:
             sh.unsynced += n
             if not sh.direct and sh.unsynced >= SYNC_BYTES and (sh.sync is None or sh.sync.done()):
                 sh.sync, sh.unsynced = self.syncer.submit(os.fdatasync, sh.fd), 0  # dirty pages go out as they come
-            if k == len(sh.blocks) - 1:  # its last block: cut, flushed and closed once written and hashed
+            if k == sh.nblocks - 1:  # its last block: cut, flushed and closed once written and hashed
                 sh.done = self.syncer.submit(self._finish, sh)
 
         try:
             seq = 0
-            for sh in shards:
+            for group, path, relname in zip(groups, paths, relnames):
+                head = shard_header(group)
+                spans, size = _layout(head, group)
+                sh = _OpenShard(group, path, relname, head, size, max(1, -(-size // self.block)))
+                shards.append(sh)
                 sh.fd, sh.direct = _create(sh.path, sh.size >= DIRECT_BYTES and self.block % DIRECT_ALIGN == 0)
                 self.direct += sh.direct
-                for k, parts in enumerate(sh.blocks):
+                for k, parts in enumerate(_blocks(spans, size, self.block)):
                     if self.stop is not None and self.stop.is_set():
                         raise WriteStopped(f"writing {sh.relname} stopped: another writer failed or was interrupted")
                     if len(pending) >= self.ahead:
@@ -617,7 +617,7 @@ class _ShardWriter:
                     written = self.pool.submit(_fill, k, parts, self.bufs[b], sh.size, sh.fd, sh.direct, self, ready)
                     self.busy[b].append(written)
                     sh.futures.append(written)
-                    pending.append((sh, k, b, ready, written))
+                    pending.append((sh, k, parts, b, ready))
             while pending:
                 hash_next()
             for sh in shards:
@@ -657,7 +657,7 @@ class _ShardWriter:
             if t.nbytes:
                 digests.append(sha.digest())
             shas[t.name] = sha.hexdigest()
-        sh.digest, sh.streams = combine(digests), shas  # (streams: now each tensor's sha256, hex)
+        sh.digest, sh.streams, sh.head = combine(digests), shas, b""  # (streams: now each tensor's sha256, hex)
         sh.futures.clear()
         log.debug("%s written (%d tensors)", sh.relname, len(sh.group))
 
