@@ -139,15 +139,17 @@ def test_every_tensor_is_the_per_tensor_readers_bytes_and_hashed(tiny_ck, tmp_pa
     assert path["layers.0.ffn.experts.w1"] == "copy"  # a stack of 8 stored tensors, copied without decoding
 
 
-@pytest.mark.parametrize("fault", [None, "hashed before assembled"])
+@pytest.mark.parametrize("fault", [None, "hashed before assembled", "never pruned"])
 def test_shards_overlap_and_each_is_whole_and_hashed(tiny_ck, tmp_path, monkeypatch, fault):
     """The writer's blocks run as one stream over all the shards (no drain at a shard's end): with shards of
     64 KiB, 4 KiB blocks and 4 of them filled at once, a shard's first blocks are filled before the one
     before it is finished (cut, flushed, closed, digested) — and still every tensor is `load_ir_weights`'s
     bytes, its sha256 the tree digest of those bytes and every shard's digest that of its bytes (cut back to
     its size: O_DIRECT writes whole units). A block's bytes go to the hash lanes once it is assembled, while
-    it is written; the fault, a block handed to the lanes before it is assembled (the buffer still holding
-    an older block), gives some tensors a digest that is not their bytes'."""
+    it is written; a fault, a block handed to the lanes before it is assembled (the buffer still holding
+    an older block), gives some tensors a digest that is not their bytes'. The lanes' record of updates in
+    flight stays a few blocks' worth, whatever the model's size; the other fault, a writer that never forgets
+    the updates that are done, keeps one per update."""
     import time
 
     from v4compile import driver
@@ -157,6 +159,7 @@ def test_shards_overlap_and_each_is_whole_and_hashed(tiny_ck, tmp_path, monkeypa
     monkeypatch.setattr(weights_io, "WINDOW_BYTES", 8 * 4096)
     monkeypatch.setattr(weights_io, "DIRECT_BYTES", 0)
     events, shard_of = [], {}  # what the writer's own thread hands over, in order: (block filled | shard finished)
+    held = []  # the lanes' updates on record after each one is handed over
     real_create, real_fill, real_init = weights_io._create, weights_io._fill, weights_io._ShardWriter.__init__
 
     def create(path, direct):
@@ -171,9 +174,13 @@ def test_shards_overlap_and_each_is_whole_and_hashed(tiny_ck, tmp_path, monkeypa
             events.append(("fill", shard_of[fd], k)) or fills(fn, k, parts, buf, size, fd, *x))
         self.syncer.submit = lambda fn, *x: (
             events.append(("finish", x[0].path.name, 0)) if fn == self._finish else None) or finishes(fn, *x)
+        hashes = self.lanes.submit
+        self.lanes.submit = lambda *x: (hashes(*x), held.append(len(self.lanes.pending)))[0]
+        if fault == "never pruned":
+            self.lanes.prune = lambda: None
 
     def fill(k, parts, buf, size, fd, direct, w, ready=None):
-        if fault and ready is not None:
+        if fault == "hashed before assembled" and ready is not None:
             ready.set_result(None)
             time.sleep(0.002)  # the lanes take the buffer's bytes now
             ready = None
@@ -194,7 +201,8 @@ def test_shards_overlap_and_each_is_whole_and_hashed(tiny_ck, tmp_path, monkeypa
     wrong = [n for n, t in entry["tensors"].items() if t["sha256"] != tree(bytes(shards[t["shard"]].bytes_of(n))).hex()]
     wrong += [rel for rel in entry["shards"] if hashes[rel] != digest_of_bytes((tmp_path / "a" / rel).read_bytes())]
     assert overlapped == len(names) - 1
-    assert (wrong == []) == (fault is None), wrong
+    assert (wrong == []) == (fault != "hashed before assembled"), wrong
+    assert (max(held) < len(held) // 4) == (fault != "never pruned"), (max(held), len(held))
 
 
 def test_a_misordered_stack_is_caught_by_the_same_comparison(tiny_ck, tmp_path, monkeypatch):
