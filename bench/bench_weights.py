@@ -16,12 +16,13 @@ Steps, each in a fresh process:
    DONTNEED`, this file only: no root, no global cache drop on a shared machine); that read is listed, but the read speed the load is held against is the
    artifact's own shards read as `dd bs=16M` after their pages are dropped, next to the loads (before and
    after them in turn; the median): a virtual disk reads a file just written from its host's cache, faster
-   than one written minutes before; and the disk's *copy* speed, three times (the median): the checkpoint's
-   files read and written into a new file in 8 MiB blocks, both around the page cache (as `dd iflag=direct
-   oflag=direct bs=8M`, then `fdatasync`): the most a compile can write when its checkpoint is read from the
-   same disk (this virtual disk has one bandwidth for reads and writes together: it copies at about half its
-   write speed). `--checkpoints DIR` keeps the checkpoints elsewhere (`/dev/shm`: the disk then only writes,
-   as for a checkpoint on its own drive);
+   than one written minutes before; and the disk's *copy* speed: the checkpoint's files read and written into
+   a new file in 8 MiB blocks, both around the page cache (as `dd iflag=direct oflag=direct bs=8M`, then
+   `fdatasync`), on one thread and on two (one block's read beside another's write), three times each, the
+   larger median: the most a compile can write when its checkpoint is read from the same disk (this virtual
+   disk has one bandwidth for reads and writes together: it copies at about half its write speed, and no
+   faster on two threads). `--checkpoints DIR` keeps the checkpoints elsewhere (`/dev/shm`: the disk then
+   only writes, as for a checkpoint on its own drive);
 3. `v4compile compile CKPT -o DIR --target sm_90a`: the weight rate is the writer's own line (bytes written,
    hashed and `fdatasync`ed per second of the weights stage; shards of 256 MiB and more go out with O_DIRECT,
    which the line counts); its CPU seconds per GB (every thread); peak RSS of the weights stage above the RSS
@@ -152,36 +153,44 @@ def disk_speed(d: Path, nbytes: int = 512 << 20, block: int = 16 << 20) -> tuple
     return w, r
 
 
-def copy_speed(srcs, d: Path, block: int = 8 << 20) -> float:
-    """Bytes per second of the files `srcs` copied into one new file in `d`, block by block (a read, then its
-    write), with O_DIRECT on both sides where the file system takes it (tmpfs does not: a plain read there),
-    then `fdatasync`: a compile's reads and writes without its CPU work."""
+def copy_speed(srcs, d: Path, threads: int = 1, block: int = 8 << 20) -> float:
+    """Bytes per second of the files `srcs` copied into one new file in `d` in whole blocks (a file's tail is
+    left out), each block read then written by one of `threads` threads (with 2, one block's read overlaps
+    another's write), O_DIRECT on both sides where the file system takes it (tmpfs does not: a plain read
+    there), then `fdatasync`: a compile's reads and writes without its CPU work."""
     import mmap
+    from concurrent.futures import ThreadPoolExecutor
 
     dst = d / "disk-copy.bin"
-    buf, n = mmap.mmap(-1, block), 0  # page-aligned (O_DIRECT)
     evict(srcs)
+    fds, jobs = [], []
     wfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    t0 = time.perf_counter()
     try:
         for p in srcs:
             try:
-                fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+                fds.append(os.open(p, os.O_RDONLY | os.O_DIRECT))
             except OSError:
-                fd = os.open(p, os.O_RDONLY)
-            try:
-                pos = 0
-                while (k := os.preadv(fd, [buf], pos)) == block:  # whole blocks (a file's tail is not copied)
-                    os.pwrite(wfd, buf, n)
-                    pos, n = pos + k, n + k
-            finally:
-                os.close(fd)
+                fds.append(os.open(p, os.O_RDONLY))
+            jobs += [(fds[-1], pos) for pos in range(0, os.fstat(fds[-1]).st_size - block + 1, block)]
+        bufs = [mmap.mmap(-1, block) for _ in range(threads)]  # page-aligned (O_DIRECT)
+
+        def copy(i: int) -> None:
+            fd, pos = jobs[i]
+            buf = bufs[i % threads]
+            if os.preadv(fd, [buf], pos) != block:
+                raise OSError(f"short read from {srcs}")
+            os.pwrite(wfd, buf, i * block)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as ex:  # block i on thread i % threads: each buffer on one thread
+            for k in range(0, len(jobs), threads):
+                list(ex.map(copy, range(k, min(len(jobs), k + threads))))
         os.fdatasync(wfd)
         dt = time.perf_counter() - t0
     finally:
-        os.close(wfd)
+        for fd in fds + [wfd]:
+            os.close(fd)
         dst.unlink()
-    return n / dt
+    return len(jobs) * block / dt
 
 
 def read_speed(paths, block: int = 16 << 20) -> float:
@@ -259,7 +268,8 @@ def main() -> None:
         speeds = [disk_speed(work) for _ in range(3)]  # a virtual disk's speed drifts: the median of three
         wdisk, rdisk = sorted(speeds)[1]
         wdisk_runs = [w for w, _ in speeds]
-        copies = sorted(copy_speed(sorted(ck.glob("*.safetensors")), work) for _ in range(3))
+        files = sorted(ck.glob("*.safetensors"))
+        copies = {n: sorted(copy_speed(files, work, n) for _ in range(3)) for n in (1, 2)}  # the faster's median
         out = work / f"art{label}"
         evict(sorted(ck.glob("*.safetensors")))
         placeholder = {"BENCH_PLACEHOLDER_KERNELS": "1", "BENCH_TESTS_DIR": str(Path(__file__).resolve().parents[1] / "tests")}
@@ -297,7 +307,9 @@ def main() -> None:
         rows.append({"label": label, "ckpt_gb": sum(p.stat().st_size for p in ck.glob("*.safetensors")) / 1e9,
                      "weights_gb": nbytes / 1e9, "largest_mb": largest / 1e6,
                      "disk_w": wdisk / 1e6, "disk_w_runs": [x / 1e6 for x in wdisk_runs],
-                     "disk_copy": copies[1] / 1e6, "disk_copy_runs": [x / 1e6 for x in copies], "disk_r": rdisk / 1e6, "disk_r_runs": [x / 1e6 for x in dd],
+                     "disk_copy": max(c[1] for c in copies.values()) / 1e6,
+                     "disk_copy_runs": {n: [x / 1e6 for x in c]
+                                        for n, c in copies.items()}, "disk_r": rdisk / 1e6, "disk_r_runs": [x / 1e6 for x in dd],
                      "disk_r_fresh": rdisk_fresh / 1e6, "write": wrate / 1e6,
                      "read": nbytes / ld["weights_s"] / 1e6, "read_nohash": nbytes / loads["0"]["weights_s"] / 1e6,
                      "read_runs": [nbytes / x["weights_s"] / 1e6 for x in hashed],
@@ -340,8 +352,9 @@ def report(rows: list[dict], load: str, kernels: str) -> None:
           f"the rates, are what carries over)")
     for w in rows:
         print(f"{w['label']}: disk write = the median of " + ", ".join(f"{r:.0f}" for r in w["disk_w_runs"]) + " MB/s")
-        print(f"{w['label']}: disk copy (the checkpoint's files, O_DIRECT both sides) = the median of "
-              + ", ".join(f"{r:.0f}" for r in w["disk_copy_runs"]) + " MB/s")
+        print(f"{w['label']}: disk copy (the checkpoint's files, O_DIRECT both sides) = the larger median: "
+              + "; ".join(f"{n} thread{'s' * (int(n) > 1)}: " + ", ".join(f"{r:.0f}" for r in runs)
+                          for n, runs in w["disk_copy_runs"].items()) + " MB/s")
         print(f"{w['label']}: disk read = the shards read as dd bs=16M next to the loads, median of "
               + ", ".join(f"{r:.0f}" for r in w["disk_r_runs"]) + f" MB/s (a fresh 512 MiB file: {w['disk_r_fresh']:.0f} MB/s)")
         print(f"{w['label']}: {w['line']}")
