@@ -6,6 +6,7 @@ within 15 % at both sizes and below 2x the largest tensor plus the process's bas
     python bench/bench_weights.py                         # V4-Flash dims: 2 and 6 layers, 4 experts, 8k vocab
     python bench/bench_weights.py --size issue            # 1 and 3 layers (1.6 GB), 10 experts, 32k vocab
     python bench/bench_weights.py --workdir /tmp/bw --keep  # reuse the checkpoints of an earlier run
+    python bench/bench_weights.py --checkpoints /dev/shm/bw  # the checkpoints off the artifact's disk
 
 Steps, each in a fresh process:
 1. two quantised checkpoints with `v4compile init-random --config ... --quantized` (V4-Flash dims, fewer layers,
@@ -15,7 +16,13 @@ Steps, each in a fresh process:
    DONTNEED`, this file only: no root, no global cache drop on a shared machine); that read is listed, but the read speed the load is held against is the
    artifact's own shards read as `dd bs=16M` after their pages are dropped, next to the loads (before and
    after them in turn; the median): a virtual disk reads a file just written from its host's cache, faster
-   than one written minutes before;
+   than one written minutes before; and the disk's *copy* speed: the checkpoint's files read and written into
+   a new file in 8 MiB blocks, both around the page cache (as `dd iflag=direct oflag=direct bs=8M`, then
+   `fdatasync`), on one thread and on two (one block's read beside another's write), three times each, the
+   larger median: the most a compile can write when its checkpoint is read from the same disk (this virtual
+   disk has one bandwidth for reads and writes together: it copies at about half its write speed, and no
+   faster on two threads). `--checkpoints DIR` keeps the checkpoints elsewhere (`/dev/shm`: the disk then
+   only writes, as for a checkpoint on its own drive);
 3. `v4compile compile CKPT -o DIR --target sm_90a`: the weight rate is the writer's own line (bytes written,
    hashed and `fdatasync`ed per second of the weights stage; shards of 256 MiB and more go out with O_DIRECT,
    which the line counts); its CPU seconds per GB (every thread); peak RSS of the weights stage above the RSS
@@ -146,6 +153,46 @@ def disk_speed(d: Path, nbytes: int = 512 << 20, block: int = 16 << 20) -> tuple
     return w, r
 
 
+def copy_speed(srcs, d: Path, threads: int = 1, block: int = 8 << 20) -> float:
+    """Bytes per second of the files `srcs` copied into one new file in `d` in whole blocks (a file's tail is
+    left out), each block read then written by one of `threads` threads (with 2, one block's read overlaps
+    another's write), O_DIRECT on both sides where the file system takes it (tmpfs does not: a plain read
+    there), then `fdatasync`: a compile's reads and writes without its CPU work."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    dst = d / "disk-copy.bin"
+    evict(srcs)
+    fds, jobs = [], []
+    wfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        for p in srcs:
+            try:
+                fds.append(os.open(p, os.O_RDONLY | os.O_DIRECT))
+            except OSError:
+                fds.append(os.open(p, os.O_RDONLY))
+            jobs += [(fds[-1], pos) for pos in range(0, os.fstat(fds[-1]).st_size - block + 1, block)]
+        bufs = [mmap.mmap(-1, block) for _ in range(threads)]  # page-aligned (O_DIRECT)
+
+        def copy(i: int) -> None:
+            fd, pos = jobs[i]
+            buf = bufs[i % threads]
+            if os.preadv(fd, [buf], pos) != block:
+                raise OSError(f"short read from {srcs}")
+            os.pwrite(wfd, buf, i * block)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as ex:  # block i on thread i % threads: each buffer on one thread
+            for k in range(0, len(jobs), threads):
+                list(ex.map(copy, range(k, min(len(jobs), k + threads))))
+        os.fdatasync(wfd)
+        dt = time.perf_counter() - t0
+    finally:
+        for fd in fds + [wfd]:
+            os.close(fd)
+        dst.unlink()
+    return len(jobs) * block / dt
+
+
 def read_speed(paths, block: int = 16 << 20) -> float:
     """The disk's read speed on these very files: plain sequential reads through the page cache after their
     pages are dropped, as `dd if=F of=/dev/null bs=16M`. On a virtual disk the host's own cache makes a file
@@ -204,6 +251,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--workdir", default="/tmp/bench_weights")
+    ap.add_argument("--checkpoints", default=None, help="where the checkpoints are made and kept (default: --workdir)")
     ap.add_argument("--kernels", choices=("placeholder", "real"), default="placeholder")
     ap.add_argument("--load", choices=("stream", "host"), default="stream")
     ap.add_argument("--loads", type=int, default=3, help="hashed loads per checkpoint (the median is reported)")
@@ -212,12 +260,16 @@ def main() -> None:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     # V4-Flash's first 3 layers route by hash
-    cks = [(label, checkpoint(work, label, *dims, min(3, dims[0]))) for label, *dims in SIZES[args.size]]
+    ckdir = Path(args.checkpoints or work)
+    ckdir.mkdir(parents=True, exist_ok=True)
+    cks = [(label, checkpoint(ckdir, label, *dims, min(3, dims[0]))) for label, *dims in SIZES[args.size]]
     rows = []
     for label, ck in cks:
         speeds = [disk_speed(work) for _ in range(3)]  # a virtual disk's speed drifts: the median of three
         wdisk, rdisk = sorted(speeds)[1]
         wdisk_runs = [w for w, _ in speeds]
+        files = sorted(ck.glob("*.safetensors"))
+        copies = {n: sorted(copy_speed(files, work, n) for _ in range(3)) for n in (1, 2)}  # the faster's median
         out = work / f"art{label}"
         evict(sorted(ck.glob("*.safetensors")))
         placeholder = {"BENCH_PLACEHOLDER_KERNELS": "1", "BENCH_TESTS_DIR": str(Path(__file__).resolve().parents[1] / "tests")}
@@ -254,7 +306,10 @@ def main() -> None:
         rdisk_fresh, rdisk = rdisk, sorted(dd)[len(dd) // 2]
         rows.append({"label": label, "ckpt_gb": sum(p.stat().st_size for p in ck.glob("*.safetensors")) / 1e9,
                      "weights_gb": nbytes / 1e9, "largest_mb": largest / 1e6,
-                     "disk_w": wdisk / 1e6, "disk_w_runs": [x / 1e6 for x in wdisk_runs], "disk_r": rdisk / 1e6, "disk_r_runs": [x / 1e6 for x in dd],
+                     "disk_w": wdisk / 1e6, "disk_w_runs": [x / 1e6 for x in wdisk_runs],
+                     "disk_copy": max(c[1] for c in copies.values()) / 1e6,
+                     "disk_copy_runs": {n: [x / 1e6 for x in c]
+                                        for n, c in copies.items()}, "disk_r": rdisk / 1e6, "disk_r_runs": [x / 1e6 for x in dd],
                      "disk_r_fresh": rdisk_fresh / 1e6, "write": wrate / 1e6,
                      "read": nbytes / ld["weights_s"] / 1e6, "read_nohash": nbytes / loads["0"]["weights_s"] / 1e6,
                      "read_runs": [nbytes / x["weights_s"] / 1e6 for x in hashed],
@@ -273,13 +328,14 @@ def main() -> None:
 
 def report(rows: list[dict], load: str, kernels: str) -> None:
     print(f"\nload: {load}; kernels: {kernels}; MB = 1e6 bytes; RSS in MB")
-    print("| ckpt | ckpt GB | weights GB | largest MB | disk write | compile write (% disk) | disk read | "
-          "load read (% disk) | compile RSS base -> weights peak (+) | compile process peak | "
-          "load RSS base -> peak (+) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| ckpt | ckpt GB | weights GB | largest MB | disk write | disk copy (ckpt -> disk) | compile write "
+          "(% disk write / % disk copy) | disk read | load read (% disk) | compile RSS base -> weights peak (+) | "
+          "compile process peak | load RSS base -> peak (+) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for w in rows:
         print(f"| {w['label']} | {w['ckpt_gb']:.2f} | {w['weights_gb']:.2f} | {w['largest_mb']:.0f} | "
-              f"{w['disk_w']:.0f} MB/s | {w['write']:.0f} MB/s ({100 * w['write'] / w['disk_w']:.0f} %) | "
+              f"{w['disk_w']:.0f} MB/s | {w['disk_copy']:.0f} MB/s | {w['write']:.0f} MB/s "
+              f"({100 * w['write'] / w['disk_w']:.0f} % / {100 * w['write'] / w['disk_copy']:.0f} %) | "
               f"{w['disk_r']:.0f} MB/s | {w['read']:.0f} MB/s ({100 * w['read'] / w['disk_r']:.0f} %) | "
               f"{w['c_base']:.0f} -> {w['c_peak']:.0f} (+{w['c_peak'] - w['c_base']:.0f}) | {w['c_proc']:.0f} | "
               f"{w['l_base']:.0f} -> {w['l_peak']:.0f} (+{w['l_peak'] - w['l_base']:.0f}) |")
@@ -296,6 +352,9 @@ def report(rows: list[dict], load: str, kernels: str) -> None:
           f"the rates, are what carries over)")
     for w in rows:
         print(f"{w['label']}: disk write = the median of " + ", ".join(f"{r:.0f}" for r in w["disk_w_runs"]) + " MB/s")
+        print(f"{w['label']}: disk copy (the checkpoint's files, O_DIRECT both sides) = the larger median: "
+              + "; ".join(f"{n} thread{'s' * (int(n) > 1)}: " + ", ".join(f"{r:.0f}" for r in runs)
+                          for n, runs in w["disk_copy_runs"].items()) + " MB/s")
         print(f"{w['label']}: disk read = the shards read as dd bs=16M next to the loads, median of "
               + ", ".join(f"{r:.0f}" for r in w["disk_r_runs"]) + f" MB/s (a fresh 512 MiB file: {w['disk_r_fresh']:.0f} MB/s)")
         print(f"{w['label']}: {w['line']}")

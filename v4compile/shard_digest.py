@@ -140,6 +140,11 @@ class Lanes:
         self.held += n
         return fut
 
+    def prune(self) -> None:
+        """Forget the oldest updates that are done (a long-lived `Lanes` whose backlog is bounded elsewhere)."""
+        while self.pending and self.pending[0][0].done():
+            self.held -= self.pending.popleft()[1]
+
     def drain(self) -> None:
         for f, _ in self.pending:
             f.result()

@@ -13,9 +13,11 @@ Writing (`plan_weights`, `write_shards`):
 * A shard is made block by block (`CHUNK_BYTES`, a few reused page-aligned buffers): a worker thread
   assembles a block (copied pieces `pread` into their place, converted ones placed from their
   conversion, made once) and writes it at its place in the file (`pwrite`; reads, writes and torch
-  conversions release the GIL; a thread per block in flight, as most of its time is a wait on a disk), while
-  the bytes of the blocks before it are hashed on a few hash threads (`shard_digest.Lanes`: each 8 MiB piece
-  of a tensor's tree digest on the next lane, so one large tensor is hashed on every core). Every byte is
+  conversions release the GIL; a thread per block in flight, as most of its time is a wait on a disk); once
+  assembled, its bytes are hashed on a few hash threads while it is written (`shard_digest.Lanes`: each
+  8 MiB piece of a tensor's tree digest on the next lane, so one large tensor is hashed on every core). The
+  blocks of all the shards are one stream: a shard's last blocks are written, hashed and flushed while the
+  next one's are read (no drain at each shard's end). Every byte is
   copied once (disk to buffer; with O_DIRECT, from a unit-aligned buffer) and hashed once: a shard's digest
   is made of its tensors' digests and its header's (`shard_digest`). A large shard is written with O_DIRECT
   (whole blocks, cut to its size at the end): the page cache's copy and writeback cost more CPU than
@@ -23,8 +25,8 @@ Writing (`plan_weights`, `write_shards`):
   being converted, whatever the checkpoint's size.
 * A checkpoint's weights are laid out in the order of their first source in the checkpoint (sequential
   reads); other sources in name order. Both are deterministic, so the shards are byte-reproducible.
-* Each shard is flushed to disk (`fdatasync`; through the page cache, started in the background every
-  `SYNC_BYTES`) before the artifact is renamed into place, and a progress line (bytes, rate, ETA) is
+* Each shard is flushed to disk (`fdatasync`, on a thread of its own; through the page cache, also started
+  every `SYNC_BYTES`) before the artifact is renamed into place, and a progress line (bytes, rate, ETA) is
   logged every few seconds.
 
 Reading (`MappedWeights`, from `Artifact.weights()`): each shard is mapped; `stream()` gives every
@@ -428,23 +430,31 @@ class _Conversions:
 
 
 def _fill(k: int, parts: list[tuple[_Span, int, int]], buf, size: int, fd: int, direct: bool,
-          w: _ShardWriter) -> None:
+          w: _ShardWriter, ready: Future | None = None) -> None:
     """Assemble block k of a shard (its bytes [k * block, ...)) in `buf`, copied pieces read straight into
-    place, and write it at its place (with O_DIRECT in whole units: the shard is cut to its size at the end)."""
+    place, then (`ready` done: its bytes can be hashed while they are written) write it at its place (with
+    O_DIRECT in whole units: the shard is cut to its size at the end)."""
     block = w.block
     view, base = memoryview(buf), k * block
-    for s, a, e in parts:
-        if w.stop is not None and w.stop.is_set():
-            raise WriteStopped("stopped: another writer failed or was interrupted")
-        dst, p = view[a - base:e - base], s.piece
-        if s.data is not None:
-            dst[:] = s.data[a:e]
-        elif p.copied:
-            w.reader.read_into(p.file, p.offset + a - s.pos, dst)
-            if p.bits is not None and e > a:
-                _check_bits(w.reader, w.source, p, buf, a - base, a - s.pos, e - s.pos)
-        else:
-            w.conv.place(s, a - s.pos, e - s.pos, dst)
+    try:
+        for s, a, e in parts:
+            if w.stop is not None and w.stop.is_set():
+                raise WriteStopped("stopped: another writer failed or was interrupted")
+            dst, p = view[a - base:e - base], s.piece
+            if s.data is not None:
+                dst[:] = s.data[a:e]
+            elif p.copied:
+                w.reader.read_into(p.file, p.offset + a - s.pos, dst)
+                if p.bits is not None and e > a:
+                    _check_bits(w.reader, w.source, p, buf, a - base, a - s.pos, e - s.pos)
+            else:
+                w.conv.place(s, a - s.pos, e - s.pos, dst)
+    except BaseException as e:
+        if ready is not None:
+            ready.set_exception(e)
+        raise
+    if ready is not None:
+        ready.set_result(None)
     end = min(block, size - base)
     out, pos = view[:-(-end // DIRECT_ALIGN) * DIRECT_ALIGN if direct else end], base
     while len(out):
@@ -496,14 +506,13 @@ def write_shards(plans: list[TensorPlan], source, wdir: Path, shard_bytes: int, 
     out = WrittenShards([], {}, {})
     t0 = time.perf_counter()
     w = _ShardWriter(source, workers, max(3, WINDOW_BYTES // share // CHUNK_BYTES), _Progress(total, rel), stop)
+    names = [f"{rel}/weights-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     try:
-        for i, group in enumerate(groups):
-            fname = f"weights-{i:05d}-of-{len(groups):05d}.safetensors"
-            out.file_digest[f"{rel}/{fname}"] = w.write(group, wdir / fname, f"{rel}/{fname}", out.tensors)
-            out.files.append(f"{rel}/{fname}")
-            log.debug("%s: shard %d of %d written (%d tensors)", rel, i + 1, len(groups), len(group))
+        digests = w.write(groups, [wdir / Path(n).name for n in names], names, out.tensors)
     finally:
         w.close()
+    out.files = names
+    out.file_digest = dict(zip(names, digests))
     for p in plans:
         (out.copied if p.path == "copy" else out.converted).append(p.name)
     out.seconds, out.nbytes = time.perf_counter() - t0, total
@@ -515,20 +524,42 @@ def write_shards(plans: list[TensorPlan], source, wdir: Path, shard_bytes: int, 
     return out
 
 
+@dataclass(eq=False)
+class _OpenShard:
+    """A shard being written: its file, its layout and its tensors' hash streams."""
+
+    group: list[TensorPlan]
+    path: Path
+    relname: str
+    head: bytes
+    size: int
+    nblocks: int
+    fd: int = -1
+    direct: bool = False
+    streams: dict[str, tuple] = field(default_factory=dict)  # tensor -> its hash stream (tensors with bytes)
+    futures: list[Future] = field(default_factory=list)  # its blocks' writes and hash updates
+    unsynced: int = 0
+    sync: Future | None = None  # its flush in progress (through the page cache)
+    done: Future | None = None  # cut, flushed, closed and digested (`_ShardWriter._finish`)
+    digest: str = ""
+
+
 class _ShardWriter:
-    """Shards made block by block (CHUNK_BYTES each, in `nbufs` reused page-aligned buffers): each block is
-    assembled and written by a worker (`_fill`: reads, conversions and writes release the GIL), blocks in
-    file order, half of the buffers being filled while the others' bytes are hashed, each 8 MiB piece of a
-    tensor on the next lane (`shard_digest.Lanes`: pieces and tensors in parallel). A buffer is filled again
-    once its hashes are done, so memory is the buffers, a read buffer per filling thread (`_Reader`) and the
-    conversions in flight, whatever the checkpoint's size."""
+    """Shards made block by block (CHUNK_BYTES each, in `nbufs` reused page-aligned buffers), one stream of
+    blocks over all the shards (a shard's last blocks are hashed, written and flushed while the next one's are
+    read: no drain at a shard's end): each block is assembled and then written by a worker (`_fill`: reads,
+    conversions and writes release the GIL), blocks in file order, half of the buffers being filled; a block's
+    bytes go to the hash lanes as soon as it is assembled, while it is written (each 8 MiB piece of a tensor
+    on the next lane: `shard_digest.Lanes`). A buffer is filled again once its write and hashes are done, so
+    memory is the buffers, a read buffer per filling thread (`_Reader`) and the conversions in flight,
+    whatever the checkpoint's size."""
 
     def __init__(self, source, workers: int, nbufs: int, prog: _Progress, stop: threading.Event | None):
         self.source, self.prog, self.stop = source, prog, stop
         self.direct = 0  # shards written with O_DIRECT
         self.block = CHUNK_BYTES
         self.bufs = [mmap.mmap(-1, self.block) for _ in range(nbufs)]  # page-aligned (O_DIRECT)
-        self.hashing: list[list[Future]] = [[] for _ in self.bufs]  # each buffer's hash updates
+        self.busy: list[list[Future]] = [[] for _ in self.bufs]  # each buffer's write and hash updates
         self.ahead = max(1, nbufs // 2)  # blocks being filled; the other buffers' bytes are being hashed
         self.reader, self.conv = _Reader(self.block), _Conversions()
         # a thread per block being filled: most of a block's time is a wait on a disk (its read, its write),
@@ -537,64 +568,98 @@ class _ShardWriter:
         self.lanes = Lanes(workers, 1 << 62)  # bounded by the buffers
         self.syncer = ThreadPoolExecutor(1, thread_name_prefix="fdatasync")
 
-    def write(self, group: list[TensorPlan], path: Path, relname: str, tensors: dict[str, dict]) -> str:
-        """One shard; its tensors' entries go into `tensors`; returns its digest."""
-        head = shard_header(group)
-        spans, size = _layout(head, group)
-        fd, direct = _create(path, size >= DIRECT_BYTES and self.block % DIRECT_ALIGN == 0)
-        self.direct += direct
-        streams: dict[str, tuple] = {}  # tensor -> its hash stream (tensors with bytes)
-        pending: deque[tuple[int, list, Future]] = deque()  # blocks being filled, in file order
-        unsynced, sync = 0, None
+    def write(self, groups: list[list[TensorPlan]], paths: list[Path], relnames: list[str],
+              tensors: dict[str, dict]) -> list[str]:
+        """The shards, in order; their tensors' entries go into `tensors`; returns their digests."""
+        shards: list[_OpenShard] = []  # those begun
+        pending: deque[tuple[_OpenShard, int, list, int, Future]] = deque()  # blocks being filled, in order
 
-        def hash_next() -> int:  # the oldest block, once written: its tensors' bytes to their lanes
-            k, parts, fut = pending.popleft()
-            fut.result()
-            b = k % len(self.bufs)
+        def hash_next() -> None:  # the oldest block, once assembled: its tensors' bytes to their lanes
+            sh, k, parts, b, ready = pending.popleft()
+            ready.result()
             view, base, n = memoryview(self.bufs[b]), k * self.block, 0
             for s, a, e in parts:
                 if s.tensor is not None and e > a:
-                    if s.tensor.name not in streams:
-                        streams[s.tensor.name] = self.lanes.stream()
-                    self.hashing[b].append(self.lanes.submit(streams[s.tensor.name], view[a - base:e - base]))
+                    if s.tensor.name not in sh.streams:
+                        sh.streams[s.tensor.name] = self.lanes.stream()
+                    fut = self.lanes.submit(sh.streams[s.tensor.name], view[a - base:e - base])
+                    self.busy[b].append(fut)
+                    sh.futures.append(fut)
                     n += e - a
             self.prog.add(n)
-            return n
+            self.lanes.prune()
+            sh.unsynced += n
+            if not sh.direct and sh.unsynced >= SYNC_BYTES and (sh.sync is None or sh.sync.done()):
+                sh.sync, sh.unsynced = self.syncer.submit(os.fdatasync, sh.fd), 0  # dirty pages go out as they come
+            if k == sh.nblocks - 1:  # its last block: cut, flushed and closed once written and hashed
+                sh.done = self.syncer.submit(self._finish, sh)
 
         try:
-            for k, parts in enumerate(_blocks(spans, size, self.block)):
-                if self.stop is not None and self.stop.is_set():
-                    raise WriteStopped(f"writing {relname} stopped: another writer failed or was interrupted")
-                if len(pending) >= self.ahead:
-                    unsynced += hash_next()
-                b = k % len(self.bufs)
-                for f in self.hashing[b]:  # its last block's bytes are hashed before it is filled again
-                    f.result()
-                self.hashing[b].clear()
-                pending.append((k, parts, self.pool.submit(_fill, k, parts, self.bufs[b], size, fd, direct, self)))
-                if not direct and unsynced >= SYNC_BYTES and (sync is None or sync.done()):
-                    sync, unsynced = self.syncer.submit(os.fdatasync, fd), 0  # dirty pages go out as they come
+            seq = 0
+            for group, path, relname in zip(groups, paths, relnames):
+                head = shard_header(group)
+                spans, size = _layout(head, group)
+                sh = _OpenShard(group, path, relname, head, size, max(1, -(-size // self.block)))
+                shards.append(sh)
+                sh.fd, sh.direct = _create(sh.path, sh.size >= DIRECT_BYTES and self.block % DIRECT_ALIGN == 0)
+                self.direct += sh.direct
+                for k, parts in enumerate(_blocks(spans, size, self.block)):
+                    if self.stop is not None and self.stop.is_set():
+                        raise WriteStopped(f"writing {sh.relname} stopped: another writer failed or was interrupted")
+                    if len(pending) >= self.ahead:
+                        hash_next()
+                    b = seq % len(self.bufs)
+                    seq += 1
+                    for f in self.busy[b]:  # its last block is written and hashed before it is filled again
+                        f.result()
+                    self.busy[b].clear()
+                    ready: Future = Future()
+                    written = self.pool.submit(_fill, k, parts, self.bufs[b], sh.size, sh.fd, sh.direct, self, ready)
+                    self.busy[b].append(written)
+                    sh.futures.append(written)
+                    pending.append((sh, k, parts, b, ready))
             while pending:
                 hash_next()
-            self.lanes.drain()
-            if direct:
-                os.ftruncate(fd, size)
-            if sync is not None:
-                sync.result()
-            os.fdatasync(fd)
+            for sh in shards:
+                sh.done.result()
         finally:
-            for _, _, f in pending:  # nothing may still write to the descriptor
-                f.exception()
-            if sync is not None:
-                sync.exception()
-            os.close(fd)
-        digests = [tree_digest(head).digest()]
-        for t in group:  # file order; a tensor with no bytes is hashed too, but is no segment
-            sha = streams[t.name][0] if t.nbytes else Tree()
+            for f in [f for sh in shards for f in sh.futures] + [sh.done for sh in shards if sh.done is not None]:
+                f.exception()  # nothing may still write to a descriptor
+            for sh in shards:
+                if sh.sync is not None:
+                    sh.sync.exception()
+                if sh.fd >= 0:
+                    os.close(sh.fd)
+                    sh.fd = -1
+        for sh in shards:  # in shard order, each in file order
+            for t in sh.group:
+                tensors[t.name] = {"shard": sh.relname, "dtype": t.dtype, "shape": list(t.shape),
+                                   "sha256": sh.streams[t.name]}
+        return [sh.digest for sh in shards]
+
+    @staticmethod
+    def _finish(sh: _OpenShard) -> None:
+        """Once its blocks are written and hashed: cut to its size (O_DIRECT wrote whole units), flushed to
+        the disk, closed (on the flushing thread: the next shard's blocks go on meanwhile), and its digests
+        made (its hash objects and futures dropped: what stays per shard is a few strings)."""
+        for f in sh.futures:
+            f.result()
+        if sh.direct:
+            os.ftruncate(sh.fd, sh.size)
+        if sh.sync is not None:
+            sh.sync.result()
+        os.fdatasync(sh.fd)
+        os.close(sh.fd)
+        sh.fd = -1
+        digests, shas = [tree_digest(sh.head).digest()], {}
+        for t in sh.group:  # file order; a tensor with no bytes is hashed too, but is no segment
+            sha = sh.streams[t.name][0] if t.nbytes else Tree()
             if t.nbytes:
                 digests.append(sha.digest())
-            tensors[t.name] = {"shard": relname, "dtype": t.dtype, "shape": list(t.shape), "sha256": sha.hexdigest()}
-        return combine(digests)
+            shas[t.name] = sha.hexdigest()
+        sh.digest, sh.streams, sh.head = combine(digests), shas, b""  # (streams: now each tensor's sha256, hex)
+        sh.futures.clear()
+        log.debug("%s written (%d tensors)", sh.relname, len(sh.group))
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

@@ -139,6 +139,72 @@ def test_every_tensor_is_the_per_tensor_readers_bytes_and_hashed(tiny_ck, tmp_pa
     assert path["layers.0.ffn.experts.w1"] == "copy"  # a stack of 8 stored tensors, copied without decoding
 
 
+@pytest.mark.parametrize("fault", [None, "hashed before assembled", "never pruned"])
+def test_shards_overlap_and_each_is_whole_and_hashed(tiny_ck, tmp_path, monkeypatch, fault):
+    """The writer's blocks run as one stream over all the shards (no drain at a shard's end): with shards of
+    64 KiB, 4 KiB blocks and 4 of them filled at once, a shard's first blocks are filled before the one
+    before it is finished (cut, flushed, closed, digested) — and still every tensor is `load_ir_weights`'s
+    bytes, its sha256 the tree digest of those bytes and every shard's digest that of its bytes (cut back to
+    its size: O_DIRECT writes whole units). A block's bytes go to the hash lanes once it is assembled, while
+    it is written; a fault, a block handed to the lanes before it is assembled (the buffer still holding
+    an older block), gives some tensors a digest that is not their bytes'. The lanes' record of updates in
+    flight stays a few blocks' worth, whatever the model's size; the other fault, a writer that never forgets
+    the updates that are done, keeps one per update."""
+    import time
+
+    from v4compile import driver
+
+    monkeypatch.setattr(driver, "SHARD_BYTES", 64 << 10)
+    monkeypatch.setattr(weights_io, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(weights_io, "WINDOW_BYTES", 8 * 4096)
+    monkeypatch.setattr(weights_io, "DIRECT_BYTES", 0)
+    events, shard_of = [], {}  # what the writer's own thread hands over, in order: (block filled | shard finished)
+    held = []  # the lanes' updates on record after each one is handed over
+    real_create, real_fill, real_init = weights_io._create, weights_io._fill, weights_io._ShardWriter.__init__
+
+    def create(path, direct):
+        fd, d = real_create(path, direct)
+        shard_of[fd] = path.name
+        return fd, d
+
+    def init(self, *a):
+        real_init(self, *a)
+        fills, finishes = self.pool.submit, self.syncer.submit
+        self.pool.submit = lambda fn, k, parts, buf, size, fd, *x: (
+            events.append(("fill", shard_of[fd], k)) or fills(fn, k, parts, buf, size, fd, *x))
+        self.syncer.submit = lambda fn, *x: (
+            events.append(("finish", x[0].path.name, 0)) if fn == self._finish else None) or finishes(fn, *x)
+        hashes = self.lanes.submit
+        self.lanes.submit = lambda *x: (hashes(*x), held.append(len(self.lanes.pending)))[0]
+        if fault == "never pruned":
+            self.lanes.prune = lambda: None
+
+    def fill(k, parts, buf, size, fd, direct, w, ready=None):
+        if fault == "hashed before assembled" and ready is not None:
+            ready.set_result(None)
+            time.sleep(0.002)  # the lanes take the buffer's bytes now
+            ready = None
+        real_fill(k, parts, buf, size, fd, direct, w, ready)
+    monkeypatch.setattr(weights_io, "_create", create)
+    monkeypatch.setattr(weights_io._ShardWriter, "__init__", init)
+    monkeypatch.setattr(weights_io, "_fill", fill)
+    entry, hashes, _ = write(tiny_ck, tmp_path / "a", workers=2)
+    names = sorted(Path(r).name for r in entry["shards"])
+    assert len(names) > 6
+    at = {e: i for i, e in enumerate(events)}
+    overlapped = sum(at[("fill", b, 0)] < at[("finish", a, 0)] for a, b in zip(names, names[1:]))
+    with Checkpoint.open(tiny_ck) as ck:
+        want = load_ir_weights(gpu_module(ck), ck)
+    shards = {rel: weights_io.map_shard(tmp_path / "a" / rel, ArtifactError) for rel in entry["shards"]}
+    assert all(bytes(shards[t["shard"]].bytes_of(n)) == want[n].contiguous().reshape(-1).view(torch.uint8).numpy()
+               .tobytes() for n, t in entry["tensors"].items())  # the bytes are right either way
+    wrong = [n for n, t in entry["tensors"].items() if t["sha256"] != tree(bytes(shards[t["shard"]].bytes_of(n))).hex()]
+    wrong += [rel for rel in entry["shards"] if hashes[rel] != digest_of_bytes((tmp_path / "a" / rel).read_bytes())]
+    assert overlapped == len(names) - 1
+    assert (wrong == []) == (fault != "hashed before assembled"), wrong
+    assert (max(held) < len(held) // 4) == (fault != "never pruned"), (max(held), len(held))
+
+
 def test_a_misordered_stack_is_caught_by_the_same_comparison(tiny_ck, tmp_path, monkeypatch):
     """The comparison above catches a stack of experts copied in the wrong order."""
     real = weights_io.plan_weights
