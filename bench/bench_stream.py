@@ -173,7 +173,8 @@ def step_floor(art_path, fname: str, k: int, vocab: int, bw: float, flops: float
     after another on one thread; everything that is not a weight's GEMM (attention, norms, mHC) counted as
     free). A dense matrix multiplies every token's row, except the LM head (first dimension `vocab`): the last
     token of each sequence; a routed expert stack multiplies tokens x k rows in all and reads
-    min(E, tokens x k) experts' matrices. An embedding is one row a token, read only."""
+    min(E, tokens x k) experts' matrices: exact at one token (k distinct experts); with more tokens the routing
+    may pick fewer, and the figure is then not a bound. An embedding is one row a token, read only."""
     import onnx
 
     from v4compile.artifact import load_artifact
