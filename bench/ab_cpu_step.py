@@ -1,11 +1,15 @@
-"""Paired A/B of the cpu device's decode step: two compiled artifacts (e.g. before / after a change to the
-ONNX lowerings), the same prompt, their decode steps timed in interleaved rounds.
+"""The cpu device's decode step: a paired A/B of two compiled artifacts (e.g. before / after a change to the
+ONNX lowerings: the same prompt, their decode steps timed in interleaved rounds), node counts and ONNX
+Runtime's profile of one.
 
     python bench/ab_cpu_step.py compile OUT [--config tiny]       # bench_cpu's artifact, this checkout's code
     python bench/ab_cpu_step.py run A B [--rounds 15] [--steps 32] [--batch 1] [--clock cpu] [--nodes]
+    python bench/ab_cpu_step.py nodes ART [--batch 1]             # decode nodes by IR op and by ONNX op
+    python bench/ab_cpu_step.py profile ART [--steps 16]          # ONNX Runtime's profile of decode b1, us a step
 
 `compile` builds bench_cpu.py's artifact (fp32, hf numerics, seeded weights; decode b1 / b8, prefill 64).
-`run` loads both (one thread each), checks that they emit the same greedy tokens, then alternates rounds
+`run` loads both (one thread each), checks that they emit the same greedy tokens (and says whether their
+logits stayed bit-identical), then alternates rounds
 (the order flipping each round: a burst of load falls on both): each round prefills the same 64-token
 prompt and times `--steps` decode steps. It prints each side's median and minimum us per step (on a
 shared machine the minimum is the least disturbed), the median of the per-round ratios B / A and their
@@ -16,8 +20,12 @@ runs on a shared 2-core machine (A A: ratio 1.021): run `A B` and `B A`, take th
 from __future__ import annotations
 
 import argparse
+import collections
+import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +52,51 @@ def node_count(art: str, batch: int) -> int:
     return len(onnx.load(str(Path(art) / f"onnx/decode_b{batch}.onnx"), load_external_data=False).graph.node)
 
 
+def nodes(art: str, batch: int) -> None:
+    import onnx
+
+    g = onnx.load(str(Path(art) / f"onnx/decode_b{batch}.onnx"), load_external_data=False).graph
+    print(f"decode_b{batch}: {len(g.node)} nodes")
+    print("by IR op:", dict(collections.Counter(n.doc_string.split(" ")[0] for n in g.node).most_common()))
+    print("by ONNX op:", dict(collections.Counter(n.op_type for n in g.node).most_common()))
+
+
+def profile(art: str, steps: int) -> None:
+    """ONNX Runtime's profiler over `steps` decode b1 steps (it slows every node: `run` times without it)."""
+    import onnx
+
+    from v4compile.artifact import load_artifact
+    from v4compile.runtime.cpu_backend import OrtBackend
+    from v4compile.runtime.session import Session
+
+    d = tempfile.mkdtemp(prefix="ab_prof_")
+    a = load_artifact(art)
+    be = OrtBackend(a, threads=1, profile=d)
+    s = Session(a, be)
+    seqs, lg = s.prefill([list(range(1, PROMPT + 1))])
+    tok = [int(lg[0].argmax())]
+    for _ in range(steps):
+        tok = [int(s.decode(seqs, tok)[0].argmax())]
+    f = next(x for x in be.end_profiling() if "decode_b1" in os.path.basename(x))
+    doc = {n.name: n.doc_string.split(" ")[0] for n in
+           onnx.load(str(Path(art) / "onnx/decode_b1.onnx"), load_external_data=False).graph.node}
+    by_type, by_ir, by_ir_type = collections.Counter(), collections.Counter(), collections.Counter()
+    runs = 0
+    for e in json.load(open(f)):
+        if e.get("cat") == "Session" and e["name"] == "model_run":
+            runs += 1
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            ir = doc.get(e["name"][: -len("_kernel_time")], "(fused by ORT)")
+            by_type[e["args"]["op_name"]] += e["dur"]
+            by_ir[ir] += e["dur"]
+            by_ir_type[(ir, e["args"]["op_name"])] += e["dur"]
+    runs = max(runs, 1)  # the decode_b1 session's runs: the decode steps
+    print(f"profiled us/step {sum(by_type.values()) / runs:.0f} over {runs} runs")
+    print("by ONNX op:", {k: round(v / runs) for k, v in by_type.most_common(16)})
+    print("by IR op:", {k: round(v / runs) for k, v in by_ir.most_common(16)})
+    print("by (IR op, ONNX op):", {f"{a}/{b}": round(v / runs) for (a, b), v in by_ir_type.most_common(40)})
+
+
 def run(a: str, b: str, rounds: int, steps: int, batch: int, clock, nodes: bool) -> None:
     from v4compile.runtime import load
 
@@ -54,25 +107,28 @@ def run(a: str, b: str, rounds: int, steps: int, batch: int, clock, nodes: bool)
         sessions.append(s)
     prompts = [np.random.default_rng(i).integers(0, sessions[0].vocab, PROMPT).tolist() for i in range(batch)]
 
-    def one(s) -> tuple[float, list]:
+    def one(s) -> tuple[float, list, np.ndarray]:
         seqs, lg = s.prefill(prompts)
         toks = [int(x) for x in lg.argmax(-1)]
         out = [toks]
         toks = [int(x) for x in s.decode(seqs, toks).argmax(-1)]  # first decode step untimed
         t = clock()
         for _ in range(steps):
-            toks = [int(x) for x in s.decode(seqs, toks).argmax(-1)]
+            lg = s.decode(seqs, toks)
+            toks = [int(x) for x in lg.argmax(-1)]
             out.append(toks)
         dt = (clock() - t) / steps
         for q in seqs:
             s.release(q)
-        return dt * 1e6, out
+        return dt * 1e6, out, lg
 
     ta, tb, ratio = [], [], []
+    identical = True
     for r in range(rounds):
         got = {i: one(sessions[i]) for i in ((0, 1) if r % 2 == 0 else (1, 0))}
         if got[0][1] != got[1][1]:
             print("the two artifacts' greedy tokens differ", flush=True)
+        identical = identical and bool(np.array_equal(got[0][2], got[1][2]))
         ta.append(got[0][0])
         tb.append(got[1][0])
         ratio.append(got[1][0] / got[0][0])
@@ -82,7 +138,8 @@ def run(a: str, b: str, rounds: int, steps: int, batch: int, clock, nodes: bool)
     print(f"B {b}: median {statistics.median(tb):.1f} us/step, min {min(tb):.1f}" +
           (f", {node_count(b, batch)} nodes" if nodes else ""))
     print(f"B / A per round: median {statistics.median(ratio):.3f} (quartiles {q[0]:.3f} .. {q[2]:.3f}, "
-          f"{rounds} rounds of {steps} decode b{batch} steps)", flush=True)
+          f"{rounds} rounds of {steps} decode b{batch} steps, load {os.getloadavg()[0]:.2f}); last logits "
+          f"bit-identical: {identical}", flush=True)
 
 
 def main() -> int:
@@ -99,9 +156,19 @@ def main() -> int:
     r.add_argument("--batch", type=int, default=1, choices=(1, 8))
     r.add_argument("--clock", choices=("wall", "cpu"), default="cpu")
     r.add_argument("--nodes", action="store_true", help="also print each artifact's exported decode node count")
+    n = sub.add_parser("nodes")
+    n.add_argument("art")
+    n.add_argument("--batch", type=int, default=1, choices=(1, 8))
+    p = sub.add_parser("profile")
+    p.add_argument("art")
+    p.add_argument("--steps", type=int, default=16)
     args = ap.parse_args()
     if args.cmd == "compile":
         compile_one(args.out, args.config)
+    elif args.cmd == "nodes":
+        nodes(args.art, args.batch)
+    elif args.cmd == "profile":
+        profile(args.art, args.steps)
     else:
         import torch
 
