@@ -260,6 +260,7 @@ def test_byte_reproducible_whatever_the_workers(tiny_ck, tmp_path, monkeypatch, 
     if mode.startswith("direct") or mode == "odd blocks":  # the checkpoint read with O_DIRECT too
         monkeypatch.setattr(weights_io, "DIRECT_BYTES", 0)
     read_direct, real_direct = [], weights_io._direct
+    monkeypatch.setattr(weights_io, "_cached", lambda fd, n: False)  # a cold checkpoint (it was just written)
     monkeypatch.setattr(weights_io, "_direct", lambda *x: read_direct.append(real_direct(*x)) or read_direct[-1])
     if mode == "direct refused":
         real_open = os.open
@@ -361,6 +362,32 @@ def read_all(art_dir: Path, how: str) -> None:
         w.close()
 
 
+def test_a_file_in_the_page_cache_is_read_through_it(tmp_path, monkeypatch):
+    """A large file mostly in the page cache (a checkpoint just downloaded, an artifact just written) is read
+    through the cache, not with O_DIRECT from the disk again; once its pages are dropped, with O_DIRECT. The
+    probe (`_cached`, mincore) reads nothing: the dropped file stays out of the cache after it."""
+    f = tmp_path / "big"
+    f.write_bytes(os.urandom(1 << 20))
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.read(fd, 1 << 20)
+        assert weights_io._cached(fd, 1 << 20)
+        monkeypatch.setattr(weights_io, "DIRECT_BYTES", 0)
+        assert weights_io._direct(f, fd, 1 << 20, 4096) is None
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if weights_io._cached(fd, 1 << 20):
+            pytest.skip("this file system keeps the pages (tmpfs)")
+        assert not weights_io._cached(fd, 1 << 20)  # the probe itself brought nothing in
+        d = weights_io._direct(f, fd, 1 << 20, 4096)
+        if d is None and not direct_writes_work(tmp_path):
+            pytest.skip("this file system refuses O_DIRECT")
+        assert d is not None
+        os.close(d)
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("read", ["cached", "direct"])
 def test_the_streaming_readers_give_every_tensor_with_its_hash(tiny_ck, tmp_path, monkeypatch, read):
     """`load_artifact(defer_weights=True)` leaves the shards to the streaming readers (mapped views, or
@@ -372,6 +399,7 @@ def test_the_streaming_readers_give_every_tensor_with_its_hash(tiny_ck, tmp_path
         opened = []
         real = weights_io._direct
         monkeypatch.setattr(weights_io, "DIRECT_BYTES", 0)
+        monkeypatch.setattr(weights_io, "_cached", lambda fd, n: False)  # as if the shards had left the cache
         monkeypatch.setattr(weights_io, "_direct", lambda *a: opened.append(real(*a)) or opened[-1])
     w = load_artifact(tmp_path / "a", defer_weights=True).weights()
     assert [n for n, _ in w.stream()] == sorted(entry["tensors"], key=lambda n: w.shards[w.shard_of[n]].tensors[n].begin)
@@ -609,6 +637,7 @@ CAPPED = textwrap.dedent('''
     from v4compile.errors import ArtifactError
     weights_io.CHUNK_BYTES, weights_io.WINDOW_BYTES = 1 << 20, 4 << 20
     weights_io.DIRECT_BYTES = 0  # a large checkpoint's paths: O_DIRECT reads (a buffer per thread) and writes
+    weights_io._cached = lambda fd, n: False  # (the checkpoint was just written: as if it had left the cache)
     ck = Checkpoint.open(sys.argv[1]).validate()  # as `compile` does, before any weight is written
     m = trace(ck.cfg, TraceOptions(decode_batch=1, dtype="bf16"), functions=("decode",), formats=ck.stored_formats())
     out = Path(sys.argv[2]) / "weights"
