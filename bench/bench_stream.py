@@ -121,17 +121,16 @@ def ort_gemm_m1(repeats: int, n: int = 200) -> float:
     return n * 512 * 1024 * 4 / best_of(lambda: s.run(None, x), repeats)
 
 
-def step_bytes(art_path, fname: str, k: int) -> dict[str, float]:
-    """The weight bytes one run of `fname` reads: every weight input once, except an input only Gathered
-    (an embedding: one row a token) and the per-expert views (`codegen/onnx_weights` derived entries with
-    an index: a zero-row Gemm reads nothing, so min(E, tokens x k) experts of each stack)."""
+def step_weights(art_path, fname: str) -> tuple[dict, list[tuple[str, str, list[int], str | None]]]:
+    """The artifact's cpu function `fname` (its spec) and each weight input its graph reads: (name, kind, shape,
+    stack), kind `expert` (a per-expert view, `codegen/onnx_weights` derived entries with an index; stack: the
+    stacked weight it views), `gathered` (only Gathered: an embedding), `matrix` (a 2-D operand of a GEMM) or
+    `other`."""
     import onnx
 
     from v4compile.artifact import load_artifact
 
-    art = load_artifact(art_path)
-    spec = art.target("cpu")["functions"][fname]
-    tokens = spec["batch"] * spec["tokens"]
+    spec = load_artifact(art_path).target("cpu")["functions"][fname]
     g = onnx.load(str(Path(art_path) / spec["file"]), load_external_data=False).graph
     shape = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in g.input}
     consumers: dict[str, set] = {}
@@ -139,16 +138,35 @@ def step_bytes(art_path, fname: str, k: int) -> dict[str, float]:
         for i in n.input:
             consumers.setdefault(i, set()).add(n.op_type)
     derived = spec.get("derived", {})
-    dense = rows = 0.0
-    stacks: dict[str, list[int]] = {}
-    for name in set(spec["weights"]) | set(derived):
+    out = []
+    for name in sorted(set(spec["weights"]) | set(derived)):
         if name not in consumers:
             continue
-        nbytes = 4 * int(np.prod(shape[name]))
         if name in derived and derived[name]["index"] is not None:
-            stacks.setdefault(derived[name]["of"], []).append(nbytes)
+            out.append((name, "expert", shape[name], derived[name]["of"]))
         elif consumers[name] == {"Gather"}:
-            rows += min(tokens, shape[name][0]) * nbytes / shape[name][0]
+            out.append((name, "gathered", shape[name], None))
+        elif consumers[name] & {"Gemm", "MatMul", "FusedMatMul"} and len(shape[name]) == 2:
+            out.append((name, "matrix", shape[name], None))
+        else:
+            out.append((name, "other", shape[name], None))
+    return spec, out
+
+
+def step_bytes(art_path, fname: str, k: int) -> dict[str, float]:
+    """The weight bytes one run of `fname` reads: every weight input once, except an input only Gathered
+    (an embedding: one row a token) and the per-expert views (a zero-row Gemm reads nothing, so
+    min(E, tokens x k) experts of each stack)."""
+    spec, weights = step_weights(art_path, fname)
+    tokens = spec["batch"] * spec["tokens"]
+    dense = rows = 0.0
+    stacks: dict[str, list[int]] = {}
+    for _, kind, shape, stack in weights:
+        nbytes = 4 * int(np.prod(shape))
+        if kind == "expert":
+            stacks.setdefault(stack, []).append(nbytes)
+        elif kind == "gathered":
+            rows += min(tokens, shape[0]) * nbytes / shape[0]
         else:
             dense += nbytes
     experts = sum(min(len(b), tokens * k) * max(b) for b in stacks.values())
@@ -175,32 +193,18 @@ def step_floor(art_path, fname: str, k: int, vocab: int, bw: float, flops: float
     token of each sequence; a routed expert stack multiplies tokens x k rows in all and reads
     min(E, tokens x k) experts' matrices: exact at one token (k distinct experts); with more tokens the routing
     may pick fewer, and the figure is then not a bound. An embedding is one row a token, read only."""
-    import onnx
-
-    from v4compile.artifact import load_artifact
-
-    art = load_artifact(art_path)
-    spec = art.target("cpu")["functions"][fname]
+    spec, weights = step_weights(art_path, fname)
     batch, tokens = spec["batch"], spec["batch"] * spec["tokens"]
-    g = onnx.load(str(Path(art_path) / spec["file"]), load_external_data=False).graph
-    shape = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in g.input}
-    consumers: dict[str, set] = {}
-    for n in g.node:
-        for i in n.input:
-            consumers.setdefault(i, set()).add(n.op_type)
-    derived = spec.get("derived", {})
     floor = 0.0
     stacks: dict[str, list[int]] = {}
-    for name in set(spec["weights"]) | set(derived):
-        if name not in consumers:
-            continue
-        numel = int(np.prod(shape[name]))
-        if name in derived and derived[name]["index"] is not None:
-            stacks.setdefault(derived[name]["of"], []).append(numel)
-        elif consumers[name] == {"Gather"}:
-            floor += min(tokens, shape[name][0]) * 4 * numel / shape[name][0] / bw
-        elif consumers[name] & {"Gemm", "MatMul", "FusedMatMul"} and len(shape[name]) == 2:
-            rows = batch if shape[name][0] == vocab else tokens
+    for _, kind, shape, stack in weights:
+        numel = int(np.prod(shape))
+        if kind == "expert":
+            stacks.setdefault(stack, []).append(numel)
+        elif kind == "gathered":
+            floor += min(tokens, shape[0]) * 4 * numel / shape[0] / bw
+        elif kind == "matrix":
+            rows = batch if shape[0] == vocab else tokens
             floor += max(4 * numel / bw, 2 * rows * numel / flops)
         else:
             floor += 4 * numel / bw
