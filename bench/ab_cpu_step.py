@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import statistics
 import sys
@@ -63,38 +62,13 @@ def nodes(art: str, batch: int) -> None:
 
 def profile(art: str, steps: int) -> None:
     """ONNX Runtime's profiler over `steps` decode b1 steps (it slows every node: `run` times without it)."""
-    import onnx
+    import bench_cpu
 
-    from v4compile.artifact import load_artifact
-    from v4compile.runtime.cpu_backend import OrtBackend
-    from v4compile.runtime.session import Session
-
-    d = tempfile.mkdtemp(prefix="ab_prof_")
-    a = load_artifact(art)
-    be = OrtBackend(a, threads=1, profile=d)
-    s = Session(a, be)
-    seqs, lg = s.prefill([list(range(1, PROMPT + 1))])
-    tok = [int(lg[0].argmax())]
-    for _ in range(steps):
-        tok = [int(s.decode(seqs, tok)[0].argmax())]
-    f = next(x for x in be.end_profiling() if "decode_b1" in os.path.basename(x))
-    doc = {n.name: n.doc_string.split(" ")[0] for n in
-           onnx.load(str(Path(art) / "onnx/decode_b1.onnx"), load_external_data=False).graph.node}
-    by_type, by_ir, by_ir_type = collections.Counter(), collections.Counter(), collections.Counter()
-    runs = 0
-    for e in json.load(open(f)):
-        if e.get("cat") == "Session" and e["name"] == "model_run":
-            runs += 1
-        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
-            ir = doc.get(e["name"][: -len("_kernel_time")], "(fused by ORT)")
-            by_type[e["args"]["op_name"]] += e["dur"]
-            by_ir[ir] += e["dur"]
-            by_ir_type[(ir, e["args"]["op_name"])] += e["dur"]
-    runs = max(runs, 1)  # the decode_b1 session's runs: the decode steps
-    print(f"profiled us/step {sum(by_type.values()) / runs:.0f} over {runs} runs")
-    print("by ONNX op:", {k: round(v / runs) for k, v in by_type.most_common(16)})
-    print("by IR op:", {k: round(v / runs) for k, v in by_ir.most_common(16)})
-    print("by (IR op, ONNX op):", {f"{a}/{b}": round(v / runs) for (a, b), v in by_ir_type.most_common(40)})
+    files = bench_cpu.ort_profile(art, 1, steps, tempfile.mkdtemp(prefix="ab_prof_"))
+    p = bench_cpu.profile_breakdown(files, art, top=20, pairs=True)
+    print(f"profiled us/step {p['profiled_us_per_step']} over {p['runs']} runs, {p['nodes']} nodes")
+    for k in ("by_onnx_op", "by_ir_op", "by_ir_and_onnx_op"):
+        print(k, p[k])
 
 
 def run(a: str, b: str, rounds: int, steps: int, batch: int, clock, nodes: bool) -> None:

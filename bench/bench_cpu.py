@@ -192,25 +192,33 @@ def interleaved(engines: dict, steps: int, repeats: int) -> dict:
     return {n: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for n, rs in runs.items()}
 
 
-def profile_breakdown(files, art):
+def profile_breakdown(files, art, top: int = 8, pairs: bool = False):
+    """decode b1's profiled time a step by ONNX op and by IR op (the `top` largest; `pairs`: also by both)."""
     import onnx
 
     f = next((x for x in files if "decode_b1" in os.path.basename(x)), None)
     if f is None:
         return {}
-    doc = {n.name: n.doc_string.split(" ")[0] for n in onnx.load(str(Path(art) / "onnx/decode_b1.onnx")).graph.node}
-    by_type, by_ir = collections.Counter(), collections.Counter()
+    doc = {n.name: n.doc_string.split(" ")[0] for n in
+           onnx.load(str(Path(art) / "onnx/decode_b1.onnx"), load_external_data=False).graph.node}
+    by_type, by_ir, by_pair = collections.Counter(), collections.Counter(), collections.Counter()
     runs = 0
     for e in json.load(open(f)):
         if e.get("cat") == "Session" and e["name"] == "model_run":
             runs += 1
         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            ir = doc.get(e["name"][: -len("_kernel_time")], "(fused by ORT)")
             by_type[e["args"]["op_name"]] += e["dur"]
-            by_ir[doc.get(e["name"][: -len("_kernel_time")], "(fused by ORT)")] += e["dur"]
-    runs = max(runs, 1)
+            by_ir[ir] += e["dur"]
+            by_pair[f"{ir}/{e['args']['op_name']}"] += e["dur"]
+    runs = max(runs, 1)  # the decode_b1 session's runs: the decode steps
     tot = sum(by_type.values()) / runs
-    return {"profiled_us_per_step": round(tot), "nodes": len(doc), "by_onnx_op": {k: round(v / runs, 1) for k, v in by_type.most_common(8)},
-            "by_ir_op": {k: round(v / runs, 1) for k, v in by_ir.most_common(8)}}
+    out = {"profiled_us_per_step": round(tot), "runs": runs, "nodes": len(doc),
+           "by_onnx_op": {k: round(v / runs, 1) for k, v in by_type.most_common(top)},
+           "by_ir_op": {k: round(v / runs, 1) for k, v in by_ir.most_common(top)}}
+    if pairs:
+        out["by_ir_and_onnx_op"] = {k: round(v / runs, 1) for k, v in by_pair.most_common(2 * top)}
+    return out
 
 
 def one_core_rates() -> dict[str, float]:
