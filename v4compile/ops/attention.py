@@ -9,6 +9,7 @@ sequence's current length). The window ring holds the raw kv rows of earlier tok
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..ir.registry import defop, require
 from ..ir.types import TensorType
@@ -69,13 +70,21 @@ def attend(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sink: tor
     one fp32 softmax with the sink in the denominator only. `sparse_attention`'s reference calls it on a
     key tensor laid out exactly as `attention` lays out its keys, so both reduce in the same order and
     round identically (a 1-ulp difference here becomes a whole FP8 step under official numerics)."""
-    B, T, H, _ = q.shape
-    scores = (torch.einsum("bthd,bkd->bthk", q, keys) * scale).float()
+    B, T, H, d = q.shape
+    K = keys.shape[1]
+    # Each (sequence, head) is its own [T, d] x [d, K] GEMM of a batched GEMM, not one GEMM over T * H
+    # rows: a head's sums are then the same arithmetic whatever the number of heads beside it (a
+    # tensor-parallel rank holds heads / tp of them), where torch picks its kernel, and so its order of
+    # summation, by the whole shape and the instruction set (AVX2 differed at two heads against four).
+    qh = q.permute(0, 2, 1, 3).reshape(B * H, T, d)
+    kh = keys.unsqueeze(1).expand(B, H, K, d).reshape(B * H, K, d)
+    scores = (torch.bmm(qh, kh.transpose(1, 2)).view(B, H, T, K).permute(0, 2, 1, 3) * scale).float()
     scores = scores.masked_fill(~visible.unsqueeze(2), float("-inf"))
     logits = torch.cat([scores, sink.float().view(1, 1, H, 1).expand(B, T, H, 1)], dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = torch.softmax(logits, dim=-1)[..., :-1].to(q.dtype)
-    return torch.einsum("bthk,bkd->bthd", probs, keys)
+    ph = probs.permute(0, 2, 1, 3).reshape(B * H, T, K)
+    return torch.bmm(ph, kh).view(B, H, T, d).permute(0, 2, 1, 3).contiguous()
 
 
 @attention.infer
@@ -134,9 +143,14 @@ def grouped_out_proj(o, w, scale, o_scale, *, groups, block, act, acc, out_dtype
             x = x.float()  # another output dtype: run in fp32, as `linear` does
     out = torch_dtype(out_dtype) if out_dtype else o.dtype
     W = dequant_weight(w, scale, block, x.dtype)
-    W = W.view(groups, -1, W.shape[-1]).transpose(1, 2)  # [G, Hd/G, R]
-    x = x.reshape(B * T, groups, -1).transpose(0, 1)  # [G, BT, Hd/G]
-    return torch.bmm(x, W).transpose(0, 1).reshape(B, T, -1).to(out)
+    W = W.view(groups, -1, W.shape[-1])  # [G, R, Hd/G]
+    x = x.reshape(B * T, groups, -1)  # [BT, G, Hd/G]
+    # One contiguous 2-D GEMM per group, not one bmm over all groups: a group's sums are then the same
+    # arithmetic whatever the number of groups (a tensor-parallel rank holds groups / tp of them), which
+    # a batched GEMM does not promise (torch picks another kernel, and another order, for a batch of 1
+    # on some instruction sets: AVX2 at two rows here).
+    parts = [F.linear(x[:, g].contiguous(), W[g].contiguous()) for g in range(groups)]
+    return torch.cat(parts, dim=-1).reshape(B, T, -1).to(out)
 
 
 @grouped_out_proj.infer
