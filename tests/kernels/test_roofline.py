@@ -151,3 +151,23 @@ def test_step_time_splits_into_bandwidth_compute_and_launch_kinds(v4_pro, monkey
     m = step_model(prog, pk, "decode", "sm_90a")
     assert m["calls_by_launch_kind"] == {"graph": m["kernel_calls"], "graph_pdl": 0}
     assert abs(m["launch_latency_us"] - m["kernel_calls"] * 1.3) < 0.05
+
+
+def test_a_toy_step_does_not_report_the_goal_as_missed(v4_pro):
+    """V4-Pro's step streams from HBM: the bytes goal is judged ("ok"). tiny's step fits in the last-level
+    cache many times over (its time is ~650x the roofline, all launch latency): the ratios are stated as
+    not a goal at that size, never "MISSED". The broken variant (every step judged as if at scale) loses
+    the statement through the same render."""
+    from v4compile.codegen import roofline
+
+    prog, pk = v4_pro
+    big = roofline.step_model(prog, pk, "decode", "gfx950")
+    assert roofline.at_scale(big) and "goal <= 1.01: ok" in roofline.render_step(big)
+    m = trace(preset("tiny"), TraceOptions(batch=2, chunk=16, decode_batch=2, capacity=64))
+    small_prog = build_program(PassManager(GPU_PIPELINE).run(m).module)
+    small = roofline.step_model(small_prog, program_kernels(small_prog), "decode", "gfx950")
+    text = roofline.render_step(small)
+    assert not roofline.at_scale(small) and "MISSED" not in text and "not a goal at this size" in text, text
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(roofline, "at_scale", lambda m: True)
+        assert "not a goal at this size" not in roofline.render_step(small)
