@@ -1,6 +1,7 @@
-"""Speculative decoding on a compiled artifact: the session's loop around the `verify_b<B>` and the MTP
-block's `draft_b<B>` / `draft_c<T>` functions (the compiled counterpart of `v4compile/model/speculative.py`,
-which states what each kind of state does).
+"""Speculative decoding on a compiled artifact: the generation loop's verify step mode (`SpecStep`, which
+`batcher.Batcher` runs instead of a decode step) around the `verify_b<B>` and the MTP block's `draft_b<B>` /
+`draft_c<T>` functions (the compiled counterpart of `v4compile/model/speculative.py`, which states what each
+kind of state does).
 
 One step for the live sequences (each at length L, its last sampled token x_L not yet fed, k_b drafts
 d_1..d_k_b, and for sampling the distributions q_j they were drawn from):
