@@ -15,8 +15,8 @@ Threads: every public call that touches the sequences, the pool or the backend h
 
 from __future__ import annotations
 
-import logging
 import functools
+import logging
 import math
 import numbers
 import threading
