@@ -161,9 +161,9 @@ class CompiledDraft:
 
     def drafts(self, entries: list[tuple], counts: list[int], picks: list[Picker]) -> list[tuple[list[int], list]]:
         """`counts[i]` drafts for each entry (sequence, its length L, the MTP logits `[V]` of its last kept lane
-        and the block's output streams there `[n, D]`), each picked by its `picks[i]`: the first from those logits, each next one from the
-        block applied to its own streams and the last draft, at position L for the second draft, L + 1 for the
-        third, ... (those MTP ring writes undone)."""
+        and the block's output streams there `[n, D]`), picked by `picks[i]` (the request's own generator): the
+        first from those logits, each next one from the block applied to its own streams and the last draft, at
+        position L for the second draft, L + 1 for the third, ... (those MTP ring writes undone)."""
         toks: list[list[int]] = [[] for _ in entries]
         qs: list[list] = [[] for _ in entries]
         logits = [e[2] for e in entries]
