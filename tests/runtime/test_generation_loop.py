@@ -58,6 +58,7 @@ def alone_and_batched(s, seed: int, j: int = 5) -> tuple[list[int], list[int]]:
 
 
 def test_sampled_ids_alone_equal_in_a_batch_of_8(session):
+    """Catches a generator shared by a call's requests (the next test plants it)."""
     greedy = session.generate(prompts(8, 11)[5:6], NEW)[0]
     alone, batched = alone_and_batched(session, 11)
     assert alone != greedy  # temperature 1 samples (else this test shows nothing)
@@ -143,6 +144,7 @@ def sequential(s, work) -> list[list]:
 
 
 def test_threads_get_what_each_gets_alone(session, monkeypatch):
+    """Catches a session whose calls from several threads interleave (the next test drops the lock)."""
     work = calls()
     want = sequential(session, work)
     slow_binding(monkeypatch)
