@@ -202,7 +202,9 @@ class Session:
                              found=bad[0])
         return ids
 
-    def _reserve(self, s: SeqState, last_pos: int) -> None:
+    @serialised
+    def reserve(self, s: SeqState, last_pos: int) -> None:
+        """Pool blocks for `s` up to position `last_pos` (one clear error beyond the context or a full pool)."""
         if last_pos >= self.max_context:
             raise InputError("context beyond the compiled maximum", where=f"sequence {s.id}",
                              expected=f"<= {self.max_context} tokens", found=last_pos + 1)
@@ -237,7 +239,9 @@ class Session:
             self.alloc.release(s.slot, s.blocks)
             s.blocks = []
 
-    def _table(self, seqs: Sequence[SeqState | None], B: int) -> tuple[np.ndarray, np.ndarray]:
+    def table(self, seqs: Sequence[SeqState | None], B: int) -> tuple[np.ndarray, np.ndarray]:
+        """The step inputs `block_table` [B, blocks_per_seq] and `slot` [B] of `seqs` (lanes past them, or
+        None: padding, -1)."""
         table = np.full((B, self.blocks_per_seq), -1, dtype=np.int32)
         slot = np.full((B,), -1, dtype=np.int32)
         for b, s in enumerate(seqs):
@@ -286,12 +290,12 @@ class Session:
         `s.length`."""
         T, fname = next(((t, f) for t, f in self.prefill_fns if t >= len(ids)), self.prefill_fns[-1])
         part = ids[:T]
-        self._reserve(s, s.length + len(part) - 1)
+        self.reserve(s, s.length + len(part) - 1)
         x = np.zeros((1, T), dtype=np.int64)
         pos = np.full((1, T), -1, dtype=np.int64)
         x[0, : len(part)] = part
         pos[0, : len(part)] = np.arange(s.length, s.length + len(part))
-        table, slot = self._table([s], 1)
+        table, slot = self.table([s], 1)
         return fname, {"ids": x, "pos": pos, "block_table": table, "slot": slot}, len(part)
 
     @serialised
@@ -312,12 +316,12 @@ class Session:
         toks = self.check_prompt(tokens, "decode tokens")
         B, fname = next((b, f) for b, f in self.decode_fns if b >= n)
         for s in seqs:
-            self._reserve(s, s.length)
+            self.reserve(s, s.length)
         x = np.zeros((B, 1), dtype=np.int64)
         pos = np.full((B, 1), -1, dtype=np.int64)
         x[:n, 0] = toks
         pos[:n, 0] = [s.length for s in seqs]
-        table, slot = self._table(list(seqs), B)
+        table, slot = self.table(list(seqs), B)
         logits = self.backend.run(fname, {"ids": x, "pos": pos, "block_table": table, "slot": slot})[:n]
         for s in seqs:
             s.length += 1

@@ -122,7 +122,7 @@ class CompiledDraft:
         return backend.built(f"spec_b{B}", build)
 
     def _run(self, fname: str, hidden, ids, pos, seqs, B: int) -> dict[str, np.ndarray]:
-        table, slot = self.s._table(seqs, B)
+        table, slot = self.s.table(seqs, B)
         return self.s.backend.run_outputs(fname, {"hidden": np.ascontiguousarray(hidden, dtype=np.float32),
                                                   "ids": ids, "pos": pos, "block_table": table, "slot": slot})
 
@@ -271,13 +271,13 @@ class SpecStep:
         spans = []
         for b, r in enumerate(live):
             q, L, d = r.seq, r.seq.length, r.spec.drafts[0]
-            s._reserve(q, L + len(d))
+            s.reserve(q, L + len(d))
             ids[b, : 1 + len(d)] = [r.ids[-1]] + d
             pos[b, : 1 + len(d)] = np.arange(L, L + 1 + len(d))
             spans.append((q.slot, list(q.blocks), L + 1, L + len(d)))
         undo = PoolUndo(s.backend, spans)
         seqs = [r.seq for r in live]
-        table, slot = s._table(seqs, B)
+        table, slot = s.table(seqs, B)
         greedy = all(r.temperature == 0 for r in live)
         fused = self.mtp.fused(B) if self.mtp is not None and greedy else None
         res = s.backend.run_outputs(fused or fname, {"ids": ids, "pos": pos, "block_table": table, "slot": slot})

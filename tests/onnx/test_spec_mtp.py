@@ -187,8 +187,8 @@ def one_step(art, prompts, want, fused: bool):
         ids = np.array([[w[0]] + d for w, d in zip(want, drafts)], dtype=np.int64)
         pos = np.array([np.arange(q.length, q.length + 4) for q in seqs], dtype=np.int64)
         for q in seqs:
-            s._reserve(q, q.length + 3)
-        table, slot = s._table(seqs, 2)
+            s.reserve(q, q.length + 3)
+        table, slot = s.table(seqs, 2)
         inputs = {"ids": ids, "pos": pos, "block_table": table, "slot": slot}
         mtp = rs.CompiledDraft(s)
         if fused:
