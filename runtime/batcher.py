@@ -1,29 +1,32 @@
-"""Continuous batching one step at a time, for callers that see tokens as they come (`run --prompt`,
-`serve`).
+"""The one generation loop: continuous batching one step at a time. `Session.generate` (plain and
+speculative), `run` (`--ids` through `generate`, `--prompt` directly) and `serve` all step through it.
 
-`Session.generate` runs a fixed list of prompts to the end. A `Batcher` takes requests at any time (from
-any thread: `submit`, `cancel`), and `step()` does one round on the thread that owns the session: release
-the sequences of cancelled requests, admit waiting requests while slots are free (prefill, first token),
-then one decode step over every live sequence. Each new token goes to the request's `on_token`, which
-may end the request (an EOS or a stop string found in the text); a request also ends at
-`max_new_tokens` or a stop id. `run_forever` is the server's scheduler loop: it sleeps while there is
-nothing to do. The admission order and the decode steps are the ones `generate` makes, so the ids are the
-same for the same greedy requests.
+A `Batcher` takes requests at any time (from any thread: `submit`, `cancel`), and `step()` does one round
+under the session's lock: release the sequences of cancelled requests, admit waiting requests while slots
+are free (prefill, first token), then one step over every live sequence: a decode step, or, with a
+speculative step mode (`speculative.SpecStep`), a verify step that accepts drafts and drafts the next
+ones. Each new token goes to the request's `on_token`, which may end the request (an EOS or a stop string
+found in the text); a request also ends at `max_new_tokens` or a stop id (included). `run_forever` is the
+server's scheduler loop: it sleeps while there is nothing to do; `run_until_idle` is `generate`'s.
+
+Sampling: each request draws from its own generator, `np.random.default_rng(request.seed)` (None: fresh
+entropy), so its ids do not depend on which requests share its batch (`Session.generate` states how its
+prompts' seeds follow from the call's). A partitioned artifact's ranks take rank 0's ids
+(`Session.share_ids`, once a step).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from v4compile.errors import InputError
-
-from .session import Session, _is_int, check_ids, check_sampling
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +41,15 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     on_token: Callable[["Request", int], bool] | None = None  # True: the request is done (stop string, EOS)
     on_done: Callable[["Request"], None] | None = None  # called once, on the scheduler's thread
+    index: int = 0  # the caller's number for it (`generate`: the prompt's index; a draft source gets it)
     ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
     error: Exception | None = None
     cancelled: bool = False
-    _seq: object = None
-    _rng: np.random.Generator | None = None
+    first_token_at: float | None = None  # time.perf_counter() when its first token came
+    seq: object = None  # its open sequence (`session.SeqState`) while live
+    rng: np.random.Generator | None = None  # its own sampling generator (made at submit)
+    spec: object = None  # the speculative step mode's state for it (`speculative.SpecState`)
 
     @property
     def done(self) -> bool:
@@ -51,8 +57,14 @@ class Request:
 
 
 class Batcher:
-    def __init__(self, session: Session):
+    def __init__(self, session, *, spec=None, raise_errors: bool = False):
+        """`spec`: a speculative step mode (`speculative.SpecStep`) instead of decode steps. `raise_errors`:
+        a request's error ends the loop (`generate`: the caller gets it) instead of that request only (the
+        server's)."""
         self.sess = session
+        self.spec = spec
+        self.max_live = session.max_batch if spec is None else spec.max_batch
+        self.raise_errors = raise_errors
         self.waiting: deque[Request] = deque()
         self.live: list[Request] = []
         self.cond = threading.Condition()
@@ -60,22 +72,18 @@ class Batcher:
         self.on_step: Callable[[], None] | None = None  # after every step (a server hands its tokens over at once)
 
     # ---- any thread ------------------------------------------------------------------------------
-    def check(self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+    def check(self, prompt, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
               seed: int | None = None, where: str = "prompt") -> list[int]:
         """The prompt's ids, checked as `generate` checks them (an InputError names what is wrong)."""
-        if not _is_int(max_new_tokens) or max_new_tokens < 1:
-            raise InputError("max_new_tokens must be an integer >= 1", found=repr(max_new_tokens)[:40])
-        check_sampling(temperature, top_p, seed)
-        ids = self.sess.check_prompt(prompt, where)
-        if len(ids) + max_new_tokens > self.sess.max_context:
-            raise InputError("prompt + max_new_tokens exceed the compiled maximum context", where=where,
-                             expected=f"<= {self.sess.max_context} tokens", found=len(ids) + max_new_tokens)
+        ids = self.sess.check_request(prompt, max_new_tokens, temperature, top_p, seed, where)
+        if self.spec is not None:
+            self.spec.check(top_p)
         return ids
 
-    def submit(self, req: Request) -> Request:
-        req.prompt = self.check(req.prompt, req.max_new_tokens, req.temperature, req.top_p, req.seed)
-        req.stop_ids = frozenset(check_ids(sorted(req.stop_ids), "stop_ids"))
-        req._rng = np.random.default_rng(req.seed)
+    def submit(self, req: Request, where: str = "prompt") -> Request:
+        req.prompt = self.check(req.prompt, req.max_new_tokens, req.temperature, req.top_p, req.seed, where)
+        req.stop_ids = frozenset(self.sess.check_stop_ids(req.stop_ids))
+        req.rng = np.random.default_rng(req.seed)
         with self.cond:
             self.waiting.append(req)
             self.cond.notify()
@@ -96,7 +104,7 @@ class Batcher:
     def busy(self) -> bool:
         return bool(self.waiting or self.live)
 
-    # ---- the session's thread --------------------------------------------------------------------
+    # ---- the scheduler's thread ------------------------------------------------------------------
     def run_forever(self) -> None:
         """The scheduler loop: step while there is work, sleep while there is none, until `stop()`."""
         while True:
@@ -106,60 +114,113 @@ class Batcher:
                 if self.stopping:
                     break
             self.step()
-        for r in [*self.live, *self.waiting]:
-            self._finish(r, "cancelled")
+        self.abort()
 
     def run_until_idle(self) -> None:
         while self.busy:
             self.step()
 
+    def abort(self) -> None:
+        """Cancel every request not yet done (their sequences released)."""
+        with self.sess.lock:
+            for r in [*self.live, *self.waiting]:
+                self._finish(r, "cancelled")
+            self.waiting.clear()
+
     def step(self) -> None:
-        """One round: cancelled requests out, waiting requests in while slots are free, one decode step."""
+        """One round: cancelled requests out, waiting requests in while slots are free, one decode (or
+        speculative) step over the live ones."""
         try:
-            self._step()
+            with self.sess.lock:
+                self._step()
         finally:
             if self.on_step is not None:
                 self.on_step()
 
     def _step(self) -> None:
-        sess = self.sess
         for r in [r for r in self.live if r.cancelled]:
             self._finish(r, "cancelled")
+        joined = self._admit()
+        if self.spec is not None and joined:
+            self._guarded(joined, lambda: self.spec.joined(joined))
+        if not self.live:
+            return
+        if self.spec is not None:
+            live = list(self.live)
+            self._guarded(live, lambda: self.spec.step(live, self._tokens))
+        else:
+            self._decode()
+
+    def _admit(self) -> list[Request]:
+        """Waiting requests in while slots are free: each prefilled and given its first token. Returns those
+        that stay live."""
+        sess, joined = self.sess, []
         while True:
             with self.cond:
                 while self.waiting and self.waiting[0].cancelled:
                     self._finish(self.waiting.popleft(), "cancelled")
-                if not (self.waiting and sess.free_slots and len(self.live) < sess.max_batch):
+                if not (self.waiting and sess.free_slots and len(self.live) < self.max_live):
                     break
                 r = self.waiting.popleft()
-            r._seq = sess.open()
+            r.seq = sess.open()
             self.live.append(r)
             try:
-                logits = sess.extend(r._seq, r.prompt)[None]
+                if self.spec is not None:
+                    tok = self.spec.prefill(r)
+                else:
+                    tok = sess.share_ids([self._pick(r, sess.extend(r.seq, r.prompt))])[0]
             except Exception as e:  # noqa: BLE001 (the request fails, the server goes on)
                 self._fail(r, e)
                 continue
-            self._token(r, self._sample(r, logits)[0])
-        if not self.live:
-            return
+            self._token(r, tok)
+            if not r.done:
+                joined.append(r)
+        if self.waiting and not self.live:  # no slot came free and none is live: another step would not progress
+            err = InputError("no free sequence slot for the waiting prompts (release the session's open "
+                             "sequences first)", found=f"{len(sess.seqs)} open")
+            with self.cond:
+                stuck, self.waiting = list(self.waiting), deque()
+            for r in stuck:
+                self._fail(r, err)
+        return joined
+
+    def _decode(self) -> None:
         live = list(self.live)
         try:
-            logits = sess.decode([r._seq for r in live], [r.ids[-1] for r in live])
+            logits = self.sess.decode([r.seq for r in live], [r.ids[-1] for r in live])
+            toks = self.sess.share_ids([self._pick(r, row) for r, row in zip(live, logits)])
         except Exception as e:  # noqa: BLE001
             for r in live:
                 self._fail(r, e)
             return
-        if all(r.temperature == 0 for r in live):
-            toks = [int(t) for t in logits.argmax(-1)]
-        else:
-            toks = [self._sample(r, logits[i: i + 1])[0] for i, r in enumerate(live)]
         for r, t in zip(live, toks):
             self._token(r, t)
 
-    def _sample(self, r: Request, logits: np.ndarray) -> list[int]:
-        return self.sess._next_ids(logits, r.temperature, r.top_p, r._rng)  # a partitioned artifact: rank 0's
+    def _pick(self, r: Request, row: np.ndarray) -> int:
+        """The request's next id from its logits `[V]`, with its own generator."""
+        return self.sess.sample(row, r.temperature, r.top_p, r.rng)
+
+    def _guarded(self, reqs: list[Request], fn) -> None:
+        """`fn()`; its error fails `reqs` (the server goes on)."""
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            for r in reqs:
+                self._fail(r, e)
+
+    def _tokens(self, r: Request, toks: list[int]) -> int:
+        """Hand `toks` to `r` one by one until it ends; how many it took."""
+        n = 0
+        for t in toks:
+            if r.done:
+                break
+            self._token(r, t)
+            n += 1
+        return n
 
     def _token(self, r: Request, tok: int) -> None:
+        if r.first_token_at is None:
+            r.first_token_at = time.perf_counter()
         r.ids.append(tok)
         ended = False
         if r.on_token is not None:
@@ -174,6 +235,10 @@ class Batcher:
             self._finish(r, "length")
 
     def _fail(self, r: Request, e: Exception) -> None:
+        if self.raise_errors:
+            raise e
+        if r.done:  # ended before the error (a step's other requests fail with it)
+            return
         log.warning("request failed: %s", e)
         r.error = e
         self._finish(r, "error")
@@ -181,8 +246,8 @@ class Batcher:
     def _finish(self, r: Request, reason: str) -> None:
         if r.done:
             return
-        if r._seq is not None:
-            self.sess.release(r._seq)
+        if r.seq is not None:
+            self.sess.release(r.seq)
         if r in self.live:
             self.live.remove(r)
         r.finish_reason = reason
@@ -191,3 +256,4 @@ class Batcher:
                 r.on_done(r)
             except Exception as e:  # noqa: BLE001
                 log.warning("on_done failed: %s", e)
+

@@ -3,18 +3,24 @@
 The session does the host side of serving: per-sequence slots and KV-pool blocks (allocated when a
 sequence joins, freed when it finishes), chunked prefill (batch 1, the smallest chunk bucket that holds
 the rest of the prompt), decode steps over any set of live sequences (the smallest batch bucket that
-holds them; padding lanes have pos = -1 and slot = -1 and write nothing), sampling, and continuous
-batching in `generate` (sequences join as slots free up and finish at their own step). The device
-work is one call: `backend.run(function, step inputs)` (see `backend.py`).
+holds them; padding lanes have pos = -1 and slot = -1 and write nothing) and sampling. `generate` submits
+its prompts to the one generation loop (`batcher.Batcher`: admission, prefill, decode or speculative
+steps, sampling, stopping; the server and `run --prompt` step through the same loop) and runs it until
+idle. The device work is one call: `backend.run(function, step inputs)` (see `backend.py`).
+
+Threads: every public call that touches the sequences, the pool or the backend holds the session's lock
+(`Session.lock`, reentrant), so calls from several threads run one at a time, each as it would alone; a
+`generate` holds it to its end (its prompts are not batched with another thread's).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
+import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -32,7 +38,7 @@ MAX_PROMPTS = 1 << 20
 MAX_IDS = 1 << 24  # ids in one prompt (far beyond any compiled context)
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
     """A Python or numpy integer (never a bool, a float or a string)."""
     return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
@@ -49,7 +55,7 @@ def check_ids(ids, where: str) -> list[int]:
         raise InputError("token ids must be a list of integers", where=where, found=type(ids).__name__)
     if len(ids) > MAX_IDS:
         raise InputError("too many token ids", where=where, expected=f"<= {MAX_IDS}", found=len(ids))
-    bad = next((t for t in ids if not _is_int(t)), None)
+    bad = next((t for t in ids if not is_int(t)), None)
     if bad is not None or any(t is None for t in ids):
         raise InputError("token ids must be integers", where=where, found=repr(bad)[:40])
     return [int(t) for t in ids]
@@ -81,12 +87,43 @@ def check_sampling(temperature, top_p, seed) -> None:
             raise InputError(f"{name} must be a finite number", found=repr(v)[:40])
     if temperature < 0 or not 0 < top_p <= 1:
         raise InputError("sampling needs temperature >= 0 and 0 < top_p <= 1", found=(temperature, top_p))
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2 ** 64):
+    if seed is not None and (not is_int(seed) or not 0 <= seed < 2 ** 64):
         raise InputError("seed must be an integer in [0, 2^64) or None", found=repr(seed)[:40])
 
 
+def request_seed(seed: int | None, index: int) -> int | None:
+    """The seed of prompt `index` of a `generate(..., seed=seed)` call: seed + index (mod 2^64), so prompt 0 of
+    a call samples as `run --seed seed` and a server request with that seed do; None stays None (fresh
+    entropy for each prompt)."""
+    return None if seed is None else (seed + index) % 2 ** 64
+
+
+def sample(row: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator | None) -> int:
+    """One id from one row of logits `[V]`: the argmax at temperature 0, else drawn with `rng` from the
+    smallest set of most likely ids whose probability reaches `top_p` (softmax(row / temperature))."""
+    if temperature == 0:
+        return int(row.argmax())
+    p = row.astype(np.float64) / temperature
+    p = np.exp(p - p.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    cum = np.cumsum(p[order])
+    keep = order[: int(np.searchsorted(cum, top_p) + 1)]
+    q = p[keep] / p[keep].sum()
+    return int(keep[rng.choice(len(keep), p=q)])
+
+
+def serialised(method):
+    """The method under the session's lock (see the module's docstring: threads)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 def check_threads(threads) -> None:
-    if threads is not None and (not _is_int(threads) or not 1 <= threads <= MAX_THREADS):
+    if threads is not None and (not is_int(threads) or not 1 <= threads <= MAX_THREADS):
         raise InputError("threads must be an integer in [1, %d] (or None: the default)" % MAX_THREADS,
                          found=repr(threads)[:40])
 
@@ -122,6 +159,7 @@ class Session:
         self.first_token_s: float | None = None  # the last `generate`: seconds to its first token (prefill)
         self._tokenizer = None  # read on first use (`tokenizer`)
         self.last_acceptance = None  # the last speculative `generate`'s `speculation.Acceptance`
+        self.lock = threading.RLock()  # held by every public call that changes sequences, pool or backend
 
     @property
     def free_slots(self) -> list[int]:
@@ -164,7 +202,9 @@ class Session:
                              found=bad[0])
         return ids
 
-    def _reserve(self, s: SeqState, last_pos: int) -> None:
+    @serialised
+    def reserve(self, s: SeqState, last_pos: int) -> None:
+        """Pool blocks for `s` up to position `last_pos` (one clear error beyond the context or a full pool)."""
         if last_pos >= self.max_context:
             raise InputError("context beyond the compiled maximum", where=f"sequence {s.id}",
                              expected=f"<= {self.max_context} tokens", found=last_pos + 1)
@@ -172,6 +212,7 @@ class Session:
         if not self.alloc.grow(s.blocks, need):
             raise InputError("the KV pool is full", where=f"sequence {s.id}")
 
+    @serialised
     def open(self) -> SeqState:
         slot = self.alloc.slot()
         if slot is None:
@@ -189,6 +230,7 @@ class Session:
                              found=f"sequence {s.id}")
         return s
 
+    @serialised
     def release(self, s: SeqState) -> None:
         if not isinstance(s, SeqState):
             raise InputError("not a sequence of this session", where="release", found=type(s).__name__)
@@ -197,7 +239,9 @@ class Session:
             self.alloc.release(s.slot, s.blocks)
             s.blocks = []
 
-    def _table(self, seqs: Sequence[SeqState | None], B: int) -> tuple[np.ndarray, np.ndarray]:
+    def table(self, seqs: Sequence[SeqState | None], B: int) -> tuple[np.ndarray, np.ndarray]:
+        """The step inputs `block_table` [B, blocks_per_seq] and `slot` [B] of `seqs` (lanes past them, or
+        None: padding, -1)."""
         table = np.full((B, self.blocks_per_seq), -1, dtype=np.int32)
         slot = np.full((B,), -1, dtype=np.int32)
         for b, s in enumerate(seqs):
@@ -207,6 +251,7 @@ class Session:
         return table, slot
 
     # ---- steps -----------------------------------------------------------------------------------
+    @serialised
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[list[SeqState], np.ndarray]:
         """Open one sequence per prompt and run its prompt through chunked prefill. Returns the sequences
         and the logits after each prompt's last token `[n, V]`."""
@@ -225,6 +270,7 @@ class Session:
             out.append(self.extend(s, p))
         return seqs, np.stack(out)
 
+    @serialised
     def extend(self, s: SeqState, ids: Sequence[int]) -> np.ndarray:
         """Append tokens to a sequence through prefill chunks; logits after the last one `[V]`."""
         s = self._live(s, "extend")
@@ -237,20 +283,22 @@ class Session:
             ids = ids[n:]
         return last
 
+    @serialised
     def prefill_chunk(self, s: SeqState, ids: list[int]) -> tuple[str, dict[str, np.ndarray], int]:
         """The next prefill chunk of `ids` for `s` (the smallest chunk bucket that holds them, else the largest),
         its blocks reserved: (function, step inputs, tokens it takes). The caller runs it and advances
         `s.length`."""
         T, fname = next(((t, f) for t, f in self.prefill_fns if t >= len(ids)), self.prefill_fns[-1])
         part = ids[:T]
-        self._reserve(s, s.length + len(part) - 1)
+        self.reserve(s, s.length + len(part) - 1)
         x = np.zeros((1, T), dtype=np.int64)
         pos = np.full((1, T), -1, dtype=np.int64)
         x[0, : len(part)] = part
         pos[0, : len(part)] = np.arange(s.length, s.length + len(part))
-        table, slot = self._table([s], 1)
+        table, slot = self.table([s], 1)
         return fname, {"ids": x, "pos": pos, "block_table": table, "slot": slot}, len(part)
 
+    @serialised
     def decode(self, seqs: Sequence[SeqState], tokens: Sequence[int]) -> np.ndarray:
         """One token for each of the given live sequences; their next-token logits `[n, V]`."""
         if not isinstance(seqs, (list, tuple)):
@@ -268,17 +316,18 @@ class Session:
         toks = self.check_prompt(tokens, "decode tokens")
         B, fname = next((b, f) for b, f in self.decode_fns if b >= n)
         for s in seqs:
-            self._reserve(s, s.length)
+            self.reserve(s, s.length)
         x = np.zeros((B, 1), dtype=np.int64)
         pos = np.full((B, 1), -1, dtype=np.int64)
         x[:n, 0] = toks
         pos[:n, 0] = [s.length for s in seqs]
-        table, slot = self._table(list(seqs), B)
+        table, slot = self.table(list(seqs), B)
         logits = self.backend.run(fname, {"ids": x, "pos": pos, "block_table": table, "slot": slot})[:n]
         for s in seqs:
             s.length += 1
         return logits
 
+    @serialised
     def warmup(self, prompt_len: int, batch: int = 1) -> None:
         """Prepare the functions a generation of `batch` prompts of `prompt_len` tokens will use."""
         names = {f for t, f in self.prefill_fns if t >= prompt_len}
@@ -288,100 +337,92 @@ class Session:
             self.backend.prepare(sorted(names))
 
     # ---- generation ------------------------------------------------------------------------------
+    def check_request(self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
+                      top_p: float = 1.0, seed: int | None = None, where: str = "prompt") -> list[int]:
+        """A generation request's prompt ids, checked (max_new_tokens >= 1, the sampling arguments, the ids,
+        the context): one InputError naming what is wrong."""
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
+            raise InputError("max_new_tokens must be an integer >= 1", found=repr(max_new_tokens)[:40])
+        check_sampling(temperature, top_p, seed)
+        ids = self.check_prompt(prompt, where)
+        if len(ids) + max_new_tokens > self.max_context:
+            raise InputError("prompt + max_new_tokens exceed the compiled maximum context", where=where,
+                             expected=f"<= {self.max_context} tokens", found=len(ids) + max_new_tokens)
+        return ids
+
+    sample = staticmethod(sample)
+
+    @staticmethod
+    def check_stop_ids(stop_ids) -> list[int]:
+        """Stop ids: a list (or set) of integers."""
+        return check_ids(sorted(stop_ids) if isinstance(stop_ids, (set, frozenset)) else stop_ids, "stop_ids")
+
+    def share_ids(self, ids: list[int]) -> list[int]:
+        """Sampled ids as every rank takes them: a partitioned artifact's ranks all take rank 0's
+        (`distributed.Ranks.share_ids`, one broadcast); the ids themselves otherwise."""
+        share = getattr(self.backend, "share_ids", None)
+        return share(ids) if share is not None else ids
+
+    @serialised
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop_ids: Sequence[int] = (),
                  speculative: str | None = None, draft_tokens: int = 1, draft=None) -> list[list[int]]:
         """New ids for every prompt (continuous batching: at most `max_batch` sequences live at once; a
         waiting prompt joins as soon as a slot is free; each sequence stops at `max_new_tokens` or at a
-        stop id, which is included). `speculative="mtp"`: speculative decoding with `draft_tokens` drafts per
-        step from the artifact's compiled MTP block (`runtime/speculative.py`: greedy ids identical, sampled
-        ones identically distributed; `draft` replaces the MTP block as the draft source; `last_acceptance`
-        then holds the statistics)."""
-        if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        stop id, which is included). The prompts are requests of the one generation loop
+        (`batcher.Batcher`, which the server and `run --prompt` use too), run until it is idle.
+
+        Sampling (temperature > 0): prompt i draws from its own generator, `np.random.default_rng(seed + i)`
+        (mod 2^64; `request_seed`), so its ids do not depend on the other prompts of the call or on the
+        batch they share, and prompt 0 samples as `run --seed seed` or a server request with that seed;
+        seed None: fresh entropy for each prompt. Greedy ids do not depend on the seed.
+
+        `speculative="mtp"`: speculative decoding with `draft_tokens` drafts per step from the artifact's
+        compiled MTP block (`runtime/speculative.py`, the loop's verify step: greedy ids identical,
+        sampled ones identically distributed; `draft` replaces the MTP block as the draft source;
+        `last_acceptance` then holds the statistics).
+
+        Thread-safe: the call holds the session's lock to its end (see the module's docstring)."""
+        from .batcher import Batcher, Request
+
+        if not is_int(max_new_tokens) or max_new_tokens < 0:
             raise InputError("max_new_tokens must be an integer >= 0", found=repr(max_new_tokens)[:40])
         check_sampling(temperature, top_p, seed)
-        stop_ids = check_ids(list(stop_ids) if isinstance(stop_ids, (set, frozenset)) else stop_ids, "stop_ids")
+        stop_ids = self.check_stop_ids(stop_ids)
         prompts = [self.check_prompt(p, f"prompt {i}") for i, p in enumerate(check_prompts(prompts))]
         for i, p in enumerate(prompts):
             if len(p) + max_new_tokens > self.max_context:
                 raise InputError("prompt + max_new_tokens exceed the compiled maximum context", where=f"prompt {i}",
                                  expected=f"<= {self.max_context} tokens", found=len(p) + max_new_tokens)
+        spec = None
         if speculative is not None:
-            from .speculative import speculative_generate
+            from .speculative import SpecStep
 
             if speculative != "mtp" or top_p != 1:
                 raise InputError("speculative decoding drafts with the MTP block and samples without top-p",
                                  expected="speculative='mtp', top_p 1", found=(speculative, top_p))
-            out, self.last_acceptance = speculative_generate(self, prompts, max_new_tokens, draft_tokens, draft,
-                                                             stop_ids, temperature, seed)
-            return out
-        rng = np.random.default_rng(seed)
-        t0, self.first_token_s = time.perf_counter(), None
-        stops = set(int(t) for t in stop_ids)
-        out: list[list[int]] = [[] for _ in prompts]
+            spec = SpecStep(self, draft_tokens, draft)
+        self.first_token_s = None
         if max_new_tokens == 0:
-            return out
-        waiting = deque(range(len(prompts)))
-        live: list[tuple[int, SeqState, int]] = []  # (prompt index, sequence, next token to feed)
+            if spec is not None:
+                self.last_acceptance = spec.stats
+            return [[] for _ in prompts]
+        loop = Batcher(self, spec=spec, raise_errors=True)
+        t0 = time.perf_counter()
+        reqs = [loop.submit(Request(p, max_new_tokens, temperature, top_p, request_seed(seed, i), frozenset(stop_ids),
+                                    index=i), where=f"prompt {i}")
+                for i, p in enumerate(prompts)]
         try:
-            while waiting or live:
-                while waiting and self.free_slots and len(live) < self.max_batch:
-                    i = waiting.popleft()
-                    s = self.open()
-                    try:
-                        tok = self._next_ids(self.extend(s, prompts[i])[None], temperature, top_p, rng)[0]
-                    except BaseException:
-                        self.release(s)
-                        raise
-                    if self.first_token_s is None:
-                        self.first_token_s = time.perf_counter() - t0
-                    out[i].append(tok)
-                    if len(out[i]) >= max_new_tokens or tok in stops:
-                        self.release(s)
-                    else:
-                        live.append((i, s, tok))
-                if not live:
-                    if waiting:  # no slot came free and none is live: another loop would never progress
-                        raise InputError("no free sequence slot for the waiting prompts (release the session's "
-                                         "open sequences first)", found=f"{len(self.seqs)} open")
-                    continue
-                logits = self.decode([s for _, s, _ in live], [t for _, _, t in live])
-                toks = self._next_ids(logits, temperature, top_p, rng)
-                nxt = []
-                for (i, s, _), tok in zip(live, toks):
-                    out[i].append(tok)
-                    if len(out[i]) >= max_new_tokens or tok in stops:
-                        self.release(s)
-                    else:
-                        nxt.append((i, s, tok))
-                live = nxt
-        except BaseException:  # an error mid-way (a full pool, say) must not leave this call's sequences open
-            for _, s, _ in live:
-                self.release(s)
-            raise
-        return out
+            loop.run_until_idle()
+        finally:  # an error mid-way (a full pool, say) must not leave this call's sequences open
+            loop.abort()
+        firsts = [r.first_token_at for r in reqs if r.first_token_at is not None]
+        self.first_token_s = min(firsts) - t0 if firsts else None
+        if spec is not None:
+            self.last_acceptance = spec.stats
+        return [r.ids for r in reqs]
 
-    def _next_ids(self, logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> list[int]:
-        """The sampled ids; a partitioned artifact's ranks all take rank 0's (`distributed.Ranks.share_ids`)."""
-        toks = self._sample(logits, temperature, top_p, rng)
-        share = getattr(self.backend, "share_ids", None)
-        return share(toks) if share is not None else toks
-
-    @staticmethod
-    def _sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> list[int]:
-        if temperature == 0:
-            return [int(t) for t in logits.argmax(-1)]
-        out = []
-        for row in logits.astype(np.float64) / temperature:
-            p = np.exp(row - row.max())
-            p /= p.sum()
-            order = np.argsort(-p, kind="stable")
-            cum = np.cumsum(p[order])
-            keep = order[: int(np.searchsorted(cum, top_p) + 1)]
-            q = p[keep] / p[keep].sum()
-            out.append(int(keep[rng.choice(len(keep), p=q)]))
-        return out
-
+    @serialised
     def close(self) -> None:
         self.backend.close()
 
@@ -419,23 +460,33 @@ def load(path, device: str = "auto", *, threads: int | None = None, verify: bool
     if device == "auto":
         device = auto_device(art)
         log.info("device auto: %s", device)
-    if "parallel" in art.manifest:
-        return _load_rank(art, device, threads, graphs, kernels, driver_lib)
+    ranks = _join(art, device) if "parallel" in art.manifest else None
+    try:
+        return Session(art, _backend(art, device, threads, graphs, kernels, driver_lib, ranks))
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
+
+
+def _backend(art: Artifact, device: str, threads: int | None, graphs: bool, kernels: str, driver_lib: str | None,
+             ranks=None):
+    """The device's backend (the one place one is built): `OrtBackend` (cpu) or `ProgramBackend` (host / hip /
+    cuda); `ranks`: this process's rank of a partitioned artifact."""
     if device in ("host", "hip", "cuda"):
         from .program_backend import ProgramBackend
 
-        return Session(art, ProgramBackend(art, device, driver_lib=driver_lib, graphs=graphs, kernels=kernels,
-                                          threads=threads))
+        return ProgramBackend(art, device, driver_lib=driver_lib, graphs=graphs, kernels=kernels, threads=threads,
+                              ranks=ranks)
     from .cpu_backend import OrtBackend
 
-    return Session(art, OrtBackend(art, threads=threads))
+    return OrtBackend(art, threads=threads, ranks=ranks)
 
 
-def _load_rank(art: Artifact, device: str, threads: int | None, graphs: bool, kernels: str,
-               driver_lib: str | None = None) -> Session:
+def _join(art: Artifact, device: str):
     """This process's rank of a partitioned artifact (`--tp` / `--ep`) under torchrun: it joins the process
-    group (`distributed.join`) and maps its own weights only. Device cpu: the ONNX segments with gloo
-    between them; host: the C runtime, whose collective launches come back to Python and run on gloo;
+    group (`distributed.join`) and its backend maps its own weights only. Device cpu: the ONNX segments with
+    gloo between them; host: the C runtime, whose collective launches come back to Python and run on gloo;
     cuda / hip: the C runtime's NCCL / RCCL communicators, their ids through the process group's store
     (`program_backend.join_communicators`), the collectives enqueued on the stream.
     Every rank makes the same session calls; rank 0's steps and sampled ids are the ones run."""
@@ -448,16 +499,4 @@ def _load_rank(art: Artifact, device: str, threads: int | None, graphs: bool, ke
 
         art.target(DEVICE_TARGET[device])  # before joining: a cpu-only artifact is one error, not a wait for peers
     p = art.manifest["parallel"]
-    ranks = join(ParallelLayout(p["tp"], p["ep"]))
-    try:
-        if device != "cpu":
-            from .program_backend import ProgramBackend
-
-            return Session(art, ProgramBackend(art, device, driver_lib=driver_lib, graphs=graphs, kernels=kernels,
-                                               threads=threads, ranks=ranks))
-        from .cpu_backend import OrtBackend
-
-        return Session(art, OrtBackend(art, threads=threads, ranks=ranks))
-    except BaseException:
-        ranks.close()
-        raise
+    return join(ParallelLayout(p["tp"], p["ep"]))

@@ -1,6 +1,7 @@
-"""Speculative decoding on a compiled artifact: the session's loop around the `verify_b<B>` and the MTP
-block's `draft_b<B>` / `draft_c<T>` functions (the compiled counterpart of `v4compile/model/speculative.py`,
-which states what each kind of state does).
+"""Speculative decoding on a compiled artifact: the generation loop's verify step mode (`SpecStep`, which
+`batcher.Batcher` runs instead of a decode step) around the `verify_b<B>` and the MTP block's `draft_b<B>` /
+`draft_c<T>` functions (the compiled counterpart of `v4compile/model/speculative.py`, which states what each
+kind of state does).
 
 One step for the live sequences (each at length L, its last sampled token x_L not yet fed, k_b drafts
 d_1..d_k_b, and for sampling the distributions q_j they were drawn from):
@@ -33,6 +34,7 @@ residual then p without d: still exactly the target's distribution).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -79,9 +81,9 @@ class CompiledDraft:
     """The artifact's MTP block as the draft source: `draft_c<T>` after each prefill chunk, `draft_b<B>` after
     each verify step and for the recursive drafts (their MTP window-ring writes undone)."""
 
-    def __init__(self, session, pick: Picker):
+    def __init__(self, session):
         mtp_draft(session)
-        self.s, self.pick = session, pick
+        self.s = session
         fns = session.backend.functions().values()
         self.batch_fns = sorted((f.batch, f.name, f.tokens) for f in fns if f.name.startswith("draft_b"))
         self.chunk_fns = {f.tokens: f.name for f in fns if f.name.startswith("draft_c")}
@@ -120,13 +122,13 @@ class CompiledDraft:
         return backend.built(f"spec_b{B}", build)
 
     def _run(self, fname: str, hidden, ids, pos, seqs, B: int) -> dict[str, np.ndarray]:
-        table, slot = self.s._table(seqs, B)
+        table, slot = self.s.table(seqs, B)
         return self.s.backend.run_outputs(fname, {"hidden": np.ascontiguousarray(hidden, dtype=np.float32),
                                                   "ids": ids, "pos": pos, "block_table": table, "slot": slot})
 
-    def prefill(self, seq, prompt: list[int]) -> tuple[int, tuple]:
+    def prefill(self, seq, prompt: list[int], pick: Picker) -> tuple[int, tuple]:
         """Chunked prefill of `prompt` into `seq` (as `Session.extend`), the MTP block over every chunk once the
-        token after it is known. Returns the first new token and the sequence's entry for `drafts`."""
+        token after it is known. Returns the first new token (`pick`ed) and the sequence's entry for `drafts`."""
         pending, ids, last = None, list(prompt), None
         while ids:
             fname, inputs, n = self.s.prefill_chunk(seq, ids)
@@ -137,7 +139,7 @@ class CompiledDraft:
             pending = (inputs["ids"].shape[1], r["streams"], part, seq.length)
             seq.length += n
             last = r["logits"][0]
-        tok, _ = self.pick(last)
+        tok, _ = pick(last)
         logits, out = self._chunk(seq, *pending, tok)
         return tok, (seq, seq.length, logits[0], out[0, len(pending[2]) - 1])
 
@@ -157,11 +159,11 @@ class CompiledDraft:
         r = self._run(fname, streams, next_ids, kept, seqs, B)
         return r["logits"], r["streams"]
 
-    def drafts(self, entries: list[tuple], counts: list[int]) -> list[tuple[list[int], list]]:
+    def drafts(self, entries: list[tuple], counts: list[int], picks: list[Picker]) -> list[tuple[list[int], list]]:
         """`counts[i]` drafts for each entry (sequence, its length L, the MTP logits `[V]` of its last kept lane
-        and the block's output streams there `[n, D]`): the first from those logits, each next one from the
-        block applied to its own streams and the last draft, at position L for the second draft, L + 1 for the
-        third, ... (those MTP ring writes undone)."""
+        and the block's output streams there `[n, D]`), picked by `picks[i]` (the request's own generator): the
+        first from those logits, each next one from the block applied to its own streams and the last draft, at
+        position L for the second draft, L + 1 for the third, ... (those MTP ring writes undone)."""
         toks: list[list[int]] = [[] for _ in entries]
         qs: list[list] = [[] for _ in entries]
         logits = [e[2] for e in entries]
@@ -175,7 +177,7 @@ class CompiledDraft:
         for j in range(rounds):
             for i, c in enumerate(counts):
                 if j < c:
-                    d, q = self.pick(logits[i])
+                    d, q = picks[i](logits[i])
                     toks[i].append(d)
                     qs[i].append(q)
             if j + 1 >= rounds:
@@ -194,132 +196,132 @@ class CompiledDraft:
         return list(zip(toks, qs))
 
 
+@dataclass
+class SpecState:
+    """A request's state in the speculative step mode: its picker (its own generator), its MTP block entry
+    after prefill (`CompiledDraft.prefill`), and its next drafts with the distributions they came from."""
+
+    pick: Picker
+    entry: tuple | None = None
+    drafts: tuple[list[int], list] = ([], [])
+
+
+class SpecStep:
+    """The generation loop's speculative step mode (`batcher.Batcher(spec=...)`): prefill with the MTP block
+    over each chunk, then, for the live requests, one verify step instead of a decode step (the steps 1-4
+    above). Drafts from the compiled MTP block, or from `draft(request index, prompt + ids so far, k)`. At
+    most the largest verify bucket's batch of requests live at once; each accepts its own number of drafts."""
+
+    def __init__(self, session, draft_tokens: int, draft: Draft | None = None):
+        fns = verify_functions(session)
+        if not fns:
+            raise InputError("the artifact has no verify functions", where=str(session.art.path),
+                             expected="an artifact compiled with --draft-tokens")
+        self.s, self.fns, self.hook = session, fns, draft
+        self.k = check_draft_tokens(draft_tokens, fns[0][2])
+        if draft is not None and not callable(draft):
+            raise InputError("draft must be a callable (prompt index, ids, k) -> k ids", found=type(draft).__name__)
+        self.mtp = CompiledDraft(session) if draft is None else None
+        self.stats = Acceptance(self.k)
+        self.max_batch = fns[-1][0]
+
+    @staticmethod
+    def check(top_p: float) -> None:
+        if top_p != 1:
+            raise InputError("speculative decoding samples without top-p", expected="top_p 1", found=top_p)
+
+    def _wanted(self, r) -> int:
+        """Drafts worth making for request `r`: those beyond its last wanted token are wasted."""
+        return min(self.k, r.max_new_tokens - len(r.ids) - 1)
+
+    def prefill(self, r) -> int:
+        """Prefill `r`'s prompt into its sequence (the MTP block over each chunk); its first token."""
+        r.spec = SpecState(Picker(r.temperature, r.rng))
+        if self.mtp is None:
+            return r.spec.pick(self.s.extend(r.seq, r.prompt))[0]
+        tok, r.spec.entry = self.mtp.prefill(r.seq, r.prompt, r.spec.pick)
+        return tok
+
+    def joined(self, reqs: list) -> None:
+        """The first drafts of the requests just admitted (still live after their first token)."""
+        if self.mtp is not None:
+            ds = self.mtp.drafts([r.spec.entry for r in reqs], [self._wanted(r) for r in reqs],
+                                 [r.spec.pick for r in reqs])
+            for r, d in zip(reqs, ds):
+                r.spec.drafts = d
+
+    def _hooked(self, r) -> tuple[list[int], list]:
+        kb = self._wanted(r)
+        d = [int(x) for x in self.hook(r.index, r.prompt + r.ids, kb)] if kb else []
+        if len(d) != kb or any(not 0 <= x < self.s.vocab for x in d):
+            raise InputError("the draft source gave a wrong draft", where=f"prompt {r.index}",
+                             expected=f"{kb} ids in 0..{self.s.vocab - 1}", found=d[:8])
+        return d, [np.eye(1, self.s.vocab, x)[0] if r.temperature else None for x in d]
+
+    def step(self, live: list, deliver: Callable[[object, list[int]], int]) -> None:
+        """One verify step over the live requests: their new tokens go to `deliver(request, ids) -> how many
+        it took` (it may end the request and release its sequence); those still live get their next drafts."""
+        s = self.s
+        if self.mtp is None:
+            for r in live:
+                r.spec.drafts = self._hooked(r)
+        B, fname, T = next(f for f in self.fns if f[0] >= len(live))
+        ids = np.zeros((B, T), dtype=np.int64)
+        pos = np.full((B, T), -1, dtype=np.int64)
+        spans = []
+        for b, r in enumerate(live):
+            q, L, d = r.seq, r.seq.length, r.spec.drafts[0]
+            s.reserve(q, L + len(d))
+            ids[b, : 1 + len(d)] = [r.ids[-1]] + d
+            pos[b, : 1 + len(d)] = np.arange(L, L + 1 + len(d))
+            spans.append((q.slot, list(q.blocks), L + 1, L + len(d)))
+        undo = PoolUndo(s.backend, spans)
+        seqs = [r.seq for r in live]
+        table, slot = s.table(seqs, B)
+        greedy = all(r.temperature == 0 for r in live)
+        fused = self.mtp.fused(B) if self.mtp is not None and greedy else None
+        res = s.backend.run_outputs(fused or fname, {"ids": ids, "pos": pos, "block_table": table, "slot": slot})
+        logits = res["logits"]
+        keep, news, kept_lane = {}, [], {}
+        next_ids, kept = np.zeros((B, T), dtype=np.int64), pos.copy()
+        for b, r in enumerate(live):
+            (d, q), r.spec.drafts = r.spec.drafts, ([], [])
+            a, tok = accept(d, logits[b, : 1 + len(d)], np.stack(q) if r.temperature and d else None, r.rng,
+                            r.temperature)
+            r.seq.length += a + 1
+            keep[r.seq.slot] = r.seq.length
+            next_ids[b, : a + 1] = d[:a] + [tok]
+            kept[b, a + 1:] = -1
+            kept_lane[b] = a
+            if fused and ((res["spec.kept_pos"][b] != kept[b]).any()
+                          or (res["spec.next_ids"][b, : a + 1] != next_ids[b, : a + 1]).any()):
+                raise RuntimeError(f"{fused}'s in-graph acceptance disagrees with the host's")
+            news.append((a, d[:a] + [tok], len(d)))
+        undo.restore(keep)
+        for r, (a, new, nd) in zip(live, news):
+            self.stats.add(a, deliver(r, new), nd)
+        nxt = [b for b, r in enumerate(live) if not r.done]
+        for b, r in enumerate(live):
+            if r.done:
+                kept[b] = -1  # a finished sequence needs no drafts
+        if self.mtp is None or not any(self._wanted(live[b]) for b in nxt):
+            return  # no draft wanted: the sequences' last verify lanes give their last tokens
+        if fused:  # the graph drafted on every sequence's kept lanes already
+            mlogits, mstreams = res["draft.logits"], res["draft.streams"]
+        else:
+            mlogits, mstreams = self.mtp.after_verify(B, res["streams"], next_ids, kept, seqs)
+        reqs = [live[b] for b in nxt]
+        entries = [(live[b].seq, live[b].seq.length, mlogits[b], mstreams[b, kept_lane[b]]) for b in nxt]
+        for r, d in zip(reqs, self.mtp.drafts(entries, [self._wanted(r) for r in reqs], [r.spec.pick for r in reqs])):
+            r.spec.drafts = d
+
+
 def speculative_generate(session, prompts: Sequence[Sequence[int]], max_new_tokens: int, draft_tokens: int,
                          draft: Draft | None = None, stop_ids: Sequence[int] = (), temperature: float = 0.0,
                          seed: int | None = None) -> tuple[list[list[int]], Acceptance]:
-    """New ids for every prompt and the acceptance statistics: greedy ids identical to `session.generate`'s;
-    with `temperature` > 0 distributed as plain sampling's (top-p 1). Drafts from the compiled MTP block, or
-    from `draft`. Continuous batching: at most the largest verify bucket's batch of sequences live at once;
-    a waiting prompt joins (its prefill) when a slot is free; each sequence accepts its own number of drafts."""
-    fns = verify_functions(session)
-    if not fns:
-        raise InputError("the artifact has no verify functions", where=str(session.art.path),
-                         expected="an artifact compiled with --draft-tokens")
-    K = fns[0][2] - 1
-    k = check_draft_tokens(draft_tokens, K + 1)
-    if draft is not None and not callable(draft):
-        raise InputError("draft must be a callable (prompt index, ids, k) -> k ids", found=type(draft).__name__)
-    rng = np.random.default_rng(seed)
-    pick = Picker(temperature, rng)
-    mtp = CompiledDraft(session, pick) if draft is None else None
-    prompts = [session.check_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
-    for i, p in enumerate(prompts):
-        if len(p) + max_new_tokens > session.max_context:
-            raise InputError("prompt + max_new_tokens exceed the compiled maximum context", where=f"prompt {i}",
-                             expected=f"<= {session.max_context} tokens", found=len(p) + max_new_tokens)
-    stops = {int(t) for t in stop_ids}
-    stats = Acceptance(k)
-    out: list[list[int]] = [[] for _ in prompts]
-    if max_new_tokens == 0:
-        return out, stats
-    seqs: dict[int, object] = {}  # prompt index -> its open sequence
-    drafts: dict[int, tuple[list[int], list]] = {}  # prompt index -> its next drafts and their q
-
-    def wanted(i: int) -> int:  # drafts beyond the last token wanted are wasted
-        return min(k, max_new_tokens - len(out[i]) - 1)
-
-    def hooked(i: int) -> tuple[list[int], list]:
-        kb = wanted(i)
-        d = [int(x) for x in draft(i, prompts[i] + out[i], kb)] if kb else []
-        if len(d) != kb or any(not 0 <= x < session.vocab for x in d):
-            raise InputError("the draft source gave a wrong draft", where=f"prompt {i}",
-                             expected=f"{kb} ids in 0..{session.vocab - 1}", found=d[:8])
-        return d, [np.eye(1, session.vocab, x)[0] if temperature else None for x in d]
-
-    waiting, live = list(range(len(prompts))), []
-    try:
-        while waiting or live:
-            joined = []
-            while waiting and session.free_slots and len(live) + len(joined) < fns[-1][0]:
-                i = waiting.pop(0)
-                seqs[i] = session.open()
-                if mtp is not None:
-                    tok, entry = mtp.prefill(seqs[i], prompts[i])
-                else:
-                    tok, _ = pick(session.extend(seqs[i], prompts[i]))
-                out[i].append(tok)
-                if len(out[i]) < max_new_tokens and tok not in stops:
-                    joined.append((i, entry if mtp is not None else None))
-                else:
-                    session.release(seqs.pop(i))
-            if joined:
-                if mtp is not None:
-                    for (i, _), d in zip(joined, mtp.drafts([e for _, e in joined], [wanted(i) for i, _ in joined])):
-                        drafts[i] = d
-                live += [i for i, _ in joined]
-            if not live:
-                if waiting:  # no slot came free and none is live: another loop would never progress
-                    raise InputError("no free sequence slot for the waiting prompts", found=f"{len(session.seqs)} open")
-                continue
-            if mtp is None:
-                for i in live:
-                    drafts[i] = hooked(i)
-            B, fname, T = next(f for f in fns if f[0] >= len(live))
-            ids = np.zeros((B, T), dtype=np.int64)
-            pos = np.full((B, T), -1, dtype=np.int64)
-            spans = []
-            for b, i in enumerate(live):
-                s, L, d = seqs[i], seqs[i].length, drafts[i][0]
-                session._reserve(s, L + len(d))
-                ids[b, : 1 + len(d)] = [out[i][-1]] + d
-                pos[b, : 1 + len(d)] = np.arange(L, L + 1 + len(d))
-                spans.append((s.slot, list(s.blocks), L + 1, L + len(d)))
-            undo = PoolUndo(session.backend, spans)
-            table, slot = session._table([seqs[i] for i in live], B)
-            fused = mtp.fused(B) if mtp is not None and temperature == 0 else None
-            res = session.backend.run_outputs(fused or fname, {"ids": ids, "pos": pos, "block_table": table,
-                                                               "slot": slot})
-            logits = res["logits"]
-            keep, nxt, kept_lane = {}, [], {}
-            next_ids, kept = np.zeros((B, T), dtype=np.int64), pos.copy()
-            for b, i in enumerate(live):
-                d, q = drafts.pop(i)
-                a, tok = accept(d, logits[b, : 1 + len(d)], np.stack(q) if temperature and d else None, rng,
-                                temperature)
-                new = (d[:a] + [tok])[: max_new_tokens - len(out[i])]
-                if any(t in stops for t in new):
-                    new = new[: next(j for j, t in enumerate(new) if t in stops) + 1]
-                stats.add(a, len(new), len(d))
-                out[i] += new
-                seqs[i].length += a + 1
-                keep[seqs[i].slot] = seqs[i].length
-                next_ids[b, : a + 1] = d[:a] + [tok]
-                kept[b, a + 1:] = -1
-                kept_lane[i] = a
-                if fused and ((res["spec.kept_pos"][b] != kept[b]).any()
-                              or (res["spec.next_ids"][b, : a + 1] != next_ids[b, : a + 1]).any()):
-                    raise RuntimeError(f"{fused}'s in-graph acceptance disagrees with the host's")
-                if len(out[i]) < max_new_tokens and new[-1] not in stops:
-                    nxt.append(i)
-                else:
-                    kept[b] = -1  # a finished sequence needs no drafts
-            undo.restore(keep)
-            if mtp is not None and any(wanted(i) for i in nxt):
-                if fused:  # the graph drafted on every sequence's kept lanes already
-                    mlogits, mstreams = res["draft.logits"], res["draft.streams"]
-                else:
-                    mlogits, mstreams = mtp.after_verify(B, res["streams"], next_ids, kept, [seqs[i] for i in live])
-                entries = [(seqs[i], seqs[i].length, mlogits[b], mstreams[b, kept_lane[i]])
-                           for b, i in enumerate(live) if i in nxt]
-                for i, d in zip(nxt, mtp.drafts(entries, [wanted(i) for i in nxt])):
-                    drafts[i] = d
-            elif mtp is not None:  # no draft wanted: the sequences' last verify lanes give their last tokens
-                drafts.update({i: ([], []) for i in nxt})
-            for i in live:
-                if i not in nxt:
-                    session.release(seqs.pop(i))
-            live = nxt
-    finally:
-        for s in seqs.values():
-            session.release(s)
-    return out, stats
+    """`session.generate(..., speculative="mtp")` (the generation loop's verify step) and its acceptance
+    statistics: greedy ids identical to plain decoding's; with `temperature` > 0 distributed as plain
+    sampling's (top-p 1), each prompt with its own generator as `generate` seeds them."""
+    out = session.generate(prompts, max_new_tokens, temperature=temperature, seed=seed, stop_ids=stop_ids,
+                           speculative="mtp", draft_tokens=draft_tokens, draft=draft)
+    return out, session.last_acceptance

@@ -40,7 +40,7 @@ def run(art, rejected: bool, restore: bool = True, device: str = "cpu"):
     if rejected:
         L = s.length
         for q in range(L, L + len(WRONG)):  # the blocks a verify step reserves for its lanes
-            sess._reserve(s, q)
+            sess.reserve(s, q)
         undo = PoolUndo(sess.backend, [(s.slot, list(s.blocks), L, L + 2)])
         for t in WRONG:
             sess.decode([s], [t])

@@ -69,14 +69,12 @@ def recorded(monkeypatch) -> dict[int, list]:
     got: dict[int, list] = {}
     orig = rs.CompiledDraft.drafts
 
-    def drafts(self, entries, counts):
+    def drafts(self, entries, counts, picks):
         seen = []
-        pick = self.pick
-        self.pick = lambda logits: (seen.append(probs(logits, 1.0)), pick(logits))[1]
-        try:
-            res = orig(self, entries, counts)
-        finally:
-            self.pick = pick
+
+        def recording(pick):
+            return lambda logits: (seen.append(probs(logits, 1.0)), pick(logits))[1]
+        res = orig(self, entries, counts, [recording(p) for p in picks])
         it = iter(seen)
         for j in range(max(counts, default=0)):  # the order `drafts` picks in
             for e, c, (d, _) in zip(entries, counts, res):
@@ -189,10 +187,10 @@ def one_step(art, prompts, want, fused: bool):
         ids = np.array([[w[0]] + d for w, d in zip(want, drafts)], dtype=np.int64)
         pos = np.array([np.arange(q.length, q.length + 4) for q in seqs], dtype=np.int64)
         for q in seqs:
-            s._reserve(q, q.length + 3)
-        table, slot = s._table(seqs, 2)
+            s.reserve(q, q.length + 3)
+        table, slot = s.table(seqs, 2)
         inputs = {"ids": ids, "pos": pos, "block_table": table, "slot": slot}
-        mtp = rs.CompiledDraft(s, rs.Picker(0.0, None))
+        mtp = rs.CompiledDraft(s)
         if fused:
             r = s.backend.run_outputs(mtp.fused(2), inputs)
             out = {"logits": r["logits"], "kept": r["spec.kept_pos"], "draft.logits": r["draft.logits"],

@@ -1,7 +1,9 @@
 """Speculative decoding on the cpu device (`runtime/speculative.py`): the compiled `verify_b<B>` step, greedy
 acceptance and the pool's rollback give the ids of plain greedy decoding, whatever the drafts (an oracle
 that is always right, one that is always wrong, a mix), for k = 1..3 and a ragged batch (three prompts of
-different lengths in the batch-4 bucket). With the rollback broken the wrong drafts leave traces."""
+different lengths in the batch-4 bucket). With the rollback broken the wrong drafts leave traces. Sampled
+speculatively, a request's ids are the same alone and in a batch (each request its own generator; one
+generator shared by the batch fails that)."""
 
 from __future__ import annotations
 
@@ -280,3 +282,39 @@ def test_continuous_batching(art):
                                                       draft=draft), s.last_acceptance))
     assert got == want
     assert 0 < stats.rates()[0] < 1
+
+
+def spec_alone_and_batched(art, seed: int, j: int = 1) -> tuple[list[int], list[int]]:
+    """Prompt j sampled speculatively (temperature 1, the compiled MTP block's drafts, k = 2) alone with
+    `seed`, and in a batch of four whose seed gives it the same seed (prompt i draws with seed + i)."""
+    prompts = PROMPTS + [[7] * 5]
+
+    def gen(s):
+        alone = s.generate([prompts[j]], 16, temperature=1.0, seed=seed, speculative="mtp", draft_tokens=2)[0]
+        batched = s.generate(prompts, 16, temperature=1.0, seed=seed - j, speculative="mtp", draft_tokens=2)
+        assert s.last_acceptance.offered[0] > 0
+        return alone, batched[j]
+    return _run(art, gen)[0]
+
+
+def test_sampled_speculative_ids_alone_equal_in_a_batch(art, plain):
+    alone, batched = spec_alone_and_batched(art, 5)
+    assert alone != plain[0][1][:16]  # sampled, not greedy
+    assert alone == batched
+
+
+def test_one_generator_shared_by_the_speculative_batch_fails_it(art, monkeypatch):
+    """All requests of a call drawing (first tokens, drafts, acceptance) from one generator: the test above
+    fails."""
+    from v4compile.runtime import batcher
+
+    submit = batcher.Batcher.submit
+
+    def shared(self, req, where="prompt"):
+        submit(self, req, where)
+        self.__dict__.setdefault("_shared", req.rng)
+        req.rng = self._shared
+        return req
+    monkeypatch.setattr(batcher.Batcher, "submit", shared)
+    alone, batched = spec_alone_and_batched(art, 5)
+    assert alone != batched
