@@ -82,7 +82,7 @@ OFFICIAL_FIELDS: dict[str, Any] = {
     "beta_slow": 1.0, "max_seq_len": 1048576, "score_func": "sqrtsoftplus", "dtype": "fp8", "expert_dtype": "fp4",
 }
 # The HF `config.json`: each default is the one `transformers`' DeepseekV4Config (5.23) documents (checked
-# against it: tests/core/test_config.py); the format keys follow its quantizer (no `quantization_config`:
+# against it: tests/core/test_config_fields.py); the format keys follow its quantizer (no `quantization_config`:
 # not quantised). Required although upstream has a default: the sizes (upstream's are V4-Flash's: silently
 # another model) and, when the model has compressed layers, the YaRN block (without one upstream runs plain
 # RoPE there, which is not V4's model) with its `factor` and `original_max_position_embeddings` (upstream
@@ -493,10 +493,12 @@ class _Getter:
 
     def _present(self, key: str) -> Any:
         """The key's value, None if absent (or `null` where that means absent)."""
-        self._table(key)
+        table = self._table(key)
         v = self.d.get(key)
         if v is None and key in self.d and self.scope + key not in self.nullable:
-            raise self._err(f"`{self.prefix}{key}` is null", expected="a value (or leave the field out)")
+            left_out = "" if table is REQUIRED else \
+                f", or the field left out: {table.how if isinstance(table, Derived) else f'default {_show(table)}'}"
+            raise self._err(f"`{self.prefix}{key}` is null", expected=f"a value{left_out}")
         return v
 
     def _get(self, key: str, default: Any) -> Any:
