@@ -28,6 +28,7 @@ from v4compile.ir.registry import get_op
 from v4compile.ir.types import DTYPES
 from v4compile.program.core import Program
 from v4compile.program.execute import _typed, run_launch
+from v4compile.signals import act_pending, held
 
 from .build import library
 from .schedule import Schedule, build_schedule
@@ -147,6 +148,8 @@ class CRuntime:
     def _raise(self, rc: int, what: str):
         if self.error is not None:  # the host callback failed: its exception is the cause
             e, self.error = self.error, None
+            if not isinstance(e, Exception):  # Ctrl-C, SIGTERM (cli.Terminated), exit: stopped, not a kernel fault
+                raise e
             raise DeviceError(f"{what}: a host kernel failed: {e}") from e
         msg = self.lib.v4rt_last_error().decode(errors="replace")
         kind = STATUS[rc] if 0 <= rc < len(STATUS) else f"status {rc}"
@@ -184,8 +187,7 @@ class CRuntime:
     def run(self, fname: str, inputs: Mapping[str, object], graph: bool = False) -> dict[str, torch.Tensor]:
         """Upload the step inputs, run `fname`, return its `output` buffers (pool and state stay here)."""
         self.upload(fname, inputs)
-        self._check(self.lib.v4rt_run(self.handle, self.sched.function_index(fname), 1 if graph else 0),
-                    f"running @{fname}")
+        self.launch(fname, graph)
         f = self.program.functions[fname]
         out = {}
         for n, a in f.outputs:
@@ -212,8 +214,9 @@ class CRuntime:
 
     def launch(self, fname: str, graph: bool = False) -> None:
         """Run `fname` on the inputs already uploaded (no transfers; for timing)."""
-        self._check(self.lib.v4rt_run(self.handle, self.sched.function_index(fname), 1 if graph else 0),
-                    f"running @{fname}")
+        with held():  # its host kernels and collectives are callbacks: a signal is acted on in one (`_host_kernel`)
+            rc = self.lib.v4rt_run(self.handle, self.sched.function_index(fname), 1 if graph else 0)
+        self._check(rc, f"running @{fname}")
 
     def comm_init(self, rank: int, ids: Mapping[int, bytes], comm_lib: str | None = None) -> None:
         """Join the NCCL / RCCL communicators (GPU devices): group size -> its unique id (`comm_unique_id`,
@@ -225,7 +228,9 @@ class CRuntime:
                                             arr, blob), "joining the communicators")
 
     def sync(self) -> None:
-        self._check(self.lib.v4rt_sync(self.handle), "synchronising")
+        with held():
+            rc = self.lib.v4rt_sync(self.handle)
+        self._check(rc, "synchronising")
 
     def _where(self, ptr: int) -> tuple[str, int]:
         i = bisect.bisect_right(self._by_addr, (ptr, 1 << 62)) - 1
@@ -237,6 +242,7 @@ class CRuntime:
 
     def _host_kernel(self, _user, fidx: int, cidx: int, n: int, params) -> int:
         try:
+            act_pending()  # a signal that came while C ran (`held`): raised here, where the run stops cleanly
             fs = self.sched.functions[fidx]
             call = fs.calls[cidx]
             if n != len(call.params):
@@ -248,7 +254,7 @@ class CRuntime:
             else:
                 self._run_kernel(launch, call, cidx, places)
             return 0
-        except BaseException as e:  # never unwind through C
+        except BaseException as e:  # never unwind through C (a signal's exception too: `_raise` re-raises it)
             self.error = e
             return 1
 

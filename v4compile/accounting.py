@@ -175,6 +175,8 @@ def render(cfg: V4Config, a: Accounting) -> str:
              f"  layers {cfg.n_layers} ({cfg.count(HCA)} HCA, {cfg.count(CSA)} CSA, "
              f"{cfg.n_layers - cfg.count(HCA) - cfg.count(CSA)} SWA) + {cfg.n_mtp_layers} MTP, dim {cfg.dim}, "
              f"{cfg.n_experts} experts / {cfg.n_active_experts} per token",
+             *(["  defaults (left out of the config): " + ", ".join(f"{k} = {v}" for k, v in cfg.defaults)]
+               if cfg.defaults else []),
              "",
              f"  logical parameters      {_b(a.logical_params)}   (FP4 byte = 2 params, scales not counted)",
              f"  activated per token     {_b(a.activated_params)}"]

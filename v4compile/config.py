@@ -56,6 +56,68 @@ FLOAT_LIMITS = {  # field -> (exclusive lower, inclusive upper)
     "yarn_beta_fast": (0.0, 1e6), "yarn_beta_slow": (0.0, 1e6),
 }
 
+# Every key the parsers read, per layout: the default applied when the key is absent (then stated by
+# `inspect`: `V4Config.defaults`), `Derived` (the parser works it out from other keys, as told), or REQUIRED.
+# A key that is present must hold a value of its kind: `null` is refused, naming the key, unless the layout's
+# upstream types the field optional (`HF_NULLABLE`), where it means absent. `_Getter` reads no key that is
+# not in its table.
+REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class Derived:
+    how: str
+
+
+YARN = "yarn."  # the HF YaRN block's keys, wherever it sits (`rope_parameters[.compress]`, `rope_scaling`)
+# The official `inference/config.json` (DeepSeek's `ModelArgs`: none of its fields is optional)
+OFFICIAL_FIELDS: dict[str, Any] = {
+    **dict.fromkeys(("n_layers", "compress_ratios", "vocab_size", "dim", "n_heads", "head_dim", "rope_head_dim",
+                     "q_lora_rank", "o_groups", "o_lora_rank", "window_size", "index_n_heads", "index_head_dim",
+                     "index_topk", "n_routed_experts", "n_activated_experts", "moe_inter_dim", "route_scale",
+                     "swiglu_limit"), REQUIRED),
+    "n_mtp_layers": Derived("one per trailing `compress_ratios` entry"), "n_shared_experts": 1, "n_hash_layers": 0,
+    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "norm_eps": 1e-6, "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0, "rope_factor": 16.0, "original_seq_len": 65536, "beta_fast": 32.0,
+    "beta_slow": 1.0, "max_seq_len": 1048576, "score_func": "sqrtsoftplus", "dtype": "fp8", "expert_dtype": "fp4",
+}
+# The HF `config.json`: each default is the one `transformers`' DeepseekV4Config (5.23) documents (checked
+# against it: tests/core/test_config_fields.py); the format keys follow its quantizer (no `quantization_config`:
+# not quantised). Required although upstream has a default: the sizes (upstream's are V4-Flash's: silently
+# another model) and, when the model has compressed layers, the YaRN block (without one upstream runs plain
+# RoPE there, which is not V4's model) with its `factor` and `original_max_position_embeddings` (upstream
+# requires both).
+HF_FIELDS: dict[str, Any] = {
+    **dict.fromkeys(("num_hidden_layers", "vocab_size", "hidden_size", "num_attention_heads", "head_dim",
+                     "q_lora_rank", "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk",
+                     "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "routed_scaling_factor",
+                     YARN + "factor", YARN + "original_max_position_embeddings"), REQUIRED),
+    "layer_types": Derived("from `compress_ratios`; one of the two is required"),
+    "compress_ratios": Derived("from `layer_types`; one of the two is required"),
+    "mlp_layer_types": Derived("`num_hash_layers` hash layers first"), "compress_rates": {},
+    "compress_rates.compressed_sparse_attention": 4, "compress_rates.heavily_compressed_attention": 128,
+    "compress_rate_csa": Derived("as `compress_rates`"), "compress_rate_hca": Derived("as `compress_rates`"),
+    "num_hash_layers": 3, "n_hash_layers": Derived("as `num_hash_layers`"),
+    "qk_rope_head_dim": Derived("`head_dim` x `partial_rotary_factor`"), "partial_rotary_factor": 0.125,
+    "sliding_window": 128, "window_size": Derived("as `sliding_window`"), "n_shared_experts": 1,
+    "swiglu_limit": 10.0, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "max_position_embeddings": 1048576,
+    "num_nextn_predict_layers": 1, "scoring_func": "sqrtsoftplus",
+    "rope_parameters": Derived("or `rope_scaling`: the YaRN block, required with compressed layers"),
+    "rope_scaling": Derived("or `rope_parameters`"),
+    YARN + "beta_fast": 32.0, YARN + "beta_slow": 1.0, YARN + "compress": Derived("upstream's nested form"),
+    YARN + "rope_type": Derived("`type` (legacy), else YaRN"), YARN + "type": Derived("as `rope_type`"),
+    "quantization_config": {}, "quantization_config.quant_method": Derived("absent: not FP8"),
+    "quantization_config.fmt": Derived("absent: not FP8"),
+    "quantization_config.expert_dtype": Derived("as `expert_dtype`"),
+    "expert_dtype": Derived("fp4 if FP8-quantised, else bf16"),
+}
+# Keys upstream types optional (`X | None`) or reads only when not null (the legacy names it folds in)
+HF_NULLABLE = frozenset({"layer_types", "compress_ratios", "mlp_layer_types", "compress_rates", "compress_rate_csa",
+                         "compress_rate_hca", "num_hash_layers", "n_hash_layers", "qk_rope_head_dim",
+                         "partial_rotary_factor", "rope_parameters", "rope_scaling", "quantization_config",
+                         "expert_dtype"})
+
 
 @dataclass(frozen=True)
 class V4Config:
@@ -103,6 +165,8 @@ class V4Config:
     quant_block: int = 128
     expert_scale_block: int = 32
     name: str = field(default="custom", compare=False)
+    # (config key, value) of each default the parser applied for a key the config left out (`inspect` says so)
+    defaults: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
 
     # ---- derived -------------------------------------------------------------------------------
     def kind(self, layer: int) -> str:
@@ -229,7 +293,7 @@ class V4Config:
 
     @classmethod
     def from_official(cls, d: dict[str, Any], name: str = "custom") -> "V4Config":
-        g = _Getter(d, name)
+        g = _Getter(d, name, OFFICIAL_FIELDS)
         n_layers = g.int("n_layers", hi=MAX_LAYERS)
         ratios = g.list("compress_ratios", int, max_len=MAX_LAYERS + MAX_MTP_LAYERS)
         n_mtp = g.int("n_mtp_layers", default=max(len(ratios) - n_layers, 0), hi=MAX_MTP_LAYERS)
@@ -245,19 +309,16 @@ class V4Config:
             layer_kinds=kinds, csa_ratio=csa, hca_ratio=hca, index_n_heads=g.int("index_n_heads"),
             index_head_dim=g.int("index_head_dim"), index_topk=g.int("index_topk"),
             n_experts=g.int("n_routed_experts"), n_active_experts=g.int("n_activated_experts"),
-            n_shared_experts=g.int("n_shared_experts", default=1), moe_inter_dim=g.int("moe_inter_dim"),
-            n_hash_layers=g.int("n_hash_layers", default=0), route_scale=g.num("route_scale"),
-            swiglu_limit=g.num("swiglu_limit"), hc_mult=g.int("hc_mult", default=4),
-            hc_sinkhorn_iters=g.int("hc_sinkhorn_iters", default=20), hc_eps=g.num("hc_eps", default=1e-6),
-            rms_eps=g.num("norm_eps", default=1e-6), rope_theta=g.num("rope_theta", default=10000.0),
-            compress_rope_theta=g.num("compress_rope_theta", default=160000.0),
-            yarn_factor=g.num("rope_factor", default=16.0),
-            yarn_original_max_pos=g.int("original_seq_len", default=65536),
-            yarn_beta_fast=g.num("beta_fast", default=32.0), yarn_beta_slow=g.num("beta_slow", default=1.0),
-            max_position=g.int("max_seq_len", default=1048576), n_mtp_layers=n_mtp,
-            score_func=g.str("score_func", default="sqrtsoftplus"),
-            weight_format=_fmt(g.str("dtype", default="fp8")), expert_format=_fmt(g.str("expert_dtype", default="fp4")),
-            name=name,
+            n_shared_experts=g.int("n_shared_experts"), moe_inter_dim=g.int("moe_inter_dim"),
+            n_hash_layers=g.int("n_hash_layers"), route_scale=g.num("route_scale"),
+            swiglu_limit=g.num("swiglu_limit"), hc_mult=g.int("hc_mult"),
+            hc_sinkhorn_iters=g.int("hc_sinkhorn_iters"), hc_eps=g.num("hc_eps"),
+            rms_eps=g.num("norm_eps"), rope_theta=g.num("rope_theta"),
+            compress_rope_theta=g.num("compress_rope_theta"), yarn_factor=g.num("rope_factor"),
+            yarn_original_max_pos=g.int("original_seq_len"), yarn_beta_fast=g.num("beta_fast"),
+            yarn_beta_slow=g.num("beta_slow"), max_position=g.int("max_seq_len"), n_mtp_layers=n_mtp,
+            score_func=g.str("score_func"), weight_format=_fmt(g.str("dtype")),
+            expert_format=_fmt(g.str("expert_dtype")), name=name, defaults=tuple(g.applied.items()),
         ).validate()
 
     # ---- HF layout -----------------------------------------------------------------------------
@@ -294,11 +355,11 @@ class V4Config:
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], name: str = "custom") -> "V4Config":
-        g = _Getter(d, name)
+        g = _Getter(d, name, HF_FIELDS, HF_NULLABLE)
         n_layers = g.int("num_hidden_layers", hi=MAX_LAYERS)
         rates = g.obj("compress_rates")
-        csa = g.int("compress_rate_csa", default=rates.int("compressed_sparse_attention", default=4))
-        hca = g.int("compress_rate_hca", default=rates.int("heavily_compressed_attention", default=128))
+        csa = g.int("compress_rate_csa") if g.has("compress_rate_csa") else rates.int("compressed_sparse_attention")
+        hca = g.int("compress_rate_hca") if g.has("compress_rate_hca") else rates.int("heavily_compressed_attention")
         if g.has("layer_types"):
             types = g.list("layer_types", str, max_len=MAX_LAYERS)
             unknown = sorted({t for t in types if t not in HF_LAYER_TYPES})
@@ -326,42 +387,40 @@ class V4Config:
                 raise ConfigError("`mlp_layer_types` length must equal the layer count", where=f"config '{name}'",
                                   expected=n_layers, found=len(mlp))
         else:
-            n_hash = g.int("num_hash_layers", default=g.int("n_hash_layers", default=3))
+            n_hash = g.int("n_hash_layers") if g.has("n_hash_layers") and not g.has("num_hash_layers") \
+                else g.int("num_hash_layers")
         head_dim = g.int("head_dim")
         if g.has("qk_rope_head_dim"):
             rope_dim = g.int("qk_rope_head_dim")
         else:
-            factor = g.num("partial_rotary_factor", default=0.125)
+            factor = g.num("partial_rotary_factor")
             if not 0 < factor <= 1:
                 raise ConfigError("`partial_rotary_factor` must be in (0, 1]", where=f"config '{name}'", found=factor)
             rope_dim = int(round(head_dim * factor))
-        yarn = _hf_yarn(g)
+        yarn = _hf_yarn(g, any(k != SWA for k in kinds))
         quant = g.obj("quantization_config")
-        is_fp8 = quant.str("quant_method", default="") == "fp8" or quant.str("fmt", default="") == "e4m3"
+        method, fmt = quant.str("quant_method", default=""), quant.str("fmt", default="")
+        is_fp8 = method == "fp8" or fmt == "e4m3"
         weight_format = "fp8" if is_fp8 else "bf16"
         expert_format = _fmt(quant.str("expert_dtype", default=g.str("expert_dtype",
                                                                      default="fp4" if is_fp8 else "bf16")))
+        window = g.int("window_size") if g.has("window_size") and not g.has("sliding_window") \
+            else g.int("sliding_window")
         return cls(
             vocab_size=g.int("vocab_size"), dim=g.int("hidden_size"), n_layers=n_layers,
             n_heads=g.int("num_attention_heads"), head_dim=head_dim, rope_dim=rope_dim,
             q_lora_rank=g.int("q_lora_rank"), o_groups=g.int("o_groups"), o_lora_rank=g.int("o_lora_rank"),
-            window=g.int("sliding_window", default=g.int("window_size", default=128)), layer_kinds=kinds,
-            csa_ratio=csa, hca_ratio=hca, index_n_heads=g.int("index_n_heads"),
+            window=window, layer_kinds=kinds, csa_ratio=csa, hca_ratio=hca, index_n_heads=g.int("index_n_heads"),
             index_head_dim=g.int("index_head_dim"), index_topk=g.int("index_topk"),
             n_experts=g.int("n_routed_experts"), n_active_experts=g.int("num_experts_per_tok"),
-            n_shared_experts=g.int("n_shared_experts", default=1), moe_inter_dim=g.int("moe_intermediate_size"),
-            n_hash_layers=n_hash, route_scale=g.num("routed_scaling_factor"),
-            swiglu_limit=g.num("swiglu_limit", default=10.0), hc_mult=g.int("hc_mult", default=4),
-            hc_sinkhorn_iters=g.int("hc_sinkhorn_iters", default=20), hc_eps=g.num("hc_eps", default=1e-6),
-            rms_eps=g.num("rms_norm_eps", default=1e-6), rope_theta=g.num("rope_theta", default=10000.0),
-            compress_rope_theta=g.num("compress_rope_theta", default=160000.0),
-            yarn_factor=yarn.num("factor", default=16.0),
-            yarn_original_max_pos=yarn.int("original_max_position_embeddings", default=65536),
-            yarn_beta_fast=yarn.num("beta_fast", default=32.0), yarn_beta_slow=yarn.num("beta_slow", default=1.0),
-            max_position=g.int("max_position_embeddings", default=1048576),
-            n_mtp_layers=g.int("num_nextn_predict_layers", default=1),
-            score_func=g.str("scoring_func", default="sqrtsoftplus"),
-            weight_format=weight_format, expert_format=expert_format, name=name,
+            n_shared_experts=g.int("n_shared_experts"), moe_inter_dim=g.int("moe_intermediate_size"),
+            n_hash_layers=n_hash, route_scale=g.num("routed_scaling_factor"), swiglu_limit=g.num("swiglu_limit"),
+            hc_mult=g.int("hc_mult"), hc_sinkhorn_iters=g.int("hc_sinkhorn_iters"), hc_eps=g.num("hc_eps"),
+            rms_eps=g.num("rms_norm_eps"), rope_theta=g.num("rope_theta"),
+            compress_rope_theta=g.num("compress_rope_theta"), **yarn,
+            max_position=g.int("max_position_embeddings"), n_mtp_layers=g.int("num_nextn_predict_layers"),
+            score_func=g.str("scoring_func"), weight_format=weight_format, expert_format=expert_format, name=name,
+            defaults=tuple(g.applied.items()),
         ).validate()
 
     # ---- files ---------------------------------------------------------------------------------
@@ -409,44 +468,71 @@ class V4Config:
 class _Getter:
     """Typed access to a raw JSON object, with errors that name the config and the key. The one schema of
     both layouts: integers are JSON integers (or integral floats), never booleans; numbers are finite;
-    `null` means absent; every integer is bounded (`MAX_INT`) before anything is sized from it."""
+    `null` is refused except where the layout makes it mean absent (`nullable`); every integer is bounded
+    (`MAX_INT`) before anything is sized from it. Every key read is one of `fields` (its default, `Derived`
+    or REQUIRED: see OFFICIAL_FIELDS); the defaults applied are recorded in `applied` (key -> value)."""
 
-    _MISSING = object()
-
-    def __init__(self, d: dict[str, Any], name: str, prefix: str = ""):
-        self.d, self.name, self.prefix = d, name, prefix
+    def __init__(self, d: dict[str, Any], name: str, fields: dict[str, Any], nullable: frozenset = frozenset(),
+                 prefix: str = "", scope: str | None = None, applied: dict[str, Any] | None = None):
+        self.d, self.name, self.fields, self.nullable, self.prefix = d, name, fields, nullable, prefix
+        self.scope = prefix if scope is None else scope  # the keys' prefix in `fields`
+        self.applied = {} if applied is None else applied
 
     def _err(self, what: str, **kw: Any) -> ConfigError:
         return ConfigError(what, where=f"config '{self.name}'", **kw)
 
+    def _table(self, key: str) -> Any:
+        try:
+            return self.fields[self.scope + key]
+        except KeyError:
+            raise AssertionError(f"config key `{self.scope}{key}` is read but not in its layout's table") from None
+
     def has(self, key: str) -> bool:
-        return self.d.get(key) is not None
+        """Present with a value (`null` where it means absent: no; `null` elsewhere: refused)."""
+        return self._present(key) is not None
+
+    def _present(self, key: str) -> Any:
+        """The key's value, None if absent (or `null` where that means absent)."""
+        table = self._table(key)
+        v = self.d.get(key)
+        if v is None and key in self.d and self.scope + key not in self.nullable:
+            left_out = "" if table is REQUIRED else \
+                f", or the field left out: {table.how if isinstance(table, Derived) else f'default {_show(table)}'}"
+            raise self._err(f"`{self.prefix}{key}` is null", expected=f"a value{left_out}")
+        return v
 
     def _get(self, key: str, default: Any) -> Any:
-        if self.d.get(key) is not None:
-            return self.d[key]
-        if default is self._MISSING:
-            raise self._err(f"missing required field `{self.prefix}{key}`")
+        v = self._present(key)
+        if v is not None:
+            return v
+        table = self._table(key)
+        if default is REQUIRED:
+            if table is REQUIRED:
+                raise self._err(f"missing required field `{self.prefix}{key}`")
+            assert not isinstance(table, Derived), f"`{self.scope}{key}` is derived: its reader gives the value"
+            default = table
+        if not isinstance(table, Derived):
+            self.applied[self.prefix + key] = default
         return default
 
-    def int(self, key: str, default: Any = _MISSING, hi: int = None) -> int:
+    def int(self, key: str, default: Any = REQUIRED, hi: int = None) -> int:
         v = self._get(key, default)
         return _as_int(v, f"{self.prefix}{key}", self._err, hi)
 
-    def num(self, key: str, default: Any = _MISSING) -> float:
+    def num(self, key: str, default: Any = REQUIRED) -> float:
         v = self._get(key, default)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise self._err(f"`{self.prefix}{key}` must be a finite number", found=_show(v))
         return float(v)
 
-    def str(self, key: str, default: Any = _MISSING) -> str:
+    def str(self, key: str, default: Any = REQUIRED) -> str:
         v = self._get(key, default)
         if not isinstance(v, str):
             raise self._err(f"`{self.prefix}{key}` must be a string", found=_show(v))
         return v
 
     def list(self, key: str, elem: type, max_len: int) -> list:
-        v = self._get(key, self._MISSING)
+        v = self._get(key, REQUIRED)
         if not isinstance(v, list):
             raise self._err(f"`{self.prefix}{key}` must be a list", found=_show(v))
         if len(v) > max_len:
@@ -459,12 +545,15 @@ class _Getter:
                             found=_show(bad))
         return v
 
-    def obj(self, key: str) -> "_Getter":
-        """A nested object (absent or null: an empty one)."""
-        v = self._get(key, {})
+    def obj(self, key: str, scope: str | None = None) -> "_Getter":
+        """A nested object (absent, or `null` where that means absent: an empty one). `scope`: its keys'
+        prefix in the table (default: the object's own path)."""
+        v = self._present(key)
+        v = {} if v is None else v
         if not isinstance(v, dict):
             raise self._err(f"`{self.prefix}{key}` must be an object", found=_show(v))
-        return _Getter(v, self.name, f"{self.prefix}{key}.")
+        path = f"{self.prefix}{key}."
+        return _Getter(v, self.name, self.fields, self.nullable, path, path if scope is None else scope, self.applied)
 
 
 _JSON_NAME = {str: "strings", int: "integers", float: "numbers", dict: "objects"}
@@ -511,13 +600,35 @@ def _fmt(s: str) -> str:
             "mxfp4": "fp4", "e2m1": "fp4"}.get(s, s)
 
 
-def _hf_yarn(g: _Getter) -> _Getter:
-    rp = g.obj("rope_parameters")
+def _hf_yarn(g: _Getter, needed: bool) -> dict[str, Any]:
+    """The compressed layers' YaRN fields (V4Config's `yarn_*`) from their block: `rope_parameters.compress`
+    (upstream's nested form), else `rope_parameters` when it says YaRN, else the legacy `rope_scaling`. A block
+    without a type is YaRN (the hub's configs); another type is refused. No block: refused when the model has
+    compressed layers (`needed`); otherwise nothing uses them (the dataclass's values stay)."""
+    rp = g.obj("rope_parameters", scope=YARN)
     if rp.has("compress"):
-        return rp.obj("compress")
-    if rp.d.get("rope_type") == "yarn":
-        return rp
-    return g.obj("rope_scaling")
+        block = rp.obj("compress", scope=YARN)
+    elif _rope_type(rp) == "yarn":
+        block = rp
+    else:
+        block = g.obj("rope_scaling", scope=YARN)
+    kind = _rope_type(block)
+    if not block.d or kind == "default":
+        if needed:
+            raise ConfigError("missing required field `rope_parameters` (or `rope_scaling`): the YaRN parameters of "
+                              "the compressed layers", where=f"config '{g.name}'")
+        return {}
+    if kind not in (None, "yarn"):
+        raise ConfigError(f"`{block.prefix}rope_type` must be yarn (the compressed layers' RoPE)",
+                          where=f"config '{g.name}'", found=_show(kind))
+    return dict(yarn_factor=block.num("factor"), yarn_original_max_pos=block.int("original_max_position_embeddings"),
+                yarn_beta_fast=block.num("beta_fast"), yarn_beta_slow=block.num("beta_slow"))
+
+
+def _rope_type(block: _Getter) -> str | None:
+    kind = block.str("rope_type") if block.has("rope_type") else None
+    legacy = block.str("type") if block.has("type") else None
+    return kind or legacy
 
 
 # ---- presets -----------------------------------------------------------------------------------

@@ -59,12 +59,35 @@ def read_bytes(path: str | Path, error: type[V4Error], what: str = "file", limit
         if size > limit:
             raise error(f"{what} is too large", where=str(path), expected=f"<= {limit} bytes", found=f"{size} bytes")
         try:
-            data = f.read(limit + 1)
+            data = read_sized(f, size, limit)
         except OSError as e:
             raise error(f"cannot read {what}: {e.strerror}", where=str(path)) from None
     if len(data) > limit:
         raise error(f"{what} is too large", where=str(path), expected=f"<= {limit} bytes")
     return data
+
+
+GROWTH_PIECE = 1 << 20
+
+
+def read_sized(f, size: int, limit: int) -> bytes:
+    """The rest of the open file `f`, whose size `size` (fstat's, already checked against `limit`) sizes the
+    read: `f.read(limit + 1)` would allocate the whole limit up front (4 GiB for an artifact's file), which
+    fails under an address-space cap (`ulimit -v`, containers, batch schedulers) however small the file is.
+    A file that grew since its fstat is read on in small pieces, at most `limit + 1` bytes in all, so the
+    caller still sees that it is too large."""
+    data = f.read(min(size, limit) + 1)
+    if len(data) <= size:
+        return data
+    parts = [data]
+    total = len(data)
+    while total <= limit:
+        piece = f.read(min(GROWTH_PIECE, limit + 1 - total))
+        if not piece:
+            break
+        parts.append(piece)
+        total += len(piece)
+    return b"".join(parts)
 
 
 def read_text(path: str | Path, error: type[V4Error], what: str = "file", limit: int = MAX_TEXT_BYTES) -> str:

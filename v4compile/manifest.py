@@ -31,6 +31,7 @@ from typing import Any
 
 from .errors import ArtifactError, ConfigError
 from .errors import show_value as _show
+from .files import read_sized
 from .shard_digest import HASH
 from .speculation import MAX_DRAFT_TOKENS
 from .targets import TARGET_FORMATS
@@ -87,7 +88,7 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
             raise ArtifactError("manifest.json is too large", where=where, expected=f"<= {MAX_MANIFEST_BYTES} bytes",
                                 found=f"{st.st_size} bytes")
         try:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
+            raw = read_sized(f, st.st_size, MAX_MANIFEST_BYTES)
         except OSError as e:
             raise ArtifactError(f"cannot read manifest.json: {e.strerror}", where=where) from None
     if len(raw) > MAX_MANIFEST_BYTES:

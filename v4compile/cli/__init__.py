@@ -10,7 +10,8 @@
     v4compile serve ARTIFACT [--host H] [--port P] [--device cpu]  an OpenAI-compatible server
 
 Errors in the user's input (including argparse's own) print one line `error: ...` and exit with status 2;
-no traceback. SIGTERM and SIGHUP are handled like Ctrl-C: whatever was being written is removed.
+no traceback. SIGTERM and SIGHUP are handled like Ctrl-C: whatever was being written is removed, and the
+command ends as interrupted (exit 128 + signal), never with an error its interruption caused.
 """
 
 from __future__ import annotations
@@ -91,12 +92,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return interrupted_exit(late)
         return rc
     except BaseException as e:
-        # A signal inside a C extension's import can surface as that import's own error (numpy: "cannot
-        # load module more than once per process"), not as KeyboardInterrupt: any exception after a signal
-        # is that signal's doing.
-        if not isinstance(e, KeyboardInterrupt) and not RECEIVED:
+        # Not always KeyboardInterrupt: a signal inside a C extension's import can surface as that import's
+        # own error (numpy: "cannot load module more than once per process"); see `signalled`.
+        if not isinstance(e, KeyboardInterrupt) and not signalled():
             raise
         return interrupted_exit(e.signum if isinstance(e, Terminated) else RECEIVED[-1] if RECEIVED else signal.SIGINT)
+
+
+def signalled() -> bool:
+    """Whether a signal reached this process. Then any error after it is its doing, never a fault of the input,
+    the artifact or the kernels: an interrupted import fails as that import's error, an interrupted host
+    kernel as the C runtime's failure, an interrupted write as a missing file."""
+    return bool(RECEIVED)
 
 
 def interrupted_exit(signum: int) -> int:
@@ -123,13 +130,15 @@ def _main(argv: Sequence[str] | None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except CodegenError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except V4Error as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # the environment, not the program: a full disk, a file removed under us
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
-        return 2
+    except (V4Error, OSError) as e:
+        if signalled():  # `main` reports the signal
+            raise
+        print(f"error: {_message(e)}", file=sys.stderr)
+        return 1 if isinstance(e, CodegenError) else 2
+
+
+def _message(e: V4Error | OSError) -> str:
+    if isinstance(e, V4Error):
+        return str(e)
+    where = f"{e.filename}: " if e.filename else ""  # the environment, not the program: a full disk, a file removed
+    return f"{where}{e.strerror or e}"

@@ -81,7 +81,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         cfg = preset(args.preset or DEFAULT_PRESET)
         a = account(cfg)
     if args.json:
-        print(json.dumps({"config": cfg.name, **a.to_json()}, indent=1))
+        print(json.dumps({"config": cfg.name, "defaults": dict(cfg.defaults), **a.to_json()}, indent=1))
     else:
         sys.stdout.write(render(cfg, a))
     return 0
