@@ -14,6 +14,8 @@ from conftest import dense_weights, make_model, prompt
 from hf_oracle import hf_model
 from v4compile.config import CSA, HCA, SWA, preset
 
+pytestmark = pytest.mark.isa  # exact on torch's CPU kernels: CI runs it again under a second instruction set
+
 ATOL = 1e-4
 PRESETS = ["tiny", "tiny-pro"]
 

@@ -11,6 +11,8 @@ import torch
 
 from v4compile.codegen import kernels
 
+pytestmark = pytest.mark.isa  # exact on torch's CPU kernels: CI runs it again under a second instruction set
+
 
 def _by_index(w, i):
     order = i.argsort(-1)

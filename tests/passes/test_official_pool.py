@@ -34,6 +34,8 @@ from v4compile.passes.numerics import NumericsCheck, first_diverging_ops
 from v4compile.trace import TraceOptions, trace
 from v4compile.weights import spec_table
 
+pytestmark = pytest.mark.isa  # exact on torch's CPU kernels: CI runs it again under a second instruction set
+
 CONFIGS = {
     "tiny": lambda: preset("tiny"),  # (also covered per pass by test_passes.py)
     "tiny-pro": lambda: preset("tiny-pro"),

@@ -42,7 +42,7 @@ _SEEDS = int(os.environ.get("V4_OFFICIAL_SEEDS", "0"))
 CASES = ([(p, d, s) for p in ("tiny", "tiny-pro") for d in ("fp32", "bf16") for s in range(_SEEDS)] if _SEEDS
          else [("tiny-pro", "bf16", 2)])
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.isa]  # isa: see .ci/run
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{p}-{d}-seed{s}" for p, d, s in CASES])

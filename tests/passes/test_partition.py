@@ -23,6 +23,8 @@ from v4compile.passes.numerics import NumericsCheck
 from v4compile.targets import TARGETS
 from v4compile.trace import TraceOptions, trace
 
+pytestmark = pytest.mark.isa  # exact on torch's CPU kernels: CI runs it again under a second instruction set
+
 OPTS = dict(batch=2, chunk=16, decode_batch=2, capacity=64)
 TOL = 1e-5  # of the logit scale: the ranks' partial sums round otherwise than the whole sum (fp32: ~1e-7)
 
