@@ -69,17 +69,46 @@ def test_a_prompt_without_a_tokenizer_is_one_clear_error(art, tmp_path, capsys):
     assert main(["-q", "run", str(bare), "--ids", "1,2", "--device", "cpu", "--max-new-tokens", "2"]) == 0
 
 
-def test_a_tokenizer_path_leading_out_of_the_artifact_is_refused(art, tmp_path):
+def _tokenizer_path_case(art, tmp_path, bad: str):
+    """A copy of `art` whose manifest names `bad` as its tokenizer.json."""
+    t = copy(art, tmp_path / f"t{len(bad)}")
+    m = manifest(t)
+    m["tokenizer"]["json"] = bad
+    write_manifest(t, m)
+    return t
+
+
+TOKENIZER_PATHS = [("../tokenizer.json", "`tokenizer.json` leaves the artifact"),
+                   ("tokenizer/missing.json", "`tokenizer.json` names a file the manifest's `files` does not list")]
+
+
+def _check_tokenizer_refused(t, needle: str) -> None:
     import v4compile
     from v4compile.errors import ArtifactError
 
-    for bad in ("../tokenizer.json", "tokenizer/missing.json"):
-        t = copy(art, tmp_path / f"t{len(bad)}")
-        m = manifest(t)
-        m["tokenizer"]["json"] = bad
-        write_manifest(t, m)
-        with pytest.raises(ArtifactError, match="tokenizer.json"):
-            v4compile.load(t, device="cpu")
+    with pytest.raises(ArtifactError, match=re.escape(needle)):
+        v4compile.load(t, device="cpu")
+
+
+@pytest.mark.parametrize("bad,needle", TOKENIZER_PATHS)
+def test_a_tokenizer_path_leading_out_of_the_artifact_is_refused(art, tmp_path, bad, needle):
+    """Each path is refused by its own rule, named in the message: `../` as leaving the artifact (checked
+    before the unlisted-file rule, which would refuse it too), a path inside that `files` does not list by
+    that rule. A symlink out and an absolute path (listed and hashed): the tokenizer kind of
+    tests/runtime/test_artifact_security.py."""
+    _check_tokenizer_refused(_tokenizer_path_case(art, tmp_path, bad), needle)
+
+
+def test_a_manifest_check_without_the_dotdot_rule_fails_the_tokenizer_test(art, tmp_path, monkeypatch):
+    """The planted fault: `manifest.check_rel` without its `..` rule. `../tokenizer.json` is then refused by
+    the unlisted-file rule only, and the test's match (the `..` rule's message) fails."""
+    from v4compile import manifest as M
+
+    real = M.check_rel
+    monkeypatch.setattr(M, "check_rel", lambda rel, key: rel if isinstance(rel, str) and ".." in rel else real(rel, key))
+    bad, needle = TOKENIZER_PATHS[0]
+    with pytest.raises(AssertionError, match="Regex pattern did not match"):
+        _check_tokenizer_refused(_tokenizer_path_case(art, tmp_path, bad), needle)
 
 
 # ---- serve ------------------------------------------------------------------------------------------
