@@ -1,13 +1,41 @@
 """Launching the ranks of a process group as torchrun does, for the multi-process tests: each rank a
 subprocess with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free
-port), every one waited for with a deadline and killed and reaped if it passes it, so no test hangs."""
+port), every one waited for with a deadline and killed and reaped if it passes it, so no test hangs.
+
+The bounded-time tests time a failure from the moment the ranks are ready (`print_ready`: a line each rank
+prints once its imports are done; `since_ready`), not from the processes' start: two interpreters importing
+torch on a busy 2-core machine take anything from 5 to 40 s, which no bound on the failure should include."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
+import sys
 import time
+
+READY = "v4-test-ready"  # the line's tag: `READY <time.time()>`, on stderr
+
+
+def print_ready() -> None:
+    """Called by a rank's process once its imports are done."""
+    print(f"{READY} {time.time():.3f}", file=sys.stderr, flush=True)
+
+
+def since_ready(errs: list[str], end: float) -> float:
+    """Seconds from the last rank's ready line (each of `errs`, the ranks' stderr, must hold exactly one) to
+    `end` (a `time.time()`)."""
+    stamps = []
+    for e in errs:
+        found = re.findall(rf"^{READY} (\d+\.\d+)$", e, re.M)
+        assert len(found) == 1, f"a rank printed {len(found)} ready lines: {e[-500:]}"
+        stamps.append(float(found[0]))
+    return end - max(stamps)
+
+
+def without_ready(err: str) -> str:
+    return re.sub(rf"^{READY} .*\n", "", err, flags=re.M)
 
 
 def free_port() -> int:
