@@ -45,12 +45,16 @@ def free_port() -> int:
 
 
 def launch(argv: list[str], world: int, ranks=None, timeout_s: float = 120, env: dict | None = None,
-           cwd=None) -> list[tuple[int, str, str]]:
+           cwd=None, per_node: int | None = None) -> list[tuple[int, str, str]]:
     """Run `argv` as ranks `ranks` (default all) of a `world`-rank group; (returncode, stdout, stderr) per
-    rank, in order. A rank still running at the deadline is killed (returncode -9)."""
+    rank, in order. A rank still running at the deadline is killed (returncode -9). `per_node`: the ranks
+    as torchrun places them on nodes of that many (LOCAL_RANK = RANK % per_node, GROUP_RANK = RANK //
+    per_node); default one node, where LOCAL_RANK is RANK."""
     port, procs = free_port(), []
+    per_node = per_node or world
     for r in range(world) if ranks is None else ranks:
-        e = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+        e = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r % per_node), "GROUP_RANK": str(r // per_node),
+             "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(per_node),
              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **(env or {})}
         procs.append(subprocess.Popen(argv, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd))
     out = []

@@ -102,9 +102,11 @@ def reference(arts):
 
 
 def _ranks(tmp: Path, world: int, arts_: list[Path], env: dict | None = None, timeout_s: float = 240):
+    """`parallel_worker.py` as every rank, each on a node of its own (LOCAL_RANK 0 everywhere, unlike RANK:
+    a rank that picked its weights by LOCAL_RANK would show)."""
     (tmp / "prompts.json").write_text(json.dumps({"prompts": PROMPTS, "new": NEW}))
     return launch([sys.executable, str(WORKER), str(tmp), str(tmp / "prompts.json"), *map(str, arts_)], world,
-                  timeout_s=timeout_s, env=env)
+                  timeout_s=timeout_s, env=env, per_node=1)
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +127,20 @@ def test_ranks_match_the_single_process_run(arts, reference, tmp_path, world, de
         tmp_path, runs = request.getfixturevalue("host_ranks")
     else:
         runs = _ranks(tmp_path, world, [arts[world][0]], env={"V4_TEST_DEVICE": device})
+    _check_against_reference(tmp_path, runs, world, device, reference)
+
+
+def test_ranks_that_pick_their_weights_by_local_rank_fail_the_comparison(arts, reference, tmp_path):
+    """The planted fault (`V4_TEST_FAULT=local rank` in parallel_worker.py): each rank maps the weights of its
+    LOCAL_RANK, 0 on every rank here (one rank per node), so rank 1 computes with rank 0's heads and experts;
+    `_check_against_reference`'s comparison with the single-process run fails."""
+    runs = _ranks(tmp_path, 2, [arts[2][0]], env={"V4_TEST_DEVICE": "cpu", "V4_TEST_FAULT": "local rank"})
+    with pytest.raises(AssertionError, match="rank 0: the greedy ids are not the single-process run's"):
+        _check_against_reference(tmp_path, runs, 2, "cpu", reference)
+
+
+def _check_against_reference(tmp_path, runs, world: int, device: str, reference) -> None:
+    """Every rank ran to the end and gave the single-process run's greedy ids and, within TOL, its logits."""
     for r, (code, _, err) in enumerate(runs):
         assert code == 0, f"rank {r}: {err[-2000:]}"
     ids, logits = reference(world, device)
@@ -133,10 +149,11 @@ def test_ranks_match_the_single_process_run(arts, reference, tmp_path, world, de
     scale, tol = float(np.abs(logits).max()), TOL[CASES[world][1]]
     got = [np.load(tmp_path / f"rank-{r}.npz") for r in range(world)]
     for r in range(world):
-        assert got[r]["ids-0"].tolist() == flat and got[r]["lens-0"].tolist() == [NEW] * len(PROMPTS), r
+        assert got[r]["ids-0"].tolist() == flat and got[r]["lens-0"].tolist() == [NEW] * len(PROMPTS), \
+            f"rank {r}: the greedy ids are not the single-process run's"
         assert got[r]["logits-0"].shape == logits.shape
         err = float(np.abs(got[r]["logits-0"] - logits).max())
-        assert err <= tol * scale, (r, err / scale)
+        assert err <= tol * scale, f"rank {r}: logits off by {err / scale:.2e} of their scale"
         assert np.array_equal(got[r]["logits-0"], got[0]["logits-0"])  # every rank the same bits
 
 
