@@ -2,7 +2,8 @@
 gives `Session.generate`'s greedy ids and streams exactly their text; an artifact without a tokenizer (or
 with a tokenizer path leading out) is one clear error; and `serve`, started as a subprocess on a free port
 and driven by the real `openai` client: 8 chats, one at a time and concurrently streamed, give the text of
-`Session.generate`'s greedy ids for each (run alone in this process), a client that disconnects frees its slot, bad requests get a 400 with OpenAI's error body while the server goes on.
+`Session.generate`'s greedy ids for each (run alone in this process), a client that disconnects frees its
+slot, bad requests get a 400 with OpenAI's error body while the server goes on.
 Every wait has a timeout; the server is always killed and reaped."""
 
 from __future__ import annotations
@@ -145,7 +146,8 @@ def test_a_manifest_check_without_the_dotdot_rule_fails_the_tokenizer_test(art, 
     from v4compile import manifest as M
 
     real = M.check_rel
-    monkeypatch.setattr(M, "check_rel", lambda rel, key: rel if isinstance(rel, str) and ".." in rel else real(rel, key))
+    monkeypatch.setattr(M, "check_rel", lambda rel, key: rel if isinstance(rel, str) and ".." in rel
+                        else real(rel, key))
     bad, needle = TOKENIZER_PATHS[0]
     with pytest.raises(AssertionError, match="Regex pattern did not match"):
         _check_tokenizer_refused(_tokenizer_path_case(art, tmp_path, bad), needle)

@@ -4,15 +4,16 @@ file; the manifest itself is never opened through a symlink.
 
 Per file kind (ONNX graph, weights shard, tokenizer, the host device's `program.txt`, GPU program, kernel
 binary, kernel sidecar, the manifest, and an ONNX graph's external data) and per attack (an absolute path, a
-`../` path, a symlink out), the artifact is edited as an attacker would: the
-outside file is a faithful copy of the one it replaces and every hash in the manifest is recomputed, so the
-edit would pass every integrity check and run. Each must be refused through the API (`ArtifactError`, an
+`../` path, a symlink out), the artifact is edited as an attacker would: the outside file is a faithful copy
+of the one it replaces and every hash in the manifest is recomputed, so the edit would pass every integrity
+check and run. Each must be refused through the API (`ArtifactError`, an
 `InputError`) and the CLI (exit 2, one `error:` line, no traceback), and no byte outside the artifact may be
 read: the outside copies are sentinels whose access time would move on any read (by Python, ONNX Runtime,
 the safetensors library or the C runtime) and whose Python-level opens are audited. A deliberately broken
 loader (the confinement check removed) is shown to trip the sentinel. A file the runtime opens after
-`load_artifact` (graph, shard, tokenizer, program) swapped then for a symlink out is refused where it is opened,
-and the same loader with the confinement check removed trips the sentinel there too.
+`load_artifact` (graph, shard, tokenizer, host program; GPU program, sidecar, kernel binary), swapped then
+for a symlink out, is refused where it is opened, and the same loader with the confinement check removed
+trips the sentinel there too.
 """
 
 from __future__ import annotations
@@ -251,9 +252,14 @@ def _load_then_open(kind: str, art):
         return lambda: backend.prepare(["decode_b1"])
     if kind == "shard":  # mapped (and hashed) by the backend it is handed to
         return lambda: dict(loaded.weights().stream())
-    from v4compile.runtime.program_backend import artifact_program
+    from v4compile.runtime.program_backend import artifact_program, read_sidecar
 
-    return lambda: artifact_program(loaded)
+    k = loaded.manifest["kernels"][0] if loaded.manifest["kernels"] else None
+    if kind == "sidecar":
+        return lambda: read_sidecar(loaded, k)
+    if kind == "kernel binary":  # as the GPU backend reads each binary it loads (`program_backend`)
+        return lambda: loaded.read_bytes(k["path"], "kernel binary")
+    return lambda: artifact_program(loaded)  # the host program, or a GPU artifact's
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["checked", "broken"])
@@ -262,9 +268,21 @@ def test_the_runtime_checks_again_at_open(cpu_art, tmp_path, monkeypatch, kind, 
     """A file swapped for a symlink out (a faithful copy: same hash) after `load_artifact` checked it is
     refused where it is opened, the outside copy unread. The broken variant: `confined` reduced to the path
     join (no check at open) lets the same open read the outside copy, and the sentinel assertion fails."""
+    _check_swapped_after_load(cpu_art, tmp_path, monkeypatch, kind, broken)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", [False, True], ids=["checked", "broken"])
+@pytest.mark.parametrize("kind", ["program", "sidecar", "kernel binary"])
+def test_the_runtime_checks_gpu_files_again_at_open(gpu_art, tmp_path, monkeypatch, kind, broken):
+    """The same for the GPU artifact's files: its program, a sidecar, a kernel binary."""
+    _check_swapped_after_load(gpu_art, tmp_path, monkeypatch, kind, broken)
+
+
+def _check_swapped_after_load(src, tmp_path, monkeypatch, kind: str, broken: bool) -> None:
     import v4compile.artifact as A
 
-    art = copy(cpu_art, tmp_path / "art")
+    art = copy(src, tmp_path / "art")
     open_it = _load_then_open(kind, art)
     rel = _kind_rel(kind, art)
     target = tmp_path / ("outside-" + os.path.basename(rel))
