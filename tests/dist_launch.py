@@ -4,7 +4,7 @@ port), every one waited for with a deadline and killed and reaped if it passes i
 
 The bounded-time tests time a failure from the moment the ranks are ready (`print_ready`: a line each rank
 prints once its imports are done; `since_ready`), not from the processes' start: two interpreters importing
-torch on a busy 2-core machine take anything from 5 to 40 s, which no bound on the failure should include."""
+torch take seconds, and many more on a busy 2-core machine, which no bound on the failure should include."""
 
 from __future__ import annotations
 
