@@ -3,7 +3,8 @@
 MASTER_ADDR, MASTER_PORT). DIR holds `plan.json` (tp, ep, the segments' files and the collective after
 each), `rank-<r>.npz` (the rank's weights), `inputs.npz` and `states.npz`; the rank writes its logits to
 `out-<r>.npz`. A V4Error or a failed collective (a rank that never arrives: the group's timeout) prints
-one `error:` line and exits with status 2."""
+one `error:` line and exits with status 2. The rank prints `dist_launch.print_ready`'s line after its
+imports."""
 
 from __future__ import annotations
 
@@ -17,10 +18,14 @@ import numpy as np
 
 def main(d: Path) -> int:
     import onnxruntime as ort
+    import torch.distributed  # noqa: F401 (imported by `join`: before the ready line)
 
+    from dist_launch import print_ready
     from v4compile.errors import V4Error
     from v4compile.parallel import ParallelLayout
     from v4compile.runtime.distributed import join, run_segment
+
+    print_ready()
 
     plan = json.loads((d / "plan.json").read_text())
     ranks = None

@@ -10,6 +10,8 @@ continuous batching over the decode bucket), recording every step's logits; writ
 several artifacts of the same world size. `V4_TEST_DIE_AT=K` (tests of a rank that dies): rank 1 exits
 abruptly at its K-th step. `V4_TEST_NCCL=FAKE_DRIVER:FAKE_NCCL`: then the first artifact's GPU program on the
 fake CUDA driver and fake NCCL (`parallel_gpu_worker.nccl_check`), written to `OUT/nccl-<r>.json`. A V4Error prints one `error:` line and exits with status 2.
+The rank prints `dist_launch.print_ready`'s line after its imports. `V4_TEST_FAULT=local rank` (the planted
+fault of a test): each rank maps the weights of its LOCAL_RANK instead of its global rank.
 """
 
 from __future__ import annotations
@@ -24,11 +26,21 @@ import numpy as np
 
 
 def main(out: Path, prompts_file: Path, arts: list[str]) -> int:
+    import onnxruntime  # noqa: F401 (imported by the load: before the ready line)
     import torch.distributed as dist
 
     import v4compile
+    import v4compile.runtime.cpu_backend  # noqa: F401
+    from dist_launch import print_ready
     from v4compile.errors import V4Error
     from v4compile.runtime.distributed import timeout_from_env
+
+    print_ready()
+    if os.environ.get("V4_TEST_FAULT") == "local rank":  # the planted fault: weights picked by LOCAL_RANK
+        from v4compile.artifact import Artifact
+
+        by_global = Artifact.weights
+        Artifact.weights = lambda self, rank=0: by_global(self, int(os.environ["LOCAL_RANK"]))
 
     spec = json.loads(prompts_file.read_text())
     rank = int(os.environ["RANK"])

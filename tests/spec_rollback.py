@@ -30,7 +30,9 @@ def pool_bytes(backend) -> dict[str, np.ndarray]:
     return {n: np.asarray(store.get_all(n)).copy() for n in sorted(store.names()) if n.startswith(("pool.", "state."))}
 
 
-def run(art, rejected: bool, restore: bool = True, device: str = "cpu"):
+def run(art, rejected: bool, restore: bool = True, device: str = "cpu", snapshots: dict | None = None):
+    """(logits of the true tokens, every pool / state byte at the end); `snapshots`, when given, also gets
+    the bytes just before the rejected decodes ("before") and just after the rollback ("restored")."""
     # host: the C runtime's buffers with the ops' reference kernels (the rollback is row copies; the Triton
     # kernels' own agreement with the references is tested elsewhere)
     sess = v4compile.load(art, device=device, threads=1, **({"kernels": "reference"} if device == "host" else {}))
@@ -42,10 +44,14 @@ def run(art, rejected: bool, restore: bool = True, device: str = "cpu"):
         for q in range(L, L + len(WRONG)):  # the blocks a verify step reserves for its lanes
             sess.reserve(s, q)
         undo = PoolUndo(sess.backend, [(s.slot, list(s.blocks), L, L + 2)])
+        if snapshots is not None:
+            snapshots["before"] = pool_bytes(sess.backend)
         for t in WRONG:
             sess.decode([s], [t])
         if restore:
             undo.restore({s.slot: L})
+        if snapshots is not None:
+            snapshots["restored"] = pool_bytes(sess.backend)
         s.length = L
     logits += [sess.decode([s], [t])[0] for t in TRUE[2:]]
     state = pool_bytes(sess.backend)

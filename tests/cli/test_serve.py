@@ -1,8 +1,9 @@
 """Text in, text out on the example model (examples/tiny-doc, compiled once, cpu target): `run --prompt`
-streams exactly the decoded ids; an artifact without a tokenizer (or with a
-tokenizer path leading out) is one clear error; and `serve`, started as a subprocess on a free port and
-driven by the real `openai` client: 8 concurrent streaming chats give the sequential greedy texts, a client
-that disconnects frees its slot, bad requests get a 400 with OpenAI's error body while the server goes on.
+gives `Session.generate`'s greedy ids and streams exactly their text; an artifact without a tokenizer (or
+with a tokenizer path leading out) is one clear error; and `serve`, started as a subprocess on a free port
+and driven by the real `openai` client: 8 chats, one at a time and concurrently streamed, give the text of
+`Session.generate`'s greedy ids for each (run alone in this process), a client that disconnects frees its
+slot, bad requests get a 400 with OpenAI's error body while the server goes on.
 Every wait has a timeout; the server is always killed and reaped."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from artifact_tamper import copy, manifest, write_manifest
@@ -40,11 +42,34 @@ def run(art, *args, capsys) -> tuple[int, str, str]:
     return rc, r.out, r.err
 
 
-def test_run_prompt_streams_the_decoded_ids(art, capsys):
+@pytest.fixture(scope="module")
+def gen(art):
+    """The artifact loaded in this process: `Session.generate` (checked against the reference model in
+    tests/onnx) is the independent reference of what `run --prompt` and `serve` give."""
     import v4compile
 
-    tok = v4compile.load(art, device="cpu").tokenizer
-    texts = {}
+    s = v4compile.load(art, device="cpu", threads=1)
+    yield s
+    s.close()
+
+
+def prompt_ids(tok, text: str, chat: bool) -> list[int]:
+    """A prompt's ids as the documented behaviour gives them: the text itself, or (chat) the single user
+    message of the chat template with its generation prompt."""
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+                      if chat else text)
+
+
+def generated(sess, ids: list[int], n: int) -> tuple[list[int], str]:
+    """`Session.generate`'s greedy ids for one prompt run alone (stopping at an EOS id, included) and their
+    text (without the EOS)."""
+    tok = sess.tokenizer
+    out = sess.generate([ids], n, stop_ids=sorted(tok.eos_ids))[0]
+    return out, tok.decode([i for i in out if i not in tok.eos_ids])
+
+
+def _run_prompt_texts(art, gen, capsys) -> None:
+    tok = gen.tokenizer
     for chat in ([], ["--chat"]):
         args = ["--prompt", "Return the", "--max-new-tokens", "24", "--device", "cpu", *chat]
         rc, out, err = run(art, *args, "--json", capsys=capsys)
@@ -54,9 +79,25 @@ def test_run_prompt_streams_the_decoded_ids(art, capsys):
         assert j["text"] == tok.decode(ids) and j["tokens_per_s"] > 0
         rc, streamed, err = run(art, *args, capsys=capsys)
         assert rc == 0 and streamed == j["text"] + "\n", err
-        texts[bool(chat)] = j["text"]
-    words = re.findall(r"[a-z]{3,}", texts[False])
-    assert len(words) >= 3, texts  # the trained model writes words, not noise
+        want_ids, want_text = generated(gen, prompt_ids(tok, "Return the", bool(chat)), 24)
+        assert (j["ids"], j["text"]) == (want_ids, want_text), f"run --prompt {chat}: not Session.generate's ids"
+
+
+def test_run_prompt_streams_the_decoded_ids(art, gen, capsys):
+    """`run --prompt` (plain and --chat) gives `Session.generate`'s greedy ids for the same prompt ids, and
+    streams exactly their text. The planted fault is the test below."""
+    _run_prompt_texts(art, gen, capsys)
+
+
+def test_a_wrong_first_token_fails_the_run_prompt_check(art, gen, capsys, monkeypatch):
+    """The planted fault: the batcher (which `run --prompt` and `serve` step through) takes the runner-up id
+    for each request's first token. Streamed and JSON text still agree and still read as words (the old
+    checks); the comparison with `Session.generate` fails."""
+    from v4compile.runtime.batcher import Batcher
+
+    monkeypatch.setattr(Batcher, "_sample", lambda self, r, logits: [int(np.argsort(logits[0])[-2])])
+    with pytest.raises(AssertionError, match="not Session.generate's ids"):
+        _run_prompt_texts(art, gen, capsys)
 
 
 def test_a_prompt_without_a_tokenizer_is_one_clear_error(art, tmp_path, capsys):
@@ -69,17 +110,47 @@ def test_a_prompt_without_a_tokenizer_is_one_clear_error(art, tmp_path, capsys):
     assert main(["-q", "run", str(bare), "--ids", "1,2", "--device", "cpu", "--max-new-tokens", "2"]) == 0
 
 
-def test_a_tokenizer_path_leading_out_of_the_artifact_is_refused(art, tmp_path):
+def _tokenizer_path_case(art, tmp_path, bad: str):
+    """A copy of `art` whose manifest names `bad` as its tokenizer.json."""
+    t = copy(art, tmp_path / f"t{len(bad)}")
+    m = manifest(t)
+    m["tokenizer"]["json"] = bad
+    write_manifest(t, m)
+    return t
+
+
+TOKENIZER_PATHS = [("../tokenizer.json", "`tokenizer.json` leaves the artifact"),
+                   ("tokenizer/missing.json", "`tokenizer.json` names a file the manifest's `files` does not list")]
+
+
+def _check_tokenizer_refused(t, needle: str) -> None:
     import v4compile
     from v4compile.errors import ArtifactError
 
-    for bad in ("../tokenizer.json", "tokenizer/missing.json"):
-        t = copy(art, tmp_path / f"t{len(bad)}")
-        m = manifest(t)
-        m["tokenizer"]["json"] = bad
-        write_manifest(t, m)
-        with pytest.raises(ArtifactError, match="tokenizer.json"):
-            v4compile.load(t, device="cpu")
+    with pytest.raises(ArtifactError, match=re.escape(needle)):
+        v4compile.load(t, device="cpu")
+
+
+@pytest.mark.parametrize("bad,needle", TOKENIZER_PATHS)
+def test_a_tokenizer_path_leading_out_of_the_artifact_is_refused(art, tmp_path, bad, needle):
+    """Each path is refused by its own rule, named in the message: `../` as leaving the artifact (checked
+    before the unlisted-file rule, which would refuse it too), a path inside that `files` does not list by
+    that rule. A symlink out and an absolute path (listed and hashed): the tokenizer kind of
+    tests/runtime/test_artifact_security.py."""
+    _check_tokenizer_refused(_tokenizer_path_case(art, tmp_path, bad), needle)
+
+
+def test_a_manifest_check_without_the_dotdot_rule_fails_the_tokenizer_test(art, tmp_path, monkeypatch):
+    """The planted fault: `manifest.check_rel` without its `..` rule. `../tokenizer.json` is then refused by
+    the unlisted-file rule only, and the test's match (the `..` rule's message) fails."""
+    from v4compile import manifest as M
+
+    real = M.check_rel
+    monkeypatch.setattr(M, "check_rel", lambda rel, key: rel if isinstance(rel, str) and ".." in rel
+                        else real(rel, key))
+    bad, needle = TOKENIZER_PATHS[0]
+    with pytest.raises(AssertionError, match="Regex pattern did not match"):
+        _check_tokenizer_refused(_tokenizer_path_case(art, tmp_path, bad), needle)
 
 
 # ---- serve ------------------------------------------------------------------------------------------
@@ -124,10 +195,19 @@ def chat(c, name: str, **kw):
                                      temperature=0, **kw)
 
 
-def test_concurrent_streaming_chats_equal_sequential_greedy_runs(server, art, capsys):
+def test_concurrent_streaming_chats_equal_sequential_greedy_runs(server, art, gen, capsys):
+    """8 concurrent streaming chats and the same chats one at a time each give the text of
+    `Session.generate`'s greedy ids for that chat's prompt, run alone in this process (the server's own
+    sequential runs are no reference: they step through the same scheduler). That requests share decode
+    steps, and the sampled branch with several requests live, is tests/runtime/test_batcher.py (no thread
+    timing there); the fault of a scheduler giving wrong ids is planted in
+    `test_a_wrong_first_token_fails_the_run_prompt_check` (the same batcher)."""
     c = client(server)
     assert [m.id for m in c.models.list().data] == ["tiny-doc"]
+    want = [generated(gen, prompt_ids(gen.tokenizer, n, chat=True), 16)[1] for n in NAMES]
+    assert len(set(want)) > 1  # the prompts lead to different texts: a mix-up between slots would show
     seq = [chat(c, n, max_tokens=16).choices[0].message.content for n in NAMES]
+    assert seq == want, "served one at a time: not Session.generate's texts"
     out: dict[int, str] = {}
 
     def stream(i: int) -> None:
@@ -139,14 +219,10 @@ def test_concurrent_streaming_chats_equal_sequential_greedy_runs(server, art, ca
         t.start()
     for t in threads:
         t.join(timeout=120)
-    assert [out.get(i) for i in range(len(NAMES))] == seq
-    assert len(set(seq)) > 1  # the prompts lead to different texts: a mix-up between slots would show
-    # the same greedy request as `run --prompt --chat`
-    rc, ran, _ = run(art, "--prompt", NAMES[0], "--chat", "--max-new-tokens", "16", "--device", "cpu", "--json",
-                     capsys=capsys)
-    assert rc == 0 and json.loads(ran)["text"] == seq[0]
+    assert [out.get(i) for i in range(len(NAMES))] == want, "streamed concurrently: not Session.generate's texts"
     done = c.completions.create(model="tiny-doc", prompt="Return the", max_tokens=8, temperature=0)
     assert done.choices[0].finish_reason in ("length", "stop") and done.usage.completion_tokens <= 8
+    assert done.choices[0].text == generated(gen, prompt_ids(gen.tokenizer, "Return the", chat=False), 8)[1]
 
 
 def test_a_disconnected_stream_frees_its_slot(server):

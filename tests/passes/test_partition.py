@@ -264,30 +264,84 @@ def test_report_parallel_section(capsys):
 
 # ---- per-rank weights of an artifact -------------------------------------------------------------
 
-def test_rank_weights_written_per_rank(tmp_path):
-    """Each rank's directory holds exactly that rank's tensors (merged weights included: the cpu pipeline's
-    merges concatenate a rank's part of wq_b with the whole indexer wq_b), bit for bit; the manifest's
-    `parallel` entry passes the schema, and each of its rules refuses a broken entry."""
-    import copy
+def _checkpoint_whole(source, base: str, dtype: str, layout) -> torch.Tensor:
+    """A source's whole tensor as the checkpoint (or the layout's ownership table) gives it, in the IR dtype."""
+    from v4compile.harness import _fetch
+    from v4compile.parallel import synthesized
+    from v4compile.trace import expand_sources
 
+    whole = synthesized(base, layout)
+    if whole is not None:
+        return whole
+    fetched = [_fetch(source, n, dtype) for n in expand_sources((base,))]
+    return torch.stack(fetched) if "{0.." in base else fetched[0]
+
+
+def _rebuilt_from_ranks(m, source, ranks: list) -> dict[str, int]:
+    """Rebuilds every source tensor of every weight from the ranks' written tensors and compares it with the
+    checkpoint's, bit for bit: each weight's rows are cut into its sources' pieces (a merge concatenates them
+    along axis 0), a rank-local piece is the contiguous chunk `layout.part(group, r)` of its axis (the ranks'
+    chunks concatenated in part order give the whole tensor back), a replicated piece is the whole tensor on
+    every rank. Independent of `rank_part` / `load_ir_weights`, which the writer calls. Returns the number of
+    sharded and replicated pieces checked."""
+    from v4compile.parallel import ParallelLayout, split_shard
+
+    layout = ParallelLayout.of(m)
+    counts = {"sharded": 0, "replicated": 0}
+    for w in m.weights.values():
+        row = 0
+        for s in w.sources:
+            base, group, axis = split_shard(s)
+            whole = _checkpoint_whole(source, base, w.type.dtype, layout)
+            n = layout.size(group) if group is not None else 1
+            rows = whole.shape[0] // n if axis == 0 else whole.shape[0]
+            pieces = [ranks[r][w.name][row:row + rows] for r in range(layout.world)]
+            if group is None:
+                assert all(torch.equal(p, whole) for p in pieces), f"{w.name}: replicated {base} differs on a rank"
+                counts["replicated"] += 1
+            else:
+                by_part = {layout.part(group, r): p for r, p in enumerate(pieces)}
+                assert sorted(by_part) == list(range(n)), f"{w.name}: a part of {base} is on no rank"
+                for r, p in enumerate(pieces):  # ranks holding the same part (world > n) hold the same bytes
+                    assert torch.equal(p, by_part[layout.part(group, r)]), f"{w.name}: rank {r}'s part differs"
+                rebuilt = torch.cat([by_part[k] for k in range(n)], dim=axis)
+                assert torch.equal(rebuilt, whole), f"{w.name}: the ranks' parts of {base} do not rebuild it"
+                counts["sharded"] += 1
+            row += rows
+        assert all(row == ranks[r][w.name].shape[0] for r in range(layout.world)), f"{w.name}: rows left over"
+    return counts
+
+
+def _write_and_map(m, source, tmp_path):
     from v4compile.driver import write_rank_weights
     from v4compile.errors import ArtifactError
-    from v4compile.harness import load_ir_weights
-    from v4compile.manifest import _check_parallel
     from v4compile.weights_io import MappedWeights
+
+    weights, hashed, par = write_rank_weights(m, source, tmp_path)
+    mapped = [MappedWeights(tmp_path, par["rank_weights"][r]["tensors"], ArtifactError) for r in range(par["world"])]
+    return weights, hashed, par, mapped
+
+
+def test_rank_weights_written_per_rank(tmp_path):
+    """Each rank's directory holds exactly that rank's tensors (merged weights included: the cpu pipeline's
+    merges concatenate a rank's part of wq_b with the whole indexer wq_b): the dense checkpoint tensors are
+    rebuilt from the ranks' written parts (`_rebuilt_from_ranks`), bit for bit; the manifest's `parallel`
+    entry passes the schema, and each of its rules refuses a broken entry. The planted fault is
+    `test_rank_weights_with_swapped_parts_fail_the_rebuild`."""
+    import copy
+
+    from v4compile.errors import ArtifactError
+    from v4compile.manifest import _check_parallel
 
     m = cpu_partitioned()
     source = DenseSource(dense_weights("tiny"))
-    weights, hashed, par = write_rank_weights(m, source, tmp_path)
+    weights, hashed, par, got = _write_and_map(m, source, tmp_path)
     assert weights is par["rank_weights"][0] and (par["tp"], par["ep"], par["world"]) == (2, 2, 2)
-    got = []
     for r in range(2):
-        mapped = MappedWeights(tmp_path, par["rank_weights"][r]["tensors"], ArtifactError)
-        want = load_ir_weights(m, source, rank=r)
-        assert set(mapped) == set(want)
-        assert all(torch.equal(mapped[n], want[n]) for n in want)
+        assert set(got[r]) == set(m.weights)
         assert all(s.startswith(f"weights/rank-{r}/") and s in hashed for s in par["rank_weights"][r]["shards"])
-        got.append(mapped)
+    counts = _rebuilt_from_ranks(m, source, got)
+    assert counts["sharded"] > 0 and counts["replicated"] > 0, counts
     merged = next(n for n in m.weights if n.endswith("wq_b_merged.weight"))
     assert not torch.equal(got[0][merged], got[1][merged])  # each rank its own heads
     kv = "layers.0.attn.wqkv_a.weight"  # wq_a and the KV head merged: whole on every rank
@@ -305,6 +359,24 @@ def test_rank_weights_written_per_rank(tmp_path):
         breaks(bad)
         with pytest.raises(ArtifactError, match=needle):
             _check_parallel(bad, bad["rank_weights"][0], cfg, listed)
+
+
+def test_rank_weights_with_swapped_parts_fail_the_rebuild(tmp_path, monkeypatch):
+    """The planted fault: `parallel.rank_part` hands rank r the chunk of rank world-1-r. The old round trip
+    (the written tensors against `load_ir_weights`, which calls the same `rank_part`) still held; the rebuild
+    from the parts does not give the checkpoint tensors back."""
+    from v4compile import harness, parallel
+
+    m = cpu_partitioned()
+    source = DenseSource(dense_weights("tiny"))
+    real = parallel.rank_part
+    monkeypatch.setattr(parallel, "rank_part", lambda t, group, axis, layout, rank, what:
+                        real(t, group, axis, layout, layout.world - 1 - rank, what))
+    _, _, _, got = _write_and_map(m, source, tmp_path)
+    want = harness.load_ir_weights(m, source, rank=1)
+    assert all(torch.equal(got[1][n], want[n]) for n in want)  # what the old test checked: it passes
+    with pytest.raises(AssertionError, match="do not rebuild it"):
+        _rebuilt_from_ranks(m, source, got)
 
 
 def test_local_experts_onnx_lowering_matches_its_reference():
@@ -454,18 +526,42 @@ def test_two_ranks_with_gloo_give_the_simulated_logits(gloo_plan):
     assert np.abs(got[0] - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def test_wrong_world_size_and_a_missing_rank_end_with_one_error(gloo_plan):
+MISSING_RANK_BOUND_S = 20  # from the ready line: the group's 3 s timeout, a slow start of gloo, the error
+
+
+def _missing_rank(d, timeout_s: float) -> tuple[int, str, float]:
+    """Rank 0 of 2 alone, its group's timeout `timeout_s`: (returncode, stderr without the ready line,
+    seconds from its ready line to its end)."""
     import json
     import time
 
+    from dist_launch import since_ready, without_ready
+
+    plan = json.loads((d / "plan.json").read_text())
+    (d / "plan.json").write_text(json.dumps({**plan, "timeout_s": timeout_s}))
+    try:
+        (code, err), = _launch(d, 2, [0], timeout_s=120)  # rank 1 never arrives
+        return code, without_ready(err), since_ready([err], time.time())
+    finally:
+        (d / "plan.json").write_text(json.dumps(plan))
+
+
+def test_wrong_world_size_and_a_missing_rank_end_with_one_error(gloo_plan):
+    """A missing rank ends rank 0 with one error within MISSING_RANK_BOUND_S of its ready line (after its
+    imports: `dist_launch.since_ready`); the broken variant is the test below."""
     d, _ = gloo_plan
     (code, err), = _launch(d, 3, [0], timeout_s=60)
     assert code == 2 and err.count("error:") == 1 and "world size differs" in err and "WORLD_SIZE 3" in err
-    plan = json.loads((d / "plan.json").read_text())
-    (d / "plan.json").write_text(json.dumps({**plan, "timeout_s": 3}))
-    try:
-        t0 = time.monotonic()
-        (code, err), = _launch(d, 2, [0], timeout_s=60)  # rank 1 never arrives
-        assert code == 2 and err.strip().startswith("error:") and time.monotonic() - t0 < 45, err
-    finally:
-        (d / "plan.json").write_text(json.dumps(plan))
+    code, err, took = _missing_rank(d, 3)
+    assert code == 2 and err.strip().startswith("error:"), err
+    assert took < MISSING_RANK_BOUND_S, took
+
+
+def test_a_missing_rank_that_ends_late_fails_the_bound(gloo_plan):
+    """The planted fault: the group's timeout past the bound (as a rank that ignored its timeout and waited
+    longer would). The same error comes, late: the bound's assertion fails."""
+    d, _ = gloo_plan
+    code, err, took = _missing_rank(d, MISSING_RANK_BOUND_S + 2)
+    assert code == 2 and err.strip().startswith("error:"), err
+    with pytest.raises(AssertionError):
+        assert took < MISSING_RANK_BOUND_S, took

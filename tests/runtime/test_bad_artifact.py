@@ -197,16 +197,81 @@ def test_a_program_of_other_functions_is_one_error(art, tmp_path):
     assert_one_error(rc, err, "program's functions")
 
 
-@pytest.mark.parametrize("device", ["cpu", "host"])
-def test_state_beyond_this_machines_memory_is_refused_before_allocating(art, monkeypatch, device):
-    """The graph's (cpu) or program's (host) buffers are summed before any is allocated; here the machine is
-    made to look small."""
+def _allocations(monkeypatch) -> list[str]:
+    """Records every allocation of a device's buffers, as it starts: an ONNX Runtime session (cpu: its
+    initializers and arena; the state arrays come after it) or a C runtime (host: every program buffer)."""
+    import onnxruntime as ort
+
+    from v4compile.runtime import c_backend
+
+    seen: list[str] = []
+    real_session, real_init = ort.InferenceSession, c_backend.CRuntime.__init__
+
+    def session(*a, **k):
+        seen.append("ONNX Runtime session")
+        return real_session(*a, **k)
+
+    def init(self, *a, **k):
+        seen.append("C runtime")
+        real_init(self, *a, **k)
+    monkeypatch.setattr(ort, "InferenceSession", session)
+    monkeypatch.setattr(c_backend.CRuntime, "__init__", init)
+    return seen
+
+
+def _check_refused_before_allocating(art, monkeypatch, device: str) -> None:
     from v4compile.runtime import artifact_checks
 
-    monkeypatch.setattr(artifact_checks, "host_memory", lambda: 4096)
+    seen = _allocations(monkeypatch)
+    monkeypatch.setattr(artifact_checks, "host_memory", lambda: 4096)  # the machine made to look small
     with pytest.raises(ArtifactError, match="too large to allocate|do not fit"):
         s = v4compile.load(art, device=device, threads=1)
         s.generate([[1, 2]], 1)
+    assert seen == [], f"allocated before the refusal: {seen}"
+
+
+def _allocate_first(monkeypatch, device: str) -> None:
+    """The planted fault: a loader that allocates first and checks afterwards (same error, wrong order). cpu:
+    each graph's session is made before the graph is checked; host: a C runtime of the program is opened
+    before its buffers are summed."""
+    from v4compile.runtime import c_backend, cpu_backend, program_backend
+
+    if device == "cpu":
+        real = cpu_backend.onnx_model
+
+        def onnx_model(art, key, spec):
+            import onnxruntime as ort
+
+            ort.InferenceSession(art.read_bytes(spec["file"]), providers=["CPUExecutionProvider"])
+            return real(art, key, spec)
+        monkeypatch.setattr(cpu_backend, "onnx_model", onnx_model)
+    else:
+        real = program_backend.program_interface
+
+        def program_interface(art, program, gpu, host=False):
+            try:
+                c_backend.CRuntime(program, {}, "host").close()
+            except InputError:  # no weights given: refused after its buffers were allocated
+                pass
+            return real(art, program, gpu, host=host)
+        monkeypatch.setattr(program_backend, "program_interface", program_interface)
+
+
+@pytest.mark.parametrize("device", ["cpu", "host"])
+def test_state_beyond_this_machines_memory_is_refused_before_allocating(art, monkeypatch, device):
+    """The graph's (cpu) or program's (host) buffers are summed before any is allocated; here the machine is
+    made to look small, and every allocation of device buffers is recorded: none may come before the
+    refusal."""
+    _check_refused_before_allocating(art, monkeypatch, device)
+
+
+@pytest.mark.parametrize("device", ["cpu", "host"])
+def test_a_loader_that_allocates_before_checking_fails_the_order_test(art, monkeypatch, device):
+    """The broken variant (`_allocate_first`): the same error is raised, after an allocation, and the
+    order assertion of `_check_refused_before_allocating` fails."""
+    _allocate_first(monkeypatch, device)
+    with pytest.raises(AssertionError, match="allocated before the refusal"):
+        _check_refused_before_allocating(art, monkeypatch, device)
 
 
 def _sidecar_case(side, k):

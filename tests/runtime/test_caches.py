@@ -32,13 +32,8 @@ def _flip(p, offset: int = 100) -> None:
 
 # ---- the C runtime library ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "no record", "no library"])
-def test_a_damaged_cached_runtime_library_is_rebuilt(tmp_path, monkeypatch, damage):
-    monkeypatch.setenv("V4COMPILE_CACHE", str(tmp_path))
-    lib = build.library()
-    clean = lib.read_bytes()
+def _damage(lib, clean: bytes, damage: str) -> None:
     record = lib.with_name(lib.name + ".sha256")
-    assert record.read_text().strip() == hashlib.sha256(clean).hexdigest()
     if damage == "flip":
         _flip(lib, len(clean) // 2)
     elif damage == "truncate":
@@ -47,9 +42,44 @@ def test_a_damaged_cached_runtime_library_is_rebuilt(tmp_path, monkeypatch, dama
         record.unlink()
     else:
         lib.unlink()
-    assert not build.verified(lib)
+
+
+def _check_rebuilt(lib, clean: bytes) -> None:
+    """The cached library is the clean build's bytes again (the build is reproducible: no -g, same flags), and
+    its record their hash. Bytes, not lengths: a flipped byte keeps the length."""
     assert build.library() == lib and build.verified(lib)
-    assert len(lib.read_bytes()) == len(clean)
+    assert hashlib.sha256(lib.read_bytes()).digest() == hashlib.sha256(clean).digest(), \
+        "the cached library is not the clean build's bytes"
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "no record", "no library"])
+def test_a_damaged_cached_runtime_library_is_rebuilt(tmp_path, monkeypatch, damage):
+    monkeypatch.setenv("V4COMPILE_CACHE", str(tmp_path))
+    lib = build.library()
+    clean = lib.read_bytes()
+    record = lib.with_name(lib.name + ".sha256")
+    assert record.read_text().strip() == hashlib.sha256(clean).hexdigest()
+    _damage(lib, clean, damage)
+    assert not build.verified(lib)
+    _check_rebuilt(lib, clean)
+
+
+def test_a_cache_that_records_the_damaged_librarys_hash_is_caught(tmp_path, monkeypatch):
+    """The planted fault: a "rebuild" that keeps the flipped library and records its hash (the compiler
+    replaced by a copy of the damaged file). `verified` then holds, the length is the clean one's, and
+    `_check_rebuilt`'s byte comparison fails."""
+    import shutil
+
+    monkeypatch.setenv("V4COMPILE_CACHE", str(tmp_path))
+    lib = build.library()
+    clean = lib.read_bytes()
+    _damage(lib, clean, "flip")
+    damaged = tmp_path / "damaged.so"
+    shutil.copyfile(lib, damaged)
+    monkeypatch.setattr(build, "compile_shared", lambda sources, out, flags=build.CFLAGS: shutil.copyfile(damaged, out))
+    assert len(damaged.read_bytes()) == len(clean)
+    with pytest.raises(AssertionError, match="not the clean build's bytes"):
+        _check_rebuilt(lib, clean)
 
 
 def test_a_truncated_cached_library_is_never_dlopened(tmp_path):

@@ -9,7 +9,8 @@ of 2 exercises continuous batching across ranks: greedy ids over 32 new tokens e
 run's, every rank's, and every step's logits agree within 1e-5 of the logit scale (the ranks' partial
 sums round otherwise than the whole sum; fp32: ~1e-7), within 2e-3 with official numerics (`TOL`). Then `torchrun -m v4compile run` itself (only
 rank 0 prints), and the bad input of issue 18 item 5: another world size, a rank that dies mid-run, a rank
-that never arrives, each ending every rank with one clear error in bounded time.
+that never arrives, each ending every rank with one clear error in bounded time (timed from the line each
+rank prints after its imports, `dist_launch.since_ready`, not from the processes' start).
 
 The 2-rank artifacts also carry the sm_90a target (placeholder kernels, `fake_aot`): one GPU program whose
 collectives are launches among the kernels (`local_experts` a kernel of its own; the kernel itself is
@@ -33,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dist_launch import free_port, launch
+from dist_launch import free_port, launch, since_ready, without_ready
 from v4compile.cli import main
 
 # Of the logit scale. hf: the ranks' partial sums round otherwise than the whole sum (fp32: ~1e-7).
@@ -101,9 +102,11 @@ def reference(arts):
 
 
 def _ranks(tmp: Path, world: int, arts_: list[Path], env: dict | None = None, timeout_s: float = 240):
+    """`parallel_worker.py` as every rank, each on a node of its own (LOCAL_RANK 0 everywhere, unlike RANK:
+    a rank that picked its weights by LOCAL_RANK would show)."""
     (tmp / "prompts.json").write_text(json.dumps({"prompts": PROMPTS, "new": NEW}))
     return launch([sys.executable, str(WORKER), str(tmp), str(tmp / "prompts.json"), *map(str, arts_)], world,
-                  timeout_s=timeout_s, env=env)
+                  timeout_s=timeout_s, env=env, per_node=1)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +127,20 @@ def test_ranks_match_the_single_process_run(arts, reference, tmp_path, world, de
         tmp_path, runs = request.getfixturevalue("host_ranks")
     else:
         runs = _ranks(tmp_path, world, [arts[world][0]], env={"V4_TEST_DEVICE": device})
+    _check_against_reference(tmp_path, runs, world, device, reference)
+
+
+def test_ranks_that_pick_their_weights_by_local_rank_fail_the_comparison(arts, reference, tmp_path):
+    """The planted fault (`V4_TEST_FAULT=local rank` in parallel_worker.py): each rank maps the weights of its
+    LOCAL_RANK, 0 on every rank here (one rank per node), so rank 1 computes with rank 0's heads and experts;
+    `_check_against_reference`'s comparison with the single-process run fails."""
+    runs = _ranks(tmp_path, 2, [arts[2][0]], env={"V4_TEST_DEVICE": "cpu", "V4_TEST_FAULT": "local rank"})
+    with pytest.raises(AssertionError, match="rank 0: the greedy ids are not the single-process run's"):
+        _check_against_reference(tmp_path, runs, 2, "cpu", reference)
+
+
+def _check_against_reference(tmp_path, runs, world: int, device: str, reference) -> None:
+    """Every rank ran to the end and gave the single-process run's greedy ids and, within TOL, its logits."""
     for r, (code, _, err) in enumerate(runs):
         assert code == 0, f"rank {r}: {err[-2000:]}"
     ids, logits = reference(world, device)
@@ -132,10 +149,11 @@ def test_ranks_match_the_single_process_run(arts, reference, tmp_path, world, de
     scale, tol = float(np.abs(logits).max()), TOL[CASES[world][1]]
     got = [np.load(tmp_path / f"rank-{r}.npz") for r in range(world)]
     for r in range(world):
-        assert got[r]["ids-0"].tolist() == flat and got[r]["lens-0"].tolist() == [NEW] * len(PROMPTS), r
+        assert got[r]["ids-0"].tolist() == flat and got[r]["lens-0"].tolist() == [NEW] * len(PROMPTS), \
+            f"rank {r}: the greedy ids are not the single-process run's"
         assert got[r]["logits-0"].shape == logits.shape
         err = float(np.abs(got[r]["logits-0"] - logits).max())
-        assert err <= tol * scale, (r, err / scale)
+        assert err <= tol * scale, f"rank {r}: logits off by {err / scale:.2e} of their scale"
         assert np.array_equal(got[r]["logits-0"], got[0]["logits-0"])  # every rank the same bits
 
 
@@ -186,8 +204,12 @@ def test_torchrun_cli_prints_on_rank_0_only(arts, reference):
     assert len(lines) == 1 and lines[0]["ids"] == reference(2)[0][0][:8]
 
 
+READY_CLI = Path(__file__).resolve().parents[1] / "ready_cli.py"
+
+
 def _cli(art: Path, world: int, ranks, timeout_s: float, env: dict | None = None):
-    return launch([sys.executable, "-m", "v4compile", "run", str(art), "--ids", "1,2,3", "--max-new-tokens", "4",
+    """`v4compile run` as ranks `ranks`, each printing the ready line after its imports (`ready_cli.py`)."""
+    return launch([sys.executable, str(READY_CLI), "run", str(art), "--ids", "1,2,3", "--max-new-tokens", "4",
                    "--device", "cpu", "--threads", "1"], world, ranks, timeout_s=timeout_s, env=env)
 
 
@@ -201,23 +223,31 @@ def test_another_world_size_is_one_error(arts, monkeypatch, capsys):
     assert "WORLD_SIZE 3" in err and "2 ranks" in err
 
 
+NEVER_ARRIVES_BOUND_S = 20  # from the ready line: load the tiny artifact, the group's 3 s timeout, the error
+DIES_BOUND_S = 30  # from the last ready line: load, 3 steps, the collective's 5 s timeout, the error
+
+
 def test_a_rank_that_never_arrives_ends_in_bounded_time(arts):
-    t0 = time.monotonic()
-    (code, out, err), = _cli(arts[2][0], 2, [0], 60, env={"V4COMPILE_DIST_TIMEOUT": "3"})
+    """Timed from rank 0's ready line (after its imports: `dist_launch.since_ready`), not its start. The
+    planted fault of this bound (a timeout past it fails the assertion) is
+    tests/passes/test_partition.py::test_a_missing_rank_that_ends_late_fails_the_bound."""
+    (code, out, err), = _cli(arts[2][0], 2, [0], 90, env={"V4COMPILE_DIST_TIMEOUT": "3"})
+    took = since_ready([err], time.time())
+    err = without_ready(err)
     assert code == 2 and out == "" and err.strip().count("error:") == 1, err
-    assert "rank 0" in err and time.monotonic() - t0 < 45
+    assert "rank 0" in err and took < NEVER_ARRIVES_BOUND_S, took
 
 
 def test_a_rank_that_dies_mid_run_ends_the_others(arts, tmp_path):
     """Rank 1 exits abruptly at its 3rd step (no clean-up): rank 0 ends with one error naming the failed
-    collective, within the collective timeout, not a hang."""
-    t0 = time.monotonic()
+    collective, within the collective timeout, not a hang (timed from the later of the ranks' ready lines)."""
     runs = _ranks(tmp_path, 2, [arts[2][0]], env={"V4_TEST_DIE_AT": "3", "V4COMPILE_DIST_TIMEOUT": "5"},
-                  timeout_s=90)
+                  timeout_s=120)
+    took = since_ready([e for _, _, e in runs], time.time())
     assert runs[1][0] == 3
     code, _, err = runs[0]
     assert code == 2 and err.strip().count("error:") == 1 and "rank 0: " in err and "failed (a rank died" in err, err[-2000:]
-    assert time.monotonic() - t0 < 60
+    assert took < DIES_BOUND_S, took
 
 
 def test_a_gpu_device_without_its_target_is_refused_before_joining(arts):
