@@ -91,11 +91,13 @@ def test_run_prompt_streams_the_decoded_ids(art, gen, capsys):
 
 def test_a_wrong_first_token_fails_the_run_prompt_check(art, gen, capsys, monkeypatch):
     """The planted fault: the batcher (which `run --prompt` and `serve` step through) takes the runner-up id
-    for each request's first token. Streamed and JSON text still agree and still read as words (the old
+    for each token. Streamed and JSON text still agree and still read as words (the old
     checks); the comparison with `Session.generate` fails."""
     from v4compile.runtime.batcher import Batcher
 
-    monkeypatch.setattr(Batcher, "_sample", lambda self, r, logits: [int(np.argsort(logits[0])[-2])])
+    pick = Batcher._pick  # the reference session (`gen`, which also steps through the Batcher) keeps its own
+    monkeypatch.setattr(Batcher, "_pick", lambda self, r, row: pick(self, r, row) if self.sess is gen
+                        else int(np.argsort(row)[-2]))
     with pytest.raises(AssertionError, match="not Session.generate's ids"):
         _run_prompt_texts(art, gen, capsys)
 

@@ -140,7 +140,7 @@ def test_one_random_stream_for_every_request_fails_the_ids_check(sess, prompts, 
 
     def one_stream(self, req):
         out = submit(self, req)
-        req._rng = shared
+        req.rng = shared
         return out
     monkeypatch.setattr(Batcher, "submit", one_stream)
     reqs, seen = _serve(sess, prompts, monkeypatch)
