@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from v4compile.errors import InputError
+from v4compile.errors import CONTEXT_LENGTH_EXCEEDED, InputError
 
 from .session import Session, _is_int, check_ids, check_sampling
 
@@ -64,12 +64,14 @@ class Batcher:
               seed: int | None = None, where: str = "prompt") -> list[int]:
         """The prompt's ids, checked as `generate` checks them (an InputError names what is wrong)."""
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
-            raise InputError("max_new_tokens must be an integer >= 1", found=repr(max_new_tokens)[:40])
+            raise InputError("max_new_tokens must be an integer >= 1", found=repr(max_new_tokens)[:40],
+                             param="max_new_tokens")
         check_sampling(temperature, top_p, seed)
         ids = self.sess.check_prompt(prompt, where)
         if len(ids) + max_new_tokens > self.sess.max_context:
             raise InputError("prompt + max_new_tokens exceed the compiled maximum context", where=where,
-                             expected=f"<= {self.sess.max_context} tokens", found=len(ids) + max_new_tokens)
+                             expected=f"<= {self.sess.max_context} tokens", found=len(ids) + max_new_tokens,
+                             code=CONTEXT_LENGTH_EXCEEDED, param="max_new_tokens")
         return ids
 
     def submit(self, req: Request) -> Request:

@@ -78,11 +78,12 @@ def check_sampling(temperature, top_p, seed) -> None:
     where it is unused: a bad argument is bad whatever the mode)."""
     for name, v in (("temperature", temperature), ("top_p", top_p)):
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-            raise InputError(f"{name} must be a finite number", found=repr(v)[:40])
+            raise InputError(f"{name} must be a finite number", found=repr(v)[:40], param=name)
     if temperature < 0 or not 0 < top_p <= 1:
-        raise InputError("sampling needs temperature >= 0 and 0 < top_p <= 1", found=(temperature, top_p))
+        raise InputError("sampling needs temperature >= 0 and 0 < top_p <= 1", found=(temperature, top_p),
+                         param="temperature" if temperature < 0 else "top_p")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 2 ** 64):
-        raise InputError("seed must be an integer in [0, 2^64) or None", found=repr(seed)[:40])
+        raise InputError("seed must be an integer in [0, 2^64) or None", found=repr(seed)[:40], param="seed")
 
 
 def check_threads(threads) -> None:
@@ -157,11 +158,11 @@ class Session:
     def check_prompt(self, ids: Sequence[int], where: str) -> list[int]:
         ids = check_ids(ids, where)
         if not ids:
-            raise InputError("empty prompt", where=where, expected="at least one token id")
+            raise InputError("empty prompt", where=where, expected="at least one token id", param="prompt")
         bad = [t for t in ids if not 0 <= t < self.vocab]
         if bad:
             raise InputError("token id outside the vocabulary", where=where, expected=f"0 <= id < {self.vocab}",
-                             found=bad[0])
+                             found=bad[0], param="prompt")
         return ids
 
     def _reserve(self, s: SeqState, last_pos: int) -> None:
