@@ -20,8 +20,8 @@ run nothing); else the weights model: every weight once, and of the routed exper
 `1 - (1 - k/E)^tokens` under uniform routing), which `weights_read_bytes` keeps either way; plus the per-launch latency (`targets.TARGETS`: a graph node, with PDL on
 sm_90a) of every kernel call of the partitioned program (`decode_calls`; of every launch op when the module
 was not lowered to a program), plus each
-all-reduce as a ring: `latency + 2 (n - 1) / n * bytes / link bandwidth` (`targets.TargetSpec.link`). KV reads are left out
-(a decode step reads the window and the selected rows, small next to the weights at these batches).
+all-reduce as a ring: `latency + 2 (n - 1) / n * bytes / link bandwidth` (`targets.TargetSpec.link`). KV reads
+are left out (a decode step reads the window and the selected rows, small next to the weights at these batches).
 """
 
 from __future__ import annotations

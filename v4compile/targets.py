@@ -93,7 +93,8 @@ TARGETS: dict[str, TargetSpec] = {
     # NVIDIA H200 SXM spec sheet: 141 GB HBM3E; NVLink 4, 900 GB/s per GPU (both directions): 450 GB/s one way.
     "sm_90a": TargetSpec("sm_90a", "cuda", 90, 32, "cubin", 4.8e12, 1.979e15, 0.989e15, 1.3e-6, 0.35e-6,
                          227 * 1024, 132, 50 << 20,
-                         link=Link("H200", 141e9, 450e9, 10e-6, "NVIDIA H200 data sheet: 141 GB HBM3E, 900 GB/s NVLink"),
+                         link=Link("H200", 141e9, 450e9, 10e-6,
+                                   "NVIDIA H200 data sheet: 141 GB HBM3E, 900 GB/s NVLink"),
                          aot_cost=1.5),
 }
 

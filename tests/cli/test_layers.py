@@ -183,7 +183,8 @@ def test_every_import_goes_down():
     # the same through a call with a literal name (how the package's names were loaded before)
     ("v4compile.config", "def _f():\n    import importlib\n    return importlib.import_module('v4compile.runtime')",
      "core module v4compile.config imports runtime module v4compile.runtime"),
-    ("v4compile.manifest", "def _f():\n    import importlib\n    return importlib.import_module('.runtime', __package__)",
+    ("v4compile.manifest",
+     "def _f():\n    import importlib\n    return importlib.import_module('.runtime', __package__)",
      "core module v4compile.manifest imports runtime module v4compile.runtime"),
     ("v4compile.passes.dce", "def _f():\n    return __import__('v4compile.codegen.aot')", "passes module"),
 ])
