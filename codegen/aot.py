@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ..targets import TARGETS, cache_root
+from ..threads import usable_cores
 from .kernels import KernelCall
 from .kernels import CALLS_PARAM, PDL_PARAM, declares_calls, declares_pdl, uses_calls, uses_pdl
 from .roofline import bandwidth_time, hbm_bytes, launch_kind, modeled_time
@@ -324,13 +325,9 @@ def _source_size(module: str, qual: str) -> int:
     return size(getattr(importlib.import_module(module), qual))
 
 
-# sm_90a costs more per kernel than gfx950 (ptxas, and nvdisasm on MMA kernels): measured ~1.5x on V4-Pro.
-_TARGET_WEIGHT = {"sm_90a": 1.5}
-
-
 def longest_first(jobs: list[dict]) -> list[dict]:
     """Jobs by estimated compile time, longest first, so the workers finish together (greedy LPT order)."""
-    return sorted(jobs, key=lambda j: -_source_size(j["module"], j["fn"]) * _TARGET_WEIGHT.get(j["target"], 1.0))
+    return sorted(jobs, key=lambda j: -_source_size(j["module"], j["fn"]) * TARGETS[j["target"]].aot_cost)
 
 
 def _run_workers(jobs: list[dict], cache_dir: str, n: int) -> None:
@@ -440,7 +437,7 @@ def compile_calls(calls: list[KernelCall], targets: list[str] | tuple[str, ...],
     fresh = {j["key"] for j in missing}
     t0 = time.perf_counter()
     if missing:
-        _run_workers(missing, str(cache), max(1, min(jobs or os.cpu_count() or 1, len(missing))))
+        _run_workers(missing, str(cache), max(1, min(jobs or usable_cores(), len(missing))))
     log.info("aot: %d kernels x targets, %d compiled in %.1f s, %d cached", len(todo), len(missing),
              time.perf_counter() - t0, len(todo) - len(missing))
     out = Path(out_dir)

@@ -1,4 +1,4 @@
-"""The GPU targets of an artifact (gfx950, sm_90a): the program and its kernels compiled ahead of time.
+"""The GPU targets of an artifact (`targets.GPU_TARGETS`): the program and its kernels compiled ahead of time.
 
     write_gpu_targets(module, targets, out_dir, jobs) -> GpuTargets
 

@@ -20,13 +20,12 @@ run nothing); else the weights model: every weight once, and of the routed exper
 `1 - (1 - k/E)^tokens` under uniform routing), which `weights_read_bytes` keeps either way; plus the per-launch latency (`targets.TARGETS`: a graph node, with PDL on
 sm_90a) of every kernel call of the partitioned program (`decode_calls`; of every launch op when the module
 was not lowered to a program), plus each
-all-reduce as a ring: `latency + 2 (n - 1) / n * bytes / link bandwidth` (`LINKS`). KV reads are left out
-(a decode step reads the window and the selected rows, small next to the weights at these batches).
+all-reduce as a ring: `latency + 2 (n - 1) / n * bytes / link bandwidth` (`targets.TargetSpec.link`). KV reads
+are left out (a decode step reads the window and the selected rows, small next to the weights at these batches).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from v4compile.ir.core import Module
@@ -35,25 +34,6 @@ from v4compile.parallel import ParallelLayout, is_rank_local, split_shard
 from v4compile.targets import TARGETS
 from v4compile.trace import expand_sources
 from v4compile.weights import spec_table
-
-
-@dataclass(frozen=True)
-class Link:
-    device: str
-    memory_bytes: float  # HBM per device
-    bytes_s: float  # per-GPU scale-up bandwidth, one direction
-    allreduce_latency_s: float  # fixed cost of one small all-reduce inside a captured graph (assumption)
-    source: str
-
-
-LINKS = {
-    # AMD Instinct MI355X spec sheet: 288 GB HBM3E; 7 Infinity Fabric links, 1075 GB/s aggregate peer
-    # bandwidth (both directions): 537.6 GB/s one way.
-    "gfx950": Link("MI355X", 288e9, 537.6e9, 10e-6, "AMD MI355X data sheet: 288 GB HBM3E, 1075 GB/s Infinity Fabric"),
-    # NVIDIA H200 SXM spec sheet: 141 GB HBM3E; NVLink 4, 900 GB/s per GPU (both directions): 450 GB/s one way.
-    "sm_90a": Link("H200", 141e9, 450e9, 10e-6, "NVIDIA H200 data sheet: 141 GB HBM3E, 900 GB/s NVLink"),
-}
-# The latency: NCCL / RCCL all-reduce of a few hundred KB inside one 8-GPU node is ~5-15 us; we model 10 us.
 
 
 def _kind(name: str, specs: dict) -> str:
@@ -118,9 +98,8 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
     moved = read if kernel_bytes is None else kernel_bytes
     steps = {}
     for t in targets:
-        if t not in LINKS:
-            continue
-        link, spec = LINKS[t], TARGETS[t]
+        spec = TARGETS[t]
+        link = spec.link
         coll_s = sum(link.allreduce_latency_s + 2 * (c["group"] - 1) / c["group"] * c["bytes"] / link.bytes_s
                      for c in coll)
         # every launch as a graph node, with PDL where the target has it (its kernels all wait: kernels/pdl.py)

@@ -1,7 +1,8 @@
 """Compiler passes (installed as `v4compile.passes`).
 
 One pass per file, each a `Pass` subclass registered by name, whose docstring states what it requires
-and guarantees. The default pipeline is a list of names in `pipeline.py`; dumping, verification,
+and guarantees, and which declares where it may stand in a pipeline (`after`, `first`, `final`: the
+`PassManager` refuses a pipeline that breaks one). The default pipeline is a list of names in `pipeline.py`; dumping, verification,
 timing and numerics checks are instruments of the `PassManager`, never inside passes.
 """
 

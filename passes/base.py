@@ -3,6 +3,13 @@
 A pass is a frozen dataclass whose fields are its typed options (set from the command line as
 `name{key=value,...}`), with a class-level `name`. `run(module)` returns a `PassResult`: the new
 module (the input is never modified) and hit counts (what the pass did, for reports).
+
+A pass also declares where it may stand in a pipeline, which the pass manager checks before anything runs
+(`manager.check_order`): `after`, the passes that must run before it when the pipeline has them (each with
+the reason: most fuse an op another pass makes, and run before it they find nothing and say nothing); a
+`first` pass has only first passes before it, a `final` pass only final passes after it. `after` orders,
+it does not require: a pass run without them (alone on hand-written IR, or a pipeline that leaves one out)
+is a pipeline that may find less to do, not a wrong one.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ class PassResult:
 @dataclass(frozen=True)
 class Pass:
     name: ClassVar[str] = ""
+    after: ClassVar[dict[str, str]] = {}  # pass name -> why it must run before this one, if in the pipeline
+    first: ClassVar[bool] = False  # only first passes may run before it
+    final: ClassVar[bool] = False  # only final passes may run after it
 
     def run(self, module: Module) -> PassResult:
         raise NotImplementedError
@@ -60,12 +70,12 @@ class FunctionPass(Pass):
         return PassResult(m, hits)
 
 
-def function_pass(name: str, rewrite) -> type[FunctionPass]:
+def function_pass(name: str, rewrite, after: dict[str, str] | None = None) -> type[FunctionPass]:
     """Register a pass without options that rewrites each function with `rewrite(fn) -> (fn, hits)`; its
-    documentation is its module's docstring (like every pass's: `ir passes NAME`)."""
+    documentation is its module's docstring (like every pass's: `ir passes NAME`); `after`: `Pass.after`."""
     cls = type(f"FunctionPass[{name}]", (FunctionPass,),
                {"name": name, "rewrite": lambda self, fn: rewrite(fn), "__module__": rewrite.__module__,
-                "__qualname__": f"function_pass[{name}]"})
+                "__qualname__": f"function_pass[{name}]", "after": dict(after or {})})
     return register(dataclass(frozen=True)(cls))
 
 

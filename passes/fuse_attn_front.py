@@ -73,4 +73,7 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     return rw.done("fused")
 
 
-FuseAttnFront = function_pass("fuse_attn_front", fuse_function)
+FuseAttnFront = function_pass("fuse_attn_front", fuse_function, after={
+    "pair_sibling_gemms": "it fuses pair_sibling_gemms' op",
+    "fuse_norm_linear": "it fuses fuse_norm_linear's op",
+})

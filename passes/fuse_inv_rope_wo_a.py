@@ -40,4 +40,6 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     return rw.done("fused")
 
 
-FuseInvRopeWoA = function_pass("fuse_inv_rope_wo_a", fuse_function)
+FuseInvRopeWoA = function_pass("fuse_inv_rope_wo_a", fuse_function, after={
+    "fold_inverse_rope_wo_a_quant": "it fuses the fold's op into wo_a",
+})

@@ -52,4 +52,6 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     return rw.done("fused")
 
 
-FuseMhcMoe = function_pass("fuse_mhc_moe", fuse_function)
+FuseMhcMoe = function_pass("fuse_mhc_moe", fuse_function, after={
+    "fuse_moe_mhc": "it folds the seam before the MoE into fuse_moe_mhc's op",
+})

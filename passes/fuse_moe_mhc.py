@@ -38,4 +38,7 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     return rw.done("fused")
 
 
-FuseMoeMhc = function_pass("fuse_moe_mhc", fuse_function)
+FuseMoeMhc = function_pass("fuse_moe_mhc", fuse_function, after={
+    "fuse_moe_router": "it fuses fuse_moe_router's op with the seam after it",
+    "fuse_mhc_post_pre": "it fuses fuse_mhc_post_pre's seam into the MoE's op",
+})

@@ -40,4 +40,6 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     return rw.done("fused")
 
 
-FuseMoeRouter = function_pass("fuse_moe_router", fuse_function)
+FuseMoeRouter = function_pass("fuse_moe_router", fuse_function, after={
+    "fuse_moe": "it folds the router into fuse_moe's op",
+})

@@ -64,4 +64,8 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     return rw.done({"fused": rw.count, "attention": n_attn})
 
 
-FuseOutProj = function_pass("fuse_out_proj", fuse_function)
+FuseOutProj = function_pass("fuse_out_proj", fuse_function, after={
+    "fuse_inv_rope_wo_a": "it fuses fuse_inv_rope_wo_a's op with wo_b",
+    "lower_sparse_attention": "at decode it fuses the sparse attention the lowering makes",
+    "fuse_qkv_norm_rope": "it fuses the ops fuse_qkv_norm_rope makes",
+})

@@ -161,4 +161,6 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     return Function(fn.name, list(fn.inputs), ops, outputs, dict(fn.attrs)), hits
 
 
-FuseQkvNormRope = function_pass("fuse_qkv_norm_rope", fuse_function)
+FuseQkvNormRope = function_pass("fuse_qkv_norm_rope", fuse_function, after={
+    "lower_sparse_attention": "in decode it folds the window write the lowering makes",
+})

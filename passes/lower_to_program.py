@@ -23,6 +23,8 @@ from .rewrite import new_module
 @dataclass(frozen=True)
 class LowerToProgram(Pass):
     name = "lower_to_program"
+    after = {"plan_memory": "it reads the memory plan"}
+    final = True
 
     def run(self, module):
         out = new_module(module, dict(module.functions), attrs={**module.attrs, "stage": "program"})

@@ -28,7 +28,7 @@ from v4compile.ir.text import print_module
 from v4compile.ir.verify import verify
 from v4compile.timing import Stages
 
-from .base import Pass, parse_pass_spec
+from .base import PASSES, Pass, parse_pass_spec
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,28 @@ def _name(spec: str) -> str:
     return spec.split("{", 1)[0].strip()
 
 
+def check_order(passes: list[Pass]) -> None:
+    """Refuse a pipeline that breaks a pass's declared place (`Pass.after`, `first`, `final`: passes/base.py),
+    naming the pass and what it needs; a misordered fusion would otherwise find nothing and say nothing."""
+    names = ", ".join(p.name for p in passes)
+    for i, p in enumerate(passes):
+        for q in passes[i + 1:]:
+            if q.name in p.after:
+                raise PassError(f"pass '{p.name}' must run after '{q.name}' ({p.after[q.name]}); the pipeline "
+                                "runs it before", where="pipeline", expected=f"'{q.name}' before '{p.name}'",
+                                found=names)
+            if p.final and not q.final:
+                raise PassError(f"pass '{q.name}' cannot run after '{p.name}' (a final pass: only "
+                                f"{', '.join(_finals())} may follow it)", where="pipeline", found=names)
+            if q.first and not p.first:
+                raise PassError(f"pass '{q.name}' must run first; the pipeline runs '{p.name}' before it",
+                                where="pipeline", found=names)
+
+
+def _finals() -> list[str]:
+    return sorted(n for n, c in PASSES.items() if c.final)
+
+
 class PassManager:
     def __init__(self, pipeline: list[str], options: PipelineOptions | None = None):
         from v4compile import ops
@@ -118,6 +140,7 @@ class PassManager:
         ops.load_all()  # passes create ops of every set
         self.options = options or PipelineOptions()
         self.passes: list[Pass] = [parse_pass_spec(s) for s in pipeline]
+        check_order(self.passes)
         names = [p.name for p in self.passes]
         for n in list(self.options.disable) + list(self.options.print_after) + (
                 [self.options.stop_after] if self.options.stop_after else []):

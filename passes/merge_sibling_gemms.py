@@ -33,6 +33,8 @@ def _suffix(group) -> str:
 @dataclass(frozen=True)
 class MergeSiblingGemms(Pass):
     name = "merge_sibling_gemms"
+    after = {"fuse_moe": "it would otherwise merge the shared expert's w1 / w3",
+             "merge_wq_a_wkv": "it merges what merge_wq_a_wkv leaves"}
 
     def run(self, module):
         return PassResult(*merge_module(module, _groups, _suffix))

@@ -45,4 +45,6 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     return rw.done("paired")
 
 
-PairCompressors = function_pass("pair_compressors", fuse_function)
+PairCompressors = function_pass("pair_compressors", fuse_function, after={
+    "lower_sparse_attention": "it pairs the compress_paged ops the lowering makes",
+})

@@ -43,4 +43,8 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     return rw.done("paired")
 
 
-PairSiblingGemms = function_pass("pair_sibling_gemms", fuse_function)
+PairSiblingGemms = function_pass("pair_sibling_gemms", fuse_function, after={
+    "merge_wq_a_wkv": "it pairs what the GEMM merges leave",
+    "merge_sibling_gemms": "it pairs what the GEMM merges leave",
+    "fuse_norm_linear": "pairing a normed GEMM first would keep the norm's own launch",
+})

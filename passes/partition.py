@@ -205,6 +205,7 @@ def _tags(op: Op) -> dict:
 @dataclass(frozen=True)
 class Partition(Pass):
     name = "partition"
+    first = True  # it partitions the traced ops: no fusion or lowering yet
     tp: int = 1
     ep: int = 1
 

@@ -5,17 +5,10 @@
 * `cpu`: the lowered graph the ONNX export turns into one ONNX model per function; ONNX Runtime plans
   its own memory, so the arena plan and the program stage are left out.
 
-Order matters in these places: `fuse_moe` runs before `merge_sibling_gemms` (which would otherwise merge
-the shared expert's w1 / w3) and `fuse_moe_router` after `fuse_moe` (it folds the router into its op);
-`fuse_moe_mhc` after `fuse_moe_router` and `fuse_mhc_post_pre` (it fuses their two ops) and `fuse_mhc_moe`
-after it (it folds the seam before into its op);
-`fuse_inv_rope_wo_a` after `fold_inverse_rope_wo_a_quant` (it fuses the fold's op) and `fuse_out_proj`
-after it, `lower_sparse_attention` and `fuse_qkv_norm_rope` (it fuses their ops); `fuse_qkv_norm_rope`
-runs after `lower_sparse_attention` so that in decode it can fold the window write; `pair_sibling_gemms`
-after the GEMM merges and `fuse_norm_linear` (it pairs what they leave), `fuse_attn_front` after both (it
-fuses their two ops); `pair_compressors` after
-`lower_sparse_attention` (it pairs the `compress_paged` ops that makes); `plan_memory` runs on the final op
-list, and `lower_to_program` after it.
+Where a pass may stand is the pass's own declaration (`after`, `first`, `final`: `passes/base.py`), and
+the pass manager refuses a pipeline that breaks one (`manager.check_order`): e.g. `fuse_moe_router` after
+`fuse_moe` (it folds the router into its op), `plan_memory` and `lower_to_program` last; these lists keep
+them (`tests/passes/test_passes_infra.py` checks every one).
 """
 
 DEFAULT_PIPELINE: list[str] = [

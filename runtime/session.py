@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from v4compile.artifact import Artifact, load_artifact
-from v4compile.errors import InputError
+from v4compile.errors import CONTEXT_LENGTH_EXCEEDED, InputError
 from v4compile.pool import Allocator
 from v4compile.threads import MAX_THREADS
 
@@ -84,11 +84,12 @@ def check_sampling(temperature, top_p, seed) -> None:
     where it is unused: a bad argument is bad whatever the mode)."""
     for name, v in (("temperature", temperature), ("top_p", top_p)):
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-            raise InputError(f"{name} must be a finite number", found=repr(v)[:40])
+            raise InputError(f"{name} must be a finite number", found=repr(v)[:40], param=name)
     if temperature < 0 or not 0 < top_p <= 1:
-        raise InputError("sampling needs temperature >= 0 and 0 < top_p <= 1", found=(temperature, top_p))
+        raise InputError("sampling needs temperature >= 0 and 0 < top_p <= 1", found=(temperature, top_p),
+                         param="temperature" if temperature < 0 else "top_p")
     if seed is not None and (not is_int(seed) or not 0 <= seed < 2 ** 64):
-        raise InputError("seed must be an integer in [0, 2^64) or None", found=repr(seed)[:40])
+        raise InputError("seed must be an integer in [0, 2^64) or None", found=repr(seed)[:40], param="seed")
 
 
 def request_seed(seed: int | None, index: int) -> int | None:
@@ -195,11 +196,11 @@ class Session:
     def check_prompt(self, ids: Sequence[int], where: str) -> list[int]:
         ids = check_ids(ids, where)
         if not ids:
-            raise InputError("empty prompt", where=where, expected="at least one token id")
+            raise InputError("empty prompt", where=where, expected="at least one token id", param="prompt")
         bad = [t for t in ids if not 0 <= t < self.vocab]
         if bad:
             raise InputError("token id outside the vocabulary", where=where, expected=f"0 <= id < {self.vocab}",
-                             found=bad[0])
+                             found=bad[0], param="prompt")
         return ids
 
     @serialised
@@ -342,12 +343,14 @@ class Session:
         """A generation request's prompt ids, checked (max_new_tokens >= 1, the sampling arguments, the ids,
         the context): one InputError naming what is wrong."""
         if not is_int(max_new_tokens) or max_new_tokens < 1:
-            raise InputError("max_new_tokens must be an integer >= 1", found=repr(max_new_tokens)[:40])
+            raise InputError("max_new_tokens must be an integer >= 1", found=repr(max_new_tokens)[:40],
+                             param="max_new_tokens")
         check_sampling(temperature, top_p, seed)
         ids = self.check_prompt(prompt, where)
         if len(ids) + max_new_tokens > self.max_context:
             raise InputError("prompt + max_new_tokens exceed the compiled maximum context", where=where,
-                             expected=f"<= {self.max_context} tokens", found=len(ids) + max_new_tokens)
+                             expected=f"<= {self.max_context} tokens", found=len(ids) + max_new_tokens,
+                             code=CONTEXT_LENGTH_EXCEEDED, param="max_new_tokens")
         return ids
 
     sample = staticmethod(sample)

@@ -1,7 +1,8 @@
 """v4compile: an ahead-of-time compiler for the DeepSeek-V4 model family.
 
 The names below are loaded on first use, so that importing a part of the package (the IR, say) does not
-load the reference model or torch.
+load the reference model, torch or the runtime. This module is the top layer's (ARCHITECTURE.md): it names
+the runtime's `load`, so no module of the package imports it (the version is `version.py`'s).
 """
 
 from __future__ import annotations
@@ -23,18 +24,25 @@ if sys.argv[:1] == ["-m"] or os.path.basename(sys.argv[0] if sys.argv else "") =
     for _s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(_s, _interrupted_at_start)
 
-import importlib  # noqa: E402
 from typing import Any  # noqa: E402
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402
 
-_LAZY = {"ReferenceModel": ".model", "V4Config": ".config", "preset": ".config", "V4Error": ".errors",
-         "load": ".runtime"}  # load(artifact_dir, device="auto") -> runtime.Session
-
-__all__ = [*_LAZY, "__version__"]
+__all__ = ["ReferenceModel", "V4Config", "preset", "V4Error", "load", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # Import statements, not importlib with a table of names: the layer test reads them (this package's
+    # names reach every layer, the runtime's `load` included, so the package module is the top layer's).
+    if name == "ReferenceModel":
+        from .model import ReferenceModel as value
+    elif name in ("V4Config", "preset"):
+        from . import config
+        value = getattr(config, name)
+    elif name == "V4Error":
+        from .errors import V4Error as value
+    elif name == "load":  # load(artifact_dir, device="auto") -> runtime.Session
+        from .runtime import load as value
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return value

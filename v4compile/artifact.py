@@ -117,7 +117,7 @@ def write_artifact_dir(out: str | Path, fill: Callable[[Path], tuple[dict[str, A
     any directory). `fill(tmp)` writes the artifact's files into a temporary sibling directory and returns
     the manifest's fields and the hashes of the files it hashed as it wrote them; this adds the format and
     compiler versions and the sha256 of every file (hashing the rest), then the manifest's own digest."""
-    from . import __version__
+    from .version import __version__
 
     out = Path(out)
     if out.is_symlink():  # replacing it would replace the link, not the directory it names

@@ -3,6 +3,11 @@
 Every problem caused by the user's input (a config, a checkpoint, IR text, a CLI flag) is raised as a
 `V4Error`: one message that says what went wrong, where, and what was expected. The CLI prints the
 message and exits with status 2; it never shows a traceback for these.
+
+Programs that act on an error read its typed fields, never its text (a reworded message changes nothing they
+do): `code`, the kind of refusal (`INVALID_VALUE`, `CONTEXT_LENGTH_EXCEEDED`; None: not classified), and
+`param`, the name of the argument at fault (`prompt`, `max_new_tokens`, `temperature`, ...). The server maps
+them to OpenAI's error body (`cli/serve.py`).
 """
 
 from __future__ import annotations
@@ -16,14 +21,22 @@ def show_value(v: object) -> str:
     return r if len(r) <= 60 else r[:57] + "..."
 
 
+# The kinds of refusal (`V4Error.code`); the server's API codes are these names.
+INVALID_VALUE = "invalid_value"
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
 class V4Error(Exception):
     """Base class for errors the user can fix."""
 
-    def __init__(self, what: str, *, where: str | None = None, expected: object = None, found: object = None):
+    def __init__(self, what: str, *, where: str | None = None, expected: object = None, found: object = None,
+                 code: str | None = None, param: str | None = None):
         self.what = what
         self.where = where
         self.expected = expected
         self.found = found
+        self.code = code
+        self.param = param
         super().__init__(self._render())
 
     def _render(self) -> str:

@@ -1,9 +1,12 @@
 """Target facts, in one place: the artifact's targets and their formats, each GPU target's figures (Triton
-target, binary kind, the roofline constants), which target's binaries a runtime device launches, the
-driver library it opens, and the cache root.
+target, binary kind, the roofline constants, the device's memory and scale-up link, its kernels' relative
+AOT compile cost), which target's binaries a runtime device launches, the driver library it opens, and the
+cache root.
 
 Read by the artifact format (`artifact.py`, `manifest.py`), the AOT stage and the roofline model
-(`codegen/aot.py`, `codegen/roofline.py`) and the runtime (`runtime/`); it imports nothing of the project.
+(`codegen/aot.py`, `codegen/roofline.py`), the parallel model (`codegen/parallel_model.py`), the command
+line (`cli/`) and the runtime (`runtime/`); it imports nothing of the project. A list of the GPU targets is
+`GPU_TARGETS` (`tests/core/test_one_home.py` finds a second one).
 """
 
 from __future__ import annotations
@@ -12,6 +15,17 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Link:
+    """The device a target's binaries run on, as the parallel model sees it (codegen/parallel_model.py)."""
+
+    device: str
+    memory_bytes: float  # HBM per device
+    bytes_s: float  # per-GPU scale-up bandwidth, one direction
+    allreduce_latency_s: float  # fixed cost of one small all-reduce inside a captured graph (assumption)
+    source: str
 
 
 @dataclass(frozen=True)
@@ -29,6 +43,8 @@ class TargetSpec:
     lds_bytes: int        # shared memory / LDS per CU / SM available to CTAs
     units: int            # CUs / SMs
     llc_bytes: int        # the last cache level in front of HBM (every CU's / SM's misses pass through it)
+    link: Link            # the device's memory and scale-up link
+    aot_cost: float       # a kernel's AOT compile time relative to gfx950's (codegen/aot.py orders jobs by it)
 
     @property
     def pdl(self) -> bool:
@@ -60,18 +76,32 @@ class TargetSpec:
 #   every XCD's L2 misses go through (the 4 MB L2 per XCD is private to its XCD, so it is not the one counted).
 # * sm_90a, 50 MB: the L2 of the H100 SXM5 / H200 (NVIDIA H100 Tensor Core GPU architecture whitepaper; the H200 is
 #   the same GH100 with HBM3E), shared by every SM.
+# Links: the all-reduce latency, NCCL / RCCL all-reduce of a few hundred KB inside one 8-GPU node, is ~5-15 us;
+# we model 10 us.
+# AOT compile cost: sm_90a costs more per kernel than gfx950 (ptxas, and nvdisasm on MMA kernels): measured ~1.5x
+# on V4-Pro.
 TARGETS: dict[str, TargetSpec] = {
     # MI355X: 8 TB/s HBM3E, ~2.5 PFLOP/s dense fp8 (OCP), ~1.25 PFLOP/s dense bf16, 256 CUs, 160 KB LDS / CU.
+    # AMD Instinct MI355X spec sheet: 288 GB HBM3E; 7 Infinity Fabric links, 1075 GB/s aggregate peer
+    # bandwidth (both directions): 537.6 GB/s one way.
     "gfx950": TargetSpec("gfx950", "hip", "gfx950", 64, "hsaco", 8.0e12, 2.5e15, 1.25e15, 3.9e-6, None,
-                         160 * 1024, 256, 256 << 20),
+                         160 * 1024, 256, 256 << 20,
+                         link=Link("MI355X", 288e9, 537.6e9, 10e-6,
+                                   "AMD MI355X data sheet: 288 GB HBM3E, 1075 GB/s Infinity Fabric"),
+                         aot_cost=1.0),
     # H200: 4.8 TB/s HBM3E, 1979 TFLOP/s dense fp8, 989 TFLOP/s dense bf16, 132 SMs, 227 KB smem / SM.
+    # NVIDIA H200 SXM spec sheet: 141 GB HBM3E; NVLink 4, 900 GB/s per GPU (both directions): 450 GB/s one way.
     "sm_90a": TargetSpec("sm_90a", "cuda", 90, 32, "cubin", 4.8e12, 1.979e15, 0.989e15, 1.3e-6, 0.35e-6,
-                         227 * 1024, 132, 50 << 20),
+                         227 * 1024, 132, 50 << 20,
+                         link=Link("H200", 141e9, 450e9, 10e-6,
+                                   "NVIDIA H200 data sheet: 141 GB HBM3E, 900 GB/s NVLink"),
+                         aot_cost=1.5),
 }
 
 # The artifact's targets and the format each is written in.
 TARGET_FORMATS = {"cpu": "onnx", **{t: "triton-aot" for t in TARGETS}}
 GPU_TARGETS = tuple(TARGETS)  # gfx950, sm_90a
+GPU_TARGET_NAMES = ", ".join(GPU_TARGETS)  # for messages and help: "gfx950, sm_90a"
 
 # The artifact target whose program a runtime device runs and whose binaries it launches. `host` runs the
 # GPU program on host memory with the kernels interpreted (every GPU target's program is the same).

@@ -1,4 +1,5 @@
-"""CPU thread counts: the bound every entry point accepts and the default when none is given."""
+"""CPU thread counts: the cores this process may use (`usable_cores`, the one place that asks the OS), the
+bound every entry point accepts and the default when none is given."""
 
 from __future__ import annotations
 
@@ -13,12 +14,18 @@ def default_threads(cap: int) -> int:
     """min(cap, the cores this process may use, minus the ones other processes keep busy), at least 1.
     Every core (torch's and ONNX Runtime's own default) oversubscribes a shared machine: two such compiles
     on 2 cores took 3 minutes for a 9 s compile; one thread each, 19 s."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
+    cores = usable_cores()
     try:
         busy = int(os.getloadavg()[0] + 0.5)
     except OSError:
         busy = 0
     return max(1, min(cap, cores, cores - busy))
+
+
+def usable_cores() -> int:
+    """The cores this process may use: its affinity mask (a container or `taskset` may allow fewer than the
+    machine has), else every core the OS reports."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call on this platform (macOS)
+        return os.cpu_count() or 1

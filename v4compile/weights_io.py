@@ -59,6 +59,7 @@ import numpy as np
 from .errors import CheckpointError, IRError
 from .ir.core import Module
 from .shard_digest import EMPTY, Lanes, Tree, combine, segments, tree_digest
+from .threads import usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +81,7 @@ ST_DTYPE = {"fp32": "F32", "bf16": "BF16", "i64": "I64", "i32": "I32", "fp8e4m3"
 def default_workers() -> int:
     """Conversion / read threads: the cores this process may use, at most 8, at least 2 (one reads while
     another converts)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return max(2, min(8, cores))
+    return max(2, min(8, usable_cores()))
 
 
 # ---- the plan ------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@
     passes   passes/    (installed as v4compile.passes)
     codegen  codegen/   (v4compile.codegen: Triton kernels, AOT, ONNX lowerings)
     runtime  runtime/   (v4compile.runtime: needs the artifact format and the program only)
-    top      the compile driver, the compile report and the `cli` package
+    top      the compile driver, the compile report, the `cli` package and the package module itself
+             (v4compile/__init__.py: its names include the runtime's `load`, imported on first use)
 
 Three checks, each shown to fail on a fault of its kind:
 * every import statement, also the ones inside functions, names a module of its own layer or a lower one;
@@ -30,6 +31,7 @@ FOLDERS = {"v4compile": "v4compile", "passes": "v4compile.passes", "codegen": "v
            "runtime": "v4compile.runtime"}
 LAYERS = ("core", "passes", "codegen", "runtime", "top")
 TOP = ("v4compile.driver", "v4compile.report", "v4compile.cli", "v4compile.__main__")
+PACKAGE = "v4compile"  # the package module (not its submodules): top
 # The runtime runs a compiled artifact: the pass pipeline and the tracer are the compiler's, not its.
 RUNTIME_NEVER = ("v4compile.passes", "v4compile.trace", "v4compile.frontend", "v4compile.driver")
 
@@ -39,7 +41,7 @@ def _within(mod: str, pkg: str) -> bool:
 
 
 def layer_of(mod: str) -> str:
-    if any(_within(mod, t) for t in TOP):
+    if mod == PACKAGE or any(_within(mod, t) for t in TOP):
         return "top"
     for layer in ("passes", "codegen", "runtime"):
         if _within(mod, f"v4compile.{layer}"):
@@ -65,22 +67,42 @@ def _tree(text: str) -> ast.Module:
     return ast.parse(text)
 
 
+def _literal_import(node: ast.AST) -> str | None:
+    """The name a call imports, when it is `importlib.import_module("...")`, `import_module("...")` or
+    `__import__("...")` with a literal name (a name computed at run time cannot be read here)."""
+    if not isinstance(node, ast.Call) or not node.args:
+        return None
+    f = node.func
+    called = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+    arg = node.args[0]
+    if called in ("import_module", "__import__") and isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    return None
+
+
+def _absolute(mod: str, is_pkg: bool, level: int, name: str | None) -> str:
+    """A relative import's module (`level` dots before `name`, from module `mod`)."""
+    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    base = base[:len(base) - (level - 1)]
+    return ".".join(base + ([name] if name else []))
+
+
 def imports(mod: str, path: Path, text: str, known) -> list[tuple[int, str]]:
-    """(line, module) for every import statement in the file, at any depth, resolved to a known module (the
-    longest known prefix of what it names: `from .x import y` is module `x.y` if there is one, else `x`)."""
+    """(line, module) for every import statement in the file, at any depth, and every call that imports a
+    literal name (`importlib.import_module`, relative to the module's package when it starts with a dot;
+    `__import__`), resolved to a known module (the longest known prefix of what it names: `from .x import y`
+    is module `x.y` if there is one, else `x`)."""
     is_pkg = path.name == "__init__.py"
     out = []
     for node in ast.walk(_tree(text)):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
-                base = base[:len(base) - (node.level - 1)]
-                frm = ".".join(base + ([node.module] if node.module else []))
-            else:
-                frm = node.module or ""
+            frm = _absolute(mod, is_pkg, node.level, node.module) if node.level else node.module or ""
             names = [f"{frm}.{a.name}" for a in node.names]
+        elif (lit := _literal_import(node)) is not None:
+            level = len(lit) - len(lit.lstrip("."))
+            names = [_absolute(mod, is_pkg, level, lit[level:] or None) if level else lit]
         else:
             continue
         for n in names:
@@ -158,6 +180,13 @@ def test_every_import_goes_down():
     ("v4compile.artifact", "from .passes import PassManager", "imports passes module"),
     ("v4compile.runtime.session", "from v4compile.trace import trace", "the runtime imports the compiler's"),
     ("v4compile.codegen.aot", "import v4compile.runtime.session", "codegen module"),
+    # the same through a call with a literal name (how the package's names were loaded before)
+    ("v4compile.config", "def _f():\n    import importlib\n    return importlib.import_module('v4compile.runtime')",
+     "core module v4compile.config imports runtime module v4compile.runtime"),
+    ("v4compile.manifest",
+     "def _f():\n    import importlib\n    return importlib.import_module('.runtime', __package__)",
+     "core module v4compile.manifest imports runtime module v4compile.runtime"),
+    ("v4compile.passes.dce", "def _f():\n    return __import__('v4compile.codegen.aot')", "passes module"),
 ])
 def test_an_upward_import_is_caught(mod, line, expect):
     bad = upward_imports(_add_line(sources(), mod, line))
@@ -184,7 +213,7 @@ PROBE = textwrap.dedent('''
     def within(m, p):
         return m == p or m.startswith(p + ".")
     def layer_of(m):
-        if any(within(m, t) for t in top):
+        if m == "v4compile" or any(within(m, t) for t in top):
             return "top"
         for l in ("passes", "codegen", "runtime"):
             if within(m, "v4compile." + l):
@@ -193,7 +222,8 @@ PROBE = textwrap.dedent('''
     for m in mods:
         importlib.import_module(m)
     mine = layers.index(layer_of(mods[0]))
-    loaded = sorted(m for m in sys.modules if m.startswith("v4compile"))
+    # the package module is loaded with any of its modules (Python's rule): what it loads counts, not itself
+    loaded = sorted(m for m in sys.modules if m.startswith("v4compile."))
     bad = [m for m in loaded if layers.index(layer_of(m)) > mine]
     if layer_of(mods[0]) == "runtime":
         bad += [m for m in loaded if any(within(m, n) for n in never)]

@@ -22,6 +22,7 @@ import pytest
 
 from artifact_tamper import copy, manifest, write_manifest
 from v4compile.cli import main
+from v4compile.runtime.session import Session
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-doc"
 NAMES = ["json.dumps", "os.path.join", "re.compile", "textwrap.dedent", "heapq.heappush", "shutil.copy",
@@ -272,3 +273,117 @@ def test_bad_requests_get_a_400_with_an_openai_error_body(server):
         c.chat.completions.create(model="tiny-doc", messages=[{"role": "user"}], max_tokens=4)
     assert chat(c, "json.dumps", max_tokens=4).choices[0].message.content is not None  # still serving
     assert health(server)["live"] == 0
+
+
+# ---- error codes from typed fields: in process, a stand-in session (no artifact, no scheduler thread) ----
+
+class _Tokenizer:
+    """Text to ids one character each, so a chat's prompt length is its content's."""
+
+    eos_ids = frozenset()
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(ch) % self.vocab for ch in text]
+
+    def apply_chat_template(self, msgs, add_generation_prompt: bool) -> str:
+        return "".join(m["content"] for m in msgs)
+
+
+class _Session:
+    """What the server reads of a session before it submits a request; `check_prompt` is the real one."""
+
+    check_prompt = Session.check_prompt
+
+    def __init__(self, vocab: int, max_context: int):
+        self.vocab, self.max_context, self.tokenizer = vocab, max_context, _Tokenizer(vocab)
+
+
+def _refusals(seed: int) -> list[tuple[str, dict]]:
+    """Seeded requests the runtime refuses: over the context (completion and chat), an id outside the
+    vocabulary, an empty prompt, an empty chat."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    vocab, ctx = int(rng.integers(50, 500)), int(rng.integers(16, 64))
+    n = int(rng.integers(1, ctx))
+    ids = rng.integers(0, vocab, n).tolist()
+    over = ctx - n + int(rng.integers(1, 8))
+    bad = list(ids)
+    bad[int(rng.integers(0, n))] = vocab + int(rng.integers(0, 100))
+    text = "".join(chr(97 + int(c)) for c in rng.integers(0, 26, n))
+    return (vocab, ctx), [
+        ("/v1/completions", {"prompt": ids, "max_tokens": over}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_completion_tokens": over}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": over}),
+        ("/v1/completions", {"prompt": bad, "max_tokens": 1}),
+        ("/v1/completions", {"prompt": [], "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}], "max_tokens": 1}),
+    ]
+
+
+def _responses(monkeypatch, seed: int, reword: bool) -> list[tuple]:
+    """(status, error body) of each refused request; `reword`: every V4Error's message replaced by one that
+    shares no word with it (the same for every error, so nothing can be read from it)."""
+    from starlette.testclient import TestClient
+
+    from v4compile.cli import serve
+    from v4compile.errors import V4Error
+
+    (vocab, ctx), cases = _refusals(seed)
+    if reword:
+        monkeypatch.setattr(V4Error, "_render", lambda self: "refused")
+    server = serve.Server(_Session(vocab, ctx), "stand-in")
+
+    def never(req):
+        raise AssertionError(f"a request the runtime refuses was submitted: {req.prompt}")
+
+    monkeypatch.setattr(server.batcher, "submit", never)
+    out = []
+    http = TestClient(server.app())  # not entered: no lifespan, so no scheduler thread
+    try:
+        for path, body in cases:
+            r = http.post(path, json=body)
+            out.append((r.status_code, r.json()["error"]))
+    finally:
+        http.close()
+        monkeypatch.undo()
+    return out
+
+
+def _without_message(responses: list[tuple]) -> list[tuple]:
+    return [(status, {k: v for k, v in e.items() if k != "message"}) for status, e in responses]
+
+
+def _by_text(e, chat: bool, key: str):
+    """The mapping as it was: param and code read from the message."""
+    from v4compile.cli.serve import BadRequest
+
+    param = key if "max_new_tokens" in str(e) else "messages" if chat else "prompt"
+    return BadRequest(str(e), param, "context_length_exceeded" if "context" in str(e) else "invalid_value")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_error_codes_come_from_typed_fields_not_the_message(monkeypatch, seed):
+    """A reworded message changes no HTTP response but its message: status, type, param and code are the
+    same. Fault caught (`test_a_mapping_by_message_text_is_caught`): the server reading param and code from
+    the message (`"context" in str(e)`), as it did."""
+    plain = _responses(monkeypatch, seed, reword=False)
+    reworded = _responses(monkeypatch, seed, reword=True)
+    assert [e["message"] for _, e in reworded] == ["refused"] * len(plain)  # the rewording took effect
+    assert _without_message(reworded) == _without_message(plain)
+    codes = {(e["param"], e["code"]) for _, e in plain}  # each kind of refusal is in the cases
+    assert {("max_tokens", "context_length_exceeded"), ("max_completion_tokens", "context_length_exceeded"),
+            ("prompt", "invalid_value"), ("messages", "invalid_value")} <= codes, codes
+    assert {s for s, _ in plain} == {400}
+
+
+def test_a_mapping_by_message_text_is_caught(monkeypatch):
+    from v4compile.cli import serve
+
+    plain = _responses(monkeypatch, 0, reword=False)
+    monkeypatch.setattr(serve, "refused", _by_text)
+    reworded = _responses(monkeypatch, 0, reword=True)
+    assert _without_message(reworded) != _without_message(plain)

@@ -15,8 +15,10 @@ from v4compile.errors import PassError
 from v4compile.harness import DenseSource, Scenario
 from v4compile.ir.core import Function
 from v4compile.ir.text import parse_module
-from v4compile.passes import PassManager, PipelineOptions, get_pass, parse_pass_spec
-from v4compile.passes.base import Pass, PassResult, register
+from v4compile.passes import PIPELINES, PROGRAM_PASSES, PassManager, PipelineOptions, get_pass, parse_pass_spec
+from v4compile.passes import manager as pass_manager
+from v4compile.passes.base import PASSES, Pass, PassResult, load_all, register
+from v4compile.passes.pipeline import LAUNCH_ONLY_PASSES
 from v4compile.passes.numerics import NumericsCheck, bisect
 from v4compile.passes.rewrite import new_module
 from v4compile.trace import TraceOptions, trace
@@ -165,6 +167,9 @@ def test_ir_cli(tmp_path):
     (("ir", "dump", "--preset", "tiny", "--passes", "dce{x=1}"), "unknown option 'x'"),
     (("ir", "dump", "--preset", "tiny", "--stop-after", "cse", "--passes", "dce"), "not in the pipeline"),
     (("ir", "dump", "--preset", "tiny", "--weights", "none", "--check-numerics"), "need weights"),
+    # a misordered pipeline (test_a_misordered_pipeline_is_refused shows what it would do unrefused)
+    (("ir", "dump", "--preset", "tiny", "--passes", "cse,fuse_moe_router,fuse_moe"),
+     "pass 'fuse_moe_router' must run after 'fuse_moe'"),
 ])
 def test_ir_cli_errors(args, needle):
     r = cli(*args)
@@ -179,3 +184,80 @@ def test_ir_cli_bad_files(tmp_path):
     f.write_text("module @x\nfunc @f(%a : fp32[2]) {\n  return y = %b\n}\n")
     r = cli("ir", "diff", str(f), str(f))
     assert r.returncode == 2 and "line 3:14: use of undefined value %b" in r.stderr
+
+
+# ---- where a pass may stand (Pass.after / first / final, checked by manager.check_order) -------------
+
+def _shipped_pipelines() -> dict[str, list[str]]:
+    """Every pipeline the compiler runs: per target, the host device's (cpu, then the program passes, on one
+    module), the program passes alone, the launch-only fusions in their order, each also partitioned."""
+    gpu = PIPELINES["gpu"]
+    base = {**PIPELINES, "cpu+program": PIPELINES["cpu"] + PROGRAM_PASSES, "program": PROGRAM_PASSES,
+            "launch-only": [p for p in gpu if p in LAUNCH_ONLY_PASSES]}
+    return base | {f"partition+{k}": ["partition{tp=2,ep=2}", *v] for k, v in base.items()}
+
+
+def _name(spec: str) -> str:
+    return spec.split("{", 1)[0]
+
+
+def _declared_pairs(pipeline: list[str]) -> list[tuple[int, int]]:
+    """(i, j): the pass at j must run after the one at i, by the declaration of the one at j."""
+    names = [_name(p) for p in pipeline]
+    return [(i, j) for j, n in enumerate(names) for i, m in enumerate(names) if m in load_all()[n].after]
+
+
+@pytest.mark.parametrize("name", sorted(_shipped_pipelines()))
+def test_every_shipped_pipeline_keeps_the_declared_order(name):
+    """Each shipped pipeline is accepted, and each declared pair in it, swapped, is refused (alone: naming
+    both passes). Fault caught: a pipeline list edited against a declaration (the swap is that edit; the first
+    assertion fails on it), or a declaration the manager does not check."""
+    pipeline = _shipped_pipelines()[name]
+    PassManager(pipeline)
+    pairs = _declared_pairs(pipeline)
+    assert pairs or name in ("program", "partition+program") or "launch-only" in name, name
+    for i, j in pairs:
+        swapped = list(pipeline)
+        swapped[i], swapped[j] = swapped[j], swapped[i]
+        with pytest.raises(PassError, match="must run after"):  # (the first of what the swap breaks)
+            PassManager(swapped)
+        with pytest.raises(PassError, match=f"pass '{_name(pipeline[j])}' must run after '{_name(pipeline[i])}'"):
+            PassManager([pipeline[j], pipeline[i]])
+
+
+def _undeclared(passes: dict[str, type[Pass]]) -> list[str]:
+    return [f"{n}.after names '{m}'" for n, c in passes.items() for m in c.after if m not in passes]
+
+
+def test_every_declared_pass_exists():
+    """Fault caught: a declaration naming no pass (a typo, a renamed pass), which would order nothing."""
+    assert _undeclared(load_all()) == []
+
+    @dataclass(frozen=True)
+    class Typo(Pass):
+        name = "typo"
+        after = {"fuse_mo": "a misspelt fuse_moe"}
+
+    assert _undeclared({**load_all(), "typo": Typo}) == ["typo.after names 'fuse_mo'"]
+
+
+def test_first_and_final_passes_stand_first_and_last():
+    """`partition` first, `plan_memory` / `lower_to_program` last: a pass on the wrong side is refused."""
+    with pytest.raises(PassError, match="pass 'partition' must run first; the pipeline runs 'cse' before it"):
+        PassManager(["cse", "partition{tp=2}"])
+    with pytest.raises(PassError, match="pass 'dce' cannot run after 'plan_memory'"):
+        PassManager(["plan_memory", "dce"])
+    PassManager(["partition{tp=2}", "cse", "plan_memory", "lower_to_program"])
+
+
+def test_a_misordered_pipeline_is_refused(traced, monkeypatch):
+    """`fuse_moe_router` before `fuse_moe` is refused naming both. Fault caught: without the check the same
+    pipeline runs, and the router fusion finds nothing and says nothing (its hits 0, where in order > 0)."""
+    bad = ["fuse_moe_router", "fuse_moe"]
+    with pytest.raises(PassError, match="pass 'fuse_moe_router' must run after 'fuse_moe' \\(it folds the router"):
+        PassManager(bad)
+    in_order = PassManager(bad[::-1]).run(traced).hits()["fuse_moe_router"]
+    assert sum(in_order.values()) > 0
+    monkeypatch.setattr(pass_manager, "check_order", lambda passes: None)
+    unchecked = PassManager(bad).run(traced).hits()["fuse_moe_router"]
+    assert sum(unchecked.values()) == 0  # what the refusal saves a user from

@@ -10,6 +10,7 @@ import math
 import sys
 
 from ..errors import InputError, PassError
+from ..targets import GPU_TARGET_NAMES
 from ..threads import MAX_THREADS, TORCH_THREADS, default_threads
 
 DEFAULT_PRESET = "tiny"
@@ -124,9 +125,9 @@ def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("pipeline")
     g.add_argument("--passes", help="comma-separated pass specs (name or name{k=v,...}); default: the target's pipeline")
     g.add_argument("--target", default=None,
-                   help="what to compile for, comma-separated: gfx950, sm_90a (or gpu: both; their pipeline runs to "
-                        "the program) and cpu (the ONNX path's pipeline); default gpu, and with -o also cpu for a "
-                        "model of up to 2 B parameters with weights")
+                   help=f"what to compile for, comma-separated: {GPU_TARGET_NAMES} (or gpu: both; their pipeline "
+                        "runs to the program) and cpu (the ONNX path's pipeline); default gpu, and with -o also cpu "
+                        "for a model of up to 2 B parameters with weights")
     g.add_argument("--tp", type=int_arg(1, 1 << 12), default=1,
                    help="tensor parallel ranks: attention heads split over them (runs partition{tp,ep} first)")
     g.add_argument("--ep", type=int_arg(1, 1 << 14), default=1,

@@ -10,6 +10,7 @@ import sys
 
 from ..errors import InputError
 from ..speculation import MAX_DRAFT_TOKENS
+from ..targets import GPU_TARGETS
 from .args import add_pipeline_flags, add_source_flags, int_arg, split_specs, threads_arg
 from .pipeline import check_outputs, finish, frontend_of, run_pipeline, stages_of, targets_of
 
@@ -45,6 +46,7 @@ def _buckets_of(args):
 
 
 SMALL_MODEL_PARAMS = 2_000_000_000  # the cpu target comes by default with models up to this size
+ALL_GPUS = ",".join(GPU_TARGETS)  # `--target` for every GPU target, as messages suggest it
 
 
 def cmd_compile(args) -> int:
@@ -112,7 +114,7 @@ def _parallel_report(args, fe, result, targets) -> dict | None:
 
     partitioned = get_pass("partition", {"tp": args.tp, "ep": args.ep}).run(fe.module).module
     return parallel_section(fe.cfg, fe.module, partitioned, result.module, tuple(t for t in targets if t != "cpu")
-                            or ("gfx950", "sm_90a"))
+                            or GPU_TARGETS)
 
 
 def _config_only(args):
@@ -161,10 +163,10 @@ def _artifact_plan(args, fe, targets) -> dict:
         # bf16 on the cpu target rounds each stored value as the reference does, but not the in-op bf16
         # arithmetic that official numerics' FP8 activation roundings would turn into e4m3 steps
         raise InputError("the cpu target runs bf16 with hf numerics only", found=f"--dtype {args.dtype} "
-                         f"--numerics {args.numerics}", expected="--numerics hf, --dtype fp32, or --target gfx950,sm_90a")
+                         f"--numerics {args.numerics}", expected=f"--numerics hf, --dtype fp32, or --target {ALL_GPUS}")
     if "cpu" in targets and fe.source is None:
         raise InputError("the cpu target needs weights", expected="--weights random (presets), a checkpoint, or "
-                                                                  "--target gfx950,sm_90a for a shape-only artifact")
+                                                                  f"--target {ALL_GPUS} for a shape-only artifact")
     gpu = [t for t in targets if t != "cpu"]
     cpu_pipeline, gpu_pipeline = list(CPU_PIPELINE), list(GPU_PIPELINE)
     if args.passes:

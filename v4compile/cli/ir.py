@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InputError
+from ..targets import GPU_TARGET_NAMES
 from .args import add_pipeline_flags, add_source_flags
 from .pipeline import (NumericsOutcome, check_outputs, finish, frontend_of, numerics_check, pipeline_name, pipeline_of,
                        read_ir, run_pipeline, stages_of, targets_of, write_file)
@@ -178,5 +179,5 @@ def add_command(sub) -> None:
     ps = irs.add_parser("passes", help="list the registered passes and each target's pipeline; with NAME, one "
                                        "pass in full")
     ps.add_argument("name", nargs="?", metavar="NAME", help="a pass: print its requirements, guarantees and options")
-    ps.add_argument("--target", default=None, help="show only this target's pipeline (gpu, gfx950, sm_90a, cpu)")
+    ps.add_argument("--target", default=None, help=f"show only this target's pipeline (gpu, {GPU_TARGET_NAMES}, cpu)")
     ps.set_defaults(func=cmd_ir_passes)

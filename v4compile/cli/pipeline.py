@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ..errors import InputError, IRError, V4Error
-from ..targets import GPU_TARGETS
+from ..targets import GPU_TARGET_NAMES, GPU_TARGETS
 from ..timing import Stages
 from .args import MAX_RANDOM_PARAMS, apply_threads, split_specs
 
@@ -32,11 +32,11 @@ def targets_of(args) -> list[str]:
         names = list(GPU_TARGETS) if t == "gpu" else [t]
         for n in names:
             if n not in (*GPU_TARGETS, "cpu"):
-                raise InputError("unknown --target", expected="gfx950, sm_90a, gpu or cpu", found=t)
+                raise InputError("unknown --target", expected=f"{GPU_TARGET_NAMES}, gpu or cpu", found=t)
             if n not in out:
                 out.append(n)
     if not out:
-        raise InputError("--target names no target", expected="gfx950, sm_90a, gpu or cpu")
+        raise InputError("--target names no target", expected=f"{GPU_TARGET_NAMES}, gpu or cpu")
     return out
 
 

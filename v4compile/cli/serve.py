@@ -27,7 +27,7 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-from ..errors import InputError, V4Error
+from ..errors import INVALID_VALUE, InputError, V4Error
 
 log = logging.getLogger("v4compile")
 
@@ -46,6 +46,16 @@ def _error(message: str, param=None, code=None, status: int = 400):
 
     return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
                                    "code": code}}, status_code=status)
+
+
+def refused(e: V4Error, chat: bool, key: str) -> BadRequest:
+    """A request the runtime refused, as the API's 400: its code and param come from the error's typed fields,
+    never from its text, so a reworded message changes no response but the message. The runtime's names
+    become the request's: `max_new_tokens` is `key` (max_tokens / max_completion_tokens), the prompt of a
+    chat is its `messages`; an error naming no param is the prompt's."""
+    prompt = "messages" if chat else "prompt"
+    param = {"max_new_tokens": key, "prompt": prompt, None: prompt}.get(e.param, e.param)
+    return BadRequest(str(e).replace("max_new_tokens", key), param, e.code or INVALID_VALUE)
 
 
 def _num(body: dict, key: str, default, lo: float, hi: float, integer: bool = False):
@@ -163,9 +173,7 @@ class Server:
             try:
                 self.batcher.check(ids, max_tokens, temperature, top_p, seed)
             except InputError as e:
-                param = key if "max_new_tokens" in str(e) else "messages" if chat else "prompt"
-                raise BadRequest(str(e).replace("max_new_tokens", key), param,
-                                 "context_length_exceeded" if "context" in str(e) else "invalid_value") from None
+                raise refused(e, chat, key) from None
         except BadRequest as e:
             return _error(str(e), e.param, e.code)
 
