@@ -293,9 +293,10 @@ class _Tokenizer:
 
 
 class _Session:
-    """What the server reads of a session before it submits a request; `check_prompt` is the real one."""
+    """What the server reads of a session before it submits a request; the checks are the real ones."""
 
-    check_prompt = Session.check_prompt
+    check_prompt, check_request, check_stop_ids = Session.check_prompt, Session.check_request, Session.check_stop_ids
+    max_batch = 1
 
     def __init__(self, vocab: int, max_context: int):
         self.vocab, self.max_context, self.tokenizer = vocab, max_context, _Tokenizer(vocab)
