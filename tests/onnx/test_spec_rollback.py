@@ -47,7 +47,7 @@ def _observe(art) -> list[tuple[int, set, set]]:
         sess.decode([s], [t])
     L = s.length
     for q in range(L, L + len(WRONG)):  # the blocks a verify step reserves for its lanes
-        sess._reserve(s, q)
+        sess.reserve(s, q)
     store = undo.access(sess.backend)
     out = []
     for q, t in zip(range(L, L + len(WRONG)), WRONG):
