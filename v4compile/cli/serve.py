@@ -33,19 +33,33 @@ log = logging.getLogger("v4compile")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_MESSAGES = 1024
+MAX_DEPTH = 32  # JSON nesting: OpenAI's bodies need 5 or so; deeper is an attack on the parser
+ROLES = ("system", "user", "assistant", "tool")  # what a chat template is written for; any other string
+#                                                   would be pasted into the template as is (a role can
+#                                                   carry the template's control tokens)
+
+# Fields of OpenAI's API this server does not implement, each with the values that ask for nothing (accepted,
+# compared with their type: `logprobs` 0 asks for the chosen token's log-probability); any other value is
+# refused with a 400 naming the field, never silently ignored.
+UNSUPPORTED = {
+    "n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (), "echo": (False,), "suffix": ("",),
+    "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "response_format": ({"type": "text"},), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+}
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
         super().__init__(message)
-        self.param, self.code = param, code
+        self.param, self.code, self.status = param, code, status
 
 
-def _error(message: str, param=None, code=None, status: int = 400):
+def _error(message: str, param=None, code=None, status: int = 400, kind: str = "invalid_request_error",
+           headers: dict | None = None):
     from fastapi.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
-                                   "code": code}}, status_code=status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
 
 
 def _num(body: dict, key: str, default, lo: float, hi: float, integer: bool = False):
@@ -80,8 +94,15 @@ class Server:
             items, self.pending = self.pending, []
             self.loop.call_soon_threadsafe(_deliver, items)
 
+    def scheduler_dead(self) -> str | None:
+        """Why the scheduler thread is gone (None while it runs): no request would ever be answered."""
+        if self.thread.is_alive() or not self.thread.ident:  # not started yet: the lifespan starts it
+            return None
+        return f"the scheduler stopped: {self.batcher.died!r}" if self.batcher.died else "the scheduler stopped"
+
     # ---- requests ---------------------------------------------------------------------------------
     async def body(self, request) -> dict:
+        _check_media(request.headers.get("content-type", ""))
         size = 0
         chunks = []
         async for chunk in request.stream():
@@ -93,14 +114,16 @@ class Server:
             body = json.loads(b"".join(chunks).decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as e:
             raise BadRequest(f"the request body is not valid JSON: {str(e)[:120]}", None, "invalid_json") from None
+        except RecursionError:
+            raise BadRequest(f"the request body nests deeper than {MAX_DEPTH} levels", None, "invalid_json") from None
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object", None, "invalid_json")
+        _check_values(body, "", 0)
         model = body.get("model")
         if model is not None and model != self.model:
-            raise BadRequest(f"the model `{str(model)[:80]}` does not exist (this server has `{self.model}`)",
+            raise BadRequest(f"the model {_shown(model)} does not exist (this server has `{self.model}`)",
                              "model", "model_not_found")
-        if body.get("n", 1) != 1:
-            raise BadRequest("only `n` = 1 is supported", "n", "invalid_value")
+        _check_fields(body)
         return body
 
     def prompt_of(self, body: dict, chat: bool) -> list[int]:
@@ -111,8 +134,12 @@ class Server:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs or len(msgs) > MAX_MESSAGES:
                 raise BadRequest("`messages` must be a non-empty list", "messages", "invalid_value")
-            msgs = [{"role": m.get("role"), "content": _content(m.get("content"))} if isinstance(m, dict) else m
-                    for m in msgs]
+            for i, m in enumerate(msgs):
+                if not isinstance(m, dict) or m.get("role") not in ROLES:
+                    role = m.get("role") if isinstance(m, dict) else m
+                    raise BadRequest(f"messages[{i}]: the role must be one of {', '.join(ROLES)} (found "
+                                     f"{_shown(role)})", "messages", "invalid_value")
+            msgs = [{"role": m["role"], "content": _content(m.get("content"))} for m in msgs]
             try:
                 return self.tok.encode(self.tok.apply_chat_template(msgs, add_generation_prompt=True))
             except V4Error as e:
@@ -140,9 +167,13 @@ class Server:
 
         from ..runtime.batcher import Request
 
+        dead = self.scheduler_dead()
+        if dead:
+            return _error(dead, status=503, kind="server_error")
         try:
             body = await self.body(request)
-            ids = self.prompt_of(body, chat)
+            # off the event loop: a long prompt's tokenization would stall every other client
+            ids = await asyncio.to_thread(self.prompt_of, body, chat)
             ctx = self.sess.max_context
             key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
             default = max(1, ctx - len(ids)) if chat else 16
@@ -157,7 +188,7 @@ class Server:
                 raise BadRequest("`top_p` must be in (0, 1]", "top_p", "invalid_value")
             seed = _num(body, "seed", None, 0, 2 ** 63 - 1, integer=True)
             stops = self.stops_of(body)
-            stream = bool(body.get("stream", False))
+            stream = bool(body.get("stream"))
             so = body.get("stream_options") or {}
             usage_chunk = isinstance(so, dict) and bool(so.get("include_usage"))
             try:
@@ -167,7 +198,7 @@ class Server:
                 raise BadRequest(str(e).replace("max_new_tokens", key), param,
                                  "context_length_exceeded" if "context" in str(e) else "invalid_value") from None
         except BadRequest as e:
-            return _error(str(e), e.param, e.code)
+            return _error(str(e), e.param, e.code, e.status)
 
         self.loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
@@ -265,6 +296,7 @@ class Server:
         from contextlib import asynccontextmanager
 
         from fastapi import FastAPI
+        from fastapi.responses import JSONResponse
 
         @asynccontextmanager
         async def lifespan(_app):
@@ -280,8 +312,13 @@ class Server:
         @app.get("/health")
         async def health():
             b = self.batcher
-            return {"status": "ok", "live": len(b.live), "waiting": len(b.waiting),
-                    "free_slots": len(self.sess.free_slots), "finished": dict(self.finished)}
+            dead = self.scheduler_dead()
+            state = {"status": "error" if dead else "ok", "live": len(b.live), "waiting": len(b.waiting),
+                     "free_slots": len(self.sess.free_slots), "finished": dict(self.finished)}
+            if dead:  # a load balancer's probe must see it: 503, and why
+                state["error"] = dead
+                return JSONResponse(state, status_code=503)
+            return state
 
         @app.get("/v1/models")
         async def models():
@@ -302,7 +339,8 @@ class Server:
 
         @app.exception_handler(HTTPException)
         async def http_error(_request, exc: HTTPException):
-            return _error(str(exc.detail), status=exc.status_code, code="not_found" if exc.status_code == 404 else None)
+            return _error(str(exc.detail), status=exc.status_code, code="not_found" if exc.status_code == 404 else None,
+                          headers=exc.headers)  # a 405's `Allow`
 
         @app.exception_handler(RequestValidationError)
         async def validation_error(_request, exc):
@@ -314,6 +352,60 @@ class Server:
 def _deliver(items: list) -> None:
     for q, event in items:
         q.put_nowait(event)
+
+
+def _check_media(content_type: str) -> None:
+    media = content_type.split(";")[0].strip().lower()
+    if media != "application/json":  # a form or text/plain body is what a web page may send cross-site
+        raise BadRequest(f"the request body must be application/json (found content-type "
+                         f"{_shown(media or 'none')})", None, "unsupported_media_type", 415)
+
+
+def _check_fields(body: dict) -> None:
+    """No field asks for what the server does not do (UNSUPPORTED); `stream` a boolean."""
+    for key, accepted in UNSUPPORTED.items():
+        v = body.get(key)
+        if v is not None and not any(type(v) is type(a) and v == a for a in accepted):
+            raise BadRequest(f"`{key}` is not supported by this server (found {_shown(v)}; leave it out)",
+                             key, "unsupported_parameter")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise BadRequest(f"`stream` must be true or false (found {_shown(body['stream'])})", "stream",
+                         "invalid_type")
+
+
+def _check_values(v, where: str, depth: int) -> None:
+    """Every string of the body valid Unicode text (a lone surrogate, which JSON's \\ud800 escape can write,
+    breaks the tokenizer and the JSON encoder of an error that quotes it), nested at most MAX_DEPTH deep."""
+    if depth > MAX_DEPTH:
+        raise BadRequest(f"the request body nests deeper than {MAX_DEPTH} levels", _param(where), "invalid_json")
+    if isinstance(v, str):
+        _check_text(v, f"`{where[:80]}`", where)
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            _check_text(k, f"a key of `{where[:80]}`" if where else "a key of the body", where)
+            _check_values(x, f"{where}.{k}" if where else k, depth + 1)
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            _check_values(x, f"{where}[{i}]", depth + 1)
+
+
+def _check_text(s: str, what: str, where: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"{what} is not valid Unicode text (a lone surrogate at character {e.start})",
+                         _param(where), "invalid_value") from None
+
+
+def _param(where: str) -> str | None:
+    """The top-level field a path inside the body lies in (`messages[2].content`: `messages`)."""
+    return where.split(".")[0].split("[")[0][:80] or None
+
+
+def _shown(v) -> str:
+    """A request's value quoted in an error message: short, and JSON (the checks above made it encodable)."""
+    r = json.dumps(v)
+    return r if len(r) <= 80 else r[:77] + "..."
 
 
 def _content(c):
