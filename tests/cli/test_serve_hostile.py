@@ -278,3 +278,161 @@ def test_a_405_without_the_handler_s_headers_fails_it(served, monkeypatch):
     _server, url = served
     r = httpx.get(url + "/v1/chat/completions", timeout=TIMEOUT)
     assert r.status_code == 405 and r.headers.get("allow") != "POST"
+
+
+# ---- operators' needs: a key, the Host header, a bounded queue, a client that leaves ------------------
+
+def auth(key: str | None) -> dict:
+    return {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
+
+
+def key_outcomes(url: str, key: str) -> dict[str, int]:
+    """Statuses: no key, a wrong key (the right one with its last character changed), the right key (as the
+    `openai` client sends it), /health without a key."""
+    import openai
+
+    wrong = key[:-1] + ("a" if key[-1] != "a" else "b")
+    got = {what: post(url, chat_body(max_tokens=2), headers=auth(k)).status_code
+           for what, k in (("none", None), ("wrong", wrong))}
+    c = openai.OpenAI(base_url=url + "/v1", api_key=key, timeout=TIMEOUT, max_retries=0)
+    got["right"] = 200 if c.chat.completions.create(**chat_body(max_tokens=2)).choices else 0
+    got["health"] = httpx.get(url + "/health", timeout=TIMEOUT).status_code
+    return got
+
+
+def test_an_api_key_is_required_but_not_by_health(art, monkeypatch):
+    """Catches a server that serves without the key (the check planted out below fails the first assertion)
+    and a 401 without OpenAI's error body."""
+    key = "sk-" + np.random.default_rng(7).bytes(12).hex()
+    with serving(art, api_key=key) as (server, url):
+        assert key_outcomes(url, key) == {"none": 401, "wrong": 401, "right": 200, "health": 200}
+        err = openai_error(post(url, chat_body(), headers=auth("nope")), 401)
+        assert err["code"] == "invalid_api_key" and key not in json.dumps(err)
+        monkeypatch.setattr(server, "api_key", None)  # the planted fault: no key asked for
+        assert key_outcomes(url, key) == {"none": 200, "wrong": 200, "right": 200, "health": 200}
+
+
+def host_outcomes(url: str) -> dict[str, int]:
+    port = url.rsplit(":", 1)[1]
+    return {h: httpx.get(url + "/v1/models", headers={"host": h}, timeout=TIMEOUT).status_code
+            for h in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", f"rebound.example:{port}",
+                      "rebound.example")}
+
+
+def test_a_foreign_host_header_is_refused(served, monkeypatch):
+    """Catches DNS rebinding: a page whose name now points here sends its own name as Host (the check
+    planted out serves it: the last assertion)."""
+    server, url = served
+    port = url.rsplit(":", 1)[1]
+    assert host_outcomes(url) == {f"localhost:{port}": 200, f"127.0.0.1:{port}": 200, f"[::1]:{port}": 200,
+                                  f"rebound.example:{port}": 400, "rebound.example": 400}
+    r = httpx.get(url + "/v1/models", headers={"host": "rebound.example"}, timeout=TIMEOUT)
+    assert openai_error(r, 400)["code"] == "invalid_host"
+    monkeypatch.setattr(server, "allowed_hosts", server.allowed_hosts | {"rebound.example"})  # --allowed-hosts
+    assert host_outcomes(url)["rebound.example"] == 200
+    monkeypatch.setattr(server, "allowed_hosts", None)  # the planted fault: any Host served
+    assert host_outcomes(url)[f"rebound.example:{port}"] == 200
+
+
+@contextlib.contextmanager
+def no_admission(monkeypatch, batcher):
+    """The scheduler admits nothing while inside (requests pile up waiting), then everything again."""
+    admit = type(batcher)._admit
+    held = threading.Event()
+    held.set()
+
+    def holding(self):
+        if held.is_set():
+            time.sleep(0.01)  # not a busy loop on the lock
+            return []
+        return admit(self)
+    monkeypatch.setattr(type(batcher), "_admit", holding)
+    try:
+        yield
+    finally:
+        held.clear()
+
+
+def queue_outcomes(server, url: str, monkeypatch) -> list[int | str]:
+    """Statuses of 3 requests sent while nothing is admitted: 2 fill a queue of 2, the third comes after."""
+    got: dict[int, int | str] = {}
+    with no_admission(monkeypatch, server.batcher):
+        threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, outcome(url, chat_body(max_tokens=2))))
+                   for i in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + TIMEOUT
+        while len(server.batcher.waiting) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        got[2] = outcome(url, chat_body(max_tokens=2), timeout=3)
+    for t in threads:
+        t.join(timeout=TIMEOUT)
+    return [got.get(i) for i in range(3)]
+
+
+def test_a_full_queue_gives_429(served, monkeypatch):
+    """Catches an unbounded queue (`max_queue` planted out: the third request waits instead of a 429)."""
+    server, url = served
+    monkeypatch.setattr(server, "max_queue", 2)
+    assert queue_outcomes(server, url, monkeypatch) == [200, 200, 429]
+    with no_admission(monkeypatch, server.batcher):
+        threads = [threading.Thread(target=outcome, args=(url, chat_body(max_tokens=2))) for _ in range(2)]
+        for t in threads:
+            t.start()
+        while len(server.batcher.waiting) < 2:
+            time.sleep(0.02)
+        r = post(url, chat_body())
+        assert openai_error(r, 429)["code"] == "queue_full" and r.headers["retry-after"] == "1"
+    for t in threads:
+        t.join(timeout=TIMEOUT)
+    monkeypatch.setattr(server, "max_queue", None)  # the planted fault
+    assert queue_outcomes(server, url, monkeypatch)[2] == "timeout"
+
+
+def idle(server) -> None:
+    """Wait until no request is in flight (an earlier test's requests would blur the counts)."""
+    deadline = time.monotonic() + TIMEOUT
+    while server.batcher.busy:
+        assert time.monotonic() < deadline, "the server did not go idle"
+        time.sleep(0.05)
+
+
+def finished(url: str) -> dict[str, int]:
+    return httpx.get(url + "/health", timeout=TIMEOUT).json()["finished"]
+
+
+def leave_a_whole_response(server, url: str, monkeypatch) -> tuple[int, int]:
+    """A non-streaming client that gives up after 1 s of a request that needs over 6 s (decode steps slowed
+    to 0.06 s): (cancelled, ran to its length) of the finished requests, 3 s after it left."""
+    decode = type(server.batcher)._decode
+
+    def slow(self):
+        time.sleep(0.06)
+        return decode(self)
+    monkeypatch.setattr(type(server.batcher), "_decode", slow)
+    idle(server)
+    before = finished(url)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/v1/chat/completions", json=chat_body(max_tokens=100), timeout=1)
+    time.sleep(3)
+    after = finished(url)
+    return (after.get("cancelled", 0) - before.get("cancelled", 0), after.get("length", 0) - before.get("length", 0))
+
+
+def test_a_whole_response_client_that_leaves_is_cancelled(served, monkeypatch):
+    """Catches a non-streaming request that runs on to max_tokens after its client left (the disconnect
+    check planted out below: the request is not cancelled, the assertion fails)."""
+    server, url = served
+    assert leave_a_whole_response(server, url, monkeypatch) == (1, 0)
+    from v4compile.cli import serve
+
+    async def until_done(_request, q):  # the planted fault: deaf to the client
+        while (await q.get())[0] != "done":
+            pass
+        return True
+    monkeypatch.setattr(serve, "_until_done", until_done)
+    assert leave_a_whole_response(server, url, monkeypatch)[0] == 0
+    for r in list(server.batcher.live):  # end it now, not at its length: the next test wants an idle server
+        server.batcher.cancel(r)
+    idle(server)

@@ -1,4 +1,5 @@
-"""`v4compile serve ARTIFACT [--host H] [--port P] [--device D]`: an OpenAI-compatible HTTP server.
+"""`v4compile serve ARTIFACT [--host H] [--port P] [--device D] [--api-key KEY] [--allowed-hosts NAMES]
+[--max-queue N]`: an OpenAI-compatible HTTP server.
 
     GET  /health                 {"status": "ok", "live", "waiting", "free_slots", "finished": {reason: n}}
     GET  /v1/models              the one model, named by --model-name (default: the artifact's directory name)
@@ -10,15 +11,22 @@
 One scheduler thread owns the session and runs `Batcher.run_forever` (runtime/batcher.py): a request joins
 the continuous batch when a slot is free and waits in a queue otherwise; its tokens go back to the event
 loop, which streams each new stable text piece as a server-sent event (or returns the whole text). A client
-that goes away cancels its request, which frees its slot and blocks at the next step. Every bad request
-is a 400 with OpenAI's error body {"error": {"message", "type", "param", "code"}}; the server goes on.
+that goes away (streaming or not) cancels its request, which frees its slot and blocks at the next step.
+Every bad request is a 4xx with OpenAI's error body {"error": {"message", "type", "param", "code"}}: a body
+that is not `application/json` (415), not valid Unicode or nested too deep, a role outside ROLES, a field
+asking for what the server does not do (UNSUPPORTED); the server goes on. A request whose sampling fails
+ends alone with a 500 (or an error event); the scheduler goes on, and `/health` is a 503 if it ever stops.
+`Guard` checks the `Host` header and the API key (`Server.refusal`) before any route; `--max-queue` bounds
+the requests waiting for a slot (429 beyond).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import os
 import socket
 import sys
 import threading
@@ -73,12 +81,25 @@ def _num(body: dict, key: str, default, lo: float, hi: float, integer: bool = Fa
     return v
 
 
+OPEN_PATHS = ("/health",)  # answered without the API key: a load balancer's probe has none
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+
+
 class Server:
-    def __init__(self, sess, model_name: str):
+    def __init__(self, sess, model_name: str, *, api_key: str | None = None, allowed_hosts=("127.0.0.1",),
+                 max_queue: int | None = None):
+        """`api_key`: every request but OPEN_PATHS' must carry `Authorization: Bearer <it>`. `allowed_hosts`:
+        the names a request's `Host` header may give (port left out; "*": any), besides LOCAL_HOSTS: a web
+        page that rebinds its own name to this address sends its name, and is refused. `max_queue`: requests
+        beyond this many waiting for a slot get a 429 (None: no bound)."""
         from ..runtime.batcher import Batcher
 
         self.sess = sess
         self.model = model_name
+        self.api_key = api_key.encode() if api_key else None
+        hosts = {f"[{h}]" if ":" in h and not h.startswith("[") else h for h in map(str.lower, allowed_hosts)}
+        self.allowed_hosts = None if "*" in hosts else hosts | set(LOCAL_HOSTS)
+        self.max_queue = max_queue
         self.tok = sess.tokenizer
         self.batcher = Batcher(sess)
         self.finished: Counter[str] = Counter()
@@ -99,6 +120,20 @@ class Server:
         if self.thread.is_alive() or not self.thread.ident:  # not started yet: the lifespan starts it
             return None
         return f"the scheduler stopped: {self.batcher.died!r}" if self.batcher.died else "the scheduler stopped"
+
+    def refusal(self, path: str, headers: dict[str, str]):
+        """The error response for a request whose `Host` is not this server's or that lacks the API key; None
+        if it may go on."""
+        if self.allowed_hosts is not None and _host_name(headers.get("host", "")) not in self.allowed_hosts:
+            return _error(f"the Host header {_shown(headers.get('host', ''))} is not one of this server's names "
+                          "(serve --allowed-hosts adds names)", None, "invalid_host")
+        if self.api_key is None or path in OPEN_PATHS:
+            return None
+        scheme, _, given = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key):
+            return _error("a missing or incorrect API key (give it as `Authorization: Bearer KEY`)", None,
+                          "invalid_api_key", 401, headers={"WWW-Authenticate": "Bearer"})
+        return None
 
     # ---- requests ---------------------------------------------------------------------------------
     async def body(self, request) -> dict:
@@ -191,6 +226,9 @@ class Server:
             stream = bool(body.get("stream"))
             so = body.get("stream_options") or {}
             usage_chunk = isinstance(so, dict) and bool(so.get("include_usage"))
+            if self.max_queue is not None and len(self.batcher.waiting) >= self.max_queue:
+                raise BadRequest(f"the server is busy: {len(self.batcher.waiting)} requests wait for a slot "
+                                 "(serve --max-queue); try again", None, "queue_full", 429)
             try:
                 self.batcher.check(ids, max_tokens, temperature, top_p, seed)
             except InputError as e:
@@ -198,6 +236,8 @@ class Server:
                 raise BadRequest(str(e).replace("max_new_tokens", key), param,
                                  "context_length_exceeded" if "context" in str(e) else "invalid_value") from None
         except BadRequest as e:
+            if e.status == 429:
+                return _error(str(e), e.param, e.code, 429, "rate_limit_error", {"Retry-After": "1"})
             return _error(str(e), e.param, e.code, e.status)
 
         self.loop = asyncio.get_running_loop()
@@ -268,17 +308,9 @@ class Server:
             return StreamingResponse(events(), media_type="text/event-stream")
 
         try:
-            while True:
-                try:
-                    kind, piece, x = await asyncio.wait_for(q.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        self.batcher.cancel(req)
-                        return _error("the client disconnected", status=499)
-                    continue
-                if kind == "done":
-                    break
-        finally:
+            if not await _until_done(request, q):
+                return _error("the client disconnected", status=499)
+        finally:  # the client went away (or the handler was cancelled): free the slot now, not at max_tokens
             if not req.done:
                 self.batcher.cancel(req)
         if req.error is not None:
@@ -308,6 +340,7 @@ class Server:
                 self.thread.join(timeout=10)
 
         app = FastAPI(title="v4compile", lifespan=lifespan)
+        app.add_middleware(Guard, server=self)
 
         @app.get("/health")
         async def health():
@@ -347,6 +380,50 @@ class Server:
             return _error(str(exc)[:300])
 
         return app
+
+
+class Guard:
+    """ASGI middleware: `Server.refusal` before any route (a plain ASGI layer, not Starlette's
+    BaseHTTPMiddleware, which would sit between a stream and its client)."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            refused = self.server.refusal(scope["path"], headers)
+            if refused is not None:
+                return await refused(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _host_name(host: str) -> str:
+    """The name of a `Host` header, its port left out (`[::1]:8000`: `[::1]`)."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[: host.find("]") + 1]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+async def _until_done(request, q: asyncio.Queue) -> bool:
+    """Wait for a whole response's "done" event: True, or False as soon as its client disconnects (told by
+    the server's `receive`, not polled)."""
+    async def done() -> None:
+        while (await q.get())[0] != "done":
+            pass
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    tasks = [asyncio.ensure_future(done()), asyncio.ensure_future(gone())]
+    try:
+        finished, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+    return tasks[0] in finished
 
 
 def _deliver(items: list) -> None:
@@ -423,7 +500,9 @@ def cmd_serve(args) -> int:
 
     sess = load(args.artifact, device=args.device, threads=args.threads)
     name = args.model_name or Path(args.artifact).resolve().name
-    server = Server(sess, name)
+    key = args.api_key or os.environ.get("V4COMPILE_API_KEY") or None
+    hosts = [args.host, *(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())]
+    server = Server(sess, name, api_key=key, allowed_hosts=hosts, max_queue=args.max_queue)
     sess.warmup(1, sess.max_batch)
     try:
         sock = socket.create_server((args.host, args.port))
@@ -452,7 +531,20 @@ def add_command(sub) -> None:
     s.add_argument("--device", choices=DEVICES, default="auto")
     s.add_argument("--threads", type=threads_arg, default=None, help="CPU threads")
     s.add_argument("--model-name", default=None, help="the model's name in the API (default: the directory name)")
+    s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every request but "
+                   "/health (default: $V4COMPILE_API_KEY; neither: no key)")
+    s.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                   help="comma-separated names the Host header may give besides --host, localhost, 127.0.0.1 "
+                   "and [::1] ('*': any; needed with --host 0.0.0.0, for the names clients use)")
+    s.add_argument("--max-queue", type=_queue, default=None, metavar="N",
+                   help="requests waiting for a slot beyond N get a 429 (default: no bound)")
     s.set_defaults(func=cmd_serve)
+
+
+def _queue(text: str) -> int:
+    from .args import int_arg
+
+    return int_arg(0, 1 << 20)(text)
 
 
 def _port(text: str) -> int:
