@@ -69,6 +69,7 @@ class Batcher:
         self.live: list[Request] = []
         self.cond = threading.Condition()
         self.stopping = False
+        self.stop_error: Exception | None = None  # what the requests in flight at `stop()` end with
         self.on_step: Callable[[], None] | None = None  # after every step (a server hands its tokens over at once)
         self.died: BaseException | None = None  # why `run_forever` ended other than by `stop()` (a server's health)
 
@@ -96,9 +97,12 @@ class Batcher:
             req.cancelled = True
             self.cond.notify()
 
-    def stop(self) -> None:
+    def stop(self, error: Exception | None = None) -> None:
+        """End `run_forever` after the step under way; the requests in flight end then, with `error` (a
+        server shutting down: each client is told why) or else as cancelled."""
         with self.cond:
             self.stopping = True
+            self.stop_error = self.stop_error or error
             self.cond.notify()
 
     @property
@@ -123,7 +127,7 @@ class Batcher:
                 except Exception as e:  # noqa: BLE001
                     log.exception("a scheduler step failed; its requests end with the error")
                     self._fail_all(e)
-            self.abort()
+            self.abort(self.stop_error)
         except BaseException as e:
             self.died = e
             raise
@@ -132,12 +136,16 @@ class Batcher:
         while self.busy:
             self.step()
 
-    def abort(self) -> None:
-        """Cancel every request not yet done (their sequences released)."""
+    def abort(self, error: Exception | None = None) -> None:
+        """End every request not yet done (their sequences released): failed with `error`, or cancelled."""
         with self.sess.lock:
             for r in [*self.live, *self.waiting]:
-                self._finish(r, "cancelled")
+                if error is not None and not r.done:
+                    r.error = error
+                self._finish(r, "cancelled" if error is None else "error")
             self.waiting.clear()
+        if self.on_step is not None:  # their ends handed over: no step follows
+            self.on_step()
 
     def _fail_all(self, e: Exception) -> None:
         """Fail every request in flight (after a step's unhandled error: which of them it hit is unknown)."""

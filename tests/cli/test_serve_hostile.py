@@ -436,3 +436,76 @@ def test_a_whole_response_client_that_leaves_is_cancelled(served, monkeypatch):
     for r in list(server.batcher.live):  # end it now, not at its length: the next test wants an idle server
         server.batcher.cancel(r)
     idle(server)
+
+
+# ---- SIGTERM: streams end with an error event, the server exits 0 ------------------------------------
+
+PLANT_NO_HOOK = ("import sys, uvicorn; from v4compile.cli import main, serve; "
+                 "serve._uvicorn_server = lambda: (lambda config, _server: uvicorn.Server(config)); ")
+
+
+def sigterm_with_open_streams(art, tmp_path, plant: str = "") -> tuple[int | None, float, list[str], str]:
+    """A `serve` process with 4 open greedy streams (250 tokens each: seconds of work) gets SIGTERM after
+    each stream's first event: (exit status, seconds to exit, each stream's last event, stderr)."""
+    import signal
+    import subprocess
+    import sys
+
+    log = tmp_path / "serve.log"
+    code = plant + "from v4compile.cli import main; sys.exit(main(sys.argv[1:]))"
+    with open(log, "w") as err:
+        p = subprocess.Popen([sys.executable, "-c", "import sys; " + code, "serve", str(art), "--port", "0",
+                              "--device", "cpu", "--threads", "1"], stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 120
+        while not (m := __import__("re").search(r"on (http://127\.0\.0\.1:\d+)", log.read_text())):
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.1)
+        url = m.group(1)
+        last: dict[int, str] = {}
+        started = threading.Barrier(5, timeout=TIMEOUT)
+
+        def stream(i: int) -> None:
+            body = {"prompt": "Return the", "max_tokens": 250, "temperature": 0, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+                waiting = True
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        last[i] = line
+                        if waiting:
+                            waiting = False
+                            started.wait()
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        started.wait()
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        try:
+            rc = p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            rc = None
+        took = time.monotonic() - t0
+        for t in threads:
+            t.join(timeout=TIMEOUT)
+        return rc, took, [last.get(i, "") for i in range(4)], log.read_text()
+    finally:
+        p.kill()
+        p.wait(timeout=30)
+
+
+def test_sigterm_ends_every_stream_with_an_error_event_and_exits_0(art, tmp_path):
+    """Catches a shutdown that leaves the streams to uvicorn's grace period (the hook planted out below):
+    streams must end at once with an error event, the process exit 0 within 10 s, no traceback."""
+    rc, took, last, err = sigterm_with_open_streams(art, tmp_path)
+    assert rc == 0 and took < 10, (rc, took, err[-2000:])
+    assert all(json.loads(e[6:]).get("error", {}).get("message") == "the server is shutting down" for e in last), last
+    assert "Traceback" not in err, err[-3000:]
+
+
+def test_without_the_shutdown_hook_streams_run_on(art, tmp_path):
+    """uvicorn's own handling (the hook planted out): the streams are not told (the assertion above fails:
+    they run on to their length or are cut) and SIGTERM is raised again (exit 128 + 15)."""
+    rc, _took, last, _err = sigterm_with_open_streams(art, tmp_path, PLANT_NO_HOOK)
+    assert rc != 0
+    assert not any("error" in json.loads(e[6:]) for e in last if e), last

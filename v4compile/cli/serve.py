@@ -17,7 +17,8 @@ that is not `application/json` (415), not valid Unicode or nested too deep, a ro
 asking for what the server does not do (UNSUPPORTED); the server goes on. A request whose sampling fails
 ends alone with a 500 (or an error event); the scheduler goes on, and `/health` is a 503 if it ever stops.
 `Guard` checks the `Host` header and the API key (`Server.refusal`) before any route; `--max-queue` bounds
-the requests waiting for a slot (429 beyond).
+the requests waiting for a slot (429 beyond). SIGTERM: the scheduler stops first, each request in flight
+ends with an error event, the process exits 0 (`_uvicorn_server`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import hmac
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -54,6 +56,10 @@ UNSUPPORTED = {
     "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "response_format": ({"type": "text"},), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
 }
+
+
+class ServerError(Exception):
+    """A request the server could not finish (its clients see the message, as a 500 or an error event)."""
 
 
 class BadRequest(Exception):
@@ -205,6 +211,8 @@ class Server:
         dead = self.scheduler_dead()
         if dead:
             return _error(dead, status=503, kind="server_error")
+        if self.batcher.stopping:
+            return _error("the server is shutting down", status=503, kind="server_error")
         try:
             body = await self.body(request)
             # off the event loop: a long prompt's tokenization would stall every other client
@@ -398,6 +406,31 @@ class Guard:
         await self.app(scope, receive, send)
 
 
+GRACE_S = 5  # after SIGTERM: how long open connections may take to end before uvicorn cuts them
+
+
+def _uvicorn_server():
+    import uvicorn
+
+    class Uvicorn(uvicorn.Server):
+        """uvicorn's server, whose shutdown signal first stops the scheduler: each request in flight ends at
+        once with an error (a stream: an error event, then [DONE]), so the grace period closes finished
+        connections instead of cutting streams (a traceback each). SIGTERM is the way a server is asked to
+        stop: it exits 0 (uvicorn would raise the signal again once done); Ctrl-C stays an interruption."""
+
+        def __init__(self, config, server: Server):
+            super().__init__(config)
+            self.v4 = server
+
+        def handle_exit(self, sig, frame) -> None:
+            self.v4.batcher.stop(ServerError("the server is shutting down"))
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM and sig in getattr(self, "_captured_signals", ()):
+                self._captured_signals.remove(sig)
+
+    return Uvicorn
+
+
 def _host_name(host: str) -> str:
     """The name of a `Host` header, its port left out (`[::1]:8000`: `[::1]`)."""
     host = host.strip().lower()
@@ -511,9 +544,9 @@ def cmd_serve(args) -> int:
     port = sock.getsockname()[1]
     log.info("serving %s on http://%s:%d (%s device, %d slots)", name, args.host, port, args.device, sess.max_batch)
     sys.stderr.flush()
-    config = uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=5, lifespan="on")
+    config = uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=GRACE_S, lifespan="on")
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        _uvicorn_server()(config, server).run(sockets=[sock])
     finally:
         sock.close()
         sess.close()
