@@ -509,3 +509,63 @@ def test_without_the_shutdown_hook_streams_run_on(art, tmp_path):
     rc, _took, last, _err = sigterm_with_open_streams(art, tmp_path, PLANT_NO_HOOK)
     assert rc != 0
     assert not any("error" in json.loads(e[6:]) for e in last if e), last
+
+
+# ---- a per-request timeout, the access log -------------------------------------------------------------
+
+def past_the_timeout(server, url: str, monkeypatch) -> tuple[int, str]:
+    """With --request-timeout 1 and decode steps slowed to 0.06 s, 40 new tokens (2.4 s and more): a whole
+    response's status, and a stream's last event."""
+    decode = type(server.batcher)._decode
+
+    def slow(self):
+        time.sleep(0.06)
+        return decode(self)
+    monkeypatch.setattr(type(server.batcher), "_decode", slow)
+    monkeypatch.setattr(server, "request_timeout", 1.0)
+    status = post(url, chat_body(max_tokens=40)).status_code
+    last = ""
+    with httpx.stream("POST", url + "/v1/chat/completions", json=chat_body(max_tokens=40, stream=True),
+                      timeout=TIMEOUT) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                last = line
+    return status, last
+
+
+def test_a_request_past_its_timeout_ends_with_an_error(served, monkeypatch):
+    """Catches a request that runs on past --request-timeout (the timer planted out below: a 200)."""
+    server, url = served
+    status, last = past_the_timeout(server, url, monkeypatch)
+    assert status == 504 and "request-timeout" in json.loads(last[6:])["error"]["message"], (status, last)
+    err = openai_error(post(url, chat_body(max_tokens=40)), 504)
+    assert err["code"] == "timeout"
+    from v4compile.cli import serve
+
+    monkeypatch.setattr(serve.Server, "_expire", lambda *a: None)  # the planted fault
+    status, last = past_the_timeout(server, url, monkeypatch)
+    assert status == 200 and "error" not in json.loads(last[6:])
+
+
+def test_every_request_has_an_access_log_line(served, caplog, monkeypatch):
+    """Catches requests that leave no trace (the access logger planted silent below), and a path that
+    could forge a log line (its newline is escaped)."""
+    import logging
+
+    _server, url = served
+    with caplog.at_level(logging.INFO, logger="v4compile.access"):
+        post(url, chat_body(max_tokens=2))
+        post(url, chat_body(), headers={"content-type": "text/plain"})
+        httpx.get(url + "/x%0Aforged", timeout=TIMEOUT)
+    lines = [r.getMessage() for r in caplog.records if r.name == "v4compile.access"]
+    assert any('"POST /v1/chat/completions" 200' in x for x in lines), lines
+    assert any('"POST /v1/chat/completions" 415' in x for x in lines), lines
+    assert any('"GET /x\\nforged" 404' in x and "\n" not in x for x in lines), lines
+    from v4compile.cli import serve
+
+    caplog.clear()
+    monkeypatch.setattr(serve, "access_log", logging.getLogger("v4compile.silent"))  # the planted fault
+    monkeypatch.setattr(serve.access_log, "disabled", True)
+    with caplog.at_level(logging.INFO, logger="v4compile.access"):
+        post(url, chat_body(max_tokens=2))
+    assert not [r for r in caplog.records if r.name == "v4compile.access"]

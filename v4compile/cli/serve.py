@@ -1,5 +1,5 @@
 """`v4compile serve ARTIFACT [--host H] [--port P] [--device D] [--api-key KEY] [--allowed-hosts NAMES]
-[--max-queue N]`: an OpenAI-compatible HTTP server.
+[--max-queue N] [--request-timeout S]`: an OpenAI-compatible HTTP server.
 
     GET  /health                 {"status": "ok", "live", "waiting", "free_slots", "finished": {reason: n}}
     GET  /v1/models              the one model, named by --model-name (default: the artifact's directory name)
@@ -17,7 +17,8 @@ that is not `application/json` (415), not valid Unicode or nested too deep, a ro
 asking for what the server does not do (UNSUPPORTED); the server goes on. A request whose sampling fails
 ends alone with a 500 (or an error event); the scheduler goes on, and `/health` is a 503 if it ever stops.
 `Guard` checks the `Host` header and the API key (`Server.refusal`) before any route; `--max-queue` bounds
-the requests waiting for a slot (429 beyond). SIGTERM: the scheduler stops first, each request in flight
+the requests waiting for a slot (429 beyond), `--request-timeout` a request's time (504 or an error event
+past it); `Guard` also writes the access log. SIGTERM: the scheduler stops first, each request in flight
 ends with an error event, the process exits 0 (`_uvicorn_server`).
 """
 
@@ -40,6 +41,7 @@ from pathlib import Path
 from ..errors import InputError, V4Error
 
 log = logging.getLogger("v4compile")
+access_log = logging.getLogger("v4compile.access")  # one line a request (uvicorn's own is off)
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_MESSAGES = 1024
@@ -60,6 +62,10 @@ UNSUPPORTED = {
 
 class ServerError(Exception):
     """A request the server could not finish (its clients see the message, as a 500 or an error event)."""
+
+
+class RequestTimeout(ServerError):
+    """A request that ran past `--request-timeout` (ended by the server: 504, or an error event)."""
 
 
 class BadRequest(Exception):
@@ -93,11 +99,12 @@ LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
 class Server:
     def __init__(self, sess, model_name: str, *, api_key: str | None = None, allowed_hosts=("127.0.0.1",),
-                 max_queue: int | None = None):
+                 max_queue: int | None = None, request_timeout: float | None = None):
         """`api_key`: every request but OPEN_PATHS' must carry `Authorization: Bearer <it>`. `allowed_hosts`:
         the names a request's `Host` header may give (port left out; "*": any), besides LOCAL_HOSTS: a web
         page that rebinds its own name to this address sends its name, and is refused. `max_queue`: requests
-        beyond this many waiting for a slot get a 429 (None: no bound)."""
+        beyond this many waiting for a slot get a 429 (None: no bound). `request_timeout`: seconds a request may
+        take from its arrival (waiting included) before it is ended with an error (None: no bound)."""
         from ..runtime.batcher import Batcher
 
         self.sess = sess
@@ -106,6 +113,7 @@ class Server:
         hosts = {f"[{h}]" if ":" in h and not h.startswith("[") else h for h in map(str.lower, allowed_hosts)}
         self.allowed_hosts = None if "*" in hosts else hosts | set(LOCAL_HOSTS)
         self.max_queue = max_queue
+        self.request_timeout = request_timeout
         self.tok = sess.tokenizer
         self.batcher = Batcher(sess)
         self.finished: Counter[str] = Counter()
@@ -126,6 +134,12 @@ class Server:
         if self.thread.is_alive() or not self.thread.ident:  # not started yet: the lifespan starts it
             return None
         return f"the scheduler stopped: {self.batcher.died!r}" if self.batcher.died else "the scheduler stopped"
+
+    def _expire(self, req, expired: list) -> None:
+        """On the event loop, at a request's timeout: end it (its `on_done` tells it why)."""
+        if not req.done:
+            expired.append(True)
+            self.batcher.cancel(req)
 
     def refusal(self, path: str, headers: dict[str, str]):
         """The error response for a request whose `Host` is not this server's or that lacks the API key; None
@@ -260,7 +274,12 @@ class Server:
             self.pending.append((q, ("token", piece, tok)))
             return done
 
+        expired: list[bool] = []  # set by the timer below, on the event loop, before it cancels the request
+
         def on_done(r) -> None:
+            if r.finish_reason == "cancelled" and expired:  # told as the error it is, not as a plain end
+                r.error = RequestTimeout(f"the request ran past the server's --request-timeout "
+                                         f"({self.request_timeout:g} s)")
             tail = text.finish() if text is not None and r.finish_reason == "length" else ""
             self.finished[r.finish_reason] += 1
             self.pending.append((q, ("done", tail, r)))
@@ -268,6 +287,8 @@ class Server:
         eos = self.tok.eos_ids if self.tok is not None else frozenset()
         req = Request(ids, max_tokens, temperature, top_p, seed, stop_ids=eos, on_token=on_token, on_done=on_done)
         self.batcher.submit(req)
+        timer = self.loop.call_later(self.request_timeout, self._expire, req, expired) \
+            if self.request_timeout is not None else None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -310,6 +331,8 @@ class Server:
                             yield f"data: {json.dumps(chunk)}\n\n"
                     yield "data: [DONE]\n\n"
                 finally:  # the client went away (or the stream ended): free the slot now, not at max_tokens
+                    if timer is not None:
+                        timer.cancel()
                     if not req.done:
                         self.batcher.cancel(req)
 
@@ -319,8 +342,12 @@ class Server:
             if not await _until_done(request, q):
                 return _error("the client disconnected", status=499)
         finally:  # the client went away (or the handler was cancelled): free the slot now, not at max_tokens
+            if timer is not None:
+                timer.cancel()
             if not req.done:
                 self.batcher.cancel(req)
+        if isinstance(req.error, RequestTimeout):
+            return _error(str(req.error), None, "timeout", 504, "server_error")
         if req.error is not None:
             return _error(str(req.error), None, None, status=500)
         out = text.text if text is not None else ""
@@ -391,19 +418,30 @@ class Server:
 
 
 class Guard:
-    """ASGI middleware: `Server.refusal` before any route (a plain ASGI layer, not Starlette's
-    BaseHTTPMiddleware, which would sit between a stream and its client)."""
+    """ASGI middleware: `Server.refusal` before any route, and the access log line after each request (a
+    plain ASGI layer, not Starlette's BaseHTTPMiddleware, which would sit between a stream and its client)."""
 
     def __init__(self, app, server: Server):
         self.app, self.server = app, server
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), [0]
+
+        async def sent(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+        try:
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
             refused = self.server.refusal(scope["path"], headers)
-            if refused is not None:
-                return await refused(scope, receive, send)
-        await self.app(scope, receive, send)
+            await (refused if refused is not None else self.app)(scope, receive, sent)
+        finally:  # the client's address, the request line (no query, no body: they may carry secrets; the
+            #        path escaped: a newline in it would forge a log line), the status (-: none sent)
+            client = scope.get("client") or ("-", 0)
+            access_log.info('%s "%s %s" %s %.3fs', client[0], scope["method"], repr(scope["path"][:200])[1:-1],
+                            status[0] or "-", time.perf_counter() - start)
 
 
 GRACE_S = 5  # after SIGTERM: how long open connections may take to end before uvicorn cuts them
@@ -535,7 +573,8 @@ def cmd_serve(args) -> int:
     name = args.model_name or Path(args.artifact).resolve().name
     key = args.api_key or os.environ.get("V4COMPILE_API_KEY") or None
     hosts = [args.host, *(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())]
-    server = Server(sess, name, api_key=key, allowed_hosts=hosts, max_queue=args.max_queue)
+    server = Server(sess, name, api_key=key, allowed_hosts=hosts, max_queue=args.max_queue,
+                    request_timeout=args.request_timeout)
     sess.warmup(1, sess.max_batch)
     try:
         sock = socket.create_server((args.host, args.port))
@@ -571,7 +610,23 @@ def add_command(sub) -> None:
                    "and [::1] ('*': any; needed with --host 0.0.0.0, for the names clients use)")
     s.add_argument("--max-queue", type=_queue, default=None, metavar="N",
                    help="requests waiting for a slot beyond N get a 429 (default: no bound)")
+    s.add_argument("--request-timeout", type=_seconds, default=None, metavar="S",
+                   help="end a request S seconds after it came (waiting included) with an error: a 504, or a "
+                   "stream's error event (default: no bound)")
     s.set_defaults(func=cmd_serve)
+
+
+def _seconds(text: str) -> float:
+    import argparse
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, found {text[:40]!r}") from None
+    if not (math.isfinite(v) and 0 < v <= 1e6):
+        raise argparse.ArgumentTypeError(f"expected seconds in (0, 1e6], found {text[:40]}")
+    return v
 
 
 def _queue(text: str) -> int:
