@@ -153,6 +153,25 @@ def test_the_old_sampling_fails_it_but_only_that_request(served, monkeypatch):
     assert httpx.get(url + "/health", timeout=TIMEOUT).json()["status"] == "ok"
 
 
+def test_non_finite_logits_are_one_clear_error():
+    """Catches NaN logits surfacing as numpy's own complaint (the old `sample`, which raises a bare
+    ValueError, fails the `pytest.raises` below); a finite row at a tiny temperature gives its argmax."""
+    from v4compile.errors import DeviceError
+    from v4compile.runtime.session import sample
+
+    rng = np.random.default_rng(5)
+    row = rng.standard_normal(512).astype(np.float32)
+    assert sample(row, 1e-310, 1.0, rng) == int(row.argmax())
+    for bad in (np.nan, np.inf):
+        broken = row.copy()
+        broken[rng.integers(0, 512)] = bad
+        with pytest.raises(DeviceError, match="not finite"):
+            sample(broken, 0.7, 0.9, rng)
+        with pytest.raises(Exception) as e, np.errstate(all="ignore"):
+            old_sample(broken, 0.7, 0.9, rng)
+        assert not isinstance(e.value, DeviceError)
+
+
 def plant_step_fault(monkeypatch, batcher) -> None:
     """A decode step that raises outside every request's handler, once (a bug in the loop itself)."""
     decode = type(batcher)._decode

@@ -581,6 +581,9 @@ def cmd_serve(args) -> int:
     except OSError as e:
         raise InputError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
     port = sock.getsockname()[1]
+    if args.host in ("0.0.0.0", "::") and not args.allowed_hosts:  # reachable by addresses the Host check refuses
+        log.warning("listening on every interface, but only requests that name this server localhost, "
+                    "127.0.0.1, [::1] or %s are served: give the names clients use with --allowed-hosts", args.host)
     log.info("serving %s on http://%s:%d (%s device, %d slots)", name, args.host, port, args.device, sess.max_batch)
     sys.stderr.flush()
     config = uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=GRACE_S, lifespan="on")
