@@ -69,7 +69,9 @@ class Batcher:
         self.live: list[Request] = []
         self.cond = threading.Condition()
         self.stopping = False
+        self.stop_error: Exception | None = None  # what the requests in flight at `stop()` end with
         self.on_step: Callable[[], None] | None = None  # after every step (a server hands its tokens over at once)
+        self.died: BaseException | None = None  # why `run_forever` ended other than by `stop()` (a server's health)
 
     # ---- any thread ------------------------------------------------------------------------------
     def check(self, prompt, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -95,9 +97,12 @@ class Batcher:
             req.cancelled = True
             self.cond.notify()
 
-    def stop(self) -> None:
+    def stop(self, error: Exception | None = None) -> None:
+        """End `run_forever` after the step under way; the requests in flight end then, with `error` (a
+        server shutting down: each client is told why) or else as cancelled."""
         with self.cond:
             self.stopping = True
+            self.stop_error = self.stop_error or error
             self.cond.notify()
 
     @property
@@ -106,26 +111,55 @@ class Batcher:
 
     # ---- the scheduler's thread ------------------------------------------------------------------
     def run_forever(self) -> None:
-        """The scheduler loop: step while there is work, sleep while there is none, until `stop()`."""
-        while True:
-            with self.cond:
-                while not self.stopping and not self.busy:
-                    self.cond.wait()
-                if self.stopping:
-                    break
-            self.step()
-        self.abort()
+        """The scheduler loop: step while there is work, sleep while there is none, until `stop()`. A step's
+        error that no request's handler took (a bug, not a request's fault) fails the requests in flight and
+        the loop goes on: nothing a request carries may stop the scheduler. Should the loop itself end
+        another way, `died` says why."""
+        try:
+            while True:
+                with self.cond:
+                    while not self.stopping and not self.busy:
+                        self.cond.wait()
+                    if self.stopping:
+                        break
+                try:
+                    self.step()
+                except Exception as e:  # noqa: BLE001
+                    log.exception("a scheduler step failed; its requests end with the error")
+                    self._fail_all(e)
+            self.abort(self.stop_error)
+        except BaseException as e:
+            self.died = e
+            raise
 
     def run_until_idle(self) -> None:
         while self.busy:
             self.step()
 
-    def abort(self) -> None:
-        """Cancel every request not yet done (their sequences released)."""
+    def abort(self, error: Exception | None = None) -> None:
+        """End every request not yet done (their sequences released): failed with `error`, or cancelled."""
         with self.sess.lock:
             for r in [*self.live, *self.waiting]:
-                self._finish(r, "cancelled")
+                if error is not None and not r.done:
+                    r.error = error
+                self._finish(r, "cancelled" if error is None else "error")
             self.waiting.clear()
+        if self.on_step is not None:  # their ends handed over: no step follows
+            self.on_step()
+
+    def _fail_all(self, e: Exception) -> None:
+        """Fail every request in flight (after a step's unhandled error: which of them it hit is unknown)."""
+        with self.cond:
+            reqs, self.waiting = [*self.live, *self.waiting], deque()
+        for r in reqs:
+            try:
+                self._fail(r, e)
+            except Exception:  # noqa: BLE001 (its sequence would not release: end it anyway)
+                if r in self.live:
+                    self.live.remove(r)
+                r.error, r.finish_reason = e, "error"
+        if self.on_step is not None:  # their ends handed over now: the loop may sleep next
+            self.on_step()
 
     def step(self) -> None:
         """One round: cancelled requests out, waiting requests in while slots are free, one decode (or
@@ -168,9 +202,11 @@ class Batcher:
                 if self.spec is not None:
                     tok = self.spec.prefill(r)
                 else:
-                    tok = sess.share_ids([self._pick(r, sess.extend(r.seq, r.prompt))])[0]
+                    tok = sess.share_ids([self._pick_or_fail(r, sess.extend(r.seq, r.prompt))])[0]
             except Exception as e:  # noqa: BLE001 (the request fails, the server goes on)
                 self._fail(r, e)
+                continue
+            if r.done:  # its sampling failed
                 continue
             self._token(r, tok)
             if not r.done:
@@ -188,13 +224,29 @@ class Batcher:
         live = list(self.live)
         try:
             logits = self.sess.decode([r.seq for r in live], [r.ids[-1] for r in live])
-            toks = self.sess.share_ids([self._pick(r, row) for r, row in zip(live, logits)])
+        except Exception as e:  # noqa: BLE001 (the step failed: all its requests with it)
+            for r in live:
+                self._fail(r, e)
+            return
+        picks = [self._pick_or_fail(r, row) for r, row in zip(live, logits)]
+        try:
+            toks = self.sess.share_ids(picks)
         except Exception as e:  # noqa: BLE001
             for r in live:
                 self._fail(r, e)
             return
         for r, t in zip(live, toks):
-            self._token(r, t)
+            if not r.done:
+                self._token(r, t)
+
+    def _pick_or_fail(self, r: Request, row: np.ndarray) -> int:
+        """`_pick`, or 0 (a placeholder the ranks share) with `r` failed: one request's sampling error (its
+        parameters, its logits) ends that request only, not the others of its step."""
+        try:
+            return self._pick(r, row)
+        except Exception as e:  # noqa: BLE001
+            self._fail(r, e)
+            return 0
 
     def _pick(self, r: Request, row: np.ndarray) -> int:
         """The request's next id from its logits `[V]`, with its own generator."""

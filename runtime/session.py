@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from v4compile.artifact import Artifact, load_artifact
-from v4compile.errors import CONTEXT_LENGTH_EXCEEDED, InputError
+from v4compile.errors import CONTEXT_LENGTH_EXCEEDED, DeviceError, InputError
 from v4compile.pool import Allocator
 from v4compile.threads import MAX_THREADS
 
@@ -104,9 +104,16 @@ def sample(row: np.ndarray, temperature: float, top_p: float, rng: np.random.Gen
     smallest set of most likely ids whose probability reaches `top_p` (softmax(row / temperature))."""
     if temperature == 0:
         return int(row.argmax())
-    p = row.astype(np.float64) / temperature
-    p = np.exp(p - p.max())
-    p /= p.sum()
+    # the maximum taken out before the division: a temperature in range but tiny (1e-310) would overflow
+    # row / temperature to inf and the softmax to NaN; this way it tends to the argmax, as it should
+    p = row.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):  # -inf after the division is exp's 0, as meant
+        p = np.exp((p - p.max()) / temperature)
+    total = p.sum()
+    if not np.isfinite(total) or total <= 0:  # non-finite logits: no distribution to draw from
+        raise DeviceError("the sampling probabilities are not finite (the logits hold inf or NaN)",
+                         expected="finite logits", found=f"temperature {temperature:g}, top_p {top_p:g}")
+    p /= total
     order = np.argsort(-p, kind="stable")
     cum = np.cumsum(p[order])
     keep = order[: int(np.searchsorted(cum, top_p) + 1)]

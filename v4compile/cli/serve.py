@@ -1,4 +1,5 @@
-"""`v4compile serve ARTIFACT [--host H] [--port P] [--device D]`: an OpenAI-compatible HTTP server.
+"""`v4compile serve ARTIFACT [--host H] [--port P] [--device D] [--api-key KEY] [--allowed-hosts NAMES]
+[--max-queue N] [--request-timeout S]`: an OpenAI-compatible HTTP server.
 
     GET  /health                 {"status": "ok", "live", "waiting", "free_slots", "finished": {reason: n}}
     GET  /v1/models              the one model, named by --model-name (default: the artifact's directory name)
@@ -10,15 +11,25 @@
 One scheduler thread owns the session and runs `Batcher.run_forever` (runtime/batcher.py): a request joins
 the continuous batch when a slot is free and waits in a queue otherwise; its tokens go back to the event
 loop, which streams each new stable text piece as a server-sent event (or returns the whole text). A client
-that goes away cancels its request, which frees its slot and blocks at the next step. Every bad request
-is a 400 with OpenAI's error body {"error": {"message", "type", "param", "code"}}; the server goes on.
+that goes away (streaming or not) cancels its request, which frees its slot and blocks at the next step.
+Every bad request is a 4xx with OpenAI's error body {"error": {"message", "type", "param", "code"}}: a body
+that is not `application/json` (415), not valid Unicode or nested too deep, a role outside ROLES, a field
+asking for what the server does not do (UNSUPPORTED); the server goes on. A request whose sampling fails
+ends alone with a 500 (or an error event); the scheduler goes on, and `/health` is a 503 if it ever stops.
+`Guard` checks the `Host` header and the API key (`Server.refusal`) before any route; `--max-queue` bounds
+the requests waiting for a slot (429 beyond), `--request-timeout` a request's time (504 or an error event
+past it); `Guard` also writes the access log. SIGTERM: the scheduler stops first, each request in flight
+ends with an error event, the process exits 0 (`_uvicorn_server`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import os
+import signal
 import socket
 import sys
 import threading
@@ -30,22 +41,45 @@ from pathlib import Path
 from ..errors import INVALID_VALUE, InputError, V4Error
 
 log = logging.getLogger("v4compile")
+access_log = logging.getLogger("v4compile.access")  # one line a request (uvicorn's own is off)
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_MESSAGES = 1024
+MAX_DEPTH = 32  # JSON nesting: OpenAI's bodies need 5 or so; deeper is an attack on the parser
+ROLES = ("system", "user", "assistant", "tool")  # what a chat template is written for; any other string
+#                                                   would be pasted into the template as is (a role can
+#                                                   carry the template's control tokens)
+
+# Fields of OpenAI's API this server does not implement, each with the values that ask for nothing (accepted,
+# compared with their type: `logprobs` 0 asks for the chosen token's log-probability); any other value is
+# refused with a 400 naming the field, never silently ignored.
+UNSUPPORTED = {
+    "n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (), "echo": (False,), "suffix": ("",),
+    "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "response_format": ({"type": "text"},), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+}
+
+
+class ServerError(Exception):
+    """A request the server could not finish (its clients see the message, as a 500 or an error event)."""
+
+
+class RequestTimeout(ServerError):
+    """A request that ran past `--request-timeout` (ended by the server: 504, or an error event)."""
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
         super().__init__(message)
-        self.param, self.code = param, code
+        self.param, self.code, self.status = param, code, status
 
 
-def _error(message: str, param=None, code=None, status: int = 400):
+def _error(message: str, param=None, code=None, status: int = 400, kind: str = "invalid_request_error",
+           headers: dict | None = None):
     from fastapi.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
-                                   "code": code}}, status_code=status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
 
 
 def refused(e: V4Error, chat: bool, key: str) -> BadRequest:
@@ -69,12 +103,27 @@ def _num(body: dict, key: str, default, lo: float, hi: float, integer: bool = Fa
     return v
 
 
+OPEN_PATHS = ("/health",)  # answered without the API key: a load balancer's probe has none
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+
+
 class Server:
-    def __init__(self, sess, model_name: str):
+    def __init__(self, sess, model_name: str, *, api_key: str | None = None, allowed_hosts=("127.0.0.1",),
+                 max_queue: int | None = None, request_timeout: float | None = None):
+        """`api_key`: every request but OPEN_PATHS' must carry `Authorization: Bearer <it>`. `allowed_hosts`:
+        the names a request's `Host` header may give (port left out; "*": any), besides LOCAL_HOSTS: a web
+        page that rebinds its own name to this address sends its name, and is refused. `max_queue`: requests
+        beyond this many waiting for a slot get a 429 (None: no bound). `request_timeout`: seconds a request may
+        take from its arrival (waiting included) before it is ended with an error (None: no bound)."""
         from ..runtime.batcher import Batcher
 
         self.sess = sess
         self.model = model_name
+        self.api_key = api_key.encode() if api_key else None
+        hosts = {f"[{h}]" if ":" in h and not h.startswith("[") else h for h in map(str.lower, allowed_hosts)}
+        self.allowed_hosts = None if "*" in hosts else hosts | set(LOCAL_HOSTS)
+        self.max_queue = max_queue
+        self.request_timeout = request_timeout
         self.tok = sess.tokenizer
         self.batcher = Batcher(sess)
         self.finished: Counter[str] = Counter()
@@ -90,8 +139,35 @@ class Server:
             items, self.pending = self.pending, []
             self.loop.call_soon_threadsafe(_deliver, items)
 
+    def scheduler_dead(self) -> str | None:
+        """Why the scheduler thread is gone (None while it runs): no request would ever be answered."""
+        if self.thread.is_alive() or not self.thread.ident:  # not started yet: the lifespan starts it
+            return None
+        return f"the scheduler stopped: {self.batcher.died!r}" if self.batcher.died else "the scheduler stopped"
+
+    def _expire(self, req, expired: list) -> None:
+        """On the event loop, at a request's timeout: end it (its `on_done` tells it why)."""
+        if not req.done:
+            expired.append(True)
+            self.batcher.cancel(req)
+
+    def refusal(self, path: str, headers: dict[str, str]):
+        """The error response for a request whose `Host` is not this server's or that lacks the API key; None
+        if it may go on."""
+        if self.allowed_hosts is not None and _host_name(headers.get("host", "")) not in self.allowed_hosts:
+            return _error(f"the Host header {_shown(headers.get('host', ''))} is not one of this server's names "
+                          "(serve --allowed-hosts adds names)", None, "invalid_host")
+        if self.api_key is None or path in OPEN_PATHS:
+            return None
+        scheme, _, given = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key):
+            return _error("a missing or incorrect API key (give it as `Authorization: Bearer KEY`)", None,
+                          "invalid_api_key", 401, headers={"WWW-Authenticate": "Bearer"})
+        return None
+
     # ---- requests ---------------------------------------------------------------------------------
     async def body(self, request) -> dict:
+        _check_media(request.headers.get("content-type", ""))
         size = 0
         chunks = []
         async for chunk in request.stream():
@@ -103,14 +179,16 @@ class Server:
             body = json.loads(b"".join(chunks).decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as e:
             raise BadRequest(f"the request body is not valid JSON: {str(e)[:120]}", None, "invalid_json") from None
+        except RecursionError:
+            raise BadRequest(f"the request body nests deeper than {MAX_DEPTH} levels", None, "invalid_json") from None
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object", None, "invalid_json")
+        _check_values(body, "", 0)
         model = body.get("model")
         if model is not None and model != self.model:
-            raise BadRequest(f"the model `{str(model)[:80]}` does not exist (this server has `{self.model}`)",
+            raise BadRequest(f"the model {_shown(model)} does not exist (this server has `{self.model}`)",
                              "model", "model_not_found")
-        if body.get("n", 1) != 1:
-            raise BadRequest("only `n` = 1 is supported", "n", "invalid_value")
+        _check_fields(body)
         return body
 
     def prompt_of(self, body: dict, chat: bool) -> list[int]:
@@ -121,8 +199,12 @@ class Server:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs or len(msgs) > MAX_MESSAGES:
                 raise BadRequest("`messages` must be a non-empty list", "messages", "invalid_value")
-            msgs = [{"role": m.get("role"), "content": _content(m.get("content"))} if isinstance(m, dict) else m
-                    for m in msgs]
+            for i, m in enumerate(msgs):
+                if not isinstance(m, dict) or m.get("role") not in ROLES:
+                    role = m.get("role") if isinstance(m, dict) else m
+                    raise BadRequest(f"messages[{i}]: the role must be one of {', '.join(ROLES)} (found "
+                                     f"{_shown(role)})", "messages", "invalid_value")
+            msgs = [{"role": m["role"], "content": _content(m.get("content"))} for m in msgs]
             try:
                 return self.tok.encode(self.tok.apply_chat_template(msgs, add_generation_prompt=True))
             except V4Error as e:
@@ -150,9 +232,15 @@ class Server:
 
         from ..runtime.batcher import Request
 
+        dead = self.scheduler_dead()
+        if dead:
+            return _error(dead, status=503, kind="server_error")
+        if self.batcher.stopping:
+            return _error("the server is shutting down", status=503, kind="server_error")
         try:
             body = await self.body(request)
-            ids = self.prompt_of(body, chat)
+            # off the event loop: a long prompt's tokenization would stall every other client
+            ids = await asyncio.to_thread(self.prompt_of, body, chat)
             ctx = self.sess.max_context
             key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
             default = max(1, ctx - len(ids)) if chat else 16
@@ -167,15 +255,20 @@ class Server:
                 raise BadRequest("`top_p` must be in (0, 1]", "top_p", "invalid_value")
             seed = _num(body, "seed", None, 0, 2 ** 63 - 1, integer=True)
             stops = self.stops_of(body)
-            stream = bool(body.get("stream", False))
+            stream = bool(body.get("stream"))
             so = body.get("stream_options") or {}
             usage_chunk = isinstance(so, dict) and bool(so.get("include_usage"))
+            if self.max_queue is not None and len(self.batcher.waiting) >= self.max_queue:
+                raise BadRequest(f"the server is busy: {len(self.batcher.waiting)} requests wait for a slot "
+                                 "(serve --max-queue); try again", None, "queue_full", 429)
             try:
                 self.batcher.check(ids, max_tokens, temperature, top_p, seed)
             except InputError as e:
                 raise refused(e, chat, key) from None
         except BadRequest as e:
-            return _error(str(e), e.param, e.code)
+            if e.status == 429:
+                return _error(str(e), e.param, e.code, 429, "rate_limit_error", {"Retry-After": "1"})
+            return _error(str(e), e.param, e.code, e.status)
 
         self.loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
@@ -189,7 +282,12 @@ class Server:
             self.pending.append((q, ("token", piece, tok)))
             return done
 
+        expired: list[bool] = []  # set by the timer below, on the event loop, before it cancels the request
+
         def on_done(r) -> None:
+            if r.finish_reason == "cancelled" and expired:  # told as the error it is, not as a plain end
+                r.error = RequestTimeout(f"the request ran past the server's --request-timeout "
+                                         f"({self.request_timeout:g} s)")
             tail = text.finish() if text is not None and r.finish_reason == "length" else ""
             self.finished[r.finish_reason] += 1
             self.pending.append((q, ("done", tail, r)))
@@ -197,6 +295,8 @@ class Server:
         eos = self.tok.eos_ids if self.tok is not None else frozenset()
         req = Request(ids, max_tokens, temperature, top_p, seed, stop_ids=eos, on_token=on_token, on_done=on_done)
         self.batcher.submit(req)
+        timer = self.loop.call_later(self.request_timeout, self._expire, req, expired) \
+            if self.request_timeout is not None else None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -239,25 +339,23 @@ class Server:
                             yield f"data: {json.dumps(chunk)}\n\n"
                     yield "data: [DONE]\n\n"
                 finally:  # the client went away (or the stream ended): free the slot now, not at max_tokens
+                    if timer is not None:
+                        timer.cancel()
                     if not req.done:
                         self.batcher.cancel(req)
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
         try:
-            while True:
-                try:
-                    kind, piece, x = await asyncio.wait_for(q.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        self.batcher.cancel(req)
-                        return _error("the client disconnected", status=499)
-                    continue
-                if kind == "done":
-                    break
-        finally:
+            if not await _until_done(request, q):
+                return _error("the client disconnected", status=499)
+        finally:  # the client went away (or the handler was cancelled): free the slot now, not at max_tokens
+            if timer is not None:
+                timer.cancel()
             if not req.done:
                 self.batcher.cancel(req)
+        if isinstance(req.error, RequestTimeout):
+            return _error(str(req.error), None, "timeout", 504, "server_error")
         if req.error is not None:
             return _error(str(req.error), None, None, status=500)
         out = text.text if text is not None else ""
@@ -273,6 +371,7 @@ class Server:
         from contextlib import asynccontextmanager
 
         from fastapi import FastAPI
+        from fastapi.responses import JSONResponse
 
         @asynccontextmanager
         async def lifespan(_app):
@@ -284,12 +383,18 @@ class Server:
                 self.thread.join(timeout=10)
 
         app = FastAPI(title="v4compile", lifespan=lifespan)
+        app.add_middleware(Guard, server=self)
 
         @app.get("/health")
         async def health():
             b = self.batcher
-            return {"status": "ok", "live": len(b.live), "waiting": len(b.waiting),
-                    "free_slots": len(self.sess.free_slots), "finished": dict(self.finished)}
+            dead = self.scheduler_dead()
+            state = {"status": "error" if dead else "ok", "live": len(b.live), "waiting": len(b.waiting),
+                     "free_slots": len(self.sess.free_slots), "finished": dict(self.finished)}
+            if dead:  # a load balancer's probe must see it: 503, and why
+                state["error"] = dead
+                return JSONResponse(state, status_code=503)
+            return state
 
         @app.get("/v1/models")
         async def models():
@@ -310,7 +415,8 @@ class Server:
 
         @app.exception_handler(HTTPException)
         async def http_error(_request, exc: HTTPException):
-            return _error(str(exc.detail), status=exc.status_code, code="not_found" if exc.status_code == 404 else None)
+            return _error(str(exc.detail), status=exc.status_code, code="not_found" if exc.status_code == 404 else None,
+                          headers=exc.headers)  # a 405's `Allow`
 
         @app.exception_handler(RequestValidationError)
         async def validation_error(_request, exc):
@@ -319,9 +425,143 @@ class Server:
         return app
 
 
+class Guard:
+    """ASGI middleware: `Server.refusal` before any route, and the access log line after each request (a
+    plain ASGI layer, not Starlette's BaseHTTPMiddleware, which would sit between a stream and its client)."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), [0]
+
+        async def sent(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+        try:
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            refused = self.server.refusal(scope["path"], headers)
+            await (refused if refused is not None else self.app)(scope, receive, sent)
+        finally:  # the client's address, the request line (no query, no body: they may carry secrets; the
+            #        path escaped: a newline in it would forge a log line), the status (-: none sent)
+            client = scope.get("client") or ("-", 0)
+            access_log.info('%s "%s %s" %s %.3fs', client[0], scope["method"], repr(scope["path"][:200])[1:-1],
+                            status[0] or "-", time.perf_counter() - start)
+
+
+GRACE_S = 5  # after SIGTERM: how long open connections may take to end before uvicorn cuts them
+
+
+def _uvicorn_server():
+    import uvicorn
+
+    class Uvicorn(uvicorn.Server):
+        """uvicorn's server, whose shutdown signal first stops the scheduler: each request in flight ends at
+        once with an error (a stream: an error event, then [DONE]), so the grace period closes finished
+        connections instead of cutting streams (a traceback each). SIGTERM is the way a server is asked to
+        stop: it exits 0 (uvicorn would raise the signal again once done); Ctrl-C stays an interruption."""
+
+        def __init__(self, config, server: Server):
+            super().__init__(config)
+            self.v4 = server
+
+        def handle_exit(self, sig, frame) -> None:
+            self.v4.batcher.stop(ServerError("the server is shutting down"))
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM and sig in getattr(self, "_captured_signals", ()):
+                self._captured_signals.remove(sig)
+
+    return Uvicorn
+
+
+def _host_name(host: str) -> str:
+    """The name of a `Host` header, its port left out (`[::1]:8000`: `[::1]`)."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[: host.find("]") + 1]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+async def _until_done(request, q: asyncio.Queue) -> bool:
+    """Wait for a whole response's "done" event: True, or False as soon as its client disconnects (told by
+    the server's `receive`, not polled)."""
+    async def done() -> None:
+        while (await q.get())[0] != "done":
+            pass
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    tasks = [asyncio.ensure_future(done()), asyncio.ensure_future(gone())]
+    try:
+        finished, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+    return tasks[0] in finished
+
+
 def _deliver(items: list) -> None:
     for q, event in items:
         q.put_nowait(event)
+
+
+def _check_media(content_type: str) -> None:
+    media = content_type.split(";")[0].strip().lower()
+    if media != "application/json":  # a form or text/plain body is what a web page may send cross-site
+        raise BadRequest(f"the request body must be application/json (found content-type "
+                         f"{_shown(media or 'none')})", None, "unsupported_media_type", 415)
+
+
+def _check_fields(body: dict) -> None:
+    """No field asks for what the server does not do (UNSUPPORTED); `stream` a boolean."""
+    for key, accepted in UNSUPPORTED.items():
+        v = body.get(key)
+        if v is not None and not any(type(v) is type(a) and v == a for a in accepted):
+            raise BadRequest(f"`{key}` is not supported by this server (found {_shown(v)}; leave it out)",
+                             key, "unsupported_parameter")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise BadRequest(f"`stream` must be true or false (found {_shown(body['stream'])})", "stream",
+                         "invalid_type")
+
+
+def _check_values(v, where: str, depth: int) -> None:
+    """Every string of the body valid Unicode text (a lone surrogate, which JSON's \\ud800 escape can write,
+    breaks the tokenizer and the JSON encoder of an error that quotes it), nested at most MAX_DEPTH deep."""
+    if depth > MAX_DEPTH:
+        raise BadRequest(f"the request body nests deeper than {MAX_DEPTH} levels", _param(where), "invalid_json")
+    if isinstance(v, str):
+        _check_text(v, f"`{where[:80]}`", where)
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            _check_text(k, f"a key of `{where[:80]}`" if where else "a key of the body", where)
+            _check_values(x, f"{where}.{k}" if where else k, depth + 1)
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            _check_values(x, f"{where}[{i}]", depth + 1)
+
+
+def _check_text(s: str, what: str, where: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"{what} is not valid Unicode text (a lone surrogate at character {e.start})",
+                         _param(where), "invalid_value") from None
+
+
+def _param(where: str) -> str | None:
+    """The top-level field a path inside the body lies in (`messages[2].content`: `messages`)."""
+    return where.split(".")[0].split("[")[0][:80] or None
+
+
+def _shown(v) -> str:
+    """A request's value quoted in an error message: short, and JSON (the checks above made it encodable)."""
+    r = json.dumps(v)
+    return r if len(r) <= 80 else r[:77] + "..."
 
 
 def _content(c):
@@ -339,18 +579,24 @@ def cmd_serve(args) -> int:
 
     sess = load(args.artifact, device=args.device, threads=args.threads)
     name = args.model_name or Path(args.artifact).resolve().name
-    server = Server(sess, name)
+    key = args.api_key or os.environ.get("V4COMPILE_API_KEY") or None
+    hosts = [args.host, *(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())]
+    server = Server(sess, name, api_key=key, allowed_hosts=hosts, max_queue=args.max_queue,
+                    request_timeout=args.request_timeout)
     sess.warmup(1, sess.max_batch)
     try:
         sock = socket.create_server((args.host, args.port))
     except OSError as e:
         raise InputError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
     port = sock.getsockname()[1]
+    if args.host in ("0.0.0.0", "::") and not args.allowed_hosts:  # reachable by addresses the Host check refuses
+        log.warning("listening on every interface, but only requests that name this server localhost, "
+                    "127.0.0.1, [::1] or %s are served: give the names clients use with --allowed-hosts", args.host)
     log.info("serving %s on http://%s:%d (%s device, %d slots)", name, args.host, port, args.device, sess.max_batch)
     sys.stderr.flush()
-    config = uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=5, lifespan="on")
+    config = uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=GRACE_S, lifespan="on")
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        _uvicorn_server()(config, server).run(sockets=[sock])
     finally:
         sock.close()
         sess.close()
@@ -368,7 +614,36 @@ def add_command(sub) -> None:
     s.add_argument("--device", choices=DEVICES, default="auto")
     s.add_argument("--threads", type=threads_arg, default=None, help="CPU threads")
     s.add_argument("--model-name", default=None, help="the model's name in the API (default: the directory name)")
+    s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every request but "
+                   "/health (default: $V4COMPILE_API_KEY; neither: no key)")
+    s.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                   help="comma-separated names the Host header may give besides --host, localhost, 127.0.0.1 "
+                   "and [::1] ('*': any; needed with --host 0.0.0.0, for the names clients use)")
+    s.add_argument("--max-queue", type=_queue, default=None, metavar="N",
+                   help="requests waiting for a slot beyond N get a 429 (default: no bound)")
+    s.add_argument("--request-timeout", type=_seconds, default=None, metavar="S",
+                   help="end a request S seconds after it came (waiting included) with an error: a 504, or a "
+                   "stream's error event (default: no bound)")
     s.set_defaults(func=cmd_serve)
+
+
+def _seconds(text: str) -> float:
+    import argparse
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, found {text[:40]!r}") from None
+    if not (math.isfinite(v) and 0 < v <= 1e6):
+        raise argparse.ArgumentTypeError(f"expected seconds in (0, 1e6], found {text[:40]}")
+    return v
+
+
+def _queue(text: str) -> int:
+    from .args import int_arg
+
+    return int_arg(0, 1 << 20)(text)
 
 
 def _port(text: str) -> int:
