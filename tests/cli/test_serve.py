@@ -343,7 +343,7 @@ def _responses(monkeypatch, seed: int, reword: bool) -> list[tuple]:
 
     monkeypatch.setattr(server.batcher, "submit", never)
     out = []
-    http = TestClient(server.app())  # not entered: no lifespan, so no scheduler thread
+    http = TestClient(server.app(), base_url="http://127.0.0.1")  # not entered: no lifespan, no scheduler thread
     try:
         for path, body in cases:
             r = http.post(path, json=body)
