@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from ...ir.types import TensorType
 from .. import family_module
+from . import quant
 
 COMMON = "common"
 
@@ -38,7 +39,7 @@ def gemm_input(g, what: str, a: dict, x: str, xt: TensorType) -> str:
             (act == "fp8" and xt.dtype == "bf16"):
         raise NotImplementedError(f"{what} on {xt.dtype} act={act!r} out_dtype={a.get('out_dtype')!r} "
                                   "(cpu: fp32, or bf16 with native activations)")
-    return g.act_qdq(x, xt) if act == "fp8" else x
+    return quant.act_qdq(g, x, xt) if act == "fp8" else x
 
 
 def native_only(a, o) -> None:
