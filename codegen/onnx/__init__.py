@@ -4,11 +4,15 @@ op names with `defop(kernel=...)` (`common` for ops without one: views, `rope`, 
 
     lower_<op>(g, o, a, r) -> result or results
 
-`g` is the graph being built (`codegen/onnx_export.Graph`), `o` the operands by name (ONNX tensor names,
+`g` is the graph being built (`graph.Graph`), `o` the operands by name (ONNX tensor names,
 `Planes`, `RowList` or None; their IR types in `o.types`), `a` the attributes and `r` the IR result types.
 A use of an op the cpu target does not cover raises NotImplementedError (one clear IRError at export).
 A family module also holds the graph helpers only its lowerings use (`mhc.hc_pre`, `compress.compress`, ...);
-the ones several families share are `Graph` methods.
+the ones several families share are functions of the graph (`f(g, ...)`) in a module of their topic, called
+through it (`quant.act_qdq(g, ...)`, so a test can patch one for every caller): `quant` (FP8 / FP4 rounding),
+`rotary` (RoPE tables and rotation), `pool_rows` (pool planes' rows: addressing, reads, writes), `linear`
+(weights read dense, GEMMs against them). `Graph` keeps only the ONNX primitives and shorthands; a module
+here never imports the export driver (`codegen/onnx_export.py`), which dispatches into it.
 """
 
 from __future__ import annotations

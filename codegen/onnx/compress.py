@@ -126,7 +126,7 @@ def compress_decode(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) ->
     """`compress_paged` for a one-token chunk (`_decode_index`): the token enters the ring (one ScatterND a
     state), the closed windows pool the updated ring; 11-16 nodes a compressor at batch 1 where `compress`
     takes ~32. The same values in the same order as `compress`, so bit-identical results (but for the
-    RoPE, which at batch 1 is one MatMul: `Graph.rotate(fused=True)`)."""
+    RoPE, which at batch 1 is one MatMul: `rotary.rotate(fused=True)`)."""
     B, T, cw = o.types["kv"].shape
     m, overlap = a["ratio"], a["overlap"]
     S, dk = (2 if overlap else 1) * m, cw // (2 if overlap else 1)

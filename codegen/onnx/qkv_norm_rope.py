@@ -10,7 +10,7 @@ def lower_qkv_norm_rope(g, o, a, r):
     if a["q_mean"] != "fp32" and o.types["q"].dtype != "fp32":  # in fp32 both statistics are the same maths
         raise NotImplementedError("qkv_norm_rope q_mean=\"dtype\" on a non-fp32 input (cpu: fp32)")
     rot = dict(dim=a["dim"], theta=a["theta"], yarn=tuple(a["yarn"]))
-    # fused rotations (`Graph.rotate`): kv's FP8 rounding takes only the unrotated channels, which stay exact
+    # fused rotations (`rotary.rotate`): kv's FP8 rounding takes only the unrotated channels, which stay exact
     qo = rotary.rotate(g, g.rms(o.q, None, a["eps"], o.types["q"].shape[-1]), o.types["q"], pos, 2, **rot, fused=True)
     kvo = rotary.rotate(g, g.rms(o.kv, o.norm, a["eps"]), o.types["kv"], pos, 2, **rot, fused=True)
     if a.get("kv_round_dims", 0):
