@@ -10,11 +10,11 @@ op by op, binds its inputs and outputs, and runs the graph optimisation (`codege
 Interface of an exported model (what the runtime binds):
 * inputs: the step inputs (`ids`, `pos`, `block_table`, `slot`), every pool plane / state tensor the
   function updates (read only: never copied, `codegen/onnx/pool_rows.py`), every stored weight the
-  function reads as it is, by its IR name, and the weights it reads derived (an expert of a stacked weight, a quantised or bf16 weight as
-  fp32: `codegen/onnx/linear.weight`, `onnx_weights.py`; listed in the model's metadata and the
-  manifest). The artifact stores the tensors in `weights/*.safetensors`; the runtime hands them (and the
-  derived ones, built once at load) to ONNX Runtime as shared initializers, so the ONNX files hold no
-  weight bytes;
+  function reads as it is, by its IR name, and the weights it reads derived (an expert of a stacked
+  weight, a quantised or bf16 weight as fp32: `codegen/onnx/linear.weight`, `onnx_weights.py`; listed in
+  the model's metadata and the manifest). The artifact stores the tensors in `weights/*.safetensors`; the
+  runtime hands them (and the derived ones, built once at load) to ONNX Runtime as shared initializers,
+  so the ONNX files hold no weight bytes;
 * outputs: `logits`, and for each updated plane / state tensor `X` the rows the step wrote: `X.rows`
   (int64 `[N]`, negative = nothing to write) and `X.vals` (`[N, *row shape]`), in write order (a later row
   wins).

@@ -23,4 +23,4 @@ def lower_hadamard_fp4_round(g, o, a, r):
 
 def lower_rope(g, o, a, r):
     return rotary.rotate(g, o.x, o.types["x"], g.as_i64(o.pos, o.types["pos"].dtype), o.types["pos"].rank, a["dim"],
-                    a["theta"], tuple(a["yarn"]), a["inverse"])
+                         a["theta"], tuple(a["yarn"]), a["inverse"])

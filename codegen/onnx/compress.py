@@ -88,14 +88,16 @@ def compress(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) -> tuple[
     elif rnd == "fp4":
         h = quant.hadamard_fp4(g, h, ht, 32)
     rows = g.cached(("closed_rows", w, bt, m, a["block_tokens"], a["envelope_rows"]), lambda: g.where(
-        closed, pool_rows.block_rows(g, w, bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True, (B, J)), g.iscalar(-1)))
+        closed, pool_rows.block_rows(g, w, bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True, (B, J)),
+        g.iscalar(-1)))
     rows = g.reshape(g.where(closed, g.op("Add", rows, g.iscalar(a["layer_offset"])), rows), (B * J,))
     plane = pool_rows.write_rows(g, plane_in, rows, g.reshape(h, (B * J, dk)), (B * J, dk))
     onehot, has, srows = ix["onehot"], ix["has"], g.cached(
         ("srows", pos, slot), lambda: g.where(ix["live"], slot, g.iscalar(-1)))
     new_kv = g.where(has, g.op("MatMul", onehot, o.kv), skv)
     new_g = g.where(has, g.op("MatMul", onehot, gate), sg)
-    return plane, pool_rows.write_rows(g, skv_in, srows, new_kv, (B, S, cw)), pool_rows.write_rows(g, sg_in, srows, new_g, (B, S, cw))
+    return (plane, pool_rows.write_rows(g, skv_in, srows, new_kv, (B, S, cw)),
+            pool_rows.write_rows(g, sg_in, srows, new_g, (B, S, cw)))
 
 
 def _decode_index(g, pos: str, m: int, overlap: bool, B: int) -> dict[str, str]:
@@ -153,11 +155,12 @@ def compress_decode(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) ->
     elif rnd == "fp4":
         h = quant.hadamard_fp4(g, h, ht, 32)
     base = g.cached(("block_rows1", ix["w"], bt, m, a["block_tokens"], a["envelope_rows"]), lambda: g.where(
-        ix["closed"], g.reshape(pool_rows.block_rows(g, ix["w"], bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True,
-                                             (B, 1)), (B,)), g.iscalar(SKIP_ROW)))
+        ix["closed"], g.reshape(pool_rows.block_rows(g, ix["w"], bt, m, a["block_tokens"], a["envelope_rows"],
+                                                     n_blocks, True, (B, 1)), (B,)), g.iscalar(SKIP_ROW)))
     rows = g.op("Add", base, g.iscalar(a["layer_offset"]))  # a window not closed: still negative
     srows = g.cached(("srows", pos, slot), lambda: g.where(g.reshape(g.live(pos), (B,)), slot, g.iscalar(-1)))
-    return (pool_rows.write_rows(g, plane_in, rows, h, (B, dk)), pool_rows.write_rows(g, skv_in, srows, new_kv, (B, S, cw)),
+    return (pool_rows.write_rows(g, plane_in, rows, h, (B, dk)),
+            pool_rows.write_rows(g, skv_in, srows, new_kv, (B, S, cw)),
             pool_rows.write_rows(g, sg_in, srows, new_g, (B, S, cw)))
 
 

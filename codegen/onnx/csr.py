@@ -22,7 +22,7 @@ def lower_csr_window(g, o, a, r):
     keep = g.op("And", g.op("And", g.op("GreaterOrEqual", p, g.iscalar(0)), g.op("Less", p, start)),
                 g.unsqueeze(g.op("GreaterOrEqual", pos, g.iscalar(0)), -1))
     rows = g.reshape(pool_rows.window_rows(g, g.reshape(p, (B, -1)), g.as_i64(o.slot, o.types["slot"].dtype), W,
-                                   a["slot_rows"], a["n_rows"]), (B, T, W - 1))
+                                           a["slot_rows"], a["n_rows"]), (B, T, W - 1))
     rl = RowList(g.reshape(g.where(keep, rows, g.iscalar(-1)), (B * T, W - 1)))
     return rl, rl
 
@@ -32,8 +32,8 @@ def lower_csr_compressed(g, o, a, r):
     B, T = o.types["pos"].shape
     limit = pool_rows.visible_limit(g, pos, a["ratio"])  # a padding lane (-1): 0, so it sees no row
     w = pool_rows.dyn_range(g, limit, a["max_rows"])
-    rows = pool_rows.block_rows(g, w, g.as_i64(o.block_table, o.types["block_table"].dtype), a["ratio"], a["block_tokens"],
-                        a["envelope_rows"], o.types["block_table"].shape[1], False)  # [B, W]
+    rows = pool_rows.block_rows(g, w, g.as_i64(o.block_table, o.types["block_table"].dtype), a["ratio"],
+                                a["block_tokens"], a["envelope_rows"], o.types["block_table"].shape[1], False)  # [B, W]
     if g.one_token(T, "csr_compressed"):  # [B, 1] limits against [W]: [B, W] is already the [B * T, W] row list
         keep = g.op("Less", w, limit)
         return (RowList(g.where(keep, rows, g.iscalar(-1)), keep, rows),) * 2
@@ -47,6 +47,6 @@ def lower_csr_selected(g, o, a, r):
     B, T, K = o.types["selected"].shape
     keep = g.op("And", g.op("GreaterOrEqual", sel, g.iscalar(0)), g.unsqueeze(g.op("GreaterOrEqual", pos, g.iscalar(0)), -1))
     rows = pool_rows.block_rows(g, g.clamp_min0(sel), g.as_i64(o.block_table, o.types["block_table"].dtype), a["ratio"],
-                        a["block_tokens"], a["envelope_rows"], o.types["block_table"].shape[1], True, (B, T, K))
+                                a["block_tokens"], a["envelope_rows"], o.types["block_table"].shape[1], True, (B, T, K))
     rl = RowList(g.reshape(g.where(keep, rows, g.iscalar(-1)), (B * T, K)))
     return rl, rl

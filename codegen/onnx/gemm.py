@@ -21,5 +21,5 @@ def lower_linear_pair(g, o, a, r):
     for i in (0, 1):
         x = gemm_input(g, "linear_pair", {"act": a[f"act{i}"], "out_dtype": a[f"out_dtype{i}"]}, o.x, o.types["x"])
         ys.append(linear.linear(g, x, o.types["x"], getattr(o, f"w{i}"), o.types[f"w{i}"], getattr(o, f"scale{i}"),
-                           a[f"block{i}"]))
+                                a[f"block{i}"]))
     return ys[0], ys[1]

@@ -30,8 +30,8 @@ def indexer_rows(g, q: str, qt: TensorType, weights: str, pos: str, bt: str, pla
     vals, idx = g.op("TopK", s, kk, n_out=2, axis=-1, largest=1, sorted=1)
     keep = g.op("Greater", vals, g.scalar(NEG_INF))  # a hidden row's -inf never picked
     if one:  # the picks' rows out of every window's, shared by the layers; in range whether kept or not
-        rows = g.op("GatherElements", pool_rows.block_rows(g, w, bt, ratio, block_tokens, envelope_rows, n_blocks, False), idx,
-                    axis=1)
+        rows = g.op("GatherElements",
+                    pool_rows.block_rows(g, w, bt, ratio, block_tokens, envelope_rows, n_blocks, False), idx, axis=1)
         return RowList(g.where(keep, rows, g.iscalar(-1)), keep, rows)
     rows = pool_rows.block_rows(g, idx, bt, ratio, block_tokens, envelope_rows, n_blocks, True, (B, T, -1))
     return RowList(g.reshape(g.where(keep, rows, g.iscalar(-1)), (B * T, -1)))

@@ -134,8 +134,7 @@ def block_rows(g, w: str, bt: str, ratio: int, block_tokens: int, envelope_rows:
     (-> `[B, W]`) or `[B, ...]` per sequence (`per_lane`; `lanes`: w's static shape with -1 for at most
     one dynamic axis, where the caller knows it: constant reshapes, none for `[B, k]`)."""
     return g.cached(("block_rows", w, bt, ratio, block_tokens, envelope_rows, per_lane),
-                       lambda: _block_rows(g, w, bt, ratio, block_tokens, envelope_rows, n_blocks, per_lane,
-                                                lanes))
+                    lambda: _block_rows(g, w, bt, ratio, block_tokens, envelope_rows, n_blocks, per_lane, lanes))
 
 
 def _block_rows(g, w, bt, ratio, block_tokens, envelope_rows, n_blocks, per_lane, lanes) -> str:
@@ -154,13 +153,13 @@ def _block_rows(g, w, bt, ratio, block_tokens, envelope_rows, n_blocks, per_lane
     else:
         blk = g.op("Gather", btc, bi, axis=1)
     return g.op("Add", g.op("Mul", blk, g.iscalar(envelope_rows)),
-                   g.op("Mod", w, g.iscalar(per_block)))
+                g.op("Mod", w, g.iscalar(per_block)))
 
 
 def visible_limit(g, pos: str, ratio: int) -> str:
     """floor((t + 1) / ratio): compressed rows a query at t may see."""
     return g.cached(("limit", pos, ratio),
-                       lambda: g.op("Div", g.op("Add", pos, g.iscalar(1)), g.iscalar(ratio)))
+                    lambda: g.op("Div", g.op("Add", pos, g.iscalar(1)), g.iscalar(ratio)))
 
 
 def dyn_range(g, limit: str, max_rows: int) -> str:

@@ -8,4 +8,4 @@ from . import native_only, pool_rows
 def lower_pool_write_window(g, o, a, r):
     native_only(a, o)
     return pool_rows.window_write(g, o.p0, o.kv, o.types["kv"], g.as_i64(o.pos, o.types["pos"].dtype),
-                          g.as_i64(o.slot, o.types["slot"].dtype), a)
+                                  g.as_i64(o.slot, o.types["slot"].dtype), a)

@@ -43,7 +43,7 @@ def fp4_qdq(g, x: str, xt: TensorType, block: int = 32) -> str:
     dist = g.op("Abs", g.op("Sub", g.unsqueeze(g.op("Abs", y), -1), g.const(FP4_VALUES)))
     best = g.op("ReduceMin", dist, g.i64(-1), keepdims=1)
     pref = g.op("Mul", g.cast(g.op("Equal", dist, best), TensorProto.FLOAT),
-                   g.const([2.0 - (i & 1) for i in range(8)]))
+                g.const([2.0 - (i & 1) for i in range(8)]))
     code = g.op("ArgMax", pref, axis=-1, keepdims=0)
     mag = g.op("Gather", g.const(FP4_VALUES), code)
     val = g.where(g.op("Less", y, g.scalar(0.0)), g.op("Neg", mag), mag)
@@ -61,7 +61,7 @@ def act_qdq(g, x: str, xt: TensorType, block: int = 128) -> str:
         return fp8_qdq(g, x, xt, block)
     a, b = g.split(x, (full, n - full))
     return g.concat([fp8_qdq(g, a, xt.with_shape(*xt.shape[:-1], full), block),
-                        fp8_qdq(g, b, xt.with_shape(*xt.shape[:-1], n - full), n - full)], -1)
+                     fp8_qdq(g, b, xt.with_shape(*xt.shape[:-1], n - full), n - full)], -1)
 
 
 def hadamard_fp4(g, x: str, xt: TensorType, block: int = 32) -> str:

@@ -62,9 +62,9 @@ def rotate(g, x: str, xt: TensorType, pos: str, pos_rank: int, dim: int, theta: 
         def matrix():
             cos, sin = rope_tables(g, pos, pos_rank, 0, dim, theta, yarn, False, D)  # [1.., D]
             m = g.op("Sub" if inverse else "Add", g.op("Mul", cos, g.const(np.eye(D, dtype=np.float32))),
-                        g.op("Mul", sin, g.const(R)))
+                     g.op("Mul", sin, g.const(R)))
             return m if pos_rank == 1 else g.reshape(m, (D, D))  # cos [1, D]: m is [D, D] already
         return g.op("MatMul", x, g.cached(("rope_matrix", pos, dim, D, theta, tuple(yarn), inverse), matrix))
     cos, sin = rope_tables(g, pos, pos_rank, len(lead) - pos_rank, dim, theta, yarn, False, D)
     return g.op("Sub" if inverse else "Add", g.op("Mul", x, cos),
-                   g.op("Mul", g.op("MatMul", x, g.const(R)), sin))
+                g.op("Mul", g.op("MatMul", x, g.const(R)), sin))
