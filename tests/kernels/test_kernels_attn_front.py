@@ -21,7 +21,6 @@ import torch
 
 from v4compile.codegen import kernels
 from v4compile.codegen.kernels import attn_front
-from v4compile.errors import CodegenError
 from v4compile.formats import fp8_block_quant
 
 RESULTS = ("y0", "y1", "y")
@@ -112,7 +111,7 @@ BROKEN = {
     # every norm program computes the first N tile: the others stay poison
     "wrong tile": ("gemm_program(b % TN,", "gemm_program(b % TN * 0,", AssertionError),
     # the phase counters are never reset: the next call would start at the wrong ticket
-    "counter kept": ("tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)", "pass", CodegenError),
+    "counter kept": ("tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)", "pass", kernels.CodegenError),
 }
 
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from v4compile.codegen import kernels
-from v4compile.errors import CodegenError
 from v4compile.formats import fp4_quant, fp8_block_quant, fp8_qdq
 from v4compile.ir.registry import get_op
 
@@ -148,8 +147,8 @@ def test_split_k(op, fmt, xdtype):
 
 
 @pytest.mark.parametrize("old,new,error", [
-    ("last_to_arrive(sem_ptr + tile, SPLIT)", "last_to_arrive(sem_ptr + tile, SPLIT + 1)", CodegenError),  # no program reduces (nor resets)
-    ("tl.store(sem_ptr + tile, 0)", "pass", CodegenError),  # counters left set: the next call breaks
+    ("last_to_arrive(sem_ptr + tile, SPLIT)", "last_to_arrive(sem_ptr + tile, SPLIT + 1)", kernels.CodegenError),  # no program reduces (nor resets)
+    ("tl.store(sem_ptr + tile, 0)", "pass", kernels.CodegenError),  # counters left set: the next call breaks
     ("for s in range(SPLIT):", "for s in range(SPLIT - 1):", AssertionError),  # a partial left out
 ])
 def test_split_k_broken_reduction_is_caught(monkeypatch, tmp_path, old, new, error):

@@ -22,7 +22,6 @@ import torch
 
 from v4compile.codegen import kernels
 from v4compile.codegen.kernels import moe_router
-from v4compile.errors import CodegenError
 from test_kernels_moe_router import SEAM_ATTRS, SEAM_RESULTS, seam_apart, seam_case, seam_fused, seam_weights
 
 FRONT = ("y", "streams", "post", "comb")  # the seam before's activations (its weights: in_fn, ...)
@@ -92,7 +91,7 @@ BROKEN = {
     # the finished count leaves out the seam programs: the counters are reset one program early and the last
     # program's arrival is left in them (the next call would start wrong)
     "finished early": ("NA + NR + ST + E * RT + E * ND + NH)", "NR + ST + E * RT + E * ND + NH)",
-                       CodegenError),
+                       kernels.CodegenError),
 }
 
 

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from v4compile.codegen import kernels
 from v4compile.codegen.kernels import moe
-from v4compile.errors import CodegenError
 from v4compile.formats import fp4_quant, fp8_block_quant, fp8_qdq
 from v4compile.ir.registry import get_op
 from v4compile.ops.basic import dequant_weight
@@ -408,11 +407,11 @@ def test_mode_by_shape():
 
 @pytest.mark.parametrize("old,new,error", [
     # no expert program combines (nor resets its counter)
-    ("last_to_arrive(sem_ptr + n_tile, E)", "last_to_arrive(sem_ptr + n_tile, E + 1)", CodegenError),
+    ("last_to_arrive(sem_ptr + n_tile, E)", "last_to_arrive(sem_ptr + n_tile, E + 1)", kernels.CodegenError),
     # the last program combines the wrong D tile (D = 256: two tiles)
     ("_combine_column(n_tile,", "_combine_column(n_tile * 0,", AssertionError),
     # the counter is left set: the next call of the program would combine early
-    ("tl.store(sem_ptr + n_tile, 0)", "pass", CodegenError),
+    ("tl.store(sem_ptr + n_tile, 0)", "pass", kernels.CodegenError),
 ])
 def test_broken_combine_arrival_is_caught(monkeypatch, tmp_path, old, new, error):
     """The shared down + combine runs in the last expert program of each D tile to arrive."""

@@ -28,7 +28,6 @@ import torch
 
 from v4compile.codegen import kernels
 from v4compile.codegen.kernels import moe_router
-from v4compile.errors import CodegenError
 from test_kernels_moe import expert_args
 
 
@@ -147,13 +146,13 @@ BROKEN = {
     # routing stays poison
     "unrouted block": ("_route_phase(v,", "_route_phase(v * 0,", AssertionError),
     # the phase counters are never reset: the next call of the program would start at the wrong ticket
-    "ticket kept": ("tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)", "pass", CodegenError),
+    "ticket kept": ("tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)", "pass", kernels.CodegenError),
     # the routed up programs map to the wrong experts: odd experts never run (their h rows stay poison)
     "wrong expert": ("_up(w // RT, w % RT,", "_up(w // RT // 2 * 2, w % RT,", AssertionError),
     # the routed down programs map to the wrong experts: odd experts' yr rows stay poison
     "wrong down expert": ("_down(e, n_tile,", "_down(e // 2 * 2, n_tile,", AssertionError),
     # a D tile's arrival counter is left set: the next call would combine that tile before its experts ran
-    "arrival kept": ("tl.store(phase_ptr + COUNTERS + n_tile, 0)", "pass", CodegenError),
+    "arrival kept": ("tl.store(phase_ptr + COUNTERS + n_tile, 0)", "pass", kernels.CodegenError),
     # the combine sums the routed rows but leaves out the shared expert's down GEMM
     "no shared down": ("idx_ptr, cw2_ptr, cs2_ptr, out_ptr", "idx_ptr, None, cs2_ptr, out_ptr", AssertionError),
     # the seam programs all run the first token block (T = 20 tokens: 2 blocks of BT = 16): the rest stays poison

@@ -20,7 +20,6 @@ import torch
 
 from v4compile.codegen import kernels
 from v4compile.codegen.kernels import out_proj
-from v4compile.errors import CodegenError
 from v4compile.formats import fp8_block_quant
 
 ROT = {"dim": 32, "theta": 10000.0, "yarn": (16.0, 256, 32.0, 1.0)}
@@ -89,7 +88,7 @@ BROKEN = {
     # wo_b's programs run every other output tile twice: the others stay poison
     "wrong wo_b tile": ("_grid_program(v - PA,", "_grid_program((v - PA) // 2 * 2,", AssertionError),
     # the phase counters are never reset: the next call would start at the wrong ticket
-    "ticket kept": ("tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)", "pass", CodegenError),
+    "ticket kept": ("tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)", "pass", kernels.CodegenError),
     # wo_b reads wo_a's output as the attention output (the wrong buffer)
     "wrong input": ("_grid_program(v - PA, z_ptr,", "_grid_program(v - PA, o_ptr,", AssertionError),
 }
@@ -190,7 +189,7 @@ ATTN_BROKEN = {
                    AssertionError),
     # the phase counters are never reset: the next call would start at the wrong ticket
     "ticket kept": ("attn_out_proj_kernel", "tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)", "pass",
-                    CodegenError),
+                    kernels.CodegenError),
 }
 
 

@@ -34,7 +34,6 @@ from kernel_check import bf16_ulp, poisoned, reference  # noqa: E402
 from v4compile.codegen import kernels  # noqa: E402
 from v4compile.codegen.kernels import launch  # noqa: E402
 from v4compile.codegen.kernels import sparse_attention as sa  # noqa: E402
-from v4compile.errors import CodegenError  # noqa: E402
 from v4compile.ops import paged  # noqa: E402
 
 
@@ -205,9 +204,9 @@ def test_decode_production_plan():
     ("_merge", "other=0.0) * w\n", "other=0.0) * w + tl.exp(sink - mx)\n", AssertionError),
     # no split merges (nor resets its counter)
     ("split_program", "last_to_arrive(sem_ptr + group, NS)", "last_to_arrive(sem_ptr + group, NS + 1)",
-     CodegenError),
+     kernels.CodegenError),
     # the counter is left set: the next call of the program would merge early
-    ("split_program", "tl.store(sem_ptr + group, 0)", "pass", CodegenError),
+    ("split_program", "tl.store(sem_ptr + group, 0)", "pass", kernels.CodegenError),
 ])
 def test_wrong_merge_is_caught(monkeypatch, tmp_path, fn, old, new, error):
     monkeypatch.setattr(sa, "MIN_SPLIT_ROWS", 16)
