@@ -21,6 +21,7 @@ memory guard).
 
 from __future__ import annotations
 
+from ...errors import CodegenError  # what a family's checks raise, as `kernels.CodegenError` before the split
 from .call import (KINDS, KernelCall, TensorArg, any_row, call_name, dims4, in_kernel_order, pad4, ptr, row_offsets,
                    rows_of, unaligned)
 from .dtypes import BYTES_OF, IR_TRITON, TRITON_TORCH, ir_dtype, typed_from
@@ -32,8 +33,8 @@ from .interpreter import UNFIXED, IllegalAddress, interpreter_fixes, memory_guar
 # leaves Triton's compile-or-interpret choice open (runtime/kernels.py checks for the others).
 SUPPORT = ("call", "dtypes", "execute", "flags", "interpreter")
 
-__all__ = ["BYTES_OF", "CALLS_PARAM", "IR_TRITON", "KINDS", "PDL_PARAM", "SUPPORT", "TRITON_TORCH", "UNFIXED",
-           "IllegalAddress", "KernelCall", "TensorArg", "any_row", "call_name", "declares_calls", "declares_pdl",
-           "dims4", "family", "full_attrs", "in_kernel_order", "interpreter_fixes", "ir_dtype", "launch",
-           "memory_guard", "pad4", "ptr", "row_offsets", "rows_of", "run_calls", "specialise_tensors",
+__all__ = ["BYTES_OF", "CALLS_PARAM", "CodegenError", "IR_TRITON", "KINDS", "PDL_PARAM", "SUPPORT", "TRITON_TORCH",
+           "UNFIXED", "IllegalAddress", "KernelCall", "TensorArg", "any_row", "call_name", "declares_calls",
+           "declares_pdl", "dims4", "family", "full_attrs", "in_kernel_order", "interpreter_fixes", "ir_dtype",
+           "launch", "memory_guard", "pad4", "ptr", "row_offsets", "rows_of", "run_calls", "specialise_tensors",
            "typed_from", "unaligned", "uses_calls", "uses_pdl"]
