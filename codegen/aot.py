@@ -44,8 +44,8 @@ from typing import Any
 
 from ..targets import TARGETS, cache_root
 from ..threads import usable_cores
-from .kernels import KernelCall
-from .kernels import CALLS_PARAM, PDL_PARAM, declares_calls, declares_pdl, uses_calls, uses_pdl
+from .kernels.call import KernelCall
+from .kernels.flags import CALLS_PARAM, PDL_PARAM, declares_calls, declares_pdl, uses_calls, uses_pdl
 from .roofline import bandwidth_time, hbm_bytes, launch_kind, modeled_time
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def job_of(call: KernelCall, target: str) -> dict:
     constexprs = dict(call.constexprs)
     if declares_pdl(fn):  # the kernel's launches overlap on a target with PDL (kernels/pdl.py)
         constexprs[PDL_PARAM] = uses_pdl(fn, target)
-    if declares_calls(fn):  # noinline calls where the target takes them (kernels/__init__.py)
+    if declares_calls(fn):  # noinline calls where the target takes them (kernels/flags.py)
         constexprs[CALLS_PARAM] = uses_calls(target)
     job = {
         "name": call.name, "module": module, "fn": qual, "target": target, "signature": sig,
@@ -168,7 +168,7 @@ def _compile_job(job: dict, cache_dir: str) -> dict:
                            where=job["name"])
     # AMDGPU's implicit kernel arguments (hidden_*: a call, some library routines): HIP fills them itself at a
     # launch, behind the explicit parameters; recorded, since the fake HIP driver sizes parameters from the
-    # kernarg segment and would refuse such a launch (kernels/__init__.py: CALLS_PARAM).
+    # kernarg segment and would refuse such a launch (kernels/flags.py: CALLS_PARAM).
     stats["hidden_args"] = len(set(re.findall(r"\.value_kind:\s+(hidden_\w+)", c.asm.get("amdgcn", ""))))
     ptr_params = [p for p in names if job["signature"][p] != "constexpr"]
     roles = {p[0]: p for p in job["pointers"]}

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from ..ir.registry import get_op
 from ..program.core import Arg, Launch, Program
 from . import family_module
-from .kernels import KernelCall, TensorArg, full_attrs
+from .kernels.call import KernelCall, TensorArg
+from .kernels.execute import full_attrs
 
 log = logging.getLogger(__name__)
 

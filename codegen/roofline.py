@@ -34,7 +34,7 @@ from typing import Any
 from ..ir.registry import get_op
 from ..program.core import Program
 from ..targets import TARGETS
-from .kernels import uses_pdl
+from .kernels.flags import uses_pdl
 
 BYTES_GOAL = 1.01  # the decode step's goal (issue 21), printed met or not
 BYTES_BOUND = 1.05  # what the tests hold every program to until the goal is met: a regression fails them

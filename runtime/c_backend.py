@@ -291,7 +291,8 @@ class CRuntime:
         program's types and strides), and every address the kernel then touches must lie in a buffer
         (`memory_guard`: what a GPU would fault on, the interpreter would read or write unchecked; the guard also
         applies `interpreter_fixes()`, without which the interpreter's fp8 casts round otherwise than a GPU)."""
-        from v4compile.codegen.kernels import memory_guard, typed_from
+        from v4compile.codegen.kernels.dtypes import typed_from
+        from v4compile.codegen.kernels.interpreter import memory_guard
 
         kc = call.kernel
         if len(places) != len(kc.pointers):

@@ -201,7 +201,7 @@ def add_derived(sess, weights: dict[str, np.ndarray]) -> None:
     and kept in `weights` for the segments after it."""
     import json
 
-    from v4compile.codegen.onnx_export import DERIVED_KEY
+    from v4compile.codegen.onnx.graph import DERIVED_KEY
     from v4compile.codegen.onnx_weights import materialise
 
     derived = json.loads(sess.get_modelmeta().custom_metadata_map.get(DERIVED_KEY, "{}"))

@@ -39,8 +39,11 @@ def kernel_calls_for(mode: str, device: str) -> Callable | None:
     if device == "host":  # Triton kernels run on the host buffers through the interpreter
         # @triton.jit reads the switch when a kernel module is imported: modules imported for compiling
         # (an AOT compile earlier in this process) would fail at the first launch with Triton's
-        # "0 active drivers". Say so once instead.
-        loaded = sorted(m for m in sys.modules if m.startswith("v4compile.codegen.kernels."))
+        # "0 active drivers". Say so once instead. The package's support modules define no kernel.
+        from v4compile.codegen.kernels import SUPPORT
+
+        loaded = sorted(m for m in sys.modules if m.startswith("v4compile.codegen.kernels.")
+                        and m.rpartition(".")[2] not in SUPPORT)
         if loaded and os.environ.get("TRITON_INTERPRET") != "1":
             from v4compile.errors import DeviceError
             raise DeviceError("the host device runs the kernels under Triton's interpreter, but this process "

@@ -315,7 +315,8 @@ def _write_program(module: Module, tmp: Path, rel: str) -> str:
 def _write_onnx(ci: CompileInputs, tmp: Path) -> dict[str, Any]:
     import onnx
 
-    from .codegen.onnx_export import OPSET, export_function, function_io
+    from .codegen.onnx.graph import OPSET
+    from .codegen.onnx_export import export_function, function_io
     from .codegen.onnx_session import SessionOptions
 
     (tmp / "onnx").mkdir()

@@ -125,7 +125,7 @@ def _route_phase(rb, x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr,
                IO_RS, ROUTE_SCALE, DENOM_EPS, SUM_IN_DT, BR, BE, BK, BKS)
 
 
-# the same, inlined: on gfx950 a call would give the kernel hidden kernel arguments (kernels/__init__.py: CALLS_PARAM)
+# the same, inlined: on gfx950 a call would give the kernel hidden kernel arguments (kernels/flags.py: CALLS_PARAM)
 _route_phase_inlined = triton.jit(_route_phase.fn)
 
 
@@ -204,7 +204,7 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
     elif v < NR:
         if NA > 0:
             wait_for(phase_ptr + SEAM_IN, NA)  # every token's x
-        if CALLS:  # sm_90a: a call, its registers allocated apart (kernels/__init__.py: CALLS_PARAM)
+        if CALLS:  # sm_90a: a call, its registers allocated apart (kernels/flags.py: CALLS_PARAM)
             _route_phase(v, x_ptr, r_w_ptr, r_b_ptr, r_t_ptr, r_ids_ptr, r_wo_ptr, idx_ptr, R_R, R_D, R_E, R_KSEL,
                          R_X_RS, R_W_RS, R_T_RS, R_I_S, R_WO_RS, R_IO_RS, R_ROUTE_SCALE, R_DENOM_EPS, R_SUM_IN_DT, R_BR,
                          R_BE, R_BK, R_BKS)

@@ -11,7 +11,7 @@ lets the next kernel's blocks be scheduled as soon as every block of this one ha
 their own `pdl_enter`, so the next kernel's launch overlaps this one's run instead of following its end.
 Both are no-ops on a launch without the attribute. The chain stays ordered: a kernel completes only after
 its own wait returned, so waiting for the previous kernel waits for every earlier one too; hence the
-runtime sets the attribute only on launches of kernels that wait (`uses_pdl`, in the package's __init__:
+runtime sets the attribute only on launches of kernels that wait (`uses_pdl`, in the package's flags.py:
 that and the flag's other facts live outside this @triton.jit module, so that importing the runtime loads no
 kernel module before the host device has chosen Triton's interpreter).
 

@@ -4,11 +4,15 @@ op names with `defop(kernel=...)` (`common` for ops without one: views, `rope`, 
 
     lower_<op>(g, o, a, r) -> result or results
 
-`g` is the graph being built (`codegen/onnx_export.Graph`), `o` the operands by name (ONNX tensor names,
+`g` is the graph being built (`graph.Graph`), `o` the operands by name (ONNX tensor names,
 `Planes`, `RowList` or None; their IR types in `o.types`), `a` the attributes and `r` the IR result types.
 A use of an op the cpu target does not cover raises NotImplementedError (one clear IRError at export).
 A family module also holds the graph helpers only its lowerings use (`mhc.hc_pre`, `compress.compress`, ...);
-the ones several families share are `Graph` methods.
+the ones several families share are functions of the graph (`f(g, ...)`) in a module of their topic, called
+through it (`quant.act_qdq(g, ...)`, so a test can patch one for every caller): `quant` (FP8 / FP4 rounding),
+`rotary` (RoPE tables and rotation), `pool_rows` (pool planes' rows: addressing, reads, writes), `linear`
+(weights read dense, GEMMs against them). `Graph` keeps only the ONNX primitives and shorthands; a module
+here never imports the export driver (`codegen/onnx_export.py`), which dispatches into it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Callable
 
 from ...ir.types import TensorType
 from .. import family_module
+from . import quant
 
 COMMON = "common"
 
@@ -38,7 +43,7 @@ def gemm_input(g, what: str, a: dict, x: str, xt: TensorType) -> str:
             (act == "fp8" and xt.dtype == "bf16"):
         raise NotImplementedError(f"{what} on {xt.dtype} act={act!r} out_dtype={a.get('out_dtype')!r} "
                                   "(cpu: fp32, or bf16 with native activations)")
-    return g.act_qdq(x, xt) if act == "fp8" else x
+    return quant.act_qdq(g, x, xt) if act == "fp8" else x
 
 
 def native_only(a, o) -> None:

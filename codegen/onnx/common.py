@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from . import quant, rotary
+
 
 def lower_reshape(g, o, a, r):
     return g.reshape(o.x, r[0].shape)
@@ -12,13 +14,13 @@ def lower_split(g, o, a, r):
 
 
 def lower_fp8_round(g, o, a, r):
-    return g.fp8_round(o.x, o.types["x"], a["dims"], a["block"])
+    return quant.fp8_round(g, o.x, o.types["x"], a["dims"], a["block"])
 
 
 def lower_hadamard_fp4_round(g, o, a, r):
-    return g.hadamard_fp4(o.x, o.types["x"], a["block"])
+    return quant.hadamard_fp4(g, o.x, o.types["x"], a["block"])
 
 
 def lower_rope(g, o, a, r):
-    return g.rotate(o.x, o.types["x"], g.as_i64(o.pos, o.types["pos"].dtype), o.types["pos"].rank, a["dim"],
-                    a["theta"], tuple(a["yarn"]), a["inverse"])
+    return rotary.rotate(g, o.x, o.types["x"], g.as_i64(o.pos, o.types["pos"].dtype), o.types["pos"].rank, a["dim"],
+                         a["theta"], tuple(a["yarn"]), a["inverse"])

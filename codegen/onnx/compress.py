@@ -8,8 +8,9 @@ import numpy as np
 from onnx import TensorProto
 
 from ...ir.types import TensorType
-from ..onnx_export import NEG_INF, SKIP_ROW, Planes
-from . import native_only
+from . import native_only, pool_rows, quant, rotary
+from .graph import NEG_INF
+from .pool_rows import SKIP_ROW, Planes
 
 
 def _compress_index(g, pos: str, m: int, overlap: bool, B: int, T: int) -> dict[str, str]:
@@ -43,7 +44,7 @@ def _compress_index(g, pos: str, m: int, overlap: bool, B: int, T: int) -> dict[
     # the state ring after the chunk: slot p % S takes the token of each sequence's last S positions
     hit = g.op("And", g.op("Equal", g.unsqueeze(g.op("Mod", pos, g.iscalar(S)), 1),
                                  g.const(np.arange(S).reshape(1, S, 1), np.int64)),
-                  g.unsqueeze(g.ring_lanes(pos, S), 1))  # [B, S, T]
+                  g.unsqueeze(pool_rows.ring_lanes(g, pos, S), 1))  # [B, S, T]
     onehot = g.cast(hit, TensorProto.FLOAT)
     has = g.unsqueeze(g.op("Greater", g.max(onehot, 2), g.scalar(0.0)), -1)
     return {"w": w, "closed": closed, "src": src, "onehot": onehot, "has": has, "live": g.reshape(live, (B,))}
@@ -63,7 +64,7 @@ def compress(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) -> tuple[
     gate = g.op("Add", o.gate, g.op("Gather", o.ape, g.cached(
         ("mod", pos, m), lambda: g.op("Mod", g.clamp_min0(pos), g.iscalar(m))), axis=0))
     sl = g.cached(("clamp0", slot), lambda: g.clamp_min0(slot))
-    skv, sg = g.read_rows(skv_in, sl), g.read_rows(sg_in, sl)  # [B, S, cw]
+    skv, sg = pool_rows.read_rows(g, skv_in, sl), pool_rows.read_rows(g, sg_in, sl)  # [B, S, cw]
     ix = g.cached(("compress", pos, m, overlap, B, T), lambda: _compress_index(g, pos, m, overlap, B, T))
     w, closed = ix["w"], ix["closed"]
 
@@ -80,21 +81,23 @@ def compress(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) -> tuple[
     ht = TensorType((B, J, dk), "fp32")
     # the windows' first positions as one value per ratio: compressors with the same RoPE share its tables
     wpos = g.cached(("window_pos", w, m), lambda: g.op("Mul", w, g.iscalar(m)))
-    h = g.rotate(h, ht, wpos, 2, a["rope_dim"], a["theta"], tuple(a["yarn"]))
+    h = rotary.rotate(g, h, ht, wpos, 2, a["rope_dim"], a["theta"], tuple(a["yarn"]))
     rnd = a.get("round", "none")
     if rnd == "fp8":
-        h = g.fp8_round(h, ht, dk - a["rope_dim"], math.gcd(64, dk - a["rope_dim"]))
+        h = quant.fp8_round(g, h, ht, dk - a["rope_dim"], math.gcd(64, dk - a["rope_dim"]))
     elif rnd == "fp4":
-        h = g.hadamard_fp4(h, ht, 32)
+        h = quant.hadamard_fp4(g, h, ht, 32)
     rows = g.cached(("closed_rows", w, bt, m, a["block_tokens"], a["envelope_rows"]), lambda: g.where(
-        closed, g.block_rows(w, bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True, (B, J)), g.iscalar(-1)))
+        closed, pool_rows.block_rows(g, w, bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True, (B, J)),
+        g.iscalar(-1)))
     rows = g.reshape(g.where(closed, g.op("Add", rows, g.iscalar(a["layer_offset"])), rows), (B * J,))
-    plane = g.write_rows(plane_in, rows, g.reshape(h, (B * J, dk)), (B * J, dk))
+    plane = pool_rows.write_rows(g, plane_in, rows, g.reshape(h, (B * J, dk)), (B * J, dk))
     onehot, has, srows = ix["onehot"], ix["has"], g.cached(
         ("srows", pos, slot), lambda: g.where(ix["live"], slot, g.iscalar(-1)))
     new_kv = g.where(has, g.op("MatMul", onehot, o.kv), skv)
     new_g = g.where(has, g.op("MatMul", onehot, gate), sg)
-    return plane, g.write_rows(skv_in, srows, new_kv, (B, S, cw)), g.write_rows(sg_in, srows, new_g, (B, S, cw))
+    return (plane, pool_rows.write_rows(g, skv_in, srows, new_kv, (B, S, cw)),
+            pool_rows.write_rows(g, sg_in, srows, new_g, (B, S, cw)))
 
 
 def _decode_index(g, pos: str, m: int, overlap: bool, B: int) -> dict[str, str]:
@@ -125,7 +128,7 @@ def compress_decode(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) ->
     """`compress_paged` for a one-token chunk (`_decode_index`): the token enters the ring (one ScatterND a
     state), the closed windows pool the updated ring; 11-16 nodes a compressor at batch 1 where `compress`
     takes ~32. The same values in the same order as `compress`, so bit-identical results (but for the
-    RoPE, which at batch 1 is one MatMul: `Graph.rotate(fused=True)`)."""
+    RoPE, which at batch 1 is one MatMul: `rotary.rotate(fused=True)`)."""
     B, T, cw = o.types["kv"].shape
     m, overlap = a["ratio"], a["overlap"]
     S, dk = (2 if overlap else 1) * m, cw // (2 if overlap else 1)
@@ -136,8 +139,8 @@ def compress_decode(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) ->
     ix = g.cached(("compress1", pos, m, overlap, B), lambda: _decode_index(g, pos, m, overlap, B))
     gate = g.op("Add", o.gate, g.op("Gather", o.ape, g.memo[("mod", pos, m)], axis=0))  # [B, 1, cw]
     sl = g.cached(("clamp0", slot), lambda: g.clamp_min0(slot))
-    new_kv = g.op("ScatterND", g.read_rows(skv_in, sl), ix["at"], o.kv)  # [B, S, cw]
-    new_g = g.op("ScatterND", g.read_rows(sg_in, sl), ix["at"], gate)
+    new_kv = g.op("ScatterND", pool_rows.read_rows(g, skv_in, sl), ix["at"], o.kv)  # [B, S, cw]
+    new_g = g.op("ScatterND", pool_rows.read_rows(g, sg_in, sl), ix["at"], gate)
     v, gl = new_kv, new_g
     if overlap:
         v = g.op("Gather", g.reshape(new_kv, (B * S * 2, dk)), ix["src"], axis=0)  # [B, S, dk]
@@ -146,18 +149,19 @@ def compress_decode(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) ->
     h = g.rms(g.sum(g.op("Mul", v, g.op("Softmax", gl, axis=1)), 1), o.norm, a["eps"])  # [B, dk]
     ht = TensorType((B, dk), "fp32")
     rnd = a.get("round", "none")  # FP8 rounds the unrotated channels only: a fused rotation keeps them exact
-    h = g.rotate(h, ht, ix["wpos"], 1, a["rope_dim"], a["theta"], tuple(a["yarn"]), fused=rnd != "fp4")
+    h = rotary.rotate(g, h, ht, ix["wpos"], 1, a["rope_dim"], a["theta"], tuple(a["yarn"]), fused=rnd != "fp4")
     if rnd == "fp8":
-        h = g.fp8_round(h, ht, dk - a["rope_dim"], math.gcd(64, dk - a["rope_dim"]))
+        h = quant.fp8_round(g, h, ht, dk - a["rope_dim"], math.gcd(64, dk - a["rope_dim"]))
     elif rnd == "fp4":
-        h = g.hadamard_fp4(h, ht, 32)
+        h = quant.hadamard_fp4(g, h, ht, 32)
     base = g.cached(("block_rows1", ix["w"], bt, m, a["block_tokens"], a["envelope_rows"]), lambda: g.where(
-        ix["closed"], g.reshape(g.block_rows(ix["w"], bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True,
-                                             (B, 1)), (B,)), g.iscalar(SKIP_ROW)))
+        ix["closed"], g.reshape(pool_rows.block_rows(g, ix["w"], bt, m, a["block_tokens"], a["envelope_rows"],
+                                                     n_blocks, True, (B, 1)), (B,)), g.iscalar(SKIP_ROW)))
     rows = g.op("Add", base, g.iscalar(a["layer_offset"]))  # a window not closed: still negative
     srows = g.cached(("srows", pos, slot), lambda: g.where(g.reshape(g.live(pos), (B,)), slot, g.iscalar(-1)))
-    return (g.write_rows(plane_in, rows, h, (B, dk)), g.write_rows(skv_in, srows, new_kv, (B, S, cw)),
-            g.write_rows(sg_in, srows, new_g, (B, S, cw)))
+    return (pool_rows.write_rows(g, plane_in, rows, h, (B, dk)),
+            pool_rows.write_rows(g, skv_in, srows, new_kv, (B, S, cw)),
+            pool_rows.write_rows(g, sg_in, srows, new_g, (B, S, cw)))
 
 
 def lower_compress_paged(g, o, a, r):

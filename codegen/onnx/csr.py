@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..onnx_export import RowList
+from . import pool_rows
+from .pool_rows import RowList
 
 
 def lower_csr_window(g, o, a, r):
@@ -12,7 +13,7 @@ def lower_csr_window(g, o, a, r):
     B, T = o.types["pos"].shape
     if g.one_token(T, "csr_window"):  # one token: every p - k (k >= 1) precedes the chunk; kept iff >= 0 (so a padding lane: none)
         p = g.op("Sub", pos, g.const(np.arange(W - 1, 0, -1), np.int64))  # [B, W-1], oldest first
-        rows = g.window_rows(p, g.as_i64(o.slot, o.types["slot"].dtype), W, a["slot_rows"], a["n_rows"])
+        rows = pool_rows.window_rows(g, p, g.as_i64(o.slot, o.types["slot"].dtype), W, a["slot_rows"], a["n_rows"])
         keep = g.op("GreaterOrEqual", p, g.iscalar(0))  # rows of p < 0: in the ring all the same (Mod)
         rl = RowList(g.where(keep, rows, g.iscalar(-1)), keep, rows)
         return rl, rl
@@ -20,8 +21,8 @@ def lower_csr_window(g, o, a, r):
     start = g.unsqueeze(g.clamp_min0(g.slice(pos, 0, 1, 1)), -1)
     keep = g.op("And", g.op("And", g.op("GreaterOrEqual", p, g.iscalar(0)), g.op("Less", p, start)),
                 g.unsqueeze(g.op("GreaterOrEqual", pos, g.iscalar(0)), -1))
-    rows = g.reshape(g.window_rows(g.reshape(p, (B, -1)), g.as_i64(o.slot, o.types["slot"].dtype), W,
-                                   a["slot_rows"], a["n_rows"]), (B, T, W - 1))
+    rows = g.reshape(pool_rows.window_rows(g, g.reshape(p, (B, -1)), g.as_i64(o.slot, o.types["slot"].dtype), W,
+                                           a["slot_rows"], a["n_rows"]), (B, T, W - 1))
     rl = RowList(g.reshape(g.where(keep, rows, g.iscalar(-1)), (B * T, W - 1)))
     return rl, rl
 
@@ -29,10 +30,10 @@ def lower_csr_window(g, o, a, r):
 def lower_csr_compressed(g, o, a, r):
     pos = g.as_i64(o.pos, o.types["pos"].dtype)
     B, T = o.types["pos"].shape
-    limit = g.visible_limit(pos, a["ratio"])  # a padding lane (-1): 0, so it sees no row
-    w = g.dyn_range(limit, a["max_rows"])
-    rows = g.block_rows(w, g.as_i64(o.block_table, o.types["block_table"].dtype), a["ratio"], a["block_tokens"],
-                        a["envelope_rows"], o.types["block_table"].shape[1], False)  # [B, W]
+    limit = pool_rows.visible_limit(g, pos, a["ratio"])  # a padding lane (-1): 0, so it sees no row
+    w = pool_rows.dyn_range(g, limit, a["max_rows"])
+    rows = pool_rows.block_rows(g, w, g.as_i64(o.block_table, o.types["block_table"].dtype), a["ratio"],
+                                a["block_tokens"], a["envelope_rows"], o.types["block_table"].shape[1], False)  # [B, W]
     if g.one_token(T, "csr_compressed"):  # [B, 1] limits against [W]: [B, W] is already the [B * T, W] row list
         keep = g.op("Less", w, limit)
         return (RowList(g.where(keep, rows, g.iscalar(-1)), keep, rows),) * 2
@@ -45,7 +46,7 @@ def lower_csr_selected(g, o, a, r):
     pos, sel = g.as_i64(o.pos, o.types["pos"].dtype), g.as_i64(o.selected, o.types["selected"].dtype)
     B, T, K = o.types["selected"].shape
     keep = g.op("And", g.op("GreaterOrEqual", sel, g.iscalar(0)), g.unsqueeze(g.op("GreaterOrEqual", pos, g.iscalar(0)), -1))
-    rows = g.block_rows(g.clamp_min0(sel), g.as_i64(o.block_table, o.types["block_table"].dtype), a["ratio"],
-                        a["block_tokens"], a["envelope_rows"], o.types["block_table"].shape[1], True, (B, T, K))
+    rows = pool_rows.block_rows(g, g.clamp_min0(sel), g.as_i64(o.block_table, o.types["block_table"].dtype), a["ratio"],
+                                a["block_tokens"], a["envelope_rows"], o.types["block_table"].shape[1], True, (B, T, K))
     rl = RowList(g.reshape(g.where(keep, rows, g.iscalar(-1)), (B * T, K)))
     return rl, rl

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...ir.types import TensorType
-from . import gemm_input
+from . import gemm_input, linear, rotary
 
 
 def lower_grouped_out_proj(g, o, a, r):
@@ -15,7 +15,7 @@ def lower_grouped_out_proj(g, o, a, r):
 def lower_rope_out_proj(g, o, a, r):
     """The rotation, then the GEMM (ONNX Runtime fuses what it fuses)."""
     pos = g.as_i64(o.pos, o.types["pos"].dtype)
-    y = g.rotate(o.o, o.types["o"], pos, 2, a["dim"], a["theta"], tuple(a["yarn"]), inverse=True)
+    y = rotary.rotate(g, o.o, o.types["o"], pos, 2, a["dim"], a["theta"], tuple(a["yarn"]), inverse=True)
     return _grouped(g, "rope_out_proj", y, o, a)
 
 
@@ -24,7 +24,7 @@ def _grouped(g, what, x, o, a):
     [G, BT, k] x [G, k, R/G]. One token (decode b1): [1, G, k] is [G, 1, k] in memory, so Reshapes stand
     for the two Transposes (two nodes fewer a layer, the same values)."""
     B, T = o.types["o"].shape[:2]
-    w, wt = g.weight(o.w, o.types["w"], o.scale, a["block"])
+    w, wt = linear.weight(g, o.w, o.types["w"], o.scale, a["block"])
     G, (R, k) = a["groups"], wt.shape
     shape = (G, 1, k) if B * T == 1 else (B * T, G, k)
     x = gemm_input(g, what, a, g.reshape(x, shape), TensorType(shape, o.types["o"].dtype))  # per group's K

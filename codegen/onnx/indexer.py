@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from ...ir.types import TensorType
-from ..onnx_export import MS_DOMAIN, NEG_INF, Planes, RowList
+from . import pool_rows
+from .graph import MS_DOMAIN, NEG_INF
+from .pool_rows import Planes, RowList
 
 
 def indexer_rows(g, q: str, qt: TensorType, weights: str, pos: str, bt: str, plane: Planes, *, ratio: int,
@@ -11,11 +13,11 @@ def indexer_rows(g, q: str, qt: TensorType, weights: str, pos: str, bt: str, pla
                  index_offset: int, envelope_rows: int, max_rows: int, n_blocks: int) -> RowList:
     """Indexer scores over the index plane, top-k, picks translated to main-pool rows (`indexer_select`)."""
     B, T, Hi, di = qt.shape
-    limit = g.visible_limit(pos, ratio)  # [B, T]; a padding lane (-1): 0, so it sees no row
-    w = g.dyn_range(limit, max_rows)  # [W]
-    irow = g.block_rows(w, bt, ratio, block_tokens, index_envelope_rows, n_blocks, False)  # [B, W]
+    limit = pool_rows.visible_limit(g, pos, ratio)  # [B, T]; a padding lane (-1): 0, so it sees no row
+    w = pool_rows.dyn_range(g, limit, max_rows)  # [W]
+    irow = pool_rows.block_rows(g, w, bt, ratio, block_tokens, index_envelope_rows, n_blocks, False)  # [B, W]
     irow = g.op("Add", irow, g.iscalar(index_offset)) if index_offset else irow
-    keys = g.read_rows(plane, irow, shape=(B, 1, -1, di))  # [B, 1, W, di]
+    keys = pool_rows.read_rows(g, plane, irow, shape=(B, 1, -1, di))  # [B, 1, W, di]
     # relu(q k * q_scale) as relu(q k) * q_scale bit for bit (a positive scale commutes with relu and
     # rounds the same product): the scale is the GEMM's alpha
     s = g.op("Relu", g.op("FusedMatMul", q, keys, domain=MS_DOMAIN, transB=1, alpha=q_scale))  # [B, T, H, W]
@@ -28,10 +30,10 @@ def indexer_rows(g, q: str, qt: TensorType, weights: str, pos: str, bt: str, pla
     vals, idx = g.op("TopK", s, kk, n_out=2, axis=-1, largest=1, sorted=1)
     keep = g.op("Greater", vals, g.scalar(NEG_INF))  # a hidden row's -inf never picked
     if one:  # the picks' rows out of every window's, shared by the layers; in range whether kept or not
-        rows = g.op("GatherElements", g.block_rows(w, bt, ratio, block_tokens, envelope_rows, n_blocks, False), idx,
-                    axis=1)
+        rows = g.op("GatherElements",
+                    pool_rows.block_rows(g, w, bt, ratio, block_tokens, envelope_rows, n_blocks, False), idx, axis=1)
         return RowList(g.where(keep, rows, g.iscalar(-1)), keep, rows)
-    rows = g.block_rows(idx, bt, ratio, block_tokens, envelope_rows, n_blocks, True, (B, T, -1))
+    rows = pool_rows.block_rows(g, idx, bt, ratio, block_tokens, envelope_rows, n_blocks, True, (B, T, -1))
     return RowList(g.reshape(g.where(keep, rows, g.iscalar(-1)), (B * T, -1)))
 
 

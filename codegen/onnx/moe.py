@@ -39,7 +39,7 @@ from onnx import TensorProto
 
 from ...ir.types import TensorType
 from ..onnx_weights import logical_shape
-from . import gemm_input
+from . import gemm_input, linear, quant
 
 # the cost model of `dense_is_cheaper` (one core, measured on bench_cpu's tiny: see the module's docstring)
 NODE_US = 1.3  # a grouped-path node
@@ -100,7 +100,7 @@ def moe_routed(g, x: str, xt: TensorType, weights: str, indices: str, it: Tensor
     xs = g.op("Split", g.op("Gather", flat, tok, axis=0), counts, n_out=E, axis=0)
 
     def expert(which: int, e: int) -> str:
-        return g.weight(w[which], wt[which], scales[which], block, index=e)[0]
+        return linear.weight(g, w[which], wt[which], scales[which], block, index=e)[0]
 
     gate = g.concat([g.op("Gemm", xs[e], expert(0, e), transB=1) for e in range(E)], 0)  # [P, I]
     up = g.concat([g.op("Gemm", xs[e], expert(2, e), transB=1) for e in range(E)], 0)
@@ -108,7 +108,7 @@ def moe_routed(g, x: str, xt: TensorType, weights: str, indices: str, it: Tensor
     if route_weight == "before_w2":
         h = g.op("Mul", h, wsort)
     if act == "fp8":  # w2's input as its FP8 GEMM sees it (the weighting above comes first, as in the op)
-        h = g.act_qdq(h, TensorType((P, wt[0].shape[1]), "fp32"))
+        h = quant.act_qdq(g, h, TensorType((P, wt[0].shape[1]), "fp32"))
     hs = g.op("Split", h, counts, n_out=E, axis=0)
     y = g.concat([g.op("Gemm", hs[e], expert(1, e), transB=1) for e in range(E)], 0)  # [P, D]
     if route_weight == "after_w2":
@@ -138,7 +138,7 @@ def _dense(g, flat, pairs, weights, w, wt, limit, scales, block, act, xt, shared
     input is rounded per expert row before the weighting, as the reference rounds it before w2."""
     N, D = xt.numel // xt.shape[-1], xt.shape[-1]
     E, I = wt[0].shape[0], wt[0].shape[1]
-    stack = [g.weight(w[i], wt[i], scales[i], block)[0] for i in range(3)]
+    stack = [linear.weight(g, w[i], wt[i], scales[i], block)[0] for i in range(3)]
     up = [g.reshape(stack[i], (E * I, D)) for i in (0, 2)]
     if shared is not None:
         up = [g.concat([up[0], shared[0]], 0), g.concat([up[1], shared[2]], 0)]  # [(E + 1) * I, D]
@@ -151,7 +151,7 @@ def _dense(g, flat, pairs, weights, w, wt, limit, scales, block, act, xt, shared
 
     h = g.reshape(_swiglu(g, up_proj(up[0]), up_proj(up[1]), limit), (N, X, I))
     if act == "fp8":
-        h = g.act_qdq(h, TensorType((N, X, I), "fp32"))
+        h = quant.act_qdq(g, h, TensorType((N, X, I), "fp32"))
     base = np.zeros((N, X, 1), np.float32)
     base[:, E:] = 1.0  # the shared expert: weight 1 for every token
     h = g.op("Mul", h, g.op("ScatterElements", g.const(base), pairs, weights, axis=1, reduction="add"))
@@ -171,7 +171,7 @@ def lower_moe_experts_shared(g, o, a, r):
     fold = takes_dense(a["route_weight"], E, k, xt.numel // D, I, D) and a["shared_act"] == a["act"] and \
         [logical_shape(t.dtype, t.shape) for t in st] == [logical_shape(t.dtype, t.shape)[1:] for t in wt]
     sw = (o.s1, o.s2, o.s3)
-    shared = tuple(g.weight(sw[i], st[i], (o.s1_scale, o.s2_scale, o.s3_scale)[i], a["shared_block"])[0]
+    shared = tuple(linear.weight(g, sw[i], st[i], (o.s1_scale, o.s2_scale, o.s3_scale)[i], a["shared_block"])[0]
                    for i in range(3)) if fold else None
     routed = moe_routed(g, x, xt, o.weights, o.indices, o.types["indices"], (o.w1, o.w2, o.w3), wt, k, lim,
                         a["route_weight"], (o.w1_scale, o.w2_scale, o.w3_scale), a["block"], a["act"],
@@ -181,12 +181,12 @@ def lower_moe_experts_shared(g, o, a, r):
     sa = {"act": a["shared_act"], "out_dtype": a["out_dtype"]}
     xs = gemm_input(g, "moe_experts_shared", sa, o.x, xt)
     sb = a["shared_block"]
-    gt = g.op("Min", g.linear(xs, xt, o.s1, o.types["s1"], o.s1_scale, sb), g.scalar(lim))
-    up = g.op("Clip", g.linear(xs, xt, o.s3, o.types["s3"], o.s3_scale, sb), g.scalar(-lim), g.scalar(lim))
+    gt = g.op("Min", linear.linear(g, xs, xt, o.s1, o.types["s1"], o.s1_scale, sb), g.scalar(lim))
+    up = g.op("Clip", linear.linear(g, xs, xt, o.s3, o.types["s3"], o.s3_scale, sb), g.scalar(-lim), g.scalar(lim))
     h = g.op("Mul", g.op("Mul", gt, g.op("Sigmoid", gt)), up)
     ht = xt.with_shape(*xt.shape[:-1], o.types["s1"].shape[0])
     h = gemm_input(g, "moe_experts_shared", sa, h, ht)
-    return g.op("Add", routed, g.linear(h, ht, o.s2, o.types["s2"], o.s2_scale, sb))
+    return g.op("Add", routed, linear.linear(g, h, ht, o.s2, o.types["s2"], o.s2_scale, sb))
 
 
 def lower_moe_experts(g, o, a, r):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from . import linear
+
 
 def lower_router(g, o, a, r):
     if a["fp32"] and o.types["x"].dtype != "fp32":  # on fp32 activations the fp32 router is the same maths
         raise NotImplementedError("router fp32 on a non-fp32 input (cpu: fp32)")
     k = a["k"]
-    scores = g.op("Sqrt", g.op("Softplus", g.linear(o.x, o.types["x"], o.w, o.types["w"])))
+    scores = g.op("Sqrt", g.op("Softplus", linear.linear(g, o.x, o.types["x"], o.w, o.types["w"])))
     if o.tid2eid is not None:
         idx = g.op("Gather", o.tid2eid, g.clamp_min0(g.as_i64(o.ids, o.types["ids"].dtype)), axis=0)
     else:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from ...ir.types import TensorType
-from ..onnx_export import MS_DOMAIN, NEG_INF, Planes, RowList
-from . import native_only
+from . import native_only, pool_rows
+from .graph import MS_DOMAIN, NEG_INF
+from .pool_rows import Planes, RowList
 
 
 def _ext_mask(g, pos: str, window: int) -> str:
@@ -26,7 +27,7 @@ def sparse_attention(g, q: str, qt: TensorType, kv: str, pos: str, sink: str, pa
         rows.append(g.where(m, g.op("Add", rl.rows, g.iscalar(base)), g.iscalar(0)))
         masks.append(m)
     rows, mask = g.concat(rows, 1), g.concat(masks, 1)  # [L, P]
-    keys = g.read_rows(plane, rows, shape=(B, T, -1, d))  # [B, T, P, d]
+    keys = pool_rows.read_rows(g, plane, rows, shape=(B, T, -1, d))  # [B, T, P, d]
     sc = g.scalar(scale)
     ninf = g.scalar(NEG_INF)
     s_pool = g.op("Mul", g.matmul_t(q, keys), sc)  # [B, T, H, P]
@@ -58,7 +59,7 @@ def sparse_attention_one(g, q: str, qt: TensorType, kv: str, pos: str, sink: str
         rows.append(g.op("Add", r0, g.iscalar(base)) if base else r0)
     # the window rows read are the positions before the token (`csr_window`), never the ring row it writes
     # this step, and the compressed rows lie outside the rings: no window write can hit this read
-    keys = g.read_rows(plane, g.concat(rows, 1), unseen=("window",))  # [B, P, d]
+    keys = pool_rows.read_rows(g, plane, g.concat(rows, 1), unseen=("window",))  # [B, P, d]
     keys = g.reshape(g.concat([keys, kv], 1), (B, 1, -1, d))  # [B, 1, P + 1, d]; kv [B, 1, d]
 
     def mask():

@@ -193,6 +193,30 @@ def test_an_upward_import_is_caught(mod, line, expect):
     assert len(bad) == 1 and expect in bad[0], bad
 
 
+# Within codegen: the ONNX export driver dispatches into the lowerings and the graph builder under
+# codegen/onnx/; they never import it back (their value kinds and shared helpers live beside them).
+ONNX_LOWERINGS, ONNX_DRIVER = "v4compile.codegen.onnx", "v4compile.codegen.onnx_export"
+
+
+def driver_imports(srcs: dict[str, tuple[Path, str]]) -> list[str]:
+    """One line per import statement (`from ..onnx_export import A, B` names the driver twice)."""
+    return sorted({f"{path.relative_to(ROOT)}:{line}: {mod} imports the export driver"
+                   for mod, (path, text) in srcs.items() if _within(mod, ONNX_LOWERINGS)
+                   for line, dep in imports(mod, path, text, srcs) if _within(dep, ONNX_DRIVER)})
+
+
+def test_the_onnx_lowerings_never_import_the_export_driver():
+    assert driver_imports(sources()) == []
+
+
+def test_a_lowering_importing_the_export_driver_is_caught():
+    """The fault the split removed: a family lowering taking a value kind back from the exporter, inside a
+    function (where the last ones hid)."""
+    srcs = _add_line(sources(), "v4compile.codegen.onnx.csr", "def _f():\n    from ..onnx_export import Operands")
+    bad = driver_imports(srcs)
+    assert len(bad) == 1 and "v4compile.codegen.onnx.csr imports the export driver" in bad[0], bad
+
+
 def test_no_import_loops():
     assert import_loops(sources()) == []
 

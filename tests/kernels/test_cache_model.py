@@ -19,6 +19,7 @@ import torch  # noqa: E402
 
 import kernel_check as kc  # noqa: E402
 from v4compile.codegen import kernels  # noqa: E402
+from v4compile.codegen.kernels import interpreter  # noqa: E402
 from v4compile.codegen.kernels import gemm, sparse_attention as sa  # noqa: E402
 from v4compile.codegen.roofline import CACHE_SHARE, hbm_bytes  # noqa: E402
 from v4compile.formats import fp8_block_quant  # noqa: E402
@@ -49,7 +50,7 @@ def measured(op, args, attrs, outs, regions):
             seen.setdefault("scratch", []).append(b)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernels, "_check_access", record)
+        mp.setattr(interpreter, "_check_access", record)
         with kernels.memory_guard([(0, 1 << 63)]):
             calls = kernels.launch(op, args, attrs, outs)
     got = {n: {"touched": sum(a.size for a in v), "distinct": np.unique(np.concatenate(v)).size}

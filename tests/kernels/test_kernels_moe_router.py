@@ -199,7 +199,7 @@ def test_every_wait_follows_its_producers_publish():
 
 @pytest.mark.slow
 def test_gfx950_binary_takes_only_the_calls_parameters(tmp_path, monkeypatch):
-    """The router phase is a noinline call on sm_90a only (kernels/__init__.py: CALLS_PARAM): called on gfx950, the kernel
+    """The router phase is a noinline call on sm_90a only (kernels/flags.py: CALLS_PARAM): called on gfx950, the kernel
     grows AMDGPU's hidden kernel arguments behind the pointers the call describes (the launch's parameter
     array would not cover them; the fake HIP driver refuses the launch); the AOT stage records them."""
     from v4compile.codegen import aot

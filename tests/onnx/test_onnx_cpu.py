@@ -125,10 +125,11 @@ def _overlap_halves_swapped(monkeypatch):
 def test_a_wrong_lowering_is_caught(tmp_path, monkeypatch, fault):
     """The comparison can fail: a lowering that drops the RMSNorm of `norm_linear`, or a `compress_paged`
     that reads the overlapping windows' half-rows swapped, breaks the logits."""
-    from v4compile.codegen.onnx import gemm
+    from v4compile.codegen.onnx import gemm, linear
 
     if fault == "norm_linear":
-        monkeypatch.setattr(gemm, "lower_norm_linear", lambda g, o, a, r: g.linear(o.x, o.types["x"], o.w, o.types["w"]))
+        monkeypatch.setattr(gemm, "lower_norm_linear",
+                            lambda g, o, a, r: linear.linear(g, o.x, o.types["x"], o.w, o.types["w"]))
     else:
         _overlap_halves_swapped(monkeypatch)
     fe = _fe("hf", capacity=64)

@@ -7,7 +7,7 @@ Exact rewrites: `compress_paged` pooling the updated state ring (`codegen/onnx/c
 one built with the general lowerings, step after step, from position 0 (the first overlapping CSA window,
 half before position 0) through ten CSA and two HCA closed windows, at batch 1 and in a batch-4 bucket
 with a padding lane. Reordered sums: `sparse_attention` scoring the token's own key as one more pool row,
-and at batch 1 `rotate` as one MatMul with the step's rotation matrix (`Graph.rotate(fused=True)`): within
+and at batch 1 `rotate` as one MatMul with the step's rotation matrix (`codegen/onnx/rotary.rotate(fused=True)`): within
 ATTN_TOL of the general lowerings (measured 3.9e-6 at most, 3.1e-6 from the attention alone; logits |x| ~
 4.4). Each kind of fault (a wrong ring order, a window row off by one, the indexer's mask off by one, the
 own key left out, the sink's share kept, this step's compressed row unpatched, the rotation matrix turning
@@ -23,7 +23,8 @@ import pytest
 
 from v4compile import frontend
 from v4compile.artifact import Buckets
-from v4compile.codegen.onnx_export import Graph
+from v4compile.codegen.onnx import pool_rows, rotary
+from v4compile.codegen.onnx.graph import Graph
 from v4compile.driver import compile_artifact
 from v4compile.trace import TraceOptions
 
@@ -106,15 +107,15 @@ def _ring_unrotated(mp):
 
 
 def _window_off_by_one(mp):  # csr_window keeps p - k > 0: position 0 never seen again
-    real = Graph.window_rows
-    mp.setattr(Graph, "window_rows", lambda self, pos, *a: real(self, self.op("Sub", pos, self.iscalar(1)), *a)
-               if len(a) == 4 and self.loc.startswith("csr_window") else real(self, pos, *a))
+    real = pool_rows.window_rows
+    mp.setattr(pool_rows, "window_rows", lambda g, pos, *a: real(g, g.op("Sub", pos, g.iscalar(1)), *a)
+               if len(a) == 4 and g.loc.startswith("csr_window") else real(g, pos, *a))
 
 
 def _indexer_mask_off_by_one(mp):  # the indexer hides the last visible compressed row too
-    real = Graph.visible_limit
-    mp.setattr(Graph, "visible_limit", lambda self, pos, ratio: self.op("Sub", real(self, pos, ratio), self.iscalar(1))
-               if self.loc.startswith("indexer_select") else real(self, pos, ratio))
+    real = pool_rows.visible_limit
+    mp.setattr(pool_rows, "visible_limit", lambda g, pos, ratio: g.op("Sub", real(g, pos, ratio), g.iscalar(1))
+               if g.loc.startswith("indexer_select") else real(g, pos, ratio))
 
 
 @pytest.mark.parametrize("fault", [_ring_unrotated, _window_off_by_one, _indexer_mask_off_by_one])
@@ -127,17 +128,17 @@ def test_a_wrong_exact_form_is_caught(runs, tmp_path, monkeypatch, fault):
 
 @pytest.mark.parametrize("fault", ["own_key_hidden", "sink_share_kept", "compressed_write_unseen", "rotation_inverted"])
 def test_a_wrong_reordered_form_is_caught(runs, tmp_path, monkeypatch, fault):
-    real, read, rotate, live = Graph.op, Graph.read_rows, Graph.rotate, Graph.live
+    real, read, rotate, live = Graph.op, pool_rows.read_rows, rotary.rotate, Graph.live
     if fault == "own_key_hidden":  # the own key's mask: a live lane's own key hidden
         monkeypatch.setattr(Graph, "live", lambda self, pos: self.op("Not", live(self, pos))
                             if self.loc.startswith("sparse_attention") else live(self, pos))
     if fault == "rotation_inverted":  # the fused (one-position) matrix built for the other direction
-        monkeypatch.setattr(Graph, "rotate", lambda self, x, xt, pos, pos_rank, *a, inverse=False, fused=False, **k: rotate(
-            self, x, xt, pos, pos_rank, *a, inverse=inverse ^ (fused and math.prod(xt.shape[:pos_rank]) == 1),
+        monkeypatch.setattr(rotary, "rotate", lambda g, x, xt, pos, pos_rank, *a, inverse=False, fused=False, **k: rotate(
+            g, x, xt, pos, pos_rank, *a, inverse=inverse ^ (fused and math.prod(xt.shape[:pos_rank]) == 1),
             fused=fused, **k))
     if fault == "compressed_write_unseen":  # the row a compressor closed this step left unpatched
-        monkeypatch.setattr(Graph, "read_rows", lambda self, p, rows, n_rows=None, shape=None, unseen=(): read(
-            self, p, rows, n_rows, shape, unseen + (None,) if unseen else unseen))
+        monkeypatch.setattr(pool_rows, "read_rows", lambda g, p, rows, n_rows=None, shape=None, unseen=(): read(
+            g, p, rows, n_rows, shape, unseen + (None,) if unseen else unseen))
 
     def op(self, op_type, *inputs, **attrs):
         if self.loc.startswith("sparse_attention"):

@@ -82,10 +82,10 @@ def test_quantised_checkpoint_gives_the_official_ids(quantised):
 def test_missing_activation_rounding_is_caught(quantised, monkeypatch):
     """The same check fails on graphs that skip the FP8 activation rounding of the official GEMMs."""
     import v4compile
-    from v4compile.codegen.onnx_export import Graph
+    from v4compile.codegen.onnx import quant
 
     fe, art, _ = quantised
-    monkeypatch.setattr(Graph, "act_qdq", lambda self, x, xt, block=128: x)
+    monkeypatch.setattr(quant, "act_qdq", lambda g, x, xt, block=128: x)
     bad = compile_artifact(fe, art.parent / "no-act", Buckets(decode=(1,), prefill=(16,)))
     got, want, err = _errors(fe, v4compile.load(bad, device="cpu", threads=1))
     assert err > 2 * TOL

@@ -19,9 +19,9 @@ import torch
 from onnx import TensorProto, helper
 
 from v4compile.ops import op
-from v4compile.codegen.onnx import moe
+from v4compile.codegen.onnx import linear, moe, quant
 from v4compile.codegen.onnx.moe import moe_routed
-from v4compile.codegen.onnx_export import Graph, value_info
+from v4compile.codegen.onnx.graph import Graph, value_info
 from v4compile.codegen.onnx_weights import materialise
 from v4compile.formats import fp4_quant
 from v4compile.ir.types import TensorType
@@ -46,10 +46,10 @@ def _weights(seed: int, quantised):
     return packed, scales
 
 
-def _model(N: int, route_weight: str, w, scales, graph=Graph, act: str = "native"):
+def _model(N: int, route_weight: str, w, scales, act: str = "native"):
     """One MoE step as an ONNX model: inputs x [N, D] (act "fp8": as the FP8 GEMMs see it), weights,
     indices [N, K] and the derived expert weights; also the derived entries (how the runtime builds those)."""
-    g = graph("moe")
+    g = Graph("moe")
     xt = TensorType((N, D), "fp32")
     it = TensorType((N, K), "i64")
     dt = "fp4x2" if scales else {torch.float32: "fp32", torch.bfloat16: "bf16"}[w["w1"].dtype]
@@ -148,7 +148,7 @@ def _check_against_reference(quantised, route_weight, act="native"):
 
 def test_dense_fp8_activation_faults_are_caught(monkeypatch):
     """w2's input not rounded to FP8 on the dense path fails the fp8 comparison above."""
-    monkeypatch.setattr(Graph, "act_qdq", lambda self, x, xt, block=128: x)
+    monkeypatch.setattr(quant, "act_qdq", lambda g, x, xt, block=128: x)
     with pytest.raises(AssertionError):
         _check_against_reference(False, "after_w2", "fp8")
 
@@ -185,7 +185,7 @@ def test_dense_path_faults_are_caught(fault, monkeypatch):
         _check_against_reference(False, "after_w2")
 
 
-def test_no_node_copies_expert_weights(grouped):
+def test_no_node_copies_expert_weights(grouped, monkeypatch):
     """Every expert matrix is read by exactly one Gemm on its group of tokens, and by nothing else (no
     Gather / Slice of a stacked weight); a lowering that gathers the weights is caught."""
     w, scales = _weights(0, False)
@@ -194,11 +194,11 @@ def test_no_node_copies_expert_weights(grouped):
     assert len(readers) == 3 * E and set(readers) == {("Gemm", True)}
     assert {n for node in model.graph.node for n in node.input} & {"w1", "w2", "w3"} == set()
 
-    class Gathering(Graph):  # the old lowering: each expert's matrix picked out of the stack per step
-        def weight(self, w_, wt, scale=None, block=None, index=None):
-            return self.op("Gather", w_, self.iscalar(index), axis=0), wt.with_shape(*wt.shape[1:])
+    def gathering(g, w_, wt, scale=None, block=None, index=None):  # the old lowering: each expert's matrix
+        return g.op("Gather", w_, g.iscalar(index), axis=0), wt.with_shape(*wt.shape[1:])  # picked per step
 
-    bad, _ = _model(4, "after_w2", w, scales, graph=Gathering)
+    monkeypatch.setattr(linear, "weight", gathering)
+    bad, _ = _model(4, "after_w2", w, scales)
     assert set(_weight_readers(bad, {})) != {("Gemm", True)}
 
 

@@ -11,7 +11,8 @@ import torch
 from onnx import TensorProto, helper
 
 from v4compile.codegen.onnx import grouped_gemm, last_token
-from v4compile.codegen.onnx_export import Graph, Operands
+from v4compile.codegen.onnx.graph import Graph
+from v4compile.codegen.onnx_export import Operands
 from v4compile.ir.types import TensorType
 from v4compile.ops import op
 

@@ -1,4 +1,4 @@
-"""The cpu target's reads of a pool plane within a step (`Graph.read_rows`): the input plane's rows, patched
+"""The cpu target's reads of a pool plane within a step (`codegen/onnx/pool_rows.read_rows`): the input plane's rows, patched
 with the rows the step wrote before the read (a later write of a row wins), in the reader's shape. Exact:
 rows are copied, never computed. Each patch fault (no patch, the first write winning) is shown caught."""
 
@@ -9,7 +9,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from v4compile.codegen.onnx_export import Graph, Planes, value_info
+from v4compile.codegen.onnx import pool_rows
+from v4compile.codegen.onnx.graph import Graph, value_info
+from v4compile.codegen.onnx.pool_rows import Planes
 from v4compile.ir.types import TensorType
 
 ROWS, WIDTH = 16, 8
@@ -19,10 +21,10 @@ def _read_after_writes(graph=Graph, shape=None):
     """plane [16, 8]; two writes (rows w1 [3], w2 [2], -1 = skipped) then a read of rows r [2, 3]."""
     g = graph("reads")
     p = Planes("plane")
-    p = g.write_rows(p, "w1", "v1")
-    p = g.write_rows(p, "w2", "v2")
+    p = pool_rows.write_rows(g, p, "w1", "v1")
+    p = pool_rows.write_rows(g, p, "w2", "v2")
     before = len(g.nodes)
-    out = g.read_rows(p, "r", shape=shape)
+    out = pool_rows.read_rows(g, p, "r", shape=shape)
     n = len(g.nodes) - before
     g.op("Identity", out, out="y")
     g.inputs += [value_info("plane", TensorType((ROWS, WIDTH), "fp32")),
@@ -80,18 +82,18 @@ def test_patch_faults_are_caught(fault):
         _check(Broken)
 
 
-def _check_single_row_writes(graph=Graph, row=(WIDTH,)):
+def _check_single_row_writes(row=(WIDTH,)):
     """plane [16, *row]; three one-row writes (rows 9, 5, 9: the last wins; a -1 skipped one) declared with
     their static shapes, so the read takes the per-write Where patch; then a read of rows r [2, 3]."""
     import onnxruntime as ort
 
-    g = graph("reads1")
+    g = Graph("reads1")
     p = Planes("plane")
     names = ["w1", "w2", "w3", "w4"]
     for n in names:
-        p = g.write_rows(p, n, "v" + n[1], (1, *row))
+        p = pool_rows.write_rows(g, p, n, "v" + n[1], (1, *row))
     before = len(g.nodes)
-    out = g.read_rows(p, "r")
+    out = pool_rows.read_rows(g, p, "r")
     n_nodes = len(g.nodes) - before
     g.op("Identity", out, out="y")
     g.inputs += [value_info("plane", TensorType((ROWS, *row), "fp32")), value_info("r", TensorType((2, 3), "i64"))]
@@ -123,12 +125,11 @@ def test_one_row_writes_patch_with_a_where_each():
 
 
 @pytest.mark.parametrize("fault", ["unpatched", "first_write_wins"])
-def test_one_row_patch_faults_are_caught(fault):
+def test_one_row_patch_faults_are_caught(fault, monkeypatch):
     """The per-write patch left out, or applied in reverse write order (the first write of row 9 winning),
     is caught."""
-    class Broken(Graph):
-        def _patch_single_rows(self, got, rows, segs):
-            return got if fault == "unpatched" else super()._patch_single_rows(got, rows, segs[::-1])
-
+    real = pool_rows._patch_single_rows
+    monkeypatch.setattr(pool_rows, "_patch_single_rows",
+                        lambda g, got, rows, segs: got if fault == "unpatched" else real(g, got, rows, segs[::-1]))
     with pytest.raises(AssertionError):
-        _check_single_row_writes(Broken)
+        _check_single_row_writes()

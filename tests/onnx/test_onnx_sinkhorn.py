@@ -15,7 +15,7 @@ import torch
 from onnx import TensorProto, helper
 
 from v4compile.codegen.onnx import mhc
-from v4compile.codegen.onnx_export import Graph
+from v4compile.codegen.onnx.graph import Graph
 
 N, EPS, ITERS, M = 4, 1e-6, 20, 512
 TOL = 4e-7

@@ -29,7 +29,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from runtime_helpers import PROMPTS, step_inputs, tiny  # noqa: E402
-from v4compile.codegen import kernels  # noqa: E402
+from v4compile.codegen.kernels import interpreter  # noqa: E402
 from v4compile.program.execute import _typed, run_launch  # noqa: E402
 from v4compile.runtime.c_backend import CRuntime  # noqa: E402
 from v4compile.runtime.kernels import make_kernel_calls  # noqa: E402
@@ -43,9 +43,9 @@ REL = 1e-5
 def unfixed_interpreter(monkeypatch):
     """Triton's interpreter as a fresh process has it: any fixes an earlier test applied are undone (and put
     back afterwards), so only the code under test can apply them."""
-    for owner, name, original in kernels.UNFIXED:
+    for owner, name, original in interpreter.UNFIXED:
         monkeypatch.setattr(owner, name, original)
-    monkeypatch.setattr(kernels, "_FIXED", False)
+    monkeypatch.setattr(interpreter, "_FIXED", False)
 
 
 def _mismatches(only: tuple[str, ...] = ()) -> tuple[list[str], int, int]:
@@ -111,6 +111,6 @@ def test_interpreted_kernels_equal_their_references_with_official_numerics(unfix
 
 def test_the_unfixed_interpreter_is_caught(unfixed_interpreter, monkeypatch):
     """The fault put back: the host device's kernels on the unfixed interpreter (its fp8 cast) differ."""
-    monkeypatch.setattr(kernels, "interpreter_fixes", lambda: None)
+    monkeypatch.setattr(interpreter, "interpreter_fixes", lambda: None)
     bad, ran, _ = _mismatches(only=("qkv_norm_rope",))
     assert ran == 5 and any("kv_out" in b for b in bad), bad

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from runtime_helpers import tiny  # noqa: E402
 from runtime_helpers import PROMPTS, step_inputs  # noqa: E402
 from v4compile.codegen import kernels  # noqa: E402
+from v4compile.codegen.kernels import call as kernel_call  # noqa: E402
 from v4compile.codegen.kernels import KernelCall  # noqa: E402
 from v4compile.errors import CodegenError, DeviceError  # noqa: E402
 from v4compile.runtime.c_backend import CRuntime  # noqa: E402
@@ -106,7 +107,7 @@ def test_the_same_check_fails_on_the_old_orders(monkeypatch):
     fused MoE (decode: its pointers gathered from the up, router and down calls), the compress pair (decode:
     its two halves' pointers one after the other) and the attention tail (`out_proj` and, at decode,
     `attn_out_proj`: their phases' pointers one call after the other)."""
-    monkeypatch.setattr(kernels, "in_kernel_order", lambda name, fn, pointers, constexprs: list(pointers))
+    monkeypatch.setattr(kernel_call, "in_kernel_order", lambda name, fn, pointers, constexprs: list(pointers))
     _, prog, _ = _program("tiny")
     assert _misordered(build_schedule(prog, make_kernel_calls())) == {
         "mhc_kernel", "moe_down_kernel", "moe_fused_kernel", "compress_pair_kernel", "out_proj_kernel",
@@ -194,14 +195,14 @@ class _Trials:
                     if l.op in ops:
                         chosen.setdefault(f"{fam}:old", (fname, li))
         listed = {}  # the pointer order the family lists (what the schedule packed before the fix)
-        orig = kernels.in_kernel_order
+        orig = kernel_call.in_kernel_order
         try:
-            kernels.in_kernel_order = lambda name, fn, pointers, constexprs: list(pointers)
+            kernel_call.in_kernel_order = lambda name, fn, pointers, constexprs: list(pointers)
             for key, (fname, li) in chosen.items():
                 if key.endswith(":old"):
                     listed[key] = [p[0] for p in real(prog.functions[fname].launches[li])[-1].pointers]
         finally:
-            kernels.in_kernel_order = orig
+            kernel_call.in_kernel_order = orig
         launches = {id(prog.functions[f].launches[i]) for f, i in chosen.values()}
         self.calls, self.pairs = {}, {}
 

@@ -129,3 +129,40 @@ def test_the_host_device_after_a_compile_in_the_same_process_is_one_clear_error(
     kernel_calls_for("auto", "cuda")  # a GPU device runs the compiled binaries: no objection
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert kernel_calls_for("auto", "host") is not None
+
+
+SUPPORT_ONLY = """
+import os, sys
+os.environ.pop("TRITON_INTERPRET", None)  # as a compile leaves it: Triton not switched to its interpreter
+from v4compile.codegen import kernels
+from v4compile.runtime.kernels import kernel_calls_for
+families = [m for m in sys.modules if m.startswith("v4compile.codegen.kernels.")
+            and m.rpartition(".")[2] not in kernels.SUPPORT]
+assert not families, families  # the case under test: only the support modules loaded
+if {fault!r}:
+    kernels.SUPPORT = ()
+kernel_calls_for("auto", "host")
+"""
+
+
+def _host_after_support_only(fault: bool = False) -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", SUPPORT_ONLY.format(fault=fault)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_support_modules_alone_leave_the_host_device_free():
+    """The kernels package's support modules (`kernels.SUPPORT`: KernelCall, the flags, the dtype tables,
+    torch execution, the interpreter fixes) define no @triton.jit kernel, and every compile loads them: a
+    process that loaded only them may still choose the interpreter for the host device."""
+    _host_after_support_only()
+
+
+def test_support_modules_taken_for_kernel_modules_are_caught():
+    """The fault: the support modules counted as kernel modules (`SUPPORT` emptied) refuse the host device
+    in that same process."""
+    with pytest.raises(AssertionError, match="imported them for compiling"):
+        _host_after_support_only(fault=True)
