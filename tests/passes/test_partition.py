@@ -13,7 +13,7 @@ import torch
 from conftest import dense_weights, make_model
 from v4compile.config import preset
 from v4compile.errors import InputError, IRError
-from v4compile.harness import DenseSource, Scenario
+from v4compile.harness import Scenario
 from v4compile.ir.interpret import interpret_ranks
 from v4compile.ir.registry import get_op
 from v4compile.ops.collective import owner_table
@@ -22,6 +22,7 @@ from v4compile.passes.base import get_pass
 from v4compile.passes.numerics import NumericsCheck
 from v4compile.targets import TARGETS
 from v4compile.trace import TraceOptions, trace
+from v4compile.weights_convert import DenseSource
 
 OPTS = dict(batch=2, chunk=16, decode_batch=2, capacity=64)
 TOL = 1e-5  # of the logit scale: the ranks' partial sums round otherwise than the whole sum (fp32: ~1e-7)
@@ -208,8 +209,8 @@ def test_cpu_pipeline_after_the_partition():
 def decode_error(traced, tp, ep) -> float:
     """One decode step of the partitioned module, its ranks in lockstep on the same seeded inputs, against
     the unpartitioned module (relative to its largest logit); the ranks' logits must agree bit for bit."""
-    from v4compile.harness import load_ir_weights
     from v4compile.ir.interpret import interpret
+    from v4compile.weights_convert import load_ir_weights
 
     m = get_pass("partition", {"tp": tp, "ep": ep}).run(traced).module
     source = DenseSource(dense_weights("tiny"))
@@ -270,9 +271,9 @@ def test_rank_weights_written_per_rank(tmp_path):
 
     from v4compile.driver import write_rank_weights
     from v4compile.errors import ArtifactError
-    from v4compile.harness import load_ir_weights
     from v4compile.manifest import _check_parallel
-    from v4compile.weights_io import MappedWeights
+    from v4compile.weights_convert import load_ir_weights
+    from v4compile.weights_map import MappedWeights
 
     m = cpu_partitioned()
     source = DenseSource(dense_weights("tiny"))
@@ -358,9 +359,10 @@ def test_onnx_segments_run_the_partitioned_function(fault=None):
     ranks with the sums between them: the interpreter's logits and states (every rank in lockstep).
     `fault` (`test_segments_check_fails_without_the_sums`): breaks the segment runner after the expectation."""
     from v4compile.codegen.onnx_segments import export_segments
-    from v4compile.harness import PagedAllocator, load_ir_weights
+    from v4compile.harness import PagedAllocator
     from v4compile.ir.types import DTYPES
     from v4compile.pool import PoolGeometry
+    from v4compile.weights_convert import load_ir_weights
 
     m = cpu_partitioned()
     fn = m.functions["prefill"]
@@ -414,9 +416,10 @@ def gloo_plan(tmp_path_factory):
     import json
 
     from v4compile.codegen.onnx_segments import export_segments
-    from v4compile.harness import PagedAllocator, load_ir_weights
+    from v4compile.harness import PagedAllocator
     from v4compile.ir.types import DTYPES
     from v4compile.pool import PoolGeometry
+    from v4compile.weights_convert import load_ir_weights
 
     d = tmp_path_factory.mktemp("gloo")
     m = cpu_partitioned()
