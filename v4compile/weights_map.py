@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import weights_disk as disk  # its open_direct and default_workers looked up when used
+# open_direct and default_workers are looked up when used (as in weights_write).
+from . import weights_disk as disk
 from .errors import CheckpointError
 from .shard_digest import EMPTY, Lanes, combine, segments
 from .weights_disk import DIRECT_ALIGN, ST_DTYPE, Progress

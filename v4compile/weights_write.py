@@ -40,7 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from . import weights_disk as disk  # its DIRECT_BYTES, open_direct and default_workers looked up when used
+# DIRECT_BYTES, open_direct and default_workers are looked up when used: what a test or bench sets in
+# weights_disk reaches the writer and the reader alike.
+from . import weights_disk as disk
 from .errors import CheckpointError, IRError
 from .shard_digest import Lanes, Tree, combine, tree_digest
 from .weights_disk import DIRECT_ALIGN, ST_DTYPE, Progress

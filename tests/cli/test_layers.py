@@ -14,7 +14,8 @@ Three checks, each shown to fail on a fault of its kind:
   `__init__` or a re-export pulls in is caught here), and the runtime never loads the passes or the tracer;
 * the loader of an artifact (`artifact.py`, its weights `weights_map.py`) stands on nothing of the compiler's
   weight walk, the tracer, the IR harness or the reference model: not in its imports at any depth, and not
-  in a fresh process that imports the runtime and loads an artifact's weights.
+  in a fresh process that imports the runtime and loads an artifact's weights; and that weight walk
+  (plan, convert, write) goes around the tracer and the harness.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ RUNTIME_NEVER = ("v4compile.passes", "v4compile.trace", "v4compile.frontend", "v
 LOADER = ("v4compile.artifact", "v4compile.weights_map")
 LOADER_NEVER = ("v4compile.trace", "v4compile.harness", "v4compile.model", "v4compile.checkpoint",
                 "v4compile.weights_convert", "v4compile.weights_plan", "v4compile.weights_write")
+# Writing an artifact's weights at compile time: planned, converted, written; the IR is an input, not a tool.
+WEIGHT_WALK = ("v4compile.weights_plan", "v4compile.weights_write", "v4compile.rank_weights")
+WEIGHT_WALK_NEVER = ("v4compile.trace", "v4compile.harness")
 
 
 def _within(mod: str, pkg: str) -> bool:
@@ -229,27 +233,41 @@ def test_a_layer_loading_a_higher_one_is_caught(tmp_path):
     assert r.returncode == 1 and "v4compile.runtime.session" in r.stdout, r.stdout + r.stderr
 
 
-def loader_reaches(srcs: dict[str, tuple[Path, str]]) -> list[str]:
-    """The compile-time modules (`LOADER_NEVER`) that the loader's imports reach, at any depth (imports
-    inside functions too; importing a module runs its packages' `__init__` first)."""
-    seen, todo = set(), list(LOADER)
+def reaches(srcs: dict[str, tuple[Path, str]], roots: tuple[str, ...], never: tuple[str, ...]) -> list[str]:
+    """The modules of `never` that the imports of `roots` reach, at any depth (imports inside functions
+    too; importing a module runs its packages' `__init__` first)."""
+    seen, todo = set(), list(roots)
     while todo:
         mod = todo.pop()
         if mod not in seen and mod in srcs:
             seen.add(mod)
             todo += [d for _, d in imports(mod, *srcs[mod], srcs)] + [mod.rpartition(".")[0]]
-    return sorted(m for m in seen if any(_within(m, n) for n in LOADER_NEVER))
+    return sorted(m for m in seen if any(_within(m, n) for n in never))
 
 
 def test_the_artifact_loader_imports_nothing_of_how_weights_are_made():
-    assert loader_reaches(sources()) == []
+    assert reaches(sources(), LOADER, LOADER_NEVER) == []
 
 
 def test_a_loader_reaching_the_harness_is_caught():
     """The fault: the shard reader converting through the IR harness inside a function (the old
     `weights_io` did: its loader sat in the module that called `harness._fetch` and `trace.expand_sources`)."""
     srcs = _add_line(sources(), "v4compile.weights_map", "def _f():\n    from .harness import IRRunner")
-    assert {"v4compile.harness", "v4compile.model", "v4compile.model.reference"} <= set(loader_reaches(srcs))
+    assert {"v4compile.harness", "v4compile.model", "v4compile.model.reference"} <= \
+        set(reaches(srcs, LOADER, LOADER_NEVER))
+
+
+@pytest.mark.parametrize("fault", [None, "the plan expands sources through the tracer",
+                                   "a rank's part converted through the harness"])
+def test_the_compile_time_weight_walk_goes_around_the_tracer_and_the_harness(fault):
+    """Planning, converting and writing an artifact's weights (`WEIGHT_WALK`) reach neither the tracer
+    nor the IR harness. The faults put back the two detours the old `weights_io` took."""
+    srcs = sources()
+    if fault == "the plan expands sources through the tracer":
+        srcs = _add_line(srcs, "v4compile.weights_plan", "def _f():\n    from .trace import TraceOptions")
+    elif fault:
+        srcs = _add_line(srcs, "v4compile.rank_weights", "def _f():\n    from .harness import IRRunner")
+    assert (reaches(srcs, WEIGHT_WALK, WEIGHT_WALK_NEVER) == []) == (fault is None)
 
 
 LOAD_PROBE = textwrap.dedent('''
