@@ -62,10 +62,10 @@ def big_tiny():
 
 
 def _frontend(cfg, capacity):
-    from v4compile.harness import DenseSource
     from v4compile.init_random import random_source
     from v4compile.trace import trace
     from v4compile.weights import spec_table
+    from v4compile.weights_convert import DenseSource
 
     opts = TraceOptions(numerics="hf", dtype="fp32", capacity=capacity)
     src, specs = random_source(cfg, 0), spec_table(cfg)

@@ -46,17 +46,18 @@ def span(stage: str, fn, nbytes=lambda *a, **k: 0):
 
 
 def instrument() -> None:
-    from v4compile import shard_digest, weights_io
+    from v4compile import shard_digest, weights_write
 
-    weights_io._Reader.read_into = span("read", weights_io._Reader.read_into, lambda s, p, o, v: len(v))
-    weights_io._check_bits = span("nan", weights_io._check_bits, lambda r, s, p, b, at, lo, hi: hi - lo)
-    weights_io._Conversions.place = span("convert", weights_io._Conversions.place, lambda s, sp, lo, hi, d: hi - lo)
+    weights_write._Reader.read_into = span("read", weights_write._Reader.read_into, lambda s, p, o, v: len(v))
+    weights_write._check_bits = span("nan", weights_write._check_bits, lambda r, s, p, b, at, lo, hi: hi - lo)
+    weights_write._Conversions.place = span("convert", weights_write._Conversions.place,
+                                            lambda s, sp, lo, hi, d: hi - lo)
 
-    class Os:  # weights_io's `os`, its pwrite timed
+    class Os:  # weights_write's `os`, its pwrite timed
         def __getattr__(self, name):
             return getattr(os, name)
         pwrite = staticmethod(span("write", os.pwrite, lambda fd, b, pos: len(b)))
-    weights_io.os = Os()
+    weights_write.os = Os()
 
     class Hash:
         def __init__(self, h):

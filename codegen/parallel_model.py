@@ -32,8 +32,8 @@ from v4compile.ir.core import Module
 from v4compile.ir.registry import get_op
 from v4compile.parallel import ParallelLayout, is_rank_local, split_shard
 from v4compile.targets import TARGETS
-from v4compile.trace import expand_sources
 from v4compile.weights import spec_table
+from v4compile.weights_convert import expand_sources
 
 
 def _kind(name: str, specs: dict) -> str:

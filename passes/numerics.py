@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from v4compile.harness import IRRunner, Scenario, ir_logits, load_ir_weights, max_error, reference_logits
+from v4compile.harness import IRRunner, Scenario, ir_logits, max_error, reference_logits
 from v4compile.ir.core import Module
 from v4compile.ir.interpret import interpret
 from v4compile.parallel import ParallelLayout, is_rank_local, spmd_interpreter
+from v4compile.weights_convert import load_ir_weights
 
 from .manager import PassManager, PipelineOptions, RunResult
 

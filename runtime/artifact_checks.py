@@ -9,7 +9,7 @@ never a pass over weight bytes.
   (every graph but a partitioned function's segment that ends at a collective: `codegen/onnx_segments.py`),
   each weight input has its tensor's shape, and the state the runtime allocates from the graph is bounded.
 * weights: each shard's header holds every tensor the manifest places there with the manifest's dtype and
-  shape (checked as the shards are mapped: `weights_io.MappedWeights`) and, for the program,
+  shape (checked as the shards are mapped: `weights_map.MappedWeights`) and, for the program,
   `program_weight_types`: the program's weight buffers are the manifest's tensors.
 * sidecars (`check_sidecar`): every field typed and within the target's limits (block threads, warp size,
   shared memory, grid, scratch sizes), and naming the manifest's kernel and binary.

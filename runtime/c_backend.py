@@ -131,7 +131,7 @@ class CRuntime:
             raise
 
     def _upload(self, weights, wbuf: dict[str, int]) -> None:
-        """Every weight into its buffer. An artifact's weights (`weights_io.MappedWeights`) are streamed in
+        """Every weight into its buffer. An artifact's weights (`weights_map.MappedWeights`) are streamed in
         file order through a few reused chunk buffers (hashed on the way when the load deferred their check),
         so host memory holds the weights once (host device) or not at all (GPU devices), never twice."""
         if not hasattr(weights, "chunks"):

@@ -25,7 +25,7 @@ def sha(path: Path) -> str:
     """The hash the manifest's `files` gives this file (a weights shard's is its `shard_digest`)."""
     if Path(path).suffix == ".safetensors":
         from v4compile.errors import ArtifactError
-        from v4compile.weights_io import shard_file_digest
+        from v4compile.weights_map import shard_file_digest
 
         return shard_file_digest(Path(path), ArtifactError)
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()

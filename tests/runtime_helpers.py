@@ -10,7 +10,7 @@ import torch
 
 from conftest import dense_weights
 from v4compile.config import preset
-from v4compile.harness import DenseSource, PagedAllocator, load_ir_weights
+from v4compile.harness import PagedAllocator
 from v4compile.model.batching import prefill_chunks
 from v4compile.passes import DEFAULT_PIPELINE, PassManager, PipelineOptions
 from v4compile.pool import PoolGeometry
@@ -20,6 +20,7 @@ from v4compile.program.verify import verify_program
 from v4compile.runtime.build import SOURCE_DIR, compile_shared
 from v4compile.targets import cache_root
 from v4compile.trace import TraceOptions, trace
+from v4compile.weights_convert import DenseSource, load_ir_weights
 
 FAKE_DIR = Path(__file__).parent / "fake_driver"
 

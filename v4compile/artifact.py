@@ -164,9 +164,9 @@ class Artifact:
 
     def weights(self, rank: int = 0):
         """The weights (of rank `rank` in a partitioned artifact: its own directory only), mapped
-        (`weights_io.MappedWeights`), every shard opened through `file` (listed, confined, a regular file);
+        (`weights_map.MappedWeights`), every shard opened through `file` (listed, confined, a regular file);
         the deferred shards are hashed as streamed."""
-        from .weights_io import MappedWeights
+        from .weights_map import MappedWeights
 
         files = self.manifest["files"]
         entry = self.rank_weights(rank)
@@ -236,7 +236,7 @@ def load_artifact(path: str | Path, verify: bool = True, defer_weights: bool = F
         if not verify or rel in deferred:
             continue
         if rel in shards:
-            from .weights_io import shard_file_digest
+            from .weights_map import shard_file_digest
 
             found = shard_file_digest(p, ArtifactError)
         else:

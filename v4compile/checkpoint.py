@@ -106,7 +106,7 @@ def _check_stacked(f: Path, key: str, info: TensorInfo, sl: Slice, cfg: V4Config
 
 
 class Checkpoint:
-    """A lazily read checkpoint, indexed by canonical tensor name."""
+    """A lazily read checkpoint, indexed by canonical tensor name (a `weights_convert.WeightSource`)."""
 
     def __init__(self, path: Path, cfg: V4Config, entries: dict[str, Entry], files: dict[Path, SafetensorsFile],
                  index_map: dict[str, str] | None, allow_nonfinite: bool = False):
@@ -266,6 +266,11 @@ class Checkpoint:
             scale = self.raw(name[: -len(".weight")] + ".scale")
             return fp4_dequant(t, scale, self.cfg.expert_scale_block, where).to(dtype)
         return t.to(dtype)
+
+    def rows(self, name: str) -> int:
+        """Its first axis, from the header (0 where no file holds it: `raw` names the problem)."""
+        e = self.entries.get(name)
+        return e.shape[0] if e is not None else 0
 
     def stored_range(self, name: str) -> tuple[Path, int, int]:
         """(file, absolute byte offset, byte count) of a canonical tensor's stored bytes, read by nothing

@@ -1,10 +1,11 @@
 """The compile driver: from a traced model to an artifact directory (the format: `artifact.py`).
 
 `compile_artifact` traces the model once per bucket, runs each requested target's pipeline once on the
-bucketed module, and writes the artifact: the weights streamed (`weights_io`: copied or converted piece
-by piece in a bounded window, so the whole model is never in memory; every shard and every tensor hashed
-as it is written, `weights.tensors.<name>.sha256`), the cpu target's ONNX models (`codegen/onnx_export`),
-the GPU targets' program and kernels (`codegen/gpu_target`), the report, and the manifest.
+bucketed module, and writes the artifact: the weights streamed (`weights_plan` / `weights_write`: copied or
+converted piece by piece in a bounded window, so the whole model is never in memory; every shard and every
+tensor hashed as it is written, `weights.tensors.<name>.sha256`), the cpu target's ONNX models
+(`codegen/onnx_export`), the GPU targets' program and kernels (`codegen/gpu_target`), the report, and the
+manifest.
 
 This is the top of the layers (tests/cli/test_layers.py): it may use the passes and codegen; nothing below
 imports it.
@@ -27,7 +28,7 @@ from .parallel import ParallelLayout
 from .rank_weights import RankTensors, rank_weights_module
 from .targets import GPU_TARGETS
 from .timing import Stages
-from .weights_io import WriteStopped
+from .weights_write import WriteStopped
 
 SHARD_BYTES = 1 << 30  # 1 GiB of tensor data per weights shard
 CPU_PROGRAM = "program.txt"  # an artifact without GPU targets: the program the host device runs
@@ -84,12 +85,13 @@ def trace_buckets(cfg, options, buckets: Buckets, formats: dict | None = None, s
 
 def write_weights(module: Module, source, wdir: Path, workers: int | None = None, rel: str = "weights",
                   share: int = 1, stop=None) -> tuple[dict[str, Any], dict[str, str]]:
-    """Shards of IR weights (at most SHARD_BYTES each; see `weights_io`: stored bytes copied where they
+    """Shards of IR weights (at most SHARD_BYTES each; see `weights_plan`: stored bytes copied where they
     are what the kernels read, converted otherwise, every file and tensor hashed as it is written).
     Returns the manifest's `weights` entry (each tensor with its `sha256`) and the shards' digests.
-    `share`, `stop`: one of that many writers at once, stopping when `stop` is set (`weights_io.write_shards`)."""
+    `share`, `stop`: one of that many writers at once, stopping when `stop` is set (`weights_write.write_shards`)."""
     from .shard_digest import HASH
-    from .weights_io import plan_weights, write_shards
+    from .weights_plan import plan_weights
+    from .weights_write import write_shards
 
     w = write_shards(plan_weights(module, source), source, wdir, SHARD_BYTES, workers=workers, rel=rel, share=share,
                      stop=stop)

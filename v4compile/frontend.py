@@ -12,9 +12,9 @@ import torch
 from .checkpoint import Checkpoint
 from .config import V4Config, preset
 from .errors import InputError
-from .harness import DenseSource
 from .ir.core import Module
 from .trace import TraceOptions, trace
+from .weights_convert import DenseSource
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,5 @@
 """Running IR functions like a runtime would, on CPU, and checking them against the reference model.
 
-* `load_ir_weights(module, source)`: the tensor of every IR weight, from a checkpoint or from dense
-  tensors, converted to the weight's IR type (quantised weights stay quantised; stacks are stacked;
-  several sources are concatenated along the first axis; a partitioned module's for one rank);
 * `IRRunner`: prefill / decode through the module's functions, carrying every state input (caches,
   pools) from one call's outputs to the next call's inputs by name;
 * `check_numerics`: the same seeded scenario through `ReferenceModel` and the IR, max logit error.
@@ -16,76 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InputError, IRError
+from .errors import InputError
 from .ir.core import Module
 from .ir.interpret import interpret
 from .ir.types import DTYPES
 from .model.batching import prefill_chunks
 from .pool import Allocator, PoolGeometry
-from .trace import expand_sources
 
 log = logging.getLogger(__name__)
 
 STEP_INPUTS = ("ids", "pos")
-
-
-class DenseSource:
-    """Canonical name -> float tensor (an in-memory model with no quantised storage)."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor]):
-        self.tensors = tensors
-
-    def dense(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        t = self.tensors[name]
-        return t if not t.is_floating_point() else t.to(dtype)
-
-    def raw(self, name: str) -> torch.Tensor:
-        raise IRError(f"weight '{name}' is quantised in the IR but the source has only dense tensors")
-
-
-def _fetch(source, name: str, dtype: str) -> torch.Tensor:
-    if dtype == "fp8e4m3":
-        return source.raw(name).view(torch.float8_e4m3fn)
-    if dtype == "fp4x2":
-        return source.raw(name).view(torch.int8)
-    if dtype == "e8m0":
-        t = source.raw(name)
-        if t.dtype == torch.float32:  # V3-style fp32 scale: a power of two, stored as a multiplier
-            from .formats import float_to_e8m0
-            t = float_to_e8m0(t)
-        return t.view(torch.float8_e8m0fnu)
-    t = source.dense(name, DTYPES[dtype]) if dtype in ("fp32", "bf16") else source.dense(name)
-    return t.to(DTYPES[dtype])
-
-
-def load_ir_weights(m: Module, source, only: set[str] | None = None, rank: int | None = None
-                    ) -> dict[str, torch.Tensor]:
-    """Every IR weight's tensor; in a partitioned module, rank `rank`'s (`parallel.py`: a source `name#tp:0`
-    is this rank's part of `name`)."""
-    from .parallel import ParallelLayout, rank_part, split_shard, synthesized
-
-    layout = ParallelLayout.of(m)
-    out: dict[str, torch.Tensor] = {}
-    for w in m.weights.values():
-        if only is not None and w.name not in only:
-            continue
-        parts = []
-        for s in w.sources:
-            base, group, axis = split_shard(s)
-            if group is not None and (layout is None or rank is None):
-                raise IRError(f"weight @{w.name} is rank-local ('{s}')",
-                              expected="a partitioned module loaded for one rank")
-            whole = synthesized(base, layout) if layout is not None else None
-            if whole is None:
-                fetched = [_fetch(source, n, w.type.dtype) for n in expand_sources((base,))]
-                whole = torch.stack(fetched) if "{0.." in base else fetched[0]
-            parts.append(whole if group is None else rank_part(whole, group, axis, layout, rank, f"weight @{w.name}"))
-        t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        if not w.type.matches(t):
-            raise IRError(f"weight @{w.name}: source tensors do not give its IR type", expected=str(w.type),
-                          found=f"{t.dtype} {list(t.shape)}")
-        out[w.name] = t
-    return out
 
 
 class PagedAllocator:

@@ -256,7 +256,7 @@ def _check_weights(w: dict, wk: str, listed) -> dict:
                  for i, d in enumerate(_list(_get(t, "shape", f"{key}.shape"), f"{key}.shape", MAX_RANK))]
         if math.prod(shape) > MAX_NUMEL:
             raise _err(f"`{key}.shape` has too many elements", expected=f"<= {MAX_NUMEL}", found=math.prod(shape))
-        if not shape_only:  # the tensor's bytes in its shard, hashed as written (`weights_io`; `weights.hash`)
+        if not shape_only:  # the tensor's bytes in its shard, hashed as written (`weights_write`; `weights.hash`)
             _sha(_get(t, "sha256", f"{key}.sha256"), f"{key}.sha256")
     if shape_only and shards:
         raise _err("a shape-only artifact lists weight shards", found=len(shards))

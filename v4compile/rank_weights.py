@@ -1,14 +1,14 @@
 """One rank's weights of a partitioned module (`parallel.py`), as the artifact writer reads them
 (`driver.write_rank_weights`): each weight its own source, its rank-local tensor cut from the checkpoint
-one weight at a time (`harness.load_ir_weights` for that rank).
+one weight at a time (`weights_convert.load_ir_weights` for that rank).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .harness import load_ir_weights
 from .ir.core import WEIGHT, Module, Value
+from .weights_convert import load_ir_weights
 
 
 def rank_weights_module(m: Module) -> Module:
@@ -18,12 +18,12 @@ def rank_weights_module(m: Module) -> Module:
 
 
 class RankTensors:
-    """A weight source of one rank of a partitioned module: weight name -> its rank-local tensor, read from
-    `source` one weight at a time when asked for (so a rank's weights are never all in memory at once)."""
+    """A weight source (`weights_convert.WeightSource`) of one rank of a partitioned module: weight name -> its
+    rank-local tensor, read from `source` one weight at a time when asked for (so a rank's weights are never
+    all in memory at once)."""
 
     def __init__(self, m: Module, source, rank: int):
         self.m, self.source, self.rank = m, source, rank
-        self.tensors = self  # `weights_io` reads the rows of a concatenation's parts from `tensors`
 
     def __getitem__(self, name: str) -> torch.Tensor:
         w = self.m.weights[name]
@@ -35,3 +35,8 @@ class RankTensors:
 
     def raw(self, name: str) -> torch.Tensor:
         return self[name]
+
+    def rows(self, name: str) -> int:
+        """From its IR type (the rank-local tensor's shape): nothing is read."""
+        w = self.m.weights.get(name)
+        return w.type.shape[0] if w is not None and w.type.shape else 0

@@ -44,6 +44,7 @@ from .model.cache import cache_input_name, layer_cache_shapes
 from .model.params import Params, experts_name
 from .model.reference import keeps_fp32
 from .weights import TensorSpec, spec_table
+from .weights_convert import expert_sources
 
 log = logging.getLogger(__name__)
 
@@ -79,23 +80,6 @@ class TraceOptions:
             raise InputError("unknown compute dtype", expected="fp32 / bf16", found=self.dtype)
         if self.weights not in ("dense", "released"):
             raise InputError("unknown weight format mode", expected="dense / released", found=self.weights)
-
-
-def expert_sources(prefix: str, w: str, n: int, suffix: str = "weight") -> tuple[str, ...]:
-    """Source pattern of a stacked expert weight: one string with an index range."""
-    return (f"{prefix}ffn.experts.{{0..{n - 1}}}.{w}.{suffix}",)
-
-
-def expand_sources(sources: tuple[str, ...]) -> list[str]:
-    out: list[str] = []
-    for s in sources:
-        if "{0.." in s:
-            head, rest = s.split("{0..", 1)
-            last, tail = rest.split("}", 1)
-            out += [f"{head}{i}{tail}" for i in range(int(last) + 1)]
-        else:
-            out.append(s)
-    return out
 
 
 def _ir_dtype(spec: TensorSpec, compute: str) -> str:

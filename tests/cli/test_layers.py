@@ -12,7 +12,11 @@ Three checks, each shown to fail on a fault of its kind:
 * no two modules import each other, even through a chain (a loop held together by imports inside
   functions is still a loop);
 * importing every module of a layer in a fresh process loads no module of a higher layer (what an
-  `__init__` or a re-export pulls in is caught here), and the runtime never loads the passes or the tracer.
+  `__init__` or a re-export pulls in is caught here), and the runtime never loads the passes or the tracer;
+* the loader of an artifact (`artifact.py`, its weights `weights_map.py`) stands on nothing of the compiler's
+  weight walk, the tracer, the IR harness or the reference model: not in its imports at any depth, and not
+  in a fresh process that imports the runtime and loads an artifact's weights; and that weight walk
+  (plan, convert, write) goes around the tracer and the harness.
 """
 
 from __future__ import annotations
@@ -34,6 +38,13 @@ TOP = ("v4compile.driver", "v4compile.report", "v4compile.cli", "v4compile.__mai
 PACKAGE = "v4compile"  # the package module (not its submodules): top
 # The runtime runs a compiled artifact: the pass pipeline and the tracer are the compiler's, not its.
 RUNTIME_NEVER = ("v4compile.passes", "v4compile.trace", "v4compile.frontend", "v4compile.driver")
+# Loading an artifact's weights needs its manifest and shards only: not how they were made.
+LOADER = ("v4compile.artifact", "v4compile.weights_map")
+LOADER_NEVER = ("v4compile.trace", "v4compile.harness", "v4compile.model", "v4compile.checkpoint",
+                "v4compile.weights_convert", "v4compile.weights_plan", "v4compile.weights_write")
+# Writing an artifact's weights at compile time: planned, converted, written; the IR is an input, not a tool.
+WEIGHT_WALK = ("v4compile.weights_plan", "v4compile.weights_write", "v4compile.rank_weights")
+WEIGHT_WALK_NEVER = ("v4compile.trace", "v4compile.harness")
 
 
 def _within(mod: str, pkg: str) -> bool:
@@ -274,3 +285,90 @@ def test_a_layer_loading_a_higher_one_is_caught(tmp_path):
                                         + "\nimport v4compile.runtime.session\n")
     r = _probe("core", overlay=str(tmp_path))
     assert r.returncode == 1 and "v4compile.runtime.session" in r.stdout, r.stdout + r.stderr
+
+
+def reaches(srcs: dict[str, tuple[Path, str]], roots: tuple[str, ...], never: tuple[str, ...]) -> list[str]:
+    """The modules of `never` that the imports of `roots` reach, at any depth (imports inside functions
+    too; importing a module runs its packages' `__init__` first)."""
+    seen, todo = set(), list(roots)
+    while todo:
+        mod = todo.pop()
+        if mod not in seen and mod in srcs:
+            seen.add(mod)
+            todo += [d for _, d in imports(mod, *srcs[mod], srcs)] + [mod.rpartition(".")[0]]
+    return sorted(m for m in seen if any(_within(m, n) for n in never))
+
+
+def test_the_artifact_loader_imports_nothing_of_how_weights_are_made():
+    assert reaches(sources(), LOADER, LOADER_NEVER) == []
+
+
+def test_a_loader_reaching_the_harness_is_caught():
+    """The fault: the shard reader converting through the IR harness inside a function (the old
+    `weights_io` did: its loader sat in the module that called `harness._fetch` and `trace.expand_sources`)."""
+    srcs = _add_line(sources(), "v4compile.weights_map", "def _f():\n    from .harness import IRRunner")
+    assert {"v4compile.harness", "v4compile.model", "v4compile.model.reference"} <= \
+        set(reaches(srcs, LOADER, LOADER_NEVER))
+
+
+@pytest.mark.parametrize("fault", [None, "the plan expands sources through the tracer",
+                                   "a rank's part converted through the harness"])
+def test_the_compile_time_weight_walk_goes_around_the_tracer_and_the_harness(fault):
+    """Planning, converting and writing an artifact's weights (`WEIGHT_WALK`) reach neither the tracer
+    nor the IR harness. The faults put back the two detours the old `weights_io` took."""
+    srcs = sources()
+    if fault == "the plan expands sources through the tracer":
+        srcs = _add_line(srcs, "v4compile.weights_plan", "def _f():\n    from .trace import TraceOptions")
+    elif fault:
+        srcs = _add_line(srcs, "v4compile.rank_weights", "def _f():\n    from .harness import IRRunner")
+    assert (reaches(srcs, WEIGHT_WALK, WEIGHT_WALK_NEVER) == []) == (fault is None)
+
+
+LOAD_PROBE = textwrap.dedent('''
+    import sys
+    overlay, art, never = sys.argv[1], sys.argv[2], {never!r}
+    if overlay:  # the deliberately broken case: the shard reader replaced by a copy that imports more
+        import v4compile
+        v4compile.__path__.insert(0, overlay)
+    import v4compile.runtime
+    from v4compile.artifact import load_artifact
+    w = load_artifact(art, defer_weights=True).weights()
+    n = sum(1 for _ in w.stream()) + sum(1 for _ in w.chunks())
+    w.close()
+    bad = sorted(m for m in sys.modules if any(m == p or m.startswith(p + ".") for p in never))
+    print("tensors:", n, "loaded:", bad)
+    sys.exit(1 if bad or not n else 0)
+''')
+
+
+@pytest.fixture(scope="module")
+def tiny_artifact(tmp_path_factory):
+    out = tmp_path_factory.mktemp("art") / "tiny"
+    r = subprocess.run([sys.executable, "-m", "v4compile", "compile", "--preset", "tiny", "--target", "cpu",
+                        "--decode-buckets", "1", "--prefill-buckets", "16", "-o", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def _load_probe(art: Path, overlay: str = "") -> subprocess.CompletedProcess:
+    code = LOAD_PROBE.format(never=LOADER_NEVER)
+    return subprocess.run([sys.executable, "-c", code, overlay, str(art)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+
+
+def test_loading_an_artifacts_weights_loads_nothing_of_how_they_are_made(tiny_artifact):
+    """A fresh process imports the runtime, loads a compiled artifact and reads every weight (mapped views
+    and chunks, hashed): the tracer, the IR harness, the reference model and the weight writer stay
+    unloaded."""
+    r = _load_probe(tiny_artifact)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_loading_weights_that_pull_in_the_harness_is_caught(tiny_artifact, tmp_path):
+    """The fault: `weights_map.py` as it is, plus one import of the IR harness (which loads the model)."""
+    (tmp_path / "weights_map.py").write_text((ROOT / "v4compile" / "weights_map.py").read_text()
+                                             + "\nimport v4compile.harness\n")
+    r = _load_probe(tiny_artifact, overlay=str(tmp_path))
+    assert r.returncode == 1 and "v4compile.harness" in r.stdout and "v4compile.model" in r.stdout, \
+        r.stdout + r.stderr

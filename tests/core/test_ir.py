@@ -11,12 +11,13 @@ from conftest import dense_weights, make_model
 from v4compile.checkpoint import Checkpoint
 from v4compile.config import preset
 from v4compile.errors import IRError
-from v4compile.harness import DenseSource, IRRunner, Scenario, ir_logits, load_ir_weights, max_error, reference_logits
+from v4compile.harness import IRRunner, Scenario, ir_logits, max_error, reference_logits
 from v4compile.init_random import init_random
 from v4compile.ir.core import Module
 from v4compile.ir.text import parse_module, print_module
 from v4compile.ir.verify import verify
 from v4compile.trace import TraceOptions, trace
+from v4compile.weights_convert import DenseSource, load_ir_weights
 
 PRO = TraceOptions(batch=1, chunk=512, decode_batch=64, capacity=1 << 20, weights="released", dtype="bf16")
 

@@ -81,7 +81,7 @@ def test_cores_are_counted_in_threads_py_only():
 
 @pytest.mark.parametrize("path, line", [
     ("codegen/aot.py", "def _jobs(jobs):\n    return jobs or os.cpu_count() or 1"),  # what aot.py had
-    ("v4compile/weights_io.py", "def _cores():\n    return len(os.sched_getaffinity(0))"),  # weights_io's copy
+    ("v4compile/weights_disk.py", "def _cores():\n    return len(os.sched_getaffinity(0))"),  # the old weights_io copy
     ("runtime/session.py", "from os import cpu_count"),
 ])
 def test_a_second_core_count_is_caught(path, line):

@@ -12,7 +12,7 @@ import torch
 from conftest import dense_weights
 from v4compile.config import preset
 from v4compile.errors import IRError
-from v4compile.harness import DenseSource, IRRunner, Scenario, ir_logits, load_ir_weights
+from v4compile.harness import IRRunner, Scenario, ir_logits
 from v4compile.ir.core import Function, Module
 from v4compile.ir.types import BYTES
 from v4compile.passes import DEFAULT_PIPELINE, PassManager, PipelineOptions
@@ -22,6 +22,7 @@ from v4compile.program.execute import Buffers, execute
 from v4compile.program.text import parse_program, print_program
 from v4compile.program.verify import verify_program
 from v4compile.trace import TraceOptions, trace
+from v4compile.weights_convert import DenseSource, load_ir_weights
 
 
 def lowered(name: str, numerics: str = "hf", decode_batch: int = 3, batch: int = 3) -> Module:

@@ -24,11 +24,12 @@ from conftest import dense_weights  # noqa: E402
 from kernel_check import assert_matches, bf16_ulp, poisoned  # noqa: E402
 from v4compile.codegen.kernels import launch  # noqa: E402
 from v4compile.config import preset  # noqa: E402
-from v4compile.harness import DenseSource, IRRunner, Scenario, ir_logits, load_ir_weights  # noqa: E402
+from v4compile.harness import IRRunner, Scenario, ir_logits  # noqa: E402
 from v4compile.ir.core import WEIGHT  # noqa: E402
 from v4compile.ir.registry import get_op  # noqa: E402
 from v4compile.passes import DEFAULT_PIPELINE, PassManager  # noqa: E402
 from v4compile.trace import TraceOptions, trace  # noqa: E402
+from v4compile.weights_convert import DenseSource, load_ir_weights  # noqa: E402
 
 FAMILIES = {"mhc", "qkv_norm_rope", "compress", "csr", "indexer", "sparse_attention", "pool_write"}
 # Prefill chunk 2 = tokens 32..47: seq 0 (40 tokens) ends inside it, seq 1 (30) is padding only. The hf

@@ -14,12 +14,13 @@ import torch
 
 from conftest import dense_weights
 from v4compile.config import preset
-from v4compile.harness import DenseSource, IRRunner, Scenario, ir_logits, load_ir_weights
+from v4compile.harness import IRRunner, Scenario, ir_logits
 from v4compile.ir.verify import verify
 from v4compile.passes import DEFAULT_PIPELINE, PassManager, PipelineOptions
 from v4compile.program.build import build_program
 from v4compile.program.execute import Buffers, execute
 from v4compile.trace import TraceOptions, trace
+from v4compile.weights_convert import DenseSource, load_ir_weights
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-4

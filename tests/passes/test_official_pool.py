@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from v4compile.config import CSA, HCA, SWA, preset
-from v4compile.harness import DenseSource, IRRunner, Scenario, ir_logits, max_error
+from v4compile.harness import IRRunner, Scenario, ir_logits, max_error
 from v4compile.init_random import random_source
 from v4compile.model import ReferenceModel
 from v4compile.model.reference import build_weights
@@ -33,6 +33,7 @@ from v4compile.passes.manager import PipelineOptions
 from v4compile.passes.numerics import NumericsCheck, first_diverging_ops
 from v4compile.trace import TraceOptions, trace
 from v4compile.weights import spec_table
+from v4compile.weights_convert import DenseSource
 
 pytestmark = pytest.mark.isa  # exact on torch's CPU kernels: CI runs it again under a second instruction set
 

@@ -23,7 +23,7 @@ import torch
 from v4compile import frontend
 from v4compile.config import preset
 from v4compile.ops import op
-from v4compile.harness import IRRunner, PagedAllocator, Scenario, load_ir_weights, max_error, reference_logits
+from v4compile.harness import IRRunner, PagedAllocator, Scenario, max_error, reference_logits
 from v4compile.init_random import init_random
 from v4compile.model.batching import prefill_chunks
 from v4compile.passes import DEFAULT_PIPELINE, PassManager, PipelineOptions
@@ -34,6 +34,7 @@ from v4compile.program.execute import Buffers, execute
 from v4compile.program.verify import verify_program
 from v4compile.runtime.c_backend import CRuntime
 from v4compile.trace import TraceOptions
+from v4compile.weights_convert import load_ir_weights
 
 NEW = 32
 PROMPTS = [[5, 77, 301, 12, 9, 400, 33, 2, 18, 250, 7, 91, 66, 3, 140, 88, 21, 404, 11, 500],

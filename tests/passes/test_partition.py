@@ -13,7 +13,7 @@ import torch
 from conftest import dense_weights, make_model
 from v4compile.config import preset
 from v4compile.errors import InputError, IRError
-from v4compile.harness import DenseSource, Scenario
+from v4compile.harness import Scenario
 from v4compile.ir.interpret import interpret_ranks
 from v4compile.ir.registry import get_op
 from v4compile.ops.collective import owner_table
@@ -22,6 +22,7 @@ from v4compile.passes.base import get_pass
 from v4compile.passes.numerics import NumericsCheck
 from v4compile.targets import TARGETS
 from v4compile.trace import TraceOptions, trace
+from v4compile.weights_convert import DenseSource
 
 pytestmark = pytest.mark.isa  # exact on torch's CPU kernels: CI runs it again under a second instruction set
 
@@ -210,8 +211,8 @@ def test_cpu_pipeline_after_the_partition():
 def decode_error(traced, tp, ep) -> float:
     """One decode step of the partitioned module, its ranks in lockstep on the same seeded inputs, against
     the unpartitioned module (relative to its largest logit); the ranks' logits must agree bit for bit."""
-    from v4compile.harness import load_ir_weights
     from v4compile.ir.interpret import interpret
+    from v4compile.weights_convert import load_ir_weights
 
     m = get_pass("partition", {"tp": tp, "ep": ep}).run(traced).module
     source = DenseSource(dense_weights("tiny"))
@@ -266,14 +267,13 @@ def test_report_parallel_section(capsys):
 
 def _checkpoint_whole(source, base: str, dtype: str, layout) -> torch.Tensor:
     """A source's whole tensor as the checkpoint (or the layout's ownership table) gives it, in the IR dtype."""
-    from v4compile.harness import _fetch
     from v4compile.parallel import synthesized
-    from v4compile.trace import expand_sources
+    from v4compile.weights_convert import expand_sources, ir_tensor
 
     whole = synthesized(base, layout)
     if whole is not None:
         return whole
-    fetched = [_fetch(source, n, dtype) for n in expand_sources((base,))]
+    fetched = [ir_tensor(source, n, dtype) for n in expand_sources((base,))]
     return torch.stack(fetched) if "{0.." in base else fetched[0]
 
 
@@ -315,7 +315,7 @@ def _rebuilt_from_ranks(m, source, ranks: list) -> dict[str, int]:
 def _write_and_map(m, source, tmp_path):
     from v4compile.driver import write_rank_weights
     from v4compile.errors import ArtifactError
-    from v4compile.weights_io import MappedWeights
+    from v4compile.weights_map import MappedWeights
 
     weights, hashed, par = write_rank_weights(m, source, tmp_path)
     mapped = [MappedWeights(tmp_path, par["rank_weights"][r]["tensors"], ArtifactError) for r in range(par["world"])]
@@ -365,7 +365,8 @@ def test_rank_weights_with_swapped_parts_fail_the_rebuild(tmp_path, monkeypatch)
     """The planted fault: `parallel.rank_part` hands rank r the chunk of rank world-1-r. The old round trip
     (the written tensors against `load_ir_weights`, which calls the same `rank_part`) still held; the rebuild
     from the parts does not give the checkpoint tensors back."""
-    from v4compile import harness, parallel
+    from v4compile import parallel
+    from v4compile.weights_convert import load_ir_weights
 
     m = cpu_partitioned()
     source = DenseSource(dense_weights("tiny"))
@@ -373,7 +374,7 @@ def test_rank_weights_with_swapped_parts_fail_the_rebuild(tmp_path, monkeypatch)
     monkeypatch.setattr(parallel, "rank_part", lambda t, group, axis, layout, rank, what:
                         real(t, group, axis, layout, layout.world - 1 - rank, what))
     _, _, _, got = _write_and_map(m, source, tmp_path)
-    want = harness.load_ir_weights(m, source, rank=1)
+    want = load_ir_weights(m, source, rank=1)
     assert all(torch.equal(got[1][n], want[n]) for n in want)  # what the old test checked: it passes
     with pytest.raises(AssertionError, match="do not rebuild it"):
         _rebuilt_from_ranks(m, source, got)
@@ -432,9 +433,10 @@ def test_onnx_segments_run_the_partitioned_function(fault=None):
     ranks with the sums between them: the interpreter's logits and states (every rank in lockstep).
     `fault` (`test_segments_check_fails_without_the_sums`): breaks the segment runner after the expectation."""
     from v4compile.codegen.onnx_segments import export_segments
-    from v4compile.harness import PagedAllocator, load_ir_weights
+    from v4compile.harness import PagedAllocator
     from v4compile.ir.types import DTYPES
     from v4compile.pool import PoolGeometry
+    from v4compile.weights_convert import load_ir_weights
 
     m = cpu_partitioned()
     fn = m.functions["prefill"]
@@ -488,9 +490,10 @@ def gloo_plan(tmp_path_factory):
     import json
 
     from v4compile.codegen.onnx_segments import export_segments
-    from v4compile.harness import PagedAllocator, load_ir_weights
+    from v4compile.harness import PagedAllocator
     from v4compile.ir.types import DTYPES
     from v4compile.pool import PoolGeometry
+    from v4compile.weights_convert import load_ir_weights
 
     d = tmp_path_factory.mktemp("gloo")
     m = cpu_partitioned()

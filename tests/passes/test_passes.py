@@ -18,7 +18,7 @@ import torch
 
 from conftest import dense_weights, make_model
 from v4compile.config import preset
-from v4compile.harness import DenseSource, IRRunner, Scenario, ir_logits, load_ir_weights, reference_logits
+from v4compile.harness import IRRunner, Scenario, ir_logits, reference_logits
 from v4compile.ir.core import WEIGHT
 from v4compile.ir.registry import get_op
 from v4compile.ir.types import DTYPES
@@ -27,6 +27,7 @@ from v4compile.passes.numerics import NumericsCheck
 from v4compile.pool import PoolGeometry
 from v4compile.report import build_report, launch_counts
 from v4compile.trace import TraceOptions, trace
+from v4compile.weights_convert import DenseSource, load_ir_weights
 
 OPTS = dict(batch=2, chunk=16, decode_batch=2, capacity=160)
 RTOL = 1e-5

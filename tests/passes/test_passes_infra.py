@@ -12,7 +12,7 @@ import pytest
 from conftest import dense_weights, make_model
 from v4compile.config import preset
 from v4compile.errors import PassError
-from v4compile.harness import DenseSource, Scenario
+from v4compile.harness import Scenario
 from v4compile.ir.core import Function
 from v4compile.ir.text import parse_module
 from v4compile.passes import PIPELINES, PROGRAM_PASSES, PassManager, PipelineOptions, get_pass, parse_pass_spec
@@ -22,6 +22,7 @@ from v4compile.passes.pipeline import LAUNCH_ONLY_PASSES
 from v4compile.passes.numerics import NumericsCheck, bisect
 from v4compile.passes.rewrite import new_module
 from v4compile.trace import TraceOptions, trace
+from v4compile.weights_convert import DenseSource
 
 OPTS = TraceOptions(batch=2, chunk=16, decode_batch=2, capacity=160)
 CORRUPT = "testing-corrupt{op=rms_norm,index=9}"

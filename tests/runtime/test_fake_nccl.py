@@ -19,9 +19,9 @@ from conftest import dense_weights
 from runtime_helpers import Fake, fake_nccl, fake_table
 from v4compile.config import preset
 from v4compile.errors import DeviceError
-from v4compile.harness import DenseSource, load_ir_weights
 from v4compile.ir.registry import get_op
 from v4compile.runtime.c_backend import CRuntime, comm_unique_id
+from v4compile.weights_convert import DenseSource, load_ir_weights
 
 NCCL_TYPE = {"fp32": 7, "bf16": 9}
 

@@ -25,11 +25,11 @@ from v4compile.errors import DeviceError
 from v4compile.runtime.c_backend import ABI_VERSION, HOST_KERNEL, load_library
 from v4compile.runtime.schedule import Schedule
 from v4compile.safetensors_io import write_file
-from v4compile.weights_io import MappedWeights
+from v4compile.weights_map import MappedWeights
 
 DRIVERS = ("cuda", "hip")
 STAGE_BYTES, STAGE_MIN = 16 << 20, 1 << 20  # drv_gpu.h's defaults (V4RT_STAGE_BYTES, V4RT_STAGE_MIN)
-CHUNK = 8 << 20  # the reader's chunk (weights_io.CHUNK_BYTES)
+CHUNK = 8 << 20  # the reader's chunk (weights_map.CHUNK_BYTES)
 # float32 element counts, in file order: small ones before the first large one (pageable copies), one
 # larger than both staging buffers together, small ones between large ones, odd sizes throughout
 SIZES = {"a0": 3, "a1": 70_001, "b_big": 11_000_003, "c0": 5, "c1": 400_001, "d": 2_500_000, "e": 1}

@@ -1,9 +1,10 @@
-"""The weight shards of an artifact (`v4compile/weights_io.py`): streamed from a quantised checkpoint in
-memory that does not grow with it, byte-reproducible, every tensor hashed, hashes checked as loaded.
+"""The weight shards of an artifact (planned: `v4compile/weights_plan.py`, written: `weights_write.py`, mapped
+at load: `weights_map.py`): streamed from a quantised checkpoint in memory that does not grow with it,
+byte-reproducible, every tensor hashed, hashes checked as loaded.
 
 The checkpoint here is written from random *stored* bytes (FP8 / FP4 / E8M0 / BF16 / F32 / I64 in the
 released layout), not through `init-random`'s quantiser, so a 100 MB one takes a second. Expected
-values come from `harness.load_ir_weights` (the per-tensor reader the writer replaced), never from the
+values come from `weights_convert.load_ir_weights` (the per-tensor reader the writer replaced), never from the
 writer itself.
 """
 
@@ -25,18 +26,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from v4compile import weights_io
+from v4compile import weights_disk, weights_map, weights_plan, weights_write
 from v4compile.artifact import ArtifactError, Buckets, load_artifact
 from v4compile.driver import RANK_WRITERS, trace_buckets, write_weights
 from v4compile.checkpoint import Checkpoint
 from v4compile.config import preset
 from v4compile.errors import CheckpointError
-from v4compile.harness import load_ir_weights
 from v4compile.manifest import FORMAT_VERSION
 from v4compile.safetensors_io import write_file
 from v4compile.shard_digest import PIECE_BYTES, TAG, TREE_TAG
 from v4compile.trace import TraceOptions
 from v4compile.weights import weight_specs
+from v4compile.weights_convert import load_ir_weights
 
 
 def stored_checkpoint(d: Path, cfg, seed: int = 0) -> Path:
@@ -114,7 +115,7 @@ def write(ck_dir: Path, out: Path, **kw) -> tuple[dict, dict, list]:
         m = gpu_module(ck)
         (out / "weights").mkdir(parents=True)
         entry, hashes = write_weights(m, ck, out / "weights", **kw)
-        return entry, hashes, weights_io.plan_weights(m, ck)
+        return entry, hashes, weights_plan.plan_weights(m, ck)
 
 
 def test_every_tensor_is_the_per_tensor_readers_bytes_and_hashed(tiny_ck, tmp_path):
@@ -127,7 +128,7 @@ def test_every_tensor_is_the_per_tensor_readers_bytes_and_hashed(tiny_ck, tmp_pa
     assert sorted(entry["tensors"]) == sorted(want)
     for rel in entry["shards"]:
         assert hashes[rel] == digest_of_bytes((tmp_path / "a" / rel).read_bytes())
-    shards = {rel: weights_io.map_shard(tmp_path / "a" / rel, ArtifactError) for rel in entry["shards"]}
+    shards = {rel: weights_map.map_shard(tmp_path / "a" / rel, ArtifactError) for rel in entry["shards"]}
     for n, t in entry["tensors"].items():
         got = bytes(shards[t["shard"]].bytes_of(n))
         assert got == want[n].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), n
@@ -155,12 +156,12 @@ def test_shards_overlap_and_each_is_whole_and_hashed(tiny_ck, tmp_path, monkeypa
     from v4compile import driver
 
     monkeypatch.setattr(driver, "SHARD_BYTES", 64 << 10)
-    monkeypatch.setattr(weights_io, "CHUNK_BYTES", 4096)
-    monkeypatch.setattr(weights_io, "WINDOW_BYTES", 8 * 4096)
-    monkeypatch.setattr(weights_io, "DIRECT_BYTES", 0)
+    monkeypatch.setattr(weights_write, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(weights_write, "WINDOW_BYTES", 8 * 4096)
+    monkeypatch.setattr(weights_disk, "DIRECT_BYTES", 0)
     events, shard_of = [], {}  # what the writer's own thread hands over, in order: (block filled | shard finished)
     held = []  # the lanes' updates on record after each one is handed over
-    real_create, real_fill, real_init = weights_io._create, weights_io._fill, weights_io._ShardWriter.__init__
+    real_create, real_fill, real_init = weights_write._create, weights_write._fill, weights_write._ShardWriter.__init__
 
     def create(path, direct):
         fd, d = real_create(path, direct)
@@ -185,9 +186,9 @@ def test_shards_overlap_and_each_is_whole_and_hashed(tiny_ck, tmp_path, monkeypa
             time.sleep(0.002)  # the lanes take the buffer's bytes now
             ready = None
         real_fill(k, parts, buf, size, fd, direct, w, ready)
-    monkeypatch.setattr(weights_io, "_create", create)
-    monkeypatch.setattr(weights_io._ShardWriter, "__init__", init)
-    monkeypatch.setattr(weights_io, "_fill", fill)
+    monkeypatch.setattr(weights_write, "_create", create)
+    monkeypatch.setattr(weights_write._ShardWriter, "__init__", init)
+    monkeypatch.setattr(weights_write, "_fill", fill)
     entry, hashes, _ = write(tiny_ck, tmp_path / "a", workers=2)
     names = sorted(Path(r).name for r in entry["shards"])
     assert len(names) > 6
@@ -195,7 +196,7 @@ def test_shards_overlap_and_each_is_whole_and_hashed(tiny_ck, tmp_path, monkeypa
     overlapped = sum(at[("fill", b, 0)] < at[("finish", a, 0)] for a, b in zip(names, names[1:]))
     with Checkpoint.open(tiny_ck) as ck:
         want = load_ir_weights(gpu_module(ck), ck)
-    shards = {rel: weights_io.map_shard(tmp_path / "a" / rel, ArtifactError) for rel in entry["shards"]}
+    shards = {rel: weights_map.map_shard(tmp_path / "a" / rel, ArtifactError) for rel in entry["shards"]}
     assert all(bytes(shards[t["shard"]].bytes_of(n)) == want[n].contiguous().reshape(-1).view(torch.uint8).numpy()
                .tobytes() for n, t in entry["tensors"].items())  # the bytes are right either way
     wrong = [n for n, t in entry["tensors"].items() if t["sha256"] != tree(bytes(shards[t["shard"]].bytes_of(n))).hex()]
@@ -207,7 +208,7 @@ def test_shards_overlap_and_each_is_whole_and_hashed(tiny_ck, tmp_path, monkeypa
 
 def test_a_misordered_stack_is_caught_by_the_same_comparison(tiny_ck, tmp_path, monkeypatch):
     """The comparison above catches a stack of experts copied in the wrong order."""
-    real = weights_io.plan_weights
+    real = weights_plan.plan_weights
 
     def reversed_stacks(m, source):
         plans = real(m, source)
@@ -216,11 +217,11 @@ def test_a_misordered_stack_is_caught_by_the_same_comparison(tiny_ck, tmp_path, 
                 p.pieces.reverse()
         return plans
 
-    monkeypatch.setattr(weights_io, "plan_weights", reversed_stacks)
+    monkeypatch.setattr(weights_plan, "plan_weights", reversed_stacks)
     entry, _, _ = write(tiny_ck, tmp_path / "a")
     with Checkpoint.open(tiny_ck) as ck:
         want = load_ir_weights(gpu_module(ck), ck)
-    sh = weights_io.map_shard(tmp_path / "a" / entry["shards"][0], ArtifactError)
+    sh = weights_map.map_shard(tmp_path / "a" / entry["shards"][0], ArtifactError)
     n = "layers.0.ffn.experts.w1"
     assert bytes(sh.bytes_of(n)) != want[n].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
@@ -274,20 +275,20 @@ def test_byte_reproducible_whatever_the_workers(tiny_ck, tmp_path, monkeypatch, 
     file system refuses O_DIRECT the `direct` cases are skipped (`need_direct`), not passed unexercised."""
     need_direct(tmp_path, mode)
     a, ha, _ = write(tiny_ck, tmp_path / "a", workers=1)
-    monkeypatch.setattr(weights_io, "CHUNK_BYTES", 4097 if mode == "odd blocks" else 4096)
-    monkeypatch.setattr(weights_io, "WINDOW_BYTES", 3 * 4096)
-    used, real_create = [], weights_io._create
+    monkeypatch.setattr(weights_write, "BLOCK_BYTES", 4097 if mode == "odd blocks" else 4096)
+    monkeypatch.setattr(weights_write, "WINDOW_BYTES", 3 * 4096)
+    used, real_create = [], weights_write._create
 
     def create(*x):  # records whether each shard was opened with O_DIRECT
         fd, direct = real_create(*x)
         used.append(direct)
         return fd, direct
-    monkeypatch.setattr(weights_io, "_create", create)
+    monkeypatch.setattr(weights_write, "_create", create)
     if mode.startswith("direct") or mode == "odd blocks":  # the checkpoint read with O_DIRECT too
-        monkeypatch.setattr(weights_io, "DIRECT_BYTES", 0)
-    read_direct, real_direct = [], weights_io._direct
-    monkeypatch.setattr(weights_io, "_cached", lambda fd, n: False)  # a cold checkpoint (it was just written)
-    monkeypatch.setattr(weights_io, "_direct", lambda *x: read_direct.append(real_direct(*x)) or read_direct[-1])
+        monkeypatch.setattr(weights_disk, "DIRECT_BYTES", 0)
+    read_direct, real_direct = [], weights_disk.open_direct
+    monkeypatch.setattr(weights_disk, "page_cached", lambda fd, n: False)  # a cold checkpoint (it was just written)
+    monkeypatch.setattr(weights_disk, "open_direct", lambda *x: read_direct.append(real_direct(*x)) or read_direct[-1])
     if mode == "direct refused":
         real_open = os.open
 
@@ -295,7 +296,7 @@ def test_byte_reproducible_whatever_the_workers(tiny_ck, tmp_path, monkeypatch, 
             if flags & os.O_DIRECT:
                 raise OSError(errno.EINVAL, "Invalid argument", str(path))
             return real_open(path, flags, *a)
-        monkeypatch.setattr(weights_io.os, "open", refusing)
+        monkeypatch.setattr(weights_write.os, "open", refusing)
     if mode == "direct reads refused":  # opened with O_DIRECT, its reads refused (EINVAL): the page cache's
         import fcntl
 
@@ -305,9 +306,9 @@ def test_byte_reproducible_whatever_the_workers(tiny_ck, tmp_path, monkeypatch, 
             if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
                 raise OSError(errno.EINVAL, "Invalid argument")
             return real_preadv(fd, bufs, pos)
-        monkeypatch.setattr(weights_io.os, "preadv", preadv)
+        monkeypatch.setattr(weights_write.os, "preadv", preadv)
     if fault:
-        monkeypatch.setattr(weights_io.os, "ftruncate", lambda fd, n: None)
+        monkeypatch.setattr(weights_write.os, "ftruncate", lambda fd, n: None)
     b, hb, _ = write(tiny_ck, tmp_path / "b", workers=4)
     direct = mode in ("direct", "direct reads refused")
     assert used == [direct] * len(a["shards"])
@@ -350,14 +351,14 @@ def test_a_nan_cut_by_a_block_bound_is_refused(tmp_path, monkeypatch, fault):
     with Checkpoint.open(d, allow_nonfinite=True) as ck:  # where the element lies in its shard
         (tmp_path / "free" / "weights").mkdir(parents=True)
         entry, _ = write_weights(gpu_module(ck), ck, tmp_path / "free" / "weights")
-    sh = weights_io.map_shard(tmp_path / "free" / entry["tensors"][name]["shard"], ArtifactError)
+    sh = weights_map.map_shard(tmp_path / "free" / entry["tensors"][name]["shard"], ArtifactError)
     at = sh.data_start + sh.tensors[name].begin + 4 * (index[0] * 256 + index[1]) + 2
     sh.close()
-    monkeypatch.setattr(weights_io, "CHUNK_BYTES", at)  # a block ends 2 bytes into the NaN
-    monkeypatch.setattr(weights_io, "WINDOW_BYTES", 4 * at)
+    monkeypatch.setattr(weights_write, "BLOCK_BYTES", at)  # a block ends 2 bytes into the NaN
+    monkeypatch.setattr(weights_write, "WINDOW_BYTES", 4 * at)
     if fault:
-        real = weights_io._Reader.read_into
-        monkeypatch.setattr(weights_io._Reader, "read_into",
+        real = weights_write._Reader.read_into
+        monkeypatch.setattr(weights_write._Reader, "read_into",
                             lambda self, path, off, view: None if len(view) <= 4 else real(self, path, off, view))
     if fault:
         write(d, tmp_path / "a")
@@ -398,14 +399,14 @@ def test_a_file_in_the_page_cache_is_read_through_it(tmp_path, monkeypatch):
     try:
         os.fsync(fd)
         os.read(fd, 1 << 20)
-        assert weights_io._cached(fd, 1 << 20)
-        monkeypatch.setattr(weights_io, "DIRECT_BYTES", 0)
-        assert weights_io._direct(f, fd, 1 << 20, 4096) is None
+        assert weights_disk.page_cached(fd, 1 << 20)
+        monkeypatch.setattr(weights_disk, "DIRECT_BYTES", 0)
+        assert weights_disk.open_direct(f, fd, 1 << 20, 4096) is None
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        if weights_io._cached(fd, 1 << 20):
+        if weights_disk.page_cached(fd, 1 << 20):
             pytest.skip("this file system keeps the pages (tmpfs)")
-        assert not weights_io._cached(fd, 1 << 20)  # the probe itself brought nothing in
-        d = weights_io._direct(f, fd, 1 << 20, 4096)
+        assert not weights_disk.page_cached(fd, 1 << 20)  # the probe itself brought nothing in
+        d = weights_disk.open_direct(f, fd, 1 << 20, 4096)
         if d is None and not direct_writes_work(tmp_path):
             pytest.skip("this file system refuses O_DIRECT")
         assert d is not None
@@ -423,10 +424,10 @@ def test_the_streaming_readers_give_every_tensor_with_its_hash(tiny_ck, tmp_path
     entry = weights_artifact(tiny_ck, tmp_path / "a", monkeypatch)
     if read == "direct":
         opened = []
-        real = weights_io._direct
-        monkeypatch.setattr(weights_io, "DIRECT_BYTES", 0)
-        monkeypatch.setattr(weights_io, "_cached", lambda fd, n: False)  # as if the shards had left the cache
-        monkeypatch.setattr(weights_io, "_direct", lambda *a: opened.append(real(*a)) or opened[-1])
+        real = weights_disk.open_direct
+        monkeypatch.setattr(weights_disk, "DIRECT_BYTES", 0)
+        monkeypatch.setattr(weights_disk, "page_cached", lambda fd, n: False)  # as if the shards had left the cache
+        monkeypatch.setattr(weights_disk, "open_direct", lambda *a: opened.append(real(*a)) or opened[-1])
     w = load_artifact(tmp_path / "a", defer_weights=True).weights()
     assert [n for n, _ in w.stream()] == sorted(entry["tensors"], key=lambda n: w.shards[w.shard_of[n]].tensors[n].begin)
     got: dict[str, bytearray] = {}
@@ -461,18 +462,18 @@ def test_the_shards_regions_are_read_in_turn_and_hashed_on_their_own_lanes(tiny_
     entry = weights_artifact(tiny_ck, tmp_path / "a", monkeypatch)
     assert (len(entry["shards"]) > 6) == (shards == "many")
     if fault == "one region":
-        monkeypatch.setattr(weights_io, "_regions", lambda units, sizes, k: [units])
+        monkeypatch.setattr(weights_map, "_regions", lambda units, sizes, k: [units])
     elif fault == "regions in turn":
-        monkeypatch.setattr(weights_io, "_interleave", lambda per: [(r, *c) for r, cs in enumerate(per) for c in cs])
-    monkeypatch.setattr(weights_io, "default_workers", lambda: lanes)
+        monkeypatch.setattr(weights_map, "_interleave", lambda per: [(r, *c) for r, cs in enumerate(per) for c in cs])
+    monkeypatch.setattr(weights_disk, "default_workers", lambda: lanes)
     w = load_artifact(tmp_path / "a", defer_weights=True).weights()
     fed: list[tuple[int, int]] = []  # (lane, bytes) of every hash update, in the order they were handed over
-    real = weights_io.Lanes.submit
+    real = weights_map.Lanes.submit
 
     def submit(self, stream, data, done=None):
         fed.append((self.pools.index(stream[1]), memoryview(data).nbytes))
         return real(self, stream, data, done)
-    monkeypatch.setattr(weights_io.Lanes, "submit", submit)
+    monkeypatch.setattr(weights_map.Lanes, "submit", submit)
     got: dict[str, bytearray] = {}
     for n, off, buf, start, k in w.chunks(size=size):
         t = got.setdefault(n, bytearray())
@@ -502,7 +503,7 @@ def test_a_flipped_byte_in_any_tensor_is_named(tiny_ck, tmp_path, monkeypatch):
     a load that checks every file first."""
     entry = weights_artifact(tiny_ck, tmp_path / "a", monkeypatch)
     shard = tmp_path / "a" / entry["shards"][0]
-    sh = weights_io.map_shard(shard, ArtifactError)
+    sh = weights_map.map_shard(shard, ArtifactError)
     spans = {n: (sh.data_start + i.begin, sh.data_start + i.end) for n, i in sh.tensors.items() if i.end > i.begin}
     sh.close()
     g = torch.Generator().manual_seed(1)
@@ -534,10 +535,10 @@ def test_a_changed_header_is_caught_by_the_shard_digest(tiny_ck, tmp_path, monke
     entry = weights_artifact(tiny_ck, tmp_path / "a", monkeypatch)
     shard = tmp_path / "a" / entry["shards"][0]
     if digest == "broken":
-        real = weights_io.segments
-        monkeypatch.setattr(weights_io, "segments", lambda *a: [s for s in real(*a) if s[2] is not None])
+        real = weights_map.segments
+        monkeypatch.setattr(weights_map, "segments", lambda *a: [s for s in real(*a) if s[2] is not None])
         m = json.loads((tmp_path / "a" / "manifest.json").read_text())
-        m["files"][entry["shards"][0]] = weights_io.shard_file_digest(shard, ArtifactError)
+        m["files"][entry["shards"][0]] = weights_map.shard_file_digest(shard, ArtifactError)
         from v4compile.artifact import manifest_digest
 
         m["manifest_sha256"] = manifest_digest(m)
@@ -601,7 +602,7 @@ def test_a_large_tensor_is_hashed_in_pieces_on_every_lane(tiny_ck, tmp_path, mon
         monkeypatch.setattr(shard_digest.Lanes, "stream", lambda self, lane=None: stream(self, 0))
 
     entry, _, _ = write(tiny_ck, tmp_path / "a", workers=3)
-    shards = {rel: weights_io.map_shard(tmp_path / "a" / rel, ArtifactError) for rel in entry["shards"]}
+    shards = {rel: weights_map.map_shard(tmp_path / "a" / rel, ArtifactError) for rel in entry["shards"]}
     sizes = {}
     for n, t in entry["tensors"].items():
         got = bytes(shards[t["shard"]].bytes_of(n))
@@ -629,7 +630,7 @@ def test_a_changed_piece_of_a_large_tensor_is_caught_at_load(tiny_ck, tmp_path, 
         monkeypatch.setattr(shard_digest.Tree, "digest", first_piece_only)
     entry = weights_artifact(tiny_ck, tmp_path / "a", monkeypatch)
     shard = tmp_path / "a" / entry["shards"][0]
-    sh = weights_io.map_shard(shard, ArtifactError)
+    sh = weights_map.map_shard(shard, ArtifactError)
     n, i = max(sh.tensors.items(), key=lambda kv: kv[1].end - kv[1].begin)
     lo, hi = sh.data_start + i.begin, sh.data_start + i.end
     sh.close()
@@ -656,14 +657,14 @@ CAPPED = textwrap.dedent('''
     torch.set_num_threads(1)
     threading.stack_size(1 << 20)
     from pathlib import Path
-    from v4compile import weights_io
+    from v4compile import weights_disk, weights_map, weights_write
     from v4compile.trace import TraceOptions, trace
     from v4compile.driver import write_weights
     from v4compile.checkpoint import Checkpoint
     from v4compile.errors import ArtifactError
-    weights_io.CHUNK_BYTES, weights_io.WINDOW_BYTES = 1 << 20, 4 << 20
-    weights_io.DIRECT_BYTES = 0  # a large checkpoint's paths: O_DIRECT reads (a buffer per thread) and writes
-    weights_io._cached = lambda fd, n: False  # (the checkpoint was just written: as if it had left the cache)
+    weights_write.BLOCK_BYTES, weights_write.WINDOW_BYTES = 1 << 20, 4 << 20
+    weights_disk.DIRECT_BYTES = 0  # a large checkpoint's paths: O_DIRECT reads (a buffer per thread) and writes
+    weights_disk.page_cached = lambda fd, n: False  # (the checkpoint was just written: as if it had left the cache)
     ck = Checkpoint.open(sys.argv[1]).validate()  # as `compile` does, before any weight is written
     m = trace(ck.cfg, TraceOptions(decode_batch=1, dtype="bf16"), functions=("decode",), formats=ck.stored_formats())
     out = Path(sys.argv[2]) / "weights"
@@ -677,11 +678,11 @@ CAPPED = textwrap.dedent('''
         return status("VmRSS")
     held = []  # what a broken writer or reader keeps
     if mode == "holding writer":  # every block the writer assembles kept
-        real = weights_io._fill
+        real = weights_write._fill
         def holding(k, parts, buf, *a):
             real(k, parts, buf, *a)
             held.append(bytes(buf))
-        weights_io._fill = holding
+        weights_write._fill = holding
     rss = capped(resource.RLIMIT_AS, "VmSize")
     entry, hashes = write_weights(m, ck, out, workers=2)
     print(status("VmHWM") - rss)
@@ -689,7 +690,7 @@ CAPPED = textwrap.dedent('''
     # RLIMIT_DATA); the reader's own memory is what is capped.
     resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     rss = capped(resource.RLIMIT_DATA, "VmData")
-    w = weights_io.MappedWeights(out.parent, entry["tensors"], ArtifactError, expected=hashes)
+    w = weights_map.MappedWeights(out.parent, entry["tensors"], ArtifactError, expected=hashes)
     for name, off, buf, start, k in w.chunks(size=1 << 20):  # the upload path, hashed as read
         if mode == "holding reader":
             held.append(bytes(buf[start:start + k]))
@@ -750,12 +751,12 @@ def test_each_rank_is_written_by_its_own_worker_and_the_bytes_do_not_depend_on_t
     from v4compile import driver
 
     ck, m = ep2_module(tiny_ck)
-    real_write, real_header = driver.write_weights, weights_io.shard_header
+    real_write, real_header = driver.write_weights, weights_write.shard_header
     met = threading.Barrier(2, timeout=1 if fault == "one rank at a time" else 60)
     if fault == "one rank at a time":
         monkeypatch.setattr(driver, "RANK_WRITERS", 1)
     if fault == "bytes depend on the writer":
-        monkeypatch.setattr(weights_io, "shard_header", lambda g: real_header(g)[:-1] + threading.current_thread().name[-1:].encode())
+        monkeypatch.setattr(weights_write, "shard_header", lambda g: real_header(g)[:-1] + threading.current_thread().name[-1:].encode())
     out = {}
     for writers in (2, 1):
         def meeting(*a, **k):
@@ -807,11 +808,11 @@ RANKS = textwrap.dedent('''
     import torch
     torch.set_num_threads(1)
     from pathlib import Path
-    from v4compile import driver, weights_io
+    from v4compile import driver, weights_write
     from v4compile.checkpoint import Checkpoint
     from v4compile.passes.base import get_pass
     from v4compile.trace import TraceOptions, trace
-    weights_io.CHUNK_BYTES, weights_io.WINDOW_BYTES = 1 << 20, 8 << 20  # a whole writer: 8 blocks, 4 filled at once
+    weights_write.BLOCK_BYTES, weights_write.WINDOW_BYTES = 1 << 20, 8 << 20  # a whole writer: 8 blocks, 4 filled at once
     os.fdatasync = lambda fd: None  # flushing to the disk is not this test's subject (and slow on a shared disk)
     def status(key):
         return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key)) * 1024
@@ -871,13 +872,14 @@ def test_the_copy_paths_nan_bit_test_is_isfinite_on_every_pattern():
         bad = (~torch.isfinite(vals.float())).tolist()
         data = vals.view(torch.uint8).numpy().tobytes()
         k = vals.element_size()
-        assert [weights_io._bits_bad(data, i * k, (i + 1) * k, bits) for i in range(len(bad))] == bad
+        assert [weights_write._bits_bad(data, i * k, (i + 1) * k, bits) for i in range(len(bad))] == bad
     r = torch.randint(-2 ** 31, 2 ** 31 - 1, (20000,), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
     r[:3] = torch.tensor([0x7F800000, -0x00400000, 0x7F7FFFFF], dtype=torch.int32)  # +Inf, a NaN, the largest finite
     data = r.numpy().tobytes()
-    got = [weights_io._bits_bad(data, 4 * i, 4 * i + 4, "fp32") for i in range(len(r))]
+    got = [weights_write._bits_bad(data, 4 * i, 4 * i + 4, "fp32") for i in range(len(r))]
     assert got == (~torch.isfinite(r.view(torch.float32))).tolist() and got[:3] == [True, True, False]
-    assert [weights_io._bits_bad(bytes(range(256)), v, v + 1, "e8m0") for v in range(256)] == [v == 255 for v in range(256)]
+    assert [weights_write._bits_bad(bytes(range(256)), v, v + 1, "e8m0") for v in range(256)] == \
+        [v == 255 for v in range(256)]
 
 
 @pytest.mark.parametrize("fault", [None, "first scratch piece only"])
@@ -885,20 +887,20 @@ def test_a_non_finite_element_is_found_in_any_scratch_piece(monkeypatch, fault):
     """bf16 / fp32 magnitudes are masked in scratch-sized pieces (64 bytes here): a NaN / Inf in the first,
     a middle, a piece's first or last, or the very last element of a range (starting at an odd element) is
     found, and finite bytes pass. The fault, only the first piece looked at, misses the later ones."""
-    monkeypatch.setattr(weights_io, "SCRATCH_BYTES", 64)
-    monkeypatch.setattr(weights_io, "_SCRATCH", threading.local())
+    monkeypatch.setattr(weights_write, "SCRATCH_BYTES", 64)
+    monkeypatch.setattr(weights_write, "_SCRATCH", threading.local())
     if fault:
-        real = weights_io._bits_bad
-        monkeypatch.setattr(weights_io, "_bits_bad", lambda buf, lo, hi, bits: real(buf, lo, min(hi, lo + 64), bits))
+        real = weights_write._bits_bad
+        monkeypatch.setattr(weights_write, "_bits_bad", lambda buf, lo, hi, bits: real(buf, lo, min(hi, lo + 64), bits))
     for dt, bits, k, n in ((torch.bfloat16, "bf16", 2, 1001), (torch.float32, "fp32", 4, 333)):
         good = torch.randn(n, generator=torch.Generator().manual_seed(k)).to(dt)
         lo = k  # ranges start one element in
-        assert not weights_io._bits_bad(good.view(torch.uint8).numpy().tobytes(), lo, n * k, bits)
+        assert not weights_write._bits_bad(good.view(torch.uint8).numpy().tobytes(), lo, n * k, bits)
         found = []
         for i in (1, 2, 64 // k, 64 // k + 1, 3 * 64 // k, n - 1):
             t = good.clone()
             t[i] = float("nan") if i % 2 else float("-inf")
-            found.append(weights_io._bits_bad(t.view(torch.uint8).numpy().tobytes(), lo, n * k, bits))
+            found.append(weights_write._bits_bad(t.view(torch.uint8).numpy().tobytes(), lo, n * k, bits))
         assert all(found) == (fault is None), (bits, found)
 
 
@@ -909,13 +911,13 @@ def test_a_progress_line_gives_bytes_rate_and_eta(tiny_ck, tmp_path, monkeypatch
     import logging
 
     line = re.compile(r"(weights|weights read): ([\d.]+) of ([\d.]+) GB \((\d+)%\), (\d+) MB/s, ETA (\d+) s")
-    with caplog.at_level(logging.INFO, logger="v4compile.weights_io"):
+    with caplog.at_level(logging.INFO, logger="v4compile"):
         write(tiny_ck, tmp_path / "quiet")
     assert not [r for r in caplog.records if line.fullmatch(r.getMessage())]
     caplog.clear()
-    monkeypatch.setattr(weights_io, "PROGRESS_S", 0.0)
-    monkeypatch.setattr(weights_io, "CHUNK_BYTES", 64 << 10)
-    with caplog.at_level(logging.INFO, logger="v4compile.weights_io"):
+    monkeypatch.setattr(weights_disk, "PROGRESS_S", 0.0)
+    monkeypatch.setattr(weights_write, "BLOCK_BYTES", 64 << 10)
+    with caplog.at_level(logging.INFO, logger="v4compile"):
         entry = weights_artifact(tiny_ck, tmp_path / "a", monkeypatch)
         read_all(tmp_path / "a", "chunks")
     got = [line.fullmatch(r.getMessage()) for r in caplog.records]
