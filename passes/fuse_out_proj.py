@@ -5,7 +5,7 @@ Requires: `fuse_inv_rope_wo_a` has run (a `rope_out_proj`: wo_a reading the atte
 inverse RoPE) and, for the attention, `lower_sparse_attention` (a `sparse_attention` op).
 Guarantees:
 * a `rope_out_proj` whose result `z` has no user but one `linear` (wo_b, as its `x`) of the same accumulation
-  becomes, with it, one `rope_out_proj_linear(o, pos, w, scale, wb, wb_scale)` in the linear's place (wo_a's
+  becomes (where `Rewrite.can_fuse` allows the place), with it, one `rope_out_proj_linear(o, pos, w, scale, wb, wb_scale)` in the linear's place (wo_a's
   attributes as they were, wo_b's as `block_b` / `act_b` / `out_dtype_b`, wo_a's layer tag, both roles), its
   result the linear's value (name kept); `z` never leaves the op (hits `<func>.fused`);
 * if moreover `o` is a decode `sparse_attention`'s output (one query per sequence, T = 1) used by wo_a alone,
@@ -46,16 +46,19 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
         proj = {"w": wo_a.operand("w"), "scale": wo_a.operand("scale"), "wb": op.operand("w"),
                 "wb_scale": op.operand("scale")}
         attn = rw.producer(wo_a.operand("o"), "sparse_attention", only_use=True)
-        if attn is not None and attn.operand("q").type.shape[1] == 1 and attn.operand("pos") is wo_a.operand("pos"):
+        if (attn is not None and attn.operand("q").type.shape[1] == 1 and attn.operand("pos") is wo_a.operand("pos")
+                and rw.can_fuse(attn, [wo_a, op])):
             attrs.update({n: v for n, v in attn.attrs.items() if n in get_op(attn.name).attrs and n != "variant"})
             attrs.update(tags_of(wo_a, role=join_roles(attn, wo_a, op)))
             operands = {**operands_of(attn), "w": proj["w"], "w_scale": proj["scale"], "wb": proj["wb"],
                         "wb_scale": proj["wb_scale"]}
             # in the attention's place: it reads the pool planes before any later in-place write of them (the
-            # decode window write, until fuse_qkv_norm_rope folds it), and wo_a / wo_b read nothing written there
+            # decode window write, until fuse_qkv_norm_rope folds it; `can_fuse` refuses wo_b's place for that)
             rw.replace(attn, make_op(rw.namer, "sparse_attention_out_proj", operands, attrs, op.loc, [op.result]),
                        absorbed=[wo_a, op])
             n_attn += 1
+            continue
+        if not rw.can_fuse(op, [wo_a]):
             continue
         attrs.update(tags_of(wo_a, role=join_roles(wo_a, op)))
         operands = {"o": wo_a.operand("o"), "pos": wo_a.operand("pos"), **proj}

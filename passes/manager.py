@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import networkx as nx
+
 from v4compile.errors import PassError
 from v4compile.files import write_text_atomic
 from v4compile.ir.core import Module
@@ -111,22 +113,56 @@ def _name(spec: str) -> str:
     return spec.split("{", 1)[0].strip()
 
 
-def check_order(passes: list[Pass]) -> None:
-    """Refuse a pipeline that breaks a pass's declared place (`Pass.after`, `first`, `final`: passes/base.py),
-    naming the pass and what it needs; a misordered fusion would otherwise find nothing and say nothing."""
-    names = ", ".join(p.name for p in passes)
+def order_graph(passes: list[Pass]) -> nx.DiGraph:
+    """The pipeline's positions, with an edge j -> i for each declared "the pass at j runs before the one at
+    i" (`Pass.after`, `first`, `final`: passes/base.py); its `rule` is the declaration the message names."""
+    g = nx.DiGraph()
+    g.add_nodes_from(range(len(passes)))
     for i, p in enumerate(passes):
-        for q in passes[i + 1:]:
+        for j, q in enumerate(passes):
             if q.name in p.after:
-                raise PassError(f"pass '{p.name}' must run after '{q.name}' ({p.after[q.name]}); the pipeline "
-                                "runs it before", where="pipeline", expected=f"'{q.name}' before '{p.name}'",
-                                found=names)
-            if p.final and not q.final:
-                raise PassError(f"pass '{q.name}' cannot run after '{p.name}' (a final pass: only "
-                                f"{', '.join(_finals())} may follow it)", where="pipeline", found=names)
-            if q.first and not p.first:
-                raise PassError(f"pass '{q.name}' must run first; the pipeline runs '{p.name}' before it",
-                                where="pipeline", found=names)
+                g.add_edge(j, i, rule="after")
+            elif p.final and not q.final:
+                g.add_edge(j, i, rule="final")
+            elif q.first and not p.first:
+                g.add_edge(j, i, rule="first")
+    return g
+
+
+def check_order(passes: list[Pass]) -> None:
+    """Refuse a pipeline that breaks a pass's declared place, naming the pass and what it needs (a misordered
+    fusion would otherwise find nothing and say nothing): the declarations must be acyclic, and the
+    pipeline's order a topological order of them."""
+    names = ", ".join(p.name for p in passes)
+    g = order_graph(passes)
+    cycle = _cycle(g)
+    if cycle:
+        raise PassError("the passes' declared places contradict each other: "
+                        + " before ".join(passes[i].name for i in cycle), where="pipeline", found=names)
+    for j, i in sorted(((j, i) for j, i in g.edges if j > i), key=lambda e: (e[1], e[0])):
+        p, q, rule = passes[i], passes[j], g.edges[j, i]["rule"]
+        if rule == "after":
+            raise PassError(f"pass '{p.name}' must run after '{q.name}' ({p.after[q.name]}); the pipeline "
+                            "runs it before", where="pipeline", expected=f"'{q.name}' before '{p.name}'",
+                            found=names)
+        if rule == "final":
+            raise PassError(f"pass '{q.name}' cannot run after '{p.name}' (a final pass: only "
+                            f"{', '.join(_finals())} may follow it)", where="pipeline", found=names)
+        raise PassError(f"pass '{q.name}' must run first; the pipeline runs '{p.name}' before it",
+                        where="pipeline", found=names)
+
+
+def declaration_cycle(classes: dict[str, type[Pass]]) -> list[str]:
+    """A cycle among the registered passes' `after` declarations (each pass, then one it must follow ...), or []."""
+    return _cycle(nx.DiGraph((n, m) for n, c in classes.items() for m in c.after))
+
+
+def _cycle(g: nx.DiGraph) -> list:
+    """The nodes of one cycle of `g` in edge order, or []."""
+    try:
+        return [u for u, _ in nx.find_cycle(g)]
+    except nx.NetworkXNoCycle:
+        return []
 
 
 def _finals() -> list[str]:

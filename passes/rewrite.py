@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from v4compile.ir.core import SSA, Function, Module, Op, Value
+from v4compile.ir.graph import dataflow, fusion_blockers
 from v4compile.ir.registry import get_op
 from v4compile.ir.semantics import has_role, join_roles, tags_of  # noqa: F401  (re-exported for passes)
 from v4compile.ir.types import TensorType
@@ -99,6 +100,7 @@ class Rewrite:
         self.replaced: dict[int, Op] = {}
         self.dropped: set[int] = set()
         self.count = 0
+        self.graph = None  # `fn`'s dataflow graph, built on the first `can_fuse`
 
     def producer(self, v: Value | None, name: str | None = None, only_use: bool = False) -> Op | None:
         """The op that produces `v`, if it is a `name` op (and with `only_use`, `v` has no other use)."""
@@ -115,6 +117,16 @@ class Rewrite:
     def used_once(self, *ops: Op) -> bool:
         """Whether each op's single result has exactly one use (the chain owns it)."""
         return all(self.uses.get(id(o.result)) == 1 for o in ops)
+
+    def can_fuse(self, op: Op, absorbed=()) -> bool:
+        """Whether `op` and the ops it would absorb may become one op standing in `op`'s place: no op left
+        outside lies on a path between them, none that must follow them stands before that place, none that
+        must precede them after it (in-place updates included: `ir/graph.fusion_blockers`)."""
+        if self.graph is None:
+            self.graph = dataflow(self.fn)
+            self.index = {id(o): i for i, o in enumerate(self.fn.ops)}
+        at = self.index[id(op)]
+        return not fusion_blockers(self.graph, [at, *(self.index[id(o)] for o in absorbed)], at)
 
     def replace(self, op: Op, new: Op, absorbed=()) -> None:
         self.replaced[id(op)] = new

@@ -28,6 +28,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import networkx as nx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,42 +139,11 @@ def upward_imports(srcs: dict[str, tuple[Path, str]]) -> list[str]:
 
 
 def import_loops(srcs: dict[str, tuple[Path, str]]) -> list[list[str]]:
-    """The module import graph's strongly connected components of more than one module (iterative Tarjan)."""
-    graph = {m: sorted({d for _, d in imports(m, p, t, srcs)}) for m, (p, t) in srcs.items()}
-    index, low, stack, on, loops, counter = {}, {}, [], set(), [], 0
-    for root in graph:
-        if root in index:
-            continue
-        work = [(root, 0)]
-        while work:
-            v, i = work.pop()
-            if i == 0:
-                index[v] = low[v] = counter
-                counter += 1
-                stack.append(v)
-                on.add(v)
-            if i < len(graph[v]):
-                work.append((v, i + 1))
-                w = graph[v][i]
-                if w not in index:
-                    work.append((w, 0))
-                elif w in on:
-                    low[v] = min(low[v], index[w])
-                continue
-            if low[v] == index[v]:
-                comp = []
-                while True:
-                    w = stack.pop()
-                    on.discard(w)
-                    comp.append(w)
-                    if w == v:
-                        break
-                if len(comp) > 1:
-                    loops.append(sorted(comp))
-            if work:
-                parent = work[-1][0]
-                low[parent] = min(low[parent], low[v])
-    return loops
+    """The module import graph's strongly connected components of more than one module."""
+    graph = nx.DiGraph()
+    graph.add_nodes_from(srcs)
+    graph.add_edges_from((m, d) for m, (p, t) in srcs.items() for _, d in imports(m, p, t, srcs))
+    return sorted(sorted(comp) for comp in nx.strongly_connected_components(graph) if len(comp) > 1)
 
 
 def _add_line(srcs, mod: str, line: str):

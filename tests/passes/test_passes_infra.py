@@ -262,3 +262,26 @@ def test_a_misordered_pipeline_is_refused(traced, monkeypatch):
     monkeypatch.setattr(pass_manager, "check_order", lambda passes: None)
     unchecked = PassManager(bad).run(traced).hits()["fuse_moe_router"]
     assert sum(unchecked.values()) == 0  # what the refusal saves a user from
+
+
+def test_the_declarations_are_acyclic():
+    """The registered passes' `after` declarations form a DAG. Fault caught: two passes each declared to
+    run after the other (planted: `testing_a` after `testing_b` and back), named as a cycle by
+    `declaration_cycle`, and refused by `check_order` in a pipeline holding both."""
+    assert pass_manager.declaration_cycle(load_all()) == []
+
+    @dataclass(frozen=True)
+    class A(Pass):
+        name = "testing_a"
+        after = {"testing_b": "planted"}
+
+    @dataclass(frozen=True)
+    class B(Pass):
+        name = "testing_b"
+        after = {"testing_a": "planted"}
+
+    assert sorted(pass_manager.declaration_cycle({**load_all(), "testing_a": A, "testing_b": B})) == [
+        "testing_a", "testing_b"]
+    with pytest.raises(PassError, match="contradict each other: testing_a before testing_b|"
+                                        "contradict each other: testing_b before testing_a"):
+        pass_manager.check_order([A(), B()])

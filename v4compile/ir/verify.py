@@ -7,7 +7,9 @@
   operands against the op's signature: their ranks, dims and dtypes);
 * every type is bounded (rank <= MAX_RANK, elements <= MAX_NUMEL), every attribute is in range: floats
   finite, integers non-negative and bounded, sizes and divisors (`SIZE_ATTRS`) at least 1; a shape rule
-  that fails in any way on what it is given is reported as an `IRError` naming the op.
+  that fails in any way on what it is given is reported as an `IRError` naming the op;
+* the op order is a topological order of the function's dataflow graph (`ir/graph.py`): also every reader
+  of a value an op updates in place runs before that op.
 
 Cheap enough to run after every pass. A module parsed from text carries the line:column of its
 functions and ops (`source_positions`); errors then start with it.
@@ -19,6 +21,7 @@ import math
 
 from ..errors import IRError
 from .core import INPUT, WEIGHT, Function, Module, Value
+from .graph import order_violations
 from .registry import get_op, semantic
 
 MAX_RANK = 8
@@ -125,6 +128,10 @@ def verify_function(fn: Function, m: Module) -> None:
                 raise IRError(f"output '{n}' is an undeclared weight", where=where)
         elif defined.get(v.name) is not v:
             raise IRError(f"output '{n}' uses undefined %{v.name}", where=where)
+    bad = order_violations(fn)
+    if bad:
+        raise IRError(f"the op order is not a topological order of the dataflow graph: {bad[0]}", where=where,
+                      found=f"{len(bad)} backward edge(s)" if len(bad) > 1 else None)
 
 
 def verify(m: Module) -> Module:
