@@ -257,16 +257,27 @@ def test_a_layer_loading_a_higher_one_is_caught(tmp_path):
     assert r.returncode == 1 and "v4compile.runtime.session" in r.stdout, r.stdout + r.stderr
 
 
+def _run_at_import(mod: str, srcs: dict[str, tuple[Path, str]]) -> list[str]:
+    """The modules a package's `__init__` imports when it runs (its module-level statements, not the bodies
+    of its functions: `v4compile`'s `__getattr__` imports its names on first use only)."""
+    path, text = srcs[mod]
+    at_import = ast.Module(body=[n for n in _tree(text).body
+                                 if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))], type_ignores=[])
+    return [d for _, d in imports(mod, path, ast.unparse(at_import), srcs)]
+
+
 def reaches(srcs: dict[str, tuple[Path, str]], roots: tuple[str, ...], never: tuple[str, ...]) -> list[str]:
     """The modules of `never` that the imports of `roots` reach, at any depth (imports inside functions
-    too; importing a module runs its packages' `__init__` first)."""
-    seen, todo = set(), list(roots)
+    too; importing a module runs its packages' `__init__` first: what that runs at import)."""
+    seen, todo = set(), [(m, False) for m in roots]
     while todo:
-        mod = todo.pop()
-        if mod not in seen and mod in srcs:
-            seen.add(mod)
-            todo += [d for _, d in imports(mod, *srcs[mod], srcs)] + [mod.rpartition(".")[0]]
-    return sorted(m for m in seen if any(_within(m, n) for n in never))
+        mod, as_parent = todo.pop()
+        if (mod, as_parent) in seen or mod not in srcs:
+            continue
+        seen.add((mod, as_parent))
+        deps = _run_at_import(mod, srcs) if as_parent else [d for _, d in imports(mod, *srcs[mod], srcs)]
+        todo += [(d, False) for d in deps] + [(mod.rpartition(".")[0], True)]
+    return sorted({m for m, _ in seen if any(_within(m, n) for n in never)})
 
 
 def test_the_artifact_loader_imports_nothing_of_how_weights_are_made():
