@@ -354,11 +354,15 @@ class Session:
                              param="max_new_tokens")
         check_sampling(temperature, top_p, seed)
         ids = self.check_prompt(prompt, where)
+        self.check_context(ids, max_new_tokens, where)
+        return ids
+
+    def check_context(self, ids: list[int], max_new_tokens: int, where: str) -> None:
+        """The prompt and the tokens it asks for fit the compiled context."""
         if len(ids) + max_new_tokens > self.max_context:
             raise InputError("prompt + max_new_tokens exceed the compiled maximum context", where=where,
                              expected=f"<= {self.max_context} tokens", found=len(ids) + max_new_tokens,
                              code=CONTEXT_LENGTH_EXCEEDED, param="max_new_tokens")
-        return ids
 
     sample = staticmethod(sample)
 
@@ -400,10 +404,8 @@ class Session:
         check_sampling(temperature, top_p, seed)
         stop_ids = self.check_stop_ids(stop_ids)
         prompts = [self.check_prompt(p, f"prompt {i}") for i, p in enumerate(check_prompts(prompts))]
-        for i, p in enumerate(prompts):
-            if len(p) + max_new_tokens > self.max_context:
-                raise InputError("prompt + max_new_tokens exceed the compiled maximum context", where=f"prompt {i}",
-                                 expected=f"<= {self.max_context} tokens", found=len(p) + max_new_tokens)
+        for i, p in enumerate(prompts):  # all checked before any runs (submit checks each again, for the server)
+            self.check_context(p, max_new_tokens, f"prompt {i}")
         spec = None
         if speculative is not None:
             from .speculative import SpecStep
