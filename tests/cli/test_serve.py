@@ -295,7 +295,8 @@ class _Tokenizer:
 class _Session:
     """What the server reads of a session before it submits a request; the checks are the real ones."""
 
-    check_prompt, check_request, check_stop_ids = Session.check_prompt, Session.check_request, Session.check_stop_ids
+    check_prompt, check_request, check_context = Session.check_prompt, Session.check_request, Session.check_context
+    check_stop_ids = Session.check_stop_ids
     max_batch = 1
 
     def __init__(self, vocab: int, max_context: int):
