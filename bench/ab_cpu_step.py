@@ -38,7 +38,7 @@ PROMPT = 64
 def compile_one(out: str, config: str) -> None:
     import bench_cpu
     from v4compile.artifact import Buckets
-    from v4compile.driver import compile_artifact
+    from v4compile.cli.driver import compile_artifact
 
     cfg = bench_cpu.big_tiny() if config == "tiny" else bench_cpu.mid_config()
     compile_artifact(bench_cpu._frontend(cfg, 512), Path(out), Buckets(decode=(1, 8), prefill=(PROMPT,)))

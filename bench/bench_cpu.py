@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from v4compile import frontend  # noqa: E402
 from v4compile.artifact import Buckets  # noqa: E402
-from v4compile.driver import compile_artifact  # noqa: E402
+from v4compile.cli.driver import compile_artifact  # noqa: E402
 from v4compile.config import CSA, HCA, preset  # noqa: E402
 from v4compile.trace import TraceOptions  # noqa: E402
 

@@ -218,7 +218,7 @@ def config_bytes(name: str) -> dict[str, dict]:
     sys.path.insert(0, str(Path(__file__).parent))
     import bench_cpu as bc
     from v4compile.artifact import Buckets
-    from v4compile.driver import compile_artifact
+    from v4compile.cli.driver import compile_artifact
 
     cfg = bc.big_tiny() if name == "tiny" else bc.mid_config()
     with tempfile.TemporaryDirectory(prefix="bench_stream_") as d:

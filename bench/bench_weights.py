@@ -65,7 +65,7 @@ SIZES = {  # name -> [(label, layers, experts, vocab)]
 
 COMPILE = r'''
 import json, os, resource, sys
-from v4compile import driver
+from v4compile.cli import driver
 
 def status(key):
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key)) * 1024

@@ -129,7 +129,7 @@ def main() -> None:
     from bench_weights import evict
     from fake_aot import placeholder_compile_calls
 
-    from v4compile import driver
+    from v4compile.cli import driver
     from v4compile.codegen import aot
     aot.compile_calls = placeholder_compile_calls()
     real = driver.write_weights

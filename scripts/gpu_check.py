@@ -75,7 +75,7 @@ def check(name, cfg, device, steps, reps, work, compare):
 
     import v4compile
     from v4compile.artifact import Buckets
-    from v4compile.driver import compile_artifact
+    from v4compile.cli.driver import compile_artifact
 
     t0 = time.perf_counter()
     fe = _bench()._frontend(cfg, 256)  # random weights (seed 0), hf numerics, fp32

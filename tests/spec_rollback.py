@@ -9,7 +9,7 @@ import numpy as np
 import v4compile
 from v4compile import frontend
 from v4compile.artifact import Buckets
-from v4compile.driver import compile_artifact
+from v4compile.cli.driver import compile_artifact
 from v4compile.runtime.undo import PoolUndo, access
 from v4compile.trace import TraceOptions
 

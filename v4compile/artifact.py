@@ -1,4 +1,4 @@
-"""The artifact format: what `v4compile compile -o DIR` writes (through the compile driver, `driver.py`)
+"""The artifact format: what `v4compile compile -o DIR` writes (through the compile driver, `cli/driver.py`)
 and `v4compile.load(DIR)` reads. The runtime needs this module and the program, never the compiler.
 
     DIR/manifest.json          format and compiler versions, the config and its hash, numerics, dtype,

@@ -184,12 +184,12 @@ def test_compile_output_is_atomic_and_force_replaces(tmp_path, monkeypatch):
     names = sorted(p.name for p in out.iterdir())
     assert "old" not in names and {"manifest.json", "module.ir", "report.json"} <= set(names)
     # a failure while writing leaves nothing behind, not even a temporary directory
-    import v4compile.report as report
+    import v4compile.cli.report as report
 
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
 
-    import v4compile.driver as driver
+    import v4compile.cli.driver as driver
 
     monkeypatch.setattr(report, "build_report", boom)
     monkeypatch.setattr(driver, "write_weights", boom)

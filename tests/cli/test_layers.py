@@ -4,8 +4,9 @@
     passes   passes/    (installed as v4compile.passes)
     codegen  codegen/   (v4compile.codegen: Triton kernels, AOT, ONNX lowerings)
     runtime  runtime/   (v4compile.runtime: needs the artifact format and the program only)
-    top      the compile driver, the compile report, the `cli` package and the package module itself
-             (v4compile/__init__.py: its names include the runtime's `load`, imported on first use)
+    top      cli/       (v4compile.cli: the command line, the compile driver, the compile report), with
+             the package module itself (v4compile/__init__.py: its names include the runtime's `load`,
+             imported on first use) and v4compile/__main__.py
 
 Three checks, each shown to fail on a fault of its kind:
 * every import statement, also the ones inside functions, names a module of its own layer or a lower one;
@@ -33,12 +34,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"v4compile": "v4compile", "passes": "v4compile.passes", "codegen": "v4compile.codegen",
-           "runtime": "v4compile.runtime"}
+           "runtime": "v4compile.runtime", "cli": "v4compile.cli"}
 LAYERS = ("core", "passes", "codegen", "runtime", "top")
-TOP = ("v4compile.driver", "v4compile.report", "v4compile.cli", "v4compile.__main__")
+TOP = ("v4compile.cli", "v4compile.__main__")
 PACKAGE = "v4compile"  # the package module (not its submodules): top
 # The runtime runs a compiled artifact: the pass pipeline and the tracer are the compiler's, not its.
-RUNTIME_NEVER = ("v4compile.passes", "v4compile.trace", "v4compile.frontend", "v4compile.driver")
+RUNTIME_NEVER = ("v4compile.passes", "v4compile.trace", "v4compile.frontend", "v4compile.cli.driver")
 # Loading an artifact's weights needs its manifest and shards only: not how they were made.
 LOADER = ("v4compile.artifact", "v4compile.weights_map")
 LOADER_NEVER = ("v4compile.trace", "v4compile.harness", "v4compile.model", "v4compile.checkpoint",
@@ -63,7 +64,7 @@ def layer_of(mod: str) -> str:
 
 @functools.cache
 def sources() -> dict[str, tuple[Path, str]]:
-    """module name -> (file, source) of every module of the four folders, under its installed name."""
+    """module name -> (file, source) of every module of the five folders, under its installed name."""
     out = {}
     for folder, pkg in FOLDERS.items():
         for p in sorted((ROOT / folder).rglob("*.py")):

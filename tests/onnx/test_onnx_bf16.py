@@ -28,7 +28,7 @@ import torch
 import v4compile
 from v4compile import frontend
 from v4compile.artifact import Buckets
-from v4compile.driver import compile_artifact
+from v4compile.cli.driver import compile_artifact
 from v4compile.errors import IRError
 from v4compile.trace import TraceOptions
 

@@ -20,7 +20,7 @@ import torch
 
 from v4compile import frontend
 from v4compile.artifact import ArtifactError, Buckets, load_artifact
-from v4compile.driver import compile_artifact
+from v4compile.cli.driver import compile_artifact
 from v4compile.errors import InputError
 from v4compile.manifest import FORMAT_VERSION
 from v4compile.trace import TraceOptions
@@ -199,7 +199,7 @@ def test_artifact_is_reproducible_and_hash_checked(tmp_path):
 
 
 def test_failed_compile_leaves_nothing(tmp_path, monkeypatch):
-    import v4compile.driver as A
+    import v4compile.cli.driver as A
 
     def boom(*a, **k):
         raise RuntimeError("export failed")

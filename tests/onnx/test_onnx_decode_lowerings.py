@@ -25,7 +25,7 @@ from v4compile import frontend
 from v4compile.artifact import Buckets
 from v4compile.codegen.onnx import pool_rows, rotary
 from v4compile.codegen.onnx.graph import Graph
-from v4compile.driver import compile_artifact
+from v4compile.cli.driver import compile_artifact
 from v4compile.trace import TraceOptions
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -31,7 +31,7 @@ import torch
 
 from v4compile import frontend
 from v4compile.artifact import Buckets
-from v4compile.driver import compile_artifact
+from v4compile.cli.driver import compile_artifact
 from v4compile.config import preset
 from v4compile.init_random import init_random
 from v4compile.trace import TraceOptions

@@ -266,7 +266,7 @@ def test_compiled_graphs_read_expert_weights_only_through_their_gemms(tmp_path, 
     view) feeds exactly one node: a Gemm on a Split group (decode and prefill alike)."""
     from v4compile import frontend
     from v4compile.artifact import Buckets, load_artifact
-    from v4compile.driver import compile_artifact
+    from v4compile.cli.driver import compile_artifact
     from v4compile.trace import TraceOptions
 
     fe = frontend.load(None, "tiny", "random", TraceOptions(numerics="hf", dtype="fp32", capacity=64))

@@ -10,7 +10,7 @@ import v4compile
 from v4compile import frontend
 from v4compile.artifact import Buckets
 from v4compile.codegen.onnx_session import SessionOptions
-from v4compile.driver import compile_artifact
+from v4compile.cli.driver import compile_artifact
 from v4compile.errors import ArtifactError
 from v4compile.trace import TraceOptions
 

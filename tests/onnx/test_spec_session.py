@@ -13,7 +13,7 @@ import pytest
 import v4compile
 from v4compile import frontend
 from v4compile.artifact import Buckets
-from v4compile.driver import compile_artifact
+from v4compile.cli.driver import compile_artifact
 from v4compile.errors import InputError
 from v4compile.runtime import undo
 from v4compile.runtime.speculative import mtp_draft, speculative_generate

@@ -313,7 +313,7 @@ def _rebuilt_from_ranks(m, source, ranks: list) -> dict[str, int]:
 
 
 def _write_and_map(m, source, tmp_path):
-    from v4compile.driver import write_rank_weights
+    from v4compile.cli.driver import write_rank_weights
     from v4compile.errors import ArtifactError
     from v4compile.weights_map import MappedWeights
 

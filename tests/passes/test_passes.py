@@ -25,7 +25,7 @@ from v4compile.ir.types import DTYPES
 from v4compile.passes import DEFAULT_PIPELINE, PassManager, PipelineOptions
 from v4compile.passes.numerics import NumericsCheck
 from v4compile.pool import PoolGeometry
-from v4compile.report import build_report, launch_counts
+from v4compile.cli.report import build_report, launch_counts
 from v4compile.trace import TraceOptions, trace
 from v4compile.weights_convert import DenseSource, load_ir_weights
 

@@ -90,7 +90,7 @@ def test_graph_replay_equals_launch_by_launch():
 def artifact(tmp_path_factory):
     from v4compile import frontend
     from v4compile.artifact import Buckets
-    from v4compile.driver import compile_artifact
+    from v4compile.cli.driver import compile_artifact
     from v4compile.trace import TraceOptions
 
     fe = frontend.load(None, "tiny", "random", TraceOptions(numerics="hf", dtype="fp32", capacity=64))

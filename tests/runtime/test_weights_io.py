@@ -28,7 +28,7 @@ import torch
 
 from v4compile import weights_disk, weights_map, weights_plan, weights_write
 from v4compile.artifact import ArtifactError, Buckets, load_artifact
-from v4compile.driver import RANK_WRITERS, trace_buckets, write_weights
+from v4compile.cli.driver import RANK_WRITERS, trace_buckets, write_weights
 from v4compile.checkpoint import Checkpoint
 from v4compile.config import preset
 from v4compile.errors import CheckpointError
@@ -153,7 +153,7 @@ def test_shards_overlap_and_each_is_whole_and_hashed(tiny_ck, tmp_path, monkeypa
     the updates that are done, keeps one per update."""
     import time
 
-    from v4compile import driver
+    from v4compile.cli import driver
 
     monkeypatch.setattr(driver, "SHARD_BYTES", 64 << 10)
     monkeypatch.setattr(weights_write, "BLOCK_BYTES", 4096)
@@ -454,7 +454,7 @@ def test_the_shards_regions_are_read_in_turn_and_hashed_on_their_own_lanes(tiny_
     largest tensor) and, until a region is done, no lane runs more than two chunks ahead of another (all
     hash at once). Both faults, one region or the regions one after the other, break that; the tensors and
     their hashes stay right either way."""
-    from v4compile import driver
+    from v4compile.cli import driver
 
     lanes, size = 3, 4096
     if shards == "many":
@@ -659,7 +659,7 @@ CAPPED = textwrap.dedent('''
     from pathlib import Path
     from v4compile import weights_disk, weights_map, weights_write
     from v4compile.trace import TraceOptions, trace
-    from v4compile.driver import write_weights
+    from v4compile.cli.driver import write_weights
     from v4compile.checkpoint import Checkpoint
     from v4compile.errors import ArtifactError
     weights_write.BLOCK_BYTES, weights_write.WINDOW_BYTES = 1 << 20, 4 << 20
@@ -748,7 +748,7 @@ def test_each_rank_is_written_by_its_own_worker_and_the_bytes_do_not_depend_on_t
     writer whose shards record which worker wrote them gives other bytes."""
     import threading
 
-    from v4compile import driver
+    from v4compile.cli import driver
 
     ck, m = ep2_module(tiny_ck)
     real_write, real_header = driver.write_weights, weights_write.shard_header
@@ -784,7 +784,8 @@ def test_a_rank_writer_that_fails_stops_the_others_and_its_error_is_the_one_rais
     reporting the writers' outcomes in rank order, raises rank 0's stop instead."""
     import threading
 
-    from v4compile import driver, rank_weights
+    from v4compile import rank_weights
+    from v4compile.cli import driver
 
     ck, m = ep2_module(tiny_ck)
     real, rank1_failed = rank_weights.RankTensors.__getitem__, threading.Event()
@@ -808,7 +809,8 @@ RANKS = textwrap.dedent('''
     import torch
     torch.set_num_threads(1)
     from pathlib import Path
-    from v4compile import driver, weights_write
+    from v4compile import weights_write
+    from v4compile.cli import driver
     from v4compile.checkpoint import Checkpoint
     from v4compile.passes.base import get_pass
     from v4compile.trace import TraceOptions, trace

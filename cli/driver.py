@@ -19,16 +19,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .artifact import (TARGETS, Buckets, decode_name, draft_name, draft_prefill_name, prefill_name, verify_name,
+from ..artifact import (TARGETS, Buckets, decode_name, draft_name, draft_prefill_name, prefill_name, verify_name,
                        write_artifact_dir)
-from .errors import InputError
-from .ir.core import Module
-from .manifest import canonical
-from .parallel import ParallelLayout
-from .rank_weights import RankTensors, rank_weights_module
-from .targets import GPU_TARGETS
-from .timing import Stages
-from .weights_write import WriteStopped
+from ..errors import InputError
+from ..ir.core import Module
+from ..manifest import canonical
+from ..parallel import ParallelLayout
+from ..rank_weights import RankTensors, rank_weights_module
+from ..targets import GPU_TARGETS
+from ..timing import Stages
+from ..weights_write import WriteStopped
 
 SHARD_BYTES = 1 << 30  # 1 GiB of tensor data per weights shard
 CPU_PROGRAM = "program.txt"  # an artifact without GPU targets: the program the host device runs
@@ -51,7 +51,7 @@ def trace_buckets(cfg, options, buckets: Buckets, formats: dict | None = None, s
     `draft_b<B>` per decode bucket and `draft_c<T>` per chunk bucket, and prefill / verify return their
     final streams), each traced once (timed as `trace` in `stages`). The pool is sized for the largest
     decode bucket (one slot per sequence in flight)."""
-    from .trace import module_name, trace
+    from ..trace import module_name, trace
 
     buckets.validate()
     stages = stages or Stages(progress_after=None)
@@ -89,9 +89,9 @@ def write_weights(module: Module, source, wdir: Path, workers: int | None = None
     are what the kernels read, converted otherwise, every file and tensor hashed as it is written).
     Returns the manifest's `weights` entry (each tensor with its `sha256`) and the shards' digests.
     `share`, `stop`: one of that many writers at once, stopping when `stop` is set (`weights_write.write_shards`)."""
-    from .shard_digest import HASH
-    from .weights_plan import plan_weights
-    from .weights_write import write_shards
+    from ..shard_digest import HASH
+    from ..weights_plan import plan_weights
+    from ..weights_write import write_shards
 
     w = write_shards(plan_weights(module, source), source, wdir, SHARD_BYTES, workers=workers, rel=rel, share=share,
                      stop=stop)
@@ -173,7 +173,7 @@ class CompileInputs:
 
 def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> Path:
     """Write the artifact of `ci` to `out` atomically (`artifact.write_artifact_dir`)."""
-    from .ir.text import print_module
+    from ..ir.text import print_module
 
     unknown = [t for t in ci.targets if t not in TARGETS]
     if unknown:
@@ -202,13 +202,13 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
                 targets[-1]["program"] = _write_program(ci.host_module, tmp, CPU_PROGRAM)
         gt = None
         if gpu:
-            from .codegen.gpu_target import write_gpu_targets
+            from ..codegen.gpu_target import write_gpu_targets
 
             (tmp / "gpu").mkdir()
             (tmp / "gpu" / "module.ir").write_text(print_module(ci.gpu_module))
             gt = write_gpu_targets(ci.gpu_module, gpu, tmp, ci.jobs)
             targets += gt.targets
-        from .tokenizer import copy_tokenizer
+        from ..tokenizer import copy_tokenizer
 
         tokenizer = copy_tokenizer(ci.tokenizer_from, tmp / "tokenizer")
         report = _report(ci, targets)
@@ -270,7 +270,7 @@ def compile_buckets(fe, buckets: Buckets = Buckets(), pipeline: list[str] | None
     (`pipeline`: the cpu one, default CPU_PIPELINE; `gpu_pipeline`: default GPU_PIPELINE, down to the
     program, on `gpu_buckets`, default `gpu_default_buckets`): what `write_artifact` writes. `stages`
     times the traces and every pass."""
-    from .passes import CPU_PIPELINE, GPU_PIPELINE, PassManager, PipelineOptions
+    from ..passes import CPU_PIPELINE, GPU_PIPELINE, PassManager, PipelineOptions
 
     pipeline = list(pipeline or CPU_PIPELINE)
     gpu_pipeline = list(gpu_pipeline or GPU_PIPELINE)
@@ -294,7 +294,7 @@ def compile_buckets(fe, buckets: Buckets = Buckets(), pipeline: list[str] | None
             raise InputError("the cpu and gpu pipelines take different weights", found=sorted(set(a) ^ set(b))[:4])
     host = None
     if cpu_res is not None and gpu_res is None:  # the host device's program (else the GPU targets')
-        from .passes import PROGRAM_PASSES
+        from ..passes import PROGRAM_PASSES
 
         host = PassManager(PROGRAM_PASSES, opts).run(cpu_res.module).module
     origin = {"kind": fe.weights, "seed": fe.seed if fe.weights == "random" else None,
@@ -307,8 +307,8 @@ def compile_buckets(fe, buckets: Buckets = Buckets(), pipeline: list[str] | None
 
 def _write_program(module: Module, tmp: Path, rel: str) -> str:
     """The module's program as text (parsed back and verified at load)."""
-    from .program.build import program_of
-    from .program.text import print_program
+    from ..program.build import program_of
+    from ..program.text import print_program
 
     (tmp / rel).write_text(print_program(program_of(module)))
     return rel
@@ -317,9 +317,9 @@ def _write_program(module: Module, tmp: Path, rel: str) -> str:
 def _write_onnx(ci: CompileInputs, tmp: Path) -> dict[str, Any]:
     import onnx
 
-    from .codegen.onnx.graph import OPSET
-    from .codegen.onnx_export import export_function, function_io
-    from .codegen.onnx_session import SessionOptions
+    from ..codegen.onnx.graph import OPSET
+    from ..codegen.onnx_export import export_function, function_io
+    from ..codegen.onnx_session import SessionOptions
 
     (tmp / "onnx").mkdir()
     funcs = {}
@@ -333,7 +333,7 @@ def _write_onnx(ci: CompileInputs, tmp: Path) -> dict[str, Any]:
     for fname, fn in ci.module.functions.items():
         head = {"kind": fname.split("_")[0], "batch": fn.attrs["batch"], "tokens": fn.attrs["tokens"]}
         if partitioned:  # ONNX Runtime cannot exchange values between ranks: segments cut at the collectives
-            from .codegen.onnx_segments import export_segments
+            from ..codegen.onnx_segments import export_segments
 
             segs = []
             for k, (model, c) in enumerate(export_segments(ci.module, fname)):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .accounting import kv_bytes_per_token
-from .config import V4Config
-from .ir.core import Function, Module
-from .ir.registry import get_op
+from ..accounting import kv_bytes_per_token
+from ..config import V4Config
+from ..ir.core import Function, Module
+from ..ir.registry import get_op
 # ATOM's V4-Pro decode (anchor-atom.md, our estimates from its code paths).
 ATOM_LAUNCHES = {"hca": (31, 34), "csa": (39, 42), "total": 2200}
 
@@ -82,7 +82,7 @@ def build_report(cfg: V4Config, traced: Module, result, targets: tuple[str, ...]
     if dec:
         rep["decode_launches_detail"] = launch_counts(cfg, dec)
     if final.attrs.get("stage") == "program":
-        from .program.build import program_of
+        from ..program.build import program_of
 
         prog = program_of(final)
         rep["program"] = program_summary(prog)
@@ -90,8 +90,8 @@ def build_report(cfg: V4Config, traced: Module, result, targets: tuple[str, ...]
             rep["launches_per_decode_step"] = rep["program"]["decode"]["launches"]
         gpu = [t for t in targets if t != "cpu"]
         if gpu and "decode" in prog.functions:
-            from .codegen.program_kernels import program_kernels
-            from .codegen.roofline import by_layer_kind, step_model
+            from ..codegen.program_kernels import program_kernels
+            from ..codegen.roofline import by_layer_kind, step_model
 
             pk = program_kernels(prog)
             if pk.complete:
@@ -102,7 +102,7 @@ def build_report(cfg: V4Config, traced: Module, result, targets: tuple[str, ...]
                     m["by_layer_kind"] = by_layer_kind(m, cfg.kind)
     gpu = tuple(t for t in targets if t != "cpu")
     if gpu and cfg.n_mtp_layers:
-        from .codegen.spec_cost import REPORT_DRAFT_TOKENS, verify_models
+        from ..codegen.spec_cost import REPORT_DRAFT_TOKENS, verify_models
 
         rep["speculative_step"] = verify_models(cfg, REPORT_DRAFT_TOKENS, gpu)
     return rep
@@ -111,7 +111,7 @@ def build_report(cfg: V4Config, traced: Module, result, targets: tuple[str, ...]
 def program_summary(prog) -> dict:
     """Per function: launches, kernel families with counts, distinct specialisations, buffer bytes by kind,
     and the registry's cost rules summed (FLOPs, bytes read / written)."""
-    from .ir.registry import get_op
+    from ..ir.registry import get_op
 
     out = {}
     for name, f in prog.functions.items():
@@ -164,20 +164,20 @@ def render_report(rep: dict) -> str:
         lines.append(f"  program @{fname}: {p['launches']} launches, {p['specialisations']} launch signatures; "
                      + ", ".join(f"{k} x{v}" for k, v in p["kernel_families"].items()))
     if rep.get("decode_step"):
-        from .codegen.roofline import render_excess, render_layer_kinds, render_step
+        from ..codegen.roofline import render_excess, render_layer_kinds, render_step
 
         lines.append("  modeled decode step (kernel bytes and FLOPs at the target's roofline + per-launch latency):")
         for m in rep["decode_step"].values():
             lines += [render_step(m), render_layer_kinds(m), render_excess(m)]
     if rep.get("prefill_step"):
-        from .codegen.roofline import render_layer_kinds, render_step
+        from ..codegen.roofline import render_layer_kinds, render_step
 
         lines.append("  modeled prefill chunk (the same model; roofline: the larger of ideal bytes at HBM and FLOPs "
                      "at the MMA peak):")
         for m in rep["prefill_step"].values():
             lines += [render_step(m), render_layer_kinds(m)]
     if rep.get("speculative_step"):
-        from .codegen.spec_cost import render
+        from ..codegen.spec_cost import render
 
         lines.append("  modeled speculative verify step (MTP, traced graphs at the roofline, batch 1):")
         lines += [render(m) for ms in rep["speculative_step"].values() for m in ms]

@@ -1,5 +1,5 @@
 """`v4compile compile`: the pipeline run on the model the command line names, its report (`--report`,
-`--json`), and with `-o DIR` the artifact (the compile driver, `v4compile/driver.py`).
+`--json`), and with `-o DIR` the artifact (the compile driver, `cli/driver.py`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
 def _buckets_of(args):
     """The artifact's buckets from the command line, checked before any work starts."""
     from ..artifact import Buckets
-    from ..driver import gpu_default_buckets
+    from .driver import gpu_default_buckets
 
     buckets = Buckets(_int_list(args.decode_buckets, "--decode-buckets"),
                       _int_list(args.prefill_buckets, "--prefill-buckets"), args.draft_tokens)
@@ -50,7 +50,7 @@ ALL_GPUS = ",".join(GPU_TARGETS)  # `--target` for every GPU target, as messages
 
 
 def cmd_compile(args) -> int:
-    from ..report import build_report, render_report
+    from .report import build_report, render_report
 
     check_outputs(args, artifact_dir=True)
     targets = targets_of(args)
@@ -92,7 +92,7 @@ def cmd_compile(args) -> int:
 
             sys.stdout.write(render_parallel(rep["parallel"]))
     if args.output:
-        from ..driver import compile_buckets, write_artifact
+        from .driver import compile_buckets, write_artifact
 
         inputs = compile_buckets(fe, **ci, stages=st)
         with st("write output", progress="writing the artifact"):
