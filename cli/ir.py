@@ -38,9 +38,14 @@ def cmd_ir_dump(args) -> int:
             from ..program.build import program_of
             from ..program.text import print_program
 
-            if args.format != "text":
-                raise InputError("the program prints as text only", found=f"--format {args.format}")
-            text = print_program(program_of(module), funcs)
+            if args.format == "json":
+                raise InputError("the program prints as text or dot", found=f"--format {args.format}")
+            prog = program_of(module)
+            if args.format == "dot":
+                from ..program.graph import to_dot as program_dot
+                text = "".join(program_dot(prog.functions[f]) for f in (funcs or list(prog.functions)))
+            else:
+                text = print_program(prog, funcs)
         elif args.format == "text":
             weights = "none" if args.no_weights else ("last" if args.functions_first else "first")
             text = print_module(module, funcs, weights=weights)
@@ -54,7 +59,7 @@ def cmd_ir_dump(args) -> int:
             what = f"{'program' if stage == 'program' else args.format}, " \
                    f"{'all functions' if funcs is None else '@' + funcs[0]}"
             write_file(Path(args.output), text, what, check_ir=parses and stage != "program",
-                   check_program=stage == "program")
+                   check_program=stage == "program" and args.format == "text")
     else:
         sys.stdout.write(text)
     return finish(args, outcome)

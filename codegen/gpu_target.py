@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
+from ..errors import CodegenError, InputError
 from ..program.build import program_of
 from ..program.text import print_program
 from . import aot
+from .pdl_check import pdl_violations
 from .program_kernels import program_kernels
 from .roofline import step_model
 
@@ -52,6 +53,10 @@ def write_gpu_targets(module, targets: list[str] | tuple[str, ...], out_dir: str
     if not pk.complete:
         raise InputError("no Triton kernels for some launches of the program",
                          found=", ".join(f"{k} ({v})" for k, v in sorted(pk.missing.items())))
+    for t in targets:
+        if aot.TARGETS[t].pdl and (races := pdl_violations(prog, pk, t)):
+            raise CodegenError(f"{len(races)} kernel call(s) would race under programmatic dependent launch on "
+                               f"{t}", found="; ".join(races[:3]))
     (out / "gpu").mkdir(parents=True, exist_ok=True)
     (out / PROGRAM_FILE).write_text(print_program(prog))
     calls = list(pk.unique.values())

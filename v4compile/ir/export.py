@@ -9,22 +9,27 @@ from .text import fmt_attr
 
 
 def to_dot(fn: Function) -> str:
-    """Ops are boxes (name, provenance, result types); edges are values; inputs and outputs are ovals.
-    Weights are left out to keep the graph readable."""
+    """Ops are boxes (name, provenance, result types); inputs and outputs are ovals. The edges between ops
+    are the dataflow graph's (`ir/graph.py`): a value from its producer to its user (solid), and a read of
+    storage an op later updates in place, from the reader to the update (dashed, "war"). Weights are left
+    out to keep the graph readable."""
+    from .graph import dataflow
+
     lines = [f'digraph "{fn.name}" {{', "  rankdir=TB;", '  node [fontname="monospace", fontsize=10];']
     node_of: dict[int, str] = {}
     for v in fn.inputs:
         node_of[id(v)] = f"in_{len(node_of)}"
         lines.append(f'  {node_of[id(v)]} [shape=oval, label="%{v.name}\\n{v.type}"];')
     for i, op in enumerate(fn.ops):
-        n = f"op{i}"
         types = ", ".join(str(r.type) for r in op.results)
-        lines.append(f'  {n} [shape=box, label="{op.name}\\n{op.loc}\\n{types}"];')
-        for v in op.operands:
-            if v is not None and v.kind != WEIGHT and id(v) in node_of:
-                lines.append(f"  {node_of[id(v)]} -> {n};")
+        lines.append(f'  op{i} [shape=box, label="{op.name}\\n{op.loc}\\n{types}"];')
+        for v in op.operands:  # from the function's inputs; edges between ops come from the graph below
+            if v is not None and v.kind != WEIGHT and node_of.get(id(v), "").startswith("in_"):
+                lines.append(f"  {node_of[id(v)]} -> op{i};")
         for r in op.results:
-            node_of[id(r)] = n
+            node_of[id(r)] = f"op{i}"
+    for j, i, kind in sorted(dataflow(fn).edges(data="kind")):
+        lines.append(f"  op{j} -> op{i};" if kind == "data" else f'  op{j} -> op{i} [style=dashed, label="{kind}"];')
     for k, (name, v) in enumerate(fn.outputs):
         lines.append(f'  out_{k} [shape=oval, label="{name}"];')
         if id(v) in node_of:

@@ -7,7 +7,7 @@ write). The edge's `kinds` holds every kind that applies. The ranges are each ar
 
 Two questions are asked of it:
 * `unwritten_reads`: an arena read no earlier launch writes (the arena holds nothing between calls);
-* `overlap_violations`: a launch that may start while the one before it still runs (programmatic dependent
+* `overlap_violations` (on the whole graph or on `consecutive_graph`): a launch that may start while the one before it still runs (programmatic dependent
   launch, `codegen/kernels/pdl.py`) must wait for it (`pdl_enter`) if it depends on it at all. It need not
   look further back: the launch before it completed only after its own wait, that is after every earlier
   launch completed.
@@ -48,6 +48,30 @@ def launch_graph(f: FunctionProgram) -> nx.DiGraph:
     return g
 
 
+def _kinds_between(before, after) -> set[str]:
+    """launch_graph's edge kinds from a launch's touches (`before`) to a later one's (`after`)."""
+    kinds = set()
+    for a, a_writes in before:
+        for b, b_writes in after:
+            if a.buffer == b.buffer and a.extent[0] < b.extent[1] and b.extent[0] < a.extent[1] and (a_writes or b_writes):
+                kinds.add("waw" if a_writes and b_writes else "raw" if a_writes else "war")
+    return kinds
+
+
+def consecutive_graph(f: FunctionProgram) -> nx.DiGraph:
+    """launch_graph's edges between consecutive launches only (i - 1 -> i): all that `overlap_violations`
+    asks, in one pass over neighbouring pairs instead of the whole graph's walk (a V4-Pro function's graph
+    has ~80k edges and takes a second; this is what the AOT stage checks each program against)."""
+    g = nx.DiGraph()
+    g.add_nodes_from(range(len(f.launches)))
+    touched = [_touches(launch) for launch in f.launches]
+    for i in range(1, len(touched)):
+        kinds = _kinds_between(touched[i - 1], touched[i])
+        if kinds:
+            g.add_edge(i - 1, i, kinds=kinds)
+    return g
+
+
 def unwritten_reads(f: FunctionProgram, g: nx.DiGraph) -> list[tuple[int, str]]:
     """(launch, value) of each arena operand whose bytes no earlier launch writes."""
     out = []
@@ -77,3 +101,19 @@ def overlap_violations(f: FunctionProgram, g: nx.DiGraph, overlapped: Callable[[
             out.append(f"launch #{i} ({f.launches[i].op}) overlaps launch #{i - 1} ({f.launches[i - 1].op}) "
                        f"without waiting for it, but depends on it ({kinds})")
     return out
+
+
+def to_dot(f: FunctionProgram, g: nx.DiGraph | None = None) -> str:
+    """The launch dependency graph in Graphviz dot: launches as boxes (index, op, kernel family, provenance),
+    edges labelled with their kinds (raw solid; war / waw only, dashed). Transitive edges are kept: the
+    graph is what the checks ask, not a minimal drawing (`tred` from Graphviz thins it)."""
+    g = launch_graph(f) if g is None else g
+    lines = [f'digraph "{f.name}" {{', "  rankdir=TB;", '  node [shape=box, fontname="monospace", fontsize=10];']
+    for i, l in enumerate(f.launches):
+        kernel, loc = l.kernel or "", l.loc or ""
+        lines.append(f'  l{i} [label="#{i} {l.op}\\n{kernel}\\n{loc}"];')
+    for j, i, kinds in sorted(g.edges(data="kinds")):
+        style = "" if "raw" in kinds else ", style=dashed"
+        lines.append(f'  l{j} -> l{i} [label="{",".join(sorted(kinds))}"{style}];')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
