@@ -30,10 +30,8 @@ NAMES = ["json.dumps", "os.path.join", "re.compile", "textwrap.dedent", "heapq.h
 
 
 @pytest.fixture(scope="module")
-def art(tmp_path_factory):
-    out = tmp_path_factory.mktemp("serve") / "tiny-doc"
-    assert main(["-q", "compile", str(EXAMPLE), "-o", str(out), "--target", "cpu"]) == 0
-    return out
+def art(doc_art):
+    return doc_art  # tests/cli/conftest.py: compiled once per process
 
 
 def run(art, *args, capsys) -> tuple[int, str, str]:
