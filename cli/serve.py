@@ -557,6 +557,13 @@ def _uvicorn_server():
             if sig == signal.SIGTERM and sig in getattr(self, "_captured_signals", ()):
                 self._captured_signals.remove(sig)
 
+        async def shutdown(self, sockets=None) -> None:
+            """uvicorn's, and the app's own shutdown also after a second Ctrl-C (uvicorn's force exit skips it,
+            and the lifespan task left waiting dies with a traceback when the interruption is raised again)."""
+            await super().shutdown(sockets)
+            if self.force_exit:
+                await self.lifespan.shutdown()
+
     return Uvicorn
 
 

@@ -341,3 +341,35 @@ def test_sampled_requests_are_isolated_from_their_batch(served, monkeypatch):
     monkeypatch.setattr(Batcher, "submit", one_generator)
     together, alone = together_and_alone(server, url, monkeypatch)
     assert together != alone
+
+
+# ---- a second Ctrl-C ---------------------------------------------------------------------------------------
+
+def app_shut_down_after_force_exit(uvicorn_server_class) -> bool:
+    """Whether the server's shutdown, after a second Ctrl-C (uvicorn's force exit), still runs the app's
+    lifespan shutdown (which stops the scheduler; left pending, its task dies with a traceback once the
+    interruption is raised again: seen with 4 live streams and two SIGINTs, 2 tracebacks)."""
+    import asyncio
+
+    import uvicorn
+
+    called = []
+
+    class Lifespan:
+        async def shutdown(self):
+            called.append(True)
+    u = uvicorn_server_class(uvicorn.Config(app=None), None)
+    u.lifespan, u.servers, u.force_exit = Lifespan(), [], True
+    asyncio.run(u.shutdown())
+    return bool(called)
+
+
+def test_a_second_ctrl_c_still_shuts_the_app_down():
+    """Catches uvicorn's own shutdown (planted: the subclass's override left out)."""
+    import uvicorn
+
+    from v4compile.cli import serve
+
+    cls = serve._uvicorn_server()
+    assert app_shut_down_after_force_exit(cls)
+    assert not app_shut_down_after_force_exit(type("Plain", (cls,), {"shutdown": uvicorn.Server.shutdown}))
