@@ -242,7 +242,6 @@ class Server:
 
         from ..runtime.batcher import Request
         from ..runtime.session import request_seed
-        from .serve_logprobs import Pieces, options_of
 
         arrived = time.perf_counter()
         dead = self.scheduler_dead()
@@ -255,7 +254,7 @@ class Server:
             # off the event loop: a long prompt's tokenization would stall every other client
             ids = await asyncio.to_thread(self.prompt_of, body, chat)
             try:
-                opts = options_of(body, chat, self.sess.vocab)
+                opts = serve_logprobs.options_of(body, chat, self.sess.vocab)
             except InputError as e:
                 raise BadRequest(str(e), e.param, e.code) from None
             ctx = self.sess.max_context
@@ -332,7 +331,7 @@ class Server:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
-        pieces = Pieces(self.tok) if opts.logprobs is not None else None
+        pieces = serve_logprobs.Pieces(self.tok) if opts.logprobs is not None else None
         prompt_text = ""
         if opts.echo:
             p = body.get("prompt")

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +23,6 @@ from artifact_tamper import copy, manifest, write_manifest
 from v4compile.cli import main
 from v4compile.runtime.session import Session
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-doc"
 NAMES = ["json.dumps", "os.path.join", "re.compile", "textwrap.dedent", "heapq.heappush", "shutil.copy",
          "functools.partial", "random.choice"]
 

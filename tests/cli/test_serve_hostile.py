@@ -13,15 +13,11 @@ import json
 import socket
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-from v4compile.cli import main
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-doc"
 TIMEOUT = 30
 
 
