@@ -39,8 +39,14 @@ def reference():
     import v4compile
 
     model = v4compile.ReferenceModel.from_pretrained(str(EXAMPLE), numerics="official", dtype=torch.float32)
+    seen: dict[tuple[int, ...], np.ndarray] = {}  # whole and streamed score the same ids
 
     def log_softmax(ids: list[int]) -> np.ndarray:
+        if tuple(ids) not in seen:
+            seen[tuple(ids)] = forward(ids)
+        return seen[tuple(ids)]
+
+    def forward(ids: list[int]) -> np.ndarray:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # its small ops: 0.5 s for 300 tokens, 20 s with a thread per (busy) core
         try:

@@ -302,7 +302,7 @@ def auth(key: str | None) -> dict:
 
 def key_outcomes(url: str, key: str) -> dict[str, int]:
     """Statuses: no key, a wrong key (the right one with its last character changed), the right key (as the
-    `openai` client sends it), /health without a key."""
+    `openai` client sends it), /health and /metrics without a key (both open, as vLLM's)."""
     import openai
 
     wrong = key[:-1] + ("a" if key[-1] != "a" else "b")
@@ -311,6 +311,7 @@ def key_outcomes(url: str, key: str) -> dict[str, int]:
     c = openai.OpenAI(base_url=url + "/v1", api_key=key, timeout=TIMEOUT, max_retries=0)
     got["right"] = 200 if c.chat.completions.create(**chat_body(max_tokens=2)).choices else 0
     got["health"] = httpx.get(url + "/health", timeout=TIMEOUT).status_code
+    got["metrics"] = httpx.get(url + "/metrics", timeout=TIMEOUT).status_code
     return got
 
 
@@ -319,11 +320,11 @@ def test_an_api_key_is_required_but_not_by_health(art, monkeypatch):
     and a 401 without OpenAI's error body."""
     key = "sk-" + np.random.default_rng(7).bytes(12).hex()
     with serving(art, api_key=key) as (server, url):
-        assert key_outcomes(url, key) == {"none": 401, "wrong": 401, "right": 200, "health": 200}
+        assert key_outcomes(url, key) == {"none": 401, "wrong": 401, "right": 200, "health": 200, "metrics": 200}
         err = openai_error(post(url, chat_body(), headers=auth("nope")), 401)
         assert err["code"] == "invalid_api_key" and key not in json.dumps(err)
         monkeypatch.setattr(server, "api_key", None)  # the planted fault: no key asked for
-        assert key_outcomes(url, key) == {"none": 200, "wrong": 200, "right": 200, "health": 200}
+        assert key_outcomes(url, key) == {"none": 200, "wrong": 200, "right": 200, "health": 200, "metrics": 200}
 
 
 def host_outcomes(url: str) -> dict[str, int]:
