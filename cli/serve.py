@@ -2,11 +2,17 @@
 [--max-queue N] [--request-timeout S]`: an OpenAI-compatible HTTP server.
 
     GET  /health                 {"status": "ok", "live", "waiting", "free_slots", "finished": {reason: n}}
+    GET  /metrics                Prometheus' text format (cli/metrics.py; open, like /health)
     GET  /v1/models              the one model, named by --model-name (default: the artifact's directory name)
     POST /v1/completions         {"model", "prompt": text or ids, "max_tokens" (16), "temperature" (1), "top_p",
-                                  "seed", "stop", "stream", "stream_options": {"include_usage"}}
+                                  "seed", "stop", "stream", "stream_options": {"include_usage"}, "n",
+                                  "logprobs" (0..5), "echo", "logit_bias"}
     POST /v1/chat/completions    {"model", "messages", "max_tokens" / "max_completion_tokens" (the rest of the
-                                  context), ..., "stream"}; the prompt is the artifact's chat template
+                                  context), ..., "stream", "n", "logprobs", "top_logprobs" (0..20), "logit_bias"};
+                                  the prompt is the artifact's chat template
+
+`n` choices are n requests of the loop (choice i seeded seed + i: `request_seed`), each with its own prefill;
+log-probabilities and their response shapes: cli/serve_logprobs.py.
 
 One scheduler thread owns the session and runs `Batcher.run_forever` (runtime/batcher.py): a request joins
 the continuous batch when a slot is free and waits in a queue otherwise; its tokens go back to the event
@@ -39,6 +45,8 @@ from collections import Counter
 from pathlib import Path
 
 from ..errors import INVALID_VALUE, InputError, V4Error
+from . import serve_logprobs
+from .metrics import Metrics
 
 log = logging.getLogger("v4compile")
 access_log = logging.getLogger("v4compile.access")  # one line a request (uvicorn's own is off)
@@ -51,12 +59,13 @@ ROLES = ("system", "user", "assistant", "tool")  # what a chat template is writt
 #                                                   carry the template's control tokens)
 
 # Fields of OpenAI's API this server does not implement, each with the values that ask for nothing (accepted,
-# compared with their type: `logprobs` 0 asks for the chosen token's log-probability); any other value is
-# refused with a 400 naming the field, never silently ignored.
+# compared with their type); any other value is refused with a 400 naming the field, never silently ignored.
+# `response_format` (json_object / json_schema) would need constrained decoding, tools a tool-call parser:
+# both refused. `n`, `logprobs`, `top_logprobs`, `echo`, `logit_bias`: serve_logprobs.options_of.
 UNSUPPORTED = {
-    "n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (), "echo": (False,), "suffix": ("",),
-    "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "response_format": ({"type": "text"},), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+    "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",), "response_format": ({"type": "text"},), "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
 }
 
 
@@ -103,7 +112,7 @@ def _num(body: dict, key: str, default, lo: float, hi: float, integer: bool = Fa
     return v
 
 
-OPEN_PATHS = ("/health",)  # answered without the API key: a load balancer's probe has none
+OPEN_PATHS = ("/health", "/metrics")  # answered without the API key: a probe or a scraper has none (cli/metrics.py)
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
 
@@ -126,6 +135,7 @@ class Server:
         self.request_timeout = request_timeout
         self.tok = sess.tokenizer
         self.batcher = Batcher(sess)
+        self.metrics = Metrics(self)
         self.finished: Counter[str] = Counter()
         self.pending: list = []  # (queue, event) of the step under way, handed to the event loop in one call
         self.loop = None
@@ -231,7 +241,9 @@ class Server:
         from fastapi.responses import JSONResponse, StreamingResponse
 
         from ..runtime.batcher import Request
+        from ..runtime.session import request_seed
 
+        arrived = time.perf_counter()
         dead = self.scheduler_dead()
         if dead:
             return _error(dead, status=503, kind="server_error")
@@ -241,14 +253,19 @@ class Server:
             body = await self.body(request)
             # off the event loop: a long prompt's tokenization would stall every other client
             ids = await asyncio.to_thread(self.prompt_of, body, chat)
+            try:
+                opts = serve_logprobs.options_of(body, chat, self.sess.vocab)
+            except InputError as e:
+                raise BadRequest(str(e), e.param, e.code) from None
             ctx = self.sess.max_context
             key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
             default = max(1, ctx - len(ids)) if chat else 16
             max_tokens = body.get(key)
+            least = 0 if opts.echo else 1  # echo + max_tokens 0: the prompt's log-probabilities only
             if max_tokens is None:
                 max_tokens = default
-            elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-                raise BadRequest(f"`{key}` must be an integer >= 1", key, "invalid_value")
+            elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < least:
+                raise BadRequest(f"`{key}` must be an integer >= {least}", key, "invalid_value")
             temperature = _num(body, "temperature", 1.0, 0.0, 2.0)
             top_p = _num(body, "top_p", 1.0, 0.0, 1.0)
             if top_p == 0:
@@ -258,11 +275,11 @@ class Server:
             stream = bool(body.get("stream"))
             so = body.get("stream_options") or {}
             usage_chunk = isinstance(so, dict) and bool(so.get("include_usage"))
-            if self.max_queue is not None and len(self.batcher.waiting) >= self.max_queue:
+            if self.max_queue is not None and len(self.batcher.waiting) + opts.n > self.max_queue:
                 raise BadRequest(f"the server is busy: {len(self.batcher.waiting)} requests wait for a slot "
                                  "(serve --max-queue); try again", None, "queue_full", 429)
             try:
-                self.batcher.check(ids, max_tokens, temperature, top_p, seed)
+                self.batcher.check(ids, max_tokens, temperature, top_p, seed, echo=opts.echo)
             except InputError as e:
                 raise refused(e, chat, key) from None
         except BadRequest as e:
@@ -272,99 +289,155 @@ class Server:
 
         self.loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        text = self.tok.stream(stops) if self.tok is not None else None
+        texts = [self.tok.stream(stops) if self.tok is not None else None for _ in range(opts.n)]
+        expired: list[bool] = []  # set by the timer below, on the event loop, before it cancels the requests
+        ended = [0]  # choices done (on the scheduler's thread)
 
-        def on_token(_r, tok: int) -> bool:
+        def on_token(r, tok: int) -> bool:  # events: ("token", choice, stable text, tokens so far)
+            text = texts[r.index]
             if text is None:
-                self.pending.append((q, ("token", "", tok)))
+                self.pending.append((q, ("token", r.index, "", len(r.ids))))
                 return False
             piece, done = text.push(tok)
-            self.pending.append((q, ("token", piece, tok)))
+            self.pending.append((q, ("token", r.index, piece, len(r.ids))))
             return done
 
-        expired: list[bool] = []  # set by the timer below, on the event loop, before it cancels the request
-
-        def on_done(r) -> None:
+        def on_done(r) -> None:  # ("end", choice, the text held back, request); after the last: ("done", ...)
             if r.finish_reason == "cancelled" and expired:  # told as the error it is, not as a plain end
                 r.error = RequestTimeout(f"the request ran past the server's --request-timeout "
                                          f"({self.request_timeout:g} s)")
+            text = texts[r.index]
             tail = text.finish() if text is not None and r.finish_reason == "length" else ""
             self.finished[r.finish_reason] += 1
-            self.pending.append((q, ("done", tail, r)))
+            if self.metrics is not None:
+                self.metrics.finished(r, arrived)
+            self.pending.append((q, ("end", r.index, tail, r)))
+            ended[0] += 1
+            if ended[0] == len(reqs):
+                self.pending.append((q, ("done", None, "", None)))
 
         eos = self.tok.eos_ids if self.tok is not None else frozenset()
-        req = Request(ids, max_tokens, temperature, top_p, seed, stop_ids=eos, on_token=on_token, on_done=on_done)
-        self.batcher.submit(req)
-        timer = self.loop.call_later(self.request_timeout, self._expire, req, expired) \
+        # choice i samples from its own generator, seeded request_seed(seed, i) = seed + i (as `generate`'s
+        # prompt i): choice 0 is the request with n = 1, and no choice depends on another
+        reqs = [Request(ids, max_tokens, temperature, top_p, request_seed(seed, i), stop_ids=eos, on_token=on_token,
+                        on_done=on_done, index=i, logprobs=opts.logprobs, echo=opts.echo, logit_bias=opts.logit_bias)
+                for i in range(opts.n)]
+        if self.metrics is not None:
+            self.metrics.prompt(len(ids))
+        for req in reqs:
+            self.batcher.submit(req)
+        timer = self.loop.call_later(self.request_timeout, lambda: [self._expire(r, expired) for r in reqs]) \
             if self.request_timeout is not None else None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
+        pieces = serve_logprobs.Pieces(self.tok) if opts.logprobs is not None else None
+        prompt_text = ""
+        if opts.echo:
+            p = body.get("prompt")
+            p = p[0] if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)) else p
+            prompt_text = p if isinstance(p, str) else self.tok.decode(ids) if self.tok is not None else ""
 
-        def choice(piece: str, finish, first: bool = False) -> dict:
+        def logprobs(r, start: int, stop: int, offset: int, echo: bool = False):
+            """The choice's log-probability field for its tokens [start, stop) (and its prompt's: echo)."""
+            if pieces is None or (start >= stop and not echo):
+                return None
+            if chat:
+                return {"content": serve_logprobs.chat_content(r.token_logprobs[start:stop], pieces)}
+            pairs = list(zip(ids, r.prompt_logprobs)) if echo else []
+            pairs += [(e.id, e) for e in r.token_logprobs[start:stop]]
+            return serve_logprobs.completion_logprobs(pairs, pieces, offset)
+
+        def choice(i: int, piece: str, finish, first: bool = False, lp=None) -> dict:
             if chat:
                 delta = ({"role": "assistant"} if first else {}) | ({"content": piece} if piece or first else {})
-                return {"index": 0, "delta": delta, "finish_reason": finish}
-            return {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
+                return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            return {"index": i, "text": piece, "logprobs": lp, "finish_reason": finish}
 
-        def usage(r) -> dict:
-            return {"prompt_tokens": len(ids), "completion_tokens": len(r.ids), "total_tokens": len(ids) + len(r.ids)}
+        def usage() -> dict:
+            n = sum(len(r.ids) for r in reqs)
+            return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
 
         def finish_reason(r) -> str:
             return "stop" if r.finish_reason == "stop" else "length"
 
         if stream:
             async def events():
+                def chunk(c: dict) -> str:
+                    return "data: " + json.dumps({"id": rid, "object": obj + ".chunk" if chat else obj,
+                                                  "created": created, "model": self.model, "choices": [c]}) + "\n\n"
                 try:
-                    first = True
+                    first = [True] * len(reqs)
+                    sent = [0] * len(reqs)  # tokens whose log-probabilities were sent, per choice
+                    offset = [0] * len(reqs)  # completions' text_offset so far
+                    echoed = [not opts.echo] * len(reqs)
                     while True:
-                        kind, piece, x = await q.get()
+                        kind, i, piece, x = await q.get()
                         if kind == "done":
-                            if x.error is not None:
-                                err = {"error": {"message": str(x.error), "type": "server_error", "param": None,
-                                                 "code": None}}
-                                yield f"data: {json.dumps(err)}\n\n"
-                                break
-                            chunk = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
-                                     "model": self.model, "choices": [choice(piece, finish_reason(x), first)]}
-                            yield f"data: {json.dumps(chunk)}\n\n"
-                            if usage_chunk:  # OpenAI's stream_options.include_usage: a last chunk, no choices
-                                chunk = {**chunk, "choices": [], "usage": usage(x)}
-                                yield f"data: {json.dumps(chunk)}\n\n"
                             break
-                        if piece or first:
-                            chunk = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
-                                     "model": self.model, "choices": [choice(piece, None, first)]}
-                            first = False
-                            yield f"data: {json.dumps(chunk)}\n\n"
+                        r = reqs[i]
+                        if kind == "end" and x.error is not None:
+                            err = {"error": {"message": str(x.error), "type": "server_error", "param": None,
+                                             "code": None}}
+                            yield f"data: {json.dumps(err)}\n\n"
+                            yield "data: [DONE]\n\n"
+                            return
+                        if not echoed[i]:  # the prompt first, scored by now (its first token or its end came)
+                            echoed[i], offset[i] = True, len(prompt_text)
+                            yield chunk(choice(i, prompt_text, None, False, logprobs(r, 0, 0, 0, echo=True)))
+                        if kind == "end":
+                            n = len(r.token_logprobs)
+                            yield chunk(choice(i, piece, finish_reason(x), first[i], logprobs(r, sent[i], n, offset[i])))
+                            continue
+                        if piece or first[i]:
+                            lp = logprobs(r, sent[i], x, offset[i])
+                            if lp is not None and not chat:
+                                offset[i] += sum(pieces.width(e.id) for e in r.token_logprobs[sent[i]:x])
+                            sent[i] = x
+                            yield chunk(choice(i, piece, None, first[i], lp))
+                            first[i] = False
+                    if usage_chunk:  # OpenAI's stream_options.include_usage: a last chunk, no choices
+                        yield "data: " + json.dumps({"id": rid, "object": obj + ".chunk" if chat else obj,
+                                                     "created": created, "model": self.model, "choices": [],
+                                                     "usage": usage()}) + "\n\n"
                     yield "data: [DONE]\n\n"
-                finally:  # the client went away (or the stream ended): free the slot now, not at max_tokens
+                finally:  # the client went away (or the stream ended): free the slots now, not at max_tokens
                     if timer is not None:
                         timer.cancel()
-                    if not req.done:
-                        self.batcher.cancel(req)
+                    for r in reqs:
+                        if not r.done:
+                            self.batcher.cancel(r)
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
         try:
             if not await _until_done(request, q):
                 return _error("the client disconnected", status=499)
-        finally:  # the client went away (or the handler was cancelled): free the slot now, not at max_tokens
+        finally:  # the client went away (or the handler was cancelled): free the slots now, not at max_tokens
             if timer is not None:
                 timer.cancel()
-            if not req.done:
-                self.batcher.cancel(req)
-        if isinstance(req.error, RequestTimeout):
-            return _error(str(req.error), None, "timeout", 504, "server_error")
-        if req.error is not None:
-            return _error(str(req.error), None, None, status=500)
-        out = text.text if text is not None else ""
-        c = ({"index": 0, "message": {"role": "assistant", "content": out}, "finish_reason": finish_reason(req)}
-             if chat else {"index": 0, "text": out, "logprobs": None, "finish_reason": finish_reason(req)})
-        if text is None and not chat:
-            c["token_ids"] = req.ids
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model, "choices": [c],
-                             "usage": usage(req)})
+            for r in reqs:
+                if not r.done:
+                    self.batcher.cancel(r)
+        failed = next((r.error for r in reqs if r.error is not None), None)
+        if isinstance(failed, RequestTimeout):
+            return _error(str(failed), None, "timeout", 504, "server_error")
+        if failed is not None:
+            return _error(str(failed), None, None, status=500)
+        choices = []
+        for r, text in zip(reqs, texts):
+            out = text.text if text is not None else ""
+            lp = logprobs(r, 0, len(r.token_logprobs), 0, echo=opts.echo)  # (echo: the text starts with the prompt)
+            if chat:
+                c = {"index": r.index, "message": {"role": "assistant", "content": out}, "logprobs": lp,
+                     "finish_reason": finish_reason(r)}
+            else:
+                c = {"index": r.index, "text": prompt_text + out, "logprobs": lp, "finish_reason": finish_reason(r)}
+                if text is None:
+                    c["token_ids"] = r.ids
+            choices.append(c)
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model, "choices": choices,
+                             "usage": usage()})
 
     # ---- the app ----------------------------------------------------------------------------------
     def app(self):
@@ -395,6 +468,13 @@ class Server:
                 state["error"] = dead
                 return JSONResponse(state, status_code=503)
             return state
+
+        @app.get("/metrics")
+        async def metrics():
+            from fastapi.responses import Response
+
+            data, kind = self.metrics.text()
+            return Response(data, media_type=kind)
 
         @app.get("/v1/models")
         async def models():
@@ -447,6 +527,8 @@ class Guard:
             await (refused if refused is not None else self.app)(scope, receive, sent)
         finally:  # the client's address, the request line (no query, no body: they may carry secrets; the
             #        path escaped: a newline in it would forge a log line), the status (-: none sent)
+            if self.server.metrics is not None:
+                self.server.metrics.answered(scope["path"], status[0])
             client = scope.get("client") or ("-", 0)
             access_log.info('%s "%s %s" %s %.3fs', client[0], scope["method"], repr(scope["path"][:200])[1:-1],
                             status[0] or "-", time.perf_counter() - start)
@@ -473,6 +555,13 @@ def _uvicorn_server():
             super().handle_exit(sig, frame)
             if sig == signal.SIGTERM and sig in getattr(self, "_captured_signals", ()):
                 self._captured_signals.remove(sig)
+
+        async def shutdown(self, sockets=None) -> None:
+            """uvicorn's, and the app's own shutdown also after a second Ctrl-C (uvicorn's force exit skips it,
+            and the lifespan task left waiting dies with a traceback when the interruption is raised again)."""
+            await super().shutdown(sockets)
+            if self.force_exit:
+                await self.lifespan.shutdown()
 
     return Uvicorn
 

@@ -11,8 +11,16 @@ server's scheduler loop: it sleeps while there is nothing to do; `run_until_idle
 
 Sampling: each request draws from its own generator, `np.random.default_rng(request.seed)` (None: fresh
 entropy), so its ids do not depend on which requests share its batch (`Session.generate` states how its
-prompts' seeds follow from the call's). A partitioned artifact's ranks take rank 0's ids
-(`Session.share_ids`, once a step).
+prompts' seeds follow from the call's). A request's `logit_bias` is added to its row before sampling. A
+partitioned artifact's ranks take rank 0's ids (`Session.share_ids`, once a step).
+
+Log-probabilities (`runtime/logprobs.py`: the raw row's log-softmax, before bias, temperature and top-p): a
+request with `logprobs` k gets each new token's and its k most likely alternatives (`token_logprobs`); with
+`echo` its prompt's too (`prompt_logprobs`, the first None). Prefill returns the last position's logits only,
+so an `echo` request's prompt goes in as its first token's prefill and then one prompt token per decode step
+of the loop, beside the other requests (`feed`): each step's row scores the next prompt token, the last one's
+is the first new token's. Such a request may ask for 0 new tokens (an evaluation harness's loglikelihood
+request). A request that asks for neither costs one `is None` test per token.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from v4compile.errors import InputError
+
+from .logprobs import TokenLogprob, token_logprob
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +60,13 @@ class Request:
     seq: object = None  # its open sequence (`session.SeqState`) while live
     rng: np.random.Generator | None = None  # its own sampling generator (made at submit)
     spec: object = None  # the speculative step mode's state for it (`speculative.SpecState`)
+    logprobs: int | None = None  # None: none asked; k: each new token's log-probability and its k top ids
+    echo: bool = False  # score the prompt's tokens too (`prompt_logprobs`); max_new_tokens may then be 0
+    logit_bias: dict[int, float] | None = None  # added to the logits before sampling (not to `logprobs`)
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    feed: deque = field(default_factory=deque)  # echo: prompt tokens not yet in the sequence
+    feeding: int | None = None  # echo: the prompt token the next decode step puts in
 
     @property
     def done(self) -> bool:
@@ -75,17 +92,26 @@ class Batcher:
 
     # ---- any thread ------------------------------------------------------------------------------
     def check(self, prompt, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-              seed: int | None = None, where: str = "prompt") -> list[int]:
-        """The prompt's ids, checked as `generate` checks them (an InputError names what is wrong)."""
-        ids = self.sess.check_request(prompt, max_new_tokens, temperature, top_p, seed, where)
+              seed: int | None = None, where: str = "prompt", echo: bool = False) -> list[int]:
+        """The prompt's ids, checked as `generate` checks them (an InputError names what is wrong); `echo`
+        (the prompt scored) allows 0 new tokens."""
+        ids = self.sess.check_request(prompt, max_new_tokens, temperature, top_p, seed, where,
+                                      min_new_tokens=0 if echo else 1)
         if self.spec is not None:
             self.spec.check(top_p)
         return ids
 
     def submit(self, req: Request, where: str = "prompt") -> Request:
-        req.prompt = self.check(req.prompt, req.max_new_tokens, req.temperature, req.top_p, req.seed, where)
+        req.prompt = self.check(req.prompt, req.max_new_tokens, req.temperature, req.top_p, req.seed, where,
+                                req.echo)
         req.stop_ids = frozenset(self.sess.check_stop_ids(req.stop_ids))
+        if self.spec is not None and (req.echo or req.logprobs is not None or req.logit_bias):
+            raise InputError("the speculative step mode gives no log-probabilities and takes no logit bias",
+                             where=where)
         req.rng = np.random.default_rng(req.seed)
+        if req.echo:
+            req.feed = deque(req.prompt[1:])
+            req.prompt_logprobs = [None]
         with self.cond:
             self.waiting.append(req)
             self.cond.notify()
@@ -198,15 +224,21 @@ class Batcher:
                 r = self.waiting.popleft()
             r.seq = sess.open()
             self.live.append(r)
+            pick = 0
             try:
                 if self.spec is not None:
                     tok = self.spec.prefill(r)
-                else:
-                    tok = sess.share_ids([self._pick_or_fail(r, sess.extend(r.seq, r.prompt))])[0]
+                else:  # an echo request's prompt: its first token here, the others through decode steps
+                    row = sess.extend(r.seq, r.prompt[:1] if r.echo else r.prompt)
+                    pick = self._row(r, row)
+                    tok = sess.share_ids([0 if pick is None else pick])[0]
             except Exception as e:  # noqa: BLE001 (the request fails, the server goes on)
                 self._fail(r, e)
                 continue
-            if r.done:  # its sampling failed
+            if r.done:  # its sampling failed (or an echo request asking no new token is done)
+                continue
+            if pick is None and self.spec is None:  # still scoring its prompt: live, no token yet
+                joined.append(r)
                 continue
             self._token(r, tok)
             if not r.done:
@@ -223,21 +255,42 @@ class Batcher:
     def _decode(self) -> None:
         live = list(self.live)
         try:
-            logits = self.sess.decode([r.seq for r in live], [r.ids[-1] for r in live])
+            logits = self.sess.decode([r.seq for r in live],
+                                      [r.ids[-1] if r.feeding is None else r.feeding for r in live])
         except Exception as e:  # noqa: BLE001 (the step failed: all its requests with it)
             for r in live:
                 self._fail(r, e)
             return
-        picks = [self._pick_or_fail(r, row) for r, row in zip(live, logits)]
+        picks = [self._row(r, row) for r, row in zip(live, logits)]
         try:
-            toks = self.sess.share_ids(picks)
+            toks = self.sess.share_ids([0 if p is None else p for p in picks])
         except Exception as e:  # noqa: BLE001
             for r in live:
                 self._fail(r, e)
             return
-        for r, t in zip(live, toks):
-            if not r.done:
+        for r, p, t in zip(live, picks, toks):
+            if p is not None and not r.done:
                 self._token(r, t)
+
+    def _row(self, r: Request, row: np.ndarray) -> int | None:
+        """What a logits row after `r`'s last token is for: the next prompt token's score (an echo request
+        still feeding its prompt: None, no new token; done here if it asks for none) or its next id."""
+        if not r.feed:
+            r.feeding = None
+            if r.max_new_tokens == 0:  # an echo request's one-token prompt: nothing to score, nothing asked
+                self._finish(r, "length")
+                return None
+            return self._pick_or_fail(r, row)
+        try:
+            t = r.feed.popleft()
+            r.prompt_logprobs.append(token_logprob(row, t, r.logprobs or 0))
+        except Exception as e:  # noqa: BLE001 (a row it cannot score: that request fails alone)
+            self._fail(r, e)
+            return None
+        r.feeding = t
+        if not r.feed and r.max_new_tokens == 0:  # the prompt scored, nothing asked beyond it
+            self._finish(r, "length")
+        return None
 
     def _pick_or_fail(self, r: Request, row: np.ndarray) -> int:
         """`_pick`, or 0 (a placeholder the ranks share) with `r` failed: one request's sampling error (its
@@ -249,8 +302,12 @@ class Batcher:
             return 0
 
     def _pick(self, r: Request, row: np.ndarray) -> int:
-        """The request's next id from its logits `[V]`, with its own generator."""
-        return self.sess.sample(row, r.temperature, r.top_p, r.rng)
+        """The request's next id from its logits `[V]` (plus its logit bias), with its own generator; its
+        log-probability from the raw row when asked."""
+        tok = self.sess.sample(_biased(row, r.logit_bias) if r.logit_bias else row, r.temperature, r.top_p, r.rng)
+        if r.logprobs is not None:
+            r.token_logprobs.append(token_logprob(row, tok, r.logprobs))
+        return tok
 
     def _guarded(self, reqs: list[Request], fn) -> None:
         """`fn()`; its error fails `reqs` (the server goes on)."""
@@ -309,3 +366,11 @@ class Batcher:
             except Exception as e:  # noqa: BLE001
                 log.warning("on_done failed: %s", e)
 
+
+
+def _biased(row: np.ndarray, bias: dict[int, float]) -> np.ndarray:
+    """A copy of the row with `bias` added (OpenAI's logit_bias: id -> value, added before sampling)."""
+    out = np.array(row, dtype=np.float32)
+    ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+    out[ids] += np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
+    return out

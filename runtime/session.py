@@ -346,12 +346,14 @@ class Session:
 
     # ---- generation ------------------------------------------------------------------------------
     def check_request(self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
-                      top_p: float = 1.0, seed: int | None = None, where: str = "prompt") -> list[int]:
-        """A generation request's prompt ids, checked (max_new_tokens >= 1, the sampling arguments, the ids,
-        the context): one InputError naming what is wrong."""
-        if not is_int(max_new_tokens) or max_new_tokens < 1:
-            raise InputError("max_new_tokens must be an integer >= 1", found=repr(max_new_tokens)[:40],
-                             param="max_new_tokens")
+                      top_p: float = 1.0, seed: int | None = None, where: str = "prompt", *,
+                      min_new_tokens: int = 1) -> list[int]:
+        """A generation request's prompt ids, checked (max_new_tokens >= min_new_tokens, 1 unless the request
+        only scores its prompt; the sampling arguments, the ids, the context): one InputError naming what is
+        wrong."""
+        if not is_int(max_new_tokens) or max_new_tokens < min_new_tokens:
+            raise InputError(f"max_new_tokens must be an integer >= {min_new_tokens}",
+                             found=repr(max_new_tokens)[:40], param="max_new_tokens")
         check_sampling(temperature, top_p, seed)
         ids = self.check_prompt(prompt, where)
         self.check_context(ids, max_new_tokens, where)

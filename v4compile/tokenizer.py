@@ -39,6 +39,16 @@ def _token_text(v, where: str, error: type[V4Error]) -> str | None:
     raise error("a special token must be a string or {\"content\": string}", where=where, found=repr(v)[:60])
 
 
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in character for each byte (GPT-2's table), inverted: char -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    extra = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(256 + n): b for n, b in enumerate(extra)}}
+
+
+_BYTE_OF = _byte_level_chars()
+
+
 class Tokenizer:
     def __init__(self, tok, config: dict, where: str, error: type[V4Error] = InputError):
         self._tok = tok
@@ -101,6 +111,16 @@ class Tokenizer:
     def decode(self, ids) -> str:
         """Text of `ids`, special tokens left out."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes id `i` stands for alone (a byte-level BPE token may be part of a character; a special
+        token: its text), for log-probability entries."""
+        s = self._tok.id_to_token(int(i))
+        if s is None:
+            return b""
+        if type(self._tok.decoder).__name__ == "ByteLevel" and all(c in _BYTE_OF for c in s):
+            return bytes(_BYTE_OF[c] for c in s)
+        return self._tok.decode([int(i)], skip_special_tokens=False).encode("utf-8")
 
     def stream(self, stop: list[str] | tuple[str, ...] = ()) -> "TextStream":
         return TextStream(self, stop)

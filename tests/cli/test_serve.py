@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,16 +23,13 @@ from artifact_tamper import copy, manifest, write_manifest
 from v4compile.cli import main
 from v4compile.runtime.session import Session
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-doc"
 NAMES = ["json.dumps", "os.path.join", "re.compile", "textwrap.dedent", "heapq.heappush", "shutil.copy",
          "functools.partial", "random.choice"]
 
 
 @pytest.fixture(scope="module")
-def art(tmp_path_factory):
-    out = tmp_path_factory.mktemp("serve") / "tiny-doc"
-    assert main(["-q", "compile", str(EXAMPLE), "-o", str(out), "--target", "cpu"]) == 0
-    return out
+def art(doc_art):
+    return doc_art  # tests/cli/conftest.py: compiled once per process
 
 
 def run(art, *args, capsys) -> tuple[int, str, str]:

@@ -13,23 +13,17 @@ import json
 import socket
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-from v4compile.cli import main
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-doc"
 TIMEOUT = 30
 
 
 @pytest.fixture(scope="module")
-def art(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hostile") / "tiny-doc"
-    assert main(["-q", "compile", str(EXAMPLE), "-o", str(out), "--target", "cpu"]) == 0
-    return out
+def art(doc_art):
+    return doc_art  # tests/cli/conftest.py: compiled once per process
 
 
 @contextlib.contextmanager
@@ -238,9 +232,10 @@ def bad_requests() -> list[tuple[str, object, dict, int, str | None]]:
         ("a form body", b"a=1", {"content-type": "application/x-www-form-urlencoded"}, 415, None),
         ("no content-type", json.dumps(chat_body()).encode(), {}, 415, None),
     ] + [(f"`{k}` requested", chat_body(**{k: v}), raw, 400, k) for k, v in [
-        ("logprobs", True), ("top_logprobs", 2), ("echo", True), ("logit_bias", {"5": 10}), ("n", 2),
         ("best_of", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
-        ("response_format", {"type": "json_object"}), ("presence_penalty", 0.5)]]
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+        ("presence_penalty", 0.5)]]
 
 
 def test_bad_requests_are_4xx_with_openai_error_bodies(served):
@@ -307,7 +302,7 @@ def auth(key: str | None) -> dict:
 
 def key_outcomes(url: str, key: str) -> dict[str, int]:
     """Statuses: no key, a wrong key (the right one with its last character changed), the right key (as the
-    `openai` client sends it), /health without a key."""
+    `openai` client sends it), /health and /metrics without a key (both open, as vLLM's)."""
     import openai
 
     wrong = key[:-1] + ("a" if key[-1] != "a" else "b")
@@ -316,6 +311,7 @@ def key_outcomes(url: str, key: str) -> dict[str, int]:
     c = openai.OpenAI(base_url=url + "/v1", api_key=key, timeout=TIMEOUT, max_retries=0)
     got["right"] = 200 if c.chat.completions.create(**chat_body(max_tokens=2)).choices else 0
     got["health"] = httpx.get(url + "/health", timeout=TIMEOUT).status_code
+    got["metrics"] = httpx.get(url + "/metrics", timeout=TIMEOUT).status_code
     return got
 
 
@@ -324,11 +320,11 @@ def test_an_api_key_is_required_but_not_by_health(art, monkeypatch):
     and a 401 without OpenAI's error body."""
     key = "sk-" + np.random.default_rng(7).bytes(12).hex()
     with serving(art, api_key=key) as (server, url):
-        assert key_outcomes(url, key) == {"none": 401, "wrong": 401, "right": 200, "health": 200}
+        assert key_outcomes(url, key) == {"none": 401, "wrong": 401, "right": 200, "health": 200, "metrics": 200}
         err = openai_error(post(url, chat_body(), headers=auth("nope")), 401)
         assert err["code"] == "invalid_api_key" and key not in json.dumps(err)
         monkeypatch.setattr(server, "api_key", None)  # the planted fault: no key asked for
-        assert key_outcomes(url, key) == {"none": 200, "wrong": 200, "right": 200, "health": 200}
+        assert key_outcomes(url, key) == {"none": 200, "wrong": 200, "right": 200, "health": 200, "metrics": 200}
 
 
 def host_outcomes(url: str) -> dict[str, int]:

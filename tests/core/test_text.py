@@ -56,6 +56,20 @@ def test_the_stream_check_catches_a_stream_that_prints_broken_characters(tok, mo
     assert any("\ufffd" in p for p in pieces) and "".join(pieces) != TEXT
 
 
+def token_bytes_join(tok: Tokenizer) -> bool:
+    """Each id's bytes (log-probability entries) joined give the text's UTF-8, multi-byte characters split
+    across ids included."""
+    ids = tok.encode(TEXT, add_bos=False)
+    return b"".join(tok.token_bytes(i) for i in ids) == TEXT.encode("utf-8")
+
+
+def test_token_bytes_join_to_the_text(tok, monkeypatch):
+    """Catches a token's bytes read as its decoded text (planted: a part of a character becomes U+FFFD)."""
+    assert token_bytes_join(tok) and tok.token_bytes(sorted(tok.eos_ids)[0]) == tok.eos_token.encode()
+    monkeypatch.setattr(tk, "_BYTE_OF", {})
+    assert not token_bytes_join(tok)
+
+
 def test_stop_strings_and_eos_end_the_text_before_them(tok):
     ids = tok.encode(TEXT, add_bos=False)
     pieces = streamed(tok, ids, stop=["\n\nDone"])
