@@ -1,0 +1,193 @@
+"""`serve` on a partitioned artifact (tiny-pro, `--tp 2 --ep 2`, with the example model's tokenizer) as 2
+gloo ranks started as torchrun starts them (`dist_launch`'s environment; each rank a process of its own, so
+that one can be killed and each one's exit status read): only rank 0 listens, and 8 concurrent streaming
+chats through the `openai` client give the texts of `Session.generate`'s greedy ids on the unpartitioned
+artifact in this process (the single-process server's own texts: tests/cli/test_serve.py). Then SIGTERM to
+every rank (what torchrun forwards) ends each with status 0 and no traceback; a second server whose rank 1
+is killed mid-stream ends with one `error:` line on rank 0, its streams with an error, no hang. Every wait
+has a deadline; every process is killed and reaped."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_launch import free_port
+from v4compile.cli import main
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-doc"
+NAMES = ["json.dumps", "os.path.join", "re.compile", "textwrap.dedent", "heapq.heappush", "shutil.copy",
+         "functools.partial", "random.choice"]
+NEW = 12
+START_S = 180  # two interpreters importing torch and loading, on a busy 2-core machine
+END_S = 60  # a shutdown or a dead rank found: the collective fails at once, the grace period is 5 s
+
+
+@pytest.fixture(scope="module")
+def arts(tmp_path_factory):
+    """(partitioned, unpartitioned) artifacts of one seeded tiny-pro checkpoint with tiny-doc's tokenizer."""
+    d = tmp_path_factory.mktemp("dserve")
+    ckpt = d / "ckpt"
+    assert main(["-q", "init-random", "--preset", "tiny-pro", "-o", str(ckpt), "--seed", "3"]) == 0
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EXAMPLE / f, ckpt / f)
+    out = []
+    for name, layout in (("tp2", ["--tp", "2", "--ep", "2"]), ("one", [])):
+        assert main(["-q", "compile", str(ckpt), "--target", "cpu", "--dtype", "fp32", "--decode-buckets", "8",
+                     "--prefill-buckets", "16", *layout, "-o", str(d / name)]) == 0
+        out.append(d / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def want(arts):
+    """Each chat's text from `Session.generate` on the unpartitioned artifact, run alone."""
+    import v4compile
+
+    sess = v4compile.load(arts[1], device="cpu", threads=1)
+    tok = sess.tokenizer
+    texts = []
+    for n in NAMES:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": n}], add_generation_prompt=True))
+        out = sess.generate([ids], NEW, stop_ids=sorted(tok.eos_ids))[0]
+        texts.append(tok.decode([i for i in out if i not in tok.eos_ids]))
+    sess.close()
+    assert len(set(texts)) > 1  # the prompts lead to different texts: a mix-up between slots would show
+    return texts
+
+
+class Ranks:
+    """`serve` as ranks 0 and 1 of a 2-rank group, torchrun's environment each; stderr to files."""
+
+    def __init__(self, art: Path, tmp: Path, device: str, env: dict | None = None):
+        port = free_port()
+        self.errs = [tmp / f"rank{r}.err" for r in (0, 1)]
+        self.procs = []
+        for r in (0, 1):
+            e = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **(env or {})}
+            with open(self.errs[r], "w") as err:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "v4compile", "serve", str(art), "--port", "0", "--device", device,
+                     "--threads", "1"], env=e, stdout=subprocess.DEVNULL, stderr=err))
+        self.url = None
+        deadline = time.monotonic() + START_S
+        while self.url is None:
+            m = re.search(r"on (http://127\.0\.0\.1:\d+)", self.err(0))
+            if m:
+                self.url = m.group(1)
+            elif any(p.poll() is not None for p in self.procs) or time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"serve did not start: {self.err(0)[-2000:]} {self.err(1)[-2000:]}")
+            else:
+                time.sleep(0.2)
+
+    def err(self, r: int) -> str:
+        return self.errs[r].read_text()
+
+    def wait(self) -> list[int | None]:
+        """Each rank's exit status, within END_S (None: still running, then killed)."""
+        deadline, codes = time.monotonic() + END_S, []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(timeout=max(deadline - time.monotonic(), 0.1)))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        self.kill()
+        return codes
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+
+
+def client(url):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120, max_retries=0)
+
+
+def streamed(url: str, n: int = len(NAMES), max_tokens: int = NEW) -> list:
+    """`n` concurrent streaming chats: each one's text, or the exception that ended it."""
+    c, out = client(url), {}
+
+    def stream(i: int) -> None:
+        try:
+            out[i] = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+                model="tp2", messages=[{"role": "user", "content": NAMES[i]}], temperature=0, max_tokens=max_tokens,
+                stream=True) if ch.choices)
+        except Exception as e:  # noqa: BLE001 (an error event or a cut connection: what the test looks at)
+            out[i] = e
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return [out.get(i, "hung") for i in range(n)]
+
+
+def test_streaming_chats_equal_the_single_process_texts_then_sigterm_exits_0(arts, want, tmp_path):
+    """Only rank 0 listens; 8 concurrent streaming chats give the unpartitioned artifact's texts (the ranks'
+    steps checked equal to rank 0's at every step, `Ranks.step`); /health is rank 0's; SIGTERM to both ranks
+    (torchrun forwards it to every rank) ends each with status 0, no traceback, no error line."""
+    import httpx
+
+    ranks = Ranks(arts[0], tmp_path, "cpu")
+    try:
+        assert streamed(ranks.url) == want, "served by 2 ranks: not the single-process texts"
+        h = httpx.get(ranks.url + "/health", timeout=30).json()
+        assert h["status"] == "ok" and h["free_slots"] == 8 and h["finished"] == {"length": len(NAMES)}, h
+        time.sleep(1.5)  # idle past one idle tick: the ranks stay in step
+        assert streamed(ranks.url, 2) == want[:2]
+        for p in ranks.procs:
+            p.send_signal(signal.SIGTERM)
+        codes = ranks.wait()
+    finally:
+        ranks.kill()
+    errs = [ranks.err(0), ranks.err(1)]
+    assert codes == [0, 0], errs
+    assert not any("Traceback" in e or "error:" in e for e in errs), errs
+    assert "serving" not in errs[1] and "stepping with rank 0" in errs[1]
+
+
+def test_a_rank_killed_mid_stream_ends_the_server_with_one_error(arts, tmp_path):
+    """Rank 1 killed (SIGKILL) while 4 chats stream: each stream ends with an error (an error event), rank 0
+    exits with one `error:` line naming the failed collective, no traceback, within END_S."""
+    ranks = Ranks(arts[0], tmp_path, "cpu", env={"V4COMPILE_DIST_TIMEOUT": "20"})
+    try:
+        c = client(ranks.url)
+        streams = [c.chat.completions.create(model="tp2", messages=[{"role": "user", "content": n}],
+                                             temperature=0, max_tokens=100, stream=True) for n in NAMES[:1]]
+        first = next(iter(streams[0]))  # streaming: the server is mid-generation
+        assert first.choices
+        out = []
+
+        def rest() -> None:
+            try:
+                out.append("".join(ch.choices[0].delta.content or "" for ch in streams[0] if ch.choices))
+            except Exception as e:  # noqa: BLE001
+                out.append(e)
+
+        t = threading.Thread(target=rest)
+        t.start()
+        ranks.procs[1].kill()
+        t.join(timeout=END_S)
+        codes = ranks.wait()
+    finally:
+        ranks.kill()
+    err = ranks.err(0)
+    assert out and isinstance(out[0], Exception) and "failed (a rank died" in str(out[0]), out
+    assert codes[0] == 2 and codes[1] == -signal.SIGKILL, (codes, err[-2000:])
+    assert err.count("error:") == 1 and "failed (a rank died" in err and "Traceback" not in err, err[-3000:]
