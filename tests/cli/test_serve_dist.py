@@ -29,6 +29,8 @@ NAMES = ["json.dumps", "os.path.join", "re.compile", "textwrap.dedent", "heapq.h
          "functools.partial", "random.choice"]
 NEW = 12
 START_S = 180  # two interpreters importing torch and loading, on a busy 2-core machine
+HOST_CLI = ("import functools, sys; import v4compile.runtime as rt; rt.load = functools.partial(rt.load, "
+            "kernels='reference'); from v4compile.cli import main; sys.exit(main(sys.argv[1:]))")
 END_S = 60  # a shutdown or a dead rank found: the collective fails at once, the grace period is 5 s
 
 
@@ -55,11 +57,11 @@ def want(arts):
 
     sess = v4compile.load(arts[1], device="cpu", threads=1)
     tok = sess.tokenizer
-    texts = []
-    for n in NAMES:
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": n}], add_generation_prompt=True))
-        out = sess.generate([ids], NEW, stop_ids=sorted(tok.eos_ids))[0]
-        texts.append(tok.decode([i for i in out if i not in tok.eos_ids]))
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": n}], add_generation_prompt=True))
+               for n in NAMES]
+    # one call: a prompt's greedy ids do not depend on the batch it shares (tests/runtime/test_batcher.py)
+    outs = sess.generate(prompts, NEW, stop_ids=sorted(tok.eos_ids))
+    texts = [tok.decode([i for i in out if i not in tok.eos_ids]) for out in outs]
     sess.close()
     assert len(set(texts)) > 1  # the prompts lead to different texts: a mix-up between slots would show
     return texts
@@ -70,6 +72,8 @@ class Ranks:
 
     def __init__(self, art: Path, tmp: Path, device: str, env: dict | None = None):
         port = free_port()
+        # host: the ops' reference kernels (the Triton interpreter would take minutes; `load(kernels=...)`)
+        cli = ["-m", "v4compile"] if device == "cpu" else ["-c", HOST_CLI]
         self.errs = [tmp / f"rank{r}.err" for r in (0, 1)]
         self.procs = []
         for r in (0, 1):
@@ -77,7 +81,7 @@ class Ranks:
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **(env or {})}
             with open(self.errs[r], "w") as err:
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "v4compile", "serve", str(art), "--port", "0", "--device", device,
+                    [sys.executable, *cli, "serve", str(art), "--port", "0", "--device", device,
                      "--threads", "1"], env=e, stdout=subprocess.DEVNULL, stderr=err))
         self.url = None
         deadline = time.monotonic() + START_S
@@ -138,10 +142,12 @@ def streamed(url: str, n: int = len(NAMES), max_tokens: int = NEW) -> list:
     return [out.get(i, "hung") for i in range(n)]
 
 
-def test_streaming_chats_equal_the_single_process_texts_then_sigterm_exits_0(arts, want, tmp_path):
-    """Only rank 0 listens; 8 concurrent streaming chats give the unpartitioned artifact's texts (the ranks'
-    steps checked equal to rank 0's at every step, `Ranks.step`); /health is rank 0's; SIGTERM to both ranks
-    (torchrun forwards it to every rank) ends each with status 0, no traceback, no error line."""
+
+def test_cpu_ranks_serve_the_single_process_texts_and_sigterm_exits_0(arts, want, tmp_path):
+    """Device cpu: only rank 0 listens; 8 concurrent streaming chats give the unpartitioned artifact's texts
+    (every step's inputs checked equal to rank 0's on rank 1, `Ranks.step`); /health is rank 0's; idle past
+    an idle tick, the ranks still serve; SIGTERM to both ranks (what torchrun forwards to every rank) ends
+    each with status 0, no traceback, no error line."""
     import httpx
 
     ranks = Ranks(arts[0], tmp_path, "cpu")
@@ -149,7 +155,7 @@ def test_streaming_chats_equal_the_single_process_texts_then_sigterm_exits_0(art
         assert streamed(ranks.url) == want, "served by 2 ranks: not the single-process texts"
         h = httpx.get(ranks.url + "/health", timeout=30).json()
         assert h["status"] == "ok" and h["free_slots"] == 8 and h["finished"] == {"length": len(NAMES)}, h
-        time.sleep(1.5)  # idle past one idle tick: the ranks stay in step
+        time.sleep(1.5)  # idle past an idle tick
         assert streamed(ranks.url, 2) == want[:2]
         for p in ranks.procs:
             p.send_signal(signal.SIGTERM)
@@ -162,32 +168,52 @@ def test_streaming_chats_equal_the_single_process_texts_then_sigterm_exits_0(art
     assert "serving" not in errs[1] and "stepping with rank 0" in errs[1]
 
 
-def test_a_rank_killed_mid_stream_ends_the_server_with_one_error(arts, tmp_path):
-    """Rank 1 killed (SIGKILL) while 4 chats stream: each stream ends with an error (an error event), rank 0
-    exits with one `error:` line naming the failed collective, no traceback, within END_S."""
-    ranks = Ranks(arts[0], tmp_path, "cpu", env={"V4COMPILE_DIST_TIMEOUT": "20"})
+def test_host_ranks_serve_the_texts_and_a_killed_rank_ends_the_server(arts, want, tmp_path):
+    """Device host (the C runtime; its collective launches on gloo): the same texts; then rank 1 killed
+    (SIGKILL) while a stream and a whole-response request are in flight: the stream ends with an error
+    event, the other gets a 503 with OpenAI's error body, rank 0 exits with one `error:` line naming the
+    failed collective and no traceback, within END_S."""
+    import httpx
+    import openai
+
+    ranks = Ranks(arts[0], tmp_path, "host")
     try:
-        c = client(ranks.url)
-        streams = [c.chat.completions.create(model="tp2", messages=[{"role": "user", "content": n}],
-                                             temperature=0, max_tokens=100, stream=True) for n in NAMES[:1]]
-        first = next(iter(streams[0]))  # streaming: the server is mid-generation
-        assert first.choices
-        out = []
+        assert streamed(ranks.url) == want, "served by 2 host ranks: not the single-process texts"
+        c, out = client(ranks.url), {}
+
+        def whole() -> None:
+            try:
+                out["whole"] = c.chat.completions.create(model="tp2", messages=[{"role": "user", "content": "x"}],
+                                                         temperature=0, max_tokens=200)
+            except openai.APIStatusError as e:
+                out["whole"] = e
+        threads = [threading.Thread(target=whole)]
+        threads[0].start()
+        stream = iter(c.chat.completions.create(model="tp2", messages=[{"role": "user", "content": NAMES[0]}],
+                                                temperature=0, max_tokens=200, stream=True))
+        assert next(stream).choices  # mid-generation
+        deadline = time.monotonic() + 60
+        while httpx.get(ranks.url + "/health", timeout=30).json()["live"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
 
         def rest() -> None:
             try:
-                out.append("".join(ch.choices[0].delta.content or "" for ch in streams[0] if ch.choices))
-            except Exception as e:  # noqa: BLE001
-                out.append(e)
-
-        t = threading.Thread(target=rest)
-        t.start()
+                out["stream"] = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+            except openai.APIError as e:
+                out["stream"] = e
+        threads.append(threading.Thread(target=rest))
+        threads[1].start()
         ranks.procs[1].kill()
-        t.join(timeout=END_S)
+        for t in threads:
+            t.join(timeout=END_S)
         codes = ranks.wait()
     finally:
         ranks.kill()
     err = ranks.err(0)
-    assert out and isinstance(out[0], Exception) and "failed (a rank died" in str(out[0]), out
+    assert isinstance(out.get("stream"), openai.APIError) and "a rank died" in str(out["stream"]), out
+    w = out.get("whole")
+    assert isinstance(w, openai.APIStatusError) and w.status_code == 503, out
+    assert w.body["type"] == "server_error" and "a rank died" in w.body["message"], w.body
     assert codes[0] == 2 and codes[1] == -signal.SIGKILL, (codes, err[-2000:])
     assert err.count("error:") == 1 and "failed (a rank died" in err and "Traceback" not in err, err[-3000:]
