@@ -135,13 +135,11 @@ class Batcher:
         the loop goes on: nothing a request carries may stop the scheduler. Should the loop itself end
         another way, `died` says why.
 
-        With `lockstep`, rank 0 steps at least every IDLE_TICK_S (an empty tick while idle) and the other
+        With `lockstep`, rank 0 steps at least every `idle_tick_s` (an empty tick while idle) and the other
         ranks step on rank 0's ticks until its stop tick; an error that escapes a step (a rank gone) ends
         the loop on the spot: the ranks' states may differ from then on, so no step may follow. `died` holds
         it, the requests in flight end with it, and the loop returns (the server reports it, not a
         traceback of this thread)."""
-        from .lockstep import IDLE_TICK_S
-
         ls = self.lockstep
         try:
             while True:
@@ -149,7 +147,7 @@ class Batcher:
                     while not self.stopping and not self.busy:
                         if ls is None:
                             self.cond.wait()
-                        elif not ls.leader or not self.cond.wait(IDLE_TICK_S):
+                        elif not ls.leader or not self.cond.wait(ls.idle_tick_s):
                             break  # a tick is due (rank 0's, or the wait for it)
                     if self.stopping:
                         break

@@ -44,6 +44,7 @@ class Lockstep:
         self.cancels: list = []  # rank 0: requests cancelled since the last tick
         self.by_key: dict[int, object] = {}  # the other ranks: rank 0's key -> the request, while not done
         self.next_key = 0
+        self.idle_tick_s = IDLE_TICK_S
 
     @property
     def pending(self) -> bool:
