@@ -80,13 +80,18 @@ class Lockstep:
             new = [Request(p, n, stop_ids=frozenset(s), key=k) for k, p, n, s in msg.get("new", ())]
             self.by_key = {k: r for k, r in self.by_key.items() if not r.done} | {r.key: r for r in new}
             cancels = [self.by_key[k] for k in msg.get("cancel", ())]
+        self.apply(batcher, closing, new, cancels)
+        return True
+
+    @staticmethod
+    def apply(batcher, closing: list, new: list, cancels: list) -> None:
+        """A tick's facts, on every rank in this order (see the module's docstring)."""
         for r in closing:
             batcher.close(r)
         with batcher.cond:
             batcher.waiting.extend(new)
             for r in cancels:
                 r.cancelled = True
-        return True
 
     def stop(self) -> None:
         """Rank 0: the stop tick (the other ranks' loops end). A rank already gone is no error here: rank 0
