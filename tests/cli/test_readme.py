@@ -6,7 +6,8 @@ and installing (the test runs inside the installed environment), the test suite 
 not run: it is what runs this test), the checkpoint path of the Python example (a seeded random
 tiny checkpoint written here), the example model's path (the blocks run in a temporary directory), the
 partitioned artifact of the torchrun server's block (one bucket each) and the
-serving examples' port (a free one; the `openai` client block runs against a server this test starts).
+serving examples' port (a free one; the `openai` client block runs against a server this test starts);
+torchrun runs as the interpreter's `torch.distributed.run` on a free port.
 """
 
 from __future__ import annotations
