@@ -377,7 +377,6 @@ class Batcher:
                 log.warning("on_done failed: %s", e)
 
 
-
 def _fatal(e: Exception) -> bool:
     """An error after which a lockstep rank may not step again: a collective that failed (a rank gone) or a
     step that is not rank 0's."""
