@@ -1,11 +1,14 @@
 """`serve` on a partitioned artifact (tiny-pro, `--tp 2 --ep 2`, with the example model's tokenizer) as 2
 gloo ranks started as torchrun starts them (`dist_launch`'s environment; each rank a process of its own, so
-that one can be killed and each one's exit status read): only rank 0 listens, and 8 concurrent streaming
-chats through the `openai` client give the texts of `Session.generate`'s greedy ids on the unpartitioned
-artifact in this process (the single-process server's own texts: tests/cli/test_serve.py). Then SIGTERM to
-every rank (what torchrun forwards) ends each with status 0 and no traceback; a second server whose rank 1
-is killed mid-stream ends with one `error:` line on rank 0, its streams with an error, no hang. Every wait
-has a deadline; every process is killed and reaped."""
+that one can be killed and each one's exit status read), one server per device (cpu; host, the C runtime,
+with the ops' reference kernels): only rank 0 listens, and 8 concurrent streaming chats through the
+`openai` client give the texts of `Session.generate`'s greedy ids on the unpartitioned artifact in this
+process (the single-process server's own texts: tests/cli/test_serve.py). Every step of rank 1 is checked
+against rank 0's as it runs (`Ranks.step`, which ends the server on a mismatch); the lockstep's planted
+faults (ends applied out of order, a cancel not told) are in tests/runtime/test_batcher.py, in one process.
+The cpu server then gets SIGTERM on every rank (what torchrun forwards): each exits 0, no traceback; the
+host server's rank 1 is killed mid-stream: an error event, a 503 with OpenAI's body, one `error:` line on
+rank 0, no hang. Every wait has a deadline; every process is killed and reaped."""
 
 from __future__ import annotations
 
