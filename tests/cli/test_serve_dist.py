@@ -34,6 +34,7 @@ NEW = 8
 START_S = 180  # two interpreters importing torch and loading, on a busy 2-core machine
 HOST_CLI = ("import functools, sys; import v4compile.runtime as rt; rt.load = functools.partial(rt.load, "
             "kernels='reference'); from v4compile.cli import main; sys.exit(main(sys.argv[1:]))")
+IDLE_PAST_S = 5.5  # the cpu server's collective timeout is 0.5 s less (5 s: enough for any step here)
 END_S = 60  # a shutdown or a dead rank found: the collective fails at once, the grace period is 5 s
 
 
@@ -149,16 +150,16 @@ def streamed(url: str, n: int = len(NAMES), max_tokens: int = NEW) -> list:
 def test_cpu_ranks_serve_the_single_process_texts_and_sigterm_exits_0(arts, want, tmp_path):
     """Device cpu: only rank 0 listens; 8 concurrent streaming chats give the unpartitioned artifact's texts
     (every step's inputs checked equal to rank 0's on rank 1, `Ranks.step`); /health is rank 0's; idle past
-    an idle tick, the ranks still serve; SIGTERM to both ranks (what torchrun forwards to every rank) ends
+    the collectives' timeout (rank 1 waits for rank 0's ticks), the ranks still serve; SIGTERM to both ranks (what torchrun forwards to every rank) ends
     each with status 0, no traceback, no error line."""
     import httpx
 
-    ranks = Ranks(arts[0], tmp_path, "cpu")
+    ranks = Ranks(arts[0], tmp_path, "cpu", env={"V4COMPILE_DIST_TIMEOUT": str(IDLE_PAST_S - 0.5)})
     try:
         assert streamed(ranks.url) == want, "served by 2 ranks: not the single-process texts"
         h = httpx.get(ranks.url + "/health", timeout=30).json()
         assert h["status"] == "ok" and h["free_slots"] == 8 and h["finished"] == {"length": len(NAMES)}, h
-        time.sleep(1.2)  # idle past an idle tick (IDLE_TICK_S)
+        time.sleep(IDLE_PAST_S)  # idle past the collectives' timeout: the idle ticks keep rank 1's waits short
         assert streamed(ranks.url, 2) == want[:2]
         for p in ranks.procs:
             p.send_signal(signal.SIGTERM)
