@@ -639,15 +639,16 @@ def _follow(sess) -> int:
     got: list[int] = []
     for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(s, lambda signum, _frame: got.append(signum))
+    rank = sess.ranks.rank  # (the session's ranks are gone once it is closed)
     batcher = Batcher(sess, lockstep=Lockstep(sess.ranks))
     sess.warmup(1, sess.max_batch)
-    log.info("rank %d of %d: stepping with rank 0's server", sess.ranks.rank, sess.ranks.world)
+    log.info("rank %d of %d: stepping with rank 0's server", rank, sess.ranks.world)
     try:
         batcher.run_forever()
     finally:
         sess.close()
     if got and batcher.died is not None:  # shutting down: rank 0 went before its stop tick came
-        log.info("rank %d: rank 0 ended during the shutdown", sess.ranks.rank)
+        log.info("rank %d: rank 0 ended during the shutdown", rank)
         return 0
     return _died(batcher)
 
