@@ -26,6 +26,13 @@ ends alone with a 500 (or an error event); the scheduler goes on, and `/health` 
 the requests waiting for a slot (429 beyond), `--request-timeout` a request's time (504 or an error event
 past it); `Guard` also writes the access log. SIGTERM: the scheduler stops first, each request in flight
 ends with an error event, the process exits 0 (`_uvicorn_server`).
+
+A partitioned artifact under torchrun: rank 0 alone listens and runs the server; every other rank runs the
+same scheduler loop in step with it (`_follow`; runtime/lockstep.py: each step's new requests, ends and
+cancellations come from rank 0, each step's inputs and sampled ids too). A rank that dies ends the server:
+the requests in flight end with a 503 (a stream: an error event), rank 0 exits with one `error:` line.
+SIGTERM (torchrun forwards it to every rank): rank 0 shuts down as above and its stop tick ends the other
+ranks, which wait for it (their own SIGTERM is noted, not acted on); every rank exits 0.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-from ..errors import INVALID_VALUE, InputError, V4Error
+from ..errors import INVALID_VALUE, DeviceError, InputError, V4Error
 from . import serve_logprobs
 from .metrics import Metrics
 
@@ -125,6 +132,7 @@ class Server:
         beyond this many waiting for a slot get a 429 (None: no bound). `request_timeout`: seconds a request may
         take from its arrival (waiting included) before it is ended with an error (None: no bound)."""
         from ..runtime.batcher import Batcher
+        from ..runtime.lockstep import Lockstep
 
         self.sess = sess
         self.model = model_name
@@ -134,13 +142,21 @@ class Server:
         self.max_queue = max_queue
         self.request_timeout = request_timeout
         self.tok = sess.tokenizer
-        self.batcher = Batcher(sess)
+        self.batcher = Batcher(sess, lockstep=Lockstep(sess.ranks) if sess.ranks is not None else None)
+        self.on_died = None  # called on the scheduler's thread when a lockstep scheduler ends for good
         self.metrics = Metrics(self)
         self.finished: Counter[str] = Counter()
         self.pending: list = []  # (queue, event) of the step under way, handed to the event loop in one call
         self.loop = None
         self.batcher.on_step = self._hand_over
-        self.thread = threading.Thread(target=self.batcher.run_forever, name="v4compile-scheduler", daemon=True)
+        self.thread = threading.Thread(target=self._schedule, name="v4compile-scheduler", daemon=True)
+
+    def _schedule(self) -> None:
+        try:
+            self.batcher.run_forever()
+        finally:  # a partitioned artifact's ranks that no longer step together: nothing more can be served
+            if self.batcher.died is not None and self.batcher.lockstep is not None and self.on_died is not None:
+                self.on_died()
 
     def _hand_over(self) -> None:
         """On the scheduler's thread, after each step: one wake-up of the event loop for all its tokens (one
@@ -151,6 +167,8 @@ class Server:
 
     def scheduler_dead(self) -> str | None:
         """Why the scheduler thread is gone (None while it runs): no request would ever be answered."""
+        if self.batcher.died is not None and self.batcher.lockstep is not None:  # told before the thread ends
+            return f"the scheduler stopped: {self.batcher.died}"
         if self.thread.is_alive() or not self.thread.ident:  # not started yet: the lifespan starts it
             return None
         return f"the scheduler stopped: {self.batcher.died!r}" if self.batcher.died else "the scheduler stopped"
@@ -275,8 +293,8 @@ class Server:
             stream = bool(body.get("stream"))
             so = body.get("stream_options") or {}
             usage_chunk = isinstance(so, dict) and bool(so.get("include_usage"))
-            if self.max_queue is not None and len(self.batcher.waiting) + opts.n > self.max_queue:
-                raise BadRequest(f"the server is busy: {len(self.batcher.waiting)} requests wait for a slot "
+            if self.max_queue is not None and self.batcher.queued + opts.n > self.max_queue:
+                raise BadRequest(f"the server is busy: {self.batcher.queued} requests wait for a slot "
                                  "(serve --max-queue); try again", None, "queue_full", 429)
             try:
                 self.batcher.check(ids, max_tokens, temperature, top_p, seed, echo=opts.echo)
@@ -422,6 +440,8 @@ class Server:
         failed = next((r.error for r in reqs if r.error is not None), None)
         if isinstance(failed, RequestTimeout):
             return _error(str(failed), None, "timeout", 504, "server_error")
+        if failed is not None and failed is self.batcher.died:  # a rank gone: the server is ending
+            return _error(str(failed), None, None, 503, "server_error")
         if failed is not None:
             return _error(str(failed), None, None, status=500)
         choices = []
@@ -462,7 +482,7 @@ class Server:
         async def health():
             b = self.batcher
             dead = self.scheduler_dead()
-            state = {"status": "error" if dead else "ok", "live": len(b.live), "waiting": len(b.waiting),
+            state = {"status": "error" if dead else "ok", "live": len(b.live), "waiting": b.queued,
                      "free_slots": len(self.sess.free_slots), "finished": dict(self.finished)}
             if dead:  # a load balancer's probe must see it: 503, and why
                 state["error"] = dead
@@ -667,6 +687,8 @@ def cmd_serve(args) -> int:
     from ..runtime import load
 
     sess = load(args.artifact, device=args.device, threads=args.threads)
+    if sess.ranks is not None and sess.ranks.rank > 0:
+        return _follow(sess)
     name = args.model_name or Path(args.artifact).resolve().name
     key = args.api_key or os.environ.get("V4COMPILE_API_KEY") or None
     hosts = [args.host, *(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())]
@@ -681,15 +703,53 @@ def cmd_serve(args) -> int:
     if args.host in ("0.0.0.0", "::") and not args.allowed_hosts:  # reachable by addresses the Host check refuses
         log.warning("listening on every interface, but only requests that name this server localhost, "
                     "127.0.0.1, [::1] or %s are served: give the names clients use with --allowed-hosts", args.host)
-    log.info("serving %s on http://%s:%d (%s device, %d slots)", name, args.host, port, args.device, sess.max_batch)
+    ranks = f", {sess.ranks.world} ranks" if sess.ranks is not None else ""
+    log.info("serving %s on http://%s:%d (%s device, %d slots%s)", name, args.host, port, args.device, sess.max_batch,
+             ranks)
     sys.stderr.flush()
     config = uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=GRACE_S, lifespan="on")
+    uv = _uvicorn_server()(config, server)
+    server.on_died = lambda: setattr(uv, "should_exit", True)
     try:
-        _uvicorn_server()(config, server).run(sockets=[sock])
+        uv.run(sockets=[sock])
     finally:
         sock.close()
         sess.close()
-    return 0
+    return _died(server.batcher)
+
+
+def _follow(sess) -> int:
+    """A rank > 0 of a partitioned artifact: the scheduler loop in step with rank 0's until its stop tick
+    (runtime/lockstep.py). A shutdown signal is noted only: rank 0, which torchrun signals too, decides
+    when the ranks stop, and one rank leaving mid-step would end the others with an error."""
+    from ..runtime.batcher import Batcher
+    from ..runtime.lockstep import Lockstep
+
+    got: list[int] = []
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(s, lambda signum, _frame: got.append(signum))
+    rank = sess.ranks.rank  # (the session's ranks are gone once it is closed)
+    batcher = Batcher(sess, lockstep=Lockstep(sess.ranks))
+    sess.warmup(1, sess.max_batch)
+    log.info("rank %d of %d: stepping with rank 0's server", rank, sess.ranks.world)
+    try:
+        batcher.run_forever()
+    finally:
+        sess.close()
+    if got and batcher.died is not None:  # shutting down: rank 0 went before its stop tick came
+        log.info("rank %d: rank 0 ended during the shutdown", rank)
+        return 0
+    return _died(batcher)
+
+
+def _died(batcher) -> int:
+    """A lockstep scheduler's end for good as the command's error (one line); 0 otherwise."""
+    died = batcher.died
+    if died is None or batcher.lockstep is None:
+        return 0
+    if isinstance(died, V4Error):
+        raise died
+    raise DeviceError(f"the scheduler stopped: {died}")
 
 
 def add_command(sub) -> None:

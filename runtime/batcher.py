@@ -21,6 +21,10 @@ so an `echo` request's prompt goes in as its first token's prefill and then one 
 of the loop, beside the other requests (`feed`): each step's row scores the next prompt token, the last one's
 is the first new token's. Such a request may ask for 0 new tokens (an evaluation harness's loglikelihood
 request). A request that asks for neither costs one `is None` test per token.
+
+`lockstep` (a partitioned artifact's server, `lockstep.Lockstep`): every rank runs this loop, in step with
+rank 0's, which alone takes requests; each step starts with rank 0's tick (what happened on it since the
+last step), rank 0 alone samples, and a failed collective ends the loop on every rank (`died`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from v4compile.errors import InputError
+from v4compile.errors import RANKS_DIVERGED, DeviceError, InputError
 
 from .logprobs import TokenLogprob, token_logprob
 
@@ -67,6 +71,8 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     feed: deque = field(default_factory=deque)  # echo: prompt tokens not yet in the sequence
     feeding: int | None = None  # echo: the prompt token the next decode step puts in
+    key: int = -1  # lockstep: rank 0's number for it, the same on every rank
+    closing: tuple | None = None  # lockstep, rank 0: (reason, error) its consumer decided, applied at the next tick
 
     @property
     def done(self) -> bool:
@@ -74,10 +80,12 @@ class Request:
 
 
 class Batcher:
-    def __init__(self, session, *, spec=None, raise_errors: bool = False):
+    def __init__(self, session, *, spec=None, raise_errors: bool = False, lockstep=None):
         """`spec`: a speculative step mode (`speculative.SpecStep`) instead of decode steps. `raise_errors`:
         a request's error ends the loop (`generate`: the caller gets it) instead of that request only (the
-        server's)."""
+        server's). `lockstep`: this rank's place among a partitioned artifact's serving ranks
+        (`lockstep.Lockstep`; see the module's docstring)."""
+        self.lockstep = lockstep
         self.sess = session
         self.spec = spec
         self.max_live = session.max_batch if spec is None else spec.max_batch
@@ -113,14 +121,20 @@ class Batcher:
             req.feed = deque(req.prompt[1:])
             req.prompt_logprobs = [None]
         with self.cond:
-            self.waiting.append(req)
+            if self.lockstep is not None:  # the ranks learn of it at the next tick
+                self.lockstep.submit(req)
+            else:
+                self.waiting.append(req)
             self.cond.notify()
         return req
 
     def cancel(self, req: Request) -> None:
         """End a request (a client that went away): its slot and blocks are freed at the next step."""
         with self.cond:
-            req.cancelled = True
+            if self.lockstep is not None:  # applied at the next tick, on every rank
+                self.lockstep.cancels.append(req)
+            else:
+                req.cancelled = True
             self.cond.notify()
 
     def stop(self, error: Exception | None = None) -> None:
@@ -133,30 +147,51 @@ class Batcher:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.live)
+        return bool(self.waiting or self.live or (self.lockstep is not None and self.lockstep.pending))
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot (those a tick has yet to announce included)."""
+        return len(self.waiting) + (len(self.lockstep.inbox) if self.lockstep is not None else 0)
 
     # ---- the scheduler's thread ------------------------------------------------------------------
     def run_forever(self) -> None:
         """The scheduler loop: step while there is work, sleep while there is none, until `stop()`. A step's
         error that no request's handler took (a bug, not a request's fault) fails the requests in flight and
         the loop goes on: nothing a request carries may stop the scheduler. Should the loop itself end
-        another way, `died` says why."""
+        another way, `died` says why.
+
+        With `lockstep`, rank 0 steps at least every `idle_tick_s` (an empty tick while idle) and the other
+        ranks step on rank 0's ticks until its stop tick; an error that escapes a step (a rank gone) ends
+        the loop on the spot: the ranks' states may differ from then on, so no step may follow. `died` holds
+        it, the requests in flight end with it, and the loop returns (the server reports it, not a
+        traceback of this thread)."""
+        ls = self.lockstep
         try:
             while True:
                 with self.cond:
                     while not self.stopping and not self.busy:
-                        self.cond.wait()
+                        if ls is None:
+                            self.cond.wait()
+                        elif not ls.leader or not self.cond.wait(ls.idle_tick_s):
+                            break  # a tick is due (rank 0's, or the wait for it)
                     if self.stopping:
                         break
                 try:
                     self.step()
                 except Exception as e:  # noqa: BLE001
+                    if ls is not None:
+                        raise
                     log.exception("a scheduler step failed; its requests end with the error")
                     self._fail_all(e)
+            if ls is not None and ls.leader:
+                ls.stop()
             self.abort(self.stop_error)
         except BaseException as e:
             self.died = e
-            raise
+            if ls is None or not isinstance(e, Exception):
+                raise
+            self.abort(e)
 
     def run_until_idle(self) -> None:
         while self.busy:
@@ -198,6 +233,9 @@ class Batcher:
                 self.on_step()
 
     def _step(self) -> None:
+        if self.lockstep is not None and not self.lockstep.exchange(self):
+            self.stopping = True  # rank 0's stop tick
+            return
         for r in [r for r in self.live if r.cancelled]:
             self._finish(r, "cancelled")
         joined = self._admit()
@@ -235,10 +273,13 @@ class Batcher:
             except Exception as e:  # noqa: BLE001 (the request fails, the server goes on)
                 self._fail(r, e)
                 continue
+            if pick is not None:  # a shared id (not an echo prompt's placeholder): -1 is rank 0's failure
+                self._sampled(r, tok)
             if r.done:  # its sampling failed (or an echo request asking no new token is done)
                 continue
             if pick is None and self.spec is None:  # still scoring its prompt: live, no token yet
                 joined.append(r)
+                continue
                 continue
             self._token(r, tok)
             if not r.done:
@@ -269,7 +310,10 @@ class Batcher:
                 self._fail(r, e)
             return
         for r, p, t in zip(live, picks, toks):
-            if p is not None and not r.done:
+            if p is None:  # an echo request still scoring its prompt: no new token
+                continue
+            self._sampled(r, t)
+            if not r.done:
                 self._token(r, t)
 
     def _row(self, r: Request, row: np.ndarray) -> int | None:
@@ -293,13 +337,21 @@ class Batcher:
         return None
 
     def _pick_or_fail(self, r: Request, row: np.ndarray) -> int:
-        """`_pick`, or 0 (a placeholder the ranks share) with `r` failed: one request's sampling error (its
-        parameters, its logits) ends that request only, not the others of its step."""
+        """`_pick`, or -1 (a placeholder the ranks share) with `r` failed: one request's sampling error (its
+        parameters, its logits) ends that request only, not the others of its step. With `lockstep`, only
+        rank 0 samples (the others take its ids)."""
+        if self.lockstep is not None and not self.lockstep.leader:
+            return 0
         try:
             return self._pick(r, row)
         except Exception as e:  # noqa: BLE001
             self._fail(r, e)
-            return 0
+            return -1
+
+    def _sampled(self, r: Request, tok: int) -> None:
+        """A shared id of -1: rank 0's sampling failed `r` (ended there already; here on the other ranks)."""
+        if tok < 0 and not r.done:
+            self._fail(r, InputError("sampling this request failed on rank 0"))
 
     def _pick(self, r: Request, row: np.ndarray) -> int:
         """The request's next id from its logits `[V]` (plus its logit bias), with its own generator; its
@@ -332,19 +384,38 @@ class Batcher:
             r.first_token_at = time.perf_counter()
         r.ids.append(tok)
         ended = False
-        if r.on_token is not None:
+        if r.on_token is not None and r.closing is None:
             try:
                 ended = bool(r.on_token(r, tok))
             except Exception as e:  # noqa: BLE001 (a consumer's error ends its request only)
-                self._fail(r, e)
-                return
+                if self.lockstep is None:
+                    self._fail(r, e)
+                    return
+                r.closing = ("error", e)
+        if ended and self.lockstep is not None:  # only rank 0 knows: every rank ends it at the next tick
+            r.closing, ended = ("stop", None), False
         if ended or tok in r.stop_ids:
-            self._finish(r, "stop")
+            self._end(r, "stop")
         elif len(r.ids) >= r.max_new_tokens:
-            self._finish(r, "length")
+            self._end(r, "length")
+
+    def _end(self, r: Request, reason: str) -> None:
+        """An end every rank sees here; an end its consumer decided before (`closing`) gives the reason."""
+        if r.closing is not None:
+            self.close(r)
+        else:
+            self._finish(r, reason)
+
+    def close(self, r: Request) -> None:
+        """End `r` as its consumer decided on rank 0 (`closing`; the other ranks know no reason: "stop")."""
+        reason, err = r.closing or ("stop", None)
+        if err is not None:
+            self._fail(r, err)
+        else:
+            self._finish(r, reason)
 
     def _fail(self, r: Request, e: Exception) -> None:
-        if self.raise_errors:
+        if self.raise_errors or (self.lockstep is not None and _fatal(e)):
             raise e
         if r.done:  # ended before the error (a step's other requests fail with it)
             return
@@ -374,3 +445,9 @@ def _biased(row: np.ndarray, bias: dict[int, float]) -> np.ndarray:
     ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
     out[ids] += np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
     return out
+
+
+def _fatal(e: Exception) -> bool:
+    """An error after which a lockstep rank may not step again: a collective that failed (a rank gone) or a
+    step that is not rank 0's."""
+    return isinstance(e, DeviceError) or getattr(e, "code", None) == RANKS_DIVERGED

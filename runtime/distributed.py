@@ -5,6 +5,7 @@ layout, the collectives between ONNX segments (gloo on CPU), and the lockstep of
     y = ranks.all_reduce(x, group=2)     # sum over this rank's group of 2 consecutive ranks
     inputs = ranks.step(f, fname, inputs)  # rank 0's step (function and inputs), on every rank
     toks = ranks.share_ids(toks)         # rank 0's sampled ids, on every rank
+    data = ranks.share_bytes(data)       # rank 0's bytes (a server's tick: `lockstep.py`), on every rank
 
 Every rank runs the same session calls; rank 0 owns the scheduler and sampling: each step's function and
 inputs and each sampled id come from it (a rank whose own step differs, from other prompts or arguments,
@@ -22,7 +23,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 
-from v4compile.errors import DeviceError, InputError
+from v4compile.errors import RANKS_DIVERGED, DeviceError, InputError
 from v4compile.parallel import ParallelLayout
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -106,11 +107,11 @@ class Ranks:
         if tuple(head) != (index, mine.size):
             raise InputError(f"rank {self.rank} runs another function than rank 0 (every rank must make the same "
                              "session calls: the same prompts and arguments)", expected=f"function #{head[0]}",
-                             found=fname)
+                             found=fname, code=RANKS_DIVERGED)
         got = self.broadcast(mine)
         if not np.array_equal(got, mine):
             raise InputError(f"rank {self.rank}'s step inputs differ from rank 0's (every rank must make the same "
-                             "session calls: the same prompts and arguments)", where=fname)
+                             "session calls: the same prompts and arguments)", where=fname, code=RANKS_DIVERGED)
         out, at = {}, 1
         for n in STEP_INPUTS:
             a = np.asarray(inputs[n])
@@ -142,6 +143,16 @@ class Ranks:
     def share_ids(self, ids: list[int]) -> list[int]:
         """Rank 0's sampled ids, on every rank."""
         return [int(t) for t in self.broadcast(np.asarray(ids, dtype=np.int64))]
+
+    def share_bytes(self, data: bytes | None) -> bytes | None:
+        """Rank 0's `data` on every rank (the other ranks pass None); None on every rank when rank 0 passes
+        None. Two broadcasts: the size (-1: None), then the bytes if there are any."""
+        size = -1 if data is None else len(data)
+        size = int(self.broadcast(np.asarray([size], dtype=np.int64))[0])
+        if size <= 0:
+            return None if size < 0 else b""
+        buf = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == 0 else np.zeros(size, dtype=np.uint8)
+        return self.broadcast(buf).tobytes()
 
     def close(self) -> None:
         if self.owns and self.dist.is_initialized():

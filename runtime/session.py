@@ -178,6 +178,11 @@ class Session:
         return self.alloc.free_blocks
 
     @property
+    def ranks(self):
+        """This process's rank of a partitioned artifact (`distributed.Ranks`), or None."""
+        return getattr(self.backend, "ranks", None)
+
+    @property
     def max_batch(self) -> int:
         return self.decode_fns[-1][0]
 

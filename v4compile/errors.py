@@ -24,6 +24,7 @@ def show_value(v: object) -> str:
 # The kinds of refusal (`V4Error.code`); the server's API codes are these names.
 INVALID_VALUE = "invalid_value"
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+RANKS_DIVERGED = "ranks_diverged"  # a partitioned artifact's rank whose step is not rank 0's
 
 
 class V4Error(Exception):

@@ -4,8 +4,10 @@ Blocks are fenced with a language: `bash` and `python` blocks run; `text` blocks
 only substitutions are for what this test cannot or need not repeat: creating the virtual environment
 and installing (the test runs inside the installed environment), the test suite itself (collected,
 not run: it is what runs this test), the checkpoint path of the Python example (a seeded random
-tiny checkpoint written here), the example model's path (the blocks run in a temporary directory) and the
-serving examples' port (a free one; the `openai` client block runs against a server this test starts).
+tiny checkpoint written here), the example model's path (the blocks run in a temporary directory), the
+partitioned artifact of the torchrun server's block (one bucket each) and the
+serving examples' port (a free one; the `openai` client block runs against a server this test starts);
+torchrun runs as the interpreter's `torch.distributed.run` on a free port.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ SUBSTITUTIONS = [  # (what the README says, what runs here)
                             "-p no:cacheprovider)"),
     ("v4compile ", f"{sys.executable} -m v4compile "),
     ("examples/tiny-doc", str(EXAMPLE)),
+    # the torchrun server's artifact with one bucket each (fewer functions to export; it serves the same)
+    ("--tp 2 --ep 2 -o tiny-tp2", "--tp 2 --ep 2 --decode-buckets 8 --prefill-buckets 16 -o tiny-tp2"),
 ]
 PORT = "8000"  # the serving examples' port: a free one here
 
@@ -52,8 +56,12 @@ def _bash(code: str) -> str:
     for old, new in SUBSTITUTIONS[:2]:  # the install steps
         code = code.replace(old, new)
     assert "pip install" not in code and "venv" not in code  # every install step was substituted
+    # torchrun: the interpreter's, on a free port (the module it runs keeps its name)
+    code = code.replace("torchrun ", f"{sys.executable} -m torch.distributed.run --master-port {free_port()} ")
+    code = code.replace("-m v4compile ", "-m V4COMPILE_MODULE ")
     for old, new in SUBSTITUTIONS[2:]:  # (the interpreter's own path may contain `.venv`)
         code = code.replace(old, new)
+    code = code.replace("-m V4COMPILE_MODULE ", "-m v4compile ")
     port = free_port()
     return code.replace(f"localhost:{PORT}", f"localhost:{port}").replace(f"--port {PORT}", f"--port {port}")
 

@@ -294,6 +294,7 @@ class _Session:
     check_prompt, check_request, check_context = Session.check_prompt, Session.check_request, Session.check_context
     check_stop_ids = Session.check_stop_ids
     max_batch = 1
+    ranks = None  # one process
 
     def __init__(self, vocab: int, max_context: int):
         self.vocab, self.max_context, self.tokenizer = vocab, max_context, _Tokenizer(vocab)

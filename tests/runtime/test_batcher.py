@@ -147,3 +147,151 @@ def test_one_random_stream_for_every_request_fails_the_ids_check(sess, prompts, 
     _check_shared_steps(seen)
     with pytest.raises(AssertionError, match=r"request [13] \(.*not its ids run alone"):
         _check_own_ids(reqs, alone)
+
+
+# ---- lockstep: a partitioned artifact's serving ranks (runtime/lockstep.py), two ranks in this process ----
+
+
+class _Link:
+    """Rank 0's broadcasts to rank 1, in call order, through a queue; `step` checks rank 1's step inputs
+    against rank 0's as `distributed.Ranks.step` does (the same typed error)."""
+
+    def __init__(self):
+        import queue
+
+        self.q = queue.Queue()
+
+    def ranks(self, rank: int):
+        link = self
+
+        class One:
+            world = 2
+
+            def __init__(self):
+                self.rank = rank
+
+            def _bcast(self, kind, value):
+                import queue
+
+                from v4compile.errors import RANKS_DIVERGED, DeviceError, InputError
+
+                if rank == 0:
+                    link.q.put((kind, value))
+                    return value
+                try:
+                    k, v = link.q.get(timeout=60)
+                except queue.Empty:
+                    raise DeviceError("rank 1: broadcast failed (a rank died or did not arrive)") from None
+                if k != kind:
+                    raise InputError(f"rank 1 waits for a {kind}, rank 0 sent a {k}", code=RANKS_DIVERGED)
+                return v
+
+            def share_bytes(self, data):
+                return self._bcast("bytes", data)
+
+            def share_ids(self, ids):
+                return list(self._bcast("ids", list(ids)))
+
+            def step(self, fname, inputs):
+                from v4compile.errors import RANKS_DIVERGED, InputError
+
+                f0, in0 = self._bcast("step", (fname, {k: np.array(v) for k, v in inputs.items()}))
+                if f0 != fname or any(not np.array_equal(in0[k], inputs[k]) for k in in0):
+                    raise InputError("rank 1's step inputs differ from rank 0's", code=RANKS_DIVERGED)
+                return in0
+        return One()
+
+
+@pytest.fixture(scope="module")
+def two(sess):
+    """Rank 0's session (the module's) and rank 1's (one more of the artifact)."""
+    other = v4compile.load(sess.art.path, device="cpu", threads=1)
+    yield [sess, other]
+    other.close()
+
+
+def _lockstep(two, prompts, monkeypatch):
+    """Rank 1's Batcher on a thread, in lockstep with rank 0's, stepped here: 5 requests for 4 slots; two
+    end by their consumer's word at their 2nd token and one at its 1st (decoded once more in the step that
+    admitted it), one by its length; the waiting fifth is cancelled; three more join into the freed slots.
+    Returns (rank 0's requests, rank 1's by key, rank 1's Batcher)."""
+    from v4compile.runtime.lockstep import Lockstep
+
+    import copy
+
+    link = _Link()
+    # the ranks start alike, as two ranks that made the same calls (rank 0's session served this module's
+    # tests before: its free lists are stacked otherwise than a fresh one's)
+    monkeypatch.setattr(two[1], "alloc", copy.deepcopy(two[0].alloc))
+    bs = []
+    for r, s in enumerate(two):
+        one = link.ranks(r)
+        run = s.backend.run
+        monkeypatch.setattr(s.backend, "run", lambda f, i, one=one, run=run: run(f, one.step(f, i)))
+        monkeypatch.setattr(s, "share_ids", one.share_ids)
+        bs.append(Batcher(s, lockstep=Lockstep(one)))
+    b0, b1 = bs
+    got = {}  # rank 1's requests by key, as its ticks bring them
+
+    def noted(b, closing, new, cancels):
+        got.update((r.key, r) for r in new)
+        type(b1.lockstep).apply(b, closing, new, cancels)
+    b1.lockstep.apply = noted
+    t = __import__("threading").Thread(target=b1.run_forever, daemon=True)
+    t.start()
+
+    def ends_at(n):
+        return lambda req, _tok: len(req.ids) >= n
+    p = [prompts[i % len(prompts)] for i in range(8)]
+    reqs = [Request(p[0], 3), Request(p[1], NEW, on_token=ends_at(2)), Request(p[2], NEW, on_token=ends_at(2)),
+            Request(p[3], NEW, on_token=ends_at(1)), Request(p[0], NEW)]
+    reqs += [Request(p[i], NEW) for i in (1, 2, 3)]
+    for r in reqs[:5]:
+        b0.submit(r)
+    b0.step()
+    b0.cancel(reqs[4])
+    b0.step()
+    for r in reqs[5:]:
+        b0.submit(r)
+    while b0.busy:
+        b0.step()
+    b0.lockstep.stop()
+    t.join(timeout=60)
+    assert not t.is_alive()
+    assert [r.finish_reason for r in reqs] == ["length", "stop", "stop", "stop", "cancelled"] + ["length"] * 3
+    return reqs, got, b1
+
+
+def _check_in_step(reqs, theirs, b1) -> None:
+    assert b1.died is None, f"rank 1 left the lockstep: {b1.died}"
+    assert [theirs[r.key].ids for r in reqs] == [r.ids for r in reqs], "rank 1's ids are not rank 0's"
+
+
+def test_lockstep_ranks_run_the_same_steps(two, prompts, monkeypatch):
+    """Every step of rank 1 is rank 0's (checked at each step, as `Ranks.step` checks it), its requests end
+    with rank 0's ids, and its loop ends at rank 0's stop tick."""
+    reqs, theirs, b1 = _lockstep(two, prompts, monkeypatch)
+    _check_in_step(reqs, theirs, b1)
+    assert b1.stopping and not b1.live and not b1.waiting
+
+
+def test_consumer_ends_applied_out_of_order_leave_the_lockstep(two, prompts, monkeypatch):
+    """The planted fault: rank 1 applies a tick's consumer ends in reverse order. Its freed slots stack up
+    otherwise, a joining request gets another slot than on rank 0, and the step check ends rank 1's loop."""
+    from v4compile.runtime.lockstep import Lockstep
+
+    apply = Lockstep.apply
+    monkeypatch.setattr(Lockstep, "apply", staticmethod(
+        lambda b, closing, new, cancels: apply(b, closing[::-1] if not b.lockstep.leader else closing, new, cancels)))
+    with pytest.raises(AssertionError, match="rank 1 left the lockstep"):
+        _check_in_step(*_lockstep(two, prompts, monkeypatch))
+
+
+def test_a_cancel_not_told_to_the_ranks_leaves_the_lockstep(two, prompts, monkeypatch):
+    """The planted fault: rank 0 cancels at once, as a single process does, instead of at the next tick: rank
+    1 admits the request rank 0 dropped, and the step check ends its loop."""
+    def cancel(self, req):
+        req.cancelled = True
+    monkeypatch.setattr(Batcher, "cancel", cancel)
+    with pytest.raises(AssertionError, match="rank 1 left the lockstep"):
+        _check_in_step(*_lockstep(two, prompts, monkeypatch))
