@@ -1,0 +1,183 @@
+"""`Session.self_check()` / `run --self-check` / `serve`'s start-up check (issue 35): the artifact's golden
+(`v4compile/golden.py`) run on this device through the same generation loop, functions and graphs users get,
+compared with the reference model's answer.
+
+The golden's prompts are requests of the one generation loop (`batcher.Batcher`): prefill in the session's
+chunk buckets, decode steps of both sequences in a batch bucket (captured graphs on GPUs). Each request is
+fed the golden's greedy ids (teacher-forced: every step's logits compare, even past a step where a near tie
+flips the device's pick); what the device would have picked is its row's argmax.
+
+Checks, each a line with its measured error beside its tolerance (errors in units of the golden's logit scale,
+`max |reference logit|`):
+* `numerics`: the golden was made in the artifact's numerics mode and dtype;
+* `logits`: the largest |device - golden| over every step and lane (top-k form: at the golden's top-k ids,
+  and the log-sum-exp);
+* `greedy ids`: steps whose argmax differs from the golden's id, counted up to the first step whose golden
+  top-2 margin is within 2 x tolerance x scale (each logit may move by the tolerance: a nearer tie may flip);
+* `layers`: the per-layer fingerprint, where the device can report its per-layer streams (none does yet: the
+  line says so, and a failure names the step and lane only).
+A partitioned artifact: every rank checks its own logits; rank 0's result holds the worst rank's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from v4compile.golden import read_golden, tolerance
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    error: float  # measured (units: the check's own; `logits`: of the golden's logit scale)
+    tolerance: float
+    passed: bool
+    note: str = ""
+
+    def line(self) -> str:
+        verdict = "ok" if self.passed else "FAILED"
+        tail = f"  ({self.note})" if self.note else ""
+        return f"  {self.name:<11} error {self.error:.3g}  tolerance {self.tolerance:.3g}  {verdict}{tail}"
+
+
+@dataclass(frozen=True)
+class SelfCheckResult:
+    """What `Session.self_check()` found. `max_error` / `tolerance`: the logits check's (relative to the golden's
+    logit scale); `first_step` (0: the prefill's token), `first_lane` (the prompt), `first_layer` (None: not
+    localised) and `first_rank`: where the first departure is, when it failed."""
+
+    passed: bool
+    device: str
+    max_error: float
+    tolerance: float
+    seconds: float
+    checks: tuple[Check, ...]
+    reason: str = ""
+    first_step: int | None = None
+    first_lane: int | None = None
+    first_layer: int | None = None
+    first_rank: int | None = None
+    tolerance_basis: str = ""
+    covers: dict = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        out = [f"self-check on {self.device}: the golden's {self.covers.get('prompts', '?')} prompts, "
+               f"{self.covers.get('new_tokens', '?')} steps; tolerance: {self.tolerance_basis}"]
+        out += [c.line() for c in self.checks]
+        if self.passed:
+            out.append("self-check: passed")
+        else:
+            where = ", ".join(f"{k} {v}" for k, v in (("rank", self.first_rank), ("step", self.first_step),
+                                                       ("lane", self.first_lane), ("layer", self.first_layer))
+                              if v is not None)
+            out.append(f"self-check: FAILED: {self.reason}" + (f" (first departure: {where})" if where else ""))
+        return out
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["checks"] = [asdict(c) for c in self.checks]
+        return d
+
+
+def self_check(sess, device: str = "") -> SelfCheckResult:
+    """Run the artifact's golden on `sess` and compare (see the module doc)."""
+    from .batcher import Batcher, Request
+
+    t0 = time.perf_counter()
+    g = read_golden(sess.art)
+    m = sess.art.manifest
+    f = g.facts
+    tol, basis = tolerance(m["numerics"], m["dtype"], m["config"], device)
+    covers = {"prompts": len(f["prompts"]), "new_tokens": f["new_tokens"], **f.get("covers", {})}
+    checks: list[Check] = []
+    same = (f["numerics"], f["dtype"]) == (m["numerics"], m["dtype"])
+    checks.append(Check("numerics", 0.0 if same else 1.0, 0.0, same,
+                        "" if same else f"golden {f['numerics']} {f['dtype']}, artifact {m['numerics']} {m['dtype']}"))
+    if not same:
+        return _done(sess, SelfCheckResult(False, device, float("inf"), tol, time.perf_counter() - t0, tuple(checks),
+                                           f"the golden was made with {f['numerics']} numerics in {f['dtype']}, the "
+                                           f"artifact computes {m['numerics']} in {m['dtype']}",
+                                           tolerance_basis=basis, covers=covers))
+    rows: dict[int, list[np.ndarray]] = {}
+    gold_ids = g.ids
+
+    class Forced(Batcher):
+        """The loop, each request fed the golden's ids; the rows the device gave are kept."""
+
+        def _pick(self, r, row):
+            rows.setdefault(r.index, []).append(np.array(row, dtype=np.float32, copy=True))
+            return gold_ids[r.index][len(r.ids)]
+
+    loop = Forced(sess, raise_errors=True)
+    with sess.lock:
+        reqs = [loop.submit(Request(p, f["new_tokens"], index=i), where=f"golden prompt {i}")
+                for i, p in enumerate(g.prompts)]
+        try:
+            loop.run_until_idle()
+        finally:
+            loop.abort()
+    dev = np.stack([np.stack(rows[r.index]) for r in reqs])  # [B, steps, V]
+    scale = float(f["scale"])
+    if f["logits"]["form"] == "full":
+        err = np.abs(dev - g.tensors["logits"]).max(axis=-1) / scale  # [B, steps]
+    else:
+        idx = g.tensors["topk_ids"]
+        at = np.take_along_axis(dev, idx, axis=-1)
+        lse = np.log(np.exp(dev.astype(np.float64) - dev.max(-1, keepdims=True)).sum(-1)) + dev.max(-1)
+        err = np.maximum(np.abs(at - g.tensors["topk_values"]).max(-1), np.abs(lse - g.tensors["lse"])) / scale
+    picks = dev.argmax(-1)
+    gid = np.asarray(gold_ids)
+    margin = g.tensors["margin"] / scale
+    B, S = err.shape
+    # greedy ids: per lane, up to (not including) the first step whose golden margin is within 2 x tol
+    tie = [next((s for s in range(S) if margin[b, s] <= 2 * tol), S) for b in range(B)]
+    wrong = [(s, b) for b in range(B) for s in range(tie[b]) if picks[b, s] != gid[b, s]]
+    bad = [(s, b) for b in range(B) for s in range(S) if not err[b, s] <= tol]  # NaN counts as bad
+    max_err = float(np.nan_to_num(err, nan=np.inf).max())
+    compared = sum(tie)
+    checks.append(Check("logits", max_err, tol, not bad, f"{B * S} rows"))
+    checks.append(Check("greedy ids", float(len(wrong)), 0.0, not wrong,
+                        f"{compared} of {B * S} steps compared; the rest follow a near tie" if compared < B * S
+                        else f"{compared} steps"))
+    checks.append(Check("layers", 0.0, 0.0, True, "not measured: this device reports no per-layer streams"))
+    first = min(bad + wrong) if bad or wrong else None
+    res = SelfCheckResult(
+        not first, device, max_err, tol, time.perf_counter() - t0, tuple(checks),
+        "" if first is None else (f"logits depart by {err[first[1], first[0]]:.3g} of their scale (tolerance "
+                                  f"{tol:.3g})" if first in bad else "a greedy id differs before any near tie"),
+        first[0] if first else None, first[1] if first else None, tolerance_basis=basis, covers=covers)
+    return _done(sess, res)
+
+
+def _done(sess, res: SelfCheckResult) -> SelfCheckResult:
+    """Across the ranks of a partitioned artifact: every rank's verdict, rank 0 holding the worst one (the
+    failing rank with the lowest number, else the largest error)."""
+    ranks = getattr(sess.backend, "ranks", None)
+    if ranks is None:
+        return res
+    import torch
+
+    mine = torch.tensor([0.0 if res.passed else 1.0, min(res.max_error, 1e30), -1 if res.first_step is None
+                         else res.first_step, -1 if res.first_lane is None else res.first_lane], dtype=torch.float64)
+    parts = [torch.empty_like(mine) for _ in range(ranks.world)]
+    ranks._do("the self-check's gather", ranks.dist.all_gather, parts, mine)
+    failed = [k for k, p in enumerate(parts) if p[0] > 0]
+    worst = failed[0] if failed else int(np.argmax([float(p[1]) for p in parts]))
+    p = parts[worst]
+    if worst == ranks.rank:
+        return SelfCheckResult(**{**_fields(res), "first_rank": worst if failed else None})
+    step, lane = int(p[2]), int(p[3])
+    return SelfCheckResult(**{**_fields(res), "passed": not failed, "max_error": float(p[1]),
+                              "reason": res.reason or f"rank {worst} departs from the golden",
+                              "first_step": None if step < 0 else step, "first_lane": None if lane < 0 else lane,
+                              "first_rank": worst if failed else None})
+
+
+def _fields(res: SelfCheckResult) -> dict:
+    return {k: getattr(res, k) for k in res.__dataclass_fields__}
