@@ -116,10 +116,16 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
 
     loop = Forced(sess, raise_errors=True)
     with sess.lock:
-        reqs = [loop.submit(Request(p, f["new_tokens"], index=i), where=f"golden prompt {i}")
-                for i, p in enumerate(g.prompts)]
         try:
+            reqs = [loop.submit(Request(p, f["new_tokens"], index=i), where=f"golden prompt {i}")
+                    for i, p in enumerate(g.prompts)]
             loop.run_until_idle()
+        except Exception as e:  # noqa: BLE001 (a device that cannot run the golden fails the check, named)
+            step = min((len(v) for v in rows.values()), default=0)
+            checks.append(Check("run", 1.0, 0.0, False, f"{type(e).__name__}: {str(e)[:200]}"))
+            return _done(sess, SelfCheckResult(False, device, float("inf"), tol, time.perf_counter() - t0,
+                                               tuple(checks), f"the device failed to run the golden: {str(e)[:200]}",
+                                               step, tolerance_basis=basis, covers=covers))
         finally:
             loop.abort()
     dev = np.stack([np.stack(rows[r.index]) for r in reqs])  # [B, steps, V]

@@ -1,0 +1,177 @@
+"""The deployment self-check (issue 35): `compile -o` writes the golden (`v4compile/golden.py`), every device
+checks it (`Session.self_check`, `run --self-check`, `serve` before it listens). Each planted fault below is
+caught, named by its step and lane, while the same artifact without the fault passes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import v4compile
+import v4compile.artifact
+from v4compile import frontend
+from v4compile.artifact import Buckets
+from v4compile.cli import main
+from v4compile.cli.driver import compile_artifact
+from v4compile.errors import ArtifactError
+from v4compile.golden import plan, read_golden, tolerance
+from v4compile.trace import TraceOptions
+
+from artifact_tamper import copy, manifest, sha, write_manifest
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    fe = frontend.load(None, "tiny", "random", TraceOptions(numerics="hf", dtype="fp32", capacity=64))
+    return compile_artifact(fe, tmp_path_factory.mktemp("golden") / "tiny", Buckets(decode=(1, 2), prefill=(16,)),
+                            golden=True)
+
+
+@pytest.fixture(scope="module")
+def clean(art):
+    return v4compile.load(art, device="cpu", threads=1).self_check()
+
+
+def _rewrite(a, rel: str, data: bytes) -> None:
+    """A file of the artifact replaced, its hash (and the manifest's own) recomputed: a forged artifact."""
+    (a / rel).write_bytes(data)
+    m = manifest(a)
+    m["files"][rel] = sha(a / rel)
+    write_manifest(a, m)
+
+
+def test_the_golden_is_listed_hashed_and_covers_the_scenario(art):
+    from v4compile.config import preset
+
+    m = manifest(art)
+    assert m["golden"] == {"facts": "golden/golden.json", "tensors": "golden/golden.safetensors"}
+    assert set(m["golden"].values()) <= set(m["files"])
+    g = read_golden(v4compile.artifact.load_artifact(art))
+    f = g.facts
+    # prompt 0 is longer than the one prefill chunk (16): chunked prefill; the short one decodes past the
+    # largest ratio's first block (16) and the CSA indexer's first index_topk + 1 blocks (4 x 5 = 20)
+    assert [len(p) for p in f["prompts"]] == [19, 5] and f["new_tokens"] == 16
+    assert f["covers"] == {"compressed_first_block": True, "indexer_picks": True}
+    assert plan(preset("tiny"), (16,), 64).new_tokens == 16
+    assert g.tensors["logits"].shape == (2, 16, 512) and g.tensors["fingerprint"].shape == (6, 16, 8)
+    assert (f["numerics"], f["dtype"]) == ("hf", "fp32")
+    assert json.loads((art / "report.json").read_text())["golden"]["new_tokens"] == 16
+
+
+def test_a_clean_artifact_passes_on_cpu_with_its_error_beside_the_tolerance(art, clean, capsys):
+    assert clean.passed and 0 < clean.max_error <= clean.tolerance == tolerance("hf", "fp32", manifest(art)["config"],
+                                                                                 "cpu")[0]
+    assert [c.name for c in clean.checks] == ["numerics", "logits", "greedy ids", "layers"]
+    capsys.readouterr()
+    assert main(["run", str(art), "--self-check", "--device", "cpu", "--threads", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "self-check: passed" and any(ln.strip().startswith("logits") and "tolerance" in ln for ln in out)
+    assert main(["run", str(art), "--self-check", "--device", "cpu", "--threads", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["passed"] is True
+
+
+@pytest.mark.parametrize("fault", [False, True], ids=["clean", "forged-weight"])
+def test_a_weight_one_scale_step_off_with_every_hash_recomputed_fails(art, tmp_path, clean, fault):
+    """One block of a weight doubled (one E8M0 scale step) and every hash recomputed: the loader cannot tell,
+    the self-check does, at the first prefill step of prompt 0."""
+    from v4compile.safetensors_io import SafetensorsFile, write_file
+    from v4compile.shard_digest import tree_digest
+
+    a = copy(art, tmp_path / "a")
+    if fault:
+        name = "layers.2.attn.wo_b.weight"
+        m = manifest(a)
+        rel = m["weights"]["tensors"][name]["shard"]
+        with SafetensorsFile(a / rel) as f:
+            ts = {k: f.read(k).clone() for k in f.tensors}
+        ts[name][:32] *= 2
+        write_file(a / rel, ts)
+        m["weights"]["tensors"][name]["sha256"] = tree_digest(ts[name].reshape(-1).view(torch.uint8).numpy()).hexdigest()
+        m["files"][rel] = sha(a / rel)
+        write_manifest(a, m)
+    r = v4compile.load(a, device="cpu", threads=1).self_check()
+    assert r.passed is not fault
+    if fault:
+        assert (r.first_step, r.first_lane) == (0, 0) and r.max_error > 100 * r.tolerance
+        assert "logits depart" in r.reason
+
+
+@pytest.mark.parametrize("fault", [False, True], ids=["clean", "golden-numerics"])
+def test_a_golden_of_another_numerics_mode_fails(art, tmp_path, fault):
+    a = copy(art, tmp_path / "a")
+    if fault:
+        facts = json.loads((a / "golden/golden.json").read_text())
+        facts["numerics"] = "official"
+        _rewrite(a, "golden/golden.json", json.dumps(facts).encode())
+    r = v4compile.load(a, device="cpu", threads=1).self_check()
+    assert r.passed is not fault
+    if fault:
+        assert r.checks[0].name == "numerics" and not r.checks[0].passed and "official" in r.reason
+
+
+@pytest.mark.parametrize("fault", [False, True], ids=["clean", "swapped-graph"])
+def test_a_cpu_graph_swapped_for_another_buckets_fails(art, tmp_path, fault):
+    """decode_b1's graph replaced by decode_b2's with its batch dimensions edited to 1 (hashes recomputed):
+    the loader's interface checks pass, the computation is another bucket's."""
+    import onnx
+
+    a = copy(art, tmp_path / "a")
+    if fault:
+        g = onnx.load(str(a / "onnx/decode_b2.onnx"))
+        for v in [*g.graph.input, *g.graph.output]:
+            d = v.type.tensor_type.shape.dim
+            if len(d) and d[0].dim_value == 2 and v.name in ("ids", "pos", "block_table", "slot", "logits"):
+                d[0].dim_value = 1
+        _rewrite(a, "onnx/decode_b1.onnx", g.SerializeToString())
+    sess = v4compile.load(a, device="cpu", threads=1)
+    sess.decode_fns = [(1, "decode_b1")]  # the golden's two sequences then decode one at a time, through b1
+    r = sess.self_check()
+    assert r.passed is not fault
+    if fault:
+        assert r.first_step == 1 and r.first_lane == 0  # the first decode step (0: prefill)
+
+
+def test_an_artifact_without_a_golden_is_one_clear_error(tmp_path, capsys):
+    fe = frontend.load(None, "tiny", "random", TraceOptions(numerics="hf", dtype="fp32", capacity=32))
+    a = compile_artifact(fe, tmp_path / "ng", Buckets(decode=(1,), prefill=(16,)))
+    assert "golden" not in manifest(a) and not (a / "golden").exists()
+    with pytest.raises(ArtifactError, match="no golden"):
+        v4compile.load(a, device="cpu", threads=1).self_check()
+    capsys.readouterr()
+    assert main(["run", str(a), "--self-check", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "--no-golden" in err
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda f: f.update(ids=[[1]]), "`ids`"),
+    (lambda f: f.update(scale=float("nan")), "`scale`"),
+    (lambda f: f.update(version=7), "version"),
+])
+def test_a_tampered_golden_is_one_clear_error(art, tmp_path, edit, words):
+    a = copy(art, tmp_path / "a")
+    facts = json.loads((a / "golden/golden.json").read_text())
+    edit(facts)
+    _rewrite(a, "golden/golden.json", json.dumps(facts).encode())
+    with pytest.raises(ArtifactError, match=words):
+        v4compile.load(a, device="cpu", threads=1).self_check()
+
+
+def test_the_golden_is_reproducible_and_the_reference_passes_itself(art):
+    """The golden is a function of the weights and the scenario: the reference model re-run gives it bit for bit
+    (the comparison's own zero), and its stored margins are the rows' top-2 gaps."""
+    from v4compile.golden import make_golden
+
+    fe = frontend.load(None, "tiny", "random", TraceOptions(numerics="hf", dtype="fp32", capacity=64))
+    again = make_golden(fe.reference(), "hf", "fp32", (16,), 64)
+    g = read_golden(v4compile.artifact.load_artifact(art))
+    assert again.facts["ids"] == g.facts["ids"]
+    np.testing.assert_array_equal(again.tensors["logits"], g.tensors["logits"])
+    np.testing.assert_array_equal(again.tensors["fingerprint"], g.tensors["fingerprint"])
+    top2 = np.sort(g.tensors["logits"], axis=-1)[..., -2:]
+    np.testing.assert_allclose(g.tensors["margin"], top2[..., 1] - top2[..., 0], rtol=0, atol=1e-6)
