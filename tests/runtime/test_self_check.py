@@ -61,6 +61,9 @@ def test_the_golden_is_listed_hashed_and_covers_the_scenario(art):
     assert g.tensors["logits"].shape == (2, 16, 512) and g.tensors["fingerprint"].shape == (6, 16, 8)
     assert (f["numerics"], f["dtype"]) == ("hf", "fp32")
     assert json.loads((art / "report.json").read_text())["golden"]["new_tokens"] == 16
+    top2 = np.sort(g.tensors["logits"], axis=-1)[..., -2:]  # the stored margins are the rows' top-2 gaps
+    np.testing.assert_allclose(g.tensors["margin"], top2[..., 1] - top2[..., 0], rtol=0, atol=1e-6)
+    assert g.facts["ids"] == g.tensors["logits"].argmax(-1).tolist()  # greedy
 
 
 def test_a_clean_artifact_passes_on_cpu_with_its_error_beside_the_tolerance(art, clean, capsys):
@@ -94,7 +97,7 @@ def test_a_weight_one_scale_step_off_with_every_hash_recomputed_fails(art, tmp_p
         m["weights"]["tensors"][name]["sha256"] = tree_digest(ts[name].reshape(-1).view(torch.uint8).numpy()).hexdigest()
         m["files"][rel] = sha(a / rel)
         write_manifest(a, m)
-    r = v4compile.load(a, device="cpu", threads=1).self_check()
+    r = v4compile.load(a, device="cpu", threads=1).self_check() if fault else clean  # clean: the same artifact
     assert r.passed is not fault
     if fault:
         assert (r.first_step, r.first_lane) == (0, 0) and r.max_error > 100 * r.tolerance
@@ -102,13 +105,13 @@ def test_a_weight_one_scale_step_off_with_every_hash_recomputed_fails(art, tmp_p
 
 
 @pytest.mark.parametrize("fault", [False, True], ids=["clean", "golden-numerics"])
-def test_a_golden_of_another_numerics_mode_fails(art, tmp_path, fault):
+def test_a_golden_of_another_numerics_mode_fails(art, tmp_path, clean, fault):
     a = copy(art, tmp_path / "a")
     if fault:
         facts = json.loads((a / "golden/golden.json").read_text())
         facts["numerics"] = "official"
         _rewrite(a, "golden/golden.json", json.dumps(facts).encode())
-    r = v4compile.load(a, device="cpu", threads=1).self_check()
+    r = v4compile.load(a, device="cpu", threads=1).self_check() if fault else clean
     assert r.passed is not fault
     if fault:
         assert r.checks[0].name == "numerics" and not r.checks[0].passed and "official" in r.reason
@@ -132,14 +135,19 @@ def test_a_cpu_graph_swapped_for_another_buckets_fails(art, tmp_path, fault):
     sess.decode_fns = [(1, "decode_b1")]  # the golden's two sequences then decode one at a time, through b1
     r = sess.self_check()
     assert r.passed is not fault
-    if fault:
-        assert r.first_step == 1 and r.first_lane == 0  # the first decode step (0: prefill)
+    if fault:  # ONNX Runtime refuses the other bucket's inner shapes at the first decode step (0: prefill)
+        assert r.first_step == 1 and r.checks[-1].name == "run" and "failed to run the golden" in r.reason
 
 
-def test_an_artifact_without_a_golden_is_one_clear_error(tmp_path, capsys):
-    fe = frontend.load(None, "tiny", "random", TraceOptions(numerics="hf", dtype="fp32", capacity=32))
-    a = compile_artifact(fe, tmp_path / "ng", Buckets(decode=(1,), prefill=(16,)))
-    assert "golden" not in manifest(a) and not (a / "golden").exists()
+def test_an_artifact_without_a_golden_is_one_clear_error(art, tmp_path, capsys):
+    """As `compile --no-golden` writes it: no `golden` entry, no files."""
+    import shutil
+
+    a = copy(art, tmp_path / "ng")
+    shutil.rmtree(a / "golden")
+    m = manifest(a)
+    del m["golden"], m["files"]["golden/golden.json"], m["files"]["golden/golden.safetensors"]
+    write_manifest(a, m)
     with pytest.raises(ArtifactError, match="no golden"):
         v4compile.load(a, device="cpu", threads=1).self_check()
     capsys.readouterr()
@@ -160,18 +168,3 @@ def test_a_tampered_golden_is_one_clear_error(art, tmp_path, edit, words):
     _rewrite(a, "golden/golden.json", json.dumps(facts).encode())
     with pytest.raises(ArtifactError, match=words):
         v4compile.load(a, device="cpu", threads=1).self_check()
-
-
-def test_the_golden_is_reproducible_and_the_reference_passes_itself(art):
-    """The golden is a function of the weights and the scenario: the reference model re-run gives it bit for bit
-    (the comparison's own zero), and its stored margins are the rows' top-2 gaps."""
-    from v4compile.golden import make_golden
-
-    fe = frontend.load(None, "tiny", "random", TraceOptions(numerics="hf", dtype="fp32", capacity=64))
-    again = make_golden(fe.reference(), "hf", "fp32", (16,), 64)
-    g = read_golden(v4compile.artifact.load_artifact(art))
-    assert again.facts["ids"] == g.facts["ids"]
-    np.testing.assert_array_equal(again.tensors["logits"], g.tensors["logits"])
-    np.testing.assert_array_equal(again.tensors["fingerprint"], g.tensors["fingerprint"])
-    top2 = np.sort(g.tensors["logits"], axis=-1)[..., -2:]
-    np.testing.assert_allclose(g.tensors["margin"], top2[..., 1] - top2[..., 0], rtol=0, atol=1e-6)
