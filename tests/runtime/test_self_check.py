@@ -82,21 +82,7 @@ def test_a_clean_artifact_passes_on_cpu_with_its_error_beside_the_tolerance(art,
 def test_a_weight_one_scale_step_off_with_every_hash_recomputed_fails(art, tmp_path, clean, fault):
     """One block of a weight doubled (one E8M0 scale step) and every hash recomputed: the loader cannot tell,
     the self-check does, at the first prefill step of prompt 0."""
-    from v4compile.safetensors_io import SafetensorsFile, write_file
-    from v4compile.shard_digest import tree_digest
-
-    a = copy(art, tmp_path / "a")
-    if fault:
-        name = "layers.2.attn.wo_b.weight"
-        m = manifest(a)
-        rel = m["weights"]["tensors"][name]["shard"]
-        with SafetensorsFile(a / rel) as f:
-            ts = {k: f.read(k).clone() for k in f.tensors}
-        ts[name][:32] *= 2
-        write_file(a / rel, ts)
-        m["weights"]["tensors"][name]["sha256"] = tree_digest(ts[name].reshape(-1).view(torch.uint8).numpy()).hexdigest()
-        m["files"][rel] = sha(a / rel)
-        write_manifest(a, m)
+    a = _forged(art, tmp_path / "a") if fault else art
     r = v4compile.load(a, device="cpu", threads=1).self_check() if fault else clean  # clean: the same artifact
     assert r.passed is not fault
     if fault:
@@ -168,3 +154,50 @@ def test_a_tampered_golden_is_one_clear_error(art, tmp_path, edit, words):
     _rewrite(a, "golden/golden.json", json.dumps(facts).encode())
     with pytest.raises(ArtifactError, match=words):
         v4compile.load(a, device="cpu", threads=1).self_check()
+
+
+def _forged(art, dest):
+    """`art` with one block of a weight doubled (one E8M0 scale step), every hash recomputed."""
+    from v4compile.safetensors_io import SafetensorsFile, write_file
+    from v4compile.shard_digest import tree_digest
+
+    a = copy(art, dest)
+    name = "layers.2.attn.wo_b.weight"
+    m = manifest(a)
+    rel = m["weights"]["tensors"][name]["shard"]
+    with SafetensorsFile(a / rel) as f:
+        ts = {k: f.read(k).clone() for k in f.tensors}
+    ts[name][:32] *= 2
+    write_file(a / rel, ts)
+    m["weights"]["tensors"][name]["sha256"] = tree_digest(ts[name].reshape(-1).view(torch.uint8).numpy()).hexdigest()
+    m["files"][rel] = sha(a / rel)
+    write_manifest(a, m)
+    return a
+
+
+def test_serve_refuses_a_faulty_artifact_with_one_line_and_shows_a_good_ones_check(art, tmp_path, capsys):
+    """Before it listens: the forged artifact is refused (exit 2, one `error:` line, no socket opened); the
+    good one's figures are /health's `self_check`."""
+    import socket
+
+    from starlette.testclient import TestClient
+
+    from v4compile.cli.serve import Server, startup_self_check
+
+    opened = []
+    real = socket.create_server
+    try:
+        socket.create_server = lambda *a, **k: opened.append(a) or real(*a, **k)
+        capsys.readouterr()
+        assert main(["serve", str(_forged(art, tmp_path / "bad")), "--port", "0", "--device", "cpu",
+                     "--threads", "1"]) == 2
+    finally:
+        socket.create_server = real
+    err = capsys.readouterr().err
+    assert opened == [] and err.count("error:") == 1 and "self-check FAILED" in err and "step 0" in err
+    sess = v4compile.load(art, device="cpu", threads=1)
+    server = Server(sess, "tiny")
+    server.self_check = startup_self_check(sess)
+    h = TestClient(server.app(), base_url="http://127.0.0.1").get("/health").json()  # no lifespan: no scheduler
+    assert h["self_check"]["passed"] is True and set(h["self_check"]) == {"passed", "max_error", "tolerance", "seconds"}
+    assert 0 < h["self_check"]["max_error"] <= h["self_check"]["tolerance"]
