@@ -45,6 +45,16 @@ def _rewrite(a, rel: str, data: bytes) -> None:
     write_manifest(a, m)
 
 
+def test_compile_writes_the_golden_unless_told_not_to(monkeypatch):
+    """The command line's default is on (the suite's conftest turns it off for its own compiles)."""
+    import v4compile.cli.compile as C
+    from v4compile.cli import build_parser
+
+    monkeypatch.setattr(C, "GOLDEN_BY_DEFAULT", True)
+    assert build_parser().parse_args(["compile", "-o", "x"]).golden is True
+    assert build_parser().parse_args(["compile", "-o", "x", "--no-golden"]).golden is False
+
+
 def test_the_golden_is_listed_hashed_and_covers_the_scenario(art):
     from v4compile.config import preset
 
@@ -70,6 +80,7 @@ def test_a_clean_artifact_passes_on_cpu_with_its_error_beside_the_tolerance(art,
     assert clean.passed and 0 < clean.max_error <= clean.tolerance == tolerance("hf", "fp32", manifest(art)["config"],
                                                                                  "cpu")[0]
     assert [c.name for c in clean.checks] == ["numerics", "logits", "greedy ids", "layers"]
+    assert not clean.checks[-1].measured and "not measured" in clean.checks[-1].line()
     capsys.readouterr()
     assert main(["run", str(art), "--self-check", "--device", "cpu", "--threads", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
