@@ -93,7 +93,12 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
     """Run the artifact's golden on `sess` and compare (see the module doc)."""
     from .batcher import Batcher, Request
 
+    from v4compile.errors import InputError
+
     t0 = time.perf_counter()
+    if not sess.free_slots:  # else the loop's "no free slot" would read as the device failing the golden
+        raise InputError("the self-check needs a free sequence slot (release the session's open sequences first)",
+                         found=f"{len(sess.seqs)} open")
     g = read_golden(sess.art)
     m = sess.art.manifest
     f = g.facts
