@@ -15,8 +15,10 @@ Checks, each a line with its measured error beside its tolerance (errors in unit
 * `greedy ids`: steps whose argmax differs from the golden's id, at every step whose golden top-2 margin exceeds
   2 x tolerance x scale (each logit may move by the tolerance: a nearer tie may flip). The issue asks for the
   steps up to the first near tie; fed the golden's ids, a flip does not carry on, so the later steps compare too;
-* `layers`: the per-layer fingerprint, where the device can report its per-layer streams (none does yet: the
-  line says so, and a failure names the step and lane only).
+* `layers` (on a failure: "with the layer statistics on"): the golden's per-layer fingerprint against the
+  device's residual streams on prompt 0's first chunk, naming the first layer that departs. The cpu device
+  shows them (its prefill graph run once more with those values as outputs); the others do not yet (the line
+  says so, and the failure names the step and lane).
 A partitioned artifact: every rank checks its own logits; rank 0's result holds the worst rank's.
 """
 
@@ -161,15 +163,115 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
     checks.append(Check("greedy ids", float(len(wrong)), 0.0, not wrong,
                         f"{compared} of {B * S} steps compared; the rest are near ties" if compared < B * S
                         else f"{compared} steps"))
-    checks.append(Check("layers", 0.0, 0.0, True, "no device reports its per-layer streams yet: a failure names the "
-                        "step and lane, not the layer", measured=False))
     first = min(bad + wrong) if bad or wrong else None
+    layer = None
+    if first is not None:  # with the layer statistics on: the first chunk's streams against the fingerprint
+        lc, layer = layer_check(sess, g, tol)
+        checks.append(lc)
+    else:
+        checks.append(Check("layers", 0.0, tol, True, "measured on a failure only", measured=False))
     res = SelfCheckResult(
         not first, device, max_err, tol, time.perf_counter() - t0, tuple(checks),
         "" if first is None else (f"logits depart by {err[first[1], first[0]]:.3g} of their scale (tolerance "
                                   f"{tol:.3g})" if first in bad else "a greedy id differs where the golden has no near tie"),
-        first[0] if first else None, first[1] if first else None, tolerance_basis=basis, covers=covers)
+        first[0] if first else None, first[1] if first else None, layer, tolerance_basis=basis, covers=covers)
     return _done(sess, res)
+
+
+def layer_check(sess, g, tol: float) -> tuple[Check, int | None]:
+    """The golden's per-layer fingerprint against the device's streams on prompt 0's first chunk (`layer_streams`):
+    each layer's largest |device - golden| relative to that layer's fingerprint scale, against the logits'
+    tolerance. Returns the check and the first departing layer (-1: the embedding; L - 1 when every stream the
+    device shows agrees: the last layer or the head, whose streams a fused head never materialises)."""
+    streams = layer_streams(sess, g)
+    if streams is None:
+        return Check("layers", 0.0, tol, True, f"not measured: the {sess.device} device reports no per-layer "
+                     "streams", measured=False), None
+    from v4compile.golden import fingerprint
+
+    fp = g.tensors["fingerprint"]  # [L + 1, T, dims]: the embedding, then each layer
+    n = fp.shape[1]
+    worst, first = 0.0, None
+    for k, x in enumerate(streams):
+        e = float(np.abs(fingerprint(x, 0, n) - fp[k]).max() / max(float(np.abs(fp[k]).max()), 1e-30))
+        worst = max(worst, e)
+        if first is None and not e <= tol:
+            first = k - 1
+    last = fp.shape[0] - 2  # the last layer
+    agree = first is None
+    if agree:
+        first = last
+        note = f"the {len(streams)} streams the device shows of {fp.shape[0]} agree: the departure is in layer {last} or the head"
+    else:
+        note = f"layer {first} departs first" if first >= 0 else "the embedding departs"
+    return Check("layers", worst, tol, agree, note), first
+
+
+def layer_streams(sess, g) -> list | None:
+    """The device's residual streams on prompt 0's first prefill chunk (as `torch` tensors `[1, T, hc, D]`): after
+    the embedding and after each layer whose streams the graph materialises (a fused head takes the last
+    layer's). cpu device only (its prefill graph run once more with those values as extra outputs, on a
+    sequence opened for it and released); None elsewhere."""
+    import torch
+
+    be = sess.backend
+    if not hasattr(be, "built") or getattr(be, "ranks", None) is not None:
+        return None
+    import onnx
+
+    cfg = sess.art.manifest["config"]
+    want = (cfg["hc_mult"], cfg["dim"])
+    s = sess.open()
+    try:
+        fname, inputs, _ = sess.prefill_chunk(s, g.prompts[0])
+        key, spec = be._graphs[fname][0]
+        cache = be.__dict__.setdefault("_stream_names", {})  # per function: the candidates (the graph is built once)
+
+        def build():
+            from .artifact_checks import onnx_model
+
+            model = onnx_model(be.art, key, spec)
+            cache[fname] = _stream_candidates(model)
+            have = {o.name for o in model.graph.output}
+            for c in sorted({c for cs in cache[fname] for c in cs} - have):
+                model.graph.output.append(onnx.helper.make_tensor_value_info(c, onnx.TensorProto.FLOAT, None))
+            return model, spec
+
+        outs = be.run_outputs(be.built(f"{fname}.streams", build), inputs)
+        found = []
+        for cs in cache[fname]:
+            x = next((outs[c] for c in cs if c in outs and outs[c].ndim == 4 and outs[c].shape[2:] == want), None)
+            if x is None:
+                break
+            found.append(torch.from_numpy(np.array(x)))
+        return found or None
+    finally:
+        sess.release(s)
+
+
+def _stream_candidates(model) -> list[list[str]]:
+    """Per stream (the embedding, then layer 0, 1, ...): the graph's values that may be it, from the nodes' doc
+    strings (`op scope`): the embedding's `hc_expand`, and a layer's residual after its experts, the `hc_post` of
+    `layers.i.ffn_hc` or, fused into the next seam, the `mhc_post_pre` of `layers.{i+1}.attn_hc`; each a value
+    consumed outside its op. The shape picks among them at run time."""
+    scope_of, users = {}, {}
+    for nd in model.graph.node:
+        for o in nd.output:
+            scope_of[o] = nd.doc_string
+        for i in nd.input:
+            users.setdefault(i, set()).add(nd.doc_string)
+
+    def out_of(*docs):
+        return [o for o, d in scope_of.items() if d in docs and any(u != d for u in users.get(o, ()))]
+
+    out = [out_of("hc_expand embed")]
+    i = 0
+    while True:
+        c = out_of(f"hc_post layers.{i}.ffn_hc", f"mhc_post_pre layers.{i + 1}.attn_hc")
+        if not c:
+            return out
+        out.append(c)
+        i += 1
 
 
 def _done(sess, res: SelfCheckResult) -> SelfCheckResult:

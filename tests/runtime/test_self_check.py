@@ -80,7 +80,7 @@ def test_a_clean_artifact_passes_on_cpu_with_its_error_beside_the_tolerance(art,
     assert clean.passed and 0 < clean.max_error <= clean.tolerance == tolerance("hf", "fp32", manifest(art)["config"],
                                                                                  "cpu")[0]
     assert [c.name for c in clean.checks] == ["numerics", "logits", "greedy ids", "layers"]
-    assert not clean.checks[-1].measured and "not measured" in clean.checks[-1].line()
+    assert not clean.checks[-1].measured and "not measured" in clean.checks[-1].line()  # on a failure only
     capsys.readouterr()
     assert main(["run", str(art), "--self-check", "--device", "cpu", "--threads", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -97,8 +97,19 @@ def test_a_weight_one_scale_step_off_with_every_hash_recomputed_fails(art, tmp_p
     r = v4compile.load(a, device="cpu", threads=1).self_check() if fault else clean  # clean: the same artifact
     assert r.passed is not fault
     if fault:
-        assert (r.first_step, r.first_lane) == (0, 0) and r.max_error > 100 * r.tolerance
-        assert "logits depart" in r.reason
+        assert (r.first_step, r.first_lane, r.first_layer) == (0, 0, 2) and r.max_error > 100 * r.tolerance
+        assert "logits depart" in r.reason and r.checks[-1].name == "layers" and not r.checks[-1].passed
+
+
+def test_the_clean_artifacts_streams_agree_with_the_fingerprint_layer_by_layer(art):
+    """The layer statistics (run on a failure) on the clean artifact: every stream the cpu graph shows (the
+    embedding and layers 0-3; tiny's fused head takes layer 4's) within the tolerance."""
+    from v4compile.runtime.self_check import layer_check
+
+    sess = v4compile.load(art, device="cpu", threads=1)
+    c, layer = layer_check(sess, read_golden(sess.art), tolerance("hf", "fp32", manifest(art)["config"], "cpu")[0])
+    assert c.passed and 0 < c.error <= c.tolerance and layer == 4 and "the 5 streams" in c.note
+    assert not sess.seqs  # its sequence released
 
 
 @pytest.mark.parametrize("fault", [False, True], ids=["clean", "golden-numerics"])
