@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
@@ -45,6 +46,7 @@ def _buckets_of(args):
     return buckets, gpu_buckets
 
 
+GOLDEN_BY_DEFAULT = True  # `compile -o` writes the golden (the test suite's conftest turns it off: ~2 s each)
 SMALL_MODEL_PARAMS = 2_000_000_000  # the cpu target comes by default with models up to this size
 ALL_GPUS = ",".join(GPU_TARGETS)  # `--target` for every GPU target, as messages suggest it
 
@@ -95,6 +97,7 @@ def cmd_compile(args) -> int:
         from .driver import compile_buckets, write_artifact
 
         inputs = compile_buckets(fe, **ci, stages=st)
+        inputs.golden = args.golden and inputs.reference is not None
         with st("write output", progress="writing the artifact"):
             write_artifact(inputs, args.output, force=args.force)
     if not (args.output or args.report or args.json or args.dump_ir):
@@ -193,6 +196,9 @@ def add_command(sub) -> None:
     c.add_argument("--json", action="store_true", help="the report as JSON")
     c.add_argument("-o", "--output", help="write the artifact directory (manifest, weights, onnx/, module.ir, report)")
     c.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    c.add_argument("--golden", action=argparse.BooleanOptionalAction, default=GOLDEN_BY_DEFAULT,
+                   help="-o: write the golden, the reference model's answer on a seeded ragged batch that `run "
+                        "--self-check` and `serve` check every device against (default on; --no-golden skips it)")
     c.add_argument("--decode-buckets", default="1,2,4,8", help="decode batch buckets (default 1,2,4,8)")
     c.add_argument("--prefill-buckets", default="16,64", help="prefill chunk buckets, batch 1 (default 16,64)")
     c.add_argument("--draft-tokens", type=int_arg(0, MAX_DRAFT_TOKENS), default=0,

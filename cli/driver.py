@@ -169,6 +169,11 @@ class CompileInputs:
     # Without GPU targets: `module` continued through PROGRAM_PASSES, whose program the host device runs.
     host_module: Module | None = None
     tokenizer_from: Path | None = None  # a checkpoint directory whose tokenizer files are copied in
+    # The golden (`v4compile/golden.py`): the reference model's answer on a seeded scenario, which every device
+    # checks (`run --self-check`, `serve`). The command line writes it by default; this Python API does not
+    # (the tests compile dozens of artifacts and the reference run costs seconds each).
+    golden: bool = False
+    reference: Any = None  # () -> the ReferenceModel holding the artifact's weights (the frontend's)
 
 
 def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> Path:
@@ -215,6 +220,7 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
         if gt is not None:
             report["kernels"] = gt.rows
             report["decode_step"] = gt.decode_step
+        golden = _write_golden(ci, tmp, report) if ci.golden else None
         (tmp / "report.json").write_text(canonical(report))
         cfg_json = json.loads(ci.cfg.to_json())
         return {
@@ -241,6 +247,7 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
             "weights": weights,
             **({"parallel": parallel} if parallel is not None else {}),
             **({"tokenizer": tokenizer} if tokenizer else {}),
+            **({"golden": golden} if golden else {}),
         }, hashed
 
     return write_artifact_dir(out, fill, force)
@@ -256,10 +263,10 @@ def gpu_default_buckets(buckets: Buckets) -> Buckets:
 def compile_artifact(fe, out: str | Path, buckets: Buckets = Buckets(), pipeline: list[str] | None = None,
                      targets: tuple[str, ...] = ("cpu",), disable: tuple[str, ...] = (), force: bool = False,
                      gpu_pipeline: list[str] | None = None, jobs: int | None = None,
-                     gpu_buckets: Buckets | None = None) -> Path:
-    """`compile_buckets`, then write the artifact to `out`."""
-    return write_artifact(compile_buckets(fe, buckets, pipeline, targets, disable, gpu_pipeline, jobs, gpu_buckets),
-                          out, force=force)
+                     gpu_buckets: Buckets | None = None, golden: bool = False) -> Path:
+    """`compile_buckets`, then write the artifact to `out` (with `golden`: the golden too)."""
+    ci = compile_buckets(fe, buckets, pipeline, targets, disable, gpu_pipeline, jobs, gpu_buckets)
+    return write_artifact(replace(ci, golden=golden), out, force=force)
 
 
 def compile_buckets(fe, buckets: Buckets = Buckets(), pipeline: list[str] | None = None,
@@ -302,7 +309,35 @@ def compile_buckets(fe, buckets: Buckets = Buckets(), pipeline: list[str] | None
     return CompileInputs(fe.cfg, main.module, fe.source, fe.options.numerics, fe.options.dtype, buckets,
                          fe.options.capacity, origin, pipeline if cpu_res is not None else gpu_pipeline, main.hits(),
                          tuple(targets), gpu_res.module if gpu_res is not None else None, gpu_buckets, gpu_pipeline,
-                         jobs, host, fe.checkpoint)
+                         jobs, host, fe.checkpoint, reference=fe.reference if fe.source is not None else None)
+
+
+def _write_golden(ci: CompileInputs, tmp: Path, report: dict[str, Any]) -> dict[str, str] | None:
+    """The golden (`v4compile/golden.py`) from the frontend's reference model: the artifact's weights,
+    numerics and dtype; for a partitioned artifact, the reference of its layout (its per-rank sums in rank
+    order). Its facts go into the report too (what the check covers and what it cannot)."""
+    import logging
+
+    from ..golden import make_golden, write_golden
+
+    if ci.reference is None:  # shape-only: nothing to run
+        return None
+    log = logging.getLogger("v4compile")
+    model = ci.reference()
+    layout = ParallelLayout.of(ci.module)
+    if layout is not None:
+        model = model.partitioned(layout.tp, layout.ep)
+    g = make_golden(model, ci.numerics, ci.dtype, tuple(ci.buckets.prefill), ci.max_context)
+    f = g.facts
+    log.info("golden: %d prompts of %s tokens, %d greedy tokens each, by the reference model (%s, %s) in %.2f s",
+             len(f["prompts"]), "/".join(str(len(p)) for p in f["prompts"]), f["new_tokens"], ci.numerics, ci.dtype,
+             f["seconds"])
+    report["golden"] = {k: f[k] for k in ("new_tokens", "covers", "scale", "logits", "seconds")} | {
+        "prompt_tokens": [len(p) for p in f["prompts"]],
+        "checks": "greedy ids (up to the first near tie), every step's logits, the per-layer fingerprint of the "
+                  "first prefill chunk; a fault that moves no logit of these prompts by more than the tolerance "
+                  "passes unseen"}
+    return write_golden(g, tmp)
 
 
 def _write_program(module: Module, tmp: Path, rel: str) -> str:

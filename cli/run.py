@@ -26,6 +26,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         logging.getLogger("v4compile").setLevel(logging.WARNING)
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (the process's stdout until it exits)
         args.quiet_rank = True
+    if args.self_check:
+        return _self_check(args)
     if args.prompt is not None:
         from .text import run_prompt
 
@@ -71,6 +73,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+SELF_CHECK_FAILED = 1  # exit status of a device whose output departs from the golden (bad input is 2)
+
+
+def _self_check(args) -> int:
+    """`run ART --self-check`: the artifact's golden on this device (`Session.self_check`), one line per check
+    with its error beside its tolerance, then the verdict; exit 0 (passed) or 1 (FAILED). Under torchrun every
+    rank checks and rank 0 prints."""
+    from ..runtime import load
+
+    for flag, given in (("--speculative", args.speculative), ("--chat", args.chat), ("--stop", args.stop)):
+        if given:
+            raise InputError(f"--self-check runs the golden: {flag} does not apply")
+    sess = load(args.artifact, device=args.device, threads=args.threads)
+    res = sess.self_check()
+    if args.json:
+        print(json.dumps(res.to_json()))
+    else:
+        print("\n".join(res.lines()))
+    return 0 if res.passed else SELF_CHECK_FAILED
+
+
 def _run_speculative(args, sess, ids, draft, t_load: float) -> int:
     """Speculative decoding (`runtime/speculative.py`; `draft` None: the compiled MTP block): the ids of plain
     greedy decoding (sampled ones distributed as plain sampling's), fewer steps."""
@@ -100,6 +123,10 @@ def add_command(sub) -> None:
     src = rn.add_mutually_exclusive_group(required=True)
     src.add_argument("--ids", help="prompt token ids, comma-separated")
     src.add_argument("--prompt", help="prompt text (the artifact's tokenizer); the text is streamed to stdout")
+    src.add_argument("--self-check", action="store_true",
+                     help="run the artifact's golden (the reference model's answer, written by compile -o) on this "
+                          "device and compare: one line per check, then `self-check: passed` (exit 0) or `FAILED` "
+                          "with the first departing step and lane (exit 1); --json: the figures")
     rn.add_argument("--chat", action="store_true", help="--prompt is a user message of the chat template")
     rn.add_argument("--stop", action="append", default=[], metavar="TEXT", help="a stop string (--prompt; repeatable)")
     rn.add_argument("--max-new-tokens", type=int_arg(1, 1 << 24), default=16)

@@ -1,7 +1,8 @@
 """`v4compile serve ARTIFACT [--host H] [--port P] [--device D] [--api-key KEY] [--allowed-hosts NAMES]
 [--max-queue N] [--request-timeout S]`: an OpenAI-compatible HTTP server.
 
-    GET  /health                 {"status": "ok", "live", "waiting", "free_slots", "finished": {reason: n}}
+    GET  /health                 {"status": "ok", "live", "waiting", "free_slots", "finished": {reason: n},
+                                  "self_check": {"passed", "max_error", "tolerance", "seconds"} or null}
     GET  /metrics                Prometheus' text format (cli/metrics.py; open, like /health)
     GET  /v1/models              the one model, named by --model-name (default: the artifact's directory name)
     POST /v1/completions         {"model", "prompt": text or ids, "max_tokens" (16), "temperature" (1), "top_p",
@@ -37,6 +38,7 @@ ranks, which wait for it (their own SIGTERM is noted, not acted on); every rank 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hmac
 import json
@@ -136,6 +138,7 @@ class Server:
 
         self.sess = sess
         self.model = model_name
+        self.self_check: dict | None = None  # the start-up self-check's figures, shown on /health
         self.api_key = api_key.encode() if api_key else None
         hosts = {f"[{h}]" if ":" in h and not h.startswith("[") else h for h in map(str.lower, allowed_hosts)}
         self.allowed_hosts = None if "*" in hosts else hosts | set(LOCAL_HOSTS)
@@ -483,7 +486,8 @@ class Server:
             b = self.batcher
             dead = self.scheduler_dead()
             state = {"status": "error" if dead else "ok", "live": len(b.live), "waiting": b.queued,
-                     "free_slots": len(self.sess.free_slots), "finished": dict(self.finished)}
+                     "free_slots": len(self.sess.free_slots), "finished": dict(self.finished),
+                     "self_check": self.self_check}
             if dead:  # a load balancer's probe must see it: 503, and why
                 state["error"] = dead
                 return JSONResponse(state, status_code=503)
@@ -694,6 +698,8 @@ def cmd_serve(args) -> int:
     hosts = [args.host, *(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())]
     server = Server(sess, name, api_key=key, allowed_hosts=hosts, max_queue=args.max_queue,
                     request_timeout=args.request_timeout)
+    if args.self_check:
+        server.self_check = startup_self_check(sess)
     sess.warmup(1, sess.max_batch)
     try:
         sock = socket.create_server((args.host, args.port))
@@ -752,6 +758,26 @@ def _died(batcher) -> int:
     raise DeviceError(f"the scheduler stopped: {died}")
 
 
+def startup_self_check(sess) -> dict | None:
+    """Before listening: the artifact's golden on this device (`Session.self_check`). A failure refuses to start
+    (one `error:` line, exit 2); an artifact without a golden starts with a warning. /health's `self_check`."""
+    from ..errors import DeviceError
+
+    if "golden" not in sess.art.manifest:
+        log.warning("self-check skipped: the artifact carries no golden (compiled with --no-golden)")
+        return None
+    r = sess.self_check()
+    if not r.passed:
+        where = ", ".join(f"{k} {v}" for k, v in (("rank", r.first_rank), ("step", r.first_step),
+                                                   ("lane", r.first_lane), ("layer", r.first_layer)) if v is not None)
+        raise DeviceError(f"self-check FAILED on {r.device}: {r.reason}" + (f" (first departure: {where})" if where
+                                                                             else "") + "; not serving "
+                          "(--no-self-check skips the check)")
+    log.info("self-check passed on %s: logit error %.3g of their scale, tolerance %.3g (%.2f s)", r.device,
+             r.max_error, r.tolerance, r.seconds)
+    return {"passed": True, "max_error": r.max_error, "tolerance": r.tolerance, "seconds": round(r.seconds, 3)}
+
+
 def add_command(sub) -> None:
     from ..runtime.session import DEVICES
     from .args import threads_arg
@@ -759,6 +785,9 @@ def add_command(sub) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over a compiled artifact")
     s.add_argument("artifact", metavar="ARTIFACT", help="artifact directory")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--self-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="before listening, run the artifact's golden on the device and refuse to start if it departs "
+                        "(default on; --no-self-check skips it); /health shows the result")
     s.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free port, printed)")
     s.add_argument("--device", choices=DEVICES, default="auto")
     s.add_argument("--threads", type=threads_arg, default=None, help="CPU threads")

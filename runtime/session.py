@@ -168,6 +168,7 @@ class Session:
         self._tokenizer = None  # read on first use (`tokenizer`)
         self.last_acceptance = None  # the last speculative `generate`'s `speculation.Acceptance`
         self.lock = threading.RLock()  # held by every public call that changes sequences, pool or backend
+        self.device = getattr(backend, "device", "cpu")  # what it runs on (the self-check's tolerance reads it)
 
     @property
     def free_slots(self) -> list[int]:
@@ -440,6 +441,16 @@ class Session:
         if spec is not None:
             self.last_acceptance = spec.stats
         return [r.ids for r in reqs]
+
+    @serialised
+    def self_check(self):
+        """Run the artifact's golden through this session's own generation loop and compare it with the
+        reference model's answer (`self_check.py`): a `SelfCheckResult` (passed, each check's error and
+        tolerance, the first departing step, lane and, where measured, layer). An artifact compiled with
+        `--no-golden` is an ArtifactError."""
+        from .self_check import self_check
+
+        return self_check(self, self.device)
 
     @serialised
     def close(self) -> None:

@@ -5,7 +5,9 @@
 
 For each config (tiny; `mid`: the ~0.5 B random V4 of bench/bench_cpu.py), random weights (seed 0):
 1. compile the artifact with the device's GPU target (its program: decode bucket 4, prefill chunk 64; the
-   kernels compiled ahead of time into kernels/<sm_90a|gfx950>/) and load it on the device;
+   kernels compiled ahead of time into kernels/<sm_90a|gfx950>/; with its golden) and load it on the device,
+   then run the deployment self-check first (`run --self-check`: the golden through the captured decode
+   graphs, its lines on stderr, `self_check` in the JSON; exit 1 if it fails);
 2. generate `--steps` greedy tokens for a ragged batch of 3 prompts (40, 23, 70 tokens: chunked prefill)
    and compare the ids with `ReferenceModel.generate` (exit 1 on any difference);
 3. (configs in `--compare`, default tiny) run one decode step of the batch-4 bucket launch by launch on the
@@ -82,9 +84,12 @@ def check(name, cfg, device, steps, reps, work, compare):
     from v4compile.targets import DEVICE_TARGET
 
     art = compile_artifact(fe, Path(work) / name, Buckets(decode=(1, 4), prefill=(64,)),
-                           targets=("cpu", DEVICE_TARGET[device]))  # the GPU program: decode_b4, prefill_c64
+                           targets=("cpu", DEVICE_TARGET[device]), golden=True)  # GPU: decode_b4, prefill_c64
     compile_s = time.perf_counter() - t0
     sess = v4compile.load(art, device=device)
+    # first the deployment self-check (`run --self-check`): the golden through the captured decode graphs
+    sc = sess.self_check()
+    print(f"{name}: " + "\n".join(sc.lines()), file=sys.stderr, flush=True)
     ref = fe.reference()
     g = np.random.default_rng(0)
     prompts = [g.integers(0, cfg.vocab_size, n).tolist() for n in (40, 23, 70)]
@@ -107,7 +112,10 @@ def check(name, cfg, device, steps, reps, work, compare):
     graph = be.timed(fname, inputs, graph=True, reps=reps)
     f = be.program.functions[fname]
     wbytes = sum(b.nbytes for b in f.buffers if b.kind == "weight")
-    out = {"config": name, "device": device, "compile_s": round(compile_s, 1), "ids_match": got == want,
+    out = {"config": name, "device": device, "compile_s": round(compile_s, 1),
+           "self_check": {"passed": sc.passed, "max_error": sc.max_error, "tolerance": sc.tolerance,
+                          "seconds": round(sc.seconds, 2), "first_step": sc.first_step, "first_lane": sc.first_lane},
+           "ids_match": got == want,
            "launches_compared": compare, "first_difference": diff,
            "launches_per_step": len(f.launches), "step_us_launch_by_launch": round(eager * 1e6, 1),
            "step_us_graph": round(graph * 1e6, 1), "graph_speedup": round(eager / graph, 2),
@@ -149,7 +157,7 @@ def main() -> int:
             print(json.dumps(rows[-1]))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
-    return 0 if all(r["ids_match"] and r["first_difference"] is None for r in rows) else 1
+    return 0 if all(r["self_check"]["passed"] and r["ids_match"] and r["first_difference"] is None for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -26,6 +26,13 @@ import v4compile.ops  # noqa: E402
 
 v4compile.ops.load_all()  # tests parse IR of every op set
 
+import v4compile.cli.compile  # noqa: E402
+
+# `compile -o` writes the golden by default (a reference run of seconds); the suite compiles dozens of artifacts
+# that do not test it, so its in-process compiles leave it out unless they pass --golden (tests/runtime/
+# test_self_check.py). Subprocess compiles keep the command's own default.
+v4compile.cli.compile.GOLDEN_BY_DEFAULT = False
+
 
 @functools.lru_cache(maxsize=None)
 def dense_weights(name: str, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -440,6 +440,14 @@ def check_manifest(m: dict[str, Any], verify: bool = True) -> None:
         for k, rel in tk.items():
             listed(rel, f"tokenizer.{k}")
 
+    if "golden" in m:  # optional: the reference's answer every device checks (`golden.py`; `compile --no-golden`)
+        gd = _obj(m["golden"], "golden")
+        if set(gd) != {"facts", "tensors"}:
+            raise _err("`golden` must name `facts` and `tensors`", found=_show(sorted(gd)))
+        for k, want in (("facts", "golden/golden.json"), ("tensors", "golden/golden.safetensors")):
+            if listed(gd[k], f"golden.{k}") != want:
+                raise _err(f"`golden.{k}` names another file", expected=want, found=_show(gd[k]))
+
     # weights
     w = _obj(_get(m, "weights", "weights"), "weights")
     tensors = _check_weights(w, "weights", listed)

@@ -261,7 +261,7 @@ def test_cli_compile_then_run_matches_generate(tmp_path):
         return r
     out = tmp_path / "tiny"
     cli("compile", "--preset", "tiny", "-o", str(out), "--decode-buckets", "1", "--prefill-buckets", "16", "--target",
-        "cpu")
+        "cpu", "--no-golden")  # the golden is tests/runtime/test_self_check.py's
     ran = cli("run", str(out), "--device", "cpu", "--ids", "1,2,3", "--max-new-tokens", "16").stdout.strip()
     gen = cli("generate", "--preset", "tiny", "--ids", "1,2,3", "--max-new-tokens", "16").stdout.strip()
     assert ran == gen and len(ran.split(",")) == 16

@@ -9,7 +9,7 @@ records the static graph. There is no other copy of the model.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..ops import op
@@ -30,6 +30,9 @@ class StepOptions:
     # experts as `ep` sums over each rank's experts, each added in rank order as `all_reduce` adds them.
     tp: int = 1
     ep: int = 1
+    # eager only: called with (layer, streams) after the embedding (layer -1) and after each decoder layer,
+    # for the golden's per-layer fingerprint (`v4compile/golden.py`); the tracer never sets it
+    on_layer: Any = field(default=None, compare=False)
 
 
 def shape_of(x: Any) -> tuple[int, ...]:
@@ -212,9 +215,13 @@ def model_step(P: Params, cfg: V4Config, ids: Any, pos: Any, caches: list[dict[s
     (before `hc_head`; the MTP block's input). Updates `caches` in place (new tensors / values)."""
     with scope("embed", role="embed"):
         streams = op.hc_expand(op.embed(ids, P.t("embed.weight")), n=cfg.hc_mult)
+    if opts.on_layer is not None:
+        opts.on_layer(-1, streams)
     for layer in range(cfg.n_layers):
         with scope(f"layers.{layer}", layer=layer):
             streams = decoder_layer(P, cfg, layer, f"layers.{layer}.", streams, ids, pos, caches[layer], opts)
+        if opts.on_layer is not None:
+            opts.on_layer(layer, streams)
     with scope("head", role="head"):
         logits = head(P, cfg, "", streams, pos, opts)
     return logits, streams

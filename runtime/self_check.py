@@ -1,0 +1,302 @@
+"""`Session.self_check()` / `run --self-check` / `serve`'s start-up check (issue 35): the artifact's golden
+(`v4compile/golden.py`) run on this device through the same generation loop, functions and graphs users get,
+compared with the reference model's answer.
+
+The golden's prompts are requests of the one generation loop (`batcher.Batcher`): prefill in the session's
+chunk buckets, decode steps of both sequences in a batch bucket (captured graphs on GPUs). Each request is
+fed the golden's greedy ids (teacher-forced: every step's logits compare, even past a step where a near tie
+flips the device's pick); what the device would have picked is its row's argmax.
+
+Checks, each a line with its measured error beside its tolerance (errors in units of the golden's logit scale,
+`max |reference logit|`):
+* `numerics`: the golden was made in the artifact's numerics mode and dtype;
+* `logits`: the largest |device - golden| over every step and lane (top-k form: at the golden's top-k ids,
+  and the log-sum-exp);
+* `greedy ids`: steps whose argmax differs from the golden's id, at every step whose golden top-2 margin exceeds
+  2 x tolerance x scale (each logit may move by the tolerance: a nearer tie may flip). The issue asks for the
+  steps up to the first near tie; fed the golden's ids, a flip does not carry on, so the later steps compare too;
+* `layers` (on a failure: "with the layer statistics on"): the golden's per-layer fingerprint against the
+  device's residual streams on prompt 0's first chunk, naming the first layer that departs. The cpu device
+  shows them (its prefill graph run once more with those values as outputs); the others do not yet (the line
+  says so, and the failure names the step and lane).
+A partitioned artifact: every rank checks its own logits; rank 0's result holds the worst rank's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from v4compile.golden import read_golden, tolerance
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    error: float  # measured (units: the check's own; `logits`: of the golden's logit scale)
+    tolerance: float
+    passed: bool
+    note: str = ""
+    measured: bool = True  # False: the device cannot give this check's figures (it neither passes nor fails)
+
+    def line(self) -> str:
+        if not self.measured:
+            return f"  {self.name:<11} not measured  ({self.note})"
+        verdict = "ok" if self.passed else "FAILED"
+        tail = f"  ({self.note})" if self.note else ""
+        return f"  {self.name:<11} error {self.error:.3g}  tolerance {self.tolerance:.3g}  {verdict}{tail}"
+
+
+@dataclass(frozen=True)
+class SelfCheckResult:
+    """What `Session.self_check()` found. `max_error` / `tolerance`: the logits check's (relative to the golden's
+    logit scale); `first_step` (0: the prefill's token), `first_lane` (the prompt), `first_layer` (None: not
+    localised) and `first_rank`: where the first departure is, when it failed."""
+
+    passed: bool
+    device: str
+    max_error: float
+    tolerance: float
+    seconds: float
+    checks: tuple[Check, ...]
+    reason: str = ""
+    first_step: int | None = None
+    first_lane: int | None = None
+    first_layer: int | None = None
+    first_rank: int | None = None
+    tolerance_basis: str = ""
+    covers: dict = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        out = [f"self-check on {self.device}: the golden's {self.covers.get('prompts', '?')} prompts, "
+               f"{self.covers.get('new_tokens', '?')} steps; tolerance: {self.tolerance_basis}"]
+        out += [c.line() for c in self.checks]
+        if self.passed:
+            out.append("self-check: passed")
+        else:
+            where = ", ".join(f"{k} {v}" for k, v in (("rank", self.first_rank), ("step", self.first_step),
+                                                       ("lane", self.first_lane), ("layer", self.first_layer))
+                              if v is not None)
+            out.append(f"self-check: FAILED: {self.reason}" + (f" (first departure: {where})" if where else ""))
+        return out
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["checks"] = [asdict(c) for c in self.checks]
+        return d
+
+
+def self_check(sess, device: str = "") -> SelfCheckResult:
+    """Run the artifact's golden on `sess` and compare (see the module doc)."""
+    from .batcher import Batcher, Request
+
+    from v4compile.errors import InputError
+
+    t0 = time.perf_counter()
+    if not sess.free_slots:  # else the loop's "no free slot" would read as the device failing the golden
+        raise InputError("the self-check needs a free sequence slot (release the session's open sequences first)",
+                         found=f"{len(sess.seqs)} open")
+    g = read_golden(sess.art)
+    m = sess.art.manifest
+    f = g.facts
+    tol, basis = tolerance(m["numerics"], m["dtype"], m["config"], device)
+    covers = {"prompts": len(f["prompts"]), "new_tokens": f["new_tokens"], **f.get("covers", {})}
+    checks: list[Check] = []
+    same = (f["numerics"], f["dtype"]) == (m["numerics"], m["dtype"])
+    checks.append(Check("numerics", 0.0 if same else 1.0, 0.0, same,
+                        "" if same else f"golden {f['numerics']} {f['dtype']}, artifact {m['numerics']} {m['dtype']}"))
+    if not same:
+        return _done(sess, SelfCheckResult(False, device, float("inf"), tol, time.perf_counter() - t0, tuple(checks),
+                                           f"the golden was made with {f['numerics']} numerics in {f['dtype']}, the "
+                                           f"artifact computes {m['numerics']} in {m['dtype']}",
+                                           tolerance_basis=basis, covers=covers))
+    rows: dict[int, list[np.ndarray]] = {}
+    gold_ids = g.ids
+
+    class Forced(Batcher):
+        """The loop, each request fed the golden's ids; the rows the device gave are kept."""
+
+        def _pick(self, r, row):
+            rows.setdefault(r.index, []).append(np.array(row, dtype=np.float32, copy=True))
+            return gold_ids[r.index][len(r.ids)]
+
+    loop = Forced(sess, raise_errors=True)
+    with sess.lock:
+        try:
+            reqs = [loop.submit(Request(p, f["new_tokens"], index=i), where=f"golden prompt {i}")
+                    for i, p in enumerate(g.prompts)]
+            loop.run_until_idle()
+        except Exception as e:  # noqa: BLE001 (a device that cannot run the golden fails the check, named)
+            step = min((len(v) for v in rows.values()), default=0)
+            checks.append(Check("run", 1.0, 0.0, False, f"{type(e).__name__}: {str(e)[:200]}"))
+            return _done(sess, SelfCheckResult(False, device, float("inf"), tol, time.perf_counter() - t0,
+                                               tuple(checks), f"the device failed to run the golden: {str(e)[:200]}",
+                                               step, tolerance_basis=basis, covers=covers))
+        finally:
+            loop.abort()
+    dev = np.stack([np.stack(rows[r.index]) for r in reqs])  # [B, steps, V]
+    scale = float(f["scale"])
+    if f["logits"]["form"] == "full":
+        err = np.abs(dev - g.tensors["logits"]).max(axis=-1) / scale  # [B, steps]
+    else:
+        idx = g.tensors["topk_ids"]
+        at = np.take_along_axis(dev, idx, axis=-1)
+        lse = np.log(np.exp(dev.astype(np.float64) - dev.max(-1, keepdims=True)).sum(-1)) + dev.max(-1)
+        err = np.maximum(np.abs(at - g.tensors["topk_values"]).max(-1), np.abs(lse - g.tensors["lse"])) / scale
+    picks = dev.argmax(-1)
+    gid = np.asarray(gold_ids)
+    margin = g.tensors["margin"] / scale
+    B, S = err.shape
+    # greedy ids: at every step whose golden top-2 margin exceeds 2 x tol (a nearer tie may flip; teacher-forced,
+    # a flip does not carry on to the next step, so the steps after a near tie still compare)
+    clear = margin > 2 * tol
+    wrong = [(s, b) for b in range(B) for s in range(S) if clear[b, s] and picks[b, s] != gid[b, s]]
+    bad = [(s, b) for b in range(B) for s in range(S) if not err[b, s] <= tol]  # NaN counts as bad
+    max_err = float(np.nan_to_num(err, nan=np.inf).max())
+    compared = int(clear.sum())
+    checks.append(Check("logits", max_err, tol, not bad, f"{B * S} rows"))
+    checks.append(Check("greedy ids", float(len(wrong)), 0.0, not wrong,
+                        f"{compared} of {B * S} steps compared; the rest are near ties" if compared < B * S
+                        else f"{compared} steps"))
+    first = min(bad + wrong) if bad or wrong else None
+    layer = None
+    if first is not None:  # with the layer statistics on: the first chunk's streams against the fingerprint
+        lc, layer = layer_check(sess, g, tol)
+        checks.append(lc)
+    else:
+        checks.append(Check("layers", 0.0, tol, True, "measured on a failure only", measured=False))
+    res = SelfCheckResult(
+        not first, device, max_err, tol, time.perf_counter() - t0, tuple(checks),
+        "" if first is None else (f"logits depart by {err[first[1], first[0]]:.3g} of their scale (tolerance "
+                                  f"{tol:.3g})" if first in bad else "a greedy id differs where the golden has no near tie"),
+        first[0] if first else None, first[1] if first else None, layer, tolerance_basis=basis, covers=covers)
+    return _done(sess, res)
+
+
+def layer_check(sess, g, tol: float) -> tuple[Check, int | None]:
+    """The golden's per-layer fingerprint against the device's streams on prompt 0's first chunk (`layer_streams`):
+    each layer's largest |device - golden| relative to that layer's fingerprint scale, against the logits'
+    tolerance. Returns the check and the first departing layer (-1: the embedding; L - 1 when every stream the
+    device shows agrees: the last layer or the head, whose streams a fused head never materialises)."""
+    streams = layer_streams(sess, g)
+    if streams is None:
+        return Check("layers", 0.0, tol, True, f"not measured: the {sess.device} device reports no per-layer "
+                     "streams", measured=False), None
+    from v4compile.golden import fingerprint
+
+    fp = g.tensors["fingerprint"]  # [L + 1, T, dims]: the embedding, then each layer
+    n = fp.shape[1]
+    worst, first = 0.0, None
+    for k, x in enumerate(streams):
+        e = float(np.abs(fingerprint(x, 0, n) - fp[k]).max() / max(float(np.abs(fp[k]).max()), 1e-30))
+        worst = max(worst, e)
+        if first is None and not e <= tol:
+            first = k - 1
+    last = fp.shape[0] - 2  # the last layer
+    agree = first is None
+    if agree:
+        first = last
+        note = f"the {len(streams)} streams the device shows of {fp.shape[0]} agree: the departure is in layer {last} or the head"
+    else:
+        note = f"layer {first} departs first" if first >= 0 else "the embedding departs"
+    return Check("layers", worst, tol, agree, note), first
+
+
+def layer_streams(sess, g) -> list | None:
+    """The device's residual streams on prompt 0's first prefill chunk (as `torch` tensors `[1, T, hc, D]`): after
+    the embedding and after each layer whose streams the graph materialises (a fused head takes the last
+    layer's). cpu device only (its prefill graph run once more with those values as extra outputs, on a
+    sequence opened for it and released); None elsewhere."""
+    import torch
+
+    be = sess.backend
+    if not hasattr(be, "built") or getattr(be, "ranks", None) is not None:
+        return None
+    import onnx
+
+    cfg = sess.art.manifest["config"]
+    want = (cfg["hc_mult"], cfg["dim"])
+    s = sess.open()
+    try:
+        fname, inputs, _ = sess.prefill_chunk(s, g.prompts[0])
+        key, spec = be._graphs[fname][0]
+        cache = be.__dict__.setdefault("_stream_names", {})  # per function: the candidates (the graph is built once)
+
+        def build():
+            from .artifact_checks import onnx_model
+
+            model = onnx_model(be.art, key, spec)
+            cache[fname] = _stream_candidates(model)
+            have = {o.name for o in model.graph.output}
+            for c in sorted({c for cs in cache[fname] for c in cs} - have):
+                model.graph.output.append(onnx.helper.make_tensor_value_info(c, onnx.TensorProto.FLOAT, None))
+            return model, spec
+
+        outs = be.run_outputs(be.built(f"{fname}.streams", build), inputs)
+        found = []
+        for cs in cache[fname]:
+            x = next((outs[c] for c in cs if c in outs and outs[c].ndim == 4 and outs[c].shape[2:] == want), None)
+            if x is None:
+                break
+            found.append(torch.from_numpy(np.array(x)))
+        return found or None
+    finally:
+        sess.release(s)
+
+
+def _stream_candidates(model) -> list[list[str]]:
+    """Per stream (the embedding, then layer 0, 1, ...): the graph's values that may be it, from the nodes' doc
+    strings (`op scope`): the embedding's `hc_expand`, and a layer's residual after its experts, the `hc_post` of
+    `layers.i.ffn_hc` or, fused into the next seam, the `mhc_post_pre` of `layers.{i+1}.attn_hc`; each a value
+    consumed outside its op. The shape picks among them at run time."""
+    scope_of, users = {}, {}
+    for nd in model.graph.node:
+        for o in nd.output:
+            scope_of[o] = nd.doc_string
+        for i in nd.input:
+            users.setdefault(i, set()).add(nd.doc_string)
+
+    def out_of(*docs):
+        return [o for o, d in scope_of.items() if d in docs and any(u != d for u in users.get(o, ()))]
+
+    out = [out_of("hc_expand embed")]
+    i = 0
+    while True:
+        c = out_of(f"hc_post layers.{i}.ffn_hc", f"mhc_post_pre layers.{i + 1}.attn_hc")
+        if not c:
+            return out
+        out.append(c)
+        i += 1
+
+
+def _done(sess, res: SelfCheckResult) -> SelfCheckResult:
+    """Across the ranks of a partitioned artifact: every rank's verdict, rank 0 holding the worst one (the
+    failing rank with the lowest number, else the largest error)."""
+    ranks = getattr(sess.backend, "ranks", None)
+    if ranks is None:
+        return res
+    import torch
+
+    mine = torch.tensor([0.0 if res.passed else 1.0, min(res.max_error, 1e30), -1 if res.first_step is None
+                         else res.first_step, -1 if res.first_lane is None else res.first_lane], dtype=torch.float64)
+    parts = [torch.empty_like(mine) for _ in range(ranks.world)]
+    ranks._do("the self-check's gather", ranks.dist.all_gather, parts, mine)
+    failed = [k for k, p in enumerate(parts) if p[0] > 0]
+    worst = failed[0] if failed else int(np.argmax([float(p[1]) for p in parts]))
+    p = parts[worst]
+    if worst == ranks.rank:
+        return SelfCheckResult(**{**_fields(res), "first_rank": worst if failed else None})
+    step, lane = int(p[2]), int(p[3])
+    return SelfCheckResult(**{**_fields(res), "passed": not failed, "max_error": float(p[1]),
+                              "reason": res.reason or f"rank {worst} departs from the golden",
+                              "first_step": None if step < 0 else step, "first_lane": None if lane < 0 else lane,
+                              "first_rank": worst if failed else None})
+
+
+def _fields(res: SelfCheckResult) -> dict:
+    return {k: getattr(res, k) for k in res.__dataclass_fields__}
