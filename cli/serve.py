@@ -691,6 +691,8 @@ def cmd_serve(args) -> int:
     from ..runtime import load
 
     sess = load(args.artifact, device=args.device, threads=args.threads)
+    # on every rank of a partitioned artifact: the check's steps are collective, its verdict the worst rank's
+    checked = startup_self_check(sess) if args.self_check else None
     if sess.ranks is not None and sess.ranks.rank > 0:
         return _follow(sess)
     name = args.model_name or Path(args.artifact).resolve().name
@@ -698,8 +700,7 @@ def cmd_serve(args) -> int:
     hosts = [args.host, *(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())]
     server = Server(sess, name, api_key=key, allowed_hosts=hosts, max_queue=args.max_queue,
                     request_timeout=args.request_timeout)
-    if args.self_check:
-        server.self_check = startup_self_check(sess)
+    server.self_check = checked
     sess.warmup(1, sess.max_batch)
     try:
         sock = socket.create_server((args.host, args.port))
