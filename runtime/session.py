@@ -320,9 +320,7 @@ class Session:
             for b in s.blocks:
                 cache.hold(b)
             if P % bt:  # the boundary is inside the block: the tail writes it again, so a copy of its own
-                self.reserve(s, P)
-                self._copy_block(hit[-1].block, s.blocks[-1])
-                cache.stats.copies += 1
+                self._take_partial(s, hit[-1].block, P)
             self._restore(s.slot, parent.snapshot)
             s.length = s.cached = P
         ids, last, chain = prompt[s.length:], None, True
@@ -337,6 +335,13 @@ class Session:
                 parent = self._keep(s, prompt, parent) if chain else None
                 chain = parent is not None
         return last
+
+    def _take_partial(self, s: SeqState, block: int, P: int) -> None:
+        """The block the boundary P is inside, for `s`: a copy (its rows before P are the prefix's; the tail
+        writes the rest, which other sequences sharing the prefix write too)."""
+        self.reserve(s, P)
+        self._copy_block(block, s.blocks[-1])
+        self.cache.stats.copies += 1
 
     def _keep(self, s: SeqState, prompt: list[int], parent):
         """Keep the piece of `prompt` that ends at `s.length` (just prefilled) with its boundary snapshot; the
@@ -392,6 +397,12 @@ class Session:
         store = access(self.backend)
         for (n, row, k), (_, to, _) in zip(self._ranges(block=src), self._ranges(block=dst)):
             store.put_rows(n, to, store.get_rows(n, row, k))
+
+    @serialised
+    def clear_prefix_cache(self) -> None:
+        """Drop every cache entry; the blocks no live sequence holds go back to the pool."""
+        if self.cache is not None:
+            self.alloc.free_blocks.extend(self.cache.clear())
 
     @serialised
     def prefix_cache_stats(self) -> dict | None:
