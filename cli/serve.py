@@ -308,7 +308,8 @@ class Server:
             return {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
 
         def usage(r) -> dict:
-            return {"prompt_tokens": len(ids), "completion_tokens": len(r.ids), "total_tokens": len(ids) + len(r.ids)}
+            return {"prompt_tokens": len(ids), "completion_tokens": len(r.ids), "total_tokens": len(ids) + len(r.ids),
+                    "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
 
         def finish_reason(r) -> str:
             return "stop" if r.finish_reason == "stop" else "length"
@@ -390,7 +391,8 @@ class Server:
             b = self.batcher
             dead = self.scheduler_dead()
             state = {"status": "error" if dead else "ok", "live": len(b.live), "waiting": len(b.waiting),
-                     "free_slots": len(self.sess.free_slots), "finished": dict(self.finished)}
+                     "free_slots": len(self.sess.free_slots), "finished": dict(self.finished),
+                     "prefix_cache": self.sess.prefix_cache_stats()}
             if dead:  # a load balancer's probe must see it: 503, and why
                 state["error"] = dead
                 return JSONResponse(state, status_code=503)
@@ -577,7 +579,7 @@ def cmd_serve(args) -> int:
 
     from ..runtime import load
 
-    sess = load(args.artifact, device=args.device, threads=args.threads)
+    sess = load(args.artifact, device=args.device, threads=args.threads, prefix_cache=not args.no_prefix_cache)
     name = args.model_name or Path(args.artifact).resolve().name
     key = args.api_key or os.environ.get("V4COMPILE_API_KEY") or None
     hosts = [args.host, *(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())]
@@ -613,6 +615,7 @@ def add_command(sub) -> None:
     s.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free port, printed)")
     s.add_argument("--device", choices=DEVICES, default="auto")
     s.add_argument("--threads", type=threads_arg, default=None, help="CPU threads")
+    s.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt whole (no prefix cache)")
     s.add_argument("--model-name", default=None, help="the model's name in the API (default: the directory name)")
     s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every request but "
                    "/health (default: $V4COMPILE_API_KEY; neither: no key)")

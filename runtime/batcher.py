@@ -50,6 +50,7 @@ class Request:
     seq: object = None  # its open sequence (`session.SeqState`) while live
     rng: np.random.Generator | None = None  # its own sampling generator (made at submit)
     spec: object = None  # the speculative step mode's state for it (`speculative.SpecState`)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (the OpenAI usage's cached_tokens)
 
     @property
     def done(self) -> bool:
@@ -206,6 +207,7 @@ class Batcher:
             except Exception as e:  # noqa: BLE001 (the request fails, the server goes on)
                 self._fail(r, e)
                 continue
+            r.cached_tokens = r.seq.cached
             if r.done:  # its sampling failed
                 continue
             self._token(r, tok)

@@ -171,6 +171,7 @@ class Session:
         self.first_token_s: float | None = None  # the last `generate`: seconds to its first token (prefill)
         self._tokenizer = None  # read on first use (`tokenizer`)
         self.last_acceptance = None  # the last speculative `generate`'s `speculation.Acceptance`
+        self.last_cached_tokens: list[int] = []  # the last `generate`: each prompt's tokens from the prefix cache
         self.lock = threading.RLock()  # held by every public call that changes sequences, pool or backend
         # the prefix cache (`prefix_cache.py`; None: off). Rank-local: every rank makes the same calls.
         self.cache = PrefixCache(granularity(self.block_tokens), prefix_cache_bytes) if prefix_cache else None
@@ -549,6 +550,7 @@ class Session:
             loop.run_until_idle()
         finally:  # an error mid-way (a full pool, say) must not leave this call's sequences open
             loop.abort()
+        self.last_cached_tokens = [r.cached_tokens for r in reqs]
         firsts = [r.first_token_at for r in reqs if r.first_token_at is not None]
         self.first_token_s = min(firsts) - t0 if firsts else None
         if spec is not None:
