@@ -29,7 +29,9 @@ multiples of g while the cache is on so that a chunk ends there; restored into t
 
 **Blocks by reference.** A hit of n pieces (n x g <= prompt length - 1: the last prompt token is always
 computed, it gives the first logits) takes the blocks under the prefix by reference (a reference count per
-block: the sequences holding it and the entries naming it). Positions after the boundary write only rows of
+block: the sequences holding it and the entries naming it); a whole block is the one the entry closing it
+names (the entry of its first half may name another: a sequence that hit that half copied the block, then
+wrote its own second half). Positions after the boundary write only rows of
 later compression windows, so a whole shared block is never written again; a boundary in the middle of a
 block (n odd) leaves that block to be written by the new sequence's tail, so it is copied first (copy on
 write, at the hit, into a block of the sequence's own). Rejected speculative drafts only restore rows they
@@ -85,6 +87,12 @@ def snapshot_bytes(cfg, main_row_bytes: int | None = None, mtp_layers: int = 1, 
     snap = window + state
     return {"granularity": g, "block_tokens": 2 * g, "window_bytes": window, "state_bytes": state,
             "snapshot_bytes": snap, "per_block_bytes": 2 * snap}
+
+
+def whole_blocks(hit: list["Entry"], n: int) -> list[int]:
+    """The first n pool blocks under a hit: each the block of the entry that closes it (the entry of its first
+    half may name another block: a sequence that hit that half copied it, then wrote its own second half)."""
+    return [e.block for e in hit[1::2]][:n]
 
 
 def _key(parent: bytes, ids) -> bytes:

@@ -30,7 +30,7 @@ from v4compile.artifact import Artifact, load_artifact
 from v4compile.errors import CONTEXT_LENGTH_EXCEEDED, DeviceError, InputError
 from v4compile.pool import Allocator
 
-from .prefix_cache import DEFAULT_SNAPSHOT_BYTES, PrefixCache, granularity
+from .prefix_cache import DEFAULT_SNAPSHOT_BYTES, PrefixCache, granularity, whole_blocks
 from v4compile.threads import MAX_THREADS
 
 log = logging.getLogger(__name__)
@@ -317,7 +317,7 @@ class Session:
         if hit:
             P = len(hit) * g
             whole = P // bt
-            s.blocks = [e.block for e in hit[::2]][:whole]
+            s.blocks = whole_blocks(hit, whole)
             for b in s.blocks:
                 cache.hold(b)
             if P % bt:  # the boundary is inside the block: the tail writes it again, so a copy of its own

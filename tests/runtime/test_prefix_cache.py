@@ -6,10 +6,12 @@ The cases: several requests sharing a system prompt, prefilled one after another
 one batch, each writing its own tail (the failure of a per-request window ring shared across requests);
 the shared prompt ends inside compression windows and inside the sliding window (50 tokens: the hit is 48,
 a boundary inside a pool block of 32 x 2, so that block is copied; 71: the hit is 64, whole blocks only);
-pool pressure that evicts entries while a request holds their blocks, then reuse of the prefix. Each check
-has its deliberately broken variant, shown to fail: the window rings not restored, the compressor and
-indexer state rings not restored, the half-shared block taken by reference (the tails write into it), an
-evicted entry's block freed though a request holds it.
+pool pressure that evicts entries while a request holds their blocks, then reuse of the prefix; a hit whose
+last whole block was kept by a request that had copied its first half. Each check has its deliberately
+broken variant, shown to fail: the window rings not restored, the compressor and indexer state rings not
+restored, the half-shared block taken by reference (the tails write into it), a whole block taken from the
+entry of its first half (whose second half another request wrote), an evicted entry's block freed though a
+request holds it.
 
 The host device runs the C runtime with the reference kernels (`kernels="reference"`): what the cache adds
 there is the runtime's buffer reads and writes of the rings and blocks; the interpreted Triton kernels (a
@@ -125,10 +127,23 @@ def test_shared_prefix_decoding_in_one_batch_is_bit_exact(sessions, device):
     st = sess.prefix_cache_stats()
     assert st["copies"] == len(tails) and st["hits"] == len(tails) and st["lookups"] == 1 + len(tails)
     assert st["cached_tokens"] == 48 * len(tails) and st["snapshot_bytes"] > 0 and st["cached_blocks"] == 3
+    if device == "cpu":
+        assert later_hit(sess)
     if device == "cpu" and name == "tiny":
         ok, cached = batch_case(sess, 71, steps=3)
         assert cached == [64, 64, 64] and ok
         assert sess.prefix_cache_stats()["copies"] == 0
+
+
+def later_hit(sess: Session) -> bool:
+    """After `batch_case(sess, 50)`: a request whose hit (64) ends with the piece the third request kept
+    (48..64, in its copy of the block): bit-exact?"""
+    _, reqs = shared_prompts(50)
+    later = reqs[2][:66] + [7, 8, 9]
+    cold, _ = drive(sess, [later], 2, cache=False)
+    hot, cached = drive(sess, [later], 2)
+    assert cached == [64]
+    return same(cold, hot)
 
 
 def test_eviction_under_pool_pressure_and_reuse(sessions):
@@ -190,6 +205,20 @@ def test_half_shared_block_by_reference_fails(sessions, monkeypatch):
     monkeypatch.setattr(Session, "_take_partial", shared)
     ok, cached = batch_case(ss["cpu"], 50)
     assert cached == [48, 48, 48] and not ok
+
+
+def test_block_of_the_first_half_fails(sessions, monkeypatch):
+    """A whole block taken as the block of its first half's entry: that block's second half is the tail of
+    the request that kept the first half, not the prefix's."""
+    name, ss = sessions
+    if name != "tiny":
+        pytest.skip("one preset shows it")
+    from v4compile.runtime import session as session_mod
+
+    monkeypatch.setattr(session_mod, "whole_blocks", lambda hit, n: [e.block for e in hit[::2]][:n])
+    sess = ss["cpu"]
+    ok, _ = batch_case(sess, 50)
+    assert ok and not later_hit(sess)
 
 
 def test_evicting_a_block_in_use_fails(sessions, monkeypatch):
