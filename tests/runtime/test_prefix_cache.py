@@ -126,7 +126,12 @@ def test_shared_prefix_decoding_in_one_batch_is_bit_exact(sessions, device):
     assert cached == [48] * len(tails) and ok
     st = sess.prefix_cache_stats()
     assert st["copies"] == len(tails) and st["hits"] == len(tails) and st["lookups"] == 1 + len(tails)
-    assert st["cached_tokens"] == 48 * len(tails) and st["snapshot_bytes"] > 0 and st["cached_blocks"] == 3
+    assert st["cached_tokens"] == 48 * len(tails) and st["cached_blocks"] == 3
+    # the snapshot size the report states for V4 (`snapshot_bytes`, from the config), here with fp32 rows
+    from v4compile.config import preset
+
+    want = pc.snapshot_bytes(preset(name), main_row_bytes=4 * 32, mtp_layers=0)["snapshot_bytes"]
+    assert st["snapshot_bytes"] == want * st["entries"]
     if device == "cpu":
         assert later_hit(sess)
     if device == "cpu" and name == "tiny":
@@ -258,3 +263,21 @@ def test_off(sessions):
         with pytest.raises(v4compile.errors.InputError) as e:
             v4compile.load(sess.art.path, device="cpu", **{param: bad})
         assert e.value.param == param
+
+
+def test_snapshot_bound_and_lru_leaves():
+    """No device: the snapshot bound keeps the least recently used leaves out (never the new entry's chain),
+    an entry that cannot fit is not kept, and a dropped entry frees its block only when nothing holds it."""
+    snap = {"x": np.zeros(10, np.uint8)}
+    c = pc.PrefixCache(2, max_bytes=30)
+    a, _ = c.insert(None, [1, 2], 0, 7, snap, holder=True)  # block 7 held by a sequence and the entry
+    b, _ = c.insert(a, [3, 4], 1, 7, snap, holder=False)
+    other, _ = c.insert(None, [9, 9], 0, 8, snap, holder=False)
+    assert c.refs == {7: 3, 8: 1} and c.nbytes == 30
+    assert [e.end for e in c.lookup([1, 2, 3, 4, 5])] == [2, 4]  # a and b used last: `other` is the LRU leaf
+    d, freed = c.insert(b, [5, 6], 2, 9, snap, holder=True)
+    assert d is not None and freed == [8] and other.key not in c.entries
+    big, _ = c.insert(d, [7, 7], 3, 9, {"x": np.zeros(40, np.uint8)}, holder=False)
+    assert big is None and c.stats.skipped == 1
+    assert c.clear() == [] and c.refs == {7: 1, 9: 1}  # blocks 7 and 9: their sequences still hold them
+    assert c.drop(7) and c.drop(9) and not c.refs and not c.entries and c.nbytes == 0
