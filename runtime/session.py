@@ -340,8 +340,13 @@ class Session:
     def _take_partial(self, s: SeqState, block: int, P: int) -> None:
         """The block the boundary P is inside, for `s`: a copy (its rows before P are the prefix's; the tail
         writes the rest, which other sequences sharing the prefix write too)."""
-        self.reserve(s, P)
-        self._copy_block(block, s.blocks[-1])
+        self.cache.hold(block)  # not freed by an eviction the reservation makes before it is copied
+        try:
+            self.reserve(s, P)
+            self._copy_block(block, s.blocks[-1])
+        finally:
+            if self.cache.drop(block):
+                self.alloc.free_blocks.append(block)
         self.cache.stats.copies += 1
 
     def _keep(self, s: SeqState, prompt: list[int], parent):
