@@ -8,32 +8,38 @@ in whole pieces", which is one dict probe per piece, no node splitting; a partia
 shared anyway (see granularity), so a radix tree's token-level edges would buy nothing. Leaves (entries no
 other entry extends) are what eviction takes, least recently used first.
 
-**Granularity.** g = lcm of the compression ratios = half a pool block (`block_tokens` = 2 x lcm: 128
-tokens for V4-Pro / V4-Flash, whose ratios are 4 and 128; 16 for the tiny presets). At a multiple of g every
-compressor of every layer has just closed a compression window, so the compressed rows of the prefix
-(CSA / HCA KV, CSA indexer keys) are final and live in the pool blocks before the boundary; everything else
-V4 carries from one position to the next is per slot and small, and goes into the entry's snapshot. A
-prompt of a few hundred tokens with a shared system prompt hits (g is 128, not a 4,096-token block). A
-finer g would not need more state (the compressor rings hold any partial window) but would multiply the
-snapshots; a coarser one (a whole block) would halve them and lose up to 255 tokens of every hit.
+**Granularity.** g = lcm of the compression ratios and of the largest prefill chunk bucket. The ratios'
+lcm is half a pool block (`block_tokens` = 2 x lcm: 128 tokens for V4-Pro / V4-Flash, whose ratios are 4 and
+128; 16 for the tiny presets): at a multiple of it every compressor of every layer has just closed a
+compression window, so the compressed rows of the prefix (CSA / HCA KV, CSA indexer keys) are final and
+live in the pool blocks before the boundary; everything else V4 carries from one position to the next is
+per slot and small, and goes into the entry's snapshot. The chunk bucket: prefill runs a long prompt in
+chunks of the largest bucket, so a boundary at a multiple of it is where a chunk ends, without cutting the
+chunks otherwise. Cutting them at every lcm would make more snapshots possible but change the chunking, and
+a differently chunked prefill is not bit-identical (measured on tiny, buckets 16 and 64: logits 2e-6 apart):
+with the chunking untouched, a request served from the cache is byte for byte the request run with the
+cache off, and the tail after a hit is chunked exactly as the cold run chunks it from the same position.
+With a largest bucket of at most 128, V4's g stays 128: a prompt of a few hundred tokens with a shared
+system prompt hits (not only beyond a 4,096-token block). A finer g would need no more state (the
+compressor rings hold any partial window), only more snapshots.
 
-**What a snapshot holds** (taken when a prompt's prefill passes the boundary; the prefill chunks are cut at
-multiples of g while the cache is on so that a chunk ends there; restored into the new sequence's slot):
+**What a snapshot holds** (taken when a prompt's prefill chunk ends at a boundary; restored into the new
+sequence's slot):
 * the slot's sliding-window ring of every layer (and of the compiled MTP block): `window` rows of the
   main planes each (the last `window` positions before the boundary);
 * every compressor's state rings `state.layers.<l>.state_kv` / `state_gate` (its partial-block state and
   gate rows; CSA's ring also holds the previous window it overlaps) and the CSA indexer's compressor rings
   `index_state_kv` / `index_state_gate`: the indexer's state at that position (its keys of closed windows
   are pool rows, shared).
-`snapshot_bytes` gives its size from the config (the report prints it for V4-Pro and V4-Flash).
+`snapshot_bytes` gives its size from the config (the report states it for V4-Pro and V4-Flash).
 
 **Blocks by reference.** A hit of n pieces (n x g <= prompt length - 1: the last prompt token is always
 computed, it gives the first logits) takes the blocks under the prefix by reference (a reference count per
-block: the sequences holding it and the entries naming it); a whole block is the one the entry closing it
-names (the entry of its first half may name another: a sequence that hit that half copied the block, then
-wrote its own second half). Positions after the boundary write only rows of
+block: the sequences holding it and the entries naming it); a whole block is taken from the entry holding
+its last token (the entry of its first tokens may name another: a sequence that hit there copied the
+block, then wrote its own tail into it). Positions after the boundary write only rows of
 later compression windows, so a whole shared block is never written again; a boundary in the middle of a
-block (n odd) leaves that block to be written by the new sequence's tail, so it is copied first (copy on
+block leaves that block to be written by the new sequence's tail, so it is copied first (copy on
 write, at the hit, into a block of the sequence's own). Rejected speculative drafts only restore rows they
 wrote, so they never write a shared block either (the speculative path takes no hits yet).
 
@@ -58,9 +64,10 @@ log = logging.getLogger(__name__)
 DEFAULT_SNAPSHOT_BYTES = 1 << 30  # bound on the snapshots' host memory (a knob of `load`)
 
 
-def granularity(block_tokens: int) -> int:
-    """Tokens per cache piece: lcm of the ratios, which the pool's block is twice (`pool.PoolGeometry.build`)."""
-    return block_tokens // 2 if block_tokens % 2 == 0 else block_tokens
+def granularity(block_tokens: int, chunk: int = 1) -> int:
+    """Tokens per cache piece: lcm of the ratios (half the pool's block, `pool.PoolGeometry.build`) and of the
+    largest prefill chunk `chunk` (so that a piece always ends where a prefill chunk ends)."""
+    return math.lcm(block_tokens // 2 if block_tokens % 2 == 0 else block_tokens, chunk)
 
 
 def snapshot_bytes(cfg, main_row_bytes: int | None = None, mtp_layers: int = 1, state_bytes: int = 4) -> dict:
@@ -89,10 +96,15 @@ def snapshot_bytes(cfg, main_row_bytes: int | None = None, mtp_layers: int = 1, 
             "snapshot_bytes": snap, "per_block_bytes": 2 * snap}
 
 
-def whole_blocks(hit: list["Entry"], n: int) -> list[int]:
-    """The first n pool blocks under a hit: each the block of the entry that closes it (the entry of its first
-    half may name another block: a sequence that hit that half copied it, then wrote its own second half)."""
-    return [e.block for e in hit[1::2]][:n]
+def whole_blocks(hit: list["Entry"], n: int, g: int, bt: int) -> list[int]:
+    """The first n pool blocks under a hit (pieces of g tokens, blocks of bt): each the block of the entry that
+    holds the block's last token (the entry of its first tokens may name another block: a sequence that hit
+    there copied the block, then wrote its own tail into it)."""
+    out = []
+    for j in range(n):
+        e = hit[((j + 1) * bt - 1) // g]
+        out.append(e.blocks[j - e.index * g // bt])
+    return out
 
 
 def _key(parent: bytes, ids) -> bytes:
@@ -105,7 +117,7 @@ class Entry:
     parent: "Entry | None"
     ids: tuple[int, ...]
     index: int  # piece index: it covers tokens [index * g, (index + 1) * g)
-    block: int  # the pool block those tokens' compressed rows are in
+    blocks: tuple[int, ...]  # the pool blocks those tokens' compressed rows are in
     snapshot: dict[str, np.ndarray]
     nbytes: int
     used: int = 0  # LRU tick
@@ -165,11 +177,11 @@ class PrefixCache:
         e = self.entries.get(_key(parent.key if parent is not None else b"", ids))
         return e if e is not None and e.ids == tuple(ids) else None
 
-    def insert(self, parent: Entry | None, ids, index: int, block: int, snapshot: dict[str, np.ndarray],
-               holder: bool) -> tuple[Entry | None, list[int]]:
-        """Keep a new entry (its block held by the entry; `holder`: the inserting sequence holds it too, and
-        the cache did not know it yet). Returns the entry (None when it does not fit the bound) and the blocks
-        the evictions it needed freed."""
+    def insert(self, parent: Entry | None, ids, index: int, blocks, snapshot: dict[str, np.ndarray]
+               ) -> tuple[Entry | None, list[int]]:
+        """Keep a new entry (its blocks held by the entry; a block the cache did not know yet is the inserting
+        sequence's own, which holds it too). Returns the entry (None when it does not fit the bound) and the
+        blocks the evictions it needed freed."""
         nbytes = sum(a.nbytes for a in snapshot.values())
         freed: list[int] = []
         while self.nbytes + nbytes > self.max_bytes:
@@ -180,13 +192,12 @@ class PrefixCache:
             freed += b
         key = _key(parent.key if parent is not None else b"", ids)
         self.tick += 1
-        e = Entry(key, parent, tuple(ids), index, block, snapshot, nbytes, self.tick)
+        e = Entry(key, parent, tuple(ids), index, tuple(blocks), snapshot, nbytes, self.tick)
         self.entries[key] = e
         if parent is not None:
             parent.children += 1
-        if holder:
-            self.refs[block] = self.refs.get(block, 0) + 1
-        self.refs[block] = self.refs.get(block, 0) + 1
+        for b in e.blocks:
+            self.refs[b] = self.refs.get(b, 1) + 1
         self.nbytes += nbytes
         self.stats.inserted += 1
         return e, freed
@@ -223,16 +234,14 @@ class PrefixCache:
             e.parent.children -= 1
         self.nbytes -= e.nbytes
         self.stats.evicted += 1
-        return [e.block] if self.drop(e.block) else []
+        return [b for b in e.blocks if self.drop(b)]
 
     def evict_for_blocks(self) -> list[int]:
-        """Evict leaves until one pool block comes free (or nothing is left to evict); the freed blocks."""
+        """Evict leaves until a pool block comes free (or nothing is left to evict); the freed blocks."""
         while True:
             b = self._evict_one()
-            if b is None:
-                return []
-            if b:
-                return b
+            if b is None or b:
+                return b or []
 
     def clear(self) -> list[int]:
         freed = []
@@ -245,7 +254,7 @@ class PrefixCache:
 
     def summary(self) -> dict:
         s = self.stats
-        return {"entries": len(self.entries), "cached_blocks": len({e.block for e in self.entries.values()}),
+        return {"entries": len(self.entries), "cached_blocks": len({b for e in self.entries.values() for b in e.blocks}),
                 "snapshot_bytes": self.nbytes, "max_snapshot_bytes": self.max_bytes, "granularity": self.g,
                 "lookups": s.lookups, "hits": s.hits, "hit_rate": s.hits / s.lookups if s.lookups else 0.0,
                 "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,

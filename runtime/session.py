@@ -174,7 +174,8 @@ class Session:
         self.last_cached_tokens: list[int] = []  # the last `generate`: each prompt's tokens from the prefix cache
         self.lock = threading.RLock()  # held by every public call that changes sequences, pool or backend
         # the prefix cache (`prefix_cache.py`; None: off). Rank-local: every rank makes the same calls.
-        self.cache = PrefixCache(granularity(self.block_tokens), prefix_cache_bytes) if prefix_cache else None
+        self.cache = (PrefixCache(granularity(self.block_tokens, self.prefill_fns[-1][0]), prefix_cache_bytes)
+                      if prefix_cache else None)
 
     @property
     def free_slots(self) -> list[int]:
@@ -317,16 +318,16 @@ class Session:
         if hit:
             P = len(hit) * g
             whole = P // bt
-            s.blocks = whole_blocks(hit, whole)
+            s.blocks = whole_blocks(hit, whole, g, bt)
             for b in s.blocks:
                 cache.hold(b)
             if P % bt:  # the boundary is inside the block: the tail writes it again, so a copy of its own
-                self._take_partial(s, hit[-1].block, P)
+                self._take_partial(s, hit[-1].blocks[-1], P)
             self._restore(s.slot, parent.snapshot)
             s.length = s.cached = P
         ids, last, chain = prompt[s.length:], None, True
         while ids:
-            fname, inputs, n = self.prefill_chunk(s, ids, cut=g)
+            fname, inputs, n = self.prefill_chunk(s, ids)
             last = self.backend.run(fname, inputs)[0]
             s.length += n
             ids = ids[n:]
@@ -358,8 +359,8 @@ class Session:
         e = cache.find(parent, ids)
         if e is not None:  # another sequence kept it meanwhile
             return e
-        block = s.blocks[(i * g) // self.block_tokens]
-        e, freed = cache.insert(parent, ids, i, block, self._snapshot(s.slot), holder=block not in cache.refs)
+        blocks = s.blocks[(i * g) // self.block_tokens:(s.length - 1) // self.block_tokens + 1]
+        e, freed = cache.insert(parent, ids, i, blocks, self._snapshot(s.slot))
         self.alloc.free_blocks.extend(freed)
         return e
 
@@ -417,12 +418,10 @@ class Session:
         return None if self.cache is None else self.cache.summary()
 
     @serialised
-    def prefill_chunk(self, s: SeqState, ids: list[int], cut: int | None = None) -> tuple[str, dict[str, np.ndarray], int]:
+    def prefill_chunk(self, s: SeqState, ids: list[int]) -> tuple[str, dict[str, np.ndarray], int]:
         """The next prefill chunk of `ids` for `s` (the smallest chunk bucket that holds them, else the largest),
         its blocks reserved: (function, step inputs, tokens it takes). The caller runs it and advances
-        `s.length`. `cut`: the chunk ends at the next multiple of `cut` (the prefix cache's boundaries)."""
-        if cut is not None:
-            ids = ids[: cut - s.length % cut]
+        `s.length`."""
         T, fname = next(((t, f) for t, f in self.prefill_fns if t >= len(ids)), self.prefill_fns[-1])
         part = ids[:T]
         self.reserve(s, s.length + len(part) - 1)

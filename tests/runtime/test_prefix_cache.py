@@ -60,7 +60,7 @@ def fresh(sess: Session) -> Session:
     assert not sess.seqs
     pool = sess.art.manifest["pool"]
     sess.alloc = Allocator(int(pool["n_slots"]), int(pool["n_blocks"]))
-    sess.cache = pc.PrefixCache(pc.granularity(sess.block_tokens))
+    sess.cache = pc.PrefixCache(sess.cache.g)
     return sess
 
 
@@ -220,7 +220,9 @@ def test_block_of_the_first_half_fails(sessions, monkeypatch):
         pytest.skip("one preset shows it")
     from v4compile.runtime import session as session_mod
 
-    monkeypatch.setattr(session_mod, "whole_blocks", lambda hit, n: [e.block for e in hit[::2]][:n])
+    def first(hit, n, g, bt):  # the entry holding the block's first token
+        return [hit[j * bt // g].blocks[j - hit[j * bt // g].index * g // bt] for j in range(n)]
+    monkeypatch.setattr(session_mod, "whole_blocks", first)
     sess = ss["cpu"]
     ok, _ = batch_case(sess, 50)
     assert ok and not later_hit(sess)
@@ -270,14 +272,15 @@ def test_snapshot_bound_and_lru_leaves():
     an entry that cannot fit is not kept, and a dropped entry frees its block only when nothing holds it."""
     snap = {"x": np.zeros(10, np.uint8)}
     c = pc.PrefixCache(2, max_bytes=30)
-    a, _ = c.insert(None, [1, 2], 0, 7, snap, holder=True)  # block 7 held by a sequence and the entry
-    b, _ = c.insert(a, [3, 4], 1, 7, snap, holder=False)
-    other, _ = c.insert(None, [9, 9], 0, 8, snap, holder=False)
+    a, _ = c.insert(None, [1, 2], 0, [7], snap)  # block 7: a sequence's own, held by it and the entry now
+    b, _ = c.insert(a, [3, 4], 1, [7], snap)
+    other, _ = c.insert(None, [9, 9], 0, [8], snap)
+    c.drop(8)  # its sequence ended
     assert c.refs == {7: 3, 8: 1} and c.nbytes == 30
     assert [e.end for e in c.lookup([1, 2, 3, 4, 5])] == [2, 4]  # a and b used last: `other` is the LRU leaf
-    d, freed = c.insert(b, [5, 6], 2, 9, snap, holder=True)
+    d, freed = c.insert(b, [5, 6], 2, [9], snap)
     assert d is not None and freed == [8] and other.key not in c.entries
-    big, _ = c.insert(d, [7, 7], 3, 9, {"x": np.zeros(40, np.uint8)}, holder=False)
+    big, _ = c.insert(d, [7, 7], 3, [9], {"x": np.zeros(40, np.uint8)})
     assert big is None and c.stats.skipped == 1
     assert c.clear() == [] and c.refs == {7: 1, 9: 1}  # blocks 7 and 9: their sequences still hold them
     assert c.drop(7) and c.drop(9) and not c.refs and not c.entries and c.nbytes == 0
