@@ -41,7 +41,9 @@ block, then wrote its own tail into it). Positions after the boundary write only
 later compression windows, so a whole shared block is never written again; a boundary in the middle of a
 block leaves that block to be written by the new sequence's tail, so it is copied first (copy on
 write, at the hit, into a block of the sequence's own). Rejected speculative drafts only restore rows they
-wrote, so they never write a shared block either (the speculative path takes no hits yet).
+wrote, so they never write a shared block either (speculative decoding with a `draft` source prefills
+through the cache, tests/onnx/test_spec_session.py; the compiled MTP block's prefill, which also runs the
+block over every chunk, neither takes nor keeps pieces yet).
 
 **Eviction.** Under pool pressure (a sequence needs a block and none is free) and to keep the snapshots
 under their bound, least recently used leaves go first; dropping an entry frees its block only when no
