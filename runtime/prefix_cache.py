@@ -72,10 +72,12 @@ def granularity(block_tokens: int, chunk: int = 1) -> int:
     return math.lcm(block_tokens // 2 if block_tokens % 2 == 0 else block_tokens, chunk)
 
 
-def snapshot_bytes(cfg, main_row_bytes: int | None = None, mtp_layers: int = 1, state_bytes: int = 4) -> dict:
-    """Bytes of one boundary snapshot of `cfg` (a `V4Config`) and per cached pool block (two pieces, two
-    snapshots): the window rings (`main_row_bytes` a row: default one BF16 row of head_dim), the compressor
-    state rings (FP32) and the CSA indexer's rings. Ring shapes as the runtime's state tensors: a compressor
+def snapshot_bytes(cfg, main_row_bytes: int | None = None, mtp_layers: int = 1, state_bytes: int = 4,
+                   chunk: int = 1) -> dict:
+    """Bytes of one boundary snapshot of `cfg` (a `V4Config`) and per cached pool block (block_tokens / g
+    snapshots, g = `granularity` with the largest prefill bucket `chunk`: two for a bucket of at most the
+    ratios' lcm): the window rings (`main_row_bytes` a row: default one BF16 row of head_dim; `mtp_layers`:
+    the compiled MTP block's ring), the compressor state rings (FP32) and the CSA indexer's rings. Ring shapes as the runtime's state tensors: a compressor
     of ratio m keeps c x m rows of c x d values for KV and gate each (c = 2 for CSA, which overlaps the previous
     window; 1 for HCA)."""
     from v4compile.config import CSA, HCA
@@ -92,10 +94,11 @@ def snapshot_bytes(cfg, main_row_bytes: int | None = None, mtp_layers: int = 1, 
         if kind == CSA:
             state += 2 * (c * m) * (c * cfg.index_head_dim) * state_bytes
     ratios = sorted({cfg.ratio(i) for i in range(cfg.n_layers) if cfg.kind(i) in (CSA, HCA)}) or [1]
-    g = math.lcm(*ratios)
+    bt = 2 * math.lcm(*ratios)
+    g = granularity(bt, chunk)
     snap = window + state
-    return {"granularity": g, "block_tokens": 2 * g, "window_bytes": window, "state_bytes": state,
-            "snapshot_bytes": snap, "per_block_bytes": 2 * snap}
+    return {"granularity": g, "block_tokens": bt, "window_bytes": window, "state_bytes": state,
+            "snapshot_bytes": snap, "per_block_bytes": snap * bt / g}
 
 
 def whole_blocks(hit: list["Entry"], n: int, g: int, bt: int) -> list[int]:
