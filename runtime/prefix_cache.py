@@ -27,10 +27,13 @@ compressor rings hold any partial window), only more snapshots.
 sequence's slot):
 * the slot's sliding-window ring of every layer (and of the compiled MTP block): `window` rows of the
   main planes each (the last `window` positions before the boundary);
-* every compressor's state rings `state.layers.<l>.state_kv` / `state_gate` (its partial-block state and
-  gate rows; CSA's ring also holds the previous window it overlaps) and the CSA indexer's compressor rings
-  `index_state_kv` / `index_state_gate`: the indexer's state at that position (its keys of closed windows
-  are pool rows, shared).
+* every overlapping (CSA) compressor's state rings `state.layers.<l>.state_kv` / `state_gate` (its
+  pending-window state and gate rows, and the previous window it overlaps) and the CSA indexer's
+  compressor rings `index_state_kv` / `index_state_gate`: the indexer's state at that position (its keys
+  of closed windows are pool rows, shared). An HCA compressor's ring is not kept: at a boundary it holds
+  only the window just closed, which nothing reads again (its next window's slots are all written before
+  the window's row is computed, as in a slot reused from an earlier sequence); for V4-Pro that is 16 of
+  the 19 MB of FP32 rings a snapshot would otherwise carry.
 `snapshot_bytes` gives its size from the config (the report states it for V4-Pro and V4-Flash).
 
 **Blocks by reference.** A hit of n pieces (n x g <= prompt length - 1: the last prompt token is always
@@ -89,9 +92,9 @@ def snapshot_bytes(cfg, main_row_bytes: int | None = None, mtp_layers: int = 1, 
         kind, m = cfg.kind(i), cfg.ratio(i)
         if kind not in (CSA, HCA):
             continue
-        c = 2 if kind == CSA else 1
-        state += 2 * (c * m) * (c * cfg.head_dim) * state_bytes
-        if kind == CSA:
+        if kind == CSA:  # an HCA ring holds only the window a boundary has just closed: not kept
+            c = 2
+            state += 2 * (c * m) * (c * cfg.head_dim) * state_bytes
             state += 2 * (c * m) * (c * cfg.index_head_dim) * state_bytes
     ratios = sorted({cfg.ratio(i) for i in range(cfg.n_layers) if cfg.kind(i) in (CSA, HCA)}) or [1]
     bt = 2 * math.lcm(*ratios)

@@ -379,8 +379,12 @@ class Session:
                         for n, _, _ in geo.index_planes()]
             return out
         out = [(n, geo.n_rows - (slot + 1) * geo.slot_rows, geo.slot_rows) for n in main]
+        # only the overlapping (CSA) compressors' rings: a non-overlapping (HCA) one holds the window the
+        # boundary has just closed, never read again (a slot's next window is written before it is read, as
+        # after any earlier sequence in the slot)
+        csa = {f"state.layers.{layer}." for layer, _ in geo.index_offset}
         for n in sorted(store.names()):
-            if n.startswith("state."):
+            if n.startswith("state.") and any(n.startswith(c) for c in csa):
                 S = store.shape(n)[1]
                 out.append((n, slot * S, S))
         return out
