@@ -40,7 +40,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise InputError("--max-new-tokens must be >= 1", found=args.max_new_tokens)
     t_load = time.perf_counter()
-    sess = load(args.artifact, device=args.device, threads=args.threads)
+    sess = load(args.artifact, device=args.device, threads=args.threads, prefix_cache=not args.no_prefix_cache)
     t_load = time.perf_counter() - t_load
     sess.check_prompt(ids, "--ids")
     if len(ids) + args.max_new_tokens > sess.max_context:
@@ -61,7 +61,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     prefill = sess.first_token_s or 0.0
     if args.json:
         print(json.dumps({"ids": out, "tokens_per_s": round(tps, 2), "load_s": round(t_load, 4),
-                          "warmup_s": round(t_warm, 4), "prefill_s": round(prefill, 4)}))
+                          "warmup_s": round(t_warm, 4), "prefill_s": round(prefill, 4),
+                          "cached_tokens": sum(sess.last_cached_tokens)}))
     elif not getattr(args, "quiet_rank", False):
         print(",".join(map(str, out)))
         print(f"{len(out)} tokens in {dt:.3f} s ({tps:.1f} tokens/s, prefill included) on {args.device}",
@@ -142,7 +143,10 @@ def add_command(sub) -> None:
                     help="speculative decoding: the artifact's MTP block drafts, a verify step checks (--ids only; "
                          "sampling without --top-p)")
     rn.add_argument("--draft-tokens", type=int_arg(1, MAX_DRAFT_TOKENS), default=1, help="drafts per step (default 1)")
+    rn.add_argument("--no-prefix-cache", action="store_true",
+                    help="compute every prompt whole (the prefix cache, on by default, is bit-exact)")
     rn.add_argument("--json", action="store_true", help='print {"ids": [...], "tokens_per_s", "load_s", "warmup_s", '
-                                                        '"prefill_s"} (with --prompt also "text"; with --speculative '
-                                                        '"acceptance" per draft position and "tokens_per_step")')
+                                                        '"prefill_s", "cached_tokens"} (with --prompt also "text"; '
+                                                        'with --speculative "acceptance" per draft position and '
+                                                        '"tokens_per_step")')
     rn.set_defaults(func=cmd_run)

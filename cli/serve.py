@@ -375,9 +375,10 @@ class Server:
                 return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
             return {"index": i, "text": piece, "logprobs": lp, "finish_reason": finish}
 
-        def usage() -> dict:
+        def usage() -> dict:  # the prompt once, the completion tokens of every choice
             n = sum(len(r.ids) for r in reqs)
-            return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+            return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n,
+                    "prompt_tokens_details": {"cached_tokens": reqs[0].cached_tokens}}
 
         def finish_reason(r) -> str:
             return "stop" if r.finish_reason == "stop" else "length"
@@ -487,7 +488,8 @@ class Server:
             dead = self.scheduler_dead()
             state = {"status": "error" if dead else "ok", "live": len(b.live), "waiting": b.queued,
                      "free_slots": len(self.sess.free_slots), "finished": dict(self.finished),
-                     "self_check": self.self_check}
+                     "self_check": self.self_check,
+                     "prefix_cache": self.sess.prefix_cache_stats()}
             if dead:  # a load balancer's probe must see it: 503, and why
                 state["error"] = dead
                 return JSONResponse(state, status_code=503)
@@ -690,7 +692,7 @@ def cmd_serve(args) -> int:
 
     from ..runtime import load
 
-    sess = load(args.artifact, device=args.device, threads=args.threads)
+    sess = load(args.artifact, device=args.device, threads=args.threads, prefix_cache=not args.no_prefix_cache)
     # on every rank of a partitioned artifact: the check's steps are collective, its verdict the worst rank's
     checked = startup_self_check(sess) if args.self_check else None
     if sess.ranks is not None and sess.ranks.rank > 0:
@@ -792,6 +794,7 @@ def add_command(sub) -> None:
     s.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free port, printed)")
     s.add_argument("--device", choices=DEVICES, default="auto")
     s.add_argument("--threads", type=threads_arg, default=None, help="CPU threads")
+    s.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt whole (no prefix cache)")
     s.add_argument("--model-name", default=None, help="the model's name in the API (default: the directory name)")
     s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every request but "
                    "/health (default: $V4COMPILE_API_KEY; neither: no key)")

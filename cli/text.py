@@ -35,7 +35,7 @@ def run_prompt(args) -> int:
     from ..runtime.batcher import Batcher, Request
 
     t_load = time.perf_counter()
-    sess = load(args.artifact, device=args.device, threads=args.threads)
+    sess = load(args.artifact, device=args.device, threads=args.threads, prefix_cache=not args.no_prefix_cache)
     t_load = time.perf_counter() - t_load
     ids = prompt_ids(sess, args.prompt, args.chat)
     stream = sess.tokenizer.stream(args.stop or ())

@@ -73,6 +73,7 @@ class Request:
     feeding: int | None = None  # echo: the prompt token the next decode step puts in
     key: int = -1  # lockstep: rank 0's number for it, the same on every rank
     closing: tuple | None = None  # lockstep, rank 0: (reason, error) its consumer decided, applied at the next tick
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (the OpenAI usage's cached_tokens)
 
     @property
     def done(self) -> bool:
@@ -273,6 +274,7 @@ class Batcher:
             except Exception as e:  # noqa: BLE001 (the request fails, the server goes on)
                 self._fail(r, e)
                 continue
+            r.cached_tokens = r.seq.cached
             if pick is not None:  # a shared id (not an echo prompt's placeholder): -1 is rank 0's failure
                 self._sampled(r, tok)
             if r.done:  # its sampling failed (or an echo request asking no new token is done)

@@ -29,6 +29,8 @@ import numpy as np
 from v4compile.artifact import Artifact, load_artifact
 from v4compile.errors import CONTEXT_LENGTH_EXCEEDED, DeviceError, InputError
 from v4compile.pool import Allocator
+
+from .prefix_cache import DEFAULT_SNAPSHOT_BYTES, PrefixCache, granularity, whole_blocks
 from v4compile.threads import MAX_THREADS
 
 log = logging.getLogger(__name__)
@@ -144,10 +146,12 @@ class SeqState:
     slot: int
     length: int = 0
     blocks: list[int] = field(default_factory=list)
+    cached: int = 0  # prompt tokens its first prefill took from the prefix cache
 
 
 class Session:
-    def __init__(self, art: Artifact, backend):
+    def __init__(self, art: Artifact, backend, prefix_cache: bool = True,
+                 prefix_cache_bytes: int = DEFAULT_SNAPSHOT_BYTES):
         self.art = art
         self.backend = backend
         m = art.manifest
@@ -167,8 +171,12 @@ class Session:
         self.first_token_s: float | None = None  # the last `generate`: seconds to its first token (prefill)
         self._tokenizer = None  # read on first use (`tokenizer`)
         self.last_acceptance = None  # the last speculative `generate`'s `speculation.Acceptance`
+        self.last_cached_tokens: list[int] = []  # the last `generate`: each prompt's tokens from the prefix cache
         self.lock = threading.RLock()  # held by every public call that changes sequences, pool or backend
         self.device = getattr(backend, "device", "cpu")  # what it runs on (the self-check's tolerance reads it)
+        # the prefix cache (`prefix_cache.py`; None: off). Rank-local: every rank makes the same calls.
+        self.cache = (PrefixCache(granularity(self.block_tokens, self.prefill_fns[-1][0]), prefix_cache_bytes)
+                      if prefix_cache else None)
 
     @property
     def free_slots(self) -> list[int]:
@@ -223,8 +231,12 @@ class Session:
             raise InputError("context beyond the compiled maximum", where=f"sequence {s.id}",
                              expected=f"<= {self.max_context} tokens", found=last_pos + 1)
         need = last_pos // self.block_tokens + 1
-        if not self.alloc.grow(s.blocks, need):
-            raise InputError("the KV pool is full", where=f"sequence {s.id}")
+        while not self.alloc.grow(s.blocks, need):
+            # the cache's unused blocks go back before the pool is declared full (LRU leaves first)
+            freed = self.cache.evict_for_blocks() if self.cache is not None else []
+            if not freed:
+                raise InputError("the KV pool is full", where=f"sequence {s.id}")
+            self.alloc.free_blocks.extend(freed)
 
     @serialised
     def open(self) -> SeqState:
@@ -250,7 +262,9 @@ class Session:
             raise InputError("not a sequence of this session", where="release", found=type(s).__name__)
         if self.seqs.get(s.id) is s:
             del self.seqs[s.id]
-            self.alloc.release(s.slot, s.blocks)
+            # blocks the prefix cache also holds stay until their last holder lets go
+            free = [b for b in s.blocks if self.cache is None or self.cache.drop(b)]
+            self.alloc.release(s.slot, free)
             s.blocks = []
 
     def table(self, seqs: Sequence[SeqState | None], B: int) -> tuple[np.ndarray, np.ndarray]:
@@ -289,6 +303,8 @@ class Session:
         """Append tokens to a sequence through prefill chunks; logits after the last one `[V]`."""
         s = self._live(s, "extend")
         ids = self.check_prompt(ids, f"sequence {s.id}")
+        if self.cache is not None and s.length == 0:
+            return self._extend_cached(s, ids)
         last = None
         while ids:
             fname, inputs, n = self.prefill_chunk(s, ids)
@@ -296,6 +312,120 @@ class Session:
             s.length += n
             ids = ids[n:]
         return last
+
+    # ---- prefix cache ----------------------------------------------------------------------------
+    def _extend_cached(self, s: SeqState, prompt: list[int]) -> np.ndarray:
+        """A new sequence's prompt through the prefix cache: the longest cached prefix taken by reference (its
+        boundary snapshot restored into the slot), the rest prefilled in chunks cut at the cache's pieces, each
+        new piece of the prompt kept (`prefix_cache.py`)."""
+        cache, g, bt = self.cache, self.cache.g, self.block_tokens
+        hit = cache.lookup(prompt)
+        parent = hit[-1] if hit else None
+        if hit:
+            P = len(hit) * g
+            whole = P // bt
+            s.blocks = whole_blocks(hit, whole, g, bt)
+            for b in s.blocks:
+                cache.hold(b)
+            if P % bt:  # the boundary is inside the block: the tail writes it again, so a copy of its own
+                self._take_partial(s, hit[-1].blocks[-1], P)
+            self._restore(s.slot, parent.snapshot)
+            s.length = s.cached = P
+        ids, last, chain = prompt[s.length:], None, True
+        while ids:
+            fname, inputs, n = self.prefill_chunk(s, ids)
+            last = self.backend.run(fname, inputs)[0]
+            s.length += n
+            ids = ids[n:]
+            if s.length % g == 0 and chain:
+                # a piece is kept only under its parent, still cached (evictions under pool pressure)
+                chain = parent is None or cache.entries.get(parent.key) is parent
+                parent = self._keep(s, prompt, parent) if chain else None
+                chain = parent is not None
+        return last
+
+    def _take_partial(self, s: SeqState, block: int, P: int) -> None:
+        """The block the boundary P is inside, for `s`: a copy (its rows before P are the prefix's; the tail
+        writes the rest, which other sequences sharing the prefix write too)."""
+        self.cache.hold(block)  # not freed by an eviction the reservation makes before it is copied
+        try:
+            self.reserve(s, P)
+            self._copy_block(block, s.blocks[-1])
+        finally:
+            if self.cache.drop(block):
+                self.alloc.free_blocks.append(block)
+        self.cache.stats.copies += 1
+
+    def _keep(self, s: SeqState, prompt: list[int], parent):
+        """Keep the piece of `prompt` that ends at `s.length` (just prefilled) with its boundary snapshot; the
+        entry (None: not kept, and no later piece of this prompt is either)."""
+        cache, g = self.cache, self.cache.g
+        i = s.length // g - 1
+        ids = prompt[i * g:s.length]
+        e = cache.find(parent, ids)
+        if e is not None:  # another sequence kept it meanwhile
+            return e
+        blocks = s.blocks[(i * g) // self.block_tokens:(s.length - 1) // self.block_tokens + 1]
+        e, freed = cache.insert(parent, ids, i, blocks, self._snapshot(s.slot))
+        self.alloc.free_blocks.extend(freed)
+        return e
+
+    def _ranges(self, slot: int | None = None, block: int | None = None) -> list[tuple[str, int, int]]:
+        """(buffer, first row, rows) of a slot's window rings and compressor / indexer state rings, or of a pool
+        block's compressed rows (main and index planes)."""
+        from .undo import access
+
+        store = access(self.backend)
+        geo = store.geometry
+        main = [n for n, _, _ in geo.main_planes()]
+        if block is not None:
+            out = [(n, block * geo.envelope_rows, geo.envelope_rows) for n in main]
+            if geo.index_offset:
+                out += [(n, block * geo.index_envelope_rows, geo.index_envelope_rows)
+                        for n, _, _ in geo.index_planes()]
+            return out
+        out = [(n, geo.n_rows - (slot + 1) * geo.slot_rows, geo.slot_rows) for n in main]
+        # only the overlapping (CSA) compressors' rings: a non-overlapping (HCA) one holds the window the
+        # boundary has just closed, never read again (a slot's next window is written before it is read, as
+        # after any earlier sequence in the slot)
+        csa = {f"state.layers.{layer}." for layer, _ in geo.index_offset}
+        for n in sorted(store.names()):
+            if n.startswith("state.") and any(n.startswith(c) for c in csa):
+                S = store.shape(n)[1]
+                out.append((n, slot * S, S))
+        return out
+
+    def _snapshot(self, slot: int) -> dict[str, np.ndarray]:
+        from .undo import access
+
+        store = access(self.backend)
+        return {n: np.asarray(store.get_rows(n, row, k)) for n, row, k in self._ranges(slot=slot)}
+
+    def _restore(self, slot: int, snap: dict[str, np.ndarray]) -> None:
+        from .undo import access
+
+        store = access(self.backend)
+        for n, row, _ in self._ranges(slot=slot):
+            store.put_rows(n, row, snap[n])
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        from .undo import access
+
+        store = access(self.backend)
+        for (n, row, k), (_, to, _) in zip(self._ranges(block=src), self._ranges(block=dst)):
+            store.put_rows(n, to, store.get_rows(n, row, k))
+
+    @serialised
+    def clear_prefix_cache(self) -> None:
+        """Drop every cache entry; the blocks no live sequence holds go back to the pool."""
+        if self.cache is not None:
+            self.alloc.free_blocks.extend(self.cache.clear())
+
+    @serialised
+    def prefix_cache_stats(self) -> dict | None:
+        """The prefix cache's figures (entries, cached blocks, snapshot bytes, hit rates, evictions), or None
+        when it is off."""
+        return None if self.cache is None else self.cache.summary()
 
     @serialised
     def prefill_chunk(self, s: SeqState, ids: list[int]) -> tuple[str, dict[str, np.ndarray], int]:
@@ -436,6 +566,7 @@ class Session:
             loop.run_until_idle()
         finally:  # an error mid-way (a full pool, say) must not leave this call's sequences open
             loop.abort()
+        self.last_cached_tokens = [r.cached_tokens for r in reqs]
         firsts = [r.first_token_at for r in reqs if r.first_token_at is not None]
         self.first_token_s = min(firsts) - t0 if firsts else None
         if spec is not None:
@@ -474,15 +605,22 @@ def auto_device(art: Artifact) -> str:
 
 
 def load(path, device: str = "auto", *, threads: int | None = None, verify: bool = True,
-         driver_lib: str | None = None, graphs: bool = True, kernels: str = "auto") -> Session:
+         driver_lib: str | None = None, graphs: bool = True, kernels: str = "auto", prefix_cache: bool = True,
+         prefix_cache_bytes: int = DEFAULT_SNAPSHOT_BYTES) -> Session:
     """Load an artifact directory for `device`: `cpu` (ONNX Runtime), `host` (the C runtime on host memory,
     kernels run from Python), `hip` / `cuda` (the C runtime on a GPU; `driver_lib` overrides the driver
     library path), `auto` (a GPU whose driver library loads and whose target the artifact holds, else
     `cpu` when the artifact has it, else `host`). `graphs`: decode steps as captured graphs (C runtime
-    devices)."""
+    devices). `prefix_cache`: a shared prompt prefix is computed once and taken by reference after
+    (`prefix_cache.py`; bit-exact, so on by default); `prefix_cache_bytes` bounds its snapshots' memory."""
     if not isinstance(device, str) or device not in DEVICES:
         raise InputError(f"unknown device {device!r}", expected=", ".join(DEVICES))
     check_threads(threads)
+    if not isinstance(prefix_cache, (bool, np.bool_)):
+        raise InputError("prefix_cache must be True or False", found=repr(prefix_cache)[:40], param="prefix_cache")
+    if not is_int(prefix_cache_bytes) or prefix_cache_bytes < 0:
+        raise InputError("prefix_cache_bytes must be an integer >= 0", found=repr(prefix_cache_bytes)[:40],
+                         param="prefix_cache_bytes")
     art = load_artifact(path, verify=verify, defer_weights=True)  # the backend hashes the shards as it reads them
     if art.manifest["weights"].get("shape_only"):
         raise InputError("a shape-only artifact (compiled with --weights none) has no weights to run",
@@ -492,7 +630,8 @@ def load(path, device: str = "auto", *, threads: int | None = None, verify: bool
         log.info("device auto: %s", device)
     ranks = _join(art, device) if "parallel" in art.manifest else None
     try:
-        return Session(art, _backend(art, device, threads, graphs, kernels, driver_lib, ranks))
+        return Session(art, _backend(art, device, threads, graphs, kernels, driver_lib, ranks),
+                       prefix_cache=bool(prefix_cache), prefix_cache_bytes=int(prefix_cache_bytes))
     except BaseException:
         if ranks is not None:
             ranks.close()

@@ -59,6 +59,13 @@ class _Arrays:
     def put(self, name: str, row: int, value: np.ndarray) -> None:
         self._rows(name)[row] = value
 
+    def get_rows(self, name: str, row: int, n: int) -> np.ndarray:
+        """Rows row .. row + n - 1 (a copy): a slot's rings, a pool block (the prefix cache)."""
+        return self._rows(name)[row:row + n].copy()
+
+    def put_rows(self, name: str, row: int, value: np.ndarray) -> None:
+        self._rows(name)[row:row + len(value)] = value
+
 
 class _Buffers:
     """The C runtime's pool and state buffers (any device), read and written a row at a time."""
@@ -89,6 +96,15 @@ class _Buffers:
         return self.rt.read(i, off, n)
 
     def put(self, name: str, row: int, value) -> None:
+        i, off, _ = self._where(name, row)
+        self.rt.write(i, value, off)
+
+    def get_rows(self, name: str, row: int, n: int) -> np.ndarray:
+        """Rows row .. row + n - 1 as raw bytes (one read: a slot's rings, a pool block)."""
+        i, off, rb = self._where(name, row)
+        return self.rt.read(i, off, n * rb).numpy()
+
+    def put_rows(self, name: str, row: int, value) -> None:
         i, off, _ = self._where(name, row)
         self.rt.write(i, value, off)
 

@@ -240,6 +240,7 @@ def test_a_disconnected_stream_frees_its_slot(server):
         assert time.monotonic() < deadline, h
         time.sleep(0.1)
     assert h["free_slots"] == 8 and h["waiting"] == 0
+    assert h["prefix_cache"]["lookups"] >= 8 and h["prefix_cache"]["snapshot_bytes"] >= 0  # the cache's figures
     r = chat(client(server), "json.loads", max_tokens=4)  # admitted at once
     assert r.choices[0].message.content is not None
 

@@ -318,3 +318,47 @@ def test_one_generator_shared_by_the_speculative_batch_fails_it(art, monkeypatch
     monkeypatch.setattr(batcher.Batcher, "submit", shared)
     alone, batched = spec_alone_and_batched(art, 5)
     assert alone != batched
+
+
+
+
+def _shared_prefix_spec(s, want=None):
+    """Two requests sharing 50 tokens with a cached prompt (hit 48: inside a pool block, copied), decoded in one
+    batch speculatively with always-wrong drafts (each step's rejected rows rolled back) on session `s` (its
+    cache emptied first); and (`want` None) the ids of plain greedy decoding with the prefix cache off."""
+    rng = np.random.default_rng(3)
+    head = rng.integers(0, V, 50).tolist()
+    ps = [head + rng.integers(0, V, k).tolist() for k in (3, 9)]
+    s.clear_prefix_cache()
+    if want is None:
+        kept, s.cache = s.cache, None
+        want = s.generate(ps, 12)
+        s.cache = kept
+    full = [p + o for p, o in zip(ps, want)]
+
+    def wrong(i, ctx, k):
+        return [(t + 1) % V for t in (full[i][len(ctx): len(ctx) + k] + [0] * k)[:k]]
+
+    s.generate([head + [1, 2]], 1)  # keeps the prefix's pieces
+    ids = s.generate(ps, 12, speculative="mtp", draft_tokens=2, draft=wrong)
+    return ids, s.last_cached_tokens, want
+
+
+def test_prefix_cache_hits_under_speculative_decoding(art, monkeypatch):
+    """With the prefix cache (`runtime/prefix_cache.py`) the rejected drafts never write a shared block: the
+    ids are plain greedy decoding's; with the half-shared block taken by reference (no copy) they are not."""
+    from v4compile.runtime.session import Session
+
+    sess = v4compile.load(art, device="cpu", threads=1)
+    try:
+        ids, cached, want = _shared_prefix_spec(sess)
+        assert cached == [48, 48] and ids == want
+
+        def shared(self, s, block, P):
+            s.blocks.append(block)
+            self.cache.hold(block)
+        monkeypatch.setattr(Session, "_take_partial", shared)
+        ids, cached, _ = _shared_prefix_spec(sess, want)
+        assert cached == [48, 48] and ids != want
+    finally:
+        sess.close()

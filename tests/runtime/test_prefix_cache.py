@@ -1,0 +1,286 @@
+"""The prefix cache (`runtime/prefix_cache.py`) is bit-exact: the logits of every step of requests served
+from cached blocks equal, byte for byte, those of the same requests run with the cache off (on the same
+session: `session.cache` set aside), on tiny and tiny-pro, cpu and host.
+
+The cases: several requests sharing a system prompt, prefilled one after another and then decoding in
+one batch, each writing its own tail (the failure of a per-request window ring shared across requests);
+the shared prompt ends inside compression windows and inside the sliding window (50 tokens: the hit is 48,
+a boundary inside a pool block of 32 x 2, so that block is copied; 71: the hit is 64, whole blocks only);
+pool pressure that evicts entries while a request holds their blocks, then reuse of the prefix; a hit whose
+last whole block was kept by a request that had copied its first half. Each check has its deliberately
+broken variant, shown to fail: the window rings not restored, the compressor and indexer state rings not
+restored, the half-shared block taken by reference (the tails write into it), a whole block taken from the
+entry of its first half (whose second half another request wrote), an evicted entry's block freed though a
+request holds it.
+
+The host device runs the C runtime with the reference kernels (`kernels="reference"`): what the cache adds
+there is the runtime's buffer reads and writes of the rings and blocks; the interpreted Triton kernels (a
+minute a prefill chunk on a busy 2-core machine) are covered by the host tests themselves.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import v4compile
+from v4compile.pool import Allocator
+from v4compile.runtime import prefix_cache as pc
+from v4compile.runtime.session import Session
+
+VOCAB = 512
+SEQ_SLOTS = 4
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-pro"])
+def art(request, tmp_path_factory):
+    from v4compile import frontend
+    from v4compile.artifact import Buckets
+    from v4compile.cli.driver import compile_artifact
+    from v4compile.trace import TraceOptions
+
+    fe = frontend.load(None, request.param, "random", TraceOptions(numerics="hf", dtype="fp32", capacity=128))
+    return request.param, compile_artifact(fe, tmp_path_factory.mktemp("pc") / request.param,
+                                           Buckets(decode=(SEQ_SLOTS,), prefill=(16,)))
+
+
+@pytest.fixture(scope="module")
+def sessions(art):
+    """One session per device for the preset, reused by every case (`fresh` empties it between cases)."""
+    name, path = art
+    out = {"cpu": v4compile.load(path, device="cpu", threads=1),
+           "host": v4compile.load(path, device="host", threads=1, kernels="reference")}
+    yield name, out
+    for s in out.values():
+        s.close()
+
+
+def fresh(sess: Session) -> Session:
+    """An empty cache and pool (a broken variant may have left either wrong)."""
+    assert not sess.seqs
+    pool = sess.art.manifest["pool"]
+    sess.alloc = Allocator(int(pool["n_slots"]), int(pool["n_blocks"]))
+    sess.cache = pc.PrefixCache(sess.cache.g)
+    return sess
+
+
+def drive(sess: Session, prompts: list[list[int]], steps: int, cache: bool = True):
+    """Prefill each prompt (one after another), then `steps` greedy decode steps of all of them in one batch.
+    Every step's logits per request `[1 + steps, V]` and the prompt tokens each took from the cache."""
+    kept = sess.cache
+    if not cache:
+        sess.cache = None
+    seqs, logs = [], []
+    try:
+        for p in prompts:
+            seqs.append(sess.open())
+            logs.append([sess.extend(seqs[-1], p)])
+        toks = [int(l[0].argmax()) for l in logs]
+        for _ in range(steps):
+            out = sess.decode(seqs, toks)
+            for l, row in zip(logs, out):
+                l.append(row)
+            toks = [int(r.argmax()) for r in out]
+        cached = [s.cached for s in seqs]
+    finally:
+        for s in seqs:
+            sess.release(s)
+        sess.cache = kept
+    return [np.stack(l) for l in logs], cached
+
+
+def same(a, b) -> bool:
+    return all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
+
+
+def shared_prompts(shared: int, tails=(3, 11, 20), seed: int = 0) -> tuple[list[int], list[list[int]]]:
+    """A warm-up prompt and requests (tails of these lengths), all starting with the same `shared` tokens."""
+    rng = np.random.default_rng(seed)
+    sys_ = rng.integers(0, VOCAB, shared).tolist()
+    warm = sys_ + rng.integers(0, VOCAB, 9).tolist()
+    return warm, [sys_ + rng.integers(0, VOCAB, k).tolist() for k in tails]
+
+
+def batch_case(sess: Session, shared: int, steps: int = 4, tails=(3, 11, 20)) -> tuple[bool, list[int]]:
+    """Cold and cached logits of requests sharing a prefix, decoding together: equal?"""
+    fresh(sess)
+    warm, reqs = shared_prompts(shared, tails)
+    cold, _ = drive(sess, reqs, steps, cache=False)
+    drive(sess, [warm], 0)
+    hot, cached = drive(sess, reqs, steps)
+    return same(cold, hot), cached
+
+
+# ---- bit-exact ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", "host"])
+def test_shared_prefix_decoding_in_one_batch_is_bit_exact(sessions, device):
+    """Prefix 50 (hit 48: inside a pool block, which each request copies) on both devices (the host: two
+    requests, two steps: its steps are slower); on the cpu with tiny also prefix 71 (hit 64: whole blocks by
+    reference). The stats count what happened."""
+    name, ss = sessions
+    sess = ss[device]
+    tails = (3, 11, 20) if device == "cpu" else (3, 20)
+    ok, cached = batch_case(sess, 50, 4 if device == "cpu" else 2, tails)
+    assert cached == [48] * len(tails) and ok
+    st = sess.prefix_cache_stats()
+    assert st["copies"] == len(tails) and st["hits"] == len(tails) and st["lookups"] == 1 + len(tails)
+    assert st["cached_tokens"] == 48 * len(tails) and st["cached_blocks"] == 3
+    # the snapshot size the report states for V4 (`snapshot_bytes`, from the config), here with fp32 rows
+    from v4compile.config import preset
+
+    want = pc.snapshot_bytes(preset(name), main_row_bytes=4 * 32, mtp_layers=0)["snapshot_bytes"]
+    assert st["snapshot_bytes"] == want * st["entries"]
+    if device == "cpu":
+        assert later_hit(sess)
+    if device == "cpu" and name == "tiny":
+        ok, cached = batch_case(sess, 71, steps=3)
+        assert cached == [64, 64, 64] and ok
+        assert sess.prefix_cache_stats()["copies"] == 0
+
+
+def later_hit(sess: Session) -> bool:
+    """After `batch_case(sess, 50)`: a request whose hit (64) ends with the piece the third request kept
+    (48..64, in its copy of the block): bit-exact?"""
+    _, reqs = shared_prompts(50)
+    later = reqs[2][:66] + [7, 8, 9]
+    cold, _ = drive(sess, [later], 2, cache=False)
+    hot, cached = drive(sess, [later], 2)
+    assert cached == [64]
+    return same(cold, hot)
+
+
+def test_eviction_under_pool_pressure_and_reuse(sessions):
+    """Four cached prompts fill 12 of the 16 blocks; a request hitting one of them and three fresh ones then
+    need 15 blocks at once: entries go (LRU leaves), never the blocks the hitting request holds; bit-exact,
+    and the prefix is hit again after."""
+    _, ss = sessions
+    sess = fresh(ss["cpu"])
+    cold, hot = eviction_case(sess)
+    assert same(cold, hot)
+    assert sess.prefix_cache_stats()["evicted"] > 0
+    assert not sess.cache.refs or all(n > 0 for n in sess.cache.refs.values())
+
+
+def eviction_case(sess: Session):
+    rng = np.random.default_rng(5)
+    warm = [rng.integers(0, VOCAB, 100).tolist() for _ in range(4)]
+    a = warm[0][:70] + rng.integers(0, VOCAB, 6).tolist()
+    fresh_ = [rng.integers(0, VOCAB, 100).tolist() for _ in range(3)]
+    cold, _ = drive(sess, [a, *fresh_], 3, cache=False)
+    cold_a, _ = drive(sess, [a], 2, cache=False)
+    for w in warm:
+        drive(sess, [w], 0)
+    assert len(sess.free_blocks) == 4
+    hot, cached = drive(sess, [a, *fresh_], 3)
+    assert cached[0] == 64
+    again, cached = drive(sess, [a], 2)  # after the evictions: cached again (by the fresh prompts) or not
+    assert same(cold_a, again)
+    return cold, hot
+
+
+# ---- the broken variants fail the checks ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("skip", ["pool.", "state."])
+def test_rings_not_restored_fail(sessions, monkeypatch, skip):
+    """Restoring the snapshot without the window rings (pool.*) or without the compressor / indexer state
+    rings (state.*) changes the logits."""
+    name, ss = sessions
+    if name != "tiny":
+        pytest.skip("one preset shows it")
+    restore = Session._restore
+    monkeypatch.setattr(Session, "_restore", lambda self, slot, snap: restore(
+        self, slot, {k: (v if not k.startswith(skip) else self._snapshot(slot)[k]) for k, v in snap.items()}))
+    ok, cached = batch_case(ss["cpu"], 50)
+    assert cached == [48, 48, 48] and not ok
+
+
+def test_half_shared_block_by_reference_fails(sessions, monkeypatch):
+    """The block the boundary is inside, taken by reference instead of copied: the tails of the requests
+    decoding together write into it (each other's compressed rows)."""
+    name, ss = sessions
+    if name != "tiny":
+        pytest.skip("one preset shows it")
+
+    def shared(self, s, block, P):
+        s.blocks.append(block)
+        self.cache.hold(block)
+    monkeypatch.setattr(Session, "_take_partial", shared)
+    ok, cached = batch_case(ss["cpu"], 50)
+    assert cached == [48, 48, 48] and not ok
+
+
+def test_block_of_the_first_half_fails(sessions, monkeypatch):
+    """A whole block taken as the block of its first half's entry: that block's second half is the tail of
+    the request that kept the first half, not the prefix's."""
+    name, ss = sessions
+    if name != "tiny":
+        pytest.skip("one preset shows it")
+    from v4compile.runtime import session as session_mod
+
+    def first(hit, n, g, bt):  # the entry holding the block's first token
+        return [hit[j * bt // g].blocks[j - hit[j * bt // g].index * g // bt] for j in range(n)]
+    monkeypatch.setattr(session_mod, "whole_blocks", first)
+    sess = ss["cpu"]
+    ok, _ = batch_case(sess, 50)
+    assert ok and not later_hit(sess)
+
+
+def test_evicting_a_block_in_use_fails(sessions, monkeypatch):
+    """An evicted entry's block freed whoever holds it: a fresh request gets the block the hitting one reads."""
+    name, ss = sessions
+    if name != "tiny":
+        pytest.skip("one preset shows it")
+    evict = pc.PrefixCache._evict_one
+
+    def careless(self, keep=None):
+        before = dict(self.refs)
+        out = evict(self, keep)
+        if out == []:  # held by a sequence: freed anyway
+            gone = [b for b, n in before.items() if self.refs.get(b, 0) < n]
+            for b in gone:
+                self.refs.pop(b, None)
+            return gone
+        return out
+    monkeypatch.setattr(pc.PrefixCache, "_evict_one", careless)
+    sess = fresh(ss["cpu"])
+    with pytest.raises(AssertionError):
+        cold, hot = eviction_case(sess)
+        assert same(cold, hot)
+    fresh(sess)
+
+
+def test_off(sessions):
+    """`prefix_cache=False` is no cache (None stats); a bad value is one typed error."""
+    name, ss = sessions
+    if name != "tiny":
+        pytest.skip("one preset shows it")
+    sess = ss["cpu"]
+    kept, sess.cache = sess.cache, None
+    assert sess.prefix_cache_stats() is None
+    sess.cache = kept
+    for bad, param in (("yes", "prefix_cache"), (-1, "prefix_cache_bytes")):
+        with pytest.raises(v4compile.errors.InputError) as e:
+            v4compile.load(sess.art.path, device="cpu", **{param: bad})
+        assert e.value.param == param
+
+
+def test_snapshot_bound_and_lru_leaves():
+    """No device: the snapshot bound keeps the least recently used leaves out (never the new entry's chain),
+    an entry that cannot fit is not kept, and a dropped entry frees its block only when nothing holds it."""
+    snap = {"x": np.zeros(10, np.uint8)}
+    c = pc.PrefixCache(2, max_bytes=30)
+    a, _ = c.insert(None, [1, 2], 0, [7], snap)  # block 7: a sequence's own, held by it and the entry now
+    b, _ = c.insert(a, [3, 4], 1, [7], snap)
+    other, _ = c.insert(None, [9, 9], 0, [8], snap)
+    c.drop(8)  # its sequence ended
+    assert c.refs == {7: 3, 8: 1} and c.nbytes == 30
+    assert [e.end for e in c.lookup([1, 2, 3, 4, 5])] == [2, 4]  # a and b used last: `other` is the LRU leaf
+    d, freed = c.insert(b, [5, 6], 2, [9], snap)
+    assert d is not None and freed == [8] and other.key not in c.entries
+    big, _ = c.insert(d, [7, 7], 3, [9], {"x": np.zeros(40, np.uint8)})
+    assert big is None and c.stats.skipped == 1
+    assert c.clear() == [] and c.refs == {7: 1, 9: 1}  # blocks 7 and 9: their sequences still hold them
+    assert c.drop(7) and c.drop(9) and not c.refs and not c.entries and c.nbytes == 0
