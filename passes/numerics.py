@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from v4compile.harness import IRRunner, Scenario, ir_logits, max_error, reference_logits
+from v4compile.harness import DPRunner, IRRunner, Scenario, ir_logits, max_error, reference_logits
 from v4compile.ir.core import Module
 from v4compile.ir.interpret import interpret
 from v4compile.parallel import ParallelLayout, is_rank_local, spmd_interpreter
@@ -89,6 +89,8 @@ class NumericsCheck:
         layout = ParallelLayout.of(m)
         if layout is None:
             return IRRunner(m, self.weights(m), prepare=self.prepare)
+        if layout.dp > 1:  # data parallel: each replica its own sequences and state (`harness.DPRunner`)
+            return DPRunner(m, [self.weights(m, r) for r in range(layout.world)], layout, prepare=self.prepare)
         # A partitioned module: all its ranks in this process, in lockstep (`spmd_interpreter`).
         return IRRunner(m, [self.weights(m, r) for r in range(layout.world)], prepare=self.prepare,
                         interpreter=spmd_interpreter)
