@@ -233,8 +233,8 @@ class OrtBackend:
             env.update(self._run_graph(fname, k, env))
             c = spec.get("collective")
             if c is not None:
-                env[c["result"]] = self.ranks.all_reduce(env[c["operand"]], c["group"])
-        return env
+                env[c["result"]] = self.ranks.collective_np(c["op"], env[c["operand"]], c["group"])
+        return self.ranks.replicas(env)
 
     def share_ids(self, ids: list[int]) -> list[int]:
         """Sampled ids as every rank takes them: rank 0's (`distributed.Ranks.share_ids`)."""
