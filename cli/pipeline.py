@@ -134,7 +134,8 @@ def numerics_check(args, fe):
     sc = Scenario.make(fe.cfg.vocab_size, args.batch * getattr(args, "dp", 1), args.check_prompt_len,
                        args.check_steps, seed=args.seed)
     with stages_of(args)("reference model on the numerics scenario", progress="running the reference model"):
-        return NumericsCheck(fe.reference(), fe.source, sc, args.chunk, args.tol, capacity=args.max_context)
+        return NumericsCheck(fe.reference(), fe.source, sc, args.chunk, args.tol, capacity=args.max_context,
+                             replicas=getattr(args, "dp", 1))
 
 
 def bisect_command(args, passes: list[str], dtype: str) -> str:

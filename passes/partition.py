@@ -1,4 +1,4 @@
-"""Partition the module over ranks: tensor parallel attention, expert parallel MoE (one SPMD module).
+"""Partition the module over ranks: tensor / data parallel attention, expert parallel MoE (one SPMD module).
 
 Requires: a traced module (no fusion or lowering yet: it runs first in a pipeline), not partitioned.
 Guarantees: one module every rank runs, with rank-local weight types (`v4compile/parallel.py`: the
@@ -15,13 +15,36 @@ layout in the attributes `parallel.tp` / `parallel.ep`, each weight's part in it
   and `q_norm` (every rank needs the whole `qr`), the compressors and the indexer (each reads the whole
   `x` or `qr` and feeds every head), the router and the shared expert, mHC and the norms, and the
   embedding and head (vocab-parallel would add an all-gather of the logits per step).
+- data parallel (`dp` > 1, `v4compile/parallel.py`: world = dp x tp, replica r // tp): every function is
+  the replica's own (its batch, its pool and state: the rank's sequences); attention, the shared expert,
+  mHC, embedding and head run on the rank's own tokens with replicated weights, unchanged. With `ep` the
+  world (the only other choice is ep 1: every rank holds every expert and nothing is exchanged), each
+  MoE's input x goes to every rank (`all_gather_rows{group=world}`, [B, T, D] -> [world B, T, D]), every
+  rank routes all the gathered tokens (the router's weights are replicated: the same result on each rank;
+  a hash router's token ids are gathered once per function, after its first op) and runs its own experts
+  on them (`local_experts`), and `reduce_scatter_rows{group=world}` adds the ranks' partial outputs and
+  leaves each rank its own tokens' rows, before the shared expert's: two collectives per layer.
+  Why these collectives. Bytes a rank moves per MoE layer, V4-Pro (D 7168, bf16, top-6 of 384) over 8
+  ranks at decode batch B per rank: all-gather + reduce-scatter 2 x 7 x B x D x 2 bytes = 0.20 MB at B 1,
+  1.61 MB at B 8, 12.8 MB at B 64; all-to-all dispatch + combine with exact per-peer counts (a token goes
+  to the ranks of its 6 experts, expected 4.4 of 8, 3.8 of them other ranks) 0.11 / 0.89 / 7.1 MB, but its
+  counts vary by step: a captured graph needs static buffers, room for 6 slots of every peer's token,
+  1.2 / 9.6 / 77 MB, or a host round trip of the counts each layer. At these batches a collective costs
+  its latency (~10-20 us; 12.8 MB at ~400 GB/s is 32 us), both schemes make two calls a layer, and
+  gathering x alone (routing on every rank) saves gathering the routing weights and indices: all-gather
+  + reduce-scatter, which every torch.distributed backend (and NCCL / RCCL inside a graph) offers.
+  Not built: dp with both tp > 1 and ep > 1 (a replica's tp ranks would bring the same tokens twice and
+  their rows could round apart; `ParallelLayout.problem`).
 Numerics: the sums of `wo_b` and of the routed experts are split into per-rank partial sums added by
 the all-reduce: a rounding difference from the unpartitioned module (fp32: ~1e-7 of the logit scale, more
 where it flips an FP8 rounding), none from the reference of the layout (`ReferenceModel.partitioned`),
 which the module reproduces exactly and `--check-numerics` holds it to. Bad `tp` / `ep` (not dividing
 the heads, `o_groups`, the experts, each other, or the scale blocks of a quantised weight) is an
-InputError naming the constraint.
-Hits: `<func>.all_reduce` (collectives inserted), `sharded_weights` (rank-local weights).
+InputError naming the constraint. Data parallel: the experts' GEMMs see another batch than the whole
+model's (every rank's tokens, not every sequence at once) and the rest the replica's: batch-composition
+rounding (hf: ~1e-6 of the logit scale on tiny-pro; official numerics can flip an FP8 / FP4 rounding).
+Hits: `<func>.all_reduce` (collectives inserted: all-reduces, and with dp the gathers and
+reduce-scatters), `sharded_weights` (rank-local weights).
 """
 
 from __future__ import annotations

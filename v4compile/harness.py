@@ -216,8 +216,17 @@ class Scenario:
         return cls(prompts, dec)
 
 
-def reference_logits(model, sc: Scenario, chunk: int, capacity: int | None = None) -> list[torch.Tensor]:
-    """[prefill last-token logits, decode step 1, ...] from the reference model."""
+def reference_logits(model, sc: Scenario, chunk: int, capacity: int | None = None, replicas: int = 1
+                     ) -> list[torch.Tensor]:
+    """[prefill last-token logits, decode step 1, ...] from the reference model. `replicas` > 1: the
+    sequences dealt to that many replicas as `DPRunner` deals them, each replica's batch run on its own (as
+    a data-parallel module runs all but its experts: the same batches, so the same roundings)."""
+    if replicas > 1:
+        B = len(sc.prompts) // replicas
+        parts = [reference_logits(model, Scenario(sc.prompts[d * B:(d + 1) * B],
+                                                  tuple(t[d * B:(d + 1) * B] for t in sc.decode)), chunk, capacity)
+                 for d in range(replicas)]
+        return [torch.cat(step) for step in zip(*parts)]
     cache, last = model.prefill([list(p) for p in sc.prompts], chunk=chunk,
                                 capacity=capacity or max(map(len, sc.prompts)) + len(sc.decode))
     out = [last]

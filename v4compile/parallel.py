@@ -78,6 +78,10 @@ class ParallelLayout:
         if dp > 1:
             if ep not in (1, dp * tp):
                 return (f"with --dp the expert-parallel group spans the world: --ep must be 1 or dp x tp = {dp * tp}")
+            if tp > 1 and ep > 1:
+                # a replica's tp ranks would each bring the same tokens to the experts, and their copies' sums,
+                # in other rows of the experts' GEMMs, can round apart: the replica's ranks would disagree
+                return "--dp with both --tp > 1 and --ep > 1 is not built yet: --tp 1, or --ep 1"
             return None
         if self.world % tp or self.world % ep:
             return "--tp and --ep: the smaller must divide the larger (the world is max(tp, ep) ranks)"
