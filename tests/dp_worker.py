@@ -3,13 +3,13 @@ tests/runtime/test_dp_artifact.py:
 
     python dp_worker.py OUT PROMPTS.json ART
 
-For each device of `V4_TEST_DEVICES` (comma-separated: cpu, host with the ops' reference kernels), in one
-process group joined here once: loads ART, generates the prompts (`{"prompts": [...], "new": N}`) and
-writes `OUT/<device>-rank-<r>.npz`: the ids (`ids`, `lens`), every logits row each request sampled from,
-in its order (`rows-<i>`, request i), and where the sequences were (`placed`: per decode step, the live
-sequences of each replica). A V4Error prints one `error:` line and exits with status 2.
-`V4_TEST_DIE_AT=K`: rank 1 exits abruptly at its K-th decode step. The rank prints
-`dist_launch.print_ready`'s line after its imports.
+For each device of `V4_TEST_DEVICES` (comma-separated: cpu, host with the ops' reference kernels, and
+`die`: the cpu device once more, in which rank 1 exits abruptly at its third decode step), in one process
+group joined here once: loads ART, generates the prompts (`{"prompts": [...], "new": N}`) and writes
+`OUT/<device>-rank-<r>.npz`: the ids (`ids`, `lens`), every logits row each request sampled from, in its
+order (`rows-<i>`, request i), and where the sequences were (`placed`: per decode step, the live
+sequences of each replica). A V4Error prints one `error:` line and exits with status 2. The rank prints
+`dist_launch.print_ready`'s line after its imports, and `DIE_START <time.time()>` before the `die` run.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -38,6 +39,8 @@ def main(out: Path, prompts_file: Path, art: str) -> int:
     try:
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_from_env()))
         for device in os.environ.get("V4_TEST_DEVICES", "cpu").split(","):
+            if device == "die":
+                print(f"{DIE_START} {time.time():.3f}", file=sys.stderr, flush=True)
             np.savez(out / f"{device}-rank-{rank}.npz", **generate(art, device, spec, rank))
         return 0
     except V4Error as e:
@@ -48,11 +51,15 @@ def main(out: Path, prompts_file: Path, art: str) -> int:
             dist.destroy_process_group()
 
 
+DIE_START = "v4-test-die-start"
+
+
 def generate(art: str, device: str, spec: dict, rank: int) -> dict[str, np.ndarray]:
     import v4compile
     from v4compile.runtime.batcher import Batcher
 
-    die_at = int(os.environ.get("V4_TEST_DIE_AT", "0"))
+    die_at = 3 if device == "die" else 0
+    device = "cpu" if device == "die" else device
     rows: dict[int, list] = {}
     placed: list = []
     sess = v4compile.load(art, device=device, threads=1, **({"kernels": "reference"} if device == "host" else {}))

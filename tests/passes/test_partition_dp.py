@@ -79,10 +79,10 @@ _CHECKS: dict = {}
 
 
 def check_for(numerics: str) -> NumericsCheck:
-    """Two sequences (one per replica; 24 and 18 tokens: CSA windows closed past the indexer's top-k), two
-    teacher-forced decode steps."""
+    """Two sequences (one per replica; 20 and 15 tokens: CSA windows closed past the indexer's top-k, two
+    prefill chunks), one teacher-forced decode step."""
     if numerics not in _CHECKS:
-        sc = Scenario.make(preset("tiny-pro").vocab_size, 2, 24, 2, seed=5)
+        sc = Scenario.make(preset("tiny-pro").vocab_size, 2, 20, 1, seed=5)
         _CHECKS[numerics] = NumericsCheck(make_model("tiny-pro", numerics=numerics),
                                           DenseSource(dense_weights("tiny-pro")), sc, 16, TOL[numerics],
                                           capacity=OPTS["capacity"], replicas=2)
