@@ -164,6 +164,7 @@ class _Partitioner:
             return None if v is None else env.get(id(v), v)
 
         gathered: dict[int, Value] = {}  # id(a rank's value) -> every rank's, gathered (data parallel)
+        reduces_box = [0]  # the gathers inserted (`gather` counts them)
         # the routers' token ids, gathered once each right after they are made (a function input: after the
         # first op, so that no segment of the cpu target is empty: `codegen/onnx_segments.py`)
         ids_at = _router_ids(fn) if self.gather else {}
@@ -176,7 +177,6 @@ class _Partitioner:
                 reduces_box[0] += 1
             return gathered[id(v)]
 
-        reduces_box = [0]
         for i, op in enumerate(fn.ops):
             operands = {k: sub(v) for k, v in operands_of(op).items()}
             attrs = dict(op.attrs)

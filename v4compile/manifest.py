@@ -341,8 +341,8 @@ def _check_segments(f: dict, fk: str, parallel: bool, tensors: dict, listed) -> 
         _str(_get(c, "op", f"{sk}.collective.op"), f"{sk}.collective.op", SEGMENT_COLLECTIVES)
         _int(_get(c, "group", f"{sk}.collective.group"), f"{sk}.collective.group", 1, 1 << 14)
         operand = _str(_get(c, "operand", f"{sk}.collective.operand"), f"{sk}.collective.operand")
-        # an output of its segment, or (the token ids a data-parallel router gathers) one of its step inputs
-        if operand not in seg["outputs"] and operand not in seg["inputs"]:
+        # an output of its segment, or (the token ids a data-parallel router gathers) a step input
+        if operand not in seg["outputs"] and operand not in seg["inputs"] and operand not in ("ids", "hidden"):
             raise _err(f"`{sk}.collective.operand` is not an output or input of its segment", found=_show(operand))
         _str(_get(c, "result", f"{sk}.collective.result"), f"{sk}.collective.result")
 
