@@ -343,7 +343,8 @@ def _check_segments(f: dict, fk: str, parallel: bool, tensors: dict, listed) -> 
         operand = _str(_get(c, "operand", f"{sk}.collective.operand"), f"{sk}.collective.operand")
         # an output of its segment, or (the token ids a data-parallel router gathers) a step input
         if operand not in seg["outputs"] and operand not in seg["inputs"] and operand not in ("ids", "hidden"):
-            raise _err(f"`{sk}.collective.operand` is not an output or input of its segment", found=_show(operand))
+            raise _err(f"`{sk}.collective.operand` is not an output of its segment (nor a step input)",
+                       found=_show(operand))
         _str(_get(c, "result", f"{sk}.collective.result"), f"{sk}.collective.result")
 
 
