@@ -1,7 +1,7 @@
 """The done-when matrix of issue 18: partitioned artifacts against the same model in one process.
 
     python bench/parallel_matrix.py [--presets tiny,tiny-pro] [--numerics official,hf]
-                                    [--layouts tp2ep2,ep4] [--devices cpu,host] [--new 32] [--out DIR]
+                                    [--layouts tp2ep2,ep4,dp2ep2,dp4ep4] [--devices cpu,host] [--new 32] [--out DIR]
 
 For each preset and numerics (fp32): one unpartitioned artifact and one per layout, each with the cpu
 target (ONNX; partitioned: segments cut at the collectives) and the sm_90a target (the GPU program; its
@@ -13,6 +13,11 @@ deadline, every process reaped) generate a ragged batch of 3 prompts (continuous
 bucket of 2) for --new tokens; it prints whether every rank's greedy ids equal the single-process run's
 and the largest logit difference of any rank and step over the logit scale (the largest |logit| of the
 single-process run). A cell that fails prints its first error line.
+
+Data-parallel layouts (`dp2ep2`, `dp4ep4`; `compile --dp`): the ranks run tests/dp_worker.py on five ragged
+prompts (more than a replica's decode bucket holds: the last waits and then runs alone on its replica);
+the error is that of every logits row a request sampled from against the single-process run's rows.
+`dp2tp2ep4` is refused by the compiler (dp with tp and ep both > 1 is not built); its cell says so.
 """
 
 from __future__ import annotations
@@ -28,8 +33,11 @@ TESTS = Path(__file__).resolve().parents[1] / "tests"
 sys.path.insert(0, str(TESTS))
 
 PROMPTS = [[5, 17, 3, 99, 42], [7 + i for i in range(20)], [311]]  # tests/runtime/test_parallel_artifact.py
-LAYOUTS = {"tp2ep2": ("--tp", "2", "--ep", "2"), "ep4": ("--ep", "4"), "tp2": ("--tp", "2"), "ep2": ("--ep", "2")}
-WORLD = {"tp2ep2": 2, "ep4": 4, "tp2": 2, "ep2": 2}
+DP_PROMPTS = PROMPTS + [[8, 9], [40 + i for i in range(7)]]  # tests/runtime/test_dp_artifact.py
+LAYOUTS = {"tp2ep2": ("--tp", "2", "--ep", "2"), "ep4": ("--ep", "4"), "tp2": ("--tp", "2"), "ep2": ("--ep", "2"),
+           "dp2ep2": ("--dp", "2", "--ep", "2"), "dp4ep4": ("--dp", "4", "--ep", "4"),
+           "dp2tp2ep4": ("--dp", "2", "--tp", "2", "--ep", "4")}
+WORLD = {"tp2ep2": 2, "ep4": 4, "tp2": 2, "ep2": 2, "dp2ep2": 2, "dp4ep4": 4, "dp2tp2ep4": 4}
 
 
 def compile_art(out: Path, preset: str, numerics: str, layout: tuple[str, ...]) -> Path:
@@ -46,8 +54,57 @@ def compile_art(out: Path, preset: str, numerics: str, layout: tuple[str, ...]) 
     finally:
         aot.compile_calls = keep
     if rc:
-        raise SystemExit(f"compile of {out.name} failed ({rc})")
+        raise CompileFailed(f"compile of {out.name} failed ({rc})")
     return out
+
+
+class CompileFailed(Exception):
+    pass
+
+
+def single_rows(art: Path, device: str, new: int):
+    """Greedy ids and each request's logits rows (the data-parallel cells' reference)."""
+    import numpy as np
+
+    import v4compile
+    from v4compile.runtime.batcher import Batcher
+
+    rows: dict[int, list] = {}
+    pick = Batcher._pick
+    Batcher._pick = lambda self, r, row: rows.setdefault(r.index, []).append(np.asarray(row, np.float32)) or \
+        pick(self, r, row)
+    try:
+        kw = {"kernels": "reference"} if device == "host" else {}
+        sess = v4compile.load(art, device=device, threads=1, **kw)
+        ids = sess.generate(DP_PROMPTS, new)
+        sess.close()
+    finally:
+        Batcher._pick = pick
+    return [t for seq in ids for t in seq], {i: np.stack(v) for i, v in rows.items()}
+
+
+def dp_cell(tmp: Path, art: Path, world: int, device: str, new: int, ref) -> dict:
+    import numpy as np
+
+    from dist_launch import launch
+
+    (tmp / "prompts.json").write_text(json.dumps({"prompts": DP_PROMPTS, "new": new}))
+    t0 = time.monotonic()
+    runs = launch([sys.executable, str(TESTS / "dp_worker.py"), str(tmp), str(tmp / "prompts.json"), str(art)],
+                  world, timeout_s=1800, env={"V4_TEST_DEVICES": device})
+    secs = time.monotonic() - t0
+    bad = [(r, code, err) for r, (code, _, err) in enumerate(runs) if code != 0]
+    if bad:
+        r, code, err = bad[0]
+        last = (err.strip().splitlines() or [""])[-1][:160]
+        return {"ids_equal": False, "error": f"rank {r} exit {code}: {last}", "seconds": secs}
+    ids, rows = ref
+    scale = max(float(np.abs(v).max()) for v in rows.values())
+    got = [np.load(tmp / f"{device}-rank-{r}.npz") for r in range(world)]
+    same = all(g["ids"].tolist() == ids for g in got)
+    err = max(float(np.abs(g[f"rows-{i}"] - v).max()) if g[f"rows-{i}"].shape == v.shape else float("inf")
+              for g in got for i, v in rows.items())
+    return {"ids_equal": same, "err_over_scale": err / scale, "seconds": secs}
 
 
 def single(art: Path, device: str, new: int):
@@ -107,13 +164,27 @@ def main() -> int:
     for preset in a.presets.split(","):
         for numerics in a.numerics.split(","):
             base = compile_art(work / f"{preset}-{numerics}-1", preset, numerics, ())
-            refs = {d: single(base, d, a.new) for d in a.devices.split(",")}
+            refs, dp_refs = {}, {}
             for lay in a.layouts.split(","):
-                art = compile_art(work / f"{preset}-{numerics}-{lay}", preset, numerics, LAYOUTS[lay])
+                dp = lay.startswith("dp")
+                try:
+                    art = compile_art(work / f"{preset}-{numerics}-{lay}", preset, numerics, LAYOUTS[lay])
+                except CompileFailed as e:
+                    print(f"{preset:9} {numerics:9} {lay:7} {WORLD[lay]:>5} {'-':6} {'-':9} {str(e)}", flush=True)
+                    rows.append({"preset": preset, "numerics": numerics, "layout": lay, "ids_equal": None,
+                                 "error": str(e)})
+                    continue
                 for dev in a.devices.split(","):
                     tmp = work / f"run-{preset}-{numerics}-{lay}-{dev}"
                     tmp.mkdir(exist_ok=True)
-                    c = cell(tmp, art, WORLD[lay], dev, a.new, refs[dev])
+                    if dp:
+                        if dev not in dp_refs:
+                            dp_refs[dev] = single_rows(base, dev, a.new)
+                        c = dp_cell(tmp, art, WORLD[lay], dev, a.new, dp_refs[dev])
+                    else:
+                        if dev not in refs:
+                            refs[dev] = single(base, dev, a.new)
+                        c = cell(tmp, art, WORLD[lay], dev, a.new, refs[dev])
                     err = f"{c['err_over_scale']:.1e}" if "err_over_scale" in c else c["error"]
                     line = (f"{preset:9} {numerics:9} {lay:7} {WORLD[lay]:>5} {dev:6} "
                             f"{'yes' if c['ids_equal'] else 'NO':9} {err:>15} {c['seconds']:6.0f}")
@@ -122,7 +193,7 @@ def main() -> int:
                                  "device": dev, **c})
     (work / "matrix.json").write_text(json.dumps(rows, indent=1))
     print(f"(rows in {work / 'matrix.json'})")
-    return 0 if all(r["ids_equal"] for r in rows) else 1
+    return 0 if all(r["ids_equal"] is not False for r in rows) else 1
 
 
 if __name__ == "__main__":

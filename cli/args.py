@@ -131,7 +131,11 @@ def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int_arg(1, 1 << 12), default=1,
                    help="tensor parallel ranks: attention heads split over them (runs partition{tp,ep} first)")
     g.add_argument("--ep", type=int_arg(1, 1 << 14), default=1,
-                   help="expert parallel ranks: routed experts split over them; the world is max(tp, ep) ranks")
+                   help="expert parallel ranks: routed experts split over them; the world is max(dp x tp, ep) ranks")
+    g.add_argument("--dp", type=int_arg(1, 1 << 12), default=1,
+                   help="data parallel attention: dp replicas of tp ranks, each with its own sequences, KV pool and "
+                        "state (--batch / --decode-batch per replica); --ep 1 or dp x tp (the experts over the world, "
+                        "every rank's tokens gathered to them)")
     g.add_argument("--print-ir-after-all", action="store_true")
     g.add_argument("--print-ir-after-change", action="store_true")
     g.add_argument("--print-ir-after", action="append", default=[], metavar="PASS")

@@ -13,7 +13,7 @@ from ..errors import InputError
 from ..speculation import MAX_DRAFT_TOKENS
 from ..targets import GPU_TARGETS
 from .args import add_pipeline_flags, add_source_flags, int_arg, split_specs, threads_arg
-from .pipeline import check_outputs, finish, frontend_of, run_pipeline, stages_of, targets_of
+from .pipeline import check_outputs, finish, frontend_of, partition_spec, run_pipeline, stages_of, targets_of
 
 log = logging.getLogger("v4compile")
 
@@ -115,7 +115,7 @@ def _parallel_report(args, fe, result, targets) -> dict | None:
     from ..codegen.parallel_model import parallel_section
     from ..passes.base import get_pass
 
-    partitioned = get_pass("partition", {"tp": args.tp, "ep": args.ep}).run(fe.module).module
+    partitioned = get_pass("partition", {"tp": args.tp, "ep": args.ep, "dp": args.dp}).run(fe.module).module
     return parallel_section(fe.cfg, fe.module, partitioned, result.module, tuple(t for t in targets if t != "cpu")
                             or GPU_TARGETS)
 
@@ -179,9 +179,10 @@ def _artifact_plan(args, fe, targets) -> dict:
             gpu_pipeline = split_specs(args.passes)
         else:
             cpu_pipeline = split_specs(args.passes)
-    if args.tp > 1 or args.ep > 1:  # one SPMD module per target (a GPU program with collective launches)
+    spec = partition_spec(args)
+    if spec is not None:  # one SPMD module per target (a GPU program with collective launches)
         for p in (cpu_pipeline, gpu_pipeline):
-            p.insert(0, f"partition{{tp={args.tp},ep={args.ep}}}")
+            p.insert(0, spec)
     buckets, gpu_buckets = _buckets_of(args)
     return {"buckets": buckets, "pipeline": cpu_pipeline, "targets": tuple(targets),
             "disable": tuple(args.disable_pass), "gpu_pipeline": gpu_pipeline, "jobs": args.jobs,

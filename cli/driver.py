@@ -144,7 +144,7 @@ def write_rank_weights(module: Module, source, tmp: Path, writers: int | None = 
         pool.shutdown(wait=True, cancel_futures=True)
     ranks = [w for w, _ in done]
     hashed = {k: v for _, h in done for k, v in h.items()}
-    return ranks[0], hashed, {"tp": layout.tp, "ep": layout.ep, "world": layout.world, "rank_weights": ranks}
+    return ranks[0], hashed, {**layout.manifest(), "rank_weights": ranks}
 
 
 # ---- write --------------------------------------------------------------------------------------

@@ -48,12 +48,20 @@ def pipeline_of(args) -> list[str]:
     from ..passes import PIPELINES
 
     passes = split_specs(args.passes) if args.passes else list(PIPELINES[pipeline_name(targets_of(args)[0])])
-    tp, ep = getattr(args, "tp", 1), getattr(args, "ep", 1)
-    if tp > 1 or ep > 1:
+    spec = partition_spec(args)
+    if spec is not None:
         if any(p.split("{", 1)[0].strip() == "partition" for p in passes):
-            raise InputError("--tp / --ep add the partition pass; --passes names it too", found=args.passes)
-        passes.insert(0, f"partition{{tp={tp},ep={ep}}}")
+            raise InputError("--tp / --ep / --dp add the partition pass; --passes names it too", found=args.passes)
+        passes.insert(0, spec)
     return passes
+
+
+def partition_spec(args) -> str | None:
+    """The partition pass that --tp / --ep / --dp ask for (None: none); `dp` named only when > 1."""
+    tp, ep, dp = getattr(args, "tp", 1), getattr(args, "ep", 1), getattr(args, "dp", 1)
+    if tp == 1 and ep == 1 and dp == 1:
+        return None
+    return f"partition{{tp={tp},ep={ep}" + (f",dp={dp}}}" if dp > 1 else "}")
 
 
 def trace_options(args):
@@ -122,9 +130,12 @@ def numerics_check(args, fe):
     if args.check_prompt_len + args.check_steps > args.max_context:
         raise InputError("the numerics scenario does not fit the max context",
                          expected=f"--check-prompt-len + --check-steps <= {args.max_context}")
-    sc = Scenario.make(fe.cfg.vocab_size, args.batch, args.check_prompt_len, args.check_steps, seed=args.seed)
+    # data parallel: --batch sequences on each replica (`harness.DPRunner`), the reference on all of them
+    sc = Scenario.make(fe.cfg.vocab_size, args.batch * getattr(args, "dp", 1), args.check_prompt_len,
+                       args.check_steps, seed=args.seed)
     with stages_of(args)("reference model on the numerics scenario", progress="running the reference model"):
-        return NumericsCheck(fe.reference(), fe.source, sc, args.chunk, args.tol, capacity=args.max_context)
+        return NumericsCheck(fe.reference(), fe.source, sc, args.chunk, args.tol, capacity=args.max_context,
+                             replicas=getattr(args, "dp", 1))
 
 
 def bisect_command(args, passes: list[str], dtype: str) -> str:
@@ -221,7 +232,8 @@ def _report_numerics(args, result, check, ran: list[str], before: int, dtype: st
     gap = check.layout_error(result.module)
     if gap is not None:
         p = result.module.attrs
-        o.write(f"  (partitioned modules: against the reference of their layout, tp {p['parallel.tp']} ep "
+        dp = f" dp {p['parallel.dp']}" if "parallel.dp" in p else ""
+        o.write(f"  (partitioned modules: against the reference of their layout,{dp} tp {p['parallel.tp']} ep "
                 f"{p['parallel.ep']}, whose sums split per rank as theirs do; it lies {gap:.3g} from the reference)\n")
     for r in result.records:
         flag = "  <-- breaks tolerance" if r.numerics_error is not None and r.numerics_error > tol else ""

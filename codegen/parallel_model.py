@@ -100,8 +100,7 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
     for t in targets:
         spec = TARGETS[t]
         link = spec.link
-        coll_s = sum(link.allreduce_latency_s + 2 * (c["group"] - 1) / c["group"] * c["bytes"] / link.bytes_s
-                     for c in coll)
+        coll_s = sum(link.allreduce_latency_s + ring_bytes(c) / link.bytes_s for c in coll)
         # every launch as a graph node, with PDL where the target has it (its kernels all wait: kernels/pdl.py)
         kind = "graph_pdl" if spec.pdl else "graph"
         roof_s, launch_s = moved / spec.hbm_bytes_s, launches * spec.launch_latency(kind)
@@ -115,7 +114,7 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
                     "link_bytes_s": link.bytes_s, "allreduce_latency_us": link.allreduce_latency_s * 1e6,
                     "source": link.source}
     return {
-        "tp": layout.tp, "ep": layout.ep, "world": layout.world,
+        "tp": layout.tp, "ep": layout.ep, **({"dp": layout.dp} if layout.dp > 1 else {}), "world": layout.world,
         "per_rank_weight_bytes": per_rank,
         "unpartitioned_weight_bytes": sum(w.type.nbytes for w in traced.weights.values()),
         "weight_bytes_by_kind": kinds,
@@ -125,6 +124,17 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
                                         "ops": coll, **program_collectives(final)},
         "decode_step": steps,
     }
+
+
+def ring_bytes(c: dict) -> float:
+    """What one rank sends of a collective in a ring, `c["bytes"]` its operand: an all-reduce 2 (n - 1) / n of
+    it, an all-gather of rows its part to each of the n - 1 others, a reduce-scatter (n - 1) / n of it."""
+    n, b = c["group"], c["bytes"]
+    if c["op"] == "all_gather_rows":
+        return (n - 1) * b
+    if c["op"] == "reduce_scatter_rows":
+        return (n - 1) / n * b
+    return 2 * (n - 1) / n * b
 
 
 def decode_calls(final: Module) -> tuple[int, str, int | None]:
@@ -166,7 +176,8 @@ def _moved(s: dict) -> str:
 def render_parallel(p: dict) -> str:
     gb = 1e9
     kinds = p["weight_bytes_by_kind"]
-    lines = [f"  parallel: tp {p['tp']}, ep {p['ep']} ({p['world']} ranks); per rank: weights "
+    dp = f"dp {p['dp']}, " if "dp" in p else ""
+    lines = [f"  parallel: {dp}tp {p['tp']}, ep {p['ep']} ({p['world']} ranks); per rank: weights "
              f"{p['per_rank_weight_bytes'] / gb:.2f} GB (of {p['unpartitioned_weight_bytes'] / gb:.2f} GB), KV and "
              f"state {p['per_rank_kv_bytes'] / gb:.3f} GB at decode batch {p['kv_at']['decode_batch']}, "
              f"{p['kv_at']['max_context']} tokens",
@@ -174,7 +185,10 @@ def render_parallel(p: dict) -> str:
              "    replicated: " + ", ".join(f"{k} {v / gb:.3f} GB" for k, v in kinds["replicated"].items())]
     c = p["collectives_per_decode_step"]
     size = sorted({x["bytes"] for x in c["ops"]})
-    lines.append(f"    collectives per decode step: {c['count']} all-reduces, {c['bytes']:,} bytes in all "
+    kinds = sorted({x["op"] for x in c["ops"]})
+    what = "all-reduces" if kinds in ([], ["all_reduce"]) else "collectives (" + ", ".join(
+        f"{sum(x['op'] == k for x in c['ops'])} {k}" for k in kinds) + ")"
+    lines.append(f"    collectives per decode step: {c['count']} {what}, {c['bytes']:,} bytes in all "
                  f"({', '.join(f'{s:,}' for s in size)} bytes each)"
                  + (f"; launches of the program: {c['program_collective_launches']} of its {c['program_launches']}"
                     if "program_launches" in c else ""))

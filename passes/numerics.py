@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from v4compile.harness import IRRunner, Scenario, ir_logits, max_error, reference_logits
+from v4compile.harness import DPRunner, IRRunner, Scenario, ir_logits, max_error, reference_logits
 from v4compile.ir.core import Module
 from v4compile.ir.interpret import interpret
 from v4compile.parallel import ParallelLayout, is_rank_local, spmd_interpreter
@@ -36,6 +36,10 @@ class NumericsCheck:
     reference logit (`ERROR_UNIT`). `capacity` sizes the reference's caches like the module's, so that a
     traced module reproduces the reference bit for bit.
 
+    Data parallel (`replicas` > 1, --dp): the scenario's sequences are dealt to the replicas, and the
+    reference runs each replica's batch on its own, as the module runs all but its experts (which see every
+    replica's tokens at once: their batch differs from the reference's, a rounding difference).
+
     A partitioned module is compared with the reference of its layout (`ReferenceModel.partitioned`: the
     same model summing wo_b and the routed experts per rank, in rank order, as the module's all-reduces
     do; DeepSeek's own inference code defines its numbers per layout the same way), with the same
@@ -46,12 +50,13 @@ class NumericsCheck:
     """
 
     def __init__(self, reference, source, scenario: Scenario, chunk: int, tol: float, prepare=None,
-                 capacity: int | None = None):
+                 capacity: int | None = None, replicas: int = 1):
         self.source = source
         self.scenario = scenario
         self.tol = tol
         self.prepare = prepare
-        self.expected = reference_logits(reference, scenario, chunk, capacity)
+        self.replicas = replicas  # data parallel (--dp): the scenario's sequences over that many replicas
+        self.expected = reference_logits(reference, scenario, chunk, capacity, replicas)
         self.scale = max(float(t.abs().max()) for t in self.expected) or 1.0
         self._weights: dict[tuple, torch.Tensor] = {}
         self._reference, self._chunk, self._capacity = reference, chunk, capacity
@@ -65,7 +70,7 @@ class NumericsCheck:
         key = (layout.tp, layout.ep)
         if key not in self._by_layout:
             self._by_layout[key] = reference_logits(self._reference.partitioned(*key), self.scenario, self._chunk,
-                                                    self._capacity)
+                                                    self._capacity, self.replicas)
         return self._by_layout[key]
 
     def layout_error(self, m: Module) -> float | None:
@@ -87,8 +92,15 @@ class NumericsCheck:
 
     def runner(self, m: Module) -> IRRunner:
         layout = ParallelLayout.of(m)
+        n, B = len(self.scenario.prompts), m.functions["prefill"].attrs["batch"] if "prefill" in m.functions else 0
+        if layout is None and B and n > B and n % B == 0:
+            # a data-parallel scenario (--dp: B sequences per replica) through a module of one replica (the
+            # traced module, before the partition): its replicas independent, each with its own state
+            return DPRunner(m, [self.weights(m)] * (n // B), ParallelLayout(dp=n // B), prepare=self.prepare)
         if layout is None:
             return IRRunner(m, self.weights(m), prepare=self.prepare)
+        if layout.dp > 1:  # data parallel: each replica its own sequences and state (`harness.DPRunner`)
+            return DPRunner(m, [self.weights(m, r) for r in range(layout.world)], layout, prepare=self.prepare)
         # A partitioned module: all its ranks in this process, in lockstep (`spmd_interpreter`).
         return IRRunner(m, [self.weights(m, r) for r in range(layout.world)], prepare=self.prepare,
                         interpreter=spmd_interpreter)

@@ -1,4 +1,4 @@
-"""Partition the module over ranks: tensor parallel attention, expert parallel MoE (one SPMD module).
+"""Partition the module over ranks: tensor / data parallel attention, expert parallel MoE (one SPMD module).
 
 Requires: a traced module (no fusion or lowering yet: it runs first in a pipeline), not partitioned.
 Guarantees: one module every rank runs, with rank-local weight types (`v4compile/parallel.py`: the
@@ -15,13 +15,36 @@ layout in the attributes `parallel.tp` / `parallel.ep`, each weight's part in it
   and `q_norm` (every rank needs the whole `qr`), the compressors and the indexer (each reads the whole
   `x` or `qr` and feeds every head), the router and the shared expert, mHC and the norms, and the
   embedding and head (vocab-parallel would add an all-gather of the logits per step).
+- data parallel (`dp` > 1, `v4compile/parallel.py`: world = dp x tp, replica r // tp): every function is
+  the replica's own (its batch, its pool and state: the rank's sequences); attention, the shared expert,
+  mHC, embedding and head run on the rank's own tokens with replicated weights, unchanged. With `ep` the
+  world (the only other choice is ep 1: every rank holds every expert and nothing is exchanged), each
+  MoE's input x goes to every rank (`all_gather_rows{group=world}`, [B, T, D] -> [world B, T, D]), every
+  rank routes all the gathered tokens (the router's weights are replicated: the same result on each rank;
+  a hash router's token ids are gathered once per function, after its first op) and runs its own experts
+  on them (`local_experts`), and `reduce_scatter_rows{group=world}` adds the ranks' partial outputs and
+  leaves each rank its own tokens' rows, before the shared expert's: two collectives per layer.
+  Why these collectives. Bytes a rank moves per MoE layer, V4-Pro (D 7168, bf16, top-6 of 384) over 8
+  ranks at decode batch B per rank: all-gather + reduce-scatter 2 x 7 x B x D x 2 bytes = 0.20 MB at B 1,
+  1.61 MB at B 8, 12.8 MB at B 64; all-to-all dispatch + combine with exact per-peer counts (a token goes
+  to the ranks of its 6 experts, expected 4.4 of 8, 3.8 of them other ranks) 0.11 / 0.89 / 7.1 MB, but its
+  counts vary by step: a captured graph needs static buffers, room for 6 slots of every peer's token,
+  1.2 / 9.6 / 77 MB, or a host round trip of the counts each layer. At these batches a collective costs
+  its latency (~10-20 us; 12.8 MB at ~400 GB/s is 32 us), both schemes make two calls a layer, and
+  gathering x alone (routing on every rank) saves gathering the routing weights and indices: all-gather
+  + reduce-scatter, which every torch.distributed backend (and NCCL / RCCL inside a graph) offers.
+  Not built: dp with both tp > 1 and ep > 1 (a replica's tp ranks would bring the same tokens twice and
+  their rows could round apart; `ParallelLayout.problem`).
 Numerics: the sums of `wo_b` and of the routed experts are split into per-rank partial sums added by
 the all-reduce: a rounding difference from the unpartitioned module (fp32: ~1e-7 of the logit scale, more
 where it flips an FP8 rounding), none from the reference of the layout (`ReferenceModel.partitioned`),
 which the module reproduces exactly and `--check-numerics` holds it to. Bad `tp` / `ep` (not dividing
 the heads, `o_groups`, the experts, each other, or the scale blocks of a quantised weight) is an
-InputError naming the constraint.
-Hits: `<func>.all_reduce` (collectives inserted), `sharded_weights` (rank-local weights).
+InputError naming the constraint. Data parallel: the experts' GEMMs see another batch than the whole
+model's (every rank's tokens, not every sequence at once) and the rest the replica's: batch-composition
+rounding (hf: ~1e-6 of the logit scale on tiny-pro; official numerics can flip an FP8 / FP4 rounding).
+Hits: `<func>.all_reduce` (collectives inserted: all-reduces, and with dp the gathers and
+reduce-scatters), `sharded_weights` (rank-local weights).
 """
 
 from __future__ import annotations
@@ -53,10 +76,10 @@ def _need(cond: bool, what: str, expected: object, found: object) -> None:
 
 def check_layout(m: Module, layout: ParallelLayout) -> None:
     """The constraints of a layout on the module, each named in its error."""
-    tp, ep = layout.tp, layout.ep
-    _need(tp >= 1 and ep >= 1, "--tp and --ep must be >= 1", ">= 1", (tp, ep))
-    _need(layout.world % tp == 0 and layout.world % ep == 0, "--tp and --ep: the smaller must divide the larger "
-          "(the world is max(tp, ep) ranks)", "tp | ep or ep | tp", f"tp {tp}, ep {ep}")
+    tp, ep, dp = layout.tp, layout.ep, layout.dp
+    bad = layout.problem()
+    _need(bad is None, bad or "", "dp, tp, ep >= 1; without dp: tp | ep or ep | tp; with dp: ep = 1 or dp x tp",
+          f"dp {dp}, tp {tp}, ep {ep}")
     for fn in m.functions.values():
         for op in fn.ops:
             if op.name == "attention":
@@ -105,6 +128,8 @@ def _sharded(op: Op, layout: ParallelLayout) -> list[tuple[dict[str, int], int]]
 class _Partitioner:
     def __init__(self, m: Module, layout: ParallelLayout):
         self.m, self.layout = m, layout
+        # data parallel with the experts over the world: the tokens of every rank go to the experts
+        self.gather = layout.dp > 1 and layout.ep > 1
         self.weights: dict[str, Value] = dict(m.weights)
         self.sharded: set[str] = set()
 
@@ -138,9 +163,29 @@ class _Partitioner:
         def sub(v):
             return None if v is None else env.get(id(v), v)
 
-        for op in fn.ops:
+        gathered: dict[int, Value] = {}  # id(a rank's value) -> every rank's, gathered (data parallel)
+        reduces_box = [0]  # the gathers inserted (`gather` counts them)
+        # the routers' token ids, gathered once each right after they are made (a function input: after the
+        # first op, so that no segment of the cpu target is empty: `codegen/onnx_segments.py`)
+        ids_at = _router_ids(fn) if self.gather else {}
+
+        def gather(v: Value, op: Op) -> Value:
+            if id(v) not in gathered:
+                g = make_op(namer, "all_gather_rows", {"x": v}, {**_tags(op), "group": self.layout.world}, op.loc)
+                ops.append(g)
+                gathered[id(v)] = g.result
+                reduces_box[0] += 1
+            return gathered[id(v)]
+
+        for i, op in enumerate(fn.ops):
             operands = {k: sub(v) for k, v in operands_of(op).items()}
             attrs = dict(op.attrs)
+            if self.gather and op.name in ("router", "moe_experts"):
+                # the router runs on every rank's tokens (each rank routes all of them: the same result on
+                # every rank, cheaper than gathering its weights and indices: partition docstring)
+                operands["x"] = gather(operands["x"], op)
+                if op.name == "router" and operands.get("ids") is not None:
+                    operands["ids"] = gathered[id(operands["ids"])]
             for names, _ in _sharded(op, self.layout):
                 group = TP if names is not EP_WEIGHTS else EP
                 for name, axis in names.items():
@@ -166,22 +211,25 @@ class _Partitioner:
                     env[id(old)] = v
             group = self._reduce_group(op)
             if group:
-                red = make_op(namer, "all_reduce", {"x": new.result}, {**_tags(op), "group": group}, op.loc)
+                kind = "reduce_scatter_rows" if self.gather and op.name == "moe_experts" else "all_reduce"
+                red = make_op(namer, kind, {"x": new.result}, {**_tags(op), "group": group}, op.loc)
                 ops.append(red)
                 env[id(op.result)] = red.result
                 reduces += 1
+            for v in ids_at.get(i, ()):
+                gather(sub(v), op)
         outputs = [(n, sub(v)) for n, v in fn.outputs]
         for (n, v), (_, old) in zip(outputs, fn.outputs):
             if v.type != old.type:
                 raise InputError(f"partition: output '{n}' of @{fn.name} would be rank-local",
                                  expected="replicated outputs", found=str(v.type))
-        return Function(fn.name, list(fn.inputs), ops, outputs, dict(fn.attrs)), reduces
+        return Function(fn.name, list(fn.inputs), ops, outputs, dict(fn.attrs)), reduces + reduces_box[0]
 
     def _reduce_group(self, op: Op) -> int:
         if op.name == "linear" and op.attrs.get("role") == "attn.wo_b" and self.layout.tp > 1:
             return self.layout.tp
         if op.name == "moe_experts" and self.layout.ep > 1:
-            return self.layout.ep
+            return self.layout.ep  # == the world under data parallelism (`ParallelLayout.problem`)
         return 0
 
     @staticmethod
@@ -197,6 +245,23 @@ class _Partitioner:
         return Op(op.name, tuple(ordered), results, attrs, op.loc)
 
 
+def _router_ids(fn: Function) -> dict[int, list[Value]]:
+    """Index of the op after which each distinct token-id operand of a (hash) router is complete: its
+    producer, or the function's first op for a function input."""
+    where: dict[int, int] = {}
+    for i, op in enumerate(fn.ops):
+        for r in op.results:
+            where[id(r)] = i
+    out: dict[int, list[Value]] = {}
+    seen: set[int] = set()
+    for op in fn.ops:
+        v = op.operand("ids") if op.name == "router" else None
+        if v is not None and id(v) not in seen:
+            seen.add(id(v))
+            out.setdefault(where.get(id(v), 0), []).append(v)
+    return out
+
+
 def _tags(op: Op) -> dict:
     return {k: op.attrs[k] for k in ("layer", "role") if k in op.attrs}
 
@@ -208,9 +273,10 @@ class Partition(Pass):
     first = True  # it partitions the traced ops: no fusion or lowering yet
     tp: int = 1
     ep: int = 1
+    dp: int = 1
 
     def run(self, module: Module) -> PassResult:
-        layout = ParallelLayout(self.tp, self.ep)
+        layout = ParallelLayout(self.tp, self.ep, self.dp)
         if ParallelLayout.of(module) is not None:
             raise InputError("the module is already partitioned", where="partition",
                              found=ParallelLayout.of(module))

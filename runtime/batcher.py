@@ -89,7 +89,7 @@ class Batcher:
         self.lockstep = lockstep
         self.sess = session
         self.spec = spec
-        self.max_live = session.max_batch if spec is None else spec.max_batch
+        self.max_live = getattr(session, "max_live", session.max_batch) if spec is None else spec.max_batch
         self.raise_errors = raise_errors
         self.waiting: deque[Request] = deque()
         self.live: list[Request] = []

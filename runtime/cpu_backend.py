@@ -233,8 +233,11 @@ class OrtBackend:
             env.update(self._run_graph(fname, k, env))
             c = spec.get("collective")
             if c is not None:
-                env[c["result"]] = self.ranks.all_reduce(env[c["operand"]], c["group"])
-        return env
+                x = env[c["operand"]]
+                env[c["result"]] = self.ranks.all_reduce(x, c["group"]) if c["op"] == "all_reduce" else \
+                    self.ranks.collective_np(c["op"], x, c["group"])
+        # data parallel: every replica's logits (`distributed.Ranks.replicas`)
+        return self.ranks.replicas(env) if self.art.manifest["parallel"].get("dp", 1) > 1 else env
 
     def share_ids(self, ids: list[int]) -> list[int]:
         """Sampled ids as every rank takes them: rank 0's (`distributed.Ranks.share_ids`)."""

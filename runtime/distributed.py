@@ -4,12 +4,16 @@ layout, the collectives between ONNX segments (gloo on CPU), and the lockstep of
     ranks = join(layout, timeout_s)      # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment
     y = ranks.all_reduce(x, group=2)     # sum over this rank's group of 2 consecutive ranks
     inputs = ranks.step(f, fname, inputs)  # rank 0's step (function and inputs), on every rank
+    outs = ranks.replicas(outs)          # data parallel: every replica's logits, on every rank
     toks = ranks.share_ids(toks)         # rank 0's sampled ids, on every rank
     data = ranks.share_bytes(data)       # rank 0's bytes (a server's tick: `lockstep.py`), on every rank
 
 Every rank runs the same session calls; rank 0 owns the scheduler and sampling: each step's function and
 inputs and each sampled id come from it (a rank whose own step differs, from other prompts or arguments,
-is an InputError rather than a silent divergence). Every collective has the process group's timeout
+is an InputError rather than a silent divergence). Data parallel (`dp` > 1): a step's inputs hold one
+entry per replica along a new first axis (every rank keeps every replica's books, `session.Session`); each
+rank runs its own replica's (`ParallelLayout.replica`), and the logits of every replica come back to every
+rank (one all-gather), so the sampling goes on as before. Every collective has the process group's timeout
 (`timeout_s`, default `V4COMPILE_DIST_TIMEOUT` seconds from the environment, else DEFAULT_TIMEOUT_S), so
 a rank that dies or never arrives ends the others with one DeviceError in bounded time instead of a hang.
 A world size other than the layout's is one InputError.
@@ -61,7 +65,7 @@ class Ranks:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.layout = layout
         self.groups: dict[int, object] = {}
-        for size in sorted({layout.tp, layout.ep}):
+        for size in sorted({layout.tp, layout.ep} | ({layout.world} if layout.dp > 1 else set())):
             for start in range(0, self.world, size):  # every rank creates every group, in the same order
                 # the timeout again: a new group's default is torch's 30 minutes, not the process group's
                 g = dist.new_group(list(range(start, start + size)), backend="gloo",
@@ -77,7 +81,10 @@ class Ranks:
             raise DeviceError(f"rank {self.rank}: {what} failed (a rank died or did not arrive): {_first(e)}") from None
 
     def all_reduce(self, x: np.ndarray, group: int) -> np.ndarray:
-        return self.collective("all_reduce", torch.from_numpy(np.ascontiguousarray(x)), group).numpy()
+        return self.collective_np("all_reduce", x, group)
+
+    def collective_np(self, op: str, x: np.ndarray, group: int) -> np.ndarray:
+        return self.collective(op, torch.from_numpy(np.ascontiguousarray(x)), group).numpy()
 
     def collective(self, op: str, x: torch.Tensor, group: int) -> torch.Tensor:
         """A collective registry op (`ops/collective.py`) over this rank's group of `group` ranks: a new tensor."""
@@ -88,11 +95,18 @@ class Ranks:
             t = x.contiguous().clone()
             self._do(op, self.dist.all_reduce, t, group=self.groups[group])
             return t
-        if op == "all_gather":
+        if op in ("all_gather", "all_gather_rows"):
             parts = [torch.empty_like(x.contiguous()) for _ in range(group)]
             self._do(op, self.dist.all_gather, parts, x.contiguous(), group=self.groups[group])
-            return torch.cat(parts, dim=-1)
-        raise InputError(f"no collective '{op}'", expected="all_reduce, all_gather")
+            return torch.cat(parts, dim=-1 if op == "all_gather" else 0)
+        if op == "reduce_scatter_rows":
+            # gloo has no reduce-scatter: the whole sum, of which this rank keeps its part (the bytes of an
+            # all-reduce on the host and cpu devices; NCCL / RCCL run a reduce-scatter)
+            t = x.contiguous().clone()
+            self._do(op, self.dist.all_reduce, t, group=self.groups[group])
+            return t.chunk(group, dim=0)[self.rank % group].clone()
+        raise InputError(f"no collective '{op}'", expected="all_reduce, all_gather, all_gather_rows, "
+                         "reduce_scatter_rows")
 
     def broadcast(self, x: np.ndarray, src: int = 0) -> np.ndarray:
         t = torch.from_numpy(np.ascontiguousarray(x)).clone()
@@ -117,7 +131,24 @@ class Ranks:
             a = np.asarray(inputs[n])
             out[n] = got[at: at + a.size].reshape(a.shape).astype(a.dtype)
             at += a.size
+        if self.layout.dp > 1:  # one entry per replica: this rank's
+            d = self.layout.replica(self.rank)
+            if any(out[n].shape[:1] != (self.layout.dp,) for n in STEP_INPUTS):
+                raise InputError("a data-parallel step needs one entry per replica", expected=self.layout.dp,
+                                 found=out["ids"].shape[:1], where=fname)
+            out = {n: np.ascontiguousarray(a[d]) for n, a in out.items()}
         return out
+
+    def replicas(self, outs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A step's outputs with the logits of every replica, `[dp, B, V]` (data parallel: each replica's
+        from its first rank, one all-gather over the world); as they are otherwise."""
+        if self.layout.dp == 1:
+            return outs
+        x = torch.from_numpy(np.ascontiguousarray(outs["logits"]))
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        self._do("the all-gather of the logits", self.dist.all_gather, parts, x)
+        tp = self.layout.tp
+        return {**outs, "logits": torch.stack(parts[::tp]).numpy()}
 
     def comm_ids(self, unique_id) -> dict[int, bytes]:
         """This rank's communicator unique ids, one per group size (the GPU runtime's NCCL / RCCL, issue 18):
@@ -174,7 +205,7 @@ def join(layout: ParallelLayout, timeout_s: float | None = None) -> Ranks:
         world = dist.get_world_size()
     if world != layout.world:
         raise InputError("the world size differs from the program's", expected=f"{layout.world} ranks "
-                         f"(tp {layout.tp}, ep {layout.ep})", found=f"WORLD_SIZE {world}")
+                         f"(dp {layout.dp}, tp {layout.tp}, ep {layout.ep})", found=f"WORLD_SIZE {world}")
     owns = not dist.is_initialized()
     if owns:
         try:

@@ -185,8 +185,8 @@ class ProgramBackend:
         graph = self.graphs and self._funcs[fname].kind == "decode"
         if self.ranks is not None:  # every rank runs rank 0's step
             inputs = self.ranks.step(sorted(self._funcs).index(fname), fname, inputs)
-        out = self.rt.run(fname, inputs, graph=graph)
-        return {n: t.float().numpy() for n, t in out.items()}
+        out = {n: t.float().numpy() for n, t in self.rt.run(fname, inputs, graph=graph).items()}
+        return out if self.ranks is None else self.ranks.replicas(out)
 
     def share_ids(self, ids: list[int]) -> list[int]:
         """Sampled ids as every rank takes them: rank 0's (`distributed.Ranks.share_ids`)."""

@@ -38,7 +38,7 @@ KIND_CODE = {"arena": 0, "input": 1, "pool": 2, "state": 3, "weight": 4, "output
 PER_FUNCTION = ("input", "output")
 HOST_CODE_OBJECT = b"v4rt host placeholder code object\0"  # host kernels run in the callback
 COLLECTIVE = 0xFFFFFFFF  # the code of a collective call (V4RT_COLLECTIVE)
-COLLECTIVE_DTYPE = {"fp32": 0, "bf16": 1}  # V4RT_F32, V4RT_BF16
+COLLECTIVE_DTYPE = {"fp32": 0, "bf16": 1, "i64": 2}  # V4RT_F32, V4RT_BF16, V4RT_I64 (gathered token ids)
 
 
 def fnv1a64(data: bytes) -> int:

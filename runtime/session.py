@@ -147,6 +147,7 @@ class SeqState:
     length: int = 0
     blocks: list[int] = field(default_factory=list)
     cached: int = 0  # prompt tokens its first prefill took from the prefix cache
+    replica: int = 0  # a data-parallel artifact's replica holding it (its ranks' pool and state)
 
 
 class Session:
@@ -165,7 +166,13 @@ class Session:
         self.prefill_fns = sorted((f.tokens, f.name) for f in fns.values() if f.kind == "prefill")
         if not self.decode_fns or not self.prefill_fns:
             raise InputError("the artifact needs decode and prefill functions", where=str(art.path))
-        self.alloc = Allocator(int(pool["n_slots"]), int(pool["n_blocks"]))
+        # Data parallel (`--dp`): each replica (the tp ranks of rank // tp) owns its sequences' slots and blocks
+        # in its own pool, of the compiled geometry; every rank keeps every replica's books (each makes the
+        # same calls), and runs its own replica's part of each step.
+        self.dp = int(m.get("parallel", {}).get("dp", 1))
+        self.allocs = [Allocator(int(pool["n_slots"]), int(pool["n_blocks"])) for _ in range(self.dp)]
+        self.alloc = self.allocs[0]
+        self._n_slots = int(pool["n_slots"])
         self.seqs: dict[int, SeqState] = {}
         self._next = 0
         self.first_token_s: float | None = None  # the last `generate`: seconds to its first token (prefill)
@@ -174,17 +181,24 @@ class Session:
         self.last_cached_tokens: list[int] = []  # the last `generate`: each prompt's tokens from the prefix cache
         self.lock = threading.RLock()  # held by every public call that changes sequences, pool or backend
         self.device = getattr(backend, "device", "cpu")  # what it runs on (the self-check's tolerance reads it)
-        # the prefix cache (`prefix_cache.py`; None: off). Rank-local: every rank makes the same calls.
+        # the prefix cache (`prefix_cache.py`; None: off). Rank-local: every rank makes the same calls. Not
+        # yet with data parallelism: its entries would have to name the replica whose pool holds their blocks.
+        if prefix_cache and self.dp > 1:
+            log.info("prefix cache off: not built for data-parallel artifacts yet")
         self.cache = (PrefixCache(granularity(self.block_tokens, self.prefill_fns[-1][0]), prefix_cache_bytes)
-                      if prefix_cache else None)
+                      if prefix_cache and self.dp == 1 else None)
 
     @property
     def free_slots(self) -> list[int]:
-        return self.alloc.free_slots
+        """Free slots (of every replica, data parallel: replica d's slot s as d * n_slots + s)."""
+        if self.dp == 1:
+            return self.alloc.free_slots
+        n = self._n_slots
+        return [d * n + s for d, a in enumerate(self.allocs) for s in a.free_slots if self._room(d)]
 
     @property
     def free_blocks(self) -> list[int]:
-        return self.alloc.free_blocks
+        return [b for a in self.allocs for b in a.free_blocks]
 
     @property
     def ranks(self):
@@ -193,7 +207,24 @@ class Session:
 
     @property
     def max_batch(self) -> int:
+        """The largest decode bucket: the live sequences of one replica."""
         return self.decode_fns[-1][0]
+
+    @property
+    def max_live(self) -> int:
+        """Live sequences at once: a decode bucket on each replica."""
+        return self.max_batch * self.dp
+
+    def _room(self, d: int) -> bool:
+        return sum(1 for s in self.seqs.values() if s.replica == d) < self.max_batch
+
+    def place(self) -> int:
+        """The replica a new sequence goes to (data parallel): the least loaded, i.e. the fewest live
+        sequences, then the most free pool blocks, then the lowest index; only replicas with a free slot and
+        room in their largest decode bucket. -1: none."""
+        live = [sum(1 for s in self.seqs.values() if s.replica == d) for d in range(self.dp)]
+        ok = [d for d in range(self.dp) if self.allocs[d].free_slots and live[d] < self.max_batch]
+        return min(ok, key=lambda d: (live[d], -len(self.allocs[d].free_blocks), d)) if ok else -1
 
     @property
     def tokenizer(self):
@@ -231,19 +262,21 @@ class Session:
             raise InputError("context beyond the compiled maximum", where=f"sequence {s.id}",
                              expected=f"<= {self.max_context} tokens", found=last_pos + 1)
         need = last_pos // self.block_tokens + 1
-        while not self.alloc.grow(s.blocks, need):
+        alloc = self.allocs[s.replica]
+        while not alloc.grow(s.blocks, need):
             # the cache's unused blocks go back before the pool is declared full (LRU leaves first)
             freed = self.cache.evict_for_blocks() if self.cache is not None else []
             if not freed:
                 raise InputError("the KV pool is full", where=f"sequence {s.id}")
-            self.alloc.free_blocks.extend(freed)
+            alloc.free_blocks.extend(freed)
 
     @serialised
     def open(self) -> SeqState:
-        slot = self.alloc.slot()
+        d = self.place() if self.dp > 1 else 0
+        slot = self.allocs[d].slot() if d >= 0 else None
         if slot is None:
-            raise InputError("no free sequence slot", expected=f"<= {self.max_batch} live sequences")
-        s = SeqState(self._next, slot)
+            raise InputError("no free sequence slot", expected=f"<= {self.max_live} live sequences")
+        s = SeqState(self._next, slot, replica=d)
         self._next += 1
         self.seqs[s.id] = s
         return s
@@ -264,7 +297,7 @@ class Session:
             del self.seqs[s.id]
             # blocks the prefix cache also holds stay until their last holder lets go
             free = [b for b in s.blocks if self.cache is None or self.cache.drop(b)]
-            self.alloc.release(s.slot, free)
+            self.allocs[s.replica].release(s.slot, free)
             s.blocks = []
 
     def table(self, seqs: Sequence[SeqState | None], B: int) -> tuple[np.ndarray, np.ndarray]:
@@ -308,7 +341,7 @@ class Session:
         last = None
         while ids:
             fname, inputs, n = self.prefill_chunk(s, ids)
-            last = self.backend.run(fname, inputs)[0]
+            last = self._run(fname, [(s.replica, inputs)])[s.replica][0]
             s.length += n
             ids = ids[n:]
         return last
@@ -454,22 +487,42 @@ class Session:
         n = len(seqs)
         if n != len(tokens) or n == 0:
             raise InputError("decode needs one token per sequence", expected=n, found=len(tokens))
-        if n > self.max_batch:
-            raise InputError("more sequences than the largest decode bucket", expected=f"<= {self.max_batch}",
-                             found=n)
+        if n > self.max_live or any(sum(1 for s in seqs if s.replica == d) > self.max_batch for d in range(self.dp)):
+            raise InputError("more sequences than the largest decode bucket", expected=f"<= {self.max_batch}"
+                             + (f" on each of {self.dp} replicas" if self.dp > 1 else ""), found=n)
         toks = self.check_prompt(tokens, "decode tokens")
-        B, fname = next((b, f) for b, f in self.decode_fns if b >= n)
+        lanes = [[i for i, s in enumerate(seqs) if s.replica == d] for d in range(self.dp)]
+        B, fname = next((b, f) for b, f in self.decode_fns if b >= max(map(len, lanes)))
         for s in seqs:
             self.reserve(s, s.length)
-        x = np.zeros((B, 1), dtype=np.int64)
-        pos = np.full((B, 1), -1, dtype=np.int64)
-        x[:n, 0] = toks
-        pos[:n, 0] = [s.length for s in seqs]
-        table, slot = self.table(list(seqs), B)
-        logits = self.backend.run(fname, {"ids": x, "pos": pos, "block_table": table, "slot": slot})[:n]
+        steps = []
+        for d, mine in enumerate(lanes):
+            x = np.zeros((B, 1), dtype=np.int64)
+            pos = np.full((B, 1), -1, dtype=np.int64)
+            x[: len(mine), 0] = [toks[i] for i in mine]
+            pos[: len(mine), 0] = [seqs[i].length for i in mine]
+            table, slot = self.table([seqs[i] for i in mine], B)
+            steps.append((d, {"ids": x, "pos": pos, "block_table": table, "slot": slot}))
+        out = self._run(fname, steps)
+        logits = np.empty((n, out[0].shape[-1]), dtype=out[0].dtype)
+        for d, mine in enumerate(lanes):
+            for b, i in enumerate(mine):
+                logits[i] = out[d][b]
         for s in seqs:
             s.length += 1
         return logits
+
+    def _run(self, fname: str, steps: list[tuple[int, dict[str, np.ndarray]]]) -> list[np.ndarray]:
+        """One step of `fname`: each (replica, step inputs) of `steps`; logits per replica. Data parallel:
+        every replica runs the step (the collectives need every rank), one without inputs here on padding
+        lanes only (pos -1, slot -1: it writes nothing)."""
+        if self.dp == 1:
+            (_, inputs), = steps
+            return [self.backend.run(fname, inputs)]
+        given = dict(steps)
+        pad = _padding(next(iter(given.values())))
+        stacked = {k: np.stack([given.get(d, pad)[k] for d in range(self.dp)]) for k in pad}
+        return list(self.backend.run(fname, stacked))
 
     @serialised
     def warmup(self, prompt_len: int, batch: int = 1) -> None:
@@ -548,6 +601,9 @@ class Session:
         if speculative is not None:
             from .speculative import SpecStep
 
+            if self.dp > 1:
+                raise InputError("speculative decoding of a data-parallel artifact (--dp) is not built yet",
+                                 expected="an artifact without --dp", found=f"dp {self.dp}")
             if speculative != "mtp" or top_p != 1:
                 raise InputError("speculative decoding drafts with the MTP block and samples without top-p",
                                  expected="speculative='mtp', top_p 1", found=(speculative, top_p))
@@ -586,6 +642,11 @@ class Session:
     @serialised
     def close(self) -> None:
         self.backend.close()
+
+
+def _padding(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Step inputs of the same shapes with every lane padding."""
+    return {k: np.zeros_like(a) if k == "ids" else np.full_like(a, -1) for k, a in inputs.items()}
 
 
 def auto_device(art: Artifact) -> str:
@@ -667,5 +728,4 @@ def _join(art: Artifact, device: str):
         from v4compile.targets import DEVICE_TARGET
 
         art.target(DEVICE_TARGET[device])  # before joining: a cpu-only artifact is one error, not a wait for peers
-    p = art.manifest["parallel"]
-    return join(ParallelLayout(p["tp"], p["ep"]))
+    return join(ParallelLayout.from_manifest(art.manifest["parallel"]))

@@ -78,6 +78,18 @@ class IRRunner:
         return self.m.functions[fname].attrs["batch"]
 
     def call(self, fname: str, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        outs = self.interpreter(self.m.functions[fname], self.weights, self.inputs_for(fname, ids, pos))
+        return self.take(outs)
+
+    def take(self, outs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """A call's outputs: the state kept for the next call, the logits returned."""
+        for name, t in outs.items():
+            if name != "logits":
+                self.state[name] = t
+        return outs["logits"]
+
+    def inputs_for(self, fname: str, ids: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A call's inputs: the step's (with the pool's tables), the carried state."""
         fn = self.m.functions[fname]
         inputs = {"ids": ids, "pos": pos}
         if self.allocator is not None and any(v.name == "block_table" for v in fn.inputs):
@@ -90,11 +102,7 @@ class IRRunner:
             if v.name not in self.state:
                 self.state[v.name] = torch.zeros(v.type.shape, dtype=DTYPES[v.type.dtype])
             inputs[v.name] = self.state[v.name]
-        outs = self.interpreter(fn, self.weights, inputs)
-        for name, t in outs.items():
-            if name != "logits":
-                self.state[name] = t
-        return outs["logits"]
+        return inputs
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         fn = self.m.functions["prefill"]
@@ -125,6 +133,73 @@ class IRRunner:
         return logits.float()
 
 
+class DPRunner:
+    """Prefill and decode through a data-parallel module (`partition{dp}`), every rank in this process: the
+    batch's sequences are dealt to the replicas in order (replica d: sequences [d * B, (d + 1) * B), B the
+    functions' batch), each replica with its own state and pool (an `IRRunner` each), and every call runs
+    all ranks in lockstep (`interpret_ranks`; rank r serves replica r // tp). A replica with fewer prefill
+    chunks than another runs padding steps (pos -1), as the runtime does."""
+
+    def __init__(self, module: Module, weights: Sequence[Mapping[str, torch.Tensor]], layout, prepare=None):
+        from .ir.interpret import interpret_ranks
+
+        self.m, self.layout, self.weights = module, layout, list(weights)
+        self.replicas = [IRRunner(module, {}, prepare=prepare) for _ in range(layout.dp)]
+        self._ranks = interpret_ranks
+
+    def _call(self, fname: str, steps: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        fn = self.m.functions[fname]
+        ins = [rep.inputs_for(fname, ids, pos) for rep, (ids, pos) in zip(self.replicas, steps)]
+        outs = self._ranks(fn, self.weights, [ins[self.layout.replica(r)] for r in range(self.layout.world)])
+        logits = []
+        for d, rep in enumerate(self.replicas):
+            first = d * self.layout.tp
+            for r in range(first + 1, first + self.layout.tp):  # a replica's tp ranks end with the same values
+                for name, t in outs[r].items():
+                    if not torch.equal(t, outs[first][name]):
+                        raise InputError(f"@{fname}: output '{name}' differs between ranks {first} and {r} of "
+                                         f"replica {d}", expected="the same values on a replica's ranks")
+            logits.append(rep.take(outs[first]))
+        return logits
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        fn = self.m.functions["prefill"]
+        B, T, dp = fn.attrs["batch"], fn.attrs["tokens"], self.layout.dp
+        if len(prompts) != B * dp:
+            raise InputError("prefill batch does not match the compiled batch on every replica",
+                             expected=f"{dp} x {B}", found=len(prompts))
+        parts = [list(prompts[d * B:(d + 1) * B]) for d in range(dp)]
+        for rep in self.replicas:
+            if rep.lengths is None:
+                rep.lengths = [0] * B
+        chunks = [list(prefill_chunks(p, rep.lengths, T)) for p, rep in zip(parts, self.replicas)]
+        V = fn.output("logits").type.shape[-1]
+        last = torch.zeros(B * dp, V)
+        pad = (torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1, dtype=torch.long), [0] * B)
+        for k in range(max(map(len, chunks))):
+            step = [c[k] if k < len(c) else pad for c in chunks]
+            for d, logits in enumerate(self._call("prefill", [(ids, pos) for ids, pos, _ in step])):
+                for b in range(B):
+                    if step[d][2][b]:
+                        last[d * B + b] = logits[b].float()
+        for p, rep in zip(parts, self.replicas):
+            for b, q in enumerate(p):
+                rep.lengths[b] += len(q)
+        return last
+
+    def decode(self, tokens: Sequence[int]) -> torch.Tensor:
+        B = self.m.functions["decode"].attrs["batch"]
+        if any(rep.lengths is None for rep in self.replicas) or len(tokens) != B * self.layout.dp:
+            raise InputError("decode needs a prefilled batch of the compiled decode size on every replica",
+                             expected=f"{self.layout.dp} x {B}", found=len(tokens))
+        steps = [(torch.tensor(tokens[d * B:(d + 1) * B], dtype=torch.long).view(B, 1),
+                  torch.tensor(rep.lengths, dtype=torch.long).view(B, 1)) for d, rep in enumerate(self.replicas)]
+        logits = self._call("decode", steps)
+        for rep in self.replicas:
+            rep.lengths = [n + 1 for n in rep.lengths]
+        return torch.cat(logits).float()
+
+
 @dataclass(frozen=True)
 class Scenario:
     """A seeded workload: B prompts of different lengths, then teacher-forced decode tokens."""
@@ -141,8 +216,17 @@ class Scenario:
         return cls(prompts, dec)
 
 
-def reference_logits(model, sc: Scenario, chunk: int, capacity: int | None = None) -> list[torch.Tensor]:
-    """[prefill last-token logits, decode step 1, ...] from the reference model."""
+def reference_logits(model, sc: Scenario, chunk: int, capacity: int | None = None, replicas: int = 1
+                     ) -> list[torch.Tensor]:
+    """[prefill last-token logits, decode step 1, ...] from the reference model. `replicas` > 1: the
+    sequences dealt to that many replicas as `DPRunner` deals them, each replica's batch run on its own (as
+    a data-parallel module runs all but its experts: the same batches, so the same roundings)."""
+    if replicas > 1:
+        B = len(sc.prompts) // replicas
+        parts = [reference_logits(model, Scenario(sc.prompts[d * B:(d + 1) * B],
+                                                  tuple(t[d * B:(d + 1) * B] for t in sc.decode)), chunk, capacity)
+                 for d in range(replicas)]
+        return [torch.cat(step) for step in zip(*parts)]
     cache, last = model.prefill([list(p) for p in sc.prompts], chunk=chunk,
                                 capacity=capacity or max(map(len, sc.prompts)) + len(sc.decode))
     out = [last]

@@ -37,6 +37,8 @@ from .speculation import MAX_DRAFT_TOKENS
 from .targets import TARGET_FORMATS
 
 MANIFEST = "manifest.json"
+# the collectives between a partitioned function's ONNX segments (`ops/collective.py`, `runtime/distributed.py`)
+SEGMENT_COLLECTIVES = ("all_reduce", "all_gather_rows", "reduce_scatter_rows")
 # 3: a tensor's `sha256` and a shard's segments are tree digests (`weights.hash`, `shard_digest.HASH`); 2: a weights
 # shard's hash in `files` is its `shard_digest` of whole-segment sha256s; 1: its whole-file sha256
 FORMAT_VERSION = 3
@@ -270,9 +272,14 @@ def _check_parallel(p: Any, w: dict, cfg, listed) -> None:
     p = _obj(p, "parallel")
     tp = _int(_get(p, "tp", "parallel.tp"), "parallel.tp", 1, 1 << 12)
     ep = _int(_get(p, "ep", "parallel.ep"), "parallel.ep", 1, 1 << 14)
+    dp = _int(p.get("dp", 1), "parallel.dp", 1, 1 << 12)
     world = _int(_get(p, "world", "parallel.world"), "parallel.world", 1, 1 << 14)
-    if world != max(tp, ep) or world % tp or world % ep:
-        raise _err("`parallel.world` must be max(tp, ep), a multiple of both", found=f"tp {tp}, ep {ep}, world {world}")
+    from .parallel import ParallelLayout
+
+    layout = ParallelLayout(tp, ep, dp)
+    if layout.problem() is not None or world != layout.world:
+        raise _err("`parallel.world` must be max(dp x tp, ep), a multiple of tp and ep (with dp > 1: ep 1 or the "
+                   "world)", found=f"dp {dp}, tp {tp}, ep {ep}, world {world}")
     for what, n, k in (("attention heads", cfg.n_heads, tp), ("o_groups", cfg.o_groups, tp),
                        ("routed experts", cfg.n_experts, ep)):
         if n % k:
@@ -331,10 +338,13 @@ def _check_segments(f: dict, fk: str, parallel: bool, tensors: dict, listed) -> 
                 raise _err(f"`{sk}`: the last segment must output the logits")
             continue
         c = _obj(c, f"{sk}.collective")
-        _str(_get(c, "op", f"{sk}.collective.op"), f"{sk}.collective.op", ("all_reduce",))
+        _str(_get(c, "op", f"{sk}.collective.op"), f"{sk}.collective.op", SEGMENT_COLLECTIVES)
         _int(_get(c, "group", f"{sk}.collective.group"), f"{sk}.collective.group", 1, 1 << 14)
-        if _str(_get(c, "operand", f"{sk}.collective.operand"), f"{sk}.collective.operand") not in seg["outputs"]:
-            raise _err(f"`{sk}.collective.operand` is not an output of its segment", found=_show(c["operand"]))
+        operand = _str(_get(c, "operand", f"{sk}.collective.operand"), f"{sk}.collective.operand")
+        # an output of its segment, or (the token ids a data-parallel router gathers) a step input
+        if operand not in seg["outputs"] and operand not in seg["inputs"] and operand not in ("ids", "hidden"):
+            raise _err(f"`{sk}.collective.operand` is not an output of its segment (nor a step input)",
+                       found=_show(operand))
         _str(_get(c, "result", f"{sk}.collective.result"), f"{sk}.collective.result")
 
 

@@ -1,9 +1,12 @@
-"""Tensor and expert parallelism: the rank layout of a partitioned module and its rank-local weights.
+"""Tensor, expert and data parallelism: the rank layout of a partitioned module and its rank-local weights.
 
 A partitioned module (`passes/partition.py`) is one SPMD program: every rank runs the same functions on
-its own weights. Its attributes `parallel.tp` and `parallel.ep` give the layout: `world = max(tp, ep)`
-ranks; a tensor-parallel group is `tp` consecutive ranks (rank r is part `r % tp` of its group), an
-expert-parallel group `ep` consecutive ranks (part `r % ep`). Which part of a checkpoint tensor a rank
+its own weights. Its attributes `parallel.tp` and `parallel.ep` (and `parallel.dp` when > 1) give the
+layout: `world = max(dp * tp, ep)` ranks; a tensor-parallel group is `tp` consecutive ranks (rank r is
+part `r % tp` of its group), an expert-parallel group `ep` consecutive ranks (part `r % ep`).
+Data parallel (`dp` > 1): rank r serves replica `r // tp` (its own sequences, KV pool and state; the tp
+ranks of a replica see the same tokens), and `ep` is 1 (every rank holds every expert) or the whole world
+(`ep == dp * tp`: the EP group spans the world; the tokens of every rank are gathered to the experts). Which part of a checkpoint tensor a rank
 holds is written in the weight's source: `name#tp:0` is part `r % tp` of `name` cut into `tp` equal
 pieces along axis 0 (`#ep:0`: by `ep`). A merged weight concatenates such parts with whole tensors, so
 merges compose with the partition. `=expert_owner(E)` is the one rank-local table that is not a
@@ -30,10 +33,15 @@ _OWNER = re.compile(r"^=expert_owner\((\d+)\)$")
 class ParallelLayout:
     tp: int = 1
     ep: int = 1
+    dp: int = 1  # last, keyword in practice: ParallelLayout(tp, ep) is the layout without data parallelism
 
     @property
     def world(self) -> int:
-        return max(self.tp, self.ep)
+        return max(self.dp * self.tp, self.ep)
+
+    def replica(self, rank: int) -> int:
+        """The data-parallel replica rank `rank` serves (its sequences, pool and state)."""
+        return rank // self.tp if self.dp > 1 else 0
 
     def size(self, group: str) -> int:
         return self.tp if group == TP else self.ep
@@ -43,14 +51,41 @@ class ParallelLayout:
         return rank % self.size(group)
 
     def attrs(self) -> dict[str, int]:
-        return {"parallel.tp": self.tp, "parallel.ep": self.ep}
+        # `parallel.dp` only when > 1: the modules (and IR text) of TP / EP layouts stay as they were
+        return {"parallel.tp": self.tp, "parallel.ep": self.ep, **({"parallel.dp": self.dp} if self.dp > 1 else {})}
+
+    def manifest(self) -> dict[str, int]:
+        """The manifest's `parallel` layout fields (`dp` only when > 1, like the module attributes)."""
+        return {"tp": self.tp, "ep": self.ep, **({"dp": self.dp} if self.dp > 1 else {}), "world": self.world}
+
+    @staticmethod
+    def from_manifest(p: Mapping) -> "ParallelLayout":
+        return ParallelLayout(int(p["tp"]), int(p["ep"]), int(p.get("dp", 1)))
 
     @staticmethod
     def of(m: Module) -> "ParallelLayout | None":
         """The layout of a partitioned module (None for a single-rank one)."""
         if "parallel.tp" not in m.attrs:
             return None
-        return ParallelLayout(int(m.attrs["parallel.tp"]), int(m.attrs["parallel.ep"]))
+        return ParallelLayout(int(m.attrs["parallel.tp"]), int(m.attrs["parallel.ep"]),
+                              int(m.attrs.get("parallel.dp", 1)))
+
+    def problem(self) -> str | None:
+        """What is wrong with the layout itself (None: nothing), one sentence naming the constraint."""
+        tp, ep, dp = self.tp, self.ep, self.dp
+        if min(tp, ep, dp) < 1:
+            return "--dp, --tp and --ep must be >= 1"
+        if dp > 1:
+            if ep not in (1, dp * tp):
+                return (f"with --dp the expert-parallel group spans the world: --ep must be 1 or dp x tp = {dp * tp}")
+            if tp > 1 and ep > 1:
+                # a replica's tp ranks would each bring the same tokens to the experts, and their copies' sums,
+                # in other rows of the experts' GEMMs, can round apart: the replica's ranks would disagree
+                return "--dp with both --tp > 1 and --ep > 1 is not built yet: --tp 1, or --ep 1"
+            return None
+        if self.world % tp or self.world % ep:
+            return "--tp and --ep: the smaller must divide the larger (the world is max(tp, ep) ranks)"
+        return None
 
 
 def shard_source(source: str, group: str, axis: int) -> str:

@@ -8,7 +8,8 @@
 #include "driver.h"
 
 #define MAX_GROUPS 8
-#define NCCL_FLOAT32 7 /* ncclDataType_t */
+#define NCCL_INT64 4 /* ncclDataType_t */
+#define NCCL_FLOAT32 7
 #define NCCL_BFLOAT16 9
 #define NCCL_SUM 0 /* ncclRedOp_t */
 
@@ -25,6 +26,8 @@ struct v4comm {
     int (*destroy)(void *);
     int (*all_reduce)(const void *, void *, size_t, int, int, void *, void *);
     int (*all_gather)(const void *, void *, size_t, int, void *, void *);
+    /* optional (data parallel: reduce_scatter_rows); NULL where the library lacks it */
+    int (*reduce_scatter)(const void *, void *, size_t, int, int, void *, void *);
     const char *(*error_string)(int);
 };
 
@@ -64,6 +67,8 @@ static v4comm *load(const char *lib) {
         }
         memcpy(syms[i].at, &p, sizeof p); /* POSIX: a function's address fits a void * */
     }
+    void *rs = dlsym(c->lib, "ncclReduceScatter");
+    if (rs) memcpy(&c->reduce_scatter, &rs, sizeof rs);
     return c;
 }
 
@@ -113,7 +118,16 @@ int v4comm_run(v4comm *c, const char *op, uint32_t group, uint32_t dtype, uint64
         v4rt_seterr("collectives: no communicator for groups of %u ranks (v4rt_comm_init first)", group);
         return 1;
     }
-    int type = dtype == V4RT_BF16 ? NCCL_BFLOAT16 : NCCL_FLOAT32;
+    int type = dtype == V4RT_BF16 ? NCCL_BFLOAT16 : dtype == V4RT_I64 ? NCCL_INT64 : NCCL_FLOAT32;
+    if (strcmp(op, "reduce_scatter_rows") == 0) {
+        /* `count`: the operand's elements; each rank receives its 1 / group of them (rows: contiguous) */
+        if (!c->reduce_scatter) {
+            v4rt_seterr("collectives: ncclReduceScatter missing from the library (reduce_scatter_rows)");
+            return 1;
+        }
+        return check(c, c->reduce_scatter((const void *)(uintptr_t)send, (void *)(uintptr_t)recv, count / group, type,
+                                          NCCL_SUM, comm, stream), "ncclReduceScatter");
+    }
     if (strcmp(op, "all_reduce") == 0)
         return check(c, c->all_reduce((const void *)(uintptr_t)send, (void *)(uintptr_t)recv, count, type, NCCL_SUM,
                                       comm, stream), "ncclAllReduce");

@@ -217,10 +217,12 @@ static v4rt_status parse(v4rt *rt, const unsigned char **code_img, uint64_t *cod
                 return V4RT_E_TABLE;
             }
             if (k->code == V4RT_COLLECTIVE) {
-                if ((strcmp(k->symbol, "all_reduce") != 0 && strcmp(k->symbol, "all_gather") != 0) ||
-                    !k->grid[0] || k->grid[1] > V4RT_BF16 || k->n_params != 2 || !k->shared) {
-                    v4rt_seterr("launch table: function %u call %u (%s): not a collective (all_reduce or "
-                                "all_gather of f32 / bf16 elements, operand and result)", f, c, k->symbol);
+                if ((strcmp(k->symbol, "all_reduce") != 0 && strcmp(k->symbol, "all_gather") != 0 &&
+                     strcmp(k->symbol, "all_gather_rows") != 0 && strcmp(k->symbol, "reduce_scatter_rows") != 0) ||
+                    !k->grid[0] || k->grid[1] > V4RT_I64 || k->n_params != 2 || !k->shared) {
+                    v4rt_seterr("launch table: function %u call %u (%s): not a collective (all_reduce, all_gather, "
+                                "all_gather_rows or reduce_scatter_rows of f32 / bf16 / i64 elements, operand and "
+                                "result)", f, c, k->symbol);
                     return V4RT_E_TABLE;
                 }
                 rt->n_collectives++;

@@ -43,8 +43,9 @@ typedef int (*v4rt_host_kernel)(void *user, uint32_t function, uint32_t call, ui
                                 const uint64_t *params);
 
 /* Collectives of a partitioned program (issue 18): a launch-table call whose code object index is
- * V4RT_COLLECTIVE is a collective, not a kernel: symbol "all_reduce" (sum) or "all_gather" (last axis),
- * grid = {group size, dtype (V4RT_F32 / V4RT_BF16), 1}, block = {1, 1, 1}, shared = the element count of the
+ * V4RT_COLLECTIVE is a collective, not a kernel: symbol "all_reduce" (sum), "all_gather" (last axis),
+ * "all_gather_rows" (first axis) or "reduce_scatter_rows" (sum, each rank its part of the first axis),
+ * grid = {group size, dtype (V4RT_F32 / V4RT_BF16 / V4RT_I64), 1}, block = {1, 1, 1}, shared = the element count of the
  * operand, parameters = {operand, result}. The driver runs it on its stream, in order with the kernels
  * (inside a captured graph: recorded and replayed with it): the host driver hands it to the host callback;
  * the GPU drivers enqueue NCCL (CUDA, libnccl.so.2) or RCCL (HIP, librccl.so) on communicators joined
@@ -52,6 +53,7 @@ typedef int (*v4rt_host_kernel)(void *user, uint32_t function, uint32_t call, ui
 #define V4RT_COLLECTIVE 0xFFFFFFFFu
 #define V4RT_F32 0u
 #define V4RT_BF16 1u
+#define V4RT_I64 2u /* all_gather_rows of token ids (data parallel) */
 #define V4RT_COMM_ID_BYTES 128u /* ncclUniqueId */
 
 /* Counters, for checks and reports. */

@@ -113,3 +113,75 @@ def owner_table(n_experts: int, parts: int, part: int) -> torch.Tensor:
     e = torch.arange(n_experts, dtype=torch.int64) - part * per
     return torch.where((e >= 0) & (e < per), e, torch.full_like(e, -1))
 
+
+
+# ---- data parallel (`partition{dp}`): the tokens of every rank to the experts and the results back ----------
+# Both move along the first axis (a batch of sequences): the layout NCCL / RCCL / gloo gather and scatter
+# contiguous buffers in, so neither needs a copy around the call.
+
+@defop("all_gather_rows(x) -> y", attrs={"group": int}, kernel="collective")
+def all_gather_rows(x, *, group):
+    """The group's values concatenated along the first axis in rank order (every rank gets all of them)."""
+    _one_rank("all_gather_rows", group)
+    return x.clone()
+
+
+@all_gather_rows.infer
+def _(x, *, group):
+    require(group >= 1, "all_gather_rows: group must be >= 1", found=group)
+    require(x.rank >= 1, "all_gather_rows needs at least one axis", found=x)
+    return x.with_shape(x.shape[0] * group, *x.shape[1:])
+
+
+@all_gather_rows.spmd
+def _(per_rank, attrs):
+    out: list = [None] * len(per_rank)
+    for ranks in _groups(per_rank, attrs["group"], "all_gather_rows"):
+        whole = torch.cat([per_rank[r][0] for r in ranks], dim=0)
+        for r in ranks:
+            out[r] = [whole.clone()]
+    return out
+
+
+@all_gather_rows.cost
+def _(operands, results, attrs):
+    # a ring all-gather: a rank sends its part and receives the (n - 1) others
+    b = operands[0].nbytes
+    return Cost(0, b * attrs["group"], b * attrs["group"])
+
+
+@defop("reduce_scatter_rows(x) -> y", attrs={"group": int}, kernel="collective")
+def reduce_scatter_rows(x, *, group):
+    """The sum of `x` over the ranks of the group (in rank order, in the value's dtype), of which the k-th rank
+    of the group keeps the k-th of `group` equal parts along the first axis."""
+    _one_rank("reduce_scatter_rows", group)
+    return x.clone()
+
+
+@reduce_scatter_rows.infer
+def _(x, *, group):
+    require(group >= 1, "reduce_scatter_rows: group must be >= 1", found=group)
+    require(x.dtype in ("fp32", "bf16"), "reduce_scatter_rows sums floating-point values", found=x.dtype)
+    require(x.rank >= 1 and x.shape[0] % group == 0, "reduce_scatter_rows: the first axis must split into "
+            "one equal part per rank", found=(list(x.shape), group))
+    return x.with_shape(x.shape[0] // group, *x.shape[1:])
+
+
+@reduce_scatter_rows.spmd
+def _(per_rank, attrs):
+    out: list = [None] * len(per_rank)
+    for ranks in _groups(per_rank, attrs["group"], "reduce_scatter_rows"):
+        total = per_rank[ranks[0]][0].clone()
+        for r in ranks[1:]:
+            total += per_rank[r][0]
+        for k, part in zip(ranks, total.chunk(len(ranks), dim=0)):
+            out[k] = [part.clone()]
+    return out
+
+
+@reduce_scatter_rows.cost
+def _(operands, results, attrs):
+    # a ring reduce-scatter: (n - 1) / n of the value sent and received, (n - 1) / n of it added
+    n, b = attrs["group"], operands[0].nbytes
+    moved = (n - 1) * b // n
+    return Cost(operands[0].numel * (n - 1) // n, b + moved, b // n + moved)

@@ -1,0 +1,93 @@
+"""One rank of a data-parallel artifact (`compile --dp N`) under torchrun's environment, for
+tests/runtime/test_dp_artifact.py:
+
+    python dp_worker.py OUT PROMPTS.json ART
+
+For each device of `V4_TEST_DEVICES` (comma-separated: cpu, host with the ops' reference kernels, and
+`die`: the cpu device once more, in which rank 1 exits abruptly at its third decode step), in one process
+group joined here once: loads ART, generates the prompts (`{"prompts": [...], "new": N}`) and writes
+`OUT/<device>-rank-<r>.npz`: the ids (`ids`, `lens`), every logits row each request sampled from, in its
+order (`rows-<i>`, request i), and where the sequences were (`placed`: per decode step, the live
+sequences of each replica). A V4Error prints one `error:` line and exits with status 2. The rank prints
+`dist_launch.print_ready`'s line after its imports, and `DIE_START <time.time()>` before the `die` run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+
+
+def main(out: Path, prompts_file: Path, art: str) -> int:
+    import onnxruntime  # noqa: F401 (imported by the load: before the ready line)
+    import torch.distributed as dist
+
+    import v4compile.runtime.cpu_backend  # noqa: F401
+    from dist_launch import print_ready
+    from v4compile.errors import V4Error
+    from v4compile.runtime.distributed import timeout_from_env
+
+    print_ready()
+    spec = json.loads(prompts_file.read_text())
+    rank = int(os.environ["RANK"])
+    try:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_from_env()))
+        for device in os.environ.get("V4_TEST_DEVICES", "cpu").split(","):
+            if device == "die":
+                print(f"{DIE_START} {time.time():.3f}", file=sys.stderr, flush=True)
+            np.savez(out / f"{device}-rank-{rank}.npz", **generate(art, device, spec, rank))
+        return 0
+    except V4Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+DIE_START = "v4-test-die-start"
+
+
+def generate(art: str, device: str, spec: dict, rank: int) -> dict[str, np.ndarray]:
+    import v4compile
+    from v4compile.runtime.batcher import Batcher
+
+    die_at = 3 if device == "die" else 0
+    device = "cpu" if device == "die" else device
+    rows: dict[int, list] = {}
+    placed: list = []
+    sess = v4compile.load(art, device=device, threads=1, **({"kernels": "reference"} if device == "host" else {}))
+    decode = sess.decode
+
+    def recorded_decode(seqs, tokens):
+        if rank == 1 and len(placed) + 1 == die_at:
+            os._exit(3)  # no clean-up, no goodbye: as a killed process
+        placed.append([sum(1 for s in seqs if s.replica == d) for d in range(sess.dp)])
+        return decode(seqs, tokens)
+
+    pick = Batcher._pick
+
+    def recorded_pick(self, r, row):
+        rows.setdefault(r.index, []).append(np.asarray(row, dtype=np.float32).copy())
+        return pick(self, r, row)
+
+    sess.decode = recorded_decode
+    Batcher._pick = recorded_pick
+    try:
+        ids = sess.generate(spec["prompts"], spec["new"])
+    finally:
+        Batcher._pick = pick
+        sess.close()
+    return {"ids": np.asarray([x for seq in ids for x in seq], dtype=np.int64),
+            "lens": np.asarray([len(seq) for seq in ids], dtype=np.int64), "placed": np.asarray(placed),
+            **{f"rows-{i}": np.stack(v) for i, v in rows.items()}}
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]))
