@@ -169,6 +169,7 @@ class CompileInputs:
     # Without GPU targets: `module` continued through PROGRAM_PASSES, whose program the host device runs.
     host_module: Module | None = None
     tokenizer_from: Path | None = None  # a checkpoint directory whose tokenizer files are copied in
+    allow_spills: bool = False  # `--allow-spills`: the compile succeeds though kernels spill (recorded)
 
 
 def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> Path:
@@ -215,6 +216,7 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
         if gt is not None:
             report["kernels"] = gt.rows
             report["decode_step"] = gt.decode_step
+            report["spilling"] = gt.spilling
         (tmp / "report.json").write_text(canonical(report))
         cfg_json = json.loads(ci.cfg.to_json())
         return {
@@ -238,6 +240,7 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
             "weights_origin": ci.weights_origin,
             "targets": targets,
             "kernels": gt.kernels if gt is not None else [],
+            **({"allow_spills": ci.allow_spills} if gpu else {}),
             "weights": weights,
             **({"parallel": parallel} if parallel is not None else {}),
             **({"tokenizer": tokenizer} if tokenizer else {}),

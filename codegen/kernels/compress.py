@@ -57,6 +57,14 @@ def _slot_tile(kv_ptr, gate_ptr, ape_ptr, skv_ptr, sg_ptr, b, sb, start, w, s0, 
     return tl.where(ok[:, None], v, 0.0), g
 
 
+# The launch shape per target (KernelCall.per_target) for rows of WIDE_ROW channels or more, where 4 warps spill:
+# V4-Pro's HCA compressor (512 channels) took 168 registers and spilled 32 B on sm_90a; with 8 warps, 160
+# registers and no spills (gfx950: none either way). One program per sequence, so the fewer CTAs per SM that 8
+# warps allow cost nothing.
+WIDE_ROW = 512
+WIDE_ROW_SHAPE = {"sm_90a": {"num_warps": 8}}
+
+
 # The constexprs of one compressor, in `compress_program`'s order (a `compress_pair` launch takes them twice).
 HALF = ("T", "TP", "M", "OVERLAP", "CM", "S", "BS", "DK", "DKP", "CW", "CWP", "BT", "EPS", "ROPE_DIM", "F", "ROUND",
         "RBLK", "HS", "PER_BLOCK", "ENV", "BT_S", "KV_S", "G_S", "SKV_S", "SG_S", "FMT", "NPLANES", "NOPE", "BLK", "S0",
@@ -216,6 +224,7 @@ def specialise(op_name, operands, results, attrs):
             pointers.append(ptr(f"p{i}", "operand", f"p{i}", p))
     return [KernelCall(name=call_name("compress_paged", c, f"b{B}_t{T}_m{m}_{'csa' if overlap else 'hca'}_{attrs['fmt']}"),
                        fn=compress_kernel, constexprs=c, pointers=pointers, grid=(B, 1, 1), num_warps=4,
+                       per_target=WIDE_ROW_SHAPE if c["DKP"] >= WIDE_ROW else {},
                        unaligned=unaligned({"kv_ptr": kv, "gate_ptr": gate,
                                             **{f"p{i}": any_row(p) for i, p in enumerate(planes)}}),
                        offsets=row_offsets({f"p{i}": p for i, p in enumerate(planes)}, attrs["layer_offset"]),
@@ -248,5 +257,8 @@ def _pair(operands, results, attrs):
     tag = "_".join(h.name.split("_", 2)[2].rsplit("_", 1)[0] for h in halves)
     return [KernelCall(name=call_name("compress_pair", c, tag), fn=compress_pair_kernel, constexprs=c,
                        pointers=pointers, grid=(2 * a.grid[0], 1, 1), num_warps=a.num_warps,
+                       # both halves in the larger half's warps on each target
+                       per_target={t: {"num_warps": max(a.for_target(t)[0], b.for_target(t)[0])}
+                                   for t in sorted({*a.per_target, *b.per_target})},
                        unaligned=tuple(f"{p}_{i}" for i, h in enumerate(halves) for p in h.unaligned),
                        offsets=offsets, bytes_moved=a.bytes_moved + b.bytes_moved)]
