@@ -51,6 +51,15 @@ SIDE = ("M", "N", "K", "SPLIT", "KS", "NT", "X_RS", "X_CS", "Y_RS", "Y_CS", "W_R
 ROPE = ("G_K", "ROPE_T", "P_BS", "P_TS", "D", "DIM", "FREQS", "SIGN")
 
 
+# The projection's schedule per target where the unfused tiles' spills (KernelCall.per_target). gfx950, prefill
+# tiles (A_BM >= PREFILL_BM): wo_a's K loop pipelined 2 deep beside its inverse-RoPE prologue took 256 VGPRs and
+# spilled 93 at 8 warps in V4-Pro's 64-token chunk (4 warps: 458 VGPRs, 88 spilled; wo_b's pipeline alone
+# unpipelined: 89); with wo_a's loop unpipelined, none. Pipelining only schedules: the tiles, the order of
+# every sum and so the results are the same. Decode tiles and sm_90a spill nothing pipelined.
+PREFILL_BM = 64
+PREFILL_SCHEDULE = {"gfx950": {"constexprs": {"A_STAGES": 1}}}
+
+
 @triton.jit
 def _grid_program(v, x_ptr, w_ptr, s_ptr, pos_ptr, y_ptr, part_ptr, sem_ptr,
                   M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr,
@@ -248,6 +257,7 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
         unaligned.add("o_ptr")
     return [KernelCall(call_name("out_proj", ce, tag), out_proj_kernel, ce, pointers, (ce["PA"] + ce["PB"], 1, 1),
                        num_warps=max(a.num_warps, b.num_warps), num_stages=2, scratch_bytes=scratch,
+                       per_target=PREFILL_SCHEDULE if ce["A_BM"] >= PREFILL_BM else {},
                        unaligned=tuple(sorted(unaligned)), flops=a.flops + b.flops,
                        mma_dtype="fp8" if "fp8" in (a.mma_dtype, b.mma_dtype) else "bf16",
                        # the two launches' bytes (wo_a's output still goes to scratch and back) and re-reads, per
