@@ -10,7 +10,18 @@ stages of `--time-passes` (trace, passes, report, write output) and the AOT line
 after the cold run, the per-kernel table per target (from the cache's stats), slowest first: compile seconds
 (wall, in the worker), CPU seconds of the whole job (ptxas and nvdisasm included), regs, spills, MMA count,
 and their sum per target (less noisy than wall time on a shared machine: it does not depend on how the jobs
-packed onto the workers).
+packed onto the workers). Then the same CPU by kernel family: its specialisations and the constexprs in which
+they differ.
+
+Issue 40's profile (V4-Pro shape-only, both targets, empty cache, 2 shared cores, 2026-12-07; CPU seconds from
+the cache's stats because the machine was loaded 8-19 deep, so wall time meant nothing: 18 min 44 s): 48
+specialisations x 2 targets, 273 CPU s in the workers (sm_90a 168, gfx950 105: ptxas and nvdisasm make a sm_90a
+kernel ~1.6x a gfx950 one). By family: moe_fused 111 s (41%, 4 specialisations: two, the hash-routed
+layers' (tid2eid[ids]) and the top-k layers' MoE, differ only in the router's constexprs R_I_S, R_T_RS,
+R_SUM_IN_DT: 36 s), mhc 30 s (8), pair_norm 26 s (4), qkv_norm_rope 21 s (4), compress
+16 s (4), out_proj 15 s (1), attn_out_proj 12 s (1), the other 13 families 43 s. The 60 s goal (issue 40) on 2
+idle cores needs <= ~120 CPU s: about half of today's; the moe_fused router variants as run-time values and
+fewer mhc / pair_norm specialisations are the largest single wins, not done yet.
 """
 
 from __future__ import annotations
