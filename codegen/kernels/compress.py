@@ -19,6 +19,7 @@ import math
 import triton
 import triton.language as tl
 
+from ...targets import KERNEL_SCHEDULES
 from . import KernelCall, any_row, call_name, ptr, row_offsets, unaligned
 from .kvrows import (TL_DTYPE, fp4_qdq, fp8_qdq, fwht, hadamard_scale, plane_consts, pow2, ring_keep, rope,
                      rope_table, store_rows)
@@ -57,12 +58,9 @@ def _slot_tile(kv_ptr, gate_ptr, ape_ptr, skv_ptr, sg_ptr, b, sb, start, w, s0, 
     return tl.where(ok[:, None], v, 0.0), g
 
 
-# The launch shape per target (KernelCall.per_target) for rows of WIDE_ROW channels or more, where 4 warps spill:
-# V4-Pro's HCA compressor (512 channels) took 168 registers and spilled 32 B on sm_90a; with 8 warps, 160
-# registers and no spills (gfx950: none either way). One program per sequence, so the fewer CTAs per SM that 8
-# warps allow cost nothing.
+# Rows this wide or wider spill with 4 warps on some target: their schedule there is targets.KERNEL_SCHEDULES.
 WIDE_ROW = 512
-WIDE_ROW_SHAPE = {"sm_90a": {"num_warps": 8}}
+WIDE_ROW_SHAPE = KERNEL_SCHEDULES["compress.wide_row"]
 
 
 # The constexprs of one compressor, in `compress_program`'s order (a `compress_pair` launch takes them twice).

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ...ir.registry import Layout, get_op
+from ...targets import KERNEL_SCHEDULES
 from . import KernelCall, TensorArg, call_name, ptr
 from . import grouped_gemm
 from .arrival import last_to_arrive
@@ -51,13 +52,10 @@ SIDE = ("M", "N", "K", "SPLIT", "KS", "NT", "X_RS", "X_CS", "Y_RS", "Y_CS", "W_R
 ROPE = ("G_K", "ROPE_T", "P_BS", "P_TS", "D", "DIM", "FREQS", "SIGN")
 
 
-# The projection's schedule per target where the unfused tiles' spills (KernelCall.per_target). gfx950, prefill
-# tiles (A_BM >= PREFILL_BM): wo_a's K loop pipelined 2 deep beside its inverse-RoPE prologue took 256 VGPRs and
-# spilled 93 at 8 warps in V4-Pro's 64-token chunk (4 warps: 458 VGPRs, 88 spilled; wo_b's pipeline alone
-# unpipelined: 89); with wo_a's loop unpipelined, none. Pipelining only schedules: the tiles, the order of
-# every sum and so the results are the same. Decode tiles and sm_90a spill nothing pipelined.
+# The projection's prefill tiles (A_BM >= PREFILL_BM) spill on some target as pipelined: their schedule there
+# is targets.KERNEL_SCHEDULES.
 PREFILL_BM = 64
-PREFILL_SCHEDULE = {"gfx950": {"constexprs": {"A_STAGES": 1}}}
+PREFILL_SCHEDULE = KERNEL_SCHEDULES["out_proj.prefill"]
 
 
 @triton.jit
