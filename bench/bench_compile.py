@@ -10,7 +10,18 @@ stages of `--time-passes` (trace, passes, report, write output) and the AOT line
 after the cold run, the per-kernel table per target (from the cache's stats), slowest first: compile seconds
 (wall, in the worker), CPU seconds of the whole job (ptxas and nvdisasm included), regs, spills, MMA count,
 and their sum per target (less noisy than wall time on a shared machine: it does not depend on how the jobs
-packed onto the workers).
+packed onto the workers). Then the same CPU by kernel family: its specialisations and the constexprs in which
+they differ.
+
+Issue 40's profile (V4-Pro shape-only, both targets, empty cache, 2 shared cores, 2026-12-07; CPU seconds from
+the cache's stats because the machine was loaded 8-19 deep, so wall time meant nothing: 18 min 44 s): 48
+specialisations x 2 targets, 273 CPU s in the workers (sm_90a 168, gfx950 105: ptxas and nvdisasm make a sm_90a
+kernel ~1.6x a gfx950 one). By family: moe_fused 111 s (41%, 4 specialisations: two, the hash-routed
+layers' (tid2eid[ids]) and the top-k layers' MoE, differ only in the router's constexprs R_I_S, R_T_RS,
+R_SUM_IN_DT: 36 s), mhc 30 s (8), pair_norm 26 s (4), qkv_norm_rope 21 s (4), compress
+16 s (4), out_proj 15 s (1), attn_out_proj 12 s (1), the other 13 families 43 s. The 60 s goal (issue 40) on 2
+idle cores needs <= ~120 CPU s: about half of today's; the moe_fused router variants as run-time values and
+fewer mhc / pair_norm specialisations are the largest single wins, not done yet.
 """
 
 from __future__ import annotations
@@ -72,11 +83,37 @@ def kernel_table(cache: Path, top: int) -> str:
     order = sorted(per, key=lambda n: -max(s["compile_s"] for s in per[n].values()))
     for n in order[:top]:
         lines.append(f"{n[:56]:56s} " + " ".join(cell(per[n].get(t)) for t in targets))
+    lines += family_table(cache)
     for key, what in (("compile_s", "compile seconds (wall, in the worker)"), ("cpu_s", "CPU seconds (with stats)")):
         sums = {t: sum(v[t].get(key, 0.0) for v in per.values() if t in v) for t in targets}
         lines.append(f"{len(per)} kernels; sum of {what}: "
                      + ", ".join(f"{t} {v:.1f} s" for t, v in sums.items()) + f", total {sum(sums.values()):.1f} s")
     return "\n".join(lines)
+
+
+def family_table(cache: Path) -> list[str]:
+    """Where the CPU goes by kernel family (a @triton.jit kernel): CPU seconds per target, its specialisations,
+    and the constexprs in which they differ (a family's specialisations that differ only in values a kernel
+    could take at run time are compile time to win back; issue 40)."""
+    fams: dict[str, dict] = {}
+    for d in sorted((cache / "aot").glob("*/")):
+        if not (d / "stats.json").exists():
+            continue
+        side, st = json.loads((d / "sidecar.json").read_text()), json.loads((d / "stats.json").read_text())
+        f = fams.setdefault(side["kernel"].rsplit(".", 1)[-1], {"cpu": {}, "specs": {}})
+        f["cpu"][side["target"]] = f["cpu"].get(side["target"], 0.0) + st.get("cpu_s", 0.0)
+        f["specs"][side["name"]] = side["constexprs"]
+    total = sum(sum(f["cpu"].values()) for f in fams.values()) or 1.0
+    lines = [f"{'family':28s} {'CPU s':>7s} {'share':>5s} {'specs':>5s}  per target; constexprs that differ"]
+    for name, f in sorted(fams.items(), key=lambda kv: -sum(kv[1]["cpu"].values())):
+        ces = list(f["specs"].values())
+        differ = sorted(k for k in set().union(*ces) if len({json.dumps(c.get(k), sort_keys=True) for c in ces}) > 1)
+        cpu = sum(f["cpu"].values())
+        lines.append(f"{name[:28]:28s} {cpu:7.1f} {cpu / total:5.0%} {len(ces):5d}  "
+                     + ", ".join(f"{t} {v:.1f}" for t, v in sorted(f["cpu"].items()))
+                     + (f"; {len(differ)} differ: {', '.join(differ[:8])}{' ...' if len(differ) > 8 else ''}"
+                        if differ else ""))
+    return lines
 
 
 def main(argv=None) -> int:

@@ -93,17 +93,58 @@ def cmd_compile(args) -> int:
             from ..codegen.parallel_model import render_parallel
 
             sys.stdout.write(render_parallel(rep["parallel"]))
+    refused = []
     if args.output:
+        from dataclasses import replace
+
         from .driver import compile_buckets, write_artifact
 
-        inputs = compile_buckets(fe, **ci, stages=st)
+        inputs = replace(compile_buckets(fe, **ci, stages=st), allow_spills=args.allow_spills)
         inputs.golden = args.golden and inputs.reference is not None
         with st("write output", progress="writing the artifact"):
             write_artifact(inputs, args.output, force=args.force)
+        refused = _spill_verdict(args, inputs)
     if not (args.output or args.report or args.json or args.dump_ir):
         log.info("compiled %s: %d passes, nothing written (use -o DIR, --report or --dump-ir)", result.module.name,
                  len(result.records))
-    return finish(args, outcome)
+    rc = finish(args, outcome)
+    if rc == 0 and refused:
+        print(f"error: {len(refused)} kernel specialisation(s) spill registers (report.json `spilling`); "
+              "--allow-spills writes such an artifact without failing", file=sys.stderr)
+        return SPILLS_FOUND
+    return rc
+
+
+SPILLS_FOUND = 1  # exit status of a compile whose kernels spill (as a failed numerics check; bad input is 2)
+
+
+def _spill_verdict(args, inputs) -> list[dict]:
+    """The artifact's spilling specialisations (its report.json), listed (stderr; with --report also in the
+    report); returns those that fail the compile. Refused unless --allow-spills, except in an fp32 GPU program:
+    fp32 is a check build (the deployment dtype is bf16), and sm_90a has no fp32 MMA, so its dots run as FMA
+    loops whose spills say nothing of the deployed kernels."""
+    from pathlib import Path
+
+    if not any(t in GPU_TARGETS for t in inputs.targets):
+        return []
+    rep = json.loads((Path(args.output) / "report.json").read_text())
+    spills = rep.get("spilling", [])
+    n = len(rep.get("kernels", []))
+    line = (f"kernel spills: {len(spills)} of {n} specialisations x targets spill" if spills
+            else f"kernel spills: none ({n} specialisations x targets)")
+    if args.report and not args.json:
+        sys.stdout.write(f"  {line}\n" + "".join(f"    {s['name']} ({s['target']}): {s['spills']} {s['unit']}\n"
+                                                for s in spills))
+    check_build = inputs.dtype == "fp32"
+    for s in spills:
+        log.log(logging.INFO if check_build else logging.WARNING, "spills: %s (%s): %d %s", s["name"], s["target"],
+                s["spills"], s["unit"])
+    if not spills or args.allow_spills:
+        return []
+    if check_build:
+        log.info("%s in this fp32 GPU program (a check build: not refused)", line)
+        return []
+    return spills
 
 
 def _parallel_report(args, fe, result, targets) -> dict | None:
@@ -210,6 +251,9 @@ def add_command(sub) -> None:
                         "batches run padded)")
     c.add_argument("--gpu-prefill-buckets", default=None,
                    help="prefill chunk buckets of the GPU targets (default: the largest --prefill-buckets)")
+    c.add_argument("--allow-spills", action="store_true",
+                   help="write the artifact without failing when GPU kernels spill registers (exit status 1 "
+                        "otherwise; recorded in the manifest)")
     c.add_argument("--jobs", type=threads_arg, default=None,
                    help="worker processes compiling kernels ahead of time (default: the CPU count; same output)")
     c.set_defaults(func=cmd_compile)

@@ -174,6 +174,7 @@ class CompileInputs:
     # (the tests compile dozens of artifacts and the reference run costs seconds each).
     golden: bool = False
     reference: Any = None  # () -> the ReferenceModel holding the artifact's weights (the frontend's)
+    allow_spills: bool = False  # `--allow-spills`: the compile succeeds though kernels spill (recorded)
 
 
 def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> Path:
@@ -220,6 +221,7 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
         if gt is not None:
             report["kernels"] = gt.rows
             report["decode_step"] = gt.decode_step
+            report["spilling"] = gt.spilling
         golden = _write_golden(ci, tmp, report) if ci.golden else None
         (tmp / "report.json").write_text(canonical(report))
         cfg_json = json.loads(ci.cfg.to_json())
@@ -244,6 +246,7 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
             "weights_origin": ci.weights_origin,
             "targets": targets,
             "kernels": gt.kernels if gt is not None else [],
+            **({"allow_spills": ci.allow_spills} if gpu else {}),
             "weights": weights,
             **({"parallel": parallel} if parallel is not None else {}),
             **({"tokenizer": tokenizer} if tokenizer else {}),

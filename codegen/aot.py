@@ -97,7 +97,7 @@ def job_of(call: KernelCall, target: str) -> dict:
     py = getattr(fn, "fn", fn)
     module, qual = py.__module__, py.__qualname__
     sig = call.signature()
-    constexprs = dict(call.constexprs)
+    num_warps, num_stages, constexprs = call.for_target(target)
     if declares_pdl(fn):  # the kernel's launches overlap on a target with PDL (kernels/pdl.py)
         constexprs[PDL_PARAM] = uses_pdl(fn, target)
     if declares_calls(fn):  # noinline calls where the target takes them (kernels/flags.py)
@@ -106,7 +106,7 @@ def job_of(call: KernelCall, target: str) -> dict:
         "name": call.name, "module": module, "fn": qual, "target": target, "signature": sig,
         "constexprs": {k: _ce_encode(v) for k, v in sorted(constexprs.items())},
         "aligned": [a for a, t in sig.items() if t.startswith("*") and a not in call.unaligned],
-        "num_warps": call.num_warps, "num_stages": call.num_stages,
+        "num_warps": num_warps, "num_stages": num_stages,
         "pointers": [list(p) for p in call.pointers], "grid": list(call.grid),
         "scratch_bytes": dict(sorted(call.scratch_bytes.items())),
     }

@@ -40,6 +40,21 @@ class GpuTargets:
     rows: list[dict[str, Any]] = field(default_factory=list)
     decode_step: dict[str, dict[str, Any]] = field(default_factory=dict)
 
+    @property
+    def spilling(self) -> list[dict[str, Any]]:
+        """The specialisations that spill registers, per target (report.json `spilling`)."""
+        return spilling(self.rows)
+
+
+# What a report row's `spills` counts on each target's backend (codegen/aot.py's stats).
+SPILL_UNIT = {"hip": "registers", "cuda": "bytes"}
+
+
+def spilling(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(({"name": r["name"], "target": r["target"], "spills": int(r["spills"]),
+                    "unit": SPILL_UNIT[aot.TARGETS[r["target"]].backend]} for r in rows if r["spills"]),
+                  key=lambda x: (x["target"], x["name"]))
+
 
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -27,7 +27,8 @@ def placeholder_compile_calls(seen: list[tuple[str, str]] | None = None, loadabl
                 (d / f"{c.name}.{ext}").write_bytes(binary)
                 side = {"name": c.name, "symbol": c.kernel_name, "grid": list(c.grid), "target": t,
                         "binary_sha256": hashlib.sha256(binary).hexdigest(), "params": [], "shared_bytes": 0,
-                        "block": [c.num_warps * aot.TARGETS[t].warp_size, 1, 1], "num_warps": c.num_warps}
+                        "block": [c.for_target(t)[0] * aot.TARGETS[t].warp_size, 1, 1],
+                        "num_warps": c.for_target(t)[0]}
                 if loadable:
                     side.update(warp_size=aot.TARGETS[t].warp_size,
                                 params=[{"kind": k, "name": p, "type": ty, "value": n} for p, k, n, ty in c.pointers])

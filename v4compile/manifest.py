@@ -370,6 +370,8 @@ def check_manifest(m: dict[str, Any], verify: bool = True) -> None:
             _strs(v, f"pipelines.{k}", unique=False)
     if "weights_origin" in m:
         _obj(m["weights_origin"], "weights_origin")
+    if "allow_spills" in m and not isinstance(m["allow_spills"], bool):
+        raise _err("`allow_spills` must be true or false", found=_show(m["allow_spills"]))
     _str(_get(m, "numerics", "numerics"), "numerics", ("hf", "official"))
     _str(_get(m, "dtype", "dtype"), "dtype", ("fp32", "bf16"))
 

@@ -98,6 +98,20 @@ TARGETS: dict[str, TargetSpec] = {
                          aot_cost=1.5),
 }
 
+# Kernel schedules a target needs where a family's default spills registers there (issue 40): per family
+# config, per target the `KernelCall.per_target` entry (warps, stages, scheduling-only constexprs); the
+# families pick theirs by key (codegen/kernels/compress.py, out_proj.py), and `compile -o` fails on any spill.
+# * compress.wide_row (rows of 512 channels or more): V4-Pro's HCA compressor took 168 registers and spilled
+#   32 B on sm_90a with 4 warps; with 8 warps 160 registers, no spills (one program per sequence, so fewer CTAs
+#   per SM cost nothing; gfx950 spills nothing with 4).
+# * out_proj.prefill (the projection's prefill tiles, BM >= 64): on gfx950 wo_a's K loop pipelined 2 deep beside
+#   its inverse-RoPE prologue took 256 VGPRs and spilled 93 at 8 warps in V4-Pro's 64-token chunk (4 warps: 458
+#   VGPRs, 88 spilled); unpipelined, 246 and none. Pipelining only schedules: same tiles, sums and results.
+KERNEL_SCHEDULES: dict[str, dict[str, dict[str, Any]]] = {
+    "compress.wide_row": {"sm_90a": {"num_warps": 8}},
+    "out_proj.prefill": {"gfx950": {"constexprs": {"A_STAGES": 1}}},
+}
+
 # The artifact's targets and the format each is written in.
 TARGET_FORMATS = {"cpu": "onnx", **{t: "triton-aot" for t in TARGETS}}
 GPU_TARGETS = tuple(TARGETS)  # gfx950, sm_90a

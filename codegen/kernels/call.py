@@ -71,7 +71,13 @@ class KernelCall:
 
     `offsets`: bytes added to a pointer param's base at launch. Not part of the specialisation (not a
     constexpr, not in `name`): per-layer row offsets into the shared pool planes go here, so every layer of
-    a kind launches the same binary (V4-Pro decode: 547 specialisations -> ~60)."""
+    a kind launches the same binary (V4-Pro decode: 547 specialisations -> ~60).
+
+    `per_target`: {target: {"num_warps": n, "num_stages": s, "constexprs": {...}}} where a target's binary is
+    compiled otherwise (a family's config table, chosen to keep that target's registers from spilling): other
+    warps / stages, or other values of constexprs that only schedule (a loop's pipelining depth), never ones
+    that change a tile, a grid or an order of arithmetic. Only the binary and its sidecar change (the block
+    the runtime launches is the sidecar's); the program, the grid, the name and the interpreted result do not."""
     name: str
     fn: Any
     constexprs: dict[str, Any]
@@ -87,6 +93,7 @@ class KernelCall:
     mma_dtype: str = "bf16"
     offsets: dict[str, int] = field(default_factory=dict)
     phases: tuple[tuple[int, int], ...] = ()
+    per_target: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.grid = tuple(int(g) for g in self.grid)
@@ -107,10 +114,20 @@ class KernelCall:
         if declares_calls(self.fn):  # calls unless the AOT stage inlines them for its target (CALLS_PARAM above)
             self.constexprs = {**self.constexprs, CALLS_PARAM: self.constexprs.get(CALLS_PARAM, True)}
         self.pointers = in_kernel_order(self.name, self.fn, self.pointers, self.constexprs)
+        for t, o in self.per_target.items():
+            if set(o) - {"num_warps", "num_stages", "constexprs"} or set(o.get("constexprs", {})) - set(self.constexprs):
+                raise ValueError(f"{self.name}: per_target[{t!r}] may set num_warps, num_stages and existing "
+                                 f"constexprs only, got {o}")
         params = {p[0]: p[1] for p in self.pointers}
         for param, off in self.offsets.items():
             if params.get(param) not in ("operand", "result") or off < 0:
                 raise ValueError(f"{self.name}: offset {off} for '{param}' (not an operand / result pointer)")
+
+    def for_target(self, target: str) -> tuple[int, int, dict[str, Any]]:
+        """(num_warps, num_stages, constexprs) of the binary compiled for `target`."""
+        o = self.per_target.get(target, {})
+        return (o.get("num_warps", self.num_warps), o.get("num_stages", self.num_stages),
+                {**self.constexprs, **o.get("constexprs", {})})
 
     @property
     def kernel_name(self) -> str:

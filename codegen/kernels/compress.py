@@ -19,6 +19,7 @@ import math
 import triton
 import triton.language as tl
 
+from ...targets import KERNEL_SCHEDULES
 from . import KernelCall, any_row, call_name, ptr, row_offsets, unaligned
 from .kvrows import (TL_DTYPE, fp4_qdq, fp8_qdq, fwht, hadamard_scale, plane_consts, pow2, ring_keep, rope,
                      rope_table, store_rows)
@@ -55,6 +56,11 @@ def _slot_tile(kv_ptr, gate_ptr, ape_ptr, skv_ptr, sg_ptr, b, sb, start, w, s0, 
     g = tl.where(st[:, None], g_st.to(tl.float32), g_ch)
     g = tl.where(ok[:, None] & cm, g, float("-inf"))
     return tl.where(ok[:, None], v, 0.0), g
+
+
+# Rows this wide or wider spill with 4 warps on some target: their schedule there is targets.KERNEL_SCHEDULES.
+WIDE_ROW = 512
+WIDE_ROW_SHAPE = KERNEL_SCHEDULES["compress.wide_row"]
 
 
 # The constexprs of one compressor, in `compress_program`'s order (a `compress_pair` launch takes them twice).
@@ -216,6 +222,7 @@ def specialise(op_name, operands, results, attrs):
             pointers.append(ptr(f"p{i}", "operand", f"p{i}", p))
     return [KernelCall(name=call_name("compress_paged", c, f"b{B}_t{T}_m{m}_{'csa' if overlap else 'hca'}_{attrs['fmt']}"),
                        fn=compress_kernel, constexprs=c, pointers=pointers, grid=(B, 1, 1), num_warps=4,
+                       per_target=WIDE_ROW_SHAPE if c["DKP"] >= WIDE_ROW else {},
                        unaligned=unaligned({"kv_ptr": kv, "gate_ptr": gate,
                                             **{f"p{i}": any_row(p) for i, p in enumerate(planes)}}),
                        offsets=row_offsets({f"p{i}": p for i, p in enumerate(planes)}, attrs["layer_offset"]),
@@ -248,5 +255,8 @@ def _pair(operands, results, attrs):
     tag = "_".join(h.name.split("_", 2)[2].rsplit("_", 1)[0] for h in halves)
     return [KernelCall(name=call_name("compress_pair", c, tag), fn=compress_pair_kernel, constexprs=c,
                        pointers=pointers, grid=(2 * a.grid[0], 1, 1), num_warps=a.num_warps,
+                       # both halves in the larger half's warps on each target
+                       per_target={t: {"num_warps": max(a.for_target(t)[0], b.for_target(t)[0])}
+                                   for t in sorted({*a.per_target, *b.per_target})},
                        unaligned=tuple(f"{p}_{i}" for i, h in enumerate(halves) for p in h.unaligned),
                        offsets=offsets, bytes_moved=a.bytes_moved + b.bytes_moved)]

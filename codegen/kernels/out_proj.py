@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ...ir.registry import Layout, get_op
+from ...targets import KERNEL_SCHEDULES
 from . import KernelCall, TensorArg, call_name, ptr
 from . import grouped_gemm
 from .arrival import last_to_arrive
@@ -49,6 +50,12 @@ COUNTERS = tl.constexpr(4)
 SIDE = ("M", "N", "K", "SPLIT", "KS", "NT", "X_RS", "X_CS", "Y_RS", "Y_CS", "W_RS", "W_CS", "S_RS", "S_CS", "W_FMT",
         "S_E8M0", "BLOCK", "ACT", "CDT", "BM", "BN", "BK", "STAGES")
 ROPE = ("G_K", "ROPE_T", "P_BS", "P_TS", "D", "DIM", "FREQS", "SIGN")
+
+
+# The projection's prefill tiles (A_BM >= PREFILL_BM) spill on some target as pipelined: their schedule there
+# is targets.KERNEL_SCHEDULES.
+PREFILL_BM = 64
+PREFILL_SCHEDULE = KERNEL_SCHEDULES["out_proj.prefill"]
 
 
 @triton.jit
@@ -248,6 +255,7 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
         unaligned.add("o_ptr")
     return [KernelCall(call_name("out_proj", ce, tag), out_proj_kernel, ce, pointers, (ce["PA"] + ce["PB"], 1, 1),
                        num_warps=max(a.num_warps, b.num_warps), num_stages=2, scratch_bytes=scratch,
+                       per_target=PREFILL_SCHEDULE if ce["A_BM"] >= PREFILL_BM else {},
                        unaligned=tuple(sorted(unaligned)), flops=a.flops + b.flops,
                        mma_dtype="fp8" if "fp8" in (a.mma_dtype, b.mma_dtype) else "bf16",
                        # the two launches' bytes (wo_a's output still goes to scratch and back) and re-reads, per

@@ -81,6 +81,7 @@ def test_shape_only_gpu_artifact(tmp_path, fake_aot, capsys):
                  "--prefill-buckets", "8"]) == 0
     m = _manifest(out)
     assert [t["name"] for t in m["targets"]] == GPU and m["dtype"] == "bf16"
+    assert m["allow_spills"] is False and json.loads((out / "report.json").read_text())["spilling"] == []
     assert m["weights"]["shape_only"] and m["weights"]["shards"] == [] and not list((out / "weights").glob("*"))
     experts = {n: t["dtype"] for n, t in m["weights"]["tensors"].items() if n.endswith("ffn.experts.w1")}
     assert experts and set(experts.values()) == {"fp4x2"}  # the released formats, as the kernels read them
@@ -92,3 +93,41 @@ def test_shape_only_gpu_artifact(tmp_path, fake_aot, capsys):
     assert main(["compile", "--preset", "tiny", "--weights", "none", "-o", str(tmp_path / "x"), "--target",
                  "cpu"]) == 2
     assert "the cpu target needs weights" in capsys.readouterr().err
+
+
+def _spilling_aot(monkeypatch, spills: int):
+    """The placeholder compiler with `spills` on the first sm_90a row (0: none)."""
+    inner = placeholder_compile_calls()
+
+    def compile_calls(calls, targets, out_dir, jobs=None):
+        rows = inner(calls, targets, out_dir, jobs)
+        next(r for r in rows if r["target"] == "sm_90a")["spills"] = spills
+        return rows
+    monkeypatch.setattr(aot, "compile_calls", compile_calls)
+
+
+def test_spills_fail_a_compile_unless_allowed(tmp_path, monkeypatch, capsys):
+    """A bf16 GPU compile whose kernels spill lists them (report.json `spilling`, the text report) and exits 1;
+    `--allow-spills` writes it with status 0 and the manifest says so (without spills: test_shape_only_gpu_artifact,
+    `allow_spills` false, nothing listed). fp32 GPU programs (the cpu target's dtype) are check builds, whose
+    FMA dots spill on sm_90a by design: listed, not refused."""
+    _spilling_aot(monkeypatch, 40)
+    argv = ["compile", "--preset", "tiny", "--decode-buckets", "2", "--prefill-buckets", "8"]
+    gpu = [*argv, "--weights", "none", "--target", "sm_90a"]
+    capsys.readouterr()
+    assert main([*gpu, "--report", "-o", str(tmp_path / "a")]) == 1
+    out, err = capsys.readouterr()
+    rep, m = json.loads((tmp_path / "a" / "report.json").read_text()), _manifest(tmp_path / "a")
+    assert m["allow_spills"] is False
+    (s,) = rep["spilling"]
+    assert s["target"] == "sm_90a" and s["spills"] == 40 and s["unit"] == "bytes"
+    assert f"{s['name']} (sm_90a): 40 bytes" in out and "kernel spills: 1 of" in out
+    assert [ln for ln in err.splitlines() if ln.startswith("error:")] == [
+        "error: 1 kernel specialisation(s) spill registers (report.json `spilling`); --allow-spills writes such "
+        "an artifact without failing"]
+    assert main([*gpu, "-o", str(tmp_path / "b"), "--allow-spills"]) == 0
+    assert _manifest(tmp_path / "b")["allow_spills"] is True
+    load_artifact(tmp_path / "b")  # the manifest's schema takes the knob
+    assert main([*gpu, "--dtype", "fp32", "-o", str(tmp_path / "c")]) == 0
+    assert _manifest(tmp_path / "c")["dtype"] == "fp32"
+    assert [s["spills"] for s in json.loads((tmp_path / "c" / "report.json").read_text())["spilling"]] == [40]
