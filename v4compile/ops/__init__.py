@@ -22,7 +22,7 @@ OPSETS: dict[str, tuple[str, ...]] = {
     "core": ("basic",),
     "model": ("mhc", "rope", "attention", "compressor", "indexer", "moe", "numerics"),
     "lowered": ("fused", "front", "attn_tail", "paged"),
-    "parallel": ("collective",),
+    "parallel": ("collective", "fused_ep"),
 }
 
 
