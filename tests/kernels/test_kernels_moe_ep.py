@@ -43,12 +43,16 @@ def run(op_name, args, attrs, names):
 
 
 @pytest.mark.parametrize("dtype,hashed,fmts,T", [
-    (torch.bfloat16, True, ("fp4", "fp8"), 3),
+    (torch.bfloat16, True, ("float", "float"), 3),
     (torch.float32, False, ("float", "float"), 33),  # prefill-sized: the grouped launches
-], ids=["bf16-hash-fp4-decode", "fp32-learned-prefill"])
+], ids=["bf16-hash-decode", "fp32-learned-prefill"])
 def test_moe_router_experts_ep_matches_its_reference(dtype, hashed, fmts, T):
+    check_ep(dtype, hashed, fmts, T, range(EP))
+
+
+def check_ep(dtype, hashed, fmts, T, parts):
     total = None
-    for part in range(EP):
+    for part in parts:
         args, attrs = ep_case(dtype, hashed, fmts, part, B=1 if T > 3 else 2, T=T)
         outs, ref, calls = run("moe_router_experts_ep", args, attrs, ("partial", "shared"))
         if T == 3:
@@ -56,6 +60,8 @@ def test_moe_router_experts_ep_matches_its_reference(dtype, hashed, fmts, T):
         for n, r in zip(("partial", "shared"), ref):
             kc.assert_matches(outs[n], r, f"moe_router_experts_ep {n} (rank {part})", ulps=2)
         total = outs["partial"].float() if total is None else total + outs["partial"].float()
+    if len(parts) < EP:
+        return
     # the ranks' partial sums add up to the whole routed sum (every slot is exactly one rank's)
     whole, _ = case(dtype, hashed, *fmts, E=E_ALL, B=1 if T > 3 else 2, T=T)
     from v4compile.ops.moe import moe_experts, router
@@ -100,10 +106,10 @@ def test_mhc_post_pre_add_matches_its_reference():
 def test_broken_kernels_are_caught(monkeypatch, tmp_path):
     """Each fault, patched into the kernel source, makes the check above fail."""
     from v4compile.codegen.kernels import mhc, moe, moe_router, router
+    one_rank = (torch.float32, False, ("float", "float"), 3, (1,))
     faults = [(router, "route_rows", "    if o_ptr is not None:\n        known", "    if False:\n        known",
-               test_moe_router_experts_ep_matches_its_reference, (torch.float32, False, ("float", "float"), 3)),
-              (moe, "_combine", "        if sy_ptr is not None:", "        if False:",
-               test_moe_router_experts_ep_matches_its_reference, (torch.float32, False, ("float", "float"), 3)),
+               check_ep, one_rank),
+              (moe, "_combine", "        if sy_ptr is not None:", "        if False:", check_ep, one_rank),
               (mhc, "_post_chunk", "    if y2_ptr is not None:", "    if False:",
                test_mhc_post_pre_add_matches_its_reference, ())]
     for module, name, old, new, check, params in faults:
