@@ -342,8 +342,7 @@ def _expert_parallel(op_name, operands, results, attrs) -> list[KernelCall]:
     partial, shared = results["partial"], results["shared"]
     if partial.strides != shared.strides:
         raise ValueError("moe_router_experts_ep: the partial sum and the shared output must share their layout")
-    owner = operands.pop("owner")
-    attrs = {n: v for n, v in attrs.items() if n != "ep"}
+    owner = operands.pop("owner")  # (attrs keep `ep`: the moe calls' cost model, 1 / ep of the slots land here)
     calls = _specialise("moe_router_experts_shared", operands, {"y": partial}, attrs, front,
                         renamed={("result", "y"): ("result", "partial")}, inner_x=front is not None)
     for c in calls:
