@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 from test_partition import check_for, partitioned
 from v4compile.cli.report import launch_counts
@@ -65,10 +66,61 @@ def test_every_moe_fusion_fires_on_a_partitioned_module():
     check_rank_fusions(partitioned_result())
 
 
+FUSED_STAGE = GPU_PIPELINE[:GPU_PIPELINE.index("fuse_mhc_moe") + 1]  # the MoE fusions, before the pool lowering
+
+
+@functools.cache
+def decode_case():
+    """tiny-pro's partitioned decode (official numerics, tp 2 ep 2) on seeded inputs and weights, every rank
+    simulated: (inputs, each rank's weights loader, each rank's outputs before any fusion)."""
+    from test_partition import _gen
+    from conftest import dense_weights
+    from v4compile.ir.interpret import interpret_ranks
+    from v4compile.weights_convert import DenseSource, load_ir_weights
+
+    before = partitioned(NAME, NUMERICS, 2, 2)
+    source = DenseSource(dense_weights(NAME))
+    g = _gen(4)
+    inputs = {}
+    for v in before.functions["decode"].inputs:
+        if v.name == "ids":
+            inputs[v.name] = torch.randint(0, preset(NAME).vocab_size, v.type.shape, generator=g)
+        elif v.type.dtype in ("i64", "i32"):
+            inputs[v.name] = torch.full(v.type.shape, 3, dtype=torch.int64 if v.type.dtype == "i64" else torch.int32)
+        else:
+            inputs[v.name] = torch.randn(v.type.shape, generator=g) * 0.1
+
+    def run(m):
+        return interpret_ranks(m.functions["decode"], [load_ir_weights(m, source, rank=r) for r in range(2)],
+                               [inputs] * 2)
+    return run, run(before)
+
+
+def fused_decode_mismatch() -> int:
+    """One decode step: the module after the MoE fusions against the partitioned module before any (whose
+    exactness against `ReferenceModel.partitioned` test_partition holds). Returns the number of output
+    elements that differ in any bit (the fused ops' references are the compositions, so none may)."""
+    run, want = decode_case()
+    after = PassManager(FUSED_STAGE, PipelineOptions()).run(partitioned(NAME, NUMERICS, 2, 2)).module
+    assert any(op.name == "mhc_moe_ep" for op in after.functions["decode"].ops)
+    got = run(after)
+    return sum(int((got[r][n] != ref).sum()) for r in range(2) for n, ref in want[r].items())
+
+
 def test_the_fused_partitioned_module_is_exact():
-    """The gpu pipeline's module against the layout's reference: bit for bit (the fused ops' references are
-    the compositions, the all-reduce adds the ranks' partial sums before the shared expert as before)."""
-    assert check_for(NAME, NUMERICS).error(partitioned_result().module) == 0
+    assert fused_decode_mismatch() == 0
+
+
+def test_a_fused_op_adding_in_another_order_is_caught(monkeypatch):
+    """The shared expert added into each rank's partial sum (the all-reduce then counts it twice): caught."""
+    from v4compile.ops import fused_ep
+    keep = fused_ep._routed_and_shared
+
+    def wrong(*a):
+        p, s = keep(*a)
+        return p + s, s
+    monkeypatch.setattr(fused_ep, "_routed_and_shared", wrong)
+    assert fused_decode_mismatch() > 0
 
 
 @pytest.mark.parametrize("fusion", ["fuse_moe_router", "fuse_mhc_moe"])
