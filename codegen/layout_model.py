@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from v4compile.accounting import account, kv_bytes_per_token
+from v4compile.accounting import kv_bytes_per_token, main_row_bytes, state_bytes_per_request
 from v4compile.targets import TARGETS
 from v4compile.weights import spec_table
 
@@ -69,9 +69,9 @@ def _weights(cfg) -> dict[str, float]:
     return out
 
 
-def _per_sequence(cfg, a, context: int) -> float:
-    return (kv_bytes_per_token(cfg)["fp8+fp4"] * context + a.window_bytes_per_request["fp8"]
-            + sum(a.state_bytes_per_request.values()))
+def _per_sequence(cfg, context: int) -> float:
+    window = cfg.n_layers * cfg.window * main_row_bytes(cfg)["fp8"]  # as `accounting.account` counts it
+    return kv_bytes_per_token(cfg)["fp8+fp4"] * context + window + sum(state_bytes_per_request(cfg).values())
 
 
 def _collectives(cfg, layout: str, b: int) -> dict[str, Any]:
@@ -113,8 +113,7 @@ def step(cfg, w: dict, layout: str, target: str, b: int, calls_per_step: int | N
 def layout_table(cfg, targets: tuple[str, ...] = tuple(TARGETS), batch: int = 8,
                  calls_per_step: int | None = None) -> dict[str, Any]:
     w = _weights(cfg)
-    a = account(cfg)
-    seq = {ctx: _per_sequence(cfg, a, ctx) for ctx in CONTEXTS}
+    seq = {ctx: _per_sequence(cfg, ctx) for ctx in CONTEXTS}
     rows = []
     for t in targets:
         spec = TARGETS[t]
