@@ -7,6 +7,9 @@ Guarantees: `y = add(moe_experts(x, ...), w2(swiglu(w1 x, w3 x)))` becomes one `
 (the router stays its own op here: `fuse_moe_router` folds it in on the gpu pipeline; role
 `ffn.experts+ffn.shared`; `act` is the routed experts' activation format, `shared_act` the shared
 expert's). Result names kept; numerics bit-identical.
+Expert-parallel modules: the routed experts' output goes through `all_reduce{ep}` before the shared expert's
+add, so the add is not this pattern and nothing fires here; `fuse_moe_router` fuses that FFN (router, mask,
+routed and shared experts) in one step on the gpu pipeline, `shared_expert` / `shared_operands` shared with it.
 Hits: `<func>.fused`.
 """
 
