@@ -9,6 +9,7 @@
   (the single KV head), so every rank holds all of it;
 * `collectives_per_decode_step`: the decode function's collectives with the bytes each moves (and, for a
   program, its collective launches among all its launches);
+* `layouts` (8 ranks, EP 8): the per-layout table, TP8/EP8 against DP8/EP8 (`layout_model.py`);
 * `decode_step`: per GPU target, a modeled per-rank decode step (stated model below) and whether the
   rank's weights + KV fit the device.
 
@@ -34,6 +35,8 @@ from v4compile.parallel import ParallelLayout, is_rank_local, split_shard
 from v4compile.targets import TARGETS
 from v4compile.weights import spec_table
 from v4compile.weights_convert import expand_sources
+
+from .layout_model import WORLD, layout_table, render_layout_table
 
 
 def _kind(name: str, specs: dict) -> str:
@@ -113,7 +116,7 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
                     "launches_counted": counted,
                     "link_bytes_s": link.bytes_s, "allreduce_latency_us": link.allreduce_latency_s * 1e6,
                     "source": link.source}
-    return {
+    out = {
         "tp": layout.tp, "ep": layout.ep, **({"dp": layout.dp} if layout.dp > 1 else {}), "world": layout.world,
         "per_rank_weight_bytes": per_rank,
         "unpartitioned_weight_bytes": sum(w.type.nbytes for w in traced.weights.values()),
@@ -124,6 +127,13 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
                                         "ops": coll, **program_collectives(final)},
         "decode_step": steps,
     }
+    if layout.world == WORLD and layout.tp in (1, WORLD) and layout.ep == WORLD:
+        # the per-layout table (TP8/EP8 against DP8/EP8, from the config), the compiled program's kernel calls
+        # per step standing for both layouts' (the same fused kernels a rank; DP's collectives replace the
+        # all-reduces)
+        out["layouts"] = layout_table(cfg, targets or tuple(TARGETS), int(dec.attrs["batch"]),
+                                      launches if counted == "kernel calls" else None)
+    return out
 
 
 def ring_bytes(c: dict) -> float:
@@ -198,4 +208,4 @@ def render_parallel(p: dict) -> str:
                      f"{s.get('launches_counted', 'launches')} "
                      f"{s['launch_latency_us']:.1f} us + collectives {s['collectives_us']:.1f} us "
                      f"({s['allreduce_latency_us']:.0f} us + bytes / {s['link_bytes_s'] / gb:.0f} GB/s each)")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + (render_layout_table(p["layouts"]) if "layouts" in p else "")

@@ -14,6 +14,11 @@ experts and the seam after read them, `codegen/kernels/moe_router.py`). Numerics
 reference is the composition).
 Left as they are: layer 0 (its seam before the MoE is an `hc_pre_norm`, not an `mhc_post_pre`) and the last
 layer (its MoE is a `moe_router_experts_shared`: the seam after it is `mhc_post_head`).
+Expert-parallel modules: `moe_router_experts_ep` (from `fuse_moe_router`) whose `x` is the `y_next` of one
+`mhc_post_pre` (norm variant) and used by it alone: the pair becomes one `mhc_moe_ep` in the MoE's place,
+its results the MoE's (routed partial sum, shared expert output) then the seam's streams / post / comb
+(names kept: the seam after the all-reduce, `mhc_post_pre_add`, reads them); the MoE's input never leaves
+the op. Numerics bit-identical (`ops/fused_ep.py`).
 Kept out of the cpu pipeline (`passes/pipeline.py`): ONNX Runtime runs graph nodes, not launches.
 Hits: `<func>.fused`.
 """
@@ -34,6 +39,8 @@ FROM_SEAM = {"x": "y_next", "streams": "streams_out", "post": "post_next", "comb
 def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     rw = Rewrite(fn)
     for op in fn.ops:
+        if op.name == "moe_router_experts_ep":
+            _fuse_ep(rw, op)
         if op.name != "moe_mhc_post_pre":
             continue
         seam = rw.producer(op.operand("x"), "mhc_post_pre", only_use=True)
@@ -50,6 +57,24 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
         attrs.update(tags_of(op, role=join_roles(seam, op)))  # the MoE's layer: its weights are the launch's bulk
         rw.replace(op, make_op(rw.namer, "mhc_moe_mhc", operands, attrs, op.loc, list(op.results)), absorbed=[seam])
     return rw.done("fused")
+
+
+def _fuse_ep(rw: Rewrite, moe) -> None:
+    seam = rw.producer(moe.operand("x"), "mhc_post_pre", only_use=True)
+    if seam is None or seam.operand("norm") is None or moe.operand("x") is not seam.out("y_next"):
+        return
+    if not rw.can_fuse(moe, [seam]):
+        return
+    front = operands_of(seam)
+    operands = {n: front[n] for n in ("y", "streams", "post", "comb")}
+    operands.update({"in_" + n: front[n] for n in ("fn", "base", "scale", "norm")})
+    operands.update({n: v for n, v in operands_of(moe).items() if n != "x"})
+    attrs = {n: v for n, v in moe.attrs.items() if n in get_op(moe.name).attrs and n != "variant"}
+    attrs.update({"in_" + n: seam.attrs[n] for n in MHC_ATTRS})
+    attrs.update(tags_of(moe, role=join_roles(seam, moe)))
+    results = [moe.out("partial"), moe.out("shared"), seam.out("streams_out"), seam.out("post_next"),
+               seam.out("comb_next")]
+    rw.replace(moe, make_op(rw.namer, "mhc_moe_ep", operands, attrs, moe.loc, results), absorbed=[seam])
 
 
 FuseMhcMoe = function_pass("fuse_mhc_moe", fuse_function, after={

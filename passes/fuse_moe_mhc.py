@@ -8,6 +8,10 @@ seam's, both attribute sets, the MoE's layer tag, roles joined), its results the
 kept); the MoE's output never leaves the op. Its kernel runs the seam as the last phase of the MoE's one
 decode launch (`codegen/kernels/moe_router.py`). Numerics bit-identical (the reference is the composition).
 The last layer's `mhc_post_head` and layer 0's unfused seam are left as they are.
+Expert-parallel modules: the seam after `moe_router_experts_ep` (from `fuse_moe_router`) reads
+`add(all_reduce(partial), shared)`; the add (its result used by the seam alone) folds into the seam, which
+becomes one `mhc_post_pre_add(reduced, shared, ...)` (results the seam's values; numerics bit-identical:
+the add rounds in the value's dtype first, as `add` did). The all-reduce stays a launch beside it.
 Kept out of the cpu pipeline (`passes/pipeline.py`): ONNX Runtime runs graph nodes, not launches.
 Hits: `<func>.fused`.
 """
@@ -27,15 +31,31 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
         if op.name != "mhc_post_pre" or op.operand("norm") is None:
             continue
         moe = rw.producer(op.operand("y"), "moe_router_experts_shared", only_use=True)
-        if moe is None:
-            continue
-        operands = {**operands_of(moe), **{n: v for n, v in operands_of(op).items() if n != "y"}}
-        attrs = {n: v for n, v in moe.attrs.items() if n in get_op(moe.name).attrs}
-        attrs.update({n: v for n, v in op.attrs.items() if n in get_op(op.name).attrs and n != "variant"})
-        attrs.update(tags_of(moe, role=join_roles(moe, op)))  # the MoE's layer: its weights are the launch's bulk
-        rw.replace(op, make_op(rw.namer, "moe_mhc_post_pre", operands, attrs, op.loc, list(op.results)),
-                   absorbed=[moe])
+        if moe is not None:
+            operands = {**operands_of(moe), **{n: v for n, v in operands_of(op).items() if n != "y"}}
+            attrs = {n: v for n, v in moe.attrs.items() if n in get_op(moe.name).attrs}
+            attrs.update({n: v for n, v in op.attrs.items() if n in get_op(op.name).attrs and n != "variant"})
+            attrs.update(tags_of(moe, role=join_roles(moe, op)))  # the MoE's layer: its weights are the launch's bulk
+            rw.replace(op, make_op(rw.namer, "moe_mhc_post_pre", operands, attrs, op.loc, list(op.results)),
+                       absorbed=[moe])
+        else:
+            _fold_add(rw, op)
     return rw.done("fused")
+
+
+def _fold_add(rw: Rewrite, seam) -> None:
+    """The seam after an expert-parallel MoE: `mhc_post_pre(add(all_reduce(partial), shared))` -> one op."""
+    add = rw.producer(seam.operand("y"), "add", only_use=True)
+    red = rw.producer(add.operand("a"), "all_reduce") if add is not None else None
+    moe = rw.producer(add.operand("b"), "moe_router_experts_ep") if red is not None else None
+    if moe is None or red.operand("x") is not moe.out("partial") or add.operand("b") is not moe.out("shared"):
+        return
+    operands = {"y": red.result, "y2": add.operand("b"),
+                **{n: v for n, v in operands_of(seam).items() if n != "y"}}
+    attrs = {n: v for n, v in seam.attrs.items() if n in get_op(seam.name).attrs and n != "variant"}
+    attrs.update(tags_of(seam, role=join_roles(add, seam)))
+    rw.replace(seam, make_op(rw.namer, "mhc_post_pre_add", operands, attrs, seam.loc, list(seam.results)),
+               absorbed=[add])
 
 
 FuseMoeMhc = function_pass("fuse_moe_mhc", fuse_function, after={

@@ -6,13 +6,20 @@ Guarantees: the pair becomes one `moe_router_experts_shared` (the router's weigh
 hash table + ids, its attributes next to the experts'; role joined), so the routing never leaves the op
 and its kernel computes it as the first phase of the routed gate / up launch (`codegen/kernels/
 moe_router.py`). Result name kept; numerics bit-identical (the op's reference is the composition).
+Expert-parallel modules (`partition{ep>1}`): the FFN is `add(all_reduce(moe_experts(x, local_experts(router(x),
+owner))), w2(swiglu(w1 x, w3 x)))`, which `fuse_moe` leaves alone (the shared expert's add waits for the
+all-reduce). Here the router, the mask, the routed experts and the shared expert become one
+`moe_router_experts_ep` in the routed experts' place, its results the routed partial sum (the value the
+`all_reduce` reads, name kept) and the shared expert's output (the value the `add` reads, name kept): the
+all-reduce stays a launch of its own beside it, and the add (folded into the seam after it by
+`fuse_moe_mhc`) reads the all-reduce's output. Numerics bit-identical (`ops/fused_ep.py`).
 Kept out of the cpu pipeline (`passes/pipeline.py`): ONNX Runtime runs graph nodes, not launches.
-Hits: `<func>.fused`.
+Hits: `<func>.fused` (single-rank and expert-parallel forms together).
 """
 
 from __future__ import annotations
 
-from v4compile.ir.core import Function
+from v4compile.ir.core import Function, Op
 from v4compile.ir.registry import get_op
 
 from .base import function_pass
@@ -37,7 +44,40 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
         attrs.update({n: r.attrs[n] for n in ROUTER_ATTRS}, **tags_of(op, role=join_roles(r, op)))
         rw.replace(op, make_op(rw.namer, "moe_router_experts_shared", operands, attrs, op.loc, [op.result]),
                    absorbed=[r])
+    for op in fn.ops:
+        if op.name == "moe_experts" and not rw.gone(op):
+            _fuse_ep(rw, op)
     return rw.done("fused")
+
+
+def _fuse_ep(rw: Rewrite, moe: Op) -> None:
+    """`moe_experts` of an expert-parallel module with its router, mask and the shared expert beside it."""
+    from .fuse_moe import shared_expert, shared_operands
+    red = rw.sole_user(moe.result, "all_reduce")
+    mask = rw.producer(moe.operand("weights"), "local_experts", only_use=True)
+    if red is None or mask is None or rw.producer(moe.operand("indices"), "local_experts", only_use=True) is not mask:
+        return
+    if mask.out("weights_out") is not moe.operand("weights"):
+        return
+    r = rw.producer(mask.operand("weights"), "router", only_use=True)
+    x = moe.operand("x")
+    if r is None or rw.producer(mask.operand("indices"), "router", only_use=True) is not r or r.operand("x") is not x \
+            or r.out("weights") is not mask.operand("weights"):
+        return
+    add = rw.sole_user(red.result, "add")
+    if add is None or add.operand("a") is not red.result:
+        return
+    chain = shared_expert(rw, add.operand("b"), x)
+    if chain is None or chain[2].attrs["acc"] != moe.attrs["acc"] or not rw.can_fuse(moe, [r, mask, *chain]):
+        return
+    operands = {k: moe.operand(k) for k in ("x", "w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale")}
+    s_ops, s_attrs = shared_operands(chain)
+    operands.update(s_ops, owner=mask.operand("owner"), gate=r.operand("w"), bias=r.operand("bias"),
+                    tid2eid=r.operand("tid2eid"), ids=r.operand("ids"))
+    attrs = {n: moe.attrs[n] for n in ("limit", "block", "act", "acc", "out_dtype", "route_weight", "ep")}
+    attrs.update(s_attrs, **{n: r.attrs[n] for n in ROUTER_ATTRS}, **tags_of(moe, role=join_roles(r, moe, add)))
+    rw.replace(moe, make_op(rw.namer, "moe_router_experts_ep", operands, attrs, moe.loc,
+                            [moe.result, chain[0].result]), absorbed=[r, mask, *chain])
 
 
 FuseMoeRouter = function_pass("fuse_moe_router", fuse_function, after={

@@ -40,11 +40,15 @@ def hc_expand_kernel(x_ptr, out_ptr, M: tl.constexpr, N: tl.constexpr, D: tl.con
 
 
 @triton.jit
-def _post_chunk(y_ptr, s_ptr, post_ptr, comb_ptr, tok, tm, c, cm, k: tl.constexpr, N: tl.constexpr,
+def _post_chunk(y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, tok, tm, c, cm, k: tl.constexpr, N: tl.constexpr,
                 Y_S: tl.constexpr, S_S: tl.constexpr, S_SN: tl.constexpr, DT: tl.constexpr):
-    """Stream k of hc_post on tokens tok [BT] and columns c [BD]: post_k * y + sum_j comb[j, k] X_j."""
+    """Stream k of hc_post on tokens tok [BT] and columns c [BD]: post_k * y + sum_j comb[j, k] X_j (with
+    `y2_ptr`, `mhc_post_pre_add`: y is y + y2 rounded to DT, as the `add` it replaces)."""
     m2 = tm[:, None] & cm[None, :]
     y = tl.load(y_ptr + tok[:, None] * Y_S + c[None, :], mask=m2, other=0.0).to(tl.float32)
+    if y2_ptr is not None:
+        y2 = tl.load(y2_ptr + tok[:, None] * Y_S + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        y = (y + y2).to(DT).to(tl.float32)
     pk = tl.load(post_ptr + tok * N + k, mask=tm, other=0.0).to(DT).to(tl.float32)
     acc = tl.zeros_like(y)
     for j in tl.static_range(N):
@@ -72,7 +76,7 @@ def _dot_fp32_weight(x, w, DT: tl.constexpr):
 
 
 @triton.jit
-def mhc_kernel(y_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, norm_ptr,
+def mhc_kernel(y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, norm_ptr,
                so_ptr, yo_ptr, posto_ptr, combo_ptr,
                M: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
                POST: tl.constexpr, MIX: tl.constexpr, NORM: tl.constexpr, NM: tl.constexpr,
@@ -82,13 +86,13 @@ def mhc_kernel(y_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, no
     """MIX: "pre" (fn [(2+N)N, ND]: pre, post, comb), "head" (fn [N, ND]: pre only) or "" (hc_post only).
     NM = the padded width (>= 16) of the pre / post projections; N*N is the comb width."""
     pdl_enter(PDL)
-    mhc_rows(tl.program_id(0), y_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, norm_ptr, so_ptr, yo_ptr,
-             posto_ptr, combo_ptr, M, N, D, BD, BT, POST, MIX, NORM, NM, EPS, HC_EPS, ITERS, NORM_EPS, Y_S, S_S, S_SN,
+    mhc_rows(tl.program_id(0), y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, norm_ptr, so_ptr,
+             yo_ptr, posto_ptr, combo_ptr, M, N, D, BD, BT, POST, MIX, NORM, NM, EPS, HC_EPS, ITERS, NORM_EPS, Y_S, S_S, S_SN,
              SO_S, SO_SN, YO_S, DT)
 
 
 @triton.jit
-def mhc_rows(tb, y_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, norm_ptr,
+def mhc_rows(tb, y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, norm_ptr,
              so_ptr, yo_ptr, posto_ptr, combo_ptr,
              M: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
              POST: tl.constexpr, MIX: tl.constexpr, NORM: tl.constexpr, NM: tl.constexpr,
@@ -114,7 +118,7 @@ def mhc_rows(tb, y_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, 
         cm = c < D
         if POST:
             for k in tl.static_range(N):
-                x = _post_chunk(y_ptr, s_ptr, post_ptr, comb_ptr, tok, tm, c, cm, k, N, Y_S, S_S, S_SN, DT)
+                x = _post_chunk(y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, tok, tm, c, cm, k, N, Y_S, S_S, S_SN, DT)
                 tl.store(so_ptr + tok[:, None] * SO_S + k * SO_SN + c[None, :], x.to(DT),
                          mask=tm[:, None] & cm[None, :])
         if MIX != "":
@@ -194,9 +198,10 @@ def _rows(arg, lead: int) -> int:
 
 # op -> (reads a sub-layer output and applies hc_post, mixing kind, RMSNorm on y)
 MODES = {"hc_post": (True, "", False), "hc_pre": (False, "pre", False), "hc_pre_norm": (False, "pre", True),
-         "mhc_post_pre": (True, "pre", True), "hc_head": (False, "head", False), "mhc_post_head": (True, "head", False)}
+         "mhc_post_pre": (True, "pre", True), "mhc_post_pre_add": (True, "pre", True), "hc_head": (False, "head", False), "mhc_post_head": (True, "head", False)}
 RESULTS = {"hc_post": ("streams_out", None, None, None), "hc_pre": (None, "y", "post", "comb"),
            "hc_pre_norm": (None, "y", "post", "comb"), "mhc_post_pre": ("streams_out", "y_next", "post_next", "comb_next"),
+           "mhc_post_pre_add": ("streams_out", "y_next", "post_next", "comb_next"),
            "hc_head": (None, "y", None, None), "mhc_post_head": (None, "h", None, None)}
 
 
@@ -233,6 +238,12 @@ def specialise(op_name, operands, results, attrs):
              SO_S=0, SO_SN=0, YO_S=0, DT=TL_DTYPE[s.dtype])
     pointers = [ptr("s_ptr", "operand", "streams", s)]
     scratch = {}
+    y2 = operands.get("y2")
+    if y2 is None:
+        c["y2_ptr"] = None
+    else:  # mhc_post_pre_add: y2 is read with y's row stride
+        assert y2.strides == yv.strides, "mhc_post_pre_add: y and y2 must share their layout"
+        pointers.append(ptr("y2_ptr", "operand", "y2", y2))
     for param, name in (("y_ptr", "y"), ("post_ptr", "post"), ("comb_ptr", "comb"), ("fn_ptr", "fn"),
                         ("base_ptr", "base"), ("scale_ptr", "scale"), ("norm_ptr", "norm")):
         a = operands.get(name) if (post or name not in ("y", "post", "comb")) else None
@@ -268,4 +279,5 @@ def specialise(op_name, operands, results, attrs):
     return [KernelCall(name=call_name(op_name, c, f"m{M}_n{n}_d{D}"), fn=mhc_kernel, constexprs=c, pointers=pointers,
                        grid=(triton.cdiv(M, BT), 1, 1), num_warps=4, scratch_bytes=scratch,
                        flops=2 * M * n * D * (fnw.shape[0] if fnw is not None else 0),
-                       bytes_moved=s.type.nbytes * (3 if post else 2) + (fnw.type.nbytes if fnw is not None else 0))]
+                       bytes_moved=s.type.nbytes * (3 if post else 2) + (fnw.type.nbytes if fnw is not None else 0)
+                       + (y2.type.nbytes if y2 is not None else 0))]

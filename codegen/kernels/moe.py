@@ -205,7 +205,7 @@ def _up(e, nt, x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr,
 
 @triton.jit
 def moe_down_kernel(h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
-                    sem_ptr, cidx_ptr, hs_ptr, cw2_ptr, cs2_ptr, out_ptr,
+                    sem_ptr, cidx_ptr, hs_ptr, cw2_ptr, cs2_ptr, out_ptr, sy_ptr,
                     P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, MODE: tl.constexpr, PB: tl.constexpr,
                     I: tl.constexpr, D: tl.constexpr,
                     H_RS: tl.constexpr, IDX_RS: tl.constexpr, WT_RS: tl.constexpr, Y_RS: tl.constexpr,
@@ -223,8 +223,8 @@ def moe_down_kernel(h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
     _down(tl.program_id(0), n_tile, h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr, P, E, KSEL, MODE, PB, I,
           D, H_RS, IDX_RS, WT_RS, Y_RS, W_ES, W_RS, S_ES, S_RS, W_FMT, S_E8M0, BLOCK, ACT, CDT, ROUTE, BM, BN, BK)
     if last_to_arrive(sem_ptr + n_tile, E):  # codegen/kernels/arrival.py
-        _combine_column(n_tile, hs_ptr, y_ptr, cidx_ptr, cw2_ptr, cs2_ptr, out_ptr, C_M, E, KSEL, C_IS, D, C_HS_RS, Y_RS,
-                        IDX_RS, C_Y_RS, C_W_RS, C_S_RS, C_W_FMT, C_S_E8M0, C_BLOCK, C_ACT, CDT, BM, BN, C_BK, C_BKS)
+        _combine_column(n_tile, hs_ptr, y_ptr, cidx_ptr, cw2_ptr, cs2_ptr, out_ptr, sy_ptr, C_M, E, KSEL, C_IS, D, C_HS_RS,
+                        Y_RS, IDX_RS, C_Y_RS, C_W_RS, C_S_RS, C_W_FMT, C_S_E8M0, C_BLOCK, C_ACT, CDT, BM, BN, C_BK, C_BKS)
         tl.store(sem_ptr + n_tile, 0)
 
 
@@ -265,7 +265,7 @@ def _down(e, n_tile, h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
 
 
 @triton.jit
-def _combine_column(n_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr,
+def _combine_column(n_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, sy_ptr,
                     M: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, IS: tl.constexpr, D: tl.constexpr,
                     HS_RS: tl.constexpr, YR_RS: tl.constexpr, IDX_RS: tl.constexpr, Y_RS: tl.constexpr,
                     W_RS: tl.constexpr, S_RS: tl.constexpr, W_FMT: tl.constexpr, S_E8M0: tl.constexpr,
@@ -273,19 +273,21 @@ def _combine_column(n_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr):
     """`_combine` of D tile n_tile for every token, BM tokens at a time."""
     for m_tile in range(0, (M + BM - 1) // BM):
-        _combine(n_tile, m_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, M, E, KSEL, IS, D, HS_RS, YR_RS,
+        _combine(n_tile, m_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, sy_ptr, M, E, KSEL, IS, D, HS_RS, YR_RS,
                  IDX_RS, Y_RS, W_RS, S_RS, W_FMT, S_E8M0, BLOCK, ACT, CDT, BM, BN, BK, BKS)
 
 
 @triton.jit
-def _combine(n_tile, m_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr,
+def _combine(n_tile, m_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, sy_ptr,
              M: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, IS: tl.constexpr, D: tl.constexpr,
              HS_RS: tl.constexpr, YR_RS: tl.constexpr, IDX_RS: tl.constexpr, Y_RS: tl.constexpr,
              W_RS: tl.constexpr, S_RS: tl.constexpr, W_FMT: tl.constexpr, S_E8M0: tl.constexpr,
              BLOCK: tl.constexpr, ACT: tl.constexpr, CDT: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr):
     """y[tokens of m_tile, columns of n_tile] = the routed rows summed by ascending expert id + W2_s hs.
-    A slot whose expert id lies outside [0, E) (another rank's, `local_experts`) has no row: it adds nothing."""
+    A slot whose expert id lies outside [0, E) (another rank's, `local_experts`) has no row: it adds nothing.
+    With `sy_ptr` (`moe_router_experts_ep`) the two sums stay apart: y gets the routed sum (the rank's partial,
+    which the all-reduce after the launch adds up) and sy the shared expert's output."""
     offs_n = n_tile * BN + tl.arange(0, BN)
     tok = m_tile * BM + tl.arange(0, BM)
     n_ok = offs_n < D
@@ -314,7 +316,11 @@ def _combine(n_tile, m_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr,
                          other=0.0)
             acc = mma_step(acc, ht, None, w2_ptr, s2_ptr, offs_n, n_ok, kk, k_ok, k0, IS, W_RS, 1, S_RS, 1, W_FMT, S_E8M0,
                            BLOCK, ACT, CDT, BK)
-        out = out + acc.to(dt).to(tl.float32)
+        if sy_ptr is not None:
+            tl.store(sy_ptr + tok[None, :].to(tl.int64) * Y_RS + offs_n[:, None], acc.to(dt),
+                     mask=t_ok[None, :] & n_ok[:, None])
+        else:
+            out = out + acc.to(dt).to(tl.float32)
     tl.store(y_ptr + tok[None, :].to(tl.int64) * Y_RS + offs_n[:, None], out.to(dt), mask=t_ok[None, :] & n_ok[:, None])
 
 
@@ -457,7 +463,8 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     else:
         ce["s2_ptr"] = None
     pts.append(("y_ptr", "scratch", "yr", "*" + cdt))
-    ce.update(C_M=M, C_Y_RS=y_rs, C_BKS=triton.next_power_of_2(k), C_ACT=sact)
+    ce.update(C_M=M, C_Y_RS=y_rs, C_BKS=triton.next_power_of_2(k), C_ACT=sact,
+              sy_ptr=None)  # sy_ptr: the shared expert's own output (`moe_router_experts_ep`, moe_router.py)
     pts += [("cidx_ptr", "operand", "indices", idx), ("out_ptr", "result", "y", y)]
     if shared:
         g2, t2 = o["s2"], o.get("s2_scale")

@@ -39,6 +39,7 @@ import triton.language as tl
 from ...ir.registry import Layout
 from ...ir.types import TensorType
 from . import CALLS_PARAM, PDL_PARAM, KernelCall, TensorArg, call_name, ptr
+from .call import in_kernel_order
 from . import mhc, moe, router
 from .arrival import last_to_arrive
 from .mhc import mhc_rows
@@ -49,7 +50,7 @@ from .router import route_rows
 
 # router kernel params -> the fused kernel's (x and the ids it writes are the up programs' own pointers)
 ROUTER_PARAMS = {"x_ptr": "x_ptr", "w_ptr": "r_w_ptr", "b_ptr": "r_b_ptr", "t_ptr": "r_t_ptr", "ids_ptr": "r_ids_ptr",
-                 "wo_ptr": "r_wo_ptr", "io_ptr": "idx_ptr"}
+                 "wo_ptr": "r_wo_ptr", "io_ptr": "idx_ptr", "o_ptr": "r_o_ptr"}
 # the op's names of the routing as the router / moe calls see them -> the fused op's
 RENAMED = {("result", "weights"): ("scratch", "route_weights"), ("result", "indices"): ("scratch", "route_indices"),
            ("operand", "weights"): ("scratch", "route_weights"), ("operand", "indices"): ("scratch", "route_indices"),
@@ -60,7 +61,7 @@ SEAM_RENAMED = {**RENAMED, ("result", "y"): ("scratch", "moe_y"), ("operand", "y
 # the fused call's one semaphore)
 DOWN_PARAMS = {"h_ptr": "h_ptr", "idx_ptr": "idx_ptr", "grp_ptr": "grp_ptr", "wt_ptr": "r_wo_ptr", "w2_ptr": "w2_ptr",
                "s2_ptr": "s2_ptr", "y_ptr": "yr_ptr", "cidx_ptr": "idx_ptr", "hs_ptr": "hs_ptr", "cw2_ptr": "cw2_ptr",
-               "cs2_ptr": "cs2_ptr", "out_ptr": "out_ptr"}
+               "cs2_ptr": "cs2_ptr", "out_ptr": "out_ptr", "sy_ptr": "sy_ptr"}
 # the down call's constexprs that are the up call's too (the same pairs, experts and formats)
 SHARED_CONSTEXPRS = ("P", "E", "KSEL", "MODE", "PB", "I", "D", "IDX_RS", "ACT", "CDT", "BM")
 # `moe_mhc_post_pre`: the seam's operands, and its mhc kernel's params -> the fused kernel's (the MoE's
@@ -114,14 +115,14 @@ def _carve(p, base, AT: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit(noinline=True)
-def _route_phase(rb, x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr,
+def _route_phase(rb, x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr, o_ptr,
                  R: tl.constexpr, D: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr,
                  X_RS: tl.constexpr, W_RS: tl.constexpr, T_RS: tl.constexpr, I_S: tl.constexpr,
                  WO_RS: tl.constexpr, IO_RS: tl.constexpr, ROUTE_SCALE: tl.constexpr, DENOM_EPS: tl.constexpr,
                  SUM_IN_DT: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr):
     """`route_rows` as a function of its own: inlined next to the MMA tiles of the up programs, its [BR, E]
     register arrays made sm_90a spill (720 B at V4-Pro); called, its registers are allocated apart."""
-    route_rows(rb, x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr, R, D, E, KSEL, X_RS, W_RS, T_RS, I_S, WO_RS,
+    route_rows(rb, x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr, o_ptr, R, D, E, KSEL, X_RS, W_RS, T_RS, I_S, WO_RS,
                IO_RS, ROUTE_SCALE, DENOM_EPS, SUM_IN_DT, BR, BE, BK, BKS)
 
 
@@ -132,8 +133,8 @@ _route_phase_inlined = triton.jit(_route_phase.fn)
 @triton.jit
 def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr,
                      sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, hs_ptr,
-                     r_w_ptr, r_b_ptr, r_t_ptr, r_ids_ptr, r_wo_ptr,
-                     w2_ptr, s2_ptr, yr_ptr, cw2_ptr, cs2_ptr, out_ptr,
+                     r_w_ptr, r_b_ptr, r_t_ptr, r_ids_ptr, r_wo_ptr, r_o_ptr,
+                     w2_ptr, s2_ptr, yr_ptr, cw2_ptr, cs2_ptr, out_ptr, sy_ptr,
                      m_s_ptr, m_post_ptr, m_comb_ptr, m_fn_ptr, m_base_ptr, m_scale_ptr, m_norm_ptr,
                      m_so_ptr, m_yo_ptr, m_posto_ptr, m_combo_ptr,
                      a_y_ptr, a_s_ptr, a_post_ptr, a_comb_ptr, a_fn_ptr, a_base_ptr, a_scale_ptr, a_norm_ptr,
@@ -197,7 +198,7 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
     v = ticket(phase_ptr + TICKET) - NA
     if v < 0:
         if NA > 0:  # the seam before: x, and the streams / post / comb the seam after reads, into scratch
-            mhc_rows(v + NA, a_y_ptr, a_s_ptr, a_post_ptr, a_comb_ptr, a_fn_ptr, a_base_ptr, a_scale_ptr, a_norm_ptr,
+            mhc_rows(v + NA, a_y_ptr, None, a_s_ptr, a_post_ptr, a_comb_ptr, a_fn_ptr, a_base_ptr, a_scale_ptr, a_norm_ptr,
                      m_s_ptr, x_ptr, m_post_ptr, m_comb_ptr, A_M, A_N, A_D, A_BD, A_BT, A_POST, A_MIX, A_NORM, A_NM,
                      A_EPS, A_HC_EPS, A_ITERS, A_NORM_EPS, A_Y_S, A_S_S, A_S_SN, A_SO_S, A_SO_SN, A_YO_S, A_DT)
             publish(phase_ptr + SEAM_IN)
@@ -205,11 +206,11 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
         if NA > 0:
             wait_for(phase_ptr + SEAM_IN, NA)  # every token's x
         if CALLS:  # sm_90a: a call, its registers allocated apart (kernels/flags.py: CALLS_PARAM)
-            _route_phase(v, x_ptr, r_w_ptr, r_b_ptr, r_t_ptr, r_ids_ptr, r_wo_ptr, idx_ptr, R_R, R_D, R_E, R_KSEL,
+            _route_phase(v, x_ptr, r_w_ptr, r_b_ptr, r_t_ptr, r_ids_ptr, r_wo_ptr, idx_ptr, r_o_ptr, R_R, R_D, R_E, R_KSEL,
                          R_X_RS, R_W_RS, R_T_RS, R_I_S, R_WO_RS, R_IO_RS, R_ROUTE_SCALE, R_DENOM_EPS, R_SUM_IN_DT, R_BR,
                          R_BE, R_BK, R_BKS)
         else:  # gfx950: inlined (a call would add hidden kernel arguments)
-            _route_phase_inlined(v, x_ptr, r_w_ptr, r_b_ptr, r_t_ptr, r_ids_ptr, r_wo_ptr, idx_ptr, R_R, R_D, R_E,
+            _route_phase_inlined(v, x_ptr, r_w_ptr, r_b_ptr, r_t_ptr, r_ids_ptr, r_wo_ptr, idx_ptr, r_o_ptr, R_R, R_D, R_E,
                                  R_KSEL, R_X_RS, R_W_RS, R_T_RS, R_I_S, R_WO_RS, R_IO_RS, R_ROUTE_SCALE, R_DENOM_EPS,
                                  R_SUM_IN_DT, R_BR, R_BE, R_BK, R_BKS)
         publish(phase_ptr + ROUTED)
@@ -236,14 +237,14 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
               D_BN, D_BK)
         if last_to_arrive(phase_ptr + COUNTERS + n_tile, E):  # every expert's rows of this D tile are in yr
             wait_for(phase_ptr + SHARED_UP, ST)  # the shared expert's hs, for its down GEMM
-            _combine_column(n_tile, hs_ptr, yr_ptr, idx_ptr, cw2_ptr, cs2_ptr, out_ptr, C_M, E, KSEL, C_IS, D, C_HS_RS,
+            _combine_column(n_tile, hs_ptr, yr_ptr, idx_ptr, cw2_ptr, cs2_ptr, out_ptr, sy_ptr, C_M, E, KSEL, C_IS, D, C_HS_RS,
                             D_Y_RS, IDX_RS, C_Y_RS, C_W_RS, C_S_RS, C_W_FMT, C_S_E8M0, C_BLOCK, C_ACT, CDT, BM, D_BN,
                             C_BK, C_BKS)
             tl.store(phase_ptr + COUNTERS + n_tile, 0)
             publish(phase_ptr + COMBINED)
     else:
         wait_for(phase_ptr + COMBINED, ND)  # every D tile of the MoE's output is in y
-        mhc_rows(v - NR - ST - E * RT - E * ND, out_ptr, m_s_ptr, m_post_ptr, m_comb_ptr, m_fn_ptr, m_base_ptr,
+        mhc_rows(v - NR - ST - E * RT - E * ND, out_ptr, None, m_s_ptr, m_post_ptr, m_comb_ptr, m_fn_ptr, m_base_ptr,
                  m_scale_ptr, m_norm_ptr, m_so_ptr, m_yo_ptr, m_posto_ptr, m_combo_ptr, H_M, H_N, H_D, H_BD, H_BT,
                  H_POST, H_MIX, H_NORM, H_NM, H_EPS, H_HC_EPS, H_ITERS, H_NORM_EPS, H_Y_S, H_S_S, H_S_SN, H_SO_S,
                  H_SO_SN, H_YO_S, H_DT)
@@ -284,6 +285,8 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
                attrs: dict) -> list[KernelCall]:
     if op_name == "mhc_moe_mhc":
         return _with_seam_before(operands, results, attrs)
+    if op_name in ("moe_router_experts_ep", "mhc_moe_ep"):
+        return _expert_parallel(op_name, operands, results, attrs)
     if op_name not in ("moe_router_experts_shared", "moe_mhc_post_pre"):
         raise KeyError(f"moe_router family has no op '{op_name}'")
     return _specialise(op_name, operands, results, attrs)
@@ -309,8 +312,54 @@ def _with_seam_before(operands, results, attrs) -> list[KernelCall]:
                        front)
 
 
+# `mhc_moe_ep`: only the seam before's MoE input is scratch; its streams / post / comb are the op's results
+EP_FRONT_RENAMED = {("result", "y_next"): ("scratch", "seam_x"),
+                    **{("operand", n): ("operand", "in_" + n) for n in ("fn", "base", "scale", "norm")}}
+
+
+def _expert_parallel(op_name, operands, results, attrs) -> list[KernelCall]:
+    """`moe_router_experts_ep` (and `mhc_moe_ep`, the seam before it as the first phase): the single-rank
+    calls with the rank's owner table masking the routing in the router phase (`route_rows`' o_ptr) and the
+    combine writing the routed partial sum and the shared expert's output apart (`_combine`'s sy_ptr)."""
+    from ...ir.registry import get_op
+    from ...ops.fused import MHC_ATTRS
+
+    front = None
+    if op_name == "mhc_moe_ep":
+        f_ops = {n: operands[n] for n in ("y", "streams", "post", "comb")}
+        f_ops.update({n: operands["in_" + n] for n in ("fn", "base", "scale", "norm")})
+        f_attrs = {n: attrs["in_" + n] for n in MHC_ATTRS}
+        opdef = get_op("mhc_post_pre")
+        types = opdef.result_types([f_ops[n].type for n in opdef.operand_names], f_attrs)
+        x = TensorArg(types[1], Layout.contiguous(types[1].shape).strides)
+        f_res = {"streams_out": results["streams_out"], "y_next": x, "post_next": results["post_next"],
+                 "comb_next": results["comb_next"]}
+        front = _renamed(mhc.specialise("mhc_post_pre", f_ops, f_res, f_attrs)[0], {"seam_x": x.type.nbytes},
+                         EP_FRONT_RENAMED)
+        operands = {n: v for n, v in operands.items() if n not in f_ops and not n.startswith("in_")}
+        operands["x"] = x
+        attrs = {n: v for n, v in attrs.items() if not n.startswith("in_")}
+    partial, shared = results["partial"], results["shared"]
+    if partial.strides != shared.strides:
+        raise ValueError("moe_router_experts_ep: the partial sum and the shared output must share their layout")
+    owner = operands.pop("owner")  # (attrs keep `ep`: the moe calls' cost model, 1 / ep of the slots land here)
+    calls = _specialise("moe_router_experts_shared", operands, {"y": partial}, attrs, front,
+                        renamed={("result", "y"): ("result", "partial")}, inner_x=front is not None)
+    for c in calls:
+        if "o_ptr" in c.constexprs or "r_o_ptr" in c.constexprs:  # the router phase: masked by the owner table
+            p = "o_ptr" if "o_ptr" in c.constexprs else "r_o_ptr"
+            del c.constexprs[p]
+            c.pointers.append(ptr(p, "operand", "owner", owner))
+        if "sy_ptr" in c.constexprs:  # the combine: the shared expert's output apart
+            del c.constexprs["sy_ptr"]
+            c.pointers.append(ptr("sy_ptr", "result", "shared", shared))
+        c.pointers = in_kernel_order(c.name, c.fn, c.pointers, c.constexprs)  # the packed order of a launch
+    return calls
+
+
 def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg], attrs: dict,
-                front: KernelCall | None = None) -> list[KernelCall]:
+                front: KernelCall | None = None, renamed: dict | None = None,
+                inner_x: bool = False) -> list[KernelCall]:
     """`front`: the seam before the MoE's call (`mhc_moe_mhc`); its scratch is the MoE's x and the seam
     after's streams / post / comb (INNER_RENAMED)."""
     from ...ops.fused import MHC_ATTRS, ROUTER_ATTRS
@@ -331,7 +380,9 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
     if seam:  # the MoE's output as dense scratch, read back by the seam
         m_results = {"y": TensorArg(x.type, Layout.contiguous(x.shape).strides)}
         extra["moe_y"] = x.type.nbytes
-    names = {**(SEAM_RENAMED if seam else RENAMED), **(INNER_RENAMED if front else {})}
+    names = {**(SEAM_RENAMED if seam else RENAMED), **(INNER_RENAMED if front else {}), **(renamed or {})}
+    if inner_x:  # (`mhc_moe_ep`: the seam before's streams / post / comb are results, only x is its scratch)
+        names = {k: v for k, v in names.items() if k not in INNER_RENAMED or k == ("operand", "x")}
     rcall = _renamed(router.specialise("router", r_ops, {"weights": wa, "indices": ia}, r_attrs)[0], extra, names)
     m_ops = {n: v for n, v in operands.items() if n not in r_ops and n not in SEAM_OPERANDS}
     m_ops.update(x=x, weights=wa, indices=ia)
@@ -356,10 +407,11 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
     ce.update({ROUTER_PARAMS.get(n, "R_" + n): v for n, v in rcall.constexprs.items() if n not in flags})
     ce.update({DOWN_PARAMS.get(n, n if n.startswith("C_") else "D_" + n): v for n, v in down.constexprs.items()
                if n not in flags and n not in SHARED_CONSTEXPRS})
-    hce = hcalls[0].constexprs if seam else NO_SEAM
+    hce = {n: v for n, v in hcalls[0].constexprs.items() if n != "y2_ptr"} if seam else NO_SEAM
     ce.update({SEAM_PARAMS.get(n, "H_" + n): v for n, v in hce.items() if n not in flags})
     if front:  # (its pointers are the a_* params and the MoE's own, below)
-        ce.update({"A_" + n: v for n, v in front.constexprs.items() if n not in flags}, NA=front.grid[0])
+        ce.update({"A_" + n: v for n, v in front.constexprs.items() if n not in flags and n != "y2_ptr"},
+                  NA=front.grid[0])
     else:
         ce.update(NO_FRONT)
     RT, ND = triton.cdiv(ce["I"], ce["BN"]), triton.cdiv(ce["D"], ce["D_BN"])
@@ -380,6 +432,8 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
             pts.append((names.get(p, p), kind, name, ty))
     tag = up.name[len("moe_up_"):].rsplit("_", 1)[0]  # the up call's readable shape tag (name = prefix_tag_hash)
     scratch = {n: b for c in calls for n, b in c.scratch_bytes.items() if n != "moe_arrivals"}
+    for p, *_ in pts:  # a pointer here is no constexpr (`mhc_moe_ep`: the seam's results where NO_SEAM has none)
+        ce.pop(p, None)
     pts, carved = _carve_scratch(pts, scratch, ce)
     if carved:
         pts.append(ptr("scr_ptr", "scratch", "moe_scratch", "*u8"))

@@ -29,25 +29,27 @@ def _softplus(x):
 
 
 @triton.jit
-def router_kernel(x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr,
+def router_kernel(x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr, o_ptr,
                   R: tl.constexpr, D: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr,
                   X_RS: tl.constexpr, W_RS: tl.constexpr, T_RS: tl.constexpr, I_S: tl.constexpr,
                   WO_RS: tl.constexpr, IO_RS: tl.constexpr, ROUTE_SCALE: tl.constexpr, DENOM_EPS: tl.constexpr,
                   SUM_IN_DT: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
                   PDL: tl.constexpr = False):
     pdl_enter(PDL)
-    route_rows(tl.program_id(0), x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr, R, D, E, KSEL, X_RS, W_RS, T_RS,
-               I_S, WO_RS, IO_RS, ROUTE_SCALE, DENOM_EPS, SUM_IN_DT, BR, BE, BK, BKS)
+    route_rows(tl.program_id(0), x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr, o_ptr, R, D, E, KSEL, X_RS, W_RS,
+               T_RS, I_S, WO_RS, IO_RS, ROUTE_SCALE, DENOM_EPS, SUM_IN_DT, BR, BE, BK, BKS)
 
 
 @triton.jit
-def route_rows(rb, x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr,
+def route_rows(rb, x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr, o_ptr,
                R: tl.constexpr, D: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr,
                X_RS: tl.constexpr, W_RS: tl.constexpr, T_RS: tl.constexpr, I_S: tl.constexpr,
                WO_RS: tl.constexpr, IO_RS: tl.constexpr, ROUTE_SCALE: tl.constexpr, DENOM_EPS: tl.constexpr,
                SUM_IN_DT: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr):
     """Route token rows [rb * BR, rb * BR + BR): the router's whole computation for one row block (also the
-    first phase of the fused MoE launch, `moe_router.py`)."""
+    first phase of the fused MoE launch, `moe_router.py`). With `o_ptr` (an expert-parallel rank's owner
+    table, `moe_router_experts_ep`) the routing is then masked as `local_experts` masks it: each slot's id
+    becomes the rank's local index (-1: another rank's expert), its weight 0 where it is -1."""
     rows = rb * BR + tl.arange(0, BR)
     r_ok = rows < R
     e = tl.arange(0, BE)
@@ -90,6 +92,10 @@ def route_rows(rb, x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr,
     den = (total + DENOM_EPS).to(dt).to(tl.float32)
     out = ((wts / den[:, None]).to(dt).to(tl.float32) * ROUTE_SCALE).to(dt)
     ok = r_ok[:, None] & (j[None, :] < KSEL)
+    if o_ptr is not None:
+        known = ok & (idx >= 0) & (idx < E)
+        idx = tl.load(o_ptr + tl.where(known, idx, 0), mask=known, other=-1).to(tl.int32)
+        out = tl.where(idx >= 0, out, tl.zeros_like(out))
     tl.store(wo_ptr + rows[:, None].to(tl.int64) * WO_RS + j[None, :], out, mask=ok)
     tl.store(io_ptr + rows[:, None].to(tl.int64) * IO_RS + j[None, :], idx.to(io_ptr.dtype.element_ty), mask=ok)
 
@@ -113,7 +119,7 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
               BR=16, BE=max(16, triton.next_power_of_2(E)),
               # the [BK, BE] weight tile is the big one: keep it near 32 KB of bf16
               BK=min(max(16, 16384 // max(16, triton.next_power_of_2(E))), 128, max(16, triton.next_power_of_2(D))),
-              BKS=triton.next_power_of_2(k))
+              BKS=triton.next_power_of_2(k), o_ptr=None)  # o_ptr: the owner table of `moe_router_experts_ep`
     pointers = [ptr("x_ptr", "operand", "x", x), ptr("w_ptr", "operand", "w", w)]
     if tid2eid is not None:
         _, i_rs, _ = rows_of(TensorArg(ids.type.with_shape(*ids.shape, 1), (*ids.strides, 1)), "router ids")

@@ -86,7 +86,7 @@ BROKEN = {
     # for the last tokens stays poison
     "seam block": ("mhc_rows(v + NA,", "mhc_rows((v + NA) * 0,", AssertionError),
     # the seam before reads the streams from its own output (scratch, NaN) instead of the layer's streams
-    "streams from scratch": ("mhc_rows(v + NA, a_y_ptr, a_s_ptr,", "mhc_rows(v + NA, a_y_ptr, m_s_ptr,",
+    "streams from scratch": ("mhc_rows(v + NA, a_y_ptr, None, a_s_ptr,", "mhc_rows(v + NA, a_y_ptr, None, m_s_ptr,",
                              AssertionError),
     # the finished count leaves out the seam programs: the counters are reset one program early and the last
     # program's arrival is left in them (the next call would start wrong)

@@ -1,0 +1,132 @@
+"""Every MoE fusion on every rank: the gpu pipeline on a partitioned module (tiny-pro, tp 2 ep 2) fuses the
+FFN as the single-rank pipeline does, with the all-reduces beside the fused launches, and stays exact
+against its layout's reference (`ReferenceModel.partitioned`). Each check is shown to catch a fusion that
+skips partitioned modules."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from test_partition import check_for, partitioned
+from v4compile.cli.report import launch_counts
+from v4compile.config import preset
+from v4compile.passes import GPU_PIPELINE, PassManager, PipelineOptions
+from v4compile.trace import TraceOptions, trace
+from test_partition import OPTS
+
+NAME, NUMERICS = "tiny-pro", "official"
+MOE_FUSIONS = ("fuse_moe_router", "fuse_moe_mhc", "fuse_mhc_moe")
+
+
+@functools.cache
+def single_rank():
+    m = trace(preset(NAME), TraceOptions(numerics=NUMERICS, **OPTS))
+    return PassManager(GPU_PIPELINE, PipelineOptions()).run(m)
+
+
+def run_partitioned():
+    return PassManager(GPU_PIPELINE, PipelineOptions()).run(partitioned(NAME, NUMERICS, 2, 2))
+
+
+@functools.cache
+def partitioned_result():
+    return run_partitioned()
+
+
+def kernel_calls_per_layer(module) -> dict[int, int]:
+    """Launches per layer of the decode function, the collectives left out (they are no kernel calls)."""
+    fn = module.functions["decode"]
+    counts = launch_counts(preset(NAME), fn)["per_layer"]
+    reduces: dict[int, int] = {}
+    for op in fn.ops:
+        if op.name == "all_reduce":
+            reduces[op.attrs["layer"]] = reduces.get(op.attrs["layer"], 0) + 1
+    return {layer: n - reduces.get(layer, 0) for layer, n in counts.items()}
+
+
+def check_rank_fusions(result) -> None:
+    cfg = preset(NAME)
+    ops = [op.name for op in result.module.functions["decode"].ops]
+    hits = result.hits()
+    assert hits["fuse_moe_router"]["decode.fused"] == cfg.n_layers  # every layer's FFN, one op
+    assert hits["fuse_mhc_moe"]["decode.fused"] == cfg.n_layers - 1  # layer 0's seam is an hc_pre_norm
+    assert hits["fuse_moe_mhc"]["decode.fused"] == cfg.n_layers - 1  # the last seam is mhc_post_head
+    assert ops.count("all_reduce") == 2 * cfg.n_layers  # wo_b's and the routed experts', each its own launch
+    assert not {"router", "local_experts", "moe_experts", "swiglu"} & set(ops)
+    one, part = kernel_calls_per_layer(single_rank().module), kernel_calls_per_layer(result.module)
+    for layer in range(1, cfg.n_layers - 1):
+        # the single-rank seam after the MoE is inside its launch; here it follows the all-reduce (one call)
+        assert part[layer] == one[layer] + 1, (layer, part[layer], one[layer])
+
+
+def test_every_moe_fusion_fires_on_a_partitioned_module():
+    check_rank_fusions(partitioned_result())
+
+
+FUSED_STAGE = GPU_PIPELINE[:GPU_PIPELINE.index("fuse_mhc_moe") + 1]  # the MoE fusions, before the pool lowering
+
+
+@functools.cache
+def decode_case():
+    """tiny-pro's partitioned decode (official numerics, tp 2 ep 2) on seeded inputs and weights, every rank
+    simulated: (inputs, each rank's weights loader, each rank's outputs before any fusion)."""
+    from test_partition import _gen
+    from conftest import dense_weights
+    from v4compile.ir.interpret import interpret_ranks
+    from v4compile.weights_convert import DenseSource, load_ir_weights
+
+    before = partitioned(NAME, NUMERICS, 2, 2)
+    source = DenseSource(dense_weights(NAME))
+    g = _gen(4)
+    inputs = {}
+    for v in before.functions["decode"].inputs:
+        if v.name == "ids":
+            inputs[v.name] = torch.randint(0, preset(NAME).vocab_size, v.type.shape, generator=g)
+        elif v.type.dtype in ("i64", "i32"):
+            inputs[v.name] = torch.full(v.type.shape, 3, dtype=torch.int64 if v.type.dtype == "i64" else torch.int32)
+        else:
+            inputs[v.name] = torch.randn(v.type.shape, generator=g) * 0.1
+
+    def run(m):
+        return interpret_ranks(m.functions["decode"], [load_ir_weights(m, source, rank=r) for r in range(2)],
+                               [inputs] * 2)
+    return run, run(before)
+
+
+def fused_decode_mismatch() -> int:
+    """One decode step: the module after the MoE fusions against the partitioned module before any (whose
+    exactness against `ReferenceModel.partitioned` test_partition holds). Returns the number of output
+    elements that differ in any bit (the fused ops' references are the compositions, so none may)."""
+    run, want = decode_case()
+    after = PassManager(FUSED_STAGE, PipelineOptions()).run(partitioned(NAME, NUMERICS, 2, 2)).module
+    assert any(op.name == "mhc_moe_ep" for op in after.functions["decode"].ops)
+    got = run(after)
+    return sum(int((got[r][n] != ref).sum()) for r in range(2) for n, ref in want[r].items())
+
+
+def test_the_fused_partitioned_module_is_exact():
+    assert fused_decode_mismatch() == 0
+
+
+def test_a_fused_op_adding_in_another_order_is_caught(monkeypatch):
+    """The shared expert added into each rank's partial sum (the all-reduce then counts it twice): caught."""
+    from v4compile.ops import fused_ep
+    keep = fused_ep._routed_and_shared
+
+    def wrong(*a):
+        p, s = keep(*a)
+        return p + s, s
+    monkeypatch.setattr(fused_ep, "_routed_and_shared", wrong)
+    assert fused_decode_mismatch() > 0
+
+
+@pytest.mark.parametrize("fusion", ["fuse_moe_router", "fuse_mhc_moe"])
+def test_a_fusion_skipping_partitioned_modules_is_caught(monkeypatch, fusion):
+    import importlib
+    mod = importlib.import_module(f"v4compile.passes.{fusion}")
+    monkeypatch.setattr(mod, "_fuse_ep", lambda *a: None)
+    with pytest.raises(AssertionError):
+        check_rank_fusions(run_partitioned())
