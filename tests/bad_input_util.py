@@ -58,3 +58,23 @@ def assert_one_error(rc: int, stderr: str, *needles: str) -> str:
 def cli_error(*argv: str, needles: tuple[str, ...] = (), timeout: int = 120) -> str:
     rc, _, err = run_main(*argv, timeout=timeout)
     return assert_one_error(rc, err, *needles)
+
+
+def cli_in_process(*args: str, timeout: int = 600, cwd=None) -> subprocess.CompletedProcess:
+    """`run_main` shaped as `run_cli`'s result, for tests that check a command's output rather than a fresh
+    process: the interpreter's start-up (~3 s a command) is most of a short command's time. Restores what a
+    command may set for the process (torch's thread count, the SIGINT handler, the working directory)."""
+    import os
+
+    import torch
+
+    threads, sigint, here = torch.get_num_threads(), signal.getsignal(signal.SIGINT), os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        rc, out, err = run_main(*args, timeout=timeout)
+    finally:
+        os.chdir(here)
+        signal.signal(signal.SIGINT, sigint)
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess(["v4compile", *args], rc, out, err)

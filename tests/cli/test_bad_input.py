@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 
+from bad_input_util import cli_in_process
 from conftest import make_model
 from v4compile.config import V4Config, preset
 from v4compile.errors import ConfigError, InputError
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "v4compile", *args], capture_output=True, text=True, timeout=300)
+    """In-process (`bad_input_util.cli_in_process`): the exit status and stderr are the user's view, the same
+    from `main` as from a fresh interpreter (an exception escaping main, the traceback case, fails the test);
+    the start-up (~3 s a command) checks nothing here. The CLI in a fresh process: tests/cli/test_cli.py."""
+    return cli_in_process(*args, timeout=300)
 
 
 def assert_clean_error(r: subprocess.CompletedProcess, *needles: str) -> None:

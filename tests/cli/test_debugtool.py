@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from bad_input_util import cli_in_process
 from v4compile.ir.diff import diff_modules
 from v4compile.ir.text import ir_ident, parse_module, print_module
 from v4compile.ir.verify import verify
@@ -19,8 +20,10 @@ FAST = ("--check-prompt-len", "40", "--check-steps", "2", "--max-context", "64",
 
 
 def cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "v4compile", *args], capture_output=True, text=True, timeout=600,
-                          cwd=cwd)
+    """In-process (`bad_input_util.cli_in_process`): what a user meets is the exit status and the output, the
+    same from `main` as from a fresh interpreter, whose start-up (~3 s a command, over 20 commands here) the
+    file would otherwise spend; the CLI in a fresh process is tests/cli/test_cli.py's."""
+    return cli_in_process(*args, cwd=cwd)
 
 
 def ir_verify(*paths) -> None:

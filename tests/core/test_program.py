@@ -199,11 +199,7 @@ def test_program_parse_errors_name_line_and_column():
 
 
 def test_ir_dump_program_and_targets(tmp_path):
-    import subprocess
-    import sys
-
-    def cli(*args):
-        return subprocess.run([sys.executable, "-m", "v4compile", *args], capture_output=True, text=True, timeout=600)
+    from bad_input_util import cli_in_process as cli  # the output is the point, not a fresh interpreter's start-up
 
     out = tmp_path / "p.txt"
     r = cli("ir", "dump", "--stage", "program", "--func", "all", "-o", str(out))

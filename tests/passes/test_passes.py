@@ -10,12 +10,11 @@ and is far below any real defect (a wrong row or missed mask moves logits by > 1
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from bad_input_util import cli_in_process
 from conftest import dense_weights, make_model
 from v4compile.config import preset
 from v4compile.harness import IRRunner, Scenario, ir_logits, reference_logits
@@ -321,7 +320,9 @@ def test_csr_translation_through_the_block_table():
 # ---- CLI -----------------------------------------------------------------------------------------
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "v4compile", *args], capture_output=True, text=True, timeout=900)
+    """In-process (`bad_input_util.cli_in_process`): these tests read the exit status and the output, not a
+    fresh interpreter's start-up (~3 s a command; the CLI in a fresh process: tests/cli/test_cli.py)."""
+    return cli_in_process(*args, timeout=900)
 
 
 def test_compile_check_numerics_on_tiny():

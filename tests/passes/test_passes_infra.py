@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import io
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
 
+from bad_input_util import cli_in_process
 from conftest import dense_weights, make_model
 from v4compile.config import preset
 from v4compile.errors import PassError
@@ -136,7 +135,9 @@ def test_bisect_finds_the_pass_and_the_op(traced, check, op, index):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "v4compile", *args], capture_output=True, text=True, timeout=600)
+    """In-process (`bad_input_util.cli_in_process`): exit status, stdout and stderr are what these tests check,
+    and 14 fresh interpreters cost ~40 s of start-up (the CLI in a fresh process: tests/cli/test_cli.py)."""
+    return cli_in_process(*args)
 
 
 def test_ir_cli(tmp_path):

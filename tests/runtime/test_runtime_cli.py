@@ -30,12 +30,14 @@ def _threads():
 
 @pytest.mark.slow
 def test_compile_then_run_on_host_prints_the_reference_ids(art, capsys):
+    # 6 new tokens: the decode steps (positions 3-7) close two CSA blocks (ratio 4), as 8 did; each further
+    # step of interpreted kernels would cost seconds and reach no new block.
     capsys.readouterr()
-    assert main(["run", str(art), "--ids", "1,2,3", "--max-new-tokens", "8", "--device", "host"]) == 0
+    assert main(["run", str(art), "--ids", "1,2,3", "--max-new-tokens", "6", "--device", "host"]) == 0
     ran = capsys.readouterr()
-    assert main(["generate", "--preset", "tiny", "--ids", "1,2,3", "--max-new-tokens", "8"]) == 0
+    assert main(["generate", "--preset", "tiny", "--ids", "1,2,3", "--max-new-tokens", "6"]) == 0
     ref = capsys.readouterr().out.strip()
-    assert ran.out.strip() == ref and len(ref.split(",")) == 8
+    assert ran.out.strip() == ref and len(ref.split(",")) == 6
     assert "on host" in ran.err
     ttft = re.search(r"time to first token ([\d.]+) s: load ([\d.]+) s \(weights ([\d.]+) s\), warmup ([\d.]+) s, "
                      r"prefill ([\d.]+) s", ran.err)
