@@ -167,7 +167,7 @@ def test_ir_diff_is_sorted_and_one_line_per_attribute():
     plus = [ln for ln in lines if ln.startswith("+ weight")]
     assert minus == sorted(minus) and plus == sorted(plus) and len(minus) == len(plus) == 50
     # Deterministic across processes (set order depends on the hash seed).
-    code = ("import sys; sys.path.insert(0, 'tests/cli'); from test_debugtool import _module; "
+    code = ("import sys; sys.path[:0] = ['tests/cli', 'tests']; from test_debugtool import _module; "
             "from v4compile.ir.diff import diff_modules; "
             "print(diff_modules(_module({}, [f'w{i}' for i in range(50)]), _module({}, [f'v{i}' for i in range(50)])))")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONHASHSEED": s},
