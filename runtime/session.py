@@ -504,10 +504,13 @@ class Session:
             table, slot = self.table([seqs[i] for i in mine], B)
             steps.append((d, {"ids": x, "pos": pos, "block_table": table, "slot": slot}))
         out = self._run(fname, steps)
-        logits = np.empty((n, out[0].shape[-1]), dtype=out[0].dtype)
-        for d, mine in enumerate(lanes):
-            for b, i in enumerate(mine):
-                logits[i] = out[d][b]
+        if self.dp == 1:  # the backend's own array (the caller keeps it: no copy of [n, vocab] a step)
+            logits = out[0][:n]
+        else:
+            logits = np.empty((n, out[0].shape[-1]), dtype=out[0].dtype)
+            for d, mine in enumerate(lanes):
+                for b, i in enumerate(mine):
+                    logits[i] = out[d][b]
         for s in seqs:
             s.length += 1
         return logits

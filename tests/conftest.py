@@ -88,3 +88,20 @@ def tiny_quant_ckpt(tmp_path_factory):
     from v4compile.init_random import init_random
 
     return init_random(tmp_path_factory.mktemp("ckq") / "tiny-q", preset("tiny"), seed=0, quantized=True)
+
+
+# The serving tests' artifact (test_serve.py, test_serve_hostile.py, test_serve_api.py). Here rather than in a
+# tests/cli/conftest.py: a second module named `conftest` would shadow this one for `from conftest import ...`.
+DOC_EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tiny-doc")
+DOC_CONTEXT = 512  # room for test_serve_api's 300-token echo (the example's own default is 256)
+
+
+@pytest.fixture(scope="session")
+def doc_art(tmp_path_factory):
+    """examples/tiny-doc compiled once per test process for the cpu target (each compile costs seconds)."""
+    from v4compile.cli import main
+
+    out = tmp_path_factory.mktemp("doc") / "tiny-doc"
+    assert main(["-q", "compile", DOC_EXAMPLE, "-o", str(out), "--target", "cpu", "--max-context",
+                 str(DOC_CONTEXT)]) == 0
+    return out

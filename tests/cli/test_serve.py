@@ -29,7 +29,7 @@ NAMES = ["json.dumps", "os.path.join", "re.compile", "textwrap.dedent", "heapq.h
 
 @pytest.fixture(scope="module")
 def art(doc_art):
-    return doc_art  # tests/cli/conftest.py: compiled once per process
+    return doc_art  # tests/conftest.py: compiled once per process
 
 
 def run(art, *args, capsys) -> tuple[int, str, str]:

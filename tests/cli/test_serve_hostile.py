@@ -23,7 +23,7 @@ TIMEOUT = 30
 
 @pytest.fixture(scope="module")
 def art(doc_art):
-    return doc_art  # tests/cli/conftest.py: compiled once per process
+    return doc_art  # tests/conftest.py: compiled once per process
 
 
 @contextlib.contextmanager

@@ -59,7 +59,8 @@ def fresh(sess: Session) -> Session:
     """An empty cache and pool (a broken variant may have left either wrong)."""
     assert not sess.seqs
     pool = sess.art.manifest["pool"]
-    sess.alloc = Allocator(int(pool["n_slots"]), int(pool["n_blocks"]))
+    sess.allocs = [Allocator(int(pool["n_slots"]), int(pool["n_blocks"]))]  # one replica: a fresh pool
+    sess.alloc = sess.allocs[0]
     sess.cache = pc.PrefixCache(sess.cache.g)
     return sess
 
