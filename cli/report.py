@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ..accounting import kv_bytes_per_token
+from ..runtime.prefix_cache import snapshot_bytes
 from ..config import V4Config
 from ..ir.core import Function, Module
 from ..ir.registry import get_op
@@ -77,6 +78,8 @@ def build_report(cfg: V4Config, traced: Module, result, targets: tuple[str, ...]
                     "block_tokens": final.attrs.get("pool.block_tokens"),
                     "envelope_rows": final.attrs.get("pool.envelope_rows")} if lowered else None,
         "kv_bytes_per_token_accounting": kv_bytes_per_token(cfg),
+        # the prefix cache's boundary snapshot (runtime/prefix_cache.py), from the config: bf16 window rows
+        "prefix_cache_snapshot": snapshot_bytes(cfg, mtp_layers=cfg.n_mtp_layers),
         "seconds": {r.spec: round(r.seconds, 4) for r in result.records},
     }
     if dec:
@@ -160,6 +163,12 @@ def render_report(rep: dict) -> str:
         lines.append(f"  KV bytes per token of the lowered pool: {rep['kv_bytes_per_token']:.0f} "
                      f"({p['main']} main + {p['index']} index; {p['block_tokens']}-token blocks of "
                      f"{p['envelope_rows']} rows)")
+    if rep.get("prefix_cache_snapshot"):
+        c = rep["prefix_cache_snapshot"]
+        lines.append(f"  prefix cache: a boundary snapshot {c['snapshot_bytes'] / 1e6:.2f} MB (window rings "
+                     f"{c['window_bytes'] / 1e6:.2f} MB in bf16, compressor / indexer state rings "
+                     f"{c['state_bytes'] / 1e6:.2f} MB), {c['per_block_bytes'] / 2**20:.2f} MiB per cached "
+                     f"{c['block_tokens']}-token block (pieces of {c['granularity']} tokens)")
     for fname, p in (rep.get("program") or {}).items():
         lines.append(f"  program @{fname}: {p['launches']} launches, {p['specialisations']} launch signatures; "
                      + ", ".join(f"{k} x{v}" for k, v in p["kernel_families"].items()))
