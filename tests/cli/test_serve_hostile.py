@@ -579,13 +579,20 @@ def test_every_request_has_an_access_log_line(served, monkeypatch):
         def emit(self, record):
             self.lines.append(record.getMessage())
 
-    def caught_while(send) -> list[str]:
+    def caught_while(send, lines: int = 1) -> list[str]:
+        """The access lines while `send` runs, waiting (up to 5 s) for `lines` of them: the middleware writes a
+        request's line once its response is sent, so the client can have it before the line exists."""
+        import time
+
         h, log = Caught(), logging.getLogger("v4compile.access")
         level = log.level
         log.addHandler(h)
         log.setLevel(logging.INFO)
         try:
             send()
+            end = time.monotonic() + 5
+            while len(h.lines) < lines and time.monotonic() < end:
+                time.sleep(0.02)
         finally:
             log.removeHandler(h)
             log.setLevel(level)
@@ -597,7 +604,7 @@ def test_every_request_has_an_access_log_line(served, monkeypatch):
         post(url, chat_body(max_tokens=2))
         post(url, chat_body(), headers={"content-type": "text/plain"})
         httpx.get(url + "/x%0Aforged", timeout=TIMEOUT)
-    lines = caught_while(three)
+    lines = caught_while(three, lines=3)
     assert any('"POST /v1/chat/completions" 200' in x for x in lines), lines
     assert any('"POST /v1/chat/completions" 415' in x for x in lines), lines
     assert any('"GET /x\\nforged" 404' in x and "\n" not in x for x in lines), lines

@@ -255,10 +255,11 @@ def test_report_parallel_section(capsys):
     assert c["count"] == 2 * cfg.n_layers and {o["bytes"] for o in c["ops"]} == {2 * cfg.dim * 4}
     assert sorted({o["group"] for o in c["ops"]}) == [2, 4]
     assert p["per_rank_kv_bytes"] > 0 and set(p["decode_step"]) == {"gfx950", "sm_90a"}
-    # the partitioned program's kernel calls (a MoE launch makes two or three), its collectives launches of it
+    # the partitioned program's kernel calls (each launch but a collective makes at least one), its collectives
+    # launches of it
     assert c["program_collective_launches"] == c["count"]
     for t, s in p["decode_step"].items():
-        assert s["launches_counted"] == "kernel calls" and s["launches"] > c["program_launches"] - c["count"]
+        assert s["launches_counted"] == "kernel calls" and s["launches"] >= c["program_launches"] - c["count"]
         # the roofline term is what the program's kernel calls move (the MoE: this rank's slots only)
         assert s["roofline_us"] == round(s["program_kernel_bytes"] / TARGETS[t].hbm_bytes_s * 1e6, 1) > 0
 

@@ -13,8 +13,8 @@ that never arrives, each ending every rank with one clear error in bounded time 
 rank prints after its imports, `dist_launch.since_ready`, not from the processes' start).
 
 The 2-rank artifacts also carry the sm_90a target (placeholder kernels, `fake_aot`): one GPU program whose
-collectives are launches among the kernels (`local_experts` a kernel of its own; the kernel itself is
-checked in tests/kernels/test_kernels_local_experts.py). The host device runs that program at 2 ranks
+collectives are launches among the kernels (each layer's MoE one fused expert-parallel launch, the router's
+owner mask inside it: `moe_router_experts_ep` / `mhc_moe_ep`, checked in tests/kernels/test_kernels_moe_ep.py). The host device runs that program at 2 ranks
 (the C runtime; its collective launches come back to Python and run on gloo) with the ops' reference
 kernels (the Triton interpreter would take minutes), against the unpartitioned GPU program in one
 process. On the fake CUDA driver with the fake NCCL (device cuda, the real `ProgramBackend` path, 2
@@ -334,11 +334,12 @@ def test_one_gpu_program_one_kernel_set_and_rank_weights(arts):
     assert pk.complete
     for fname, f in prog.functions.items():
         ops = [l.op for l in f.launches]
-        assert ops.count("all_reduce") == 10 and ops.count("local_experts") == 5, fname  # 5 layers
+        moe = [o for o in ops if o in ("moe_router_experts_ep", "mhc_moe_ep")]  # every MoE fused on this rank too
+        assert ops.count("all_reduce") == 10 and len(moe) == 5 and "local_experts" not in ops, fname  # 5 layers
         for l, calls in zip(f.launches, pk.calls[fname]):  # a collective is no kernel call; the rest are
             assert (calls == []) == get_op(l.op).collective, (fname, l.op)
     assert {c.name for c in pk.unique.values()} == {k["name"] for k in m["kernels"]}
-    assert any(k["name"].startswith("local_experts_") for k in m["kernels"])
+    assert not any(k["name"].startswith("local_experts_") for k in m["kernels"])
 
 
 def test_nccl_gets_the_programs_collectives_inside_the_graph(host_ranks):
