@@ -83,21 +83,30 @@ def single_rows(art: Path, device: str, new: int):
     return [t for seq in ids for t in seq], {i: np.stack(v) for i, v in rows.items()}
 
 
+def _ranks(tmp: Path, worker: str, prompts, art: Path, world: int, new: int, env: dict) -> tuple[float, dict | None]:
+    """Run `worker` on `world` ranks over the prompts: its seconds, and the cell of the first failing rank (None
+    when every rank exited 0; each wrote its results under `tmp`)."""
+    from dist_launch import launch
+
+    (tmp / "prompts.json").write_text(json.dumps({"prompts": prompts, "new": new}))
+    t0 = time.monotonic()
+    runs = launch([sys.executable, str(TESTS / worker), str(tmp), str(tmp / "prompts.json"), str(art)],
+                  world, timeout_s=1800, env=env)
+    secs = time.monotonic() - t0
+    bad = [(r, code, err) for r, (code, _, err) in enumerate(runs) if code != 0]
+    if not bad:
+        return secs, None
+    r, code, err = bad[0]
+    last = (err.strip().splitlines() or [""])[-1][:160]
+    return secs, {"ids_equal": False, "error": f"rank {r} exit {code}: {last}", "seconds": secs}
+
+
 def dp_cell(tmp: Path, art: Path, world: int, device: str, new: int, ref) -> dict:
     import numpy as np
 
-    from dist_launch import launch
-
-    (tmp / "prompts.json").write_text(json.dumps({"prompts": DP_PROMPTS, "new": new}))
-    t0 = time.monotonic()
-    runs = launch([sys.executable, str(TESTS / "dp_worker.py"), str(tmp), str(tmp / "prompts.json"), str(art)],
-                  world, timeout_s=1800, env={"V4_TEST_DEVICES": device})
-    secs = time.monotonic() - t0
-    bad = [(r, code, err) for r, (code, _, err) in enumerate(runs) if code != 0]
-    if bad:
-        r, code, err = bad[0]
-        last = (err.strip().splitlines() or [""])[-1][:160]
-        return {"ids_equal": False, "error": f"rank {r} exit {code}: {last}", "seconds": secs}
+    secs, failed = _ranks(tmp, "dp_worker.py", DP_PROMPTS, art, world, new, {"V4_TEST_DEVICES": device})
+    if failed:
+        return failed
     ids, rows = ref
     scale = max(float(np.abs(v).max()) for v in rows.values())
     got = [np.load(tmp / f"{device}-rank-{r}.npz") for r in range(world)]
@@ -125,18 +134,9 @@ def single(art: Path, device: str, new: int):
 def cell(tmp: Path, art: Path, world: int, device: str, new: int, ref) -> dict:
     import numpy as np
 
-    from dist_launch import launch
-
-    (tmp / "prompts.json").write_text(json.dumps({"prompts": PROMPTS, "new": new}))
-    t0 = time.monotonic()
-    runs = launch([sys.executable, str(TESTS / "parallel_worker.py"), str(tmp), str(tmp / "prompts.json"), str(art)],
-                  world, timeout_s=1800, env={"V4_TEST_DEVICE": device})
-    secs = time.monotonic() - t0
-    bad = [(r, code, err) for r, (code, _, err) in enumerate(runs) if code != 0]
-    if bad:
-        r, code, err = bad[0]
-        last = (err.strip().splitlines() or [""])[-1][:160]
-        return {"ids_equal": False, "error": f"rank {r} exit {code}: {last}", "seconds": secs}
+    secs, failed = _ranks(tmp, "parallel_worker.py", PROMPTS, art, world, new, {"V4_TEST_DEVICE": device})
+    if failed:
+        return failed
     ids, logits = ref
     scale = float(np.abs(logits).max())
     got = [np.load(tmp / f"rank-{r}.npz") for r in range(world)]

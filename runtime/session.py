@@ -171,7 +171,6 @@ class Session:
         # same calls), and runs its own replica's part of each step.
         self.dp = int(m.get("parallel", {}).get("dp", 1))
         self.allocs = [Allocator(int(pool["n_slots"]), int(pool["n_blocks"])) for _ in range(self.dp)]
-        self.alloc = self.allocs[0]
         self._n_slots = int(pool["n_slots"])
         self.seqs: dict[int, SeqState] = {}
         self._next = 0
@@ -187,6 +186,11 @@ class Session:
             log.info("prefix cache off: not built for data-parallel artifacts yet")
         self.cache = (PrefixCache(granularity(self.block_tokens, self.prefill_fns[-1][0]), prefix_cache_bytes)
                       if prefix_cache and self.dp == 1 else None)
+
+    @property
+    def alloc(self) -> Allocator:
+        """The one replica's allocator (the prefix cache's pool: it runs with one replica only)."""
+        return self.allocs[0]
 
     @property
     def free_slots(self) -> list[int]:

@@ -223,9 +223,7 @@ def _lockstep(two, prompts, monkeypatch):
     # the ranks start alike, as two ranks that made the same calls (rank 0's session served this module's
     # tests before: its free lists are stacked otherwise than a fresh one's, its prefix cache holds their prompts)
     two[0].clear_prefix_cache()
-    allocs = copy.deepcopy(two[0].allocs)
-    monkeypatch.setattr(two[1], "allocs", allocs)
-    monkeypatch.setattr(two[1], "alloc", allocs[0])
+    monkeypatch.setattr(two[1], "allocs", copy.deepcopy(two[0].allocs))
     bs = []
     for r, s in enumerate(two):
         one = link.ranks(r)

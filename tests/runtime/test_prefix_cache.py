@@ -60,7 +60,6 @@ def fresh(sess: Session) -> Session:
     assert not sess.seqs
     pool = sess.art.manifest["pool"]
     sess.allocs = [Allocator(int(pool["n_slots"]), int(pool["n_blocks"]))]  # one replica: a fresh pool
-    sess.alloc = sess.allocs[0]
     sess.cache = pc.PrefixCache(sess.cache.g)
     return sess
 

@@ -27,6 +27,7 @@ def _touches(launch) -> list[tuple[Arg, bool]]:
 
 
 def launch_graph(f: FunctionProgram) -> nx.DiGraph:
+    """Every edge, through a per-buffer index of earlier touches (the edge kinds: `_kind`)."""
     g = nx.DiGraph()
     g.add_nodes_from(range(len(f.launches)))
     writes: dict[str, list[tuple[int, int, int]]] = {}  # buffer -> (first byte, end, launch) of each write
@@ -35,9 +36,9 @@ def launch_graph(f: FunctionProgram) -> nx.DiGraph:
         touched = _touches(launch)
         for a, writing in touched:
             lo, hi = a.extent
-            earlier = [(w, "waw" if writing else "raw") for w in writes.get(a.buffer, ())]
+            earlier = [(w, _kind(True, writing)) for w in writes.get(a.buffer, ())]
             if writing:
-                earlier += [(r, "war") for r in reads.get(a.buffer, ())]
+                earlier += [(r, _kind(False, True)) for r in reads.get(a.buffer, ())]
             for (plo, phi, j), kind in earlier:
                 if j != i and plo < hi and lo < phi:
                     if not g.has_edge(j, i):
@@ -54,8 +55,13 @@ def _kinds_between(before, after) -> set[str]:
     for a, a_writes in before:
         for b, b_writes in after:
             if a.buffer == b.buffer and a.extent[0] < b.extent[1] and b.extent[0] < a.extent[1] and (a_writes or b_writes):
-                kinds.add("waw" if a_writes and b_writes else "raw" if a_writes else "war")
+                kinds.add(_kind(a_writes, b_writes))
     return kinds
+
+
+def _kind(earlier_writes: bool, later_writes: bool) -> str:
+    """The edge kind between two touches of overlapping bytes, at least one a write."""
+    return "waw" if earlier_writes and later_writes else "raw" if earlier_writes else "war"
 
 
 def consecutive_graph(f: FunctionProgram) -> nx.DiGraph:
