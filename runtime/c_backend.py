@@ -43,6 +43,16 @@ HOST_KERNEL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32, c
                                ctypes.POINTER(ctypes.c_uint64))
 
 
+COPY_SAVE, COPY_RESTORE, COPY_DEVICE = 0, 1, 2  # v4rt.h V4RT_COPY_*
+COPY_CALL = 0xFFFFFFFE  # the host callback's function index for a copy of the copy table
+
+
+class Range(ctypes.Structure):
+    """A copy table entry (v4rt.h v4rt_range): at index k, bytes [offset + k * stride, + nbytes) of a buffer."""
+    _fields_ = [("buffer", ctypes.c_uint32), ("group", ctypes.c_uint32), ("offset", ctypes.c_uint64),
+                ("stride", ctypes.c_int64), ("nbytes", ctypes.c_uint64)]
+
+
 class Stats(ctypes.Structure):
     _fields_ = [("launches", ctypes.c_uint64), ("captures", ctypes.c_uint64), ("replays", ctypes.c_uint64),
                 ("bytes_allocated", ctypes.c_uint64)]
@@ -69,6 +79,8 @@ def load_library(path=None, sanitize: bool = False) -> ctypes.CDLL:
     lib.v4rt_run.argtypes = [c.c_void_p, c.c_uint32, c.c_int]
     lib.v4rt_sync.argtypes = [c.c_void_p]
     lib.v4rt_get_stats.argtypes = [c.c_void_p, c.POINTER(Stats)]
+    lib.v4rt_copy_table.argtypes = [c.c_void_p, c.c_uint32, c.POINTER(Range)]
+    lib.v4rt_copy.argtypes = [c.c_void_p, c.c_uint32, c.c_uint32, c.c_uint64, c.c_uint64, c.c_void_p, c.c_uint64]
     lib.v4rt_comm_unique_id.argtypes = [c.c_char_p, c.c_char_p, c.c_void_p]
     lib.v4rt_comm_init.argtypes = [c.c_void_p, c.c_char_p, c.c_uint32, c.c_uint32, c.POINTER(c.c_uint32), c.c_void_p]
     if lib.v4rt_abi_version() != ABI_VERSION:
@@ -99,6 +111,9 @@ class CRuntime:
         # `table`: how the schedule becomes the bytes handed to the C runtime (tests use fake code objects)
         self.table = self.sched.to_bytes() if table is None else table(self.sched)
         self.error: BaseException | None = None
+        # the host device's check of the copy table's copies and of the steps' writes between them
+        # (`copy_check.CopyCheck`); None: unchecked (the GPU devices, or a runtime without copies)
+        self.copy_check = None
         self._cb = HOST_KERNEL(self._host_kernel)  # kept alive as long as the runtime
         self.handle = ctypes.c_void_p()
         rc = self.lib.v4rt_open(abi, device.encode(), driver_lib.encode() if driver_lib else None, self.table,
@@ -174,6 +189,26 @@ class CRuntime:
                     f"reading buffer {self.sched.buffer_names[buffer]}")
         return out
 
+    def copy_table(self, ranges: list[tuple[int, int, int, int, int]]) -> None:
+        """Give the C runtime its copy table: (buffer, group, offset, stride, nbytes) each (v4rt.h)."""
+        arr = (Range * max(len(ranges), 1))(*[Range(*r) for r in ranges])
+        self._check(self.lib.v4rt_copy_table(self.handle, len(ranges), arr), "setting the copy table")
+
+    def copy(self, kind: int, group: int, index: int, to: int = 0, host: np.ndarray | None = None,
+             what: tuple | None = None) -> None:
+        """One copy of a group's ranges at `index` (COPY_SAVE into `host`, COPY_RESTORE from it, COPY_DEVICE to
+        index `to`), issued by the C runtime; `what` tells the host device's check what it is for."""
+        ptr, n = (None, 0) if host is None else (host.ctypes.data, host.nbytes)
+        if host is not None and not host.flags.c_contiguous:
+            raise InputError("a copy's host side must be contiguous")
+        if self.copy_check is not None:
+            self.copy_check.begin(kind, group, index, to, what)
+        with held():  # the host device's check is a callback, as a host kernel is
+            rc = self.lib.v4rt_copy(self.handle, kind, group, index, to, ptr, n)
+        self._check(rc, "copying")
+        if self.copy_check is not None:
+            self.copy_check.end()
+
     def buffer(self, fname: str, name: str) -> torch.Tensor:
         """A copy of a function's buffer as raw bytes (pool, state, arena, input, output ...)."""
         return self.read(self.sched.buffer_index(fname, name))
@@ -188,6 +223,8 @@ class CRuntime:
         """Upload the step inputs, run `fname`, return its `output` buffers (pool and state stay here)."""
         self.upload(fname, inputs)
         self.launch(fname, graph)
+        if self.copy_check is not None:
+            self.copy_check.ran(inputs)
         f = self.program.functions[fname]
         out = {}
         for n, a in f.outputs:
@@ -240,9 +277,23 @@ class CRuntime:
                 return self.sched.buffer_names[b], ptr - base
         raise DeviceError(f"kernel pointer {ptr:#x} lies in no buffer of the runtime")
 
+    def _place(self, ptr: int, nbytes: int) -> tuple[str, int] | None:
+        """(buffer, offset) of a copy's side in the runtime's buffers, or None for host memory outside them."""
+        i = bisect.bisect_right(self._by_addr, (ptr, 1 << 62)) - 1
+        if i >= 0:
+            base, b = self._by_addr[i]
+            if ptr + nbytes <= base + self.sched.buffer_bytes[b]:
+                return self.sched.buffer_names[b], ptr - base
+        return None
+
     def _host_kernel(self, _user, fidx: int, cidx: int, n: int, params) -> int:
         try:
             act_pending()  # a signal that came while C ran (`held`): raised here, where the run stops cleanly
+            if fidx == COPY_CALL:  # a copy of the copy table: checked before the driver makes it
+                if self.copy_check is not None:
+                    dst, src, nbytes, kind = (params[i] for i in range(4))
+                    self.copy_check.copy(cidx, kind, self._place(dst, nbytes), self._place(src, nbytes), nbytes)
+                return 0
             fs = self.sched.functions[fidx]
             call = fs.calls[cidx]
             if n != len(call.params):

@@ -36,6 +36,11 @@ sequence's slot):
   the 19 MB of FP32 rings a snapshot would otherwise carry.
 `snapshot_bytes` gives its size from the config (the report states it for V4-Pro and V4-Flash).
 
+**The copies** (`snapshot.py`): the snapshot, its restore and the block copied on write are ranges of one copy
+table derived from the program's pool geometry; on host / hip / cuda the C runtime issues them from that table
+(device to host, host to device, device to device on the stream, outside the captured decode graphs:
+`snapshot.py` says why), and the host device checks each one's bytes and order (`copy_check.py`).
+
 **Blocks by reference.** A hit of n pieces (n x g <= prompt length - 1: the last prompt token is always
 computed, it gives the first logits) takes the blocks under the prefix by reference (a reference count per
 block: the sequences holding it and the entries naming it); a whole block is taken from the entry holding

@@ -156,6 +156,10 @@ class ProgramBackend:
                                binaries=binaries, collective=ranks.collective if ranks is not None else None)
         finally:
             weights.close()
+        if device == "host":  # the prefix cache's copies checked as every launch is (`copy_check.py`)
+            from .copy_check import CopyCheck
+
+            self.rt.copy_check = CopyCheck(self.program)
         if ranks is not None and device != "host":  # GPUs: the collective launches run on NCCL / RCCL
             join_communicators(self.rt, ranks, device, comm_lib)
         self.weights_s = time.perf_counter() - t1

@@ -366,7 +366,7 @@ class Session:
                 cache.hold(b)
             if P % bt:  # the boundary is inside the block: the tail writes it again, so a copy of its own
                 self._take_partial(s, hit[-1].blocks[-1], P)
-            self._restore(s.slot, parent.snapshot)
+            self._restore(s.slot, parent.snapshot, P)
             s.length = s.cached = P
         ids, last, chain = prompt[s.length:], None, True
         while ids:
@@ -403,54 +403,26 @@ class Session:
         if e is not None:  # another sequence kept it meanwhile
             return e
         blocks = s.blocks[(i * g) // self.block_tokens:(s.length - 1) // self.block_tokens + 1]
-        e, freed = cache.insert(parent, ids, i, blocks, self._snapshot(s.slot))
+        e, freed = cache.insert(parent, ids, i, blocks, self._snapshot(s.slot, s.length))
         self.alloc.free_blocks.extend(freed)
         return e
 
-    def _ranges(self, slot: int | None = None, block: int | None = None) -> list[tuple[str, int, int]]:
-        """(buffer, first row, rows) of a slot's window rings and compressor / indexer state rings, or of a pool
-        block's compressed rows (main and index planes)."""
-        from .undo import access
+    def _snapshot(self, slot: int, boundary: int) -> dict[str, np.ndarray]:
+        """The slot's rings at `boundary` (`snapshot.py`: on the C runtime, copies it issues and the host device
+        checks)."""
+        from .snapshot import copies
 
-        store = access(self.backend)
-        geo = store.geometry
-        main = [n for n, _, _ in geo.main_planes()]
-        if block is not None:
-            out = [(n, block * geo.envelope_rows, geo.envelope_rows) for n in main]
-            if geo.index_offset:
-                out += [(n, block * geo.index_envelope_rows, geo.index_envelope_rows)
-                        for n, _, _ in geo.index_planes()]
-            return out
-        out = [(n, geo.n_rows - (slot + 1) * geo.slot_rows, geo.slot_rows) for n in main]
-        # only the overlapping (CSA) compressors' rings: a non-overlapping (HCA) one holds the window the
-        # boundary has just closed, never read again (a slot's next window is written before it is read, as
-        # after any earlier sequence in the slot)
-        csa = {f"state.layers.{layer}." for layer, _ in geo.index_offset}
-        for n in sorted(store.names()):
-            if n.startswith("state.") and any(n.startswith(c) for c in csa):
-                S = store.shape(n)[1]
-                out.append((n, slot * S, S))
-        return out
+        return copies(self.backend).save(slot, boundary)
 
-    def _snapshot(self, slot: int) -> dict[str, np.ndarray]:
-        from .undo import access
+    def _restore(self, slot: int, snap: dict[str, np.ndarray], boundary: int) -> None:
+        from .snapshot import copies
 
-        store = access(self.backend)
-        return {n: np.asarray(store.get_rows(n, row, k)) for n, row, k in self._ranges(slot=slot)}
-
-    def _restore(self, slot: int, snap: dict[str, np.ndarray]) -> None:
-        from .undo import access
-
-        store = access(self.backend)
-        for n, row, _ in self._ranges(slot=slot):
-            store.put_rows(n, row, snap[n])
+        copies(self.backend).restore(slot, snap, boundary)
 
     def _copy_block(self, src: int, dst: int) -> None:
-        from .undo import access
+        from .snapshot import copies
 
-        store = access(self.backend)
-        for (n, row, k), (_, to, _) in zip(self._ranges(block=src), self._ranges(block=dst)):
-            store.put_rows(n, to, store.get_rows(n, row, k))
+        copies(self.backend).copy_block(src, dst)
 
     @serialised
     def clear_prefix_cache(self) -> None:

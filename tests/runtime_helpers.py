@@ -129,7 +129,7 @@ class Fake:
     def copies(self) -> dict[str, int]:
         """The copies so far by source kind, and the synchronisations (see fake_copies in fake_driver.c)."""
         names = ("pinned", "pinned_bytes", "pageable", "pageable_bytes", "d2h", "stream_syncs", "event_syncs",
-                 "waited", "pinned_live", "events_live", "queued")
+                 "waited", "pinned_live", "events_live", "queued", "d2d")
         c = (ctypes.c_long * len(names))()
         self.lib.fake_copies(c)
         return dict(zip(names, c))

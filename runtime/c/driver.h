@@ -30,6 +30,10 @@ struct v4drv {
      * flags) */
     int (*launch)(v4drv *d, void *fn, const uint32_t grid[3], const uint32_t block[3], uint32_t shared,
                   uint32_t n_params, const uint64_t *params, uint64_t tag, uint32_t flags);
+    /* One copy of the copy table (v4rt.h, V4RT_COPY_*: kind SAVE device -> host, RESTORE host -> device,
+     * DEVICE device -> device) on the runtime's stream, in order with the kernels; never during a capture.
+     * tag = V4RT_COPY_CALL << 32 | range (the host driver hands it to the callback first). */
+    int (*copy)(v4drv *d, uint32_t kind, uint64_t dst, uint64_t src, uint64_t nbytes, uint64_t tag);
     int (*capture_begin)(v4drv *d);
     int (*capture_end)(v4drv *d, void **graph);
     int (*graph_launch)(v4drv *d, void *graph);

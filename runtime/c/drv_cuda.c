@@ -47,6 +47,7 @@ typedef struct {
     int (*cuMemFree)(CUdeviceptr);
     int (*cuMemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, void *);
     int (*cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, void *);
+    int (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, void *);
     int (*cuGraphInstantiateWithFlags)(void **, void *, unsigned long long);
     int (*cuLaunchKernelEx)(const CUlaunchConfig *, void *, void **, void **);
 } cu_t;
@@ -85,6 +86,10 @@ static int cu_h2d(gpu *g, uint64_t dst, const void *src, uint64_t n) {
 static int cu_d2h(gpu *g, void *dst, uint64_t src, uint64_t n) {
     return gpu_check(g, C(g)->cuMemcpyDtoHAsync(dst, (CUdeviceptr)src, (size_t)n, g->stream), "cuMemcpyDtoHAsync");
 }
+static int cu_d2d(gpu *g, uint64_t dst, uint64_t src, uint64_t n) {
+    return gpu_check(g, C(g)->cuMemcpyDtoDAsync((CUdeviceptr)dst, (CUdeviceptr)src, (size_t)n, g->stream),
+                     "cuMemcpyDtoDAsync");
+}
 static int cu_instantiate(gpu *g, void **exec, void *graph) {
     return gpu_check(g, C(g)->cuGraphInstantiateWithFlags(exec, graph, 0), "cuGraphInstantiateWithFlags");
 }
@@ -114,6 +119,7 @@ static const gpu_sym SYMS[] = {
     {"cuMemFree_v2", OWN(cuMemFree)},
     {"cuMemcpyHtoDAsync_v2", OWN(cuMemcpyHtoDAsync)},
     {"cuMemcpyDtoHAsync_v2", OWN(cuMemcpyDtoHAsync)},
+    {"cuMemcpyDtoDAsync_v2", OWN(cuMemcpyDtoDAsync)},
     {"cuStreamCreate", G(stream_create)},
     {"cuStreamDestroy_v2", G(stream_destroy)},
     {"cuStreamSynchronize", G(stream_sync)},
@@ -143,7 +149,7 @@ static const gpu_api CUDA = {.name = "cuda", .default_lib = "libcuda.so.1", .com
                              .device_open = cu_device_open, .device_close = cu_device_close,
                              .make_current = cu_make_current,
                              .error_string = cu_error_string, .mem_alloc = cu_alloc, .mem_free = cu_free,
-                             .h2d = cu_h2d, .d2h = cu_d2h, .graph_instantiate = cu_instantiate,
+                             .h2d = cu_h2d, .d2h = cu_d2h, .d2d = cu_d2d, .graph_instantiate = cu_instantiate,
                              .launch_pdl = cu_launch_pdl};
 
 int v4drv_cuda_open(v4drv *d, const char *lib) { return gpu_open(d, &CUDA, lib); }

@@ -125,6 +125,15 @@ static int g_d2h(v4drv *d, void *dst, uint64_t src, uint64_t n) {
     if (g->api->d2h(g, dst, src, n)) return 1;
     return drain(g);
 }
+/* The copy table's copies: a save is read back (and waited for, as every read); a restore is a write (staged
+ * once staging is on); a device copy is enqueued behind the kernels and left in flight. */
+static int g_copy(v4drv *d, uint32_t kind, uint64_t dst, uint64_t src, uint64_t n, uint64_t tag) {
+    gpu *g = d->state;
+    (void)tag;
+    if (kind == V4RT_COPY_SAVE) return g_d2h(d, (void *)(uintptr_t)dst, src, n);
+    if (kind == V4RT_COPY_RESTORE) return g_h2d(d, dst, (const void *)(uintptr_t)src, n);
+    return g->api->d2d(g, dst, src, n);
+}
 static int g_module_load(v4drv *d, const void *image, uint64_t size, void **module) {
     gpu *g = d->state;
     (void)size;
@@ -272,7 +281,7 @@ int gpu_open(v4drv *d, const gpu_api *api, const char *lib) {
     g->api = api;
     *d = (v4drv){.name = api->name, .state = g, .mem_alloc = g_alloc, .mem_free = g_free, .h2d = g_h2d,
                  .d2h = g_d2h, .module_load = g_module_load, .module_unload = g_module_unload,
-                 .get_function = g_get_function, .func_shared = g_func_shared, .launch = g_launch,
+                 .get_function = g_get_function, .func_shared = g_func_shared, .launch = g_launch, .copy = g_copy,
                  .capture_begin = g_capture_begin, .capture_end = g_capture_end, .graph_launch = g_graph_launch,
                  .graph_destroy = g_graph_destroy, .sync = g_sync, .bind_thread = g_bind_thread,
                  .collective = g_collective, .comm_init = g_comm_init, .shutdown = g_shutdown};

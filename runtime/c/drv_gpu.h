@@ -87,6 +87,7 @@ struct gpu_api {
     int (*mem_free)(gpu *g, uint64_t addr);
     int (*h2d)(gpu *g, uint64_t dst, const void *src, uint64_t nbytes); /* enqueued on g->stream */
     int (*d2h)(gpu *g, void *dst, uint64_t src, uint64_t nbytes);      /* enqueued on g->stream */
+    int (*d2d)(gpu *g, uint64_t dst, uint64_t src, uint64_t nbytes);   /* enqueued on g->stream */
     int (*graph_instantiate)(gpu *g, void **exec, void *graph);
     /* A launch with programmatic stream serialization (args: the kernel's parameter pointers), enqueued on
      * g->stream; NULL: the driver has no programmatic dependent launch (HIP), and such a launch is refused. */

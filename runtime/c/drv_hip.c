@@ -6,6 +6,7 @@
 
 #define HIP_MEMCPY_H2D 1
 #define HIP_MEMCPY_D2H 2
+#define HIP_MEMCPY_D2D 3
 #define HIP_CAPTURE_MODE_THREAD_LOCAL 1
 #define HIP_STREAM_NON_BLOCKING 1
 #define HIP_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_MEMORY_SIZE 8
@@ -40,6 +41,11 @@ static int hip_h2d(gpu *g, uint64_t dst, const void *src, uint64_t n) {
 static int hip_d2h(gpu *g, void *dst, uint64_t src, uint64_t n) {
     int r = H(g)->hipMemcpyAsync(dst, (const void *)(uintptr_t)src, (size_t)n, HIP_MEMCPY_D2H, g->stream);
     return gpu_check(g, r, "hipMemcpyAsync(D2H)");
+}
+static int hip_d2d(gpu *g, uint64_t dst, uint64_t src, uint64_t n) {
+    int r = H(g)->hipMemcpyAsync((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n, HIP_MEMCPY_D2D,
+                                 g->stream);
+    return gpu_check(g, r, "hipMemcpyAsync(D2D)");
 }
 static int hip_instantiate(gpu *g, void **exec, void *graph) {
     return gpu_check(g, H(g)->hipGraphInstantiate(exec, graph, NULL, NULL, 0), "hipGraphInstantiate");
@@ -84,7 +90,7 @@ static const gpu_api HIP = {.name = "hip", .default_lib = "libamdhip64.so", .com
                             .capture_mode = HIP_CAPTURE_MODE_THREAD_LOCAL, .shared_default = 64 * 1024,
                             .shared_attribute = HIP_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_MEMORY_SIZE,
                             .device_open = hip_device_open, .error_string = hip_error_string,
-                            .mem_alloc = hip_alloc, .mem_free = hip_free, .h2d = hip_h2d, .d2h = hip_d2h,
+                            .mem_alloc = hip_alloc, .mem_free = hip_free, .h2d = hip_h2d, .d2h = hip_d2h, .d2d = hip_d2d,
                             .graph_instantiate = hip_instantiate};
 
 int v4drv_hip_open(v4drv *d, const char *lib) { return gpu_open(d, &HIP, lib); }

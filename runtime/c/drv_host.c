@@ -131,6 +131,19 @@ static int h_collective(v4drv *d, const char *op, uint32_t group, uint32_t dtype
     return h_launch(d, NULL, one, one, 0, 2, params, tag, 0);
 }
 
+/* A copy of the copy table: the callback checks it first (its bytes and order), then it is made. */
+static int h_copy(v4drv *d, uint32_t kind, uint64_t dst, uint64_t src, uint64_t n, uint64_t tag) {
+    hstate *s = d->state;
+    if (s->capturing) {
+        v4rt_seterr("a copy cannot be made during a capture");
+        return 1;
+    }
+    const uint64_t params[4] = {dst, src, n, kind};
+    if (h_run(s, tag, 4, params)) return 1;
+    memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    return 0;
+}
+
 static void h_graph_free(hgraph *g) {
     for (uint32_t i = 0; i < g->n; i++) free(g->recs[i].params);
     free(g->recs);
@@ -205,7 +218,7 @@ int v4drv_host_open(v4drv *d, v4rt_host_kernel cb, void *user) {
     s->user = user;
     *d = (v4drv){.name = "host", .state = s, .mem_alloc = h_alloc, .mem_free = h_free, .h2d = h_h2d, .d2h = h_d2h,
                  .module_load = h_module_load, .module_unload = h_module_unload, .get_function = h_get_function,
-                 .launch = h_launch, .capture_begin = h_capture_begin, .capture_end = h_capture_end,
+                 .launch = h_launch, .copy = h_copy, .capture_begin = h_capture_begin, .capture_end = h_capture_end,
                  .graph_launch = h_graph_launch, .graph_destroy = h_graph_destroy, .sync = h_sync,
                  .collective = h_collective, .shutdown = h_shutdown};
     return 0;

@@ -87,6 +87,8 @@ struct v4rt {
     func_t *functions;
     uint32_t n_collectives; /* collective calls in the table */
     v4rt_stats stats;
+    v4rt_range *copies; /* the copy table (v4rt_copy_table) */
+    uint32_t n_copies;
 };
 
 typedef struct {
@@ -156,6 +158,7 @@ static void release(v4rt *rt) {
         for (uint32_t m = 0; m < rt->n_code; m++)
             if (rt->modules[m]) rt->drv.module_unload(&rt->drv, rt->modules[m]);
     if (rt->drv_open) rt->drv.shutdown(&rt->drv);
+    free(rt->copies);
     free(rt->functions);
     free(rt->buffers);
     free(rt->modules);
@@ -592,4 +595,93 @@ v4rt_status v4rt_comm_init(v4rt *rt, const char *comm_lib, uint32_t rank, uint32
     v4rt_status st = bind_thread(rt);
     if (st) return st;
     return rt->drv.comm_init(&rt->drv, comm_lib, rank, n_groups, sizes, ids) ? V4RT_E_DRIVER : V4RT_OK;
+}
+
+v4rt_status v4rt_copy_table(v4rt *rt, uint32_t n, const v4rt_range *ranges) {
+    if (!rt || (n && !ranges)) {
+        v4rt_seterr("v4rt_copy_table: no runtime or no ranges");
+        return V4RT_E_ARG;
+    }
+    for (uint32_t i = 0; i < n; i++) { /* index 0 must fit; a larger index is checked at each copy */
+        v4rt_status st = check_range(rt, ranges[i].buffer, ranges[i].offset, ranges[i].nbytes, "copy table");
+        if (st) return st;
+    }
+    v4rt_range *t = malloc((n ? n : 1) * sizeof *t);
+    if (!t) {
+        v4rt_seterr("out of host memory for the copy table");
+        return V4RT_E_OOM;
+    }
+    if (n) memcpy(t, ranges, n * sizeof *t);
+    free(rt->copies);
+    rt->copies = t;
+    rt->n_copies = n;
+    return V4RT_OK;
+}
+
+/* Range r at index k: its byte offset, checked against the buffer (overflow-safe, either sign of stride). */
+static v4rt_status range_at(const v4rt *rt, const v4rt_range *r, uint64_t k, uint64_t *off) {
+    uint64_t size = rt->buffers[r->buffer].nbytes;
+    uint64_t step = r->stride < 0 ? (uint64_t)0 - (uint64_t)r->stride : (uint64_t)r->stride;
+    uint64_t room = r->stride < 0 ? r->offset : size - r->offset; /* offset <= size: the table was checked */
+    if (step && k > room / step) {
+        v4rt_seterr("copy: index %llu outside buffer %u (%llu bytes)", (unsigned long long)k, r->buffer,
+                    (unsigned long long)size);
+        return V4RT_E_ARG;
+    }
+    *off = r->stride < 0 ? r->offset - k * step : r->offset + k * step;
+    return check_range(rt, r->buffer, *off, r->nbytes, "copy");
+}
+
+v4rt_status v4rt_copy(v4rt *rt, uint32_t kind, uint32_t group, uint64_t index, uint64_t to, void *host,
+                      uint64_t host_bytes) {
+    if (!rt || kind > V4RT_COPY_DEVICE || (kind != V4RT_COPY_DEVICE && !host)) {
+        v4rt_seterr("v4rt_copy: no runtime, an unknown kind %u, or no host memory", kind);
+        return V4RT_E_ARG;
+    }
+    uint64_t total = 0, off, to_off;
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < rt->n_copies; i++) { /* every range checked before any copy is issued */
+        const v4rt_range *r = &rt->copies[i];
+        if (r->group != group) continue;
+        v4rt_status st = range_at(rt, r, index, &off);
+        if (!st && kind == V4RT_COPY_DEVICE) st = range_at(rt, r, to, &to_off);
+        if (st) return st;
+        total += r->nbytes;
+        n++;
+    }
+    if (!n) {
+        v4rt_seterr("copy: group %u has no ranges in the copy table", group);
+        return V4RT_E_ARG;
+    }
+    if (kind != V4RT_COPY_DEVICE && host_bytes != total) {
+        v4rt_seterr("copy: group %u holds %llu bytes, the host side %llu", group, (unsigned long long)total,
+                    (unsigned long long)host_bytes);
+        return V4RT_E_ARG;
+    }
+    v4rt_status st = bind_thread(rt);
+    if (st) return st;
+    unsigned char *h = host;
+    for (uint32_t i = 0; i < rt->n_copies; i++) {
+        const v4rt_range *r = &rt->copies[i];
+        if (r->group != group) continue;
+        (void)range_at(rt, r, index, &off);
+        uint64_t dev = rt->buffers[r->buffer].addr + off, dst, src;
+        if (kind == V4RT_COPY_SAVE) {
+            dst = (uint64_t)(uintptr_t)h;
+            src = dev;
+        } else if (kind == V4RT_COPY_RESTORE) {
+            dst = dev;
+            src = (uint64_t)(uintptr_t)h;
+        } else {
+            (void)range_at(rt, r, to, &to_off);
+            dst = rt->buffers[r->buffer].addr + to_off;
+            src = dev;
+        }
+        if (rt->drv.copy(&rt->drv, kind, dst, src, r->nbytes, ((uint64_t)V4RT_COPY_CALL << 32) | i)) {
+            wrap_err("copy %u (group %u, buffer %u)", i, group, r->buffer);
+            return V4RT_E_LAUNCH;
+        }
+        if (h) h += r->nbytes;
+    }
+    return V4RT_OK;
 }

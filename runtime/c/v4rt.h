@@ -56,6 +56,26 @@ typedef int (*v4rt_host_kernel)(void *user, uint32_t function, uint32_t call, ui
 #define V4RT_I64 2u /* all_gather_rows of token ids (data parallel) */
 #define V4RT_COMM_ID_BYTES 128u /* ncclUniqueId */
 
+/* Copies from a copy table (issue 36: the prefix cache's boundary snapshots and its copy-on-write blocks).
+ * The table, given once (v4rt_copy_table), lists byte ranges by group: range i of a group at index k is
+ * bytes [offset + k * stride, + nbytes) of its buffer (k: a slot for a snapshot, a pool block for a block
+ * copy). v4rt_copy issues every range of a group at one index, in table order, on the runtime's stream in
+ * order with the kernels, outside any graph: SAVE copies them into host memory one after another (host_bytes:
+ * their sum), RESTORE back from it, DEVICE into the same ranges at index `to`. Every range is checked against
+ * its buffer before any is issued. The host driver hands each copy to the host callback first, as function
+ * V4RT_COPY_CALL, call = the range's index in the table, parameters {dst, src, nbytes, kind}: the caller checks
+ * its bytes and order (runtime/copy_check.py) as it checks every launch. */
+#define V4RT_COPY_SAVE 0u
+#define V4RT_COPY_RESTORE 1u
+#define V4RT_COPY_DEVICE 2u
+#define V4RT_COPY_CALL 0xFFFFFFFEu
+typedef struct {
+    uint32_t buffer, group;
+    uint64_t offset;
+    int64_t stride; /* may be negative: a slot's window rings are counted from the end of the pool */
+    uint64_t nbytes;
+} v4rt_range;
+
 /* Counters, for checks and reports. */
 typedef struct {
     uint64_t launches;  /* kernel calls issued to the driver outside capture */
@@ -84,6 +104,11 @@ v4rt_status v4rt_read(v4rt *rt, uint32_t buffer, uint64_t offset, void *dst, uin
 v4rt_status v4rt_run(v4rt *rt, uint32_t function, int graph);
 v4rt_status v4rt_sync(v4rt *rt);
 v4rt_status v4rt_get_stats(const v4rt *rt, v4rt_stats *out);
+
+/* The copy table (replaces the previous one) and one copy of a group's ranges (see V4RT_COPY_SAVE). */
+v4rt_status v4rt_copy_table(v4rt *rt, uint32_t n, const v4rt_range *ranges);
+v4rt_status v4rt_copy(v4rt *rt, uint32_t kind, uint32_t group, uint64_t index, uint64_t to, void *host,
+                      uint64_t host_bytes);
 
 /* A communicator's unique id (V4RT_COMM_ID_BYTES bytes into `id`) from the collective library `comm_lib`
  * (NCCL / RCCL; NULL: the default of `driver`, "cuda" or "hip"); the caller shares it with the other

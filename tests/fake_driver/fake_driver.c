@@ -16,7 +16,9 @@
  * rule); a pointer parameter outside every live allocation (ILLEGAL_ADDRESS, where the GPU would fault);
  * during stream capture an allocation, a free, a copy, a synchronize or a module load
  * (STREAM_CAPTURE_UNSUPPORTED, and ending the capture then reports STREAM_CAPTURE_INVALIDATED); a HIP copy
- * whose kind does not match its pointers (hipErrorInvalidValue); a CUDA call from a thread with no
+ * whose kind does not match its pointers (hipErrorInvalidValue), and on both drivers a copy whose device side
+ * is not wholly inside one live allocation or whose host side lies in one (INVALID_VALUE: out of range, or a
+ * copy in the wrong direction); a CUDA call from a thread with no
  * current context (CUDA_ERROR_INVALID_CONTEXT: the context is per thread).
  * Copies keep a real GPU's timing: a host-to-device copy from pinned memory (cuMemHostAlloc / hipHostMalloc)
  * is queued and performed later, reading its source then: when the stream is synchronised, when an event
@@ -126,6 +128,8 @@ typedef struct {
 typedef struct {
     long mark; /* the copies enqueued before it was recorded (their seq is below it) */
 } event_t;
+static int live_range(const void *p, size_t n);
+static int in_live(uint64_t p);
 static copy_t *g_queue;        /* queued copies from pinned memory, oldest first */
 static long g_nqueue, g_capq, g_qhead, g_seq;
 static void *g_pinned[MAXPIN];
@@ -133,10 +137,11 @@ static size_t g_pinned_n[MAXPIN];
 static event_t *g_events[MAXEV];
 /* pinned copies, pinned bytes, pageable copies, pageable bytes, device-to-host copies, stream synchronises,
  * event synchronises, copies that waited for queued ones (a pageable or device-to-host copy), pinned
- * allocations live, events live, copies queued now */
-#define NCOPIES 11
+ * allocations live, events live, copies queued now, device-to-device copies */
+#define NCOPIES 12
 static long g_copy[NCOPIES];
-enum { C_PINNED, C_PINNED_BYTES, C_PAGEABLE, C_PAGEABLE_BYTES, C_D2H, C_STREAM_SYNC, C_EVENT_SYNC, C_WAITED };
+enum { C_PINNED, C_PINNED_BYTES, C_PAGEABLE, C_PAGEABLE_BYTES, C_D2H, C_STREAM_SYNC, C_EVENT_SYNC, C_WAITED,
+       C_D2D = 11 };
 
 static void copies_reset(void) {
     free(g_queue);
@@ -151,6 +156,7 @@ void fake_copies(long out[NCOPIES]) {
     for (int i = 0; i < MAXPIN; i++) out[8] += g_pinned[i] != NULL;
     for (int i = 0; i < MAXEV; i++) out[9] += g_events[i] != NULL;
     out[10] = g_nqueue - g_qhead;
+    out[11] = g_copy[C_D2D];
 }
 /* Perform the queued copies enqueued before `mark` (LONG_MAX: all), reading their sources now. */
 static void perform(long mark) {
@@ -169,6 +175,7 @@ static int pinned_slot(const void *p, size_t n) { /* the pinned allocation holdi
 /* A host-to-device copy on the stream: from pinned memory queued; from pageable memory at once, after the
  * stream's queued work. */
 static int h2d(void *dst, const void *src, size_t n) {
+    if (!live_range(dst, n) || in_live((uint64_t)(uintptr_t)src)) return E_INVALID_VALUE;
     if (pinned_slot(src, n) >= 0) {
         if (g_nqueue == g_capq) {
             long cap = g_capq ? 2 * g_capq : 64;
@@ -189,11 +196,13 @@ static int h2d(void *dst, const void *src, size_t n) {
     g_copy[C_PAGEABLE_BYTES] += (long)n;
     return 0;
 }
-static void d2h(void *dst, const void *src, size_t n) {
+static int d2h(void *dst, const void *src, size_t n) {
+    if (!live_range(src, n) || in_live((uint64_t)(uintptr_t)dst)) return E_INVALID_VALUE;
     g_copy[C_WAITED] += g_qhead < g_nqueue;
     perform(LONG_MAX);
     memcpy(dst, src, n);
     g_copy[C_D2H]++;
+    return 0;
 }
 static void stream_sync(void) {
     perform(LONG_MAX);
@@ -351,6 +360,24 @@ static int in_live(uint64_t p) {
     for (int i = 0; i < MAXLIVE; i++)
         if (g_live[i] && p >= (uint64_t)(uintptr_t)g_live[i] && p < (uint64_t)(uintptr_t)g_live[i] + g_live_n[i])
             return 1;
+    return 0;
+}
+
+/* [p, p + n) wholly inside one live allocation: the device side of a copy. */
+static int live_range(const void *p, size_t n) {
+    uintptr_t a = (uintptr_t)p;
+    for (int i = 0; i < MAXLIVE; i++)
+        if (g_live[i] && a >= (uintptr_t)g_live[i] && n <= g_live_n[i] && a - (uintptr_t)g_live[i] <= g_live_n[i] - n)
+            return 1;
+    return 0;
+}
+/* A device-to-device copy on the stream: after the stream's queued work, at once. */
+static int d2d(void *dst, const void *src, size_t n) {
+    if (!live_range(dst, n) || !live_range(src, n)) return E_INVALID_VALUE;
+    g_copy[C_WAITED] += g_qhead < g_nqueue;
+    perform(LONG_MAX);
+    memmove(dst, src, n);
+    g_copy[C_D2D]++;
     return 0;
 }
 
@@ -608,6 +635,7 @@ static int f_end(void **g) {
 static int copy_ok(int kind, const void *dst, const void *src) {
     if (kind == 1) return in_live((uint64_t)(uintptr_t)dst) && !in_live((uint64_t)(uintptr_t)src);
     if (kind == 2) return in_live((uint64_t)(uintptr_t)src) && !in_live((uint64_t)(uintptr_t)dst);
+    if (kind == 3) return in_live((uint64_t)(uintptr_t)src) && in_live((uint64_t)(uintptr_t)dst);
     return 0;
 }
 #endif
@@ -666,7 +694,8 @@ int cuFuncSetAttribute(void *f, int a, int v) { T; CTX; return f_attr(f, a, v); 
 int cuMemAlloc_v2(CUdeviceptr *p, size_t n) { T; CTX; NOCAP; void *q = NULL; int r = f_alloc(&q, n); *p = (CUdeviceptr)(uintptr_t)q; return r ? 2 : 0; }
 int cuMemFree_v2(CUdeviceptr p) { T; CTX; NOCAP; return f_free((void *)(uintptr_t)p) ? 1 : 0; }
 int cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, void *st) { T; CTX; NOCAP; STREAM(st); return h2d((void *)(uintptr_t)d, s, n); }
-int cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, void *st) { T; CTX; NOCAP; STREAM(st); d2h(d, (const void *)(uintptr_t)s, n); return 0; }
+int cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, void *st) { T; CTX; NOCAP; STREAM(st); return d2h(d, (const void *)(uintptr_t)s, n); }
+int cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, void *st) { T; CTX; NOCAP; STREAM(st); return d2d((void *)(uintptr_t)d, (const void *)(uintptr_t)s, n); }
 int cuStreamCreate(void **s, unsigned f) { T; CTX; (void)f; g_streams++; *s = (void *)2; return 0; }
 int cuStreamDestroy_v2(void *s) { T; CTX; STREAM(s); perform(LONG_MAX); g_streams--; return 0; } /* its work completes */
 int cuStreamSynchronize(void *s) { T; CTX; NOCAP; STREAM(s); stream_sync(); return 0; }
@@ -739,8 +768,8 @@ int hipMemcpyAsync(void *d, const void *s, size_t n, int kind, void *st) {
     STREAM(st);
     if (!copy_ok(kind, d, s)) return E_INVALID_VALUE;
     if (kind == 1) return h2d(d, s, n);
-    d2h(d, s, n);
-    return 0;
+    if (kind == 3) return d2d(d, s, n);
+    return d2h(d, s, n);
 }
 int hipStreamCreateWithFlags(void **s, unsigned f) { T; (void)f; g_streams++; *s = (void *)2; return 0; }
 int hipStreamDestroy(void *s) { T; STREAM(s); perform(LONG_MAX); g_streams--; return 0; } /* its work completes */

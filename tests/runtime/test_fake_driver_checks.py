@@ -9,7 +9,10 @@ runtime with the real driver's error code in the message:
   STREAM_CAPTURE_UNSUPPORTED (a runtime patched to do one inside its capture);
 * a pointer parameter outside every live allocation is ILLEGAL_ADDRESS (the host device, which knows
   each parameter's extent from the program, refuses a pointer one row past its buffer);
-* HIP copies must name their direction rightly (a runtime patched to swap the kinds); a graph replays on
+* HIP copies must name their direction rightly (a runtime patched to swap the kinds); on both drivers a
+  copy's device side must lie wholly in one live allocation and its host side outside them (INVALID_VALUE);
+  the prefix cache's copies (a slot's snapshot, its restore, a block copied device to device) go through
+  them, issued by the C runtime from its copy table; a graph replays on
   the runtime's stream (a runtime patched to replay on the default stream is INVALID_HANDLE);
 * programmatic dependent launch: every launch carries cuLaunchKernelEx's serialization attribute exactly where
   the schedule says (the compiled kernel waits: sidecar `pdl`), eagerly and in every replay of the captured
@@ -212,7 +215,7 @@ IN_CAPTURE = {  # an operation done first thing in every run (so inside a captur
                                                                      "hip": "hipStreamSynchronize"}),
     "allocation": ("uint64_t a_; if (rt->drv.mem_alloc(&rt->drv, 64, &a_)) return V4RT_E_LAUNCH;"
                    " rt->drv.mem_free(&rt->drv, a_);", {"cuda": "cuMemAlloc", "hip": "hipMalloc"}),
-    "copy": ("char c_[8] = {0}; if (rt->drv.h2d(&rt->drv, rt->buffers[0].addr, c_, 8)) return V4RT_E_LAUNCH;",
+    "copy": ("char c_[1] = {0}; if (rt->drv.h2d(&rt->drv, rt->buffers[0].addr, c_, 1)) return V4RT_E_LAUNCH;",
              {"cuda": "cuMemcpyHtoDAsync", "hip": "hipMemcpyAsync(H2D)"}),
     "module load": ("void *m_; if (rt->drv.module_load(&rt->drv, \"FAKE\\nx 1\\n\", 10, &m_)) return V4RT_E_LAUNCH;"
                     " rt->drv.module_unload(&rt->drv, m_);", {"cuda": "cuModuleLoadData", "hip": "hipModuleLoadData"}),
@@ -391,3 +394,86 @@ def test_an_unknown_launch_flag_is_a_table_error(compiled, monkeypatch):
     with pytest.raises(DeviceError, match=r"launch table: function \d+ call \d+ \(embed_kernel\): unknown launch "
                                           r"flags 0x4"):
         _runtime("cuda", compiled)
+
+
+@pytest.mark.parametrize("device", DRIVERS)
+def test_the_prefix_cache_copies_go_through_the_driver(device, broken):
+    """The copy table's copies on a GPU driver: a slot's snapshot reads exactly its ranges (as `rt.read` sees
+    them), its restore into another slot writes them there, a pool block is copied device to device (one
+    cuMemcpyDtoDAsync / hipMemcpyAsync(D2D) per range). A runtime patched to name the HIP device-to-device
+    copy host-to-device is refused (hipErrorInvalidValue)."""
+    import types
+
+    import numpy as np
+
+    from v4compile.runtime import snapshot
+    from v4compile.runtime.undo import access
+
+    m, prog, w = tiny()
+    for lib in (None, broken("drv_hip.c", "#define HIP_MEMCPY_D2D 3", "#define HIP_MEMCPY_D2D 1")
+                if device == "hip" else None):
+        fake = Fake(device)
+        rt = CRuntime(prog, w, device, driver_lib=fake.path, table=fake_table(), lib=lib)
+        try:
+            backend = types.SimpleNamespace(rt=rt, program=prog)
+            store, c = access(backend), snapshot.copies(backend)
+            rng = np.random.default_rng(0)
+            for n in store.names():
+                i = rt.sched.buffer_index(store.fname, n)
+                rt.write(i, rng.integers(0, 256, rt.sched.buffer_bytes[i], dtype=np.uint8))
+            ranges = snapshot.copy_ranges(store.geometry, store.names(), store.shape)
+
+            def at(group, k):
+                return np.concatenate([store.get_rows(n, first + k * stride, rows).reshape(-1)
+                                       for n, g, first, stride, rows in ranges if g == group])
+            snap = c.save(0, 0)["slot"]
+            assert snap.tobytes() == at(snapshot.SLOT, 0).tobytes()
+            c.restore(2, {"slot": snap}, 0)
+            assert at(snapshot.SLOT, 2).tobytes() == snap.tobytes()
+            if lib is not None:
+                with pytest.raises(DeviceError) as e:
+                    c.copy_block(0, 3)
+                assert "hipMemcpyAsync(D2D) failed with error 1 (hipErrorInvalidValue)" in str(e.value)
+                continue
+            before = fake.copies()["d2d"]
+            c.copy_block(0, 3)
+            assert at(snapshot.BLOCK, 3).tobytes() == at(snapshot.BLOCK, 0).tobytes()
+            assert fake.copies()["d2d"] - before == sum(1 for r in ranges if r[1] == snapshot.BLOCK)
+        finally:
+            rt.close()
+        assert fake.counts()["live"] == 0
+
+
+@pytest.mark.parametrize("device", DRIVERS)
+def test_the_fake_drivers_refuse_copies_out_of_range_or_in_the_wrong_direction(device):
+    """Called directly: a device-to-device copy one byte past its allocation, a host-to-device copy whose
+    destination is host memory and a device-to-host copy whose source is, are INVALID_VALUE; in range and
+    the right way they are made."""
+    import ctypes
+
+    fake = Fake(device)
+    lib, v, n = fake.lib, ctypes.c_void_p, ctypes.c_size_t
+    s, a, b = v(), v(), v()
+    host = (ctypes.c_uint8 * 64)()
+    if device == "cuda":
+        assert lib.cuCtxSetCurrent(v(1)) == 0
+        assert lib.cuStreamCreate(ctypes.byref(s), 1) == 0
+        assert lib.cuMemAlloc_v2(ctypes.byref(a), n(64)) == 0 and lib.cuMemAlloc_v2(ctypes.byref(b), n(64)) == 0
+        d2d = lambda d, x, k: lib.cuMemcpyDtoDAsync_v2(d, x, n(k), s)  # noqa: E731
+        h2d = lambda d, x, k: lib.cuMemcpyHtoDAsync_v2(d, x, n(k), s)  # noqa: E731
+        d2h = lambda d, x, k: lib.cuMemcpyDtoHAsync_v2(d, x, n(k), s)  # noqa: E731
+        free = lambda p: lib.cuMemFree_v2(p)  # noqa: E731
+    else:
+        assert lib.hipStreamCreateWithFlags(ctypes.byref(s), 1) == 0
+        assert lib.hipMalloc(ctypes.byref(a), n(64)) == 0 and lib.hipMalloc(ctypes.byref(b), n(64)) == 0
+        d2d = lambda d, x, k: lib.hipMemcpyAsync(d, x, n(k), 3, s)  # noqa: E731
+        h2d = lambda d, x, k: lib.hipMemcpyAsync(d, x, n(k), 1, s)  # noqa: E731
+        d2h = lambda d, x, k: lib.hipMemcpyAsync(d, x, n(k), 2, s)  # noqa: E731
+        free = lambda p: lib.hipFree(p)  # noqa: E731
+    host[:] = range(64)
+    assert h2d(a, host, 64) == 0 and d2d(b, a, 64) == 0
+    out = (ctypes.c_uint8 * 64)()
+    assert d2h(out, b, 64) == 0 and list(out) == list(range(64))
+    assert d2d(b, a, 65) == 1 and d2d(v(b.value + 1), a, 64) == 1  # past the end of an allocation
+    assert h2d(host, a, 8) == 1 and d2h(a, host, 8) == 1  # the host and device sides swapped
+    assert free(a) == 0 and free(b) == 0

@@ -191,8 +191,8 @@ def test_rings_not_restored_fail(sessions, monkeypatch, skip):
     if name != "tiny":
         pytest.skip("one preset shows it")
     restore = Session._restore
-    monkeypatch.setattr(Session, "_restore", lambda self, slot, snap: restore(
-        self, slot, {k: (v if not k.startswith(skip) else self._snapshot(slot)[k]) for k, v in snap.items()}))
+    monkeypatch.setattr(Session, "_restore", lambda self, slot, snap, P: restore(
+        self, slot, {k: (v if not k.startswith(skip) else self._snapshot(slot, P)[k]) for k, v in snap.items()}, P))
     ok, cached = batch_case(ss["cpu"], 50)
     assert cached == [48, 48, 48] and not ok
 
@@ -284,3 +284,91 @@ def test_snapshot_bound_and_lru_leaves():
     assert big is None and c.stats.skipped == 1
     assert c.clear() == [] and c.refs == {7: 1, 9: 1}  # blocks 7 and 9: their sequences still hold them
     assert c.drop(7) and c.drop(9) and not c.refs and not c.entries and c.nbytes == 0
+
+
+# ---- the copies: issued by the C runtime from its copy table, checked by the host device ----------------
+
+
+def _host(ss) -> Session:
+    sess = fresh(ss["host"])
+    sess.backend._copies = None  # the copy table made again from `snapshot.copy_ranges` (a test may patch it)
+    return sess
+
+
+def test_copies_are_issued_by_the_runtime_and_checked(sessions, monkeypatch):
+    """On the host device the snapshot, its restore and the block copy of a hit are copies the C runtime issues
+    from its copy table, each handed to the host device's check (`copy_check.py`) before it is made: bytes
+    within what the program says the copy needs, all of it, the right direction."""
+    from v4compile.runtime import copy_check
+
+    name, ss = sessions
+    if name != "tiny":
+        pytest.skip("one preset shows it")
+    seen = []
+    check = copy_check.CopyCheck.copy
+    monkeypatch.setattr(copy_check.CopyCheck, "copy", lambda self, i, kind, dst, src, n: (
+        seen.append((self.cur[0], kind)), check(self, i, kind, dst, src, n))[1])
+    sess = _host(ss)
+    ok, cached = batch_case(sess, 50, steps=1, tails=(3,))
+    assert ok and cached == [48]
+    assert {("save", 0), ("restore", 1), ("block", 2)} <= set(seen)
+
+
+@pytest.mark.parametrize("fault", ["slot range", "block range", "late snapshot", "tail after restore",
+                                   "wrong direction"])
+def test_a_planted_copy_fault_is_caught(sessions, monkeypatch, fault):
+    """Each fault is refused by the host device's check with one clear DeviceError: a slot range or a block
+    range of the copy table one row off (a slot's one row down: one up is past the buffer's end, which the C
+    runtime refuses itself); a snapshot taken after the next chunk ran (the ring rows past the
+    boundary written already); a step after a restore that does not continue from the boundary; a restore
+    issued as a save (the wrong direction)."""
+    from v4compile.errors import DeviceError
+    from v4compile.runtime import snapshot
+
+    name, ss = sessions
+    if name != "tiny":
+        pytest.skip("one preset shows it")
+    if fault.endswith("range"):
+        group = snapshot.SLOT if fault == "slot range" else snapshot.BLOCK
+        ranges = snapshot.copy_ranges
+
+        def shifted(*a):
+            out = ranges(*a)
+            i = next(i for i, r in enumerate(out) if r[1] == group)
+            n, g, first, stride, rows = out[i]
+            return out[:i] + [(n, g, first + (-1 if group == snapshot.SLOT else 1), stride, rows)] + out[i + 1:]
+        monkeypatch.setattr(snapshot, "copy_ranges", shifted)
+    sess = _host(ss)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, VOCAB, 40).tolist()
+    try:
+        with pytest.raises(DeviceError) as e:
+            if fault == "late snapshot":  # 32 tokens in (two chunks), the snapshot of the first boundary
+                kept, sess.cache = sess.cache, None
+                s = sess.open()
+                sess.extend(s, prompt[:32])
+                sess.cache = kept
+                sess._snapshot(s.slot, 32)  # in order: accepted
+                sess._snapshot(s.slot, 16)
+            elif fault == "tail after restore":
+                s = sess.open()
+                sess.extend(s, prompt[:20])
+                snap = sess._snapshot(s.slot, 20)
+                sess._restore(s.slot, snap, 16)
+                sess.decode([s], [1])  # position 20, not the boundary 16
+            elif fault == "wrong direction":
+                copies = snapshot.copies(sess.backend)
+                monkeypatch.setattr(copies, "kinds", (copies.kinds[0],) * 3)
+                drive(sess, [prompt], 0)
+                drive(sess, [prompt[:36]], 0)
+            else:  # the ranges: the first snapshot (slot) or the first hit's block copy
+                drive(sess, [prompt], 0)
+                drive(sess, [prompt[:20]], 0)
+        msg = str(e.value)
+        assert {"slot range": "not rows the program says", "block range": "not rows the program says",
+                "late snapshot": "out of order", "tail after restore": "then a step wrote from position 20",
+                "wrong direction": "wrong direction"}[fault] in msg, msg
+    finally:
+        for s in list(sess.seqs.values()):
+            sess.release(s)
+        sess.backend._copies = None
