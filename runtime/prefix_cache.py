@@ -50,8 +50,18 @@ later compression windows, so a whole shared block is never written again; a bou
 block leaves that block to be written by the new sequence's tail, so it is copied first (copy on
 write, at the hit, into a block of the sequence's own). Rejected speculative drafts only restore rows they
 wrote, so they never write a shared block either (speculative decoding with a `draft` source prefills
-through the cache, tests/onnx/test_spec_session.py; the compiled MTP block's prefill, which also runs the
-block over every chunk, neither takes nor keeps pieces yet).
+through the cache, tests/onnx/test_spec_session.py; so does the compiled MTP block's, below).
+
+**The compiled MTP block's prefill** (`speculative.CompiledDraft.prefill`) takes and keeps pieces too: its
+window ring is in the snapshot. Its row of position q is the block applied to position q's streams *and the
+token q + 1*, so the snapshot at boundary P depends on the token at P, one beyond the piece: those entries
+are keyed on the piece's ids and that next token (`look` 1), and start their chain from their own root, apart
+from plain prefill's entries (whose MTP rows are not written: a plain prefill runs no MTP block). The block
+runs over each chunk as soon as the chunk's next token is known (the prompt's, before the next chunk; the
+last chunk's after the first sampled token), so a boundary's snapshot is taken with every ring at P; a piece
+is kept only where the prompt holds its next token. Rejected drafts write no shared block: the verify step's
+positions are past the prompt, in blocks of the sequence's own, and the draft steps write only the slot's MTP
+ring (both restored from the undo log).
 
 **Eviction.** Under pool pressure (a sequence needs a block and none is free) and to keep the snapshots
 under their bound, least recently used leaves go first; dropping an entry frees its block only when no
@@ -120,6 +130,11 @@ def whole_blocks(hit: list["Entry"], n: int, g: int, bt: int) -> list[int]:
     return out
 
 
+def root(look: int) -> bytes:
+    """The key a chain starts from: entries of a prefill that ran the compiled MTP block apart (`look` 1)."""
+    return b"mtp" if look else b""
+
+
 def _key(parent: bytes, ids) -> bytes:
     return hashlib.sha256(parent + np.asarray(ids, dtype=np.int64).tobytes()).digest()
 
@@ -133,13 +148,9 @@ class Entry:
     blocks: tuple[int, ...]  # the pool blocks those tokens' compressed rows are in
     snapshot: dict[str, np.ndarray]
     nbytes: int
+    end: int  # tokens of the prefix it closes (its boundary)
     used: int = 0  # LRU tick
     children: int = 0
-
-    @property
-    def end(self) -> int:
-        """Tokens of the prefix it closes (its boundary)."""
-        return (self.index + 1) * len(self.ids)
 
 
 @dataclass
@@ -167,11 +178,13 @@ class PrefixCache:
     stats: Stats = field(default_factory=Stats)
 
     # ---- lookup / insert -------------------------------------------------------------------------
-    def lookup(self, prompt: list[int]) -> list[Entry]:
-        """The longest chain of entries that is a prefix of `prompt` and leaves at least its last token."""
-        out, key = [], b""
+    def lookup(self, prompt: list[int], look: int = 0) -> list[Entry]:
+        """The longest chain of entries that is a prefix of `prompt` and leaves at least its last token. `look`:
+        1 for the entries of a prefill that ran the compiled MTP block (their pieces' ids end with the token
+        after the piece, see `root`)."""
+        out, key = [], root(look)
         for i in range((len(prompt) - 1) // self.g):
-            ids = tuple(prompt[i * self.g:(i + 1) * self.g])
+            ids = tuple(prompt[i * self.g:(i + 1) * self.g + look])
             e = self.entries.get(_key(key, ids))
             if e is None or e.ids != ids:
                 break
@@ -186,12 +199,12 @@ class PrefixCache:
         self.stats.cached_tokens += len(out) * self.g
         return out
 
-    def find(self, parent: Entry | None, ids) -> Entry | None:
-        e = self.entries.get(_key(parent.key if parent is not None else b"", ids))
+    def find(self, parent: Entry | None, ids, look: int = 0) -> Entry | None:
+        e = self.entries.get(_key(parent.key if parent is not None else root(look), ids))
         return e if e is not None and e.ids == tuple(ids) else None
 
-    def insert(self, parent: Entry | None, ids, index: int, blocks, snapshot: dict[str, np.ndarray]
-               ) -> tuple[Entry | None, list[int]]:
+    def insert(self, parent: Entry | None, ids, index: int, blocks, snapshot: dict[str, np.ndarray],
+               look: int = 0) -> tuple[Entry | None, list[int]]:
         """Keep a new entry (its blocks held by the entry; a block the cache did not know yet is the inserting
         sequence's own, which holds it too). Returns the entry (None when it does not fit the bound) and the
         blocks the evictions it needed freed."""
@@ -203,9 +216,9 @@ class PrefixCache:
                 self.stats.skipped += 1
                 return None, freed
             freed += b
-        key = _key(parent.key if parent is not None else b"", ids)
+        key = _key(parent.key if parent is not None else root(look), ids)
         self.tick += 1
-        e = Entry(key, parent, tuple(ids), index, tuple(blocks), snapshot, nbytes, self.tick)
+        e = Entry(key, parent, tuple(ids), index, tuple(blocks), snapshot, nbytes, (index + 1) * self.g, self.tick)
         self.entries[key] = e
         if parent is not None:
             parent.children += 1

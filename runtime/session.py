@@ -339,24 +339,32 @@ class Session:
     def extend(self, s: SeqState, ids: Sequence[int]) -> np.ndarray:
         """Append tokens to a sequence through prefill chunks; logits after the last one `[V]`."""
         s = self._live(s, "extend")
-        ids = self.check_prompt(ids, f"sequence {s.id}")
+        return self.prefill_into(s, self.check_prompt(ids, f"sequence {s.id}"))
+
+    def prefill_into(self, s: SeqState, ids: list[int], run=None) -> np.ndarray:
+        """`extend` of checked ids. `run(s, function, step inputs, n, ids left) -> logits [V]`: runs each chunk
+        in the caller's way (the compiled MTP block's prefill, `speculative.py`, which runs the block over the
+        chunk too); a new sequence's prompt goes through the prefix cache either way."""
         if self.cache is not None and s.length == 0:
-            return self._extend_cached(s, ids)
+            return self._extend_cached(s, ids, run)
         last = None
         while ids:
             fname, inputs, n = self.prefill_chunk(s, ids)
-            last = self._run(fname, [(s.replica, inputs)])[s.replica][0]
+            last = (run(s, fname, inputs, n, ids) if run is not None
+                    else self._run(fname, [(s.replica, inputs)])[s.replica][0])
             s.length += n
             ids = ids[n:]
         return last
 
     # ---- prefix cache ----------------------------------------------------------------------------
-    def _extend_cached(self, s: SeqState, prompt: list[int]) -> np.ndarray:
+    def _extend_cached(self, s: SeqState, prompt: list[int], run=None) -> np.ndarray:
         """A new sequence's prompt through the prefix cache: the longest cached prefix taken by reference (its
         boundary snapshot restored into the slot), the rest prefilled in chunks cut at the cache's pieces, each
-        new piece of the prompt kept (`prefix_cache.py`)."""
+        new piece of the prompt kept (`prefix_cache.py`). `run`: as `prefill_into`'s; with it (the compiled MTP
+        block's prefill) the entries are keyed on each piece's next token too (`look`)."""
         cache, g, bt = self.cache, self.cache.g, self.block_tokens
-        hit = cache.lookup(prompt)
+        look = int(run is not None)
+        hit = cache.lookup(prompt, look)
         parent = hit[-1] if hit else None
         if hit:
             P = len(hit) * g
@@ -371,13 +379,13 @@ class Session:
         ids, last, chain = prompt[s.length:], None, True
         while ids:
             fname, inputs, n = self.prefill_chunk(s, ids)
-            last = self.backend.run(fname, inputs)[0]
+            last = run(s, fname, inputs, n, ids) if run is not None else self.backend.run(fname, inputs)[0]
             s.length += n
             ids = ids[n:]
-            if s.length % g == 0 and chain:
+            if s.length % g == 0 and chain and s.length + look <= len(prompt):
                 # a piece is kept only under its parent, still cached (evictions under pool pressure)
                 chain = parent is None or cache.entries.get(parent.key) is parent
-                parent = self._keep(s, prompt, parent) if chain else None
+                parent = self._keep(s, prompt, parent, look) if chain else None
                 chain = parent is not None
         return last
 
@@ -393,17 +401,18 @@ class Session:
                 self.alloc.free_blocks.append(block)
         self.cache.stats.copies += 1
 
-    def _keep(self, s: SeqState, prompt: list[int], parent):
-        """Keep the piece of `prompt` that ends at `s.length` (just prefilled) with its boundary snapshot; the
-        entry (None: not kept, and no later piece of this prompt is either)."""
+    def _keep(self, s: SeqState, prompt: list[int], parent, look: int = 0):
+        """Keep the piece of `prompt` that ends at `s.length` (just prefilled) with its boundary snapshot (its
+        ids: with the `look` tokens after it); the entry (None: not kept, and no later piece of this prompt is
+        either)."""
         cache, g = self.cache, self.cache.g
         i = s.length // g - 1
-        ids = prompt[i * g:s.length]
-        e = cache.find(parent, ids)
+        ids = prompt[i * g:s.length + look]
+        e = cache.find(parent, ids, look)
         if e is not None:  # another sequence kept it meanwhile
             return e
         blocks = s.blocks[(i * g) // self.block_tokens:(s.length - 1) // self.block_tokens + 1]
-        e, freed = cache.insert(parent, ids, i, blocks, self._snapshot(s.slot, s.length))
+        e, freed = cache.insert(parent, ids, i, blocks, self._snapshot(s.slot, s.length), look)
         self.alloc.free_blocks.extend(freed)
         return e
 

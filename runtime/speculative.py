@@ -24,8 +24,8 @@ Greedy on the cpu device, steps 2-4's verify and first draft are one call (`Comp
 step): on a small model a call costs mostly its nodes and its overhead, and a separate draft call is ~0.2 of a
 decode step.
 
-After prefill (`CompiledDraft.prefill`), `draft_c<T>` runs the block over each prompt chunk the same way
-(its last lane, with the first sampled token, drafts d_1). A `draft(sequence index, ids so far, k) -> k ids`
+During prefill (`CompiledDraft.prefill`, through the prefix cache), `draft_c<T>` runs the block over each
+prompt chunk the same way (the last chunk's last lane, with the first sampled token, drafts d_1). A `draft(sequence index, ids so far, k) -> k ids`
 callable replaces the MTP block as the draft source (tests: an oracle, an always-wrong one); its drafts are
 deterministic, so for sampling their q is one-hot at the draft (accepted with probability p(d), the
 residual then p without d: still exactly the target's distribution).
@@ -127,21 +127,24 @@ class CompiledDraft:
                                                   "ids": ids, "pos": pos, "block_table": table, "slot": slot})
 
     def prefill(self, seq, prompt: list[int], pick: Picker) -> tuple[int, tuple]:
-        """Chunked prefill of `prompt` into `seq` (as `Session.extend`), the MTP block over every chunk once the
-        token after it is known. Returns the first new token (`pick`ed) and the sequence's entry for `drafts`."""
-        pending, ids, last = None, list(prompt), None
-        while ids:
-            fname, inputs, n = self.s.prefill_chunk(seq, ids)
-            part, ids = ids[:n], ids[n:]
+        """Chunked prefill of `prompt` into `seq` (as `Session.extend`, through the prefix cache), the MTP block
+        over every chunk as soon as the token after it is known: the prompt's next token at once (so that a
+        cached boundary's snapshot holds the block's ring at the boundary too), the last chunk's after the
+        first token is `pick`ed. Returns that token and the sequence's entry for `drafts`."""
+        pending = []
+
+        def run(s, fname, inputs, n, rest):
             r = self.s.backend.run_outputs(fname, inputs)
-            if pending is not None:
-                self._chunk(seq, *pending, part[0])
-            pending = (inputs["ids"].shape[1], r["streams"], part, seq.length)
-            seq.length += n
-            last = r["logits"][0]
+            chunk = (inputs["ids"].shape[1], r["streams"], rest[:n], s.length)
+            if len(rest) > n:
+                self._chunk(s, *chunk, rest[n])
+            else:
+                pending.append(chunk)
+            return r["logits"][0]
+        last = self.s.prefill_into(seq, list(prompt), run)
         tok, _ = pick(last)
-        logits, out = self._chunk(seq, *pending, tok)
-        return tok, (seq, seq.length, logits[0], out[0, len(pending[2]) - 1])
+        logits, out = self._chunk(seq, *pending[-1], tok)
+        return tok, (seq, seq.length, logits[0], out[0, len(pending[-1][2]) - 1])
 
     def _chunk(self, seq, T: int, streams, part: list[int], start: int, nxt: int):
         """The MTP block over one prefill chunk: lane t (position start + t) with the token after it."""

@@ -362,3 +362,126 @@ def test_prefix_cache_hits_under_speculative_decoding(art, monkeypatch):
         assert cached == [48, 48] and ids != want
     finally:
         sess.close()
+
+
+# ---- the compiled MTP block's prefill through the prefix cache -------------------------------------------
+
+
+def _mtp_prompts():
+    rng = np.random.default_rng(7)
+    sys_ = rng.integers(0, V, 40).tolist()
+    warm = sys_ + rng.integers(0, V, 5).tolist()
+    reqs = [sys_ + rng.integers(0, V, k).tolist() for k in (3, 9)]
+    reqs.insert(1, sys_[:32] + [(sys_[32] + 1) % V] + sys_[33:] + [4, 5])
+    return warm, reqs
+
+
+@pytest.fixture(scope="module")
+def mtp_cold(art):
+    """The requests' plain greedy ids (prompt + new), and the cold run of `_cached_spec` (the cache off)."""
+    warm, reqs = _mtp_prompts()
+    sess = v4compile.load(art, device="cpu", threads=1)
+    try:
+        full = [p + o for p, o in zip(reqs, sess.generate(reqs, MTP_NEW))]
+    finally:
+        sess.close()
+    with pytest.MonkeyPatch.context() as mp:
+        return full, _cached_spec(art, full, mp, cache=False)
+
+
+MTP_NEW = 8
+
+
+def _cached_spec(art, full, monkeypatch, cache: bool, fault: str | None = None):
+    """A warm-up prompt, then three sharing its first 40 tokens (the second differs from it at token 32, right
+    after a piece), generated with the compiled MTP block and always-wrong drafts (each draft the right id + 1,
+    the right ids being plain greedy's). Per request: ids, every MTP-logits row the drafts were made from (the
+    block's ring restored from the cache feeds them), its cached prompt tokens; and whether the pool blocks the
+    cache held before the requests ran were left untouched by them."""
+    from v4compile.runtime import prefix_cache as pc
+    from v4compile.runtime.session import Session
+    from v4compile.runtime.speculative import CompiledDraft
+
+    warm, reqs = _mtp_prompts()
+    sess = v4compile.load(art, device="cpu", threads=1)
+    if not cache:
+        sess.cache = None
+    else:
+        sess.clear_prefix_cache()
+    seen, base = [], [0]
+    make = CompiledDraft.drafts
+
+    def wrong(self, entries, counts, picks):
+        seen.extend(e[2].tobytes() for e in entries)
+        out = make(self, entries, counts, picks)
+        for e, (toks, _) in zip(entries, out):
+            right = full[e[0].id - base[0]]
+            for j in range(len(toks)):
+                toks[j] = (right[min(e[1] + 1 + j, len(right) - 1)] + 1) % V
+        return out
+    monkeypatch.setattr(CompiledDraft, "drafts", wrong)
+    if fault == "next token not in the key":
+        lookup, keep = pc.PrefixCache.lookup, Session._keep
+        monkeypatch.setattr(pc.PrefixCache, "lookup", lambda self, prompt, look=0: lookup(self, prompt))
+        monkeypatch.setattr(Session, "_keep", lambda self, s, prompt, parent, look=0: keep(self, s, prompt, parent))
+    elif fault == "the block run a chunk late":  # the old order: a boundary's snapshot misses its chunk's rows
+        def late(self, seq, prompt, pick):
+            pending = []
+
+            def run(s, fname, inputs, n, rest):
+                r = self.s.backend.run_outputs(fname, inputs)
+                if pending:
+                    self._chunk(s, *pending.pop(), rest[0])
+                pending.append((inputs["ids"].shape[1], r["streams"], rest[:n], s.length))
+                return r["logits"][0]
+            tok, _ = pick(self.s.prefill_into(seq, list(prompt), run))
+            logits, out = self._chunk(seq, *pending[-1], tok)
+            return tok, (seq, seq.length, logits[0], out[0, len(pending[-1][2]) - 1])
+        monkeypatch.setattr(CompiledDraft, "prefill", late)
+    try:
+        base[0] = sess._next
+        sess.generate([warm], 4, speculative="mtp", draft_tokens=3)
+        held = sorted(sess.cache.refs) if sess.cache is not None else []
+        before = pool_blocks(sess, held)
+        seen.clear()
+        base[0] = sess._next
+        ids = sess.generate(reqs, MTP_NEW, speculative="mtp", draft_tokens=3)
+        stats = sess.last_acceptance
+        return ids == full_new(full, reqs), seen, list(sess.last_cached_tokens), before == pool_blocks(sess, held), stats
+    finally:
+        sess.close()
+
+
+def full_new(full, reqs):
+    return [f[len(p):] for f, p in zip(full, reqs)]
+
+
+def pool_blocks(sess, blocks) -> list[bytes]:
+    from v4compile.runtime.undo import access
+
+    store = access(sess.backend)
+    geo = store.geometry
+    return [store.get_rows(n, b * geo.envelope_rows, geo.envelope_rows).tobytes()
+            for b in blocks for n, _, _ in geo.main_planes()]
+
+
+def test_compiled_mtp_prefill_takes_and_keeps_pieces(art, mtp_cold, monkeypatch):
+    """With the cache, the requests take the shared pieces (32 tokens; the one that differs at token 32 only 16:
+    a piece's entry is keyed on the token after it too, which the MTP block's ring row before the boundary
+    read), keep their own, and give byte for byte the cold run's MTP logits (every draft's source) and plain
+    greedy's ids; every draft is rejected and no block the cache held is written."""
+    full, (ok_cold, cold, cached_cold, _, _) = mtp_cold
+    ok, hot, cached, untouched, stats = _cached_spec(art, full, monkeypatch, cache=True)
+    assert ok and ok_cold and cached_cold == [0, 0, 0]
+    assert cached == [32, 16, 32] and untouched and sum(stats.accepted) == 0 and sum(stats.offered) > 0
+    assert hot == cold
+
+
+@pytest.mark.parametrize("fault", ["next token not in the key", "the block run a chunk late"])
+def test_compiled_mtp_prefill_broken_variants_fail(art, mtp_cold, monkeypatch, fault):
+    """Keying the block's entries on the piece alone, or running the block over a chunk only after the next
+    chunk (so that a boundary's snapshot misses the block's rows of the chunk just ended): the MTP logits of
+    the requests served from the cache differ from the cold run's (their greedy ids stay plain greedy's)."""
+    full, (_, cold, _, _, _) = mtp_cold
+    ok, hot, cached, _, _ = _cached_spec(art, full, monkeypatch, cache=True, fault=fault)
+    assert ok and hot != cold and cached[0] == 32
