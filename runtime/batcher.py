@@ -261,7 +261,7 @@ class Batcher:
                 if not (self.waiting and sess.free_slots and len(self.live) < self.max_live):
                     break
                 r = self.waiting.popleft()
-            r.seq = sess.open()
+            r.seq = sess.open(r.prompt)  # the prompt may choose the replica (the prefix cache's)
             self.live.append(r)
             pick = 0
             try:

@@ -199,16 +199,32 @@ class PrefixCache:
         self.stats.cached_tokens += len(out) * self.g
         return out
 
+    def peek(self, prompt: list[int]) -> int:
+        """Pieces of `prompt` cached (plain or MTP prefill's entries, the longer), counting nothing."""
+        best = 0
+        for look in (0, 1):
+            key, n = root(look), 0
+            for i in range((len(prompt) - 1) // self.g):
+                ids = tuple(prompt[i * self.g:(i + 1) * self.g + look])
+                e = self.entries.get(_key(key, ids))
+                if e is None or e.ids != ids:
+                    break
+                n, key = n + 1, e.key
+            best = max(best, n)
+        return best
+
     def find(self, parent: Entry | None, ids, look: int = 0) -> Entry | None:
         e = self.entries.get(_key(parent.key if parent is not None else root(look), ids))
         return e if e is not None and e.ids == tuple(ids) else None
 
     def insert(self, parent: Entry | None, ids, index: int, blocks, snapshot: dict[str, np.ndarray],
-               look: int = 0) -> tuple[Entry | None, list[int]]:
+               look: int = 0, nbytes: int | None = None) -> tuple[Entry | None, list[int]]:
         """Keep a new entry (its blocks held by the entry; a block the cache did not know yet is the inserting
         sequence's own, which holds it too). Returns the entry (None when it does not fit the bound) and the
-        blocks the evictions it needed freed."""
-        nbytes = sum(a.nbytes for a in snapshot.values())
+        blocks the evictions it needed freed. `nbytes`: the snapshot's bytes where this process holds none of them
+        (a data-parallel rank of another replica keeps the same books)."""
+        if nbytes is None or snapshot:
+            nbytes = sum(a.nbytes for a in snapshot.values())
         freed: list[int] = []
         while self.nbytes + nbytes > self.max_bytes:
             b = self._evict_one(keep=parent)
@@ -286,3 +302,15 @@ class PrefixCache:
                 "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
                 "token_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
                 "inserted": s.inserted, "evicted": s.evicted, "skipped": s.skipped, "copies": s.copies}
+
+
+def merged_summary(caches: list[PrefixCache]) -> dict:
+    """The figures of several replicas' caches as one (counts summed, rates of the sums)."""
+    out = caches[0].summary()
+    for c in caches[1:]:
+        for k, v in c.summary().items():
+            if k not in ("granularity", "hit_rate", "token_hit_rate"):
+                out[k] += v
+    out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
+    out["token_hit_rate"] = out["cached_tokens"] / out["prompt_tokens"] if out["prompt_tokens"] else 0.0
+    return out

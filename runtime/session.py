@@ -180,12 +180,24 @@ class Session:
         self.last_cached_tokens: list[int] = []  # the last `generate`: each prompt's tokens from the prefix cache
         self.lock = threading.RLock()  # held by every public call that changes sequences, pool or backend
         self.device = getattr(backend, "device", "cpu")  # what it runs on (the self-check's tolerance reads it)
-        # the prefix cache (`prefix_cache.py`; None: off). Rank-local: every rank makes the same calls. Not
-        # yet with data parallelism: its entries would have to name the replica whose pool holds their blocks.
-        if prefix_cache and self.dp > 1:
-            log.info("prefix cache off: not built for data-parallel artifacts yet")
-        self.cache = (PrefixCache(granularity(self.block_tokens, self.prefill_fns[-1][0]), prefix_cache_bytes)
-                      if prefix_cache and self.dp == 1 else None)
+        # the prefix cache (`prefix_cache.py`; None: off), one per replica: an entry's blocks are in its replica's
+        # pool, its snapshot that replica's rings, so a hit is only ever taken inside the replica holding it.
+        # Rank-local: every rank keeps every replica's books alike (the same calls), and only the ranks of a
+        # replica hold its snapshots' bytes (`_replica_copies`).
+        g = granularity(self.block_tokens, self.prefill_fns[-1][0])
+        self.caches: list[PrefixCache | None] = [PrefixCache(g, prefix_cache_bytes) if prefix_cache else None
+                                                 for _ in range(self.dp)]
+
+    @property
+    def cache(self) -> PrefixCache | None:
+        """The prefix cache of replica 0 (the cache, without data parallelism); None: off."""
+        return self.caches[0]
+
+    @cache.setter
+    def cache(self, c: PrefixCache | None) -> None:
+        """Set replica 0's cache (None: every replica's off)."""
+        self.caches = [None] * self.dp if c is None else [c] + [
+            x if x is not None else PrefixCache(c.g, c.max_bytes) for x in self.caches[1:]]
 
     @property
     def alloc(self) -> Allocator:
@@ -222,13 +234,16 @@ class Session:
     def _room(self, d: int) -> bool:
         return sum(1 for s in self.seqs.values() if s.replica == d) < self.max_batch
 
-    def place(self) -> int:
-        """The replica a new sequence goes to (data parallel): the least loaded, i.e. the fewest live
-        sequences, then the most free pool blocks, then the lowest index; only replicas with a free slot and
-        room in their largest decode bucket. -1: none."""
+    def place(self, prompt: Sequence[int] | None = None) -> int:
+        """The replica a new sequence goes to (data parallel), among those with a free slot and room in their
+        largest decode bucket: the one whose prefix cache holds the longest prefix of `prompt` (a hit is only
+        taken inside the replica holding it, so it saves that replica the prefix's prefill), then the least
+        loaded (the fewest live sequences, then the most free pool blocks), then the lowest index. -1: none."""
         live = [sum(1 for s in self.seqs.values() if s.replica == d) for d in range(self.dp)]
         ok = [d for d in range(self.dp) if self.allocs[d].free_slots and live[d] < self.max_batch]
-        return min(ok, key=lambda d: (live[d], -len(self.allocs[d].free_blocks), d)) if ok else -1
+        hit = {d: self.caches[d].peek(list(prompt)) if prompt is not None and self.caches[d] is not None else 0
+               for d in ok}
+        return min(ok, key=lambda d: (-hit[d], live[d], -len(self.allocs[d].free_blocks), d)) if ok else -1
 
     @property
     def tokenizer(self):
@@ -269,14 +284,16 @@ class Session:
         alloc = self.allocs[s.replica]
         while not alloc.grow(s.blocks, need):
             # the cache's unused blocks go back before the pool is declared full (LRU leaves first)
-            freed = self.cache.evict_for_blocks() if self.cache is not None else []
+            cache = self.caches[s.replica]
+            freed = cache.evict_for_blocks() if cache is not None else []
             if not freed:
                 raise InputError("the KV pool is full", where=f"sequence {s.id}")
             alloc.free_blocks.extend(freed)
 
     @serialised
-    def open(self) -> SeqState:
-        d = self.place() if self.dp > 1 else 0
+    def open(self, prompt: Sequence[int] | None = None) -> SeqState:
+        """A new sequence (`prompt`, if given: the prompt it will take, which may choose its replica: `place`)."""
+        d = self.place(prompt) if self.dp > 1 else 0
         slot = self.allocs[d].slot() if d >= 0 else None
         if slot is None:
             raise InputError("no free sequence slot", expected=f"<= {self.max_live} live sequences")
@@ -300,7 +317,8 @@ class Session:
         if self.seqs.get(s.id) is s:
             del self.seqs[s.id]
             # blocks the prefix cache also holds stay until their last holder lets go
-            free = [b for b in s.blocks if self.cache is None or self.cache.drop(b)]
+            cache = self.caches[s.replica]
+            free = [b for b in s.blocks if cache is None or cache.drop(b)]
             self.allocs[s.replica].release(s.slot, free)
             s.blocks = []
 
@@ -330,7 +348,7 @@ class Session:
                              found=len(prompts))
         seqs, out = [], []
         for p in prompts:
-            s = self.open()
+            s = self.open(p)
             seqs.append(s)
             out.append(self.extend(s, p))
         return seqs, np.stack(out)
@@ -345,7 +363,7 @@ class Session:
         """`extend` of checked ids. `run(s, function, step inputs, n, ids left) -> logits [V]`: runs each chunk
         in the caller's way (the compiled MTP block's prefill, `speculative.py`, which runs the block over the
         chunk too); a new sequence's prompt goes through the prefix cache either way."""
-        if self.cache is not None and s.length == 0:
+        if self.caches[s.replica] is not None and s.length == 0:
             return self._extend_cached(s, ids, run)
         last = None
         while ids:
@@ -362,7 +380,8 @@ class Session:
         boundary snapshot restored into the slot), the rest prefilled in chunks cut at the cache's pieces, each
         new piece of the prompt kept (`prefix_cache.py`). `run`: as `prefill_into`'s; with it (the compiled MTP
         block's prefill) the entries are keyed on each piece's next token too (`look`)."""
-        cache, g, bt = self.cache, self.cache.g, self.block_tokens
+        cache, bt = self.caches[s.replica], self.block_tokens
+        g = cache.g
         look = int(run is not None)
         hit = cache.lookup(prompt, look)
         parent = hit[-1] if hit else None
@@ -374,12 +393,13 @@ class Session:
                 cache.hold(b)
             if P % bt:  # the boundary is inside the block: the tail writes it again, so a copy of its own
                 self._take_partial(s, hit[-1].blocks[-1], P)
-            self._restore(s.slot, parent.snapshot, P)
+            self._restore(s.slot, parent.snapshot, P, s.replica)
             s.length = s.cached = P
         ids, last, chain = prompt[s.length:], None, True
         while ids:
             fname, inputs, n = self.prefill_chunk(s, ids)
-            last = run(s, fname, inputs, n, ids) if run is not None else self.backend.run(fname, inputs)[0]
+            last = (run(s, fname, inputs, n, ids) if run is not None
+                    else self._run(fname, [(s.replica, inputs)])[s.replica][0])
             s.length += n
             ids = ids[n:]
             if s.length % g == 0 and chain and s.length + look <= len(prompt):
@@ -392,58 +412,80 @@ class Session:
     def _take_partial(self, s: SeqState, block: int, P: int) -> None:
         """The block the boundary P is inside, for `s`: a copy (its rows before P are the prefix's; the tail
         writes the rest, which other sequences sharing the prefix write too)."""
-        self.cache.hold(block)  # not freed by an eviction the reservation makes before it is copied
+        cache = self.caches[s.replica]
+        cache.hold(block)  # not freed by an eviction the reservation makes before it is copied
         try:
             self.reserve(s, P)
-            self._copy_block(block, s.blocks[-1])
+            self._copy_block(block, s.blocks[-1], s.replica)
         finally:
-            if self.cache.drop(block):
-                self.alloc.free_blocks.append(block)
-        self.cache.stats.copies += 1
+            if cache.drop(block):
+                self.allocs[s.replica].free_blocks.append(block)
+        cache.stats.copies += 1
 
     def _keep(self, s: SeqState, prompt: list[int], parent, look: int = 0):
         """Keep the piece of `prompt` that ends at `s.length` (just prefilled) with its boundary snapshot (its
         ids: with the `look` tokens after it); the entry (None: not kept, and no later piece of this prompt is
         either)."""
-        cache, g = self.cache, self.cache.g
+        cache = self.caches[s.replica]
+        g = cache.g
         i = s.length // g - 1
         ids = prompt[i * g:s.length + look]
         e = cache.find(parent, ids, look)
         if e is not None:  # another sequence kept it meanwhile
             return e
         blocks = s.blocks[(i * g) // self.block_tokens:(s.length - 1) // self.block_tokens + 1]
-        e, freed = cache.insert(parent, ids, i, blocks, self._snapshot(s.slot, s.length), look)
-        self.alloc.free_blocks.extend(freed)
+        snap = self._snapshot(s.slot, s.length, s.replica)
+        if not snap:  # a rank of another replica: the books count the bytes the replica's ranks hold
+            from .snapshot import copies
+
+            nbytes = copies(self.backend).nbytes_slot
+        e, freed = cache.insert(parent, ids, i, blocks, snap, look, nbytes=None if snap else nbytes)
+        self.allocs[s.replica].free_blocks.extend(freed)
         return e
 
-    def _snapshot(self, slot: int, boundary: int) -> dict[str, np.ndarray]:
+    def _replica_copies(self, replica: int):
+        """The copies (`snapshot.py`) of the backend holding `replica`'s pool and rings in this process, or None
+        (a data-parallel rank of another replica: it keeps the books, the replica's ranks the bytes)."""
+        from .snapshot import copies
+
+        backend = self.backend
+        if self.dp > 1:
+            if hasattr(backend, "replica"):  # a backend holding every replica in this process (`replica(d)`)
+                backend = backend.replica(replica)
+            elif self.ranks is None or self.ranks.layout.replica(self.ranks.rank) != replica:
+                return None
+        return copies(backend)
+
+    def _snapshot(self, slot: int, boundary: int, replica: int = 0) -> dict[str, np.ndarray]:
         """The slot's rings at `boundary` (`snapshot.py`: on the C runtime, copies it issues and the host device
-        checks)."""
-        from .snapshot import copies
+        checks); {} on a rank that does not hold the replica."""
+        c = self._replica_copies(replica)
+        return {} if c is None else c.save(slot, boundary)
 
-        return copies(self.backend).save(slot, boundary)
+    def _restore(self, slot: int, snap: dict[str, np.ndarray], boundary: int, replica: int = 0) -> None:
+        c = self._replica_copies(replica)
+        if c is not None:
+            c.restore(slot, snap, boundary)
 
-    def _restore(self, slot: int, snap: dict[str, np.ndarray], boundary: int) -> None:
-        from .snapshot import copies
-
-        copies(self.backend).restore(slot, snap, boundary)
-
-    def _copy_block(self, src: int, dst: int) -> None:
-        from .snapshot import copies
-
-        copies(self.backend).copy_block(src, dst)
+    def _copy_block(self, src: int, dst: int, replica: int = 0) -> None:
+        c = self._replica_copies(replica)
+        if c is not None:
+            c.copy_block(src, dst)
 
     @serialised
     def clear_prefix_cache(self) -> None:
         """Drop every cache entry; the blocks no live sequence holds go back to the pool."""
-        if self.cache is not None:
-            self.alloc.free_blocks.extend(self.cache.clear())
+        for cache, alloc in zip(self.caches, self.allocs):
+            if cache is not None:
+                alloc.free_blocks.extend(cache.clear())
 
     @serialised
     def prefix_cache_stats(self) -> dict | None:
         """The prefix cache's figures (entries, cached blocks, snapshot bytes, hit rates, evictions), or None
         when it is off."""
-        return None if self.cache is None else self.cache.summary()
+        from .prefix_cache import merged_summary
+
+        return None if self.cache is None else merged_summary([c for c in self.caches if c is not None])
 
     @serialised
     def prefill_chunk(self, s: SeqState, ids: list[int]) -> tuple[str, dict[str, np.ndarray], int]:

@@ -52,6 +52,7 @@ class ArrayCopies:
     def __init__(self, store):
         self.store = store
         self.ranges = copy_ranges(store.geometry, store.names(), store.shape)
+        self.nbytes_slot = sum(rows * store.get_rows(n, 0, 1).nbytes for n, g, _, _, rows in self.ranges if g == SLOT)
 
     def _at(self, group: int, k: int):
         for n, g, first, stride, rows in self.ranges:
@@ -84,6 +85,7 @@ class RuntimeCopies:
             table.append((i, g, first * rb, stride * rb, rows * rb))
             self.nbytes[g] += rows * rb
         self.rt.copy_table(table)
+        self.nbytes_slot = self.nbytes[SLOT]
 
     def save(self, slot: int, boundary: int) -> dict[str, np.ndarray]:
         out = np.empty(self.nbytes[SLOT], dtype=np.uint8)

@@ -191,7 +191,7 @@ def test_rings_not_restored_fail(sessions, monkeypatch, skip):
     if name != "tiny":
         pytest.skip("one preset shows it")
     restore = Session._restore
-    monkeypatch.setattr(Session, "_restore", lambda self, slot, snap, P: restore(
+    monkeypatch.setattr(Session, "_restore", lambda self, slot, snap, P, replica=0: restore(
         self, slot, {k: (v if not k.startswith(skip) else self._snapshot(slot, P)[k]) for k, v in snap.items()}, P))
     ok, cached = batch_case(ss["cpu"], 50)
     assert cached == [48, 48, 48] and not ok
@@ -372,3 +372,101 @@ def test_a_planted_copy_fault_is_caught(sessions, monkeypatch, fault):
         for s in list(sess.seqs.values()):
             sess.release(s)
         sess.backend._copies = None
+
+
+# ---- data parallel: one cache per replica, placement by cached prefix -------------------------------------
+
+
+class Replicas:
+    """Data parallelism simulated in one process: each replica an unpartitioned cpu backend of its own (its own
+    pool and rings), a step's inputs one entry per replica as the session stacks them (`Session._run`)."""
+
+    def __init__(self, backends):
+        self.backends = backends
+
+    def functions(self):
+        return self.backends[0].functions()
+
+    def replica(self, d: int):
+        return self.backends[d]
+
+    def run(self, fname, stacked):
+        return [b.run(fname, {k: v[d] for k, v in stacked.items()}) for d, b in enumerate(self.backends)]
+
+    def close(self):
+        for b in self.backends:
+            b.close()
+
+
+def dp_session(path, cache: bool) -> Session:
+    import copy
+
+    from v4compile.artifact import load_artifact
+    from v4compile.runtime.cpu_backend import OrtBackend
+
+    art = load_artifact(path)
+    dp_art = copy.copy(art)
+    dp_art.manifest = {**art.manifest, "parallel": {"dp": 2}}
+    return Session(dp_art, Replicas([OrtBackend(art, threads=1) for _ in range(2)]), prefix_cache=cache)
+
+
+@pytest.fixture(scope="module")
+def dp_sessions(art):
+    """Two-replica sessions of tiny, the cache on and off (reused by the cases: `dp_case` empties them)."""
+    name, path = art
+    if name != "tiny":
+        pytest.skip("one preset shows it")
+    out = {True: dp_session(path, True), False: dp_session(path, False)}
+    yield out
+    for sess in out.values():
+        sess.close()
+
+
+def dp_case(sessions, monkeypatch, fault: str | None = None):
+    """A warm-up prompt, then one unrelated prompt and two sharing the warm-up's first 50 tokens, in one
+    `generate` (greedy, 3 new tokens): the replica each lands on, the tokens each took from the cache, and
+    whether every logits row each request sampled from equals byte for byte the cache-off run's with the same
+    placement (each replica's batches alike)."""
+    from v4compile.runtime.batcher import Batcher
+
+    warm, reqs = shared_prompts(50, tails=(3, 11))
+    reqs.insert(0, np.random.default_rng(9).integers(0, VOCAB, 40).tolist())
+    rows, placed = {}, []
+    pick, place = Batcher._pick, Session.place
+    monkeypatch.setattr(Batcher, "_pick", lambda self, r, row: (
+        rows.setdefault(r.index, []).append(np.asarray(row).tobytes()), pick(self, r, row))[1])
+
+    def run(cache, forced=None):
+        rows.clear()
+        placed.clear()
+        monkeypatch.setattr(Session, "place", lambda self, prompt=None: placed.append(
+            forced.pop(0) if forced else place(self, prompt)) or placed[-1])
+        sess = sessions[cache]
+        pool = sess.art.manifest["pool"]
+        sess.allocs = [Allocator(int(pool["n_slots"]), int(pool["n_blocks"])) for _ in range(2)]
+        kept = sess.caches
+        if cache:  # empty caches (the broken variant: one object for both replicas)
+            c = pc.PrefixCache(kept[0].g)
+            sess.caches = [c, c] if fault == "one cache for both replicas" else [c, pc.PrefixCache(c.g)]
+        try:
+            sess.generate([warm], 3)
+            sess.generate(reqs, 3)
+            return dict(rows), list(placed), list(sess.last_cached_tokens)
+        finally:
+            sess.caches = kept
+    forced = [0, 1, 1, 0] if fault == "one cache for both replicas" else None
+    hot, where, cached = run(True, list(forced) if forced else None)
+    cold, _, _ = run(False, list(where))
+    return where, cached, hot == cold
+
+
+def test_data_parallel_replicas_keep_their_own_cache(dp_sessions, monkeypatch):
+    """Rank-local under data parallelism (two replicas in one process): the prompts sharing the warm-up's prefix
+    land on the replica holding it (placement: cache hit first, then the fewest live sequences, the most free
+    blocks), take its 48 tokens there, and are bit-exact with the cache off; the unrelated prompt goes to the
+    other replica (it has more free blocks). Broken: one cache for both replicas, the shared prompts sent to the
+    other replica, hit blocks of a pool they are not in: the logits differ."""
+    where, cached, ok = dp_case(dp_sessions, monkeypatch)
+    assert where == [0, 1, 0, 0] and cached == [0, 48, 48] and ok
+    where, cached, ok = dp_case(dp_sessions, monkeypatch, "one cache for both replicas")
+    assert cached == [0, 48, 48] and not ok
