@@ -63,6 +63,14 @@ is kept only where the prompt holds its next token. Rejected drafts write no sha
 positions are past the prompt, in blocks of the sequence's own, and the draft steps write only the slot's MTP
 ring (both restored from the undo log).
 
+**Data parallel** (`--dp`): one cache per replica (`Session.caches`). An entry's blocks live in its replica's
+pool and its snapshot is that replica's rings, so a hit is taken only inside the replica that holds it. Every
+rank keeps every replica's books (the same calls in the same order, as for the allocators), and only the
+ranks of a replica hold its snapshots' bytes (the others count them, so that the snapshot bound evicts alike
+everywhere). `Session.place` sends a new prompt to the replica caching its longest prefix, then to the least
+loaded (fewest live sequences, most free blocks, lowest index): a prompt sharing a system prompt lands where
+that prompt was computed.
+
 **Eviction.** Under pool pressure (a sequence needs a block and none is free) and to keep the snapshots
 under their bound, least recently used leaves go first; dropping an entry frees its block only when no
 sequence holds it (the reference count), so a block in use is never freed. The cache never makes a request
