@@ -64,6 +64,7 @@ class CopyCheck:
         self.last: dict[int, int] = {}  # slot -> the last position the last step writing it wrote
         self.next: dict[int, int] = {}  # slot -> the position its next step must start at (after a restore)
         self.cur = None
+        self._need: dict[tuple, dict] = {}  # what a copy needs, by (kind, slot or block): made once
 
     def _rb(self, name: str) -> int:
         t = self.types[name]
@@ -95,13 +96,16 @@ class CopyCheck:
         if what is None:
             raise DeviceError("a copy of the copy table without its purpose (what: save / restore / block)")
         op, a, b = what
-        if op in ("save", "restore"):
-            if op == "save" and self.last.get(a) != b - 1:
-                raise DeviceError(f"snapshot of slot {a} at boundary {b}: the slot's last step wrote up to "
-                                  f"position {self.last.get(a)}, not {b - 1} (taken out of order)")
-            need = {"dev": _intervals(self.slot_rows(a, b), self._rb)}
-        else:
-            need = {"src": _intervals(self.block_rows(a), self._rb), "dst": _intervals(self.block_rows(b), self._rb)}
+        if op == "save" and self.last.get(a) != b - 1:
+            raise DeviceError(f"snapshot of slot {a} at boundary {b}: the slot's last step wrote up to "
+                              f"position {self.last.get(a)}, not {b - 1} (taken out of order)")
+        # a whole ring period before any boundary covers every ring row: the slot's need is the same at each
+        key = ("slot", a) if op != "block" else ("block", a, b)
+        need = self._need.get(key)
+        if need is None:
+            need = self._need[key] = ({"dev": _intervals(self.slot_rows(a, b), self._rb)} if op != "block" else
+                                      {"src": _intervals(self.block_rows(a), self._rb),
+                                       "dst": _intervals(self.block_rows(b), self._rb)})
         self.cur = (op, a, b, need, {k: {} for k in need})
 
     def copy(self, i: int, kind: int, dst, src, nbytes: int) -> None:

@@ -201,7 +201,7 @@ class Session:
 
     @property
     def alloc(self) -> Allocator:
-        """The one replica's allocator (the prefix cache's pool: it runs with one replica only)."""
+        """Replica 0's allocator (the only one without data parallelism)."""
         return self.allocs[0]
 
     @property
