@@ -389,7 +389,7 @@ def mtp_cold(art):
         return full, _cached_spec(art, full, mp, cache=False)
 
 
-MTP_NEW = 8
+MTP_NEW = 4
 
 
 def _cached_spec(art, full, monkeypatch, cache: bool, fault: str | None = None):
