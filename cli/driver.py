@@ -335,7 +335,17 @@ def _write_golden(ci: CompileInputs, tmp: Path, report: dict[str, Any]) -> dict[
     log.info("golden: %d prompts of %s tokens, %d greedy tokens each, by the reference model (%s, %s) in %.2f s",
              len(f["prompts"]), "/".join(str(len(p)) for p in f["prompts"]), f["new_tokens"], ci.numerics, ci.dtype,
              f["seconds"])
-    report["golden"] = {k: f[k] for k in ("new_tokens", "covers", "scale", "logits", "seconds")} | {
+    ch = f["choices"]
+    if ch["clean"]:
+        log.info("golden: prompts of seed %d (candidate %d of %d): every router / indexer choice clears its rounding "
+                 "bound (smallest margin %s x the near-tie threshold)", f["seed"], ch["candidate"] + 1, ch["candidates"],
+                 "none" if ch["smallest_margin"] is None else f"{ch['smallest_margin']:.3g}")
+    else:
+        log.info("golden: none of %d seeded prompt sets is free of near-tie router / indexer choices (%s, smallest "
+                 "margin %.3g x the threshold): the self-check judges each lane's logits only before its first near "
+                 "tie (steps %s of %d)", ch["candidates"], ci.dtype, ch["smallest_margin"],
+                 "/".join(map(str, ch["clean_steps"])), f["new_tokens"])
+    report["golden"] = {k: f[k] for k in ("new_tokens", "covers", "scale", "logits", "seconds", "seed", "choices")} | {
         "prompt_tokens": [len(p) for p in f["prompts"]],
         "checks": "greedy ids (up to the first near tie), every step's logits, the per-layer fingerprint of the "
                   "first prefill chunk; a fault that moves no logit of these prompts by more than the tolerance "
