@@ -61,7 +61,8 @@ class Scenario:
     covers: dict[str, bool]  # compressed pools' first block and the indexer's picks reached by the short prompt
 
 
-def plan(cfg, prefill_chunks: tuple[int, ...], max_context: int, seed: int = SEED) -> Scenario:
+def plan(cfg, prefill_chunks: tuple[int, ...], max_context: int, seed: int = SEED,
+         new_tokens: int | None = None) -> Scenario:
     """The golden's prompts and step count for a config, its chunk buckets and its context (see the module doc).
     Decode steps: the short prompt (length s) must reach position max(ratio) (the largest compression ratio's
     first block is complete) and csa_ratio * (index_topk + 1) (more compressed blocks than the indexer
@@ -74,7 +75,7 @@ def plan(cfg, prefill_chunks: tuple[int, ...], max_context: int, seed: int = SEE
     short = min(SHORT_PROMPT, max(prefill_chunks))
     long_len = max(prefill_chunks) + 3  # one full chunk and a piece: chunked prefill, two buckets
     want = max(first_block, picks, 4) - short + 1
-    new = max(2, min(want, MAX_NEW_TOKENS))
+    new = max(2, min(want, MAX_NEW_TOKENS)) if new_tokens is None else new_tokens
     if long_len + new > max_context:  # a small context: shorten the long prompt first, then the steps
         long_len = max(short + 1, max_context - new)
         new = max(1, min(new, max_context - long_len))
@@ -121,7 +122,7 @@ class Golden:
 
 
 def make_golden(model, numerics: str, dtype: str, prefill_chunks: tuple[int, ...], max_context: int,
-                candidates: int | None = None) -> Golden:
+                candidates: int | None = None, new_tokens: int | None = None) -> Golden:
     """Run the scenario through `model` (a `ReferenceModel` holding the artifact's weights in its numerics and
     dtype): greedy ids, each step's logits, the fingerprint of prompt 0's first chunk, and each step's
     smallest discrete-choice margin (`choice_margins`).
@@ -136,7 +137,7 @@ def make_golden(model, numerics: str, dtype: str, prefill_chunks: tuple[int, ...
     best = None
     n = CANDIDATES if candidates is None else candidates
     for j in range(n):
-        sc = plan(cfg, prefill_chunks, max_context, prompt_seed(j))
+        sc = plan(cfg, prefill_chunks, max_context, prompt_seed(j), new_tokens)
         run = _run(model, sc, numerics, dtype, prefill_chunks)
         clean = clean_steps(run["choice"])
         score = sum(clean)
@@ -162,6 +163,7 @@ def make_golden(model, numerics: str, dtype: str, prefill_chunks: tuple[int, ...
     layers = run["layers"]
     smallest = float(run["choice"].min()) if run["choice"].size else float("inf")
     facts = {"version": VERSION, "numerics": numerics, "dtype": dtype, "seed": prompt_seed(j),
+             "new_tokens_from": "planned" if new_tokens is None else "--golden-new-tokens",
              "prompts": [list(p) for p in sc.prompts], "new_tokens": sc.new_tokens, "ids": run["ids"],
              "prefill_chunks": sorted(prefill_chunks), "logits": logits_form,
              "scale": float(lg.abs().max()), "covers": sc.covers,
@@ -173,6 +175,17 @@ def make_golden(model, numerics: str, dtype: str, prefill_chunks: tuple[int, ...
                          "bound": choice_basis(numerics, dtype, cfg)},
              "seconds": round(time.perf_counter() - t0, 3)}
     return Golden(facts, {k: np.ascontiguousarray(v) for k, v in tensors.items()})
+
+
+def model_steps(sc: Scenario, prefill_chunks: tuple[int, ...]) -> int:
+    """The reference's model steps on the scenario: every prefill chunk of each prompt, then the decode steps."""
+    n = 0
+    for p in sc.prompts:
+        done = 0
+        while done < len(p):
+            done += chunk_of(prefill_chunks, len(p) - done)
+            n += 1
+    return n + sc.new_tokens - 1
 
 
 def prompt_seed(j: int) -> int:
