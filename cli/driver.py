@@ -399,11 +399,11 @@ class GoldenProgress:
     def __call__(self, layer: int, loads: int) -> None:
         import time
 
-        if not self.total or loads < self.next:
+        done = (loads - 1) % self.total + 1 if self.total else 0
+        if not self.total or (loads < self.next and done != self.total):
             return
         self.next = loads + max(1, self.total // 10)
         dt = time.perf_counter() - self.t0
-        done = (loads - 1) % self.total + 1
         left = dt / loads * (self.total - done)
         self.log.info("golden (streaming): layer read %d of %d (layer %d), %.1f s so far, about %.1f s left for "
                       "this candidate", done, self.total, layer, dt, left)
