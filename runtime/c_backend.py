@@ -99,6 +99,9 @@ class CRuntime:
         # `table`: how the schedule becomes the bytes handed to the C runtime (tests use fake code objects)
         self.table = self.sched.to_bytes() if table is None else table(self.sched)
         self.error: BaseException | None = None
+        # host device, check mode only (the self-check's layer statistics): called with (function schedule, call
+        # index, launch) after each call the callback ran; never set for the steps users run
+        self.after_call: Callable | None = None
         self._cb = HOST_KERNEL(self._host_kernel)  # kept alive as long as the runtime
         self.handle = ctypes.c_void_p()
         rc = self.lib.v4rt_open(abi, device.encode(), driver_lib.encode() if driver_lib else None, self.table,
@@ -253,6 +256,8 @@ class CRuntime:
                 self._run_reference(launch, call, places)
             else:
                 self._run_kernel(launch, call, cidx, places)
+            if self.after_call is not None:
+                self.after_call(fs, cidx, launch)
             return 0
         except BaseException as e:  # never unwind through C (a signal's exception too: `_raise` re-raises it)
             self.error = e

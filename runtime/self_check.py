@@ -21,8 +21,10 @@ Checks, each a line with its measured error beside its tolerance (errors in unit
   steps up to the first near tie; fed the golden's ids, a flip does not carry on, so the later steps compare too;
 * `layers` (on a failure: "with the layer statistics on"): the golden's per-layer fingerprint against the
   device's residual streams on prompt 0's first chunk, naming the first layer that departs. The cpu device
-  shows them (its prefill graph run once more with those values as outputs); the others do not yet (the line
-  says so, and the failure names the step and lane).
+  shows them (its prefill graph run once more with those values as outputs), the host device too (a check-mode
+  hook of the C runtime's launch callback copies each layer's last launch result); hip / cuda and partitioned
+  artifacts do not yet (their launches never come back to Python: the line says so, and the failure names the
+  step and lane).
 A partitioned artifact: every rank checks its own logits; rank 0's result holds the worst rank's.
 """
 
@@ -238,7 +240,11 @@ def layer_streams(sess, g) -> list | None:
     import torch
 
     be = sess.backend
-    if not hasattr(be, "built") or getattr(be, "ranks", None) is not None:
+    if getattr(be, "ranks", None) is not None:
+        return None
+    if getattr(be, "device", None) == "host" and hasattr(be, "rt"):
+        return _host_streams(sess, be, g)
+    if not hasattr(be, "built"):
         return None
     import onnx
 
@@ -270,6 +276,61 @@ def layer_streams(sess, g) -> list | None:
         return found or None
     finally:
         sess.release(s)
+
+
+def _host_streams(sess, be, g) -> list | None:
+    """The host device's streams on prompt 0's first chunk: the C runtime calls back into Python for every
+    launch, so a check-mode hook (`CRuntime.after_call`, set for this one run) copies each stream's launch result
+    (`stream_launches`) when its last call has run, before the arena reuses the bytes."""
+    from v4compile.program.execute import _typed
+
+    s = sess.open()
+    try:
+        fname, inputs, _ = sess.prefill_chunk(s, g.prompts[0])
+        watched = stream_launches(be.program.functions[fname])
+        got: dict[int, object] = {}
+        sched = be.rt.sched
+        fs = sched.functions[sched.function_index(fname)]
+        last = {li: c for c, li in enumerate(fs.launch_of)}  # a launch's results are complete after its last call
+
+        def after(f, cidx, launch):
+            li = f.launch_of[cidx]
+            if f is fs and li in watched and last[li] == cidx:
+                k, name = watched[li]
+                a = dict(launch.results)[name]
+                got[k] = _typed(be.rt.views[a.buffer], a).clone()
+
+        be.rt.after_call = after
+        try:
+            be.run_outputs(fname, inputs)
+        finally:
+            be.rt.after_call = None
+        found = []
+        for k in range(len(got)):
+            if k not in got:
+                break
+            found.append(got[k].float())
+        return found or None
+    finally:
+        sess.release(s)
+
+
+def stream_launches(f) -> dict[int, tuple[int, str]]:
+    """Launch index -> (stream, result name) of a function program: the embedding's `hc_expand` (stream 0), and
+    the launch that finishes layer i's residual (stream i + 1): `hc_post` of `layers.i.ffn_hc` or, fused into the
+    next seam, the `mhc_post_pre` of `layers.{i+1}.attn_hc` (the last layer's goes into the fused head)."""
+    out = {}
+    for li, l in enumerate(f.launches):
+        res = dict(l.results)
+        if l.loc == "embed" and l.op == "hc_expand":
+            out[li] = (0, "streams")
+        elif l.loc.startswith("layers.") and "streams_out" in res:
+            _, i, part = l.loc.split(".", 2)
+            if part == "attn_hc" and l.op != "hc_post" and int(i) > 0:
+                out[li] = (int(i), "streams_out")
+            elif part == "ffn_hc" and l.op == "hc_post":
+                out[li] = (int(i) + 1, "streams_out")
+    return out
 
 
 def _stream_candidates(model) -> list[list[str]]:
