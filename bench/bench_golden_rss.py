@@ -5,7 +5,8 @@
 Writes a seeded random checkpoint (fp32, official layout) of tiny's structure scaled up (hidden 2048, 12 layers,
 16 routed experts of width 512, vocabulary 4096: about 0.7 B parameters, 2.8 GB) to a temporary directory (deleted
 after), then makes its golden (hf, fp32, prefill chunk 16, two decode steps, one prompt candidate) twice, each in a
-child process that prints its own peak RSS (`ru_maxrss`): in memory (`fe.reference()`), then streaming
+child process that prints its own peak RSS (`VmHWM` of /proc/self/status: `ru_maxrss` would start from the
+forking parent's peak, which the checkpoint's writing raised): in memory (`fe.reference()`), then streaming
 (`fe.reference(streaming=True)`). Both goldens are compared bit for bit.
 
 The streaming golden's stated bound (`bound`): the child's RSS before the golden (interpreter, torch, the
@@ -30,14 +31,22 @@ ROOT = Path(__file__).resolve().parents[1]
 SLACK = 256 << 20
 
 CHILD = r"""
-import json, resource, sys, time, torch
+import json, sys, time, torch
 import numpy as np
 torch.set_num_threads(1)
 from v4compile import frontend, golden
 from v4compile.trace import TraceOptions
 ckpt, streaming, out = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
+
+
+def hwm():  # this process's peak RSS since its exec (ru_maxrss would carry the forking parent's peak over)
+    for ln in open("/proc/self/status"):
+        if ln.startswith("VmHWM:"):
+            return int(ln.split()[1]) * 1024
+
+
 fe = frontend.load(ckpt, None, None, TraceOptions(numerics="hf", dtype="fp32", capacity=64))
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = hwm()
 t0 = time.perf_counter()
 model = fe.reference(streaming=streaming)
 g = golden.make_golden(model, "hf", "fp32", (16,), 64, candidates=1, new_tokens=2)
@@ -45,7 +54,7 @@ secs = time.perf_counter() - t0
 np.savez(out, **g.tensors)
 w = model.weights
 rest = sum(t.numel() * t.element_size() for t in w.rest.values()) if streaming else None
-print(json.dumps({"base": base, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+print(json.dumps({"base": base, "peak": hwm(),
                   "seconds": round(secs, 1), "rest": rest, "largest": getattr(w, "largest", None),
                   "layer_reads": getattr(w, "loads", None), "ids": g.facts["ids"]}))
 """

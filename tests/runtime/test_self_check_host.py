@@ -69,3 +69,29 @@ def test_a_forged_weight_is_named_by_its_layer_on_the_host_device(host_art, tmp_
     assert not r.passed and (r.first_step, r.first_lane, r.first_layer) == (0, 0, 2), r.lines()
     layers = next(c for c in r.checks if c.name == "layers")
     assert layers.measured and not layers.passed and "layer 2 departs first" in layers.note
+
+
+@pytest.mark.slow  # a partitioned compile and two gloo ranks (their start-up: seconds each on a busy machine)
+def test_a_rank_that_loads_rank_0s_weights_fails(tmp_path):
+    """tiny (hf, fp32) at tp 2 / ep 2, its golden the layout's reference, checked at 2 gloo ranks: as compiled
+    every rank passes; with rank 1 mapping rank 0's weights (its heads and experts the wrong ones) FAILED, on
+    both ranks' results (rank 0 reports the worst rank's)."""
+    import sys
+    from pathlib import Path
+
+    from dist_launch import launch
+    from v4compile.cli import main
+
+    art = tmp_path / "tp2"
+    assert main(["-q", "compile", "--preset", "tiny", "--numerics", "hf", "--dtype", "fp32", "--target", "cpu",
+                 "--decode-buckets", "2", "--prefill-buckets", "16", "--tp", "2", "--ep", "2", "--max-context", "64",
+                 "--golden", "--golden-new-tokens", "4", "-o", str(art)]) == 0
+    worker = Path(__file__).resolve().parents[1] / "self_check_worker.py"
+    runs = launch([sys.executable, str(worker), str(tmp_path), str(art)], 2, timeout_s=300)
+    for r, (code, _, err) in enumerate(runs):
+        assert code == 0, f"rank {r}: {err[-2000:]}"
+    got = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    for r in range(2):
+        clean, bad = got[r]
+        assert clean["passed"] and 0 < clean["max_error"] <= clean["tolerance"], clean
+        assert not bad["passed"] and bad["first_rank"] is not None and bad["max_error"] > 100 * bad["tolerance"], bad
