@@ -360,9 +360,9 @@ def _write_golden(ci: CompileInputs, tmp: Path, report: dict[str, Any]) -> dict[
                  "/".join(map(str, ch["clean_steps"])), f["new_tokens"])
     report["golden"] = {k: f[k] for k in ("new_tokens", "covers", "scale", "logits", "seconds", "seed", "choices")} | {
         "prompt_tokens": [len(p) for p in f["prompts"]],
-        "checks": "greedy ids (up to the first near tie), every step's logits, the per-layer fingerprint of the "
-                  "first prefill chunk; a fault that moves no logit of these prompts by more than the tolerance "
-                  "passes unseen"}
+        "checks": "greedy ids (but at near ties), every step's logits before each lane's first near-tie router / "
+                  "indexer choice, the per-layer fingerprint of the first prefill chunk; a fault that moves no judged "
+                  "logit of these prompts by more than the tolerance passes unseen"}
     return write_golden(g, tmp)
 
 
