@@ -69,3 +69,21 @@ def test_the_streaming_progress_states_the_reads_and_the_time_left(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert "100 layer reads" in lines[0] and len(lines) == 12 and all("s left" in ln for ln in lines[1:])
     assert "layer read 100 of 100" in lines[-1] and "about 0.0 s left" in lines[-1]
+
+
+def test_the_golden_knobs_are_typed_flags(capsys):
+    """`--golden-streaming` (default None: by the weights' size against this machine's memory) and
+    `--golden-new-tokens` (1..64; out of range: one error line, exit 2)."""
+    from v4compile.cli import build_parser, main
+
+    p = build_parser()
+    assert p.parse_args(["compile", "-o", "x"]).golden_streaming is None
+    assert p.parse_args(["compile", "-o", "x", "--golden-streaming"]).golden_streaming is True
+    assert p.parse_args(["compile", "-o", "x", "--no-golden-streaming"]).golden_streaming is False
+    assert p.parse_args(["compile", "-o", "x", "--golden-new-tokens", "3"]).golden_new_tokens == 3
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # argparse's refusal
+        main(["compile", "-o", "x", "--golden-new-tokens", "0"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "--golden-new-tokens" in err and "Traceback" not in err
