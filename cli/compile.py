@@ -101,6 +101,8 @@ def cmd_compile(args) -> int:
 
         inputs = replace(compile_buckets(fe, **ci, stages=st), allow_spills=args.allow_spills)
         inputs.golden = args.golden and inputs.reference is not None
+        inputs.golden_streaming = args.golden_streaming
+        inputs.golden_new_tokens = args.golden_new_tokens
         with st("write output", progress="writing the artifact"):
             write_artifact(inputs, args.output, force=args.force)
         refused = _spill_verdict(args, inputs)
@@ -241,6 +243,13 @@ def add_command(sub) -> None:
     c.add_argument("--golden", action=argparse.BooleanOptionalAction, default=GOLDEN_BY_DEFAULT,
                    help="-o: write the golden, the reference model's answer on a seeded ragged batch that `run "
                         "--self-check` and `serve` check every device against (default on; --no-golden skips it)")
+    c.add_argument("--golden-streaming", action=argparse.BooleanOptionalAction, default=None,
+                   help="make the golden layer by layer, one decoder layer's weights in memory at a time (the same "
+                        "golden, bit for bit; it reads the weights once per model step). Default: when the model's "
+                        "weights exceed half of this machine's memory")
+    c.add_argument("--golden-new-tokens", type=int_arg(1, 64), default=None,
+                   help="the golden's decode steps (default: enough to reach the compressed pools and the indexer's "
+                        "picks, at most 64; fewer make a cheaper check on slow devices, recorded in golden.json)")
     c.add_argument("--decode-buckets", default="1,2,4,8", help="decode batch buckets (default 1,2,4,8)")
     c.add_argument("--prefill-buckets", default="16,64", help="prefill chunk buckets, batch 1 (default 16,64)")
     c.add_argument("--draft-tokens", type=int_arg(0, MAX_DRAFT_TOKENS), default=0,

@@ -114,6 +114,9 @@ class CRuntime:
         # the host device's check of the copy table's copies and of the steps' writes between them
         # (`copy_check.CopyCheck`); None: unchecked (the GPU devices, or a runtime without copies)
         self.copy_check = None
+        # host device, check mode only (the self-check's layer statistics): called with (function schedule, call
+        # index, launch) after each call the callback ran; never set for the steps users run
+        self.after_call: Callable | None = None
         self._cb = HOST_KERNEL(self._host_kernel)  # kept alive as long as the runtime
         self.handle = ctypes.c_void_p()
         rc = self.lib.v4rt_open(abi, device.encode(), driver_lib.encode() if driver_lib else None, self.table,
@@ -304,6 +307,8 @@ class CRuntime:
                 self._run_reference(launch, call, places)
             else:
                 self._run_kernel(launch, call, cidx, places)
+            if self.after_call is not None:
+                self.after_call(fs, cidx, launch)
             return 0
         except BaseException as e:  # never unwind through C (a signal's exception too: `_raise` re-raises it)
             self.error = e

@@ -40,12 +40,23 @@ class Frontend:
             self.traced = trace(self.cfg, self.options, formats=self.formats)
         return self.traced
 
-    def reference(self):
-        """The ReferenceModel holding exactly the weights the IR will get."""
+    def reference(self, streaming: bool = False, on_load=None):
+        """The ReferenceModel holding exactly the weights the IR will get; `streaming`: one decoder layer of them
+        resident at a time, read from the checkpoint (or the random source) as the model reaches it
+        (`StreamedWeights`, `on_load` its progress)."""
         from .model import ReferenceModel
-        from .model.reference import build_weights
+        from .model.reference import StreamedWeights, build_weights, quantized_params
 
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[self.options.dtype]
+        if streaming and self.weights in ("checkpoint", "random"):
+            if self.weights == "checkpoint":
+                ck = self.source  # the frontend's open checkpoint: its reader preads one tensor at a time
+                load, quantized = (lambda n: ck.dense(n)), quantized_params(ck.stored_formats())
+            else:
+                src = self.source
+                load, quantized = (lambda n: src.dense(n)), frozenset()
+            return ReferenceModel(self.cfg, StreamedWeights(self.cfg, load, dtype, on_load),
+                                  numerics=self.options.numerics, dtype=dtype, quantized=quantized)
         if self.weights == "checkpoint":
             return ReferenceModel.from_pretrained(self.checkpoint, numerics=self.options.numerics, dtype=dtype,
                                                   include_mtp=False, allow_nonfinite=self.allow_nonfinite)

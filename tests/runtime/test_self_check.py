@@ -223,3 +223,30 @@ def test_serve_refuses_a_faulty_artifact_with_one_line_and_shows_a_good_ones_che
     h = TestClient(server.app(), base_url="http://127.0.0.1").get("/health").json()  # no lifespan: no scheduler
     assert h["self_check"]["passed"] is True and set(h["self_check"]) == {"passed", "max_error", "tolerance", "seconds"}
     assert 0 < h["self_check"]["max_error"] <= h["self_check"]["tolerance"]
+
+
+def test_a_fault_fails_on_the_judged_lane_when_the_other_has_a_near_tie(art, tmp_path):
+    """The golden with lane 0 marked near-tie from step 0 (a router / indexer choice within its rounding bound;
+    hashes recomputed): the forged weight, which departs first at lane 0, is named on lane 1, still judged; the
+    same artifact without the forged weight passes."""
+    import hashlib
+
+    from safetensors.numpy import load, save
+
+    from v4compile.golden import TENSORS
+
+    a = copy(art, tmp_path / "b")
+    t = load((a / TENSORS).read_bytes())
+    assert np.isinf(t["choice_margin"]).any() or t["choice_margin"].min() > 1  # the clean golden: no near tie
+    t["choice_margin"][0, :] = 0.5
+    (a / TENSORS).write_bytes(save(t))
+    m = manifest(a)
+    m["files"][TENSORS] = hashlib.sha256((a / TENSORS).read_bytes()).hexdigest()
+    write_manifest(a, m)
+    for path, fault in ((a, False), (_forged(a, tmp_path / "c"), True)):
+        r = v4compile.load(path, device="cpu", threads=1).self_check()
+        assert r.passed is not fault
+        logits = next(c for c in r.checks if c.name == "logits")
+        assert "16 of 32 rows" in logits.note and "lane 0 steps 0-15" in logits.note
+        if fault:
+            assert (r.first_step, r.first_lane) == (0, 1)

@@ -33,6 +33,10 @@ class StepOptions:
     # eager only: called with (layer, streams) after the embedding (layer -1) and after each decoder layer,
     # for the golden's per-layer fingerprint (`v4compile/golden.py`); the tracer never sets it
     on_layer: Any = field(default=None, compare=False)
+    # eager only: called with (kind, layer, scores, k, pos) at each discrete top-k choice that rounding may flip
+    # (the learned router's `scores + bias`, "router"; the CSA indexer's scores, "indexer"), for the golden's
+    # choice margins (`v4compile/golden.py`); the tracer never sets it
+    on_choice: Any = field(default=None, compare=False)
 
 
 def shape_of(x: Any) -> tuple[int, ...]:
@@ -108,6 +112,8 @@ def attention_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, pos:
                 scores = op.indexer_scores(qi, wts, keys, pos, ratio=ratio, q_scale=cfg.index_head_dim ** -0.5,
                                             w_scale=cfg.index_n_heads ** -0.5)
                 selected = op.topk(scores, k=min(cfg.index_topk, shape_of(keys)[1]))
+                if opts.on_choice is not None:
+                    opts.on_choice("indexer", layer, scores, min(cfg.index_topk, shape_of(keys)[1]), pos)
 
     o = op.attention(q, kv, cache["win"], pos, P.t(a + "attn_sink"), rows, selected, window=cfg.window,
                       ratio=ratio, scale=cfg.head_dim ** -0.5)
@@ -147,7 +153,8 @@ def gemm(P: Params, opts: StepOptions, name: str, role: str, out_dtype: str = ""
     return {**P.lin(name), "act": "fp8" if fp8 else "native", "out_dtype": out_dtype, "role": role}
 
 
-def moe_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, ids: Any, opts: StepOptions) -> Any:
+def moe_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, ids: Any, opts: StepOptions,
+              pos: Any = None) -> Any:
     f = pre + "ffn."
     hashed = cfg.is_hash(layer)
     official = opts.numerics == "official"  # router in fp32 without HF's 1e-20 (spec 10; 15 items 7, 14)
@@ -155,6 +162,11 @@ def moe_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, ids: Any, 
                           P.t(f + "gate.tid2eid") if hashed else None, ids if hashed else None,
                           k=cfg.n_active_experts, route_scale=float(cfg.route_scale),
                           denom_eps=0.0 if official else 1e-20, fp32=official, role="ffn.gate")
+    if opts.on_choice is not None and not hashed:
+        from ..ops.moe import selection_scores
+
+        opts.on_choice("router", layer, selection_scores(x, P.t(f + "gate.weight"), P.t(f + "gate.bias"), official),
+                       cfg.n_active_experts, pos)
     fp8 = official and P.quantized(experts_name(pre, "w1"))
     # official: the routing weight scales w2's input, inside its activation quantisation (spec 10)
     moe = {"limit": float(cfg.swiglu_limit), "act": "fp8" if fp8 else "native",
@@ -193,7 +205,7 @@ def decoder_layer(P: Params, cfg: V4Config, layer: int, pre: str, streams: Any, 
                                    P.t(pre + "hc_ffn_scale"), **hc)
     with scope("ffn", role="ffn"):
         y = moe_block(P, cfg, layer, pre, op.rms_norm(y, P.t(pre + "ffn_norm.weight"), eps=cfg.rms_eps), ids,
-                      opts)
+                      opts, pos)
     with scope("ffn_hc", role="ffn_hc"):
         streams = op.hc_post(y, streams, post, comb)
     return streams

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -42,12 +42,16 @@ def keeps_fp32(name: str) -> bool:
     return name.endswith(_FP32_SUFFIXES)
 
 
-def build_weights(cfg: V4Config, load, dtype: torch.dtype, include_mtp: bool = True) -> dict[str, torch.Tensor]:
-    """Dense parameters by name (routed experts stacked per layer), from `load(canonical_name)`."""
+def build_weights(cfg: V4Config, load, dtype: torch.dtype, include_mtp: bool = True,
+                  only=None) -> dict[str, torch.Tensor]:
+    """Dense parameters by name (routed experts stacked per layer), from `load(canonical_name)`; `only(name)`:
+    the canonical names to build (default all; `StreamedWeights` builds one layer at a time)."""
     out: dict[str, torch.Tensor] = {}
     specs = spec_table(cfg, include_mtp=include_mtp)
     stacks: dict[str, list[torch.Tensor]] = {}
     for name, s in specs.items():
+        if only is not None and not only(name):
+            continue
         if ".ffn.experts." in name:
             prefix, rest = name.split("ffn.experts.")
             _, w, _ = rest.split(".")
@@ -61,6 +65,70 @@ def build_weights(cfg: V4Config, load, dtype: torch.dtype, include_mtp: bool = T
     for name, ts in stacks.items():
         out[name] = torch.stack(ts)
     return out
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a parameter belongs to (`layers.{i}.`), None for the rest (embedding, head, MTP)."""
+    if not name.startswith("layers."):
+        return None
+    return int(name.split(".", 2)[1])
+
+
+class StreamedWeights(Mapping):
+    """`build_weights`' mapping with at most one decoder layer's weights resident (issue 35 item 2: a golden for a
+    checkpoint larger than memory). The rest (embedding, head, final norms: a few per cent of a model) stays;
+    reading a parameter of another layer drops the resident layer first, then builds that one from `load` (the
+    checkpoint's lazy, one-`pread`-a-tensor reader) by the very code `build_weights` runs, so every tensor is
+    the one the in-memory model holds, bit for bit. `model_step` reads the layers in order, so a step costs one
+    read of the checkpoint; `on_load(layer, passes)` hears each layer built (progress)."""
+
+    def __init__(self, cfg: V4Config, load, dtype: torch.dtype, on_load=None):
+        self.cfg, self.load, self.dtype, self.on_load = cfg, load, dtype, on_load
+        self.names = frozenset(n for n in _param_names(cfg))
+        self.rest = build_weights(cfg, load, dtype, include_mtp=False, only=lambda n: layer_of(n) is None)
+        self.layer: int | None = None
+        self.current: dict[str, torch.Tensor] = {}
+        self.loads = 0  # layers built so far
+        self.largest = 0  # bytes of the largest layer built
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        i = layer_of(name)
+        if i is None:
+            return self.rest[name]
+        if i != self.layer:
+            self.current, self.layer = {}, None  # dropped before the next is read: one layer resident
+            self.current = build_weights(self.cfg, self.load, self.dtype, include_mtp=False,
+                                         only=lambda n: layer_of(n) == i)
+            self.layer = i
+            self.loads += 1
+            self.largest = max(self.largest, sum(t.numel() * t.element_size() for t in self.current.values()))
+            if self.on_load is not None:
+                self.on_load(i, self.loads)
+        return self.current[name]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, name) -> bool:
+        return name in self.names
+
+    def resident_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.rest, self.current) for t in d.values())
+
+
+def _param_names(cfg: V4Config) -> list[str]:
+    """`build_weights`' keys without building anything (routed experts as their stacks)."""
+    out = set()
+    for name in spec_table(cfg, include_mtp=False):
+        if ".ffn.experts." in name:
+            prefix, rest = name.split("ffn.experts.")
+            out.add(experts_name(prefix, rest.split(".")[1]))
+        else:
+            out.add(name)
+    return sorted(out)
 
 
 def quantized_params(formats: dict[str, str]) -> frozenset[str]:

@@ -18,9 +18,7 @@ def router(x, w, bias, tid2eid, ids, *, k, route_scale, denom_eps, fp32):
     (the bias only steers selection); weights = `s[sel] / (sum(s[sel]) + denom_eps) * route_scale`
     (`denom_eps`: 1e-20 in transformers, 0 in DeepSeek's code, spec 15 item 14). Computed in x's dtype,
     or with `fp32` from x and W upcast to fp32, the weights then fp32 (DeepSeek's code, spec 10, 15 item 7)."""
-    dt = torch.float32 if fp32 else x.dtype
-    logits = F.linear(x.to(dt), w.to(dt))
-    scores = F.softplus(logits).sqrt()
+    scores = _scores(x, w, fp32)
     if tid2eid is not None:
         idx = tid2eid[ids.clamp(min=0)].long()
     else:
@@ -28,6 +26,17 @@ def router(x, w, bias, tid2eid, ids, *, k, route_scale, denom_eps, fp32):
     wts = scores.gather(-1, idx)
     wts = wts / (wts.sum(dim=-1, keepdim=True) + denom_eps)
     return wts * route_scale, idx
+
+
+def _scores(x, w, fp32: bool):
+    dt = torch.float32 if fp32 else x.dtype
+    return F.softplus(F.linear(x.to(dt), w.to(dt))).sqrt()
+
+
+def selection_scores(x, w, bias, fp32: bool):
+    """What a learned router's top-k ranks, `s + bias` as `router` computes it (eager; the golden's choice
+    margins read it)."""
+    return _scores(x, w, fp32) + bias
 
 
 @router.infer

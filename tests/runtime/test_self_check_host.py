@@ -1,0 +1,97 @@
+"""The self-check's two device cases (issue 35), as suite tests: a kernel with one deliberate fault on the host
+device (the Triton kernels interpreted: the golden is cut to its prefill, `--golden-new-tokens 1`, recorded in
+golden.json) and a partitioned artifact whose rank 1 loads rank 0's weights. Each shows the same artifact
+passing without the fault."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+import v4compile
+from v4compile import frontend
+from v4compile.artifact import Buckets
+from v4compile.cli.driver import compile_buckets, write_artifact
+from v4compile.trace import TraceOptions
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def host_art(tmp_path_factory):
+    """tiny (hf, fp32), one prefill chunk bucket of 8 and decode 2, its golden the prefill only: prompts of 11
+    (two chunks) and 5 tokens, three host steps."""
+    fe = frontend.load(None, "tiny", "random", TraceOptions(numerics="hf", dtype="fp32", capacity=32))
+    ci = replace(compile_buckets(fe, Buckets(decode=(2,), prefill=(8,))), golden=True, golden_new_tokens=1)
+    return write_artifact(ci, tmp_path_factory.mktemp("hostgold") / "tiny")
+
+
+def test_the_golden_records_its_step_count_knob(host_art):
+    f = json.loads((host_art / "golden/golden.json").read_text())
+    assert f["new_tokens"] == 1 and f["new_tokens_from"] == "--golden-new-tokens"
+    assert [len(p) for p in f["prompts"]] == [11, 5]
+
+
+@pytest.mark.slow  # three interpreted prefill steps (and, failing, the layer statistics' fourth)
+@pytest.mark.parametrize("fault", [False, True], ids=["clean", "broken-kernel"])
+def test_a_broken_kernel_on_the_host_device_fails(host_art, tmp_path, monkeypatch, fault):
+    """`hc_expand_kernel` (the embedding's mHC expansion) storing x * 1.001: FAILED at step 0."""
+    from kernel_check import install_broken_kernel
+    from v4compile.codegen.kernels import mhc
+
+    if fault:
+        install_broken_kernel(monkeypatch, tmp_path, mhc, "hc_expand_kernel", "out_ptr + t * O_S + k * O_SN + c, x,",
+                              "out_ptr + t * O_S + k * O_SN + c, x * 1.001,")
+    sess = v4compile.load(host_art, device="host")
+    try:
+        r = sess.self_check()
+    finally:
+        sess.close()
+    assert r.passed is not fault, r.lines()
+    if fault:  # the embedding's expansion: the layer statistics name the embedding (-1)
+        assert r.first_step == 0 and r.max_error > 10 * r.tolerance and r.first_layer == -1
+
+
+def test_a_forged_weight_is_named_by_its_layer_on_the_host_device(host_art, tmp_path):
+    """`layers.2.attn.wo_b` one block doubled, every hash recomputed: the host device's layer statistics (the
+    C runtime's check-mode launch hook) name layer 2, as the cpu device's do. The ops' reference kernels (the
+    same C runtime, launches and callback; the Triton interpreter would add ~30 s): the hook is what is tested."""
+    from test_self_check import _forged
+
+    sess = v4compile.load(_forged(host_art, tmp_path / "f"), device="host", kernels="reference")
+    try:
+        r = sess.self_check()
+        assert sess.backend.rt.after_call is None  # the hook is gone after the check
+    finally:
+        sess.close()
+    assert not r.passed and (r.first_step, r.first_lane, r.first_layer) == (0, 0, 2), r.lines()
+    layers = next(c for c in r.checks if c.name == "layers")
+    assert layers.measured and not layers.passed and "layer 2 departs first" in layers.note
+
+
+@pytest.mark.slow  # a partitioned compile and two gloo ranks (their start-up: seconds each on a busy machine)
+def test_a_rank_that_loads_rank_0s_weights_fails(tmp_path):
+    """tiny (hf, fp32) at tp 2 / ep 2, its golden the layout's reference, checked at 2 gloo ranks: as compiled
+    every rank passes; with rank 1 mapping rank 0's weights (its heads and experts the wrong ones) FAILED, on
+    both ranks' results (rank 0 reports the worst rank's)."""
+    import sys
+    from pathlib import Path
+
+    from dist_launch import launch
+    from v4compile.cli import main
+
+    art = tmp_path / "tp2"
+    assert main(["-q", "compile", "--preset", "tiny", "--numerics", "hf", "--dtype", "fp32", "--target", "cpu",
+                 "--decode-buckets", "2", "--prefill-buckets", "16", "--tp", "2", "--ep", "2", "--max-context", "64",
+                 "--golden", "--golden-new-tokens", "4", "-o", str(art)]) == 0
+    worker = Path(__file__).resolve().parents[1] / "self_check_worker.py"
+    runs = launch([sys.executable, str(worker), str(tmp_path), str(art)], 2, timeout_s=300)
+    for r, (code, _, err) in enumerate(runs):
+        assert code == 0, f"rank {r}: {err[-2000:]}"
+    got = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    for r in range(2):
+        clean, bad = got[r]
+        assert clean["passed"] and 0 < clean["max_error"] <= clean["tolerance"], clean
+        assert not bad["passed"] and bad["first_rank"] is not None and bad["max_error"] > 100 * bad["tolerance"], bad

@@ -1,0 +1,51 @@
+"""One rank of a partitioned artifact's self-check under torchrun's environment, for
+tests/runtime/test_self_check_host.py:
+
+    python self_check_worker.py OUT ART
+
+Joins the gloo group once, then runs `Session.self_check()` on the cpu device twice: as compiled, then with the
+planted fault (rank 1 maps rank 0's weights: `Artifact.weights` asked for rank 0 on every rank). Writes
+`OUT/rank-<r>.json`: each run's `SelfCheckResult.to_json()`. Prints `dist_launch.print_ready`'s line after its
+imports."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+
+def main(out: Path, art: str) -> int:
+    import onnxruntime  # noqa: F401 (imported by the load: before the ready line)
+    import torch.distributed as dist
+
+    import v4compile
+    import v4compile.runtime.cpu_backend  # noqa: F401
+    from dist_launch import print_ready
+    from v4compile.artifact import Artifact
+    from v4compile.runtime.distributed import timeout_from_env
+
+    print_ready()
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_from_env()))
+    res = []
+    by_rank = Artifact.weights
+    try:
+        for fault in (False, True):
+            if fault:
+                Artifact.weights = lambda self, rank=0: by_rank(self, 0)
+            sess = v4compile.load(art, device="cpu", threads=1)
+            res.append(sess.self_check().to_json())
+            sess.close()
+    finally:
+        Artifact.weights = by_rank
+        dist.destroy_process_group()
+    (out / f"rank-{rank}.json").write_text(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.exit(main(Path(sys.argv[1]), sys.argv[2]))
