@@ -83,11 +83,12 @@ class Ranks:
     def all_reduce(self, x: np.ndarray, group: int) -> np.ndarray:
         return self.collective_np("all_reduce", x, group)
 
-    def collective_np(self, op: str, x: np.ndarray, group: int) -> np.ndarray:
-        return self.collective(op, torch.from_numpy(np.ascontiguousarray(x)), group).numpy()
+    def collective_np(self, op: str, x: np.ndarray, group: int, tp: int = 1) -> np.ndarray:
+        return self.collective(op, torch.from_numpy(np.ascontiguousarray(x)), group, tp).numpy()
 
-    def collective(self, op: str, x: torch.Tensor, group: int) -> torch.Tensor:
-        """A collective registry op (`ops/collective.py`) over this rank's group of `group` ranks: a new tensor."""
+    def collective(self, op: str, x: torch.Tensor, group: int, tp: int = 1) -> torch.Tensor:
+        """A collective registry op (`ops/collective.py`) over this rank's group of `group` ranks: a new tensor.
+        `tp` (the rows ops): the group's replicas of `tp` ranks holding the same rows (the op's docstring)."""
         if group not in self.groups:
             raise InputError("a collective over a group size the layout does not have", expected=sorted(self.groups),
                              found=group)
@@ -98,13 +99,13 @@ class Ranks:
         if op in ("all_gather", "all_gather_rows"):
             parts = [torch.empty_like(x.contiguous()) for _ in range(group)]
             self._do(op, self.dist.all_gather, parts, x.contiguous(), group=self.groups[group])
-            return torch.cat(parts, dim=-1 if op == "all_gather" else 0)
+            return torch.cat(parts if op == "all_gather" else parts[::tp], dim=-1 if op == "all_gather" else 0)
         if op == "reduce_scatter_rows":
             # gloo has no reduce-scatter: the whole sum, of which this rank keeps its part (the bytes of an
             # all-reduce on the host and cpu devices; NCCL / RCCL run a reduce-scatter)
             t = x.contiguous().clone()
             self._do(op, self.dist.all_reduce, t, group=self.groups[group])
-            return t.chunk(group, dim=0)[self.rank % group].clone()
+            return t.chunk(group // tp, dim=0)[self.rank % group // tp].clone()
         raise InputError(f"no collective '{op}'", expected="all_reduce, all_gather, all_gather_rows, "
                          "reduce_scatter_rows")
 
