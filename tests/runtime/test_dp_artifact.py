@@ -32,14 +32,14 @@ PROMPTS = [[5, 17, 3, 99, 42], [7 + i for i in range(20)], [311], [8, 9], [40 + 
 WORKER = Path(__file__).resolve().parents[1] / "dp_worker.py"
 
 
-def _compile(out: Path, layout: tuple[str, ...] = ()) -> Path:
+def _compile(out: Path, layout: tuple[str, ...] = (), targets: str = "cpu,sm_90a") -> Path:
     from fake_aot import placeholder_compile_calls
     from v4compile.codegen import aot
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(aot, "compile_calls", placeholder_compile_calls(loadable=True))
         assert main(["-q", "compile", "--preset", "tiny-pro", "--numerics", "hf", "--dtype", "fp32", "--target",
-                     "cpu,sm_90a", "--decode-buckets", "2", "--prefill-buckets", "16", *layout, "-o", str(out)]) == 0
+                     targets, "--decode-buckets", "2", "--prefill-buckets", "16", *layout, "-o", str(out)]) == 0
     return out
 
 
@@ -71,17 +71,17 @@ def reference(arts):
     return ids, {i: np.stack(v) for i, v in rows.items()}
 
 
-def _ranks(tmp: Path, art: Path, devices: str, env: dict | None = None, timeout_s: float = 400):
+def _ranks(tmp: Path, art: Path, devices: str, env: dict | None = None, timeout_s: float = 400, world: int = 2):
     (tmp / "prompts.json").write_text(json.dumps({"prompts": PROMPTS, "new": NEW}))
-    return launch([sys.executable, str(WORKER), str(tmp), str(tmp / "prompts.json"), str(art)], 2,
+    return launch([sys.executable, str(WORKER), str(tmp), str(tmp / "prompts.json"), str(art)], world,
                   timeout_s=timeout_s, env={"V4_TEST_DEVICES": devices, **(env or {})})
 
 
-def check_against_reference(tmp: Path, device: str, reference) -> None:
+def check_against_reference(tmp: Path, device: str, reference, world: int = 2) -> None:
     ids, rows = reference
     flat = [t for seq in ids for t in seq]
     scale = max(float(np.abs(r).max()) for r in rows.values())
-    got = [np.load(tmp / f"{device}-rank-{r}.npz") for r in range(2)]
+    got = [np.load(tmp / f"{device}-rank-{r}.npz") for r in range(world)]
     for r, g in enumerate(got):
         assert g["ids"].tolist() == flat and g["lens"].tolist() == [NEW] * len(PROMPTS), \
             f"{device} rank {r}: the greedy ids are not the single-process run's"
@@ -132,3 +132,13 @@ def test_a_killed_dp_rank_ends_the_other_in_bounded_time(dp_run):
     lines = [ln for ln in without_ready(err0).strip().splitlines() if not ln.startswith("v4-test-die-start")]
     assert len(lines) == 1 and lines[0].startswith("error: rank 0:") and "failed" in lines[0], lines
     assert end - start < 60
+
+
+def test_dp_tp_ranks_match_the_single_process_run(arts, reference, tmp_path):
+    """--dp 2 --tp 2 --ep 4: four ranks, two replicas of two (attention heads split inside a replica, the
+    experts over all four), the cpu device: the same prompts, placements, ids and logits rows (within TOL) as
+    the single-process run, on every rank."""
+    art = _compile(tmp_path / "dp2tp2", ("--dp", "2", "--tp", "2", "--ep", "4"), targets="cpu")
+    runs = _ranks(tmp_path, art, "cpu", world=4)
+    assert [code for code, _, _ in runs] == [0] * 4, [without_ready(err)[-2000:] for _, _, err in runs]
+    check_against_reference(tmp_path, "cpu", reference, world=4)
