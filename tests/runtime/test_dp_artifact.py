@@ -1,16 +1,18 @@
 """Data-parallel artifacts (`compile --dp 2 --ep 2 -o DIR`) run by their ranks under torchrun's environment with
 gloo, against the same model compiled without partition and run in one process.
 
-One launch for both devices (the process start-up is most of a rank's time): tiny-pro, hf numerics (official
-numerics: tests/passes/test_partition_dp.py, every rank in one process), fp32, the cpu device (ONNX segments,
+One launch for both devices and the speculative run (the process start-up is most of a rank's time): tiny-pro,
+hf numerics (official numerics: tests/passes/test_partition_dp.py, every rank in one process), fp32, the cpu device (ONNX segments,
 gloo between them) and then the host device (the sm_90a program with placeholder kernels in the C runtime,
 the ops' reference kernels, its collective launches handed back to Python and run on gloo). Five ragged
 prompts over two replicas of one decode bucket of 2: more sequences than a replica holds, so the fifth waits,
 and once the first four end it runs alone on its replica while the other replica runs padding steps. Greedy
 ids over 32 new tokens equal the single-process run's on every rank and device; every logits row a
 request sampled from lies within TOL of the single-process row (the experts see every rank's tokens at
-once, the rest the replica's: batch-composition rounding). Then, in the same launch, a rank killed mid-run ends the other with one
-error line in bounded time.
+once, the rest the replica's: batch-composition rounding). Then the cpu device decoding speculatively (the
+same layout compiled for cpu with 2 draft tokens: the MTP block's verify and draft functions): the same
+greedy ids. Then, in the same launch, a rank killed mid-run ends the other with one error line in
+bounded time. And a second launch: four ranks of `--dp 2 --tp 2 --ep 4`, the cpu device.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ TOL = 1e-5  # of the logit scale, hf numerics: batch-composition rounding (measu
 NEW = 32
 PROMPTS = [[5, 17, 3, 99, 42], [7 + i for i in range(20)], [311], [8, 9], [40 + i for i in range(7)]]
 WORKER = Path(__file__).resolve().parents[1] / "dp_worker.py"
+DRAFT = 2  # the dp artifact's draft tokens: the launch also decodes speculatively (the MTP block)
 
 
 def _compile(out: Path, layout: tuple[str, ...] = (), targets: str = "cpu,sm_90a") -> Path:
@@ -48,6 +51,14 @@ def arts(tmp_path_factory):
     """(the dp 2 / ep 2 artifact, the same model unpartitioned)."""
     d = tmp_path_factory.mktemp("dp")
     return _compile(d / "dp2", ("--dp", "2", "--ep", "2")), _compile(d / "one")
+
+
+@pytest.fixture(scope="module")
+def spec_art(tmp_path_factory):
+    """The dp 2 / ep 2 artifact with DRAFT draft tokens: the cpu target only (the GPU programs carry no MTP
+    block)."""
+    return _compile(tmp_path_factory.mktemp("dp-spec") / "dp2", ("--dp", "2", "--ep", "2", "--draft-tokens", str(DRAFT)),
+                    targets="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +82,10 @@ def reference(arts):
     return ids, {i: np.stack(v) for i, v in rows.items()}
 
 
-def _ranks(tmp: Path, art: Path, devices: str, env: dict | None = None, timeout_s: float = 400, world: int = 2):
-    (tmp / "prompts.json").write_text(json.dumps({"prompts": PROMPTS, "new": NEW}))
+def _ranks(tmp: Path, art: Path, devices: str, env: dict | None = None, timeout_s: float = 400, world: int = 2,
+           spec: Path | None = None):
+    (tmp / "prompts.json").write_text(json.dumps({"prompts": PROMPTS, "new": NEW, "draft_tokens": DRAFT,
+                                                  "spec_art": str(spec)}))
     return launch([sys.executable, str(WORKER), str(tmp), str(tmp / "prompts.json"), str(art)], world,
                   timeout_s=timeout_s, env={"V4_TEST_DEVICES": devices, **(env or {})})
 
@@ -95,17 +108,27 @@ def check_against_reference(tmp: Path, device: str, reference, world: int = 2) -
 
 
 @pytest.fixture(scope="module")
-def dp_run(arts, tmp_path_factory):
+def dp_run(arts, spec_art, tmp_path_factory):
     """Both devices, then the run in which rank 1 dies, in one launch of the two ranks (the start-up is most of
     a rank's time): the directory of their files, each rank's (exit code, stderr) and the launch's end."""
     tmp = tmp_path_factory.mktemp("dp-run")
-    runs = _ranks(tmp, arts[0], "cpu,host,die", env={"V4COMPILE_DIST_TIMEOUT": "20"})
+    runs = _ranks(tmp, arts[0], "cpu,host,spec,die", env={"V4COMPILE_DIST_TIMEOUT": "20"}, spec=spec_art)
     return tmp, [(code, err) for code, _, err in runs], time.time()
 
 
 @pytest.mark.parametrize("device", ["cpu", "host"])
 def test_dp_ranks_match_the_single_process_run(dp_run, reference, device):
     check_against_reference(dp_run[0], device, reference)
+
+
+def test_dp_speculative_ranks_match_plain_decoding(dp_run, reference):
+    """`generate(..., speculative="mtp")` on the dp artifact (the MTP block drafting 2 tokens a step): each
+    rank verifies its own replica's sequences, every rank takes part in every verify and draft call (a
+    replica without work pads), and the greedy ids are the single-process plain decoding's on every rank."""
+    ids, _ = reference
+    for r in range(2):
+        g = np.load(dp_run[0] / f"spec-rank-{r}.npz")
+        assert g["ids"].tolist() == [t for seq in ids for t in seq] and g["lens"].tolist() == [NEW] * len(PROMPTS)
 
 
 def test_the_comparison_catches_rows_of_another_replica(dp_run, reference, tmp_path):
