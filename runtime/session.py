@@ -172,6 +172,7 @@ class Session:
         self.dp = int(m.get("parallel", {}).get("dp", 1))
         self.allocs = [Allocator(int(pool["n_slots"]), int(pool["n_blocks"])) for _ in range(self.dp)]
         self._n_slots = int(pool["n_slots"])
+        self.placed = [0] * self.dp  # sequences opened on each replica so far (the server's /health shows it)
         self.seqs: dict[int, SeqState] = {}
         self._next = 0
         self.first_token_s: float | None = None  # the last `generate`: seconds to its first token (prefill)
@@ -281,6 +282,7 @@ class Session:
         if slot is None:
             raise InputError("no free sequence slot", expected=f"<= {self.max_live} live sequences")
         s = SeqState(self._next, slot, replica=d)
+        self.placed[d] += 1
         self._next += 1
         self.seqs[s.id] = s
         return s
