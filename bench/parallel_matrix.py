@@ -17,7 +17,7 @@ single-process run). A cell that fails prints its first error line.
 Data-parallel layouts (`dp2ep2`, `dp4ep4`; `compile --dp`): the ranks run tests/dp_worker.py on five ragged
 prompts (more than a replica's decode bucket holds: the last waits and then runs alone on its replica);
 the error is that of every logits row a request sampled from against the single-process run's rows.
-`dp2tp2ep4` is refused by the compiler (dp with tp and ep both > 1 is not built); its cell says so.
+`dp2tp2ep4`: two replicas of two ranks (attention heads split inside a replica, the experts over all four).
 """
 
 from __future__ import annotations

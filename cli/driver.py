@@ -443,7 +443,10 @@ def _write_onnx(ci: CompileInputs, tmp: Path) -> dict[str, Any]:
             for k, (model, c) in enumerate(export_segments(ci.module, fname)):
                 segs.append({**written(model, f"{fname}.s{k}"), "collective": None if c is None else
                              {"op": c.name, "operand": c.operands[0].name, "result": c.results[0].name,
-                              "group": c.attrs["group"]}})
+                              "group": c.attrs["group"],
+                              # a replica's ranks' rows (`ops/collective.py`); absent at 1: the manifests of
+                              # the other layouts as they were
+                              **({"tp": c.attrs["tp"]} if c.attrs.get("tp", 1) > 1 else {})}})
             funcs[fname] = {**head, "segments": segs}
         else:
             funcs[fname] = {**head, **written(export_function(ci.module, fname), fname)}

@@ -2,7 +2,8 @@
 [--max-queue N] [--request-timeout S]`: an OpenAI-compatible HTTP server.
 
     GET  /health                 {"status": "ok", "live", "waiting", "free_slots", "finished": {reason: n},
-                                  "self_check": {"passed", "max_error", "tolerance", "seconds"} or null}
+                                  "self_check": {"passed", "max_error", "tolerance", "seconds"} or null,
+                                  data parallel: "replicas_placed", the sequences each replica took}
     GET  /metrics                Prometheus' text format (cli/metrics.py; open, like /health)
     GET  /v1/models              the one model, named by --model-name (default: the artifact's directory name)
     POST /v1/completions         {"model", "prompt": text or ids, "max_tokens" (16), "temperature" (1), "top_p",
@@ -490,6 +491,8 @@ class Server:
                      "free_slots": len(self.sess.free_slots), "finished": dict(self.finished),
                      "self_check": self.self_check,
                      "prefix_cache": self.sess.prefix_cache_stats()}
+            if self.sess.dp > 1:  # data parallel: the sequences each replica took so far (`Session.place`)
+                state["replicas_placed"] = list(self.sess.placed)
             if dead:  # a load balancer's probe must see it: 503, and why
                 state["error"] = dead
                 return JSONResponse(state, status_code=503)

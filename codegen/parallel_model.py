@@ -81,7 +81,7 @@ def collectives(m: Module, func: str = "decode") -> list[dict[str, Any]]:
     for op in m.functions[func].ops:
         if get_op(op.name).collective:
             out.append({"op": op.name, "group": op.attrs["group"], "bytes": op.operands[0].type.nbytes,
-                        "role": op.attrs.get("role", "")})
+                        "role": op.attrs.get("role", ""), **({"tp": op.attrs["tp"]} if op.attrs.get("tp", 1) > 1 else {})})
     return out
 
 
@@ -142,8 +142,8 @@ def ring_bytes(c: dict) -> float:
     n, b = c["group"], c["bytes"]
     if c["op"] == "all_gather_rows":
         return (n - 1) * b
-    if c["op"] == "reduce_scatter_rows":
-        return (n - 1) / n * b
+    if c["op"] == "reduce_scatter_rows":  # with a replica's tp ranks: as of its rows repeated for each
+        return (n - 1) / n * b * c.get("tp", 1)
     return 2 * (n - 1) / n * b
 
 

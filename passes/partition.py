@@ -33,8 +33,19 @@ layout in the attributes `parallel.tp` / `parallel.ep`, each weight's part in it
   its latency (~10-20 us; 12.8 MB at ~400 GB/s is 32 us), both schemes make two calls a layer, and
   gathering x alone (routing on every rank) saves gathering the routing weights and indices: all-gather
   + reduce-scatter, which every torch.distributed backend (and NCCL / RCCL inside a graph) offers.
-  Not built: dp with both tp > 1 and ep > 1 (a replica's tp ranks would bring the same tokens twice and
-  their rows could round apart; `ParallelLayout.problem`).
+  With tp > 1 as well (`--dp D --tp T --ep D*T`: attention tensor-parallel inside each replica, whose T ranks
+  hold the same tokens), both collectives carry `tp`: the gather keeps the rows of each replica's first rank
+  only (all-gather over the world, then the duplicates dropped by a static choice: every rank routes the
+  D x B distinct tokens once, and a replica's ranks see the same bits), and the reduce-scatter hands every
+  rank of a replica its replica's rows of the world's sum (one call: no broadcast inside the replica after
+  it). Bytes a rank moves per MoE layer, V4-Pro (D 7168, bf16) at world 8 = DP4 x TP2, batch B a replica:
+  all-gather of the world then dropping duplicates 7 x B x D x 2 = 0.80 MB at B 8, the sum as a reduce-scatter
+  of the replicas' rows repeated per rank 0.80 MB: 1.61 MB, two calls; gathering over a strided group of
+  the ranks with the same tp part (D ranks) instead, then a reduce-scatter over that group and an all-reduce
+  inside the replica: 0.34 + 0.34 + 0.11 = 0.80 MB, three calls and a communicator per strided group. At
+  these batches each call is its latency (~10-20 us; 1.6 MB at ~400 GB/s is 4 us), so two calls over the
+  world's one communicator win; at B 64 the strided scheme's bytes (6.4 against 12.8 MB: 16 us less) would
+  pay for its third call.
 Numerics: the sums of `wo_b` and of the routed experts are split into per-rank partial sums added by
 the all-reduce: a rounding difference from the unpartitioned module (fp32: ~1e-7 of the logit scale, more
 where it flips an FP8 rounding), none from the reference of the layout (`ReferenceModel.partitioned`),
@@ -171,7 +182,8 @@ class _Partitioner:
 
         def gather(v: Value, op: Op) -> Value:
             if id(v) not in gathered:
-                g = make_op(namer, "all_gather_rows", {"x": v}, {**_tags(op), "group": self.layout.world}, op.loc)
+                g = make_op(namer, "all_gather_rows", {"x": v},
+                            {**_tags(op), "group": self.layout.world, "tp": self.layout.tp}, op.loc)
                 ops.append(g)
                 gathered[id(v)] = g.result
                 reduces_box[0] += 1
@@ -212,7 +224,8 @@ class _Partitioner:
             group = self._reduce_group(op)
             if group:
                 kind = "reduce_scatter_rows" if self.gather and op.name == "moe_experts" else "all_reduce"
-                red = make_op(namer, kind, {"x": new.result}, {**_tags(op), "group": group}, op.loc)
+                rows = {"tp": self.layout.tp} if kind == "reduce_scatter_rows" else {}  # a replica's ranks: its rows
+                red = make_op(namer, kind, {"x": new.result}, {**_tags(op), "group": group, **rows}, op.loc)
                 ops.append(red)
                 env[id(op.result)] = red.result
                 reduces += 1

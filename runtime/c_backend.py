@@ -337,7 +337,8 @@ class CRuntime:
             raise DeviceError(f"{l.op}: a collective launch needs the process group of a partitioned artifact "
                               "(v4compile.load under torchrun)")
         (name, y), = outs.items()
-        y.copy_(self.collective(l.op, args[get_op(l.op).operand_names[0]], int(l.attrs["group"])))
+        y.copy_(self.collective(l.op, args[get_op(l.op).operand_names[0]], int(l.attrs["group"]),
+                                int(l.attrs.get("tp", 1))))
 
     def _run_kernel(self, launch, call, cidx: int, places) -> None:
         """The Triton kernel on the packed parameter values, bound by position as a GPU binds them: the

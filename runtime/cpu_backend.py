@@ -235,7 +235,7 @@ class OrtBackend:
             if c is not None:
                 x = env[c["operand"]]
                 env[c["result"]] = self.ranks.all_reduce(x, c["group"]) if c["op"] == "all_reduce" else \
-                    self.ranks.collective_np(c["op"], x, c["group"])
+                    self.ranks.collective_np(c["op"], x, c["group"], c.get("tp", 1))
         # data parallel: every replica's logits (`distributed.Ranks.replicas`)
         return self.ranks.replicas(env) if self.art.manifest["parallel"].get("dp", 1) > 1 else env
 

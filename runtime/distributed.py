@@ -83,11 +83,12 @@ class Ranks:
     def all_reduce(self, x: np.ndarray, group: int) -> np.ndarray:
         return self.collective_np("all_reduce", x, group)
 
-    def collective_np(self, op: str, x: np.ndarray, group: int) -> np.ndarray:
-        return self.collective(op, torch.from_numpy(np.ascontiguousarray(x)), group).numpy()
+    def collective_np(self, op: str, x: np.ndarray, group: int, tp: int = 1) -> np.ndarray:
+        return self.collective(op, torch.from_numpy(np.ascontiguousarray(x)), group, tp).numpy()
 
-    def collective(self, op: str, x: torch.Tensor, group: int) -> torch.Tensor:
-        """A collective registry op (`ops/collective.py`) over this rank's group of `group` ranks: a new tensor."""
+    def collective(self, op: str, x: torch.Tensor, group: int, tp: int = 1) -> torch.Tensor:
+        """A collective registry op (`ops/collective.py`) over this rank's group of `group` ranks: a new tensor.
+        `tp` (the rows ops): the group's replicas of `tp` ranks holding the same rows (the op's docstring)."""
         if group not in self.groups:
             raise InputError("a collective over a group size the layout does not have", expected=sorted(self.groups),
                              found=group)
@@ -98,13 +99,13 @@ class Ranks:
         if op in ("all_gather", "all_gather_rows"):
             parts = [torch.empty_like(x.contiguous()) for _ in range(group)]
             self._do(op, self.dist.all_gather, parts, x.contiguous(), group=self.groups[group])
-            return torch.cat(parts, dim=-1 if op == "all_gather" else 0)
+            return torch.cat(parts if op == "all_gather" else parts[::tp], dim=-1 if op == "all_gather" else 0)
         if op == "reduce_scatter_rows":
             # gloo has no reduce-scatter: the whole sum, of which this rank keeps its part (the bytes of an
             # all-reduce on the host and cpu devices; NCCL / RCCL run a reduce-scatter)
             t = x.contiguous().clone()
             self._do(op, self.dist.all_reduce, t, group=self.groups[group])
-            return t.chunk(group, dim=0)[self.rank % group].clone()
+            return t.chunk(group // tp, dim=0)[self.rank % group // tp].clone()
         raise InputError(f"no collective '{op}'", expected="all_reduce, all_gather, all_gather_rows, "
                          "reduce_scatter_rows")
 
@@ -131,24 +132,31 @@ class Ranks:
             a = np.asarray(inputs[n])
             out[n] = got[at: at + a.size].reshape(a.shape).astype(a.dtype)
             at += a.size
+        # the other inputs (a draft's hidden streams) every rank computed alike from the step outputs it has: its own
+        out.update({n: np.asarray(a) for n, a in inputs.items() if n not in STEP_INPUTS})
         if self.layout.dp > 1:  # one entry per replica: this rank's
             d = self.layout.replica(self.rank)
-            if any(out[n].shape[:1] != (self.layout.dp,) for n in STEP_INPUTS):
+            if any(a.shape[:1] != (self.layout.dp,) for a in out.values()):
                 raise InputError("a data-parallel step needs one entry per replica", expected=self.layout.dp,
                                  found=out["ids"].shape[:1], where=fname)
             out = {n: np.ascontiguousarray(a[d]) for n, a in out.items()}
         return out
 
     def replicas(self, outs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """A step's outputs with the logits of every replica, `[dp, B, V]` (data parallel: each replica's
-        from its first rank, one all-gather over the world); as they are otherwise."""
+        """A step's outputs with those of every replica, `[dp, B, ...]` (data parallel: the logits, and a
+        speculative step's final `streams`, which the next draft reads; each replica's from its first rank, one
+        all-gather over the world each); as they are otherwise."""
         if self.layout.dp == 1:
             return outs
-        x = torch.from_numpy(np.ascontiguousarray(outs["logits"]))
-        parts = [torch.empty_like(x) for _ in range(self.world)]
-        self._do("the all-gather of the logits", self.dist.all_gather, parts, x)
-        tp = self.layout.tp
-        return {**outs, "logits": torch.stack(parts[::tp]).numpy()}
+        out = {}
+        for name in ("logits", "streams"):
+            if name not in outs:
+                continue
+            x = torch.from_numpy(np.ascontiguousarray(outs[name]))
+            parts = [torch.empty_like(x) for _ in range(self.world)]
+            self._do(f"the all-gather of the {name}", self.dist.all_gather, parts, x)
+            out[name] = torch.stack(parts[::self.layout.tp]).numpy()
+        return out
 
     def comm_ids(self, unique_id) -> dict[int, bytes]:
         """This rank's communicator unique ids, one per group size (the GPU runtime's NCCL / RCCL, issue 18):

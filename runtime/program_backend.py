@@ -148,6 +148,11 @@ class ProgramBackend:
                 raise DeviceError(f"device '{device}' needs compiled kernels for every launch; none for the "
                                   f"families {', '.join(missing)} (the reference kernels mode runs on the host "
                                   f"device only): use --device host or cpu")
+        if device != "host" and any(int(l.attrs.get("tp", 1)) > 1 for f in self.program.functions.values()
+                                    for l in f.launches if get_op(l.op).collective):
+            # NCCL / RCCL's gather and reduce-scatter have no replicas: `--dp` with `--tp` runs on cpu and host
+            raise DeviceError(f"device '{device}': the collectives of --dp with --tp > 1 are not built on "
+                              "NCCL / RCCL yet: use --device host or cpu")
         binaries = artifact_binaries(art, device) if device != "host" else None
         t1 = time.perf_counter()
         weights = artifact_weights(art, self.program, ranks.rank if ranks is not None else 0)

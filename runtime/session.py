@@ -172,6 +172,7 @@ class Session:
         self.dp = int(m.get("parallel", {}).get("dp", 1))
         self.allocs = [Allocator(int(pool["n_slots"]), int(pool["n_blocks"])) for _ in range(self.dp)]
         self._n_slots = int(pool["n_slots"])
+        self.placed = [0] * self.dp  # sequences opened on each replica so far (the server's /health shows it)
         self.seqs: dict[int, SeqState] = {}
         self._next = 0
         self.first_token_s: float | None = None  # the last `generate`: seconds to its first token (prefill)
@@ -298,6 +299,7 @@ class Session:
         if slot is None:
             raise InputError("no free sequence slot", expected=f"<= {self.max_live} live sequences")
         s = SeqState(self._next, slot, replica=d)
+        self.placed[d] += 1
         self._next += 1
         self.seqs[s.id] = s
         return s
@@ -549,10 +551,55 @@ class Session:
         if self.dp == 1:
             (_, inputs), = steps
             return [self.backend.run(fname, inputs)]
+        return list(self.backend.run(fname, self._stacked(steps)))
+
+    def _stacked(self, steps: list[tuple[int, dict[str, np.ndarray]]]) -> dict[str, np.ndarray]:
+        """A data-parallel step's inputs: one entry per replica along a new first axis, padding for a replica
+        `steps` has no inputs for."""
         given = dict(steps)
         pad = _padding(next(iter(given.values())))
-        stacked = {k: np.stack([given.get(d, pad)[k] for d in range(self.dp)]) for k in pad}
-        return list(self.backend.run(fname, stacked))
+        return {k: np.stack([given.get(d, pad)[k] for d in range(self.dp)]) for k in pad}
+
+    @property
+    def replica(self) -> int:
+        """The replica whose pool and state this process holds (its rank's, data parallel; else 0): the rows an
+        undo may save and restore are its sequences' only."""
+        r = self.ranks
+        return r.layout.replica(r.rank) if r is not None and self.dp > 1 else 0
+
+    def lanes(self, seqs: Sequence[SeqState]) -> int:
+        """The lanes a step over `seqs` needs in each replica's batch (the bucket to pick holds that many)."""
+        return max((sum(1 for s in seqs if s.replica == d) for d in range(self.dp)), default=0)
+
+    def run_on(self, replica: int, fname: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every output (`backend.run_outputs`) of one replica's step (data parallel: the others pad)."""
+        if self.dp == 1:
+            return self.backend.run_outputs(fname, inputs)
+        return {k: v[replica] for k, v in self.backend.run_outputs(fname, self._stacked([(replica, inputs)])).items()}
+
+    def run_lanes(self, fname: str, B: int, seqs: Sequence[SeqState], arrays: dict[str, np.ndarray]
+                  ) -> dict[str, np.ndarray]:
+        """A step whose lane b (b < len(seqs)) is sequence seqs[b]: `arrays` ([max(B, len(seqs)), ...] each: ids,
+        pos, a draft's hidden streams) with the block table and slots of `seqs`; every output in the same lane
+        order (as many lanes). Data parallel: each replica's sequences go to its own batch of B (in their order,
+        padding after: `lanes(seqs)` <= B), and the outputs come back to their lanes."""
+        if self.dp == 1:
+            table, slot = self.table(seqs, B)
+            return self.backend.run_outputs(fname, {**arrays, "block_table": table, "slot": slot})
+        lanes = [[i for i, s in enumerate(seqs) if s.replica == d] for d in range(self.dp)]
+        steps = []
+        for d, mine in enumerate(lanes):
+            part = {k: _padding({k: a[:1].repeat(B, axis=0)})[k] for k, a in arrays.items()}
+            for k, a in arrays.items():
+                part[k][: len(mine)] = a[mine]
+            table, slot = self.table([seqs[i] for i in mine], B)
+            steps.append((d, {**part, "block_table": table, "slot": slot}))
+        out = {}
+        for k, v in self.backend.run_outputs(fname, self._stacked(steps)).items():
+            out[k] = np.zeros((max(B, len(seqs)), *v.shape[2:]), dtype=v.dtype)
+            for d, mine in enumerate(lanes):
+                out[k][: len(seqs)][mine] = v[d][: len(mine)]
+        return out
 
     @serialised
     def warmup(self, prompt_len: int, batch: int = 1) -> None:
@@ -631,9 +678,6 @@ class Session:
         if speculative is not None:
             from .speculative import SpecStep
 
-            if self.dp > 1:
-                raise InputError("speculative decoding of a data-parallel artifact (--dp) is not built yet",
-                                 expected="an artifact without --dp", found=f"dp {self.dp}")
             if speculative != "mtp" or top_p != 1:
                 raise InputError("speculative decoding drafts with the MTP block and samples without top-p",
                                  expected="speculative='mtp', top_p 1", found=(speculative, top_p))
@@ -675,8 +719,8 @@ class Session:
 
 
 def _padding(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Step inputs of the same shapes with every lane padding."""
-    return {k: np.zeros_like(a) if k == "ids" else np.full_like(a, -1) for k, a in inputs.items()}
+    """Step inputs of the same shapes with every lane padding (ids and a draft's hidden streams 0)."""
+    return {k: np.zeros_like(a) if k in ("ids", "hidden") else np.full_like(a, -1) for k, a in inputs.items()}
 
 
 def auto_device(art: Artifact) -> str:

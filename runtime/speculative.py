@@ -122,9 +122,9 @@ class CompiledDraft:
         return backend.built(f"spec_b{B}", build)
 
     def _run(self, fname: str, hidden, ids, pos, seqs, B: int) -> dict[str, np.ndarray]:
-        table, slot = self.s.table(seqs, B)
-        return self.s.backend.run_outputs(fname, {"hidden": np.ascontiguousarray(hidden, dtype=np.float32),
-                                                  "ids": ids, "pos": pos, "block_table": table, "slot": slot})
+        # data parallel: each replica's lanes on its ranks (`Session.run_lanes`)
+        return self.s.run_lanes(fname, B, seqs, {"hidden": np.ascontiguousarray(hidden, dtype=np.float32),
+                                                 "ids": ids, "pos": pos})
 
     def prefill(self, seq, prompt: list[int], pick: Picker) -> tuple[int, tuple]:
         """Chunked prefill of `prompt` into `seq` (as `Session.extend`, through the prefix cache), the MTP block
@@ -134,7 +134,7 @@ class CompiledDraft:
         pending = []
 
         def run(s, fname, inputs, n, rest):
-            r = self.s.backend.run_outputs(fname, inputs)
+            r = self.s.run_on(s.replica, fname, inputs)  # data parallel: the replica's own ranks
             chunk = (inputs["ids"].shape[1], r["streams"], rest[:n], s.length)
             if len(rest) > n:
                 self._chunk(s, *chunk, rest[n])
@@ -174,8 +174,10 @@ class CompiledDraft:
         rounds = max(counts, default=0)
         if rounds == 0:
             return list(zip(toks, qs))
-        B, fname, T = next(f for f in self.batch_fns if f[0] >= len(entries))
-        spans = [(e[0].slot, list(e[0].blocks), e[1], e[1] + c - 2) for e, c in zip(entries, counts) if c > 1]
+        B, fname, T = next(f for f in self.batch_fns if f[0] >= self.s.lanes([e[0] for e in entries]))
+        # this rank's pool holds its replica's sequences only (data parallel): their rows are the ones to undo
+        spans = [(e[0].slot, list(e[0].blocks), e[1], e[1] + c - 2) for e, c in zip(entries, counts)
+                 if c > 1 and e[0].replica == self.s.replica]
         undo = PoolUndo(self.s.backend, spans, window_layer=self.layer) if spans else None
         for j in range(rounds):
             for i, c in enumerate(counts):
@@ -185,9 +187,10 @@ class CompiledDraft:
                     qs[i].append(q)
             if j + 1 >= rounds:
                 break
-            hidden = np.zeros((B, T, *hs[0].shape), dtype=np.float32)
-            ids = np.zeros((B, T), dtype=np.int64)
-            pos = np.full((B, T), -1, dtype=np.int64)
+            n = max(B, len(entries))  # data parallel: more entries than one replica's batch (`run_lanes`)
+            hidden = np.zeros((n, T, *hs[0].shape), dtype=np.float32)
+            ids = np.zeros((n, T), dtype=np.int64)
+            pos = np.full((n, T), -1, dtype=np.int64)
             for i, (e, c) in enumerate(zip(entries, counts)):
                 if j + 1 < c:
                     hidden[i, 0], ids[i, 0], pos[i, 0] = hs[i], toks[i][-1], e[1] + j
@@ -226,7 +229,7 @@ class SpecStep:
             raise InputError("draft must be a callable (prompt index, ids, k) -> k ids", found=type(draft).__name__)
         self.mtp = CompiledDraft(session) if draft is None else None
         self.stats = Acceptance(self.k)
-        self.max_batch = fns[-1][0]
+        self.max_batch = fns[-1][0] * session.dp  # a verify bucket on each replica (data parallel)
 
     @staticmethod
     def check(top_p: float) -> None:
@@ -268,31 +271,32 @@ class SpecStep:
         if self.mtp is None:
             for r in live:
                 r.spec.drafts = self._hooked(r)
-        B, fname, T = next(f for f in self.fns if f[0] >= len(live))
-        ids = np.zeros((B, T), dtype=np.int64)
-        pos = np.full((B, T), -1, dtype=np.int64)
+        B, fname, T = next(f for f in self.fns if f[0] >= s.lanes([r.seq for r in live]))
+        ids = np.zeros((max(B, len(live)), T), dtype=np.int64)  # data parallel: every replica's lanes (`run_lanes`)
+        pos = np.full((max(B, len(live)), T), -1, dtype=np.int64)
         spans = []
         for b, r in enumerate(live):
             q, L, d = r.seq, r.seq.length, r.spec.drafts[0]
             s.reserve(q, L + len(d))
             ids[b, : 1 + len(d)] = [r.ids[-1]] + d
             pos[b, : 1 + len(d)] = np.arange(L, L + 1 + len(d))
-            spans.append((q.slot, list(q.blocks), L + 1, L + len(d)))
+            if q.replica == s.replica:  # this rank's pool (data parallel: its replica's sequences)
+                spans.append((q.slot, list(q.blocks), L + 1, L + len(d)))
         undo = PoolUndo(s.backend, spans)
         seqs = [r.seq for r in live]
-        table, slot = s.table(seqs, B)
         greedy = all(r.temperature == 0 for r in live)
         fused = self.mtp.fused(B) if self.mtp is not None and greedy else None
-        res = s.backend.run_outputs(fused or fname, {"ids": ids, "pos": pos, "block_table": table, "slot": slot})
+        res = s.run_lanes(fused or fname, B, seqs, {"ids": ids, "pos": pos})
         logits = res["logits"]
         keep, news, kept_lane = {}, [], {}
-        next_ids, kept = np.zeros((B, T), dtype=np.int64), pos.copy()
+        next_ids, kept = np.zeros_like(ids), pos.copy()
         for b, r in enumerate(live):
             (d, q), r.spec.drafts = r.spec.drafts, ([], [])
             a, tok = accept(d, logits[b, : 1 + len(d)], np.stack(q) if r.temperature and d else None, r.rng,
                             r.temperature)
             r.seq.length += a + 1
-            keep[r.seq.slot] = r.seq.length
+            if r.seq.replica == s.replica:
+                keep[r.seq.slot] = r.seq.length
             next_ids[b, : a + 1] = d[:a] + [tok]
             kept[b, a + 1:] = -1
             kept_lane[b] = a

@@ -4,8 +4,10 @@ tests/runtime/test_dp_artifact.py:
     python dp_worker.py OUT PROMPTS.json ART
 
 For each device of `V4_TEST_DEVICES` (comma-separated: cpu, host with the ops' reference kernels, and
-`die`: the cpu device once more, in which rank 1 exits abruptly at its third decode step), in one process
-group joined here once: loads ART, generates the prompts (`{"prompts": [...], "new": N}`) and writes
+`spec`: the cpu device decoding speculatively, the MTP block drafting K tokens a step, on the artifact
+SPEC_ART (a cpu-only one: the GPU programs carry no MTP block); `die`: the cpu device
+once more, in which rank 1 exits abruptly at its third decode step), in one process
+group joined here once: loads ART, generates the prompts (`{"prompts": [...], "new": N, "draft_tokens": K, "spec_art": SPEC_ART}`) and writes
 `OUT/<device>-rank-<r>.npz`: the ids (`ids`, `lens`), every logits row each request sampled from, in its
 order (`rows-<i>`, request i), and where the sequences were (`placed`: per decode step, the live
 sequences of each replica). A V4Error prints one `error:` line and exits with status 2. The rank prints
@@ -41,7 +43,8 @@ def main(out: Path, prompts_file: Path, art: str) -> int:
         for device in os.environ.get("V4_TEST_DEVICES", "cpu").split(","):
             if device == "die":
                 print(f"{DIE_START} {time.time():.3f}", file=sys.stderr, flush=True)
-            np.savez(out / f"{device}-rank-{rank}.npz", **generate(art, device, spec, rank))
+            np.savez(out / f"{device}-rank-{rank}.npz",
+                     **generate(spec["spec_art"] if device == "spec" else art, device, spec, rank))
         return 0
     except V4Error as e:
         print(f"error: {e}", file=sys.stderr)
@@ -59,7 +62,8 @@ def generate(art: str, device: str, spec: dict, rank: int) -> dict[str, np.ndarr
     from v4compile.runtime.batcher import Batcher
 
     die_at = 3 if device == "die" else 0
-    device = "cpu" if device == "die" else device
+    speculative = device == "spec"
+    device = "cpu" if device in ("die", "spec") else device
     rows: dict[int, list] = {}
     placed: list = []
     sess = v4compile.load(art, device=device, threads=1, **({"kernels": "reference"} if device == "host" else {}))
@@ -80,7 +84,8 @@ def generate(art: str, device: str, spec: dict, rank: int) -> dict[str, np.ndarr
     sess.decode = recorded_decode
     Batcher._pick = recorded_pick
     try:
-        ids = sess.generate(spec["prompts"], spec["new"])
+        ids = sess.generate(spec["prompts"], spec["new"], **({"speculative": "mtp", "draft_tokens": spec["draft_tokens"]}
+                                                            if speculative else {}))
     finally:
         Batcher._pick = pick
         sess.close()

@@ -339,7 +339,11 @@ def _check_segments(f: dict, fk: str, parallel: bool, tensors: dict, listed) -> 
             continue
         c = _obj(c, f"{sk}.collective")
         _str(_get(c, "op", f"{sk}.collective.op"), f"{sk}.collective.op", SEGMENT_COLLECTIVES)
-        _int(_get(c, "group", f"{sk}.collective.group"), f"{sk}.collective.group", 1, 1 << 14)
+        group = _int(_get(c, "group", f"{sk}.collective.group"), f"{sk}.collective.group", 1, 1 << 14)
+        if "tp" in c:  # the rows collectives of --dp with --tp (`ops/collective.py`)
+            tp = _int(c["tp"], f"{sk}.collective.tp", 1, group)
+            if group % tp:
+                raise _err(f"`{sk}.collective.tp` must divide the group", found=_show((group, tp)))
         operand = _str(_get(c, "operand", f"{sk}.collective.operand"), f"{sk}.collective.operand")
         # an output of its segment, or (the token ids a data-parallel router gathers) a step input
         if operand not in seg["outputs"] and operand not in seg["inputs"] and operand not in ("ids", "hidden"):

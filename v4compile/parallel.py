@@ -6,7 +6,8 @@ layout: `world = max(dp * tp, ep)` ranks; a tensor-parallel group is `tp` consec
 part `r % tp` of its group), an expert-parallel group `ep` consecutive ranks (part `r % ep`).
 Data parallel (`dp` > 1): rank r serves replica `r // tp` (its own sequences, KV pool and state; the tp
 ranks of a replica see the same tokens), and `ep` is 1 (every rank holds every expert) or the whole world
-(`ep == dp * tp`: the EP group spans the world; the tokens of every rank are gathered to the experts). Which part of a checkpoint tensor a rank
+(`ep == dp * tp`: the EP group spans the world; the tokens of every replica are gathered to the experts
+once, from its first rank: `ops/collective.py`, `tp`). Which part of a checkpoint tensor a rank
 holds is written in the weight's source: `name#tp:0` is part `r % tp` of `name` cut into `tp` equal
 pieces along axis 0 (`#ep:0`: by `ep`). A merged weight concatenates such parts with whole tensors, so
 merges compose with the partition. `=expert_owner(E)` is the one rank-local table that is not a
@@ -78,10 +79,6 @@ class ParallelLayout:
         if dp > 1:
             if ep not in (1, dp * tp):
                 return (f"with --dp the expert-parallel group spans the world: --ep must be 1 or dp x tp = {dp * tp}")
-            if tp > 1 and ep > 1:
-                # a replica's tp ranks would each bring the same tokens to the experts, and their copies' sums,
-                # in other rows of the experts' GEMMs, can round apart: the replica's ranks would disagree
-                return "--dp with both --tp > 1 and --ep > 1 is not built yet: --tp 1, or --ep 1"
             return None
         if self.world % tp or self.world % ep:
             return "--tp and --ep: the smaller must divide the larger (the world is max(tp, ep) ranks)"

@@ -40,14 +40,15 @@ END_S = 60  # a shutdown or a dead rank found: the collective fails at once, the
 
 @pytest.fixture(scope="module")
 def arts(tmp_path_factory):
-    """(partitioned, unpartitioned) artifacts of one seeded tiny-pro checkpoint with tiny-doc's tokenizer."""
+    """(tp 2 / ep 2, unpartitioned, dp 2 / ep 2) artifacts of one seeded tiny-pro checkpoint with tiny-doc's
+    tokenizer."""
     d = tmp_path_factory.mktemp("dserve")
     ckpt = d / "ckpt"
     assert main(["-q", "init-random", "--preset", "tiny-pro", "-o", str(ckpt), "--seed", "3"]) == 0
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(EXAMPLE / f, ckpt / f)
     out = []
-    for name, layout in (("tp2", ["--tp", "2", "--ep", "2"]), ("one", [])):
+    for name, layout in (("tp2", ["--tp", "2", "--ep", "2"]), ("one", []), ("dp2", ["--dp", "2", "--ep", "2"])):
         assert main(["-q", "compile", str(ckpt), "--target", "cpu", "--dtype", "fp32", "--decode-buckets", "8",
                      "--prefill-buckets", "16", *layout, "-o", str(d / name)]) == 0
         out.append(d / name)
@@ -126,14 +127,14 @@ def client(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120, max_retries=0)
 
 
-def streamed(url: str, n: int = len(NAMES), max_tokens: int = NEW) -> list:
+def streamed(url: str, n: int = len(NAMES), max_tokens: int = NEW, model: str = "tp2") -> list:
     """`n` concurrent streaming chats: each one's text, or the exception that ended it."""
     c, out = client(url), {}
 
     def stream(i: int) -> None:
         try:
             out[i] = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
-                model="tp2", messages=[{"role": "user", "content": NAMES[i]}], temperature=0, max_tokens=max_tokens,
+                model=model, messages=[{"role": "user", "content": NAMES[i]}], temperature=0, max_tokens=max_tokens,
                 stream=True) if ch.choices)
         except Exception as e:  # noqa: BLE001 (an error event or a cut connection: what the test looks at)
             out[i] = e
@@ -221,3 +222,24 @@ def test_host_ranks_serve_the_texts_and_a_killed_rank_ends_the_server(arts, want
     assert w.body["type"] == "server_error" and "a rank died" in w.body["message"], w.body
     assert codes[0] == 2 and codes[1] == -signal.SIGKILL, (codes, err[-2000:])
     assert err.count("error:") == 1 and "failed (a rank died" in err and "Traceback" not in err, err[-3000:]
+
+
+def test_cpu_ranks_serve_a_dp_artifact_over_both_replicas(arts, want, tmp_path):
+    """`--dp 2 --ep 2` (device cpu): rank 0's server places two concurrent chats on the least-loaded replica
+    each (one on each: /health's `replicas_placed`), every rank runs its replica's part of each step with the
+    other ranks in lockstep, and the texts are the single-process ones; SIGTERM ends both ranks with 0."""
+    import httpx
+
+    ranks = Ranks(arts[2], tmp_path, "cpu")
+    try:
+        assert streamed(ranks.url, 2, model="dp2") == want[:2], "served by 2 replicas: not the single-process texts"
+        h = httpx.get(ranks.url + "/health", timeout=30).json()
+        assert h["replicas_placed"] == [1, 1] and h["finished"] == {"length": 2}, h
+        for p in ranks.procs:
+            p.send_signal(signal.SIGTERM)
+        codes = ranks.wait()
+    finally:
+        ranks.kill()
+    errs = [ranks.err(0), ranks.err(1)]
+    assert codes == [0, 0], errs
+    assert not any("Traceback" in e or "error:" in e for e in errs), errs

@@ -92,3 +92,35 @@ def test_compress_paged(case):
 def test_wrong_kernel_is_caught(wrong):
     with pytest.raises(AssertionError):
         _run(*CASES[1], wrong=wrong)
+
+
+
+def test_padding_lane_leaves_the_last_slot_to_its_sequence():
+    """A decode step whose one live sequence holds the last slot and whose padding lane has slot -1 (a replica
+    running one sequence in a reused slot, issue 34): the sequence's token lands in its ring and no other slot
+    changes, in the reference (slot -1 used to index the last slot and write its old ring back over the
+    sequence's: the host device's departure at decode position 11) and in the kernel. The old write order is
+    caught by the same check."""
+    from v4compile.ops.compressor import update_ring
+
+    args, attrs, _, _ = operands("fp32", 4, True, [7, 0], [1, 0], 1, 24, 8, "native", "none", "fp32", seed=3)
+    last = args["state_kv"].shape[0] - 1
+    args["slot"] = torch.tensor([last, -1], dtype=torch.int32)
+    want, _ = update_ring(args["state_kv"][last:], args["state_gate"][last:], args["kv"][:1], args["gate"][:1],
+                          args["pos"][:1])
+    assert not torch.equal(want[0], args["state_kv"][last]), "the step pushes nothing: it would test nothing"
+
+    def check(state_kv, what):
+        assert torch.equal(state_kv[last], want[0]), f"{what}: the sequence's ring push is lost"
+        assert torch.equal(state_kv[:last], args["state_kv"][:last]), f"{what}: another slot changed"
+
+    got = reference("compress_paged", args, attrs)
+    check(got[0], "reference")
+    work = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    outs = {"state_kv_out": work["state_kv"], "state_gate_out": work["state_gate"], "q0": work["p0"]}
+    launch("compress_paged", work, attrs, outs)
+    check(outs["state_kv_out"], "kernel")
+    old = got[0].clone()
+    old[args["slot"].long()] = torch.stack([want[0], args["state_kv"][last]])  # every lane written back, in order
+    with pytest.raises(AssertionError, match="push is lost"):
+        check(old, "old reference")

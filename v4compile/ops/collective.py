@@ -117,27 +117,38 @@ def owner_table(n_experts: int, parts: int, part: int) -> torch.Tensor:
 
 # ---- data parallel (`partition{dp}`): the tokens of every rank to the experts and the results back ----------
 # Both move along the first axis (a batch of sequences): the layout NCCL / RCCL / gloo gather and scatter
-# contiguous buffers in, so neither needs a copy around the call.
+# contiguous buffers in, so neither needs a copy around the call. `tp` > 1 (data parallel with tensor-parallel
+# attention, `--dp D --tp T --ep D*T`): the group's ranks come in replicas of `tp` consecutive ranks that hold
+# the same rows; the gather keeps each replica's rows once (its first rank's: a static choice, the copies are
+# equal bit for bit), and each rank of a replica gets the replica's part of the sum.
 
-@defop("all_gather_rows(x) -> y", attrs={"group": int}, kernel="collective")
-def all_gather_rows(x, *, group):
-    """The group's values concatenated along the first axis in rank order (every rank gets all of them)."""
+def _replica_ranks(ranks: list[int], tp: int, op: str) -> list[int]:
+    if tp < 1 or len(ranks) % tp:
+        raise IRError(f"{op}: replicas of {tp} ranks in a group of {len(ranks)}", expected="tp dividing the group")
+    return ranks[::tp]
+
+
+@defop("all_gather_rows(x) -> y", attrs={"group": int, "tp": (int, 1)}, kernel="collective")
+def all_gather_rows(x, *, group, tp=1):
+    """The group's values concatenated along the first axis in rank order (every rank gets all of them);
+    with `tp` > 1 the first rank's of each replica of `tp` ranks only."""
     _one_rank("all_gather_rows", group)
     return x.clone()
 
 
 @all_gather_rows.infer
-def _(x, *, group):
+def _(x, *, group, tp=1):
     require(group >= 1, "all_gather_rows: group must be >= 1", found=group)
+    require(tp >= 1 and group % tp == 0, "all_gather_rows: tp must divide the group", found=(group, tp))
     require(x.rank >= 1, "all_gather_rows needs at least one axis", found=x)
-    return x.with_shape(x.shape[0] * group, *x.shape[1:])
+    return x.with_shape(x.shape[0] * group // tp, *x.shape[1:])
 
 
 @all_gather_rows.spmd
 def _(per_rank, attrs):
     out: list = [None] * len(per_rank)
     for ranks in _groups(per_rank, attrs["group"], "all_gather_rows"):
-        whole = torch.cat([per_rank[r][0] for r in ranks], dim=0)
+        whole = torch.cat([per_rank[r][0] for r in _replica_ranks(ranks, attrs.get("tp", 1), "all_gather_rows")], dim=0)
         for r in ranks:
             out[r] = [whole.clone()]
     return out
@@ -145,43 +156,50 @@ def _(per_rank, attrs):
 
 @all_gather_rows.cost
 def _(operands, results, attrs):
-    # a ring all-gather: a rank sends its part and receives the (n - 1) others
+    # a ring all-gather: a rank sends its part and receives the (n - 1) others (with tp > 1 the whole group's
+    # parts still travel: the duplicates are dropped after the call)
     b = operands[0].nbytes
     return Cost(0, b * attrs["group"], b * attrs["group"])
 
 
-@defop("reduce_scatter_rows(x) -> y", attrs={"group": int}, kernel="collective")
-def reduce_scatter_rows(x, *, group):
+@defop("reduce_scatter_rows(x) -> y", attrs={"group": int, "tp": (int, 1)}, kernel="collective")
+def reduce_scatter_rows(x, *, group, tp=1):
     """The sum of `x` over the ranks of the group (in rank order, in the value's dtype), of which the k-th rank
-    of the group keeps the k-th of `group` equal parts along the first axis."""
+    of the group keeps the k-th of `group` equal parts along the first axis; with `tp` > 1, the k-th rank keeps
+    part k // tp of group / tp (every rank of a replica its replica's rows)."""
     _one_rank("reduce_scatter_rows", group)
     return x.clone()
 
 
 @reduce_scatter_rows.infer
-def _(x, *, group):
+def _(x, *, group, tp=1):
     require(group >= 1, "reduce_scatter_rows: group must be >= 1", found=group)
+    require(tp >= 1 and group % tp == 0, "reduce_scatter_rows: tp must divide the group", found=(group, tp))
     require(x.dtype in ("fp32", "bf16"), "reduce_scatter_rows sums floating-point values", found=x.dtype)
-    require(x.rank >= 1 and x.shape[0] % group == 0, "reduce_scatter_rows: the first axis must split into "
-            "one equal part per rank", found=(list(x.shape), group))
-    return x.with_shape(x.shape[0] // group, *x.shape[1:])
+    parts = group // tp
+    require(x.rank >= 1 and x.shape[0] % parts == 0, "reduce_scatter_rows: the first axis must split into "
+            "one equal part per rank (per replica with tp)", found=(list(x.shape), group, tp))
+    return x.with_shape(x.shape[0] // parts, *x.shape[1:])
 
 
 @reduce_scatter_rows.spmd
 def _(per_rank, attrs):
     out: list = [None] * len(per_rank)
+    tp = attrs.get("tp", 1)
     for ranks in _groups(per_rank, attrs["group"], "reduce_scatter_rows"):
         total = per_rank[ranks[0]][0].clone()
         for r in ranks[1:]:
             total += per_rank[r][0]
-        for k, part in zip(ranks, total.chunk(len(ranks), dim=0)):
-            out[k] = [part.clone()]
+        parts = total.chunk(len(_replica_ranks(ranks, tp, "reduce_scatter_rows")), dim=0)
+        for k, r in enumerate(ranks):
+            out[r] = [parts[k // tp].clone()]
     return out
 
 
 @reduce_scatter_rows.cost
 def _(operands, results, attrs):
-    # a ring reduce-scatter: (n - 1) / n of the value sent and received, (n - 1) / n of it added
-    n, b = attrs["group"], operands[0].nbytes
+    # a ring reduce-scatter: (n - 1) / n of the value sent and received, (n - 1) / n of it added; with tp > 1
+    # as one of the value repeated for each rank of a replica (what the ranks' identical parts cost)
+    n, b = attrs["group"], operands[0].nbytes * attrs["tp"]
     moved = (n - 1) * b // n
-    return Cost(operands[0].numel * (n - 1) // n, b + moved, b // n + moved)
+    return Cost(operands[0].numel * attrs["tp"] * (n - 1) // n, b + moved, b // n + moved)

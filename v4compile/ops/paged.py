@@ -162,14 +162,17 @@ def compress_paged(kv, gate, ape, norm, state_kv, state_gate, pos, slot, block_t
     """`compress` on the pool: the state rings live per slot, and each closed window's row is written at
     its physical row `block_table[b, w // per_block] * envelope + layer_offset + w % per_block`."""
     slot = slot.long()
-    skv, sg = state_kv[slot], state_gate[slot]
+    # a padding lane (slot -1) would index the last slot: its unchanged ring, written back after the live lane's,
+    # undid the write of a sequence in that slot (the host device's reference kernels, issue 34)
+    live = slot >= 0
+    skv, sg = state_kv[slot.clamp(min=0)], state_gate[slot.clamp(min=0)]
     h, w, closed, g = closed_rows(kv, gate, ape, norm, skv, sg, pos, ratio, overlap, eps, rope_dim, theta, yarn, round)
     b, j = closed.nonzero(as_tuple=True)
     rows = compressed_row(w[b, j], b, block_table, ratio, block_tokens, envelope_rows) + layer_offset
     planes = write_rows(_planes(p0, p1, p2), rows, h[b, j], fmt)
     nkv, ng = update_ring(skv, sg, kv, g, pos)
     out_kv, out_g = state_kv.clone(), state_gate.clone()
-    out_kv[slot], out_g[slot] = nkv, ng
+    out_kv[slot[live]], out_g[slot[live]] = nkv[live], ng[live]
     return (out_kv, out_g, *planes)
 
 
