@@ -43,7 +43,7 @@ from .call import in_kernel_order
 from . import mhc, moe, router
 from .arrival import last_to_arrive
 from .mhc import mhc_rows
-from .moe import _combine_column, _down, _up
+from .moe import _combine_column, _down, _or, _up
 from .pdl import pdl_enter
 from .phases import publish, ticket, wait_for
 from .router import route_rows
@@ -179,7 +179,7 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                      m_s_ptr_AT: tl.constexpr, m_s_ptr_DT: tl.constexpr, m_post_ptr_AT: tl.constexpr,
                      m_post_ptr_DT: tl.constexpr, m_comb_ptr_AT: tl.constexpr, m_comb_ptr_DT: tl.constexpr,
                      ST: tl.constexpr, RT: tl.constexpr, ND: tl.constexpr, NH: tl.constexpr, EB: tl.constexpr,
-                     PDL: tl.constexpr = False, CALLS: tl.constexpr = True):
+                     xs_ptr, C_SM: tl.constexpr, PDL: tl.constexpr = False, CALLS: tl.constexpr = True):
     """Programs by ticket: NA token blocks of the seam before the MoE (`mhc_moe_mhc`; else none), NR router
     row blocks, ST shared gate / up tiles, E x RT routed (expert, I tile) gate / up, E x ND routed (expert,
     D tile) down (the last down program of a D tile combines it), NH token blocks of the seam after the MoE
@@ -217,7 +217,7 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
     elif v < NR + ST:
         if NA > 0:
             wait_for(phase_ptr + SEAM_IN, NA)  # every token's x
-        _up(v * 0, v - NR, x_ptr, None, None,  # expert 0 of 1 (a tensor: _up casts it)
+        _up(v * 0, v - NR, _or(xs_ptr, x_ptr), None, None,  # expert 0 of 1 (a tensor: _up casts it)
             sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, hs_ptr, S_M, 1, 1, "all", 1, S_I, D,
             X_RS, 0, S_I, 0, S_W_RS, 0, S_S_RS, S_W_FMT, S_S_E8M0, S_BLOCK, S_ACT, CDT, LIMIT, S_BM, S_BN, S_BK)
         publish(phase_ptr + SHARED_UP)
@@ -237,9 +237,9 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
               D_BN, D_BK)
         if last_to_arrive(phase_ptr + COUNTERS + n_tile, E):  # every expert's rows of this D tile are in yr
             wait_for(phase_ptr + SHARED_UP, ST)  # the shared expert's hs, for its down GEMM
-            _combine_column(n_tile, hs_ptr, yr_ptr, idx_ptr, cw2_ptr, cs2_ptr, out_ptr, sy_ptr, C_M, E, KSEL, C_IS, D, C_HS_RS,
-                            D_Y_RS, IDX_RS, C_Y_RS, C_W_RS, C_S_RS, C_W_FMT, C_S_E8M0, C_BLOCK, C_ACT, CDT, BM, D_BN,
-                            C_BK, C_BKS)
+            _combine_column(n_tile, hs_ptr, yr_ptr, idx_ptr, cw2_ptr, cs2_ptr, out_ptr, sy_ptr, C_M, C_SM, E, KSEL, C_IS, D,
+                            C_HS_RS, D_Y_RS, IDX_RS, C_Y_RS, C_W_RS, C_S_RS, C_W_FMT, C_S_E8M0, C_BLOCK, C_ACT, CDT, BM,
+                            D_BN, C_BK, C_BKS)
             tl.store(phase_ptr + COUNTERS + n_tile, 0)
             publish(phase_ptr + COMBINED)
     else:
@@ -285,7 +285,7 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
                attrs: dict) -> list[KernelCall]:
     if op_name == "mhc_moe_mhc":
         return _with_seam_before(operands, results, attrs)
-    if op_name in ("moe_router_experts_ep", "mhc_moe_ep"):
+    if op_name in ("moe_router_experts_ep", "mhc_moe_ep", "moe_router_experts_dp"):
         return _expert_parallel(op_name, operands, results, attrs)
     if op_name not in ("moe_router_experts_shared", "moe_mhc_post_pre"):
         raise KeyError(f"moe_router family has no op '{op_name}'")
@@ -317,8 +317,13 @@ EP_FRONT_RENAMED = {("result", "y_next"): ("scratch", "seam_x"),
                     **{("operand", n): ("operand", "in_" + n) for n in ("fn", "base", "scale", "norm")}}
 
 
+# `moe_router_experts_dp`: the single-rank calls' operand names -> the op's
+DP_NAMES = {"x": "xg", "xs": "x"}
+
+
 def _expert_parallel(op_name, operands, results, attrs) -> list[KernelCall]:
-    """`moe_router_experts_ep` (and `mhc_moe_ep`, the seam before it as the first phase): the single-rank
+    """`moe_router_experts_ep` (and `mhc_moe_ep`, the seam before it as the first phase; `moe_router_experts_dp`,
+    the shared expert's gate / up reading the rank's own tokens `xs_ptr` and the combine its first C_SM rows): the single-rank
     calls with the rank's owner table masking the routing in the router phase (`route_rows`' o_ptr) and the
     combine writing the routed partial sum and the shared expert's output apart (`_combine`'s sy_ptr)."""
     from ...ir.registry import get_op
@@ -339,6 +344,8 @@ def _expert_parallel(op_name, operands, results, attrs) -> list[KernelCall]:
         operands = {n: v for n, v in operands.items() if n not in f_ops and not n.startswith("in_")}
         operands["x"] = x
         attrs = {n: v for n, v in attrs.items() if not n.startswith("in_")}
+    if op_name == "moe_router_experts_dp":  # the routing and the routed experts on xg, the shared expert on x
+        operands = {**{n: v for n, v in operands.items() if n != "xg"}, "x": operands["xg"], "xs": operands["x"]}
     partial, shared = results["partial"], results["shared"]
     if partial.strides != shared.strides:
         raise ValueError("moe_router_experts_ep: the partial sum and the shared output must share their layout")
@@ -346,6 +353,9 @@ def _expert_parallel(op_name, operands, results, attrs) -> list[KernelCall]:
     calls = _specialise("moe_router_experts_shared", operands, {"y": partial}, attrs, front,
                         renamed={("result", "y"): ("result", "partial")}, inner_x=front is not None)
     for c in calls:
+        if op_name == "moe_router_experts_dp":  # back to the op's names: the routed tokens are xg, the shared x
+            c.pointers = [(p, kind, DP_NAMES.get(name, name) if kind == "operand" else name, ty)
+                          for p, kind, name, ty in c.pointers]
         if "o_ptr" in c.constexprs or "r_o_ptr" in c.constexprs:  # the router phase: masked by the owner table
             p = "o_ptr" if "o_ptr" in c.constexprs else "r_o_ptr"
             del c.constexprs[p]

@@ -119,3 +119,41 @@ def test_broken_kernels_are_caught(monkeypatch, tmp_path):
                 m.setattr(moe_router, name, getattr(router, name))
             with pytest.raises(AssertionError):
                 check(*params)
+
+
+def check_dp(dtype, hashed, T, kernel="moe_fused_kernel"):
+    """`moe_router_experts_dp` on rank 1 of a dp 2 / ep 2 group: the router and this rank's routed experts on
+    the gathered rows (both ranks' tokens), the shared expert on rank 1's own (the second half of them)."""
+    args, attrs = ep_case(dtype, hashed, ("float", "float"), 1, B=2, T=T)
+    args["xg"] = args["x"]
+    args["x"] = args["xg"][1:].clone()
+    outs, ref, calls = run("moe_router_experts_dp", args, attrs, ("partial", "shared"))
+    assert kernel in [c.kernel_name for c in calls]
+    assert outs["partial"].shape[0] == 2 and outs["shared"].shape[0] == 1
+    for n, r in zip(("partial", "shared"), ref):
+        kc.assert_matches(outs[n], r, f"moe_router_experts_dp {n}", ulps=2)
+
+
+@pytest.mark.parametrize("dtype,hashed,T,kernel", [
+    (torch.bfloat16, True, 3, "moe_fused_kernel"),
+    (torch.float32, False, 17, "moe_up_kernel"),  # prefill-sized: the grouped launches
+], ids=["bf16-hash-decode", "fp32-learned-prefill"])
+def test_moe_router_experts_dp_matches_its_reference(dtype, hashed, T, kernel):
+    check_dp(dtype, hashed, T, kernel)
+
+
+DP_FAULTS = {
+    # the shared expert's gate / up reading x (the gathered rows: rank 0's first) instead of the rank's own
+    "fused reads x": ("moe_router", "moe_fused_kernel", "_or(xs_ptr, x_ptr)", "x_ptr", 3, "moe_fused_kernel"),
+    "grouped reads x": ("moe", "moe_up_kernel", "_or(xs_ptr, x_ptr)", "x_ptr", 17, "moe_up_kernel"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(DP_FAULTS))
+def test_a_broken_dp_kernel_is_caught(monkeypatch, tmp_path, fault):
+    import importlib
+    module, name, old, new, T, kernel = DP_FAULTS[fault]
+    kc.install_broken_kernel(monkeypatch, tmp_path, importlib.import_module(f"v4compile.codegen.kernels.{module}"),
+                             name, old, new)
+    with pytest.raises(AssertionError):
+        check_dp(torch.float32, False, T, kernel)
