@@ -78,7 +78,13 @@ def moe_group_kernel(idx_ptr, grp_ptr, P: tl.constexpr, E: tl.constexpr, KSEL: t
     (expert, pair id). Programs [0, NRB) place BP pairs each; the rest compute BP offsets each; both
     compare against all pairs in blocks of BQ."""
     pdl_enter(PDL)
-    pid = tl.program_id(0)
+    _group_block(tl.program_id(0), idx_ptr, grp_ptr, P, E, KSEL, IDX_RS, NRB, BP, BQ)
+
+
+@triton.jit
+def _group_block(pid, idx_ptr, grp_ptr, P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, IDX_RS: tl.constexpr,
+                 NRB: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr):
+    """Program `pid` of the grouping (`moe_group_kernel`; a phase of the one-launch MoE, `moe_router.py`)."""
     rq = tl.arange(0, BQ)
     if pid < NRB:
         p = pid * BP + tl.arange(0, BP)

@@ -43,7 +43,7 @@ from .call import in_kernel_order
 from . import mhc, moe, router
 from .arrival import last_to_arrive
 from .mhc import mhc_rows
-from .moe import _combine_column, _down, _or, _up
+from .moe import _combine_column, _down, _group_block, _or, _up
 from .pdl import pdl_enter
 from .phases import publish, ticket, wait_for
 from .router import route_rows
@@ -91,10 +91,16 @@ NO_SEAM = {**{p: None for p in SEAM_PARAMS if p != "y_ptr"}, "M": 0, "N": 1, "D"
 NO_FRONT = {**{p: None for p in FRONT_PARAMS.values() if p.startswith("a_")},
             **{"A_" + n: v for n, v in NO_SEAM.items() if not n.endswith("_ptr")}, "NA": 0}
 # the semaphore's int32 counters: the ticket, router programs done, shared gate / up tiles done, D tiles
-# combined, programs finished, seam-before blocks done (COUNTERS slots, a power of two); then one arrival
+# combined, programs finished, seam-before blocks done, grouping blocks done (COUNTERS slots, a power of two);
+# then one arrival
 # counter per D tile and one count of finished I tiles per expert
-TICKET, ROUTED, SHARED_UP, COMBINED, FINISHED, SEAM_IN = (tl.constexpr(i) for i in range(6))
+TICKET, ROUTED, SHARED_UP, COMBINED, FINISHED, SEAM_IN, GROUPED = (tl.constexpr(i) for i in range(7))
 COUNTERS = tl.constexpr(8)
+G_BP, G_BQ = tl.constexpr(moe.GROUP_BP), tl.constexpr(moe.GROUP_BQ)  # the grouping's blocks (`moe_group_kernel`'s)
+# Up to this many (token, slot) pairs the grouped MoE is one launch too, its grouping a phase after the router's
+# (a decode step of every rank's tokens under data parallelism: V4-Pro, 8 ranks x 8 tokens x top-6 = 384); above
+# it (prefill chunks) the router, the grouping and the experts keep their launches, a few us next to a chunk's.
+FUSED_MAX_PAIRS = 512
 # Params that may be scratch: where they are, the call carves them from its one scratch pointer (`scr_ptr`,
 # `<param>_AT`: the byte offset, `<param>_DT`: the element type) instead of taking a pointer each. Every
 # pointer argument holds two scalar registers for the whole kernel on gfx950, and with the seam before's
@@ -179,7 +185,8 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                      m_s_ptr_AT: tl.constexpr, m_s_ptr_DT: tl.constexpr, m_post_ptr_AT: tl.constexpr,
                      m_post_ptr_DT: tl.constexpr, m_comb_ptr_AT: tl.constexpr, m_comb_ptr_DT: tl.constexpr,
                      ST: tl.constexpr, RT: tl.constexpr, ND: tl.constexpr, NH: tl.constexpr, EB: tl.constexpr,
-                     xs_ptr, C_SM: tl.constexpr, PDL: tl.constexpr = False, CALLS: tl.constexpr = True):
+                     xs_ptr, C_SM: tl.constexpr, NG: tl.constexpr, G_NRB: tl.constexpr,
+                     PDL: tl.constexpr = False, CALLS: tl.constexpr = True):
     """Programs by ticket: NA token blocks of the seam before the MoE (`mhc_moe_mhc`; else none), NR router
     row blocks, ST shared gate / up tiles, E x RT routed (expert, I tile) gate / up, E x ND routed (expert,
     D tile) down (the last down program of a D tile combines it), NH token blocks of the seam after the MoE
@@ -195,7 +202,8 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
     m_s_ptr = _carve(m_s_ptr, scr_ptr, m_s_ptr_AT, m_s_ptr_DT)
     m_post_ptr = _carve(m_post_ptr, scr_ptr, m_post_ptr_AT, m_post_ptr_DT)
     m_comb_ptr = _carve(m_comb_ptr, scr_ptr, m_comb_ptr_AT, m_comb_ptr_DT)
-    v = ticket(phase_ptr + TICKET) - NA
+    t = ticket(phase_ptr + TICKET) - NA
+    v = tl.where(t >= NR + NG, t - NG, t)  # the phases after the grouping numbered as if it were not there
     if v < 0:
         if NA > 0:  # the seam before: x, and the streams / post / comb the seam after reads, into scratch
             mhc_rows(v + NA, a_y_ptr, None, a_s_ptr, a_post_ptr, a_comb_ptr, a_fn_ptr, a_base_ptr, a_scale_ptr, a_norm_ptr,
@@ -214,6 +222,11 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                                  R_KSEL, R_X_RS, R_W_RS, R_T_RS, R_I_S, R_WO_RS, R_IO_RS, R_ROUTE_SCALE, R_DENOM_EPS,
                                  R_SUM_IN_DT, R_BR, R_BE, R_BK, R_BKS)
         publish(phase_ptr + ROUTED)
+    elif t < NR + NG:  # (MODE "grouped") the pairs' list sorted by expert, once every row is routed
+        if NG > 0:
+            wait_for(phase_ptr + ROUTED, NR)
+            _group_block(t - NR, idx_ptr, grp_ptr, P, E, KSEL, IDX_RS, G_NRB, G_BP, G_BQ)
+            publish(phase_ptr + GROUPED)
     elif v < NR + ST:
         if NA > 0:
             wait_for(phase_ptr + SEAM_IN, NA)  # every token's x
@@ -223,6 +236,8 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
         publish(phase_ptr + SHARED_UP)
     elif v < NR + ST + E * RT:
         wait_for(phase_ptr + ROUTED, NR)
+        if NG > 0:
+            wait_for(phase_ptr + GROUPED, NG)  # the expert's place in the grouped list
         w = v - NR - ST
         _up(w // RT, w % RT, x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, P, E, KSEL, MODE, PB, I, D,
             X_RS, IDX_RS, H_RS, W_ES, W_RS, S_ES, S_RS, W_FMT, S_E8M0, BLOCK, ACT, CDT, LIMIT, BM, BN, BK)
@@ -248,7 +263,7 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                  m_scale_ptr, m_norm_ptr, m_so_ptr, m_yo_ptr, m_posto_ptr, m_combo_ptr, H_M, H_N, H_D, H_BD, H_BT,
                  H_POST, H_MIX, H_NORM, H_NM, H_EPS, H_HC_EPS, H_ITERS, H_NORM_EPS, H_Y_S, H_S_S, H_S_SN, H_SO_S,
                  H_SO_SN, H_YO_S, H_DT)
-    if last_to_arrive(phase_ptr + FINISHED, NA + NR + ST + E * RT + E * ND + NH):  # every program is past its waits
+    if last_to_arrive(phase_ptr + FINISHED, NA + NR + NG + ST + E * RT + E * ND + NH):  # every program is past its waits
         tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)
         eb = tl.arange(0, EB)
         tl.store(phase_ptr + COUNTERS + ND + eb, 0, mask=eb < E)
@@ -403,8 +418,9 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
         h_ops = {n: operands[n] for n in SEAM_OPERANDS}
         hcalls = [_renamed(c, extra, names) for c in mhc.specialise("mhc_post_pre", {"y": m_results["y"], **h_ops}, results,
                                                             {n: attrs[n] for n in MHC_ATTRS})]
-    up, down = mcalls[0], mcalls[-1]
-    if up.fn is not moe.moe_up_kernel:  # grouped mode: the grouping launch needs the routing first
+    group = mcalls[0] if mcalls[0].fn is moe.moe_group_kernel else None
+    up, down = mcalls[1 if group else 0], mcalls[-1]
+    if group is not None and group.constexprs["P"] > FUSED_MAX_PAIRS:  # its launches apart, the routing first
         if front:
             front.scratch_bytes.update(extra)
         return [*([front] if front else []), rcall, *mcalls, *hcalls]
@@ -429,8 +445,9 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
     E = ce["E"]
     NH = hcalls[0].grid[0] if seam else 0
     NA = ce["NA"]
-    ce.update(NR=rcall.grid[0], RT=RT, ST=ST, ND=ND, NH=NH, EB=triton.next_power_of_2(E))
-    calls = (*([front] if front else []), rcall, up, down, *hcalls)
+    ce.update(NR=rcall.grid[0], RT=RT, ST=ST, ND=ND, NH=NH, EB=triton.next_power_of_2(E),
+              NG=group.grid[0] if group else 0, G_NRB=group.constexprs["NRB"] if group else 0)
+    calls = (*([front] if front else []), rcall, *([group] if group else []), up, down, *hcalls)
     pts, have = [], set()
     for call in calls:
         names = ROUTER_PARAMS if call is rcall else DOWN_PARAMS if call is down else SEAM_PARAMS if hcalls \
@@ -455,7 +472,7 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
     unaligned = {renamed.get(p, p) for c in calls if c is not front for p in c.unaligned}
     unaligned |= {FRONT_PARAMS.get(p, p) for p in (front.unaligned if front else ())}
     return [KernelCall(call_name("moe_fused", ce, tag + ("_seams" if front else "_seam" if seam else "")),
-                       moe_fused_kernel, ce, pts, (NA + ce["NR"] + ST + E * RT + E * ND + NH, 1, 1),
+                       moe_fused_kernel, ce, pts, (NA + ce["NR"] + ce["NG"] + ST + E * RT + E * ND + NH, 1, 1),
                        num_warps=max(c.num_warps for c in calls),
                        scratch_bytes=scratch,
                        unaligned=tuple(sorted(unaligned)),
