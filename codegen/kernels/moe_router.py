@@ -10,7 +10,11 @@ combine run in one launch. Its programs are, in the order they start (`phases.ti
                              and combining programs follow them, so they see x too);
   tickets [0, NR)            the router (`router.route_rows`, one per BR token rows) -> the routing weights
                              and expert ids, scratch `route_weights` / `route_indices`; each then publishes;
-  tickets [NR, NR + ST)      the shared expert's gate / up I tiles -> hs (they need no routing, so they run
+  tickets [NR, NR + NG)      (MODE "grouped", 64 < P <= FUSED_MAX_PAIRS) the grouping (`moe._group_block`, the
+                             blocks `moe_group_kernel` launches apart): once every router program has published,
+                             the pairs' list sorted by expert into scratch `grp`; each publishes; the routed
+                             gate / up programs wait for all NG (none in "scan" mode: NG = 0);
+  then ST                    the shared expert's gate / up I tiles -> hs (they need no routing, so they run
                              while the router does); each publishes;
   then E x RT                the routed experts' (expert, I tile) gate / up programs -> h: they first wait
                              for all NR router programs (`phases.wait_for`), then rank their pairs in the
@@ -24,9 +28,11 @@ combine run in one launch. Its programs are, in the order they start (`phases.ti
 A program waits only for programs that took earlier tickets (see `phases`), so no schedule deadlocks; what
 it reads was published along that chain (the router's ids reach the down programs through the up programs'
 acquire / release). The last program to finish resets the counters (one `semaphore`, `moe_phase`).
-Prefill-sized P (the "grouped" mode) keeps the router as its own launch, writing the same scratch, then the
-moe family's launches (grouping, up, down): the grouping needs every pair's expert before any up program;
-the seams keep their launches too.
+Above FUSED_MAX_PAIRS pairs (prefill chunks) the router keeps its own launch, writing the same scratch, then
+the moe family's launches (grouping, up, down); the seams keep their launches too.
+`moe_router_experts_dp` (data parallel): the router and the routed experts run on the gathered tokens `x`,
+the shared expert's gate / up on the rank's own `xs_ptr` (S_M rows) and the combine's shared down GEMM on
+the first C_SM rows of its output (`moe._combine`).
 Every kernel computes what the router and moe kernels compute, in the same order, so the results are
 bit-identical to the two ops run apart.
 """

@@ -9,6 +9,8 @@ the result would no longer be the layout reference's bit for bit). The `all_redu
 launch of its own (a collective in the captured graph), and the seam after reads `add(reduced, shared)`
 (`mhc_post_pre_add`: the add folded into the seam's launch). Each reference is the composition of the
 references it replaces, so a fusion never changes a value.
+Data parallel (`--dp N --ep N`): `moe_router_experts_dp` reads the gathered tokens for the routed part and the
+rank's own for the shared expert; its partial goes through `reduce_scatter_rows` instead of the all-reduce.
 """
 
 from __future__ import annotations
