@@ -164,3 +164,27 @@ def test_a_dp_fused_op_with_the_shared_expert_on_the_gathered_rows_is_caught(mon
         return p, s
     monkeypatch.setattr(fused_ep, "_routed_and_shared", wrong)
     assert fused_decode_mismatch("dp2ep2") > 0
+
+
+def check_dp_fusions(result) -> None:
+    """Data parallel: the router, the mask, the routed and the shared expert are one op a layer, between the
+    gather and the reduce-scatter (each a launch of its own), the seam after reading the reduce-scatter."""
+    cfg = preset(NAME)
+    ops = [op.name for op in result.module.functions["decode"].ops]
+    assert ops.count("moe_router_experts_dp") == cfg.n_layers
+    assert ops.count("reduce_scatter_rows") == cfg.n_layers and ops.count("all_gather_rows") >= cfg.n_layers
+    assert ops.count("mhc_post_pre_add") == cfg.n_layers - 1  # the last seam is mhc_post_head
+    assert not {"router", "local_experts", "moe_experts", "swiglu"} & set(ops)
+
+
+def test_every_moe_fusion_fires_on_a_dp_module():
+    check_dp_fusions(PassManager(GPU_PIPELINE, PipelineOptions()).run(dp_partitioned()))
+
+
+@pytest.mark.parametrize("fusion", ["fuse_moe_router", "fuse_moe_mhc"])
+def test_a_fusion_skipping_dp_modules_is_caught(monkeypatch, fusion):
+    import importlib
+    mod = importlib.import_module(f"v4compile.passes.{fusion}")
+    monkeypatch.setattr(mod, "_fuse_ep" if fusion == "fuse_moe_router" else "_fold_add", lambda *a: None)
+    with pytest.raises(AssertionError):
+        check_dp_fusions(PassManager(GPU_PIPELINE, PipelineOptions()).run(dp_partitioned()))
