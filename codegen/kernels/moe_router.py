@@ -10,7 +10,7 @@ combine run in one launch. Its programs are, in the order they start (`phases.ti
                              and combining programs follow them, so they see x too);
   tickets [0, NR)            the router (`router.route_rows`, one per BR token rows) -> the routing weights
                              and expert ids, scratch `route_weights` / `route_indices`; each then publishes;
-  tickets [NR, NR + NG)      (MODE "grouped", 64 < P <= FUSED_MAX_PAIRS) the grouping (`moe._group_block`, the
+  tickets [NR, NR + NG)      (`moe_router_experts_dp`, 64 < P <= FUSED_MAX_PAIRS) the grouping (`moe._group_block`, the
                              blocks `moe_group_kernel` launches apart): once every router program has published,
                              the pairs' list sorted by expert into scratch `grp`; each publishes; the routed
                              gate / up programs wait for all NG (none in "scan" mode: NG = 0);
@@ -28,7 +28,7 @@ combine run in one launch. Its programs are, in the order they start (`phases.ti
 A program waits only for programs that took earlier tickets (see `phases`), so no schedule deadlocks; what
 it reads was published along that chain (the router's ids reach the down programs through the up programs'
 acquire / release). The last program to finish resets the counters (one `semaphore`, `moe_phase`).
-Above FUSED_MAX_PAIRS pairs (prefill chunks) the router keeps its own launch, writing the same scratch, then
+Grouped otherwise (the other ops; above FUSED_MAX_PAIRS pairs) the router keeps its own launch, writing the same scratch, then
 the moe family's launches (grouping, up, down); the seams keep their launches too.
 `moe_router_experts_dp` (data parallel): the router and the routed experts run on the gathered tokens `x`,
 the shared expert's gate / up on the rank's own `xs_ptr` (S_M rows) and the combine's shared down GEMM on
@@ -103,9 +103,11 @@ NO_FRONT = {**{p: None for p in FRONT_PARAMS.values() if p.startswith("a_")},
 TICKET, ROUTED, SHARED_UP, COMBINED, FINISHED, SEAM_IN, GROUPED = (tl.constexpr(i) for i in range(7))
 COUNTERS = tl.constexpr(8)
 G_BP, G_BQ = tl.constexpr(moe.GROUP_BP), tl.constexpr(moe.GROUP_BQ)  # the grouping's blocks (`moe_group_kernel`'s)
-# Up to this many (token, slot) pairs the grouped MoE is one launch too, its grouping a phase after the router's
-# (a decode step of every rank's tokens under data parallelism: V4-Pro, 8 ranks x 8 tokens x top-6 = 384); above
-# it (prefill chunks) the router, the grouping and the experts keep their launches, a few us next to a chunk's.
+# Up to this many (token, slot) pairs the grouped MoE of `moe_router_experts_dp` is one launch too, its grouping
+# a phase after the router's (a decode step of every rank's tokens: V4-Pro, 8 ranks x 8 tokens x top-6 = 384);
+# above it (prefill chunks) the router, the grouping and the experts keep their launches, a few us next to a
+# chunk's. The other ops keep their grouped launches apart (their programs unchanged; they could take the same
+# phase: a single-rank decode batch past 10 tokens is grouped too).
 FUSED_MAX_PAIRS = 512
 # Params that may be scratch: where they are, the call carves them from its one scratch pointer (`scr_ptr`,
 # `<param>_AT`: the byte offset, `<param>_DT`: the element type) instead of taking a pointer each. Every
@@ -372,7 +374,8 @@ def _expert_parallel(op_name, operands, results, attrs) -> list[KernelCall]:
         raise ValueError("moe_router_experts_ep: the partial sum and the shared output must share their layout")
     owner = operands.pop("owner")  # (attrs keep `ep`: the moe calls' cost model, 1 / ep of the slots land here)
     calls = _specialise("moe_router_experts_shared", operands, {"y": partial}, attrs, front,
-                        renamed={("result", "y"): ("result", "partial")}, inner_x=front is not None)
+                        renamed={("result", "y"): ("result", "partial")}, inner_x=front is not None,
+                        fuse_grouped=op_name == "moe_router_experts_dp")
     for c in calls:
         if op_name == "moe_router_experts_dp":  # back to the op's names: the routed tokens are xg, the shared x
             c.pointers = [(p, kind, DP_NAMES.get(name, name) if kind == "operand" else name, ty)
@@ -390,7 +393,7 @@ def _expert_parallel(op_name, operands, results, attrs) -> list[KernelCall]:
 
 def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg], attrs: dict,
                 front: KernelCall | None = None, renamed: dict | None = None,
-                inner_x: bool = False) -> list[KernelCall]:
+                inner_x: bool = False, fuse_grouped: bool = False) -> list[KernelCall]:
     """`front`: the seam before the MoE's call (`mhc_moe_mhc`); its scratch is the MoE's x and the seam
     after's streams / post / comb (INNER_RENAMED)."""
     from ...ops.fused import MHC_ATTRS, ROUTER_ATTRS
@@ -426,7 +429,7 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
                                                             {n: attrs[n] for n in MHC_ATTRS})]
     group = mcalls[0] if mcalls[0].fn is moe.moe_group_kernel else None
     up, down = mcalls[1 if group else 0], mcalls[-1]
-    if group is not None and group.constexprs["P"] > FUSED_MAX_PAIRS:  # its launches apart, the routing first
+    if group is not None and (not fuse_grouped or group.constexprs["P"] > FUSED_MAX_PAIRS):  # launches apart
         if front:
             front.scratch_bytes.update(extra)
         return [*([front] if front else []), rcall, *mcalls, *hcalls]

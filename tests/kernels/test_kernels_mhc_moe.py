@@ -72,20 +72,11 @@ def test_fused_decode_equals_the_launches_apart(dtype, hashed, fmts):
         kc.assert_matches(outs[n], r, f"mhc_moe_mhc {n}", ulps=2)
 
 
-@pytest.mark.parametrize("apart", [False, True], ids=["one-launch", "apart"])
-def test_grouped_moe_with_its_seams(monkeypatch, apart):
-    """P = 66 > SCAN_MAX_PAIRS: grouped; up to FUSED_MAX_PAIRS the grouping is a phase of the one launch,
-    above it (here: the bound lowered below 66) the seams, the router and the grouping keep their launches."""
-    from v4compile.codegen.kernels import moe_router
-    if apart:
-        monkeypatch.setattr(moe_router, "FUSED_MAX_PAIRS", 16)
-    args, attrs = front_case(torch.float32, False, "float", "float", B=1, T=33)
+def test_grouped_prefill_keeps_the_seam_launches():
+    args, attrs = front_case(torch.float32, False, "float", "float", B=1, T=33)  # P = 66 > SCAN_MAX_PAIRS
     outs, ref, calls = fused(args, attrs)
-    if apart:
-        assert [c.kernel_name for c in calls] == ["mhc_kernel", "router_kernel", "moe_group_kernel", "moe_up_kernel",
-                                                  "moe_down_kernel", "mhc_kernel"]
-    else:
-        assert [c.kernel_name for c in calls] == ["moe_fused_kernel"] and calls[0].constexprs["NG"] > 0
+    assert [c.kernel_name for c in calls] == ["mhc_kernel", "router_kernel", "moe_group_kernel", "moe_up_kernel",
+                                              "moe_down_kernel", "mhc_kernel"]
     for n, r in zip(SEAM_RESULTS, ref):
         kc.assert_matches(outs[n], r, f"grouped {n}", ulps=2)
 
