@@ -20,8 +20,9 @@ What each figure is and where it comes from (every row states it too):
   of the rank, and of its routed experts those the group's tokens pick, `1 - (1 - k/E)^tokens` each under
   uniform routing; KV reads left out as in `parallel_model`) + compute (2 x activated non-expert params x b +
   2 x expert params x the rank's share of the group's slots, at the fp8 MMA peak; it overlaps nothing, so it
-  is an upper bound) + launches (the compiled program's kernel calls per step when given, else the
-  single-rank fused count per layer, x `launch_s` of a graph node, PDL where the target has it) + collectives;
+  is an upper bound) + launches (the compiled program's kernel calls per step in its own layout's row, the
+  other layout's the issue's bar of 7 a layer + 5, x `launch_s` of a graph node, PDL where the target has it)
+  + collectives;
 * modeled system output tokens/s at concurrency C (1k in / 1k out): C sequences decode one token per step;
   TP8/EP8 runs all C on every rank (b = C), DP8/EP8 ceil(C / 8) per rank; tokens/s = C / step. Decode steps
   only: the 1k-token prefill is not modeled (ATOM's measured figures include it, and its two micro-batches
@@ -88,7 +89,17 @@ def _collectives(cfg, layout: str, b: int) -> dict[str, Any]:
     return {"count": count, "bytes_each": each, "moved_per_rank_each": moved, "what": what}
 
 
-def step(cfg, w: dict, layout: str, target: str, b: int, calls_per_step: int | None) -> dict[str, Any]:
+def _calls(cfg, layout: str, calls_per_step: int | dict[str, int] | None) -> tuple[int, str]:
+    """(kernel calls a step, their source): the compiled program's for its own layout (a dict names it; an int
+    stands for both), else the issue's bar, 7 a layer + 5 outside them (a layout not compiled here)."""
+    given = calls_per_step.get(layout) if isinstance(calls_per_step, dict) else calls_per_step
+    if given is not None:
+        return given, "the compiled program"
+    return int(round(cfg.n_layers * 7 + 5)), "not compiled here: 7 a layer + 5, the bar"
+
+
+def step(cfg, w: dict, layout: str, target: str, b: int,
+         calls_per_step: int | dict[str, int] | None) -> dict[str, Any]:
     spec = TARGETS[target]
     E, k = cfg.n_experts, cfg.n_active_experts
     group_tokens = b if layout == "TP8/EP8" else WORLD * b
@@ -98,7 +109,7 @@ def step(cfg, w: dict, layout: str, target: str, b: int, calls_per_step: int | N
     bw_s = read / spec.hbm_bytes_s
     flops = 2 * w["dense_active_params"] * b + 2 * w["expert_params"] / E * k * group_tokens / WORLD
     compute_s = flops / spec.fp8_flops_s
-    calls = calls_per_step if calls_per_step is not None else int(round(cfg.n_layers * 7 + 5))
+    calls, calls_source = _calls(cfg, layout, calls_per_step)
     kind = "graph_pdl" if spec.pdl else "graph"
     launch_s = calls * spec.launch_latency(kind)
     c = _collectives(cfg, layout, b)
@@ -106,12 +117,12 @@ def step(cfg, w: dict, layout: str, target: str, b: int, calls_per_step: int | N
     total = bw_s + compute_s + launch_s + coll_s
     return {"batch_per_rank": b, "bandwidth_us": bw_s * 1e6, "bytes_read": read, "compute_us": compute_s * 1e6,
             "flops": flops, "launch_us": launch_s * 1e6, "calls": calls,
-            "calls_source": "the compiled program" if calls_per_step is not None else "7 a layer + 5 (the target)",
+            "calls_source": calls_source,
             "collectives_us": coll_s * 1e6, "collectives": c, "step_us": total * 1e6}
 
 
 def layout_table(cfg, targets: tuple[str, ...] = tuple(TARGETS), batch: int = 8,
-                 calls_per_step: int | None = None) -> dict[str, Any]:
+                 calls_per_step: int | dict[str, int] | None = None) -> dict[str, Any]:
     w = _weights(cfg)
     seq = {ctx: _per_sequence(cfg, ctx) for ctx in CONTEXTS}
     rows = []

@@ -129,10 +129,10 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
     }
     if layout.world == WORLD and layout.tp in (1, WORLD) and layout.ep == WORLD:
         # the per-layout table (TP8/EP8 against DP8/EP8, from the config), the compiled program's kernel calls
-        # per step standing for both layouts' (the same fused kernels a rank; DP's collectives replace the
-        # all-reduces)
+        # per step in its own layout's row (the other layout's: the bar, not a compiled figure)
+        compiled = "DP8/EP8" if layout.dp > 1 else "TP8/EP8"
         out["layouts"] = layout_table(cfg, targets or tuple(TARGETS), int(dec.attrs["batch"]),
-                                      launches if counted == "kernel calls" else None)
+                                      {compiled: launches} if counted == "kernel calls" else None)
     return out
 
 

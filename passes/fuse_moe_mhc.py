@@ -11,7 +11,8 @@ The last layer's `mhc_post_head` and layer 0's unfused seam are left as they are
 Expert-parallel modules: the seam after `moe_router_experts_ep` (from `fuse_moe_router`) reads
 `add(all_reduce(partial), shared)`; the add (its result used by the seam alone) folds into the seam, which
 becomes one `mhc_post_pre_add(reduced, shared, ...)` (results the seam's values; numerics bit-identical:
-the add rounds in the value's dtype first, as `add` did). The all-reduce stays a launch beside it.
+the add rounds in the value's dtype first, as `add` did). The all-reduce stays a launch beside it. Likewise
+on data-parallel modules: `add(reduce_scatter_rows(partial), shared)` of a `moe_router_experts_dp`.
 Kept out of the cpu pipeline (`passes/pipeline.py`): ONNX Runtime runs graph nodes, not launches.
 Hits: `<func>.fused`.
 """
@@ -46,9 +47,13 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
 def _fold_add(rw: Rewrite, seam) -> None:
     """The seam after an expert-parallel MoE: `mhc_post_pre(add(all_reduce(partial), shared))` -> one op."""
     add = rw.producer(seam.operand("y"), "add", only_use=True)
-    red = rw.producer(add.operand("a"), "all_reduce") if add is not None else None
-    moe = rw.producer(add.operand("b"), "moe_router_experts_ep") if red is not None else None
-    if moe is None or red.operand("x") is not moe.out("partial") or add.operand("b") is not moe.out("shared"):
+    red = rw.producer(add.operand("a")) if add is not None else None
+    if red is None or red.name not in ("all_reduce", "reduce_scatter_rows"):
+        return
+    moe = rw.producer(add.operand("b"))
+    if moe is None or moe.name not in ("moe_router_experts_ep", "moe_router_experts_dp"):
+        return
+    if red.operand("x") is not moe.out("partial") or add.operand("b") is not moe.out("shared"):
         return
     operands = {"y": red.result, "y2": add.operand("b"),
                 **{n: v for n, v in operands_of(seam).items() if n != "y"}}

@@ -13,6 +13,10 @@ all-reduce). Here the router, the mask, the routed experts and the shared expert
 `all_reduce` reads, name kept) and the shared expert's output (the value the `add` reads, name kept): the
 all-reduce stays a launch of its own beside it, and the add (folded into the seam after it by
 `fuse_moe_mhc`) reads the all-reduce's output. Numerics bit-identical (`ops/fused_ep.py`).
+Data-parallel modules (`partition{dp, ep}`): the same FFN with the routed part on `xg = all_gather_rows(x)` and
+`reduce_scatter_rows` in the all-reduce's place, the shared expert on the rank's own `x`: one
+`moe_router_experts_dp(x, xg, ...)` in the routed experts' place (the gather and the reduce-scatter stay
+launches beside it).
 Kept out of the cpu pipeline (`passes/pipeline.py`): ONNX Runtime runs graph nodes, not launches.
 Hits: `<func>.fused` (single-rank and expert-parallel forms together).
 """
@@ -53,7 +57,7 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
 def _fuse_ep(rw: Rewrite, moe: Op) -> None:
     """`moe_experts` of an expert-parallel module with its router, mask and the shared expert beside it."""
     from .fuse_moe import shared_expert, shared_operands
-    red = rw.sole_user(moe.result, "all_reduce")
+    red = rw.sole_user(moe.result, "all_reduce") or rw.sole_user(moe.result, "reduce_scatter_rows")
     mask = rw.producer(moe.operand("weights"), "local_experts", only_use=True)
     if red is None or mask is None or rw.producer(moe.operand("indices"), "local_experts", only_use=True) is not mask:
         return
@@ -67,16 +71,25 @@ def _fuse_ep(rw: Rewrite, moe: Op) -> None:
     add = rw.sole_user(red.result, "add")
     if add is None or add.operand("a") is not red.result:
         return
-    chain = shared_expert(rw, add.operand("b"), x)
+    own = x  # the shared expert's tokens: with data parallelism the rank's own, which the gather brought to xg
+    if red.name == "reduce_scatter_rows":
+        gather = rw.producer(x, "all_gather_rows")
+        if gather is None:
+            return
+        own = gather.operand("x")
+    chain = shared_expert(rw, add.operand("b"), own)
     if chain is None or chain[2].attrs["acc"] != moe.attrs["acc"] or not rw.can_fuse(moe, [r, mask, *chain]):
         return
     operands = {k: moe.operand(k) for k in ("x", "w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale")}
+    if own is not x:
+        operands.update(x=own, xg=x)
     s_ops, s_attrs = shared_operands(chain)
     operands.update(s_ops, owner=mask.operand("owner"), gate=r.operand("w"), bias=r.operand("bias"),
                     tid2eid=r.operand("tid2eid"), ids=r.operand("ids"))
     attrs = {n: moe.attrs[n] for n in ("limit", "block", "act", "acc", "out_dtype", "route_weight", "ep")}
     attrs.update(s_attrs, **{n: r.attrs[n] for n in ROUTER_ATTRS}, **tags_of(moe, role=join_roles(r, moe, add)))
-    rw.replace(moe, make_op(rw.namer, "moe_router_experts_ep", operands, attrs, moe.loc,
+    kind = "moe_router_experts_ep" if own is x else "moe_router_experts_dp"
+    rw.replace(moe, make_op(rw.namer, kind, operands, attrs, moe.loc,
                             [moe.result, chain[0].result]), absorbed=[r, mask, *chain])
 
 

@@ -78,7 +78,13 @@ def moe_group_kernel(idx_ptr, grp_ptr, P: tl.constexpr, E: tl.constexpr, KSEL: t
     (expert, pair id). Programs [0, NRB) place BP pairs each; the rest compute BP offsets each; both
     compare against all pairs in blocks of BQ."""
     pdl_enter(PDL)
-    pid = tl.program_id(0)
+    _group_block(tl.program_id(0), idx_ptr, grp_ptr, P, E, KSEL, IDX_RS, NRB, BP, BQ)
+
+
+@triton.jit
+def _group_block(pid, idx_ptr, grp_ptr, P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, IDX_RS: tl.constexpr,
+                 NRB: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr):
+    """Program `pid` of the grouping (`moe_group_kernel`; a phase of the one-launch MoE, `moe_router.py`)."""
     rq = tl.arange(0, BQ)
     if pid < NRB:
         p = pid * BP + tl.arange(0, BP)
@@ -142,7 +148,7 @@ def _tile(j, hi, grp_ptr, pa, sel, rank, E: tl.constexpr, MODE: tl.constexpr, BM
 
 @triton.jit
 def moe_up_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr,
-                  sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, hs_ptr,
+                  sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, hs_ptr, xs_ptr,
                   P: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, MODE: tl.constexpr, PB: tl.constexpr,
                   I: tl.constexpr, D: tl.constexpr,
                   X_RS: tl.constexpr, IDX_RS: tl.constexpr, H_RS: tl.constexpr,
@@ -153,7 +159,8 @@ def moe_up_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr
                   S_W_FMT: tl.constexpr, S_S_E8M0: tl.constexpr, S_BLOCK: tl.constexpr, S_ACT: tl.constexpr,
                   S_BM: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr, PDL: tl.constexpr = False):
     """Gate / up + SwiGLU: programs (e < E, I tile) the routed experts -> h; with a shared expert
-    (sw1_ptr set), programs (E, I tile) run it over every token -> hs, in the same launch."""
+    (sw1_ptr set), programs (E, I tile) run it over every token -> hs, in the same launch (its S_M tokens
+    are xs_ptr's where set: `moe_router_experts_dp`, the rank's own tokens, the routed ones every rank's)."""
     pdl_enter(PDL)
     e = tl.program_id(0)
     nt = tl.program_id(1)
@@ -163,8 +170,18 @@ def moe_up_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr
                 X_RS, IDX_RS, H_RS, W_ES, W_RS, S_ES, S_RS, W_FMT, S_E8M0, BLOCK, ACT, CDT, LIMIT, BM, BN, BK)
     elif sw1_ptr is not None:
         if nt * S_BN < S_I:
-            _up(e - E, nt, x_ptr, None, None, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, hs_ptr, S_M, 1, 1, "all", 1, S_I, D,
-                X_RS, 0, S_I, 0, S_W_RS, 0, S_S_RS, S_W_FMT, S_S_E8M0, S_BLOCK, S_ACT, CDT, LIMIT, S_BM, S_BN, S_BK)
+            _up(e - E, nt, _or(xs_ptr, x_ptr), None, None, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, hs_ptr, S_M, 1, 1, "all",
+                1, S_I, D, X_RS, 0, S_I, 0, S_W_RS, 0, S_S_RS, S_W_FMT, S_S_E8M0, S_BLOCK, S_ACT, CDT, LIMIT, S_BM, S_BN,
+                S_BK)
+
+
+@triton.jit
+def _or(p, q):
+    """`p` where it is set, else `q` (a compile-time choice: an unset pointer is a None constexpr)."""
+    if p is not None:
+        return p
+    else:
+        return q
 
 
 @triton.jit
@@ -215,7 +232,7 @@ def moe_down_kernel(h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
                     C_M: tl.constexpr, C_IS: tl.constexpr, C_HS_RS: tl.constexpr, C_Y_RS: tl.constexpr,
                     C_W_RS: tl.constexpr, C_S_RS: tl.constexpr, C_W_FMT: tl.constexpr, C_S_E8M0: tl.constexpr,
                     C_BLOCK: tl.constexpr, C_ACT: tl.constexpr, C_BK: tl.constexpr, C_BKS: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    C_SM: tl.constexpr, PDL: tl.constexpr = False):
     """Routed down (expert e, D tile) -> yr rows; the last of a D tile's E expert programs to arrive then
     combines that tile for every token (`_combine`: the shared expert's down GEMM and the ordered sum)."""
     pdl_enter(PDL)
@@ -223,7 +240,7 @@ def moe_down_kernel(h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
     _down(tl.program_id(0), n_tile, h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr, P, E, KSEL, MODE, PB, I,
           D, H_RS, IDX_RS, WT_RS, Y_RS, W_ES, W_RS, S_ES, S_RS, W_FMT, S_E8M0, BLOCK, ACT, CDT, ROUTE, BM, BN, BK)
     if last_to_arrive(sem_ptr + n_tile, E):  # codegen/kernels/arrival.py
-        _combine_column(n_tile, hs_ptr, y_ptr, cidx_ptr, cw2_ptr, cs2_ptr, out_ptr, sy_ptr, C_M, E, KSEL, C_IS, D, C_HS_RS,
+        _combine_column(n_tile, hs_ptr, y_ptr, cidx_ptr, cw2_ptr, cs2_ptr, out_ptr, sy_ptr, C_M, C_SM, E, KSEL, C_IS, D, C_HS_RS,
                         Y_RS, IDX_RS, C_Y_RS, C_W_RS, C_S_RS, C_W_FMT, C_S_E8M0, C_BLOCK, C_ACT, CDT, BM, BN, C_BK, C_BKS)
         tl.store(sem_ptr + n_tile, 0)
 
@@ -266,20 +283,20 @@ def _down(e, n_tile, h_ptr, idx_ptr, grp_ptr, wt_ptr, w2_ptr, s2_ptr, y_ptr,
 
 @triton.jit
 def _combine_column(n_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, sy_ptr,
-                    M: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, IS: tl.constexpr, D: tl.constexpr,
+                    M: tl.constexpr, SM: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, IS: tl.constexpr, D: tl.constexpr,
                     HS_RS: tl.constexpr, YR_RS: tl.constexpr, IDX_RS: tl.constexpr, Y_RS: tl.constexpr,
                     W_RS: tl.constexpr, S_RS: tl.constexpr, W_FMT: tl.constexpr, S_E8M0: tl.constexpr,
                     BLOCK: tl.constexpr, ACT: tl.constexpr, CDT: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr):
     """`_combine` of D tile n_tile for every token, BM tokens at a time."""
     for m_tile in range(0, (M + BM - 1) // BM):
-        _combine(n_tile, m_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, sy_ptr, M, E, KSEL, IS, D, HS_RS, YR_RS,
+        _combine(n_tile, m_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, sy_ptr, M, SM, E, KSEL, IS, D, HS_RS, YR_RS,
                  IDX_RS, Y_RS, W_RS, S_RS, W_FMT, S_E8M0, BLOCK, ACT, CDT, BM, BN, BK, BKS)
 
 
 @triton.jit
 def _combine(n_tile, m_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, sy_ptr,
-             M: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, IS: tl.constexpr, D: tl.constexpr,
+             M: tl.constexpr, SM: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr, IS: tl.constexpr, D: tl.constexpr,
              HS_RS: tl.constexpr, YR_RS: tl.constexpr, IDX_RS: tl.constexpr, Y_RS: tl.constexpr,
              W_RS: tl.constexpr, S_RS: tl.constexpr, W_FMT: tl.constexpr, S_E8M0: tl.constexpr,
              BLOCK: tl.constexpr, ACT: tl.constexpr, CDT: tl.constexpr,
@@ -287,7 +304,8 @@ def _combine(n_tile, m_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, sy_
     """y[tokens of m_tile, columns of n_tile] = the routed rows summed by ascending expert id + W2_s hs.
     A slot whose expert id lies outside [0, E) (another rank's, `local_experts`) has no row: it adds nothing.
     With `sy_ptr` (`moe_router_experts_ep`) the two sums stay apart: y gets the routed sum (the rank's partial,
-    which the all-reduce after the launch adds up) and sy the shared expert's output."""
+    which the all-reduce after the launch adds up) and sy the shared expert's output, for its SM tokens
+    (`moe_router_experts_dp`: the rank's own, the first SM of the M; else SM = M)."""
     offs_n = n_tile * BN + tl.arange(0, BN)
     tok = m_tile * BM + tl.arange(0, BM)
     n_ok = offs_n < D
@@ -308,17 +326,18 @@ def _combine(n_tile, m_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, sy_
                     other=0.0).to(tl.float32)
         out = (out + v).to(dt).to(tl.float32)
     if w2_ptr is not None:
+        s_ok = tok < SM
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         for k0 in range(0, IS, BK):
             kk = k0 + tl.arange(0, BK)
             k_ok = kk < IS
-            ht = tl.load(hs_ptr + tok[None, :].to(tl.int64) * HS_RS + kk[:, None], mask=t_ok[None, :] & k_ok[:, None],
+            ht = tl.load(hs_ptr + tok[None, :].to(tl.int64) * HS_RS + kk[:, None], mask=s_ok[None, :] & k_ok[:, None],
                          other=0.0)
             acc = mma_step(acc, ht, None, w2_ptr, s2_ptr, offs_n, n_ok, kk, k_ok, k0, IS, W_RS, 1, S_RS, 1, W_FMT, S_E8M0,
                            BLOCK, ACT, CDT, BK)
         if sy_ptr is not None:
             tl.store(sy_ptr + tok[None, :].to(tl.int64) * Y_RS + offs_n[:, None], acc.to(dt),
-                     mask=t_ok[None, :] & n_ok[:, None])
+                     mask=s_ok[None, :] & n_ok[:, None])
         else:
             out = out + acc.to(dt).to(tl.float32)
     tl.store(y_ptr + tok[None, :].to(tl.int64) * Y_RS + offs_n[:, None], out.to(dt), mask=t_ok[None, :] & n_ok[:, None])
@@ -414,9 +433,19 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
 
     # 1. routed gate / up, and 2. in programs (E, I tile) of the same launch the shared gate / up
     w1, w3, s1, s3 = o["w1"], o["w3"], o.get("w1_scale"), o.get("w3_scale")
+    xs = o.get("xs")  # the shared expert's own tokens (`moe_router_experts_dp`), else x's
+    SM = M
+    if xs is not None:
+        SM, xs_rs, _ = rows_of(xs, "moe xs")
+        if xs_rs != x_rs or xs.dtype != x.dtype or SM > M:
+            raise ValueError("moe: the shared expert's tokens xs must be laid out as x's rows, at most as many")
     ce = dict(I=I, D=D, X_RS=x_rs, H_RS=I, W_ES=w1.strides[0], S_ES=s1.strides[0] if s1 is not None else 0,
               LIMIT=limit, BN=BNI, **routed, **common, **wce(w1, s1, D, block))
     pts = [("x_ptr", "operand", "x", x), *find, ("w1_ptr", "operand", "w1", w1), ("w3_ptr", "operand", "w3", w3)]
+    if xs is not None:
+        pts.append(("xs_ptr", "operand", "xs", xs))
+    else:
+        ce["xs_ptr"] = None
     if s1 is not None:
         pts += [("s1_ptr", "operand", "w1_scale", s1), ("s3_ptr", "operand", "w3_scale", s3)]
     else:
@@ -428,9 +457,9 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     if shared:
         g1, g3, t1, t3 = o["s1"], o["s3"], o.get("s1_scale"), o.get("s3_scale")
         IS = g1.shape[0]
-        scratch["hs"] = M * IS * dsize
+        scratch["hs"] = SM * IS * dsize
         BNS = 64 if IS <= 64 else 128
-        ce.update(S_M=M, S_I=IS, S_BM=BMS, S_BN=BNS, S_ACT=sact,
+        ce.update(S_M=SM, S_I=IS, S_BM=BMS, S_BN=BNS, S_ACT=sact,
                   **{"S_" + n: v for n, v in wce(g1, t1, D, sblock, sact).items()})
         pts += [("sw1_ptr", "operand", "s1", g1), ("sw3_ptr", "operand", "s3", g3), ("hs_ptr", "scratch", "hs", "*" + cdt)]
         if t1 is not None:
@@ -438,15 +467,15 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
         else:
             ce.update(ss1_ptr=None, ss3_ptr=None)
         tiles_n, warps = max(tiles_n, triton.cdiv(IS, BNS)), warps_s
-        flops += 4 * M * IS * D
-        wbytes += 2 * g1.type.nbytes + (2 * t1.type.nbytes if t1 else 0) + x.type.nbytes
+        flops += 4 * SM * IS * D
+        wbytes += 2 * g1.type.nbytes + (2 * t1.type.nbytes if t1 else 0) + (xs or x).type.nbytes
     else:
         ce.update(S_M=0, S_I=0, S_BM=BM, S_BN=BNI, S_ACT=act, S_W_FMT="float", S_S_E8M0=False, S_BLOCK=128, S_BK=32,
                   S_W_RS=0, S_S_RS=0, sw1_ptr=None, sw3_ptr=None, ss1_ptr=None, ss3_ptr=None, hs_ptr=None)
     calls.append(KernelCall(call_name("moe_up", ce, f"e{E}_p{P}_i{I}_d{D}_{ce['W_FMT']}_{cdt}_{mode}"), moe_up_kernel,
                             ce, [ptr(*p) for p in pts], (E + int(shared), tiles_n, 1), num_warps=warps,
                             scratch_bytes=scratch,
-                            unaligned=unaligned({"x_ptr": x, "idx_ptr": idx if mode == "scan" else None, "w1_ptr": w1,
+                            unaligned=unaligned({"x_ptr": x, "xs_ptr": xs, "idx_ptr": idx if mode == "scan" else None, "w1_ptr": w1,
                                                  "w3_ptr": w3, "s1_ptr": s1, "s3_ptr": s3, "sw1_ptr": g1, "sw3_ptr": g3,
                                                  "ss1_ptr": t1, "ss3_ptr": t3}),
                             # routed and shared GEMMs in one call: the fp8 peak only if both run fp8
@@ -463,7 +492,7 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     else:
         ce["s2_ptr"] = None
     pts.append(("y_ptr", "scratch", "yr", "*" + cdt))
-    ce.update(C_M=M, C_Y_RS=y_rs, C_BKS=triton.next_power_of_2(k), C_ACT=sact,
+    ce.update(C_M=M, C_SM=SM, C_Y_RS=y_rs, C_BKS=triton.next_power_of_2(k), C_ACT=sact,
               sy_ptr=None)  # sy_ptr: the shared expert's own output (`moe_router_experts_ep`, moe_router.py)
     pts += [("cidx_ptr", "operand", "indices", idx), ("out_ptr", "result", "y", y)]
     if shared:
@@ -490,7 +519,7 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
                             unaligned=unaligned({"idx_ptr": idx if mode == "scan" else None, "wt_ptr": wts,
                                                  "w2_ptr": w2, "s2_ptr": s2, "cidx_ptr": idx, "cw2_ptr": g2,
                                                  "cs2_ptr": t2, "out_ptr": y}),
-                            flops=2 * rows * I * D + 2 * M * D * ce["C_IS"],
+                            flops=2 * rows * I * D + 2 * SM * D * ce["C_IS"],
                             mma_dtype="fp8" if act == "fp8" and (not shared or sact == "fp8") else "bf16",
                             # yr written here and read back by the combining programs
                             bytes_moved=round(active * per_expert(w2, s2)) + wts.type.nbytes

@@ -10,7 +10,11 @@ combine run in one launch. Its programs are, in the order they start (`phases.ti
                              and combining programs follow them, so they see x too);
   tickets [0, NR)            the router (`router.route_rows`, one per BR token rows) -> the routing weights
                              and expert ids, scratch `route_weights` / `route_indices`; each then publishes;
-  tickets [NR, NR + ST)      the shared expert's gate / up I tiles -> hs (they need no routing, so they run
+  tickets [NR, NR + NG)      (`moe_router_experts_dp`, 64 < P <= FUSED_MAX_PAIRS) the grouping (`moe._group_block`, the
+                             blocks `moe_group_kernel` launches apart): once every router program has published,
+                             the pairs' list sorted by expert into scratch `grp`; each publishes; the routed
+                             gate / up programs wait for all NG (none in "scan" mode: NG = 0);
+  then ST                    the shared expert's gate / up I tiles -> hs (they need no routing, so they run
                              while the router does); each publishes;
   then E x RT                the routed experts' (expert, I tile) gate / up programs -> h: they first wait
                              for all NR router programs (`phases.wait_for`), then rank their pairs in the
@@ -24,9 +28,11 @@ combine run in one launch. Its programs are, in the order they start (`phases.ti
 A program waits only for programs that took earlier tickets (see `phases`), so no schedule deadlocks; what
 it reads was published along that chain (the router's ids reach the down programs through the up programs'
 acquire / release). The last program to finish resets the counters (one `semaphore`, `moe_phase`).
-Prefill-sized P (the "grouped" mode) keeps the router as its own launch, writing the same scratch, then the
-moe family's launches (grouping, up, down): the grouping needs every pair's expert before any up program;
-the seams keep their launches too.
+Grouped otherwise (the other ops; above FUSED_MAX_PAIRS pairs) the router keeps its own launch, writing the same scratch, then
+the moe family's launches (grouping, up, down); the seams keep their launches too.
+`moe_router_experts_dp` (data parallel): the router and the routed experts run on the gathered tokens `x`,
+the shared expert's gate / up on the rank's own `xs_ptr` (S_M rows) and the combine's shared down GEMM on
+the first C_SM rows of its output (`moe._combine`).
 Every kernel computes what the router and moe kernels compute, in the same order, so the results are
 bit-identical to the two ops run apart.
 """
@@ -43,7 +49,7 @@ from .call import in_kernel_order
 from . import mhc, moe, router
 from .arrival import last_to_arrive
 from .mhc import mhc_rows
-from .moe import _combine_column, _down, _up
+from .moe import _combine_column, _down, _group_block, _or, _up
 from .pdl import pdl_enter
 from .phases import publish, ticket, wait_for
 from .router import route_rows
@@ -91,10 +97,18 @@ NO_SEAM = {**{p: None for p in SEAM_PARAMS if p != "y_ptr"}, "M": 0, "N": 1, "D"
 NO_FRONT = {**{p: None for p in FRONT_PARAMS.values() if p.startswith("a_")},
             **{"A_" + n: v for n, v in NO_SEAM.items() if not n.endswith("_ptr")}, "NA": 0}
 # the semaphore's int32 counters: the ticket, router programs done, shared gate / up tiles done, D tiles
-# combined, programs finished, seam-before blocks done (COUNTERS slots, a power of two); then one arrival
+# combined, programs finished, seam-before blocks done, grouping blocks done (COUNTERS slots, a power of two);
+# then one arrival
 # counter per D tile and one count of finished I tiles per expert
-TICKET, ROUTED, SHARED_UP, COMBINED, FINISHED, SEAM_IN = (tl.constexpr(i) for i in range(6))
+TICKET, ROUTED, SHARED_UP, COMBINED, FINISHED, SEAM_IN, GROUPED = (tl.constexpr(i) for i in range(7))
 COUNTERS = tl.constexpr(8)
+G_BP, G_BQ = tl.constexpr(moe.GROUP_BP), tl.constexpr(moe.GROUP_BQ)  # the grouping's blocks (`moe_group_kernel`'s)
+# Up to this many (token, slot) pairs the grouped MoE of `moe_router_experts_dp` is one launch too, its grouping
+# a phase after the router's (a decode step of every rank's tokens: V4-Pro, 8 ranks x 8 tokens x top-6 = 384);
+# above it (prefill chunks) the router, the grouping and the experts keep their launches, a few us next to a
+# chunk's. The other ops keep their grouped launches apart (their programs unchanged; they could take the same
+# phase: a single-rank decode batch past 10 tokens is grouped too).
+FUSED_MAX_PAIRS = 512
 # Params that may be scratch: where they are, the call carves them from its one scratch pointer (`scr_ptr`,
 # `<param>_AT`: the byte offset, `<param>_DT`: the element type) instead of taking a pointer each. Every
 # pointer argument holds two scalar registers for the whole kernel on gfx950, and with the seam before's
@@ -179,6 +193,7 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                      m_s_ptr_AT: tl.constexpr, m_s_ptr_DT: tl.constexpr, m_post_ptr_AT: tl.constexpr,
                      m_post_ptr_DT: tl.constexpr, m_comb_ptr_AT: tl.constexpr, m_comb_ptr_DT: tl.constexpr,
                      ST: tl.constexpr, RT: tl.constexpr, ND: tl.constexpr, NH: tl.constexpr, EB: tl.constexpr,
+                     xs_ptr, C_SM: tl.constexpr, NG: tl.constexpr, G_NRB: tl.constexpr,
                      PDL: tl.constexpr = False, CALLS: tl.constexpr = True):
     """Programs by ticket: NA token blocks of the seam before the MoE (`mhc_moe_mhc`; else none), NR router
     row blocks, ST shared gate / up tiles, E x RT routed (expert, I tile) gate / up, E x ND routed (expert,
@@ -195,7 +210,8 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
     m_s_ptr = _carve(m_s_ptr, scr_ptr, m_s_ptr_AT, m_s_ptr_DT)
     m_post_ptr = _carve(m_post_ptr, scr_ptr, m_post_ptr_AT, m_post_ptr_DT)
     m_comb_ptr = _carve(m_comb_ptr, scr_ptr, m_comb_ptr_AT, m_comb_ptr_DT)
-    v = ticket(phase_ptr + TICKET) - NA
+    t = ticket(phase_ptr + TICKET) - NA
+    v = tl.where(t >= NR + NG, t - NG, t)  # the phases after the grouping numbered as if it were not there
     if v < 0:
         if NA > 0:  # the seam before: x, and the streams / post / comb the seam after reads, into scratch
             mhc_rows(v + NA, a_y_ptr, None, a_s_ptr, a_post_ptr, a_comb_ptr, a_fn_ptr, a_base_ptr, a_scale_ptr, a_norm_ptr,
@@ -214,15 +230,22 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                                  R_KSEL, R_X_RS, R_W_RS, R_T_RS, R_I_S, R_WO_RS, R_IO_RS, R_ROUTE_SCALE, R_DENOM_EPS,
                                  R_SUM_IN_DT, R_BR, R_BE, R_BK, R_BKS)
         publish(phase_ptr + ROUTED)
+    elif t < NR + NG:  # (MODE "grouped") the pairs' list sorted by expert, once every row is routed
+        if NG > 0:
+            wait_for(phase_ptr + ROUTED, NR)
+            _group_block(t - NR, idx_ptr, grp_ptr, P, E, KSEL, IDX_RS, G_NRB, G_BP, G_BQ)
+            publish(phase_ptr + GROUPED)
     elif v < NR + ST:
         if NA > 0:
             wait_for(phase_ptr + SEAM_IN, NA)  # every token's x
-        _up(v * 0, v - NR, x_ptr, None, None,  # expert 0 of 1 (a tensor: _up casts it)
+        _up(v * 0, v - NR, _or(xs_ptr, x_ptr), None, None,  # expert 0 of 1 (a tensor: _up casts it)
             sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, hs_ptr, S_M, 1, 1, "all", 1, S_I, D,
             X_RS, 0, S_I, 0, S_W_RS, 0, S_S_RS, S_W_FMT, S_S_E8M0, S_BLOCK, S_ACT, CDT, LIMIT, S_BM, S_BN, S_BK)
         publish(phase_ptr + SHARED_UP)
     elif v < NR + ST + E * RT:
         wait_for(phase_ptr + ROUTED, NR)
+        if NG > 0:
+            wait_for(phase_ptr + GROUPED, NG)  # the expert's place in the grouped list
         w = v - NR - ST
         _up(w // RT, w % RT, x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, P, E, KSEL, MODE, PB, I, D,
             X_RS, IDX_RS, H_RS, W_ES, W_RS, S_ES, S_RS, W_FMT, S_E8M0, BLOCK, ACT, CDT, LIMIT, BM, BN, BK)
@@ -237,9 +260,9 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
               D_BN, D_BK)
         if last_to_arrive(phase_ptr + COUNTERS + n_tile, E):  # every expert's rows of this D tile are in yr
             wait_for(phase_ptr + SHARED_UP, ST)  # the shared expert's hs, for its down GEMM
-            _combine_column(n_tile, hs_ptr, yr_ptr, idx_ptr, cw2_ptr, cs2_ptr, out_ptr, sy_ptr, C_M, E, KSEL, C_IS, D, C_HS_RS,
-                            D_Y_RS, IDX_RS, C_Y_RS, C_W_RS, C_S_RS, C_W_FMT, C_S_E8M0, C_BLOCK, C_ACT, CDT, BM, D_BN,
-                            C_BK, C_BKS)
+            _combine_column(n_tile, hs_ptr, yr_ptr, idx_ptr, cw2_ptr, cs2_ptr, out_ptr, sy_ptr, C_M, C_SM, E, KSEL, C_IS, D,
+                            C_HS_RS, D_Y_RS, IDX_RS, C_Y_RS, C_W_RS, C_S_RS, C_W_FMT, C_S_E8M0, C_BLOCK, C_ACT, CDT, BM,
+                            D_BN, C_BK, C_BKS)
             tl.store(phase_ptr + COUNTERS + n_tile, 0)
             publish(phase_ptr + COMBINED)
     else:
@@ -248,7 +271,7 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                  m_scale_ptr, m_norm_ptr, m_so_ptr, m_yo_ptr, m_posto_ptr, m_combo_ptr, H_M, H_N, H_D, H_BD, H_BT,
                  H_POST, H_MIX, H_NORM, H_NM, H_EPS, H_HC_EPS, H_ITERS, H_NORM_EPS, H_Y_S, H_S_S, H_S_SN, H_SO_S,
                  H_SO_SN, H_YO_S, H_DT)
-    if last_to_arrive(phase_ptr + FINISHED, NA + NR + ST + E * RT + E * ND + NH):  # every program is past its waits
+    if last_to_arrive(phase_ptr + FINISHED, NA + NR + NG + ST + E * RT + E * ND + NH):  # every program is past its waits
         tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)
         eb = tl.arange(0, EB)
         tl.store(phase_ptr + COUNTERS + ND + eb, 0, mask=eb < E)
@@ -285,7 +308,7 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
                attrs: dict) -> list[KernelCall]:
     if op_name == "mhc_moe_mhc":
         return _with_seam_before(operands, results, attrs)
-    if op_name in ("moe_router_experts_ep", "mhc_moe_ep"):
+    if op_name in ("moe_router_experts_ep", "mhc_moe_ep", "moe_router_experts_dp"):
         return _expert_parallel(op_name, operands, results, attrs)
     if op_name not in ("moe_router_experts_shared", "moe_mhc_post_pre"):
         raise KeyError(f"moe_router family has no op '{op_name}'")
@@ -317,8 +340,13 @@ EP_FRONT_RENAMED = {("result", "y_next"): ("scratch", "seam_x"),
                     **{("operand", n): ("operand", "in_" + n) for n in ("fn", "base", "scale", "norm")}}
 
 
+# `moe_router_experts_dp`: the single-rank calls' operand names -> the op's
+DP_NAMES = {"x": "xg", "xs": "x"}
+
+
 def _expert_parallel(op_name, operands, results, attrs) -> list[KernelCall]:
-    """`moe_router_experts_ep` (and `mhc_moe_ep`, the seam before it as the first phase): the single-rank
+    """`moe_router_experts_ep` (and `mhc_moe_ep`, the seam before it as the first phase; `moe_router_experts_dp`,
+    the shared expert's gate / up reading the rank's own tokens `xs_ptr` and the combine its first C_SM rows): the single-rank
     calls with the rank's owner table masking the routing in the router phase (`route_rows`' o_ptr) and the
     combine writing the routed partial sum and the shared expert's output apart (`_combine`'s sy_ptr)."""
     from ...ir.registry import get_op
@@ -339,13 +367,19 @@ def _expert_parallel(op_name, operands, results, attrs) -> list[KernelCall]:
         operands = {n: v for n, v in operands.items() if n not in f_ops and not n.startswith("in_")}
         operands["x"] = x
         attrs = {n: v for n, v in attrs.items() if not n.startswith("in_")}
+    if op_name == "moe_router_experts_dp":  # the routing and the routed experts on xg, the shared expert on x
+        operands = {**{n: v for n, v in operands.items() if n != "xg"}, "x": operands["xg"], "xs": operands["x"]}
     partial, shared = results["partial"], results["shared"]
     if partial.strides != shared.strides:
         raise ValueError("moe_router_experts_ep: the partial sum and the shared output must share their layout")
     owner = operands.pop("owner")  # (attrs keep `ep`: the moe calls' cost model, 1 / ep of the slots land here)
     calls = _specialise("moe_router_experts_shared", operands, {"y": partial}, attrs, front,
-                        renamed={("result", "y"): ("result", "partial")}, inner_x=front is not None)
+                        renamed={("result", "y"): ("result", "partial")}, inner_x=front is not None,
+                        fuse_grouped=op_name == "moe_router_experts_dp")
     for c in calls:
+        if op_name == "moe_router_experts_dp":  # back to the op's names: the routed tokens are xg, the shared x
+            c.pointers = [(p, kind, DP_NAMES.get(name, name) if kind == "operand" else name, ty)
+                          for p, kind, name, ty in c.pointers]
         if "o_ptr" in c.constexprs or "r_o_ptr" in c.constexprs:  # the router phase: masked by the owner table
             p = "o_ptr" if "o_ptr" in c.constexprs else "r_o_ptr"
             del c.constexprs[p]
@@ -359,7 +393,7 @@ def _expert_parallel(op_name, operands, results, attrs) -> list[KernelCall]:
 
 def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg], attrs: dict,
                 front: KernelCall | None = None, renamed: dict | None = None,
-                inner_x: bool = False) -> list[KernelCall]:
+                inner_x: bool = False, fuse_grouped: bool = False) -> list[KernelCall]:
     """`front`: the seam before the MoE's call (`mhc_moe_mhc`); its scratch is the MoE's x and the seam
     after's streams / post / comb (INNER_RENAMED)."""
     from ...ops.fused import MHC_ATTRS, ROUTER_ATTRS
@@ -393,8 +427,9 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
         h_ops = {n: operands[n] for n in SEAM_OPERANDS}
         hcalls = [_renamed(c, extra, names) for c in mhc.specialise("mhc_post_pre", {"y": m_results["y"], **h_ops}, results,
                                                             {n: attrs[n] for n in MHC_ATTRS})]
-    up, down = mcalls[0], mcalls[-1]
-    if up.fn is not moe.moe_up_kernel:  # grouped mode: the grouping launch needs the routing first
+    group = mcalls[0] if mcalls[0].fn is moe.moe_group_kernel else None
+    up, down = mcalls[1 if group else 0], mcalls[-1]
+    if group is not None and (not fuse_grouped or group.constexprs["P"] > FUSED_MAX_PAIRS):  # launches apart
         if front:
             front.scratch_bytes.update(extra)
         return [*([front] if front else []), rcall, *mcalls, *hcalls]
@@ -419,8 +454,9 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
     E = ce["E"]
     NH = hcalls[0].grid[0] if seam else 0
     NA = ce["NA"]
-    ce.update(NR=rcall.grid[0], RT=RT, ST=ST, ND=ND, NH=NH, EB=triton.next_power_of_2(E))
-    calls = (*([front] if front else []), rcall, up, down, *hcalls)
+    ce.update(NR=rcall.grid[0], RT=RT, ST=ST, ND=ND, NH=NH, EB=triton.next_power_of_2(E),
+              NG=group.grid[0] if group else 0, G_NRB=group.constexprs["NRB"] if group else 0)
+    calls = (*([front] if front else []), rcall, *([group] if group else []), up, down, *hcalls)
     pts, have = [], set()
     for call in calls:
         names = ROUTER_PARAMS if call is rcall else DOWN_PARAMS if call is down else SEAM_PARAMS if hcalls \
@@ -445,7 +481,7 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
     unaligned = {renamed.get(p, p) for c in calls if c is not front for p in c.unaligned}
     unaligned |= {FRONT_PARAMS.get(p, p) for p in (front.unaligned if front else ())}
     return [KernelCall(call_name("moe_fused", ce, tag + ("_seams" if front else "_seam" if seam else "")),
-                       moe_fused_kernel, ce, pts, (NA + ce["NR"] + ST + E * RT + E * ND + NH, 1, 1),
+                       moe_fused_kernel, ce, pts, (NA + ce["NR"] + ce["NG"] + ST + E * RT + E * ND + NH, 1, 1),
                        num_warps=max(c.num_warps for c in calls),
                        scratch_bytes=scratch,
                        unaligned=tuple(sorted(unaligned)),

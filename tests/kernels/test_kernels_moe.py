@@ -261,12 +261,12 @@ def test_wrong_grouping_is_caught(monkeypatch, tmp_path):
     # Pair order inside an expert's list is NOT a fault: rows are written by pair id, so a descending
     # order gives the very same bits (the combine order comes from the expert ids, not from the list).
     y_ok, _ = launch_calls(args, attrs)
-    kc.install_broken_kernel(monkeypatch, tmp_path, moe, "moe_group_kernel", *UNSTABLE)
+    kc.install_broken_kernel(monkeypatch, tmp_path, moe, "_group_block", *UNSTABLE)
     y_uns, _ = launch_calls(args, attrs)
     assert torch.equal(y_ok, y_uns)
     kc.assert_matches(y_ok, ref, "grouped")
     monkeypatch.undo()
-    kc.install_broken_kernel(monkeypatch, tmp_path, moe, "moe_group_kernel", *OFF_BY_ONE)
+    kc.install_broken_kernel(monkeypatch, tmp_path, moe, "_group_block", *OFF_BY_ONE)
     y, _ = launch_calls(args, attrs)
     with pytest.raises(AssertionError):
         kc.assert_matches(y, ref, "off-by-one offsets")

@@ -119,3 +119,57 @@ def test_broken_kernels_are_caught(monkeypatch, tmp_path):
                 m.setattr(moe_router, name, getattr(router, name))
             with pytest.raises(AssertionError):
                 check(*params)
+
+
+def check_dp(dtype, hashed, T, kernel="moe_fused_kernel"):
+    """`moe_router_experts_dp` on rank 1 of a dp 2 / ep 2 group: the router and this rank's routed experts on
+    the gathered rows (both ranks' tokens), the shared expert on rank 1's own (the second half of them)."""
+    args, attrs = ep_case(dtype, hashed, ("float", "float"), 1, B=2, T=T)
+    args["xg"] = args["x"]
+    args["x"] = args["xg"][1:].clone()
+    outs, ref, calls = run("moe_router_experts_dp", args, attrs, ("partial", "shared"))
+    assert kernel in [c.kernel_name for c in calls]
+    assert outs["partial"].shape[0] == 2 and outs["shared"].shape[0] == 1
+    for n, r in zip(("partial", "shared"), ref):
+        kc.assert_matches(outs[n], r, f"moe_router_experts_dp {n}", ulps=2)
+    return calls
+
+
+# (dtype, hash router, tokens a rank, the launches' form): 12 pairs scan their ids in one launch; 68 pairs are
+# grouped by a phase of that launch; with FUSED_MAX_PAIRS below them, by launches of their own (prefill's form)
+DP_CASES = {"bf16-hash-scan": (torch.bfloat16, True, 3, "scan"), "fp32-learned-grouped": (torch.float32, False, 17, "grouped"),
+            "fp32-learned-apart": (torch.float32, False, 17, "apart")}
+
+
+@pytest.mark.parametrize("case_id", sorted(DP_CASES))
+def test_moe_router_experts_dp_matches_its_reference(monkeypatch, case_id):
+    from v4compile.codegen.kernels import moe_router
+    dtype, hashed, T, form = DP_CASES[case_id]
+    if form == "apart":
+        monkeypatch.setattr(moe_router, "FUSED_MAX_PAIRS", 16)
+    calls = check_dp(dtype, hashed, T, "moe_up_kernel" if form == "apart" else "moe_fused_kernel")
+    if form != "apart":
+        assert len(calls) == 1 and (calls[0].constexprs["NG"] > 0) == (form == "grouped")
+
+
+DP_FAULTS = {
+    # the shared expert's gate / up reading x (the gathered rows: rank 0's first) instead of the rank's own
+    "fused reads x": ("moe_router", "moe_fused_kernel", "_or(xs_ptr, x_ptr)", "x_ptr", 3, "moe_fused_kernel"),
+    "grouped reads x": ("moe", "moe_up_kernel", "_or(xs_ptr, x_ptr)", "x_ptr", 17, "moe_up_kernel"),
+    # the one launch's grouping programs all doing block 0: the rest of the pairs' list and the offsets unwritten
+    "fused grouping block": ("moe_router", "moe_fused_kernel", "_group_block(t - NR,", "_group_block((t - NR) * 0,", 17,
+                             "moe_fused_kernel"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(DP_FAULTS))
+def test_a_broken_dp_kernel_is_caught(monkeypatch, tmp_path, fault):
+    import importlib
+    from v4compile.codegen.kernels import moe_router
+    module, name, old, new, T, kernel = DP_FAULTS[fault]
+    kc.install_broken_kernel(monkeypatch, tmp_path, importlib.import_module(f"v4compile.codegen.kernels.{module}"),
+                             name, old, new)
+    if kernel == "moe_up_kernel":
+        monkeypatch.setattr(moe_router, "FUSED_MAX_PAIRS", 16)
+    with pytest.raises(AssertionError):
+        check_dp(torch.float32, False, T, kernel)

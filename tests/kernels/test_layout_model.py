@@ -77,3 +77,13 @@ def test_a_replicated_kv_under_dp_is_caught():
         if r["layout"] == "DP8/EP8":
             r["fits_sequences"] = {c: n // 8 for c, n in r["fits_sequences"].items()}
     assert lm.fits_ratio(table(), "gfx950", 65536) >= 7 > lm.fits_ratio(t, "gfx950", 65536)
+
+
+def test_the_compiled_calls_stand_for_their_own_layout_alone():
+    """Given the compiled program's calls for one layout, the other layout's row carries the bar (7 a layer + 5),
+    named as not compiled; an int (legacy) stands for both."""
+    t = lm.layout_table(pro(), ("gfx950",), batch=8, calls_per_step={"DP8/EP8": 450})
+    dp, tp = row(t, "MI355X", "DP8/EP8")["step"], row(t, "MI355X", "TP8/EP8")["step"]
+    assert (dp["calls"], dp["calls_source"]) == (450, "the compiled program")
+    assert tp["calls"] == 7 * pro().n_layers + 5 and tp["calls_source"].startswith("not compiled here")
+    assert row(table(), "MI355X", "TP8/EP8")["step"]["calls"] == row(table(), "MI355X", "DP8/EP8")["step"]["calls"] == 406

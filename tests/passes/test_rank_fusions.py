@@ -14,6 +14,7 @@ from test_partition import check_for, partitioned
 from v4compile.cli.report import launch_counts
 from v4compile.config import preset
 from v4compile.passes import GPU_PIPELINE, PassManager, PipelineOptions
+from v4compile.passes.base import get_pass
 from v4compile.trace import TraceOptions, trace
 from test_partition import OPTS
 
@@ -69,46 +70,66 @@ def test_every_moe_fusion_fires_on_a_partitioned_module():
 FUSED_STAGE = GPU_PIPELINE[:GPU_PIPELINE.index("fuse_mhc_moe") + 1]  # the MoE fusions, before the pool lowering
 
 
+def dp_partitioned():
+    """tiny-pro (official numerics) over dp 2, ep 2: each rank its own sequences, the experts split."""
+    m = trace(preset(NAME), TraceOptions(numerics=NUMERICS, **OPTS))
+    return get_pass("partition", {"tp": 1, "ep": 2, "dp": 2}).run(m).module
+
+
+LAYOUTS = {"tp2ep2": lambda: partitioned(NAME, NUMERICS, 2, 2), "dp2ep2": dp_partitioned}
+FUSED_OP = {"tp2ep2": "mhc_moe_ep", "dp2ep2": "moe_router_experts_dp"}
+
+
 @functools.cache
-def decode_case():
-    """tiny-pro's partitioned decode (official numerics, tp 2 ep 2) on seeded inputs and weights, every rank
-    simulated: (inputs, each rank's weights loader, each rank's outputs before any fusion)."""
+def decode_case(layout: str = "tp2ep2"):
+    """tiny-pro's partitioned decode (official numerics) on seeded inputs and weights, every rank simulated
+    (data parallel: each rank its own inputs): (the runner, each rank's outputs before any fusion)."""
     from test_partition import _gen
     from conftest import dense_weights
     from v4compile.ir.interpret import interpret_ranks
     from v4compile.weights_convert import DenseSource, load_ir_weights
 
-    before = partitioned(NAME, NUMERICS, 2, 2)
+    before = LAYOUTS[layout]()
     source = DenseSource(dense_weights(NAME))
     g = _gen(4)
-    inputs = {}
-    for v in before.functions["decode"].inputs:
-        if v.name == "ids":
-            inputs[v.name] = torch.randint(0, preset(NAME).vocab_size, v.type.shape, generator=g)
-        elif v.type.dtype in ("i64", "i32"):
-            inputs[v.name] = torch.full(v.type.shape, 3, dtype=torch.int64 if v.type.dtype == "i64" else torch.int32)
-        else:
-            inputs[v.name] = torch.randn(v.type.shape, generator=g) * 0.1
+    per_rank = []
+    for _ in range(2 if layout.startswith("dp") else 1):
+        inputs = {}
+        for v in before.functions["decode"].inputs:
+            if v.name == "ids":
+                inputs[v.name] = torch.randint(0, preset(NAME).vocab_size, v.type.shape, generator=g)
+            elif v.type.dtype in ("i64", "i32"):
+                inputs[v.name] = torch.full(v.type.shape, 3, dtype=torch.int64 if v.type.dtype == "i64" else torch.int32)
+            else:
+                inputs[v.name] = torch.randn(v.type.shape, generator=g) * 0.1
+        per_rank.append(inputs)
+    per_rank = per_rank * (2 // len(per_rank))
 
     def run(m):
-        return interpret_ranks(m.functions["decode"], [load_ir_weights(m, source, rank=r) for r in range(2)],
-                               [inputs] * 2)
+        return interpret_ranks(m.functions["decode"], [load_ir_weights(m, source, rank=r) for r in range(2)], per_rank)
     return run, run(before)
 
 
-def fused_decode_mismatch() -> int:
+@functools.cache
+def fused_stage(layout: str):
+    """The partitioned module after the MoE fusions (a broken variant changes an op's reference, not this)."""
+    return PassManager(FUSED_STAGE, PipelineOptions()).run(LAYOUTS[layout]()).module
+
+
+def fused_decode_mismatch(layout: str = "tp2ep2") -> int:
     """One decode step: the module after the MoE fusions against the partitioned module before any (whose
     exactness against `ReferenceModel.partitioned` test_partition holds). Returns the number of output
     elements that differ in any bit (the fused ops' references are the compositions, so none may)."""
-    run, want = decode_case()
-    after = PassManager(FUSED_STAGE, PipelineOptions()).run(partitioned(NAME, NUMERICS, 2, 2)).module
-    assert any(op.name == "mhc_moe_ep" for op in after.functions["decode"].ops)
+    run, want = decode_case(layout)
+    after = fused_stage(layout)
+    assert any(op.name == FUSED_OP[layout] for op in after.functions["decode"].ops)
     got = run(after)
     return sum(int((got[r][n] != ref).sum()) for r in range(2) for n, ref in want[r].items())
 
 
-def test_the_fused_partitioned_module_is_exact():
-    assert fused_decode_mismatch() == 0
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_the_fused_partitioned_module_is_exact(layout):
+    assert fused_decode_mismatch(layout) == 0
 
 
 def test_a_fused_op_adding_in_another_order_is_caught(monkeypatch):
@@ -130,3 +151,40 @@ def test_a_fusion_skipping_partitioned_modules_is_caught(monkeypatch, fusion):
     monkeypatch.setattr(mod, "_fuse_ep", lambda *a: None)
     with pytest.raises(AssertionError):
         check_rank_fusions(run_partitioned())
+
+
+def test_a_dp_fused_op_with_the_shared_expert_on_the_gathered_rows_is_caught(monkeypatch):
+    """The data-parallel MoE's shared expert run on the gathered rows' first part (rank 0's tokens on every
+    rank) instead of the rank's own: caught on rank 1."""
+    from v4compile.ops import fused_ep
+    keep = fused_ep._routed_and_shared
+
+    def wrong(x, *a, xs=None):
+        p, s = keep(x, *a, xs=None if xs is None else x[:xs.shape[0]])
+        return p, s
+    monkeypatch.setattr(fused_ep, "_routed_and_shared", wrong)
+    assert fused_decode_mismatch("dp2ep2") > 0
+
+
+def check_dp_fusions(result) -> None:
+    """Data parallel: the router, the mask, the routed and the shared expert are one op a layer, between the
+    gather and the reduce-scatter (each a launch of its own), the seam after reading the reduce-scatter."""
+    cfg = preset(NAME)
+    ops = [op.name for op in result.module.functions["decode"].ops]
+    assert ops.count("moe_router_experts_dp") == cfg.n_layers
+    assert ops.count("reduce_scatter_rows") == cfg.n_layers and ops.count("all_gather_rows") >= cfg.n_layers
+    assert ops.count("mhc_post_pre_add") == cfg.n_layers - 1  # the last seam is mhc_post_head
+    assert not {"router", "local_experts", "moe_experts", "swiglu"} & set(ops)
+
+
+def test_every_moe_fusion_fires_on_a_dp_module():
+    check_dp_fusions(PassManager(GPU_PIPELINE, PipelineOptions()).run(dp_partitioned()))
+
+
+@pytest.mark.parametrize("fusion", ["fuse_moe_router", "fuse_moe_mhc"])
+def test_a_fusion_skipping_dp_modules_is_caught(monkeypatch, fusion):
+    import importlib
+    mod = importlib.import_module(f"v4compile.passes.{fusion}")
+    monkeypatch.setattr(mod, "_fuse_ep" if fusion == "fuse_moe_router" else "_fold_add", lambda *a: None)
+    with pytest.raises(AssertionError):
+        check_dp_fusions(PassManager(GPU_PIPELINE, PipelineOptions()).run(dp_partitioned()))

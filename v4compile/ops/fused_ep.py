@@ -9,6 +9,8 @@ the result would no longer be the layout reference's bit for bit). The `all_redu
 launch of its own (a collective in the captured graph), and the seam after reads `add(reduced, shared)`
 (`mhc_post_pre_add`: the add folded into the seam's launch). Each reference is the composition of the
 references it replaces, so a fusion never changes a value.
+Data parallel (`--dp N --ep N`): `moe_router_experts_dp` reads the gathered tokens for the routed part and the
+rank's own for the shared expert; its partial goes through `reduce_scatter_rows` instead of the all-reduce.
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ def _moe_attrs(attrs: dict) -> dict:
 
 
 def _routed_and_shared(x, wts, idx, owner, w1, w2, w3, s1, s2, s3, w1_scale, w2_scale, w3_scale, s1_scale, s2_scale,
-                       s3_scale, attrs):
+                       s3_scale, attrs, xs=None):
+    """(this rank's routed partial sum over the tokens `x`, the shared expert's output on `xs`, default `x`)."""
     lw, li = local_experts.ref(wts, idx, owner)
     m = _moe_attrs(attrs)
     partial = moe_experts.ref(x, lw, li, w1, w2, w3, w1_scale, w2_scale, w3_scale, ep=attrs.get("ep", 1), **m)
+    xs = x if xs is None else xs
     lin = {"block": attrs["shared_block"], "act": attrs["shared_act"], "acc": m["acc"], "out_dtype": m["out_dtype"]}
-    g = linear.ref(x, s1, s1_scale, **lin)
-    u = linear.ref(x, s3, s3_scale, **lin)
+    g = linear.ref(xs, s1, s1_scale, **lin)
+    u = linear.ref(xs, s3, s3_scale, **lin)
     return partial, linear.ref(swiglu.ref(g, u, limit=m["limit"]), s2, s2_scale, **lin)
 
 
@@ -147,3 +151,46 @@ def _(operands, results, attrs):
     y2 = operands[1]
     c = mhc_post_pre.cost_of([operands[0], *operands[2:]], results, {n: attrs[n] for n in MHC_ATTRS})
     return Cost(c.flops + y2.numel, c.bytes_read + y2.nbytes, c.bytes_written)
+
+
+
+# ---- data parallel with the experts over the world (`partition{dp, ep}`) --------------------------------------
+# The FFN of a dp module is `add(reduce_scatter_rows(moe_experts(xg, local_experts(router(xg), owner))), shared(x))`
+# with `xg = all_gather_rows(x)`: the routed experts see every rank's tokens, the shared expert the rank's own.
+# The fused op reads both; the gather stays a launch of its own before it and the reduce-scatter one after it
+# (the seam after reads `add(reduced, shared)`: `mhc_post_pre_add`, as under `--ep` alone).
+
+@defop("moe_router_experts_dp(x, xg, gate, bias?, tid2eid?, ids?, owner, w1, w2, w3, s1, s2, s3, w1_scale?, "
+       "w2_scale?, w3_scale?, s1_scale?, s2_scale?, s3_scale?) -> partial, shared",
+       attrs=EP_ATTRS, kernel="moe_router", variants={"learned": ("bias",), "hash": ("tid2eid", "ids")})
+def moe_router_experts_dp(x, xg, gate, bias, tid2eid, ids, owner, w1, w2, w3, s1, s2, s3, w1_scale, w2_scale,
+                          w3_scale, s1_scale, s2_scale, s3_scale, **attrs):
+    """`moe_router_experts_ep` with the router and the routed experts on the gathered tokens `xg` (every rank's,
+    in rank order: `partial` has a row for each; the reduce-scatter after it adds the ranks' and hands each rank
+    its own rows) and the shared expert on this rank's own tokens `x` (`shared`: a row for each of them)."""
+    wts, idx = router.ref(xg, gate, bias, tid2eid, ids, **{n: attrs[n] for n in ROUTER_ATTRS})
+    return _routed_and_shared(xg, wts, idx, owner, w1, w2, w3, s1, s2, s3, w1_scale, w2_scale, w3_scale, s1_scale,
+                              s2_scale, s3_scale, attrs, xs=x)
+
+
+@moe_router_experts_dp.infer
+def _(*operands, **attrs):
+    from ..ir.registry import require
+    x, xg, rest = operands[0], operands[1], operands[2:]
+    require(x.shape[1:] == xg.shape[1:] and x.dtype == xg.dtype and xg.shape[0] % x.shape[0] == 0,
+            "moe_router_experts_dp: xg must be whole copies of x's rows (every rank's, gathered)",
+            found=(str(x), str(xg)))
+    partial, _ = moe_router_experts_ep.result_types([xg, *rest], {**attrs})
+    return partial, x
+
+
+@moe_router_experts_dp.cost
+def _(operands, results, attrs):
+    """`moe_router_experts_ep`'s cost on the gathered tokens, less the shared expert's FLOPs and reads on the
+    rows that are not this rank's (it runs on x alone), plus x's read."""
+    x, xg, rest = operands[0], operands[1], operands[2:]
+    c = moe_router_experts_ep.cost_of([xg, *rest], [results[0], results[0]], attrs)
+    s1 = rest[8]
+    others = (xg.numel - x.numel) // x.shape[-1]
+    return Cost(c.flops - 6 * others * s1.shape[0] * s1.shape[1], c.bytes_read + x.nbytes,
+                c.bytes_written - results[0].nbytes + results[1].nbytes)
