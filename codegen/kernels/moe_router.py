@@ -444,7 +444,8 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
     renamed = {**ROUTER_PARAMS, **DOWN_PARAMS, **SEAM_PARAMS}
     unaligned = {renamed.get(p, p) for c in calls if c is not front for p in c.unaligned}
     unaligned |= {FRONT_PARAMS.get(p, p) for p in (front.unaligned if front else ())}
-    return [KernelCall(call_name("moe_fused", ce, tag + ("_seams" if front else "_seam" if seam else "")),
+    return [KernelCall(call_name("moe_fused", {**ce, "route_types": router.route_types(rcall.pointers)},
+                                 tag + ("_seams" if front else "_seam" if seam else "")),
                        moe_fused_kernel, ce, pts, (NA + ce["NR"] + ST + E * RT + E * ND + NH, 1, 1),
                        num_warps=max(c.num_warps for c in calls),
                        scratch_bytes=scratch,
