@@ -13,15 +13,31 @@ and their sum per target (less noisy than wall time on a shared machine: it does
 packed onto the workers). Then the same CPU by kernel family: its specialisations and the constexprs in which
 they differ.
 
-Issue 40's profile (V4-Pro shape-only, both targets, empty cache, 2 shared cores, 2026-12-07; CPU seconds from
-the cache's stats because the machine was loaded 8-19 deep, so wall time meant nothing: 18 min 44 s): 48
-specialisations x 2 targets, 273 CPU s in the workers (sm_90a 168, gfx950 105: ptxas and nvdisasm make a sm_90a
-kernel ~1.6x a gfx950 one). By family: moe_fused 111 s (41%, 4 specialisations: two, the hash-routed
-layers' (tid2eid[ids]) and the top-k layers' MoE, differ only in the router's constexprs R_I_S, R_T_RS,
-R_SUM_IN_DT: 36 s), mhc 30 s (8), pair_norm 26 s (4), qkv_norm_rope 21 s (4), compress
-16 s (4), out_proj 15 s (1), attn_out_proj 12 s (1), the other 13 families 43 s. The 60 s goal (issue 40) on 2
-idle cores needs <= ~120 CPU s: about half of today's; the moe_fused router variants as run-time values and
-fewer mhc / pair_norm specialisations are the largest single wins, not done yet.
+Issue 40's figures (V4-Pro shape-only, both targets, empty cache, 2 cores):
+- main 2dc4511 on 2 idle cores (the coordinator's run): 2 min 7.6 s wall, 236 CPU s; `aot: 96 kernels x targets, 96
+  compiled in 118.5 s` (so ~9 s of trace, passes and writing, single-threaded, before and after the workers).
+- the same sources profiled on 2 loaded cores (load 5-10, so wall time meant nothing: 576 s): 272.5 CPU s in all
+  processes, 255.9 of them in the 96 compile jobs (sm_90a 155.5, gfx950 100.4: ptxas and nvdisasm make a sm_90a
+  kernel ~1.5x a gfx950 one), ~17 outside them (trace, passes, writing, the workers' imports: ~3 s each). By
+  family: moe_fused 98.0 (4 specialisations: the first MoE layer's (seam after only, hash-routed) 18.8, the
+  hash-routed and the learned layers' with both seams 27.8 and 35.7, the last layer's (no seam) 15.8), mhc 32.0
+  (8: four seam kinds x decode / prefill rows), pair_norm 22.8 (4), qkv_norm_rope 19.6 (4), compress 14.2 (4),
+  attn_out_proj 11.9, out_proj 11.0, router 9.0 (2: hash 3.1, learned 5.9), the other 12 families 18.9.
+- h-cold2: the router's launch is one binary for both routings (tid2eid / ids / bias always bound, an absent one
+  a null pointer; `router.route_rows` picks the routing at run time): router 2 -> 1 specialisation, -3.1 CPU s.
+  The same in the one-launch MoE (moe_fused: hash-routed and learned layers with both seams one binary, -27.8
+  CPU s) compiles and interprets right but takes a third routing pointer, and gfx950's binary then spills one
+  SGPR (106; the kernel sat at 105 with two): not done, as no specialisation may spill. Measured (empty cache,
+  loaded cores, load 3-15): 47 specialisations x 2 targets, 0 spills, 274.7 CPU s in all processes, 260.0 in the
+  jobs (sm_90a 153.7, gfx950 106.3; router 5.8): the 3 s won are below the noise of a loaded machine.
+The 60 s goal (issue 40) on 2 idle cores needs <= ~115 CPU s in all: about half of today's. Where the rest is:
+moe_fused's seam variants (the first / last layer's differ from the others only in which seams run, i.e. in
+program counts a binary could take at run time: ~35 CPU s, needs the AOT cache keyed on the binary alone, as
+the grid and the bound operands are not part of it, and one scratch carve for all variants), a pointer freed in
+moe_fused for the routing merge above (~28), mhc's hc_pre_norm as mhc_post_pre without the post pass (~9), and
+nvdisasm's ~0.7 CPU s per sm_90a kernel with matrix instructions (~20 in all; the count could come from the PTX).
+`--json FILE` records every figure printed (wall, CPU in all processes and in the jobs, per target, per family,
+the stages, the AOT line) for a closing note to quote.
 """
 
 from __future__ import annotations
@@ -91,6 +107,25 @@ def kernel_table(cache: Path, top: int) -> str:
     return "\n".join(lines)
 
 
+def job_figures(cache: Path) -> dict:
+    """The compile jobs' CPU seconds (from the cache's stats) in all, per target and per kernel family."""
+    by_target: dict[str, float] = {}
+    by_family: dict[str, float] = {}
+    n = 0
+    for d in sorted((cache / "aot").glob("*/")):
+        if not (d / "stats.json").exists():
+            continue
+        side, st = json.loads((d / "sidecar.json").read_text()), json.loads((d / "stats.json").read_text())
+        cpu = st.get("cpu_s", 0.0)
+        by_target[side["target"]] = by_target.get(side["target"], 0.0) + cpu
+        fam = side["kernel"].rsplit(".", 1)[-1]
+        by_family[fam] = by_family.get(fam, 0.0) + cpu
+        n += 1
+    r2 = lambda d: {k: round(v, 2) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}  # noqa: E731
+    return {"jobs": n, "jobs_cpu": round(sum(by_target.values()), 2), "by_target": r2(by_target),
+            "by_family": r2(by_family)}
+
+
 def family_table(cache: Path) -> list[str]:
     """Where the CPU goes by kernel family (a @triton.jit kernel): CPU seconds per target, its specialisations,
     and the constexprs in which they differ (a family's specialisations that differ only in values a kernel
@@ -123,6 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--target", default="gfx950,sm_90a")
     p.add_argument("--jobs", type=int, default=None)
     p.add_argument("--top", type=int, default=1000, help="rows of the per-kernel table (slowest first)")
+    p.add_argument("--json", type=Path, default=None, help="write the figures (cold and warm) to this file")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="v4bench-") as tmp:
         tmp = Path(tmp)
@@ -138,9 +174,19 @@ def main(argv=None) -> int:
             print("    " + ", ".join(f"{k} {v:.1f} s" for v, k in big))
             if name == "cold":
                 print(kernel_table(tmp / "cache", a.top))
+                r.update(job_figures(tmp / "cache"))
+                # what the jobs' stats do not hold: trace, passes, writing, the workers' start-up
+                r["outside_jobs_cpu"] = round(r["cpu"] - r["jobs_cpu"], 2)
+                print(f"    CPU outside the compile jobs (trace, passes, writing, worker start-up): "
+                      f"{r['outside_jobs_cpu']:.1f} s")
         n = sum(1 for _ in (tmp / "out" / "kernels").rglob("*.json")) if (tmp / "out" / "kernels").exists() else 0
         print(f"{a.preset}: {n} kernel sidecars; cold {res['cold']['wall']:.1f} s (goal <= 60), "
               f"warm {res['warm']['wall']:.1f} s (goal <= 10); {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+        if a.json:
+            a.json.write_text(json.dumps({"preset": a.preset, "target": a.target, "cpus": os.cpu_count(),
+                                          "load": round(os.getloadavg()[0], 1),
+                                          **{k: {**v, "wall": round(v["wall"], 2), "cpu": round(v["cpu"], 2)}
+                                             for k, v in res.items()}}, indent=1, sort_keys=True) + "\n")
     return 0
 
 

@@ -32,7 +32,10 @@ def run_calls(calls: list[KernelCall], args: dict[str, torch.Tensor | None], out
                                                dtype=torch.uint8, device=device)
                 t = scratch[name]
             else:
-                t = (args if kind == "operand" else outs)[name]
+                t = (args if kind == "operand" else outs).get(name)
+                if t is None:  # an optional operand the launch lacks: a null pointer (None: Triton's compile-time one)
+                    values.append(None)
+                    continue
             want = TRITON_TORCH[ty[1:]]
             off = call.offsets.get(param, 0)
             if off:

@@ -433,6 +433,13 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
         if front:
             front.scratch_bytes.update(extra)
         return [*([front] if front else []), rcall, *mcalls, *hcalls]
+    # The one launch keeps the routing a compile-time choice: an absent routing operand is a None constexpr,
+    # not a null pointer (the router's own launch takes all three, `router.ROUTE_OPERANDS`). Bound, the
+    # third pointer's two scalar registers made the gfx950 binary with both seams spill one (106 SGPRs).
+    for p, name in router.ROUTE_OPERANDS:
+        if operands.get(name) is None:
+            rcall.pointers = [q for q in rcall.pointers if q[0] != p]
+            rcall.constexprs[p] = None
     # one launch: the up call's constexprs and pointers, the router's as R_*, the down call's as D_* (its
     # combine's C_* as they are), the seam's as H_*, each renamed onto the fused kernel's parameters (x, the
     # routing, h / hs and the MoE's output are one buffer each, whoever reads or writes them); the seam before's
@@ -480,7 +487,8 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
     renamed = {**ROUTER_PARAMS, **DOWN_PARAMS, **SEAM_PARAMS}
     unaligned = {renamed.get(p, p) for c in calls if c is not front for p in c.unaligned}
     unaligned |= {FRONT_PARAMS.get(p, p) for p in (front.unaligned if front else ())}
-    return [KernelCall(call_name("moe_fused", ce, tag + ("_seams" if front else "_seam" if seam else "")),
+    return [KernelCall(call_name("moe_fused", {**ce, "route_types": router.route_types(rcall.pointers)},
+                                 tag + ("_seams" if front else "_seam" if seam else "")),
                        moe_fused_kernel, ce, pts, (NA + ce["NR"] + ce["NG"] + ST + E * RT + E * ND + NH, 1, 1),
                        num_warps=max(c.num_warps for c in calls),
                        scratch_bytes=scratch,

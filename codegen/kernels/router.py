@@ -29,6 +29,32 @@ def _softplus(x):
 
 
 @triton.jit
+def _hashed(t_ptr, ids_ptr, rows, r_ok, j, KSEL: tl.constexpr, T_RS: tl.constexpr, I_S: tl.constexpr):
+    """Expert ids `tid2eid[ids]` of token rows `rows` ([BR, BKS] int32; padding id -1 reads row 0)."""
+    tok = tl.maximum(tl.load(ids_ptr + rows * I_S, mask=r_ok, other=0).to(tl.int64), 0)
+    return tl.load(t_ptr + tok[:, None] * T_RS + j[None, :], mask=r_ok[:, None] & (j[None, :] < KSEL),
+                   other=0).to(tl.int32)
+
+
+@triton.jit
+def _learned(sc, b_ptr, e, e_ok, j, dt: tl.constexpr, KSEL: tl.constexpr, SUM_IN_DT: tl.constexpr, BR: tl.constexpr,
+             BE: tl.constexpr, BKS: tl.constexpr):
+    """Expert ids of the k largest `s + bias` per row, best first, ties to the lowest id ([BR, BKS] int32)."""
+    idx = tl.zeros([BR, BKS], dtype=tl.int32)
+    bias = tl.load(b_ptr + e, mask=e_ok, other=0.0).to(tl.float32)
+    sel = sc + bias[None, :]
+    if SUM_IN_DT:
+        sel = sel.to(dt).to(tl.float32)
+    sel = tl.where(e_ok[None, :], sel, float("-inf"))
+    for s in tl.static_range(KSEL):
+        m = tl.max(sel, axis=1)
+        pick = tl.min(tl.where(sel == m[:, None], e[None, :], BE), axis=1)
+        idx = tl.where(j[None, :] == s, pick[:, None], idx)
+        sel = tl.where(e[None, :] == pick[:, None], float("-inf"), sel)
+    return idx
+
+
+@triton.jit
 def router_kernel(x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr, o_ptr,
                   R: tl.constexpr, D: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr,
                   X_RS: tl.constexpr, W_RS: tl.constexpr, T_RS: tl.constexpr, I_S: tl.constexpr,
@@ -66,22 +92,14 @@ def route_rows(rb, x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr, o_ptr,
     sp = _softplus(logits).to(dt).to(tl.float32)
     sc = tl.sqrt_rn(sp).to(dt).to(tl.float32)
     j = tl.arange(0, BKS)
-    idx = tl.zeros([BR, BKS], dtype=tl.int32)
-    if t_ptr is not None:
-        tok = tl.maximum(tl.load(ids_ptr + rows * I_S, mask=r_ok, other=0).to(tl.int64), 0)
-        idx = tl.load(t_ptr + tok[:, None] * T_RS + j[None, :], mask=r_ok[:, None] & (j[None, :] < KSEL),
-                      other=0).to(tl.int32)
+    if t_ptr is None:  # None at compile time (a JIT launch, the interpreter): learned
+        idx = _learned(sc, b_ptr, e, e_ok, j, dt, KSEL, SUM_IN_DT, BR, BE, BKS)
+    elif b_ptr is None:
+        idx = _hashed(t_ptr, ids_ptr, rows, r_ok, j, KSEL, T_RS, I_S)
+    elif t_ptr.to(tl.int1):  # one binary for both routings (AOT): tid2eid given at run time
+        idx = _hashed(t_ptr, ids_ptr, rows, r_ok, j, KSEL, T_RS, I_S)
     else:
-        bias = tl.load(b_ptr + e, mask=e_ok, other=0.0).to(tl.float32)
-        sel = sc + bias[None, :]
-        if SUM_IN_DT:
-            sel = sel.to(dt).to(tl.float32)
-        sel = tl.where(e_ok[None, :], sel, float("-inf"))
-        for s in tl.static_range(KSEL):
-            m = tl.max(sel, axis=1)
-            pick = tl.min(tl.where(sel == m[:, None], e[None, :], BE), axis=1)
-            idx = tl.where(j[None, :] == s, pick[:, None], idx)
-            sel = tl.where(e[None, :] == pick[:, None], float("-inf"), sel)
+        idx = _learned(sc, b_ptr, e, e_ok, j, dt, KSEL, SUM_IN_DT, BR, BE, BKS)
     # gather s at the chosen experts: [BR, BKS]
     wts = tl.zeros([BR, BKS], dtype=tl.float32)
     for s in tl.static_range(KSEL):
@@ -100,6 +118,25 @@ def route_rows(rb, x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr, o_ptr,
     tl.store(io_ptr + rows[:, None].to(tl.int64) * IO_RS + j[None, :], idx.to(io_ptr.dtype.element_ty), mask=ok)
 
 
+# The routing's optional operands: every call binds all three, an absent one is a null pointer at run time
+# (`route_rows` picks the routing by whether tid2eid is given), so the hash-routed and the learned layers of a
+# model launch one binary. An absent one's type is what the model's would be: tid2eid and ids i64 (the
+# checkpoint's and the trace's), the bias in the weights' dtype.
+ROUTE_OPERANDS = (("b_ptr", "bias"), ("t_ptr", "tid2eid"), ("ids_ptr", "ids"))
+
+
+def route_pointers(bias: TensorArg | None, tid2eid: TensorArg | None, ids: TensorArg | None,
+                   wo: TensorArg) -> list[tuple[str, str, str, str]]:
+    given = {"bias": bias, "tid2eid": tid2eid, "ids": ids}
+    default = {"bias": wo.ptr_type, "tid2eid": "*i64", "ids": "*i64"}
+    return [ptr(p, "operand", n, given[n] if given[n] is not None else default[n]) for p, n in ROUTE_OPERANDS]
+
+
+def route_types(pointers) -> str:
+    """The routing pointers' types, for a call's name: two calls of one name must be one binary."""
+    return ",".join(t for p, _, n, t in pointers if n in dict(ROUTE_OPERANDS).values())
+
+
 def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg],
                attrs: dict) -> list[KernelCall]:
     if op_name != "router":
@@ -113,24 +150,24 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
         raise ValueError("router: x, w and the results need unit column stride")
     E, D = w.shape
     k = attrs["k"]
-    ce = dict(R=R, D=D, E=E, KSEL=k, X_RS=x_rs, W_RS=w.strides[0], T_RS=0, I_S=0, WO_RS=wo_rs, IO_RS=io_rs,
+    hashed = tid2eid is not None
+    if hashed:
+        _, i_rs, _ = rows_of(TensorArg(ids.type.with_shape(*ids.shape, 1), (*ids.strides, 1)), "router ids")
+        t_rs = tid2eid.strides[0]
+    else:  # what a contiguous tid2eid [vocab, k] and token ids would take (unused): see `route_types`
+        i_rs, t_rs = 1, k
+    ce = dict(R=R, D=D, E=E, KSEL=k, X_RS=x_rs, W_RS=w.strides[0], T_RS=t_rs, I_S=i_rs, WO_RS=wo_rs, IO_RS=io_rs,
               ROUTE_SCALE=float(attrs["route_scale"]), DENOM_EPS=float(attrs["denom_eps"]),
-              SUM_IN_DT=bias is not None and bias.dtype == wo.dtype,
+              # (unused by hash routing: there the value a bias in the weights' dtype gives)
+              SUM_IN_DT=hashed or bias.dtype == wo.dtype,
               BR=16, BE=max(16, triton.next_power_of_2(E)),
               # the [BK, BE] weight tile is the big one: keep it near 32 KB of bf16
               BK=min(max(16, 16384 // max(16, triton.next_power_of_2(E))), 128, max(16, triton.next_power_of_2(D))),
               BKS=triton.next_power_of_2(k), o_ptr=None)  # o_ptr: the owner table of `moe_router_experts_ep`
-    pointers = [ptr("x_ptr", "operand", "x", x), ptr("w_ptr", "operand", "w", w)]
-    if tid2eid is not None:
-        _, i_rs, _ = rows_of(TensorArg(ids.type.with_shape(*ids.shape, 1), (*ids.strides, 1)), "router ids")
-        ce.update(T_RS=tid2eid.strides[0], I_S=i_rs, b_ptr=None)
-        pointers += [ptr("t_ptr", "operand", "tid2eid", tid2eid), ptr("ids_ptr", "operand", "ids", ids)]
-    else:
-        ce.update(t_ptr=None, ids_ptr=None)
-        pointers.append(ptr("b_ptr", "operand", "bias", bias))
-    pointers += [ptr("wo_ptr", "result", "weights", wo), ptr("io_ptr", "result", "indices", io)]
-    mode = "hash" if tid2eid is not None else "topk"
-    return [KernelCall(call_name("router", ce, f"{mode}_r{R}_e{E}_d{D}_k{k}_{x.dtype}"), router_kernel, ce, pointers,
+    pointers = [ptr("x_ptr", "operand", "x", x), ptr("w_ptr", "operand", "w", w), *route_pointers(bias, tid2eid, ids, wo),
+                ptr("wo_ptr", "result", "weights", wo), ptr("io_ptr", "result", "indices", io)]
+    return [KernelCall(call_name("router", {**ce, "route_types": route_types(pointers)}, f"r{R}_e{E}_d{D}_k{k}_{x.dtype}"),
+                       router_kernel, ce, pointers,
                        (triton.cdiv(R, 16), 1, 1), num_warps=8 if ce["BE"] >= 256 else 4,
                        unaligned=unaligned({"x_ptr": x, "w_ptr": w, "b_ptr": bias, "t_ptr": tid2eid, "ids_ptr": ids,
                                             "wo_ptr": wo, "io_ptr": io}),

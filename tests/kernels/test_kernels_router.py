@@ -124,3 +124,59 @@ def test_fp32_router_on_bf16_activations(hashed):
     sw, si = _by_index(rw, ri)
     assert torch.equal(ki, si)
     kc.assert_matches(kw, sw, f"fp32 router hashed={hashed}")
+
+
+def _routed_at_run_time(dtype, hashed, E=12, D=96, k=3, B=2, T=9, seed=0):
+    """The router run as its AOT binary runs: every routing operand bound, an absent one a null pointer (here
+    an empty tensor: address 0, not Triton's compile-time None), so `route_rows` picks the routing from
+    tid2eid's address at run time. Under the memory guard: a load through the null pointer is caught."""
+    from v4compile.codegen.kernels.interpreter import memory_guard
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, D, generator=g).to(dtype)
+    w = (torch.randn(E, D, generator=g) * 0.2).to(dtype)
+    args = {"x": x, "w": w, "bias": None, "tid2eid": None, "ids": None}
+    if hashed:
+        args["tid2eid"] = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(40)])
+        args["ids"] = torch.randint(0, 40, (B, T), generator=g)
+    else:
+        args["bias"] = (torch.randn(E, generator=g) * 0.5).to(dtype)
+    attrs = {"k": k, "route_scale": 2.5}
+    wo, _ = kc.poisoned((B, T, k), dtype)
+    io, _ = kc.poisoned((B, T, k), torch.int64)
+    outs = {"weights": wo, "indices": io}
+    calls = kernels.specialise_tensors("router", args, attrs, outs)
+    bound = {n: (torch.empty(0, dtype=torch.int64 if n != "bias" else dtype) if v is None else v)
+             for n, v in args.items()}
+    assert all(bound[n].data_ptr() == 0 for n, v in args.items() if v is None)
+    live = [t for t in (*bound.values(), wo, io) if t.numel()]
+    with memory_guard([(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in live]):
+        kernels.run_calls(calls, bound, outs)
+    rw, ri = kc.reference("router", args, attrs)
+    kw, ki = _by_index(wo, io)
+    rw, ri = _by_index(rw, ri)
+    assert torch.equal(ki, ri), "selected experts differ"
+    kc.assert_matches(kw, rw, f"router weights hashed={hashed}")
+    return calls
+
+
+def test_one_binary_for_both_routings():
+    """Hash-routed and learned layers of one shape are one specialisation (one name, the same constexprs and
+    pointer types: one AOT binary), and the kernel routes each right when the choice is made at run time."""
+    a, b = (_routed_at_run_time(torch.float32, h)[0] for h in (False, True))
+    assert a.name == b.name and a.constexprs == b.constexprs and a.signature() == b.signature()
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_run_time_routing_choice_is_checked(monkeypatch, tmp_path, hashed):
+    """The run-time choice inverted: the hash layer routes by its (null) bias, the learned one reads its (null)
+    tid2eid; the memory guard or the comparison fails."""
+    from v4compile.codegen.kernels import router
+
+    kc.install_broken_kernel(monkeypatch, tmp_path, router, "route_rows", "elif t_ptr.to(tl.int1):",
+                             "elif not t_ptr.to(tl.int1):")
+    from triton.runtime.errors import InterpreterError
+
+    with pytest.raises((AssertionError, InterpreterError)) as e:  # (the guard's IllegalAddress, wrapped by Triton)
+        _routed_at_run_time(torch.float32, hashed)
+    assert e.type is AssertionError or "IllegalAddress" in str(e.value)
