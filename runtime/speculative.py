@@ -41,7 +41,7 @@ import numpy as np
 from v4compile.errors import InputError
 from v4compile.speculation import Acceptance, accept, check_draft_tokens, draw, probs
 
-from .undo import PoolUndo
+from .undo import PoolUndo, access, written_rows
 
 Draft = Callable[[int, list[int], int], list[int]]  # (prompt index, prompt + ids so far, k) -> k draft ids
 
@@ -89,17 +89,17 @@ class CompiledDraft:
         self.chunk_fns = {f.tokens: f.name for f in fns if f.name.startswith("draft_c")}
         # the MTP layer's window ring: the last of a slot's rings in the pool
         self.layer = int(session.art.manifest["pool"]["n_window_layers"]) - 1
-        self._fused: dict[int, str | None] = {}
+        self._fused: dict[tuple[int, int], str | None] = {}
 
-    def fused(self, B: int) -> str | None:
-        """The cpu device's one-call greedy step for bucket `B` (`codegen/onnx_spec.py`: verify_b<B>, the
-        acceptance and draft_b<B> in one ONNX graph, built at first use), or None (the host device, or a
-        partitioned artifact: a verify call, then a draft call)."""
-        if B not in self._fused:
-            self._fused[B] = self._fuse(B)
-        return self._fused[B]
+    def fused(self, B: int, k: int = 1) -> str | None:
+        """The cpu device's one-call greedy step for bucket `B` drafting `k` tokens (`codegen/onnx_spec.py`:
+        verify_b<B>, the acceptance and k unrolled copies of draft_b<B> in one ONNX graph, built at first use),
+        or None (the host device, or a partitioned artifact: a verify call, then draft calls)."""
+        if (B, k) not in self._fused:
+            self._fused[B, k] = self._fuse(B, k)
+        return self._fused[B, k]
 
-    def _fuse(self, B: int) -> str | None:
+    def _fuse(self, B: int, k: int) -> str | None:
         backend = self.s.backend
         vname, dname = f"verify_b{B}", next((f for b, f, _ in self.batch_fns if b == B), None)
         target = getattr(backend, "target", None)
@@ -115,11 +115,11 @@ class CompiledDraft:
             from .artifact_checks import onnx_model
 
             model = fuse_verify_draft(onnx_model(backend.art, vname, v), onnx_model(backend.art, dname, d),
-                                      v["batch"], v["tokens"])
+                                      v["batch"], v["tokens"], k, self.s.max_context - 1)
             return model, {"file": v["file"], "weights": sorted(set(v["weights"]) | set(d["weights"])),
                            "derived": {**v.get("derived", {}), **d.get("derived", {})},
                            "outputs": [o.name for o in model.graph.output]}
-        return backend.built(f"spec_b{B}", build)
+        return backend.built(f"spec_b{B}_d{k}", build)
 
     def _run(self, fname: str, hidden, ids, pos, seqs, B: int) -> dict[str, np.ndarray]:
         table, slot = self.s.table(seqs, B)
@@ -275,12 +275,15 @@ class SpecStep:
             ids[b, : 1 + len(d)] = [r.ids[-1]] + d
             pos[b, : 1 + len(d)] = np.arange(L, L + 1 + len(d))
             spans.append((q.slot, list(q.blocks), L + 1, L + len(d)))
-        undo = PoolUndo(s.backend, spans)
         seqs = [r.seq for r in live]
         table, slot = s.table(seqs, B)
+        inputs = {"ids": ids, "pos": pos, "block_table": table, "slot": slot}
         greedy = all(r.temperature == 0 for r in live)
-        fused = self.mtp.fused(B) if self.mtp is not None and greedy else None
-        res = s.backend.run_outputs(fused or fname, {"ids": ids, "pos": pos, "block_table": table, "slot": slot})
+        fused = self.mtp.fused(B, self.k) if self.mtp is not None and greedy else None
+        if fused and hasattr(s.backend, "run_held"):
+            return self._fused_step(live, deliver, fused, inputs)
+        undo = PoolUndo(s.backend, spans)
+        res = s.backend.run_outputs(fused or fname, inputs)
         logits = res["logits"]
         keep, news, kept_lane = {}, [], {}
         next_ids, kept = np.zeros((B, T), dtype=np.int64), pos.copy()
@@ -314,6 +317,47 @@ class SpecStep:
         entries = [(live[b].seq, live[b].seq.length, mlogits[b], mstreams[b, kept_lane[b]]) for b in nxt]
         for r, d in zip(reqs, self.mtp.drafts(entries, [self._wanted(r) for r in reqs], [r.spec.pick for r in reqs])):
             r.spec.drafts = d
+
+    def _fused_step(self, live: list, deliver, fused: str, inputs: dict) -> None:
+        """The greedy one-call step on a backend that can hold a run's writes (the cpu device): the graph's
+        acceptance (checked against the host's rule on the graph's argmax ids: a few ints a sequence, no
+        logits read), its writes stored but those of the rejected positions (no rows saved before the run,
+        none restored after), and its in-graph drafts (`spec.drafts`) the next step's."""
+        s = self.s
+        res, store = s.backend.run_held(fused, inputs)
+        best_ids = res["spec.next_ids"].tolist()
+        n_kept = (res["spec.kept_pos"] >= 0).sum(1).tolist()
+        rows = access(s.backend)
+        skip: dict[str, set[int]] = {}
+        news = []
+        for b, r in enumerate(live):
+            d, r.spec.drafts = r.spec.drafts[0], ([], [])
+            best, a = best_ids[b], 0
+            while a < len(d) and best[a] == d[a]:
+                a += 1
+            if n_kept[b] != a + 1:
+                raise RuntimeError(f"{fused}'s in-graph acceptance disagrees with the host's")
+            q, L = r.seq, r.seq.length
+            rejected_rows(rows, q, L + a + 1, L + len(d), skip)  # not stored
+            q.length += a + 1
+            news.append((a, d[:a] + [best[a]], len(d)))
+        store(skip)
+        for r, (a, new, nd) in zip(live, news):
+            self.stats.add(a, deliver(r, new), nd)
+        drafts = res["spec.drafts"]
+        for b, r in enumerate(live):
+            if not r.done:
+                n = self._wanted(r)
+                r.spec.drafts = (drafts[b, :n].tolist(), [None] * n)
+
+
+def rejected_rows(rows, seq, first: int, last: int, into: dict[str, set[int]]) -> dict[str, set[int]]:
+    """Add to `into` the rows (`undo.written_rows`, per buffer) that positions `first .. last` of `seq` write:
+    those a held verify run (`OrtBackend.run_held`) does not store, where `PoolUndo` would restore them."""
+    for x in range(first, last + 1):
+        for name, row in written_rows(rows.geometry, rows, seq.slot, seq.blocks, x):
+            into.setdefault(name, set()).add(row)
+    return into
 
 
 def speculative_generate(session, prompts: Sequence[Sequence[int]], max_new_tokens: int, draft_tokens: int,

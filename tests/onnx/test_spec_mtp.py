@@ -85,10 +85,33 @@ def recorded(monkeypatch) -> dict[int, list]:
     return got
 
 
+def offered(monkeypatch) -> list:
+    """Each verify step's drafts: (sequence id, its length, its drafts) per live sequence."""
+    seen: list = []
+    orig = rs.SpecStep.step
+
+    def step(self, live, deliver):
+        seen.append([(r.seq.id, r.seq.length, list(r.spec.drafts[0])) for r in live])
+        return orig(self, live, deliver)
+    monkeypatch.setattr(rs.SpecStep, "step", step)
+    return seen
+
+
+UNFUSED: dict[int, list] = {}  # k -> the two-call path's drafts per step (`offered`), from the cells below
+
+
+def unfused(monkeypatch) -> None:
+    """The two-call path: verify_b<B>, then draft_b<B> per draft (no one-call graph)."""
+    monkeypatch.setattr(rs.CompiledDraft, "fused", lambda self, B, k=1: None)
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_greedy_ids_equal_plain_cpu(doc, k, monkeypatch):
+    """The two-call path (its drafts recorded through `CompiledDraft.drafts`); the one-call step's below."""
     art, prompts, want = doc
     got = recorded(monkeypatch)
+    unfused(monkeypatch)
+    UNFUSED[k] = offered(monkeypatch)
     s = session(art)
     try:
         ids = s.generate(prompts, NEW, speculative="mtp", draft_tokens=k)
@@ -128,6 +151,97 @@ def test_greedy_ids_equal_plain_cpu(doc, k, monkeypatch):
             assert [(p, d) for p, d, _ in mine] == [(p, d) for p, d, _ in theirs]
             err = max(float(np.abs(q - w).max()) for (_, _, q), (_, _, w) in zip(mine, theirs))
             assert err < 1e-4, err
+
+
+def fused_run(doc, k: int, monkeypatch) -> tuple[list, list]:
+    art, prompts, _ = doc
+    seen = offered(monkeypatch)
+    s = session(art)
+    try:
+        return s.generate(prompts, NEW, speculative="mtp", draft_tokens=k), seen
+    finally:
+        s.close()
+
+
+def two_call_drafts(doc, k: int) -> list:
+    if k not in UNFUSED:  # this test run alone
+        with pytest.MonkeyPatch.context() as mp:
+            unfused(mp)
+            UNFUSED[k] = fused_run(doc, k, mp)[1]
+    return UNFUSED[k]
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_in_graph_drafts_equal_the_draft_calls(doc, k, monkeypatch):
+    """The one-call step drafts k tokens inside its graph (`codegen/onnx_spec.recursive`, the recursive copies'
+    ring writes never stored): every step offers the drafts the two-call path's draft_b<B> calls made, and the
+    pool it leaves is the same (the same drafts follow from it); the ids are plain decoding's."""
+    _, _, want = doc
+    theirs = two_call_drafts(doc, k)
+    ids, seen = fused_run(doc, k, monkeypatch)
+    assert ids == want
+    assert seen == theirs
+
+
+def test_unpatched_recursive_reads_are_caught(doc, monkeypatch):
+    """A recursive copy that does not see the earlier copies' ring writes drafts otherwise. (Its ids are not
+    compared: other drafts group the verify's tokens by expert otherwise, and an fp32 near-tie may flip.)"""
+    from v4compile.codegen import onnx_spec
+    from onnx import helper
+
+    monkeypatch.setattr(onnx_spec, "patched_gather",
+                        lambda pre, got, rows, writes, out: [helper.make_node("Identity", [got], [out], name=pre + "id")])
+    theirs = two_call_drafts(doc, 3)
+    _, seen = fused_run(doc, 3, monkeypatch)
+    assert seen != theirs
+
+
+def held_step(art, prompts, want, skip: bool) -> tuple[dict, dict]:
+    """`one_step`'s fused step (sequence 1's second draft wrong) with its writes held and stored but the
+    rejected positions' rows (`rejected_rows`; `skip` False: all stored), against the same step run whole
+    and its rejected rows restored (`PoolUndo`): the pools after each."""
+    from spec_rollback import pool_bytes
+    from v4compile.runtime.undo import PoolUndo, access
+
+    pools = []
+    for held in (True, False):
+        s = session(art)
+        try:
+            seqs = [s.open() for _ in prompts]
+            for q, p in zip(seqs, prompts):
+                s.extend(q, p)
+            drafts = [want[0][1:4], [want[1][1], (want[1][2] + 1) % 512, want[1][3]]]
+            ids = np.array([[w[0]] + d for w, d in zip(want, drafts)], dtype=np.int64)
+            pos = np.array([np.arange(q.length, q.length + 4) for q in seqs], dtype=np.int64)
+            for q in seqs:
+                s.reserve(q, q.length + 3)
+            table, slot = s.table(seqs, 2)
+            inputs = {"ids": ids, "pos": pos, "block_table": table, "slot": slot}
+            fused = rs.CompiledDraft(s).fused(2, 3)
+            # sequence 0 keeps all 4 lanes, sequence 1 two (one draft accepted): positions L1 + 2, L1 + 3 rejected
+            first, last = seqs[1].length + 2, seqs[1].length + 3
+            if held:
+                _, store = s.backend.run_held(fused, inputs)
+                store(rs.rejected_rows(access(s.backend), seqs[1], first, last, {}) if skip else {})
+            else:
+                undo = PoolUndo(s.backend, [(seqs[1].slot, list(seqs[1].blocks), first, last)])
+                s.backend.run_outputs(fused, inputs)
+                undo.restore({seqs[1].slot: first})
+            pools.append(pool_bytes(s.backend))
+        finally:
+            s.close()
+    return pools[0], pools[1]
+
+
+def test_held_writes_equal_the_undo(doc):
+    """The one-call step's writes, held and stored but the rejected positions' rows, leave the pool and state
+    the undo log does, bit for bit (the compressor states' whole-ring writes included); storing them all
+    does not."""
+    art, prompts, want = doc
+    def differ(a, b):
+        return [n for n in b if not np.array_equal(a[n], b[n])]
+    assert differ(*held_step(art, prompts, want, True)) == []
+    assert differ(*held_step(art, prompts, want, False)) != []
 
 
 def test_greedy_ids_equal_plain_host(doc):
