@@ -578,7 +578,7 @@ class Session:
     @serialised
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop_ids: Sequence[int] = (),
-                 speculative: str | None = None, draft_tokens: int = 1, draft=None) -> list[list[int]]:
+                 speculative: str | None = None, draft_tokens: int | str = "auto", draft=None) -> list[list[int]]:
         """New ids for every prompt (continuous batching: at most `max_batch` sequences live at once; a
         waiting prompt joins as soon as a slot is free; each sequence stops at `max_new_tokens` or at a
         stop id, which is included). The prompts are requests of the one generation loop
@@ -589,7 +589,9 @@ class Session:
         batch they share, and prompt 0 samples as `run --seed seed` or a server request with that seed;
         seed None: fresh entropy for each prompt. Greedy ids do not depend on the seed.
 
-        `speculative="mtp"`: speculative decoding with `draft_tokens` drafts per step from the artifact's
+        `speculative="mtp"`: speculative decoding with `draft_tokens` drafts per step (default "auto": k
+        chosen per step, 0 = plain decoding, from the running acceptance and the step costs, `spec_auto.py`;
+        with a `draft` source the artifact's K) from the artifact's
         compiled MTP block (`runtime/speculative.py`, the loop's verify step: greedy ids identical,
         sampled ones identically distributed; `draft` replaces the MTP block as the draft source;
         `last_acceptance` then holds the statistics).

@@ -41,7 +41,10 @@ import numpy as np
 from v4compile.errors import InputError
 from v4compile.speculation import Acceptance, accept, check_draft_tokens, draw, probs
 
+from .spec_auto import AutoK
 from .undo import PoolUndo, access, written_rows
+
+AUTO = "auto"  # draft_tokens: k chosen per step (`spec_auto.py`)
 
 Draft = Callable[[int, list[int], int], list[int]]  # (prompt index, prompt + ids so far, k) -> k draft ids
 
@@ -218,12 +221,16 @@ class SpecStep:
             raise InputError("the artifact has no verify functions", where=str(session.art.path),
                              expected="an artifact compiled with --draft-tokens")
         self.s, self.fns, self.hook = session, fns, draft
-        self.k = check_draft_tokens(draft_tokens, fns[0][2])
+        auto = isinstance(draft_tokens, str) and draft_tokens == AUTO
+        self.k = check_draft_tokens(fns[0][2] - 1 if auto else draft_tokens, fns[0][2])
         if draft is not None and not callable(draft):
             raise InputError("draft must be a callable (prompt index, ids, k) -> k ids", found=type(draft).__name__)
         self.mtp = CompiledDraft(session) if draft is None else None
         self.stats = Acceptance(self.k)
         self.max_batch = fns[-1][0]
+        # "auto": k chosen per step (`spec_auto.py`); a `draft` source drafts the artifact's K every step
+        self.auto = AutoK(self, self.k) if auto and self.mtp is not None else None
+        self.k_now = self.k  # the drafts the next step is to verify (this step's choice with "auto")
 
     @staticmethod
     def check(top_p: float) -> None:
@@ -232,7 +239,7 @@ class SpecStep:
 
     def _wanted(self, r) -> int:
         """Drafts worth making for request `r`: those beyond its last wanted token are wasted."""
-        return min(self.k, r.max_new_tokens - len(r.ids) - 1)
+        return min(self.k_now, r.max_new_tokens - len(r.ids) - 1)
 
     def prefill(self, r) -> int:
         """Prefill `r`'s prompt into its sequence (the MTP block over each chunk); its first token."""
@@ -266,6 +273,10 @@ class SpecStep:
             for r in live:
                 r.spec.drafts = self._hooked(r)
         B, fname, T = next(f for f in self.fns if f[0] >= len(live))
+        if self.auto is not None:
+            self.k_now = self.auto.pick(B)
+            if self.k_now == 0 and not any(r.spec.drafts[0] for r in live):
+                return self._plain(live, deliver)
         ids = np.zeros((B, T), dtype=np.int64)
         pos = np.full((B, T), -1, dtype=np.int64)
         spans = []
@@ -279,7 +290,7 @@ class SpecStep:
         table, slot = s.table(seqs, B)
         inputs = {"ids": ids, "pos": pos, "block_table": table, "slot": slot}
         greedy = all(r.temperature == 0 for r in live)
-        fused = self.mtp.fused(B, self.k) if self.mtp is not None and greedy else None
+        fused = self.mtp.fused(B, self.k_now) if self.mtp is not None and greedy and self.k_now else None
         if fused and hasattr(s.backend, "run_held"):
             return self._fused_step(live, deliver, fused, inputs)
         undo = PoolUndo(s.backend, spans)
@@ -300,6 +311,8 @@ class SpecStep:
                           or (res["spec.next_ids"][b, : a + 1] != next_ids[b, : a + 1]).any()):
                 raise RuntimeError(f"{fused}'s in-graph acceptance disagrees with the host's")
             news.append((a, d[:a] + [tok], len(d)))
+            if self.auto is not None:
+                self.auto.observe(a, len(d))
         undo.restore(keep)
         for r, (a, new, nd) in zip(live, news):
             self.stats.add(a, deliver(r, new), nd)
@@ -317,6 +330,13 @@ class SpecStep:
         entries = [(live[b].seq, live[b].seq.length, mlogits[b], mstreams[b, kept_lane[b]]) for b in nxt]
         for r, d in zip(reqs, self.mtp.drafts(entries, [self._wanted(r) for r in reqs], [r.spec.pick for r in reqs])):
             r.spec.drafts = d
+
+    def _plain(self, live: list, deliver) -> None:
+        """k = 0 ("auto"), no drafts held: a plain decode step (the MTP block's ring not written)."""
+        logits = self.s.decode([r.seq for r in live], [r.ids[-1] for r in live])
+        for r, row in zip(live, logits):
+            tok, _ = r.spec.pick(row)
+            self.stats.add(0, deliver(r, [tok]), 0)
 
     def _fused_step(self, live: list, deliver, fused: str, inputs: dict) -> None:
         """The greedy one-call step on a backend that can hold a run's writes (the cpu device): the graph's
@@ -337,6 +357,8 @@ class SpecStep:
                 a += 1
             if n_kept[b] != a + 1:
                 raise RuntimeError(f"{fused}'s in-graph acceptance disagrees with the host's")
+            if self.auto is not None:
+                self.auto.observe(a, len(d))
             q, L = r.seq, r.seq.length
             rejected_rows(rows, q, L + a + 1, L + len(d), skip)  # not stored
             q.length += a + 1

@@ -425,3 +425,57 @@ def test_sampling_matches_plain_sampling(small):
 def test_always_accepting_fails_the_sampling_test(small, monkeypatch):
     monkeypatch.setattr(rs, "accept", always_accept)
     assert second_token_pvalue(small) < ALPHA
+
+
+# ---- draft_tokens="auto" (`runtime/spec_auto.py`) ----------------------------------------------------
+
+
+def cycled(monkeypatch, ks) -> list[int]:
+    """`AutoK.pick` giving `ks` in turn (whatever the rule says); the picks made."""
+    from v4compile.runtime import spec_auto
+
+    it, made = iter(ks * 1000), []
+
+    def pick(self, B):
+        made.append(next(it))
+        return made[-1]
+    monkeypatch.setattr(spec_auto.AutoK, "pick", pick)
+    return made
+
+
+def test_auto_ids_equal_plain_whatever_k(doc, monkeypatch):
+    """k switching every step through 0 (a plain decode step, or a verify of the drafts held without new
+    ones), 3, 1, 2, 0, 0: the ids are plain decoding's; a plain step that picks the runner-up is caught."""
+    art, prompts, want = doc
+    made = cycled(monkeypatch, [0, 3, 1, 2, 0, 0])
+    p, want = prompts[1:], [want[1][:32]]  # batch 1, 32 tokens: 3 one-call graphs made, 16 steps or so
+    s = session(art)  # one session for both runs: its one-call graphs made once
+    try:
+        assert s.generate(p, 32, speculative="mtp") == want  # "auto": the default
+        assert set(made) == {0, 1, 2, 3}
+        monkeypatch.setattr(rs.Picker, "__call__", lambda self, logits: (int(np.argsort(logits)[-2]), None))
+        assert s.generate(p, 32, speculative="mtp") != want
+    finally:
+        s.close()
+
+
+def test_auto_rule():
+    """E(k) = expected tokens / cost: drafts pay at a cheap verify and high acceptance, not at an expensive
+    one; plain steps probe again after PROBE; a rule blind to the acceptance picks otherwise."""
+    from v4compile.runtime import spec_auto
+
+    a = spec_auto.AutoK(None, 3)
+    a.rates = [0.9, 0.8, 0.3]
+    a.costs = {1: [1.0, 1.2, 1.4, 1.6], 8: [1.0, 2.0, 2.6, 3.2]}
+    # b1: 1.9 / 1.2 = 1.58, 2.62 / 1.4 = 1.87, 2.84 / 1.6 = 1.77 -> k = 2
+    assert a.pick(1) == 2
+    a.rates = [0.5, 0.5, 0.5]  # b8: 1.5 / 2 = 0.75 ... < 1 -> plain
+    assert a.pick(8) == 0
+    assert [a.pick(8) for _ in range(spec_auto.PROBE)][-1] == 1  # the probe: the best k > 0
+    for _ in range(40):  # every draft accepted: the running rates rise toward 1
+        a.observe(3, 3)
+    assert min(a.rates) > 0.95 and a.pick(8) == 3
+    blind = spec_auto.AutoK(None, 3)
+    blind.rates, blind.costs = [0.9, 0.8, 0.3], {1: [1.0, 1.2, 1.4, 1.6]}
+    blind.expected = lambda k: 1.0 + k
+    assert blind.pick(1) != 2

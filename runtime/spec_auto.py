@@ -1,0 +1,131 @@
+"""`draft_tokens="auto"`: the number of drafts k chosen per step (`speculative.SpecStep`), 0 = a plain decode step.
+
+The rule. For the step's batch bucket B and each k in 0..K (K: the artifact's `draft_tokens`, the verify
+functions' lanes - 1), the expected tokens per unit of time are
+
+    E(k) = (1 + sum_{j <= k} prod_{i <= j} a_i) / c(B, k)
+
+with a_j the running acceptance of draft position j (draft j accepted given drafts 1..j-1 were: an exponential
+moving average over the sequences' offers, `ALPHA` the weight of each new one, starting at `PRIOR`) and
+c(B, k) the cost of a step that verifies k drafts and drafts k (c(B, 0): the decode step). The step takes the
+largest E(k) (the smaller k on a tie). k is a choice of how many drafts to make for the next step; the
+verify then checks whatever drafts each sequence holds, so the ids are those of plain decoding whatever k
+is chosen (greedy: the verify's argmax decides every token).
+
+Costs. On the cpu device they are measured at the bucket's first step (`measure`: the process's CPU time,
+median of `RUNS` interleaved rounds of the decode graph and of the one-call step graphs drafting k,
+`codegen/onnx_spec.py`, on live lanes whose writes are dropped, never stored). Elsewhere (the C runtime's devices) they are modeled from the
+artifact's compile report (`report.json` `speculative_step`: the modeled verify / decode cost ratio of a GPU
+target at the drafts it models, interpolated linearly in k, batch 1 figures for every bucket); an artifact
+without them drafts K every step.
+
+k = 0 writes nothing of the MTP block's ring (a plain decode step), so the estimates a_j do not move while it
+is chosen: after `PROBE` plain steps in a row one step drafts again (the best k > 0), so a machine or a text
+that changes is seen again. A step whose sequences hold no drafts at k = 0 is the plain decode step itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+ALPHA = 0.1  # the weight of each new offer in the running acceptance
+PRIOR = 0.8  # the running acceptance before any offer (the V3 report's 85 %, a little below)
+RUNS = 7  # timed rounds over the graphs when measuring a bucket's costs (after one untimed round)
+PROBE = 32  # plain steps in a row after which one step drafts again
+
+
+class AutoK:
+    """The per-step choice of k for a `SpecStep` (its `k` is K here)."""
+
+    def __init__(self, step, K: int):
+        self.step, self.K = step, K
+        self.rates = [PRIOR] * K
+        self.costs: dict[int, list[float] | None] = {}  # bucket -> c(B, 0..K)
+        self.plain_run = 0
+        self.chosen: list[int] = []  # each step's k (the bench and the tests read it)
+
+    def observe(self, a: int, offered: int) -> None:
+        """One sequence's verify: `a` of its `offered` drafts accepted (position j offered when j <= a + 1)."""
+        for j in range(min(a + 1, offered, self.K)):
+            self.rates[j] += ALPHA * ((1.0 if j < a else 0.0) - self.rates[j])
+
+    def expected(self, k: int) -> float:
+        out, run = 1.0, 1.0
+        for a in self.rates[:k]:
+            run *= a
+            out += run
+        return out
+
+    def pick(self, B: int) -> int:
+        c = self.cost(B)
+        if c is None:
+            k = self.K
+        else:
+            best = max(range(self.K + 1), key=lambda k: (self.expected(k) / c[k], -k))
+            if best == 0:
+                self.plain_run += 1
+                if self.plain_run > PROBE:
+                    best = max(range(1, self.K + 1), key=lambda k: (self.expected(k) / c[k], -k))
+            if best:
+                self.plain_run = 0
+            k = best
+        self.chosen.append(k)
+        return k
+
+    def cost(self, B: int) -> list[float] | None:
+        if B not in self.costs:
+            self.costs[B] = measure(self.step, B, self.K) or modeled(self.step.s, self.K)
+            log.debug("speculation auto: bucket %d step costs %s", B, self.costs[B])
+        return self.costs[B]
+
+
+def _lanes(session, B: int, T: int) -> dict[str, np.ndarray]:
+    """Step inputs with every lane live (positions 0 .. T - 1 of slot b on block 0): run held and never
+    stored, so they change nothing, and cost what a live step costs (padding lanes may cost less)."""
+    return {"ids": np.zeros((B, T), dtype=np.int64), "pos": np.tile(np.arange(T, dtype=np.int64), (B, 1)),
+            "block_table": np.zeros((B, session.blocks_per_seq), dtype=np.int32),
+            "slot": np.arange(B, dtype=np.int32) % max(session.max_live, 1)}
+
+
+def measure(step, B: int, K: int) -> list[float] | None:
+    """c(B, 0..K) in seconds, measured (the cpu device's decode graph and one-call step graphs: `RUNS` rounds
+    over all of them in turn after one untimed run each, the median of each), or None."""
+    s, mtp = step.s, step.mtp
+    if mtp is None or not hasattr(s.backend, "run_held"):
+        return None
+    names = [next((f for b, f in s.decode_fns if b == B), None)] + [mtp.fused(B, k) for k in range(1, K + 1)]
+    if any(n is None for n in names):
+        return None
+    T = next(f[2] for f in step.fns if f[0] == B)
+    ins = [_lanes(s, B, 1)] + [_lanes(s, B, T)] * K
+    ts: list[list[float]] = [[] for _ in names]
+    for r in range(RUNS + 1):
+        for i, (n, x) in enumerate(zip(names, ins)):
+            t0 = time.process_time()
+            s.backend.run_held(n, x)  # its writes dropped: nothing stored
+            if r:
+                ts[i].append(time.process_time() - t0)
+    return [statistics.median(t) for t in ts]
+
+
+def modeled(session, K: int) -> list[float] | None:
+    """c(0..K) relative to the decode step from the compile report's modeled verify step, or None."""
+    try:
+        rep = json.loads((session.art.path / "report.json").read_text())
+    except (OSError, ValueError):
+        return None
+    models = rep.get("speculative_step") or {}
+    rows = next((v for v in models.values() if v), None)
+    if not rows:
+        return None
+    pts = sorted({(0, 1.0), *((int(m["draft_tokens"]), float(m["cost_ratio"])) for m in rows)})
+    ks, cs = [p[0] for p in pts], [p[1] for p in pts]
+    return [float(np.interp(k, ks, cs)) if k <= ks[-1] else cs[-1] + (k - ks[-1]) * (cs[-1] - cs[-2]) / max(ks[-1] - ks[-2], 1)
+            for k in range(K + 1)]
