@@ -74,6 +74,11 @@ def main() -> None:
         for ms in res["v4_pro_modeled"].values():
             for m in ms:
                 print(render(m))
+        from v4compile.codegen.spec_cost import by_batch, render_by_batch
+
+        k = 3 if 3 in rates else max(rates)
+        res["v4_pro_by_batch"] = by_batch(preset("v4-pro"), k, ("gfx950", "sm_90a"), rates=rates[k])
+        print("\n".join(render_by_batch(res["v4_pro_by_batch"], "V4-Pro")))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
 
