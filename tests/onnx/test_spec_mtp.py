@@ -256,7 +256,8 @@ def test_greedy_ids_equal_plain_host(doc):
 
 
 def test_run_cli(doc, capsys):
-    """`run --speculative mtp --draft-tokens k --json` drafts with the artifact's MTP block, end to end."""
+    """`run --speculative mtp --draft-tokens k --json` drafts with the artifact's MTP block, end to end (without
+    --draft-tokens: "auto", whose ids `test_auto_ids_equal_plain_whatever_k` checks)."""
     import json
 
     from v4compile.cli import main
@@ -268,6 +269,17 @@ def test_run_cli(doc, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["ids"] == want[1][:16]
     assert len(out["acceptance"]) == 3 and out["tokens_per_step"] > 1
+
+
+def test_run_draft_tokens_flag(doc):
+    """--draft-tokens: auto (the default) or 1..MAX_DRAFT_TOKENS; anything else one error line."""
+    from bad_input_util import assert_one_error, run_main
+    from v4compile.cli.run import draft_tokens_arg
+
+    assert draft_tokens_arg("auto") == "auto" and draft_tokens_arg("2") == 2
+    for bad in ("fast", "0", "8"):
+        rc, _, err = run_main("-q", "run", str(doc[0]), "--ids", "1,2", "--speculative", "mtp", "--draft-tokens", bad)
+        assert_one_error(rc, err, "--draft-tokens")
 
 
 def test_tiny_pro(tmp_path):
