@@ -98,7 +98,7 @@ def measure(step, B: int, K: int) -> list[float] | None:
     """c(B, 0..K) in seconds, measured (the cpu device's decode graph and one-call step graphs: `RUNS` rounds
     over all of them in turn after one untimed run each, the median of each), or None."""
     s, mtp = step.s, step.mtp
-    if mtp is None or not hasattr(s.backend, "run_held"):
+    if mtp is None or not hasattr(s.backend, "run_held") or getattr(s.backend, "ranks", None) is not None:
         return None
     names = [next((f for b, f in s.decode_fns if b == B), None)] + [mtp.fused(B, k) for k in range(1, K + 1)]
     if any(n is None for n in names):

@@ -19,10 +19,16 @@ d_1..d_k_b, and for sampling the distributions q_j they were drawn from):
    positions and gives d'_1 from the last kept lane; for k > 1 the block runs again on its own output
    streams and the last draft, one position further each time, and those ring writes are undone.
 
-Greedy on the cpu device, steps 2-4's verify and first draft are one call (`CompiledDraft.fused`: the
-`spec_b<B>` graph of `codegen/onnx_spec.py`, the acceptance in the graph too, checked against step 3's each
-step): on a small model a call costs mostly its nodes and its overhead, and a separate draft call is ~0.2 of a
-decode step.
+Greedy on the cpu device, steps 2-4 are one call (`CompiledDraft.fused`: the `spec_b<B>_d<k>` graph of
+`codegen/onnx_spec.py`: verify, the acceptance and all k drafts, the recursive ones unrolled with their ring
+writes never stored): on a small model a call costs mostly its nodes and its overhead, and a separate draft
+call is ~0.2-0.3 of a decode step. That step (`SpecStep._fused_step`) reads no logits: the graph's argmax ids
+give the acceptance (the host's rule applied to them, checked against the graph's kept lanes), and instead of
+step 1's saved rows the run's writes are held (`OrtBackend.run_held`) and stored but those of the rejected
+positions (`rejected_rows`: the rows `PoolUndo` would restore).
+
+`draft_tokens="auto"` (the default of `Session.generate` and `run`): k in 0..K chosen per step, 0 a plain
+decode step (`spec_auto.py` states the rule).
 
 After prefill (`CompiledDraft.prefill`), `draft_c<T>` runs the block over each prompt chunk the same way
 (its last lane, with the first sampled token, drafts d_1). A `draft(sequence index, ids so far, k) -> k ids`
@@ -291,7 +297,7 @@ class SpecStep:
         inputs = {"ids": ids, "pos": pos, "block_table": table, "slot": slot}
         greedy = all(r.temperature == 0 for r in live)
         fused = self.mtp.fused(B, self.k_now) if self.mtp is not None and greedy and self.k_now else None
-        if fused and hasattr(s.backend, "run_held"):
+        if fused and hasattr(s.backend, "run_held") and getattr(s.backend, "ranks", None) is None:
             return self._fused_step(live, deliver, fused, inputs)
         undo = PoolUndo(s.backend, spans)
         res = s.backend.run_outputs(fused or fname, inputs)
