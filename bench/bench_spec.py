@@ -21,7 +21,8 @@ contains one).
 The step breakdown (one extra, untimed-for-the-ratio round per run, `Meter`): a speculative step's CPU time in
 plain decode steps (a decode step: the plain run's time outside prefill over its decode steps), split into
 the graph call (the fused verify + acceptance + draft graph, or the verify graph), the separate draft calls,
-the undo bookkeeping (`PoolUndo`) and the rest (Python: the step's input building, acceptance, delivery).
+the undo bookkeeping (`PoolUndo`; the one-call step has none: its held writes are stored but the rejected
+rows, counted as Python) and the rest (Python: the step's input building, acceptance, delivery).
 `--auto` adds `--draft-tokens auto` on the largest k's artifact (`runtime/speculative.py` picks k per step).
 """
 
@@ -158,7 +159,8 @@ class Meter:
 
         self.t: dict[str, float] = {}
         self.n: dict[str, int] = {}
-        self.targets = [(cpu_backend.OrtBackend, "run_outputs", self._graph), (undo.PoolUndo, "__init__", "undo"),
+        self.targets = [(cpu_backend.OrtBackend, "run_outputs", self._graph),
+                        (cpu_backend.OrtBackend, "run_held", self._graph), (undo.PoolUndo, "__init__", "undo"),
                         (undo.PoolUndo, "restore", "undo"), (speculative.SpecStep, "step", "spec_step"),
                         (batcher.Batcher, "_decode", "decode_step")]
         self.saved = []

@@ -12,7 +12,8 @@ largest E(k) (the smaller k on a tie). k is a choice of how many drafts to make 
 verify then checks whatever drafts each sequence holds, so the ids are those of plain decoding whatever k
 is chosen (greedy: the verify's argmax decides every token).
 
-Costs. On the cpu device they are measured at the bucket's first step (`measure`: the process's CPU time,
+Costs. On the cpu device they are measured at the bucket's first step of the session (`measure`: the
+process's CPU time,
 median of `RUNS` interleaved rounds of the decode graph and of the one-call step graphs drafting k,
 `codegen/onnx_spec.py`, on live lanes whose writes are dropped, never stored). Elsewhere (the C runtime's devices) they are modeled from the
 artifact's compile report (`report.json` `speculative_step`: the modeled verify / decode cost ratio of a GPU
@@ -81,8 +82,12 @@ class AutoK:
 
     def cost(self, B: int) -> list[float] | None:
         if B not in self.costs:
-            self.costs[B] = measure(self.step, B, self.K) or modeled(self.step.s, self.K)
-            log.debug("speculation auto: bucket %d step costs %s", B, self.costs[B])
+            # measured once per session and bucket (a generate call, a request, reuses them)
+            known = self.step.s.spec_costs
+            if (B, self.K) not in known:
+                known[B, self.K] = measure(self.step, B, self.K) or modeled(self.step.s, self.K)
+                log.debug("speculation auto: bucket %d step costs %s", B, known[B, self.K])
+            self.costs[B] = known[B, self.K]
         return self.costs[B]
 
 
