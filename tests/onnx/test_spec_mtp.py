@@ -196,41 +196,44 @@ def test_unpatched_recursive_reads_are_caught(doc, monkeypatch):
     assert seen != theirs
 
 
-def held_step(art, prompts, want, skip: bool) -> tuple[dict, dict]:
-    """`one_step`'s fused step (sequence 1's second draft wrong) with its writes held and stored but the
-    rejected positions' rows (`rejected_rows`; `skip` False: all stored), against the same step run whole
-    and its rejected rows restored (`PoolUndo`): the pools after each."""
+def held_steps(art, prompts, want) -> dict[str, dict]:
+    """`one_step`'s fused step (sequence 1's second draft wrong) three ways from the same pool, in one session:
+    its writes held and stored but the rejected positions' rows (`rejected_rows`), held and all stored, and
+    the step run whole with its rejected rows restored after (`PoolUndo`): the pool and state after each."""
     from spec_rollback import pool_bytes
     from v4compile.runtime.undo import PoolUndo, access
 
-    pools = []
-    for held in (True, False):
-        s = session(art)
-        try:
-            seqs = [s.open() for _ in prompts]
-            for q, p in zip(seqs, prompts):
-                s.extend(q, p)
-            drafts = [want[0][1:4], [want[1][1], (want[1][2] + 1) % 512, want[1][3]]]
-            ids = np.array([[w[0]] + d for w, d in zip(want, drafts)], dtype=np.int64)
-            pos = np.array([np.arange(q.length, q.length + 4) for q in seqs], dtype=np.int64)
-            for q in seqs:
-                s.reserve(q, q.length + 3)
-            table, slot = s.table(seqs, 2)
-            inputs = {"ids": ids, "pos": pos, "block_table": table, "slot": slot}
-            fused = rs.CompiledDraft(s).fused(2, 3)
-            # sequence 0 keeps all 4 lanes, sequence 1 two (one draft accepted): positions L1 + 2, L1 + 3 rejected
-            first, last = seqs[1].length + 2, seqs[1].length + 3
-            if held:
-                _, store = s.backend.run_held(fused, inputs)
-                store(rs.rejected_rows(access(s.backend), seqs[1], first, last, {}) if skip else {})
-            else:
+    s = session(art)
+    try:
+        seqs = [s.open() for _ in prompts]
+        for q, p in zip(seqs, prompts):
+            s.extend(q, p)
+        drafts = [want[0][1:4], [want[1][1], (want[1][2] + 1) % 512, want[1][3]]]
+        ids = np.array([[w[0]] + d for w, d in zip(want, drafts)], dtype=np.int64)
+        pos = np.array([np.arange(q.length, q.length + 4) for q in seqs], dtype=np.int64)
+        for q in seqs:
+            s.reserve(q, q.length + 3)
+        table, slot = s.table(seqs, 2)
+        inputs = {"ids": ids, "pos": pos, "block_table": table, "slot": slot}
+        fused = rs.CompiledDraft(s).fused(2)
+        # sequence 0 keeps all 4 lanes, sequence 1 two (one draft accepted): positions L1 + 2, L1 + 3 rejected
+        first, last = seqs[1].length + 2, seqs[1].length + 3
+        start = {n: a.copy() for n, a in s.backend.state.items()}
+        out = {}
+        for way in ("held", "held, all stored", "undo"):
+            for n, a in start.items():  # the same pool before each (in place: the sessions bind these arrays)
+                s.backend.state[n][...] = a
+            if way == "undo":
                 undo = PoolUndo(s.backend, [(seqs[1].slot, list(seqs[1].blocks), first, last)])
                 s.backend.run_outputs(fused, inputs)
                 undo.restore({seqs[1].slot: first})
-            pools.append(pool_bytes(s.backend))
-        finally:
-            s.close()
-    return pools[0], pools[1]
+            else:
+                _, store = s.backend.run_held(fused, inputs)
+                store(rs.rejected_rows(access(s.backend), seqs[1], first, last, {}) if way == "held" else {})
+            out[way] = pool_bytes(s.backend)
+        return out
+    finally:
+        s.close()
 
 
 def test_held_writes_equal_the_undo(doc):
@@ -238,10 +241,12 @@ def test_held_writes_equal_the_undo(doc):
     the undo log does, bit for bit (the compressor states' whole-ring writes included); storing them all
     does not."""
     art, prompts, want = doc
+    got = held_steps(art, prompts, want)
+
     def differ(a, b):
         return [n for n in b if not np.array_equal(a[n], b[n])]
-    assert differ(*held_step(art, prompts, want, True)) == []
-    assert differ(*held_step(art, prompts, want, False)) != []
+    assert differ(got["held"], got["undo"]) == []
+    assert differ(got["held, all stored"], got["undo"]) != []
 
 
 def test_greedy_ids_equal_plain_host(doc):
