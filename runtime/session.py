@@ -177,7 +177,7 @@ class Session:
         self.first_token_s: float | None = None  # the last `generate`: seconds to its first token (prefill)
         self._tokenizer = None  # read on first use (`tokenizer`)
         self.last_acceptance = None  # the last speculative `generate`'s `speculation.Acceptance`
-        self.spec_costs: dict = {}  # (bucket, K) -> draft_tokens "auto"'s step costs, measured once (`spec_auto.py`)
+        self.spec_auto: dict = {}  # draft_tokens "auto"'s step costs and running acceptance (`spec_auto.py`)
         self.last_cached_tokens: list[int] = []  # the last `generate`: each prompt's tokens from the prefix cache
         self.lock = threading.RLock()  # held by every public call that changes sequences, pool or backend
         self.device = getattr(backend, "device", "cpu")  # what it runs on (the self-check's tolerance reads it)

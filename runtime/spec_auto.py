@@ -6,17 +6,17 @@ functions' lanes - 1), the expected tokens per unit of time are
     E(k) = (1 + sum_{j <= k} prod_{i <= j} a_i) / c(B, k)
 
 with a_j the running acceptance of draft position j (draft j accepted given drafts 1..j-1 were: an exponential
-moving average over the sequences' offers, `ALPHA` the weight of each new one, starting at `PRIOR`) and
+moving average over the sequences' offers, `ALPHA` the weight of each new one, starting at `PRIOR`; the
+session's, carried from one generate call or request to the next) and
 c(B, k) the cost of a step that verifies k drafts and drafts k (c(B, 0): the decode step). The step takes the
 largest E(k) (the smaller k on a tie). k is a choice of how many drafts to make for the next step; the
 verify then checks whatever drafts each sequence holds, so the ids are those of plain decoding whatever k
 is chosen (greedy: the verify's argmax decides every token).
 
 Costs. On the cpu device they are measured at the bucket's first step of the session (`measure`: the
-process's CPU time,
-median of `RUNS` interleaved rounds of the decode graph and of the one-call step graphs drafting k,
-`codegen/onnx_spec.py`, on live lanes whose writes are dropped, never stored). Elsewhere (the C runtime's devices) they are modeled from the
-artifact's compile report (`report.json` `speculative_step`: the modeled verify / decode cost ratio of a GPU
+process's CPU time, the fastest of `RUNS` interleaved rounds of the decode graph and of the one-call step
+graphs drafting k, `codegen/onnx_spec.py`, on live lanes whose writes are dropped, never stored). Elsewhere
+(the C runtime's devices) they are modeled from the artifact's compile report (`report.json` `speculative_step`: the modeled verify / decode cost ratio of a GPU
 target at the drafts it models, interpolated linearly in k, batch 1 figures for every bucket); an artifact
 without them drafts K every step.
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
 import time
 
 import numpy as np
@@ -38,7 +37,9 @@ log = logging.getLogger(__name__)
 
 ALPHA = 0.1  # the weight of each new offer in the running acceptance
 PRIOR = 0.8  # the running acceptance before any offer (the V3 report's 85 %, a little below)
-RUNS = 7  # timed rounds over the graphs when measuring a bucket's costs (after one untimed round)
+RUNS = 15  # timed rounds over the graphs when measuring a bucket's costs: the fastest of each graph's (a shared,
+# loaded machine only ever adds time, and not to every graph alike)
+WARM = 2  # untimed rounds first (a session's first runs plan its memory)
 PROBE = 32  # plain steps in a row after which one step drafts again
 
 
@@ -47,7 +48,9 @@ class AutoK:
 
     def __init__(self, step, K: int):
         self.step, self.K = step, K
-        self.rates = [PRIOR] * K
+        # the session's running acceptance, carried from one generate call (or request) to the next
+        known = step.s.spec_auto if step is not None else {}
+        self.rates = known.setdefault(("rates", K), [PRIOR] * K)
         self.costs: dict[int, list[float] | None] = {}  # bucket -> c(B, 0..K)
         self.plain_run = 0
         self.chosen: list[int] = []  # each step's k (the bench and the tests read it)
@@ -83,11 +86,11 @@ class AutoK:
     def cost(self, B: int) -> list[float] | None:
         if B not in self.costs:
             # measured once per session and bucket (a generate call, a request, reuses them)
-            known = self.step.s.spec_costs
-            if (B, self.K) not in known:
-                known[B, self.K] = measure(self.step, B, self.K) or modeled(self.step.s, self.K)
-                log.debug("speculation auto: bucket %d step costs %s", B, known[B, self.K])
-            self.costs[B] = known[B, self.K]
+            known, key = self.step.s.spec_auto, ("costs", B, self.K)
+            if key not in known:
+                known[key] = measure(self.step, B, self.K) or modeled(self.step.s, self.K)
+                log.debug("speculation auto: bucket %d step costs %s", B, known[key])
+            self.costs[B] = known[key]
         return self.costs[B]
 
 
@@ -101,7 +104,7 @@ def _lanes(session, B: int, T: int) -> dict[str, np.ndarray]:
 
 def measure(step, B: int, K: int) -> list[float] | None:
     """c(B, 0..K) in seconds, measured (the cpu device's decode graph and one-call step graphs: `RUNS` rounds
-    over all of them in turn after one untimed run each, the median of each), or None."""
+    over all of them in turn after `WARM` untimed ones, the fastest of each), or None."""
     s, mtp = step.s, step.mtp
     if mtp is None or not hasattr(s.backend, "run_held") or getattr(s.backend, "ranks", None) is not None:
         return None
@@ -111,13 +114,13 @@ def measure(step, B: int, K: int) -> list[float] | None:
     T = next(f[2] for f in step.fns if f[0] == B)
     ins = [_lanes(s, B, 1)] + [_lanes(s, B, T)] * K
     ts: list[list[float]] = [[] for _ in names]
-    for r in range(RUNS + 1):
+    for r in range(RUNS + WARM):
         for i, (n, x) in enumerate(zip(names, ins)):
             t0 = time.process_time()
             s.backend.run_held(n, x)  # its writes dropped: nothing stored
-            if r:
+            if r >= WARM:
                 ts[i].append(time.process_time() - t0)
-    return [statistics.median(t) for t in ts]
+    return [min(t) for t in ts]
 
 
 def modeled(session, K: int) -> list[float] | None:
