@@ -213,8 +213,9 @@ def step_table(label: str, runs: dict, inputs, out: dict, rounds: int) -> None:
                     t[name][key] = t[name].get(key, 0.0) + v
                 steps[name] += nn.get("spec_step", 0) + nn.get("decode_step", 0)
     dec = t["plain"].get("decode_step", 0.0) / max(steps["plain"], 1)
+    graph = t["plain"].get("graph", 0.0) / max(steps["plain"], 1) / dec
     print(f"{label} step breakdown (CPU time per step, {rounds} metered rounds, in plain decode steps of "
-          f"{dec * 1e6:.0f} us; a decode step's graph call {t['plain'].get('graph', 0.0) / max(steps['plain'], 1) / dec:.2f}):")
+          f"{dec * 1e6:.0f} us; a decode step's graph call {graph:.2f}):")
     for name in runs:
         if name == "plain":
             continue
@@ -226,7 +227,8 @@ def step_table(label: str, runs: dict, inputs, out: dict, rounds: int) -> None:
         row = {p: round(v / n / dec, 3) for p, v in parts.items()}
         out.setdefault(name, {})["step"] = row
         print(f"  k={name}: {row['total']:.2f} decode steps = graph call {row['graph']:.2f} + draft calls "
-              f"{row['drafts']:.2f} + undo {row['undo']:.2f} + Python {row['python']:.2f} ({n // rounds} steps a round)")
+              f"{row['drafts']:.2f} + undo {row['undo']:.2f} + Python {row['python']:.2f} "
+              f"({n // rounds} steps a round)")
 
 
 def batched(prompts, batch: int) -> list[list[list[int]]]:

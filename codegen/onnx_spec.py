@@ -270,6 +270,11 @@ def recursive(gd: onnx.GraphProto, shared: set[str], batch: int, tokens: int, dr
     return nodes, inits
 
 
+def _int_const(name: str, dims: list[int], value: int) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], name=name,
+                            value=helper.make_tensor(name + ".v", TensorProto.INT64, dims, [value]))
+
+
 def patched_gather(pre: str, got: str, rows: str, writes: list[tuple[str, str]], out: str) -> list[onnx.NodeProto]:
     """`out` = `got` (rows `rows` gathered from the plane) with each row an earlier copy wrote replaced by the
     last such write's values (`writes`: (rows [N], values [N, row]) in write order; negative rows: none)."""
@@ -282,13 +287,13 @@ def patched_gather(pre: str, got: str, rows: str, writes: list[tuple[str, str]],
              n("Concat", wv, [p + "vals"], axis=0, name=p + "vals") if len(wv) > 1 else
              n("Identity", wv, [p + "vals"], name=p + "vals"),
              n("Unsqueeze", [rows, p + "ax"], [p + "read"], name=p + "read"),
-             n("Constant", [], [p + "ax"], name=p + "ax", value=helper.make_tensor(p + "ax.v", TensorProto.INT64, [1], [-1])),
+             _int_const(p + "ax", [1], -1),
              n("Equal", [p + "read", p + "rows"], [p + "eq"], name=p + "eq"),  # [*rows, N]
              n("Cast", [p + "eq"], [p + "eqi"], to=TensorProto.INT64, name=p + "eqi"),
              # 1 + the index of each write, 0 where it does not match: the largest is the last matching write
              n("Shape", [p + "rows"], [p + "n"], name=p + "n"),
-             n("Constant", [], [p + "one"], name=p + "one", value=helper.make_tensor(p + "one.v", TensorProto.INT64, [], [1])),
-             n("Constant", [], [p + "zero"], name=p + "zero", value=helper.make_tensor(p + "zero.v", TensorProto.INT64, [], [0])),
+             _int_const(p + "one", [], 1),
+             _int_const(p + "zero", [], 0),
              n("Squeeze", [p + "n"], [p + "n0"], name=p + "n0"),
              n("Add", [p + "n0", p + "one"], [p + "n1"], name=p + "n1"),
              n("Range", [p + "one", p + "n1", p + "one"], [p + "order"], name=p + "order"),

@@ -16,9 +16,9 @@ is chosen (greedy: the verify's argmax decides every token).
 Costs. On the cpu device they are measured at the bucket's first step of the session (`measure`: the
 process's CPU time, the fastest of `RUNS` interleaved rounds of the decode graph and of the one-call step
 graphs drafting k, `codegen/onnx_spec.py`, on live lanes whose writes are dropped, never stored). Elsewhere
-(the C runtime's devices) they are modeled from the artifact's compile report (`report.json` `speculative_step`: the modeled verify / decode cost ratio of a GPU
-target at the drafts it models, interpolated linearly in k, batch 1 figures for every bucket); an artifact
-without them drafts K every step.
+(the C runtime's devices) they are modeled from the artifact's compile report (`report.json`
+`speculative_step`: the modeled verify / decode cost ratio of a GPU target at the drafts it models,
+interpolated linearly in k, batch 1 figures for every bucket); an artifact without them drafts K every step.
 
 k = 0 writes nothing of the MTP block's ring (a plain decode step), so the estimates a_j do not move while it
 is chosen: after `PROBE` plain steps in a row one step drafts again (the best k > 0), so a machine or a text
@@ -135,5 +135,5 @@ def modeled(session, K: int) -> list[float] | None:
         return None
     pts = sorted({(0, 1.0), *((int(m["draft_tokens"]), float(m["cost_ratio"])) for m in rows)})
     ks, cs = [p[0] for p in pts], [p[1] for p in pts]
-    return [float(np.interp(k, ks, cs)) if k <= ks[-1] else cs[-1] + (k - ks[-1]) * (cs[-1] - cs[-2]) / max(ks[-1] - ks[-2], 1)
-            for k in range(K + 1)]
+    slope = (cs[-1] - cs[-2]) / max(ks[-1] - ks[-2], 1)  # past the last modeled k: the last segment's slope
+    return [float(np.interp(k, ks, cs)) if k <= ks[-1] else cs[-1] + (k - ks[-1]) * slope for k in range(K + 1)]

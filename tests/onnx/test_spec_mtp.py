@@ -189,8 +189,9 @@ def test_unpatched_recursive_reads_are_caught(doc, monkeypatch):
     from v4compile.codegen import onnx_spec
     from onnx import helper
 
-    monkeypatch.setattr(onnx_spec, "patched_gather",
-                        lambda pre, got, rows, writes, out: [helper.make_node("Identity", [got], [out], name=pre + "id")])
+    def unpatched(pre, got, rows, writes, out):
+        return [helper.make_node("Identity", [got], [out], name=pre + "id")]
+    monkeypatch.setattr(onnx_spec, "patched_gather", unpatched)
     theirs = two_call_drafts(doc, 3)
     _, seen = fused_run(doc, 3, monkeypatch)
     assert seen != theirs
