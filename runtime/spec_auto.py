@@ -21,8 +21,9 @@ graphs drafting k, `codegen/onnx_spec.py`, on live lanes whose writes are droppe
 interpolated linearly in k, batch 1 figures for every bucket); an artifact without them drafts K every step.
 
 k = 0 writes nothing of the MTP block's ring (a plain decode step), so the estimates a_j do not move while it
-is chosen: after `PROBE` plain steps in a row one step drafts again (the best k > 0), so a machine or a text
-that changes is seen again. A step whose sequences hold no drafts at k = 0 is the plain decode step itself.
+is chosen: after `PROBE` plain steps in a row one step drafts one token (the cheapest probe: a verify of one
+draft follows), so a machine or a text that changes is seen again. A step whose sequences hold no drafts at
+k = 0 is the plain decode step itself, and sequences admitted while the rule says 0 get no first drafts.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ PRIOR = 0.8  # the running acceptance before any offer (the V3 report's 85 %, a 
 RUNS = 15  # timed rounds over the graphs when measuring a bucket's costs: the fastest of each graph's (a shared,
 # loaded machine only ever adds time, and not to every graph alike)
 WARM = 2  # untimed rounds first (a session's first runs plan its memory)
-PROBE = 32  # plain steps in a row after which one step drafts again
+PROBE = 64  # plain steps in a row after which one step drafts again
 
 
 class AutoK:
@@ -67,19 +68,19 @@ class AutoK:
             out += run
         return out
 
-    def pick(self, B: int) -> int:
+    def best(self, B: int) -> int:
+        """The rule's k for bucket `B` (no probe, nothing recorded)."""
         c = self.cost(B)
         if c is None:
-            k = self.K
-        else:
-            best = max(range(self.K + 1), key=lambda k: (self.expected(k) / c[k], -k))
-            if best == 0:
-                self.plain_run += 1
-                if self.plain_run > PROBE:
-                    best = max(range(1, self.K + 1), key=lambda k: (self.expected(k) / c[k], -k))
-            if best:
-                self.plain_run = 0
-            k = best
+            return self.K
+        return max(range(self.K + 1), key=lambda k: (self.expected(k) / c[k], -k))
+
+    def pick(self, B: int) -> int:
+        """This step's k: the rule's, but one draft after `PROBE` plain steps in a row."""
+        k = self.best(B)
+        self.plain_run = self.plain_run + 1 if k == 0 else 0
+        if self.plain_run > PROBE:
+            k, self.plain_run = 1, 0
         self.chosen.append(k)
         return k
 

@@ -257,6 +257,8 @@ class SpecStep:
 
     def joined(self, reqs: list) -> None:
         """The first drafts of the requests just admitted (still live after their first token)."""
+        if self.auto is not None:  # as many as the rule wants now (none while it says plain decoding)
+            self.k_now = self.auto.best(next(f for f in self.fns if f[0] >= len(reqs))[0])
         if self.mtp is not None:
             ds = self.mtp.drafts([r.spec.entry for r in reqs], [self._wanted(r) for r in reqs],
                                  [r.spec.pick for r in reqs])

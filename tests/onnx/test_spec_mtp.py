@@ -458,6 +458,7 @@ def cycled(monkeypatch, ks) -> list[int]:
         made.append(next(it))
         return made[-1]
     monkeypatch.setattr(spec_auto.AutoK, "pick", pick)
+    monkeypatch.setattr(spec_auto.AutoK, "best", lambda self, B: self.K)  # first drafts at admission: K
     return made
 
 
@@ -489,7 +490,7 @@ def test_auto_rule():
     assert a.pick(1) == 2
     a.rates = [0.5, 0.5, 0.5]  # b8: 1.5 / 2 = 0.75 ... < 1 -> plain
     assert a.pick(8) == 0
-    assert [a.pick(8) for _ in range(spec_auto.PROBE)][-1] == 1  # the probe: the best k > 0
+    assert [a.pick(8) for _ in range(spec_auto.PROBE)][-1] == 1  # the probe: one draft
     for _ in range(40):  # every draft accepted: the running rates rise toward 1
         a.observe(3, 3)
     assert min(a.rates) > 0.95 and a.pick(8) == 3
