@@ -498,3 +498,18 @@ def test_auto_rule():
     blind.rates, blind.costs = [0.9, 0.8, 0.3], {1: [1.0, 1.2, 1.4, 1.6]}
     blind.expected = lambda k: 1.0 + k
     assert blind.pick(1) != 2
+
+
+def test_auto_costs_modeled_from_the_report(tmp_path):
+    """Off the cpu device: c(k) / c(0) from the compile report's modeled verify step (linear in k between the
+    modeled drafts, extended past the last); no report, no costs (then K every step)."""
+    import json
+    from types import SimpleNamespace
+
+    from v4compile.runtime import spec_auto
+
+    sess = SimpleNamespace(art=SimpleNamespace(path=tmp_path))
+    assert spec_auto.modeled(sess, 3) is None
+    (tmp_path / "report.json").write_text(json.dumps({"speculative_step": {"gfx950": [
+        {"draft_tokens": 1, "cost_ratio": 1.5}, {"draft_tokens": 3, "cost_ratio": 2.1}]}}))
+    assert spec_auto.modeled(sess, 4) == pytest.approx([1.0, 1.5, 1.8, 2.1, 2.4])
