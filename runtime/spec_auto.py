@@ -14,8 +14,10 @@ verify then checks whatever drafts each sequence holds, so the ids are those of 
 is chosen (greedy: the verify's argmax decides every token).
 
 Costs. On the cpu device they are measured at the bucket's first step of the session (`measure`: the
-process's CPU time, the fastest of `RUNS` interleaved rounds of the decode graph and of the one-call step
-graphs drafting k, `codegen/onnx_spec.py`, on live lanes whose writes are dropped, never stored). Elsewhere
+process's CPU time, the median of `RUNS` interleaved rounds of the decode graph and of the one-call step
+graphs drafting k, `codegen/onnx_spec.py`, on live lanes whose writes are dropped, never stored), then each
+step's own CPU time moves its c(B, k) (an exponential moving average, `BETA`: a step in a generation costs
+its host work too, and its graph on a real text's pool and experts, which an isolated run misses). Elsewhere
 (the C runtime's devices) they are modeled from the artifact's compile report (`report.json`
 `speculative_step`: the modeled verify / decode cost ratio of a GPU target at the drafts it models,
 interpolated linearly in k, batch 1 figures for every bucket); an artifact without them drafts K every step.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import time
 
 import numpy as np
@@ -38,9 +41,11 @@ log = logging.getLogger(__name__)
 
 ALPHA = 0.1  # the weight of each new offer in the running acceptance
 PRIOR = 0.8  # the running acceptance before any offer (the V3 report's 85 %, a little below)
-RUNS = 15  # timed rounds over the graphs when measuring a bucket's costs: the fastest of each graph's (a shared,
-# loaded machine only ever adds time, and not to every graph alike)
+RUNS = 15  # timed rounds over the graphs when measuring a bucket's costs (each graph's median)
+BETA = 0.2  # the weight of each step's own CPU time in its c(B, k)
+OUTLIER = 4.0  # a step over this many times its c(B, k) is not taken into it
 WARM = 2  # untimed rounds first (a session's first runs plan its memory)
+LIVE_POS = 40  # the measured steps' first position: past the window and a few compressed windows, as mid-text
 PROBE = 64  # plain steps in a row after which one step drafts again
 
 
@@ -53,6 +58,7 @@ class AutoK:
         known = step.s.spec_auto if step is not None else {}
         self.rates = known.setdefault(("rates", K), [PRIOR] * K)
         self.costs: dict[int, list[float] | None] = {}  # bucket -> c(B, 0..K)
+        self.measured: dict[int, bool] = {}  # bucket -> its costs are CPU seconds (refined by `timed`)
         self.plain_run = 0
         self.chosen: list[int] = []  # each step's k (the bench and the tests read it)
 
@@ -84,28 +90,40 @@ class AutoK:
         self.chosen.append(k)
         return k
 
+    def timed(self, B: int, k: int, seconds: float) -> None:
+        """A step of bucket `B` at `k` took `seconds` of CPU time: c(B, k) moves toward it (`BETA`)."""
+        c = self.costs.get(B)
+        if c is not None and self.measured.get(B) and seconds < OUTLIER * c[k]:  # not a one-off (a session made)
+            c[k] += BETA * (seconds - c[k])
+
     def cost(self, B: int) -> list[float] | None:
         if B not in self.costs:
             # measured once per session and bucket (a generate call, a request, reuses them)
             known, key = self.step.s.spec_auto, ("costs", B, self.K)
             if key not in known:
-                known[key] = measure(self.step, B, self.K) or modeled(self.step.s, self.K)
-                log.debug("speculation auto: bucket %d step costs %s", B, known[key])
-            self.costs[B] = known[key]
+                c = measure(self.step, B, self.K)
+                known[key] = (c, True) if c is not None else (modeled(self.step.s, self.K), False)
+                log.debug("speculation auto: bucket %d step costs %s", B, known[key][0])
+            self.costs[B], self.measured[B] = known[key]
         return self.costs[B]
 
 
 def _lanes(session, B: int, T: int) -> dict[str, np.ndarray]:
-    """Step inputs with every lane live (positions 0 .. T - 1 of slot b on block 0): run held and never
-    stored, so they change nothing, and cost what a live step costs (padding lanes may cost less)."""
-    return {"ids": np.zeros((B, T), dtype=np.int64), "pos": np.tile(np.arange(T, dtype=np.int64), (B, 1)),
+    """Step inputs with every lane live (positions LIVE_POS .. + T - 1 of slot b, every block 0, seeded ids): run
+    held and never stored, so they change nothing, and cost what a live step costs (padding lanes may cost
+    less)."""
+    start = min(LIVE_POS, session.max_context - 2 * T)
+    # varied ids: one id everywhere would route every token to the same experts, cheaper than a text
+    ids = np.random.default_rng(0).integers(0, session.vocab, (B, T), dtype=np.int64)
+    return {"ids": ids,
+            "pos": np.tile(np.arange(start, start + T, dtype=np.int64), (B, 1)),
             "block_table": np.zeros((B, session.blocks_per_seq), dtype=np.int32),
             "slot": np.arange(B, dtype=np.int32) % max(session.max_live, 1)}
 
 
 def measure(step, B: int, K: int) -> list[float] | None:
     """c(B, 0..K) in seconds, measured (the cpu device's decode graph and one-call step graphs: `RUNS` rounds
-    over all of them in turn after `WARM` untimed ones, the fastest of each), or None."""
+    over all of them in turn after `WARM` untimed ones, the median of each), or None."""
     s, mtp = step.s, step.mtp
     if mtp is None or not hasattr(s.backend, "run_held") or getattr(s.backend, "ranks", None) is not None:
         return None
@@ -113,6 +131,9 @@ def measure(step, B: int, K: int) -> list[float] | None:
     if any(n is None for n in names):
         return None
     T = next(f[2] for f in step.fns if f[0] == B)
+    # the bucket's other graphs (a verify without drafting, the separate draft calls) made now, not in a step
+    s.backend.prepare([f for f in (f"verify_b{B}", next((n for b, n, _ in mtp.batch_fns if b == B), None))
+                       if f in s.backend.functions()])
     ins = [_lanes(s, B, 1)] + [_lanes(s, B, T)] * K
     ts: list[list[float]] = [[] for _ in names]
     for r in range(RUNS + WARM):
@@ -121,7 +142,7 @@ def measure(step, B: int, K: int) -> list[float] | None:
             s.backend.run_held(n, x)  # its writes dropped: nothing stored
             if r >= WARM:
                 ts[i].append(time.process_time() - t0)
-    return [min(t) for t in ts]
+    return [statistics.median(t) for t in ts]
 
 
 def modeled(session, K: int) -> list[float] | None:

@@ -39,6 +39,7 @@ residual then p without d: still exactly the target's distribution).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -276,11 +277,20 @@ class SpecStep:
     def step(self, live: list, deliver: Callable[[object, list[int]], int]) -> None:
         """One verify step over the live requests: their new tokens go to `deliver(request, ids) -> how many
         it took` (it may end the request and release its sequence); those still live get their next drafts."""
+        if self.auto is None:
+            return self._step(live, deliver)
+        self.auto.cost(next(f for f in self.fns if f[0] >= len(live))[0])  # measured first (a new bucket): untimed
+        t0 = time.process_time()
+        self._step(live, deliver)
+        self.auto.timed(self._bucket, self.k_now, time.process_time() - t0)
+
+    def _step(self, live: list, deliver) -> None:
         s = self.s
         if self.mtp is None:
             for r in live:
                 r.spec.drafts = self._hooked(r)
         B, fname, T = next(f for f in self.fns if f[0] >= len(live))
+        self._bucket = B
         if self.auto is not None:
             self.k_now = self.auto.pick(B)
             if self.k_now == 0 and not any(r.spec.drafts[0] for r in live):
