@@ -494,6 +494,11 @@ def test_auto_rule():
     for _ in range(40):  # every draft accepted: the running rates rise toward 1
         a.observe(3, 3)
     assert min(a.rates) > 0.95 and a.pick(8) == 3
+    a.measured = {1: True}  # measured costs move toward each step's own time; a one-off (a session made) not
+    a.timed(1, 0, 2.0)
+    assert a.costs[1][0] == pytest.approx(1.0 + spec_auto.BETA)
+    a.timed(1, 0, 100.0)
+    assert a.costs[1][0] == pytest.approx(1.0 + spec_auto.BETA)
     blind = spec_auto.AutoK(None, 3)
     blind.rates, blind.costs = [0.9, 0.8, 0.3], {1: [1.0, 1.2, 1.4, 1.6]}
     blind.expected = lambda k: 1.0 + k
