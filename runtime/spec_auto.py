@@ -9,7 +9,9 @@ with a_j the running acceptance of draft position j (draft j accepted given draf
 moving average over the sequences' offers, `ALPHA` the weight of each new one, starting at `PRIOR`; the
 session's, carried from one generate call or request to the next) and
 c(B, k) the cost of a step that verifies k drafts and drafts k (c(B, 0): the decode step). The step takes the
-largest E(k) (the smaller k on a tie). k is a choice of how many drafts to make for the next step; the
+largest E(k) (the smaller k on a tie), but plain decoding unless that beats E(0) by `MARGIN`: speculation has
+costs outside its steps (the MTP block over each prompt, a request's first drafts) and the step costs are
+measured on a shared machine, so a marginal gain is not worth them. k is a choice of how many drafts to make for the next step; the
 verify then checks whatever drafts each sequence holds, so the ids are those of plain decoding whatever k
 is chosen (greedy: the verify's argmax decides every token).
 
@@ -43,6 +45,7 @@ ALPHA = 0.1  # the weight of each new offer in the running acceptance
 PRIOR = 0.8  # the running acceptance before any offer (the V3 report's 85 %, a little below)
 RUNS = 15  # timed rounds over the graphs when measuring a bucket's costs (each graph's median)
 BETA = 0.2  # the weight of each step's own CPU time in its c(B, k)
+MARGIN = 0.1  # drafting must beat plain decoding by this much per unit time (see the module doc)
 OUTLIER = 4.0  # a step over this many times its c(B, k) is not taken into it
 WARM = 2  # untimed rounds first (a session's first runs plan its memory)
 LIVE_POS = 40  # the measured steps' first position: past the window and a few compressed windows, as mid-text
@@ -79,7 +82,8 @@ class AutoK:
         c = self.cost(B)
         if c is None:
             return self.K
-        return max(range(self.K + 1), key=lambda k: (self.expected(k) / c[k], -k))
+        k = max(range(self.K + 1), key=lambda k: (self.expected(k) / c[k], -k))
+        return k if self.expected(k) / c[k] > (1 + MARGIN) / c[0] else 0
 
     def pick(self, B: int) -> int:
         """This step's k: the rule's, but one draft after `PROBE` plain steps in a row."""
