@@ -499,8 +499,8 @@ def test_auto_rule():
     assert a.costs[1][0] == pytest.approx(1.0 + spec_auto.BETA)
     a.timed(1, 0, 100.0)
     assert a.costs[1][0] == pytest.approx(1.0 + spec_auto.BETA)
-    m = spec_auto.AutoK(None, 1)  # a gain under MARGIN (1.9 / 1.8 = 1.06x plain) is not taken; 1.9 / 1.6 is
-    m.rates, m.costs = [0.9], {1: [1.0, 1.8], 2: [1.0, 1.6]}
+    m = spec_auto.AutoK(None, 1)  # a gain under MARGIN (1.9 / 1.8 = 1.06x plain) is not taken; 1.9 / 1.5 is
+    m.rates, m.costs = [0.9], {1: [1.0, 1.8], 2: [1.0, 1.5]}
     assert (m.best(1), m.best(2)) == (0, 1)
     blind = spec_auto.AutoK(None, 3)
     blind.rates, blind.costs = [0.9, 0.8, 0.3], {1: [1.0, 1.2, 1.4, 1.6]}
