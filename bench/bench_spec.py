@@ -1,11 +1,12 @@
 """Speculative decoding with the MTP block on the trained example model (examples/tiny-doc): acceptance and
 tokens/s against plain greedy decoding in the same run, and the modeled V4-Pro gain at that acceptance.
 
-    python bench/bench_spec.py [--new 64] [--k 1,2,3] [--repeat 7] [--reference] [--no-model] [--checkpoint DIR]
-                               [--json OUT]
+    python bench/bench_spec.py [--new 64] [--k 1,2,3] [--repeat 7] [--batch 1] [--auto] [--reference]
+                               [--no-model] [--checkpoint DIR] [--json OUT]
 
 What runs: the example compiled with `--draft-tokens k` for the cpu device, one artifact per k (ONNX Runtime,
-one thread, batch 1), so the artifact carries the MTP block (`draft_b1` / `draft_c16`): `runtime/speculative.py`'s
+one thread, `--batch` prompts a call: batch 1 runs each prompt alone, batch B > 1 the prompts cycled to B
+sequences in one call), so the artifact carries the MTP block (`draft_b1` / `draft_c16`): `runtime/speculative.py`'s
 steps (greedy: one call of the fused verify + acceptance + MTP graph, `codegen/onnx_spec.py`; for k > 1 the
 recursive drafts' `draft_b1` calls, their ring writes undone) against the session's plain decode steps, the
 MTP's own cost included. Plain and every k are timed in interleaved
@@ -16,6 +17,13 @@ plain decoding (checked, not timed). `--reference` adds the same for the eager r
 V4-Pro's decode and verify steps shape-only (~10 s per k). Not a test: run it once. `PROMPTS` are held out of
 the example's MTP distillation (`scripts/distill_tiny_doc_mtp.py` imports them and trains on no prompt that
 contains one).
+
+The step breakdown (one extra, untimed-for-the-ratio round per run, `Meter`): a speculative step's CPU time in
+plain decode steps (a decode step: the plain run's time outside prefill over its decode steps), split into
+the graph call (the fused verify + acceptance + draft graph, or the verify graph), the separate draft calls,
+the undo bookkeeping (`PoolUndo`; the one-call step has none: its held writes are stored but the rejected
+rows, counted as Python) and the rest (Python: the step's input building, acceptance, delivery).
+`--auto` adds `--draft-tokens auto` on the largest k's artifact (`runtime/speculative.py` picks k per step).
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64, help="new tokens per prompt")
     ap.add_argument("--k", default="1,2,3", help="draft counts")
     ap.add_argument("--repeat", type=int, default=7, help="interleaved rounds (the figures are medians)")
+    ap.add_argument("--batch", type=int, default=1, help="sequences a call (B > 1: the prompts cycled to B)")
+    ap.add_argument("--auto", action="store_true", help="also --draft-tokens auto (the largest k's artifact)")
     ap.add_argument("--reference", action="store_true", help="also the eager reference decoder")
     ap.add_argument("--no-model", action="store_true", help="skip the modeled V4-Pro gain")
     ap.add_argument("--checkpoint", type=Path, default=EXAMPLE, help="the trained example (default examples/tiny-doc)")
@@ -52,9 +62,9 @@ def main() -> None:
                                (a.checkpoint / "tokenizer_config.json").read_bytes(), str(a.checkpoint))
     prompts = [tok.encode(p) for p in PROMPTS]
     ks = [int(x) for x in a.k.split(",")]
-    res = {"model": str(a.checkpoint), "new_tokens": a.new, "prompts": len(prompts), "batch": 1,
+    res = {"model": str(a.checkpoint), "new_tokens": a.new, "prompts": len(prompts), "batch": a.batch,
            "repeat": a.repeat, "compiled_cpu": compiled_cpu(a, prompts, ks)}
-    rates = {k: v["acceptance"] for k, v in res["compiled_cpu"]["speculative"].items()}
+    rates = {k: v["acceptance"] for k, v in res["compiled_cpu"]["speculative"].items() if k != "auto"}
     if a.reference:
         res["reference"] = reference(a, prompts, ks)
     if not a.no_model:
@@ -65,6 +75,11 @@ def main() -> None:
         for ms in res["v4_pro_modeled"].values():
             for m in ms:
                 print(render(m))
+        from v4compile.codegen.spec_cost import by_batch, render_by_batch
+
+        k = 3 if 3 in rates else max(rates)
+        res["v4_pro_by_batch"] = by_batch(preset("v4-pro"), k, ("gfx950", "sm_90a"), rates=rates[k])
+        print("\n".join(render_by_batch(res["v4_pro_by_batch"], "V4-Pro")))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
 
@@ -95,14 +110,15 @@ def merged(stats):
     return acc
 
 
-def report(label: str, ks: list[int], res: dict, n_tokens: int) -> dict:
+def report(label: str, ks: list, res: dict, n_tokens: int, batch: int = 1) -> dict:
     """Tokens/s from the median CPU time; the speedup is the median of the rounds' own ratios (plain over
     speculative in the same round), with their range: the spread a loaded machine leaves."""
     plain_ids, plain_t = res["plain"]
     res = {k: (([ids for ids, _ in v], [st for _, st in v]), ts) for k, (v, ts) in res.items() if k != "plain"}
     plain_s = statistics.median(plain_t)
     out = {"plain_tokens_s": round(n_tokens / plain_s, 2), "speculative": {}}
-    print(f"{label}, plain greedy: {out['plain_tokens_s']:.1f} tokens/s (median CPU time, batch 1, {n_tokens} tokens)")
+    print(f"{label}, plain greedy: {out['plain_tokens_s']:.1f} tokens/s (median CPU time, batch {batch}, "
+          f"{n_tokens} tokens)")
     for k in ks:
         (ids, stats), ts = res[k]
         if ids != plain_ids:
@@ -133,33 +149,134 @@ def reference(a, prompts, ks: list[int]) -> dict:
     return report("reference", ks, interleaved(runs, prompts, a.repeat), a.new * len(prompts))
 
 
+class Meter:
+    """CPU time by part of the generation loop's steps (wrapping the classes' methods while it is on): the
+    graph calls by function kind, the undo bookkeeping, the whole speculative and decode steps, and the steps
+    counted. `parts(steps)`: per step, in seconds."""
+
+    def __init__(self):
+        from v4compile.runtime import batcher, cpu_backend, speculative, undo
+
+        self.t: dict[str, float] = {}
+        self.n: dict[str, int] = {}
+        self.targets = [(cpu_backend.OrtBackend, "run_outputs", self._graph),
+                        (cpu_backend.OrtBackend, "run_held", self._graph), (undo.PoolUndo, "__init__", "undo"),
+                        (undo.PoolUndo, "restore", "undo"), (speculative.SpecStep, "step", "spec_step"),
+                        (batcher.Batcher, "_decode", "decode_step")]
+        self.saved = []
+
+    @staticmethod
+    def _graph(args) -> str:
+        f = args[1]
+        return "graph" if f.startswith(("spec_", "verify_", "decode_")) else \
+            "drafts" if f.startswith("draft_b") else "prefill"
+
+    def __enter__(self):
+        for cls, name, part in self.targets:
+            orig = getattr(cls, name)
+            self.saved.append((cls, name, orig))
+
+            def wrapped(*args, _orig=orig, _part=part, **kw):
+                key = _part(args) if callable(_part) else _part
+                t0 = time.process_time()
+                try:
+                    return _orig(*args, **kw)
+                finally:
+                    self.t[key] = self.t.get(key, 0.0) + time.process_time() - t0
+                    self.n[key] = self.n.get(key, 0) + 1
+            setattr(cls, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for cls, name, orig in reversed(self.saved):
+            setattr(cls, name, orig)
+        self.saved = []
+
+    def take(self) -> tuple[dict[str, float], dict[str, int]]:
+        t, n = self.t, self.n
+        self.t, self.n = {}, {}
+        return t, n
+
+
+def step_table(label: str, runs: dict, inputs, out: dict, rounds: int) -> None:
+    """Print (and store in `out[name]["step"]`) each speculative run's step cost in plain decode steps, by part:
+    `rounds` metered passes of every run in turn (as the timed rounds interleave), their CPU times summed."""
+    t: dict = {n: {} for n in runs}
+    steps = dict.fromkeys(runs, 0)
+    with Meter() as m:
+        for _ in range(rounds):
+            for name, fn in runs.items():
+                for x in inputs:
+                    fn(x)
+                tt, nn = m.take()
+                for key, v in tt.items():
+                    t[name][key] = t[name].get(key, 0.0) + v
+                steps[name] += nn.get("spec_step", 0) + nn.get("decode_step", 0)
+    dec = t["plain"].get("decode_step", 0.0) / max(steps["plain"], 1)
+    graph = t["plain"].get("graph", 0.0) / max(steps["plain"], 1) / dec
+    print(f"{label} step breakdown (CPU time per step, {rounds} metered rounds, in plain decode steps of "
+          f"{dec * 1e6:.0f} us; a decode step's graph call {graph:.2f}):")
+    for name in runs:
+        if name == "plain":
+            continue
+        tn, n = t[name], max(steps[name], 1)
+        total = tn.get("spec_step", 0.0)
+        graph, drafts, undo = (tn.get(x, 0.0) for x in ("graph", "drafts", "undo"))
+        parts = {"total": total, "graph": graph, "drafts": drafts, "undo": undo,
+                 "python": total - graph - drafts - undo}
+        row = {p: round(v / n / dec, 3) for p, v in parts.items()}
+        out.setdefault(name, {})["step"] = row
+        print(f"  k={name}: {row['total']:.2f} decode steps = graph call {row['graph']:.2f} + draft calls "
+              f"{row['drafts']:.2f} + undo {row['undo']:.2f} + Python {row['python']:.2f} "
+              f"({n // rounds} steps a round)")
+
+
+def batched(prompts, batch: int) -> list[list[list[int]]]:
+    """The runs' inputs: each prompt alone (batch 1), or the prompts cycled to `batch` sequences, one call."""
+    if batch == 1:
+        return [[p] for p in prompts]
+    return [[prompts[i % len(prompts)] for i in range(batch)]]
+
+
 def compiled_cpu(a, prompts, ks: list[int]) -> dict:
-    """Plain vs speculative greedy decoding (the compiled MTP drafts) on the compiled cpu device, batch 1: one
-    artifact per k (`--draft-tokens k`: its verify and draft functions have exactly 1 + k lanes)."""
+    """Plain vs speculative greedy decoding (the compiled MTP drafts) on the compiled cpu device, at `--batch`:
+    one artifact per k (`--draft-tokens k`: its verify and draft functions have exactly 1 + k lanes)."""
     import tempfile
 
     import v4compile
     from v4compile.cli import main as cli
     from v4compile.runtime.speculative import speculative_generate as compiled_generate
 
+    buckets = ",".join(str(b) for b in sorted({1, a.batch}))
     with tempfile.TemporaryDirectory() as tmp:
         sessions = {}
         for k in ks:
             art = Path(tmp) / f"tiny-doc-k{k}"
-            if cli(["-q", "compile", str(a.checkpoint), "-o", str(art), "--target", "cpu", "--decode-buckets", "1",
+            if cli(["-q", "compile", str(a.checkpoint), "-o", str(art), "--target", "cpu", "--decode-buckets", buckets,
                     "--prefill-buckets", "16", "--draft-tokens", str(k), "--numerics", "hf", "--dtype", "fp32"]) != 0:
                 raise SystemExit("compiling the example failed")
             sessions[k] = sess = v4compile.load(art, device="cpu", threads=1)
             sess.backend.prepare(sorted(sess.backend.functions()))  # every session built before timing
-            compiled_generate(sess, [prompts[0]], 4, k)  # and the one-call greedy step's (built at first use)
+            compiled_generate(sess, [prompts[0]] * a.batch, 4, k)  # and the one-call step's (built at first use)
         plain = sessions[ks[0]]
-        runs = {"plain": lambda p: plain.generate([p], a.new)[0]}
+        runs = {"plain": lambda ps: plain.generate(ps, a.new)}
         for k in ks:
-            def spec(p, k=k):
-                ids, stats = compiled_generate(sessions[k], [p], a.new, k)
-                return ids[0], stats
+            def spec(ps, k=k):
+                ids, stats = compiled_generate(sessions[k], ps, a.new, k)
+                return ids, stats
             runs[k] = spec
-        out = report("compiled cpu", ks, interleaved(runs, prompts, a.repeat), a.new * len(prompts))
+        if a.auto:
+            big = sessions[max(ks)]
+            compiled_generate(big, [prompts[0]] * a.batch, 4, "auto")  # its step costs measured before timing
+
+            def auto(ps):
+                ids, stats = compiled_generate(big, ps, a.new, "auto")
+                return ids, stats
+            runs["auto"] = auto
+        inputs = batched(prompts, a.batch)
+        out = report("compiled cpu", list(runs)[1:], interleaved(runs, inputs, a.repeat),
+                     a.new * sum(len(x) for x in inputs), a.batch)
+        step_table("compiled cpu", runs, inputs, out["speculative"], min(a.repeat, 5))
         for sess in sessions.values():
             sess.close()
     return out

@@ -105,9 +105,10 @@ def build_report(cfg: V4Config, traced: Module, result, targets: tuple[str, ...]
                     m["by_layer_kind"] = by_layer_kind(m, cfg.kind)
     gpu = tuple(t for t in targets if t != "cpu")
     if gpu and cfg.n_mtp_layers:
-        from ..codegen.spec_cost import REPORT_DRAFT_TOKENS, verify_models
+        from ..codegen.spec_cost import REPORT_DRAFT_TOKENS, by_batch, verify_models
 
         rep["speculative_step"] = verify_models(cfg, REPORT_DRAFT_TOKENS, gpu)
+        rep["speculative_by_batch"] = by_batch(cfg, max(REPORT_DRAFT_TOKENS), gpu)
     return rep
 
 
@@ -190,6 +191,10 @@ def render_report(rep: dict) -> str:
 
         lines.append("  modeled speculative verify step (MTP, traced graphs at the roofline, batch 1):")
         lines += [render(m) for ms in rep["speculative_step"].values() for m in ms]
+    if rep.get("speculative_by_batch"):
+        from ..codegen.spec_cost import render_by_batch
+
+        lines += render_by_batch(rep["speculative_by_batch"], rep["config"])
     acc = rep["kv_bytes_per_token_accounting"]
     lines.append("  KV bytes per token, accounting: " + ", ".join(f"{k} {v:.0f}" for k, v in acc.items()))
     return "\n".join(lines) + "\n"

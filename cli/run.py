@@ -118,6 +118,11 @@ def _run_speculative(args, sess, ids, draft, t_load: float) -> int:
     return 0
 
 
+def draft_tokens_arg(text: str):
+    """--draft-tokens: "auto" or an integer 1..MAX_DRAFT_TOKENS."""
+    return "auto" if text == "auto" else int_arg(1, MAX_DRAFT_TOKENS)(text)
+
+
 def add_command(sub) -> None:
     rn = sub.add_parser("run", help="generate with a compiled artifact (v4compile compile -o DIR)")
     rn.add_argument("artifact", metavar="ARTIFACT", help="artifact directory")
@@ -142,7 +147,9 @@ def add_command(sub) -> None:
     rn.add_argument("--speculative", choices=("mtp",), default=None,
                     help="speculative decoding: the artifact's MTP block drafts, a verify step checks (--ids only; "
                          "sampling without --top-p)")
-    rn.add_argument("--draft-tokens", type=int_arg(1, MAX_DRAFT_TOKENS), default=1, help="drafts per step (default 1)")
+    rn.add_argument("--draft-tokens", type=draft_tokens_arg, default="auto",
+                    help="drafts per step, 1..%d, or auto (default: chosen per step from the running acceptance and "
+                         "the step costs; 0 = a plain decode step)" % MAX_DRAFT_TOKENS)
     rn.add_argument("--no-prefix-cache", action="store_true",
                     help="compute every prompt whole (the prefix cache, on by default, is bit-exact)")
     rn.add_argument("--json", action="store_true", help='print {"ids": [...], "tokens_per_s", "load_s", "warmup_s", '

@@ -14,11 +14,24 @@ sequences of `T = 1 + K` lanes (ids, pos as verify's):
 3. the MTP block's nodes on those lanes: `hidden` = verify's streams, `ids` = `best`, `pos` = pos on the kept
    lanes and -1 elsewhere (a rejected lane writes nothing of the MTP's ring).
 
-Outputs: verify's `logits` (the host decides the acceptance from them too, and checks it against the graph's:
-`next_ids` = best, `kept_pos`), the MTP's `draft.logits` `[B, V]` (its last kept lane: the first next draft)
-and `draft.streams` (for recursive drafts); each written plane's rows and values are verify's then the
-MTP's (disjoint rows: the MTP block writes only its own ring). Sampling cannot use it: the token after the
-last accepted lane is drawn on the host after the verify.
+4. for `drafts` = k > 1, the recursive drafts, unrolled: copy j = 2 .. k of the MTP block's nodes (names
+   `draft<j>/...`) runs one lane per sequence, lane 0: `hidden` = the previous copy's streams at its last
+   lane (copy 1: the last kept lane, `a` = kept lanes - 1; later copies: lane 0), `ids` = the previous copy's
+   argmax, `pos` = L' + j - 2 (L' = the last kept position + 1, the sequence's new length; -1 for a sequence
+   with no kept lane, or past the positions the graph has), the other lanes padding (zeros, pos -1).
+
+The recursive copies' ring writes are never stored: they are not outputs of the graph (the pool after the step
+holds exactly what the unfused path's undo leaves: verify's and copy 1's writes). Each copy still sees the
+writes of the copies before it: its one read of the pool (the draft graph's `Gather` of `pool.main`) is
+patched with their rows (`patched_gather`: for each read row, the last earlier copy's write of that row
+wins, as the backend's in-order row writes would), before the copy's own in-step patch of its own writes.
+The values are the bytes the backend would have stored, so the drafts equal the separate `draft_b<B>` calls'.
+
+Outputs: verify's `logits` (the host checks the graph's acceptance, `next_ids` = best and `kept_pos`, against
+its own rule on those ids), the MTP's `draft.logits` `[B, V]` (its last kept lane: the first next draft)
+and `draft.streams`, `spec.drafts` `[B, k]` (each copy's argmax: the next step's greedy drafts); each written
+plane's rows and values are verify's then copy 1's (disjoint rows: the MTP block writes only its own
+ring). Sampling cannot use it: the token after the last accepted lane is drawn on the host after the verify.
 """
 
 from __future__ import annotations
@@ -32,8 +45,10 @@ DRAFT_INPUTS = {"hidden": "streams", "ids": "spec.next_ids", "pos": "spec.kept_p
 DRAFT_OUTPUTS = {"logits": "draft.logits", "streams": "draft.streams"}
 
 
-def fuse_verify_draft(verify: onnx.ModelProto, draft: onnx.ModelProto, batch: int, tokens: int) -> onnx.ModelProto:
-    """The one-call greedy step of bucket `batch` (`tokens` = 1 + K lanes): see the module doc."""
+def fuse_verify_draft(verify: onnx.ModelProto, draft: onnx.ModelProto, batch: int, tokens: int, drafts: int = 1,
+                      max_pos: int | None = None) -> onnx.ModelProto:
+    """The one-call greedy step of bucket `batch` (`tokens` = 1 + K lanes) drafting `drafts` tokens (`max_pos`:
+    the last position the graph has; a recursive draft past it is padding): see the module doc."""
     gv, gd = verify.graph, draft.graph
     v_in = {i.name for i in gv.input}
     d_in = {i.name: i for i in gd.input}
@@ -86,11 +101,33 @@ def fuse_verify_draft(verify: onnx.ModelProto, draft: onnx.ModelProto, batch: in
             raise ValueError(f"the draft graph's output {n} has no place in the fused graph")
     outputs += [helper.make_tensor_value_info("spec.next_ids", TensorProto.INT64, [batch, tokens]),
                 helper.make_tensor_value_info("spec.kept_pos", TensorProto.INT64, [batch, tokens])]
-    graph = helper.make_graph(nodes, f"spec_b{batch}", inputs, outputs, inits)
+    rec, rec_inits = recursive(gd, shared, batch, tokens, drafts, max_pos)
+    nodes += rec
+    inits += rec_inits
+    outputs.append(helper.make_tensor_value_info("spec.drafts", TensorProto.INT64, [batch, drafts]))
+    graph = helper.make_graph(ordered(nodes, {i.name for i in inputs} | {t.name for t in inits}),
+                              f"spec_b{batch}_d{drafts}", inputs, outputs, inits)
     opsets = {o.domain: o.version for o in list(verify.opset_import) + list(draft.opset_import)}
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in sorted(opsets.items())],
                               ir_version=max(verify.ir_version, draft.ir_version))
     return model
+
+
+def ordered(nodes: list[onnx.NodeProto], known: set[str]) -> list[onnx.NodeProto]:
+    """`nodes` in an order where each node follows the producers of its inputs (ONNX's rule), stable."""
+    have, out, todo = set(known) | {""}, [], list(nodes)
+    while todo:
+        rest = []
+        for m in todo:
+            if all(x in have for x in m.input):
+                out.append(m)
+                have.update(m.output)
+            else:
+                rest.append(m)
+        if len(rest) == len(todo):
+            raise ValueError(f"the fused graph's node {rest[0].name} has an input nothing makes")
+        todo = rest
+    return out
 
 
 def _renamed(vi: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
@@ -130,3 +167,142 @@ def glue(batch: int, tokens: int) -> list[onnx.NodeProto]:
         n("Concat", ["spec/first", "spec/survived"], ["spec/keep"], axis=1, name="spec/keep"),
         n("Where", ["spec/keep", "pos", "spec/neg"], ["spec.kept_pos"], name="spec/kept_pos"),
     ]
+
+
+def recursive(gd: onnx.GraphProto, shared: set[str], batch: int, tokens: int, drafts: int,
+              max_pos: int | None) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """Module doc, step 4: copies 2 .. `drafts` of the draft graph `gd` after copy 1 (`draft/`), and
+    `spec.drafts`."""
+    B, T = batch, tokens
+    n = helper.make_node
+    out_of = {o.name: o for o in gd.output}
+    rows_name = next((x for x in out_of if x.endswith(".rows")), None)
+    plane = rows_name[: -len(".rows")] if rows_name else None
+    hid = next(i for i in gd.input if i.name == "hidden")
+    tail = [d.dim_value for d in hid.type.tensor_type.shape.dim][2:]  # [n, D]
+
+    def const(name, value, dtype=TensorProto.INT64, dims=None):
+        dims = [len(value)] if dims is None else dims
+        return n("Constant", [], [name], name=name, value=helper.make_tensor(name + ".value", dtype, dims, value))
+
+    nodes = [n("ArgMax", ["draft.logits"], ["spec/d1"], axis=1, keepdims=1, name="spec/d1"),
+             const("spec/r/one", [1], dims=[]), const("spec/r/zero", [0], dims=[]),
+             const("spec/r/neg", [-1], dims=[]),
+             const("spec/r/pad_ids", [0] * (B * (T - 1)), dims=[B, T - 1]),
+             const("spec/r/pad_pos", [-1] * (B * (T - 1)), dims=[B, T - 1]),
+             const("spec/r/pad_hidden", [0.0] * (B * (T - 1) * tail[0] * tail[1]), TensorProto.FLOAT,
+                   [B, T - 1, *tail]),
+             const("spec/r/gshape", [B, 1, *tail]),
+             # the last kept lane of each sequence, and its new length L' (the last kept position + 1)
+             n("GreaterOrEqual", ["spec.kept_pos", "spec/r/zero"], ["spec/r/kept_b"], name="spec/r/kept_b"),
+             n("Cast", ["spec/r/kept_b"], ["spec/r/kept_i"], to=TensorProto.INT64, name="spec/r/kept_i"),
+             n("ReduceSum", ["spec/r/kept_i", "spec/r/one_ax"], ["spec/r/n_kept"], keepdims=1, name="spec/r/n_kept"),
+             const("spec/r/one_ax", [1]),
+             n("Sub", ["spec/r/n_kept", "spec/r/one"], ["spec/r/last_raw"], name="spec/r/last_raw"),
+             n("Max", ["spec/r/last_raw", "spec/r/zero"], ["spec/r/last"], name="spec/r/last"),  # [B, 1]
+             n("ReduceMax", ["spec.kept_pos", "spec/r/one_ax"], ["spec/r/top"], keepdims=1, name="spec/r/top"),
+             n("Add", ["spec/r/top", "spec/r/one"], ["spec/r/length"], name="spec/r/length")]
+    if drafts == 1:  # no recursive copy: only the first draft's id
+        nodes = nodes[:1]
+    inits: list[onnx.TensorProto] = []
+    last_ids, streams, lane = "spec/d1", "draft.streams", "spec/r/last"
+    writes = [(PREFIX + rows_name, PREFIX + out_of[plane + ".vals"].name)] if plane else []
+    picked = ["spec/d1"]
+    for j in range(2, drafts + 1):
+        pre = f"draft{j}/"
+        # lane 0's inputs from the previous copy; the other lanes padding
+        idx = f"spec/r{j}/idx"
+        nodes += [n("Reshape", [lane, "spec/r/idx_shape"], [idx + "4"], name=idx + "4"),
+                  n("Expand", [idx + "4", "spec/r/gshape"], [idx], name=idx),
+                  n("GatherElements", [streams, idx], [f"spec/r{j}/h0"], axis=1, name=f"spec/r{j}/h0"),
+                  n("Concat", [f"spec/r{j}/h0", "spec/r/pad_hidden"], [f"spec/r{j}/hidden"], axis=1,
+                    name=f"spec/r{j}/hidden"),
+                  n("Concat", [last_ids, "spec/r/pad_ids"], [f"spec/r{j}/ids"], axis=1, name=f"spec/r{j}/ids"),
+                  const(f"spec/r{j}/off", [j - 2], dims=[]),
+                  n("Add", ["spec/r/length", f"spec/r{j}/off"], [f"spec/r{j}/p"], name=f"spec/r{j}/p"),
+                  n("Greater", ["spec/r/length", "spec/r/zero"], [f"spec/r{j}/live"], name=f"spec/r{j}/live")]
+        ok = f"spec/r{j}/live"
+        if max_pos is not None:
+            nodes += [const(f"spec/r{j}/maxp", [max_pos], dims=[]),
+                      n("LessOrEqual", [f"spec/r{j}/p", f"spec/r{j}/maxp"], [f"spec/r{j}/inside"],
+                        name=f"spec/r{j}/inside"),
+                      n("And", [ok, f"spec/r{j}/inside"], [f"spec/r{j}/ok"], name=f"spec/r{j}/ok")]
+            ok = f"spec/r{j}/ok"
+        nodes += [n("Where", [ok, f"spec/r{j}/p", "spec/r/neg"], [f"spec/r{j}/p0"], name=f"spec/r{j}/p0"),
+                  n("Concat", [f"spec/r{j}/p0", "spec/r/pad_pos"], [f"spec/r{j}/pos"], axis=1,
+                    name=f"spec/r{j}/pos")]
+        step_in = {"hidden": f"spec/r{j}/hidden", "ids": f"spec/r{j}/ids", "pos": f"spec/r{j}/pos"}
+
+        def rename(x: str, pre=pre, step_in=step_in) -> str:
+            if not x:
+                return x
+            if x in step_in:
+                return step_in[x]
+            return x if x in shared else pre + x
+        for node in gd.node:
+            m = onnx.NodeProto()
+            m.CopyFrom(node)
+            m.name = pre + node.name
+            m.input[:] = [rename(x) for x in node.input]
+            m.output[:] = [rename(x) for x in node.output]
+            if plane and m.op_type == "Gather" and m.input[0] == plane and writes:
+                got = m.output[0]
+                m.output[0] = got + ".unpatched"
+                nodes.append(m)
+                nodes += patched_gather(pre, got + ".unpatched", m.input[1], writes, got)
+                continue
+            nodes.append(m)
+        for t in gd.initializer:
+            c = TensorProto()
+            c.CopyFrom(t)
+            c.name = pre + t.name
+            inits.append(c)
+        if plane:
+            writes.append((pre + rows_name, pre + out_of[plane + ".vals"].name))
+        d = f"spec/d{j}"
+        nodes.append(n("ArgMax", [pre + "logits"], [d], axis=1, keepdims=1, name=d))
+        picked.append(d)
+        last_ids, streams, lane = d, pre + "streams", "spec/r/zero_lane"
+    if drafts > 1:
+        nodes += [const("spec/r/idx_shape", [B, 1, 1, 1]), const("spec/r/zero_lane", [0] * B, dims=[B, 1])]
+    nodes.append(n("Concat", picked, ["spec.drafts"], axis=1, name="spec/drafts") if len(picked) > 1 else
+                 n("Identity", picked, ["spec.drafts"], name="spec/drafts"))
+    return nodes, inits
+
+
+def _int_const(name: str, dims: list[int], value: int) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], name=name,
+                            value=helper.make_tensor(name + ".v", TensorProto.INT64, dims, [value]))
+
+
+def patched_gather(pre: str, got: str, rows: str, writes: list[tuple[str, str]], out: str) -> list[onnx.NodeProto]:
+    """`out` = `got` (rows `rows` gathered from the plane) with each row an earlier copy wrote replaced by the
+    last such write's values (`writes`: (rows [N], values [N, row]) in write order; negative rows: none)."""
+    n = helper.make_node
+    p = pre + "patch/"
+    wr = [w for w, _ in writes]
+    wv = [v for _, v in writes]
+    nodes = [n("Concat", wr, [p + "rows"], axis=0, name=p + "rows") if len(wr) > 1 else
+             n("Identity", wr, [p + "rows"], name=p + "rows"),
+             n("Concat", wv, [p + "vals"], axis=0, name=p + "vals") if len(wv) > 1 else
+             n("Identity", wv, [p + "vals"], name=p + "vals"),
+             n("Unsqueeze", [rows, p + "ax"], [p + "read"], name=p + "read"),
+             _int_const(p + "ax", [1], -1),
+             n("Equal", [p + "read", p + "rows"], [p + "eq"], name=p + "eq"),  # [*rows, N]
+             n("Cast", [p + "eq"], [p + "eqi"], to=TensorProto.INT64, name=p + "eqi"),
+             # 1 + the index of each write, 0 where it does not match: the largest is the last matching write
+             n("Shape", [p + "rows"], [p + "n"], name=p + "n"),
+             _int_const(p + "one", [], 1),
+             _int_const(p + "zero", [], 0),
+             n("Squeeze", [p + "n"], [p + "n0"], name=p + "n0"),
+             n("Add", [p + "n0", p + "one"], [p + "n1"], name=p + "n1"),
+             n("Range", [p + "one", p + "n1", p + "one"], [p + "order"], name=p + "order"),
+             n("Mul", [p + "eqi", p + "order"], [p + "score"], name=p + "score"),
+             n("ReduceMax", [p + "score", p + "ax"], [p + "best"], keepdims=0, name=p + "best"),
+             n("Greater", [p + "best", p + "zero"], [p + "hit"], name=p + "hit"),
+             n("Sub", [p + "best", p + "one"], [p + "which0"], name=p + "which0"),
+             n("Max", [p + "which0", p + "zero"], [p + "which"], name=p + "which"),
+             n("Gather", [p + "vals", p + "which"], [p + "new"], axis=0, name=p + "new"),  # [*rows, row]
+             n("Unsqueeze", [p + "hit", p + "ax"], [p + "hit1"], name=p + "hit1"),
+             n("Where", [p + "hit1", p + "new", got], [out], name=p + "out")]
+    return nodes

@@ -87,3 +87,38 @@ def render(m: dict[str, Any]) -> str:
         s += (f"; {key[5:]} acceptance {'/'.join(f'{a:.2f}' for a in g['acceptance'])}: "
               f"{g['tokens_per_step']:.2f} tokens/step, {g['tokens_s_gain']:.2f}x tokens/s")
     return s
+
+
+# AMD's ATOM serving DeepSeek-V4-Pro on 8x MI355X at 4 concurrent requests: time per output token without and
+# with MTP-3 (a measurement on hardware, beside which this module's modeled gains are printed)
+ATOM_MTP3 = {"source": "AMD ATOM, 8x MI355X, DeepSeek-V4-Pro, 4 concurrent requests", "batch": 4,
+             "draft_tokens": 3, "plain_ms_per_token": 19.66, "mtp_ms_per_token": 7.25}
+REPORT_BATCHES = (1, 4, 8, 32)  # the batches the report models the speculative gain at
+
+
+def by_batch(cfg, k: int, targets: tuple[str, ...], batches: tuple[int, ...] = REPORT_BATCHES,
+             rates: list[float] | None = None) -> dict[str, Any]:
+    """The modeled gain of k drafts per target at each batch (`step_gain`: at `rates` when given, and at the
+    V3 report's 85 %), beside ATOM's measured MTP-3 figure."""
+    models: dict[str, list] = {t: [] for t in targets}
+    for b in batches:
+        for t, ms in verify_models(cfg, (k,), targets, batch=b, rates=None if rates is None else {k: rates}).items():
+            models[t] += ms
+    return {"draft_tokens": k, "models": models, "measured": ATOM_MTP3}
+
+
+def render_by_batch(rep: dict[str, Any], model: str) -> list[str]:
+    """Lines: the modeled gain by batch per target ("modeled"), then ATOM's figure ("measured")."""
+    k = rep["draft_tokens"]
+    lines = [f"    modeled {model} MTP-{k} gain by batch (traced verify vs decode step at the roofline):"]
+    for t, ms in rep["models"].items():
+        for key in sorted({g for m in ms for g in m if g.startswith("gain_")}):
+            acc = ms[0][key]["acceptance"]
+            cells = ", ".join(f"batch {m['batch']} {m[key]['tokens_s_gain']:.2f}x (verify {m['cost_ratio']:.2f}x "
+                              f"decode)" for m in ms)
+            lines.append(f"      {t} at {key[5:]} acceptance {'/'.join(f'{a:.2f}' for a in acc)}: {cells}")
+    a = rep["measured"]
+    lines.append(f"    measured ({a['source']}, MTP-{a['draft_tokens']}): {a['plain_ms_per_token']} -> "
+                 f"{a['mtp_ms_per_token']} ms per output token, "
+                 f"{a['plain_ms_per_token'] / a['mtp_ms_per_token']:.2f}x (batch {a['batch']})")
+    return lines

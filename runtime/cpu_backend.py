@@ -197,7 +197,7 @@ class OrtBackend:
                 bufs.append(None)
         step_ins = [n for n in ins if n not in self.state]
         # each written plane / state tensor: (its buffer, index of its rows output, index of its values)
-        writes = [(self.state[n[: -len(".rows")]], i, outs.index(n[: -len(".rows")] + ".vals"))
+        writes = [(n[: -len(".rows")], self.state[n[: -len(".rows")]], i, outs.index(n[: -len(".rows")] + ".vals"))
                   for i, n in enumerate(outs) if n.endswith(".rows")]
         kept = [(i, n) for i, n in enumerate(outs) if not n.endswith((".rows", ".vals"))]
         self._sessions[key] = (sess, step_ins, outs, io, writes, kept, None if any(b is None for b in bufs) else bufs)
@@ -245,18 +245,41 @@ class OrtBackend:
 
     def _run_graph(self, fname: str, k: int, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One graph; the rows it wrote stored into the state; its other outputs returned."""
+        out, writes = self._run_held(fname, k, inputs)
+        self._store(writes)
+        return out
+
+    def run_held(self, fname: str, inputs: dict[str, np.ndarray]):
+        """`run_outputs` of a one-graph function without storing its writes yet: (outputs, `store(skip)`), which
+        stores them but the rows `skip` names ({state name: rows}), before the next run. Speculation's verify
+        leaves out the rows of its rejected positions this way instead of saving and restoring them."""
+        if self.ranks is not None or len(self._graphs[fname]) != 1:
+            raise ValueError(f"{fname}: held writes need a one-graph function of an unpartitioned artifact")
+        out, writes = self._run_held(fname, 0, inputs)
+        return out, lambda skip=None: self._store(writes, skip)
+
+    def _run_held(self, fname: str, k: int, inputs: dict[str, np.ndarray]):
         sess, step_ins, outs, io, writes, kept, bufs = self._session(fname, k)
         # The binding is the session's, made once: the state arrays are bound once (their buffers are
-        # updated in place below, never replaced) and the outputs once; a step binds its step inputs only.
+        # updated in place by `_store`, never replaced) and the outputs once; a step binds its step inputs only.
         for n in step_ins:
             io.bind_cpu_input(n, inputs[n])
         sess.run_with_iobinding(io)
         res = io.copy_outputs_to_cpu() if bufs is None else bufs
-        for buf, r, v in writes:
-            rows, vals = res[r], res[v]
+        # the caller keeps what it is given: never a view of a buffer the next run overwrites
+        return {n: res[i] if bufs is None else res[i].copy() for i, n in kept}, \
+            [(name, buf, res[r], res[v]) for name, buf, r, v in writes]
+
+    @staticmethod
+    def _store(writes, skip: dict[str, set[int]] | None = None) -> None:
+        for name, buf, rows, vals in writes:
+            drop = skip.get(name) if skip else None
             # a decode step's few rows, one by one: ~1-2 us a row against ~20 us for a mask and two fancy
             # indexes on caches a step has just gone through (tiny decode b1: the step's 14 writes, 9 rows the
             # largest, 47 -> 24 us measured between runs)
+            if drop:
+                OrtBackend._store_but(buf, rows, vals, drop)
+                continue
             if rows.size <= 16:
                 for i, row in enumerate(rows.tolist()):
                     if row >= 0:
@@ -267,8 +290,25 @@ class OrtBackend:
                 buf[rows] = vals
             elif ok.any():
                 buf[rows[ok]] = vals[ok]
-        # the caller keeps what it is given: never a view of a buffer the next run overwrites
-        return {n: res[i] if bufs is None else res[i].copy() for i, n in kept}
+
+    @staticmethod
+    def _store_but(buf: np.ndarray, rows: np.ndarray, vals: np.ndarray, drop: set[int]) -> None:
+        """Store rows but those of `drop`, which count rows of `buf` seen as `[-1, last axis]` (`undo.py`'s row
+        spaces): a compressor state write is a whole slot's ring (`[S, c * d]` a row), of which the dropped
+        ring entries keep what they held."""
+        flat = buf.reshape(-1, buf.shape[-1])
+        per = flat.shape[0] // buf.shape[0]
+        for i, row in enumerate(rows.tolist()):
+            if row < 0:
+                continue
+            if per == 1:
+                if row not in drop:
+                    buf[row] = vals[i]
+                continue
+            kept = [(r, flat[r].copy()) for r in drop if row * per <= r < (row + 1) * per]
+            buf[row] = vals[i]
+            for r, v in kept:
+                flat[r] = v
 
     def end_profiling(self) -> list[str]:
         return [s.end_profiling() for s, *_ in self._sessions.values()]

@@ -178,6 +178,7 @@ class Session:
         self.first_token_s: float | None = None  # the last `generate`: seconds to its first token (prefill)
         self._tokenizer = None  # read on first use (`tokenizer`)
         self.last_acceptance = None  # the last speculative `generate`'s `speculation.Acceptance`
+        self.spec_auto: dict = {}  # draft_tokens "auto"'s step costs and running acceptance (`spec_auto.py`)
         self.last_cached_tokens: list[int] = []  # the last `generate`: each prompt's tokens from the prefix cache
         self.lock = threading.RLock()  # held by every public call that changes sequences, pool or backend
         self.device = getattr(backend, "device", "cpu")  # what it runs on (the self-check's tolerance reads it)
@@ -648,7 +649,7 @@ class Session:
     @serialised
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop_ids: Sequence[int] = (),
-                 speculative: str | None = None, draft_tokens: int = 1, draft=None) -> list[list[int]]:
+                 speculative: str | None = None, draft_tokens: int | str = "auto", draft=None) -> list[list[int]]:
         """New ids for every prompt (continuous batching: at most `max_batch` sequences live at once; a
         waiting prompt joins as soon as a slot is free; each sequence stops at `max_new_tokens` or at a
         stop id, which is included). The prompts are requests of the one generation loop
@@ -659,7 +660,9 @@ class Session:
         batch they share, and prompt 0 samples as `run --seed seed` or a server request with that seed;
         seed None: fresh entropy for each prompt. Greedy ids do not depend on the seed.
 
-        `speculative="mtp"`: speculative decoding with `draft_tokens` drafts per step from the artifact's
+        `speculative="mtp"`: speculative decoding with `draft_tokens` drafts per step (default "auto": k
+        chosen per step, 0 = plain decoding, from the running acceptance and the step costs, `spec_auto.py`;
+        with a `draft` source the artifact's K) from the artifact's
         compiled MTP block (`runtime/speculative.py`, the loop's verify step: greedy ids identical,
         sampled ones identically distributed; `draft` replaces the MTP block as the draft source;
         `last_acceptance` then holds the statistics).

@@ -19,10 +19,16 @@ d_1..d_k_b, and for sampling the distributions q_j they were drawn from):
    positions and gives d'_1 from the last kept lane; for k > 1 the block runs again on its own output
    streams and the last draft, one position further each time, and those ring writes are undone.
 
-Greedy on the cpu device, steps 2-4's verify and first draft are one call (`CompiledDraft.fused`: the
-`spec_b<B>` graph of `codegen/onnx_spec.py`, the acceptance in the graph too, checked against step 3's each
-step): on a small model a call costs mostly its nodes and its overhead, and a separate draft call is ~0.2 of a
-decode step.
+Greedy on the cpu device, steps 2-4 are one call (`CompiledDraft.fused`: the `spec_b<B>_d<k>` graph of
+`codegen/onnx_spec.py`: verify, the acceptance and all k drafts, the recursive ones unrolled with their ring
+writes never stored): on a small model a call costs mostly its nodes and its overhead, and a separate draft
+call is ~0.2-0.3 of a decode step. That step (`SpecStep._fused_step`) reads no logits: the graph's argmax ids
+give the acceptance (the host's rule applied to them, checked against the graph's kept lanes), and instead of
+step 1's saved rows the run's writes are held (`OrtBackend.run_held`) and stored but those of the rejected
+positions (`rejected_rows`: the rows `PoolUndo` would restore).
+
+`draft_tokens="auto"` (the default of `Session.generate` and `run`): k in 0..K chosen per step, 0 a plain
+decode step (`spec_auto.py` states the rule).
 
 During prefill (`CompiledDraft.prefill`, through the prefix cache), `draft_c<T>` runs the block over each
 prompt chunk the same way (the last chunk's last lane, with the first sampled token, drafts d_1). A `draft(sequence index, ids so far, k) -> k ids`
@@ -33,6 +39,7 @@ residual then p without d: still exactly the target's distribution).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,7 +48,10 @@ import numpy as np
 from v4compile.errors import InputError
 from v4compile.speculation import Acceptance, accept, check_draft_tokens, draw, probs
 
-from .undo import PoolUndo
+from .spec_auto import AutoK
+from .undo import PoolUndo, access, written_rows
+
+AUTO = "auto"  # draft_tokens: k chosen per step (`spec_auto.py`)
 
 Draft = Callable[[int, list[int], int], list[int]]  # (prompt index, prompt + ids so far, k) -> k draft ids
 
@@ -89,17 +99,17 @@ class CompiledDraft:
         self.chunk_fns = {f.tokens: f.name for f in fns if f.name.startswith("draft_c")}
         # the MTP layer's window ring: the last of a slot's rings in the pool
         self.layer = int(session.art.manifest["pool"]["n_window_layers"]) - 1
-        self._fused: dict[int, str | None] = {}
+        self._fused: dict[tuple[int, int], str | None] = {}
 
-    def fused(self, B: int) -> str | None:
-        """The cpu device's one-call greedy step for bucket `B` (`codegen/onnx_spec.py`: verify_b<B>, the
-        acceptance and draft_b<B> in one ONNX graph, built at first use), or None (the host device, or a
-        partitioned artifact: a verify call, then a draft call)."""
-        if B not in self._fused:
-            self._fused[B] = self._fuse(B)
-        return self._fused[B]
+    def fused(self, B: int, k: int = 1) -> str | None:
+        """The cpu device's one-call greedy step for bucket `B` drafting `k` tokens (`codegen/onnx_spec.py`:
+        verify_b<B>, the acceptance and k unrolled copies of draft_b<B> in one ONNX graph, built at first use),
+        or None (the host device, or a partitioned artifact: a verify call, then draft calls)."""
+        if (B, k) not in self._fused:
+            self._fused[B, k] = self._fuse(B, k)
+        return self._fused[B, k]
 
-    def _fuse(self, B: int) -> str | None:
+    def _fuse(self, B: int, k: int) -> str | None:
         backend = self.s.backend
         vname, dname = f"verify_b{B}", next((f for b, f, _ in self.batch_fns if b == B), None)
         target = getattr(backend, "target", None)
@@ -115,11 +125,11 @@ class CompiledDraft:
             from .artifact_checks import onnx_model
 
             model = fuse_verify_draft(onnx_model(backend.art, vname, v), onnx_model(backend.art, dname, d),
-                                      v["batch"], v["tokens"])
+                                      v["batch"], v["tokens"], k, self.s.max_context - 1)
             return model, {"file": v["file"], "weights": sorted(set(v["weights"]) | set(d["weights"])),
                            "derived": {**v.get("derived", {}), **d.get("derived", {})},
                            "outputs": [o.name for o in model.graph.output]}
-        return backend.built(f"spec_b{B}", build)
+        return backend.built(f"spec_b{B}_d{k}", build)
 
     def _run(self, fname: str, hidden, ids, pos, seqs, B: int) -> dict[str, np.ndarray]:
         # data parallel: each replica's lanes on its ranks (`Session.run_lanes`)
@@ -224,12 +234,16 @@ class SpecStep:
             raise InputError("the artifact has no verify functions", where=str(session.art.path),
                              expected="an artifact compiled with --draft-tokens")
         self.s, self.fns, self.hook = session, fns, draft
-        self.k = check_draft_tokens(draft_tokens, fns[0][2])
+        auto = isinstance(draft_tokens, str) and draft_tokens == AUTO
+        self.k = check_draft_tokens(fns[0][2] - 1 if auto else draft_tokens, fns[0][2])
         if draft is not None and not callable(draft):
             raise InputError("draft must be a callable (prompt index, ids, k) -> k ids", found=type(draft).__name__)
         self.mtp = CompiledDraft(session) if draft is None else None
         self.stats = Acceptance(self.k)
         self.max_batch = fns[-1][0] * session.dp  # a verify bucket on each replica (data parallel)
+        # "auto": k chosen per step (`spec_auto.py`); a `draft` source drafts the artifact's K every step
+        self.auto = AutoK(self, self.k) if auto and self.mtp is not None else None
+        self.k_now = self.k  # the drafts the next step is to verify (this step's choice with "auto")
 
     @staticmethod
     def check(top_p: float) -> None:
@@ -238,7 +252,7 @@ class SpecStep:
 
     def _wanted(self, r) -> int:
         """Drafts worth making for request `r`: those beyond its last wanted token are wasted."""
-        return min(self.k, r.max_new_tokens - len(r.ids) - 1)
+        return min(self.k_now, r.max_new_tokens - len(r.ids) - 1)
 
     def prefill(self, r) -> int:
         """Prefill `r`'s prompt into its sequence (the MTP block over each chunk); its first token."""
@@ -250,6 +264,8 @@ class SpecStep:
 
     def joined(self, reqs: list) -> None:
         """The first drafts of the requests just admitted (still live after their first token)."""
+        if self.auto is not None:  # as many as the rule wants now (none while it says plain decoding)
+            self.k_now = self.auto.best(next(f for f in self.fns if f[0] >= len(reqs))[0])
         if self.mtp is not None:
             ds = self.mtp.drafts([r.spec.entry for r in reqs], [self._wanted(r) for r in reqs],
                                  [r.spec.pick for r in reqs])
@@ -267,11 +283,24 @@ class SpecStep:
     def step(self, live: list, deliver: Callable[[object, list[int]], int]) -> None:
         """One verify step over the live requests: their new tokens go to `deliver(request, ids) -> how many
         it took` (it may end the request and release its sequence); those still live get their next drafts."""
+        if self.auto is None:
+            return self._step(live, deliver)
+        self.auto.cost(next(f for f in self.fns if f[0] >= self.s.lanes([r.seq for r in live]))[0])  # measured first (a new bucket): untimed
+        t0 = time.process_time()
+        self._step(live, deliver)
+        self.auto.timed(self._bucket, self.k_now, time.process_time() - t0)
+
+    def _step(self, live: list, deliver) -> None:
         s = self.s
         if self.mtp is None:
             for r in live:
                 r.spec.drafts = self._hooked(r)
         B, fname, T = next(f for f in self.fns if f[0] >= s.lanes([r.seq for r in live]))
+        self._bucket = B
+        if self.auto is not None:
+            self.k_now = self.auto.pick(B)
+            if self.k_now == 0 and not any(r.spec.drafts[0] for r in live):
+                return self._plain(live, deliver)
         ids = np.zeros((max(B, len(live)), T), dtype=np.int64)  # data parallel: every replica's lanes (`run_lanes`)
         pos = np.full((max(B, len(live)), T), -1, dtype=np.int64)
         spans = []
@@ -282,10 +311,13 @@ class SpecStep:
             pos[b, : 1 + len(d)] = np.arange(L, L + 1 + len(d))
             if q.replica == s.replica:  # this rank's pool (data parallel: its replica's sequences)
                 spans.append((q.slot, list(q.blocks), L + 1, L + len(d)))
-        undo = PoolUndo(s.backend, spans)
         seqs = [r.seq for r in live]
         greedy = all(r.temperature == 0 for r in live)
-        fused = self.mtp.fused(B) if self.mtp is not None and greedy else None
+        fused = self.mtp.fused(B, self.k_now) if self.mtp is not None and greedy and self.k_now else None
+        if fused and s.dp == 1 and hasattr(s.backend, "run_held") and getattr(s.backend, "ranks", None) is None:
+            table, slot = s.table(seqs, B)
+            return self._fused_step(live, deliver, fused, {"ids": ids, "pos": pos, "block_table": table, "slot": slot})
+        undo = PoolUndo(s.backend, spans)
         res = s.run_lanes(fused or fname, B, seqs, {"ids": ids, "pos": pos})
         logits = res["logits"]
         keep, news, kept_lane = {}, [], {}
@@ -304,6 +336,8 @@ class SpecStep:
                           or (res["spec.next_ids"][b, : a + 1] != next_ids[b, : a + 1]).any()):
                 raise RuntimeError(f"{fused}'s in-graph acceptance disagrees with the host's")
             news.append((a, d[:a] + [tok], len(d)))
+            if self.auto is not None:
+                self.auto.observe(a, len(d))
         undo.restore(keep)
         for r, (a, new, nd) in zip(live, news):
             self.stats.add(a, deliver(r, new), nd)
@@ -321,6 +355,56 @@ class SpecStep:
         entries = [(live[b].seq, live[b].seq.length, mlogits[b], mstreams[b, kept_lane[b]]) for b in nxt]
         for r, d in zip(reqs, self.mtp.drafts(entries, [self._wanted(r) for r in reqs], [r.spec.pick for r in reqs])):
             r.spec.drafts = d
+
+    def _plain(self, live: list, deliver) -> None:
+        """k = 0 ("auto"), no drafts held: a plain decode step (the MTP block's ring not written)."""
+        logits = self.s.decode([r.seq for r in live], [r.ids[-1] for r in live])
+        for r, row in zip(live, logits):
+            tok, _ = r.spec.pick(row)
+            self.stats.add(0, deliver(r, [tok]), 0)
+
+    def _fused_step(self, live: list, deliver, fused: str, inputs: dict) -> None:
+        """The greedy one-call step on a backend that can hold a run's writes (the cpu device): the graph's
+        acceptance (checked against the host's rule on the graph's argmax ids: a few ints a sequence, no
+        logits read), its writes stored but those of the rejected positions (no rows saved before the run,
+        none restored after), and its in-graph drafts (`spec.drafts`) the next step's."""
+        s = self.s
+        res, store = s.backend.run_held(fused, inputs)
+        best_ids = res["spec.next_ids"].tolist()
+        n_kept = (res["spec.kept_pos"] >= 0).sum(1).tolist()
+        rows = access(s.backend)
+        skip: dict[str, set[int]] = {}
+        news = []
+        for b, r in enumerate(live):
+            d, r.spec.drafts = r.spec.drafts[0], ([], [])
+            best, a = best_ids[b], 0
+            while a < len(d) and best[a] == d[a]:
+                a += 1
+            if n_kept[b] != a + 1:
+                raise RuntimeError(f"{fused}'s in-graph acceptance disagrees with the host's")
+            if self.auto is not None:
+                self.auto.observe(a, len(d))
+            q, L = r.seq, r.seq.length
+            rejected_rows(rows, q, L + a + 1, L + len(d), skip)  # not stored
+            q.length += a + 1
+            news.append((a, d[:a] + [best[a]], len(d)))
+        store(skip)
+        for r, (a, new, nd) in zip(live, news):
+            self.stats.add(a, deliver(r, new), nd)
+        drafts = res["spec.drafts"]
+        for b, r in enumerate(live):
+            if not r.done:
+                n = self._wanted(r)
+                r.spec.drafts = (drafts[b, :n].tolist(), [None] * n)
+
+
+def rejected_rows(rows, seq, first: int, last: int, into: dict[str, set[int]]) -> dict[str, set[int]]:
+    """Add to `into` the rows (`undo.written_rows`, per buffer) that positions `first .. last` of `seq` write:
+    those a held verify run (`OrtBackend.run_held`) does not store, where `PoolUndo` would restore them."""
+    for x in range(first, last + 1):
+        for name, row in written_rows(rows.geometry, rows, seq.slot, seq.blocks, x):
+            into.setdefault(name, set()).add(row)
+    return into
 
 
 def speculative_generate(session, prompts: Sequence[Sequence[int]], max_new_tokens: int, draft_tokens: int,

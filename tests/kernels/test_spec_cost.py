@@ -54,3 +54,23 @@ def test_both_targets_and_the_refusals(monkeypatch):
     with pytest.raises(InputError, match="draft_tokens"):
         trace_verify(preset("tiny"), 0)
     assert spec_cost.V3_ACCEPTANCE == 0.85
+
+
+def test_gain_by_batch_beside_the_measured_figure(monkeypatch):
+    """The report's sweep: a modeled gain per batch 1, 4, 8, 32 (tokens per step over that batch's cost ratio)
+    labelled "modeled", then ATOM's V4-Pro MTP-3 figure labelled "measured" (19.66 / 7.25 = 2.71x); a gain
+    that forgets the acceptance is caught."""
+    def sweep():
+        rep = spec_cost.by_batch(preset("tiny"), 3, ("gfx950",), rates=[0.9, 0.8, 0.7])
+        return rep, "\n".join(spec_cost.render_by_batch(rep, "tiny"))
+    rep, text = sweep()
+    ms = rep["models"]["gfx950"]
+    assert [m["batch"] for m in ms] == [1, 4, 8, 32]
+    want = tokens_per_step([0.9, 0.8, 0.7])
+    assert all(m["gain_measured"]["tokens_s_gain"] == pytest.approx(want / m["cost_ratio"], rel=1e-2) for m in ms)
+    assert "modeled tiny MTP-3 gain by batch" in text and "batch 32" in text
+    assert "measured (AMD ATOM, 8x MI355X, DeepSeek-V4-Pro" in text and "19.66 -> 7.25" in text and "2.71x" in text
+    monkeypatch.setattr(spec_cost, "tokens_per_step", lambda rates: 1.0)
+    rep, _ = sweep()
+    assert not all(m["gain_measured"]["tokens_s_gain"] == pytest.approx(want / m["cost_ratio"], rel=1e-2)
+                   for m in rep["models"]["gfx950"])

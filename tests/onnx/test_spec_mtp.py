@@ -85,10 +85,33 @@ def recorded(monkeypatch) -> dict[int, list]:
     return got
 
 
+def offered(monkeypatch) -> list:
+    """Each verify step's drafts: (sequence id, its length, its drafts) per live sequence."""
+    seen: list = []
+    orig = rs.SpecStep.step
+
+    def step(self, live, deliver):
+        seen.append([(r.seq.id, r.seq.length, list(r.spec.drafts[0])) for r in live])
+        return orig(self, live, deliver)
+    monkeypatch.setattr(rs.SpecStep, "step", step)
+    return seen
+
+
+UNFUSED: dict[int, list] = {}  # k -> the two-call path's drafts per step (`offered`), from the cells below
+
+
+def unfused(monkeypatch) -> None:
+    """The two-call path: verify_b<B>, then draft_b<B> per draft (no one-call graph)."""
+    monkeypatch.setattr(rs.CompiledDraft, "fused", lambda self, B, k=1: None)
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_greedy_ids_equal_plain_cpu(doc, k, monkeypatch):
+    """The two-call path (its drafts recorded through `CompiledDraft.drafts`); the one-call step's below."""
     art, prompts, want = doc
     got = recorded(monkeypatch)
+    unfused(monkeypatch)
+    UNFUSED[k] = offered(monkeypatch)
     s = session(art)
     try:
         ids = s.generate(prompts, NEW, speculative="mtp", draft_tokens=k)
@@ -130,6 +153,103 @@ def test_greedy_ids_equal_plain_cpu(doc, k, monkeypatch):
             assert err < 1e-4, err
 
 
+def fused_run(doc, k: int, monkeypatch) -> tuple[list, list]:
+    art, prompts, _ = doc
+    seen = offered(monkeypatch)
+    s = session(art)
+    try:
+        return s.generate(prompts, NEW, speculative="mtp", draft_tokens=k), seen
+    finally:
+        s.close()
+
+
+def two_call_drafts(doc, k: int) -> list:
+    if k not in UNFUSED:  # this test run alone
+        with pytest.MonkeyPatch.context() as mp:
+            unfused(mp)
+            UNFUSED[k] = fused_run(doc, k, mp)[1]
+    return UNFUSED[k]
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_in_graph_drafts_equal_the_draft_calls(doc, k, monkeypatch):
+    """The one-call step drafts k tokens inside its graph (`codegen/onnx_spec.recursive`, the recursive copies'
+    ring writes never stored): every step offers the drafts the two-call path's draft_b<B> calls made, and the
+    pool it leaves is the same (the same drafts follow from it); the ids are plain decoding's."""
+    _, _, want = doc
+    theirs = two_call_drafts(doc, k)
+    ids, seen = fused_run(doc, k, monkeypatch)
+    assert ids == want
+    assert seen == theirs
+
+
+def test_unpatched_recursive_reads_are_caught(doc, monkeypatch):
+    """A recursive copy that does not see the earlier copies' ring writes drafts otherwise. (Its ids are not
+    compared: other drafts group the verify's tokens by expert otherwise, and an fp32 near-tie may flip.)"""
+    from v4compile.codegen import onnx_spec
+    from onnx import helper
+
+    def unpatched(pre, got, rows, writes, out):
+        return [helper.make_node("Identity", [got], [out], name=pre + "id")]
+    monkeypatch.setattr(onnx_spec, "patched_gather", unpatched)
+    theirs = two_call_drafts(doc, 3)
+    _, seen = fused_run(doc, 3, monkeypatch)
+    assert seen != theirs
+
+
+def held_steps(art, prompts, want) -> dict[str, dict]:
+    """`one_step`'s fused step (sequence 1's second draft wrong) three ways from the same pool, in one session:
+    its writes held and stored but the rejected positions' rows (`rejected_rows`), held and all stored, and
+    the step run whole with its rejected rows restored after (`PoolUndo`): the pool and state after each."""
+    from spec_rollback import pool_bytes
+    from v4compile.runtime.undo import PoolUndo, access
+
+    s = session(art)
+    try:
+        seqs = [s.open() for _ in prompts]
+        for q, p in zip(seqs, prompts):
+            s.extend(q, p)
+        drafts = [want[0][1:4], [want[1][1], (want[1][2] + 1) % 512, want[1][3]]]
+        ids = np.array([[w[0]] + d for w, d in zip(want, drafts)], dtype=np.int64)
+        pos = np.array([np.arange(q.length, q.length + 4) for q in seqs], dtype=np.int64)
+        for q in seqs:
+            s.reserve(q, q.length + 3)
+        table, slot = s.table(seqs, 2)
+        inputs = {"ids": ids, "pos": pos, "block_table": table, "slot": slot}
+        fused = rs.CompiledDraft(s).fused(2)
+        # sequence 0 keeps all 4 lanes, sequence 1 two (one draft accepted): positions L1 + 2, L1 + 3 rejected
+        first, last = seqs[1].length + 2, seqs[1].length + 3
+        start = {n: a.copy() for n, a in s.backend.state.items()}
+        out = {}
+        for way in ("held", "held, all stored", "undo"):
+            for n, a in start.items():  # the same pool before each (in place: the sessions bind these arrays)
+                s.backend.state[n][...] = a
+            if way == "undo":
+                undo = PoolUndo(s.backend, [(seqs[1].slot, list(seqs[1].blocks), first, last)])
+                s.backend.run_outputs(fused, inputs)
+                undo.restore({seqs[1].slot: first})
+            else:
+                _, store = s.backend.run_held(fused, inputs)
+                store(rs.rejected_rows(access(s.backend), seqs[1], first, last, {}) if way == "held" else {})
+            out[way] = pool_bytes(s.backend)
+        return out
+    finally:
+        s.close()
+
+
+def test_held_writes_equal_the_undo(doc):
+    """The one-call step's writes, held and stored but the rejected positions' rows, leave the pool and state
+    the undo log does, bit for bit (the compressor states' whole-ring writes included); storing them all
+    does not."""
+    art, prompts, want = doc
+    got = held_steps(art, prompts, want)
+
+    def differ(a, b):
+        return [n for n in b if not np.array_equal(a[n], b[n])]
+    assert differ(got["held"], got["undo"]) == []
+    assert differ(got["held, all stored"], got["undo"]) != []
+
+
 def test_greedy_ids_equal_plain_host(doc):
     """The host device (the C runtime's buffers, reference kernels) runs the same draft functions."""
     art, prompts, want = doc
@@ -142,7 +262,8 @@ def test_greedy_ids_equal_plain_host(doc):
 
 
 def test_run_cli(doc, capsys):
-    """`run --speculative mtp --draft-tokens k --json` drafts with the artifact's MTP block, end to end."""
+    """`run --speculative mtp --draft-tokens k --json` drafts with the artifact's MTP block, end to end (without
+    --draft-tokens: "auto", whose ids `test_auto_ids_equal_plain_whatever_k` checks)."""
     import json
 
     from v4compile.cli import main
@@ -154,6 +275,17 @@ def test_run_cli(doc, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["ids"] == want[1][:16]
     assert len(out["acceptance"]) == 3 and out["tokens_per_step"] > 1
+
+
+def test_run_draft_tokens_flag(doc):
+    """--draft-tokens: auto (the default) or 1..MAX_DRAFT_TOKENS; anything else one error line."""
+    from bad_input_util import assert_one_error, run_main
+    from v4compile.cli.run import draft_tokens_arg
+
+    assert draft_tokens_arg("auto") == "auto" and draft_tokens_arg("2") == 2
+    for bad in ("fast", "0", "8"):
+        rc, _, err = run_main("-q", "run", str(doc[0]), "--ids", "1,2", "--speculative", "mtp", "--draft-tokens", bad)
+        assert_one_error(rc, err, "--draft-tokens")
 
 
 def test_tiny_pro(tmp_path):
@@ -311,3 +443,81 @@ def test_sampling_matches_plain_sampling(small):
 def test_always_accepting_fails_the_sampling_test(small, monkeypatch):
     monkeypatch.setattr(rs, "accept", always_accept)
     assert second_token_pvalue(small) < ALPHA
+
+
+# ---- draft_tokens="auto" (`runtime/spec_auto.py`) ----------------------------------------------------
+
+
+def cycled(monkeypatch, ks) -> list[int]:
+    """`AutoK.pick` giving `ks` in turn (whatever the rule says); the picks made."""
+    from v4compile.runtime import spec_auto
+
+    it, made = iter(ks * 1000), []
+
+    def pick(self, B):
+        made.append(next(it))
+        return made[-1]
+    monkeypatch.setattr(spec_auto.AutoK, "pick", pick)
+    monkeypatch.setattr(spec_auto.AutoK, "best", lambda self, B: self.K)  # first drafts at admission: K
+    return made
+
+
+def test_auto_ids_equal_plain_whatever_k(doc, monkeypatch):
+    """k switching every step through 0 (a plain decode step, or a verify of the drafts held without new
+    ones), 3, 1, 2, 0, 0: the ids are plain decoding's; a plain step that picks the runner-up is caught."""
+    art, prompts, want = doc
+    made = cycled(monkeypatch, [0, 3, 1, 2, 0, 0])
+    p, want = prompts[1:], [want[1][:32]]  # batch 1, 32 tokens: 3 one-call graphs made, 16 steps or so
+    s = session(art)  # one session for both runs: its one-call graphs made once
+    try:
+        assert s.generate(p, 32, speculative="mtp") == want  # "auto": the default
+        assert set(made) == {0, 1, 2, 3}
+        monkeypatch.setattr(rs.Picker, "__call__", lambda self, logits: (int(np.argsort(logits)[-2]), None))
+        assert s.generate(p, 32, speculative="mtp") != want
+    finally:
+        s.close()
+
+
+def test_auto_rule():
+    """E(k) = expected tokens / cost: drafts pay at a cheap verify and high acceptance, not at an expensive
+    one; plain steps probe again after PROBE; a rule blind to the acceptance picks otherwise."""
+    from v4compile.runtime import spec_auto
+
+    a = spec_auto.AutoK(None, 3)
+    a.rates = [0.9, 0.8, 0.3]
+    a.costs = {1: [1.0, 1.2, 1.4, 1.6], 8: [1.0, 2.0, 2.6, 3.2]}
+    # b1: 1.9 / 1.2 = 1.58, 2.62 / 1.4 = 1.87, 2.84 / 1.6 = 1.77 -> k = 2
+    assert a.pick(1) == 2
+    a.rates = [0.5, 0.5, 0.5]  # b8: 1.5 / 2 = 0.75 ... < 1 -> plain
+    assert a.pick(8) == 0
+    assert [a.pick(8) for _ in range(spec_auto.PROBE)][-1] == 1  # the probe: one draft
+    for _ in range(40):  # every draft accepted: the running rates rise toward 1
+        a.observe(3, 3)
+    assert min(a.rates) > 0.95 and a.pick(8) == 3
+    a.measured = {1: True}  # measured costs move toward each step's own time; a one-off (a session made) not
+    a.timed(1, 0, 2.0)
+    assert a.costs[1][0] == pytest.approx(1.0 + spec_auto.BETA)
+    a.timed(1, 0, 100.0)
+    assert a.costs[1][0] == pytest.approx(1.0 + spec_auto.BETA)
+    m = spec_auto.AutoK(None, 1)  # a gain under MARGIN (1.9 / 1.8 = 1.06x plain) is not taken; 1.9 / 1.5 is
+    m.rates, m.costs = [0.9], {1: [1.0, 1.8], 2: [1.0, 1.5]}
+    assert (m.best(1), m.best(2)) == (0, 1)
+    blind = spec_auto.AutoK(None, 3)
+    blind.rates, blind.costs = [0.9, 0.8, 0.3], {1: [1.0, 1.2, 1.4, 1.6]}
+    blind.expected = lambda k: 1.0 + k
+    assert blind.pick(1) != 2
+
+
+def test_auto_costs_modeled_from_the_report(tmp_path):
+    """Off the cpu device: c(k) / c(0) from the compile report's modeled verify step (linear in k between the
+    modeled drafts, extended past the last); no report, no costs (then K every step)."""
+    import json
+    from types import SimpleNamespace
+
+    from v4compile.runtime import spec_auto
+
+    sess = SimpleNamespace(art=SimpleNamespace(path=tmp_path))
+    assert spec_auto.modeled(sess, 3) is None
+    (tmp_path / "report.json").write_text(json.dumps({"speculative_step": {"gfx950": [
+        {"draft_tokens": 1, "cost_ratio": 1.5}, {"draft_tokens": 3, "cost_ratio": 2.1}]}}))
+    assert spec_auto.modeled(sess, 4) == pytest.approx([1.0, 1.5, 1.8, 2.1, 2.4])
