@@ -485,3 +485,85 @@ def test_compiled_mtp_prefill_broken_variants_fail(art, mtp_cold, monkeypatch, f
     full, (_, cold, _, _, _) = mtp_cold
     ok, hot, cached, _, _ = _cached_spec(art, full, monkeypatch, cache=True, fault=fault)
     assert ok and hot != cold and cached[0] == 32
+
+
+
+# ---- the prefix cache under speculation on the host device -----------------------------------------------
+
+HOST_NEW = 3
+
+
+def _host_cached_spec(art, cache: bool, full: list[int] | None = None):
+    """On the host device (the C runtime's buffers, reference kernels), the prefix cache on or off: a 20-token
+    prompt (its first piece, 16 tokens, ends inside the first 32-token pool block: kept when the cache is on),
+    then a request sharing its first 18 tokens decoded speculatively, 2 drafts a step, each draft the right id
+    + 1 (`full`: prompt + plain greedy ids; None: computed here first), so that every verify rolls its rejected
+    rows back. Returns `full`, the request's ids, every logits row it was served from (its prefill's and each
+    verify's, as bytes), its cached prompt tokens, and the bytes of the pool blocks the cache held before the
+    request, taken before and after it."""
+    from v4compile.runtime import speculative
+
+    rng = np.random.default_rng(11)
+    head = rng.integers(0, V, 20).tolist()
+    prompt = head[:18] + [7, 8, 9]
+    rows: list[bytes] = []
+    pick, acc = speculative.Picker.__call__, speculative.accept
+
+    def recorded_pick(self, logits):
+        rows.append(np.asarray(logits, dtype=np.float32).tobytes())
+        return pick(self, logits)
+
+    def recorded_accept(d, logits, *a, **k):
+        rows.append(np.asarray(logits, dtype=np.float32).tobytes())
+        return acc(d, logits, *a, **k)
+
+    sess = v4compile.load(art, device="host", threads=1, kernels="reference", prefix_cache=cache)
+    try:
+        if full is None:
+            full = prompt + sess.generate([prompt], HOST_NEW)[0]
+            sess.clear_prefix_cache()
+
+        def wrong(i, ctx, k):
+            return [(t + 1) % V for t in (full[len(ctx): len(ctx) + k] + [0] * k)[:k]]
+
+        sess.generate([head], 1)
+        held = sorted(sess.cache.refs) if sess.cache is not None else []
+        before = pool_blocks(sess, held)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(speculative.Picker, "__call__", recorded_pick)
+            mp.setattr(speculative, "accept", recorded_accept)
+            ids = sess.generate([prompt], HOST_NEW, speculative="mtp", draft_tokens=2, draft=wrong)[0]
+        return full, ids, rows, list(sess.last_cached_tokens), before, pool_blocks(sess, held)
+    finally:
+        sess.close()
+
+
+@pytest.fixture(scope="module")
+def host_cold(art):
+    """`_host_cached_spec` with the prefix cache off."""
+    return _host_cached_spec(art, cache=False)
+
+
+def test_prefix_cache_under_speculation_on_the_host_device(art, host_cold):
+    """The request served from the cached piece (a copy of its half-shared block) under speculation with
+    always-wrong drafts: byte for byte the cold run's logits rows, plain greedy's ids, and the blocks the cache
+    held keep their bytes (the rejected rows are restored inside the request's own blocks)."""
+    full, ids_cold, rows_cold, cached_cold, _, _ = host_cold
+    _, ids, rows, cached, before, after = _host_cached_spec(art, cache=True, full=full)
+    assert cached_cold == [0] and cached == [16]
+    assert ids == ids_cold == full[-HOST_NEW:]
+    assert len(rows) == len(rows_cold) > 1 and rows == rows_cold
+    assert before and after == before
+
+
+def test_prefix_cache_shared_block_written_on_the_host_device_is_caught(art, host_cold, monkeypatch):
+    """The same with the copy on write taken out (the half-shared block held by reference): the request's
+    tail and its verifies write into the cached block, and the byte comparison sees it."""
+    from v4compile.runtime.session import Session
+
+    def shared(self, s, block, P):
+        s.blocks.append(block)
+        self.caches[s.replica].hold(block)
+    monkeypatch.setattr(Session, "_take_partial", shared)
+    _, _, _, cached, before, after = _host_cached_spec(art, cache=True, full=host_cold[0])
+    assert cached == [16] and before and after != before
