@@ -556,14 +556,23 @@ def test_prefix_cache_under_speculation_on_the_host_device(art, host_cold):
     assert before and after == before
 
 
-def test_prefix_cache_shared_block_written_on_the_host_device_is_caught(art, host_cold, monkeypatch):
-    """The same with the copy on write taken out (the half-shared block held by reference): the request's
-    tail and its verifies write into the cached block, and the byte comparison sees it."""
+@pytest.mark.parametrize("fault", ["no copy on write", "no snapshot restore"])
+def test_prefix_cache_on_the_host_device_broken_variants_fail(art, host_cold, monkeypatch, fault):
+    """The same with the copy on write taken out (the half-shared block held by reference: the request's tail
+    and its verifies write into the cached block, which the byte comparison sees), or with the piece's
+    snapshot not restored into the slot (the rings start empty: the logits rows differ from the cold run's)."""
     from v4compile.runtime.session import Session
 
     def shared(self, s, block, P):
         s.blocks.append(block)
         self.caches[s.replica].hold(block)
-    monkeypatch.setattr(Session, "_take_partial", shared)
-    _, _, _, cached, before, after = _host_cached_spec(art, cache=True, full=host_cold[0])
-    assert cached == [16] and before and after != before
+    if fault == "no copy on write":
+        monkeypatch.setattr(Session, "_take_partial", shared)
+    else:
+        monkeypatch.setattr(Session, "_restore", lambda self, *a, **k: None)
+    _, _, rows, cached, before, after = _host_cached_spec(art, cache=True, full=host_cold[0])
+    assert cached == [16] and before
+    if fault == "no copy on write":
+        assert after != before
+    else:
+        assert rows != host_cold[2]
