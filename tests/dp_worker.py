@@ -5,12 +5,14 @@ tests/runtime/test_dp_artifact.py:
 
 For each device of `V4_TEST_DEVICES` (comma-separated: cpu, host with the ops' reference kernels, and
 `spec`: the cpu device decoding speculatively, the MTP block drafting K tokens a step, on the artifact
-SPEC_ART (a cpu-only one: the GPU programs carry no MTP block); `die`: the cpu device
+SPEC_ART (a cpu-only one: the GPU programs carry no MTP block); `nocache`: the cpu device with the prefix
+cache off; `die`: the cpu device
 once more, in which rank 1 exits abruptly at its third decode step), in one process
 group joined here once: loads ART, generates the prompts (`{"prompts": [...], "new": N, "draft_tokens": K, "spec_art": SPEC_ART}`) and writes
 `OUT/<device>-rank-<r>.npz`: the ids (`ids`, `lens`), every logits row each request sampled from, in its
-order (`rows-<i>`, request i), and where the sequences were (`placed`: per decode step, the live
-sequences of each replica). A V4Error prints one `error:` line and exits with status 2. The rank prints
+order (`rows-<i>`, request i), where the sequences were (`placed`: per decode step, the live
+sequences of each replica; `replicas`: each request's), and each prompt's tokens taken from its replica's
+prefix cache (`cached`). A V4Error prints one `error:` line and exits with status 2. The rank prints
 `dist_launch.print_ready`'s line after its imports, and `DIE_START <time.time()>` before the `die` run.
 """
 
@@ -63,10 +65,13 @@ def generate(art: str, device: str, spec: dict, rank: int) -> dict[str, np.ndarr
 
     die_at = 3 if device == "die" else 0
     speculative = device == "spec"
-    device = "cpu" if device in ("die", "spec") else device
+    cache = device != "nocache"
+    device = "cpu" if device in ("die", "spec", "nocache") else device
     rows: dict[int, list] = {}
+    replicas: dict[int, int] = {}
     placed: list = []
-    sess = v4compile.load(art, device=device, threads=1, **({"kernels": "reference"} if device == "host" else {}))
+    sess = v4compile.load(art, device=device, threads=1, prefix_cache=cache,
+                          **({"kernels": "reference"} if device == "host" else {}))
     decode = sess.decode
 
     def recorded_decode(seqs, tokens):
@@ -79,6 +84,7 @@ def generate(art: str, device: str, spec: dict, rank: int) -> dict[str, np.ndarr
 
     def recorded_pick(self, r, row):
         rows.setdefault(r.index, []).append(np.asarray(row, dtype=np.float32).copy())
+        replicas[r.index] = r.seq.replica
         return pick(self, r, row)
 
     sess.decode = recorded_decode
@@ -86,11 +92,13 @@ def generate(art: str, device: str, spec: dict, rank: int) -> dict[str, np.ndarr
     try:
         ids = sess.generate(spec["prompts"], spec["new"], **({"speculative": "mtp", "draft_tokens": spec["draft_tokens"]}
                                                             if speculative else {}))
+        cached = list(sess.last_cached_tokens)
     finally:
         Batcher._pick = pick
         sess.close()
     return {"ids": np.asarray([x for seq in ids for x in seq], dtype=np.int64),
             "lens": np.asarray([len(seq) for seq in ids], dtype=np.int64), "placed": np.asarray(placed),
+            "replicas": np.asarray([replicas.get(i, -1) for i in range(len(ids))]), "cached": np.asarray(cached),
             **{f"rows-{i}": np.stack(v) for i, v in rows.items()}}
 
 

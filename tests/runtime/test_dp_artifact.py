@@ -30,7 +30,10 @@ from v4compile.cli import main
 
 TOL = 1e-5  # of the logit scale, hf numerics: batch-composition rounding (measured below 1e-6)
 NEW = 32
-PROMPTS = [[5, 17, 3, 99, 42], [7 + i for i in range(20)], [311], [8, 9], [40 + i for i in range(7)]]
+# the fifth shares the second's first 18 tokens: more than a cache piece (16 tokens), so it hits the piece the
+# second kept on its replica
+PROMPTS = [[5, 17, 3, 99, 42], [7 + i for i in range(20)], [311], [8, 9], [7 + i for i in range(18)] + [40, 41, 42]]
+PIECE = 16  # the prefix cache's granularity here: the prefill bucket (16) over the compression ratios' lcm
 WORKER = Path(__file__).resolve().parents[1] / "dp_worker.py"
 DRAFT = 2  # the dp artifact's draft tokens: the launch also decodes speculatively (the MTP block)
 
@@ -63,7 +66,8 @@ def spec_art(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(arts):
-    """The single-process run of the unpartitioned artifact (cpu): ids, and each request's logits rows."""
+    """The single-process run of the unpartitioned artifact (cpu) with the prefix cache off: ids, and each
+    request's logits rows."""
     import v4compile
     from v4compile.runtime.batcher import Batcher
 
@@ -76,7 +80,7 @@ def reference(arts):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Batcher, "_pick", recorded)
-        sess = v4compile.load(arts[1], device="cpu", threads=1)
+        sess = v4compile.load(arts[1], device="cpu", threads=1, prefix_cache=False)
         ids = sess.generate(PROMPTS, NEW)
         sess.close()
     return ids, {i: np.stack(v) for i, v in rows.items()}
@@ -112,7 +116,7 @@ def dp_run(arts, spec_art, tmp_path_factory):
     """Both devices, then the run in which rank 1 dies, in one launch of the two ranks (the start-up is most of
     a rank's time): the directory of their files, each rank's (exit code, stderr) and the launch's end."""
     tmp = tmp_path_factory.mktemp("dp-run")
-    runs = _ranks(tmp, arts[0], "cpu,host,spec,die", env={"V4COMPILE_DIST_TIMEOUT": "20"}, spec=spec_art)
+    runs = _ranks(tmp, arts[0], "cpu,host,spec,nocache,die", env={"V4COMPILE_DIST_TIMEOUT": "20"}, spec=spec_art)
     return tmp, [(code, err) for code, _, err in runs], time.time()
 
 
@@ -165,3 +169,50 @@ def test_dp_tp_ranks_match_the_single_process_run(arts, reference, tmp_path):
     runs = _ranks(tmp_path, art, "cpu", world=4)
     assert [code for code, _, _ in runs] == [0] * 4, [without_ready(err)[-2000:] for _, _, err in runs]
     check_against_reference(tmp_path, "cpu", reference, world=4)
+
+
+
+def check_cache_hit(tmp: Path, device: str) -> None:
+    """The fifth prompt (sharing 18 tokens with the second) went to the replica the second ran on and took a
+    piece (PIECE tokens) from that replica's prefix cache, on every rank; the cpu device's run is byte for byte
+    the cache-off run's (`nocache`: the same artifact, ranks and prompts, the prefix cache off, in which the
+    fifth prompt goes to the other replica: so the cache placed it)."""
+    for r in range(2):
+        g, off = np.load(tmp / f"{device}-rank-{r}.npz"), np.load(tmp / f"nocache-rank-{r}.npz")
+        assert g["cached"].tolist() == [0, 0, 0, 0, PIECE], f"{device} rank {r}: cached tokens {g['cached']}"
+        if device == "spec":  # the compiled MTP block's prefill (rows and replicas not recorded)
+            continue
+        assert g["replicas"][4] == g["replicas"][1], f"{device} rank {r}: the fifth prompt is not where its prefix is"
+        assert off["cached"].tolist() == [0] * 5 and off["replicas"][4] != off["replicas"][1]
+        assert g["ids"].tolist() == off["ids"].tolist(), f"{device} rank {r}: ids are not the cache-off run's"
+        if device == "cpu":
+            for i in range(len(PROMPTS)):
+                assert np.array_equal(g[f"rows-{i}"], off[f"rows-{i}"]), \
+                    f"{device} rank {r}: request {i}'s logits are not the cache-off run's"
+
+
+@pytest.mark.parametrize("device", ["cpu", "host", "spec"])
+def test_dp_prefix_cache_hit_across_ranks(dp_run, device):
+    """A real prefix-cache hit across two gloo ranks (`check_cache_hit`); the logits of the host device's run
+    are checked against the cache-off single-process run (`reference`, within TOL) above."""
+    check_cache_hit(dp_run[0], device)
+
+
+@pytest.mark.parametrize("fault", ["no hit", "other replica", "one ulp"])
+def test_the_cache_hit_check_catches(dp_run, tmp_path, fault):
+    """`check_cache_hit` on the run's own cpu files with the fifth prompt's cached tokens zeroed, its replica
+    changed, or one of its logits one ulp off: it fails."""
+    import shutil
+
+    for r in range(2):
+        shutil.copy(dp_run[0] / f"nocache-rank-{r}.npz", tmp_path)
+        g = dict(np.load(dp_run[0] / f"cpu-rank-{r}.npz"))
+        if fault == "no hit":
+            g["cached"] = np.zeros_like(g["cached"])
+        elif fault == "other replica":
+            g["replicas"][4] = 1 - g["replicas"][4]
+        else:
+            g["rows-4"][-1, 0] = np.nextafter(g["rows-4"][-1, 0], np.float32(np.inf))
+        np.savez(tmp_path / f"cpu-rank-{r}.npz", **g)
+    with pytest.raises(AssertionError, match="cached tokens|not where its prefix is|logits are not"):
+        check_cache_hit(tmp_path, "cpu")
