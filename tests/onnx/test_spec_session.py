@@ -3,7 +3,8 @@ acceptance and the pool's rollback give the ids of plain greedy decoding, whatev
 that is always right, one that is always wrong, a mix), for k = 1..3 and a ragged batch (three prompts of
 different lengths in the batch-4 bucket). With the rollback broken the wrong drafts leave traces. Sampled
 speculatively, a request's ids are the same alone and in a batch (each request its own generator; one
-generator shared by the batch fails that)."""
+generator shared by the batch fails that). With the prefix cache, a request served from cached blocks under
+speculation gives the cold run's logits and ids and writes no shared block, on the cpu and the host device."""
 
 from __future__ import annotations
 
