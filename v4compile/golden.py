@@ -150,7 +150,10 @@ def make_golden(model, numerics: str, dtype: str, prefill_chunks: tuple[int, ...
     lg = run["logits"]
     top2 = lg.topk(2, dim=-1).values
     tensors = {"fingerprint": np.stack(run["layers"]), "margin": (top2[..., 0] - top2[..., 1]).numpy(),
-               "choice_margin": run["choice"].astype(np.float32)}
+               "choice_margin": run["choice"].astype(np.float32),
+               # the discrete choices themselves: the device's are compared where it can show them (issue 35)
+               "indexer_margin": run["indexer"].astype(np.float32),
+               "router_ids": run["router_ids"], "router_margin": run["router_margin"]}
     V = cfg.vocab_size
     if V <= FULL_VOCAB:
         tensors["logits"] = lg.numpy()
@@ -216,6 +219,11 @@ def _run(model, sc: Scenario, numerics: str, dtype: str, prefill_chunks: tuple[i
     ids: list[list[int]] = [[] for _ in range(B)]
     bounds = [2 * choice_bound(numerics, dtype, cfg, i) for i in range(cfg.n_layers)]
     choice = np.full((B, sc.new_tokens), np.inf)
+    indexer = np.full((B, sc.new_tokens), np.inf)  # the indexer's share of `choice` (its picks are not compared)
+    P = max(len(p) for p in sc.prompts) + sc.new_tokens
+    k_r = cfg.n_active_experts
+    router_ids = np.full((B, P, cfg.n_layers, k_r), -1, dtype=np.int32)  # by the token's position: -1 none
+    router_margin = np.full((B, P, cfg.n_layers), np.inf, dtype=np.float32)
     now = [0] * B  # each lane's current step
 
     def on_choice(kind, layer, scores, k, pos):
@@ -223,6 +231,15 @@ def _run(model, sc: Scenario, numerics: str, dtype: str, prefill_chunks: tuple[i
         for b in range(B):
             if m[b] < np.inf:
                 choice[b, now[b]] = min(choice[b, now[b]], m[b])
+                if kind == "indexer":
+                    indexer[b, now[b]] = min(indexer[b, now[b]], m[b])
+        if kind == "router":
+            ids, rel = router_choices(scores, k, pos)
+            ok = pos >= 0
+            p_ok = pos[ok].long()
+            b_ok = torch.nonzero(ok, as_tuple=True)[0]
+            router_ids[b_ok.numpy(), p_ok.numpy(), layer] = ids[ok.numpy()]
+            router_margin[b_ok.numpy(), p_ok.numpy(), layer] = rel[ok.numpy()] / bounds[layer]
 
     def step(x: torch.Tensor, pos: torch.Tensor, record: tuple[int, int] | None = None) -> torch.Tensor:
         opts = dataclasses.replace(model._opts(last_only=True), on_choice=on_choice)
@@ -258,7 +275,22 @@ def _run(model, sc: Scenario, numerics: str, dtype: str, prefill_chunks: tuple[i
             cache.lengths[b] += 1
             rows[b].append(logits[b])
             ids[b].append(int(logits[b].argmax()))
-    return {"logits": torch.stack([torch.stack(r) for r in rows]), "ids": ids, "layers": layers, "choice": choice}
+    return {"logits": torch.stack([torch.stack(r) for r in rows]), "ids": ids, "layers": layers, "choice": choice,
+            "indexer": indexer, "router_ids": router_ids, "router_margin": router_margin}
+
+
+def router_choices(scores: torch.Tensor, k: int, pos: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Per token of `scores` `[B, T, N]`: the router's top-k expert ids, sorted (`[B, T, k]` int32: the set is the
+    choice, the order is not), and the gap between its k-th and (k+1)-th scores relative to the row's largest
+    |score| (`[B, T]`; inf: nothing to flip). `pos` only shapes the result (padding rows are the caller's)."""
+    s = scores.detach().double()
+    ids = s.topk(k, dim=-1).indices.sort(-1).values.to(torch.int32).numpy()
+    if s.shape[-1] <= k:
+        return ids, np.full(s.shape[:2], np.inf)
+    top = s.topk(k + 1, dim=-1).values
+    scale = torch.where(torch.isfinite(s), s.abs(), torch.zeros_like(s)).amax(-1).clamp_min(1e-30)
+    del pos
+    return ids, ((top[..., k - 1] - top[..., k]) / scale).numpy()
 
 
 def choice_margins(scores: torch.Tensor, k: int, pos: torch.Tensor) -> np.ndarray:
@@ -368,6 +400,21 @@ def read_golden(art) -> Golden:
         if a.shape != (B, n) or a.dtype != np.float32 or np.isnan(a).any():
             raise ArtifactError("golden: tensor 'choice_margin' of another shape / dtype or NaN", where=TENSORS,
                                 expected=f"float32 {[B, n]}", found=f"{a.dtype.name} {list(a.shape)}")
+    if "router_ids" in t:  # goldens before the recorded choices lack them (the check then keeps the margins' rule)
+        from .config import V4Config
+
+        cfg = V4Config.from_dict(art.manifest["config"], name="manifest config")
+        P, L, k = max(len(p) for p in prompts) + n, cfg.n_layers, cfg.n_active_experts
+        for name, shape, dt in (("router_ids", (B, P, L, k), np.int32), ("router_margin", (B, P, L), np.float32),
+                                ("indexer_margin", (B, n), np.float32)):
+            a = t.get(name)
+            if a is None or a.shape != shape or a.dtype != dt or (dt == np.float32 and np.isnan(a).any()):
+                raise ArtifactError(f"golden: tensor '{name}' missing, of another shape / dtype or NaN", where=TENSORS,
+                                    expected=f"{np.dtype(dt).name} {list(shape)}",
+                                    found=None if a is None else f"{a.dtype.name} {list(a.shape)}")
+            want[name] = (shape, dt)
+        if t["router_ids"].min() < -1 or t["router_ids"].max() >= cfg.n_experts:
+            raise ArtifactError("golden: `router_ids` outside the experts", where=TENSORS)
     return Golden(facts, {k: t[k] for k in want})
 
 
