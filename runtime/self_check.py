@@ -123,15 +123,18 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
                                            tolerance_basis=basis, covers=covers))
     rows: dict[int, list[np.ndarray]] = {}
     gold_ids = g.ids
+    lane_of: dict[int, int] = {}  # slot -> golden prompt, for the device's choices
 
     class Forced(Batcher):
         """The loop, each request fed the golden's ids; the rows the device gave are kept."""
 
         def _pick(self, r, row):
             rows.setdefault(r.index, []).append(np.array(row, dtype=np.float32, copy=True))
+            lane_of[r.seq.slot] = r.index
             return gold_ids[r.index][len(r.ids)]
 
     loop = Forced(sess, raise_errors=True)
+    reader = ChoiceReader.attach(sess, g)
     with sess.lock:
         try:
             reqs = [loop.submit(Request(p, f["new_tokens"], index=i), where=f"golden prompt {i}")
@@ -145,6 +148,8 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
                                                step, tolerance_basis=basis, covers=covers))
         finally:
             loop.abort()
+            if reader is not None:
+                reader.detach()
     dev = np.stack([np.stack(rows[r.index]) for r in reqs])  # [B, steps, V]
     scale = float(f["scale"])
     if f["logits"]["form"] == "full":
@@ -158,7 +163,8 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
     gid = np.asarray(gold_ids)
     margin = g.tensors["margin"] / scale
     B, S = err.shape
-    judged, excluded = judged_steps(g, B, S)
+    dev_router = None if reader is None else reader.router_ids(lane_of, g.tensors["router_ids"].shape)
+    judged, excluded, flips = judged_steps(g, B, S, dev_router)
     # greedy ids: at every judged step whose golden top-2 margin exceeds 2 x tol (a nearer tie may flip; teacher-
     # forced, a flip does not carry on to the next step, so the steps after a near tie still compare)
     clear = (margin > 2 * tol) & judged
@@ -169,14 +175,23 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
     compared = int(clear.sum())
     note = f"{int(judged.sum())} of {B * S} rows"
     if excluded:
-        note += (f"; not judged ({excluded}): a router / indexer choice of the golden within its rounding bound "
-                 f"there, so rounding alone may flip it (largest error there {float(np.nanmax(np.where(judged, 0.0, err))):.3g})")
+        note += (f"; not judged ({excluded}), as rounding alone may flip such a choice (largest error there "
+                 f"{float(np.nanmax(np.where(judged, 0.0, err))):.3g})")
     checks.append(Check("logits", max_err, tol, not bad, note))
+    checks.append(_choices_check(g, dev_router, flips, sess))
     checks.append(Check("greedy ids", float(len(wrong)), 0.0, not wrong,
                         f"{compared} of {B * S} steps compared; the rest are near ties or not judged" if compared < B * S
                         else f"{compared} steps"))
     first = min(bad + wrong) if bad or wrong else None
     layer = None
+    if flips and (first is None or (flips[0][1], flips[0][0]) <= first):  # a clear choice flipped: a fault there
+        lane, step, layer, _ = flips[0]
+        first = (step, lane)
+        res = SelfCheckResult(False, device, max_err, tol, time.perf_counter() - t0, tuple(checks),
+                              f"the device's router picks other experts than the golden at layer {layer}, step "
+                              f"{step}, lane {lane}, where the golden's choice is clear of its rounding bound",
+                              step, lane, layer, tolerance_basis=basis, covers=covers)
+        return _done(sess, res)
     if first is not None:  # with the layer statistics on: the first chunk's streams against the fingerprint
         lc, layer = layer_check(sess, g, tol)
         checks.append(lc)
@@ -190,17 +205,139 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
     return _done(sess, res)
 
 
-def judged_steps(g, B: int, S: int) -> tuple[np.ndarray, str]:
-    """`[B, S]` True where the logits are judged: each lane's steps before its first near-tie discrete choice
-    (`golden.clean_steps`; a flipped choice there may move that step and, through the caches, every later step
-    of the lane by more than any rounding bound), and a description of the rest ("" when none)."""
+def judged_steps(g, B: int, S: int, dev_router: np.ndarray | None = None) -> tuple[np.ndarray, str, list]:
+    """`[B, S]` True where the logits are judged, a description of the rest ("" when none), and the clear flips
+    (`(lane, step, layer, margin)`, first first).
+
+    Without the device's choices (`dev_router` None, or a golden without `router_ids`): each lane's steps before
+    its first near-tie discrete choice (`golden.clean_steps`; a flipped choice there may move that step and,
+    through the caches, every later step of the lane by more than any rounding bound).
+    With them (`[B, P, L, k]`, the device's router picks by lane, position and layer, `ChoiceReader`): a near
+    tie excuses nothing unless the device's pick actually differs there. A lane is judged up to the step of its
+    first position where the device's router picks differ from the golden's; at a choice clear of its bound
+    that difference is itself a fault (a flip). The indexer's picks are not read: its near ties keep the
+    margins' rule (`indexer_margin`)."""
     from v4compile.golden import clean_steps
 
     cm = g.tensors.get("choice_margin")
-    clean = [S] * B if cm is None else clean_steps(cm)
+    flips: list = []
+    if dev_router is None or "router_ids" not in g.tensors:
+        clean = [S] * B if cm is None else clean_steps(cm)
+        why = "a router / indexer choice of the golden within its rounding bound there"
+    else:
+        clean = clean_steps(g.tensors["indexer_margin"])
+        gold, gm = g.tensors["router_ids"], g.tensors["router_margin"]
+        stops = []
+        for b, p in enumerate(g.prompts):
+            n = len(p) + S - 1  # positions the lane runs
+            have = gold[b, :n, :, 0] >= 0  # [n, L]: a learned router's choice
+            # the last layer's choice at a prompt position before the last changes that position's own output
+            # only, which no row reads (the caches it writes are of the layers before): not a departure
+            have[: len(p) - 1, -1] = False
+            diff = have & (dev_router[b, :n] != gold[b, :n]).any(-1)
+            at = np.argwhere(diff)  # (position, layer), positions ascending
+            if at.size:
+                pos, layer = (int(v) for v in at[0])
+                step = max(0, pos - len(p) + 1)
+                if gm[b, pos, layer] > 1.0:
+                    flips.append((b, step, layer, float(gm[b, pos, layer])))
+                clean[b] = min(clean[b], step)
+            stops.append(clean[b])
+        flips.sort(key=lambda f: (f[1], f[0]))
+        why = ("the device's router picks differ from the golden's at a near tie (from that step on), or an "
+               "indexer choice of the golden within its rounding bound (its picks are not read)")
     judged = np.arange(S)[None, :] < np.asarray(clean)[:, None]
     parts = [f"lane {b} steps {c}-{S - 1}" for b, c in enumerate(clean) if c < S]
-    return judged, ", ".join(parts)
+    return judged, (f"{', '.join(parts)}: {why}" if parts else ""), flips
+
+
+def _choices_check(g, dev_router, flips, sess) -> Check:
+    if dev_router is None or "router_ids" not in g.tensors:
+        why = ("the golden records no choices (compiled before them)" if "router_ids" not in g.tensors else
+               f"the {sess.device} device does not show its router picks")
+        return Check("choices", 0.0, 0.0, True, f"not measured: {why}; near ties end a lane's judged steps",
+                     measured=False)
+    if flips:
+        b, s, layer, m = flips[0]
+        return Check("choices", float(len(flips)), 0.0, False,
+                     f"a clear router choice flipped: layer {layer}, step {s}, lane {b} (golden margin {m:.3g} x "
+                     f"its near-tie bound)")
+    return Check("choices", 0.0, 0.0, True, "the device's router picks agree with the golden's up to each lane's "
+                 "first near-tie difference")
+
+
+class ChoiceReader:
+    """The cpu device's router picks during the golden run: each function is run as a check-mode variant of its
+    graph (built at check time, `OrtBackend.built`; the users' graphs are unchanged) whose router TopK indices
+    are extra outputs, recorded with the step's `pos` and `slot`. Other devices: `attach` gives None (host:
+    the C runtime's launches could be read like `_host_streams`, not done yet; hip / cuda: their launches never
+    come back to Python)."""
+
+    def __init__(self, be, names: dict[str, dict[int, str]]):
+        self.be, self.names = be, names
+        self.seen: list[tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]] = []
+
+    @classmethod
+    def attach(cls, sess, g) -> "ChoiceReader | None":
+        be = sess.backend
+        if "router_ids" not in g.tensors or getattr(be, "ranks", None) is not None or not hasattr(be, "built") \
+                or getattr(be, "device", None) != "cpu":
+            return None
+        r = cls(be, {})
+        inner = be.run_outputs
+
+        def run_outputs(fname, inputs):
+            if fname not in r.names and len(be._graphs.get(fname, ())) == 1 and "pos" in inputs:
+                r._variant(fname)
+            if fname not in r.names:
+                return inner(fname, inputs)
+            outs = inner(f"{fname}.choices", inputs)
+            r.seen.append((np.asarray(inputs["pos"]), np.asarray(inputs["slot"]),
+                           {layer: outs.pop(n) for layer, n in r.names[fname].items()}))
+            return outs
+
+        be.run_outputs = run_outputs  # the instance's: `run` goes through it too
+        return r
+
+    def detach(self) -> None:
+        self.be.__dict__.pop("run_outputs", None)
+
+    def _variant(self, fname: str) -> None:
+        import onnx
+
+        key, spec = self.be._graphs[fname][0]
+        names: dict[int, str] = {}
+
+        def build():
+            from .artifact_checks import onnx_model
+
+            model = onnx_model(self.be.art, key, spec)
+            for nd in model.graph.node:
+                doc = nd.doc_string.split(" ")
+                if nd.op_type == "TopK" and doc[0] == "router" and len(doc) > 1 and doc[1].startswith("layers."):
+                    names[int(doc[1].split(".")[1])] = nd.output[1]
+            for n in names.values():
+                model.graph.output.append(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.INT64, None))
+            return model, spec
+
+        self.be.built(f"{fname}.choices", build)
+        self.names[fname] = names
+
+    def router_ids(self, lane_of: dict[int, int], shape: tuple[int, ...]) -> np.ndarray | None:
+        """The device's sorted router picks by golden lane, position and layer, in the golden's `router_ids` shape
+        `[B, P, L, k]` (-1: none seen)."""
+        if not self.seen or not any(self.names.values()):
+            return None
+        out = np.full(shape, -1, dtype=np.int32)
+        for pos, slot, outs in self.seen:
+            for layer, idx in outs.items():
+                idx = np.sort(idx.reshape(*pos.shape, -1), axis=-1)
+                for row in range(pos.shape[0]):
+                    lane = lane_of.get(int(slot[row]))
+                    ok = pos[row] >= 0
+                    if lane is not None and ok.any():
+                        out[lane, pos[row][ok], layer] = idx[row][ok]
+        return out
 
 
 def layer_check(sess, g, tol: float) -> tuple[Check, int | None]:

@@ -90,6 +90,6 @@ def test_a_clean_bf16_artifact_passes_its_own_check(tmp_path, monkeypatch, sourc
     assert "largest error there" in logits.note or logits.note.endswith(" rows")
     # the broken variant: every row judged as if no choice were a near tie; tiny's flipped pick then fails
     if preset == "tiny" and source is None:
-        monkeypatch.setattr(sc, "judged_steps", lambda g, B, S: (np.ones((B, S), bool), ""))
+        monkeypatch.setattr(sc, "judged_steps", lambda g, B, S, dev=None: (np.ones((B, S), bool), "", []))
         bad = sess.self_check()
         assert not bad.passed and bad.max_error > bad.tolerance
