@@ -207,16 +207,16 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
 
 def judged_steps(g, B: int, S: int, dev_router: np.ndarray | None = None) -> tuple[np.ndarray, str, list]:
     """`[B, S]` True where the logits are judged, a description of the rest ("" when none), and the clear flips
-    (`(lane, step, layer, margin)`, first first).
+    (`(lane, step, layer, what)`, first first).
 
     Without the device's choices (`dev_router` None, or a golden without `router_ids`): each lane's steps before
     its first near-tie discrete choice (`golden.clean_steps`; a flipped choice there may move that step and,
     through the caches, every later step of the lane by more than any rounding bound).
     With them (`[B, P, L, k]`, the device's router picks by lane, position and layer, `ChoiceReader`): a near
     tie excuses nothing unless the device's pick actually differs there. A lane is judged up to the step of its
-    first position where the device's router picks differ from the golden's; at a choice clear of its bound
-    that difference is itself a fault (a flip). The indexer's picks are not read: its near ties keep the
-    margins' rule (`indexer_margin`)."""
+    first position where the device's router picks differ from the golden's; where that difference swaps an
+    expert clear of the near-tie threshold (`unexplained_swap`) it is itself a fault (a flip). The indexer's
+    picks are not read: its near ties keep the margins' rule (`indexer_margin`)."""
     from v4compile.golden import clean_steps
 
     cm = g.tensors.get("choice_margin")
@@ -226,29 +226,44 @@ def judged_steps(g, B: int, S: int, dev_router: np.ndarray | None = None) -> tup
         why = "a router / indexer choice of the golden within its rounding bound there"
     else:
         clean = clean_steps(g.tensors["indexer_margin"])
-        gold, gm = g.tensors["router_ids"], g.tensors["router_margin"]
-        stops = []
+        gold, gz = g.tensors["router_ids"], g.tensors["router_z"]
+        k = dev_router.shape[-1]
+        chosen = np.sort(gold[..., :k], axis=-1)
         for b, p in enumerate(g.prompts):
             n = len(p) + S - 1  # positions the lane runs
             have = gold[b, :n, :, 0] >= 0  # [n, L]: a learned router's choice
             # the last layer's choice at a prompt position before the last changes that position's own output
             # only, which no row reads (the caches it writes are of the layers before): not a departure
             have[: len(p) - 1, -1] = False
-            diff = have & (dev_router[b, :n] != gold[b, :n]).any(-1)
+            diff = have & (dev_router[b, :n] != chosen[b, :n]).any(-1)
             at = np.argwhere(diff)  # (position, layer), positions ascending
             if at.size:
                 pos, layer = (int(v) for v in at[0])
                 step = max(0, pos - len(p) + 1)
-                if gm[b, pos, layer] > 1.0:
-                    flips.append((b, step, layer, float(gm[b, pos, layer])))
+                why = unexplained_swap(gold[b, pos, layer], gz[b, pos, layer], dev_router[b, pos, layer], k)
+                if why:
+                    flips.append((b, step, layer, why))
                 clean[b] = min(clean[b], step)
-            stops.append(clean[b])
         flips.sort(key=lambda f: (f[1], f[0]))
         why = ("the device's router picks differ from the golden's at a near tie (from that step on), or an "
                "indexer choice of the golden within its rounding bound (its picks are not read)")
     judged = np.arange(S)[None, :] < np.asarray(clean)[:, None]
     parts = [f"lane {b} steps {c}-{S - 1}" for b, c in enumerate(clean) if c < S]
     return judged, (f"{', '.join(parts)}: {why}" if parts else ""), flips
+
+
+def unexplained_swap(ranked: np.ndarray, z: np.ndarray, picked: np.ndarray, k: int) -> str:
+    """"" when the device's picks `picked` differ from the golden's top k of `ranked` (score order, with its
+    runners-up and their distances `z`, `golden.router_choices`) only by experts rounding may swap (each within
+    its near-tie threshold); else what is not rounding."""
+    gold = {int(e): (r, float(z[r])) for r, e in enumerate(ranked) if e >= 0}
+    mine = {int(e) for e in picked}
+    top = {e for e, (r, _) in gold.items() if r < k}
+    out = sorted(e for e in top - mine if not gold[e][1] <= 1.0)
+    came = sorted(e for e in mine - top if e not in gold or not gold[e][1] <= 1.0)
+    parts = ([f"expert(s) {out} dropped, clear of the tie"] if out else []) + \
+            ([f"expert(s) {came} picked, clear of the tie"] if came else [])
+    return "; ".join(parts)
 
 
 def _choices_check(g, dev_router, flips, sess) -> Check:
@@ -258,10 +273,9 @@ def _choices_check(g, dev_router, flips, sess) -> Check:
         return Check("choices", 0.0, 0.0, True, f"not measured: {why}; near ties end a lane's judged steps",
                      measured=False)
     if flips:
-        b, s, layer, m = flips[0]
+        b, s, layer, why = flips[0]
         return Check("choices", float(len(flips)), 0.0, False,
-                     f"a clear router choice flipped: layer {layer}, step {s}, lane {b} (golden margin {m:.3g} x "
-                     f"its near-tie bound)")
+                     f"a router choice no rounding explains: layer {layer}, step {s}, lane {b} ({why})")
     return Check("choices", 0.0, 0.0, True, "the device's router picks agree with the golden's up to each lane's "
                  "first near-tie difference")
 
@@ -324,11 +338,12 @@ class ChoiceReader:
         self.names[fname] = names
 
     def router_ids(self, lane_of: dict[int, int], shape: tuple[int, ...]) -> np.ndarray | None:
-        """The device's sorted router picks by golden lane, position and layer, in the golden's `router_ids` shape
-        `[B, P, L, k]` (-1: none seen)."""
+        """The device's sorted router picks `[B, P, L, k]` by golden lane, position and layer (`shape`: the golden's
+        `router_ids`, `[B, P, L, m]`; -1: none seen)."""
         if not self.seen or not any(self.names.values()):
             return None
-        out = np.full(shape, -1, dtype=np.int32)
+        k = next(v for _, _, o in self.seen for v in o.values()).shape[-1]
+        out = np.full((*shape[:-1], k), -1, dtype=np.int32)
         for pos, slot, outs in self.seen:
             for layer, idx in outs.items():
                 idx = np.sort(idx.reshape(*pos.shape, -1), axis=-1)

@@ -153,7 +153,7 @@ def make_golden(model, numerics: str, dtype: str, prefill_chunks: tuple[int, ...
                "choice_margin": run["choice"].astype(np.float32),
                # the discrete choices themselves: the device's are compared where it can show them (issue 35)
                "indexer_margin": run["indexer"].astype(np.float32),
-               "router_ids": run["router_ids"], "router_margin": run["router_margin"]}
+               "router_ids": run["router_ids"], "router_z": run["router_z"]}
     V = cfg.vocab_size
     if V <= FULL_VOCAB:
         tensors["logits"] = lg.numpy()
@@ -221,9 +221,9 @@ def _run(model, sc: Scenario, numerics: str, dtype: str, prefill_chunks: tuple[i
     choice = np.full((B, sc.new_tokens), np.inf)
     indexer = np.full((B, sc.new_tokens), np.inf)  # the indexer's share of `choice` (its picks are not compared)
     P = max(len(p) for p in sc.prompts) + sc.new_tokens
-    k_r = cfg.n_active_experts
-    router_ids = np.full((B, P, cfg.n_layers, k_r), -1, dtype=np.int32)  # by the token's position: -1 none
-    router_margin = np.full((B, P, cfg.n_layers), np.inf, dtype=np.float32)
+    M = router_width(cfg)
+    router_ids = np.full((B, P, cfg.n_layers, M), -1, dtype=np.int32)  # by the token's position: -1 none
+    router_z = np.full((B, P, cfg.n_layers, M), np.inf, dtype=np.float32)
     now = [0] * B  # each lane's current step
 
     def on_choice(kind, layer, scores, k, pos):
@@ -234,12 +234,12 @@ def _run(model, sc: Scenario, numerics: str, dtype: str, prefill_chunks: tuple[i
                 if kind == "indexer":
                     indexer[b, now[b]] = min(indexer[b, now[b]], m[b])
         if kind == "router":
-            ids, rel = router_choices(scores, k, pos)
-            ok = pos >= 0
-            p_ok = pos[ok].long()
-            b_ok = torch.nonzero(ok, as_tuple=True)[0]
-            router_ids[b_ok.numpy(), p_ok.numpy(), layer] = ids[ok.numpy()]
-            router_margin[b_ok.numpy(), p_ok.numpy(), layer] = rel[ok.numpy()] / bounds[layer]
+            ids, z = router_choices(scores, k, M, bounds[layer])
+            ok = (pos >= 0).numpy()
+            b_ok, t_ok = np.nonzero(ok)
+            p_ok = pos.numpy()[ok]
+            router_ids[b_ok, p_ok, layer] = ids[b_ok, t_ok]
+            router_z[b_ok, p_ok, layer] = z[b_ok, t_ok]
 
     def step(x: torch.Tensor, pos: torch.Tensor, record: tuple[int, int] | None = None) -> torch.Tensor:
         opts = dataclasses.replace(model._opts(last_only=True), on_choice=on_choice)
@@ -276,21 +276,30 @@ def _run(model, sc: Scenario, numerics: str, dtype: str, prefill_chunks: tuple[i
             rows[b].append(logits[b])
             ids[b].append(int(logits[b].argmax()))
     return {"logits": torch.stack([torch.stack(r) for r in rows]), "ids": ids, "layers": layers, "choice": choice,
-            "indexer": indexer, "router_ids": router_ids, "router_margin": router_margin}
+            "indexer": indexer, "router_ids": router_ids, "router_z": router_z}
 
 
-def router_choices(scores: torch.Tensor, k: int, pos: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Per token of `scores` `[B, T, N]`: the router's top-k expert ids, sorted (`[B, T, k]` int32: the set is the
-    choice, the order is not), and the gap between its k-th and (k+1)-th scores relative to the row's largest
-    |score| (`[B, T]`; inf: nothing to flip). `pos` only shapes the result (padding rows are the caller's)."""
+def router_width(cfg) -> int:
+    """How many experts per token the golden ranks: the k chosen and as many runners-up (`router_choices`)."""
+    return min(2 * cfg.n_active_experts, cfg.n_experts)
+
+
+def router_choices(scores: torch.Tensor, k: int, m: int, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per token of `scores` `[B, T, N]` (a router's top-k of k among N): the m best expert ids in score order
+    (`[B, T, m]` int32: the first k are the choice) and how far each is from changing sides, in units of the
+    near-tie `threshold` (2 x `choice_bound`) of the row's largest |score| (`[B, T, m]`): a chosen expert's gap
+    above the best runner-up, a runner-up's gap below the weakest chosen one (inf: nothing to swap with). Rounding
+    may swap a chosen expert out only where its value is <= 1, a runner-up in only where its value is <= 1: a
+    device that swaps any other expert is not rounding (`runtime/self_check.py`)."""
     s = scores.detach().double()
-    ids = s.topk(k, dim=-1).indices.sort(-1).values.to(torch.int32).numpy()
-    if s.shape[-1] <= k:
-        return ids, np.full(s.shape[:2], np.inf)
-    top = s.topk(k + 1, dim=-1).values
-    scale = torch.where(torch.isfinite(s), s.abs(), torch.zeros_like(s)).amax(-1).clamp_min(1e-30)
-    del pos
-    return ids, ((top[..., k - 1] - top[..., k]) / scale).numpy()
+    top = s.topk(m, dim=-1)
+    ids = top.indices.to(torch.int32).numpy()
+    if m <= k:
+        return ids, np.full(ids.shape, np.inf, dtype=np.float32)
+    v = top.values
+    scale = torch.where(torch.isfinite(s), s.abs(), torch.zeros_like(s)).amax(-1, keepdim=True).clamp_min(1e-30)
+    z = torch.cat([v[..., :k] - v[..., k:k + 1], v[..., k - 1:k] - v[..., k:]], -1) / (scale * threshold)
+    return ids, torch.nan_to_num(z, nan=math.inf).float().numpy()
 
 
 def choice_margins(scores: torch.Tensor, k: int, pos: torch.Tensor) -> np.ndarray:
@@ -404,8 +413,8 @@ def read_golden(art) -> Golden:
         from .config import V4Config
 
         cfg = V4Config.from_dict(art.manifest["config"], name="manifest config")
-        P, L, k = max(len(p) for p in prompts) + n, cfg.n_layers, cfg.n_active_experts
-        for name, shape, dt in (("router_ids", (B, P, L, k), np.int32), ("router_margin", (B, P, L), np.float32),
+        P, L, m = max(len(p) for p in prompts) + n, cfg.n_layers, router_width(cfg)
+        for name, shape, dt in (("router_ids", (B, P, L, m), np.int32), ("router_z", (B, P, L, m), np.float32),
                                 ("indexer_margin", (B, n), np.float32)):
             a = t.get(name)
             if a is None or a.shape != shape or a.dtype != dt or (dt == np.float32 and np.isnan(a).any()):
