@@ -163,8 +163,16 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
     gid = np.asarray(gold_ids)
     margin = g.tensors["margin"] / scale
     B, S = err.shape
-    dev_router = None if reader is None else reader.router_ids(lane_of, g.tensors["router_ids"].shape)
-    judged, excluded, flips = judged_steps(g, B, S, dev_router)
+    dev = None if reader is None else reader.router_picks(lane_of, g.tensors["router_ids"].shape)
+    from v4compile.config import V4Config
+    from v4compile.golden import choice_bound
+
+    cfg = V4Config.from_dict(m["config"], name="manifest config")
+    bounds = [choice_bound(m["numerics"], m["dtype"], cfg, i) for i in range(cfg.n_layers)]
+    judged, excluded, flips, worst = judged_steps(g, B, S, dev, bounds)
+    if worst[0] > 1.0:  # a router score out of its bound is a departure, like a clear flip
+        flips = sorted(flips + [(worst[1], worst[2], worst[3], f"scores off by {worst[0]:.3g} x the bound")],
+                       key=lambda f: (f[1], f[0]))
     # greedy ids: at every judged step whose golden top-2 margin exceeds 2 x tol (a nearer tie may flip; teacher-
     # forced, a flip does not carry on to the next step, so the steps after a near tie still compare)
     clear = (margin > 2 * tol) & judged
@@ -178,7 +186,7 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
         note += (f"; not judged ({excluded}), as rounding alone may flip such a choice (largest error there "
                  f"{float(np.nanmax(np.where(judged, 0.0, err))):.3g})")
     checks.append(Check("logits", max_err, tol, not bad, note))
-    checks.append(_choices_check(g, dev_router, flips, sess))
+    checks.append(_choices_check(g, dev, flips, worst, sess))
     checks.append(Check("greedy ids", float(len(wrong)), 0.0, not wrong,
                         f"{compared} of {B * S} steps compared; the rest are near ties or not judged" if compared < B * S
                         else f"{compared} steps"))
@@ -188,8 +196,8 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
         lane, step, layer, _ = flips[0]
         first = (step, lane)
         res = SelfCheckResult(False, device, max_err, tol, time.perf_counter() - t0, tuple(checks),
-                              f"the device's router picks other experts than the golden at layer {layer}, step "
-                              f"{step}, lane {lane}, where the golden's choice is clear of its rounding bound",
+                              f"the device's router departs from the golden at layer {layer}, step {step}, lane "
+                              f"{lane}: {flips[0][3]}",
                               step, lane, layer, tolerance_basis=basis, covers=covers)
         return _done(sess, res)
     if first is not None:  # with the layer statistics on: the first chunk's streams against the fingerprint
@@ -205,51 +213,83 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
     return _done(sess, res)
 
 
-def judged_steps(g, B: int, S: int, dev_router: np.ndarray | None = None) -> tuple[np.ndarray, str, list]:
-    """`[B, S]` True where the logits are judged, a description of the rest ("" when none), and the clear flips
-    (`(lane, step, layer, what)`, first first).
+def judged_steps(g, B: int, S: int, dev=None, bounds=None) -> tuple[np.ndarray, str, list, tuple]:
+    """`[B, S]` True where the logits are judged, a description of the rest ("" when none), the choices no
+    rounding explains (`(lane, step, layer, what)`, first first), and the router scores' worst agreement
+    `(error in units of its layer's choice_bound, lane, step, layer)` (error 0: none compared).
 
-    Without the device's choices (`dev_router` None, or a golden without `router_ids`): each lane's steps before
-    its first near-tie discrete choice (`golden.clean_steps`; a flipped choice there may move that step and,
-    through the caches, every later step of the lane by more than any rounding bound).
-    With them (`[B, P, L, k]`, the device's router picks by lane, position and layer, `ChoiceReader`): a near
-    tie excuses nothing unless the device's pick actually differs there. A lane is judged up to the step of its
-    first position where the device's router picks differ from the golden's; where that difference swaps an
-    expert clear of the near-tie threshold (`unexplained_swap`) it is itself a fault (a flip). The indexer's
-    picks are not read: its near ties keep the margins' rule (`indexer_margin`)."""
+    Without the device's choices (`dev` None, or a golden without `router_ids`): each lane's steps before its
+    first near-tie discrete choice (`golden.clean_steps`; a flipped choice there may move that step and, through
+    the caches, every later step of the lane by more than any rounding bound).
+
+    With them (`dev` = (picks, scores), each `[B, P, L, k]` by golden lane, position and layer, `ChoiceReader`):
+    a near tie excuses nothing unless the device's pick actually differs. A router pick that differs at layer l0,
+    position p0 changes what layers after l0 compute at p0 and after (through their caches), nothing else: the
+    choices and scores of every other (position, layer) are still the golden's to compare. There: a pick that
+    differs must swap only experts within the near-tie threshold (`unexplained_swap`; else it is a fault), and
+    where it agrees, the device's scores of the chosen experts must agree with the golden's within the layer's
+    `choice_bound` (a fault moves scores before it flips anything). A logits row (position q) is judged unless a
+    differing pick at q or before (before: at a layer but the last) reaches it. The indexer's picks are not read:
+    its near ties keep the margins' rule (`indexer_margin`), ending the lane's comparisons at that step."""
     from v4compile.golden import clean_steps
 
     cm = g.tensors.get("choice_margin")
     flips: list = []
-    if dev_router is None or "router_ids" not in g.tensors:
+    worst = (0.0, None, None, None)
+    if dev is None or "router_ids" not in g.tensors:
         clean = [S] * B if cm is None else clean_steps(cm)
+        judged = np.arange(S)[None, :] < np.asarray(clean)[:, None]
         why = "a router / indexer choice of the golden within its rounding bound there"
     else:
+        picks, vals = dev
         clean = clean_steps(g.tensors["indexer_margin"])
         gold, gz = g.tensors["router_ids"], g.tensors["router_z"]
-        k = dev_router.shape[-1]
-        chosen = np.sort(gold[..., :k], axis=-1)
+        gv, gs = g.tensors["router_scores"], g.tensors["router_scale"]
+        k, L = picks.shape[-1], gold.shape[2]
+        judged = np.zeros((B, S), bool)
         for b, p in enumerate(g.prompts):
-            n = len(p) + S - 1  # positions the lane runs
-            have = gold[b, :n, :, 0] >= 0  # [n, L]: a learned router's choice
-            # the last layer's choice at a prompt position before the last changes that position's own output
-            # only, which no row reads (the caches it writes are of the layers before): not a departure
-            have[: len(p) - 1, -1] = False
-            diff = have & (dev_router[b, :n] != chosen[b, :n]).any(-1)
-            at = np.argwhere(diff)  # (position, layer), positions ascending
-            if at.size:
-                pos, layer = (int(v) for v in at[0])
-                step = max(0, pos - len(p) + 1)
-                why = unexplained_swap(gold[b, pos, layer], gz[b, pos, layer], dev_router[b, pos, layer], k)
-                if why:
-                    flips.append((b, step, layer, why))
-                clean[b] = min(clean[b], step)
+            n = len(p) + clean[b] - 1 if clean[b] > 0 else 0  # positions before the lane's indexer near tie
+            moved: list[tuple[int, int]] = []  # (position, layer) of each pick that differs
+            for pos in range(n):
+                for layer in range(L):
+                    if gold[b, pos, layer, 0] < 0 or any(layer > l0 for p0, l0 in moved if p0 <= pos):
+                        continue
+                    if picks[b, pos, layer, 0] < 0:  # not seen: nothing to compare
+                        continue
+                    ranked = gold[b, pos, layer]
+                    if set(picks[b, pos, layer].tolist()) != set(ranked[:k].tolist()):
+                        if pos < len(p) - 1 and layer == L - 1:
+                            continue  # its own output only, which no row reads
+                        what = unexplained_swap(ranked, gz[b, pos, layer], picks[b, pos, layer], k)
+                        if what:
+                            flips.append((b, max(0, pos - len(p) + 1), layer, what))
+                        moved.append((pos, layer))
+                        continue
+                    at = {int(e): float(v) for e, v in zip(ranked, gv[b, pos, layer])}
+                    e = max(abs(float(d) - at[int(i)]) for i, d in zip(picks[b, pos, layer], vals[b, pos, layer]))
+                    e /= float(gs[b, pos, layer]) * bounds[layer]
+                    if not e <= worst[0]:
+                        worst = (e, b, max(0, pos - len(p) + 1), layer)
+            for s_ in range(clean[b]):
+                q = len(p) - 1 + s_
+                judged[b, s_] = not any(p0 == q or (p0 < q and l0 < L - 1) for p0, l0 in moved)
         flips.sort(key=lambda f: (f[1], f[0]))
-        why = ("the device's router picks differ from the golden's at a near tie (from that step on), or an "
-               "indexer choice of the golden within its rounding bound (its picks are not read)")
-    judged = np.arange(S)[None, :] < np.asarray(clean)[:, None]
-    parts = [f"lane {b} steps {c}-{S - 1}" for b, c in enumerate(clean) if c < S]
-    return judged, (f"{', '.join(parts)}: {why}" if parts else ""), flips
+        why = ("a router pick of the device's differs from the golden's at a near tie at or before it, or an "
+               "indexer choice of the golden is within its rounding bound (its picks are not read)")
+    parts = [f"lane {b} steps {_ranges(np.flatnonzero(~judged[b]))}" for b in range(B) if not judged[b].all()]
+    return judged, (f"{'; '.join(parts)}: {why}" if parts else ""), flips, worst
+
+
+def _ranges(steps) -> str:
+    """"0-3, 7" of sorted step numbers."""
+    out, start = [], None
+    for i, x in enumerate(steps):
+        if start is None:
+            start = x
+        if i + 1 == len(steps) or steps[i + 1] != x + 1:
+            out.append(f"{start}" if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(out)
 
 
 def unexplained_swap(ranked: np.ndarray, z: np.ndarray, picked: np.ndarray, k: int) -> str:
@@ -266,18 +306,20 @@ def unexplained_swap(ranked: np.ndarray, z: np.ndarray, picked: np.ndarray, k: i
     return "; ".join(parts)
 
 
-def _choices_check(g, dev_router, flips, sess) -> Check:
-    if dev_router is None or "router_ids" not in g.tensors:
+def _choices_check(g, dev, flips, worst, sess) -> Check:
+    if dev is None or "router_ids" not in g.tensors:
         why = ("the golden records no choices (compiled before them)" if "router_ids" not in g.tensors else
                f"the {sess.device} device does not show its router picks")
-        return Check("choices", 0.0, 0.0, True, f"not measured: {why}; near ties end a lane's judged steps",
+        return Check("choices", 0.0, 1.0, True, f"not measured: {why}; near ties end a lane's judged steps",
                      measured=False)
+    e, b, s_, layer = worst
     if flips:
-        b, s, layer, why = flips[0]
-        return Check("choices", float(len(flips)), 0.0, False,
-                     f"a router choice no rounding explains: layer {layer}, step {s}, lane {b} ({why})")
-    return Check("choices", 0.0, 0.0, True, "the device's router picks agree with the golden's up to each lane's "
-                 "first near-tie difference")
+        b, s_, layer, why = flips[0]
+        return Check("choices", e, 1.0, False,
+                     f"a router choice no rounding explains: layer {layer}, step {s_}, lane {b} ({why})")
+    where = "" if b is None else f", worst at layer {layer}, step {s_}, lane {b}"
+    return Check("choices", e, 1.0, e <= 1.0,
+                 f"router scores in units of their layer's choice bound{where}; picks that differ only at near ties")
 
 
 class ChoiceReader:
@@ -307,7 +349,7 @@ class ChoiceReader:
                 return inner(fname, inputs)
             outs = inner(f"{fname}.choices", inputs)
             r.seen.append((np.asarray(inputs["pos"]), np.asarray(inputs["slot"]),
-                           {layer: outs.pop(n) for layer, n in r.names[fname].items()}))
+                           {layer: (outs.pop(i), outs.pop(v)) for layer, (i, v) in r.names[fname].items()}))
             return outs
 
         be.run_outputs = run_outputs  # the instance's: `run` goes through it too
@@ -320,7 +362,7 @@ class ChoiceReader:
         import onnx
 
         key, spec = self.be._graphs[fname][0]
-        names: dict[int, str] = {}
+        names: dict[int, tuple[str, str]] = {}
 
         def build():
             from .artifact_checks import onnx_model
@@ -329,30 +371,35 @@ class ChoiceReader:
             for nd in model.graph.node:
                 doc = nd.doc_string.split(" ")
                 if nd.op_type == "TopK" and doc[0] == "router" and len(doc) > 1 and doc[1].startswith("layers."):
-                    names[int(doc[1].split(".")[1])] = nd.output[1]
-            for n in names.values():
-                model.graph.output.append(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.INT64, None))
+                    names[int(doc[1].split(".")[1])] = (nd.output[1], nd.output[0])
+            for i, v in names.values():
+                model.graph.output.append(onnx.helper.make_tensor_value_info(i, onnx.TensorProto.INT64, None))
+                model.graph.output.append(onnx.helper.make_tensor_value_info(v, onnx.TensorProto.FLOAT, None))
             return model, spec
 
         self.be.built(f"{fname}.choices", build)
         self.names[fname] = names
 
-    def router_ids(self, lane_of: dict[int, int], shape: tuple[int, ...]) -> np.ndarray | None:
-        """The device's sorted router picks `[B, P, L, k]` by golden lane, position and layer (`shape`: the golden's
-        `router_ids`, `[B, P, L, m]`; -1: none seen)."""
+    def router_picks(self, lane_of: dict[int, int], shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
+        """The device's router picks (sorted) and their scores, each `[B, P, L, k]` by golden lane, position and
+        layer (`shape`: the golden's `router_ids`, `[B, P, L, m]`; pick -1: none seen)."""
         if not self.seen or not any(self.names.values()):
             return None
-        k = next(v for _, _, o in self.seen for v in o.values()).shape[-1]
-        out = np.full((*shape[:-1], k), -1, dtype=np.int32)
+        k = next(v[0] for _, _, o in self.seen for v in o.values()).shape[-1]
+        ids = np.full((*shape[:-1], k), -1, dtype=np.int32)
+        vals = np.zeros((*shape[:-1], k), dtype=np.float32)
         for pos, slot, outs in self.seen:
-            for layer, idx in outs.items():
-                idx = np.sort(idx.reshape(*pos.shape, -1), axis=-1)
+            for layer, (idx, val) in outs.items():
+                idx, val = idx.reshape(*pos.shape, -1), val.reshape(*pos.shape, -1)
+                order = np.argsort(idx, axis=-1)
+                idx, val = np.take_along_axis(idx, order, -1), np.take_along_axis(val, order, -1)
                 for row in range(pos.shape[0]):
                     lane = lane_of.get(int(slot[row]))
                     ok = pos[row] >= 0
                     if lane is not None and ok.any():
-                        out[lane, pos[row][ok], layer] = idx[row][ok]
-        return out
+                        ids[lane, pos[row][ok], layer] = idx[row][ok]
+                        vals[lane, pos[row][ok], layer] = val[row][ok]
+        return ids, vals
 
 
 def layer_check(sess, g, tol: float) -> tuple[Check, int | None]:

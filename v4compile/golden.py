@@ -153,7 +153,8 @@ def make_golden(model, numerics: str, dtype: str, prefill_chunks: tuple[int, ...
                "choice_margin": run["choice"].astype(np.float32),
                # the discrete choices themselves: the device's are compared where it can show them (issue 35)
                "indexer_margin": run["indexer"].astype(np.float32),
-               "router_ids": run["router_ids"], "router_z": run["router_z"]}
+               "router_ids": run["router_ids"], "router_z": run["router_z"],
+               "router_scores": run["router_scores"], "router_scale": run["router_scale"]}
     V = cfg.vocab_size
     if V <= FULL_VOCAB:
         tensors["logits"] = lg.numpy()
@@ -224,6 +225,8 @@ def _run(model, sc: Scenario, numerics: str, dtype: str, prefill_chunks: tuple[i
     M = router_width(cfg)
     router_ids = np.full((B, P, cfg.n_layers, M), -1, dtype=np.int32)  # by the token's position: -1 none
     router_z = np.full((B, P, cfg.n_layers, M), np.inf, dtype=np.float32)
+    router_scores = np.zeros((B, P, cfg.n_layers, M), dtype=np.float32)
+    router_scale = np.ones((B, P, cfg.n_layers), dtype=np.float32)
     now = [0] * B  # each lane's current step
 
     def on_choice(kind, layer, scores, k, pos):
@@ -234,12 +237,14 @@ def _run(model, sc: Scenario, numerics: str, dtype: str, prefill_chunks: tuple[i
                 if kind == "indexer":
                     indexer[b, now[b]] = min(indexer[b, now[b]], m[b])
         if kind == "router":
-            ids, z = router_choices(scores, k, M, bounds[layer])
+            ids, z, v, sc = router_choices(scores, k, M, bounds[layer])
             ok = (pos >= 0).numpy()
             b_ok, t_ok = np.nonzero(ok)
             p_ok = pos.numpy()[ok]
             router_ids[b_ok, p_ok, layer] = ids[b_ok, t_ok]
             router_z[b_ok, p_ok, layer] = z[b_ok, t_ok]
+            router_scores[b_ok, p_ok, layer] = v[b_ok, t_ok]
+            router_scale[b_ok, p_ok, layer] = sc[b_ok, t_ok]
 
     def step(x: torch.Tensor, pos: torch.Tensor, record: tuple[int, int] | None = None) -> torch.Tensor:
         opts = dataclasses.replace(model._opts(last_only=True), on_choice=on_choice)
@@ -276,7 +281,8 @@ def _run(model, sc: Scenario, numerics: str, dtype: str, prefill_chunks: tuple[i
             rows[b].append(logits[b])
             ids[b].append(int(logits[b].argmax()))
     return {"logits": torch.stack([torch.stack(r) for r in rows]), "ids": ids, "layers": layers, "choice": choice,
-            "indexer": indexer, "router_ids": router_ids, "router_z": router_z}
+            "indexer": indexer, "router_ids": router_ids, "router_z": router_z, "router_scores": router_scores,
+            "router_scale": router_scale}
 
 
 def router_width(cfg) -> int:
@@ -284,22 +290,26 @@ def router_width(cfg) -> int:
     return min(2 * cfg.n_active_experts, cfg.n_experts)
 
 
-def router_choices(scores: torch.Tensor, k: int, m: int, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+def router_choices(scores: torch.Tensor, k: int, m: int, threshold: float) -> tuple[np.ndarray, ...]:
     """Per token of `scores` `[B, T, N]` (a router's top-k of k among N): the m best expert ids in score order
     (`[B, T, m]` int32: the first k are the choice) and how far each is from changing sides, in units of the
     near-tie `threshold` (2 x `choice_bound`) of the row's largest |score| (`[B, T, m]`): a chosen expert's gap
     above the best runner-up, a runner-up's gap below the weakest chosen one (inf: nothing to swap with). Rounding
     may swap a chosen expert out only where its value is <= 1, a runner-up in only where its value is <= 1: a
-    device that swaps any other expert is not rounding (`runtime/self_check.py`)."""
+    device that swaps any other expert is not rounding (`runtime/self_check.py`). Also the m scores themselves
+    and the row's largest |score| (`[B, T]`): before any choice differs, the device's scores must agree with
+    them within `choice_bound`."""
     s = scores.detach().double()
     top = s.topk(m, dim=-1)
     ids = top.indices.to(torch.int32).numpy()
-    if m <= k:
-        return ids, np.full(ids.shape, np.inf, dtype=np.float32)
     v = top.values
     scale = torch.where(torch.isfinite(s), s.abs(), torch.zeros_like(s)).amax(-1, keepdim=True).clamp_min(1e-30)
-    z = torch.cat([v[..., :k] - v[..., k:k + 1], v[..., k - 1:k] - v[..., k:]], -1) / (scale * threshold)
-    return ids, torch.nan_to_num(z, nan=math.inf).float().numpy()
+    if m <= k:
+        z = torch.full(v.shape, math.inf, dtype=torch.float64)
+    else:
+        z = torch.cat([v[..., :k] - v[..., k:k + 1], v[..., k - 1:k] - v[..., k:]], -1) / (scale * threshold)
+    return (ids, torch.nan_to_num(z, nan=math.inf).float().numpy(), v.float().numpy(),
+            scale[..., 0].float().numpy())
 
 
 def choice_margins(scores: torch.Tensor, k: int, pos: torch.Tensor) -> np.ndarray:
@@ -415,6 +425,7 @@ def read_golden(art) -> Golden:
         cfg = V4Config.from_dict(art.manifest["config"], name="manifest config")
         P, L, m = max(len(p) for p in prompts) + n, cfg.n_layers, router_width(cfg)
         for name, shape, dt in (("router_ids", (B, P, L, m), np.int32), ("router_z", (B, P, L, m), np.float32),
+                                ("router_scores", (B, P, L, m), np.float32), ("router_scale", (B, P, L), np.float32),
                                 ("indexer_margin", (B, n), np.float32)):
             a = t.get(name)
             if a is None or a.shape != shape or a.dtype != dt or (dt == np.float32 and np.isnan(a).any()):
