@@ -192,7 +192,7 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
                         else f"{compared} steps"))
     first = min(bad + wrong) if bad or wrong else None
     layer = None
-    if flips and (first is None or (flips[0][1], flips[0][0]) <= first):  # a clear choice flipped: a fault there
+    if flips and (first is None or (flips[0][1], flips[0][0]) < first):  # a choice no rounding explains: a fault
         lane, step, layer, _ = flips[0]
         first = (step, lane)
         res = SelfCheckResult(False, device, max_err, tol, time.perf_counter() - t0, tuple(checks),
