@@ -170,9 +170,6 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
     cfg = V4Config.from_dict(m["config"], name="manifest config")
     bounds = [choice_bound(m["numerics"], m["dtype"], cfg, i) for i in range(cfg.n_layers)]
     judged, excluded, flips, worst = judged_steps(g, B, S, dev, bounds)
-    if worst[0] > 1.0:  # a router score out of its bound is a departure, like a clear flip
-        flips = sorted(flips + [(worst[1], worst[2], worst[3], f"scores off by {worst[0]:.3g} x the bound")],
-                       key=lambda f: (f[1], f[0]))
     # greedy ids: at every judged step whose golden top-2 margin exceeds 2 x tol (a nearer tie may flip; teacher-
     # forced, a flip does not carry on to the next step, so the steps after a near tie still compare)
     clear = (margin > 2 * tol) & judged
@@ -195,6 +192,7 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
     if flips and (first is None or (flips[0][1], flips[0][0]) < first):  # a choice no rounding explains: a fault
         lane, step, layer, _ = flips[0]
         first = (step, lane)
+        checks.append(layer_check(sess, g, tol)[0])  # the streams too, as for a logits departure
         res = SelfCheckResult(False, device, max_err, tol, time.perf_counter() - t0, tuple(checks),
                               f"the device's router departs from the golden at layer {layer}, step {step}, lane "
                               f"{lane}: {flips[0][3]}",
@@ -261,19 +259,22 @@ def judged_steps(g, B: int, S: int, dev=None, bounds=None) -> tuple[np.ndarray, 
                         if pos < len(p) - 1 and layer == L - 1:
                             continue  # its own output only, which no row reads
                         what = unexplained_swap(ranked, gz[b, pos, layer], picks[b, pos, layer], k)
-                        if what:
-                            flips.append((b, max(0, pos - len(p) + 1), layer, what))
+                        if what and not any(f[0] == b for f in flips):
+                            flips.append((b, max(0, pos - len(p) + 1), layer, what, pos))
                         moved.append((pos, layer))
                         continue
                     at = {int(e): float(v) for e, v in zip(ranked, gv[b, pos, layer])}
                     e = max(abs(float(d) - at[int(i)]) for i, d in zip(picks[b, pos, layer], vals[b, pos, layer]))
                     e /= float(gs[b, pos, layer]) * bounds[layer]
+                    step = max(0, pos - len(p) + 1)
                     if not e <= worst[0]:
-                        worst = (e, b, max(0, pos - len(p) + 1), layer)
+                        worst = (e, b, step, layer)
+                    if not e <= 1.0 and not any(f[0] == b for f in flips):  # a lane's first departure only
+                        flips.append((b, step, layer, f"scores off by {e:.3g} x the bound", pos))
             for s_ in range(clean[b]):
                 q = len(p) - 1 + s_
                 judged[b, s_] = not any(p0 == q or (p0 < q and l0 < L - 1) for p0, l0 in moved)
-        flips.sort(key=lambda f: (f[1], f[0]))
+        flips = [f[:4] for f in sorted(flips, key=lambda f: (f[1], f[0], f[4], f[2]))]
         why = ("a router pick of the device's differs from the golden's at a near tie at or before it, or an "
                "indexer choice of the golden is within its rounding bound (its picks are not read)")
     parts = [f"lane {b} steps {_ranges(np.flatnonzero(~judged[b]))}" for b in range(B) if not judged[b].all()]
