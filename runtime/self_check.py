@@ -11,11 +11,16 @@ Checks, each a line with its measured error beside its tolerance (errors in unit
 `max |reference logit|`):
 * `numerics`: the golden was made in the artifact's numerics mode and dtype;
 * `logits`: the largest |device - golden| over every judged step and lane (top-k form: at the golden's top-k
-  ids, and the log-sum-exp). A lane's steps from its first near-tie discrete choice on (a router / indexer
-  top-k whose golden margin is within its rounding bound, `golden.choice_bound`) are not judged: a flip there is
-  rounding, yet moves the logits by more than any rounding bound. The compile picks prompts without near ties
-  where a seeded candidate has none (fp32 always has so far; bf16 on random weights has near ties in nearly every
-  prefill, so its check judges few or no rows: the line says which rows were left out and their error);
+  ids, and the log-sum-exp). A flipped discrete choice at a near tie (a router / indexer top-k whose golden
+  margin is within its rounding bound, `golden.choice_bound`) is rounding, yet moves the logits by more than any
+  rounding bound, so the rows it reaches are not judged. Where the device shows its router picks (the cpu
+  device, `ChoiceReader`), only a pick that actually differs excuses rows, those it reaches (`judged_steps`);
+  elsewhere a lane's steps from its first near-tie choice in the golden on. The compile picks prompts without
+  near ties where a seeded candidate has none (fp32 always has so far; bf16 on random weights never: its check
+  judges about half the rows on cpu, none elsewhere; the line says which rows were left out and their error);
+* `choices` (cpu device): the device's router picks and scores against the golden's wherever no earlier
+  differing pick reaches; a score off by more than its layer's `choice_bound`, or a swap of an expert clear of
+  its near-tie threshold, fails, naming the layer, step and lane;
 * `greedy ids`: steps whose argmax differs from the golden's id, at every step whose golden top-2 margin exceeds
   2 x tolerance x scale (each logit may move by the tolerance: a nearer tie may flip). The issue asks for the
   steps up to the first near tie; fed the golden's ids, a flip does not carry on, so the later steps compare too;
