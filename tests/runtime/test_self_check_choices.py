@@ -112,6 +112,11 @@ def test_a_differing_router_pick_is_a_fault_unless_rounding_explains_it_and_reac
     _, _, flips, worst = judged_steps(g, B, S, (picks, vals), bounds)
     assert flips == [(0, 0, 1, "scores off by 2 x the bound")] and worst[1:] == (0, 0, 1)
     assert worst[0] == pytest.approx(2.0, rel=1e-5)
+    vals[0, 2, 1] = 1.0
+    picks[0, 4, 0] = -1  # a step whose picks were not seen: that lane falls back on the margins' rule
+    g.tensors["choice_margin"] = np.array([[5.0, 0.5, 5.0]], np.float32)
+    judged, _, flips, _ = judged_steps(g, B, S, (picks, vals), bounds)
+    assert judged.tolist() == [[True, False, False]] and not flips
 
 
 @pytest.mark.parametrize("source, preset", [(None, "tiny"), (None, "tiny-pro"), (DOC_EXAMPLE, "tiny")],
