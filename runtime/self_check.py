@@ -11,11 +11,16 @@ Checks, each a line with its measured error beside its tolerance (errors in unit
 `max |reference logit|`):
 * `numerics`: the golden was made in the artifact's numerics mode and dtype;
 * `logits`: the largest |device - golden| over every judged step and lane (top-k form: at the golden's top-k
-  ids, and the log-sum-exp). A lane's steps from its first near-tie discrete choice on (a router / indexer
-  top-k whose golden margin is within its rounding bound, `golden.choice_bound`) are not judged: a flip there is
-  rounding, yet moves the logits by more than any rounding bound. The compile picks prompts without near ties
-  where a seeded candidate has none (fp32 always has so far; bf16 on random weights has near ties in nearly every
-  prefill, so its check judges few or no rows: the line says which rows were left out and their error);
+  ids, and the log-sum-exp). A flipped discrete choice at a near tie (a router / indexer top-k whose golden
+  margin is within its rounding bound, `golden.choice_bound`) is rounding, yet moves the logits by more than any
+  rounding bound, so the rows it reaches are not judged. Where the device shows its router picks (the cpu
+  device, `ChoiceReader`), only a pick that actually differs excuses rows, those it reaches (`judged_steps`);
+  elsewhere a lane's steps from its first near-tie choice in the golden on. The compile picks prompts without
+  near ties where a seeded candidate has none (fp32 always has so far; bf16 on random weights never: its check
+  judges about half the rows on cpu, none elsewhere; the line says which rows were left out and their error);
+* `choices` (cpu device): the device's router picks and scores against the golden's wherever no earlier
+  differing pick reaches; a score off by more than its layer's `choice_bound`, or a swap of an expert clear of
+  its near-tie threshold, fails, naming the layer, step and lane;
 * `greedy ids`: steps whose argmax differs from the golden's id, at every step whose golden top-2 margin exceeds
   2 x tolerance x scale (each logit may move by the tolerance: a nearer tie may flip). The issue asks for the
   steps up to the first near tie; fed the golden's ids, a flip does not carry on, so the later steps compare too;
@@ -123,15 +128,18 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
                                            tolerance_basis=basis, covers=covers))
     rows: dict[int, list[np.ndarray]] = {}
     gold_ids = g.ids
+    lane_of: dict[int, int] = {}  # slot -> golden prompt, for the device's choices
 
     class Forced(Batcher):
         """The loop, each request fed the golden's ids; the rows the device gave are kept."""
 
         def _pick(self, r, row):
             rows.setdefault(r.index, []).append(np.array(row, dtype=np.float32, copy=True))
+            lane_of[r.seq.slot] = r.index
             return gold_ids[r.index][len(r.ids)]
 
     loop = Forced(sess, raise_errors=True)
+    reader = ChoiceReader.attach(sess, g)
     with sess.lock:
         try:
             reqs = [loop.submit(Request(p, f["new_tokens"], index=i), where=f"golden prompt {i}")
@@ -145,6 +153,8 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
                                                step, tolerance_basis=basis, covers=covers))
         finally:
             loop.abort()
+            if reader is not None:
+                reader.detach()
     dev = np.stack([np.stack(rows[r.index]) for r in reqs])  # [B, steps, V]
     scale = float(f["scale"])
     if f["logits"]["form"] == "full":
@@ -158,7 +168,13 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
     gid = np.asarray(gold_ids)
     margin = g.tensors["margin"] / scale
     B, S = err.shape
-    judged, excluded = judged_steps(g, B, S)
+    dev = None if reader is None else reader.router_picks(lane_of, g.tensors["router_ids"].shape)
+    from v4compile.config import V4Config
+    from v4compile.golden import choice_bound
+
+    cfg = V4Config.from_dict(m["config"], name="manifest config")
+    bounds = [choice_bound(m["numerics"], m["dtype"], cfg, i) for i in range(cfg.n_layers)]
+    judged, excluded, flips, worst = judged_steps(g, B, S, dev, bounds)
     # greedy ids: at every judged step whose golden top-2 margin exceeds 2 x tol (a nearer tie may flip; teacher-
     # forced, a flip does not carry on to the next step, so the steps after a near tie still compare)
     clear = (margin > 2 * tol) & judged
@@ -169,14 +185,24 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
     compared = int(clear.sum())
     note = f"{int(judged.sum())} of {B * S} rows"
     if excluded:
-        note += (f"; not judged ({excluded}): a router / indexer choice of the golden within its rounding bound "
-                 f"there, so rounding alone may flip it (largest error there {float(np.nanmax(np.where(judged, 0.0, err))):.3g})")
+        note += (f"; not judged ({excluded}), as rounding alone may flip such a choice (largest error there "
+                 f"{float(np.nanmax(np.where(judged, 0.0, err))):.3g})")
     checks.append(Check("logits", max_err, tol, not bad, note))
+    checks.append(_choices_check(g, dev, flips, worst, sess))
     checks.append(Check("greedy ids", float(len(wrong)), 0.0, not wrong,
                         f"{compared} of {B * S} steps compared; the rest are near ties or not judged" if compared < B * S
                         else f"{compared} steps"))
     first = min(bad + wrong) if bad or wrong else None
     layer = None
+    if flips and (first is None or (flips[0][1], flips[0][0]) < first):  # a choice no rounding explains: a fault
+        lane, step, layer, _ = flips[0]
+        first = (step, lane)
+        checks.append(layer_check(sess, g, tol)[0])  # the streams too, as for a logits departure
+        res = SelfCheckResult(False, device, max_err, tol, time.perf_counter() - t0, tuple(checks),
+                              f"the device's router departs from the golden at layer {layer}, step {step}, lane "
+                              f"{lane}: {flips[0][3]}",
+                              step, lane, layer, tolerance_basis=basis, covers=covers)
+        return _done(sess, res)
     if first is not None:  # with the layer statistics on: the first chunk's streams against the fingerprint
         lc, layer = layer_check(sess, g, tol)
         checks.append(lc)
@@ -190,17 +216,200 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
     return _done(sess, res)
 
 
-def judged_steps(g, B: int, S: int) -> tuple[np.ndarray, str]:
-    """`[B, S]` True where the logits are judged: each lane's steps before its first near-tie discrete choice
-    (`golden.clean_steps`; a flipped choice there may move that step and, through the caches, every later step
-    of the lane by more than any rounding bound), and a description of the rest ("" when none)."""
+def judged_steps(g, B: int, S: int, dev=None, bounds=None) -> tuple[np.ndarray, str, list, tuple]:
+    """`[B, S]` True where the logits are judged, a description of the rest ("" when none), the choices no
+    rounding explains (`(lane, step, layer, what)`, first first), and the router scores' worst agreement
+    `(error in units of its layer's choice_bound, lane, step, layer)` (error 0: none compared).
+
+    Without the device's choices (`dev` None, or a golden without `router_ids`): each lane's steps before its
+    first near-tie discrete choice (`golden.clean_steps`; a flipped choice there may move that step and, through
+    the caches, every later step of the lane by more than any rounding bound).
+
+    With them (`dev` = (picks, scores), each `[B, P, L, k]` by golden lane, position and layer, `ChoiceReader`):
+    a near tie excuses nothing unless the device's pick actually differs. A router pick that differs at layer l0,
+    position p0 changes what layers after l0 compute at p0 and after (through their caches), nothing else: the
+    choices and scores of every other (position, layer) are still the golden's to compare. There: a pick that
+    differs must swap only experts within the near-tie threshold (`unexplained_swap`; else it is a fault), and
+    where it agrees, the device's scores of the chosen experts must agree with the golden's within the layer's
+    `choice_bound` (a fault moves scores before it flips anything). A logits row (position q) is judged unless a
+    differing pick at q or before (before: at a layer but the last) reaches it. The indexer's picks are not read:
+    its near ties keep the margins' rule (`indexer_margin`), ending the lane's comparisons at that step."""
     from v4compile.golden import clean_steps
 
     cm = g.tensors.get("choice_margin")
-    clean = [S] * B if cm is None else clean_steps(cm)
-    judged = np.arange(S)[None, :] < np.asarray(clean)[:, None]
-    parts = [f"lane {b} steps {c}-{S - 1}" for b, c in enumerate(clean) if c < S]
-    return judged, ", ".join(parts)
+    flips: list = []
+    worst = (0.0, None, None, None)
+    if dev is None or "router_ids" not in g.tensors:
+        clean = [S] * B if cm is None else clean_steps(cm)
+        judged = np.arange(S)[None, :] < np.asarray(clean)[:, None]
+        why = "a router / indexer choice of the golden within its rounding bound there"
+    else:
+        picks, vals = dev
+        clean = clean_steps(g.tensors["indexer_margin"])
+        gold, gz = g.tensors["router_ids"], g.tensors["router_z"]
+        gv, gs = g.tensors["router_scores"], g.tensors["router_scale"]
+        k, L = picks.shape[-1], gold.shape[2]
+        judged = np.zeros((B, S), bool)
+        unread: set[int] = set()
+        for b, p in enumerate(g.prompts):
+            n = len(p) + clean[b] - 1 if clean[b] > 0 else 0  # positions before the lane's indexer near tie
+            moved: list[tuple[int, int]] = []  # (position, layer) of each pick that differs
+            for pos in range(n):
+                for layer in range(L):
+                    if gold[b, pos, layer, 0] < 0 or any(layer > l0 for p0, l0 in moved if p0 <= pos):
+                        continue
+                    if picks[b, pos, layer, 0] < 0:  # not seen (a step run another way): the margins' rule
+                        unread.add(b)
+                        continue
+                    ranked = gold[b, pos, layer]
+                    if set(picks[b, pos, layer].tolist()) != set(ranked[:k].tolist()):
+                        if pos < len(p) - 1 and layer == L - 1:
+                            continue  # its own output only, which no row reads
+                        what = unexplained_swap(ranked, gz[b, pos, layer], picks[b, pos, layer], k)
+                        if what and not any(f[0] == b for f in flips):
+                            flips.append((b, max(0, pos - len(p) + 1), layer, what, pos))
+                        moved.append((pos, layer))
+                        continue
+                    at = {int(e): float(v) for e, v in zip(ranked, gv[b, pos, layer])}
+                    e = max(abs(float(d) - at[int(i)]) for i, d in zip(picks[b, pos, layer], vals[b, pos, layer]))
+                    e /= float(gs[b, pos, layer]) * bounds[layer]
+                    step = max(0, pos - len(p) + 1)
+                    if not e <= worst[0]:
+                        worst = (e, b, step, layer)
+                    if not e <= 1.0 and not any(f[0] == b for f in flips):  # a lane's first departure only
+                        flips.append((b, step, layer, f"scores off by {e:.3g} x the bound", pos))
+            for s_ in range(clean[b]):
+                q = len(p) - 1 + s_
+                judged[b, s_] = not any(p0 == q or (p0 < q and l0 < L - 1) for p0, l0 in moved)
+            if b in unread and cm is not None:
+                judged[b] &= np.arange(S) < clean_steps(cm)[b]
+        flips = [f[:4] for f in sorted(flips, key=lambda f: (f[1], f[0], f[4], f[2]))]
+        why = ("a router pick of the device's differs from the golden's at a near tie at or before it, or an "
+               "indexer choice of the golden is within its rounding bound (its picks are not read)")
+    parts = [f"lane {b} steps {_ranges(np.flatnonzero(~judged[b]))}" for b in range(B) if not judged[b].all()]
+    return judged, (f"{'; '.join(parts)}: {why}" if parts else ""), flips, worst
+
+
+def _ranges(steps) -> str:
+    """"0-3, 7" of sorted step numbers."""
+    out, start = [], None
+    for i, x in enumerate(steps):
+        if start is None:
+            start = x
+        if i + 1 == len(steps) or steps[i + 1] != x + 1:
+            out.append(f"{start}" if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(out)
+
+
+def unexplained_swap(ranked: np.ndarray, z: np.ndarray, picked: np.ndarray, k: int) -> str:
+    """"" when the device's picks `picked` differ from the golden's top k of `ranked` (score order, with its
+    runners-up and their distances `z`, `golden.router_choices`) only by experts rounding may swap (each within
+    its near-tie threshold); else what is not rounding."""
+    gold = {int(e): (r, float(z[r])) for r, e in enumerate(ranked) if e >= 0}
+    mine = {int(e) for e in picked}
+    top = {e for e, (r, _) in gold.items() if r < k}
+    out = sorted(e for e in top - mine if not gold[e][1] <= 1.0)
+    came = sorted(e for e in mine - top if e not in gold or not gold[e][1] <= 1.0)
+    parts = ([f"expert(s) {out} dropped, clear of the tie"] if out else []) + \
+            ([f"expert(s) {came} picked, clear of the tie"] if came else [])
+    return "; ".join(parts)
+
+
+def _choices_check(g, dev, flips, worst, sess) -> Check:
+    if dev is None or "router_ids" not in g.tensors:
+        why = ("the golden records no choices (compiled before them)" if "router_ids" not in g.tensors else
+               f"the {sess.device} device does not show its router picks")
+        return Check("choices", 0.0, 1.0, True, f"not measured: {why}; near ties end a lane's judged steps",
+                     measured=False)
+    e, b, s_, layer = worst
+    if flips:
+        b, s_, layer, why = flips[0]
+        return Check("choices", e, 1.0, False,
+                     f"a router choice no rounding explains: layer {layer}, step {s_}, lane {b} ({why})")
+    where = "" if b is None else f", worst at layer {layer}, step {s_}, lane {b}"
+    return Check("choices", e, 1.0, e <= 1.0,
+                 f"router scores in units of their layer's choice bound{where}; picks that differ only at near ties")
+
+
+class ChoiceReader:
+    """The cpu device's router picks during the golden run: each function is run as a check-mode variant of its
+    graph (built at check time, `OrtBackend.built`; the users' graphs are unchanged) whose router TopK indices
+    are extra outputs, recorded with the step's `pos` and `slot`. Other devices: `attach` gives None (host:
+    the C runtime's launches could be read like `_host_streams`, not done yet; hip / cuda: their launches never
+    come back to Python)."""
+
+    def __init__(self, be, names: dict[str, dict[int, str]]):
+        self.be, self.names = be, names
+        self.seen: list[tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]] = []
+
+    @classmethod
+    def attach(cls, sess, g) -> "ChoiceReader | None":
+        be = sess.backend
+        if "router_ids" not in g.tensors or getattr(be, "ranks", None) is not None or not hasattr(be, "built") \
+                or getattr(be, "device", None) != "cpu":
+            return None
+        r = cls(be, {})
+        inner = be.run_outputs
+
+        def run_outputs(fname, inputs):
+            if fname not in r.names and len(be._graphs.get(fname, ())) == 1 and "pos" in inputs:
+                r._variant(fname)
+            if fname not in r.names:
+                return inner(fname, inputs)
+            outs = inner(f"{fname}.choices", inputs)
+            r.seen.append((np.asarray(inputs["pos"]), np.asarray(inputs["slot"]),
+                           {layer: (outs.pop(i), outs.pop(v)) for layer, (i, v) in r.names[fname].items()}))
+            return outs
+
+        be.run_outputs = run_outputs  # the instance's: `run` goes through it too
+        return r
+
+    def detach(self) -> None:
+        self.be.__dict__.pop("run_outputs", None)
+
+    def _variant(self, fname: str) -> None:
+        import onnx
+
+        key, spec = self.be._graphs[fname][0]
+        names: dict[int, tuple[str, str]] = {}
+
+        def build():
+            from .artifact_checks import onnx_model
+
+            model = onnx_model(self.be.art, key, spec)
+            for nd in model.graph.node:
+                doc = nd.doc_string.split(" ")
+                if nd.op_type == "TopK" and doc[0] == "router" and len(doc) > 1 and doc[1].startswith("layers."):
+                    names[int(doc[1].split(".")[1])] = (nd.output[1], nd.output[0])
+            for i, v in names.values():
+                model.graph.output.append(onnx.helper.make_tensor_value_info(i, onnx.TensorProto.INT64, None))
+                model.graph.output.append(onnx.helper.make_tensor_value_info(v, onnx.TensorProto.FLOAT, None))
+            return model, spec
+
+        self.be.built(f"{fname}.choices", build)
+        self.names[fname] = names
+
+    def router_picks(self, lane_of: dict[int, int], shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
+        """The device's router picks (sorted) and their scores, each `[B, P, L, k]` by golden lane, position and
+        layer (`shape`: the golden's `router_ids`, `[B, P, L, m]`; pick -1: none seen)."""
+        if not self.seen or not any(self.names.values()):
+            return None
+        k = next(v[0] for _, _, o in self.seen for v in o.values()).shape[-1]
+        ids = np.full((*shape[:-1], k), -1, dtype=np.int32)
+        vals = np.zeros((*shape[:-1], k), dtype=np.float32)
+        for pos, slot, outs in self.seen:
+            for layer, (idx, val) in outs.items():
+                idx, val = idx.reshape(*pos.shape, -1), val.reshape(*pos.shape, -1)
+                order = np.argsort(idx, axis=-1)
+                idx, val = np.take_along_axis(idx, order, -1), np.take_along_axis(val, order, -1)
+                for row in range(pos.shape[0]):
+                    lane = lane_of.get(int(slot[row]))
+                    ok = pos[row] >= 0
+                    if lane is not None and ok.any():
+                        ids[lane, pos[row][ok], layer] = idx[row][ok]
+                        vals[lane, pos[row][ok], layer] = val[row][ok]
+        return ids, vals
 
 
 def layer_check(sess, g, tol: float) -> tuple[Check, int | None]:

@@ -150,7 +150,11 @@ def make_golden(model, numerics: str, dtype: str, prefill_chunks: tuple[int, ...
     lg = run["logits"]
     top2 = lg.topk(2, dim=-1).values
     tensors = {"fingerprint": np.stack(run["layers"]), "margin": (top2[..., 0] - top2[..., 1]).numpy(),
-               "choice_margin": run["choice"].astype(np.float32)}
+               "choice_margin": run["choice"].astype(np.float32),
+               # the discrete choices themselves: the device's are compared where it can show them (issue 35)
+               "indexer_margin": run["indexer"].astype(np.float32),
+               "router_ids": run["router_ids"], "router_z": run["router_z"],
+               "router_scores": run["router_scores"], "router_scale": run["router_scale"]}
     V = cfg.vocab_size
     if V <= FULL_VOCAB:
         tensors["logits"] = lg.numpy()
@@ -216,6 +220,13 @@ def _run(model, sc: Scenario, numerics: str, dtype: str, prefill_chunks: tuple[i
     ids: list[list[int]] = [[] for _ in range(B)]
     bounds = [2 * choice_bound(numerics, dtype, cfg, i) for i in range(cfg.n_layers)]
     choice = np.full((B, sc.new_tokens), np.inf)
+    indexer = np.full((B, sc.new_tokens), np.inf)  # the indexer's share of `choice` (its picks are not compared)
+    P = max(len(p) for p in sc.prompts) + sc.new_tokens
+    M = router_width(cfg)
+    router_ids = np.full((B, P, cfg.n_layers, M), -1, dtype=np.int32)  # by the token's position: -1 none
+    router_z = np.full((B, P, cfg.n_layers, M), np.inf, dtype=np.float32)
+    router_scores = np.zeros((B, P, cfg.n_layers, M), dtype=np.float32)
+    router_scale = np.ones((B, P, cfg.n_layers), dtype=np.float32)
     now = [0] * B  # each lane's current step
 
     def on_choice(kind, layer, scores, k, pos):
@@ -223,6 +234,17 @@ def _run(model, sc: Scenario, numerics: str, dtype: str, prefill_chunks: tuple[i
         for b in range(B):
             if m[b] < np.inf:
                 choice[b, now[b]] = min(choice[b, now[b]], m[b])
+                if kind == "indexer":
+                    indexer[b, now[b]] = min(indexer[b, now[b]], m[b])
+        if kind == "router":
+            ids, z, v, sc = router_choices(scores, k, M, bounds[layer])
+            ok = (pos >= 0).numpy()
+            b_ok, t_ok = np.nonzero(ok)
+            p_ok = pos.numpy()[ok]
+            router_ids[b_ok, p_ok, layer] = ids[b_ok, t_ok]
+            router_z[b_ok, p_ok, layer] = z[b_ok, t_ok]
+            router_scores[b_ok, p_ok, layer] = v[b_ok, t_ok]
+            router_scale[b_ok, p_ok, layer] = sc[b_ok, t_ok]
 
     def step(x: torch.Tensor, pos: torch.Tensor, record: tuple[int, int] | None = None) -> torch.Tensor:
         opts = dataclasses.replace(model._opts(last_only=True), on_choice=on_choice)
@@ -258,7 +280,36 @@ def _run(model, sc: Scenario, numerics: str, dtype: str, prefill_chunks: tuple[i
             cache.lengths[b] += 1
             rows[b].append(logits[b])
             ids[b].append(int(logits[b].argmax()))
-    return {"logits": torch.stack([torch.stack(r) for r in rows]), "ids": ids, "layers": layers, "choice": choice}
+    return {"logits": torch.stack([torch.stack(r) for r in rows]), "ids": ids, "layers": layers, "choice": choice,
+            "indexer": indexer, "router_ids": router_ids, "router_z": router_z, "router_scores": router_scores,
+            "router_scale": router_scale}
+
+
+def router_width(cfg) -> int:
+    """How many experts per token the golden ranks: the k chosen and as many runners-up (`router_choices`)."""
+    return min(2 * cfg.n_active_experts, cfg.n_experts)
+
+
+def router_choices(scores: torch.Tensor, k: int, m: int, threshold: float) -> tuple[np.ndarray, ...]:
+    """Per token of `scores` `[B, T, N]` (a router's top-k of k among N): the m best expert ids in score order
+    (`[B, T, m]` int32: the first k are the choice) and how far each is from changing sides, in units of the
+    near-tie `threshold` (2 x `choice_bound`) of the row's largest |score| (`[B, T, m]`): a chosen expert's gap
+    above the best runner-up, a runner-up's gap below the weakest chosen one (inf: nothing to swap with). Rounding
+    may swap a chosen expert out only where its value is <= 1, a runner-up in only where its value is <= 1: a
+    device that swaps any other expert is not rounding (`runtime/self_check.py`). Also the m scores themselves
+    and the row's largest |score| (`[B, T]`): before any choice differs, the device's scores must agree with
+    them within `choice_bound`."""
+    s = scores.detach().double()
+    top = s.topk(m, dim=-1)
+    ids = top.indices.to(torch.int32).numpy()
+    v = top.values
+    scale = torch.where(torch.isfinite(s), s.abs(), torch.zeros_like(s)).amax(-1, keepdim=True).clamp_min(1e-30)
+    if m <= k:
+        z = torch.full(v.shape, math.inf, dtype=torch.float64)
+    else:
+        z = torch.cat([v[..., :k] - v[..., k:k + 1], v[..., k - 1:k] - v[..., k:]], -1) / (scale * threshold)
+    return (ids, torch.nan_to_num(z, nan=math.inf).float().numpy(), v.float().numpy(),
+            scale[..., 0].float().numpy())
 
 
 def choice_margins(scores: torch.Tensor, k: int, pos: torch.Tensor) -> np.ndarray:
@@ -368,6 +419,22 @@ def read_golden(art) -> Golden:
         if a.shape != (B, n) or a.dtype != np.float32 or np.isnan(a).any():
             raise ArtifactError("golden: tensor 'choice_margin' of another shape / dtype or NaN", where=TENSORS,
                                 expected=f"float32 {[B, n]}", found=f"{a.dtype.name} {list(a.shape)}")
+    if "router_ids" in t:  # goldens before the recorded choices lack them (the check then keeps the margins' rule)
+        from .config import V4Config
+
+        cfg = V4Config.from_dict(art.manifest["config"], name="manifest config")
+        P, L, m = max(len(p) for p in prompts) + n, cfg.n_layers, router_width(cfg)
+        for name, shape, dt in (("router_ids", (B, P, L, m), np.int32), ("router_z", (B, P, L, m), np.float32),
+                                ("router_scores", (B, P, L, m), np.float32), ("router_scale", (B, P, L), np.float32),
+                                ("indexer_margin", (B, n), np.float32)):
+            a = t.get(name)
+            if a is None or a.shape != shape or a.dtype != dt or (dt == np.float32 and np.isnan(a).any()):
+                raise ArtifactError(f"golden: tensor '{name}' missing, of another shape / dtype or NaN", where=TENSORS,
+                                    expected=f"{np.dtype(dt).name} {list(shape)}",
+                                    found=None if a is None else f"{a.dtype.name} {list(a.shape)}")
+            want[name] = (shape, dt)
+        if t["router_ids"].min() < -1 or t["router_ids"].max() >= cfg.n_experts:
+            raise ArtifactError("golden: `router_ids` outside the experts", where=TENSORS)
     return Golden(facts, {k: t[k] for k in want})
 
 

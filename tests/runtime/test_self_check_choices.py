@@ -6,6 +6,7 @@ near ties, and the self-check judges each lane's logits only before its first ne
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -52,8 +53,12 @@ def test_the_golden_prefers_a_candidate_without_near_ties(monkeypatch):
             choice[tie] = 0.5
         seen.append(sc.prompts)
         lg = torch.randn(2, sc.new_tokens, cfg.vocab_size, generator=g)
+        P, M = max(len(p) for p in sc.prompts) + sc.new_tokens, golden.router_width(cfg)
         return {"logits": lg, "ids": lg.argmax(-1).tolist(), "layers": [np.zeros((16, 8), np.float32)],
-                "choice": choice}
+                "choice": choice, "indexer": choice, "router_ids": np.zeros((2, P, cfg.n_layers, M), np.int32),
+                "router_z": np.zeros((2, P, cfg.n_layers, M), np.float32),
+                "router_scores": np.zeros((2, P, cfg.n_layers, M), np.float32),
+                "router_scale": np.ones((2, P, cfg.n_layers), np.float32)}
 
     monkeypatch.setattr(golden, "_run", run)
     model = type("M", (), {"cfg": cfg})()
@@ -69,11 +74,59 @@ def test_the_golden_prefers_a_candidate_without_near_ties(monkeypatch):
     assert g.facts["choices"]["tried"] == 2 and g.facts["seed"] == golden.prompt_seed(0)
 
 
+def test_a_differing_router_pick_is_a_fault_unless_rounding_explains_it_and_reaches_only_later_layers():
+    """`judged_steps` on a stand-in golden (one lane, prompt of 3, 3 steps, 3 layers, k = 1 of 2 ranked): the
+    device's picks are the golden's but at (position 1, layer 1), where the golden's runner-up is within its
+    near-tie threshold: rows at position 1 and after (steps 0-2 at positions 2-4) are not judged, the scores of
+    layer 0 and layer 1 at position 0 still are. The same pick with the runner-up clear of the tie is a flip."""
+    from v4compile.runtime.self_check import judged_steps
+
+    B, P, L, S = 1, 6, 3, 3
+    ids = np.zeros((B, P, L, 2), np.int32)
+    ids[..., 1] = 1
+    z = np.full((B, P, L, 2), 5.0, np.float32)
+    z[0, 1, 1] = 0.5  # a near tie at position 1, layer 1
+    scores = np.zeros((B, P, L, 2), np.float32)
+    scores[..., 0] = 1.0
+    g = golden.Golden({"prompts": [[1, 2, 3]], "ids": [[0] * S]},
+                      {"router_ids": ids, "router_z": z, "router_scores": scores,
+                       "router_scale": np.ones((B, P, L), np.float32), "indexer_margin": np.full((B, S), np.inf,
+                                                                                                   np.float32)})
+    picks = np.zeros((B, P, L, 1), np.int32)
+    vals = np.ones((B, P, L, 1), np.float32)
+    picks[0, 1, 1] = 1
+    bounds = [0.1] * L
+    judged, note, flips, worst = judged_steps(g, B, S, (picks, vals), bounds)
+    assert not judged.any() and not flips and worst[0] == 0.0 and "lane 0 steps 0-2" in note
+    picks[0, 1, 1] = 0
+    picks[0, 3, 2] = 1  # the last layer at step 1's position: that row only (it writes no cache a later one reads)
+    z[0, 3, 2] = 0.5
+    judged, _, flips, _ = judged_steps(g, B, S, (picks, vals), bounds)
+    assert judged.tolist() == [[True, False, True]] and not flips
+    picks[0, 3, 2] = 0
+    picks[0, 1, 0] = 1  # layer 0 at the prompt's second position, its runner-up clear of the tie: a fault
+    judged, _, flips, _ = judged_steps(g, B, S, (picks, vals), bounds)
+    assert [f[:3] for f in flips] == [(0, 0, 0)] and "[1] picked, clear of the tie" in flips[0][3]
+    picks[0, 1, 0] = 0
+    vals[0, 2, 1] = 1.2  # a score moved by 2 x its bound (0.1 x scale 1), its pick still the golden's
+    _, _, flips, worst = judged_steps(g, B, S, (picks, vals), bounds)
+    assert flips == [(0, 0, 1, "scores off by 2 x the bound")] and worst[1:] == (0, 0, 1)
+    assert worst[0] == pytest.approx(2.0, rel=1e-5)
+    vals[0, 2, 1] = 1.0
+    picks[0, 4, 0] = -1  # a step whose picks were not seen: that lane falls back on the margins' rule
+    g.tensors["choice_margin"] = np.array([[5.0, 0.5, 5.0]], np.float32)
+    judged, _, flips, _ = judged_steps(g, B, S, (picks, vals), bounds)
+    assert judged.tolist() == [[True, False, False]] and not flips
+
+
 @pytest.mark.parametrize("source, preset", [(None, "tiny"), (None, "tiny-pro"), (DOC_EXAMPLE, "tiny")],
                          ids=["tiny", "tiny-pro", "tiny-doc"])
 def test_a_clean_bf16_artifact_passes_its_own_check(tmp_path, monkeypatch, source, preset):
     """bf16 (hf numerics: the cpu target's only bf16 mode) with chunked prefill over two buckets. Without the
-    choice margins tiny failed its own check (0.229 against 0.109: a router / indexer pick flipped by rounding)."""
+    choice margins tiny failed its own check (0.229 against 0.109: a router / indexer pick flipped by rounding).
+    The device's own router picks and scores (cpu device) decide which rows a near tie excuses: about half the
+    rows are judged (before: none, every lane had a near tie at step 0), and a forged weight that the margins'
+    rule let pass (its rows all excused) fails by the router scores or an expert swapped clear of its tie."""
     from v4compile.runtime import self_check as sc
 
     monkeypatch.setattr(golden, "CANDIDATES", 1)  # bf16 on random weights: no candidate is free of near ties
@@ -87,9 +140,25 @@ def test_a_clean_bf16_artifact_passes_its_own_check(tmp_path, monkeypatch, sourc
     f = json.loads((art / "golden/golden.json").read_text())
     assert f["dtype"] == "bf16" and f["choices"]["candidates"] == 1 and "smallest_margin" in f["choices"]
     logits = next(c for c in r.checks if c.name == "logits")
-    assert "largest error there" in logits.note or logits.note.endswith(" rows")
-    # the broken variant: every row judged as if no choice were a near tie; tiny's flipped pick then fails
+    choices = next(c for c in r.checks if c.name == "choices")
+    judged = int(re.match(r"(\d+) of 32 rows", logits.note).group(1))
+    assert judged >= 15 and choices.measured and choices.passed and 0 < choices.error < 0.5, r.lines()
+    if preset == "tiny" and source is None:  # its real flip: the rows it reaches are excluded, not judged
+        assert float(logits.note.rsplit("largest error there ", 1)[1].rstrip(")")) > r.tolerance
+    # a planted fault: one block of a weight doubled, hashes recomputed; the device's choices catch it
+    from test_self_check import _forged
+
+    forged = v4compile.load(_forged(art, tmp_path / "f"), device="cpu", threads=1)
+    bad = forged.self_check()
+    # named at the forged layer 2 or, at an earlier position, a layer after it
+    assert not bad.passed and bad.first_layer in (2, 3) and "router departs" in bad.reason, bad.lines()
+    # broken variants: a check that ignores the device's choices passes the forged weight (every row excused) ...
+    with monkeypatch.context() as mp:
+        mp.setattr(sc.ChoiceReader, "attach", classmethod(lambda cls, s, g: None))
+        assert forged.self_check().passed
+    # ... and one that judges every row as if no choice were a near tie fails tiny's clean flipped pick
     if preset == "tiny" and source is None:
-        monkeypatch.setattr(sc, "judged_steps", lambda g, B, S: (np.ones((B, S), bool), ""))
+        monkeypatch.setattr(sc, "judged_steps", lambda g, B, S, dev=None, bounds=None:
+                            (np.ones((B, S), bool), "", [], (0.0, None, None, None)))
         bad = sess.self_check()
         assert not bad.passed and bad.max_error > bad.tolerance
