@@ -370,12 +370,16 @@ class Session:
             return self._extend_cached(s, ids, run)
         last = None
         while ids:
-            fname, inputs, n = self.prefill_chunk(s, ids)
-            last = (run(s, fname, inputs, n, ids) if run is not None
-                    else self._run(fname, [(s.replica, inputs)])[s.replica][0])
-            s.length += n
-            ids = ids[n:]
+            last, ids = self._prefill_step(s, ids, run)
         return last
+
+    def _prefill_step(self, s: SeqState, ids: list[int], run=None) -> tuple[np.ndarray, list[int]]:
+        """One prefill chunk of `ids` into `s` (`run`: as `prefill_into`'s): its last logits `[V]`, the ids left."""
+        fname, inputs, n = self.prefill_chunk(s, ids)
+        last = (run(s, fname, inputs, n, ids) if run is not None
+                else self._run(fname, [(s.replica, inputs)])[s.replica][0])
+        s.length += n
+        return last, ids[n:]
 
     # ---- prefix cache ----------------------------------------------------------------------------
     def _extend_cached(self, s: SeqState, prompt: list[int], run=None) -> np.ndarray:
@@ -400,11 +404,7 @@ class Session:
             s.length = s.cached = P
         ids, last, chain = prompt[s.length:], None, True
         while ids:
-            fname, inputs, n = self.prefill_chunk(s, ids)
-            last = (run(s, fname, inputs, n, ids) if run is not None
-                    else self._run(fname, [(s.replica, inputs)])[s.replica][0])
-            s.length += n
-            ids = ids[n:]
+            last, ids = self._prefill_step(s, ids, run)
             if s.length % g == 0 and chain and s.length + look <= len(prompt):
                 # a piece is kept only under its parent, still cached (evictions under pool pressure)
                 chain = parent is None or cache.entries.get(parent.key) is parent

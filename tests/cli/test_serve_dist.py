@@ -114,6 +114,17 @@ class Ranks:
         self.kill()
         return codes
 
+    def terminate(self) -> list[str]:
+        """SIGTERM to every rank (what torchrun forwards): each must exit 0 with no traceback and no error line
+        (asserted); every rank's stderr."""
+        for p in self.procs:
+            p.send_signal(signal.SIGTERM)
+        codes = self.wait()
+        errs = [self.err(r) for r in range(len(self.procs))]
+        assert codes == [0] * len(self.procs), errs
+        assert not any("Traceback" in e or "error:" in e for e in errs), errs
+        return errs
+
     def kill(self) -> None:
         for p in self.procs:
             if p.poll() is None:
@@ -162,14 +173,9 @@ def test_cpu_ranks_serve_the_single_process_texts_and_sigterm_exits_0(arts, want
         assert h["status"] == "ok" and h["free_slots"] == 8 and h["finished"] == {"length": len(NAMES)}, h
         time.sleep(IDLE_PAST_S)  # idle past the collectives' timeout: the idle ticks keep rank 1's waits short
         assert streamed(ranks.url, 2) == want[:2]
-        for p in ranks.procs:
-            p.send_signal(signal.SIGTERM)
-        codes = ranks.wait()
+        errs = ranks.terminate()
     finally:
         ranks.kill()
-    errs = [ranks.err(0), ranks.err(1)]
-    assert codes == [0, 0], errs
-    assert not any("Traceback" in e or "error:" in e for e in errs), errs
     assert "serving" not in errs[1] and "stepping with rank 0" in errs[1]
 
 
@@ -235,11 +241,6 @@ def test_cpu_ranks_serve_a_dp_artifact_over_both_replicas(arts, want, tmp_path):
         assert streamed(ranks.url, 2, model="dp2") == want[:2], "served by 2 replicas: not the single-process texts"
         h = httpx.get(ranks.url + "/health", timeout=30).json()
         assert h["replicas_placed"] == [1, 1] and h["finished"] == {"length": 2}, h
-        for p in ranks.procs:
-            p.send_signal(signal.SIGTERM)
-        codes = ranks.wait()
+        ranks.terminate()
     finally:
         ranks.kill()
-    errs = [ranks.err(0), ranks.err(1)]
-    assert codes == [0, 0], errs
-    assert not any("Traceback" in e or "error:" in e for e in errs), errs

@@ -197,6 +197,21 @@ def test_unpatched_recursive_reads_are_caught(doc, monkeypatch):
     assert seen != theirs
 
 
+def _one_step_inputs(s, prompts, want):
+    """Both prompts prefilled plainly into `s`, and the batch-2 verify inputs of one step with 3 drafts each
+    (sequence 0's all right, sequence 1's second wrong): (sequences, drafts, step inputs)."""
+    seqs = [s.open() for _ in prompts]
+    for q, p in zip(seqs, prompts):
+        s.extend(q, p)
+    drafts = [want[0][1:4], [want[1][1], (want[1][2] + 1) % 512, want[1][3]]]
+    ids = np.array([[w[0]] + d for w, d in zip(want, drafts)], dtype=np.int64)
+    pos = np.array([np.arange(q.length, q.length + 4) for q in seqs], dtype=np.int64)
+    for q in seqs:
+        s.reserve(q, q.length + 3)
+    table, slot = s.table(seqs, 2)
+    return seqs, drafts, {"ids": ids, "pos": pos, "block_table": table, "slot": slot}
+
+
 def held_steps(art, prompts, want) -> dict[str, dict]:
     """`one_step`'s fused step (sequence 1's second draft wrong) three ways from the same pool, in one session:
     its writes held and stored but the rejected positions' rows (`rejected_rows`), held and all stored, and
@@ -206,16 +221,7 @@ def held_steps(art, prompts, want) -> dict[str, dict]:
 
     s = session(art)
     try:
-        seqs = [s.open() for _ in prompts]
-        for q, p in zip(seqs, prompts):
-            s.extend(q, p)
-        drafts = [want[0][1:4], [want[1][1], (want[1][2] + 1) % 512, want[1][3]]]
-        ids = np.array([[w[0]] + d for w, d in zip(want, drafts)], dtype=np.int64)
-        pos = np.array([np.arange(q.length, q.length + 4) for q in seqs], dtype=np.int64)
-        for q in seqs:
-            s.reserve(q, q.length + 3)
-        table, slot = s.table(seqs, 2)
-        inputs = {"ids": ids, "pos": pos, "block_table": table, "slot": slot}
+        seqs, _, inputs = _one_step_inputs(s, prompts, want)
         fused = rs.CompiledDraft(s).fused(2)
         # sequence 0 keeps all 4 lanes, sequence 1 two (one draft accepted): positions L1 + 2, L1 + 3 rejected
         first, last = seqs[1].length + 2, seqs[1].length + 3
@@ -312,16 +318,7 @@ def one_step(art, prompts, want, fused: bool):
 
     s = session(art)
     try:
-        seqs = [s.open() for _ in prompts]
-        for q, p in zip(seqs, prompts):
-            s.extend(q, p)
-        drafts = [want[0][1:4], [want[1][1], (want[1][2] + 1) % 512, want[1][3]]]
-        ids = np.array([[w[0]] + d for w, d in zip(want, drafts)], dtype=np.int64)
-        pos = np.array([np.arange(q.length, q.length + 4) for q in seqs], dtype=np.int64)
-        for q in seqs:
-            s.reserve(q, q.length + 3)
-        table, slot = s.table(seqs, 2)
-        inputs = {"ids": ids, "pos": pos, "block_table": table, "slot": slot}
+        seqs, drafts, inputs = _one_step_inputs(s, prompts, want)
         mtp = rs.CompiledDraft(s)
         if fused:
             r = s.backend.run_outputs(mtp.fused(2), inputs)
@@ -329,7 +326,7 @@ def one_step(art, prompts, want, fused: bool):
                    "draft.streams": r["draft.streams"]}
         else:
             r = s.backend.run_outputs("verify_b2", inputs)
-            kept, nxt = pos.copy(), np.zeros_like(ids)
+            kept, nxt = inputs["pos"].copy(), np.zeros_like(inputs["ids"])
             for b, d in enumerate(drafts):
                 a, tok = accept(d, r["logits"][b], None, None, 0.0)
                 kept[b, a + 1:] = -1

@@ -119,31 +119,24 @@ class StreamedWeights(Mapping):
         return sum(t.numel() * t.element_size() for d in (self.rest, self.current) for t in d.values())
 
 
+def _param_key(name: str) -> str:
+    """A canonical checkpoint name as `build_weights` keys it (a routed expert's weight: its stack's name)."""
+    if ".ffn.experts." in name:
+        prefix, rest = name.split("ffn.experts.")
+        return experts_name(prefix, rest.split(".")[1])
+    return name
+
+
 def _param_names(cfg: V4Config) -> list[str]:
     """`build_weights`' keys without building anything (routed experts as their stacks)."""
-    out = set()
-    for name in spec_table(cfg, include_mtp=False):
-        if ".ffn.experts." in name:
-            prefix, rest = name.split("ffn.experts.")
-            out.add(experts_name(prefix, rest.split(".")[1]))
-        else:
-            out.add(name)
-    return sorted(out)
+    return sorted({_param_key(name) for name in spec_table(cfg, include_mtp=False)})
 
 
 def quantized_params(formats: dict[str, str]) -> frozenset[str]:
     """Parameter names (as `build_weights` keys them: routed experts stacked) of the weights stored in
     FP8 / FP4, from canonical name -> stored format."""
-    out = set()
-    for name, fmt in formats.items():
-        if fmt not in ("fp8", "fp4") or not name.endswith(".weight"):
-            continue
-        if ".ffn.experts." in name:
-            prefix, rest = name.split("ffn.experts.")
-            out.add(experts_name(prefix, rest.split(".")[1]))
-        else:
-            out.add(name)
-    return frozenset(out)
+    return frozenset(_param_key(name) for name, fmt in formats.items()
+                     if fmt in ("fp8", "fp4") and name.endswith(".weight"))
 
 
 class ReferenceModel:
