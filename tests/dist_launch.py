@@ -23,6 +23,29 @@ def print_ready() -> None:
     print(f"{READY} {time.time():.3f}", file=sys.stderr, flush=True)
 
 
+def run_rank(body) -> int:
+    """One rank's life under torchrun's environment: joins the gloo group (its timeout the runtime's), runs
+    `body(rank)`, and leaves the group however it ends. A V4Error prints one `error:` line: exit status 2, as the
+    CLI's; anything else is the test's bug and raises."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from v4compile.errors import V4Error
+    from v4compile.runtime.distributed import timeout_from_env
+
+    try:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_from_env()))
+        body(int(os.environ["RANK"]))
+        return 0
+    except V4Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def since_ready(errs: list[str], end: float) -> float:
     """Seconds from the last rank's ready line (each of `errs`, the ranks' stderr, must hold exactly one) to
     `end` (a `time.time()`)."""

@@ -22,7 +22,6 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -30,30 +29,23 @@ import numpy as np
 
 def main(out: Path, prompts_file: Path, art: str) -> int:
     import onnxruntime  # noqa: F401 (imported by the load: before the ready line)
-    import torch.distributed as dist
+    import torch.distributed  # noqa: F401
 
     import v4compile.runtime.cpu_backend  # noqa: F401
-    from dist_launch import print_ready
-    from v4compile.errors import V4Error
-    from v4compile.runtime.distributed import timeout_from_env
+    import v4compile.runtime.distributed  # noqa: F401
+    from dist_launch import print_ready, run_rank
 
     print_ready()
     spec = json.loads(prompts_file.read_text())
-    rank = int(os.environ["RANK"])
-    try:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_from_env()))
+
+    def body(rank: int) -> None:
         for device in os.environ.get("V4_TEST_DEVICES", "cpu").split(","):
             if device == "die":
                 print(f"{DIE_START} {time.time():.3f}", file=sys.stderr, flush=True)
             np.savez(out / f"{device}-rank-{rank}.npz",
                      **generate(spec["spec_art"] if device == "spec" else art, device, spec, rank))
-        return 0
-    except V4Error as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+    return run_rank(body)
 
 
 DIE_START = "v4-test-die-start"

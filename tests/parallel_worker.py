@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -27,12 +26,11 @@ import numpy as np
 
 def main(out: Path, prompts_file: Path, arts: list[str]) -> int:
     import onnxruntime  # noqa: F401 (imported by the load: before the ready line)
-    import torch.distributed as dist
+    import torch.distributed  # noqa: F401
 
     import v4compile
     import v4compile.runtime.cpu_backend  # noqa: F401
-    from dist_launch import print_ready
-    from v4compile.errors import V4Error
+    from dist_launch import print_ready, run_rank
     from v4compile.runtime.distributed import timeout_from_env
 
     print_ready()
@@ -43,14 +41,13 @@ def main(out: Path, prompts_file: Path, arts: list[str]) -> int:
         Artifact.weights = lambda self, rank=0: by_global(self, int(os.environ["LOCAL_RANK"]))
 
     spec = json.loads(prompts_file.read_text())
-    rank = int(os.environ["RANK"])
     die_at = int(os.environ.get("V4_TEST_DIE_AT", "0"))
     device = os.environ.get("V4_TEST_DEVICE", "cpu")
     # host: the ops' references (fast; see the test), or V4_TEST_KERNELS=auto: the Triton kernels, interpreted
     kw = {"kernels": os.environ.get("V4_TEST_KERNELS", "reference")} if device == "host" else {}
-    res = {}
-    try:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_from_env()))
+
+    def body(rank: int) -> None:
+        res = {}
         for i, art in enumerate(arts):
             sess = v4compile.load(art, device=device, threads=1, **kw)  # ranks share the cores
             steps, run = [], sess.backend.run
@@ -78,14 +75,8 @@ def main(out: Path, prompts_file: Path, arts: list[str]) -> int:
             got = nccl_check(arts[0], Ranks(ParallelLayout(p["tp"], p["ep"]), owns=False, timeout_s=timeout_from_env()),
                              driver, nccl, 3)
             (out / f"nccl-{rank}.json").write_text(json.dumps(got))
-        return 0
-    except V4Error as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
+    return run_rank(body)
 
 if __name__ == "__main__":
     sys.exit(main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]))
