@@ -24,6 +24,19 @@ def _groups(per_rank: list, group: int, op: str) -> list[list[int]]:
     return [list(range(g, g + group)) for g in range(0, n, group)]
 
 
+def _rank_sum(per_rank: list, ranks: list[int]) -> torch.Tensor:
+    """The group's values added in rank order, in their dtype (every summing collective's order)."""
+    total = per_rank[ranks[0]][0].clone()
+    for r in ranks[1:]:
+        total += per_rank[r][0]
+    return total
+
+
+def _require_group(op: str, group: int, tp: int = 1) -> None:
+    require(group >= 1, f"{op}: group must be >= 1", found=group)
+    require(tp >= 1 and group % tp == 0, f"{op}: tp must divide the group", found=(group, tp))
+
+
 def _one_rank(op: str, group: int) -> None:
     if group != 1:
         raise IRError(f"{op} over {group} ranks needs every rank's value", expected="interpret_ranks (all ranks)")
@@ -38,7 +51,7 @@ def all_reduce(x, *, group):
 
 @all_reduce.infer
 def _(x, *, group):
-    require(group >= 1, "all_reduce: group must be >= 1", found=group)
+    _require_group("all_reduce", group)
     require(x.dtype in ("fp32", "bf16"), "all_reduce sums floating-point values", found=x.dtype)
     return x
 
@@ -47,9 +60,7 @@ def _(x, *, group):
 def _(per_rank, attrs):
     out: list = [None] * len(per_rank)
     for ranks in _groups(per_rank, attrs["group"], "all_reduce"):
-        total = per_rank[ranks[0]][0].clone()
-        for r in ranks[1:]:
-            total += per_rank[r][0]
+        total = _rank_sum(per_rank, ranks)
         for r in ranks:
             out[r] = [total.clone()]
     return out
@@ -72,7 +83,7 @@ def all_gather(x, *, group):
 
 @all_gather.infer
 def _(x, *, group):
-    require(group >= 1, "all_gather: group must be >= 1", found=group)
+    _require_group("all_gather", group)
     require(x.rank >= 1, "all_gather needs at least one axis", found=x)
     return x.with_shape(*x.shape[:-1], x.shape[-1] * group)
 
@@ -138,8 +149,7 @@ def all_gather_rows(x, *, group, tp=1):
 
 @all_gather_rows.infer
 def _(x, *, group, tp=1):
-    require(group >= 1, "all_gather_rows: group must be >= 1", found=group)
-    require(tp >= 1 and group % tp == 0, "all_gather_rows: tp must divide the group", found=(group, tp))
+    _require_group("all_gather_rows", group, tp)
     require(x.rank >= 1, "all_gather_rows needs at least one axis", found=x)
     return x.with_shape(x.shape[0] * group // tp, *x.shape[1:])
 
@@ -173,8 +183,7 @@ def reduce_scatter_rows(x, *, group, tp=1):
 
 @reduce_scatter_rows.infer
 def _(x, *, group, tp=1):
-    require(group >= 1, "reduce_scatter_rows: group must be >= 1", found=group)
-    require(tp >= 1 and group % tp == 0, "reduce_scatter_rows: tp must divide the group", found=(group, tp))
+    _require_group("reduce_scatter_rows", group, tp)
     require(x.dtype in ("fp32", "bf16"), "reduce_scatter_rows sums floating-point values", found=x.dtype)
     parts = group // tp
     require(x.rank >= 1 and x.shape[0] % parts == 0, "reduce_scatter_rows: the first axis must split into "
@@ -187,10 +196,7 @@ def _(per_rank, attrs):
     out: list = [None] * len(per_rank)
     tp = attrs.get("tp", 1)
     for ranks in _groups(per_rank, attrs["group"], "reduce_scatter_rows"):
-        total = per_rank[ranks[0]][0].clone()
-        for r in ranks[1:]:
-            total += per_rank[r][0]
-        parts = total.chunk(len(_replica_ranks(ranks, tp, "reduce_scatter_rows")), dim=0)
+        parts = _rank_sum(per_rank, ranks).chunk(len(_replica_ranks(ranks, tp, "reduce_scatter_rows")), dim=0)
         for k, r in enumerate(ranks):
             out[r] = [parts[k // tp].clone()]
     return out
