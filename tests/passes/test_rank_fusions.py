@@ -188,3 +188,64 @@ def test_a_fusion_skipping_dp_modules_is_caught(monkeypatch, fusion):
     monkeypatch.setattr(mod, "_fuse_ep" if fusion == "fuse_moe_router" else "_fold_add", lambda *a: None)
     with pytest.raises(AssertionError):
         check_dp_fusions(PassManager(GPU_PIPELINE, PipelineOptions()).run(dp_partitioned()))
+
+
+# ---- data parallel: the seam before the MoE as the last phase of the attention's tail -------------------
+
+PROGRAM_STAGE = GPU_PIPELINE[:GPU_PIPELINE.index("plan_memory")]  # every fusion; the IR interpreter runs it
+
+
+def dp_through_the_pipeline(numerics: str = "official"):
+    from test_partition_dp import dp_module
+    return PassManager(PROGRAM_STAGE, PipelineOptions()).run(dp_module(numerics)).module
+
+
+def dp_logits(m) -> list:
+    """Prefill and one decode step of test_partition_dp's scenario (one sequence a replica), both ranks."""
+    from test_partition_dp import check_for
+    from v4compile.harness import ir_logits
+    check = check_for("official")
+    return ir_logits(check.runner(m), check.scenario)
+
+
+def unfolded(monkeypatch):
+    from v4compile.passes import fuse_out_proj
+    with monkeypatch.context() as mp:
+        mp.setattr(fuse_out_proj, "_fold_seam", lambda fn: (fn, 0))
+        return dp_through_the_pipeline()
+
+
+@functools.cache
+def folded_logits():
+    return dp_logits(dp_through_the_pipeline())
+
+
+def test_the_dp_seam_folds_into_the_attention_tail_exactly(monkeypatch):
+    """Data parallel decode: the seam before the MoE (its input gathered first) runs as the attention tail
+    launch's last phase, one launch a layer fewer (layer 0's seams stay apart); prefill and a decode step of
+    both ranks give the logits of the module without the fold to the bit."""
+    cfg = preset(NAME)
+    after = dp_through_the_pipeline()
+    ops = [op.name for op in after.functions["decode"].ops]
+    assert ops.count("sparse_attention_out_proj_mhc") == cfg.n_layers - 1 and "mhc_post_pre" not in ops
+    before = unfolded(monkeypatch)
+    assert [op.name for op in before.functions["decode"].ops].count("mhc_post_pre") == cfg.n_layers - 1
+    calls, calls_before = kernel_calls_per_layer(after), kernel_calls_per_layer(before)
+    assert all(calls[n] == calls_before[n] - 1 for n in range(1, cfg.n_layers)), (calls, calls_before)
+    want, got = dp_logits(before), folded_logits()
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_a_seam_folded_with_another_attribute_is_caught(monkeypatch):
+    """The fused op's seam run with one Sinkhorn iteration fewer (an attribute lost in the fold): its logits
+    differ from the unfolded module's."""
+    from v4compile.ops import attn_tail
+    keep = attn_tail._split_seam
+
+    def wrong(operands, attrs):
+        a_ops, a_attrs, s_ops, s_attrs = keep(operands, attrs)
+        return a_ops, a_attrs, s_ops, {**s_attrs, "iters": s_attrs["iters"] - 1}
+    want = folded_logits()
+    monkeypatch.setattr(attn_tail, "_split_seam", wrong)
+    got = dp_logits(dp_through_the_pipeline())
+    assert not all(torch.equal(a, b) for a, b in zip(want, got))
