@@ -201,6 +201,23 @@ WO_B_DONE = tl.constexpr(4)
 SEAM_COUNTERS = tl.constexpr(8)
 
 
+@triton.jit(noinline=True)
+def _seam_phase(tb, y_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, norm_ptr, so_ptr, yo_ptr, posto_ptr,
+                combo_ptr, M: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+                NM: tl.constexpr, EPS: tl.constexpr, HC_EPS: tl.constexpr, ITERS: tl.constexpr,
+                NORM_EPS: tl.constexpr, Y_S: tl.constexpr, S_S: tl.constexpr, S_SN: tl.constexpr, SO_S: tl.constexpr,
+                SO_SN: tl.constexpr, YO_S: tl.constexpr, DT: tl.constexpr):
+    """The `mhc_post_pre` launch's program for token block tb, as a function of its own: inlined beside the
+    attention's and the GEMMs' tiles it made sm_90a spill (132 B at V4-Pro); called, its registers are
+    allocated apart (`flags.CALLS_PARAM`; gfx950 runs the inlined copy, which spills nothing there)."""
+    mhc_rows(tb, y_ptr, None, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, norm_ptr, so_ptr, yo_ptr, posto_ptr,
+             combo_ptr, M, N, D, BD, BT, True, "pre", True, NM, EPS, HC_EPS, ITERS, NORM_EPS, Y_S, S_S, S_SN, SO_S,
+             SO_SN, YO_S, DT)
+
+
+_seam_phase_inlined = triton.jit(_seam_phase.fn)
+
+
 @triton.jit
 def attn_out_proj_mhc_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indices, comp_indptr, comp_indices,
                              p0, p1, p2, c0, c1, c2, sa_part_ptr, o_ptr, w_ptr, s_ptr, z_ptr, wb_ptr, sb_ptr, y_ptr,
@@ -234,7 +251,7 @@ def attn_out_proj_mhc_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_i
                              H_YO_S: tl.constexpr, H_DT: tl.constexpr,
                              PS: tl.constexpr, HB: tl.constexpr, PA: tl.constexpr, PB: tl.constexpr, PH: tl.constexpr,
                              SEM_A: tl.constexpr, PART_B: tl.constexpr, SEM_B: tl.constexpr,
-                             PDL: tl.constexpr = False):
+                             PDL: tl.constexpr = False, CALLS: tl.constexpr = True):
     """`attn_out_proj_kernel`'s three phases (wo_b's output y to scratch; its programs publish), then PH token
     blocks of the seam after it (`mhc.mhc_rows`, the `mhc_post_pre` launch's program: hc_post on y, the
     next hc_pre and its RMSNorm), each once every wo_b program has published (the split tiles reduced)."""
@@ -264,9 +281,15 @@ def attn_out_proj_mhc_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_i
         publish(phase_ptr + WO_B_DONE)
     else:
         wait_for(phase_ptr + WO_B_DONE, PB)  # every column of y (split tiles reduced by their last program)
-        mhc_rows(v - PS - PA - PB, y_ptr, None, h_s_ptr, h_post_ptr, h_comb_ptr, h_fn_ptr, h_base_ptr, h_scale_ptr,
-                 h_norm_ptr, h_so_ptr, h_yo_ptr, h_posto_ptr, h_combo_ptr, H_M, H_N, H_D, H_BD, H_BT, True, "pre", True,
-                 H_NM, H_EPS, H_HC_EPS, H_ITERS, H_NORM_EPS, H_Y_S, H_S_S, H_S_SN, H_SO_S, H_SO_SN, H_YO_S, H_DT)
+        if CALLS:
+            _seam_phase(v - PS - PA - PB, y_ptr, h_s_ptr, h_post_ptr, h_comb_ptr, h_fn_ptr, h_base_ptr, h_scale_ptr,
+                        h_norm_ptr, h_so_ptr, h_yo_ptr, h_posto_ptr, h_combo_ptr, H_M, H_N, H_D, H_BD, H_BT, H_NM, H_EPS,
+                        H_HC_EPS, H_ITERS, H_NORM_EPS, H_Y_S, H_S_S, H_S_SN, H_SO_S, H_SO_SN, H_YO_S, H_DT)
+        else:
+            _seam_phase_inlined(v - PS - PA - PB, y_ptr, h_s_ptr, h_post_ptr, h_comb_ptr, h_fn_ptr, h_base_ptr,
+                                h_scale_ptr, h_norm_ptr, h_so_ptr, h_yo_ptr, h_posto_ptr, h_combo_ptr, H_M, H_N, H_D,
+                                H_BD, H_BT, H_NM, H_EPS, H_HC_EPS, H_ITERS, H_NORM_EPS, H_Y_S, H_S_S, H_S_SN, H_SO_S,
+                                H_SO_SN, H_YO_S, H_DT)
     if last_to_arrive(phase_ptr + FINISHED, PS + PA + PB + PH):  # every program is past its wait
         tl.store(phase_ptr + tl.arange(0, SEAM_COUNTERS), 0)
 

@@ -278,7 +278,7 @@ def test_attention_tail_with_its_seam_equals_the_launches_apart(case, monkeypatc
 
 SEAM_BROKEN = {
     # the seam reads wo_a's output (scratch z) instead of wo_b's
-    "seam input": ("mhc_rows(v - PS - PA - PB, y_ptr,", "mhc_rows(v - PS - PA - PB, z_ptr,", AssertionError),
+    "seam input": ("_seam_phase(v - PS - PA - PB, y_ptr,", "_seam_phase(v - PS - PA - PB, z_ptr,", AssertionError),
     # the seam's counter is never reset (only the tail's four slots): the next call would not wait
     "seam counter kept": ("tl.store(phase_ptr + tl.arange(0, SEAM_COUNTERS), 0)",
                           "tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)", kernels.CodegenError),
@@ -305,7 +305,8 @@ def test_the_seam_waits_for_every_wo_b_program():
     src = inspect.getsource(out_proj.attn_out_proj_mhc_kernel.fn)
     at = src.index
     assert at("_grid_program(v - PS - PA, z_ptr") < at("publish(phase_ptr + WO_B_DONE)") \
-        < at("wait_for(phase_ptr + WO_B_DONE, PB)") < at("mhc_rows(v - PS - PA - PB, y_ptr")
+        < at("wait_for(phase_ptr + WO_B_DONE, PB)") < at("_seam_phase(v - PS - PA - PB, y_ptr") \
+        < at("_seam_phase_inlined(v - PS - PA - PB, y_ptr")
     assert at("wait_for(phase_ptr + ATTN_DONE, PS)") < at("wait_for(phase_ptr + WO_A_DONE, PA)") \
         < at("last_to_arrive(phase_ptr + FINISHED, PS + PA + PB + PH)")
 
