@@ -268,7 +268,7 @@ def test_attention_tail_with_its_seam_equals_the_launches_apart(case, monkeypatc
     outs, want, calls = seam_fused(args, attrs)
     assert [c.kernel_name for c in calls] == ["attn_out_proj_mhc_kernel"]
     ce = calls[0].constexprs
-    assert ce["NS"] > 1 and ce["PH"] == 1 and calls[0].grid[0] == ce["PS"] + ce["PA"] + ce["PB"]
+    assert ce["NS"] > 1 and ce["PH"] == 1 and calls[0].grid[0] == ce["PS"] + ce["PA"] + ce["PB"] + ce["PH"]
     apart_ = seam_apart(args, attrs)
     for n, w in zip(SEAM_RESULTS, want):
         assert torch.equal(outs[n], apart_[n]), f"{n}: the fused launch differs from the launches apart"
@@ -278,9 +278,7 @@ def test_attention_tail_with_its_seam_equals_the_launches_apart(case, monkeypatc
 
 SEAM_BROKEN = {
     # the seam reads wo_a's output (scratch z) instead of wo_b's
-    "seam input": ("_seam_phase(tb, y_ptr,", "_seam_phase(tb, z_ptr,", AssertionError),
-    # the seam run by the first wo_b program instead of the last: it reads y before the other tiles are stored
-    "seam too early": ("if last_to_arrive(phase_ptr + WO_B_DONE, PB):", "if v == PS + PA:", AssertionError),
+    "seam input": ("_seam_phase(v - PS - PA - PB, y_ptr,", "_seam_phase(v - PS - PA - PB, z_ptr,", AssertionError),
     # the seam's counter is never reset (only the tail's four slots): the next call would not wait
     "seam counter kept": ("tl.store(phase_ptr + tl.arange(0, SEAM_COUNTERS), 0)",
                           "tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)", kernels.CodegenError),
@@ -300,18 +298,17 @@ def test_broken_attention_tail_with_its_seam_is_caught(fault, monkeypatch, tmp_p
             kc.assert_matches(outs[n], w, f"{fault} {n}")
 
 
-def test_the_seam_runs_after_every_wo_b_program():
-    """On the source: the seam runs in the last wo_b program to arrive, after its GEMM (a split tile's
-    reduction included), so after every program's store of y; the counters are reset by the last program
-    only (the interpreter runs programs in order: a seam run too early is caught above only because the
-    first wo_b program runs before the others)."""
+def test_the_seam_waits_for_every_wo_b_program():
+    """On the source, as above: wo_b's programs publish after their GEMM (a split tile's reduction included),
+    the seam's wait for all PB of them before reading y; the counters are reset by the last program only."""
     import inspect
     src = inspect.getsource(out_proj.attn_out_proj_mhc_kernel.fn)
     at = src.index
-    assert at("_grid_program(v - PS - PA, z_ptr") < at("if last_to_arrive(phase_ptr + WO_B_DONE, PB):") \
-        < at("_seam_phase(tb, y_ptr") < at("_seam_phase_inlined(tb, y_ptr") \
-        < at("last_to_arrive(phase_ptr + FINISHED, PS + PA + PB)")
-    assert at("wait_for(phase_ptr + ATTN_DONE, PS)") < at("wait_for(phase_ptr + WO_A_DONE, PA)")
+    assert at("_grid_program(v - PS - PA, z_ptr") < at("publish(phase_ptr + WO_B_DONE)") \
+        < at("wait_for(phase_ptr + WO_B_DONE, PB)") < at("_seam_phase(v - PS - PA - PB, y_ptr") \
+        < at("_seam_phase_inlined(v - PS - PA - PB, y_ptr")
+    assert at("wait_for(phase_ptr + ATTN_DONE, PS)") < at("wait_for(phase_ptr + WO_A_DONE, PA)") \
+        < at("last_to_arrive(phase_ptr + FINISHED, PS + PA + PB + PH)")
 
 
 # ---- AOT: V4-Pro's decode specialisation compiles for both targets, matrix instructions, no spills
