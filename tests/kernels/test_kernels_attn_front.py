@@ -209,7 +209,7 @@ def seam_apart(args, attrs):
     return {"streams_out": s, "post_next": p, "comb_next": c, **{("y_front" if n == "y" else n): v for n, v in front.items()}}
 
 
-@pytest.mark.parametrize("name", ["official-view", "fp32-one-linear"])
+@pytest.mark.parametrize("name", ["official-view"])  # V4's numerics; the broken variants run the one-linear case
 def test_seam_then_front_equals_the_launches_apart(name):
     """One launch (the seam's token blocks, then the pair and the norm GEMM), each result bit-identical to the
     seam's launch and the front's two apart; fp32 also within kernel_check.assert_matches of the reference."""

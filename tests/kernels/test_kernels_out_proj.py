@@ -256,12 +256,12 @@ def seam_apart(args, attrs):
     return outs
 
 
-@pytest.mark.parametrize("case", [("native", "fp32", "float", "native"), ("fp8", "bf16", "fp8", "fp8")],
-                         ids=["fp32-native", "bf16-fp8-official"])
+@pytest.mark.parametrize("case", [("fp8", "bf16", "fp8", "fp8")], ids=["bf16-fp8-official"])
 def test_attention_tail_with_its_seam_equals_the_launches_apart(case, monkeypatch):
     """One launch (split-KV attention, wo_a, wo_b, then the seam on wo_b's output in scratch), each result
-    bit-identical to the four launches apart; fp32 also within kernel_check.assert_matches of the op's
-    reference (bf16: the launches apart are the authority, each checked against its reference in its test)."""
+    bit-identical to the four launches apart (V4-Pro's numerics: the launches apart are the authority, each
+    checked against its reference in its own test; fp32 cases within kernel_check.assert_matches of the
+    op's reference)."""
     from v4compile.codegen.kernels import sparse_attention as sa
     monkeypatch.setattr(sa, "MIN_SPLIT_ROWS", 16)
     args, attrs = seam_case(*case)
