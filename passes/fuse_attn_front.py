@@ -14,6 +14,13 @@ the norm GEMM reads, the first GEMMs' layer tag, roles joined), its results thei
 Its kernel runs the norm GEMM as the phase after the programs that write y<src>
 (`codegen/kernels/attn_front.py`). Numerics bit-identical (the
 reference is the composition). Both functions (prefill's launch is the same kernel).
+Partitioned modules (`--ep`, `--tp`, `--dp`): the seam after the MoE reads the collective's output
+(`mhc_post_pre_add`, from `fuse_moe_mhc`), so no MoE launch can take it; where the x it returns has one user,
+the next attention's `pair_norm_linear`, the two become one `mhc_add_pair_norm_linear` in the front's place (the
+seam's operands, its fn / base / scale / norm and attributes as `in_*`, then the front's), its results the
+seam's streams / post / comb and the front's (names kept); x never leaves the op, whose kernel runs the seam as
+the launch's first phase. Numerics bit-identical (the reference is the composition). Hits `<func>.seam`, a key
+present only where it fired (single-device modules keep their hits as they were).
 Kept out of the cpu pipeline (`passes/pipeline.py`): ONNX Runtime runs graph nodes, not launches.
 Hits: `<func>.fused`.
 """
@@ -70,7 +77,34 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
         attrs.update(tags_of(pair, role=join_roles(pair, op)))
         rw.replace(pair, make_op(rw.namer, "pair_norm_linear", operands, attrs, pair.loc, [*pair.results, op.result]),
                    absorbed=[op])
-    return rw.done("fused")
+    fn, hits = rw.done("fused")
+    fn, seams = _fold_seam(fn)
+    return fn, {**hits, "seam": seams} if seams else hits
+
+
+def _fold_seam(fn: Function) -> tuple[Function, int]:
+    """The seam after a partitioned MoE and the next attention's front: one `mhc_add_pair_norm_linear`."""
+    from v4compile.ops.fused import MHC_ATTRS
+
+    rw = Rewrite(fn)
+    for front in fn.ops:
+        if front.name != "pair_norm_linear":
+            continue
+        seam = rw.producer(front.operand("x"), "mhc_post_pre_add", only_use=True)
+        if seam is None or seam.operand("norm") is None or front.operand("x") is not seam.out("y_next"):
+            continue
+        if not rw.can_fuse(front, [seam]):
+            continue
+        s_ops = operands_of(seam)
+        operands = {n: s_ops[n] for n in ("y", "y2", "streams", "post", "comb")}
+        operands.update({"in_" + n: s_ops[n] for n in ("fn", "base", "scale", "norm")})
+        operands.update({n: v for n, v in operands_of(front).items() if n != "x"})
+        attrs = {n: v for n, v in front.attrs.items() if n in get_op(front.name).attrs}
+        attrs.update({"in_" + n: seam.attrs[n] for n in MHC_ATTRS}, **tags_of(front, role=join_roles(seam, front)))
+        results = [seam.out("streams_out"), seam.out("post_next"), seam.out("comb_next"), *front.results]
+        rw.replace(front, make_op(rw.namer, "mhc_add_pair_norm_linear", operands, attrs, front.loc, results),
+                   absorbed=[seam])
+    return rw.done()[0], rw.count
 
 
 FuseAttnFront = function_pass("fuse_attn_front", fuse_function, after={

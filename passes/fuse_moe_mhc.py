@@ -12,7 +12,8 @@ Expert-parallel modules: the seam after `moe_router_experts_ep` (from `fuse_moe_
 `add(all_reduce(partial), shared)`; the add (its result used by the seam alone) folds into the seam, which
 becomes one `mhc_post_pre_add(reduced, shared, ...)` (results the seam's values; numerics bit-identical:
 the add rounds in the value's dtype first, as `add` did). The all-reduce stays a launch beside it. Likewise
-on data-parallel modules: `add(reduce_scatter_rows(partial), shared)` of a `moe_router_experts_dp`.
+on data-parallel modules: `add(reduce_scatter_rows(partial), shared)` of a `moe_router_experts_dp`. (The seam
+then becomes the first phase of the next attention's front launch: `fuse_attn_front`.)
 Kept out of the cpu pipeline (`passes/pipeline.py`): ONNX Runtime runs graph nodes, not launches.
 Hits: `<func>.fused`.
 """

@@ -161,6 +161,104 @@ def test_declared_rereads_are_made_by_the_kernel(monkeypatch):
                                            phases=((b0, r0), (b1, r1 + extra))), got)
 
 
+# ---- mhc_add_pair_norm_linear: the seam after a partitioned MoE as the launch's first phase ------------------
+
+SEAM_ATTRS = {"in_eps": 1e-6, "in_hc_eps": 1e-6, "in_iters": 3, "in_norm_eps": 1e-6}  # few Sinkhorn steps
+SEAM_RESULTS = ("streams_out", "post_next", "comb_next")
+
+
+def seam_case(name, N=4):
+    """`case` with x as the seam's output: the reduced routed sum y and the shared expert's y2, 4 streams of
+    x's width, post / comb and the seam's fn / base / scale / norm (`in_*`)."""
+    from test_kernels_moe_router import seam_weights
+    sizes = {**dict(zip(("K", "N0", "N1"), CASES[name][5:])), "K": 128}  # the seam's interpreted passes: a small D
+    args, attrs = case(*CASES[name][:5], **sizes)
+    x = args.pop("x")
+    g = torch.Generator().manual_seed(13)
+    B, T, D = x.shape
+    args.update(y=x, y2=torch.randn(B, T, D, generator=g).to(x.dtype),
+                streams=(torch.randn(B, T, N, D, generator=g) * 2).to(x.dtype),
+                post=2 * torch.rand(B, T, N, generator=g), comb=torch.softmax(torch.randn(B, T, N, N, generator=g), -1))
+    args.update(seam_weights(g, N, D, "in_"))
+    return args, {**attrs, **SEAM_ATTRS}
+
+
+def seam_names(args):
+    return SEAM_RESULTS + tuple("y_front" if n == "y" else n for n in names(args))
+
+
+def seam_fused(args, attrs):
+    ref = kc.reference("mhc_add_pair_norm_linear", args, attrs)
+    outs = {n: kc.poisoned(r.shape, r.dtype)[0] for n, r in zip(seam_names(args), ref)}
+    calls = kernels.launch("mhc_add_pair_norm_linear", args, attrs, outs)
+    return outs, ref, calls
+
+
+def seam_apart(args, attrs):
+    """The mhc_post_pre_add launch, then pair_norm_linear's launches apart on the x it wrote."""
+    s_args = {n: args[n] for n in ("y", "y2", "streams", "post", "comb")}
+    s_args.update({n: args["in_" + n] for n in ("fn", "base", "scale", "norm")})
+    s_attrs = {n[len("in_"):]: v for n, v in SEAM_ATTRS.items()}
+    mid = kc.reference("mhc_post_pre_add", s_args, s_attrs)
+    s, x, p, c = (kc.poisoned(t.shape, t.dtype)[0] for t in mid)
+    kernels.launch("mhc_post_pre_add", s_args, s_attrs, {"streams_out": s, "y_next": x, "post_next": p, "comb_next": c})
+    f_args = {n: v for n, v in args.items() if n not in ("y", "y2", "streams", "post", "comb") and not n.startswith("in_")}
+    f_attrs = {n: v for n, v in attrs.items() if not n.startswith("in_")}
+    f_args["x"] = x
+    front, _ = apart(f_args, f_attrs, kc.reference("pair_norm_linear", f_args, f_attrs))
+    return {"streams_out": s, "post_next": p, "comb_next": c, **{("y_front" if n == "y" else n): v for n, v in front.items()}}
+
+
+@pytest.mark.parametrize("name", ["official-view"])  # V4's numerics; the broken variants run the one-linear case
+def test_seam_then_front_equals_the_launches_apart(name):
+    """One launch (the seam's token blocks, then the pair and the norm GEMM), each result bit-identical to the
+    seam's launch and the front's two apart; fp32 also within kernel_check.assert_matches of the reference."""
+    args, attrs = seam_case(name)
+    outs, ref, calls = seam_fused(args, attrs)
+    assert [c.kernel_name for c in calls] == ["seam_pair_norm_kernel"]
+    ce = calls[0].constexprs
+    assert ce["PH"] == 1 and calls[0].grid[0] == ce["PH"] + ce["P0"] + ce["P1"] + ce["PB"]
+    want = seam_apart(args, attrs)
+    for n, r in zip(seam_names(args), ref):
+        assert torch.equal(outs[n], want[n]), f"{name} {n}: the fused launch differs from the launches apart"
+        if args["y"].dtype == torch.float32:
+            kc.assert_matches(outs[n], r, f"{name} {n}")
+
+
+SEAM_BROKEN = {
+    # the seam without the shared expert's output (y2): the add the fold took in is lost
+    "no y2": ("_seam_phase(v, h_y_ptr, h_y2_ptr,", "_seam_phase(v, h_y_ptr, None,", AssertionError),
+    # the pair reads the seam's input y instead of the x it wrote
+    "pair input": ("_pair_half(u, x_ptr,", "_pair_half(u, h_y_ptr,", AssertionError),
+    # the seam's counter is never reset: the next call would not wait for its seam
+    "counter kept": ("tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)",
+                     "tl.store(phase_ptr + tl.arange(0, COUNTERS), 0, mask=tl.arange(0, COUNTERS) != SEAM_DONE)",
+                     kernels.CodegenError),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(SEAM_BROKEN))
+def test_broken_seam_front_is_caught(fault, monkeypatch, tmp_path):
+    old, new, error = SEAM_BROKEN[fault]
+    kc.install_broken_kernel(monkeypatch, tmp_path, attn_front, "seam_pair_norm_kernel", old, new)
+    args, attrs = seam_case("fp32-one-linear")
+    with pytest.raises(error):
+        outs, ref, _ = seam_fused(args, attrs)
+        for n, r in zip(seam_names(args), ref):
+            kc.assert_matches(outs[n], r, f"{fault} {n}")
+
+
+def test_the_front_waits_for_the_seam():
+    """On the source: the seam's programs publish after writing x, every front program waits for all PH of them
+    before anything else; the counters are reset by the last program only."""
+    import inspect
+    src = inspect.getsource(attn_front.seam_pair_norm_kernel.fn)
+    at = src.index
+    assert at("_seam_phase(v, h_y_ptr") < at("_seam_phase_inlined(v, h_y_ptr") < at("publish(phase_ptr + SEAM_DONE)") \
+        < at("wait_for(phase_ptr + SEAM_DONE, PH)") < at("_pair_half(u, x_ptr") < at("gemm_program(b % TN")
+    assert at("gemm_program(b % TN") < at("last_to_arrive(phase_ptr + FINISHED, PH + P0 + P1 + PB)")
+
+
 # ---- AOT: the V4-Pro specialisations compile for both targets, matrix instructions, no gfx950 spills ------
 
 def v4pro_call(M, csa=True):

@@ -218,6 +218,99 @@ def test_every_phase_of_the_attention_tail_waits_for_the_one_before():
         < at("wait_for(phase_ptr + WO_A_DONE, PA)") < at("_grid_program(v - PS - PA, z_ptr")
     assert at("_grid_program(v - PS - PA, z_ptr") < at("last_to_arrive(phase_ptr + FINISHED, PS + PA + PB)")
 
+# ---- sparse_attention_out_proj_mhc: the seam after the tail (data parallel) as the launch's last phase
+
+SEAM_ATTRS = {"eps": 1e-6, "hc_eps": 1e-6, "iters": 3, "norm_eps": 1e-6}  # few Sinkhorn steps: interpreter time
+SEAM_RESULTS = ("streams_out", "y_next", "post_next", "comb_next")
+
+
+def seam_case(fmt="native", dtype="fp32", wfmt="float", act="native", N=4):
+    """`attn_case` (HCA, split-KV with MIN_SPLIT_ROWS 16; a padding lane) plus the seam's streams / post / comb
+    of y's width (wo_b's 160 columns: 2 N tiles) and its fn / base / scale / norm (`hc_*`)."""
+    from test_kernels_moe_router import seam_weights
+    args, attrs = attn_case("hca", fmt, dtype, [255, 30, 5], [1, 1, 0], 4, 64, wfmt, act)
+    B, D, dt = args["q"].shape[0], args["wb"].shape[0], args["q"].dtype
+    g = torch.Generator().manual_seed(9)
+    args.update(streams=(torch.randn(B, 1, N, D, generator=g) * 2).to(dt), post=2 * torch.rand(B, 1, N, generator=g),
+                comb=torch.softmax(torch.randn(B, 1, N, N, generator=g), -1))
+    args.update(seam_weights(g, N, D, "hc_"))
+    return args, {**attrs, **SEAM_ATTRS}
+
+
+def seam_fused(args, attrs):
+    want = kc.reference("sparse_attention_out_proj_mhc", args, attrs)
+    outs = {n: kc.poisoned(w.shape, w.dtype)[0] for n, w in zip(SEAM_RESULTS, want)}
+    calls = kernels.launch("sparse_attention_out_proj_mhc", args, attrs, outs)
+    return outs, want, calls
+
+
+def seam_apart(args, attrs):
+    """The tail's three launches apart, then the mhc_post_pre launch on their output."""
+    tail = {n: v for n, v in args.items() if n not in ("streams", "post", "comb") and not n.startswith("hc_")}
+    y = attn_apart(tail, attrs)
+    outs = {n: kc.poisoned(t.shape, t.dtype)[0] for n, t in zip(SEAM_RESULTS, kc.reference(
+        "mhc_post_pre", {"y": y, **{n: args[n] for n in ("streams", "post", "comb")},
+                         **{n: args["hc_" + n] for n in ("fn", "base", "scale", "norm")}}, SEAM_ATTRS))}
+    kernels.launch("mhc_post_pre", {"y": y, **{n: args[n] for n in ("streams", "post", "comb")},
+                                    **{n: args["hc_" + n] for n in ("fn", "base", "scale", "norm")}}, SEAM_ATTRS, outs)
+    return outs
+
+
+@pytest.mark.parametrize("case", [("fp8", "bf16", "fp8", "fp8")], ids=["bf16-fp8-official"])
+def test_attention_tail_with_its_seam_equals_the_launches_apart(case, monkeypatch):
+    """One launch (split-KV attention, wo_a, wo_b, then the seam on wo_b's output in scratch), each result
+    bit-identical to the four launches apart (V4-Pro's numerics: the launches apart are the authority, each
+    checked against its reference in its own test; fp32 cases within kernel_check.assert_matches of the
+    op's reference)."""
+    from v4compile.codegen.kernels import sparse_attention as sa
+    monkeypatch.setattr(sa, "MIN_SPLIT_ROWS", 16)
+    args, attrs = seam_case(*case)
+    outs, want, calls = seam_fused(args, attrs)
+    assert [c.kernel_name for c in calls] == ["attn_out_proj_mhc_kernel"]
+    ce = calls[0].constexprs
+    assert ce["NS"] > 1 and ce["PH"] == 1 and calls[0].grid[0] == ce["PS"] + ce["PA"] + ce["PB"] + ce["PH"]
+    apart_ = seam_apart(args, attrs)
+    for n, w in zip(SEAM_RESULTS, want):
+        assert torch.equal(outs[n], apart_[n]), f"{n}: the fused launch differs from the launches apart"
+        if case[1] == "fp32":
+            kc.assert_matches(outs[n], w, f"sparse_attention_out_proj_mhc {n}")
+
+
+SEAM_BROKEN = {
+    # the seam reads wo_a's output (scratch z) instead of wo_b's
+    "seam input": ("_seam_phase(v - PS - PA - PB, y_ptr,", "_seam_phase(v - PS - PA - PB, z_ptr,", AssertionError),
+    # the seam's counter is never reset (only the tail's four slots): the next call would not wait
+    "seam counter kept": ("tl.store(phase_ptr + tl.arange(0, SEAM_COUNTERS), 0)",
+                          "tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)", kernels.CodegenError),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(SEAM_BROKEN))
+def test_broken_attention_tail_with_its_seam_is_caught(fault, monkeypatch, tmp_path):
+    from v4compile.codegen.kernels import sparse_attention as sa
+    old, new, error = SEAM_BROKEN[fault]
+    kc.install_broken_kernel(monkeypatch, tmp_path, out_proj, "attn_out_proj_mhc_kernel", old, new)
+    monkeypatch.setattr(sa, "MIN_SPLIT_ROWS", 16)
+    args, attrs = seam_case()
+    with pytest.raises(error):
+        outs, want, _ = seam_fused(args, attrs)
+        for n, w in zip(SEAM_RESULTS, want):
+            kc.assert_matches(outs[n], w, f"{fault} {n}")
+
+
+def test_the_seam_waits_for_every_wo_b_program():
+    """On the source, as above: wo_b's programs publish after their GEMM (a split tile's reduction included),
+    the seam's wait for all PB of them before reading y; the counters are reset by the last program only."""
+    import inspect
+    src = inspect.getsource(out_proj.attn_out_proj_mhc_kernel.fn)
+    at = src.index
+    assert at("_grid_program(v - PS - PA, z_ptr") < at("publish(phase_ptr + WO_B_DONE)") \
+        < at("wait_for(phase_ptr + WO_B_DONE, PB)") < at("_seam_phase(v - PS - PA - PB, y_ptr") \
+        < at("_seam_phase_inlined(v - PS - PA - PB, y_ptr")
+    assert at("wait_for(phase_ptr + ATTN_DONE, PS)") < at("wait_for(phase_ptr + WO_A_DONE, PA)") \
+        < at("last_to_arrive(phase_ptr + FINISHED, PS + PA + PB + PH)")
+
+
 # ---- AOT: V4-Pro's decode specialisation compiles for both targets, matrix instructions, no spills
 
 def v4pro_calls(M=8, act="fp8"):

@@ -59,8 +59,9 @@ def check_rank_fusions(result) -> None:
     assert not {"router", "local_experts", "moe_experts", "swiglu"} & set(ops)
     one, part = kernel_calls_per_layer(single_rank().module), kernel_calls_per_layer(result.module)
     for layer in range(1, cfg.n_layers - 1):
-        # the single-rank seam after the MoE is inside its launch; here it follows the all-reduce (one call)
-        assert part[layer] == one[layer] + 1, (layer, part[layer], one[layer])
+        # the single-rank seam after the MoE is inside its launch; here it follows the all-reduce, as the first
+        # phase of the next attention's front launch (`mhc_add_pair_norm_linear`, tagged with that layer)
+        assert part[layer] == one[layer], (layer, part[layer], one[layer])
 
 
 def test_every_moe_fusion_fires_on_a_partitioned_module():
@@ -173,7 +174,8 @@ def check_dp_fusions(result) -> None:
     ops = [op.name for op in result.module.functions["decode"].ops]
     assert ops.count("moe_router_experts_dp") == cfg.n_layers
     assert ops.count("reduce_scatter_rows") == cfg.n_layers and ops.count("all_gather_rows") >= cfg.n_layers
-    assert ops.count("mhc_post_pre_add") == cfg.n_layers - 1  # the last seam is mhc_post_head
+    # the seam after each MoE but the last (mhc_post_head) reads the reduce-scatter, inside the next front's launch
+    assert ops.count("mhc_add_pair_norm_linear") == cfg.n_layers - 1 and "mhc_post_pre_add" not in ops
     assert not {"router", "local_experts", "moe_experts", "swiglu"} & set(ops)
 
 
@@ -188,3 +190,101 @@ def test_a_fusion_skipping_dp_modules_is_caught(monkeypatch, fusion):
     monkeypatch.setattr(mod, "_fuse_ep" if fusion == "fuse_moe_router" else "_fold_add", lambda *a: None)
     with pytest.raises(AssertionError):
         check_dp_fusions(PassManager(GPU_PIPELINE, PipelineOptions()).run(dp_partitioned()))
+
+
+# ---- the seams a collective leaves apart, folded into the attention's launches ---------------------------
+# Data parallel: the seam before the MoE (its x goes to the gather first) as the last phase of the attention
+# tail (`sparse_attention_out_proj_mhc`); every partitioned layout: the seam after the MoE's collective as the
+# first phase of the next attention's front (`mhc_add_pair_norm_linear`).
+
+PROGRAM_STAGE = GPU_PIPELINE[:GPU_PIPELINE.index("plan_memory")]  # every fusion; the IR interpreter runs it
+SEAM_OPS = {"tp2ep2": ("mhc_add_pair_norm_linear",),
+            "dp2ep2": ("sparse_attention_out_proj_mhc", "mhc_add_pair_norm_linear")}
+
+
+def through_the_pipeline(layout: str):
+    from test_partition_dp import dp_module
+    m = partitioned(NAME, NUMERICS, 2, 2) if layout == "tp2ep2" else dp_module(NUMERICS)
+    return PassManager(PROGRAM_STAGE, PipelineOptions()).run(m).module
+
+
+@functools.cache
+def rank_weights(layout: str) -> list:
+    """Each rank's weights of the layout's module (the fusions keep them: every folded module shares these)."""
+    from conftest import dense_weights
+    from v4compile.weights_convert import DenseSource, load_ir_weights
+    m = through_the_pipeline(layout)
+    return [load_ir_weights(m, DenseSource(dense_weights(NAME)), rank=r) for r in range(2)]
+
+
+def logits_of(layout: str, m) -> torch.Tensor:
+    """A decode step of two seeded first tokens (the dp layout: one a replica) from empty pools, every rank
+    simulated: every fused op of the decode function runs (a prefill would run the same ops' front fold on
+    more rows, at 4x the interpreter's time); no reference run: the authority is the unfolded module."""
+    from v4compile.harness import DPRunner, IRRunner
+    from v4compile.parallel import ParallelLayout, spmd_interpreter
+    weights = rank_weights(layout)
+    if layout == "dp2ep2":
+        runner = DPRunner(m, weights, ParallelLayout.of(m))
+        for rep in runner.replicas:
+            rep.lengths = [0]
+    else:
+        runner = IRRunner(m, weights, interpreter=spmd_interpreter)
+        runner.lengths = [0, 0]
+    return runner.decode(torch.randint(0, preset(NAME).vocab_size, (2,), generator=torch.Generator().manual_seed(5))
+                         .tolist())
+
+
+def unfolded(monkeypatch, layout: str):
+    from v4compile.passes import fuse_attn_front, fuse_out_proj
+    with monkeypatch.context() as mp:
+        for mod in (fuse_out_proj, fuse_attn_front):
+            mp.setattr(mod, "_fold_seam", lambda fn: (fn, 0))
+        return through_the_pipeline(layout)
+
+
+@functools.cache
+def folded_logits(layout: str):
+    return logits_of(layout, through_the_pipeline(layout))
+
+
+@pytest.mark.parametrize("layout", ["dp2ep2"])  # both folds (tp2ep2's front fold: check_rank_fusions' counts)
+def test_the_seams_fold_into_the_attention_launches_exactly(monkeypatch, layout):
+    """Each fold fires once a layer but layer 0 (its seams are no `mhc_post_pre`), a launch a layer fewer
+    each, and a decode step of every rank gives the unfolded module's logits to the bit."""
+    cfg = preset(NAME)
+    after = through_the_pipeline(layout)
+    ops = [op.name for op in after.functions["decode"].ops]
+    for name in SEAM_OPS[layout]:
+        assert ops.count(name) == cfg.n_layers - 1, name
+    assert "mhc_post_pre" not in ops and "mhc_post_pre_add" not in ops
+    before = unfolded(monkeypatch, layout)
+    calls, calls_before = kernel_calls_per_layer(after), kernel_calls_per_layer(before)
+    fewer = len(SEAM_OPS[layout])
+    assert all(calls[n] == calls_before[n] - fewer for n in range(1, cfg.n_layers)), (calls, calls_before)
+    assert torch.equal(logits_of(layout, before), folded_logits(layout))
+
+
+def _iters_off_by_one(module, name):
+    """`module.name` (a fused op's operand / attribute split) with the seam's Sinkhorn iterations one fewer."""
+    keep = getattr(module, name)
+
+    def wrong(operands, attrs):
+        parts = list(keep(operands, attrs))
+        at = 1 if "iters" in parts[1] else 3  # attn_tail: (tail, its attrs, seam, its attrs); fused_ep: seam first
+        parts[at] = {**parts[at], "iters": parts[at]["iters"] - 1}
+        return tuple(parts)
+    return wrong
+
+
+@pytest.mark.parametrize("layout, where", [("dp2ep2", "attn_tail._split_seam"),
+                                           ("dp2ep2", "fused_ep._seam_front_split")])
+def test_a_seam_folded_with_another_attribute_is_caught(monkeypatch, layout, where):
+    """A fused op whose seam runs with one Sinkhorn iteration fewer (an attribute lost in the fold): its
+    logits differ from the folded module's."""
+    import importlib
+    mod_name, fn_name = where.split(".")
+    mod = importlib.import_module(f"v4compile.ops.{mod_name}")
+    want = folded_logits(layout)
+    monkeypatch.setattr(mod, fn_name, _iters_off_by_one(mod, fn_name))
+    assert not torch.equal(logits_of(layout, through_the_pipeline(layout)), want)

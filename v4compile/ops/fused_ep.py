@@ -194,3 +194,57 @@ def _(operands, results, attrs):
     others = (xg.numel - x.numel) // x.shape[-1]
     return Cost(c.flops - 6 * others * s1.shape[0] * s1.shape[1], c.bytes_read + x.nbytes,
                 c.bytes_written - results[0].nbytes + results[1].nbytes)
+
+
+# ---- the seam after a partitioned MoE as the first phase of the next attention's front --------------------
+# `mhc_post_pre_add`'s MoE input (the next attention's x) has one user, that attention's `pair_norm_linear`: the
+# two become one op whose x never leaves it (`passes/fuse_attn_front.py`); the seam's streams / post / comb stay
+# results (the seam after the attention reads them).
+
+SEAM_IN = ("y", "y2", "streams", "post", "comb", "in_fn", "in_base", "in_scale", "in_norm")
+
+
+def _seam_front_split(operands, attrs):
+    """(mhc_post_pre_add operands, its attrs, pair_norm_linear operands without x, its attrs)."""
+    from .front import pair_norm_linear
+    n = len(SEAM_IN)
+    return (list(operands[:n]), _in_attrs(attrs), list(operands[n:]),
+            {k: v for k, v in attrs.items() if k in pair_norm_linear.attrs and k != "variant"})
+
+
+def _front_attrs():
+    from .front import NORM_ATTRS, PAIR_ATTRS
+    return {**PAIR_ATTRS, **NORM_ATTRS}
+
+
+@defop("mhc_add_pair_norm_linear(y, y2, streams, post, comb, in_fn, in_base, in_scale, in_norm, w0, w1?, scale0?, "
+       "scale1?, norm, w, scale?) -> streams_out, post_next, comb_next, y0, y1?, y_front",
+       attrs={**IN_MHC_ATTRS, **_front_attrs()}, kernel="attn_front", follows={"y1": "w1"})
+def mhc_add_pair_norm_linear(y, y2, streams, post, comb, in_fn, in_base, in_scale, in_norm, *front, **attrs):
+    """`mhc_post_pre_add` (the seam after an expert-parallel MoE: hc_post on the reduced routed sum plus the
+    shared expert's output, the next attention's hc_pre and attn_norm: its operands and attributes `in_*`) and
+    that attention's `pair_norm_linear` on the x it returns (its `y` as `y_front`), in one op: x never leaves it."""
+    from .front import pair_norm_linear
+    s_ops, s_attrs, f_ops, f_attrs = _seam_front_split((y, y2, streams, post, comb, in_fn, in_base, in_scale, in_norm,
+                                                        *front), attrs)
+    s, x, p, c = mhc_post_pre_add.ref(*s_ops, **s_attrs)
+    return (s, p, c, *pair_norm_linear.ref(x, *f_ops, **f_attrs))
+
+
+@mhc_add_pair_norm_linear.infer
+def _(*operands, **attrs):
+    from .front import pair_norm_linear
+    s_ops, s_attrs, f_ops, f_attrs = _seam_front_split(operands, attrs)
+    s, x, p, c = mhc_post_pre_add.result_types(s_ops, s_attrs)
+    return (s, p, c, *pair_norm_linear.result_types([x, *f_ops], f_attrs))
+
+
+@mhc_add_pair_norm_linear.cost
+def _(operands, results, attrs):
+    """The seam's and the front's costs, summed: x still goes to scratch and back, as between the launches."""
+    from .front import pair_norm_linear
+    s_ops, s_attrs, f_ops, f_attrs = _seam_front_split(operands, attrs)
+    mid = mhc_post_pre_add.result_types(s_ops, s_attrs)
+    a = mhc_post_pre_add.cost_of(s_ops, mid, s_attrs)
+    b = pair_norm_linear.cost_of([mid[1], *f_ops], list(results[3:]), f_attrs)
+    return Cost(a.flops + b.flops, a.bytes_read + b.bytes_read, a.bytes_written + b.bytes_written)
