@@ -13,15 +13,7 @@ Guarantees:
   attention's operands, then w, w_scale, wb, wb_scale; the attention's attributes and the projection's) in
   the attention's place (so it reads the pool before any in-place write after it), its result the linear's
   value; the attention output never leaves the op (hits `<func>.attention`). Prefill keeps its attention
-  launch;
-* if moreover that op's result is the `y` of one `mhc_post_pre` (norm variant) and used by it alone, and the
-  seam's MoE input goes to an `all_gather_rows` (data parallel: the gather stands between the seam and the
-  MoE, so `fuse_mhc_moe` cannot take the seam, and it would be a launch of its own), the two become one
-  `sparse_attention_out_proj_mhc` (the seam's streams / post / comb and fn / base / scale / norm as `hc_*`,
-  its attributes beside the tail's) in the attention's place, its results the seam's values (names kept);
-  the tail's output never leaves the op (hits `<func>.seam`, a key present only where it fired: single-device
-  modules keep their hits as they were). Elsewhere the seam before the MoE is already inside the MoE's op
-  (`mhc_moe_mhc`, `mhc_moe_ep`) or reads an all-reduce (tensor parallel).
+  launch.
 The kernels (`codegen/kernels/out_proj.py`) run the attention's programs (its split merge included), wo_a's
 and wo_b's as ticketed phases of one launch, each the unfused launch's body with its own roundings, so
 numerics are bit-identical (each op's reference is the composition of the ones it replaces).
@@ -72,32 +64,7 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
         operands = {"o": wo_a.operand("o"), "pos": wo_a.operand("pos"), **proj}
         rw.replace(op, make_op(rw.namer, "rope_out_proj_linear", operands, attrs, op.loc, [op.result]),
                    absorbed=[wo_a])
-    fn, hits = rw.done({"fused": rw.count, "attention": n_attn})
-    fn, seams = _fold_seam(fn)
-    return fn, {**hits, "seam": seams} if seams else hits
-
-
-def _fold_seam(fn: Function) -> tuple[Function, int]:
-    """The seam after a decode attention tail whose MoE input is gathered: one `sparse_attention_out_proj_mhc`."""
-    from v4compile.ops.attn_tail import SEAM_ATTRS
-
-    rw = Rewrite(fn)
-    for seam in fn.ops:
-        if seam.name != "mhc_post_pre" or seam.operand("norm") is None:
-            continue
-        tail = rw.producer(seam.operand("y"), "sparse_attention_out_proj", only_use=True)
-        if tail is None or not any(u.name == "all_gather_rows" for u in rw.users.get(id(seam.out("y_next")), [])):
-            continue
-        if not rw.can_fuse(tail, [seam]):  # in the tail's place: the seam's other operands come before it
-            continue
-        s_ops = operands_of(seam)
-        operands = {**operands_of(tail), **{n: s_ops[n] for n in ("streams", "post", "comb")},
-                    **{"hc_" + n: s_ops[n] for n in ("fn", "base", "scale", "norm")}}
-        attrs = {n: v for n, v in tail.attrs.items() if n in get_op(tail.name).attrs and n != "variant"}
-        attrs.update({n: seam.attrs[n] for n in SEAM_ATTRS}, **tags_of(tail, role=join_roles(tail, seam)))
-        rw.replace(tail, make_op(rw.namer, "sparse_attention_out_proj_mhc", operands, attrs, tail.loc,
-                                 list(seam.results)), absorbed=[seam])
-    return rw.done()[0], rw.count
+    return rw.done({"fused": rw.count, "attention": n_attn})
 
 
 FuseOutProj = function_pass("fuse_out_proj", fuse_function, after={

@@ -38,7 +38,6 @@ from . import KernelCall, TensorArg, call_name, ptr
 from . import grouped_gemm
 from .arrival import last_to_arrive
 from .gemm import gemm_call, gemm_program
-from .mhc import mhc_rows
 from .pdl import pdl_enter
 from .phases import publish, ticket, wait_for
 from .sparse_attention import attend_program, split_program
@@ -196,107 +195,6 @@ def attn_out_proj_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indic
         tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)
 
 
-# `attn_out_proj_mhc_kernel`'s phase counters: attn_out_proj_kernel's, then wo_b's (the seam waits for them)
-WO_B_DONE = tl.constexpr(4)
-SEAM_COUNTERS = tl.constexpr(8)
-
-
-@triton.jit(noinline=True)
-def _seam_phase(tb, y_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, norm_ptr, so_ptr, yo_ptr, posto_ptr,
-                combo_ptr, M: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
-                NM: tl.constexpr, EPS: tl.constexpr, HC_EPS: tl.constexpr, ITERS: tl.constexpr,
-                NORM_EPS: tl.constexpr, Y_S: tl.constexpr, S_S: tl.constexpr, S_SN: tl.constexpr, SO_S: tl.constexpr,
-                SO_SN: tl.constexpr, YO_S: tl.constexpr, DT: tl.constexpr):
-    """The `mhc_post_pre` launch's program for token block tb, as a function of its own (`flags.CALLS_PARAM`:
-    sm_90a calls it, gfx950 runs the inlined copy). V4-Pro decode, measured: gfx950 196 VGPRs, 0 spills;
-    sm_90a 255 registers and 88 / 104 B of spills (one split / four: called; inlined 132 / 148 B). The
-    attention phase alone takes 254 there: a fourth phase with no body at all already spilled 16 B, and the
-    seam in the last wo_b program instead of a phase of its own 144 / 176 B (and 8 B on gfx950); the GEMMs'
-    pipelining depth (A_ / B_STAGES 1) changed nothing. Left open (the issue's bar is gfx950's)."""
-    mhc_rows(tb, y_ptr, None, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, norm_ptr, so_ptr, yo_ptr, posto_ptr,
-             combo_ptr, M, N, D, BD, BT, True, "pre", True, NM, EPS, HC_EPS, ITERS, NORM_EPS, Y_S, S_S, S_SN, SO_S,
-             SO_SN, YO_S, DT)
-
-
-_seam_phase_inlined = triton.jit(_seam_phase.fn)
-
-
-@triton.jit
-def attn_out_proj_mhc_kernel(q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indices, comp_indptr, comp_indices,
-                             p0, p1, p2, c0, c1, c2, sa_part_ptr, o_ptr, w_ptr, s_ptr, z_ptr, wb_ptr, sb_ptr, y_ptr,
-                             part_ptr, h_s_ptr, h_post_ptr, h_comb_ptr, h_fn_ptr, h_base_ptr, h_scale_ptr, h_norm_ptr,
-                             h_so_ptr, h_yo_ptr, h_posto_ptr, h_combo_ptr, phase_ptr,
-                             T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr,
-                             BN: tl.constexpr, WINDOW: tl.constexpr, SCALE: tl.constexpr, Q_SB: tl.constexpr,
-                             Q_ST: tl.constexpr, Q_SH: tl.constexpr, KV_SB: tl.constexpr, KV_ST: tl.constexpr,
-                             O_SB: tl.constexpr, O_ST: tl.constexpr, O_SH: tl.constexpr, FMT: tl.constexpr,
-                             NPLANES: tl.constexpr, NOPE: tl.constexpr, BLK: tl.constexpr, S0: tl.constexpr,
-                             S1: tl.constexpr, S2: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
-                             NS: tl.constexpr, RS: tl.constexpr, ACC0: tl.constexpr,
-                             A_M: tl.constexpr, A_N: tl.constexpr, A_K: tl.constexpr, A_SPLIT: tl.constexpr,
-                             A_KS: tl.constexpr, A_NT: tl.constexpr, A_X_RS: tl.constexpr, A_X_CS: tl.constexpr,
-                             A_Y_RS: tl.constexpr, A_Y_CS: tl.constexpr, A_W_RS: tl.constexpr, A_W_CS: tl.constexpr,
-                             A_S_RS: tl.constexpr, A_S_CS: tl.constexpr, A_W_FMT: tl.constexpr,
-                             A_S_E8M0: tl.constexpr, A_BLOCK: tl.constexpr, A_ACT: tl.constexpr, A_CDT: tl.constexpr,
-                             A_BM: tl.constexpr, A_BN: tl.constexpr, A_BK: tl.constexpr, A_STAGES: tl.constexpr,
-                             G_K: tl.constexpr, ROPE_T: tl.constexpr, P_BS: tl.constexpr, P_TS: tl.constexpr,
-                             DIM: tl.constexpr, FREQS: tl.constexpr, SIGN: tl.constexpr,
-                             B_M: tl.constexpr, B_N: tl.constexpr, B_K: tl.constexpr, B_SPLIT: tl.constexpr,
-                             B_KS: tl.constexpr, B_NT: tl.constexpr, B_X_RS: tl.constexpr, B_X_CS: tl.constexpr,
-                             B_Y_RS: tl.constexpr, B_Y_CS: tl.constexpr, B_W_RS: tl.constexpr, B_W_CS: tl.constexpr,
-                             B_S_RS: tl.constexpr, B_S_CS: tl.constexpr, B_W_FMT: tl.constexpr,
-                             B_S_E8M0: tl.constexpr, B_BLOCK: tl.constexpr, B_ACT: tl.constexpr, B_CDT: tl.constexpr,
-                             B_BM: tl.constexpr, B_BN: tl.constexpr, B_BK: tl.constexpr, B_STAGES: tl.constexpr,
-                             H_M: tl.constexpr, H_N: tl.constexpr, H_D: tl.constexpr, H_BD: tl.constexpr,
-                             H_BT: tl.constexpr, H_NM: tl.constexpr, H_EPS: tl.constexpr, H_HC_EPS: tl.constexpr,
-                             H_ITERS: tl.constexpr, H_NORM_EPS: tl.constexpr, H_Y_S: tl.constexpr,
-                             H_S_S: tl.constexpr, H_S_SN: tl.constexpr, H_SO_S: tl.constexpr, H_SO_SN: tl.constexpr,
-                             H_YO_S: tl.constexpr, H_DT: tl.constexpr,
-                             PS: tl.constexpr, HB: tl.constexpr, PA: tl.constexpr, PB: tl.constexpr, PH: tl.constexpr,
-                             SEM_A: tl.constexpr, PART_B: tl.constexpr, SEM_B: tl.constexpr,
-                             PDL: tl.constexpr = False, CALLS: tl.constexpr = True):
-    """`attn_out_proj_kernel`'s three phases (wo_b's output y to scratch; its programs publish), then PH token
-    blocks of the seam after it (`mhc.mhc_rows`, the `mhc_post_pre` launch's program: hc_post on y, the
-    next hc_pre and its RMSNorm), each once every wo_b program has published (the split tiles reduced)."""
-    pdl_enter(PDL)
-    v = ticket(phase_ptr + TICKET)
-    if v < PS:
-        _attention_phase(v, q_ptr, kv_ptr, pos_ptr, sink_ptr, win_indptr, win_indices, comp_indptr, comp_indices, p0,
-                         p1, p2, c0, c1, c2, sa_part_ptr, phase_ptr + SEAM_COUNTERS, o_ptr, T, H, D, DP, BH, BN,
-                         WINDOW, SCALE, Q_SB, Q_ST, Q_SH, KV_SB, KV_ST, O_SB, O_ST, O_SH, FMT, NPLANES, NOPE, BLK, S0,
-                         S1, S2, DT, PREC, NS, RS, ACC0, HB)
-        publish(phase_ptr + ATTN_DONE)
-    elif v < PS + PA:
-        wait_for(phase_ptr + ATTN_DONE, PS)  # every head of every lane merged into o
-        _grid_program(v - PS, o_ptr, w_ptr, s_ptr, pos_ptr, z_ptr, part_ptr, phase_ptr + SEAM_COUNTERS + SEM_A, A_M,
-                      A_N, A_K, A_SPLIT, A_KS, A_NT, A_X_RS, A_X_CS, A_Y_RS, A_Y_CS, A_W_RS, A_W_CS, A_S_RS, A_S_CS,
-                      A_W_FMT, A_S_E8M0, A_BLOCK, A_ACT, A_CDT, A_BM, A_BN, A_BK, A_STAGES, G_K, ROPE_T, P_BS, P_TS, D,
-                      DIM, FREQS, SIGN)
-        publish(phase_ptr + WO_A_DONE)
-    elif v < PS + PA + PB:
-        wait_for(phase_ptr + WO_A_DONE, PA)  # every group's z columns of every row (split tiles reduced)
-        if B_SPLIT > 1:
-            part_ptr = part_ptr + PART_B
-        _grid_program(v - PS - PA, z_ptr, wb_ptr, sb_ptr, None, y_ptr, part_ptr, phase_ptr + SEAM_COUNTERS + SEM_B,
-                      B_M, B_N, B_K, B_SPLIT, B_KS, B_NT, B_X_RS, B_X_CS, B_Y_RS, B_Y_CS, B_W_RS, B_W_CS, B_S_RS,
-                      B_S_CS, B_W_FMT, B_S_E8M0, B_BLOCK, B_ACT, B_CDT, B_BM, B_BN, B_BK, B_STAGES, 0, 1, 0, 0, 0, 0, 0,
-                      -1.0)
-        publish(phase_ptr + WO_B_DONE)
-    else:
-        wait_for(phase_ptr + WO_B_DONE, PB)  # every column of y (split tiles reduced by their last program)
-        if CALLS:
-            _seam_phase(v - PS - PA - PB, y_ptr, h_s_ptr, h_post_ptr, h_comb_ptr, h_fn_ptr, h_base_ptr, h_scale_ptr,
-                        h_norm_ptr, h_so_ptr, h_yo_ptr, h_posto_ptr, h_combo_ptr, H_M, H_N, H_D, H_BD, H_BT, H_NM, H_EPS,
-                        H_HC_EPS, H_ITERS, H_NORM_EPS, H_Y_S, H_S_S, H_S_SN, H_SO_S, H_SO_SN, H_YO_S, H_DT)
-        else:
-            _seam_phase_inlined(v - PS - PA - PB, y_ptr, h_s_ptr, h_post_ptr, h_comb_ptr, h_fn_ptr, h_base_ptr,
-                                h_scale_ptr, h_norm_ptr, h_so_ptr, h_yo_ptr, h_posto_ptr, h_combo_ptr, H_M, H_N, H_D,
-                                H_BD, H_BT, H_NM, H_EPS, H_HC_EPS, H_ITERS, H_NORM_EPS, H_Y_S, H_S_S, H_S_SN, H_SO_S,
-                                H_SO_SN, H_YO_S, H_DT)
-    if last_to_arrive(phase_ptr + FINISHED, PS + PA + PB + PH):  # every program is past its wait
-        tl.store(phase_ptr + tl.arange(0, SEAM_COUNTERS), 0)
-
-
 def _projection(operands: dict[str, TensorArg | None], o: TensorArg, y: TensorArg, attrs: dict):
     """The unfused calls of wo_a (`rope_out_proj` on o) and wo_b (`linear` on wo_a's output as dense scratch, in
     the dtype the unfused launch stored it in), the fused kernel's constexprs of their phases, pointers and
@@ -347,8 +245,6 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
                attrs: dict) -> list[KernelCall]:
     if op_name == "sparse_attention_out_proj":
         return _attention_tail(operands, results, attrs)
-    if op_name == "sparse_attention_out_proj_mhc":
-        return _attention_tail_seam(operands, results, attrs)
     if op_name != "rope_out_proj_linear":
         raise KeyError(f"out_proj family has no op '{op_name}'")
     o = operands["o"]
@@ -426,57 +322,3 @@ def _attention_tail(operands, results, attrs) -> list[KernelCall]:
                        bytes_moved=at.bytes_moved + a.bytes_moved + b.bytes_moved,
                        reread_bytes=at.reread_bytes + a.reread_bytes + b.reread_bytes,
                        phases=tuple((c.bytes_moved, c.reread_bytes) for c in (at, a, b)))]
-
-
-# the seam's mhc call (`mhc_post_pre`) -> the fused kernel: its pointer params and operand names, its constexprs
-SEAM_POINTERS = {"s_ptr": "h_s_ptr", "post_ptr": "h_post_ptr", "comb_ptr": "h_comb_ptr", "fn_ptr": "h_fn_ptr",
-                 "base_ptr": "h_base_ptr", "scale_ptr": "h_scale_ptr", "norm_ptr": "h_norm_ptr", "so_ptr": "h_so_ptr",
-                 "yo_ptr": "h_yo_ptr", "posto_ptr": "h_posto_ptr", "combo_ptr": "h_combo_ptr"}
-SEAM_NAMES = {"fn": "hc_fn", "base": "hc_base", "scale": "hc_scale", "norm": "hc_norm"}
-SEAM_CE = ("M", "N", "D", "BD", "BT", "NM", "EPS", "HC_EPS", "ITERS", "NORM_EPS", "Y_S", "S_S", "S_SN", "SO_S", "SO_SN",
-           "YO_S", "DT")
-
-
-def _attention_tail_seam(operands, results, attrs) -> list[KernelCall]:
-    """`sparse_attention_out_proj_mhc`: `sparse_attention_out_proj`'s call with its output y as dense scratch
-    (`attn_y`), then the `mhc_post_pre` launch's call on that scratch as the launch's last phase. The seam's
-    program is the unfused launch's (`mhc.mhc_rows`, its constexprs as H_*), so the results are bit-identical."""
-    from ...ops.attn_tail import SEAM_ATTRS, SEAM_OPERANDS
-    from . import mhc
-
-    q = operands["q"]
-    wb = operands["wb"]
-    yt = get_op("sparse_attention_out_proj").result_types(
-        [operands.get(n).type if operands.get(n) is not None else None
-         for n in get_op("sparse_attention_out_proj").operand_names], attrs)[0]
-    y = TensorArg(yt, Layout.contiguous(yt.shape).strides)
-    tail_attrs = {n: v for n, v in attrs.items() if n not in SEAM_ATTRS}
-    (tail,) = _attention_tail({n: v for n, v in operands.items() if n not in SEAM_OPERANDS}, {"y": y}, tail_attrs)
-    s_ops = {{"hc_" + k: k for k in SEAM_NAMES}.get(n, n): operands[n] for n in SEAM_OPERANDS}
-    (seam,) = mhc.specialise("mhc_post_pre", {"y": y, **s_ops}, results, {n: attrs[n] for n in SEAM_ATTRS})
-    sc = seam.constexprs
-    if (sc["POST"], sc["MIX"], sc["NORM"], sc["y2_ptr"]) != (True, "pre", True, None):
-        raise ValueError(f"sparse_attention_out_proj_mhc: the seam must be a norm seam, got {sc['MIX']!r} {sc['NORM']}")
-    ce = dict(tail.constexprs)
-    ce.update({"H_" + k: sc[k] for k in SEAM_CE}, PH=seam.grid[0])
-    pointers = [p if p[0] != "y_ptr" else ptr("y_ptr", "scratch", "attn_y", y) for p in tail.pointers]
-    for p, kind, name, ty in seam.pointers:
-        if p != "y_ptr":
-            pointers.append((SEAM_POINTERS[p], kind, SEAM_NAMES.get(name, name), ty))
-    for p in SEAM_POINTERS:
-        if p in sc:  # absent (None) in the seam's call
-            ce[SEAM_POINTERS[p]] = None
-    scratch = dict(tail.scratch_bytes)
-    # the seam's counter slot: one more than the tail's four, rounded to a power of two (the reset's arange)
-    scratch["out_proj_phase"] += int(SEAM_COUNTERS - COUNTERS) * 4
-    scratch["attn_y"] = yt.nbytes
-    B, _, H, D = q.shape
-    name = call_name("attn_out_proj_mhc", ce, f"b{B}_h{H}_d{D}_s{ce['NS']}_{attrs['fmt']}_n{sc['N']}_d{wb.shape[0]}")
-    return [KernelCall(name, attn_out_proj_mhc_kernel, ce, pointers, (tail.grid[0] + seam.grid[0], 1, 1),
-                       num_warps=tail.num_warps, num_stages=tail.num_stages, scratch_bytes=scratch,
-                       unaligned=tuple(p for p in tail.unaligned if p != "y_ptr"), flops=tail.flops + seam.flops, mma_dtype=tail.mma_dtype,
-                       offsets=dict(tail.offsets),
-                       # the tail's phases, then the seam's (it loads nothing before every wo_b program is done)
-                       bytes_moved=tail.bytes_moved + seam.bytes_moved,
-                       reread_bytes=tail.reread_bytes + seam.reread_bytes,
-                       phases=(*tail.phases, (seam.bytes_moved, seam.reread_bytes)))]

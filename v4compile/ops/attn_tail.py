@@ -60,14 +60,11 @@ def _split(operands, attrs):
     return list(operands[:13]), a_attrs, list(operands[13:]), p_attrs
 
 
-ATTENTION_TAIL_ATTRS = {"window": int, "scale": float, "win_base": int, "comp_base": int, "fmt": str, "slot_rows": int,
-                        "n_rows": int, "ratio": (int, 1), "block_tokens": (int, 1), "envelope_rows": (int, 0),
-                        "comp_rows": (int, 0), **ROPE_OUT_PROJ_ATTRS, **WO_B_ATTRS}
-
-
 @defop("sparse_attention_out_proj(q, kv, pos, sink, slot, block_table?, win_indptr, win_indices, comp_indptr?, "
        "comp_indices?, p0, p1?, p2?, w, w_scale?, wb, wb_scale?) -> y",
-       attrs=ATTENTION_TAIL_ATTRS,
+       attrs={"window": int, "scale": float, "win_base": int, "comp_base": int, "fmt": str, "slot_rows": int,
+              "n_rows": int, "ratio": (int, 1), "block_tokens": (int, 1), "envelope_rows": (int, 0),
+              "comp_rows": (int, 0), **ROPE_OUT_PROJ_ATTRS, **WO_B_ATTRS},
        kernel="out_proj", offset_attrs=("win_base", "comp_base"),
        variants={"window": (), "window_compressed": ("block_table", "comp_indptr", "comp_indices")})
 def sparse_attention_out_proj(*operands, **attrs):
@@ -97,51 +94,4 @@ def _(operands, results, attrs):
     o = sparse_attention.result_types(a_ops, a_attrs)[0]
     a = sparse_attention.cost_of(a_ops, [o], a_attrs)
     b = rope_out_proj_linear.cost_of([o, a_ops[2], *p_ops], results, p_attrs)
-    return Cost(a.flops + b.flops, a.bytes_read + b.bytes_read, a.bytes_written + b.bytes_written)
-
-
-# The seam after the attention's tail (`mhc_post_pre`'s operands besides y, then its attributes), where no
-# launch after it can take it: under data parallelism the MoE's input goes to the all-gather first.
-SEAM_OPERANDS = ("streams", "post", "comb", "hc_fn", "hc_base", "hc_scale", "hc_norm")
-SEAM_ATTRS = {"eps": float, "hc_eps": float, "iters": int, "norm_eps": float}
-
-
-def _split_seam(operands, attrs):
-    """(sparse_attention_out_proj operands, its attrs, mhc_post_pre operands without y, its attrs)."""
-    return (list(operands[:17]), {n: v for n, v in attrs.items() if n not in SEAM_ATTRS and n != "variant"},
-            list(operands[17:]), {n: attrs[n] for n in SEAM_ATTRS})
-
-
-@defop("sparse_attention_out_proj_mhc(q, kv, pos, sink, slot, block_table?, win_indptr, win_indices, comp_indptr?, "
-       "comp_indices?, p0, p1?, p2?, w, w_scale?, wb, wb_scale?, streams, post, comb, hc_fn, hc_base, hc_scale, "
-       "hc_norm) -> streams_out, y_next, post_next, comb_next",
-       attrs={**ATTENTION_TAIL_ATTRS, **SEAM_ATTRS},
-       kernel="out_proj", offset_attrs=("win_base", "comp_base"),
-       variants={"window": (), "window_compressed": ("block_table", "comp_indptr", "comp_indices")})
-def sparse_attention_out_proj_mhc(*operands, **attrs):
-    """`sparse_attention_out_proj` and the seam after it (`mhc_post_pre`: the attention's `hc_post` on its
-    output, the FFN's `hc_pre` and ffn_norm) in one op: the attention's output never leaves it."""
-    from .fused import mhc_post_pre
-    a_ops, a_attrs, s_ops, s_attrs = _split_seam(operands, attrs)
-    y = sparse_attention_out_proj.ref(*a_ops, **a_attrs)
-    return mhc_post_pre.ref(y, *s_ops, **s_attrs)
-
-
-@sparse_attention_out_proj_mhc.infer
-def _(*operands, **attrs):
-    from .fused import mhc_post_pre
-    a_ops, a_attrs, s_ops, s_attrs = _split_seam(operands, attrs)
-    (y,) = sparse_attention_out_proj.result_types(a_ops, a_attrs)
-    return mhc_post_pre.result_types([y, *s_ops], s_attrs)
-
-
-@sparse_attention_out_proj_mhc.cost
-def _(operands, results, attrs):
-    """The tail's and the seam's costs, summed: the attention's output still goes to scratch and back, as
-    between the two launches; the fusion saves a launch."""
-    from .fused import mhc_post_pre
-    a_ops, a_attrs, s_ops, s_attrs = _split_seam(operands, attrs)
-    (y,) = sparse_attention_out_proj.result_types(a_ops, a_attrs)
-    a = sparse_attention_out_proj.cost_of(a_ops, [y], a_attrs)
-    b = mhc_post_pre.cost_of([y, *s_ops], results, s_attrs)
     return Cost(a.flops + b.flops, a.bytes_read + b.bytes_read, a.bytes_written + b.bytes_written)
