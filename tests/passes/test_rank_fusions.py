@@ -195,7 +195,7 @@ def test_a_fusion_skipping_dp_modules_is_caught(monkeypatch, fusion):
 # ---- the seam a collective leaves apart, folded into the next attention's launch --------------------------
 # Every partitioned layout: the seam after the MoE's collective as the first phase of the next attention's
 # front (`mhc_add_pair_norm_linear`). (The seam before a data-parallel MoE stays its own launch: as the
-# attention tail's last phase the V4-Pro kernel spilled on sm_90a, `fuse_out_proj`'s docstring.)
+# attention tail's last phase the V4-Pro kernel spilled 88-104 bytes on sm_90a: tried and left out.)
 
 PROGRAM_STAGE = GPU_PIPELINE[:GPU_PIPELINE.index("plan_memory")]  # every fusion; the IR interpreter runs it
 SEAM_OPS = {"tp2ep2": ("mhc_add_pair_norm_linear",),
