@@ -17,6 +17,9 @@ Guarantees:
 The kernels (`codegen/kernels/out_proj.py`) run the attention's programs (its split merge included), wo_a's
 and wo_b's as ticketed phases of one launch, each the unfused launch's body with its own roundings, so
 numerics are bit-identical (each op's reference is the composition of the ones it replaces).
+Under data parallelism the mHC seam after the tail (its MoE input gathered next) stays its own launch: as the
+tail's fourth phase the V4-Pro decode kernel, already at 254 registers on sm_90a, spilled 88-104 bytes there
+(tried: inlined, a noinline call, in the last wo_b program, fewer pipeline stages).
 Runs after the passes that make and rewrite the attention (`lower_sparse_attention`, `fuse_qkv_norm_rope`).
 Kept out of the cpu pipeline (`passes/pipeline.py`): ONNX Runtime runs graph nodes, not launches.
 """
