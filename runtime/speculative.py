@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from v4compile.artifact import spec_name
 from v4compile.errors import InputError
 from v4compile.speculation import Acceptance, accept, check_draft_tokens, draw, probs
 
@@ -102,9 +103,11 @@ class CompiledDraft:
         self._fused: dict[tuple[int, int], str | None] = {}
 
     def fused(self, B: int, k: int = 1) -> str | None:
-        """The cpu device's one-call greedy step for bucket `B` drafting `k` tokens (`codegen/onnx_spec.py`:
-        verify_b<B>, the acceptance and k unrolled copies of draft_b<B> in one ONNX graph, built at first use),
-        or None (the host device, or a partitioned artifact: a verify call, then draft calls)."""
+        """The one-call greedy step for bucket `B` drafting `k` tokens: on the cpu device `codegen/onnx_spec.py`'s
+        (verify_b<B>, the acceptance and k unrolled copies of draft_b<B> in one ONNX graph, built at first use);
+        on the C runtime the program's `spec_b<B>` (`passes/spec_steps.py`: the first draft only, the k - 1
+        recursive ones stay `draft_b<B>` calls); or None (a partitioned artifact, an artifact compiled before
+        `spec_b<B>`: a verify call, then draft calls)."""
         if (B, k) not in self._fused:
             self._fused[B, k] = self._fuse(B, k)
         return self._fused[B, k]
@@ -112,6 +115,9 @@ class CompiledDraft:
     def _fuse(self, B: int, k: int) -> str | None:
         backend = self.s.backend
         vname, dname = f"verify_b{B}", next((f for b, f, _ in self.batch_fns if b == B), None)
+        if getattr(backend, "program", None) is not None:  # the C runtime: the program's own `spec_b<B>`
+            name = spec_name(B)
+            return name if name in backend.functions() and getattr(backend, "ranks", None) is None else None
         target = getattr(backend, "target", None)
         if not hasattr(backend, "built") or target is None or dname is None:
             return None
