@@ -27,6 +27,11 @@ give the acceptance (the host's rule applied to them, checked against the graph'
 step 1's saved rows the run's writes are held (`OrtBackend.run_held`) and stored but those of the rejected
 positions (`rejected_rows`: the rows `PoolUndo` would restore).
 
+Greedy on the C runtime (host), steps 2-3 and the first draft are one call: the program's `spec_b<B>`
+(`passes/spec_steps.py`), with step 1's saved rows (its buffers cannot hold a run's writes) and the host's check
+of its acceptance on its logits; the k - 1 recursive drafts stay `draft_b<B>` calls. Sampling, on every device,
+runs verify then draft: the token after the last kept lane is drawn on the host between them.
+
 `draft_tokens="auto"` (the default of `Session.generate` and `run`): k in 0..K chosen per step, 0 a plain
 decode step (`spec_auto.py` states the rule).
 

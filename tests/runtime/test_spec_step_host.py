@@ -22,7 +22,7 @@ import pytest
 import v4compile
 from spec_rollback import pool_bytes
 from v4compile import frontend
-from v4compile.artifact import Buckets
+from v4compile.artifact import Buckets, load_artifact
 from v4compile.cli.driver import compile_artifact
 from v4compile.ir.registry import get_op
 from v4compile.runtime import speculative as rs
@@ -204,3 +204,18 @@ def test_a_wrong_acceptance_is_refused(pro, monkeypatch):
     keep_one_too_many(monkeypatch)
     with pytest.raises(RuntimeError, match="in-graph acceptance disagrees"):
         generate(pro[0], pro[1], monkeypatch, sample=False)
+
+
+def test_the_step_adds_no_specialisation_but_the_acceptance(pro):
+    """Every launch of `spec_b<B>` but `spec_accept` is one the program's verify or draft functions have (same
+    op, attributes, types and strides: the same compiled kernel on a GPU); the step is verify's launches, the
+    acceptance, then the draft's."""
+    from v4compile.runtime.program_backend import artifact_program
+
+    prog = artifact_program(load_artifact(pro[0]))
+    assert {n for n in prog.functions if n.startswith("spec_")} == {"spec_b1", "spec_b2"}
+    old = {l.specialisation for n, f in prog.functions.items() if not n.startswith("spec_") for l in f.launches}
+    for b in (1, 2):
+        f, v, d = (prog.functions[f"{k}_b{b}"].launches for k in ("spec", "verify", "draft"))
+        assert {l.op for l in f if l.specialisation not in old} == {"spec_accept"}
+        assert [l.op for l in f] == [l.op for l in v] + ["spec_accept"] + [l.op for l in d]
