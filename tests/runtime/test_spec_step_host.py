@@ -121,16 +121,36 @@ def both_steps(s, pro) -> tuple[tuple[dict, dict], tuple[dict, dict]]:
             for n, a in start.items():
                 access(s.backend).put_rows(n, 0, torch.from_numpy(a.copy()))
             got.append((one_step(s, seqs, drafts, inputs, fused), pool_bytes(s.backend)))
-        return got[0], got[1]
+        return got[0], got[1], executed(s, inputs, start)
     finally:
         for q in seqs:
             s.release(q)
 
 
+def executed(s, inputs, start) -> dict:
+    """`spec_b2` run by the program executor (`program/execute.py`: each launch's reference on the program's
+    own byte places) from the pool and state `start`: its outputs, the oracle of the C runtime's run."""
+    import torch
+
+    from v4compile.program.execute import Buffers, execute
+
+    f = s.backend.program.functions["spec_b2"]
+    weights = load_artifact(s.art.path).weights()
+    try:
+        return {n: t.numpy() for n, t in execute(f, Buffers(), {**{k: torch.from_numpy(v) for k, v in inputs.items()},
+                                                               **{n: torch.from_numpy(a.copy()) for n, a in start.items()}},
+                                               weights).items()}
+    finally:
+        weights.close()
+
+
 def differences(s, pro) -> list[str]:
-    (a, pa), (b, pb) = both_steps(s, pro)
+    """What the one-call step gives otherwise than the two calls, and (`executor: ...`) than the executor."""
+    (a, pa), (b, pb), ex = both_steps(s, pro)
     assert [int((k >= 0).sum()) for k in b["kept"]] == [3, 1]  # both drafts kept; the first rejected
-    return [n for n in b if not np.array_equal(a[n], b[n])] + [n for n in pb if not np.array_equal(pa[n], pb[n])]
+    oracle = {"logits": ex["logits"], "kept": ex["spec.kept_pos"], "draft.logits": ex["draft.logits"]}
+    return [n for n in b if not np.array_equal(a[n], b[n])] + [n for n in pb if not np.array_equal(pa[n], pb[n])] + \
+        [f"executor: {n}" for n in oracle if not np.array_equal(a[n], oracle[n])]
 
 
 def test_one_call_step_equals_two_calls_bit_for_bit(host, pro, monkeypatch):
@@ -165,6 +185,7 @@ def generate(art, prompts, monkeypatch, fused: bool = True, sample: bool = True)
                 m.setattr(rs.CompiledDraft, "fused", lambda self, B, k=1: None)
             got["ids"] = s.generate(prompts, NEW, speculative="mtp", draft_tokens=K)
             got["rates"], got["calls"], got["pool"] = s.last_acceptance.rates(), +calls, pool_bytes(s.backend)
+            got["graphs"] = {k: s.backend.rt.stats()[k] for k in ("captures", "replays")}
             if sample:
                 calls.clear()
                 got["sampled"] = s.generate(prompts, NEW, speculative="mtp", draft_tokens=1, temperature=0.8, seed=3)
@@ -184,8 +205,8 @@ def generate(art, prompts, monkeypatch, fused: bool = True, sample: bool = True)
 
 def test_generation_one_call_equals_two_calls(pro, monkeypatch):
     """Greedy: the one-call step's ids, acceptance and pool are the two calls' (and the ids plain decoding's), one
-    `spec_b<B>` a step and no verify call (the recursive draft a `draft_b<B>` call); sampling: verify then
-    draft as before, the same ids."""
+    `spec_b<B>` a step, captured like decode, and no verify call (the recursive draft a `draft_b<B>` call);
+    sampling: verify then draft as before, the same ids."""
     art, prompts, want = pro
     one, two = generate(art, prompts, monkeypatch), generate(art, prompts, monkeypatch, fused=False)
     assert one["ids"] == two["ids"] == want and one["rates"] == two["rates"]
@@ -195,6 +216,9 @@ def test_generation_one_call_equals_two_calls(pro, monkeypatch):
     steps, drafts = c["spec_b2"] + c["spec_b1"], c["draft_b2"] + c["draft_b1"]
     assert steps > 0 and 0 < drafts <= steps and c["verify_b2"] + c["verify_b1"] == 0
     assert two["calls"]["spec_b2"] == 0 and two["calls"]["verify_b2"] > 0
+    # the one-call step captured once per bucket and replayed (bit for bit, above); nothing captured before
+    assert one["graphs"] == {"captures": sum(c[f"spec_b{b}"] > 0 for b in (1, 2)), "replays": steps}
+    assert two["graphs"]["captures"] == 0
     assert one["sampled"] == two["sampled"]
     assert one["sampled calls"]["spec_b2"] == 0 and one["sampled calls"]["verify_b2"] > 0
 
