@@ -30,21 +30,28 @@ FED = {"hidden": "streams", "ids": "spec.next_ids", "pos": "spec.kept_pos"}
 OUTPUTS = {"logits": "draft.logits", "streams": "draft.streams"}  # the draft's outputs, renamed
 
 
-def compose_spec(verify: Function, draft: Function, name: str) -> Function:
-    """The one-call step of `verify` then `draft` (module doc)."""
-    vmap: dict[int, Value] = {}
-
-    def clone(v: Value | None, prefix: str = "") -> Value | None:
+def _cloner(known: dict[int, Value], prefix: str = ""):
+    """Fresh values for one source function's (weights shared; `known`: those already mapped)."""
+    def clone(v: Value | None) -> Value | None:
         if v is None or v.kind == WEIGHT:
             return v
-        if id(v) not in vmap:
-            vmap[id(v)] = Value(prefix + v.name, v.type, v.kind, v.sources)
-        return vmap[id(v)]
+        if id(v) not in known:
+            known[id(v)] = Value(prefix + v.name, v.type, v.kind, v.sources)
+        return known[id(v)]
+    return clone
 
-    inputs = [clone(v) for v in verify.inputs]
-    ops = [Op(o.name, tuple(clone(x) for x in o.operands), tuple(clone(r) for r in o.results), dict(o.attrs), o.loc)
-           for o in verify.ops]
-    vout = {n: clone(v) for n, v in verify.outputs}
+
+def _copied(ops: list[Op], clone) -> list[Op]:
+    return [Op(o.name, tuple(clone(x) for x in o.operands), tuple(clone(r) for r in o.results), dict(o.attrs), o.loc)
+            for o in ops]
+
+
+def compose_spec(verify: Function, draft: Function, name: str) -> Function:
+    """The one-call step of `verify` then `draft` (module doc)."""
+    vclone = _cloner({})
+    inputs = [vclone(v) for v in verify.inputs]
+    ops = _copied(verify.ops, vclone)
+    vout = {n: vclone(v) for n, v in verify.outputs}
     by_name = {v.name: v for v in inputs}
     ids, pos = by_name["ids"], by_name["pos"]
     next_ids = Value("spec.next_ids", ids.type)
@@ -59,15 +66,8 @@ def compose_spec(verify: Function, draft: Function, name: str) -> Function:
             dmap[id(v)] = vout[v.name]  # the plane as the verify left it
         else:
             dmap[id(v)] = by_name[v.name]  # block_table, slot
-
-    def dclone(v: Value | None) -> Value | None:
-        if v is None or v.kind == WEIGHT:
-            return v
-        if id(v) not in dmap:
-            dmap[id(v)] = Value(DRAFT_PREFIX + v.name, v.type, v.kind, v.sources)
-        return dmap[id(v)]
-    ops += [Op(o.name, tuple(dclone(x) for x in o.operands), tuple(dclone(r) for r in o.results), dict(o.attrs),
-               o.loc) for o in draft.ops]
+    dclone = _cloner(dmap, DRAFT_PREFIX)
+    ops += _copied(draft.ops, dclone)
     dout = {n: dclone(v) for n, v in draft.outputs}
     outputs = [("logits", vout["logits"]), ("spec.next_ids", next_ids), ("spec.kept_pos", kept_pos)]
     outputs += [(OUTPUTS[n], dout[n]) for n in OUTPUTS]
