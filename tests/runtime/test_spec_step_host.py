@@ -2,13 +2,15 @@
 the `spec_accept` op, the MTP block's draft) against the two-call path (verify, the host's acceptance, then
 `draft_b<B>`), on the C runtime's buffers with the ops' reference kernels (tiny-doc, K = 2).
 
-* one step in the batch-2 bucket from the same pool (sequence 0's drafts right, sequence 1's second wrong):
+* one step in the batch-2 bucket from the same pool (sequence 0's drafts right, sequence 1's first wrong):
   logits, kept lanes, the MTP logits and streams and every pool / state byte after the undo equal the two
-  calls' bit for bit; an acceptance keeping one lane too many differs;
-* generation (greedy, k = 1 and 2: the second draft a `draft_b<B>` call): the ids, the acceptance and the pool
-  equal the two-call path's, one `spec_b<B>` call per step; the same broken acceptance is refused by the
-  host's check; sampling keeps verify-then-draft (the token after the last kept lane is drawn on the host
-  first): no `spec_b<B>` call, the ids those of the path without `spec_b<B>`.
+  calls' bit for bit, and the outputs the program executor's (each launch's reference at the program's byte
+  places); an acceptance keeping one lane too many differs;
+* generation, greedy with K drafts (the second a `draft_b<B>` call): the ids (plain decoding's), the acceptance
+  and the pool equal the two-call path's, one `spec_b<B>` call per step, captured once and replayed; the same
+  broken acceptance is refused by the host's check. Sampling keeps verify then draft (the token after the last
+  kept lane is drawn on the host between them): no `spec_b<B>` call, the ids of the path without it;
+* `spec_b<B>` adds no kernel specialisation but the acceptance's.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-doc"
 
 
 @pytest.fixture(scope="module")
-def pro(tmp_path_factory):
+def doc(tmp_path_factory):
     """tiny-doc (trained: its MTP block's drafts are mostly right) with K = 2 (decode 1, 2; prefill 16): the
     artifact, two seeded prompts, their plain greedy ids."""
     fe = frontend.load(str(EXAMPLE), None, None, TraceOptions(numerics="hf", dtype="fp32", capacity=64))
@@ -50,8 +52,8 @@ def pro(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def host(pro):
-    s = v4compile.load(pro[0], device="host", threads=1, kernels="reference")
+def host(doc):
+    s = v4compile.load(doc[0], device="host", threads=1, kernels="reference")
     yield s
     s.close()
 
@@ -96,14 +98,15 @@ def one_step(s, seqs, drafts, inputs, fused: bool) -> dict:
     return out
 
 
-def both_steps(s, pro) -> tuple[tuple[dict, dict], tuple[dict, dict]]:
+def both_steps(s, doc) -> tuple[tuple[dict, dict], tuple[dict, dict], dict]:
     """`one_step` both ways from the same pool and state (both prompts prefilled plainly; two drafts each:
-    sequence 0's right, sequence 1's first wrong): (outputs, pool and state bytes after) of each."""
+    sequence 0's right, sequence 1's first wrong): (outputs, pool and state bytes after) of each, and
+    `executed`'s outputs."""
     import torch
 
     from v4compile.runtime.undo import access
 
-    _, prompts, want = pro
+    _, prompts, want = doc
     seqs = [s.open() for _ in prompts]
     try:
         for q, p in zip(seqs, prompts):
@@ -144,19 +147,19 @@ def executed(s, inputs, start) -> dict:
         weights.close()
 
 
-def differences(s, pro) -> list[str]:
+def differences(s, doc) -> list[str]:
     """What the one-call step gives otherwise than the two calls, and (`executor: ...`) than the executor."""
-    (a, pa), (b, pb), ex = both_steps(s, pro)
+    (a, pa), (b, pb), ex = both_steps(s, doc)
     assert [int((k >= 0).sum()) for k in b["kept"]] == [3, 1]  # both drafts kept; the first rejected
     oracle = {"logits": ex["logits"], "kept": ex["spec.kept_pos"], "draft.logits": ex["draft.logits"]}
     return [n for n in b if not np.array_equal(a[n], b[n])] + [n for n in pb if not np.array_equal(pa[n], pb[n])] + \
         [f"executor: {n}" for n in oracle if not np.array_equal(a[n], oracle[n])]
 
 
-def test_one_call_step_equals_two_calls_bit_for_bit(host, pro, monkeypatch):
-    assert differences(host, pro) == []
+def test_one_call_step_equals_two_calls_bit_for_bit(host, doc, monkeypatch):
+    assert differences(host, doc) == []
     keep_one_too_many(monkeypatch)
-    bad = differences(host, pro)
+    bad = differences(host, doc)
     assert "kept" in bad and "draft.logits" in bad and "pool.main" in bad
 
 
@@ -203,11 +206,11 @@ def generate(art, prompts, monkeypatch, fused: bool = True, sample: bool = True)
         s.close()
 
 
-def test_generation_one_call_equals_two_calls(pro, monkeypatch):
+def test_generation_one_call_equals_two_calls(doc, monkeypatch):
     """Greedy: the one-call step's ids, acceptance and pool are the two calls' (and the ids plain decoding's), one
     `spec_b<B>` a step, captured like decode, and no verify call (the recursive draft a `draft_b<B>` call);
     sampling: verify then draft as before, the same ids."""
-    art, prompts, want = pro
+    art, prompts, want = doc
     one, two = generate(art, prompts, monkeypatch), generate(art, prompts, monkeypatch, fused=False)
     assert one["ids"] == two["ids"] == want and one["rates"] == two["rates"]
     assert 0 < min(one["rates"]) < 1  # accepted and rejected drafts
@@ -223,20 +226,20 @@ def test_generation_one_call_equals_two_calls(pro, monkeypatch):
     assert one["sampled calls"]["spec_b2"] == 0 and one["sampled calls"]["verify_b2"] > 0
 
 
-def test_a_wrong_acceptance_is_refused(pro, monkeypatch):
+def test_a_wrong_acceptance_is_refused(doc, monkeypatch):
     """The acceptance keeping one lane too many: the host's check of `spec_b<B>`'s kept lanes stops the run."""
     keep_one_too_many(monkeypatch)
     with pytest.raises(RuntimeError, match="in-graph acceptance disagrees"):
-        generate(pro[0], pro[1], monkeypatch, sample=False)
+        generate(doc[0], doc[1], monkeypatch, sample=False)
 
 
-def test_the_step_adds_no_specialisation_but_the_acceptance(pro):
+def test_the_step_adds_no_specialisation_but_the_acceptance(doc):
     """Every launch of `spec_b<B>` but `spec_accept` is one the program's verify or draft functions have (same
     op, attributes, types and strides: the same compiled kernel on a GPU); the step is verify's launches, the
     acceptance, then the draft's."""
     from v4compile.runtime.program_backend import artifact_program
 
-    prog = artifact_program(load_artifact(pro[0]))
+    prog = artifact_program(load_artifact(doc[0]))
     assert {n for n in prog.functions if n.startswith("spec_")} == {"spec_b1", "spec_b2"}
     old = {l.specialisation for n, f in prog.functions.items() if not n.startswith("spec_") for l in f.launches}
     for b in (1, 2):
