@@ -10,7 +10,8 @@ the `spec_accept` op, the MTP block's draft) against the two-call path (verify, 
   and the pool equal the two-call path's, one `spec_b<B>` call per step, captured once and replayed; the same
   broken acceptance is refused by the host's check. Sampling keeps verify then draft (the token after the last
   kept lane is drawn on the host between them): no `spec_b<B>` call, the ids of the path without it;
-* `spec_b<B>` adds no kernel specialisation but the acceptance's.
+* `spec_b<B>` adds no kernel specialisation but the acceptance's, whose Triton kernel the C runtime runs on the
+  program's buffers as the reference (a broken kernel caught).
 """
 
 from __future__ import annotations
@@ -246,3 +247,51 @@ def test_the_step_adds_no_specialisation_but_the_acceptance(doc):
         f, v, d = (prog.functions[f"{k}_b{b}"].launches for k in ("spec", "verify", "draft"))
         assert {l.op for l in f if l.specialisation not in old} == {"spec_accept"}
         assert [l.op for l in f] == [l.op for l in v] + ["spec_accept"] + [l.op for l in d]
+
+
+def acceptance_kernel_run(doc, broken=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`spec_b2` from a zero pool on two host runtimes: every launch its reference, and the same but the
+    acceptance's Triton kernel (interpreted, bound to the program's buffers by the C runtime). The drafts are
+    the step's own argmax ids (sequence 0's both right, sequence 1's second wrong). (kept lanes of the first,
+    of the second, next ids equal)."""
+    import torch
+
+    from v4compile.codegen.program_kernels import family_specialise
+    from v4compile.runtime.c_backend import CRuntime
+    from v4compile.runtime.kernels import make_kernel_calls
+    from v4compile.runtime.program_backend import artifact_program
+
+    art = load_artifact(doc[0])
+    prog, w = artifact_program(art), art.weights()
+    only = make_kernel_calls(lambda fam: family_specialise(fam) if fam == "spec_accept" else None)
+    rts = [CRuntime(prog, w, "host", functions=["spec_b2"]), CRuntime(prog, w, "host", functions=["spec_b2"],
+                                                                        kernel_calls=only)]
+    try:
+        ids = torch.tensor([[5, 0, 0], [9, 0, 0]], dtype=torch.int64)
+        inputs = {"ids": ids, "pos": torch.arange(3).repeat(2, 1), "slot": torch.tensor([0, 1], dtype=torch.int32),
+                  "block_table": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)}
+        for j in (1, 2):  # each draft the argmax of the lane before it (causal: earlier lanes do not change)
+            ids[:, j] = rts[0].run("spec_b2", inputs)["spec.next_ids"][:, j - 1]
+            rts[0].close()
+            rts[0] = CRuntime(prog, w, "host", functions=["spec_b2"])  # a zero pool again
+        ids[1, 2] = (ids[1, 2] + 1) % art.manifest["vocab_size"]
+        a, b = (rt.run("spec_b2", inputs) for rt in rts)
+        return a["spec.kept_pos"].numpy(), b["spec.kept_pos"].numpy(), bool(torch.equal(a["spec.next_ids"],
+                                                                                          b["spec.next_ids"]))
+    finally:
+        for rt in rts:
+            rt.close()
+        w.close()
+
+
+def test_the_acceptance_kernel_on_the_host_device(doc, monkeypatch, tmp_path):
+    """The C runtime runs `spec_accept`'s Triton kernel on the program's buffers as the reference: the same kept
+    lanes and ids; the kernel comparing each draft with the first lane's argmax differs."""
+    import kernel_check as kc
+    from v4compile.codegen.kernels import spec_accept
+
+    ref, got, same = acceptance_kernel_run(doc)
+    assert ref.tolist() == [[0, 1, 2], [0, 1, -1]] and got.tolist() == ref.tolist() and same
+    kc.install_broken_kernel(monkeypatch, tmp_path, spec_accept, "spec_accept_kernel", "prev = bi", "prev = prev")
+    ref, got, _ = acceptance_kernel_run(doc)
+    assert got.tolist() != ref.tolist()
