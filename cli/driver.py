@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..artifact import (TARGETS, Buckets, decode_name, draft_name, draft_prefill_name, prefill_name, verify_name,
-                       write_artifact_dir)
+from ..artifact import (TARGETS, Buckets, decode_name, draft_name, draft_prefill_name, prefill_name, spec_buckets,
+                       verify_name, write_artifact_dir)
 from ..errors import InputError
 from ..ir.core import Module
 from ..manifest import canonical
@@ -308,7 +308,10 @@ def compile_buckets(fe, buckets: Buckets = Buckets(), pipeline: list[str] | None
     if cpu_res is not None and gpu_res is None:  # the host device's program (else the GPU targets')
         from ..passes import PROGRAM_PASSES
 
-        host = PassManager(PROGRAM_PASSES, opts).run(cpu_res.module).module
+        # with MTP: the one-call greedy speculative step per decode bucket too (`passes/spec_steps.py`); without,
+        # the pass list (recorded in the program) as before
+        spec = ["spec_steps"] if spec_buckets(cpu_res.module.functions) else []
+        host = PassManager([*spec, *PROGRAM_PASSES], opts).run(cpu_res.module).module
     origin = {"kind": fe.weights, "seed": fe.seed if fe.weights == "random" else None,
               "checkpoint": str(fe.checkpoint) if fe.checkpoint else None}
     return CompileInputs(fe.cfg, main.module, fe.source, fe.options.numerics, fe.options.dtype, buckets,

@@ -80,6 +80,7 @@ def plan_function(fn: Function, align: int) -> tuple[Function, dict[str, int]]:
 @dataclass(frozen=True)
 class PlanMemory(Pass):
     name = "plan_memory"
+    after = {"spec_steps": "it plans the composed speculative steps too"}
     final = True  # it plans the final op list
     align: int = 256
 

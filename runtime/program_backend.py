@@ -190,11 +190,14 @@ class ProgramBackend:
         return self.run_outputs(fname, inputs)["logits"]
 
     def run_outputs(self, fname: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """`run`, returning every output buffer as float32 (logits; a speculative artifact's `streams`)."""
-        graph = self.graphs and self._funcs[fname].kind == "decode"
+        """`run`, returning every output buffer: float ones as float32 (logits; a speculative artifact's
+        `streams`), integer ones as they are (`spec_b<B>`'s `spec.next_ids`, `spec.kept_pos`)."""
+        # decode and the one-call speculative step (`spec_b<B>`): the same launches every step, captured once
+        graph = self.graphs and self._funcs[fname].kind in ("decode", "spec")
         if self.ranks is not None:  # every rank runs rank 0's step
             inputs = self.ranks.step(sorted(self._funcs).index(fname), fname, inputs)
-        out = {n: t.float().numpy() for n, t in self.rt.run(fname, inputs, graph=graph).items()}
+        out = {n: (t.float() if t.is_floating_point() else t).numpy()  # the acceptance's ids stay integers
+               for n, t in self.rt.run(fname, inputs, graph=graph).items()}
         return out if self.ranks is None else self.ranks.replicas(out)
 
     def share_ids(self, ids: list[int]) -> list[int]:

@@ -27,6 +27,11 @@ give the acceptance (the host's rule applied to them, checked against the graph'
 step 1's saved rows the run's writes are held (`OrtBackend.run_held`) and stored but those of the rejected
 positions (`rejected_rows`: the rows `PoolUndo` would restore).
 
+Greedy on the C runtime (host), steps 2-3 and the first draft are one call: the program's `spec_b<B>`
+(`passes/spec_steps.py`), with step 1's saved rows (its buffers cannot hold a run's writes) and the host's check
+of its acceptance on its logits; the k - 1 recursive drafts stay `draft_b<B>` calls. Sampling, on every device,
+runs verify then draft: the token after the last kept lane is drawn on the host between them.
+
 `draft_tokens="auto"` (the default of `Session.generate` and `run`): k in 0..K chosen per step, 0 a plain
 decode step (`spec_auto.py` states the rule).
 
@@ -45,6 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from v4compile.artifact import spec_name
 from v4compile.errors import InputError
 from v4compile.speculation import Acceptance, accept, check_draft_tokens, draw, probs
 
@@ -102,9 +108,11 @@ class CompiledDraft:
         self._fused: dict[tuple[int, int], str | None] = {}
 
     def fused(self, B: int, k: int = 1) -> str | None:
-        """The cpu device's one-call greedy step for bucket `B` drafting `k` tokens (`codegen/onnx_spec.py`:
-        verify_b<B>, the acceptance and k unrolled copies of draft_b<B> in one ONNX graph, built at first use),
-        or None (the host device, or a partitioned artifact: a verify call, then draft calls)."""
+        """The one-call greedy step for bucket `B` drafting `k` tokens: on the cpu device `codegen/onnx_spec.py`'s
+        (verify_b<B>, the acceptance and k unrolled copies of draft_b<B> in one ONNX graph, built at first use);
+        on the C runtime the program's `spec_b<B>` (`passes/spec_steps.py`: the first draft only, the k - 1
+        recursive ones stay `draft_b<B>` calls); or None (a partitioned artifact, an artifact compiled before
+        `spec_b<B>`: a verify call, then draft calls)."""
         if (B, k) not in self._fused:
             self._fused[B, k] = self._fuse(B, k)
         return self._fused[B, k]
@@ -112,6 +120,9 @@ class CompiledDraft:
     def _fuse(self, B: int, k: int) -> str | None:
         backend = self.s.backend
         vname, dname = f"verify_b{B}", next((f for b, f, _ in self.batch_fns if b == B), None)
+        if getattr(backend, "program", None) is not None:  # the C runtime: the program's own `spec_b<B>`
+            name = spec_name(B)
+            return name if name in backend.functions() and getattr(backend, "ranks", None) is None else None
         target = getattr(backend, "target", None)
         if not hasattr(backend, "built") or target is None or dname is None:
             return None

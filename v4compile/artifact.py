@@ -100,6 +100,19 @@ def draft_name(b: int) -> str:
     return f"draft_b{b}"
 
 
+def spec_name(b: int) -> str:
+    """The one-call greedy speculative step of decode bucket `b` (verify, acceptance, MTP draft: the C runtime's
+    program only; `passes/spec_steps.py`)."""
+    return f"spec_b{b}"
+
+
+def spec_buckets(functions) -> list[int]:
+    """The decode buckets among `functions` (names) with both a verify and an MTP draft function: those whose
+    one-call speculative step the C runtime's program carries."""
+    return sorted(int(n[len("verify_b"):]) for n in functions
+                  if n.startswith("verify_b") and draft_name(int(n[len("verify_b"):])) in functions)
+
+
 def draft_prefill_name(t: int) -> str:
     """The MTP draft function over a prefill chunk of `t` tokens (batch 1)."""
     return f"draft_c{t}"

@@ -219,6 +219,30 @@ def _(x, pos):
     return TensorType((x.shape[0], *x.shape[2:]), x.dtype)
 
 
+@defop("spec_accept(logits, ids, pos) -> next_ids, kept_pos", kernel="spec_accept")
+def spec_accept(logits, ids, pos):
+    """Greedy speculative acceptance between a verify and the MTP block (`speculation.accept` at temperature
+    0, lane by lane): `next_ids` = the argmax of every lane's logits (ties to the lowest id); draft j (lane j's
+    id, j >= 1, pos >= 0) survives while every draft before it did and it equals lane j - 1's argmax;
+    `kept_pos` = pos on lane 0 and the surviving drafts' lanes, -1 elsewhere."""
+    import torch
+
+    best = torch.argmax(logits, dim=-1)
+    match = (best[:, :-1] == ids[:, 1:]) & (pos[:, 1:] >= 0)
+    keep = torch.cat([torch.ones_like(match[:, :1]), torch.cumprod(match.long(), dim=1).bool()], dim=1)
+    return best.to(ids.dtype), torch.where(keep, pos, torch.full_like(pos, -1))
+
+
+@spec_accept.infer
+def _(logits, ids, pos):
+    require(logits.rank == 3 and tuple(ids.shape) == tuple(logits.shape[:2]) == tuple(pos.shape),
+            "spec_accept takes logits [B, T, V] and ids, pos [B, T]", expected=list(logits.shape[:2]),
+            found=[list(ids.shape), list(pos.shape)])
+    require(ids.dtype == pos.dtype == "i64", "spec_accept ids and positions must be i64",
+            found=[ids.dtype, pos.dtype])
+    return TensorType(tuple(ids.shape), "i64"), TensorType(tuple(pos.shape), "i64")
+
+
 @defop("split(x) -> a, b", attrs={"at": int}, view=split_view)
 def split(x, *, at):
     """A view: the last axis cut at `at` (the two outputs of a merged GEMM)."""

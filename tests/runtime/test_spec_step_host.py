@@ -1,0 +1,297 @@
+"""The host device's one-call greedy speculative step: the program's `spec_b<B>` (`passes/spec_steps.py`: verify,
+the `spec_accept` op, the MTP block's draft) against the two-call path (verify, the host's acceptance, then
+`draft_b<B>`), on the C runtime's buffers with the ops' reference kernels (tiny-doc, K = 2).
+
+* one step in the batch-2 bucket from the same pool (sequence 0's drafts right, sequence 1's first wrong):
+  logits, kept lanes, the MTP logits and streams and every pool / state byte after the undo equal the two
+  calls' bit for bit, and the outputs the program executor's (each launch's reference at the program's byte
+  places); an acceptance keeping one lane too many differs;
+* generation, greedy with K drafts (the second a `draft_b<B>` call): the ids (plain decoding's), the acceptance
+  and the pool equal the two-call path's, one `spec_b<B>` call per step, captured once and replayed; the same
+  broken acceptance is refused by the host's check. Sampling keeps verify then draft (the token after the last
+  kept lane is drawn on the host between them): no `spec_b<B>` call, the ids of the path without it;
+* `spec_b<B>` adds no kernel specialisation but the acceptance's, whose Triton kernel the C runtime runs on the
+  program's buffers as the reference (a broken kernel caught).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import v4compile
+from spec_rollback import pool_bytes
+from v4compile import frontend
+from v4compile.artifact import Buckets, load_artifact
+from v4compile.cli.driver import compile_artifact
+from v4compile.ir.registry import get_op
+from v4compile.runtime import speculative as rs
+from v4compile.speculation import accept
+from v4compile.trace import TraceOptions
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NEW = 10
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-doc"
+
+
+@pytest.fixture(scope="module")
+def doc(tmp_path_factory):
+    """tiny-doc (trained: its MTP block's drafts are mostly right) with K = 2 (decode 1, 2; prefill 16): the
+    artifact, two seeded prompts, their plain greedy ids."""
+    fe = frontend.load(str(EXAMPLE), None, None, TraceOptions(numerics="hf", dtype="fp32", capacity=64))
+    art = compile_artifact(fe, tmp_path_factory.mktemp("doc") / "doc", Buckets((1, 2), (16,), draft_tokens=2))
+    prompts = [[int(x) for x in np.random.default_rng(n).integers(0, fe.cfg.vocab_size, n)] for n in (5, 11)]
+    s = v4compile.load(art, device="cpu", threads=1)
+    try:
+        return art, prompts, s.generate(prompts, NEW)
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def host(doc):
+    s = v4compile.load(doc[0], device="host", threads=1, kernels="reference")
+    yield s
+    s.close()
+
+
+def keep_one_too_many(monkeypatch) -> None:
+    """The acceptance's reference keeping the lane after the last surviving draft too (where there is one)."""
+    op = get_op("spec_accept")
+    ref = op.ref
+
+    def broken(logits, ids, pos):
+        best, kept = ref(logits, ids, pos)
+        n = (kept >= 0).sum(1)
+        for b in range(kept.shape[0]):
+            if n[b] < kept.shape[1] and pos[b, n[b]] >= 0:
+                kept[b, n[b]] = pos[b, n[b]]
+        return best, kept
+    monkeypatch.setattr(op, "ref", broken)
+
+
+def one_step(s, seqs, drafts, inputs, fused: bool) -> dict:
+    """One greedy step of `seqs` in the batch-2 bucket: `spec_b2`, or `verify_b2`, the host's acceptance and
+    `draft_b2`; the rejected positions' rows restored either way. Its outputs."""
+    from v4compile.runtime.undo import PoolUndo
+
+    undo = PoolUndo(s.backend, [(q.slot, list(q.blocks), q.length + 1, q.length + 2) for q in seqs])
+    if fused:
+        r = s.backend.run_outputs("spec_b2", inputs)
+        out = {"logits": r["logits"], "kept": r["spec.kept_pos"], "draft.logits": r["draft.logits"],
+               "draft.streams": r["draft.streams"]}
+    else:
+        r = s.backend.run_outputs("verify_b2", inputs)
+        kept, nxt = inputs["pos"].copy(), np.zeros_like(inputs["ids"])
+        for b, d in enumerate(drafts):
+            a, tok = accept(d, r["logits"][b], None, None, 0.0)
+            kept[b, a + 1:] = -1
+            nxt[b, : a + 1] = d[:a] + [tok]
+        out = {"logits": r["logits"], "kept": kept}
+    undo.restore({q.slot: int(k.max()) + 1 for q, k in zip(seqs, out["kept"])})
+    if not fused:
+        out["draft.logits"], out["draft.streams"] = rs.CompiledDraft(s).after_verify(2, r["streams"], nxt, kept, seqs)
+    out["draft.streams"] = np.where(out["kept"][..., None, None] >= 0, out["draft.streams"], 0)  # kept lanes
+    return out
+
+
+def both_steps(s, doc) -> tuple[tuple[dict, dict], tuple[dict, dict], dict]:
+    """`one_step` both ways from the same pool and state (both prompts prefilled plainly; two drafts each:
+    sequence 0's right, sequence 1's first wrong): (outputs, pool and state bytes after) of each, and
+    `executed`'s outputs."""
+    import torch
+
+    from v4compile.runtime.undo import access
+
+    _, prompts, want = doc
+    seqs = [s.open() for _ in prompts]
+    try:
+        for q, p in zip(seqs, prompts):
+            s.extend(q, p)
+        drafts = [want[0][1:3], [(want[1][1] + 1) % s.vocab, want[1][2]]]
+        ids = np.array([[w[0]] + d for w, d in zip(want, drafts)], dtype=np.int64)
+        pos = np.array([np.arange(q.length, q.length + 3) for q in seqs], dtype=np.int64)
+        for q in seqs:
+            s.reserve(q, q.length + 2)
+        table, slot = s.table(seqs, 2)
+        inputs = {"ids": ids, "pos": pos, "block_table": table, "slot": slot}
+        start = pool_bytes(s.backend)
+        got = []
+        for fused in (True, False):
+            for n, a in start.items():
+                access(s.backend).put_rows(n, 0, torch.from_numpy(a.copy()))
+            got.append((one_step(s, seqs, drafts, inputs, fused), pool_bytes(s.backend)))
+        return got[0], got[1], executed(s, inputs, start)
+    finally:
+        for q in seqs:
+            s.release(q)
+
+
+def executed(s, inputs, start) -> dict:
+    """`spec_b2` run by the program executor (`program/execute.py`: each launch's reference on the program's
+    own byte places) from the pool and state `start`: its outputs, the oracle of the C runtime's run."""
+    import torch
+
+    from v4compile.program.execute import Buffers, execute
+
+    f = s.backend.program.functions["spec_b2"]
+    weights = load_artifact(s.art.path).weights()
+    try:
+        return {n: t.numpy() for n, t in execute(f, Buffers(), {**{k: torch.from_numpy(v) for k, v in inputs.items()},
+                                                               **{n: torch.from_numpy(a.copy()) for n, a in start.items()}},
+                                               weights).items()}
+    finally:
+        weights.close()
+
+
+def differences(s, doc) -> list[str]:
+    """What the one-call step gives otherwise than the two calls, and (`executor: ...`) than the executor."""
+    (a, pa), (b, pb), ex = both_steps(s, doc)
+    assert [int((k >= 0).sum()) for k in b["kept"]] == [3, 1]  # both drafts kept; the first rejected
+    oracle = {"logits": ex["logits"], "kept": ex["spec.kept_pos"], "draft.logits": ex["draft.logits"]}
+    return [n for n in b if not np.array_equal(a[n], b[n])] + [n for n in pb if not np.array_equal(pa[n], pb[n])] + \
+        [f"executor: {n}" for n in oracle if not np.array_equal(a[n], oracle[n])]
+
+
+def test_one_call_step_equals_two_calls_bit_for_bit(host, doc, monkeypatch):
+    assert differences(host, doc) == []
+    keep_one_too_many(monkeypatch)
+    bad = differences(host, doc)
+    assert "kept" in bad and "draft.logits" in bad and "pool.main" in bad
+
+
+K = 2
+
+
+def generate(art, prompts, monkeypatch, fused: bool = True, sample: bool = True) -> dict:
+    """In a fresh host session, `generate` speculatively: greedy with K drafts (ids, acceptance rates, the pool and
+    state bytes after but the MTP ring rows of each sequence's last 2K + 1 positions, calls by function), then
+    with `sample` the same prompts sampled (k = 1, temperature 0.8; ids, calls). Those rows differ by design:
+    the one-call step drafts on every step's kept lanes (as the cpu device's), the two calls skip the draft once
+    no sequence wants one (the steps whose end leaves fewer than K tokens to make: at most those positions),
+    rows nothing reads after; `test_one_call_step_equals_two_calls_bit_for_bit` compares them."""
+    from v4compile.runtime.undo import access, written_rows
+
+    s = v4compile.load(art, device="host", threads=1, kernels="reference")
+    calls: Counter = Counter()
+    ended = []
+    run, release = s.backend.run_outputs, s.release
+    got = {}
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(s.backend, "run_outputs", lambda f, i: calls.update([f]) or run(f, i))
+            m.setattr(s, "release", lambda q: ended.append((q.slot, list(q.blocks), q.length)) or release(q))
+            if not fused:
+                m.setattr(rs.CompiledDraft, "fused", lambda self, B, k=1: None)
+            got["ids"] = s.generate(prompts, NEW, speculative="mtp", draft_tokens=K)
+            got["rates"], got["calls"], got["pool"] = s.last_acceptance.rates(), +calls, pool_bytes(s.backend)
+            got["graphs"] = {k: s.backend.rt.stats()[k] for k in ("captures", "replays")}
+            if sample:
+                calls.clear()
+                got["sampled"] = s.generate(prompts, NEW, speculative="mtp", draft_tokens=1, temperature=0.8, seed=3)
+                got["sampled calls"] = +calls
+        store = access(s.backend)
+        layer = int(s.art.manifest["pool"]["n_window_layers"]) - 1  # the MTP block's ring: the last of a slot's
+        pool = got["pool"]
+        for slot, blocks, length in ended[:len(prompts)]:
+            for q in range(length - 2 * K - 1, length):
+                for n, row in written_rows(store.geometry, store, slot, blocks, q, window_layer=layer):
+                    rb = pool[n].nbytes // store.shape(n)[0]
+                    pool[n][row * rb: (row + 1) * rb] = 0
+        return got
+    finally:
+        s.close()
+
+
+def test_generation_one_call_equals_two_calls(doc, monkeypatch):
+    """Greedy: the one-call step's ids, acceptance and pool are the two calls' (and the ids plain decoding's), one
+    `spec_b<B>` a step, captured like decode, and no verify call (the recursive draft a `draft_b<B>` call);
+    sampling: verify then draft as before, the same ids."""
+    art, prompts, want = doc
+    one, two = generate(art, prompts, monkeypatch), generate(art, prompts, monkeypatch, fused=False)
+    assert one["ids"] == two["ids"] == want and one["rates"] == two["rates"]
+    assert 0 < min(one["rates"]) < 1  # accepted and rejected drafts
+    assert [n for n in one["pool"] if not np.array_equal(one["pool"][n], two["pool"][n])] == []
+    c = one["calls"]
+    steps, drafts = c["spec_b2"] + c["spec_b1"], c["draft_b2"] + c["draft_b1"]
+    assert steps > 0 and 0 < drafts <= steps and c["verify_b2"] + c["verify_b1"] == 0
+    assert two["calls"]["spec_b2"] == 0 and two["calls"]["verify_b2"] > 0
+    # the one-call step captured once per bucket and replayed (bit for bit, above); nothing captured before
+    assert one["graphs"] == {"captures": sum(c[f"spec_b{b}"] > 0 for b in (1, 2)), "replays": steps}
+    assert two["graphs"]["captures"] == 0
+    assert one["sampled"] == two["sampled"]
+    assert one["sampled calls"]["spec_b2"] == 0 and one["sampled calls"]["verify_b2"] > 0
+
+
+def test_a_wrong_acceptance_is_refused(doc, monkeypatch):
+    """The acceptance keeping one lane too many: the host's check of `spec_b<B>`'s kept lanes stops the run."""
+    keep_one_too_many(monkeypatch)
+    with pytest.raises(RuntimeError, match="in-graph acceptance disagrees"):
+        generate(doc[0], doc[1], monkeypatch, sample=False)
+
+
+def test_the_step_adds_no_specialisation_but_the_acceptance(doc):
+    """Every launch of `spec_b<B>` but `spec_accept` is one the program's verify or draft functions have (same
+    op, attributes, types and strides: the same compiled kernel on a GPU); the step is verify's launches, the
+    acceptance, then the draft's."""
+    from v4compile.runtime.program_backend import artifact_program
+
+    prog = artifact_program(load_artifact(doc[0]))
+    assert {n for n in prog.functions if n.startswith("spec_")} == {"spec_b1", "spec_b2"}
+    old = {l.specialisation for n, f in prog.functions.items() if not n.startswith("spec_") for l in f.launches}
+    for b in (1, 2):
+        f, v, d = (prog.functions[f"{k}_b{b}"].launches for k in ("spec", "verify", "draft"))
+        assert {l.op for l in f if l.specialisation not in old} == {"spec_accept"}
+        assert [l.op for l in f] == [l.op for l in v] + ["spec_accept"] + [l.op for l in d]
+
+
+def acceptance_kernel_run(doc, broken=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`spec_b2` from a zero pool on two host runtimes: every launch its reference, and the same but the
+    acceptance's Triton kernel (interpreted, bound to the program's buffers by the C runtime). The drafts are
+    the step's own argmax ids (sequence 0's both right, sequence 1's second wrong). (kept lanes of the first,
+    of the second, next ids equal)."""
+    import torch
+
+    from v4compile.codegen.program_kernels import family_specialise
+    from v4compile.runtime.c_backend import CRuntime
+    from v4compile.runtime.kernels import make_kernel_calls
+    from v4compile.runtime.program_backend import artifact_program
+
+    art = load_artifact(doc[0])
+    prog, w = artifact_program(art), art.weights()
+    only = make_kernel_calls(lambda fam: family_specialise(fam) if fam == "spec_accept" else None)
+    rts = [CRuntime(prog, w, "host", functions=["spec_b2"]), CRuntime(prog, w, "host", functions=["spec_b2"],
+                                                                        kernel_calls=only)]
+    try:
+        ids = torch.tensor([[5, 0, 0], [9, 0, 0]], dtype=torch.int64)
+        inputs = {"ids": ids, "pos": torch.arange(3).repeat(2, 1), "slot": torch.tensor([0, 1], dtype=torch.int32),
+                  "block_table": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)}
+        for j in (1, 2):  # each draft the argmax of the lane before it (causal: earlier lanes do not change)
+            ids[:, j] = rts[0].run("spec_b2", inputs)["spec.next_ids"][:, j - 1]
+            rts[0].close()
+            rts[0] = CRuntime(prog, w, "host", functions=["spec_b2"])  # a zero pool again
+        ids[1, 2] = (ids[1, 2] + 1) % art.manifest["vocab_size"]
+        a, b = (rt.run("spec_b2", inputs) for rt in rts)
+        return a["spec.kept_pos"].numpy(), b["spec.kept_pos"].numpy(), bool(torch.equal(a["spec.next_ids"],
+                                                                                          b["spec.next_ids"]))
+    finally:
+        for rt in rts:
+            rt.close()
+        w.close()
+
+
+def test_the_acceptance_kernel_on_the_host_device(doc, monkeypatch, tmp_path):
+    """The C runtime runs `spec_accept`'s Triton kernel on the program's buffers as the reference: the same kept
+    lanes and ids; the kernel comparing each draft with the first lane's argmax differs."""
+    import kernel_check as kc
+    from v4compile.codegen.kernels import spec_accept
+
+    ref, got, same = acceptance_kernel_run(doc)
+    assert ref.tolist() == [[0, 1, 2], [0, 1, -1]] and got.tolist() == ref.tolist() and same
+    kc.install_broken_kernel(monkeypatch, tmp_path, spec_accept, "spec_accept_kernel", "prev = bi", "prev = prev")
+    ref, got, _ = acceptance_kernel_run(doc)
+    assert got.tolist() != ref.tolist()
