@@ -114,8 +114,9 @@ class CRuntime:
         # the host device's check of the copy table's copies and of the steps' writes between them
         # (`copy_check.CopyCheck`); None: unchecked (the GPU devices, or a runtime without copies)
         self.copy_check = None
-        # host device, check mode only (the self-check's layer statistics): called with (function schedule, call
-        # index, launch) after each call the callback ran; never set for the steps users run
+        # host device, check mode only (the self-check's router picks and layer statistics): called with (function
+        # schedule, call index, launch) before / after each call the callback runs; never set for the steps users run
+        self.before_call: Callable | None = None
         self.after_call: Callable | None = None
         self._cb = HOST_KERNEL(self._host_kernel)  # kept alive as long as the runtime
         self.handle = ctypes.c_void_p()
@@ -303,6 +304,8 @@ class CRuntime:
                 raise DeviceError(f"call {cidx} of @{fs.name}: {n} parameters", expected=len(call.params))
             places = [None if params[i] == 0 else self._where(params[i]) for i in range(n)]
             launch = fs.program.launches[fs.launch_of[cidx]]
+            if self.before_call is not None:
+                self.before_call(fs, cidx, launch)
             if call.kernel is None:
                 self._run_reference(launch, call, places)
             else:

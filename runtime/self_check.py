@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from v4compile.golden import read_golden, tolerance
+from v4compile.program.execute import _typed
 
 log = logging.getLogger(__name__)
 
@@ -346,8 +347,11 @@ class ChoiceReader:
     @classmethod
     def attach(cls, sess, g) -> "ChoiceReader | None":
         be = sess.backend
-        if "router_ids" not in g.tensors or getattr(be, "ranks", None) is not None or not hasattr(be, "built") \
-                or getattr(be, "device", None) != "cpu":
+        if "router_ids" not in g.tensors or getattr(be, "ranks", None) is not None:
+            return None
+        if getattr(be, "device", None) == "host" and hasattr(be, "rt"):
+            return HostChoiceReader.attach_host(be)
+        if not hasattr(be, "built") or getattr(be, "device", None) != "cpu":
             return None
         r = cls(be, {})
         inner = be.run_outputs
@@ -393,7 +397,7 @@ class ChoiceReader:
     def router_picks(self, lane_of: dict[int, int], shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
         """The device's router picks (sorted) and their scores, each `[B, P, L, k]` by golden lane, position and
         layer (`shape`: the golden's `router_ids`, `[B, P, L, m]`; pick -1: none seen)."""
-        if not self.seen or not any(self.names.values()):
+        if not any(outs for _, _, outs in self.seen):
             return None
         k = next(v[0] for _, _, o in self.seen for v in o.values()).shape[-1]
         ids = np.full((*shape[:-1], k), -1, dtype=np.int32)
@@ -410,6 +414,93 @@ class ChoiceReader:
                         ids[lane, pos[row][ok], layer] = idx[row][ok]
                         vals[lane, pos[row][ok], layer] = val[row][ok]
         return ids, vals
+
+
+class HostChoiceReader(ChoiceReader):
+    """The host device's router picks during the golden run. Every launch comes back to Python there (graph
+    replays too), so check-mode hooks of the C runtime's callback (`CRuntime.before_call` / `after_call`, set for
+    the golden run only) read each learned router's choice, by the launch's `loc` layer:
+    * a `router` launch (a cpu-target program: the router apart): the picks are its `indices` result as the device
+      wrote them, read after its last call; the scores `s + bias` of those picks are computed with the op's
+      reference from the launch's own operand bytes (`x`, `w`, `bias`) before its first call (the launch writes
+      only the routing weights, not the scores);
+    * a fused launch holding the router (`moe_router_experts_shared`, `moe_mhc_post_pre`: a GPU-target program):
+      the ids never leave the launch, so picks and scores are the router's reference (`moe.selection_scores`,
+      top-k) on that launch's operand bytes (`x`, `gate`, `bias`) before its first call: what the host device runs
+      for the launch's router part (its kernels are the ops' references or their Triton kernels interpreted from
+      the same bytes), not an independent reading of a GPU's registers.
+    Hash-routed layers choose by token id (nothing to compare); the golden records none for them."""
+
+    @classmethod
+    def attach_host(cls, be) -> "HostChoiceReader":
+        r = cls(be, {})
+        rt = be.rt
+        inner = be.run_outputs
+        spans: dict[int, tuple[dict[int, int], dict[int, int]]] = {}  # id(fs) -> (first, last) call per launch
+        now: dict[int, tuple] = {}
+
+        def span(fs):
+            if id(fs) not in spans:
+                first, last = {}, {}
+                for c, li in enumerate(fs.launch_of):
+                    first.setdefault(li, c)
+                    last[li] = c
+                spans[id(fs)] = (first, last)
+            return spans[id(fs)]
+
+        def before(fs, cidx, launch):
+            li = fs.launch_of[cidx]
+            if span(fs)[0][li] == cidx and (got := _router_part(rt, launch)) is not None:
+                now[_router_layer(launch)] = got
+
+        def after(fs, cidx, launch):
+            li = fs.launch_of[cidx]
+            if launch.op != "router" or span(fs)[1][li] != cidx:
+                return
+            layer = _router_layer(launch)
+            if layer not in now:
+                return
+            a = dict(launch.results)["indices"]
+            idx = _typed(rt.views[a.buffer], a).clone().long()
+            scores = now[layer][2]  # the selection scores of every expert, from the launch's operands
+            now[layer] = (idx.numpy(), scores.gather(-1, idx).float().numpy(), None)
+
+        def run_outputs(fname, inputs):
+            now.clear()
+            outs = inner(fname, inputs)
+            if now:
+                r.seen.append((np.asarray(inputs["pos"]), np.asarray(inputs["slot"]),
+                               {layer: (i, v) for layer, (i, v, _) in now.items()}))
+            return outs
+
+        rt.before_call, rt.after_call = before, after
+        be.run_outputs = run_outputs
+        return r
+
+    def detach(self) -> None:
+        self.be.rt.before_call = self.be.rt.after_call = None
+        super().detach()
+
+
+def _router_layer(launch) -> int:
+    return int(launch.loc.split(".")[1])
+
+
+def _router_part(rt, launch) -> tuple | None:
+    """A learned router's choice from a launch's operand bytes (the op's reference): (picks, their scores, every
+    expert's score), or None for a launch without a learned router."""
+    import torch
+
+    from v4compile.ops.moe import selection_scores
+
+    ops = dict(launch.operands)
+    w = ops.get("w") if launch.op == "router" else ops.get("gate")
+    if w is None or ops.get("bias") is None or not launch.loc.startswith("layers."):
+        return None
+    x, w, bias = (_typed(rt.views[a.buffer], a) for a in (ops["x"], w, ops["bias"]))
+    scores = selection_scores(x, w, bias, bool(launch.attrs.get("fp32", False))).float()
+    idx = torch.topk(scores, int(launch.attrs["k"]), dim=-1).indices
+    return idx.numpy(), scores.gather(-1, idx).numpy(), scores
 
 
 def layer_check(sess, g, tol: float) -> tuple[Check, int | None]:

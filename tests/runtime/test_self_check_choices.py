@@ -156,9 +156,39 @@ def test_a_clean_bf16_artifact_passes_its_own_check(tmp_path, monkeypatch, sourc
     with monkeypatch.context() as mp:
         mp.setattr(sc.ChoiceReader, "attach", classmethod(lambda cls, s, g: None))
         assert forged.self_check().passed
+    if preset == "tiny-pro":  # the host device reads its own picks too (its C runtime's check-mode hooks)
+        _on_the_host_device(art, tmp_path / "f", monkeypatch)
     # ... and one that judges every row as if no choice were a near tie fails tiny's clean flipped pick
     if preset == "tiny" and source is None:
         monkeypatch.setattr(sc, "judged_steps", lambda g, B, S, dev=None, bounds=None:
                             (np.ones((B, S), bool), "", [], (0.0, None, None, None)))
         bad = sess.self_check()
         assert not bad.passed and bad.max_error > bad.tolerance
+
+
+def _on_the_host_device(art, forged, monkeypatch):
+    """The host device (the ops' reference kernels: the hooks are under test, the Triton interpreter would add
+    ~30 s) reads its router picks through the C runtime's check-mode hooks: the clean artifact judges rows (17 of
+    32; before: none, each lane's steps ended at its first near tie) and passes; the forged weight fails at layer 2
+    step 0 lane 0 by the router scores (before: passed, no row judged); with the picks ignored it passes again."""
+    from v4compile.runtime import self_check as sc
+
+    def check(a):
+        sess = v4compile.load(a, device="host", kernels="reference")
+        try:
+            r = sess.self_check()
+            assert sess.backend.rt.before_call is None and sess.backend.rt.after_call is None  # hooks gone
+            return r
+        finally:
+            sess.close()
+
+    r = check(art)
+    logits = next(c for c in r.checks if c.name == "logits")
+    choices = next(c for c in r.checks if c.name == "choices")
+    assert r.passed and choices.measured and int(re.match(r"(\d+) of 32 rows", logits.note).group(1)) >= 15, r.lines()
+    bad = check(forged)
+    assert not bad.passed and (bad.first_step, bad.first_lane, bad.first_layer) == (0, 0, 2), bad.lines()
+    assert "router departs" in bad.reason
+    with monkeypatch.context() as mp:
+        mp.setattr(sc.ChoiceReader, "attach", classmethod(lambda cls, s, g: None))
+        assert check(forged).passed
