@@ -542,8 +542,8 @@ def layer_streams(sess, g) -> list | None:
     be = sess.backend
     if getattr(be, "ranks", None) is not None:
         return None
-    if getattr(be, "device", None) == "host" and hasattr(be, "rt"):
-        return _host_streams(sess, be, g)
+    if hasattr(be, "rt"):  # host, hip, cuda: the C runtime's probes
+        return _program_streams(sess, be, g)
     if not hasattr(be, "built"):
         return None
     import onnx
@@ -578,38 +578,42 @@ def layer_streams(sess, g) -> list | None:
         sess.release(s)
 
 
-def _host_streams(sess, be, g) -> list | None:
-    """The host device's streams on prompt 0's first chunk: the C runtime calls back into Python for every
-    launch, so a check-mode hook (`CRuntime.after_call`, set for this one run) copies each stream's launch result
-    (`stream_launches`) when its last call has run, before the arena reuses the bytes."""
-    from v4compile.program.execute import _typed
+def _program_streams(sess, be, g) -> list | None:
+    """The host / hip / cuda device's streams on prompt 0's first chunk, through the C runtime's probe table
+    (`CRuntime.probe_table`, v4rt.h `v4rt_probe_table`): each stream's launch result (`stream_launches`) copied
+    to host memory after that launch's last call, on the runtime's stream in order with the kernels, before the
+    arena reuses the bytes. The prefill chunk runs launch by launch (as prefill always does); the probes are
+    cleared after this one run, so no captured graph ever holds one."""
+    import dataclasses
+
+    import torch
+
+    from .c_backend import PROBE_AFTER
 
     s = sess.open()
     try:
         fname, inputs, _ = sess.prefill_chunk(s, g.prompts[0])
-        watched = stream_launches(be.program.functions[fname])
-        got: dict[int, object] = {}
-        sched = be.rt.sched
-        fs = sched.functions[sched.function_index(fname)]
+        rt = be.rt
+        fs = rt.sched.functions[rt.sched.function_index(fname)]
         last = {li: c for c, li in enumerate(fs.launch_of)}  # a launch's results are complete after its last call
-
-        def after(f, cidx, launch):
-            li = f.launch_of[cidx]
-            if f is fs and li in watched and last[li] == cidx:
-                k, name = watched[li]
-                a = dict(launch.results)[name]
-                got[k] = _typed(be.rt.views[a.buffer], a).clone()
-
-        be.rt.after_call = after
+        probes, args = [], {}
+        for li, (k, name) in stream_launches(be.program.functions[fname]).items():
+            a = dict(fs.program.launches[li].results)[name]
+            first, end = a.extent
+            host = np.zeros(end - first, dtype=np.uint8)
+            probes.append((last[li], PROBE_AFTER, rt.sched.buffer_index(fname, a.buffer), first, host))
+            args[k] = (host, dataclasses.replace(a, offset=a.offset - first))
+        rt.probe_table(fname, probes)
         try:
             be.run_outputs(fname, inputs)
         finally:
-            be.rt.after_call = None
+            rt.probe_table(fname, [])
         found = []
-        for k in range(len(got)):
-            if k not in got:
+        for k in range(len(args)):
+            if k not in args:
                 break
-            found.append(got[k].float())
+            host, a = args[k]
+            found.append(_typed(torch.from_numpy(host), a).float())
         return found or None
     finally:
         sess.release(s)
