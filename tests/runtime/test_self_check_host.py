@@ -1,7 +1,8 @@
-"""The self-check's two device cases (issue 35), as suite tests: a kernel with one deliberate fault on the host
+"""The self-check's device cases (issue 35), as suite tests: a kernel with one deliberate fault on the host
 device (its Triton kernel interpreted: the golden is cut to its prefill, `--golden-new-tokens 1`, recorded in
-golden.json) and a partitioned artifact whose rank 1 loads rank 0's weights. Each shows the same artifact
-passing without the fault."""
+golden.json), a forged weight named by its layer on the host device and on a (fake, computing) GPU through the
+C runtime's probe table, and a partitioned artifact whose rank 1 loads rank 0's weights. Each shows the same
+artifact passing without the fault."""
 
 from __future__ import annotations
 
@@ -112,3 +113,42 @@ def test_a_rank_that_loads_rank_0s_weights_fails(tmp_path):
         clean, bad = got[r]
         assert clean["passed"] and 0 < clean["max_error"] <= clean["tolerance"], clean
         assert not bad["passed"] and bad["first_rank"] is not None and bad["max_error"] > 100 * bad["tolerance"], bad
+
+
+@pytest.mark.parametrize("forged", [False, True], ids=["clean", "forged"])
+def test_a_gpu_device_names_the_forged_layer_through_the_probe_table(host_art, tmp_path, forged):
+    """hip (the fake HIP driver made to compute: each launch runs its op's reference on the fake's memory when the
+    GPU would run it, `Fake.compute`): the run never comes back to Python launch by launch as the host device's
+    does, so the layer statistics come from the C runtime's probe table (each layer's last launch result copied on
+    the stream after that launch). The clean artifact passes; the forged weight fails, named at layer 2 (before:
+    "layers not measured" on hip / cuda)."""
+    from runtime_helpers import Fake, fake_table
+    from test_self_check import _forged
+    from v4compile.runtime.c_backend import CRuntime
+    from v4compile.runtime.program_backend import artifact_weights
+
+    art = _forged(host_art, tmp_path / "f") if forged else host_art
+    sess = v4compile.load(art, device="host", kernels="reference")
+    be = sess.backend
+    try:
+        be.rt.close()
+        fake = Fake("hip")
+        weights = artifact_weights(sess.art, be.program)
+        try:
+            be.rt = CRuntime(be.program, weights, "hip", driver_lib=fake.path, table=fake_table())
+        finally:
+            weights.close()
+        fake.compute(be.rt)
+        be.device = sess.device = "hip"
+        r = sess.self_check()
+        assert fake.counts()["logged"] > 0 and not be.rt._probes.get("prefill_c8")  # ran there; probes cleared
+        if forged:  # broken variant: probes never set, the streams read as the buffers' zeros: not layer 2
+            be.rt.probe_table = lambda fname, probes: None
+            assert sess.self_check().first_layer != 2
+    finally:
+        sess.close()
+    assert r.device == "hip" and r.passed is not forged, r.lines()
+    if forged:
+        assert (r.first_step, r.first_lane, r.first_layer) == (0, 0, 2), r.lines()
+        layers = next(c for c in r.checks if c.name == "layers")
+        assert layers.measured and "layer 2 departs first" in layers.note
