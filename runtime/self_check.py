@@ -13,12 +13,15 @@ Checks, each a line with its measured error beside its tolerance (errors in unit
 * `logits`: the largest |device - golden| over every judged step and lane (top-k form: at the golden's top-k
   ids, and the log-sum-exp). A flipped discrete choice at a near tie (a router / indexer top-k whose golden
   margin is within its rounding bound, `golden.choice_bound`) is rounding, yet moves the logits by more than any
-  rounding bound, so the rows it reaches are not judged. Where the device shows its router picks (the cpu
-  device, `ChoiceReader`), only a pick that actually differs excuses rows, those it reaches (`judged_steps`);
-  elsewhere a lane's steps from its first near-tie choice in the golden on. The compile picks prompts without
-  near ties where a seeded candidate has none (fp32 always has so far; bf16 on random weights never: its check
-  judges about half the rows on cpu, none elsewhere; the line says which rows were left out and their error);
-* `choices` (cpu device): the device's router picks and scores against the golden's wherever no earlier
+  rounding bound, so the rows it reaches are not judged. Where the device shows its router picks (`ChoiceReader`:
+  the cpu device, a check-mode variant of each graph with the router's top-k as extra outputs; the host device,
+  `HostChoiceReader`, check-mode hooks of the C runtime's launch callback), only a pick that actually differs
+  excuses rows, those it reaches (`judged_steps`); elsewhere (hip / cuda: the router sits inside the fused MoE
+  launch, its ids in no buffer; partitioned artifacts) a lane's steps from its first near-tie choice in the
+  golden on. The compile picks prompts without near ties where a seeded candidate has none (fp32 always has so
+  far; bf16 on random weights never: its check judges about half the rows on cpu and host, none on hip / cuda;
+  the line says which rows were left out and their error);
+* `choices` (cpu and host devices): the device's router picks and scores against the golden's wherever no earlier
   differing pick reaches; a score off by more than its layer's `choice_bound`, or a swap of an expert clear of
   its near-tie threshold, fails, naming the layer, step and lane;
 * `greedy ids`: steps whose argmax differs from the golden's id, at every step whose golden top-2 margin exceeds
@@ -26,10 +29,11 @@ Checks, each a line with its measured error beside its tolerance (errors in unit
   steps up to the first near tie; fed the golden's ids, a flip does not carry on, so the later steps compare too;
 * `layers` (on a failure: "with the layer statistics on"): the golden's per-layer fingerprint against the
   device's residual streams on prompt 0's first chunk, naming the first layer that departs. The cpu device
-  shows them (its prefill graph run once more with those values as outputs), the host device too (a check-mode
-  hook of the C runtime's launch callback copies each layer's last launch result); hip / cuda and partitioned
-  artifacts do not yet (their launches never come back to Python: the line says so, and the failure names the
-  step and lane).
+  shows them (its prefill graph run once more with those values as outputs); host, hip and cuda through the C
+  runtime's probe table (`v4rt_probe_table`: each layer's last launch result copied to host memory after that
+  launch, on the stream in order with the kernels, in one uncaptured prefill run; the probes are cleared after
+  it, no captured graph holds one). Partitioned artifacts do not yet (the line says so, and the failure names
+  the rank, step and lane).
 A partitioned artifact: every rank checks its own logits; rank 0's result holds the worst rank's.
 """
 
@@ -336,9 +340,10 @@ def _choices_check(g, dev, flips, worst, sess) -> Check:
 class ChoiceReader:
     """The cpu device's router picks during the golden run: each function is run as a check-mode variant of its
     graph (built at check time, `OrtBackend.built`; the users' graphs are unchanged) whose router TopK indices
-    are extra outputs, recorded with the step's `pos` and `slot`. Other devices: `attach` gives None (host:
-    the C runtime's launches could be read like `_host_streams`, not done yet; hip / cuda: their launches never
-    come back to Python)."""
+    are extra outputs, recorded with the step's `pos` and `slot`. The host device: `HostChoiceReader`. Others:
+    `attach` gives None (hip / cuda: the router is inside the fused MoE launch, its ids in no buffer a probe could
+    copy, and a reference recomputed from the launch's input could pick otherwise than the kernel at a near tie;
+    partitioned artifacts)."""
 
     def __init__(self, be, names: dict[str, dict[int, str]]):
         self.be, self.names = be, names
