@@ -456,13 +456,13 @@ class HostChoiceReader(ChoiceReader):
         def before(fs, cidx, launch):
             li = fs.launch_of[cidx]
             if span(fs)[0][li] == cidx and (got := _router_part(rt, launch)) is not None:
-                now[_router_layer(launch)] = got
+                now[got[0]] = got[1:]
 
         def after(fs, cidx, launch):
             li = fs.launch_of[cidx]
             if launch.op != "router" or span(fs)[1][li] != cidx:
                 return
-            layer = _router_layer(launch)
+            layer = _router_layer(dict(launch.operands)["w"])
             if layer not in now:
                 return
             a = dict(launch.results)["indices"]
@@ -487,25 +487,42 @@ class HostChoiceReader(ChoiceReader):
         super().detach()
 
 
-def _router_layer(launch) -> int:
-    return int(launch.loc.split(".")[1])
+def _router_layer(w) -> int | None:
+    """The decoder layer of a router's weight operand (`layers.<i>.ffn.gate.weight`): a fused launch's `loc` may be
+    the next layer's seam (`moe_mhc_post_pre` and `mhc_moe_mhc` stand at `layers.<i + 1>.attn_hc`)."""
+    parts = w.buffer.split(".")
+    return int(parts[1]) if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit() else None
 
 
 def _router_part(rt, launch) -> tuple | None:
-    """A learned router's choice from a launch's operand bytes (the op's reference): (picks, their scores, every
-    expert's score), or None for a launch without a learned router."""
+    """A learned router's choice from a launch's operand bytes by the reference: (layer, picks, their scores, every
+    expert's score), or None for a launch without a learned router. The router's input: the launch's `x`, or for
+    `mhc_moe_mhc` (the seam before the MoE fused in front of it) that seam's `x` as its reference computes it from
+    the launch's `y`, `streams`, `post`, `comb` and `in_*` operands."""
     import torch
 
+    from v4compile.ops import fused
     from v4compile.ops.moe import selection_scores
 
     ops = dict(launch.operands)
-    w = ops.get("w") if launch.op == "router" else ops.get("gate")
-    if w is None or ops.get("bias") is None or not launch.loc.startswith("layers."):
+    w = ops.get("w") if launch.op == "router" else ops.get("gate") if "route_scale" in launch.attrs else None
+    if w is None or ops.get("bias") is None or (layer := _router_layer(w)) is None:
+        return None  # not a router, a hash-routed layer (chosen by token id), or not a decoder layer's
+    t = {n: _typed(rt.views[a.buffer], a) for n, a in ops.items() if a is not None}
+    if "x" in t:
+        x = t["x"]
+    elif launch.op == "mhc_moe_mhc":
+        seam = ("y", "streams", "post", "comb", "in_fn", "in_base", "in_scale", "in_norm")
+        x = fused.mhc_post_pre.ref(*(t.get(n) for n in seam),
+                                   **{n[len("in_"):]: launch.attrs[n] for n in fused.IN_MHC_ATTRS})[1]
+    else:
+        log.warning("self-check: %s at %s holds a router whose input is not known here: its picks are not read",
+                    launch.op, launch.loc)
         return None
-    x, w, bias = (_typed(rt.views[a.buffer], a) for a in (ops["x"], w, ops["bias"]))
-    scores = selection_scores(x, w, bias, bool(launch.attrs.get("fp32", False))).float()
+    scores = selection_scores(x, t[next(n for n, a in ops.items() if a is w)], t["bias"],
+                              bool(launch.attrs.get("fp32", False))).float()
     idx = torch.topk(scores, int(launch.attrs["k"]), dim=-1).indices
-    return idx.numpy(), scores.gather(-1, idx).numpy(), scores
+    return layer, idx.numpy(), scores.gather(-1, idx).numpy(), scores
 
 
 def layer_check(sess, g, tol: float) -> tuple[Check, int | None]:
