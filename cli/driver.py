@@ -366,7 +366,8 @@ def _write_golden(ci: CompileInputs, tmp: Path, report: dict[str, Any]) -> dict[
                   "router sits inside the fused MoE launch, so there those from each lane's first near-tie router "
                   "/ indexer choice on), the device's router picks and scores against the golden's (cpu, host), "
                   "the per-layer fingerprint of the first prefill chunk on a failure (cpu: extra graph outputs; "
-                  "host, hip, cuda: the C runtime's probe table; not for partitioned artifacts); a fault that "
+                  "host, hip, cuda: the C runtime's probe table, also per rank of a partitioned artifact without "
+                  "--dp); a fault that "
                   "moves no judged logit or router score of these prompts by more than its bound passes unseen"}
     return write_golden(g, tmp)
 

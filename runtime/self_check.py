@@ -32,8 +32,9 @@ Checks, each a line with its measured error beside its tolerance (errors in unit
   shows them (its prefill graph run once more with those values as outputs); host, hip and cuda through the C
   runtime's probe table (`v4rt_probe_table`: each layer's last launch result copied to host memory after that
   launch, on the stream in order with the kernels, in one uncaptured prefill run; the probes are cleared after
-  it, no captured graph holds one). Partitioned artifacts do not yet (the line says so, and the failure names
-  the rank, step and lane).
+  it, no captured graph holds one). A partitioned artifact on host / hip / cuda without data parallelism: when
+  any rank failed, every rank runs that chunk (its collectives need them all) and localises its own streams;
+  on cpu, or with `--dp`, not yet (the line says so, and the failure names the rank, step and lane).
 A partitioned artifact: every rank checks its own logits; rank 0's result holds the worst rank's.
 """
 
@@ -153,6 +154,7 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
         except Exception as e:  # noqa: BLE001 (a device that cannot run the golden fails the check, named)
             step = min((len(v) for v in rows.values()), default=0)
             checks.append(Check("run", 1.0, 0.0, False, f"{type(e).__name__}: {str(e)[:200]}"))
+            _any_rank(sess, False, able=False)  # the other ranks' vote on the layer statistics: not with this one
             return _done(sess, SelfCheckResult(False, device, float("inf"), tol, time.perf_counter() - t0,
                                                tuple(checks), f"the device failed to run the golden: {str(e)[:200]}",
                                                step, tolerance_basis=basis, covers=covers))
@@ -198,21 +200,26 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
                         f"{compared} of {B * S} steps compared; the rest are near ties or not judged" if compared < B * S
                         else f"{compared} steps"))
     first = min(bad + wrong) if bad or wrong else None
+    routed = bool(flips) and (first is None or (flips[0][1], flips[0][0]) < first)  # a choice no rounding explains
+    if routed:
+        first = (flips[0][1], flips[0][0])
     layer = None
-    if flips and (first is None or (flips[0][1], flips[0][0]) < first):  # a choice no rounding explains: a fault
+    # with the layer statistics on (on a failure): the first chunk's streams against the fingerprint. A partitioned
+    # artifact's ranks run that chunk together (its collectives) when any rank failed: each rank its own streams.
+    if _any_rank(sess, first is not None):
+        lc, layer = layer_check(sess, g, tol)
+        checks.append(lc if first is not None else
+                      Check("layers", 0.0, tol, True, "this rank passed (measured for another rank's failure)",
+                            measured=False))
+    else:
+        checks.append(Check("layers", 0.0, tol, True, "measured on a failure only", measured=False))
+    if routed:
         lane, step, layer, _ = flips[0]
-        first = (step, lane)
-        checks.append(layer_check(sess, g, tol)[0])  # the streams too, as for a logits departure
         res = SelfCheckResult(False, device, max_err, tol, time.perf_counter() - t0, tuple(checks),
                               f"the device's router departs from the golden at layer {layer}, step {step}, lane "
                               f"{lane}: {flips[0][3]}",
                               step, lane, layer, tolerance_basis=basis, covers=covers)
         return _done(sess, res)
-    if first is not None:  # with the layer statistics on: the first chunk's streams against the fingerprint
-        lc, layer = layer_check(sess, g, tol)
-        checks.append(lc)
-    else:
-        checks.append(Check("layers", 0.0, tol, True, "measured on a failure only", measured=False))
     res = SelfCheckResult(
         not first, device, max_err, tol, time.perf_counter() - t0, tuple(checks),
         "" if first is None else (f"logits depart by {err[first[1], first[0]]:.3g} of their scale (tolerance "
@@ -324,7 +331,8 @@ def unexplained_swap(ranked: np.ndarray, z: np.ndarray, picked: np.ndarray, k: i
 def _choices_check(g, dev, flips, worst, sess) -> Check:
     if dev is None or "router_ids" not in g.tensors:
         why = ("the golden records no choices (compiled before them)" if "router_ids" not in g.tensors else
-               f"the {sess.device} device does not show its router picks")
+               "a partitioned artifact's router picks are not read" if getattr(sess.backend, "ranks", None)
+               is not None else f"the {sess.device} device does not show its router picks")
         return Check("choices", 0.0, 1.0, True, f"not measured: {why}; near ties end a lane's judged steps",
                      measured=False)
     e, b, s_, layer = worst
@@ -562,10 +570,11 @@ def layer_streams(sess, g) -> list | None:
     import torch
 
     be = sess.backend
-    if getattr(be, "ranks", None) is not None:
-        return None
-    if hasattr(be, "rt"):  # host, hip, cuda: the C runtime's probes
+    ranks = getattr(be, "ranks", None)
+    if hasattr(be, "rt") and (ranks is None or ranks.layout.dp == 1):  # host, hip, cuda: the C runtime's probes
         return _program_streams(sess, be, g)
+    if ranks is not None:  # cpu: its segments' streams are not read; data parallel: prompt 0 is one replica's
+        return None
     if not hasattr(be, "built"):
         return None
     import onnx
@@ -684,6 +693,20 @@ def _stream_candidates(model) -> list[list[str]]:
         i += 1
 
 
+def _any_rank(sess, mine: bool, able: bool = True) -> bool:
+    """Whether any rank of a partitioned artifact wants the layer statistics and every rank can run them (`mine`
+    alone for one process): every rank must agree before a step that runs collectives (a rank whose golden run
+    failed is not able: its collectives may be broken)."""
+    ranks = getattr(sess.backend, "ranks", None)
+    if ranks is None:
+        return mine and able
+    import torch
+
+    flag = torch.tensor([1.0 if mine else 0.0, 0.0 if able else 1.0], dtype=torch.float64)
+    ranks._do("the self-check's layer statistics", ranks.dist.all_reduce, flag)
+    return bool(flag[0].item() > 0 and flag[1].item() == 0)
+
+
 def _done(sess, res: SelfCheckResult) -> SelfCheckResult:
     """Across the ranks of a partitioned artifact: every rank's verdict, rank 0 holding the worst one (the
     failing rank with the lowest number, else the largest error)."""
@@ -693,7 +716,8 @@ def _done(sess, res: SelfCheckResult) -> SelfCheckResult:
     import torch
 
     mine = torch.tensor([0.0 if res.passed else 1.0, min(res.max_error, 1e30), -1 if res.first_step is None
-                         else res.first_step, -1 if res.first_lane is None else res.first_lane], dtype=torch.float64)
+                         else res.first_step, -1 if res.first_lane is None else res.first_lane,
+                         -2 if res.first_layer is None else res.first_layer], dtype=torch.float64)
     parts = [torch.empty_like(mine) for _ in range(ranks.world)]
     ranks._do("the self-check's gather", ranks.dist.all_gather, parts, mine)
     failed = [k for k, p in enumerate(parts) if p[0] > 0]
@@ -701,11 +725,11 @@ def _done(sess, res: SelfCheckResult) -> SelfCheckResult:
     p = parts[worst]
     if worst == ranks.rank:
         return SelfCheckResult(**{**_fields(res), "first_rank": worst if failed else None})
-    step, lane = int(p[2]), int(p[3])
+    step, lane, layer = int(p[2]), int(p[3]), int(p[4])
     return SelfCheckResult(**{**_fields(res), "passed": not failed, "max_error": float(p[1]),
                               "reason": res.reason or f"rank {worst} departs from the golden",
                               "first_step": None if step < 0 else step, "first_lane": None if lane < 0 else lane,
-                              "first_rank": worst if failed else None})
+                              "first_layer": None if layer < -1 else layer, "first_rank": worst if failed else None})
 
 
 def _fields(res: SelfCheckResult) -> dict:

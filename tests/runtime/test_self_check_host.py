@@ -93,7 +93,7 @@ def test_a_forged_weight_is_named_by_its_layer_on_the_host_device(host_art, tmp_
 def test_a_rank_that_loads_rank_0s_weights_fails(tmp_path):
     """tiny (hf, fp32) at tp 2 / ep 2, its golden the layout's reference, checked at 2 gloo ranks: as compiled
     every rank passes; with rank 1 mapping rank 0's weights (its heads and experts the wrong ones) FAILED, on
-    both ranks' results (rank 0 reports the worst rank's)."""
+    both ranks' results (rank 0 reports the worst rank's); on the host device each rank names the layer."""
     import sys
     from pathlib import Path
 
@@ -110,9 +110,14 @@ def test_a_rank_that_loads_rank_0s_weights_fails(tmp_path):
         assert code == 0, f"rank {r}: {err[-2000:]}"
     got = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     for r in range(2):
-        clean, bad = got[r]
+        clean, bad, host = got[r]
         assert clean["passed"] and 0 < clean["max_error"] <= clean["tolerance"], clean
         assert not bad["passed"] and bad["first_rank"] is not None and bad["max_error"] > 100 * bad["tolerance"], bad
+        # the host device's ranks run the first chunk together and each localises its streams (probes): layer 0,
+        # whose heads and experts rank 1 computes with rank 0's weights (before: not measured, no layer)
+        layers = next(c for c in host["checks"] if c["name"] == "layers")
+        assert not host["passed"] and host["first_layer"] == 0 and layers["measured"], host
+        assert layers["note"] == "layer 0 departs first"
 
 
 @pytest.mark.parametrize("forged", [False, True], ids=["clean", "forged"])
