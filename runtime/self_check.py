@@ -432,14 +432,15 @@ class ChoiceReader:
 class HostChoiceReader(ChoiceReader):
     """The host device's router picks during the golden run. Every launch comes back to Python there (graph
     replays too), so check-mode hooks of the C runtime's callback (`CRuntime.before_call` / `after_call`, set for
-    the golden run only) read each learned router's choice, by the launch's `loc` layer:
+    the golden run only) read each learned router's choice, at its gate weight's layer (`_router_layer`):
     * a `router` launch (a cpu-target program: the router apart): the picks are its `indices` result as the device
       wrote them, read after its last call; the scores `s + bias` of those picks are computed with the op's
       reference from the launch's own operand bytes (`x`, `w`, `bias`) before its first call (the launch writes
       only the routing weights, not the scores);
-    * a fused launch holding the router (`moe_router_experts_shared`, `moe_mhc_post_pre`: a GPU-target program):
-      the ids never leave the launch, so picks and scores are the router's reference (`moe.selection_scores`,
-      top-k) on that launch's operand bytes (`x`, `gate`, `bias`) before its first call: what the host device runs
+    * a fused launch holding the router (`moe_router_experts_shared`, `moe_mhc_post_pre`, `mhc_moe_mhc`: a
+      GPU-target program): the ids never leave the launch, so picks and scores are the router's reference
+      (`moe.selection_scores`, top-k) on that launch's operand bytes (`x`, `gate`, `bias`; `mhc_moe_mhc`: its seam's
+      reference gives `x`, `_router_part`) before its first call: what the host device runs
       for the launch's router part (its kernels are the ops' references or their Triton kernels interpreted from
       the same bytes), not an independent reading of a GPU's registers.
     Hash-routed layers choose by token id (nothing to compare); the golden records none for them."""

@@ -6,8 +6,8 @@ tests/runtime/test_self_check_host.py:
 Joins the gloo group once, then runs `Session.self_check()` on the cpu device twice: as compiled, then with the
 planted fault (rank 1 maps rank 0's weights: `Artifact.weights` asked for rank 0 on every rank); then the faulty
 one on the host device (the ops' reference kernels), whose ranks localise the layer through the C runtime's
-probes. Writes `OUT/rank-<r>.json`: each run's `SelfCheckResult.to_json()`. Prints `dist_launch.print_ready`'s line after its
-imports."""
+probes. Writes `OUT/rank-<r>.json`: each run's `SelfCheckResult.to_json()`. Prints `dist_launch.print_ready`'s
+line after its imports."""
 
 from __future__ import annotations
 

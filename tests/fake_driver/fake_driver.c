@@ -29,7 +29,8 @@
  * runtime must not count on it); so is an event or copy on a stream other than the runtime's
  * (INVALID_HANDLE), and, during capture, a pinned allocation or free, or an event record or synchronize.
  * A test may run each launch's kernel through a hook (fake_on_launch) on the fake's memory, so a whole program
- * computes on the fake GPU. The test reads the record through fake_* functions (it loads the same library path, so it shares it):
+ * computes on the fake GPU.
+ * The test reads the record through fake_* functions (it loads the same library path, so it shares it):
  * counts, the copies (fake_copies: by source kind, bytes, synchronisations), the launches (eager and
  * replayed; each with whether it carried cuLaunchKernelEx's programmatic stream serialization attribute, kept
  * through capture into the replays), the attribute calls, and the name of every driver call in order (the
