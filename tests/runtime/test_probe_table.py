@@ -17,6 +17,7 @@ from v4compile.errors import DeviceError
 from v4compile.runtime.c_backend import PROBE_AFTER, PROBE_BEFORE, CRuntime, Probe, load_library
 from v4compile.runtime.self_check import stream_launches
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the ops' references: many tiny torch ops
 F = "prefill"
 
 
