@@ -121,7 +121,7 @@ class Fake:
         """Make the fake GPU compute: each launch of `rt` (a CRuntime on this fake with placeholder calls,
         `fake_table`) runs its op's reference on the fake's memory when the GPU would run it (fake_on_launch),
         through the host device's own callback (`CRuntime._host_kernel`), its call found by order: the calls of
-        the function `rt.launch` issues, from 0, again for each replay of its graph."""
+        the function `rt.launch` issues, from 0, again for each replay of its graph. Closing `rt` removes the hook."""
         import types
 
         at = [0, 0]  # (function, next call)
@@ -138,7 +138,14 @@ class Fake:
             at[1] += 1
             return rt._host_kernel(None, f, c, n, params)
 
+        close = rt.close
+
+        def closed(self_):  # the hook goes with the runtime: a later runtime on this library launches without it
+            self.lib.fake_on_launch(None)
+            close()
+
         rt.launch = types.MethodType(issued, rt)
+        rt.close = types.MethodType(closed, rt)
         rt.fake_exec = self.EXEC(run)  # kept alive as long as the runtime that launches through it
         self.lib.fake_on_launch(rt.fake_exec)
 
