@@ -53,6 +53,17 @@ class Range(ctypes.Structure):
                 ("stride", ctypes.c_int64), ("nbytes", ctypes.c_uint64)]
 
 
+PROBE_AFTER, PROBE_BEFORE = 0, 1  # v4rt.h V4RT_PROBE_*
+
+
+class Probe(ctypes.Structure):
+    """A probe table entry (v4rt.h v4rt_probe): `nbytes` at `offset` of a buffer copied to `host` before or after a
+    call of the function, in its runs launch by launch."""
+    _fields_ = [("call", ctypes.c_uint32), ("when", ctypes.c_uint32), ("buffer", ctypes.c_uint32),
+                ("reserved", ctypes.c_uint32), ("offset", ctypes.c_uint64), ("nbytes", ctypes.c_uint64),
+                ("host", ctypes.c_void_p)]
+
+
 class Stats(ctypes.Structure):
     _fields_ = [("launches", ctypes.c_uint64), ("captures", ctypes.c_uint64), ("replays", ctypes.c_uint64),
                 ("bytes_allocated", ctypes.c_uint64)]
@@ -81,6 +92,7 @@ def load_library(path=None, sanitize: bool = False) -> ctypes.CDLL:
     lib.v4rt_get_stats.argtypes = [c.c_void_p, c.POINTER(Stats)]
     lib.v4rt_copy_table.argtypes = [c.c_void_p, c.c_uint32, c.POINTER(Range)]
     lib.v4rt_copy.argtypes = [c.c_void_p, c.c_uint32, c.c_uint32, c.c_uint64, c.c_uint64, c.c_void_p, c.c_uint64]
+    lib.v4rt_probe_table.argtypes = [c.c_void_p, c.c_uint32, c.c_uint32, c.POINTER(Probe)]
     lib.v4rt_comm_unique_id.argtypes = [c.c_char_p, c.c_char_p, c.c_void_p]
     lib.v4rt_comm_init.argtypes = [c.c_void_p, c.c_char_p, c.c_uint32, c.c_uint32, c.POINTER(c.c_uint32), c.c_void_p]
     if lib.v4rt_abi_version() != ABI_VERSION:
@@ -114,9 +126,11 @@ class CRuntime:
         # the host device's check of the copy table's copies and of the steps' writes between them
         # (`copy_check.CopyCheck`); None: unchecked (the GPU devices, or a runtime without copies)
         self.copy_check = None
-        # host device, check mode only (the self-check's layer statistics): called with (function schedule, call
-        # index, launch) after each call the callback ran; never set for the steps users run
+        # host device, check mode only (the self-check's router picks and layer statistics): called with (function
+        # schedule, call index, launch) before / after each call the callback runs; never set for the steps users run
+        self.before_call: Callable | None = None
         self.after_call: Callable | None = None
+        self._probes: dict[str, list[np.ndarray]] = {}  # each function's probe arrays (`probe_table`), kept alive
         self._cb = HOST_KERNEL(self._host_kernel)  # kept alive as long as the runtime
         self.handle = ctypes.c_void_p()
         rc = self.lib.v4rt_open(abi, device.encode(), driver_lib.encode() if driver_lib else None, self.table,
@@ -212,6 +226,20 @@ class CRuntime:
         if self.copy_check is not None:
             self.copy_check.end()
 
+    def probe_table(self, fname: str, probes: list[tuple[int, int, int, int, np.ndarray]]) -> None:
+        """Set `fname`'s probes (v4rt.h v4rt_probe_table; [] clears them): (call, PROBE_AFTER / PROBE_BEFORE,
+        buffer index, byte offset, host array) each, the array's bytes filled from that range in the function's
+        next runs launch by launch. Check mode only: a graph run of the function is refused while they are set.
+        The arrays are kept alive here until the table is replaced."""
+        for *_, host in probes:
+            if not isinstance(host, np.ndarray) or not host.flags.c_contiguous or not host.flags.writeable:
+                raise InputError("a probe's host side must be a writeable contiguous numpy array")
+        arr = (Probe * max(len(probes), 1))(*[Probe(c, w, b, 0, off, h.nbytes, h.ctypes.data)
+                                             for c, w, b, off, h in probes])
+        self._check(self.lib.v4rt_probe_table(self.handle, self.sched.function_index(fname), len(probes), arr),
+                    f"setting the probes of @{fname}")
+        self._probes[fname] = [h for *_, h in probes]
+
     def buffer(self, fname: str, name: str) -> torch.Tensor:
         """A copy of a function's buffer as raw bytes (pool, state, arena, input, output ...)."""
         return self.read(self.sched.buffer_index(fname, name))
@@ -303,6 +331,8 @@ class CRuntime:
                 raise DeviceError(f"call {cidx} of @{fs.name}: {n} parameters", expected=len(call.params))
             places = [None if params[i] == 0 else self._where(params[i]) for i in range(n)]
             launch = fs.program.launches[fs.launch_of[cidx]]
+            if self.before_call is not None:
+                self.before_call(fs, cidx, launch)
             if call.kernel is None:
                 self._run_reference(launch, call, places)
             else:

@@ -13,12 +13,15 @@ Checks, each a line with its measured error beside its tolerance (errors in unit
 * `logits`: the largest |device - golden| over every judged step and lane (top-k form: at the golden's top-k
   ids, and the log-sum-exp). A flipped discrete choice at a near tie (a router / indexer top-k whose golden
   margin is within its rounding bound, `golden.choice_bound`) is rounding, yet moves the logits by more than any
-  rounding bound, so the rows it reaches are not judged. Where the device shows its router picks (the cpu
-  device, `ChoiceReader`), only a pick that actually differs excuses rows, those it reaches (`judged_steps`);
-  elsewhere a lane's steps from its first near-tie choice in the golden on. The compile picks prompts without
-  near ties where a seeded candidate has none (fp32 always has so far; bf16 on random weights never: its check
-  judges about half the rows on cpu, none elsewhere; the line says which rows were left out and their error);
-* `choices` (cpu device): the device's router picks and scores against the golden's wherever no earlier
+  rounding bound, so the rows it reaches are not judged. Where the device shows its router picks (`ChoiceReader`:
+  the cpu device, a check-mode variant of each graph with the router's top-k as extra outputs; the host device,
+  `HostChoiceReader`, check-mode hooks of the C runtime's launch callback), only a pick that actually differs
+  excuses rows, those it reaches (`judged_steps`); elsewhere (hip / cuda: the router sits inside the fused MoE
+  launch, its ids in no buffer; partitioned artifacts) a lane's steps from its first near-tie choice in the
+  golden on. The compile picks prompts without near ties where a seeded candidate has none (fp32 always has so
+  far; bf16 on random weights never: its check judges about half the rows on cpu and host, none on hip / cuda;
+  the line says which rows were left out and their error);
+* `choices` (cpu and host devices): the device's router picks and scores against the golden's wherever no earlier
   differing pick reaches; a score off by more than its layer's `choice_bound`, or a swap of an expert clear of
   its near-tie threshold, fails, naming the layer, step and lane;
 * `greedy ids`: steps whose argmax differs from the golden's id, at every step whose golden top-2 margin exceeds
@@ -26,10 +29,12 @@ Checks, each a line with its measured error beside its tolerance (errors in unit
   steps up to the first near tie; fed the golden's ids, a flip does not carry on, so the later steps compare too;
 * `layers` (on a failure: "with the layer statistics on"): the golden's per-layer fingerprint against the
   device's residual streams on prompt 0's first chunk, naming the first layer that departs. The cpu device
-  shows them (its prefill graph run once more with those values as outputs), the host device too (a check-mode
-  hook of the C runtime's launch callback copies each layer's last launch result); hip / cuda and partitioned
-  artifacts do not yet (their launches never come back to Python: the line says so, and the failure names the
-  step and lane).
+  shows them (its prefill graph run once more with those values as outputs); host, hip and cuda through the C
+  runtime's probe table (`v4rt_probe_table`: each layer's last launch result copied to host memory after that
+  launch, on the stream in order with the kernels, in one uncaptured prefill run; the probes are cleared after
+  it, no captured graph holds one). A partitioned artifact on host / hip / cuda without data parallelism: when
+  any rank failed, every rank runs that chunk (its collectives need them all) and localises its own streams;
+  on cpu, or with `--dp`, not yet (the line says so, and the failure names the rank, step and lane).
 A partitioned artifact: every rank checks its own logits; rank 0's result holds the worst rank's.
 """
 
@@ -42,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from v4compile.golden import read_golden, tolerance
+from v4compile.program.execute import _typed
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +154,7 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
         except Exception as e:  # noqa: BLE001 (a device that cannot run the golden fails the check, named)
             step = min((len(v) for v in rows.values()), default=0)
             checks.append(Check("run", 1.0, 0.0, False, f"{type(e).__name__}: {str(e)[:200]}"))
+            _any_rank(sess, False, able=False)  # the other ranks' vote on the layer statistics: not with this one
             return _done(sess, SelfCheckResult(False, device, float("inf"), tol, time.perf_counter() - t0,
                                                tuple(checks), f"the device failed to run the golden: {str(e)[:200]}",
                                                step, tolerance_basis=basis, covers=covers))
@@ -193,21 +200,26 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
                         f"{compared} of {B * S} steps compared; the rest are near ties or not judged" if compared < B * S
                         else f"{compared} steps"))
     first = min(bad + wrong) if bad or wrong else None
+    routed = bool(flips) and (first is None or (flips[0][1], flips[0][0]) < first)  # a choice no rounding explains
+    if routed:
+        first = (flips[0][1], flips[0][0])
     layer = None
-    if flips and (first is None or (flips[0][1], flips[0][0]) < first):  # a choice no rounding explains: a fault
+    # with the layer statistics on (on a failure): the first chunk's streams against the fingerprint. A partitioned
+    # artifact's ranks run that chunk together (its collectives) when any rank failed: each rank its own streams.
+    if _any_rank(sess, first is not None):
+        lc, layer = layer_check(sess, g, tol)
+        checks.append(lc if first is not None else
+                      Check("layers", 0.0, tol, True, "this rank passed (measured for another rank's failure)",
+                            measured=False))
+    else:
+        checks.append(Check("layers", 0.0, tol, True, "measured on a failure only", measured=False))
+    if routed:
         lane, step, layer, _ = flips[0]
-        first = (step, lane)
-        checks.append(layer_check(sess, g, tol)[0])  # the streams too, as for a logits departure
         res = SelfCheckResult(False, device, max_err, tol, time.perf_counter() - t0, tuple(checks),
                               f"the device's router departs from the golden at layer {layer}, step {step}, lane "
                               f"{lane}: {flips[0][3]}",
                               step, lane, layer, tolerance_basis=basis, covers=covers)
         return _done(sess, res)
-    if first is not None:  # with the layer statistics on: the first chunk's streams against the fingerprint
-        lc, layer = layer_check(sess, g, tol)
-        checks.append(lc)
-    else:
-        checks.append(Check("layers", 0.0, tol, True, "measured on a failure only", measured=False))
     res = SelfCheckResult(
         not first, device, max_err, tol, time.perf_counter() - t0, tuple(checks),
         "" if first is None else (f"logits depart by {err[first[1], first[0]]:.3g} of their scale (tolerance "
@@ -319,7 +331,8 @@ def unexplained_swap(ranked: np.ndarray, z: np.ndarray, picked: np.ndarray, k: i
 def _choices_check(g, dev, flips, worst, sess) -> Check:
     if dev is None or "router_ids" not in g.tensors:
         why = ("the golden records no choices (compiled before them)" if "router_ids" not in g.tensors else
-               f"the {sess.device} device does not show its router picks")
+               "a partitioned artifact's router picks are not read" if getattr(sess.backend, "ranks", None)
+               is not None else f"the {sess.device} device does not show its router picks")
         return Check("choices", 0.0, 1.0, True, f"not measured: {why}; near ties end a lane's judged steps",
                      measured=False)
     e, b, s_, layer = worst
@@ -335,9 +348,10 @@ def _choices_check(g, dev, flips, worst, sess) -> Check:
 class ChoiceReader:
     """The cpu device's router picks during the golden run: each function is run as a check-mode variant of its
     graph (built at check time, `OrtBackend.built`; the users' graphs are unchanged) whose router TopK indices
-    are extra outputs, recorded with the step's `pos` and `slot`. Other devices: `attach` gives None (host:
-    the C runtime's launches could be read like `_host_streams`, not done yet; hip / cuda: their launches never
-    come back to Python)."""
+    are extra outputs, recorded with the step's `pos` and `slot`. The host device: `HostChoiceReader`. Others:
+    `attach` gives None (hip / cuda: the router is inside the fused MoE launch, its ids in no buffer a probe could
+    copy, and a reference recomputed from the launch's input could pick otherwise than the kernel at a near tie;
+    partitioned artifacts)."""
 
     def __init__(self, be, names: dict[str, dict[int, str]]):
         self.be, self.names = be, names
@@ -346,8 +360,11 @@ class ChoiceReader:
     @classmethod
     def attach(cls, sess, g) -> "ChoiceReader | None":
         be = sess.backend
-        if "router_ids" not in g.tensors or getattr(be, "ranks", None) is not None or not hasattr(be, "built") \
-                or getattr(be, "device", None) != "cpu":
+        if "router_ids" not in g.tensors or getattr(be, "ranks", None) is not None:
+            return None
+        if getattr(be, "device", None) == "host" and hasattr(be, "rt"):
+            return HostChoiceReader.attach_host(be)
+        if not hasattr(be, "built") or getattr(be, "device", None) != "cpu":
             return None
         r = cls(be, {})
         inner = be.run_outputs
@@ -393,7 +410,7 @@ class ChoiceReader:
     def router_picks(self, lane_of: dict[int, int], shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
         """The device's router picks (sorted) and their scores, each `[B, P, L, k]` by golden lane, position and
         layer (`shape`: the golden's `router_ids`, `[B, P, L, m]`; pick -1: none seen)."""
-        if not self.seen or not any(self.names.values()):
+        if not any(outs for _, _, outs in self.seen):
             return None
         k = next(v[0] for _, _, o in self.seen for v in o.values()).shape[-1]
         ids = np.full((*shape[:-1], k), -1, dtype=np.int32)
@@ -410,6 +427,111 @@ class ChoiceReader:
                         ids[lane, pos[row][ok], layer] = idx[row][ok]
                         vals[lane, pos[row][ok], layer] = val[row][ok]
         return ids, vals
+
+
+class HostChoiceReader(ChoiceReader):
+    """The host device's router picks during the golden run. Every launch comes back to Python there (graph
+    replays too), so check-mode hooks of the C runtime's callback (`CRuntime.before_call` / `after_call`, set for
+    the golden run only) read each learned router's choice, at its gate weight's layer (`_router_layer`):
+    * a `router` launch (a cpu-target program: the router apart): the picks are its `indices` result as the device
+      wrote them, read after its last call; the scores `s + bias` of those picks are computed with the op's
+      reference from the launch's own operand bytes (`x`, `w`, `bias`) before its first call (the launch writes
+      only the routing weights, not the scores);
+    * a fused launch holding the router (`moe_router_experts_shared`, `moe_mhc_post_pre`, `mhc_moe_mhc`: a
+      GPU-target program): the ids never leave the launch, so picks and scores are the router's reference
+      (`moe.selection_scores`, top-k) on that launch's operand bytes (`x`, `gate`, `bias`; `mhc_moe_mhc`: its seam's
+      reference gives `x`, `_router_part`) before its first call: what the host device runs
+      for the launch's router part (its kernels are the ops' references or their Triton kernels interpreted from
+      the same bytes), not an independent reading of a GPU's registers.
+    Hash-routed layers choose by token id (nothing to compare); the golden records none for them."""
+
+    @classmethod
+    def attach_host(cls, be) -> "HostChoiceReader":
+        r = cls(be, {})
+        rt = be.rt
+        inner = be.run_outputs
+        spans: dict[int, tuple[dict[int, int], dict[int, int]]] = {}  # id(fs) -> (first, last) call per launch
+        now: dict[int, tuple] = {}
+
+        def span(fs):
+            if id(fs) not in spans:
+                first, last = {}, {}
+                for c, li in enumerate(fs.launch_of):
+                    first.setdefault(li, c)
+                    last[li] = c
+                spans[id(fs)] = (first, last)
+            return spans[id(fs)]
+
+        def before(fs, cidx, launch):
+            li = fs.launch_of[cidx]
+            if span(fs)[0][li] == cidx and (got := _router_part(rt, launch)) is not None:
+                now[got[0]] = got[1:]
+
+        def after(fs, cidx, launch):
+            li = fs.launch_of[cidx]
+            if launch.op != "router" or span(fs)[1][li] != cidx:
+                return
+            layer = _router_layer(dict(launch.operands)["w"])
+            if layer not in now:
+                return
+            a = dict(launch.results)["indices"]
+            idx = _typed(rt.views[a.buffer], a).clone().long()
+            scores = now[layer][2]  # the selection scores of every expert, from the launch's operands
+            now[layer] = (idx.numpy(), scores.gather(-1, idx).float().numpy(), None)
+
+        def run_outputs(fname, inputs):
+            now.clear()
+            outs = inner(fname, inputs)
+            if now:
+                r.seen.append((np.asarray(inputs["pos"]), np.asarray(inputs["slot"]),
+                               {layer: (i, v) for layer, (i, v, _) in now.items()}))
+            return outs
+
+        rt.before_call, rt.after_call = before, after
+        be.run_outputs = run_outputs
+        return r
+
+    def detach(self) -> None:
+        self.be.rt.before_call = self.be.rt.after_call = None
+        super().detach()
+
+
+def _router_layer(w) -> int | None:
+    """The decoder layer of a router's weight operand (`layers.<i>.ffn.gate.weight`): a fused launch's `loc` may be
+    the next layer's seam (`moe_mhc_post_pre` and `mhc_moe_mhc` stand at `layers.<i + 1>.attn_hc`)."""
+    parts = w.buffer.split(".")
+    return int(parts[1]) if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit() else None
+
+
+def _router_part(rt, launch) -> tuple | None:
+    """A learned router's choice from a launch's operand bytes by the reference: (layer, picks, their scores, every
+    expert's score), or None for a launch without a learned router. The router's input: the launch's `x`, or for
+    `mhc_moe_mhc` (the seam before the MoE fused in front of it) that seam's `x` as its reference computes it from
+    the launch's `y`, `streams`, `post`, `comb` and `in_*` operands."""
+    import torch
+
+    from v4compile.ops import fused
+    from v4compile.ops.moe import selection_scores
+
+    ops = dict(launch.operands)
+    w = ops.get("w") if launch.op == "router" else ops.get("gate") if "route_scale" in launch.attrs else None
+    if w is None or ops.get("bias") is None or (layer := _router_layer(w)) is None:
+        return None  # not a router, a hash-routed layer (chosen by token id), or not a decoder layer's
+    t = {n: _typed(rt.views[a.buffer], a) for n, a in ops.items() if a is not None}
+    if "x" in t:
+        x = t["x"]
+    elif launch.op == "mhc_moe_mhc":
+        seam = ("y", "streams", "post", "comb", "in_fn", "in_base", "in_scale", "in_norm")
+        x = fused.mhc_post_pre.ref(*(t.get(n) for n in seam),
+                                   **{n[len("in_"):]: launch.attrs[n] for n in fused.IN_MHC_ATTRS})[1]
+    else:
+        log.warning("self-check: %s at %s holds a router whose input is not known here: its picks are not read",
+                    launch.op, launch.loc)
+        return None
+    scores = selection_scores(x, t[next(n for n, a in ops.items() if a is w)], t["bias"],
+                              bool(launch.attrs.get("fp32", False))).float()
+    idx = torch.topk(scores, int(launch.attrs["k"]), dim=-1).indices
+    return layer, idx.numpy(), scores.gather(-1, idx).numpy(), scores
 
 
 def layer_check(sess, g, tol: float) -> tuple[Check, int | None]:
@@ -449,10 +571,11 @@ def layer_streams(sess, g) -> list | None:
     import torch
 
     be = sess.backend
-    if getattr(be, "ranks", None) is not None:
+    ranks = getattr(be, "ranks", None)
+    if hasattr(be, "rt") and (ranks is None or ranks.layout.dp == 1):  # host, hip, cuda: the C runtime's probes
+        return _program_streams(sess, be, g)
+    if ranks is not None:  # cpu: its segments' streams are not read; data parallel: prompt 0 is one replica's
         return None
-    if getattr(be, "device", None) == "host" and hasattr(be, "rt"):
-        return _host_streams(sess, be, g)
     if not hasattr(be, "built"):
         return None
     import onnx
@@ -487,38 +610,42 @@ def layer_streams(sess, g) -> list | None:
         sess.release(s)
 
 
-def _host_streams(sess, be, g) -> list | None:
-    """The host device's streams on prompt 0's first chunk: the C runtime calls back into Python for every
-    launch, so a check-mode hook (`CRuntime.after_call`, set for this one run) copies each stream's launch result
-    (`stream_launches`) when its last call has run, before the arena reuses the bytes."""
-    from v4compile.program.execute import _typed
+def _program_streams(sess, be, g) -> list | None:
+    """The host / hip / cuda device's streams on prompt 0's first chunk, through the C runtime's probe table
+    (`CRuntime.probe_table`, v4rt.h `v4rt_probe_table`): each stream's launch result (`stream_launches`) copied
+    to host memory after that launch's last call, on the runtime's stream in order with the kernels, before the
+    arena reuses the bytes. The prefill chunk runs launch by launch (as prefill always does); the probes are
+    cleared after this one run, so no captured graph ever holds one."""
+    import dataclasses
+
+    import torch
+
+    from .c_backend import PROBE_AFTER
 
     s = sess.open()
     try:
         fname, inputs, _ = sess.prefill_chunk(s, g.prompts[0])
-        watched = stream_launches(be.program.functions[fname])
-        got: dict[int, object] = {}
-        sched = be.rt.sched
-        fs = sched.functions[sched.function_index(fname)]
+        rt = be.rt
+        fs = rt.sched.functions[rt.sched.function_index(fname)]
         last = {li: c for c, li in enumerate(fs.launch_of)}  # a launch's results are complete after its last call
-
-        def after(f, cidx, launch):
-            li = f.launch_of[cidx]
-            if f is fs and li in watched and last[li] == cidx:
-                k, name = watched[li]
-                a = dict(launch.results)[name]
-                got[k] = _typed(be.rt.views[a.buffer], a).clone()
-
-        be.rt.after_call = after
+        probes, args = [], {}
+        for li, (k, name) in stream_launches(be.program.functions[fname]).items():
+            a = dict(fs.program.launches[li].results)[name]
+            first, end = a.extent
+            host = np.zeros(end - first, dtype=np.uint8)
+            probes.append((last[li], PROBE_AFTER, rt.sched.buffer_index(fname, a.buffer), first, host))
+            args[k] = (host, dataclasses.replace(a, offset=a.offset - first))
+        rt.probe_table(fname, probes)
         try:
             be.run_outputs(fname, inputs)
         finally:
-            be.rt.after_call = None
+            rt.probe_table(fname, [])
         found = []
-        for k in range(len(got)):
-            if k not in got:
+        for k in range(len(args)):
+            if k not in args:
                 break
-            found.append(got[k].float())
+            host, a = args[k]
+            found.append(_typed(torch.from_numpy(host), a).float())
         return found or None
     finally:
         sess.release(s)
@@ -567,6 +694,20 @@ def _stream_candidates(model) -> list[list[str]]:
         i += 1
 
 
+def _any_rank(sess, mine: bool, able: bool = True) -> bool:
+    """Whether any rank of a partitioned artifact wants the layer statistics and every rank can run them (`mine`
+    alone for one process): every rank must agree before a step that runs collectives (a rank whose golden run
+    failed is not able: its collectives may be broken)."""
+    ranks = getattr(sess.backend, "ranks", None)
+    if ranks is None:
+        return mine and able
+    import torch
+
+    flag = torch.tensor([1.0 if mine else 0.0, 0.0 if able else 1.0], dtype=torch.float64)
+    ranks._do("the self-check's layer statistics", ranks.dist.all_reduce, flag)
+    return bool(flag[0].item() > 0 and flag[1].item() == 0)
+
+
 def _done(sess, res: SelfCheckResult) -> SelfCheckResult:
     """Across the ranks of a partitioned artifact: every rank's verdict, rank 0 holding the worst one (the
     failing rank with the lowest number, else the largest error)."""
@@ -576,7 +717,8 @@ def _done(sess, res: SelfCheckResult) -> SelfCheckResult:
     import torch
 
     mine = torch.tensor([0.0 if res.passed else 1.0, min(res.max_error, 1e30), -1 if res.first_step is None
-                         else res.first_step, -1 if res.first_lane is None else res.first_lane], dtype=torch.float64)
+                         else res.first_step, -1 if res.first_lane is None else res.first_lane,
+                         -2 if res.first_layer is None else res.first_layer], dtype=torch.float64)
     parts = [torch.empty_like(mine) for _ in range(ranks.world)]
     ranks._do("the self-check's gather", ranks.dist.all_gather, parts, mine)
     failed = [k for k, p in enumerate(parts) if p[0] > 0]
@@ -584,11 +726,11 @@ def _done(sess, res: SelfCheckResult) -> SelfCheckResult:
     p = parts[worst]
     if worst == ranks.rank:
         return SelfCheckResult(**{**_fields(res), "first_rank": worst if failed else None})
-    step, lane = int(p[2]), int(p[3])
+    step, lane, layer = int(p[2]), int(p[3]), int(p[4])
     return SelfCheckResult(**{**_fields(res), "passed": not failed, "max_error": float(p[1]),
                               "reason": res.reason or f"rank {worst} departs from the golden",
                               "first_step": None if step < 0 else step, "first_lane": None if lane < 0 else lane,
-                              "first_rank": worst if failed else None})
+                              "first_layer": None if layer < -1 else layer, "first_rank": worst if failed else None})
 
 
 def _fields(res: SelfCheckResult) -> dict:

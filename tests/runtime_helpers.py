@@ -115,6 +115,40 @@ class Fake:
         self.lib.fake_launch_module.argtypes = [ctypes.c_long, ctypes.c_char_p]
         self.lib.fake_reset()
 
+    EXEC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64))
+
+    def compute(self, rt) -> None:
+        """Make the fake GPU compute: each launch of `rt` (a CRuntime on this fake with placeholder calls,
+        `fake_table`) runs its op's reference on the fake's memory when the GPU would run it (fake_on_launch),
+        through the host device's own callback (`CRuntime._host_kernel`), its call found by order: the calls of
+        the function `rt.launch` issues, from 0, again for each replay of its graph. Closing `rt` removes the hook."""
+        import types
+
+        at = [0, 0]  # (function, next call)
+        rt.views = {k: torch.frombuffer((ctypes.c_uint8 * max(n, 1)).from_address(a), dtype=torch.uint8)[:n]
+                    for k, a, n in zip(rt.sched.buffer_names, rt.addr, rt.sched.buffer_bytes)}
+        launch = rt.launch
+
+        def issued(self_, fname, graph=False):
+            at[:] = [rt.sched.function_index(fname), 0]
+            launch(fname, graph)
+
+        def run(n, params):
+            f, c = at
+            at[1] += 1
+            return rt._host_kernel(None, f, c, n, params)
+
+        close = rt.close
+
+        def closed(self_):  # the hook goes with the runtime: a later runtime on this library launches without it
+            self.lib.fake_on_launch(None)
+            close()
+
+        rt.launch = types.MethodType(issued, rt)
+        rt.close = types.MethodType(closed, rt)
+        rt.fake_exec = self.EXEC(run)  # kept alive as long as the runtime that launches through it
+        self.lib.fake_on_launch(rt.fake_exec)
+
     def fail(self, what: str, n: int) -> None:
         """Make the n-th (1-based) call of one kind fail (see fake_driver.c)."""
         assert self.lib.fake_fail(what.encode(), n) == 0, f"the fake driver cannot fail '{what}'"

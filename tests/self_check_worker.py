@@ -4,9 +4,10 @@ tests/runtime/test_self_check_host.py:
     python self_check_worker.py OUT ART
 
 Joins the gloo group once, then runs `Session.self_check()` on the cpu device twice: as compiled, then with the
-planted fault (rank 1 maps rank 0's weights: `Artifact.weights` asked for rank 0 on every rank). Writes
-`OUT/rank-<r>.json`: each run's `SelfCheckResult.to_json()`. Prints `dist_launch.print_ready`'s line after its
-imports."""
+planted fault (rank 1 maps rank 0's weights: `Artifact.weights` asked for rank 0 on every rank); then the faulty
+one on the host device (the ops' reference kernels), whose ranks localise the layer through the C runtime's
+probes. Writes `OUT/rank-<r>.json`: each run's `SelfCheckResult.to_json()`. Prints `dist_launch.print_ready`'s
+line after its imports."""
 
 from __future__ import annotations
 
@@ -33,10 +34,11 @@ def main(out: Path, art: str) -> int:
     res = []
     by_rank = Artifact.weights
     try:
-        for fault in (False, True):
+        for device, fault in (("cpu", False), ("cpu", True), ("host", True)):
             if fault:
                 Artifact.weights = lambda self, rank=0: by_rank(self, 0)
-            sess = v4compile.load(art, device="cpu", threads=1)
+            sess = (v4compile.load(art, device="cpu", threads=1) if device == "cpu" else
+                    v4compile.load(art, device="host", kernels="reference"))
             res.append(sess.self_check().to_json())
             sess.close()
     finally:

@@ -69,6 +69,8 @@ typedef struct {
     uint32_t n_calls;
     call_t *calls;
     void *graph;
+    v4rt_probe *probes; /* v4rt_probe_table: check-mode copies around its calls (uncaptured runs only) */
+    uint32_t n_probes;
 } func_t;
 
 typedef struct {
@@ -149,6 +151,7 @@ static void release(v4rt *rt) {
                     free(fn->calls[c].param);
                 }
             free(fn->calls);
+            free(fn->probes);
         }
     }
     if (rt->buffers && rt->drv_open)
@@ -485,23 +488,41 @@ v4rt_status v4rt_read(v4rt *rt, uint32_t buffer, uint64_t offset, void *dst, uin
     return rt->drv.d2h(&rt->drv, dst, rt->buffers[buffer].addr + offset, nbytes) ? V4RT_E_LAUNCH : V4RT_OK;
 }
 
+/* The probes of function f at call c, `when` it runs: each range copied to host memory on the stream (d2h: in
+ * order with the kernels, landed when it returns). */
+static v4rt_status probe(v4rt *rt, uint32_t f, uint32_t c, uint32_t when) {
+    const func_t *fn = &rt->functions[f];
+    for (uint32_t i = 0; i < fn->n_probes; i++) {
+        const v4rt_probe *p = &fn->probes[i];
+        if (p->call != c || p->when != when) continue;
+        if (rt->drv.d2h(&rt->drv, p->host, rt->buffers[p->buffer].addr + p->offset, p->nbytes)) {
+            wrap_err("function %u call %u: probe %u (buffer %u, %llu bytes)", f, c, i, p->buffer,
+                     (unsigned long long)p->nbytes);
+            return V4RT_E_LAUNCH;
+        }
+    }
+    return V4RT_OK;
+}
+
 static v4rt_status issue(v4rt *rt, uint32_t f) {
     func_t *fn = &rt->functions[f];
     for (uint32_t c = 0; c < fn->n_calls; c++) {
         call_t *k = &fn->calls[c];
         uint64_t tag = ((uint64_t)f << 32) | c;
+        v4rt_status ps = fn->n_probes ? probe(rt, f, c, V4RT_PROBE_BEFORE) : V4RT_OK;
+        if (ps) return ps;
         if (k->code == V4RT_COLLECTIVE) {
             if (rt->drv.collective(&rt->drv, k->symbol, k->grid[0], k->grid[1], k->shared, k->param[0], k->param[1],
                                    tag)) {
                 wrap_err("function %u call %u (%s over %u ranks): collective failed", f, c, k->symbol, k->grid[0]);
                 return V4RT_E_LAUNCH;
             }
-            continue;
-        }
-        if (rt->drv.launch(&rt->drv, k->fn, k->grid, k->block, k->shared, k->n_params, k->param, tag, k->flags)) {
+        } else if (rt->drv.launch(&rt->drv, k->fn, k->grid, k->block, k->shared, k->n_params, k->param, tag,
+                                  k->flags)) {
             wrap_err("function %u call %u (%s): launch failed", f, c, k->symbol);
             return V4RT_E_LAUNCH;
         }
+        if (fn->n_probes && (ps = probe(rt, f, c, V4RT_PROBE_AFTER))) return ps;
     }
     return V4RT_OK;
 }
@@ -514,6 +535,11 @@ v4rt_status v4rt_run(v4rt *rt, uint32_t function, int graph) {
     func_t *fn = &rt->functions[function];
     v4rt_status bt = bind_thread(rt);
     if (bt) return bt;
+    if (graph && fn->n_probes) {
+        v4rt_seterr("function %u has %u probes: probes are made in runs launch by launch only, never in a graph",
+                    function, fn->n_probes);
+        return V4RT_E_ARG;
+    }
     if (!graph) {
         v4rt_status st = issue(rt, function);
         if (st == V4RT_OK) rt->stats.launches += fn->n_calls;
@@ -683,5 +709,37 @@ v4rt_status v4rt_copy(v4rt *rt, uint32_t kind, uint32_t group, uint64_t index, u
         }
         if (h) h += r->nbytes;
     }
+    return V4RT_OK;
+}
+
+v4rt_status v4rt_probe_table(v4rt *rt, uint32_t function, uint32_t n, const v4rt_probe *probes) {
+    if (!rt || function >= rt->n_functions || (n && !probes)) {
+        v4rt_seterr("v4rt_probe_table: no runtime, function %u does not exist (%u functions), or no probes", function,
+                    rt ? rt->n_functions : 0);
+        return V4RT_E_ARG;
+    }
+    func_t *fn = &rt->functions[function];
+    for (uint32_t i = 0; i < n; i++) { /* every entry checked before the table changes */
+        const v4rt_probe *p = &probes[i];
+        char what[64];
+        snprintf(what, sizeof what, "probe %u of function %u", i, function);
+        if (p->call >= fn->n_calls || p->when > V4RT_PROBE_BEFORE || p->reserved || !p->host || !p->nbytes) {
+            v4rt_seterr("%s: call %u of %u, when %u, reserved %u, host %s, %llu bytes (expected a call of the "
+                        "function, V4RT_PROBE_AFTER or _BEFORE, 0, a host pointer and some bytes)", what, p->call,
+                        fn->n_calls, p->when, p->reserved, p->host ? "set" : "NULL", (unsigned long long)p->nbytes);
+            return V4RT_E_ARG;
+        }
+        v4rt_status st = check_range(rt, p->buffer, p->offset, p->nbytes, what);
+        if (st) return st;
+    }
+    v4rt_probe *t = NULL;
+    if (n && !(t = malloc(n * sizeof *t))) {
+        v4rt_seterr("out of host memory for the probe table");
+        return V4RT_E_OOM;
+    }
+    if (n) memcpy(t, probes, n * sizeof *t);
+    free(fn->probes);
+    fn->probes = t;
+    fn->n_probes = n;
     return V4RT_OK;
 }

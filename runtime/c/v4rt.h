@@ -76,6 +76,25 @@ typedef struct {
     uint64_t nbytes;
 } v4rt_range;
 
+/* Probes (issue 35: the self-check's layer statistics on a GPU, check mode only): a function's probe table lists
+ * byte ranges copied to host memory before or after chosen calls of that function when it runs launch by launch
+ * (v4rt_run with graph = 0). Each copy goes on the runtime's stream in order with the kernels and has landed in
+ * `host` when v4rt_run returns; the bytes are the buffer's as that call found (V4RT_PROBE_BEFORE) or left
+ * (V4RT_PROBE_AFTER) them. v4rt_probe_table replaces the function's table (n = 0: none) after checking every
+ * entry (its call, its range inside its buffer, a host pointer); on an error the table is unchanged. A graph run
+ * of a function with probes is refused (V4RT_E_ARG): a captured graph never holds a probe, so the users' graphs
+ * are what they would be without them. The host driver makes the copies as the GPU drivers do (d2h). */
+#define V4RT_PROBE_AFTER 0u
+#define V4RT_PROBE_BEFORE 1u
+typedef struct {
+    uint32_t call; /* the call's index in the function (the launch table's order) */
+    uint32_t when; /* V4RT_PROBE_AFTER / V4RT_PROBE_BEFORE that call */
+    uint32_t buffer;
+    uint32_t reserved; /* 0 */
+    uint64_t offset, nbytes;
+    void *host; /* nbytes of host memory, valid while the table is set */
+} v4rt_probe;
+
 /* Counters, for checks and reports. */
 typedef struct {
     uint64_t launches;  /* kernel calls issued to the driver outside capture */
@@ -109,6 +128,9 @@ v4rt_status v4rt_get_stats(const v4rt *rt, v4rt_stats *out);
 v4rt_status v4rt_copy_table(v4rt *rt, uint32_t n, const v4rt_range *ranges);
 v4rt_status v4rt_copy(v4rt *rt, uint32_t kind, uint32_t group, uint64_t index, uint64_t to, void *host,
                       uint64_t host_bytes);
+
+/* The probe table of `function` (see V4RT_PROBE_AFTER): replaces the previous one; n = 0 clears it. */
+v4rt_status v4rt_probe_table(v4rt *rt, uint32_t function, uint32_t n, const v4rt_probe *probes);
 
 /* A communicator's unique id (V4RT_COMM_ID_BYTES bytes into `id`) from the collective library `comm_lib`
  * (NCCL / RCCL; NULL: the default of `driver`, "cuda" or "hip"); the caller shares it with the other

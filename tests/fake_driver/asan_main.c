@@ -49,6 +49,24 @@ static int run_all(v4rt *rt) {
         EXPECT(v4rt_run(rt, f, 1) == V4RT_OK, "replay");
     }
     unsigned char buf[64];
+    /* probes: set (before and after the first call, up to 64 bytes of the first buffer with bytes), made in an
+     * eager run, refused in a graph run and when out of range (the table then unchanged), cleared; a table left
+     * set is freed at close */
+    uint64_t n0 = 0;
+    uint32_t b0 = 0;
+    while (b0 < v4rt_num_buffers(rt) && v4rt_buffer_info(rt, b0, NULL, &n0) == V4RT_OK && !n0) b0++;
+    EXPECT(n0 > 0, "a buffer with bytes");
+    v4rt_probe pr[2] = {{0, V4RT_PROBE_BEFORE, b0, 0, 0, n0 < 64 ? n0 : 64, buf},
+                        {0, V4RT_PROBE_AFTER, b0, 0, 0, n0 < 64 ? n0 : 64, buf}};
+    EXPECT(v4rt_probe_table(rt, 0, 2, pr) == V4RT_OK, "probe table");
+    EXPECT(v4rt_run(rt, 0, 0) == V4RT_OK, "eager run with probes");
+    EXPECT(v4rt_run(rt, 0, 1) == V4RT_E_ARG, "a graph run with probes");
+    pr[1].offset = n0;
+    EXPECT(v4rt_probe_table(rt, 0, 2, pr) == V4RT_E_ARG, "a probe outside its buffer");
+    EXPECT(v4rt_run(rt, 0, 0) == V4RT_OK, "the previous table holds");
+    EXPECT(v4rt_probe_table(rt, 0, 0, NULL) == V4RT_OK, "probes cleared");
+    EXPECT(v4rt_run(rt, 0, 1) == V4RT_OK, "a graph run without probes");
+    EXPECT(v4rt_probe_table(rt, 0, 1, pr) == V4RT_OK, "a table left set");
     EXPECT(v4rt_write(rt, 0, 0, buf, 0) == V4RT_OK, "empty write");
     EXPECT(v4rt_read(rt, 9999, 0, buf, 1) == V4RT_E_ARG, "read of a bad buffer");
     EXPECT(v4rt_run(rt, 9999, 0) == V4RT_E_ARG, "run of a bad function");

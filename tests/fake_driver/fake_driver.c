@@ -28,6 +28,8 @@
  * or device memory one still writes, is refused (INVALID_VALUE; the real drivers may block instead, and a
  * runtime must not count on it); so is an event or copy on a stream other than the runtime's
  * (INVALID_HANDLE), and, during capture, a pinned allocation or free, or an event record or synchronize.
+ * A test may run each launch's kernel through a hook (fake_on_launch) on the fake's memory, so a whole program
+ * computes on the fake GPU.
  * The test reads the record through fake_* functions (it loads the same library path, so it shares it):
  * counts, the copies (fake_copies: by source kind, bytes, synchronisations), the launches (eager and
  * replayed; each with whether it carried cuLaunchKernelEx's programmatic stream serialization attribute, kept
@@ -275,6 +277,19 @@ static int event_destroy(void *e) {
     return 400;
 }
 
+/* A test that needs the kernels' effect (the self-check's layer statistics on a fake GPU) hands a hook that runs
+ * each launch as the GPU would execute it: an eager launch when issued, a graph's launches when replayed (none
+ * while capturing), after the stream's earlier copies have landed, on the fake's memory (host memory). Its
+ * arguments are the launch's parameter values; nonzero: the launch fails (LAUNCH_FAILED). */
+typedef int (*fake_exec_fn)(int nargs, const uint64_t *args);
+static fake_exec_fn g_exec;
+void fake_on_launch(fake_exec_fn f) { g_exec = f; }
+static int exec_hook(const uint64_t *args, int nargs) {
+    if (!g_exec) return 0;
+    perform(LONG_MAX);
+    return g_exec(nargs, args) ? E_LAUNCH_FAILED : 0;
+}
+
 void fake_reset(void) {
     g_nlog = g_allocs = g_frees = g_loads = g_unloads = g_captures = g_glaunch = g_streams = g_graphs = g_execs = 0;
     g_nattr = g_ntrace = 0;
@@ -282,6 +297,7 @@ void fake_reset(void) {
     memset(g_attempts, 0, sizeof g_attempts);
     memset(g_live, 0, sizeof g_live);
     g_capturing = NULL;
+    g_exec = NULL;
     copies_reset();
 }
 /* Fail the n-th call of `what` (counted from the last reset); -1: no such kind. */
@@ -608,7 +624,7 @@ static int f_launch(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
         return 0;
     }
     if (g_nlog < MAXLOG) g_log[g_nlog++] = r;
-    return 0;
+    return exec_hook(r.args, r.nargs);
 }
 static int f_begin(void) {
     if (g_capturing) return 1;
@@ -650,9 +666,12 @@ static int f_glaunch(void *e) {
     graph *g = e;
     if (injected(F_GRAPH_LAUNCH)) return E_LAUNCH_FAILED;
     g_glaunch++;
-    for (int i = 0; i < g->n && g_nlog < MAXLOG; i++) {
-        g_log[g_nlog] = g->r[i];
-        g_log[g_nlog++].replay = 1;
+    for (int i = 0; i < g->n; i++) {
+        if (g_nlog < MAXLOG) {
+            g_log[g_nlog] = g->r[i];
+            g_log[g_nlog++].replay = 1;
+        }
+        if (exec_hook(g->r[i].args, g->r[i].nargs)) return E_LAUNCH_FAILED;
     }
     return 0;
 }

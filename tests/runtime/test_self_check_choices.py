@@ -156,9 +156,98 @@ def test_a_clean_bf16_artifact_passes_its_own_check(tmp_path, monkeypatch, sourc
     with monkeypatch.context() as mp:
         mp.setattr(sc.ChoiceReader, "attach", classmethod(lambda cls, s, g: None))
         assert forged.self_check().passed
+    if preset == "tiny-pro":  # the host device reads its own picks too (its C runtime's check-mode hooks)
+        _on_the_host_device(art, tmp_path / "f", monkeypatch)
     # ... and one that judges every row as if no choice were a near tie fails tiny's clean flipped pick
     if preset == "tiny" and source is None:
         monkeypatch.setattr(sc, "judged_steps", lambda g, B, S, dev=None, bounds=None:
                             (np.ones((B, S), bool), "", [], (0.0, None, None, None)))
         bad = sess.self_check()
         assert not bad.passed and bad.max_error > bad.tolerance
+
+
+def _on_the_host_device(art, forged, monkeypatch):
+    """The host device (the ops' reference kernels: the hooks are under test, the Triton interpreter would add
+    ~30 s) reads its router picks through the C runtime's check-mode hooks: the clean artifact judges rows (17 of
+    32; before: none, each lane's steps ended at its first near tie) and passes; the forged weight fails at layer 2
+    step 0 lane 0 by the router scores (before: passed, no row judged); with the picks ignored it passes again."""
+    from v4compile.runtime import self_check as sc
+
+    def check(a):
+        sess = v4compile.load(a, device="host", kernels="reference")
+        try:
+            r = sess.self_check()
+            assert sess.backend.rt.before_call is None and sess.backend.rt.after_call is None  # hooks gone
+            return r
+        finally:
+            sess.close()
+
+    r = check(art)
+    logits = next(c for c in r.checks if c.name == "logits")
+    choices = next(c for c in r.checks if c.name == "choices")
+    assert r.passed and choices.measured and int(re.match(r"(\d+) of 32 rows", logits.note).group(1)) >= 15, r.lines()
+    bad = check(forged)
+    assert not bad.passed and (bad.first_step, bad.first_lane, bad.first_layer) == (0, 0, 2), bad.lines()
+    assert "router departs" in bad.reason
+    with monkeypatch.context() as mp:
+        mp.setattr(sc.ChoiceReader, "attach", classmethod(lambda cls, s, g: None))
+        assert check(forged).passed
+
+
+def test_the_host_device_reads_a_fused_launchs_router_picks_at_the_routers_layer(monkeypatch):
+    """A GPU-target program (tiny, the default pipeline: each learned router fused into its MoE launch, two of
+    them with the seam before it, `mhc_moe_mhc`, standing at the next layer's `loc`) on the host device: the
+    check-mode hooks' picks and scores for one prefill chunk of three prompts are the reference model's router
+    choices at every valid position of layers 2-4. Broken variant: the layer read from the launch's `loc` (the
+    seam's) puts picks on the wrong layers, and the comparison fails."""
+    import dataclasses
+
+    from conftest import make_model
+    from runtime_helpers import PROMPTS, step_inputs, tiny
+    from v4compile.model.blocks import model_step
+    from v4compile.runtime import self_check as sc
+    from v4compile.runtime.c_backend import CRuntime
+
+    m, prog, w = tiny()
+    inputs = next(step_inputs(m, PROMPTS, 0))[1]
+    model = make_model("tiny")
+    want = {}
+
+    def on_choice(kind, layer, scores, k, pos):
+        if kind == "router":
+            want[layer] = scores.float().topk(k, dim=-1)
+
+    opts = dataclasses.replace(model._opts(), on_choice=on_choice)
+    with torch.no_grad():
+        model_step(model.params, model.cfg, torch.as_tensor(inputs["ids"]), torch.as_tensor(inputs["pos"]),
+                   model.new_cache(3, 64).layers, opts)
+    valid = np.asarray(inputs["pos"]) >= 0
+
+    def picks(rt):
+        be = type("Be", (), {"rt": rt, "run_outputs": lambda self, f, i: rt.run(f, i)})()
+        reader = sc.HostChoiceReader.attach_host(be)
+        try:
+            be.run_outputs("prefill", inputs)
+        finally:
+            reader.detach()
+        (_, _, got), = reader.seen
+        return got
+
+    def agree(got):
+        if sorted(got) != [2, 3, 4]:
+            return False
+        for layer, (idx, val) in got.items():
+            ref_v, ref_i = want[layer]
+            same = np.sort(idx, -1)[valid] == np.sort(ref_i.numpy(), -1)[valid]
+            if not same.all() or not np.allclose(np.sort(val, -1)[valid], np.sort(ref_v.numpy(), -1)[valid],
+                                                 rtol=1e-4, atol=1e-5):
+                return False
+        return True
+
+    rt = CRuntime(prog, w, "host")
+    try:
+        assert agree(picks(rt))
+        monkeypatch.setattr(sc, "_router_layer", lambda a, real=sc._router_layer: real(a) + 1)  # the seam's loc
+        assert not agree(picks(rt))
+    finally:
+        rt.close()

@@ -1,7 +1,8 @@
-"""The self-check's two device cases (issue 35), as suite tests: a kernel with one deliberate fault on the host
+"""The self-check's device cases (issue 35), as suite tests: a kernel with one deliberate fault on the host
 device (its Triton kernel interpreted: the golden is cut to its prefill, `--golden-new-tokens 1`, recorded in
-golden.json) and a partitioned artifact whose rank 1 loads rank 0's weights. Each shows the same artifact
-passing without the fault."""
+golden.json), a forged weight named by its layer on the host device and on a (fake, computing) GPU through the
+C runtime's probe table, and a partitioned artifact whose rank 1 loads rank 0's weights. Each shows the same
+artifact passing without the fault."""
 
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ def test_a_forged_weight_is_named_by_its_layer_on_the_host_device(host_art, tmp_
 def test_a_rank_that_loads_rank_0s_weights_fails(tmp_path):
     """tiny (hf, fp32) at tp 2 / ep 2, its golden the layout's reference, checked at 2 gloo ranks: as compiled
     every rank passes; with rank 1 mapping rank 0's weights (its heads and experts the wrong ones) FAILED, on
-    both ranks' results (rank 0 reports the worst rank's)."""
+    both ranks' results (rank 0 reports the worst rank's); on the host device each rank names the layer."""
     import sys
     from pathlib import Path
 
@@ -109,6 +110,50 @@ def test_a_rank_that_loads_rank_0s_weights_fails(tmp_path):
         assert code == 0, f"rank {r}: {err[-2000:]}"
     got = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     for r in range(2):
-        clean, bad = got[r]
+        clean, bad, host = got[r]
         assert clean["passed"] and 0 < clean["max_error"] <= clean["tolerance"], clean
         assert not bad["passed"] and bad["first_rank"] is not None and bad["max_error"] > 100 * bad["tolerance"], bad
+        # the host device's ranks run the first chunk together and each localises its streams (probes): layer 0,
+        # whose heads and experts rank 1 computes with rank 0's weights (before: not measured, no layer)
+        layers = next(c for c in host["checks"] if c["name"] == "layers")
+        assert not host["passed"] and host["first_layer"] == 0 and layers["measured"], host
+        assert layers["note"] == "layer 0 departs first"
+
+
+@pytest.mark.parametrize("forged", [False, True], ids=["clean", "forged"])
+def test_a_gpu_device_names_the_forged_layer_through_the_probe_table(host_art, tmp_path, forged):
+    """hip (the fake HIP driver made to compute: each launch runs its op's reference on the fake's memory when the
+    GPU would run it, `Fake.compute`): the run never comes back to Python launch by launch as the host device's
+    does, so the layer statistics come from the C runtime's probe table (each layer's last launch result copied on
+    the stream after that launch). The clean artifact passes; the forged weight fails, named at layer 2 (before:
+    "layers not measured" on hip / cuda)."""
+    from runtime_helpers import Fake, fake_table
+    from test_self_check import _forged
+    from v4compile.runtime.c_backend import CRuntime
+    from v4compile.runtime.program_backend import artifact_weights
+
+    art = _forged(host_art, tmp_path / "f") if forged else host_art
+    sess = v4compile.load(art, device="host", kernels="reference")
+    be = sess.backend
+    try:
+        be.rt.close()
+        fake = Fake("hip")
+        weights = artifact_weights(sess.art, be.program)
+        try:
+            be.rt = CRuntime(be.program, weights, "hip", driver_lib=fake.path, table=fake_table())
+        finally:
+            weights.close()
+        fake.compute(be.rt)
+        be.device = sess.device = "hip"
+        r = sess.self_check()
+        assert fake.counts()["logged"] > 0 and not be.rt._probes.get("prefill_c8")  # ran there; probes cleared
+        if forged:  # broken variant: probes never set, the streams read as the buffers' zeros: not layer 2
+            be.rt.probe_table = lambda fname, probes: None
+            assert sess.self_check().first_layer != 2
+    finally:
+        sess.close()
+    assert r.device == "hip" and r.passed is not forged, r.lines()
+    if forged:
+        assert (r.first_step, r.first_lane, r.first_layer) == (0, 0, 2), r.lines()
+        layers = next(c for c in r.checks if c.name == "layers")
+        assert layers.measured and "layer 2 departs first" in layers.note
