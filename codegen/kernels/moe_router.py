@@ -39,6 +39,8 @@ bit-identical to the two ops run apart.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
 
@@ -294,6 +296,36 @@ def _carve_scratch(pts: list, scratch: dict[str, int], ce: dict) -> tuple[list, 
     if at:
         scratch["moe_scratch"] = at
     return kept, at
+
+
+@dataclass(frozen=True)
+class RouteIds:
+    """Where a call leaves its launch's router picks (`route_indices`: dense i64 `[rows, k]`, the expert ids the
+    experts phase reads): `offset` bytes into the call's scratch `scratch` (a scratch param's role, resolved to
+    the program's scratch buffer + the call's region by the schedule). After the launch they still hold its picks."""
+
+    scratch: str
+    offset: int
+    rows: int
+    k: int
+    dtype: str = "i64"
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.k * 8
+
+
+def route_ids_at(call: KernelCall) -> RouteIds | None:
+    """`RouteIds` of a call of a moe_router launch: in the one-launch form the carved part of `moe_scratch`
+    (`_carve_scratch`'s `idx_ptr_AT`); where the router keeps its call (grouped) its own scratch `route_indices`.
+    None for a call that holds no router (a learned or hashed one alike: `route_rows` writes both)."""
+    ce = call.constexprs
+    if ce.get("idx_ptr_AT", -1) >= 0 and "R_R" in ce:
+        return RouteIds("moe_scratch", int(ce["idx_ptr_AT"]), int(ce["R_R"]), int(ce["R_KSEL"]))
+    if call.fn is router.router_kernel and any(p == ("io_ptr", "scratch", "route_indices") for p in
+                                               (q[:3] for q in call.pointers)):
+        return RouteIds("route_indices", 0, int(ce["R"]), int(ce["KSEL"]))
+    return None
 
 
 def _renamed(call: KernelCall, extra_scratch: dict[str, int], renamed: dict = RENAMED) -> KernelCall:
