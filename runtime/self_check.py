@@ -282,6 +282,8 @@ def judged_steps(g, B: int, S: int, dev=None, bounds=None) -> tuple[np.ndarray, 
                             flips.append((b, max(0, pos - len(p) + 1), layer, what, pos))
                         moved.append((pos, layer))
                         continue
+                    if vals is None:  # picks only (hip / cuda): a fault shows once it moves a pick
+                        continue
                     at = {int(e): float(v) for e, v in zip(ranked, gv[b, pos, layer])}
                     e = max(abs(float(d) - at[int(i)]) for i, d in zip(picks[b, pos, layer], vals[b, pos, layer]))
                     e /= float(gs[b, pos, layer]) * bounds[layer]
@@ -340,6 +342,9 @@ def _choices_check(g, dev, flips, worst, sess) -> Check:
         b, s_, layer, why = flips[0]
         return Check("choices", e, 1.0, False,
                      f"a router choice no rounding explains: layer {layer}, step {s_}, lane {b} ({why})")
+    if dev[1] is None:
+        return Check("choices", 0.0, 1.0, True, f"router picks only (the {sess.device} device's scores are not read, "
+                     "not compared); picks that differ only at near ties")
     where = "" if b is None else f", worst at layer {layer}, step {s_}, lane {b}"
     return Check("choices", e, 1.0, e <= 1.0,
                  f"router scores in units of their layer's choice bound{where}; picks that differ only at near ties")
@@ -364,6 +369,8 @@ class ChoiceReader:
             return None
         if getattr(be, "device", None) == "host" and hasattr(be, "rt"):
             return HostChoiceReader.attach_host(be)
+        if getattr(be, "device", None) in ("hip", "cuda") and hasattr(be, "rt"):
+            return ProbeChoiceReader.attach_probes(be)
         if not hasattr(be, "built") or getattr(be, "device", None) != "cpu":
             return None
         r = cls(be, {})
@@ -413,20 +420,24 @@ class ChoiceReader:
         if not any(outs for _, _, outs in self.seen):
             return None
         k = next(v[0] for _, _, o in self.seen for v in o.values()).shape[-1]
+        scored = all(v[1] is not None for _, _, o in self.seen for v in o.values())
         ids = np.full((*shape[:-1], k), -1, dtype=np.int32)
         vals = np.zeros((*shape[:-1], k), dtype=np.float32)
         for pos, slot, outs in self.seen:
             for layer, (idx, val) in outs.items():
-                idx, val = idx.reshape(*pos.shape, -1), val.reshape(*pos.shape, -1)
+                idx = idx.reshape(*pos.shape, -1)
                 order = np.argsort(idx, axis=-1)
-                idx, val = np.take_along_axis(idx, order, -1), np.take_along_axis(val, order, -1)
+                idx = np.take_along_axis(idx, order, -1)
+                if scored:
+                    val = np.take_along_axis(val.reshape(*pos.shape, -1), order, -1)
                 for row in range(pos.shape[0]):
                     lane = lane_of.get(int(slot[row]))
                     ok = pos[row] >= 0
                     if lane is not None and ok.any():
                         ids[lane, pos[row][ok], layer] = idx[row][ok]
-                        vals[lane, pos[row][ok], layer] = val[row][ok]
-        return ids, vals
+                        if scored:
+                            vals[lane, pos[row][ok], layer] = val[row][ok]
+        return ids, (vals if scored else None)
 
 
 class HostChoiceReader(ChoiceReader):
@@ -447,6 +458,8 @@ class HostChoiceReader(ChoiceReader):
 
     @classmethod
     def attach_host(cls, be) -> "HostChoiceReader":
+        import torch
+
         r = cls(be, {})
         rt = be.rt
         inner = be.run_outputs
@@ -467,8 +480,19 @@ class HostChoiceReader(ChoiceReader):
             if span(fs)[0][li] == cidx and (got := _router_part(rt, launch)) is not None:
                 now[got[0]] = got[1:]
 
+        reads: dict[int, dict[int, tuple]] = {}  # id(fs) -> {last call: a fused launch's route read}
+
         def after(fs, cidx, launch):
             li = fs.launch_of[cidx]
+            if id(fs) not in reads:
+                reads[id(fs)] = {r[0]: r[1:] for r in route_reads(fs)}
+            if (got := reads[id(fs)].get(cidx)) is not None and got[0] in now:  # its Triton kernel's own picks
+                layer, buf, off, rows, k = got
+                raw = rt.views[rt.sched.buffer_names[buf]][off:off + rows * k * 8]
+                idx = raw.clone().view(torch.int64).reshape(rows, k)
+                scores = now[layer][2].reshape(rows, -1)
+                now[layer] = (idx.numpy(), scores.gather(-1, idx).float().numpy(), None)
+                return
             if launch.op != "router" or span(fs)[1][li] != cidx:
                 return
             layer = _router_layer(dict(launch.operands)["w"])
@@ -494,6 +518,74 @@ class HostChoiceReader(ChoiceReader):
     def detach(self) -> None:
         self.be.rt.before_call = self.be.rt.after_call = None
         super().detach()
+
+
+class ProbeChoiceReader(ChoiceReader):
+    """The hip / cuda device's router picks during the golden run, through the C runtime's probe table
+    (`CRuntime.probe_table`): a GPU-target program's learned routers sit inside fused MoE launches, whose router
+    phase hands its expert ids to the experts phase through scratch (`route_indices`, `moe_router.route_ids_at`);
+    after the launch they still hold its picks, copied to host memory after its last call (`route_reads`). The
+    golden run goes launch by launch (a captured graph refuses probes; the users' runs keep theirs), the probes
+    set for it only. The picks are the kernels' own; their scores are not read (they stay in registers): a
+    fault shows once it moves a pick clear of its near-tie threshold."""
+
+    @classmethod
+    def attach_probes(cls, be) -> "ProbeChoiceReader | None":
+        from .c_backend import PROBE_AFTER
+
+        rt = be.rt
+        r = cls(be, {})
+        r.reads: dict[str, list[tuple[int, np.ndarray]]] = {}
+        for fs in rt.sched.functions:
+            got = route_reads(fs)
+            if got:
+                hosts = [np.zeros((rows, k), np.int64) for _, _, _, _, rows, k in got]
+                rt.probe_table(fs.name, [(c, PROBE_AFTER, buf, off, h) for (c, _, buf, off, _, _), h in zip(got, hosts)])
+                r.reads[fs.name] = [(layer, h) for (_, layer, *_), h in zip(got, hosts)]
+        if not r.reads:
+            return None
+        r.graphs, be.graphs = be.graphs, False
+        inner = be.run_outputs
+
+        def run_outputs(fname, inputs):
+            outs = inner(fname, inputs)
+            if fname in r.reads:
+                r.seen.append((np.asarray(inputs["pos"]), np.asarray(inputs["slot"]),
+                               {layer: (h.copy(), None) for layer, h in r.reads[fname]}))
+            return outs
+
+        be.run_outputs = run_outputs
+        return r
+
+    def detach(self) -> None:
+        for fname in self.reads:
+            self.be.rt.probe_table(fname, [])
+        self.be.graphs = self.graphs
+        super().detach()
+
+
+def route_reads(fs) -> list[tuple[int, int, int, int, int, int]]:
+    """Where each learned router's picks lie after its launch in a function's schedule `fs`: the fused MoE launches
+    run as kernels (a GPU-target program; `moe_router.route_ids_at`), as (the launch's last call, layer, buffer
+    index, byte offset, rows, k) each. Hash-routed layers (no bias; chosen by token id) are left out."""
+    last, found = {}, {}
+    for c, li in enumerate(fs.launch_of):
+        last[li] = c
+    for c, call in enumerate(fs.calls):
+        if call.kernel is None or "R_R" not in call.kernel.constexprs and "KSEL" not in call.kernel.constexprs:
+            continue
+        from v4compile.codegen.kernels.moe_router import route_ids_at
+
+        at = route_ids_at(call.kernel)
+        launch = fs.program.launches[fs.launch_of[c]]
+        ops = dict(launch.operands)
+        if at is None or ops.get("gate") is None or ops.get("bias") is None:
+            continue
+        if (layer := _router_layer(ops["gate"])) is None:
+            continue
+        p = next(p for p in call.params if p.role == f"scratch:{at.scratch}")
+        found[fs.launch_of[c]] = (last[fs.launch_of[c]], layer, p.buffer, p.offset + at.offset, at.rows, at.k)
+    return [found[li] for li in sorted(found)]
 
 
 def _router_layer(w) -> int | None:

@@ -149,6 +149,41 @@ class Fake:
         rt.fake_exec = self.EXEC(run)  # kept alive as long as the runtime that launches through it
         self.lib.fake_on_launch(rt.fake_exec)
 
+    @staticmethod
+    def route_by_reference(rt) -> None:
+        """Test-only, on a computing fake (`compute`) whose schedule holds the fused MoE launches' kernel calls
+        (so it has their scratch, `moe_router.route_ids_at`): each such launch runs its op's reference at its first
+        call (the rest do nothing) and then writes the reference router's expert ids where the kernels' router
+        phase leaves them (`self_check.route_reads`), as a GPU's fused launch does. The references write no
+        scratch of their own."""
+        import dataclasses
+
+        from v4compile.program.execute import run_launch
+        from v4compile.runtime import self_check as sc
+
+        reads: dict[str, dict[int, tuple]] = {}
+
+        def run_kernel(launch, call, cidx, places):
+            fs = next(f for f in rt.sched.functions if cidx < len(f.calls) and f.calls[cidx] is call)
+            if fs.launch_of.index(fs.launch_of[cidx]) != cidx:
+                return  # not the launch's first call
+            if fs.name not in reads:
+                reads[fs.name] = {fs.launch_of[r[0]]: r for r in sc.route_reads(fs)}
+            route = reads[fs.name].get(fs.launch_of[cidx])
+
+            def moved(args):  # the schedule's buffer names (a step input or output is per function)
+                return tuple((n, a if a is None else dataclasses.replace(
+                    a, buffer=rt.sched.buffer_names[rt.sched.buffer_index(fs.name, a.buffer)])) for n, a in args)
+            launch = dataclasses.replace(launch, operands=moved(launch.operands), results=moved(launch.results))
+            got = sc._router_part(rt, launch) if route is not None else None  # before the launch writes over x
+            run_launch(launch, rt.views)
+            if got is not None:
+                _, _, buf, off, rows, k = route
+                ids = torch.from_numpy(got[1]).reshape(rows, k).to(torch.int64).contiguous()
+                rt.views[rt.sched.buffer_names[buf]][off:off + rows * k * 8].copy_(ids.view(torch.uint8).reshape(-1))
+
+        rt._run_kernel = run_kernel
+
     def fail(self, what: str, n: int) -> None:
         """Make the n-th (1-based) call of one kind fail (see fake_driver.c)."""
         assert self.lib.fake_fail(what.encode(), n) == 0, f"the fake driver cannot fail '{what}'"
