@@ -25,7 +25,8 @@ def test_the_probed_route_indices_are_the_routers_top_k(monkeypatch):
     """tiny-pro's decode step on the host device, the `mhc_moe_mhc` launch of layer 2's router run as its Triton
     kernel (interpreted; the other launches their ops' references): the probe after its last call holds the
     reference router's top-k of that launch's input (`_router_part`, computed from its operand bytes before its
-    first call), row by row. Broken variant: a probe one id further into the scratch reads other ids."""
+    first call), row by row, and the host device's reader (`HostChoiceReader`) takes the same ids from the
+    scratch. Broken variant: a probe one id further into the scratch reads other ids."""
     from runtime_helpers import PROMPTS, step_inputs, tiny
     from v4compile.codegen.program_kernels import calls_of
     from v4compile.runtime import kernels
@@ -38,20 +39,30 @@ def test_the_probed_route_indices_are_the_routers_top_k(monkeypatch):
         (call, layer, buf, off, rows, k), = sc.route_reads(fs)
         assert fs.program.launches[fs.launch_of[call]].loc == SEAM and layer == 2 and off > 0  # past the seam's
         want = []
-        rt.before_call = lambda f, c, launch: want.append(sc._router_part(rt, launch)) if launch.loc == SEAM else None
         inputs = next(i for f, i in step_inputs(m, PROMPTS, 1) if f == "decode")
+        # the host device's own reader (its check-mode hooks) in the same run: it reads the kernel's ids there too
+        be = type("Be", (), {"rt": rt, "run_outputs": lambda self, f, i: rt.run(f, i)})()
+        reader = sc.HostChoiceReader.attach_host(be)
+        theirs = rt.before_call
+
+        def before(f, c, launch):
+            if launch.loc == SEAM:
+                want.append(sc._router_part(rt, launch))
+            theirs(f, c, launch)
+        rt.before_call = before
 
         def probed(at):
             host = np.zeros((rows, k), np.int64)
             rt.probe_table("decode", [(call, PROBE_AFTER, buf, at, host)])
             want.clear()
-            rt.run("decode", inputs)
+            be.run_outputs("decode", inputs)
             (got_layer, ids, _, _), = want
             assert got_layer == 2
-            return np.array_equal(np.sort(host, -1), np.sort(ids.reshape(rows, k), -1))
+            return host, np.array_equal(np.sort(host, -1), np.sort(ids.reshape(rows, k), -1))
 
-        assert probed(off)
-        assert not probed(off + 8)
+        host, same = probed(off)
+        assert same and np.array_equal(reader.seen[0][2][2][0], host)
+        assert not probed(off + 8)[1]
     finally:
         rt.close()
 
@@ -69,7 +80,11 @@ def gpu_art(tmp_path_factory):
     from v4compile.codegen import aot
     from v4compile.trace import TraceOptions
 
+    import torch
+
     mp = pytest.MonkeyPatch()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (as `one_torch_thread`, which a module fixture runs before)
     try:
         mp.setattr(aot, "compile_calls", placeholder_compile_calls(loadable=True))
         mp.setattr(golden, "CANDIDATES", 1)  # bf16 on random weights: no candidate is free of near ties
@@ -80,6 +95,7 @@ def gpu_art(tmp_path_factory):
         art = write_artifact(ci, d / "a")
     finally:
         mp.undo()
+        torch.set_num_threads(threads)
     return art, _forged(art, d / "f")
 
 
