@@ -15,15 +15,17 @@ Checks, each a line with its measured error beside its tolerance (errors in unit
   margin is within its rounding bound, `golden.choice_bound`) is rounding, yet moves the logits by more than any
   rounding bound, so the rows it reaches are not judged. Where the device shows its router picks (`ChoiceReader`:
   the cpu device, a check-mode variant of each graph with the router's top-k as extra outputs; the host device,
-  `HostChoiceReader`, check-mode hooks of the C runtime's launch callback), only a pick that actually differs
-  excuses rows, those it reaches (`judged_steps`); elsewhere (hip / cuda: the router sits inside the fused MoE
-  launch, its ids in no buffer; partitioned artifacts) a lane's steps from its first near-tie choice in the
-  golden on. The compile picks prompts without near ties where a seeded candidate has none (fp32 always has so
-  far; bf16 on random weights never: its check judges about half the rows on cpu and host, none on hip / cuda;
-  the line says which rows were left out and their error);
-* `choices` (cpu and host devices): the device's router picks and scores against the golden's wherever no earlier
-  differing pick reaches; a score off by more than its layer's `choice_bound`, or a swap of an expert clear of
-  its near-tie threshold, fails, naming the layer, step and lane;
+  `HostChoiceReader`, check-mode hooks of the C runtime's launch callback; hip / cuda, `ProbeChoiceReader`: the
+  fused MoE launch's router phase leaves its ids in scratch `route_indices` for the experts phase, copied after
+  the launch by the C runtime's probe table in a golden run launch by launch), only a pick that actually differs
+  excuses rows, those it reaches (`judged_steps`); elsewhere (partitioned artifacts) a lane's steps from its
+  first near-tie choice in the golden on. The compile picks prompts without near ties where a seeded candidate
+  has none (fp32 always has so far; bf16 on random weights never: its check judges about half the rows on cpu,
+  host, hip and cuda; the line says which rows were left out and their error);
+* `choices` (cpu, host, hip and cuda devices): the device's router picks and scores against the golden's wherever
+  no earlier differing pick reaches; a score off by more than its layer's `choice_bound`, or a swap of an expert
+  clear of its near-tie threshold, fails, naming the layer, step and lane. hip / cuda: picks only (the scores stay
+  in the kernel's registers; the line says they are not compared), so a fault shows once it moves a pick;
 * `greedy ids`: steps whose argmax differs from the golden's id, at every step whose golden top-2 margin exceeds
   2 x tolerance x scale (each logit may move by the tolerance: a nearer tie may flip). The issue asks for the
   steps up to the first near tie; fed the golden's ids, a flip does not carry on, so the later steps compare too;
@@ -353,10 +355,9 @@ def _choices_check(g, dev, flips, worst, sess) -> Check:
 class ChoiceReader:
     """The cpu device's router picks during the golden run: each function is run as a check-mode variant of its
     graph (built at check time, `OrtBackend.built`; the users' graphs are unchanged) whose router TopK indices
-    are extra outputs, recorded with the step's `pos` and `slot`. The host device: `HostChoiceReader`. Others:
-    `attach` gives None (hip / cuda: the router is inside the fused MoE launch, its ids in no buffer a probe could
-    copy, and a reference recomputed from the launch's input could pick otherwise than the kernel at a near tie;
-    partitioned artifacts)."""
+    are extra outputs, recorded with the step's `pos` and `slot`. The host device: `HostChoiceReader`; hip / cuda:
+    `ProbeChoiceReader` (the kernels' own picks, not a reference recomputed from the launch's input, which could
+    pick otherwise at a near tie). Partitioned artifacts: `attach` gives None."""
 
     def __init__(self, be, names: dict[str, dict[int, str]]):
         self.be, self.names = be, names
@@ -449,11 +450,11 @@ class HostChoiceReader(ChoiceReader):
       reference from the launch's own operand bytes (`x`, `w`, `bias`) before its first call (the launch writes
       only the routing weights, not the scores);
     * a fused launch holding the router (`moe_router_experts_shared`, `moe_mhc_post_pre`, `mhc_moe_mhc`: a
-      GPU-target program): the ids never leave the launch, so picks and scores are the router's reference
-      (`moe.selection_scores`, top-k) on that launch's operand bytes (`x`, `gate`, `bias`; `mhc_moe_mhc`: its seam's
-      reference gives `x`, `_router_part`) before its first call: what the host device runs
-      for the launch's router part (its kernels are the ops' references or their Triton kernels interpreted from
-      the same bytes), not an independent reading of a GPU's registers.
+      GPU-target program): the scores (and, where the launch runs as the op's reference, the picks) are the
+      router's reference (`moe.selection_scores`, top-k) on that launch's operand bytes (`x`, `gate`, `bias`;
+      `mhc_moe_mhc`: its seam's reference gives `x`, `_router_part`) before its first call; where it runs as its
+      Triton kernels (interpreted), the picks are the kernels' own, read after its last call from the scratch its
+      router phase left them in (`route_reads`), as hip / cuda read them.
     Hash-routed layers choose by token id (nothing to compare); the golden records none for them."""
 
     @classmethod
