@@ -541,7 +541,8 @@ class ProbeChoiceReader(ChoiceReader):
             got = route_reads(fs)
             if got:
                 hosts = [np.zeros((rows, k), np.int64) for _, _, _, _, rows, k in got]
-                rt.probe_table(fs.name, [(c, PROBE_AFTER, buf, off, h) for (c, _, buf, off, _, _), h in zip(got, hosts)])
+                rt.probe_table(fs.name, [(c, PROBE_AFTER, buf, off, h)
+                                         for (c, _, buf, off, _, _), h in zip(got, hosts)])
                 r.reads[fs.name] = [(layer, h) for (_, layer, *_), h in zip(got, hosts)]
         if not r.reads:
             return None

@@ -129,9 +129,9 @@ def _on_fake_hip(art):
 
 def test_a_gpu_device_judges_rows_by_its_router_picks(gpu_art, monkeypatch):
     """Clean: the picks are read and 6 of the 8 rows are judged (before: "choices not measured", none judged on
-    bf16: every lane's steps ended at its first near tie); the forged weight FAILS at layer 2, step 0 through a pick swapped
-    clear of its near tie (the scores are not read there). With the probes off (the reader not attached) the forged
-    artifact passes: each lane's rows end at its first near tie."""
+    bf16: every lane's steps ended at its first near tie); the forged weight FAILS at layer 2, step 0 through a pick
+    swapped clear of its near tie (the scores are not read there). With the probes off (the reader not attached)
+    the forged artifact passes: each lane's rows end at its first near tie."""
     art, forged = gpu_art
     r = _on_fake_hip(art)
     logits = next(c for c in r.checks if c.name == "logits")
@@ -139,7 +139,8 @@ def test_a_gpu_device_judges_rows_by_its_router_picks(gpu_art, monkeypatch):
     judged = int(re.match(r"(\d+) of 8 rows", logits.note).group(1))
     assert r.passed and choices.measured and "scores are not read" in choices.note and judged >= 4, r.lines()
     bad = _on_fake_hip(forged)
-    assert not bad.passed and (bad.first_step, bad.first_layer) == (0, 2) and "router departs" in bad.reason, bad.lines()
+    assert not bad.passed and (bad.first_step, bad.first_layer) == (0, 2), bad.lines()
+    assert "router departs" in bad.reason
     assert "clear of the tie" in bad.reason
     monkeypatch.setattr(sc.ProbeChoiceReader, "attach_probes", classmethod(lambda cls, be: None))
     off = _on_fake_hip(forged)
