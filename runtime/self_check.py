@@ -239,7 +239,8 @@ def judged_steps(g, B: int, S: int, dev=None, bounds=None) -> tuple[np.ndarray, 
     first near-tie discrete choice (`golden.clean_steps`; a flipped choice there may move that step and, through
     the caches, every later step of the lane by more than any rounding bound).
 
-    With them (`dev` = (picks, scores), each `[B, P, L, k]` by golden lane, position and layer, `ChoiceReader`):
+    With them (`dev` = (picks, scores), each `[B, P, L, k]` by golden lane, position and layer, `ChoiceReader`;
+    scores None where the device shows its picks only, hip / cuda: then the picks alone decide):
     a near tie excuses nothing unless the device's pick actually differs. A router pick that differs at layer l0,
     position p0 changes what layers after l0 compute at p0 and after (through their caches), nothing else: the
     choices and scores of every other (position, layer) are still the golden's to compare. There: a pick that
