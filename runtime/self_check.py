@@ -17,7 +17,8 @@ Checks, each a line with its measured error beside its tolerance (errors in unit
   the cpu device, a check-mode variant of each graph with the router's top-k as extra outputs; the host device,
   `HostChoiceReader`, check-mode hooks of the C runtime's launch callback; hip / cuda, `ProbeChoiceReader`: the
   fused MoE launch's router phase leaves its ids in scratch `route_indices` for the experts phase, copied after
-  the launch by the C runtime's probe table in a golden run launch by launch), only a pick that actually differs
+  the launch by the C runtime's probe table in a second golden run, launch by launch, after one on the captured
+  graphs; both runs' logits are judged), only a pick that actually differs
   excuses rows, those it reaches (`judged_steps`); elsewhere (partitioned artifacts) a lane's steps from its
   first near-tie choice in the golden on. The compile picks prompts without near ties where a seeded candidate
   has none (fp32 always has so far; bf16 on random weights never: its check judges about half the rows on cpu,
@@ -134,46 +135,73 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
                                            f"the golden was made with {f['numerics']} numerics in {f['dtype']}, the "
                                            f"artifact computes {m['numerics']} in {m['dtype']}",
                                            tolerance_basis=basis, covers=covers))
-    rows: dict[int, list[np.ndarray]] = {}
     gold_ids = g.ids
     lane_of: dict[int, int] = {}  # slot -> golden prompt, for the device's choices
 
-    class Forced(Batcher):
-        """The loop, each request fed the golden's ids; the rows the device gave are kept."""
+    def golden_run(reader) -> dict[int, list[np.ndarray]]:
+        """The golden's prompts through the loop, each request fed the golden's ids: the rows the device gave."""
+        rows: dict[int, list[np.ndarray]] = {}
 
-        def _pick(self, r, row):
-            rows.setdefault(r.index, []).append(np.array(row, dtype=np.float32, copy=True))
-            lane_of[r.seq.slot] = r.index
-            return gold_ids[r.index][len(r.ids)]
+        class Forced(Batcher):
+            def _pick(self, r, row):
+                rows.setdefault(r.index, []).append(np.array(row, dtype=np.float32, copy=True))
+                lane_of[r.seq.slot] = r.index
+                return gold_ids[r.index][len(r.ids)]
 
-    loop = Forced(sess, raise_errors=True)
-    reader = ChoiceReader.attach(sess, g)
+        loop = Forced(sess, raise_errors=True)
+        try:
+            for i, p in enumerate(g.prompts):
+                loop.submit(Request(p, f["new_tokens"], index=i), where=f"golden prompt {i}")
+            loop.run_until_idle()
+        except Exception as e:  # noqa: BLE001 (the caller names it)
+            e.rows = rows
+            raise
+        finally:
+            loop.abort()
+            if reader is not None:
+                reader.detach()
+        return rows
+
+    # A GPU's picks come from a probed, uncaptured run (`ProbeChoiceReader`); the logits are judged on the users'
+    # captured graphs first (where decode-graph-only faults live), then on the probed run as well.
+    probed = ChoiceReader.probes_needed(sess, g)
+    runs: list[dict[int, list[np.ndarray]]] = []
+    reader = None
+    # the prefix cache set aside: every run computes every token (a second run served from the first's blocks
+    # would skip the prefill it is to check), and the golden's prompts leave no entries behind
+    caches, sess.caches = sess.caches, [None] * len(sess.caches)
     with sess.lock:
         try:
-            reqs = [loop.submit(Request(p, f["new_tokens"], index=i), where=f"golden prompt {i}")
-                    for i, p in enumerate(g.prompts)]
-            loop.run_until_idle()
+            if probed:
+                runs.append(golden_run(None))
+            reader = ChoiceReader.attach(sess, g)
+            runs.append(golden_run(reader))
         except Exception as e:  # noqa: BLE001 (a device that cannot run the golden fails the check, named)
-            step = min((len(v) for v in rows.values()), default=0)
+            step = min((len(v) for v in getattr(e, "rows", {}).values()), default=0)
             checks.append(Check("run", 1.0, 0.0, False, f"{type(e).__name__}: {str(e)[:200]}"))
             _any_rank(sess, False, able=False)  # the other ranks' vote on the layer statistics: not with this one
             return _done(sess, SelfCheckResult(False, device, float("inf"), tol, time.perf_counter() - t0,
                                                tuple(checks), f"the device failed to run the golden: {str(e)[:200]}",
                                                step, tolerance_basis=basis, covers=covers))
         finally:
-            loop.abort()
-            if reader is not None:
-                reader.detach()
-    dev = np.stack([np.stack(rows[r.index]) for r in reqs])  # [B, steps, V]
+            sess.caches = caches
+    reqs = range(len(g.prompts))
     scale = float(f["scale"])
-    if f["logits"]["form"] == "full":
-        err = np.abs(dev - g.tensors["logits"]).max(axis=-1) / scale  # [B, steps]
-    else:
-        idx = g.tensors["topk_ids"]
-        at = np.take_along_axis(dev, idx, axis=-1)
-        lse = np.log(np.exp(dev.astype(np.float64) - dev.max(-1, keepdims=True)).sum(-1)) + dev.max(-1)
-        err = np.maximum(np.abs(at - g.tensors["topk_values"]).max(-1), np.abs(lse - g.tensors["lse"])) / scale
-    picks = dev.argmax(-1)
+    errs, picks = [], None
+    for rows in runs:  # each run's error; the worse of them judged (the ids: both runs' must agree)
+        dev = np.stack([np.stack(rows[i]) for i in reqs])  # [B, steps, V]
+        if f["logits"]["form"] == "full":
+            errs.append(np.abs(dev - g.tensors["logits"]).max(axis=-1) / scale)  # [B, steps]
+        else:
+            idx = g.tensors["topk_ids"]
+            at = np.take_along_axis(dev, idx, axis=-1)
+            lse = np.log(np.exp(dev.astype(np.float64) - dev.max(-1, keepdims=True)).sum(-1)) + dev.max(-1)
+            errs.append(np.maximum(np.abs(at - g.tensors["topk_values"]).max(-1),
+                                   np.abs(lse - g.tensors["lse"])) / scale)
+        got = dev.argmax(-1)
+        picks = got if picks is None else np.where(picks == got, picks, -1)  # -1: the runs disagree
+    err = np.fmax.reduce(errs) if len(errs) > 1 else errs[0]
+    err = np.where(np.isnan(errs).any(0), np.nan, err)
     gid = np.asarray(gold_ids)
     margin = g.tensors["margin"] / scale
     B, S = err.shape
@@ -364,6 +392,15 @@ class ChoiceReader:
         self.be, self.names = be, names
         self.seen: list[tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]] = []
 
+    @staticmethod
+    def probes_needed(sess, g) -> bool:
+        """Whether `attach` will read the picks through probes in an uncaptured run while the users' runs replay
+        captured graphs (hip / cuda): then the self-check runs the golden twice, captured first."""
+        be = sess.backend
+        return ("router_ids" in g.tensors and getattr(be, "ranks", None) is None and hasattr(be, "rt")
+                and getattr(be, "device", None) in ("hip", "cuda") and bool(getattr(be, "graphs", False))
+                and any(route_reads(fs) for fs in be.rt.sched.functions))
+
     @classmethod
     def attach(cls, sess, g) -> "ChoiceReader | None":
         be = sess.backend
@@ -527,8 +564,8 @@ class ProbeChoiceReader(ChoiceReader):
     (`CRuntime.probe_table`): a GPU-target program's learned routers sit inside fused MoE launches, whose router
     phase hands its expert ids to the experts phase through scratch (`route_indices`, `moe_router.route_ids_at`);
     after the launch they still hold its picks, copied to host memory after its last call (`route_reads`). The
-    golden run goes launch by launch (a captured graph refuses probes; the users' runs keep theirs), the probes
-    set for it only. The picks are the kernels' own; their scores are not read (they stay in registers): a
+    probed run goes launch by launch (a captured graph refuses probes; the users' runs keep theirs), the probes
+    set for it only, after a run of the golden on the captured graphs (`self_check`: both runs' logits judged). The picks are the kernels' own; their scores are not read (they stay in registers): a
     fault shows once it moves a pick clear of its near-tie threshold."""
 
     @classmethod

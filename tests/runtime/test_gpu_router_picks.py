@@ -122,13 +122,15 @@ def _on_fake_hip(art):
         be.device = sess.device = "hip"
         r = sess.self_check()
         assert be.graphs and not any(be.rt._probes.values())  # the golden run's probes gone, graphs back
+        assert be.rt.stats()["replays"] > 0  # the golden ran on the users' captured graphs too (first)
         return r
     finally:
         sess.close()
 
 
 def test_a_gpu_device_judges_rows_by_its_router_picks(gpu_art, monkeypatch):
-    """Clean: the picks are read and 6 of the 8 rows are judged (before: "choices not measured", none judged on
+    """The golden runs twice: on the captured graphs, then launch by launch with the probes. Clean: the picks are
+    read and 6 of the 8 rows are judged (before: "choices not measured", none judged on
     bf16: every lane's steps ended at its first near tie); the forged weight FAILS at layer 2, step 0 through a pick
     swapped clear of its near tie (the scores are not read there). With the probes off (the reader not attached)
     the forged artifact passes: each lane's rows end at its first near tie."""
