@@ -7,27 +7,38 @@ functions' lanes - 1), the expected tokens per unit of time are
 
 with a_j the running acceptance of draft position j (draft j accepted given drafts 1..j-1 were: an exponential
 moving average over the sequences' offers, `ALPHA` the weight of each new one, starting at `PRIOR`; the
-session's, carried from one generate call or request to the next) and
-c(B, k) the cost of a step that verifies k drafts and drafts k (c(B, 0): the decode step). The step takes the
-largest E(k) (the smaller k on a tie), but plain decoding unless that beats E(0) by `MARGIN`: speculation has
-costs outside its steps (the MTP block over each prompt, a request's first drafts) and the step costs are
-measured on a shared machine, so a marginal gain is not worth them. k is a choice of how many drafts to make for the next step; the
-verify then checks whatever drafts each sequence holds, so the ids are those of plain decoding whatever k
-is chosen (greedy: the verify's argmax decides every token).
+session's, carried from one generate call or request to the next) and c(B, k) the cost of a step that
+verifies the drafts held and drafts k (c(B, 0): the plain decode step). The step takes the largest E(k) (the
+smaller k on a tie), but plain decoding unless that beats E(0) by `MARGIN`: speculation has costs outside its
+steps (the MTP block over each prompt, a request's first drafts, the probes below) and the step costs are
+measured on a shared machine, so a marginal gain is not worth them. k is a choice of how many drafts to make
+for the next step; the verify then checks whatever drafts each sequence holds, so the ids are those of plain
+decoding whatever k is chosen (greedy: the verify's argmax decides every token).
 
-Costs. On the cpu device they are measured at the bucket's first step of the session (`measure`: the
-process's CPU time, the median of `RUNS` interleaved rounds of the decode graph and of the one-call step
-graphs drafting k, `codegen/onnx_spec.py`, on live lanes whose writes are dropped, never stored), then each
-step's own CPU time moves its c(B, k) (an exponential moving average, `BETA`: a step in a generation costs
-its host work too, and its graph on a real text's pool and experts, which an isolated run misses). Elsewhere
-(the C runtime's devices) they are modeled from the artifact's compile report (`report.json`
-`speculative_step`: the modeled verify / decode cost ratio of a GPU target at the drafts it models,
-interpolated linearly in k, batch 1 figures for every bucket); an artifact without them drafts K every step.
+Costs on the cpu device: measured in the generation itself, every k the same way. Each step's CPU time (the
+whole step: its graph calls and its Python) is a sample of c(B, k) for the k it ran; c(B, k) is the median of
+the last `WINDOW` samples of that k (a median, no outlier gate and no moving average: a wrong estimate is
+replaced by `WINDOW // 2 + 1` steps of the truth, never locked in). A step that verifies drafts without
+making any (k = 0 chosen while drafts are held: neither a plain step nor a k > 0 one) is no sample. The
+prior, until a k has samples, is the bucket's isolated measurement (`measure`, at its first step in the
+session: the process's CPU time, the median of `RUNS` interleaved rounds of the decode graph and of the
+one-call step graphs drafting k, `codegen/onnx_spec.py`, on live lanes whose writes are dropped), scaled to the
+generation by the median ratio of sample to prior over the k that have samples: an isolated graph misses the
+step's host work and a real text's pool and experts, and the k compared are then both in situ or both
+scaled alike. Elsewhere (the C runtime's devices) the costs are modeled from the artifact's compile report
+(`report.json` `speculative_step`: the modeled verify / decode cost ratio of a GPU target at the drafts it
+models, interpolated linearly in k, batch 1 figures for every bucket) and not refined (a step's CPU time
+there is not its cost); an artifact without them drafts K every step.
 
-k = 0 writes nothing of the MTP block's ring (a plain decode step), so the estimates a_j do not move while it
-is chosen: after `PROBE` plain steps in a row one step drafts one token (the cheapest probe: a verify of one
-draft follows), so a machine or a text that changes is seen again. A step whose sequences hold no drafts at
-k = 0 is the plain decode step itself, and sequences admitted while the rule says 0 get no first drafts.
+Probes, so that the k not chosen are seen again (a machine, a batch or a text that changes). While plain
+decoding is chosen the acceptance does not move: after `PROBE` plain steps in a row one step drafts the
+rule's best k > 0 (its step a sample of that k). While drafting is chosen (cpu device) c(B, 0) gets no
+samples: after `PROBE_SPEC` drafting steps in a row the steps are plain until one plain decode step is timed
+(the first verifies the drafts held, without new ones). Each probe after which the rule keeps its side
+doubles that side's interval (up to `PROBE_MAX` times), a change of side resets both: a settled choice
+costs ever fewer probes. Counters, samples and acceptance are the session's, carried from one generate call
+or request to the next. A step whose sequences hold no drafts at k = 0 is the plain decode step itself, and
+sequences admitted while the rule (or a probe) says 0 get no first drafts.
 """
 
 from __future__ import annotations
@@ -36,6 +47,8 @@ import json
 import logging
 import statistics
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -43,13 +56,26 @@ log = logging.getLogger(__name__)
 
 ALPHA = 0.1  # the weight of each new offer in the running acceptance
 PRIOR = 0.8  # the running acceptance before any offer (the V3 report's 85 %, a little below)
-RUNS = 15  # timed rounds over the graphs when measuring a bucket's costs (each graph's median)
-BETA = 0.2  # the weight of each step's own CPU time in its c(B, k)
+RUNS = 15  # timed rounds over the graphs when measuring a bucket's prior costs (each graph's median)
+WINDOW = 5  # the in-generation steps of each k whose median is its c(B, k)
 MARGIN = 0.2  # drafting must beat plain decoding by this much per unit time (see the module doc)
-OUTLIER = 4.0  # a step over this many times its c(B, k) is not taken into it
 WARM = 2  # untimed rounds first (a session's first runs plan its memory)
 LIVE_POS = 40  # the measured steps' first position: past the window and a few compressed windows, as mid-text
 PROBE = 64  # plain steps in a row after which one step drafts again
+PROBE_SPEC = 16  # drafting steps in a row after which plain steps until one is timed (cpu device)
+PROBE_MAX = 16  # a probe interval doubles at most to this many times its start
+
+
+@dataclass
+class Loop:
+    """The session's probe state for one K (carried across generate calls, as the samples are)."""
+
+    plain_run: int = 0  # plain steps in a row
+    spec_run: int = 0  # drafting steps in a row
+    plain_every: int = PROBE  # the current intervals (doubled while probes confirm the choice)
+    spec_every: int = PROBE_SPEC
+    want_plain: bool = False  # a plain probe under way: plain steps until one is timed
+    pending: str | None = None  # the side ("plain" / "spec") a finished probe was taken from: the next choice is its verdict
 
 
 class AutoK:
@@ -57,12 +83,12 @@ class AutoK:
 
     def __init__(self, step, K: int):
         self.step, self.K = step, K
-        # the session's running acceptance, carried from one generate call (or request) to the next
-        known = step.s.spec_auto if step is not None else {}
+        # the session's running acceptance, samples and probe state, carried from one generate call to the next
+        self.known = known = step.s.spec_auto if step is not None else {}
         self.rates = known.setdefault(("rates", K), [PRIOR] * K)
-        self.costs: dict[int, list[float] | None] = {}  # bucket -> c(B, 0..K)
-        self.measured: dict[int, bool] = {}  # bucket -> its costs are CPU seconds (refined by `timed`)
-        self.plain_run = 0
+        self.loop: Loop = known.setdefault(("loop", K), Loop())
+        self.priors: dict[int, list[float] | None] = {}  # bucket -> the isolated (or modeled) c(B, 0..K)
+        self.measured: dict[int, bool] = {}  # bucket -> its priors are CPU seconds (then refined in situ)
         self.chosen: list[int] = []  # each step's k (the bench and the tests read it)
 
     def observe(self, a: int, offered: int) -> None:
@@ -77,39 +103,82 @@ class AutoK:
             out += run
         return out
 
-    def best(self, B: int) -> int:
-        """The rule's k for bucket `B` (no probe, nothing recorded)."""
+    def _samples(self, B: int) -> list[deque]:
+        return self.known.setdefault(("seen", B, self.K), [deque(maxlen=WINDOW) for _ in range(self.K + 1)])
+
+    def cost(self, B: int) -> list[float] | None:
+        """c(B, 0..K): each k's in-generation median, the prior (scaled to the generation) where it has none."""
+        prior = self.prior(B)
+        if prior is None or not self.measured.get(B):
+            return prior
+        seen = {k: statistics.median(q) for k, q in enumerate(self._samples(B)) if q}
+        if not seen:
+            return prior
+        scale = statistics.median(seen[k] / prior[k] for k in seen)
+        return [seen[k] if k in seen else prior[k] * scale for k in range(self.K + 1)]
+
+    def _best(self, B: int, ks) -> int:
         c = self.cost(B)
         if c is None:
             return self.K
-        k = max(range(self.K + 1), key=lambda k: (self.expected(k) / c[k], -k))
-        return k if self.expected(k) / c[k] > (1 + MARGIN) / c[0] else 0
+        return max(ks, key=lambda k: (self.expected(k) / c[k], -k))
+
+    def best(self, B: int) -> int:
+        """The rule's k for bucket `B` (no probe, nothing recorded)."""
+        k = self._best(B, range(self.K + 1))
+        if k == 0:
+            return 0
+        c = self.cost(B)
+        return k if c is None or self.expected(k) / c[k] > (1 + MARGIN) / c[0] else 0
+
+    def first(self, B: int) -> int:
+        """The drafts of sequences admitted now: the rule's, none during a plain probe."""
+        return 0 if self.loop.want_plain else self.best(B)
 
     def pick(self, B: int) -> int:
-        """This step's k: the rule's, but one draft after `PROBE` plain steps in a row."""
-        k = self.best(B)
-        self.plain_run = self.plain_run + 1 if k == 0 else 0
-        if self.plain_run > PROBE:
-            k, self.plain_run = 1, 0
+        """This step's k: the rule's, or a probe's (module doc)."""
+        L = self.loop
+        if L.want_plain:
+            k = 0
+        else:
+            k = self.best(B)
+            if L.pending is not None:  # the first choice after a probe: kept its side, or changed it
+                if (k > 0) == (L.pending == "spec"):
+                    if L.pending == "spec":
+                        L.spec_every = min(2 * L.spec_every, PROBE_SPEC * PROBE_MAX)
+                    else:
+                        L.plain_every = min(2 * L.plain_every, PROBE * PROBE_MAX)
+                else:
+                    L.spec_every, L.plain_every = PROBE_SPEC, PROBE
+                L.pending = None
+        L.plain_run, L.spec_run = (L.plain_run + 1, 0) if k == 0 else (0, L.spec_run + 1)
+        if not L.want_plain and k == 0 and L.plain_run > L.plain_every:
+            k, L.plain_run, L.pending = self._best(B, range(1, self.K + 1)), 0, "plain"
+        elif k > 0 and self.measured.get(B) and L.spec_run > L.spec_every:
+            k, L.spec_run, L.want_plain, L.pending = 0, 0, True, "spec"
         self.chosen.append(k)
         return k
 
-    def timed(self, B: int, k: int, seconds: float) -> None:
-        """A step of bucket `B` at `k` took `seconds` of CPU time: c(B, k) moves toward it (`BETA`)."""
-        c = self.costs.get(B)
-        if c is not None and self.measured.get(B) and seconds < OUTLIER * c[k]:  # not a one-off (a session made)
-            c[k] += BETA * (seconds - c[k])
+    def timed(self, B: int, k: int | None, seconds: float) -> None:
+        """A step of bucket `B` took `seconds` of CPU time: a plain decode step (k = 0), a step drafting k, or
+        (None) a verify of the drafts held without new ones, which is no sample."""
+        if k is None:
+            return
+        if k == 0:
+            self.loop.want_plain = False
+        if self.measured.get(B):
+            self._samples(B)[k].append(seconds)
 
-    def cost(self, B: int) -> list[float] | None:
-        if B not in self.costs:
+    def prior(self, B: int) -> list[float] | None:
+        if B not in self.priors:
             # measured once per session and bucket (a generate call, a request, reuses them)
-            known, key = self.step.s.spec_auto, ("costs", B, self.K)
-            if key not in known:
+            key = ("costs", B, self.K)
+            if key not in self.known:
                 c = measure(self.step, B, self.K)
-                known[key] = (c, True) if c is not None else (modeled(self.step.s, self.K), False)
-                log.debug("speculation auto: bucket %d step costs %s", B, known[key][0])
-            self.costs[B], self.measured[B] = known[key]
-        return self.costs[B]
+                self.known[key] = (c, True) if c is not None else (modeled(self.step.s, self.K), False)
+                log.debug("speculation auto: bucket %d prior step costs %s", B, self.known[key][0])
+            self.priors[B], self.measured[B] = self.known[key]
+        return self.priors[B]
 
 
 def _lanes(session, B: int, T: int) -> dict[str, np.ndarray]:

@@ -265,7 +265,7 @@ class SpecStep:
     def joined(self, reqs: list) -> None:
         """The first drafts of the requests just admitted (still live after their first token)."""
         if self.auto is not None:  # as many as the rule wants now (none while it says plain decoding)
-            self.k_now = self.auto.best(next(f for f in self.fns if f[0] >= len(reqs))[0])
+            self.k_now = self.auto.first(next(f for f in self.fns if f[0] >= len(reqs))[0])
         if self.mtp is not None:
             ds = self.mtp.drafts([r.spec.entry for r in reqs], [self._wanted(r) for r in reqs],
                                  [r.spec.pick for r in reqs])
@@ -285,10 +285,10 @@ class SpecStep:
         it took` (it may end the request and release its sequence); those still live get their next drafts."""
         if self.auto is None:
             return self._step(live, deliver)
-        self.auto.cost(next(f for f in self.fns if f[0] >= self.s.lanes([r.seq for r in live]))[0])  # measured first (a new bucket): untimed
+        self.auto.prior(next(f for f in self.fns if f[0] >= self.s.lanes([r.seq for r in live]))[0])  # measured first (a new bucket): untimed
         t0 = time.process_time()
         self._step(live, deliver)
-        self.auto.timed(self._bucket, self.k_now, time.process_time() - t0)
+        self.auto.timed(self._bucket, self._ran, time.process_time() - t0)
 
     def _step(self, live: list, deliver) -> None:
         s = self.s
@@ -299,7 +299,10 @@ class SpecStep:
         self._bucket = B
         if self.auto is not None:
             self.k_now = self.auto.pick(B)
+            # what the step is a sample of (`AutoK.timed`): a plain step, one drafting k, or (None) neither
+            self._ran = self.k_now or None
             if self.k_now == 0 and not any(r.spec.drafts[0] for r in live):
+                self._ran = 0
                 return self._plain(live, deliver)
         ids = np.zeros((max(B, len(live)), T), dtype=np.int64)  # data parallel: every replica's lanes (`run_lanes`)
         pos = np.full((max(B, len(live)), T), -1, dtype=np.int64)
