@@ -254,19 +254,25 @@ class SpecStep:
         """Drafts worth making for request `r`: those beyond its last wanted token are wasted."""
         return min(self.k_now, r.max_new_tokens - len(r.ids) - 1)
 
-    def prefill(self, r) -> int:
-        """Prefill `r`'s prompt into its sequence (the MTP block over each chunk); its first token."""
+    def prefill(self, r, batch: int = 1) -> int:
+        """Prefill `r`'s prompt into its sequence (the MTP block over each chunk); its first token. `batch`:
+        the sequences it is likely to step with ("auto": where the rule says plain decoding for that bucket,
+        the MTP block is skipped, as plain steps skip it: its ring is only worth writing for drafts)."""
         r.spec = SpecState(Picker(r.temperature, r.rng))
-        if self.mtp is None:
+        if self.mtp is None or (self.auto is not None and self.auto.first(self._bucket_of(batch)) == 0):
             return r.spec.pick(self.s.extend(r.seq, r.prompt))[0]
         tok, r.spec.entry = self.mtp.prefill(r.seq, r.prompt, r.spec.pick)
         return tok
 
+    def _bucket_of(self, n: int) -> int:
+        return next((f[0] for f in self.fns if f[0] >= n), self.fns[-1][0])
+
     def joined(self, reqs: list) -> None:
         """The first drafts of the requests just admitted (still live after their first token)."""
         if self.auto is not None:  # as many as the rule wants now (none while it says plain decoding)
-            self.k_now = self.auto.first(next(f for f in self.fns if f[0] >= len(reqs))[0])
-        if self.mtp is not None:
+            self.k_now = self.auto.first(self._bucket_of(len(reqs)))
+            reqs = [r for r in reqs if r.spec.entry is not None]  # prefilled without the MTP block: no drafts
+        if self.mtp is not None and reqs:
             ds = self.mtp.drafts([r.spec.entry for r in reqs], [self._wanted(r) for r in reqs],
                                  [r.spec.pick for r in reqs])
             for r, d in zip(reqs, ds):

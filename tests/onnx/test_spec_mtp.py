@@ -461,7 +461,8 @@ def cycled(monkeypatch, ks) -> list[int]:
 
 def test_auto_ids_equal_plain_whatever_k(doc, monkeypatch):
     """k switching every step through 0 (a plain decode step, or a verify of the drafts held without new
-    ones), 3, 1, 2, 0, 0: the ids are plain decoding's; a plain step that picks the runner-up is caught."""
+    ones), 3, 1, 2, 0, 0: the ids are plain decoding's, also after a prefill without the MTP block (no first
+    drafts); a plain step that picks the runner-up is caught."""
     art, prompts, want = doc
     made = cycled(monkeypatch, [0, 3, 1, 2, 0, 0])
     p, want = prompts[1:], [want[1][:32]]  # batch 1, 32 tokens: 3 one-call graphs made, 16 steps or so
@@ -469,6 +470,10 @@ def test_auto_ids_equal_plain_whatever_k(doc, monkeypatch):
     try:
         assert s.generate(p, 32, speculative="mtp") == want  # "auto": the default
         assert set(made) == {0, 1, 2, 3}
+        from v4compile.runtime import spec_auto  # prefilled without the MTP block (the rule said plain): the same ids
+
+        monkeypatch.setattr(spec_auto.AutoK, "first", lambda self, B: 0)
+        assert s.generate(p, 32, speculative="mtp") == want
         monkeypatch.setattr(rs.Picker, "__call__", lambda self, logits: (int(np.argsort(logits)[-2]), None))
         assert s.generate(p, 32, speculative="mtp") != want
     finally:
