@@ -38,7 +38,9 @@ samples: after `PROBE_SPEC` drafting steps in a row the steps are plain until on
 doubles that side's interval (up to `PROBE_MAX` times), a change of side resets both: a settled choice
 costs ever fewer probes. Counters, samples and acceptance are the session's, carried from one generate call
 or request to the next. A step whose sequences hold no drafts at k = 0 is the plain decode step itself, and
-sequences admitted while the rule (or a probe) says 0 get no first drafts.
+sequences admitted while the rule (or a probe) says 0 for their bucket are prefilled without the MTP block
+(plain steps do not write its ring either: a later probe's drafts may be the worse for it, never the ids)
+and get no first drafts.
 """
 
 from __future__ import annotations
