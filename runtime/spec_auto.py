@@ -15,32 +15,35 @@ measured on a shared machine, so a marginal gain is not worth them. k is a choic
 for the next step; the verify then checks whatever drafts each sequence holds, so the ids are those of plain
 decoding whatever k is chosen (greedy: the verify's argmax decides every token).
 
-Costs on the cpu device: measured in the generation itself, every k the same way. Each step's CPU time (the
-whole step: its graph calls and its Python) is a sample of c(B, k) for the k it ran; c(B, k) is the median of
-the last `WINDOW` samples of that k (a median, no outlier gate and no moving average: a wrong estimate is
-replaced by `WINDOW // 2 + 1` steps of the truth, never locked in). A step that verifies drafts without
-making any (k = 0 chosen while drafts are held: neither a plain step nor a k > 0 one) is no sample. The
-prior, until a k has samples, is the bucket's isolated measurement (`measure`, at its first step in the
-session: the process's CPU time, the median of `RUNS` interleaved rounds of the decode graph and of the
-one-call step graphs drafting k, `codegen/onnx_spec.py`, on live lanes whose writes are dropped), scaled to the
-generation by the median ratio of sample to prior over the k that have samples: an isolated graph misses the
-step's host work and a real text's pool and experts, and the k compared are then both in situ or both
-scaled alike. Elsewhere (the C runtime's devices) the costs are modeled from the artifact's compile report
-(`report.json` `speculative_step`: the modeled verify / decode cost ratio of a GPU target at the drafts it
-models, interpolated linearly in k, batch 1 figures for every bucket) and not refined (a step's CPU time
+Costs on the cpu device: the bucket's isolated measurement (`measure`, at its first step in the session: the
+process's CPU time, the median of `RUNS` interleaved rounds of the decode graph and of the one-call step graphs
+drafting k, `codegen/onnx_spec.py`, on live lanes whose writes are dropped) gives each k's prior, and steps in
+the generation scale them: each step's CPU time (the whole step, its graph calls and its Python, the same way
+for every k) over its k's prior is a sample of its family's scale, plain decode steps for c(B, 0), drafting
+steps (any k > 0) for c(B, 1..K), and the family's scale is the median of its last `WINDOW` samples (a median:
+no outlier gate and no moving average, so a wrong prior is replaced by a few steps of the truth, never locked
+in; a family without samples takes the other's scale). An isolated graph misses the step's host work and a
+real text's pool and experts, and by how much differs between a decode graph and a step graph (at batch 8 a
+step looks far cheaper against decode in isolation than it is in a generation); among the step graphs the
+prior's ratios hold (the same graph, drafting more), so one family scale keeps every k > 0 current while one
+of them runs. A step that verifies drafts without making any (k = 0 chosen while drafts are held: neither
+family's) is no sample. Elsewhere (the C runtime's devices) the costs are modeled from the artifact's compile
+report (`report.json` `speculative_step`: the modeled verify / decode cost ratio of a GPU target at the drafts
+it models, interpolated linearly in k, batch 1 figures for every bucket) and not refined (a step's CPU time
 there is not its cost); an artifact without them drafts K every step.
 
-Probes, so that the k not chosen are seen again (a machine, a batch or a text that changes). While plain
-decoding is chosen the acceptance does not move: after `PROBE` plain steps in a row one step drafts the
-rule's best k > 0 (its step a sample of that k). While drafting is chosen (cpu device) c(B, 0) gets no
-samples: after `PROBE_SPEC` drafting steps in a row the steps are plain until one plain decode step is timed
-(the first verifies the drafts held, without new ones). Each probe after which the rule keeps its side
-doubles that side's interval (up to `PROBE_MAX` times), a change of side resets both: a settled choice
-costs ever fewer probes. Counters, samples and acceptance are the session's, carried from one generate call
-or request to the next. A step whose sequences hold no drafts at k = 0 is the plain decode step itself, and
-sequences admitted while the rule (or a probe) says 0 for their bucket are prefilled without the MTP block
-(plain steps do not write its ring either: a later probe's drafts may be the worse for it, never the ids)
-and get no first drafts.
+Probes, so that the side not chosen is seen again (a machine, a load, a batch or a text that changes). While
+plain decoding is chosen the acceptance and the drafting family do not move: after `PROBE` plain steps in a
+row, `PROBE_STEPS` steps draft the rule's best k > 0. While drafting is chosen (cpu device) the plain family
+does not move: after `PROBE_SPEC` drafting steps in a row the steps are plain until `PROBE_STEPS` plain steps
+are timed (the first verifies the drafts held, without new ones). A probe's family starts its samples afresh,
+so that the verdict (the rule's next choice) compares costs taken close together on a machine whose load
+changes. Each probe after which the rule keeps its side doubles that side's interval (up to `PROBE_MAX`
+times), a change of side resets both: a settled choice costs ever fewer probes. Counters, samples and
+acceptance are the session's, carried from one generate call or request to the next. A step whose sequences
+hold no drafts at k = 0 is the plain decode step itself, and sequences admitted while the rule (or a probe)
+says 0 for their bucket are prefilled without the MTP block (plain steps do not write its ring either: a later
+probe's drafts may be the worse for it, never the ids) and get no first drafts.
 """
 
 from __future__ import annotations
@@ -59,12 +62,13 @@ log = logging.getLogger(__name__)
 ALPHA = 0.1  # the weight of each new offer in the running acceptance
 PRIOR = 0.8  # the running acceptance before any offer (the V3 report's 85 %, a little below)
 RUNS = 15  # timed rounds over the graphs when measuring a bucket's prior costs (each graph's median)
-WINDOW = 5  # the in-generation steps of each k whose median is its c(B, k)
+WINDOW = 5  # the in-generation samples of a family (plain / drafting steps) whose median is its scale
 MARGIN = 0.2  # drafting must beat plain decoding by this much per unit time (see the module doc)
 WARM = 2  # untimed rounds first (a session's first runs plan its memory)
 LIVE_POS = 40  # the measured steps' first position: past the window and a few compressed windows, as mid-text
-PROBE = 64  # plain steps in a row after which one step drafts again
-PROBE_SPEC = 16  # drafting steps in a row after which plain steps until one is timed (cpu device)
+PROBE = 64  # plain steps in a row after which a drafting probe
+PROBE_SPEC = 16  # drafting steps in a row after which a plain probe (cpu device)
+PROBE_STEPS = 3  # the samples a probe takes (their median: one step's time can be a one-off)
 PROBE_MAX = 16  # a probe interval doubles at most to this many times its start
 
 
@@ -76,8 +80,9 @@ class Loop:
     spec_run: int = 0  # drafting steps in a row
     plain_every: int = PROBE  # the current intervals (doubled while probes confirm the choice)
     spec_every: int = PROBE_SPEC
-    want_plain: bool = False  # a plain probe under way: plain steps until one is timed
-    pending: str | None = None  # the side ("plain" / "spec") a finished probe was taken from: the next choice is its verdict
+    probe_k: int = 0  # the k of the probe under way (0: plain steps)
+    probe_left: int = 0  # its samples still to take
+    pending: str | None = None  # the side ("plain" / "spec") a probe was taken from: the first choice after it is its verdict
 
 
 class AutoK:
@@ -106,18 +111,20 @@ class AutoK:
         return out
 
     def _samples(self, B: int) -> list[deque]:
-        return self.known.setdefault(("seen", B, self.K), [deque(maxlen=WINDOW) for _ in range(self.K + 1)])
+        """Bucket `B`'s last in-generation step costs over their priors: [plain steps, drafting steps]."""
+        return self.known.setdefault(("seen", B, self.K), [deque(maxlen=WINDOW), deque(maxlen=WINDOW)])
 
     def cost(self, B: int) -> list[float] | None:
-        """c(B, 0..K): each k's in-generation median, the prior (scaled to the generation) where it has none."""
+        """c(B, 0..K): the priors, c(B, 0) scaled by its steps' median ratio, c(B, k > 0) by the drafting
+        steps' (a family without samples as the other)."""
         prior = self.prior(B)
         if prior is None or not self.measured.get(B):
             return prior
-        seen = {k: statistics.median(q) for k, q in enumerate(self._samples(B)) if q}
-        if not seen:
+        plain, spec = (statistics.median(q) if q else None for q in self._samples(B))
+        if plain is None and spec is None:
             return prior
-        scale = statistics.median(seen[k] / prior[k] for k in seen)
-        return [seen[k] if k in seen else prior[k] * scale for k in range(self.K + 1)]
+        plain, spec = plain or spec, spec or plain
+        return [prior[0] * plain] + [c * spec for c in prior[1:]]
 
     def _best(self, B: int, ks) -> int:
         c = self.cost(B)
@@ -134,14 +141,25 @@ class AutoK:
         return k if c is None or self.expected(k) / c[k] > (1 + MARGIN) / c[0] else 0
 
     def first(self, B: int) -> int:
-        """The drafts of sequences admitted now: the rule's, none during a plain probe."""
-        return 0 if self.loop.want_plain else self.best(B)
+        """The drafts of sequences admitted now: the rule's, or the probe's under way."""
+        return self.loop.probe_k if self.loop.probe_left else self.best(B)
+
+    def _probe(self, B: int, k: int) -> int:
+        """Start a probe at `k` (0: plain steps) from the other side: its family's samples start afresh, so
+        that the verdict compares costs of now, not of a machine as loaded as it was a while ago."""
+        L = self.loop
+        L.probe_k, L.probe_left, L.pending = k, PROBE_STEPS, "spec" if k == 0 else "plain"
+        self._fresh(B, k > 0)
+        return k
+
+    def _fresh(self, B: int, family: int) -> None:
+        self._samples(B)[family].clear()
 
     def pick(self, B: int) -> int:
         """This step's k: the rule's, or a probe's (module doc)."""
         L = self.loop
-        if L.want_plain:
-            k = 0
+        if L.probe_left:
+            k = L.probe_k
         else:
             k = self.best(B)
             if L.pending is not None:  # the first choice after a probe: kept its side, or changed it
@@ -153,11 +171,11 @@ class AutoK:
                 else:
                     L.spec_every, L.plain_every = PROBE_SPEC, PROBE
                 L.pending = None
-        L.plain_run, L.spec_run = (L.plain_run + 1, 0) if k == 0 else (0, L.spec_run + 1)
-        if not L.want_plain and k == 0 and L.plain_run > L.plain_every:
-            k, L.plain_run, L.pending = self._best(B, range(1, self.K + 1)), 0, "plain"
-        elif k > 0 and self.measured.get(B) and L.spec_run > L.spec_every:
-            k, L.spec_run, L.want_plain, L.pending = 0, 0, True, "spec"
+            L.plain_run, L.spec_run = (L.plain_run + 1, 0) if k == 0 else (0, L.spec_run + 1)
+            if k == 0 and L.plain_run > L.plain_every:
+                k, L.plain_run = self._probe(B, self._best(B, range(1, self.K + 1))), 0
+            elif k > 0 and self.measured.get(B) and L.spec_run > L.spec_every:
+                k, L.spec_run = self._probe(B, 0), 0
         self.chosen.append(k)
         return k
 
@@ -166,10 +184,11 @@ class AutoK:
         (None) a verify of the drafts held without new ones, which is no sample."""
         if k is None:
             return
-        if k == 0:
-            self.loop.want_plain = False
+        L = self.loop
+        if L.probe_left and (k == 0) == (L.probe_k == 0):
+            L.probe_left -= 1
         if self.measured.get(B):
-            self._samples(B)[k].append(seconds)
+            self._samples(B)[k > 0].append(seconds / self.priors[B][k])
 
     def prior(self, B: int) -> list[float] | None:
         if B not in self.priors:
