@@ -96,6 +96,7 @@ class AutoK:
         self.loop: Loop = known.setdefault(("loop", K), Loop())
         self.priors: dict[int, list[float] | None] = {}  # bucket -> the isolated (or modeled) c(B, 0..K)
         self.measured: dict[int, bool] = {}  # bucket -> its priors are CPU seconds (then refined in situ)
+        self._costs: dict[int, list[float] | None] = {}  # bucket -> c(B, 0..K) until its next sample (per step: cheap)
         self.chosen: list[int] = []  # each step's k (the bench and the tests read it)
 
     def observe(self, a: int, offered: int) -> None:
@@ -117,6 +118,11 @@ class AutoK:
     def cost(self, B: int) -> list[float] | None:
         """c(B, 0..K): the priors, c(B, 0) scaled by its steps' median ratio, c(B, k > 0) by the drafting
         steps' (a family without samples as the other)."""
+        if B not in self._costs:
+            self._costs[B] = self._cost(B)
+        return self._costs[B]
+
+    def _cost(self, B: int) -> list[float] | None:
         prior = self.prior(B)
         if prior is None or not self.measured.get(B):
             return prior
@@ -154,6 +160,7 @@ class AutoK:
 
     def _fresh(self, B: int, family: int) -> None:
         self._samples(B)[family].clear()
+        self._costs.pop(B, None)
 
     def pick(self, B: int) -> int:
         """This step's k: the rule's, or a probe's (module doc)."""
@@ -189,6 +196,7 @@ class AutoK:
             L.probe_left -= 1
         if self.measured.get(B):
             self._samples(B)[k > 0].append(seconds / self.priors[B][k])
+            self._costs.pop(B, None)
 
     def prior(self, B: int) -> list[float] | None:
         if B not in self.priors:

@@ -289,20 +289,20 @@ class SpecStep:
     def step(self, live: list, deliver: Callable[[object, list[int]], int]) -> None:
         """One verify step over the live requests: their new tokens go to `deliver(request, ids) -> how many
         it took` (it may end the request and release its sequence); those still live get their next drafts."""
+        fn = next(f for f in self.fns if f[0] >= self.s.lanes([r.seq for r in live]))
         if self.auto is None:
-            return self._step(live, deliver)
-        self.auto.prior(next(f for f in self.fns if f[0] >= self.s.lanes([r.seq for r in live]))[0])  # measured first (a new bucket): untimed
+            return self._step(live, deliver, fn)
+        self.auto.prior(fn[0])  # measured first (a new bucket): untimed
         t0 = time.process_time()
-        self._step(live, deliver)
-        self.auto.timed(self._bucket, self._ran, time.process_time() - t0)
+        self._step(live, deliver, fn)
+        self.auto.timed(fn[0], self._ran, time.process_time() - t0)
 
-    def _step(self, live: list, deliver) -> None:
+    def _step(self, live: list, deliver, fn: tuple[int, str, int]) -> None:
         s = self.s
         if self.mtp is None:
             for r in live:
                 r.spec.drafts = self._hooked(r)
-        B, fname, T = next(f for f in self.fns if f[0] >= s.lanes([r.seq for r in live]))
-        self._bucket = B
+        B, fname, T = fn
         if self.auto is not None:
             self.k_now = self.auto.pick(B)
             # what the step is a sample of (`AutoK.timed`): a plain step, one drafting k, or (None) neither
