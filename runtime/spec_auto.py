@@ -9,9 +9,10 @@ with a_j the running acceptance of draft position j (draft j accepted given draf
 moving average over the sequences' offers, `ALPHA` the weight of each new one, starting at `PRIOR`; the
 session's, carried from one generate call or request to the next) and c(B, k) the cost of a step that
 verifies the drafts held and drafts k (c(B, 0): the plain decode step). The step takes the largest E(k) (the
-smaller k on a tie), but plain decoding unless that beats E(0) by `MARGIN`: speculation has costs outside its
-steps (the MTP block over each prompt, a request's first drafts, the probes below) and the step costs are
-measured on a shared machine, so a marginal gain is not worth them. k is a choice of how many drafts to make
+smaller k on a tie), but plain decoding unless that beats E(0) by `MARGIN` (`MARGIN_STAY` while the rule's
+last choice drafted: a band, so that one noisy measurement does not flip the choice back and forth):
+speculation has costs outside its steps (the MTP block over each prompt, a request's first drafts, the probes
+below) and the step costs are measured on a shared machine, so a marginal gain is not worth them. k is a choice of how many drafts to make
 for the next step; the verify then checks whatever drafts each sequence holds, so the ids are those of plain
 decoding whatever k is chosen (greedy: the verify's argmax decides every token).
 
@@ -63,7 +64,8 @@ ALPHA = 0.1  # the weight of each new offer in the running acceptance
 PRIOR = 0.8  # the running acceptance before any offer (the V3 report's 85 %, a little below)
 RUNS = 15  # timed rounds over the graphs when measuring a bucket's prior costs (each graph's median)
 WINDOW = 5  # the in-generation samples of a family (plain / drafting steps) whose median is its scale
-MARGIN = 0.2  # drafting must beat plain decoding by this much per unit time (see the module doc)
+MARGIN = 0.2  # drafting must beat plain decoding by this much per unit time to start (see the module doc)
+MARGIN_STAY = 0.1  # and by this much to go on: a band, so that a step's noisy CPU time does not flip the choice
 WARM = 2  # untimed rounds first (a session's first runs plan its memory)
 LIVE_POS = 40  # the measured steps' first position: past the window and a few compressed windows, as mid-text
 PROBE = 16  # plain steps in a row after which a drafting probe (the acceptance may have changed with the text)
@@ -83,6 +85,7 @@ class Loop:
     probe_k: int = 0  # the k of the probe under way (0: plain steps)
     probe_left: int = 0  # its samples still to take
     pending: str | None = None  # the side ("plain" / "spec") a probe was taken from: the first choice after it is its verdict
+    drafting: bool = False  # the rule's last choice (not a probe's) drafted
 
 
 class AutoK:
@@ -144,7 +147,8 @@ class AutoK:
         if k == 0:
             return 0
         c = self.cost(B)
-        return k if c is None or self.expected(k) / c[k] > (1 + MARGIN) / c[0] else 0
+        margin = MARGIN_STAY if self.loop.drafting else MARGIN
+        return k if c is None or self.expected(k) / c[k] > (1 + margin) / c[0] else 0
 
     def first(self, B: int) -> int:
         """The drafts of sequences admitted now: the rule's, or the probe's under way."""
@@ -178,6 +182,7 @@ class AutoK:
                 else:
                     L.spec_every, L.plain_every = PROBE_SPEC, PROBE
                 L.pending = None
+            L.drafting = k > 0
             L.plain_run, L.spec_run = (L.plain_run + 1, 0) if k == 0 else (0, L.spec_run + 1)
             if k == 0 and L.plain_run > L.plain_every:
                 k, L.plain_run = self._probe(B, self._best(B, range(1, self.K + 1))), 0

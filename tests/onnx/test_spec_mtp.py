@@ -482,8 +482,9 @@ def test_auto_ids_equal_plain_whatever_k(doc, monkeypatch):
 
 def test_auto_rule():
     """E(k) = expected tokens / cost: drafts pay at a cheap verify and high acceptance, not at an expensive
-    one; plain steps probe the best k > 0 after PROBE, a probe that confirms the choice doubles the interval;
-    a rule blind to the acceptance picks otherwise."""
+    one; drafting starts above MARGIN and goes on above MARGIN_STAY; plain steps probe the best k > 0 after
+    PROBE, a probe that confirms the choice doubles the interval; a rule blind to the acceptance picks
+    otherwise."""
     from v4compile.runtime import spec_auto
 
     a = spec_auto.AutoK(None, 3)
@@ -504,6 +505,10 @@ def test_auto_rule():
     m = spec_auto.AutoK(None, 1)  # a gain under MARGIN (1.9 / 1.8 = 1.06x plain) is not taken; 1.9 / 1.5 is
     m.rates, m.priors, m.measured = [0.9], {1: [1.0, 1.8], 2: [1.0, 1.5]}, {1: False, 2: False}
     assert (m.best(1), m.best(2)) == (0, 1)
+    m.priors[3], m.measured[3] = [1.0, 1.65], False  # 1.9 / 1.65 = 1.15x: not started, but kept (the band)
+    assert m.best(3) == 0
+    m.loop.drafting = True
+    assert m.best(3) == 1 and m.best(1) == 0
     blind = spec_auto.AutoK(None, 3)
     blind.rates, blind.priors, blind.measured = [0.9, 0.8, 0.3], {1: [1.0, 1.2, 1.4, 1.6]}, {1: False}
     blind.expected = lambda k: 1.0 + k
