@@ -35,7 +35,7 @@ there is not its cost); an artifact without them drafts K every step.
 
 Probes, so that the side not chosen is seen again (a machine, a load, a batch or a text that changes). While
 plain decoding is chosen the acceptance and the drafting family do not move: after `PROBE` plain steps in a
-row, `PROBE_STEPS` steps draft the rule's best k > 0. While drafting is chosen (cpu device) the plain family
+row, `PROBE_STEPS` steps draft one token (the cheapest drafting step; its family's scale is every k's). While drafting is chosen (cpu device) the plain family
 does not move: after `PROBE_SPEC` drafting steps in a row the steps are plain until `PROBE_STEPS` plain steps
 are timed (the first verifies the drafts held, without new ones). A probe's family starts its samples afresh,
 so that the verdict (the rule's next choice) compares costs taken close together on a machine whose load
@@ -185,7 +185,7 @@ class AutoK:
             L.drafting = k > 0
             L.plain_run, L.spec_run = (L.plain_run + 1, 0) if k == 0 else (0, L.spec_run + 1)
             if k == 0 and L.plain_run > L.plain_every:
-                k, L.plain_run = self._probe(B, self._best(B, range(1, self.K + 1))), 0
+                k, L.plain_run = self._probe(B, 1), 0  # the cheapest drafting step: the family's scale is every k's
             elif k > 0 and self.measured.get(B) and L.spec_run > L.spec_every:
                 k, L.spec_run = self._probe(B, 0), 0
         self.chosen.append(k)

@@ -482,7 +482,7 @@ def test_auto_ids_equal_plain_whatever_k(doc, monkeypatch):
 
 def test_auto_rule():
     """E(k) = expected tokens / cost: drafts pay at a cheap verify and high acceptance, not at an expensive
-    one; drafting starts above MARGIN and goes on above MARGIN_STAY; plain steps probe the best k > 0 after
+    one; drafting starts above MARGIN and goes on above MARGIN_STAY; plain steps probe one draft after
     PROBE, a probe that confirms the choice doubles the interval; a rule blind to the acceptance picks
     otherwise."""
     from v4compile.runtime import spec_auto
@@ -494,7 +494,7 @@ def test_auto_rule():
     assert a.pick(1) == 2
     a.rates = [0.5, 0.5, 0.5]  # b8: 1.5 / 2 = 0.75 ... < 1 -> plain
     assert a.pick(8) == 0
-    assert [a.pick(8) for _ in range(spec_auto.PROBE)][-1] == 1  # the probe: the best k > 0, PROBE_STEPS steps
+    assert [a.pick(8) for _ in range(spec_auto.PROBE)][-1] == 1  # the probe: one draft, PROBE_STEPS steps
     for _ in range(spec_auto.PROBE_STEPS):
         a.timed(8, 1, 2.0)
         assert a.chosen[-1] == 1 and a.pick(8) in (1, 0)
