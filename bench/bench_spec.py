@@ -23,7 +23,9 @@ plain decode steps (a decode step: the plain run's time outside prefill over its
 the graph call (the fused verify + acceptance + draft graph, or the verify graph), the separate draft calls,
 the undo bookkeeping (`PoolUndo`; the one-call step has none: its held writes are stored but the rejected
 rows, counted as Python) and the rest (Python: the step's input building, acceptance, delivery).
-`--auto` adds `--draft-tokens auto` on the largest k's artifact (`runtime/speculative.py` picks k per step).
+`--auto` adds `--draft-tokens auto` on the largest k's artifact (`runtime/spec_auto.py` picks k per step; one
+untimed pass over the inputs first makes its graphs and measures its buckets' prior costs, as the others' are
+made before timing; its in-generation costs and acceptance then carry over, as in any session).
 """
 
 from __future__ import annotations
@@ -265,15 +267,18 @@ def compiled_cpu(a, prompts, ks: list[int]) -> dict:
                 ids, stats = compiled_generate(sessions[k], ps, a.new, k)
                 return ids, stats
             runs[k] = spec
+        inputs = batched(prompts, a.batch)
         if a.auto:
             big = sessions[max(ks)]
-            compiled_generate(big, [prompts[0]] * a.batch, 4, "auto")  # its step costs measured before timing
 
             def auto(ps):
                 ids, stats = compiled_generate(big, ps, a.new, "auto")
                 return ids, stats
             runs["auto"] = auto
-        inputs = batched(prompts, a.batch)
+            # before timing, as the others' graphs: the buckets' prior costs measured and their graphs made (a
+            # batch's last sequence alone steps in bucket 1 when the others finished first)
+            for x in inputs + ([[prompts[0]]] if a.batch > 1 else []):
+                auto(x)
         out = report("compiled cpu", list(runs)[1:], interleaved(runs, inputs, a.repeat),
                      a.new * sum(len(x) for x in inputs), a.batch)
         step_table("compiled cpu", runs, inputs, out["speculative"], min(a.repeat, 5))

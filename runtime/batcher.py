@@ -266,7 +266,7 @@ class Batcher:
             pick = 0
             try:
                 if self.spec is not None:
-                    tok = self.spec.prefill(r)
+                    tok = self.spec.prefill(r, len(self.live) + len(self.waiting))
                 else:  # an echo request's prompt: its first token here, the others through decode steps
                     row = sess.extend(r.seq, r.prompt[:1] if r.echo else r.prompt)
                     pick = self._row(r, row)

@@ -7,27 +7,44 @@ functions' lanes - 1), the expected tokens per unit of time are
 
 with a_j the running acceptance of draft position j (draft j accepted given drafts 1..j-1 were: an exponential
 moving average over the sequences' offers, `ALPHA` the weight of each new one, starting at `PRIOR`; the
-session's, carried from one generate call or request to the next) and
-c(B, k) the cost of a step that verifies k drafts and drafts k (c(B, 0): the decode step). The step takes the
-largest E(k) (the smaller k on a tie), but plain decoding unless that beats E(0) by `MARGIN`: speculation has
-costs outside its steps (the MTP block over each prompt, a request's first drafts) and the step costs are
-measured on a shared machine, so a marginal gain is not worth them. k is a choice of how many drafts to make for the next step; the
-verify then checks whatever drafts each sequence holds, so the ids are those of plain decoding whatever k
-is chosen (greedy: the verify's argmax decides every token).
+session's, carried from one generate call or request to the next) and c(B, k) the cost of a step that
+verifies the drafts held and drafts k (c(B, 0): the plain decode step). The step takes the largest E(k) (the
+smaller k on a tie), but plain decoding unless that beats E(0) by `MARGIN` (`MARGIN_STAY` while the rule's
+last choice drafted: a band, so that one noisy measurement does not flip the choice back and forth):
+speculation has costs outside its steps (the MTP block over each prompt, a request's first drafts, the probes
+below) and the step costs are measured on a shared machine, so a marginal gain is not worth them. k is a choice of how many drafts to make
+for the next step; the verify then checks whatever drafts each sequence holds, so the ids are those of plain
+decoding whatever k is chosen (greedy: the verify's argmax decides every token).
 
-Costs. On the cpu device they are measured at the bucket's first step of the session (`measure`: the
-process's CPU time, the median of `RUNS` interleaved rounds of the decode graph and of the one-call step
-graphs drafting k, `codegen/onnx_spec.py`, on live lanes whose writes are dropped, never stored), then each
-step's own CPU time moves its c(B, k) (an exponential moving average, `BETA`: a step in a generation costs
-its host work too, and its graph on a real text's pool and experts, which an isolated run misses). Elsewhere
-(the C runtime's devices) they are modeled from the artifact's compile report (`report.json`
-`speculative_step`: the modeled verify / decode cost ratio of a GPU target at the drafts it models,
-interpolated linearly in k, batch 1 figures for every bucket); an artifact without them drafts K every step.
+Costs on the cpu device: the bucket's isolated measurement (`measure`, at its first step in the session: the
+process's CPU time, the median of `RUNS` interleaved rounds of the decode graph and of the one-call step graphs
+drafting k, `codegen/onnx_spec.py`, on live lanes whose writes are dropped) gives each k's prior, and steps in
+the generation scale them: each step's CPU time (the whole step, its graph calls and its Python, the same way
+for every k) over its k's prior is a sample of its family's scale, plain decode steps for c(B, 0), drafting
+steps (any k > 0) for c(B, 1..K), and the family's scale is the median of its last `WINDOW` samples (a median:
+no outlier gate and no moving average, so a wrong prior is replaced by a few steps of the truth, never locked
+in; a family without samples takes the other's scale). An isolated graph misses the step's host work and a
+real text's pool and experts, and by how much differs between a decode graph and a step graph (at batch 8 a
+step looks far cheaper against decode in isolation than it is in a generation); among the step graphs the
+prior's ratios hold (the same graph, drafting more), so one family scale keeps every k > 0 current while one
+of them runs. A step that verifies drafts without making any (k = 0 chosen while drafts are held: neither
+family's) is no sample. Elsewhere (the C runtime's devices) the costs are modeled from the artifact's compile
+report (`report.json` `speculative_step`: the modeled verify / decode cost ratio of a GPU target at the drafts
+it models, interpolated linearly in k, batch 1 figures for every bucket) and not refined (a step's CPU time
+there is not its cost); an artifact without them drafts K every step.
 
-k = 0 writes nothing of the MTP block's ring (a plain decode step), so the estimates a_j do not move while it
-is chosen: after `PROBE` plain steps in a row one step drafts one token (the cheapest probe: a verify of one
-draft follows), so a machine or a text that changes is seen again. A step whose sequences hold no drafts at
-k = 0 is the plain decode step itself, and sequences admitted while the rule says 0 get no first drafts.
+Probes, so that the side not chosen is seen again (a machine, a load, a batch or a text that changes). While
+plain decoding is chosen the acceptance and the drafting family do not move: after `PROBE` plain steps in a
+row, `PROBE_STEPS` steps draft one token (the cheapest drafting step; its family's scale is every k's). While drafting is chosen (cpu device) the plain family
+does not move: after `PROBE_SPEC` drafting steps in a row the steps are plain until `PROBE_STEPS` plain steps
+are timed (the first verifies the drafts held, without new ones). A probe's family starts its samples afresh,
+so that the verdict (the rule's next choice) compares costs taken close together on a machine whose load
+changes. Each probe after which the rule keeps its side doubles that side's interval (up to `PROBE_MAX`
+times), a change of side resets both: a settled choice costs ever fewer probes. Counters, samples and
+acceptance are the session's, carried from one generate call or request to the next. A step whose sequences
+hold no drafts at k = 0 is the plain decode step itself, and sequences admitted while the rule (or a probe)
+says 0 for their bucket are prefilled without the MTP block (plain steps do not write its ring either: a later
+probe's drafts may be the worse for it, never the ids) and get no first drafts.
 """
 
 from __future__ import annotations
@@ -36,6 +53,8 @@ import json
 import logging
 import statistics
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -43,13 +62,30 @@ log = logging.getLogger(__name__)
 
 ALPHA = 0.1  # the weight of each new offer in the running acceptance
 PRIOR = 0.8  # the running acceptance before any offer (the V3 report's 85 %, a little below)
-RUNS = 15  # timed rounds over the graphs when measuring a bucket's costs (each graph's median)
-BETA = 0.2  # the weight of each step's own CPU time in its c(B, k)
-MARGIN = 0.2  # drafting must beat plain decoding by this much per unit time (see the module doc)
-OUTLIER = 4.0  # a step over this many times its c(B, k) is not taken into it
+RUNS = 15  # timed rounds over the graphs when measuring a bucket's prior costs (each graph's median)
+WINDOW = 5  # the in-generation samples of a family (plain / drafting steps) whose median is its scale
+MARGIN = 0.2  # drafting must beat plain decoding by this much per unit time to start (see the module doc)
+MARGIN_STAY = 0.1  # and by this much to go on: a band, so that a step's noisy CPU time does not flip the choice
 WARM = 2  # untimed rounds first (a session's first runs plan its memory)
 LIVE_POS = 40  # the measured steps' first position: past the window and a few compressed windows, as mid-text
-PROBE = 64  # plain steps in a row after which one step drafts again
+PROBE = 16  # plain steps in a row after which a drafting probe (the acceptance may have changed with the text)
+PROBE_SPEC = 16  # drafting steps in a row after which a plain probe (cpu device)
+PROBE_STEPS = 3  # the samples a probe takes (their median: one step's time can be a one-off)
+PROBE_MAX = 16  # a probe interval doubles at most to this many times its start
+
+
+@dataclass
+class Loop:
+    """The session's probe state for one K (carried across generate calls, as the samples are)."""
+
+    plain_run: int = 0  # plain steps in a row
+    spec_run: int = 0  # drafting steps in a row
+    plain_every: int = PROBE  # the current intervals (doubled while probes confirm the choice)
+    spec_every: int = PROBE_SPEC
+    probe_k: int = 0  # the k of the probe under way (0: plain steps)
+    probe_left: int = 0  # its samples still to take
+    pending: str | None = None  # the side ("plain" / "spec") a probe was taken from: the first choice after it is its verdict
+    drafting: bool = False  # the rule's last choice (not a probe's) drafted
 
 
 class AutoK:
@@ -57,12 +93,13 @@ class AutoK:
 
     def __init__(self, step, K: int):
         self.step, self.K = step, K
-        # the session's running acceptance, carried from one generate call (or request) to the next
-        known = step.s.spec_auto if step is not None else {}
+        # the session's running acceptance, samples and probe state, carried from one generate call to the next
+        self.known = known = step.s.spec_auto if step is not None else {}
         self.rates = known.setdefault(("rates", K), [PRIOR] * K)
-        self.costs: dict[int, list[float] | None] = {}  # bucket -> c(B, 0..K)
-        self.measured: dict[int, bool] = {}  # bucket -> its costs are CPU seconds (refined by `timed`)
-        self.plain_run = 0
+        self.loop: Loop = known.setdefault(("loop", K), Loop())
+        self.priors: dict[int, list[float] | None] = {}  # bucket -> the isolated (or modeled) c(B, 0..K)
+        self.measured: dict[int, bool] = {}  # bucket -> its priors are CPU seconds (then refined in situ)
+        self._costs: dict[int, list[float] | None] = {}  # bucket -> c(B, 0..K) until its next sample (per step: cheap)
         self.chosen: list[int] = []  # each step's k (the bench and the tests read it)
 
     def observe(self, a: int, offered: int) -> None:
@@ -77,39 +114,105 @@ class AutoK:
             out += run
         return out
 
-    def best(self, B: int) -> int:
-        """The rule's k for bucket `B` (no probe, nothing recorded)."""
+    def _samples(self, B: int) -> list[deque]:
+        """Bucket `B`'s last in-generation step costs over their priors: [plain steps, drafting steps]."""
+        return self.known.setdefault(("seen", B, self.K), [deque(maxlen=WINDOW), deque(maxlen=WINDOW)])
+
+    def cost(self, B: int) -> list[float] | None:
+        """c(B, 0..K): the priors, c(B, 0) scaled by its steps' median ratio, c(B, k > 0) by the drafting
+        steps' (a family without samples as the other)."""
+        if B not in self._costs:
+            self._costs[B] = self._cost(B)
+        return self._costs[B]
+
+    def _cost(self, B: int) -> list[float] | None:
+        prior = self.prior(B)
+        if prior is None or not self.measured.get(B):
+            return prior
+        plain, spec = (statistics.median(q) if q else None for q in self._samples(B))
+        if plain is None and spec is None:
+            return prior
+        plain, spec = plain or spec, spec or plain
+        return [prior[0] * plain] + [c * spec for c in prior[1:]]
+
+    def _best(self, B: int, ks) -> int:
         c = self.cost(B)
         if c is None:
             return self.K
-        k = max(range(self.K + 1), key=lambda k: (self.expected(k) / c[k], -k))
-        return k if self.expected(k) / c[k] > (1 + MARGIN) / c[0] else 0
+        return max(ks, key=lambda k: (self.expected(k) / c[k], -k))
+
+    def best(self, B: int) -> int:
+        """The rule's k for bucket `B` (no probe, nothing recorded)."""
+        k = self._best(B, range(self.K + 1))
+        if k == 0:
+            return 0
+        c = self.cost(B)
+        margin = MARGIN_STAY if self.loop.drafting else MARGIN
+        return k if c is None or self.expected(k) / c[k] > (1 + margin) / c[0] else 0
+
+    def first(self, B: int) -> int:
+        """The drafts of sequences admitted now: the rule's, or the probe's under way."""
+        return self.loop.probe_k if self.loop.probe_left else self.best(B)
+
+    def _probe(self, B: int, k: int) -> int:
+        """Start a probe at `k` (0: plain steps) from the other side: its family's samples start afresh, so
+        that the verdict compares costs of now, not of a machine as loaded as it was a while ago."""
+        L = self.loop
+        L.probe_k, L.probe_left, L.pending = k, PROBE_STEPS, "spec" if k == 0 else "plain"
+        self._fresh(B, k > 0)
+        return k
+
+    def _fresh(self, B: int, family: int) -> None:
+        self._samples(B)[family].clear()
+        self._costs.pop(B, None)
 
     def pick(self, B: int) -> int:
-        """This step's k: the rule's, but one draft after `PROBE` plain steps in a row."""
-        k = self.best(B)
-        self.plain_run = self.plain_run + 1 if k == 0 else 0
-        if self.plain_run > PROBE:
-            k, self.plain_run = 1, 0
+        """This step's k: the rule's, or a probe's (module doc)."""
+        L = self.loop
+        if L.probe_left:
+            k = L.probe_k
+        else:
+            k = self.best(B)
+            if L.pending is not None:  # the first choice after a probe: kept its side, or changed it
+                if (k > 0) == (L.pending == "spec"):
+                    if L.pending == "spec":
+                        L.spec_every = min(2 * L.spec_every, PROBE_SPEC * PROBE_MAX)
+                    else:
+                        L.plain_every = min(2 * L.plain_every, PROBE * PROBE_MAX)
+                else:
+                    L.spec_every, L.plain_every = PROBE_SPEC, PROBE
+                L.pending = None
+            L.drafting = k > 0
+            L.plain_run, L.spec_run = (L.plain_run + 1, 0) if k == 0 else (0, L.spec_run + 1)
+            if k == 0 and L.plain_run > L.plain_every:
+                k, L.plain_run = self._probe(B, 1), 0  # the cheapest drafting step: the family's scale is every k's
+            elif k > 0 and self.measured.get(B) and L.spec_run > L.spec_every:
+                k, L.spec_run = self._probe(B, 0), 0
         self.chosen.append(k)
         return k
 
-    def timed(self, B: int, k: int, seconds: float) -> None:
-        """A step of bucket `B` at `k` took `seconds` of CPU time: c(B, k) moves toward it (`BETA`)."""
-        c = self.costs.get(B)
-        if c is not None and self.measured.get(B) and seconds < OUTLIER * c[k]:  # not a one-off (a session made)
-            c[k] += BETA * (seconds - c[k])
+    def timed(self, B: int, k: int | None, seconds: float) -> None:
+        """A step of bucket `B` took `seconds` of CPU time: a plain decode step (k = 0), a step drafting k, or
+        (None) a verify of the drafts held without new ones, which is no sample."""
+        if k is None:
+            return
+        L = self.loop
+        if L.probe_left and (k == 0) == (L.probe_k == 0):
+            L.probe_left -= 1
+        if self.measured.get(B):
+            self._samples(B)[k > 0].append(seconds / self.priors[B][k])
+            self._costs.pop(B, None)
 
-    def cost(self, B: int) -> list[float] | None:
-        if B not in self.costs:
+    def prior(self, B: int) -> list[float] | None:
+        if B not in self.priors:
             # measured once per session and bucket (a generate call, a request, reuses them)
-            known, key = self.step.s.spec_auto, ("costs", B, self.K)
-            if key not in known:
+            key = ("costs", B, self.K)
+            if key not in self.known:
                 c = measure(self.step, B, self.K)
-                known[key] = (c, True) if c is not None else (modeled(self.step.s, self.K), False)
-                log.debug("speculation auto: bucket %d step costs %s", B, known[key][0])
-            self.costs[B], self.measured[B] = known[key]
-        return self.costs[B]
+                self.known[key] = (c, True) if c is not None else (modeled(self.step.s, self.K), False)
+                log.debug("speculation auto: bucket %d prior step costs %s", B, self.known[key][0])
+            self.priors[B], self.measured[B] = self.known[key]
+        return self.priors[B]
 
 
 def _lanes(session, B: int, T: int) -> dict[str, np.ndarray]:

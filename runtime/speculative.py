@@ -265,19 +265,25 @@ class SpecStep:
         """Drafts worth making for request `r`: those beyond its last wanted token are wasted."""
         return min(self.k_now, r.max_new_tokens - len(r.ids) - 1)
 
-    def prefill(self, r) -> int:
-        """Prefill `r`'s prompt into its sequence (the MTP block over each chunk); its first token."""
+    def prefill(self, r, batch: int = 1) -> int:
+        """Prefill `r`'s prompt into its sequence (the MTP block over each chunk); its first token. `batch`:
+        the sequences it is likely to step with ("auto": where the rule says plain decoding for that bucket,
+        the MTP block is skipped, as plain steps skip it: its ring is only worth writing for drafts)."""
         r.spec = SpecState(Picker(r.temperature, r.rng))
-        if self.mtp is None:
+        if self.mtp is None or (self.auto is not None and self.auto.first(self._bucket_of(batch)) == 0):
             return r.spec.pick(self.s.extend(r.seq, r.prompt))[0]
         tok, r.spec.entry = self.mtp.prefill(r.seq, r.prompt, r.spec.pick)
         return tok
 
+    def _bucket_of(self, n: int) -> int:
+        return next((f[0] for f in self.fns if f[0] >= n), self.fns[-1][0])
+
     def joined(self, reqs: list) -> None:
         """The first drafts of the requests just admitted (still live after their first token)."""
         if self.auto is not None:  # as many as the rule wants now (none while it says plain decoding)
-            self.k_now = self.auto.best(next(f for f in self.fns if f[0] >= len(reqs))[0])
-        if self.mtp is not None:
+            self.k_now = self.auto.first(self._bucket_of(len(reqs)))
+            reqs = [r for r in reqs if r.spec.entry is not None]  # prefilled without the MTP block: no drafts
+        if self.mtp is not None and reqs:
             ds = self.mtp.drafts([r.spec.entry for r in reqs], [self._wanted(r) for r in reqs],
                                  [r.spec.pick for r in reqs])
             for r, d in zip(reqs, ds):
@@ -294,23 +300,26 @@ class SpecStep:
     def step(self, live: list, deliver: Callable[[object, list[int]], int]) -> None:
         """One verify step over the live requests: their new tokens go to `deliver(request, ids) -> how many
         it took` (it may end the request and release its sequence); those still live get their next drafts."""
+        fn = next(f for f in self.fns if f[0] >= self.s.lanes([r.seq for r in live]))
         if self.auto is None:
-            return self._step(live, deliver)
-        self.auto.cost(next(f for f in self.fns if f[0] >= self.s.lanes([r.seq for r in live]))[0])  # measured first (a new bucket): untimed
+            return self._step(live, deliver, fn)
+        self.auto.prior(fn[0])  # measured first (a new bucket): untimed
         t0 = time.process_time()
-        self._step(live, deliver)
-        self.auto.timed(self._bucket, self.k_now, time.process_time() - t0)
+        self._step(live, deliver, fn)
+        self.auto.timed(fn[0], self._ran, time.process_time() - t0)
 
-    def _step(self, live: list, deliver) -> None:
+    def _step(self, live: list, deliver, fn: tuple[int, str, int]) -> None:
         s = self.s
         if self.mtp is None:
             for r in live:
                 r.spec.drafts = self._hooked(r)
-        B, fname, T = next(f for f in self.fns if f[0] >= s.lanes([r.seq for r in live]))
-        self._bucket = B
+        B, fname, T = fn
         if self.auto is not None:
             self.k_now = self.auto.pick(B)
+            # what the step is a sample of (`AutoK.timed`): a plain step, one drafting k, or (None) neither
+            self._ran = self.k_now or None
             if self.k_now == 0 and not any(r.spec.drafts[0] for r in live):
+                self._ran = 0
                 return self._plain(live, deliver)
         ids = np.zeros((max(B, len(live)), T), dtype=np.int64)  # data parallel: every replica's lanes (`run_lanes`)
         pos = np.full((max(B, len(live)), T), -1, dtype=np.int64)

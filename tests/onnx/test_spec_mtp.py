@@ -455,13 +455,14 @@ def cycled(monkeypatch, ks) -> list[int]:
         made.append(next(it))
         return made[-1]
     monkeypatch.setattr(spec_auto.AutoK, "pick", pick)
-    monkeypatch.setattr(spec_auto.AutoK, "best", lambda self, B: self.K)  # first drafts at admission: K
+    monkeypatch.setattr(spec_auto.AutoK, "first", lambda self, B: self.K)  # first drafts at admission: K
     return made
 
 
 def test_auto_ids_equal_plain_whatever_k(doc, monkeypatch):
     """k switching every step through 0 (a plain decode step, or a verify of the drafts held without new
-    ones), 3, 1, 2, 0, 0: the ids are plain decoding's; a plain step that picks the runner-up is caught."""
+    ones), 3, 1, 2, 0, 0: the ids are plain decoding's, also after a prefill without the MTP block (no first
+    drafts); a plain step that picks the runner-up is caught."""
     art, prompts, want = doc
     made = cycled(monkeypatch, [0, 3, 1, 2, 0, 0])
     p, want = prompts[1:], [want[1][:32]]  # batch 1, 32 tokens: 3 one-call graphs made, 16 steps or so
@@ -469,6 +470,10 @@ def test_auto_ids_equal_plain_whatever_k(doc, monkeypatch):
     try:
         assert s.generate(p, 32, speculative="mtp") == want  # "auto": the default
         assert set(made) == {0, 1, 2, 3}
+        from v4compile.runtime import spec_auto  # prefilled without the MTP block (the rule said plain): the same ids
+
+        monkeypatch.setattr(spec_auto.AutoK, "first", lambda self, B: 0)
+        assert s.generate(p, 32, speculative="mtp") == want
         monkeypatch.setattr(rs.Picker, "__call__", lambda self, logits: (int(np.argsort(logits)[-2]), None))
         assert s.generate(p, 32, speculative="mtp") != want
     finally:
@@ -477,32 +482,77 @@ def test_auto_ids_equal_plain_whatever_k(doc, monkeypatch):
 
 def test_auto_rule():
     """E(k) = expected tokens / cost: drafts pay at a cheap verify and high acceptance, not at an expensive
-    one; plain steps probe again after PROBE; a rule blind to the acceptance picks otherwise."""
+    one; drafting starts above MARGIN and goes on above MARGIN_STAY; plain steps probe one draft after
+    PROBE, a probe that confirms the choice doubles the interval; a rule blind to the acceptance picks
+    otherwise."""
     from v4compile.runtime import spec_auto
 
     a = spec_auto.AutoK(None, 3)
     a.rates = [0.9, 0.8, 0.3]
-    a.costs = {1: [1.0, 1.2, 1.4, 1.6], 8: [1.0, 2.0, 2.6, 3.2]}
+    a.priors, a.measured = {1: [1.0, 1.2, 1.4, 1.6], 8: [1.0, 2.0, 2.6, 3.2]}, {1: False, 8: False}
     # b1: 1.9 / 1.2 = 1.58, 2.62 / 1.4 = 1.87, 2.84 / 1.6 = 1.77 -> k = 2
     assert a.pick(1) == 2
     a.rates = [0.5, 0.5, 0.5]  # b8: 1.5 / 2 = 0.75 ... < 1 -> plain
     assert a.pick(8) == 0
-    assert [a.pick(8) for _ in range(spec_auto.PROBE)][-1] == 1  # the probe: one draft
+    assert [a.pick(8) for _ in range(spec_auto.PROBE)][-1] == 1  # the probe: one draft, PROBE_STEPS steps
+    for _ in range(spec_auto.PROBE_STEPS):
+        a.timed(8, 1, 2.0)
+        assert a.chosen[-1] == 1 and a.pick(8) in (1, 0)
+    assert a.chosen[-1] == 0 and a.loop.plain_every == 2 * spec_auto.PROBE  # confirmed: probes half as often
     for _ in range(40):  # every draft accepted: the running rates rise toward 1
         a.observe(3, 3)
     assert min(a.rates) > 0.95 and a.pick(8) == 3
-    a.measured = {1: True}  # measured costs move toward each step's own time; a one-off (a session made) not
-    a.timed(1, 0, 2.0)
-    assert a.costs[1][0] == pytest.approx(1.0 + spec_auto.BETA)
-    a.timed(1, 0, 100.0)
-    assert a.costs[1][0] == pytest.approx(1.0 + spec_auto.BETA)
     m = spec_auto.AutoK(None, 1)  # a gain under MARGIN (1.9 / 1.8 = 1.06x plain) is not taken; 1.9 / 1.5 is
-    m.rates, m.costs = [0.9], {1: [1.0, 1.8], 2: [1.0, 1.5]}
+    m.rates, m.priors, m.measured = [0.9], {1: [1.0, 1.8], 2: [1.0, 1.5]}, {1: False, 2: False}
     assert (m.best(1), m.best(2)) == (0, 1)
+    m.priors[3], m.measured[3] = [1.0, 1.65], False  # 1.9 / 1.65 = 1.15x: not started, but kept (the band)
+    assert m.best(3) == 0
+    m.loop.drafting = True
+    assert m.best(3) == 1 and m.best(1) == 0
     blind = spec_auto.AutoK(None, 3)
-    blind.rates, blind.costs = [0.9, 0.8, 0.3], {1: [1.0, 1.2, 1.4, 1.6]}
+    blind.rates, blind.priors, blind.measured = [0.9, 0.8, 0.3], {1: [1.0, 1.2, 1.4, 1.6]}, {1: False}
     blind.expected = lambda k: 1.0 + k
     assert blind.pick(1) != 2
+
+
+def generation(a, true: list[float], steps: int) -> list[int]:
+    """`steps` steps of bucket 8 under the rule `a` on a fake clock (a step at k costs `true[k]`): the kind
+    each step runs as `SpecStep` does (k = 0 while drafts are held verifies them: no sample), every draft
+    accepted. The picks (all of the rule's so far)."""
+    held = 0
+    for _ in range(steps):
+        k = a.pick(8)
+        verify = not k and held  # a verify of the drafts held without new ones: about a k = 1 step
+        a.timed(8, None if verify else k, true[1 if verify else k])
+        a.observe(held, held)
+        held = k
+    return a.chosen
+
+
+def test_auto_costs_from_the_generation():
+    """Isolated costs that lie (drafting looks cheap, 2.3x plain at k = 3; in the generation it is 8x, over the
+    old rule's outlier gate): the plain probe measures c(B, 0) in situ and the rule settles on plain decoding
+    within PROBE_SPEC + a few steps, and stays there but for its ever rarer probes. Caught: a rule without the
+    plain probe stays at k = 3."""
+    from v4compile.runtime import spec_auto
+
+    def rule(**loop):
+        a = spec_auto.AutoK(None, 3)
+        a.rates, a.priors, a.measured = [0.95] * 3, {8: [1.0, 1.6, 2.0, 2.3]}, {8: True}
+        for name, v in loop.items():
+            setattr(a.loop, name, v)
+        return a
+
+    true = [1.0, 6.0, 7.0, 8.0]
+    picks = generation(rule(), true, 300)
+    assert picks[0] == 3  # the prior's choice
+    settled = picks.index(0) + 1 + spec_auto.PROBE_STEPS  # the probe: a verify of the drafts held, plain steps
+    assert settled <= spec_auto.PROBE_SPEC + 6 and set(picks[settled:settled + spec_auto.PROBE // 2]) == {0}
+    n = sum(1 for i in range(5) if sum(spec_auto.PROBE * 2 ** j for j in range(i + 1)) < 300)  # each interval 2x
+    assert sum(k > 0 for k in picks[settled:]) <= n * spec_auto.PROBE_STEPS
+    cheap = generation(rule(), [1.0, 1.1, 1.2, 1.3], 60)  # where drafting pays in situ it stays on
+    assert sum(k == 3 for k in cheap) > 50
+    assert set(generation(rule(spec_every=10 ** 9), true, 300)) == {3}  # no plain probe
 
 
 def test_auto_costs_modeled_from_the_report(tmp_path):
