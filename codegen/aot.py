@@ -36,6 +36,7 @@ import threading
 import os
 import re
 import shutil
+import struct
 import subprocess
 import tempfile
 import time
@@ -267,14 +268,17 @@ def _nv_stats(cubin: bytes, ptx: str, ptxas_log: str, shared: int, num_warps: in
     m = re.search(r"Used (\d+) registers", ptxas_log)
     regs = int(m.group(1)) if m else 0
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", ptxas_log))
-    # nvdisasm costs ~1 s per kernel (its start-up, whatever the size): only ask it when the PTX has a matrix
-    # instruction anywhere (predicated too), as ptxas never turns scalar code into MMA.
+    # The count is of the SASS (ptxas drops dead matrix instructions: the PTX of V4-Pro's one-launch MoE holds
+    # 324, its cubin 276), read from the cubin's code itself; nvdisasm (~0.6 CPU s a kernel, ~15 s over V4-Pro's
+    # sm_90a kernels) only where the cubin cannot be decoded. ptxas never turns scalar code into MMA, so a PTX
+    # without a matrix instruction anywhere (predicated too) asks neither.
     has_mma = re.search(r"\b(?:wgmma\.mma_async|mma\.sync)", ptx) is not None
-    sass = _nvdisasm(cubin) if has_mma else None
     if not has_mma:
         mma, source = 0, "ptx"
-    elif sass is not None:
-        mma = len(re.findall(r"\b(?:HGMMA|QGMMA|IGMMA|HMMA|IMMA)\.", sass))
+    elif (decoded := sass_mma_count(cubin)) is not None:
+        mma, source = decoded, "sass"
+    elif (sass := _nvdisasm(cubin)) is not None:
+        mma = len(SASS_MMA.findall(sass))
         source = "sass"
     else:
         mma = len(re.findall(r"^\s*(?:wgmma\.mma_async|mma\.sync)", ptx, re.M))
@@ -287,6 +291,38 @@ def _nv_stats(cubin: bytes, ptx: str, ptxas_log: str, shared: int, num_warps: in
     occ = max(0, min(by_regs, by_smem, 64 // num_warps, 32))
     return {"regs": regs, "spills": spills, "mma_instructions": mma, "mma_source": source, "occupancy": occ,
             "occupancy_unit": "CTAs/SM"}
+
+
+# sm_90's matrix instructions by opcode, the low 9 bits of an instruction's first 64-bit word (every sm_90
+# instruction is 128 bits; the next 3 bits say where operands come from, e.g. HGMMA with A in registers or in
+# shared memory): HMMA 0x03c, IMMA 0x037 (mma.sync), HGMMA 0x1f0, IGMMA 0x1f1, QGMMA 0x1f3 (wgmma). Read off
+# `nvdisasm -c -hex` of V4-Pro's kernels and of bf16 / fp16 / fp8 / int8 dots; no other opcode of those kernels
+# shares these bits (tests/kernels/test_aot_schedule.py checks the count against nvdisasm where it is installed).
+SM90_MMA_OPCODES = frozenset({0x03C, 0x037, 0x1F0, 0x1F1, 0x1F3})
+SASS_MMA = re.compile(r"\b(?:HGMMA|QGMMA|IGMMA|HMMA|IMMA)\.")  # the same instructions in nvdisasm's text
+
+
+def sass_mma_count(cubin: bytes) -> int | None:
+    """Matrix instructions in the code sections (`.text.*`: the kernel and any function it calls) of an sm_90
+    cubin, or None where it is no 64-bit little-endian ELF with whole 128-bit instructions."""
+    try:
+        if cubin[:6] != b"\x7fELF\x02\x01":
+            return None
+        shoff, = struct.unpack_from("<Q", cubin, 0x28)
+        shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+        heads = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+        names_at = heads[shstrndx][4]
+        n = 0
+        for name, _type, _flags, _addr, off, size in heads:
+            end = cubin.index(b"\0", names_at + name)
+            if not cubin[names_at + name:end].startswith(b".text."):
+                continue
+            if size % 16:
+                return None
+            n += sum(1 for (w,) in struct.iter_unpack("<Q8x", cubin[off:off + size]) if w & 0x1FF in SM90_MMA_OPCODES)
+        return n
+    except (struct.error, ValueError, IndexError):
+        return None
 
 
 def _nvdisasm(cubin: bytes) -> str | None:

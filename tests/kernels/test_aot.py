@@ -50,8 +50,16 @@ def test_compile_small_gemm_both_targets(tmp_path, monkeypatch):
         # reproducible wherever the checkout and Triton lie: no path of this machine in the bytes
         for root in (Path(aot.__file__).resolve().parents[1], Path(triton.__file__).resolve().parent):
             assert str(root).encode() not in binary, f"{r['target']}: the binary names {root}"
-    amd = rows[0]
+    amd, nv = rows
     assert amd["spills"] == 0, "gfx950 goal: no spills"
+    # sm_90a's count is decoded from the cubin's code: the same as nvdisasm's (where the tool runs), and a
+    # decoder missing an opcode (fp8 QGMMA, this kernel's) would not be
+    cubin = (tmp_path / "a" / nv["path"]).read_bytes()
+    sass = aot._nvdisasm(cubin)
+    if sass is not None:
+        assert aot.sass_mma_count(cubin) == len(aot.SASS_MMA.findall(sass)) == nv["mma_instructions"]
+        monkeypatch.setattr(aot, "SM90_MMA_OPCODES", aot.SM90_MMA_OPCODES - {0x1F3})
+        assert aot.sass_mma_count(cubin) != len(aot.SASS_MMA.findall(sass))
     # second compile: all cached, identical files
     rows2 = aot.compile_calls(small_gemm_calls(), ["gfx950", "sm_90a"], tmp_path / "b", jobs=2)
     assert all(r["cached"] for r in rows2)
