@@ -81,14 +81,22 @@ def run(args, out: Path, cache: Path) -> dict:
             "aot": aot.groups() if aot else None}
 
 
-def kernel_table(cache: Path, top: int) -> str:
+def entries(cache: Path, out: Path) -> list[tuple[dict, dict]]:
+    """(sidecar, stats) of every binary compiled: a cache entry is a binary, named by the artifact's sidecars
+    that use it (the first, by name, where several calls share one binary)."""
+    side_of: dict[str, dict] = {}
+    for f in sorted((out / "kernels").glob("*/*.json")):
+        side = json.loads(f.read_text())
+        side_of.setdefault(side["key"], side)
+    return [(side_of[d.name], json.loads((d / "stats.json").read_text())) for d in sorted((cache / "aot").glob("*/"))
+            if (d / "stats.json").exists() and d.name in side_of]
+
+
+def kernel_table(cache: Path, out: Path, top: int) -> str:
     """Per kernel: compile seconds, regs, spills, MMA count on each target, from the cache entries."""
     per: dict[str, dict[str, dict]] = {}
-    for d in sorted((cache / "aot").glob("*/")):
-        if not (d / "stats.json").exists():
-            continue
-        side = json.loads((d / "sidecar.json").read_text())
-        per.setdefault(side["name"], {})[side["target"]] = json.loads((d / "stats.json").read_text())
+    for side, st in entries(cache, out):
+        per.setdefault(side["name"], {})[side["target"]] = st
     targets = sorted({t for v in per.values() for t in v})
     lines = [f"{'kernel':56s} " + " ".join(f"{t:>6s} {'cpu':>5s} {'regs':>4s} {'spill':>5s} {'mma':>4s}" for t in targets)]
 
@@ -99,7 +107,7 @@ def kernel_table(cache: Path, top: int) -> str:
     order = sorted(per, key=lambda n: -max(s["compile_s"] for s in per[n].values()))
     for n in order[:top]:
         lines.append(f"{n[:56]:56s} " + " ".join(cell(per[n].get(t)) for t in targets))
-    lines += family_table(cache)
+    lines += family_table(cache, out)
     for key, what in (("compile_s", "compile seconds (wall, in the worker)"), ("cpu_s", "CPU seconds (with stats)")):
         sums = {t: sum(v[t].get(key, 0.0) for v in per.values() if t in v) for t in targets}
         lines.append(f"{len(per)} kernels; sum of {what}: "
@@ -107,15 +115,12 @@ def kernel_table(cache: Path, top: int) -> str:
     return "\n".join(lines)
 
 
-def job_figures(cache: Path) -> dict:
+def job_figures(cache: Path, out: Path) -> dict:
     """The compile jobs' CPU seconds (from the cache's stats) in all, per target and per kernel family."""
     by_target: dict[str, float] = {}
     by_family: dict[str, float] = {}
     n = 0
-    for d in sorted((cache / "aot").glob("*/")):
-        if not (d / "stats.json").exists():
-            continue
-        side, st = json.loads((d / "sidecar.json").read_text()), json.loads((d / "stats.json").read_text())
+    for side, st in entries(cache, out):
         cpu = st.get("cpu_s", 0.0)
         by_target[side["target"]] = by_target.get(side["target"], 0.0) + cpu
         fam = side["kernel"].rsplit(".", 1)[-1]
@@ -126,15 +131,12 @@ def job_figures(cache: Path) -> dict:
             "by_family": r2(by_family)}
 
 
-def family_table(cache: Path) -> list[str]:
+def family_table(cache: Path, out: Path) -> list[str]:
     """Where the CPU goes by kernel family (a @triton.jit kernel): CPU seconds per target, its specialisations,
     and the constexprs in which they differ (a family's specialisations that differ only in values a kernel
     could take at run time are compile time to win back; issue 40)."""
     fams: dict[str, dict] = {}
-    for d in sorted((cache / "aot").glob("*/")):
-        if not (d / "stats.json").exists():
-            continue
-        side, st = json.loads((d / "sidecar.json").read_text()), json.loads((d / "stats.json").read_text())
+    for side, st in entries(cache, out):
         f = fams.setdefault(side["kernel"].rsplit(".", 1)[-1], {"cpu": {}, "specs": {}})
         f["cpu"][side["target"]] = f["cpu"].get(side["target"], 0.0) + st.get("cpu_s", 0.0)
         f["specs"][side["name"]] = side["constexprs"]
@@ -173,8 +175,8 @@ def main(argv=None) -> int:
             big = sorted(((v, k) for k, v in r["stages"].items() if k != "total"), reverse=True)[:6]
             print("    " + ", ".join(f"{k} {v:.1f} s" for v, k in big))
             if name == "cold":
-                print(kernel_table(tmp / "cache", a.top))
-                r.update(job_figures(tmp / "cache"))
+                print(kernel_table(tmp / "cache", tmp / "out", a.top))
+                r.update(job_figures(tmp / "cache", tmp / "out"))
                 # what the jobs' stats do not hold: trace, passes, writing, the workers' start-up
                 r["outside_jobs_cpu"] = round(r["cpu"] - r["jobs_cpu"], 2)
                 print(f"    CPU outside the compile jobs (trace, passes, writing, worker start-up): "

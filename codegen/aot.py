@@ -52,7 +52,12 @@ from .roofline import bandwidth_time, hbm_bytes, launch_kind, modeled_time
 log = logging.getLogger(__name__)
 
 
-AOT_FORMAT = 5  # bump when what a cache entry holds (binary, sidecar, stats) changes (5: PDL)
+# Bump when what a cache entry holds (binary, sidecar, stats) changes (5: PDL; 6: keyed on the binary's inputs
+# alone, the entry's sidecar the binary's part of it).
+AOT_FORMAT = 6
+# What a binary depends on: a job's launch (pointers bound, grid, scratch carved, name) does not, so calls that
+# differ only there (one binary for the hash-routed and the learned layers' MoE, `moe_router.py`) compile once.
+BINARY_INPUTS = ("module", "fn", "target", "signature", "constexprs", "aligned", "num_warps", "num_stages")
 
 
 # ---- job description (plain data, sent to workers) -------------------------------------------------------
@@ -112,7 +117,7 @@ def job_of(call: KernelCall, target: str) -> dict:
         "scratch_bytes": dict(sorted(call.scratch_bytes.items())),
     }
     import triton
-    blob = json.dumps({k: v for k, v in job.items() if k != "name"}, sort_keys=True)
+    blob = json.dumps({k: job[k] for k in BINARY_INPUTS}, sort_keys=True)
     src = _module_source(module)
     job["key"] = hashlib.sha256(f"{AOT_FORMAT}\n{triton.__version__}\n{blob}\n{src}".encode()).hexdigest()[:32]
     return job
@@ -171,21 +176,18 @@ def _compile_job(job: dict, cache_dir: str) -> dict:
     # launch, behind the explicit parameters; recorded, since the fake HIP driver sizes parameters from the
     # kernarg segment and would refuse such a launch (kernels/flags.py: CALLS_PARAM).
     stats["hidden_args"] = len(set(re.findall(r"\.value_kind:\s+(hidden_\w+)", c.asm.get("amdgcn", ""))))
-    ptr_params = [p for p in names if job["signature"][p] != "constexpr"]
-    roles = {p[0]: p for p in job["pointers"]}
-    params = [{"name": p, "type": job["signature"][p], "kind": roles[p][1], "value": roles[p][2]} for p in ptr_params]
-    params += [{"name": "global_scratch", "type": "*u8", "kind": "triton_scratch",
-                "size_per_program": int(md.global_scratch_size), "align": int(getattr(md, "global_scratch_align", 1))},
-               {"name": "profile_scratch", "type": "*u8", "kind": "triton_scratch",
-                "size_per_program": int(md.profile_scratch_size), "align": int(getattr(md, "profile_scratch_align", 1))}]
-    sidecar = {
-        "name": job["name"], "symbol": md.name, "target": job["target"], "binary": f"{job['name']}.{spec.binary_ext}",
-        "binary_sha256": hashlib.sha256(binary).hexdigest(), "params": params,
+    sidecar = {  # the binary's part of a call's sidecar (`call_sidecar` adds the launch's)
+        "symbol": md.name, "target": job["target"], "binary_sha256": hashlib.sha256(binary).hexdigest(),
         "shared_bytes": int(md.shared), "num_warps": int(md.num_warps), "warp_size": spec.warp_size,
-        "block": [int(md.num_warps) * spec.warp_size, 1, 1], "grid": job["grid"], "num_stages": job["num_stages"],
-        "constexprs": job["constexprs"], "aligned_16": job["aligned"], "scratch_bytes": job["scratch_bytes"],
+        "num_stages": job["num_stages"], "constexprs": job["constexprs"], "aligned_16": job["aligned"],
         "kernel": f"{job['module']}.{job['fn']}", "triton_version": triton.__version__, "key": job["key"],
         "pdl": pdl,  # launch with programmatic stream serialization (kernels/pdl.py)
+        "scratch": [{"name": n, "type": "*u8", "kind": "triton_scratch", "size_per_program": int(size),
+                     "align": int(align)}
+                    for n, size, align in (("global_scratch", md.global_scratch_size,
+                                            getattr(md, "global_scratch_align", 1)),
+                                           ("profile_scratch", md.profile_scratch_size,
+                                            getattr(md, "profile_scratch_align", 1)))],
     }
     files = {"binary": binary,
              "sidecar.json": (json.dumps(sidecar, indent=1, sort_keys=True) + "\n").encode(),
@@ -211,6 +213,20 @@ def _compile_job(job: dict, cache_dir: str) -> dict:
 
 DIGEST = "digest.json"
 ENTRY_FILES = ("binary", "sidecar.json", "stats.json")
+
+
+def call_sidecar(job: dict, binary: dict) -> bytes:
+    """A call's sidecar: its binary's part (the cache entry's) and its launch's: name, parameters with the
+    operands they bind (then Triton's two trailing scratch pointers), grid, scratch."""
+    spec = TARGETS[job["target"]]
+    roles = {p[0]: p for p in job["pointers"]}
+    params = [{"name": p, "type": t, "kind": roles[p][1], "value": roles[p][2]}
+              for p, t in job["signature"].items() if t != "constexpr"]
+    side = {k: v for k, v in binary.items() if k != "scratch"}
+    side.update(name=job["name"], binary=f"{job['name']}.{spec.binary_ext}", params=params + binary["scratch"],
+                block=[binary["num_warps"] * spec.warp_size, 1, 1], grid=job["grid"],
+                scratch_bytes=job["scratch_bytes"])
+    return (json.dumps(side, indent=1, sort_keys=True) + "\n").encode()
 
 
 def read_entry(d: Path) -> dict[str, bytes] | None:
@@ -458,15 +474,15 @@ def compile_calls(calls: list[KernelCall], targets: list[str] | tuple[str, ...],
     for c in calls:
         for t in targets:
             j = job_of(c, t)
-            if (c.name, t) in seen:
-                if seen[(c.name, t)]["key"] != j["key"]:
+            if (c.name, t) in seen:  # (one name, one sidecar: the same binary bound the same way)
+                if seen[(c.name, t)] != j:
                     raise ValueError(f"two different specialisations share the name {c.name}")
                 continue
             seen[(c.name, t)] = j
             todo.append((c, j))
     cache = cache_root() / "aot"
     cache.mkdir(parents=True, exist_ok=True)
-    missing = [j for _, j in todo if read_entry(cache / j["key"]) is None]
+    missing = list({j["key"]: j for _, j in todo if read_entry(cache / j["key"]) is None}.values())
     damaged = [j["key"] for j in missing if (cache / j["key"]).exists()]
     if damaged:
         log.warning("aot: %d cache entries do not match their recorded hashes: compiling them again", len(damaged))
@@ -490,7 +506,7 @@ def compile_calls(calls: list[KernelCall], targets: list[str] | tuple[str, ...],
         side = json.loads(entry["sidecar.json"])
         binary_name = f"{c.name}.{TARGETS[j['target']].binary_ext}"  # never a name read from the cache
         (tdir / binary_name).write_bytes(entry["binary"])  # the bytes that were checked, not a second read
-        (tdir / f"{c.name}.json").write_bytes(entry["sidecar.json"])
+        (tdir / f"{c.name}.json").write_bytes(call_sidecar(j, side))
         st = json.loads(entry["stats.json"])
         mma_dtype = getattr(c, "mma_dtype", "bf16")
         rows.append({
