@@ -7,7 +7,9 @@ process (the parent may run kernels under TRITON_INTERPRET=1, whose `@triton.jit
 compiled; workers import the kernel modules with the interpreter off). Results are cached under
 `$V4COMPILE_CACHE` (default ~/.cache/v4compile)/aot/<key>/ where key hashes the kernel module's source,
 the specialisation (constexprs, pointer types, alignment, warps, stages), the target and the Triton
-version; an unchanged rerun only copies files. The cache is not trusted: each entry records the sha256 of
+version: what the binary depends on, not the launch (name, grid, the operands bound), so calls differing only
+there compile once, each with its own sidecar (`call_sidecar`: the entry's binary part and its launch's); an
+unchanged rerun only copies files. The cache is not trusted: each entry records the sha256 of
 its files (`digest.json`, written last, in a temporary directory renamed into place) and is used only if
 they match; an entry that does not (a flipped byte, a truncated or missing file) is removed and compiled
 again, and the artifact receives exactly the bytes that were checked.
@@ -503,10 +505,11 @@ def compile_calls(calls: list[KernelCall], targets: list[str] | tuple[str, ...],
                                where=str(cache / j["key"]))
         tdir = out / j["target"]
         tdir.mkdir(parents=True, exist_ok=True)
-        side = json.loads(entry["sidecar.json"])
+        sidecar = call_sidecar(j, json.loads(entry["sidecar.json"]))
+        side = json.loads(sidecar)
         binary_name = f"{c.name}.{TARGETS[j['target']].binary_ext}"  # never a name read from the cache
         (tdir / binary_name).write_bytes(entry["binary"])  # the bytes that were checked, not a second read
-        (tdir / f"{c.name}.json").write_bytes(call_sidecar(j, side))
+        (tdir / f"{c.name}.json").write_bytes(sidecar)
         st = json.loads(entry["stats.json"])
         mma_dtype = getattr(c, "mma_dtype", "bf16")
         rows.append({
