@@ -36,6 +36,22 @@ program counts a binary could take at run time: ~35 CPU s, needs the AOT cache k
 the grid and the bound operands are not part of it, and one scratch carve for all variants), a pointer freed in
 moe_fused for the routing merge above (~28), mhc's hc_pre_norm as mhc_post_pre without the post pass (~9), and
 nvdisasm's ~0.7 CPU s per sm_90a kernel with matrix instructions (~20 in all; the count could come from the PTX).
+h-cold3 (measured on 2 shared cores, load 5-10: CPU seconds, not wall, compare): one binary for the hash-routed and
+the learned layers' one-launch MoE (the routing table one pointer, tid2eid or the bias as bytes, so no third
+pointer and no SGPR spill; the token ids pick the routing at run time) with the AOT cache keyed on what a binary
+depends on (calls differing in their launch only, name, grid, operands bound, compile once): moe_fused 4 -> 3
+binaries, 83.9 -> 61.1 CPU s in its jobs; sm_90a's MMA count read from the cubin's code instead of nvdisasm (the
+same counts on all 41 V4-Pro sm_90a cubins; nvdisasm cost 0.63 CPU s a kernel, ~16 s over the 25 with matrix
+instructions). Base 224.2 CPU s in all processes (210.7 in the jobs) at load ~5; after 215.9 (198.7) at load ~9,
+where every untouched family's jobs cost ~15% more CPU than at load 5 (wall 739 s: meaningless there).
+Where the rest goes (a Triton pass profile, `MLIR_ENABLE_TIMING=1`, of 72 of the 94 jobs): 70% of a job is
+MLIR passes, and their largest single cost is TritonGPUCoalesce (14% of all; up to 9 s of moe_fused's 18 s on
+gfx950): for every tensor load / store it takes the transitive slice of the function (`multiRootGetSlice`,
+superlinear in the kernel's size), so the one-launch MoE pays it per memory op; a kernel split into smaller
+functions would pay less (noinline phases, as sm_90a's router phase), but that changes the code. The seam
+variants of moe_fused (first / last layer: the seams run or not) are the next binaries to merge: the AOT key
+now allows it (the grid is no part of it); what remains is the seam counts NA / NH as run-time values and the
+first layer's x as an operand without a pointer more (gfx950 at 105 SGPRs).
 `--json FILE` records every figure printed (wall, CPU in all processes and in the jobs, per target, per family,
 the stages, the AOT line) for a closing note to quote.
 """
