@@ -121,15 +121,16 @@ def route_rows(rb, x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr, o_ptr,
 
 
 # The routing's optional operands: every call binds all three, an absent one is a null pointer at run time
-# (`route_rows` picks the routing by whether token ids are given: they are bound with tid2eid only), so the
-# hash-routed and the learned layers of a model launch one binary. An absent one's type is what the model's
-# would be: tid2eid and ids i64 (the checkpoint's and the trace's), the bias in the weights' dtype.
+# (`route_rows` picks the routing by whether token ids are given: an op takes them with tid2eid only, its
+# `hash` variant, which the IR verifier holds it to), so the hash-routed and the learned layers of a model
+# launch one binary. An absent one's type is what the model's would be: tid2eid and ids i64 (the checkpoint's
+# and the trace's), the bias in the weights' dtype.
 ROUTE_OPERANDS = (("b_ptr", "bias"), ("t_ptr", "tid2eid"), ("ids_ptr", "ids"))
 
 
 def route_pointers(bias: TensorArg | None, tid2eid: TensorArg | None, ids: TensorArg | None,
                    wo: TensorArg) -> list[tuple[str, str, str, str]]:
-    given = {"bias": bias, "tid2eid": tid2eid, "ids": ids if tid2eid is not None else None}
+    given = {"bias": bias, "tid2eid": tid2eid, "ids": ids}
     default = {"bias": wo.ptr_type, "tid2eid": "*i64", "ids": "*i64"}
     return [ptr(p, "operand", n, given[n] if given[n] is not None else default[n]) for p, n in ROUTE_OPERANDS]
 
