@@ -45,8 +45,10 @@ same counts on all 41 V4-Pro sm_90a cubins; nvdisasm cost 0.63 CPU s a kernel, ~
 instructions). Back to back on the same shared 2 cores (load 3.3-3.6; wall is not the idle figure): base (371751e)
 213.7 s wall, 227.5 CPU s in all processes, 212.0 in the jobs (gfx950 90.4, sm_90a 121.6; moe_fused 85.1), 94 compiled;
 h-cold3 201.0 s wall, 167.9 CPU s, 154.6 in the jobs (gfx950 63.7, sm_90a 90.8; moe_fused 48.7), 92 compiled and
-2 served by the binary they share, 0 spills; warm 11.3 -> 9.4 s. On idle cores that is ~9 s + 155 / 2 s, ~1.5
-min: the 60 s goal still wants about 50 CPU s less.
+2 served by the binary they share, 0 spills; warm 11.3 -> 9.4 s. Again, quieter (load 1-3): h-cold3 98.7 s wall,
+166.4 CPU s (152.4 in the jobs; `aot: 94 kernels x targets, 92 compiled in 90.0 s, 2 cached`), then base 176.8 s
+wall, 191.2 CPU s (177.8; 94 compiled in 168.4 s) while the load rose to 3.3. The 60 s goal still wants about
+50 CPU s less (and the seams' merge above).
 Where the rest goes (a Triton pass profile, `MLIR_ENABLE_TIMING=1`, of 72 of the 94 jobs): 70% of a job is
 MLIR passes, and their largest single cost is TritonGPUCoalesce (14% of all; up to 9 s of moe_fused's 18 s on
 gfx950): for every tensor load / store it takes the transitive slice of the function (`multiRootGetSlice`,
