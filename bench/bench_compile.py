@@ -36,6 +36,27 @@ program counts a binary could take at run time: ~35 CPU s, needs the AOT cache k
 the grid and the bound operands are not part of it, and one scratch carve for all variants), a pointer freed in
 moe_fused for the routing merge above (~28), mhc's hc_pre_norm as mhc_post_pre without the post pass (~9), and
 nvdisasm's ~0.7 CPU s per sm_90a kernel with matrix instructions (~20 in all; the count could come from the PTX).
+h-cold3 (measured on 2 shared cores, load 5-10: CPU seconds, not wall, compare): one binary for the hash-routed and
+the learned layers' one-launch MoE (the routing table one pointer, tid2eid or the bias as bytes, so no third
+pointer and no SGPR spill; the token ids pick the routing at run time) with the AOT cache keyed on what a binary
+depends on (calls differing in their launch only, name, grid, operands bound, compile once): moe_fused 4 -> 3
+binaries, 83.9 -> 61.1 CPU s in its jobs; sm_90a's MMA count read from the cubin's code instead of nvdisasm (the
+same counts on all 41 V4-Pro sm_90a cubins; nvdisasm cost 0.63 CPU s a kernel, ~16 s over the 25 with matrix
+instructions). Back to back on the same shared 2 cores (load 3.3-3.6; wall is not the idle figure): base (371751e)
+213.7 s wall, 227.5 CPU s in all processes, 212.0 in the jobs (gfx950 90.4, sm_90a 121.6; moe_fused 85.1), 94 compiled;
+h-cold3 201.0 s wall, 167.9 CPU s, 154.6 in the jobs (gfx950 63.7, sm_90a 90.8; moe_fused 48.7), 92 compiled and
+2 served by the binary they share, 0 spills; warm 11.3 -> 9.4 s. Again, quieter (load 1-3): h-cold3 98.7 s wall,
+166.4 CPU s (152.4 in the jobs; `aot: 94 kernels x targets, 92 compiled in 90.0 s, 2 cached`), then base 176.8 s
+wall, 191.2 CPU s (177.8; 94 compiled in 168.4 s) while the load rose to 3.3. The 60 s goal still wants about
+50 CPU s less (and the seams' merge above).
+Where the rest goes (a Triton pass profile, `MLIR_ENABLE_TIMING=1`, of 72 of the 94 jobs): 70% of a job is
+MLIR passes, and their largest single cost is TritonGPUCoalesce (14% of all; up to 9 s of moe_fused's 18 s on
+gfx950): for every tensor load / store it takes the transitive slice of the function (`multiRootGetSlice`,
+superlinear in the kernel's size), so the one-launch MoE pays it per memory op; a kernel split into smaller
+functions would pay less (noinline phases, as sm_90a's router phase), but that changes the code. The seam
+variants of moe_fused (first / last layer: the seams run or not) are the next binaries to merge: the AOT key
+now allows it (the grid is no part of it); what remains is the seam counts NA / NH as run-time values and the
+first layer's x as an operand without a pointer more (gfx950 at 105 SGPRs).
 `--json FILE` records every figure printed (wall, CPU in all processes and in the jobs, per target, per family,
 the stages, the AOT line) for a closing note to quote.
 """
@@ -81,14 +102,22 @@ def run(args, out: Path, cache: Path) -> dict:
             "aot": aot.groups() if aot else None}
 
 
-def kernel_table(cache: Path, top: int) -> str:
+def entries(cache: Path, out: Path) -> list[tuple[dict, dict]]:
+    """(sidecar, stats) of every binary compiled: a cache entry is a binary, named by the artifact's sidecars
+    that use it (the first, by name, where several calls share one binary)."""
+    side_of: dict[str, dict] = {}
+    for f in sorted((out / "kernels").glob("*/*.json")):
+        side = json.loads(f.read_text())
+        side_of.setdefault(side["key"], side)
+    return [(side_of[d.name], json.loads((d / "stats.json").read_text())) for d in sorted((cache / "aot").glob("*/"))
+            if (d / "stats.json").exists() and d.name in side_of]
+
+
+def kernel_table(cache: Path, out: Path, top: int) -> str:
     """Per kernel: compile seconds, regs, spills, MMA count on each target, from the cache entries."""
     per: dict[str, dict[str, dict]] = {}
-    for d in sorted((cache / "aot").glob("*/")):
-        if not (d / "stats.json").exists():
-            continue
-        side = json.loads((d / "sidecar.json").read_text())
-        per.setdefault(side["name"], {})[side["target"]] = json.loads((d / "stats.json").read_text())
+    for side, st in entries(cache, out):
+        per.setdefault(side["name"], {})[side["target"]] = st
     targets = sorted({t for v in per.values() for t in v})
     lines = [f"{'kernel':56s} " + " ".join(f"{t:>6s} {'cpu':>5s} {'regs':>4s} {'spill':>5s} {'mma':>4s}" for t in targets)]
 
@@ -99,7 +128,7 @@ def kernel_table(cache: Path, top: int) -> str:
     order = sorted(per, key=lambda n: -max(s["compile_s"] for s in per[n].values()))
     for n in order[:top]:
         lines.append(f"{n[:56]:56s} " + " ".join(cell(per[n].get(t)) for t in targets))
-    lines += family_table(cache)
+    lines += family_table(cache, out)
     for key, what in (("compile_s", "compile seconds (wall, in the worker)"), ("cpu_s", "CPU seconds (with stats)")):
         sums = {t: sum(v[t].get(key, 0.0) for v in per.values() if t in v) for t in targets}
         lines.append(f"{len(per)} kernels; sum of {what}: "
@@ -107,15 +136,12 @@ def kernel_table(cache: Path, top: int) -> str:
     return "\n".join(lines)
 
 
-def job_figures(cache: Path) -> dict:
+def job_figures(cache: Path, out: Path) -> dict:
     """The compile jobs' CPU seconds (from the cache's stats) in all, per target and per kernel family."""
     by_target: dict[str, float] = {}
     by_family: dict[str, float] = {}
     n = 0
-    for d in sorted((cache / "aot").glob("*/")):
-        if not (d / "stats.json").exists():
-            continue
-        side, st = json.loads((d / "sidecar.json").read_text()), json.loads((d / "stats.json").read_text())
+    for side, st in entries(cache, out):
         cpu = st.get("cpu_s", 0.0)
         by_target[side["target"]] = by_target.get(side["target"], 0.0) + cpu
         fam = side["kernel"].rsplit(".", 1)[-1]
@@ -126,15 +152,12 @@ def job_figures(cache: Path) -> dict:
             "by_family": r2(by_family)}
 
 
-def family_table(cache: Path) -> list[str]:
+def family_table(cache: Path, out: Path) -> list[str]:
     """Where the CPU goes by kernel family (a @triton.jit kernel): CPU seconds per target, its specialisations,
     and the constexprs in which they differ (a family's specialisations that differ only in values a kernel
     could take at run time are compile time to win back; issue 40)."""
     fams: dict[str, dict] = {}
-    for d in sorted((cache / "aot").glob("*/")):
-        if not (d / "stats.json").exists():
-            continue
-        side, st = json.loads((d / "sidecar.json").read_text()), json.loads((d / "stats.json").read_text())
+    for side, st in entries(cache, out):
         f = fams.setdefault(side["kernel"].rsplit(".", 1)[-1], {"cpu": {}, "specs": {}})
         f["cpu"][side["target"]] = f["cpu"].get(side["target"], 0.0) + st.get("cpu_s", 0.0)
         f["specs"][side["name"]] = side["constexprs"]
@@ -173,8 +196,8 @@ def main(argv=None) -> int:
             big = sorted(((v, k) for k, v in r["stages"].items() if k != "total"), reverse=True)[:6]
             print("    " + ", ".join(f"{k} {v:.1f} s" for v, k in big))
             if name == "cold":
-                print(kernel_table(tmp / "cache", a.top))
-                r.update(job_figures(tmp / "cache"))
+                print(kernel_table(tmp / "cache", tmp / "out", a.top))
+                r.update(job_figures(tmp / "cache", tmp / "out"))
                 # what the jobs' stats do not hold: trace, passes, writing, the workers' start-up
                 r["outside_jobs_cpu"] = round(r["cpu"] - r["jobs_cpu"], 2)
                 print(f"    CPU outside the compile jobs (trace, passes, writing, worker start-up): "

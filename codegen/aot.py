@@ -7,7 +7,9 @@ process (the parent may run kernels under TRITON_INTERPRET=1, whose `@triton.jit
 compiled; workers import the kernel modules with the interpreter off). Results are cached under
 `$V4COMPILE_CACHE` (default ~/.cache/v4compile)/aot/<key>/ where key hashes the kernel module's source,
 the specialisation (constexprs, pointer types, alignment, warps, stages), the target and the Triton
-version; an unchanged rerun only copies files. The cache is not trusted: each entry records the sha256 of
+version: what the binary depends on, not the launch (name, grid, the operands bound), so calls differing only
+there compile once, each with its own sidecar (`call_sidecar`: the entry's binary part and its launch's); an
+unchanged rerun only copies files. The cache is not trusted: each entry records the sha256 of
 its files (`digest.json`, written last, in a temporary directory renamed into place) and is used only if
 they match; an entry that does not (a flipped byte, a truncated or missing file) is removed and compiled
 again, and the artifact receives exactly the bytes that were checked.
@@ -36,6 +38,7 @@ import threading
 import os
 import re
 import shutil
+import struct
 import subprocess
 import tempfile
 import time
@@ -51,7 +54,12 @@ from .roofline import bandwidth_time, hbm_bytes, launch_kind, modeled_time
 log = logging.getLogger(__name__)
 
 
-AOT_FORMAT = 5  # bump when what a cache entry holds (binary, sidecar, stats) changes (5: PDL)
+# Bump when what a cache entry holds (binary, sidecar, stats) changes (5: PDL; 6: keyed on the binary's inputs
+# alone, the entry's sidecar the binary's part of it).
+AOT_FORMAT = 6
+# What a binary depends on: a job's launch (pointers bound, grid, scratch carved, name) does not, so calls that
+# differ only there (one binary for the hash-routed and the learned layers' MoE, `moe_router.py`) compile once.
+BINARY_INPUTS = ("module", "fn", "target", "signature", "constexprs", "aligned", "num_warps", "num_stages")
 
 
 # ---- job description (plain data, sent to workers) -------------------------------------------------------
@@ -111,7 +119,7 @@ def job_of(call: KernelCall, target: str) -> dict:
         "scratch_bytes": dict(sorted(call.scratch_bytes.items())),
     }
     import triton
-    blob = json.dumps({k: v for k, v in job.items() if k != "name"}, sort_keys=True)
+    blob = json.dumps({k: job[k] for k in BINARY_INPUTS}, sort_keys=True)
     src = _module_source(module)
     job["key"] = hashlib.sha256(f"{AOT_FORMAT}\n{triton.__version__}\n{blob}\n{src}".encode()).hexdigest()[:32]
     return job
@@ -170,21 +178,18 @@ def _compile_job(job: dict, cache_dir: str) -> dict:
     # launch, behind the explicit parameters; recorded, since the fake HIP driver sizes parameters from the
     # kernarg segment and would refuse such a launch (kernels/flags.py: CALLS_PARAM).
     stats["hidden_args"] = len(set(re.findall(r"\.value_kind:\s+(hidden_\w+)", c.asm.get("amdgcn", ""))))
-    ptr_params = [p for p in names if job["signature"][p] != "constexpr"]
-    roles = {p[0]: p for p in job["pointers"]}
-    params = [{"name": p, "type": job["signature"][p], "kind": roles[p][1], "value": roles[p][2]} for p in ptr_params]
-    params += [{"name": "global_scratch", "type": "*u8", "kind": "triton_scratch",
-                "size_per_program": int(md.global_scratch_size), "align": int(getattr(md, "global_scratch_align", 1))},
-               {"name": "profile_scratch", "type": "*u8", "kind": "triton_scratch",
-                "size_per_program": int(md.profile_scratch_size), "align": int(getattr(md, "profile_scratch_align", 1))}]
-    sidecar = {
-        "name": job["name"], "symbol": md.name, "target": job["target"], "binary": f"{job['name']}.{spec.binary_ext}",
-        "binary_sha256": hashlib.sha256(binary).hexdigest(), "params": params,
+    sidecar = {  # the binary's part of a call's sidecar (`call_sidecar` adds the launch's)
+        "symbol": md.name, "target": job["target"], "binary_sha256": hashlib.sha256(binary).hexdigest(),
         "shared_bytes": int(md.shared), "num_warps": int(md.num_warps), "warp_size": spec.warp_size,
-        "block": [int(md.num_warps) * spec.warp_size, 1, 1], "grid": job["grid"], "num_stages": job["num_stages"],
-        "constexprs": job["constexprs"], "aligned_16": job["aligned"], "scratch_bytes": job["scratch_bytes"],
+        "num_stages": job["num_stages"], "constexprs": job["constexprs"], "aligned_16": job["aligned"],
         "kernel": f"{job['module']}.{job['fn']}", "triton_version": triton.__version__, "key": job["key"],
         "pdl": pdl,  # launch with programmatic stream serialization (kernels/pdl.py)
+        "scratch": [{"name": n, "type": "*u8", "kind": "triton_scratch", "size_per_program": int(size),
+                     "align": int(align)}
+                    for n, size, align in (("global_scratch", md.global_scratch_size,
+                                            getattr(md, "global_scratch_align", 1)),
+                                           ("profile_scratch", md.profile_scratch_size,
+                                            getattr(md, "profile_scratch_align", 1)))],
     }
     files = {"binary": binary,
              "sidecar.json": (json.dumps(sidecar, indent=1, sort_keys=True) + "\n").encode(),
@@ -210,6 +215,20 @@ def _compile_job(job: dict, cache_dir: str) -> dict:
 
 DIGEST = "digest.json"
 ENTRY_FILES = ("binary", "sidecar.json", "stats.json")
+
+
+def call_sidecar(job: dict, binary: dict) -> bytes:
+    """A call's sidecar: its binary's part (the cache entry's) and its launch's: name, parameters with the
+    operands they bind (then Triton's two trailing scratch pointers), grid, scratch."""
+    spec = TARGETS[job["target"]]
+    roles = {p[0]: p for p in job["pointers"]}
+    params = [{"name": p, "type": t, "kind": roles[p][1], "value": roles[p][2]}
+              for p, t in job["signature"].items() if t != "constexpr"]
+    side = {k: v for k, v in binary.items() if k != "scratch"}
+    side.update(name=job["name"], binary=f"{job['name']}.{spec.binary_ext}", params=params + binary["scratch"],
+                block=[binary["num_warps"] * spec.warp_size, 1, 1], grid=job["grid"],
+                scratch_bytes=job["scratch_bytes"])
+    return (json.dumps(side, indent=1, sort_keys=True) + "\n").encode()
 
 
 def read_entry(d: Path) -> dict[str, bytes] | None:
@@ -267,14 +286,17 @@ def _nv_stats(cubin: bytes, ptx: str, ptxas_log: str, shared: int, num_warps: in
     m = re.search(r"Used (\d+) registers", ptxas_log)
     regs = int(m.group(1)) if m else 0
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", ptxas_log))
-    # nvdisasm costs ~1 s per kernel (its start-up, whatever the size): only ask it when the PTX has a matrix
-    # instruction anywhere (predicated too), as ptxas never turns scalar code into MMA.
+    # The count is of the SASS (ptxas drops dead matrix instructions: the PTX of V4-Pro's one-launch MoE holds
+    # 324, its cubin 276), read from the cubin's code itself; nvdisasm (~0.6 CPU s a kernel, ~15 s over V4-Pro's
+    # sm_90a kernels) only where the cubin cannot be decoded. ptxas never turns scalar code into MMA, so a PTX
+    # without a matrix instruction anywhere (predicated too) asks neither.
     has_mma = re.search(r"\b(?:wgmma\.mma_async|mma\.sync)", ptx) is not None
-    sass = _nvdisasm(cubin) if has_mma else None
     if not has_mma:
         mma, source = 0, "ptx"
-    elif sass is not None:
-        mma = len(re.findall(r"\b(?:HGMMA|QGMMA|IGMMA|HMMA|IMMA)\.", sass))
+    elif (decoded := sass_mma_count(cubin)) is not None:
+        mma, source = decoded, "sass"
+    elif (sass := _nvdisasm(cubin)) is not None:
+        mma = len(SASS_MMA.findall(sass))
         source = "sass"
     else:
         mma = len(re.findall(r"^\s*(?:wgmma\.mma_async|mma\.sync)", ptx, re.M))
@@ -287,6 +309,38 @@ def _nv_stats(cubin: bytes, ptx: str, ptxas_log: str, shared: int, num_warps: in
     occ = max(0, min(by_regs, by_smem, 64 // num_warps, 32))
     return {"regs": regs, "spills": spills, "mma_instructions": mma, "mma_source": source, "occupancy": occ,
             "occupancy_unit": "CTAs/SM"}
+
+
+# sm_90's matrix instructions by opcode, the low 9 bits of an instruction's first 64-bit word (every sm_90
+# instruction is 128 bits; the next 3 bits say where operands come from, e.g. HGMMA with A in registers or in
+# shared memory): HMMA 0x03c, IMMA 0x037 (mma.sync), HGMMA 0x1f0, IGMMA 0x1f1, QGMMA 0x1f3 (wgmma). Read off
+# `nvdisasm -c -hex` of V4-Pro's kernels and of bf16 / fp16 / fp8 / int8 dots; no other opcode of those kernels
+# shares these bits (tests/kernels/test_aot_schedule.py checks the count against nvdisasm where it is installed).
+SM90_MMA_OPCODES = frozenset({0x03C, 0x037, 0x1F0, 0x1F1, 0x1F3})
+SASS_MMA = re.compile(r"\b(?:HGMMA|QGMMA|IGMMA|HMMA|IMMA)\.")  # the same instructions in nvdisasm's text
+
+
+def sass_mma_count(cubin: bytes) -> int | None:
+    """Matrix instructions in the code sections (`.text.*`: the kernel and any function it calls) of an sm_90
+    cubin, or None where it is no 64-bit little-endian ELF with whole 128-bit instructions."""
+    try:
+        if cubin[:6] != b"\x7fELF\x02\x01":
+            return None
+        shoff, = struct.unpack_from("<Q", cubin, 0x28)
+        shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+        heads = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+        names_at = heads[shstrndx][4]
+        n = 0
+        for name, _type, _flags, _addr, off, size in heads:
+            end = cubin.index(b"\0", names_at + name)
+            if not cubin[names_at + name:end].startswith(b".text."):
+                continue
+            if size % 16:
+                return None
+            n += sum(1 for (w,) in struct.iter_unpack("<Q8x", cubin[off:off + size]) if w & 0x1FF in SM90_MMA_OPCODES)
+        return n
+    except (struct.error, ValueError, IndexError):
+        return None
 
 
 def _nvdisasm(cubin: bytes) -> str | None:
@@ -422,15 +476,15 @@ def compile_calls(calls: list[KernelCall], targets: list[str] | tuple[str, ...],
     for c in calls:
         for t in targets:
             j = job_of(c, t)
-            if (c.name, t) in seen:
-                if seen[(c.name, t)]["key"] != j["key"]:
+            if (c.name, t) in seen:  # (one name, one sidecar: the same binary bound the same way)
+                if seen[(c.name, t)] != j:
                     raise ValueError(f"two different specialisations share the name {c.name}")
                 continue
             seen[(c.name, t)] = j
             todo.append((c, j))
     cache = cache_root() / "aot"
     cache.mkdir(parents=True, exist_ok=True)
-    missing = [j for _, j in todo if read_entry(cache / j["key"]) is None]
+    missing = list({j["key"]: j for _, j in todo if read_entry(cache / j["key"]) is None}.values())
     damaged = [j["key"] for j in missing if (cache / j["key"]).exists()]
     if damaged:
         log.warning("aot: %d cache entries do not match their recorded hashes: compiling them again", len(damaged))
@@ -451,10 +505,11 @@ def compile_calls(calls: list[KernelCall], targets: list[str] | tuple[str, ...],
                                where=str(cache / j["key"]))
         tdir = out / j["target"]
         tdir.mkdir(parents=True, exist_ok=True)
-        side = json.loads(entry["sidecar.json"])
+        sidecar = call_sidecar(j, json.loads(entry["sidecar.json"]))
+        side = json.loads(sidecar)
         binary_name = f"{c.name}.{TARGETS[j['target']].binary_ext}"  # never a name read from the cache
         (tdir / binary_name).write_bytes(entry["binary"])  # the bytes that were checked, not a second read
-        (tdir / f"{c.name}.json").write_bytes(entry["sidecar.json"])
+        (tdir / f"{c.name}.json").write_bytes(sidecar)
         st = json.loads(entry["stats.json"])
         mma_dtype = getattr(c, "mma_dtype", "bf16")
         rows.append({

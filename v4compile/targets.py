@@ -78,8 +78,8 @@ class TargetSpec:
 #   the same GH100 with HBM3E), shared by every SM.
 # Links: the all-reduce latency, NCCL / RCCL all-reduce of a few hundred KB inside one 8-GPU node, is ~5-15 us;
 # we model 10 us.
-# AOT compile cost: sm_90a costs more per kernel than gfx950 (ptxas, and nvdisasm on MMA kernels): measured ~1.5x
-# on V4-Pro.
+# AOT compile cost: sm_90a costs more per kernel than gfx950 (ptxas): measured ~1.5x on V4-Pro with nvdisasm on
+# its MMA kernels, ~1.4x without (codegen/aot.py reads their SASS itself).
 TARGETS: dict[str, TargetSpec] = {
     # MI355X: 8 TB/s HBM3E, ~2.5 PFLOP/s dense fp8 (OCP), ~1.25 PFLOP/s dense bf16, 256 CUs, 160 KB LDS / CU.
     # AMD Instinct MI355X spec sheet: 288 GB HBM3E; 7 Infinity Fabric links, 1075 GB/s aggregate peer

@@ -130,6 +130,15 @@ def _carve(p, base, AT: tl.constexpr, DT: tl.constexpr):
         return p
 
 
+@triton.jit
+def _table(p, tab, DT: tl.constexpr):
+    """`p`, or (DT given) the routing table `tab` (tid2eid or the bias, as bytes) as a pointer to DT."""
+    if DT is not None:
+        return tab.to(tl.pointer_type(DT))
+    else:
+        return p
+
+
 @triton.jit(noinline=True)
 def _route_phase(rb, x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr, o_ptr,
                  R: tl.constexpr, D: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr,
@@ -196,6 +205,7 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                      m_post_ptr_DT: tl.constexpr, m_comb_ptr_AT: tl.constexpr, m_comb_ptr_DT: tl.constexpr,
                      ST: tl.constexpr, RT: tl.constexpr, ND: tl.constexpr, NH: tl.constexpr, EB: tl.constexpr,
                      xs_ptr, C_SM: tl.constexpr, NG: tl.constexpr, G_NRB: tl.constexpr,
+                     R_B_DT: tl.constexpr, R_T_DT: tl.constexpr,
                      PDL: tl.constexpr = False, CALLS: tl.constexpr = True):
     """Programs by ticket: NA token blocks of the seam before the MoE (`mhc_moe_mhc`; else none), NR router
     row blocks, ST shared gate / up tiles, E x RT routed (expert, I tile) gate / up, E x ND routed (expert,
@@ -212,6 +222,8 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
     m_s_ptr = _carve(m_s_ptr, scr_ptr, m_s_ptr_AT, m_s_ptr_DT)
     m_post_ptr = _carve(m_post_ptr, scr_ptr, m_post_ptr_AT, m_post_ptr_DT)
     m_comb_ptr = _carve(m_comb_ptr, scr_ptr, m_comb_ptr_AT, m_comb_ptr_DT)
+    r_b_ptr = _table(r_b_ptr, r_t_ptr, R_B_DT)  # (before r_t_ptr takes its own type)
+    r_t_ptr = _table(r_t_ptr, r_t_ptr, R_T_DT)
     t = ticket(phase_ptr + TICKET) - NA
     v = tl.where(t >= NR + NG, t - NG, t)  # the phases after the grouping numbered as if it were not there
     if v < 0:
@@ -465,13 +477,18 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
         if front:
             front.scratch_bytes.update(extra)
         return [*([front] if front else []), rcall, *mcalls, *hcalls]
-    # The one launch keeps the routing a compile-time choice: an absent routing operand is a None constexpr,
-    # not a null pointer (the router's own launch takes all three, `router.ROUTE_OPERANDS`). Bound, the
-    # third pointer's two scalar registers made the gfx950 binary with both seams spill one (106 SGPRs).
-    for p, name in router.ROUTE_OPERANDS:
-        if operands.get(name) is None:
-            rcall.pointers = [q for q in rcall.pointers if q[0] != p]
-            rcall.constexprs[p] = None
+    # One binary for the hash-routed and the learned layers: the routing table is one pointer, as bytes
+    # (`t_ptr`: tid2eid, or the bias where the layer has none; `_table` gives the kernel both views), and the
+    # token ids (a null pointer where learned) pick the routing at run time (`route_rows`). The router's own
+    # launch binds bias and tid2eid apart (`router.ROUTE_OPERANDS`); here that third pointer's two scalar
+    # registers made the gfx950 binary with both seams spill one (106 SGPRs).
+    tid2eid, bias = operands.get("tid2eid"), operands.get("bias")
+    table = [q for q in rcall.pointers if q[0] == ("t_ptr" if tid2eid is not None else "b_ptr")][0]
+    rcall.pointers = [("t_ptr", table[1], table[2], "*u8") if q[0] == "t_ptr" else q for q in rcall.pointers
+                      if q[0] != "b_ptr"]
+    rcall.unaligned = tuple(sorted({*rcall.unaligned, *(["t_ptr"] if table[0] in rcall.unaligned else [])}))
+    types = {p: t for p, _, _, t in router.route_pointers(bias, tid2eid, None, wa)}  # (an absent one's default)
+    rcall.constexprs.update(b_ptr=None, T_DT=TL_OF[types["t_ptr"][1:]], B_DT=TL_OF[types["b_ptr"][1:]])
     # one launch: the up call's constexprs and pointers, the router's as R_*, the down call's as D_* (its
     # combine's C_* as they are), the seam's as H_*, each renamed onto the fused kernel's parameters (x, the
     # routing, h / hs and the MoE's output are one buffer each, whoever reads or writes them); the seam before's
@@ -519,7 +536,10 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
     renamed = {**ROUTER_PARAMS, **DOWN_PARAMS, **SEAM_PARAMS}
     unaligned = {renamed.get(p, p) for c in calls if c is not front for p in c.unaligned}
     unaligned |= {FRONT_PARAMS.get(p, p) for p in (front.unaligned if front else ())}
-    return [KernelCall(call_name("moe_fused", {**ce, "route_types": router.route_types(rcall.pointers)},
+    # (the routing table's operand in the name: the hash-routed and the learned layers' calls bind different
+    # operands, so each has its sidecar, of one binary: codegen/aot.py compiles it once)
+    return [KernelCall(call_name("moe_fused", {**ce, "route_types": router.route_types(rcall.pointers),
+                                               "route_table": table[2]},
                                  tag + ("_seams" if front else "_seam" if seam else "")),
                        moe_fused_kernel, ce, pts, (NA + ce["NR"] + ce["NG"] + ST + E * RT + E * ND + NH, 1, 1),
                        num_warps=max(c.num_warps for c in calls),

@@ -96,7 +96,9 @@ def route_rows(rb, x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr, o_ptr,
         idx = _learned(sc, b_ptr, e, e_ok, j, dt, KSEL, SUM_IN_DT, BR, BE, BKS)
     elif b_ptr is None:
         idx = _hashed(t_ptr, ids_ptr, rows, r_ok, j, KSEL, T_RS, I_S)
-    elif t_ptr.to(tl.int1):  # one binary for both routings (AOT): tid2eid given at run time
+    elif ids_ptr is None:  # (a JIT launch, the interpreter: no token ids, no hash routing)
+        idx = _learned(sc, b_ptr, e, e_ok, j, dt, KSEL, SUM_IN_DT, BR, BE, BKS)
+    elif ids_ptr.to(tl.int1):  # one binary for both routings (AOT): token ids (and tid2eid) given at run time
         idx = _hashed(t_ptr, ids_ptr, rows, r_ok, j, KSEL, T_RS, I_S)
     else:
         idx = _learned(sc, b_ptr, e, e_ok, j, dt, KSEL, SUM_IN_DT, BR, BE, BKS)
@@ -119,9 +121,10 @@ def route_rows(rb, x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr, o_ptr,
 
 
 # The routing's optional operands: every call binds all three, an absent one is a null pointer at run time
-# (`route_rows` picks the routing by whether tid2eid is given), so the hash-routed and the learned layers of a
-# model launch one binary. An absent one's type is what the model's would be: tid2eid and ids i64 (the
-# checkpoint's and the trace's), the bias in the weights' dtype.
+# (`route_rows` picks the routing by whether token ids are given: an op takes them with tid2eid only, its
+# `hash` variant, which the IR verifier holds it to), so the hash-routed and the learned layers of a model
+# launch one binary. An absent one's type is what the model's would be: tid2eid and ids i64 (the checkpoint's
+# and the trace's), the bias in the weights' dtype.
 ROUTE_OPERANDS = (("b_ptr", "bias"), ("t_ptr", "tid2eid"), ("ids_ptr", "ids"))
 
 

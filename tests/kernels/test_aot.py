@@ -8,6 +8,7 @@ the machine (no line info), so a cache warmed from another checkout gives the sa
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -50,12 +51,32 @@ def test_compile_small_gemm_both_targets(tmp_path, monkeypatch):
         # reproducible wherever the checkout and Triton lie: no path of this machine in the bytes
         for root in (Path(aot.__file__).resolve().parents[1], Path(triton.__file__).resolve().parent):
             assert str(root).encode() not in binary, f"{r['target']}: the binary names {root}"
-    amd = rows[0]
+    amd, nv = rows
     assert amd["spills"] == 0, "gfx950 goal: no spills"
+    # sm_90a's count is decoded from the cubin's code: the same as nvdisasm's (where the tool runs), and a
+    # decoder missing an opcode (fp8 QGMMA, this kernel's) would not be
+    cubin = (tmp_path / "a" / nv["path"]).read_bytes()
+    sass = aot._nvdisasm(cubin)
+    if sass is not None:
+        assert aot.sass_mma_count(cubin) == len(aot.SASS_MMA.findall(sass)) == nv["mma_instructions"]
+        monkeypatch.setattr(aot, "SM90_MMA_OPCODES", aot.SM90_MMA_OPCODES - {0x1F3})
+        assert aot.sass_mma_count(cubin) != len(aot.SASS_MMA.findall(sass))
     # second compile: all cached, identical files
     rows2 = aot.compile_calls(small_gemm_calls(), ["gfx950", "sm_90a"], tmp_path / "b", jobs=2)
     assert all(r["cached"] for r in rows2)
     assert _tree(tmp_path / "a") == _tree(tmp_path / "b")
+    # a call that differs only in its launch (name, grid, the operands it binds) is the same binary: served from
+    # the cache, with a sidecar of its own
+    other = dataclasses.replace(calls[0], name=calls[0].name + "_b", grid=(2 * calls[0].grid[0], 1, 1),
+                                pointers=[(p, k, "other_" + n, t) for p, k, n, t in calls[0].pointers])
+    assert aot.job_of(other, "gfx950")["key"] == aot.job_of(calls[0], "gfx950")["key"]
+    rows3 = aot.compile_calls([calls[0], other], ["gfx950"], tmp_path / "c", jobs=1)
+    assert all(r["cached"] for r in rows3)
+    one, two = (json.loads((tmp_path / "c" / r["sidecar"]).read_text()) for r in rows3)
+    assert one == json.loads((tmp_path / "a" / rows[0]["sidecar"]).read_text())
+    assert two["name"] == other.name and two["grid"] == list(other.grid) and two["key"] == one["key"]
+    assert [p.get("value") for p in two["params"][:4]] == ["other_" + p.get("value") for p in one["params"][:4]]
+    assert two["binary_sha256"] == one["binary_sha256"]
 
 
 def test_unknown_target_is_rejected(tmp_path):

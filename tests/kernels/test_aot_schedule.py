@@ -1,8 +1,11 @@
 """AOT scheduling and statistics without compiling anything: jobs run longest first (static estimate from the
-kernel's source and its @triton.jit helpers, sm_90a weighted above gfx950), and nvdisasm (~1 s a call) is
-only asked for a kernel whose PTX holds a matrix instruction."""
+kernel's source and its @triton.jit helpers, sm_90a weighted above gfx950); an sm_90a kernel's matrix
+instructions are counted from its cubin's code (nvdisasm, ~0.6 CPU s a call, only where the cubin does not
+decode), and neither is asked for a kernel whose PTX holds no matrix instruction."""
 
 from __future__ import annotations
+
+import struct
 
 import kernel_check  # noqa: F401  (TRITON_INTERPRET=1 before kernel modules load)
 from v4compile.codegen import aot
@@ -26,11 +29,48 @@ def test_longest_first_orders_by_estimate():
     assert aot._source_size(MODS + "mhc", "mhc_kernel") > own
 
 
-def test_nvdisasm_only_for_mma_kernels(monkeypatch):
+def cubin_of(sections: dict[str, list[int]]) -> bytes:
+    """A minimal ELF64 with one code section per name, each instruction 128 bits whose first word is the given
+    value (as an sm_90 cubin lays out its `.text.<function>` sections)."""
+    names = b"\0.shstrtab\0" + b"".join(n.encode() + b"\0" for n in sections)
+    body = [b"".join(struct.pack("<QQ", w, 0) for w in ws) for ws in sections.values()]
+    data_at = 64
+    offs, at = [], data_at + len(names)
+    for b in body:
+        offs.append(at)
+        at += len(b)
+    heads = [bytes(64), struct.pack("<IIQQQQIIQQ", 1, 3, 0, 0, data_at, len(names), 0, 0, 1, 0)]
+    name_at = len(b"\0.shstrtab\0")
+    for n, off, b in zip(sections, offs, body):
+        heads.append(struct.pack("<IIQQQQIIQQ", name_at, 1, 6, 0, off, len(b), 0, 0, 16, 0))
+        name_at += len(n) + 1
+    ehdr = bytearray(64)
+    ehdr[:6] = b"\x7fELF\x02\x01"
+    struct.pack_into("<Q", ehdr, 0x28, at)
+    struct.pack_into("<HHH", ehdr, 0x3A, 64, len(heads), 1)
+    return bytes(ehdr) + names + b"".join(body) + b"".join(heads)
+
+
+# first words as nvdisasm -hex shows them: QGMMA (A in shared memory), HGMMA (A in registers), HMMA, CS2R, SGXT
+QGMMA, HGMMA_R, HMMA, CS2R, SGXT = 0x00200000042079F3, 0x0000000004180DF0, 0x000000140404723C, 0x2A7805, 0x50808781A
+
+
+def test_sass_mma_count_decodes_code_sections():
+    cubin = cubin_of({".text.moe_fused_kernel": [CS2R, QGMMA, QGMMA, SGXT, HGMMA_R],
+                      ".text._route_phase": [HMMA, CS2R], ".nv.info": [QGMMA] * 4})
+    assert aot.sass_mma_count(cubin) == 4  # the called function's too; no data section's bytes
+    assert aot.sass_mma_count(b"not an ELF") is None
+    assert aot.sass_mma_count(cubin[:200]) is None  # cut short
+
+
+def test_nvdisasm_only_where_the_cubin_does_not_decode(monkeypatch):
     asked = []
     monkeypatch.setattr(aot, "_nvdisasm", lambda cubin: asked.append(cubin) or "HGMMA.64x16x16.F32.BF16 R0\n" * 3)
     log = "ptxas info    : Used 40 registers, 0 bytes spill stores, 0 bytes spill loads"
+    wgmma = "\t@%p1 wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%f1}, ...;\n"
     scalar = aot._nv_stats(b"a", "\tfma.rn.f32 %f1, %f2, %f3, %f4;\n", log, 0, 4)
     assert asked == [] and scalar["mma_instructions"] == 0 and scalar["regs"] == 40
-    mma = aot._nv_stats(b"b", "\t@%p1 wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%f1}, ...;\n", log, 0, 4)
+    decoded = aot._nv_stats(cubin_of({".text.k": [QGMMA, CS2R, QGMMA]}), wgmma, log, 0, 4)
+    assert asked == [] and decoded["mma_instructions"] == 2 and decoded["mma_source"] == "sass"
+    mma = aot._nv_stats(b"b", wgmma, log, 0, 4)
     assert asked == [b"b"] and mma["mma_instructions"] == 3 and mma["mma_source"] == "sass"

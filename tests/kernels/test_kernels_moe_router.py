@@ -127,6 +127,32 @@ def test_fused_decode_equals_the_launches_apart(dtype, hashed, fmts, fp32):
         kc.assert_matches(outs[n], r, f"moe_mhc_post_pre {n}", ulps=2)
 
 
+def _fused_at_run_time(hashed, ids=True):
+    """`moe_router_experts_shared` as its AOT binary runs: the routing table one pointer (tid2eid, or the bias
+    where the layer has none) and the token ids a null pointer where absent (an empty tensor: address 0, not
+    Triton's compile-time None), so the kernel picks the routing at run time. `ids=False`: a hash layer
+    launched without its ids (a wrong choice, to be caught)."""
+    args, attrs = case(torch.bfloat16, hashed, "fp4", "fp8", fp32=True)  # (an fp32 router: the bias's dtype)
+    y, _ = kc.poisoned(args["x"].shape, args["x"].dtype)
+    calls = kernels.specialise_tensors("moe_router_experts_shared", args, attrs, {"y": y})
+    bound = {n: torch.empty(0, dtype=torch.int64) if v is None or (n == "ids" and not ids) else v
+             for n, v in args.items()}
+    assert all(bound[n].data_ptr() == 0 for n, v in args.items() if v is None)
+    kernels.run_calls(calls, bound, {"y": y})
+    return y, calls[0], apart(args, attrs)
+
+
+def test_one_binary_routes_both_ways_at_run_time():
+    """The hash-routed and the learned layers' one-launch MoE are one binary (the same constexprs and
+    signature; two names, as each binds its own routing table), routing each right when the choice is made at
+    run time: bit-identical to the router and moe kernels apart; a hash layer launched without its token ids
+    (routing by its table read as a bias) is caught."""
+    (yl, cl, wl), (yh, ch, wh) = (_fused_at_run_time(h) for h in (False, True))
+    assert cl.constexprs == ch.constexprs and cl.signature() == ch.signature() and cl.name != ch.name
+    assert torch.equal(yl, wl) and torch.equal(yh, wh), "the run-time routing differs from the launches apart"
+    assert not torch.equal(_fused_at_run_time(True, ids=False)[0], wh), "a wrong routing choice went unseen"
+
+
 def test_without_a_seam_the_same_launch_ends_at_the_combine():
     """`moe_router_experts_shared` (the last layer's MoE): the same kernel with no seam programs, its y
     bit-identical to the router and moe kernels run apart."""

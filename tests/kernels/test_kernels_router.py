@@ -128,8 +128,8 @@ def test_fp32_router_on_bf16_activations(hashed):
 
 def _routed_at_run_time(dtype, hashed, E=12, D=96, k=3, B=2, T=9, seed=0):
     """The router run as its AOT binary runs: every routing operand bound, an absent one a null pointer (here
-    an empty tensor: address 0, not Triton's compile-time None), so `route_rows` picks the routing from
-    tid2eid's address at run time. Under the memory guard: a load through the null pointer is caught."""
+    an empty tensor: address 0, not Triton's compile-time None), so `route_rows` picks the routing from the
+    token ids' address at run time. Under the memory guard: a load through the null pointer is caught."""
     from v4compile.codegen.kernels.interpreter import memory_guard
 
     g = torch.Generator().manual_seed(seed)
@@ -173,8 +173,8 @@ def test_run_time_routing_choice_is_checked(monkeypatch, tmp_path, hashed):
     tid2eid; the memory guard or the comparison fails."""
     from v4compile.codegen.kernels import router
 
-    kc.install_broken_kernel(monkeypatch, tmp_path, router, "route_rows", "elif t_ptr.to(tl.int1):",
-                             "elif not t_ptr.to(tl.int1):")
+    kc.install_broken_kernel(monkeypatch, tmp_path, router, "route_rows", "elif ids_ptr.to(tl.int1):",
+                             "elif not ids_ptr.to(tl.int1):")
     from triton.runtime.errors import InterpreterError
 
     with pytest.raises((AssertionError, InterpreterError)) as e:  # (the guard's IllegalAddress, wrapped by Triton)
