@@ -1,13 +1,15 @@
 """One rank of a partitioned artifact's self-check under torchrun's environment, for
 tests/runtime/test_self_check_host.py:
 
-    python self_check_worker.py OUT ART
+    python self_check_worker.py OUT ART [PICKS_ART ...]
 
 Joins the gloo group once, then runs `Session.self_check()` on the cpu device twice: as compiled, then with the
 planted fault (rank 1 maps rank 0's weights: `Artifact.weights` asked for rank 0 on every rank); then the faulty
 one on the host device (the ops' reference kernels), whose ranks localise the layer through the C runtime's
-probes. Writes `OUT/rank-<r>.json`: each run's `SelfCheckResult.to_json()`. Prints `dist_launch.print_ready`'s
-line after its imports."""
+probes. Each PICKS_ART (bf16: near ties everywhere, so the rows judged depend on the ranks' router picks) is
+checked as compiled on the cpu device, again with the picks unread (`ChoiceReader.attach` giving None: the
+broken variant), and on the host device. Writes `OUT/rank-<r>.json`: each run's `SelfCheckResult.to_json()`.
+Prints `dist_launch.print_ready`'s line after its imports."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 
 
-def main(out: Path, art: str) -> int:
+def main(out: Path, art: str, picks: list[str]) -> int:
     import onnxruntime  # noqa: F401 (imported by the load: before the ready line)
     import torch.distributed as dist
 
@@ -26,6 +28,7 @@ def main(out: Path, art: str) -> int:
     import v4compile.runtime.cpu_backend  # noqa: F401
     from dist_launch import print_ready
     from v4compile.artifact import Artifact
+    from v4compile.runtime.self_check import ChoiceReader
     from v4compile.runtime.distributed import timeout_from_env
 
     print_ready()
@@ -41,6 +44,19 @@ def main(out: Path, art: str) -> int:
                     v4compile.load(art, device="host", kernels="reference"))
             res.append(sess.self_check().to_json())
             sess.close()
+        Artifact.weights = by_rank
+        for a in picks:
+            for device, read in (("cpu", True), ("cpu", False), ("host", True)):
+                sess = (v4compile.load(a, device="cpu", threads=1) if device == "cpu" else
+                        v4compile.load(a, device="host", kernels="reference"))
+                attach = ChoiceReader.__dict__["attach"]
+                if not read:
+                    ChoiceReader.attach = classmethod(lambda cls, s, g: None)
+                try:
+                    res.append(sess.self_check().to_json())
+                finally:
+                    ChoiceReader.attach = attach
+                    sess.close()
     finally:
         Artifact.weights = by_rank
         dist.destroy_process_group()
@@ -50,4 +66,4 @@ def main(out: Path, art: str) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    sys.exit(main(Path(sys.argv[1]), sys.argv[2]))
+    sys.exit(main(Path(sys.argv[1]), sys.argv[2], sys.argv[3:]))
