@@ -19,8 +19,11 @@ Checks, each a line with its measured error beside its tolerance (errors in unit
   fused MoE launch's router phase leaves its ids in scratch `route_indices` for the experts phase, copied after
   the launch by the C runtime's probe table in a second golden run, launch by launch, after one on the captured
   graphs; both runs' logits are judged), only a pick that actually differs
-  excuses rows, those it reaches (`judged_steps`); elsewhere (partitioned artifacts) a lane's steps from its
-  first near-tie choice in the golden on. The compile picks prompts without near ties where a seeded candidate
+  excuses rows, those it reaches (`judged_steps`); elsewhere a lane's steps from its first near-tie choice in the
+  golden on. A partitioned artifact's ranks each read their own picks (the cpu device's variant per segment, host /
+  hip / cuda each rank's program): without data parallelism every rank routes every token of the step; with it
+  (`--dp`) a rank reads its own replica's rows (of the gathered rows, where the routers route every replica's),
+  and the other replicas' lanes keep the margins' rule there (their ranks judge them by their picks). The compile picks prompts without near ties where a seeded candidate
   has none (fp32 always has so far; bf16 on random weights never: its check judges about half the rows on cpu,
   host, hip and cuda; the line says which rows were left out and their error);
 * `choices` (cpu, host, hip and cuda devices): the device's router picks and scores against the golden's wherever
@@ -247,9 +250,13 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
     else:
         checks.append(Check("layers", 0.0, tol, True, "measured on a failure only", measured=False))
     if routed:
-        lane, step, layer, _ = flips[0]
+        lane, step, at, _ = flips[0]
+        # the streams departing at an earlier layer (a partitioned rank's heads: every rank's router input) are
+        # the first departure; the router's layer is where it first moved a choice
+        if layer is None or not layer < at:
+            layer = at
         res = SelfCheckResult(False, device, max_err, tol, time.perf_counter() - t0, tuple(checks),
-                              f"the device's router departs from the golden at layer {layer}, step {step}, lane "
+                              f"the device's router departs from the golden at layer {at}, step {step}, lane "
                               f"{lane}: {flips[0][3]}",
                               step, lane, layer, tolerance_basis=basis, covers=covers)
         return _done(sess, res)
@@ -367,8 +374,7 @@ def unexplained_swap(ranked: np.ndarray, z: np.ndarray, picked: np.ndarray, k: i
 def _choices_check(g, dev, flips, worst, sess) -> Check:
     if dev is None or "router_ids" not in g.tensors:
         why = ("the golden records no choices (compiled before them)" if "router_ids" not in g.tensors else
-               "a partitioned artifact's router picks are not read" if getattr(sess.backend, "ranks", None)
-               is not None else f"the {sess.device} device does not show its router picks")
+               f"the {sess.device} device does not show its router picks")
         return Check("choices", 0.0, 1.0, True, f"not measured: {why}; near ties end a lane's judged steps",
                      measured=False)
     e, b, s_, layer = worst
@@ -389,7 +395,7 @@ class ChoiceReader:
     graph (built at check time, `OrtBackend.built`; the users' graphs are unchanged) whose router TopK indices
     are extra outputs, recorded with the step's `pos` and `slot`. The host device: `HostChoiceReader`; hip / cuda:
     `ProbeChoiceReader` (the kernels' own picks, not a reference recomputed from the launch's input, which could
-    pick otherwise at a near tie). Partitioned artifacts: `attach` gives None."""
+    pick otherwise at a near tie). Partitioned artifacts: each rank its own (`record`)."""
 
     def __init__(self, be, names: dict[str, dict[int, str]]):
         self.be, self.names = be, names
@@ -442,15 +448,18 @@ class ChoiceReader:
         names: dict[int, tuple[str, str]] = {}
 
         def edit(model):
-            added, have = [], {o.name for o in model.graph.output}
-            for nd in model.graph.node:
+            # each pick under a name of its layer: segments name their values alone (two may hold a `topk_11`)
+            added = []
+            for nd in list(model.graph.node):
                 doc = nd.doc_string.split(" ")
                 if nd.op_type == "TopK" and doc[0] == "router" and len(doc) > 1 and doc[1].startswith("layers."):
-                    names[int(doc[1].split(".")[1])] = (nd.output[1], nd.output[0])
-                    for o, t in ((nd.output[1], onnx.TensorProto.INT64), (nd.output[0], onnx.TensorProto.FLOAT)):
-                        if o not in have:
-                            model.graph.output.append(onnx.helper.make_tensor_value_info(o, t, None))
-                        added.append(o)
+                    layer = int(doc[1].split(".")[1])
+                    names[layer] = (f"choices.{layer}.ids", f"choices.{layer}.scores")
+                    for o, n, t in ((nd.output[1], names[layer][0], onnx.TensorProto.INT64),
+                                    (nd.output[0], names[layer][1], onnx.TensorProto.FLOAT)):
+                        model.graph.node.append(onnx.helper.make_node("Identity", [o], [n]))
+                        model.graph.output.append(onnx.helper.make_tensor_value_info(n, t, None))
+                        added.append(n)
             return added
 
         self.be.variant(fname, "choices", edit)
