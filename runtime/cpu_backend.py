@@ -218,8 +218,9 @@ class OrtBackend:
         """Function `fname` with check-mode outputs added to its graphs: `edit(model) -> [output names added]` on
         each graph (one, or a partitioned function's segments, each its rank's own), a graph it adds none to
         left shared. Run with `run_outputs(name)` (`name`, returned: `fname.suffix`) like `fname` (the same step,
-        collectives and state); under data parallelism the added outputs come back as this rank computed them, beside the gathered
-        logits. Built once, at its first request (the self-check's router picks, `self_check.ChoiceReader`)."""
+        collectives and state); under data parallelism the added outputs come back as this rank computed them,
+        beside the gathered logits. Built once, at its first request (the self-check's router picks,
+        `self_check.ChoiceReader`)."""
         name = f"{fname}.{suffix}"
         if name not in self._graphs:
             graphs, added = [], []

@@ -23,9 +23,10 @@ Checks, each a line with its measured error beside its tolerance (errors in unit
   golden on. A partitioned artifact's ranks each read their own picks (the cpu device's variant per segment, host /
   hip / cuda each rank's program): without data parallelism every rank routes every token of the step; with it
   (`--dp`) a rank reads its own replica's rows (of the gathered rows, where the routers route every replica's),
-  and the other replicas' lanes keep the margins' rule there (their ranks judge them by their picks). The compile picks prompts without near ties where a seeded candidate
-  has none (fp32 always has so far; bf16 on random weights never: its check judges about half the rows on cpu,
-  host, hip and cuda; the line says which rows were left out and their error);
+  and the other replicas' lanes keep the margins' rule there (their ranks judge them by their picks). The compile
+  picks prompts without near ties where a seeded candidate has none (fp32 always has so far; bf16 on random
+  weights never: its check judges about half the rows on cpu, host, hip and cuda; the line says which rows were
+  left out and their error);
 * `choices` (cpu, host, hip and cuda devices): the device's router picks and scores against the golden's wherever
   no earlier differing pick reaches; a score off by more than its layer's `choice_bound`, or a swap of an expert
   clear of its near-tie threshold, fails, naming the layer, step and lane. hip / cuda: picks only (the scores stay
