@@ -214,10 +214,11 @@ class OrtBackend:
             self._graphs[fname] = [(fname, spec)]
         return fname
 
-    def variant(self, fname: str, suffix: str, edit) -> str:
+    def variant(self, fname: str, suffix: str, edit) -> tuple[str, list[str]]:
         """Function `fname` with check-mode outputs added to its graphs: `edit(model) -> [output names added]` on
         each graph (one, or a partitioned function's segments, each its rank's own), a graph it adds none to
-        left shared. Run with `run_outputs(name)` (`name`, returned: `fname.suffix`) like `fname` (the same step,
+        left shared. Returns its name, `fname.suffix`, and the outputs added (the same on every later call).
+        Run with `run_outputs(name)` like `fname` (the same step,
         collectives and state); under data parallelism the added outputs come back as this rank computed them,
         beside the gathered logits. Built once, at its first request (the self-check's router picks,
         `self_check.ChoiceReader`)."""
@@ -236,7 +237,7 @@ class OrtBackend:
             if fname in self._index:  # the step every rank checks against rank 0's is `fname`'s
                 self._index[name] = self._index[fname]
             self._added[name] = added
-        return name
+        return name, list(self._added[name])
 
     def prepare(self, fnames) -> None:
         """Create the sessions of these functions now (each takes ONNX Runtime's graph optimisation)."""

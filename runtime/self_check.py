@@ -446,8 +446,6 @@ class ChoiceReader:
         its routers' TopK values and indices as extra outputs (`OrtBackend.variant`)."""
         import onnx
 
-        names: dict[int, tuple[str, str]] = {}
-
         def edit(model):
             # each pick under a name of its layer: segments name their values alone (two may hold a `topk_11`)
             added = []
@@ -455,16 +453,17 @@ class ChoiceReader:
                 doc = nd.doc_string.split(" ")
                 if nd.op_type == "TopK" and doc[0] == "router" and len(doc) > 1 and doc[1].startswith("layers."):
                     layer = int(doc[1].split(".")[1])
-                    names[layer] = (f"choices.{layer}.ids", f"choices.{layer}.scores")
-                    for o, n, t in ((nd.output[1], names[layer][0], onnx.TensorProto.INT64),
-                                    (nd.output[0], names[layer][1], onnx.TensorProto.FLOAT)):
+                    for o, n, t in ((nd.output[1], f"choices.{layer}.ids", onnx.TensorProto.INT64),
+                                    (nd.output[0], f"choices.{layer}.scores", onnx.TensorProto.FLOAT)):
                         model.graph.node.append(onnx.helper.make_node("Identity", [o], [n]))
                         model.graph.output.append(onnx.helper.make_tensor_value_info(n, t, None))
                         added.append(n)
             return added
 
-        self.be.variant(fname, "choices", edit)
-        self.names[fname] = names
+        # from the names (the variant is built once per session; a later check's reader finds it built)
+        _, added = self.be.variant(fname, "choices", edit)
+        self.names[fname] = {int(n.split(".")[1]): (n, n[: -len("ids")] + "scores") for n in added
+                             if n.endswith(".ids")}
 
     def record(self, inputs: dict[str, np.ndarray], outs: dict[int, tuple]) -> None:
         """One step's picks `{layer: (indices, scores or None)}` with the step's `pos` and `slot`: this rank's own
