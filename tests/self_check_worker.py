@@ -9,8 +9,7 @@ one on the host device (the ops' reference kernels), whose ranks localise the la
 probes. PICKS_ART (bf16: near ties everywhere, so the rows judged depend on the ranks' router picks) is checked as
 compiled on the cpu device, again with the picks unread (`ChoiceReader.attach` giving None: the broken variant),
 and on the host device; DP_ART (data parallel, its routers on the gathered rows of both replicas) on the cpu
-device as compiled, then with each rank reading the other replica's block of the gathered rows (broken), and
-on the host device.
+device as compiled, then with each rank reading the other replica's block of the gathered rows (broken).
 Writes `OUT/rank-<r>.json`: each run's `SelfCheckResult.to_json()`. Prints `dist_launch.print_ready`'s line
 after its imports."""
 
@@ -58,8 +57,7 @@ def main(out: Path, art: str, more: list[str]) -> int:
 
         picks, dp = more or (None, None)
         runs = [(picks, "cpu", None, None), (picks, "cpu", "attach", classmethod(lambda cls, s, g: None)),
-                (picks, "host", None, None), (dp, "cpu", None, None), (dp, "cpu", "record", other_block),
-                (dp, "host", None, None)]
+                (picks, "host", None, None), (dp, "cpu", None, None), (dp, "cpu", "record", other_block)]
         for a, device, name, broken in runs if more else ():
             sess = (v4compile.load(a, device="cpu", threads=1) if device == "cpu" else
                     v4compile.load(a, device="host", kernels="reference"))
