@@ -359,15 +359,16 @@ def _write_golden(ci: CompileInputs, tmp: Path, report: dict[str, Any]) -> dict[
     else:
         log.info("golden: none of %d seeded prompt sets is free of near-tie router / indexer choices (%s, smallest "
                  "margin %.3g x the threshold): the self-check judges each row the device's differing router picks "
-                 "do not reach (cpu, host, hip, cuda; a partitioned artifact: each lane's logits only before its "
-                 "first near tie, steps %s of %d)", ch["candidates"], ci.dtype, ch["smallest_margin"],
-                 "/".join(map(str, ch["clean_steps"])), f["new_tokens"])
+                 "do not reach (cpu, host, hip, cuda, each rank of a partitioned artifact its own; a lane whose picks "
+                 "are not read: its logits only before its first near tie, steps %s of %d)", ch["candidates"],
+                 ci.dtype, ch["smallest_margin"], "/".join(map(str, ch["clean_steps"])), f["new_tokens"])
     report["golden"] = {k: f[k] for k in ("new_tokens", "covers", "scale", "logits", "seconds", "seed", "choices")} | {
         "prompt_tokens": [len(p) for p in f["prompts"]],
         "checks": "greedy ids (but at near ties), every step's logits but those a router pick of the device's that "
                   "differs at a near tie reaches (cpu, host, hip, cuda: on a GPU the fused MoE launch's picks "
-                  "copied from its scratch route_indices by the C runtime's probe table; a partitioned artifact: "
-                  "those from each lane's first near-tie router / indexer choice on), the device's router picks "
+                  "copied from its scratch route_indices by the C runtime's probe table; a partitioned artifact: each "
+                  "rank's own, with --dp its replica's lanes; a lane whose picks are not read: those from its "
+                  "first near-tie router / indexer choice on), the device's router picks "
                   "against the golden's and their scores (cpu, host; not read on hip / cuda), "
                   "the per-layer fingerprint of the first prefill chunk on a failure (cpu: extra graph outputs; "
                   "host, hip, cuda: the C runtime's probe table, also per rank of a partitioned artifact without "

@@ -121,6 +121,7 @@ class OrtBackend:
         self.geometry = pool
         self._sessions: dict[str, tuple] = {}
         self._built: dict[str, object] = {}  # graphs made here from the artifact's own (`built`), until their session
+        self._added: dict[str, list[str]] = {}  # a `variant`'s check-mode outputs
 
     def functions(self) -> dict[str, FunctionInfo]:
         return dict(self._funcs)
@@ -213,6 +214,31 @@ class OrtBackend:
             self._graphs[fname] = [(fname, spec)]
         return fname
 
+    def variant(self, fname: str, suffix: str, edit) -> tuple[str, list[str]]:
+        """Function `fname` with check-mode outputs added to its graphs: `edit(model) -> [output names added]` on
+        each graph (one, or a partitioned function's segments, each its rank's own), a graph it adds none to
+        left shared. Returns its name, `fname.suffix`, and the outputs added (the same on every later call).
+        Run with `run_outputs(name)` like `fname` (the same step,
+        collectives and state); under data parallelism the added outputs come back as this rank computed them,
+        beside the gathered logits. Built once, at its first request (the self-check's router picks,
+        `self_check.ChoiceReader`)."""
+        name = f"{fname}.{suffix}"
+        if name not in self._graphs:
+            graphs, added = [], []
+            for key, spec in self._graphs[fname]:
+                model = onnx_model(self.art, key, spec)
+                got = edit(model)
+                if got:
+                    key = f"{key}.{suffix}"
+                    self._built[key] = model
+                    added += got
+                graphs.append((key, spec))
+            self._graphs[name] = graphs
+            if fname in self._index:  # the step every rank checks against rank 0's is `fname`'s
+                self._index[name] = self._index[fname]
+            self._added[name] = added
+        return name, list(self._added[name])
+
     def prepare(self, fnames) -> None:
         """Create the sessions of these functions now (each takes ONNX Runtime's graph optimisation)."""
         for f in fnames:
@@ -236,8 +262,10 @@ class OrtBackend:
                 x = env[c["operand"]]
                 env[c["result"]] = self.ranks.all_reduce(x, c["group"]) if c["op"] == "all_reduce" else \
                     self.ranks.collective_np(c["op"], x, c["group"], c.get("tp", 1))
-        # data parallel: every replica's logits (`distributed.Ranks.replicas`)
-        return self.ranks.replicas(env) if self.art.manifest["parallel"].get("dp", 1) > 1 else env
+        # data parallel: every replica's logits (`distributed.Ranks.replicas`), a variant's outputs this rank's own
+        if self.art.manifest["parallel"].get("dp", 1) == 1:
+            return env
+        return {**self.ranks.replicas(env), **{n: env[n] for n in self._added.get(fname, ())}}
 
     def share_ids(self, ids: list[int]) -> list[int]:
         """Sampled ids as every rank takes them: rank 0's (`distributed.Ranks.share_ids`)."""

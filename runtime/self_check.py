@@ -19,10 +19,14 @@ Checks, each a line with its measured error beside its tolerance (errors in unit
   fused MoE launch's router phase leaves its ids in scratch `route_indices` for the experts phase, copied after
   the launch by the C runtime's probe table in a second golden run, launch by launch, after one on the captured
   graphs; both runs' logits are judged), only a pick that actually differs
-  excuses rows, those it reaches (`judged_steps`); elsewhere (partitioned artifacts) a lane's steps from its
-  first near-tie choice in the golden on. The compile picks prompts without near ties where a seeded candidate
-  has none (fp32 always has so far; bf16 on random weights never: its check judges about half the rows on cpu,
-  host, hip and cuda; the line says which rows were left out and their error);
+  excuses rows, those it reaches (`judged_steps`); elsewhere a lane's steps from its first near-tie choice in the
+  golden on. A partitioned artifact's ranks each read their own picks (the cpu device's variant per segment, host /
+  hip / cuda each rank's program): without data parallelism every rank routes every token of the step; with it
+  (`--dp`) a rank reads its own replica's rows (of the gathered rows, where the routers route every replica's),
+  and the other replicas' lanes keep the margins' rule there (their ranks judge them by their picks). The compile
+  picks prompts without near ties where a seeded candidate has none (fp32 always has so far; bf16 on random
+  weights never: its check judges about half the rows on cpu, host, hip and cuda; the line says which rows were
+  left out and their error);
 * `choices` (cpu, host, hip and cuda devices): the device's router picks and scores against the golden's wherever
   no earlier differing pick reaches; a score off by more than its layer's `choice_bound`, or a swap of an expert
   clear of its near-tie threshold, fails, naming the layer, step and lane. hip / cuda: picks only (the scores stay
@@ -136,7 +140,7 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
                                            f"artifact computes {m['numerics']} in {m['dtype']}",
                                            tolerance_basis=basis, covers=covers))
     gold_ids = g.ids
-    lane_of: dict[int, int] = {}  # slot -> golden prompt, for the device's choices
+    lane_of: dict[tuple[int, int], int] = {}  # (replica, slot) -> golden prompt, for the device's choices
 
     def golden_run(reader) -> dict[int, list[np.ndarray]]:
         """The golden's prompts through the loop, each request fed the golden's ids: the rows the device gave."""
@@ -145,7 +149,7 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
         class Forced(Batcher):
             def _pick(self, r, row):
                 rows.setdefault(r.index, []).append(np.array(row, dtype=np.float32, copy=True))
-                lane_of[r.seq.slot] = r.index
+                lane_of[r.seq.replica, r.seq.slot] = r.index
                 return gold_ids[r.index][len(r.ids)]
 
         loop = Forced(sess, raise_errors=True)
@@ -205,7 +209,10 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
     gid = np.asarray(gold_ids)
     margin = g.tensors["margin"] / scale
     B, S = err.shape
-    dev = None if reader is None else reader.router_picks(lane_of, g.tensors["router_ids"].shape)
+    # a rank reads the picks of its own replica's rows (data parallel: the other replicas' lanes are their ranks')
+    mine = _replica(sess.backend)[0]
+    dev = None if reader is None else reader.router_picks({slot: lane for (d, slot), lane in lane_of.items()
+                                                           if d == mine}, g.tensors["router_ids"].shape)
     from v4compile.config import V4Config
     from v4compile.golden import choice_bound
 
@@ -244,9 +251,13 @@ def self_check(sess, device: str = "") -> SelfCheckResult:
     else:
         checks.append(Check("layers", 0.0, tol, True, "measured on a failure only", measured=False))
     if routed:
-        lane, step, layer, _ = flips[0]
+        lane, step, at, _ = flips[0]
+        # the streams departing at an earlier layer (a partitioned rank's heads: every rank's router input) are
+        # the first departure; the router's layer is where it first moved a choice
+        if layer is None or not layer < at:
+            layer = at
         res = SelfCheckResult(False, device, max_err, tol, time.perf_counter() - t0, tuple(checks),
-                              f"the device's router departs from the golden at layer {layer}, step {step}, lane "
+                              f"the device's router departs from the golden at layer {at}, step {step}, lane "
                               f"{lane}: {flips[0][3]}",
                               step, lane, layer, tolerance_basis=basis, covers=covers)
         return _done(sess, res)
@@ -364,8 +375,7 @@ def unexplained_swap(ranked: np.ndarray, z: np.ndarray, picked: np.ndarray, k: i
 def _choices_check(g, dev, flips, worst, sess) -> Check:
     if dev is None or "router_ids" not in g.tensors:
         why = ("the golden records no choices (compiled before them)" if "router_ids" not in g.tensors else
-               "a partitioned artifact's router picks are not read" if getattr(sess.backend, "ranks", None)
-               is not None else f"the {sess.device} device does not show its router picks")
+               f"the {sess.device} device does not show its router picks")
         return Check("choices", 0.0, 1.0, True, f"not measured: {why}; near ties end a lane's judged steps",
                      measured=False)
     e, b, s_, layer = worst
@@ -386,7 +396,7 @@ class ChoiceReader:
     graph (built at check time, `OrtBackend.built`; the users' graphs are unchanged) whose router TopK indices
     are extra outputs, recorded with the step's `pos` and `slot`. The host device: `HostChoiceReader`; hip / cuda:
     `ProbeChoiceReader` (the kernels' own picks, not a reference recomputed from the launch's input, which could
-    pick otherwise at a near tie). Partitioned artifacts: `attach` gives None."""
+    pick otherwise at a near tie). Partitioned artifacts: each rank its own (`record`)."""
 
     def __init__(self, be, names: dict[str, dict[int, str]]):
         self.be, self.names = be, names
@@ -397,14 +407,14 @@ class ChoiceReader:
         """Whether `attach` will read the picks through probes in an uncaptured run while the users' runs replay
         captured graphs (hip / cuda): then the self-check runs the golden twice, captured first."""
         be = sess.backend
-        return ("router_ids" in g.tensors and getattr(be, "ranks", None) is None and hasattr(be, "rt")
+        return ("router_ids" in g.tensors and hasattr(be, "rt")
                 and getattr(be, "device", None) in ("hip", "cuda") and bool(getattr(be, "graphs", False))
                 and any(route_reads(fs) for fs in be.rt.sched.functions))
 
     @classmethod
     def attach(cls, sess, g) -> "ChoiceReader | None":
         be = sess.backend
-        if "router_ids" not in g.tensors or getattr(be, "ranks", None) is not None:
+        if "router_ids" not in g.tensors:
             return None
         if getattr(be, "device", None) == "host" and hasattr(be, "rt"):
             return HostChoiceReader.attach_host(be)
@@ -416,13 +426,12 @@ class ChoiceReader:
         inner = be.run_outputs
 
         def run_outputs(fname, inputs):
-            if fname not in r.names and len(be._graphs.get(fname, ())) == 1 and "pos" in inputs:
+            if fname not in r.names and fname in be._graphs and "pos" in inputs:
                 r._variant(fname)
             if fname not in r.names:
                 return inner(fname, inputs)
             outs = inner(f"{fname}.choices", inputs)
-            r.seen.append((np.asarray(inputs["pos"]), np.asarray(inputs["slot"]),
-                           {layer: (outs.pop(i), outs.pop(v)) for layer, (i, v) in r.names[fname].items()}))
+            r.record(inputs, {layer: (outs.pop(i), outs.pop(v)) for layer, (i, v) in r.names[fname].items()})
             return outs
 
         be.run_outputs = run_outputs  # the instance's: `run` goes through it too
@@ -432,26 +441,50 @@ class ChoiceReader:
         self.be.__dict__.pop("run_outputs", None)
 
     def _variant(self, fname: str) -> None:
+        """`fname.choices`: each of the function's graphs (a partitioned function's segments: the rank's own, whose
+        routers route every token of the step, or under data parallelism every replica's gathered tokens) with
+        its routers' TopK values and indices as extra outputs (`OrtBackend.variant`)."""
         import onnx
 
-        key, spec = self.be._graphs[fname][0]
-        names: dict[int, tuple[str, str]] = {}
-
-        def build():
-            from .artifact_checks import onnx_model
-
-            model = onnx_model(self.be.art, key, spec)
-            for nd in model.graph.node:
+        def edit(model):
+            # each pick under a name of its layer: segments name their values alone (two may hold a `topk_11`)
+            added = []
+            for nd in list(model.graph.node):
                 doc = nd.doc_string.split(" ")
                 if nd.op_type == "TopK" and doc[0] == "router" and len(doc) > 1 and doc[1].startswith("layers."):
-                    names[int(doc[1].split(".")[1])] = (nd.output[1], nd.output[0])
-            for i, v in names.values():
-                model.graph.output.append(onnx.helper.make_tensor_value_info(i, onnx.TensorProto.INT64, None))
-                model.graph.output.append(onnx.helper.make_tensor_value_info(v, onnx.TensorProto.FLOAT, None))
-            return model, spec
+                    layer = int(doc[1].split(".")[1])
+                    for o, n, t in ((nd.output[1], f"choices.{layer}.ids", onnx.TensorProto.INT64),
+                                    (nd.output[0], f"choices.{layer}.scores", onnx.TensorProto.FLOAT)):
+                        model.graph.node.append(onnx.helper.make_node("Identity", [o], [n]))
+                        model.graph.output.append(onnx.helper.make_tensor_value_info(n, t, None))
+                        added.append(n)
+            return added
 
-        self.be.built(f"{fname}.choices", build)
-        self.names[fname] = names
+        # from the names (the variant is built once per session; a later check's reader finds it built)
+        _, added = self.be.variant(fname, "choices", edit)
+        self.names[fname] = {int(n.split(".")[1]): (n, n[: -len("ids")] + "scores") for n in added
+                             if n.endswith(".ids")}
+
+    def record(self, inputs: dict[str, np.ndarray], outs: dict[int, tuple]) -> None:
+        """One step's picks `{layer: (indices, scores or None)}` with the step's `pos` and `slot`: this rank's own
+        rows. Data parallel: the step's inputs hold every replica's (`[dp, ...]`), the rank runs its replica's,
+        and where its routers route the gathered tokens of every replica (`all_gather_rows`: replica d's rows the
+        d-th block, in replica order) only its replica's block is its lanes'."""
+        d, dp = _replica(self.be)
+        pos, slot = np.asarray(inputs["pos"]), np.asarray(inputs["slot"])
+        if dp > 1:
+            pos, slot = pos[d], slot[d]
+            n = pos.size
+            own = {}
+            for layer, (idx, val) in outs.items():
+                k = idx.shape[-1]
+                idx = np.asarray(idx).reshape(-1, k)
+                val = None if val is None else np.asarray(val).reshape(-1, k)
+                if idx.shape[0] == dp * n:
+                    idx, val = idx[d * n:(d + 1) * n], None if val is None else val[d * n:(d + 1) * n]
+                own[layer] = (idx, val)
+            outs = own
+        self.seen.append((pos, slot, outs))
 
     def router_picks(self, lane_of: dict[int, int], shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
         """The device's router picks (sorted) and their scores, each `[B, P, L, k]` by golden lane, position and
@@ -546,8 +579,7 @@ class HostChoiceReader(ChoiceReader):
             now.clear()
             outs = inner(fname, inputs)
             if now:
-                r.seen.append((np.asarray(inputs["pos"]), np.asarray(inputs["slot"]),
-                               {layer: (i, v) for layer, (i, v, _) in now.items()}))
+                r.record(inputs, {layer: (i, v) for layer, (i, v, _) in now.items()})
             return outs
 
         rt.before_call, rt.after_call = before, after
@@ -590,8 +622,7 @@ class ProbeChoiceReader(ChoiceReader):
         def run_outputs(fname, inputs):
             outs = inner(fname, inputs)
             if fname in r.reads:
-                r.seen.append((np.asarray(inputs["pos"]), np.asarray(inputs["slot"]),
-                               {layer: (h.copy(), None) for layer, h in r.reads[fname]}))
+                r.record(inputs, {layer: (h.copy(), None) for layer, h in r.reads[fname]})
             return outs
 
         be.run_outputs = run_outputs
@@ -824,6 +855,14 @@ def _stream_candidates(model) -> list[list[str]]:
             return out
         out.append(c)
         i += 1
+
+
+def _replica(be) -> tuple[int, int]:
+    """(this rank's data-parallel replica, the replicas): (0, 1) without data parallelism."""
+    ranks = getattr(be, "ranks", None)
+    if ranks is None or ranks.layout.dp == 1:
+        return 0, 1
+    return ranks.layout.replica(ranks.rank), ranks.layout.dp
 
 
 def _any_rank(sess, mine: bool, able: bool = True) -> bool:

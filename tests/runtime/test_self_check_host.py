@@ -89,35 +89,73 @@ def test_a_forged_weight_is_named_by_its_layer_on_the_host_device(host_art, tmp_
     assert layers.measured and not layers.passed and "layer 2 departs first" in layers.note
 
 
-@pytest.mark.slow  # a partitioned compile and two gloo ranks (their start-up: seconds each on a busy machine)
-def test_a_rank_that_loads_rank_0s_weights_fails(tmp_path):
+@pytest.mark.slow  # partitioned compiles and two gloo ranks (their start-up: seconds each on a busy machine)
+def test_a_rank_that_loads_rank_0s_weights_fails(tmp_path, monkeypatch):
     """tiny (hf, fp32) at tp 2 / ep 2, its golden the layout's reference, checked at 2 gloo ranks: as compiled
     every rank passes; with rank 1 mapping rank 0's weights (its heads and experts the wrong ones) FAILED, on
-    both ranks' results (rank 0 reports the worst rank's); on the host device each rank names the layer."""
+    both ranks' results (rank 0 reports the worst rank's); on the host device each rank names the layer.
+    The same launch checks each rank's router picks (`ChoiceReader`; before: not read on a partitioned artifact):
+    tiny-pro bf16 at tp 2 (bf16 on the cpu target lowers no expert-parallel MoE), whose near ties on random
+    weights left no row judged, and tiny fp32 at dp 2 / ep 2, whose routers route both replicas' gathered rows."""
     import sys
     from pathlib import Path
 
     from dist_launch import launch
+    from v4compile import golden
     from v4compile.cli import main
 
-    art = tmp_path / "tp2"
-    assert main(["-q", "compile", "--preset", "tiny", "--numerics", "hf", "--dtype", "fp32", "--target", "cpu",
-                 "--decode-buckets", "2", "--prefill-buckets", "16", "--tp", "2", "--ep", "2", "--max-context", "64",
-                 "--golden", "--golden-new-tokens", "4", "-o", str(art)]) == 0
+    def compile_(name, *args):
+        assert main(["-q", "compile", *args, "--target", "cpu", "--decode-buckets", "2", "--prefill-buckets", "16",
+                     "--max-context", "64", "--golden", "--golden-new-tokens", "4", "-o", str(tmp_path / name)]) == 0
+        return str(tmp_path / name)
+
+    art = compile_("tp2", "--preset", "tiny", "--numerics", "hf", "--dtype", "fp32", "--tp", "2", "--ep", "2")
+    dp = compile_("dp2", "--preset", "tiny", "--numerics", "hf", "--dtype", "fp32", "--dp", "2", "--ep", "2")
+    monkeypatch.setattr(golden, "CANDIDATES", 1)  # bf16 on random weights: no candidate is free of near ties
+    picks = compile_("bf16", "--preset", "tiny-pro", "--numerics", "hf", "--dtype", "bf16", "--tp", "2")
     worker = Path(__file__).resolve().parents[1] / "self_check_worker.py"
-    runs = launch([sys.executable, str(worker), str(tmp_path), str(art)], 2, timeout_s=300)
+    runs = launch([sys.executable, str(worker), str(tmp_path), art, picks, dp], 2, timeout_s=300)
     for r, (code, _, err) in enumerate(runs):
         assert code == 0, f"rank {r}: {err[-2000:]}"
     got = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     for r in range(2):
-        clean, bad, host = got[r]
+        clean, bad, host, *_ = got[r]
         assert clean["passed"] and 0 < clean["max_error"] <= clean["tolerance"], clean
-        assert not bad["passed"] and bad["first_rank"] is not None and bad["max_error"] > 100 * bad["tolerance"], bad
+        # every rank's router input departs (rank 1's heads enter the all-reduce): named by the picks (before: by
+        # the logits, the picks not read)
+        assert not bad["passed"] and bad["first_rank"] is not None and "router departs from the golden at layer 2" in \
+            bad["reason"], bad
         # the host device's ranks run the first chunk together and each localises its streams (probes): layer 0,
         # whose heads and experts rank 1 computes with rank 0's weights (before: not measured, no layer)
         layers = next(c for c in host["checks"] if c["name"] == "layers")
         assert not host["passed"] and host["first_layer"] == 0 and layers["measured"], host
         assert layers["note"] == "layer 0 departs first"
+        _each_rank_reads_its_router_picks(r, *got[r][3:])
+
+
+def _each_rank_reads_its_router_picks(rank, cpu, unread, host, dp, swapped):
+    """Rank `rank`'s checks of the bf16 artifact (cpu; cpu with its picks unread; host) and of the data-parallel
+    one (cpu; cpu reading the other replica's block of the gathered rows)."""
+    import re
+
+    def judged(res):
+        note = next(c for c in res["checks"] if c["name"] == "logits")["note"]
+        return int(re.match(r"(\d+) of 8 rows", note).group(1))
+
+    def choices(res):
+        return next(c for c in res["checks"] if c["name"] == "choices")
+
+    # the picks decide which near ties excuse rows: some rows judged on each rank (cpu 2, host 6 of 8 here), and
+    # the choices measured; unread, a lane's steps end at its first near tie: none judged
+    for res in (cpu, host):
+        assert res["passed"] and judged(res) > 0 and choices(res)["measured"], (rank, res)
+    assert unread["passed"] and judged(unread) == 0 and not choices(unread)["measured"], (rank, unread)
+    assert "a partitioned artifact" not in choices(unread)["note"]
+    # data parallel: each rank's scores compared on its own replica's lane (rank r holds golden lane r); read at
+    # the other replica's rows, the picks are another sequence's: a router choice no rounding explains
+    assert dp["passed"] and choices(dp)["measured"] and 0 < choices(dp)["error"] < 1, (rank, dp)
+    assert f"lane {rank};" in choices(dp)["note"], (rank, dp)
+    assert not swapped["passed"] and "router departs" in swapped["reason"], (rank, swapped)
 
 
 @pytest.mark.parametrize("forged", [False, True], ids=["clean", "forged"])
