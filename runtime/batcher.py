@@ -282,7 +282,6 @@ class Batcher:
             if pick is None and self.spec is None:  # still scoring its prompt: live, no token yet
                 joined.append(r)
                 continue
-                continue
             self._token(r, tok)
             if not r.done:
                 joined.append(r)
