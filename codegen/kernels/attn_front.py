@@ -40,33 +40,33 @@ NORM_SIDE = ("N", "K", "SPLIT", "KS", "NT", "X_RS", "X_CS", "Y_RS", "Y_CS", "W_R
 
 
 @triton.jit
-def pair_norm_kernel(x_ptr, w0_ptr, s0_ptr, y0_ptr, w1_ptr, s1_ptr, y1_ptr, bn_ptr, bw_ptr, bs_ptr, by_ptr,
-                     part_ptr, phase_ptr,
-                     M: tl.constexpr, K: tl.constexpr, X_RS: tl.constexpr, X_CS: tl.constexpr, BM: tl.constexpr,
-                     STAGES: tl.constexpr, P0: tl.constexpr,
-                     N0: tl.constexpr, SPLIT0: tl.constexpr, KS0: tl.constexpr, NT0: tl.constexpr,
-                     Y_RS0: tl.constexpr, Y_CS0: tl.constexpr, W_RS0: tl.constexpr, W_CS0: tl.constexpr,
-                     S_RS0: tl.constexpr, S_CS0: tl.constexpr, W_FMT0: tl.constexpr, S_E8M00: tl.constexpr,
-                     BLOCK0: tl.constexpr, ACT0: tl.constexpr, CDT0: tl.constexpr, BN0: tl.constexpr, BK0: tl.constexpr,
-                     N1: tl.constexpr, SPLIT1: tl.constexpr, KS1: tl.constexpr, NT1: tl.constexpr,
-                     Y_RS1: tl.constexpr, Y_CS1: tl.constexpr, W_RS1: tl.constexpr, W_CS1: tl.constexpr,
-                     S_RS1: tl.constexpr, S_CS1: tl.constexpr, W_FMT1: tl.constexpr, S_E8M01: tl.constexpr,
-                     BLOCK1: tl.constexpr, ACT1: tl.constexpr, CDT1: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
-                     PART1: tl.constexpr, SEM1: tl.constexpr,
-                     B_N: tl.constexpr, B_K: tl.constexpr, B_SPLIT: tl.constexpr, B_KS: tl.constexpr,
-                     B_NT: tl.constexpr, B_X_RS: tl.constexpr, B_X_CS: tl.constexpr, B_Y_RS: tl.constexpr,
-                     B_Y_CS: tl.constexpr, B_W_RS: tl.constexpr, B_W_CS: tl.constexpr, B_S_RS: tl.constexpr,
-                     B_S_CS: tl.constexpr, B_W_FMT: tl.constexpr, B_S_E8M0: tl.constexpr, B_BLOCK: tl.constexpr,
-                     B_ACT: tl.constexpr, B_EPS: tl.constexpr, B_CDT: tl.constexpr, B_BN: tl.constexpr,
-                     B_BK: tl.constexpr, B_PART: tl.constexpr, B_SEM: tl.constexpr,
-                     SRC: tl.constexpr, COL: tl.constexpr, P1: tl.constexpr, PB: tl.constexpr,
-                     PDL: tl.constexpr = False):
-    """Programs by ticket: the pair's P0 + P1 (as `gemm_pair_kernel`), then PB of the norm GEMM reading
-    columns [COL, COL + B_K) of y<SRC> once every program of that half has published."""
-    pdl_enter(PDL)
+def _pair_norm_program(v, x_ptr, w0_ptr, s0_ptr, y0_ptr, w1_ptr, s1_ptr, y1_ptr, bn_ptr, bw_ptr, bs_ptr, by_ptr,
+                       part_ptr, phase_ptr,
+                       M: tl.constexpr, K: tl.constexpr, X_RS: tl.constexpr, X_CS: tl.constexpr, BM: tl.constexpr,
+                       STAGES: tl.constexpr, P0: tl.constexpr,
+                       N0: tl.constexpr, SPLIT0: tl.constexpr, KS0: tl.constexpr, NT0: tl.constexpr,
+                       Y_RS0: tl.constexpr, Y_CS0: tl.constexpr, W_RS0: tl.constexpr, W_CS0: tl.constexpr,
+                       S_RS0: tl.constexpr, S_CS0: tl.constexpr, W_FMT0: tl.constexpr, S_E8M00: tl.constexpr,
+                       BLOCK0: tl.constexpr, ACT0: tl.constexpr, CDT0: tl.constexpr, BN0: tl.constexpr,
+                       BK0: tl.constexpr,
+                       N1: tl.constexpr, SPLIT1: tl.constexpr, KS1: tl.constexpr, NT1: tl.constexpr,
+                       Y_RS1: tl.constexpr, Y_CS1: tl.constexpr, W_RS1: tl.constexpr, W_CS1: tl.constexpr,
+                       S_RS1: tl.constexpr, S_CS1: tl.constexpr, W_FMT1: tl.constexpr, S_E8M01: tl.constexpr,
+                       BLOCK1: tl.constexpr, ACT1: tl.constexpr, CDT1: tl.constexpr, BN1: tl.constexpr,
+                       BK1: tl.constexpr,
+                       PART1: tl.constexpr, SEM1: tl.constexpr,
+                       B_N: tl.constexpr, B_K: tl.constexpr, B_SPLIT: tl.constexpr, B_KS: tl.constexpr,
+                       B_NT: tl.constexpr, B_X_RS: tl.constexpr, B_X_CS: tl.constexpr, B_Y_RS: tl.constexpr,
+                       B_Y_CS: tl.constexpr, B_W_RS: tl.constexpr, B_W_CS: tl.constexpr, B_S_RS: tl.constexpr,
+                       B_S_CS: tl.constexpr, B_W_FMT: tl.constexpr, B_S_E8M0: tl.constexpr, B_BLOCK: tl.constexpr,
+                       B_ACT: tl.constexpr, B_EPS: tl.constexpr, B_CDT: tl.constexpr, B_BN: tl.constexpr,
+                       B_BK: tl.constexpr, B_PART: tl.constexpr, B_SEM: tl.constexpr,
+                       SRC: tl.constexpr, COL: tl.constexpr, P1: tl.constexpr, PB: tl.constexpr):
+    """Program v of `pair_norm_kernel` (after its ticket; `seam_pair_norm_kernel`'s after the seam's): the pair's
+    P0 + P1 (as `gemm_pair_kernel`), then PB of the norm GEMM reading columns [COL, COL + B_K) of y<SRC> once every
+    program of that half has published."""
     TN: tl.constexpr = (B_N + B_BN - 1) // B_BN  # the norm GEMM's grid: N tiles, M tiles, K splits
     TM: tl.constexpr = (M + BM - 1) // BM
-    v = ticket(phase_ptr + TICKET)
     sem_ptr = phase_ptr + COUNTERS  # the GEMMs' split arrival counters follow the phase counters
     if v < P0:
         _pair_half(v, x_ptr, w0_ptr, s0_ptr, y0_ptr, part_ptr, sem_ptr, M, K, X_RS, X_CS, BM, STAGES, N0, SPLIT0,
@@ -97,6 +97,41 @@ def pair_norm_kernel(x_ptr, w0_ptr, s0_ptr, y0_ptr, w1_ptr, s1_ptr, y1_ptr, bn_p
                      b_part_ptr, sem_ptr + B_SEM, M, B_N, B_K, 0, 0, B_SPLIT, B_KS, B_NT, B_X_RS, B_X_CS, B_Y_RS,
                      B_Y_CS, B_W_RS, B_W_CS, B_S_RS, B_S_CS, B_W_FMT, B_S_E8M0, B_BLOCK, B_ACT, True, B_EPS, B_CDT,
                      BM, B_BN, B_BK, STAGES, 1, 0, 0, 0, 0, 0, -1.0)
+
+
+@triton.jit
+def pair_norm_kernel(x_ptr, w0_ptr, s0_ptr, y0_ptr, w1_ptr, s1_ptr, y1_ptr, bn_ptr, bw_ptr, bs_ptr, by_ptr,
+                     part_ptr, phase_ptr,
+                     M: tl.constexpr, K: tl.constexpr, X_RS: tl.constexpr, X_CS: tl.constexpr, BM: tl.constexpr,
+                     STAGES: tl.constexpr, P0: tl.constexpr,
+                     N0: tl.constexpr, SPLIT0: tl.constexpr, KS0: tl.constexpr, NT0: tl.constexpr,
+                     Y_RS0: tl.constexpr, Y_CS0: tl.constexpr, W_RS0: tl.constexpr, W_CS0: tl.constexpr,
+                     S_RS0: tl.constexpr, S_CS0: tl.constexpr, W_FMT0: tl.constexpr, S_E8M00: tl.constexpr,
+                     BLOCK0: tl.constexpr, ACT0: tl.constexpr, CDT0: tl.constexpr, BN0: tl.constexpr, BK0: tl.constexpr,
+                     N1: tl.constexpr, SPLIT1: tl.constexpr, KS1: tl.constexpr, NT1: tl.constexpr,
+                     Y_RS1: tl.constexpr, Y_CS1: tl.constexpr, W_RS1: tl.constexpr, W_CS1: tl.constexpr,
+                     S_RS1: tl.constexpr, S_CS1: tl.constexpr, W_FMT1: tl.constexpr, S_E8M01: tl.constexpr,
+                     BLOCK1: tl.constexpr, ACT1: tl.constexpr, CDT1: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
+                     PART1: tl.constexpr, SEM1: tl.constexpr,
+                     B_N: tl.constexpr, B_K: tl.constexpr, B_SPLIT: tl.constexpr, B_KS: tl.constexpr,
+                     B_NT: tl.constexpr, B_X_RS: tl.constexpr, B_X_CS: tl.constexpr, B_Y_RS: tl.constexpr,
+                     B_Y_CS: tl.constexpr, B_W_RS: tl.constexpr, B_W_CS: tl.constexpr, B_S_RS: tl.constexpr,
+                     B_S_CS: tl.constexpr, B_W_FMT: tl.constexpr, B_S_E8M0: tl.constexpr, B_BLOCK: tl.constexpr,
+                     B_ACT: tl.constexpr, B_EPS: tl.constexpr, B_CDT: tl.constexpr, B_BN: tl.constexpr,
+                     B_BK: tl.constexpr, B_PART: tl.constexpr, B_SEM: tl.constexpr,
+                     SRC: tl.constexpr, COL: tl.constexpr, P1: tl.constexpr, PB: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    """Programs by ticket: the pair's P0 + P1 (as `gemm_pair_kernel`), then PB of the norm GEMM reading
+    columns [COL, COL + B_K) of y<SRC> once every program of that half has published."""
+    pdl_enter(PDL)
+    v = ticket(phase_ptr + TICKET)
+    _pair_norm_program(v, x_ptr, w0_ptr, s0_ptr, y0_ptr, w1_ptr, s1_ptr, y1_ptr, bn_ptr, bw_ptr, bs_ptr, by_ptr,
+                       part_ptr, phase_ptr, M, K, X_RS, X_CS, BM, STAGES, P0, N0, SPLIT0, KS0, NT0, Y_RS0, Y_CS0,
+                       W_RS0, W_CS0, S_RS0, S_CS0, W_FMT0, S_E8M00, BLOCK0, ACT0, CDT0, BN0, BK0, N1, SPLIT1, KS1,
+                       NT1, Y_RS1, Y_CS1, W_RS1, W_CS1, S_RS1, S_CS1, W_FMT1, S_E8M01, BLOCK1, ACT1, CDT1, BN1, BK1,
+                       PART1, SEM1, B_N, B_K, B_SPLIT, B_KS, B_NT, B_X_RS, B_X_CS, B_Y_RS, B_Y_CS, B_W_RS, B_W_CS,
+                       B_S_RS, B_S_CS, B_W_FMT, B_S_E8M0, B_BLOCK, B_ACT, B_EPS, B_CDT, B_BN, B_BK, B_PART, B_SEM,
+                       SRC, COL, P1, PB)
     if last_to_arrive(phase_ptr + FINISHED, P0 + P1 + PB):  # every program is past its wait
         tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)
 
@@ -155,10 +190,7 @@ def seam_pair_norm_kernel(h_y_ptr, h_y2_ptr, h_s_ptr, h_post_ptr, h_comb_ptr, h_
     the streams / post / comb the seam after the attention reads as results; each publishes), then
     `pair_norm_kernel`'s P0 + P1 + PB, each first waiting for all PH seam programs (every row of x)."""
     pdl_enter(PDL)
-    TN: tl.constexpr = (B_N + B_BN - 1) // B_BN  # the norm GEMM's grid: N tiles, M tiles, K splits
-    TM: tl.constexpr = (M + BM - 1) // BM
     v = ticket(phase_ptr + TICKET)
-    sem_ptr = phase_ptr + COUNTERS  # the GEMMs' split arrival counters follow the phase counters
     if v < PH:
         if CALLS:
             _seam_phase(v, h_y_ptr, h_y2_ptr, h_s_ptr, h_post_ptr, h_comb_ptr, h_fn_ptr, h_base_ptr, h_scale_ptr,
@@ -172,36 +204,13 @@ def seam_pair_norm_kernel(h_y_ptr, h_y2_ptr, h_s_ptr, h_post_ptr, h_comb_ptr, h_
         publish(phase_ptr + SEAM_DONE)
     else:
         wait_for(phase_ptr + SEAM_DONE, PH)  # every row of x
-        u = v - PH
-        if u < P0:
-            _pair_half(u, x_ptr, w0_ptr, s0_ptr, y0_ptr, part_ptr, sem_ptr, M, K, X_RS, X_CS, BM, STAGES, N0, SPLIT0,
-                       KS0, NT0, Y_RS0, Y_CS0, W_RS0, W_CS0, S_RS0, S_CS0, W_FMT0, S_E8M00, BLOCK0, ACT0, CDT0, BN0,
-                       BK0, 0, 0)
-            if SRC == 0:
-                publish(phase_ptr + WRITTEN)
-        elif u < P0 + P1:  # (P1 = 0: one GEMM, `linear`, and no second half to compile)
-            if P1 > 0:
-                _pair_half(u - P0, x_ptr, w1_ptr, s1_ptr, y1_ptr, part_ptr, sem_ptr, M, K, X_RS, X_CS, BM, STAGES,
-                           N1, SPLIT1, KS1, NT1, Y_RS1, Y_CS1, W_RS1, W_CS1, S_RS1, S_CS1, W_FMT1, S_E8M01, BLOCK1,
-                           ACT1, CDT1, BN1, BK1, PART1, SEM1)
-            if SRC == 1:
-                publish(phase_ptr + WRITTEN)
-        else:
-            if SRC == 0:
-                wait_for(phase_ptr + WRITTEN, P0)
-                bx_ptr = y0_ptr + COL * Y_CS0
-            else:
-                wait_for(phase_ptr + WRITTEN, P1)
-                bx_ptr = y1_ptr + COL * Y_CS1
-            if B_SPLIT > 1:
-                b_part_ptr = part_ptr + B_PART
-            else:
-                b_part_ptr = part_ptr
-            b = u - P0 - P1
-            gemm_program(b % TN, (b // TN) % TM, b // (TN * TM), bx_ptr, None, bw_ptr, bs_ptr, bn_ptr, None, by_ptr,
-                         b_part_ptr, sem_ptr + B_SEM, M, B_N, B_K, 0, 0, B_SPLIT, B_KS, B_NT, B_X_RS, B_X_CS, B_Y_RS,
-                         B_Y_CS, B_W_RS, B_W_CS, B_S_RS, B_S_CS, B_W_FMT, B_S_E8M0, B_BLOCK, B_ACT, True, B_EPS, B_CDT,
-                         BM, B_BN, B_BK, STAGES, 1, 0, 0, 0, 0, 0, -1.0)
+        _pair_norm_program(v - PH, x_ptr, w0_ptr, s0_ptr, y0_ptr, w1_ptr, s1_ptr, y1_ptr, bn_ptr, bw_ptr, bs_ptr,
+                           by_ptr, part_ptr, phase_ptr, M, K, X_RS, X_CS, BM, STAGES, P0, N0, SPLIT0, KS0, NT0, Y_RS0,
+                           Y_CS0, W_RS0, W_CS0, S_RS0, S_CS0, W_FMT0, S_E8M00, BLOCK0, ACT0, CDT0, BN0, BK0, N1, SPLIT1,
+                           KS1, NT1, Y_RS1, Y_CS1, W_RS1, W_CS1, S_RS1, S_CS1, W_FMT1, S_E8M01, BLOCK1, ACT1, CDT1, BN1,
+                           BK1, PART1, SEM1, B_N, B_K, B_SPLIT, B_KS, B_NT, B_X_RS, B_X_CS, B_Y_RS, B_Y_CS, B_W_RS,
+                           B_W_CS, B_S_RS, B_S_CS, B_W_FMT, B_S_E8M0, B_BLOCK, B_ACT, B_EPS, B_CDT, B_BN, B_BK, B_PART,
+                           B_SEM, SRC, COL, P1, PB)
     if last_to_arrive(phase_ptr + FINISHED, PH + P0 + P1 + PB):  # every program is past its wait
         tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)
 

@@ -103,22 +103,23 @@ def test_fused_equals_the_launches_apart(name):
     assert call.reread_bytes == sum(c.reread_bytes for c in two) + src.numel() * src.element_size()
 
 
-BROKEN = {
+BROKEN = {  # the function its fault is in: the program body both fused front kernels share, or the kernel
     # the norm GEMM reads y1 from its first column instead of column COL
-    "wrong columns": ("bx_ptr = y1_ptr + COL * Y_CS1", "bx_ptr = y1_ptr", AssertionError),
+    "wrong columns": ("_pair_norm_program", "bx_ptr = y1_ptr + COL * Y_CS1", "bx_ptr = y1_ptr", AssertionError),
     # the norm GEMM without its RMSNorm prologue
-    "no norm": ("B_BLOCK, B_ACT, True, B_EPS", "B_BLOCK, B_ACT, False, B_EPS", AssertionError),
+    "no norm": ("_pair_norm_program", "B_BLOCK, B_ACT, True, B_EPS", "B_BLOCK, B_ACT, False, B_EPS", AssertionError),
     # every norm program computes the first N tile: the others stay poison
-    "wrong tile": ("gemm_program(b % TN,", "gemm_program(b % TN * 0,", AssertionError),
+    "wrong tile": ("_pair_norm_program", "gemm_program(b % TN,", "gemm_program(b % TN * 0,", AssertionError),
     # the phase counters are never reset: the next call would start at the wrong ticket
-    "counter kept": ("tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)", "pass", kernels.CodegenError),
+    "counter kept": ("pair_norm_kernel", "tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)", "pass",
+                     kernels.CodegenError),
 }
 
 
 @pytest.mark.parametrize("fault", sorted(BROKEN))
 def test_broken_fused_kernel_is_caught(fault, monkeypatch, tmp_path):
-    old, new, error = BROKEN[fault]
-    kc.install_broken_kernel(monkeypatch, tmp_path, attn_front, "pair_norm_kernel", old, new)
+    where, old, new, error = BROKEN[fault]
+    kc.install_broken_kernel(monkeypatch, tmp_path, attn_front, where, old, new)
     args, attrs = case(*CASES["bf16-second-offset"], K=128)
     with pytest.raises(error):
         outs, ref, _ = fused(args, attrs)
@@ -130,7 +131,7 @@ def test_the_norm_programs_wait_for_the_half_they_read():
     """Each pair half publishes after its GEMM when it writes the norm GEMM's input, and the norm programs wait
     for that half's program count before their GEMM (checked on the source: see the module docstring)."""
     import inspect
-    src = inspect.getsource(attn_front.pair_norm_kernel.fn)
+    src = inspect.getsource(attn_front._pair_norm_program.fn)
     at = src.index
     assert at("_pair_half(v, ") < at("if SRC == 0:\n            publish(phase_ptr + WRITTEN)") \
         < at("_pair_half(v - P0,") < at("if SRC == 1:\n            publish(phase_ptr + WRITTEN)") \
@@ -229,7 +230,7 @@ SEAM_BROKEN = {
     # the seam without the shared expert's output (y2): the add the fold took in is lost
     "no y2": ("_seam_phase(v, h_y_ptr, h_y2_ptr,", "_seam_phase(v, h_y_ptr, None,", AssertionError),
     # the pair reads the seam's input y instead of the x it wrote
-    "pair input": ("_pair_half(u, x_ptr,", "_pair_half(u, h_y_ptr,", AssertionError),
+    "pair input": ("_pair_norm_program(v - PH, x_ptr,", "_pair_norm_program(v - PH, h_y_ptr,", AssertionError),
     # the seam's counter is never reset: the next call would not wait for its seam
     "counter kept": ("tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)",
                      "tl.store(phase_ptr + tl.arange(0, COUNTERS), 0, mask=tl.arange(0, COUNTERS) != SEAM_DONE)",
@@ -255,8 +256,8 @@ def test_the_front_waits_for_the_seam():
     src = inspect.getsource(attn_front.seam_pair_norm_kernel.fn)
     at = src.index
     assert at("_seam_phase(v, h_y_ptr") < at("_seam_phase_inlined(v, h_y_ptr") < at("publish(phase_ptr + SEAM_DONE)") \
-        < at("wait_for(phase_ptr + SEAM_DONE, PH)") < at("_pair_half(u, x_ptr") < at("gemm_program(b % TN")
-    assert at("gemm_program(b % TN") < at("last_to_arrive(phase_ptr + FINISHED, PH + P0 + P1 + PB)")
+        < at("wait_for(phase_ptr + SEAM_DONE, PH)") < at("_pair_norm_program(v - PH, x_ptr")
+    assert at("_pair_norm_program(v - PH, x_ptr") < at("last_to_arrive(phase_ptr + FINISHED, PH + P0 + P1 + PB)")
 
 
 # ---- AOT: the V4-Pro specialisations compile for both targets, matrix instructions, no gfx950 spills ------
