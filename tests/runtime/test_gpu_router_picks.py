@@ -102,24 +102,14 @@ def gpu_art(tmp_path_factory):
 def _on_fake_hip(art):
     """The self-check of `art` on the fake HIP driver made to compute (`Fake.compute`; its fused MoE launches'
     calls hold their scratch and write the reference router's ids there, `Fake.route_by_reference`)."""
-    from runtime_helpers import Fake, fake_table
+    from runtime_helpers import Fake
     from v4compile.codegen.program_kernels import calls_of
-    from v4compile.runtime.program_backend import artifact_weights
 
     sess = v4compile.load(art, device="host", kernels="reference")
     be = sess.backend
     try:
-        be.rt.close()
-        fake = Fake("hip")
-        weights = artifact_weights(sess.art, be.program)
-        try:
-            be.rt = CRuntime(be.program, weights, "hip", driver_lib=fake.path, table=fake_table(),
-                             kernel_calls=lambda l: calls_of(l) if "gate" in dict(l.operands) else None)
-        finally:
-            weights.close()
-        fake.compute(be.rt)
+        Fake.computing_hip(sess, kernel_calls=lambda l: calls_of(l) if "gate" in dict(l.operands) else None)
         Fake.route_by_reference(be.rt)
-        be.device = sess.device = "hip"
         r = sess.self_check()
         assert be.graphs and not any(be.rt._probes.values())  # the golden run's probes gone, graphs back
         assert be.rt.stats()["replays"] > 0  # the golden ran on the users' captured graphs too (first)

@@ -165,24 +165,14 @@ def test_a_gpu_device_names_the_forged_layer_through_the_probe_table(host_art, t
     does, so the layer statistics come from the C runtime's probe table (each layer's last launch result copied on
     the stream after that launch). The clean artifact passes; the forged weight fails, named at layer 2 (before:
     "layers not measured" on hip / cuda)."""
-    from runtime_helpers import Fake, fake_table
+    from runtime_helpers import Fake
     from test_self_check import _forged
-    from v4compile.runtime.c_backend import CRuntime
-    from v4compile.runtime.program_backend import artifact_weights
 
     art = _forged(host_art, tmp_path / "f") if forged else host_art
     sess = v4compile.load(art, device="host", kernels="reference")
     be = sess.backend
     try:
-        be.rt.close()
-        fake = Fake("hip")
-        weights = artifact_weights(sess.art, be.program)
-        try:
-            be.rt = CRuntime(be.program, weights, "hip", driver_lib=fake.path, table=fake_table())
-        finally:
-            weights.close()
-        fake.compute(be.rt)
-        be.device = sess.device = "hip"
+        fake = Fake.computing_hip(sess)
         r = sess.self_check()
         assert fake.counts()["logged"] > 0 and not be.rt._probes.get("prefill_c8")  # ran there; probes cleared
         if forged:  # broken variant: probes never set, the streams read as the buffers' zeros: not layer 2
