@@ -30,6 +30,20 @@ def pool_bytes(backend) -> dict[str, np.ndarray]:
     return {n: np.asarray(store.get_all(n)).copy() for n in sorted(store.names()) if n.startswith(("pool.", "state."))}
 
 
+def host_acceptance(inputs: dict, logits: np.ndarray, drafts: list) -> tuple[np.ndarray, np.ndarray]:
+    """The two-call path's greedy acceptance of a verify's `logits` (`speculation.accept`, temperature 0) over
+    its step `inputs` and each sequence's `drafts`: the kept positions (-1 past the last kept lane) and the ids
+    after each kept lane, as the one-call step's `spec.kept_pos` / `spec.next_ids`."""
+    from v4compile.speculation import accept
+
+    kept, nxt = inputs["pos"].copy(), np.zeros_like(inputs["ids"])
+    for b, d in enumerate(drafts):
+        a, tok = accept(d, logits[b], None, None, 0.0)
+        kept[b, a + 1:] = -1
+        nxt[b, : a + 1] = d[:a] + [tok]
+    return kept, nxt
+
+
 def run(art, rejected: bool, restore: bool = True, device: str = "cpu", snapshots: dict | None = None):
     """(logits of the true tokens, every pool / state byte at the end); `snapshots`, when given, also gets
     the bytes just before the rejected decodes ("before") and just after the rollback ("restored")."""

@@ -313,8 +313,7 @@ def one_step(art, prompts, want, fused: bool):
     """One greedy speculative step of both prompts in the batch-2 bucket (prefilled plainly; drafts from the
     plain ids: sequence 0's all right, sequence 1's second wrong), fused or as verify_b2 then draft_b2 on the
     host's kept lanes: (the numbers each gives, the pool and state after)."""
-    from spec_rollback import pool_bytes
-    from v4compile.speculation import accept
+    from spec_rollback import host_acceptance, pool_bytes
 
     s = session(art)
     try:
@@ -326,11 +325,7 @@ def one_step(art, prompts, want, fused: bool):
                    "draft.streams": r["draft.streams"]}
         else:
             r = s.backend.run_outputs("verify_b2", inputs)
-            kept, nxt = inputs["pos"].copy(), np.zeros_like(inputs["ids"])
-            for b, d in enumerate(drafts):
-                a, tok = accept(d, r["logits"][b], None, None, 0.0)
-                kept[b, a + 1:] = -1
-                nxt[b, : a + 1] = d[:a] + [tok]
+            kept, nxt = host_acceptance(inputs, r["logits"], drafts)
             lg, st = mtp.after_verify(2, r["streams"], nxt, kept, seqs)
             out = {"logits": r["logits"], "kept": kept, "draft.logits": lg, "draft.streams": st}
         out["draft.streams"] = np.where(out["kept"][..., None, None] >= 0, out["draft.streams"], 0)  # kept lanes

@@ -23,13 +23,12 @@ import numpy as np
 import pytest
 
 import v4compile
-from spec_rollback import pool_bytes
+from spec_rollback import host_acceptance, pool_bytes
 from v4compile import frontend
 from v4compile.artifact import Buckets, load_artifact
 from v4compile.cli.driver import compile_artifact
 from v4compile.ir.registry import get_op
 from v4compile.runtime import speculative as rs
-from v4compile.speculation import accept
 from v4compile.trace import TraceOptions
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -86,11 +85,7 @@ def one_step(s, seqs, drafts, inputs, fused: bool) -> dict:
                "draft.streams": r["draft.streams"]}
     else:
         r = s.backend.run_outputs("verify_b2", inputs)
-        kept, nxt = inputs["pos"].copy(), np.zeros_like(inputs["ids"])
-        for b, d in enumerate(drafts):
-            a, tok = accept(d, r["logits"][b], None, None, 0.0)
-            kept[b, a + 1:] = -1
-            nxt[b, : a + 1] = d[:a] + [tok]
+        kept, nxt = host_acceptance(inputs, r["logits"], drafts)
         out = {"logits": r["logits"], "kept": kept}
     undo.restore({q.slot: int(k.max()) + 1 for q, k in zip(seqs, out["kept"])})
     if not fused:
