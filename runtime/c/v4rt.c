@@ -623,6 +623,22 @@ v4rt_status v4rt_comm_init(v4rt *rt, const char *comm_lib, uint32_t rank, uint32
     return rt->drv.comm_init(&rt->drv, comm_lib, rank, n_groups, sizes, ids) ? V4RT_E_DRIVER : V4RT_OK;
 }
 
+/* A table the caller handed over (every entry already checked), copied in place of the old one: on failure the
+ * old table stays. An empty table holds no memory. */
+static v4rt_status replace_table(void **table, uint32_t *count, const void *entries, uint32_t n, size_t size,
+                                 const char *what) {
+    void *t = NULL;
+    if (n && !(t = malloc(n * size))) {
+        v4rt_seterr("out of host memory for the %s", what);
+        return V4RT_E_OOM;
+    }
+    if (n) memcpy(t, entries, n * size);
+    free(*table);
+    *table = t;
+    *count = n;
+    return V4RT_OK;
+}
+
 v4rt_status v4rt_copy_table(v4rt *rt, uint32_t n, const v4rt_range *ranges) {
     if (!rt || (n && !ranges)) {
         v4rt_seterr("v4rt_copy_table: no runtime or no ranges");
@@ -632,16 +648,7 @@ v4rt_status v4rt_copy_table(v4rt *rt, uint32_t n, const v4rt_range *ranges) {
         v4rt_status st = check_range(rt, ranges[i].buffer, ranges[i].offset, ranges[i].nbytes, "copy table");
         if (st) return st;
     }
-    v4rt_range *t = malloc((n ? n : 1) * sizeof *t);
-    if (!t) {
-        v4rt_seterr("out of host memory for the copy table");
-        return V4RT_E_OOM;
-    }
-    if (n) memcpy(t, ranges, n * sizeof *t);
-    free(rt->copies);
-    rt->copies = t;
-    rt->n_copies = n;
-    return V4RT_OK;
+    return replace_table((void **)&rt->copies, &rt->n_copies, ranges, n, sizeof *ranges, "copy table");
 }
 
 /* Range r at index k: its byte offset, checked against the buffer (overflow-safe, either sign of stride). */
@@ -732,14 +739,5 @@ v4rt_status v4rt_probe_table(v4rt *rt, uint32_t function, uint32_t n, const v4rt
         v4rt_status st = check_range(rt, p->buffer, p->offset, p->nbytes, what);
         if (st) return st;
     }
-    v4rt_probe *t = NULL;
-    if (n && !(t = malloc(n * sizeof *t))) {
-        v4rt_seterr("out of host memory for the probe table");
-        return V4RT_E_OOM;
-    }
-    if (n) memcpy(t, probes, n * sizeof *t);
-    free(fn->probes);
-    fn->probes = t;
-    fn->n_probes = n;
-    return V4RT_OK;
+    return replace_table((void **)&fn->probes, &fn->n_probes, probes, n, sizeof *probes, "probe table");
 }
