@@ -31,6 +31,7 @@ from v4compile.ir.core import WEIGHT, Function
 from v4compile.ir.registry import get_op
 
 from .base import function_pass
+from .fuse_mhc_moe import seam_before
 from .rewrite import Rewrite, join_roles, make_op, operands_of, tags_of
 
 
@@ -84,23 +85,17 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
 
 def _fold_seam(fn: Function) -> tuple[Function, int]:
     """The seam after a partitioned MoE and the next attention's front: one `mhc_add_pair_norm_linear`."""
-    from v4compile.ops.fused import MHC_ATTRS
-
     rw = Rewrite(fn)
     for front in fn.ops:
         if front.name != "pair_norm_linear":
             continue
-        seam = rw.producer(front.operand("x"), "mhc_post_pre_add", only_use=True)
-        if seam is None or seam.operand("norm") is None or front.operand("x") is not seam.out("y_next"):
+        found = seam_before(rw, front, "mhc_post_pre_add", ("y", "y2", "streams", "post", "comb"))
+        if found is None:
             continue
-        if not rw.can_fuse(front, [seam]):
-            continue
-        s_ops = operands_of(seam)
-        operands = {n: s_ops[n] for n in ("y", "y2", "streams", "post", "comb")}
-        operands.update({"in_" + n: s_ops[n] for n in ("fn", "base", "scale", "norm")})
+        seam, operands, seam_attrs = found
         operands.update({n: v for n, v in operands_of(front).items() if n != "x"})
         attrs = {n: v for n, v in front.attrs.items() if n in get_op(front.name).attrs}
-        attrs.update({"in_" + n: seam.attrs[n] for n in MHC_ATTRS}, **tags_of(front, role=join_roles(seam, front)))
+        attrs.update(seam_attrs, **tags_of(front, role=join_roles(seam, front)))
         results = [seam.out("streams_out"), seam.out("post_next"), seam.out("comb_next"), *front.results]
         rw.replace(front, make_op(rw.namer, "mhc_add_pair_norm_linear", operands, attrs, front.loc, results),
                    absorbed=[seam])

@@ -59,18 +59,29 @@ def fuse_function(fn: Function) -> tuple[Function, dict[str, int]]:
     return rw.done("fused")
 
 
+def seam_before(rw: Rewrite, op, seam_name: str, inputs: tuple[str, ...]):
+    """The norm seam (`seam_name`, RMSNorm folded) whose `y_next` is `op`'s x and used by it alone, where the two
+    can become one op with the seam as its first phase: (the seam, its operands `inputs` then its fn / base /
+    scale / norm as `in_*`, its attributes as `in_*`), else None."""
+    seam = rw.producer(op.operand("x"), seam_name, only_use=True)
+    if seam is None or seam.operand("norm") is None or op.operand("x") is not seam.out("y_next"):
+        return None
+    if not rw.can_fuse(op, [seam]):
+        return None
+    s_ops = operands_of(seam)
+    operands = {n: s_ops[n] for n in inputs}
+    operands.update({"in_" + n: s_ops[n] for n in ("fn", "base", "scale", "norm")})
+    return seam, operands, {"in_" + n: seam.attrs[n] for n in MHC_ATTRS}
+
+
 def _fuse_ep(rw: Rewrite, moe) -> None:
-    seam = rw.producer(moe.operand("x"), "mhc_post_pre", only_use=True)
-    if seam is None or seam.operand("norm") is None or moe.operand("x") is not seam.out("y_next"):
+    found = seam_before(rw, moe, "mhc_post_pre", ("y", "streams", "post", "comb"))
+    if found is None:
         return
-    if not rw.can_fuse(moe, [seam]):
-        return
-    front = operands_of(seam)
-    operands = {n: front[n] for n in ("y", "streams", "post", "comb")}
-    operands.update({"in_" + n: front[n] for n in ("fn", "base", "scale", "norm")})
+    seam, operands, seam_attrs = found
     operands.update({n: v for n, v in operands_of(moe).items() if n != "x"})
     attrs = {n: v for n, v in moe.attrs.items() if n in get_op(moe.name).attrs and n != "variant"}
-    attrs.update({"in_" + n: seam.attrs[n] for n in MHC_ATTRS})
+    attrs.update(seam_attrs)
     attrs.update(tags_of(moe, role=join_roles(seam, moe)))
     results = [moe.out("partial"), moe.out("shared"), seam.out("streams_out"), seam.out("post_next"),
                seam.out("comb_next")]
