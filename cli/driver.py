@@ -262,7 +262,17 @@ def gpu_default_buckets(buckets: Buckets) -> Buckets:
     """The GPU targets' default: one decode and one prefill function, the largest of each. A GPU decode
     step is bound by reading the weights, so padding a smaller batch costs little, while every bucket
     multiplies the kernels to compile (every shape is a compile-time constant of a kernel)."""
-    return Buckets((max(buckets.decode),), (max(buckets.prefill),))
+    return Buckets((max(buckets.decode),), (max(buckets.prefill),), buckets.draft_tokens)
+
+
+def with_spec_steps(pipeline: list[str], module: Module) -> list[str]:
+    """`pipeline` with `spec_steps` just before `plan_memory` when `module` has a verify and an MTP draft function
+    per some decode bucket (the one-call speculative step, `passes/spec_steps.py`): composed after every fusion,
+    so its launches are the fused verify's and draft's. Unchanged otherwise (the recorded pipeline as before)."""
+    if not spec_buckets(module.functions) or "plan_memory" not in pipeline or "spec_steps" in pipeline:
+        return pipeline
+    i = pipeline.index("plan_memory")
+    return [*pipeline[:i], "spec_steps", *pipeline[i:]]
 
 
 def compile_artifact(fe, out: str | Path, buckets: Buckets = Buckets(), pipeline: list[str] | None = None,
@@ -287,6 +297,8 @@ def compile_buckets(fe, buckets: Buckets = Buckets(), pipeline: list[str] | None
     pipeline = list(pipeline or CPU_PIPELINE)
     gpu_pipeline = list(gpu_pipeline or GPU_PIPELINE)
     gpu_buckets = gpu_buckets or gpu_default_buckets(buckets)
+    if gpu_buckets.draft_tokens != buckets.draft_tokens:  # one K: the runtime's verify lanes are the artifact's
+        gpu_buckets = replace(gpu_buckets, draft_tokens=buckets.draft_tokens)
     if max(gpu_buckets.decode) != max(buckets.decode):  # one pool (slots) serves every target
         raise InputError("the largest GPU decode bucket must be the largest decode bucket",
                          expected=max(buckets.decode), found=max(gpu_buckets.decode))
@@ -296,8 +308,10 @@ def compile_buckets(fe, buckets: Buckets = Buckets(), pipeline: list[str] | None
         mtp = has_mtp_weights(fe.cfg, fe.formats)
         cpu_res = PassManager(pipeline, opts).run(trace_buckets(fe.cfg, fe.options, buckets, fe.formats, stages, mtp))
     if any(t in GPU_TARGETS for t in targets):
-        gpu_res = PassManager(gpu_pipeline, opts).run(trace_buckets(fe.cfg, fe.options, gpu_buckets, fe.formats,
-                                                                    stages))
+        mtp = has_mtp_weights(fe.cfg, fe.formats)
+        traced = trace_buckets(fe.cfg, fe.options, gpu_buckets, fe.formats, stages, mtp)
+        gpu_pipeline = with_spec_steps(gpu_pipeline, traced)
+        gpu_res = PassManager(gpu_pipeline, opts).run(traced)
     main = cpu_res or gpu_res
     if cpu_res is not None and gpu_res is not None:
         a = {n: w.type for n, w in cpu_res.module.weights.items()}

@@ -86,7 +86,7 @@ def write_gpu_targets(module, targets: list[str] | tuple[str, ...], out_dir: str
         res.rows.append({k: v for k, v in r.items() if k not in VOLATILE})
     funcs = {fname: {"kind": fname.split("_")[0], "batch": int(f.attrs["batch"]), "tokens": int(f.attrs["tokens"]),
                      "launches": len(f.launches), "kernel_calls": sum(len(c) for c in pk.calls[fname])}
-             for fname, f in prog.functions.items()}
+             for fname, f in prog.functions.items() if not fname.startswith("spec_")}  # the program's own steps
     for t in targets:
         res.targets.append({"name": t, "format": "triton-aot", "backend": aot.TARGETS[t].backend,
                             "program": PROGRAM_FILE, "kernels_dir": f"kernels/{t}",

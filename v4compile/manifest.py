@@ -488,16 +488,18 @@ def check_manifest(m: dict[str, Any], verify: bool = True) -> None:
             _int(_get(t, "opset", f"{key}.opset"), f"{key}.opset", 1, 1000)
             if "program" in t:  # without GPU targets: the program the host device runs
                 listed(t["program"], f"{key}.program")
-            want_fns = ({f"decode_b{x}": ("decode", x, 1) for x in decode} |
-                        {f"prefill_c{x}": ("prefill", 1, x) for x in prefill} |
-                        {f"verify_b{x}": ("verify", x, 1 + draft_tokens) for x in decode if draft_tokens} |
-                        {f"draft_b{x}": ("draft", x, 1 + draft_tokens) for x in decode if mtp_draft} |
-                        {f"draft_c{x}": ("draft", 1, x) for x in prefill if mtp_draft})
+            db, pb = decode, prefill
         else:
             listed(_get(t, "program", f"{key}.program"), f"{key}.program")
             _str(_get(t, "backend", f"{key}.backend"), f"{key}.backend")
             db, pb = gpu_b if gpu_b is not None else (decode, prefill)
-            want_fns = {f"decode_b{x}": ("decode", x, 1) for x in db} | {f"prefill_c{x}": ("prefill", 1, x) for x in pb}
+        # one function per bucket of each kind the artifact has (the program's one-call speculative steps are
+        # its own, each with its verify's interface: `runtime/artifact_checks.program_interface`)
+        want_fns = ({f"decode_b{x}": ("decode", x, 1) for x in db} |
+                    {f"prefill_c{x}": ("prefill", 1, x) for x in pb} |
+                    {f"verify_b{x}": ("verify", x, 1 + draft_tokens) for x in db if draft_tokens} |
+                    {f"draft_b{x}": ("draft", x, 1 + draft_tokens) for x in db if mtp_draft} |
+                    {f"draft_c{x}": ("draft", 1, x) for x in pb if mtp_draft})
         if set(fns) != set(want_fns):
             raise _err(f"`{key}.functions` does not hold one function per bucket",
                        expected=", ".join(sorted(want_fns)), found=", ".join(sorted(map(str, fns)))[:200])
