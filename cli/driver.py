@@ -224,6 +224,8 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
             report["kernels"] = gt.rows
             report["decode_step"] = gt.decode_step
             report["spilling"] = gt.spilling
+            if gt.spec_step:  # the one-call speculative step, modeled from the compiled program
+                report["spec_step"] = gt.spec_step
         golden = _write_golden(ci, tmp, report) if ci.golden else None
         (tmp / "report.json").write_text(canonical(report))
         cfg_json = json.loads(ci.cfg.to_json())

@@ -39,6 +39,7 @@ class GpuTargets:
     kernels: list[dict[str, Any]] = field(default_factory=list)
     rows: list[dict[str, Any]] = field(default_factory=list)
     decode_step: dict[str, dict[str, Any]] = field(default_factory=dict)
+    spec_step: dict[str, dict[str, Any]] = field(default_factory=dict)  # per target, per spec_b<B> (`spec_model`)
 
     @property
     def spilling(self) -> list[dict[str, Any]]:
@@ -93,4 +94,30 @@ def write_gpu_targets(module, targets: list[str] | tuple[str, ...], out_dir: str
                             "kernels": sum(1 for r in rows if r["target"] == t), "functions": funcs})
         res.decode_step[t] = {fname: step_model(prog, pk, fname, t, rows)
                               for fname in prog.functions if fname.startswith("decode")}
+        if spec := {f: spec_model(prog, pk, f, t, rows, res.decode_step[t]) for f in prog.functions
+                    if f.startswith("spec_")}:
+            res.spec_step[t] = spec
     return res
+
+
+def spec_model(prog, pk, fname: str, target: str, rows, decode: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The modeled speculative step of bucket B from the compiled program (report.json `spec_step`): `spec_b<B>`
+    (verify on 1 + K lanes, the acceptance, the first MTP draft: one call) plus the K - 1 recursive `draft_b<B>`
+    calls at K drafts, each at the roofline of its own launches (`step_model`), against `decode_b<B>`'s; the
+    tokens a step makes at the V3 report's acceptance per draft (`spec_cost.V3_ACCEPTANCE`), and the tokens/s
+    gain that buys. Modeled, not measured."""
+    from .spec_cost import V3_ACCEPTANCE, tokens_per_step
+
+    B = fname[len("spec_b"):]
+    step = step_model(prog, pk, fname, target, rows)
+    f = prog.functions[fname]
+    K = int(f.attrs["tokens"]) - 1
+    draft_us = step_model(prog, pk, f"draft_b{B}", target, rows)["modeled_us"] if K > 1 else 0.0
+    dec_us = decode[f"decode_b{B}"]["modeled_us"]
+    total = step["modeled_us"] + (K - 1) * draft_us
+    tps = tokens_per_step([V3_ACCEPTANCE] * K)
+    return {"batch": int(f.attrs["batch"]), "draft_tokens": K, "launches": step["launches"],
+            "kernel_calls": step["kernel_calls"], "spec_us": step["modeled_us"], "draft_us": draft_us,
+            "step_us": round(total, 2), "decode_us": dec_us, "cost_ratio": round(total / dec_us, 3),
+            "acceptance": V3_ACCEPTANCE, "tokens_per_step": round(tps, 3),
+            "tokens_s_gain": round(tps * dec_us / total, 3), "kernels_spilling": step["kernels_spilling"]}
