@@ -150,24 +150,24 @@ class Fake:
         self.lib.fake_on_launch(rt.fake_exec)
 
     @classmethod
-    def computing_hip(cls, sess, kernel_calls=None) -> "Fake":
-        """`sess` (a host-device session) moved onto a computing fake HIP driver (`compute`): its runtime
-        rebuilt there on the session's program and weights (`kernel_calls` as `CRuntime`'s), the session then
-        calling itself hip. Returns the fake (its record)."""
+    def computing_hip(cls, sess, kernel_calls=None, kind: str = "hip") -> "Fake":
+        """`sess` (a host-device session) moved onto a computing fake HIP (or `kind`: CUDA) driver (`compute`):
+        its runtime rebuilt there on the session's program and weights (`kernel_calls` as `CRuntime`'s), the
+        session then calling itself `kind`. Returns the fake (its record)."""
         from v4compile.runtime.c_backend import CRuntime
         from v4compile.runtime.program_backend import artifact_weights
 
         be = sess.backend
         be.rt.close()
-        fake = cls("hip")
+        fake = cls(kind)
         weights = artifact_weights(sess.art, be.program)
         try:
-            be.rt = CRuntime(be.program, weights, "hip", driver_lib=fake.path, table=fake_table(),
+            be.rt = CRuntime(be.program, weights, kind, driver_lib=fake.path, table=fake_table(),
                              kernel_calls=kernel_calls)
         finally:
             weights.close()
         fake.compute(be.rt)
-        be.device = sess.device = "hip"
+        be.device = sess.device = kind
         return fake
 
     @staticmethod

@@ -11,7 +11,11 @@ the `spec_accept` op, the MTP block's draft) against the two-call path (verify, 
   broken acceptance is refused by the host's check. Sampling keeps verify then draft (the token after the last
   kept lane is drawn on the host between them): no `spec_b<B>` call, the ids of the path without it;
 * `spec_b<B>` adds no kernel specialisation but the acceptance's, whose Triton kernel the C runtime runs on the
-  program's buffers as the reference (a broken kernel caught).
+  program's buffers as the reference (a broken kernel caught);
+* the GPU program (gfx950, its kernels placeholders: each launch its reference): the same one step bit for bit,
+  the same single new specialisation, and greedy generation with one captured `spec_b2` a step on the host
+  device and on the fake HIP and CUDA drivers (the ids plain decoding's on the cpu device; the broken acceptance
+  refused).
 """
 
 from __future__ import annotations
@@ -52,8 +56,34 @@ def doc(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def gpu_doc(doc, tmp_path_factory):
+    """The same model and K compiled for gfx950 alone (its one decode bucket, 2; the AOT a placeholder whose
+    sidecars load, `fake_aot`): the artifact, `doc`'s prompts and plain greedy ids (the cpu device's)."""
+    from fake_aot import placeholder_compile_calls
+    from v4compile.codegen import aot
+
+    fe = frontend.load(str(EXAMPLE), None, None, TraceOptions(numerics="hf", dtype="fp32", capacity=64))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(aot, "compile_calls", placeholder_compile_calls(loadable=True))
+        art = compile_artifact(fe, tmp_path_factory.mktemp("gdoc") / "doc", Buckets((2,), (16,), draft_tokens=2),
+                               targets=("gfx950",))
+    return (art, *doc[1:])
+
+
+def host_session(art):
+    return v4compile.load(art, device="host", threads=1, kernels="reference")
+
+
+@pytest.fixture(scope="module")
 def host(doc):
-    s = v4compile.load(doc[0], device="host", threads=1, kernels="reference")
+    s = host_session(doc[0])
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def gpu_host(gpu_doc):
+    s = host_session(gpu_doc[0])
     yield s
     s.close()
 
@@ -152,7 +182,10 @@ def differences(s, doc) -> list[str]:
         [f"executor: {n}" for n in oracle if not np.array_equal(a[n], oracle[n])]
 
 
-def test_one_call_step_equals_two_calls_bit_for_bit(host, doc, monkeypatch):
+@pytest.mark.parametrize("program", ["host", "gpu"])
+def test_one_call_step_equals_two_calls_bit_for_bit(program, request, monkeypatch):
+    doc = request.getfixturevalue({"host": "doc", "gpu": "gpu_doc"}[program])
+    host = request.getfixturevalue({"host": "host", "gpu": "gpu_host"}[program])
     assert differences(host, doc) == []
     keep_one_too_many(monkeypatch)
     bad = differences(host, doc)
@@ -229,16 +262,22 @@ def test_a_wrong_acceptance_is_refused(doc, monkeypatch):
         generate(doc[0], doc[1], monkeypatch, sample=False)
 
 
-def test_the_step_adds_no_specialisation_but_the_acceptance(doc):
+@pytest.mark.parametrize("program", ["host", "gpu"])
+def test_the_step_adds_no_specialisation_but_the_acceptance(program, request):
     """Every launch of `spec_b<B>` but `spec_accept` is one the program's verify or draft functions have (same
     op, attributes, types and strides: the same compiled kernel on a GPU); the step is verify's launches, the
-    acceptance, then the draft's."""
+    acceptance, then the draft's. The GPU program's (after every fusion of its pipeline): likewise, and its AOT
+    compiled `spec_accept` for the target."""
     from v4compile.runtime.program_backend import artifact_program
 
-    prog = artifact_program(load_artifact(doc[0]))
-    assert {n for n in prog.functions if n.startswith("spec_")} == {"spec_b1", "spec_b2"}
+    art = load_artifact(request.getfixturevalue({"host": "doc", "gpu": "gpu_doc"}[program])[0])
+    prog = artifact_program(art)
+    buckets = (1, 2) if program == "host" else (2,)
+    assert {n for n in prog.functions if n.startswith("spec_")} == {f"spec_b{b}" for b in buckets}
+    if program == "gpu":
+        assert {k["target"] for k in art.manifest["kernels"] if k["name"].startswith("spec_accept")} == {"gfx950"}
     old = {l.specialisation for n, f in prog.functions.items() if not n.startswith("spec_") for l in f.launches}
-    for b in (1, 2):
+    for b in buckets:
         f, v, d = (prog.functions[f"{k}_b{b}"].launches for k in ("spec", "verify", "draft"))
         assert {l.op for l in f if l.specialisation not in old} == {"spec_accept"}
         assert [l.op for l in f] == [l.op for l in v] + ["spec_accept"] + [l.op for l in d]
@@ -290,3 +329,59 @@ def test_the_acceptance_kernel_on_the_host_device(doc, monkeypatch, tmp_path):
     kc.install_broken_kernel(monkeypatch, tmp_path, spec_accept, "spec_accept_kernel", "prev = bi", "prev = prev")
     ref, got, _ = acceptance_kernel_run(doc)
     assert got.tolist() != ref.tolist()
+
+
+GPU_NEW = 6  # tokens per prompt on the GPU program (its ids: the first of plain decoding's NEW)
+
+
+def gpu_generation(s, prompts, new: int = GPU_NEW) -> dict:
+    """Greedy speculative generation (K drafts) on the session `s` of the gfx950 program: ids, calls by function
+    and the C runtime's captures and replays during it."""
+    calls: Counter = Counter()
+    run = s.backend.run_outputs
+    before = {k: s.backend.rt.stats()[k] for k in ("captures", "replays")}
+    try:
+        s.backend.run_outputs = lambda f, i: calls.update([f]) or run(f, i)
+        ids = s.generate(prompts, new, speculative="mtp", draft_tokens=K)
+    finally:
+        del s.backend.run_outputs
+    return {"ids": ids, "calls": +calls,
+            "graphs": {k: s.backend.rt.stats()[k] - v for k, v in before.items()}}
+
+
+@pytest.mark.parametrize("device", ["host", "hip", "cuda"])
+def test_gpu_program_speculates_in_one_captured_call(gpu_doc, device, monkeypatch):
+    """The GPU program on the host device and on the fake HIP / CUDA drivers made to compute (`Fake.computing_hip`):
+    plain decoding's ids, one `spec_b2` a step (no verify call; the recursive draft a `draft_b2` call), captured
+    once and replayed (on a fake: one driver graph, launched each step). On the host, the checks' broken
+    variants: without the one-call step the same ids from verify calls, nothing captured; the broken acceptance
+    refused."""
+    from runtime_helpers import Fake
+
+    art, prompts, want = gpu_doc
+    s = host_session(art)
+    try:
+        fake = None if device == "host" else Fake.computing_hip(s, kind=device)
+        got = gpu_generation(s, prompts)
+        c = got["calls"]
+        assert got["ids"] == [w[:GPU_NEW] for w in want]
+        assert c["spec_b2"] > 0 and c["verify_b2"] == 0 and 0 < c["draft_b2"] <= c["spec_b2"]
+        assert got["graphs"] == {"captures": 1, "replays": c["spec_b2"]}
+        if fake is not None:
+            assert {k: fake.counts()[k] for k in ("captures", "graph_launches")} == {"captures": 1,
+                                                                                     "graph_launches": c["spec_b2"]}
+            return
+        with monkeypatch.context() as m:
+            m.setattr(rs.CompiledDraft, "fused", lambda self, B, k=1: None)
+            two = gpu_generation(s, prompts)
+        assert two["ids"] == got["ids"] and two["calls"]["spec_b2"] == 0 and two["calls"]["verify_b2"] > 0
+        assert two["graphs"] == {"captures": 0, "replays": 0}
+    finally:
+        s.close()
+    keep_one_too_many(monkeypatch)
+    s = host_session(art)
+    try:  # (NEW tokens: the first GPU_NEW reject no draft before a lane the broken rule could keep)
+        with pytest.raises(RuntimeError, match="in-graph acceptance disagrees"):
+            gpu_generation(s, prompts, NEW)
+    finally:
+        s.close()
