@@ -6,7 +6,8 @@
     gpu/program.txt                  the program (buffers + ordered launches), parsed back at load
     kernels/<target>/<name>.<hsaco|cubin>, <name>.json   each distinct specialisation's binary + sidecar
 The returned entries go into the manifest (`targets`, `kernels`) and report.json (`kernels`: the static
-report rows; `decode_step`: the roofline model of every decode bucket per target). Nothing here depends on
+report rows; `decode_step`: the roofline model of every decode bucket per target; `spec_step`: that of the
+one-call speculative step per decode bucket, when the program has one). Nothing here depends on
 time or paths, so the files are byte-reproducible (compile times and cache hits are only logged).
 """
 
@@ -97,6 +98,10 @@ def write_gpu_targets(module, targets: list[str] | tuple[str, ...], out_dir: str
         if spec := {f: spec_model(prog, pk, f, t, rows, res.decode_step[t]) for f in prog.functions
                     if f.startswith("spec_")}:
             res.spec_step[t] = spec
+            for f, m in spec.items():
+                log.info("spec step %s on %s (modeled): %.1f us = %.2f decode steps; at %.0f %% acceptance %.2f "
+                         "tokens a step, %.2fx tokens/s", f, t, m["step_us"], m["cost_ratio"], 100 * m["acceptance"],
+                         m["tokens_per_step"], m["tokens_s_gain"])
     return res
 
 

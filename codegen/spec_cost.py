@@ -10,6 +10,9 @@ launches: the MTP head re-reads the main head's weight, each recursive draft the
 The traced graphs are unfused, so the absolute times are upper bounds; both steps are modeled the same
 way, which is what the ratio needs. Expected tokens per verify step with acceptance rates a_j (draft j
 accepted given drafts 1..j-1 were): 1 + sum_j prod_{i<=j} a_i; the gain is that over the cost ratio.
+An artifact compiled for GPU targets with --draft-tokens also models the step from its compiled program
+(`gpu_target.spec_model`: `spec_b<B>`'s fused launches against `decode_b<B>`'s, report.json `spec_step`); this
+module stays the model `compile --report` prints, for any k and batch without compiling.
 """
 
 from __future__ import annotations

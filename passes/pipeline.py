@@ -49,6 +49,8 @@ CPU_PIPELINE: list[str] = [
     "lower_sparse_attention{kv_format=native,index_format=native}" if p == "lower_sparse_attention" else p
     for p in DEFAULT_PIPELINE if p not in PROGRAM_PASSES + LAUNCH_ONLY_PASSES]
 # The host device runs an artifact with the cpu target only through the C runtime: its module continues
-# with PROGRAM_PASSES at compile time (`cli/driver.py`), and the artifact carries that program.
+# with PROGRAM_PASSES at compile time (`cli/driver.py`), and the artifact carries that program. With verify and
+# MTP draft functions (`--draft-tokens`), `spec_steps` runs just before `plan_memory` there and in the GPU
+# pipeline (`cli/driver.with_spec_steps`: the recorded pipeline names it).
 
 PIPELINES: dict[str, list[str]] = {"gpu": GPU_PIPELINE, "cpu": CPU_PIPELINE}
