@@ -29,7 +29,8 @@ step looks far cheaper against decode in isolation than it is in a generation); 
 prior's ratios hold (the same graph, drafting more), so one family scale keeps every k > 0 current while one
 of them runs. A step that verifies drafts without making any (k = 0 chosen while drafts are held: neither
 family's) is no sample. Elsewhere (the C runtime's devices) the costs are modeled from the artifact's compile
-report (`report.json` `speculative_step`: the modeled verify / decode cost ratio of a GPU target at the drafts
+report (`report.json` `spec_step`: the bucket's one-call step modeled from the compiled program for the
+device's target; else `speculative_step`: the modeled verify / decode cost ratio of a GPU target at the drafts
 it models, interpolated linearly in k, batch 1 figures for every bucket) and not refined (a step's CPU time
 there is not its cost); an artifact without them drafts K every step.
 
@@ -209,7 +210,7 @@ class AutoK:
             key = ("costs", B, self.K)
             if key not in self.known:
                 c = measure(self.step, B, self.K)
-                self.known[key] = (c, True) if c is not None else (modeled(self.step.s, self.K), False)
+                self.known[key] = (c, True) if c is not None else (modeled(self.step.s, self.K, B), False)
                 log.debug("speculation auto: bucket %d prior step costs %s", B, self.known[key][0])
             self.priors[B], self.measured[B] = self.known[key]
         return self.priors[B]
@@ -252,12 +253,21 @@ def measure(step, B: int, K: int) -> list[float] | None:
     return [statistics.median(t) for t in ts]
 
 
-def modeled(session, K: int) -> list[float] | None:
-    """c(0..K) relative to the decode step from the compile report's modeled verify step, or None."""
+def modeled(session, K: int, B: int | None = None) -> list[float] | None:
+    """c(0..K) relative to the decode step from the compile report: bucket B's one-call step modeled from the
+    compiled program (`spec_step`, the device's target: `spec_b<B>` drafting one, each further draft one
+    `draft_b<B>` call), else the modeled verify step of the traced graphs; or None."""
+    from v4compile.targets import DEVICE_TARGET
+
     try:
         rep = json.loads((session.art.path / "report.json").read_text())
     except (OSError, ValueError):
         return None
+    by_target = rep.get("spec_step") or {}
+    m = (by_target.get(DEVICE_TARGET.get(getattr(session, "device", None)))
+         or next(iter(by_target.values()), {})).get(f"spec_b{B}")
+    if m is not None:
+        return [1.0] + [(m["spec_us"] + (k - 1) * m["draft_us"]) / m["decode_us"] for k in range(1, K + 1)]
     models = rep.get("speculative_step") or {}
     rows = next((v for v in models.values() if v), None)
     if not rows:

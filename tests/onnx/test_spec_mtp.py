@@ -563,3 +563,13 @@ def test_auto_costs_modeled_from_the_report(tmp_path):
     (tmp_path / "report.json").write_text(json.dumps({"speculative_step": {"gfx950": [
         {"draft_tokens": 1, "cost_ratio": 1.5}, {"draft_tokens": 3, "cost_ratio": 2.1}]}}))
     assert spec_auto.modeled(sess, 4) == pytest.approx([1.0, 1.5, 1.8, 2.1, 2.4])
+    # a GPU artifact's compiled one-call step (report.json `spec_step`), by bucket and the device's target
+    step = {t: {"spec_b2": {"spec_us": s, "draft_us": 10.0, "decode_us": 100.0}} for t, s in (("gfx950", 150.0),
+                                                                                              ("sm_90a", 120.0))}
+    (tmp_path / "report.json").write_text(json.dumps({"spec_step": step, "speculative_step": {"gfx950": [
+        {"draft_tokens": 1, "cost_ratio": 1.5}, {"draft_tokens": 3, "cost_ratio": 2.1}]}}))
+    sess.device = "cuda"
+    assert spec_auto.modeled(sess, 3, 2) == pytest.approx([1.0, 1.2, 1.3, 1.4])
+    sess.device = "hip"
+    assert spec_auto.modeled(sess, 3, 2) == pytest.approx([1.0, 1.5, 1.6, 1.7])
+    assert spec_auto.modeled(sess, 3, 4) == pytest.approx([1.0, 1.5, 1.8, 2.1])  # no spec_b4: the traced model

@@ -57,8 +57,9 @@ def doc(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gpu_doc(doc, tmp_path_factory):
-    """The same model and K compiled for gfx950 alone (its one decode bucket, 2; the AOT a placeholder whose
-    sidecars load, `fake_aot`): the artifact, `doc`'s prompts and plain greedy ids (the cpu device's)."""
+    """The same model and K compiled for the cpu target and gfx950 (one weights directory; the GPU program, which
+    the host device runs, in its one decode bucket, 2; the AOT a placeholder whose sidecars load, `fake_aot`): the
+    artifact, `doc`'s prompts and plain greedy ids (the cpu device's)."""
     from fake_aot import placeholder_compile_calls
     from v4compile.codegen import aot
 
@@ -66,7 +67,7 @@ def gpu_doc(doc, tmp_path_factory):
     with pytest.MonkeyPatch.context() as m:
         m.setattr(aot, "compile_calls", placeholder_compile_calls(loadable=True))
         art = compile_artifact(fe, tmp_path_factory.mktemp("gdoc") / "doc", Buckets((2,), (16,), draft_tokens=2),
-                               targets=("gfx950",))
+                               targets=("cpu", "gfx950"))
     return (art, *doc[1:])
 
 
