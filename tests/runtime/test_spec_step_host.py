@@ -280,6 +280,11 @@ def test_the_step_adds_no_specialisation_but_the_acceptance(program, request):
     old = {l.specialisation for n, f in prog.functions.items() if not n.startswith("spec_") for l in f.launches}
     for b in buckets:
         f, v, d = (prog.functions[f"{k}_b{b}"].launches for k in ("spec", "verify", "draft"))
+        if program == "gpu":  # the report's modeled step is this program's
+            import json
+
+            m = json.loads((art.path / "report.json").read_text())["spec_step"]["gfx950"][f"spec_b{b}"]
+            assert (m["launches"], m["draft_tokens"]) == (len(f), K) and m["cost_ratio"] > 1
         assert {l.op for l in f if l.specialisation not in old} == {"spec_accept"}
         assert [l.op for l in f] == [l.op for l in v] + ["spec_accept"] + [l.op for l in d]
 
