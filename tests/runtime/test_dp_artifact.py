@@ -58,8 +58,7 @@ def arts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def spec_art(tmp_path_factory):
-    """The dp 2 / ep 2 artifact with DRAFT draft tokens: the cpu target only (the GPU programs carry no MTP
-    block)."""
+    """The dp 2 / ep 2 artifact with DRAFT draft tokens: the cpu target only (the device these tests run)."""
     return _compile(tmp_path_factory.mktemp("dp-spec") / "dp2", ("--dp", "2", "--ep", "2", "--draft-tokens", str(DRAFT)),
                     targets="cpu")
 
