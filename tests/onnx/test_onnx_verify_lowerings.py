@@ -1,0 +1,132 @@
+"""The cpu target's few-lane (verify step) lowerings against the general ones they shortcut
+(`Graph.few_lanes`), and their size against a decode step's.
+
+Each form is lowered alone into a small graph beside the general lowering of the same op, and both run on the
+same seeded inputs: many sequences a batch, each with its own start position (before, at and after the first
+window boundaries, the overlapping window's half before position 0 included) and its own count of live
+lanes (0 = a padding sequence, up to all T), for T = 2..4 and both kinds of compressor (overlapping ratio
+4, plain ratio 16). Every row the op writes, and its values, must be bit-identical. A deliberately wrong table
+(`_lanes_tables` a window one slot late, the ring after the chunk missing its last lane) is shown caught.
+
+The size test pins the gain on the example's verify graph: per op family, verify's node count within a stated
+margin of decode's (the family's few-lane form in use, the general one back in place shown to fail it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from v4compile.codegen.onnx import compress
+from v4compile.codegen.onnx.graph import Graph, value_info
+from v4compile.codegen.onnx.pool_rows import Planes
+from v4compile.codegen.onnx_export import Operands
+from v4compile.ir.types import TensorType
+
+N_SEQ, SLOTS, BLOCKS, BT = 24, 32, 4, 32  # sequences a batch, state slots, blocks a sequence, block tokens
+RATIOS = ((4, True), (16, False))  # (ratio, overlap): the compressors of V4's CSA and HCA layers
+
+
+def _compress_graph(form, T: int, m: int, overlap: bool) -> onnx.ModelProto:
+    """compress_paged of `form` (the general `compress` or `compress_lanes`) on N_SEQ sequences of T lanes: its
+    writes (rows and values of the compressed plane and of both state rings) as the graph's outputs."""
+    c = 2 if overlap else 1
+    cw, S, dk = 16 * c, m * c, 16
+    g = Graph("compress")
+    g.loc = "compress_paged layers.1.attn.compressor"
+    ty = {"kv": TensorType((N_SEQ, T, cw), "fp32"), "gate": TensorType((N_SEQ, T, cw), "fp32"),
+          "ape": TensorType((m, cw), "fp32"), "norm": TensorType((dk,), "fp32"),
+          "pos": TensorType((N_SEQ, T), "i64"), "slot": TensorType((N_SEQ,), "i64"),
+          "block_table": TensorType((N_SEQ, BLOCKS), "i64")}
+    states = {"plane": TensorType((BLOCKS * N_SEQ * 16, dk), "fp32"), "skv": TensorType((SLOTS, S, cw), "fp32"),
+              "sg": TensorType((SLOTS, S, cw), "fp32")}
+    g.inputs += [value_info(n, t) for n, t in {**ty, **states}.items()]
+    o = Operands({n: n for n in ty}, ty)
+    a = {"ratio": m, "overlap": overlap, "eps": 1e-6, "rope_dim": 8, "theta": 160000.0, "yarn": (16.0, 256, 32.0, 1.0),
+         "block_tokens": BT, "envelope_rows": 16, "layer_offset": 3, "round": "none"}
+    outs = form(g, o, a, Planes("plane"), Planes("skv"), Planes("sg"))
+    for name, p in zip(states, outs):
+        (_, rows, vals, _, _), = p.segs
+        g.op("Identity", rows, out=f"{name}.rows")
+        g.op("Identity", vals, out=f"{name}.vals")
+        g.outputs += [helper.make_tensor_value_info(f"{name}.rows", TensorProto.INT64, None),
+                      helper.make_tensor_value_info(f"{name}.vals", TensorProto.FLOAT, None)]
+    return g.model()
+
+
+def _inputs(T: int, m: int, overlap: bool, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded values; each sequence a start position (around the first window boundaries, and far on) and a
+    live lane count 0..T (its first lanes, as a verify step's: the last token, then its drafts)."""
+    rng = np.random.default_rng(seed)
+    c = 2 if overlap else 1
+    cw, S = 16 * c, m * c
+    closing = [w * m - 1 - t for w in (1, 2, 3, 7) for t in range(T)]  # a live lane ends window w - 1
+    starts = np.concatenate([closing, [0, 1, m, m + 1, S, S + 1], rng.integers(0, BLOCKS * BT - T, N_SEQ)])[:N_SEQ]
+    n = rng.integers(0, T + 1, N_SEQ)
+    n[len(closing):len(closing) + T + 1] = np.arange(T + 1)
+    n[:len(closing)] = T
+    pos = np.where(np.arange(T)[None, :] < n[:, None], starts[:, None] + np.arange(T)[None, :], -1)
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    return {"kv": f(N_SEQ, T, cw), "gate": f(N_SEQ, T, cw), "ape": f(m, cw), "norm": f(16) + 1,
+            "pos": pos.astype(np.int64), "slot": np.where(n > 0, rng.permutation(SLOTS)[:N_SEQ], -1).astype(np.int64),
+            "block_table": rng.permutation(BLOCKS * N_SEQ).reshape(N_SEQ, BLOCKS).astype(np.int64),
+            "plane": f(BLOCKS * N_SEQ * 16, 16), "skv": f(SLOTS, S, cw), "sg": f(SLOTS, S, cw)}
+
+
+def _writes(model: onnx.ModelProto, x: dict) -> dict[str, dict[int, bytes]]:
+    """Each written tensor's {row: its values' bytes} (skipped rows left out)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    s = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    res = dict(zip([o.name for o in s.get_outputs()], s.run(None, x)))
+    return {n: {int(r): res[f"{n}.vals"][i].tobytes() for i, r in enumerate(res[f"{n}.rows"]) if r >= 0}
+            for n in ("plane", "skv", "sg")}
+
+
+def _same_writes(T: int, m: int, overlap: bool) -> None:
+    x = _inputs(T, m, overlap)
+    want = _writes(_compress_graph(compress.compress, T, m, overlap), x)
+    got = _writes(_compress_graph(compress.compress_lanes, T, m, overlap), x)
+    assert want["plane"], "no window closed: the case proves nothing"
+    for n in want:
+        assert got[n].keys() == want[n].keys(), f"{n}: rows written differ"
+        bad = [r for r in want[n] if got[n][r] != want[n][r]]
+        assert not bad, f"{n}: rows {bad[:5]} differ"
+
+
+@pytest.mark.parametrize("T", [2, 3, 4])
+def test_compress_lanes_writes_what_the_general_lowering_writes(T):
+    for m, overlap in RATIOS:
+        _same_writes(T, m, overlap)
+
+
+def _window_late(mp):
+    real = compress._lanes_tables
+    mp.setattr(compress, "_lanes_tables", lambda m, overlap, T: (np.roll(real(m, overlap, T)[0], 1, 1),
+                                                                 real(m, overlap, T)[1]))
+
+
+def _ring_short(mp):
+    real = compress._lanes_tables
+
+    def short(m, overlap, T):
+        win, ring = real(m, overlap, T)
+        S = ring.shape[1]
+        for r in range(S):  # n live lanes land as n - 1
+            ring[r * (T + 1) + 1: (r + 1) * (T + 1)] = ring[r * (T + 1): (r + 1) * (T + 1) - 1].copy()
+        return win, ring
+    mp.setattr(compress, "_lanes_tables", short)
+
+
+@pytest.mark.parametrize("fault", [_window_late, _ring_short])
+def test_a_wrong_compress_lanes_table_is_caught(monkeypatch, fault):
+    fault(monkeypatch)
+    with pytest.raises(AssertionError, match="differ"):
+        for m, overlap in RATIOS:
+            _same_writes(2, m, overlap)
