@@ -21,9 +21,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from v4compile.codegen.onnx import compress
+from v4compile.codegen.onnx import compress, sparse_attention
 from v4compile.codegen.onnx.graph import Graph, value_info
-from v4compile.codegen.onnx.pool_rows import Planes
+from v4compile.codegen.onnx.pool_rows import Planes, RowList
 from v4compile.codegen.onnx_export import Operands
 from v4compile.ir.types import TensorType
 
@@ -130,3 +130,68 @@ def test_a_wrong_compress_lanes_table_is_caught(monkeypatch, fault):
     with pytest.raises(AssertionError, match="differ"):
         for m, overlap in RATIOS:
             _same_writes(2, m, overlap)
+
+
+def _attention_graph(form, T: int, n_parts: int) -> onnx.ModelProto:
+    """sparse_attention of `form` on N_SEQ sequences of T lanes reading `n_parts` row lists of the plane (the
+    window's, a compressed or indexer one) and the chunk's own keys."""
+    g = Graph("attention")
+    g.loc = "sparse_attention layers.2.attn"
+    B, H, d = N_SEQ, 4, 16
+    ins = {"q": TensorType((B, T, H, d), "fp32"), "kv": TensorType((B, T, d), "fp32"), "pos": TensorType((B, T), "i64"),
+           "sink": TensorType((H,), "fp32"), "plane": TensorType((64, d), "fp32")}
+    ins.update({f"rows{i}": TensorType((B * T, 5 + 3 * i), "i64") for i in range(n_parts)})
+    g.inputs += [value_info(n, t) for n, t in ins.items()]
+    parts = [(RowList(f"rows{i}"), 7 * i) for i in range(n_parts)]
+    out = form(g, "q", ins["q"], "kv", "pos", "sink", parts, Planes("plane"), 3, 0.25)
+    g.op("Identity", out, out="y")
+    g.outputs.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, None))
+    return g.model()
+
+
+def _attention(model: onnx.ModelProto, T: int, n_parts: int) -> np.ndarray:
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(T)
+    n = rng.integers(0, T + 1, N_SEQ)
+    start = rng.integers(0, 30, N_SEQ)
+    x = {"q": rng.standard_normal((N_SEQ, T, 4, 16)).astype(np.float32),
+         "kv": rng.standard_normal((N_SEQ, T, 16)).astype(np.float32),
+         "pos": np.where(np.arange(T)[None, :] < n[:, None], start[:, None] + np.arange(T)[None, :], -1),
+         "sink": rng.standard_normal(4).astype(np.float32), "plane": rng.standard_normal((64, 16)).astype(np.float32)}
+    for i in range(n_parts):  # some rows hidden (-1), a few queries seeing none of this part
+        r = rng.integers(0, 64 - 7 * i, (N_SEQ * T, 5 + 3 * i))
+        x[f"rows{i}"] = np.where(rng.random(r.shape) < 0.3, -1, r)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, x)[0]
+
+
+def _same_attention(T: int) -> None:
+    for n_parts in (1, 2):
+        want = _attention(_attention_graph(sparse_attention.sparse_attention, T, n_parts), T, n_parts)
+        got = _attention(_attention_graph(sparse_attention.sparse_attention_lanes, T, n_parts), T, n_parts)
+        assert np.isfinite(want).all()
+        bad = np.argwhere(got != want)
+        assert not len(bad), f"{n_parts} parts: {len(bad)} values differ, first at {bad[0].tolist()}"
+
+
+@pytest.mark.parametrize("T", [2, 4])
+def test_sparse_attention_lanes_is_the_general_lowering(T):
+    _same_attention(T)
+
+
+@pytest.mark.parametrize("fault", ["chunk_share_shifted", "scale_dropped"])
+def test_a_wrong_sparse_attention_lanes_is_caught(monkeypatch, fault):
+    real_slice, real_op = Graph.slice, Graph.op
+
+    def shifted(self, x, s, e, axis):  # the chunk keys' shares read one column early (the last pool row's)
+        return real_slice(self, x, s - 1, e - 1, axis) if self.loc.startswith("sparse_attention") and e == -1 else \
+            real_slice(self, x, s, e, axis)
+
+    def unscaled(self, op_type, *inputs, **attrs):  # the few-lane form's scores left unscaled
+        attrs.pop("alpha", None) if op_type == "FusedMatMul" and self.loc.startswith("sparse_attention") else None
+        return real_op(self, op_type, *inputs, **attrs)
+    monkeypatch.setattr(Graph, *(("slice", shifted) if fault == "chunk_share_shifted" else ("op", unscaled)))
+    with pytest.raises(AssertionError, match="differ"):
+        _same_attention(2)
