@@ -47,6 +47,15 @@ def sparse_attention(g, q: str, qt: TensorType, kv: str, pos: str, sink: str, pa
     return g.op("Add", out, ext_out)
 
 
+def _ext_mask_lanes(g, pos: str, T: int, window: int) -> str:
+    """`_ext_mask` for a chunk of T <= window lanes whose live ones come first at consecutive positions:
+    query lane t sees key lane s iff s <= t and lane t is live (a constant triangle, masked by liveness)."""
+    if T > window:
+        return _ext_mask(g, pos, window)
+    tri = np.tril(np.ones((T, T), bool))[:, None, :]  # [T, 1, T]
+    return g.op("And", g.unsqueeze(g.live(pos), -1, -2), g.const(tri, bool))  # [B, T, 1, T]
+
+
 def sparse_attention_one(g, q: str, qt: TensorType, kv: str, pos: str, sink: str, parts: list[tuple[RowList, int]],
                          plane: Planes, scale: float) -> str:
     """`sparse_attention` for a one-token chunk (a decode step): the token's own key (the chunk's only one,
@@ -95,7 +104,7 @@ def sparse_attention_lanes(g, q: str, qt: TensorType, kv: str, pos: str, sink: s
 
     def mask():  # [B, T, 1, P + T + 1]: the parts' rows, the chunk's own keys, the sink (always)
         pool = g.reshape(g.concat([_mask(g, rl) for rl, _ in parts], 1), (B, T, 1, -1))
-        ext = g.cached(("ext", pos, window), lambda: _ext_mask(g, pos, window))
+        ext = g.cached(("ext_lanes", pos, window), lambda: _ext_mask_lanes(g, pos, T, window))
         return g.concat([pool, ext, g.const(np.ones((B, T, 1, 1), bool), bool)], -1)
     s_pool = g.op("FusedMatMul", q, keys, domain=MS_DOMAIN, transB=1, alpha=scale)  # [B, T, H, P]
     s_ext = g.op("FusedMatMul", q, kv1, domain=MS_DOMAIN, transB=1, alpha=scale)  # [B, T, H, T]
