@@ -21,7 +21,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from v4compile.codegen.onnx import compress, sparse_attention
+from v4compile.codegen.onnx import compress, indexer, sparse_attention
 from v4compile.codegen.onnx.graph import Graph, value_info
 from v4compile.codegen.onnx.pool_rows import Planes, RowList
 from v4compile.codegen.onnx_export import Operands
@@ -195,3 +195,62 @@ def test_a_wrong_sparse_attention_lanes_is_caught(monkeypatch, fault):
     monkeypatch.setattr(Graph, *(("slice", shifted) if fault == "chunk_share_shifted" else ("op", unscaled)))
     with pytest.raises(AssertionError, match="differ"):
         _same_attention(2)
+
+
+def _indexer(few: bool, T: int, monkeypatch) -> dict[str, np.ndarray]:
+    """indexer_select's row list (rows, and the maker's keep / safe where it gives them) on N_SEQ sequences of
+    T lanes, lowered in the few-lane form or the general one, on seeded inputs."""
+    import onnxruntime as ort
+
+    monkeypatch.setattr(Graph, "few_lanes", lambda self, T_, what: few and 1 < T_ <= 4)
+    B, Hi, di, W_MAX = N_SEQ, 2, 8, 24
+    g = Graph("indexer")
+    g.loc = "indexer_select layers.2.attn.indexer"
+    ins = {"q": TensorType((B, T, Hi, di), "fp32"), "weights": TensorType((B, T, Hi), "fp32"),
+           "pos": TensorType((B, T), "i64"), "bt": TensorType((B, BLOCKS), "i64"), "plane": TensorType((1024, di), "fp32")}
+    g.inputs += [value_info(n, t) for n, t in ins.items()]
+    rl = indexer.indexer_rows(g, "q", ins["q"], "weights", "pos", "bt", Planes("plane"), ratio=4, q_scale=0.3,
+                              w_scale=0.7, k=4, block_tokens=BT, index_envelope_rows=8, index_offset=0,
+                              envelope_rows=16, max_rows=W_MAX, n_blocks=BLOCKS)
+    names = {"rows": rl.rows, "keep": rl.keep, "safe": rl.safe}
+    for n, v in names.items():
+        if v is not None:
+            g.op("Identity", v, out=n)
+            g.outputs.append(helper.make_tensor_value_info(n, TensorProto.INT64 if n != "keep" else TensorProto.BOOL, None))
+    rng = np.random.default_rng(T)
+    n = rng.integers(0, T + 1, B)
+    start = rng.integers(0, 4 * W_MAX, B)
+    x = {"q": rng.standard_normal((B, T, Hi, di)).astype(np.float32),
+         "weights": rng.standard_normal((B, T, Hi)).astype(np.float32),
+         "pos": np.where(np.arange(T)[None, :] < n[:, None], start[:, None] + np.arange(T)[None, :], -1),
+         "bt": rng.permutation(BLOCKS * B).reshape(B, BLOCKS).astype(np.int64),
+         "plane": rng.standard_normal((1024, di)).astype(np.float32)}
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    s = ort.InferenceSession(g.model().SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in s.get_outputs()], s.run(None, x)))
+
+
+def _same_indexer(monkeypatch, T: int) -> None:
+    want, got = _indexer(False, T, monkeypatch), _indexer(True, T, monkeypatch)
+    assert (want["rows"] >= 0).sum() > N_SEQ, "too few rows picked: the case proves nothing"
+    assert np.array_equal(got["rows"], want["rows"]), "rows differ"
+    assert np.array_equal(got["keep"], want["rows"] >= 0), "keep differs from the rows kept"
+    assert np.array_equal(np.where(got["keep"], got["safe"], -1), want["rows"]), "safe rows differ"
+
+
+@pytest.mark.parametrize("T", [2, 4])
+def test_indexer_lanes_rows_are_the_general_lowering(monkeypatch, T):
+    _same_indexer(monkeypatch, T)
+
+
+def test_a_wrong_indexer_lanes_rows_is_caught(monkeypatch):
+    real = Graph.op
+
+    def op(self, op_type, *inputs, **attrs):  # the picks read from the next window's rows
+        if op_type == "GatherElements" and attrs.get("axis") == 2:
+            inputs = (inputs[0], real(self, "Min", real(self, "Add", inputs[1], self.iscalar(1)), self.iscalar(2)))
+        return real(self, op_type, *inputs, **attrs)
+    monkeypatch.setattr(Graph, "op", op)
+    with pytest.raises(AssertionError, match="differ"):
+        _same_indexer(monkeypatch, 2)
