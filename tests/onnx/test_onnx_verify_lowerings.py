@@ -254,3 +254,49 @@ def test_a_wrong_indexer_lanes_rows_is_caught(monkeypatch):
     monkeypatch.setattr(Graph, "op", op)
     with pytest.raises(AssertionError, match="differ"):
         _same_indexer(monkeypatch, 2)
+
+
+# verify_b1's nodes over decode_b1's, by op family, that the few-lane forms leave (the general forms: compress
+# +152, sparse_attention +88, window +41, indexer +12, all +313); the rest is structure an exact lowering keeps:
+# the chunk keys' own GEMMs and sum, per-lane rotations (decode rotates its one position with one MatMul)
+MARGINS = {"compress_paged": 48, "sparse_attention": 32, "window": 26, "indexer_select": 10, "TOTAL": 135}
+
+
+@pytest.fixture(scope="module")
+def tiny_verify_module():
+    """The tiny preset's decode_b1 and verify_b1 (one draft token), traced and through the cpu pipeline once."""
+    from v4compile.artifact import Buckets
+    from v4compile.cli.driver import trace_buckets
+    from v4compile.config import preset
+    from v4compile.passes import CPU_PIPELINE, PassManager, PipelineOptions
+    from v4compile.trace import TraceOptions
+
+    traced = trace_buckets(preset("tiny"), TraceOptions(numerics="hf", dtype="fp32", capacity=64),
+                           Buckets((1,), (16,), draft_tokens=1))
+    return PassManager(CPU_PIPELINE, PipelineOptions()).run(traced).module
+
+
+def _family_nodes(module, fname: str) -> dict[str, int]:
+    import collections
+
+    from v4compile.codegen.onnx_export import lower_function
+
+    nodes = lower_function(module, fname).graph.node
+    c = collections.Counter(n.doc_string.split(" ")[0] for n in nodes)
+    c["window"] = c["csr_window"] + c["pool_write_window"]
+    c["TOTAL"] = len(nodes)
+    return c
+
+
+def _over_margins(module) -> dict[str, tuple[int, int]]:
+    d, v = _family_nodes(module, "decode_b1"), _family_nodes(module, "verify_b1")
+    return {f: (v[f], d[f]) for f, margin in MARGINS.items() if v[f] > d[f] + margin}
+
+
+def test_verify_costs_about_what_decode_costs(tiny_verify_module):
+    assert not _over_margins(tiny_verify_module), "verify_b1's nodes (verify, decode) over the margins"
+
+
+def test_the_general_forms_in_verify_are_caught(tiny_verify_module, monkeypatch):
+    monkeypatch.setattr(Graph, "few_lanes", lambda self, T, what: False)
+    assert set(_over_margins(tiny_verify_module)) == set(MARGINS)
