@@ -4,12 +4,14 @@
 Each form is lowered alone into a small graph beside the general lowering of the same op, and both run on the
 same seeded inputs: many sequences a batch, each with its own start position (before, at and after the first
 window boundaries, the overlapping window's half before position 0 included) and its own count of live
-lanes (0 = a padding sequence, up to all T), for T = 2..4 and both kinds of compressor (overlapping ratio
-4, plain ratio 16). Every row the op writes, and its values, must be bit-identical. A deliberately wrong table
-(`_lanes_tables` a window one slot late, the ring after the chunk missing its last lane) is shown caught.
+lanes (0 = a padding sequence, up to all T). compress_paged (T = 2..4, both kinds of compressor: overlapping
+ratio 4, plain ratio 16): every row it writes (compressed plane, both state rings) and its values
+bit-identical; sparse_attention: its output bit-identical; indexer_select and csr_window: the same row lists.
+Each form's deliberate fault (a window one slot late, the ring missing a lane, the chunk keys' shares
+shifted, the scores unscaled, the picks off by a window, the chunk's own lanes seen in the window) is caught.
 
-The size test pins the gain on the example's verify graph: per op family, verify's node count within a stated
-margin of decode's (the family's few-lane form in use, the general one back in place shown to fail it).
+The size test pins the gain on the tiny preset's verify graph: per op family, verify's node count within a
+stated margin of decode's (the general forms back in place shown to exceed every margin).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from v4compile.codegen.onnx import compress, indexer, sparse_attention
+from v4compile.codegen.onnx import compress, csr, indexer, sparse_attention
 from v4compile.codegen.onnx.graph import Graph, value_info
 from v4compile.codegen.onnx.pool_rows import Planes, RowList
 from v4compile.codegen.onnx_export import Operands
@@ -207,16 +209,17 @@ def _indexer(few: bool, T: int, monkeypatch) -> dict[str, np.ndarray]:
     g = Graph("indexer")
     g.loc = "indexer_select layers.2.attn.indexer"
     ins = {"q": TensorType((B, T, Hi, di), "fp32"), "weights": TensorType((B, T, Hi), "fp32"),
-           "pos": TensorType((B, T), "i64"), "bt": TensorType((B, BLOCKS), "i64"), "plane": TensorType((1024, di), "fp32")}
+           "pos": TensorType((B, T), "i64"), "bt": TensorType((B, BLOCKS), "i64"),
+           "plane": TensorType((1024, di), "fp32")}
     g.inputs += [value_info(n, t) for n, t in ins.items()]
     rl = indexer.indexer_rows(g, "q", ins["q"], "weights", "pos", "bt", Planes("plane"), ratio=4, q_scale=0.3,
                               w_scale=0.7, k=4, block_tokens=BT, index_envelope_rows=8, index_offset=0,
                               envelope_rows=16, max_rows=W_MAX, n_blocks=BLOCKS)
-    names = {"rows": rl.rows, "keep": rl.keep, "safe": rl.safe}
-    for n, v in names.items():
+    for n, v in {"rows": rl.rows, "keep": rl.keep, "safe": rl.safe}.items():
         if v is not None:
             g.op("Identity", v, out=n)
-            g.outputs.append(helper.make_tensor_value_info(n, TensorProto.INT64 if n != "keep" else TensorProto.BOOL, None))
+            g.outputs.append(helper.make_tensor_value_info(n, TensorProto.BOOL if n == "keep" else TensorProto.INT64,
+                                                           None))
     rng = np.random.default_rng(T)
     n = rng.integers(0, T + 1, B)
     start = rng.integers(0, 4 * W_MAX, B)
@@ -300,3 +303,37 @@ def test_verify_costs_about_what_decode_costs(tiny_verify_module):
 def test_the_general_forms_in_verify_are_caught(tiny_verify_module, monkeypatch):
     monkeypatch.setattr(Graph, "few_lanes", lambda self, T, what: False)
     assert set(_over_margins(tiny_verify_module)) == set(MARGINS)
+
+
+def _window_rows(few: bool, T: int, monkeypatch) -> np.ndarray:
+    """csr_window's row list on N_SEQ sequences of T lanes (few-lane or general form), seeded positions."""
+    import onnxruntime as ort
+
+    monkeypatch.setattr(Graph, "few_lanes", lambda self, T_, what: few and 1 < T_ <= 4)
+    g = Graph("window")
+    g.loc = "csr_window layers.0.attn"
+    ty = {"pos": TensorType((N_SEQ, T), "i64"), "slot": TensorType((N_SEQ,), "i64")}
+    g.inputs += [value_info(n, t) for n, t in ty.items()]
+    rl, _ = csr.lower_csr_window(g, Operands({n: n for n in ty}, ty), {"window": 8, "slot_rows": 8, "n_rows": 512}, None)
+    g.op("Identity", rl.rows, out="rows")
+    g.outputs.append(helper.make_tensor_value_info("rows", TensorProto.INT64, None))
+    rng = np.random.default_rng(T)
+    n = rng.integers(0, T + 1, N_SEQ)
+    start = np.concatenate([np.arange(10), rng.integers(0, 100, N_SEQ)])[:N_SEQ]
+    x = {"pos": np.where(np.arange(T)[None, :] < n[:, None], start[:, None] + np.arange(T)[None, :], -1),
+         "slot": np.where(n > 0, rng.permutation(SLOTS)[:N_SEQ], -1)}
+    return ort.InferenceSession(g.model().SerializeToString(), providers=["CPUExecutionProvider"]).run(None, x)[0]
+
+
+@pytest.mark.parametrize("T", [2, 4])
+def test_csr_window_lanes_rows_are_the_general_lowering(monkeypatch, T):
+    want = _window_rows(False, T, monkeypatch)
+    assert (want >= 0).sum() > N_SEQ
+    assert np.array_equal(_window_rows(True, T, monkeypatch), want)
+
+
+def test_a_wrong_csr_window_lanes_is_caught(monkeypatch):
+    real = Graph.const  # lane t sees its own earlier lanes' positions too (a triangle one lane wide)
+    monkeypatch.setattr(Graph, "const", lambda self, v, dtype=np.float32: real(self, np.ones_like(v), dtype)
+                        if self.loc.startswith("csr_window") and dtype is bool else real(self, v, dtype))
+    assert not np.array_equal(_window_rows(True, 2, monkeypatch), _window_rows(False, 2, monkeypatch))
