@@ -193,7 +193,7 @@ def _lanes_tables(m: int, overlap: bool, T: int) -> tuple[np.ndarray, np.ndarray
 def _lanes_index(g, pos: str, m: int, overlap: bool, B: int, T: int, cw: int) -> dict[str, str]:
     """`_compress_index` for a chunk of T <= m lanes (a verify step): one window at most closes, so each
     sequence's sources (window slots and the ring after the chunk) are rows of constant tables picked by
-    its start position and lane count (`_lanes_tables`): ~16 nodes for ~50. Shared by every compressor
+    its start position and lane count (`_lanes_tables`): ~22 nodes for ~46. Shared by every compressor
     with this ratio."""
     S = (2 if overlap else 1) * m
     R = S + T + (1 if overlap else 0)  # table rows a sequence: ring, chunk, fill
