@@ -164,8 +164,117 @@ def compress_decode(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) ->
             pool_rows.write_rows(g, sg_in, srows, new_g, (B, S, cw)))
 
 
+def _lanes_tables(m: int, overlap: bool, T: int) -> tuple[np.ndarray, np.ndarray]:
+    """The few-lane form's index tables, as `compress` computes its sources, for one sequence whose chunk
+    holds n of T lanes at positions start.. (T <= m: at most one window closes, the one of lane 0's
+    position). Rows of the sequence's table [state ring (S); chunk lanes (T); one fill row (overlap)].
+    `win[key]`: the source of each of the window's S slots (as half-row numbers when overlapping); key =
+    start % S, + S when start >= m (overlap: whether the window's first half lies before position 0).
+    `ring[(start % S) * (T + 1) + n]`: the ring slot s after the chunk: the lane that lands on s, else s."""
+    S = (2 if overlap else 1) * m
+    win = np.zeros((2 * S if overlap else S, S), np.int64)
+    for key in range(len(win)):
+        start = key  # a start with this key (key >= S: start % S = key - S, start >= m)
+        if overlap and m <= key < S:
+            continue  # no start has it
+        first = (start // m - (1 if overlap else 0)) * m
+        for s in range(S):
+            p = first + s
+            src = S + T if p < 0 else p % S if p < start else S + min(p - start, T - 1)
+            win[key, s] = 2 * src + s // m if overlap else src
+    ring = np.tile(np.arange(S, dtype=np.int64), ((T + 1) * S, 1))
+    for r in range(S):
+        for n in range(T + 1):
+            for t in range(n):
+                ring[r * (T + 1) + n, (r + t) % S] = S + t
+    return win, ring
+
+
+def _lanes_index(g, pos: str, m: int, overlap: bool, B: int, T: int, cw: int) -> dict[str, str]:
+    """`_compress_index` for a chunk of T <= m lanes (a verify step): one window at most closes, so each
+    sequence's sources (window slots and the ring after the chunk) are rows of constant tables picked by
+    its start position and lane count (`_lanes_tables`): ~22 nodes for ~46. Shared by every compressor
+    with this ratio."""
+    S = (2 if overlap else 1) * m
+    R = S + T + (1 if overlap else 0)  # table rows a sequence: ring, chunk, fill
+    win, ring = _lanes_tables(m, overlap, T)
+    start = g.slice(g.cached(("clamp0", pos), lambda: g.clamp_min0(pos)), 0, 1, 1)  # [B, 1]
+    n = g.cached(("n_live", pos), lambda: g.sum(g.cast(g.live(pos), TensorProto.INT64), 1, 1))  # [B, 1]: lanes 0..n-1
+    smod = g.op("Mod", start, g.iscalar(S))
+    key = g.where(g.op("GreaterOrEqual", start, g.iscalar(m)), g.op("Add", smod, g.iscalar(S)), smod) \
+        if overlap else smod
+    c = 2 if overlap else 1
+    src = g.op("Add", g.reshape(g.op("Gather", g.const(win, np.int64), key, axis=0), (B, S)),
+               g.const((c * R * np.arange(B)).reshape(B, 1), np.int64))  # [B, S]
+    at = g.reshape(g.op("Gather", g.const(ring, np.int64), g.op("Add", g.op("Mul", smod, g.iscalar(T + 1)), n),
+                        axis=0), (B, S))
+    if overlap:  # [B, S, cw]: GatherElements' index into the [B, R, cw] table (no flat copy of it)
+        at = g.op("Expand", g.unsqueeze(at, -1), g.i64(B, S, cw))
+    else:
+        at = g.op("Add", at, g.const((R * np.arange(B)).reshape(B, 1), np.int64))  # [B, S] rows of the flat table
+    r = smod if not overlap else g.op("Mod", start, g.iscalar(m))
+    closed = g.op("GreaterOrEqual", g.op("Add", r, n), g.iscalar(m))  # lane m - 1 - r is live: [B, 1]
+    w = g.op("Div", start, g.iscalar(m))
+    live = g.reshape(g.op("Greater", n, g.iscalar(0)), (B,))
+    return {"src": src, "at": at, "closed": closed, "w": w, "wpos": g.reshape(g.op("Mul", w, g.iscalar(m)), (B,)),
+            "live": live, "R": R}
+
+
+def compress_lanes(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) -> tuple[Planes, Planes, Planes]:
+    """`compress_paged` for a chunk of T <= m lanes (`Graph.few_lanes`: a verify step): each source (state
+    ring, chunk, fill) one table a sequence, from which the window's slots and the ring after the chunk
+    are each one Gather (`_lanes_index`), in place of `compress`'s per-window masks and its one-hot MatMul
+    ring update; ~20 nodes a compressor where `compress` takes ~30. The same values pooled in the same
+    order, so bit-identical results."""
+    B, T, cw = o.types["kv"].shape
+    m, overlap = a["ratio"], a["overlap"]
+    c = 2 if overlap else 1
+    dk, S = cw // c, c * m
+    pos = g.as_i64(o.pos, o.types["pos"].dtype)
+    slot = g.as_i64(o.slot, o.types["slot"].dtype)
+    bt = g.as_i64(o.block_table, o.types["block_table"].dtype)
+    n_blocks = o.types["block_table"].shape[1]
+    ix = g.cached(("compress_lanes", pos, m, overlap, B, T, cw), lambda: _lanes_index(g, pos, m, overlap, B, T, cw))
+    gate = g.op("Add", o.gate, g.op("Gather", o.ape, g.cached(
+        ("mod", pos, m), lambda: g.op("Mod", g.clamp_min0(pos), g.iscalar(m))), axis=0))
+    sl = g.cached(("clamp0", slot), lambda: g.clamp_min0(slot))
+
+    def table(state: Planes, chunk: str, fill: float) -> tuple[str, str]:
+        """(the window's slots [B, S, dk], the ring after the chunk [B, S, cw])."""
+        ring = pool_rows.read_rows(g, state, sl)  # [B, S, cw]
+        parts = [ring, chunk] + ([g.const(np.full((B, 1, cw), fill, np.float32))] if overlap else [])
+        t = g.concat(parts, 1)  # [B, R, cw]
+        if overlap:
+            return (g.op("Gather", g.reshape(t, (B * ix["R"] * 2, dk)), ix["src"], axis=0),
+                    g.op("GatherElements", t, ix["at"], axis=1))
+        flat = g.reshape(t, (B * ix["R"], cw))
+        return g.op("Gather", flat, ix["src"], axis=0), g.op("Gather", flat, ix["at"], axis=0)
+
+    v, new_kv = table(skv_in, o.kv, 0.0)
+    gl, new_g = table(sg_in, gate, NEG_INF)
+    # `compress`'s [B, 1, S] window axes without the 1: the same values, reduced in the same order
+    h = g.rms(g.sum(g.op("Mul", v, g.op("Softmax", gl, axis=1)), 1), o.norm, a["eps"])  # [B, dk]
+    ht = TensorType((B, dk), "fp32")
+    h = rotary.rotate(g, h, ht, ix["wpos"], 1, a["rope_dim"], a["theta"], tuple(a["yarn"]))
+    rnd = a.get("round", "none")
+    if rnd == "fp8":
+        h = quant.fp8_round(g, h, ht, dk - a["rope_dim"], math.gcd(64, dk - a["rope_dim"]))
+    elif rnd == "fp4":
+        h = quant.hadamard_fp4(g, h, ht, 32)
+    base = g.cached(("lanes_rows", ix["w"], bt, m, a["block_tokens"], a["envelope_rows"]), lambda: g.reshape(g.where(
+        ix["closed"], pool_rows.block_rows(g, ix["w"], bt, m, a["block_tokens"], a["envelope_rows"], n_blocks, True,
+                                           (B, 1)), g.iscalar(SKIP_ROW)), (B,)))
+    rows = g.op("Add", base, g.iscalar(a["layer_offset"])) if a["layer_offset"] else base  # not closed: negative
+    srows = g.cached(("srows", pos, slot), lambda: g.where(ix["live"], slot, g.iscalar(-1)))
+    return (pool_rows.write_rows(g, plane_in, rows, h, (B, dk)),
+            pool_rows.write_rows(g, skv_in, srows, new_kv, (B, S, cw)),
+            pool_rows.write_rows(g, sg_in, srows, new_g, (B, S, cw)))
+
+
 def lower_compress_paged(g, o, a, r):
     native_only(a, o)
-    one = g.one_token(o.types["kv"].shape[1], "compress_paged") and a["ratio"] >= 2
-    plane, skv, sg = (compress_decode if one else compress)(g, o, a, o.p0, o.state_kv, o.state_gate)
+    T = o.types["kv"].shape[1]
+    form = compress_decode if g.one_token(T, "compress_paged") and a["ratio"] >= 2 else \
+        compress_lanes if g.few_lanes(T, "compress_paged") and T <= a["ratio"] else compress
+    plane, skv, sg = form(g, o, a, o.p0, o.state_kv, o.state_gate)
     return skv, sg, plane

@@ -18,6 +18,13 @@ def lower_csr_window(g, o, a, r):
         rl = RowList(g.where(keep, rows, g.iscalar(-1)), keep, rows)
         return rl, rl
     p = g.op("Sub", g.unsqueeze(pos, -1), g.const(np.arange(W - 1, 0, -1), np.int64))  # [B, T, W-1], oldest first
+    if g.few_lanes(T, "csr_window"):  # live lanes hold start.. in order: lane t's p - k precedes the chunk iff k > t
+        before = np.arange(W - 1, 0, -1)[None, :] > np.arange(T)[:, None]  # [T, W-1]
+        keep = g.reshape(g.op("And", g.op("GreaterOrEqual", p, g.iscalar(0)), g.const(before, bool)), (B * T, W - 1))
+        rows = g.reshape(pool_rows.window_rows(g, g.reshape(p, (B, -1)), g.as_i64(o.slot, o.types["slot"].dtype), W,
+                                               a["slot_rows"], a["n_rows"]), (B * T, W - 1))
+        rl = RowList(g.where(keep, rows, g.iscalar(-1)), keep, rows)  # a padding lane: p < 0, none kept
+        return rl, rl
     start = g.unsqueeze(g.clamp_min0(g.slice(pos, 0, 1, 1)), -1)
     keep = g.op("And", g.op("And", g.op("GreaterOrEqual", p, g.iscalar(0)), g.op("Less", p, start)),
                 g.unsqueeze(g.op("GreaterOrEqual", pos, g.iscalar(0)), -1))

@@ -24,6 +24,7 @@ ONNX_DTYPES = {"fp32": TensorProto.FLOAT, "bf16": TensorProto.BFLOAT16, "i32": T
                "i64": TensorProto.INT64, "bool": TensorProto.BOOL, "fp8e4m3": TensorProto.UINT8,
                "e8m0": TensorProto.UINT8, "fp4x2": TensorProto.INT8}
 NEG_INF = float("-inf")
+FEW_LANES = 4  # the most tokens a sequence a chunk's few-lane forms take (`Graph.few_lanes`): verify's 1 + k
 DERIVED_KEY = "v4compile.derived"  # model metadata: the derived weight inputs (onnx_weights), for the manifest
 
 
@@ -84,6 +85,13 @@ class Graph:
         The forms are exact rewrites of the general lowering for that case (`sparse_attention`'s reorders
         one fp32 sum), and tests/onnx/test_onnx_decode_lowerings.py holds each against it."""
         return T == 1
+
+    def few_lanes(self, T: int, what: str) -> bool:
+        """Whether lowering `what` takes its few-lane form: a chunk of 2..FEW_LANES tokens a sequence (a
+        speculative verify step: the last token and its drafts). The forms are exact rewrites of the general
+        lowering for that case, with index tables built at export time; tests/onnx/test_onnx_verify_lowerings.py
+        holds each against it. Prefill chunks (16 and more) keep the general form."""
+        return 1 < T <= FEW_LANES
 
     def live(self, pos: str) -> str:
         """pos >= 0: the lanes (tokens) of the step that are real, not padding; one node per graph."""

@@ -33,6 +33,14 @@ def indexer_rows(g, q: str, qt: TensorType, weights: str, pos: str, bt: str, pla
         rows = g.op("GatherElements",
                     pool_rows.block_rows(g, w, bt, ratio, block_tokens, envelope_rows, n_blocks, False), idx, axis=1)
         return RowList(g.where(keep, rows, g.iscalar(-1)), keep, rows)
+    if g.few_lanes(T, "indexer_select"):  # the picks' rows out of every window's [B, T, W] (shared by the layers)
+        def every_window():
+            rows = pool_rows.block_rows(g, w, bt, ratio, block_tokens, envelope_rows, n_blocks, False)  # [B, W]
+            return g.op("Expand", g.unsqueeze(rows, 1), g.op("Concat", g.i64(B, T), g.op("Shape", w), axis=0))
+        every = g.cached(("lanes_rows", w, bt, ratio, block_tokens, envelope_rows, T), every_window)
+        rows = g.reshape(g.op("GatherElements", every, idx, axis=2), (B * T, -1))  # in range whether kept or not
+        keep = g.reshape(keep, (B * T, -1))
+        return RowList(g.where(keep, rows, g.iscalar(-1)), keep, rows)
     rows = pool_rows.block_rows(g, idx, bt, ratio, block_tokens, envelope_rows, n_blocks, True, (B, T, -1))
     return RowList(g.reshape(g.where(keep, rows, g.iscalar(-1)), (B * T, -1)))
 

@@ -174,9 +174,10 @@ def dyn_range(g, limit: str, max_rows: int) -> str:
 def window_write(g, plane: Planes, kv: str, kvt: TensorType, pos: str, slot: str, a: dict) -> Planes:
     B, T, d = kvt.shape
     key = ("winrows", pos, slot, a["window"], a["slot_rows"], a["n_rows"])
-    # a one-token chunk keeps its token iff the lane is live (`ring_lanes` of one lane)
-    lanes = (lambda: g.live(pos)) if g.one_token(T, "window_write") else \
-        (lambda: ring_lanes(g, pos, a["window"]))
+    # a chunk of one token, or of a few (no more than the ring holds), keeps every live lane's token
+    # (`ring_lanes` of lanes that all fit)
+    few = g.one_token(T, "window_write") or (g.few_lanes(T, "window_write") and T <= a["window"])
+    lanes = (lambda: g.live(pos)) if few else (lambda: ring_lanes(g, pos, a["window"]))
     base = g.cached(key, lambda: g.reshape(g.where(
         lanes(), window_rows(g, pos, slot, a["window"], a["slot_rows"], a["n_rows"]),
         g.iscalar(SKIP_ROW)), (B * T,)))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from ...ir.types import TensorType
 from . import native_only, pool_rows
 from .graph import MS_DOMAIN, NEG_INF
@@ -45,6 +47,15 @@ def sparse_attention(g, q: str, qt: TensorType, kv: str, pos: str, sink: str, pa
     return g.op("Add", out, ext_out)
 
 
+def _ext_mask_lanes(g, pos: str, T: int, window: int) -> str:
+    """`_ext_mask` for a chunk of T <= window lanes whose live ones come first at consecutive positions:
+    query lane t sees key lane s iff s <= t and lane t is live (a constant triangle, masked by liveness)."""
+    if T > window:
+        return _ext_mask(g, pos, window)
+    tri = np.tril(np.ones((T, T), bool))[:, None, :]  # [T, 1, T]
+    return g.op("And", g.unsqueeze(g.live(pos), -1, -2), g.const(tri, bool))  # [B, T, 1, T]
+
+
 def sparse_attention_one(g, q: str, qt: TensorType, kv: str, pos: str, sink: str, parts: list[tuple[RowList, int]],
                          plane: Planes, scale: float) -> str:
     """`sparse_attention` for a one-token chunk (a decode step): the token's own key (the chunk's only one,
@@ -74,6 +85,38 @@ def sparse_attention_one(g, q: str, qt: TensorType, kv: str, pos: str, sink: str
     return g.op("MatMul", probs, keys)
 
 
+def sparse_attention_lanes(g, q: str, qt: TensorType, kv: str, pos: str, sink: str,
+                           parts: list[tuple[RowList, int]], plane: Planes, window: int, scale: float) -> str:
+    """`sparse_attention` for a chunk of a few lanes (`Graph.few_lanes`: a verify step): the same scores,
+    softmax and weighted sums, but masked once over [pool rows; chunk keys; sink] with one mask shared by
+    the layers that read the same row lists (`sparse_attention` masks each part in each layer), the scale
+    as the GEMMs' alpha (the product rounded as `Mul` rounds it), the chunk's keys a broadcast operand (no
+    reshapes around their GEMMs) and the parts of the softmax sliced at constant offsets from its end (no
+    Shape arithmetic): ~23 nodes a layer for ~31. The same products and sums in the same order: bit-identical
+    to `sparse_attention` (but that a masked row, weighted 0, reads the layer's first row, as decode's)."""
+    B, T, H, d = qt.shape
+    rows = []
+    for rl, base in parts:  # a masked row reads the layer's first row: finite, and weighted 0 (as decode's)
+        r0 = rl.safe or g.cached(("rows0", rl.rows), lambda: g.where(_mask(g, rl), rl.rows, g.iscalar(0)))
+        rows.append(g.op("Add", r0, g.iscalar(base)) if base else r0)
+    keys = pool_rows.read_rows(g, plane, g.concat(rows, 1), shape=(B, T, -1, d))  # [B, T, P, d]
+    kv1 = g.unsqueeze(kv, 1)  # [B, 1, T, d]: every lane's query against the chunk's keys, a broadcast GEMM
+
+    def mask():  # [B, T, 1, P + T + 1]: the parts' rows, the chunk's own keys, the sink (always)
+        pool = g.reshape(g.concat([_mask(g, rl) for rl, _ in parts], 1), (B, T, 1, -1))
+        ext = g.cached(("ext_lanes", pos, window), lambda: _ext_mask_lanes(g, pos, T, window))
+        return g.concat([pool, ext, g.const(np.ones((B, T, 1, 1), bool), bool)], -1)
+    s_pool = g.op("FusedMatMul", q, keys, domain=MS_DOMAIN, transB=1, alpha=scale)  # [B, T, H, P]
+    s_ext = g.op("FusedMatMul", q, kv1, domain=MS_DOMAIN, transB=1, alpha=scale)  # [B, T, H, T]
+    sinks = g.op("Expand", g.reshape(sink, (1, 1, H, 1)), g.i64(B, T, H, 1))
+    s = g.where(g.cached(("lanes_mask", tuple(rl.rows for rl, _ in parts), pos, window), mask),
+                g.concat([s_pool, s_ext, sinks], -1), g.scalar(NEG_INF))
+    probs = g.op("Softmax", s, axis=-1)
+    p_pool = g.slice(probs, 0, -(T + 1), 3)
+    p_ext = g.slice(probs, -(T + 1), -1, 3)
+    return g.op("Add", g.op("MatMul", p_pool, keys), g.op("MatMul", p_ext, kv1))
+
+
 def _mask(g, rl: RowList) -> str:
     return rl.keep or g.cached(("mask", rl.rows), lambda: g.op("GreaterOrEqual", rl.rows, g.iscalar(0)))
 
@@ -84,4 +127,5 @@ def lower_sparse_attention(g, o, a, r):
     pos = g.as_i64(o.pos, o.types["pos"].dtype)
     if g.one_token(o.types["q"].shape[1], "sparse_attention"):
         return sparse_attention_one(g, o.q, o.types["q"], o.kv, pos, o.sink, parts, o.p0, a["scale"])
-    return sparse_attention(g, o.q, o.types["q"], o.kv, pos, o.sink, parts, o.p0, a["window"], a["scale"])
+    form = sparse_attention_lanes if g.few_lanes(o.types["q"].shape[1], "sparse_attention") else sparse_attention
+    return form(g, o.q, o.types["q"], o.kv, pos, o.sink, parts, o.p0, a["window"], a["scale"])
