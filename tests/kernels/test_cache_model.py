@@ -58,6 +58,40 @@ def measured(op, args, attrs, outs, regions):
     return calls, got
 
 
+def reuse_distance(op, args, attrs, outs, programs: range) -> tuple[list, int]:
+    """Run `op` (a ticketed launch: each program's first atomic is its ticket) under the interpreter, programs
+    one after another in ticket order; (its calls, the largest LRU stack distance of a load by a program in
+    `programs` of a byte touched before: the distinct bytes touched since that byte's previous touch)."""
+    log: list[tuple[int, str, np.ndarray]] = []
+    at = {"ticket": None, "program": -1}
+
+    def record(what, ptrs, mask, nbytes):
+        p = np.asarray(ptrs, dtype=np.uint64).reshape(-1)
+        if mask is not None:
+            p = p[np.broadcast_to(np.asarray(mask, dtype=bool), np.shape(ptrs)).reshape(-1)]
+        if what == "atomic":
+            if at["ticket"] is None:
+                at["ticket"] = int(p[0])
+            at["program"] += int(p.size == 1 and int(p[0]) == at["ticket"])
+        elif p.size:
+            log.append((at["program"], what, (p[:, None] + np.arange(nbytes, dtype=np.uint64)).reshape(-1)))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interpreter, "_check_access", record)
+        with kernels.memory_guard([(0, 1 << 63)]):
+            calls = kernels.launch(op, args, attrs, outs)
+    every = np.unique(np.concatenate([b for *_, b in log]))
+    last = np.full(every.size, -1, dtype=np.int64)
+    worst = 0
+    for i, (v, what, b) in enumerate(log):
+        idx = np.searchsorted(every, b)
+        before = last[idx][last[idx] >= 0]
+        if what == "load" and v in programs and before.size:
+            worst = max(worst, int(np.count_nonzero(last > before.min())))
+        last[idx] = i
+    return calls, worst
+
+
 def check_declared(call, got):
     """Every declared re-read is made by the kernel, and the bytes it touches fit the declared footprint (the
     arrival counters' resets aside: 4 bytes per group, in no byte count)."""
