@@ -149,7 +149,8 @@ def test_declared_rereads_are_made_by_the_kernel(op, monkeypatch):
 
 
 def test_rereads_hit_the_cache_only_when_the_launch_fits():
-    """Footprint within CACHE_SHARE of the target's last-level cache: its HBM bytes; past it: every byte.
+    """Footprint within CACHE_SHARE of the target's last-level cache: its HBM bytes; past it: every byte, unless
+    the launch declares its re-reads' reuse distance within the share (`KernelCall.reuse_bytes`).
     40 MB fits gfx950's share (256 MB Infinity Cache) and not sm_90a's (50 MB L2)."""
     call = gemm.specialise("linear", {"x": kernels.TensorArg.of(torch.zeros(1, 8, 256, dtype=torch.bfloat16)),
                                               "w": kernels.TensorArg.of(fp8_block_quant(torch.randn(128, 256), 128)[0]),
@@ -164,3 +165,13 @@ def test_rereads_hit_the_cache_only_when_the_launch_fits():
     assert hbm_bytes(small, "gfx950") == hbm_bytes(small, "sm_90a") == mb
     with pytest.raises(ValueError, match="reread_bytes"):
         dataclasses.replace(call, reread_bytes=call.bytes_moved + 1)
+    # a declared reuse distance within the share makes the re-reads hits however large the launch; one past it,
+    # or none declared (None), leaves the footprint to decide
+    assert hbm_bytes(dataclasses.replace(big, reuse_bytes=(2 * mb,)), "sm_90a") == 40 * mb
+    assert hbm_bytes(dataclasses.replace(big, reuse_bytes=(30 * mb,)), "sm_90a") == 50 * mb
+    assert hbm_bytes(dataclasses.replace(big, reuse_bytes=(None,)), "sm_90a") == 50 * mb
+    phased = dataclasses.replace(big, phases=((40 * mb, 8 * mb), (10 * mb, 2 * mb)), reuse_bytes=(mb,))
+    assert hbm_bytes(phased, "sm_90a") == 32 * mb + 8 * mb  # the first phase by its reuse, the second fits
+    assert hbm_bytes(dataclasses.replace(phased, reuse_bytes=()), "sm_90a") == 40 * mb + 8 * mb
+    with pytest.raises(ValueError, match="reuse_bytes"):
+        dataclasses.replace(big, reuse_bytes=(mb, mb))
