@@ -76,14 +76,26 @@ def bandwidth_time(bytes_moved: int, target: str) -> float:
 CACHE_SHARE = 0.5
 
 
+# A launch whose programs' order bounds how far a re-read comes after its byte's last touch declares that bound
+# (`KernelCall.reuse_bytes`, the re-read's LRU stack distance in bytes: Mattson, Gecsei, Slutz and Traiger,
+# "Evaluation techniques for storage hierarchies", IBM Systems Journal 9(2), 1970: a fully associative LRU cache
+# of C bytes hits exactly the references whose stack distance is below C). The bound is taken with the programs
+# one after another in the order they start; on the GPU many run at once, but in the steady state of a
+# bandwidth-bound phase of like programs one program's bytes arrive per program started (Little's law), so the
+# bytes between two events of programs n apart are still ~n programs' bytes. The same CACHE_SHARE margin holds.
+
+
 def hbm_bytes(call, target: str) -> int:
     """The HBM bytes of one kernel call on `target`: its footprint when that fits `CACHE_SHARE` of the target's
     last-level cache (the re-reads are hits), else every byte it moves; phase by phase for a launch whose
     phases each wait for every program of the one before (`KernelCall.phases`: no phase's loads overlap
-    another's in time, so a phase's re-reads compete with its own footprint only)."""
+    another's in time, so a phase's re-reads compete with its own footprint only). Where a phase declares its
+    re-reads' reuse distance (`KernelCall.reuse_bytes`), that distance stands for the footprint when smaller."""
     cache = CACHE_SHARE * TARGETS[target].llc_bytes
-    return sum(moved - reread if moved - reread <= cache else moved
-               for moved, reread in (call.phases or ((call.bytes_moved, call.reread_bytes),)))
+    parts = call.phases or ((call.bytes_moved, call.reread_bytes),)
+    reuse = tuple(call.reuse_bytes) + (None,) * (len(parts) - len(call.reuse_bytes))
+    return sum(moved - reread if min(moved - reread, far if far is not None else moved) <= cache else moved
+               for (moved, reread), far in zip(parts, reuse))
 
 
 def _cost(l):

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from . import BYTES_OF, KernelCall, TensorArg, call_name, ptr, unaligned
 from .arrival import last_to_arrive
-from .gemm import PAIR_SIDE, _pair_half, gemm_call, gemm_pair_call, gemm_pair_kernel, gemm_program
+from .gemm import PAIR_SIDE, _pair_half, gemm_call, gemm_pair_call, gemm_pair_kernel, gemm_program, tile_group_bytes
 from .mhc import mhc_rows
 from .pdl import pdl_enter
 from .phases import publish, ticket, wait_for
@@ -249,6 +249,7 @@ def first_gemms(x: TensorArg, operands: dict, results: dict, attrs: dict) -> tup
         ce["s0_ptr"] = None
     call.pointers = [(ONE_PARAMS.get(p, p), *rest) for p, *rest in call.pointers]
     call.unaligned = tuple(ONE_PARAMS.get(p, p) for p in call.unaligned)
+    call.reuse_bytes = (tile_group_bytes(x, s["w"], s["scale"], s["y"], c),)  # in `_pair_half`'s order, as the pair's
     return ce, call
 
 
@@ -299,8 +300,10 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
         # the two launches' bytes; the norm GEMM's first read of its input is a re-read too (this launch wrote it)
         bytes_moved=pair.bytes_moved + lin.bytes_moved,
         reread_bytes=pair.reread_bytes + lin.reread_bytes + a.type.nbytes,
-        # the norm GEMM's programs start once every pair program is done: each phase's footprint meets the cache
-        phases=((pair.bytes_moved, pair.reread_bytes), (lin.bytes_moved, lin.reread_bytes + a.type.nbytes)))]
+        # the norm GEMM's programs start once every pair program is done: each phase's footprint meets the cache;
+        # the pair's re-reads come within its tile groups (`_pair_half`'s order)
+        phases=((pair.bytes_moved, pair.reread_bytes), (lin.bytes_moved, lin.reread_bytes + a.type.nbytes)),
+        reuse_bytes=pair.reuse_bytes)]
 
 
 # the seam's mhc call (`mhc_post_pre_add`) -> the fused kernel's params (its x output is the pair's x, scratch)
@@ -358,4 +361,6 @@ def _with_seam(operands, results, attrs) -> list[KernelCall]:
         # the seam's bytes, then the front's; the pair's first read of x is a re-read too (this launch wrote it)
         bytes_moved=seam.bytes_moved + front.bytes_moved,
         reread_bytes=seam.reread_bytes + front.reread_bytes + xt.nbytes,
-        phases=((seam.bytes_moved, seam.reread_bytes), (pair_moved, pair_reread + xt.nbytes), norm_phase))]
+        phases=((seam.bytes_moved, seam.reread_bytes), (pair_moved, pair_reread + xt.nbytes), norm_phase),
+        # the pair's first reads of x come after the rest of the seam phase and within the first tile group
+        reuse_bytes=(None, seam.bytes_moved + front.reuse_bytes[0], None))]

@@ -67,7 +67,11 @@ class KernelCall:
     the launch's footprint fits the target's cache (`codegen/roofline.py`, `hbm_bytes`), HBM bytes otherwise.
     `phases`: for a launch run as ticketed phases, each of which waits for every program of the one before
     (`phases.py`), the (bytes_moved, reread_bytes) of each phase, summing to the call's: a phase's re-reads
-    then compete for the cache with that phase's footprint only (`hbm_bytes`).
+    then compete for the cache with that phase's footprint only (`hbm_bytes`). `reuse_bytes`: per phase (one
+    entry for a launch without phases; None or no entry: not declared), a bound on the distinct bytes the launch
+    touches between a re-read byte's previous touch and the re-read, its programs taken one after another in
+    the order they start (the re-read's LRU stack distance): where the programs' order keeps re-reads near
+    their last touch, they hit a cache far smaller than the phase's footprint (`hbm_bytes`).
 
     `offsets`: bytes added to a pointer param's base at launch. Not part of the specialisation (not a
     constexpr, not in `name`): per-layer row offsets into the shared pool planes go here, so every layer of
@@ -93,6 +97,7 @@ class KernelCall:
     mma_dtype: str = "bf16"
     offsets: dict[str, int] = field(default_factory=dict)
     phases: tuple[tuple[int, int], ...] = ()
+    reuse_bytes: tuple[int | None, ...] = ()
     per_target: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -104,6 +109,8 @@ class KernelCall:
         if self.phases and (sum(b for b, _ in self.phases), sum(r for _, r in self.phases)) != (self.bytes_moved,
                                                                                              self.reread_bytes):
             raise ValueError(f"{self.name}: phases {self.phases} do not sum to the call's bytes and re-reads")
+        if len(self.reuse_bytes) > max(len(self.phases), 1):
+            raise ValueError(f"{self.name}: reuse_bytes {self.reuse_bytes} has more entries than phases")
         for p in self.pointers:
             if len(p) != 4 or p[1] not in KINDS or not p[3].startswith("*"):
                 raise ValueError(f"{self.name}: bad pointer entry {p}")

@@ -219,14 +219,16 @@ def _pair_half(pid, x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M: tl.constex
                W_RS: tl.constexpr, W_CS: tl.constexpr, S_RS: tl.constexpr, S_CS: tl.constexpr, W_FMT: tl.constexpr,
                S_E8M0: tl.constexpr, BLOCK: tl.constexpr, ACT: tl.constexpr, CDT: tl.constexpr, BN: tl.constexpr,
                BK: tl.constexpr, PART: tl.constexpr, SEM: tl.constexpr):
-    """Program `pid` of one GEMM of a pair, its grid (N tiles, M tiles, K splits) flattened in that order;
-    its partials and arrival counters start PART / SEM elements into the pair's scratch."""
+    """Program `pid` of one GEMM of a pair, its grid flattened with the K splits fastest (then N tiles, then M
+    tiles): an output tile's splits take adjacent programs, so its partials are read back, and each slice of x
+    read again by the next tile, within a tile's bytes of their last touch (`tile_group_bytes`: a cache hit
+    however large the GEMM, codegen/roofline.py). Its partials and arrival counters start PART / SEM elements
+    into the pair's scratch."""
     TN: tl.constexpr = (N + BN - 1) // BN
-    TM: tl.constexpr = (M + BM - 1) // BM
     if SPLIT > 1:
         part_ptr = part_ptr + PART
         sem_ptr = sem_ptr + SEM
-    gemm_program(pid % TN, (pid // TN) % TM, pid // (TN * TM), x_ptr, None, w_ptr, s_ptr, None, None, y_ptr,
+    gemm_program((pid // SPLIT) % TN, pid // (SPLIT * TN), pid % SPLIT, x_ptr, None, w_ptr, s_ptr, None, None, y_ptr,
                  part_ptr, sem_ptr, M, N, K, 0, 0, SPLIT, KS, NT, X_RS, X_CS, Y_RS, Y_CS, W_RS, W_CS, S_RS, S_CS,
                  W_FMT, S_E8M0, BLOCK, ACT, False, 0.0, CDT, BM, BN, BK, STAGES, 1, 0, 0, 0, 0, 0, -1.0)
 
@@ -377,6 +379,17 @@ def gemm_call(prefix: str, x: TensorArg, w: TensorArg, scale: TensorArg | None, 
     return calls
 
 
+def tile_group_bytes(x: TensorArg, w: TensorArg, scale: TensorArg | None, y: TensorArg, ce: dict) -> int:
+    """The bytes one output tile's programs move in a pair half (`_pair_half`: a tile's K splits adjacent):
+    min(BN, N) rows of the weight and their scales, x once over the splits, the tile's fp32 partials written
+    and read back, its y tile. Every re-read of a half (a partial, a slice of x the previous tile read) comes
+    within this many bytes of its last touch, programs taken in order (M within one row tile: decode, chunks)."""
+    rows = min(ce["BN"], ce["N"])
+    part = 2 * ce["SPLIT"] * ce["M"] * rows * 4 if ce["SPLIT"] > 1 else 0
+    wbytes = w.type.nbytes + (scale.type.nbytes if scale is not None else 0)
+    return -(-wbytes * rows // ce["N"]) + x.type.nbytes + part + -(-y.type.nbytes * rows // ce["N"])
+
+
 PAIR_SIDE = ("N", "SPLIT", "KS", "NT", "Y_RS", "Y_CS", "W_RS", "W_CS", "S_RS", "S_CS", "W_FMT", "S_E8M0", "BLOCK",
              "ACT", "CDT", "BN", "BK")
 
@@ -420,7 +433,10 @@ def gemm_pair_call(x: TensorArg, sides: list[dict]) -> list[KernelCall]:
         scratch_bytes=scratch, unaligned=unaligned({"x_ptr": x, **un}), flops=sum(c.flops for c in one),
         # x is read by both halves: the two calls' bytes, as two launches would move them; the second half's x is a re-read
         mma_dtype="fp8" if "fp8" in (a["ACT"], b["ACT"]) else "bf16",
-        bytes_moved=sum(c.bytes_moved for c in one), reread_bytes=sum(c.reread_bytes for c in one) + x.type.nbytes)]
+        bytes_moved=sum(c.bytes_moved for c in one), reread_bytes=sum(c.reread_bytes for c in one) + x.type.nbytes,
+        # a half's re-reads come within its tile group; the second half's first reads of x within the first's
+        # last group and its own first
+        reuse_bytes=(sum(tile_group_bytes(x, s["w"], s["scale"], s["y"], c.constexprs) for s, c in zip(sides, one)),))]
 
 
 def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg],

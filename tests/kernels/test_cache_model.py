@@ -58,6 +58,40 @@ def measured(op, args, attrs, outs, regions):
     return calls, got
 
 
+def reuse_distance(op, args, attrs, outs, programs: range) -> tuple[list, int]:
+    """Run `op` (a ticketed launch: each program's first atomic is its ticket) under the interpreter, programs
+    one after another in ticket order; (its calls, the largest LRU stack distance of a load by a program in
+    `programs` of a byte touched before: the distinct bytes touched since that byte's previous touch)."""
+    log: list[tuple[int, str, np.ndarray]] = []
+    at = {"ticket": None, "program": -1}
+
+    def record(what, ptrs, mask, nbytes):
+        p = np.asarray(ptrs, dtype=np.uint64).reshape(-1)
+        if mask is not None:
+            p = p[np.broadcast_to(np.asarray(mask, dtype=bool), np.shape(ptrs)).reshape(-1)]
+        if what == "atomic":
+            if at["ticket"] is None:
+                at["ticket"] = int(p[0])
+            at["program"] += int(p.size == 1 and int(p[0]) == at["ticket"])
+        elif p.size:
+            log.append((at["program"], what, (p[:, None] + np.arange(nbytes, dtype=np.uint64)).reshape(-1)))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interpreter, "_check_access", record)
+        with kernels.memory_guard([(0, 1 << 63)]):
+            calls = kernels.launch(op, args, attrs, outs)
+    every = np.unique(np.concatenate([b for *_, b in log]))
+    last = np.full(every.size, -1, dtype=np.int64)
+    worst = 0
+    for i, (v, what, b) in enumerate(log):
+        idx = np.searchsorted(every, b)
+        before = last[idx][last[idx] >= 0]
+        if what == "load" and v in programs and before.size:
+            worst = max(worst, int(np.count_nonzero(last > before.min())))
+        last[idx] = i
+    return calls, worst
+
+
 def check_declared(call, got):
     """Every declared re-read is made by the kernel, and the bytes it touches fit the declared footprint (the
     arrival counters' resets aside: 4 bytes per group, in no byte count)."""
@@ -115,7 +149,8 @@ def test_declared_rereads_are_made_by_the_kernel(op, monkeypatch):
 
 
 def test_rereads_hit_the_cache_only_when_the_launch_fits():
-    """Footprint within CACHE_SHARE of the target's last-level cache: its HBM bytes; past it: every byte.
+    """Footprint within CACHE_SHARE of the target's last-level cache: its HBM bytes; past it: every byte, unless
+    the launch declares its re-reads' reuse distance within the share (`KernelCall.reuse_bytes`).
     40 MB fits gfx950's share (256 MB Infinity Cache) and not sm_90a's (50 MB L2)."""
     call = gemm.specialise("linear", {"x": kernels.TensorArg.of(torch.zeros(1, 8, 256, dtype=torch.bfloat16)),
                                               "w": kernels.TensorArg.of(fp8_block_quant(torch.randn(128, 256), 128)[0]),
@@ -130,3 +165,13 @@ def test_rereads_hit_the_cache_only_when_the_launch_fits():
     assert hbm_bytes(small, "gfx950") == hbm_bytes(small, "sm_90a") == mb
     with pytest.raises(ValueError, match="reread_bytes"):
         dataclasses.replace(call, reread_bytes=call.bytes_moved + 1)
+    # a declared reuse distance within the share makes the re-reads hits however large the launch; one past it,
+    # or none declared (None), leaves the footprint to decide
+    assert hbm_bytes(dataclasses.replace(big, reuse_bytes=(2 * mb,)), "sm_90a") == 40 * mb
+    assert hbm_bytes(dataclasses.replace(big, reuse_bytes=(30 * mb,)), "sm_90a") == 50 * mb
+    assert hbm_bytes(dataclasses.replace(big, reuse_bytes=(None,)), "sm_90a") == 50 * mb
+    phased = dataclasses.replace(big, phases=((40 * mb, 8 * mb), (10 * mb, 2 * mb)), reuse_bytes=(mb,))
+    assert hbm_bytes(phased, "sm_90a") == 32 * mb + 8 * mb  # the first phase by its reuse, the second fits
+    assert hbm_bytes(dataclasses.replace(phased, reuse_bytes=()), "sm_90a") == 40 * mb + 8 * mb
+    with pytest.raises(ValueError, match="reuse_bytes"):
+        dataclasses.replace(big, reuse_bytes=(mb, mb))

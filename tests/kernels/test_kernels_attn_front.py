@@ -162,6 +162,34 @@ def test_declared_rereads_are_made_by_the_kernel(monkeypatch):
                                            phases=((b0, r0), (b1, r1 + extra))), got)
 
 
+def test_the_pair_rereads_come_within_its_declared_reuse(monkeypatch, tmp_path):
+    """The pair phase's declared reuse distance (`KernelCall.reuse_bytes`: what lets its re-reads hit a cache far
+    smaller than the phase, codegen/roofline.py) bounds the measured one: a split's partials read back, and x
+    read again by the next tile, programs in ticket order (4 tiles of the first GEMM, K in 2 splits). The pair in
+    the old order (N tiles fastest: a tile's splits 4 programs apart) re-reads from farther than declared."""
+    from test_cache_model import reuse_distance
+    from v4compile.codegen.kernels import gemm
+    monkeypatch.setattr(gemm, "TARGET_PROGRAMS", 8)
+
+    def worst():
+        args, attrs = case(torch.bfloat16, "fp8", 0, 0, 64, N0=512, N1=16, NB=64)
+        outs = {n: kc.poisoned(r.shape, r.dtype)[0] for n, r in zip(RESULTS, kc.reference("pair_norm_linear", args,
+                                                                                          attrs))}
+        (call,), far = reuse_distance("pair_norm_linear", args, attrs, outs, range(10))
+        ce = call.constexprs
+        assert (ce["P0"], ce["SPLIT0"], ce["P1"]) == (8, 2, 2), "the pair phase: programs 0..9"
+        return call, far
+
+    call, far = worst()
+    assert 0 < far <= call.reuse_bytes[0] < call.phases[0][0] - call.phases[0][1], (far, call.reuse_bytes, call.phases)
+    kc.install_broken_kernel(monkeypatch, tmp_path, gemm, "_pair_half",
+                             "gemm_program((pid // SPLIT) % TN, pid // (SPLIT * TN), pid % SPLIT,",
+                             "gemm_program(pid % TN, 0, pid // TN,")
+    monkeypatch.setattr(attn_front, "_pair_half", gemm._pair_half)
+    call, far = worst()
+    assert far > call.reuse_bytes[0], (far, call.reuse_bytes)
+
+
 # ---- mhc_add_pair_norm_linear: the seam after a partitioned MoE as the launch's first phase ------------------
 
 SEAM_ATTRS = {"in_eps": 1e-6, "in_hc_eps": 1e-6, "in_iters": 3, "in_norm_eps": 1e-6}  # few Sinkhorn steps
