@@ -255,6 +255,10 @@ class SpecStep:
         # "auto": k chosen per step (`spec_auto.py`); a `draft` source drafts the artifact's K every step
         self.auto = AutoK(self, self.k) if auto and self.mtp is not None else None
         self.k_now = self.k  # the drafts the next step is to verify (this step's choice with "auto")
+        # the generation loop's own plain decode step (`Batcher._decode`, set by the loop): a greedy plain step
+        # taken here costs what the loop's plain step costs (None: `_plain`'s own)
+        self.plain: Callable[[], None] | None = None
+        self._fns: dict[int, tuple[int, str, int]] = {}
 
     @staticmethod
     def check(top_p: float) -> None:
@@ -274,6 +278,13 @@ class SpecStep:
             return r.spec.pick(self.s.extend(r.seq, r.prompt))[0]
         tok, r.spec.entry = self.mtp.prefill(r.seq, r.prompt, r.spec.pick)
         return tok
+
+    def _fn(self, lanes: int) -> tuple[int, str, int]:
+        """The smallest verify bucket that holds `lanes` (found once per count: the loop asks every step)."""
+        fn = self._fns.get(lanes)
+        if fn is None:
+            fn = self._fns[lanes] = next(f for f in self.fns if f[0] >= lanes)
+        return fn
 
     def _bucket_of(self, n: int) -> int:
         return next((f[0] for f in self.fns if f[0] >= n), self.fns[-1][0])
@@ -300,7 +311,7 @@ class SpecStep:
     def step(self, live: list, deliver: Callable[[object, list[int]], int]) -> None:
         """One verify step over the live requests: their new tokens go to `deliver(request, ids) -> how many
         it took` (it may end the request and release its sequence); those still live get their next drafts."""
-        fn = next(f for f in self.fns if f[0] >= self.s.lanes([r.seq for r in live]))
+        fn = self._fn(len(live) if self.s.dp == 1 else self.s.lanes([r.seq for r in live]))
         if self.auto is None:
             return self._step(live, deliver, fn)
         self.auto.prior(fn[0])  # measured first (a new bucket): untimed
@@ -377,7 +388,15 @@ class SpecStep:
             r.spec.drafts = d
 
     def _plain(self, live: list, deliver) -> None:
-        """k = 0 ("auto"), no drafts held: a plain decode step (the MTP block's ring not written)."""
+        """k = 0 ("auto"), no drafts held: a plain decode step (the MTP block's ring not written). Greedy, the
+        generation loop's own (`plain`: the same ids, argmax either way); sampling draws as the verify step's
+        picker does (the loop's sampler would draw other ids from the same generator)."""
+        if self.plain is not None and all(r.temperature == 0 for r in live):
+            self.plain()
+            n = len(live)  # each sequence one step and one token (`Acceptance.add(0, 1, 0)` each)
+            self.stats.steps += n
+            self.stats.tokens += n
+            return
         logits = self.s.decode([r.seq for r in live], [r.ids[-1] for r in live])
         for r, row in zip(live, logits):
             tok, _ = r.spec.pick(row)

@@ -457,7 +457,8 @@ def cycled(monkeypatch, ks) -> list[int]:
 def test_auto_ids_equal_plain_whatever_k(doc, monkeypatch):
     """k switching every step through 0 (a plain decode step, or a verify of the drafts held without new
     ones), 3, 1, 2, 0, 0: the ids are plain decoding's, also after a prefill without the MTP block (no first
-    drafts); a plain step that picks the runner-up is caught."""
+    drafts), and a plain step is the loop's own (`plain_steps_are_the_loops`); a plain step that picks the
+    runner-up is caught."""
     art, prompts, want = doc
     made = cycled(monkeypatch, [0, 3, 1, 2, 0, 0])
     p, want = prompts[1:], [want[1][:32]]  # batch 1, 32 tokens: 3 one-call graphs made, 16 steps or so
@@ -469,10 +470,44 @@ def test_auto_ids_equal_plain_whatever_k(doc, monkeypatch):
 
         monkeypatch.setattr(spec_auto.AutoK, "first", lambda self, B: 0)
         assert s.generate(p, 32, speculative="mtp") == want
+        # a plain step is the loop's own; a spec loop not handed the loop's step (its own decode and picks, the
+        # ~45 us a step it cost at batch 8) is caught
+        assert plain_steps_are_the_loops(s, prompts, [w[:16] for w in doc[2]], monkeypatch)
+        from v4compile.runtime import batcher
+
+        init = batcher.Batcher.__init__
+
+        def unhanded(self, *a, **kw):
+            init(self, *a, **kw)
+            if self.spec is not None:
+                self.spec.plain = None
+        monkeypatch.setattr(batcher.Batcher, "__init__", unhanded)
+        assert not plain_steps_are_the_loops(s, prompts, [w[:16] for w in doc[2]], monkeypatch)
+        monkeypatch.setattr(batcher.Batcher, "__init__", init)
         monkeypatch.setattr(rs.Picker, "__call__", lambda self, logits: (int(np.argsort(logits)[-2]), None))
         assert s.generate(p, 32, speculative="mtp") != want
     finally:
         s.close()
+
+
+def plain_steps_are_the_loops(s, prompts, want, monkeypatch) -> bool:
+    """Under "auto" choosing k = 0 on every step (no first drafts): the ids are plain decoding's and every
+    step is the generation loop's own plain decode step (`Batcher._decode`), so that it costs what a plain
+    generation's step costs."""
+    from v4compile.runtime import batcher, spec_auto
+
+    made = cycled(monkeypatch, [0])
+    monkeypatch.setattr(spec_auto.AutoK, "first", lambda self, B: 0)
+    calls = []
+    orig = batcher.Batcher._decode
+
+    def decode(self):
+        calls.append(len(self.live))
+        return orig(self)
+    monkeypatch.setattr(batcher.Batcher, "_decode", decode)
+    assert s.generate(prompts[1:], 16, speculative="mtp") == [want[1][:16]]
+    monkeypatch.setattr(batcher.Batcher, "_decode", orig)
+    return len(calls) == len(made) == 15
 
 
 def test_auto_rule():
