@@ -332,23 +332,28 @@ class SpecStep:
             if self.k_now == 0 and not any(r.spec.drafts[0] for r in live):
                 self._ran = 0
                 return self._plain(live, deliver)
-        ids = np.zeros((max(B, len(live)), T), dtype=np.int64)  # data parallel: every replica's lanes (`run_lanes`)
-        pos = np.full((max(B, len(live)), T), -1, dtype=np.int64)
-        spans = []
-        for b, r in enumerate(live):
+        # the lanes as lists, one array each (a numpy write per lane costs more); data parallel: every replica's
+        # lanes (`run_lanes`), at least the bucket's
+        rows_ids, rows_pos = [], []
+        for r in live:
             q, L, d = r.seq, r.seq.length, r.spec.drafts[0]
             s.reserve(q, L + len(d))
-            ids[b, : 1 + len(d)] = [r.ids[-1]] + d
-            pos[b, : 1 + len(d)] = np.arange(L, L + 1 + len(d))
-            if q.replica == s.replica:  # this rank's pool (data parallel: its replica's sequences)
-                spans.append((q.slot, list(q.blocks), L + 1, L + len(d)))
+            pad = T - 1 - len(d)
+            rows_ids.append([r.ids[-1], *d] + [0] * pad)
+            rows_pos.append(list(range(L, L + 1 + len(d))) + [-1] * pad)
+        for _ in range(B - len(live)):
+            rows_ids.append([0] * T)
+            rows_pos.append([-1] * T)
+        ids, pos = np.array(rows_ids, dtype=np.int64), np.array(rows_pos, dtype=np.int64)
         seqs = [r.seq for r in live]
         greedy = all(r.temperature == 0 for r in live)
         fused = self.mtp.fused(B, self.k_now) if self.mtp is not None and greedy and self.k_now else None
         if fused and s.dp == 1 and hasattr(s.backend, "run_held") and getattr(s.backend, "ranks", None) is None:
             table, slot = s.table(seqs, B)
             return self._fused_step(live, deliver, fused, {"ids": ids, "pos": pos, "block_table": table, "slot": slot})
-        undo = PoolUndo(s.backend, spans)
+        # this rank's pool (data parallel: its replica's sequences): the rows the drafts' positions may write
+        undo = PoolUndo(s.backend, [(q.slot, list(q.blocks), q.length + 1, q.length + len(r.spec.drafts[0]))
+                                    for r, q in zip(live, seqs) if q.replica == s.replica])
         res = s.run_lanes(fused or fname, B, seqs, {"ids": ids, "pos": pos})
         logits = res["logits"]
         keep, news, kept_lane = {}, [], {}
@@ -408,8 +413,8 @@ class SpecStep:
         logits read), its writes stored but those of the rejected positions (no rows saved before the run,
         none restored after), and its in-graph drafts (`spec.drafts`) the next step's."""
         s = self.s
-        res, store = s.backend.run_held(fused, inputs)
-        best_ids = res["spec.next_ids"].tolist()
+        res, store = s.backend.run_held(fused, inputs, views=True)  # read below, before any other run
+        best_ids, drafts = res["spec.next_ids"].tolist(), res["spec.drafts"].tolist()
         n_kept = (res["spec.kept_pos"] >= 0).sum(1).tolist()
         rows = access(s.backend)
         skip: dict[str, set[int]] = {}
@@ -430,11 +435,10 @@ class SpecStep:
         store(skip)
         for r, (a, new, nd) in zip(live, news):
             self.stats.add(a, deliver(r, new), nd)
-        drafts = res["spec.drafts"]
         for b, r in enumerate(live):
             if not r.done:
                 n = self._wanted(r)
-                r.spec.drafts = (drafts[b, :n].tolist(), [None] * n)
+                r.spec.drafts = (drafts[b][:n], [None] * n)
 
 
 def rejected_rows(rows, seq, first: int, last: int, into: dict[str, set[int]]) -> dict[str, set[int]]:
