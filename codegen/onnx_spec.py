@@ -27,6 +27,17 @@ patched with their rows (`patched_gather`: for each read row, the last earlier c
 wins, as the backend's in-order row writes would), before the copy's own in-step patch of its own writes.
 The values are the bytes the backend would have stored, so the drafts equal the separate `draft_b<B>` calls'.
 
+Exact: the next step's verify reads the pool the two-call path leaves. That path stores verify's rows, then
+draft_b<B>'s ring rows of the kept lanes (copy 1 here: the same nodes on the same inputs, a rejected lane at pos
+-1 writes nothing), and its recursive draft_b<B> calls' ring rows, which `PoolUndo` restores before the next
+step; here those are never stored, and the rejected positions' verify rows are held back (the backend's
+`run_held`), so every byte matches (the tests compare drafts step by step and the pool after a step).
+
+One graph per k (`spec_b<B>_d<k>`, made at first use), not the K-draft graph with its unused drafts dropped: a
+draft copy costs ~0.3 decode steps of ONNX Runtime's per-node time on the trained example whether its drafts
+are read or not (the K-draft graph at k = 1: ~1.99 against ~1.58 decode steps, batch 1), and every variant binds
+the backend's one set of weight arrays, so a variant costs a session's build and its own buffers.
+
 Outputs: verify's `logits` (the host checks the graph's acceptance, `next_ids` = best and `kept_pos`, against
 its own rule on those ids), the MTP's `draft.logits` `[B, V]` (its last kept lane: the first next draft)
 and `draft.streams`, `spec.drafts` `[B, k]` (each copy's argmax: the next step's greedy drafts); each written

@@ -33,7 +33,8 @@ of its acceptance on its logits; the k - 1 recursive drafts stay `draft_b<B>` ca
 runs verify then draft: the token after the last kept lane is drawn on the host between them.
 
 `draft_tokens="auto"` (the default of `Session.generate` and `run`): k in 0..K chosen per step, 0 a plain
-decode step (`spec_auto.py` states the rule).
+decode step (`spec_auto.py` states the rule); a greedy plain step is the generation loop's own
+(`Batcher._decode`, handed over as `SpecStep.plain`), so it costs what a plain generation's step does.
 
 During prefill (`CompiledDraft.prefill`, through the prefix cache), `draft_c<T>` runs the block over each
 prompt chunk the same way (the last chunk's last lane, with the first sampled token, drafts d_1). A `draft(sequence index, ids so far, k) -> k ids`
