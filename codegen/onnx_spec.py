@@ -275,7 +275,9 @@ def recursive(gd: onnx.GraphProto, shared: set[str], batch: int, tokens: int, dr
         picked.append(d)
         last_ids, streams, lane = d, pre + "streams", "spec/r/zero_lane"
     if drafts > 1:
-        nodes += [const("spec/r/idx_shape", [B, 1, 1, 1]), const("spec/r/zero_lane", [0] * B, dims=[B, 1])]
+        nodes.append(const("spec/r/idx_shape", [B, 1, 1, 1]))
+    if drafts > 2:  # the third copy on reads lane 0 (unused at 2: ONNX Runtime would warn of it at every load)
+        nodes.append(const("spec/r/zero_lane", [0] * B, dims=[B, 1]))
     nodes.append(n("Concat", picked, ["spec.drafts"], axis=1, name="spec/drafts") if len(picked) > 1 else
                  n("Identity", picked, ["spec.drafts"], name="spec/drafts"))
     return nodes, inits
