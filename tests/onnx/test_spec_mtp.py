@@ -11,6 +11,9 @@ without a `draft`: the `draft_b<B>` / `draft_c<T>` functions).
 * sampling on the compiled path: the second new token (the first the acceptance rule decides, k = 1, its q
   from the compiled block) is distributed as plain sampling's (chi-square, vocabulary 8, 200 sequences,
   seed 0, significance 0.001); an always-accept rule fails the same test.
+* the cpu device's one-call step (`codegen/onnx_spec.py`): its drafts equal the draft_b<B> calls' at every step
+  of a generation (k = 2, 3), one step drafting 3 equals the multi-call path bit for bit (logits, drafts, pool),
+  its held writes leave the pool the undo log does; under `auto` a plain step is the loop's own decode step.
 """
 
 from __future__ import annotations
