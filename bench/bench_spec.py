@@ -7,9 +7,9 @@ tokens/s against plain greedy decoding in the same run, and the modeled V4-Pro g
 What runs: the example compiled with `--draft-tokens k` for the cpu device, one artifact per k (ONNX Runtime,
 one thread, `--batch` prompts a call: batch 1 runs each prompt alone, batch B > 1 the prompts cycled to B
 sequences in one call), so the artifact carries the MTP block (`draft_b1` / `draft_c16`): `runtime/speculative.py`'s
-steps (greedy: one call of the fused verify + acceptance + MTP graph, `codegen/onnx_spec.py`; for k > 1 the
-recursive drafts' `draft_b1` calls, their ring writes undone) against the session's plain decode steps, the
-MTP's own cost included. Plain and every k are timed in interleaved
+steps (greedy: one call of the fused verify + acceptance + k unrolled MTP drafts graph, `codegen/onnx_spec.py`;
+`draft_b1` calls only for a request's first drafts after its prefill) against the session's plain decode steps,
+the MTP's own cost included. Plain and every k are timed in interleaved
 rounds (plain, k=1, k=2, ... then again), `--repeat` rounds; tokens/s from the median time, the speedup the
 median of the rounds' own ratios (with their range); times are this process's CPU time (`time.process_time`), which stays fair on a shared, loaded machine. Greedy ids must match
 plain decoding (checked, not timed). `--reference` adds the same for the eager reference decoder
@@ -22,7 +22,8 @@ The step breakdown (one extra, untimed-for-the-ratio round per run, `Meter`): a 
 plain decode steps (a decode step: the plain run's time outside prefill over its decode steps), split into
 the graph call (the fused verify + acceptance + draft graph, or the verify graph), the separate draft calls,
 the undo bookkeeping (`PoolUndo`; the one-call step has none: its held writes are stored but the rejected
-rows, counted as Python) and the rest (Python: the step's input building, acceptance, delivery).
+rows, counted as Python) and the rest (Python: the step's input building, acceptance, delivery). Under `auto`
+a plain step is the loop's own decode step inside the speculative step (counted once, as one of its steps).
 `--auto` adds `--draft-tokens auto` on the largest k's artifact (`runtime/spec_auto.py` picks k per step; one
 untimed pass over the inputs first makes its graphs and measures its buckets' prior costs, as the others' are
 made before timing; its in-generation costs and acceptance then carry over, as in any session).
@@ -205,6 +206,7 @@ def step_table(label: str, runs: dict, inputs, out: dict, rounds: int) -> None:
     `rounds` metered passes of every run in turn (as the timed rounds interleave), their CPU times summed."""
     t: dict = {n: {} for n in runs}
     steps = dict.fromkeys(runs, 0)
+    plain = dict.fromkeys(runs, 0)  # a speculative run's plain steps (auto: the loop's decode step, inside its step)
     with Meter() as m:
         for _ in range(rounds):
             for name, fn in runs.items():
@@ -213,7 +215,8 @@ def step_table(label: str, runs: dict, inputs, out: dict, rounds: int) -> None:
                 tt, nn = m.take()
                 for key, v in tt.items():
                     t[name][key] = t[name].get(key, 0.0) + v
-                steps[name] += nn.get("spec_step", 0) + nn.get("decode_step", 0)
+                steps[name] += nn.get("spec_step", 0) or nn.get("decode_step", 0)
+                plain[name] += nn.get("decode_step", 0) if nn.get("spec_step") else 0
     dec = t["plain"].get("decode_step", 0.0) / max(steps["plain"], 1)
     graph = t["plain"].get("graph", 0.0) / max(steps["plain"], 1) / dec
     print(f"{label} step breakdown (CPU time per step, {rounds} metered rounds, in plain decode steps of "
@@ -230,7 +233,7 @@ def step_table(label: str, runs: dict, inputs, out: dict, rounds: int) -> None:
         out.setdefault(name, {})["step"] = row
         print(f"  k={name}: {row['total']:.2f} decode steps = graph call {row['graph']:.2f} + draft calls "
               f"{row['drafts']:.2f} + undo {row['undo']:.2f} + Python {row['python']:.2f} "
-              f"({n // rounds} steps a round)")
+              f"({n // rounds} steps a round" + (f", {plain[name] // rounds} of them plain)" if plain[name] else ")"))
 
 
 def batched(prompts, batch: int) -> list[list[list[int]]]:

@@ -27,6 +27,24 @@ patched with their rows (`patched_gather`: for each read row, the last earlier c
 wins, as the backend's in-order row writes would), before the copy's own in-step patch of its own writes.
 The values are the bytes the backend would have stored, so the drafts equal the separate `draft_b<B>` calls'.
 
+Exact: the next step's verify reads the pool the two-call path leaves. That path stores verify's rows, then
+draft_b<B>'s ring rows of the kept lanes (copy 1 here: the same nodes on the same inputs, a rejected lane at pos
+-1 writes nothing), and its recursive draft_b<B> calls' ring rows, which `PoolUndo` restores before the next
+step; here those are never stored, and the rejected positions' verify rows are held back (the backend's
+`run_held`), so every byte matches (the tests compare drafts step by step and the pool after a step).
+
+One graph per k (`spec_b<B>_d<k>`, made at first use), not the K-draft graph with its unused drafts dropped: a
+draft copy costs ~0.3 decode steps of ONNX Runtime's per-node time on the trained example whether its drafts
+are read or not (the K-draft graph at k = 1: ~1.99 against ~1.58 decode steps, batch 1), and every variant binds
+the backend's one set of weight arrays, so a variant costs a session's build and its own buffers.
+
+Where a draft copy's time goes (the trained example, 5 layers, batch 1): draft_b<B> is 305 nodes, ~0.27-0.33
+of a decode step (1325 nodes) alone and ~0.3 more per recursive copy here, the same with 2 lanes or 4 (ONNX
+Runtime's time is per node at these sizes, not per lane): the two mHC Sinkhorns (`hc_pre_norm` 60,
+`mhc_post_pre` 66 nodes, 76 of them LpNormalization), then sparse attention 38, the MoE 25, the window rows 23,
+the ring write 16. Nothing the greedy step needs less of: its logits feed the in-graph argmax (the host reads
+ids), and the last copy's ring write, read by no later copy, is dropped by ONNX Runtime as dead.
+
 Outputs: verify's `logits` (the host checks the graph's acceptance, `next_ids` = best and `kept_pos`, against
 its own rule on those ids), the MTP's `draft.logits` `[B, V]` (its last kept lane: the first next draft)
 and `draft.streams`, `spec.drafts` `[B, k]` (each copy's argmax: the next step's greedy drafts); each written
@@ -264,7 +282,9 @@ def recursive(gd: onnx.GraphProto, shared: set[str], batch: int, tokens: int, dr
         picked.append(d)
         last_ids, streams, lane = d, pre + "streams", "spec/r/zero_lane"
     if drafts > 1:
-        nodes += [const("spec/r/idx_shape", [B, 1, 1, 1]), const("spec/r/zero_lane", [0] * B, dims=[B, 1])]
+        nodes.append(const("spec/r/idx_shape", [B, 1, 1, 1]))
+    if drafts > 2:  # the third copy on reads lane 0 (unused at 2: ONNX Runtime would warn of it at every load)
+        nodes.append(const("spec/r/zero_lane", [0] * B, dims=[B, 1]))
     nodes.append(n("Concat", picked, ["spec.drafts"], axis=1, name="spec/drafts") if len(picked) > 1 else
                  n("Identity", picked, ["spec.drafts"], name="spec/drafts"))
     return nodes, inits

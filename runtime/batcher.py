@@ -89,6 +89,8 @@ class Batcher:
         self.lockstep = lockstep
         self.sess = session
         self.spec = spec
+        if spec is not None:  # its plain steps (k = 0 under "auto") are this loop's own decode step
+            spec.plain = self._decode
         self.max_live = getattr(session, "max_live", session.max_batch) if spec is None else spec.max_batch
         self.raise_errors = raise_errors
         self.waiting: deque[Request] = deque()

@@ -102,6 +102,7 @@ class AutoK:
         self.measured: dict[int, bool] = {}  # bucket -> its priors are CPU seconds (then refined in situ)
         self._costs: dict[int, list[float] | None] = {}  # bucket -> c(B, 0..K) until its next sample (per step: cheap)
         self.chosen: list[int] = []  # each step's k (the bench and the tests read it)
+        self._seen: dict[int, list[deque]] = {}  # bucket -> `_samples`
 
     def observe(self, a: int, offered: int) -> None:
         """One sequence's verify: `a` of its `offered` drafts accepted (position j offered when j <= a + 1)."""
@@ -116,8 +117,13 @@ class AutoK:
         return out
 
     def _samples(self, B: int) -> list[deque]:
-        """Bucket `B`'s last in-generation step costs over their priors: [plain steps, drafting steps]."""
-        return self.known.setdefault(("seen", B, self.K), [deque(maxlen=WINDOW), deque(maxlen=WINDOW)])
+        """Bucket `B`'s last in-generation step costs over their priors: [plain steps, drafting steps] (the
+        session's; looked up once per bucket: every step reads them)."""
+        got = self._seen.get(B)
+        if got is None:
+            got = self._seen[B] = self.known.setdefault(("seen", B, self.K),
+                                                        [deque(maxlen=WINDOW), deque(maxlen=WINDOW)])
+        return got
 
     def cost(self, B: int) -> list[float] | None:
         """c(B, 0..K): the priors, c(B, 0) scaled by its steps' median ratio, c(B, k > 0) by the drafting
@@ -130,7 +136,7 @@ class AutoK:
         prior = self.prior(B)
         if prior is None or not self.measured.get(B):
             return prior
-        plain, spec = (statistics.median(q) if q else None for q in self._samples(B))
+        plain, spec = (_median(q) if q else None for q in self._samples(B))
         if plain is None and spec is None:
             return prior
         plain, spec = plain or spec, spec or plain
@@ -214,6 +220,12 @@ class AutoK:
                 log.debug("speculation auto: bucket %d prior step costs %s", B, self.known[key][0])
             self.priors[B], self.measured[B] = self.known[key]
         return self.priors[B]
+
+
+def _median(q) -> float:
+    """`statistics.median` of a few numbers (the same value; every step takes two)."""
+    s, n = sorted(q), len(q)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
 def _lanes(session, B: int, T: int) -> dict[str, np.ndarray]:

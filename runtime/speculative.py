@@ -33,7 +33,8 @@ of its acceptance on its logits; the k - 1 recursive drafts stay `draft_b<B>` ca
 runs verify then draft: the token after the last kept lane is drawn on the host between them.
 
 `draft_tokens="auto"` (the default of `Session.generate` and `run`): k in 0..K chosen per step, 0 a plain
-decode step (`spec_auto.py` states the rule).
+decode step (`spec_auto.py` states the rule); a greedy plain step is the generation loop's own
+(`Batcher._decode`, handed over as `SpecStep.plain`), so it costs what a plain generation's step does.
 
 During prefill (`CompiledDraft.prefill`, through the prefix cache), `draft_c<T>` runs the block over each
 prompt chunk the same way (the last chunk's last lane, with the first sampled token, drafts d_1). A `draft(sequence index, ids so far, k) -> k ids`
@@ -255,6 +256,10 @@ class SpecStep:
         # "auto": k chosen per step (`spec_auto.py`); a `draft` source drafts the artifact's K every step
         self.auto = AutoK(self, self.k) if auto and self.mtp is not None else None
         self.k_now = self.k  # the drafts the next step is to verify (this step's choice with "auto")
+        # the generation loop's own plain decode step (`Batcher._decode`, set by the loop): a greedy plain step
+        # taken here costs what the loop's plain step costs (None: `_plain`'s own)
+        self.plain: Callable[[], None] | None = None
+        self._fns: dict[int, tuple[int, str, int]] = {}
 
     @staticmethod
     def check(top_p: float) -> None:
@@ -274,6 +279,13 @@ class SpecStep:
             return r.spec.pick(self.s.extend(r.seq, r.prompt))[0]
         tok, r.spec.entry = self.mtp.prefill(r.seq, r.prompt, r.spec.pick)
         return tok
+
+    def _fn(self, lanes: int) -> tuple[int, str, int]:
+        """The smallest verify bucket that holds `lanes` (found once per count: the loop asks every step)."""
+        fn = self._fns.get(lanes)
+        if fn is None:
+            fn = self._fns[lanes] = next(f for f in self.fns if f[0] >= lanes)
+        return fn
 
     def _bucket_of(self, n: int) -> int:
         return next((f[0] for f in self.fns if f[0] >= n), self.fns[-1][0])
@@ -300,7 +312,7 @@ class SpecStep:
     def step(self, live: list, deliver: Callable[[object, list[int]], int]) -> None:
         """One verify step over the live requests: their new tokens go to `deliver(request, ids) -> how many
         it took` (it may end the request and release its sequence); those still live get their next drafts."""
-        fn = next(f for f in self.fns if f[0] >= self.s.lanes([r.seq for r in live]))
+        fn = self._fn(len(live) if self.s.dp == 1 else self.s.lanes([r.seq for r in live]))
         if self.auto is None:
             return self._step(live, deliver, fn)
         self.auto.prior(fn[0])  # measured first (a new bucket): untimed
@@ -321,23 +333,28 @@ class SpecStep:
             if self.k_now == 0 and not any(r.spec.drafts[0] for r in live):
                 self._ran = 0
                 return self._plain(live, deliver)
-        ids = np.zeros((max(B, len(live)), T), dtype=np.int64)  # data parallel: every replica's lanes (`run_lanes`)
-        pos = np.full((max(B, len(live)), T), -1, dtype=np.int64)
-        spans = []
-        for b, r in enumerate(live):
+        # the lanes as lists, one array each (a numpy write per lane costs more); data parallel: every replica's
+        # lanes (`run_lanes`), at least the bucket's
+        rows_ids, rows_pos = [], []
+        for r in live:
             q, L, d = r.seq, r.seq.length, r.spec.drafts[0]
             s.reserve(q, L + len(d))
-            ids[b, : 1 + len(d)] = [r.ids[-1]] + d
-            pos[b, : 1 + len(d)] = np.arange(L, L + 1 + len(d))
-            if q.replica == s.replica:  # this rank's pool (data parallel: its replica's sequences)
-                spans.append((q.slot, list(q.blocks), L + 1, L + len(d)))
+            pad = T - 1 - len(d)
+            rows_ids.append([r.ids[-1], *d] + [0] * pad)
+            rows_pos.append(list(range(L, L + 1 + len(d))) + [-1] * pad)
+        for _ in range(B - len(live)):
+            rows_ids.append([0] * T)
+            rows_pos.append([-1] * T)
+        ids, pos = np.array(rows_ids, dtype=np.int64), np.array(rows_pos, dtype=np.int64)
         seqs = [r.seq for r in live]
         greedy = all(r.temperature == 0 for r in live)
         fused = self.mtp.fused(B, self.k_now) if self.mtp is not None and greedy and self.k_now else None
         if fused and s.dp == 1 and hasattr(s.backend, "run_held") and getattr(s.backend, "ranks", None) is None:
             table, slot = s.table(seqs, B)
             return self._fused_step(live, deliver, fused, {"ids": ids, "pos": pos, "block_table": table, "slot": slot})
-        undo = PoolUndo(s.backend, spans)
+        # this rank's pool (data parallel: its replica's sequences): the rows the drafts' positions may write
+        undo = PoolUndo(s.backend, [(q.slot, list(q.blocks), q.length + 1, q.length + len(r.spec.drafts[0]))
+                                    for r, q in zip(live, seqs) if q.replica == s.replica])
         res = s.run_lanes(fused or fname, B, seqs, {"ids": ids, "pos": pos})
         logits = res["logits"]
         keep, news, kept_lane = {}, [], {}
@@ -377,7 +394,15 @@ class SpecStep:
             r.spec.drafts = d
 
     def _plain(self, live: list, deliver) -> None:
-        """k = 0 ("auto"), no drafts held: a plain decode step (the MTP block's ring not written)."""
+        """k = 0 ("auto"), no drafts held: a plain decode step (the MTP block's ring not written). Greedy, the
+        generation loop's own (`plain`: the same ids, argmax either way); sampling draws as the verify step's
+        picker does (the loop's sampler would draw other ids from the same generator)."""
+        if self.plain is not None and all(r.temperature == 0 for r in live):
+            self.plain()
+            n = len(live)  # each sequence one step and one token (`Acceptance.add(0, 1, 0)` each)
+            self.stats.steps += n
+            self.stats.tokens += n
+            return
         logits = self.s.decode([r.seq for r in live], [r.ids[-1] for r in live])
         for r, row in zip(live, logits):
             tok, _ = r.spec.pick(row)
@@ -389,8 +414,8 @@ class SpecStep:
         logits read), its writes stored but those of the rejected positions (no rows saved before the run,
         none restored after), and its in-graph drafts (`spec.drafts`) the next step's."""
         s = self.s
-        res, store = s.backend.run_held(fused, inputs)
-        best_ids = res["spec.next_ids"].tolist()
+        res, store = s.backend.run_held(fused, inputs, views=True)  # read below, before any other run
+        best_ids, drafts = res["spec.next_ids"].tolist(), res["spec.drafts"].tolist()
         n_kept = (res["spec.kept_pos"] >= 0).sum(1).tolist()
         rows = access(s.backend)
         skip: dict[str, set[int]] = {}
@@ -411,11 +436,10 @@ class SpecStep:
         store(skip)
         for r, (a, new, nd) in zip(live, news):
             self.stats.add(a, deliver(r, new), nd)
-        drafts = res["spec.drafts"]
         for b, r in enumerate(live):
             if not r.done:
                 n = self._wanted(r)
-                r.spec.drafts = (drafts[b, :n].tolist(), [None] * n)
+                r.spec.drafts = (drafts[b][:n], [None] * n)
 
 
 def rejected_rows(rows, seq, first: int, last: int, into: dict[str, set[int]]) -> dict[str, set[int]]:

@@ -11,6 +11,9 @@ without a `draft`: the `draft_b<B>` / `draft_c<T>` functions).
 * sampling on the compiled path: the second new token (the first the acceptance rule decides, k = 1, its q
   from the compiled block) is distributed as plain sampling's (chi-square, vocabulary 8, 200 sequences,
   seed 0, significance 0.001); an always-accept rule fails the same test.
+* the cpu device's one-call step (`codegen/onnx_spec.py`): its drafts equal the draft_b<B> calls' at every step
+  of a generation (k = 2, 3), one step drafting 3 equals the multi-call path bit for bit (logits, drafts, pool),
+  its held writes leave the pool the undo log does; under `auto` a plain step is the loop's own decode step.
 """
 
 from __future__ import annotations
@@ -363,6 +366,70 @@ def test_a_miswired_fused_draft_is_caught(doc, two_calls, monkeypatch):
     assert "draft.logits" in bad and "pool.main" in bad
 
 
+def recursive_step(doc, k: int = 3) -> dict[str, dict]:
+    """`_one_step_inputs`' step (sequence 0 keeps 4 lanes, sequence 1 two) drafting `k` tokens, from the same
+    pool, two ways in one session: the one-call graph `spec_b2_d<k>`, and the multi-call path (verify_b2, the
+    host's acceptance, draft_b2 on the kept lanes, then `CompiledDraft.drafts`' k - 1 recursive draft_b2 calls,
+    their ring writes undone). Each way's verify writes all stored (no rollback: the same in both). Per way: the
+    logits, the k drafts per sequence, every pool and state byte after."""
+    from spec_rollback import host_acceptance, pool_bytes
+
+    art, prompts, want = doc
+    s = session(art)
+    try:
+        seqs, drafts, inputs = _one_step_inputs(s, prompts, want)
+        mtp = rs.CompiledDraft(s)
+        start = {n: a.copy() for n, a in s.backend.state.items()}
+        out = {}
+        for way in ("one call", "calls"):
+            for n, a in start.items():
+                s.backend.state[n][...] = a
+            if way == "one call":
+                r = s.backend.run_outputs(mtp.fused(2, k), inputs)
+                got = {"logits": r["logits"], "drafts": r["spec.drafts"].tolist()}
+            else:
+                r = s.backend.run_outputs("verify_b2", inputs)
+                kept, nxt = host_acceptance(inputs, r["logits"], drafts)
+                lg, st = mtp.after_verify(2, r["streams"], nxt, kept, seqs)
+                last = [int((x >= 0).sum()) - 1 for x in kept]
+                entries = [(q, q.length + a + 1, lg[b], st[b, a]) for b, (q, a) in enumerate(zip(seqs, last))]
+                ds = mtp.drafts(entries, [k, k], [rs.Picker(0.0, None)] * 2)
+                got = {"logits": r["logits"], "drafts": [d for d, _ in ds]}
+            got["pool"] = pool_bytes(s.backend)
+            out[way] = got
+        return out
+    finally:
+        s.close()
+
+
+def recursive_differences(doc) -> list[str]:
+    got = recursive_step(doc)
+    a, b = got["one call"], got["calls"]
+    diff = [n for n in ("logits", "drafts") if not np.array_equal(a[n], b[n])]
+    return diff + [n for n in b["pool"] if not np.array_equal(a["pool"][n], b["pool"][n])]
+
+
+def test_one_call_recursive_drafts_equal_the_calls(doc, monkeypatch):
+    """k = 3 in the one graph against verify_b2 + draft_b2 + two recursive draft_b2 calls: the same logits and
+    drafts and the same pool, bit for bit (the recursive copies' ring writes not stored, as the calls' undo
+    leaves it); the second copy fed lane 0's stream instead of the last kept lane's is caught. (A copy whose pool
+    read misses the copies before it drafts the same ids in this one step; over a generation it does not:
+    `test_unpatched_recursive_reads_are_caught`.)"""
+    from v4compile.codegen import onnx_spec
+
+    assert recursive_differences(doc) == []
+    orig = onnx_spec.recursive
+
+    def lane_zero(*a, **kw):
+        nodes, inits = orig(*a, **kw)
+        for n in nodes:
+            if n.name == "spec/r2/idx4":
+                n.input[0] = "spec/r/zero_lane"
+        return nodes, inits
+    monkeypatch.setattr(onnx_spec, "recursive", lane_zero)
+    assert recursive_differences(doc) == ["drafts"]
+
+
 def test_a_wrong_in_graph_acceptance_is_refused(doc, monkeypatch):
     """The graph's acceptance keeping every lane (a rejected draft's MTP ring row written, the draft taken from
     the wrong lane): the host's check stops the generation."""
@@ -457,7 +524,8 @@ def cycled(monkeypatch, ks) -> list[int]:
 def test_auto_ids_equal_plain_whatever_k(doc, monkeypatch):
     """k switching every step through 0 (a plain decode step, or a verify of the drafts held without new
     ones), 3, 1, 2, 0, 0: the ids are plain decoding's, also after a prefill without the MTP block (no first
-    drafts); a plain step that picks the runner-up is caught."""
+    drafts), and a plain step is the loop's own (`plain_steps_are_the_loops`); a plain step that picks the
+    runner-up is caught."""
     art, prompts, want = doc
     made = cycled(monkeypatch, [0, 3, 1, 2, 0, 0])
     p, want = prompts[1:], [want[1][:32]]  # batch 1, 32 tokens: 3 one-call graphs made, 16 steps or so
@@ -469,10 +537,44 @@ def test_auto_ids_equal_plain_whatever_k(doc, monkeypatch):
 
         monkeypatch.setattr(spec_auto.AutoK, "first", lambda self, B: 0)
         assert s.generate(p, 32, speculative="mtp") == want
+        # a plain step is the loop's own; a spec loop not handed the loop's step (its own decode and picks, the
+        # ~45 us a step it cost at batch 8) is caught
+        assert plain_steps_are_the_loops(s, prompts, [w[:16] for w in doc[2]], monkeypatch)
+        from v4compile.runtime import batcher
+
+        init = batcher.Batcher.__init__
+
+        def unhanded(self, *a, **kw):
+            init(self, *a, **kw)
+            if self.spec is not None:
+                self.spec.plain = None
+        monkeypatch.setattr(batcher.Batcher, "__init__", unhanded)
+        assert not plain_steps_are_the_loops(s, prompts, [w[:16] for w in doc[2]], monkeypatch)
+        monkeypatch.setattr(batcher.Batcher, "__init__", init)
         monkeypatch.setattr(rs.Picker, "__call__", lambda self, logits: (int(np.argsort(logits)[-2]), None))
         assert s.generate(p, 32, speculative="mtp") != want
     finally:
         s.close()
+
+
+def plain_steps_are_the_loops(s, prompts, want, monkeypatch) -> bool:
+    """Under "auto" choosing k = 0 on every step (no first drafts): the ids are plain decoding's and every
+    step is the generation loop's own plain decode step (`Batcher._decode`), so that it costs what a plain
+    generation's step costs."""
+    from v4compile.runtime import batcher, spec_auto
+
+    made = cycled(monkeypatch, [0])
+    monkeypatch.setattr(spec_auto.AutoK, "first", lambda self, B: 0)
+    calls = []
+    orig = batcher.Batcher._decode
+
+    def decode(self):
+        calls.append(len(self.live))
+        return orig(self)
+    monkeypatch.setattr(batcher.Batcher, "_decode", decode)
+    assert s.generate(prompts[1:], 16, speculative="mtp") == [want[1][:16]]
+    monkeypatch.setattr(batcher.Batcher, "_decode", orig)
+    return len(calls) == len(made) == 15
 
 
 def test_auto_rule():
