@@ -11,6 +11,10 @@ hidden dim D:
   3. y = sum_k pre_k X_k, rounded to the streams' dtype; (norm seams) its RMSNorm in a last pass.
 Passes re-read what an earlier pass of the same program stored, after a block barrier.
 bf16: post * y, comb^T X and their sum are each rounded to bf16 as the reference's bf16 ops round them.
+The loops over the n streams are run-time loops, not unrolled (`tl.static_range`): the same arithmetic in
+the same order, but n^2 + 2n fewer loads and stores in the IR. Triton's TritonGPUCoalesce pass walks the
+whole dependency graph of the function for every load and store, so its cost grows with (memory ops) x
+(function size)^2: unrolled, this seam was most of the one-launch MoE's compile time (issue 40).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ def hc_expand_kernel(x_ptr, out_ptr, M: tl.constexpr, N: tl.constexpr, D: tl.con
 
 
 @triton.jit
-def _post_chunk(y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, tok, tm, c, cm, k: tl.constexpr, N: tl.constexpr,
+def _post_chunk(y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, tok, tm, c, cm, k, N: tl.constexpr,
                 Y_S: tl.constexpr, S_S: tl.constexpr, S_SN: tl.constexpr, DT: tl.constexpr):
     """Stream k of hc_post on tokens tok [BT] and columns c [BD]: post_k * y + sum_j comb[j, k] X_j (with
     `y2_ptr`, `mhc_post_pre_add`: y is y + y2 rounded to DT, as the `add` it replaces)."""
@@ -51,7 +55,7 @@ def _post_chunk(y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, tok, tm, c, cm, k: tl.
         y = (y + y2).to(DT).to(tl.float32)
     pk = tl.load(post_ptr + tok * N + k, mask=tm, other=0.0).to(DT).to(tl.float32)
     acc = tl.zeros_like(y)
-    for j in tl.static_range(N):
+    for j in range(N):
         cjk = tl.load(comb_ptr + tok * N * N + j * N + k, mask=tm, other=0.0).to(DT).to(tl.float32)
         xj = tl.load(s_ptr + tok[:, None] * S_S + j * S_SN + c[None, :], mask=m2, other=0.0).to(tl.float32)
         acc += cjk[:, None] * xj
@@ -117,7 +121,7 @@ def mhc_rows(tb, y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, sca
         c = d0 + tl.arange(0, BD)
         cm = c < D
         if POST:
-            for k in tl.static_range(N):
+            for k in range(N):
                 x = _post_chunk(y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, tok, tm, c, cm, k, N, Y_S, S_S, S_SN, DT)
                 tl.store(so_ptr + tok[:, None] * SO_S + k * SO_SN + c[None, :], x.to(DT),
                          mask=tm[:, None] & cm[None, :])
@@ -170,7 +174,7 @@ def mhc_rows(tb, y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, sca
             c = d0 + tl.arange(0, BD)
             m2 = tm[:, None] & (c[None, :] < D)
             y = tl.zeros([BT, BD], tl.float32)
-            for k in tl.static_range(N):
+            for k in range(N):
                 pk = tl.sum(tl.where(cn[None, :] == k, pre, 0.0), axis=1)
                 xk = tl.load(src + tok[:, None] * sst + k * ssn + c[None, :], mask=m2, other=0.0).to(tl.float32)
                 y += pk[:, None] * xk
