@@ -46,7 +46,7 @@ def _learned(sc, b_ptr, e, e_ok, j, dt: tl.constexpr, KSEL: tl.constexpr, SUM_IN
     if SUM_IN_DT:
         sel = sel.to(dt).to(tl.float32)
     sel = tl.where(e_ok[None, :], sel, float("-inf"))
-    for s in range(KSEL):  # (not unrolled: a smaller IR to compile, mhc.py's note; the same steps in order)
+    for s in tl.static_range(KSEL):
         m = tl.max(sel, axis=1)
         pick = tl.min(tl.where(sel == m[:, None], e[None, :], BE), axis=1)
         idx = tl.where(j[None, :] == s, pick[:, None], idx)
@@ -104,7 +104,7 @@ def route_rows(rb, x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr, o_ptr,
         idx = _learned(sc, b_ptr, e, e_ok, j, dt, KSEL, SUM_IN_DT, BR, BE, BKS)
     # gather s at the chosen experts: [BR, BKS]
     wts = tl.zeros([BR, BKS], dtype=tl.float32)
-    for s in range(KSEL):
+    for s in tl.static_range(KSEL):
         pick = tl.sum(tl.where(j[None, :] == s, idx, 0), axis=1)
         v = tl.sum(tl.where(e[None, :] == pick[:, None], sc, 0.0), axis=1)
         wts = tl.where(j[None, :] == s, v[:, None], wts)
