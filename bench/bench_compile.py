@@ -57,6 +57,23 @@ functions would pay less (noinline phases, as sm_90a's router phase), but that c
 variants of moe_fused (first / last layer: the seams run or not) are the next binaries to merge: the AOT key
 now allows it (the grid is no part of it); what remains is the seam counts NA / NH as run-time values and the
 first layer's x as an operand without a pointer more (gfx950 at 105 SGPRs).
+h-cold4: the seam's loops over the streams (`mhc_rows`, `_post_chunk`: n = 4, nested, n^2 + 2n loads and stores
+unrolled) and the combine's KSEL loop as run-time loops (the same arithmetic in order), and `hc_pre_norm` launching
+`mhc_post_pre`'s binary with y null (its post pass skipped at run time; `mhc.py`). Coalesce's cost grows with (loads +
+stores) x (ops in the function)^2, and the one-launch MoE holds one or two seams: with both, 2587 -> 1785 TTIR ops
+and 188 -> 99 loads / stores. The changed families' jobs compiled back to back, main's sources then the branch's,
+alternating, same load (`triton.compile` per job in one process, CPU s): moe_fused 58.8 -> 36.7 (gfx950 24.0 ->
+14.0, sm_90a 34.8 -> 22.7), mhc 20.7 -> 8.6 (16 -> 12 binaries): 79.4 -> 45.3. The whole compile on the shared
+machine (load 3-7, not comparable run to run: the unchanged families moved by +15 CPU s between the two runs): main
+178.5 CPU s, 164.2 in the 92 jobs; h-cold4 176.6, 161.2 in 88 jobs (2 + 4 calls served by binaries they share).
+The routing's KSEL loops stay unrolled: run-time, the sm_90a router kernel at 64 rows spilled 8 bytes at 8 warps.
+Where a job's CPU goes (the Triton stages of one job, sm_90a out_proj: frontend 0.13, ttgir 0.49, llir 2.18 of which
+LLVM O3 1.26, ptx 0.7, ptxas 1.69 s; gfx950 has no ptxas and an LLVM AMDGPU backend of ~0.6 s): past the MoE, the
+kernels are ~500-1150 TTIR ops with few loads, Coalesce a few % (compress_pair 20-40 %: two compressors' RoPE
+frequency where-chains, 32 selects each), so the rest of the 60 s goal is fewer jobs, not smaller ones: the row
+counts (decode 8 / prefill 64) are constexprs of every family (a run-time M needs scalar kernel arguments, which
+the launch ABI does not have: pointers only), and the moe_fused seam variants as one binary (NA / NH from the grid,
+x and the seam buffers one layout for all three) remain.
 `--json FILE` records every figure printed (wall, CPU in all processes and in the jobs, per target, per family,
 the stages, the AOT line) for a closing note to quote.
 """

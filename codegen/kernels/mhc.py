@@ -11,6 +11,10 @@ hidden dim D:
   3. y = sum_k pre_k X_k, rounded to the streams' dtype; (norm seams) its RMSNorm in a last pass.
 Passes re-read what an earlier pass of the same program stored, after a block barrier.
 bf16: post * y, comb^T X and their sum are each rounded to bf16 as the reference's bf16 ops round them.
+The loops over the n streams are run-time loops, not unrolled (`tl.static_range`): the same arithmetic in
+the same order, but n^2 + 2n fewer loads and stores in the IR. Triton's TritonGPUCoalesce pass walks the
+whole dependency graph of the function for every load and store, so its cost grows with (memory ops) x
+(function size)^2: unrolled, this seam was most of the one-launch MoE's compile time (issue 40).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import math
 import triton
 import triton.language as tl
 
-from . import KernelCall, call_name, ptr
+from ...ir.registry import Layout
+from . import KernelCall, TensorArg, call_name, ptr
 from .kvrows import TL_DTYPE, pow2
 from .pdl import pdl_enter
 
@@ -40,7 +45,7 @@ def hc_expand_kernel(x_ptr, out_ptr, M: tl.constexpr, N: tl.constexpr, D: tl.con
 
 
 @triton.jit
-def _post_chunk(y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, tok, tm, c, cm, k: tl.constexpr, N: tl.constexpr,
+def _post_chunk(y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, tok, tm, c, cm, k, N: tl.constexpr,
                 Y_S: tl.constexpr, S_S: tl.constexpr, S_SN: tl.constexpr, DT: tl.constexpr):
     """Stream k of hc_post on tokens tok [BT] and columns c [BD]: post_k * y + sum_j comb[j, k] X_j (with
     `y2_ptr`, `mhc_post_pre_add`: y is y + y2 rounded to DT, as the `add` it replaces)."""
@@ -51,7 +56,7 @@ def _post_chunk(y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, tok, tm, c, cm, k: tl.
         y = (y + y2).to(DT).to(tl.float32)
     pk = tl.load(post_ptr + tok * N + k, mask=tm, other=0.0).to(DT).to(tl.float32)
     acc = tl.zeros_like(y)
-    for j in tl.static_range(N):
+    for j in range(N):
         cjk = tl.load(comb_ptr + tok * N * N + j * N + k, mask=tm, other=0.0).to(DT).to(tl.float32)
         xj = tl.load(s_ptr + tok[:, None] * S_S + j * S_SN + c[None, :], mask=m2, other=0.0).to(tl.float32)
         acc += cjk[:, None] * xj
@@ -76,6 +81,26 @@ def _dot_fp32_weight(x, w, DT: tl.constexpr):
 
 
 @triton.jit
+def _given(p):
+    """Whether pointer p is bound: None at compile time (a JIT launch, the interpreter), null at run time (AOT)."""
+    if p is None:
+        return False
+    else:
+        return p.to(tl.int1)
+
+
+@triton.jit
+def _mix_source(on, so_ptr, s_ptr, tb, SO_S: tl.constexpr, SO_SN: tl.constexpr, S_S: tl.constexpr,
+                S_SN: tl.constexpr):
+    """(pointer, token stride, stream stride) of the streams the mix reads: the new ones where the post pass
+    ran (`on`), else the input's."""
+    if on:
+        return so_ptr, tb * 0 + SO_S, tb * 0 + SO_SN
+    else:
+        return s_ptr, tb * 0 + S_S, tb * 0 + S_SN
+
+
+@triton.jit
 def mhc_kernel(y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, norm_ptr,
                so_ptr, yo_ptr, posto_ptr, combo_ptr,
                M: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
@@ -86,9 +111,15 @@ def mhc_kernel(y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale
     """MIX: "pre" (fn [(2+N)N, ND]: pre, post, comb), "head" (fn [N, ND]: pre only) or "" (hc_post only).
     NM = the padded width (>= 16) of the pre / post projections; N*N is the comb width."""
     pdl_enter(PDL)
-    mhc_rows(tl.program_id(0), y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, norm_ptr, so_ptr,
-             yo_ptr, posto_ptr, combo_ptr, M, N, D, BD, BT, POST, MIX, NORM, NM, EPS, HC_EPS, ITERS, NORM_EPS, Y_S, S_S, S_SN,
-             SO_S, SO_SN, YO_S, DT)
+    # POST: the binary holds the post pass; it runs where y is given (`hc_pre_norm` launches the
+    # `mhc_post_pre` binary with y null: `_as_post_pre`)
+    if POST:
+        on = _given(y_ptr)
+    else:
+        on = False
+    _mhc_rows(tl.program_id(0), on, y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, norm_ptr,
+              so_ptr, yo_ptr, posto_ptr, combo_ptr, M, N, D, BD, BT, POST, MIX, NORM, NM, EPS, HC_EPS, ITERS, NORM_EPS,
+              Y_S, S_S, S_SN, SO_S, SO_SN, YO_S, DT)
 
 
 @triton.jit
@@ -100,9 +131,25 @@ def mhc_rows(tb, y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, sca
              Y_S: tl.constexpr, S_S: tl.constexpr, S_SN: tl.constexpr, SO_S: tl.constexpr, SO_SN: tl.constexpr,
              YO_S: tl.constexpr, DT: tl.constexpr):
     """The seam for token block tb (tokens [tb * BT, tb * BT + BT)): the whole computation of one program
-    (also the last phase of the fused MoE launch, `moe_router.py`)."""
+    (also a phase of the fused launches, `moe_router.py`, `attn_front.py`: the post pass as POST says)."""
+    _mhc_rows(tb, POST, y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, norm_ptr, so_ptr, yo_ptr,
+              posto_ptr, combo_ptr, M, N, D, BD, BT, POST, MIX, NORM, NM, EPS, HC_EPS, ITERS, NORM_EPS, Y_S, S_S, S_SN,
+              SO_S, SO_SN, YO_S, DT)
+
+
+@triton.jit
+def _mhc_rows(tb, on, y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, norm_ptr,
+              so_ptr, yo_ptr, posto_ptr, combo_ptr,
+              M: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+              POST: tl.constexpr, MIX: tl.constexpr, NORM: tl.constexpr, NM: tl.constexpr,
+              EPS: tl.constexpr, HC_EPS: tl.constexpr, ITERS: tl.constexpr, NORM_EPS: tl.constexpr,
+              Y_S: tl.constexpr, S_S: tl.constexpr, S_SN: tl.constexpr, SO_S: tl.constexpr, SO_SN: tl.constexpr,
+              YO_S: tl.constexpr, DT: tl.constexpr):
+    """`mhc_rows`, the post pass run where `on` (POST's value, or a run-time flag where the binary has it)."""
     tok = tb * BT + tl.arange(0, BT)
     tm = tok < M
+    # the streams the mix reads: the new ones, or the input's
+    src, sst, ssn = _mix_source(on, so_ptr, s_ptr, tb, SO_S, SO_SN, S_S, S_SN)
     # Pass 1: (post) new streams; RMS and projection of the flattened streams.
     ssq = tl.zeros([BT], tl.float32)
     a_pre = tl.zeros([BT, NM], tl.float32)
@@ -116,17 +163,14 @@ def mhc_rows(tb, y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, sca
     for d0 in range(0, D, BD):
         c = d0 + tl.arange(0, BD)
         cm = c < D
-        if POST:
-            for k in tl.static_range(N):
+        if on:
+            for k in range(N):
                 x = _post_chunk(y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, tok, tm, c, cm, k, N, Y_S, S_S, S_SN, DT)
                 tl.store(so_ptr + tok[:, None] * SO_S + k * SO_SN + c[None, :], x.to(DT),
                          mask=tm[:, None] & cm[None, :])
         if MIX != "":
             fc = d0 + fj
             fmask = fc < D
-            src = so_ptr if POST else s_ptr
-            sst = SO_S if POST else S_S
-            ssn = SO_SN if POST else S_SN
             if POST:
                 tl.debug_barrier()
             x = tl.load(src + tok[:, None] * sst + fk[None, :] * ssn + fc[None, :],
@@ -162,15 +206,12 @@ def mhc_rows(tb, y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, sca
         # Pass 3: y = sum_k pre_k X_k (+ its RMS for the norm).
         if POST:
             tl.debug_barrier()
-        src = so_ptr if POST else s_ptr
-        sst = SO_S if POST else S_S
-        ssn = SO_SN if POST else S_SN
         ysq = tl.zeros([BT], tl.float32)
         for d0 in range(0, D, BD):
             c = d0 + tl.arange(0, BD)
             m2 = tm[:, None] & (c[None, :] < D)
             y = tl.zeros([BT, BD], tl.float32)
-            for k in tl.static_range(N):
+            for k in range(N):
                 pk = tl.sum(tl.where(cn[None, :] == k, pre, 0.0), axis=1)
                 xk = tl.load(src + tok[:, None] * sst + k * ssn + c[None, :], mask=m2, other=0.0).to(tl.float32)
                 y += pk[:, None] * xk
@@ -223,6 +264,8 @@ def specialise(op_name, operands, results, attrs):
     assert n == pow2(n), "mhc: the stream count must be a power of two"
     so_name, y_name, post_name, comb_name = RESULTS[op_name]
     has_norm = norm and operands.get("norm") is not None
+    if op_name == "hc_pre_norm" and has_norm:
+        return [_as_post_pre(operands, results, attrs)]
     if mix == "" and post:
         so_name = "streams_out"
     so = results.get(so_name) if so_name else None
@@ -281,3 +324,31 @@ def specialise(op_name, operands, results, attrs):
                        flops=2 * M * n * D * (fnw.shape[0] if fnw is not None else 0),
                        bytes_moved=s.type.nbytes * (3 if post else 2) + (fnw.type.nbytes if fnw is not None else 0)
                        + (y2.type.nbytes if y2 is not None else 0))]
+
+
+def _as_post_pre(operands, results, attrs) -> KernelCall:
+    """`hc_pre_norm` as `mhc_post_pre`'s binary with its post pass skipped (y, post, comb and the new streams
+    null at run time: `mhc_rows`' `_given`): its call binds them to names the launch lacks, with the types and
+    strides an `mhc_post_pre` of these streams has, so both calls have one binary (the AOT cache keys on the
+    binary's inputs alone) and a V4-Pro compile builds one kernel fewer per row count and target. Its cost
+    (flops, bytes) stays the pre pass's."""
+    s, y = operands["streams"], results["y"]
+    *lead, n, D = s.shape
+    fake = dict(operands, y=TensorArg(y.type, Layout.contiguous(y.shape).strides),
+                post=results["post"], comb=results["comb"])
+    outs = dict(y_next=y, post_next=results["post"], comb_next=results["comb"],
+                streams_out=TensorArg(s.type, Layout.contiguous(s.shape).strides))
+    (c,) = specialise("mhc_post_pre", fake, outs, attrs)
+    absent = {n: "absent_" + n for n in ("y", "post", "comb", "streams_out")}
+    back = {"y_next": "y", "post_next": "post", "comb_next": "comb"}
+    pointers = []
+    for p, kind, name, ty in c.pointers:
+        if kind == "operand" and name in absent or kind == "result" and name == "streams_out":
+            name = absent[name]  # no such value at the launch: a null pointer
+        elif kind == "result":
+            name = back[name]
+        pointers.append((p, kind, name, ty))
+    pre = 2 * math.prod(lead) * n * D * operands["fn"].shape[0]
+    return KernelCall(name=call_name("hc_pre_norm", c.constexprs, f"m{math.prod(lead)}_n{n}_d{D}"), fn=mhc_kernel,
+                      constexprs=c.constexprs, pointers=pointers, grid=c.grid, num_warps=c.num_warps,
+                      flops=pre, bytes_moved=s.type.nbytes * 2 + operands["fn"].type.nbytes)

@@ -316,7 +316,7 @@ def _combine(n_tile, m_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, sy_
     j = tl.arange(0, BKS)
     ex = tl.load(idx_ptr + tok[:, None] * IDX_RS + j[None, :], mask=t_ok[:, None] & (j[None, :] < KSEL),
                  other=2 ** 30).to(tl.int32)
-    for r in tl.static_range(KSEL):
+    for r in range(KSEL):  # (not unrolled: fewer loads in the IR for Triton's Coalesce pass, mhc.py's note)
         m = tl.min(ex, axis=1)
         slot = tl.min(tl.where(ex == m[:, None], j[None, :], BKS), axis=1)
         ex = tl.where(j[None, :] == slot[:, None], 2 ** 30 + 1, ex)

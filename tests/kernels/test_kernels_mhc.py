@@ -63,3 +63,54 @@ def test_mhc(op, shape):
 def test_wrong_kernel_is_caught(wrong):
     with pytest.raises(AssertionError):
         _run("mhc_post_pre", (2, 3), 48, "fp32", wrong=wrong)
+
+
+def _v4_pro_seams():
+    """V4-Pro's decode `hc_pre_norm` and `mhc_post_pre` calls (8 tokens, 4 streams of 7168, bf16)."""
+    from v4compile.codegen.kernels import TensorArg, mhc
+    from v4compile.ir.registry import Layout
+    from v4compile.ir.types import TensorType
+
+    def ta(shape, dt):
+        return TensorArg(TensorType(shape, dt), Layout.contiguous(shape).strides)
+    M, D = 8, 7168
+    mix = dict(fn=ta(((2 + N) * N, N * D), "fp32"), base=ta(((2 + N) * N,), "fp32"), scale=ta((3,), "fp32"),
+               norm=ta((D,), "bf16"))
+    y, post, comb = ta((M, D), "bf16"), ta((M, N), "fp32"), ta((M, N, N), "fp32")
+    (pre,) = mhc.specialise("hc_pre_norm", dict(streams=ta((M, N, D), "bf16"), **mix), dict(y=y, post=post, comb=comb),
+                            ATTRS)
+    (pp,) = mhc.specialise("mhc_post_pre", dict(y=y, streams=ta((M, N, D), "bf16"), post=post, comb=comb, **mix),
+                           dict(streams_out=ta((M, N, D), "bf16"), y_next=y, post_next=post, comb_next=comb), ATTRS)
+    return pre, pp
+
+
+def _check_one_binary():
+    from v4compile.codegen import aot
+    pre, pp = _v4_pro_seams()
+    assert pre.name != pp.name
+    for target in ("gfx950", "sm_90a"):
+        assert aot.job_of(pre, target)["key"] == aot.job_of(pp, target)["key"], f"two binaries on {target}"
+    # the pre pass's cost, not the binary's post pass (the modeled step is unchanged)
+    assert pre.bytes_moved < pp.bytes_moved
+    # the post pass's pointers bind nothing at the launch: null at run time
+    assert {n for _, k, n, _ in pre.pointers if n.startswith("absent_")} == {
+        "absent_y", "absent_post", "absent_comb", "absent_streams_out"}
+
+
+def test_hc_pre_norm_is_mhc_post_pre_binary():
+    """`hc_pre_norm` launches `mhc_post_pre`'s binary (its post pass skipped where y is null): one AOT job fewer
+    per row count and target (issue 40). Its numerics: `test_mhc[hc_pre_norm]`, through that same call."""
+    _check_one_binary()
+
+
+def test_hc_pre_norm_own_binary_is_caught(monkeypatch):
+    from v4compile.codegen.kernels import mhc
+    real = mhc._as_post_pre
+
+    def apart(operands, results, attrs):  # a constexpr of its own: a second binary
+        c = real(operands, results, attrs)
+        c.constexprs = {**c.constexprs, "SO_S": 0}
+        return c
+    monkeypatch.setattr(mhc, "_as_post_pre", apart)
+    with pytest.raises(AssertionError, match="two binaries"):
+        _check_one_binary()
