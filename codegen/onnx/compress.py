@@ -255,8 +255,8 @@ def compress_lanes(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) -> 
     # `compress`'s [B, 1, S] window axes without the 1: the same values, reduced in the same order
     h = g.rms(g.sum(g.op("Mul", v, g.op("Softmax", gl, axis=1)), 1), o.norm, a["eps"])  # [B, dk]
     ht = TensorType((B, dk), "fp32")
-    h = rotary.rotate(g, h, ht, ix["wpos"], 1, a["rope_dim"], a["theta"], tuple(a["yarn"]))
-    rnd = a.get("round", "none")
+    rnd = a.get("round", "none")  # one window closes at most: at batch 1 decode's fused rotation, as there
+    h = rotary.rotate(g, h, ht, ix["wpos"], 1, a["rope_dim"], a["theta"], tuple(a["yarn"]), fused=rnd != "fp4")
     if rnd == "fp8":
         h = quant.fp8_round(g, h, ht, dk - a["rope_dim"], math.gcd(64, dk - a["rope_dim"]))
     elif rnd == "fp4":
