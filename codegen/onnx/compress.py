@@ -61,8 +61,8 @@ def compress(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) -> tuple[
     slot = g.as_i64(o.slot, o.types["slot"].dtype)
     bt = g.as_i64(o.block_table, o.types["block_table"].dtype)
     n_blocks = o.types["block_table"].shape[1]
-    gate = g.op("Add", o.gate, g.op("Gather", o.ape, g.cached(("mod", pos, m), lambda: g.op(
-        "Mod", g.cached(("clamp0", pos), lambda: g.clamp_min0(pos)), g.iscalar(m))), axis=0))
+    gate = g.op("Add", o.gate, g.op("Gather", o.ape, g.cached(
+        ("mod", pos, m), lambda: g.op("Mod", g.clamp_min0(pos), g.iscalar(m))), axis=0))
     sl = g.cached(("clamp0", slot), lambda: g.clamp_min0(slot))
     skv, sg = pool_rows.read_rows(g, skv_in, sl), pool_rows.read_rows(g, sg_in, sl)  # [B, S, cw]
     ix = g.cached(("compress", pos, m, overlap, B, T), lambda: _compress_index(g, pos, m, overlap, B, T))

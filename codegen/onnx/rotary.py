@@ -10,7 +10,6 @@ import numpy as np
 from onnx import TensorProto
 
 from ...ir.types import TensorType
-from .graph import FEW_LANES
 
 
 def rope_tables(g, pos: str, pos_rank: int, extra: int, dim: int, theta: float, yarn: tuple,
@@ -55,7 +54,7 @@ def rotate(g, x: str, xt: TensorType, pos: str, pos_rank: int, dim: int, theta: 
     the four nodes. The first D - dim channels still come out exactly (a column of the identity); a
     rotated one is x_a cos + x_b sin in one GEMM sum (an FMA may round once where the four nodes round
     twice: ~1 ulp), so a caller whose result feeds a rounding to a coarse grid (FP4) keeps it off.
-    At a verify step's few positions (2..FEW_LANES in all, `few_lanes`: batch 1), the same form vectorised
+    At a batch-1 verify step's few positions (pos [1, T], `few_lanes(T)`), the same form vectorised
     over them: one [*pos, D, D] stack of those matrices, and one batched MatMul a call (x without a head
     axis: Unsqueeze / Squeeze around it), so each lane rotates as a decode step at its position would."""
     lead, D = xt.shape[:-1], xt.shape[-1]
@@ -70,7 +69,7 @@ def rotate(g, x: str, xt: TensorType, pos: str, pos_rank: int, dim: int, theta: 
             return m if pos_rank == 1 else g.reshape(m, (D, D))  # cos [1, D]: m is [D, D] already
         return g.op("MatMul", x, g.cached(("rope_matrix", pos, dim, D, theta, tuple(yarn), inverse), matrix))
     extra = len(lead) - pos_rank
-    if fused and extra <= 1 and 1 < math.prod(lead[:pos_rank]) <= FEW_LANES and g.few_lanes(lead[pos_rank - 1], "rotate"):
+    if fused and pos_rank == 2 and extra <= 1 and lead[0] == 1 and g.few_lanes(lead[1], "rotate"):
         def lanes():  # the one-position matrix for each of a verify step's positions: [*pos, D, D]
             cos, sin = rope_tables(g, pos, pos_rank, 1, dim, theta, yarn, False, D)  # [*pos, 1, D]
             return g.op("Sub" if inverse else "Add", g.op("Mul", cos, g.const(np.eye(D, dtype=np.float32))),
