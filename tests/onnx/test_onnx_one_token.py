@@ -112,7 +112,8 @@ def test_a_broken_one_token_grouped_out_proj_is_caught(monkeypatch):
 
 def _lanes_grouped(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(the few-lane form on x's T lanes, the one-token form lane by lane)."""
-    return _grouped(1, x.shape[1], x, w), np.concatenate([_grouped(1, 1, x[:, t:t + 1], w) for t in range(x.shape[1])], 1)
+    T = x.shape[1]
+    return _grouped(1, T, x, w), np.concatenate([_grouped(1, 1, x[:, t:t + 1], w) for t in range(T)], 1)
 
 
 @pytest.mark.parametrize("T", [2, 4])
