@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from ...ir.types import TensorType
 from . import gemm_input, linear, rotary
-from .graph import FEW_LANES
 
 
 def lower_grouped_out_proj(g, o, a, r):
@@ -28,7 +27,7 @@ def _grouped(g, what, x, o, a):
     B, T = o.types["o"].shape[:2]
     w, wt = linear.weight(g, o.w, o.types["w"], o.scale, a["block"])
     G, (R, k) = a["groups"], wt.shape
-    lanes = 1 < B * T <= FEW_LANES and g.few_lanes(T, what)
+    lanes = B == 1 and g.few_lanes(T, what)
     shape = (G, 1, k) if B * T == 1 else (B * T, G, 1, k) if lanes else (B * T, G, k)
     x = gemm_input(g, what, a, g.reshape(x, shape), TensorType(shape, o.types["o"].dtype))  # per group's K
     if B * T == 1 or lanes:

@@ -78,6 +78,6 @@ def rotate(g, x: str, xt: TensorType, pos: str, pos_rank: int, dim: int, theta: 
         if extra:  # [*pos, H, D] @ [*pos, D, D]: each position's heads through its own matrix
             return g.op("MatMul", x, m)
         return g.squeeze(g.op("MatMul", g.unsqueeze(x, -2), m), -2)
-    cos, sin = rope_tables(g, pos, pos_rank, len(lead) - pos_rank, dim, theta, yarn, False, D)
+    cos, sin = rope_tables(g, pos, pos_rank, extra, dim, theta, yarn, False, D)
     return g.op("Sub" if inverse else "Add", g.op("Mul", x, cos),
                 g.op("Mul", g.op("MatMul", x, g.const(R)), sin))
