@@ -204,14 +204,15 @@ def _lanes_index(g, pos: str, m: int, overlap: bool, B: int, T: int, cw: int) ->
     key = g.where(g.op("GreaterOrEqual", start, g.iscalar(m)), g.op("Add", smod, g.iscalar(S)), smod) \
         if overlap else smod
     c = 2 if overlap else 1
-    src = g.op("Add", g.reshape(g.op("Gather", g.const(win, np.int64), key, axis=0), (B, S)),
-               g.const((c * R * np.arange(B)).reshape(B, 1), np.int64))  # [B, S]
+    src = g.reshape(g.op("Gather", g.const(win, np.int64), key, axis=0), (B, S) if B > 1 else (S,))
     at = g.reshape(g.op("Gather", g.const(ring, np.int64), g.op("Add", g.op("Mul", smod, g.iscalar(T + 1)), n),
-                        axis=0), (B, S))
-    if overlap:  # [B, S, cw]: GatherElements' index into the [B, R, cw] table (no flat copy of it)
-        at = g.op("Expand", g.unsqueeze(at, -1), g.i64(B, S, cw))
-    else:
-        at = g.op("Add", at, g.const((R * np.arange(B)).reshape(B, 1), np.int64))  # [B, S] rows of the flat table
+                        axis=0), (B, S) if B > 1 else (S,))
+    if B > 1:  # rows of the flat table ([B, S]); the ring after the chunk when overlapping: GatherElements'
+        # index [B, S, cw] into the [B, R, cw] table (no flat copy of it). At batch 1: [S], rows of the one
+        # sequence's table, each a Gather on its axis 1 (no offsets, no flat copy)
+        src = g.op("Add", src, g.const((c * R * np.arange(B)).reshape(B, 1), np.int64))
+        at = g.op("Expand", g.unsqueeze(at, -1), g.i64(B, S, cw)) if overlap else \
+            g.op("Add", at, g.const((R * np.arange(B)).reshape(B, 1), np.int64))
     r = smod if not overlap else g.op("Mod", start, g.iscalar(m))
     closed = g.op("GreaterOrEqual", g.op("Add", r, n), g.iscalar(m))  # lane m - 1 - r is live: [B, 1]
     w = g.op("Div", start, g.iscalar(m))
@@ -235,8 +236,8 @@ def compress_lanes(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) -> 
     bt = g.as_i64(o.block_table, o.types["block_table"].dtype)
     n_blocks = o.types["block_table"].shape[1]
     ix = g.cached(("compress_lanes", pos, m, overlap, B, T, cw), lambda: _lanes_index(g, pos, m, overlap, B, T, cw))
-    gate = g.op("Add", o.gate, g.op("Gather", o.ape, g.cached(
-        ("mod", pos, m), lambda: g.op("Mod", g.clamp_min0(pos), g.iscalar(m))), axis=0))
+    gate = g.op("Add", o.gate, g.op("Gather", o.ape, g.cached(("mod", pos, m), lambda: g.op(
+        "Mod", g.cached(("clamp0", pos), lambda: g.clamp_min0(pos)), g.iscalar(m))), axis=0))
     sl = g.cached(("clamp0", slot), lambda: g.clamp_min0(slot))
 
     def table(state: Planes, chunk: str, fill: float) -> tuple[str, str]:
@@ -244,6 +245,9 @@ def compress_lanes(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) -> 
         ring = pool_rows.read_rows(g, state, sl)  # [B, S, cw]
         parts = [ring, chunk] + ([g.const(np.full((B, 1, cw), fill, np.float32))] if overlap else [])
         t = g.concat(parts, 1)  # [B, R, cw]
+        if B == 1:
+            half = g.reshape(t, (1, ix["R"] * 2, dk)) if overlap else t
+            return g.op("Gather", half, ix["src"], axis=1), g.op("Gather", t, ix["at"], axis=1)
         if overlap:
             return (g.op("Gather", g.reshape(t, (B * ix["R"] * 2, dk)), ix["src"], axis=0),
                     g.op("GatherElements", t, ix["at"], axis=1))
@@ -255,8 +259,8 @@ def compress_lanes(g, o, a, plane_in: Planes, skv_in: Planes, sg_in: Planes) -> 
     # `compress`'s [B, 1, S] window axes without the 1: the same values, reduced in the same order
     h = g.rms(g.sum(g.op("Mul", v, g.op("Softmax", gl, axis=1)), 1), o.norm, a["eps"])  # [B, dk]
     ht = TensorType((B, dk), "fp32")
-    h = rotary.rotate(g, h, ht, ix["wpos"], 1, a["rope_dim"], a["theta"], tuple(a["yarn"]))
-    rnd = a.get("round", "none")
+    rnd = a.get("round", "none")  # one window closes at most: at batch 1 decode's fused rotation, as there
+    h = rotary.rotate(g, h, ht, ix["wpos"], 1, a["rope_dim"], a["theta"], tuple(a["yarn"]), fused=rnd != "fp4")
     if rnd == "fp8":
         h = quant.fp8_round(g, h, ht, dk - a["rope_dim"], math.gcd(64, dk - a["rope_dim"]))
     elif rnd == "fp4":

@@ -89,8 +89,10 @@ class Graph:
     def few_lanes(self, T: int, what: str) -> bool:
         """Whether lowering `what` takes its few-lane form: a chunk of 2..FEW_LANES tokens a sequence (a
         speculative verify step: the last token and its drafts). The forms are exact rewrites of the general
-        lowering for that case, with index tables built at export time; tests/onnx/test_onnx_verify_lowerings.py
-        holds each against it. Prefill chunks (16 and more) keep the general form."""
+        lowering for that case, with index tables built at export time, or decode's reordered-sum forms
+        applied lane by lane (`sparse_attention`'s chunk keys; at batch 1 `rotate`), within decode's
+        tolerance; tests/onnx/test_onnx_verify_lowerings.py holds each against it. Prefill chunks (16 and
+        more) keep the general form."""
         return 1 < T <= FEW_LANES
 
     def live(self, pos: str) -> str:

@@ -22,13 +22,15 @@ def lower_rope_out_proj(g, o, a, r):
 def _grouped(g, what, x, o, a):
     """The block-diagonal GEMM of x (o's type) by o's weight: [B, T, H, d] -> [B, T, R], as G batched GEMMs
     [G, BT, k] x [G, k, R/G]. One token (decode b1): [1, G, k] is [G, 1, k] in memory, so Reshapes stand
-    for the two Transposes (two nodes fewer a layer, the same values)."""
+    for the two Transposes (two nodes fewer a layer, the same values). A verify step's few lanes at batch 1
+    (`few_lanes`): that one-token form for each lane, [BT, G, 1, k] against the [G, k, R/G] weights."""
     B, T = o.types["o"].shape[:2]
     w, wt = linear.weight(g, o.w, o.types["w"], o.scale, a["block"])
     G, (R, k) = a["groups"], wt.shape
-    shape = (G, 1, k) if B * T == 1 else (B * T, G, k)
+    lanes = B == 1 and g.few_lanes(T, what)
+    shape = (G, 1, k) if B * T == 1 else (B * T, G, 1, k) if lanes else (B * T, G, k)
     x = gemm_input(g, what, a, g.reshape(x, shape), TensorType(shape, o.types["o"].dtype))  # per group's K
-    if B * T == 1:
+    if B * T == 1 or lanes:
         return g.reshape(g.matmul_t(x, g.reshape(w, (G, R // G, k))), (B, T, R))
     x = g.op("Transpose", x, perm=[1, 0, 2])  # [G, BT, k]
     z = g.matmul_t(x, g.reshape(w, (G, R // G, k)))  # [G, BT, R/G]

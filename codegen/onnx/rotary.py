@@ -53,7 +53,10 @@ def rotate(g, x: str, xt: TensorType, pos: str, pos_rank: int, dim: int, theta: 
     the step's rotation matrix diag(cos) + R diag(sin), built once per positions and frequencies, for
     the four nodes. The first D - dim channels still come out exactly (a column of the identity); a
     rotated one is x_a cos + x_b sin in one GEMM sum (an FMA may round once where the four nodes round
-    twice: ~1 ulp), so a caller whose result feeds a rounding to a coarse grid (FP4) keeps it off."""
+    twice: ~1 ulp), so a caller whose result feeds a rounding to a coarse grid (FP4) keeps it off.
+    At a batch-1 verify step's few positions (pos [1, T], `few_lanes(T)`), the same form vectorised
+    over them: one [*pos, D, D] stack of those matrices, and one batched MatMul a call (x without a head
+    axis: Unsqueeze / Squeeze around it), so each lane rotates as a decode step at its position would."""
     lead, D = xt.shape[:-1], xt.shape[-1]
     R = np.zeros((D, D), np.float32)
     for i in range(D - dim, D, 2):
@@ -65,6 +68,16 @@ def rotate(g, x: str, xt: TensorType, pos: str, pos_rank: int, dim: int, theta: 
                      g.op("Mul", sin, g.const(R)))
             return m if pos_rank == 1 else g.reshape(m, (D, D))  # cos [1, D]: m is [D, D] already
         return g.op("MatMul", x, g.cached(("rope_matrix", pos, dim, D, theta, tuple(yarn), inverse), matrix))
-    cos, sin = rope_tables(g, pos, pos_rank, len(lead) - pos_rank, dim, theta, yarn, False, D)
+    extra = len(lead) - pos_rank
+    if fused and pos_rank == 2 and extra <= 1 and lead[0] == 1 and g.few_lanes(lead[1], "rotate"):
+        def lanes():  # the one-position matrix for each of a verify step's positions: [*pos, D, D]
+            cos, sin = rope_tables(g, pos, pos_rank, 1, dim, theta, yarn, False, D)  # [*pos, 1, D]
+            return g.op("Sub" if inverse else "Add", g.op("Mul", cos, g.const(np.eye(D, dtype=np.float32))),
+                        g.op("Mul", sin, g.const(R)))
+        m = g.cached(("rope_matrices", pos, pos_rank, dim, D, theta, tuple(yarn), inverse), lanes)
+        if extra:  # [*pos, H, D] @ [*pos, D, D]: each position's heads through its own matrix
+            return g.op("MatMul", x, m)
+        return g.squeeze(g.op("MatMul", g.unsqueeze(x, -2), m), -2)
+    cos, sin = rope_tables(g, pos, pos_rank, extra, dim, theta, yarn, False, D)
     return g.op("Sub" if inverse else "Add", g.op("Mul", x, cos),
                 g.op("Mul", g.op("MatMul", x, g.const(R)), sin))

@@ -90,31 +90,30 @@ def sparse_attention_lanes(g, q: str, qt: TensorType, kv: str, pos: str, sink: s
     """`sparse_attention` for a chunk of a few lanes (`Graph.few_lanes`: a verify step): the same scores,
     softmax and weighted sums, but masked once over [pool rows; chunk keys; sink] with one mask shared by
     the layers that read the same row lists (`sparse_attention` masks each part in each layer), the scale
-    as the GEMMs' alpha (the product rounded as `Mul` rounds it), the chunk's keys a broadcast operand (no
-    reshapes around their GEMMs) and the parts of the softmax sliced at constant offsets from its end (no
-    Shape arithmetic): ~23 nodes a layer for ~31. The same products and sums in the same order: bit-identical
-    to `sparse_attention` (but that a masked row, weighted 0, reads the layer's first row, as decode's)."""
+    as the GEMMs' alpha (the product rounded as `Mul` rounds it), and, as decode's own key
+    (`sparse_attention_one`), the chunk's keys after each lane's pool rows, so that the scores and the
+    weighted sum are one GEMM each and the sink's share one constant slice: ~20 nodes a layer for ~31. The
+    same scores and softmax; the weighted sum adds the chunk keys' terms inside the MatMul rather than after
+    it (a reordered fp32 sum, as decode's: within ATTN_TOL of tests/onnx/test_onnx_decode_lowerings.py)."""
     B, T, H, d = qt.shape
     rows = []
     for rl, base in parts:  # a masked row reads the layer's first row: finite, and weighted 0 (as decode's)
         r0 = rl.safe or g.cached(("rows0", rl.rows), lambda: g.where(_mask(g, rl), rl.rows, g.iscalar(0)))
         rows.append(g.op("Add", r0, g.iscalar(base)) if base else r0)
     keys = pool_rows.read_rows(g, plane, g.concat(rows, 1), shape=(B, T, -1, d))  # [B, T, P, d]
-    kv1 = g.unsqueeze(kv, 1)  # [B, 1, T, d]: every lane's query against the chunk's keys, a broadcast GEMM
+    # the chunk's keys after every lane's pool rows ([B, T, P + T, d]), as decode's own key: one GEMM each
+    # for the scores and the weighted sum (a reordered fp32 sum, as `sparse_attention_one`'s)
+    keys = g.concat([keys, g.op("Expand", kv if B == 1 else g.unsqueeze(kv, 1), g.i64(B, T, T, d))], 2)
 
     def mask():  # [B, T, 1, P + T + 1]: the parts' rows, the chunk's own keys, the sink (always)
         pool = g.reshape(g.concat([_mask(g, rl) for rl, _ in parts], 1), (B, T, 1, -1))
         ext = g.cached(("ext_lanes", pos, window), lambda: _ext_mask_lanes(g, pos, T, window))
         return g.concat([pool, ext, g.const(np.ones((B, T, 1, 1), bool), bool)], -1)
-    s_pool = g.op("FusedMatMul", q, keys, domain=MS_DOMAIN, transB=1, alpha=scale)  # [B, T, H, P]
-    s_ext = g.op("FusedMatMul", q, kv1, domain=MS_DOMAIN, transB=1, alpha=scale)  # [B, T, H, T]
+    s = g.op("FusedMatMul", q, keys, domain=MS_DOMAIN, transB=1, alpha=scale)  # [B, T, H, P + T]
     sinks = g.op("Expand", g.reshape(sink, (1, 1, H, 1)), g.i64(B, T, H, 1))
     s = g.where(g.cached(("lanes_mask", tuple(rl.rows for rl, _ in parts), pos, window), mask),
-                g.concat([s_pool, s_ext, sinks], -1), g.scalar(NEG_INF))
-    probs = g.op("Softmax", s, axis=-1)
-    p_pool = g.slice(probs, 0, -(T + 1), 3)
-    p_ext = g.slice(probs, -(T + 1), -1, 3)
-    return g.op("Add", g.op("MatMul", p_pool, keys), g.op("MatMul", p_ext, kv1))
+                g.concat([s, sinks], -1), g.scalar(NEG_INF))
+    return g.op("MatMul", g.slice(g.op("Softmax", s, axis=-1), 0, -1, 3), keys)  # the sink's share dropped
 
 
 def _mask(g, rl: RowList) -> str:

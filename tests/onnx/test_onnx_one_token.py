@@ -1,7 +1,8 @@
 """The cpu lowerings' one-token forms (decode b1 / the decode buckets): `last_token` at T = 1 is a Reshape
 (`codegen/onnx/last_token.py`), `grouped_out_proj` at B * T = 1 runs its group GEMMs with Reshapes for the
 Transposes (`codegen/onnx/grouped_gemm.py`). Each against the op's reference on seeded inputs, and the
-grouped GEMM bit for bit against the Transpose form at one token (the same bytes, the same GEMMs)."""
+grouped GEMM bit for bit against the Transpose form at one token (the same bytes, the same GEMMs), and a
+batch-1 verify step's few lanes bit for bit the one-token form lane by lane."""
 
 from __future__ import annotations
 
@@ -107,3 +108,34 @@ def test_a_broken_one_token_grouped_out_proj_is_caught(monkeypatch):
     monkeypatch.setattr(Graph, "reshape", bad)
     got = _grouped(1, 1, x, w)
     assert np.abs(got - _grouped_ref(x, w)).max() > 1e-3
+
+
+def _lanes_grouped(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the few-lane form on x's T lanes, the one-token form lane by lane)."""
+    T = x.shape[1]
+    return _grouped(1, T, x, w), np.concatenate([_grouped(1, 1, x[:, t:t + 1], w) for t in range(T)], 1)
+
+
+@pytest.mark.parametrize("T", [2, 4])
+def test_few_lane_grouped_out_proj_is_the_one_token_form_per_lane(T):
+    """A batch-1 verify step's lanes (`Graph.few_lanes`) each through the one-token GEMMs: bit for bit what
+    a decode step computes at that lane; against the Transpose form, GEMM rounding."""
+    x, w = _grouped_inputs(T)
+    few, one = _lanes_grouped(x, w)
+    assert np.array_equal(few, one)
+    assert np.abs(few - _grouped_ref(x, w)).max() <= 1e-6 * np.abs(few).max()
+
+
+def test_a_broken_few_lane_grouped_out_proj_is_caught(monkeypatch):
+    """The lanes' K slices read with lanes and groups swapped ([G, BT] reinterpreted) fail."""
+    x, w = _grouped_inputs(2)
+    orig = Graph.reshape
+
+    def bad(self, t, shape):
+        if tuple(shape) == (2, G, 1, H * D // G):
+            t = self.op("Transpose", orig(self, t, (G, 2, H * D // G)), perm=[1, 0, 2])
+        return orig(self, t, shape)
+
+    monkeypatch.setattr(Graph, "reshape", bad)
+    few, one = _lanes_grouped(x, w)
+    assert not np.array_equal(few, one)
