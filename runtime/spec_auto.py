@@ -20,25 +20,29 @@ Costs on the cpu device: the bucket's isolated measurement (`measure`, at its fi
 process's CPU time, the median of `RUNS` interleaved rounds of the decode graph and of the one-call step graphs
 drafting k, `codegen/onnx_spec.py`, on live lanes whose writes are dropped) gives each k's prior, and steps in
 the generation scale them: each step's CPU time (the whole step, its graph calls and its Python, the same way
-for every k) over its k's prior is a sample of its family's scale, plain decode steps for c(B, 0), drafting
-steps (any k > 0) for c(B, 1..K), and the family's scale is the median of its last `WINDOW` samples (a median:
-no outlier gate and no moving average, so a wrong prior is replaced by a few steps of the truth, never locked
-in; a family without samples takes the other's scale). An isolated graph misses the step's host work and a
-real text's pool and experts, and by how much differs between a decode graph and a step graph (at batch 8 a
-step looks far cheaper against decode in isolation than it is in a generation); among the step graphs the
-prior's ratios hold (the same graph, drafting more), so one family scale keeps every k > 0 current while one
-of them runs. A step that verifies drafts without making any (k = 0 chosen while drafts are held: neither
-family's) is no sample. Elsewhere (the C runtime's devices) the costs are modeled from the artifact's compile
+for every k) over its k's prior is a sample of that k's scale, and a k's scale is the median of its last
+`WINDOW` samples (a median: no outlier gate and no moving average, so a wrong prior is replaced by a few steps
+of the truth, never locked in); a k without samples takes the scale interpolated linearly in k between the
+nearest sampled ks either side (the nearest's past the last). So a k's cost, once it has run, is what its steps
+cost in this generation (the prior's only until then; c(B, 0) what the generation loop's own plain steps cost),
+and the prior gives only the shape between the ks measured. One scale a k, not one for plain steps and one for
+all drafting steps: an isolated graph misses the step's host work and a real text's pool and experts, by an
+amount that differs between the decode graph and the step graphs and among the step graphs too (at batch 8
+plain steps run ~1.5x their isolated prior, drafting steps ~1.15x, and a k = 3 step ~3.1x a plain step in the
+generation against 2.85x in isolation: one drafting scale, fed by k = 1 and k = 3 steps alike, made k = 3 look
+2.2-2.6x plain and chose it, at 0.8-0.9x plain). A step that verifies drafts without making any (k = 0 chosen
+while drafts are held: a plain step's cost it is not) is no sample. Elsewhere (the C runtime's devices) the costs are modeled from the artifact's compile
 report (`report.json` `spec_step`: the bucket's one-call step modeled from the compiled program for the
 device's target; else `speculative_step`: the modeled verify / decode cost ratio of a GPU target at the drafts
 it models, interpolated linearly in k, batch 1 figures for every bucket) and not refined (a step's CPU time
 there is not its cost); an artifact without them drafts K every step.
 
 Probes, so that the side not chosen is seen again (a machine, a load, a batch or a text that changes). While
-plain decoding is chosen the acceptance and the drafting family do not move: after `PROBE` plain steps in a
-row, `PROBE_STEPS` steps draft one token (the cheapest drafting step; its family's scale is every k's). While drafting is chosen (cpu device) the plain family
-does not move: after `PROBE_SPEC` drafting steps in a row the steps are plain until `PROBE_STEPS` plain steps
-are timed (the first verifies the drafts held, without new ones). A probe's family starts its samples afresh,
+plain decoding is chosen the acceptance and the drafting costs do not move: after `PROBE` plain steps in a
+row, `PROBE_STEPS` steps draft one token (the cheapest drafting step; the other ks' scales are then k = 1's,
+until they run). While drafting is chosen (cpu device) the plain cost does not move: after `PROBE_SPEC`
+drafting steps in a row the steps are plain until `PROBE_STEPS` plain steps are timed (the first verifies the
+drafts held, without new ones). A probe's side (plain, or every drafting k) starts its samples afresh,
 so that the verdict (the rule's next choice) compares costs taken close together on a machine whose load
 changes. Each probe after which the rule keeps its side doubles that side's interval (up to `PROBE_MAX`
 times), a change of side resets both: a settled choice costs ever fewer probes. Counters, samples and
@@ -64,7 +68,7 @@ log = logging.getLogger(__name__)
 ALPHA = 0.1  # the weight of each new offer in the running acceptance
 PRIOR = 0.8  # the running acceptance before any offer (the V3 report's 85 %, a little below)
 RUNS = 15  # timed rounds over the graphs when measuring a bucket's prior costs (each graph's median)
-WINDOW = 5  # the in-generation samples of a family (plain / drafting steps) whose median is its scale
+WINDOW = 5  # the in-generation samples of a k (0: plain steps) whose median is its scale
 MARGIN = 0.2  # drafting must beat plain decoding by this much per unit time to start (see the module doc)
 MARGIN_STAY = 0.1  # and by this much to go on: a band, so that a step's noisy CPU time does not flip the choice
 WARM = 2  # untimed rounds first (a session's first runs plan its memory)
@@ -117,17 +121,16 @@ class AutoK:
         return out
 
     def _samples(self, B: int) -> list[deque]:
-        """Bucket `B`'s last in-generation step costs over their priors: [plain steps, drafting steps] (the
+        """Bucket `B`'s last in-generation step costs over their priors, one window a k (0: plain steps; the
         session's; looked up once per bucket: every step reads them)."""
         got = self._seen.get(B)
         if got is None:
             got = self._seen[B] = self.known.setdefault(("seen", B, self.K),
-                                                        [deque(maxlen=WINDOW), deque(maxlen=WINDOW)])
+                                                        [deque(maxlen=WINDOW) for _ in range(self.K + 1)])
         return got
 
     def cost(self, B: int) -> list[float] | None:
-        """c(B, 0..K): the priors, c(B, 0) scaled by its steps' median ratio, c(B, k > 0) by the drafting
-        steps' (a family without samples as the other)."""
+        """c(B, 0..K): each k's prior times its scale (`scales`: its steps' median ratio, else interpolated)."""
         if B not in self._costs:
             self._costs[B] = self._cost(B)
         return self._costs[B]
@@ -136,11 +139,10 @@ class AutoK:
         prior = self.prior(B)
         if prior is None or not self.measured.get(B):
             return prior
-        plain, spec = (_median(q) if q else None for q in self._samples(B))
-        if plain is None and spec is None:
+        got = {k: _median(q) for k, q in enumerate(self._samples(B)) if q}
+        if not got:
             return prior
-        plain, spec = plain or spec, spec or plain
-        return [prior[0] * plain] + [c * spec for c in prior[1:]]
+        return [p * c for p, c in zip(prior, scales(got, self.K))]
 
     def _best(self, B: int, ks) -> int:
         c = self.cost(B)
@@ -162,16 +164,15 @@ class AutoK:
         return self.loop.probe_k if self.loop.probe_left else self.best(B)
 
     def _probe(self, B: int, k: int) -> int:
-        """Start a probe at `k` (0: plain steps) from the other side: its family's samples start afresh, so
-        that the verdict compares costs of now, not of a machine as loaded as it was a while ago."""
+        """Start a probe at `k` (0: plain steps) from the other side: the samples of that side (plain, or
+        every drafting k) start afresh, so that the verdict compares costs of now, not of a machine as loaded
+        as it was a while ago."""
         L = self.loop
         L.probe_k, L.probe_left, L.pending = k, PROBE_STEPS, "spec" if k == 0 else "plain"
-        self._fresh(B, k > 0)
-        return k
-
-    def _fresh(self, B: int, family: int) -> None:
-        self._samples(B)[family].clear()
+        for q in self._samples(B)[1:] if k else self._samples(B)[:1]:
+            q.clear()
         self._costs.pop(B, None)
+        return k
 
     def pick(self, B: int) -> int:
         """This step's k: the rule's, or a probe's (module doc)."""
@@ -192,7 +193,7 @@ class AutoK:
             L.drafting = k > 0
             L.plain_run, L.spec_run = (L.plain_run + 1, 0) if k == 0 else (0, L.spec_run + 1)
             if k == 0 and L.plain_run > L.plain_every:
-                k, L.plain_run = self._probe(B, 1), 0  # the cheapest drafting step: the family's scale is every k's
+                k, L.plain_run = self._probe(B, 1), 0  # the cheapest drafting step
             elif k > 0 and self.measured.get(B) and L.spec_run > L.spec_every:
                 k, L.spec_run = self._probe(B, 0), 0
         self.chosen.append(k)
@@ -207,7 +208,7 @@ class AutoK:
         if L.probe_left and (k == 0) == (L.probe_k == 0):
             L.probe_left -= 1
         if self.measured.get(B):
-            self._samples(B)[k > 0].append(seconds / self.priors[B][k])
+            self._samples(B)[k].append(seconds / self.priors[B][k])
             self._costs.pop(B, None)
 
     def prior(self, B: int) -> list[float] | None:
@@ -220,6 +221,13 @@ class AutoK:
                 log.debug("speculation auto: bucket %d prior step costs %s", B, self.known[key][0])
             self.priors[B], self.measured[B] = self.known[key]
         return self.priors[B]
+
+
+def scales(got: dict[int, float], K: int) -> list[float]:
+    """Each k's in-situ scale (0..K) from those with samples (`got`, k -> its median ratio): its own, else
+    interpolated linearly in k between the nearest sampled k either side, the nearest's past the last."""
+    ks = sorted(got)
+    return [float(np.interp(k, ks, [got[j] for j in ks])) for k in range(K + 1)]
 
 
 def _median(q) -> float:

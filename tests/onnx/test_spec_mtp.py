@@ -652,6 +652,44 @@ def test_auto_costs_from_the_generation():
     assert set(generation(rule(spec_every=10 ** 9), true, 300)) == {3}  # no plain probe
 
 
+def test_auto_cost_per_k():
+    """Isolated costs that understate k = 3's in-generation cost by 25 % (k = 2's by 12 %, k = 1's right, as
+    measured at batch 8): the prior says k = 3, the generation k = 1 (E(k) / c(k): 1.23 plain against 1.01 at
+    k = 3). The rule settles on k = 1 after its first plain probe and stays there but for its probes, within
+    5 % of k = 1's tokens per unit time over the run. Caught: one scale for every drafting k (the previous rule,
+    a window shared by all k > 0) never runs k = 1 but for a probe's steps, and swings between k = 3 and plain."""
+    from collections import deque
+
+    from v4compile.runtime import spec_auto
+
+    prior, true, rates = [1.0, 1.55, 2.1, 2.48], [1.0, 1.55, 2.35, 3.1], [0.9, 0.8, 0.7]
+
+    def run():
+        a = spec_auto.AutoK(None, 3)
+        a.rates, a.priors, a.measured = list(rates), {8: prior}, {8: True}
+        a.observe = lambda *_: None  # the acceptance held at `rates`
+        picks = generation(a, true, 300)
+        gain = [a.expected(k) / true[k] for k in range(4)]
+        return picks, sum(a.expected(k) for k in picks) / sum(true[k] for k in picks), gain
+
+    picks, rate, gain = run()
+    assert picks[0] == 3 and max(range(4), key=gain.__getitem__) == 1  # the prior's choice; the truly best k
+    settled = picks.index(0) + spec_auto.PROBE_STEPS + 1  # the plain probe (its first step verifies the drafts held)
+    assert settled <= spec_auto.PROBE_SPEC + 6 and set(picks[settled:]) <= {0, 1}
+    assert picks[settled:].count(1) > 0.9 * len(picks[settled:]) and rate > 0.95 * gain[1]
+
+    def pooled(self, B):  # the broken variant: every drafting k's samples in one window
+        if B not in self._seen:
+            shared = deque(maxlen=spec_auto.WINDOW)
+            self._seen[B] = [deque(maxlen=spec_auto.WINDOW)] + [shared] * self.K
+        return self._seen[B]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(spec_auto.AutoK, "_samples", pooled)
+        picks, rate, _ = run()
+    assert picks.count(1) <= 0.2 * len(picks) and picks.count(3) > picks.count(1) and rate < 0.9 * gain[1]
+
+
 def test_auto_costs_modeled_from_the_report(tmp_path):
     """Off the cpu device: c(k) / c(0) from the compile report's modeled verify step (linear in k between the
     modeled drafts, extended past the last); no report, no costs (then K every step)."""
