@@ -6,36 +6,37 @@ functions' lanes - 1), the expected tokens per unit of time are
     E(k) = (1 + sum_{j <= k} prod_{i <= j} a_i) / c(B, k)
 
 with a_j the running acceptance of draft position j (draft j accepted given drafts 1..j-1 were: an exponential
-moving average over the sequences' offers, `ALPHA` the weight of each new one, starting at `PRIOR`; the
-session's, carried from one generate call or request to the next) and c(B, k) the cost of a step that
-verifies the drafts held and drafts k (c(B, 0): the plain decode step). The step takes the largest E(k) (the
-smaller k on a tie), but plain decoding unless that beats E(0) by `MARGIN` (`MARGIN_STAY` while the rule's
-last choice drafted: a band, so that one noisy measurement does not flip the choice back and forth):
-speculation has costs outside its steps (the MTP block over each prompt, a request's first drafts, the probes
-below) and the step costs are measured on a shared machine, so a marginal gain is not worth them. k is a choice of how many drafts to make
-for the next step; the verify then checks whatever drafts each sequence holds, so the ids are those of plain
-decoding whatever k is chosen (greedy: the verify's argmax decides every token).
+moving average over the sequences' offers, `ALPHA` the weight of each new one, starting at `PRIOR`; the session's,
+carried from one generate call or request to the next) and c(B, k) the cost of a step that verifies the drafts held
+and drafts k (c(B, 0): the plain decode step). The step takes the largest E(k) (the smaller k on a tie), but plain
+decoding unless that beats E(0) by `MARGIN` (`MARGIN_STAY` while the rule's last choice drafted: a band, so that one
+noisy measurement does not flip the choice back and forth): speculation has costs outside its steps (the MTP block
+over each prompt, a request's first drafts, the probes below) and the step costs are measured on a shared machine,
+so a marginal gain is not worth them. k is a choice of how many drafts to make for the next step; the verify then
+checks whatever drafts each sequence holds, so the ids are those of plain decoding whatever k is chosen (greedy: the
+verify's argmax decides every token).
 
 Costs on the cpu device: the bucket's isolated measurement (`measure`, at its first step in the session: the
 process's CPU time, the median of `RUNS` interleaved rounds of the decode graph and of the one-call step graphs
-drafting k, `codegen/onnx_spec.py`, on live lanes whose writes are dropped) gives each k's prior, and steps in
-the generation scale them: each step's CPU time (the whole step, its graph calls and its Python, the same way
-for every k) over its k's prior is a sample of that k's scale, and a k's scale is the median of its last
-`WINDOW` samples (a median: no outlier gate and no moving average, so a wrong prior is replaced by a few steps
-of the truth, never locked in); a k without samples takes the scale interpolated linearly in k between the
-nearest sampled ks either side (the nearest's past the last). So a k's cost, once it has run, is what its steps
-cost in this generation (the prior's only until then; c(B, 0) what the generation loop's own plain steps cost),
-and the prior gives only the shape between the ks measured. One scale a k, not one for plain steps and one for
-all drafting steps: an isolated graph misses the step's host work and a real text's pool and experts, by an
-amount that differs between the decode graph and the step graphs and among the step graphs too (at batch 8
-plain steps run ~1.5x their isolated prior, drafting steps ~1.15x, and a k = 3 step ~3.1x a plain step in the
-generation against 2.85x in isolation: one drafting scale, fed by k = 1 and k = 3 steps alike, made k = 3 look
-2.2-2.6x plain and chose it, at 0.8-0.9x plain). A step that verifies drafts without making any (k = 0 chosen
-while drafts are held: a plain step's cost it is not) is no sample. Elsewhere (the C runtime's devices) the costs are modeled from the artifact's compile
-report (`report.json` `spec_step`: the bucket's one-call step modeled from the compiled program for the
-device's target; else `speculative_step`: the modeled verify / decode cost ratio of a GPU target at the drafts
-it models, interpolated linearly in k, batch 1 figures for every bucket) and not refined (a step's CPU time
-there is not its cost); an artifact without them drafts K every step.
+drafting k, `codegen/onnx_spec.py`, on live lanes whose writes are dropped) gives each k's prior, and steps in the
+generation scale them: each step's CPU time (the whole step, its graph calls and its Python, the same way for every
+k) over its k's prior is a sample of that k's scale, and a k's scale is the lower third of its last `WINDOW` samples
+(`low`: load on a shared machine only adds to a step's CPU time, so a burst of it over one k's steps must not make
+another k look cheap; no outlier gate and no moving average, so a wrong prior is replaced by a few steps of the
+truth, never locked in); a k without samples takes the scale interpolated linearly in k between the nearest sampled
+ks either side (the nearest's past the last). So a k's cost, once it has run, is what its steps cost in this
+generation (the prior's only until then; c(B, 0) what the generation loop's own plain steps cost), and the prior
+gives only the shape between the ks measured. One scale a k, not one for plain steps and one for all drafting steps:
+an isolated graph misses the step's host work and a real text's pool and experts, by an amount that differs between
+the decode graph and the step graphs and among the step graphs too (at batch 8 plain steps run ~1.5x their isolated
+prior, drafting steps ~1.15x, and a k = 3 step ~3.1x a plain step in the generation against 2.85x in isolation: one
+drafting scale, fed by k = 1 and k = 3 steps alike, made k = 3 look 2.2-2.6x plain and chose it, at 0.8-0.9x plain).
+A step that verifies drafts without making any (k = 0 chosen while drafts are held: a plain step's cost it is not)
+is no sample. Elsewhere (the C runtime's devices) the costs are modeled from the artifact's compile report
+(`report.json` `spec_step`: the bucket's one-call step modeled from the compiled program for the device's target;
+else `speculative_step`: the modeled verify / decode cost ratio of a GPU target at the drafts it models,
+interpolated linearly in k, batch 1 figures for every bucket) and not refined (a step's CPU time there is not its
+cost); an artifact without them drafts K every step.
 
 Probes, so that the side not chosen is seen again (a machine, a load, a batch or a text that changes). While
 plain decoding is chosen the acceptance and the drafting costs do not move: after `PROBE` plain steps in a
@@ -68,14 +69,14 @@ log = logging.getLogger(__name__)
 ALPHA = 0.1  # the weight of each new offer in the running acceptance
 PRIOR = 0.8  # the running acceptance before any offer (the V3 report's 85 %, a little below)
 RUNS = 15  # timed rounds over the graphs when measuring a bucket's prior costs (each graph's median)
-WINDOW = 5  # the in-generation samples of a k (0: plain steps) whose median is its scale
+WINDOW = 5  # the in-generation samples of a k (0: plain steps) whose lower third (`low`) is its scale
 MARGIN = 0.2  # drafting must beat plain decoding by this much per unit time to start (see the module doc)
 MARGIN_STAY = 0.1  # and by this much to go on: a band, so that a step's noisy CPU time does not flip the choice
 WARM = 2  # untimed rounds first (a session's first runs plan its memory)
 LIVE_POS = 40  # the measured steps' first position: past the window and a few compressed windows, as mid-text
 PROBE = 16  # plain steps in a row after which a drafting probe (the acceptance may have changed with the text)
 PROBE_SPEC = 16  # drafting steps in a row after which a plain probe (cpu device)
-PROBE_STEPS = 3  # the samples a probe takes (their median: one step's time can be a one-off)
+PROBE_STEPS = 3  # the samples a probe takes (their least, `low`: one step's time can be a one-off)
 PROBE_MAX = 16  # a probe interval doubles at most to this many times its start
 
 
@@ -130,7 +131,7 @@ class AutoK:
         return got
 
     def cost(self, B: int) -> list[float] | None:
-        """c(B, 0..K): each k's prior times its scale (`scales`: its steps' median ratio, else interpolated)."""
+        """c(B, 0..K): each k's prior times its scale (`scales`: its steps' ratios' lower third, else interpolated)."""
         if B not in self._costs:
             self._costs[B] = self._cost(B)
         return self._costs[B]
@@ -139,7 +140,7 @@ class AutoK:
         prior = self.prior(B)
         if prior is None or not self.measured.get(B):
             return prior
-        got = {k: _median(q) for k, q in enumerate(self._samples(B)) if q}
+        got = {k: low(q) for k, q in enumerate(self._samples(B)) if q}
         if not got:
             return prior
         return [p * c for p, c in zip(prior, scales(got, self.K))]
@@ -224,16 +225,19 @@ class AutoK:
 
 
 def scales(got: dict[int, float], K: int) -> list[float]:
-    """Each k's in-situ scale (0..K) from those with samples (`got`, k -> its median ratio): its own, else
+    """Each k's in-situ scale (0..K) from those with samples (`got`, k -> its steps' ratio, `low`): its own, else
     interpolated linearly in k between the nearest sampled k either side, the nearest's past the last."""
     ks = sorted(got)
     return [float(np.interp(k, ks, [got[j] for j in ks])) for k in range(K + 1)]
 
 
-def _median(q) -> float:
-    """`statistics.median` of a few numbers (the same value; every step takes two)."""
-    s, n = sorted(q), len(q)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+def low(q) -> float:
+    """The lower third of a few samples (sorted, index (n - 1) // 3: the least of up to 3, the second of 5).
+    Load on a shared machine only adds to a step's CPU time (the core's caches and pipelines shared), so
+    the low samples are the step's own cost; a burst of load over one k's steps must not make another look
+    cheap (a median of 5 went with 3 plain steps at 2x, and the rule drafted k = 3 for 16 steps at batch 8)."""
+    s = sorted(q)
+    return s[(len(s) - 1) // 3]
 
 
 def _lanes(session, B: int, T: int) -> dict[str, np.ndarray]:

@@ -19,6 +19,7 @@ without a `draft`: the `draft_b<B>` / `draft_c<T>` functions).
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -612,15 +613,15 @@ def test_auto_rule():
     assert blind.pick(1) != 2
 
 
-def generation(a, true: list[float], steps: int) -> list[int]:
-    """`steps` steps of bucket 8 under the rule `a` on a fake clock (a step at k costs `true[k]`): the kind
-    each step runs as `SpecStep` does (k = 0 while drafts are held verifies them: no sample), every draft
-    accepted. The picks (all of the rule's so far)."""
+def generation(a, true: list[float], steps: int, load=lambda i: 1.0) -> list[int]:
+    """`steps` steps of bucket 8 under the rule `a` on a fake clock (a step at k costs `true[k]`, times
+    `load(step)`): the kind each step runs as `SpecStep` does (k = 0 while drafts are held verifies them: no
+    sample), every draft accepted. The picks (all of the rule's so far)."""
     held = 0
-    for _ in range(steps):
+    for i in range(steps):
         k = a.pick(8)
         verify = not k and held  # a verify of the drafts held without new ones: about a k = 1 step
-        a.timed(8, None if verify else k, true[1 if verify else k])
+        a.timed(8, None if verify else k, true[1 if verify else k] * load(i))
         a.observe(held, held)
         held = k
     return a.chosen
@@ -688,6 +689,26 @@ def test_auto_cost_per_k():
         mp.setattr(spec_auto.AutoK, "_samples", pooled)
         picks, rate, _ = run()
     assert picks.count(1) <= 0.2 * len(picks) and picks.count(3) > picks.count(1) and rate < 0.9 * gain[1]
+
+
+def test_auto_load_bursts():
+    """Bursts of load (3 steps in 20 at 2.2x their CPU time) while plain decoding is the right choice (batch 8,
+    drafting at most 1.05x plain): the rule stays plain but for its probes. Caught: the median of the window
+    (3 burst steps of 5 make plain look 2.2x dearer) drafts k > 0 for a probe interval after each burst."""
+    from v4compile.runtime import spec_auto
+
+    def run():
+        a = spec_auto.AutoK(None, 3)
+        a.rates, a.priors, a.measured = [0.9, 0.8, 0.7], {8: [1.0, 1.9, 2.5, 3.1]}, {8: True}
+        a.observe = lambda *_: None  # the acceptance held
+        return generation(a, a.priors[8], 200, lambda i: 2.2 if i % 20 in (5, 6, 7) else 1.0)
+
+    picks = run()
+    probes = sum(1 for i in range(1, 200) if picks[i] == 1 and picks[i - 1] == 0)
+    assert picks.count(0) >= 200 - probes * spec_auto.PROBE_STEPS and probes <= 200 // spec_auto.PROBE
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(spec_auto, "low", statistics.median)
+        assert sum(k > 0 for k in run()) > 4 * spec_auto.PROBE_SPEC
 
 
 def test_auto_costs_modeled_from_the_report(tmp_path):
