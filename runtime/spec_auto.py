@@ -24,19 +24,22 @@ k) over its k's prior is a sample of that k's scale, and a k's scale is the lowe
 (`low`: load on a shared machine only adds to a step's CPU time, so a burst of it over one k's steps must not make
 another k look cheap; no outlier gate and no moving average, so a wrong prior is replaced by a few steps of the
 truth, never locked in); a k without samples takes the scale interpolated linearly in k between the nearest sampled
-ks either side (the nearest's past the last). So a k's cost, once it has run, is what its steps cost in this
-generation (the prior's only until then; c(B, 0) what the generation loop's own plain steps cost), and the prior
-gives only the shape between the ks measured. One scale a k, not one for plain steps and one for all drafting steps:
-an isolated graph misses the step's host work and a real text's pool and experts, by an amount that differs between
-the decode graph and the step graphs and among the step graphs too (at batch 8 plain steps run ~1.5x their isolated
-prior, drafting steps ~1.15x, and a k = 3 step ~3.1x a plain step in the generation against 2.85x in isolation: one
-drafting scale, fed by k = 1 and k = 3 steps alike, made k = 3 look 2.2-2.6x plain and chose it, at 0.8-0.9x plain).
-A step that verifies drafts without making any (k = 0 chosen while drafts are held: a plain step's cost it is not)
-is no sample. Elsewhere (the C runtime's devices) the costs are modeled from the artifact's compile report
-(`report.json` `spec_step`: the bucket's one-call step modeled from the compiled program for the device's target;
-else `speculative_step`: the modeled verify / decode cost ratio of a GPU target at the drafts it models,
-interpolated linearly in k, batch 1 figures for every bucket) and not refined (a step's CPU time there is not its
-cost); an artifact without them drafts K every step.
+ks either side (the nearest's past the last). While drafting, another drafting k whose last sample is over `STALE`
+steps old is left out (interpolated again, so it runs again if that makes it the better k) and its window starts
+afresh when it runs: one burst of load over a k's steps must not rule it out for good (at batch 1, where k = 2 and
+k = 3 are a few % apart a step, a stale window held the rule at k = 2, 0.92x of k = 3). So a k's cost, once it has
+run, is what its steps cost in this generation (the prior's only until then; c(B, 0) what the generation loop's own
+plain steps cost), and the prior gives only the shape between the ks measured. One scale a k, not one for plain
+steps and one for all drafting steps: an isolated graph misses the step's host work and a real text's pool and
+experts, by an amount that differs between the decode graph and the step graphs and among the step graphs too (at
+batch 8 plain steps run ~1.5x their isolated prior, drafting steps ~1.15x, and a k = 3 step ~3.1x a plain step in
+the generation against 2.85x in isolation: one drafting scale, fed by k = 1 and k = 3 steps alike, made k = 3 look
+2.2-2.6x plain and chose it, at 0.8-0.9x plain). A step that verifies drafts without making any (k = 0 chosen while
+drafts are held: a plain step's cost it is not) is no sample. Elsewhere (the C runtime's devices) the costs are
+modeled from the artifact's compile report (`report.json` `spec_step`: the bucket's one-call step modeled from the
+compiled program for the device's target; else `speculative_step`: the modeled verify / decode cost ratio of a GPU
+target at the drafts it models, interpolated linearly in k, batch 1 figures for every bucket) and not refined (a
+step's CPU time there is not its cost); an artifact without them drafts K every step.
 
 Probes, so that the side not chosen is seen again (a machine, a load, a batch or a text that changes). While
 plain decoding is chosen the acceptance and the drafting costs do not move: after `PROBE` plain steps in a
@@ -77,6 +80,7 @@ LIVE_POS = 40  # the measured steps' first position: past the window and a few c
 PROBE = 16  # plain steps in a row after which a drafting probe (the acceptance may have changed with the text)
 PROBE_SPEC = 16  # drafting steps in a row after which a plain probe (cpu device)
 PROBE_STEPS = 3  # the samples a probe takes (their least, `low`: one step's time can be a one-off)
+STALE = 16  # while drafting, another drafting k's samples older than this many steps are left out
 PROBE_MAX = 16  # a probe interval doubles at most to this many times its start
 
 
@@ -88,6 +92,7 @@ class Loop:
     spec_run: int = 0  # drafting steps in a row
     plain_every: int = PROBE  # the current intervals (doubled while probes confirm the choice)
     spec_every: int = PROBE_SPEC
+    steps: int = 0  # the steps picked (the age of a k's last sample, `STALE`)
     probe_k: int = 0  # the k of the probe under way (0: plain steps)
     probe_left: int = 0  # its samples still to take
     pending: str | None = None  # the side ("plain" / "spec") a probe was taken from: the first choice after it is its verdict
@@ -108,6 +113,7 @@ class AutoK:
         self._costs: dict[int, list[float] | None] = {}  # bucket -> c(B, 0..K) until its next sample (per step: cheap)
         self.chosen: list[int] = []  # each step's k (the bench and the tests read it)
         self._seen: dict[int, list[deque]] = {}  # bucket -> `_samples`
+        self._lasts: dict[int, list[int]] = {}  # bucket -> `_last`
 
     def observe(self, a: int, offered: int) -> None:
         """One sequence's verify: `a` of its `offered` drafts accepted (position j offered when j <= a + 1)."""
@@ -130,6 +136,13 @@ class AutoK:
                                                         [deque(maxlen=WINDOW) for _ in range(self.K + 1)])
         return got
 
+    def _last(self, B: int) -> list[int]:
+        """Bucket `B`'s step (`Loop.steps`) of each k's last sample (the session's)."""
+        got = self._lasts.get(B)
+        if got is None:
+            got = self._lasts[B] = self.known.setdefault(("last", B, self.K), [-STALE - 1] * (self.K + 1))
+        return got
+
     def cost(self, B: int) -> list[float] | None:
         """c(B, 0..K): each k's prior times its scale (`scales`: its steps' ratios' lower third, else interpolated)."""
         if B not in self._costs:
@@ -140,7 +153,11 @@ class AutoK:
         prior = self.prior(B)
         if prior is None or not self.measured.get(B):
             return prior
-        got = {k: low(q) for k, q in enumerate(self._samples(B)) if q}
+        last, L = self._last(B), self.loop
+        # while drafting, another drafting k's samples go stale: it runs again (at the interpolated scale) if
+        # that says it is the better k, so that one unlucky burst over its steps does not rule it out for good
+        got = {k: low(q) for k, q in enumerate(self._samples(B))
+               if q and (k == 0 or not L.drafting or L.steps - last[k] <= STALE)}
         if not got:
             return prior
         return [p * c for p, c in zip(prior, scales(got, self.K))]
@@ -197,6 +214,7 @@ class AutoK:
                 k, L.plain_run = self._probe(B, 1), 0  # the cheapest drafting step
             elif k > 0 and self.measured.get(B) and L.spec_run > L.spec_every:
                 k, L.spec_run = self._probe(B, 0), 0
+        L.steps += 1
         self.chosen.append(k)
         return k
 
@@ -209,7 +227,11 @@ class AutoK:
         if L.probe_left and (k == 0) == (L.probe_k == 0):
             L.probe_left -= 1
         if self.measured.get(B):
-            self._samples(B)[k].append(seconds / self.priors[B][k])
+            q, last = self._samples(B)[k], self._last(B)
+            if k and L.steps - last[k] > STALE:
+                q.clear()  # a stale window starts afresh, as a probe's does
+            q.append(seconds / self.priors[B][k])
+            last[k] = L.steps
             self._costs.pop(B, None)
 
     def prior(self, B: int) -> list[float] | None:

@@ -658,7 +658,7 @@ def test_auto_cost_per_k():
     measured at batch 8): the prior says k = 3, the generation k = 1 (E(k) / c(k): 1.23 plain against 1.01 at
     k = 3). The rule settles on k = 1 after its first plain probe and stays there but for its probes, within
     5 % of k = 1's tokens per unit time over the run. Caught: one scale for every drafting k (the previous rule,
-    a window shared by all k > 0) never runs k = 1 but for a probe's steps, and swings between k = 3 and plain."""
+    a window shared by all k > 0) runs k = 1 on at most a fifth of the steps, swinging between k = 3 and plain."""
     from collections import deque
 
     from v4compile.runtime import spec_auto
@@ -676,8 +676,8 @@ def test_auto_cost_per_k():
     picks, rate, gain = run()
     assert picks[0] == 3 and max(range(4), key=gain.__getitem__) == 1  # the prior's choice; the truly best k
     settled = picks.index(0) + spec_auto.PROBE_STEPS + 1  # the plain probe (its first step verifies the drafts held)
-    assert settled <= spec_auto.PROBE_SPEC + 6 and set(picks[settled:]) <= {0, 1}
-    assert picks[settled:].count(1) > 0.9 * len(picks[settled:]) and rate > 0.95 * gain[1]
+    assert settled <= spec_auto.PROBE_SPEC + 6  # k = 1, but for plain probes and a k = 3 step when its samples go stale
+    assert picks[settled:].count(1) > 0.85 * len(picks[settled:]) and rate > 0.95 * gain[1]
 
     def pooled(self, B):  # the broken variant: every drafting k's samples in one window
         if B not in self._seen:
@@ -688,7 +688,7 @@ def test_auto_cost_per_k():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(spec_auto.AutoK, "_samples", pooled)
         picks, rate, _ = run()
-    assert picks.count(1) <= 0.2 * len(picks) and picks.count(3) > picks.count(1) and rate < 0.9 * gain[1]
+    assert picks.count(1) <= 0.2 * len(picks) and rate < 0.9 * gain[1]
 
 
 def test_auto_load_bursts():
@@ -709,6 +709,29 @@ def test_auto_load_bursts():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(spec_auto, "low", statistics.median)
         assert sum(k > 0 for k in run()) > 4 * spec_auto.PROBE_SPEC
+
+
+def test_auto_stale_samples():
+    """Drafting at k = 2 with k = 3's window from a burst long ago (2x): its samples go stale after STALE steps,
+    k = 3 runs again and the rule settles on it (the truly best: 1.66 against k = 2's 1.52 a unit of time).
+    Caught: samples that never go stale keep k = 2 for good."""
+    from v4compile.runtime import spec_auto
+
+    def run():
+        a = spec_auto.AutoK(None, 3)
+        a.rates, a.priors, a.measured = [0.92, 0.81, 0.87], {8: [1.0, 1.45, 1.75, 2.0]}, {8: True}
+        a.observe = lambda *_: None
+        a.loop.drafting = True
+        a._samples(8)[3].extend([2.0] * spec_auto.WINDOW)  # a burst, at step 0
+        a._samples(8)[2].append(1.0)  # k = 2's, fresh
+        a._last(8)[2:] = [0, 0]
+        return generation(a, a.priors[8], 100)
+
+    picks = run()
+    assert picks[0] == 2 and picks[spec_auto.STALE + 2:].count(3) > 70
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(spec_auto, "STALE", 10 ** 9)
+        assert run().count(3) == 0
 
 
 def test_auto_costs_modeled_from_the_report(tmp_path):
