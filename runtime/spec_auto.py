@@ -6,39 +6,47 @@ functions' lanes - 1), the expected tokens per unit of time are
     E(k) = (1 + sum_{j <= k} prod_{i <= j} a_i) / c(B, k)
 
 with a_j the running acceptance of draft position j (draft j accepted given drafts 1..j-1 were: an exponential
-moving average over the sequences' offers, `ALPHA` the weight of each new one, starting at `PRIOR`; the
-session's, carried from one generate call or request to the next) and c(B, k) the cost of a step that
-verifies the drafts held and drafts k (c(B, 0): the plain decode step). The step takes the largest E(k) (the
-smaller k on a tie), but plain decoding unless that beats E(0) by `MARGIN` (`MARGIN_STAY` while the rule's
-last choice drafted: a band, so that one noisy measurement does not flip the choice back and forth):
-speculation has costs outside its steps (the MTP block over each prompt, a request's first drafts, the probes
-below) and the step costs are measured on a shared machine, so a marginal gain is not worth them. k is a choice of how many drafts to make
-for the next step; the verify then checks whatever drafts each sequence holds, so the ids are those of plain
-decoding whatever k is chosen (greedy: the verify's argmax decides every token).
+moving average over the sequences' offers, `ALPHA` the weight of each new one, starting at `PRIOR`; the session's,
+carried from one generate call or request to the next) and c(B, k) the cost of a step that verifies the drafts held
+and drafts k (c(B, 0): the plain decode step). The step takes the largest E(k) (the smaller k on a tie), but plain
+decoding unless that beats E(0) by `MARGIN` (`MARGIN_STAY` while the rule's last choice drafted: a band, so that one
+noisy measurement does not flip the choice back and forth): speculation has costs outside its steps (the MTP block
+over each prompt, a request's first drafts, the probes below) and the step costs are measured on a shared machine,
+so a marginal gain is not worth them. k is a choice of how many drafts to make for the next step; the verify then
+checks whatever drafts each sequence holds, so the ids are those of plain decoding whatever k is chosen (greedy: the
+verify's argmax decides every token).
 
 Costs on the cpu device: the bucket's isolated measurement (`measure`, at its first step in the session: the
 process's CPU time, the median of `RUNS` interleaved rounds of the decode graph and of the one-call step graphs
-drafting k, `codegen/onnx_spec.py`, on live lanes whose writes are dropped) gives each k's prior, and steps in
-the generation scale them: each step's CPU time (the whole step, its graph calls and its Python, the same way
-for every k) over its k's prior is a sample of its family's scale, plain decode steps for c(B, 0), drafting
-steps (any k > 0) for c(B, 1..K), and the family's scale is the median of its last `WINDOW` samples (a median:
-no outlier gate and no moving average, so a wrong prior is replaced by a few steps of the truth, never locked
-in; a family without samples takes the other's scale). An isolated graph misses the step's host work and a
-real text's pool and experts, and by how much differs between a decode graph and a step graph (at batch 8 a
-step looks far cheaper against decode in isolation than it is in a generation); among the step graphs the
-prior's ratios hold (the same graph, drafting more), so one family scale keeps every k > 0 current while one
-of them runs. A step that verifies drafts without making any (k = 0 chosen while drafts are held: neither
-family's) is no sample. Elsewhere (the C runtime's devices) the costs are modeled from the artifact's compile
-report (`report.json` `spec_step`: the bucket's one-call step modeled from the compiled program for the
-device's target; else `speculative_step`: the modeled verify / decode cost ratio of a GPU target at the drafts
-it models, interpolated linearly in k, batch 1 figures for every bucket) and not refined (a step's CPU time
-there is not its cost); an artifact without them drafts K every step.
+drafting k, `codegen/onnx_spec.py`, on live lanes whose writes are dropped) gives each k's prior, and steps in the
+generation scale them: each step's CPU time (the whole step, its graph calls and its Python, the same way for every
+k) over its k's prior is a sample of that k's scale, and a k's scale is the lower third of its last `WINDOW` samples
+(`low`: load on a shared machine only adds to a step's CPU time, so a burst of it over one k's steps must not make
+another k look cheap; no outlier gate and no moving average, so a wrong prior is replaced by a few steps of the
+truth, never locked in); a k without samples takes the scale interpolated linearly in k between the nearest sampled
+ks either side (the nearest's past the last). While drafting, another drafting k whose last sample is over `STALE`
+steps old is left out (interpolated again, so it runs again if that makes it the better k) and its window starts
+afresh when it runs: one burst of load over a k's steps must not rule it out for good (at batch 1, where k = 2 and
+k = 3 are a few % apart a step, a stale window held the rule at k = 2, 0.92x of k = 3). So a k's cost, once it has
+run, is what its steps cost in this generation (the prior's only until then; c(B, 0) what the generation loop's own
+plain steps cost), and the prior gives only the shape between the ks measured. One scale a k, not one for plain
+steps and one for all drafting steps: an isolated graph misses the step's host work and a real text's pool and
+experts, by an amount that differs between the decode graph and the step graphs and among the step graphs too (at
+batch 8 plain steps run ~1.5x their isolated prior, drafting steps ~1.15x, and a k = 3 step ~3.1x a plain step in
+the generation against 2.85x in isolation: one drafting scale, fed by k = 1 and k = 3 steps alike, made k = 3 look
+2.2-2.6x plain and chose it, at 0.8-0.9x plain). A step that verifies drafts without making any (k = 0 chosen while
+drafts are held: a plain step's cost it is not) is no sample. Elsewhere (the C runtime's devices) the costs are
+modeled from the artifact's compile report (`report.json` `spec_step`: the bucket's one-call step modeled from the
+compiled program for the device's target; else `speculative_step`: the modeled verify / decode cost ratio of a GPU
+target at the drafts it models, interpolated linearly in k, batch 1 figures for every bucket) and not refined (a
+step's CPU time there is not its cost); an artifact without them drafts K every step.
 
 Probes, so that the side not chosen is seen again (a machine, a load, a batch or a text that changes). While
-plain decoding is chosen the acceptance and the drafting family do not move: after `PROBE` plain steps in a
-row, `PROBE_STEPS` steps draft one token (the cheapest drafting step; its family's scale is every k's). While drafting is chosen (cpu device) the plain family
-does not move: after `PROBE_SPEC` drafting steps in a row the steps are plain until `PROBE_STEPS` plain steps
-are timed (the first verifies the drafts held, without new ones). A probe's family starts its samples afresh,
+plain decoding is chosen the acceptance and the drafting costs do not move: after `PROBE` plain steps in a
+row, `PROBE_STEPS` steps draft one token (the cheapest drafting step; the other ks' scales are then k = 1's,
+until they run). While drafting is chosen (cpu device) the plain cost does not move: after `PROBE_SPEC`
+drafting steps in a row the steps are plain until `PROBE_STEPS` plain steps are timed (the first verifies the
+drafts held, without new ones). A probe's side (plain, or every drafting k) starts its samples afresh,
 so that the verdict (the rule's next choice) compares costs taken close together on a machine whose load
 changes. Each probe after which the rule keeps its side doubles that side's interval (up to `PROBE_MAX`
 times), a change of side resets both: a settled choice costs ever fewer probes. Counters, samples and
@@ -64,14 +72,15 @@ log = logging.getLogger(__name__)
 ALPHA = 0.1  # the weight of each new offer in the running acceptance
 PRIOR = 0.8  # the running acceptance before any offer (the V3 report's 85 %, a little below)
 RUNS = 15  # timed rounds over the graphs when measuring a bucket's prior costs (each graph's median)
-WINDOW = 5  # the in-generation samples of a family (plain / drafting steps) whose median is its scale
+WINDOW = 5  # the in-generation samples of a k (0: plain steps) whose lower third (`low`) is its scale
 MARGIN = 0.2  # drafting must beat plain decoding by this much per unit time to start (see the module doc)
 MARGIN_STAY = 0.1  # and by this much to go on: a band, so that a step's noisy CPU time does not flip the choice
 WARM = 2  # untimed rounds first (a session's first runs plan its memory)
 LIVE_POS = 40  # the measured steps' first position: past the window and a few compressed windows, as mid-text
 PROBE = 16  # plain steps in a row after which a drafting probe (the acceptance may have changed with the text)
 PROBE_SPEC = 16  # drafting steps in a row after which a plain probe (cpu device)
-PROBE_STEPS = 3  # the samples a probe takes (their median: one step's time can be a one-off)
+PROBE_STEPS = 3  # the samples a probe takes (their least, `low`: one step's time can be a one-off)
+STALE = 16  # while drafting, another drafting k's samples older than this many steps are left out
 PROBE_MAX = 16  # a probe interval doubles at most to this many times its start
 
 
@@ -83,6 +92,7 @@ class Loop:
     spec_run: int = 0  # drafting steps in a row
     plain_every: int = PROBE  # the current intervals (doubled while probes confirm the choice)
     spec_every: int = PROBE_SPEC
+    steps: int = 0  # the steps picked (the age of a k's last sample, `STALE`)
     probe_k: int = 0  # the k of the probe under way (0: plain steps)
     probe_left: int = 0  # its samples still to take
     pending: str | None = None  # the side ("plain" / "spec") a probe was taken from: the first choice after it is its verdict
@@ -103,6 +113,7 @@ class AutoK:
         self._costs: dict[int, list[float] | None] = {}  # bucket -> c(B, 0..K) until its next sample (per step: cheap)
         self.chosen: list[int] = []  # each step's k (the bench and the tests read it)
         self._seen: dict[int, list[deque]] = {}  # bucket -> `_samples`
+        self._lasts: dict[int, list[int]] = {}  # bucket -> `_last`
 
     def observe(self, a: int, offered: int) -> None:
         """One sequence's verify: `a` of its `offered` drafts accepted (position j offered when j <= a + 1)."""
@@ -117,17 +128,23 @@ class AutoK:
         return out
 
     def _samples(self, B: int) -> list[deque]:
-        """Bucket `B`'s last in-generation step costs over their priors: [plain steps, drafting steps] (the
+        """Bucket `B`'s last in-generation step costs over their priors, one window a k (0: plain steps; the
         session's; looked up once per bucket: every step reads them)."""
         got = self._seen.get(B)
         if got is None:
             got = self._seen[B] = self.known.setdefault(("seen", B, self.K),
-                                                        [deque(maxlen=WINDOW), deque(maxlen=WINDOW)])
+                                                        [deque(maxlen=WINDOW) for _ in range(self.K + 1)])
+        return got
+
+    def _last(self, B: int) -> list[int]:
+        """Bucket `B`'s step (`Loop.steps`) of each k's last sample (the session's)."""
+        got = self._lasts.get(B)
+        if got is None:
+            got = self._lasts[B] = self.known.setdefault(("last", B, self.K), [-STALE - 1] * (self.K + 1))
         return got
 
     def cost(self, B: int) -> list[float] | None:
-        """c(B, 0..K): the priors, c(B, 0) scaled by its steps' median ratio, c(B, k > 0) by the drafting
-        steps' (a family without samples as the other)."""
+        """c(B, 0..K): each k's prior times its scale (`scales`: its steps' ratios' lower third, else interpolated)."""
         if B not in self._costs:
             self._costs[B] = self._cost(B)
         return self._costs[B]
@@ -136,11 +153,14 @@ class AutoK:
         prior = self.prior(B)
         if prior is None or not self.measured.get(B):
             return prior
-        plain, spec = (_median(q) if q else None for q in self._samples(B))
-        if plain is None and spec is None:
+        last, L = self._last(B), self.loop
+        # while drafting, another drafting k's samples go stale: it runs again (at the interpolated scale) if
+        # that says it is the better k, so that one unlucky burst over its steps does not rule it out for good
+        got = {k: low(q) for k, q in enumerate(self._samples(B))
+               if q and (k == 0 or not L.drafting or L.steps - last[k] <= STALE)}
+        if not got:
             return prior
-        plain, spec = plain or spec, spec or plain
-        return [prior[0] * plain] + [c * spec for c in prior[1:]]
+        return [p * c for p, c in zip(prior, scales(got, self.K))]
 
     def _best(self, B: int, ks) -> int:
         c = self.cost(B)
@@ -162,16 +182,15 @@ class AutoK:
         return self.loop.probe_k if self.loop.probe_left else self.best(B)
 
     def _probe(self, B: int, k: int) -> int:
-        """Start a probe at `k` (0: plain steps) from the other side: its family's samples start afresh, so
-        that the verdict compares costs of now, not of a machine as loaded as it was a while ago."""
+        """Start a probe at `k` (0: plain steps) from the other side: the samples of that side (plain, or
+        every drafting k) start afresh, so that the verdict compares costs of now, not of a machine as loaded
+        as it was a while ago."""
         L = self.loop
         L.probe_k, L.probe_left, L.pending = k, PROBE_STEPS, "spec" if k == 0 else "plain"
-        self._fresh(B, k > 0)
-        return k
-
-    def _fresh(self, B: int, family: int) -> None:
-        self._samples(B)[family].clear()
+        for q in self._samples(B)[1:] if k else self._samples(B)[:1]:
+            q.clear()
         self._costs.pop(B, None)
+        return k
 
     def pick(self, B: int) -> int:
         """This step's k: the rule's, or a probe's (module doc)."""
@@ -192,9 +211,10 @@ class AutoK:
             L.drafting = k > 0
             L.plain_run, L.spec_run = (L.plain_run + 1, 0) if k == 0 else (0, L.spec_run + 1)
             if k == 0 and L.plain_run > L.plain_every:
-                k, L.plain_run = self._probe(B, 1), 0  # the cheapest drafting step: the family's scale is every k's
+                k, L.plain_run = self._probe(B, 1), 0  # the cheapest drafting step
             elif k > 0 and self.measured.get(B) and L.spec_run > L.spec_every:
                 k, L.spec_run = self._probe(B, 0), 0
+        L.steps += 1
         self.chosen.append(k)
         return k
 
@@ -207,7 +227,11 @@ class AutoK:
         if L.probe_left and (k == 0) == (L.probe_k == 0):
             L.probe_left -= 1
         if self.measured.get(B):
-            self._samples(B)[k > 0].append(seconds / self.priors[B][k])
+            q, last = self._samples(B)[k], self._last(B)
+            if k and L.steps - last[k] > STALE:
+                q.clear()  # a stale window starts afresh, as a probe's does
+            q.append(seconds / self.priors[B][k])
+            last[k] = L.steps
             self._costs.pop(B, None)
 
     def prior(self, B: int) -> list[float] | None:
@@ -222,10 +246,25 @@ class AutoK:
         return self.priors[B]
 
 
-def _median(q) -> float:
-    """`statistics.median` of a few numbers (the same value; every step takes two)."""
-    s, n = sorted(q), len(q)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+def scales(got: dict[int, float], K: int) -> list[float]:
+    """Each k's in-situ scale (0..K) from those with samples (`got`, k -> its steps' ratio, `low`): its own, else
+    interpolated linearly in k between the nearest sampled k either side, the nearest's past the last."""
+    ks = sorted(got)
+    out = []
+    for k in range(K + 1):  # plain Python: every step after a sample calls this (np.interp costs ~3 us a call)
+        lo = max((j for j in ks if j <= k), default=ks[0])
+        hi = min((j for j in ks if j >= k), default=ks[-1])
+        out.append(got[lo] if lo == hi else got[lo] + (got[hi] - got[lo]) * (k - lo) / (hi - lo))
+    return out
+
+
+def low(q) -> float:
+    """The lower third of a few samples (sorted, index (n - 1) // 3: the least of up to 3, the second of 5).
+    Load on a shared machine only adds to a step's CPU time (the core's caches and pipelines shared), so
+    the low samples are the step's own cost; a burst of load over one k's steps must not make another look
+    cheap (a median of 5 went with 3 plain steps at 2x, and the rule drafted k = 3 for 16 steps at batch 8)."""
+    s = sorted(q)
+    return s[(len(s) - 1) // 3]
 
 
 def _lanes(session, B: int, T: int) -> dict[str, np.ndarray]:

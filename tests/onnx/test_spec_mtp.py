@@ -19,6 +19,7 @@ without a `draft`: the `draft_b<B>` / `draft_c<T>` functions).
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -612,15 +613,15 @@ def test_auto_rule():
     assert blind.pick(1) != 2
 
 
-def generation(a, true: list[float], steps: int) -> list[int]:
-    """`steps` steps of bucket 8 under the rule `a` on a fake clock (a step at k costs `true[k]`): the kind
-    each step runs as `SpecStep` does (k = 0 while drafts are held verifies them: no sample), every draft
-    accepted. The picks (all of the rule's so far)."""
+def generation(a, true: list[float], steps: int, load=lambda i: 1.0) -> list[int]:
+    """`steps` steps of bucket 8 under the rule `a` on a fake clock (a step at k costs `true[k]`, times
+    `load(step)`): the kind each step runs as `SpecStep` does (k = 0 while drafts are held verifies them: no
+    sample), every draft accepted. The picks (all of the rule's so far)."""
     held = 0
-    for _ in range(steps):
+    for i in range(steps):
         k = a.pick(8)
         verify = not k and held  # a verify of the drafts held without new ones: about a k = 1 step
-        a.timed(8, None if verify else k, true[1 if verify else k])
+        a.timed(8, None if verify else k, true[1 if verify else k] * load(i))
         a.observe(held, held)
         held = k
     return a.chosen
@@ -650,6 +651,87 @@ def test_auto_costs_from_the_generation():
     cheap = generation(rule(), [1.0, 1.1, 1.2, 1.3], 60)  # where drafting pays in situ it stays on
     assert sum(k == 3 for k in cheap) > 50
     assert set(generation(rule(spec_every=10 ** 9), true, 300)) == {3}  # no plain probe
+
+
+def test_auto_cost_per_k():
+    """Isolated costs that understate k = 3's in-generation cost by 25 % (k = 2's by 12 %, k = 1's right, as
+    measured at batch 8): the prior says k = 3, the generation k = 1 (E(k) / c(k): 1.23 plain against 1.01 at
+    k = 3). The rule settles on k = 1 after its first plain probe and stays there but for its probes, within
+    5 % of k = 1's tokens per unit time over the run. Caught: one scale for every drafting k (the previous rule,
+    a window shared by all k > 0) runs k = 1 on at most a fifth of the steps, swinging between k = 3 and plain."""
+    from collections import deque
+
+    from v4compile.runtime import spec_auto
+
+    prior, true, rates = [1.0, 1.55, 2.1, 2.48], [1.0, 1.55, 2.35, 3.1], [0.9, 0.8, 0.7]
+
+    def run():
+        a = spec_auto.AutoK(None, 3)
+        a.rates, a.priors, a.measured = list(rates), {8: prior}, {8: True}
+        a.observe = lambda *_: None  # the acceptance held at `rates`
+        picks = generation(a, true, 300)
+        gain = [a.expected(k) / true[k] for k in range(4)]
+        return picks, sum(a.expected(k) for k in picks) / sum(true[k] for k in picks), gain
+
+    picks, rate, gain = run()
+    assert picks[0] == 3 and max(range(4), key=gain.__getitem__) == 1  # the prior's choice; the truly best k
+    settled = picks.index(0) + spec_auto.PROBE_STEPS + 1  # the plain probe (its first step verifies the drafts held)
+    assert settled <= spec_auto.PROBE_SPEC + 6  # k = 1, but for plain probes and a k = 3 step when its samples go stale
+    assert picks[settled:].count(1) > 0.85 * len(picks[settled:]) and rate > 0.95 * gain[1]
+
+    def pooled(self, B):  # the broken variant: every drafting k's samples in one window
+        if B not in self._seen:
+            shared = deque(maxlen=spec_auto.WINDOW)
+            self._seen[B] = [deque(maxlen=spec_auto.WINDOW)] + [shared] * self.K
+        return self._seen[B]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(spec_auto.AutoK, "_samples", pooled)
+        picks, rate, _ = run()
+    assert picks.count(1) <= 0.2 * len(picks) and rate < 0.9 * gain[1]
+
+
+def test_auto_load_bursts():
+    """Bursts of load (3 steps in 20 at 2.2x their CPU time) while plain decoding is the right choice (batch 8,
+    drafting at most 1.05x plain): the rule stays plain but for its probes. Caught: the median of the window
+    (3 burst steps of 5 make plain look 2.2x dearer) drafts k > 0 for a probe interval after each burst."""
+    from v4compile.runtime import spec_auto
+
+    def run():
+        a = spec_auto.AutoK(None, 3)
+        a.rates, a.priors, a.measured = [0.9, 0.8, 0.7], {8: [1.0, 1.9, 2.5, 3.1]}, {8: True}
+        a.observe = lambda *_: None  # the acceptance held
+        return generation(a, a.priors[8], 200, lambda i: 2.2 if i % 20 in (5, 6, 7) else 1.0)
+
+    picks = run()
+    probes = sum(1 for i in range(1, 200) if picks[i] == 1 and picks[i - 1] == 0)
+    assert picks.count(0) >= 200 - probes * spec_auto.PROBE_STEPS and probes <= 200 // spec_auto.PROBE
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(spec_auto, "low", statistics.median)
+        assert sum(k > 0 for k in run()) > 4 * spec_auto.PROBE_SPEC
+
+
+def test_auto_stale_samples():
+    """Drafting at k = 2 with k = 3's window from a burst long ago (2x): its samples go stale after STALE steps,
+    k = 3 runs again and the rule settles on it (the truly best: 1.66 against k = 2's 1.52 a unit of time).
+    Caught: samples that never go stale keep k = 2 for good."""
+    from v4compile.runtime import spec_auto
+
+    def run():
+        a = spec_auto.AutoK(None, 3)
+        a.rates, a.priors, a.measured = [0.92, 0.81, 0.87], {8: [1.0, 1.45, 1.75, 2.0]}, {8: True}
+        a.observe = lambda *_: None
+        a.loop.drafting = True
+        a._samples(8)[3].extend([2.0] * spec_auto.WINDOW)  # a burst, at step 0
+        a._samples(8)[2].append(1.0)  # k = 2's, fresh
+        a._last(8)[2:] = [0, 0]
+        return generation(a, a.priors[8], 100)
+
+    picks = run()
+    assert picks[0] == 2 and picks[spec_auto.STALE + 2:].count(3) > 70
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(spec_auto, "STALE", 10 ** 9)
+        assert run().count(3) == 0
 
 
 def test_auto_costs_modeled_from_the_report(tmp_path):
