@@ -1,0 +1,205 @@
+"""Where the one-call speculative step's time goes on the cpu device: the fused verify + acceptance + MTP draft
+graph (`spec_b1_d<k>`, `codegen/onnx_spec.py`) against `decode_b1`, and its parts run alone (`verify_b1`,
+`draft_b1`), in one process on the same inputs.
+
+    python bench/bench_spec_where.py ART [--runs 600] [--profile 200] [--k 1]
+
+ART: an artifact compiled for the cpu target with `--draft-tokens k` and decode bucket 1 (bench_spec.py's:
+`v4compile compile examples/tiny-doc -o ART --target cpu --decode-buckets 1 --prefill-buckets 16
+--draft-tokens 1 --numerics hf --dtype fp32`). One greedy speculative generation through the fused step, one
+through the two-call path (verify, then draft) and one plain generation record each graph's step inputs;
+each graph is then warmed (20 runs) and run `--runs` times, the graphs interleaved (the order flipping each
+round: a burst of load falls on all), timed two ways: `run_outputs` (the backend's call: binding, the run,
+the row stores) and ONNX Runtime alone (`run_with_iobinding` on the bound session). Printed: each graph's
+25th-percentile and median wall time, in decode steps of the same kind (on a shared machine the lower
+quantile is the least disturbed).
+
+`--profile N`: a second pass with ONNX Runtime's profiler on (a fresh load), N interleaved runs, the first
+20 of each session left out (the first session created ran slowest: warm-up), aggregated per run by ONNX op
+and by IR op (each node's `doc_string`; the fused graph's `draft/` nodes by the draft graph's, `spec/` by
+the glue's own names). Read its times as node counts: on this example a node's kernel takes ~1 us and the
+profiler adds ~5 us to each node's measured time and ~15 us around it (decode_b1: ~1.0 ms unprofiled, ~16 ms
+of kernel time and ~36 ms a run profiled), so the profile cannot say which ops cost more than their count;
+the unprofiled part-by-part times above can. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+PROMPT = [1, 2, 3, 4, 5]
+WARM, SKIP = 20, 20
+
+
+def captured(art: str, k: int, profile: str | None):
+    """A loaded session and each graph's step inputs (its first call's) from three short generations."""
+    import v4compile
+    from v4compile.runtime import cpu_backend, speculative
+
+    s = v4compile.load(art, device="cpu", threads=1)
+    if profile:
+        s.backend.profile = profile  # sessions are made at first use: every one of them profiled
+    cap: dict[str, dict] = {}
+    saved = [(cpu_backend.OrtBackend, n, getattr(cpu_backend.OrtBackend, n)) for n in ("run_outputs", "run_held")]
+    fused = speculative.CompiledDraft.fused
+
+    def rec(orig):
+        def f(self, fname, inputs, *a, **kw):
+            cap.setdefault(fname, {n: np.array(v) for n, v in inputs.items()})
+            return orig(self, fname, inputs, *a, **kw)
+        return f
+    try:
+        for cls, n, orig in saved:
+            setattr(cls, n, rec(orig))
+        speculative.speculative_generate(s, [PROMPT], 8, k)
+        speculative.CompiledDraft.fused = lambda self, B, k=1: None  # the two-call path: verify, then draft
+        speculative.speculative_generate(s, [PROMPT], 8, k)
+        speculative.CompiledDraft.fused = fused
+        s.generate([PROMPT], 8)
+    finally:
+        speculative.CompiledDraft.fused = fused
+        for cls, n, orig in saved:
+            setattr(cls, n, orig)
+    names = [f for f in ("decode_b1", "verify_b1", "draft_b1", f"spec_b1_d{k}") if f in cap]
+    return s, {f: cap[f] for f in names}
+
+
+def timed(s, cap: dict, runs: int) -> dict[str, list[float]]:
+    be, names = s.backend, list(cap)
+    t: dict[str, list[float]] = collections.defaultdict(list)
+    for f in names:
+        for _ in range(WARM):
+            be.run_outputs(f, cap[f])
+    bound = {f: be._session(f, 0) for f in names}
+    for r in range(runs):
+        for f in (names if r % 2 else names[::-1]):
+            t0 = time.perf_counter()
+            be.run_outputs(f, cap[f])
+            t1 = time.perf_counter()
+            bound[f][0].run_with_iobinding(bound[f][3])
+            t[f].append(t1 - t0)
+            t["ort " + f].append(time.perf_counter() - t1)
+    return t
+
+
+def q(x: list[float], p: float) -> float:
+    return sorted(x)[int(p * (len(x) - 1))]
+
+
+def report_times(t: dict[str, list[float]]) -> dict:
+    out = {}
+    for f, xs in t.items():
+        ref = t["ort decode_b1" if f.startswith("ort ") else "decode_b1"]
+        out[f] = {"p25_us": round(q(xs, 0.25) * 1e6), "median_us": round(statistics.median(xs) * 1e6),
+                  "p25_decode": round(q(xs, 0.25) / q(ref, 0.25), 3),
+                  "median_decode": round(statistics.median(xs) / statistics.median(ref), 3)}
+        o = out[f]
+        print(f"  {f:18s} p25 {o['p25_us']:6d} us ({o['p25_decode']:.3f} decode)   median {o['median_us']:6d} us "
+              f"({o['median_decode']:.3f} decode)")
+    return out
+
+
+def doc_map(art: str, fname: str) -> dict[str, str]:
+    import onnx
+
+    g = onnx.load(str(Path(art) / "onnx" / f"{fname}.onnx"), load_external_data=False).graph
+    return {n.name: n.doc_string.split(" ")[0] for n in g.node}
+
+
+def family(art: str, docs: dict, fname: str, node: str) -> str:
+    """A profiled node's part and IR op: `verify` / `draft` / `spec` (the glue) / `decode`."""
+    def of(f, n):
+        if f not in docs:
+            docs[f] = doc_map(art, f)
+        return docs[f].get(n, "(made by ORT)")
+    if fname.startswith("spec_"):
+        if node.startswith("draft"):
+            return "draft/" + of("draft_b1", node.split("/", 1)[1])
+        if node.startswith("spec/"):
+            return "spec/" + node.split("/")[1]
+        return "verify/" + of("verify_b1", node)
+    return fname.split("_")[0] + "/" + of(fname, node)
+
+
+def profiled(art: str, k: int, runs: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="spec_where_") as tmp:
+        s, cap = captured(art, k, tmp)
+        timed(s, cap, runs)
+        files = {f: s.backend._sessions[s.backend._graphs[f][0][0]][0].end_profiling() for f in cap}
+        docs: dict = {}
+        res = {}
+        for f, path in files.items():
+            ev = json.load(open(path))
+            starts = sorted(e["ts"] for e in ev if e.get("cat") == "Session" and e["name"] == "model_run")
+            lo, n = starts[SKIP], len(starts) - SKIP
+            by_op, by_ir, nodes = collections.Counter(), collections.Counter(), set()
+            for e in ev:
+                if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= lo:
+                    node = e["name"][: -len("_kernel_time")]
+                    by_op[e["args"]["op_name"]] += e["dur"] / n
+                    by_ir[family(art, docs, f, node)] += e["dur"] / n
+                    nodes.add(node)
+            res[f] = {"kernel_us": round(sum(by_op.values())), "nodes": len(nodes), "by_onnx_op": by_op,
+                      "by_ir_op": by_ir}
+        s.close()
+    return res
+
+
+def print_profile(p: dict, k: int) -> None:
+    dec, spec = p["decode_b1"], p.get(f"spec_b1_d{k}")
+    for f, x in p.items():
+        print(f"  {f:12s} {x['nodes']:5d} nodes after ORT's optimisation, kernel time {x['kernel_us']} us a run")
+    if spec is None:
+        return
+    parts = collections.Counter()
+    for key, v in spec["by_ir_op"].items():
+        parts[key.split("/")[0]] += v
+    print("  the fused step by part (profiled us a run): " + ", ".join(f"{a} {v:.0f}" for a, v in parts.items()))
+    print("  by ONNX op, decode / fused step / difference (largest differences):")
+    ops = set(dec["by_onnx_op"]) | set(spec["by_onnx_op"])
+    for o in sorted(ops, key=lambda o: dec["by_onnx_op"].get(o, 0) - spec["by_onnx_op"].get(o, 0))[:15]:
+        a, b = dec["by_onnx_op"].get(o, 0), spec["by_onnx_op"].get(o, 0)
+        print(f"    {o:24s} {a:8.0f} {b:8.0f} {b - a:+8.0f}")
+    print("  by IR op (the fused step's verify part against decode; its draft part; the glue):")
+    ir = collections.Counter()
+    for key, v in spec["by_ir_op"].items():
+        part, op = key.split("/", 1)
+        ir[key] += v - (dec["by_ir_op"].get("decode/" + op, 0) if part == "verify" else 0)
+    for key in [x for x, v in sorted(ir.items(), key=lambda kv: -kv[1])][:20]:
+        print(f"    {key:34s} {ir[key]:+8.0f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("art")
+    ap.add_argument("--k", type=int, default=1, help="the artifact's --draft-tokens")
+    ap.add_argument("--runs", type=int, default=600, help="interleaved unprofiled runs of each graph")
+    ap.add_argument("--profile", type=int, default=0, help="also N profiled runs of each graph (0: none)")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    s, cap = captured(a.art, a.k, None)
+    print(f"unprofiled, {a.runs} interleaved runs each (backend call, then ONNX Runtime alone):")
+    out = {"times": report_times(timed(s, cap, a.runs))}
+    s.close()
+    if a.profile:
+        print(f"profiled, {a.profile} interleaved runs each, the first {SKIP} left out:")
+        p = profiled(a.art, a.k, a.profile)
+        print_profile(p, a.k)
+        out["profile"] = {f: {**x, "by_onnx_op": dict(x["by_onnx_op"]), "by_ir_op": dict(x["by_ir_op"])}
+                          for f, x in p.items()}
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
