@@ -114,8 +114,7 @@ class AutoK:
         self.chosen: list[int] = []  # each step's k (the bench and the tests read it)
         self._seen: dict[int, list[deque]] = {}  # bucket -> `_samples`
         self._lasts: dict[int, list[int]] = {}  # bucket -> `_last`
-        # while plain decoding, `best`'s last answer a bucket and what it depended on (`_plain_key`)
-        self._plain_best: dict[int, tuple] = {}
+        self._side: dict[int, tuple] = {}  # bucket -> `_drafting_side` and what it depended on (`best`)
         self._epoch = 0  # bumped whenever a drafting k's samples change (its scale, or an interpolated one)
         self._filtered: dict[int, bool] = {}  # bucket -> its `_costs` were computed while drafting (`STALE`)
 
@@ -169,24 +168,36 @@ class AutoK:
 
     def best(self, B: int) -> int:
         """The rule's k for bucket `B` (no probe, nothing recorded). While plain decoding is the choice, a step
-        changes only plain's samples: the answer is kept while their scale (`low`), the acceptance and the
-        drafting ks' samples are what it was computed from (each plain step would otherwise recompute every
-        k's cost: ~25 us a step at batch 8, the Python cold after the graph call)."""
-        if self.loop.drafting or not self.measured.get(B):
-            return self._rule(B)
-        key = self._plain_key(B)
-        got = self._plain_best.get(B)
-        if got is None or got[0] != key:
-            k = self._rule(B)
-            if self._filtered.get(B):  # costs from a drafting step's view (stale ks left out): not kept
-                self._plain_best.pop(B, None)
-                return k
-            got = self._plain_best[B] = (key, k)
-        return got[1]
+        changes only plain's samples, and with k = 1 sampled the drafting ks' costs do not depend on them: their
+        best E(k) / c(k) is kept (`_side`) while the acceptance and their samples are what it was computed from,
+        and only c(B, 0) is new (each plain step would otherwise recompute every k's cost: ~25 us a step at
+        batch 8, the Python cold after the graph call). The same answers as `_rule`, to the bit."""
+        if self.loop.drafting or not self.measured.get(B) or (self._filtered.get(B) and B in self._costs):
+            return self._rule(B)  # (costs from a drafting step's view, stale ks left out: as `_rule` reads them)
+        q = self._samples(B)
+        if not q[0] or not q[1]:
+            return self._rule(B)  # plain's scale unknown, or k = 1's interpolated from it
+        key = (tuple(self.rates), self._epoch)
+        side = self._side.get(B)
+        if side is None or side[0] != key:
+            side = self._side[B] = (key, *self._drafting_side(B))
+        _, k, v, e0 = side
+        c0 = self.priors[B][0] * low(q[0])
+        if v <= e0 / c0:
+            return 0
+        return k if v > (1 + MARGIN) / c0 else 0
 
-    def _plain_key(self, B: int) -> tuple:
-        q = self._samples(B)[0]
-        return low(q) if q else None, tuple(self.rates), self._epoch
+    def _drafting_side(self, B: int) -> tuple[int, float, float]:
+        """(k, E(k) / c(k)) of the best drafting k (the smaller on a tie), and E(0), while plain decoding (k = 1
+        sampled: the drafting ks' scales are theirs or interpolated among themselves, `scales`)."""
+        got = {k: low(q) for k, q in enumerate(self._samples(B)) if k and q}
+        prior, expected = self.priors[B], self.expected
+        k, v = 0, 0.0
+        for j, s in enumerate(scales(got, self.K)[1:], 1):
+            w = expected(j) / (prior[j] * s)
+            if w > v:
+                k, v = j, w
+        return k, v, expected(0)
 
     def _rule(self, B: int) -> int:
         """`best` computed: one pass over the ks (the largest E(k) / c(k), the smaller k on a tie, then the
