@@ -177,7 +177,7 @@ class AutoK:
         q = self._samples(B)
         if not q[0] or not q[1]:
             return self._rule(B)  # plain's scale unknown, or k = 1's interpolated from it
-        key = (tuple(self.rates), self._epoch)
+        key = self._side_key()
         side = self._side.get(B)
         if side is None or side[0] != key:
             side = self._side[B] = (key, *self._drafting_side(B))
@@ -186,6 +186,10 @@ class AutoK:
         if v <= e0 / c0:
             return 0
         return k if v > (1 + MARGIN) / c0 else 0
+
+    def _side_key(self) -> tuple:
+        """What `_drafting_side` depends on besides the bucket: the acceptance and the drafting samples' epoch."""
+        return tuple(self.rates), self._epoch
 
     def _drafting_side(self, B: int) -> tuple[int, float, float]:
         """(k, E(k) / c(k)) of the best drafting k (the smaller on a tie), and E(0), while plain decoding (k = 1
