@@ -54,6 +54,11 @@ acceptance are the session's, carried from one generate call or request to the n
 hold no drafts at k = 0 is the plain decode step itself, and sequences admitted while the rule (or a probe)
 says 0 for their bucket are prefilled without the MTP block (plain steps do not write its ring either: a later
 probe's drafts may be the worse for it, never the ids) and get no first drafts.
+
+The rule's own cost a plain step: while plain decoding is chosen only plain's samples move, so the drafting
+side's best E(k) / c(B, k) is kept until the acceptance or a drafting sample changes and each step recomputes
+c(B, 0) alone (`AutoK.best`; the answers are the full rule's, `_rule`: a test compares them every step). At
+batch 8, in a generation, `pick` went from ~40 to ~10 us a plain step (its Python runs cold after the graph call).
 """
 
 from __future__ import annotations
@@ -115,7 +120,9 @@ class AutoK:
         self._seen: dict[int, list[deque]] = {}  # bucket -> `_samples`
         self._lasts: dict[int, list[int]] = {}  # bucket -> `_last`
         self._side: dict[int, tuple] = {}  # bucket -> `_drafting_side` and what it depended on (`best`)
-        self._epoch = 0  # bumped whenever a drafting k's samples change (its scale, or an interpolated one)
+        # bumped whenever a drafting k's samples change (its scale, or an interpolated one): the session's, as
+        # the samples are
+        self._epoch = known.setdefault(("epoch", K), [0])
         self._filtered: dict[int, bool] = {}  # bucket -> its `_costs` were computed while drafting (`STALE`)
 
     def observe(self, a: int, offered: int) -> None:
@@ -189,7 +196,7 @@ class AutoK:
 
     def _side_key(self) -> tuple:
         """What `_drafting_side` depends on besides the bucket: the acceptance and the drafting samples' epoch."""
-        return tuple(self.rates), self._epoch
+        return tuple(self.rates), self._epoch[0]
 
     def _drafting_side(self, B: int) -> tuple[int, float, float]:
         """(k, E(k) / c(k)) of the best drafting k (the smaller on a tie), and E(0), while plain decoding (k = 1
@@ -232,7 +239,7 @@ class AutoK:
         L.probe_k, L.probe_left, L.pending = k, PROBE_STEPS, "spec" if k == 0 else "plain"
         for q in self._samples(B)[1:] if k else self._samples(B)[:1]:
             q.clear()
-        self._epoch += 1
+        self._epoch[0] += 1
         self._costs.pop(B, None)
         return k
 
@@ -278,7 +285,7 @@ class AutoK:
             last[k] = L.steps
             self._costs.pop(B, None)
             if k:
-                self._epoch += 1
+                self._epoch[0] += 1
 
     def prior(self, B: int) -> list[float] | None:
         if B not in self.priors:
