@@ -13,7 +13,9 @@ without a `draft`: the `draft_b<B>` / `draft_c<T>` functions).
   seed 0, significance 0.001); an always-accept rule fails the same test.
 * the cpu device's one-call step (`codegen/onnx_spec.py`): its drafts equal the draft_b<B> calls' at every step
   of a generation (k = 2, 3), one step drafting 3 equals the multi-call path bit for bit (logits, drafts, pool),
-  its held writes leave the pool the undo log does; under `auto` a plain step is the loop's own decode step.
+  its held writes leave the pool the undo log does; under `auto` a plain step is the loop's own decode step, an
+  all-plain generation runs plain decoding's graphs and outputs and nothing else, and the rule's kept answer while
+  plain (`AutoK.best`) is the full rule's at every step.
 """
 
 from __future__ import annotations
