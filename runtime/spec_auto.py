@@ -54,6 +54,11 @@ acceptance are the session's, carried from one generate call or request to the n
 hold no drafts at k = 0 is the plain decode step itself, and sequences admitted while the rule (or a probe)
 says 0 for their bucket are prefilled without the MTP block (plain steps do not write its ring either: a later
 probe's drafts may be the worse for it, never the ids) and get no first drafts.
+
+The rule's own cost a plain step: while plain decoding is chosen only plain's samples move, so the drafting
+side's best E(k) / c(B, k) is kept until the acceptance or a drafting sample changes and each step recomputes
+c(B, 0) alone (`AutoK.best`; the answers are the full rule's, `_rule`: a test compares them every step). At
+batch 8, in a generation, `pick` went from ~40 to ~10 us a plain step (its Python runs cold after the graph call).
 """
 
 from __future__ import annotations
@@ -114,6 +119,11 @@ class AutoK:
         self.chosen: list[int] = []  # each step's k (the bench and the tests read it)
         self._seen: dict[int, list[deque]] = {}  # bucket -> `_samples`
         self._lasts: dict[int, list[int]] = {}  # bucket -> `_last`
+        self._side: dict[int, tuple] = {}  # bucket -> `_drafting_side` and what it depended on (`best`)
+        # bumped whenever a drafting k's samples change (its scale, or an interpolated one): the session's, as
+        # the samples are
+        self._epoch = known.setdefault(("epoch", K), [0])
+        self._filtered: dict[int, bool] = {}  # bucket -> its `_costs` were computed while drafting (`STALE`)
 
     def observe(self, a: int, offered: int) -> None:
         """One sequence's verify: `a` of its `offered` drafts accepted (position j offered when j <= a + 1)."""
@@ -154,6 +164,7 @@ class AutoK:
         if prior is None or not self.measured.get(B):
             return prior
         last, L = self._last(B), self.loop
+        self._filtered[B] = L.drafting
         # while drafting, another drafting k's samples go stale: it runs again (at the interpolated scale) if
         # that says it is the better k, so that one unlucky burst over its steps does not rule it out for good
         got = {k: low(q) for k, q in enumerate(self._samples(B))
@@ -162,20 +173,59 @@ class AutoK:
             return prior
         return [p * c for p, c in zip(prior, scales(got, self.K))]
 
-    def _best(self, B: int, ks) -> int:
+    def best(self, B: int) -> int:
+        """The rule's k for bucket `B` (no probe, nothing recorded). While plain decoding is the choice, a step
+        changes only plain's samples, and with k = 1 sampled the drafting ks' costs do not depend on them: their
+        best E(k) / c(k) is kept (`_side`) while the acceptance and their samples are what it was computed from,
+        and only c(B, 0) is new (each plain step would otherwise recompute every k's cost: ~25 us a step at
+        batch 8, the Python cold after the graph call). The same answers as `_rule`, to the bit."""
+        if self.loop.drafting or not self.measured.get(B) or (self._filtered.get(B) and B in self._costs):
+            return self._rule(B)  # (costs from a drafting step's view, stale ks left out: as `_rule` reads them)
+        q = self._samples(B)
+        if not q[0] or not q[1]:
+            return self._rule(B)  # plain's scale unknown, or k = 1's interpolated from it
+        key = self._side_key()
+        side = self._side.get(B)
+        if side is None or side[0] != key:
+            side = self._side[B] = (key, *self._drafting_side(B))
+        _, k, v, e0 = side
+        c0 = self.priors[B][0] * low(q[0])
+        if v <= e0 / c0:
+            return 0
+        return k if v > (1 + MARGIN) / c0 else 0
+
+    def _side_key(self) -> tuple:
+        """What `_drafting_side` depends on besides the bucket: the acceptance and the drafting samples' epoch."""
+        return tuple(self.rates), self._epoch[0]
+
+    def _drafting_side(self, B: int) -> tuple[int, float, float]:
+        """(k, E(k) / c(k)) of the best drafting k (the smaller on a tie), and E(0), while plain decoding (k = 1
+        sampled: the drafting ks' scales are theirs or interpolated among themselves, `scales`)."""
+        got = {k: low(q) for k, q in enumerate(self._samples(B)) if k and q}
+        prior, expected = self.priors[B], self.expected
+        k, v = 0, 0.0
+        for j, s in enumerate(scales(got, self.K)[1:], 1):
+            w = expected(j) / (prior[j] * s)
+            if w > v:
+                k, v = j, w
+        return k, v, expected(0)
+
+    def _rule(self, B: int) -> int:
+        """`best` computed: one pass over the ks (the largest E(k) / c(k), the smaller k on a tie, then the
+        margin over plain decoding)."""
         c = self.cost(B)
         if c is None:
             return self.K
-        return max(ks, key=lambda k: (self.expected(k) / c[k], -k))
-
-    def best(self, B: int) -> int:
-        """The rule's k for bucket `B` (no probe, nothing recorded)."""
-        k = self._best(B, range(self.K + 1))
+        expected = self.expected
+        k, v = 0, expected(0) / c[0]
+        for j in range(1, self.K + 1):
+            w = expected(j) / c[j]
+            if w > v:
+                k, v = j, w
         if k == 0:
             return 0
-        c = self.cost(B)
         margin = MARGIN_STAY if self.loop.drafting else MARGIN
-        return k if c is None or self.expected(k) / c[k] > (1 + margin) / c[0] else 0
+        return k if v > (1 + margin) / c[0] else 0
 
     def first(self, B: int) -> int:
         """The drafts of sequences admitted now: the rule's, or the probe's under way."""
@@ -189,6 +239,7 @@ class AutoK:
         L.probe_k, L.probe_left, L.pending = k, PROBE_STEPS, "spec" if k == 0 else "plain"
         for q in self._samples(B)[1:] if k else self._samples(B)[:1]:
             q.clear()
+        self._epoch[0] += 1
         self._costs.pop(B, None)
         return k
 
@@ -233,6 +284,8 @@ class AutoK:
             q.append(seconds / self.priors[B][k])
             last[k] = L.steps
             self._costs.pop(B, None)
+            if k:
+                self._epoch[0] += 1
 
     def prior(self, B: int) -> list[float] | None:
         if B not in self.priors:
@@ -249,11 +302,17 @@ class AutoK:
 def scales(got: dict[int, float], K: int) -> list[float]:
     """Each k's in-situ scale (0..K) from those with samples (`got`, k -> its steps' ratio, `low`): its own, else
     interpolated linearly in k between the nearest sampled k either side, the nearest's past the last."""
+    if len(got) == K + 1:  # every k sampled (the common case while a side runs): its own
+        return [got[k] for k in range(K + 1)]
+    # plain Python, one pass (every step after a sample calls this: np.interp costs ~3 us a call, and a
+    # nearest-either-side search per k cost ~8 us a step at K = 3)
     ks = sorted(got)
-    out = []
-    for k in range(K + 1):  # plain Python: every step after a sample calls this (np.interp costs ~3 us a call)
-        lo = max((j for j in ks if j <= k), default=ks[0])
-        hi = min((j for j in ks if j >= k), default=ks[-1])
+    out, j = [], 0  # ks[j]: the first sampled k >= k
+    for k in range(K + 1):
+        while j < len(ks) and ks[j] < k:
+            j += 1
+        hi = ks[j] if j < len(ks) else ks[-1]
+        lo = ks[j] if j < len(ks) and ks[j] == k else ks[j - 1] if j else ks[0]
         out.append(got[lo] if lo == hi else got[lo] + (got[hi] - got[lo]) * (k - lo) / (hi - lo))
     return out
 

@@ -13,7 +13,9 @@ without a `draft`: the `draft_b<B>` / `draft_c<T>` functions).
   seed 0, significance 0.001); an always-accept rule fails the same test.
 * the cpu device's one-call step (`codegen/onnx_spec.py`): its drafts equal the draft_b<B> calls' at every step
   of a generation (k = 2, 3), one step drafting 3 equals the multi-call path bit for bit (logits, drafts, pool),
-  its held writes leave the pool the undo log does; under `auto` a plain step is the loop's own decode step.
+  its held writes leave the pool the undo log does; under `auto` a plain step is the loop's own decode step, an
+  all-plain generation runs plain decoding's graphs and outputs and nothing else, and the rule's kept answer while
+  plain (`AutoK.best`) is the full rule's at every step.
 """
 
 from __future__ import annotations
@@ -576,6 +578,73 @@ def plain_steps_are_the_loops(s, prompts, want, monkeypatch) -> bool:
     assert s.generate(prompts[1:], 16, speculative="mtp") == [want[1][:16]]
     monkeypatch.setattr(batcher.Batcher, "_decode", orig)
     return len(calls) == len(made) == 15
+
+
+def graph_calls(s, prompts, n: int, monkeypatch, **kw) -> list[tuple[str, tuple[str, ...]]]:
+    """Every graph run of `s.generate(prompts, n, **kw)`, counted through the backend: (function, the outputs
+    it hands back), in order."""
+    from v4compile.runtime import cpu_backend
+
+    calls = []
+    orig = cpu_backend.OrtBackend._run_held
+
+    def run(self, fname, k, inputs, views=False):
+        out, writes = orig(self, fname, k, inputs, views)
+        calls.append((fname, tuple(sorted(out))))
+        return out, writes
+    with monkeypatch.context() as mp:
+        mp.setattr(cpu_backend.OrtBackend, "_run_held", run)
+        s.generate(prompts, n, **kw)
+    return calls
+
+
+def test_auto_all_plain_runs_what_plain_runs(doc, monkeypatch):
+    """An `auto` generation that decodes plain on every step (the rule's answer: an acceptance of 5 %) runs
+    the graphs plain decoding runs, each handing back the same outputs (no MTP block over the prompt, no verify,
+    nothing for a draft), and nothing else. Caught: a spec loop that prefills with the MTP block as for drafting."""
+    from v4compile.runtime import spec_auto
+
+    art, prompts, _ = doc
+    s = session(art)
+    try:
+        monkeypatch.setattr(spec_auto.AutoK, "observe", lambda self, a, offered: None)
+        # the rule's own choice; k = 0 kept through its probe interval (PROBE plain steps: no probe in 12)
+        s.spec_auto[("rates", 3)] = [0.05] * 3
+        s.spec_auto[("costs", 2, 3)] = s.spec_auto[("costs", 1, 3)] = ([1.0, 1.5, 2.0, 2.5], False)
+        plain = graph_calls(s, prompts, 12, monkeypatch)
+        assert {f for f, _ in plain} == {"prefill_c16", "decode_b2"}
+        assert graph_calls(s, prompts, 12, monkeypatch, speculative="mtp") == plain
+        monkeypatch.setattr(spec_auto.AutoK, "first", lambda self, B: self.K)  # prefilled as for drafts
+        assert graph_calls(s, prompts, 12, monkeypatch, speculative="mtp") != plain
+    finally:
+        s.close()
+
+
+def test_auto_plain_answer_is_the_rules():
+    """While plain decoding, `best` keeps the drafting side's E(k) / c(k) and recomputes c(B, 0) alone: every
+    step's answer is the full rule's (`_rule`), over a fake-clock generation with load bursts, acceptance that
+    changes and probes. Caught: a side kept past a change of the acceptance or the drafting samples."""
+    from v4compile.runtime import spec_auto
+
+    def run() -> int:
+        a = spec_auto.AutoK(None, 3)
+        a.rates, a.priors, a.measured = [0.9, 0.8, 0.7], {8: [1.0, 1.55, 2.1, 2.48]}, {8: True}
+        true, rng, held, wrong = [1.0, 1.45, 2.2, 2.9], np.random.default_rng(0), 0, 0
+        for i in range(400):
+            wrong += a.best(8) != a._rule(8)
+            k = a.pick(8)
+            verify = not k and held
+            load = 1.0 if rng.random() < 0.8 else rng.uniform(1.2, 2.5)
+            a.timed(8, None if verify else k, true[1 if verify else k] * load)
+            a.observe(int(rng.integers(0, held + 1)), held)
+            held = k
+        assert 0 in a.chosen and max(a.chosen) > 0  # both sides ran
+        return wrong
+
+    assert run() == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(spec_auto.AutoK, "_side_key", lambda self: ())
+        assert run() > 0
 
 
 def test_auto_rule():
