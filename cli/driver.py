@@ -311,11 +311,10 @@ def compile_buckets(fe, buckets: Buckets = Buckets(), pipeline: list[str] | None
                          expected=max(buckets.decode), found=max(gpu_buckets.decode))
     opts = PipelineOptions(disable=tuple(disable), **({"stages": stages} if stages is not None else {}))
     cpu_res = gpu_res = None
+    mtp = has_mtp_weights(fe.cfg, fe.formats)
     if "cpu" in targets:
-        mtp = has_mtp_weights(fe.cfg, fe.formats)
         cpu_res = PassManager(pipeline, opts).run(trace_buckets(fe.cfg, fe.options, buckets, fe.formats, stages, mtp))
     if any(t in GPU_TARGETS for t in targets):
-        mtp = has_mtp_weights(fe.cfg, fe.formats)
         traced = trace_buckets(fe.cfg, fe.options, gpu_buckets, fe.formats, stages, mtp)
         gpu_pipeline = with_spec_steps(gpu_pipeline, traced)
         gpu_res = PassManager(gpu_pipeline, opts).run(traced)
@@ -329,10 +328,8 @@ def compile_buckets(fe, buckets: Buckets = Buckets(), pipeline: list[str] | None
     if cpu_res is not None and gpu_res is None:  # the host device's program (else the GPU targets')
         from ..passes import PROGRAM_PASSES
 
-        # with MTP: the one-call greedy speculative step per decode bucket too (`passes/spec_steps.py`); without,
-        # the pass list (recorded in the program) as before
-        spec = ["spec_steps"] if spec_buckets(cpu_res.module.functions) else []
-        host = PassManager([*spec, *PROGRAM_PASSES], opts).run(cpu_res.module).module
+        # with MTP: the one-call greedy speculative step per decode bucket too, as in the GPU pipeline
+        host = PassManager(with_spec_steps(PROGRAM_PASSES, cpu_res.module), opts).run(cpu_res.module).module
     origin = {"kind": fe.weights, "seed": fe.seed if fe.weights == "random" else None,
               "checkpoint": str(fe.checkpoint) if fe.checkpoint else None}
     return CompileInputs(fe.cfg, main.module, fe.source, fe.options.numerics, fe.options.dtype, buckets,
