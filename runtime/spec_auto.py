@@ -202,27 +202,26 @@ class AutoK:
         """(k, E(k) / c(k)) of the best drafting k (the smaller on a tie), and E(0), while plain decoding (k = 1
         sampled: the drafting ks' scales are theirs or interpolated among themselves, `scales`)."""
         got = {k: low(q) for k, q in enumerate(self._samples(B)) if k and q}
-        prior, expected = self.priors[B], self.expected
+        k, v = self._best_drafting([p * s for p, s in zip(self.priors[B][1:], scales(got, self.K)[1:])])
+        return k, v, self.expected(0)
+
+    def _best_drafting(self, c: list[float]) -> tuple[int, float]:
+        """(k, E(k) / c(k)) of the best drafting k, the smaller on a tie; `c[j - 1]` is k = j's cost."""
         k, v = 0, 0.0
-        for j, s in enumerate(scales(got, self.K)[1:], 1):
-            w = expected(j) / (prior[j] * s)
+        for j, cj in enumerate(c, 1):
+            w = self.expected(j) / cj
             if w > v:
                 k, v = j, w
-        return k, v, expected(0)
+        return k, v
 
     def _rule(self, B: int) -> int:
-        """`best` computed: one pass over the ks (the largest E(k) / c(k), the smaller k on a tie, then the
-        margin over plain decoding)."""
+        """`best` computed: the best drafting k (the largest E(k) / c(k), the smaller k on a tie) against plain
+        decoding's E(0) / c(0), then the margin over it."""
         c = self.cost(B)
         if c is None:
             return self.K
-        expected = self.expected
-        k, v = 0, expected(0) / c[0]
-        for j in range(1, self.K + 1):
-            w = expected(j) / c[j]
-            if w > v:
-                k, v = j, w
-        if k == 0:
+        k, v = self._best_drafting(c[1:])
+        if v <= self.expected(0) / c[0]:
             return 0
         margin = MARGIN_STAY if self.loop.drafting else MARGIN
         return k if v > (1 + margin) / c[0] else 0
