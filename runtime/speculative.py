@@ -53,7 +53,7 @@ import numpy as np
 
 from v4compile.artifact import spec_name
 from v4compile.errors import InputError
-from v4compile.speculation import Acceptance, accept, check_draft_tokens, draw, probs
+from v4compile.speculation import Acceptance, accept, check_draft_tokens, sample, uniforms
 
 from .spec_auto import AutoK
 from .undo import PoolUndo, access, written_rows
@@ -70,7 +70,7 @@ def verify_functions(session) -> list[tuple[int, str, int]]:
 
 class Picker:
     """The token chosen from logits `[V]`: the argmax (temperature 0), or drawn from softmax(logits / t) with
-    `rng` (also returned: the distribution, a draft's q)."""
+    one uniform from `rng` (`speculation.sample`; also returned: the distribution, a draft's q)."""
 
     def __init__(self, temperature: float, rng: np.random.Generator):
         self.temperature, self.rng = temperature, rng
@@ -78,8 +78,7 @@ class Picker:
     def __call__(self, logits: np.ndarray) -> tuple[int, np.ndarray | None]:
         if self.temperature == 0:
             return int(np.argmax(logits)), None
-        p = probs(logits, self.temperature)
-        return draw(p, self.rng), p
+        return sample(logits, self.temperature, self.rng)
 
 
 def mtp_draft(session) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from v4compile.speculation import draw, probs
+from v4compile.speculation import sample
 
 SMALL_VOCAB, N, ALPHA = 8, 400, 1e-3  # chi-square at significance 0.001 (df = 7 when no bin is merged)
 
@@ -23,4 +23,42 @@ def chisquare_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
 
 def always_accept(drafts, target, draft_probs, rng, temperature):
     """A broken `speculation.accept`: every draft survives (the output is then the draft's distribution)."""
-    return len(drafts), draw(probs(target[-1], temperature), rng)
+    return len(drafts), sample(target[-1], temperature, rng)[0]
+
+
+RATIO_TEST = "u[b, a + 1] * q[a + 1, ids[b, a + 1]] < p[a, ids[b, a + 1]]"  # `sample_accept`'s min(1, p/q)
+
+
+def inverted_ratio():
+    """A broken `speculation.sample_accept`: draft j survives with probability min(1, q/p) (its own source with
+    the ratio test's two sides swapped)."""
+    import inspect
+
+    from v4compile import speculation
+
+    src = inspect.getsource(speculation.sample_accept)
+    assert src.count(RATIO_TEST) == 1
+    ns = dict(vars(speculation))
+    exec(compile(src.replace(RATIO_TEST, "u[b, a + 1] * p[a, ids[b, a + 1]] < q[a + 1, ids[b, a + 1]]"),
+                 speculation.__file__, "exec"), ns)
+    return ns["sample_accept"]
+
+
+def first_token_pvalue(rule, n: int = 4 * N) -> float:
+    """`n` sampled steps of the acceptance `rule` (`speculation.sample_accept`'s signature) on one seeded
+    verify of 2 drafts (V = SMALL_VOCAB, temperature 0.7), each step's drafts drawn from their own q with the
+    sampler's own draw: the p-value of the first emitted token's counts (draft 1 if it survives, else the
+    drawn token) against the target's p_0 (float64)."""
+    from v4compile.speculation import inverse_cdf, softmax32, uniforms
+
+    rng = np.random.default_rng(0)
+    t = np.float32(0.7)
+    logits = (rng.normal(size=(1, 3, SMALL_VOCAB)) * 1.5).astype(np.float32)
+    q = softmax32((rng.normal(size=(3, SMALL_VOCAB)) * 1.5).astype(np.float32), t)[None]
+    first = []
+    for _ in range(n):
+        d = [inverse_cdf(q[0, j], rng.random(dtype=np.float32)) for j in (1, 2)]
+        nxt, _ = rule(logits, np.array([[0, *d]]), np.arange(3)[None], q, uniforms(rng, 2)[None], np.array([t]))
+        first.append(int(nxt[0, 0]))
+    want = np.exp(logits[0, 0].astype(np.float64) / 0.7)
+    return chisquare_pvalue(np.bincount(first, minlength=SMALL_VOCAB), want / want.sum() * n)

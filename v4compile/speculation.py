@@ -40,14 +40,86 @@ def clobbered(key: str, slots: int, ratio: int, q: int) -> int | None:
 
 
 def probs(logits: np.ndarray, temperature: float) -> np.ndarray:
-    """The sampling distribution of `logits [..., V]` at `temperature` > 0 (float64)."""
+    """The sampling distribution of `logits [..., V]` at `temperature` > 0 in float64 (the tests' exact
+    marginals; the sampler itself computes `softmax32`)."""
     z = logits.astype(np.float64) / temperature
     p = np.exp(z - z.max(-1, keepdims=True))
     return p / p.sum(-1, keepdims=True)
 
 
-def draw(p: np.ndarray, rng: np.random.Generator) -> int:
-    return int(rng.choice(len(p), p=p / p.sum()))
+# The sampled speculative step's arithmetic, defined once: the host's two-call path and the `spec_sample` op's
+# reference (the one-call step on the C runtime) run these very functions, so the two are bit-identical on the
+# host device by construction. float32, every sum left to right along V (np.cumsum: a sequential accumulation),
+# the random numbers float32 uniforms in [0, 1) drawn from the sequence's generator before the step. The op's
+# GPU kernel computes the same formulas, but its exp and its chunked sums round differently: it agrees to fp32
+# rounding, not bit for bit (`codegen/kernels/spec_accept.py`).
+
+def uniforms(rng: np.random.Generator, k: int) -> np.ndarray:
+    """The random numbers of one sampled step with `k` drafts, drawn before it: `[k + 1]` float32, [0] for the
+    token drawn after the last survivor, [j] for draft j's ratio test."""
+    return rng.random(k + 1, dtype=np.float32)
+
+
+def softmax32(logits: np.ndarray, temperature) -> np.ndarray:
+    """softmax(logits / t) over the last axis in float32: z = l / t, e = exp(z - max z), e / (e's left-to-right
+    sum). `temperature`: a float32 scalar or one per row (broadcast as `[..., 1]`)."""
+    z = np.asarray(logits, dtype=np.float32) / np.asarray(temperature, dtype=np.float32)
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / np.cumsum(e, axis=-1, dtype=np.float32)[..., -1:]
+
+
+def inverse_cdf(w: np.ndarray, u) -> int:
+    """The id drawn from the non-negative weights `w [V]` (float32, some positive) with the uniform `u`: the
+    first id whose left-to-right cumulative weight exceeds u x (the total), never one of weight 0."""
+    c = np.cumsum(w, dtype=np.float32)
+    i = int((c <= np.float32(u) * c[-1]).sum())
+    return min(i, len(w) - 1 - int(np.argmax(w[::-1] > 0)))  # u x total may round up to the total
+
+
+def sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> tuple[int, np.ndarray]:
+    """A token drawn from softmax32(logits / t) with one uniform from `rng`, and that distribution (a
+    draft's q)."""
+    p = softmax32(logits, np.float32(temperature))
+    return inverse_cdf(p, rng.random(dtype=np.float32)), p
+
+
+def sample_accept(logits: np.ndarray, ids: np.ndarray, pos: np.ndarray, draft_probs: np.ndarray,
+                  u: np.ndarray, temperature: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The speculative acceptance of a verify step, sampled or greedy per sequence (the `spec_sample` op).
+
+    `logits [B, T, V]`, lane j predicting the token after lane j's id; `ids`, `pos [B, T]`: lane 0 the last
+    accepted token, lane j >= 1 draft j (pos -1: no draft); `draft_probs [B, T, V]`: lane j's draft's q;
+    `u [B, T]` (`uniforms`); `temperature [B]`. Temperature 0: the greedy rule (`spec_accept`: every lane's
+    argmax in `next_ids`). Otherwise, with p_j = softmax32(lane j): draft j survives while every earlier one
+    did and u[j] x q_j(d_j) < p_{j-1}(d_j) (probability min(1, p/q)); after the last survivor a, the token is
+    drawn with u[0] (`inverse_cdf`) from max(0, p_a - q_{a+1}) if draft a + 1 was rejected (p_a where that is
+    all 0), else from p_a; `next_ids` = the surviving drafts, that token, then 0. Returns (next_ids, kept_pos:
+    pos on lanes 0..a, -1 after)."""
+    ids, pos = np.asarray(ids), np.asarray(pos)
+    B, T = ids.shape
+    nxt, kept = np.zeros((B, T), dtype=np.int64), np.full((B, T), -1, dtype=np.int64)
+    for b in range(B):
+        t = np.float32(temperature[b])
+        if t == 0:
+            best = np.argmax(logits[b], axis=-1)
+            a = 0
+            while a + 1 < T and pos[b, a + 1] >= 0 and best[a] == ids[b, a + 1]:
+                a += 1
+            nxt[b], kept[b, : a + 1] = best, pos[b, : a + 1]
+            continue
+        p = softmax32(logits[b], t)
+        q = np.asarray(draft_probs[b], dtype=np.float32)
+        a = 0
+        while a + 1 < T and pos[b, a + 1] >= 0 and u[b, a + 1] * q[a + 1, ids[b, a + 1]] < p[a, ids[b, a + 1]]:
+            a += 1
+        w = p[a]
+        if a + 1 < T and pos[b, a + 1] >= 0:
+            r = np.maximum(p[a] - q[a + 1], np.float32(0))
+            w = r if (r > 0).any() else w
+        nxt[b, :a] = ids[b, 1: a + 1]
+        nxt[b, a] = inverse_cdf(w, u[b, 0])
+        kept[b, : a + 1] = pos[b, : a + 1]
+    return nxt, kept
 
 
 def accept(drafts: list[int], target: np.ndarray, draft_probs: np.ndarray | None, rng: np.random.Generator | None,
@@ -56,9 +128,10 @@ def accept(drafts: list[int], target: np.ndarray, draft_probs: np.ndarray | None
 
     `target [k + 1, V]`: the main model's logits at the verify lanes (lane j predicts the token after draft j).
     Greedy (`temperature` 0): draft j survives while it equals lane j - 1's argmax; the next token is the argmax
-    of the first lane that disagrees (or of lane k). Sampling: draft j (drawn from `draft_probs[j]`) survives
-    with probability min(1, p/q); at the first rejection the next token is drawn from the normalised residual
-    max(0, p - q); if all survive, from lane k's p. The output is then distributed exactly as the target's."""
+    of the first lane that disagrees (or of lane k). Sampling (`sample_accept`, with k + 1 `uniforms` drawn from
+    `rng`): draft j (drawn from `draft_probs[j]`) survives with probability min(1, p/q); at the first rejection
+    the next token is drawn from the normalised residual max(0, p - q); if all survive, from lane k's p. The
+    output is then distributed exactly as the target's."""
     k = len(drafts)
     if temperature == 0:
         best = target.argmax(-1)
@@ -66,14 +139,14 @@ def accept(drafts: list[int], target: np.ndarray, draft_probs: np.ndarray | None
         while a < k and int(best[a]) == drafts[a]:
             a += 1
         return a, int(best[a])
-    p = probs(target, temperature)
-    for j, d in enumerate(drafts):
-        q = draft_probs[j]
-        if q[d] > 0 and rng.random() < min(1.0, p[j, d] / q[d]):
-            continue
-        residual = np.maximum(p[j] - q, 0.0)
-        return j, draw(residual if residual.sum() > 0 else p[j], rng)
-    return k, draw(p[k], rng)
+    V = target.shape[-1]
+    q = np.zeros((1, k + 1, V), dtype=np.float32)
+    if k:
+        q[0, 1:] = draft_probs
+    nxt, kept = sample_accept(target[None], np.array([[0, *drafts]]), np.arange(k + 1)[None], q,
+                              uniforms(rng, k)[None], np.array([temperature], dtype=np.float32))
+    a = int((kept[0] >= 0).sum()) - 1
+    return a, int(nxt[0, a])
 
 
 @dataclass

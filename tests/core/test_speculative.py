@@ -4,7 +4,8 @@ Greedy: the ids equal plain greedy decoding. Rollback: with an oracle draft (alw
 always-wrong one (always rejected) the ids are still plain, and the state (every backbone layer's window
 ring, compressed rows, compressor and indexer rings, and the MTP block's ring) is byte for byte the state
 of replaying only the kept lanes (rejected lanes as padding), and within float noise of plain decoding.
-Sampling: the first token decided by the acceptance rule is distributed as plain sampling's (chi-square).
+Sampling: the first token decided by the acceptance rule is distributed as plain sampling's (chi-square), and so
+is the rule's own first token on a seeded synthetic verify (`speculation.sample_accept`; min(1, q/p) caught).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from conftest import make_model, prompt
-from spec_sampling import ALPHA, N, SMALL_VOCAB, always_accept, chisquare_pvalue
+from spec_sampling import ALPHA, N, SMALL_VOCAB, always_accept, chisquare_pvalue, first_token_pvalue, inverted_ratio
 from v4compile.config import preset
 from v4compile.errors import InputError
 from v4compile.model import ReferenceModel
@@ -234,6 +235,15 @@ def test_sampling_matches_plain_sampling(small):
 def test_always_accepting_fails_the_sampling_test(small, monkeypatch):
     monkeypatch.setattr(speculative, "accept", always_accept)
     assert second_token_pvalue(small) < ALPHA
+
+
+def test_the_sampled_rule_is_distributed_as_the_target():
+    """`speculation.sample_accept` alone (the host's sampled acceptance and the `spec_sample` op's reference): the
+    first token it emits is distributed as the target's p; accepting with min(1, q/p) is caught."""
+    from v4compile.speculation import sample_accept
+
+    assert first_token_pvalue(sample_accept) > ALPHA
+    assert first_token_pvalue(inverted_ratio()) < ALPHA
 
 
 # ---- the rule's bookkeeping and refusals ---------------------------------------------------------------

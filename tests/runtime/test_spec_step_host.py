@@ -332,7 +332,7 @@ def test_the_acceptance_kernel_on_the_host_device(doc, monkeypatch, tmp_path):
 
     ref, got, same = acceptance_kernel_run(doc)
     assert ref.tolist() == [[0, 1, 2], [0, 1, -1]] and got.tolist() == ref.tolist() and same
-    kc.install_broken_kernel(monkeypatch, tmp_path, spec_accept, "spec_accept_kernel", "prev = bi", "prev = prev")
+    kc.install_broken_kernel(monkeypatch, tmp_path, spec_accept, "greedy_lanes", "prev = bi", "prev = prev")
     ref, got, _ = acceptance_kernel_run(doc)
     assert got.tolist() != ref.tolist()
 

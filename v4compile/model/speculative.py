@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from ..speculation import Acceptance, accept, check_draft_tokens, clobbered, draw, probs
+from ..speculation import Acceptance, accept, check_draft_tokens, clobbered, sample
 from .cache import Cache
 
 DraftHook = Callable[[int, int, int], int]  # (sequence, position of the drafted token, MTP's draft) -> draft
@@ -111,8 +111,7 @@ def speculative_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens
     def pick(logits: torch.Tensor) -> tuple[int, np.ndarray | None]:
         if temperature == 0:
             return int(logits.argmax()), None
-        p = probs(logits.numpy(), temperature)
-        return draw(p, rng), p
+        return sample(logits.numpy(), temperature, rng)
 
     # prefill (one chunk) and the MTP over the prompt: its last lane drafts the token after the first one
     T = max(n)

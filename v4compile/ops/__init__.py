@@ -3,7 +3,8 @@ loaded explicitly: `load("core")` registers the elementary ops only (no torch, n
 everything. The registry itself never imports this package; whoever reads or builds IR loads the op sets
 it needs (the frontend, the CLI, the runtimes call `load_all()`).
 
-* `core`: embed, linear, rms_norm, swiglu, reshape, split, add, last_token, spec_accept (`basic`);
+* `core`: embed, linear, rms_norm, swiglu, reshape, split, add, last_token, spec_accept,
+  spec_sample (`basic`);
 * `model`: the ops the reference model is written in (mHC, RoPE, attention, compressor, indexer, MoE,
   the official numerics' roundings);
 * `lowered`: the ops passes create (fusions, the paged pool);

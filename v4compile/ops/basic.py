@@ -243,6 +243,37 @@ def _(logits, ids, pos):
     return TensorType(tuple(ids.shape), "i64"), TensorType(tuple(pos.shape), "i64")
 
 
+@defop("spec_sample(logits, ids, pos, draft_probs, uniforms, temperature) -> next_ids, kept_pos", kernel="spec_accept")
+def spec_sample(logits, ids, pos, draft_probs, uniforms, temperature):
+    """Speculative acceptance between a verify and the MTP block, sampled or greedy per sequence: exactly
+    `speculation.sample_accept` (float32, sums left to right; the host's two-call path runs the same function):
+    `draft_probs [B, T, V]` each draft's q, `uniforms [B, T]` drawn before the step, `temperature [B]` (0: the
+    greedy rule, `spec_accept`'s; bf16 logits widened first, as the host reads them). `next_ids`: the surviving
+    drafts then the token after them (greedy: every lane's argmax); `kept_pos`: pos on lane 0 and the surviving
+    drafts' lanes, -1 elsewhere."""
+    import torch
+
+    from ..speculation import sample_accept
+
+    nxt, kept = sample_accept(*(x.detach().cpu().numpy() for x in (logits.float(), ids, pos, draft_probs, uniforms,
+                                                                    temperature)))
+    return torch.from_numpy(nxt).to(ids.device), torch.from_numpy(kept).to(ids.device)
+
+
+@spec_sample.infer
+def _(logits, ids, pos, draft_probs, uniforms, temperature):
+    B, T = tuple(ids.shape)
+    require(logits.rank == 3 and tuple(logits.shape[:2]) == (B, T) == tuple(pos.shape) == tuple(uniforms.shape)
+            and tuple(draft_probs.shape) == tuple(logits.shape) and tuple(temperature.shape) == (B,),
+            "spec_sample takes logits, draft_probs [B, T, V], ids, pos, uniforms [B, T] and temperature [B]",
+            expected=list(logits.shape), found=[list(x.shape) for x in (ids, pos, draft_probs, uniforms, temperature)])
+    require(ids.dtype == pos.dtype == "i64", "spec_sample ids and positions must be i64", found=[ids.dtype, pos.dtype])
+    require(draft_probs.dtype == uniforms.dtype == temperature.dtype == "fp32" and logits.dtype in ("fp32", "bf16"),
+            "spec_sample computes in float32: its q, uniforms and temperatures must be fp32 (logits fp32 or bf16)",
+            found=[x.dtype for x in (logits, draft_probs, uniforms, temperature)])
+    return TensorType((B, T), "i64"), TensorType((B, T), "i64")
+
+
 @defop("split(x) -> a, b", attrs={"at": int}, view=split_view)
 def split(x, *, at):
     """A view: the last axis cut at `at` (the two outputs of a merged GEMM)."""
