@@ -96,7 +96,7 @@ def write_gpu_targets(module, targets: list[str] | tuple[str, ...], out_dir: str
         res.decode_step[t] = {fname: step_model(prog, pk, fname, t, rows)
                               for fname in prog.functions if fname.startswith("decode")}
         if spec := {f: spec_model(prog, pk, f, t, rows, res.decode_step[t]) for f in prog.functions
-                    if f.startswith("spec_")}:
+                    if f.startswith("spec_b")}:  # the greedy step (`spec_s<B>`: the same launches but its acceptance)
             res.spec_step[t] = spec
             for f, m in spec.items():
                 log.info("spec step %s on %s (modeled): %.1f us = %.2f decode steps; at %.0f %% acceptance %.2f "

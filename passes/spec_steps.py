@@ -1,17 +1,20 @@
-"""Compose the one-call greedy speculative step: `spec_b<B>` = `verify_b<B>`, the greedy acceptance
-(`spec_accept`), then the MTP block's `draft_b<B>` on the kept lanes, as one function, for every decode bucket
-that has both (the C runtime's counterpart of the cpu device's load-time ONNX graph, `codegen/onnx_spec.py`).
+"""Compose the one-call speculative steps: `spec_b<B>` = `verify_b<B>`, the greedy acceptance (`spec_accept`),
+then the MTP block's `draft_b<B>` on the kept lanes, as one function, and `spec_s<B>` the same with the sampled
+acceptance (`spec_sample`: greedy or sampled per sequence), for every decode bucket that has both (the C
+runtime's counterpart of the cpu device's load-time ONNX graph, `codegen/onnx_spec.py`, which is greedy only).
 
-Requires: a verified module, before `plan_memory` (the composed function is planned as any other).
+Requires: a verified module, before `plan_memory` (the composed functions are planned as any other).
 Guarantees: every existing function unchanged; each new function is the two functions' ops, in order, with
 the draft's values renamed (`draft.<name>`) and its step inputs fed from the verify: `hidden` = verify's
-`streams`, `ids` = `spec.next_ids` (the argmax after each lane), `pos` = `spec.kept_pos` (-1 on the rejected
-lanes: they write nothing of the MTP ring), its pool planes the verify's updated ones, block table and slot
-shared. The draft's ops keep their shapes, attributes and weights, so each launch is a specialisation the
-verify or the draft already has (no new kernel but the acceptance's). Outputs: verify's `logits` (the host
-checks the acceptance against its own rule), `spec.next_ids`, `spec.kept_pos`, `draft.logits`, `draft.streams`,
-and every pool / state plane (the pool after the draft's writes).
-Hits: `spec_b<B>.ops`.
+`streams`, `ids` = `spec.next_ids` (the token after each kept lane), `pos` = `spec.kept_pos` (-1 on the
+rejected lanes: they write nothing of the MTP ring), its pool planes the verify's updated ones, block table and
+slot shared; `spec_s<B>` has three more inputs: `draft_probs [B, T, V]` (each draft's q), `uniforms [B, T]`
+(drawn before the step) and `temperature [B]` (fp32 each). The draft's ops keep their shapes, attributes and
+weights, so each launch is a specialisation the verify or the draft already has (no new kernel but the
+acceptance's). Outputs: verify's `logits` (the host checks a greedy acceptance against its own rule),
+`spec.next_ids`, `spec.kept_pos`, `draft.logits`, `draft.streams`, and every pool / state plane (the pool after
+the draft's writes).
+Hits: `spec_b<B>.ops`, `spec_s<B>.ops`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from v4compile.artifact import draft_name, spec_buckets, spec_name, verify_name
-from v4compile.ir.core import WEIGHT, Function, Op, Value
+from v4compile.ir.core import INPUT, WEIGHT, Function, Op, Value
+from v4compile.ir.types import TensorType
 
 from .base import Pass, PassResult, register
 from .rewrite import new_module
@@ -46,8 +50,15 @@ def _copied(ops: list[Op], clone) -> list[Op]:
             for o in ops]
 
 
-def compose_spec(verify: Function, draft: Function, name: str) -> Function:
-    """The one-call step of `verify` then `draft` (module doc)."""
+def sampling_inputs(logits: Value) -> list[Value]:
+    """The sampled step's own inputs (`spec_sample`'s): each draft's q, the step's uniforms, the temperatures."""
+    B, T, V = logits.type.shape
+    shapes = {"draft_probs": (B, T, V), "uniforms": (B, T), "temperature": (B,)}
+    return [Value(n, TensorType(shape, "fp32"), INPUT) for n, shape in shapes.items()]
+
+
+def compose_spec(verify: Function, draft: Function, name: str, sampled: bool = False) -> Function:
+    """The one-call step of `verify` then `draft` (module doc); `sampled`: with `spec_sample` and its inputs."""
     vclone = _cloner({})
     inputs = [vclone(v) for v in verify.inputs]
     ops = _copied(verify.ops, vclone)
@@ -56,7 +67,12 @@ def compose_spec(verify: Function, draft: Function, name: str) -> Function:
     ids, pos = by_name["ids"], by_name["pos"]
     next_ids = Value("spec.next_ids", ids.type)
     kept_pos = Value("spec.kept_pos", pos.type)
-    ops.append(Op("spec_accept", (vout["logits"], ids, pos), (next_ids, kept_pos), {}, "spec"))
+    if sampled:
+        extra = sampling_inputs(vout["logits"])
+        inputs += extra
+        ops.append(Op("spec_sample", (vout["logits"], ids, pos, *extra), (next_ids, kept_pos), {}, "spec"))
+    else:
+        ops.append(Op("spec_accept", (vout["logits"], ids, pos), (next_ids, kept_pos), {}, "spec"))
     fed = {"streams": vout["streams"], "spec.next_ids": next_ids, "spec.kept_pos": kept_pos}
     dmap: dict[int, Value] = {}
     for v in draft.inputs:
@@ -84,7 +100,8 @@ class SpecSteps(Pass):
     def run(self, module):
         funcs, hits = dict(module.functions), {}
         for b in spec_buckets(funcs):
-            fn = compose_spec(funcs[verify_name(b)], funcs[draft_name(b)], spec_name(b))
-            funcs[fn.name] = fn
-            hits[f"{fn.name}.ops"] = len(fn.ops)
+            for sampled in (False, True):
+                fn = compose_spec(funcs[verify_name(b)], funcs[draft_name(b)], spec_name(b, sampled), sampled)
+                funcs[fn.name] = fn
+                hits[f"{fn.name}.ops"] = len(fn.ops)
         return PassResult(new_module(module, funcs), hits)

@@ -236,7 +236,7 @@ def program_interface(art: Artifact, program, gpu: bool, host: bool = False) -> 
     entry = next((t for t in m["targets"] if (t["name"] != "cpu") == gpu), None)
     want = set(entry["functions"]) if entry is not None else set()
     # the one-call speculative steps (`passes/spec_steps.py`): the program's own, each with its verify's interface
-    steps = {spec_name(b): verify_name(b) for b in spec_buckets(want)}
+    steps = {spec_name(b, sampled): verify_name(b) for b in spec_buckets(want) for sampled in (False, True)}
     if set(program.functions) - set(steps) != want:
         raise ArtifactError("the program's functions are not the manifest's", where="gpu/program.txt" if gpu else
                             "program.txt", expected=", ".join(sorted(want)), found=", ".join(sorted(program.functions)))

@@ -12,8 +12,8 @@ d_1..d_k_b, and for sampling the distributions q_j they were drawn from):
    L .. L + k_b, the unused lanes (k_b < K, the artifact's `draft_tokens`) as padding (pos -1: they write
    nothing); every lane's logits and final hidden streams;
 3. `speculation.accept`: a drafts survive, then one more token (greedy: the argmax; sampling: min(1, p/q)
-   and the residual); the rows of the rejected positions (> L + a) are restored, the sequence is a + 1
-   tokens longer;
+   and the residual, in float32 with k + 1 uniforms from the request's generator, `speculation.sample_accept`);
+   the rows of the rejected positions (> L + a) are restored, the sequence is a + 1 tokens longer;
 4. draft (`CompiledDraft`): `draft_b<B>` on the kept lanes (the verify's streams, each lane with the token
    that follows it: the surviving drafts and the new token) writes the MTP layer's window ring for those
    positions and gives d'_1 from the last kept lane; for k > 1 the block runs again on its own output
@@ -27,10 +27,18 @@ give the acceptance (the host's rule applied to them, checked against the graph'
 step 1's saved rows the run's writes are held (`OrtBackend.run_held`) and stored but those of the rejected
 positions (`rejected_rows`: the rows `PoolUndo` would restore).
 
-Greedy on the C runtime (host), steps 2-3 and the first draft are one call: the program's `spec_b<B>`
-(`passes/spec_steps.py`), with step 1's saved rows (its buffers cannot hold a run's writes) and the host's check
-of its acceptance on its logits; the k - 1 recursive drafts stay `draft_b<B>` calls. Sampling, on every device,
-runs verify then draft: the token after the last kept lane is drawn on the host between them.
+On the C runtime (host, hip, cuda), steps 2-3 and the first draft are one captured call, with step 1's saved rows
+(its buffers cannot hold a run's writes); the k - 1 recursive drafts stay `draft_b<B>` calls. Greedy: the
+program's `spec_b<B>` (`passes/spec_steps.py`), its acceptance checked against the host's rule on its logits.
+With any sampling sequence: `spec_s<B>`, whose `spec_sample` op (greedy or sampled per sequence) computes
+`speculation.sample_accept`; its random numbers are drawn before the call from each request's generator
+(`speculation.uniforms`, as the two-call path's `accept` draws them) and passed in (`sampling_inputs`) with each
+draft's q and the temperatures. On the host device the op runs that very function, so the one call and the two
+calls give the same ids and bytes; a GPU's kernel computes the same float32 formulas with its own exp and
+chunked sums (equal to float32 rounding: an id can differ only where a uniform falls within that rounding of a
+boundary, both exactly the target's distribution), so a sampled acceptance is taken from the call unchecked.
+The cpu device samples with verify then draft (the token after the last kept lane drawn on the host between
+them): its one-call graph draws no random numbers (the k drafts in it are argmaxes).
 
 `draft_tokens="auto"` (the default of `Session.generate` and `run`): k in 0..K chosen per step, 0 a plain
 decode step (`spec_auto.py` states the rule); a greedy plain step is the generation loop's own
@@ -116,6 +124,15 @@ class CompiledDraft:
         if (B, k) not in self._fused:
             self._fused[B, k] = self._fuse(B, k)
         return self._fused[B, k]
+
+    def sampled(self, B: int) -> str | None:
+        """The one-call step for bucket `B` with any sampled sequence: on the C runtime the program's `spec_s<B>`
+        (`passes/spec_steps.py`: the `spec_sample` acceptance, greedy or sampled per sequence, and the first
+        draft); elsewhere None (verify, the host's acceptance, then draft calls)."""
+        backend = self.s.backend
+        name = spec_name(B, sampled=True)
+        on_c = getattr(backend, "program", None) is not None and getattr(backend, "ranks", None) is None
+        return name if on_c and name in backend.functions() else None
 
     def _fuse(self, B: int, k: int) -> str | None:
         backend = self.s.backend
@@ -351,17 +368,26 @@ class SpecStep:
         if fused and s.dp == 1 and hasattr(s.backend, "run_held") and getattr(s.backend, "ranks", None) is None:
             table, slot = s.table(seqs, B)
             return self._fused_step(live, deliver, fused, {"ids": ids, "pos": pos, "block_table": table, "slot": slot})
+        inputs = {"ids": ids, "pos": pos}
+        sampled = self.mtp.sampled(B) if self.mtp is not None and not greedy and self.k_now else None
+        if sampled:  # the uniforms drawn now, from each sequence's generator, as the host's `accept` draws them
+            fused = sampled
+            inputs.update(sampling_inputs(live, B, T, s.vocab))
         # this rank's pool (data parallel: its replica's sequences): the rows the drafts' positions may write
         undo = PoolUndo(s.backend, [(q.slot, list(q.blocks), q.length + 1, q.length + len(r.spec.drafts[0]))
                                     for r, q in zip(live, seqs) if q.replica == s.replica])
-        res = s.run_lanes(fused or fname, B, seqs, {"ids": ids, "pos": pos})
+        res = s.run_lanes(fused or fname, B, seqs, inputs)
         logits = res["logits"]
         keep, news, kept_lane = {}, [], {}
         next_ids, kept = np.zeros_like(ids), pos.copy()
         for b, r in enumerate(live):
             (d, q), r.spec.drafts = r.spec.drafts, ([], [])
-            a, tok = accept(d, logits[b, : 1 + len(d)], np.stack(q) if r.temperature and d else None, r.rng,
-                            r.temperature)
+            if sampled and r.temperature:  # the step's own acceptance (its arithmetic is `accept`'s)
+                a = int((res["spec.kept_pos"][b] >= 0).sum()) - 1
+                tok = int(res["spec.next_ids"][b, a])
+            else:
+                a, tok = accept(d, logits[b, : 1 + len(d)], np.stack(q) if r.temperature and d else None, r.rng,
+                                r.temperature)
             r.seq.length += a + 1
             if r.seq.replica == s.replica:
                 keep[r.seq.slot] = r.seq.length
@@ -439,6 +465,23 @@ class SpecStep:
             if not r.done:
                 n = self._wanted(r)
                 r.spec.drafts = (drafts[b][:n], [None] * n)
+
+
+def sampling_inputs(live: list, B: int, T: int, V: int) -> dict[str, np.ndarray]:
+    """`spec_s<B>`'s own inputs for the live requests (padding after): each draft's q (lane j: draft j's), the
+    step's uniforms (`speculation.uniforms`, drawn here from each sampling request's generator: 1 + its drafts),
+    the temperatures (0: greedy)."""
+    q = np.zeros((B, T, V), dtype=np.float32)
+    u = np.zeros((B, T), dtype=np.float32)
+    t = np.zeros(B, dtype=np.float32)
+    for b, r in enumerate(live):
+        if r.temperature:
+            d, qs = r.spec.drafts
+            if d:
+                q[b, 1: 1 + len(d)] = np.stack(qs)
+            u[b, : 1 + len(d)] = uniforms(r.rng, len(d))
+            t[b] = r.temperature
+    return {"draft_probs": q, "uniforms": u, "temperature": t}
 
 
 def rejected_rows(rows, seq, first: int, last: int, into: dict[str, set[int]]) -> dict[str, set[int]]:

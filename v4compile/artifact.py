@@ -100,10 +100,11 @@ def draft_name(b: int) -> str:
     return f"draft_b{b}"
 
 
-def spec_name(b: int) -> str:
-    """The one-call greedy speculative step of decode bucket `b` (verify, acceptance, MTP draft: the C runtime's
-    program only; `passes/spec_steps.py`)."""
-    return f"spec_b{b}"
+def spec_name(b: int, sampled: bool = False) -> str:
+    """The one-call speculative step of decode bucket `b` (verify, acceptance, MTP draft: the C runtime's program
+    only; `passes/spec_steps.py`): greedy (`spec_b<b>`), or `sampled` (`spec_s<b>`: greedy or sampled per
+    sequence)."""
+    return f"spec_{'s' if sampled else 'b'}{b}"
 
 
 def spec_buckets(functions) -> list[int]:

@@ -1,21 +1,23 @@
-"""The host device's one-call greedy speculative step: the program's `spec_b<B>` (`passes/spec_steps.py`: verify,
-the `spec_accept` op, the MTP block's draft) against the two-call path (verify, the host's acceptance, then
-`draft_b<B>`), on the C runtime's buffers with the ops' reference kernels (tiny-doc, K = 2).
+"""The host device's one-call speculative steps: the program's `spec_b<B>` (greedy) and `spec_s<B>` (sampled)
+(`passes/spec_steps.py`: verify, the `spec_accept` / `spec_sample` op, the MTP block's draft) against the two-call
+path (verify, the host's acceptance, then `draft_b<B>`), on the C runtime's buffers with the ops' reference
+kernels (tiny-doc, K = 2).
 
-* one step in the batch-2 bucket from the same pool (sequence 0's drafts right, sequence 1's first wrong):
-  logits, kept lanes, the MTP logits and streams and every pool / state byte after the undo equal the two
-  calls' bit for bit, and the outputs the program executor's (each launch's reference at the program's byte
-  places); an acceptance keeping one lane too many differs;
-* generation, greedy with K drafts (the second a `draft_b<B>` call): the ids (plain decoding's), the acceptance
-  and the pool equal the two-call path's, one `spec_b<B>` call per step, captured once and replayed; the same
-  broken acceptance is refused by the host's check. Sampling keeps verify then draft (the token after the last
-  kept lane is drawn on the host between them): no `spec_b<B>` call, the ids of the path without it;
-* `spec_b<B>` adds no kernel specialisation but the acceptance's, whose Triton kernel the C runtime runs on the
+* one step in the batch-2 bucket from the same pool (sequence 0's drafts right, sequence 1's first wrong;
+  sampled: seeded uniforms, q uniform / one-hot so that sequence 0 keeps both and sequence 1 draws from the
+  residual): logits, kept lanes, the MTP logits and streams and every pool / state byte after the undo equal
+  the two calls' bit for bit, and the outputs the program executor's (each launch's reference at the program's
+  byte places); an acceptance keeping one lane too many (sampled: accepting with min(1, q/p)) differs;
+* generation with K drafts (the second a `draft_b<B>` call), greedy then sampled (seeded): the ids (greedy:
+  plain decoding's), the acceptance and the pool equal the two-call path's, one `spec_b<B>` / `spec_s<B>` call
+  per step, captured once and replayed; the broken greedy acceptance is refused by the host's check, the broken
+  sampled one changes the ids;
+* each step adds no kernel specialisation but its acceptance's, whose Triton kernel the C runtime runs on the
   program's buffers as the reference (a broken kernel caught);
-* the GPU program (gfx950, its kernels placeholders: each launch its reference): the same one step bit for bit,
-  the same single new specialisation, and greedy generation with one captured `spec_b2` a step on the host
-  device and on the fake HIP and CUDA drivers (the ids plain decoding's on the cpu device; the broken acceptance
-  refused).
+* the GPU program (gfx950, its kernels placeholders: each launch its reference): the same one steps bit for
+  bit, the same single new specialisations, and generation with one captured `spec_b2` (sampled: `spec_s2`) a
+  step on the host device and on the fake HIP and CUDA drivers (greedy: plain decoding's ids on the cpu device,
+  the broken acceptance refused; sampled: the ids of a host session).
 """
 
 from __future__ import annotations
@@ -104,19 +106,55 @@ def keep_one_too_many(monkeypatch) -> None:
     monkeypatch.setattr(op, "ref", broken)
 
 
+def inverted_ratio_op(monkeypatch) -> None:
+    """`spec_sample`'s reference accepting with min(1, q/p) (`spec_sampling.inverted_ratio`)."""
+    import torch
+
+    from spec_sampling import inverted_ratio
+
+    rule = inverted_ratio()
+
+    def broken(*args):
+        return tuple(torch.from_numpy(x) for x in rule(*(a.float().numpy() if a.is_floating_point() else a.numpy()
+                                                         for a in args)))
+    monkeypatch.setattr(get_op("spec_sample"), "ref", broken)
+
+
+SAMPLED = ("draft_probs", "uniforms", "temperature")  # `spec_s<B>`'s own inputs
+
+
+def sampling(vocab: int, ids: np.ndarray) -> dict:
+    """`spec_s2`'s own inputs for `both_steps`'s drafts (temperature 0.8 each, seeded uniforms): sequence 0's
+    drafts (plain greedy's) drawn from a uniform q (p/q large: both survive; q/p small: rejected), sequence 1's
+    from a q one-hot at each (survives with probability p(d): its first, wrong, rejected by its uniform 0.99,
+    the token then drawn from the residual)."""
+    q = np.zeros((2, 3, vocab), dtype=np.float32)
+    q[0, 1:] = 1.0 / vocab
+    q[1, 1:] = np.eye(vocab, dtype=np.float32)[ids[1, 1:]]
+    u = np.random.default_rng(5).random((2, 3), dtype=np.float32)
+    u[1, 1] = 0.99
+    return {"draft_probs": q, "uniforms": u, "temperature": np.full(2, 0.8, dtype=np.float32)}
+
+
 def one_step(s, seqs, drafts, inputs, fused: bool) -> dict:
-    """One greedy step of `seqs` in the batch-2 bucket: `spec_b2`, or `verify_b2`, the host's acceptance and
+    """One step of `seqs` in the batch-2 bucket, greedy or (`inputs` with `SAMPLED`) sampled: `spec_b2` /
+    `spec_s2`, or `verify_b2`, the host's acceptance (`speculation.accept`'s greedy rule / `sample_accept`) and
     `draft_b2`; the rejected positions' rows restored either way. Its outputs."""
     from v4compile.runtime.undo import PoolUndo
+    from v4compile.speculation import sample_accept
 
+    sampled = "uniforms" in inputs
     undo = PoolUndo(s.backend, [(q.slot, list(q.blocks), q.length + 1, q.length + 2) for q in seqs])
     if fused:
-        r = s.backend.run_outputs("spec_b2", inputs)
+        r = s.backend.run_outputs("spec_s2" if sampled else "spec_b2", inputs)
         out = {"logits": r["logits"], "kept": r["spec.kept_pos"], "draft.logits": r["draft.logits"],
                "draft.streams": r["draft.streams"]}
     else:
-        r = s.backend.run_outputs("verify_b2", inputs)
-        kept, nxt = host_acceptance(inputs, r["logits"], drafts)
+        r = s.backend.run_outputs("verify_b2", {k: v for k, v in inputs.items() if k not in SAMPLED})
+        if sampled:
+            nxt, kept = sample_accept(r["logits"], inputs["ids"], inputs["pos"], *(inputs[k] for k in SAMPLED))
+        else:
+            kept, nxt = host_acceptance(inputs, r["logits"], drafts)
         out = {"logits": r["logits"], "kept": kept}
     undo.restore({q.slot: int(k.max()) + 1 for q, k in zip(seqs, out["kept"])})
     if not fused:
@@ -125,10 +163,10 @@ def one_step(s, seqs, drafts, inputs, fused: bool) -> dict:
     return out
 
 
-def both_steps(s, doc) -> tuple[tuple[dict, dict], tuple[dict, dict], dict]:
+def both_steps(s, doc, sampled: bool = False) -> tuple[tuple[dict, dict], tuple[dict, dict], dict]:
     """`one_step` both ways from the same pool and state (both prompts prefilled plainly; two drafts each:
-    sequence 0's right, sequence 1's first wrong): (outputs, pool and state bytes after) of each, and
-    `executed`'s outputs."""
+    sequence 0's right, sequence 1's first wrong; `sampled`: with `sampling`'s inputs): (outputs, pool and state
+    bytes after) of each, and `executed`'s outputs."""
     import torch
 
     from v4compile.runtime.undo import access
@@ -145,6 +183,8 @@ def both_steps(s, doc) -> tuple[tuple[dict, dict], tuple[dict, dict], dict]:
             s.reserve(q, q.length + 2)
         table, slot = s.table(seqs, 2)
         inputs = {"ids": ids, "pos": pos, "block_table": table, "slot": slot}
+        if sampled:
+            inputs.update(sampling(s.vocab, ids))
         start = pool_bytes(s.backend)
         got = []
         for fused in (True, False):
@@ -158,13 +198,13 @@ def both_steps(s, doc) -> tuple[tuple[dict, dict], tuple[dict, dict], dict]:
 
 
 def executed(s, inputs, start) -> dict:
-    """`spec_b2` run by the program executor (`program/execute.py`: each launch's reference on the program's
+    """`spec_b2` (`spec_s2` with sampling inputs) run by the program executor (`program/execute.py`: each launch's reference on the program's
     own byte places) from the pool and state `start`: its outputs, the oracle of the C runtime's run."""
     import torch
 
     from v4compile.program.execute import Buffers, execute
 
-    f = s.backend.program.functions["spec_b2"]
+    f = s.backend.program.functions["spec_s2" if "uniforms" in inputs else "spec_b2"]
     weights = load_artifact(s.art.path).weights()
     try:
         return {n: t.numpy() for n, t in execute(f, Buffers(), {**{k: torch.from_numpy(v) for k, v in inputs.items()},
@@ -174,37 +214,38 @@ def executed(s, inputs, start) -> dict:
         weights.close()
 
 
-def differences(s, doc) -> list[str]:
+def differences(s, doc, sampled: bool = False) -> list[str]:
     """What the one-call step gives otherwise than the two calls, and (`executor: ...`) than the executor."""
-    (a, pa), (b, pb), ex = both_steps(s, doc)
+    (a, pa), (b, pb), ex = both_steps(s, doc, sampled)
     assert [int((k >= 0).sum()) for k in b["kept"]] == [3, 1]  # both drafts kept; the first rejected
     oracle = {"logits": ex["logits"], "kept": ex["spec.kept_pos"], "draft.logits": ex["draft.logits"]}
     return [n for n in b if not np.array_equal(a[n], b[n])] + [n for n in pb if not np.array_equal(pa[n], pb[n])] + \
         [f"executor: {n}" for n in oracle if not np.array_equal(a[n], oracle[n])]
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("program", ["host", "gpu"])
-def test_one_call_step_equals_two_calls_bit_for_bit(program, request, monkeypatch):
+def test_one_call_step_equals_two_calls_bit_for_bit(program, sampled, request, monkeypatch):
     doc = request.getfixturevalue({"host": "doc", "gpu": "gpu_doc"}[program])
     host = request.getfixturevalue({"host": "host", "gpu": "gpu_host"}[program])
-    assert differences(host, doc) == []
-    keep_one_too_many(monkeypatch)
-    bad = differences(host, doc)
+    assert differences(host, doc, sampled) == []
+    (keep_one_too_many if not sampled else inverted_ratio_op)(monkeypatch)
+    bad = differences(host, doc, sampled)
     assert "kept" in bad and "draft.logits" in bad and "pool.main" in bad
 
 
 K = 2
 
 
-def generate(art, prompts, monkeypatch, fused: bool = True, sample: bool = True) -> dict:
+def generate(art, prompts, monkeypatch, fused: bool = True, sample: bool = True, greedy: bool = True) -> dict:
     """In a fresh host session, `generate` speculatively: greedy with K drafts (ids, acceptance rates, the pool and
     state bytes after but the MTP ring rows of each sequence's last 2K + 1 positions, calls by function), then
-    with `sample` the same prompts sampled (k = 1, temperature 0.8; ids, calls). Those rows differ by design:
-    the one-call step drafts on every step's kept lanes (as the cpu device's), the two calls skip the draft once
-    no sequence wants one (the steps whose end leaves fewer than K tokens to make: at most those positions),
-    rows nothing reads after; `test_one_call_step_equals_two_calls_bit_for_bit` compares them."""
-    from v4compile.runtime.undo import access, written_rows
-
+    with `sample` the same prompts sampled (K drafts, temperature 0.8, seeded; the same, keyed `sampled ...`;
+    `greedy` False: only those).
+    Those rows differ by design: the one-call step drafts on every step's kept lanes (as the cpu device's), the
+    two calls skip the draft once no sequence wants one (the steps whose end leaves fewer than K tokens to make:
+    at most those positions), rows nothing reads after; `test_one_call_step_equals_two_calls_bit_for_bit`
+    compares them."""
     s = v4compile.load(art, device="host", threads=1, kernels="reference")
     calls: Counter = Counter()
     ended = []
@@ -216,44 +257,64 @@ def generate(art, prompts, monkeypatch, fused: bool = True, sample: bool = True)
             m.setattr(s, "release", lambda q: ended.append((q.slot, list(q.blocks), q.length)) or release(q))
             if not fused:
                 m.setattr(rs.CompiledDraft, "fused", lambda self, B, k=1: None)
-            got["ids"] = s.generate(prompts, NEW, speculative="mtp", draft_tokens=K)
-            got["rates"], got["calls"], got["pool"] = s.last_acceptance.rates(), +calls, pool_bytes(s.backend)
-            got["graphs"] = {k: s.backend.rt.stats()[k] for k in ("captures", "replays")}
-            if sample:
+                m.setattr(rs.CompiledDraft, "sampled", lambda self, B: None)
+            runs = [("", {})] * greedy + [("sampled ", {"temperature": 0.8, "seed": 3})] * sample
+            for key, how in runs:
                 calls.clear()
-                got["sampled"] = s.generate(prompts, NEW, speculative="mtp", draft_tokens=1, temperature=0.8, seed=3)
-                got["sampled calls"] = +calls
-        store = access(s.backend)
-        layer = int(s.art.manifest["pool"]["n_window_layers"]) - 1  # the MTP block's ring: the last of a slot's
-        pool = got["pool"]
-        for slot, blocks, length in ended[:len(prompts)]:
-            for q in range(length - 2 * K - 1, length):
-                for n, row in written_rows(store.geometry, store, slot, blocks, q, window_layer=layer):
-                    rb = pool[n].nbytes // store.shape(n)[0]
-                    pool[n][row * rb: (row + 1) * rb] = 0
+                before = {k: s.backend.rt.stats()[k] for k in ("captures", "replays")}
+                got[key + "ids"] = s.generate(prompts, NEW, speculative="mtp", draft_tokens=K, **how)
+                got[key + "rates"], got[key + "calls"] = s.last_acceptance.rates(), +calls
+                got[key + "pool"] = unread_rows_zeroed(s, pool_bytes(s.backend), ended[-len(prompts):])
+                got[key + "graphs"] = {k: s.backend.rt.stats()[k] - v for k, v in before.items()}
         return got
     finally:
         s.close()
 
 
+def unread_rows_zeroed(s, pool: dict, ended: list) -> dict:
+    """`pool` (session `s`'s) with the MTP ring rows of each `ended` sequence's (slot, blocks, length) last
+    2K + 1 positions zeroed (`generate`)."""
+    from v4compile.runtime.undo import access, written_rows
+
+    store = access(s.backend)
+    layer = int(s.art.manifest["pool"]["n_window_layers"]) - 1  # the MTP block's ring: the last of a slot's
+    for slot, blocks, length in ended:
+        for q in range(length - 2 * K - 1, length):
+            for n, row in written_rows(store.geometry, store, slot, blocks, q, window_layer=layer):
+                rb = pool[n].nbytes // store.shape(n)[0]
+                pool[n][row * rb: (row + 1) * rb] = 0
+    return pool
+
+
 def test_generation_one_call_equals_two_calls(doc, monkeypatch):
-    """Greedy: the one-call step's ids, acceptance and pool are the two calls' (and the ids plain decoding's), one
-    `spec_b<B>` a step, captured like decode, and no verify call (the recursive draft a `draft_b<B>` call);
-    sampling: verify then draft as before, the same ids."""
+    """Greedy and sampled: the one-call step's ids, acceptance and pool are the two calls' (greedy: the ids plain
+    decoding's), one `spec_b<B>` (sampled: `spec_s<B>`) a step, captured like decode, and no verify call (the
+    recursive draft a `draft_b<B>` call)."""
     art, prompts, want = doc
     one, two = generate(art, prompts, monkeypatch), generate(art, prompts, monkeypatch, fused=False)
-    assert one["ids"] == two["ids"] == want and one["rates"] == two["rates"]
-    assert 0 < min(one["rates"]) < 1  # accepted and rejected drafts
-    assert [n for n in one["pool"] if not np.array_equal(one["pool"][n], two["pool"][n])] == []
-    c = one["calls"]
-    steps, drafts = c["spec_b2"] + c["spec_b1"], c["draft_b2"] + c["draft_b1"]
-    assert steps > 0 and 0 < drafts <= steps and c["verify_b2"] + c["verify_b1"] == 0
-    assert two["calls"]["spec_b2"] == 0 and two["calls"]["verify_b2"] > 0
-    # the one-call step captured once per bucket and replayed (bit for bit, above); nothing captured before
-    assert one["graphs"] == {"captures": sum(c[f"spec_b{b}"] > 0 for b in (1, 2)), "replays": steps}
-    assert two["graphs"]["captures"] == 0
-    assert one["sampled"] == two["sampled"]
-    assert one["sampled calls"]["spec_b2"] == 0 and one["sampled calls"]["verify_b2"] > 0
+    assert one["ids"] == two["ids"] == want
+    assert one["sampled ids"] != want  # (sampled: other ids)
+    for key, step in (("", "spec_b"), ("sampled ", "spec_s")):
+        assert one[key + "ids"] == two[key + "ids"] and one[key + "rates"] == two[key + "rates"]
+        assert 0 < min(one[key + "rates"]) < 1  # accepted and rejected drafts
+        assert [n for n in one[key + "pool"] if not np.array_equal(one[key + "pool"][n], two[key + "pool"][n])] == []
+        c, c2 = one[key + "calls"], two[key + "calls"]
+        steps, drafts = c[f"{step}2"] + c[f"{step}1"], c["draft_b2"] + c["draft_b1"]
+        assert steps > 0 and 0 < drafts <= steps and c["verify_b2"] + c["verify_b1"] == 0
+        assert not any(n.startswith("spec_") for n in c2) and c2["verify_b2"] > 0
+        # the one-call step captured once per bucket and replayed (bit for bit, above); nothing captured without
+        assert one[key + "graphs"] == {"captures": sum(c[f"{step}{b}"] > 0 for b in (1, 2)), "replays": steps}
+        assert two[key + "graphs"]["captures"] == 0
+
+
+def test_a_broken_sampled_acceptance_changes_the_ids(doc, monkeypatch):
+    """`spec_sample`'s reference accepting with min(1, q/p): the one-call step's sampled ids (or acceptance) are no
+    longer the two calls' (`test_generation_one_call_equals_two_calls`: equal)."""
+    art, prompts, _ = doc
+    two = generate(art, prompts, monkeypatch, fused=False, greedy=False)
+    inverted_ratio_op(monkeypatch)
+    one = generate(art, prompts, monkeypatch, greedy=False)
+    assert (one["sampled ids"], one["sampled rates"]) != (two["sampled ids"], two["sampled rates"])
 
 
 def test_a_wrong_acceptance_is_refused(doc, monkeypatch):
@@ -265,28 +326,31 @@ def test_a_wrong_acceptance_is_refused(doc, monkeypatch):
 
 @pytest.mark.parametrize("program", ["host", "gpu"])
 def test_the_step_adds_no_specialisation_but_the_acceptance(program, request):
-    """Every launch of `spec_b<B>` but `spec_accept` is one the program's verify or draft functions have (same
-    op, attributes, types and strides: the same compiled kernel on a GPU); the step is verify's launches, the
-    acceptance, then the draft's. The GPU program's (after every fusion of its pipeline): likewise, and its AOT
-    compiled `spec_accept` for the target."""
+    """Every launch of `spec_b<B>` but `spec_accept` (of `spec_s<B>` but `spec_sample`) is one the program's verify
+    or draft functions have (same op, attributes, types and strides: the same compiled kernel on a GPU); the
+    step is verify's launches, the acceptance, then the draft's. The GPU program's (after every fusion of its
+    pipeline): likewise, and its AOT compiled both acceptances for the target."""
+    import json
+
     from v4compile.runtime.program_backend import artifact_program
 
     art = load_artifact(request.getfixturevalue({"host": "doc", "gpu": "gpu_doc"}[program])[0])
     prog = artifact_program(art)
     buckets = (1, 2) if program == "host" else (2,)
-    assert {n for n in prog.functions if n.startswith("spec_")} == {f"spec_b{b}" for b in buckets}
+    assert {n for n in prog.functions if n.startswith("spec_")} == {f"spec_{s}{b}" for b in buckets for s in "bs"}
     if program == "gpu":
-        assert {k["target"] for k in art.manifest["kernels"] if k["name"].startswith("spec_accept")} == {"gfx950"}
+        for op in ("spec_accept", "spec_sample"):
+            assert {k["target"] for k in art.manifest["kernels"] if k["name"].startswith(op)} == {"gfx950"}
     old = {l.specialisation for n, f in prog.functions.items() if not n.startswith("spec_") for l in f.launches}
     for b in buckets:
-        f, v, d = (prog.functions[f"{k}_b{b}"].launches for k in ("spec", "verify", "draft"))
-        if program == "gpu":  # the report's modeled step is this program's
-            import json
-
-            m = json.loads((art.path / "report.json").read_text())["spec_step"]["gfx950"][f"spec_b{b}"]
-            assert (m["launches"], m["draft_tokens"]) == (len(f), K) and m["cost_ratio"] > 1
-        assert {l.op for l in f if l.specialisation not in old} == {"spec_accept"}
-        assert [l.op for l in f] == [l.op for l in v] + ["spec_accept"] + [l.op for l in d]
+        v, d = (prog.functions[f"{k}_b{b}"].launches for k in ("verify", "draft"))
+        for step, acceptance in (("spec_b", "spec_accept"), ("spec_s", "spec_sample")):
+            f = prog.functions[f"{step}{b}"].launches
+            if program == "gpu" and step == "spec_b":  # the report's modeled step is this program's
+                m = json.loads((art.path / "report.json").read_text())["spec_step"]["gfx950"][f"spec_b{b}"]
+                assert (m["launches"], m["draft_tokens"]) == (len(f), K) and m["cost_ratio"] > 1
+            assert {l.op for l in f if l.specialisation not in old} == {acceptance}
+            assert [l.op for l in f] == [l.op for l in v] + [acceptance] + [l.op for l in d]
 
 
 def acceptance_kernel_run(doc, broken=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -340,28 +404,34 @@ def test_the_acceptance_kernel_on_the_host_device(doc, monkeypatch, tmp_path):
 GPU_NEW = 6  # tokens per prompt on the GPU program (its ids: the first of plain decoding's NEW)
 
 
-def gpu_generation(s, prompts, new: int = GPU_NEW) -> dict:
-    """Greedy speculative generation (K drafts) on the session `s` of the gfx950 program: ids, calls by function
-    and the C runtime's captures and replays during it."""
+def gpu_generation(s, prompts, new: int = GPU_NEW, **how) -> dict:
+    """Speculative generation (K drafts; greedy, or as `how` says) on the session `s` of the gfx950 program: ids,
+    calls by function and the C runtime's captures and replays during it."""
     calls: Counter = Counter()
     run = s.backend.run_outputs
     before = {k: s.backend.rt.stats()[k] for k in ("captures", "replays")}
     try:
         s.backend.run_outputs = lambda f, i: calls.update([f]) or run(f, i)
-        ids = s.generate(prompts, new, speculative="mtp", draft_tokens=K)
+        ids = s.generate(prompts, new, speculative="mtp", draft_tokens=K, **how)
     finally:
         del s.backend.run_outputs
     return {"ids": ids, "calls": +calls,
             "graphs": {k: s.backend.rt.stats()[k] - v for k, v in before.items()}}
 
 
+@pytest.fixture(scope="module")
+def gpu_sampled(gpu_doc, gpu_host) -> list[list[int]]:
+    """The gfx950 program's sampled speculative ids on the host device (`gpu_generation`, temperature 0.8)."""
+    return gpu_generation(gpu_host, gpu_doc[1], temperature=0.8, seed=3)["ids"]
+
+
 @pytest.mark.parametrize("device", ["host", "hip", "cuda"])
-def test_gpu_program_speculates_in_one_captured_call(gpu_doc, device, monkeypatch):
+def test_gpu_program_speculates_in_one_captured_call(gpu_doc, gpu_sampled, device, monkeypatch):
     """The GPU program on the host device and on the fake HIP / CUDA drivers made to compute (`Fake.computing_hip`):
     plain decoding's ids, one `spec_b2` a step (no verify call; the recursive draft a `draft_b2` call), captured
-    once and replayed (on a fake: one driver graph, launched each step). On the host, the checks' broken
-    variants: without the one-call step the same ids from verify calls, nothing captured; the broken acceptance
-    refused."""
+    once and replayed (on a fake: one driver graph, launched each step); then sampled, one `spec_s2` a step,
+    captured once more, the ids those of another host session (`gpu_sampled`). On the host, the checks' broken variants: without the one-call step the same ids from verify calls,
+    nothing captured; the broken acceptance refused."""
     from runtime_helpers import Fake
 
     art, prompts, want = gpu_doc
@@ -376,6 +446,14 @@ def test_gpu_program_speculates_in_one_captured_call(gpu_doc, device, monkeypatc
         if fake is not None:
             assert {k: fake.counts()[k] for k in ("captures", "graph_launches")} == {"captures": 1,
                                                                                      "graph_launches": c["spec_b2"]}
+        sampled = gpu_generation(s, prompts, temperature=0.8, seed=3)
+        c2 = sampled["calls"]
+        assert sampled["ids"] == gpu_sampled
+        assert c2["spec_s2"] > 0 and c2["verify_b2"] + c2["spec_b2"] == 0 and sampled["graphs"] == {
+            "captures": 1, "replays": c2["spec_s2"]}
+        if fake is not None:
+            assert {k: fake.counts()[k] for k in ("captures", "graph_launches")} == {
+                "captures": 2, "graph_launches": c["spec_b2"] + c2["spec_s2"]}
             return
         with monkeypatch.context() as m:
             m.setattr(rs.CompiledDraft, "fused", lambda self, B, k=1: None)
