@@ -1,6 +1,7 @@
-"""The sampling tests of speculative decoding (reference and compiled): the test's sizes, Pearson's chi-square
-p-value (scipy is no dependency of the project: the survival function comes from torch's regularised
-incomplete gamma) and the broken acceptance rule each test must catch."""
+"""The sampling tests of speculative decoding (reference and compiled): the test's sizes, the exact float64
+distributions, Pearson's chi-square p-value (scipy is no dependency of the project: the survival function comes
+from torch's regularised incomplete gamma), the broken acceptance rules each test must catch and the sampled
+rule's own check (`first_token_pvalue`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,14 @@ import torch
 from v4compile.speculation import sample
 
 SMALL_VOCAB, N, ALPHA = 8, 400, 1e-3  # chi-square at significance 0.001 (df = 7 when no bin is merged)
+
+
+def probs(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """The sampling distribution of `logits [..., V]` at `temperature` > 0 in float64: the tests' exact
+    marginals (the sampler itself computes `speculation.softmax32`)."""
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max(-1, keepdims=True))
+    return p / p.sum(-1, keepdims=True)
 
 
 def chisquare_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
@@ -60,5 +69,4 @@ def first_token_pvalue(rule, n: int = 4 * N) -> float:
         d = [inverse_cdf(q[0, j], rng.random(dtype=np.float32)) for j in (1, 2)]
         nxt, _ = rule(logits, np.array([[0, *d]]), np.arange(3)[None], q, uniforms(rng, 2)[None], np.array([t]))
         first.append(int(nxt[0, 0]))
-    want = np.exp(logits[0, 0].astype(np.float64) / 0.7)
-    return chisquare_pvalue(np.bincount(first, minlength=SMALL_VOCAB), want / want.sum() * n)
+    return chisquare_pvalue(np.bincount(first, minlength=SMALL_VOCAB), probs(logits[0, 0], 0.7) * n)

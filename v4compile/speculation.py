@@ -39,14 +39,6 @@ def clobbered(key: str, slots: int, ratio: int, q: int) -> int | None:
     return q % slots
 
 
-def probs(logits: np.ndarray, temperature: float) -> np.ndarray:
-    """The sampling distribution of `logits [..., V]` at `temperature` > 0 in float64 (the tests' exact
-    marginals; the sampler itself computes `softmax32`)."""
-    z = logits.astype(np.float64) / temperature
-    p = np.exp(z - z.max(-1, keepdims=True))
-    return p / p.sum(-1, keepdims=True)
-
-
 # The sampled speculative step's arithmetic, defined once: the host's two-call path and the `spec_sample` op's
 # reference (the one-call step on the C runtime) run these very functions, so the two are bit-identical on the
 # host device by construction. float32, every sum left to right along V (np.cumsum: a sequential accumulation),

@@ -18,13 +18,14 @@ import pytest
 import torch
 
 from conftest import make_model, prompt
-from spec_sampling import ALPHA, N, SMALL_VOCAB, always_accept, chisquare_pvalue, first_token_pvalue, inverted_ratio
+from spec_sampling import (ALPHA, N, SMALL_VOCAB, always_accept, chisquare_pvalue, first_token_pvalue, inverted_ratio,
+                           probs)
 from v4compile.config import preset
 from v4compile.errors import InputError
 from v4compile.model import ReferenceModel
 from v4compile.model import speculative
 from v4compile.model.speculative import speculative_generate
-from v4compile.speculation import Acceptance, clobbered, probs
+from v4compile.speculation import Acceptance, clobbered
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-doc"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -28,14 +28,13 @@ import numpy as np
 import pytest
 
 import v4compile
-from spec_sampling import ALPHA, SMALL_VOCAB, always_accept, chisquare_pvalue
+from spec_sampling import ALPHA, SMALL_VOCAB, always_accept, chisquare_pvalue, probs
 from v4compile import frontend
 from v4compile.artifact import Buckets
 from v4compile.cli.driver import compile_artifact
 from v4compile.model import ReferenceModel
 from v4compile.model import speculative as ref_speculative
 from v4compile.runtime import speculative as rs
-from v4compile.speculation import probs
 from v4compile.trace import TraceOptions
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
