@@ -31,6 +31,16 @@ compress_paged, the window pool write, indexer_select, csr_window, no node stand
 LpNormalization nodes costs ~0.58 us a node at 1 or 2 lanes, Identity ~0.53: the per-node floor, not the
 op, is the cost; no session option the fused graph misses (it takes the artifact's `SessionOptions`, as every
 graph; ORT_ENABLE_EXTENDED, no memory pattern or no memory reuse leave the ratio as it is).
+
+Since copy 1 of the draft reads on verify's lane arithmetic (`codegen/onnx_spec.py`, step 3): the fused step
+1491 nodes after ORT's optimisation (was 1518; decode_b1 1209, verify_b1 1264, draft_b1 242). Re-measured
+(load 4-12, ORT alone, thread CPU time, p25 in decode steps): verify_b1 1.15-1.38 (kernel time profiled only
++7 % over decode's: the rest of verify's extra is outside the kernels and was not found: not the memory
+pattern, whose on / off left verify's ratio as it was), draft_b1 0.18-0.35, the fused step 1.35-1.50 (main's
+1.35-1.66 in the same processes; this graph's time over main's, paired: 0.84-0.91 with main's session made
+first, 1.02-1.06 with it made second, ~-4 % over both orders). Read ratios with care: a session made later in a process ran 5-10 % faster than the same kind of
+graph made earlier, and this script makes `decode_b1` last (the plain generation runs after the speculative
+ones), which favours decode.
 """
 
 from __future__ import annotations

@@ -12,7 +12,14 @@ sequences of `T = 1 + K` lanes (ids, pos as verify's):
    lane j is kept when j = 0 or draft j survived (`keep`), and the token after a kept lane is `best` there
    (the survivor, or the new token after the last one);
 3. the MTP block's nodes on those lanes: `hidden` = verify's streams, `ids` = `best`, `pos` = pos on the kept
-   lanes and -1 elsewhere (a rejected lane writes nothing of the MTP's ring).
+   lanes and -1 elsewhere (a rejected lane writes nothing of the MTP's ring). Its lane arithmetic (the nodes
+   computed from the positions, slot and block table alone: `index_values`) is made twice: for its reads
+   (window rows, masks, rotary tables) on verify's `pos`, where it is verify's own nodes on the same inputs and
+   constants (`same_constants`), which ONNX Runtime's common-subexpression elimination merges; for its ring
+   writes and its last-lane pick (`KEPT_OPS`) on the kept positions. A rejected lane then reads as a live one,
+   and nothing reads its results: the kept lanes are a prefix and attend only the lanes up to their own, and
+   its streams and logits are never taken (tiny-doc, bucket 1, k = 1: 1518 -> 1491 nodes after ONNX Runtime's
+   optimisation; the draft's part 236 -> 212).
 
 4. for `drafts` = k > 1, the recursive drafts, unrolled: copy j = 2 .. k of the MTP block's nodes (names
    `draft<j>/...`) runs one lane per sequence, lane 0: `hidden` = the previous copy's streams at its last
@@ -38,11 +45,12 @@ draft copy costs ~0.3 decode steps of ONNX Runtime's per-node time on the traine
 are read or not (the K-draft graph at k = 1: ~1.99 against ~1.58 decode steps, batch 1), and every variant binds
 the backend's one set of weight arrays, so a variant costs a session's build and its own buffers.
 
-Where a draft copy's time goes (the trained example, 5 layers, batch 1): draft_b<B> is 305 nodes, ~0.27-0.33
-of a decode step (1325 nodes) alone and ~0.3 more per recursive copy here, the same with 2 lanes or 4 (ONNX
-Runtime's time is per node at these sizes, not per lane): the two mHC Sinkhorns (`hc_pre_norm` 60,
-`mhc_post_pre` 66 nodes, 76 of them LpNormalization), then sparse attention 38, the MoE 25, the window rows 23,
-the ring write 16. Nothing the greedy step needs less of: its logits feed the in-graph argmax (the host reads
+Where a draft copy's time goes (the trained example, 5 layers, batch 1): draft_b<B> is 265 nodes (242 after ONNX
+Runtime's optimisation), ~0.2-0.35 of a decode step (1325 nodes; 1209) alone and ~0.25 more per recursive copy
+here, the same with 2 lanes or 4 (ONNX Runtime's time is per node at these sizes, not per lane): the two mHC
+Sinkhorns (`hc_pre_norm` 60, `mhc_post_pre` 66 nodes, 76 of them LpNormalization, already one node per
+normalisation), then the MoE 25, sparse attention 18, the window rows 16 (shared with verify in copy 1, step 3),
+qkv 16. Nothing the greedy step needs less of: its logits feed the in-graph argmax (the host reads
 ids), and the last copy's ring write, read by no later copy, is dropped by ONNX Runtime as dead.
 
 Outputs: verify's `logits` (the host checks the graph's acceptance, `next_ids` = best and `kept_pos`, against
@@ -61,6 +69,12 @@ PREFIX = "draft/"  # the draft graph's own value, node and constant names inside
 # the draft graph's step inputs, fed from the graph above (verify's streams, the glue's ids and positions)
 DRAFT_INPUTS = {"hidden": "streams", "ids": "spec.next_ids", "pos": "spec.kept_pos"}
 DRAFT_OUTPUTS = {"logits": "draft.logits", "streams": "draft.streams"}
+# Copy 1's lane arithmetic (module doc, step 3): its reads on verify's positions (`READ_POS`: the same nodes as
+# verify's, merged by ONNX Runtime), its writes and its last-lane pick (`KEPT_OPS`) on the kept ones (`KEPT`)
+READ_POS = "pos"
+KEPT = PREFIX + "kept/"
+INDEX_INPUTS = ("pos", "slot", "block_table")
+KEPT_OPS = ("last_token",)
 
 
 def fuse_verify_draft(verify: onnx.ModelProto, draft: onnx.ModelProto, batch: int, tokens: int, drafts: int = 1,
@@ -74,12 +88,15 @@ def fuse_verify_draft(verify: onnx.ModelProto, draft: onnx.ModelProto, batch: in
     # table and slot, are one input)
     own = DRAFT_INPUTS
     shared = {n for n in d_in if n not in own}
+    same = same_constants(gv, gd)
 
     def rename(x: str) -> str:
         if not x:
             return x  # an omitted optional input
         if x in own:
             return own[x]
+        if x in same:
+            return same[x]
         return x if x in shared else PREFIX + x
 
     d_out = {o.name: o for o in gd.output}
@@ -92,19 +109,30 @@ def fuse_verify_draft(verify: onnx.ModelProto, draft: onnx.ModelProto, batch: in
         m.output[:] = ["verify/" + x if x in both else x for x in n.output]
         nodes.append(m)
     nodes += glue(batch, tokens)
+    idx = index_values(gd)
+
+    def read(x: str) -> str:
+        return READ_POS if x == "pos" else rename(x)
+
+    def kept(x: str) -> str:
+        return KEPT + x if x in idx else rename(x)
     for n in gd.node:
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
             raise ValueError(f"the draft graph's node {n.name} has a subgraph: not fused")
-        m = onnx.NodeProto()
-        m.CopyFrom(n)
-        m.name = PREFIX + n.name
-        m.input[:] = [rename(x) for x in n.input]
-        m.output[:] = [rename(x) for x in n.output]
-        nodes.append(m)
-    nodes += [helper.make_node("Concat", ["verify/" + x, PREFIX + x], [x], axis=0, name="spec/concat/" + x)
+        lane_op = n.doc_string.split(" ")[0] in KEPT_OPS
+        for copy in ("read", "kept") if n.output[0] in idx else ("kept",) if lane_op else ("read",):
+            m = onnx.NodeProto()
+            m.CopyFrom(n)
+            m.name = (KEPT if copy == "kept" else PREFIX) + n.name
+            m.input[:] = [(kept if copy == "kept" else read)(x) for x in n.input]
+            m.output[:] = [(kept if copy == "kept" and x in idx else rename)(x) for x in n.output]
+            nodes.append(m)
+    nodes += [helper.make_node("Concat", ["verify/" + x, kept(x)], [x], axis=0, name="spec/concat/" + x)
               for x in both]
     inits = list(gv.initializer)
     for t in gd.initializer:
+        if t.name in same:
+            continue
         c = TensorProto()
         c.CopyFrom(t)
         c.name = PREFIX + t.name
@@ -119,16 +147,57 @@ def fuse_verify_draft(verify: onnx.ModelProto, draft: onnx.ModelProto, batch: in
             raise ValueError(f"the draft graph's output {n} has no place in the fused graph")
     outputs += [helper.make_tensor_value_info("spec.next_ids", TensorProto.INT64, [batch, tokens]),
                 helper.make_tensor_value_info("spec.kept_pos", TensorProto.INT64, [batch, tokens])]
-    rec, rec_inits = recursive(gd, shared, batch, tokens, drafts, max_pos)
+    rec, rec_inits = recursive(gd, shared, batch, tokens, drafts, max_pos, kept, same)
     nodes += rec
     inits += rec_inits
     outputs.append(helper.make_tensor_value_info("spec.drafts", TensorProto.INT64, [batch, drafts]))
+    nodes = needed(nodes, {o.name for o in outputs})
     graph = helper.make_graph(ordered(nodes, {i.name for i in inputs} | {t.name for t in inits}),
                               f"spec_b{batch}_d{drafts}", inputs, outputs, inits)
     opsets = {o.domain: o.version for o in list(verify.opset_import) + list(draft.opset_import)}
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in sorted(opsets.items())],
                               ir_version=max(verify.ir_version, draft.ir_version))
     return model
+
+
+def same_constants(gv: onnx.GraphProto, gd: onnx.GraphProto) -> dict[str, str]:
+    """The draft graph's constants (initializers) equal to one of the verify graph's (type, shape, bytes), each
+    mapped to that one's name: one name for one value, so that ONNX Runtime's common-subexpression elimination
+    can merge the draft's lane arithmetic with verify's (the same nodes on the same positions)."""
+    key = {}
+    for t in gv.initializer:
+        key.setdefault(_const_key(t), t.name)
+    return {t.name: key[k] for t in gd.initializer if (k := _const_key(t)) in key}
+
+
+def _const_key(t: onnx.TensorProto) -> tuple:
+    return t.data_type, tuple(t.dims), onnx.numpy_helper.to_array(t).tobytes()
+
+
+def needed(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
+    """The nodes an output depends on (copy 1's lane arithmetic is made twice, each copy read in part)."""
+    made = {o: i for i, n in enumerate(nodes) for o in n.output}
+    todo, keep = [made[o] for o in outputs if o in made], set()
+    while todo:
+        i = todo.pop()
+        if i not in keep:
+            keep.add(i)
+            todo += [made[x] for x in nodes[i].input if x in made]
+    return [n for i, n in enumerate(nodes) if i in keep]
+
+
+def index_values(g: onnx.GraphProto) -> set[str]:
+    """The values of `g` computed from its index inputs (`INDEX_INPUTS`) and constants alone: the lane
+    arithmetic (pool rows, masks, rotary tables), as opposed to what the hidden state and ids flow through."""
+    const = {t.name for t in g.initializer} | {""}
+    out: set[str] = set()
+    for n in g.node:
+        ins = [x for x in n.input if x not in const]
+        if n.op_type == "Constant":
+            const.update(n.output)
+        elif ins and all(x in INDEX_INPUTS or x in out for x in ins):
+            out.update(n.output)
+    return out
 
 
 def ordered(nodes: list[onnx.NodeProto], known: set[str]) -> list[onnx.NodeProto]:
@@ -188,9 +257,13 @@ def glue(batch: int, tokens: int) -> list[onnx.NodeProto]:
 
 
 def recursive(gd: onnx.GraphProto, shared: set[str], batch: int, tokens: int, drafts: int,
-              max_pos: int | None) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+              max_pos: int | None, first=None, same: dict[str, str] | None = None
+              ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """Module doc, step 4: copies 2 .. `drafts` of the draft graph `gd` after copy 1 (`draft/`), and
-    `spec.drafts`."""
+    `spec.drafts` (`first(name)`: copy 1's name of the draft graph's value `name`; `same`: the draft's
+    constants that are verify's, `same_constants`)."""
+    first = first or (lambda x: PREFIX + x)
+    same = same or {}
     B, T = batch, tokens
     n = helper.make_node
     out_of = {o.name: o for o in gd.output}
@@ -224,7 +297,7 @@ def recursive(gd: onnx.GraphProto, shared: set[str], batch: int, tokens: int, dr
         nodes = nodes[:1]
     inits: list[onnx.TensorProto] = []
     last_ids, streams, lane = "spec/d1", "draft.streams", "spec/r/last"
-    writes = [(PREFIX + rows_name, PREFIX + out_of[plane + ".vals"].name)] if plane else []
+    writes = [(first(rows_name), first(out_of[plane + ".vals"].name))] if plane else []
     picked = ["spec/d1"]
     for j in range(2, drafts + 1):
         pre = f"draft{j}/"
@@ -256,6 +329,8 @@ def recursive(gd: onnx.GraphProto, shared: set[str], batch: int, tokens: int, dr
                 return x
             if x in step_in:
                 return step_in[x]
+            if x in same:
+                return same[x]
             return x if x in shared else pre + x
         for node in gd.node:
             m = onnx.NodeProto()
@@ -271,6 +346,8 @@ def recursive(gd: onnx.GraphProto, shared: set[str], batch: int, tokens: int, dr
                 continue
             nodes.append(m)
         for t in gd.initializer:
+            if t.name in same:
+                continue
             c = TensorProto()
             c.CopyFrom(t)
             c.name = pre + t.name

@@ -368,6 +368,51 @@ def test_a_miswired_fused_draft_is_caught(doc, two_calls, monkeypatch):
     assert "draft.logits" in bad and "pool.main" in bad
 
 
+def test_copy_one_lane_arithmetic_split_is_needed(doc, two_calls, monkeypatch):
+    """Copy 1's lane arithmetic on verify's positions serves its reads only: its last-lane pick on them takes
+    a rejected lane's draft, and its ring writes on them store the rejected lanes' rows."""
+    from v4compile.codegen import onnx_spec
+
+    monkeypatch.setattr(onnx_spec, "KEPT_OPS", ())
+    assert "draft.logits" in fused_differences(doc, two_calls)
+    monkeypatch.undo()
+    monkeypatch.setattr(onnx_spec, "INDEX_INPUTS", ())  # no kept copy: the writes on verify's positions too
+    assert "pool.main" in fused_differences(doc, two_calls)
+
+
+def ort_nodes(model, tmp: Path) -> int:
+    """The node count of `model` after ONNX Runtime's optimisation (the artifact's level, all), weights as
+    graph inputs."""
+    import onnx
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.optimized_model_filepath = str(tmp / "opt.onnx")
+    ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return len(onnx.load(str(tmp / "opt.onnx")).graph.node)
+
+
+def test_copy_one_reads_share_verifys_lane_arithmetic(doc, monkeypatch, tmp_path):
+    """The fused graph (bucket 2, k = 1) after ONNX Runtime's optimisation: copy 1's read-side lane arithmetic
+    (window rows, masks, rotary tables) on verify's positions merges into verify's: 19 nodes fewer than with it
+    on the kept positions (the form before, all of it copy 1's own; weights as graph inputs here; ~0.5 us a
+    node on this example)."""
+    from v4compile.codegen import onnx_spec
+    from v4compile.runtime.artifact_checks import onnx_model
+
+    s = session(doc[0])
+    try:
+        fns = s.art.target("cpu")["functions"]
+        v, d = (onnx_model(s.art, f, fns[f]) for f in ("verify_b2", "draft_b2"))
+    finally:
+        s.close()
+    shared = ort_nodes(onnx_spec.fuse_verify_draft(v, d, 2, fns["verify_b2"]["tokens"], 1), tmp_path)
+    monkeypatch.setattr(onnx_spec, "READ_POS", "spec.kept_pos")
+    own = ort_nodes(onnx_spec.fuse_verify_draft(v, d, 2, fns["verify_b2"]["tokens"], 1), tmp_path)
+    assert own - shared >= 19
+
+
 def recursive_step(doc, k: int = 3) -> dict[str, dict]:
     """`_one_step_inputs`' step (sequence 0 keeps 4 lanes, sequence 1 two) drafting `k` tokens, from the same
     pool, two ways in one session: the one-call graph `spec_b2_d<k>`, and the multi-call path (verify_b2, the
