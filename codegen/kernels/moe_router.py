@@ -7,7 +7,10 @@ combine run in one launch. Its programs are, in the order they start (`phases.ti
                              attention output's hc_post into the streams, hc_pre, ffn_norm) -> the MoE's
                              input x and the streams / post / comb the seam after reads, all scratch; each
                              publishes; every router and shared program waits for all NA first (the routed
-                             and combining programs follow them, so they see x too);
+                             and combining programs follow them, so they see x too). `moe_mhc_post_pre` (the
+                             first MoE layer: no seam before it) launches the same binary with the seam's
+                             weights null: these programs then copy its x / streams / post / comb there
+                             (`_copy_rows`), and the first layer and the others have one binary;
   tickets [0, NR)            the router (`router.route_rows`, one per BR token rows) -> the routing weights
                              and expert ids, scratch `route_weights` / `route_indices`; each then publishes;
   tickets [NR, NR + NG)      (`moe_router_experts_dp`, 64 < P <= FUSED_MAX_PAIRS) the grouping (`moe._group_block`, the
@@ -233,10 +236,11 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                      xs_ptr, C_SM: tl.constexpr, NG: tl.constexpr, G_NRB: tl.constexpr,
                      R_B_DT: tl.constexpr, R_T_DT: tl.constexpr,
                      PDL: tl.constexpr = False, CALLS: tl.constexpr = True):
-    """Programs by ticket: NA token blocks of the seam before the MoE (`mhc_moe_mhc`; else none), NR router
-    row blocks, ST shared gate / up tiles, E x RT routed (expert, I tile) gate / up, E x ND routed (expert,
-    D tile) down (the last down program of a D tile combines it), NH token blocks of the seam after the MoE
-    (`moe_mhc_post_pre`, `mhc_moe_mhc`; none for `moe_router_experts_shared`)."""
+    """Programs by ticket: NA token blocks of the seam before the MoE (`mhc_moe_mhc`; copying its inputs where
+    its weights are null, `moe_mhc_post_pre`; else none), NR router row blocks, ST shared gate / up tiles,
+    E x RT routed (expert, I tile) gate / up, E x ND routed (expert, D tile) down (the last down program of a
+    D tile combines it), NH token blocks of the seam after the MoE (`moe_mhc_post_pre`, `mhc_moe_mhc`; none
+    for `moe_router_experts_shared`)."""
     pdl_enter(PDL)
     x_ptr = _carve(x_ptr, scr_ptr, x_ptr_AT, x_ptr_DT)
     idx_ptr = _carve(idx_ptr, scr_ptr, idx_ptr_AT, idx_ptr_DT)
