@@ -77,6 +77,26 @@ x and the seam buffers one layout for all three) remain.
 After the merges (main with h-cold4 and h-tpbytes; the coordinator's run, 2 quiet cores, load 1.2-1.7): 90.6 s wall,
 170.0 CPU s (154.1 in 88 jobs, 6 calls shared; 15.9 outside them), warm 9.0 s; by family moe_fused 43.0, pair_norm
 24.1, qkv_norm_rope 16.2, compress 13.3, mhc 8.9.
+Main 291470a on 2 idle cores (the coordinator's run, `nice -n 5`): 63.5 s wall, 118.2 CPU s in all processes, 106
+in 88 jobs; moe_fused 28.4 in 3 specialisations x 2 targets (both seams: gfx950 4.48, sm_90a 7.72; the first MoE
+layer's, seam after only: 3.41, 6.37; the last layer's, no seam: 2.17, 4.28).
+h-seams: the first MoE layer's one-launch MoE (`moe_mhc_post_pre`) launches the middle layers' (`mhc_moe_mhc`)
+binary: the seam before stands in with the seam after's weights and attributes, its weights null, and its
+programs copy the layer's x / streams / post / comb where the seam would write them (`moe_router._as_both_seams`,
+bit for bit; ~1.1 MB more traffic in that one launch at decode 8). Run-time NA / NH were the first plan: the grid
+cannot say them on gfx950 (`tl.num_programs` reads AMDGPU's hidden kernel arguments), null pointers can, but the
+MoE then chooses its x and the seam after its streams / post / comb among two pointers each, and holding those
+made gfx950's binary spill 4-5 SGPRs (106); the copy keeps them in the first phase: 0 spills (gfx950 150 VGPRs,
+106 SGPRs; sm_90a 184 regs), also in the `--decode-batch 8 --max-context 4096`, `--tp 8 --ep 8` and `--dp 8 --ep 8`
+compiles. moe_fused 3 -> 2 binaries per target, 88 -> 86 jobs. Measured on the shared 2 cores (load 5-15, so CPU
+seconds, not wall, compare): the moe_fused jobs alone, main's then the branch's sources, alternating, one process
+each (`aot.compile_calls`, jobs 1): 43.0 / 37.2 -> 32.0 / 25.8 CPU s (the merged binary costs what main's
+both-seams one did: 20.8 / 15.9 against 18.6 / 16.9); the whole cold compile (`bench_compile.py`, alternating):
+main 157.0 / 145.6 CPU s in all (142.7 / 132.3 in 88 jobs; moe_fused 43.2 / 36.6), the branch 133.4 / 149.8
+(120.8 / 135.2 in 86 jobs; moe_fused 25.1 / 32.4): ~11 CPU s less, ~5.5 s of wall on 2 idle cores, so about
+58 s against 63.5. Left: the last layer's (`moe_router_experts_shared`, no seam on either side) binary, 6.5 CPU s:
+the same stand-in needs the seams' stream count and mHC attributes, which that op does not carry (its x is an
+unfused `mhc_post_pre`'s output; its output goes to `mhc_post_head`).
 `--json FILE` records every figure printed (wall, CPU in all processes and in the jobs, per target, per family,
 the stages, the AOT line) for a closing note to quote.
 """

@@ -7,7 +7,10 @@ combine run in one launch. Its programs are, in the order they start (`phases.ti
                              attention output's hc_post into the streams, hc_pre, ffn_norm) -> the MoE's
                              input x and the streams / post / comb the seam after reads, all scratch; each
                              publishes; every router and shared program waits for all NA first (the routed
-                             and combining programs follow them, so they see x too);
+                             and combining programs follow them, so they see x too). `moe_mhc_post_pre` (the
+                             first MoE layer: no seam before it) launches the same binary with the seam's
+                             weights null: these programs then copy its x / streams / post / comb there
+                             (`_copy_rows`), and the first layer and the others have one binary;
   tickets [0, NR)            the router (`router.route_rows`, one per BR token rows) -> the routing weights
                              and expert ids, scratch `route_weights` / `route_indices`; each then publishes;
   tickets [NR, NR + NG)      (`moe_router_experts_dp`, 64 < P <= FUSED_MAX_PAIRS) the grouping (`moe._group_block`, the
@@ -50,7 +53,7 @@ from . import CALLS_PARAM, PDL_PARAM, KernelCall, TensorArg, call_name, ptr
 from .call import in_kernel_order
 from . import mhc, moe, router
 from .arrival import last_to_arrive
-from .mhc import mhc_rows
+from .mhc import _given, mhc_rows
 from .moe import _combine_column, _down, _group_block, _or, _up
 from .pdl import pdl_enter
 from .phases import publish, ticket, wait_for
@@ -139,6 +142,32 @@ def _table(p, tab, DT: tl.constexpr):
         return p
 
 
+@triton.jit
+def _copy_rows(tb, y_ptr, s_ptr, post_ptr, comb_ptr, so_ptr, yo_ptr, posto_ptr, combo_ptr,
+               M: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, NM: tl.constexpr,
+               Y_S: tl.constexpr, S_S: tl.constexpr, S_SN: tl.constexpr, SO_S: tl.constexpr, SO_SN: tl.constexpr,
+               YO_S: tl.constexpr):
+    """Token block tb of y, the streams, post and comb copied to where the seam before would write its results
+    (`mhc_rows`' layouts: post and comb dense): the first MoE layer's one launch takes its inputs as the seam
+    before's results, bit for bit."""
+    tok = tb * BT + tl.arange(0, BT)
+    tm = tok < M
+    for d0 in range(0, D, BD):
+        c = d0 + tl.arange(0, BD)
+        m2 = tm[:, None] & (c < D)[None, :]
+        tl.store(yo_ptr + tok[:, None] * YO_S + c[None, :], tl.load(y_ptr + tok[:, None] * Y_S + c[None, :], mask=m2),
+                 mask=m2)
+        for k in range(N):
+            x = tl.load(s_ptr + tok[:, None] * S_S + k * S_SN + c[None, :], mask=m2)
+            tl.store(so_ptr + tok[:, None] * SO_S + k * SO_SN + c[None, :], x, mask=m2)
+    n = tl.arange(0, NM)[None, :]
+    m2 = tm[:, None] & (n < N)
+    tl.store(posto_ptr + tok[:, None] * N + n, tl.load(post_ptr + tok[:, None] * N + n, mask=m2), mask=m2)
+    n = tl.arange(0, N * N)[None, :]
+    m2 = tm[:, None] & (n < N * N)
+    tl.store(combo_ptr + tok[:, None] * (N * N) + n, tl.load(comb_ptr + tok[:, None] * (N * N) + n, mask=m2), mask=m2)
+
+
 @triton.jit(noinline=True)
 def _route_phase(rb, x_ptr, w_ptr, b_ptr, t_ptr, ids_ptr, wo_ptr, io_ptr, o_ptr,
                  R: tl.constexpr, D: tl.constexpr, E: tl.constexpr, KSEL: tl.constexpr,
@@ -207,10 +236,11 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                      xs_ptr, C_SM: tl.constexpr, NG: tl.constexpr, G_NRB: tl.constexpr,
                      R_B_DT: tl.constexpr, R_T_DT: tl.constexpr,
                      PDL: tl.constexpr = False, CALLS: tl.constexpr = True):
-    """Programs by ticket: NA token blocks of the seam before the MoE (`mhc_moe_mhc`; else none), NR router
-    row blocks, ST shared gate / up tiles, E x RT routed (expert, I tile) gate / up, E x ND routed (expert,
-    D tile) down (the last down program of a D tile combines it), NH token blocks of the seam after the MoE
-    (`moe_mhc_post_pre`, `mhc_moe_mhc`; none for `moe_router_experts_shared`)."""
+    """Programs by ticket: NA token blocks of the seam before the MoE (`mhc_moe_mhc`; copying its inputs where
+    its weights are null, `moe_mhc_post_pre`; else none), NR router row blocks, ST shared gate / up tiles,
+    E x RT routed (expert, I tile) gate / up, E x ND routed (expert, D tile) down (the last down program of a
+    D tile combines it), NH token blocks of the seam after the MoE (`moe_mhc_post_pre`, `mhc_moe_mhc`; none
+    for `moe_router_experts_shared`)."""
     pdl_enter(PDL)
     x_ptr = _carve(x_ptr, scr_ptr, x_ptr_AT, x_ptr_DT)
     idx_ptr = _carve(idx_ptr, scr_ptr, idx_ptr_AT, idx_ptr_DT)
@@ -228,9 +258,14 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
     v = tl.where(t >= NR + NG, t - NG, t)  # the phases after the grouping numbered as if it were not there
     if v < 0:
         if NA > 0:  # the seam before: x, and the streams / post / comb the seam after reads, into scratch
-            mhc_rows(v + NA, a_y_ptr, None, a_s_ptr, a_post_ptr, a_comb_ptr, a_fn_ptr, a_base_ptr, a_scale_ptr, a_norm_ptr,
-                     m_s_ptr, x_ptr, m_post_ptr, m_comb_ptr, A_M, A_N, A_D, A_BD, A_BT, A_POST, A_MIX, A_NORM, A_NM,
-                     A_EPS, A_HC_EPS, A_ITERS, A_NORM_EPS, A_Y_S, A_S_S, A_S_SN, A_SO_S, A_SO_SN, A_YO_S, A_DT)
+            if _given(a_fn_ptr):
+                mhc_rows(v + NA, a_y_ptr, None, a_s_ptr, a_post_ptr, a_comb_ptr, a_fn_ptr, a_base_ptr, a_scale_ptr,
+                         a_norm_ptr, m_s_ptr, x_ptr, m_post_ptr, m_comb_ptr, A_M, A_N, A_D, A_BD, A_BT, A_POST, A_MIX,
+                         A_NORM, A_NM, A_EPS, A_HC_EPS, A_ITERS, A_NORM_EPS, A_Y_S, A_S_S, A_S_SN, A_SO_S, A_SO_SN,
+                         A_YO_S, A_DT)
+            else:  # no seam before this MoE (null weights, `_as_both_seams`): its inputs are what it would write
+                _copy_rows(v + NA, a_y_ptr, a_s_ptr, a_post_ptr, a_comb_ptr, m_s_ptr, x_ptr, m_post_ptr, m_comb_ptr,
+                           A_M, A_N, A_D, A_BD, A_BT, A_NM, A_Y_S, A_S_S, A_S_SN, A_SO_S, A_SO_SN, A_YO_S)
             publish(phase_ptr + SEAM_IN)
     elif v < NR:
         if NA > 0:
@@ -352,6 +387,8 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
                attrs: dict) -> list[KernelCall]:
     if op_name == "mhc_moe_mhc":
         return _with_seam_before(operands, results, attrs)
+    if op_name == "moe_mhc_post_pre" and (calls := _as_both_seams(operands, results, attrs)) is not None:
+        return calls
     if op_name in ("moe_router_experts_ep", "mhc_moe_ep", "moe_router_experts_dp"):
         return _expert_parallel(op_name, operands, results, attrs)
     if op_name not in ("moe_router_experts_shared", "moe_mhc_post_pre"):
@@ -359,24 +396,67 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     return _specialise(op_name, operands, results, attrs)
 
 
-def _with_seam_before(operands, results, attrs) -> list[KernelCall]:
-    """`mhc_moe_mhc`: the mhc kernel's call of the seam before (its results dense scratch), then
-    `moe_mhc_post_pre` on that scratch with the call as its first phase."""
+def _front_results(operands, attrs) -> dict[str, TensorArg]:
+    """`mhc_moe_mhc`'s seam before: its results as dense scratch (the MoE's x, the seam after's streams / post /
+    comb), by the seam's result names."""
     from ...ir.registry import get_op
+    from ...ops.fused import MHC_ATTRS
+
+    opdef = get_op("mhc_post_pre")
+    f_ops = {n: operands[n] for n in ("y", "streams", "post", "comb")}
+    f_ops.update({n: operands["in_" + n] for n in ("fn", "base", "scale", "norm")})
+    types = opdef.result_types([f_ops[n].type for n in opdef.operand_names], {n: attrs["in_" + n] for n in MHC_ATTRS})
+    return {n: TensorArg(t, Layout.contiguous(t.shape).strides) for n, t in zip(opdef.results, types)}
+
+
+def _with_seam_before(operands, results, attrs, copied: bool = False) -> list[KernelCall]:
+    """`mhc_moe_mhc`: the mhc kernel's call of the seam before (its results dense scratch), then
+    `moe_mhc_post_pre` on that scratch with the call as its first phase. `copied`: that phase copies the
+    seam's inputs to its results' places instead (`_as_both_seams`)."""
     from ...ops.fused import IN_MHC_ATTRS, MHC_ATTRS
 
     f_ops = {n: operands[n] for n in ("y", "streams", "post", "comb")}
     f_ops.update({n: operands["in_" + n] for n in ("fn", "base", "scale", "norm")})
     f_attrs = {n: attrs["in_" + n] for n in MHC_ATTRS}
-    opdef = get_op("mhc_post_pre")
-    types = opdef.result_types([f_ops[n].type for n in opdef.operand_names], f_attrs)
-    mid = {n: TensorArg(t, Layout.contiguous(t.shape).strides) for n, t in zip(opdef.results, types)}
+    mid = _front_results(operands, attrs)
     front = _renamed(mhc.specialise("mhc_post_pre", f_ops, mid, f_attrs)[0],
                      {FRONT_RENAMED[("result", n)][1]: a.type.nbytes for n, a in mid.items()}, FRONT_RENAMED)
+    if copied:  # (its cost: the copy's)
+        front.flops, front.bytes_moved = 0, 2 * sum(f_ops[n].type.nbytes for n in ("y", "streams", "post", "comb"))
     m_ops = {n: v for n, v in operands.items() if n not in ("y", "streams", "post", "comb") and not n.startswith("in_")}
     m_ops.update(x=mid["y_next"], streams=mid["streams_out"], post=mid["post_next"], comb=mid["comb_next"])
     return _specialise("moe_mhc_post_pre", m_ops, results, {n: v for n, v in attrs.items() if n not in IN_MHC_ATTRS},
-                       front)
+                       front, copied=copied)
+
+
+# `moe_mhc_post_pre` as `mhc_moe_mhc`: the seam before's inputs (`y`: the attention's output) -> the names the
+# launch binds to its params (its own x; the seam's weights absent: null, so its programs copy)
+AS_FRONT = {"y": "x", **{"in_" + n: "absent_in_" + n for n in ("fn", "base", "scale", "norm")}}
+
+
+def _as_both_seams(operands, results, attrs) -> list[KernelCall] | None:
+    """`moe_mhc_post_pre` (the first MoE layer's: no seam before it) at decode as `mhc_moe_mhc`'s one launch,
+    so the two ops have one binary: the seam before stands in with the seam after's weights and attributes
+    (the shapes every layer's seams share), its inputs `y`, `streams`, `post` and `comb` bound to the op's x,
+    streams, post and comb and its weights null, so its programs copy those where its results would be
+    (`moe_fused_kernel`: `_copy_rows`, bit for bit; chosen in the kernel instead, the MoE reading either, the
+    pointers held longer made gfx950 spill SGPRs). None where a copy would convert (a dtype other than the
+    results') and for a grouped launch: the op's own calls."""
+    from ...ops.fused import MHC_ATTRS
+
+    fake = {"y": operands["x"], **{n: v for n, v in operands.items() if n != "x"},
+            **{"in_" + n: operands[n] for n in ("fn", "base", "scale", "norm")}}
+    f_attrs = {**attrs, **{"in_" + n: attrs[n] for n in MHC_ATTRS}}
+    mid = _front_results(fake, f_attrs)
+    if any(operands[n].dtype != mid[m].dtype for n, m in (("x", "y_next"), ("streams", "streams_out"),
+                                                           ("post", "post_next"), ("comb", "comb_next"))):
+        return None
+    calls = _with_seam_before(fake, results, f_attrs, copied=True)
+    if len(calls) != 1:
+        return None
+    calls[0].pointers = [(p, kind, AS_FRONT.get(name, name) if kind == "operand" else name, ty)
+                         for p, kind, name, ty in calls[0].pointers]
+    return calls
 
 
 # `mhc_moe_ep`: only the seam before's MoE input is scratch; its streams / post / comb are the op's results
@@ -437,9 +517,9 @@ def _expert_parallel(op_name, operands, results, attrs) -> list[KernelCall]:
 
 def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg], attrs: dict,
                 front: KernelCall | None = None, renamed: dict | None = None,
-                inner_x: bool = False, fuse_grouped: bool = False) -> list[KernelCall]:
+                inner_x: bool = False, fuse_grouped: bool = False, copied: bool = False) -> list[KernelCall]:
     """`front`: the seam before the MoE's call (`mhc_moe_mhc`); its scratch is the MoE's x and the seam
-    after's streams / post / comb (INNER_RENAMED)."""
+    after's streams / post / comb (INNER_RENAMED). `copied`: its programs copy its inputs there instead."""
     from ...ops.fused import MHC_ATTRS, ROUTER_ATTRS
 
     x = operands["x"]
@@ -538,9 +618,10 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
     unaligned |= {FRONT_PARAMS.get(p, p) for p in (front.unaligned if front else ())}
     # (the routing table's operand in the name: the hash-routed and the learned layers' calls bind different
     # operands, so each has its sidecar, of one binary: codegen/aot.py compiles it once)
+    # (`copied` in the name: calls of one binary bound apart have names of their own)
     return [KernelCall(call_name("moe_fused", {**ce, "route_types": router.route_types(rcall.pointers),
-                                               "route_table": table[2]},
-                                 tag + ("_seams" if front else "_seam" if seam else "")),
+                                               "route_table": table[2], **({"copied": True} if copied else {})},
+                                 tag + ("_seam" if copied else "_seams" if front else "_seam" if seam else "")),
                        moe_fused_kernel, ce, pts, (NA + ce["NR"] + ce["NG"] + ST + E * RT + E * ND + NH, 1, 1),
                        num_warps=max(c.num_warps for c in calls),
                        scratch_bytes=scratch,

@@ -119,8 +119,11 @@ def test_fused_decode_equals_the_launches_apart(dtype, hashed, fmts, fp32):
     args, attrs = seam_case(dtype, hashed, *fmts, fp32=fp32)
     outs, ref, calls = seam_fused(args, attrs)
     assert [c.kernel_name for c in calls] == ["moe_fused_kernel"]
-    # NR router blocks + ST shared tiles + E x RT routed up tiles + E x ND routed down tiles + NH seam blocks
-    assert calls[0].grid[0] == 1 + 1 + 5 * 1 + 5 * 1 + 1
+    # `mhc_moe_mhc`'s launch (its seam before's weights null): NA copying blocks + NR router blocks + ST shared
+    # tiles + E x RT routed up tiles + E x ND routed down tiles + NH seam blocks
+    assert calls[0].grid[0] == 1 + 1 + 1 + 5 * 1 + 5 * 1 + 1 and calls[0].constexprs["NA"] == 1
+    assert {n for _, k, n, _ in calls[0].pointers if n.startswith("absent_")} == {
+        "absent_in_fn", "absent_in_base", "absent_in_scale", "absent_in_norm"}
     want = seam_apart(args, attrs, ref)
     for n, r in zip(SEAM_RESULTS, ref):
         assert torch.equal(outs[n], want[n]), f"{n}: the fused launch differs from the launches apart"
@@ -167,6 +170,40 @@ def test_without_a_seam_the_same_launch_ends_at_the_combine():
 # (prefill-sized P, the grouped launches and the seams': test_kernels_mhc_moe, the same calls with the seam before)
 
 
+def _first_and_middle_calls(dtype=torch.bfloat16, fmts=("fp4", "fp8")):
+    """The one-launch calls of a first MoE layer (`moe_mhc_post_pre`) and of a middle one (`mhc_moe_mhc`) of
+    one model (tensors of the same shapes and layouts; hash-routed both)."""
+    from test_kernels_mhc_moe import front_case
+    calls = []
+    for op_name, (args, attrs) in (("moe_mhc_post_pre", seam_case(dtype, True, *fmts)),
+                                   ("mhc_moe_mhc", front_case(dtype, True, *fmts))):
+        s = args["streams"]
+        outs = {"streams_out": torch.empty_like(s), "y_next": torch.empty((*s.shape[:-2], s.shape[-1]), dtype=s.dtype),
+                "post_next": torch.empty_like(args["post"]), "comb_next": torch.empty_like(args["comb"])}
+        (c,) = kernels.specialise_tensors(op_name, args, attrs, outs)
+        calls.append(c)
+    return calls
+
+
+def _check_one_binary(first, middle):
+    from v4compile.codegen import aot
+    assert first.name != middle.name  # (one sidecar each: they bind different operands)
+    for target in ("gfx950", "sm_90a"):
+        assert aot.job_of(first, target)["key"] == aot.job_of(middle, target)["key"], f"two binaries on {target}"
+    assert middle.grid == first.grid  # the seam before's programs: copying in the first layer's launch
+
+
+def test_first_moe_layer_is_the_middle_layers_binary():
+    """The first MoE layer's launch (no seam before it) and the others' (both seams) are one AOT binary: the
+    same constexprs, signature and alignment; its numerics: test_fused_decode_equals_the_launches_apart. A
+    call of the first layer with a constexpr of its own is caught."""
+    first, middle = _first_and_middle_calls()
+    _check_one_binary(first, middle)
+    first.constexprs = {**first.constexprs, "A_EPS": first.constexprs["A_EPS"] * 2}  # e.g. its own seam's eps
+    with pytest.raises(AssertionError, match="two binaries"):
+        _check_one_binary(first, middle)
+
+
 BROKEN = {
     # every router program routes the first row block (T = 20 tokens: 2 blocks of BR = 16): the last tokens'
     # routing stays poison
@@ -184,6 +221,12 @@ BROKEN = {
     # the seam programs all run the first token block (T = 20 tokens: 2 blocks of BT = 16): the rest stays poison
     "seam block": ("mhc_rows(v - NR - ST - E * RT - E * ND,", "mhc_rows((v - NR - ST - E * RT - E * ND) * 0,",
                    AssertionError),
+    # (no seam before: its programs copy the MoE's x and the seam's streams / post / comb to scratch) all copy
+    # the first token block: the rest stays poison
+    "seam copy block": ("_copy_rows(v + NA,", "_copy_rows((v + NA) * 0,", AssertionError),
+    # the streams copied from where they are to go (poison) instead of the layer's streams
+    "seam copy streams": ("_copy_rows(v + NA, a_y_ptr, a_s_ptr,", "_copy_rows(v + NA, a_y_ptr, m_s_ptr,",
+                          AssertionError),
 }
 
 

@@ -114,6 +114,42 @@ def test_a_launch_signature_is_one_set_of_binaries(v4_pro):
     assert len(names) < 40 < len(f.launches)
 
 
+def _one_moe_binary(prog, calls) -> None:
+    """The decode step's one-launch MoE: the first MoE layer's (`moe_mhc_post_pre`, no seam before it) and the
+    middle layers' (`mhc_moe_mhc`, both seams) calls one AOT binary per target. `calls`: launch index -> its
+    calls."""
+    from v4compile.codegen import aot
+    f = prog.functions["decode"]
+    for target in ("gfx950", "sm_90a"):
+        keys = {}
+        for i, l in enumerate(f.launches):
+            if l.op in ("moe_mhc_post_pre", "mhc_moe_mhc"):
+                (c,) = calls(i)
+                keys.setdefault(l.op, set()).add(aot.job_of(c, target)["key"])
+        assert set(keys) == {"moe_mhc_post_pre", "mhc_moe_mhc"}, keys
+        assert len(keys["moe_mhc_post_pre"] | keys["mhc_moe_mhc"]) == 1, f"two binaries on {target}"
+
+
+def test_the_first_moe_layer_shares_the_middle_layers_binary(v4_pro, monkeypatch):
+    """Issue 40: V4-Pro's first MoE layer launches the middle layers' one-launch MoE binary (its seam before's
+    programs copy its inputs: `moe_router._as_both_seams`), on both targets; a first-layer call with a
+    constexpr of its own is caught. (The last layer's, with no seam on either side, keeps its own binary: its
+    op carries no mHC attributes for the seams to stand in with.)"""
+    from v4compile.codegen.kernels import moe_router
+    from v4compile.codegen.program_kernels import calls_of
+    prog, pk = v4_pro
+    _one_moe_binary(prog, lambda i: pk.calls["decode"][i])
+    real = moe_router._as_both_seams
+
+    def own(*args):  # the seam before's eps of its own: a second binary
+        calls = real(*args)
+        calls[0].constexprs = {**calls[0].constexprs, "A_EPS": calls[0].constexprs["A_EPS"] * 2}
+        return calls
+    monkeypatch.setattr(moe_router, "_as_both_seams", own)
+    with pytest.raises(AssertionError, match="two binaries"):
+        _one_moe_binary(prog, lambda i: calls_of(prog.functions["decode"].launches[i]))
+
+
 def test_step_time_splits_into_bandwidth_compute_and_launch_kinds(v4_pro, monkeypatch):
     """The modeled step is its parts: bandwidth + compute + launch latency; every sm_90a call is a graph node
     with PDL (every kernel waits in pdl_enter), every gfx950 call a plain graph node; per layer the calls and
