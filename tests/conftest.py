@@ -20,7 +20,11 @@ from v4compile.model import ReferenceModel  # noqa: E402
 from v4compile.model.reference import build_weights  # noqa: E402
 from v4compile.weights import spec_table  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One torch thread per test process: the suite runs as `-n 2` workers (CI: 2 cores, one worker each), and a second
+# thread per worker oversubscribes the cores; torch's threads then wait on each other, and the tiny models' small
+# ops cost ~10-20x the wall time and ~25x the CPU time (a numerics check of tiny on a busy 2-core machine: 3.6 s
+# on one thread, 38-72 s on two). Tests that need another count set it and restore it.
+torch.set_num_threads(1)
 
 import v4compile.ops  # noqa: E402
 
@@ -65,7 +69,8 @@ def tiny_pro():
 
 @pytest.fixture
 def one_torch_thread():
-    """The reference model's small ops run fastest (and steadiest on a shared CI machine) on one thread."""
+    """The reference model's small ops run fastest (and steadiest on a shared CI machine) on one thread (the
+    suite's default, above); the fixture also puts back the count the test's code leaves (`apply_threads`)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
