@@ -49,24 +49,40 @@ def bf16(tmp_path_factory):
     return fe, art
 
 
+def _reference(fe):
+    """(prompt, the reference's greedy ids, its logits at each step, its first near-tie step: top-2 logits
+    within one bf16 step of the scale, or NEW) for the first seeded prompt whose first near-tie comes at step
+    NEW // 4 or later with more than one id before it. Where the near-ties fall depends on the machine's
+    bf16 arithmetic in torch: seed 0 tied at step 4 or later on the CPUs CI ran on before, at step 3 on a
+    2-core AVX-512 EPYC (its AVX-512 and AVX2 kernels alike; seed 1 there: step 5, and 15 under the portable
+    kernels), so the prompt is picked, not fixed, and the check below always compares at least NEW // 4
+    steps clear of a near-tie."""
+    ref = fe.reference()
+    for seed in range(16):
+        prompt = torch.randint(0, fe.cfg.vocab_size, (21,), generator=torch.Generator().manual_seed(seed)).tolist()
+        cache, r = ref.prefill([prompt], capacity=64)
+        want, r_logits = [], [r[0].float().numpy()]
+        for i in range(NEW):
+            want.append(int(r_logits[-1].argmax()))
+            if i < NEW - 1:
+                r_logits.append(ref.decode([want[-1]], cache)[0].float().numpy())
+        scale = max(float(np.abs(x).max()) for x in r_logits)
+        gaps = [float(np.diff(np.sort(x)[-2:])[0]) for x in r_logits]
+        tie = next((i for i, d in enumerate(gaps) if d < 2.0 ** -7 * scale), NEW)
+        if tie >= NEW // 4 and len(set(want[:tie])) > 1:
+            return prompt, want, r_logits, tie
+    raise AssertionError("no seeded prompt of 16 keeps the reference clear of near-ties for NEW // 4 steps")
+
+
 def _errors(fe, sess):
     """(greedy ids, the reference's, median teacher-forced logit error / logit scale, the reference's first
-    near-tie step: top-2 logits within one bf16 step of the scale, or NEW)."""
-    ref = fe.reference()
-    prompt = torch.randint(0, fe.cfg.vocab_size, (21,), generator=torch.Generator().manual_seed(0)).tolist()
-    cache, r = ref.prefill([prompt], capacity=64)
-    want, r_logits = [], [r[0].float().numpy()]
-    for i in range(NEW):
-        want.append(int(r_logits[-1].argmax()))
-        if i < NEW - 1:
-            r_logits.append(ref.decode([want[-1]], cache)[0].float().numpy())
+    near-tie step)."""
+    prompt, want, r_logits, tie = _reference(fe)
     seqs, s = sess.prefill([prompt])
     s_logits = [s[0]] + [sess.decode(seqs, [tok])[0] for tok in want[:-1]]
     sess.release(seqs[0])
     got = sess.generate([prompt], NEW)[0]
     scale = max(float(np.abs(x).max()) for x in r_logits)
-    gaps = [float(np.diff(np.sort(x)[-2:])[0]) for x in r_logits]
-    tie = next((i for i, d in enumerate(gaps) if d < 2.0 ** -7 * scale), NEW)
     return got, want, float(np.median([np.abs(a - b).max() for a, b in zip(s_logits, r_logits)])) / scale, tie
 
 
