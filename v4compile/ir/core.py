@@ -117,8 +117,12 @@ class Module:
     attrs: dict[str, Any] = field(default_factory=dict)
 
     def key(self) -> tuple:
-        return (self.name, tuple(sorted(self.attrs.items())),
-                tuple((w.name, w.type, w.sources) for w in self.weights.values()),
+        return (self.name, tuple(sorted(self.attrs.items())), self.body_key())
+
+    def body_key(self) -> tuple:
+        """The weights' and functions' part of `key`, nearly all of its cost (every op's key): a module
+        rebuilt with other attrs (`dataclasses.replace`) keeps it."""
+        return (tuple((w.name, w.type, w.sources) for w in self.weights.values()),
                 tuple(f.key() for f in self.functions.values()))
 
     def same_as(self, other: "Module") -> bool:
