@@ -28,6 +28,7 @@ from v4compile.files import write_text_atomic
 from v4compile.ir.core import Module, Op
 from v4compile.ir.text import print_module
 from v4compile.ir.verify import verify
+from v4compile.program.build import carry_program
 from v4compile.timing import Stages
 
 from .base import PASSES, Pass, parse_pass_spec
@@ -254,8 +255,8 @@ class PassManager:
                 body = out  # the attrs' update below keeps the weights and functions
             rec = PassRecord(i, p.name, p.spec(), res.hits, seconds, changed)
             ran.append(p.spec())
-            module = res.module
-            module = dataclasses.replace(module, attrs={**module.attrs, PASSES_RUN: tuple(ran)})
+            module = dataclasses.replace(res.module, attrs={**res.module.attrs, PASSES_RUN: tuple(ran)})
+            carry_program(res.module, module)  # lower_to_program's program, with the record above
             if opts.verify_each:
                 with st("verify"):
                     try:
