@@ -97,6 +97,28 @@ main 157.0 / 145.6 CPU s in all (142.7 / 132.3 in 88 jobs; moe_fused 43.2 / 36.6
 58 s against 63.5. Left: the last layer's (`moe_router_experts_shared`, no seam on either side) binary, 6.5 CPU s:
 the same stand-in needs the seams' stream count and mHC attributes, which that op does not carry (its x is an
 unfused `mhc_post_pre`'s output; its output goes to `mhc_post_head`).
+h-coldmisc, the serial parts of a cold compile (a timeline: when each feeder thread sent a job and got its reply; cProfile
+of the main process on a warm cache): before the first job, the imports (~2 s), trace (0.8), passes (0.7) with change
+detection (1.7: every op's key, twice a pass), then the GPU codegen building the program a second time (0.4), its kernel
+calls and the PDL check; after the last reply, the workers' exit (interpreter teardown of torch, Triton, LLVM: 1.1-1.5 s
+a worker at load 7) and the step models. The queue's tail is no loss: both workers' last replies came within 4 ms of
+each other (the last jobs take ~0.4 s), so `longest_first`'s static estimate stays. Changed: the worker leaves with
+os._exit (0.05 s); it imports no torch (the families load it where they run kernels: start-up 1.9 -> 0.4 CPU s a
+worker); change detection keys each op once per pipeline run (load 9: 4.7 -> 0.32 s); the program is built once.
+The twins are no twins: qkv_norm_rope's pairs are the layers with and without the indexer's query, and besides DI / HI /
+QI_FP4 / HS (a null QI pointer could skip it at run time) the q input's row stride differs (Q_S 73728 vs 65536: the
+indexer's query rows ride in the same rows), a constexpr while a launch passes pointers only; pair_norm's and
+compress's four are different GEMM pairs and compressors (N1 1024 / 2624; m128 hca / m4 csa fp8 / fp4) at two row
+counts, mhc's six three modes at two row counts.
+This bench, the base (291470a) and h-coldmisc alternately on the shared 2 cores (the jobs' CPU moves with the load,
+the CPU outside them much less), the closest pair (load 5.6 / 5.7): base cold 103.8 s wall, 102.9 CPU s (92.1 in the 88
+jobs, 10.7 outside), warm 6.6 s, 6.3 CPU s; h-coldmisc cold 99.3 s wall, 98.2 CPU s (92.6 in the jobs, 5.7 outside),
+warm 5.1 s, 4.9 CPU s. The other pair (load 6.9 / 4.6): outside the jobs 12.8 -> 6.1 CPU s, warm 7.4 -> 4.8 CPU s.
+About 5 CPU s less outside the jobs, some serial (change detection, the second program), some the workers' start-up
+and exit (in parallel, two at a time).
+Quieter, main (1bbad5f, h-seams merged: 86 jobs) and h-coldmisc (on 58fffbc; 1bbad5f changes a test), alternating,
+load 1.8-1.9: main cold 48.2 / 47.7 s wall, 89.7 / 88.4 CPU s (10.4 / 10.7 outside the jobs), warm 5.8 / 7.0 s;
+h-coldmisc cold 44.1 / 46.1 s wall, 83.0 / 86.6 CPU s (5.7 / 6.1 outside the jobs), warm 5.1 / 4.6 s.
 `--json FILE` records every figure printed (wall, CPU in all processes and in the jobs, per target, per family,
 the stages, the AOT line) for a closing note to quote.
 """

@@ -459,6 +459,11 @@ def _worker_main(cache_dir: str) -> None:
             out = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
         sys.stdout.write(json.dumps(out) + "\n")
         sys.stdout.flush()
+    # Every reply is flushed and every entry renamed into place: skip the interpreter's teardown of Triton's
+    # and LLVM's state (1.1-1.5 s a worker on loaded cores, 0.04 s this way), which the parent waits for at
+    # the end of every cold compile.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---- driver ---------------------------------------------------------------------------------------------

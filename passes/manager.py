@@ -25,9 +25,10 @@ import networkx as nx
 
 from v4compile.errors import PassError
 from v4compile.files import write_text_atomic
-from v4compile.ir.core import Module
+from v4compile.ir.core import Module, Op
 from v4compile.ir.text import print_module
 from v4compile.ir.verify import verify
+from v4compile.program.build import carry_program
 from v4compile.timing import Stages
 
 from .base import PASSES, Pass, parse_pass_spec
@@ -169,6 +170,22 @@ def _finals() -> list[str]:
     return sorted(n for n, c in PASSES.items() if c.final)
 
 
+class _OpKeys:
+    """`Op.key` of each op object computed once over a pipeline run (change detection keys every pass's
+    output; most of its ops are the input's own). Passes never change what they are given (ops are frozen,
+    a pass builds new ones), so an op seen before has the key it had. Each op is held with its key, so its id
+    is not reused while remembered."""
+
+    def __init__(self):
+        self.seen: dict[int, tuple[Op, tuple]] = {}
+
+    def __call__(self, op: Op) -> tuple:
+        hit = self.seen.get(id(op))
+        if hit is None:
+            hit = self.seen[id(op)] = (op, op.key())
+        return hit[1]
+
+
 class PassManager:
     def __init__(self, pipeline: list[str], options: PipelineOptions | None = None):
         from v4compile import ops
@@ -218,22 +235,28 @@ class PassManager:
             with st("numerics checks"):
                 result.traced_error = opts.check_numerics.error(module)
             log.debug("numerics of the input module: max |logit error| %.3g", result.traced_error)
+        body = None  # the input module's `body_key`, computed once: each pass's output is the next one's input
+        op_key = _OpKeys()
         for i, p in enumerate(self.passes, start=1):
             if i <= start:
                 continue
             if p.name in opts.disable:
                 log.info("pass %s disabled", p.name)
                 continue
+            with st("change detection"):
+                body = module.body_key(op_key) if body is None else body
             t0 = time.perf_counter()
             res = p.run(module)
             seconds = time.perf_counter() - t0
             st.add(f"pass {p.spec()}", seconds)
-            with st("change detection"):
-                changed = not res.module.same_as(module)
+            with st("change detection"):  # what `same_as` compares, the input's side taken before the pass ran
+                out = res.module.body_key(op_key)
+                changed = out != body or res.module.name != module.name or res.module.attrs != module.attrs
+                body = out  # the attrs' update below keeps the weights and functions
             rec = PassRecord(i, p.name, p.spec(), res.hits, seconds, changed)
             ran.append(p.spec())
-            module = res.module
-            module = dataclasses.replace(module, attrs={**module.attrs, PASSES_RUN: tuple(ran)})
+            module = dataclasses.replace(res.module, attrs={**res.module.attrs, PASSES_RUN: tuple(ran)})
+            carry_program(res.module, module)  # lower_to_program's program, with the record above
             if opts.verify_each:
                 with st("verify"):
                     try:

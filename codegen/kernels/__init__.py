@@ -24,17 +24,29 @@ from __future__ import annotations
 from ...errors import CodegenError  # what a family's checks raise, as `kernels.CodegenError` before the split
 from .call import (KINDS, KernelCall, TensorArg, any_row, call_name, dims4, in_kernel_order, pad4, ptr, row_offsets,
                    rows_of, unaligned)
-from .dtypes import BYTES_OF, IR_TRITON, TRITON_TORCH, ir_dtype, typed_from
-from .execute import family, full_attrs, launch, run_calls, specialise_tensors
+from .dtypes import BYTES_OF, IR_TRITON, ir_dtype, torch_dtype, typed_from
 from .flags import CALLS_PARAM, PDL_PARAM, declares_calls, declares_pdl, uses_calls, uses_pdl
-from .interpreter import UNFIXED, IllegalAddress, interpreter_fixes, memory_guard
+
+# The names of the modules that import torch, loaded on first use: the AOT worker imports the families to
+# compile them and nothing here that runs them (torch would cost it ~1.6 CPU s; tests/kernels/test_aot_schedule.py).
+_ON_USE = {**dict.fromkeys(("family", "full_attrs", "launch", "run_calls", "specialise_tensors"), "execute"),
+           **dict.fromkeys(("UNFIXED", "IllegalAddress", "interpreter_fixes", "memory_guard"), "interpreter")}
+
+
+def __getattr__(name: str):
+    if name in _ON_USE:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_ON_USE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # The modules of this package that are no kernel family and define no @triton.jit function: importing them
 # leaves Triton's compile-or-interpret choice open (runtime/kernels.py checks for the others).
 SUPPORT = ("call", "dtypes", "execute", "flags", "interpreter")
 
-__all__ = ["BYTES_OF", "CALLS_PARAM", "CodegenError", "IR_TRITON", "KINDS", "PDL_PARAM", "SUPPORT", "TRITON_TORCH",
+__all__ = ["BYTES_OF", "CALLS_PARAM", "CodegenError", "IR_TRITON", "KINDS", "PDL_PARAM", "SUPPORT",
            "UNFIXED", "IllegalAddress", "KernelCall", "TensorArg", "any_row", "call_name", "declares_calls",
            "declares_pdl", "dims4", "family", "full_attrs", "in_kernel_order", "interpreter_fixes", "ir_dtype",
            "launch", "memory_guard", "pad4", "ptr", "row_offsets", "rows_of", "run_calls", "specialise_tensors",
-           "typed_from", "unaligned", "uses_calls", "uses_pdl"]
+           "torch_dtype", "typed_from", "unaligned", "uses_calls", "uses_pdl"]

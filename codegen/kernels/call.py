@@ -7,14 +7,15 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ...errors import CodegenError
 from ...ir.types import TensorType
 from .dtypes import BYTES_OF, IR_TRITON, ir_dtype
 from .flags import CALLS_PARAM, PDL_PARAM, declares_calls, declares_pdl
+
+if TYPE_CHECKING:
+    import torch
 
 KINDS = ("operand", "result", "scratch", "semaphore")
 

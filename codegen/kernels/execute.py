@@ -13,7 +13,7 @@ from ...errors import CodegenError
 from ...ir.registry import get_op
 from . import interpreter
 from .call import KernelCall, TensorArg
-from .dtypes import TRITON_TORCH, typed_from
+from .dtypes import torch_dtype, typed_from
 
 def run_calls(calls: list[KernelCall], args: dict[str, torch.Tensor | None], outs: dict[str, torch.Tensor]) -> None:
     """Launch prepared calls on tensors (scratch buffers allocated per name, shared by the calls, poisoned;
@@ -36,7 +36,7 @@ def run_calls(calls: list[KernelCall], args: dict[str, torch.Tensor | None], out
                 if t is None:  # an optional operand the launch lacks: a null pointer (None: Triton's compile-time one)
                     values.append(None)
                     continue
-            want = TRITON_TORCH[ty[1:]]
+            want = torch_dtype(ty[1:])
             off = call.offsets.get(param, 0)
             if off:
                 values.append(typed_from(t.view(torch.uint8).reshape(-1)[off:], ty))

@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import math
 
-import torch
 import triton
 import triton.language as tl
-
-from ...ops.rope import inv_freq
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -28,6 +25,7 @@ TL_DTYPE = {"fp32": tl.float32, "bf16": tl.bfloat16}
 
 
 def hadamard_scale(n: int) -> float:
+    import torch  # (here, not at the top: the AOT worker imports this module and needs no torch)
     return float(torch.tensor(1.0 / math.sqrt(n), dtype=torch.float64).float())
 
 
@@ -38,6 +36,7 @@ def pow2(n: int) -> int:
 def rope_table(dim: int, theta: float, yarn: tuple) -> tuple[float, ...]:
     """The fp32 inverse frequencies of the reference (`ops.rope.inv_freq`), as exact constexpr floats: an
     in-kernel `theta ** x` would differ in the last bits and the error grows with the position."""
+    from ...ops.rope import inv_freq  # (torch: here, not at the top, as in `hadamard_scale`)
     return tuple(float(v) for v in inv_freq(dim, theta, tuple(yarn)).tolist())
 
 

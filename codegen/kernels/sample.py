@@ -17,12 +17,16 @@ One program per row; the vocabulary is streamed in chunks of BV (31 bisection pa
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
 import triton
 import triton.language as tl
 
-from . import KernelCall, TensorArg, call_name, ptr, run_calls, unaligned
+from . import KernelCall, TensorArg, call_name, ptr, unaligned
 from .pdl import pdl_enter
+
+if TYPE_CHECKING:
+    import torch
 
 
 @triton.jit
@@ -120,6 +124,7 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
 def launch_sample(logits: torch.Tensor, seed: torch.Tensor, tokens: torch.Tensor, temperature: float,
                   top_p: float = 1.0) -> None:
     """Run the sampler on tensors (no registry op yet, so not through `kernels.launch`)."""
+    from . import run_calls  # (torch: on first use, kernels/__init__.py)
     args = {"logits": logits, "seed": seed}
     calls = specialise("sample", {k: TensorArg.of(v) for k, v in args.items()}, {"tokens": TensorArg.of(tokens)},
                        {"temperature": temperature, "top_p": top_p})

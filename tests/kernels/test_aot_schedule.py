@@ -1,11 +1,15 @@
 """AOT scheduling and statistics without compiling anything: jobs run longest first (static estimate from the
 kernel's source and its @triton.jit helpers, sm_90a weighted above gfx950); an sm_90a kernel's matrix
 instructions are counted from its cubin's code (nvdisasm, ~0.6 CPU s a call, only where the cubin does not
-decode), and neither is asked for a kernel whose PTX holds no matrix instruction."""
+decode), and neither is asked for a kernel whose PTX holds no matrix instruction. The worker process imports
+no torch and leaves at once when its input ends."""
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
 
 import kernel_check  # noqa: F401  (TRITON_INTERPRET=1 before kernel modules load)
 from v4compile.codegen import aot
@@ -27,6 +31,26 @@ def test_longest_first_orders_by_estimate():
     from v4compile.codegen.kernels import mhc
     own = len(inspect.getsource(mhc.mhc_kernel.fn))
     assert aot._source_size(MODS + "mhc", "mhc_kernel") > own
+
+
+def test_worker_imports_no_torch_and_exits(tmp_path):
+    """What a worker imports (the AOT module, then each kernel family it compiles) holds no torch: ~1.6 CPU s
+    of its ~2 s start-up, twice in every cold compile (the families import it where they run kernels: on first
+    use). A worker given no job exits 0."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as `_run_workers` starts it
+    code = ("import importlib, sys; from pathlib import Path; from v4compile.codegen import aot, kernels\n"
+            "for f in sorted(Path(kernels.__file__).parent.glob('*.py')):\n"
+            "    if f.stem not in kernels.SUPPORT + ('__init__',):\n"
+            "        importlib.import_module(f'{kernels.__name__}.{f.stem}')\n"
+            "print(len([m for m in sys.modules if m.startswith(kernels.__name__ + '.')]),"
+            " sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    n, torch_modules = r.stdout.split(" ", 1)
+    assert int(n) > 25 and torch_modules.strip() == "[]", r.stdout
+    r = subprocess.run([sys.executable, "-m", "v4compile.codegen.aot", "--worker", str(tmp_path)], env=env,
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == "", r.stderr[-2000:]
 
 
 def cubin_of(sections: dict[str, list[int]]) -> bytes:

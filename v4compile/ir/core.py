@@ -14,6 +14,7 @@ attributes and provenance, which is what the text round trip must preserve.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,8 +87,8 @@ class Function:
     outputs: list[tuple[str, Value]]  # (output name, value)
     attrs: dict[str, Any] = field(default_factory=dict)
 
-    def key(self) -> tuple:
-        return (self.name, tuple((v.name, v.type) for v in self.inputs), tuple(op.key() for op in self.ops),
+    def key(self, op_key: Callable[[Op], tuple] = Op.key) -> tuple:
+        return (self.name, tuple((v.name, v.type) for v in self.inputs), tuple(op_key(op) for op in self.ops),
                 tuple((n, v.ref) for n, v in self.outputs), tuple(sorted(self.attrs.items())))
 
     def output(self, name: str) -> Value:
@@ -117,9 +118,14 @@ class Module:
     attrs: dict[str, Any] = field(default_factory=dict)
 
     def key(self) -> tuple:
-        return (self.name, tuple(sorted(self.attrs.items())),
-                tuple((w.name, w.type, w.sources) for w in self.weights.values()),
-                tuple(f.key() for f in self.functions.values()))
+        return (self.name, tuple(sorted(self.attrs.items())), self.body_key())
+
+    def body_key(self, op_key: Callable[[Op], tuple] = Op.key) -> tuple:
+        """The weights' and functions' part of `key`, nearly all of its cost (every op's key): a module
+        rebuilt with other attrs (`dataclasses.replace`) keeps it. `op_key`: `Op.key`, or one that remembers
+        the keys of ops it has seen (the pass manager's: a pass builds new ops and leaves the others as they are)."""
+        return (tuple((w.name, w.type, w.sources) for w in self.weights.values()),
+                tuple(f.key(op_key) for f in self.functions.values()))
 
     def same_as(self, other: "Module") -> bool:
         return self.key() == other.key()

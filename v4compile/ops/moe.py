@@ -1,9 +1,9 @@
-"""Mixture of experts: the router (hash or learned) and the routed experts (`v4-reference.md` section 10)."""
+"""Mixture of experts: the router (hash or learned) and the routed experts (`v4-reference.md` section 10).
+
+torch is imported where the ops run (as in `basic`): the MoE kernel family's cost model takes
+`expected_active_experts` from here, and the AOT worker, which imports the families, loads no torch."""
 
 from __future__ import annotations
-
-import torch
-import torch.nn.functional as F
 
 from ..ir.registry import Cost, defop, require
 from ..ir.types import TensorType
@@ -18,6 +18,8 @@ def router(x, w, bias, tid2eid, ids, *, k, route_scale, denom_eps, fp32):
     (the bias only steers selection); weights = `s[sel] / (sum(s[sel]) + denom_eps) * route_scale`
     (`denom_eps`: 1e-20 in transformers, 0 in DeepSeek's code, spec 15 item 14). Computed in x's dtype,
     or with `fp32` from x and W upcast to fp32, the weights then fp32 (DeepSeek's code, spec 10, 15 item 7)."""
+    import torch
+
     scores = _scores(x, w, fp32)
     if tid2eid is not None:
         idx = tid2eid[ids.clamp(min=0)].long()
@@ -29,6 +31,9 @@ def router(x, w, bias, tid2eid, ids, *, k, route_scale, denom_eps, fp32):
 
 
 def _scores(x, w, fp32: bool):
+    import torch
+    import torch.nn.functional as F
+
     dt = torch.float32 if fp32 else x.dtype
     return F.softplus(F.linear(x.to(dt), w.to(dt))).sqrt()
 
@@ -70,6 +75,9 @@ def moe_experts(x, weights, indices, w1, w2, w3, w1_scale, w2_scale, w3_scale, *
     nothing (expert parallelism: `local_experts` marks other ranks' slots -1). `ep`: the stack is one of
     `ep` equal parts of the routed experts (a rank's, `partition`); only the cost model uses it (a slot
     lands here with probability 1 / ep)."""
+    import torch
+    import torch.nn.functional as F
+
     from .basic import gemm
 
     shape = x.shape
