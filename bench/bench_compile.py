@@ -119,6 +119,11 @@ and exit (in parallel, two at a time).
 Quieter, main (1bbad5f, h-seams merged: 86 jobs) and h-coldmisc (on 58fffbc; 1bbad5f changes a test), alternating,
 load 1.8-1.9: main cold 48.2 / 47.7 s wall, 89.7 / 88.4 CPU s (10.4 / 10.7 outside the jobs), warm 5.8 / 7.0 s;
 h-coldmisc cold 44.1 / 46.1 s wall, 83.0 / 86.6 CPU s (5.7 / 6.1 outside the jobs), warm 5.1 / 4.6 s.
+Issue 40's measurement, the merged main (d3ebb5a) on 2 idle cores of an AVX-512 EPYC (load 1.2-1.8), three runs:
+cold 43.1 / 44.7 / 47.0 s wall (median 44.7; goal <= 60), 81.3 / 83.8 / 88.3 CPU s, 5.6-6.3 outside the jobs; warm
+4.7 / 5.4 / 4.7 s; then the day's start (291470a) on the same machine, same minute: 51.5 s, 95.8 CPU s, warm 6.6 s.
+(The day's very first run of 291470a there, on a freshly booted machine: 63.5 s, 118 CPU s. On the slower machine
+of a day earlier 291470a took 90.6 s, 170 CPU s: what a run costs moves with the machine by more than any change.)
 `--json FILE` records every figure printed (wall, CPU in all processes and in the jobs, per target, per family,
 the stages, the AOT line) for a closing note to quote.
 """
