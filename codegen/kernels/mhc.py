@@ -149,7 +149,10 @@ def _mhc_rows(tb, on, y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr
     tok = tb * BT + tl.arange(0, BT)
     tm = tok < M
     # the streams the mix reads: the new ones, or the input's
-    src, sst, ssn = _mix_source(on, so_ptr, s_ptr, tb, SO_S, SO_SN, S_S, S_SN)
+    if POST:
+        src, sst, ssn = _mix_source(on, so_ptr, s_ptr, tb, SO_S, SO_SN, S_S, S_SN)
+    else:  # (so_ptr may be None here, which no call's argument can be in a compiled kernel)
+        src, sst, ssn = s_ptr, tb * 0 + S_S, tb * 0 + S_SN
     # Pass 1: (post) new streams; RMS and projection of the flattened streams.
     ssq = tl.zeros([BT], tl.float32)
     a_pre = tl.zeros([BT, NM], tl.float32)
@@ -163,11 +166,12 @@ def _mhc_rows(tb, on, y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr
     for d0 in range(0, D, BD):
         c = d0 + tl.arange(0, BD)
         cm = c < D
-        if on:
-            for k in range(N):
-                x = _post_chunk(y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, tok, tm, c, cm, k, N, Y_S, S_S, S_SN, DT)
-                tl.store(so_ptr + tok[:, None] * SO_S + k * SO_SN + c[None, :], x.to(DT),
-                         mask=tm[:, None] & cm[None, :])
+        if POST:  # (without it no post branch is compiled: `on` reaches here as a run-time value even when
+            if on:  # POST is False, and the branch would read y_ptr None)
+                for k in range(N):
+                    x = _post_chunk(y_ptr, y2_ptr, s_ptr, post_ptr, comb_ptr, tok, tm, c, cm, k, N, Y_S, S_S, S_SN, DT)
+                    tl.store(so_ptr + tok[:, None] * SO_S + k * SO_SN + c[None, :], x.to(DT),
+                             mask=tm[:, None] & cm[None, :])
         if MIX != "":
             fc = d0 + fj
             fmask = fc < D

@@ -92,3 +92,33 @@ def test_roofline_model():
     assert abs(roofline.modeled_time(0, 0, "sm_90a", kind="graph_pdl") - 0.35e-6) < 1e-12
     with pytest.raises(ValueError, match="gfx950 has no launch kind 'graph_pdl'"):
         roofline.modeled_time(0, 0, "gfx950", kind="graph_pdl")
+
+
+def test_every_mhc_mode_compiles(tmp_path):
+    """Each mhc op's specialisation compiles with Triton proper, not only interpreted: `hc_head` (no post pass,
+    no new streams: y and so null) once failed there while every interpreted test passed (the post branch was
+    compiled behind a run-time flag and read y_ptr None). Small shapes, gfx950 only (the front end, where that
+    failed, is the targets' common part); the default kernel cache, shared with the other AOT tests."""
+    from test_kernels_moe import _ta
+    from v4compile.codegen.kernels import mhc
+    from v4compile.ir.registry import get_op
+
+    lead, n, D = (2, 3), 4, 64
+    shapes = {"streams": (*lead, n, D), "y": (*lead, D), "x": (*lead, D), "post": (*lead, n), "comb": (*lead, n, n),
+              "norm": (D,), "streams_out": (*lead, n, D)}
+    calls = []
+    for op in ("hc_pre", "hc_pre_norm", "hc_post", "mhc_post_pre", "hc_head", "mhc_post_head"):
+        rows = n if op in ("hc_head", "mhc_post_head") else (2 + n) * n
+        shapes.update(fn=(rows, n * D), base=(rows,), scale=(1 if rows == n else 3,))
+        spec = get_op(op)
+        fp32 = {"fn", "base", "scale", "post", "comb"}
+        ops = {o.name: _ta(shapes[o.name], "fp32" if o.name in fp32 else "bf16") for o in spec.operands}
+        res = {r: _ta(shapes.get(r, (*lead, n) if r in ("post", "comb") else (*lead, D)), "fp32" if r in fp32
+                      else "bf16") for r in spec.results}
+        if "comb" in res:
+            res["comb"] = _ta((*lead, n, n), "fp32")
+        attrs = {k: v for k, v in {"eps": 1e-6, "hc_eps": 1e-6, "iters": 20, "norm_eps": 1e-6, "n": n}.items()
+                 if k in spec.attrs}
+        calls += mhc.specialise(op, ops, res, attrs)
+    rows = aot.compile_calls(calls, ["gfx950"], tmp_path, jobs=2)
+    assert len(rows) == len(calls) and all(r["spills"] == 0 for r in rows), rows
