@@ -396,29 +396,27 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
     return _specialise(op_name, operands, results, attrs)
 
 
-def _front_results(operands, attrs) -> dict[str, TensorArg]:
-    """`mhc_moe_mhc`'s seam before: its results as dense scratch (the MoE's x, the seam after's streams / post /
-    comb), by the seam's result names."""
+def _front(operands, attrs) -> tuple[dict, dict, dict[str, TensorArg]]:
+    """`mhc_moe_mhc`'s seam before: its operands and attributes (by `mhc_post_pre`'s names), and its results as
+    dense scratch (the MoE's x, the seam after's streams / post / comb), by the seam's result names."""
     from ...ir.registry import get_op
     from ...ops.fused import MHC_ATTRS
 
     opdef = get_op("mhc_post_pre")
     f_ops = {n: operands[n] for n in ("y", "streams", "post", "comb")}
     f_ops.update({n: operands["in_" + n] for n in ("fn", "base", "scale", "norm")})
-    types = opdef.result_types([f_ops[n].type for n in opdef.operand_names], {n: attrs["in_" + n] for n in MHC_ATTRS})
-    return {n: TensorArg(t, Layout.contiguous(t.shape).strides) for n, t in zip(opdef.results, types)}
+    f_attrs = {n: attrs["in_" + n] for n in MHC_ATTRS}
+    types = opdef.result_types([f_ops[n].type for n in opdef.operand_names], f_attrs)
+    return f_ops, f_attrs, {n: TensorArg(t, Layout.contiguous(t.shape).strides) for n, t in zip(opdef.results, types)}
 
 
 def _with_seam_before(operands, results, attrs, copied: bool = False) -> list[KernelCall]:
     """`mhc_moe_mhc`: the mhc kernel's call of the seam before (its results dense scratch), then
     `moe_mhc_post_pre` on that scratch with the call as its first phase. `copied`: that phase copies the
     seam's inputs to its results' places instead (`_as_both_seams`)."""
-    from ...ops.fused import IN_MHC_ATTRS, MHC_ATTRS
+    from ...ops.fused import IN_MHC_ATTRS
 
-    f_ops = {n: operands[n] for n in ("y", "streams", "post", "comb")}
-    f_ops.update({n: operands["in_" + n] for n in ("fn", "base", "scale", "norm")})
-    f_attrs = {n: attrs["in_" + n] for n in MHC_ATTRS}
-    mid = _front_results(operands, attrs)
+    f_ops, f_attrs, mid = _front(operands, attrs)
     front = _renamed(mhc.specialise("mhc_post_pre", f_ops, mid, f_attrs)[0],
                      {FRONT_RENAMED[("result", n)][1]: a.type.nbytes for n, a in mid.items()}, FRONT_RENAMED)
     if copied:  # (its cost: the copy's)
@@ -447,7 +445,7 @@ def _as_both_seams(operands, results, attrs) -> list[KernelCall] | None:
     fake = {"y": operands["x"], **{n: v for n, v in operands.items() if n != "x"},
             **{"in_" + n: operands[n] for n in ("fn", "base", "scale", "norm")}}
     f_attrs = {**attrs, **{"in_" + n: attrs[n] for n in MHC_ATTRS}}
-    mid = _front_results(fake, f_attrs)
+    mid = _front(fake, f_attrs)[2]
     if any(operands[n].dtype != mid[m].dtype for n, m in (("x", "y_next"), ("streams", "streams_out"),
                                                            ("post", "post_next"), ("comb", "comb_next"))):
         return None
