@@ -61,7 +61,7 @@ import numpy as np
 
 from v4compile.artifact import spec_name
 from v4compile.errors import InputError
-from v4compile.speculation import Acceptance, accept, check_draft_tokens, sample, uniforms
+from v4compile.speculation import Acceptance, accept, check_draft_tokens, sample, survivors, uniforms
 
 from .spec_auto import AutoK
 from .undo import PoolUndo, access, written_rows
@@ -129,17 +129,20 @@ class CompiledDraft:
         """The one-call step for bucket `B` with any sampled sequence: on the C runtime the program's `spec_s<B>`
         (`passes/spec_steps.py`: the `spec_sample` acceptance, greedy or sampled per sequence, and the first
         draft); elsewhere None (verify, the host's acceptance, then draft calls)."""
+        return self._program_step(spec_name(B, sampled=True))
+
+    def _program_step(self, name: str) -> str | None:
+        """`name` where the backend is the C runtime in one process and its program has that function."""
         backend = self.s.backend
-        name = spec_name(B, sampled=True)
-        on_c = getattr(backend, "program", None) is not None and getattr(backend, "ranks", None) is None
-        return name if on_c and name in backend.functions() else None
+        if getattr(backend, "program", None) is None or getattr(backend, "ranks", None) is not None:
+            return None
+        return name if name in backend.functions() else None
 
     def _fuse(self, B: int, k: int) -> str | None:
         backend = self.s.backend
         vname, dname = f"verify_b{B}", next((f for b, f, _ in self.batch_fns if b == B), None)
         if getattr(backend, "program", None) is not None:  # the C runtime: the program's own `spec_b<B>`
-            name = spec_name(B)
-            return name if name in backend.functions() and getattr(backend, "ranks", None) is None else None
+            return self._program_step(spec_name(B))
         target = getattr(backend, "target", None)
         if not hasattr(backend, "built") or target is None or dname is None:
             return None
@@ -383,8 +386,7 @@ class SpecStep:
         for b, r in enumerate(live):
             (d, q), r.spec.drafts = r.spec.drafts, ([], [])
             if sampled and r.temperature:  # the step's own acceptance (its arithmetic is `accept`'s)
-                a = int((res["spec.kept_pos"][b] >= 0).sum()) - 1
-                tok = int(res["spec.next_ids"][b, a])
+                a, tok = survivors(res["spec.next_ids"][b], res["spec.kept_pos"][b])
             else:
                 a, tok = accept(d, logits[b, : 1 + len(d)], np.stack(q) if r.temperature and d else None, r.rng,
                                 r.temperature)

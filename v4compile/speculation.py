@@ -137,8 +137,14 @@ def accept(drafts: list[int], target: np.ndarray, draft_probs: np.ndarray | None
         q[0, 1:] = draft_probs
     nxt, kept = sample_accept(target[None], np.array([[0, *drafts]]), np.arange(k + 1)[None], q,
                               uniforms(rng, k)[None], np.array([temperature], dtype=np.float32))
-    a = int((kept[0] >= 0).sum()) - 1
-    return a, int(nxt[0, a])
+    return survivors(nxt[0], kept[0])
+
+
+def survivors(next_ids: np.ndarray, kept_pos: np.ndarray) -> tuple[int, int]:
+    """(a, the token after the last survivor) from one sequence's acceptance results (`sample_accept`'s row,
+    or the `spec_sample` op's): a = its kept lanes less lane 0."""
+    a = int((np.asarray(kept_pos) >= 0).sum()) - 1
+    return a, int(next_ids[a])
 
 
 @dataclass
