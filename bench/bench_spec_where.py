@@ -2,7 +2,7 @@
 graph (`spec_b1_d<k>`, `codegen/onnx_spec.py`) against `decode_b1`, and its parts run alone (`verify_b1`,
 `draft_b1`), in one process on the same inputs.
 
-    python bench/bench_spec_where.py ART [--runs 600] [--profile 200] [--k 1]
+    python bench/bench_spec_where.py ART [--runs 600] [--block 1] [--profile 200] [--k 1]
 
 ART: an artifact compiled for the cpu target with `--draft-tokens k` and decode bucket 1 (bench_spec.py's:
 `v4compile compile examples/tiny-doc -o ART --target cpu --decode-buckets 1 --prefill-buckets 16
@@ -35,12 +35,32 @@ graph; ORT_ENABLE_EXTENDED, no memory pattern or no memory reuse leave the ratio
 Since copy 1 of the draft reads on verify's lane arithmetic (`codegen/onnx_spec.py`, step 3): the fused step
 1491 nodes after ORT's optimisation (was 1518; decode_b1 1209, verify_b1 1264, draft_b1 242). Re-measured
 (load 4-12, ORT alone, thread CPU time, p25 in decode steps): verify_b1 1.15-1.38 (kernel time profiled only
-+7 % over decode's: the rest of verify's extra is outside the kernels and was not found: not the memory
-pattern, whose on / off left verify's ratio as it was), draft_b1 0.18-0.35, the fused step 1.35-1.50 (main's
++7 % over decode's, which the profiler's per-node cost makes a node count; see below for where the rest
+goes), draft_b1 0.18-0.35, the fused step 1.35-1.50 (main's
 1.35-1.66 in the same processes; this graph's time over main's, paired: 0.84-0.91 with main's session made
 first, 1.02-1.06 with it made second, ~-4 % over both orders). Read ratios with care: a session made later in a process ran 5-10 % faster than the same kind of
 graph made earlier, and this script makes `decode_b1` last (the plain generation runs after the speculative
 ones), which favours decode.
+
+Where verify's extra goes (issue 43; a 2-core AMD EPYC with AVX-512, ONNX Runtime 1.32). `--block 50 --runs
+30` (each graph as the generation loop runs it, one run after another; medians, two processes, load 1-2):
+verify_b1 1.16 / 1.16 decode, draft_b1 0.21 / 0.21, the fused step 1.39 / 1.39 (single interleaved runs
+scatter far more: 1.11-1.58 for verify in this session). Instructions executed a run inside ONNX Runtime's
+run, counted by valgrind's callgrind over 200 runs of one graph (a count, not a timing: no noise): decode_b1
+5.83 M, verify_b1 6.71 M (1.15), the fused step 7.90 M (1.36): the time ratios within 0.03, so
+verify's extra beyond its node count (+4.5 %) is work its kernels do, not stalls, allocation or the executor
+(outside the nodes' kernels: 0.56 M / 0.59 M a run; node bookkeeping +15 k). verify's +0.89 M by kernel
+(matched to op types by their calls a run): MatMul / FusedMatMul +243 k and Gemm +74 k (81 -> 82 and 16 -> 15
+nodes, at 2 rows: MLAS's SGEMM kernel itself 213 k -> 407 k), the 380 Sinkhorn LpNormalizations +107 k (two
+matrices each), RMSNormalization and elementwise ~+0.1 M: ~60 %, the second lane's arithmetic in nodes decode
+has too, which no rewrite of the graph removes; the few-lane forms' extra nodes (Concat 24 -> 38 +101 k, Gather
+38 -> 58 +56 k, Expand 1 -> 6 +21 k, Unsqueeze / Squeeze +32 k, against decode's 12 ScatterND -37 k): ~+0.17 M,
+~20 %, ~0.03 decode steps. The draft part of the fused step (1.19 M, 0.20 decode) is a fifth of decode's
+nodes, 76 of them its two Sinkhorns' LpNormalizations (+227 k). Its IO: 68 bytes of step inputs bound a step,
+the 73 KB of pool and state bound once and never copied, 35 KB of outputs written into buffers bound once,
+the rows stored back in 11-15 us. ONNX Runtime's options (set on every session; blocks of 50 runs as `--block`, 20
+rounds; verify / the fused step in decode steps, default 1.16 / 1.39): arena off 1.36 / 1.72, memory pattern off 1.23 / 1.71, memory reuse off
+1.18 / 1.47, prepacking off 1.29 / 1.58, "extended" 1.20 / 1.41, "basic" 1.16 / 1.38: none lowers either.
 """
 
 from __future__ import annotations
@@ -93,7 +113,9 @@ def captured(art: str, k: int, profile: str | None):
     return s, {f: cap[f] for f in names}
 
 
-def timed(s, cap: dict, runs: int) -> dict[str, list[float]]:
+def timed(s, cap: dict, runs: int, block: int = 1) -> dict[str, list[float]]:
+    """Each graph's times: `block` 1, one backend call then one ONNX Runtime run a round (wall time); `block` N
+    > 1, N ONNX Runtime runs in a row a round, their mean per run in thread CPU time."""
     be, names = s.backend, list(cap)
     t: dict[str, list[float]] = collections.defaultdict(list)
     for f in names:
@@ -102,6 +124,13 @@ def timed(s, cap: dict, runs: int) -> dict[str, list[float]]:
     bound = {f: be._session(f, 0) for f in names}
     for r in range(runs):
         for f in (names if r % 2 else names[::-1]):
+            if block > 1:
+                sess, io = bound[f][0], bound[f][3]
+                t0 = time.thread_time()
+                for _ in range(block):
+                    sess.run_with_iobinding(io)
+                t["ort " + f].append((time.thread_time() - t0) / block)
+                continue
             t0 = time.perf_counter()
             be.run_outputs(f, cap[f])
             t1 = time.perf_counter()
@@ -202,14 +231,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("art")
     ap.add_argument("--k", type=int, default=1, help="the artifact's --draft-tokens")
-    ap.add_argument("--runs", type=int, default=600, help="interleaved unprofiled runs of each graph")
+    ap.add_argument("--runs", type=int, default=600, help="interleaved unprofiled rounds of each graph")
+    ap.add_argument("--block", type=int, default=1, help="ONNX Runtime runs of a graph in a row a round (thread "
+                    "CPU time; 1: one backend call and one run a round, wall time)")
     ap.add_argument("--profile", type=int, default=0, help="also N profiled runs of each graph (0: none)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     s, cap = captured(a.art, a.k, None)
-    print(f"unprofiled, {a.runs} interleaved runs each (backend call, then ONNX Runtime alone):")
-    out = {"times": report_times(timed(s, cap, a.runs))}
+    print(f"unprofiled, {a.runs} interleaved rounds each " + ("(backend call, then ONNX Runtime alone):" if a.block == 1
+          else f"({a.block} ONNX Runtime runs in a row a round, thread CPU time):"))
+    out = {"times": report_times(timed(s, cap, a.runs, a.block))}
     s.close()
     if a.profile:
         print(f"profiled, {a.profile} interleaved runs each, the first {SKIP} left out:")
