@@ -138,10 +138,11 @@ class CompiledDraft:
         return self._program_step(spec_name(B, sampled=True))
 
     def in_call(self, k: int) -> bool:
-        """Whether the C runtime's one-call step may make k drafts in the call: its recursive drafts' MTP ring
-        rows (positions up to L + 2k - 1, restored after it) then share no row with a kept position (2k - 1 < the
-        ring's window; with `MAX_DRAFT_TOKENS` always)."""
-        return 2 * k - 1 < access(self.s.backend).geometry.window
+        """Whether the C runtime's one-call step may make k drafts in the call: the rows it restores after the
+        call (positions L + 1 .. L + d + k - 1, d <= K the drafts it verifies) then share no ring row with a kept
+        position (>= L): K + k - 1 < the window (V4's 128, tiny's 16; K <= `MAX_DRAFT_TOKENS` = 7)."""
+        K = self.batch_fns[0][2] - 1 if self.batch_fns else 0
+        return K + k - 1 < access(self.s.backend).geometry.window
 
     def _program_step(self, name: str) -> str | None:
         """`name` where the backend is the C runtime in one process and its program has that function."""

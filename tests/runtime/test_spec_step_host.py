@@ -343,11 +343,13 @@ def test_drafts_in_the_call_equal_draft_calls_bit_for_bit(doc, host, monkeypatch
 K = 2
 
 
-def generate(art, prompts, monkeypatch, fused: bool = True, sample: bool = True, greedy: bool = True) -> dict:
+def generate(art, prompts, monkeypatch, fused: bool = True, sample: bool = True, greedy: bool = True,
+             in_call: bool = True) -> dict:
     """In a fresh host session, `generate` speculatively: greedy with K drafts (ids, acceptance rates, the pool and
     state bytes after but the MTP ring rows of each sequence's last 2K + 1 positions, calls by function), then
     with `sample` the same prompts sampled (K drafts, temperature 0.8, seeded; the same, keyed `sampled ...`;
-    `greedy` False: only those).
+    `greedy` False: only those; `in_call` False: the greedy step `spec_b<B>` drafting one, the recursive draft a
+    `draft_b<B>` call, as where the drafts cannot be made in the call, `CompiledDraft.in_call`).
     Those rows differ by design: the one-call step drafts on every step's kept lanes (as the cpu device's), the
     two calls skip the draft once no sequence wants one (the steps whose end leaves fewer than K tokens to make:
     at most those positions), rows nothing reads after; `test_one_call_step_equals_two_calls_bit_for_bit`
@@ -361,6 +363,8 @@ def generate(art, prompts, monkeypatch, fused: bool = True, sample: bool = True,
         with monkeypatch.context() as m:
             m.setattr(s.backend, "run_outputs", lambda f, i: calls.update([f]) or run(f, i))
             m.setattr(s, "release", lambda q: ended.append((q.slot, list(q.blocks), q.length)) or release(q))
+            if not in_call:
+                m.setattr(rs.CompiledDraft, "in_call", lambda self, k: False)
             if not fused:
                 m.setattr(rs.CompiledDraft, "fused", lambda self, B, k=1: None)
                 m.setattr(rs.CompiledDraft, "sampled", lambda self, B: None)
@@ -396,7 +400,8 @@ def test_generation_one_call_equals_two_calls(doc, monkeypatch):
     """Greedy and sampled: the one-call step's ids, acceptance and pool are the two calls' (greedy: the ids plain
     decoding's), one `spec_b<B>_d2` (sampled: `spec_s<B>`) a step, captured like decode, and no verify call
     (greedy: no draft call but the first drafts after prefill, the recursive draft in the call; sampled: a
-    `draft_b<B>` call); with a broken `spec_sample` the sampled ids are not the two calls'."""
+    `draft_b<B>` call), and greedy the same with the recursive draft out of the call (`spec_b<B>`, then
+    `draft_b<B>`); with a broken `spec_sample` the sampled ids are not the two calls'."""
     art, prompts, want = doc
     one, two = generate(art, prompts, monkeypatch), generate(art, prompts, monkeypatch, fused=False)
     assert one["ids"] == two["ids"] == want
@@ -415,6 +420,12 @@ def test_generation_one_call_equals_two_calls(doc, monkeypatch):
         # the one-call step captured once per bucket and replayed (bit for bit, above); nothing captured without
         assert one[key + "graphs"] == {"captures": sum(c[step.format(b)] > 0 for b in (1, 2)), "replays": steps}
         assert two[key + "graphs"]["captures"] == 0
+    # the recursive draft out of the call (`spec_b<B>`, then a draft_b<B> call): the same ids, acceptance and pool
+    out = generate(art, prompts, monkeypatch, sample=False, in_call=False)
+    c = out["calls"]
+    assert (out["ids"], out["rates"]) == (one["ids"], one["rates"]) and c["spec_b2_d2"] + c["spec_b1_d2"] == 0
+    assert [n for n in out["pool"] if not np.array_equal(out["pool"][n], one["pool"][n])] == []
+    assert c["spec_b2"] + c["spec_b1"] > 0 and c["draft_b2"] + c["draft_b1"] > 1
     inverted_ratio_op(monkeypatch)  # `spec_sample` accepting with min(1, q/p): other sampled ids and rates
     bad = generate(art, prompts, monkeypatch, greedy=False)
     assert (bad["sampled ids"], bad["sampled rates"]) != (two["sampled ids"], two["sampled rates"])
