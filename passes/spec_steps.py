@@ -21,7 +21,7 @@ from `draft_next` (lane 0; the other lanes padding, as the host's call has them)
 ops before it left, block table and slot shared; `spec_s<B>` has three more inputs: `draft_probs [B, T, V]` (each
 draft's q), `uniforms [B, T]` (drawn before the step) and `temperature [B]` (fp32 each). The drafts' ops keep
 their shapes, attributes and weights, so each launch is a specialisation the verify or the draft already has (no
-new kernel but the acceptance's and `draft_next`'s, one for every k). Outputs: verify's `logits` (the host checks
+new kernel but the acceptance's and `draft_next`'s, one specialisation for every k). Outputs: verify's `logits` (the host checks
 a greedy acceptance against its own rule), `spec.next_ids`, `spec.kept_pos`; drafting one `draft.logits`,
 `draft.streams`, drafting k > 1 `spec.draft<j>` for j = 1..k (`[B, T]`, lane 0 the j-th next draft); every pool /
 state plane (after the drafts' writes: the recursive ones' the runtime restores).
