@@ -262,7 +262,7 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
 
 def gpu_default_buckets(buckets: Buckets) -> Buckets:
     """The GPU targets' default: one decode and one prefill function, the largest of each (and the artifact's
-    draft tokens: a verify, an MTP draft and the one-call step for that decode bucket). A GPU decode
+    draft tokens: a verify, an MTP draft and the one-call steps for that decode bucket). A GPU decode
     step is bound by reading the weights, so padding a smaller batch costs little, while every bucket
     multiplies the kernels to compile (every shape is a compile-time constant of a kernel)."""
     return Buckets((max(buckets.decode),), (max(buckets.prefill),), buckets.draft_tokens)

@@ -7,7 +7,7 @@
     kernels/<target>/<name>.<hsaco|cubin>, <name>.json   each distinct specialisation's binary + sidecar
 The returned entries go into the manifest (`targets`, `kernels`) and report.json (`kernels`: the static
 report rows; `decode_step`: the roofline model of every decode bucket per target; `spec_step`: that of the
-one-call speculative step per decode bucket, when the program has one). Nothing here depends on
+one-call speculative steps per decode bucket, drafting 1 .. K, when the program has them). Nothing here depends on
 time or paths, so the files are byte-reproducible (compile times and cache hits are only logged).
 """
 
@@ -96,7 +96,8 @@ def write_gpu_targets(module, targets: list[str] | tuple[str, ...], out_dir: str
         res.decode_step[t] = {fname: step_model(prog, pk, fname, t, rows)
                               for fname in prog.functions if fname.startswith("decode")}
         if spec := {f: spec_model(prog, pk, f, t, rows, res.decode_step[t]) for f in prog.functions
-                    if f.startswith("spec_b")}:  # the greedy step (`spec_s<B>`: the same launches but its acceptance)
+                    if f.startswith("spec_b") and "_d" not in f}:  # the greedy step drafting one (`spec_s<B>`: the
+            # same launches but its acceptance); its `spec_b<B>_d<k>` drafting k in the model's `steps_us`
             res.spec_step[t] = spec
             for f, m in spec.items():
                 log.info("spec step %s on %s (modeled): %.1f us = %.2f decode steps; at %.0f %% acceptance %.2f "
@@ -107,21 +108,33 @@ def write_gpu_targets(module, targets: list[str] | tuple[str, ...], out_dir: str
 
 def spec_model(prog, pk, fname: str, target: str, rows, decode: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The modeled speculative step of bucket B from the compiled program (report.json `spec_step`): `spec_b<B>`
-    (verify on 1 + K lanes, the acceptance, the first MTP draft: one call) plus the K - 1 recursive `draft_b<B>`
-    calls at K drafts, each at the roofline of its own launches (`step_model`), against `decode_b<B>`'s; the
-    tokens a step makes at the V3 report's acceptance per draft (`spec_cost.V3_ACCEPTANCE`), and the tokens/s
-    gain that buys. Modeled, not measured."""
+    (verify on 1 + K lanes, the acceptance, the first MTP draft: one call) and, drafting k > 1, `spec_b<B>_d<k>`
+    (the same with the k - 1 recursive drafts in the call; `steps_us`: k = 1 .. K; a program without it: plus
+    k - 1 `draft_b<B>` calls), each at the roofline of its own launches (`step_model`), against `decode_b<B>`'s;
+    the tokens a step makes at K drafts at the V3 report's acceptance per draft (`spec_cost.V3_ACCEPTANCE`), and
+    the tokens/s gain that buys. Modeled, not measured."""
+    from v4compile.artifact import spec_name
+
     from .spec_cost import V3_ACCEPTANCE, tokens_per_step
 
-    B = fname[len("spec_b"):]
+    B = int(fname[len("spec_b"):])
     step = step_model(prog, pk, fname, target, rows)
     f = prog.functions[fname]
     K = int(f.attrs["tokens"]) - 1
     draft_us = step_model(prog, pk, f"draft_b{B}", target, rows)["modeled_us"] if K > 1 else 0.0
+    steps, launches = [step["modeled_us"]], [step["launches"]]
+    for k in range(2, K + 1):
+        if (name := spec_name(B, drafts=k)) in prog.functions:
+            m = step_model(prog, pk, name, target, rows)
+            steps.append(m["modeled_us"])
+            launches.append(m["launches"])
+        else:
+            steps.append(step["modeled_us"] + (k - 1) * draft_us)
     dec_us = decode[f"decode_b{B}"]["modeled_us"]
-    total = step["modeled_us"] + (K - 1) * draft_us
+    total = steps[-1]
     tps = tokens_per_step([V3_ACCEPTANCE] * K)
     return {"batch": int(f.attrs["batch"]), "draft_tokens": K, "launches": step["launches"],
+            "launches_k": launches, "steps_us": [round(x, 2) for x in steps],
             "kernel_calls": step["kernel_calls"], "spec_us": step["modeled_us"], "draft_us": draft_us,
             "step_us": round(total, 2), "decode_us": dec_us, "cost_ratio": round(total / dec_us, 3),
             "acceptance": V3_ACCEPTANCE, "tokens_per_step": round(tps, 3),

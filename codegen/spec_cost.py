@@ -11,7 +11,8 @@ The traced graphs are unfused, so the absolute times are upper bounds; both step
 way, which is what the ratio needs. Expected tokens per verify step with acceptance rates a_j (draft j
 accepted given drafts 1..j-1 were): 1 + sum_j prod_{i<=j} a_i; the gain is that over the cost ratio.
 An artifact compiled for GPU targets with --draft-tokens also models the step from its compiled program
-(`gpu_target.spec_model`: `spec_b<B>`'s fused launches against `decode_b<B>`'s, report.json `spec_step`); this
+(`gpu_target.spec_model`: `spec_b<B>`'s and `spec_b<B>_d<k>`'s fused launches against `decode_b<B>`'s, report.json
+`spec_step`); this
 module stays the model `compile --report` prints, for any k and batch without compiling.
 """
 

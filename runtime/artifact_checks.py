@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from v4compile.artifact import Artifact, spec_buckets, spec_name, verify_name
+from v4compile.artifact import Artifact, spec_buckets, spec_names, verify_name
 from v4compile.errors import ArtifactError
 
 # Every buffer the runtime allocates from a graph's state inputs, together (V4-Pro's pool at 1 M tokens
@@ -236,7 +236,8 @@ def program_interface(art: Artifact, program, gpu: bool, host: bool = False) -> 
     entry = next((t for t in m["targets"] if (t["name"] != "cpu") == gpu), None)
     want = set(entry["functions"]) if entry is not None else set()
     # the one-call speculative steps (`passes/spec_steps.py`): the program's own, each with its verify's interface
-    steps = {spec_name(b, sampled): verify_name(b) for b in spec_buckets(want) for sampled in (False, True)}
+    steps = {n: verify_name(b) for b in spec_buckets(want)
+             for n in spec_names(b, entry["functions"][verify_name(b)]["tokens"] - 1)}
     if set(program.functions) - set(steps) != want:
         raise ArtifactError("the program's functions are not the manifest's", where="gpu/program.txt" if gpu else
                             "program.txt", expected=", ".join(sorted(want)), found=", ".join(sorted(program.functions)))

@@ -191,8 +191,9 @@ class ProgramBackend:
 
     def run_outputs(self, fname: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """`run`, returning every output buffer: float ones as float32 (logits; a speculative artifact's
-        `streams`), integer ones as they are (`spec_b<B>`'s `spec.next_ids`, `spec.kept_pos`)."""
-        # decode and the one-call speculative step (`spec_b<B>`): the same launches every step, captured once
+        `streams`), integer ones as they are (`spec_b<B>`'s `spec.next_ids`, `spec.kept_pos`; `spec_b<B>_d<k>`'s
+        `spec.draft<j>`)."""
+        # decode and the one-call speculative steps (`spec_*`): the same launches every step, captured once
         graph = self.graphs and self._funcs[fname].kind in ("decode", "spec")
         if self.ranks is not None:  # every rank runs rank 0's step
             inputs = self.ranks.step(sorted(self._funcs).index(fname), fname, inputs)

@@ -364,8 +364,8 @@ def measure(step, B: int, K: int) -> list[float] | None:
 
 def modeled(session, K: int, B: int | None = None) -> list[float] | None:
     """c(0..K) relative to the decode step from the compile report: bucket B's one-call step modeled from the
-    compiled program (`spec_step`, the device's target: `spec_b<B>` drafting one, each further draft one
-    `draft_b<B>` call), else the modeled verify step of the traced graphs; or None."""
+    compiled program (`spec_step`, the device's target: `spec_b<B>` drafting one, `spec_b<B>_d<k>` drafting k;
+    a report without them: each further draft one `draft_b<B>` call), else the modeled verify step of the traced graphs; or None."""
     from v4compile.targets import DEVICE_TARGET
 
     try:
@@ -376,7 +376,9 @@ def modeled(session, K: int, B: int | None = None) -> list[float] | None:
     m = (by_target.get(DEVICE_TARGET.get(getattr(session, "device", None)))
          or next(iter(by_target.values()), {})).get(f"spec_b{B}")
     if m is not None:
-        return [1.0] + [(m["spec_us"] + (k - 1) * m["draft_us"]) / m["decode_us"] for k in range(1, K + 1)]
+        steps = m.get("steps_us") or []  # drafting k in one call (`spec_b<B>_d<k>`); an older report: draft calls
+        return [1.0] + [(steps[k - 1] if k <= len(steps) else m["spec_us"] + (k - 1) * m["draft_us"]) / m["decode_us"]
+                        for k in range(1, K + 1)]
     models = rep.get("speculative_step") or {}
     rows = next((v for v in models.values() if v), None)
     if not rows:

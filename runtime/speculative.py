@@ -27,10 +27,14 @@ give the acceptance (the host's rule applied to them, checked against the graph'
 step 1's saved rows the run's writes are held (`OrtBackend.run_held`) and stored but those of the rejected
 positions (`rejected_rows`: the rows `PoolUndo` would restore).
 
-On the C runtime (host, hip, cuda), steps 2-3 and the first draft are one captured call, with step 1's saved rows
-(its buffers cannot hold a run's writes); the k - 1 recursive drafts stay `draft_b<B>` calls. Greedy: the
-program's `spec_b<B>` (`passes/spec_steps.py`), its acceptance checked against the host's rule on its logits.
-With any sampling sequence: `spec_s<B>`, whose `spec_sample` op (greedy or sampled per sequence) computes
+On the C runtime (host, hip, cuda), steps 2-4 are one captured call, with step 1's saved rows (its buffers cannot
+hold a run's writes). Greedy: the program's `spec_b<B>` drafting one, `spec_b<B>_d<k>` drafting k > 1
+(`passes/spec_steps.py`: the k - 1 recursive drafts in the call, each fed by the `draft_next` op as the host feeds
+a `draft_b<B>` call; their MTP ring rows, past the verify's positions too, saved before the call and restored
+after it with the rejected ones), its acceptance checked against the host's rule on its logits, its drafts the
+next step's.
+With any sampling sequence: `spec_s<B>` (the first draft; the k - 1 recursive ones `draft_b<B>` calls, each
+drawn on the host from the request's generator), whose `spec_sample` op (greedy or sampled per sequence) computes
 `speculation.sample_accept`; its random numbers are drawn before the call from each request's generator
 (`speculation.uniforms`, as the two-call path's `accept` draws them) and passed in (`sampling_inputs`) with each
 draft's q and the temperatures. On the host device the op runs that very function, so the one call and the two
@@ -103,7 +107,8 @@ def mtp_draft(session) -> None:
 
 class CompiledDraft:
     """The artifact's MTP block as the draft source: `draft_c<T>` after each prefill chunk, `draft_b<B>` after
-    each verify step and for the recursive drafts (their MTP window-ring writes undone)."""
+    each verify step and for the recursive drafts (their MTP window-ring writes undone), but where a one-call
+    step drafts in the call (`fused`)."""
 
     def __init__(self, session):
         mtp_draft(session)
@@ -118,9 +123,10 @@ class CompiledDraft:
     def fused(self, B: int, k: int = 1) -> str | None:
         """The one-call greedy step for bucket `B` drafting `k` tokens: on the cpu device `codegen/onnx_spec.py`'s
         (verify_b<B>, the acceptance and k unrolled copies of draft_b<B> in one ONNX graph, built at first use);
-        on the C runtime the program's `spec_b<B>` (`passes/spec_steps.py`: the first draft only, the k - 1
-        recursive ones stay `draft_b<B>` calls); or None (a partitioned artifact, an artifact compiled before
-        `spec_b<B>`: a verify call, then draft calls)."""
+        on the C runtime the program's `spec_b<B>` (k = 1) or `spec_b<B>_d<k>` (`passes/spec_steps.py`: the k - 1
+        recursive drafts in the call too; a program compiled before it: `spec_b<B>`, the recursive drafts
+        `draft_b<B>` calls); or None (a partitioned artifact, an artifact compiled before `spec_b<B>`: a verify
+        call, then draft calls)."""
         if (B, k) not in self._fused:
             self._fused[B, k] = self._fuse(B, k)
         return self._fused[B, k]
@@ -130,6 +136,13 @@ class CompiledDraft:
         (`passes/spec_steps.py`: the `spec_sample` acceptance, greedy or sampled per sequence, and the first
         draft); elsewhere None (verify, the host's acceptance, then draft calls)."""
         return self._program_step(spec_name(B, sampled=True))
+
+    def in_call(self, k: int) -> bool:
+        """Whether the C runtime's one-call step may make k drafts in the call: the rows it restores after the
+        call (positions L + 1 .. L + d + k - 1, d <= K the drafts it verifies) then share no ring row with a kept
+        position (>= L): K + k - 1 < the window (V4's 128, tiny's 16; K <= `MAX_DRAFT_TOKENS` = 7)."""
+        K = self.batch_fns[0][2] - 1 if self.batch_fns else 0
+        return K + k - 1 < access(self.s.backend).geometry.window
 
     def _program_step(self, name: str) -> str | None:
         """`name` where the backend is the C runtime in one process and its program has that function."""
@@ -141,8 +154,9 @@ class CompiledDraft:
     def _fuse(self, B: int, k: int) -> str | None:
         backend = self.s.backend
         vname, dname = f"verify_b{B}", next((f for b, f, _ in self.batch_fns if b == B), None)
-        if getattr(backend, "program", None) is not None:  # the C runtime: the program's own `spec_b<B>`
-            return self._program_step(spec_name(B))
+        if getattr(backend, "program", None) is not None:  # the C runtime: the program's own `spec_b<B>[_d<k>]`
+            return (self._program_step(spec_name(B, drafts=k)) if 1 < k and self.in_call(k)
+                    else None) or self._program_step(spec_name(B))
         target = getattr(backend, "target", None)
         if not hasattr(backend, "built") or target is None or dname is None:
             return None
@@ -379,6 +393,13 @@ class SpecStep:
         # this rank's pool (data parallel: its replica's sequences): the rows the drafts' positions may write
         undo = PoolUndo(s.backend, [(q.slot, list(q.blocks), q.length + 1, q.length + len(r.spec.drafts[0]))
                                     for r, q in zip(live, seqs) if q.replica == s.replica])
+        # `spec_b<B>_d<k>`: the recursive drafts in the call (positions L' .. L' + k - 2, L' <= L + d + 1 the new
+        # length) write MTP ring rows past the verify's positions too: saved now, restored with the verify's
+        inner = self.k_now if fused and self.k_now > 1 and fused == spec_name(B, drafts=self.k_now) else 0
+        ring = PoolUndo(s.backend, [(q.slot, list(q.blocks), q.length + len(r.spec.drafts[0]) + 1,
+                                     q.length + len(r.spec.drafts[0]) + inner - 1)
+                                    for r, q in zip(live, seqs) if q.replica == s.replica],
+                        window_layer=self.mtp.layer) if inner else None
         res = s.run_lanes(fused or fname, B, seqs, inputs)
         logits = res["logits"]
         keep, news, kept_lane = {}, [], {}
@@ -403,8 +424,17 @@ class SpecStep:
             if self.auto is not None:
                 self.auto.observe(a, len(d))
         undo.restore(keep)
+        if ring is not None:
+            ring.restore(keep)
         for r, (a, new, nd) in zip(live, news):
             self.stats.add(a, deliver(r, new), nd)
+        if inner:  # the call drafted on every sequence (greedy: no q); those still live keep what they want
+            made = np.stack([res[f"spec.draft{j}"][:, 0] for j in range(1, inner + 1)], axis=1).tolist()
+            for b, r in enumerate(live):
+                if not r.done:
+                    n = self._wanted(r)
+                    r.spec.drafts = (made[b][:n], [None] * n)
+            return
         nxt = [b for b, r in enumerate(live) if not r.done]
         for b, r in enumerate(live):
             if r.done:

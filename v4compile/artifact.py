@@ -100,11 +100,19 @@ def draft_name(b: int) -> str:
     return f"draft_b{b}"
 
 
-def spec_name(b: int, sampled: bool = False) -> str:
+def spec_name(b: int, sampled: bool = False, drafts: int = 1) -> str:
     """The one-call speculative step of decode bucket `b` (verify, acceptance, MTP draft: the C runtime's program
     only; `passes/spec_steps.py`): greedy (`spec_b<b>`), or `sampled` (`spec_s<b>`: greedy or sampled per
-    sequence)."""
-    return f"spec_{'s' if sampled else 'b'}{b}"
+    sequence), drafting one token; greedy drafting `drafts` = k > 1 (the k - 1 recursive drafts in the call too):
+    `spec_b<b>_d<k>`, one per k in 2..K (the cpu device's load-time graphs are named alike)."""
+    if drafts > 1 and sampled:
+        raise ValueError("the sampled one-call step drafts one token")
+    return f"spec_{'s' if sampled else 'b'}{b}" + (f"_d{drafts}" if drafts > 1 else "")
+
+
+def spec_names(b: int, draft_tokens: int) -> list[str]:
+    """Every one-call speculative step of decode bucket `b` in an artifact of K = `draft_tokens` (`spec_name`)."""
+    return [spec_name(b), spec_name(b, sampled=True)] + [spec_name(b, drafts=k) for k in range(2, draft_tokens + 1)]
 
 
 def spec_buckets(functions) -> list[int]:

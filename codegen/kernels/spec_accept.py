@@ -7,7 +7,9 @@ test against its lane's float32 softmax (a max pass, a sum pass), then the token
 by the inverse CDF of the residual (or of p) with the step's uniform. Not bit for bit the reference: the exp is
 the GPU's and the sums go chunk by chunk (tree sums and scans inside a chunk) where the reference sums left to
 right, so p agrees to float32 rounding and a drawn id can differ only where a uniform falls within that
-rounding of a boundary; on the host device the op runs its reference (the host's own function)."""
+rounding of a boundary; on the host device the op runs its reference (the host's own function). `draft_next` (a
+recursive MTP draft's step inputs from the draft before it): one program per sequence, the argmax as the greedy
+lanes', then lane 0's id, position and streams (the last valid lane's), the other lanes padding; exact."""
 
 from __future__ import annotations
 
@@ -143,10 +145,55 @@ def spec_sample_kernel(l_ptr, ids_ptr, pos_ptr, q_ptr, u_ptr, t_ptr, next_ptr, k
             tl.store(kept_ptr + b * K_BS + j * K_TS, tl.where(j <= a, tl.load(pos_ptr + b * P_BS + j * P_TS), -1))
 
 
+@triton.jit
+def draft_next_kernel(l_ptr, s_ptr, pos_ptr, ids_ptr, np_ptr, h_ptr, T: tl.constexpr, V: tl.constexpr,
+                      N: tl.constexpr, D: tl.constexpr, L_BS: tl.constexpr, L_VS: tl.constexpr, S_BS: tl.constexpr,
+                      S_TS: tl.constexpr, S_NS: tl.constexpr, S_DS: tl.constexpr, P_BS: tl.constexpr,
+                      P_TS: tl.constexpr, I_BS: tl.constexpr, I_TS: tl.constexpr, Q_BS: tl.constexpr,
+                      Q_TS: tl.constexpr, H_BS: tl.constexpr, H_TS: tl.constexpr, H_NS: tl.constexpr,
+                      H_DS: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    pdl_enter(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.arange(0, BT)
+    p = tl.load(pos_ptr + b * P_BS + t * P_TS, mask=t < T, other=-1)
+    n = tl.sum((p >= 0).to(tl.int32), axis=0)
+    top = tl.max(p, axis=0)
+    lane = tl.maximum(n - 1, 0)
+    r = tl.arange(0, BV)
+    best = float("-inf")
+    bi = 0
+    for v0 in range(0, V, BV):  # the argmax, as `greedy_lanes`'
+        v = tl.load(l_ptr + b * L_BS + (v0 + r) * L_VS, mask=v0 + r < V, other=float("-inf")).to(tl.float32)
+        cm = tl.max(v, axis=0)
+        ci = tl.min(tl.where(v == cm, v0 + r, V), axis=0)
+        take = cm > best
+        bi = tl.where(take, ci, bi)
+        best = tl.where(take, cm, best)
+    live = n > 0
+    for j in tl.static_range(T):
+        if j == 0:
+            tl.store(ids_ptr + b * I_BS, tl.where(live, bi, 0).to(ids_ptr.dtype.element_ty))
+            tl.store(np_ptr + b * Q_BS, tl.where(live, top + 1, -1))
+        else:
+            tl.store(ids_ptr + b * I_BS + j * I_TS, tl.zeros((), ids_ptr.dtype.element_ty))
+            tl.store(np_ptr + b * Q_BS + j * Q_TS, tl.full((), -1, np_ptr.dtype.element_ty))
+    d = tl.arange(0, BD)
+    for k in tl.static_range(N):
+        for d0 in range(0, D, BD):
+            m = d0 + d < D
+            x = tl.load(s_ptr + b * S_BS + lane * S_TS + k * S_NS + (d0 + d) * S_DS, mask=m, other=0.0)
+            x = tl.where(live, x, tl.zeros_like(x))
+            for j in tl.static_range(T):
+                tl.store(h_ptr + b * H_BS + j * H_TS + k * H_NS + (d0 + d) * H_DS, x if j == 0 else tl.zeros_like(x), mask=m)
+
+
 def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg],
                attrs: dict) -> list[KernelCall]:
     if op_name == "spec_sample":
         return _sample_calls(operands, results)
+    if op_name == "draft_next":
+        return _draft_next_calls(operands, results)
     if op_name != "spec_accept":
         raise KeyError(f"spec_accept family has no op '{op_name}'")
     lg, ids, pos = operands["logits"], operands["ids"], operands["pos"]
@@ -190,3 +237,26 @@ def _sample_calls(operands: dict[str, TensorArg | None], results: dict[str, Tens
                        unaligned=unaligned({p: a for p, (_, a) in args.items()} | {"next_ptr": nxt, "kept_ptr": kept}),
                        bytes_moved=lg.type.nbytes + q.type.nbytes + ids.type.nbytes + 2 * pos.type.nbytes
                        + u.type.nbytes + te.type.nbytes + nxt.type.nbytes)]
+
+
+def _draft_next_calls(operands: dict[str, TensorArg | None], results: dict[str, TensorArg]) -> list[KernelCall]:
+    lg, st, pos = operands["logits"], operands["streams"], operands["pos"]
+    ids, nxt, h = results["ids"], results["pos_next"], results["hidden"]
+    if lg.type.rank != 2 or st.type.rank != 4:
+        raise ValueError(f"draft_next: logits must be [B, V] and streams [B, T, n, D], got {lg.shape}, {st.shape}")
+    B, T, N, D = st.shape
+    V = lg.shape[1]
+    ce = dict(T=T, V=V, N=N, D=D, L_BS=lg.strides[0], L_VS=lg.strides[1], S_BS=st.strides[0], S_TS=st.strides[1],
+              S_NS=st.strides[2], S_DS=st.strides[3], P_BS=pos.strides[0], P_TS=pos.strides[1], I_BS=ids.strides[0],
+              I_TS=ids.strides[1], Q_BS=nxt.strides[0], Q_TS=nxt.strides[1], H_BS=h.strides[0], H_TS=h.strides[1],
+              H_NS=h.strides[2], H_DS=h.strides[3], BT=triton.next_power_of_2(T),
+              BV=min(1024, triton.next_power_of_2(V)), BD=min(1024, triton.next_power_of_2(D)))
+    args = {"l_ptr": ("operand", "logits", lg), "s_ptr": ("operand", "streams", st), "pos_ptr": ("operand", "pos", pos),
+            "ids_ptr": ("result", "ids", ids), "np_ptr": ("result", "pos_next", nxt), "h_ptr": ("result", "hidden", h)}
+    pointers = [ptr(p, kind, n, a) for p, (kind, n, a) in args.items()]
+    # one program per sequence: the vocabulary streamed once, one lane of streams read, every lane written
+    return [KernelCall(call_name("draft_next", ce, f"b{B}_t{T}_v{V}_n{N}_d{D}_{lg.dtype}_{st.dtype}"),
+                       draft_next_kernel, ce, pointers, (B, 1, 1), num_warps=4,
+                       unaligned=unaligned({p: a for p, (_, _, a) in args.items()}),
+                       bytes_moved=lg.type.nbytes + pos.type.nbytes + st.type.nbytes // T + ids.type.nbytes
+                       + nxt.type.nbytes + h.type.nbytes)]

@@ -4,7 +4,8 @@
 lowest id), strided logits over more than one vocabulary chunk. `spec_sample`: a greedy sequence (temperature
 0: the same lanes as `spec_accept`), sampled ones with every draft kept (the token drawn from the last lane's
 p), the first and the second rejected (drawn from the residual), a padding lane; strided logits over two
-chunks. Exact although the kernel's exp and chunked sums round otherwise than the reference's left-to-right
+chunks. `draft_next`: sequences with every lane, two lanes, one lane and none valid (padding), a tied maximum,
+strided logits and streams; exact. Exact although the kernel's exp and chunked sums round otherwise than the reference's left-to-right
 sums: the seeded uniforms fall nowhere near a boundary of the CDF or of a ratio test."""
 
 from __future__ import annotations
@@ -93,3 +94,36 @@ def test_wrong_sampled_acceptance_is_caught(monkeypatch, tmp_path, old, new):
     kc.install_broken_kernel(monkeypatch, tmp_path, spec_accept, "spec_sample_kernel", old, new)
     with pytest.raises(AssertionError):
         check_spec_sample()
+
+
+def check_draft_next():
+    g = torch.Generator().manual_seed(2)
+    B, T, N, D, V = 4, 3, 2, 40, 1100
+    lb = torch.randn(B, V + 5, generator=g)
+    logits = lb[:, 3: V + 3]
+    logits[2, 17] = logits[2, 900] = logits[2].max() + 1  # a tie: the lowest id wins
+    streams = torch.randn(B, T, N, D + 3, generator=g)[..., 1: D + 1]
+    pos = torch.tensor([[5, 6, 7], [9, 10, -1], [3, -1, -1], [-1, -1, -1]], dtype=torch.int64)
+    ids, _ = kc.poisoned((B, T), torch.int64)
+    nxt, _ = kc.poisoned((B, T), torch.int64)
+    hidden, _ = kc.poisoned((B, T, N, D), torch.float32)
+    args = {"logits": logits, "streams": streams, "pos": pos}
+    kernels.launch("draft_next", args, {}, {"ids": ids, "pos_next": nxt, "hidden": hidden})
+    ref_ids, ref_pos, ref_h = kc.reference("draft_next", args, {})
+    assert ref_pos.tolist() == [[8, -1, -1], [11, -1, -1], [4, -1, -1], [-1, -1, -1]] and ref_ids[2, 0] == 17
+    assert torch.equal(ref_h[1, 0], streams[1, 1]) and ref_h[:, 1:].abs().sum() == 0 and ref_h[3].abs().sum() == 0
+    assert torch.equal(ids, ref_ids) and torch.equal(nxt, ref_pos) and torch.equal(hidden, ref_h)
+
+
+def test_draft_next():
+    check_draft_next()
+
+
+# Kernel faults: the first lane's streams taken, the position not advanced.
+@pytest.mark.parametrize("old,new", [("lane = tl.maximum(n - 1, 0)", "lane = 0"),
+                                     ("tl.where(live, top + 1, -1)", "tl.where(live, top, -1)")],
+                         ids=["lane", "pos"])
+def test_wrong_draft_inputs_are_caught(monkeypatch, tmp_path, old, new):
+    kc.install_broken_kernel(monkeypatch, tmp_path, spec_accept, "draft_next_kernel", old, new)
+    with pytest.raises(AssertionError):
+        check_draft_next()

@@ -849,7 +849,8 @@ def test_auto_stale_samples():
 
 def test_auto_costs_modeled_from_the_report(tmp_path):
     """Off the cpu device: c(k) / c(0) from the compile report's modeled verify step (linear in k between the
-    modeled drafts, extended past the last); no report, no costs (then K every step)."""
+    modeled drafts, extended past the last), or its compiled one-call steps (`spec_step`: drafting one plus a draft
+    call per further draft, or each k's own step where it has one); no report, no costs (then K every step)."""
     import json
     from types import SimpleNamespace
 
@@ -870,3 +871,7 @@ def test_auto_costs_modeled_from_the_report(tmp_path):
     sess.device = "hip"
     assert spec_auto.modeled(sess, 3, 2) == pytest.approx([1.0, 1.5, 1.6, 1.7])
     assert spec_auto.modeled(sess, 3, 4) == pytest.approx([1.0, 1.5, 1.8, 2.1])  # no spec_b4: the traced model
+    # drafting k in one call (`spec_b<B>_d<k>`, the model's `steps_us`): those k's own steps (k past them: calls)
+    step["gfx950"]["spec_b2"]["steps_us"] = [150.0, 155.0]
+    (tmp_path / "report.json").write_text(json.dumps({"spec_step": step}))
+    assert spec_auto.modeled(sess, 3, 2) == pytest.approx([1.0, 1.5, 1.55, 1.7])

@@ -4,7 +4,7 @@ everything. The registry itself never imports this package; whoever reads or bui
 it needs (the frontend, the CLI, the runtimes call `load_all()`).
 
 * `core`: embed, linear, rms_norm, swiglu, reshape, split, add, last_token, spec_accept,
-  spec_sample (`basic`);
+  spec_sample, draft_next (`basic`);
 * `model`: the ops the reference model is written in (mHC, RoPE, attention, compressor, indexer, MoE,
   the official numerics' roundings);
 * `lowered`: the ops passes create (fusions, the paged pool);

@@ -274,6 +274,37 @@ def _(logits, ids, pos, draft_probs, uniforms, temperature):
     return TensorType((B, T), "i64"), TensorType((B, T), "i64")
 
 
+@defop("draft_next(logits, streams, pos) -> ids, pos_next, hidden", kernel="spec_accept")
+def draft_next(logits, streams, pos):
+    """A recursive MTP draft's step inputs from the draft before it (what the host's `draft_b<B>` calls feed it):
+    per sequence b with n_b valid lanes (pos >= 0), lane 0 gets `ids` = the argmax of `logits [B, V]` (ties to
+    the lowest id: the next draft), `pos_next` = its largest position + 1 and `hidden` = `streams [B, T, n, D]`
+    at its last valid lane (n_b - 1, `last_token`'s lane); every other lane, and every lane of a sequence without
+    a valid one, is padding: id 0, position -1, zero streams."""
+    import torch
+
+    B, T = pos.shape
+    live = (pos >= 0).any(1)
+    lane = ((pos >= 0).sum(1) - 1).clamp(min=0)
+    ids = torch.zeros_like(pos)
+    nxt = torch.full_like(pos, -1)
+    hidden = torch.zeros_like(streams)
+    ids[:, 0] = torch.where(live, torch.argmax(logits, dim=-1).to(pos.dtype), 0)
+    nxt[:, 0] = torch.where(live, pos.max(1).values + 1, -1)
+    hidden[:, 0] = torch.where(live.view(B, *([1] * (streams.dim() - 2))), streams[torch.arange(B), lane], 0)
+    return ids, nxt, hidden
+
+
+@draft_next.infer
+def _(logits, streams, pos):
+    B, T = tuple(pos.shape)
+    require(logits.rank == 2 and logits.shape[0] == B and streams.rank == 4 and tuple(streams.shape[:2]) == (B, T),
+            "draft_next takes logits [B, V], streams [B, T, n, D] and pos [B, T]", expected=[B, T],
+            found=[list(logits.shape), list(streams.shape)])
+    require(pos.dtype == "i64", "draft_next positions must be i64", found=pos.dtype)
+    return TensorType((B, T), "i64"), TensorType((B, T), "i64"), streams
+
+
 @defop("split(x) -> a, b", attrs={"at": int}, view=split_view)
 def split(x, *, at):
     """A view: the last axis cut at `at` (the two outputs of a merged GEMM)."""
