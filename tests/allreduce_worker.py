@@ -42,7 +42,7 @@ SCENARIOS = {
                  ((5000, "bf16"),), 64, None),
     "no_wait": (((" < v) & (polls < SPIN)", " < 0) & (polls < SPIN)"),), ((3000, "bf16"),), 64, "last starts late"),
     "slow": ((), ((1000, "bf16"), (1000, "bf16")), 64, "last polls slowly"),
-    "one_slot": ((("slot = (v % 2) * SLOT_BYTES", "slot = 0 * SLOT_BYTES"),), ((1000, "bf16"), (1000, "bf16")), 64,
+    "one_slot": ((("slot = SLOTS_AT + (v % 2) * SLOT_BYTES", "slot = SLOTS_AT + 0 * SLOT_BYTES"),), ((1000, "bf16"), (1000, "bf16")), 64,
                  "last polls slowly"),
     "late": ((), ((3000, "fp32"),), 64, "last never arrives"),
 }
@@ -127,7 +127,7 @@ def scenario_run(rank: int, world: int, name: str, d: Path) -> dict:
             call.fn = fn
             run_calls([call], {"x": xs[rank], "peers": peers}, {"y": y})
             status = tuple(torch.frombuffer(maps[rank], dtype=torch.int64, count=2,
-                                            offset=region.status_at).tolist())
+                                            offset=0).tolist())
             error = allreduce.late_peer_error(status, rank, world, spin)
             if error:
                 break

@@ -1,9 +1,9 @@
 """One-shot all-reduce over symmetric peer memory (issue 34): the group's sum in RANK ORDER, in one launch.
 
 Every rank of a group holds one SYMMETRIC REGION (the same size and layout on every rank, zeroed at load; see
-`Region`): two data slots (`[2][slot_bytes]`), flags `int64 [group][tiles]` (flag [s][t]: the sequence number of
-the last all-reduce for which rank s put tile t in its slot), per-tile sequence counters `int64 [tiles]` (read
-and written by this rank only) and a status word. Each rank maps every peer's region into its own address space
+`peers.Region`): two status words, two data slots (`[2][slot_bytes]`), flags `int64 [group][tiles]` (flag [s][t]:
+the sequence number of the last all-reduce for which rank s put tile t in its slot) and per-tile sequence counters
+`int64 [tiles]` (read and written by this rank only). Each rank maps every peer's region into its own address space
 (CUDA / HIP IPC handles; on the host device POSIX shared memory), and the call's `peers` operand is an int64
 table `[group + 1]`: each rank's region base as mapped in THIS process, then this rank's index in the group (the
 program is the same on every rank; only the table differs).
@@ -28,80 +28,51 @@ all-reduce v + 1 kernel, which started after its all-reduce v kernel ended (stre
 peer read rank r's slot v % 2 for the last time. So no peer still reads a slot when its owner overwrites it.
 One slot would not do: a fast rank would overwrite its slot for v + 1 while a slow peer still reads it for v.
 
-The wait is BOUNDED: after `spin` polls of one flag the program records the late peer in the status word
-(1 + the peer's index, then the sequence number), writes no result, and ends; the runtime reads
-the status after a step and raises one clear error (`late_peer_error`). A kernel never hangs.
+The wait is BOUNDED: after `spin` polls of one flag the program records the late peer in the status words
+(1 + the peer's index, then the sequence number; the first program to give up writes them), writes no result,
+and ends; a later all-reduce that finds them set does not wait at all. The runtime reads them after a step and
+raises one clear error (`peers.late_peer_error`); the rank's runtime is then unusable, as after a GPU fault. A
+kernel never hangs.
+
+The lowering (`passes/oneshot_allreduce.py`) turns a GPU program's `all_reduce` launches into `all_reduce_oneshot`
+launches, this family's op.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import triton
 import triton.language as tl
 
+from ...targets import KERNEL_SCHEDULES, ONESHOT_MAX_BYTES
 from . import KernelCall, TensorArg, call_name, ptr
+from .pdl import pdl_enter
+from .peers import TILE, Region, late_peer_error  # noqa: F401 (late_peer_error: the family's error)
 
-TILE = 2048  # elements of one tile (one program step; 4 KB of bf16)
 GRID_MAX = 64  # programs at most: resident on every GPU we target (132 SMs on H100, 256 CUs on MI355X)
-# Polls of one flag before a peer counts as late: ~30 s interpreted (~0.45 ms a poll on the host device), and on a
-# GPU (a system-scope load of peer memory, ~1-2 us) ~8-16 s; a bound on a wait, no part of the arithmetic, so
-# the GPU binaries take their own value (`KernelCall.per_target`)
+# Polls of one flag before a peer counts as late: ~30 s interpreted (~0.45 ms a poll on the host device); the GPU
+# binaries take their own bound (`targets.KERNEL_SCHEDULES["allreduce.spin"]`, `KernelCall.per_target`)
 SPIN = 1 << 16
-GPU_SPIN = {"gfx950": 1 << 23, "sm_90a": 1 << 23}
-MAX_BYTES = 8 << 20  # the largest all-reduce run one-shot (vLLM's custom all-reduce default max_size)
-FLAG_BYTES = 8  # int64 flags, counters and status words (2^63 all-reduces: never wraps)
-
-
-@dataclass(frozen=True)
-class Region:
-    """The symmetric region's layout (byte offsets), the same on every rank of a group of `group` ranks for
-    all-reduces of up to `max_bytes` bytes."""
-    group: int
-    max_bytes: int
-
-    @property
-    def slot_bytes(self) -> int:
-        return (self.max_bytes + 255) // 256 * 256
-
-    @property
-    def tiles(self) -> int:  # the most tiles a value can have (bf16, the smallest element, gives the most)
-        return max(1, triton.cdiv(self.max_bytes // 2, TILE))
-
-    @property
-    def flags_at(self) -> int:
-        return 2 * self.slot_bytes
-
-    @property
-    def counts_at(self) -> int:
-        return self.flags_at + self.group * self.tiles * FLAG_BYTES
-
-    @property
-    def status_at(self) -> int:
-        return self.counts_at + self.tiles * FLAG_BYTES
-
-    @property
-    def nbytes(self) -> int:
-        return (self.status_at + 2 * FLAG_BYTES + 255) // 256 * 256
+MAX_BYTES = ONESHOT_MAX_BYTES  # the largest all-reduce run one-shot (v4compile/targets.py says why)
 
 
 @triton.jit
 def oneshot_kernel(x_ptr, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
-                   GRID: tl.constexpr, SLOT_BYTES: tl.constexpr, FLAGS_AT: tl.constexpr, TILES: tl.constexpr,
-                   COUNTS_AT: tl.constexpr, STATUS_AT: tl.constexpr, SPIN: tl.constexpr):
+                   GRID: tl.constexpr, SLOTS_AT: tl.constexpr, SLOT_BYTES: tl.constexpr, FLAGS_AT: tl.constexpr, TILES: tl.constexpr,
+                   COUNTS_AT: tl.constexpr, SPIN: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)  # sm_90a: after the kernel before it (which wrote x), as every kernel of the stream
     dty = x_ptr.dtype.element_ty
     rank = tl.load(peers_ptr + GROUP)
     me = tl.load(peers_ptr + rank)
     counts = (me + COUNTS_AT).to(tl.pointer_type(tl.int64))
     my_flags = (me + FLAGS_AT).to(tl.pointer_type(tl.int64))
-    status = (me + STATUS_AT).to(tl.pointer_type(tl.int64))
+    status = me.to(tl.pointer_type(tl.int64))
     offs = tl.arange(0, TILE)
-    late = tl.zeros((), tl.int64)
+    late = tl.load(status)  # an earlier all-reduce gave up: this one does not wait again
     for t in range(tl.program_id(0), tl.cdiv(NUMEL, TILE), GRID):
         if late == 0:
             v = tl.load(counts + t) + 1
             tl.store(counts + t, v)
-            slot = (v % 2) * SLOT_BYTES
+            slot = SLOTS_AT + (v % 2) * SLOT_BYTES
             idx = t * TILE + offs
             ok = idx < NUMEL
             tl.store((me + slot).to(tl.pointer_type(dty)) + idx, tl.load(x_ptr + idx, mask=ok), mask=ok)
@@ -122,9 +93,8 @@ def oneshot_kernel(x_ptr, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.const
                     part = tl.load((tl.load(peers_ptr + s) + slot).to(tl.pointer_type(dty)) + idx, mask=ok)
                     acc = (acc.to(tl.float32) + part.to(tl.float32)).to(dty)
                 tl.store(y_ptr + idx, acc, mask=ok)
-            else:
+            elif tl.atomic_cas(status, late * 0, late, sem="relaxed", scope="sys") == 0:  # the first to give up says so
                 tl.store(status + 1, v)
-                tl.atomic_store(status, late, sem="release", scope="sys")
 
 
 def oneshot_call(x: TensorArg, y: TensorArg, group: int, region: Region, names=("x", "y"), spin: int = SPIN,
@@ -138,22 +108,28 @@ def oneshot_call(x: TensorArg, y: TensorArg, group: int, region: Region, names=(
         raise ValueError(f"one-shot all-reduce of {nbytes} bytes over {group} ranks: the region holds "
                          f"{region.max_bytes} bytes over {region.group}")
     tiles = max(1, triton.cdiv(numel, TILE))
-    ce = dict(NUMEL=numel, GROUP=group, TILE=TILE, GRID=min(tiles, grid_max), SLOT_BYTES=region.slot_bytes,
-              FLAGS_AT=region.flags_at, TILES=region.tiles, COUNTS_AT=region.counts_at, STATUS_AT=region.status_at,
+    ce = dict(NUMEL=numel, GROUP=group, TILE=TILE, GRID=min(tiles, grid_max), SLOTS_AT=region.slots_at, SLOT_BYTES=region.slot_bytes,
+              FLAGS_AT=region.flags_at, TILES=region.tiles, COUNTS_AT=region.counts_at,
               SPIN=spin)
     pointers = [ptr("x_ptr", "operand", names[0], x), ptr("y_ptr", "result", names[1], y),
                 ptr("peers_ptr", "peers", "peers", "*i64")]
-    # bytes: x read and copied to the slot, every rank's slot read (group - 1 of them over the links), y written
+    # No flops or bytes for the roofline: a collective's time is the parallel model's (codegen/parallel_model.py:
+    # the measured one-shot figure + the bytes pulled over the links), as NCCL's is; its launch is a kernel call.
     return KernelCall(call_name("allreduce_oneshot", ce, f"{numel}_{x.dtype}_g{group}"), oneshot_kernel, ce, pointers,
-                      (ce["GRID"], 1, 1), num_warps=4, flops=numel * (group - 1),
-                      bytes_moved=nbytes * (group + 3),
-                      per_target={} if spin != SPIN else {t: {"constexprs": {"SPIN": n}} for t, n in GPU_SPIN.items()})
+                      (ce["GRID"], 1, 1), num_warps=4,
+                      per_target=KERNEL_SCHEDULES["allreduce.spin"] if spin == SPIN else {})
 
 
-def late_peer_error(status: tuple[int, int], rank: int, group: int, spin: int = SPIN) -> str | None:
-    """The error a region's status words (late peer + 1, sequence number) stand for; None when clear."""
-    peer, seq = status
-    if peer == 0:
-        return None
-    return (f"rank {rank}: peer rank {peer - 1} of its group of {group} did not reach one-shot all-reduce "
-            f"{seq} within {spin} polls")
+def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg],
+               attrs: dict) -> list[KernelCall]:
+    if op_name != "all_reduce_oneshot":
+        raise KeyError(f"allreduce family has no op '{op_name}'")
+    x, y = operands["x"], results["y"]
+    for name, a in (("x", x), ("y", y)):  # a tile is a run of consecutive elements
+        dense = [1]
+        for n in reversed(a.shape[1:]):
+            dense.insert(0, dense[0] * n)
+        if a.type.rank and list(a.strides) != dense:
+            raise ValueError(f"all_reduce_oneshot: '{name}' is not contiguous (strides {list(a.strides)})")
+    group = int(attrs["group"])
+    return [oneshot_call(x, y, group, Region(group, int(attrs["region_bytes"])))]

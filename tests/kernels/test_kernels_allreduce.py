@@ -75,11 +75,12 @@ def test_compiles_without_spills(tmp_path):
     from v4compile.codegen import aot
     from v4compile.codegen.kernels import TensorArg, allreduce
     from v4compile.ir.types import TensorType
+    from v4compile.targets import GPU_TARGETS
 
     x = TensorArg(TensorType((8, 7168), "bf16"), (7168, 1))
     call = allreduce.oneshot_call(x, x, 8, allreduce.Region(8, allreduce.MAX_BYTES))
-    rows = aot.compile_calls([call], list(allreduce.GPU_SPIN), tmp_path, jobs=2)
-    assert sorted(r["target"] for r in rows) == sorted(allreduce.GPU_SPIN)
+    rows = aot.compile_calls([call], list(GPU_TARGETS), tmp_path, jobs=2)
+    assert sorted(r["target"] for r in rows) == sorted(GPU_TARGETS)
     for r in rows:
         assert r["spills"] == 0, f"{r['name']} ({r['target']}) spills {r['spills']}"
-        assert call.for_target(r["target"])[2]["SPIN"] == allreduce.GPU_SPIN[r["target"]] != allreduce.SPIN
+        assert call.for_target(r["target"])[2]["SPIN"] > 100 * allreduce.SPIN
