@@ -145,7 +145,8 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
         # per step in its own layout's row (the other layout's: the bar, not a compiled figure)
         compiled = "DP8/EP8" if layout.dp > 1 else "TP8/EP8"
         out["layouts"] = layout_table(cfg, targets or tuple(TARGETS), int(dec.attrs["batch"]),
-                                      {compiled: launches} if counted == "kernel calls" else None)
+                                      {compiled: launches} if counted == "kernel calls" else None,
+                                      oneshot=any(c["op"] == "all_reduce_oneshot" for c in coll))
     return out
 
 

@@ -2,7 +2,7 @@
 
 Requires: a partitioned module (`partition`), so its all-reduces are the tensor-parallel sums of a group of ranks.
 Guarantees: each `all_reduce` whose group lies within one node and whose value is small enough
-(`targets.oneshot_allreduce`: up to 8 ranks, up to 8 MB) becomes `all_reduce_oneshot` (the same operand, result,
+(`targets.oneshot_allreduce`: up to 8 ranks, under 256 KB) becomes `all_reduce_oneshot` (the same operand, result,
 attributes and place; `region_bytes` the largest such value of the module, which sizes the one symmetric region
 every rank holds). One group size per module: where all-reduces of several sizes qualify, the largest group's
 become one-shot and the others stay on the communicator (hits `<func>.oneshot`, `<func>.kept`).

@@ -89,16 +89,17 @@ class TargetSpec:
 #   leave 2.1 us of fixed cost. The model is conservative above 24 KB: at 192 KB it gives 8.6 us (measured 7.0).
 # * sm_90a: no measured one-shot figure below NCCL's (sglang PR #2904: a custom all-reduce ~11 us at ~112 KB on
 #   8x H100): modeled as the ring.
-# A group of up to ONESHOT_MAX_GROUP ranks (one node: peer memory reaches no further) and values of up to
-# ONESHOT_MAX_BYTES (vLLM's default max_size: past it the one-shot's (n - 1) x bytes pulled lose to a ring) run
-# one-shot; the rest on the collective library.
+# A group of up to ONESHOT_MAX_GROUP ranks (one node: peer memory reaches no further) and values under
+# ONESHOT_MAX_BYTES run one-shot; the rest on the collective library. 256 KB: where vLLM's custom all-reduce
+# (csrc/custom_all_reduce.cuh) leaves its one-stage kernel for two stages at 8 ranks, as a rank's (n - 1) x bytes
+# pulled then cost more than a ring's 2 (n - 1) / n x bytes (the model above: 7 x 256 KB at 537.6 GB/s is 3.4 us).
 ONESHOT_MAX_GROUP = 8
-ONESHOT_MAX_BYTES = 8 << 20
+ONESHOT_MAX_BYTES = 256 << 10
 
 
 def oneshot_allreduce(group: int, nbytes: int) -> bool:
     """Whether an all-reduce of `nbytes` over `group` ranks runs one-shot (passes/oneshot_allreduce.py)."""
-    return 1 < group <= ONESHOT_MAX_GROUP and 0 < nbytes <= ONESHOT_MAX_BYTES
+    return 1 < group <= ONESHOT_MAX_GROUP and 0 < nbytes < ONESHOT_MAX_BYTES
 # AOT compile cost: sm_90a costs more per kernel than gfx950 (ptxas): measured ~1.5x on V4-Pro with nvdisasm on
 # its MMA kernels, ~1.4x without (codegen/aot.py reads their SASS itself).
 TARGETS: dict[str, TargetSpec] = {
