@@ -12,8 +12,8 @@
 #define HIP_STREAM_NON_BLOCKING 1
 #define HIP_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_MEMORY_SIZE 8
 /* hip_runtime_api.h: fine-grained memory that bypasses the caches, so a flag stored by one GPU is seen by a
- * peer polling it (vLLM's custom all-reduce allocates its signal and data buffers so on ROCm:
- * csrc/custom_all_reduce.cuh, hipExtMallocWithFlags(..., hipDeviceMallocUncached)). */
+ * peer polling it (vLLM's custom all-reduce allocates its IPC-shared buffers so on ROCm, "uncached for signal
+ * on MI200": csrc/custom_all_reduce.cu, allocate_shared_buffer_and_handle, then hipIpcGetMemHandle). */
 #define HIP_DEVICE_MALLOC_UNCACHED 0x3
 #define HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 0x1
 typedef struct {
