@@ -136,6 +136,10 @@ def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
                    help="data parallel attention: dp replicas of tp ranks, each with its own sequences, KV pool and "
                         "state (--batch / --decode-batch per replica); --ep 1 or dp x tp (the experts over the world, "
                         "every rank's tokens gathered to them)")
+    g.add_argument("--allreduce", choices=("oneshot", "nccl"), default="oneshot",
+                   help="GPU programs: tensor-parallel all-reduces within a node as one-shot kernel launches over peer "
+                        "memory, summing the ranks in rank order bit for bit as the IR's reference (oneshot, the "
+                        "default: pass oneshot_allreduce), or on NCCL / RCCL (nccl: its ring order rounds otherwise)")
     g.add_argument("--print-ir-after-all", action="store_true")
     g.add_argument("--print-ir-after-change", action="store_true")
     g.add_argument("--print-ir-after", action="append", default=[], metavar="PASS")

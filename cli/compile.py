@@ -13,7 +13,8 @@ from ..errors import InputError
 from ..speculation import MAX_DRAFT_TOKENS
 from ..targets import GPU_TARGETS
 from .args import add_pipeline_flags, add_source_flags, int_arg, split_specs, threads_arg
-from .pipeline import check_outputs, finish, frontend_of, partition_spec, run_pipeline, stages_of, targets_of
+from .pipeline import (allreduce_choice, check_outputs, finish, frontend_of, partition_spec, run_pipeline, stages_of,
+                       targets_of)
 
 log = logging.getLogger("v4compile")
 
@@ -82,7 +83,8 @@ def cmd_compile(args) -> int:
 
                 for t, m in rep.get("decode_step", {}).items():  # the per-rank step pays its all-reduces too
                     if t in parallel["decode_step"]:
-                        add_collectives(m, parallel["decode_step"][t]["collectives_us"])
+                        add_collectives(m, parallel["decode_step"][t]["collectives_us"],
+                                        parallel["decode_step"][t].get("oneshot"))
     if args.json:
         print(json.dumps(rep, indent=1))
     elif args.report:
@@ -220,6 +222,7 @@ def _artifact_plan(args, fe, targets) -> dict:
             gpu_pipeline = split_specs(args.passes)
         else:
             cpu_pipeline = split_specs(args.passes)
+    gpu_pipeline = allreduce_choice(args, gpu_pipeline)
     spec = partition_spec(args)
     if spec is not None:  # one SPMD module per target (a GPU program with collective launches)
         for p in (cpu_pipeline, gpu_pipeline):

@@ -48,12 +48,20 @@ def pipeline_of(args) -> list[str]:
     from ..passes import PIPELINES
 
     passes = split_specs(args.passes) if args.passes else list(PIPELINES[pipeline_name(targets_of(args)[0])])
+    passes = allreduce_choice(args, passes)
     spec = partition_spec(args)
     if spec is not None:
         if any(p.split("{", 1)[0].strip() == "partition" for p in passes):
             raise InputError("--tp / --ep / --dp add the partition pass; --passes names it too", found=args.passes)
         passes.insert(0, spec)
     return passes
+
+
+def allreduce_choice(args, passes: list[str]) -> list[str]:
+    """The pipeline without `oneshot_allreduce` under `--allreduce nccl` (the all-reduces stay on NCCL / RCCL)."""
+    if getattr(args, "allreduce", "oneshot") == "oneshot":
+        return passes
+    return [p for p in passes if p.split("{", 1)[0].strip() != "oneshot_allreduce"]
 
 
 def partition_spec(args) -> str | None:

@@ -15,7 +15,8 @@ What each figure is and where it comes from (every row states it too):
   per layer (wo_b's, the routed experts') of b tokens, a ring moving 2 (n-1)/n of them; DP8/EP8 one
   all-gather of the MoE input and one reduce-scatter of its output per layer over the 8 b tokens of the EP
   group, (n-1)/n of the gathered bytes each; each costs the link's latency + bytes / link bandwidth
-  (`targets.TargetSpec.link`);
+  (`targets.TargetSpec.link`), except a compiled TP8/EP8 program's one-shot all-reduces (`oneshot`): the
+  one-shot's measured fixed cost + (n-1) x bytes / link bandwidth, their launches among the program's calls;
 * modeled per-rank decode step = bandwidth (weights a step reads at the HBM roofline: every non-expert weight
   of the rank, and of its routed experts those the group's tokens pick, `1 - (1 - k/E)^tokens` each under
   uniform routing; KV reads left out as in `parallel_model`) + compute (2 x activated non-expert params x b +
@@ -35,7 +36,7 @@ import math
 from typing import Any
 
 from v4compile.accounting import kv_bytes_per_token, main_row_bytes, state_bytes_per_request
-from v4compile.targets import TARGETS
+from v4compile.targets import TARGETS, oneshot_allreduce
 from v4compile.weights import spec_table
 
 WORLD = 8
@@ -99,7 +100,7 @@ def _calls(cfg, layout: str, calls_per_step: int | dict[str, int] | None) -> tup
 
 
 def step(cfg, w: dict, layout: str, target: str, b: int,
-         calls_per_step: int | dict[str, int] | None) -> dict[str, Any]:
+         calls_per_step: int | dict[str, int] | None, oneshot: bool = False) -> dict[str, Any]:
     spec = TARGETS[target]
     E, k = cfg.n_experts, cfg.n_active_experts
     group_tokens = b if layout == "TP8/EP8" else WORLD * b
@@ -114,6 +115,11 @@ def step(cfg, w: dict, layout: str, target: str, b: int,
     launch_s = calls * spec.launch_latency(kind)
     c = _collectives(cfg, layout, b)
     coll_s = c["count"] * (spec.link.allreduce_latency_s + c["moved_per_rank_each"] / spec.link.bytes_s)
+    if (oneshot and layout == "TP8/EP8" and calls_source == "the compiled program"
+            and spec.link.oneshot_latency_s is not None and oneshot_allreduce(WORLD, c["bytes_each"])):
+        # the compiled program's all-reduces are one-shot kernel calls (their launches among its calls)
+        coll_s = c["count"] * (spec.link.oneshot_latency_s + (WORLD - 1) * c["bytes_each"] / spec.link.bytes_s)
+        c = {**c, "what": c["what"] + ", one-shot"}
     total = bw_s + compute_s + launch_s + coll_s
     return {"batch_per_rank": b, "bandwidth_us": bw_s * 1e6, "bytes_read": read, "compute_us": compute_s * 1e6,
             "flops": flops, "launch_us": launch_s * 1e6, "calls": calls,
@@ -122,7 +128,10 @@ def step(cfg, w: dict, layout: str, target: str, b: int,
 
 
 def layout_table(cfg, targets: tuple[str, ...] = tuple(TARGETS), batch: int = 8,
-                 calls_per_step: int | dict[str, int] | None = None) -> dict[str, Any]:
+                 calls_per_step: int | dict[str, int] | None = None, oneshot: bool = False) -> dict[str, Any]:
+    """`oneshot`: the compiled TP8/EP8 program's all-reduces are one-shot kernel calls (`passes/oneshot_allreduce.py`,
+    counted in its calls): its row's collectives then cost the one-shot's own time where the target has a measured
+    figure (`parallel_model.collective_s`), not a ring's."""
     w = _weights(cfg)
     seq = {ctx: _per_sequence(cfg, ctx) for ctx in CONTEXTS}
     rows = []
@@ -136,12 +145,12 @@ def layout_table(cfg, targets: tuple[str, ...] = tuple(TARGETS), batch: int = 8,
             tps = {}
             for conc in CONCURRENCY:
                 b = conc if layout == "TP8/EP8" else math.ceil(conc / WORLD)
-                st = step(cfg, w, layout, t, b, calls_per_step)
+                st = step(cfg, w, layout, t, b, calls_per_step, oneshot)
                 tps[conc] = {"step_us": st["step_us"], "tokens_s": conc / (st["step_us"] * 1e-6), "batch_per_rank": b}
             rows.append({"target": t, "device": spec.link.device, "layout": layout, "weights_per_rank": per_rank,
                          "kv_state_per_sequence": {ctx: seq[ctx] for ctx in CONTEXTS},
                          "kv_state_per_rank_at_batch": {ctx: seq[ctx] * batch for ctx in CONTEXTS},
-                         "fits_sequences": fits, "step": step(cfg, w, layout, t, batch, calls_per_step),
+                         "fits_sequences": fits, "step": step(cfg, w, layout, t, batch, calls_per_step, oneshot),
                          "system": tps, "memory_bytes": spec.link.memory_bytes, "source": spec.link.source})
     return {"model": cfg.name if hasattr(cfg, "name") else "", "world": WORLD, "batch_per_rank": batch,
             "workspace_bytes": WORKSPACE_BYTES, "rows": rows, "atom_measured": ATOM_MEASURED,

@@ -21,7 +21,12 @@ run nothing); else the weights model: every weight once, and of the routed exper
 `1 - (1 - k/E)^tokens` under uniform routing), which `weights_read_bytes` keeps either way; plus the per-launch latency (`targets.TARGETS`: a graph node, with PDL on
 sm_90a) of every kernel call of the partitioned program (`decode_calls`; of every launch op when the module
 was not lowered to a program), plus each
-all-reduce as a ring: `latency + 2 (n - 1) / n * bytes / link bandwidth` (`targets.TargetSpec.link`). KV reads
+collective as a ring: `latency + 2 (n - 1) / n * bytes / link bandwidth` for an all-reduce
+(`targets.TargetSpec.link`), except the one-shot all-reduce over peer memory (`all_reduce_oneshot`,
+`codegen/kernels/allreduce.py`; issue 34's option A): a kernel call (counted with the calls) + `oneshot latency +
+(n - 1) * bytes / link bandwidth` where the target has a measured one-shot figure (else the ring's). For a
+program whose all-reduces stayed on the communicator (`--allreduce nccl`), `oneshot` is the step with them
+one-shot. KV reads
 are left out (a decode step reads the window and the selected rows, small next to the weights at these batches).
 """
 
@@ -32,7 +37,7 @@ from typing import Any
 from v4compile.ir.core import Module
 from v4compile.ir.registry import get_op
 from v4compile.parallel import ParallelLayout, is_rank_local, split_shard
-from v4compile.targets import TARGETS
+from v4compile.targets import TARGETS, oneshot_allreduce
 from v4compile.weights import spec_table
 from v4compile.weights_convert import expand_sources
 
@@ -103,9 +108,11 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
     for t in targets:
         spec = TARGETS[t]
         link = spec.link
-        coll_s = sum(link.allreduce_latency_s + ring_bytes(c) / link.bytes_s for c in coll)
+        coll_s = sum(collective_s(c, link, c["op"] == "all_reduce_oneshot") for c in coll)
         # every launch as a graph node, with PDL where the target has it (its kernels all wait: kernels/pdl.py)
         kind = "graph_pdl" if spec.pdl else "graph"
+        # all-reduces the lowering left on the communicator (`--allreduce nccl`) that could run one-shot
+        one = [id(c) for c in coll if c["op"] == "all_reduce" and oneshot_allreduce(c["group"], c["bytes"])]
         roof_s, launch_s = moved / spec.hbm_bytes_s, launches * spec.launch_latency(kind)
         steps[t] = {"device": link.device, "fits": per_rank + kv <= link.memory_bytes,
                     "memory_bytes": link.memory_bytes, "weights_read_bytes": int(read),
@@ -115,7 +122,13 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
                     "modeled_us": round((roof_s + launch_s + coll_s) * 1e6, 1), "launches": launches,
                     "launches_counted": counted,
                     "link_bytes_s": link.bytes_s, "allreduce_latency_us": link.allreduce_latency_s * 1e6,
-                    "source": link.source}
+                    "source": link.source, "oneshot_all_reduces": sum(c["op"] == "all_reduce_oneshot" for c in coll),
+                    **({"oneshot_latency_us": link.oneshot_latency_s * 1e6, "oneshot_source": link.oneshot_source}
+                       if link.oneshot_latency_s is not None else {})}
+        if one and link.oneshot_latency_s is not None:  # what lowering them one-shot would give (issue 34's option A)
+            steps[t]["oneshot"] = {
+                "all_reduces": len(one), "launch_latency_us": round(len(one) * spec.launch_latency(kind) * 1e6, 1),
+                "collectives_us": round(sum(collective_s(c, link, id(c) in one) for c in coll) * 1e6, 1)}
     out = {
         "tp": layout.tp, "ep": layout.ep, **({"dp": layout.dp} if layout.dp > 1 else {}), "world": layout.world,
         "per_rank_weight_bytes": per_rank,
@@ -132,7 +145,8 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
         # per step in its own layout's row (the other layout's: the bar, not a compiled figure)
         compiled = "DP8/EP8" if layout.dp > 1 else "TP8/EP8"
         out["layouts"] = layout_table(cfg, targets or tuple(TARGETS), int(dec.attrs["batch"]),
-                                      {compiled: launches} if counted == "kernel calls" else None)
+                                      {compiled: launches} if counted == "kernel calls" else None,
+                                      oneshot=any(c["op"] == "all_reduce_oneshot" for c in coll))
     return out
 
 
@@ -145,6 +159,15 @@ def ring_bytes(c: dict) -> float:
     if c["op"] == "reduce_scatter_rows":  # with a replica's tp ranks: as of its rows repeated for each
         return (n - 1) / n * b * c.get("tp", 1)
     return 2 * (n - 1) / n * b
+
+
+def collective_s(c: dict, link, oneshot: bool) -> float:
+    """A collective's own time (its launch, if a kernel call, is counted with the calls). One-shot, where the
+    link has a measured figure (`targets.Link.oneshot_latency_s`): that fixed cost + what a rank pulls from its
+    n - 1 peers at the link's bandwidth; else a ring: the link's latency + the ring's bytes at its bandwidth."""
+    if oneshot and link.oneshot_latency_s is not None:
+        return link.oneshot_latency_s + (c["group"] - 1) * c["bytes"] / link.bytes_s
+    return link.allreduce_latency_s + ring_bytes(c) / link.bytes_s
 
 
 def decode_calls(final: Module) -> tuple[int, str, int | None]:
@@ -161,7 +184,7 @@ def decode_calls(final: Module) -> tuple[int, str, int | None]:
             live = [c for calls in pk.calls["decode"] for c in calls if 0 not in c.grid]
             return len(live), "kernel calls", sum(c.bytes_moved for c in live)
     return sum(1 for op in final.functions["decode"].ops if get_op(op.name).launch
-               and not get_op(op.name).collective), "launches", None
+               and not get_op(op.name).communicator), "launches", None
 
 
 def program_collectives(final: Module) -> dict[str, int]:
@@ -196,7 +219,8 @@ def render_parallel(p: dict) -> str:
     c = p["collectives_per_decode_step"]
     size = sorted({x["bytes"] for x in c["ops"]})
     kinds = sorted({x["op"] for x in c["ops"]})
-    what = "all-reduces" if kinds in ([], ["all_reduce"]) else "collectives (" + ", ".join(
+    what = "all-reduces" if kinds in ([], ["all_reduce"]) else "one-shot all-reduces" if kinds == [
+        "all_reduce_oneshot"] else "collectives (" + ", ".join(
         f"{sum(x['op'] == k for x in c['ops'])} {k}" for k in kinds) + ")"
     lines.append(f"    collectives per decode step: {c['count']} {what}, {c['bytes']:,} bytes in all "
                  f"({', '.join(f'{s:,}' for s in size)} bytes each)"
@@ -207,5 +231,16 @@ def render_parallel(p: dict) -> str:
                      f"modeled decode step {s['modeled_us']:.1f} us = {_moved(s)} + {s['launches']} "
                      f"{s.get('launches_counted', 'launches')} "
                      f"{s['launch_latency_us']:.1f} us + collectives {s['collectives_us']:.1f} us "
-                     f"({s['allreduce_latency_us']:.0f} us + bytes / {s['link_bytes_s'] / gb:.0f} GB/s each)")
+                     f"({s['allreduce_latency_us']:.0f} us + bytes / {s['link_bytes_s'] / gb:.0f} GB/s each"
+                     + (f"; the {s['oneshot_all_reduces']} one-shot all-reduces {s['oneshot_latency_us']:.1f} us + "
+                        f"(n - 1) x bytes / {s['link_bytes_s'] / gb:.0f} GB/s each besides their kernel calls: "
+                        f"{s['oneshot_source']}" if s["oneshot_all_reduces"] and "oneshot_latency_us" in s else "")
+                     + (f"; its {s['oneshot_all_reduces']} one-shot all-reduces modeled as the ring: no measured "
+                        "one-shot figure below it on this target" if s["oneshot_all_reduces"]
+                        and "oneshot_latency_us" not in s else "") + ")")
+        if "oneshot" in s:
+            o = s["oneshot"]
+            lines.append(f"      with its {o['all_reduces']} all-reduces one-shot over peer memory (modeled; this "
+                         f"artifact runs them on NCCL / RCCL: --allreduce nccl): + {o['all_reduces']} kernel calls "
+                         f"{o['launch_latency_us']:.1f} us, collectives {o['collectives_us']:.1f} us")
     return "\n".join(lines) + "\n" + (render_layout_table(p["layouts"]) if "layouts" in p else "")

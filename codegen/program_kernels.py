@@ -50,9 +50,10 @@ def calls_of(l: Launch, resolve: Callable[[str], Callable | None] = family_speci
 @dataclass
 class ProgramKernels:
     """Per function, per launch index: its kernel calls; `unique` holds each specialisation once;
-    `missing` counts launches whose family has no kernels yet (by family). A collective launch (a
-    partitioned program's `all_reduce`) has no kernel calls: the runtime's communicator runs it (NCCL /
-    RCCL on the stream, gloo on the host device), so it is neither a call nor missing."""
+    `missing` counts launches whose family has no kernels yet (by family). A communicator launch (a
+    partitioned program's `all_reduce`, `all_gather_rows`, ...) has no kernel calls: the runtime's communicator
+    runs it (NCCL / RCCL on the stream, gloo on the host device), so it is neither a call nor missing; the
+    one-shot all-reduce (`all_reduce_oneshot`) is a collective with kernel calls of its own, counted as calls."""
     calls: dict[str, list[list[KernelCall]]] = field(default_factory=dict)
     unique: dict[str, KernelCall] = field(default_factory=dict)
     missing: Counter = field(default_factory=Counter)
@@ -67,7 +68,7 @@ def program_kernels(prog: Program) -> ProgramKernels:
     for fname, f in prog.functions.items():
         per = []
         for l in f.launches:
-            if get_op(l.op).collective:
+            if get_op(l.op).communicator:
                 per.append([])
                 continue
             calls = calls_of(l)

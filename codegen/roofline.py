@@ -191,12 +191,18 @@ def step_model(prog: Program, kernels, function: str, target: str, rows: list[di
     return out
 
 
-def add_collectives(m: dict[str, Any], collectives_us: float) -> None:
+def add_collectives(m: dict[str, Any], collectives_us: float, oneshot: dict[str, Any] | None = None) -> None:
     """Fold a partitioned step's collective time (the parallel model, `codegen/parallel_model.py`) into a
-    step model: the fourth part of its split, added to `modeled_us`."""
+    step model: the fourth part of its split, added to `modeled_us`. `oneshot` (the parallel model's): the same
+    step with the all-reduces as one-shot kernel calls, as `m["oneshot"]` (its launches and collectives)."""
     m["collectives_us"] = round(collectives_us, 2)
     m["modeled_us"] = round(m["bandwidth_us"] + m["compute_us"] + m["launch_latency_us"] + collectives_us, 2)
     m["time_ratio"] = round(m["modeled_us"] / max(m["roofline_us"], 1e-9), 3)
+    if oneshot:
+        us = m["bandwidth_us"] + m["compute_us"] + m["launch_latency_us"] + oneshot["launch_latency_us"] \
+            + oneshot["collectives_us"]
+        m["oneshot"] = {"modeled_us": round(us, 2), "time_ratio": round(us / max(m["roofline_us"], 1e-9), 3),
+                        "kernel_calls": m["kernel_calls"] + oneshot["all_reduces"]}
 
 
 def by_layer_kind(m: dict[str, Any], kind_of) -> dict[str, dict[str, Any]]:
@@ -259,6 +265,10 @@ def render_step(m: dict[str, Any]) -> str:
          f"\n      time split: bandwidth {m['bandwidth_us']:.1f} us + compute {m['compute_us']:.1f} us + launch "
          f"latency {m['launch_latency_us']:.1f} us ({lat})"
          + (f" + collectives {m['collectives_us']:.1f} us" if m.get("collectives_us") else ""))
+    if "oneshot" in m:
+        o = m["oneshot"]
+        s += (f"\n      with its all-reduces one-shot over peer memory (modeled): {o['modeled_us']:.1f} us "
+              f"({o['time_ratio']:.2f}x the roofline; {o['kernel_calls']} calls)")
     if "kernels_spilling" in m:
         s += (f"\n      static report: {len(m['kernels_spilling'])} of {m['kernels']} kernels spill"
               f"{' (' + ', '.join(m['kernels_spilling'][:4]) + ')' if m['kernels_spilling'] else ''}; "

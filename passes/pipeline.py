@@ -31,6 +31,7 @@ DEFAULT_PIPELINE: list[str] = [
     "fuse_out_proj",
     "cse",
     "dce",
+    "oneshot_allreduce",
     "plan_memory",
     "lower_to_program",
 ]
@@ -45,9 +46,12 @@ PROGRAM_PASSES: list[str] = ["plan_memory", "lower_to_program"]
 # (and needs no lowering of the fused op).
 LAUNCH_ONLY_PASSES: list[str] = ["fuse_moe_router", "fuse_moe_mhc", "fuse_attn_front", "pair_compressors",
                                    "fuse_out_proj"]
+# GPU programs only: the one-shot all-reduce over peer memory (a kernel launch; the cpu target's ONNX segments and
+# the host program of a cpu artifact keep the communicator's all-reduce). `compile --allreduce nccl` leaves it out.
+GPU_ONLY_PASSES: list[str] = ["oneshot_allreduce"]
 CPU_PIPELINE: list[str] = [
     "lower_sparse_attention{kv_format=native,index_format=native}" if p == "lower_sparse_attention" else p
-    for p in DEFAULT_PIPELINE if p not in PROGRAM_PASSES + LAUNCH_ONLY_PASSES]
+    for p in DEFAULT_PIPELINE if p not in PROGRAM_PASSES + LAUNCH_ONLY_PASSES + GPU_ONLY_PASSES]
 # The host device runs an artifact with the cpu target only through the C runtime: its module continues
 # with PROGRAM_PASSES at compile time (`cli/driver.py`), and the artifact carries that program. With verify and
 # MTP draft functions (`--draft-tokens`), `spec_steps` runs just before `plan_memory` there and in the GPU

@@ -95,6 +95,8 @@ def load_library(path=None, sanitize: bool = False) -> ctypes.CDLL:
     lib.v4rt_probe_table.argtypes = [c.c_void_p, c.c_uint32, c.c_uint32, c.POINTER(Probe)]
     lib.v4rt_comm_unique_id.argtypes = [c.c_char_p, c.c_char_p, c.c_void_p]
     lib.v4rt_comm_init.argtypes = [c.c_void_p, c.c_char_p, c.c_uint32, c.c_uint32, c.POINTER(c.c_uint32), c.c_void_p]
+    lib.v4rt_ipc_handle.argtypes = [c.c_void_p, c.c_uint32, c.c_void_p]
+    lib.v4rt_ipc_open.argtypes = [c.c_void_p, c.c_uint32, c.c_uint32, c.c_uint32, c.c_void_p, c.POINTER(c.c_uint64)]
     if lib.v4rt_abi_version() != ABI_VERSION:
         raise DeviceError("the C runtime library has another ABI version", where=path, expected=ABI_VERSION,
                           found=lib.v4rt_abi_version())
@@ -109,7 +111,7 @@ class CRuntime:
                  driver_lib: str | None = None, kernel_calls: Callable | None = None,
                  functions: list[str] | None = None, lib: ctypes.CDLL | None = None, abi: int = ABI_VERSION,
                  table: Callable[[Schedule], bytes] | None = None, binaries: Callable | None = None,
-                 collective: Callable | None = None):
+                 collective: Callable | None = None, exchange: Callable | None = None):
         if device not in DEVICES:
             raise InputError(f"unknown device '{device}'", expected=", ".join(DEVICES))
         self.program = program
@@ -123,6 +125,7 @@ class CRuntime:
         # `table`: how the schedule becomes the bytes handed to the C runtime (tests use fake code objects)
         self.table = self.sched.to_bytes() if table is None else table(self.sched)
         self.error: BaseException | None = None
+        self.group_rank = None  # this rank's index in the one-shot all-reduce's group (`_map_peers`)
         # the host device's check of the copy table's copies and of the steps' writes between them
         # (`copy_check.CopyCheck`); None: unchecked (the GPU devices, or a runtime without copies)
         self.copy_check = None
@@ -155,9 +158,11 @@ class CRuntime:
                     if key not in weights:
                         raise InputError(f"no tensor for weight @{key}")
                     wbuf[key] = i
-                elif kind in ("pool", "state"):
+                elif kind in ("pool", "state", "symmetric"):
                     self.write(i, torch.zeros(self.sched.buffer_bytes[i], dtype=torch.uint8))
             self._upload(weights, wbuf)
+            if self.sched.region is not None:
+                self._map_peers(exchange)
         except BaseException:
             self.close()
             raise
@@ -175,6 +180,50 @@ class CRuntime:
                 ptr = ctypes.addressof(ctypes.c_char.from_buffer(buf, start))
                 self._check(self.lib.v4rt_write(self.handle, wbuf[key], off, ptr, n),
                             f"writing buffer {self.sched.buffer_names[wbuf[key]]}")
+
+    def _map_peers(self, exchange: Callable | None) -> None:
+        """The one-shot all-reduce's peers (`schedule.PEERS`): this rank's region exported, the group's handles
+        exchanged (`exchange(group, handle) -> (handles in rank order, this rank's index)`: `Ranks.exchange`),
+        the peers' regions mapped, and the table of every region's address here, then this rank's index, written.
+        Every rank zeroed its region before its handle left it, so no peer writes into it before that."""
+        from .schedule import PEERS, SYMMETRIC
+
+        region = self.sched.region
+        if exchange is None:
+            raise DeviceError(f"the program's one-shot all-reduces over {region.group} ranks need the process group "
+                              "of a partitioned artifact (v4compile.load under torchrun)")
+        sym = self.sched.index[SYMMETRIC]
+        handle = ctypes.create_string_buffer(IPC_HANDLE_BYTES)
+        self._check(self.lib.v4rt_ipc_handle(self.handle, sym, handle), "exporting the symmetric region")
+        handles, me = exchange(region.group, handle.raw)
+        if len(handles) != region.group or any(len(h) != IPC_HANDLE_BYTES for h in handles):
+            raise DeviceError("the group's IPC handles came back malformed", expected=region.group,
+                              found=[len(h) for h in handles])
+        addrs = (ctypes.c_uint64 * region.group)()
+        self._check(self.lib.v4rt_ipc_open(self.handle, sym, region.group, me, b"".join(handles), addrs),
+                    "mapping the peers' symmetric regions")
+        self.write(self.sched.index[PEERS], torch.tensor(list(addrs) + [me], dtype=torch.int64))
+        self.group_rank = me
+        # the host device's memory guard: the peers' regions are memory the kernel may touch
+        self._allocations += [(a, a + region.nbytes) for i, a in enumerate(addrs) if i != me]
+
+    def check_peers(self) -> None:
+        """After a run: a one-shot all-reduce that gave up waiting for a peer left its mark in the status words
+        (`codegen/kernels/peers.py`); one clear error then, naming the rank and the peer."""
+        from v4compile.codegen.kernels.peers import late_peer_error
+
+        from .schedule import SYMMETRIC
+
+        from v4compile.targets import DEVICE_TARGET
+
+        region = self.sched.region
+        status = self.read(self.sched.index[SYMMETRIC], 0, 16).view(torch.int64).tolist()
+        kc = next(c.kernel for f in self.sched.functions for c in f.calls
+                  if c.kernel is not None and any(p[1] == "peers" for p in c.kernel.pointers))
+        spin = kc.for_target(DEVICE_TARGET[self.device])[2]["SPIN"] if self.device != "host" else kc.constexprs["SPIN"]
+        err = late_peer_error(tuple(status), self.group_rank, region.group, spin)
+        if err:
+            raise DeviceError(err)
 
     # ---- errors ----------------------------------------------------------------------------------
     def _raise(self, rc: int, what: str):
@@ -261,6 +310,8 @@ class CRuntime:
         for n, a in f.outputs:
             if f.buffer(a.buffer).kind == "output":
                 out[n] = _typed(self.buffer(fname, a.buffer), a).clone()
+        if self.sched.region is not None:  # after the outputs' read: the step has finished on the device
+            self.check_peers()
         return out
 
     def upload(self, fname: str, inputs: Mapping[str, object]) -> None:
@@ -393,6 +444,8 @@ class CRuntime:
                 continue
             if kind in ("scratch", "semaphore"):
                 need = kc.scratch_bytes[name]
+            elif kind == "peers":
+                need = self.sched.region.table_bytes
             else:
                 a = (ops if kind == "operand" else res)[name]
                 first, end = a.extent if a is not None else (0, 0)
@@ -425,6 +478,7 @@ class CRuntime:
 
 
 COMM_ID_BYTES = 128  # V4RT_COMM_ID_BYTES (ncclUniqueId)
+IPC_HANDLE_BYTES = 64  # V4RT_IPC_HANDLE_BYTES (cudaIpcMemHandle_t, hipIpcMemHandle_t, the host's fd path)
 
 
 def comm_unique_id(device: str, comm_lib: str | None = None, lib: ctypes.CDLL | None = None) -> bytes:

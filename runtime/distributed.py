@@ -83,6 +83,18 @@ class Ranks:
     def all_reduce(self, x: np.ndarray, group: int) -> np.ndarray:
         return self.collective_np("all_reduce", x, group)
 
+    def exchange(self, group: int, blob: bytes) -> tuple[list[bytes], int]:
+        """Every rank of this rank's group of `group` ranks contributes `blob` (all of one length): theirs in rank
+        order, and this rank's index among them (the one-shot all-reduce's IPC handles: uint8 tensors, no pickle)."""
+        if group not in self.groups:
+            raise InputError("an exchange over a group size the layout does not have", expected=sorted(self.groups),
+                             found=group)
+        mine = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        parts = [torch.empty_like(mine) for _ in range(group)]
+        self._do("exchanging the one-shot all-reduce's handles", self.dist.all_gather, parts, mine,
+                 group=self.groups[group])
+        return [bytes(p.numpy().tobytes()) for p in parts], self.rank % group
+
     def collective_np(self, op: str, x: np.ndarray, group: int, tp: int = 1) -> np.ndarray:
         return self.collective(op, torch.from_numpy(np.ascontiguousarray(x)), group, tp).numpy()
 
@@ -92,7 +104,7 @@ class Ranks:
         if group not in self.groups:
             raise InputError("a collective over a group size the layout does not have", expected=sorted(self.groups),
                              found=group)
-        if op == "all_reduce":
+        if op in ("all_reduce", "all_reduce_oneshot"):  # the one-shot's placeholder (the reference kernels mode)
             t = x.contiguous().clone()
             self._do(op, self.dist.all_reduce, t, group=self.groups[group])
             return t

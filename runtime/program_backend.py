@@ -143,7 +143,7 @@ class ProgramBackend:
         calls = kernel_calls_for(kernels, device)
         if device != "host":
             missing = sorted({l.kernel for f in self.program.functions.values() for l in f.launches
-                              if not get_op(l.op).collective and (calls is None or calls(l) is None)})
+                              if not get_op(l.op).communicator and (calls is None or calls(l) is None)})
             if missing:
                 raise DeviceError(f"device '{device}' needs compiled kernels for every launch; none for the "
                                   f"families {', '.join(missing)} (the reference kernels mode runs on the host "
@@ -158,7 +158,8 @@ class ProgramBackend:
         weights = artifact_weights(art, self.program, ranks.rank if ranks is not None else 0)
         try:
             self.rt = CRuntime(self.program, weights, device, driver_lib=driver_lib, kernel_calls=calls,
-                               binaries=binaries, collective=ranks.collective if ranks is not None else None)
+                               binaries=binaries, collective=ranks.collective if ranks is not None else None,
+                               exchange=ranks.exchange if ranks is not None else None)
         finally:
             weights.close()
         if device == "host":  # the prefix cache's copies checked as every launch is (`copy_check.py`)

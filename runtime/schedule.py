@@ -14,7 +14,12 @@ runtime checks (magic, version, sizes, every index and offset, an FNV-1a checksu
   When a family provides `specialise` (see `kernels.py`), its KernelCalls are the calls; otherwise (the `reference` kernels mode) one placeholder call per launch whose
   parameters are the launch's operands then results in signature order (absent optionals: NULL), run
   by the host driver's callback with the op's reference.
-* A collective launch (a partitioned program's `all_reduce`, `all_gather`) becomes one COLLECTIVE call
+* The one-shot all-reduce (`all_reduce_oneshot`, codegen/kernels/allreduce.py) is a kernel call whose `peers`
+  pointer is the `peers` buffer (kind PEERS: the table of the group's regions as mapped in this process, which
+  the runtime writes at load), beside one `symmetric` buffer (kind SYMMETRIC: this rank's region, zeroed at load,
+  which peers map; `Schedule.region` its layout; one for all such launches: `passes/oneshot_allreduce.py` gives
+  them one group and region size).
+* A communicator launch (a partitioned program's `all_reduce`, `all_gather`) becomes one COLLECTIVE call
   (code V4RT_COLLECTIVE, runtime/c/v4rt.h): symbol = the op, grid = (group, dtype code, 1), shared = the
   operand's element count, parameters = operand, result. The driver runs it in order with the kernels
   (GPU: NCCL / RCCL on its stream; host: the callback, like a placeholder call).
@@ -31,10 +36,12 @@ from v4compile.ir.registry import get_op
 from v4compile.program.core import Arg, FunctionProgram, Launch, Program
 
 MAGIC = b"V4RTTBL1"
-TABLE_VERSION = 2  # 2: per-call launch flags; collective calls
+TABLE_VERSION = 3  # 2: per-call launch flags; collective calls; 3: the peer table and the symmetric region
 LAUNCH_PDL = 1  # call flag: programmatic dependent launch (runtime/c/driver.h V4DRV_LAUNCH_PDL)
 SEMAPHORES = "semaphores"  # the schedule's buffer of kernel arrival counters (see `schedule`)
-KIND_CODE = {"arena": 0, "input": 1, "pool": 2, "state": 3, "weight": 4, "output": 5, "scratch": 6}
+KIND_CODE = {"arena": 0, "input": 1, "pool": 2, "state": 3, "weight": 4, "output": 5, "scratch": 6, "peers": 7,
+             "symmetric": 8}
+PEERS, SYMMETRIC = "peers", "symmetric"  # the one-shot all-reduce's peer table and region (see `schedule`)
 PER_FUNCTION = ("input", "output")
 HOST_CODE_OBJECT = b"v4rt host placeholder code object\0"  # host kernels run in the callback
 COLLECTIVE = 0xFFFFFFFF  # the code of a collective call (V4RT_COLLECTIVE)
@@ -88,6 +95,7 @@ class Schedule:
     code_objects: list[bytes]
     functions: list[FunctionSchedule]
     index: dict[str, int] = field(default_factory=dict)
+    region: Any = None  # the symmetric region's layout (`codegen.kernels.peers.Region`) when a call has peers
 
     def buffer_index(self, fname: str, name: str) -> int:
         key = f"{fname}/{name}" if f"{fname}/{name}" in self.index else name
@@ -204,10 +212,22 @@ def build_schedule(p: Program, kernel_calls=None, functions: list[str] | None = 
                      if p[1] == "semaphore" for n in (kc.scratch_bytes[p[2]],)), default=0)
     if sem_bytes:
         add(SEMAPHORES, "state", (sem_bytes + 255) // 256 * 256, 256)
+    regions = {(int(l.attrs["group"]), int(l.attrs["region_bytes"])) for pl in plan.values() for l, kcs in pl
+               for kc in (kcs or ()) if any(p[1] == "peers" for p in kc.pointers)}
+    if len(regions) > 1:
+        raise IRError("one-shot all-reduces of several groups or region sizes in one program",
+                      expected="one (passes/oneshot_allreduce.py)", found=sorted(regions))
+    region = None
+    if regions:
+        from v4compile.codegen.kernels.peers import Region
+
+        region = Region(*regions.pop())
+        add(PEERS, "peers", region.table_bytes, 256)
+        add(SYMMETRIC, "symmetric", region.nbytes, 256)
     for fname in names:
         for b in p.functions[fname].buffers:
             add(f"{fname}/{b.name}" if b.kind in PER_FUNCTION else b.name, b.kind, b.nbytes, b.align)
-    sched = Schedule(bnames, kinds, sizes, aligns, [], [], index)
+    sched = Schedule(bnames, kinds, sizes, aligns, [], [], index, region)
     code_of: dict[str, int] = {}
 
     def host_code() -> int:  # the placeholder object, present only if some call runs in the host callback
@@ -223,7 +243,7 @@ def build_schedule(p: Program, kernel_calls=None, functions: list[str] | None = 
 
         calls, launch_of = [], []
         for li, (l, kcs) in enumerate(plan[fname]):
-            if get_op(l.op).collective:
+            if get_op(l.op).communicator:
                 calls.append(_collective(l, slot))
                 launch_of.append(li)
                 continue
@@ -260,6 +280,9 @@ def build_schedule(p: Program, kernel_calls=None, functions: list[str] | None = 
                         continue
                     if kind == "semaphore":
                         params.append(Param(index[SEMAPHORES], 0, f"semaphore:{name}"))
+                        continue
+                    if kind == "peers":
+                        params.append(Param(index[PEERS], 0, f"peers:{name}"))
                         continue
                     a = (ops if kind == "operand" else res).get(name)
                     if a is None:

@@ -8,7 +8,8 @@ test-only substitutions: the fake driver's code objects for the binaries (its ke
 binary read. It runs `steps` decode steps as a captured graph and returns: the differences between what
 NCCL received and the program's collectives (`test_fake_nccl.differences`: empty when exact), the
 collectives per step, the communicators NCCL created, the unique ids this rank made and the ids it
-joined with, and the graph captures.
+joined with, the graph captures, and the fake's IPC counts (the one-shot all-reduce's regions) while loaded
+and after the close.
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ def nccl_check(art_path: str, ranks, driver: str, nccl_path: str, steps: int) ->
         calls = make_kernel_calls()
         colls, _ = expected(be.rt, be.program, fname, calls)
         diffs = differences(be.rt, be.program, nccl, fake, steps, fname, calls)
+        loaded = fake.ipc()
         be.rt.close()
         return {"differences": [list(map(str, d)) for d in diffs], "collectives": len(colls),
+                "ipc_loaded": loaded, "ipc": fake.ipc(),
                 "comms": [[n, r, i.hex()] for n, r, i in nccl.comms()], "made": [m.hex() for m in made],
                 "joined": joined, "captures": fake.counts()["captures"]}
     finally:

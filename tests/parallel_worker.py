@@ -6,7 +6,8 @@ tests/runtime/test_parallel_artifact.py:
 For each artifact: load it (device `V4_TEST_DEVICE`: cpu, or host with the reference kernels or
 `V4_TEST_KERNELS`), generate PROMPTS.json's prompts (`{"prompts": [...], "new": N}`,
 continuous batching over the decode bucket), recording every step's logits; writes `OUT/rank-<r>.npz`
-(`ids-<i>`, `logits-<i>` per artifact i). The process group is joined here once, so one launch checks
+(`ids-<i>`, `logits-<i>` per artifact i; `V4_TEST_KERNELS`: the host device's kernels, one mode or one per
+artifact, `oneshot` the references but for the one-shot all-reduce's kernel). The process group is joined here once, so one launch checks
 several artifacts of the same world size. `V4_TEST_DIE_AT=K` (tests of a rank that dies): rank 1 exits
 abruptly at its K-th step. `V4_TEST_NCCL=FAKE_DRIVER:FAKE_NCCL`: then the first artifact's GPU program on the
 fake CUDA driver and fake NCCL (`parallel_gpu_worker.nccl_check`), written to `OUT/nccl-<r>.json`. A V4Error prints one `error:` line and exits with status 2.
@@ -43,12 +44,24 @@ def main(out: Path, prompts_file: Path, arts: list[str]) -> int:
     spec = json.loads(prompts_file.read_text())
     die_at = int(os.environ.get("V4_TEST_DIE_AT", "0"))
     device = os.environ.get("V4_TEST_DEVICE", "cpu")
-    # host: the ops' references (fast; see the test), or V4_TEST_KERNELS=auto: the Triton kernels, interpreted
-    kw = {"kernels": os.environ.get("V4_TEST_KERNELS", "reference")} if device == "host" else {}
+    # host: the ops' references (fast; see the test), or V4_TEST_KERNELS=auto: the Triton kernels, interpreted;
+    # V4_TEST_KERNELS=oneshot: the references but for the one-shot all-reduce's kernel (interpreted, its regions
+    # in shared memory, mapped by the peers). A comma-separated list: the i-th artifact's mode.
+    modes = os.environ.get("V4_TEST_KERNELS", "reference").split(",")
+    if "oneshot" in modes:
+        import v4compile.runtime.program_backend as pb
+        from v4compile.codegen.program_kernels import family_specialise
+        from v4compile.runtime.kernels import kernel_calls_for, make_kernel_calls
+
+        os.environ["TRITON_INTERPRET"] = "1"
+        pb.kernel_calls_for = lambda mode, dev: (make_kernel_calls(lambda fam: family_specialise(fam)
+                                                                   if fam == "allreduce" else None)
+                                                 if mode == "oneshot" else kernel_calls_for(mode, dev))
 
     def body(rank: int) -> None:
         res = {}
         for i, art in enumerate(arts):
+            kw = {"kernels": modes[min(i, len(modes) - 1)]} if device == "host" else {}
             sess = v4compile.load(art, device=device, threads=1, **kw)  # ranks share the cores
             steps, run = [], sess.backend.run
 

@@ -224,6 +224,13 @@ class Fake:
         self.lib.fake_copies(c)
         return dict(zip(names, c))
 
+    def ipc(self) -> dict[str, int]:
+        """The IPC calls so far (see fake_ipc in fake_driver.c) and hipExtMallocWithFlags' last flags."""
+        names = ("exported", "opened", "closed", "open", "malloc_flags")
+        c = (ctypes.c_long * len(names))()
+        self.lib.fake_ipc(c)
+        return dict(zip(names, c))
+
     def trace(self) -> list[str]:
         """The name of every driver call so far, in order."""
         return [self.lib.fake_trace(i).decode() for i in range(self.counts()["traced"])]

@@ -26,6 +26,11 @@ class Link:
     bytes_s: float  # per-GPU scale-up bandwidth, one direction
     allreduce_latency_s: float  # fixed cost of one small all-reduce inside a captured graph (assumption)
     source: str
+    # The one-shot all-reduce over peer memory (codegen/kernels/allreduce.py) beside the other kernel calls: its
+    # own time besides its launch, `oneshot_latency_s + (group - 1) * bytes / bytes_s`; None: no measured figure
+    # below the collective library's, so it is modeled as the ring above
+    oneshot_latency_s: float | None = None
+    oneshot_source: str = ""
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,23 @@ class TargetSpec:
 #   the same GH100 with HBM3E), shared by every SM.
 # Links: the all-reduce latency, NCCL / RCCL all-reduce of a few hundred KB inside one 8-GPU node, is ~5-15 us;
 # we model 10 us.
+# One-shot all-reduce over peer memory (vLLM's custom all-reduce, ours in codegen/kernels/allreduce.py):
+# * gfx950: vLLM PR #39080 measured 6.3-7.0 us a call at 24-192 KB on 8x MI355X, launch included. Of the 6.3 us
+#   at 24 KB, the graph node (3.9 us, counted with the kernel calls) and the 7 peers' 24 KB at 537.6 GB/s (0.3 us)
+#   leave 2.1 us of fixed cost. The model is conservative above 24 KB: at 192 KB it gives 8.6 us (measured 7.0).
+# * sm_90a: no measured one-shot figure below NCCL's (sglang PR #2904: a custom all-reduce ~11 us at ~112 KB on
+#   8x H100): modeled as the ring.
+# A group of up to ONESHOT_MAX_GROUP ranks (one node: peer memory reaches no further) and values under
+# ONESHOT_MAX_BYTES run one-shot; the rest on the collective library. 256 KB: where vLLM's custom all-reduce
+# (csrc/custom_all_reduce.cuh) leaves its one-stage kernel for two stages at 8 ranks, as a rank's (n - 1) x bytes
+# pulled then cost more than a ring's 2 (n - 1) / n x bytes (the model above: 7 x 256 KB at 537.6 GB/s is 3.4 us).
+ONESHOT_MAX_GROUP = 8
+ONESHOT_MAX_BYTES = 256 << 10
+
+
+def oneshot_allreduce(group: int, nbytes: int) -> bool:
+    """Whether an all-reduce of `nbytes` over `group` ranks runs one-shot (passes/oneshot_allreduce.py)."""
+    return 1 < group <= ONESHOT_MAX_GROUP and 0 < nbytes < ONESHOT_MAX_BYTES
 # AOT compile cost: sm_90a costs more per kernel than gfx950 (ptxas): measured ~1.5x on V4-Pro with nvdisasm on
 # its MMA kernels, ~1.4x without (codegen/aot.py reads their SASS itself).
 TARGETS: dict[str, TargetSpec] = {
@@ -87,7 +109,8 @@ TARGETS: dict[str, TargetSpec] = {
     "gfx950": TargetSpec("gfx950", "hip", "gfx950", 64, "hsaco", 8.0e12, 2.5e15, 1.25e15, 3.9e-6, None,
                          160 * 1024, 256, 256 << 20,
                          link=Link("MI355X", 288e9, 537.6e9, 10e-6,
-                                   "AMD MI355X data sheet: 288 GB HBM3E, 1075 GB/s Infinity Fabric"),
+                                   "AMD MI355X data sheet: 288 GB HBM3E, 1075 GB/s Infinity Fabric", 2.1e-6,
+                                   "vLLM PR #39080: one-shot all-reduce 6.3-7.0 us at 24-192 KB on 8x MI355X"),
                          aot_cost=1.0),
     # H200: 4.8 TB/s HBM3E, 1979 TFLOP/s dense fp8, 989 TFLOP/s dense bf16, 132 SMs, 227 KB smem / SM.
     # NVIDIA H200 SXM spec sheet: 141 GB HBM3E; NVLink 4, 900 GB/s per GPU (both directions): 450 GB/s one way.
@@ -107,9 +130,13 @@ TARGETS: dict[str, TargetSpec] = {
 # * out_proj.prefill (the projection's prefill tiles, BM >= 64): on gfx950 wo_a's K loop pipelined 2 deep beside
 #   its inverse-RoPE prologue took 256 VGPRs and spilled 93 at 8 warps in V4-Pro's 64-token chunk (4 warps: 458
 #   VGPRs, 88 spilled); unpipelined, 246 and none. Pipelining only schedules: same tiles, sums and results.
+# * allreduce.spin (the one-shot all-reduce's bound on a peer's wait, codegen/kernels/allreduce.py): 2^23 polls on
+#   a GPU (a system-scope load of peer memory, ~1-2 us: ~8-16 s) where the interpreter's 2^16 (~0.45 ms a poll:
+#   ~30 s) would give up after ~0.1 s. A bound on a wait: the arithmetic is the same.
 KERNEL_SCHEDULES: dict[str, dict[str, dict[str, Any]]] = {
     "compress.wide_row": {"sm_90a": {"num_warps": 8}},
     "out_proj.prefill": {"gfx950": {"constexprs": {"A_STAGES": 1}}},
+    "allreduce.spin": {"gfx950": {"constexprs": {"SPIN": 1 << 23}}, "sm_90a": {"constexprs": {"SPIN": 1 << 23}}},
 }
 
 # The artifact's targets and the format each is written in.

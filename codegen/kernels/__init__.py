@@ -43,7 +43,7 @@ def __getattr__(name: str):
 
 # The modules of this package that are no kernel family and define no @triton.jit function: importing them
 # leaves Triton's compile-or-interpret choice open (runtime/kernels.py checks for the others).
-SUPPORT = ("call", "dtypes", "execute", "flags", "interpreter")
+SUPPORT = ("call", "dtypes", "execute", "flags", "interpreter", "peers")
 
 __all__ = ["BYTES_OF", "CALLS_PARAM", "CodegenError", "IR_TRITON", "KINDS", "PDL_PARAM", "SUPPORT",
            "UNFIXED", "IllegalAddress", "KernelCall", "TensorArg", "any_row", "call_name", "declares_calls",

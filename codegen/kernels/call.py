@@ -17,7 +17,7 @@ from .flags import CALLS_PARAM, PDL_PARAM, declares_calls, declares_pdl
 if TYPE_CHECKING:
     import torch
 
-KINDS = ("operand", "result", "scratch", "semaphore")
+KINDS = ("operand", "result", "scratch", "semaphore", "peers")
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,8 @@ class KernelCall:
     by the calls of one op in order). A "semaphore" pointer (size also in `scratch_bytes`) is int32 arrival
     counters: zero before the call, and the call leaves them zero (the last program of a group resets its
     counter), so every call of a program can share one zeroed buffer (runtime: `semaphores`). That is how
-    a launch finishes a split reduction in its last-arriving program instead of a second call. A family may list them in any order: they are kept in the order
+    a launch finishes a split reduction in its last-arriving program instead of a second call. A "peers"
+    pointer is the int64 table of the group's symmetric regions (`allreduce.py`; runtime: the `peers` buffer). A family may list them in any order: they are kept in the order
     `fn` declares its parameters, which is the order a GPU launch packs them in (Triton: by position,
     constexprs left out), and a pointer `fn` lacks, or a parameter of `fn` bound twice or not at all, is
     refused here (`CodegenError`, naming the kernel and the parameter). `unaligned` names pointer params

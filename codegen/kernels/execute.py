@@ -32,7 +32,7 @@ def run_calls(calls: list[KernelCall], args: dict[str, torch.Tensor | None], out
                                                dtype=torch.uint8, device=device)
                 t = scratch[name]
             else:
-                t = (args if kind == "operand" else outs).get(name)
+                t = (outs if kind == "result" else args).get(name)  # "peers": the caller's peer table
                 if t is None:  # an optional operand the launch lacks: a null pointer (None: Triton's compile-time one)
                     values.append(None)
                     continue

@@ -47,6 +47,14 @@ struct v4drv {
     /* Join the communicators (v4rt_comm_init). NULL: the driver needs none (the host's callback has them). */
     int (*comm_init)(v4drv *d, const char *lib, uint32_t rank, uint32_t n, const uint32_t *sizes,
                      const unsigned char *ids);
+    /* Symmetric memory (v4rt.h V4RT_KIND_SYMMETRIC): allocate memory a peer process can map, and free it; its
+     * handle (V4RT_IPC_HANDLE_BYTES); map a peer's handle (`nbytes`: the region's size) and unmap it. NULL: the
+     * driver has none (a table with a SYMMETRIC buffer is refused). */
+    int (*sym_alloc)(v4drv *d, uint64_t nbytes, uint64_t *addr);
+    int (*sym_free)(v4drv *d, uint64_t addr);
+    int (*ipc_handle)(v4drv *d, uint64_t addr, unsigned char *handle);
+    int (*ipc_open)(v4drv *d, const unsigned char *handle, uint64_t nbytes, uint64_t *addr);
+    int (*ipc_close)(v4drv *d, uint64_t addr);
     /* Make the device usable from the calling thread (CUDA: its context current, as Triton's launchers do
      * per launch): the core calls it on entry to every public function. NULL: nothing to do. */
     int (*bind_thread)(v4drv *d);

@@ -2,10 +2,16 @@
  * differs: the primary context, device pointers as integers, copy and instantiate signatures. */
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "drv_gpu.h"
 
 typedef unsigned long long CUdeviceptr;
+typedef struct {
+    char reserved[64];
+} CUipcMemHandle; /* passed by value to cuIpcOpenMemHandle, as cuda.h declares it */
+_Static_assert(sizeof(CUipcMemHandle) == V4RT_IPC_HANDLE_BYTES, "CUipcMemHandle as in cuda.h");
+#define CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 1
 
 #define CU_STREAM_CAPTURE_MODE_THREAD_LOCAL 1
 #define CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES 8
@@ -50,6 +56,9 @@ typedef struct {
     int (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, void *);
     int (*cuGraphInstantiateWithFlags)(void **, void *, unsigned long long);
     int (*cuLaunchKernelEx)(const CUlaunchConfig *, void *, void **, void **);
+    int (*cuIpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr);
+    int (*cuIpcOpenMemHandle)(CUdeviceptr *, CUipcMemHandle, unsigned);
+    int (*cuIpcCloseMemHandle)(CUdeviceptr);
 } cu_t;
 
 static cu_t *C(gpu *g) { return (cu_t *)g; }
@@ -102,6 +111,28 @@ static int cu_launch_pdl(gpu *g, void *fn, const uint32_t gr[3], const uint32_t 
     return gpu_check(g, C(g)->cuLaunchKernelEx(&cfg, fn, args, NULL), "cuLaunchKernelEx");
 }
 
+/* Symmetric memory: cuMemAlloc'ed memory is what cuIpcGetMemHandle exports (CUDA driver API, "Interprocess
+ * communication"); a peer maps it with cuIpcOpenMemHandle (peer access enabled lazily) and unmaps it with
+ * cuIpcCloseMemHandle. */
+static int cu_ipc_handle(gpu *g, uint64_t addr, unsigned char *handle) {
+    CUipcMemHandle h;
+    if (gpu_check(g, C(g)->cuIpcGetMemHandle(&h, (CUdeviceptr)addr), "cuIpcGetMemHandle")) return 1;
+    memcpy(handle, &h, sizeof h);
+    return 0;
+}
+static int cu_ipc_open(gpu *g, const unsigned char *handle, uint64_t *addr) {
+    CUipcMemHandle h;
+    CUdeviceptr p = 0;
+    memcpy(&h, handle, sizeof h);
+    if (gpu_check(g, C(g)->cuIpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle_v2"))
+        return 1;
+    *addr = p;
+    return 0;
+}
+static int cu_ipc_close(gpu *g, uint64_t addr) {
+    return gpu_check(g, C(g)->cuIpcCloseMemHandle((CUdeviceptr)addr), "cuIpcCloseMemHandle");
+}
+
 #define G(field) offsetof(cu_t, g.field)
 #define OWN(field) offsetof(cu_t, field)
 static const gpu_sym SYMS[] = {
@@ -137,6 +168,9 @@ static const gpu_sym SYMS[] = {
     {"cuEventRecord", G(event_record)},
     {"cuEventSynchronize", G(event_sync)},
     {"cuEventDestroy_v2", G(event_destroy)},
+    {"cuIpcGetMemHandle", OWN(cuIpcGetMemHandle)},
+    {"cuIpcOpenMemHandle_v2", OWN(cuIpcOpenMemHandle)},
+    {"cuIpcCloseMemHandle", OWN(cuIpcCloseMemHandle)},
     {NULL, 0}};
 
 /* 48 KiB is the default dynamic shared memory of a block on every NVIDIA GPU; more (sm_90: up to 227 KiB)
@@ -150,6 +184,7 @@ static const gpu_api CUDA = {.name = "cuda", .default_lib = "libcuda.so.1", .com
                              .make_current = cu_make_current,
                              .error_string = cu_error_string, .mem_alloc = cu_alloc, .mem_free = cu_free,
                              .h2d = cu_h2d, .d2h = cu_d2h, .d2d = cu_d2d, .graph_instantiate = cu_instantiate,
-                             .launch_pdl = cu_launch_pdl};
+                             .launch_pdl = cu_launch_pdl, .sym_alloc = cu_alloc, .ipc_handle = cu_ipc_handle,
+                             .ipc_open = cu_ipc_open, .ipc_close = cu_ipc_close};
 
 int v4drv_cuda_open(v4drv *d, const char *lib) { return gpu_open(d, &CUDA, lib); }

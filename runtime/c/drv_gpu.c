@@ -51,6 +51,25 @@ static int g_free(v4drv *d, uint64_t addr) {
     return g->api->mem_free(g, addr);
 }
 
+/* Symmetric memory: the driver's IPC-capable allocation, freed as any (after staged copies into it landed). */
+static int g_sym_alloc(v4drv *d, uint64_t n, uint64_t *addr) {
+    gpu *g = d->state;
+    return g->api->sym_alloc(g, n, addr);
+}
+static int g_ipc_handle(v4drv *d, uint64_t addr, unsigned char *handle) {
+    gpu *g = d->state;
+    return g->api->ipc_handle(g, addr, handle);
+}
+static int g_ipc_open(v4drv *d, const unsigned char *handle, uint64_t nbytes, uint64_t *addr) {
+    gpu *g = d->state;
+    (void)nbytes; /* the handle knows its allocation's size */
+    return g->api->ipc_open(g, handle, addr);
+}
+static int g_ipc_close(v4drv *d, uint64_t addr) {
+    gpu *g = d->state;
+    return g->api->ipc_close(g, addr);
+}
+
 /* Blocking-sync events (the host thread sleeps while it waits, leaving its core to the file reads and
  * hashing) without timing: the same flag numbers on both drivers. */
 #define EVENT_FLAGS 3u
@@ -284,7 +303,9 @@ int gpu_open(v4drv *d, const gpu_api *api, const char *lib) {
                  .get_function = g_get_function, .func_shared = g_func_shared, .launch = g_launch, .copy = g_copy,
                  .capture_begin = g_capture_begin, .capture_end = g_capture_end, .graph_launch = g_graph_launch,
                  .graph_destroy = g_graph_destroy, .sync = g_sync, .bind_thread = g_bind_thread,
-                 .collective = g_collective, .comm_init = g_comm_init, .shutdown = g_shutdown};
+                 .collective = g_collective, .comm_init = g_comm_init, .sym_alloc = g_sym_alloc, .sym_free = g_free,
+                 .ipc_handle = g_ipc_handle, .ipc_open = g_ipc_open, .ipc_close = g_ipc_close,
+                 .shutdown = g_shutdown};
     g->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!g->lib) {
         const char *e = dlerror();

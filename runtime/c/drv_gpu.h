@@ -93,6 +93,12 @@ struct gpu_api {
      * g->stream; NULL: the driver has no programmatic dependent launch (HIP), and such a launch is refused. */
     int (*launch_pdl)(gpu *g, void *fn, const uint32_t grid[3], const uint32_t block[3], uint32_t shared,
                       void **args);
+    /* Symmetric memory (v4rt.h V4RT_KIND_SYMMETRIC, freed with mem_free) and its IPC: memory a peer process
+     * maps, its handle (V4RT_IPC_HANDLE_BYTES), a peer's handle mapped here, and unmapped. */
+    int (*sym_alloc)(gpu *g, uint64_t nbytes, uint64_t *addr);
+    int (*ipc_handle)(gpu *g, uint64_t addr, unsigned char *handle);
+    int (*ipc_open)(gpu *g, const unsigned char *handle, uint64_t *addr);
+    int (*ipc_close)(gpu *g, uint64_t addr);
 };
 
 int gpu_open(v4drv *d, const gpu_api *api, const char *lib);

@@ -1,6 +1,7 @@
 /* HIP driver: libamdhip64 through the shared GPU flow (drv_gpu.c); here its symbols and what differs. */
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "drv_gpu.h"
 
@@ -10,6 +11,15 @@
 #define HIP_CAPTURE_MODE_THREAD_LOCAL 1
 #define HIP_STREAM_NON_BLOCKING 1
 #define HIP_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_MEMORY_SIZE 8
+/* hip_runtime_api.h: fine-grained memory that bypasses the caches, so a flag stored by one GPU is seen by a
+ * peer polling it (vLLM's custom all-reduce allocates its IPC-shared buffers so on ROCm, "uncached for signal
+ * on MI200": csrc/custom_all_reduce.cu, allocate_shared_buffer_and_handle, then hipIpcGetMemHandle). */
+#define HIP_DEVICE_MALLOC_UNCACHED 0x3
+#define HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 0x1
+typedef struct {
+    char reserved[64];
+} hipIpcMemHandle_t; /* passed by value to hipIpcOpenMemHandle */
+_Static_assert(sizeof(hipIpcMemHandle_t) == V4RT_IPC_HANDLE_BYTES, "hipIpcMemHandle_t as in hip_runtime_api.h");
 
 typedef struct {
     gpu g;
@@ -19,6 +29,10 @@ typedef struct {
     int (*hipFree)(void *);
     int (*hipMemcpyAsync)(void *, const void *, size_t, int, void *);
     int (*hipGraphInstantiate)(void **, void *, void **, char *, size_t);
+    int (*hipExtMallocWithFlags)(void **, size_t, unsigned);
+    int (*hipIpcGetMemHandle)(hipIpcMemHandle_t *, void *);
+    int (*hipIpcOpenMemHandle)(void **, hipIpcMemHandle_t, unsigned);
+    int (*hipIpcCloseMemHandle)(void *);
 } hip_t;
 
 static hip_t *H(gpu *g) { return (hip_t *)g; }
@@ -51,6 +65,32 @@ static int hip_instantiate(gpu *g, void **exec, void *graph) {
     return gpu_check(g, H(g)->hipGraphInstantiate(exec, graph, NULL, NULL, 0), "hipGraphInstantiate");
 }
 
+static int hip_sym_alloc(gpu *g, uint64_t n, uint64_t *addr) {
+    void *p = NULL;
+    if (gpu_check(g, H(g)->hipExtMallocWithFlags(&p, (size_t)n, HIP_DEVICE_MALLOC_UNCACHED), "hipExtMallocWithFlags"))
+        return 1;
+    *addr = (uint64_t)(uintptr_t)p;
+    return 0;
+}
+static int hip_ipc_handle(gpu *g, uint64_t addr, unsigned char *handle) {
+    hipIpcMemHandle_t h;
+    if (gpu_check(g, H(g)->hipIpcGetMemHandle(&h, (void *)(uintptr_t)addr), "hipIpcGetMemHandle")) return 1;
+    memcpy(handle, &h, sizeof h);
+    return 0;
+}
+static int hip_ipc_open(gpu *g, const unsigned char *handle, uint64_t *addr) {
+    hipIpcMemHandle_t h;
+    void *p = NULL;
+    memcpy(&h, handle, sizeof h);
+    if (gpu_check(g, H(g)->hipIpcOpenMemHandle(&p, h, HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "hipIpcOpenMemHandle"))
+        return 1;
+    *addr = (uint64_t)(uintptr_t)p;
+    return 0;
+}
+static int hip_ipc_close(gpu *g, uint64_t addr) {
+    return gpu_check(g, H(g)->hipIpcCloseMemHandle((void *)(uintptr_t)addr), "hipIpcCloseMemHandle");
+}
+
 #define G(field) offsetof(hip_t, g.field)
 #define OWN(field) offsetof(hip_t, field)
 static const gpu_sym SYMS[] = {
@@ -80,6 +120,10 @@ static const gpu_sym SYMS[] = {
     {"hipEventRecord", G(event_record)},
     {"hipEventSynchronize", G(event_sync)},
     {"hipEventDestroy", G(event_destroy)},
+    {"hipExtMallocWithFlags", OWN(hipExtMallocWithFlags)},
+    {"hipIpcGetMemHandle", OWN(hipIpcGetMemHandle)},
+    {"hipIpcOpenMemHandle", OWN(hipIpcOpenMemHandle)},
+    {"hipIpcCloseMemHandle", OWN(hipIpcCloseMemHandle)},
     {NULL, 0}};
 
 /* 64 KiB of LDS per workgroup is every AMD GPU's; above it (gfx950: up to 160 KiB) the kernel is opted in as
@@ -91,6 +135,7 @@ static const gpu_api HIP = {.name = "hip", .default_lib = "libamdhip64.so", .com
                             .shared_attribute = HIP_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_MEMORY_SIZE,
                             .device_open = hip_device_open, .error_string = hip_error_string,
                             .mem_alloc = hip_alloc, .mem_free = hip_free, .h2d = hip_h2d, .d2h = hip_d2h, .d2d = hip_d2d,
-                            .graph_instantiate = hip_instantiate};
+                            .graph_instantiate = hip_instantiate, .sym_alloc = hip_sym_alloc,
+                            .ipc_handle = hip_ipc_handle, .ipc_open = hip_ipc_open, .ipc_close = hip_ipc_close};
 
 int v4drv_hip_open(v4drv *d, const char *lib) { return gpu_open(d, &HIP, lib); }

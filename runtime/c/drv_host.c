@@ -1,8 +1,16 @@
 /* Host driver: buffers in host memory; every kernel call goes to a callback (Python runs the kernel).
  * Capture records the calls (with their parameters) instead of running them; a graph launch runs the
- * recorded list, the same contract as stream capture on a GPU. */
+ * recorded list, the same contract as stream capture on a GPU. Symmetric memory (the one-shot all-reduce's
+ * region) is POSIX shared memory: a memfd mapped MAP_SHARED, whose handle is its path under /proc (the
+ * owner's pid and fd: nothing to unlink, gone with the last mapping); a peer opens the path and maps it. */
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "driver.h"
 
@@ -18,11 +26,131 @@ typedef struct {
 } hgraph;
 
 typedef struct {
+    uint64_t addr, nbytes;
+    int fd; /* -1: a peer's mapping (no fd kept) */
+} hmap;
+
+typedef struct {
     v4rt_host_kernel cb;
     void *user;
     hgraph *capturing;
     int failed; /* a launch failed while capturing */
+    hmap *maps; /* symmetric memory: this process's own regions and the peers' it mapped */
+    uint32_t n_maps, cap_maps;
 } hstate;
+
+static hmap *h_find(hstate *s, uint64_t addr) {
+    for (uint32_t i = 0; i < s->n_maps; i++)
+        if (s->maps[i].addr == addr) return &s->maps[i];
+    return NULL;
+}
+
+static int h_add_map(hstate *s, uint64_t addr, uint64_t nbytes, int fd) {
+    if (s->n_maps == s->cap_maps) {
+        uint32_t cap = s->cap_maps ? 2 * s->cap_maps : 8;
+        hmap *m = realloc(s->maps, cap * sizeof(hmap));
+        if (!m) {
+            v4rt_seterr("out of host memory");
+            return 1;
+        }
+        s->maps = m;
+        s->cap_maps = cap;
+    }
+    s->maps[s->n_maps++] = (hmap){addr, nbytes, fd};
+    return 0;
+}
+
+static void h_drop_map(hstate *s, hmap *m) {
+    munmap((void *)(uintptr_t)m->addr, m->nbytes);
+    if (m->fd >= 0) close(m->fd);
+    *m = s->maps[--s->n_maps];
+}
+
+static int h_sym_alloc(v4drv *d, uint64_t n, uint64_t *addr) {
+    hstate *s = d->state;
+    int fd = memfd_create("v4rt-symmetric", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, (off_t)n) != 0) {
+        v4rt_seterr("symmetric memory of %llu bytes: memfd_create / ftruncate failed", (unsigned long long)n);
+        if (fd >= 0) close(fd);
+        return 1;
+    }
+    void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        v4rt_seterr("symmetric memory of %llu bytes: mmap failed", (unsigned long long)n);
+        close(fd);
+        return 1;
+    }
+    if (h_add_map(s, (uint64_t)(uintptr_t)p, n, fd)) {
+        munmap(p, n);
+        close(fd);
+        return 1;
+    }
+    *addr = (uint64_t)(uintptr_t)p;
+    return 0;
+}
+
+static int h_sym_free(v4drv *d, uint64_t addr) {
+    hstate *s = d->state;
+    hmap *m = h_find(s, addr);
+    if (!m || m->fd < 0) {
+        v4rt_seterr("freeing %#llx: not symmetric memory of this process", (unsigned long long)addr);
+        return 1;
+    }
+    h_drop_map(s, m);
+    return 0;
+}
+
+static int h_ipc_handle(v4drv *d, uint64_t addr, unsigned char *handle) {
+    hstate *s = d->state;
+    hmap *m = h_find(s, addr);
+    if (!m || m->fd < 0) {
+        v4rt_seterr("exporting %#llx: not symmetric memory of this process", (unsigned long long)addr);
+        return 1;
+    }
+    snprintf((char *)handle, V4RT_IPC_HANDLE_BYTES, "/proc/%ld/fd/%d", (long)getpid(), m->fd);
+    return 0;
+}
+
+static int h_ipc_open(v4drv *d, const unsigned char *handle, uint64_t n, uint64_t *addr) {
+    hstate *s = d->state;
+    char path[V4RT_IPC_HANDLE_BYTES];
+    memcpy(path, handle, sizeof path);
+    path[sizeof path - 1] = 0;
+    if (strncmp(path, "/proc/", 6) != 0) {
+        v4rt_seterr("a host IPC handle is a /proc/<pid>/fd/<fd> path, found '%.40s'", path);
+        return 1;
+    }
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0 || (uint64_t)st.st_size < n) {
+        v4rt_seterr("opening the peer's region %s (%llu bytes) failed", path, (unsigned long long)n);
+        if (fd >= 0) close(fd);
+        return 1;
+    }
+    void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) {
+        v4rt_seterr("mapping the peer's region %s failed", path);
+        return 1;
+    }
+    if (h_add_map(s, (uint64_t)(uintptr_t)p, n, -1)) {
+        munmap(p, n);
+        return 1;
+    }
+    *addr = (uint64_t)(uintptr_t)p;
+    return 0;
+}
+
+static int h_ipc_close(v4drv *d, uint64_t addr) {
+    hstate *s = d->state;
+    hmap *m = h_find(s, addr);
+    if (!m || m->fd >= 0) {
+        v4rt_seterr("closing %#llx: not a peer's region mapped here", (unsigned long long)addr);
+        return 1;
+    }
+    h_drop_map(s, m);
+    return 0;
+}
 
 static int h_alloc(v4drv *d, uint64_t n, uint64_t *addr) {
     (void)d;
@@ -204,6 +332,8 @@ static int h_sync(v4drv *d) {
 static void h_shutdown(v4drv *d) {
     hstate *s = d->state;
     if (s && s->capturing) h_graph_free(s->capturing);
+    while (s && s->n_maps) h_drop_map(s, &s->maps[0]);
+    if (s) free(s->maps);
     free(s);
     d->state = NULL;
 }
@@ -220,6 +350,8 @@ int v4drv_host_open(v4drv *d, v4rt_host_kernel cb, void *user) {
                  .module_load = h_module_load, .module_unload = h_module_unload, .get_function = h_get_function,
                  .launch = h_launch, .copy = h_copy, .capture_begin = h_capture_begin, .capture_end = h_capture_end,
                  .graph_launch = h_graph_launch, .graph_destroy = h_graph_destroy, .sync = h_sync,
-                 .collective = h_collective, .shutdown = h_shutdown};
+                 .collective = h_collective, .sym_alloc = h_sym_alloc, .sym_free = h_sym_free,
+                 .ipc_handle = h_ipc_handle, .ipc_open = h_ipc_open, .ipc_close = h_ipc_close,
+                 .shutdown = h_shutdown};
     return 0;
 }

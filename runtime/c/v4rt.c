@@ -3,13 +3,15 @@
  * Launch table (little-endian; written by runtime/schedule.py):
  *   header  : magic "V4RTTBL1", u32 version, u32 n_buffers, u32 n_code, u32 n_functions,
  *             u64 payload bytes, u64 FNV-1a 64 checksum of the payload
- *   buffers : n_buffers x {u64 nbytes, u32 align, u32 kind}
+ *   buffers : n_buffers x {u64 nbytes, u32 align, u32 kind} (kind <= V4RT_KIND_SYMMETRIC, v4rt.h)
  *   code    : n_code x {u64 size, bytes padded to 8}
  *   function: n_functions x {u32 n_calls, u32 flags, then n_calls x call}
  *   call    : {u32 code, u32 symbol length, u32 grid[3], u32 block[3], u32 shared, u32 n_params, u32 flags},
  *             symbol bytes padded to 8, n_params x {i64 buffer (-1: NULL), u64 byte offset}
  *             (code V4RT_COLLECTIVE: a collective, not a kernel; its fields as v4rt.h says)
  *             flags: V4DRV_LAUNCH_* (driver.h); bit 0 = programmatic dependent launch
+ * A SYMMETRIC buffer (v4rt.h) is allocated with the driver's sym_alloc; the peers' regions mapped by
+ * v4rt_ipc_open are unmapped at close, before the buffers are freed.
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -91,6 +93,8 @@ struct v4rt {
     v4rt_stats stats;
     v4rt_range *copies; /* the copy table (v4rt_copy_table) */
     uint32_t n_copies;
+    uint64_t *peers; /* the peer regions mapped by v4rt_ipc_open (0: none, or this rank's own) */
+    uint32_t n_peers;
 };
 
 typedef struct {
@@ -154,14 +158,23 @@ static void release(v4rt *rt) {
             free(fn->probes);
         }
     }
+    if (rt->peers && rt->drv_open)
+        for (uint32_t i = 0; i < rt->n_peers; i++)
+            if (rt->peers[i]) rt->drv.ipc_close(&rt->drv, rt->peers[i]);
     if (rt->buffers && rt->drv_open)
         for (uint32_t b = 0; b < rt->n_buffers; b++)
-            if (rt->buffers[b].allocated) rt->drv.mem_free(&rt->drv, rt->buffers[b].addr);
+            if (rt->buffers[b].allocated) {
+                if (rt->buffers[b].kind == V4RT_KIND_SYMMETRIC)
+                    rt->drv.sym_free(&rt->drv, rt->buffers[b].addr);
+                else
+                    rt->drv.mem_free(&rt->drv, rt->buffers[b].addr);
+            }
     if (rt->modules && rt->drv_open)
         for (uint32_t m = 0; m < rt->n_code; m++)
             if (rt->modules[m]) rt->drv.module_unload(&rt->drv, rt->modules[m]);
     if (rt->drv_open) rt->drv.shutdown(&rt->drv);
     free(rt->copies);
+    free(rt->peers);
     free(rt->functions);
     free(rt->buffers);
     free(rt->modules);
@@ -179,6 +192,10 @@ static v4rt_status parse(v4rt *rt, const unsigned char **code_img, uint64_t *cod
         rt->buffers[b].nbytes = rd(&r, 8);
         rt->buffers[b].align = (uint32_t)rd(&r, 4);
         rt->buffers[b].kind = (uint32_t)rd(&r, 4);
+        if (r.ok && rt->buffers[b].kind > V4RT_KIND_SYMMETRIC) {
+            v4rt_seterr("launch table: buffer %u: unknown kind %u", b, rt->buffers[b].kind);
+            return V4RT_E_TABLE;
+        }
     }
     for (uint32_t m = 0; m < rt->n_code; m++) {
         code_size[m] = rd(&r, 8);
@@ -414,7 +431,14 @@ v4rt_status v4rt_open(uint32_t abi_version, const char *driver, const char *driv
     for (uint32_t b = 0; b < nb; b++) {
         buf_t *bf = &rt->buffers[b];
         uint64_t n = bf->nbytes ? bf->nbytes : 1;
-        if (rt->drv.mem_alloc(&rt->drv, n, &bf->addr)) {
+        int sym = bf->kind == V4RT_KIND_SYMMETRIC;
+        if (sym && !rt->drv.sym_alloc) {
+            v4rt_seterr("buffer %u is symmetric memory (the one-shot all-reduce's), which the %s driver cannot "
+                        "allocate", b, rt->drv.name);
+            st = V4RT_E_OOM;
+            goto fail;
+        }
+        if (sym ? rt->drv.sym_alloc(&rt->drv, n, &bf->addr) : rt->drv.mem_alloc(&rt->drv, n, &bf->addr)) {
             wrap_err("allocating buffer %u (%llu bytes) failed", b, (unsigned long long)n);
             st = V4RT_E_OOM;
             goto fail;
@@ -740,4 +764,62 @@ v4rt_status v4rt_probe_table(v4rt *rt, uint32_t function, uint32_t n, const v4rt
         if (st) return st;
     }
     return replace_table((void **)&fn->probes, &fn->n_probes, probes, n, sizeof *probes, "probe table");
+}
+
+static v4rt_status symmetric(const v4rt *rt, uint32_t buffer, const char *what) {
+    if (!rt || buffer >= rt->n_buffers || rt->buffers[buffer].kind != V4RT_KIND_SYMMETRIC) {
+        v4rt_seterr("%s: buffer %u is not a symmetric buffer of the runtime", what, buffer);
+        return V4RT_E_ARG;
+    }
+    return V4RT_OK;
+}
+
+v4rt_status v4rt_ipc_handle(v4rt *rt, uint32_t buffer, void *handle) {
+    v4rt_status st = symmetric(rt, buffer, "v4rt_ipc_handle");
+    if (st) return st;
+    if (!handle) {
+        v4rt_seterr("v4rt_ipc_handle: no output");
+        return V4RT_E_ARG;
+    }
+    if ((st = bind_thread(rt))) return st;
+    memset(handle, 0, V4RT_IPC_HANDLE_BYTES);
+    if (rt->drv.ipc_handle(&rt->drv, rt->buffers[buffer].addr, handle)) {
+        wrap_err("exporting symmetric buffer %u", buffer);
+        return V4RT_E_DRIVER;
+    }
+    return V4RT_OK;
+}
+
+v4rt_status v4rt_ipc_open(v4rt *rt, uint32_t buffer, uint32_t n, uint32_t self, const void *handles, uint64_t *addrs) {
+    v4rt_status st = symmetric(rt, buffer, "v4rt_ipc_open");
+    if (st) return st;
+    if (!handles || !addrs || !n || self >= n || n > 1024) {
+        v4rt_seterr("v4rt_ipc_open: %u regions, self %u (expected 1-1024 handles and addresses, self among them)", n,
+                    self);
+        return V4RT_E_ARG;
+    }
+    if (rt->peers) {
+        v4rt_seterr("v4rt_ipc_open: the peers' regions are already mapped");
+        return V4RT_E_ARG;
+    }
+    if ((st = bind_thread(rt))) return st;
+    if (!(rt->peers = calloc(n, sizeof(uint64_t)))) {
+        v4rt_seterr("out of host memory");
+        return V4RT_E_OOM;
+    }
+    rt->n_peers = n;
+    const unsigned char *h = handles;
+    for (uint32_t i = 0; i < n; i++) {
+        if (i == self) {
+            addrs[i] = rt->buffers[buffer].addr;
+            continue;
+        }
+        if (rt->drv.ipc_open(&rt->drv, h + (size_t)i * V4RT_IPC_HANDLE_BYTES, rt->buffers[buffer].nbytes,
+                             &rt->peers[i])) {
+            wrap_err("mapping the symmetric region of peer %u of %u", i, n);
+            return V4RT_E_DRIVER; /* the ones mapped so far are unmapped at v4rt_close */
+        }
+        addrs[i] = rt->peers[i];
+    }
+    return V4RT_OK;
 }

@@ -20,7 +20,7 @@ extern "C" {
 #endif
 
 #define V4RT_ABI_VERSION 1u
-#define V4RT_TABLE_VERSION 2u /* 2: per-call launch flags; collective calls */
+#define V4RT_TABLE_VERSION 3u /* 2: per-call launch flags; collective calls; 3: buffer kinds 7 and 8 */
 
 typedef struct v4rt v4rt;
 
@@ -55,6 +55,18 @@ typedef int (*v4rt_host_kernel)(void *user, uint32_t function, uint32_t call, ui
 #define V4RT_BF16 1u
 #define V4RT_I64 2u /* all_gather_rows of token ids (data parallel) */
 #define V4RT_COMM_ID_BYTES 128u /* ncclUniqueId */
+
+/* Buffer kinds (the table's u32 per buffer; runtime/schedule.py KIND_CODE): 0-6 plain device memory (arena,
+ * input, pool, state, weight, output, scratch; the caller zeroes what must start zeroed), 7 PEERS (plain device
+ * memory: the one-shot all-reduce's peer table, written by the caller), 8 SYMMETRIC: memory other processes of
+ * the group map (issue 34: the one-shot all-reduce's region; the same size on every rank), allocated through the
+ * driver's IPC-capable allocator (host: a memfd; CUDA: cuMemAlloc; HIP: fine-grained uncached memory). Its
+ * handle (V4RT_IPC_HANDLE_BYTES, opaque) comes from v4rt_ipc_handle; the caller exchanges the handles (over
+ * torch.distributed) and maps the peers' regions with v4rt_ipc_open, which returns each region's address in
+ * this process (its own for `self`); they are unmapped at v4rt_close. */
+#define V4RT_KIND_PEERS 7u
+#define V4RT_KIND_SYMMETRIC 8u
+#define V4RT_IPC_HANDLE_BYTES 64u /* cudaIpcMemHandle_t, hipIpcMemHandle_t; the host driver's fd path */
 
 /* Copies from a copy table (issue 36: the prefix cache's boundary snapshots and its copy-on-write blocks).
  * The table, given once (v4rt_copy_table), lists byte ranges by group: range i of a group at index k is
@@ -141,6 +153,13 @@ v4rt_status v4rt_comm_unique_id(const char *driver, const char *comm_lib, void *
  * V4RT_COMM_ID_BYTES). Once per runtime, before running a function with collectives. */
 v4rt_status v4rt_comm_init(v4rt *rt, const char *comm_lib, uint32_t rank, uint32_t n_groups, const uint32_t *sizes,
                            const void *ids);
+
+/* The IPC handle of SYMMETRIC buffer `buffer` (V4RT_IPC_HANDLE_BYTES into `handle`). */
+v4rt_status v4rt_ipc_handle(v4rt *rt, uint32_t buffer, void *handle);
+/* Map the `n` regions of a group whose handles are `handles` (n x V4RT_IPC_HANDLE_BYTES, in rank order; entry
+ * `self` is this runtime's own SYMMETRIC buffer `buffer`, which is not opened), each the size of `buffer`: their
+ * addresses in this process into `addrs` (n entries). Once per runtime; unmapped at v4rt_close. */
+v4rt_status v4rt_ipc_open(v4rt *rt, uint32_t buffer, uint32_t n, uint32_t self, const void *handles, uint64_t *addrs);
 
 #ifdef __cplusplus
 }

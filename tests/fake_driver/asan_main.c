@@ -73,6 +73,33 @@ static int run_all(v4rt *rt) {
     return 0;
 }
 
+/* The symmetric buffer (the tables' last) of two runtimes of this process: handles exported (a plain buffer's
+ * refused), each mapping the other's region: the bytes one writes are the bytes the other's mapping holds (host,
+ * fake HIP), or refused as CUDA refuses a handle opened in the process that exported it (`same_process_ok` 0); a
+ * second mapping refused; closing unmaps (ASan / LeakSanitizer and the fake's counts see the rest). */
+static int ipc_pair(v4rt *a, v4rt *b, int same_process_ok) {
+    uint32_t sb = v4rt_num_buffers(a) - 1;
+    unsigned char h[2 * V4RT_IPC_HANDLE_BYTES];
+    uint64_t addrs[2] = {0, 0}, own = 0, n = 0;
+    EXPECT(v4rt_ipc_handle(a, 0, h) == V4RT_E_ARG, "a plain buffer has no IPC handle");
+    EXPECT(v4rt_ipc_handle(a, sb, h) == V4RT_OK && v4rt_ipc_handle(b, sb, h + V4RT_IPC_HANDLE_BYTES) == V4RT_OK,
+           "IPC handles");
+    v4rt_status st = v4rt_ipc_open(a, sb, 2, 0, h, addrs);
+    if (!same_process_ok) {
+        EXPECT(st == V4RT_E_DRIVER, "a handle opened in the process that exported it is refused");
+        return 0;
+    }
+    EXPECT(st == V4RT_OK, "mapping the peer's region");
+    EXPECT(v4rt_buffer_info(a, sb, &own, &n) == V4RT_OK && addrs[0] == own && addrs[1] && addrs[1] != own,
+           "the table: its own region, then the peer's mapping");
+    unsigned char pat[64];
+    for (int i = 0; i < 64; i++) pat[i] = (unsigned char)(i * 13 + 5);
+    EXPECT(v4rt_write(b, sb, n - 64, pat, 64) == V4RT_OK && v4rt_sync(b) == V4RT_OK, "a write into the peer's region");
+    EXPECT(!memcmp((const void *)(uintptr_t)(addrs[1] + n - 64), pat, 64), "the mapping holds the peer's bytes");
+    EXPECT(v4rt_ipc_open(a, sb, 2, 0, h, addrs) == V4RT_E_ARG, "a second mapping is refused");
+    return 0;
+}
+
 /* Every buffer written with a pattern, in pieces of odd sizes (large ones go through the pinned staging
  * buffers, which the test build makes small), then read back and compared. */
 static int roundtrip(v4rt *rt) {
@@ -107,6 +134,10 @@ int main(int argc, char **argv) {
     v4rt *rt = NULL;
     EXPECT(v4rt_open(V4RT_ABI_VERSION, "host", NULL, t, n, count, NULL, &rt) == V4RT_OK, "host open");
     if (run_all(rt)) return 1;
+    v4rt *peer = NULL;
+    EXPECT(v4rt_open(V4RT_ABI_VERSION, "host", NULL, t, n, count, NULL, &peer) == V4RT_OK, "host open (peer)");
+    if (ipc_pair(rt, peer, 1)) return 1;
+    v4rt_close(peer);
     v4rt_close(rt);
     EXPECT(v4rt_open(V4RT_ABI_VERSION, "host", NULL, t, n, failing, NULL, &rt) == V4RT_OK, "host open 2");
     EXPECT(v4rt_run(rt, 0, 1) == V4RT_E_GRAPH, "a failing kernel in a replay (capture only records)");
@@ -128,7 +159,15 @@ int main(int argc, char **argv) {
         reset();
         EXPECT(v4rt_open(V4RT_ABI_VERSION, drv, lib, ft, nf, NULL, NULL, &rt) == V4RT_OK, "fake open");
         if (run_all(rt) || roundtrip(rt)) return 1;
+        v4rt *peer = NULL;
+        EXPECT(v4rt_open(V4RT_ABI_VERSION, drv, lib, ft, nf, NULL, NULL, &peer) == V4RT_OK, "fake open (peer)");
+        if (ipc_pair(rt, peer, d == 1)) return 1;
+        v4rt_close(peer);
         v4rt_close(rt);
+        void (*ipc)(long *) = (void (*)(long *))dlsym(h, "fake_ipc");
+        long ip[5]; /* fake_ipc: exported, opened, closed, open now, hipExtMallocWithFlags' last flags */
+        ipc(ip);
+        EXPECT(ip[0] == 2 && ip[1] == d && ip[2] == d && ip[3] == 0 && ip[4] == (d ? 3 : 0), "the fake's IPC record");
         EXPECT(v4rt_open(V4RT_ABI_VERSION, drv, lib, t, n, NULL, NULL, &rt) == V4RT_E_MODULE, "bad image");
         reset();
         fail("alloc", 3);

@@ -30,16 +30,29 @@
  * (INVALID_HANDLE), and, during capture, a pinned allocation or free, or an event record or synchronize.
  * A test may run each launch's kernel through a hook (fake_on_launch) on the fake's memory, so a whole program
  * computes on the fake GPU.
+ * IPC (the one-shot all-reduce's symmetric regions): device memory is shared memory (a memfd per allocation,
+ * mapped MAP_SHARED), so a handle (cuIpcGetMemHandle / hipIpcGetMemHandle: the allocation's /proc fd path and
+ * size) opened in another process (cuIpcOpenMemHandle_v2 / hipIpcOpenMemHandle) maps the same bytes. Refused as
+ * the real drivers refuse them (INVALID_VALUE unless said): a handle of memory not from the device allocator
+ * (pinned host memory, a pointer in no live allocation), opening a handle without the lazy peer-access flag,
+ * closing what is not an open mapping (a double close), and on CUDA opening a handle this same process exported
+ * (CUDA_ERROR_INVALID_CONTEXT here; CUDA documents that such a handle cannot be opened in its own process).
+ * hipExtMallocWithFlags takes the flags hip_runtime_api.h defines (0 default, 1 fine-grained, 3 uncached) and
+ * records the last one. fake_ipc: handles exported, opened, closed, open now, the last allocation flags.
  * The test reads the record through fake_* functions (it loads the same library path, so it shares it):
  * counts, the copies (fake_copies: by source kind, bytes, synchronisations), the launches (eager and
  * replayed; each with whether it carried cuLaunchKernelEx's programmatic stream serialization attribute, kept
  * through capture into the replays), the attribute calls, and the name of every driver call in order (the
  * trace). */
+#define _GNU_SOURCE
+#include <fcntl.h>
 #include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #define MAXK 4096
 #define MAXP 64
@@ -109,6 +122,8 @@ static long g_nattr;
 static const char *g_trace[MAXTRACE];
 static long g_ntrace;
 
+static long g_ipc_exported, g_ipc_opened, g_ipc_closed; /* IPC (below) */
+static unsigned g_malloc_flags;
 static const char *const FAILS[] = {"alloc", "load", "instantiate", "launch", "attr", "graph_launch", "host_alloc"};
 enum { F_ALLOC, F_LOAD, F_INSTANTIATE, F_LAUNCH, F_ATTR, F_GRAPH_LAUNCH, F_HOST_ALLOC, F_N };
 static long g_fail_at[F_N], g_attempts[F_N];
@@ -293,6 +308,8 @@ static int exec_hook(const uint64_t *args, int nargs) {
 void fake_reset(void) {
     g_nlog = g_allocs = g_frees = g_loads = g_unloads = g_captures = g_glaunch = g_streams = g_graphs = g_execs = 0;
     g_nattr = g_ntrace = 0;
+    g_ipc_exported = g_ipc_opened = g_ipc_closed = 0;
+    g_malloc_flags = 0;
     memset(g_fail_at, 0, sizeof g_fail_at);
     memset(g_attempts, 0, sizeof g_attempts);
     memset(g_live, 0, sizeof g_live);
@@ -397,12 +414,27 @@ static int d2d(void *dst, const void *src, size_t n) {
     return 0;
 }
 
+static int g_live_fd[MAXLIVE];
+
+/* Device memory: a memfd mapped MAP_SHARED (page-aligned), its fd kept for IPC handles. */
+static void *shared_alloc(size_t n, int *fd) {
+    size_t m = n ? n : 1;
+    *fd = memfd_create("fake-device", MFD_CLOEXEC);
+    if (*fd < 0) return NULL;
+    void *p = ftruncate(*fd, (off_t)m) == 0 ? mmap(NULL, m, PROT_READ | PROT_WRITE, MAP_SHARED, *fd, 0) : MAP_FAILED;
+    if (p == MAP_FAILED) {
+        close(*fd);
+        return NULL;
+    }
+    return p;
+}
+
 static int f_alloc(void **p, size_t n) {
     if (injected(F_ALLOC)) return 1;
     for (int i = 0; i < MAXLIVE; i++)
         if (!g_live[i]) {
             g_live_n[i] = n;
-            g_live[i] = aligned_alloc(256, (n + 255) / 256 * 256);
+            g_live[i] = shared_alloc(n, &g_live_fd[i]);
             *p = g_live[i];
             g_allocs += g_live[i] != NULL; /* successful allocations: each must be freed */
             return g_live[i] ? 0 : 1;
@@ -413,7 +445,8 @@ static int f_free(void *p) {
     for (int i = 0; i < MAXLIVE; i++)
         if (g_live[i] == p && p) {
             if (queued_touching(p, g_live_n[i], 0)) return 1;
-            free(p);
+            munmap(p, g_live_n[i] ? g_live_n[i] : 1);
+            close(g_live_fd[i]);
             g_live[i] = NULL;
             g_frees++;
             return 0;
@@ -683,6 +716,66 @@ static int f_gdestroy(void *g) {
     return 0;
 }
 
+/* ---- IPC ------------------------------------------------------------------------------------------- */
+#define MAXIPC 256
+#define IPC_BYTES 64
+static struct {
+    void *p;
+    size_t n;
+} g_ipc[MAXIPC];
+void fake_ipc(long out[5]) {
+    long open_now = 0;
+    for (int i = 0; i < MAXIPC; i++) open_now += g_ipc[i].p != NULL;
+    long v[5] = {g_ipc_exported, g_ipc_opened, g_ipc_closed, open_now, (long)g_malloc_flags};
+    memcpy(out, v, sizeof v);
+}
+static int ipc_handle(char *h, const void *p) {
+    for (int i = 0; i < MAXLIVE; i++)
+        if (g_live[i] && (uintptr_t)p >= (uintptr_t)g_live[i] && (uintptr_t)p < (uintptr_t)g_live[i] + g_live_n[i]) {
+            memset(h, 0, IPC_BYTES);
+            snprintf(h, IPC_BYTES, "/proc/%ld/fd/%d %zu", (long)getpid(), g_live_fd[i], g_live_n[i]);
+            g_ipc_exported++;
+            return 0;
+        }
+    return E_INVALID_VALUE; /* not device memory from the allocator */
+}
+static int ipc_open(void **out, const char *h, unsigned flags, int own_refused) {
+    char path[IPC_BYTES];
+    long pid = 0;
+    int fd = -1;
+    size_t n = 0;
+    memcpy(path, h, IPC_BYTES);
+    path[IPC_BYTES - 1] = 0;
+    if (flags != 1 || sscanf(path, "/proc/%ld/fd/%d %zu", &pid, &fd, &n) != 3 || !n) return E_INVALID_VALUE;
+    if (own_refused && pid == (long)getpid()) return E_INVALID_CONTEXT;
+    *strchr(path, ' ') = 0;
+    int f = open(path, O_RDWR | O_CLOEXEC);
+    if (f < 0) return E_INVALID_VALUE;
+    void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, f, 0);
+    close(f);
+    if (p == MAP_FAILED) return E_INVALID_VALUE;
+    for (int i = 0; i < MAXIPC; i++)
+        if (!g_ipc[i].p) {
+            g_ipc[i].p = p;
+            g_ipc[i].n = n;
+            g_ipc_opened++;
+            *out = p;
+            return 0;
+        }
+    munmap(p, n);
+    return 2;
+}
+static int ipc_close(void *p) {
+    for (int i = 0; i < MAXIPC; i++)
+        if (p && g_ipc[i].p == p) {
+            munmap(p, g_ipc[i].n);
+            g_ipc[i].p = NULL;
+            g_ipc_closed++;
+            return 0;
+        }
+    return E_INVALID_VALUE; /* never opened, or closed already */
+}
+
 /* Every exported driver function starts with T: its name goes to the trace. */
 #define T trace(__func__)
 
@@ -763,6 +856,19 @@ int cuGraphInstantiateWithFlags(void **e, void *g, unsigned long long f) { T; CT
 int cuGraphLaunch(void *e, void *s) { T; CTX; STREAM(s); return f_glaunch(e); }
 int cuGraphExecDestroy(void *e) { T; CTX; (void)e; g_execs--; return 0; }
 int cuGraphDestroy(void *g) { T; CTX; return f_gdestroy(g); }
+typedef struct {
+    char reserved[IPC_BYTES];
+} CUipcMemHandle;
+int cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr p) { T; CTX; return ipc_handle(h->reserved, (void *)(uintptr_t)p); }
+int cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned f) {
+    T;
+    CTX;
+    void *q = NULL;
+    int r = ipc_open(&q, h.reserved, f, 1);
+    *p = (CUdeviceptr)(uintptr_t)q;
+    return r;
+}
+int cuIpcCloseMemHandle(CUdeviceptr p) { T; CTX; return ipc_close((void *)(uintptr_t)p); }
 #endif
 
 #ifdef FAKE_HIP
@@ -807,4 +913,17 @@ int hipGraphInstantiate(void **e, void *g, void *n, char *l, size_t b) { T; (voi
 int hipGraphLaunch(void *e, void *s) { T; STREAM(s); return f_glaunch(e); }
 int hipGraphExecDestroy(void *e) { T; (void)e; g_execs--; return 0; }
 int hipGraphDestroy(void *g) { T; return f_gdestroy(g); }
+typedef struct {
+    char reserved[IPC_BYTES];
+} hipIpcMemHandle_t;
+int hipExtMallocWithFlags(void **p, size_t n, unsigned f) {
+    T;
+    NOCAP;
+    if (f != 0 && f != 1 && f != 3) return E_INVALID_VALUE;
+    g_malloc_flags = f;
+    return f_alloc(p, n) ? 2 : 0;
+}
+int hipIpcGetMemHandle(hipIpcMemHandle_t *h, void *p) { T; return ipc_handle(h->reserved, p); }
+int hipIpcOpenMemHandle(void **p, hipIpcMemHandle_t h, unsigned f) { T; return ipc_open(p, h.reserved, f, 0); }
+int hipIpcCloseMemHandle(void *p) { T; return ipc_close(p); }
 #endif

@@ -113,9 +113,11 @@ def test_partition_twice_and_the_cli_pipelines(traced):
     from v4compile.cli.pipeline import pipeline_of
     args = SimpleNamespace(passes=None, target=None, tp=2, ep=1)
     gpu = pipeline_of(args)  # down to the program: collective launches among the kernels
-    assert gpu[0] == "partition{tp=2,ep=1}" and gpu[-1] == "lower_to_program"
-    args.target = "cpu"
-    assert pipeline_of(args)[0] == "partition{tp=2,ep=1}"
+    assert gpu[0] == "partition{tp=2,ep=1}" and gpu[-1] == "lower_to_program" and "oneshot_allreduce" in gpu
+    args.allreduce = "nccl"  # the all-reduces left on NCCL / RCCL: the lowering left out
+    assert pipeline_of(args) == [p for p in gpu if p != "oneshot_allreduce"]
+    args.target = "cpu"  # ONNX segments meet at the communicator's collectives
+    assert pipeline_of(args)[0] == "partition{tp=2,ep=1}" and "oneshot_allreduce" not in pipeline_of(args)
     args.passes = "partition{tp=2},dce"
     with pytest.raises(InputError, match="--passes names it too"):
         pipeline_of(args)

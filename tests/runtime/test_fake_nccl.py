@@ -28,14 +28,16 @@ NCCL_TYPE = {"fp32": 7, "bf16": 9}
 
 @functools.lru_cache(maxsize=None)
 def partitioned():
-    """(program, rank 0's weights) of tiny partitioned over tp 2, ep 2 (hf numerics, decode batch 2)."""
+    """(program, rank 0's weights) of tiny partitioned over tp 2, ep 2 (hf numerics, decode batch 2), its
+    all-reduces left on NCCL (`--allreduce nccl`: no oneshot_allreduce pass)."""
     from v4compile.passes import DEFAULT_PIPELINE, PassManager, PipelineOptions
     from v4compile.program.build import build_program
     from v4compile.program.verify import verify_program
     from v4compile.trace import TraceOptions, trace
 
     m = trace(preset("tiny"), TraceOptions(numerics="hf", batch=1, chunk=16, decode_batch=2, capacity=64))
-    m = PassManager(["partition{tp=2,ep=2}", *DEFAULT_PIPELINE], PipelineOptions()).run(m).module
+    pipeline = [p for p in DEFAULT_PIPELINE if p != "oneshot_allreduce"]
+    m = PassManager(["partition{tp=2,ep=2}", *pipeline], PipelineOptions()).run(m).module
     return verify_program(build_program(m)), load_ir_weights(m, DenseSource(dense_weights("tiny")), rank=0)
 
 
@@ -69,15 +71,15 @@ def _inputs(prog, fname, seed):
 
 
 def expected(rt, prog, fname, kernel_calls=None):
-    """From the program alone: each collective launch as NCCL must get it (op, count, dtype, send, recv,
+    """From the program alone: each communicator launch as NCCL must get it (op, count, dtype, send, recv,
     group), and the kernel-or-collective sequence of a step ("nccl" for a collective; a launch's kernel
-    calls from `kernel_calls` when given, else its one placeholder call)."""
+    calls from `kernel_calls` when given, else its one placeholder call: a one-shot all-reduce is kernels)."""
     def addr(a):
         return rt.addr[rt.sched.buffer_index(fname, a.buffer)] + a.offset
 
     colls, seq = [], []
     for l in prog.functions[fname].launches:
-        if get_op(l.op).collective:
+        if get_op(l.op).communicator:
             (_, x), = l.operands
             (_, y), = l.results
             colls.append((l.op, x.type.numel, NCCL_TYPE[x.type.dtype], addr(x), addr(y), l.attrs["group"]))
@@ -94,7 +96,7 @@ def differences(rt, prog, nccl, fake, steps: int, fname: str = "decode", kernel_
     if nccl.calls() != colls:  # recorded once: at the capture
         out.append(("collectives", nccl.calls()[:2], colls[:2]))
     log = fake.log()
-    if any(r for n, _, _, r in log if n.startswith("nccl")) != bool(steps) or any(
+    if any(r for n, _, _, r in log if n.startswith("nccl")) != bool(steps and colls) or any(
             not r for n, _, _, r in log if n.startswith("nccl")):
         out.append(("collectives outside the graph",))
     got = [("nccl", a[:2]) if n.startswith("nccl") else (n, None) for n, _, a, r in log if r]
@@ -191,3 +193,46 @@ def test_communicator_ids_reach_a_late_rank_after_the_first_rank_is_done():
     runs = launch([sys.executable, "-c", _LATE_READER], 2, timeout_s=60)
     assert [r[0] for r in runs] == [0, 0], [r[2][-800:] for r in runs]
     assert [r[1].strip() for r in runs] == ["07070707"] * 2
+
+
+def test_a_late_peer_is_one_error_after_the_step(monkeypatch):
+    """The one-shot all-reduce in the C runtime (host device, the allreduce kernels interpreted, every other launch
+    its reference): rank 0 of a group of 2 whose peer never arrives. The 'peer' is rank 0's own region mapped a
+    second time (the exchange handing back this rank's handle twice), so no one sets rank 1's flags: the kernel
+    gives up after its bound (64 polls here) and the step ends with the status error naming the late peer, in
+    bounded time. With the flags set the step would not wait: the runtime's read of the status words is what
+    makes the failure visible (the outputs are left unwritten, not wrong-but-plausible)."""
+    import time
+
+    from v4compile.codegen.kernels import allreduce
+    from v4compile.codegen.program_kernels import family_specialise
+    from v4compile.passes import DEFAULT_PIPELINE, PassManager, PipelineOptions
+    from v4compile.program.build import build_program
+    from v4compile.program.verify import verify_program
+    from v4compile.runtime.kernels import make_kernel_calls
+    from v4compile.trace import TraceOptions, trace
+
+    m = trace(preset("tiny"), TraceOptions(numerics="hf", batch=1, chunk=16, decode_batch=2, capacity=64))
+    m = PassManager(["partition{tp=2,ep=2}", *DEFAULT_PIPELINE], PipelineOptions()).run(m).module
+    prog = verify_program(build_program(m))
+    w = load_ir_weights(m, DenseSource(dense_weights("tiny")), rank=0)
+    monkeypatch.setattr(allreduce.oneshot_call, "__defaults__", (("x", "y"), 64, allreduce.GRID_MAX))
+    calls = make_kernel_calls(lambda fam: family_specialise(fam) if fam == "allreduce" else None)
+    seen = []
+
+    def exchange(group, handle):
+        seen.append((group, len(handle)))
+        return [handle, handle], 0
+
+    rt = CRuntime(prog, w, "host", kernel_calls=calls, exchange=exchange)
+    assert seen == [(2, 64)] and rt.sched.region.group == 2
+    step = {b.name: torch.zeros(b.type.shape, dtype=torch.int64) for b in prog.functions["decode"].buffers
+            if b.kind == "input"}  # every sequence at position 0 of slot 0's first block
+    t0 = time.monotonic()
+    with pytest.raises(DeviceError) as e:
+        rt.run("decode", step)
+    assert str(e.value) == "rank 0: peer rank 1 of its group of 2 did not reach one-shot all-reduce 1 within 64 polls"
+    assert time.monotonic() - t0 < 30
+    rt.close()
+    with pytest.raises(DeviceError, match="need the process group"):
+        CRuntime(prog, w, "host", kernel_calls=calls)

@@ -335,21 +335,44 @@ def test_one_gpu_program_one_kernel_set_and_rank_weights(arts):
     for fname, f in prog.functions.items():
         ops = [l.op for l in f.launches]
         moe = [o for o in ops if o in ("moe_router_experts_ep", "mhc_moe_ep")]  # every MoE fused on this rank too
-        assert ops.count("all_reduce") == 10 and len(moe) == 5 and "local_experts" not in ops, fname  # 5 layers
-        for l, calls in zip(f.launches, pk.calls[fname]):  # a collective is no kernel call; the rest are
-            assert (calls == []) == get_op(l.op).collective, (fname, l.op)
+        # 5 layers; the GPU program's all-reduces one-shot (passes/oneshot_allreduce.py)
+        assert ops.count("all_reduce_oneshot") == 10 and len(moe) == 5 and "local_experts" not in ops, fname
+        for l, calls in zip(f.launches, pk.calls[fname]):  # a communicator's collective is no kernel call; the rest are
+            assert (calls == []) == get_op(l.op).communicator, (fname, l.op)
     assert {c.name for c in pk.unique.values()} == {k["name"] for k in m["kernels"]}
     assert not any(k["name"].startswith("local_experts_") for k in m["kernels"])
 
 
 def test_nccl_gets_the_programs_collectives_inside_the_graph(host_ranks):
     """Device cuda through ProgramBackend: comm_init with rank 0's id through the store, then 3 decode steps
-    (`test_fake_nccl.differences`, shown there to catch a swapped operand and result)."""
+    (`test_fake_nccl.differences`, shown there to catch a swapped operand and result). The program's 10
+    all-reduces are one-shot kernel launches (NCCL receives none): each rank exported its region's IPC handle
+    once, mapped its peer's (cuIpcOpenMemHandle_v2; the fake refuses a rank's own handle) and unmapped it at close."""
     tmp, runs = host_ranks
     assert [code for code, _, _ in runs] == [0, 0], runs[0][2][-2000:] + runs[1][2][-2000:]
     res = [json.loads((tmp / f"nccl-{r}.json").read_text()) for r in range(2)]
     for r, x in enumerate(res):
-        assert x["differences"] == [] and x["collectives"] == 10 and x["captures"] == 1, (r, x["differences"])
+        assert x["differences"] == [] and x["collectives"] == 0 and x["captures"] == 1, (r, x["differences"])
+        assert x["ipc_loaded"] == {"exported": 1, "opened": 1, "closed": 0, "open": 1, "malloc_flags": 0}, x
+        assert x["ipc"] == {"exported": 1, "opened": 1, "closed": 1, "open": 0, "malloc_flags": 0}, x
         assert [c[:2] for c in x["comms"]] == [[2, r]]  # one communicator: the group of 2, this rank's place
     assert len(res[0]["made"]) == 1 and res[1]["made"] == []  # the group's first rank makes the id ...
     assert res[0]["joined"] == res[1]["joined"] == [{"2": res[0]["made"][0]}]  # ... every rank joins with it
+
+
+def test_oneshot_allreduce_on_the_host_device(arts, tmp_path):
+    """The 2-rank GPU program on the host device with its one-shot all-reduces run by their kernel (interpreted;
+    each rank's symmetric region a memfd the peer maps through its /proc path, the handles exchanged over gloo,
+    the peer table written at load), every other launch by its reference; then, in the same processes, the same
+    artifact with every launch's reference (the all-reduces on gloo). Greedy ids equal, and logits equal bit for
+    bit on both ranks: at 2 ranks gloo's sum a + b is the rank-order sum the kernel computes (past 2 ranks gloo
+    chooses its own association; the kernel's order is shown in tests/kernels/test_kernels_allreduce.py)."""
+    art = arts[2][0]
+    (tmp_path / "prompts.json").write_text(json.dumps({"prompts": [[5, 17, 3, 99, 42], [311]], "new": 3}))
+    runs = launch([sys.executable, str(WORKER), str(tmp_path), str(tmp_path / "prompts.json"), str(art), str(art)], 2,
+                  timeout_s=240, env={"V4_TEST_DEVICE": "host", "V4_TEST_KERNELS": "oneshot,reference"})
+    assert [r[0] for r in runs] == [0, 0], runs[0][2][-2000:] + runs[1][2][-2000:]
+    got = [np.load(tmp_path / f"rank-{r}.npz") for r in range(2)]
+    for g in got:
+        assert g["ids-0"].tolist() == g["ids-1"].tolist() == got[0]["ids-1"].tolist()
+        assert np.array_equal(g["logits-0"], g["logits-1"]) and np.array_equal(g["logits-0"], got[0]["logits-0"])

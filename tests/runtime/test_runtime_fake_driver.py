@@ -157,11 +157,15 @@ def test_each_failure_is_one_clear_error_with_nothing_leaked(driver, case):
 
 def test_the_runtime_under_address_sanitizer(tmp_path):
     """Success and failure paths of the C runtime (host and both fake drivers: open, runs, failed runs, probes,
-    a large-shared-memory opt-in and its refusal, writes through small pinned staging buffers read back)
+    a large-shared-memory opt-in and its refusal, writes through small pinned staging buffers read back, a
+    symmetric region exported and mapped by a second runtime, or refused where CUDA refuses it)
     under ASan + UBSan + LeakSanitizer, in a C driver program (tests/fake_driver/asan_main.c)."""
     m, prog, w = tiny()
     sched_rt = CRuntime(prog, w, "host")
-    (tmp_path / "host.tbl").write_bytes(sched_rt.table)
+    s = sched_rt.sched  # with a symmetric buffer last (the one-shot all-reduce's region: exported, mapped)
+    s.buffer_names.append("symmetric"), s.buffer_kinds.append("symmetric"), s.buffer_bytes.append(4096)
+    s.buffer_align.append(256)
+    (tmp_path / "host.tbl").write_bytes(s.to_bytes())
     (tmp_path / "fake.tbl").write_bytes(fake_table()(sched_rt.sched))
     f = sched_rt.sched.functions[0]
     f.calls[0] = dataclasses.replace(f.calls[0], shared=100 * 1024)  # above both drivers' default

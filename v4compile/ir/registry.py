@@ -244,6 +244,13 @@ class OpDef:
         """Whether the op exchanges values between ranks (its reference needs every rank's operands)."""
         return self.spmd_ref is not None
 
+    @property
+    def communicator(self) -> bool:
+        """Whether a launch of the op runs on the runtime's communicator (NCCL / RCCL on GPUs, gloo on the host)
+        rather than as kernel calls: a collective of the `collective` family (not e.g. the one-shot all-reduce,
+        a collective with kernels of its own)."""
+        return self.collective and self.kernel == "collective"
+
     def cost_of(self, operands: list[TensorType | None], results: list[TensorType], attrs: dict[str, Any]) -> Cost:
         """FLOPs and bytes of one launch. The default reads every operand once and writes every result once
         (a tied result that is a pool / state plane writes only what the op's own rule says)."""

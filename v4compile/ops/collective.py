@@ -5,7 +5,8 @@ form consecutive groups of `group` ranks (ranks `[g * group, (g + 1) * group)`);
 the values of the ranks of one group. Each collective declares its reference across ranks (`@op.spmd`:
 every rank's operands in, every rank's results out), which `interpret_ranks` runs with all ranks in one
 process; its plain reference is the one-rank case. The sum of `all_reduce` adds the ranks in rank order
-in the value's dtype (NCCL's ring order differs: a rounding difference, within the numerics tolerance).
+in the value's dtype (NCCL's ring order differs: a rounding difference, within the numerics tolerance;
+`all_reduce_oneshot`, the GPU programs' one-shot kernel, adds in rank order as well: bit for bit).
 """
 
 from __future__ import annotations
@@ -72,6 +73,37 @@ def _(operands, results, attrs):
     n, b = attrs["group"], operands[0].nbytes
     moved = 2 * (n - 1) * b // n
     return Cost(operands[0].numel * (n - 1) // n, b + moved, b + moved)
+
+
+@defop("all_reduce_oneshot(x) -> y", attrs={"group": int, "region_bytes": int}, kernel="allreduce")
+def all_reduce_oneshot(x, *, group, region_bytes):
+    """`all_reduce` as one kernel launch over symmetric peer memory (codegen/kernels/allreduce.py; what
+    `passes/oneshot_allreduce.py` lowers a GPU program's all-reduces of a group within one node to): the same
+    rank-order sum, bit for bit. `region_bytes`: the largest value of the module's one-shot all-reduces, which
+    sizes every rank's symmetric region (one region serves them all)."""
+    _one_rank("all_reduce_oneshot", group)
+    return x.clone()
+
+
+@all_reduce_oneshot.infer
+def _(x, *, group, region_bytes):
+    _require_group("all_reduce_oneshot", group)
+    require(x.dtype in ("fp32", "bf16"), "all_reduce_oneshot sums floating-point values", found=x.dtype)
+    require(0 < x.nbytes <= region_bytes, "all_reduce_oneshot: the value must fit the region",
+            found=(x.nbytes, region_bytes))
+    return x
+
+
+@all_reduce_oneshot.spmd
+def _(per_rank, attrs):
+    return all_reduce.spmd_ref(per_rank, attrs)
+
+
+@all_reduce_oneshot.cost
+def _(operands, results, attrs):
+    # the ideal of the sum it computes: an all-reduce's (the ring's bytes are the least a rank moves); the
+    # one-shot's own time is the parallel model's (codegen/parallel_model.py)
+    return all_reduce._cost(operands, results, attrs)
 
 
 @defop("all_gather(x) -> y", attrs={"group": int}, kernel="collective")

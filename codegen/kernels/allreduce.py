@@ -1,0 +1,135 @@
+"""One-shot all-reduce over symmetric peer memory (issue 34): the group's sum in RANK ORDER, in one launch.
+
+Every rank of a group holds one SYMMETRIC REGION (the same size and layout on every rank, zeroed at load; see
+`peers.Region`): two status words, two data slots (`[2][slot_bytes]`), flags `int64 [group][tiles]` (flag [s][t]:
+the sequence number of the last all-reduce for which rank s put tile t in its slot) and per-tile sequence counters
+`int64 [tiles]` (read and written by this rank only). Each rank maps every peer's region into its own address space
+(CUDA / HIP IPC handles; on the host device POSIX shared memory), and the call's `peers` operand is an int64
+table `[group + 1]`: each rank's region base as mapped in THIS process, then this rank's index in the group (the
+program is the same on every rank; only the table differs).
+
+A program owns tiles t = pid, pid + GRID, ... (a persistent grid no larger than the SMs / CUs, so every
+program is resident and no program waits on a peer's program that cannot be scheduled). For each tile it:
+1. reads its counter c_t, and stores v = c_t + 1 back (only this program touches counter t, and every rank runs
+   the same all-reduces in the same order, so v is the same on every rank);
+2. copies tile t of x into its own region's slot v % 2;
+3. sets flag [my rank][t] to v in every rank's region (a release store at system scope, after a barrier, so
+   the copy is visible before the flag);
+4. waits (acquire loads at system scope) until every flag [s][t] in its own region is >= v;
+5. sums tile t of every rank's slot v % 2 in rank order, each partial sum rounded to the value's dtype (what
+   the IR's reference, `ops/collective._rank_sum`, computes with torch's `total += x`), into y.
+So the result is bit-identical to the reference (NCCL's ring adds in another order). Each program waits only
+for the same tile on its peers: no barrier across the programs of a rank, which is also why the Triton
+interpreter (programs one after another) runs it.
+
+Why two slots suffice: rank r writes slot v % 2 of tile t again only in its all-reduce v + 2, after it finished
+all-reduce v + 1 of tile t, which needed every peer's flag v + 1 for tile t; a peer sets that flag in its
+all-reduce v + 1 kernel, which started after its all-reduce v kernel ended (stream order), that is after the
+peer read rank r's slot v % 2 for the last time. So no peer still reads a slot when its owner overwrites it.
+One slot would not do: a fast rank would overwrite its slot for v + 1 while a slow peer still reads it for v.
+
+The wait is BOUNDED: after `spin` polls of one flag the program records the late peer in the status words
+(1 + the peer's index, then the sequence number; the first program to give up writes them), writes no result,
+and ends; a later all-reduce that finds them set does not wait at all. The runtime reads them after a step and
+raises one clear error (`peers.late_peer_error`); the rank's runtime is then unusable, as after a GPU fault. A
+kernel never hangs.
+
+The lowering (`passes/oneshot_allreduce.py`) turns a GPU program's `all_reduce` launches into `all_reduce_oneshot`
+launches, this family's op.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ...targets import KERNEL_SCHEDULES, ONESHOT_MAX_BYTES
+from . import KernelCall, TensorArg, call_name, ptr
+from .pdl import pdl_enter
+from .peers import TILE, Region, late_peer_error  # noqa: F401 (late_peer_error: the family's error)
+
+GRID_MAX = 64  # programs at most: resident on every GPU we target (132 SMs on H100, 256 CUs on MI355X)
+# Polls of one flag before a peer counts as late: ~30 s interpreted (~0.45 ms a poll on the host device); the GPU
+# binaries take their own bound (`targets.KERNEL_SCHEDULES["allreduce.spin"]`, `KernelCall.per_target`)
+SPIN = 1 << 16
+MAX_BYTES = ONESHOT_MAX_BYTES  # the largest all-reduce run one-shot (v4compile/targets.py says why)
+
+
+@triton.jit
+def oneshot_kernel(x_ptr, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
+                   GRID: tl.constexpr, SLOTS_AT: tl.constexpr, SLOT_BYTES: tl.constexpr, FLAGS_AT: tl.constexpr, TILES: tl.constexpr,
+                   COUNTS_AT: tl.constexpr, SPIN: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)  # sm_90a: after the kernel before it (which wrote x), as every kernel of the stream
+    dty = x_ptr.dtype.element_ty
+    rank = tl.load(peers_ptr + GROUP)
+    me = tl.load(peers_ptr + rank)
+    counts = (me + COUNTS_AT).to(tl.pointer_type(tl.int64))
+    my_flags = (me + FLAGS_AT).to(tl.pointer_type(tl.int64))
+    status = me.to(tl.pointer_type(tl.int64))
+    offs = tl.arange(0, TILE)
+    late = tl.load(status)  # an earlier all-reduce gave up: this one does not wait again
+    for t in range(tl.program_id(0), tl.cdiv(NUMEL, TILE), GRID):
+        if late == 0:
+            v = tl.load(counts + t) + 1
+            tl.store(counts + t, v)
+            slot = SLOTS_AT + (v % 2) * SLOT_BYTES
+            idx = t * TILE + offs
+            ok = idx < NUMEL
+            tl.store((me + slot).to(tl.pointer_type(dty)) + idx, tl.load(x_ptr + idx, mask=ok), mask=ok)
+            tl.debug_barrier()
+            for s in tl.static_range(GROUP):
+                peer_flags = (tl.load(peers_ptr + s) + FLAGS_AT).to(tl.pointer_type(tl.int64))
+                tl.atomic_store(peer_flags + rank * TILES + t, v, sem="release", scope="sys")
+            for s in tl.static_range(GROUP):
+                polls = 0
+                while (tl.atomic_load(my_flags + s * TILES + t, sem="acquire", scope="sys") < v) & (polls < SPIN):
+                    polls += 1
+                if (polls == SPIN) & (late == 0):
+                    late = late * 0 + (s + 1)
+            tl.debug_barrier()
+            if late == 0:
+                acc = tl.load((tl.load(peers_ptr) + slot).to(tl.pointer_type(dty)) + idx, mask=ok)
+                for s in tl.static_range(1, GROUP):
+                    part = tl.load((tl.load(peers_ptr + s) + slot).to(tl.pointer_type(dty)) + idx, mask=ok)
+                    acc = (acc.to(tl.float32) + part.to(tl.float32)).to(dty)
+                tl.store(y_ptr + idx, acc, mask=ok)
+            elif tl.atomic_cas(status, late * 0, late, sem="relaxed", scope="sys") == 0:  # the first to give up says so
+                tl.store(status + 1, v)
+
+
+def oneshot_call(x: TensorArg, y: TensorArg, group: int, region: Region, names=("x", "y"), spin: int = SPIN,
+                 grid_max: int = GRID_MAX) -> KernelCall:
+    """The one-shot all-reduce of contiguous `x` into `y` over `group` ranks whose regions are laid out as
+    `region`; the peer table is the call's `peers` operand."""
+    numel, nbytes = x.type.numel, x.type.nbytes
+    if x.type != y.type or x.dtype not in ("fp32", "bf16"):
+        raise ValueError(f"one-shot all-reduce of {x.type} into {y.type}: the same fp32 / bf16 type expected")
+    if region.group != group or nbytes > region.max_bytes:
+        raise ValueError(f"one-shot all-reduce of {nbytes} bytes over {group} ranks: the region holds "
+                         f"{region.max_bytes} bytes over {region.group}")
+    tiles = max(1, triton.cdiv(numel, TILE))
+    ce = dict(NUMEL=numel, GROUP=group, TILE=TILE, GRID=min(tiles, grid_max), SLOTS_AT=region.slots_at, SLOT_BYTES=region.slot_bytes,
+              FLAGS_AT=region.flags_at, TILES=region.tiles, COUNTS_AT=region.counts_at,
+              SPIN=spin)
+    pointers = [ptr("x_ptr", "operand", names[0], x), ptr("y_ptr", "result", names[1], y),
+                ptr("peers_ptr", "peers", "peers", "*i64")]
+    # No flops or bytes for the roofline: a collective's time is the parallel model's (codegen/parallel_model.py:
+    # the measured one-shot figure + the bytes pulled over the links), as NCCL's is; its launch is a kernel call.
+    return KernelCall(call_name("allreduce_oneshot", ce, f"{numel}_{x.dtype}_g{group}"), oneshot_kernel, ce, pointers,
+                      (ce["GRID"], 1, 1), num_warps=4,
+                      per_target=KERNEL_SCHEDULES["allreduce.spin"] if spin == SPIN else {})
+
+
+def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg],
+               attrs: dict) -> list[KernelCall]:
+    if op_name != "all_reduce_oneshot":
+        raise KeyError(f"allreduce family has no op '{op_name}'")
+    x, y = operands["x"], results["y"]
+    for name, a in (("x", x), ("y", y)):  # a tile is a run of consecutive elements
+        dense = [1]
+        for n in reversed(a.shape[1:]):
+            dense.insert(0, dense[0] * n)
+        if a.type.rank and list(a.strides) != dense:
+            raise ValueError(f"all_reduce_oneshot: '{name}' is not contiguous (strides {list(a.strides)})")
+    group = int(attrs["group"])
+    return [oneshot_call(x, y, group, Region(group, int(attrs["region_bytes"])))]

@@ -1,0 +1,168 @@
+"""One rank of the one-shot all-reduce kernel (codegen/kernels/allreduce.py) across real processes, interpreted,
+for tests/kernels/test_kernels_allreduce.py:
+
+    python allreduce_worker.py DIR
+
+Under torchrun's environment (`dist_launch.launch`; gloo only for the barriers between scenarios). Each
+scenario gives every rank a fresh symmetric region: a zeroed file DIR/<scenario>.<rank> that every rank maps
+MAP_SHARED (POSIX shared memory standing in for peer memory), the peer table holding each region's address in
+THIS process. A rank all-reduces seeded values (every rank's inputs are known to all, so each checks its result
+against `ops.collective._rank_sum`, the IR's rank-order reference) and prints one JSON line: per scenario, the
+bit-for-bit equality of each all-reduce and the status error, if any.
+
+Scenarios (`SCENARIOS`): `exact` (bf16 and fp32, 2-3 tiles, a program looping over tiles, four all-reduces so
+both slots are reused); broken kernels, each a source edit as `kernel_check.install_broken_kernel` makes:
+`reversed` (the ranks added in reverse order), `no_wait` (no wait for the peers' flags; the last rank starts late,
+so the others read its slot before it wrote it), `one_slot` (slot 0 for every all-reduce; the last rank reads
+slowly, so a fast rank overwrites its slot first) beside `slow` (the same timing, the real kernel); and `late`
+(the last rank never arrives: the others end with the status error after a few polls).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import sys
+import time
+import zlib
+from pathlib import Path
+
+LAST_START_S = 1.5  # `no_wait`: how long the last rank waits before its all-reduce
+SLOW_POLL_S = 0.4  # `slow` / `one_slot`: the last rank's pause after each flag poll
+LATE_SPIN = 64  # `late`: polls before a peer counts as late (~30 ms interpreted)
+MAX_BYTES = 64 << 10
+
+# name: (source edits of oneshot_kernel, the all-reduces as (elements, dtype), grid_max, timing)
+SCENARIOS = {
+    "exact": ((), ((5000, "bf16"), (3000, "fp32"), (5000, "bf16"), (2100, "fp32")), 2, None),
+    "reversed": ((("(tl.load(peers_ptr) + slot)", "(tl.load(peers_ptr + GROUP - 1) + slot)"),
+                  ("(tl.load(peers_ptr + s) + slot)", "(tl.load(peers_ptr + GROUP - 1 - s) + slot)")),
+                 ((5000, "bf16"),), 64, None),
+    "no_wait": (((" < v) & (polls < SPIN)", " < 0) & (polls < SPIN)"),), ((3000, "bf16"),), 64, "last starts late"),
+    "slow": ((), ((1000, "bf16"), (1000, "bf16")), 64, "last polls slowly"),
+    "one_slot": ((("slot = SLOTS_AT + (v % 2) * SLOT_BYTES", "slot = SLOTS_AT + 0 * SLOT_BYTES"),), ((1000, "bf16"), (1000, "bf16")), 64,
+                 "last polls slowly"),
+    "late": ((), ((3000, "fp32"),), 64, "last never arrives"),
+}
+
+
+def inputs(rank: int, scenario: str, k: int, numel: int, dtype):
+    import torch
+
+    g = torch.Generator().manual_seed(zlib.crc32(f"{scenario}/{k}/{rank}".encode()))
+    # magnitudes over a wide range, so the order of the additions changes bf16 / fp32 roundings
+    return (torch.randn(numel, generator=g) * torch.exp2(torch.randint(-6, 7, (numel,), generator=g))).to(dtype)
+
+
+def kernel_variant(edits):
+    """`oneshot_kernel` with the source edits applied (each `old` must occur exactly once)."""
+    import inspect
+
+    from v4compile.codegen.kernels import allreduce
+
+    if not edits:
+        return allreduce.oneshot_kernel
+    src = inspect.getsource(allreduce.oneshot_kernel.fn)
+    for old, new in edits:
+        assert src.count(old) == 1, f"{old!r} occurs {src.count(old)} times"
+        src = src.replace(old, new)
+    path = Path(os.environ["V4_TEST_DIR"]) / f"broken_{abs(hash(src)) % 10**8}.py"
+    path.write_text(src)
+    namespace = dict(vars(allreduce))
+    exec(compile(src, str(path), "exec"), namespace)
+    return namespace["oneshot_kernel"]
+
+
+def slow_polls():
+    """Pause after every interpreted atomic load (the flag polls) of this process."""
+    from triton.runtime import interpreter as it
+
+    orig = it.InterpreterBuilder.create_atomic_load
+
+    def slow(self, *a, **k):
+        out = orig(self, *a, **k)
+        time.sleep(SLOW_POLL_S)
+        return out
+
+    it.InterpreterBuilder.create_atomic_load = slow
+    return lambda: setattr(it.InterpreterBuilder, "create_atomic_load", orig)
+
+
+def scenario_run(rank: int, world: int, name: str, d: Path) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from v4compile.codegen.kernels import TensorArg, allreduce, run_calls, torch_dtype
+    from v4compile.ops.collective import _rank_sum
+
+    edits, values, grid_max, timing = SCENARIOS[name]
+    region = allreduce.Region(world, MAX_BYTES)
+    with open(d / f"{name}.{rank}", "wb") as f:
+        f.truncate(region.nbytes)
+    dist.barrier()
+    maps = []
+    for r in range(world):
+        with open(d / f"{name}.{r}", "r+b") as f:
+            maps.append(mmap.mmap(f.fileno(), region.nbytes, mmap.MAP_SHARED))
+    peers = torch.tensor([ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in maps] + [rank], dtype=torch.int64)
+    fn = kernel_variant(edits)
+    last = rank == world - 1
+    undo = slow_polls() if timing == "last polls slowly" and last else None
+    spin = LATE_SPIN if timing == "last never arrives" else allreduce.SPIN
+    dist.barrier()
+    t0 = time.monotonic()
+    equal, error = [], None
+    try:
+        if timing == "last starts late" and last:
+            time.sleep(LAST_START_S)
+        for k, (numel, dt) in enumerate(values):
+            if timing == "last never arrives" and last:
+                break
+            xs = [inputs(r, name, k, numel, torch_dtype(dt)) for r in range(world)]
+            y = torch.full_like(xs[rank], float("nan"))
+            call = allreduce.oneshot_call(TensorArg.of(xs[rank]), TensorArg.of(y), world, region, spin=spin,
+                                          grid_max=grid_max)
+            call.fn = fn
+            run_calls([call], {"x": xs[rank], "peers": peers}, {"y": y})
+            status = tuple(torch.frombuffer(maps[rank], dtype=torch.int64, count=2,
+                                            offset=0).tolist())
+            error = allreduce.late_peer_error(status, rank, world, spin)
+            if error:
+                break
+            ref = _rank_sum([[x] for x in xs], list(range(world)))
+            rev = _rank_sum([[x] for x in xs], list(reversed(range(world))))
+            equal.append([torch.equal(y, ref), torch.equal(rev, ref)])
+    finally:
+        if undo:
+            undo()
+    seconds = time.monotonic() - t0
+    dist.barrier()
+    del peers
+    return {"equal": equal, "error": error, "seconds": seconds}
+
+
+def main(d: Path) -> int:
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["V4_TEST_DIR"] = str(d)
+    import torch  # noqa: F401
+    import torch.distributed as dist  # noqa: F401
+
+    from v4compile.codegen.kernels import allreduce  # noqa: F401
+    from dist_launch import print_ready, run_rank
+
+    print_ready()
+    out = {}
+
+    def body(rank: int) -> None:
+        world = dist.get_world_size()
+        for name in SCENARIOS:
+            out[name] = scenario_run(rank, world, name, d)
+        print(json.dumps(out), flush=True)
+
+    return run_rank(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))
