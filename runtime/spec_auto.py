@@ -15,8 +15,9 @@ does not flip the choice back and forth); speculation has costs outside its step
 request's first drafts, the probes below) and the step costs are measured on a shared machine, so a marginal gain is
 not worth them. While drafting, the k is the largest E(k) on the costs of now (the smaller k on a tie). So between
 verdicts the side changes only with the acceptance: the costs of the side that runs follow the machine's load while
-the other side's stay as its last steps measured them, and at batch 8 a load that rose over plain steps made k = 3
-look cheap against them and drafted at 0.8-0.9x plain (`test_auto_sides_change_at_verdicts`). k is a choice of how
+the other side's stay as its last steps measured them, so load that rose over plain steps made k = 3 look cheap
+(batch 8, bench logs: drafted at 0.8-0.9x plain), and load rising over drafting steps makes plain decoding look
+cheap (`test_auto_sides_change_at_verdicts`: batch 1, 3.5 % under k = 3, plain ~3x as often). k is a choice of how
 many drafts to make for the next step; the verify then checks whatever drafts each sequence holds, so the ids are
 those of plain decoding whatever k is chosen (greedy: the verify's argmax decides every token).
 
@@ -33,9 +34,12 @@ k) over its k's prior is a sample of that k's scale, and a k's scale is the lowe
 (`low`: load on a shared machine only adds to a step's CPU time, so a burst of it over one k's steps must not make
 another k look cheap; no outlier gate and no moving average, so a wrong prior is replaced by a few steps of the
 truth, never locked in); a k without samples takes the scale interpolated linearly in k between the nearest sampled
-ks either side (the nearest's past the last). The first `SETTLE` steps after a change of side are no samples: they
-run 1.7x and 1.25x a settled step (measured at batch 8, plain after drafting), and a probe's verdict on them
-favoured the side it was taken from. While drafting, another drafting k whose last sample is over `STALE`
+ks either side (the nearest's past the last); between verdicts while drafting, the drafting ks among themselves
+(plain's samples are then as old as the last plain probe: through them, a burst of load over the k = 3 steps made
+the unsampled k = 1 look cheap, and the rule drafted k = 1, 2 at 1.04x plain, batch 1). The first `SETTLE` plain
+steps after drafting ones are no samples: they run 1.7x and 1.25x a settled plain step (measured at batch 8), and
+a plain probe's verdict on them kept drafting (the drafting steps after plain ones measured within 10 % of the
+next). While drafting, another drafting k whose last sample is over `STALE`
 steps old is left out (interpolated again, so it runs again if that makes it the better k) and its window starts
 afresh when it runs: one burst of load over a k's steps must not rule it out for good (at batch 1, where k = 2 and
 k = 3 are a few % apart a step, a stale window held the rule at k = 2, 0.92x of k = 3). So a k's cost, once it has
@@ -104,7 +108,7 @@ PROBE_SPEC = 16  # drafting steps in a row after which a plain probe (cpu device
 PROBE_STEPS = 3  # the samples a probe takes (their least, `low`: one step's time can be a one-off)
 STALE = 16  # while drafting, another drafting k's samples older than this many steps are left out
 PROBE_MAX = 16  # a probe interval doubles at most to this many times its start
-SETTLE = 2  # steps after a change of side (plain / drafting) that are no samples: they run 1.3-1.7x a settled one
+SETTLE = 2  # plain steps after drafting ones that are no samples: they run 1.7x and 1.25x a settled one
 
 
 @dataclass
@@ -180,7 +184,8 @@ class AutoK:
             self._costs[B] = self._cost(B)
         return self._costs[B]
 
-    def _cost(self, B: int) -> list[float] | None:
+    def _cost(self, B: int, verdict: bool = False) -> list[float] | None:
+        """`cost`, computed (`verdict`: at a probe's verdict, plain's samples and the drafting ones of now)."""
         prior = self.prior(B)
         if prior is None or not self.measured.get(B):
             return prior
@@ -191,7 +196,15 @@ class AutoK:
                if q and (k == 0 or not L.drafting or L.steps - last[k] <= STALE)}
         if not got:
             return prior
-        return [p * c for p, c in zip(prior, scales(got, self.K))]
+        if L.drafting and not verdict and len(got) > (0 in got):
+            # between verdicts while drafting, plain's samples are as old as the last plain probe: the drafting
+            # ks are interpolated among themselves (through plain's scale, a burst of load over the k = 3 steps
+            # made the unsampled k = 1 look cheap, and the rule drafted k = 1, 2 at 1.04x plain, batch 1)
+            sc = scales({k: v for k, v in got.items() if k}, self.K)
+            sc[0] = got.get(0, sc[0])
+        else:
+            sc = scales(got, self.K)
+        return [p * c for p, c in zip(prior, sc)]
 
     def best(self, B: int) -> int:
         """The rule's k for bucket `B` (no probe, nothing recorded). While plain decoding is the choice after a
@@ -228,7 +241,7 @@ class AutoK:
         the verdict itself; also before the first verdict): the best drafting k's E(k) / c(k) against plain
         decoding's E(0) / c(0), then the margin over it; and while drafting, the drafting k on the costs of
         now (the largest E(k) / c(k), the smaller k on a tie)."""
-        c = self.cost(B)
+        c = self._cost(B, verdict=True) if fresh else self.cost(B)
         if c is None:
             return self.K
         side = c if fresh else self.known.get(("frozen", B, self.K)) or c
@@ -269,7 +282,7 @@ class AutoK:
         elif L.pending is not None:  # the first choice after a probe, on the costs of now: its verdict
             k = self._rule(B, fresh=True)
             if self.measured.get(B):  # the side decided on these costs until the next verdict (module doc)
-                self.known[("frozen", B, self.K)] = tuple(self.cost(B))
+                self.known[("frozen", B, self.K)] = tuple(self._cost(B, verdict=True))
             if (k > 0) == (L.pending == "spec"):  # kept its side
                 if L.pending == "spec":
                     L.spec_every = min(2 * L.spec_every, PROBE_SPEC * PROBE_MAX)
@@ -307,12 +320,12 @@ class AutoK:
 
     def timed(self, B: int, k: int | None, seconds: float) -> None:
         """A step of bucket `B` took `seconds` of CPU time: a plain decode step (k = 0), a step drafting k, or
-        (None) a verify of the drafts held without new ones, which is no sample. The first `SETTLE` steps after
-        a change of side are no samples either."""
+        (None) a verify of the drafts held without new ones, which is no sample. The first `SETTLE` plain steps
+        after drafting ones are no samples either."""
         L = self.loop
         side = k != 0  # (a verify without drafting runs a drafting step's graph, right after one)
         if side != L.last_drafting:
-            L.last_drafting, L.settle = side, SETTLE
+            L.last_drafting, L.settle = side, 0 if side else SETTLE
         if k is None:
             return
         if L.settle and self.measured.get(B):

@@ -863,7 +863,7 @@ def test_auto_load_bursts():
     drafting at most 1.05x plain): the rule stays plain but for its probes. Between verdicts the side does not
     follow the costs (`test_auto_sides_change_at_verdicts`); where it did, `low` alone kept it: caught, the
     median of the window with the side decided on the costs of now (3 burst steps of 5 make plain look 2.2x
-    dearer) drafts k > 0 for a probe interval after each burst."""
+    dearer) drafts after the bursts, more than twice the probes' drafting steps."""
     from v4compile.runtime import spec_auto
 
     def run():
@@ -880,7 +880,7 @@ def test_auto_load_bursts():
         mp.setattr(spec_auto.AutoK, "best", lambda self, B: spec_auto.AutoK._rule(self, B, fresh=True))
         assert sum(k > 0 for k in run()) == sum(k > 0 for k in picks)  # low alone: the same picks
         mp.setattr(spec_auto, "low", statistics.median)
-        assert sum(k > 0 for k in run()) > 4 * spec_auto.PROBE_SPEC
+        assert sum(k > 0 for k in run()) > 2 * sum(k > 0 for k in picks)
 
 
 def test_auto_probes_the_best_drafting_k():
@@ -912,43 +912,46 @@ def test_auto_probes_the_best_drafting_k():
 
 
 def test_auto_sides_change_at_verdicts():
-    """The side (plain or drafting) changes only at a probe's verdict, whose costs are taken close together:
-    load that rises over plain steps (the drafting costs, from the last probe, at the old load) does not
-    make drafting look cheap (batch 8: k = 3 at 3.46 plain steps, 0.93x plain), and the first steps after a
-    change of side (1.7x, 1.25x a settled step, as measured) are no samples. Over a generation whose load
-    rises steadily (1x to 5x) the rule stays within 2 % of plain decoding. Caught: the side decided on the
-    costs of now at every step (the previous rule) drafts whenever plain's samples have risen past the last
-    drafting ones, 4 % under plain decoding."""
+    """The side (plain or drafting) changes only at a probe's verdict, whose costs are taken close together, or
+    with the acceptance: the costs of the side that runs follow the machine's load, the other side's stay as its
+    last steps measured them, and load that rises over drafting steps must not make plain decoding look cheap
+    (batch 1: k = 3 at 2.3 plain steps, 1.40x plain). The first plain steps after drafting ones (1.7x, 1.25x a
+    settled one, as measured) are no samples. Load rising 1x to 3x over each 100 steps: within 2 % of the best
+    fixed k (k = 3) over the run. Caught: the side decided on the costs of now at every step (the previous
+    rule) decodes plain ~3x as often, 3.5 % under k = 3."""
     from v4compile.runtime import spec_auto
 
-    prior, true, rates = [1.5, 2.6, 3.0, 3.46], [1.0, 2.6, 3.0, 3.46], [0.92, 0.81, 0.87]
+    prior, true, rates = [1.6, 2.2, 2.4, 2.7], [1.0, 1.85, 2.05, 2.3], [0.92, 0.81, 0.87]
     warm = [1.7, 1.25]
+
+    def load(i):
+        return 1 + (i % 100) / 50
 
     def run():
         a = spec_auto.AutoK(None, 3)
         a.rates, a.priors, a.measured = list(rates), {8: prior}, {8: True}
         a.observe = lambda *_: None
-        held, side, n, tokens, time = 0, False, 0, 0.0, 0.0
+        held, drafting, n, tokens, time = 0, False, 0, 0.0, 0.0
         for i in range(600):
             k = a.pick(8)
             verify = not k and held
             ran = 1 if verify else k
-            n = n + 1 if (ran > 0) == side else 0
-            side = ran > 0
-            t = true[ran] * (1 + i / 150) * (warm[n] if n < len(warm) else 1.0)
+            n = n + 1 if (ran > 0) == drafting else 0
+            drafting = ran > 0
+            t = true[ran] * load(i) * (warm[n] if n < len(warm) and not drafting else 1.0)
             a.timed(8, None if verify else k, t)
             tokens += a.expected(held)
             time += t
             held = k
-        plain = 600 / sum(1 + i / 150 for i in range(600))  # plain decoding's tokens a unit of time
-        return a.chosen, tokens / time / plain
+        k3 = 600 * a.expected(3) / sum(true[3] * load(i) for i in range(600))  # k = 3 every step
+        return a.chosen, tokens / time / k3
 
     picks, rate = run()
-    assert rate > 0.98 and picks.count(0) > 0.9 * 600
+    assert rate > 0.98 and picks.count(0) < 40
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(spec_auto.AutoK, "best", lambda self, B: spec_auto.AutoK._rule(self, B, fresh=True))
         picks, rate = run()
-    assert rate < 0.97
+    assert rate < 0.97 and picks.count(0) > 80
 
 
 def test_auto_stale_samples():
