@@ -67,8 +67,10 @@ While drafting is chosen (cpu device) the plain cost does not move: after `PROBE
 the steps are plain until `PROBE_STEPS` plain steps are timed (the first verifies the drafts held, without new
 ones). A probe's side (plain, or every drafting k) starts its samples afresh, and its verdict (the rule's next
 choice) is taken on the costs of now, compared close together on a machine whose load changes; the side is then
-decided on those costs until the next verdict. Each probe after which the rule keeps its side doubles that
-side's interval (up to `PROBE_MAX` times), a change of side resets both: a settled choice costs ever fewer
+decided on those costs until the next verdict. Each probe after which the rule keeps its side makes that
+side's interval `PROBE_GROW` times longer (up to `PROBE_MAX` times its start; doubling, to 16x, a probe of
+~3 % of the steps at batch 8 even where plain decoding was settled: most of the rule's cost over plain decoding
+there), a change of side resets both: a settled choice costs ever fewer
 probes. Counters, samples, verdict costs and acceptance are the session's, carried from one generate call or
 request to the next. A step whose sequences hold no drafts at k = 0 is the plain decode step itself, and
 sequences admitted while the rule says 0 for their bucket are prefilled without the MTP block (plain steps do
@@ -107,7 +109,8 @@ PROBE = 16  # plain steps in a row after which a drafting probe (the acceptance 
 PROBE_SPEC = 16  # drafting steps in a row after which a plain probe (cpu device)
 PROBE_STEPS = 3  # the samples a probe takes (their least, `low`: one step's time can be a one-off)
 STALE = 16  # while drafting, another drafting k's samples older than this many steps are left out
-PROBE_MAX = 16  # a probe interval doubles at most to this many times its start
+PROBE_GROW = 4  # a probe interval's growth after each probe that keeps the rule's side
+PROBE_MAX = 64  # and its longest, this many times its start
 SETTLE = 2  # plain steps after drafting ones that are no samples: they run 1.7x and 1.25x a settled one
 
 
@@ -285,9 +288,9 @@ class AutoK:
                 self.known[("frozen", B, self.K)] = tuple(self._cost(B, verdict=True))
             if (k > 0) == (L.pending == "spec"):  # kept its side
                 if L.pending == "spec":
-                    L.spec_every = min(2 * L.spec_every, PROBE_SPEC * PROBE_MAX)
+                    L.spec_every = min(PROBE_GROW * L.spec_every, PROBE_SPEC * PROBE_MAX)
                 else:
-                    L.plain_every = min(2 * L.plain_every, PROBE * PROBE_MAX)
+                    L.plain_every = min(PROBE_GROW * L.plain_every, PROBE * PROBE_MAX)
             else:
                 L.spec_every, L.plain_every = PROBE_SPEC, PROBE
             L.pending = None

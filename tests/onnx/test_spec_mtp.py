@@ -748,7 +748,7 @@ def test_auto_plain_answer_is_the_rules():
 def test_auto_rule():
     """E(k) = expected tokens / cost: drafts pay at a cheap verify and high acceptance, not at an expensive
     one; drafting starts above MARGIN and goes on above MARGIN_STAY; plain steps probe one draft after
-    PROBE, a probe that confirms the choice doubles the interval; a rule blind to the acceptance picks
+    PROBE, a probe that confirms the choice makes the interval PROBE_GROW times longer; a rule blind to the acceptance picks
     otherwise."""
     from v4compile.runtime import spec_auto
 
@@ -763,7 +763,7 @@ def test_auto_rule():
     for _ in range(spec_auto.PROBE_STEPS):
         a.timed(8, 1, 2.0)
         assert a.chosen[-1] == 1 and a.pick(8) in (1, 0)
-    assert a.chosen[-1] == 0 and a.loop.plain_every == 2 * spec_auto.PROBE  # confirmed: probes half as often
+    assert a.chosen[-1] == 0 and a.loop.plain_every == spec_auto.PROBE_GROW * spec_auto.PROBE  # confirmed: rarer
     for _ in range(60):  # every draft accepted: the running rates rise toward 1
         a.observe(3, 3)
     assert min(a.rates) > 0.95 and a.pick(8) == 3
@@ -813,7 +813,7 @@ def test_auto_costs_from_the_generation():
     assert picks[0] == 3  # the prior's choice
     settled = picks.index(0) + 1 + spec_auto.PROBE_STEPS  # the probe: a verify of the drafts held, plain steps
     assert settled <= spec_auto.PROBE_SPEC + 6 and set(picks[settled:settled + spec_auto.PROBE // 2]) == {0}
-    n = sum(1 for i in range(5) if sum(spec_auto.PROBE * 2 ** j for j in range(i + 1)) < 300)  # each interval 2x
+    n = sum(1 for i in range(5) if sum(spec_auto.PROBE * spec_auto.PROBE_GROW ** j for j in range(i + 1)) < 300)
     assert sum(k > 0 for k in picks[settled:]) <= n * spec_auto.PROBE_STEPS
     cheap = generation(rule(), [1.0, 1.1, 1.2, 1.3], 60)  # where drafting pays in situ it stays on
     assert sum(k == 3 for k in cheap) >= 60 - 2 * (1 + spec_auto.SETTLE + spec_auto.PROBE_STEPS)  # 2 plain probes
