@@ -8,13 +8,23 @@ functions' lanes - 1), the expected tokens per unit of time are
 with a_j the running acceptance of draft position j (draft j accepted given drafts 1..j-1 were: an exponential
 moving average over the sequences' offers, `ALPHA` the weight of each new one, starting at `PRIOR`; the session's,
 carried from one generate call or request to the next) and c(B, k) the cost of a step that verifies the drafts held
-and drafts k (c(B, 0): the plain decode step). The step takes the largest E(k) (the smaller k on a tie), but plain
-decoding unless that beats E(0) by `MARGIN` (`MARGIN_STAY` while the rule's last choice drafted: a band, so that one
-noisy measurement does not flip the choice back and forth): speculation has costs outside its steps (the MTP block
-over each prompt, a request's first drafts, the probes below) and the step costs are measured on a shared machine,
-so a marginal gain is not worth them. k is a choice of how many drafts to make for the next step; the verify then
-checks whatever drafts each sequence holds, so the ids are those of plain decoding whatever k is chosen (greedy: the
-verify's argmax decides every token).
+and drafts k (c(B, 0): the plain decode step). The side, drafting or plain decoding, is decided on the costs of the
+last probe's verdict (below; before the first verdict, the costs of now): drafting where the best drafting k's E(k)
+beats E(0) by `MARGIN` (`MARGIN_STAY` while the rule's last choice drafted: a band, so that one noisy measurement
+does not flip the choice back and forth); speculation has costs outside its steps (the MTP block over each prompt, a
+request's first drafts, the probes below) and the step costs are measured on a shared machine, so a marginal gain is
+not worth them. While drafting, the k is the largest E(k) on the costs of now (the smaller k on a tie). So between
+verdicts the side changes only with the acceptance: the costs of the side that runs follow the machine's load while
+the other side's stay as its last steps measured them, so load that rose over plain steps made k = 3 look cheap
+(batch 8, bench logs: drafted at 0.8-0.9x plain), and load rising over drafting steps makes plain decoding look
+cheap (`test_auto_sides_change_at_verdicts`: batch 1, 3.5 % under k = 3, plain ~3x as often). k is a choice of how
+many drafts to make for the next step; the verify then checks whatever drafts each sequence holds, so the ids are
+those of plain decoding whatever k is chosen (greedy: the verify's argmax decides every token).
+
+The acceptance is taken from drafts the MTP block made with its whole window ring: a plain step, a verify without
+drafting and a prefill without the block do not run the block over their positions (`SpecStep.skipped`), and the
+drafts of the next `window` positions come from a ring with holes (a probe's after plain steps measured 0.42 at
+batch 8 against 0.92, and kept the rule on plain decoding): their offers are not observed.
 
 Costs on the cpu device: the bucket's isolated measurement (`measure`, at its first step in the session: the
 process's CPU time, the median of `RUNS` interleaved rounds of the decode graph and of the one-call step graphs
@@ -24,7 +34,12 @@ k) over its k's prior is a sample of that k's scale, and a k's scale is the lowe
 (`low`: load on a shared machine only adds to a step's CPU time, so a burst of it over one k's steps must not make
 another k look cheap; no outlier gate and no moving average, so a wrong prior is replaced by a few steps of the
 truth, never locked in); a k without samples takes the scale interpolated linearly in k between the nearest sampled
-ks either side (the nearest's past the last). While drafting, another drafting k whose last sample is over `STALE`
+ks either side (the nearest's past the last); between verdicts while drafting, the drafting ks among themselves
+(plain's samples are then as old as the last plain probe: through them, a burst of load over the k = 3 steps made
+the unsampled k = 1 look cheap, and the rule drafted k = 1, 2 at 1.04x plain, batch 1). The first `SETTLE` plain
+steps after drafting ones are no samples: they run 1.7x and 1.25x a settled plain step (measured at batch 8), and
+a plain probe's verdict on them kept drafting (the drafting steps after plain ones measured within 10 % of the
+next). While drafting, another drafting k whose last sample is over `STALE`
 steps old is left out (interpolated again, so it runs again if that makes it the better k) and its window starts
 afresh when it runs: one burst of load over a k's steps must not rule it out for good (at batch 1, where k = 2 and
 k = 3 are a few % apart a step, a stale window held the rule at k = 2, 0.92x of k = 3). So a k's cost, once it has
@@ -43,22 +58,30 @@ step's CPU time there is not its cost); an artifact without them drafts K every 
 
 Probes, so that the side not chosen is seen again (a machine, a load, a batch or a text that changes). While
 plain decoding is chosen the acceptance and the drafting costs do not move: after `PROBE` plain steps in a
-row, `PROBE_STEPS` steps draft one token (the cheapest drafting step; the other ks' scales are then k = 1's,
-until they run). While drafting is chosen (cpu device) the plain cost does not move: after `PROBE_SPEC`
-drafting steps in a row the steps are plain until `PROBE_STEPS` plain steps are timed (the first verifies the
-drafts held, without new ones). A probe's side (plain, or every drafting k) starts its samples afresh,
-so that the verdict (the rule's next choice) compares costs taken close together on a machine whose load
-changes. Each probe after which the rule keeps its side doubles that side's interval (up to `PROBE_MAX`
-times), a change of side resets both: a settled choice costs ever fewer probes. Counters, samples and
-acceptance are the session's, carried from one generate call or request to the next. A step whose sequences
-hold no drafts at k = 0 is the plain decode step itself, and sequences admitted while the rule (or a probe)
-says 0 for their bucket are prefilled without the MTP block (plain steps do not write its ring either: a later
-probe's drafts may be the worse for it, never the ids) and get no first drafts.
+row, the steps draft the k the rule rates best on the costs of now (not k = 1: a verify function has K + 1
+lanes whatever k drafts, so a k = 1 step costs most of a k = K step, and k = 1's scale taken for K's kept the
+rule plain at batch 1 where k = 3 gives 1.35x plain) until `PROBE_STEPS` of them are timed; where no drafting k
+could beat plain decoding by `MARGIN` even with every draft accepted (on the last verdict's costs), the probe
+waits for the longest interval instead (at batch 8 the probes were most of the rule's cost over plain decoding).
+While drafting is chosen (cpu device) the plain cost does not move: after `PROBE_SPEC` drafting steps in a row
+the steps are plain until `PROBE_STEPS` plain steps are timed (the first verifies the drafts held, without new
+ones). A probe's side (plain, or every drafting k) starts its samples afresh, and its verdict (the rule's next
+choice) is taken on the costs of now, compared close together on a machine whose load changes; the side is then
+decided on those costs until the next verdict. Each probe after which the rule keeps its side makes that
+side's interval `PROBE_GROW` times longer (up to `PROBE_MAX` times its start; doubling, to 16x, a probe of
+~3 % of the steps at batch 8 even where plain decoding was settled: most of the rule's cost over plain decoding
+there), a change of side resets both: a settled choice costs ever fewer
+probes. Counters, samples, verdict costs and acceptance are the session's, carried from one generate call or
+request to the next. A step whose sequences hold no drafts at k = 0 is the plain decode step itself, and
+sequences admitted while the rule says 0 for their bucket are prefilled without the MTP block (plain steps do
+not write its ring either: their drafts' offers are then not observed for a window, above, never the ids) and
+get no first drafts; a plain probe from drafting does not change that (`prefills_mtp`: a prompt prefilled
+without the block drafted at 0.7 for a window after).
 
-The rule's own cost a plain step: while plain decoding is chosen only plain's samples move, so the drafting
-side's best E(k) / c(B, k) is kept until the acceptance or a drafting sample changes and each step recomputes
-c(B, 0) alone (`AutoK.best`; the answers are the full rule's, `_rule`: a test compares them every step). At
-batch 8, in a generation, `pick` went from ~40 to ~10 us a plain step (its Python runs cold after the graph call).
+The rule's own cost a plain step: while plain decoding is chosen after a verdict, the answer depends only on
+the acceptance, which plain steps do not move, and the verdict's costs: a plain answer is kept while they are
+what it was computed from (`AutoK.best`; the answers are the full rule's, `_rule`: a test compares them every
+step).
 """
 
 from __future__ import annotations
@@ -74,7 +97,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-ALPHA = 0.1  # the weight of each new offer in the running acceptance
+ALPHA = 0.05  # the weight of each new offer in the running acceptance
 PRIOR = 0.8  # the running acceptance before any offer (the V3 report's 85 %, a little below)
 RUNS = 15  # timed rounds over the graphs when measuring a bucket's prior costs (each graph's median)
 WINDOW = 5  # the in-generation samples of a k (0: plain steps) whose lower third (`low`) is its scale
@@ -86,7 +109,9 @@ PROBE = 16  # plain steps in a row after which a drafting probe (the acceptance 
 PROBE_SPEC = 16  # drafting steps in a row after which a plain probe (cpu device)
 PROBE_STEPS = 3  # the samples a probe takes (their least, `low`: one step's time can be a one-off)
 STALE = 16  # while drafting, another drafting k's samples older than this many steps are left out
-PROBE_MAX = 16  # a probe interval doubles at most to this many times its start
+PROBE_GROW = 4  # a probe interval's growth after each probe that keeps the rule's side
+PROBE_MAX = 64  # and its longest, this many times its start
+SETTLE = 2  # plain steps after drafting ones that are no samples: they run 1.7x and 1.25x a settled one
 
 
 @dataclass
@@ -102,6 +127,8 @@ class Loop:
     probe_left: int = 0  # its samples still to take
     pending: str | None = None  # the side ("plain" / "spec") a probe was taken from: the first choice after it is its verdict
     drafting: bool = False  # the rule's last choice (not a probe's) drafted
+    last_drafting: bool = False  # the last timed step was a drafting one (`SETTLE`)
+    settle: int = 0  # steps still to pass before a sample is taken
 
 
 class AutoK:
@@ -119,11 +146,7 @@ class AutoK:
         self.chosen: list[int] = []  # each step's k (the bench and the tests read it)
         self._seen: dict[int, list[deque]] = {}  # bucket -> `_samples`
         self._lasts: dict[int, list[int]] = {}  # bucket -> `_last`
-        self._side: dict[int, tuple] = {}  # bucket -> `_drafting_side` and what it depended on (`best`)
-        # bumped whenever a drafting k's samples change (its scale, or an interpolated one): the session's, as
-        # the samples are
-        self._epoch = known.setdefault(("epoch", K), [0])
-        self._filtered: dict[int, bool] = {}  # bucket -> its `_costs` were computed while drafting (`STALE`)
+        self._side: dict[int, tuple] = {}  # bucket -> what its kept plain answer was computed from (`best`)
 
     def observe(self, a: int, offered: int) -> None:
         """One sequence's verify: `a` of its `offered` drafts accepted (position j offered when j <= a + 1)."""
@@ -131,10 +154,15 @@ class AutoK:
             self.rates[j] += ALPHA * ((1.0 if j < a else 0.0) - self.rates[j])
 
     def expected(self, k: int) -> float:
-        out, run = 1.0, 1.0
-        for a in self.rates[:k]:
+        return self.gains()[k]
+
+    def gains(self) -> list[float]:
+        """E(0..K), the expected tokens of a step drafting k, in one pass over the acceptance."""
+        out, e, run = [1.0], 1.0, 1.0
+        for a in self.rates:
             run *= a
-            out += run
+            e += run
+            out.append(e)
         return out
 
     def _samples(self, B: int) -> list[deque]:
@@ -159,76 +187,84 @@ class AutoK:
             self._costs[B] = self._cost(B)
         return self._costs[B]
 
-    def _cost(self, B: int) -> list[float] | None:
+    def _cost(self, B: int, verdict: bool = False) -> list[float] | None:
+        """`cost`, computed (`verdict`: at a probe's verdict, plain's samples and the drafting ones of now)."""
         prior = self.prior(B)
         if prior is None or not self.measured.get(B):
             return prior
         last, L = self._last(B), self.loop
-        self._filtered[B] = L.drafting
         # while drafting, another drafting k's samples go stale: it runs again (at the interpolated scale) if
         # that says it is the better k, so that one unlucky burst over its steps does not rule it out for good
         got = {k: low(q) for k, q in enumerate(self._samples(B))
                if q and (k == 0 or not L.drafting or L.steps - last[k] <= STALE)}
         if not got:
             return prior
-        return [p * c for p, c in zip(prior, scales(got, self.K))]
+        if L.drafting and not verdict and len(got) > (0 in got):
+            # between verdicts while drafting, plain's samples are as old as the last plain probe: the drafting
+            # ks are interpolated among themselves (through plain's scale, a burst of load over the k = 3 steps
+            # made the unsampled k = 1 look cheap, and the rule drafted k = 1, 2 at 1.04x plain, batch 1)
+            sc = scales({k: v for k, v in got.items() if k}, self.K)
+            sc[0] = got.get(0, sc[0])
+        else:
+            sc = scales(got, self.K)
+        return [p * c for p, c in zip(prior, sc)]
 
     def best(self, B: int) -> int:
-        """The rule's k for bucket `B` (no probe, nothing recorded). While plain decoding is the choice, a step
-        changes only plain's samples, and with k = 1 sampled the drafting ks' costs do not depend on them: their
-        best E(k) / c(k) is kept (`_side`) while the acceptance and their samples are what it was computed from,
-        and only c(B, 0) is new (each plain step would otherwise recompute every k's cost: ~25 us a step at
-        batch 8, the Python cold after the graph call). The same answers as `_rule`, to the bit."""
-        if self.loop.drafting or not self.measured.get(B) or (self._filtered.get(B) and B in self._costs):
-            return self._rule(B)  # (costs from a drafting step's view, stale ks left out: as `_rule` reads them)
-        q = self._samples(B)
-        if not q[0] or not q[1]:
-            return self._rule(B)  # plain's scale unknown, or k = 1's interpolated from it
-        key = self._side_key()
-        side = self._side.get(B)
-        if side is None or side[0] != key:
-            side = self._side[B] = (key, *self._drafting_side(B))
-        _, k, v, e0 = side
-        c0 = self.priors[B][0] * low(q[0])
-        if v <= e0 / c0:
+        """The rule's k for bucket `B` (no probe, nothing recorded). While plain decoding is the choice after a
+        verdict, the answer depends only on the acceptance (which plain steps do not move) and the verdict's
+        costs, so a plain answer is kept while they are what it was computed from (each plain step would
+        otherwise recompute every k's cost: ~25 us a step at batch 8, the Python cold after the graph call).
+        The same answers as `_rule`, to the bit."""
+        frozen = self.known.get(("frozen", B, self.K))
+        if self.loop.drafting or frozen is None:
+            return self._rule(B)
+        key = (self._side_key(), frozen)
+        if self._side.get(B) == key:
             return 0
-        return k if v > (1 + MARGIN) / c0 else 0
+        k = self._rule(B)
+        if k == 0:
+            self._side[B] = key
+        return k
 
     def _side_key(self) -> tuple:
-        """What `_drafting_side` depends on besides the bucket: the acceptance and the drafting samples' epoch."""
-        return tuple(self.rates), self._epoch[0]
-
-    def _drafting_side(self, B: int) -> tuple[int, float, float]:
-        """(k, E(k) / c(k)) of the best drafting k (the smaller on a tie), and E(0), while plain decoding (k = 1
-        sampled: the drafting ks' scales are theirs or interpolated among themselves, `scales`)."""
-        got = {k: low(q) for k, q in enumerate(self._samples(B)) if k and q}
-        k, v = self._best_drafting([p * s for p, s in zip(self.priors[B][1:], scales(got, self.K)[1:])])
-        return k, v, self.expected(0)
+        """What a plain answer depends on besides the bucket's verdict costs: the acceptance."""
+        return tuple(self.rates)
 
     def _best_drafting(self, c: list[float]) -> tuple[int, float]:
         """(k, E(k) / c(k)) of the best drafting k, the smaller on a tie; `c[j - 1]` is k = j's cost."""
         k, v = 0, 0.0
-        for j, cj in enumerate(c, 1):
-            w = self.expected(j) / cj
+        for j, (cj, e) in enumerate(zip(c, self.gains()[1:]), 1):
+            w = e / cj
             if w > v:
                 k, v = j, w
         return k, v
 
-    def _rule(self, B: int) -> int:
-        """`best` computed: the best drafting k (the largest E(k) / c(k), the smaller k on a tie) against plain
-        decoding's E(0) / c(0), then the margin over it."""
-        c = self.cost(B)
+    def _rule(self, B: int, fresh: bool = False) -> int:
+        """`best` computed: drafting or plain decoding on the last verdict's costs (`fresh`: on the costs of now,
+        the verdict itself; also before the first verdict): the best drafting k's E(k) / c(k) against plain
+        decoding's E(0) / c(0), then the margin over it; and while drafting, the drafting k on the costs of
+        now (the largest E(k) / c(k), the smaller k on a tie)."""
+        c = self._cost(B, verdict=True) if fresh else self.cost(B)
         if c is None:
             return self.K
-        k, v = self._best_drafting(c[1:])
-        if v <= self.expected(0) / c[0]:
+        side = c if fresh else self.known.get(("frozen", B, self.K)) or c
+        k, v = self._best_drafting(side[1:])
+        if v <= 1.0 / side[0]:  # E(0) = 1
             return 0
         margin = MARGIN_STAY if self.loop.drafting else MARGIN
-        return k if v > (1 + margin) / c[0] else 0
+        if not v > (1 + margin) / side[0]:
+            return 0
+        return k if side is c else self._best_drafting(c[1:])[0]
 
     def first(self, B: int) -> int:
         """The drafts of sequences admitted now: the rule's, or the probe's under way."""
         return self.loop.probe_k if self.loop.probe_left else self.best(B)
+
+    def prefills_mtp(self, B: int) -> bool:
+        """Whether sequences admitted now are prefilled with the MTP block: unless the rule says plain decoding
+        (a plain probe from the drafting side included: a prompt prefilled without the block leaves its ring
+        empty, and its drafts are the worse for a window of positions after)."""
+        return bool(self.loop.probe_left) or self.best(B) > 0
 
     def _probe(self, B: int, k: int) -> int:
         """Start a probe at `k` (0: plain steps) from the other side: the samples of that side (plain, or
@@ -238,7 +274,6 @@ class AutoK:
         L.probe_k, L.probe_left, L.pending = k, PROBE_STEPS, "spec" if k == 0 else "plain"
         for q in self._samples(B)[1:] if k else self._samples(B)[:1]:
             q.clear()
-        self._epoch[0] += 1
         self._costs.pop(B, None)
         return k
 
@@ -247,33 +282,58 @@ class AutoK:
         L = self.loop
         if L.probe_left:
             k = L.probe_k
+        elif L.pending is not None:  # the first choice after a probe, on the costs of now: its verdict
+            k = self._rule(B, fresh=True)
+            if self.measured.get(B):  # the side decided on these costs until the next verdict (module doc)
+                self.known[("frozen", B, self.K)] = tuple(self._cost(B, verdict=True))
+            if (k > 0) == (L.pending == "spec"):  # kept its side
+                if L.pending == "spec":
+                    L.spec_every = min(PROBE_GROW * L.spec_every, PROBE_SPEC * PROBE_MAX)
+                else:
+                    L.plain_every = min(PROBE_GROW * L.plain_every, PROBE * PROBE_MAX)
+            else:
+                L.spec_every, L.plain_every = PROBE_SPEC, PROBE
+            L.pending = None
         else:
             k = self.best(B)
-            if L.pending is not None:  # the first choice after a probe: kept its side, or changed it
-                if (k > 0) == (L.pending == "spec"):
-                    if L.pending == "spec":
-                        L.spec_every = min(2 * L.spec_every, PROBE_SPEC * PROBE_MAX)
-                    else:
-                        L.plain_every = min(2 * L.plain_every, PROBE * PROBE_MAX)
-                else:
-                    L.spec_every, L.plain_every = PROBE_SPEC, PROBE
-                L.pending = None
+        if not L.probe_left:
             L.drafting = k > 0
             L.plain_run, L.spec_run = (L.plain_run + 1, 0) if k == 0 else (0, L.spec_run + 1)
             if k == 0 and L.plain_run > L.plain_every:
-                k, L.plain_run = self._probe(B, 1), 0  # the cheapest drafting step
+                k, L.plain_run = self._drafting_probe(B), 0
             elif k > 0 and self.measured.get(B) and L.spec_run > L.spec_every:
                 k, L.spec_run = self._probe(B, 0), 0
         L.steps += 1
         self.chosen.append(k)
         return k
 
+    def _drafting_probe(self, B: int) -> int:
+        """The probe from plain decoding: at the drafting k the rule rates best (each k's scale is its own
+        only once it runs, and a verify function's lanes are K + 1 whatever k: k = 1's steps cost most of a
+        k = K step's, so k = 1's scale said little of K's), unless no drafting k could beat plain decoding by
+        `MARGIN` even with every draft accepted; then plain steps go on (the probe interval at its longest):
+        at batch 8 a probe was most of the rule's cost over plain decoding."""
+        L, c = self.loop, self.cost(B)
+        seen = self.known.get(("frozen", B, self.K)) or c  # the last verdict's costs (taken close together)
+        if seen is not None and max((j + 1) / seen[j] for j in range(1, self.K + 1)) <= (1 + MARGIN) / seen[0] \
+                and L.plain_every < PROBE * PROBE_MAX:
+            L.plain_every = PROBE * PROBE_MAX
+            return 0
+        return self._probe(B, self._best_drafting(c[1:])[0] if c is not None else self.K)
+
     def timed(self, B: int, k: int | None, seconds: float) -> None:
         """A step of bucket `B` took `seconds` of CPU time: a plain decode step (k = 0), a step drafting k, or
-        (None) a verify of the drafts held without new ones, which is no sample."""
+        (None) a verify of the drafts held without new ones, which is no sample. The first `SETTLE` plain steps
+        after drafting ones are no samples either."""
+        L = self.loop
+        side = k != 0  # (a verify without drafting runs a drafting step's graph, right after one)
+        if side != L.last_drafting:
+            L.last_drafting, L.settle = side, 0 if side else SETTLE
         if k is None:
             return
-        L = self.loop
+        if L.settle and self.measured.get(B):
+            L.settle -= 1
+            return
         if L.probe_left and (k == 0) == (L.probe_k == 0):
             L.probe_left -= 1
         if self.measured.get(B):
@@ -283,8 +343,6 @@ class AutoK:
             q.append(seconds / self.priors[B][k])
             last[k] = L.steps
             self._costs.pop(B, None)
-            if k:
-                self._epoch[0] += 1
 
     def prior(self, B: int) -> list[float] | None:
         if B not in self.priors:

@@ -118,6 +118,7 @@ class CompiledDraft:
         self.chunk_fns = {f.tokens: f.name for f in fns if f.name.startswith("draft_c")}
         # the MTP layer's window ring: the last of a slot's rings in the pool
         self.layer = int(session.art.manifest["pool"]["n_window_layers"]) - 1
+        self.window = int(session.art.manifest["pool"]["window"])  # its positions (`SpecState.whole_from`)
         self._fused: dict[tuple[int, int], str | None] = {}
 
     def fused(self, B: int, k: int = 1) -> str | None:
@@ -265,6 +266,10 @@ class SpecState:
     pick: Picker
     entry: tuple | None = None
     drafts: tuple[list[int], list] = ([], [])
+    # the sequence length from which the MTP block's window ring holds every position of the window (a prefill
+    # or a step without the block leaves holes in it, `SpecStep.skipped`): drafts made before it are worse than
+    # the block's own and understate the acceptance, so "auto" does not observe their offers
+    whole_from: int = 0
 
 
 class SpecStep:
@@ -308,10 +313,16 @@ class SpecStep:
         the sequences it is likely to step with ("auto": where the rule says plain decoding for that bucket,
         the MTP block is skipped, as plain steps skip it: its ring is only worth writing for drafts)."""
         r.spec = SpecState(Picker(r.temperature, r.rng))
-        if self.mtp is None or (self.auto is not None and self.auto.first(self._bucket_of(batch)) == 0):
+        if self.mtp is None or (self.auto is not None and not self.auto.prefills_mtp(self._bucket_of(batch))):
+            self.skipped(r, len(r.prompt) - 1)
             return r.spec.pick(self.s.extend(r.seq, r.prompt))[0]
         tok, r.spec.entry = self.mtp.prefill(r.seq, r.prompt, r.spec.pick)
         return tok
+
+    def skipped(self, r, last: int) -> None:
+        """Request `r`'s positions up to `last` were computed without the MTP block (its ring not written)."""
+        if self.mtp is not None:
+            r.spec.whole_from = last + 1 + self.mtp.window
 
     def _fn(self, lanes: int) -> tuple[int, str, int]:
         """The smallest verify bucket that holds `lanes` (found once per count: the loop asks every step)."""
@@ -422,7 +433,10 @@ class SpecStep:
                 raise RuntimeError(f"{fused}'s in-graph acceptance disagrees with the host's")
             news.append((a, d[:a] + [tok], len(d)))
             if self.auto is not None:
-                self.auto.observe(a, len(d))
+                if r.seq.length - a - 1 >= r.spec.whole_from:
+                    self.auto.observe(a, len(d))
+                if not self.k_now:  # a verify without drafting: the block is not run on its lanes
+                    self.skipped(r, r.seq.length - 1)
         undo.restore(keep)
         if ring is not None:
             ring.restore(keep)
@@ -454,6 +468,8 @@ class SpecStep:
         """k = 0 ("auto"), no drafts held: a plain decode step (the MTP block's ring not written). Greedy, the
         generation loop's own (`plain`: the same ids, argmax either way); sampling draws as the verify step's
         picker does (the loop's sampler would draw other ids from the same generator)."""
+        for r in live:
+            self.skipped(r, r.seq.length)
         if self.plain is not None and all(r.temperature == 0 for r in live):
             self.plain()
             n = len(live)  # each sequence one step and one token (`Acceptance.add(0, 1, 0)` each)
@@ -486,9 +502,9 @@ class SpecStep:
                 a += 1
             if sum(p >= 0 for p in kept[b]) != a + 1:
                 raise RuntimeError(f"{fused}'s in-graph acceptance disagrees with the host's")
-            if self.auto is not None:
-                self.auto.observe(a, len(d))
             q, L = r.seq, r.seq.length
+            if self.auto is not None and L >= r.spec.whole_from:
+                self.auto.observe(a, len(d))
             rejected_rows(rows, q, L + a + 1, L + len(d), skip)  # not stored
             q.length += a + 1
             news.append((a, d[:a] + [best[a]], len(d)))
