@@ -272,8 +272,8 @@ def add_command(sub) -> None:
     c.add_argument("--gpu-prefill-buckets", default=None,
                    help="prefill chunk buckets of the GPU targets (default: the largest --prefill-buckets)")
     c.add_argument("--allow-spills", action="store_true",
-                   help="write the artifact without failing when GPU kernels spill registers (exit status 1 "
-                        "otherwise; recorded in the manifest)")
+                   help="write the artifact without failing when GPU kernels spill registers (otherwise exit "
+                        "status 1 and nothing written; recorded in the manifest)")
     c.add_argument("--jobs", type=threads_arg, default=None,
                    help="worker processes compiling kernels ahead of time (default: the CPU count; same output)")
     c.set_defaults(func=cmd_compile)
