@@ -93,8 +93,10 @@ def cmd_compile(args) -> int:
             from ..codegen.parallel_model import render_parallel
 
             sys.stdout.write(render_parallel(rep["parallel"]))
-    refused = []
-    if args.output:
+    refused: list[dict] = []
+    if args.output and outcome is not None and not outcome.ok:  # a failed command writes nothing
+        log.info("no artifact written to %s: the numerics check failed", args.output)
+    elif args.output:
         from dataclasses import replace
 
         from .driver import compile_buckets, write_artifact
@@ -103,16 +105,23 @@ def cmd_compile(args) -> int:
         inputs.golden = args.golden and inputs.reference is not None
         inputs.golden_streaming = args.golden_streaming
         inputs.golden_new_tokens = args.golden_new_tokens
+
+        def verdict(report: dict) -> None:  # before anything is renamed into place: refused, nothing is written
+            refused.extend(_spill_verdict(args, inputs, report))
+            if refused:
+                raise _Refused
         with st("write output", progress="writing the artifact"):
-            write_artifact(inputs, args.output, force=args.force)
-        refused = _spill_verdict(args, inputs)
+            try:
+                write_artifact(inputs, args.output, force=args.force, check=verdict)
+            except _Refused:
+                pass
     if not (args.output or args.report or args.json or args.dump_ir):
         log.info("compiled %s: %d passes, nothing written (use -o DIR, --report or --dump-ir)", result.module.name,
                  len(result.records))
     rc = finish(args, outcome)
     if rc == 0 and refused:
-        print(f"error: {len(refused)} kernel specialisation(s) spill registers (report.json `spilling`); "
-              "--allow-spills writes such an artifact without failing", file=sys.stderr)
+        print(f"error: {len(refused)} kernel specialisation(s) spill registers (listed above); nothing written to "
+              f"{args.output}: --allow-spills writes such an artifact without failing", file=sys.stderr)
         return SPILLS_FOUND
     return rc
 
@@ -120,16 +129,17 @@ def cmd_compile(args) -> int:
 SPILLS_FOUND = 1  # exit status of a compile whose kernels spill (as a failed numerics check; bad input is 2)
 
 
-def _spill_verdict(args, inputs) -> list[dict]:
-    """The artifact's spilling specialisations (its report.json), listed (stderr; with --report also in the
-    report); returns those that fail the compile. Refused unless --allow-spills, except in an fp32 GPU program:
-    fp32 is a check build (the deployment dtype is bf16), and sm_90a has no fp32 MMA, so its dots run as FMA
-    loops whose spills say nothing of the deployed kernels."""
-    from pathlib import Path
+class _Refused(Exception):
+    """The artifact's kernels spill: its writing stops before anything is renamed into place."""
 
+
+def _spill_verdict(args, inputs, rep: dict) -> list[dict]:
+    """The artifact's spilling specialisations (`rep`: its report, before it is written), listed (stderr; with
+    --report also in the report); returns those that fail the compile. Refused unless --allow-spills, except in
+    an fp32 GPU program: fp32 is a check build (the deployment dtype is bf16), and sm_90a has no fp32 MMA, so its
+    dots run as FMA loops whose spills say nothing of the deployed kernels."""
     if not any(t in GPU_TARGETS for t in inputs.targets):
         return []
-    rep = json.loads((Path(args.output) / "report.json").read_text())
     spills = rep.get("spilling", [])
     n = len(rep.get("kernels", []))
     line = (f"kernel spills: {len(spills)} of {n} specialisations x targets spill" if spills
@@ -262,8 +272,8 @@ def add_command(sub) -> None:
     c.add_argument("--gpu-prefill-buckets", default=None,
                    help="prefill chunk buckets of the GPU targets (default: the largest --prefill-buckets)")
     c.add_argument("--allow-spills", action="store_true",
-                   help="write the artifact without failing when GPU kernels spill registers (exit status 1 "
-                        "otherwise; recorded in the manifest)")
+                   help="write the artifact without failing when GPU kernels spill registers (otherwise exit "
+                        "status 1 and nothing written; recorded in the manifest)")
     c.add_argument("--jobs", type=threads_arg, default=None,
                    help="worker processes compiling kernels ahead of time (default: the CPU count; same output)")
     c.set_defaults(func=cmd_compile)

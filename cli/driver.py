@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -179,8 +180,10 @@ class CompileInputs:
     allow_spills: bool = False  # `--allow-spills`: the compile succeeds though kernels spill (recorded)
 
 
-def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> Path:
-    """Write the artifact of `ci` to `out` atomically (`artifact.write_artifact_dir`)."""
+def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False,
+                   check: Callable[[dict[str, Any]], None] | None = None) -> Path:
+    """Write the artifact of `ci` to `out` atomically (`artifact.write_artifact_dir`). `check(report)`, once the
+    kernels are compiled (before the golden): an exception it raises stops the writing with `out` as it was."""
     from ..ir.text import print_module
 
     unknown = [t for t in ci.targets if t not in TARGETS]
@@ -226,6 +229,8 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False) -> P
             report["spilling"] = gt.spilling
             if gt.spec_step:  # the one-call speculative step, modeled from the compiled program
                 report["spec_step"] = gt.spec_step
+        if check is not None:
+            check(report)
         golden = _write_golden(ci, tmp, report) if ci.golden else None
         (tmp / "report.json").write_text(canonical(report))
         cfg_json = json.loads(ci.cfg.to_json())

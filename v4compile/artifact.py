@@ -27,7 +27,8 @@ and `v4compile.load(DIR)` reads. The runtime needs this module and the program, 
                                the static kernel report (`kernels`) and the modeled decode step per bucket
 
 Writing (`write_artifact_dir`) is atomic (everything goes to a temporary sibling directory renamed at the
-end; on any error it is removed) and byte-reproducible (no timestamps, sorted keys, deterministic names).
+end; on any error, a refusal of its `fill` included, it is removed and a directory it was to replace is left
+as it was) and byte-reproducible (no timestamps, sorted keys, deterministic names).
 Loading treats the artifact as untrusted input: the manifest is checked against its schema and every path
 confined to the directory (`manifest.py`), then every file's hash is checked, naming the file that changed;
 the runtime checks the pieces against each other as it opens them (`runtime/artifact_checks.py`).
@@ -150,6 +151,7 @@ def write_artifact_dir(out: str | Path, fill: Callable[[Path], tuple[dict[str, A
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
+    old = None
     try:
         tmp.mkdir()
         fields, hashed = fill(tmp)
@@ -164,13 +166,14 @@ def write_artifact_dir(out: str | Path, fill: Callable[[Path], tuple[dict[str, A
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
+        os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not out.exists():  # moved aside, the new one not in place: the old one back
+            os.replace(old, out)
         raise
+    if old is not None:
+        shutil.rmtree(old)
     log.info("wrote artifact %s (%d files)", out, len(files) + 1)
     return out
 

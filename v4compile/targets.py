@@ -130,12 +130,19 @@ TARGETS: dict[str, TargetSpec] = {
 # * out_proj.prefill (the projection's prefill tiles, BM >= 64): on gfx950 wo_a's K loop pipelined 2 deep beside
 #   its inverse-RoPE prologue took 256 VGPRs and spilled 93 at 8 warps in V4-Pro's 64-token chunk (4 warps: 458
 #   VGPRs, 88 spilled); unpipelined, 246 and none. Pipelining only schedules: same tiles, sums and results.
+# * out_proj.verify (the projection's tiles with BM >= 32: a verify step's 24 or 32 tokens, 8 sequences x 3 or 4
+#   lanes, and the prefill tiles): on sm_90a V4-Pro's BM = 32 tile (--draft-tokens 3, 32 tokens) took 255
+#   registers and spilled 104 B with 4 warps (24 tokens: 215, none); with 8 warps 127, none (122 at 24 tokens),
+#   its loops still pipelined, 2 CTAs per SM either way (unpipelined at 4 warps instead: 252, none, at the cap).
+#   Warps split the [BN, BM] tile among them, not K: every output's sum is the same sequence of MMA steps. The
+#   BM = 64 tile has 8 already (gemm.py's rule); gfx950 spills nothing at BM = 32 with 4.
 # * allreduce.spin (the one-shot all-reduce's bound on a peer's wait, codegen/kernels/allreduce.py): 2^23 polls on
 #   a GPU (a system-scope load of peer memory, ~1-2 us: ~8-16 s) where the interpreter's 2^16 (~0.45 ms a poll:
 #   ~30 s) would give up after ~0.1 s. A bound on a wait: the arithmetic is the same.
 KERNEL_SCHEDULES: dict[str, dict[str, dict[str, Any]]] = {
     "compress.wide_row": {"sm_90a": {"num_warps": 8}},
     "out_proj.prefill": {"gfx950": {"constexprs": {"A_STAGES": 1}}},
+    "out_proj.verify": {"sm_90a": {"num_warps": 8}},
     "allreduce.spin": {"gfx950": {"constexprs": {"SPIN": 1 << 23}}, "sm_90a": {"constexprs": {"SPIN": 1 << 23}}},
 }
 

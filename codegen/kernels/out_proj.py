@@ -52,10 +52,23 @@ SIDE = ("M", "N", "K", "SPLIT", "KS", "NT", "X_RS", "X_CS", "Y_RS", "Y_CS", "W_R
 ROPE = ("G_K", "ROPE_T", "P_BS", "P_TS", "D", "DIM", "FREQS", "SIGN")
 
 
-# The projection's prefill tiles (A_BM >= PREFILL_BM) spill on some target as pipelined: their schedule there
-# is targets.KERNEL_SCHEDULES.
+# The projection's wide tiles spill on some target with the default launch shape: from A_BM >= VERIFY_BM (a
+# verify step's 24-32 tokens) on sm_90a, from A_BM >= PREFILL_BM on gfx950; their schedules there are
+# targets.KERNEL_SCHEDULES, each from its threshold up (`schedule`).
+VERIFY_BM = 32
 PREFILL_BM = 64
-PREFILL_SCHEDULE = KERNEL_SCHEDULES["out_proj.prefill"]
+SCHEDULES = ((VERIFY_BM, KERNEL_SCHEDULES["out_proj.verify"]), (PREFILL_BM, KERNEL_SCHEDULES["out_proj.prefill"]))
+
+
+def schedule(bm: int) -> dict[str, dict]:
+    """The `KernelCall.per_target` of a projection whose wo_a tile is BM tokens: every schedule whose threshold
+    it reaches, merged per target (a later one's warps, stages and constexprs over an earlier one's)."""
+    out: dict[str, dict] = {}
+    for least, table in SCHEDULES:
+        for t, o in table.items() if bm >= least else ():
+            prev = out.get(t, {})
+            out[t] = {**prev, **o, "constexprs": {**prev.get("constexprs", {}), **o.get("constexprs", {})}}
+    return out
 
 
 @triton.jit
@@ -255,7 +268,7 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
         unaligned.add("o_ptr")
     return [KernelCall(call_name("out_proj", ce, tag), out_proj_kernel, ce, pointers, (ce["PA"] + ce["PB"], 1, 1),
                        num_warps=max(a.num_warps, b.num_warps), num_stages=2, scratch_bytes=scratch,
-                       per_target=PREFILL_SCHEDULE if ce["A_BM"] >= PREFILL_BM else {},
+                       per_target=schedule(ce["A_BM"]),
                        unaligned=tuple(sorted(unaligned)), flops=a.flops + b.flops,
                        mma_dtype="fp8" if "fp8" in (a.mma_dtype, b.mma_dtype) else "bf16",
                        # the two launches' bytes (wo_a's output still goes to scratch and back) and re-reads, per

@@ -106,9 +106,15 @@ def _spilling_aot(monkeypatch, spills: int):
     monkeypatch.setattr(aot, "compile_calls", compile_calls)
 
 
+def _tree(d) -> dict:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
 def test_spills_fail_a_compile_unless_allowed(tmp_path, monkeypatch, capsys):
-    """A bf16 GPU compile whose kernels spill lists them (report.json `spilling`, the text report) and exits 1;
-    `--allow-spills` writes it with status 0 and the manifest says so (without spills: test_shape_only_gpu_artifact,
+    """A bf16 GPU compile whose kernels spill lists them (the log, the text report) and exits 1 with nothing
+    written: no directory, and a `--force` target left byte for byte as it was, no temporary sibling left (the
+    verdict is taken before the artifact is renamed into place); `--allow-spills` writes it with status 0, the
+    spills in report.json `spilling`, and the manifest says so (without spills: test_shape_only_gpu_artifact,
     `allow_spills` false, nothing listed). fp32 GPU programs (the cpu target's dtype) are check builds, whose
     FMA dots spill on sm_90a by design: listed, not refused."""
     _spilling_aot(monkeypatch, 40)
@@ -117,17 +123,64 @@ def test_spills_fail_a_compile_unless_allowed(tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     assert main([*gpu, "--report", "-o", str(tmp_path / "a")]) == 1
     out, err = capsys.readouterr()
-    rep, m = json.loads((tmp_path / "a" / "report.json").read_text()), _manifest(tmp_path / "a")
-    assert m["allow_spills"] is False
-    (s,) = rep["spilling"]
-    assert s["target"] == "sm_90a" and s["spills"] == 40 and s["unit"] == "bytes"
-    assert f"{s['name']} (sm_90a): 40 bytes" in out and "kernel spills: 1 of" in out
+    assert not (tmp_path / "a").exists() and not list(tmp_path.iterdir())
+    name = next(ln.split()[0] for ln in out.splitlines() if ln.strip().endswith("(sm_90a): 40 bytes"))
+    assert "kernel spills: 1 of" in out and f"spills: {name} (sm_90a): 40 bytes" in err
     assert [ln for ln in err.splitlines() if ln.startswith("error:")] == [
-        "error: 1 kernel specialisation(s) spill registers (report.json `spilling`); --allow-spills writes such "
-        "an artifact without failing"]
+        f"error: 1 kernel specialisation(s) spill registers (listed above); nothing written to {tmp_path / 'a'}: "
+        "--allow-spills writes such an artifact without failing"]
     assert main([*gpu, "-o", str(tmp_path / "b"), "--allow-spills"]) == 0
     assert _manifest(tmp_path / "b")["allow_spills"] is True
+    assert [(s["name"], s["spills"], s["unit"]) for s in json.loads((tmp_path / "b" / "report.json").read_text())[
+        "spilling"]] == [(name, 40, "bytes")]
     load_artifact(tmp_path / "b")  # the manifest's schema takes the knob
+    before = _tree(tmp_path / "b")
+    assert main([*gpu, "--decode-buckets", "4", "-o", str(tmp_path / "b"), "--force"]) == 1  # refused: b as it was
+    assert _tree(tmp_path / "b") == before and sorted(p.name for p in tmp_path.iterdir()) == ["b"]
     assert main([*gpu, "--dtype", "fp32", "-o", str(tmp_path / "c")]) == 0
     assert _manifest(tmp_path / "c")["dtype"] == "fp32"
     assert [s["spills"] for s in json.loads((tmp_path / "c" / "report.json").read_text())["spilling"]] == [40]
+
+
+def test_failed_numerics_check_writes_nothing(tmp_path, monkeypatch, fake_aot):
+    """A compile whose numerics check fails exits 1 with no artifact (its verdict is known before the writing:
+    none starts); forced here by a failing outcome over the real pipeline run."""
+    from types import SimpleNamespace
+
+    from v4compile.cli import compile as cli_compile
+
+    real = cli_compile.run_pipeline
+    monkeypatch.setattr(cli_compile, "run_pipeline",
+                        lambda args, fe: (real(args, fe)[0], SimpleNamespace(ok=False, summary="forced")))
+    argv = ["compile", "--preset", "tiny", "--decode-buckets", "2", "--prefill-buckets", "8", "--report"]
+    assert main([*argv, "--target", "sm_90a", "-o", str(tmp_path / "a")]) == 1
+    assert not list(tmp_path.iterdir()) and not fake_aot
+
+
+def test_failed_write_leaves_the_old_artifact(tmp_path, monkeypatch):
+    """`write_artifact_dir`: a `fill` that raises, or a failed rename of the new artifact into place after the old
+    one was moved aside, leaves the directory it was to replace as it was and no temporary sibling."""
+    import os
+
+    from v4compile import artifact
+
+    out = tmp_path / "a"
+    out.mkdir()
+    (out / "x").write_text("old")
+
+    def fill(tmp):
+        (tmp / "x").write_text("new")
+        raise RuntimeError("refused")
+    with pytest.raises(RuntimeError, match="refused"):
+        artifact.write_artifact_dir(out, fill, force=True)
+    assert _tree(out) == {"x": b"old"} and [p.name for p in tmp_path.iterdir()] == ["a"]
+    real = os.replace
+
+    def replace(src, dst):
+        if ".tmp-" in str(src):
+            raise OSError("rename failed")
+        real(src, dst)
+    monkeypatch.setattr(artifact.os, "replace", replace)
+    with pytest.raises(OSError, match="rename failed"):
+        artifact.write_artifact_dir(out, lambda tmp: ({}, {}), force=True)
+    assert _tree(out) == {"x": b"old"} and [p.name for p in tmp_path.iterdir()] == ["a"]
