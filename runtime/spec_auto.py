@@ -10,16 +10,16 @@ moving average over the sequences' offers, `ALPHA` the weight of each new one, s
 carried from one generate call or request to the next) and c(B, k) the cost of a step that verifies the drafts held
 and drafts k (c(B, 0): the plain decode step). The side, drafting or plain decoding, is decided on the costs of the
 last probe's verdict (below; before the first verdict, the costs of now): drafting where the best drafting k's E(k)
-beats E(0) by `MARGIN` (`MARGIN_STAY` while the rule's last choice drafted: a band, so that one noisy measurement
-does not flip the choice back and forth); speculation has costs outside its steps (the MTP block over each prompt, a
-request's first drafts, the probes below) and the step costs are measured on a shared machine, so a marginal gain is
-not worth them. While drafting, the k is the largest E(k) on the costs of now (the smaller k on a tie). So between
-verdicts the side changes only with the acceptance: the costs of the side that runs follow the machine's load while
-the other side's stay as its last steps measured them, so load that rose over plain steps made k = 3 look cheap
-(batch 8, bench logs: drafted at 0.8-0.9x plain), and load rising over drafting steps makes plain decoding look
-cheap (`test_auto_sides_change_at_verdicts`: batch 1, 3.5 % under k = 3, plain ~3x as often). k is a choice of how
-many drafts to make for the next step; the verify then checks whatever drafts each sequence holds, so the ids are
-those of plain decoding whatever k is chosen (greedy: the verify's argmax decides every token).
+beats E(0) by `MARGIN` (`MARGIN_STAY` while the rule's last choice for the bucket drafted: a band, so that one
+noisy measurement does not flip the choice back and forth); speculation has costs outside its steps (the MTP block
+over each prompt, a request's first drafts, the probes below) and the step costs are measured on a shared machine,
+so a marginal gain is not worth them. While drafting, the k is the largest E(k) on the costs of now (the smaller k
+on a tie). So between verdicts the side changes only with the acceptance: the costs of the side that runs follow the
+machine's load while the other side's stay as its last steps measured them, so load that rose over plain steps made
+k = 3 look cheap (batch 8, bench logs: drafted at 0.8-0.9x plain), and load rising over drafting steps makes plain
+decoding look cheap (`test_auto_sides_change_at_verdicts`: batch 1, 3.5 % under k = 3, plain ~3x as often). k is a
+choice of how many drafts to make for the next step; the verify then checks whatever drafts each sequence holds, so
+the ids are those of plain decoding whatever k is chosen (greedy: the verify's argmax decides every token).
 
 The acceptance is taken from drafts the MTP block made with its whole window ring: a plain step, a verify without
 drafting and a prefill without the block do not run the block over their positions (`SpecStep.skipped`), and the
@@ -37,9 +37,9 @@ truth, never locked in); a k without samples takes the scale interpolated linear
 ks either side (the nearest's past the last); between verdicts while drafting, the drafting ks among themselves
 (plain's samples are then as old as the last plain probe: through them, a burst of load over the k = 3 steps made
 the unsampled k = 1 look cheap, and the rule drafted k = 1, 2 at 1.04x plain, batch 1). The first `SETTLE` plain
-steps after drafting ones are no samples: they run 1.7x and 1.25x a settled plain step (measured at batch 8), and
-a plain probe's verdict on them kept drafting (the drafting steps after plain ones measured within 10 % of the
-next). While drafting, another drafting k whose last sample is over `STALE`
+steps after drafting ones (of any bucket: the process's caches) are no samples: they run 1.7x and 1.25x a settled
+plain step (measured at batch 8), and a plain probe's verdict on them kept drafting (the drafting steps after plain
+ones measured within 10 % of the next). While drafting, another drafting k whose last sample is over `STALE`
 steps old is left out (interpolated again, so it runs again if that makes it the better k) and its window starts
 afresh when it runs: one burst of load over a k's steps must not rule it out for good (at batch 1, where k = 2 and
 k = 3 are a few % apart a step, a stale window held the rule at k = 2, 0.92x of k = 3). So a k's cost, once it has
@@ -72,11 +72,14 @@ side's interval `PROBE_GROW` times longer (up to `PROBE_MAX` times its start; do
 ~3 % of the steps at batch 8 even where plain decoding was settled: most of the rule's cost over plain decoding
 there), a change of side resets both: a settled choice costs ever fewer
 probes. Counters, samples, verdict costs and acceptance are the session's, carried from one generate call or
-request to the next. A step whose sequences hold no drafts at k = 0 is the plain decode step itself, and
-sequences admitted while the rule says 0 for their bucket are prefilled without the MTP block (plain steps do
-not write its ring either: their drafts' offers are then not observed for a window, above, never the ids) and
-get no first drafts; a plain probe from drafting does not change that (`prefills_mtp`: a prompt prefilled
-without the block drafted at 0.7 for a window after).
+request to the next. The side, its probe counters and intervals, the samples and the verdict costs are each
+bucket's own (`Loop`), as its costs are; the acceptance, the text's, is every bucket's (one probe state for
+every bucket: a batch-8 run's last sequence alone, in bucket 1, drafted there and reset bucket 8's probe count,
+so bucket 8 never probed again, `test_auto_buckets_apart`). A step whose sequences hold no drafts at k = 0 is
+the plain decode step itself, and sequences admitted while the rule says 0 for their bucket are prefilled
+without the MTP block (plain steps do not write its ring either: their drafts' offers are then not observed for a
+window, above, never the ids) and get no first drafts; a plain probe from drafting does not change that
+(`prefills_mtp`: a prompt prefilled without the block drafted at 0.7 for a window after).
 
 The rule's own cost a plain step: while plain decoding is chosen after a verdict, the answer depends only on
 the acceptance, which plain steps do not move, and the verdict's costs: a plain answer is kept while they are
@@ -116,7 +119,9 @@ SETTLE = 2  # plain steps after drafting ones that are no samples: they run 1.7x
 
 @dataclass
 class Loop:
-    """The session's probe state for one K (carried across generate calls, as the samples are)."""
+    """The session's probe state for one bucket and K (carried across generate calls, as the samples are): the
+    side and its verdicts are a bucket's, as its costs are (a batch's last sequence alone steps in bucket 1, and
+    with one state for every bucket its steps counted toward bucket 8's probe and reset it)."""
 
     plain_run: int = 0  # plain steps in a row
     spec_run: int = 0  # drafting steps in a row
@@ -127,7 +132,14 @@ class Loop:
     probe_left: int = 0  # its samples still to take
     pending: str | None = None  # the side ("plain" / "spec") a probe was taken from: the first choice after it is its verdict
     drafting: bool = False  # the rule's last choice (not a probe's) drafted
-    last_drafting: bool = False  # the last timed step was a drafting one (`SETTLE`)
+
+
+@dataclass
+class Settle:
+    """The session's `SETTLE` state for one K, whatever the bucket: what a step after a drafting one costs is
+    the process's (its caches), not a bucket's."""
+
+    last_drafting: bool = False  # the last timed step was a drafting one
     settle: int = 0  # steps still to pass before a sample is taken
 
 
@@ -139,7 +151,8 @@ class AutoK:
         # the session's running acceptance, samples and probe state, carried from one generate call to the next
         self.known = known = step.s.spec_auto if step is not None else {}
         self.rates = known.setdefault(("rates", K), [PRIOR] * K)
-        self.loop: Loop = known.setdefault(("loop", K), Loop())
+        self.settling: Settle = known.setdefault(("settle", K), Settle())
+        self._loops: dict[int, Loop] = {}  # bucket -> `loop`
         self.priors: dict[int, list[float] | None] = {}  # bucket -> the isolated (or modeled) c(B, 0..K)
         self.measured: dict[int, bool] = {}  # bucket -> its priors are CPU seconds (then refined in situ)
         self._costs: dict[int, list[float] | None] = {}  # bucket -> c(B, 0..K) until its next sample (per step: cheap)
@@ -164,6 +177,13 @@ class AutoK:
             e += run
             out.append(e)
         return out
+
+    def loop(self, B: int) -> Loop:
+        """Bucket `B`'s probe state and side (the session's; looked up once per bucket)."""
+        got = self._loops.get(B)
+        if got is None:
+            got = self._loops[B] = self.known.setdefault(("loop", B, self.K), Loop())
+        return got
 
     def _samples(self, B: int) -> list[deque]:
         """Bucket `B`'s last in-generation step costs over their priors, one window a k (0: plain steps; the
@@ -192,7 +212,7 @@ class AutoK:
         prior = self.prior(B)
         if prior is None or not self.measured.get(B):
             return prior
-        last, L = self._last(B), self.loop
+        last, L = self._last(B), self.loop(B)
         # while drafting, another drafting k's samples go stale: it runs again (at the interpolated scale) if
         # that says it is the better k, so that one unlucky burst over its steps does not rule it out for good
         got = {k: low(q) for k, q in enumerate(self._samples(B))
@@ -216,7 +236,7 @@ class AutoK:
         otherwise recompute every k's cost: ~25 us a step at batch 8, the Python cold after the graph call).
         The same answers as `_rule`, to the bit."""
         frozen = self.known.get(("frozen", B, self.K))
-        if self.loop.drafting or frozen is None:
+        if self.loop(B).drafting or frozen is None:
             return self._rule(B)
         key = (self._side_key(), frozen)
         if self._side.get(B) == key:
@@ -251,26 +271,27 @@ class AutoK:
         k, v = self._best_drafting(side[1:])
         if v <= 1.0 / side[0]:  # E(0) = 1
             return 0
-        margin = MARGIN_STAY if self.loop.drafting else MARGIN
+        margin = MARGIN_STAY if self.loop(B).drafting else MARGIN
         if not v > (1 + margin) / side[0]:
             return 0
         return k if side is c else self._best_drafting(c[1:])[0]
 
     def first(self, B: int) -> int:
         """The drafts of sequences admitted now: the rule's, or the probe's under way."""
-        return self.loop.probe_k if self.loop.probe_left else self.best(B)
+        L = self.loop(B)
+        return L.probe_k if L.probe_left else self.best(B)
 
     def prefills_mtp(self, B: int) -> bool:
         """Whether sequences admitted now are prefilled with the MTP block: unless the rule says plain decoding
         (a plain probe from the drafting side included: a prompt prefilled without the block leaves its ring
         empty, and its drafts are the worse for a window of positions after)."""
-        return bool(self.loop.probe_left) or self.best(B) > 0
+        return bool(self.loop(B).probe_left) or self.best(B) > 0
 
     def _probe(self, B: int, k: int) -> int:
         """Start a probe at `k` (0: plain steps) from the other side: the samples of that side (plain, or
         every drafting k) start afresh, so that the verdict compares costs of now, not of a machine as loaded
         as it was a while ago."""
-        L = self.loop
+        L = self.loop(B)
         L.probe_k, L.probe_left, L.pending = k, PROBE_STEPS, "spec" if k == 0 else "plain"
         for q in self._samples(B)[1:] if k else self._samples(B)[:1]:
             q.clear()
@@ -279,7 +300,7 @@ class AutoK:
 
     def pick(self, B: int) -> int:
         """This step's k: the rule's, or a probe's (module doc)."""
-        L = self.loop
+        L = self.loop(B)
         if L.probe_left:
             k = L.probe_k
         elif L.pending is not None:  # the first choice after a probe, on the costs of now: its verdict
@@ -313,7 +334,7 @@ class AutoK:
         k = K step's, so k = 1's scale said little of K's), unless no drafting k could beat plain decoding by
         `MARGIN` even with every draft accepted; then plain steps go on (the probe interval at its longest):
         at batch 8 a probe was most of the rule's cost over plain decoding."""
-        L, c = self.loop, self.cost(B)
+        L, c = self.loop(B), self.cost(B)
         seen = self.known.get(("frozen", B, self.K)) or c  # the last verdict's costs (taken close together)
         if seen is not None and max((j + 1) / seen[j] for j in range(1, self.K + 1)) <= (1 + MARGIN) / seen[0] \
                 and L.plain_every < PROBE * PROBE_MAX:
@@ -325,14 +346,14 @@ class AutoK:
         """A step of bucket `B` took `seconds` of CPU time: a plain decode step (k = 0), a step drafting k, or
         (None) a verify of the drafts held without new ones, which is no sample. The first `SETTLE` plain steps
         after drafting ones are no samples either."""
-        L = self.loop
+        L, S = self.loop(B), self.settling
         side = k != 0  # (a verify without drafting runs a drafting step's graph, right after one)
-        if side != L.last_drafting:
-            L.last_drafting, L.settle = side, 0 if side else SETTLE
+        if side != S.last_drafting:
+            S.last_drafting, S.settle = side, 0 if side else SETTLE
         if k is None:
             return
-        if L.settle and self.measured.get(B):
-            L.settle -= 1
+        if S.settle and self.measured.get(B):
+            S.settle -= 1
             return
         if L.probe_left and (k == 0) == (L.probe_k == 0):
             L.probe_left -= 1

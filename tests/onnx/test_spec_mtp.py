@@ -763,7 +763,7 @@ def test_auto_rule():
     for _ in range(spec_auto.PROBE_STEPS):
         a.timed(8, 1, 2.0)
         assert a.chosen[-1] == 1 and a.pick(8) in (1, 0)
-    assert a.chosen[-1] == 0 and a.loop.plain_every == spec_auto.PROBE_GROW * spec_auto.PROBE  # confirmed: rarer
+    assert a.chosen[-1] == 0 and a.loop(8).plain_every == spec_auto.PROBE_GROW * spec_auto.PROBE  # confirmed: rarer
     for _ in range(60):  # every draft accepted: the running rates rise toward 1
         a.observe(3, 3)
     assert min(a.rates) > 0.95 and a.pick(8) == 3
@@ -772,7 +772,7 @@ def test_auto_rule():
     assert (m.best(1), m.best(2)) == (0, 1)
     m.priors[3], m.measured[3] = [1.0, 1.65], False  # 1.9 / 1.65 = 1.15x: not started, but kept (the band)
     assert m.best(3) == 0
-    m.loop.drafting = True
+    m.loop(3).drafting = m.loop(1).drafting = True
     assert m.best(3) == 1 and m.best(1) == 0
     blind = spec_auto.AutoK(None, 3)
     blind.rates, blind.priors, blind.measured = [0.9, 0.8, 0.3], {1: [1.0, 1.2, 1.4, 1.6]}, {1: False}
@@ -805,7 +805,7 @@ def test_auto_costs_from_the_generation():
         a = spec_auto.AutoK(None, 3)
         a.rates, a.priors, a.measured = [0.95] * 3, {8: [1.0, 1.6, 2.0, 2.3]}, {8: True}
         for name, v in loop.items():
-            setattr(a.loop, name, v)
+            setattr(a.loop(8), name, v)
         return a
 
     true = [1.0, 6.0, 7.0, 8.0]
@@ -964,7 +964,7 @@ def test_auto_stale_samples():
         a = spec_auto.AutoK(None, 3)
         a.rates, a.priors, a.measured = [0.92, 0.81, 0.87], {8: [1.0, 1.45, 1.75, 2.0]}, {8: True}
         a.observe = lambda *_: None
-        a.loop.drafting = True
+        a.loop(8).drafting = True
         a._samples(8)[3].extend([2.0] * spec_auto.WINDOW)  # a burst, at step 0
         a._samples(8)[2].append(1.0)  # k = 2's, fresh
         a._last(8)[2:] = [0, 0]
@@ -975,6 +975,45 @@ def test_auto_stale_samples():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(spec_auto, "STALE", 10 ** 9)
         assert run().count(3) == 0
+
+
+def test_auto_buckets_apart():
+    """A batch-8 generation's last sequence alone steps in bucket 1: a fake-clock session of calls, each 12 steps
+    of bucket 8 then 4 of bucket 1. Bucket 1 drafts (k = 3 pays there); bucket 8's prior says plain (k = 3 at
+    1.08x, under MARGIN_STAY) but its steps truly draft at 2.1x plain, which only its drafting probe, after
+    PROBE plain steps of bucket 8, can see: it probes in the second call and drafts from then on (k = 2 mostly:
+the prior's shape). Caught: one
+    probe state for every bucket (the previous rule) - bucket 1's drafting steps reset bucket 8's plain run
+    every call, so bucket 8 never probes and decodes plain for good."""
+    from v4compile.runtime import spec_auto
+
+    true = {8: [1.0, 1.3, 1.4, 1.5], 1: [1.0, 1.3, 1.5, 1.7]}
+
+    def run() -> dict[int, list[int]]:
+        a = spec_auto.AutoK(None, 3)
+        a.rates, a.priors, a.measured = [0.9, 0.8, 0.7], {8: [1.0, 2.0, 2.4, 2.9], 1: true[1]}, {8: True, 1: True}
+        a.observe = lambda *_: None  # the acceptance held
+        picks: dict[int, list[int]] = {8: [], 1: []}
+        for _ in range(30):
+            held = 0
+            for B in [8] * 12 + [1] * 4:
+                k = a.pick(B)
+                verify = not k and held
+                a.timed(B, None if verify else k, true[B][1 if verify else k])
+                picks[B].append(k)
+                held = k
+        return picks
+
+    def drafted(ks: list[int]) -> float:
+        return sum(k > 0 for k in ks) / len(ks)
+
+    picks = run()
+    assert drafted(picks[1]) > 0.7  # bucket 1 drafts (but for its plain probes)
+    assert set(picks[8][:spec_auto.PROBE]) == {0} and drafted(picks[8][24:]) > 0.8  # probed, then drafts
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(spec_auto.AutoK, "loop", lambda self, B: self.known.setdefault(("loop", self.K), spec_auto.Loop()))
+        old = run()
+    assert drafted(old[1]) > 0.7 and set(old[8]) == {0}
 
 
 def test_auto_costs_modeled_from_the_report(tmp_path):
