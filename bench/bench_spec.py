@@ -26,7 +26,11 @@ rows, counted as Python) and the rest (Python: the step's input building, accept
 a plain step is the loop's own decode step inside the speculative step (counted once, as one of its steps).
 `--auto` adds `--draft-tokens auto` on the largest k's artifact (`runtime/spec_auto.py` picks k per step; one
 untimed pass over the inputs first makes its graphs and measures its buckets' prior costs, as the others' are
-made before timing; its in-generation costs and acceptance then carry over, as in any session).
+made before timing; its in-generation costs and acceptance then carry over, as in any session), and its
+figures against the best fixed k (the k with the best median speedup) and against plain paired by round: each
+round's ratio (the other's CPU time over auto's in that round), their median and range (`auto_paired` in
+`--json`; against plain it is the auto line's speedup, to 3 places): the quotient of auto's and a k's separately
+taken median speedups mixes rounds and swings +-5-10 % under load (0.90 of k = 3 where the paired ratio said 1.005).
 """
 
 from __future__ import annotations
@@ -136,6 +140,24 @@ def report(label: str, ks: list, res: dict, n_tokens: int, batch: int = 1) -> di
         print(f"{label} k={k}: acceptance {'/'.join(f'{x:.2f}' for x in acc.rates())}, {acc.tokens_per_step():.2f} "
               f"tokens per step, {tps:.1f} tokens/s; {statistics.median(ratios):.2f}x plain (median of "
               f"{len(ratios)} rounds, range {ratios[0]:.2f}-{ratios[-1]:.2f})")
+    if "auto" in res and len(ks) > 1:
+        out["auto_paired"] = paired(label, res, plain_t, out["speculative"])
+    return out
+
+
+def paired(label: str, res: dict, plain_t: list, spec: dict) -> dict:
+    """auto against the best fixed k (the k with the best median speedup) and against plain, round by round:
+    the median of each round's own ratio (the other's CPU time over auto's, in the same round) with their
+    range. The quotient of two separately taken medians mixes rounds and swung +-5-10 % under load."""
+    best = max((k for k in spec if k != "auto"), key=lambda k: spec[k]["speedup"])
+    auto_t = res["auto"][1]
+    out = {"best_k": best}
+    for name, ts in ((f"k={best}", res[best][1]), ("plain", plain_t)):
+        r = sorted(t / u for t, u in zip(ts, auto_t))
+        key = "vs_best_k" if name != "plain" else "vs_plain"
+        out[key], out[key + "_range"] = round(statistics.median(r), 3), [round(r[0], 3), round(r[-1], 3)]
+        print(f"{label} auto vs {name}{' (the best fixed k)' if name != 'plain' else ''}: "
+              f"{statistics.median(r):.3f}x (median of {len(r)} per-round ratios, range {r[0]:.3f}-{r[-1]:.3f})")
     return out
 
 
