@@ -40,7 +40,8 @@ drawn on the host from the request's generator), whose `spec_sample` op (greedy 
 draft's q and the temperatures. On the host device the op runs that very function, so the one call and the two
 calls give the same ids and bytes; a GPU's kernel computes the same float32 formulas with its own exp and
 chunked sums (equal to float32 rounding: an id can differ only where a uniform falls within that rounding of a
-boundary, both exactly the target's distribution), so a sampled acceptance is taken from the call unchecked.
+boundary, both exactly the target's distribution), so a sampled acceptance is taken from the call unchecked
+(`scripts/gpu_check.py` checks a device's against the host's rule: `spec_check.py`).
 The cpu device samples with verify then draft (the token after the last kept lane drawn on the host between
 them): its one-call graph draws no random numbers (the k drafts in it are argmaxes).
 
