@@ -32,24 +32,31 @@ def spec_accept_kernel(l_ptr, ids_ptr, pos_ptr, next_ptr, kept_ptr, T: tl.conste
 
 
 @triton.jit
+def lane_argmax(lane, V: tl.constexpr, L_VS: tl.constexpr, BV: tl.constexpr):
+    """The argmax of one lane of logits (`lane`: its first element, `L_VS` apart), streamed in chunks of BV, ties
+    to the lowest id (torch.argmax's): the greedy rule `greedy_lanes` and `draft_next_kernel` share."""
+    r = tl.arange(0, BV)
+    best = float("-inf")
+    bi = 0
+    for v0 in range(0, V, BV):
+        v = tl.load(lane + (v0 + r) * L_VS, mask=v0 + r < V, other=float("-inf")).to(tl.float32)
+        cm = tl.max(v, axis=0)
+        ci = tl.min(tl.where(v == cm, v0 + r, V), axis=0)
+        take = cm > best
+        bi = tl.where(take, ci, bi)
+        best = tl.where(take, cm, best)
+    return bi
+
+
+@triton.jit
 def greedy_lanes(l_ptr, ids_ptr, pos_ptr, next_ptr, kept_ptr, b, T: tl.constexpr, V: tl.constexpr,
                  L_BS: tl.constexpr, L_TS: tl.constexpr, L_VS: tl.constexpr, I_BS: tl.constexpr, I_TS: tl.constexpr,
                  P_BS: tl.constexpr, P_TS: tl.constexpr, N_BS: tl.constexpr, N_TS: tl.constexpr, K_BS: tl.constexpr,
                  K_TS: tl.constexpr, BV: tl.constexpr):
-    r = tl.arange(0, BV)
     keep = 1
     prev = 0
     for t in tl.static_range(T):
-        lane = l_ptr + b * L_BS + t * L_TS
-        best = float("-inf")
-        bi = 0
-        for v0 in range(0, V, BV):
-            v = tl.load(lane + (v0 + r) * L_VS, mask=v0 + r < V, other=float("-inf")).to(tl.float32)
-            cm = tl.max(v, axis=0)
-            ci = tl.min(tl.where(v == cm, v0 + r, V), axis=0)
-            take = cm > best
-            bi = tl.where(take, ci, bi)
-            best = tl.where(take, cm, best)
+        bi = lane_argmax(l_ptr + b * L_BS + t * L_TS, V, L_VS, BV)
         p = tl.load(pos_ptr + b * P_BS + t * P_TS)
         if t > 0:
             d = tl.load(ids_ptr + b * I_BS + t * I_TS)
@@ -160,16 +167,7 @@ def draft_next_kernel(l_ptr, s_ptr, pos_ptr, ids_ptr, np_ptr, h_ptr, T: tl.const
     n = tl.sum((p >= 0).to(tl.int32), axis=0)
     top = tl.max(p, axis=0)
     lane = tl.maximum(n - 1, 0)
-    r = tl.arange(0, BV)
-    best = float("-inf")
-    bi = 0
-    for v0 in range(0, V, BV):  # the argmax, as `greedy_lanes`'
-        v = tl.load(l_ptr + b * L_BS + (v0 + r) * L_VS, mask=v0 + r < V, other=float("-inf")).to(tl.float32)
-        cm = tl.max(v, axis=0)
-        ci = tl.min(tl.where(v == cm, v0 + r, V), axis=0)
-        take = cm > best
-        bi = tl.where(take, ci, bi)
-        best = tl.where(take, cm, best)
+    bi = lane_argmax(l_ptr + b * L_BS, V, L_VS, BV)  # the greedy lanes' argmax: one rule for both ops
     live = n > 0
     for j in tl.static_range(T):
         if j == 0:

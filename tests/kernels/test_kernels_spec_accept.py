@@ -48,7 +48,8 @@ def test_spec_accept():
                                       "tl.max(tl.where(v == cm, v0 + r, -1), axis=0)")],
                          ids=["lane", "tie"])
 def test_wrong_acceptance_is_caught(monkeypatch, tmp_path, old, new):
-    kc.install_broken_kernel(monkeypatch, tmp_path, spec_accept, "greedy_lanes", old, new)
+    fn = "greedy_lanes" if old.startswith("prev") else "lane_argmax"  # the argmax: the helper draft_next shares
+    kc.install_broken_kernel(monkeypatch, tmp_path, spec_accept, fn, old, new)
     with pytest.raises(AssertionError):
         check_spec_accept()
 
@@ -119,11 +120,15 @@ def test_draft_next():
     check_draft_next()
 
 
-# Kernel faults: the first lane's streams taken, the position not advanced.
+# Kernel faults: the first lane's streams taken, the position not advanced, ties to the highest id (in the
+# argmax helper the greedy lanes share).
 @pytest.mark.parametrize("old,new", [("lane = tl.maximum(n - 1, 0)", "lane = 0"),
-                                     ("tl.where(live, top + 1, -1)", "tl.where(live, top, -1)")],
-                         ids=["lane", "pos"])
+                                     ("tl.where(live, top + 1, -1)", "tl.where(live, top, -1)"),
+                                     ("tl.min(tl.where(v == cm, v0 + r, V), axis=0)",
+                                      "tl.max(tl.where(v == cm, v0 + r, -1), axis=0)")],
+                         ids=["lane", "pos", "tie"])
 def test_wrong_draft_inputs_are_caught(monkeypatch, tmp_path, old, new):
-    kc.install_broken_kernel(monkeypatch, tmp_path, spec_accept, "draft_next_kernel", old, new)
+    fn = "lane_argmax" if old.startswith("tl.min") else "draft_next_kernel"
+    kc.install_broken_kernel(monkeypatch, tmp_path, spec_accept, fn, old, new)
     with pytest.raises(AssertionError):
         check_draft_next()
