@@ -29,9 +29,10 @@ from v4compile.ir.types import DTYPES
 from v4compile.program.core import Program
 from v4compile.program.execute import _typed, run_launch
 from v4compile.signals import act_pending, held
+from v4compile.targets import DEVICE_TARGET
 
 from .build import library
-from .schedule import Schedule, build_schedule
+from .schedule import PEERS, SYMMETRIC, Schedule, build_schedule
 
 log = logging.getLogger(__name__)
 
@@ -186,8 +187,6 @@ class CRuntime:
         exchanged (`exchange(group, handle) -> (handles in rank order, this rank's index)`: `Ranks.exchange`),
         the peers' regions mapped, and the table of every region's address here, then this rank's index, written.
         Every rank zeroed its region before its handle left it, so no peer writes into it before that."""
-        from .schedule import PEERS, SYMMETRIC
-
         region = self.sched.region
         if exchange is None:
             raise DeviceError(f"the program's one-shot all-reduces over {region.group} ranks need the process group "
@@ -210,14 +209,10 @@ class CRuntime:
     def check_peers(self) -> None:
         """After a run: a one-shot all-reduce that gave up waiting for a peer left its mark in the status words
         (`codegen/kernels/peers.py`); one clear error then, naming the rank and the peer."""
-        from v4compile.codegen.kernels.peers import late_peer_error
-
-        from .schedule import SYMMETRIC
-
-        from v4compile.targets import DEVICE_TARGET
+        from v4compile.codegen.kernels.peers import STATUS_WORDS, WORD, late_peer_error
 
         region = self.sched.region
-        status = self.read(self.sched.index[SYMMETRIC], 0, 16).view(torch.int64).tolist()
+        status = self.read(self.sched.index[SYMMETRIC], 0, STATUS_WORDS * WORD).view(torch.int64).tolist()
         kc = next(c.kernel for f in self.sched.functions for c in f.calls
                   if c.kernel is not None and any(p[1] == "peers" for p in c.kernel.pointers))
         spin = kc.for_target(DEVICE_TARGET[self.device])[2]["SPIN"] if self.device != "host" else kc.constexprs["SPIN"]

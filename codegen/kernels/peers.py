@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 TILE = 2048  # elements of one tile (one program step; 4 KB of bf16)
 WORD = 8  # int64 flags, counters, status words and table entries (2^63 all-reduces: never wraps)
-HEADER = 256  # the status words, first (the runtime reads them at offset 0 after a step)
+STATUS_WORDS = 2  # late peer + 1, its sequence number: at offset 0 (the runtime reads them after a step)
+HEADER = 256  # the status words' room, before the slots
 
 
 @dataclass(frozen=True)
