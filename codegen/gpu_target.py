@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..artifact import spec_buckets, spec_name
 from ..errors import CodegenError, InputError
 from ..program.build import program_of
 from ..program.text import print_program
@@ -89,15 +90,17 @@ def write_gpu_targets(module, targets: list[str] | tuple[str, ...], out_dir: str
     funcs = {fname: {"kind": fname.split("_")[0], "batch": int(f.attrs["batch"]), "tokens": int(f.attrs["tokens"]),
                      "launches": len(f.launches), "kernel_calls": sum(len(c) for c in pk.calls[fname])}
              for fname, f in prog.functions.items() if not fname.startswith("spec_")}  # the program's own steps
+    greedy = {spec_name(b) for b in spec_buckets(prog.functions)}
     for t in targets:
         res.targets.append({"name": t, "format": "triton-aot", "backend": aot.TARGETS[t].backend,
                             "program": PROGRAM_FILE, "kernels_dir": f"kernels/{t}",
                             "kernels": sum(1 for r in rows if r["target"] == t), "functions": funcs})
         res.decode_step[t] = {fname: step_model(prog, pk, fname, t, rows)
                               for fname in prog.functions if fname.startswith("decode")}
+        # the greedy step drafting one (`spec_s<B>`: the same launches but its acceptance); its `spec_b<B>_d<k>`
+        # drafting k in the model's `steps_us`
         if spec := {f: spec_model(prog, pk, f, t, rows, res.decode_step[t]) for f in prog.functions
-                    if f.startswith("spec_b") and "_d" not in f}:  # the greedy step drafting one (`spec_s<B>`: the
-            # same launches but its acceptance); its `spec_b<B>_d<k>` drafting k in the model's `steps_us`
+                    if f in greedy}:
             res.spec_step[t] = spec
             for f, m in spec.items():
                 log.info("spec step %s on %s (modeled): %.1f us = %.2f decode steps; at %.0f %% acceptance %.2f "
@@ -113,8 +116,6 @@ def spec_model(prog, pk, fname: str, target: str, rows, decode: dict[str, dict[s
     k - 1 `draft_b<B>` calls), each at the roofline of its own launches (`step_model`), against `decode_b<B>`'s;
     the tokens a step makes at K drafts at the V3 report's acceptance per draft (`spec_cost.V3_ACCEPTANCE`), and
     the tokens/s gain that buys. Modeled, not measured."""
-    from v4compile.artifact import spec_name
-
     from .spec_cost import V3_ACCEPTANCE, tokens_per_step
 
     B = int(fname[len("spec_b"):])
