@@ -52,7 +52,7 @@ GRID_MAX = 64  # programs at most: resident on every GPU we target (132 SMs on H
 # Polls of one flag before a peer counts as late: ~30 s interpreted (~0.45 ms a poll on the host device); the GPU
 # binaries take their own bound (`targets.KERNEL_SCHEDULES["allreduce.spin"]`, `KernelCall.per_target`)
 SPIN = 1 << 16
-MAX_BYTES = ONESHOT_MAX_BYTES  # the largest all-reduce run one-shot (v4compile/targets.py says why)
+MAX_BYTES = ONESHOT_MAX_BYTES  # all-reduces run one-shot are under it (`targets.oneshot_allreduce` says why)
 
 
 @triton.jit
