@@ -4,6 +4,7 @@
  * region) is POSIX shared memory: a memfd mapped MAP_SHARED, whose handle is its path under /proc (the
  * owner's pid and fd: nothing to unlink, gone with the last mapping); a peer opens the path and maps it. */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -70,13 +71,14 @@ static int h_sym_alloc(v4drv *d, uint64_t n, uint64_t *addr) {
     hstate *s = d->state;
     int fd = memfd_create("v4rt-symmetric", MFD_CLOEXEC);
     if (fd < 0 || ftruncate(fd, (off_t)n) != 0) {
-        v4rt_seterr("symmetric memory of %llu bytes: memfd_create / ftruncate failed", (unsigned long long)n);
+        v4rt_seterr("symmetric memory of %llu bytes: %s failed: %s", (unsigned long long)n,
+                    fd < 0 ? "memfd_create" : "ftruncate", strerror(errno));
         if (fd >= 0) close(fd);
         return 1;
     }
     void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
-        v4rt_seterr("symmetric memory of %llu bytes: mmap failed", (unsigned long long)n);
+        v4rt_seterr("symmetric memory of %llu bytes: mmap failed: %s", (unsigned long long)n, strerror(errno));
         close(fd);
         return 1;
     }
@@ -122,15 +124,23 @@ static int h_ipc_open(v4drv *d, const unsigned char *handle, uint64_t n, uint64_
     }
     int fd = open(path, O_RDWR | O_CLOEXEC);
     struct stat st;
-    if (fd < 0 || fstat(fd, &st) != 0 || (uint64_t)st.st_size < n) {
-        v4rt_seterr("opening the peer's region %s (%llu bytes) failed", path, (unsigned long long)n);
+    if (fd < 0 || fstat(fd, &st) != 0) {
+        v4rt_seterr("opening the peer's region %s (%llu bytes) failed: %s", path, (unsigned long long)n,
+                    strerror(errno));
         if (fd >= 0) close(fd);
         return 1;
     }
+    if ((uint64_t)st.st_size < n) {
+        v4rt_seterr("the peer's region %s has %lld bytes, expected at least %llu", path, (long long)st.st_size,
+                    (unsigned long long)n);
+        close(fd);
+        return 1;
+    }
     void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    int err = errno;
     close(fd);
     if (p == MAP_FAILED) {
-        v4rt_seterr("mapping the peer's region %s failed", path);
+        v4rt_seterr("mapping the peer's region %s failed: %s", path, strerror(err));
         return 1;
     }
     if (h_add_map(s, (uint64_t)(uintptr_t)p, n, -1)) {
