@@ -98,6 +98,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from v4compile.artifact import spec_name
+
 log = logging.getLogger(__name__)
 
 ALPHA = 0.05  # the weight of each new offer in the running acceptance
@@ -453,7 +455,7 @@ def modeled(session, K: int, B: int | None = None) -> list[float] | None:
         return None
     by_target = rep.get("spec_step") or {}
     m = (by_target.get(DEVICE_TARGET.get(getattr(session, "device", None)))
-         or next(iter(by_target.values()), {})).get(f"spec_b{B}")
+         or next(iter(by_target.values()), {})).get(spec_name(B))
     if m is not None:
         steps = m.get("steps_us") or []  # drafting k in one call (`spec_b<B>_d<k>`); an older report: draft calls
         return [1.0] + [(steps[k - 1] if k <= len(steps) else m["spec_us"] + (k - 1) * m["draft_us"]) / m["decode_us"]
