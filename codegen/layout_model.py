@@ -118,7 +118,7 @@ def step(cfg, w: dict, layout: str, target: str, b: int,
     if (oneshot and layout == "TP8/EP8" and calls_source == "the compiled program"
             and spec.link.oneshot_latency_s is not None and oneshot_allreduce(WORLD, c["bytes_each"])):
         # the compiled program's all-reduces are one-shot kernel calls (their launches among its calls)
-        coll_s = c["count"] * (spec.link.oneshot_latency_s + (WORLD - 1) * c["bytes_each"] / spec.link.bytes_s)
+        coll_s = c["count"] * spec.link.oneshot_s(WORLD, c["bytes_each"])
         c = {**c, "what": c["what"] + ", one-shot"}
     total = bw_s + compute_s + launch_s + coll_s
     return {"batch_per_rank": b, "bandwidth_us": bw_s * 1e6, "bytes_read": read, "compute_us": compute_s * 1e6,

@@ -163,10 +163,10 @@ def ring_bytes(c: dict) -> float:
 
 def collective_s(c: dict, link, oneshot: bool) -> float:
     """A collective's own time (its launch, if a kernel call, is counted with the calls). One-shot, where the
-    link has a measured figure (`targets.Link.oneshot_latency_s`): that fixed cost + what a rank pulls from its
+    link has a measured figure (`targets.Link.oneshot_s`): that fixed cost + what a rank pulls from its
     n - 1 peers at the link's bandwidth; else a ring: the link's latency + the ring's bytes at its bandwidth."""
     if oneshot and link.oneshot_latency_s is not None:
-        return link.oneshot_latency_s + (c["group"] - 1) * c["bytes"] / link.bytes_s
+        return link.oneshot_s(c["group"], c["bytes"])
     return link.allreduce_latency_s + ring_bytes(c) / link.bytes_s
 
 

@@ -32,6 +32,13 @@ class Link:
     oneshot_latency_s: float | None = None
     oneshot_source: str = ""
 
+    def oneshot_s(self, group: int, nbytes: float) -> float | None:
+        """The one-shot all-reduce's own time over `group` ranks of `nbytes` (the comment above: the fixed cost +
+        what a rank pulls from its group - 1 peers); None where the link has no measured one-shot figure."""
+        if self.oneshot_latency_s is None:
+            return None
+        return self.oneshot_latency_s + (group - 1) * nbytes / self.bytes_s
+
 
 @dataclass(frozen=True)
 class TargetSpec:
