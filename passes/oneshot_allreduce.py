@@ -24,7 +24,7 @@ from .rewrite import new_module, rebuild
 
 
 def _eligible(op) -> bool:
-    return op.name == "all_reduce" and oneshot_allreduce(int(op.attrs["group"]), op.operands[0].type.nbytes)
+    return op.name == "all_reduce" and oneshot_allreduce(int(op.attrs["group"]), op.operand("x").type.nbytes)
 
 
 @register
@@ -38,7 +38,7 @@ class OneshotAllreduce(Pass):
         if not ops:
             return PassResult(module, {})
         group = max(int(op.attrs["group"]) for op in ops)
-        region = max(op.operands[0].type.nbytes for op in ops if int(op.attrs["group"]) == group)
+        region = max(op.operand("x").type.nbytes for op in ops if int(op.attrs["group"]) == group)
         functions, hits = {}, {}
         for name, f in module.functions.items():
             mine = {id(op): op.replace(name="all_reduce_oneshot", attrs={**op.attrs, "region_bytes": region})
