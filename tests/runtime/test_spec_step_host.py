@@ -29,6 +29,7 @@ kernels (tiny-doc, K = 2).
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -170,14 +171,10 @@ def one_step(s, seqs, drafts, inputs, fused: bool) -> dict:
     return out
 
 
-def both_steps(s, doc, sampled: str = "") -> tuple[tuple[dict, dict], tuple[dict, dict], dict]:
-    """`one_step` both ways from the same pool and state (both prompts prefilled plainly; two drafts each:
-    sequence 0's right, sequence 1's first wrong; `sampled` "sampled" / "mixed": with `sampling`'s inputs):
-    (outputs, pool and state bytes after) of each, and `executed`'s outputs."""
-    import torch
-
-    from v4compile.runtime.undo import access
-
+@contextmanager
+def drafted_pair(s, doc):
+    """Both prompts prefilled plainly, each holding two drafts (sequence 0's right, sequence 1's first wrong), room
+    reserved for a step: (sequences, drafts, the step's inputs); the sequences released after."""
     _, prompts, want = doc
     seqs = [s.open() for _ in prompts]
     try:
@@ -189,9 +186,23 @@ def both_steps(s, doc, sampled: str = "") -> tuple[tuple[dict, dict], tuple[dict
         for q in seqs:
             s.reserve(q, q.length + 2)
         table, slot = s.table(seqs, 2)
-        inputs = {"ids": ids, "pos": pos, "block_table": table, "slot": slot}
+        yield seqs, drafts, {"ids": ids, "pos": pos, "block_table": table, "slot": slot}
+    finally:
+        for q in seqs:
+            s.release(q)
+
+
+def both_steps(s, doc, sampled: str = "") -> tuple[tuple[dict, dict], tuple[dict, dict], dict]:
+    """`one_step` both ways from the same pool and state (both prompts prefilled plainly; two drafts each:
+    sequence 0's right, sequence 1's first wrong; `sampled` "sampled" / "mixed": with `sampling`'s inputs):
+    (outputs, pool and state bytes after) of each, and `executed`'s outputs."""
+    import torch
+
+    from v4compile.runtime.undo import access
+
+    with drafted_pair(s, doc) as (seqs, drafts, inputs):
         if sampled:
-            inputs.update(sampling(s.vocab, ids, sampled == "mixed"))
+            inputs.update(sampling(s.vocab, inputs["ids"], sampled == "mixed"))
         start = pool_bytes(s.backend)
         got = []
         for fused in (True, False):
@@ -199,9 +210,6 @@ def both_steps(s, doc, sampled: str = "") -> tuple[tuple[dict, dict], tuple[dict
                 access(s.backend).put_rows(n, 0, torch.from_numpy(a.copy()))
             got.append((one_step(s, seqs, drafts, inputs, fused), pool_bytes(s.backend)))
         return got[0], got[1], executed(s, inputs, start)
-    finally:
-        for q in seqs:
-            s.release(q)
 
 
 def executed(s, inputs, start) -> dict:
@@ -277,18 +285,7 @@ def recursive_steps(s, doc) -> tuple[tuple[dict, dict], tuple[dict, dict]]:
 
     from v4compile.runtime.undo import PoolUndo, access
 
-    _, prompts, want = doc
-    seqs = [s.open() for _ in prompts]
-    try:
-        for q, p in zip(seqs, prompts):
-            s.extend(q, p)
-        drafts = [want[0][1:3], [(want[1][1] + 1) % s.vocab, want[1][2]]]
-        ids = np.array([[w[0]] + d for w, d in zip(want, drafts)], dtype=np.int64)
-        pos = np.array([np.arange(q.length, q.length + 3) for q in seqs], dtype=np.int64)
-        for q in seqs:
-            s.reserve(q, q.length + 2)
-        table, slot = s.table(seqs, 2)
-        inputs = {"ids": ids, "pos": pos, "block_table": table, "slot": slot}
+    with drafted_pair(s, doc) as (seqs, drafts, inputs):
         start = pool_bytes(s.backend)
         mtp = rs.CompiledDraft(s)
         got = []
@@ -311,16 +308,13 @@ def recursive_steps(s, doc) -> tuple[tuple[dict, dict], tuple[dict, dict]]:
                 for q, n in zip(seqs, lengths):  # the sequences as the step leaves them, for the recursive call
                     q.length = n
                 entries = [(q, n, out["draft.logits"][b], out["draft.streams"][b, n - 1 - q0])
-                           for b, (q, n, q0) in enumerate(zip(seqs, lengths, pos[:, 0]))]
+                           for b, (q, n, q0) in enumerate(zip(seqs, lengths, inputs["pos"][:, 0]))]
                 made = mtp.drafts(entries, [2, 2], [rs.Picker(0.0, None)] * 2)
-                for q, q0 in zip(seqs, pos[:, 0]):
+                for q, q0 in zip(seqs, inputs["pos"][:, 0]):
                     q.length = int(q0)
                 out = {"logits": out["logits"], "kept": out["kept"], "drafts": np.array([d for d, _ in made])}
             got.append((out, pool_bytes(s.backend)))
         return got[0], got[1]
-    finally:
-        for q in seqs:
-            s.release(q)
 
 
 def test_drafts_in_the_call_equal_draft_calls_bit_for_bit(doc, host, monkeypatch):
