@@ -119,7 +119,7 @@ class CompiledDraft:
         self.chunk_fns = {f.tokens: f.name for f in fns if f.name.startswith("draft_c")}
         # the MTP layer's window ring: the last of a slot's rings in the pool
         self.layer = int(session.art.manifest["pool"]["n_window_layers"]) - 1
-        self.window = int(session.art.manifest["pool"]["window"])  # its positions (`SpecState.whole_from`)
+        self.window = int(session.art.manifest["pool"]["window"])  # its positions (`whole_from`, `in_call`)
         self._fused: dict[tuple[int, int], str | None] = {}
 
     def fused(self, B: int, k: int = 1) -> str | None:
@@ -144,7 +144,7 @@ class CompiledDraft:
         call (positions L + 1 .. L + d + k - 1, d <= K the drafts it verifies) then share no ring row with a kept
         position (>= L): K + k - 1 < the window (V4's 128, tiny's 16; K <= `MAX_DRAFT_TOKENS` = 7)."""
         K = self.batch_fns[0][2] - 1 if self.batch_fns else 0
-        return K + k - 1 < access(self.s.backend).geometry.window
+        return K + k - 1 < self.window
 
     def _program_step(self, name: str) -> str | None:
         """`name` where the backend is the C runtime in one process and its program has that function."""
