@@ -203,6 +203,11 @@ class CRuntime:
                     "mapping the peers' symmetric regions")
         self.write(self.sched.index[PEERS], torch.tensor(list(addrs) + [me], dtype=torch.int64))
         self.group_rank = me
+        # the kernel's poll bound, for the late-peer error: found once here, not in every step's check
+        kc = next(c.kernel for f in self.sched.functions for c in f.calls
+                  if c.kernel is not None and any(p[1] == "peers" for p in c.kernel.pointers))
+        self._spin = (kc.for_target(DEVICE_TARGET[self.device])[2]["SPIN"] if self.device != "host"
+                      else kc.constexprs["SPIN"])
         # the host device's memory guard: the peers' regions are memory the kernel may touch
         self._allocations += [(a, a + region.nbytes) for i, a in enumerate(addrs) if i != me]
 
@@ -213,10 +218,7 @@ class CRuntime:
 
         region = self.sched.region
         status = self.read(self.sched.index[SYMMETRIC], 0, STATUS_WORDS * WORD).view(torch.int64).tolist()
-        kc = next(c.kernel for f in self.sched.functions for c in f.calls
-                  if c.kernel is not None and any(p[1] == "peers" for p in c.kernel.pointers))
-        spin = kc.for_target(DEVICE_TARGET[self.device])[2]["SPIN"] if self.device != "host" else kc.constexprs["SPIN"]
-        err = late_peer_error(tuple(status), self.group_rank, region.group, spin)
+        err = late_peer_error(tuple(status), self.group_rank, region.group, self._spin)
         if err:
             raise DeviceError(err)
 
