@@ -65,6 +65,8 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
+from v4compile.artifact import cpu_spec_name
+
 PREFIX = "draft/"  # the draft graph's own value, node and constant names inside the fused graph
 # the draft graph's step inputs, fed from the graph above (verify's streams, the glue's ids and positions)
 DRAFT_INPUTS = {"hidden": "streams", "ids": "spec.next_ids", "pos": "spec.kept_pos"}
@@ -153,7 +155,7 @@ def fuse_verify_draft(verify: onnx.ModelProto, draft: onnx.ModelProto, batch: in
     outputs.append(helper.make_tensor_value_info("spec.drafts", TensorProto.INT64, [batch, drafts]))
     nodes = needed(nodes, {o.name for o in outputs})
     graph = helper.make_graph(ordered(nodes, {i.name for i in inputs} | {t.name for t in inits}),
-                              f"spec_b{batch}_d{drafts}", inputs, outputs, inits)
+                              cpu_spec_name(batch, drafts), inputs, outputs, inits)
     opsets = {o.domain: o.version for o in list(verify.opset_import) + list(draft.opset_import)}
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in sorted(opsets.items())],
                               ir_version=max(verify.ir_version, draft.ir_version))

@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from v4compile.artifact import spec_name
+from v4compile.artifact import cpu_spec_name, spec_name
 from v4compile.errors import InputError
 from v4compile.speculation import Acceptance, accept, check_draft_tokens, sample, survivors, uniforms
 
@@ -176,7 +176,7 @@ class CompiledDraft:
             return model, {"file": v["file"], "weights": sorted(set(v["weights"]) | set(d["weights"])),
                            "derived": {**v.get("derived", {}), **d.get("derived", {})},
                            "outputs": [o.name for o in model.graph.output]}
-        return backend.built(f"spec_b{B}_d{k}", build)
+        return backend.built(cpu_spec_name(B, k), build)
 
     def _run(self, fname: str, hidden, ids, pos, seqs, B: int) -> dict[str, np.ndarray]:
         # data parallel: each replica's lanes on its ranks (`Session.run_lanes`)

@@ -51,8 +51,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from v4compile.targets import DEVICE_TARGET, TARGETS
+
 ROOT = Path(__file__).resolve().parents[1]
-PEAK = {"cuda": 4.8e12, "hip": 8.0e12, "host": float("nan")}  # host: a dry run of this script on CPU
+# the device's HBM peak as its target's figure (host: a dry run of this script on CPU, no peak)
+PEAK = {d: (TARGETS[t].hbm_bytes_s if d != "host" else float("nan")) for d, t in DEVICE_TARGET.items()}
 B = 4  # the GPU program's decode bucket (and verify / speculative steps' batch)
 K = 2  # drafts per speculative step (`--draft-tokens`, the artifact's K)
 
@@ -197,7 +200,6 @@ def spec_timing(sess, art, device, decode_s, reps):
     the same positions): measured ratios beside the compile report's modeled ones (report.json `spec_step` for the
     device's target: a roofline model of the target's figures, not a measurement)."""
     from v4compile.artifact import spec_name
-    from v4compile.targets import DEVICE_TARGET
 
     report = json.loads((Path(art) / "report.json").read_text())
     target = DEVICE_TARGET[device]

@@ -105,11 +105,17 @@ def spec_name(b: int, sampled: bool = False, drafts: int = 1) -> str:
     """The one-call speculative step of decode bucket `b` (verify, acceptance, MTP draft: the C runtime's program
     only; `passes/spec_steps.py`): greedy (`spec_b<b>`), or `sampled` (`spec_s<b>`: greedy or sampled per
     sequence), drafting one token; greedy drafting `drafts` = k > 1 (the k - 1 recursive drafts in the call too):
-    `spec_b<b>_d<k>`, one per k in 2..K (the cpu device's load-time graphs, `runtime/speculative.py`, are named
-    `spec_b<b>_d<k>` for every k, 1 included: they are no program functions)."""
+    `spec_b<b>_d<k>`, one per k in 2..K (the cpu device's load-time graphs are named by `cpu_spec_name`)."""
     if drafts > 1 and sampled:
         raise ValueError(f"spec_name: the sampled one-call step drafts one token, not {drafts}")
     return f"spec_{'s' if sampled else 'b'}{b}" + (f"_d{drafts}" if drafts > 1 else "")
+
+
+def cpu_spec_name(b: int, drafts: int) -> str:
+    """The cpu device's fused verify + acceptance + `drafts` MTP drafts graph of decode bucket `b`, made at load
+    (`codegen/onnx_spec.py`, `runtime/speculative.py`): `spec_b<b>_d<k>` for every k, 1 included, so no name
+    of it is a program function's (`spec_name`'s k = 1 step is `spec_b<b>`)."""
+    return f"spec_b{b}_d{drafts}"
 
 
 def spec_names(b: int, draft_tokens: int) -> list[str]:
