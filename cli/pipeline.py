@@ -58,7 +58,8 @@ def pipeline_of(args) -> list[str]:
 
 
 def allreduce_choice(args, passes: list[str]) -> list[str]:
-    """The pipeline without `oneshot_allreduce` under `--allreduce nccl` (the all-reduces stay on NCCL / RCCL)."""
+    """The pipeline without `oneshot_allreduce` under `--allreduce nccl` (the all-reduces stay on NCCL / RCCL;
+    `fuse_oneshot_consumer` then finds nothing to fold)."""
     if getattr(args, "allreduce", "oneshot") == "oneshot":
         return passes
     return [p for p in passes if p.split("{", 1)[0].strip() != "oneshot_allreduce"]

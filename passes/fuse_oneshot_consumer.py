@@ -42,4 +42,6 @@ def fold_function(fn: Function) -> tuple[Function, dict[str, int]]:
 
 FuseOneshotConsumer = function_pass("fuse_oneshot_consumer", fold_function, after={
     "oneshot_allreduce": "it folds the one-shot all-reduces that pass makes",
+    "fuse_mhc_moe": "it folds into that pass's mhc_moe_ep",
+    "fuse_attn_front": "it folds into that pass's mhc_add_pair_norm_linear",
 })
