@@ -242,8 +242,8 @@ def render_parallel(p: dict) -> str:
                      f"{s['launch_latency_us']:.1f} us + collectives {s['collectives_us']:.1f} us "
                      f"({s['allreduce_latency_us']:.0f} us + bytes / {s['link_bytes_s'] / gb:.0f} GB/s each"
                      + (f"; the {s['oneshot_all_reduces']} one-shot all-reduces {s['oneshot_latency_us']:.1f} us + "
-                        f"(n - 1) x bytes / {s['link_bytes_s'] / gb:.0f} GB/s each besides their kernel calls: "
-                        f"{s['oneshot_source']}" if s["oneshot_all_reduces"] and "oneshot_latency_us" in s else "")
+                        f"(n - 1) x bytes / {s['link_bytes_s'] / gb:.0f} GB/s each besides their kernel calls (their "
+                        f"own or the consumers' they lead): {s['oneshot_source']}" if s["oneshot_all_reduces"] and "oneshot_latency_us" in s else "")
                      + (f"; its {s['oneshot_all_reduces']} one-shot all-reduces modeled as the ring: no measured "
                         "one-shot figure below it on this target" if s["oneshot_all_reduces"]
                         and "oneshot_latency_us" not in s else "") + ")")
