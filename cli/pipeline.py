@@ -58,8 +58,9 @@ def pipeline_of(args) -> list[str]:
 
 
 def allreduce_choice(args, passes: list[str]) -> list[str]:
-    """The pipeline without `oneshot_allreduce` under `--allreduce nccl` (the all-reduces stay on NCCL / RCCL);
-    a command without the option keeps the pipeline as it is (the option's default is in `cli/args.py`)."""
+    """The pipeline without `oneshot_allreduce` under `--allreduce nccl` (the all-reduces stay on NCCL / RCCL;
+    `fuse_oneshot_consumer` then finds nothing to fold); a command without the option keeps the pipeline as it
+    is (the option's default is in `cli/args.py`)."""
     if getattr(args, "allreduce", None) != "nccl":
         return passes
     return [p for p in passes if p.split("{", 1)[0].strip() != "oneshot_allreduce"]

@@ -117,7 +117,8 @@ def step(cfg, w: dict, layout: str, target: str, b: int,
     coll_s = c["count"] * (spec.link.allreduce_latency_s + c["moved_per_rank_each"] / spec.link.bytes_s)
     if (oneshot and layout == "TP8/EP8" and calls_source == "the compiled program"
             and spec.link.oneshot_latency_s is not None and oneshot_allreduce(WORLD, c["bytes_each"])):
-        # the compiled program's all-reduces are one-shot kernel calls (their launches among its calls)
+        # the compiled program's all-reduces are one-shot kernel calls (their launches among its calls, or phases
+        # of their consumers')
         coll_s = c["count"] * spec.link.oneshot_s(WORLD, c["bytes_each"])
         c = {**c, "what": c["what"] + ", one-shot"}
     total = bw_s + compute_s + launch_s + coll_s

@@ -23,7 +23,8 @@ sm_90a) of every kernel call of the partitioned program (`decode_calls`; of ever
 was not lowered to a program), plus each
 collective as a ring: `latency + 2 (n - 1) / n * bytes / link bandwidth` for an all-reduce
 (`targets.TargetSpec.link`), except the one-shot all-reduce over peer memory (`all_reduce_oneshot`,
-`codegen/kernels/allreduce.py`; issue 34's option A): a kernel call (counted with the calls) + `oneshot latency +
+`codegen/kernels/allreduce.py`; issue 34's option A): a kernel call (counted with the calls; or the leading phase of
+its consumer's, `passes/fuse_oneshot_consumer.py`: no call of its own) + `oneshot latency +
 (n - 1) * bytes / link bandwidth` where the target has a measured one-shot figure (else the ring's). For a
 program whose all-reduces stayed on the communicator (`--allreduce nccl`), `oneshot` is the step with them
 one-shot. KV reads
@@ -36,6 +37,7 @@ from typing import Any
 
 from v4compile.ir.core import Module
 from v4compile.ir.registry import get_op
+from v4compile.ops.fused_allreduce import consumer_of
 from v4compile.parallel import ParallelLayout, is_rank_local, split_shard
 from v4compile.targets import TARGETS, oneshot_allreduce
 from v4compile.weights import spec_table
@@ -82,10 +84,14 @@ def state_bytes(m: Module, func: str = "decode") -> int:
 
 
 def collectives(m: Module, func: str = "decode") -> list[dict[str, Any]]:
+    """Every collective of `func`, one-shot all-reduces folded into their consumers' launches
+    (`passes/fuse_oneshot_consumer.py`) as the one-shot all-reduces they are (`folded_into`: the consumer op)."""
     out = []
     for op in m.functions[func].ops:
         if get_op(op.name).collective:
-            out.append({"op": op.name, "group": op.attrs["group"], "bytes": op.operands[0].type.nbytes,
+            inner = consumer_of(op.name)
+            out.append({"op": "all_reduce_oneshot" if inner else op.name, **({"folded_into": inner} if inner else {}),
+                        "group": op.attrs["group"], "bytes": op.operands[0].type.nbytes,
                         "role": op.attrs.get("role", ""), **({"tp": op.attrs["tp"]} if op.attrs.get("tp", 1) > 1 else {})})
     return out
 
@@ -195,7 +201,9 @@ def program_collectives(final: Module) -> dict[str, int]:
 
     launches = program_of(final).functions["decode"].launches
     return {"program_launches": len(launches),
-            "program_collective_launches": sum(1 for l in launches if get_op(l.op).collective)}
+            "program_collective_launches": sum(1 for l in launches
+                                               if get_op(l.op).collective and not consumer_of(l.op)),
+            "program_folded": sum(1 for l in launches if consumer_of(l.op))}
 
 
 def _moved(s: dict) -> str:
@@ -225,7 +233,8 @@ def render_parallel(p: dict) -> str:
     lines.append(f"    collectives per decode step: {c['count']} {what}, {c['bytes']:,} bytes in all "
                  f"({', '.join(f'{s:,}' for s in size)} bytes each)"
                  + (f"; launches of the program: {c['program_collective_launches']} of its {c['program_launches']}"
-                    if "program_launches" in c else ""))
+                    + (f" ({c['program_folded']} more folded into their consumers' launches)"
+                       if c.get("program_folded") else "") if "program_launches" in c else ""))
     for t, s in p["decode_step"].items():
         lines.append(f"    {t} ({s['device']}, {s['memory_bytes'] / gb:.0f} GB: {'fits' if s['fits'] else 'does NOT fit'}): "
                      f"modeled decode step {s['modeled_us']:.1f} us = {_moved(s)} + {s['launches']} "
@@ -233,8 +242,8 @@ def render_parallel(p: dict) -> str:
                      f"{s['launch_latency_us']:.1f} us + collectives {s['collectives_us']:.1f} us "
                      f"({s['allreduce_latency_us']:.0f} us + bytes / {s['link_bytes_s'] / gb:.0f} GB/s each"
                      + (f"; the {s['oneshot_all_reduces']} one-shot all-reduces {s['oneshot_latency_us']:.1f} us + "
-                        f"(n - 1) x bytes / {s['link_bytes_s'] / gb:.0f} GB/s each besides their kernel calls: "
-                        f"{s['oneshot_source']}" if s["oneshot_all_reduces"] and "oneshot_latency_us" in s else "")
+                        f"(n - 1) x bytes / {s['link_bytes_s'] / gb:.0f} GB/s each besides their kernel calls (their "
+                        f"own or the consumers' they lead): {s['oneshot_source']}" if s["oneshot_all_reduces"] and "oneshot_latency_us" in s else "")
                      + (f"; its {s['oneshot_all_reduces']} one-shot all-reduces modeled as the ring: no measured "
                         "one-shot figure below it on this target" if s["oneshot_all_reduces"]
                         and "oneshot_latency_us" not in s else "") + ")")

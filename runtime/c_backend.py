@@ -26,6 +26,7 @@ import torch
 from v4compile.errors import DeviceError, InputError
 from v4compile.ir.registry import get_op
 from v4compile.ir.types import DTYPES
+from v4compile.ops.fused_allreduce import REDUCED, consumer_of, inner_attrs
 from v4compile.program.core import Program
 from v4compile.program.execute import _typed, run_launch
 from v4compile.signals import act_pending, held
@@ -206,8 +207,9 @@ class CRuntime:
         # the kernel's poll bound, for the late-peer error: found once here, not in every step's check
         kc = next(c.kernel for f in self.sched.functions for c in f.calls
                   if c.kernel is not None and any(p[1] == "peers" for p in c.kernel.pointers))
-        self._spin = (kc.for_target(DEVICE_TARGET[self.device])[2]["SPIN"] if self.device != "host"
-                      else kc.constexprs["SPIN"])
+        from v4compile.codegen.kernels.allreduce import spin_of
+
+        self._spin = spin_of(kc.for_target(DEVICE_TARGET[self.device])[2] if self.device != "host" else kc.constexprs)
         # the host device's memory guard: the peers' regions are memory the kernel may touch
         self._allocations += [(a, a + region.nbytes) for i, a in enumerate(addrs) if i != me]
 
@@ -410,10 +412,20 @@ class CRuntime:
         run_launch(l, self.views, self._collective if get_op(l.op).collective else None)
 
     def _collective(self, l, args, outs) -> None:
-        """A collective launch (its placeholder call: no kernel family runs it) through `collective`."""
+        """A collective launch (its placeholder call: no kernel family runs it) through `collective`; a one-shot
+        all-reduce folded into its consumer (`ar_*`) as the all-reduce of its `y`, then the consumer's reference."""
         if self.collective is None:
             raise DeviceError(f"{l.op}: a collective launch needs the process group of a partitioned artifact "
                               "(v4compile.load under torchrun)")
+        inner = consumer_of(l.op)
+        if inner is not None:  # folded into its consumer: the sum (on gloo), then the consumer's reference
+            group = int(l.attrs["group"])
+            args = {**args, REDUCED: self.collective("all_reduce", args[REDUCED], group)}
+            opdef = get_op(inner)
+            got = opdef.run([args[n] for n in opdef.operand_names], inner_attrs(l.attrs))
+            for (n, y), g in zip(outs.items(), got):
+                y.copy_(g)
+            return
         (name, y), = outs.items()
         y.copy_(self.collective(l.op, args[get_op(l.op).operand_names[0]], int(l.attrs["group"]),
                                 int(l.attrs.get("tp", 1))))

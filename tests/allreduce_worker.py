@@ -34,7 +34,7 @@ SLOW_POLL_S = 0.4  # `slow` / `one_slot`: the last rank's pause after each flag 
 LATE_SPIN = 64  # `late`: polls before a peer counts as late (~30 ms interpreted)
 MAX_BYTES = 64 << 10
 
-# name: (source edits of oneshot_kernel, the all-reduces as (elements, dtype), grid_max, timing)
+# name: (source edits of oneshot_tiles, the all-reduces as (elements, dtype), grid_max, timing)
 SCENARIOS = {
     "exact": ((), ((5000, "bf16"), (3000, "fp32"), (5000, "bf16"), (2100, "fp32")), 2, None),
     "reversed": ((("(tl.load(peers_ptr) + slot)", "(tl.load(peers_ptr + GROUP - 1) + slot)"),
@@ -57,17 +57,19 @@ def inputs(rank: int, scenario: str, k: int, numel: int, dtype):
 
 
 def kernel_variant(edits):
-    """`oneshot_kernel` with the source edits applied (each `old` must occur exactly once)."""
+    """`oneshot_kernel` with the source edits applied to the per-tile body it calls, `oneshot_tiles` (the one
+    both the standalone kernel and a consumer's folded phase run; each `old` must occur exactly once)."""
     import inspect
 
     from v4compile.codegen.kernels import allreduce
 
     if not edits:
         return allreduce.oneshot_kernel
-    src = inspect.getsource(allreduce.oneshot_kernel.fn)
+    src = inspect.getsource(allreduce.oneshot_tiles.fn)
     for old, new in edits:
         assert src.count(old) == 1, f"{old!r} occurs {src.count(old)} times"
         src = src.replace(old, new)
+    src += "\n\n" + inspect.getsource(allreduce.oneshot_kernel.fn)  # calling the edited body
     path = Path(os.environ["V4_TEST_DIR"]) / f"broken_{abs(hash(src)) % 10**8}.py"
     path.write_text(src)
     namespace = dict(vars(allreduce))

@@ -7,7 +7,8 @@ For each artifact: load it (device `V4_TEST_DEVICE`: cpu, or host with the refer
 `V4_TEST_KERNELS`), generate PROMPTS.json's prompts (`{"prompts": [...], "new": N}`,
 continuous batching over the decode bucket), recording every step's logits; writes `OUT/rank-<r>.npz`
 (`ids-<i>`, `logits-<i>` per artifact i; `V4_TEST_KERNELS`: the host device's kernels, one mode or one per
-artifact, `oneshot` the references but for the one-shot all-reduce's kernel). The process group is joined here once, so one launch checks
+artifact, `oneshot` the references but for the one-shot all-reduce's kernel and the launches it is folded into,
+`oneshot_skipped` the same with the folded phase broken). The process group is joined here once, so one launch checks
 several artifacts of the same world size. `V4_TEST_DIE_AT=K` (tests of a rank that dies): rank 1 exits
 abruptly at its K-th step. `V4_TEST_NCCL=FAKE_DRIVER:FAKE_NCCL`: then the first artifact's GPU program on the
 fake CUDA driver and fake NCCL (`parallel_gpu_worker.nccl_check`), written to `OUT/nccl-<r>.json`. A V4Error prints one `error:` line and exits with status 2.
@@ -46,17 +47,44 @@ def main(out: Path, prompts_file: Path, arts: list[str]) -> int:
     device = os.environ.get("V4_TEST_DEVICE", "cpu")
     # host: the ops' references (fast; see the test), or V4_TEST_KERNELS=auto: the Triton kernels, interpreted;
     # V4_TEST_KERNELS=oneshot: the references but for the one-shot all-reduce's kernel (interpreted, its regions
-    # in shared memory, mapped by the peers). A comma-separated list: the i-th artifact's mode.
+    # in shared memory, mapped by the peers), standalone or folded into its consumer's launch. A comma-separated
+    # list: the i-th artifact's mode.
     modes = os.environ.get("V4_TEST_KERNELS", "reference").split(",")
     if "oneshot" in modes:
         import v4compile.runtime.program_backend as pb
-        from v4compile.codegen.program_kernels import family_specialise
-        from v4compile.runtime.kernels import kernel_calls_for, make_kernel_calls
+        from v4compile.codegen.program_kernels import calls_of
+        from v4compile.ops.fused_allreduce import CONSUMERS, consumer_of
+        from v4compile.runtime.kernels import kernel_calls_for
 
         os.environ["TRITON_INTERPRET"] = "1"
-        pb.kernel_calls_for = lambda mode, dev: (make_kernel_calls(lambda fam: family_specialise(fam)
-                                                                   if fam == "allreduce" else None)
-                                                 if mode == "oneshot" else kernel_calls_for(mode, dev))
+        # the one-shot's launches; layer 1's MoE and the next attention's front where it is folded into them
+        # (`ar_*`: the consumer's one launch, its leading phase the one-shot's programs) or, unfolded, those
+        # consumers (the same kernels: a bit-for-bit comparison; one layer of each kind of fold, the Triton
+        # interpreter being slow: decode steps only); the other layers' and prefill's by the reference (`ar_*`: the
+        # sum on gloo, at 2 ranks the kernel's a + b). `V4_TEST_FOLDED` lists the folded launches whose kernel runs
+        folded = os.environ.get("V4_TEST_FOLDED")
+
+        def oneshot_calls(l):
+            if l.op != "all_reduce_oneshot" and (not consumer_of(l.op) and l.op not in CONSUMERS
+                                                 or not l.loc.startswith(("layers.1.ffn", "layers.2.attn"))
+                                                 or dict(l.operands)["y"].type.shape[-2] != 1):  # decode only
+                return None
+            calls = calls_of(l)
+            if folded and consumer_of(l.op):
+                with open(folded, "a") as f:
+                    f.write(calls[0].name + "\n")
+            return calls
+
+        def skipped_calls(l):
+            """The broken fold of mode `oneshot_skipped`: the leading phase's programs publish without reducing
+            (no tile: AR_NUMEL 0), so the consumer reads whatever its scratch held."""
+            calls = oneshot_calls(l)
+            if calls and consumer_of(l.op):
+                calls[0].constexprs["AR_NUMEL"] = 0
+            return calls
+
+        pb.kernel_calls_for = lambda mode, dev: (oneshot_calls if mode == "oneshot" else skipped_calls
+                                                 if mode == "oneshot_skipped" else kernel_calls_for(mode, dev))
 
     def body(rank: int) -> None:
         res = {}

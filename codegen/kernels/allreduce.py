@@ -35,7 +35,10 @@ raises one clear error (`peers.late_peer_error`); the rank's runtime is then unu
 kernel never hangs.
 
 The lowering (`passes/oneshot_allreduce.py`) turns a GPU program's `all_reduce` launches into `all_reduce_oneshot`
-launches, this family's op.
+launches, this family's op; `passes/fuse_oneshot_consumer.py` folds those read by a phased launch into it (`ar_*`,
+`ops/fused_allreduce.py`): that launch's first NO programs run the same per-tile body (`oneshot_tiles`, its one home)
+into the launch's scratch (`fold`, which says why no schedule deadlocks); the families that take it
+(moe_router, attn_front) call `folded`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import triton.language as tl
 
 from ...targets import KERNEL_SCHEDULES, ONESHOT_MAX_BYTES
 from . import KernelCall, TensorArg, call_name, ptr
+from .call import in_kernel_order
 from .pdl import pdl_enter
 from .peers import TILE, Region, late_peer_error  # noqa: F401 (late_peer_error: the family's error)
 
@@ -56,10 +60,11 @@ MAX_BYTES = ONESHOT_MAX_BYTES  # all-reduces run one-shot are under it (`targets
 
 
 @triton.jit
-def oneshot_kernel(x_ptr, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
-                   GRID: tl.constexpr, SLOTS_AT: tl.constexpr, SLOT_BYTES: tl.constexpr, FLAGS_AT: tl.constexpr, TILES: tl.constexpr,
-                   COUNTS_AT: tl.constexpr, SPIN: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)  # sm_90a: after the kernel before it (which wrote x), as every kernel of the stream
+def oneshot_tiles(o, x_ptr, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
+                  GRID: tl.constexpr, SLOTS_AT: tl.constexpr, SLOT_BYTES: tl.constexpr, FLAGS_AT: tl.constexpr,
+                  TILES: tl.constexpr, COUNTS_AT: tl.constexpr, SPIN: tl.constexpr):
+    """The protocol (steps 1-5 above) for tiles o, o + GRID, ... of x into y: the one home of the per-tile body,
+    run by program o of `oneshot_kernel` and by program o of a consumer's leading phase (`fold`)."""
     dty = x_ptr.dtype.element_ty
     rank = tl.load(peers_ptr + GROUP)
     me = tl.load(peers_ptr + rank)
@@ -68,7 +73,7 @@ def oneshot_kernel(x_ptr, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.const
     status = me.to(tl.pointer_type(tl.int64))
     offs = tl.arange(0, TILE)
     late = tl.load(status)  # an earlier all-reduce gave up: this one does not wait again
-    for t in range(tl.program_id(0), tl.cdiv(NUMEL, TILE), GRID):
+    for t in range(o, tl.cdiv(NUMEL, TILE), GRID):
         if late == 0:
             v = tl.load(counts + t) + 1
             tl.store(counts + t, v)
@@ -97,6 +102,15 @@ def oneshot_kernel(x_ptr, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.const
                 tl.store(status + 1, v)
 
 
+@triton.jit
+def oneshot_kernel(x_ptr, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
+                   GRID: tl.constexpr, SLOTS_AT: tl.constexpr, SLOT_BYTES: tl.constexpr, FLAGS_AT: tl.constexpr, TILES: tl.constexpr,
+                   COUNTS_AT: tl.constexpr, SPIN: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)  # sm_90a: after the kernel before it (which wrote x), as every kernel of the stream
+    oneshot_tiles(tl.program_id(0), x_ptr, y_ptr, peers_ptr, NUMEL, GROUP, TILE, GRID, SLOTS_AT, SLOT_BYTES, FLAGS_AT,
+                  TILES, COUNTS_AT, SPIN)
+
+
 def oneshot_call(x: TensorArg, y: TensorArg, group: int, region: Region, names=("x", "y"), spin: int = SPIN,
                  grid_max: int = GRID_MAX) -> KernelCall:
     """The one-shot all-reduce of contiguous `x` into `y` over `group` ranks whose regions are laid out as
@@ -120,16 +134,95 @@ def oneshot_call(x: TensorArg, y: TensorArg, group: int, region: Region, names=(
                       per_target=KERNEL_SCHEDULES["allreduce.spin"] if spin == SPIN else {})
 
 
+# the leading phase's constexprs in a consumer's kernel (`fold`): the one-shot's, renamed
+FOLDED_CONSTEXPRS = {n: "AR_" + n for n in ("NUMEL", "GROUP", "TILE", "SLOTS_AT", "SLOT_BYTES", "FLAGS_AT", "TILES",
+                                             "COUNTS_AT", "SPIN")}
+FOLDED_CONSTEXPRS["GRID"] = "NO"
+# a consumer's kernel with nothing folded: no leading phase (NO = 0 programs; the branch is compiled out)
+UNFOLDED = {"ar_x_ptr": None, "peers_ptr": None, **{n: 1 for n in FOLDED_CONSTEXPRS.values()}, "AR_TILE": TILE, "NO": 0}
+
+
+def spin_of(constexprs: dict) -> int:
+    """The poll bound of a call that runs the protocol: the one-shot's own, or a consumer's leading phase's."""
+    return int(constexprs["SPIN"] if "SPIN" in constexprs else constexprs["AR_SPIN"])
+
+
+def fold(call: KernelCall, x: TensorArg, reduced: tuple[str, str], group: int, region_bytes: int) -> KernelCall:
+    """`call` (a phased consumer's one launch, specialised on the reduced value as dense scratch) with the
+    one-shot all-reduce of `x` (this rank's partial value, the op's operand `y`) as its leading phase.
+
+    `reduced`: (the kernel's pointer param, the scratch name) the consumer reads the reduced value through. The
+    kernel takes the partial as `ar_x_ptr`, the peer table as `peers_ptr`, the one-shot's constexprs as AR_* and its
+    grid as NO: tickets [0, NO) run `oneshot_tiles(ticket, ar_x_ptr, <reduced param>, ...)` and each publishes;
+    every program that reads the reduced value first waits for all NO (`phases.wait_for`).
+
+    Why no schedule deadlocks: tickets are taken at program start, so the NO ticket-holders of every rank are
+    resident together (NO <= GRID_MAX, fewer than the SMs / CUs of every GPU we target); a leading-phase program
+    waits only for the same ticket's program on its peers (the same tiles, in the same order: each rank's program
+    o handles tiles o, o + NO, ...), which is resident by the same argument, and a later program waits only for
+    earlier tickets on its own rank. What the one-shot's docstring says of its slots holds as well: the consumer's
+    launch ends after its leading phase's last read of a peer's slot."""
+    single = oneshot_call(x, x, group, Region(group, region_bytes))  # (its poll bound and grid: the one-shot's)
+    param, name = reduced
+    if (param, "scratch", name) not in [q[:3] for q in call.pointers]:
+        raise ValueError(f"{call.name}: no scratch '{name}' at '{param}' to fold the all-reduce into")
+    ce = {n: v for n, v in call.constexprs.items() if n not in ("ar_x_ptr", "peers_ptr")}
+    ce.update({FOLDED_CONSTEXPRS[n]: v for n, v in single.constexprs.items() if n in FOLDED_CONSTEXPRS})
+    pointers = [ptr("ar_x_ptr", "operand", "y", x), *call.pointers, ptr("peers_ptr", "peers", "peers", "*i64")]
+    per_target = {t: dict(o) for t, o in call.per_target.items()}
+    for t, o in single.per_target.items():  # the GPU binaries' poll bound
+        per_target.setdefault(t, {}).setdefault("constexprs", {}).update(
+            {FOLDED_CONSTEXPRS[n]: v for n, v in o["constexprs"].items()})
+    from dataclasses import replace
+
+    name = call_name(call.name.rsplit("_", 1)[0] + "_ar", ce, f"g{group}")
+    return replace(call, name=name, constexprs=ce, pointers=in_kernel_order(name, call.fn, pointers, ce),
+                   grid=(call.grid[0] + ce["NO"], *call.grid[1:]), per_target=per_target,
+                   scratch_bytes=dict(call.scratch_bytes))
+
+
+def folded(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg], attrs: dict,
+           consumer_specialise, reduced_param: str) -> list[KernelCall]:
+    """The calls of `ar_<consumer>` (`ops/fused_allreduce.py`): the consumer's family's calls on the reduced value as
+    dense scratch (`ar_y`), with the one-shot all-reduce of the partial `y` folded in as the leading phase of its one
+    launch (`fold`; `reduced_param`: the consumer kernel's pointer to the reduced value). Where the consumer is
+    several calls (a grouped launch), the one-shot is a call of its own before them, writing that scratch."""
+    from ...ir.registry import Layout
+    from ...ops.fused_allreduce import REDUCED, consumer_of, inner_attrs
+
+    x = operands[REDUCED]
+    _contiguous(op_name, REDUCED, x)
+    y = TensorArg(x.type, Layout.contiguous(x.shape).strides)
+    calls = consumer_specialise(consumer_of(op_name), {**operands, REDUCED: y}, results, inner_attrs(attrs))
+    for c in calls:
+        c.pointers = [(p, "scratch", "ar_y", ty) if (kind, name) == ("operand", REDUCED) else (p, kind, name, ty)
+                      for p, kind, name, ty in c.pointers]
+        c.scratch_bytes["ar_y"] = x.type.nbytes
+    group, region_bytes = int(attrs["group"]), int(attrs["region_bytes"])
+    if len(calls) == 1 and (reduced_param, "scratch", "ar_y") in [q[:3] for q in calls[0].pointers]:
+        return [fold(calls[0], x, (reduced_param, "ar_y"), group, region_bytes)]
+    single = oneshot_call(x, y, group, Region(group, region_bytes), names=(REDUCED, "ar_y"))
+    single.pointers = [(p, "scratch", name, ty) if kind == "result" else (p, kind, name, ty)
+                       for p, kind, name, ty in single.pointers]
+    single.scratch_bytes["ar_y"] = x.type.nbytes
+    return [single, *calls]
+
+
+def _contiguous(op_name: str, name: str, a: TensorArg) -> None:
+    """A tile is a run of consecutive elements: the one-shot's values are contiguous."""
+    dense = [1]
+    for n in reversed(a.shape[1:]):
+        dense.insert(0, dense[0] * n)
+    if a.type.rank and list(a.strides) != dense:
+        raise ValueError(f"{op_name}: '{name}' is not contiguous (strides {list(a.strides)})")
+
+
 def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg],
                attrs: dict) -> list[KernelCall]:
     if op_name != "all_reduce_oneshot":
         raise KeyError(f"allreduce family has no op '{op_name}'")
     x, y = operands["x"], results["y"]
-    for name, a in (("x", x), ("y", y)):  # a tile is a run of consecutive elements
-        dense = [1]
-        for n in reversed(a.shape[1:]):
-            dense.insert(0, dense[0] * n)
-        if a.type.rank and list(a.strides) != dense:
-            raise ValueError(f"all_reduce_oneshot: '{name}' is not contiguous (strides {list(a.strides)})")
+    for name, a in (("x", x), ("y", y)):
+        _contiguous(op_name, name, a)
     group = int(attrs["group"])
     return [oneshot_call(x, y, group, Region(group, int(attrs["region_bytes"])))]

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from . import BYTES_OF, KernelCall, TensorArg, call_name, ptr, unaligned
+from .allreduce import UNFOLDED, folded, oneshot_tiles
 from .arrival import last_to_arrive
 from .gemm import PAIR_SIDE, _pair_half, gemm_call, gemm_pair_call, gemm_pair_kernel, gemm_program, tile_group_bytes
 from .mhc import mhc_rows
@@ -33,7 +34,7 @@ from .phases import publish, ticket, wait_for
 # the semaphore's int32 counters: the ticket, the y<SRC> programs done, programs finished (COUNTERS slots, a
 # power of two); then the pair's split arrival counters, then the norm GEMM's
 TICKET, WRITTEN, FINISHED = (tl.constexpr(i) for i in range(3))
-COUNTERS = tl.constexpr(4)
+COUNTERS = tl.constexpr(8)
 # the norm GEMM's `gemm_call` constexprs the fused kernel takes (as B_*); M, BM and STAGES are the pair's
 NORM_SIDE = ("N", "K", "SPLIT", "KS", "NT", "X_RS", "X_CS", "Y_RS", "Y_CS", "W_RS", "W_CS", "S_RS", "S_CS", "W_FMT",
              "S_E8M0", "BLOCK", "ACT", "EPS", "CDT", "BN", "BK")
@@ -136,8 +137,9 @@ def pair_norm_kernel(x_ptr, w0_ptr, s0_ptr, y0_ptr, w1_ptr, s1_ptr, y1_ptr, bn_p
         tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)
 
 
-# `seam_pair_norm_kernel`: the seam's token blocks done (the fourth phase counter, free in pair_norm_kernel)
-SEAM_DONE = tl.constexpr(3)
+# `seam_pair_norm_kernel`: the seam's token blocks done, the folded all-reduce's programs done (phase counters
+# free in pair_norm_kernel)
+SEAM_DONE, REDUCED = tl.constexpr(3), tl.constexpr(4)
 
 
 @triton.jit(noinline=True)
@@ -185,13 +187,25 @@ def seam_pair_norm_kernel(h_y_ptr, h_y2_ptr, h_s_ptr, h_post_ptr, h_comb_ptr, h_
                           H_ITERS: tl.constexpr, H_NORM_EPS: tl.constexpr, H_Y_S: tl.constexpr, H_S_S: tl.constexpr,
                           H_S_SN: tl.constexpr, H_SO_S: tl.constexpr, H_SO_SN: tl.constexpr, H_YO_S: tl.constexpr,
                           H_DT: tl.constexpr, PH: tl.constexpr,
+                          ar_x_ptr, peers_ptr, AR_NUMEL: tl.constexpr, AR_GROUP: tl.constexpr, AR_TILE: tl.constexpr,
+                          AR_SLOTS_AT: tl.constexpr, AR_SLOT_BYTES: tl.constexpr, AR_FLAGS_AT: tl.constexpr,
+                          AR_TILES: tl.constexpr, AR_COUNTS_AT: tl.constexpr, AR_SPIN: tl.constexpr, NO: tl.constexpr,
                           PDL: tl.constexpr = False, CALLS: tl.constexpr = True):
-    """Programs by ticket: PH token blocks of the seam (`mhc_post_pre_add`: the attention input x into scratch,
-    the streams / post / comb the seam after the attention reads as results; each publishes), then
-    `pair_norm_kernel`'s P0 + P1 + PB, each first waiting for all PH seam programs (every row of x)."""
+    """Programs by ticket: NO of the one-shot all-reduce of the MoE's routed partial into h_y_ptr
+    (`ar_mhc_add_pair_norm_linear`, `allreduce.fold`; else none; each publishes), PH token blocks of the seam
+    (`mhc_post_pre_add`: the attention input x into scratch, the streams / post / comb the seam after the
+    attention reads as results; each first waits for all NO, then publishes), then `pair_norm_kernel`'s
+    P0 + P1 + PB, each first waiting for all PH seam programs (every row of x)."""
     pdl_enter(PDL)
-    v = ticket(phase_ptr + TICKET)
-    if v < PH:
+    v = ticket(phase_ptr + TICKET) - NO
+    if v < 0:
+        if NO > 0:  # the all-reduce the seam reads (`allreduce.fold`: the one-shot's programs)
+            oneshot_tiles(v + NO, ar_x_ptr, h_y_ptr, peers_ptr, AR_NUMEL, AR_GROUP, AR_TILE, NO, AR_SLOTS_AT,
+                          AR_SLOT_BYTES, AR_FLAGS_AT, AR_TILES, AR_COUNTS_AT, AR_SPIN)
+            publish(phase_ptr + REDUCED)
+    elif v < PH:
+        if NO > 0:
+            wait_for(phase_ptr + REDUCED, NO)  # every tile of the reduced MoE output
         if CALLS:
             _seam_phase(v, h_y_ptr, h_y2_ptr, h_s_ptr, h_post_ptr, h_comb_ptr, h_fn_ptr, h_base_ptr, h_scale_ptr,
                         h_norm_ptr, h_so_ptr, x_ptr, h_posto_ptr, h_combo_ptr, H_M, H_N, H_D, H_BD, H_BT, H_NM, H_EPS,
@@ -211,7 +225,7 @@ def seam_pair_norm_kernel(h_y_ptr, h_y2_ptr, h_s_ptr, h_post_ptr, h_comb_ptr, h_
                            BK1, PART1, SEM1, B_N, B_K, B_SPLIT, B_KS, B_NT, B_X_RS, B_X_CS, B_Y_RS, B_Y_CS, B_W_RS,
                            B_W_CS, B_S_RS, B_S_CS, B_W_FMT, B_S_E8M0, B_BLOCK, B_ACT, B_EPS, B_CDT, B_BN, B_BK, B_PART,
                            B_SEM, SRC, COL, P1, PB)
-    if last_to_arrive(phase_ptr + FINISHED, PH + P0 + P1 + PB):  # every program is past its wait
+    if last_to_arrive(phase_ptr + FINISHED, NO + PH + P0 + P1 + PB):  # every program is past its wait
         tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)
 
 
@@ -257,6 +271,8 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
                attrs: dict) -> list[KernelCall]:
     if op_name == "mhc_add_pair_norm_linear":
         return _with_seam(operands, results, attrs)
+    if op_name == "ar_mhc_add_pair_norm_linear":  # the all-reduce of the MoE's partial its leading phase
+        return folded(op_name, operands, results, attrs, specialise, "h_y_ptr")
     if op_name != "pair_norm_linear":
         raise KeyError(f"attn_front family has no op '{op_name}'")
     ce, pair = first_gemms(operands["x"], operands, results, attrs)
@@ -339,6 +355,7 @@ def _with_seam(operands, results, attrs) -> list[KernelCall]:
                           {n: v for n, v in attrs.items() if not n.startswith("in_")})
     ce = dict(front.constexprs)
     ce.update({"H_" + k: sc[k] for k in SEAM_CE}, PH=seam.grid[0])
+    ce.update(UNFOLDED)  # (`ar_mhc_add_pair_norm_linear`: `allreduce.fold` sets them)
     pointers = []
     for p, kind, name, ty in front.pointers:
         if p == "x_ptr":

@@ -3,7 +3,10 @@ the seam after it (`moe_mhc_post_pre`) and the seam before it too (`mhc_moe_mhc`
 
 Decode-sized P (the moe family's "scan" mode): the router, both expert GEMMs of both kinds of expert and the
 combine run in one launch. Its programs are, in the order they start (`phases.ticket`):
-  tickets [0, NA)            (`mhc_moe_mhc`) the seam before the MoE (`mhc.mhc_rows`, one per BT tokens: the
+  tickets [0, NO)            (`ar_mhc_moe_ep`) the one-shot all-reduce of the attention's partial output
+                             (`allreduce.oneshot_tiles`, across the ranks) into scratch, the seam before's input;
+                             each publishes; every seam-before program waits for all NO (`allreduce.fold`);
+  then NA                    (`mhc_moe_mhc`) the seam before the MoE (`mhc.mhc_rows`, one per BT tokens: the
                              attention output's hc_post into the streams, hc_pre, ffn_norm) -> the MoE's
                              input x and the streams / post / comb the seam after reads, all scratch; each
                              publishes; every router and shared program waits for all NA first (the routed
@@ -55,6 +58,7 @@ from . import mhc, moe, router
 from .arrival import last_to_arrive
 from .mhc import _given, mhc_rows
 from .moe import _combine_column, _down, _group_block, _or, _up
+from .allreduce import UNFOLDED, folded, oneshot_tiles
 from .pdl import pdl_enter
 from .phases import publish, ticket, wait_for
 from .router import route_rows
@@ -102,10 +106,11 @@ NO_SEAM = {**{p: None for p in SEAM_PARAMS if p != "y_ptr"}, "M": 0, "N": 1, "D"
 NO_FRONT = {**{p: None for p in FRONT_PARAMS.values() if p.startswith("a_")},
             **{"A_" + n: v for n, v in NO_SEAM.items() if not n.endswith("_ptr")}, "NA": 0}
 # the semaphore's int32 counters: the ticket, router programs done, shared gate / up tiles done, D tiles
-# combined, programs finished, seam-before blocks done, grouping blocks done (COUNTERS slots, a power of two);
+# combined, programs finished, seam-before blocks done, grouping blocks done, all-reduce programs done
+# (COUNTERS slots, a power of two);
 # then one arrival
 # counter per D tile and one count of finished I tiles per expert
-TICKET, ROUTED, SHARED_UP, COMBINED, FINISHED, SEAM_IN, GROUPED = (tl.constexpr(i) for i in range(7))
+TICKET, ROUTED, SHARED_UP, COMBINED, FINISHED, SEAM_IN, GROUPED, REDUCED = (tl.constexpr(i) for i in range(8))
 COUNTERS = tl.constexpr(8)
 G_BP, G_BQ = tl.constexpr(moe.GROUP_BP), tl.constexpr(moe.GROUP_BQ)  # the grouping's blocks (`moe_group_kernel`'s)
 # Up to this many (token, slot) pairs the grouped MoE of `moe_router_experts_dp` is one launch too, its grouping
@@ -235,9 +240,14 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                      ST: tl.constexpr, RT: tl.constexpr, ND: tl.constexpr, NH: tl.constexpr, EB: tl.constexpr,
                      xs_ptr, C_SM: tl.constexpr, NG: tl.constexpr, G_NRB: tl.constexpr,
                      R_B_DT: tl.constexpr, R_T_DT: tl.constexpr,
+                     ar_x_ptr, peers_ptr, AR_NUMEL: tl.constexpr, AR_GROUP: tl.constexpr, AR_TILE: tl.constexpr,
+                     AR_SLOTS_AT: tl.constexpr, AR_SLOT_BYTES: tl.constexpr, AR_FLAGS_AT: tl.constexpr,
+                     AR_TILES: tl.constexpr, AR_COUNTS_AT: tl.constexpr, AR_SPIN: tl.constexpr, NO: tl.constexpr,
                      PDL: tl.constexpr = False, CALLS: tl.constexpr = True):
-    """Programs by ticket: NA token blocks of the seam before the MoE (`mhc_moe_mhc`; copying its inputs where
-    its weights are null, `moe_mhc_post_pre`; else none), NR router row blocks, ST shared gate / up tiles,
+    """Programs by ticket: NO of the one-shot all-reduce of the attention's partial output into a_y_ptr
+    (`ar_mhc_moe_ep`, `allreduce.fold`; else none), NA token blocks of the seam before the MoE (`mhc_moe_mhc`;
+    copying its inputs where its weights are null, `moe_mhc_post_pre`; else none), NR router row blocks, ST
+    shared gate / up tiles,
     E x RT routed (expert, I tile) gate / up, E x ND routed (expert, D tile) down (the last down program of a
     D tile combines it), NH token blocks of the seam after the MoE (`moe_mhc_post_pre`, `mhc_moe_mhc`; none
     for `moe_router_experts_shared`)."""
@@ -254,10 +264,17 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
     m_comb_ptr = _carve(m_comb_ptr, scr_ptr, m_comb_ptr_AT, m_comb_ptr_DT)
     r_b_ptr = _table(r_b_ptr, r_t_ptr, R_B_DT)  # (before r_t_ptr takes its own type)
     r_t_ptr = _table(r_t_ptr, r_t_ptr, R_T_DT)
-    t = ticket(phase_ptr + TICKET) - NA
+    t = ticket(phase_ptr + TICKET) - NA - NO
     v = tl.where(t >= NR + NG, t - NG, t)  # the phases after the grouping numbered as if it were not there
-    if v < 0:
+    if v < -NA:
+        if NO > 0:  # the all-reduce the seam before reads (`allreduce.fold`: the one-shot's programs)
+            oneshot_tiles(v + NA + NO, ar_x_ptr, a_y_ptr, peers_ptr, AR_NUMEL, AR_GROUP, AR_TILE, NO, AR_SLOTS_AT,
+                          AR_SLOT_BYTES, AR_FLAGS_AT, AR_TILES, AR_COUNTS_AT, AR_SPIN)
+            publish(phase_ptr + REDUCED)
+    elif v < 0:
         if NA > 0:  # the seam before: x, and the streams / post / comb the seam after reads, into scratch
+            if NO > 0:
+                wait_for(phase_ptr + REDUCED, NO)  # every tile of the reduced attention output
             if _given(a_fn_ptr):
                 mhc_rows(v + NA, a_y_ptr, None, a_s_ptr, a_post_ptr, a_comb_ptr, a_fn_ptr, a_base_ptr, a_scale_ptr,
                          a_norm_ptr, m_s_ptr, x_ptr, m_post_ptr, m_comb_ptr, A_M, A_N, A_D, A_BD, A_BT, A_POST, A_MIX,
@@ -320,7 +337,8 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                  m_scale_ptr, m_norm_ptr, m_so_ptr, m_yo_ptr, m_posto_ptr, m_combo_ptr, H_M, H_N, H_D, H_BD, H_BT,
                  H_POST, H_MIX, H_NORM, H_NM, H_EPS, H_HC_EPS, H_ITERS, H_NORM_EPS, H_Y_S, H_S_S, H_S_SN, H_SO_S,
                  H_SO_SN, H_YO_S, H_DT)
-    if last_to_arrive(phase_ptr + FINISHED, NA + NR + NG + ST + E * RT + E * ND + NH):  # every program is past its waits
+    # every program is past its waits
+    if last_to_arrive(phase_ptr + FINISHED, NO + NA + NR + NG + ST + E * RT + E * ND + NH):
         tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)
         eb = tl.arange(0, EB)
         tl.store(phase_ptr + COUNTERS + ND + eb, 0, mask=eb < E)
@@ -389,6 +407,8 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
         return _with_seam_before(operands, results, attrs)
     if op_name == "moe_mhc_post_pre" and (calls := _as_both_seams(operands, results, attrs)) is not None:
         return calls
+    if op_name == "ar_mhc_moe_ep":  # the all-reduce of the attention's output its leading phase
+        return folded(op_name, operands, results, attrs, specialise, "a_y_ptr")
     if op_name in ("moe_router_experts_ep", "mhc_moe_ep", "moe_router_experts_dp"):
         return _expert_parallel(op_name, operands, results, attrs)
     if op_name not in ("moe_router_experts_shared", "moe_mhc_post_pre"):
@@ -578,6 +598,7 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
                if n not in flags and n not in SHARED_CONSTEXPRS})
     hce = {n: v for n, v in hcalls[0].constexprs.items() if n != "y2_ptr"} if seam else NO_SEAM
     ce.update({SEAM_PARAMS.get(n, "H_" + n): v for n, v in hce.items() if n not in flags})
+    ce.update(UNFOLDED)  # (`ar_mhc_moe_ep`: `allreduce.fold` sets them)
     if front:  # (its pointers are the a_* params and the MoE's own, below)
         ce.update({"A_" + n: v for n, v in front.constexprs.items() if n not in flags and n != "y2_ptr"},
                   NA=front.grid[0])

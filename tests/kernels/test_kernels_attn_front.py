@@ -278,14 +278,18 @@ def test_broken_seam_front_is_caught(fault, monkeypatch, tmp_path):
 
 
 def test_the_front_waits_for_the_seam():
-    """On the source: the seam's programs publish after writing x, every front program waits for all PH of them
-    before anything else; the counters are reset by the last program only."""
+    """On the source: a folded all-reduce's NO programs (`allreduce.fold`) publish after reducing into h_y, every
+    seam program waits for all of them before it reads h_y; the seam's programs publish after writing x, every
+    front program waits for all PH of them before anything else; the counters are reset by the last program only.
+    (The Triton interpreter runs programs in ticket order, so a missing wait shows only here and on a GPU.)"""
     import inspect
     src = inspect.getsource(attn_front.seam_pair_norm_kernel.fn)
     at = src.index
+    assert at("oneshot_tiles(v + NO, ar_x_ptr, h_y_ptr") < at("publish(phase_ptr + REDUCED)") \
+        < at("wait_for(phase_ptr + REDUCED, NO)") < at("_seam_phase(v, h_y_ptr")
     assert at("_seam_phase(v, h_y_ptr") < at("_seam_phase_inlined(v, h_y_ptr") < at("publish(phase_ptr + SEAM_DONE)") \
         < at("wait_for(phase_ptr + SEAM_DONE, PH)") < at("_pair_norm_program(v - PH, x_ptr")
-    assert at("_pair_norm_program(v - PH, x_ptr") < at("last_to_arrive(phase_ptr + FINISHED, PH + P0 + P1 + PB)")
+    assert at("_pair_norm_program(v - PH, x_ptr") < at("last_to_arrive(phase_ptr + FINISHED, NO + PH + P0 + P1 + PB)")
 
 
 # ---- AOT: the V4-Pro specialisations compile for both targets, matrix instructions, no gfx950 spills ------

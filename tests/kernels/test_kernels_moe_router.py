@@ -251,10 +251,14 @@ def test_broken_fused_kernel_is_caught(fault, monkeypatch, tmp_path):
 def test_every_wait_follows_its_producers_publish():
     """The waits cannot be shown wrong by running them (the interpreter runs programs in ticket order), so the
     kernel's source is checked: each producer publishes after its work, each consumer waits before its own
-    (router -> routed up; routed up -> its expert's down programs; shared up -> the combining program)."""
+    (a folded all-reduce -> the seam before; router -> routed up; routed up -> its expert's down programs; shared
+    up -> the combining program); the last program to finish counts every phase's."""
     import inspect
     src = inspect.getsource(moe_router.moe_fused_kernel.fn)
     at = src.index
+    assert at("oneshot_tiles(v + NA + NO, ar_x_ptr, a_y_ptr") < at("publish(phase_ptr + REDUCED)") \
+        < at("wait_for(phase_ptr + REDUCED, NO)") < at("mhc_rows(v + NA, a_y_ptr")
+    assert at("last_to_arrive(phase_ptr + FINISHED, NO + NA + NR + NG + ST + E * RT + E * ND + NH)")
     assert at("_route_phase(v,") < at("publish(phase_ptr + ROUTED)") < at("wait_for(phase_ptr + ROUTED, NR)") \
         < at("_up(w // RT")
     assert at("_up(w // RT") < at("publish(phase_ptr + COUNTERS + ND + w // RT)") \

@@ -258,8 +258,11 @@ def test_report_parallel_section(capsys):
     assert sorted({o["group"] for o in c["ops"]}) == [2, 4]
     assert p["per_rank_kv_bytes"] > 0 and set(p["decode_step"]) == {"gfx950", "sm_90a"}
     # the partitioned program's kernel calls (each launch but a collective makes at least one), its collectives
-    # launches of it
-    assert c["program_collective_launches"] == c["count"]
+    # launches of it but the MoE's one-shot all-reduces (the ep 4 group's) folded into the next attention front's
+    # launch, layers 0-3 (`fuse_oneshot_consumer`; the last layer's is read by the add before the head)
+    assert c["program_folded"] == cfg.n_layers - 1
+    assert c["program_collective_launches"] == c["count"] - c["program_folded"]
+    assert [o.get("folded_into") for o in c["ops"]].count("mhc_add_pair_norm_linear") == cfg.n_layers - 1
     for t, s in p["decode_step"].items():
         assert s["launches_counted"] == "kernel calls" and s["launches"] >= c["program_launches"] - c["count"]
         # the roofline term is what the program's kernel calls move (the MoE: this rank's slots only)

@@ -195,21 +195,24 @@ def test_communicator_ids_reach_a_late_rank_after_the_first_rank_is_done():
     assert [r[1].strip() for r in runs] == ["07070707"] * 2
 
 
-def test_a_late_peer_is_one_error_after_the_step(monkeypatch):
-    """The one-shot all-reduce in the C runtime (host device, the allreduce kernels interpreted, every other launch
-    its reference): rank 0 of a group of 2 whose peer never arrives. The 'peer' is rank 0's own region mapped a
-    second time (the exchange handing back this rank's handle twice), so no one sets rank 1's flags: the kernel
-    gives up after its bound (64 polls here) and the step ends with the status error naming the late peer, in
-    bounded time. With the flags set the step would not wait: the runtime's read of the status words is what
-    makes the failure visible (the outputs are left unwritten, not wrong-but-plausible)."""
+@pytest.mark.parametrize("where", ["standalone", "folded"])
+def test_a_late_peer_is_one_error_after_the_step(monkeypatch, where):
+    """The one-shot all-reduce in the C runtime (host device, its kernels interpreted, every other launch its
+    reference, their collectives a stand-in): rank 0 of a group of 2 whose peer never arrives. The 'peer' is rank
+    0's own region mapped a second time (the exchange handing back this rank's handle twice), so no one sets rank
+    1's flags: the kernel gives up after its bound (64 polls here) and the step ends with the status error naming
+    the late peer, in bounded time. `standalone`: the one-shot launches run their kernel (layer 0's is the first
+    to wait); `folded`: only the launches it is folded into (`fuse_oneshot_consumer`; layer 1's MoE the first),
+    whose leading phase gives up the same way. With the flags set the step would not wait: the runtime's read of
+    the status words is what makes the failure visible (the outputs are left unwritten, not wrong-but-plausible)."""
     import time
 
     from v4compile.codegen.kernels import allreduce
-    from v4compile.codegen.program_kernels import family_specialise
+    from v4compile.codegen.program_kernels import calls_of
+    from v4compile.ops.fused_allreduce import consumer_of
     from v4compile.passes import DEFAULT_PIPELINE, PassManager, PipelineOptions
     from v4compile.program.build import build_program
     from v4compile.program.verify import verify_program
-    from v4compile.runtime.kernels import make_kernel_calls
     from v4compile.trace import TraceOptions, trace
 
     m = trace(preset("tiny"), TraceOptions(numerics="hf", batch=1, chunk=16, decode_batch=2, capacity=64))
@@ -217,14 +220,16 @@ def test_a_late_peer_is_one_error_after_the_step(monkeypatch):
     prog = verify_program(build_program(m))
     w = load_ir_weights(m, DenseSource(dense_weights("tiny")), rank=0)
     monkeypatch.setattr(allreduce.oneshot_call, "__defaults__", (("x", "y"), 64, allreduce.GRID_MAX))
-    calls = make_kernel_calls(lambda fam: family_specialise(fam) if fam == "allreduce" else None)
+    runs = (lambda op: op == "all_reduce_oneshot") if where == "standalone" else consumer_of
+    calls = lambda l: calls_of(l) if runs(l.op) else None  # noqa: E731
     seen = []
 
     def exchange(group, handle):
         seen.append((group, len(handle)))
         return [handle, handle], 0
 
-    rt = CRuntime(prog, w, "host", kernel_calls=calls, exchange=exchange)
+    rt = CRuntime(prog, w, "host", kernel_calls=calls, exchange=exchange,
+                  collective=lambda op, x, group, tp=1: x.clone())  # (the placeholders' sums: not checked here)
     assert seen == [(2, 64)] and rt.sched.region.group == 2
     step = {b.name: torch.zeros(b.type.shape, dtype=torch.int64) for b in prog.functions["decode"].buffers
             if b.kind == "input"}  # every sequence at position 0 of slot 0's first block

@@ -8,8 +8,9 @@ it needs (the frontend, the CLI, the runtimes call `load_all()`).
 * `model`: the ops the reference model is written in (mHC, RoPE, attention, compressor, indexer, MoE,
   the official numerics' roundings);
 * `lowered`: the ops passes create (fusions, the paged pool);
-* `parallel`: the collectives and the expert ownership mask of a partitioned module (`partition` pass), and
-  the fused MoE ops of an expert-parallel module (`fused_ep`).
+* `parallel`: the collectives and the expert ownership mask of a partitioned module (`partition` pass), the
+  fused MoE ops of an expert-parallel module (`fused_ep`), and those ops with the one-shot all-reduce of their
+  input folded in (`fused_allreduce`).
 
 The reference model calls ops through `op` (`op.rms_norm(...)`), which loads every set on first use. The
 package's own attributes are its modules: `ops.rope` is `ops/rope.py`, `op.rope` the op.
@@ -24,7 +25,7 @@ OPSETS: dict[str, tuple[str, ...]] = {
     "core": ("basic",),
     "model": ("mhc", "rope", "attention", "compressor", "indexer", "moe", "numerics"),
     "lowered": ("fused", "front", "attn_tail", "paged"),
-    "parallel": ("collective", "fused_ep"),
+    "parallel": ("collective", "fused_ep", "fused_allreduce"),
 }
 
 
