@@ -325,7 +325,7 @@ class RopeCompress:
                 *(by[n] for n in self.c_plane_results if n in by))
 
 
-def _rope_compress(name: str, second) -> "object":
+def _rope_compress(name: str, second):
     rc = RopeCompress(name, second)
 
     def ref(*operands, **attrs):
@@ -343,7 +343,7 @@ def _rope_compress(name: str, second) -> "object":
     def types(operands, attrs):
         qo, qa, co, ca = rc.split(operands, attrs)
         first = qkv_norm_rope.result_types(qo, qa)
-        acts, co = rc.chain(qo, first, co)
+        co = rc.chain(qo, first, co)[1]
         return qo, qa, first, co, ca, second.result_types(co, ca)
 
     @op.infer
