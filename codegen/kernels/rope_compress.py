@@ -129,16 +129,16 @@ def specialise(op_name, operands, results, attrs):
     c = {**qc.constexprs, "A": A, "NHB": NHB, "B": B}
     pointers = list(qc.pointers)
     offsets = dict(qc.offsets)
-    if pair:  # compress_pair_kernel's names already carry the halves' suffixes; its pointers name pair operands
+    theirs = [(p, kind, rc.operand_map[name], ty) for p, kind, name, ty in cc.pointers
+              if p not in ("pos_ptr", "slot_ptr")]  # the positions and slots: the prologue's pointers
+    if pair:  # compress_pair_kernel's parameters already carry the halves' suffixes
         c.update({k: v for k, v in cc.constexprs.items() if k != "B"})
-        rename = {n: rc.operand_map[n] for n in rc.second.operand_names}
-        pointers += [(p, kind, rename[name], ty) for p, kind, name, ty in cc.pointers if p not in ("pos_ptr", "slot_ptr")]
+        pointers += theirs
         offsets.update(cc.offsets)
         unaligned = (*qc.unaligned, *cc.unaligned)
-    else:  # compress_kernel's names suffixed _0 (but the shared positions, slots and block table)
+    else:  # compress_kernel's suffixed _0 (but the shared block table)
         c.update({f"{k}_0": v for k, v in cc.constexprs.items() if k in compress.HALF or k in compress.HALF_POINTERS})
-        pointers += [(p if p == "bt_ptr" else f"{p}_0", kind, rc.operand_map[name], ty) for p, kind, name, ty in cc.pointers
-                     if p not in ("pos_ptr", "slot_ptr")]
+        pointers += [(p if p == "bt_ptr" else f"{p}_0", *rest) for p, *rest in theirs]
         offsets.update({f"{p}_0": off for p, off in cc.offsets.items()})
         unaligned = (*qc.unaligned, *(f"{p}_0" for p in cc.unaligned))
     c.pop("PDL", None)

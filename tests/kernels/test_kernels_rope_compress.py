@@ -47,7 +47,8 @@ def _case(op_name, seed=0):
     n_rows = below + n_slots * SLOT_ROWS
     for i, p in enumerate(main_planes("fp8", n_rows, d, rope, dt, g)):
         args[f"p{i}{h}"] = p
-    q_args = {"q": (torch.randn(B, 1, 4, d, generator=g) * 2).to(dt), "kv": (torch.randn(B, 1, d, generator=g) * 3).to(dt),
+    q_args = {"q": (torch.randn(B, 1, 4, d, generator=g) * 2).to(dt),
+              "kv": (torch.randn(B, 1, d, generator=g) * 3).to(dt),
               "norm": torch.rand(d, generator=g) + 0.5, "pos": args["pos"], "slot": args["slot"],
               "qi": torch.randn(B, 1, 4, 32, generator=g).to(dt) if h else None,
               **{f"p{i}": args[f"p{i}{h}"] for i in range(3)}}

@@ -1,5 +1,5 @@
 """No V4-Pro kernel spills: the specialisations that did (issue 40; the verify projection of `--draft-tokens 3`
-after it), compiled ahead of time as the V4-Pro compile has them, spill nothing on the target that spilled, and with the launch shape they had before they
+and the CSA layer's decode prologue-with-compressors launch after it), compiled ahead of time as the V4-Pro compile has them, spill nothing on the target that spilled, and with the launch shape they had before they
 spill again (the check can fail). A representative set, not the whole compile: a cold AOT of V4-Pro's ~100
 kernel x target pairs takes minutes; these share the default kernel cache, warm in CI as for every AOT test
 that does. The whole set is checked by `compile -o` itself, which exits 1 on any spill."""
