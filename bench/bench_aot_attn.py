@@ -1,5 +1,5 @@
 """AOT-compile one representative specialisation per (op, shape, variant) of the attention-side kernel
-families (mhc, qkv_norm_rope, compress, csr, indexer, sparse_attention, pool_write) of a preset's final
+families (mhc, qkv_norm_rope, compress, rope_compress, csr, indexer, sparse_attention, pool_write) of a preset's final
 IR and print regs / spills / MMA count / shared memory per target. A measurement, not a test.
 
 Per-layer row offsets (layer_row, layer_offset, win_base, comp_base) are constexprs, so V4-Pro decode
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_aot_kernels as B  # noqa: E402
 from v4compile.codegen import aot  # noqa: E402
 
-FAMILIES = {"mhc", "qkv_norm_rope", "compress", "csr", "indexer", "sparse_attention", "pool_write"}
+FAMILIES = {"mhc", "qkv_norm_rope", "compress", "rope_compress", "csr", "indexer", "sparse_attention", "pool_write"}
 VARIANT_KEYS = ("OVERLAP", "ROUND", "NPLANES", "POST", "MIX", "QI_FP4", "FMT")
 
 

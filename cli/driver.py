@@ -279,8 +279,9 @@ def with_spec_steps(pipeline: list[str], module: Module) -> list[str]:
     so its launches are the fused verify's and draft's. Unchanged otherwise (the recorded pipeline as before).
     On verify (1 + K tokens a sequence) every fusion fires as on decode but the one-token folds: the attention
     into its out-projection (`fuse_out_proj`), the window-ring write into `qkv_norm_rope` (a later lane's write
-    would overwrite a row an earlier lane still reads) and the compressor pair (`pair_compressors`); with MTP
-    the last `hc_post` stays out of the head (the draft reads the final streams)."""
+    would overwrite a row an earlier lane still reads), hence the prologue with its compressor launch
+    (`pair_rope_compress`), and the compressor pair (`pair_compressors`); with MTP the last `hc_post` stays out of
+    the head (the draft reads the final streams)."""
     if not spec_buckets(module.functions) or "plan_memory" not in pipeline or "spec_steps" in pipeline:
         return pipeline
     i = pipeline.index("plan_memory")

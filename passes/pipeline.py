@@ -29,6 +29,7 @@ DEFAULT_PIPELINE: list[str] = [
     "fuse_attn_front",
     "pair_compressors",
     "fuse_out_proj",
+    "pair_rope_compress",
     "cse",
     "dce",
     "oneshot_allreduce",
@@ -46,7 +47,7 @@ PROGRAM_PASSES: list[str] = ["plan_memory", "lower_to_program"]
 # Fusions that only save kernel launches: ONNX Runtime runs graph nodes, so the cpu target keeps the ops apart
 # (and needs no lowering of the fused op).
 LAUNCH_ONLY_PASSES: list[str] = ["fuse_moe_router", "fuse_moe_mhc", "fuse_attn_front", "pair_compressors",
-                                   "fuse_out_proj"]
+                                   "fuse_out_proj", "pair_rope_compress"]
 # GPU programs only: the one-shot all-reduce over peer memory (a kernel launch, or the leading phase of its
 # consumer's: `fuse_oneshot_consumer`; the cpu target's ONNX segments and the host program of a cpu artifact keep
 # the communicator's all-reduce). `compile --allreduce nccl` leaves `oneshot_allreduce` out (nothing to fold then).

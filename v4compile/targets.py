@@ -143,6 +143,11 @@ TARGETS: dict[str, TargetSpec] = {
 #   its loops still pipelined, 2 CTAs per SM either way (unpipelined at 4 warps instead: 252, none, at the cap).
 #   Warps split the [BN, BM] tile among them, not K: every output's sum is the same sequence of MMA steps. The
 #   BM = 64 tile has 8 already (gemm.py's rule); gfx950 spills nothing at BM = 32 with 4.
+# * rope_compress.pair (a CSA layer's query prologue and two compressors in one decode launch,
+#   codegen/kernels/rope_compress.py): on gfx950 its ~30 pointer arguments hold V4-Pro's kernel at the 106-SGPR
+#   cap, and 12 scalar registers spilled (to VGPR lanes) with 4 warps, 2 with 8; with 16 warps 76 VGPRs, none.
+#   Warps split each program's tiles among them (the q heads x channels, a compressor's slots x channels): the
+#   same sums in the same order. sm_90a takes its parts' warps (8: compress.wide_row) and spills nothing.
 # * allreduce.spin (the one-shot all-reduce's bound on a peer's wait, codegen/kernels/allreduce.py): 2^23 polls on
 #   a GPU (a system-scope load of peer memory, ~1-2 us: ~8-16 s) where the interpreter's 2^16 (~0.45 ms a poll:
 #   ~30 s) would give up after ~0.1 s. A bound on a wait: the arithmetic is the same.
@@ -150,6 +155,7 @@ KERNEL_SCHEDULES: dict[str, dict[str, dict[str, Any]]] = {
     "compress.wide_row": {"sm_90a": {"num_warps": 8}},
     "out_proj.prefill": {"gfx950": {"constexprs": {"A_STAGES": 1}}},
     "out_proj.verify": {"sm_90a": {"num_warps": 8}},
+    "rope_compress.pair": {"gfx950": {"num_warps": 16}},
     "allreduce.spin": {"gfx950": {"constexprs": {"SPIN": 1 << 23}}, "sm_90a": {"constexprs": {"SPIN": 1 << 23}}},
 }
 

@@ -4,7 +4,8 @@ RMSNorm, RoPE at the window's first position, official rounding (FP8 on the NoPE
 FP4), store the row at its physical pool row in the plane format; then push the chunk's tokens into the
 per-slot state rings. HCA (c = 1) and CSA (c = 2, overlapping halves) and the indexer's compressor
 (index planes) are the same kernel with other constexprs. `compress_pair` (a CSA layer's two compressors,
-`passes/pair_compressors.py`, decode steps) runs both in one launch: the first's programs, then the second's.
+`passes/pair_compressors.py`, decode steps) runs both in one launch: the first's programs, then the second's;
+`rope_compress.py` runs `compress_program` after a decode step's query prologue in one launch.
 
 One program per sequence: it reads the ring before it overwrites it (a block barrier separates the two).
 The window softmax runs over slot chunks of BS in two passes (max / sum, then the weighted sum), so a

@@ -5,7 +5,8 @@ Per query lane: q per-head unweighted RMSNorm (rsqrt rounded to the activation d
 its first `kv_round_dims` channels); the indexer query's RoPE (+ Walsh-Hadamard rotation and FP4
 rounding); and in decode the new kv row's write into the layer's window ring (pool planes updated in
 place, any plane format). Grid: (lane, block of BH heads); the first head block also does kv, qi and
-the write.
+the write. The body is `qkv_norm_rope_program` (one lane and head block), also the first programs of a decode
+step's `rope_compress` launch (the prologue with its layer's compressor).
 """
 
 from __future__ import annotations
@@ -31,12 +32,30 @@ def qkv_norm_rope_kernel(q_ptr, kv_ptr, norm_ptr, pos_ptr, qi_ptr, slot_ptr, p0,
                          TP: tl.constexpr, FMT: tl.constexpr, NPLANES: tl.constexpr,
                          NOPE: tl.constexpr, BLK: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
                          S2: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr = False):
-    """Strides: *_S = (batch, token, head) element strides; rows are dense."""
     pdl_enter(PDL)
-    lane = tl.program_id(0)
+    qkv_norm_rope_program(tl.program_id(0), tl.program_id(1), q_ptr, kv_ptr, norm_ptr, pos_ptr, qi_ptr, slot_ptr, p0,
+                          p1, p2, qo_ptr, kvo_ptr, qio_ptr, T, H, D, DP, BH, HI, HIP, DI, DIP, EPS, Q_MEAN_DT,
+                          ROPE_DIM, F, KV_ROUND_DIMS, KV_ROUND_BLOCK, QI_FP4, HS, Q_S, KV_S, QI_S, QO_S, KVO_S, QIO_S,
+                          WINDOW, SLOT_ROWS, N_ROWS, TP, FMT, NPLANES, NOPE, BLK, S0, S1, S2, DT)
+
+
+@triton.jit
+def qkv_norm_rope_program(lane, hb, q_ptr, kv_ptr, norm_ptr, pos_ptr, qi_ptr, slot_ptr, p0, p1, p2, qo_ptr, kvo_ptr,
+                          qio_ptr,
+                          T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BH: tl.constexpr,
+                          HI: tl.constexpr, HIP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr,
+                          EPS: tl.constexpr, Q_MEAN_DT: tl.constexpr, ROPE_DIM: tl.constexpr, F: tl.constexpr,
+                          KV_ROUND_DIMS: tl.constexpr, KV_ROUND_BLOCK: tl.constexpr, QI_FP4: tl.constexpr,
+                          HS: tl.constexpr, Q_S: tl.constexpr, KV_S: tl.constexpr, QI_S: tl.constexpr,
+                          QO_S: tl.constexpr, KVO_S: tl.constexpr, QIO_S: tl.constexpr,
+                          WINDOW: tl.constexpr, SLOT_ROWS: tl.constexpr, N_ROWS: tl.constexpr,
+                          TP: tl.constexpr, FMT: tl.constexpr, NPLANES: tl.constexpr,
+                          NOPE: tl.constexpr, BLK: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
+                          S2: tl.constexpr, DT: tl.constexpr):
+    """Query lane `lane`, head block `hb` (the body of `qkv_norm_rope_kernel` and of the first programs of
+    `rope_compress`'s kernels). Strides: *_S = (batch, token, head) element strides; rows are dense."""
     b = lane // T
     tq = lane % T
-    hb = tl.program_id(1)
     posf = tl.load(pos_ptr + lane).to(tl.float32)
     col = tl.arange(0, DP)[None, :]
     cm = col < D

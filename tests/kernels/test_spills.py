@@ -1,5 +1,5 @@
 """No V4-Pro kernel spills: the specialisations that did (issue 40; the verify projection of `--draft-tokens 3`
-after it), compiled ahead of time as the V4-Pro compile has them, spill nothing on the target that spilled, and with the launch shape they had before they
+and the CSA layer's decode prologue-with-compressors launch after it), compiled ahead of time as the V4-Pro compile has them, spill nothing on the target that spilled, and with the launch shape they had before they
 spill again (the check can fail). A representative set, not the whole compile: a cold AOT of V4-Pro's ~100
 kernel x target pairs takes minutes; these share the default kernel cache, warm in CI as for every AOT test
 that does. The whole set is checked by `compile -o` itself, which exits 1 on any spill."""
@@ -13,7 +13,7 @@ import pytest
 from test_kernels_moe import _ta
 from test_kernels_out_proj import ROT
 from v4compile.codegen import aot
-from v4compile.codegen.kernels import compress, out_proj
+from v4compile.codegen.kernels import compress, out_proj, rope_compress
 
 
 def prefill_out_proj():
@@ -52,10 +52,38 @@ def decode_hca_compress():
     return c
 
 
+def decode_csa_rope_compress():
+    """V4-Pro's CSA layer at decode batch 8 in one launch (`qkv_rope_compress_pair`): the query prologue (128 heads
+    of 512, the indexer's 64 x 128 query, the window-ring write into the FP8 planes), the attention compressor
+    (ratio 4, overlapping, FP8 rows) and the indexer's (FP4 rows). 12 scalar registers spilled on gfx950 with
+    4 warps (its ~30 pointer arguments at the SGPR cap)."""
+    n, ni, B, S = 316160, 245760, 8, 8
+    half = lambda dk, s: dict(kv=_ta((B, 1, 2 * dk), "bf16"), gate=_ta((B, 1, 2 * dk), "bf16"),  # noqa: E731
+                              ape=_ta((4, 2 * dk), "fp32"), norm=_ta((dk,), "bf16"),
+                              state_kv=_ta((S, 8, 2 * dk), "fp32"), state_gate=_ta((S, 8, 2 * dk), "fp32"))
+    ops = dict(q=_ta((B, 1, 128, 512), "bf16"), kv=_ta((B, 1, 512), "bf16"), norm=_ta((512,), "bf16"),
+               pos=_ta((B, 1), "i64"), qi=_ta((B, 1, 64, 128), "bf16"), slot=_ta((B,), "i32"),
+               **{f"c_{k}_0": v for k, v in half(512, S).items()}, **{f"c_{k}_1": v for k, v in half(128, S).items()},
+               c_p0_1=_ta((ni, 64), "fp4x2"), c_p1_1=_ta((ni, 4), "e8m0"), c_p2_1=None,
+               c_block_table=_ta((B, 16), "i32"), p0=_ta((n, 448), "fp8e4m3"), p1=_ta((n, 7), "e8m0"),
+               p2=_ta((n, 64), "bf16"))
+    rot = {"theta": 160000.0, "yarn": (16.0, 65536, 32.0, 1.0)}
+    comp = {"ratio": 4, "overlap": True, "eps": 1e-6, "rope_dim": 64, **rot, "block_tokens": 256}
+    attrs = {"eps": 1e-6, "dim": 64, **rot, "kv_round_dims": 448, "kv_round_block": 64, "qi_round": "fp4",
+             "q_mean": "dtype", "window": 128, "slot_rows": 7808, "n_rows": n, "layer_row": 256, "fmt": "fp8",
+             **{f"c_{k}_{i}": v for i in (0, 1) for k, v in comp.items()},
+             "c_round_0": "fp8", "c_envelope_rows_0": 1982, "c_layer_offset_0": 62, "c_fmt_0": "fp8",
+             "c_round_1": "fp4", "c_envelope_rows_1": 1920, "c_layer_offset_1": 0, "c_fmt_1": "fp4"}
+    res = {"q_out": ops["q"], "kv_out": ops["kv"], "qi_out": ops["qi"]}
+    (c,) = rope_compress.specialise("qkv_rope_compress_pair", ops, res, attrs)
+    return c
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("build, target", [(prefill_out_proj, "gfx950"), (verify_out_proj, "sm_90a"),
-                                           (decode_hca_compress, "sm_90a")],
-                         ids=["out_proj-prefill-gfx950", "out_proj-verify-sm_90a", "compress-hca-decode-sm_90a"])
+                                           (decode_hca_compress, "sm_90a"), (decode_csa_rope_compress, "gfx950")],
+                         ids=["out_proj-prefill-gfx950", "out_proj-verify-sm_90a", "compress-hca-decode-sm_90a",
+                              "rope-compress-csa-decode-gfx950"])
 def test_no_spills_where_v4pro_spilled(tmp_path, build, target):
     call = build()
     assert call.per_target.get(target), f"{call.name}: no launch shape of its own on {target}"
@@ -63,5 +91,5 @@ def test_no_spills_where_v4pro_spilled(tmp_path, build, target):
     rows = {r["name"]: r for r in aot.compile_calls([call, before], [target], tmp_path, jobs=2)}
     fixed, old = rows[call.name], rows[before.name]
     assert fixed["spills"] == 0, f"{call.name} ({target}) spills {fixed['spills']}"
-    assert fixed["mma_instructions"] > 0 or build is decode_hca_compress  # the compressor has no dot
+    assert fixed["mma_instructions"] > 0 or build in (decode_hca_compress, decode_csa_rope_compress)  # no dot
     assert old["spills"] > 0, "the old launch shape no longer spills: this test checks nothing"

@@ -82,6 +82,7 @@ BROKEN_FLOW = {
     "fuse_moe_mhc": ("none, %st, %po, %co, @fn,", "none, %st, %co, %po, @fn,"),
     "fuse_mhc_moe": ("mhc_moe_mhc(%a, %st, %po, %co, @fa,", "mhc_moe_mhc(%a, %st, %co, %po, @fa,"),
     "pair_compressors": ("compress_pair(%89, %90,", "compress_pair(%90, %89,"),
+    "pair_rope_compress": ("%block_table, %pool.main, none, none)", "%block_table, %pool.index, none, none)"),
     "fuse_attn_front": ("col = 16,", "col = 48,"),
 }
 

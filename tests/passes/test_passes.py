@@ -140,6 +140,9 @@ def test_every_pass_did_something(run):
     assert hits["fuse_moe_mhc"]["decode.fused"] == 4 and hits["fuse_moe_mhc"]["prefill.fused"] == 4
     assert hits["fuse_mhc_moe"]["decode.fused"] == 3  # and the seam before it, but layer 0's (hc_pre_norm) and the last's
     assert hits["pair_compressors"]["decode.paired"] == 2 and hits["pair_compressors"]["prefill.paired"] == 0  # CSA
+    # every compressed layer's prologue with its compressor launch (HCA: compress_paged, CSA: compress_pair; layer
+    # 0 is sliding-window only); prefill writes no window row from qkv_norm_rope
+    assert hits["pair_rope_compress"]["decode.fused"] == 4 and hits["pair_rope_compress"]["prefill.fused"] == 0
     assert hits["fuse_attn_front"]["decode.fused"] == 5 and hits["fuse_attn_front"]["prefill.fused"] == 5
     assert hits["cse"]["decode.ops_merged"] >= 5  # the CSR builders shared across layers
     final = res.module
@@ -202,6 +205,7 @@ def test_v4_pro_pass_hits(pro):
     assert hits["fuse_out_proj"]["decode.fused"] == hits["fuse_out_proj"]["decode.attention"] == 61  # every layer
     assert hits["pair_sibling_gemms"]["decode.paired"] == 61  # wqkv_a (FP8) + x_gemm (BF16) on every layer
     assert hits["pair_compressors"]["decode.paired"] == 30  # the attention's and the indexer's on every CSA layer
+    assert hits["pair_rope_compress"]["decode.fused"] == 61  # the prologue and the compressor launch, every layer
     assert hits["fuse_attn_front"]["decode.fused"] == 61  # wqkv_a + x_gemm, then q_norm + wq_b, on every layer
     assert hits["lower_sparse_attention"]["decode.indexers"] == 30
     merged = res.module.weights["layers.7.attn.wqkv_a.weight"]

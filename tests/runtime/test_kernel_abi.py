@@ -44,9 +44,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PRESETS = ("tiny", "tiny-pro")
 # Every family tiny's and tiny-pro's decode and prefill programs launch (checked below against the programs).
 # (inv_rope_quant is no longer among them: fuse_inv_rope_wo_a folds it into grouped_gemm's loader; nor is
-# grouped_gemm: fuse_out_proj runs it in wo_b's launch, out_proj.)
+# grouped_gemm: fuse_out_proj runs it in wo_b's launch, out_proj. qkv_norm_rope and compress stay for prefill and
+# for decode's sliding-window layer; decode's compressed layers run rope_compress.)
 FAMILIES = ("attn_front", "compress", "csr", "embed", "gemm", "indexer", "last_token", "mhc", "moe_router",
-            "out_proj", "pool_write", "qkv_norm_rope", "sparse_attention")
+            "out_proj", "pool_write", "qkv_norm_rope", "rope_compress", "sparse_attention")
 
 
 def _declared_pointers(kc) -> list[str]:
@@ -104,14 +105,14 @@ OLD = {"mhc": ("hc_post", "mhc_post_pre", "mhc_post_head"), "moe": ("moe_router_
 def test_the_same_check_fails_on_the_old_orders(monkeypatch):
     """Packing pointers as each family lists them (the schedule before the fix) fails the check above for
     exactly the kernels that are listed out of order: mhc with post, moe_down with the combine (prefill), the
-    fused MoE (decode: its pointers gathered from the up, router and down calls), the compress pair (decode:
-    its two halves' pointers one after the other) and the attention tail (`out_proj` and, at decode,
-    `attn_out_proj`: their phases' pointers one call after the other)."""
+    fused MoE (decode: its pointers gathered from the up, router and down calls), the query prologue with its
+    compressor or compressor pair (decode, `rope_compress`: the parts' pointers one part after the other) and the
+    attention tail (`out_proj` and, at decode, `attn_out_proj`: their phases' pointers one call after the other)."""
     monkeypatch.setattr(kernel_call, "in_kernel_order", lambda name, fn, pointers, constexprs: list(pointers))
     _, prog, _ = _program("tiny")
     assert _misordered(build_schedule(prog, make_kernel_calls())) == {
-        "mhc_kernel", "moe_down_kernel", "moe_fused_kernel", "compress_pair_kernel", "out_proj_kernel",
-        "attn_out_proj_kernel"}
+        "mhc_kernel", "moe_down_kernel", "moe_fused_kernel", "rope_compress_kernel", "rope_compress_pair_kernel",
+        "out_proj_kernel", "attn_out_proj_kernel"}
 
 
 def _fn(*names):
