@@ -371,8 +371,8 @@ class OrtBackend:
 
     def step_inputs(self, fname: str) -> dict[str, np.ndarray]:
         """The arrays that one-graph function `fname`'s session has bound for its small step inputs (`ids`, `pos`,
-        `block_table`, `slot`; `_StepInputs`): a caller that fills them in place and passes them as its inputs
-        has nothing copied or bound (speculation's one-call step). Valid until the function's next run."""
+        `block_table`, `slot`; `_StepInputs`), the same for the session's life: a caller that fills them in place
+        before each run and passes them as its inputs has nothing copied or bound (speculation's one-call step)."""
         if len(self._graphs[fname]) != 1:
             raise ValueError(f"{fname}: the step inputs of a one-graph function only")
         return dict(self._session(fname)[1].arrays)
