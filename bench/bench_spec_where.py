@@ -56,11 +56,20 @@ matrices each), RMSNormalization and elementwise ~+0.1 M: ~60 %, the second lane
 has too, which no rewrite of the graph removes; the few-lane forms' extra nodes (Concat 24 -> 38 +101 k, Gather
 38 -> 58 +56 k, Expand 1 -> 6 +21 k, Unsqueeze / Squeeze +32 k, against decode's 12 ScatterND -37 k): ~+0.17 M,
 ~20 %, ~0.03 decode steps. The draft part of the fused step (1.19 M, 0.20 decode) is a fifth of decode's
-nodes, 76 of them its two Sinkhorns' LpNormalizations (+227 k). Its IO: 68 bytes of step inputs bound a step,
-the 73 KB of pool and state bound once and never copied, 35 KB of outputs written into buffers bound once,
-the rows stored back in 11-15 us. ONNX Runtime's options (set on every session; blocks of 50 runs as `--block`, 20
+nodes, 76 of them its two Sinkhorns' LpNormalizations (+227 k). Its IO: 68 bytes of step inputs a step (bound a
+step then; now written into arrays bound once, `cpu_backend._StepInputs`), the 73 KB of pool and state bound
+once and never copied, 35 KB of outputs written into buffers bound once, the rows stored back in 11-15 us. ONNX Runtime's options (set on every session; blocks of 50 runs as `--block`, 20
 rounds; verify / the fused step in decode steps, default 1.16 / 1.39): arena off 1.36 / 1.72, memory pattern off 1.23 / 1.71, memory reuse off
 1.18 / 1.47, prepacking off 1.29 / 1.58, "extended" 1.20 / 1.41, "basic" 1.16 / 1.38: none lowers either.
+
+Outside the run (callgrind, collected only inside one round of bench_spec.py's generations, 4 prompts x 64
+tokens, k = 1: total instructions minus those inside ONNX Runtime's run, per step, the prefills' share included):
+the one-call speculative step 389 k before its inputs were written into arrays bound once and the few-row
+stores made one pass (`cpu_backend._StepInputs`, `_Writes`), 282 k after; the plain decode step 479 k -> 402 k;
+the runs themselves unchanged (1137 M for the speculative round's 141 runs, 1517 M for the plain round's 256).
+A speculative step's Python costs less than a decode step's: what the step costs beyond a decode step is its
+call's. Within the runs, libc malloc / free take ~16 % of the instructions (~42 k frees a run in the
+speculative round, ~22 k in the plain one): ONNX Runtime's own, unattributed (its library has no symbols).
 """
 
 from __future__ import annotations

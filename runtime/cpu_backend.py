@@ -4,8 +4,10 @@
   deferred their check) and handed to every session as shared external initializers (the ONNX files declare them as graph inputs; here they become
   initializers, so ONNX Runtime treats them as constants and no session copies them from a file).
 * Pool planes and per-slot state live in host arrays owned by this backend, bound once as inputs of each
-  session's IO binding (never copied, never rebound: a step rebinds only its step inputs); a step's
-  outputs are only the rows it wrote (`X.rows`, `X.vals`), stored here in place, in write order.
+  session's IO binding (never copied, never rebound); so are a session's small step inputs (ids, positions,
+  block table, slots: arrays of its own that a step's are copied into, or that the caller fills,
+  `step_inputs`); a step's outputs are only the rows it wrote (`X.rows`, `X.vals`), stored here in place,
+  in write order.
 * Threads: `threads` intra-op threads per session (default `threads.default_threads(ORT_THREADS)`: the free
   cores, at most 8: ONNX Runtime's own default, every core, oversubscribes a shared machine); the other
   session options are the artifact's (`codegen.onnx_session`); sessions are created lazily, one per
@@ -42,6 +44,8 @@ _ORT_NP = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32
 # inputs a step gives (`backend.py`; `hidden`: the MTP draft functions' input streams); any other non-weight
 # input is pool or state, owned here
 STEP_INPUTS = ("ids", "pos", "block_table", "slot", "hidden")
+OWN_INPUTS = ("ids", "pos", "block_table", "slot")  # bound once to the backend's own arrays (`_StepInputs`)
+FEW_ROWS = 16  # writes of at most this many rows are stored row by row (`_store`, `_Writes`)
 
 
 def _aligned(a: np.ndarray) -> np.ndarray:
@@ -73,6 +77,62 @@ def derived_weights(art: Artifact, target: dict) -> dict[str, dict]:
                 raise ArtifactError(f"the cpu target defines derived weight '{n[:80]}' twice, differently",
                                     where=f["file"])
     return out
+
+
+class _StepInputs:
+    """A session's step inputs. The small ones of a static shape (`OWN_INPUTS`) are bound once, to arrays made
+    here (`arrays`): a step's are copied into them, or are them (a caller that filled them, `step_inputs`), and
+    nothing is bound again (a bind costs ~1.7 us an input, a copy of a few ints ~0.7 us). Any other is bound
+    at each step, as given."""
+
+    def __init__(self, io, ins: list[tuple[str, object]]):
+        self.io, self.names = io, [n for n, _ in ins]
+        self.arrays = {n: np.zeros(i.shape, dtype=_ORT_NP[i.type]) for n, i in ins if n in OWN_INPUTS
+                       and i.type in _ORT_NP and all(isinstance(d, int) and d > 0 for d in i.shape)}
+        for n, a in self.arrays.items():
+            io.bind_cpu_input(n, a)
+        self.bound: dict[str, np.ndarray] = dict(self.arrays)  # what each input is bound to now
+
+    def place(self, inputs: dict[str, np.ndarray]) -> None:
+        for n in self.names:
+            x = inputs[n]
+            a = self.arrays.get(n)
+            if a is not None and (x is a or (x.shape == a.shape and x.dtype == a.dtype)):
+                if x is not a:
+                    a[...] = x
+                if self.bound.get(n) is a:
+                    continue
+                x = a
+            self.io.bind_cpu_input(n, x)  # ONNX Runtime's own error for a wrong shape or type
+            self.bound[n] = x
+
+
+class _Writes:
+    """A session's writes (buffer name, its array, rows output, values output), its outputs' arrays made once
+    (`_session`): the row indices of the writes of at most `FEW_ROWS` rows share one array (`rows`, each in
+    output order), each row's values a view made once (`lanes`), so that a step's stores are one `tolist` and
+    a row copy each, without the per-write work of `OrtBackend._store` (tiny-doc's decode step: 14 writes,
+    23 rows; its one-call speculative step: 30 rows). A write of more rows (prefill), or a store that skips
+    rows, takes `_store`."""
+
+    def __init__(self, writes: list[tuple], rows: np.ndarray):
+        self.all, self.rows = writes, rows
+        few = [w for w in writes if w[2].base is rows and w[3].shape[:1] == w[2].shape]
+        self.many = [w for w in writes if not any(w is f for f in few)]
+        # in the arena's order: the writes were bound to it in output order
+        few.sort(key=lambda w: w[2].ctypes.data)
+        self.lanes = [(buf, vals[i]) for _, buf, rows_, vals in few for i in range(rows_.shape[0])]
+        if len(self.lanes) != rows.size:  # a rows output in the arena whose values are not row by row
+            self.lanes, self.many = None, writes
+
+    def store(self, skip: dict[str, set[int]] | None = None) -> None:
+        if skip or self.lanes is None:
+            return OrtBackend._store(self.all, skip)
+        for row, (buf, v) in zip(self.rows.tolist(), self.lanes):
+            if row >= 0:
+                buf[row] = v
+        if self.many:
+            OrtBackend._store(self.many)
 
 
 class OrtBackend:
@@ -186,22 +246,31 @@ class OrtBackend:
         # Outputs of a static shape (every graph the compiler emits) are written into arrays made here once:
         # a step creates no output arrays (no copy_outputs_to_cpu). With the row-by-row writes of
         # `_run_graph`, tiny decode b1 -6.5 % (same-process A/B, 15 alternating rounds, paired median).
-        # Any other output is copied out after each run.
+        # Any other output is copied out after each run. The row indices of the writes of at most `FEW_ROWS`
+        # rows (int64, static: a step's) share one array, read with one `tolist` a step (`_Writes`).
+        few = [o for o in sess.get_outputs() if o.name.endswith(".rows") and o.type == "tensor(int64)"
+               and len(o.shape) == 1 and isinstance(o.shape[0], int) and 0 < o.shape[0] <= FEW_ROWS]
+        arena = np.empty(sum(o.shape[0] for o in few), dtype=np.int64)
+        at = {o.name: arena[i: i + o.shape[0]] for o, i in zip(few, np.cumsum([0] + [o.shape[0] for o in few]))}
         bufs = []
         for o in sess.get_outputs():
             if all(isinstance(d, int) and d > 0 for d in o.shape) and o.type in _ORT_NP:
-                b = np.empty(o.shape, dtype=_ORT_NP[o.type])
+                b = at[o.name] if o.name in at else np.empty(o.shape, dtype=_ORT_NP[o.type])
                 io.bind_output(o.name, "cpu", 0, b.dtype, list(b.shape), b.ctypes.data)
                 bufs.append(b)
             else:
                 io.bind_output(o.name, "cpu")
                 bufs.append(None)
-        step_ins = [n for n in ins if n not in self.state]
+        step_ins = _StepInputs(io, [(n, i) for n, i in ins.items() if n not in self.state])
         # each written plane / state tensor: (its buffer, index of its rows output, index of its values)
         writes = [(n[: -len(".rows")], self.state[n[: -len(".rows")]], i, outs.index(n[: -len(".rows")] + ".vals"))
                   for i, n in enumerate(outs) if n.endswith(".rows")]
         kept = [(i, n) for i, n in enumerate(outs) if not n.endswith((".rows", ".vals"))]
-        self._sessions[key] = (sess, step_ins, outs, io, writes, kept, None if any(b is None for b in bufs) else bufs)
+        if any(b is None for b in bufs):
+            bufs = None
+        else:  # the outputs' arrays are the session's for good: the writes' plan and the outputs' views made once
+            writes = _Writes([(name, buf, bufs[r], bufs[v]) for name, buf, r, v in writes], arena)
+        self._sessions[key] = (sess, step_ins, outs, io, writes, kept, bufs)
         return self._sessions[key]
 
     def built(self, fname: str, build) -> str:
@@ -291,17 +360,27 @@ class OrtBackend:
     def _run_held(self, fname: str, k: int, inputs: dict[str, np.ndarray], views: bool = False):
         sess, step_ins, outs, io, writes, kept, bufs = self._session(fname, k)
         # The binding is the session's, made once: the state arrays are bound once (their buffers are
-        # updated in place by `_store`, never replaced) and the outputs once; a step binds its step inputs only.
-        for n in step_ins:
-            io.bind_cpu_input(n, inputs[n])
+        # updated in place by `_store`, never replaced) and the outputs once; a step places its step inputs only.
+        step_ins.place(inputs)
         sess.run_with_iobinding(io)
-        res = io.copy_outputs_to_cpu() if bufs is None else bufs
+        if bufs is None:
+            res = io.copy_outputs_to_cpu()
+            return {n: res[i] for i, n in kept}, [(name, buf, res[r], res[v]) for name, buf, r, v in writes]
         # the caller keeps what it is given: never a view of a buffer the next run overwrites
-        return {n: res[i] if bufs is None or views else res[i].copy() for i, n in kept}, \
-            [(name, buf, res[r], res[v]) for name, buf, r, v in writes]
+        return ({n: bufs[i] for i, n in kept} if views else {n: bufs[i].copy() for i, n in kept}), writes
+
+    def step_inputs(self, fname: str) -> dict[str, np.ndarray]:
+        """The arrays that one-graph function `fname`'s session has bound for its small step inputs (`ids`, `pos`,
+        `block_table`, `slot`; `_StepInputs`), the same for the session's life: a caller that fills them in place
+        before each run and passes them as its inputs has nothing copied or bound (speculation's one-call step)."""
+        if len(self._graphs[fname]) != 1:
+            raise ValueError(f"{fname}: the step inputs of a one-graph function only")
+        return dict(self._session(fname)[1].arrays)
 
     @staticmethod
     def _store(writes, skip: dict[str, set[int]] | None = None) -> None:
+        if isinstance(writes, _Writes):
+            return writes.store(skip)
         for name, buf, rows, vals in writes:
             drop = skip.get(name) if skip else None
             # a decode step's few rows, one by one: ~1-2 us a row against ~20 us for a mask and two fancy
@@ -310,7 +389,7 @@ class OrtBackend:
             if drop:
                 OrtBackend._store_but(buf, rows, vals, drop)
                 continue
-            if rows.size <= 16:
+            if rows.size <= FEW_ROWS:
                 for i, row in enumerate(rows.tolist()):
                     if row >= 0:
                         buf[row] = vals[i]

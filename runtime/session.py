@@ -328,13 +328,18 @@ class Session:
     def table(self, seqs: Sequence[SeqState | None], B: int) -> tuple[np.ndarray, np.ndarray]:
         """The step inputs `block_table` [B, blocks_per_seq] and `slot` [B] of `seqs` (lanes past them, or
         None: padding, -1)."""
-        table = np.full((B, self.blocks_per_seq), -1, dtype=np.int32)
-        slot = np.full((B,), -1, dtype=np.int32)
-        for b, s in enumerate(seqs):
-            if s is not None:
-                table[b, : len(s.blocks)] = s.blocks
-                slot[b] = s.slot
+        table, slot = np.empty((B, self.blocks_per_seq), dtype=np.int32), np.empty((B,), dtype=np.int32)
+        self.fill_table(seqs, table, slot)
         return table, slot
+
+    @staticmethod
+    def fill_table(seqs: Sequence[SeqState | None], table: np.ndarray, slot: np.ndarray) -> None:
+        """`table`'s step inputs written into arrays of those shapes (`table`'s own, or a backend's,
+        `OrtBackend.step_inputs`): every lane; one write an array (a numpy write per lane costs more)."""
+        B, W = table.shape
+        pad = [-1] * W
+        table[...] = [pad if s is None else s.blocks + pad[len(s.blocks):] for s in seqs] + [pad] * (B - len(seqs))
+        slot[...] = [-1 if s is None else s.slot for s in seqs] + [-1] * (B - len(seqs))
 
     # ---- steps -----------------------------------------------------------------------------------
     @serialised

@@ -299,6 +299,11 @@ class SpecStep:
         # taken here costs what the loop's plain step costs (None: `_plain`'s own)
         self.plain: Callable[[], None] | None = None
         self._fns: dict[int, tuple[int, str, int]] = {}
+        # the greedy one-call step's backend holds a run's writes (the cpu device, unpartitioned, one replica):
+        # `_fused_step`, its inputs the function's own bound arrays (`_inputs`: fused name -> those arrays)
+        self._held = (self.mtp is not None and session.dp == 1 and hasattr(session.backend, "run_held")
+                      and getattr(session.backend, "ranks", None) is None)
+        self._inputs: dict[str, dict[str, np.ndarray]] = {}
 
     @staticmethod
     def check(top_p: float) -> None:
@@ -378,6 +383,10 @@ class SpecStep:
             if self.k_now == 0 and not any(r.spec.drafts[0] for r in live):
                 self._ran = 0
                 return self._plain(live, deliver)
+        if self.k_now and self._held and all(r.temperature == 0 for r in live):
+            fused = self.mtp.fused(B, self.k_now)
+            if fused:
+                return self._fused_step(live, deliver, fused, T)
         # the lanes as lists, one array each (a numpy write per lane costs more); data parallel: every replica's
         # lanes (`run_lanes`), at least the bucket's
         rows_ids, rows_pos = [], []
@@ -394,9 +403,6 @@ class SpecStep:
         seqs = [r.seq for r in live]
         greedy = all(r.temperature == 0 for r in live)
         fused = self.mtp.fused(B, self.k_now) if self.mtp is not None and greedy and self.k_now else None
-        if fused and s.dp == 1 and hasattr(s.backend, "run_held") and getattr(s.backend, "ranks", None) is None:
-            table, slot = s.table(seqs, B)
-            return self._fused_step(live, deliver, fused, {"ids": ids, "pos": pos, "block_table": table, "slot": slot})
         inputs = {"ids": ids, "pos": pos}
         sampled = self.mtp.sampled(B) if self.mtp is not None and not greedy and self.k_now else None
         if sampled:  # the uniforms drawn now, from each sequence's generator, as the host's `accept` draws them
@@ -482,13 +488,30 @@ class SpecStep:
             tok, _ = r.spec.pick(row)
             self.stats.add(0, deliver(r, [tok]), 0)
 
-    def _fused_step(self, live: list, deliver, fused: str, inputs: dict) -> None:
+    def _fused_step(self, live: list, deliver, fused: str, T: int) -> None:
         """The greedy one-call step on a backend that can hold a run's writes (the cpu device): the graph's
         acceptance (checked against the host's rule on the graph's argmax ids: a few ints a sequence, no
         logits read), its writes stored but those of the rejected positions (no rows saved before the run,
-        none restored after), and its in-graph drafts (`spec.drafts`) the next step's."""
+        none restored after), and its in-graph drafts (`spec.drafts`) the next step's. Its inputs are written
+        into the arrays the function's session has bound (`OrtBackend.step_inputs`): nothing is made or bound
+        a step."""
         s = self.s
-        res, store = s.backend.run_held(fused, inputs, views=True)  # read below, before any other run
+        x = self._inputs.get(fused)
+        if x is None:
+            x = self._inputs[fused] = s.backend.step_inputs(fused)
+        # one write an array (as `_step`'s lists), padding lanes (pos -1: they write nothing) after
+        rows_ids, rows_pos = [], []
+        for r in live:
+            q, L, d = r.seq, r.seq.length, r.spec.drafts[0]
+            s.reserve(q, L + len(d))
+            pad = T - 1 - len(d)
+            rows_ids.append([r.ids[-1], *d] + [0] * pad)
+            rows_pos.append([*range(L, L + 1 + len(d))] + [-1] * pad)
+        B = len(x["ids"])
+        x["ids"][...] = rows_ids + [[0] * T] * (B - len(live))
+        x["pos"][...] = rows_pos + [[-1] * T] * (B - len(live))
+        s.fill_table([r.seq for r in live], x["block_table"], x["slot"])
+        res, store = s.backend.run_held(fused, x, views=True)  # read below, before any other run
         # read as lists, counted in Python: the first numpy arithmetic after a run finds numpy's code out of the
         # caches the run went through (`(kept_pos >= 0).sum(1)` there: 10-50 us a step against ~4 us warm;
         # tiny-doc k=1, a step ~0.9 ms)
@@ -506,7 +529,8 @@ class SpecStep:
             q, L = r.seq, r.seq.length
             if self.auto is not None and L >= r.spec.whole_from:
                 self.auto.observe(a, len(d))
-            rejected_rows(rows, q, L + a + 1, L + len(d), skip)  # not stored
+            if a < len(d):
+                rejected_rows(rows, q, L + a + 1, L + len(d), skip)  # not stored
             q.length += a + 1
             news.append((a, d[:a] + [best[a]], len(d)))
         store(skip)

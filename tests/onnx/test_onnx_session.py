@@ -127,3 +127,52 @@ def test_outputs_land_in_bound_arrays_and_the_caller_keeps_its_logits(art, monke
     monkeypatch.setattr(cpu_backend.OrtBackend, "_run_graph", shares)
     a, kept, b = steps(v4compile.load(art, device="cpu", threads=1))
     assert not np.array_equal(a, kept)
+
+
+def test_step_inputs_bound_once_and_rows_stored_as_before(art, monkeypatch):
+    """A step's small inputs are copied into arrays its session bound once (`cpu_backend._StepInputs`: no
+    bind in a step), and the writes of a few rows are stored from one row array (`_Writes`): a prefill and 5
+    decode steps give, bit for bit, the logits of a backend that binds each step's arrays and stores write by
+    write (the way before). Broken variants, each caught by the same comparison: inputs placed without the
+    copy (every step runs on the arrays as first bound), a store that drops the last few rows."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from v4compile.runtime import cpu_backend
+
+    def steps(sess):
+        sess.backend.prepare(["prefill_c64", "decode_b1"])
+        bound, bind = [], ort.IOBinding.bind_cpu_input
+        with monkeypatch.context() as mp:
+            mp.setattr(ort.IOBinding, "bind_cpu_input", lambda self, n, a: bound.append(n) or bind(self, n, a))
+            seqs, lg = sess.prefill([[5, 6, 7, 9]])
+            out = [lg[0]]
+            for _ in range(5):
+                out.append(sess.decode(seqs, [int(out[-1].argmax())])[0].copy())
+        return np.stack(out), bound
+
+    def old_place(self, inputs):
+        for n in self.names:
+            self.io.bind_cpu_input(n, inputs[n])
+    with monkeypatch.context() as mp:
+        mp.setattr(cpu_backend._StepInputs, "place", old_place)
+        mp.setattr(cpu_backend._Writes, "store", lambda self, skip=None: cpu_backend.OrtBackend._store(self.all, skip))
+        want, _ = steps(v4compile.load(art, device="cpu", threads=1))
+    got, bound = steps(v4compile.load(art, device="cpu", threads=1))
+    assert bound == []
+    np.testing.assert_array_equal(got, want)
+    assert len({int(x.argmax()) for x in got}) > 1  # the steps differ: stale inputs would show
+
+    def no_copy(self, inputs):  # the fault: a step's inputs never reach the bound arrays
+        pass
+
+    def drops(self, skip=None):  # the fault: the last few rows (a state's) not stored
+        for row, (buf, v) in list(zip(self.rows.tolist(), self.lanes))[:-3]:
+            if row >= 0:
+                buf[row] = v
+        cpu_backend.OrtBackend._store(self.many)
+    for cls, name, fault in ((cpu_backend._StepInputs, "place", no_copy), (cpu_backend._Writes, "store", drops)):
+        with monkeypatch.context() as mp:
+            mp.setattr(cls, name, fault)
+            broken, _ = steps(v4compile.load(art, device="cpu", threads=1))
+        assert not np.array_equal(broken, want), name

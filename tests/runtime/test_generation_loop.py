@@ -5,8 +5,9 @@
   fails the same assertion;
 * one session used from several threads at once (greedy and seeded sampling, several rounds): each call
   gets exactly the ids it gets alone, run one after another; with the session's lock dropped the same
-  assertion fails (a short sleep after each input the cpu backend binds widens the real race: the
-  backend binds a step's inputs to a function's one ONNX Runtime binding, then runs it).
+  assertion fails (a short sleep after the cpu backend places a step's inputs widens the real race: the
+  backend writes a step's inputs into the arrays bound to a function's one ONNX Runtime binding, then runs
+  it).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 import v4compile
 from artifact_tamper import compile_cpu
 from v4compile.runtime import batcher as batcher_mod
-from v4compile.runtime.cpu_backend import OrtBackend
+from v4compile.runtime import cpu_backend
 
 NEW = 10
 VOCAB = 512  # tiny's
@@ -92,27 +93,15 @@ def calls() -> list[list[dict]]:
             for t in range(THREADS)]
 
 
-class SlowBinding:
-    """An ONNX Runtime IO binding that sleeps after each input bound (wider windows for another thread)."""
-
-    def __init__(self, io):
-        self._io = io
-
-    def bind_cpu_input(self, name, array):
-        self._io.bind_cpu_input(name, array)
-        time.sleep(0.002)
-
-    def __getattr__(self, name):
-        return getattr(self._io, name)
-
-
 def slow_binding(monkeypatch) -> None:
-    real = OrtBackend._session
+    """A sleep after each step's inputs are placed in a session's bound arrays (wider windows for another
+    thread between placing them and the run)."""
+    real = cpu_backend._StepInputs.place
 
-    def session(self, fname, k=0):
-        sess, step_ins, outs, io, *rest = real(self, fname, k)
-        return (sess, step_ins, outs, io if isinstance(io, SlowBinding) else SlowBinding(io), *rest)
-    monkeypatch.setattr(OrtBackend, "_session", session)
+    def place(self, inputs):
+        real(self, inputs)
+        time.sleep(0.002)
+    monkeypatch.setattr(cpu_backend._StepInputs, "place", place)
 
 
 def threaded(s, work: list[list[dict]]) -> list[list]:
