@@ -138,8 +138,9 @@ def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
                         "every rank's tokens gathered to them)")
     g.add_argument("--allreduce", choices=("oneshot", "nccl"), default="oneshot",
                    help="GPU programs: tensor-parallel all-reduces within a node as one-shot kernel launches over peer "
-                        "memory (or the leading phase of the launch that reads them), summing the ranks in rank order "
-                        "bit for bit as the IR's reference (oneshot, the default: passes oneshot_allreduce, "
+                        "memory (or a trailing part of the MoE launch that produces them, or the leading phase of the "
+                        "launch that reads them), summing the ranks in rank order bit for bit as the IR's reference "
+                        "(oneshot, the default: passes oneshot_allreduce, fuse_oneshot_producer, "
                         "fuse_oneshot_consumer), or on NCCL / RCCL (nccl: its ring order rounds otherwise)")
     g.add_argument("--print-ir-after-all", action="store_true")
     g.add_argument("--print-ir-after-change", action="store_true")

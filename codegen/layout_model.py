@@ -17,6 +17,8 @@ What each figure is and where it comes from (every row states it too):
   group, (n-1)/n of the gathered bytes each; each costs the link's latency + bytes / link bandwidth
   (`targets.TargetSpec.link`), except a compiled TP8/EP8 program's one-shot all-reduces (`oneshot`): the
   one-shot's measured fixed cost + (n-1) x bytes / link bandwidth, their launches among the program's calls;
+  the routed experts' folded into the MoE's launch (`passes/fuse_oneshot_producer.py`) exposed only past the
+  shared expert's weights read meanwhile: max(0, time - those bytes / HBM bandwidth), modeled;
 * modeled per-rank decode step = bandwidth (weights a step reads at the HBM roofline: every non-expert weight
   of the rank, and of its routed experts those the group's tokens pick, `1 - (1 - k/E)^tokens` each under
   uniform routing; KV reads left out as in `parallel_model`) + compute (2 x activated non-expert params x b +
@@ -100,7 +102,7 @@ def _calls(cfg, layout: str, calls_per_step: int | dict[str, int] | None) -> tup
 
 
 def step(cfg, w: dict, layout: str, target: str, b: int,
-         calls_per_step: int | dict[str, int] | None, oneshot: bool = False) -> dict[str, Any]:
+         calls_per_step: int | dict[str, int] | None, oneshot: bool = False, hidden_bytes: int = 0) -> dict[str, Any]:
     spec = TARGETS[target]
     E, k = cfg.n_experts, cfg.n_active_experts
     group_tokens = b if layout == "TP8/EP8" else WORLD * b
@@ -121,6 +123,13 @@ def step(cfg, w: dict, layout: str, target: str, b: int,
         # of their consumers')
         coll_s = c["count"] * spec.link.oneshot_s(WORLD, c["bytes_each"])
         c = {**c, "what": c["what"] + ", one-shot"}
+    if oneshot and hidden_bytes and layout == "TP8/EP8" and calls_source == "the compiled program":
+        # the routed experts' all-reduces folded into the MoE's launch (`passes/fuse_oneshot_producer.py`): exposed
+        # only past the shared expert's weights read while the peers arrive, max(0, time - bytes / HBM)
+        each = coll_s / c["count"]
+        coll_s = c["count"] / 2 * (each + max(0.0, each - hidden_bytes / spec.hbm_bytes_s))
+        c = {**c, "what": c["what"] + f"; the routed experts' hidden behind the shared expert's "
+                                      f"{hidden_bytes / 1e6:.0f} MB: modeled"}
     total = bw_s + compute_s + launch_s + coll_s
     return {"batch_per_rank": b, "bandwidth_us": bw_s * 1e6, "bytes_read": read, "compute_us": compute_s * 1e6,
             "flops": flops, "launch_us": launch_s * 1e6, "calls": calls,
@@ -129,10 +138,13 @@ def step(cfg, w: dict, layout: str, target: str, b: int,
 
 
 def layout_table(cfg, targets: tuple[str, ...] = tuple(TARGETS), batch: int = 8,
-                 calls_per_step: int | dict[str, int] | None = None, oneshot: bool = False) -> dict[str, Any]:
+                 calls_per_step: int | dict[str, int] | None = None, oneshot: bool = False,
+                 hidden_bytes: int = 0) -> dict[str, Any]:
     """`oneshot`: the compiled TP8/EP8 program's all-reduces are one-shot kernel calls (`passes/oneshot_allreduce.py`,
     counted in its calls): its row's collectives then cost the one-shot's own time where the target has a measured
-    figure (`parallel_model.collective_s`), not a ring's."""
+    figure (`parallel_model.collective_s`), not a ring's. `hidden_bytes`: its routed experts' all-reduces are folded
+    into the MoE's launch (`passes/fuse_oneshot_producer.py`), each exposed only past that many bytes (the shared
+    expert's weights) at the HBM roofline."""
     w = _weights(cfg)
     seq = {ctx: _per_sequence(cfg, ctx) for ctx in CONTEXTS}
     rows = []
@@ -146,12 +158,12 @@ def layout_table(cfg, targets: tuple[str, ...] = tuple(TARGETS), batch: int = 8,
             tps = {}
             for conc in CONCURRENCY:
                 b = conc if layout == "TP8/EP8" else math.ceil(conc / WORLD)
-                st = step(cfg, w, layout, t, b, calls_per_step, oneshot)
+                st = step(cfg, w, layout, t, b, calls_per_step, oneshot, hidden_bytes)
                 tps[conc] = {"step_us": st["step_us"], "tokens_s": conc / (st["step_us"] * 1e-6), "batch_per_rank": b}
             rows.append({"target": t, "device": spec.link.device, "layout": layout, "weights_per_rank": per_rank,
                          "kv_state_per_sequence": {ctx: seq[ctx] for ctx in CONTEXTS},
                          "kv_state_per_rank_at_batch": {ctx: seq[ctx] * batch for ctx in CONTEXTS},
-                         "fits_sequences": fits, "step": step(cfg, w, layout, t, batch, calls_per_step, oneshot),
+                         "fits_sequences": fits, "step": step(cfg, w, layout, t, batch, calls_per_step, oneshot, hidden_bytes),
                          "system": tps, "memory_bytes": spec.link.memory_bytes, "source": spec.link.source})
     return {"model": cfg.name if hasattr(cfg, "name") else "", "world": WORLD, "batch_per_rank": batch,
             "workspace_bytes": WORKSPACE_BYTES, "rows": rows, "atom_measured": ATOM_MEASURED,

@@ -13,7 +13,7 @@
 * `decode_step`: per GPU target, a modeled per-rank decode step (stated model below) and whether the
   rank's weights + KV fit the device.
 
-Model (per rank, serial, no overlap): the bytes a step moves at the HBM roofline (`targets.TARGETS`): for a
+Model (per rank, serial, no overlap but the one said below): the bytes a step moves at the HBM roofline (`targets.TARGETS`): for a
 program with kernels for every launch, what its decode kernel calls move (`bytes_moved`, as the roofline
 step model counts them: the MoE kernels count only this rank's k / ep slots per token, other ranks' slots
 run nothing); else the weights model: every weight once, and of the routed experts those a step touches
@@ -24,8 +24,12 @@ was not lowered to a program), plus each
 collective as a ring: `latency + 2 (n - 1) / n * bytes / link bandwidth` for an all-reduce
 (`targets.TargetSpec.link`), except the one-shot all-reduce over peer memory (`all_reduce_oneshot`,
 `codegen/kernels/allreduce.py`; issue 34's option A): a kernel call (counted with the calls; or the leading phase of
-its consumer's, `passes/fuse_oneshot_consumer.py`: no call of its own) + `oneshot latency +
-(n - 1) * bytes / link bandwidth` where the target has a measured one-shot figure (else the ring's). For a
+its consumer's, `passes/fuse_oneshot_consumer.py`, or a trailing part of its producer's,
+`passes/fuse_oneshot_producer.py`: no call of its own) + `oneshot latency + (n - 1) * bytes / link bandwidth`
+where the target has a measured one-shot figure (else the ring's). The one overlap modeled: one folded into its
+producer's launch (the EP MoE's) waits while that launch reads the shared expert's weights (published before them,
+waited for after), so its exposed time is max(0, that time - those bytes / HBM bandwidth); the report says so
+("hidden behind the shared expert's N MB: modeled"). For a
 program whose all-reduces stayed on the communicator (`--allreduce nccl`), `oneshot` is the step with them
 one-shot. KV reads
 are left out (a decode step reads the window and the selected rows, small next to the weights at these batches).
@@ -37,7 +41,7 @@ from typing import Any
 
 from v4compile.ir.core import Module
 from v4compile.ir.registry import get_op
-from v4compile.ops.fused_allreduce import consumer_of
+from v4compile.ops.fused_allreduce import PRODUCED, consumer_of, hidden_bytes, producer_of
 from v4compile.parallel import ParallelLayout, is_rank_local, split_shard
 from v4compile.targets import TARGETS, oneshot_allreduce
 from v4compile.weights import spec_table
@@ -85,14 +89,23 @@ def state_bytes(m: Module, func: str = "decode") -> int:
 
 def collectives(m: Module, func: str = "decode") -> list[dict[str, Any]]:
     """Every collective of `func`, one-shot all-reduces folded into their consumers' launches
-    (`passes/fuse_oneshot_consumer.py`) as the one-shot all-reduces they are (`folded_into`: the consumer op)."""
+    (`passes/fuse_oneshot_consumer.py`) as the one-shot all-reduces they are (`folded_into`: the consumer op), and
+    those folded into their producers' (`passes/fuse_oneshot_producer.py`) too (`folded_after`: the producer op;
+    `hidden_bytes`: what its launch reads between publishing and waiting, `fused_allreduce.hidden_bytes`)."""
     out = []
     for op in m.functions[func].ops:
         if get_op(op.name).collective:
             inner = consumer_of(op.name)
-            out.append({"op": "all_reduce_oneshot" if inner else op.name, **({"folded_into": inner} if inner else {}),
-                        "group": op.attrs["group"], "bytes": op.operands[0].type.nbytes,
-                        "role": op.attrs.get("role", ""), **({"tp": op.attrs["tp"]} if op.attrs.get("tp", 1) > 1 else {})})
+            producer = producer_of(inner or op.name)
+            common = {"group": op.attrs["group"], "role": op.attrs.get("role", ""),
+                      **({"tp": op.attrs["tp"]} if op.attrs.get("tp", 1) > 1 else {})}
+            if inner or not producer:
+                out.append({"op": "all_reduce_oneshot" if inner else op.name, **({"folded_into": inner} if inner else {}),
+                            "bytes": op.operands[0].type.nbytes, **common})
+            if producer:
+                at = get_op(op.name).results.index(PRODUCED)
+                out.append({"op": "all_reduce_oneshot", "folded_after": producer, "bytes": op.results[at].type.nbytes,
+                            "hidden_bytes": hidden_bytes(op), **common})
     return out
 
 
@@ -114,7 +127,9 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
     for t in targets:
         spec = TARGETS[t]
         link = spec.link
-        coll_s = sum(collective_s(c, link, c["op"] == "all_reduce_oneshot") for c in coll)
+        coll_s = sum(collective_s(c, link, c["op"] == "all_reduce_oneshot", spec.hbm_bytes_s) for c in coll)
+        after = [c for c in coll if "hidden_bytes" in c]  # folded into their producers: partly hidden
+        hidden_s = sum(collective_s(c, link, True) - collective_s(c, link, True, spec.hbm_bytes_s) for c in after)
         # every launch as a graph node, with PDL where the target has it (its kernels all wait: kernels/pdl.py)
         kind = "graph_pdl" if spec.pdl else "graph"
         # all-reduces the lowering left on the communicator (`--allreduce nccl`) that could run one-shot
@@ -125,6 +140,8 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
                     "program_kernel_bytes": kernel_bytes,
                     "roofline_us": round(roof_s * 1e6, 1), "launch_latency_us": round(launch_s * 1e6, 1),
                     "collectives_us": round(coll_s * 1e6, 1),
+                    **({"folded_after": len(after), "hidden_us": round(hidden_s * 1e6, 1),
+                        "hidden_bytes_each": max(c["hidden_bytes"] for c in after)} if after else {}),
                     "modeled_us": round((roof_s + launch_s + coll_s) * 1e6, 1), "launches": launches,
                     "launches_counted": counted,
                     "link_bytes_s": link.bytes_s, "allreduce_latency_us": link.allreduce_latency_s * 1e6,
@@ -152,7 +169,9 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
         compiled = "DP8/EP8" if layout.dp > 1 else "TP8/EP8"
         out["layouts"] = layout_table(cfg, targets or tuple(TARGETS), int(dec.attrs["batch"]),
                                       {compiled: launches} if counted == "kernel calls" else None,
-                                      oneshot=any(c["op"] == "all_reduce_oneshot" for c in coll))
+                                      oneshot=any(c["op"] == "all_reduce_oneshot" for c in coll),
+                                      hidden_bytes=max([c["hidden_bytes"] for c in coll if "hidden_bytes" in c],
+                                                       default=0))
     return out
 
 
@@ -167,13 +186,17 @@ def ring_bytes(c: dict) -> float:
     return 2 * (n - 1) / n * b
 
 
-def collective_s(c: dict, link, oneshot: bool) -> float:
+def collective_s(c: dict, link, oneshot: bool, hbm_bytes_s: float | None = None) -> float:
     """A collective's own time (its launch, if a kernel call, is counted with the calls). One-shot, where the
     link has a measured figure (`targets.Link.oneshot_s`): that fixed cost + what a rank pulls from its
-    n - 1 peers at the link's bandwidth; else a ring: the link's latency + the ring's bytes at its bandwidth."""
-    if oneshot and link.oneshot_latency_s is not None:
-        return link.oneshot_s(c["group"], c["bytes"])
-    return link.allreduce_latency_s + ring_bytes(c) / link.bytes_s
+    n - 1 peers at the link's bandwidth; else a ring: the link's latency + the ring's bytes at its bandwidth.
+    With `hbm_bytes_s`, what is exposed of a one-shot folded into its producer's launch (`hidden_bytes`: the
+    shared expert's weights, read between publishing and waiting): max(0, that time - hidden bytes / HBM)."""
+    t = link.oneshot_s(c["group"], c["bytes"]) if oneshot and link.oneshot_latency_s is not None else \
+        link.allreduce_latency_s + ring_bytes(c) / link.bytes_s
+    if hbm_bytes_s is not None and c.get("hidden_bytes"):
+        return max(0.0, t - c["hidden_bytes"] / hbm_bytes_s)
+    return t
 
 
 def decode_calls(final: Module) -> tuple[int, str, int | None]:
@@ -202,8 +225,10 @@ def program_collectives(final: Module) -> dict[str, int]:
     launches = program_of(final).functions["decode"].launches
     return {"program_launches": len(launches),
             "program_collective_launches": sum(1 for l in launches
-                                               if get_op(l.op).collective and not consumer_of(l.op)),
-            "program_folded": sum(1 for l in launches if consumer_of(l.op))}
+                                               if get_op(l.op).collective and not consumer_of(l.op)
+                                               and not producer_of(l.op)),
+            "program_folded": sum(1 for l in launches if consumer_of(l.op)),
+            "program_folded_after": sum(1 for l in launches if producer_of(consumer_of(l.op) or l.op))}
 
 
 def _moved(s: dict) -> str:
@@ -234,7 +259,9 @@ def render_parallel(p: dict) -> str:
                  f"({', '.join(f'{s:,}' for s in size)} bytes each)"
                  + (f"; launches of the program: {c['program_collective_launches']} of its {c['program_launches']}"
                     + (f" ({c['program_folded']} more folded into their consumers' launches)"
-                       if c.get("program_folded") else "") if "program_launches" in c else ""))
+                       if c.get("program_folded") else "")
+                    + (f" ({c['program_folded_after']} folded into their producers' launches)"
+                       if c.get("program_folded_after") else "") if "program_launches" in c else ""))
     for t, s in p["decode_step"].items():
         lines.append(f"    {t} ({s['device']}, {s['memory_bytes'] / gb:.0f} GB: {'fits' if s['fits'] else 'does NOT fit'}): "
                      f"modeled decode step {s['modeled_us']:.1f} us = {_moved(s)} + {s['launches']} "
@@ -243,10 +270,14 @@ def render_parallel(p: dict) -> str:
                      f"({s['allreduce_latency_us']:.0f} us + bytes / {s['link_bytes_s'] / gb:.0f} GB/s each"
                      + (f"; the {s['oneshot_all_reduces']} one-shot all-reduces {s['oneshot_latency_us']:.1f} us + "
                         f"(n - 1) x bytes / {s['link_bytes_s'] / gb:.0f} GB/s each besides their kernel calls (their "
-                        f"own or the consumers' they lead): {s['oneshot_source']}" if s["oneshot_all_reduces"] and "oneshot_latency_us" in s else "")
+                        f"own, or the consumers' they lead, or the producers' they trail): {s['oneshot_source']}" if s["oneshot_all_reduces"] and "oneshot_latency_us" in s else "")
                      + (f"; its {s['oneshot_all_reduces']} one-shot all-reduces modeled as the ring: no measured "
                         "one-shot figure below it on this target" if s["oneshot_all_reduces"]
                         and "oneshot_latency_us" not in s else "") + ")")
+        if "folded_after" in s:
+            lines.append(f"      the {s['folded_after']} MoE all-reduces folded into their MoE's launch hidden behind the "
+                         f"shared expert's {s['hidden_bytes_each'] / 1e6:.0f} MB each: modeled (exposed = max(0, its time "
+                         f"- those bytes / HBM)): {s['hidden_us']:.1f} us hidden, the rest in the collectives above")
         if "oneshot" in s:
             o = s["oneshot"]
             lines.append(f"      with its {o['all_reduces']} all-reduces one-shot over peer memory (modeled; this "

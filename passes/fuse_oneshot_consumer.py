@@ -1,5 +1,5 @@
 """Fold each one-shot all-reduce into the launch of its consumer (issue 34): `all_reduce_oneshot` whose result
-is the `y` of one phased consumer (`mhc_moe_ep`, `mhc_add_pair_norm_linear`) and used by it alone becomes that
+is the `y` of one phased consumer (`mhc_moe_ep`, `mhc_moe_ep_ar`, `mhc_add_pair_norm_linear`) and used by it alone becomes that
 consumer's leading phase, one launch fewer per fold.
 
 Requires: the one-shot all-reduces of `oneshot_allreduce`, the consumers of `fuse_mhc_moe` / `fuse_attn_front`.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from v4compile.ir.core import Function
 from v4compile.ir.registry import get_op
-from v4compile.ops.fused_allreduce import AR_ATTRS, CONSUMERS, PREFIX, REDUCED
+from v4compile.ops.fused_allreduce import AR_ATTRS, CONSUMERS, PREFIX, REDUCED, producer_of
 
 from .base import function_pass
 from .rewrite import Rewrite, make_op, operands_of
@@ -32,9 +32,11 @@ def fold_function(fn: Function) -> tuple[Function, dict[str, int]]:
         ar = rw.producer(op.operand(REDUCED), "all_reduce_oneshot", only_use=True)
         if ar is None or list(op.operands).count(op.operand(REDUCED)) != 1 or not rw.can_fuse(op, [ar]):
             continue
+        if producer_of(op.name) and any(op.attrs[n] != ar.attrs[n] for n in AR_ATTRS):
+            continue  # (a producer fold's all-reduce and the leading one share the attributes: one group, one region)
         operands = {**operands_of(op), REDUCED: ar.operand("x")}
         attrs = {n: v for n, v in op.attrs.items() if n in get_op(op.name).attrs and n != "variant"}
-        attrs.update({n: ar.attrs[n] for n in AR_ATTRS})
+        attrs.update({n: ar.attrs[n] for n in AR_ATTRS})  # (`<producer>_ar`: the same values, checked above)
         attrs.update({n: v for n, v in op.attrs.items() if n in ("layer", "role")})
         rw.replace(op, make_op(rw.namer, PREFIX + op.name, operands, attrs, op.loc, list(op.results)), absorbed=[ar])
     return rw.done("folded")
@@ -44,4 +46,6 @@ FuseOneshotConsumer = function_pass("fuse_oneshot_consumer", fold_function, afte
     "oneshot_allreduce": "it folds the one-shot all-reduces that pass makes",
     "fuse_mhc_moe": "it folds into that pass's mhc_moe_ep",
     "fuse_attn_front": "it folds into that pass's mhc_add_pair_norm_linear",
+    "fuse_oneshot_producer": "it folds into that pass's mhc_moe_ep_ar (the MoE's all-reduce is then no longer "
+                             "the next layer's attention's to fold)",
 })

@@ -6,8 +6,9 @@ Guarantees: each `all_reduce` whose group lies within one node and whose value i
 attributes and place; `region_bytes` the largest such value of the module, which sizes the one symmetric region
 every rank holds). One group size per module: where all-reduces of several sizes qualify, the largest group's
 become one-shot and the others stay on the communicator (hits `<func>.oneshot`, `<func>.kept`).
-The one-shot launch is a kernel call of its own (`codegen/kernels/allreduce.py`; `fuse_oneshot_consumer` then folds
-those read by a phased launch into it, as its leading phase) that adds the ranks' values in
+The one-shot launch is a kernel call of its own (`codegen/kernels/allreduce.py`; `fuse_oneshot_producer` then folds
+the EP MoE's into its launch, `fuse_oneshot_consumer` those read by a phased launch into it, as its leading phase)
+that adds the ranks' values in
 rank order in the value's dtype: bit for bit the IR's reference (`ops/collective._rank_sum`), which NCCL's ring
 order is not. The knob is `compile --allreduce oneshot|nccl` (nccl: this pass is left out; the pipeline the
 artifact records says which ran). Kept out of the cpu pipeline (`passes/pipeline.py`): ONNX Runtime's segments

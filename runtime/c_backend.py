@@ -26,7 +26,7 @@ import torch
 from v4compile.errors import DeviceError, InputError
 from v4compile.ir.registry import get_op
 from v4compile.ir.types import DTYPES
-from v4compile.ops.fused_allreduce import REDUCED, consumer_of, inner_attrs
+from v4compile.ops.fused_allreduce import PRODUCED, REDUCED, consumer_of, inner_attrs, producer_of
 from v4compile.program.core import Program
 from v4compile.program.execute import _typed, run_launch
 from v4compile.signals import act_pending, held
@@ -417,12 +417,17 @@ class CRuntime:
         if self.collective is None:
             raise DeviceError(f"{l.op}: a collective launch needs the process group of a partitioned artifact "
                               "(v4compile.load under torchrun)")
-        inner = consumer_of(l.op)
-        if inner is not None:  # folded into its consumer: the sum (on gloo), then the consumer's reference
+        inner, producer = consumer_of(l.op), producer_of(l.op)
+        if inner is not None or producer is not None:
             group = int(l.attrs["group"])
-            args = {**args, REDUCED: self.collective("all_reduce", args[REDUCED], group)}
-            opdef = get_op(inner)
-            got = opdef.run([args[n] for n in opdef.operand_names], inner_attrs(l.attrs))
+            if inner is not None:  # folded into its consumer: the sum (on gloo), then the consumer's reference
+                args = {**args, REDUCED: self.collective("all_reduce", args[REDUCED], group)}
+                producer = producer_of(inner)
+            opdef = get_op(producer or inner)
+            got = list(opdef.run([args[n] for n in opdef.operand_names], inner_attrs(l.attrs)))
+            if producer is not None:  # folded into its producer: its reference, then the sum of its partial
+                at = opdef.results.index(PRODUCED)
+                got[at] = self.collective("all_reduce", got[at], group)
             for (n, y), g in zip(outs.items(), got):
                 y.copy_(g)
             return

@@ -57,17 +57,19 @@ def inputs(rank: int, scenario: str, k: int, numel: int, dtype):
 
 
 def kernel_variant(edits):
-    """`oneshot_kernel` with the source edits applied to the per-tile body it calls, `oneshot_tiles` (the one
-    both the standalone kernel and a consumer's folded phase run; each `old` must occur exactly once)."""
+    """`oneshot_kernel` with the source edits applied to the per-tile body it calls, `oneshot_tiles`, and its
+    halves `publish_tiles` / `gather_tiles` (what the standalone kernel and the folded phases run; each `old` must
+    occur, and every occurrence is edited: the slot both halves compute alike)."""
     import inspect
 
     from v4compile.codegen.kernels import allreduce
 
     if not edits:
         return allreduce.oneshot_kernel
-    src = inspect.getsource(allreduce.oneshot_tiles.fn)
+    src = "\n\n".join(inspect.getsource(f.fn) for f in (allreduce.publish_tiles, allreduce.gather_tiles,
+                                                        allreduce.oneshot_tiles))
     for old, new in edits:
-        assert src.count(old) == 1, f"{old!r} occurs {src.count(old)} times"
+        assert src.count(old) >= 1, f"{old!r} does not occur"
         src = src.replace(old, new)
     src += "\n\n" + inspect.getsource(allreduce.oneshot_kernel.fn)  # calling the edited body
     path = Path(os.environ["V4_TEST_DIR"]) / f"broken_{abs(hash(src)) % 10**8}.py"

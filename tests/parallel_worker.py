@@ -8,7 +8,7 @@ For each artifact: load it (device `V4_TEST_DEVICE`: cpu, or host with the refer
 continuous batching over the decode bucket), recording every step's logits; writes `OUT/rank-<r>.npz`
 (`ids-<i>`, `logits-<i>` per artifact i; `V4_TEST_KERNELS`: the host device's kernels, one mode or one per
 artifact, `oneshot` the references but for the one-shot all-reduce's kernel and the launches it is folded into,
-`oneshot_skipped` the same with the folded phase broken). The process group is joined here once, so one launch checks
+`oneshot_skipped` the same with the leading folded phase broken, `oneshot_unsummed` with the trailing one broken). The process group is joined here once, so one launch checks
 several artifacts of the same world size. `V4_TEST_DIE_AT=K` (tests of a rank that dies): rank 1 exits
 abruptly at its K-th step. `V4_TEST_NCCL=FAKE_DRIVER:FAKE_NCCL`: then the first artifact's GPU program on the
 fake CUDA driver and fake NCCL (`parallel_gpu_worker.nccl_check`), written to `OUT/nccl-<r>.json`. A V4Error prints one `error:` line and exits with status 2.
@@ -53,15 +53,16 @@ def main(out: Path, prompts_file: Path, arts: list[str]) -> int:
     if "oneshot" in modes:
         import v4compile.runtime.program_backend as pb
         from v4compile.codegen.program_kernels import calls_of
-        from v4compile.ops.fused_allreduce import CONSUMERS, consumer_of
+        from v4compile.ops.fused_allreduce import CONSUMERS, consumer_of, producer_of
         from v4compile.runtime.kernels import kernel_calls_for
 
         os.environ["TRITON_INTERPRET"] = "1"
-        # the one-shot's launches; layer 1's MoE and the next attention's front where it is folded into them
-        # (`ar_*`: the consumer's one launch, its leading phase the one-shot's programs) or, unfolded, those
-        # consumers (the same kernels: a bit-for-bit comparison; one layer of each kind of fold, the Triton
-        # interpreter being slow: decode steps only); the other layers' and prefill's by the reference (`ar_*`: the
-        # sum on gloo, at 2 ranks the kernel's a + b). `V4_TEST_FOLDED` lists the folded launches whose kernel runs
+        # the one-shot's launches; layer 1's MoE and the next attention's front where the all-reduces are folded
+        # into them (`ar_mhc_moe_ep_ar`: the MoE's one launch, the attention's all-reduce its leading phase, its own
+        # a trailing part; the front then reads the reduced MoE output) or, unfolded, those ops (the same kernels:
+        # a bit-for-bit comparison; the Triton interpreter being slow: decode steps only); the other layers' and
+        # prefill's by the reference (a folded op's sums on gloo, at 2 ranks the kernel's a + b). `V4_TEST_FOLDED`
+        # lists the folded launches whose kernel runs
         folded = os.environ.get("V4_TEST_FOLDED")
 
         def oneshot_calls(l):
@@ -70,7 +71,7 @@ def main(out: Path, prompts_file: Path, arts: list[str]) -> int:
                                                  or dict(l.operands)["y"].type.shape[-2] != 1):  # decode only
                 return None
             calls = calls_of(l)
-            if folded and consumer_of(l.op):
+            if folded and (consumer_of(l.op) or producer_of(l.op)):
                 with open(folded, "a") as f:
                     f.write(calls[0].name + "\n")
             return calls
@@ -83,8 +84,16 @@ def main(out: Path, prompts_file: Path, arts: list[str]) -> int:
                 calls[0].constexprs["AR_NUMEL"] = 0
             return calls
 
-        pb.kernel_calls_for = lambda mode, dev: (oneshot_calls if mode == "oneshot" else skipped_calls
-                                                 if mode == "oneshot_skipped" else kernel_calls_for(mode, dev))
+        def unsummed_calls(l):
+            """The broken fold of mode `oneshot_unsummed`: the trailing part neither publishes nor sums (no tile:
+            TR_NUMEL 0), so the MoE's output stays this rank's partial."""
+            calls = oneshot_calls(l)
+            if calls and calls[0].constexprs.get("NP", 0) > 0:
+                calls[0].constexprs["TR_NUMEL"] = 0
+            return calls
+
+        broken = {"oneshot": oneshot_calls, "oneshot_skipped": skipped_calls, "oneshot_unsummed": unsummed_calls}
+        pb.kernel_calls_for = lambda mode, dev: broken[mode] if mode in broken else kernel_calls_for(mode, dev)
 
     def body(rank: int) -> None:
         res = {}

@@ -60,19 +60,17 @@ MAX_BYTES = ONESHOT_MAX_BYTES  # all-reduces run one-shot are under it (`targets
 
 
 @triton.jit
-def oneshot_tiles(o, x_ptr, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
+def publish_tiles(o, x_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
                   GRID: tl.constexpr, SLOTS_AT: tl.constexpr, SLOT_BYTES: tl.constexpr, FLAGS_AT: tl.constexpr,
-                  TILES: tl.constexpr, COUNTS_AT: tl.constexpr, SPIN: tl.constexpr):
-    """The protocol (steps 1-5 above) for tiles o, o + GRID, ... of x into y: the one home of the per-tile body,
-    run by program o of `oneshot_kernel` and by program o of a consumer's leading phase (`fold`)."""
+                  TILES: tl.constexpr, COUNTS_AT: tl.constexpr):
+    """Steps 1-3 above for tiles o, o + GRID, ... of x: the first half of the protocol (the one home of it, with
+    `gather_tiles`). Nothing after a late peer (an earlier all-reduce gave up: this one does not wait again)."""
     dty = x_ptr.dtype.element_ty
     rank = tl.load(peers_ptr + GROUP)
     me = tl.load(peers_ptr + rank)
     counts = (me + COUNTS_AT).to(tl.pointer_type(tl.int64))
-    my_flags = (me + FLAGS_AT).to(tl.pointer_type(tl.int64))
-    status = me.to(tl.pointer_type(tl.int64))
     offs = tl.arange(0, TILE)
-    late = tl.load(status)  # an earlier all-reduce gave up: this one does not wait again
+    late = tl.load(me.to(tl.pointer_type(tl.int64)))
     for t in range(o, tl.cdiv(NUMEL, TILE), GRID):
         if late == 0:
             v = tl.load(counts + t) + 1
@@ -85,6 +83,29 @@ def oneshot_tiles(o, x_ptr, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.con
             for s in tl.static_range(GROUP):
                 peer_flags = (tl.load(peers_ptr + s) + FLAGS_AT).to(tl.pointer_type(tl.int64))
                 tl.atomic_store(peer_flags + rank * TILES + t, v, sem="release", scope="sys")
+
+
+@triton.jit
+def gather_tiles(o, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
+                 GRID: tl.constexpr, SLOTS_AT: tl.constexpr, SLOT_BYTES: tl.constexpr, FLAGS_AT: tl.constexpr,
+                 TILES: tl.constexpr, COUNTS_AT: tl.constexpr, SPIN: tl.constexpr):
+    """Steps 4-5 above for the tiles `publish_tiles(o, ...)` published (v: their counters as it left them; a
+    program that did not publish them itself first acquires the publishers' stores): the bounded wait, then
+    the rank-order sum into y (y may be x: each tile is read into the slot before it is written)."""
+    dty = y_ptr.dtype.element_ty
+    rank = tl.load(peers_ptr + GROUP)
+    me = tl.load(peers_ptr + rank)
+    counts = (me + COUNTS_AT).to(tl.pointer_type(tl.int64))
+    my_flags = (me + FLAGS_AT).to(tl.pointer_type(tl.int64))
+    status = me.to(tl.pointer_type(tl.int64))
+    offs = tl.arange(0, TILE)
+    late = tl.load(status)
+    for t in range(o, tl.cdiv(NUMEL, TILE), GRID):
+        if late == 0:
+            v = tl.load(counts + t)
+            slot = SLOTS_AT + (v % 2) * SLOT_BYTES
+            idx = t * TILE + offs
+            ok = idx < NUMEL
             for s in tl.static_range(GROUP):
                 polls = 0
                 while (tl.atomic_load(my_flags + s * TILES + t, sem="acquire", scope="sys") < v) & (polls < SPIN):
@@ -100,6 +121,17 @@ def oneshot_tiles(o, x_ptr, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.con
                 tl.store(y_ptr + idx, acc, mask=ok)
             elif tl.atomic_cas(status, late * 0, late, sem="relaxed", scope="sys") == 0:  # the first to give up says so
                 tl.store(status + 1, v)
+
+
+@triton.jit
+def oneshot_tiles(o, x_ptr, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
+                  GRID: tl.constexpr, SLOTS_AT: tl.constexpr, SLOT_BYTES: tl.constexpr, FLAGS_AT: tl.constexpr,
+                  TILES: tl.constexpr, COUNTS_AT: tl.constexpr, SPIN: tl.constexpr):
+    """The protocol (steps 1-5 above) for tiles o, o + GRID, ... of x into y: both halves back to back, run by
+    program o of `oneshot_kernel` and by program o of a consumer's leading phase (`fold`); a producer's trailing
+    fold (`fold_trailing`) runs the halves in programs of their own, its independent work between them."""
+    publish_tiles(o, x_ptr, peers_ptr, NUMEL, GROUP, TILE, GRID, SLOTS_AT, SLOT_BYTES, FLAGS_AT, TILES, COUNTS_AT)
+    gather_tiles(o, y_ptr, peers_ptr, NUMEL, GROUP, TILE, GRID, SLOTS_AT, SLOT_BYTES, FLAGS_AT, TILES, COUNTS_AT, SPIN)
 
 
 @triton.jit
@@ -142,9 +174,67 @@ FOLDED_CONSTEXPRS["GRID"] = "NO"
 UNFOLDED = {"ar_x_ptr": None, "peers_ptr": None, **{n: 1 for n in FOLDED_CONSTEXPRS.values()}, "AR_TILE": TILE, "NO": 0}
 
 
+# a producer's trailing fold's constexprs in its kernel (`fold_trailing`): the one-shot's, renamed (NP: the programs
+# of each half)
+TRAILING_CONSTEXPRS = {n: "TR_" + n for n in FOLDED_CONSTEXPRS if n != "GRID"}
+TRAILING_CONSTEXPRS["GRID"] = "NP"
+# a producer's kernel with nothing folded (NP = 0: the halves' branches are compiled out)
+UNTRAILED = {**{n: 1 for n in TRAILING_CONSTEXPRS.values()}, "TR_TILE": TILE, "NP": 0}
+
+
 def spin_of(constexprs: dict) -> int:
-    """The poll bound of a call that runs the protocol: the one-shot's own, or a consumer's leading phase's."""
-    return int(constexprs["SPIN"] if "SPIN" in constexprs else constexprs["AR_SPIN"])
+    """The poll bound of a call that runs the protocol: the one-shot's own, or a folded phase's (leading or
+    trailing: one bound, `oneshot_call`'s)."""
+    if "SPIN" in constexprs:
+        return int(constexprs["SPIN"])
+    return int(constexprs["AR_SPIN"] if constexprs.get("NO", 0) > 0 else constexprs["TR_SPIN"])
+
+
+def fold_trailing(call: KernelCall, y: TensorArg, group: int, region_bytes: int, programs: int,
+                  constexprs: dict) -> KernelCall:
+    """`call` (a producer's one launch that writes its result `y` in place) with the one-shot all-reduce of `y`
+    folded in as a trailing part: NP programs run `publish_tiles` (once `y` is complete), the producer's
+    independent work follows (`programs` more programs, `constexprs` the family's switches that order them
+    there), then NP programs run `gather_tiles` into `y` (in place: each tile was copied to the slot before),
+    each after the NP publishers (`phases.wait_for`). The family's kernel places the phases
+    (`moe_router.moe_fused_kernel`); this sets the protocol's constexprs (TR_*, NP), the peer table and the grid.
+
+    Why no schedule deadlocks: a publisher waits only for earlier tickets on its rank (the programs that complete
+    `y`); a gatherer waits for earlier tickets on its rank (the publishers) and for the publishers of the same
+    tiles on its peers, which wait only for earlier tickets on THEIR rank. So by induction on the ticket every
+    program finishes, however few programs are resident (no program waits for a later ticket, unlike the leading
+    phase no residency of the whole grid is needed), and the wait is bounded besides. The slots' argument of the
+    one-shot's docstring holds: every all-reduce of a region uses the same tiles (t: elements [t TILE, (t+1) TILE)
+    of the value), and the launch's gatherers read the peers' slots before the launch ends; with a leading phase
+    in the same launch (`fold`) the trailing publishers run after it (they wait for work that waited for it), so
+    the two all-reduces are in order on every rank. Why NP programs of their own and not the D tiles' combining
+    programs: a D tile (columns of every token) is not a run of the value's elements, and a tile geometry of its
+    own would break the slots' argument when another all-reduce on the region uses the runs."""
+    single = oneshot_call(y, y, group, Region(group, region_bytes))  # (its poll bound and grid: the one-shot's)
+    ce = {n: v for n, v in call.constexprs.items() if n != "peers_ptr"}
+    ce.update({TRAILING_CONSTEXPRS[n]: v for n, v in single.constexprs.items() if n in TRAILING_CONSTEXPRS})
+    ce.update(constexprs)
+    pointers = list(call.pointers)
+    if "peers_ptr" not in [q[0] for q in pointers]:
+        pointers.append(ptr("peers_ptr", "peers", "peers", "*i64"))
+    per_target = {t: dict(o) for t, o in call.per_target.items()}
+    for t, o in single.per_target.items():  # the GPU binaries' poll bound
+        per_target.setdefault(t, {}).setdefault("constexprs", {}).update(
+            {TRAILING_CONSTEXPRS[n]: v for n, v in o["constexprs"].items()})
+    from dataclasses import replace
+
+    name = call_name(call.name.rsplit("_", 1)[0] + "_rd", ce, f"g{group}")
+    return replace(call, name=name, constexprs=ce, pointers=in_kernel_order(name, call.fn, pointers, ce),
+                   grid=(call.grid[0] + 2 * ce["NP"] + programs, *call.grid[1:]), per_target=per_target,
+                   scratch_bytes=dict(call.scratch_bytes))
+
+
+def oneshot_in_place(y: TensorArg, name: str, group: int, region_bytes: int) -> KernelCall:
+    """The one-shot all-reduce of result `name` into itself: a grouped producer's (a prefill chunk's MoE) as a call
+    of its own after its calls."""
+    call = oneshot_call(y, y, group, Region(group, region_bytes), names=(name, name))
+    call.pointers = [(p, "result", n, ty) if kind == "operand" else (p, kind, n, ty) for p, kind, n, ty in call.pointers]
+    return call
 
 
 def fold(call: KernelCall, x: TensorArg, reduced: tuple[str, str], group: int, region_bytes: int) -> KernelCall:
@@ -168,7 +258,9 @@ def fold(call: KernelCall, x: TensorArg, reduced: tuple[str, str], group: int, r
         raise ValueError(f"{call.name}: no scratch '{name}' at '{param}' to fold the all-reduce into")
     ce = {n: v for n, v in call.constexprs.items() if n not in ("ar_x_ptr", "peers_ptr")}
     ce.update({FOLDED_CONSTEXPRS[n]: v for n, v in single.constexprs.items() if n in FOLDED_CONSTEXPRS})
-    pointers = [ptr("ar_x_ptr", "operand", "y", x), *call.pointers, ptr("peers_ptr", "peers", "peers", "*i64")]
+    pointers = [ptr("ar_x_ptr", "operand", "y", x), *call.pointers]
+    if "peers_ptr" not in [q[0] for q in pointers]:  # (a producer's trailing fold binds it too)
+        pointers.append(ptr("peers_ptr", "peers", "peers", "*i64"))
     per_target = {t: dict(o) for t, o in call.per_target.items()}
     for t, o in single.per_target.items():  # the GPU binaries' poll bound
         per_target.setdefault(t, {}).setdefault("constexprs", {}).update(
@@ -193,7 +285,8 @@ def folded(op_name: str, operands: dict[str, TensorArg | None], results: dict[st
     x = operands[REDUCED]
     _contiguous(op_name, REDUCED, x)
     y = TensorArg(x.type, Layout.contiguous(x.shape).strides)
-    calls = consumer_specialise(consumer_of(op_name), {**operands, REDUCED: y}, results, inner_attrs(attrs))
+    calls = consumer_specialise(consumer_of(op_name), {**operands, REDUCED: y}, results,
+                                inner_attrs(attrs, consumer_of(op_name)))
     for c in calls:
         c.pointers = [(p, "scratch", "ar_y", ty) if (kind, name) == ("operand", REDUCED) else (p, kind, name, ty)
                       for p, kind, name, ty in c.pointers]

@@ -287,11 +287,11 @@ def _combine_column(n_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, sy_p
                     HS_RS: tl.constexpr, YR_RS: tl.constexpr, IDX_RS: tl.constexpr, Y_RS: tl.constexpr,
                     W_RS: tl.constexpr, S_RS: tl.constexpr, W_FMT: tl.constexpr, S_E8M0: tl.constexpr,
                     BLOCK: tl.constexpr, ACT: tl.constexpr, CDT: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, ROUTED: tl.constexpr = True):
     """`_combine` of D tile n_tile for every token, BM tokens at a time."""
     for m_tile in range(0, (M + BM - 1) // BM):
         _combine(n_tile, m_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, sy_ptr, M, SM, E, KSEL, IS, D, HS_RS, YR_RS,
-                 IDX_RS, Y_RS, W_RS, S_RS, W_FMT, S_E8M0, BLOCK, ACT, CDT, BM, BN, BK, BKS)
+                 IDX_RS, Y_RS, W_RS, S_RS, W_FMT, S_E8M0, BLOCK, ACT, CDT, BM, BN, BK, BKS, ROUTED)
 
 
 @triton.jit
@@ -300,31 +300,33 @@ def _combine(n_tile, m_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, sy_
              HS_RS: tl.constexpr, YR_RS: tl.constexpr, IDX_RS: tl.constexpr, Y_RS: tl.constexpr,
              W_RS: tl.constexpr, S_RS: tl.constexpr, W_FMT: tl.constexpr, S_E8M0: tl.constexpr,
              BLOCK: tl.constexpr, ACT: tl.constexpr, CDT: tl.constexpr,
-             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr):
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, ROUTED: tl.constexpr = True):
     """y[tokens of m_tile, columns of n_tile] = the routed rows summed by ascending expert id + W2_s hs.
     A slot whose expert id lies outside [0, E) (another rank's, `local_experts`) has no row: it adds nothing.
     With `sy_ptr` (`moe_router_experts_ep`) the two sums stay apart: y gets the routed sum (the rank's partial,
     which the all-reduce after the launch adds up) and sy the shared expert's output, for its SM tokens
-    (`moe_router_experts_dp`: the rank's own, the first SM of the M; else SM = M)."""
+    (`moe_router_experts_dp`: the rank's own, the first SM of the M; else SM = M). The two apart can run apart
+    too: w2_ptr None, the routed sum alone; ROUTED False (with sy_ptr), the shared output alone (the producer fold
+    of `moe_router.moe_fused_kernel`: the routed sum goes to the peers before the shared weights are read)."""
     offs_n = n_tile * BN + tl.arange(0, BN)
     tok = m_tile * BM + tl.arange(0, BM)
     n_ok = offs_n < D
     t_ok = tok < M
     dt = y_ptr.dtype.element_ty
     out = tl.zeros([BN, BM], dtype=tl.float32)
-    # routed: slots in ascending expert id (ties by slot), each add rounded to dt as index_add_ does
-    j = tl.arange(0, BKS)
-    ex = tl.load(idx_ptr + tok[:, None] * IDX_RS + j[None, :], mask=t_ok[:, None] & (j[None, :] < KSEL),
-                 other=2 ** 30).to(tl.int32)
-    for r in range(KSEL):  # (not unrolled: fewer loads in the IR for Triton's Coalesce pass, mhc.py's note)
-        m = tl.min(ex, axis=1)
-        slot = tl.min(tl.where(ex == m[:, None], j[None, :], BKS), axis=1)
-        ex = tl.where(j[None, :] == slot[:, None], 2 ** 30 + 1, ex)
-        pr = tok * KSEL + slot
-        live = t_ok & (m >= 0) & (m < E)
-        v = tl.load(yr_ptr + pr[None, :].to(tl.int64) * YR_RS + offs_n[:, None], mask=live[None, :] & n_ok[:, None],
-                    other=0.0).to(tl.float32)
-        out = (out + v).to(dt).to(tl.float32)
+    if ROUTED:  # routed: slots in ascending expert id (ties by slot), each add rounded to dt as index_add_ does
+        j = tl.arange(0, BKS)
+        ex = tl.load(idx_ptr + tok[:, None] * IDX_RS + j[None, :], mask=t_ok[:, None] & (j[None, :] < KSEL),
+                     other=2 ** 30).to(tl.int32)
+        for r in range(KSEL):  # (not unrolled: fewer loads in the IR for Triton's Coalesce pass, mhc.py's note)
+            m = tl.min(ex, axis=1)
+            slot = tl.min(tl.where(ex == m[:, None], j[None, :], BKS), axis=1)
+            ex = tl.where(j[None, :] == slot[:, None], 2 ** 30 + 1, ex)
+            pr = tok * KSEL + slot
+            live = t_ok & (m >= 0) & (m < E)
+            v = tl.load(yr_ptr + pr[None, :].to(tl.int64) * YR_RS + offs_n[:, None], mask=live[None, :] & n_ok[:, None],
+                        other=0.0).to(tl.float32)
+            out = (out + v).to(dt).to(tl.float32)
     if w2_ptr is not None:
         s_ok = tok < SM
         acc = tl.zeros([BN, BM], dtype=tl.float32)
@@ -340,7 +342,9 @@ def _combine(n_tile, m_tile, hs_ptr, yr_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, sy_
                      mask=s_ok[None, :] & n_ok[:, None])
         else:
             out = out + acc.to(dt).to(tl.float32)
-    tl.store(y_ptr + tok[None, :].to(tl.int64) * Y_RS + offs_n[:, None], out.to(dt), mask=t_ok[None, :] & n_ok[:, None])
+    if ROUTED:
+        tl.store(y_ptr + tok[None, :].to(tl.int64) * Y_RS + offs_n[:, None], out.to(dt),
+                 mask=t_ok[None, :] & n_ok[:, None])
 
 
 def _routed_work(E: int, k: int, M: int, ep: int = 1) -> tuple[float, int]:

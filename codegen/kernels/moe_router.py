@@ -29,6 +29,16 @@ combine run in one launch. Its programs are, in the order they start (`phases.ti
                              I tiles; the last of a D tile's E programs to arrive (`arrival.last_to_arrive`)
                              waits for the ST shared tiles and combines the tile (the shared down GEMM and
                              the ordered sum, `moe._combine_column`) into y;
+  with the MoE's all-reduce folded in (`mhc_moe_ep_ar`, `moe_router_experts_ep_ar`; `allreduce.fold_trailing`,
+  whose docstring gives the deadlock-freedom argument) the shared expert moves after the routed work
+  (ST0 = 0) and the combine writes the routed sum alone, then:
+  then NP                    once every D tile is combined, the routed partial published to the peers
+                             (`allreduce.publish_tiles`: slot, flags); each publishes;
+  then ST                    the shared expert's gate / up, as above (its weights' bytes now overlap the peers);
+  then SD = ND               the shared expert's down GEMM per D tile into its own output (`_combine_column`,
+                             ROUTED False), after the ST tiles;
+  then NP                    after the NP publishers: the peers' flags waited for and the partials summed in
+                             rank order into y (`allreduce.gather_tiles`, in place);
   then NH                    (`moe_mhc_post_pre`, `mhc_moe_mhc`) the seam after the MoE, one per BT tokens,
                              once every D tile is combined.
 A program waits only for programs that took earlier tickets (see `phases`), so no schedule deadlocks; what
@@ -58,7 +68,7 @@ from . import mhc, moe, router
 from .arrival import last_to_arrive
 from .mhc import _given, mhc_rows
 from .moe import _combine_column, _down, _group_block, _or, _up
-from .allreduce import UNFOLDED, folded, oneshot_tiles
+from .allreduce import UNFOLDED, UNTRAILED, fold_trailing, folded, gather_tiles, oneshot_in_place, oneshot_tiles, publish_tiles
 from .pdl import pdl_enter
 from .phases import publish, ticket, wait_for
 from .router import route_rows
@@ -106,12 +116,12 @@ NO_SEAM = {**{p: None for p in SEAM_PARAMS if p != "y_ptr"}, "M": 0, "N": 1, "D"
 NO_FRONT = {**{p: None for p in FRONT_PARAMS.values() if p.startswith("a_")},
             **{"A_" + n: v for n, v in NO_SEAM.items() if not n.endswith("_ptr")}, "NA": 0}
 # the semaphore's int32 counters: the ticket, router programs done, shared gate / up tiles done, D tiles
-# combined, programs finished, seam-before blocks done, grouping blocks done, all-reduce programs done
-# (COUNTERS slots, a power of two);
+# combined, programs finished, seam-before blocks done, grouping blocks done, all-reduce programs done, the
+# MoE's all-reduce's publishers done (COUNTERS slots, a power of two);
 # then one arrival
 # counter per D tile and one count of finished I tiles per expert
-TICKET, ROUTED, SHARED_UP, COMBINED, FINISHED, SEAM_IN, GROUPED, REDUCED = (tl.constexpr(i) for i in range(8))
-COUNTERS = tl.constexpr(8)
+TICKET, ROUTED, SHARED_UP, COMBINED, FINISHED, SEAM_IN, GROUPED, REDUCED, PUBLISHED = (tl.constexpr(i) for i in range(9))
+COUNTERS = tl.constexpr(16)
 G_BP, G_BQ = tl.constexpr(moe.GROUP_BP), tl.constexpr(moe.GROUP_BQ)  # the grouping's blocks (`moe_group_kernel`'s)
 # Up to this many (token, slot) pairs the grouped MoE of `moe_router_experts_dp` is one launch too, its grouping
 # a phase after the router's (a decode step of every rank's tokens: V4-Pro, 8 ranks x 8 tokens x top-6 = 384);
@@ -243,14 +253,19 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                      ar_x_ptr, peers_ptr, AR_NUMEL: tl.constexpr, AR_GROUP: tl.constexpr, AR_TILE: tl.constexpr,
                      AR_SLOTS_AT: tl.constexpr, AR_SLOT_BYTES: tl.constexpr, AR_FLAGS_AT: tl.constexpr,
                      AR_TILES: tl.constexpr, AR_COUNTS_AT: tl.constexpr, AR_SPIN: tl.constexpr, NO: tl.constexpr,
+                     TR_NUMEL: tl.constexpr, TR_GROUP: tl.constexpr, TR_TILE: tl.constexpr,
+                     TR_SLOTS_AT: tl.constexpr, TR_SLOT_BYTES: tl.constexpr, TR_FLAGS_AT: tl.constexpr,
+                     TR_TILES: tl.constexpr, TR_COUNTS_AT: tl.constexpr, TR_SPIN: tl.constexpr, NP: tl.constexpr,
+                     ST0: tl.constexpr, SD: tl.constexpr,
                      PDL: tl.constexpr = False, CALLS: tl.constexpr = True):
     """Programs by ticket: NO of the one-shot all-reduce of the attention's partial output into a_y_ptr
     (`ar_mhc_moe_ep`, `allreduce.fold`; else none), NA token blocks of the seam before the MoE (`mhc_moe_mhc`;
-    copying its inputs where its weights are null, `moe_mhc_post_pre`; else none), NR router row blocks, ST
-    shared gate / up tiles,
+    copying its inputs where its weights are null, `moe_mhc_post_pre`; else none), NR router row blocks, ST0
+    shared gate / up tiles (ST, or 0 with the MoE's all-reduce folded in),
     E x RT routed (expert, I tile) gate / up, E x ND routed (expert, D tile) down (the last down program of a
-    D tile combines it), NH token blocks of the seam after the MoE (`moe_mhc_post_pre`, `mhc_moe_mhc`; none
-    for `moe_router_experts_shared`)."""
+    D tile combines it), with the MoE's all-reduce folded in (`allreduce.fold_trailing`: NP > 0) NP publishers,
+    the ST shared gate / up tiles, SD shared down tiles and NP gatherers, then NH token blocks of the seam after
+    the MoE (`moe_mhc_post_pre`, `mhc_moe_mhc`; none for `moe_router_experts_shared`)."""
     pdl_enter(PDL)
     x_ptr = _carve(x_ptr, scr_ptr, x_ptr_AT, x_ptr_DT)
     idx_ptr = _carve(idx_ptr, scr_ptr, idx_ptr_AT, idx_ptr_DT)
@@ -301,23 +316,24 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
             wait_for(phase_ptr + ROUTED, NR)
             _group_block(t - NR, idx_ptr, grp_ptr, P, E, KSEL, IDX_RS, G_NRB, G_BP, G_BQ)
             publish(phase_ptr + GROUPED)
-    elif v < NR + ST:
-        if NA > 0:
-            wait_for(phase_ptr + SEAM_IN, NA)  # every token's x
-        _up(v * 0, v - NR, _or(xs_ptr, x_ptr), None, None,  # expert 0 of 1 (a tensor: _up casts it)
-            sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, hs_ptr, S_M, 1, 1, "all", 1, S_I, D,
-            X_RS, 0, S_I, 0, S_W_RS, 0, S_S_RS, S_W_FMT, S_S_E8M0, S_BLOCK, S_ACT, CDT, LIMIT, S_BM, S_BN, S_BK)
-        publish(phase_ptr + SHARED_UP)
-    elif v < NR + ST + E * RT:
+    elif v < NR + ST0:  # (the shared gate / up here unless the all-reduce is folded in: ST0 = ST)
+        if ST0 > 0:
+            if NA > 0:
+                wait_for(phase_ptr + SEAM_IN, NA)  # every token's x
+            _up(v * 0, v - NR, _or(xs_ptr, x_ptr), None, None,  # expert 0 of 1 (a tensor: _up casts it)
+                sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, hs_ptr, S_M, 1, 1, "all", 1, S_I, D,
+                X_RS, 0, S_I, 0, S_W_RS, 0, S_S_RS, S_W_FMT, S_S_E8M0, S_BLOCK, S_ACT, CDT, LIMIT, S_BM, S_BN, S_BK)
+            publish(phase_ptr + SHARED_UP)
+    elif v < NR + ST0 + E * RT:
         wait_for(phase_ptr + ROUTED, NR)
         if NG > 0:
             wait_for(phase_ptr + GROUPED, NG)  # the expert's place in the grouped list
-        w = v - NR - ST
+        w = v - NR - ST0
         _up(w // RT, w % RT, x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, P, E, KSEL, MODE, PB, I, D,
             X_RS, IDX_RS, H_RS, W_ES, W_RS, S_ES, S_RS, W_FMT, S_E8M0, BLOCK, ACT, CDT, LIMIT, BM, BN, BK)
         publish(phase_ptr + COUNTERS + ND + w // RT)  # one more of expert e's I tiles in h
-    elif v < NR + ST + E * RT + E * ND:
-        d = v - NR - ST - E * RT
+    elif v < NR + ST0 + E * RT + E * ND:
+        d = v - NR - ST0 - E * RT
         e = d // ND
         n_tile = d % ND
         wait_for(phase_ptr + COUNTERS + ND + e, RT)  # expert e's h rows, every I tile (the routing came first)
@@ -325,20 +341,50 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
               IDX_RS, D_WT_RS, D_Y_RS, D_W_ES, D_W_RS, D_S_ES, D_S_RS, D_W_FMT, D_S_E8M0, D_BLOCK, ACT, CDT, D_ROUTE, BM,
               D_BN, D_BK)
         if last_to_arrive(phase_ptr + COUNTERS + n_tile, E):  # every expert's rows of this D tile are in yr
-            wait_for(phase_ptr + SHARED_UP, ST)  # the shared expert's hs, for its down GEMM
-            _combine_column(n_tile, hs_ptr, yr_ptr, idx_ptr, cw2_ptr, cs2_ptr, out_ptr, sy_ptr, C_M, C_SM, E, KSEL, C_IS, D,
-                            C_HS_RS, D_Y_RS, IDX_RS, C_Y_RS, C_W_RS, C_S_RS, C_W_FMT, C_S_E8M0, C_BLOCK, C_ACT, CDT, BM,
-                            D_BN, C_BK, C_BKS)
+            if NP > 0:  # the routed sum alone: the shared expert's down GEMM runs after the publishers (SD below)
+                _combine_column(n_tile, hs_ptr, yr_ptr, idx_ptr, None, None, out_ptr, sy_ptr, C_M, C_SM, E, KSEL, C_IS,
+                                D, C_HS_RS, D_Y_RS, IDX_RS, C_Y_RS, C_W_RS, C_S_RS, C_W_FMT, C_S_E8M0, C_BLOCK, C_ACT,
+                                CDT, BM, D_BN, C_BK, C_BKS)
+            else:
+                wait_for(phase_ptr + SHARED_UP, ST)  # the shared expert's hs, for its down GEMM
+                _combine_column(n_tile, hs_ptr, yr_ptr, idx_ptr, cw2_ptr, cs2_ptr, out_ptr, sy_ptr, C_M, C_SM, E, KSEL,
+                                C_IS, D, C_HS_RS, D_Y_RS, IDX_RS, C_Y_RS, C_W_RS, C_S_RS, C_W_FMT, C_S_E8M0, C_BLOCK,
+                                C_ACT, CDT, BM, D_BN, C_BK, C_BKS)
             tl.store(phase_ptr + COUNTERS + n_tile, 0)
             publish(phase_ptr + COMBINED)
+    elif v < NR + ST0 + E * RT + E * ND + NP:  # (the MoE's all-reduce folded in: `allreduce.fold_trailing`)
+        if NP > 0:  # the routed partial, every D tile combined, to the peers (the protocol's first half)
+            wait_for(phase_ptr + COMBINED, ND)
+            publish_tiles(v - NR - ST0 - E * RT - E * ND, out_ptr, peers_ptr, TR_NUMEL, TR_GROUP, TR_TILE, NP,
+                          TR_SLOTS_AT, TR_SLOT_BYTES, TR_FLAGS_AT, TR_TILES, TR_COUNTS_AT)
+            publish(phase_ptr + PUBLISHED)
+    elif v < NR + E * RT + E * ND + NP + ST:
+        if NP > 0:  # the shared gate / up, after the publishers: its weights' bytes hide the peers' wait
+            if NA > 0:
+                wait_for(phase_ptr + SEAM_IN, NA)  # every token's x
+            _up(v * 0, v - NR - E * RT - E * ND - NP, _or(xs_ptr, x_ptr), None, None,  # expert 0 of 1
+                sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, hs_ptr, S_M, 1, 1, "all", 1, S_I, D,
+                X_RS, 0, S_I, 0, S_W_RS, 0, S_S_RS, S_W_FMT, S_S_E8M0, S_BLOCK, S_ACT, CDT, LIMIT, S_BM, S_BN, S_BK)
+            publish(phase_ptr + SHARED_UP)
+    elif v < NR + E * RT + E * ND + NP + ST + SD:
+        if NP > 0:  # the shared expert's down GEMM of D tile n into its output (the routed sum is the peers')
+            wait_for(phase_ptr + SHARED_UP, ST)
+            _combine_column(v - NR - E * RT - E * ND - NP - ST, hs_ptr, yr_ptr, idx_ptr, cw2_ptr, cs2_ptr, out_ptr,
+                            sy_ptr, C_M, C_SM, E, KSEL, C_IS, D, C_HS_RS, D_Y_RS, IDX_RS, C_Y_RS, C_W_RS, C_S_RS,
+                            C_W_FMT, C_S_E8M0, C_BLOCK, C_ACT, CDT, BM, D_BN, C_BK, C_BKS, False)
+    elif v < NR + E * RT + E * ND + 2 * NP + ST + SD:
+        if NP > 0:  # the peers' partials, waited for and summed in rank order into the result (the second half)
+            wait_for(phase_ptr + PUBLISHED, NP)
+            gather_tiles(v - NR - E * RT - E * ND - NP - ST - SD, out_ptr, peers_ptr, TR_NUMEL, TR_GROUP, TR_TILE, NP,
+                         TR_SLOTS_AT, TR_SLOT_BYTES, TR_FLAGS_AT, TR_TILES, TR_COUNTS_AT, TR_SPIN)
     else:
         wait_for(phase_ptr + COMBINED, ND)  # every D tile of the MoE's output is in y
-        mhc_rows(v - NR - ST - E * RT - E * ND, out_ptr, None, m_s_ptr, m_post_ptr, m_comb_ptr, m_fn_ptr, m_base_ptr,
-                 m_scale_ptr, m_norm_ptr, m_so_ptr, m_yo_ptr, m_posto_ptr, m_combo_ptr, H_M, H_N, H_D, H_BD, H_BT,
-                 H_POST, H_MIX, H_NORM, H_NM, H_EPS, H_HC_EPS, H_ITERS, H_NORM_EPS, H_Y_S, H_S_S, H_S_SN, H_SO_S,
+        mhc_rows(v - NR - ST - E * RT - E * ND - SD - 2 * NP, out_ptr, None, m_s_ptr, m_post_ptr, m_comb_ptr, m_fn_ptr,
+                 m_base_ptr, m_scale_ptr, m_norm_ptr, m_so_ptr, m_yo_ptr, m_posto_ptr, m_combo_ptr, H_M, H_N, H_D, H_BD,
+                 H_BT, H_POST, H_MIX, H_NORM, H_NM, H_EPS, H_HC_EPS, H_ITERS, H_NORM_EPS, H_Y_S, H_S_S, H_S_SN, H_SO_S,
                  H_SO_SN, H_YO_S, H_DT)
     # every program is past its waits
-    if last_to_arrive(phase_ptr + FINISHED, NO + NA + NR + NG + ST + E * RT + E * ND + NH):
+    if last_to_arrive(phase_ptr + FINISHED, NO + NA + NR + NG + ST + E * RT + E * ND + 2 * NP + SD + NH):
         tl.store(phase_ptr + tl.arange(0, COUNTERS), 0)
         eb = tl.arange(0, EB)
         tl.store(phase_ptr + COUNTERS + ND + eb, 0, mask=eb < E)
@@ -407,8 +453,10 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
         return _with_seam_before(operands, results, attrs)
     if op_name == "moe_mhc_post_pre" and (calls := _as_both_seams(operands, results, attrs)) is not None:
         return calls
-    if op_name == "ar_mhc_moe_ep":  # the all-reduce of the attention's output its leading phase
+    if op_name in ("ar_mhc_moe_ep", "ar_mhc_moe_ep_ar"):  # the all-reduce of the attention's output its leading phase
         return folded(op_name, operands, results, attrs, specialise, "a_y_ptr")
+    if op_name in ("mhc_moe_ep_ar", "moe_router_experts_ep_ar"):  # the MoE's all-reduce a trailing part
+        return _produced(op_name, operands, results, attrs)
     if op_name in ("moe_router_experts_ep", "mhc_moe_ep", "moe_router_experts_dp"):
         return _expert_parallel(op_name, operands, results, attrs)
     if op_name not in ("moe_router_experts_shared", "moe_mhc_post_pre"):
@@ -533,6 +581,27 @@ def _expert_parallel(op_name, operands, results, attrs) -> list[KernelCall]:
     return calls
 
 
+def _produced(op_name, operands, results, attrs) -> list[KernelCall]:
+    """`<op>_ar` (`ops/fused_allreduce.py`: the EP MoE with its routed partial all-reduced): the one launch with the
+    all-reduce folded in as a trailing part (`allreduce.fold_trailing`): the combining programs write the routed sum
+    alone, NP programs publish it to the peers, then come the shared expert's gate / up (ST0 = 0: moved here) and
+    its down GEMM per D tile (SD = ND programs; `_combine`'s shared output apart), then NP programs wait for the
+    peers and sum in rank order into `partial`. A grouped launch (a prefill chunk's) keeps its calls and the one-shot
+    follows them as a call of its own, in place."""
+    from ...ops.fused_allreduce import AR_ATTRS, producer_of
+    from .allreduce import _contiguous
+
+    partial = results["partial"]
+    _contiguous(op_name, "partial", partial)
+    group, region_bytes = int(attrs["group"]), int(attrs["region_bytes"])
+    calls = _expert_parallel(producer_of(op_name), operands, results,
+                             {n: v for n, v in attrs.items() if n not in AR_ATTRS})
+    if len(calls) == 1 and calls[0].fn is moe_fused_kernel and calls[0].constexprs["NH"] == 0:
+        nd = calls[0].constexprs["ND"]
+        return [fold_trailing(calls[0], partial, group, region_bytes, nd, {"ST0": 0, "SD": nd})]
+    return [*calls, oneshot_in_place(partial, "partial", group, region_bytes)]
+
+
 def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg], attrs: dict,
                 front: KernelCall | None = None, renamed: dict | None = None,
                 inner_x: bool = False, fuse_grouped: bool = False, copied: bool = False) -> list[KernelCall]:
@@ -599,6 +668,7 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
     hce = {n: v for n, v in hcalls[0].constexprs.items() if n != "y2_ptr"} if seam else NO_SEAM
     ce.update({SEAM_PARAMS.get(n, "H_" + n): v for n, v in hce.items() if n not in flags})
     ce.update(UNFOLDED)  # (`ar_mhc_moe_ep`: `allreduce.fold` sets them)
+    ce.update(UNTRAILED)  # (`mhc_moe_ep_ar`: `allreduce.fold_trailing` sets them, and ST0 / SD)
     if front:  # (its pointers are the a_* params and the MoE's own, below)
         ce.update({"A_" + n: v for n, v in front.constexprs.items() if n not in flags and n != "y2_ptr"},
                   NA=front.grid[0])
@@ -609,7 +679,7 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
     E = ce["E"]
     NH = hcalls[0].grid[0] if seam else 0
     NA = ce["NA"]
-    ce.update(NR=rcall.grid[0], RT=RT, ST=ST, ND=ND, NH=NH, EB=triton.next_power_of_2(E),
+    ce.update(NR=rcall.grid[0], RT=RT, ST=ST, ST0=ST, SD=0, ND=ND, NH=NH, EB=triton.next_power_of_2(E),
               NG=group.grid[0] if group else 0, G_NRB=group.constexprs["NRB"] if group else 0)
     calls = (*([front] if front else []), rcall, *([group] if group else []), up, down, *hcalls)
     pts, have = [], set()

@@ -154,7 +154,9 @@ def test_moe_router_experts_dp_matches_its_reference(monkeypatch, case_id):
 
 DP_FAULTS = {
     # the shared expert's gate / up reading x (the gathered rows: rank 0's first) instead of the rank's own
-    "fused reads x": ("moe_router", "moe_fused_kernel", "_or(xs_ptr, x_ptr)", "x_ptr", 3, "moe_fused_kernel"),
+    # (the shared gate / up in its place before the routed experts: the dp op folds no all-reduce in)
+    "fused reads x": ("moe_router", "moe_fused_kernel", "v - NR, _or(xs_ptr, x_ptr)", "v - NR, x_ptr", 3,
+                      "moe_fused_kernel"),
     "grouped reads x": ("moe", "moe_up_kernel", "_or(xs_ptr, x_ptr)", "x_ptr", 17, "moe_up_kernel"),
     # the one launch's grouping programs all doing block 0: the rest of the pairs' list and the offsets unwritten
     "fused grouping block": ("moe_router", "moe_fused_kernel", "_group_block(t - NR,", "_group_block((t - NR) * 0,", 17,

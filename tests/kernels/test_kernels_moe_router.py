@@ -217,10 +217,11 @@ BROKEN = {
     # a D tile's arrival counter is left set: the next call would combine that tile before its experts ran
     "arrival kept": ("tl.store(phase_ptr + COUNTERS + n_tile, 0)", "pass", kernels.CodegenError),
     # the combine sums the routed rows but leaves out the shared expert's down GEMM
-    "no shared down": ("idx_ptr, cw2_ptr, cs2_ptr, out_ptr", "idx_ptr, None, cs2_ptr, out_ptr", AssertionError),
+    "no shared down": ("idx_ptr, cw2_ptr, cs2_ptr, out_ptr, sy_ptr", "idx_ptr, None, cs2_ptr, out_ptr, sy_ptr",
+                       AssertionError),
     # the seam programs all run the first token block (T = 20 tokens: 2 blocks of BT = 16): the rest stays poison
-    "seam block": ("mhc_rows(v - NR - ST - E * RT - E * ND,", "mhc_rows((v - NR - ST - E * RT - E * ND) * 0,",
-                   AssertionError),
+    "seam block": ("mhc_rows(v - NR - ST - E * RT - E * ND - SD - 2 * NP,",
+                   "mhc_rows((v - NR - ST - E * RT - E * ND - SD - 2 * NP) * 0,", AssertionError),
     # (no seam before: its programs copy the MoE's x and the seam's streams / post / comb to scratch) all copy
     # the first token block: the rest stays poison
     "seam copy block": ("_copy_rows(v + NA,", "_copy_rows((v + NA) * 0,", AssertionError),
@@ -252,19 +253,28 @@ def test_every_wait_follows_its_producers_publish():
     """The waits cannot be shown wrong by running them (the interpreter runs programs in ticket order), so the
     kernel's source is checked: each producer publishes after its work, each consumer waits before its own
     (a folded all-reduce -> the seam before; router -> routed up; routed up -> its expert's down programs; shared
-    up -> the combining program); the last program to finish counts every phase's."""
+    up -> the combining program; with the MoE's all-reduce folded in: the combined D tiles -> the publishers -> the
+    gatherers, the shared gate / up and down between them); the last program to finish counts every phase's; the
+    phases sit in the kernel (the ticket order) as the deadlock-freedom argument needs (`allreduce.fold_trailing`:
+    no program waits for a later ticket on its rank)."""
     import inspect
     src = inspect.getsource(moe_router.moe_fused_kernel.fn)
     at = src.index
     assert at("oneshot_tiles(v + NA + NO, ar_x_ptr, a_y_ptr") < at("publish(phase_ptr + REDUCED)") \
         < at("wait_for(phase_ptr + REDUCED, NO)") < at("mhc_rows(v + NA, a_y_ptr")
-    assert at("last_to_arrive(phase_ptr + FINISHED, NO + NA + NR + NG + ST + E * RT + E * ND + NH)")
+    assert at("last_to_arrive(phase_ptr + FINISHED, NO + NA + NR + NG + ST + E * RT + E * ND + 2 * NP + SD + NH)")
     assert at("_route_phase(v,") < at("publish(phase_ptr + ROUTED)") < at("wait_for(phase_ptr + ROUTED, NR)") \
         < at("_up(w // RT")
     assert at("_up(w // RT") < at("publish(phase_ptr + COUNTERS + ND + w // RT)") \
         < at("wait_for(phase_ptr + COUNTERS + ND + e, RT)") < at("_down(e, n_tile,")
     assert at("_up(v * 0, v - NR") < at("publish(phase_ptr + SHARED_UP)") < at("wait_for(phase_ptr + SHARED_UP, ST)") \
-        < at("_combine_column(n_tile,")
+        < at("_combine_column(n_tile, hs_ptr, yr_ptr, idx_ptr, cw2_ptr")
+    # the trailing all-reduce: the routed sum alone -> COMBINED -> publishers -> the shared expert -> gatherers
+    assert at("_combine_column(n_tile, hs_ptr, yr_ptr, idx_ptr, None, None") < at("publish(phase_ptr + COMBINED)") \
+        < at("wait_for(phase_ptr + COMBINED, ND)\n            publish_tiles(") < at("publish(phase_ptr + PUBLISHED)") \
+        < at("_up(v * 0, v - NR - E * RT - E * ND - NP") < src.rindex("publish(phase_ptr + SHARED_UP)") \
+        < src.rindex("wait_for(phase_ptr + SHARED_UP, ST)") < at("CDT, BM, D_BN, C_BK, C_BKS, False)") \
+        < at("wait_for(phase_ptr + PUBLISHED, NP)") < at("gather_tiles(") < at("mhc_rows(v - NR")
     assert at("_down(e, n_tile,") < at("last_to_arrive(phase_ptr + COUNTERS + n_tile, E)") < at("_combine_column(n_tile,")
     assert at("_combine_column(n_tile,") < at("publish(phase_ptr + COMBINED)") < at("wait_for(phase_ptr + COMBINED, ND)") \
         < at("mhc_rows(v - NR")

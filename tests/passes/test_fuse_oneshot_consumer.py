@@ -1,9 +1,10 @@
-"""`fuse_oneshot_consumer`: the one-shot all-reduces folded into their consumers' launches (tiny-pro, tp 2 ep 2,
-the gpu pipeline down to the program stage). Every layer's but layer 0's wo_b all-reduce (read by `hc_post`) and
-the last layer's MoE all-reduce (read by the `add` before the head) fold, one launch fewer each; a decode step of
-every rank (the IR interpreter, each rank simulated: the folded op's reference across ranks) gives the unfolded
-module's logits to the bit, and a fold that loses the sum is caught. Under `--allreduce nccl` it finds nothing; a
-grouped consumer (a prefill chunk's MoE) takes the one-shot as a call of its own.
+"""`fuse_oneshot_consumer` and `fuse_oneshot_producer`: the one-shot all-reduces folded into their consumers' and
+producers' launches (tiny-pro, tp 2 ep 2, the gpu pipeline down to the program stage). Every layer's MoE all-reduce
+folds into its MoE's launch (`<moe>_ar`), every layer's but layer 0's wo_b all-reduce (read by `hc_post`) into the
+next MoE's (`ar_mhc_moe_ep_ar`), one launch fewer each; a decode step of every rank (the IR interpreter, each rank
+simulated: the folded ops' references across ranks) gives the unfolded module's logits to the bit, and a fold that
+loses the sum is caught. Under `--allreduce nccl` neither finds anything; a grouped MoE (a prefill chunk's) takes
+the one-shots as calls of their own, before and after its calls.
 The kernels' side (the leading phase run by the C runtime across two processes): tests/runtime/
 test_parallel_artifact.py::test_oneshot_allreduce_on_the_host_device."""
 
@@ -25,23 +26,27 @@ def run(stage=PROGRAM_STAGE):
 
 def test_the_fold_fires_where_it_may_and_is_exact(monkeypatch):
     from v4compile.ops import fused_allreduce
-    from v4compile.passes import fuse_oneshot_consumer
+    from v4compile.passes import fuse_oneshot_consumer, fuse_oneshot_producer
 
     cfg = preset(NAME)
     folded = run()
-    hits = folded.hits()["fuse_oneshot_consumer"]
-    assert hits["decode.folded"] == hits["prefill.folded"] == 2 * (cfg.n_layers - 1), hits
+    hits, after = folded.hits()["fuse_oneshot_consumer"], folded.hits()["fuse_oneshot_producer"]
+    assert hits["decode.folded"] == hits["prefill.folded"] == cfg.n_layers - 1, hits
+    assert after["decode.folded"] == after["prefill.folded"] == cfg.n_layers, after
     fn = folded.module.functions["decode"]
     ops = [op.name for op in fn.ops]
-    assert ops.count("ar_mhc_moe_ep") == ops.count("ar_mhc_add_pair_norm_linear") == cfg.n_layers - 1
+    # the MoE's all-reduce goes to its producer (the attention front keeps none to lead), the attention's leads the MoE
+    assert ops.count("ar_mhc_moe_ep_ar") == cfg.n_layers - 1 and ops.count("moe_router_experts_ep_ar") == 1
+    assert not {"ar_mhc_add_pair_norm_linear", "ar_mhc_moe_ep", "mhc_moe_ep", "moe_router_experts_ep"} & set(ops)
     users = {id(v): op.name for op in fn.ops for v in op.operands}
-    kept = [op for op in fn.ops if op.name == "all_reduce_oneshot"]  # the unfoldable ones keep their launch
-    assert [(op.attrs["layer"], users[id(op.results[0])]) for op in kept] == [(0, "hc_post"), (cfg.n_layers - 1, "add")]
+    kept = [op for op in fn.ops if op.name == "all_reduce_oneshot"]  # the unfoldable one keeps its launch
+    assert [(op.attrs["layer"], users[id(op.results[0])]) for op in kept] == [(0, "hc_post")]
     with monkeypatch.context() as mp:
         mp.setattr(fuse_oneshot_consumer, "CONSUMERS", ())
+        mp.setattr(fuse_oneshot_producer, "PRODUCERS", ())
         apart = run().module
     calls, calls_apart = (launch_counts(cfg, m.functions["decode"])["per_layer"] for m in (folded.module, apart))
-    assert sum(calls_apart.values()) - sum(calls.values()) == 2 * (cfg.n_layers - 1), (calls, calls_apart)
+    assert sum(calls_apart.values()) - sum(calls.values()) == 2 * cfg.n_layers - 1, (calls, calls_apart)
     want = logits_of("tp2ep2", apart)
     assert torch.equal(logits_of("tp2ep2", folded.module), want)
     # a fold whose reference loses the sum (each rank's own partial): caught
@@ -52,24 +57,30 @@ def test_the_fold_fires_where_it_may_and_is_exact(monkeypatch):
 def test_nothing_to_fold_on_the_communicator():
     """`--allreduce nccl` (the pipeline without `oneshot_allreduce`): the all-reduces stay launches of their own."""
     stage = [p for p in PROGRAM_STAGE if p != "oneshot_allreduce"]
-    assert "fuse_oneshot_consumer" in stage
+    assert "fuse_oneshot_consumer" in stage and "fuse_oneshot_producer" in stage
     result = run(stage)
     ops = [op.name for op in result.module.functions["decode"].ops]
     assert not any(result.hits()["fuse_oneshot_consumer"].values()) and not [o for o in ops if o.startswith("ar_")]
+    assert not any(result.hits()["fuse_oneshot_producer"].values()) and not [o for o in ops if o.endswith("_ar")]
     assert ops.count("all_reduce") == 2 * preset(NAME).n_layers
 
 
 @pytest.mark.parametrize("wrong", ["hc_post"])
 def test_only_its_consumers_take_the_fold(wrong):
-    """The folded op exists for the phased consumers only: another consumer is no `ar_` op."""
-    from v4compile.ops.fused_allreduce import consumer_of
+    """The folded op exists for the phased consumers only: another consumer is no `ar_` op; the producer fold for
+    the one-launch EP MoE only (the attention front's launch, with no work independent of its all-reduce's value,
+    keeps the consumer fold)."""
+    from v4compile.ops.fused_allreduce import consumer_of, producer_of
 
     assert consumer_of("ar_" + wrong) is None and consumer_of("ar_mhc_moe_ep") == "mhc_moe_ep"
+    assert consumer_of("ar_mhc_moe_ep_ar") == "mhc_moe_ep_ar" and producer_of("mhc_moe_ep_ar") == "mhc_moe_ep"
+    assert producer_of("ar_mhc_moe_ep_ar") is None and producer_of("mhc_add_pair_norm_linear_ar") is None
 
 
 def test_a_grouped_consumer_takes_the_one_shot_as_a_call_of_its_own():
     """A prefill chunk whose MoE is grouped (several calls: no phase to lead): the folded launch's first call is
-    the one-shot kernel, reading the op's partial `y` and writing the scratch every later call reads instead."""
+    the one-shot kernel, reading the op's partial `y` and writing the scratch every later call reads instead; its
+    last the MoE's own all-reduce (the producer fold: no phases to put it between), in place on `partial`."""
     from v4compile.codegen.kernels import allreduce
     from v4compile.codegen.program_kernels import program_kernels
     from v4compile.program.build import build_program
@@ -79,9 +90,12 @@ def test_a_grouped_consumer_takes_the_one_shot_as_a_call_of_its_own():
     prog = build_program(PassManager(["partition{tp=2,ep=2}", *GPU_PIPELINE], PipelineOptions()).run(m).module)
     pk = program_kernels(prog)
     grouped = [(l, c) for l, c in zip(prog.functions["prefill"].launches, pk.calls["prefill"])
-               if l.op == "ar_mhc_moe_ep"]
-    assert grouped and all(len(c) > 1 for _, c in grouped)
-    for l, (first, *rest) in grouped:
+               if l.op == "ar_mhc_moe_ep_ar"]
+    assert grouped and all(len(c) > 2 for _, c in grouped)
+    for l, (first, *rest, last) in grouped:
+        assert last.fn is allreduce.oneshot_kernel
+        assert [q[:3] for q in last.pointers] == [("x_ptr", "result", "partial"), ("y_ptr", "result", "partial"),
+                                                  ("peers_ptr", "peers", "peers")]
         assert first.fn is allreduce.oneshot_kernel
         assert [q[:3] for q in first.pointers] == [("x_ptr", "operand", "y"), ("y_ptr", "scratch", "ar_y"),
                                                    ("peers_ptr", "peers", "peers")]

@@ -258,11 +258,18 @@ def test_report_parallel_section(capsys):
     assert sorted({o["group"] for o in c["ops"]}) == [2, 4]
     assert p["per_rank_kv_bytes"] > 0 and set(p["decode_step"]) == {"gfx950", "sm_90a"}
     # the partitioned program's kernel calls (each launch but a collective makes at least one), its collectives
-    # launches of it but the MoE's one-shot all-reduces (the ep 4 group's) folded into the next attention front's
-    # launch, layers 0-3 (`fuse_oneshot_consumer`; the last layer's is read by the add before the head)
-    assert c["program_folded"] == cfg.n_layers - 1
-    assert c["program_collective_launches"] == c["count"] - c["program_folded"]
-    assert [o.get("folded_into") for o in c["ops"]].count("mhc_add_pair_norm_linear") == cfg.n_layers - 1
+    # launches of it but the MoE's one-shot all-reduces (the ep 4 group's) folded into the MoE's launch, every
+    # layer's (`fuse_oneshot_producer`; the attention's, group 2, stay on the communicator: nothing to lead)
+    assert c["program_folded"] == 0 and c["program_folded_after"] == cfg.n_layers
+    assert c["program_collective_launches"] == c["count"] - c["program_folded_after"]
+    after = [o for o in c["ops"] if "folded_after" in o]
+    assert len(after) == cfg.n_layers and all(o["group"] == 4 and o["hidden_bytes"] > 0 for o in after)
+    for t, s in p["decode_step"].items():  # exposed: max(0, the one-shot's time - the shared expert's bytes / HBM)
+        link, hbm = TARGETS[t].link, TARGETS[t].hbm_bytes_s
+        own = [link.oneshot_s(4, o["bytes"]) if link.oneshot_latency_s is not None else
+               link.allreduce_latency_s + 1.5 * o["bytes"] / link.bytes_s for o in after]
+        hidden = sum(x - max(0.0, x - o["hidden_bytes"] / hbm) for x, o in zip(own, after))
+        assert s["folded_after"] == cfg.n_layers and s["hidden_us"] == round(hidden * 1e6, 1) and hidden > 0
     for t, s in p["decode_step"].items():
         assert s["launches_counted"] == "kernel calls" and s["launches"] >= c["program_launches"] - c["count"]
         # the roofline term is what the program's kernel calls move (the MoE: this rank's slots only)

@@ -195,7 +195,7 @@ def test_communicator_ids_reach_a_late_rank_after_the_first_rank_is_done():
     assert [r[1].strip() for r in runs] == ["07070707"] * 2
 
 
-@pytest.mark.parametrize("where", ["standalone", "folded"])
+@pytest.mark.parametrize("where", ["standalone", "folded", "producer"])
 def test_a_late_peer_is_one_error_after_the_step(monkeypatch, where):
     """The one-shot all-reduce in the C runtime (host device, its kernels interpreted, every other launch its
     reference, their collectives a stand-in): rank 0 of a group of 2 whose peer never arrives. The 'peer' is rank
@@ -203,13 +203,14 @@ def test_a_late_peer_is_one_error_after_the_step(monkeypatch, where):
     1's flags: the kernel gives up after its bound (64 polls here) and the step ends with the status error naming
     the late peer, in bounded time. `standalone`: the one-shot launches run their kernel (layer 0's is the first
     to wait); `folded`: only the launches it is folded into (`fuse_oneshot_consumer`; layer 1's MoE the first),
-    whose leading phase gives up the same way. With the flags set the step would not wait: the runtime's read of
+    whose leading phase gives up the same way; `producer`: only the launches it is a trailing part of
+    (`fuse_oneshot_producer`; layer 0's MoE), whose gathering programs give up the same way. With the flags set the step would not wait: the runtime's read of
     the status words is what makes the failure visible (the outputs are left unwritten, not wrong-but-plausible)."""
     import time
 
     from v4compile.codegen.kernels import allreduce
     from v4compile.codegen.program_kernels import calls_of
-    from v4compile.ops.fused_allreduce import consumer_of
+    from v4compile.ops.fused_allreduce import consumer_of, producer_of
     from v4compile.passes import DEFAULT_PIPELINE, PassManager, PipelineOptions
     from v4compile.program.build import build_program
     from v4compile.program.verify import verify_program
@@ -220,7 +221,7 @@ def test_a_late_peer_is_one_error_after_the_step(monkeypatch, where):
     prog = verify_program(build_program(m))
     w = load_ir_weights(m, DenseSource(dense_weights("tiny")), rank=0)
     monkeypatch.setattr(allreduce.oneshot_call, "__defaults__", (("x", "y"), 64, allreduce.GRID_MAX))
-    runs = (lambda op: op == "all_reduce_oneshot") if where == "standalone" else consumer_of
+    runs = {"standalone": lambda op: op == "all_reduce_oneshot", "folded": consumer_of, "producer": producer_of}[where]
     calls = lambda l: calls_of(l) if runs(l.op) else None  # noqa: E731
     seen = []
 

@@ -62,15 +62,16 @@ def _compile(out: Path, name: str, numerics: str, layout: tuple[str, ...] = (), 
              fold: bool = True) -> Path:
     """The cpu target, and `gpu`'s program with placeholder kernels (`fake_aot`: what is checked is the program,
     the artifact and the collective path, not the binaries). `fold=False`: no one-shot all-reduce folded into its
-    consumer (`fuse_oneshot_consumer` given no consumer: every one-shot its own launch)."""
+    producer or consumer (`fuse_oneshot_producer` / `_consumer` given none: every one-shot its own launch)."""
     from fake_aot import placeholder_compile_calls
     from v4compile.codegen import aot
-    from v4compile.passes import fuse_oneshot_consumer
+    from v4compile.passes import fuse_oneshot_consumer, fuse_oneshot_producer
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(aot, "compile_calls", placeholder_compile_calls(loadable=True))
         if not fold:
             mp.setattr(fuse_oneshot_consumer, "CONSUMERS", ())
+            mp.setattr(fuse_oneshot_producer, "PRODUCERS", ())
         assert main(["-q", "compile", "--preset", name, "--numerics", numerics, "--dtype", "fp32", "--target",
                      ",".join(["cpu"] + ([gpu] if gpu else [])), "--decode-buckets", "2", "--prefill-buckets", "16",
                      *layout, "-o", str(out)]) == 0
@@ -339,13 +340,12 @@ def test_one_gpu_program_one_kernel_set_and_rank_weights(arts):
     assert pk.complete
     for fname, f in prog.functions.items():
         ops = [l.op for l in f.launches]
-        moe = [o for o in ops if o in ("moe_router_experts_ep", "mhc_moe_ep")]  # every MoE fused on this rank too
-        moe += [o for o in ops if o == "ar_mhc_moe_ep"]
-        # 5 layers; the GPU program's 10 all-reduces one-shot (passes/oneshot_allreduce.py), 8 of them folded into
-        # their consumers' launches (passes/fuse_oneshot_consumer.py): layer 0's (read by hc_post) and the last
-        # layer's (read by the add before the head) keep their launches
+        moe = [o for o in ops if o in ("moe_router_experts_ep_ar", "ar_mhc_moe_ep_ar")]  # every MoE fused here too
+        # 5 layers; the GPU program's 10 all-reduces one-shot (passes/oneshot_allreduce.py): the 5 MoEs' folded
+        # into their launches as a trailing part (passes/fuse_oneshot_producer.py), 4 attentions' as the leading
+        # phase of the next MoE's (passes/fuse_oneshot_consumer.py); layer 0's (read by hc_post) keeps its launch
         folded = [o for o in ops if o.startswith("ar_")]
-        assert ops.count("all_reduce_oneshot") == 2 and len(folded) == 8, (fname, ops)
+        assert ops.count("all_reduce_oneshot") == 1 and len(folded) == 4, (fname, ops)
         assert len(moe) == 5 and "local_experts" not in ops, fname
         for l, calls in zip(f.launches, pk.calls[fname]):  # a communicator's collective is no kernel call; the rest are
             assert (calls == []) == get_op(l.op).communicator, (fname, l.op)
@@ -374,29 +374,33 @@ def test_nccl_gets_the_programs_collectives_inside_the_graph(host_ranks):
 def test_oneshot_allreduce_on_the_host_device(arts, tmp_path):
     """The 2-rank GPU program on the host device with its one-shot all-reduces run by their kernel (interpreted;
     each rank's symmetric region a memfd the peer maps through its /proc path, the handles exchanged over gloo,
-    the peer table written at load), 8 of its 10 folded into their consumers' launches (`fuse_oneshot_consumer`):
-    layer 1's MoE and the next attention's front run their kernels at decode (the leading phase the one-shot's
-    programs), every other launch its reference (a folded all-reduce's sum then on gloo). In the same processes, the same artifact
-    compiled without the fold (each one-shot its own launch; the same consumers' kernels), then the folded one with
-    its folded phase broken (its programs publish without reducing). Folded and unfolded: greedy ids equal, logits
-    equal bit for bit on both ranks (the same rank-order sum in the same dtype; at 2 ranks gloo's a + b is the
-    kernel's sum; the order past 2 ranks is shown in tests/kernels/test_kernels_allreduce.py, whose scenarios
-    edit the per-tile body both forms run). The broken fold's logits differ."""
+    the peer table written at load), 9 of its 10 folded into launches: layer 1's MoE runs its kernel at decode,
+    the attention's all-reduce its leading phase (`fuse_oneshot_consumer`) and its own a trailing part
+    (`fuse_oneshot_producer`: published, the shared expert, then waited for and summed), and the next attention's
+    front its kernel on the reduced output; every other launch its reference (a folded all-reduce's sum then on
+    gloo). In the same processes, the same artifact compiled without the folds (each one-shot its own launch; the
+    same ops' kernels), then the folded one with its leading phase broken (its programs publish without
+    reducing), then with its trailing part broken (no tile published or summed). Folded and unfolded: greedy ids
+    equal, logits equal bit for bit on both ranks (the same rank-order sum in the same dtype; at 2 ranks gloo's
+    a + b is the kernel's sum; the order past 2 ranks is shown in tests/kernels/test_kernels_allreduce.py, whose
+    scenarios edit the per-tile halves every form runs). Each broken fold's logits differ."""
     art = arts[2][0]
     n, num, layout = CASES[2]
     apart = _compile(tmp_path / "unfolded", n, num, layout, GPU[2], fold=False)
     (tmp_path / "prompts.json").write_text(json.dumps({"prompts": [[5, 17, 3, 99, 42], [311]], "new": 2}))
     runs = launch([sys.executable, str(WORKER), str(tmp_path), str(tmp_path / "prompts.json"), str(art), str(apart),
-                   str(art)], 2, timeout_s=240,
-                  env={"V4_TEST_DEVICE": "host", "V4_TEST_KERNELS": "oneshot,oneshot,oneshot_skipped",
+                   str(art), str(art)], 2, timeout_s=300,
+                  env={"V4_TEST_DEVICE": "host", "V4_TEST_KERNELS": "oneshot,oneshot,oneshot_skipped,oneshot_unsummed",
                        "V4_TEST_FOLDED": str(tmp_path / "folded.txt")})
     assert [r[0] for r in runs] == [0, 0], runs[0][2][-2000:] + runs[1][2][-2000:]
-    # the fold fired: on each rank, layer 1's 2 folded launches (its MoE, the next attention's front) of the decode
-    # program ran their one kernel call, in the folded artifact's two runs
+    # the folds fired: on each rank, layer 1's folded MoE launch of the decode program ran its one kernel call with
+    # both parts (NO, NP > 0), in the folded artifact's three runs
     names = (tmp_path / "folded.txt").read_text().split()
-    assert len(names) == 2 * 2 * 2 and {x.split("_")[0] for x in names} == {"moe", "seam"}, names
+    assert len(names) == 2 * 3 and {x.split("_")[0] for x in names} == {"moe"}, names
+    assert all("_rd_" in x and "_ar_" in x for x in names), names  # (`allreduce.fold_trailing`, `fold`)
     got = [np.load(tmp_path / f"rank-{r}.npz") for r in range(2)]
     for g in got:
         assert g["ids-0"].tolist() == g["ids-1"].tolist() == got[0]["ids-1"].tolist()
         assert np.array_equal(g["logits-0"], g["logits-1"]) and np.array_equal(g["logits-0"], got[0]["logits-0"])
-        assert not np.array_equal(g["logits-2"], g["logits-0"])  # the broken fold is caught
+        assert not np.array_equal(g["logits-2"], g["logits-0"])  # the broken leading phase is caught
+        assert not np.array_equal(g["logits-3"], g["logits-0"])  # the broken trailing part is caught

@@ -8,6 +8,13 @@ consumer's family: the consumer's one launch with a leading phase that runs the 
 protocol (`codegen/kernels/allreduce.py`) into scratch, every program that reads the reduced value waiting for
 that phase first. It is still a collective (the parallel model counts it with the all-reduces), not a launch
 of its own.
+
+`<op>_ar` (the producer fold, `passes/fuse_oneshot_producer.py`) is `<op>` whose result `PRODUCED` (`partial`)
+comes out all-reduced over the group: `<op>_ar(...)` = `all_reduce_oneshot(<op>(...).partial)`, the other results
+as they are. Its kernel is the producer's one launch with the protocol's two halves as phases of their own: the
+routed partial published to the peers first, the producer's independent work (the shared expert) next, the wait
+and the rank-order sum last (`codegen/kernels/moe_router.py`), so the peers' lateness hides behind that work.
+A producer fold may be a consumer too (`ar_mhc_moe_ep_ar`: the attention's all-reduce its leading phase).
 """
 
 from __future__ import annotations
@@ -18,10 +25,26 @@ from . import fused_ep  # noqa: F401  (the consumers)
 
 PREFIX = "ar_"
 REDUCED = "y"  # the consumers' operand that is the all-reduce's result
+SUFFIX = "_ar"
+PRODUCED = "partial"  # the producers' result that the all-reduce sums
+# the producers the fold may take: the one-launch EP MoE, whose shared expert does not need the routed sum
+PRODUCERS = ("mhc_moe_ep", "moe_router_experts_ep")
+# what a producer fold's launch reads after publishing its partial and before waiting for the peers: the shared
+# expert's weights (`codegen/kernels/moe_router.py` orders its programs so); the parallel model hides the one-shot's
+# time behind these bytes (`codegen/parallel_model.py`)
+AFTER_PUBLISH = ("s1", "s3", "s2", "s1_scale", "s3_scale", "s2_scale")
+
+
+def hidden_bytes(op) -> int:
+    """Bytes a producer fold's launch reads between publishing and waiting (an IR op `<producer>_ar`, or the
+    consumer fold of one): its AFTER_PUBLISH operands'."""
+    opdef = get_op(op.name)
+    return sum(op.operands[opdef.operand_index(n)].type.nbytes for n in AFTER_PUBLISH
+               if op.operands[opdef.operand_index(n)] is not None)
 AR_ATTRS = {"group": int, "region_bytes": int}
 # the consumers the fold may take: phased kernels whose leading phase reads `y` (`codegen/kernels/moe_router.py`,
 # `attn_front.py`)
-CONSUMERS = ("mhc_moe_ep", "mhc_add_pair_norm_linear")
+CONSUMERS = ("mhc_moe_ep", "mhc_add_pair_norm_linear", "mhc_moe_ep" + SUFFIX)
 
 
 def consumer_of(name: str) -> str | None:
@@ -29,9 +52,15 @@ def consumer_of(name: str) -> str | None:
     return name[len(PREFIX):] if name.startswith(PREFIX) and name[len(PREFIX):] in CONSUMERS else None
 
 
-def inner_attrs(attrs: dict) -> dict:
-    """The consumer's attributes of a folded op's."""
-    return {k: v for k, v in attrs.items() if k not in AR_ATTRS}
+def producer_of(name: str) -> str | None:
+    """The producer op that `name` folds its all-reduce into (`mhc_moe_ep_ar` -> `mhc_moe_ep`), else None."""
+    return name[:-len(SUFFIX)] if name.endswith(SUFFIX) and name[:-len(SUFFIX)] in PRODUCERS else None
+
+
+def inner_attrs(attrs: dict, inner: str = "") -> dict:
+    """The consumer's (`inner`'s) attributes of a folded op's: all of them where the consumer is a producer fold
+    itself (its all-reduce and the folded one are over one group, through one region: the pass checks)."""
+    return dict(attrs) if producer_of(inner) else {k: v for k, v in attrs.items() if k not in AR_ATTRS}
 
 
 def _fold(consumer: OpDef) -> OpDef:
@@ -42,7 +71,8 @@ def _fold(consumer: OpDef) -> OpDef:
 
     def ref(*operands, group, region_bytes, **kw):
         _one_rank(PREFIX + consumer.name, group)
-        return consumer.ref(*operands, **kw)
+        return consumer.ref(*operands, **inner_attrs({**kw, "group": group, "region_bytes": region_bytes},
+                                                     consumer.name))
 
     ref.__doc__ = f"`{consumer.name}` on the one-shot all-reduce (over `group` ranks) of its operand `{REDUCED}`."
     op = defop(sig, attrs, kernel=consumer.kernel, follows=consumer.follows or None, variants=variants)(ref)
@@ -55,24 +85,25 @@ def _fold(consumer: OpDef) -> OpDef:
         require(y.dtype in ("fp32", "bf16"), f"{op.name} sums floating-point values", found=y.dtype)
         require(0 < y.nbytes <= region_bytes, f"{op.name}: the value must fit the region",
                 found=(y.nbytes, region_bytes))
-        return consumer.result_types(list(operands), kw)
+        return consumer.result_types(list(operands), inner_attrs({**kw, "group": group, "region_bytes": region_bytes},
+                                                                 consumer.name))
 
     @op.spmd
     def _(per_rank, attrs):
-        out: list = [None] * len(per_rank)
-        inner = inner_attrs(attrs)
+        inner = inner_attrs(attrs, consumer.name)
+        reduced = [list(ops) for ops in per_rank]
         for ranks in _groups(per_rank, attrs["group"], op.name):
             total = _rank_sum([[ops[at]] for ops in per_rank], ranks)
             for r in ranks:
-                ops = list(per_rank[r])
-                ops[at] = total.clone()
-                out[r] = consumer.run(ops, inner)
-        return out
+                reduced[r][at] = total.clone()
+        if consumer.collective:  # a producer fold (its all-reduce across the ranks too)
+            return consumer.spmd_ref(reduced, inner)
+        return [consumer.run(ops, inner) for ops in reduced]
 
     @op.cost
     def _(operands, results, attrs):
         # the consumer's, plus the all-reduce's ideal (the one-shot's own time is the parallel model's)
-        inner = inner_attrs(attrs)
+        inner = inner_attrs(attrs, consumer.name)
         c = consumer.cost_of(list(operands), list(results), inner)
         a = all_reduce._cost([operands[at]], [operands[at]], {"group": attrs["group"]})
         return Cost(c.flops + a.flops, c.bytes_read + a.bytes_read, c.bytes_written + a.bytes_written)
@@ -80,4 +111,49 @@ def _fold(consumer: OpDef) -> OpDef:
     return op
 
 
+def _fold_trailing(producer: OpDef) -> OpDef:
+    name, rest = producer.sig.strip().split("(", 1)
+    attrs = {**{k: (a.type if a.required else (a.type, a.default)) for k, a in producer.attrs.items()
+                if k != "variant"}, **AR_ATTRS}
+    variants = {k: tuple(v) for k, v in producer.variants.items()} or None
+    at = producer.results.index(PRODUCED)
+
+    def ref(*operands, group, region_bytes, **kw):
+        _one_rank(name + SUFFIX, group)
+        return producer.ref(*operands, **kw)
+
+    ref.__doc__ = f"`{producer.name}` with its result `{PRODUCED}` all-reduced (one-shot) over `group` ranks."
+    op = defop(name + SUFFIX + "(" + rest, attrs, kernel=producer.kernel, follows=producer.follows or None,
+               variants=variants)(ref)
+
+    @op.infer
+    def _(*operands, group, region_bytes, **kw):
+        types = producer.result_types(list(operands), kw)
+        _require_group(op.name, group)
+        require(types[at].dtype in ("fp32", "bf16"), f"{op.name} sums floating-point values", found=types[at].dtype)
+        require(0 < types[at].nbytes <= region_bytes, f"{op.name}: the value must fit the region",
+                found=(types[at].nbytes, region_bytes))
+        return types
+
+    @op.spmd
+    def _(per_rank, attrs):
+        inner = inner_attrs(attrs)
+        out = [list(producer.run(list(ops), inner)) for ops in per_rank]
+        for ranks in _groups(per_rank, attrs["group"], op.name):
+            total = _rank_sum([[res[at]] for res in out], ranks)
+            for r in ranks:
+                out[r][at] = total.clone()
+        return [tuple(res) for res in out]
+
+    @op.cost
+    def _(operands, results, attrs):
+        # the producer's, plus the all-reduce's ideal (the one-shot's own time is the parallel model's)
+        c = producer.cost_of(list(operands), list(results), inner_attrs(attrs))
+        a = all_reduce._cost([results[at]], [results[at]], {"group": attrs["group"]})
+        return Cost(c.flops + a.flops, c.bytes_read + a.bytes_read, c.bytes_written + a.bytes_written)
+
+    return op
+
+
+PRODUCER_FOLDED = {name: _fold_trailing(get_op(name)) for name in PRODUCERS}
 FOLDED = {name: _fold(get_op(name)) for name in CONSUMERS}
