@@ -38,7 +38,9 @@ The lowering (`passes/oneshot_allreduce.py`) turns a GPU program's `all_reduce` 
 launches, this family's op; `passes/fuse_oneshot_consumer.py` folds those read by a phased launch into it (`ar_*`,
 `ops/fused_allreduce.py`): that launch's first NO programs run the same per-tile body (`oneshot_tiles`, its one home)
 into the launch's scratch (`fold`, which says why no schedule deadlocks); the families that take it
-(moe_router, attn_front) call `folded`.
+(moe_router, attn_front) call `folded`. `passes/fuse_oneshot_producer.py` folds the EP MoE's into the launch that
+produces it (`<moe>_ar`): the halves `publish_tiles` and `gather_tiles` run in programs of their own, the shared
+expert's work between them (`fold_trailing`, which says why no schedule deadlocks; moe_router places the phases).
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ combine run in one launch. Its programs are, in the order they start (`phases.ti
                              rank order into y (`allreduce.gather_tiles`, in place);
   then NH                    (`moe_mhc_post_pre`, `mhc_moe_mhc`) the seam after the MoE, one per BT tokens,
                              once every D tile is combined.
-A program waits only for programs that took earlier tickets (see `phases`), so no schedule deadlocks; what
+A program waits only for programs that took earlier tickets (see `phases`; a folded all-reduce's programs also
+for their peers': `allreduce.fold` and `fold_trailing` say why that is safe), so no schedule deadlocks; what
 it reads was published along that chain (the router's ids reach the down programs through the up programs'
 acquire / release). The last program to finish resets the counters (one `semaphore`, `moe_phase`).
 Grouped otherwise (the other ops; above FUSED_MAX_PAIRS pairs) the router keeps its own launch, writing the same scratch, then

@@ -10,7 +10,7 @@ it needs (the frontend, the CLI, the runtimes call `load_all()`).
 * `lowered`: the ops passes create (fusions, the paged pool);
 * `parallel`: the collectives and the expert ownership mask of a partitioned module (`partition` pass), the
   fused MoE ops of an expert-parallel module (`fused_ep`), and those ops with the one-shot all-reduce of their
-  input folded in (`fused_allreduce`).
+  input, or of their output, folded in (`fused_allreduce`).
 
 The reference model calls ops through `op` (`op.rms_norm(...)`), which loads every set on first use. The
 package's own attributes are its modules: `ops.rope` is `ops/rope.py`, `op.rope` the op.
