@@ -258,10 +258,12 @@ def render_parallel(p: dict) -> str:
     lines.append(f"    collectives per decode step: {c['count']} {what}, {c['bytes']:,} bytes in all "
                  f"({', '.join(f'{s:,}' for s in size)} bytes each)"
                  + (f"; launches of the program: {c['program_collective_launches']} of its {c['program_launches']}"
-                    + (f" ({c['program_folded']} more folded into their consumers' launches)"
-                       if c.get("program_folded") else "")
-                    + (f" ({c['program_folded_after']} folded into their producers' launches)"
-                       if c.get("program_folded_after") else "") if "program_launches" in c else ""))
+                    + (" (" + ", ".join(w for w in (
+                        f"{c['program_folded']} more folded into their consumers' launches"
+                        if c.get("program_folded") else "",
+                        f"{c['program_folded_after']} into their producers'" if c.get("program_folded_after") else "")
+                        if w) + ")" if c.get("program_folded") or c.get("program_folded_after") else "")
+                    if "program_launches" in c else ""))
     for t, s in p["decode_step"].items():
         lines.append(f"    {t} ({s['device']}, {s['memory_bytes'] / gb:.0f} GB: {'fits' if s['fits'] else 'does NOT fit'}): "
                      f"modeled decode step {s['modeled_us']:.1f} us = {_moved(s)} + {s['launches']} "

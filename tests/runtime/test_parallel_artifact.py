@@ -356,8 +356,8 @@ def test_one_gpu_program_one_kernel_set_and_rank_weights(arts):
 def test_nccl_gets_the_programs_collectives_inside_the_graph(host_ranks):
     """Device cuda through ProgramBackend: comm_init with rank 0's id through the store, then 3 decode steps
     (`test_fake_nccl.differences`, shown there to catch a swapped operand and result). The program's 10
-    all-reduces are one-shot kernel calls, 8 of them the leading phase of their consumers' launches, whose calls
-    take the peer table too (NCCL receives none): each rank exported its region's IPC handle
+    all-reduces are one-shot kernel calls, 4 of them the leading phase of their consumers' launches and 5 a
+    trailing part of their producers' (the MoE's), whose calls take the peer table too (NCCL receives none): each rank exported its region's IPC handle
     once, mapped its peer's (cuIpcOpenMemHandle_v2; the fake refuses a rank's own handle) and unmapped it at close."""
     tmp, runs = host_ranks
     assert [code for code, _, _ in runs] == [0, 0], runs[0][2][-2000:] + runs[1][2][-2000:]
