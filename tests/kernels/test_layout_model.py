@@ -87,3 +87,24 @@ def test_the_compiled_calls_stand_for_their_own_layout_alone():
     assert (dp["calls"], dp["calls_source"]) == (450, "the compiled program")
     assert tp["calls"] == 7 * pro().n_layers + 5 and tp["calls_source"].startswith("not compiled here")
     assert row(table(), "MI355X", "TP8/EP8")["step"]["calls"] == row(table(), "MI355X", "DP8/EP8")["step"]["calls"] == 406
+
+
+def test_the_moe_all_reduces_folded_into_their_launch_hide_behind_the_shared_expert():
+    """The compiled TP8/EP8 program's routed experts' all-reduces (half of its 2 a layer) trail the MoE's launch
+    (`passes/fuse_oneshot_producer.py`): each exposed only past the shared expert's bytes at the HBM roofline,
+    max(0, its time - bytes / HBM); the wo_b ones and DP8/EP8's collectives as they were. Against the
+    unhidden table, term by term."""
+    from v4compile.targets import TARGETS
+
+    shared = sum(s.data_bytes for s in specs().values() if s.category == "shared_experts") / pro().n_layers
+    calls = {"TP8/EP8": 286}
+    plain = lm.layout_table(pro(), ("gfx950", "sm_90a"), batch=8, calls_per_step=calls, oneshot=True)
+    hidden = lm.layout_table(pro(), ("gfx950", "sm_90a"), batch=8, calls_per_step=calls, oneshot=True,
+                             hidden_bytes=int(shared))
+    for device, target in (("MI355X", "gfx950"), ("H200", "sm_90a")):
+        a, b = row(plain, device, "TP8/EP8")["step"], row(hidden, device, "TP8/EP8")["step"]
+        n, each = a["collectives"]["count"], a["collectives_us"] / a["collectives"]["count"]
+        exposed = max(0.0, each - shared / TARGETS[target].hbm_bytes_s * 1e6)
+        assert b["collectives_us"] == pytest.approx(n / 2 * (each + exposed)) and exposed < each
+        assert "hidden behind the shared expert's" in b["collectives"]["what"]
+        assert row(hidden, device, "DP8/EP8")["step"] == row(plain, device, "DP8/EP8")["step"]
