@@ -235,7 +235,8 @@ def oneshot_in_place(y: TensorArg, name: str, group: int, region_bytes: int) -> 
     """The one-shot all-reduce of result `name` into itself: a grouped producer's (a prefill chunk's MoE) as a call
     of its own after its calls."""
     call = oneshot_call(y, y, group, Region(group, region_bytes), names=(name, name))
-    call.pointers = [(p, "result", n, ty) if kind == "operand" else (p, kind, n, ty) for p, kind, n, ty in call.pointers]
+    call.pointers = [(p, "result", n, ty) if kind == "operand" else (p, kind, n, ty)
+                     for p, kind, n, ty in call.pointers]
     return call
 
 

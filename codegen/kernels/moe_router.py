@@ -69,7 +69,8 @@ from . import mhc, moe, router
 from .arrival import last_to_arrive
 from .mhc import _given, mhc_rows
 from .moe import _combine_column, _down, _group_block, _or, _up
-from .allreduce import UNFOLDED, UNTRAILED, fold_trailing, folded, gather_tiles, oneshot_in_place, oneshot_tiles, publish_tiles
+from .allreduce import (UNFOLDED, UNTRAILED, fold_trailing, folded, gather_tiles, oneshot_in_place, oneshot_tiles,
+                        publish_tiles)
 from .pdl import pdl_enter
 from .phases import publish, ticket, wait_for
 from .router import route_rows
@@ -121,7 +122,8 @@ NO_FRONT = {**{p: None for p in FRONT_PARAMS.values() if p.startswith("a_")},
 # MoE's all-reduce's publishers done (COUNTERS slots, a power of two);
 # then one arrival
 # counter per D tile and one count of finished I tiles per expert
-TICKET, ROUTED, SHARED_UP, COMBINED, FINISHED, SEAM_IN, GROUPED, REDUCED, PUBLISHED = (tl.constexpr(i) for i in range(9))
+TICKET, ROUTED, SHARED_UP, COMBINED, FINISHED, SEAM_IN, GROUPED, REDUCED, PUBLISHED = (tl.constexpr(i)
+                                                                                      for i in range(9))
 COUNTERS = tl.constexpr(16)
 G_BP, G_BQ = tl.constexpr(moe.GROUP_BP), tl.constexpr(moe.GROUP_BQ)  # the grouping's blocks (`moe_group_kernel`'s)
 # Up to this many (token, slot) pairs the grouped MoE of `moe_router_experts_dp` is one launch too, its grouping
