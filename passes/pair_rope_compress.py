@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from v4compile.ir.core import Function, Op
 from v4compile.ir.semantics import TAGS
-from v4compile.ops.paged import ROPE_COMPRESS
+from v4compile.ops.rope_compress import ROPE_COMPRESS
 
 from .base import function_pass
 from .rewrite import Rewrite, join_roles, make_op, operands_of, tags_of

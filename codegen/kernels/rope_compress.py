@@ -1,5 +1,5 @@
 """rope_compress: a decode step's query prologue (`qkv_norm_rope`, with the window-ring write) and the same layer's
-compressor launch (`compress_paged`, or a CSA layer's `compress_pair`) in one launch (`ops.paged.qkv_rope_compress`,
+compressor launch (`compress_paged`, or a CSA layer's `compress_pair`) in one launch (`ops.rope_compress.qkv_rope_compress`,
 `passes/pair_rope_compress.py`). Each part is specialised as the op it replaces (its family's `specialise`), and
 its programs run that op's own program body (`qkv_norm_rope_program`, `compress_program`) on a range of the
 flattened program id: [0, A) the prologue's (lane, head block) grid, then B programs per compressor. Results are
@@ -112,7 +112,7 @@ def rope_compress_pair_kernel(q_ptr, kv_ptr, norm_ptr, pos_ptr, qi_ptr, slot_ptr
 
 
 def specialise(op_name, operands, results, attrs):
-    from ...ops.paged import ROPE_COMPRESS  # (torch: here, not at the top, as in kvrows.py)
+    from ...ops.rope_compress import ROPE_COMPRESS  # (torch: here, not at the top, as in kvrows.py)
 
     rc = ROPE_COMPRESS[op_name]
     second = rc.second.name

@@ -169,8 +169,10 @@ def test_verifier_rejects_broken_programs(case):
         f.launches[0] = dataclasses.replace(f.launches[0], kernel=None)
 
     def not_in_place(f):
-        i, l = next((i, l) for i, l in enumerate(f.launches) if l.op == "compress_paged")
-        res = tuple((n, dataclasses.replace(a, buffer="arena", offset=0, root=a.value) if n == "state_kv_out" else a)
+        # a compressor's state ring, updated in place (its own launch, or `qkv_rope_compress`'s `c_state_kv_out`)
+        i, l = next((i, l) for i, l in enumerate(f.launches) if any(n.endswith("state_kv_out") for n, _ in l.results))
+        res = tuple((n, dataclasses.replace(a, buffer="arena", offset=0, root=a.value) if n.endswith("state_kv_out")
+                     else a)
                     for n, a in l.results)
         f.launches[i] = dataclasses.replace(l, results=res)
 

@@ -90,7 +90,8 @@ BROKEN = {
                              AssertionError),
     # the finished count leaves out the seam programs: the counters are reset one program early and the last
     # program's arrival is left in them (the next call would start wrong)
-    "finished early": ("NA + NR + NG + ST + E * RT + E * ND + NH)", "NR + NG + ST + E * RT + E * ND + NH)",
+    "finished early": ("NO + NA + NR + NG + ST + E * RT + E * ND + 2 * NP + SD + NH)",
+                       "NO + NR + NG + ST + E * RT + E * ND + 2 * NP + SD + NH)",
                        kernels.CodegenError),
 }
 
@@ -108,11 +109,14 @@ def test_broken_fused_kernel_is_caught(fault, monkeypatch, tmp_path):
 
 
 def test_the_moe_waits_for_the_seam_before():
-    """The router and shared programs (the first readers of x) wait for every seam program's publish; the
-    routed and combining programs wait for them in turn (test_kernels_moe_router)."""
+    """The router and shared programs (the first readers of x) wait for every seam program's publish: the shared
+    gate / up where they run early and where they run after the folded all-reduce's publishers
+    (`allreduce.fold_trailing`); the routed and combining programs wait for them in turn (test_kernels_moe_router)."""
     src = inspect.getsource(moe_router.moe_fused_kernel.fn)
     at = src.index
-    seam, router, shared = at("mhc_rows(v + NA,"), at("_route_phase(v,"), at("_up(v * 0, v - NR")
-    assert seam < at("publish(phase_ptr + SEAM_IN)") < router < shared
+    seam, router, shared = at("mhc_rows(v + NA,"), at("_route_phase(v,"), at("_up(v * 0, v - NR,")
+    late = at("_up(v * 0, v - NR - E * RT - E * ND - NP,")
+    assert seam < at("publish(phase_ptr + SEAM_IN)") < router < shared < late
     waits = [i for i in range(len(src)) if src.startswith("wait_for(phase_ptr + SEAM_IN, NA)", i)]
-    assert len(waits) == 2 and at("elif v < NR:") < waits[0] < router and at("elif v < NR + ST:") < waits[1] < shared
+    assert len(waits) == 3 and at("elif v < NR:") < waits[0] < router
+    assert at("elif v < NR + ST0:") < waits[1] < shared and at("elif v < NR + E * RT + E * ND + NP + ST:") < waits[2] < late

@@ -21,7 +21,7 @@ from kernel_check import poisoned  # noqa: E402
 from test_kernels_compress import operands  # noqa: E402
 from v4compile.codegen.kernels import launch, rope_compress  # noqa: E402
 from v4compile.ir.registry import get_op  # noqa: E402
-from v4compile.ops.paged import ROPE_COMPRESS  # noqa: E402
+from v4compile.ops.rope_compress import ROPE_COMPRESS  # noqa: E402
 
 WINDOW, SLOT_ROWS, LAYER_ROW = 8, 16, 8  # two window layers a slot; this is the second
 MAIN = ("bf16", 4, False, [11, 7], [1, 1], 1, 32, 8, "fp8", "fp8", "fp32")  # an HCA-like compressor, FP8 planes

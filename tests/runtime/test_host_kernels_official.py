@@ -2,8 +2,9 @@
 official numerics (FP8 / FP4 rounding inside the kernels) that the hf-numerics tests never exercise.
 
 A ragged prefill (every launch its reference) then one decode step of tiny, in which the chosen launches
-run their Triton kernels: each kernel family's first decode launch, and every qkv_norm_rope launch (the
-kv latent's FP8 rounding, the FP8 window-ring write and the indexer query's FP4 rounding). Each chosen
+run their Triton kernels: each kernel family's first decode launch, and every launch of the query prologue
+(`qkv_norm_rope`, alone or with its layer's compressor: `QKV`; the kv latent's FP8 rounding, the FP8 window-ring
+write and the indexer query's FP4 rounding). Each chosen
 launch is rerun with its reference on the same input bytes (a snapshot), and its results compared (a CSR
 result's indices row by row as sets: the kernels list a row's picks in another order, which the attention
 does not depend on, and leave the unused tail past the last indptr as it was).
@@ -37,6 +38,7 @@ from v4compile.runtime.kernels import make_kernel_calls  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REL = 1e-5
+QKV = ("qkv_norm_rope", "qkv_rope_compress", "qkv_rope_compress_pair")  # the query prologue's launches
 
 
 @pytest.fixture
@@ -57,7 +59,7 @@ def _mismatches(only: tuple[str, ...] = ()) -> tuple[list[str], int, int]:
     for i, l in enumerate(decode):
         first.setdefault(l.kernel, i)
     chosen = {id(l) for i, l in enumerate(decode)
-              if (l.op == "qkv_norm_rope" or first[l.kernel] == i) and (not only or l.op in only)}
+              if (l.op in QKV or first[l.kernel] == i) and (not only or l.op in only)}
     real = make_kernel_calls()
     rt = CRuntime(prog, w, "host", kernel_calls=lambda l: real(l) if id(l) in chosen else None)
     writable = [k for k, kind in zip(rt.sched.buffer_names, rt.sched.buffer_kinds) if kind != "weight"]
@@ -104,13 +106,13 @@ def _mismatches(only: tuple[str, ...] = ()) -> tuple[list[str], int, int]:
 
 def test_interpreted_kernels_equal_their_references_with_official_numerics(unfixed_interpreter):
     bad, ran, chosen = _mismatches()
-    # tiny's decode: its 5 qkv_norm_rope launches and every other family's first (14 today: the attention and
-    # wo_a run in out_proj's launch), every one run
+    # tiny's decode: its 5 query-prologue launches (4 with their layer's compressor) and every other family's first
+    # (14 today: the attention and wo_a run in out_proj's launch), every one run
     assert ran == chosen >= 14 and bad == []
 
 
 def test_the_unfixed_interpreter_is_caught(unfixed_interpreter, monkeypatch):
     """The fault put back: the host device's kernels on the unfixed interpreter (its fp8 cast) differ."""
     monkeypatch.setattr(interpreter, "interpreter_fixes", lambda: None)
-    bad, ran, _ = _mismatches(only=("qkv_norm_rope",))
+    bad, ran, _ = _mismatches(only=QKV)
     assert ran == 5 and any("kv_out" in b for b in bad), bad

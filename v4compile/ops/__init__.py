@@ -24,7 +24,7 @@ from typing import Any
 OPSETS: dict[str, tuple[str, ...]] = {
     "core": ("basic",),
     "model": ("mhc", "rope", "attention", "compressor", "indexer", "moe", "numerics"),
-    "lowered": ("fused", "front", "attn_tail", "paged"),
+    "lowered": ("fused", "front", "attn_tail", "paged", "rope_compress"),
     "parallel": ("collective", "fused_ep", "fused_allreduce"),
 }
 
