@@ -35,7 +35,9 @@ raises one clear error (`peers.late_peer_error`); the rank's runtime is then unu
 kernel never hangs.
 
 The lowering (`passes/oneshot_allreduce.py`) turns a GPU program's `all_reduce` launches into `all_reduce_oneshot`
-launches, this family's op; `passes/fuse_oneshot_consumer.py` folds those read by a phased launch into it (`ar_*`,
+launches, this family's op (and data parallelism's rows collectives into `all_gather_rows_oneshot` /
+`reduce_scatter_rows_oneshot`: `rows_kernel`, the same halves on a subset of the tiles, `publish_range` /
+`gather_range`, the slots holding the gathered value); `passes/fuse_oneshot_consumer.py` folds those read by a phased launch into it (`ar_*`,
 `ops/fused_allreduce.py`): that launch's first NO programs run the same per-tile body (`oneshot_tiles`, its one home)
 into the launch's scratch (`fold`, which says why no schedule deadlocks); the families that take it
 (moe_router, attn_front) call `folded`. `passes/fuse_oneshot_producer.py` folds the EP MoE's into the launch that
@@ -402,10 +404,12 @@ def _contiguous(op_name: str, name: str, a: TensorArg) -> None:
 
 def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg],
                attrs: dict) -> list[KernelCall]:
-    if op_name != "all_reduce_oneshot":
+    if op_name not in ("all_reduce_oneshot", "all_gather_rows_oneshot", "reduce_scatter_rows_oneshot"):
         raise KeyError(f"allreduce family has no op '{op_name}'")
     x, y = operands["x"], results["y"]
     for name, a in (("x", x), ("y", y)):
         _contiguous(op_name, name, a)
     group = int(attrs["group"])
+    if op_name != "all_reduce_oneshot":
+        return [rows_call(op_name.removesuffix("_oneshot"), x, y, group, Region(group, int(attrs["region_bytes"])))]
     return [oneshot_call(x, y, group, Region(group, int(attrs["region_bytes"])))]
