@@ -148,7 +148,8 @@ def layout_table(cfg, targets: tuple[str, ...] = tuple(TARGETS), batch: int = 8,
                  calls_per_step: int | dict[str, int] | None = None, oneshot: bool = False,
                  hidden_bytes: int = 0) -> dict[str, Any]:
     """`oneshot`: the compiled program's collectives are one-shot kernel calls (`passes/oneshot_allreduce.py`: TP8/EP8's
-    all-reduces, DP8/EP8's rows all-gathers and reduce-scatters; counted in its calls): its row's collectives then cost the one-shot's own time where the target has a measured
+    all-reduces, DP8/EP8's rows all-gathers and reduce-scatters; counted in its calls): its row's
+    collectives then cost the one-shot's own time where the target has a measured
     figure (`parallel_model.collective_s`), not a ring's. `hidden_bytes`: its routed experts' all-reduces are folded
     into the MoE's launch (`passes/fuse_oneshot_producer.py`), each exposed only past that many bytes (the shared
     expert's weights) at the HBM roofline."""

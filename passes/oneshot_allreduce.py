@@ -5,7 +5,8 @@ Guarantees: each `all_reduce` whose group lies within one node and whose value i
 (`targets.oneshot_allreduce`: up to 8 ranks, under 256 KB) becomes `all_reduce_oneshot` (the same operand, result,
 attributes and place; `region_bytes` the largest such value of the module, which sizes the one symmetric region
 every rank holds); likewise data parallelism's `all_gather_rows` / `reduce_scatter_rows` of one replica a rank
-(tp 1) of fp32 / bf16 values (a hash router's gathered token ids stay on the communicator) whose part (a rank's rows: what it pulls from each peer) is under the same bound become
+(tp 1) of fp32 / bf16 values (a hash router's gathered token ids stay on the communicator) whose
+part (a rank's rows: what it pulls from each peer) is under the same bound become
 `all_gather_rows_oneshot` / `reduce_scatter_rows_oneshot` (`region_bytes` then counts the gathered value). One
 group size per module: where collectives of several sizes qualify, the largest group's become one-shot and the
 others stay on the communicator (hits `<func>.oneshot`, `<func>.kept`).

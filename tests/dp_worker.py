@@ -15,8 +15,10 @@ sequences of each replica; `replicas`: each request's), and each prompt's tokens
 prefix cache (`cached`). `oneshot_off`: the host device on the first two prompts, ONESHOT_NEW tokens; `oneshot`: the
 same with the references but for layer 1's one-shot all-gather
 and reduce-scatter of rows at decode (`allreduce.rows_kernel`, interpreted, the symmetric regions in shared
-memory; each call's kernel name appended to `OUT/oneshot-ran-<r>.txt`); `oneshot_reversed`: the same with the all-gather placing the ranks' rows in reverse order (a broken
-kernel, as tests/allreduce_worker.py edits it). A V4Error prints one `error:` line and exits with status 2. The rank prints
+memory; each call's kernel name appended to `OUT/oneshot-ran-<r>.txt`); `oneshot_reversed`: the
+same with the all-gather placing the ranks' rows in reverse order (a broken
+kernel, as tests/allreduce_worker.py edits it).
+A V4Error prints one `error:` line and exits with status 2. The rank prints
 `dist_launch.print_ready`'s line after its imports, and `DIE_START <time.time()>` before the `die` run.
 """
 
@@ -95,7 +97,8 @@ def generate(art: str, device: str, spec: dict, rank: int) -> dict[str, np.ndarr
     cache = device != "nocache"
     kernels = device if device in ("oneshot", "oneshot_reversed") else "reference"
     # the one-shot runs: two prompts (one a replica), a few tokens (the kernels are interpreted)
-    prompts, new = (spec["prompts"][:2], ONESHOT_NEW) if device.startswith("oneshot") else (spec["prompts"], spec["new"])
+    prompts, new = ((spec["prompts"][:2], ONESHOT_NEW) if device.startswith("oneshot")
+                    else (spec["prompts"], spec["new"]))
     device = "cpu" if device in ("die", "spec", "nocache") else "host" if device.startswith("oneshot") else device
     rows: dict[int, list] = {}
     replicas: dict[int, int] = {}

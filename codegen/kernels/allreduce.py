@@ -37,7 +37,8 @@ kernel never hangs.
 The lowering (`passes/oneshot_allreduce.py`) turns a GPU program's `all_reduce` launches into `all_reduce_oneshot`
 launches, this family's op (and data parallelism's rows collectives into `all_gather_rows_oneshot` /
 `reduce_scatter_rows_oneshot`: `rows_kernel`, the same halves on a subset of the tiles, `publish_range` /
-`gather_range`, the slots holding the gathered value); `passes/fuse_oneshot_consumer.py` folds those read by a phased launch into it (`ar_*`,
+`gather_range`, the slots holding the gathered value);
+`passes/fuse_oneshot_consumer.py` folds those read by a phased launch into it (`ar_*`,
 `ops/fused_allreduce.py`): that launch's first NO programs run the same per-tile body (`oneshot_tiles`, its one home)
 into the launch's scratch (`fold`, which says why no schedule deadlocks); the families that take it
 (moe_router, attn_front) call `folded`. `passes/fuse_oneshot_producer.py` folds the EP MoE's into the launch that

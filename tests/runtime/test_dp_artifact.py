@@ -130,7 +130,8 @@ def test_oneshot_rows_collectives_equal_the_communicators(dp_run):
     """The sm_90a program's one-shot all-gather / reduce-scatter of rows (`passes/oneshot_allreduce.py`) run by their
     kernel on the host device (layer 1 at decode, interpreted; `dp_worker.rows_kernels`) give the ids and every
     logits row of the same program with them on gloo (`oneshot_off`: the communicator's result, as under
-    `--allreduce nccl`; two prompts, one a replica, 4 tokens) bit for bit on both ranks (at 2 ranks gloo's a + b is the kernel's rank-order sum; the order
+    `--allreduce nccl`; two prompts, one a replica, 4 tokens) bit for bit on both ranks
+    (at 2 ranks gloo's a + b is the kernel's rank-order sum; the order
     past 2 ranks: tests/kernels/test_kernels_allreduce.py); the all-gather placing the ranks' rows in reverse order
     is caught."""
     tmp = dp_run[0]
