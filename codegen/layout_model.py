@@ -16,7 +16,8 @@ What each figure is and where it comes from (every row states it too):
   all-gather of the MoE input and one reduce-scatter of its output per layer over the 8 b tokens of the EP
   group, (n-1)/n of the gathered bytes each; each costs the link's latency + bytes / link bandwidth
   (`targets.TargetSpec.link`), except a compiled TP8/EP8 program's one-shot all-reduces (`oneshot`): the
-  one-shot's measured fixed cost + (n-1) x bytes / link bandwidth, their launches among the program's calls;
+  one-shot's measured fixed cost + (n-1) x bytes / link bandwidth, their launches among the program's calls
+  (a compiled DP8/EP8 program's one-shot rows collectives alike, bytes a rank's part of the gathered value);
   the routed experts' folded into the MoE's launch (`passes/fuse_oneshot_producer.py`) exposed only past the
   shared expert's weights read meanwhile: max(0, time - those bytes / HBM bandwidth), modeled;
 * modeled per-rank decode step = bandwidth (weights a step reads at the HBM roofline: every non-expert weight
@@ -123,6 +124,12 @@ def step(cfg, w: dict, layout: str, target: str, b: int,
         # of their consumers')
         coll_s = c["count"] * spec.link.oneshot_s(WORLD, c["bytes_each"])
         c = {**c, "what": c["what"] + ", one-shot"}
+    elif (oneshot and layout == "DP8/EP8" and calls_source == "the compiled program"
+            and spec.link.oneshot_latency_s is not None and oneshot_allreduce(WORLD, c["bytes_each"] / WORLD)):
+        # the compiled program's rows all-gathers / reduce-scatters are one-shot kernel calls: a rank pulls its
+        # part (the gathered bytes over the world) from each peer
+        coll_s = c["count"] * spec.link.oneshot_s(WORLD, c["bytes_each"] / WORLD)
+        c = {**c, "what": c["what"] + ", one-shot"}
     if oneshot and hidden_bytes and layout == "TP8/EP8" and calls_source == "the compiled program":
         # the routed experts' all-reduces folded into the MoE's launch (`passes/fuse_oneshot_producer.py`): exposed
         # only past the shared expert's weights read while the peers arrive, max(0, time - bytes / HBM)
@@ -140,8 +147,9 @@ def step(cfg, w: dict, layout: str, target: str, b: int,
 def layout_table(cfg, targets: tuple[str, ...] = tuple(TARGETS), batch: int = 8,
                  calls_per_step: int | dict[str, int] | None = None, oneshot: bool = False,
                  hidden_bytes: int = 0) -> dict[str, Any]:
-    """`oneshot`: the compiled TP8/EP8 program's all-reduces are one-shot kernel calls (`passes/oneshot_allreduce.py`,
-    counted in its calls): its row's collectives then cost the one-shot's own time where the target has a measured
+    """`oneshot`: the compiled program's collectives are one-shot kernel calls (`passes/oneshot_allreduce.py`: TP8/EP8's
+    all-reduces, DP8/EP8's rows all-gathers and reduce-scatters; counted in its calls): its row's
+    collectives then cost the one-shot's own time where the target has a measured
     figure (`parallel_model.collective_s`), not a ring's. `hidden_bytes`: its routed experts' all-reduces are folded
     into the MoE's launch (`passes/fuse_oneshot_producer.py`), each exposed only past that many bytes (the shared
     expert's weights) at the HBM roofline."""

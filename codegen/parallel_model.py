@@ -26,7 +26,9 @@ collective as a ring: `latency + 2 (n - 1) / n * bytes / link bandwidth` for an 
 `codegen/kernels/allreduce.py`; issue 34's option A): a kernel call (counted with the calls; or the leading phase of
 its consumer's, `passes/fuse_oneshot_consumer.py`, or a trailing part of its producer's,
 `passes/fuse_oneshot_producer.py`: no call of its own) + `oneshot latency + (n - 1) * bytes / link bandwidth`
-where the target has a measured one-shot figure (else the ring's). The one overlap modeled: one folded into its
+where the target has a measured one-shot figure (else the ring's); likewise data parallelism's rows collectives
+lowered one-shot (`all_gather_rows_oneshot`, `reduce_scatter_rows_oneshot`), `bytes` then a rank's part of the
+gathered value, what it pulls from each peer (`part_bytes`). The one overlap modeled: one folded into its
 producer's launch (the EP MoE's) waits while that launch reads the shared expert's weights (published before them,
 waited for after), so its exposed time is max(0, that time - those bytes / HBM bandwidth); the report says so
 ("hidden behind the shared expert's N MB: modeled"). For a
@@ -127,7 +129,7 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
     for t in targets:
         spec = TARGETS[t]
         link = spec.link
-        coll_s = sum(collective_s(c, link, c["op"] == "all_reduce_oneshot", spec.hbm_bytes_s) for c in coll)
+        coll_s = sum(collective_s(c, link, c["op"] in ONESHOT, spec.hbm_bytes_s) for c in coll)
         after = [c for c in coll if "hidden_bytes" in c]  # folded into their producers: partly hidden
         hidden_s = sum(collective_s(c, link, True) - collective_s(c, link, True, spec.hbm_bytes_s) for c in after)
         # every launch as a graph node, with PDL where the target has it (its kernels all wait: kernels/pdl.py)
@@ -145,7 +147,7 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
                     "modeled_us": round((roof_s + launch_s + coll_s) * 1e6, 1), "launches": launches,
                     "launches_counted": counted,
                     "link_bytes_s": link.bytes_s, "allreduce_latency_us": link.allreduce_latency_s * 1e6,
-                    "source": link.source, "oneshot_all_reduces": sum(c["op"] == "all_reduce_oneshot" for c in coll),
+                    "source": link.source, "oneshot_all_reduces": sum(c["op"] in ONESHOT for c in coll),
                     **({"oneshot_latency_us": link.oneshot_latency_s * 1e6, "oneshot_source": link.oneshot_source}
                        if link.oneshot_latency_s is not None else {})}
         if one and link.oneshot_latency_s is not None:  # what lowering them one-shot would give (issue 34's option A)
@@ -169,7 +171,7 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
         compiled = "DP8/EP8" if layout.dp > 1 else "TP8/EP8"
         out["layouts"] = layout_table(cfg, targets or tuple(TARGETS), int(dec.attrs["batch"]),
                                       {compiled: launches} if counted == "kernel calls" else None,
-                                      oneshot=any(c["op"] == "all_reduce_oneshot" for c in coll),
+                                      oneshot=any(c["op"] in ONESHOT for c in coll),
                                       hidden_bytes=max([c["hidden_bytes"] for c in coll if "hidden_bytes" in c],
                                                        default=0))
     return out
@@ -178,12 +180,22 @@ def parallel_section(cfg, traced: Module, partitioned: Module, final: Module, ta
 def ring_bytes(c: dict) -> float:
     """What one rank sends of a collective in a ring, `c["bytes"]` its operand: an all-reduce 2 (n - 1) / n of
     it, an all-gather of rows its part to each of the n - 1 others, a reduce-scatter (n - 1) / n of it."""
-    n, b = c["group"], c["bytes"]
-    if c["op"] == "all_gather_rows":
+    n, b, op = c["group"], c["bytes"], c["op"].removesuffix("_oneshot")
+    if op == "all_gather_rows":
         return (n - 1) * b
-    if c["op"] == "reduce_scatter_rows":  # with a replica's tp ranks: as of its rows repeated for each
+    if op == "reduce_scatter_rows":  # with a replica's tp ranks: as of its rows repeated for each
         return (n - 1) / n * b * c.get("tp", 1)
     return 2 * (n - 1) / n * b
+
+
+ONESHOT = ("all_reduce_oneshot", "all_gather_rows_oneshot", "reduce_scatter_rows_oneshot")
+
+
+def part_bytes(c: dict) -> float:
+    """What a rank pulls from each peer one-shot: an all-reduce's value; a rows collective's part of the gathered
+    value (the all-gather's operand; the reduce-scatter's operand over the group)."""
+    op = c["op"].removesuffix("_oneshot")
+    return c["bytes"] / c["group"] if op == "reduce_scatter_rows" else c["bytes"]
 
 
 def collective_s(c: dict, link, oneshot: bool, hbm_bytes_s: float | None = None) -> float:
@@ -192,7 +204,7 @@ def collective_s(c: dict, link, oneshot: bool, hbm_bytes_s: float | None = None)
     n - 1 peers at the link's bandwidth; else a ring: the link's latency + the ring's bytes at its bandwidth.
     With `hbm_bytes_s`, what is exposed of a one-shot folded into its producer's launch (`hidden_bytes`: the
     shared expert's weights, read between publishing and waiting): max(0, that time - hidden bytes / HBM)."""
-    t = link.oneshot_s(c["group"], c["bytes"]) if oneshot and link.oneshot_latency_s is not None else \
+    t = link.oneshot_s(c["group"], part_bytes(c)) if oneshot and link.oneshot_latency_s is not None else \
         link.allreduce_latency_s + ring_bytes(c) / link.bytes_s
     if hbm_bytes_s is not None and c.get("hidden_bytes"):
         return max(0.0, t - c["hidden_bytes"] / hbm_bytes_s)
@@ -270,10 +282,11 @@ def render_parallel(p: dict) -> str:
                      f"{s.get('launches_counted', 'launches')} "
                      f"{s['launch_latency_us']:.1f} us + collectives {s['collectives_us']:.1f} us "
                      f"({s['allreduce_latency_us']:.0f} us + bytes / {s['link_bytes_s'] / gb:.0f} GB/s each"
-                     + (f"; the {s['oneshot_all_reduces']} one-shot all-reduces {s['oneshot_latency_us']:.1f} us + "
-                        f"(n - 1) x bytes / {s['link_bytes_s'] / gb:.0f} GB/s each besides their kernel calls (their "
+                     + (f"; the {s['oneshot_all_reduces']} one-shot collectives {s['oneshot_latency_us']:.1f} us + "
+                        f"(n - 1) x bytes pulled from each peer (a rows collective's: a rank's part) / "
+                        f"{s['link_bytes_s'] / gb:.0f} GB/s each besides their kernel calls (their "
                         f"own, or the consumers' they lead, or the producers' they trail): {s['oneshot_source']}" if s["oneshot_all_reduces"] and "oneshot_latency_us" in s else "")
-                     + (f"; its {s['oneshot_all_reduces']} one-shot all-reduces modeled as the ring: no measured "
+                     + (f"; its {s['oneshot_all_reduces']} one-shot collectives modeled as the ring: no measured "
                         "one-shot figure below it on this target" if s["oneshot_all_reduces"]
                         and "oneshot_latency_us" not in s else "") + ")")
         if "folded_after" in s:

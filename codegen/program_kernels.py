@@ -53,7 +53,8 @@ class ProgramKernels:
     `missing` counts launches whose family has no kernels yet (by family). A communicator launch (a
     partitioned program's `all_reduce`, `all_gather_rows`, ...) has no kernel calls: the runtime's communicator
     runs it (NCCL / RCCL on the stream, gloo on the host device), so it is neither a call nor missing; the
-    one-shot all-reduce (`all_reduce_oneshot`) is a collective with kernel calls of its own, counted as calls (folded
+    one-shot all-reduce (`all_reduce_oneshot`; the rows ones, `*_rows_oneshot`, alike) is a collective with kernel
+    calls of its own, counted as calls (folded
     into its consumer, `ar_*`: the consumer's calls)."""
     calls: dict[str, list[list[KernelCall]]] = field(default_factory=dict)
     unique: dict[str, KernelCall] = field(default_factory=dict)

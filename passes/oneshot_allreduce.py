@@ -4,8 +4,12 @@ Requires: a partitioned module (`partition`), so its all-reduces are the tensor-
 Guarantees: each `all_reduce` whose group lies within one node and whose value is small enough
 (`targets.oneshot_allreduce`: up to 8 ranks, under 256 KB) becomes `all_reduce_oneshot` (the same operand, result,
 attributes and place; `region_bytes` the largest such value of the module, which sizes the one symmetric region
-every rank holds). One group size per module: where all-reduces of several sizes qualify, the largest group's
-become one-shot and the others stay on the communicator (hits `<func>.oneshot`, `<func>.kept`).
+every rank holds); likewise data parallelism's `all_gather_rows` / `reduce_scatter_rows` of one replica a rank
+(tp 1) of fp32 / bf16 values (a hash router's gathered token ids stay on the communicator) whose
+part (a rank's rows: what it pulls from each peer) is under the same bound become
+`all_gather_rows_oneshot` / `reduce_scatter_rows_oneshot` (`region_bytes` then counts the gathered value). One
+group size per module: where collectives of several sizes qualify, the largest group's become one-shot and the
+others stay on the communicator (hits `<func>.oneshot`, `<func>.kept`).
 The one-shot launch is a kernel call of its own (`codegen/kernels/allreduce.py`; `fuse_oneshot_producer` then folds
 the EP MoE's into its launch, `fuse_oneshot_consumer` those read by a phased launch into it, as its leading phase)
 that adds the ranks' values in
@@ -25,8 +29,27 @@ from .base import Pass, PassResult, register
 from .rewrite import new_module, rebuild
 
 
+ROWS = ("all_gather_rows", "reduce_scatter_rows")
+
+
+def _part(op) -> int:
+    """The bytes a rank pulls from each peer: an all-reduce's value, a rows collective's part (a rank's rows)."""
+    if op.name == "all_gather_rows":
+        return op.operand("x").type.nbytes
+    return op.results[0].type.nbytes if op.name == "reduce_scatter_rows" else op.operand("x").type.nbytes
+
+
+def _whole(op) -> int:
+    """The bytes the region's slot holds: the value reduced, or the gathered rows."""
+    return max(op.operand("x").type.nbytes, op.results[0].type.nbytes)
+
+
 def _eligible(op) -> bool:
-    return op.name == "all_reduce" and oneshot_allreduce(int(op.attrs["group"]), op.operand("x").type.nbytes)
+    if op.name not in ("all_reduce", *ROWS) or (op.name in ROWS and int(op.attrs.get("tp", 1)) != 1):
+        return False
+    if op.operand("x").type.dtype not in ("fp32", "bf16"):  # (a hash router's token ids: kept on the communicator)
+        return False
+    return oneshot_allreduce(int(op.attrs["group"]), _part(op))
 
 
 @register
@@ -40,15 +63,17 @@ class OneshotAllreduce(Pass):
         if not ops:
             return PassResult(module, {})
         group = max(int(op.attrs["group"]) for op in ops)
-        region = max(op.operand("x").type.nbytes for op in ops if int(op.attrs["group"]) == group)
+        region = max(_whole(op) for op in ops if int(op.attrs["group"]) == group)
         functions, hits = {}, {}
         for name, f in module.functions.items():
-            mine = {id(op): op.replace(name="all_reduce_oneshot", attrs={**op.attrs, "region_bytes": region})
+            mine = {id(op): op.replace(name=op.name + "_oneshot" if op.name in ROWS else "all_reduce_oneshot",
+                                       attrs={**{k: v for k, v in op.attrs.items() if k != "tp"},
+                                              "region_bytes": region})
                     for op in f.ops if _eligible(op) and int(op.attrs["group"]) == group}
             functions[name] = rebuild(f, mine) if mine else f
             if mine:
                 hits[f"{name}.oneshot"] = len(mine)
-            kept = sum(op.name == "all_reduce" for op in f.ops) - len(mine)
+            kept = sum(op.name in ("all_reduce", *ROWS) for op in f.ops) - len(mine)
             if kept:
                 hits[f"{name}.kept"] = kept
         return PassResult(new_module(module, functions), hits)

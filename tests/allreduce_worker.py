@@ -45,7 +45,20 @@ SCENARIOS = {
     "one_slot": ((("slot = SLOTS_AT + (v % 2) * SLOT_BYTES", "slot = SLOTS_AT + 0 * SLOT_BYTES"),), ((1000, "bf16"), (1000, "bf16")), 64,
                  "last polls slowly"),
     "late": ((), ((3000, "fp32"),), 64, "last never arrives"),
+    # the rows collectives (`allreduce.rows_kernel`; the gathered value's elements, each rank's part 1/3 of it,
+    # not tile-aligned), between all-reduces on the same region so both slots of every tile are reused by all
+    "rows": ((), ((5100, "bf16", "reduce_scatter_rows"), (5100, "bf16", "all_gather_rows"), (3000, "fp32"),
+                  (6300, "fp32", "reduce_scatter_rows"), (1500, "bf16", "all_gather_rows"),
+                  (5100, "bf16", "reduce_scatter_rows")), 2, None),
+    "rs_reversed": ((("(tl.load(peers_ptr) + slot)", "(tl.load(peers_ptr + GROUP - 1) + slot)"),
+                     ("(tl.load(peers_ptr + s) + slot)", "(tl.load(peers_ptr + GROUP - 1 - s) + slot)")),
+                    ((5100, "bf16", "reduce_scatter_rows"),), 64, None),
+    "ag_rank_order": ((("owner = idx // PART", "owner = GROUP - 1 - idx // PART"),),
+                      ((5100, "bf16", "all_gather_rows"),), 64, None),
+    "rs_no_wait": (((" < v) & (polls < SPIN)", " < 0) & (polls < SPIN)"),), ((6300, "bf16", "reduce_scatter_rows"),),
+                   64, "last starts late"),
 }
+ROWS = ("all_gather_rows", "reduce_scatter_rows")
 
 
 def inputs(rank: int, scenario: str, k: int, numel: int, dtype):
@@ -57,26 +70,29 @@ def inputs(rank: int, scenario: str, k: int, numel: int, dtype):
 
 
 def kernel_variant(edits):
-    """`oneshot_kernel` with the source edits applied to the per-tile body it calls, `oneshot_tiles`, and its
-    halves `publish_tiles` / `gather_tiles` (what the standalone kernel and the folded phases run; each `old` must
+    """`oneshot_kernel` and `rows_kernel` with the source edits applied to the bodies they call, `oneshot_tiles`,
+    its halves `publish_tiles` / `gather_tiles` and theirs, `publish_range` / `gather_range` (what the standalone
+    kernels and the folded phases run; each `old` must
     occur, and every occurrence is edited: the slot both halves compute alike)."""
     import inspect
 
     from v4compile.codegen.kernels import allreduce
 
     if not edits:
-        return allreduce.oneshot_kernel
-    src = "\n\n".join(inspect.getsource(f.fn) for f in (allreduce.publish_tiles, allreduce.gather_tiles,
+        return allreduce.oneshot_kernel, allreduce.rows_kernel
+    src = "\n\n".join(inspect.getsource(f.fn) for f in (allreduce.publish_range, allreduce.publish_tiles,
+                                                        allreduce.gather_range, allreduce.gather_tiles,
                                                         allreduce.oneshot_tiles))
     for old, new in edits:
         assert src.count(old) >= 1, f"{old!r} does not occur"
         src = src.replace(old, new)
-    src += "\n\n" + inspect.getsource(allreduce.oneshot_kernel.fn)  # calling the edited body
+    for k in (allreduce.oneshot_kernel, allreduce.rows_kernel):  # calling the edited bodies
+        src += "\n\n" + inspect.getsource(k.fn)
     path = Path(os.environ["V4_TEST_DIR"]) / f"broken_{abs(hash(src)) % 10**8}.py"
     path.write_text(src)
     namespace = dict(vars(allreduce))
     exec(compile(src, str(path), "exec"), namespace)
-    return namespace["oneshot_kernel"]
+    return namespace["oneshot_kernel"], namespace["rows_kernel"]
 
 
 def slow_polls():
@@ -99,6 +115,7 @@ def scenario_run(rank: int, world: int, name: str, d: Path) -> dict:
     import torch.distributed as dist
 
     from v4compile.codegen.kernels import TensorArg, allreduce, run_calls, torch_dtype
+    from v4compile.ir.registry import get_op
     from v4compile.ops.collective import _rank_sum
 
     edits, values, grid_max, timing = SCENARIOS[name]
@@ -111,7 +128,7 @@ def scenario_run(rank: int, world: int, name: str, d: Path) -> dict:
         with open(d / f"{name}.{r}", "r+b") as f:
             maps.append(mmap.mmap(f.fileno(), region.nbytes, mmap.MAP_SHARED))
     peers = torch.tensor([ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in maps] + [rank], dtype=torch.int64)
-    fn = kernel_variant(edits)
+    fns = kernel_variant(edits)
     last = rank == world - 1
     undo = slow_polls() if timing == "last polls slowly" and last else None
     spin = LATE_SPIN if timing == "last never arrives" else allreduce.SPIN
@@ -121,22 +138,36 @@ def scenario_run(rank: int, world: int, name: str, d: Path) -> dict:
     try:
         if timing == "last starts late" and last:
             time.sleep(LAST_START_S)
-        for k, (numel, dt) in enumerate(values):
+        for k, (numel, dt, *op) in enumerate(values):
             if timing == "last never arrives" and last:
                 break
-            xs = [inputs(r, name, k, numel, torch_dtype(dt)) for r in range(world)]
-            y = torch.full_like(xs[rank], float("nan"))
-            call = allreduce.oneshot_call(TensorArg.of(xs[rank]), TensorArg.of(y), world, region, spin=spin,
-                                          grid_max=grid_max)
-            call.fn = fn
+            op = op[0] if op else "all_reduce"
+            # an all-gather's operand is a rank's part of the value; the others' the whole value
+            xs = [inputs(r, name, k, numel // world if op == "all_gather_rows" else numel, torch_dtype(dt))
+                  for r in range(world)]
+            if op in ROWS:
+                ref = get_op(op).spmd_ref([[x.view(world if op == "reduce_scatter_rows" else 1, -1)] for x in xs],
+                                          {"group": world})[rank][0].reshape(-1)
+                rev = get_op(op).spmd_ref([[x.view(world if op == "reduce_scatter_rows" else 1, -1)]
+                                           for x in reversed(xs)], {"group": world})[rank][0].reshape(-1)
+                y = torch.full_like(ref, float("nan"))
+                call = allreduce.rows_call(op, TensorArg.of(xs[rank]), TensorArg.of(y), world, region, spin=spin,
+                                           grid_max=grid_max)
+                call.fn = fns[1]
+            else:
+                y = torch.full_like(xs[rank], float("nan"))
+                call = allreduce.oneshot_call(TensorArg.of(xs[rank]), TensorArg.of(y), world, region, spin=spin,
+                                              grid_max=grid_max)
+                call.fn = fns[0]
             run_calls([call], {"x": xs[rank], "peers": peers}, {"y": y})
             status = tuple(torch.frombuffer(maps[rank], dtype=torch.int64, count=2,
                                             offset=0).tolist())
             error = allreduce.late_peer_error(status, rank, world, spin)
             if error:
                 break
-            ref = _rank_sum([[x] for x in xs], list(range(world)))
-            rev = _rank_sum([[x] for x in xs], list(reversed(range(world))))
+            if op not in ROWS:
+                ref = _rank_sum([[x] for x in xs], list(range(world)))
+                rev = _rank_sum([[x] for x in xs], list(reversed(range(world))))
             equal.append([torch.equal(y, ref), torch.equal(rev, ref)])
     finally:
         if undo:

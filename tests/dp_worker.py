@@ -12,7 +12,13 @@ group joined here once: loads ART, generates the prompts (`{"prompts": [...], "n
 `OUT/<device>-rank-<r>.npz`: the ids (`ids`, `lens`), every logits row each request sampled from, in its
 order (`rows-<i>`, request i), where the sequences were (`placed`: per decode step, the live
 sequences of each replica; `replicas`: each request's), and each prompt's tokens taken from its replica's
-prefix cache (`cached`). A V4Error prints one `error:` line and exits with status 2. The rank prints
+prefix cache (`cached`). `oneshot_off`: the host device on the first two prompts, ONESHOT_NEW tokens; `oneshot`: the
+same with the references but for layer 1's one-shot all-gather
+and reduce-scatter of rows at decode (`allreduce.rows_kernel`, interpreted, the symmetric regions in shared
+memory; each call's kernel name appended to `OUT/oneshot-ran-<r>.txt`); `oneshot_reversed`: the
+same with the all-gather placing the ranks' rows in reverse order (a broken
+kernel, as tests/allreduce_worker.py edits it).
+A V4Error prints one `error:` line and exits with status 2. The rank prints
 `dist_launch.print_ready`'s line after its imports, and `DIE_START <time.time()>` before the `die` run.
 """
 
@@ -35,11 +41,16 @@ def main(out: Path, prompts_file: Path, art: str) -> int:
     import v4compile.runtime.distributed  # noqa: F401
     from dist_launch import print_ready, run_rank
 
+    devices = os.environ.get("V4_TEST_DEVICES", "cpu").split(",")
+    if any(d.startswith("oneshot") for d in devices):
+        os.environ["TRITON_INTERPRET"] = "1"  # (before a kernel module is imported)
+        os.environ["V4_TEST_DIR"] = str(out)
+        rows_kernels()
     print_ready()
     spec = json.loads(prompts_file.read_text())
 
     def body(rank: int) -> None:
-        for device in os.environ.get("V4_TEST_DEVICES", "cpu").split(","):
+        for device in devices:
             if device == "die":
                 print(f"{DIE_START} {time.time():.3f}", file=sys.stderr, flush=True)
             np.savez(out / f"{device}-rank-{rank}.npz",
@@ -49,6 +60,32 @@ def main(out: Path, prompts_file: Path, art: str) -> int:
 
 
 DIE_START = "v4-test-die-start"
+ONESHOT_NEW = 4
+REVERSED = (("owner = idx // PART", "owner = GROUP - 1 - idx // PART"),)  # the all-gather's rows in reverse order
+
+
+def rows_kernels() -> None:
+    """The host device's kernels modes `oneshot` / `oneshot_reversed` (the module docstring): layer 1's one-shot
+    rows collectives at decode by their kernel (the Triton interpreter being slow: one layer), every other launch
+    by its reference (the one-shots' on gloo)."""
+    import v4compile.runtime.program_backend as pb
+    from allreduce_worker import kernel_variant
+    from v4compile.codegen.program_kernels import calls_of
+    from v4compile.runtime.kernels import kernel_calls_for
+
+    def calls(l, edits=()):
+        if not (l.op.endswith("_rows_oneshot") and l.loc.startswith("layers.1.")
+                and dict(l.operands)["x"].type.shape[1] == 1):  # decode only
+            return None
+        out = calls_of(l)
+        with open(Path(os.environ["V4_TEST_DIR"]) / f"oneshot-ran-{os.environ['RANK']}.txt", "a") as f:
+            f.write(out[0].name + "\n")  # (the test checks that both kernels ran)
+        if edits and out[0].constexprs["GATHER"]:
+            out[0].fn = kernel_variant(edits)[1]
+        return out
+
+    modes = {"oneshot": calls, "oneshot_reversed": lambda l: calls(l, REVERSED)}
+    pb.kernel_calls_for = lambda mode, dev: modes[mode] if mode in modes else kernel_calls_for(mode, dev)
 
 
 def generate(art: str, device: str, spec: dict, rank: int) -> dict[str, np.ndarray]:
@@ -58,12 +95,16 @@ def generate(art: str, device: str, spec: dict, rank: int) -> dict[str, np.ndarr
     die_at = 3 if device == "die" else 0
     speculative = device == "spec"
     cache = device != "nocache"
-    device = "cpu" if device in ("die", "spec", "nocache") else device
+    kernels = device if device in ("oneshot", "oneshot_reversed") else "reference"
+    # the one-shot runs: two prompts (one a replica), a few tokens (the kernels are interpreted)
+    prompts, new = ((spec["prompts"][:2], ONESHOT_NEW) if device.startswith("oneshot")
+                    else (spec["prompts"], spec["new"]))
+    device = "cpu" if device in ("die", "spec", "nocache") else "host" if device.startswith("oneshot") else device
     rows: dict[int, list] = {}
     replicas: dict[int, int] = {}
     placed: list = []
     sess = v4compile.load(art, device=device, threads=1, prefix_cache=cache,
-                          **({"kernels": "reference"} if device == "host" else {}))
+                          **({"kernels": kernels} if device == "host" else {}))
     decode = sess.decode
 
     def recorded_decode(seqs, tokens):
@@ -82,7 +123,7 @@ def generate(art: str, device: str, spec: dict, rank: int) -> dict[str, np.ndarr
     sess.decode = recorded_decode
     Batcher._pick = recorded_pick
     try:
-        ids = sess.generate(spec["prompts"], spec["new"], **({"speculative": "mtp", "draft_tokens": spec["draft_tokens"]}
+        ids = sess.generate(prompts, new, **({"speculative": "mtp", "draft_tokens": spec["draft_tokens"]}
                                                             if speculative else {}))
         cached = list(sess.last_cached_tokens)
     finally:

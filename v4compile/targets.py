@@ -105,7 +105,9 @@ ONESHOT_MAX_BYTES = 256 << 10
 
 
 def oneshot_allreduce(group: int, nbytes: int) -> bool:
-    """Whether an all-reduce of `nbytes` over `group` ranks runs one-shot (passes/oneshot_allreduce.py)."""
+    """Whether an all-reduce of `nbytes` over `group` ranks runs one-shot (passes/oneshot_allreduce.py); for the
+    rows all-gather / reduce-scatter `nbytes` is a rank's part, as for the all-reduce what a rank pulls from each
+    peer."""
     return 1 < group <= ONESHOT_MAX_GROUP and 0 < nbytes < ONESHOT_MAX_BYTES
 # AOT compile cost: sm_90a costs more per kernel than gfx950 (ptxas): measured ~1.5x on V4-Pro with nvdisasm on
 # its MMA kernels, ~1.4x without (codegen/aot.py reads their SASS itself).

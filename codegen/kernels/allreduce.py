@@ -35,7 +35,10 @@ raises one clear error (`peers.late_peer_error`); the rank's runtime is then unu
 kernel never hangs.
 
 The lowering (`passes/oneshot_allreduce.py`) turns a GPU program's `all_reduce` launches into `all_reduce_oneshot`
-launches, this family's op; `passes/fuse_oneshot_consumer.py` folds those read by a phased launch into it (`ar_*`,
+launches, this family's op (and data parallelism's rows collectives into `all_gather_rows_oneshot` /
+`reduce_scatter_rows_oneshot`: `rows_kernel`, the same halves on a subset of the tiles, `publish_range` /
+`gather_range`, the slots holding the gathered value);
+`passes/fuse_oneshot_consumer.py` folds those read by a phased launch into it (`ar_*`,
 `ops/fused_allreduce.py`): that launch's first NO programs run the same per-tile body (`oneshot_tiles`, its one home)
 into the launch's scratch (`fold`, which says why no schedule deadlocks); the families that take it
 (moe_router, attn_front) call `folded`. `passes/fuse_oneshot_producer.py` folds the EP MoE's into the launch that
@@ -62,11 +65,14 @@ MAX_BYTES = ONESHOT_MAX_BYTES  # all-reduces run one-shot are under it (`targets
 
 
 @triton.jit
-def publish_tiles(o, x_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
+def publish_range(o, x_ptr, lo, hi, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
                   GRID: tl.constexpr, SLOTS_AT: tl.constexpr, SLOT_BYTES: tl.constexpr, FLAGS_AT: tl.constexpr,
                   TILES: tl.constexpr, COUNTS_AT: tl.constexpr):
-    """Steps 1-3 above for tiles o, o + GRID, ... of x: the first half of the protocol (the one home of it, with
-    `gather_tiles`). Nothing after a late peer (an earlier all-reduce gave up: this one does not wait again)."""
+    """Steps 1-3 above for tiles o, o + GRID, ... of a value of NUMEL elements whose elements [lo, hi) this rank
+    holds, x[i - lo] being element i: every tile's counter and flags (so the counters agree on every rank, and a
+    waiting peer waits for every tile alike), the data of [lo, hi) only (the whole value for an all-reduce or a
+    reduce-scatter, this rank's rows for an all-gather). The one home of the first half of the protocol, with
+    `gather_range`. Nothing after a late peer (an earlier call gave up: this one does not wait again)."""
     dty = x_ptr.dtype.element_ty
     rank = tl.load(peers_ptr + GROUP)
     me = tl.load(peers_ptr + rank)
@@ -79,8 +85,8 @@ def publish_tiles(o, x_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr,
             tl.store(counts + t, v)
             slot = SLOTS_AT + (v % 2) * SLOT_BYTES
             idx = t * TILE + offs
-            ok = idx < NUMEL
-            tl.store((me + slot).to(tl.pointer_type(dty)) + idx, tl.load(x_ptr + idx, mask=ok), mask=ok)
+            ok = (idx >= lo) & (idx < hi) & (idx < NUMEL)
+            tl.store((me + slot).to(tl.pointer_type(dty)) + idx, tl.load(x_ptr + (idx - lo), mask=ok), mask=ok)
             tl.debug_barrier()
             for s in tl.static_range(GROUP):
                 peer_flags = (tl.load(peers_ptr + s) + FLAGS_AT).to(tl.pointer_type(tl.int64))
@@ -88,12 +94,25 @@ def publish_tiles(o, x_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr,
 
 
 @triton.jit
-def gather_tiles(o, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
+def publish_tiles(o, x_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
+                  GRID: tl.constexpr, SLOTS_AT: tl.constexpr, SLOT_BYTES: tl.constexpr, FLAGS_AT: tl.constexpr,
+                  TILES: tl.constexpr, COUNTS_AT: tl.constexpr):
+    """Steps 1-3 above for tiles o, o + GRID, ... of x, the whole value (`publish_range`)."""
+    publish_range(o, x_ptr, 0, NUMEL, peers_ptr, NUMEL, GROUP, TILE, GRID, SLOTS_AT, SLOT_BYTES, FLAGS_AT, TILES,
+                  COUNTS_AT)
+
+
+@triton.jit
+def gather_range(o, y_ptr, lo, hi, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
                  GRID: tl.constexpr, SLOTS_AT: tl.constexpr, SLOT_BYTES: tl.constexpr, FLAGS_AT: tl.constexpr,
-                 TILES: tl.constexpr, COUNTS_AT: tl.constexpr, SPIN: tl.constexpr):
-    """Steps 4-5 above for the tiles `publish_tiles(o, ...)` published (v: their counters as it left them; a
-    program that did not publish them itself first acquires the publishers' stores): the bounded wait, then
-    the rank-order sum into y (y may be x: each tile is read into the slot before it is written)."""
+                 TILES: tl.constexpr, COUNTS_AT: tl.constexpr, SPIN: tl.constexpr, PART: tl.constexpr = 0):
+    """Steps 4-5 above for the tiles o, o + GRID, ... that meet elements [lo, hi): the tiles `publish_range(o, ...)`
+    published, so v is the counter it left (a program that did not publish them itself first acquires the
+    publishers' stores, as a producer's trailing fold's gatherers do):
+    the bounded wait for every peer, then element i of [lo, hi) into y[i - lo]: the rank-order sum of the ranks'
+    slots (PART 0: an all-reduce, lo 0 and hi NUMEL; a reduce-scatter, this rank's rows), or with PART > 0 a copy
+    from the slot of rank i // PART, the rank that published it (an all-gather of PART elements a rank).
+    y may be x: each tile is read into the slot before it is written."""
     dty = y_ptr.dtype.element_ty
     rank = tl.load(peers_ptr + GROUP)
     me = tl.load(peers_ptr + rank)
@@ -102,12 +121,12 @@ def gather_tiles(o, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, 
     status = me.to(tl.pointer_type(tl.int64))
     offs = tl.arange(0, TILE)
     late = tl.load(status)
-    for t in range(o, tl.cdiv(NUMEL, TILE), GRID):
-        if late == 0:
+    for t in range(o, tl.cdiv(hi, TILE), GRID):  # (from o: a program gathers only tiles it published)
+        if (late == 0) & ((t + 1) * TILE > lo):
             v = tl.load(counts + t)
             slot = SLOTS_AT + (v % 2) * SLOT_BYTES
             idx = t * TILE + offs
-            ok = idx < NUMEL
+            ok = (idx >= lo) & (idx < hi)
             for s in tl.static_range(GROUP):
                 polls = 0
                 while (tl.atomic_load(my_flags + s * TILES + t, sem="acquire", scope="sys") < v) & (polls < SPIN):
@@ -116,13 +135,28 @@ def gather_tiles(o, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, 
                     late = late * 0 + (s + 1)
             tl.debug_barrier()
             if late == 0:
-                acc = tl.load((tl.load(peers_ptr) + slot).to(tl.pointer_type(dty)) + idx, mask=ok)
-                for s in tl.static_range(1, GROUP):
-                    part = tl.load((tl.load(peers_ptr + s) + slot).to(tl.pointer_type(dty)) + idx, mask=ok)
-                    acc = (acc.to(tl.float32) + part.to(tl.float32)).to(dty)
-                tl.store(y_ptr + idx, acc, mask=ok)
+                if PART > 0:
+                    owner = idx // PART
+                    acc = tl.load((tl.load(peers_ptr + owner, mask=ok, other=0) + slot).to(tl.pointer_type(dty))
+                                  + idx, mask=ok)
+                else:
+                    acc = tl.load((tl.load(peers_ptr) + slot).to(tl.pointer_type(dty)) + idx, mask=ok)
+                    for s in tl.static_range(1, GROUP):
+                        part = tl.load((tl.load(peers_ptr + s) + slot).to(tl.pointer_type(dty)) + idx, mask=ok)
+                        acc = (acc.to(tl.float32) + part.to(tl.float32)).to(dty)
+                tl.store(y_ptr + (idx - lo), acc, mask=ok)
             elif tl.atomic_cas(status, late * 0, late, sem="relaxed", scope="sys") == 0:  # the first to give up says so
                 tl.store(status + 1, v)
+
+
+@triton.jit
+def gather_tiles(o, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
+                 GRID: tl.constexpr, SLOTS_AT: tl.constexpr, SLOT_BYTES: tl.constexpr, FLAGS_AT: tl.constexpr,
+                 TILES: tl.constexpr, COUNTS_AT: tl.constexpr, SPIN: tl.constexpr):
+    """Steps 4-5 above for the tiles `publish_tiles(o, ...)` published: the rank-order sum of the whole value into
+    y (`gather_range`)."""
+    gather_range(o, y_ptr, 0, NUMEL, peers_ptr, NUMEL, GROUP, TILE, GRID, SLOTS_AT, SLOT_BYTES, FLAGS_AT, TILES,
+                 COUNTS_AT, SPIN)
 
 
 @triton.jit
@@ -164,6 +198,62 @@ def oneshot_call(x: TensorArg, y: TensorArg, group: int, region: Region, names=(
     # No flops or bytes for the roofline: a collective's time is the parallel model's (codegen/parallel_model.py:
     # the measured one-shot figure + the bytes pulled over the links), as NCCL's is; its launch is a kernel call.
     return KernelCall(call_name("allreduce_oneshot", ce, f"{numel}_{x.dtype}_g{group}"), oneshot_kernel, ce, pointers,
+                      (ce["GRID"], 1, 1), num_warps=4,
+                      per_target=KERNEL_SCHEDULES["allreduce.spin"] if spin == SPIN else {})
+
+
+@triton.jit
+def rows_kernel(x_ptr, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
+                GRID: tl.constexpr, SLOTS_AT: tl.constexpr, SLOT_BYTES: tl.constexpr, FLAGS_AT: tl.constexpr,
+                TILES: tl.constexpr, COUNTS_AT: tl.constexpr, SPIN: tl.constexpr, GATHER: tl.constexpr,
+                PDL: tl.constexpr = False):
+    """The one-shot all-gather (GATHER) or reduce-scatter of rows over the group: the protocol on a value of NUMEL
+    elements (the gathered rows), of which rank r's part is elements [r P, (r + 1) P), P = NUMEL / GROUP. All-gather:
+    each rank publishes its part (x: P elements), then copies every tile from its publisher (y: NUMEL). Reduce-
+    scatter: each rank publishes its whole partial (x: NUMEL), then sums its part's tiles in rank order (y: P):
+    bit for bit `ops/collective`'s `reduce_scatter_rows` (`_rank_sum`, then the rank's chunk)."""
+    pdl_enter(PDL)
+    o = tl.program_id(0)
+    lo = tl.load(peers_ptr + GROUP) * (NUMEL // GROUP)
+    hi = lo + NUMEL // GROUP
+    if GATHER:
+        publish_range(o, x_ptr, lo, hi, peers_ptr, NUMEL, GROUP, TILE, GRID, SLOTS_AT, SLOT_BYTES, FLAGS_AT, TILES,
+                      COUNTS_AT)
+        gather_range(o, y_ptr, 0, NUMEL, peers_ptr, NUMEL, GROUP, TILE, GRID, SLOTS_AT, SLOT_BYTES, FLAGS_AT, TILES,
+                     COUNTS_AT, SPIN, NUMEL // GROUP)
+    else:
+        publish_range(o, x_ptr, 0, NUMEL, peers_ptr, NUMEL, GROUP, TILE, GRID, SLOTS_AT, SLOT_BYTES, FLAGS_AT, TILES,
+                      COUNTS_AT)
+        gather_range(o, y_ptr, lo, hi, peers_ptr, NUMEL, GROUP, TILE, GRID, SLOTS_AT, SLOT_BYTES, FLAGS_AT, TILES,
+                     COUNTS_AT, SPIN)
+
+
+def rows_call(op: str, x: TensorArg, y: TensorArg, group: int, region: Region, spin: int = SPIN,
+              grid_max: int = GRID_MAX) -> KernelCall:
+    """The one-shot `all_gather_rows` / `reduce_scatter_rows` (op) of contiguous `x` into `y` over `group` ranks
+    (one replica a rank: tp 1) whose regions are laid out as `region`: the slots hold the gathered value. Why the
+    two slots suffice as for the all-reduce: every call publishes (counter and flags) every tile of the gathered
+    value on every rank, and every rank waits on each of its tiles for every peer, so a rank's call v + 1 on a
+    tile ends only after every peer's call v ended."""
+    gather = op == "all_gather_rows"
+    if op not in ("all_gather_rows", "reduce_scatter_rows"):
+        raise ValueError(f"one-shot rows collective '{op}': all_gather_rows or reduce_scatter_rows expected")
+    whole, part = (y, x) if gather else (x, y)
+    if x.dtype != y.dtype or x.dtype not in ("fp32", "bf16") or whole.type.numel != group * part.type.numel:
+        raise ValueError(f"one-shot {op} of {x.type} into {y.type} over {group} ranks: fp32 / bf16, the gathered "
+                         f"value {group} parts")
+    if region.group != group or whole.type.nbytes > region.max_bytes:
+        raise ValueError(f"one-shot {op} of {whole.type.nbytes} bytes over {group} ranks: the region holds "
+                         f"{region.max_bytes} bytes over {region.group}")
+    numel = whole.type.numel
+    tiles = max(1, triton.cdiv(numel, TILE))
+    ce = dict(NUMEL=numel, GROUP=group, TILE=TILE, GRID=min(tiles, grid_max), SLOTS_AT=region.slots_at,
+              SLOT_BYTES=region.slot_bytes, FLAGS_AT=region.flags_at, TILES=region.tiles, COUNTS_AT=region.counts_at,
+              SPIN=spin, GATHER=gather)
+    pointers = [ptr("x_ptr", "operand", "x", x), ptr("y_ptr", "result", "y", y),
+                ptr("peers_ptr", "peers", "peers", "*i64")]
+    kind = "gather" if gather else "rscatter"
+    return KernelCall(call_name(f"{kind}_oneshot", ce, f"{numel}_{x.dtype}_g{group}"), rows_kernel, ce, pointers,
                       (ce["GRID"], 1, 1), num_warps=4,
                       per_target=KERNEL_SCHEDULES["allreduce.spin"] if spin == SPIN else {})
 
@@ -315,10 +405,12 @@ def _contiguous(op_name: str, name: str, a: TensorArg) -> None:
 
 def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg],
                attrs: dict) -> list[KernelCall]:
-    if op_name != "all_reduce_oneshot":
+    if op_name not in ("all_reduce_oneshot", "all_gather_rows_oneshot", "reduce_scatter_rows_oneshot"):
         raise KeyError(f"allreduce family has no op '{op_name}'")
     x, y = operands["x"], results["y"]
     for name, a in (("x", x), ("y", y)):
         _contiguous(op_name, name, a)
     group = int(attrs["group"])
+    if op_name != "all_reduce_oneshot":
+        return [rows_call(op_name.removesuffix("_oneshot"), x, y, group, Region(group, int(attrs["region_bytes"])))]
     return [oneshot_call(x, y, group, Region(group, int(attrs["region_bytes"])))]

@@ -69,8 +69,28 @@ def test_late_peer_ends_with_error(ranks):
         assert got["late"]["seconds"] < 20
 
 
+def test_rows_exact(ranks):
+    """The one-shot all-gather / reduce-scatter of rows (`rows_kernel`) equal `ops/collective`'s references bit
+    for bit, between all-reduces on the same region; the data discriminates (the reverse rank order differs)."""
+    res, _ = ranks
+    for r, got in enumerate(res):
+        assert got["rows"]["error"] is None
+        assert [eq for eq, _ in got["rows"]["equal"]] == [True] * 6, f"rank {r}: {got['rows']}"
+        assert not any(same for _, same in got["rows"]["equal"][:2])
+
+
+def test_rows_broken_caught(ranks):
+    """A reduce-scatter summing in reverse rank order, an all-gather placing the ranks' rows in reverse order, and a
+    reduce-scatter that does not wait (the last rank starts late) are each caught."""
+    res, _ = ranks
+    assert all(not got["rs_reversed"]["equal"][0][0] for got in res)
+    assert all(not got["ag_rank_order"]["equal"][0][0] for got in res)
+    assert [got["rs_no_wait"]["equal"][0][0] for got in res[:2]] == [False, False]
+
+
 def test_compiles_without_spills(tmp_path):
-    """V4-Pro's decode all-reduce (8 rows x 7168 bf16, 112 KB, over 8 ranks) compiled for both GPU targets: no
+    """V4-Pro's decode all-reduce (8 rows x 7168 bf16, 112 KB, over 8 ranks) and DP8's rows all-gather / reduce-
+    scatter of the MoE's input / output (64 gathered rows) compiled for both GPU targets: no
     spills, and each binary waits its own GPU bound on a peer (the interpreted bound is ~30 s of polls there)."""
     from v4compile.codegen import aot
     from v4compile.codegen.kernels import TensorArg, allreduce
@@ -79,8 +99,15 @@ def test_compiles_without_spills(tmp_path):
 
     x = TensorArg(TensorType((8, 7168), "bf16"), (7168, 1))
     call = allreduce.oneshot_call(x, x, 8, allreduce.Region(8, allreduce.MAX_BYTES))
-    rows = aot.compile_calls([call], list(GPU_TARGETS), tmp_path, jobs=2)
-    assert sorted(r["target"] for r in rows) == sorted(GPU_TARGETS)
+    # and DP8's MoE input gathered / output reduce-scattered (8 x 8 rows: the region holds the gathered value)
+    whole = TensorArg(TensorType((64, 7168), "bf16"), (7168, 1))
+    region = allreduce.Region(8, whole.type.nbytes)
+    calls = [call, allreduce.rows_call("all_gather_rows", x, whole, 8, region),
+             allreduce.rows_call("reduce_scatter_rows", whole, x, 8, region)]
+    rows = aot.compile_calls(calls, list(GPU_TARGETS), tmp_path, jobs=2)
+    assert sorted(r["target"] for r in rows) == sorted(GPU_TARGETS * 3)
     for r in rows:
         assert r["spills"] == 0, f"{r['name']} ({r['target']}) spills {r['spills']}"
-        assert call.for_target(r["target"])[2]["SPIN"] > 100 * allreduce.SPIN
+    for c in calls:
+        for t in GPU_TARGETS:
+            assert c.for_target(t)[2]["SPIN"] > 100 * allreduce.SPIN

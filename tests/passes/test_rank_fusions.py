@@ -175,9 +175,10 @@ def test_a_dp_fused_op_with_the_shared_expert_on_the_gathered_rows_is_caught(mon
 
 def check_dp_fusions(result) -> None:
     """Data parallel: the router, the mask, the routed and the shared expert are one op a layer, between the
-    gather and the reduce-scatter (each a launch of its own), the seam after reading the reduce-scatter."""
+    gather and the reduce-scatter (each a launch of its own; one-shot on the GPU pipeline, `oneshot_allreduce`),
+    the seam after reading the reduce-scatter."""
     cfg = preset(NAME)
-    ops = [op.name for op in result.module.functions["decode"].ops]
+    ops = [op.name.removesuffix("_oneshot") for op in result.module.functions["decode"].ops]
     assert ops.count("moe_router_experts_dp") == cfg.n_layers
     assert ops.count("reduce_scatter_rows") == cfg.n_layers and ops.count("all_gather_rows") >= cfg.n_layers
     # the seam after each MoE but the last (mhc_post_head) reads the reduce-scatter, inside the next front's launch

@@ -4,7 +4,8 @@ gloo, against the same model compiled without partition and run in one process.
 One launch for both devices and the speculative run (the process start-up is most of a rank's time): tiny-pro,
 hf numerics (official numerics: tests/passes/test_partition_dp.py, every rank in one process), fp32, the cpu device (ONNX segments,
 gloo between them) and then the host device (the sm_90a program with placeholder kernels in the C runtime,
-the ops' reference kernels, its collective launches handed back to Python and run on gloo). Five ragged
+the ops' reference kernels, its collective launches handed back to Python and run on gloo; then again with
+layer 1's one-shot rows collectives run by their kernel, and by a broken one). Five ragged
 prompts over two replicas of one decode bucket of 2: more sequences than a replica holds, so the fifth waits,
 and once the first four end it runs alone on its replica while the other replica runs padding steps. Greedy
 ids over 32 new tokens equal the single-process run's on every rank and device; every logits row a
@@ -115,13 +116,33 @@ def dp_run(arts, spec_art, tmp_path_factory):
     """Both devices, then the run in which rank 1 dies, in one launch of the two ranks (the start-up is most of
     a rank's time): the directory of their files, each rank's (exit code, stderr) and the launch's end."""
     tmp = tmp_path_factory.mktemp("dp-run")
-    runs = _ranks(tmp, arts[0], "cpu,host,spec,nocache,die", env={"V4COMPILE_DIST_TIMEOUT": "20"}, spec=spec_art)
+    runs = _ranks(tmp, arts[0], "cpu,host,oneshot_off,oneshot,oneshot_reversed,spec,nocache,die",
+                  env={"V4COMPILE_DIST_TIMEOUT": "20"}, spec=spec_art)
     return tmp, [(code, err) for code, _, err in runs], time.time()
 
 
 @pytest.mark.parametrize("device", ["cpu", "host"])
 def test_dp_ranks_match_the_single_process_run(dp_run, reference, device):
     check_against_reference(dp_run[0], device, reference)
+
+
+def test_oneshot_rows_collectives_equal_the_communicators(dp_run):
+    """The sm_90a program's one-shot all-gather / reduce-scatter of rows (`passes/oneshot_allreduce.py`) run by their
+    kernel on the host device (layer 1 at decode, interpreted; `dp_worker.rows_kernels`) give the ids and every
+    logits row of the same program with them on gloo (`oneshot_off`: the communicator's result, as under
+    `--allreduce nccl`; two prompts, one a replica, 4 tokens) bit for bit on both ranks
+    (at 2 ranks gloo's a + b is the kernel's rank-order sum; the order
+    past 2 ranks: tests/kernels/test_kernels_allreduce.py); the all-gather placing the ranks' rows in reverse order
+    is caught."""
+    tmp = dp_run[0]
+    for r in range(2):
+        ran = (tmp / f"oneshot-ran-{r}.txt").read_text().split()
+        assert {x.split("_")[0] for x in ran} == {"gather", "rscatter"}, ran  # both kernels ran
+        want, got, bad = (np.load(tmp / f"{d}-rank-{r}.npz") for d in ("oneshot_off", "oneshot", "oneshot_reversed"))
+        rows = [k for k in want.files if k.startswith("rows-")]
+        assert want["ids"].tolist() == got["ids"].tolist()
+        assert all(np.array_equal(want[k], got[k]) for k in rows), f"rank {r}: the one-shot's logits differ"
+        assert not all(np.array_equal(want[k], bad[k]) for k in rows if k in bad.files), f"rank {r}: not caught"
 
 
 def test_dp_speculative_ranks_match_plain_decoding(dp_run, reference):

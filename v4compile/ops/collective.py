@@ -241,3 +241,44 @@ def _(operands, results, attrs):
     n, b = attrs["group"], operands[0].nbytes * attrs["tp"]
     moved = (n - 1) * b // n
     return Cost(operands[0].numel * attrs["tp"] * (n - 1) // n, b + moved, b // n + moved)
+
+
+def _rows_oneshot(base):
+    """`base` (one replica a rank: tp 1) as one kernel launch over symmetric
+    peer memory (codegen/kernels/allreduce.py `rows_call`; what `passes/oneshot_allreduce.py` lowers a GPU
+    program's rows collectives within one node to): the same result bit for bit (the reduce-scatter's sum in rank
+    order). `region_bytes`: the largest value the module's one-shot collectives put in the region (here the
+    gathered value), which sizes every rank's symmetric region."""
+    name = base.name + "_oneshot"
+
+    def ref(x, *, group, region_bytes):
+        _one_rank(name, group)
+        return x.clone()
+
+    ref.__doc__ = _rows_oneshot.__doc__.replace("`base`", f"`{base.name}`")
+    op = defop(f"{name}(x) -> y", attrs={"group": int, "region_bytes": int}, kernel="allreduce")(ref)
+
+    @op.infer
+    def _(x, *, group, region_bytes):
+        y = base._infer(x, group=group)
+        whole = max(x.nbytes, y.nbytes)
+        require(x.dtype in ("fp32", "bf16"), f"{name} moves floating-point values", found=x.dtype)
+        require(0 < whole <= region_bytes, f"{name}: the gathered value must fit the region",
+                found=(whole, region_bytes))
+        return y
+
+    @op.spmd
+    def _(per_rank, attrs):
+        return base.spmd_ref(per_rank, {"group": attrs["group"]})
+
+    @op.cost
+    def _(operands, results, attrs):
+        # the ideal of what it computes: the ring's (the least a rank moves); the one-shot's own time is the
+        # parallel model's (codegen/parallel_model.py)
+        return base._cost(operands, results, {"group": attrs["group"], "tp": 1})
+
+    return op
+
+
+all_gather_rows_oneshot = _rows_oneshot(all_gather_rows)
+reduce_scatter_rows_oneshot = _rows_oneshot(reduce_scatter_rows)
