@@ -17,8 +17,7 @@ there is no one-shot all-reduce, so nothing to fold. Kept out of the cpu pipelin
 from __future__ import annotations
 
 from v4compile.ir.core import Function
-from v4compile.ir.registry import get_op
-from v4compile.ops.fused_allreduce import AR_ATTRS, CONSUMERS, PREFIX, REDUCED, producer_of
+from v4compile.ops.fused_allreduce import AR_ATTRS, CONSUMERS, PREFIX, REDUCED, folded_attrs, producer_of
 
 from .base import function_pass
 from .rewrite import Rewrite, make_op, operands_of
@@ -35,10 +34,9 @@ def fold_function(fn: Function) -> tuple[Function, dict[str, int]]:
         if producer_of(op.name) and any(op.attrs[n] != ar.attrs[n] for n in AR_ATTRS):
             continue  # (a producer fold's all-reduce and the leading one share the attributes: one group, one region)
         operands = {**operands_of(op), REDUCED: ar.operand("x")}
-        attrs = {n: v for n, v in op.attrs.items() if n in get_op(op.name).attrs and n != "variant"}
-        attrs.update({n: ar.attrs[n] for n in AR_ATTRS})  # (`<producer>_ar`: the same values, checked above)
-        attrs.update({n: v for n, v in op.attrs.items() if n in ("layer", "role")})
-        rw.replace(op, make_op(rw.namer, PREFIX + op.name, operands, attrs, op.loc, list(op.results)), absorbed=[ar])
+        # (`<producer>_ar`'s own AR_ATTRS are the same values, checked above)
+        rw.replace(op, make_op(rw.namer, PREFIX + op.name, operands, folded_attrs(op, ar), op.loc, list(op.results)),
+                   absorbed=[ar])
     return rw.done("folded")
 
 

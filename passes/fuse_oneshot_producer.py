@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from v4compile.ir.core import Function
 from v4compile.ir.registry import get_op
-from v4compile.ops.fused_allreduce import AR_ATTRS, PRODUCED, PRODUCERS, SUFFIX
+from v4compile.ops.fused_allreduce import PRODUCED, PRODUCERS, SUFFIX, folded_attrs
 
 from .base import function_pass
 from .rewrite import Rewrite, make_op, operands_of
@@ -35,11 +35,9 @@ def fold_function(fn: Function) -> tuple[Function, dict[str, int]]:
         at = get_op(op.name).results.index(PRODUCED)
         if op.results[at] is not ar.operand("x") or not rw.can_fuse(op, [ar]):
             continue
-        attrs = {n: v for n, v in op.attrs.items() if n in get_op(op.name).attrs and n != "variant"}
-        attrs.update({n: ar.attrs[n] for n in AR_ATTRS})
-        attrs.update({n: v for n, v in op.attrs.items() if n in ("layer", "role")})
         results = [ar.results[0] if i == at else r for i, r in enumerate(op.results)]
-        rw.replace(op, make_op(rw.namer, op.name + SUFFIX, operands_of(op), attrs, op.loc, results), absorbed=[ar])
+        rw.replace(op, make_op(rw.namer, op.name + SUFFIX, operands_of(op), folded_attrs(op, ar), op.loc, results),
+                   absorbed=[ar])
     return rw.done("folded")
 
 

@@ -57,6 +57,15 @@ def producer_of(name: str) -> str | None:
     return name[:-len(SUFFIX)] if name.endswith(SUFFIX) and name[:-len(SUFFIX)] in PRODUCERS else None
 
 
+def folded_attrs(op, ar) -> dict:
+    """The attributes of `op` with the one-shot all-reduce `ar` folded in (either fold): `op`'s declared ones (not
+    its `variant`), `ar`'s `AR_ATTRS`, and the tags `layer` / `role` the cost models and reports group by."""
+    attrs = {n: v for n, v in op.attrs.items() if n in get_op(op.name).attrs and n != "variant"}
+    attrs.update({n: ar.attrs[n] for n in AR_ATTRS})
+    attrs.update({n: v for n, v in op.attrs.items() if n in ("layer", "role")})
+    return attrs
+
+
 def inner_attrs(attrs: dict, inner: str = "") -> dict:
     """The consumer's (`inner`'s) attributes of a folded op's: all of them where the consumer is a producer fold
     itself (its all-reduce and the folded one are over one group, through one region: the pass checks)."""
