@@ -387,15 +387,8 @@ class SpecStep:
             fused = self.mtp.fused(B, self.k_now)
             if fused:
                 return self._fused_step(live, deliver, fused, T)
-        # the lanes as lists, one array each (a numpy write per lane costs more); data parallel: every replica's
-        # lanes (`run_lanes`), at least the bucket's
-        rows_ids, rows_pos = [], []
-        for r in live:
-            q, L, d = r.seq, r.seq.length, r.spec.drafts[0]
-            s.reserve(q, L + len(d))
-            pad = T - 1 - len(d)
-            rows_ids.append([r.ids[-1], *d] + [0] * pad)
-            rows_pos.append(list(range(L, L + 1 + len(d))) + [-1] * pad)
+        # data parallel: every replica's lanes (`run_lanes`), at least the bucket's
+        rows_ids, rows_pos = self._lanes(live, T)
         for _ in range(B - len(live)):
             rows_ids.append([0] * T)
             rows_pos.append([-1] * T)
@@ -471,6 +464,19 @@ class SpecStep:
         for r, d in zip(reqs, self.mtp.drafts(entries, [self._wanted(r) for r in reqs], [r.spec.pick for r in reqs])):
             r.spec.drafts = d
 
+    def _lanes(self, live: list, T: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Each live sequence's T verify lanes as lists (its last id and drafts, their positions; padding ids 0 at
+        position -1, which writes nothing), the pool reserved for the drafts' positions. Lists: one numpy write an
+        array costs less than one a lane."""
+        rows_ids, rows_pos = [], []
+        for r in live:
+            q, L, d = r.seq, r.seq.length, r.spec.drafts[0]
+            self.s.reserve(q, L + len(d))
+            pad = T - 1 - len(d)
+            rows_ids.append([r.ids[-1], *d] + [0] * pad)
+            rows_pos.append([*range(L, L + 1 + len(d))] + [-1] * pad)
+        return rows_ids, rows_pos
+
     def _plain(self, live: list, deliver) -> None:
         """k = 0 ("auto"), no drafts held: a plain decode step (the MTP block's ring not written). Greedy, the
         generation loop's own (`plain`: the same ids, argmax either way); sampling draws as the verify step's
@@ -500,13 +506,7 @@ class SpecStep:
         if x is None:
             x = self._inputs[fused] = s.backend.step_inputs(fused)
         # one write an array (as `_step`'s lists), padding lanes (pos -1: they write nothing) after
-        rows_ids, rows_pos = [], []
-        for r in live:
-            q, L, d = r.seq, r.seq.length, r.spec.drafts[0]
-            s.reserve(q, L + len(d))
-            pad = T - 1 - len(d)
-            rows_ids.append([r.ids[-1], *d] + [0] * pad)
-            rows_pos.append([*range(L, L + 1 + len(d))] + [-1] * pad)
+        rows_ids, rows_pos = self._lanes(live, T)
         B = len(x["ids"])
         x["ids"][...] = rows_ids + [[0] * T] * (B - len(live))
         x["pos"][...] = rows_pos + [[-1] * T] * (B - len(live))
