@@ -48,6 +48,8 @@ expert's work between them (`fold_trailing`, which says why no schedule deadlock
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import triton
 import triton.language as tl
 
@@ -306,18 +308,23 @@ def fold_trailing(call: KernelCall, y: TensorArg, group: int, region_bytes: int,
     ce = {n: v for n, v in call.constexprs.items() if n != "peers_ptr"}
     ce.update({TRAILING_CONSTEXPRS[n]: v for n, v in single.constexprs.items() if n in TRAILING_CONSTEXPRS})
     ce.update(constexprs)
-    pointers = list(call.pointers)
-    if "peers_ptr" not in [q[0] for q in pointers]:
+    return _joined(call, single, TRAILING_CONSTEXPRS, ce, list(call.pointers), "_rd", group, 2 * ce["NP"] + programs)
+
+
+def _joined(call: KernelCall, single: KernelCall, names: dict[str, str], ce: dict, pointers: list, suffix: str,
+            group: int, programs: int) -> KernelCall:
+    """`call` with the one-shot `single` folded in (either fold): its constexprs `ce` and `pointers`, the peer
+    table bound, the GPU binaries' poll bound (`single`'s, renamed by `names`), `programs` more programs, its name
+    `suffix`ed."""
+    if "peers_ptr" not in [q[0] for q in pointers]:  # (a call with the other fold binds it already)
         pointers.append(ptr("peers_ptr", "peers", "peers", "*i64"))
     per_target = {t: dict(o) for t, o in call.per_target.items()}
-    for t, o in single.per_target.items():  # the GPU binaries' poll bound
+    for t, o in single.per_target.items():
         per_target.setdefault(t, {}).setdefault("constexprs", {}).update(
-            {TRAILING_CONSTEXPRS[n]: v for n, v in o["constexprs"].items()})
-    from dataclasses import replace
-
-    name = call_name(call.name.rsplit("_", 1)[0] + "_rd", ce, f"g{group}")
+            {names[n]: v for n, v in o["constexprs"].items()})
+    name = call_name(call.name.rsplit("_", 1)[0] + suffix, ce, f"g{group}")
     return replace(call, name=name, constexprs=ce, pointers=in_kernel_order(name, call.fn, pointers, ce),
-                   grid=(call.grid[0] + 2 * ce["NP"] + programs, *call.grid[1:]), per_target=per_target,
+                   grid=(call.grid[0] + programs, *call.grid[1:]), per_target=per_target,
                    scratch_bytes=dict(call.scratch_bytes))
 
 
@@ -352,18 +359,7 @@ def fold(call: KernelCall, x: TensorArg, reduced: tuple[str, str], group: int, r
     ce = {n: v for n, v in call.constexprs.items() if n not in ("ar_x_ptr", "peers_ptr")}
     ce.update({FOLDED_CONSTEXPRS[n]: v for n, v in single.constexprs.items() if n in FOLDED_CONSTEXPRS})
     pointers = [ptr("ar_x_ptr", "operand", "y", x), *call.pointers]
-    if "peers_ptr" not in [q[0] for q in pointers]:  # (a producer's trailing fold binds it too)
-        pointers.append(ptr("peers_ptr", "peers", "peers", "*i64"))
-    per_target = {t: dict(o) for t, o in call.per_target.items()}
-    for t, o in single.per_target.items():  # the GPU binaries' poll bound
-        per_target.setdefault(t, {}).setdefault("constexprs", {}).update(
-            {FOLDED_CONSTEXPRS[n]: v for n, v in o["constexprs"].items()})
-    from dataclasses import replace
-
-    name = call_name(call.name.rsplit("_", 1)[0] + "_ar", ce, f"g{group}")
-    return replace(call, name=name, constexprs=ce, pointers=in_kernel_order(name, call.fn, pointers, ce),
-                   grid=(call.grid[0] + ce["NO"], *call.grid[1:]), per_target=per_target,
-                   scratch_bytes=dict(call.scratch_bytes))
+    return _joined(call, single, FOLDED_CONSTEXPRS, ce, pointers, "_ar", group, ce["NO"])
 
 
 def folded(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg], attrs: dict,
