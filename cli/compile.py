@@ -35,7 +35,8 @@ def _buckets_of(args):
     from .driver import gpu_default_buckets
 
     buckets = Buckets(_int_list(args.decode_buckets, "--decode-buckets"),
-                      _int_list(args.prefill_buckets, "--prefill-buckets"), args.draft_tokens)
+                      _int_list(args.prefill_buckets, "--prefill-buckets"), args.draft_tokens,
+                      _int_list(args.verify_drafts, "--verify-drafts") if args.verify_drafts else None)
     buckets.validate()
     gpu_buckets = gpu_default_buckets(buckets)
     if args.gpu_decode_buckets or args.gpu_prefill_buckets:
@@ -266,6 +267,10 @@ def add_command(sub) -> None:
     c.add_argument("--draft-tokens", type=int_arg(0, MAX_DRAFT_TOKENS), default=0,
                    help="speculative decoding: a verify function per decode bucket for up to this many drafts "
                         "(every target; with MTP weights also the MTP draft and the one-call step; default 0: none)")
+    c.add_argument("--verify-drafts", default=None,
+                   help="the draft counts whose verify and MTP draft functions the cpu target carries on their own "
+                        "1 + k lanes, comma-separated, ending at --draft-tokens (default: every k in 1..K; a step "
+                        "verifying fewer drafts than K runs on fewer lanes, as `--draft-tokens auto` chooses)")
     c.add_argument("--gpu-decode-buckets", default=None,
                    help="decode batch buckets of the GPU targets (default: the largest --decode-buckets; smaller "
                         "batches run padded)")

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..artifact import (TARGETS, Buckets, decode_name, draft_name, draft_prefill_name, prefill_name, spec_buckets,
-                       verify_name, write_artifact_dir)
+from ..artifact import (TARGETS, Buckets, decode_name, draft_name, draft_prefill_name, lane_variant, prefill_name,
+                        spec_buckets, verify_name, write_artifact_dir)
 from ..errors import InputError
 from ..ir.core import Module
 from ..manifest import canonical
@@ -48,9 +48,9 @@ def has_mtp_weights(cfg, formats: dict | None) -> bool:
 def trace_buckets(cfg, options, buckets: Buckets, formats: dict | None = None, stages: Stages | None = None,
                   mtp: bool = False) -> Module:
     """One module holding `decode_b<B>` for every decode bucket and `prefill_c<T>` for every chunk bucket
-    (and `verify_b<B>` per decode bucket when `buckets.draft_tokens` > 0; with `mtp` too, the MTP block's
-    `draft_b<B>` per decode bucket and `draft_c<T>` per chunk bucket, and prefill / verify return their
-    final streams), each traced once (timed as `trace` in `stages`). The pool is sized for the largest
+    (and `verify_b<B>` per decode bucket when `buckets.draft_tokens` > 0, and `verify_b<B>_d<k>` per
+    `buckets.verify_ks()` below K; with `mtp` too, the MTP block's `draft_b<B>` / `draft_b<B>_d<k>` likewise
+    and `draft_c<T>` per chunk bucket, and prefill / verify return their final streams), each traced once (timed as `trace` in `stages`). The pool is sized for the largest
     decode bucket (one slot per sequence in flight)."""
     from ..trace import module_name, trace
 
@@ -58,25 +58,27 @@ def trace_buckets(cfg, options, buckets: Buckets, formats: dict | None = None, s
     stages = stages or Stages(progress_after=None)
     fns, weights, attrs = {}, {}, None
     K = buckets.draft_tokens
-    verify = buckets.decode if K else ()
     mtp = bool(mtp and K)
-    kinds = (("decode", buckets.decode), ("prefill", buckets.prefill), ("verify", verify),
-             ("draft", buckets.decode if mtp else ()), ("draft_c", buckets.prefill if mtp else ()))
-    for kind, sizes in kinds:
-        for n in sizes:
-            o = {"decode": replace(options, decode_batch=n), "prefill": replace(options, batch=1, chunk=n),
-                 "verify": replace(options, decode_batch=n, chunk=1 + K),
-                 "draft": replace(options, decode_batch=n, chunk=1 + K),
-                 "draft_c": replace(options, decode_batch=1, chunk=n)}[kind]
-            traced = "draft" if kind == "draft_c" else kind
-            with stages("trace", progress="tracing"):
-                m = trace(cfg, o, functions=(traced,), formats=formats, streams=mtp)
-            fn = m.functions[traced]
-            fn.name = {"decode": decode_name, "prefill": prefill_name, "verify": verify_name, "draft": draft_name,
-                       "draft_c": draft_prefill_name}[kind](n)
-            fns[fn.name] = fn
-            weights.update(m.weights)
-            attrs = attrs or m.attrs
+    # (kind, bucket, drafts): verify and MTP draft once per draft count with its own lanes (`verify_ks`)
+    items = ([("decode", n, 0) for n in buckets.decode] + [("prefill", n, 0) for n in buckets.prefill]
+             + [("verify", n, k) for n in buckets.decode for k in buckets.verify_ks()]
+             + [("draft", n, k) for n in (buckets.decode if mtp else ()) for k in buckets.verify_ks()]
+             + [("draft_c", n, 0) for n in (buckets.prefill if mtp else ())])
+    for kind, n, k in items:
+        o = {"decode": replace(options, decode_batch=n), "prefill": replace(options, batch=1, chunk=n),
+             "verify": replace(options, decode_batch=n, chunk=1 + k),
+             "draft": replace(options, decode_batch=n, chunk=1 + k),
+             "draft_c": replace(options, decode_batch=1, chunk=n)}[kind]
+        traced = "draft" if kind == "draft_c" else kind
+        with stages("trace", progress="tracing"):
+            m = trace(cfg, o, functions=(traced,), formats=formats, streams=mtp)
+        fn = m.functions[traced]
+        fn.name = (verify_name(n, k if k < K else None) if kind == "verify" else
+                   draft_name(n, k if k < K else None) if kind == "draft" else
+                   {"decode": decode_name, "prefill": prefill_name, "draft_c": draft_prefill_name}[kind](n))
+        fns[fn.name] = fn
+        weights.update(m.weights)
+        attrs = attrs or m.attrs
     attrs = {**attrs, "decode_buckets": tuple(buckets.decode), "prefill_buckets": tuple(buckets.prefill),
              "batch": 1, "decode_batch": max(buckets.decode)}
     return Module(module_name(cfg.name), dict(sorted(weights.items())), fns, attrs)
@@ -242,7 +244,9 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False,
             "dtype": ci.dtype,
             "max_context": ci.max_context,
             "buckets": {"decode_batch": list(ci.buckets.decode), "prefill_chunk": list(ci.buckets.prefill),
-                        "prefill_batch": 1, **({"draft_tokens": ci.buckets.draft_tokens} if ci.buckets.draft_tokens else {}),
+                        "prefill_batch": 1, **({"draft_tokens": ci.buckets.draft_tokens,
+                                                "verify_drafts": list(ci.buckets.verify_ks())}
+                                               if ci.buckets.draft_tokens else {}),
                         **({"mtp_draft": True} if any(n.startswith("draft_") for n in ci.module.functions) else {}),
                         **({"gpu": {"decode_batch": list(ci.gpu_buckets.decode),
                                     "prefill_chunk": list(ci.gpu_buckets.prefill)}} if gpu else {})},
@@ -310,8 +314,9 @@ def compile_buckets(fe, buckets: Buckets = Buckets(), pipeline: list[str] | None
     pipeline = list(pipeline or CPU_PIPELINE)
     gpu_pipeline = list(gpu_pipeline or GPU_PIPELINE)
     gpu_buckets = gpu_buckets or gpu_default_buckets(buckets)
-    if gpu_buckets.draft_tokens != buckets.draft_tokens:  # one K: the runtime's verify lanes are the artifact's
-        gpu_buckets = replace(gpu_buckets, draft_tokens=buckets.draft_tokens)
+    # one K: the runtime's verify lanes are the artifact's; the GPU targets verify on K's lanes only
+    gpu_buckets = replace(gpu_buckets, draft_tokens=buckets.draft_tokens,
+                          verify_drafts=(buckets.draft_tokens,) if buckets.draft_tokens else None)
     if max(gpu_buckets.decode) != max(buckets.decode):  # one pool (slots) serves every target
         raise InputError("the largest GPU decode bucket must be the largest decode bucket",
                          expected=max(buckets.decode), found=max(gpu_buckets.decode))
@@ -335,7 +340,10 @@ def compile_buckets(fe, buckets: Buckets = Buckets(), pipeline: list[str] | None
         from ..passes import PROGRAM_PASSES
 
         # with MTP: the one-call greedy speculative step per decode bucket too, as in the GPU pipeline
-        host = PassManager(with_spec_steps(PROGRAM_PASSES, cpu_res.module), opts).run(cpu_res.module).module
+        # the verify / draft functions of fewer lanes are the ONNX graphs' only (`lane_variant`)
+        m = cpu_res.module
+        m = Module(m.name, m.weights, {n: f for n, f in m.functions.items() if not lane_variant(n)}, m.attrs)
+        host = PassManager(with_spec_steps(PROGRAM_PASSES, m), opts).run(m).module
     origin = {"kind": fe.weights, "seed": fe.seed if fe.weights == "random" else None,
               "checkpoint": str(fe.checkpoint) if fe.checkpoint else None}
     return CompileInputs(fe.cfg, main.module, fe.source, fe.options.numerics, fe.options.dtype, buckets,

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from v4compile.artifact import Artifact, spec_buckets, spec_names, verify_name
+from v4compile.artifact import Artifact, lane_variant, spec_buckets, spec_names, verify_name
 from v4compile.errors import ArtifactError
 
 # Every buffer the runtime allocates from a graph's state inputs, together (V4-Pro's pool at 1 M tokens
@@ -234,7 +234,8 @@ def program_interface(art: Artifact, program, gpu: bool, host: bool = False) -> 
             raise ArtifactError("the program's buffers do not fit this machine's memory",
                                 expected=f"<= {host_memory()} bytes", found=f"{sum(sizes.values())} bytes")
     entry = next((t for t in m["targets"] if (t["name"] != "cpu") == gpu), None)
-    want = set(entry["functions"]) if entry is not None else set()
+    # the cpu target's verify / draft functions of fewer lanes than K's are its ONNX graphs' only
+    want = {n for n in entry["functions"] if not lane_variant(n)} if entry is not None else set()
     # the one-call speculative steps (`passes/spec_steps.py`): the program's own, each with its verify's interface
     steps = {n: verify_name(b) for b in spec_buckets(want)
              for n in spec_names(b, entry["functions"][verify_name(b)]["tokens"] - 1)}

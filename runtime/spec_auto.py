@@ -28,8 +28,8 @@ batch 8 against 0.92, and kept the rule on plain decoding): their offers are not
 
 Costs on the cpu device: the bucket's isolated measurement (`measure`, at its first step in the session: the
 process's CPU time, the median of `RUNS` interleaved rounds of the decode graph and of the one-call step graphs
-drafting k, `codegen/onnx_spec.py`, on live lanes whose writes are dropped) gives each k's prior, and steps in the
-generation scale them: each step's CPU time (the whole step, its graph calls and its Python, the same way for every
+drafting k on the lanes of k drafts, `codegen/onnx_spec.py`, on live lanes whose writes are dropped) gives each
+k's prior, and steps in the generation scale them: each step's CPU time (the whole step, its graph calls and its Python, the same way for every
 k) over its k's prior is a sample of that k's scale, and a k's scale is the lower third of its last `WINDOW` samples
 (`low`: load on a shared machine only adds to a step's CPU time, so a burst of it over one k's steps must not make
 another k look cheap; no outlier gate and no moving average, so a wrong prior is replaced by a few steps of the
@@ -58,9 +58,9 @@ step's CPU time there is not its cost); an artifact without them drafts K every 
 
 Probes, so that the side not chosen is seen again (a machine, a load, a batch or a text that changes). While
 plain decoding is chosen the acceptance and the drafting costs do not move: after `PROBE` plain steps in a
-row, the steps draft the k the rule rates best on the costs of now (not k = 1: a verify function has K + 1
-lanes whatever k drafts, so a k = 1 step costs most of a k = K step, and k = 1's scale taken for K's kept the
-rule plain at batch 1 where k = 3 gives 1.35x plain) until `PROBE_STEPS` of them are timed; where no drafting k
+row, the steps draft the k the rule rates best on the costs of now (not k = 1: each k's scale is its own only
+once it runs, and k = 1's scale taken for K's kept the rule plain at batch 1 where k = 3 gave 1.35x plain)
+until `PROBE_STEPS` of them are timed; where no drafting k
 could beat plain decoding by `MARGIN` even with every draft accepted (on the last verdict's costs), the probe
 waits for the longest interval instead (at batch 8 the probes were most of the rule's cost over plain decoding).
 While drafting is chosen (cpu device) the plain cost does not move: after `PROBE_SPEC` drafting steps in a row
@@ -332,8 +332,7 @@ class AutoK:
 
     def _drafting_probe(self, B: int) -> int:
         """The probe from plain decoding: at the drafting k the rule rates best (each k's scale is its own
-        only once it runs, and a verify function's lanes are K + 1 whatever k: k = 1's steps cost most of a
-        k = K step's, so k = 1's scale said little of K's), unless no drafting k could beat plain decoding by
+        only once it runs: k = 1's said little of K's), unless no drafting k could beat plain decoding by
         `MARGIN` even with every draft accepted; then plain steps go on (the probe interval at its longest):
         at batch 8 a probe was most of the rule's cost over plain decoding."""
         L, c = self.loop(B), self.cost(B)
@@ -425,14 +424,17 @@ def measure(step, B: int, K: int) -> list[float] | None:
     s, mtp = step.s, step.mtp
     if mtp is None or s.dp > 1 or not hasattr(s.backend, "run_held") or getattr(s.backend, "ranks", None) is not None:
         return None  # data parallel: a replica's step is not this process's alone
-    names = [next((f for b, f in s.decode_fns if b == B), None)] + [mtp.fused(B, k) for k in range(1, K + 1)]
+    # a step drafting k verifies, in the steady state, the k drafts the last one made: on their lanes
+    lanes = [step._verify_of(B, k)[0] for k in range(1, K + 1)]
+    names = [next((f for b, f in s.decode_fns if b == B), None)] + [mtp.fused(B, k, T)
+                                                                      for k, T in zip(range(1, K + 1), lanes)]
     if any(n is None for n in names):
         return None
-    T = next(f[2] for f in step.fns if f[0] == B)
     # the bucket's other graphs (a verify without drafting, the separate draft calls) made now, not in a step
-    s.backend.prepare([f for f in (f"verify_b{B}", next((n for b, n, _ in mtp.batch_fns if b == B), None))
-                       if f in s.backend.functions()])
-    ins = [_lanes(s, B, 1)] + [_lanes(s, B, T)] * K
+    fns = s.backend.functions()
+    s.backend.prepare([f for f in fns if fns[f].batch == B and fns[f].kind in ("verify", "draft")
+                       and f.startswith(("verify_b", "draft_b"))])
+    ins = [_lanes(s, B, 1)] + [_lanes(s, B, T) for T in lanes]
     ts: list[list[float]] = [[] for _ in names]
     for r in range(RUNS + WARM):
         for i, (n, x) in enumerate(zip(names, ins)):

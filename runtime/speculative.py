@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from v4compile.artifact import cpu_spec_name, spec_name
+from v4compile.artifact import cpu_spec_name, draft_name, lane_variant, spec_name, verify_name
 from v4compile.errors import InputError
 from v4compile.speculation import Acceptance, accept, check_draft_tokens, sample, survivors, uniforms
 
@@ -77,8 +77,19 @@ Draft = Callable[[int, list[int], int], list[int]]  # (prompt index, prompt + id
 
 
 def verify_functions(session) -> list[tuple[int, str, int]]:
-    """(batch, function name, lanes) of the artifact's verify functions, smallest batch first."""
-    return sorted((f.batch, f.name, f.tokens) for f in session.backend.functions().values() if f.kind == "verify")
+    """(batch, function name, lanes) of the artifact's verify functions on K's lanes, smallest batch first."""
+    return sorted((f.batch, f.name, f.tokens) for f in session.backend.functions().values()
+                  if f.kind == "verify" and not lane_variant(f.name))
+
+
+def by_lanes(session, kind: str) -> dict[int, list[tuple[int, str]]]:
+    """batch -> [(lanes, name)] of the artifact's `kind` ("verify" / "draft") functions of each decode bucket,
+    fewest lanes first: K's, and on the cpu device those of fewer lanes (`Buckets.verify_drafts`)."""
+    out: dict[int, list[tuple[int, str]]] = {}
+    for f in session.backend.functions().values():
+        if f.kind == kind and (kind == "verify" or f.name.startswith("draft_b")):
+            out.setdefault(f.batch, []).append((f.tokens, f.name))
+    return {b: sorted(v) for b, v in out.items()}
 
 
 class Picker:
@@ -115,23 +126,28 @@ class CompiledDraft:
         mtp_draft(session)
         self.s = session
         fns = session.backend.functions().values()
-        self.batch_fns = sorted((f.batch, f.name, f.tokens) for f in fns if f.name.startswith("draft_b"))
+        # K's lanes (`in_call`), and every bucket's lane counts (a step's own: `lanes`)
+        self.batch_fns = sorted((f.batch, f.name, f.tokens) for f in fns
+                                if f.name.startswith("draft_b") and not lane_variant(f.name))
+        self.lanes = by_lanes(session, "draft")
         self.chunk_fns = {f.tokens: f.name for f in fns if f.name.startswith("draft_c")}
         # the MTP layer's window ring: the last of a slot's rings in the pool
         self.layer = int(session.art.manifest["pool"]["n_window_layers"]) - 1
         self.window = int(session.art.manifest["pool"]["window"])  # its positions (`whole_from`, `in_call`)
-        self._fused: dict[tuple[int, int], str | None] = {}
+        self._fused: dict[tuple[int, int, int | None], str | None] = {}
 
-    def fused(self, B: int, k: int = 1) -> str | None:
+    def fused(self, B: int, k: int = 1, lanes: int | None = None) -> str | None:
         """The one-call greedy step for bucket `B` drafting `k` tokens: on the cpu device `codegen/onnx_spec.py`'s
-        (verify_b<B>, the acceptance and k unrolled copies of draft_b<B> in one ONNX graph, built at first use);
+        (verify_b<B>, the acceptance and k unrolled copies of draft_b<B> in one ONNX graph, built at first use;
+        with `lanes` = 1 + v < 1 + K the functions of those lanes, `verify_b<B>_d<v>` and `draft_b<B>_d<v>`);
         on the C runtime the program's `spec_b<B>` (k = 1) or `spec_b<B>_d<k>` (`passes/spec_steps.py`: the k - 1
         recursive drafts in the call too; a program compiled before it: `spec_b<B>`, the recursive drafts
         `draft_b<B>` calls); or None (a partitioned artifact, an artifact compiled before `spec_b<B>`: a verify
         call, then draft calls)."""
-        if (B, k) not in self._fused:
-            self._fused[B, k] = self._fuse(B, k)
-        return self._fused[B, k]
+        key = (B, k, lanes)
+        if key not in self._fused:
+            self._fused[key] = self._fuse(B, k, lanes)
+        return self._fused[key]
 
     def sampled(self, B: int) -> str | None:
         """The one-call step for bucket `B` with any sampled sequence: on the C runtime the program's `spec_s<B>`
@@ -153,14 +169,19 @@ class CompiledDraft:
             return None
         return name if name in backend.functions() else None
 
-    def _fuse(self, B: int, k: int) -> str | None:
+    def _fuse(self, B: int, k: int, lanes: int | None) -> str | None:
         backend = self.s.backend
-        vname, dname = f"verify_b{B}", next((f for b, f, _ in self.batch_fns if b == B), None)
+        K = self.batch_fns[0][2] - 1 if self.batch_fns else 0
+        held = lanes - 1 if lanes is not None and lanes - 1 < K else None  # fewer lanes than K's: their functions
+        vname, dname = verify_name(B, held), draft_name(B, held)
         if getattr(backend, "program", None) is not None:  # the C runtime: the program's own `spec_b<B>[_d<k>]`
+            if held is not None:  # a program has K's lanes only
+                return None
             return (self._program_step(spec_name(B, drafts=k)) if 1 < k and self.in_call(k)
                     else None) or self._program_step(spec_name(B))
         target = getattr(backend, "target", None)
-        if not hasattr(backend, "built") or target is None or dname is None:
+        if (not hasattr(backend, "built") or target is None or vname not in target["functions"]
+                or dname not in target["functions"]):
             return None
         v, d = target["functions"][vname], target["functions"][dname]
         if "segments" in v or "segments" in d:
@@ -176,7 +197,7 @@ class CompiledDraft:
             return model, {"file": v["file"], "weights": sorted(set(v["weights"]) | set(d["weights"])),
                            "derived": {**v.get("derived", {}), **d.get("derived", {})},
                            "outputs": [o.name for o in model.graph.output]}
-        return backend.built(cpu_spec_name(B, k), build)
+        return backend.built(cpu_spec_name(B, k, held), build)
 
     def _run(self, fname: str, hidden, ids, pos, seqs, B: int) -> dict[str, np.ndarray]:
         # data parallel: each replica's lanes on its ranks (`Session.run_lanes`)
@@ -213,9 +234,10 @@ class CompiledDraft:
         return r["logits"], r["streams"]
 
     def after_verify(self, B: int, streams, next_ids, kept, seqs) -> tuple[np.ndarray, np.ndarray]:
-        """`draft_b<B>` over a verify step's kept lanes (pos -1 elsewhere): the MTP logits of each sequence's
-        last kept lane `[B, V]` and the block's output streams `[B, T, n, D]`."""
-        fname = next(f for b, f, _ in self.batch_fns if b == B)
+        """`draft_b<B>` over a verify step's kept lanes (pos -1 elsewhere; the draft function of the verify's
+        lanes): the MTP logits of each sequence's last kept lane `[B, V]` and the block's output streams
+        `[B, T, n, D]`."""
+        fname = dict(self.lanes[B])[streams.shape[1]]
         r = self._run(fname, streams, next_ids, kept, seqs, B)
         return r["logits"], r["streams"]
 
@@ -231,7 +253,8 @@ class CompiledDraft:
         rounds = max(counts, default=0)
         if rounds == 0:
             return list(zip(toks, qs))
-        B, fname, T = next(f for f in self.batch_fns if f[0] >= self.s.lanes([e[0] for e in entries]))
+        B = next(f[0] for f in self.batch_fns if f[0] >= self.s.lanes([e[0] for e in entries]))
+        T, fname = self.lanes[B][0]  # one live lane a sequence: the bucket's fewest lanes
         # this rank's pool holds its replica's sequences only (data parallel): their rows are the ones to undo
         spans = [(e[0].slot, list(e[0].blocks), e[1], e[1] + c - 2) for e, c in zip(entries, counts)
                  if c > 1 and e[0].replica == self.s.replica]
@@ -299,6 +322,8 @@ class SpecStep:
         # taken here costs what the loop's plain step costs (None: `_plain`'s own)
         self.plain: Callable[[], None] | None = None
         self._fns: dict[int, tuple[int, str, int]] = {}
+        self._verify = by_lanes(session, "verify")
+        self._of: dict[tuple[int, int], tuple[int, str]] = {}
         # the greedy one-call step's backend holds a run's writes (the cpu device, unpartitioned, one replica):
         # `_fused_step`, its inputs the function's own bound arrays (`_inputs`: fused name -> those arrays)
         self._held = (self.mtp is not None and session.dp == 1 and hasattr(session.backend, "run_held")
@@ -336,6 +361,14 @@ class SpecStep:
         if fn is None:
             fn = self._fns[lanes] = next(f for f in self.fns if f[0] >= lanes)
         return fn
+
+    def _verify_of(self, B: int, held: int) -> tuple[int, str]:
+        """(lanes, name) of bucket `B`'s verify function with the fewest lanes that hold `held` drafts a
+        sequence (K's, or on the cpu device one of fewer lanes: a step costs its lanes there)."""
+        got = self._of.get((B, held))
+        if got is None:
+            got = self._of[B, held] = next(x for x in self._verify[B] if x[0] > held)
+        return got
 
     def _bucket_of(self, n: int) -> int:
         return next((f[0] for f in self.fns if f[0] >= n), self.fns[-1][0])
@@ -375,7 +408,7 @@ class SpecStep:
         if self.mtp is None:
             for r in live:
                 r.spec.drafts = self._hooked(r)
-        B, fname, T = fn
+        B = fn[0]
         if self.auto is not None:
             self.k_now = self.auto.pick(B)
             # what the step is a sample of (`AutoK.timed`): a plain step, one drafting k, or (None) neither
@@ -383,8 +416,9 @@ class SpecStep:
             if self.k_now == 0 and not any(r.spec.drafts[0] for r in live):
                 self._ran = 0
                 return self._plain(live, deliver)
+        T, fname = self._verify_of(B, max(len(r.spec.drafts[0]) for r in live))
         if self.k_now and self._held and all(r.temperature == 0 for r in live):
-            fused = self.mtp.fused(B, self.k_now)
+            fused = self.mtp.fused(B, self.k_now, T)
             if fused:
                 return self._fused_step(live, deliver, fused, T)
         # data parallel: every replica's lanes (`run_lanes`), at least the bucket's
@@ -395,7 +429,7 @@ class SpecStep:
         ids, pos = np.array(rows_ids, dtype=np.int64), np.array(rows_pos, dtype=np.int64)
         seqs = [r.seq for r in live]
         greedy = all(r.temperature == 0 for r in live)
-        fused = self.mtp.fused(B, self.k_now) if self.mtp is not None and greedy and self.k_now else None
+        fused = self.mtp.fused(B, self.k_now, T) if self.mtp is not None and greedy and self.k_now else None
         inputs = {"ids": ids, "pos": pos}
         sampled = self.mtp.sampled(B) if self.mtp is not None and not greedy and self.k_now else None
         if sampled:  # the uniforms drawn now, from each sequence's generator, as the host's `accept` draws them

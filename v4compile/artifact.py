@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,11 +61,26 @@ class Buckets:
     """The static shapes compiled: decode per batch bucket, prefill per chunk bucket (prefill batch 1), and
     with `draft_tokens` = K > 0 a speculative verify function per decode bucket (`verify_b<B>`, 1 + K lanes
     per sequence: it serves any k <= K, the unused lanes as padding) and, when the weights carry the MTP
-    block, its draft functions (`draft_b<B>` per decode bucket, `draft_c<T>` per chunk bucket)."""
+    block, its draft functions (`draft_b<B>` per decode bucket, `draft_c<T>` per chunk bucket).
+
+    `verify_drafts`: the draft counts k <= K whose verify (and MTP draft) functions the cpu target carries
+    with their own 1 + k lanes (`verify_b<B>_d<k>`, `draft_b<B>_d<k>`; K's are `verify_b<B>`, `draft_b<B>`);
+    None: every k in 1..K. On the cpu device a step costs its nodes and its lanes' arithmetic, so a step
+    verifying k < K drafts on K + 1 lanes cost ~10 % more than on its own (tiny-doc, batch 1, k = 1 at K = 3)
+    and `draft_tokens="auto"` could not choose a small k at its own cost. The GPU targets carry K's only (a
+    verify there is bound by reading the weights, whatever its lanes: one program step per bucket)."""
 
     decode: tuple[int, ...] = (1, 2, 4, 8)
     prefill: tuple[int, ...] = (16, 64)
     draft_tokens: int = 0
+    verify_drafts: tuple[int, ...] | None = None
+
+    def verify_ks(self) -> tuple[int, ...]:
+        """The draft counts with their own verify lanes on the cpu target (K last; none without drafts)."""
+        K = self.draft_tokens
+        if not K:
+            return ()
+        return tuple(range(1, K + 1)) if self.verify_drafts is None else tuple(self.verify_drafts)
 
     def validate(self) -> None:
         from .manifest import MAX_BATCH, MAX_BUCKETS, MAX_CHUNK
@@ -74,6 +90,13 @@ class Buckets:
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_DRAFT_TOKENS:
             raise InputError("draft_tokens out of range", expected=f"an integer in 0..{MAX_DRAFT_TOKENS}",
                              found=repr(k)[:40])
+        v = self.verify_drafts
+        if v is not None and (not isinstance(v, tuple) or any(isinstance(x, bool) or not isinstance(x, int) for x in v)
+                              or list(v) != sorted(set(v)) or (k and (not v or v[0] < 1 or v[-1] != k))
+                              or (not k and v)):
+            raise InputError("verify_drafts must be increasing draft counts in 1..draft_tokens, ending at it",
+                             expected=f"1..{k}, the last {k}" if k else "none without draft_tokens",
+                             found=repr(v)[:60])
 
         for what, v, hi in (("decode batch buckets", self.decode, MAX_BATCH),
                             ("prefill chunk buckets", self.prefill, MAX_CHUNK)):
@@ -92,13 +115,25 @@ def prefill_name(t: int) -> str:
     return f"prefill_c{t}"
 
 
-def verify_name(b: int) -> str:
-    return f"verify_b{b}"
+def verify_name(b: int, drafts: int | None = None) -> str:
+    """The verify function of decode bucket `b`: 1 + K lanes a sequence (`verify_b<b>`), or the cpu target's
+    1 + k lanes for a k < K (`verify_b<b>_d<k>`, `Buckets.verify_drafts`)."""
+    return f"verify_b{b}" + (f"_d{drafts}" if drafts else "")
 
 
-def draft_name(b: int) -> str:
-    """The MTP draft function of decode bucket `b` (1 + K lanes per sequence)."""
-    return f"draft_b{b}"
+def draft_name(b: int, drafts: int | None = None) -> str:
+    """The MTP draft function of decode bucket `b`, on the lanes of `verify_name(b, drafts)`."""
+    return f"draft_b{b}" + (f"_d{drafts}" if drafts else "")
+
+
+_VERIFY = re.compile(r"verify_b(\d+)")
+_LANES = re.compile(r"(verify|draft)_b\d+_d\d+")
+
+
+def lane_variant(name: str) -> bool:
+    """Whether `name` is a verify or MTP draft function of fewer lanes than K's (`verify_name(b, k)`): the cpu
+    target's ONNX graphs only, in no program."""
+    return _LANES.fullmatch(name) is not None
 
 
 def spec_name(b: int, sampled: bool = False, drafts: int = 1) -> str:
@@ -111,11 +146,12 @@ def spec_name(b: int, sampled: bool = False, drafts: int = 1) -> str:
     return f"spec_{'s' if sampled else 'b'}{b}" + (f"_d{drafts}" if drafts > 1 else "")
 
 
-def cpu_spec_name(b: int, drafts: int) -> str:
+def cpu_spec_name(b: int, drafts: int, verifies: int | None = None) -> str:
     """The cpu device's fused verify + acceptance + `drafts` MTP drafts graph of decode bucket `b`, made at load
     (`codegen/onnx_spec.py`, `runtime/speculative.py`): `spec_b<b>_d<k>` for every k, 1 included, so no name
-    of it is a program function's (`spec_name`'s k = 1 step is `spec_b<b>`)."""
-    return f"spec_b{b}_d{drafts}"
+    of it is a program function's (`spec_name`'s k = 1 step is `spec_b<b>`); on the lanes of
+    `verify_name(b, v)` for `verifies` = v < K: `spec_b<b>_v<v>_d<k>`."""
+    return f"spec_b{b}" + (f"_v{verifies}" if verifies else "") + f"_d{drafts}"
 
 
 def spec_names(b: int, draft_tokens: int) -> list[str]:
@@ -126,8 +162,8 @@ def spec_names(b: int, draft_tokens: int) -> list[str]:
 def spec_buckets(functions) -> list[int]:
     """The decode buckets among `functions` (names) with both a verify and an MTP draft function: those whose
     one-call speculative step the C runtime's program carries."""
-    return sorted(int(n[len("verify_b"):]) for n in functions
-                  if n.startswith("verify_b") and draft_name(int(n[len("verify_b"):])) in functions)
+    return sorted(int(m.group(1)) for m in map(_VERIFY.fullmatch, functions)
+                  if m is not None and draft_name(int(m.group(1))) in functions)
 
 
 def draft_prefill_name(t: int) -> str:

@@ -399,6 +399,14 @@ def check_manifest(m: dict[str, Any], verify: bool = True) -> None:
     prefill = _buckets(_get(b, "prefill_chunk", "buckets.prefill_chunk"), "buckets.prefill_chunk", MAX_CHUNK)
     _int(_get(b, "prefill_batch", "buckets.prefill_batch"), "buckets.prefill_batch", 1, 1)
     draft_tokens = _int(b["draft_tokens"], "buckets.draft_tokens", 1, MAX_DRAFT_TOKENS) if "draft_tokens" in b else 0
+    # the draft counts whose verify / draft functions the cpu target carries on their own lanes (an artifact
+    # from before them: K's only)
+    verify_drafts = [draft_tokens] if draft_tokens else []
+    if "verify_drafts" in b:
+        verify_drafts = _buckets(b["verify_drafts"], "buckets.verify_drafts", max(draft_tokens, 1))
+        if not draft_tokens or verify_drafts[-1] != draft_tokens:
+            raise _err("`buckets.verify_drafts` must end at `buckets.draft_tokens`", expected=_show(draft_tokens),
+                       found=_show(verify_drafts))
     mtp_draft = b.get("mtp_draft", False)  # the MTP block compiled: `draft_b<B>` / `draft_c<T>` (1 + K / T lanes)
     if mtp_draft is not False and (mtp_draft is not True or not draft_tokens):
         raise _err("`buckets.mtp_draft` must be true (with `draft_tokens`) or absent", found=_show(mtp_draft))
@@ -493,12 +501,16 @@ def check_manifest(m: dict[str, Any], verify: bool = True) -> None:
             listed(_get(t, "program", f"{key}.program"), f"{key}.program")
             _str(_get(t, "backend", f"{key}.backend"), f"{key}.backend")
             db, pb = gpu_b if gpu_b is not None else (decode, prefill)
+        ks = verify_drafts if name == "cpu" else verify_drafts[-1:]  # the GPU targets: K's lanes only
+
+        def lanes(k: int) -> str:  # `artifact.verify_name`'s suffix: K's lanes none
+            return f"_d{k}" if k < draft_tokens else ""
         # one function per bucket of each kind the artifact has (the program's one-call speculative steps are
         # its own, each with its verify's interface: `runtime/artifact_checks.program_interface`)
         want_fns = ({f"decode_b{x}": ("decode", x, 1) for x in db} |
                     {f"prefill_c{x}": ("prefill", 1, x) for x in pb} |
-                    {f"verify_b{x}": ("verify", x, 1 + draft_tokens) for x in db if draft_tokens} |
-                    {f"draft_b{x}": ("draft", x, 1 + draft_tokens) for x in db if mtp_draft} |
+                    {f"verify_b{x}{lanes(k)}": ("verify", x, 1 + k) for x in db for k in ks} |
+                    {f"draft_b{x}{lanes(k)}": ("draft", x, 1 + k) for x in db for k in (ks if mtp_draft else ())} |
                     {f"draft_c{x}": ("draft", 1, x) for x in pb if mtp_draft})
         if set(fns) != set(want_fns):
             raise _err(f"`{key}.functions` does not hold one function per bucket",

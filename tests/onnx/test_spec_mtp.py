@@ -107,7 +107,7 @@ UNFUSED: dict[int, list] = {}  # k -> the two-call path's drafts per step (`offe
 
 def unfused(monkeypatch) -> None:
     """The two-call path: verify_b<B>, then draft_b<B> per draft (no one-call graph)."""
-    monkeypatch.setattr(rs.CompiledDraft, "fused", lambda self, B, k=1: None)
+    monkeypatch.setattr(rs.CompiledDraft, "fused", lambda self, B, k=1, lanes=None: None)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -259,6 +259,42 @@ def test_held_writes_equal_the_undo(doc):
         return [n for n in b if not np.array_equal(a[n], b[n])]
     assert differ(got["held"], got["undo"]) == []
     assert differ(got["held, all stored"], got["undo"]) != []
+
+
+def test_steps_run_on_the_lanes_of_their_drafts(doc, monkeypatch):
+    """K = 3, a fixed k < K: every verify runs on 1 + k lanes (the one-call step `spec_b<B>_v<k>_d<k>` of
+    `verify_b<B>_d<k>` and `draft_b<B>_d<k>`, the last steps on fewer drafts' lanes where fewer are wanted), the
+    first drafts on the fewest lanes, and the ids are plain greedy's; fed the K-lane draft function, the step's
+    graph is refused (ONNX Runtime: its lanes disagree with the verify's)."""
+    from v4compile.errors import ArtifactError
+    from v4compile.runtime import cpu_backend
+
+    art, prompts, want = doc
+    ran = []
+    orig = cpu_backend.OrtBackend.run_held
+
+    def run_held(self, fname, *a, **kw):
+        ran.append(fname)
+        return orig(self, fname, *a, **kw)
+    monkeypatch.setattr(cpu_backend.OrtBackend, "run_held", run_held)
+    s = session(art)
+    try:
+        assert {f for f in s.backend.functions() if f.startswith("verify_b1")} == {
+            "verify_b1", "verify_b1_d1", "verify_b1_d2"}
+        for k in (1, 2):
+            ran.clear()
+            assert s.generate(prompts, NEW, speculative="mtp", draft_tokens=k) == want
+            assert ran and set(ran) <= {f"spec_b{b}_v{v}_d{k}" for b in (1, 2) for v in range(1, k + 1)}, set(ran)
+            assert f"spec_b2_v{k}_d{k}" in ran
+    finally:
+        s.close()
+    monkeypatch.setattr(rs, "draft_name", lambda b, drafts=None: f"draft_b{b}")
+    s = session(art)  # its one-call graphs made anew
+    try:
+        with pytest.raises(ArtifactError, match="ONNX Runtime refuses"):
+            s.generate(prompts, 8, speculative="mtp", draft_tokens=1)
+    finally:
+        s.close()
 
 
 def test_greedy_ids_equal_plain_host(doc):

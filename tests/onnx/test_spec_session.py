@@ -172,6 +172,20 @@ def test_manifest_draft_tokens_must_match_the_verify_functions(art, tmp_path, dr
         v4compile.load(t, device="cpu", threads=1)
 
 
+@pytest.mark.parametrize("verify_drafts", [None, [3], [1, 3], [1, 2], [0, 1, 2, 3], [2, 1, 3], "1,2,3"])
+def test_manifest_verify_drafts_must_match_the_lane_functions(art, tmp_path, verify_drafts):
+    """The cpu target's verify / draft functions of fewer lanes are there exactly for `verify_drafts`, which
+    ends at `draft_tokens` (absent: an artifact from before them, K's lanes only)."""
+    from v4compile.errors import ArtifactError
+
+    from artifact_tamper import manifest
+
+    assert manifest(art)["buckets"]["verify_drafts"] == [1, 2, 3]
+    t = _with_bucket(art, tmp_path / "t", "verify_drafts", verify_drafts)
+    with pytest.raises(ArtifactError, match="verify_drafts|one function per bucket"):
+        v4compile.load(t, device="cpu", threads=1)
+
+
 @pytest.mark.parametrize("mtp_draft", [None, False, 1])
 def test_manifest_mtp_draft_must_match_the_draft_functions(art, tmp_path, mtp_draft):
     """The MTP block's functions and its window ring in the pool are there exactly when `mtp_draft` says so."""
@@ -182,7 +196,7 @@ def test_manifest_mtp_draft_must_match_the_draft_functions(art, tmp_path, mtp_dr
     m = manifest(art)
     assert m["pool"]["n_window_layers"] == 6  # tiny's 5 layers + the MTP block's ring
     assert {n for n in m["targets"][0]["functions"] if n.startswith("draft")} == {
-        "draft_b1", "draft_b2", "draft_b4", "draft_c16"}
+        "draft_b1", "draft_b2", "draft_b4", "draft_c16"} | {f"draft_b{b}_d{k}" for b in (1, 2, 4) for k in (1, 2)}
     t = _with_bucket(art, tmp_path / "t", "mtp_draft", mtp_draft)
     with pytest.raises(ArtifactError, match="mtp_draft|one function per bucket|n_window_layers"):
         v4compile.load(t, device="cpu", threads=1)

@@ -360,7 +360,7 @@ def generate(art, prompts, monkeypatch, fused: bool = True, sample: bool = True,
             if not in_call:
                 m.setattr(rs.CompiledDraft, "in_call", lambda self, k: False)
             if not fused:
-                m.setattr(rs.CompiledDraft, "fused", lambda self, B, k=1: None)
+                m.setattr(rs.CompiledDraft, "fused", lambda self, B, k=1, lanes=None: None)
                 m.setattr(rs.CompiledDraft, "sampled", lambda self, B: None)
             runs = [("", {})] * greedy + [("sampled ", {"temperature": 0.8, "seed": 3})] * sample
             for key, how in runs:
@@ -579,7 +579,7 @@ def test_gpu_program_speculates_in_one_captured_call(gpu_doc, gpu_sampled, devic
                 "captures": 2, "graph_launches": n + c2["spec_s2"]}
             return
         with monkeypatch.context() as m:
-            m.setattr(rs.CompiledDraft, "fused", lambda self, B, k=1: None)
+            m.setattr(rs.CompiledDraft, "fused", lambda self, B, k=1, lanes=None: None)
             two = gpu_generation(s, prompts)
         assert two["ids"] == got["ids"] and two["calls"]["spec_b2_d2"] == 0 and two["calls"]["verify_b2"] > 0
         assert two["graphs"] == {"captures": 0, "replays": 0}
