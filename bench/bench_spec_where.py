@@ -110,7 +110,7 @@ def captured(art: str, k: int, profile: str | None):
         for cls, n, orig in saved:
             setattr(cls, n, rec(orig))
         speculative.speculative_generate(s, [PROMPT], 8, k)
-        speculative.CompiledDraft.fused = lambda self, B, k=1: None  # the two-call path: verify, then draft
+        speculative.CompiledDraft.fused = lambda self, B, k=1, lanes=None: None  # the two-call path: verify, then draft
         speculative.speculative_generate(s, [PROMPT], 8, k)
         speculative.CompiledDraft.fused = fused
         s.generate([PROMPT], 8)
