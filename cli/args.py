@@ -140,8 +140,9 @@ def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
                    help="GPU programs: tensor-parallel all-reduces within a node as one-shot kernel launches over peer "
                         "memory (or a trailing part of the MoE launch that produces them, or the leading phase of the "
                         "launch that reads them), summing the ranks in rank order bit for bit as the IR's reference, "
-                        "and data parallelism's all-gather / reduce-scatter of the MoE rows alike (one replica a rank) "
-                        "(oneshot, the default: passes oneshot_allreduce, fuse_oneshot_producer, "
+                        "and data parallelism's all-gather / reduce-scatter of the MoE rows alike (one replica a rank; "
+                        "the leading phase and trailing part of the MoE launch between them) "
+                        "(oneshot, the default: passes oneshot_allreduce, fuse_oneshot_rows, fuse_oneshot_producer, "
                         "fuse_oneshot_consumer), or all of them on NCCL / RCCL (nccl: its ring order rounds otherwise)")
     g.add_argument("--print-ir-after-all", action="store_true")
     g.add_argument("--print-ir-after-change", action="store_true")

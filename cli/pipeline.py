@@ -59,9 +59,8 @@ def pipeline_of(args) -> list[str]:
 
 def allreduce_choice(args, passes: list[str]) -> list[str]:
     """The pipeline without `oneshot_allreduce` under `--allreduce nccl` (the all-reduces and the rows collectives stay
-    on NCCL / RCCL;
-    `fuse_oneshot_producer` / `_consumer` then find nothing to fold); a command without the option keeps the pipeline as it
-    is (the option's default is in `cli/args.py`)."""
+    on NCCL / RCCL; `fuse_oneshot_rows` / `_producer` / `_consumer` then find nothing to fold); a command without the
+    option keeps the pipeline as it is (the option's default is in `cli/args.py`)."""
     if getattr(args, "allreduce", None) != "nccl":
         return passes
     return [p for p in passes if p.split("{", 1)[0].strip() != "oneshot_allreduce"]

@@ -43,7 +43,7 @@ from typing import Any
 
 from v4compile.ir.core import Module
 from v4compile.ir.registry import get_op
-from v4compile.ops.fused_allreduce import PRODUCED, consumer_of, hidden_bytes, producer_of
+from v4compile.ops.fused_allreduce import DP_MOE, PRODUCED, ROWS_FOLDED, consumer_of, hidden_bytes, producer_of
 from v4compile.parallel import ParallelLayout, is_rank_local, split_shard
 from v4compile.targets import TARGETS, oneshot_allreduce
 from v4compile.weights import spec_table
@@ -93,10 +93,19 @@ def collectives(m: Module, func: str = "decode") -> list[dict[str, Any]]:
     """Every collective of `func`, one-shot all-reduces folded into their consumers' launches
     (`passes/fuse_oneshot_consumer.py`) as the one-shot all-reduces they are (`folded_into`: the consumer op), and
     those folded into their producers' (`passes/fuse_oneshot_producer.py`) too (`folded_after`: the producer op;
-    `hidden_bytes`: what its launch reads between publishing and waiting, `fused_allreduce.hidden_bytes`)."""
+    `hidden_bytes`: what its launch reads between publishing and waiting, `fused_allreduce.hidden_bytes`); data
+    parallelism's rows collectives folded into their MoE's launch (`passes/fuse_oneshot_rows.py`) as the one-shot
+    all-gather and reduce-scatter they are (no bytes hidden: modeled as the standalone one-shots)."""
     out = []
     for op in m.functions[func].ops:
-        if get_op(op.name).collective:
+        if op.name == ROWS_FOLDED:
+            common = {"group": op.attrs["group"], "role": op.attrs.get("role", "")}
+            at = get_op(op.name).results.index(PRODUCED)
+            out.append({"op": "all_gather_rows_oneshot", "folded_into": DP_MOE, "bytes": op.operands[0].type.nbytes,
+                        **common})
+            out.append({"op": "reduce_scatter_rows_oneshot", "folded_after": DP_MOE,
+                        "bytes": op.results[at].type.nbytes * op.attrs["group"], **common})
+        elif get_op(op.name).collective:
             inner = consumer_of(op.name)
             producer = producer_of(inner or op.name)
             common = {"group": op.attrs["group"], "role": op.attrs.get("role", ""),
@@ -238,9 +247,10 @@ def program_collectives(final: Module) -> dict[str, int]:
     return {"program_launches": len(launches),
             "program_collective_launches": sum(1 for l in launches
                                                if get_op(l.op).collective and not consumer_of(l.op)
-                                               and not producer_of(l.op)),
-            "program_folded": sum(1 for l in launches if consumer_of(l.op)),
-            "program_folded_after": sum(1 for l in launches if producer_of(consumer_of(l.op) or l.op))}
+                                               and not producer_of(l.op) and l.op != ROWS_FOLDED),
+            "program_folded": sum(1 for l in launches if consumer_of(l.op) or l.op == ROWS_FOLDED),
+            "program_folded_after": sum(1 for l in launches if producer_of(consumer_of(l.op) or l.op)
+                                        or l.op == ROWS_FOLDED)}
 
 
 def _moved(s: dict) -> str:

@@ -55,7 +55,8 @@ class ProgramKernels:
     runs it (NCCL / RCCL on the stream, gloo on the host device), so it is neither a call nor missing; the
     one-shot all-reduce (`all_reduce_oneshot`; the rows ones, `*_rows_oneshot`, alike) is a collective with kernel
     calls of its own, counted as calls (folded
-    into its consumer, `ar_*`: the consumer's calls)."""
+    into its consumer, `ar_*`, or its producer, `*_ar`: that launch's calls; the rows ones into the MoE between
+    them, `ag_moe_router_experts_dp_rs`: the MoE's)."""
     calls: dict[str, list[list[KernelCall]]] = field(default_factory=dict)
     unique: dict[str, KernelCall] = field(default_factory=dict)
     missing: Counter = field(default_factory=Counter)

@@ -30,8 +30,8 @@ _PASS_MODULES = ("partition", "dce", "cse", "merge_wq_a_wkv", "merge_sibling_gem
                  "fuse_inv_rope_wo_a", "pair_sibling_gemms", "fuse_qkv_norm_rope", "fuse_norm_linear", "fuse_indexer_topk", "fuse_moe",
                  "fuse_moe_router", "fuse_moe_mhc", "fuse_mhc_moe", "fuse_attn_front", "fuse_out_proj",
                  "pair_compressors", "pair_rope_compress",
-                 "lower_sparse_attention", "spec_steps", "oneshot_allreduce", "fuse_oneshot_producer",
-                 "fuse_oneshot_consumer", "plan_memory",
+                 "lower_sparse_attention", "spec_steps", "oneshot_allreduce", "fuse_oneshot_rows",
+                 "fuse_oneshot_producer", "fuse_oneshot_consumer", "plan_memory",
                  "lower_to_program",
                  "testing_corrupt")
 

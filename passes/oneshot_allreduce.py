@@ -11,7 +11,8 @@ part (a rank's rows: what it pulls from each peer) is under the same bound becom
 group size per module: where collectives of several sizes qualify, the largest group's become one-shot and the
 others stay on the communicator (hits `<func>.oneshot`, `<func>.kept`).
 The one-shot launch is a kernel call of its own (`codegen/kernels/allreduce.py`; `fuse_oneshot_producer` then folds
-the EP MoE's into its launch, `fuse_oneshot_consumer` those read by a phased launch into it, as its leading phase)
+the EP MoE's into its launch, `fuse_oneshot_consumer` those read by a phased launch into it, as its leading phase,
+`fuse_oneshot_rows` the rows collectives into the DP MoE's launch between them)
 that adds the ranks' values in
 rank order in the value's dtype: bit for bit the IR's reference (`ops/collective._rank_sum`), which NCCL's ring
 order is not. The knob is `compile --allreduce oneshot|nccl` (nccl: this pass is left out; the pipeline the

@@ -33,6 +33,7 @@ DEFAULT_PIPELINE: list[str] = [
     "cse",
     "dce",
     "oneshot_allreduce",
+    "fuse_oneshot_rows",
     "fuse_oneshot_producer",
     "fuse_oneshot_consumer",
     "plan_memory",
@@ -50,10 +51,12 @@ PROGRAM_PASSES: list[str] = ["plan_memory", "lower_to_program"]
 LAUNCH_ONLY_PASSES: list[str] = ["fuse_moe_router", "fuse_moe_mhc", "fuse_attn_front", "pair_compressors",
                                    "fuse_out_proj", "pair_rope_compress"]
 # GPU programs only: the one-shot all-reduce over peer memory (a kernel launch, a trailing part of its producer's
-# launch: `fuse_oneshot_producer`, or the leading phase of its consumer's: `fuse_oneshot_consumer`; the cpu target's
+# launch: `fuse_oneshot_producer`, or the leading phase of its consumer's: `fuse_oneshot_consumer`; data parallelism's
+# all-gather and reduce-scatter both, of the MoE between them: `fuse_oneshot_rows`; the cpu target's
 # ONNX segments and the host program of a cpu artifact keep
 # the communicator's all-reduce). `compile --allreduce nccl` leaves `oneshot_allreduce` out (nothing to fold then).
-GPU_ONLY_PASSES: list[str] = ["oneshot_allreduce", "fuse_oneshot_producer", "fuse_oneshot_consumer"]
+GPU_ONLY_PASSES: list[str] = ["oneshot_allreduce", "fuse_oneshot_rows", "fuse_oneshot_producer",
+                               "fuse_oneshot_consumer"]
 CPU_PIPELINE: list[str] = [
     "lower_sparse_attention{kv_format=native,index_format=native}" if p == "lower_sparse_attention" else p
     for p in DEFAULT_PIPELINE if p not in PROGRAM_PASSES + LAUNCH_ONLY_PASSES + GPU_ONLY_PASSES]

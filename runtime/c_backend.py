@@ -26,7 +26,8 @@ import torch
 from v4compile.errors import DeviceError, InputError
 from v4compile.ir.registry import get_op
 from v4compile.ir.types import DTYPES
-from v4compile.ops.fused_allreduce import PRODUCED, REDUCED, consumer_of, inner_attrs, producer_of
+from v4compile.ops.fused_allreduce import (DP_MOE, GATHERED, PRODUCED, REDUCED, ROWS_FOLDED, consumer_of, inner_attrs,
+                                           producer_of)
 from v4compile.program.core import Program
 from v4compile.program.execute import _typed, run_launch
 from v4compile.signals import act_pending, held
@@ -413,10 +414,20 @@ class CRuntime:
 
     def _collective(self, l, args, outs) -> None:
         """A collective launch (its placeholder call: no kernel family runs it) through `collective`; a one-shot
-        all-reduce folded into its consumer (`ar_*`) as the all-reduce of its `y`, then the consumer's reference."""
+        all-reduce folded into its consumer (`ar_*`) as the all-reduce of its `y`, then the consumer's reference;
+        DP's MoE with its rows collectives folded in as the gather, the MoE's reference, the reduce-scatter."""
         if self.collective is None:
             raise DeviceError(f"{l.op}: a collective launch needs the process group of a partitioned artifact "
                               "(v4compile.load under torchrun)")
+        if l.op == ROWS_FOLDED:
+            group, opdef = int(l.attrs["group"]), get_op(DP_MOE)
+            args = {**args, GATHERED: self.collective("all_gather_rows", args["x"], group)}
+            got = list(opdef.run([args[n] for n in opdef.operand_names], inner_attrs(l.attrs)))
+            at = opdef.results.index(PRODUCED)
+            got[at] = self.collective("reduce_scatter_rows", got[at], group)
+            for (n, y), g in zip(outs.items(), got):
+                y.copy_(g)
+            return
         inner, producer = consumer_of(l.op), producer_of(l.op)
         if inner is not None or producer is not None:
             group = int(l.attrs["group"])

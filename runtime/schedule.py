@@ -15,7 +15,8 @@ runtime checks (magic, version, sizes, every index and offset, an FNV-1a checksu
   parameters are the launch's operands then results in signature order (absent optionals: NULL), run
   by the host driver's callback with the op's reference.
 * The one-shot all-reduce (`all_reduce_oneshot`, codegen/kernels/allreduce.py; or folded into its consumer's
-  launch, `ar_*`, `passes/fuse_oneshot_consumer.py`; and the one-shot rows collectives, `*_rows_oneshot`) is a
+  launch, `ar_*`, `passes/fuse_oneshot_consumer.py`, or its producer's, `*_ar`; and the one-shot rows collectives,
+  `*_rows_oneshot`, or both folded into the MoE's launch between them, `ag_moe_router_experts_dp_rs`) is a
   kernel call whose `peers`
   pointer is the `peers` buffer (kind PEERS: the table of the group's regions as mapped in this process, which
   the runtime writes at load), beside one `symmetric` buffer (kind SYMMETRIC: this rank's region, zeroed at load,

@@ -71,18 +71,29 @@ def inputs(rank: int, scenario: str, k: int, numel: int, dtype):
 
 def kernel_variant(edits):
     """`oneshot_kernel` and `rows_kernel` with the source edits applied to the bodies they call, `oneshot_tiles`,
-    its halves `publish_tiles` / `gather_tiles` and theirs, `publish_range` / `gather_range` (what the standalone
+    its halves `publish_tiles` / `gather_tiles` and theirs, `publish_range` / `gather_range`, and `rows_tiles` /
+    `scatter_tiles` (what the standalone
     kernels and the folded phases run; each `old` must
     occur, and every occurrence is edited: the slot both halves compute alike)."""
-    import inspect
-
     from v4compile.codegen.kernels import allreduce
 
     if not edits:
         return allreduce.oneshot_kernel, allreduce.rows_kernel
+    namespace = edited(edits)
+    return namespace["oneshot_kernel"], namespace["rows_kernel"]
+
+
+def edited(edits) -> dict:
+    """The namespace of `kernel_variant`'s edited bodies and kernels (its `rows_tiles`: what a kernel that folds
+    the rows collectives in calls, `moe_router.moe_fused_kernel`)."""
+    import inspect
+
+    from v4compile.codegen.kernels import allreduce
+
     src = "\n\n".join(inspect.getsource(f.fn) for f in (allreduce.publish_range, allreduce.publish_tiles,
                                                         allreduce.gather_range, allreduce.gather_tiles,
-                                                        allreduce.oneshot_tiles))
+                                                        allreduce.oneshot_tiles, allreduce.scatter_tiles,
+                                                        allreduce.rows_tiles))
     for old, new in edits:
         assert src.count(old) >= 1, f"{old!r} does not occur"
         src = src.replace(old, new)
@@ -92,7 +103,7 @@ def kernel_variant(edits):
     path.write_text(src)
     namespace = dict(vars(allreduce))
     exec(compile(src, str(path), "exec"), namespace)
-    return namespace["oneshot_kernel"], namespace["rows_kernel"]
+    return namespace
 
 
 def slow_polls():

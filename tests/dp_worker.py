@@ -8,16 +8,19 @@ For each device of `V4_TEST_DEVICES` (comma-separated: cpu, host with the ops' r
 SPEC_ART (a cpu-only one: the GPU programs carry no MTP block); `nocache`: the cpu device with the prefix
 cache off; `die`: the cpu device
 once more, in which rank 1 exits abruptly at its third decode step), in one process
-group joined here once: loads ART, generates the prompts (`{"prompts": [...], "new": N, "draft_tokens": K, "spec_art": SPEC_ART}`) and writes
+group joined here once: loads ART, generates the prompts (`{"prompts": [...], "new": N, "draft_tokens": K, "spec_art": SPEC_ART, "nccl_art": NCCL_ART}`) and writes
 `OUT/<device>-rank-<r>.npz`: the ids (`ids`, `lens`), every logits row each request sampled from, in its
 order (`rows-<i>`, request i), where the sequences were (`placed`: per decode step, the live
 sequences of each replica; `replicas`: each request's), and each prompt's tokens taken from its replica's
-prefix cache (`cached`). `oneshot_off`: the host device on the first two prompts, ONESHOT_NEW tokens; `oneshot`: the
-same with the references but for layer 1's one-shot all-gather
-and reduce-scatter of rows at decode (`allreduce.rows_kernel`, interpreted, the symmetric regions in shared
-memory; each call's kernel name appended to `OUT/oneshot-ran-<r>.txt`); `oneshot_reversed`: the
-same with the all-gather placing the ranks' rows in reverse order (a broken
-kernel, as tests/allreduce_worker.py edits it).
+prefix cache (`cached`). `oneshot_off`: the host device on the first two prompts, ONESHOT_NEW tokens, on NCCL_ART
+(the program compiled with `--allreduce nccl`: the rows collectives on gloo), the references but for layer 1's MoE
+at decode (`moe_router_experts_dp`, by its kernel, interpreted); `oneshot`: the
+same on ART, the references but for layer 1's MoE at decode with its one-shot all-gather and reduce-scatter of rows
+folded in (`ag_moe_router_experts_dp_rs`: `moe_router.moe_fused_kernel`, its leading phase and trailing part
+`allreduce.rows_tiles` / `scatter_tiles`; or, where the artifact has them apart, those launches: `rows_kernel`),
+interpreted, the symmetric regions in shared memory; the mode and each call's kernel name appended to
+`OUT/oneshot-ran-<r>.txt`; `oneshot_reversed`: the same with the all-gather placing the ranks' rows in reverse
+order (a broken kernel, as tests/allreduce_worker.py edits it).
 A V4Error prints one `error:` line and exits with status 2. The rank prints
 `dist_launch.print_ready`'s line after its imports, and `DIE_START <time.time()>` before the `die` run.
 """
@@ -54,7 +57,8 @@ def main(out: Path, prompts_file: Path, art: str) -> int:
             if device == "die":
                 print(f"{DIE_START} {time.time():.3f}", file=sys.stderr, flush=True)
             np.savez(out / f"{device}-rank-{rank}.npz",
-                     **generate(spec["spec_art"] if device == "spec" else art, device, spec, rank))
+                     **generate(spec["spec_art"] if device == "spec" else spec["nccl_art"] if device == "oneshot_off"
+                                else art, device, spec, rank))
 
     return run_rank(body)
 
@@ -69,23 +73,32 @@ def rows_kernels() -> None:
     rows collectives at decode by their kernel (the Triton interpreter being slow: one layer), every other launch
     by its reference (the one-shots' on gloo)."""
     import v4compile.runtime.program_backend as pb
-    from allreduce_worker import kernel_variant
+    from allreduce_worker import edited, kernel_variant
+    from v4compile.codegen.kernels import moe_router
     from v4compile.codegen.program_kernels import calls_of
+    from v4compile.ops.fused_allreduce import ROWS_FOLDED
     from v4compile.runtime.kernels import kernel_calls_for
 
-    def calls(l, edits=()):
-        if not (l.op.endswith("_rows_oneshot") and l.loc.startswith("layers.1.")
-                and dict(l.operands)["x"].type.shape[1] == 1):  # decode only
+    def calls(l, name, edits=()):
+        if not ((l.op.endswith("_rows_oneshot") or l.op in (ROWS_FOLDED, "moe_router_experts_dp"))
+                and l.loc.startswith("layers.1.") and dict(l.operands)["x"].type.shape[1] == 1):  # decode only
             return None
         out = calls_of(l)
         with open(Path(os.environ["V4_TEST_DIR"]) / f"oneshot-ran-{os.environ['RANK']}.txt", "a") as f:
-            f.write(out[0].name + "\n")  # (the test checks that both kernels ran)
-        if edits and out[0].constexprs["GATHER"]:
+            f.write(f"{name} {out[0].name}\n")  # (the test checks which kernels ran)
+        if edits and out[0].constexprs.get("GATHER"):
             out[0].fn = kernel_variant(edits)[1]
         return out
 
-    modes = {"oneshot": calls, "oneshot_reversed": lambda l: calls(l, REVERSED)}
-    pb.kernel_calls_for = lambda mode, dev: modes[mode] if mode in modes else kernel_calls_for(mode, dev)
+    rows_tiles = moe_router.rows_tiles
+
+    def mode(name):
+        # the folded MoE's leading phase calls moe_router's import of `rows_tiles`: the edited one in the broken
+        # mode (the interpreter looks it up as the kernel runs; the modes' runs come one after another)
+        moe_router.rows_tiles = edited(REVERSED)["rows_tiles"] if name == "oneshot_reversed" else rows_tiles
+        return lambda l: calls(l, name, REVERSED if name == "oneshot_reversed" else ())
+
+    pb.kernel_calls_for = lambda m, dev: mode(m) if m.startswith("oneshot") else kernel_calls_for(m, dev)
 
 
 def generate(art: str, device: str, spec: dict, rank: int) -> dict[str, np.ndarray]:
@@ -95,7 +108,7 @@ def generate(art: str, device: str, spec: dict, rank: int) -> dict[str, np.ndarr
     die_at = 3 if device == "die" else 0
     speculative = device == "spec"
     cache = device != "nocache"
-    kernels = device if device in ("oneshot", "oneshot_reversed") else "reference"
+    kernels = device if device.startswith("oneshot") else "reference"
     # the one-shot runs: two prompts (one a replica), a few tokens (the kernels are interpreted)
     prompts, new = ((spec["prompts"][:2], ONESHOT_NEW) if device.startswith("oneshot")
                     else (spec["prompts"], spec["new"]))

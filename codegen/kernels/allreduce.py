@@ -37,7 +37,8 @@ kernel never hangs.
 The lowering (`passes/oneshot_allreduce.py`) turns a GPU program's `all_reduce` launches into `all_reduce_oneshot`
 launches, this family's op (and data parallelism's rows collectives into `all_gather_rows_oneshot` /
 `reduce_scatter_rows_oneshot`: `rows_kernel`, the same halves on a subset of the tiles, `publish_range` /
-`gather_range`, the slots holding the gathered value);
+`gather_range` in `rows_tiles`, the slots holding the gathered value; `passes/fuse_oneshot_rows.py` folds both into
+the MoE's launch between them, `fold_rows`: the gather as its leading phase, the reduce-scatter as its trailing part);
 `passes/fuse_oneshot_consumer.py` folds those read by a phased launch into it (`ar_*`,
 `ops/fused_allreduce.py`): that launch's first NO programs run the same per-tile body (`oneshot_tiles`, its one home)
 into the launch's scratch (`fold`, which says why no schedule deadlocks); the families that take it
@@ -54,6 +55,8 @@ import triton
 import triton.language as tl
 
 from ...targets import KERNEL_SCHEDULES, ONESHOT_MAX_BYTES
+from ...ir.registry import Layout
+from ...ir.types import TensorType
 from . import KernelCall, TensorArg, call_name, ptr
 from .call import in_kernel_order
 from .pdl import pdl_enter
@@ -205,29 +208,48 @@ def oneshot_call(x: TensorArg, y: TensorArg, group: int, region: Region, names=(
 
 
 @triton.jit
+def scatter_tiles(o, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
+                  GRID: tl.constexpr, SLOTS_AT: tl.constexpr, SLOT_BYTES: tl.constexpr, FLAGS_AT: tl.constexpr,
+                  TILES: tl.constexpr, COUNTS_AT: tl.constexpr, SPIN: tl.constexpr):
+    """A reduce-scatter's second half for the tiles `publish_tiles(o, ...)` published: the rank-order sum of this
+    rank's part only, elements [r P, (r + 1) P) (P = NUMEL / GROUP, r this rank), into y (P elements)."""
+    lo = tl.load(peers_ptr + GROUP) * (NUMEL // GROUP)
+    gather_range(o, y_ptr, lo, lo + NUMEL // GROUP, peers_ptr, NUMEL, GROUP, TILE, GRID, SLOTS_AT, SLOT_BYTES,
+                 FLAGS_AT, TILES, COUNTS_AT, SPIN)
+
+
+@triton.jit
+def rows_tiles(o, x_ptr, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
+               GRID: tl.constexpr, SLOTS_AT: tl.constexpr, SLOT_BYTES: tl.constexpr, FLAGS_AT: tl.constexpr,
+               TILES: tl.constexpr, COUNTS_AT: tl.constexpr, SPIN: tl.constexpr, GATHER: tl.constexpr):
+    """The one-shot all-gather (GATHER) or reduce-scatter of rows for tiles o, o + GRID, ... (both halves back to
+    back): run by program o of `rows_kernel` and (the all-gather) by program o of DP's MoE's leading phase
+    (`fold_rows`). The value has NUMEL elements (the gathered rows), of which rank r's part is elements
+    [r P, (r + 1) P), P = NUMEL / GROUP. All-gather: each rank publishes its part (x: P elements), then copies every
+    tile from its publisher (y: NUMEL). Reduce-scatter: each rank publishes its whole partial (x: NUMEL), then sums
+    its part's tiles in rank order (y: P, `scatter_tiles`): bit for bit `ops/collective`'s `reduce_scatter_rows`
+    (`_rank_sum`, then the rank's chunk)."""
+    if GATHER:
+        lo = tl.load(peers_ptr + GROUP) * (NUMEL // GROUP)
+        publish_range(o, x_ptr, lo, lo + NUMEL // GROUP, peers_ptr, NUMEL, GROUP, TILE, GRID, SLOTS_AT, SLOT_BYTES,
+                      FLAGS_AT, TILES, COUNTS_AT)
+        gather_range(o, y_ptr, 0, NUMEL, peers_ptr, NUMEL, GROUP, TILE, GRID, SLOTS_AT, SLOT_BYTES, FLAGS_AT, TILES,
+                     COUNTS_AT, SPIN, NUMEL // GROUP)
+    else:
+        publish_tiles(o, x_ptr, peers_ptr, NUMEL, GROUP, TILE, GRID, SLOTS_AT, SLOT_BYTES, FLAGS_AT, TILES, COUNTS_AT)
+        scatter_tiles(o, y_ptr, peers_ptr, NUMEL, GROUP, TILE, GRID, SLOTS_AT, SLOT_BYTES, FLAGS_AT, TILES, COUNTS_AT,
+                      SPIN)
+
+
+@triton.jit
 def rows_kernel(x_ptr, y_ptr, peers_ptr, NUMEL: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
                 GRID: tl.constexpr, SLOTS_AT: tl.constexpr, SLOT_BYTES: tl.constexpr, FLAGS_AT: tl.constexpr,
                 TILES: tl.constexpr, COUNTS_AT: tl.constexpr, SPIN: tl.constexpr, GATHER: tl.constexpr,
                 PDL: tl.constexpr = False):
-    """The one-shot all-gather (GATHER) or reduce-scatter of rows over the group: the protocol on a value of NUMEL
-    elements (the gathered rows), of which rank r's part is elements [r P, (r + 1) P), P = NUMEL / GROUP. All-gather:
-    each rank publishes its part (x: P elements), then copies every tile from its publisher (y: NUMEL). Reduce-
-    scatter: each rank publishes its whole partial (x: NUMEL), then sums its part's tiles in rank order (y: P):
-    bit for bit `ops/collective`'s `reduce_scatter_rows` (`_rank_sum`, then the rank's chunk)."""
+    """The one-shot all-gather (GATHER) or reduce-scatter of rows over the group (`rows_tiles`)."""
     pdl_enter(PDL)
-    o = tl.program_id(0)
-    lo = tl.load(peers_ptr + GROUP) * (NUMEL // GROUP)
-    hi = lo + NUMEL // GROUP
-    if GATHER:
-        publish_range(o, x_ptr, lo, hi, peers_ptr, NUMEL, GROUP, TILE, GRID, SLOTS_AT, SLOT_BYTES, FLAGS_AT, TILES,
-                      COUNTS_AT)
-        gather_range(o, y_ptr, 0, NUMEL, peers_ptr, NUMEL, GROUP, TILE, GRID, SLOTS_AT, SLOT_BYTES, FLAGS_AT, TILES,
-                     COUNTS_AT, SPIN, NUMEL // GROUP)
-    else:
-        publish_range(o, x_ptr, 0, NUMEL, peers_ptr, NUMEL, GROUP, TILE, GRID, SLOTS_AT, SLOT_BYTES, FLAGS_AT, TILES,
-                      COUNTS_AT)
-        gather_range(o, y_ptr, lo, hi, peers_ptr, NUMEL, GROUP, TILE, GRID, SLOTS_AT, SLOT_BYTES, FLAGS_AT, TILES,
-                     COUNTS_AT, SPIN)
+    rows_tiles(tl.program_id(0), x_ptr, y_ptr, peers_ptr, NUMEL, GROUP, TILE, GRID, SLOTS_AT, SLOT_BYTES, FLAGS_AT,
+               TILES, COUNTS_AT, SPIN, GATHER)
 
 
 def rows_call(op: str, x: TensorArg, y: TensorArg, group: int, region: Region, spin: int = SPIN,
@@ -272,8 +294,12 @@ UNFOLDED = {"ar_x_ptr": None, "peers_ptr": None, **{n: 1 for n in FOLDED_CONSTEX
 # of each half)
 TRAILING_CONSTEXPRS = {n: "TR_" + n for n in FOLDED_CONSTEXPRS if n != "GRID"}
 TRAILING_CONSTEXPRS["GRID"] = "NP"
-# a producer's kernel with nothing folded (NP = 0: the halves' branches are compiled out)
-UNTRAILED = {**{n: 1 for n in TRAILING_CONSTEXPRS.values()}, "TR_TILE": TILE, "NP": 0}
+# a producer's kernel with nothing folded (NP = 0: the halves' branches are compiled out; TR_SCATTER: the trailing
+# part a reduce-scatter into `tr_y_ptr`, `fold_rows`)
+UNTRAILED = {**{n: 1 for n in TRAILING_CONSTEXPRS.values()}, "TR_TILE": TILE, "NP": 0, "TR_SCATTER": False,
+             "tr_y_ptr": None}
+# a consumer's leading phase an all-reduce, or (AR_GATHER, `fold_rows`) an all-gather
+UNGATHERED = {"AR_GATHER": False}
 
 
 def spin_of(constexprs: dict) -> int:
@@ -309,6 +335,38 @@ def fold_trailing(call: KernelCall, y: TensorArg, group: int, region_bytes: int,
     ce.update({TRAILING_CONSTEXPRS[n]: v for n, v in single.constexprs.items() if n in TRAILING_CONSTEXPRS})
     ce.update(constexprs)
     return _joined(call, single, TRAILING_CONSTEXPRS, ce, list(call.pointers), "_rd", group, 2 * ce["NP"] + programs)
+
+
+def fold_rows(call: KernelCall, x: TensorArg, y: TensorArg, group: int, region_bytes: int, programs: int,
+              constexprs: dict) -> KernelCall:
+    """`call` (data parallelism's MoE launch, which reads every rank's tokens as scratch and writes its routed
+    partial sum of them, every rank's rows, to scratch) with the one-shot all-gather of `x` (this rank's tokens,
+    which the kernel also reads through its own pointer) folded in as its leading phase and the reduce-scatter of
+    the partial into `y` (this rank's rows) as its trailing part: tickets [0, NO) run `rows_tiles` (GATHER) into
+    the gathered scratch, as `fold`'s run `oneshot_tiles` (AR_GATHER), and the trailing
+    part is `fold_trailing`'s, its gatherers summing this rank's part alone (`scatter_tiles`, TR_SCATTER) into `y`
+    through `tr_y_ptr`. The family's kernel places the phases (`moe_router.moe_fused_kernel`: every program that
+    reads the gathered tokens waits for the NO first); this sets the protocol's constexprs, the peer table, `y` and
+    the grid (`programs`, `constexprs`: as `fold_trailing`'s).
+
+    Why no schedule deadlocks: `fold`'s argument for the leading phase (NO <= GRID_MAX ticket-holders resident on
+    every rank, each waiting only for the same ticket's program on its peers) and `fold_trailing`'s for the
+    trailing part. The slots: the two collectives are the two of `rows_call` in one launch, in order on every rank
+    (the trailing publishers wait for the combined partial, which waited for the router, which waited for the
+    gathered tokens), each publishing every tile of its value: its docstring's argument holds."""
+    region = Region(group, region_bytes)
+    whole = [TensorArg(TensorType((a.shape[0] * group, *a.shape[1:]), a.dtype),
+                       Layout.contiguous((a.shape[0] * group, *a.shape[1:])).strides) for a in (x, y)]
+    gather = rows_call("all_gather_rows", x, whole[0], group, region)  # (its poll bound and grid: the one-shot's)
+    scatter = rows_call("reduce_scatter_rows", whole[1], y, group, region)
+    ce = {n: v for n, v in call.constexprs.items() if n not in ("peers_ptr", "tr_y_ptr")}
+    ce.update({FOLDED_CONSTEXPRS[n]: v for n, v in gather.constexprs.items() if n in FOLDED_CONSTEXPRS})
+    ce.update({TRAILING_CONSTEXPRS[n]: v for n, v in scatter.constexprs.items() if n in TRAILING_CONSTEXPRS})
+    ce.update(constexprs, AR_GATHER=True, TR_SCATTER=True)
+    led = _joined(call, gather, FOLDED_CONSTEXPRS, {**ce, "tr_y_ptr": None}, list(call.pointers), "_ag", group,
+                  ce["NO"])
+    return _joined(led, scatter, TRAILING_CONSTEXPRS, ce, [*led.pointers, ptr("tr_y_ptr", "result", "partial", y)],
+                   "_rs", group, 2 * ce["NP"] + programs)
 
 
 def _joined(call: KernelCall, single: KernelCall, names: dict[str, str], ce: dict, pointers: list, suffix: str,

@@ -6,6 +6,9 @@ combine run in one launch. Its programs are, in the order they start (`phases.ti
   tickets [0, NO)            (`ar_mhc_moe_ep`) the one-shot all-reduce of the attention's partial output
                              (`allreduce.oneshot_tiles`, across the ranks) into scratch, the seam before's input;
                              each publishes; every seam-before program waits for all NO (`allreduce.fold`);
+                             or (`ag_moe_router_experts_dp_rs`, AR_GATHER) the one-shot all-gather of every rank's
+                             tokens (`allreduce.rows_tiles`) into the router's x, scratch, every router program
+                             waiting for all NO (`allreduce.fold_rows`);
   then NA                    (`mhc_moe_mhc`) the seam before the MoE (`mhc.mhc_rows`, one per BT tokens: the
                              attention output's hc_post into the streams, hc_pre, ffn_norm) -> the MoE's
                              input x and the streams / post / comb the seam after reads, all scratch; each
@@ -38,7 +41,9 @@ combine run in one launch. Its programs are, in the order they start (`phases.ti
   then SD = ND               the shared expert's down GEMM per D tile into its own output (`_combine_column`,
                              ROUTED False), after the ST tiles;
   then NP                    after the NP publishers: the peers' flags waited for and the partials summed in
-                             rank order into y (`allreduce.gather_tiles`, in place);
+                             rank order into y (`allreduce.gather_tiles`, in place; with DP's reduce-scatter folded
+                             in, `ag_moe_router_experts_dp_rs`, TR_SCATTER: this rank's rows alone, from the
+                             partial in scratch into `tr_y_ptr`, `allreduce.scatter_tiles`);
   then NH                    (`moe_mhc_post_pre`, `mhc_moe_mhc`) the seam after the MoE, one per BT tokens,
                              once every D tile is combined.
 A program waits only for programs that took earlier tickets (see `phases`; a folded all-reduce's programs also
@@ -69,9 +74,10 @@ from . import mhc, moe, router
 from .arrival import last_to_arrive
 from .mhc import _given, mhc_rows
 from .moe import _combine_column, _down, _group_block, _or, _up
-from .allreduce import (UNFOLDED, UNTRAILED, fold_trailing, folded, gather_tiles, oneshot_in_place, oneshot_tiles,
-                        publish_tiles)
+from .allreduce import (UNFOLDED, UNGATHERED, UNTRAILED, fold_rows, fold_trailing, folded, gather_tiles,
+                        oneshot_in_place, oneshot_tiles, publish_tiles, rows_call, rows_tiles, scatter_tiles)
 from .pdl import pdl_enter
+from .peers import Region
 from .phases import publish, ticket, wait_for
 from .router import route_rows
 
@@ -259,15 +265,17 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                      TR_NUMEL: tl.constexpr, TR_GROUP: tl.constexpr, TR_TILE: tl.constexpr,
                      TR_SLOTS_AT: tl.constexpr, TR_SLOT_BYTES: tl.constexpr, TR_FLAGS_AT: tl.constexpr,
                      TR_TILES: tl.constexpr, TR_COUNTS_AT: tl.constexpr, TR_SPIN: tl.constexpr, NP: tl.constexpr,
-                     ST0: tl.constexpr, SD: tl.constexpr,
+                     ST0: tl.constexpr, SD: tl.constexpr, tr_y_ptr, TR_SCATTER: tl.constexpr, AR_GATHER: tl.constexpr,
                      PDL: tl.constexpr = False, CALLS: tl.constexpr = True):
     """Programs by ticket: NO of the one-shot all-reduce of the attention's partial output into a_y_ptr
-    (`ar_mhc_moe_ep`, `allreduce.fold`; else none), NA token blocks of the seam before the MoE (`mhc_moe_mhc`;
+    (`ar_mhc_moe_ep`, `allreduce.fold`; AR_GATHER: the all-gather of xs_ptr's tokens into x_ptr, `allreduce.fold_rows`;
+    else none), NA token blocks of the seam before the MoE (`mhc_moe_mhc`;
     copying its inputs where its weights are null, `moe_mhc_post_pre`; else none), NR router row blocks, ST0
     shared gate / up tiles (ST, or 0 with the MoE's all-reduce folded in),
     E x RT routed (expert, I tile) gate / up, E x ND routed (expert, D tile) down (the last down program of a
     D tile combines it), with the MoE's all-reduce folded in (`allreduce.fold_trailing`: NP > 0) NP publishers,
-    the ST shared gate / up tiles, SD shared down tiles and NP gatherers, then NH token blocks of the seam after
+    the ST shared gate / up tiles, SD shared down tiles and NP gatherers (TR_SCATTER: a reduce-scatter's, into
+    tr_y_ptr, `allreduce.fold_rows`), then NH token blocks of the seam after
     the MoE (`moe_mhc_post_pre`, `mhc_moe_mhc`; none for `moe_router_experts_shared`)."""
     pdl_enter(PDL)
     x_ptr = _carve(x_ptr, scr_ptr, x_ptr_AT, x_ptr_DT)
@@ -285,9 +293,13 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
     t = ticket(phase_ptr + TICKET) - NA - NO
     v = tl.where(t >= NR + NG, t - NG, t)  # the phases after the grouping numbered as if it were not there
     if v < -NA:
-        if NO > 0:  # the all-reduce the seam before reads (`allreduce.fold`: the one-shot's programs)
-            oneshot_tiles(v + NA + NO, ar_x_ptr, a_y_ptr, peers_ptr, AR_NUMEL, AR_GROUP, AR_TILE, NO, AR_SLOTS_AT,
-                          AR_SLOT_BYTES, AR_FLAGS_AT, AR_TILES, AR_COUNTS_AT, AR_SPIN)
+        if NO > 0:
+            if AR_GATHER:  # every rank's tokens, the router's and the routed experts' (`allreduce.fold_rows`)
+                rows_tiles(v + NA + NO, xs_ptr, x_ptr, peers_ptr, AR_NUMEL, AR_GROUP, AR_TILE, NO, AR_SLOTS_AT,
+                           AR_SLOT_BYTES, AR_FLAGS_AT, AR_TILES, AR_COUNTS_AT, AR_SPIN, True)
+            else:  # the all-reduce the seam before reads (`allreduce.fold`: the one-shot's programs)
+                oneshot_tiles(v + NA + NO, ar_x_ptr, a_y_ptr, peers_ptr, AR_NUMEL, AR_GROUP, AR_TILE, NO, AR_SLOTS_AT,
+                              AR_SLOT_BYTES, AR_FLAGS_AT, AR_TILES, AR_COUNTS_AT, AR_SPIN)
             publish(phase_ptr + REDUCED)
     elif v < 0:
         if NA > 0:  # the seam before: x, and the streams / post / comb the seam after reads, into scratch
@@ -305,6 +317,8 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
     elif v < NR:
         if NA > 0:
             wait_for(phase_ptr + SEAM_IN, NA)  # every token's x
+        elif NO > 0:
+            wait_for(phase_ptr + REDUCED, NO)  # every rank's tokens gathered (the routed programs follow the router)
         if CALLS:  # sm_90a: a call, its registers allocated apart (kernels/flags.py: CALLS_PARAM)
             _route_phase(v, x_ptr, r_w_ptr, r_b_ptr, r_t_ptr, r_ids_ptr, r_wo_ptr, idx_ptr, r_o_ptr, R_R, R_D, R_E, R_KSEL,
                          R_X_RS, R_W_RS, R_T_RS, R_I_S, R_WO_RS, R_IO_RS, R_ROUTE_SCALE, R_DENOM_EPS, R_SUM_IN_DT, R_BR,
@@ -378,8 +392,12 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
     elif v < NR + E * RT + E * ND + 2 * NP + ST + SD:
         if NP > 0:  # the peers' partials, waited for and summed in rank order into the result (the second half)
             wait_for(phase_ptr + PUBLISHED, NP)
-            gather_tiles(v - NR - E * RT - E * ND - NP - ST - SD, out_ptr, peers_ptr, TR_NUMEL, TR_GROUP, TR_TILE, NP,
-                         TR_SLOTS_AT, TR_SLOT_BYTES, TR_FLAGS_AT, TR_TILES, TR_COUNTS_AT, TR_SPIN)
+            if TR_SCATTER:  # this rank's rows alone, into the result (`allreduce.fold_rows`)
+                scatter_tiles(v - NR - E * RT - E * ND - NP - ST - SD, tr_y_ptr, peers_ptr, TR_NUMEL, TR_GROUP, TR_TILE,
+                              NP, TR_SLOTS_AT, TR_SLOT_BYTES, TR_FLAGS_AT, TR_TILES, TR_COUNTS_AT, TR_SPIN)
+            else:
+                gather_tiles(v - NR - E * RT - E * ND - NP - ST - SD, out_ptr, peers_ptr, TR_NUMEL, TR_GROUP, TR_TILE,
+                             NP, TR_SLOTS_AT, TR_SLOT_BYTES, TR_FLAGS_AT, TR_TILES, TR_COUNTS_AT, TR_SPIN)
     else:
         wait_for(phase_ptr + COMBINED, ND)  # every D tile of the MoE's output is in y
         mhc_rows(v - NR - ST - E * RT - E * ND - SD - 2 * NP, out_ptr, None, m_s_ptr, m_post_ptr, m_comb_ptr, m_fn_ptr,
@@ -460,6 +478,8 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
         return folded(op_name, operands, results, attrs, specialise, "a_y_ptr")
     if op_name in ("mhc_moe_ep_ar", "moe_router_experts_ep_ar"):  # the MoE's all-reduce a trailing part
         return _produced(op_name, operands, results, attrs)
+    if op_name == "ag_moe_router_experts_dp_rs":  # DP: the all-gather its leading phase, the reduce-scatter trailing
+        return _rows_folded(op_name, operands, results, attrs)
     if op_name in ("moe_router_experts_ep", "mhc_moe_ep", "moe_router_experts_dp"):
         return _expert_parallel(op_name, operands, results, attrs)
     if op_name not in ("moe_router_experts_shared", "moe_mhc_post_pre"):
@@ -537,11 +557,13 @@ EP_FRONT_RENAMED = {("result", "y_next"): ("scratch", "seam_x"),
 DP_NAMES = {"x": "xg", "xs": "x"}
 
 
-def _expert_parallel(op_name, operands, results, attrs) -> list[KernelCall]:
+def _expert_parallel(op_name, operands, results, attrs, renamed: dict | None = None,
+                     scratch: dict[str, int] | None = None) -> list[KernelCall]:
     """`moe_router_experts_ep` (and `mhc_moe_ep`, the seam before it as the first phase; `moe_router_experts_dp`,
     the shared expert's gate / up reading the rank's own tokens `xs_ptr` and the combine its first C_SM rows): the single-rank
     calls with the rank's owner table masking the routing in the router phase (`route_rows`' o_ptr) and the
-    combine writing the routed partial sum and the shared expert's output apart (`_combine`'s sy_ptr)."""
+    combine writing the routed partial sum and the shared expert's output apart (`_combine`'s sy_ptr). `renamed`,
+    `scratch`: more of the calls' values as scratch (`_rows_folded`), by the single-rank calls' names."""
     from ...ir.registry import get_op
     from ...ops.fused import MHC_ATTRS
 
@@ -567,8 +589,8 @@ def _expert_parallel(op_name, operands, results, attrs) -> list[KernelCall]:
         raise ValueError("moe_router_experts_ep: the partial sum and the shared output must share their layout")
     owner = operands.pop("owner")  # (attrs keep `ep`: the moe calls' cost model, 1 / ep of the slots land here)
     calls = _specialise("moe_router_experts_shared", operands, {"y": partial}, attrs, front,
-                        renamed={("result", "y"): ("result", "partial")}, inner_x=front is not None,
-                        fuse_grouped=op_name == "moe_router_experts_dp")
+                        renamed={("result", "y"): ("result", "partial"), **(renamed or {})}, inner_x=front is not None,
+                        fuse_grouped=op_name == "moe_router_experts_dp", scratch=scratch)
     for c in calls:
         if op_name == "moe_router_experts_dp":  # back to the op's names: the routed tokens are xg, the shared x
             c.pointers = [(p, kind, DP_NAMES.get(name, name) if kind == "operand" else name, ty)
@@ -605,11 +627,49 @@ def _produced(op_name, operands, results, attrs) -> list[KernelCall]:
     return [*calls, oneshot_in_place(partial, "partial", group, region_bytes)]
 
 
+def _rows_folded(op_name, operands, results, attrs) -> list[KernelCall]:
+    """`ag_moe_router_experts_dp_rs` (`ops/fused_allreduce.py`: DP's MoE with the all-gather of its tokens and the
+    reduce-scatter of its routed partial folded in): `moe_router_experts_dp`'s one launch on every rank's tokens and
+    partial as scratch (`ag_xg`, `rs_partial`), the all-gather its leading phase and the reduce-scatter into
+    `partial` (this rank's rows) its trailing part (`allreduce.fold_rows`: the shared expert between the
+    reduce-scatter's publish and wait, as `_produced`'s). A grouped launch (a prefill chunk's) keeps its calls, the
+    one-shot all-gather a call before them and the reduce-scatter one after them."""
+    from ...ops.fused_allreduce import AR_ATTRS
+    from .allreduce import _contiguous
+
+    x, partial = operands["x"], results["partial"]
+    _contiguous(op_name, "x", x)
+    _contiguous(op_name, "partial", partial)
+    group, region_bytes = int(attrs["group"]), int(attrs["region_bytes"])
+    xg, whole = (TensorArg(TensorType((a.shape[0] * group, *a.shape[1:]), a.dtype),
+                           Layout.contiguous((a.shape[0] * group, *a.shape[1:])).strides) for a in (x, partial))
+    calls = _expert_parallel("moe_router_experts_dp", {**operands, "xg": xg}, {**results, "partial": whole},
+                             {n: v for n, v in attrs.items() if n not in AR_ATTRS},
+                             renamed={("operand", "x"): ("scratch", "ag_xg"),
+                                      ("result", "y"): ("scratch", "rs_partial")},
+                             scratch={"ag_xg": xg.type.nbytes, "rs_partial": whole.type.nbytes})
+    if len(calls) == 1 and calls[0].fn is moe_fused_kernel and calls[0].constexprs["NH"] == 0:
+        nd = calls[0].constexprs["ND"]
+        return [fold_rows(calls[0], x, partial, group, region_bytes, nd, {"ST0": 0, "SD": nd})]
+    region = Region(group, region_bytes)
+    gather = rows_call("all_gather_rows", x, xg, group, region)
+    scatter = rows_call("reduce_scatter_rows", whole, partial, group, region)
+    gather.pointers = [(p, "scratch", "ag_xg", ty) if kind == "result" else (p, kind, n, ty)
+                       for p, kind, n, ty in gather.pointers]
+    scatter.pointers = [(p, "scratch", "rs_partial", ty) if kind == "operand" else (p, kind, "partial", ty)
+                        if kind == "result" else (p, kind, n, ty) for p, kind, n, ty in scatter.pointers]
+    gather.scratch_bytes["ag_xg"] = xg.type.nbytes
+    scatter.scratch_bytes["rs_partial"] = whole.type.nbytes
+    return [gather, *calls, scatter]
+
+
 def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg], attrs: dict,
                 front: KernelCall | None = None, renamed: dict | None = None,
-                inner_x: bool = False, fuse_grouped: bool = False, copied: bool = False) -> list[KernelCall]:
+                inner_x: bool = False, fuse_grouped: bool = False, copied: bool = False,
+                scratch: dict[str, int] | None = None) -> list[KernelCall]:
     """`front`: the seam before the MoE's call (`mhc_moe_mhc`); its scratch is the MoE's x and the seam
-    after's streams / post / comb (INNER_RENAMED). `copied`: its programs copy its inputs there instead."""
+    after's streams / post / comb (INNER_RENAMED). `copied`: its programs copy its inputs there instead.
+    `scratch`: the bytes of the values `renamed` makes scratch."""
     from ...ops.fused import MHC_ATTRS, ROUTER_ATTRS
 
     x = operands["x"]
@@ -622,7 +682,8 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
     it = TensorType((*lead, k), "i64")
     strides = Layout.contiguous(wt.shape).strides  # the routing as dense scratch
     wa, ia = TensorArg(wt, strides), TensorArg(it, strides)
-    extra = {"route_weights": wt.nbytes, "route_indices": it.nbytes, **(front.scratch_bytes if front else {})}
+    extra = {"route_weights": wt.nbytes, "route_indices": it.nbytes, **(front.scratch_bytes if front else {}),
+             **(scratch or {})}
     seam = op_name == "moe_mhc_post_pre"
     m_results = results
     if seam:  # the MoE's output as dense scratch, read back by the seam
@@ -670,8 +731,8 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
                if n not in flags and n not in SHARED_CONSTEXPRS})
     hce = {n: v for n, v in hcalls[0].constexprs.items() if n != "y2_ptr"} if seam else NO_SEAM
     ce.update({SEAM_PARAMS.get(n, "H_" + n): v for n, v in hce.items() if n not in flags})
-    ce.update(UNFOLDED)  # (`ar_mhc_moe_ep`: `allreduce.fold` sets them)
-    ce.update(UNTRAILED)  # (`mhc_moe_ep_ar`: `allreduce.fold_trailing` sets them, and ST0 / SD)
+    ce.update(UNFOLDED, **UNGATHERED)  # (`ar_mhc_moe_ep`: `allreduce.fold` sets them; DP's `fold_rows` too)
+    ce.update(UNTRAILED)  # (`mhc_moe_ep_ar`: `allreduce.fold_trailing` sets them, and ST0 / SD; DP's `fold_rows` too)
     if front:  # (its pointers are the a_* params and the MoE's own, below)
         ce.update({"A_" + n: v for n, v in front.constexprs.items() if n not in flags and n != "y2_ptr"},
                   NA=front.grid[0])

@@ -254,7 +254,8 @@ def test_every_wait_follows_its_producers_publish():
     kernel's source is checked: each producer publishes after its work, each consumer waits before its own
     (a folded all-reduce -> the seam before; router -> routed up; routed up -> its expert's down programs; shared
     up -> the combining program; with the MoE's all-reduce folded in: the combined D tiles -> the publishers -> the
-    gatherers, the shared gate / up and down between them); the last program to finish counts every phase's; the
+    gatherers, the shared gate / up and down between them; DP's folded all-gather -> the router, its reduce-scatter's
+    gatherers where the all-reduce's are); the last program to finish counts every phase's; the
     phases sit in the kernel (the ticket order) as the deadlock-freedom argument needs (`allreduce.fold_trailing`:
     no program waits for a later ticket on its rank)."""
     import inspect
@@ -262,6 +263,9 @@ def test_every_wait_follows_its_producers_publish():
     at = src.index
     assert at("oneshot_tiles(v + NA + NO, ar_x_ptr, a_y_ptr") < at("publish(phase_ptr + REDUCED)") \
         < at("wait_for(phase_ptr + REDUCED, NO)") < at("mhc_rows(v + NA, a_y_ptr")
+    # DP (`allreduce.fold_rows`): every rank's tokens gathered into the router's x, then the router reads them
+    assert at("rows_tiles(v + NA + NO, xs_ptr, x_ptr") < at("publish(phase_ptr + REDUCED)") \
+        < at("elif NO > 0:\n            wait_for(phase_ptr + REDUCED, NO)") < at("_route_phase(v,")
     assert at("last_to_arrive(phase_ptr + FINISHED, NO + NA + NR + NG + ST + E * RT + E * ND + 2 * NP + SD + NH)")
     assert at("_route_phase(v,") < at("publish(phase_ptr + ROUTED)") < at("wait_for(phase_ptr + ROUTED, NR)") \
         < at("_up(w // RT")
@@ -274,7 +278,8 @@ def test_every_wait_follows_its_producers_publish():
         < at("wait_for(phase_ptr + COMBINED, ND)\n            publish_tiles(") < at("publish(phase_ptr + PUBLISHED)") \
         < at("_up(v * 0, v - NR - E * RT - E * ND - NP") < src.rindex("publish(phase_ptr + SHARED_UP)") \
         < src.rindex("wait_for(phase_ptr + SHARED_UP, ST)") < at("CDT, BM, D_BN, C_BK, C_BKS, False)") \
-        < at("wait_for(phase_ptr + PUBLISHED, NP)") < at("gather_tiles(") < at("mhc_rows(v - NR")
+        < at("wait_for(phase_ptr + PUBLISHED, NP)") < at("scatter_tiles(") < at("gather_tiles(") \
+        < at("mhc_rows(v - NR")
     assert at("_down(e, n_tile,") < at("last_to_arrive(phase_ptr + COUNTERS + n_tile, E)") < at("_combine_column(n_tile,")
     assert at("_combine_column(n_tile,") < at("publish(phase_ptr + COMBINED)") < at("wait_for(phase_ptr + COMBINED, ND)") \
         < at("mhc_rows(v - NR")

@@ -260,17 +260,19 @@ def test_v4_pro_tp8_folds_its_all_reduces_into_their_consumers(v4_pro_8):
     kernel calls (each layer's qkv_norm_rope and compressor one launch too, `pair_rope_compress`), 56 unfolded.
     The whole V4-Pro (`compile --preset v4-pro --weights none --tp 8 --ep 8 --report --decode-batch 8
     --max-context 4096`): 286 kernel calls, 287 with the consumer fold alone, 407 unfolded. DP8/EP8 has no
-    all-reduce: its MoE input's all-gather and output's reduce-scatter are one-shot launches of their own (7 each;
-    the hash router's token ids' gather stays on the communicator), not yet folded into the MoE's launch: 63
-    launches, 62 kernel calls (48 with them on the communicator: `--allreduce nccl`)."""
+    all-reduce: its MoE input's one-shot all-gather and output's reduce-scatter are the leading phase and the trailing
+    part of the MoE's launch (`fuse_oneshot_rows`, 7 of 7: `ag_moe_router_experts_dp_rs`; the hash router's token ids'
+    gather stays on the communicator): 49 launches, 48 kernel calls (63 and 62 with the one-shots launches of their
+    own, 48 with them on the communicator: `--allreduce nccl`). The whole V4-Pro DP8/EP8: 346 launches, 345 kernel
+    calls (468 and 467 unfolded)."""
     layout, prog, pk = v4_pro_8
     ops = [l.op for l in prog.functions["decode"].launches]
     calls = sum(len(c) for c in pk.calls["decode"])
     if "dp" in layout:
         assert not [o for o in ops if o.startswith("ar_")] and "all_reduce_oneshot" not in ops
         assert [ops.count(o) for o in ("all_gather_rows_oneshot", "reduce_scatter_rows_oneshot", "all_gather_rows",
-                                       "reduce_scatter_rows")] == [7, 7, 1, 0]
-        assert (len(ops), calls) == (63, 62)
+                                       "reduce_scatter_rows", "ag_moe_router_experts_dp_rs")] == [0, 0, 1, 0, 7]
+        assert (len(ops), calls) == (49, 48)
         return
     assert (ops.count("all_reduce_oneshot"), sum(o.startswith("ar_") for o in ops)) == (1, 6)
     assert sum(o.endswith("_ar") for o in ops) == 7 and "ar_mhc_add_pair_norm_linear" not in ops

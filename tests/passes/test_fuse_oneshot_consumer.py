@@ -1,12 +1,16 @@
-"""`fuse_oneshot_consumer` and `fuse_oneshot_producer`: the one-shot all-reduces folded into their consumers' and
-producers' launches (tiny-pro, tp 2 ep 2, the gpu pipeline down to the program stage). Every layer's MoE all-reduce
-folds into its MoE's launch (`<moe>_ar`), every layer's but layer 0's wo_b all-reduce (read by `hc_post`) into the
-next MoE's (`ar_mhc_moe_ep_ar`), one launch fewer each; a decode step of every rank (the IR interpreter, each rank
-simulated: the folded ops' references across ranks) gives the unfolded module's logits to the bit, and a fold that
-loses the sum is caught. Under `--allreduce nccl` neither finds anything; a grouped MoE (a prefill chunk's) takes
-the one-shots as calls of their own, before and after its calls.
-The kernels' side (the leading phase run by the C runtime across two processes): tests/runtime/
-test_parallel_artifact.py::test_oneshot_allreduce_on_the_host_device."""
+"""`fuse_oneshot_consumer`, `fuse_oneshot_producer` and `fuse_oneshot_rows`: the one-shot all-reduces folded into their
+consumers' and producers' launches (tiny-pro, tp 2 ep 2, the gpu pipeline down to the program stage). Every layer's
+MoE all-reduce folds into its MoE's launch (`<moe>_ar`), every layer's but layer 0's wo_b all-reduce (read by
+`hc_post`) into the next MoE's (`ar_mhc_moe_ep_ar`), one launch fewer each; a decode step of every rank (the IR
+interpreter, each rank simulated: the folded ops' references across ranks) gives the unfolded module's logits to the
+bit, and a fold that loses the sum is caught. Under `--allreduce nccl` neither finds anything; a grouped MoE (a
+prefill chunk's) takes the one-shots as calls of their own, before and after its calls. Data parallel (dp 2 ep 2):
+every layer's MoE takes its all-gather and reduce-scatter (`ag_moe_router_experts_dp_rs`), two launches fewer each,
+the logits to the bit, a fold whose gather reverses the ranks caught.
+The kernels' side (the leading phase run by the C runtime across two processes):
+tests/runtime/test_parallel_artifact.py::test_oneshot_allreduce_on_the_host_device, test_dp_artifact.py (the DP
+fold)."""
+
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import pytest
 import torch
 
 from test_partition import OPTS, partitioned
-from test_rank_fusions import NAME, NUMERICS, PROGRAM_STAGE, logits_of
+from test_rank_fusions import NAME, NUMERICS, PROGRAM_STAGE, folded_logits, logits_of, through_the_pipeline
 from v4compile.cli.report import launch_counts
 from v4compile.config import preset
 from v4compile.passes import GPU_PIPELINE, PassManager, PipelineOptions
@@ -52,6 +56,29 @@ def test_the_fold_fires_where_it_may_and_is_exact(monkeypatch):
     # a fold whose reference loses the sum (each rank's own partial): caught
     monkeypatch.setattr(fused_allreduce, "_rank_sum", lambda per_rank, ranks: per_rank[ranks[0]][0].clone())
     assert not torch.equal(logits_of("tp2ep2", folded.module), want)
+
+
+def test_dp_rows_collectives_fold_into_their_moe_exactly(monkeypatch):
+    from types import SimpleNamespace
+
+    from v4compile.ops import fused_allreduce
+    from v4compile.passes import fuse_oneshot_rows
+
+    cfg = preset(NAME)
+    folded = through_the_pipeline("dp2ep2")
+    ops = [op.name for op in folded.functions["decode"].ops]
+    assert ops.count(fused_allreduce.ROWS_FOLDED) == cfg.n_layers and not [o for o in ops if o.endswith("_oneshot")]
+    with monkeypatch.context() as mp:
+        mp.setattr(fuse_oneshot_rows, "DP_MOE", "none")
+        apart = through_the_pipeline("dp2ep2")
+    calls, calls_apart = (launch_counts(cfg, m.functions["decode"])["per_layer"] for m in (folded, apart))
+    assert sum(calls_apart.values()) - sum(calls.values()) == 2 * cfg.n_layers, (calls, calls_apart)
+    assert torch.equal(folded_logits("dp2ep2"), logits_of("dp2ep2", apart))
+    # a fold whose reference gathers the ranks' tokens in reverse order: caught
+    gather = fused_allreduce.all_gather_rows
+    monkeypatch.setattr(fused_allreduce, "all_gather_rows", SimpleNamespace(
+        _infer=gather._infer, _cost=gather._cost, spmd_ref=lambda per_rank, a: gather.spmd_ref(per_rank[::-1], a)))
+    assert not torch.equal(logits_of("dp2ep2", folded), folded_logits("dp2ep2"))
 
 
 def test_nothing_to_fold_on_the_communicator():

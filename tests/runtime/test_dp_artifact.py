@@ -5,7 +5,8 @@ One launch for both devices and the speculative run (the process start-up is mos
 hf numerics (official numerics: tests/passes/test_partition_dp.py, every rank in one process), fp32, the cpu device (ONNX segments,
 gloo between them) and then the host device (the sm_90a program with placeholder kernels in the C runtime,
 the ops' reference kernels, its collective launches handed back to Python and run on gloo; then again with
-layer 1's one-shot rows collectives run by their kernel, and by a broken one). Five ragged
+layer 1's MoE, its one-shot rows collectives folded in, run by its kernel, and by a broken one, against the
+program compiled with `--allreduce nccl` whose layer 1's MoE runs the same kernel). Five ragged
 prompts over two replicas of one decode bucket of 2: more sequences than a replica holds, so the fifth waits,
 and once the first four end it runs alone on its replica while the other replica runs padding steps. Greedy
 ids over 32 new tokens equal the single-process run's on every rank and device; every logits row a
@@ -65,6 +66,14 @@ def spec_art(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def nccl_art(tmp_path_factory):
+    """The dp 2 / ep 2 artifact's GPU program with its rows collectives on the communicator (`--allreduce nccl`):
+    nothing one-shot, nothing folded into the MoE's launch."""
+    return _compile(tmp_path_factory.mktemp("dp-nccl") / "dp2", ("--dp", "2", "--ep", "2", "--allreduce", "nccl"),
+                    targets="sm_90a")
+
+
+@pytest.fixture(scope="module")
 def reference(arts):
     """The single-process run of the unpartitioned artifact (cpu) with the prefix cache off: ids, and each
     request's logits rows."""
@@ -87,9 +96,9 @@ def reference(arts):
 
 
 def _ranks(tmp: Path, art: Path, devices: str, env: dict | None = None, timeout_s: float = 400, world: int = 2,
-           spec: Path | None = None):
+           spec: Path | None = None, nccl: Path | None = None):
     (tmp / "prompts.json").write_text(json.dumps({"prompts": PROMPTS, "new": NEW, "draft_tokens": DRAFT,
-                                                  "spec_art": str(spec)}))
+                                                  "spec_art": str(spec), "nccl_art": str(nccl)}))
     return launch([sys.executable, str(WORKER), str(tmp), str(tmp / "prompts.json"), str(art)], world,
                   timeout_s=timeout_s, env={"V4_TEST_DEVICES": devices, **(env or {})})
 
@@ -112,12 +121,12 @@ def check_against_reference(tmp: Path, device: str, reference, world: int = 2) -
 
 
 @pytest.fixture(scope="module")
-def dp_run(arts, spec_art, tmp_path_factory):
+def dp_run(arts, spec_art, nccl_art, tmp_path_factory):
     """Both devices, then the run in which rank 1 dies, in one launch of the two ranks (the start-up is most of
     a rank's time): the directory of their files, each rank's (exit code, stderr) and the launch's end."""
     tmp = tmp_path_factory.mktemp("dp-run")
     runs = _ranks(tmp, arts[0], "cpu,host,oneshot_off,oneshot,oneshot_reversed,spec,nocache,die",
-                  env={"V4COMPILE_DIST_TIMEOUT": "20"}, spec=spec_art)
+                  env={"V4COMPILE_DIST_TIMEOUT": "20"}, spec=spec_art, nccl=nccl_art)
     return tmp, [(code, err) for code, _, err in runs], time.time()
 
 
@@ -127,17 +136,22 @@ def test_dp_ranks_match_the_single_process_run(dp_run, reference, device):
 
 
 def test_oneshot_rows_collectives_equal_the_communicators(dp_run):
-    """The sm_90a program's one-shot all-gather / reduce-scatter of rows (`passes/oneshot_allreduce.py`) run by their
-    kernel on the host device (layer 1 at decode, interpreted; `dp_worker.rows_kernels`) give the ids and every
-    logits row of the same program with them on gloo (`oneshot_off`: the communicator's result, as under
-    `--allreduce nccl`; two prompts, one a replica, 4 tokens) bit for bit on both ranks
-    (at 2 ranks gloo's a + b is the kernel's rank-order sum; the order
-    past 2 ranks: tests/kernels/test_kernels_allreduce.py); the all-gather placing the ranks' rows in reverse order
-    is caught."""
+    """The sm_90a program's one-shot all-gather / reduce-scatter of rows (`passes/oneshot_allreduce.py`), folded into
+    the MoE's launch between them (`passes/fuse_oneshot_rows.py`: the gather its leading phase, the reduce-scatter its
+    trailing part), run by that launch's kernel on the host device (layer 1 at decode, interpreted, the rest of the
+    MoE with them; `dp_worker.rows_kernels`) give the ids and every logits row of the program compiled with them on
+    the communicator (`oneshot_off`: `--allreduce nccl`, layer 1's MoE at decode by the same kernel, the gather and
+    the reduce-scatter on gloo; two prompts, one a replica, 4 tokens) bit for bit on both ranks (at 2 ranks gloo's
+    a + b is the kernel's rank-order sum; the order past 2 ranks: tests/kernels/test_kernels_allreduce.py); the
+    all-gather placing the ranks' rows in reverse order is caught."""
     tmp = dp_run[0]
     for r in range(2):
-        ran = (tmp / f"oneshot-ran-{r}.txt").read_text().split()
-        assert {x.split("_")[0] for x in ran} == {"gather", "rscatter"}, ran  # both kernels ran
+        ran = [line.split() for line in (tmp / f"oneshot-ran-{r}.txt").read_text().splitlines()]
+        # the folded launch ran, both collectives in it (`allreduce.fold_rows`' name), in both runs; unfolded, the
+        # same MoE kernel
+        assert [m for m, _ in ran] == ["oneshot_off", "oneshot", "oneshot_reversed"], ran
+        assert [n.startswith("moe_fused_") and "_ag_g2_rs_g2_" in n for _, n in ran] == [False, True, True], ran
+        assert ran[0][1].startswith("moe_fused_"), ran
         want, got, bad = (np.load(tmp / f"{d}-rank-{r}.npz") for d in ("oneshot_off", "oneshot", "oneshot_reversed"))
         rows = [k for k in want.files if k.startswith("rows-")]
         assert want["ids"].tolist() == got["ids"].tolist()

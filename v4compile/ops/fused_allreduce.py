@@ -15,12 +15,20 @@ as they are. Its kernel is the producer's one launch with the protocol's two hal
 routed partial published to the peers first, the producer's independent work (the shared expert) next, the wait
 and the rank-order sum last (`codegen/kernels/moe_router.py`), so the peers' lateness hides behind that work.
 A producer fold may be a consumer too (`ar_mhc_moe_ep_ar`: the attention's all-reduce its leading phase).
+
+`ag_moe_router_experts_dp_rs` (data parallelism's one-shot rows collectives folded into its MoE,
+`passes/fuse_oneshot_rows.py`) is `moe_router_experts_dp` without its operand `xg`: `ag_..._rs(x, ...)` =
+`(reduce_scatter_rows_oneshot(p), shared)` with `p, shared = moe_router_experts_dp(x, all_gather_rows_oneshot(x),
+...)`, so `partial` is this rank's rows of the ranks' routed sum (in rank order). Its kernel is the MoE's one launch
+with the all-gather as its leading phase and the reduce-scatter as its trailing part, the shared expert between the
+latter's publish and wait (`codegen/kernels/moe_router.py`, `allreduce.fold_rows`).
 """
 
 from __future__ import annotations
 
 from ..ir.registry import Cost, OpDef, defop, get_op, require
-from .collective import _groups, _one_rank, _rank_sum, _require_group, all_reduce
+from .collective import (_groups, _one_rank, _rank_sum, _require_group, all_gather_rows, all_reduce,
+                         reduce_scatter_rows)
 from . import fused_ep  # noqa: F401  (the consumers)
 
 PREFIX = "ar_"
@@ -164,5 +172,70 @@ def _fold_trailing(producer: OpDef) -> OpDef:
     return op
 
 
+# data parallelism's MoE and its operand that is the all-gather's result (every rank's tokens: `_fold_rows`)
+DP_MOE = "moe_router_experts_dp"
+GATHERED = "xg"
+ROWS_FOLDED = "ag_" + DP_MOE + "_rs"
+
+
+def _fold_rows(moe: OpDef) -> OpDef:
+    name, rest = moe.sig.strip().split("(", 1)
+    sig = "ag_" + name + "_rs(" + rest.replace(GATHERED + ", ", "", 1)
+    attrs = {**{k: (a.type if a.required else (a.type, a.default)) for k, a in moe.attrs.items()
+                if k != "variant"}, **AR_ATTRS}
+    variants = {k: tuple(v) for k, v in moe.variants.items()} or None
+    at, res = moe.operand_index(GATHERED), moe.results.index(PRODUCED)
+
+    def inner(operands, gathered):
+        """The DP MoE's operands: `operands` with the gathered tokens in their place."""
+        return [*operands[:at], gathered, *operands[at:]]
+
+    def ref(*operands, group, region_bytes, **kw):
+        _one_rank(ROWS_FOLDED, group)  # (one rank: its tokens are every rank's, its partial its rows)
+        return moe.ref(*inner(list(operands), operands[0]), **kw)
+
+    ref.__doc__ = (f"`{moe.name}` on the one-shot all-gather of its `x` over `group` ranks, its `{PRODUCED}` "
+                   "reduce-scattered (one-shot) over them.")
+    op = defop(sig, attrs, kernel=moe.kernel, follows=moe.follows or None, variants=variants)(ref)
+
+    @op.infer
+    def _(*operands, group, region_bytes, **kw):
+        x = operands[0]
+        _require_group(op.name, group)
+        xg = all_gather_rows._infer(x, group=group)
+        types = moe.result_types(inner(list(operands), xg), kw)
+        require(x.dtype in ("fp32", "bf16") and types[res].dtype in ("fp32", "bf16"),
+                f"{op.name} moves floating-point values", found=(x.dtype, types[res].dtype))
+        whole = max(xg.nbytes, types[res].nbytes)
+        require(0 < whole <= region_bytes, f"{op.name}: the gathered values must fit the region",
+                found=(whole, region_bytes))
+        return [reduce_scatter_rows._infer(t, group=group) if i == res else t for i, t in enumerate(types)]
+
+    @op.spmd
+    def _(per_rank, attrs):
+        kw, g = inner_attrs(attrs), {"group": attrs["group"]}
+        xg = all_gather_rows.spmd_ref([[ops[0]] for ops in per_rank], g)
+        out = [list(moe.run(inner(list(ops), xg[r][0]), kw)) for r, ops in enumerate(per_rank)]
+        mine = reduce_scatter_rows.spmd_ref([[res_[res]] for res_ in out], g)
+        return [tuple(mine[r][0] if i == res else v for i, v in enumerate(o)) for r, o in enumerate(out)]
+
+    @op.cost
+    def _(operands, results, attrs):
+        # the DP MoE's on the gathered tokens, plus the two collectives' ideals (the one-shots' own time is the
+        # parallel model's)
+        x, g = operands[0], {"group": attrs["group"], "tp": 1}
+        xg = all_gather_rows._infer(x, group=attrs["group"])
+        whole = all_gather_rows._infer(results[res], group=attrs["group"])
+        c = moe.cost_of(inner(list(operands), xg), [whole if i == res else r for i, r in enumerate(results)],
+                        inner_attrs(attrs))
+        a = all_gather_rows._cost([x], [xg], g)
+        b = reduce_scatter_rows._cost([whole], [results[res]], g)
+        return Cost(c.flops + a.flops + b.flops, c.bytes_read + a.bytes_read + b.bytes_read,
+                    c.bytes_written + a.bytes_written + b.bytes_written)
+
+    return op
+
+
 PRODUCER_FOLDED = {name: _fold_trailing(get_op(name)) for name in PRODUCERS}
+ROWS_FOLDED_OP = _fold_rows(get_op(DP_MOE))
 FOLDED = {name: _fold(get_op(name)) for name in CONSUMERS}
