@@ -425,7 +425,7 @@ def measure(step, B: int, K: int) -> list[float] | None:
     if mtp is None or s.dp > 1 or not hasattr(s.backend, "run_held") or getattr(s.backend, "ranks", None) is not None:
         return None  # data parallel: a replica's step is not this process's alone
     # a step drafting k verifies, in the steady state, the k drafts the last one made: on their lanes
-    lanes = [step._verify_of(B, k)[0] for k in range(1, K + 1)]
+    lanes = [step.verify_of(B, k)[0] for k in range(1, K + 1)]
     names = [next((f for b, f in s.decode_fns if b == B), None)] + [mtp.fused(B, k, T)
                                                                       for k, T in zip(range(1, K + 1), lanes)]
     if any(n is None for n in names):

@@ -362,7 +362,7 @@ class SpecStep:
             fn = self._fns[lanes] = next(f for f in self.fns if f[0] >= lanes)
         return fn
 
-    def _verify_of(self, B: int, held: int) -> tuple[int, str]:
+    def verify_of(self, B: int, held: int) -> tuple[int, str]:
         """(lanes, name) of bucket `B`'s verify function with the fewest lanes that hold `held` drafts a
         sequence (K's, or on the cpu device one of fewer lanes: a step costs its lanes there)."""
         got = self._of.get((B, held))
@@ -416,7 +416,7 @@ class SpecStep:
             if self.k_now == 0 and not any(r.spec.drafts[0] for r in live):
                 self._ran = 0
                 return self._plain(live, deliver)
-        T, fname = self._verify_of(B, max(len(r.spec.drafts[0]) for r in live))
+        T, fname = self.verify_of(B, max(len(r.spec.drafts[0]) for r in live))
         if self.k_now and self._held and all(r.temperature == 0 for r in live):
             fused = self.mtp.fused(B, self.k_now, T)
             if fused:
