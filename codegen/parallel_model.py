@@ -43,7 +43,7 @@ from typing import Any
 
 from v4compile.ir.core import Module
 from v4compile.ir.registry import get_op
-from v4compile.ops.fused_allreduce import DP_MOE, PRODUCED, ROWS_FOLDED, consumer_of, hidden_bytes, producer_of
+from v4compile.ops.fused_allreduce import DP_MOE, PRODUCED, consumer_of, hidden_bytes, producer_of, rows_folded
 from v4compile.parallel import ParallelLayout, is_rank_local, split_shard
 from v4compile.targets import TARGETS, oneshot_allreduce
 from v4compile.weights import spec_table
@@ -98,11 +98,12 @@ def collectives(m: Module, func: str = "decode") -> list[dict[str, Any]]:
     all-gather and reduce-scatter they are (no bytes hidden: modeled as the standalone one-shots)."""
     out = []
     for op in m.functions[func].ops:
-        if op.name == ROWS_FOLDED:
+        if rows_folded(op.name):
             common = {"group": op.attrs["group"], "role": op.attrs.get("role", "")}
             at = get_op(op.name).results.index(PRODUCED)
-            out.append({"op": "all_gather_rows_oneshot", "folded_into": DP_MOE, "bytes": op.operands[0].type.nbytes,
-                        **common})
+            # (the gathered part: the rank's tokens, of the shared expert's output's type)
+            out.append({"op": "all_gather_rows_oneshot", "folded_into": DP_MOE,
+                        "bytes": op.results[get_op(op.name).results.index("shared")].type.nbytes, **common})
             out.append({"op": "reduce_scatter_rows_oneshot", "folded_after": DP_MOE,
                         "bytes": op.results[at].type.nbytes * op.attrs["group"], **common})
         elif get_op(op.name).collective:
@@ -247,10 +248,10 @@ def program_collectives(final: Module) -> dict[str, int]:
     return {"program_launches": len(launches),
             "program_collective_launches": sum(1 for l in launches
                                                if get_op(l.op).collective and not consumer_of(l.op)
-                                               and not producer_of(l.op) and l.op != ROWS_FOLDED),
-            "program_folded": sum(1 for l in launches if consumer_of(l.op) or l.op == ROWS_FOLDED),
+                                               and not producer_of(l.op) and not rows_folded(l.op)),
+            "program_folded": sum(1 for l in launches if consumer_of(l.op) or rows_folded(l.op)),
             "program_folded_after": sum(1 for l in launches if producer_of(consumer_of(l.op) or l.op)
-                                        or l.op == ROWS_FOLDED)}
+                                        or rows_folded(l.op))}
 
 
 def _moved(s: dict) -> str:

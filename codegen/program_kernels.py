@@ -56,7 +56,7 @@ class ProgramKernels:
     one-shot all-reduce (`all_reduce_oneshot`; the rows ones, `*_rows_oneshot`, alike) is a collective with kernel
     calls of its own, counted as calls (folded
     into its consumer, `ar_*`, or its producer, `*_ar`: that launch's calls; the rows ones into the MoE between
-    them, `ag_moe_router_experts_dp_rs`: the MoE's)."""
+    them, `ag_moe_router_experts_dp_rs` or with the seam before it `mhc_ag_...`: the MoE's)."""
     calls: dict[str, list[list[KernelCall]]] = field(default_factory=dict)
     unique: dict[str, KernelCall] = field(default_factory=dict)
     missing: Counter = field(default_factory=Counter)

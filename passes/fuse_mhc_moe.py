@@ -18,7 +18,9 @@ Expert-parallel modules: `moe_router_experts_ep` (from `fuse_moe_router`) whose 
 `mhc_post_pre` (norm variant) and used by it alone: the pair becomes one `mhc_moe_ep` in the MoE's place,
 its results the MoE's (routed partial sum, shared expert output) then the seam's streams / post / comb
 (names kept: the seam after the all-reduce, `mhc_post_pre_add`, reads them); the MoE's input never leaves
-the op. Numerics bit-identical (`ops/fused_ep.py`).
+the op. Numerics bit-identical (`ops/fused_ep.py`). Data-parallel modules: the MoE's `x` has two users (the
+all-gather and the MoE), so the pair is left here; `fuse_oneshot_rows` joins the seam to the MoE and its folded
+one-shot collectives instead (`mhc_ag_moe_router_experts_dp_rs`).
 Kept out of the cpu pipeline (`passes/pipeline.py`): ONNX Runtime runs graph nodes, not launches.
 Hits: `<func>.fused`.
 """

@@ -26,15 +26,15 @@ import torch
 from v4compile.errors import DeviceError, InputError
 from v4compile.ir.registry import get_op
 from v4compile.ir.types import DTYPES
-from v4compile.ops.fused_allreduce import (DP_MOE, GATHERED, PRODUCED, REDUCED, ROWS_FOLDED, consumer_of, inner_attrs,
-                                           producer_of)
+from v4compile.ops.fused_allreduce import (DP_MOE, GATHERED, PRODUCED, REDUCED, SEAM_IN, SEAM_ROWS_FOLDED,
+                                           consumer_of, inner_attrs, producer_of, rows_folded)
 from v4compile.program.core import Program
 from v4compile.program.execute import _typed, run_launch
 from v4compile.signals import act_pending, held
 from v4compile.targets import DEVICE_TARGET
 
 from .build import library
-from .schedule import PEERS, SYMMETRIC, Schedule, build_schedule
+from .schedule import PEERS, SYMMETRIC, TABLES, Schedule, build_schedule
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +164,9 @@ class CRuntime:
                 elif kind in ("pool", "state", "symmetric"):
                     self.write(i, torch.zeros(self.sched.buffer_bytes[i], dtype=torch.uint8))
             self._upload(weights, wbuf)
+            for at, entries in self.sched.tables:  # each call's pointer table: its entries' addresses here
+                self.write(self.sched.index[TABLES], torch.tensor([self.addr[b] + off if b >= 0 else 0
+                                                                   for b, off in entries], dtype=torch.int64), at)
             if self.sched.region is not None:
                 self._map_peers(exchange)
         except BaseException:
@@ -415,17 +418,24 @@ class CRuntime:
     def _collective(self, l, args, outs) -> None:
         """A collective launch (its placeholder call: no kernel family runs it) through `collective`; a one-shot
         all-reduce folded into its consumer (`ar_*`) as the all-reduce of its `y`, then the consumer's reference;
-        DP's MoE with its rows collectives folded in as the gather, the MoE's reference, the reduce-scatter."""
+        DP's MoE with its rows collectives folded in as the gather, the MoE's reference, the reduce-scatter (the seam
+        before it first, where it is folded in too)."""
         if self.collective is None:
             raise DeviceError(f"{l.op}: a collective launch needs the process group of a partitioned artifact "
                               "(v4compile.load under torchrun)")
-        if l.op == ROWS_FOLDED:
-            group, opdef = int(l.attrs["group"]), get_op(DP_MOE)
+        if rows_folded(l.op):
+            from v4compile.ops.fused import IN_MHC_ATTRS, _in_attrs
+
+            group, opdef, seam = int(l.attrs["group"]), get_op(DP_MOE), []
+            attrs = {n: v for n, v in inner_attrs(l.attrs).items() if n not in IN_MHC_ATTRS}
+            if l.op == SEAM_ROWS_FOLDED:  # the seam before: the MoE's x, and its streams / post / comb results
+                s, x, p, c = get_op("mhc_post_pre").run([args[n] for n in SEAM_IN], _in_attrs(l.attrs))
+                args, seam = {**args, "x": x}, [s, p, c]
             args = {**args, GATHERED: self.collective("all_gather_rows", args["x"], group)}
-            got = list(opdef.run([args[n] for n in opdef.operand_names], inner_attrs(l.attrs)))
+            got = list(opdef.run([args[n] for n in opdef.operand_names], attrs))
             at = opdef.results.index(PRODUCED)
             got[at] = self.collective("reduce_scatter_rows", got[at], group)
-            for (n, y), g in zip(outs.items(), got):
+            for (n, y), g in zip(outs.items(), [*got, *seam]):
                 y.copy_(g)
             return
         inner, producer = consumer_of(l.op), producer_of(l.op)
@@ -471,6 +481,8 @@ class CRuntime:
                 need = kc.scratch_bytes[name]
             elif kind == "peers":
                 need = self.sched.region.table_bytes
+            elif kind == "table":
+                need = 8 * len(kc.tabled)
             else:
                 a = (ops if kind == "operand" else res)[name]
                 first, end = a.extent if a is not None else (0, 0)

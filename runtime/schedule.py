@@ -22,6 +22,9 @@ runtime checks (magic, version, sizes, every index and offset, an FNV-1a checksu
   the runtime writes at load), beside one `symmetric` buffer (kind SYMMETRIC: this rank's region, zeroed at load,
   which peers map; `Schedule.region` its layout; one for all such launches: `passes/oneshot_allreduce.py` gives
   them one group and region size).
+* A kernel call with a pointer table (`KernelCall.tabled`: pointers the kernel loads where it reads them, not
+  arguments) takes its part of the `tables` buffer (kind TABLE, code 7 like PEERS: written by the runtime at load,
+  every entry's buffer address plus offset, `Schedule.tables`).
 * A communicator launch (a partitioned program's `all_reduce`, `all_gather`) becomes one COLLECTIVE call
   (code V4RT_COLLECTIVE, runtime/c/v4rt.h): symbol = the op, grid = (group, dtype code, 1), shared = the
   operand's element count, parameters = operand, result. The driver runs it in order with the kernels
@@ -43,8 +46,9 @@ TABLE_VERSION = 3  # 2: per-call launch flags; collective calls; 3: the peer tab
 LAUNCH_PDL = 1  # call flag: programmatic dependent launch (runtime/c/driver.h V4DRV_LAUNCH_PDL)
 SEMAPHORES = "semaphores"  # the schedule's buffer of kernel arrival counters (see `schedule`)
 KIND_CODE = {"arena": 0, "input": 1, "pool": 2, "state": 3, "weight": 4, "output": 5, "scratch": 6, "peers": 7,
-             "symmetric": 8}
+             "table": 7, "symmetric": 8}  # ("table": the calls' pointer tables, like the peer table written at load)
 PEERS, SYMMETRIC = "peers", "symmetric"  # the one-shot all-reduce's peer table and region (see `schedule`)
+TABLES = "tables"  # the calls' pointer tables (`KernelCall.tabled`; `Schedule.tables`: what the runtime writes)
 PER_FUNCTION = ("input", "output")
 HOST_CODE_OBJECT = b"v4rt host placeholder code object\0"  # host kernels run in the callback
 COLLECTIVE = 0xFFFFFFFF  # the code of a collective call (V4RT_COLLECTIVE)
@@ -99,6 +103,9 @@ class Schedule:
     functions: list[FunctionSchedule]
     index: dict[str, int] = field(default_factory=dict)
     region: Any = None  # the symmetric region's layout (`codegen.kernels.peers.Region`) when a call has peers
+    # each call's pointer table in the `tables` buffer: (its byte offset there, ((buffer index or -1 for a null
+    # entry, byte offset) per `KernelCall.tabled` entry)); the runtime writes every entry's address at load
+    tables: list[tuple[int, tuple[tuple[int, int], ...]]] = field(default_factory=list)
 
     def buffer_index(self, fname: str, name: str) -> int:
         key = f"{fname}/{name}" if f"{fname}/{name}" in self.index else name
@@ -227,6 +234,8 @@ def build_schedule(p: Program, kernel_calls=None, functions: list[str] | None = 
         region = Region(*regions.pop())
         add(PEERS, "peers", region.table_bytes, 256)
         add(SYMMETRIC, "symmetric", region.nbytes, 256)
+    if any(kc.tabled for pl in plan.values() for _, kcs in pl for kc in (kcs or ())):
+        add(TABLES, "table", 0, 256)  # (its size grows below, a table per call)
     for fname in names:
         for b in p.functions[fname].buffers:
             add(f"{fname}/{b.name}" if b.kind in PER_FUNCTION else b.name, b.kind, b.nbytes, b.align)
@@ -286,6 +295,14 @@ def build_schedule(p: Program, kernel_calls=None, functions: list[str] | None = 
                         continue
                     if kind == "peers":
                         params.append(Param(index[PEERS], 0, f"peers:{name}"))
+                        continue
+                    if kind == "table":
+                        at = sizes[index[TABLES]]
+                        entries = tuple((-1, 0) if a is None else slot(a) for a in
+                                        ((ops if k == "operand" else res).get(n) for _, k, n, _ in kc.tabled))
+                        sched.tables.append((at, entries))
+                        sizes[index[TABLES]] = at + (len(entries) * 8 + 255) // 256 * 256
+                        params.append(Param(index[TABLES], at, f"table:{name}"))
                         continue
                     a = (ops if kind == "operand" else res).get(name)
                     if a is None:

@@ -14,10 +14,11 @@ order (`rows-<i>`, request i), where the sequences were (`placed`: per decode st
 sequences of each replica; `replicas`: each request's), and each prompt's tokens taken from its replica's
 prefix cache (`cached`). `oneshot_off`: the host device on the first two prompts, ONESHOT_NEW tokens, on NCCL_ART
 (the program compiled with `--allreduce nccl`: the rows collectives on gloo), the references but for layer 1's MoE
-at decode (`moe_router_experts_dp`, by its kernel, interpreted); `oneshot`: the
-same on ART, the references but for layer 1's MoE at decode with its one-shot all-gather and reduce-scatter of rows
-folded in (`ag_moe_router_experts_dp_rs`: `moe_router.moe_fused_kernel`, its leading phase and trailing part
-`allreduce.rows_tiles` / `scatter_tiles`; or, where the artifact has them apart, those launches: `rows_kernel`),
+at decode (the seam before it, `mhc_post_pre`, and `moe_router_experts_dp`, by their kernels, interpreted); `oneshot`:
+the same on ART, the references but for layer 1's MoE at decode with the seam before it and its one-shot all-gather and
+reduce-scatter of rows folded in (`mhc_ag_moe_router_experts_dp_rs`: `moe_router.moe_fused_kernel`, the seam first,
+the seam's pointers through the call's table, its leading phase and trailing part `allreduce.rows_tiles` /
+`scatter_tiles`; or, where the artifact has them apart, those launches: `rows_kernel`),
 interpreted, the symmetric regions in shared memory; the mode and each call's kernel name appended to
 `OUT/oneshot-ran-<r>.txt`; `oneshot_reversed`: the same with the all-gather placing the ranks' rows in reverse
 order (a broken kernel, as tests/allreduce_worker.py edits it).
@@ -66,6 +67,8 @@ def main(out: Path, prompts_file: Path, art: str) -> int:
 DIE_START = "v4-test-die-start"
 ONESHOT_NEW = 4
 REVERSED = (("owner = idx // PART", "owner = GROUP - 1 - idx // PART"),)  # the all-gather's rows in reverse order
+# what the folded launch computes, unfolded (NCCL_ART's): the seam before the MoE and the MoE, by their kernels
+UNFOLDED = ("mhc_post_pre", "moe_router_experts_dp")
 
 
 def rows_kernels() -> None:
@@ -76,12 +79,12 @@ def rows_kernels() -> None:
     from allreduce_worker import edited, kernel_variant
     from v4compile.codegen.kernels import moe_router
     from v4compile.codegen.program_kernels import calls_of
-    from v4compile.ops.fused_allreduce import ROWS_FOLDED
+    from v4compile.ops.fused_allreduce import rows_folded
     from v4compile.runtime.kernels import kernel_calls_for
 
     def calls(l, name, edits=()):
-        if not ((l.op.endswith("_rows_oneshot") or l.op in (ROWS_FOLDED, "moe_router_experts_dp"))
-                and l.loc.startswith("layers.1.") and dict(l.operands)["x"].type.shape[1] == 1):  # decode only
+        if not ((l.op.endswith("_rows_oneshot") or rows_folded(l.op) or l.op in UNFOLDED)
+                and l.loc.startswith("layers.1.") and l.operands[0][1].type.shape[1] == 1):  # decode only
             return None
         out = calls_of(l)
         with open(Path(os.environ["V4_TEST_DIR"]) / f"oneshot-ran-{os.environ['RANK']}.txt", "a") as f:

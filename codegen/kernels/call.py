@@ -17,7 +17,7 @@ from .flags import CALLS_PARAM, PDL_PARAM, declares_calls, declares_pdl
 if TYPE_CHECKING:
     import torch
 
-KINDS = ("operand", "result", "scratch", "semaphore", "peers")
+KINDS = ("operand", "result", "scratch", "semaphore", "peers", "table")
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,12 @@ class KernelCall:
     counters: zero before the call, and the call leaves them zero (the last program of a group resets its
     counter), so every call of a program can share one zeroed buffer (runtime: `semaphores`). That is how
     a launch finishes a split reduction in its last-arriving program instead of a second call. A "peers"
-    pointer is the int64 table of the group's symmetric regions (`allreduce.py`; runtime: the `peers` buffer). A family may list them in any order: they are kept in the order
-    `fn` declares its parameters, which is the order a GPU launch packs them in (Triton: by position,
+    pointer is the int64 table of the group's symmetric regions (`allreduce.py`; runtime: the `peers` buffer). A
+    "table" pointer (name "table") is the call's own int64 table of the addresses of `tabled`'s entries (pointers of
+    the same form, in table order, that the kernel loads from it where it needs them instead of taking them as
+    arguments, each of which holds scalar registers for the whole kernel; a null entry for an unbound one;
+    runtime: its part of the `tables` buffer, filled at load). A family may list them in any order: they are kept
+    in the order `fn` declares its parameters, which is the order a GPU launch packs them in (Triton: by position,
     constexprs left out), and a pointer `fn` lacks, or a parameter of `fn` bound twice or not at all, is
     refused here (`CodegenError`, naming the kernel and the parameter). `unaligned` names pointer params
     whose base is not known to be 16-byte aligned (the AOT stage gives every other pointer `tt.divisibility=16`).
@@ -101,6 +105,7 @@ class KernelCall:
     phases: tuple[tuple[int, int], ...] = ()
     reuse_bytes: tuple[int | None, ...] = ()
     per_target: dict[str, dict[str, Any]] = field(default_factory=dict)
+    tabled: tuple[tuple[str, str, str, str], ...] = ()
 
     def __post_init__(self) -> None:
         self.grid = tuple(int(g) for g in self.grid)
@@ -118,6 +123,10 @@ class KernelCall:
                 raise ValueError(f"{self.name}: bad pointer entry {p}")
             if p[1] in ("scratch", "semaphore") and p[2] not in self.scratch_bytes:
                 raise ValueError(f"{self.name}: {p[1]} '{p[2]}' has no size in scratch_bytes")
+        if any(p[1] in ("table", "scratch", "semaphore", "peers") for p in self.tabled) or \
+                bool(self.tabled) != any(p[1] == "table" for p in self.pointers):
+            raise ValueError(f"{self.name}: tabled {self.tabled} needs one 'table' pointer, and holds operands / "
+                             "results only")
         if declares_pdl(self.fn):  # off unless the AOT stage turns it on for its target (pdl.py)
             self.constexprs = {**self.constexprs, PDL_PARAM: self.constexprs.get(PDL_PARAM, False)}
         if declares_calls(self.fn):  # calls unless the AOT stage inlines them for its target (CALLS_PARAM above)

@@ -31,6 +31,10 @@ def run_calls(calls: list[KernelCall], args: dict[str, torch.Tensor | None], out
                     scratch[name] = torch.full((max(call.scratch_bytes[name], 16),), 0 if kind == "semaphore" else 0xFF,
                                                dtype=torch.uint8, device=device)
                 t = scratch[name]
+            elif kind == "table":  # the call's pointer table: its entries' addresses (null: an unbound one)
+                t = torch.tensor([0 if v is None else v.data_ptr() for v in ((outs if k == "result" else args).get(n)
+                                                                           for _, k, n, _ in call.tabled)],
+                                 dtype=torch.int64, device=device)
             else:
                 t = (outs if kind == "result" else args).get(name)  # "peers": the caller's peer table
                 if t is None:  # an optional operand the launch lacks: a null pointer (None: Triton's compile-time one)

@@ -16,7 +16,11 @@ combine run in one launch. Its programs are, in the order they start (`phases.ti
                              and combining programs follow them, so they see x too). `moe_mhc_post_pre` (the
                              first MoE layer: no seam before it) launches the same binary with the seam's
                              weights null: these programs then copy its x / streams / post / comb there
-                             (`_copy_rows`), and the first layer and the others have one binary;
+                             (`_copy_rows`), and the first layer and the others have one binary.
+                             `mhc_ag_moe_router_experts_dp_rs` (DP): these NA programs come first, writing the
+                             rank's own tokens (scratch `seam_x`, xs_ptr) and the seam's streams / post / comb
+                             results; the NO all-gather programs after them wait for all NA and gather that x;
+                             the seam's inputs and weights come through the call's pointer table (`TABLED`);
   tickets [0, NR)            the router (`router.route_rows`, one per BR token rows) -> the routing weights
                              and expert ids, scratch `route_weights` / `route_indices`; each then publishes;
   tickets [NR, NR + NG)      (`moe_router_experts_dp`, 64 < P <= FUSED_MAX_PAIRS) the grouping (`moe._group_block`, the
@@ -61,6 +65,7 @@ bit-identical to the two ops run apart.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import triton
@@ -143,7 +148,12 @@ FUSED_MAX_PAIRS = 512
 # pointer argument holds two scalar registers for the whole kernel on gfx950, and with the seam before's
 # eight pointers the one-launch MoE ran out of them (16 SGPRs spilled at V4-Pro).
 CARVED = ("x_ptr", "idx_ptr", "h_ptr", "hs_ptr", "r_wo_ptr", "yr_ptr", "out_ptr", "m_s_ptr", "m_post_ptr",
-          "m_comb_ptr")
+          "m_comb_ptr", "xs_ptr", "grp_ptr")
+# The seam before's pointers, which its phase alone reads: under DP (`mhc_ag_moe_router_experts_dp_rs`) they come
+# through the call's pointer table (`KernelCall.tabled`, `tab_ptr`: the runtime fills it), loaded in that phase,
+# since as arguments their 16 scalar registers made the gfx950 binary spill (8 spills at V4-Pro DP8).
+TABLED = ("a_y_ptr", "a_s_ptr", "a_post_ptr", "a_comb_ptr", "a_fn_ptr", "a_base_ptr", "a_scale_ptr", "a_norm_ptr")
+UNTABLED = {"tab_ptr": None, **{p + "_TI": -1 for p in TABLED}, **{p + "_DT": None for p in TABLED}}
 CARVE_ALIGN = 256  # bytes: every part starts aligned as a buffer of its own would
 TL_OF = {"fp32": tl.float32, "bf16": tl.bfloat16, "i64": tl.int64, "i32": tl.int32}
 
@@ -153,6 +163,16 @@ def _carve(p, base, AT: tl.constexpr, DT: tl.constexpr):
     """`p`, or (AT >= 0) the part of the scratch at `base` that starts AT bytes in, as a pointer to DT."""
     if AT >= 0:
         return (base + AT).to(tl.pointer_type(DT))
+    else:
+        return p
+
+
+@triton.jit
+def _tabled(p, tab, TI: tl.constexpr, DT: tl.constexpr):
+    """`p`, or (TI >= 0) entry TI of the call's pointer table `tab` (`KernelCall.tabled`) as a pointer to DT, 16-byte
+    aligned as an argument's would be (`_tabulate` tables aligned pointers only)."""
+    if TI >= 0:
+        return tl.multiple_of(tl.load(tab + TI).to(tl.pointer_type(DT)), 16)
     else:
         return p
 
@@ -266,6 +286,13 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
                      TR_SLOTS_AT: tl.constexpr, TR_SLOT_BYTES: tl.constexpr, TR_FLAGS_AT: tl.constexpr,
                      TR_TILES: tl.constexpr, TR_COUNTS_AT: tl.constexpr, TR_SPIN: tl.constexpr, NP: tl.constexpr,
                      ST0: tl.constexpr, SD: tl.constexpr, tr_y_ptr, TR_SCATTER: tl.constexpr, AR_GATHER: tl.constexpr,
+                     xs_ptr_AT: tl.constexpr, xs_ptr_DT: tl.constexpr, grp_ptr_AT: tl.constexpr,
+                     grp_ptr_DT: tl.constexpr, tab_ptr, a_y_ptr_TI: tl.constexpr, a_y_ptr_DT: tl.constexpr,
+                     a_s_ptr_TI: tl.constexpr, a_s_ptr_DT: tl.constexpr, a_post_ptr_TI: tl.constexpr,
+                     a_post_ptr_DT: tl.constexpr, a_comb_ptr_TI: tl.constexpr, a_comb_ptr_DT: tl.constexpr,
+                     a_fn_ptr_TI: tl.constexpr, a_fn_ptr_DT: tl.constexpr, a_base_ptr_TI: tl.constexpr,
+                     a_base_ptr_DT: tl.constexpr, a_scale_ptr_TI: tl.constexpr, a_scale_ptr_DT: tl.constexpr,
+                     a_norm_ptr_TI: tl.constexpr, a_norm_ptr_DT: tl.constexpr,
                      PDL: tl.constexpr = False, CALLS: tl.constexpr = True):
     """Programs by ticket: NO of the one-shot all-reduce of the attention's partial output into a_y_ptr
     (`ar_mhc_moe_ep`, `allreduce.fold`; AR_GATHER: the all-gather of xs_ptr's tokens into x_ptr, `allreduce.fold_rows`;
@@ -288,37 +315,56 @@ def moe_fused_kernel(x_ptr, idx_ptr, grp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_
     m_s_ptr = _carve(m_s_ptr, scr_ptr, m_s_ptr_AT, m_s_ptr_DT)
     m_post_ptr = _carve(m_post_ptr, scr_ptr, m_post_ptr_AT, m_post_ptr_DT)
     m_comb_ptr = _carve(m_comb_ptr, scr_ptr, m_comb_ptr_AT, m_comb_ptr_DT)
+    xs_ptr = _carve(xs_ptr, scr_ptr, xs_ptr_AT, xs_ptr_DT)
+    grp_ptr = _carve(grp_ptr, scr_ptr, grp_ptr_AT, grp_ptr_DT)
     r_b_ptr = _table(r_b_ptr, r_t_ptr, R_B_DT)  # (before r_t_ptr takes its own type)
     r_t_ptr = _table(r_t_ptr, r_t_ptr, R_T_DT)
     t = ticket(phase_ptr + TICKET) - NA - NO
     v = tl.where(t >= NR + NG, t - NG, t)  # the phases after the grouping numbered as if it were not there
-    if v < -NA:
+    # the leading phases, tickets [0, NO + NA): the collective's NO programs first, the seam's NA after them (its
+    # input the all-reduce's result), or with DP's all-gather (AR_GATHER) the seam's first (its output the gather's)
+    c = v + NO + NA - NA * AR_GATHER  # the collective's program
+    if (v < 0) & (c >= 0) & (c < NO):
         if NO > 0:
             if AR_GATHER:  # every rank's tokens, the router's and the routed experts' (`allreduce.fold_rows`)
-                rows_tiles(v + NA + NO, xs_ptr, x_ptr, peers_ptr, AR_NUMEL, AR_GROUP, AR_TILE, NO, AR_SLOTS_AT,
-                           AR_SLOT_BYTES, AR_FLAGS_AT, AR_TILES, AR_COUNTS_AT, AR_SPIN, True)
+                if NA > 0:
+                    wait_for(phase_ptr + SEAM_IN, NA)  # this rank's tokens, the seam's output
+                rows_tiles(c, xs_ptr, x_ptr, peers_ptr, AR_NUMEL, AR_GROUP, AR_TILE, NO, AR_SLOTS_AT, AR_SLOT_BYTES,
+                           AR_FLAGS_AT, AR_TILES, AR_COUNTS_AT, AR_SPIN, True)
             else:  # the all-reduce the seam before reads (`allreduce.fold`: the one-shot's programs)
-                oneshot_tiles(v + NA + NO, ar_x_ptr, a_y_ptr, peers_ptr, AR_NUMEL, AR_GROUP, AR_TILE, NO, AR_SLOTS_AT,
+                oneshot_tiles(c, ar_x_ptr, a_y_ptr, peers_ptr, AR_NUMEL, AR_GROUP, AR_TILE, NO, AR_SLOTS_AT,
                               AR_SLOT_BYTES, AR_FLAGS_AT, AR_TILES, AR_COUNTS_AT, AR_SPIN)
             publish(phase_ptr + REDUCED)
     elif v < 0:
-        if NA > 0:  # the seam before: x, and the streams / post / comb the seam after reads, into scratch
+        if NA > 0:  # the seam before: x (DP: xs, the rank's own), and the streams / post / comb the seam after
+            s = v + NA + NO * AR_GATHER  # reads, into scratch
             if NO > 0:
-                wait_for(phase_ptr + REDUCED, NO)  # every tile of the reduced attention output
-            if _given(a_fn_ptr):
-                mhc_rows(v + NA, a_y_ptr, None, a_s_ptr, a_post_ptr, a_comb_ptr, a_fn_ptr, a_base_ptr, a_scale_ptr,
-                         a_norm_ptr, m_s_ptr, x_ptr, m_post_ptr, m_comb_ptr, A_M, A_N, A_D, A_BD, A_BT, A_POST, A_MIX,
-                         A_NORM, A_NM, A_EPS, A_HC_EPS, A_ITERS, A_NORM_EPS, A_Y_S, A_S_S, A_S_SN, A_SO_S, A_SO_SN,
-                         A_YO_S, A_DT)
+                if AR_GATHER:
+                    pass  # (the gather waits for this phase instead)
+                else:
+                    wait_for(phase_ptr + REDUCED, NO)  # every tile of the reduced attention output
+            # (DP: the seam's pointers from the call's table, `TABLED`: loaded here, not held by the whole kernel)
+            a_y = _tabled(a_y_ptr, tab_ptr, a_y_ptr_TI, a_y_ptr_DT)
+            a_s = _tabled(a_s_ptr, tab_ptr, a_s_ptr_TI, a_s_ptr_DT)
+            a_post = _tabled(a_post_ptr, tab_ptr, a_post_ptr_TI, a_post_ptr_DT)
+            a_comb = _tabled(a_comb_ptr, tab_ptr, a_comb_ptr_TI, a_comb_ptr_DT)
+            a_fn = _tabled(a_fn_ptr, tab_ptr, a_fn_ptr_TI, a_fn_ptr_DT)
+            a_base = _tabled(a_base_ptr, tab_ptr, a_base_ptr_TI, a_base_ptr_DT)
+            a_scale = _tabled(a_scale_ptr, tab_ptr, a_scale_ptr_TI, a_scale_ptr_DT)
+            a_norm = _tabled(a_norm_ptr, tab_ptr, a_norm_ptr_TI, a_norm_ptr_DT)
+            if _given(a_fn):
+                mhc_rows(s, a_y, None, a_s, a_post, a_comb, a_fn, a_base, a_scale, a_norm, m_s_ptr, _or(xs_ptr, x_ptr),
+                         m_post_ptr, m_comb_ptr, A_M, A_N, A_D, A_BD, A_BT, A_POST, A_MIX, A_NORM, A_NM, A_EPS,
+                         A_HC_EPS, A_ITERS, A_NORM_EPS, A_Y_S, A_S_S, A_S_SN, A_SO_S, A_SO_SN, A_YO_S, A_DT)
             else:  # no seam before this MoE (null weights, `_as_both_seams`): its inputs are what it would write
-                _copy_rows(v + NA, a_y_ptr, a_s_ptr, a_post_ptr, a_comb_ptr, m_s_ptr, x_ptr, m_post_ptr, m_comb_ptr,
+                _copy_rows(s, a_y, a_s, a_post, a_comb, m_s_ptr, x_ptr, m_post_ptr, m_comb_ptr,
                            A_M, A_N, A_D, A_BD, A_BT, A_NM, A_Y_S, A_S_S, A_S_SN, A_SO_S, A_SO_SN, A_YO_S)
             publish(phase_ptr + SEAM_IN)
     elif v < NR:
-        if NA > 0:
+        if AR_GATHER:
+            wait_for(phase_ptr + REDUCED, NO)  # every rank's tokens gathered (after the seam; the routed follow)
+        elif NA > 0:
             wait_for(phase_ptr + SEAM_IN, NA)  # every token's x
-        elif NO > 0:
-            wait_for(phase_ptr + REDUCED, NO)  # every rank's tokens gathered (the routed programs follow the router)
         if CALLS:  # sm_90a: a call, its registers allocated apart (kernels/flags.py: CALLS_PARAM)
             _route_phase(v, x_ptr, r_w_ptr, r_b_ptr, r_t_ptr, r_ids_ptr, r_wo_ptr, idx_ptr, r_o_ptr, R_R, R_D, R_E, R_KSEL,
                          R_X_RS, R_W_RS, R_T_RS, R_I_S, R_WO_RS, R_IO_RS, R_ROUTE_SCALE, R_DENOM_EPS, R_SUM_IN_DT, R_BR,
@@ -478,8 +524,8 @@ def specialise(op_name: str, operands: dict[str, TensorArg | None], results: dic
         return folded(op_name, operands, results, attrs, specialise, "a_y_ptr")
     if op_name in ("mhc_moe_ep_ar", "moe_router_experts_ep_ar"):  # the MoE's all-reduce a trailing part
         return _produced(op_name, operands, results, attrs)
-    if op_name == "ag_moe_router_experts_dp_rs":  # DP: the all-gather its leading phase, the reduce-scatter trailing
-        return _rows_folded(op_name, operands, results, attrs)
+    if op_name in ("ag_moe_router_experts_dp_rs", "mhc_ag_moe_router_experts_dp_rs"):  # DP: the all-gather its
+        return _rows_folded(op_name, operands, results, attrs)  # leading phase, the reduce-scatter trailing
     if op_name in ("moe_router_experts_ep", "mhc_moe_ep", "moe_router_experts_dp"):
         return _expert_parallel(op_name, operands, results, attrs)
     if op_name not in ("moe_router_experts_shared", "moe_mhc_post_pre"):
@@ -558,17 +604,18 @@ DP_NAMES = {"x": "xg", "xs": "x"}
 
 
 def _expert_parallel(op_name, operands, results, attrs, renamed: dict | None = None,
-                     scratch: dict[str, int] | None = None) -> list[KernelCall]:
+                     scratch: dict[str, int] | None = None, seam: bool = False) -> list[KernelCall]:
     """`moe_router_experts_ep` (and `mhc_moe_ep`, the seam before it as the first phase; `moe_router_experts_dp`,
     the shared expert's gate / up reading the rank's own tokens `xs_ptr` and the combine its first C_SM rows): the single-rank
     calls with the rank's owner table masking the routing in the router phase (`route_rows`' o_ptr) and the
     combine writing the routed partial sum and the shared expert's output apart (`_combine`'s sy_ptr). `renamed`,
-    `scratch`: more of the calls' values as scratch (`_rows_folded`), by the single-rank calls' names."""
+    `scratch`: more of the calls' values as scratch (`_rows_folded`), by the single-rank calls' names; `seam`: the
+    seam before as `mhc_moe_ep`'s (`moe_router_experts_dp`: its output the rank's own tokens, `xs`)."""
     from ...ir.registry import get_op
     from ...ops.fused import MHC_ATTRS
 
     front = None
-    if op_name == "mhc_moe_ep":
+    if op_name == "mhc_moe_ep" or seam:
         f_ops = {n: operands[n] for n in ("y", "streams", "post", "comb")}
         f_ops.update({n: operands["in_" + n] for n in ("fn", "base", "scale", "norm")})
         f_attrs = {n: attrs["in_" + n] for n in MHC_ATTRS}
@@ -582,6 +629,8 @@ def _expert_parallel(op_name, operands, results, attrs, renamed: dict | None = N
         operands = {n: v for n, v in operands.items() if n not in f_ops and not n.startswith("in_")}
         operands["x"] = x
         attrs = {n: v for n, v in attrs.items() if not n.startswith("in_")}
+        if op_name == "moe_router_experts_dp":  # (the seam's output: the rank's own tokens, scratch at xs_ptr)
+            renamed = {**(renamed or {}), ("operand", "xs"): ("scratch", "seam_x")}
     if op_name == "moe_router_experts_dp":  # the routing and the routed experts on xg, the shared expert on x
         operands = {**{n: v for n, v in operands.items() if n != "xg"}, "x": operands["xg"], "xs": operands["x"]}
     partial, shared = results["partial"], results["shared"]
@@ -632,12 +681,17 @@ def _rows_folded(op_name, operands, results, attrs) -> list[KernelCall]:
     reduce-scatter of its routed partial folded in): `moe_router_experts_dp`'s one launch on every rank's tokens and
     partial as scratch (`ag_xg`, `rs_partial`), the all-gather its leading phase and the reduce-scatter into
     `partial` (this rank's rows) its trailing part (`allreduce.fold_rows`: the shared expert between the
-    reduce-scatter's publish and wait, as `_produced`'s). A grouped launch (a prefill chunk's) keeps its calls, the
-    one-shot all-gather a call before them and the reduce-scatter one after them."""
-    from ...ops.fused_allreduce import AR_ATTRS
+    reduce-scatter's publish and wait, as `_produced`'s). `mhc_ag_moe_router_experts_dp_rs`: the seam before as
+    `mhc_moe_ep`'s, first, its output (x, the rank's own tokens: scratch `seam_x`) what the gather publishes. A
+    grouped launch (a prefill chunk's) keeps its calls, the one-shot all-gather a call before them (after the seam's)
+    and the reduce-scatter one after them."""
+    from ...ops.fused_allreduce import AR_ATTRS, SEAM_ROWS_FOLDED
     from .allreduce import _contiguous
 
-    x, partial = operands["x"], results["partial"]
+    seam, partial = op_name == SEAM_ROWS_FOLDED, results["partial"]
+    # (x: the op's, or the seam's output, of the shared expert's output's type: the rank's tokens)
+    x = TensorArg(results["shared"].type, Layout.contiguous(results["shared"].shape).strides) if seam \
+        else operands["x"]
     _contiguous(op_name, "x", x)
     _contiguous(op_name, "partial", partial)
     group, region_bytes = int(attrs["group"]), int(attrs["region_bytes"])
@@ -647,20 +701,35 @@ def _rows_folded(op_name, operands, results, attrs) -> list[KernelCall]:
                              {n: v for n, v in attrs.items() if n not in AR_ATTRS},
                              renamed={("operand", "x"): ("scratch", "ag_xg"),
                                       ("result", "y"): ("scratch", "rs_partial")},
-                             scratch={"ag_xg": xg.type.nbytes, "rs_partial": whole.type.nbytes})
+                             scratch={"ag_xg": xg.type.nbytes, "rs_partial": whole.type.nbytes}, seam=seam)
     if len(calls) == 1 and calls[0].fn is moe_fused_kernel and calls[0].constexprs["NH"] == 0:
         nd = calls[0].constexprs["ND"]
-        return [fold_rows(calls[0], x, partial, group, region_bytes, nd, {"ST0": 0, "SD": nd})]
+        call = fold_rows(calls[0], x, partial, group, region_bytes, nd, {"ST0": 0, "SD": nd})
+        return [_tabulate(call) if seam else call]
     region = Region(group, region_bytes)
     gather = rows_call("all_gather_rows", x, xg, group, region)
     scatter = rows_call("reduce_scatter_rows", whole, partial, group, region)
-    gather.pointers = [(p, "scratch", "ag_xg", ty) if kind == "result" else (p, kind, n, ty)
-                       for p, kind, n, ty in gather.pointers]
+    gather.pointers = [(p, "scratch", "ag_xg", ty) if kind == "result" else (p, "scratch", "seam_x", ty)
+                       if kind == "operand" and seam else (p, kind, n, ty) for p, kind, n, ty in gather.pointers]
     scatter.pointers = [(p, "scratch", "rs_partial", ty) if kind == "operand" else (p, kind, "partial", ty)
                         if kind == "result" else (p, kind, n, ty) for p, kind, n, ty in scatter.pointers]
-    gather.scratch_bytes["ag_xg"] = xg.type.nbytes
+    gather.scratch_bytes.update({"ag_xg": xg.type.nbytes, **({"seam_x": x.type.nbytes} if seam else {})})
     scatter.scratch_bytes["rs_partial"] = whole.type.nbytes
-    return [gather, *calls, scatter]
+    return [*calls[:seam], gather, *calls[seam:], scatter]  # (the seam's call first)
+
+
+def _tabulate(call: KernelCall) -> KernelCall:
+    """`call` with the seam before's pointers (`TABLED`) moved into its pointer table (`KernelCall.tabled`); one not
+    known to be aligned stays an argument (`_tabled` promises the compiler the alignment)."""
+    tabled = tuple(p for p in call.pointers if p[0] in TABLED and p[0] not in call.unaligned)
+    if not tabled:
+        return call
+    ce = {n: v for n, v in call.constexprs.items() if n != "tab_ptr"}
+    for i, (p, _, _, ty) in enumerate(tabled):
+        ce.update({p + "_TI": i, p + "_DT": TL_OF[ty[1:]], p: None})
+    pts = [*call.pointers, ptr("tab_ptr", "table", "table", "*i64")]
+    return dataclasses.replace(call, name=call.name + "_tab", constexprs=ce,
+                               pointers=[p for p in pts if p not in tabled], tabled=tabled)
 
 
 def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: dict[str, TensorArg], attrs: dict,
@@ -732,6 +801,7 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
     hce = {n: v for n, v in hcalls[0].constexprs.items() if n != "y2_ptr"} if seam else NO_SEAM
     ce.update({SEAM_PARAMS.get(n, "H_" + n): v for n, v in hce.items() if n not in flags})
     ce.update(UNFOLDED, **UNGATHERED)  # (`ar_mhc_moe_ep`: `allreduce.fold` sets them; DP's `fold_rows` too)
+    ce.update(UNTABLED)  # (DP's seam: `_tabulate` sets them)
     ce.update(UNTRAILED)  # (`mhc_moe_ep_ar`: `allreduce.fold_trailing` sets them, and ST0 / SD; DP's `fold_rows` too)
     if front:  # (its pointers are the a_* params and the MoE's own, below)
         ce.update({"A_" + n: v for n, v in front.constexprs.items() if n not in flags and n != "y2_ptr"},
@@ -746,10 +816,12 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
     ce.update(NR=rcall.grid[0], RT=RT, ST=ST, ST0=ST, SD=0, ND=ND, NH=NH, EB=triton.next_power_of_2(E),
               NG=group.grid[0] if group else 0, G_NRB=group.constexprs["NRB"] if group else 0)
     calls = (*([front] if front else []), rcall, *([group] if group else []), up, down, *hcalls)
+    # (DP: the seam's output is the rank's own tokens, the shared expert's xs, not the router's x)
+    front_params = {**FRONT_PARAMS, "yo_ptr": "xs_ptr"} if "xs" in operands else FRONT_PARAMS
     pts, have = [], set()
     for call in calls:
         names = ROUTER_PARAMS if call is rcall else DOWN_PARAMS if call is down else SEAM_PARAMS if hcalls \
-            and call is hcalls[0] else FRONT_PARAMS if call is front else {}
+            and call is hcalls[0] else front_params if call is front else {}
         for p, kind, name, ty in call.pointers:
             if kind == "semaphore" or names.get(p, p) in have:
                 continue
@@ -768,7 +840,7 @@ def _specialise(op_name: str, operands: dict[str, TensorArg | None], results: di
     scratch["moe_phase"] = (int(COUNTERS) + ND + E) * 4  # phase counters, the D tiles' arrivals, the experts' tiles
     renamed = {**ROUTER_PARAMS, **DOWN_PARAMS, **SEAM_PARAMS}
     unaligned = {renamed.get(p, p) for c in calls if c is not front for p in c.unaligned}
-    unaligned |= {FRONT_PARAMS.get(p, p) for p in (front.unaligned if front else ())}
+    unaligned |= {front_params.get(p, p) for p in (front.unaligned if front else ())}
     # (the routing table's operand in the name: the hash-routed and the learned layers' calls bind different
     # operands, so each has its sidecar, of one binary: codegen/aot.py compiles it once)
     # (`copied` in the name: calls of one binary bound apart have names of their own)

@@ -56,14 +56,14 @@ typedef int (*v4rt_host_kernel)(void *user, uint32_t function, uint32_t call, ui
 #define V4RT_I64 2u /* all_gather_rows of token ids (data parallel) */
 #define V4RT_COMM_ID_BYTES 128u /* ncclUniqueId */
 
-/* Buffer kinds (the table's u32 per buffer; runtime/schedule.py KIND_CODE): 0-6 plain device memory (arena,
- * input, pool, state, weight, output, scratch; the caller zeroes what must start zeroed), 7 PEERS (plain device
- * memory: the one-shot all-reduce's peer table, written by the caller), 8 SYMMETRIC: memory other processes of
- * the group map (issue 34: the one-shot all-reduce's region; the same size on every rank), allocated through the
- * driver's IPC-capable allocator (host: a memfd; CUDA: cuMemAlloc; HIP: fine-grained uncached memory). Its
- * handle (V4RT_IPC_HANDLE_BYTES, opaque) comes from v4rt_ipc_handle; the caller exchanges the handles (over
- * torch.distributed) and maps the peers' regions with v4rt_ipc_open, which returns each region's address in
- * this process (its own for `self`); they are unmapped at v4rt_close. */
+/* Buffer kinds (the table's u32 per buffer; runtime/schedule.py KIND_CODE): 0-6 plain device memory (arena, input,
+ * pool, state, weight, output, scratch; the caller zeroes what must start zeroed), 7 PEERS (plain device memory:
+ * the one-shot all-reduce's peer table, or the kernel calls' pointer tables, written by the caller), 8 SYMMETRIC:
+ * memory other processes of the group map (issue 34: the one-shot all-reduce's region; the same size on every
+ * rank), allocated through the driver's IPC-capable allocator (host: a memfd; CUDA: cuMemAlloc; HIP: fine-grained
+ * uncached memory). Its handle (V4RT_IPC_HANDLE_BYTES, opaque) comes from v4rt_ipc_handle; the caller exchanges the
+ * handles (over torch.distributed) and maps the peers' regions with v4rt_ipc_open, which returns each region's
+ * address in this process (its own for `self`); they are unmapped at v4rt_close. */
 #define V4RT_KIND_PEERS 7u
 #define V4RT_KIND_SYMMETRIC 8u
 #define V4RT_IPC_HANDLE_BYTES 64u /* cudaIpcMemHandle_t, hipIpcMemHandle_t; the host driver's fd path */

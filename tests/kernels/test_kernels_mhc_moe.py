@@ -84,9 +84,9 @@ def test_grouped_prefill_keeps_the_seam_launches():
 BROKEN = {
     # every seam-before program runs the first token block (T = 20 tokens: 2 blocks of BT = 16): the MoE's x
     # for the last tokens stays poison
-    "seam block": ("mhc_rows(v + NA,", "mhc_rows((v + NA) * 0,", AssertionError),
+    "seam block": ("mhc_rows(s,", "mhc_rows(s * 0,", AssertionError),
     # the seam before reads the streams from its own output (scratch, NaN) instead of the layer's streams
-    "streams from scratch": ("mhc_rows(v + NA, a_y_ptr, None, a_s_ptr,", "mhc_rows(v + NA, a_y_ptr, None, m_s_ptr,",
+    "streams from scratch": ("mhc_rows(s, a_y, None, a_s,", "mhc_rows(s, a_y, None, m_s_ptr,",
                              AssertionError),
     # the finished count leaves out the seam programs: the counters are reset one program early and the last
     # program's arrival is left in them (the next call would start wrong)
@@ -114,9 +114,12 @@ def test_the_moe_waits_for_the_seam_before():
     (`allreduce.fold_trailing`); the routed and combining programs wait for them in turn (test_kernels_moe_router)."""
     src = inspect.getsource(moe_router.moe_fused_kernel.fn)
     at = src.index
-    seam, router, shared = at("mhc_rows(v + NA,"), at("_route_phase(v,"), at("_up(v * 0, v - NR,")
+    seam, router, shared = at("mhc_rows(s,"), at("_route_phase(v,"), at("_up(v * 0, v - NR,")
     late = at("_up(v * 0, v - NR - E * RT - E * ND - NP,")
     assert seam < at("publish(phase_ptr + SEAM_IN)") < router < shared < late
     waits = [i for i in range(len(src)) if src.startswith("wait_for(phase_ptr + SEAM_IN, NA)", i)]
-    assert len(waits) == 3 and at("elif v < NR:") < waits[0] < router
+    # (the first: DP's all-gather of the seam's x, `test_every_wait_follows_its_producers_publish`)
+    assert len(waits) == 4 and waits[0] < seam
+    waits = waits[1:]
+    assert at("elif v < NR:") < waits[0] < router
     assert at("elif v < NR + ST0:") < waits[1] < shared and at("elif v < NR + E * RT + E * ND + NP + ST:") < waits[2] < late

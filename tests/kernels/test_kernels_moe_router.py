@@ -224,9 +224,9 @@ BROKEN = {
                    "mhc_rows((v - NR - ST - E * RT - E * ND - SD - 2 * NP) * 0,", AssertionError),
     # (no seam before: its programs copy the MoE's x and the seam's streams / post / comb to scratch) all copy
     # the first token block: the rest stays poison
-    "seam copy block": ("_copy_rows(v + NA,", "_copy_rows((v + NA) * 0,", AssertionError),
+    "seam copy block": ("_copy_rows(s,", "_copy_rows(s * 0,", AssertionError),
     # the streams copied from where they are to go (poison) instead of the layer's streams
-    "seam copy streams": ("_copy_rows(v + NA, a_y_ptr, a_s_ptr,", "_copy_rows(v + NA, a_y_ptr, m_s_ptr,",
+    "seam copy streams": ("_copy_rows(s, a_y, a_s,", "_copy_rows(s, a_y, m_s_ptr,",
                           AssertionError),
 }
 
@@ -255,17 +255,21 @@ def test_every_wait_follows_its_producers_publish():
     (a folded all-reduce -> the seam before; router -> routed up; routed up -> its expert's down programs; shared
     up -> the combining program; with the MoE's all-reduce folded in: the combined D tiles -> the publishers -> the
     gatherers, the shared gate / up and down between them; DP's folded all-gather -> the router, its reduce-scatter's
-    gatherers where the all-reduce's are); the last program to finish counts every phase's; the
+    gatherers where the all-reduce's are; the seam before it, first by ticket -> the all-gather); the last program to finish counts every phase's; the
     phases sit in the kernel (the ticket order) as the deadlock-freedom argument needs (`allreduce.fold_trailing`:
     no program waits for a later ticket on its rank)."""
     import inspect
     src = inspect.getsource(moe_router.moe_fused_kernel.fn)
     at = src.index
-    assert at("oneshot_tiles(v + NA + NO, ar_x_ptr, a_y_ptr") < at("publish(phase_ptr + REDUCED)") \
-        < at("wait_for(phase_ptr + REDUCED, NO)") < at("mhc_rows(v + NA, a_y_ptr")
-    # DP (`allreduce.fold_rows`): every rank's tokens gathered into the router's x, then the router reads them
-    assert at("rows_tiles(v + NA + NO, xs_ptr, x_ptr") < at("publish(phase_ptr + REDUCED)") \
-        < at("elif NO > 0:\n            wait_for(phase_ptr + REDUCED, NO)") < at("_route_phase(v,")
+    assert at("oneshot_tiles(c, ar_x_ptr, a_y_ptr") < at("publish(phase_ptr + REDUCED)") \
+        < at("wait_for(phase_ptr + REDUCED, NO)  # every tile") < at("mhc_rows(s, a_y")
+    # DP (`allreduce.fold_rows`): every rank's tokens gathered into the router's x, then the router reads them; with
+    # the seam before (tickets [0, NA), the gather's NO after them), the gather waits for the seam's x
+    assert at("c = v + NO + NA - NA * AR_GATHER") and at("s = v + NA + NO * AR_GATHER")
+    assert at("wait_for(phase_ptr + SEAM_IN, NA)  # this rank's tokens") < at("rows_tiles(c, xs_ptr, x_ptr") \
+        < at("publish(phase_ptr + REDUCED)") < at("if AR_GATHER:\n            wait_for(phase_ptr + REDUCED, NO)") \
+        < at("_route_phase(v,")
+    assert at("mhc_rows(s, a_y") < at("publish(phase_ptr + SEAM_IN)")
     assert at("last_to_arrive(phase_ptr + FINISHED, NO + NA + NR + NG + ST + E * RT + E * ND + 2 * NP + SD + NH)")
     assert at("_route_phase(v,") < at("publish(phase_ptr + ROUTED)") < at("wait_for(phase_ptr + ROUTED, NR)") \
         < at("_up(w // RT")

@@ -6,7 +6,9 @@ interpreter, each rank simulated: the folded ops' references across ranks) gives
 bit, and a fold that loses the sum is caught. Under `--allreduce nccl` neither finds anything; a grouped MoE (a
 prefill chunk's) takes the one-shots as calls of their own, before and after its calls. Data parallel (dp 2 ep 2):
 every layer's MoE takes its all-gather and reduce-scatter (`ag_moe_router_experts_dp_rs`), two launches fewer each,
-the logits to the bit, a fold whose gather reverses the ranks caught.
+and but in layer 0 the seam before it (`mhc_ag_moe_router_experts_dp_rs`), one more; the logits to the bit, a fold
+whose gather reverses the ranks caught; the seam's pointers reach its kernel through the call's table (the schedule's
+tables checked, one in another order caught).
 The kernels' side (the leading phase run by the C runtime across two processes):
 tests/runtime/test_parallel_artifact.py::test_oneshot_allreduce_on_the_host_device, test_dp_artifact.py (the DP
 fold)."""
@@ -67,18 +69,69 @@ def test_dp_rows_collectives_fold_into_their_moe_exactly(monkeypatch):
     cfg = preset(NAME)
     folded = through_the_pipeline("dp2ep2")
     ops = [op.name for op in folded.functions["decode"].ops]
-    assert ops.count(fused_allreduce.ROWS_FOLDED) == cfg.n_layers and not [o for o in ops if o.endswith("_oneshot")]
+    # every layer's; the seam before it too but in layer 0 (an `hc_pre_norm`, which nothing folds)
+    assert [ops.count(fused_allreduce.ROWS_FOLDED), ops.count(fused_allreduce.SEAM_ROWS_FOLDED)] \
+        == [1, cfg.n_layers - 1] and not [o for o in ops if o.endswith("_oneshot")]
     with monkeypatch.context() as mp:
+        mp.setattr(fuse_oneshot_rows, "_seam_before", lambda *a: None)
+        no_seam = through_the_pipeline("dp2ep2")
         mp.setattr(fuse_oneshot_rows, "DP_MOE", "none")
         apart = through_the_pipeline("dp2ep2")
-    calls, calls_apart = (launch_counts(cfg, m.functions["decode"])["per_layer"] for m in (folded, apart))
-    assert sum(calls_apart.values()) - sum(calls.values()) == 2 * cfg.n_layers, (calls, calls_apart)
-    assert torch.equal(folded_logits("dp2ep2"), logits_of("dp2ep2", apart))
-    # a fold whose reference gathers the ranks' tokens in reverse order: caught
+    calls, calls_no_seam, calls_apart = (launch_counts(cfg, m.functions["decode"])["per_layer"]
+                                         for m in (folded, no_seam, apart))
+    assert sum(calls_apart.values()) - sum(calls_no_seam.values()) == 2 * cfg.n_layers, (calls_no_seam, calls_apart)
+    assert sum(calls_no_seam.values()) - sum(calls.values()) == cfg.n_layers - 1, (calls, calls_no_seam)
+    want = logits_of("dp2ep2", apart)
+    assert torch.equal(folded_logits("dp2ep2"), want) and torch.equal(logits_of("dp2ep2", no_seam), want)
+    # a fold whose reference gathers the ranks' tokens in reverse order: caught, with the seam and without
     gather = fused_allreduce.all_gather_rows
     monkeypatch.setattr(fused_allreduce, "all_gather_rows", SimpleNamespace(
         _infer=gather._infer, _cost=gather._cost, spmd_ref=lambda per_rank, a: gather.spmd_ref(per_rank[::-1], a)))
-    assert not torch.equal(logits_of("dp2ep2", folded), folded_logits("dp2ep2"))
+    assert not torch.equal(logits_of("dp2ep2", folded), want)
+    assert not torch.equal(logits_of("dp2ep2", no_seam), want)
+
+
+def table_errors(sched) -> list[str]:
+    """Where a call's pointer table (`KernelCall.tabled`) in the schedule is not the slots of the values its launch
+    binds to the tabled pointers, in table order (null: an unbound one), or a tabled pointer is an argument too."""
+    from v4compile.runtime.schedule import TABLES
+
+    at = {off: entries for off, entries in sched.tables}
+    errs = []
+    for f in sched.functions:
+        launches = f.program.launches
+        for c, li in zip(f.calls, f.launch_of):
+            kc = c.kernel
+            if kc is None or not kc.tabled:
+                continue
+            vals = {**dict(launches[li].operands), **dict(launches[li].results)}
+            want = tuple((-1, 0) if vals.get(n) is None else (sched.buffer_index(f.name, vals[n].buffer),
+                                                              vals[n].offset) for _, _, n, _ in kc.tabled)
+            tab = [p for p in c.params if p.role.startswith("table:")]
+            if len(tab) != 1 or tab[0].buffer != sched.index[TABLES] or at.get(tab[0].offset) != want \
+                    or {p[0] for p in kc.tabled} & {p[0] for p in kc.pointers}:
+                errs.append(f"{f.name}#{li} {kc.name}")
+    return errs
+
+
+def test_dp_seam_pointers_reach_the_kernel_through_its_table():
+    """The DP MoE launch with the seam before it takes the seam's inputs and weights through its pointer table
+    (`moe_router.TABLED`: as arguments their scalar registers made gfx950 spill): the schedule gives each such call
+    its table of the slots its launch binds (what the runtime writes at load; the run itself:
+    tests/runtime/test_dp_artifact.py), and a table in another order is caught."""
+    from v4compile.ops.fused_allreduce import SEAM_ROWS_FOLDED
+    from v4compile.program.build import build_program
+    from v4compile.runtime.kernels import make_kernel_calls
+    from v4compile.runtime.schedule import build_schedule
+
+    planned = PassManager(GPU_PIPELINE[len(PROGRAM_STAGE):], PipelineOptions()).run(through_the_pipeline("dp2ep2"))
+    sched = build_schedule(build_program(planned.module), make_kernel_calls(), functions=["decode"])
+    f = sched.functions[0]
+    tabled = {f.program.launches[li].op for c, li in zip(f.calls, f.launch_of) if c.kernel and c.kernel.tabled}
+    assert tabled == {SEAM_ROWS_FOLDED} and len(sched.tables) == preset(NAME).n_layers - 1
+    assert table_errors(sched) == []
+    sched.tables = [(off, entries[::-1]) for off, entries in sched.tables]
+    assert len(table_errors(sched)) == len(sched.tables)
 
 
 def test_nothing_to_fold_on_the_communicator():

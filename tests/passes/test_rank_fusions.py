@@ -176,12 +176,13 @@ def test_a_dp_fused_op_with_the_shared_expert_on_the_gathered_rows_is_caught(mon
 def check_dp_fusions(result) -> None:
     """Data parallel: the router, the mask, the routed and the shared expert are one op a layer, between the
     gather and the reduce-scatter (each a launch of its own, or, one-shot on the GPU pipeline, `oneshot_allreduce`,
-    folded into the MoE's: `fuse_oneshot_rows`), the seam after reading the reduce-scatter."""
-    from v4compile.ops.fused_allreduce import ROWS_FOLDED
+    folded into the MoE's, with the seam before it: `fuse_oneshot_rows`), the seam after reading the
+    reduce-scatter."""
+    from v4compile.ops.fused_allreduce import rows_folded
 
     cfg = preset(NAME)
     ops = [op.name.removesuffix("_oneshot") for op in result.module.functions["decode"].ops]
-    folded = ops.count(ROWS_FOLDED)
+    folded = sum(map(rows_folded, ops))
     assert ops.count("moe_router_experts_dp") + folded == cfg.n_layers
     assert ops.count("reduce_scatter_rows") + folded == cfg.n_layers and ops.count("all_gather_rows") + folded \
         >= cfg.n_layers

@@ -137,21 +137,25 @@ def test_dp_ranks_match_the_single_process_run(dp_run, reference, device):
 
 def test_oneshot_rows_collectives_equal_the_communicators(dp_run):
     """The sm_90a program's one-shot all-gather / reduce-scatter of rows (`passes/oneshot_allreduce.py`), folded into
-    the MoE's launch between them (`passes/fuse_oneshot_rows.py`: the gather its leading phase, the reduce-scatter its
-    trailing part), run by that launch's kernel on the host device (layer 1 at decode, interpreted, the rest of the
-    MoE with them; `dp_worker.rows_kernels`) give the ids and every logits row of the program compiled with them on
-    the communicator (`oneshot_off`: `--allreduce nccl`, layer 1's MoE at decode by the same kernel, the gather and
-    the reduce-scatter on gloo; two prompts, one a replica, 4 tokens) bit for bit on both ranks (at 2 ranks gloo's
+    the MoE's launch between them with the seam before it (`passes/fuse_oneshot_rows.py`: the seam first, its pointers
+    through the call's table, the gather of its output next, the reduce-scatter the trailing part), run by that
+    launch's kernel on the host device (layer 1 at decode, interpreted, the rest of the MoE with them;
+    `dp_worker.rows_kernels`) give the ids and every logits row of the program compiled with them on the communicator
+    (`oneshot_off`: `--allreduce nccl`, layer 1's seam before the MoE and MoE at decode by their kernels, the gather
+    and the reduce-scatter on gloo; two prompts, one a replica, 4 tokens) bit for bit on both ranks (at 2 ranks gloo's
     a + b is the kernel's rank-order sum; the order past 2 ranks: tests/kernels/test_kernels_allreduce.py); the
-    all-gather placing the ranks' rows in reverse order is caught."""
+    all-gather placing the ranks' rows in reverse order is caught (a table in another order faults the host device's
+    memory guard: shown by hand, and `test_dp_seam_pointers_reach_the_kernel_through_its_table` checks the tables)."""
     tmp = dp_run[0]
     for r in range(2):
         ran = [line.split() for line in (tmp / f"oneshot-ran-{r}.txt").read_text().splitlines()]
-        # the folded launch ran, both collectives in it (`allreduce.fold_rows`' name), in both runs; unfolded, the
-        # same MoE kernel
-        assert [m for m, _ in ran] == ["oneshot_off", "oneshot", "oneshot_reversed"], ran
-        assert [n.startswith("moe_fused_") and "_ag_g2_rs_g2_" in n for _, n in ran] == [False, True, True], ran
-        assert ran[0][1].startswith("moe_fused_"), ran
+        # the folded launch ran, the seam before and both collectives in it (`allreduce.fold_rows`' name), in both
+        # runs; unfolded, the seam's and the MoE's kernels
+        assert [m for m, _ in ran] == ["oneshot_off", "oneshot_off", "oneshot", "oneshot_reversed"], ran
+        assert ran[0][1].startswith("mhc_post_pre_") and ran[1][1].startswith("moe_fused_") and "_ag_" not in ran[1][1]
+        # (`_tab`: the seam's pointers through the call's table, which the runtime filled: `moe_router.TABLED`)
+        assert all(n.startswith("moe_fused_") and "_seams_ag_g2_rs_g2_" in n and n.endswith("_tab")
+                   for _, n in ran[2:]), ran
         want, got, bad = (np.load(tmp / f"{d}-rank-{r}.npz") for d in ("oneshot_off", "oneshot", "oneshot_reversed"))
         rows = [k for k in want.files if k.startswith("rows-")]
         assert want["ids"].tolist() == got["ids"].tolist()

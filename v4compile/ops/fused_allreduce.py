@@ -21,7 +21,10 @@ A producer fold may be a consumer too (`ar_mhc_moe_ep_ar`: the attention's all-r
 `(reduce_scatter_rows_oneshot(p), shared)` with `p, shared = moe_router_experts_dp(x, all_gather_rows_oneshot(x),
 ...)`, so `partial` is this rank's rows of the ranks' routed sum (in rank order). Its kernel is the MoE's one launch
 with the all-gather as its leading phase and the reduce-scatter as its trailing part, the shared expert between the
-latter's publish and wait (`codegen/kernels/moe_router.py`, `allreduce.fold_rows`).
+latter's publish and wait (`codegen/kernels/moe_router.py`, `allreduce.fold_rows`). `mhc_ag_moe_router_experts_dp_rs`
+is the same with the seam before the MoE (`mhc_post_pre`, its operands first and its attributes as `in_*`, as
+`mhc_moe_ep`'s) giving `x`: `x` never leaves the op, the seam's streams / post / comb are results after the MoE's; its
+launch runs the seam first, then the all-gather of its output.
 """
 
 from __future__ import annotations
@@ -238,4 +241,70 @@ def _fold_rows(moe: OpDef) -> OpDef:
 
 PRODUCER_FOLDED = {name: _fold_trailing(get_op(name)) for name in PRODUCERS}
 ROWS_FOLDED_OP = _fold_rows(get_op(DP_MOE))
+SEAM_ROWS_FOLDED = "mhc_" + ROWS_FOLDED
+SEAM_IN = ("y", "streams", "post", "comb", "in_fn", "in_base", "in_scale", "in_norm")  # the seam's operands
+
+
+def rows_folded(name: str) -> bool:
+    """Whether `name` is DP's MoE with its rows collectives folded in (the seam before it too, or not)."""
+    return name in (ROWS_FOLDED, SEAM_ROWS_FOLDED)
+
+
+def _seam_rows_fold(folded: OpDef) -> OpDef:
+    from .fused import IN_MHC_ATTRS, _in_attrs, mhc_post_pre
+
+    name, rest = folded.sig.strip().split("(", 1)
+    rest = rest.split(", ", 1)[1]  # (its x: the seam's output)
+    sig = f"mhc_{name}({', '.join(SEAM_IN)}, {rest.rsplit('->', 1)[0].strip()} -> " \
+          f"{rest.rsplit('->', 1)[1].strip()}, streams_out, post_next, comb_next"
+    attrs = {**{k: (a.type if a.required else (a.type, a.default)) for k, a in folded.attrs.items()
+                if k != "variant"}, **IN_MHC_ATTRS}
+    variants = {k: tuple(v) for k, v in folded.variants.items()} or None
+    n = len(SEAM_IN)
+
+    def split(operands, attrs):
+        """(the seam's operands, its attrs, the folded MoE's operands but x, its attrs)."""
+        return (list(operands[:n]), _in_attrs(attrs), list(operands[n:]),
+                {k: v for k, v in attrs.items() if k not in IN_MHC_ATTRS})
+
+    def ref(*operands, **attrs):
+        s_ops, s_attrs, m_ops, m_attrs = split(operands, attrs)
+        s, x, p, c = mhc_post_pre.ref(*s_ops, **s_attrs)
+        return (*folded.ref(x, *m_ops, **m_attrs), s, p, c)
+
+    ref.__doc__ = (f"The seam before the MoE (`mhc_post_pre`, `in_*` attributes) and `{folded.name}` on the x it "
+                   "returns, in one op; the seam's streams / post / comb are results.")
+    op = defop(sig, attrs, kernel=folded.kernel, follows=folded.follows or None, variants=variants)(ref)
+
+    @op.infer
+    def _(*operands, **attrs):
+        s_ops, s_attrs, m_ops, m_attrs = split(operands, attrs)
+        s, x, p, c = mhc_post_pre.result_types(s_ops, s_attrs)
+        return [*folded.result_types([x, *m_ops], m_attrs), s, p, c]
+
+    @op.spmd
+    def _(per_rank, attrs):
+        seams, moes = [], []
+        for ops in per_rank:
+            s_ops, s_attrs, m_ops, m_attrs = split(ops, attrs)
+            s, x, p, c = mhc_post_pre.run(s_ops, s_attrs)
+            seams.append((s, p, c))
+            moes.append([x, *m_ops])
+        out = folded.spmd_ref(moes, split(per_rank[0], attrs)[3])
+        return [(*o, *sp) for o, sp in zip(out, seams)]
+
+    @op.cost
+    def _(operands, results, attrs):
+        # the seam's and the folded MoE's, less the MoE input the seam writes and the MoE reads (scratch of the one
+        # launch: counted once each way, as `mhc_moe_ep`'s)
+        s_ops, s_attrs, m_ops, m_attrs = split(operands, attrs)
+        mid = mhc_post_pre.result_types(s_ops, s_attrs)
+        a = mhc_post_pre.cost_of(s_ops, mid, s_attrs)
+        b = folded.cost_of([mid[1], *m_ops], list(results[:2]), m_attrs)
+        return Cost(a.flops + b.flops, a.bytes_read + b.bytes_read, a.bytes_written + b.bytes_written)
+
+    return op
+
+
+SEAM_ROWS_FOLDED_OP = _seam_rows_fold(ROWS_FOLDED_OP)
 FOLDED = {name: _fold(get_op(name)) for name in CONSUMERS}

@@ -159,7 +159,7 @@ def _(operands, results, attrs):
 # with `xg = all_gather_rows(x)`: the routed experts see every rank's tokens, the shared expert the rank's own.
 # The fused op reads both; the gather is a launch of its own before it and the reduce-scatter one after it (the
 # seam after reads `add(reduced, shared)`: `mhc_post_pre_add`, as under `--ep` alone), or, run one-shot on a GPU,
-# both are folded into its launch (`passes/fuse_oneshot_rows.py`, `ops/fused_allreduce.py`).
+# both are folded into its launch, with the seam before it (`passes/fuse_oneshot_rows.py`, `ops/fused_allreduce.py`).
 
 @defop("moe_router_experts_dp(x, xg, gate, bias?, tid2eid?, ids?, owner, w1, w2, w3, s1, s2, s3, w1_scale?, "
        "w2_scale?, w3_scale?, s1_scale?, s2_scale?, s3_scale?) -> partial, shared",
