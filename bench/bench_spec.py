@@ -2,11 +2,12 @@
 tokens/s against plain greedy decoding in the same run, and the modeled V4-Pro gain at that acceptance.
 
     python bench/bench_spec.py [--new 64] [--k 1,2,3] [--repeat 7] [--batch 1] [--auto] [--reference]
-                               [--no-model] [--checkpoint DIR] [--json OUT]
+                               [--no-model] [--draft-sinkhorn-iters N] [--checkpoint DIR] [--json OUT]
 
 What runs: the example compiled with `--draft-tokens k` for the cpu device, one artifact per k (ONNX Runtime,
 one thread, `--batch` prompts a call: batch 1 runs each prompt alone, batch B > 1 the prompts cycled to B
-sequences in one call), so the artifact carries the MTP block (`draft_b1` / `draft_c16`): `runtime/speculative.py`'s
+sequences in one call), so the artifact carries the MTP block (`draft_b1` / `draft_c16`; with
+`--draft-sinkhorn-iters N` its two Sinkhorns cut to N iterations: cheaper drafts, the same ids): `runtime/speculative.py`'s
 steps (greedy: one call of the fused verify + acceptance + k unrolled MTP drafts graph, `codegen/onnx_spec.py`;
 `draft_b1` calls only for a request's first drafts after its prefill) against the session's plain decode steps,
 the MTP's own cost included. Plain and every k are timed in interleaved
@@ -62,6 +63,8 @@ def main() -> None:
     ap.add_argument("--reference", action="store_true", help="also the eager reference decoder")
     ap.add_argument("--no-model", action="store_true", help="skip the modeled V4-Pro gain")
     ap.add_argument("--checkpoint", type=Path, default=EXAMPLE, help="the trained example (default examples/tiny-doc)")
+    ap.add_argument("--draft-sinkhorn-iters", type=int, default=0,
+                    help="compile the MTP block's Sinkhorns with this many iterations (default 0: the model's)")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -70,7 +73,7 @@ def main() -> None:
     prompts = [tok.encode(p) for p in PROMPTS]
     ks = [int(x) for x in a.k.split(",")]
     res = {"model": str(a.checkpoint), "new_tokens": a.new, "prompts": len(prompts), "batch": a.batch,
-           "repeat": a.repeat, "compiled_cpu": compiled_cpu(a, prompts, ks)}
+           "repeat": a.repeat, "draft_sinkhorn_iters": a.draft_sinkhorn_iters, "compiled_cpu": compiled_cpu(a, prompts, ks)}
     rates = {k: v["acceptance"] for k, v in res["compiled_cpu"]["speculative"].items() if k != "auto"}
     if a.reference:
         res["reference"] = reference(a, prompts, ks)
@@ -280,7 +283,8 @@ def compiled_cpu(a, prompts, ks: list[int]) -> dict:
         for k in ks:
             art = Path(tmp) / f"tiny-doc-k{k}"
             if cli(["-q", "compile", str(a.checkpoint), "-o", str(art), "--target", "cpu", "--decode-buckets", buckets,
-                    "--prefill-buckets", "16", "--draft-tokens", str(k), "--numerics", "hf", "--dtype", "fp32"]) != 0:
+                    "--prefill-buckets", "16", "--draft-tokens", str(k), "--numerics", "hf", "--dtype", "fp32",
+                    "--draft-sinkhorn-iters", str(a.draft_sinkhorn_iters)]) != 0:
                 raise SystemExit("compiling the example failed")
             sessions[k] = sess = v4compile.load(art, device="cpu", threads=1)
             sess.backend.prepare(sorted(sess.backend.functions()))  # every session built before timing
@@ -304,9 +308,10 @@ def compiled_cpu(a, prompts, ks: list[int]) -> dict:
             # batch's last sequence alone steps in bucket 1 when the others finished first)
             for x in inputs + ([[prompts[0]]] if a.batch > 1 else []):
                 auto(x)
-        out = report("compiled cpu", list(runs)[1:], interleaved(runs, inputs, a.repeat),
-                     a.new * sum(len(x) for x in inputs), a.batch)
-        step_table("compiled cpu", runs, inputs, out["speculative"], min(a.repeat, 5))
+        label = "compiled cpu" + (f" (draft Sinkhorn {a.draft_sinkhorn_iters})" if a.draft_sinkhorn_iters else "")
+        out = report(label, list(runs)[1:], interleaved(runs, inputs, a.repeat), a.new * sum(len(x) for x in inputs),
+                     a.batch)
+        step_table(label, runs, inputs, out["speculative"], min(a.repeat, 5))
         for sess in sessions.values():
             sess.close()
     return out

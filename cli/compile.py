@@ -67,6 +67,11 @@ def cmd_compile(args) -> int:
     single = _single_pipeline(args)
     fe = frontend_of(args, need_weights=args.check_numerics, shape_only_default=bool(args.output) and "cpu" not in targets,
                      announce="compile", trace=single)
+    if args.draft_sinkhorn_iters:  # before any work
+        if not (args.output and args.draft_tokens):
+            raise InputError("--draft-sinkhorn-iters sets how an artifact's MTP block drafts",
+                             expected="-o DIR with --draft-tokens K")
+        fe.options.validate(fe.cfg)
     ci = _artifact_plan(args, fe, targets) if args.output else None  # checked before any work
     result = outcome = None
     if single:
@@ -271,6 +276,10 @@ def add_command(sub) -> None:
                    help="the draft counts whose verify and MTP draft functions the cpu target carries on their own "
                         "1 + k lanes, comma-separated, ending at --draft-tokens (default: every k in 1..K; a step "
                         "verifying fewer drafts than K runs on fewer lanes, as `--draft-tokens auto` chooses)")
+    c.add_argument("--draft-sinkhorn-iters", type=int_arg(0, 1000), default=0,
+                   help="the MTP block's Sinkhorn iterations when it drafts (1 .. the model's hc_sinkhorn_iters; default "
+                        "0: the model's). Fewer make each draft cheaper; the output is the same whatever the value "
+                        "(every draft is verified), only the acceptance may change (recorded in the manifest)")
     c.add_argument("--gpu-decode-buckets", default=None,
                    help="decode batch buckets of the GPU targets (default: the largest --decode-buckets; smaller "
                         "batches run padded)")

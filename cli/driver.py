@@ -247,7 +247,9 @@ def write_artifact(ci: CompileInputs, out: str | Path, force: bool = False,
                         "prefill_batch": 1, **({"draft_tokens": ci.buckets.draft_tokens,
                                                 "verify_drafts": list(ci.buckets.verify_ks())}
                                                if ci.buckets.draft_tokens else {}),
-                        **({"mtp_draft": True} if any(n.startswith("draft_") for n in ci.module.functions) else {}),
+                        **({"mtp_draft": True, "draft_sinkhorn_iters":
+                            ci.module.attrs.get("draft_sinkhorn_iters") or ci.cfg.hc_sinkhorn_iters}
+                           if any(n.startswith("draft_") for n in ci.module.functions) else {}),
                         **({"gpu": {"decode_batch": list(ci.gpu_buckets.decode),
                                     "prefill_chunk": list(ci.gpu_buckets.prefill)}} if gpu else {})},
             "pool": {k[len("pool."):]: (list(v) if isinstance(v, tuple) else v)

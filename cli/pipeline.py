@@ -78,7 +78,8 @@ def trace_options(args):
     from ..trace import TraceOptions
 
     return TraceOptions(batch=args.batch, chunk=args.chunk, decode_batch=args.decode_batch, capacity=args.max_context,
-                        numerics=args.numerics, dtype=args.dtype)
+                        numerics=args.numerics, dtype=args.dtype,
+                        draft_sinkhorn_iters=getattr(args, "draft_sinkhorn_iters", 0))
 
 
 def stages_of(args) -> Stages:

@@ -410,6 +410,10 @@ def check_manifest(m: dict[str, Any], verify: bool = True) -> None:
     mtp_draft = b.get("mtp_draft", False)  # the MTP block compiled: `draft_b<B>` / `draft_c<T>` (1 + K / T lanes)
     if mtp_draft is not False and (mtp_draft is not True or not draft_tokens):
         raise _err("`buckets.mtp_draft` must be true (with `draft_tokens`) or absent", found=_show(mtp_draft))
+    if "draft_sinkhorn_iters" in b:  # how the MTP block drafts (an artifact from before it: the config's)
+        if not mtp_draft:
+            raise _err("`buckets.draft_sinkhorn_iters` is for an artifact with `mtp_draft`")
+        _int(b["draft_sinkhorn_iters"], "buckets.draft_sinkhorn_iters", 1, cfg.hc_sinkhorn_iters)
     gpu_b = None
     if "gpu" in b:
         g = _obj(b["gpu"], "buckets.gpu")

@@ -62,10 +62,20 @@ class TraceOptions:
     numerics: str = "hf"
     dtype: str = "fp32"  # compute dtype of activations and dense weights
     weights: str = "dense"  # "dense": every weight in the compute dtype; "released": FP8 / FP4 as released
+    # The MTP block's two mHC Sinkhorns stop after this many column normalisations (0: the config's
+    # `hc_sinkhorn_iters`, the block as trained). The block only drafts and the verify step is exact, so the
+    # output does not depend on it; fewer iterations make a draft cheaper (tiny-doc: 242 -> 166 ONNX nodes a
+    # draft at 1) at whatever acceptance the model keeps (`bench/bench_spec.py` measures it).
+    draft_sinkhorn_iters: int = 0
 
     def attrs(self) -> dict[str, Any]:
         return {"batch": self.batch, "chunk": self.chunk, "decode_batch": self.decode_batch,
-                "capacity": self.capacity, "numerics": self.numerics, "dtype": self.dtype, "weights": self.weights}
+                "capacity": self.capacity, "numerics": self.numerics, "dtype": self.dtype, "weights": self.weights,
+                **({"draft_sinkhorn_iters": self.draft_sinkhorn_iters} if self.draft_sinkhorn_iters else {})}
+
+    def step(self, last_only: bool = False) -> StepOptions:
+        """The model step's options for this trace."""
+        return StepOptions(self.numerics, last_only=last_only, mtp_sinkhorn_iters=self.draft_sinkhorn_iters)
 
     def validate(self, cfg: V4Config) -> None:
         for k in ("batch", "chunk", "decode_batch", "capacity"):
@@ -80,6 +90,10 @@ class TraceOptions:
             raise InputError("unknown compute dtype", expected="fp32 / bf16", found=self.dtype)
         if self.weights not in ("dense", "released"):
             raise InputError("unknown weight format mode", expected="dense / released", found=self.weights)
+        n = self.draft_sinkhorn_iters
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= cfg.hc_sinkhorn_iters:
+            raise InputError("draft Sinkhorn iterations out of range", found=n,
+                             expected=f"an integer in 1..{cfg.hc_sinkhorn_iters} (the model's), or 0 for the model's")
 
 
 def _ir_dtype(spec: TensorSpec, compute: str) -> str:
@@ -181,7 +195,7 @@ def trace(cfg: V4Config, opts: TraceOptions | None = None, functions: tuple[str,
                 shapes = layer_cache_shapes(cfg, layer, B, opts.capacity, opts.dtype, opts.numerics)
                 caches.append({k: b.input(cache_input_name(layer, k), TensorType(shape, dt))
                                for k, (shape, dt) in shapes.items()})
-            step = StepOptions(opts.numerics, last_only=fname != "verify")
+            step = opts.step(last_only=fname != "verify")
             if fname == "draft":
                 logits, out = mtp_step(P, cfg, 0, hidden, ids, pos, caches[0], step)
             else:

@@ -51,14 +51,14 @@ def trace_verify(cfg: V4Config, draft_tokens: int, opts: TraceOptions | None = N
             caches.append({key: b.input(cache_input_name(layer, key), TensorType(shape, dt))
                            for key, (shape, dt) in shapes.items()})
         logits, streams = model_step(P, cfg, ids, pos, caches[:-1], StepOptions(opts.numerics))
-        draft, h = mtp_step(P, cfg, 0, streams, mtp_ids, pos, caches[-1], StepOptions(opts.numerics, last_only=True))
+        draft, h = mtp_step(P, cfg, 0, streams, mtp_ids, pos, caches[-1], opts.step(last_only=True))
         b.output("logits", logits)
         b.output("draft_logits.0", draft)
         for j in range(1, k):  # the block again on its own output, one lane, one position further each time
             tok = b.input(f"draft_ids.{j}", TensorType((B, 1), "i64"))
             lane = b.input(f"draft_pos.{j}", TensorType((B, 1), "i64"))
             draft, h = mtp_step(P, cfg, 0, h if j > 1 else last_lane(h, pos), tok, lane, caches[-1],
-                                StepOptions(opts.numerics, last_only=True))
+                                opts.step(last_only=True))
             b.output(f"draft_logits.{j}", draft)
         for layer, c in enumerate(caches):
             for key, v in c.items():

@@ -130,32 +130,41 @@ def test_greedy_ids_equal_plain_cpu(doc, k, monkeypatch):
     assert sum(stats.accepted) < sum(stats.offered)
     assert len(got) == 2 and all(len(v) >= (NEW - 1) // (k + 1) * k for v in got.values())
     if k == 2:  # against the reference decoder: the same drafts (ids and q)
-        ref = ReferenceModel.from_pretrained(EXAMPLE)
-        want_d: dict[int, list] = {0: [], 1: []}
-        last = []
-        orig = ref_speculative._draft
+        assert reference_draft_error(ReferenceModel.from_pretrained(EXAMPLE), prompts, want, got, k,
+                                     monkeypatch) < 1e-4
 
-        def draft(model, streams, next_ids, pos, cache, L, live, k, pick, hook, chunks):
-            def rec_pick(logits):
-                last.append(probs(logits.numpy(), 1.0))
-                return pick(logits)
-            return orig(model, streams, next_ids, pos, cache, L, live, k, rec_pick, hook, chunks)
 
-        def hook(b, p, d):
-            want_d[b].append((p, d, last[-1]))
-            return d
-        monkeypatch.setattr(ref_speculative, "_draft", draft)
-        r = ref_speculative.speculative_generate(ref, prompts, REF_NEW, k, draft=hook)
-        assert r.ids == [w[:REF_NEW] for w in want]
-        for b, sid in enumerate(sorted(got)):
-            # the reference's shorter run drafts k at every step, also past its last token: the compiled run's
-            # drafts of the same steps
-            theirs = want_d[b]
-            mine = got[sid][: len(theirs)]
-            assert len(mine) == len(theirs) >= REF_NEW // 2
-            assert [(p, d) for p, d, _ in mine] == [(p, d) for p, d, _ in theirs]
-            err = max(float(np.abs(q - w).max()) for (_, _, q), (_, _, w) in zip(mine, theirs))
-            assert err < 1e-4, err
+def reference_draft_error(ref, prompts, want, got, k: int, monkeypatch) -> float:
+    """The reference decoder `ref` drafting over the prompts' first REF_NEW new tokens: its drafts must be the
+    compiled run's `got` (`recorded`) at the same positions; returns the largest difference of the distributions
+    they are drawn from (q at temperature 1)."""
+    want_d: dict[int, list] = {0: [], 1: []}
+    last = []
+    orig = ref_speculative._draft
+
+    def draft(model, streams, next_ids, pos, cache, L, live, k, pick, hook, chunks):
+        def rec_pick(logits):
+            last.append(probs(logits.numpy(), 1.0))
+            return pick(logits)
+        return orig(model, streams, next_ids, pos, cache, L, live, k, rec_pick, hook, chunks)
+
+    def hook(b, p, d):
+        want_d[b].append((p, d, last[-1]))
+        return d
+    monkeypatch.setattr(ref_speculative, "_draft", draft)
+    r = ref_speculative.speculative_generate(ref, prompts, REF_NEW, k, draft=hook)
+    monkeypatch.setattr(ref_speculative, "_draft", orig)
+    assert r.ids == [w[:REF_NEW] for w in want]
+    err = 0.0
+    for b, sid in enumerate(sorted(got)):
+        # the reference's shorter run drafts k at every step, also past its last token: the compiled run's
+        # drafts of the same steps
+        theirs = want_d[b]
+        mine = got[sid][: len(theirs)]
+        assert len(mine) == len(theirs) >= REF_NEW // 2
+        assert [(p, d) for p, d, _ in mine] == [(p, d) for p, d, _ in theirs]
+        err = max([err] + [float(np.abs(q - w).max()) for (_, _, q), (_, _, w) in zip(mine, theirs)])
+    return err
 
 
 def fused_run(doc, k: int, monkeypatch) -> tuple[list, list]:
@@ -333,6 +342,79 @@ def test_run_draft_tokens_flag(doc):
     for bad in ("fast", "0", "8"):
         rc, _, err = run_main("-q", "run", str(doc[0]), "--ids", "1,2", "--speculative", "mtp", "--draft-tokens", bad)
         assert_one_error(rc, err, "--draft-tokens")
+
+
+@pytest.fixture(scope="module")
+def cheap(tmp_path_factory):
+    """tiny-doc compiled with K = 2, its MTP block's two Sinkhorns cut to one column normalisation each
+    (`--draft-sinkhorn-iters 1`)."""
+    fe = frontend.load(str(EXAMPLE), None, None, TraceOptions(numerics="hf", dtype="fp32", capacity=96,
+                                                              draft_sinkhorn_iters=1))
+    return compiled(fe, tmp_path_factory.mktemp("art") / "cheap", Buckets((1, 2), (16,), draft_tokens=2))
+
+
+def lp_norms(art, prefix: str) -> dict[str, int]:
+    """LpNormalization nodes (the Sinkhorns' normalisations) in each cpu graph whose name starts with `prefix`."""
+    import onnx
+
+    return {f.stem: sum(n.op_type == "LpNormalization" for n in onnx.load(f, load_external_data=False).graph.node)
+            for f in sorted(Path(art).rglob(prefix + "*.onnx"))}
+
+
+def test_cheaper_drafts_are_the_reference_drafting_so(doc, cheap, monkeypatch):
+    """--draft-sinkhorn-iters 1: recorded; the draft graphs lose the full Sinkhorns' 76 normalisations (the verify
+    keeps them); the drafts are those of the reference MTP block with the same iterations (ids, q within 1e-4)
+    and not the full block's (the check sees the knob); the ids plain decoding's, acceptance kept."""
+    from artifact_tamper import manifest
+
+    art, prompts, want = doc
+    assert manifest(cheap)["buckets"]["draft_sinkhorn_iters"] == 1
+    assert manifest(art)["buckets"]["draft_sinkhorn_iters"] == 20
+    assert set(lp_norms(cheap, "draft").values()) == {0} and set(lp_norms(art, "draft").values()) == {76}
+    assert set(lp_norms(cheap, "verify").values()) == set(lp_norms(art, "verify").values()) == {5 * 76}
+    got = recorded(monkeypatch)
+    unfused(monkeypatch)
+    s = session(cheap)
+    try:
+        assert s.generate(prompts, NEW, speculative="mtp", draft_tokens=2) == want
+        assert s.last_acceptance.rates()[0] > 0.9  # tiny-doc's block drafts as well with one iteration
+    finally:
+        s.close()
+    ref = ReferenceModel.from_pretrained(EXAMPLE)
+    assert reference_draft_error(ref.drafting_with(1), prompts, want, got, 2, monkeypatch) < 1e-4
+    try:
+        full = reference_draft_error(ref, prompts, want, got, 2, monkeypatch)
+    except AssertionError:  # other draft ids
+        full = float("inf")
+    assert full > 1e-3, full
+
+
+def test_cheaper_drafts_keep_the_ids_everywhere(doc, cheap):
+    """The one-call step (its in-graph drafts from the cheaper block), `auto`, and the host device's program."""
+    art, prompts, want = doc
+    s = session(cheap)
+    try:
+        assert s.generate(prompts, NEW, speculative="mtp", draft_tokens=2) == want
+        assert s.generate(prompts, NEW, speculative="mtp", draft_tokens="auto") == want
+    finally:
+        s.close()
+    s = session(cheap, "host")
+    try:
+        assert s.generate(prompts[1:], NEW, speculative="mtp", draft_tokens=2) == want[1:]
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("argv, what", [(["--draft-tokens", "2", "--draft-sinkhorn-iters", "21"], "1..20"),
+                                        (["--draft-sinkhorn-iters", "1"], "--draft-tokens"),
+                                        (["--draft-tokens", "2", "--draft-sinkhorn-iters", "-1"], "integer")])
+def test_draft_sinkhorn_iters_flag(tmp_path, argv, what):
+    """One error line, exit 2, nothing written: iterations beyond the model's, or no MTP drafts to apply them to."""
+    from bad_input_util import assert_one_error, run_main
+
+    rc, _, err = run_main("-q", "compile", str(EXAMPLE), "-o", str(tmp_path / "a"), "--target", "cpu", *argv)
+    assert_one_error(rc, err, what)
+    assert not (tmp_path / "a").exists()
 
 
 def test_tiny_pro(tmp_path):

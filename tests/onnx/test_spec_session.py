@@ -202,6 +202,25 @@ def test_manifest_mtp_draft_must_match_the_draft_functions(art, tmp_path, mtp_dr
         v4compile.load(t, device="cpu", threads=1)
 
 
+@pytest.mark.parametrize("iters", [0, 21, "1", True, None])
+def test_manifest_draft_sinkhorn_iters_is_checked(art, no_mtp_art, tmp_path, iters):
+    """How the MTP block drafts (`--draft-sinkhorn-iters`) is recorded with it: 1 .. the config's iterations, only
+    beside `mtp_draft` (absent: an artifact from before it, the config's)."""
+    from v4compile.errors import ArtifactError
+
+    from artifact_tamper import manifest
+
+    assert manifest(art)["buckets"]["draft_sinkhorn_iters"] == 20  # tiny's hc_sinkhorn_iters: the block as trained
+    assert "draft_sinkhorn_iters" not in manifest(no_mtp_art)["buckets"]
+    if iters is None:  # absent: loads, and an artifact without the block may not state it
+        v4compile.load(_with_bucket(art, tmp_path / "t", "draft_sinkhorn_iters", None), device="cpu", threads=1).close()
+        t = _with_bucket(no_mtp_art, tmp_path / "u", "draft_sinkhorn_iters", 20)
+    else:
+        t = _with_bucket(art, tmp_path / "t", "draft_sinkhorn_iters", iters)
+    with pytest.raises(ArtifactError, match="draft_sinkhorn_iters"):
+        v4compile.load(t, device="cpu", threads=1)
+
+
 def stopped(ids: list[list[int]], stop: list[int]) -> list[list[int]]:
     """Greedy ids as `generate(..., stop_ids=stop)` ends them: each sequence at its first stop id, included
     (a sequence's greedy ids do not depend on the others in its batch)."""

@@ -30,6 +30,8 @@ class StepOptions:
     # experts as `ep` sums over each rank's experts, each added in rank order as `all_reduce` adds them.
     tp: int = 1
     ep: int = 1
+    # the MTP block's Sinkhorn iterations (0: the config's `hc_sinkhorn_iters`): `TraceOptions.draft_sinkhorn_iters`
+    mtp_sinkhorn_iters: int = 0
     # eager only: called with (layer, streams) after the embedding (layer -1) and after each decoder layer,
     # for the golden's per-layer fingerprint (`v4compile/golden.py`); the tracer never sets it
     on_layer: Any = field(default=None, compare=False)
@@ -190,8 +192,8 @@ def moe_block(P: Params, cfg: V4Config, layer: int, pre: str, x: Any, ids: Any, 
 
 
 def decoder_layer(P: Params, cfg: V4Config, layer: int, pre: str, streams: Any, ids: Any, pos: Any,
-                  cache: dict[str, Any], opts: StepOptions) -> Any:
-    hc = {"eps": cfg.rms_eps, "hc_eps": cfg.hc_eps, "iters": cfg.hc_sinkhorn_iters}
+                  cache: dict[str, Any], opts: StepOptions, sinkhorn_iters: int = 0) -> Any:
+    hc = {"eps": cfg.rms_eps, "hc_eps": cfg.hc_eps, "iters": sinkhorn_iters or cfg.hc_sinkhorn_iters}
     with scope("attn_hc", role="attn_hc"):
         y, post, comb = op.hc_pre(streams, P.t(pre + "hc_attn_fn"), P.t(pre + "hc_attn_base"),
                                    P.t(pre + "hc_attn_scale"), **hc)
@@ -250,7 +252,7 @@ def mtp_step(P: Params, cfg: V4Config, j: int, streams: Any, next_ids: Any, pos:
         h = op.rms_norm(streams, P.t(pre + "hnorm.weight"), eps=cfg.rms_eps)
         e = op.reshape(op.linear(e, **gemm(P, opts, pre + "e_proj.weight", "mtp.e_proj")), shape=(B, T, 1, D))
         x0 = op.add(e, op.linear(h, **gemm(P, opts, pre + "h_proj.weight", "mtp.h_proj")))
-        out = decoder_layer(P, cfg, cfg.n_layers + j, pre, x0, next_ids, pos, cache, opts)
+        out = decoder_layer(P, cfg, cfg.n_layers + j, pre, x0, next_ids, pos, cache, opts, opts.mtp_sinkhorn_iters)
         with scope(role="head"):
             logits = head(P, cfg, pre, out, pos, opts)
     return logits, out

@@ -189,8 +189,22 @@ class ReferenceModel:
         m.tp, m.ep = tp, ep
         return m
 
+    draft_sinkhorn_iters = 0  # the MTP block's Sinkhorn iterations (0: the config's; `drafting_with`)
+
+    def drafting_with(self, sinkhorn_iters: int) -> "ReferenceModel":
+        """The same model (same weights) whose MTP block stops its Sinkhorns after `sinkhorn_iters` column
+        normalisations (0: the config's): the reference of an artifact compiled with `--draft-sinkhorn-iters`."""
+        if isinstance(sinkhorn_iters, bool) or not isinstance(sinkhorn_iters, int) \
+                or not 0 <= sinkhorn_iters <= self.cfg.hc_sinkhorn_iters:
+            raise InputError("draft Sinkhorn iterations out of range", found=sinkhorn_iters,
+                             expected=f"an integer in 0..{self.cfg.hc_sinkhorn_iters}")
+        m = copy.copy(self)
+        m.draft_sinkhorn_iters = sinkhorn_iters
+        return m
+
     def _opts(self, last_only: bool = False) -> StepOptions:
-        return StepOptions(numerics=self.numerics, last_only=last_only, tp=self.tp, ep=self.ep)
+        return StepOptions(numerics=self.numerics, last_only=last_only, tp=self.tp, ep=self.ep,
+                           mtp_sinkhorn_iters=self.draft_sinkhorn_iters)
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, pos: torch.Tensor, cache: Cache, last_only: bool = False
