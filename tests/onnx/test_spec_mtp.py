@@ -16,6 +16,9 @@ without a `draft`: the `draft_b<B>` / `draft_c<T>` functions).
   its held writes leave the pool the undo log does; under `auto` a plain step is the loop's own decode step, an
   all-plain generation runs plain decoding's graphs and outputs and nothing else, and the rule's kept answer while
   plain (`AutoK.best`) is the full rule's at every step.
+* `--draft-sinkhorn-iters 1` (the MTP block's Sinkhorns cut to one iteration): recorded, the draft graphs without
+  the full Sinkhorns' normalisations, the drafts the reference block's with the same iterations (and not the full
+  block's), the ids plain decoding's on the two-call path, the one-call step, `auto` and the host device.
 """
 
 from __future__ import annotations
