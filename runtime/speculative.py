@@ -149,6 +149,16 @@ class CompiledDraft:
             self._fused[key] = self._fuse(B, k, lanes)
         return self._fused[key]
 
+    def prepare(self, B: int, ks, lanes) -> None:
+        """Make now, with their ONNX Runtime sessions, the cpu device's one-call graphs that bucket `B`'s steps may
+        ask for: drafting each k of `ks` after a verify on each lane count of `lanes` (a step verifies what the
+        last one drafted: fewer near a request's end, other counts after `auto` changed k). Made at first use
+        instead, each would stall the step that first asks for it (~0.15-0.2 s a graph on tiny-doc, seconds on a
+        larger graph), in the middle of a generation."""
+        names = [n for k in ks for T in lanes if (n := self.fused(B, k, T))]
+        if names and hasattr(self.s.backend, "run_held"):
+            self.s.backend.prepare(names)
+
     def sampled(self, B: int) -> str | None:
         """The one-call step for bucket `B` with any sampled sequence: on the C runtime the program's `spec_s<B>`
         (`passes/spec_steps.py`: the `spec_sample` acceptance, greedy or sampled per sequence, and the first
@@ -329,6 +339,7 @@ class SpecStep:
         self._held = (self.mtp is not None and session.dp == 1 and hasattr(session.backend, "run_held")
                       and getattr(session.backend, "ranks", None) is None)
         self._inputs: dict[str, dict[str, np.ndarray]] = {}
+        self._ready: set[int] = set()  # buckets whose one-call graphs are made (`CompiledDraft.prepare`)
 
     @staticmethod
     def check(top_p: float) -> None:
@@ -396,6 +407,10 @@ class SpecStep:
         """One verify step over the live requests: their new tokens go to `deliver(request, ids) -> how many
         it took` (it may end the request and release its sequence); those still live get their next drafts."""
         fn = self._fn(len(live) if self.s.dp == 1 else self.s.lanes([r.seq for r in live]))
+        if self._held and fn[0] not in self._ready and all(r.temperature == 0 for r in live):
+            self._ready.add(fn[0])  # the bucket's one-call graphs, before its first greedy step
+            ks = range(1, self.k + 1) if self.auto is not None else (self.k,)
+            self.mtp.prepare(fn[0], ks, sorted({self.verify_of(fn[0], h)[0] for h in range(max(ks) + 1)}))
         if self.auto is None:
             return self._step(live, deliver, fn)
         self.auto.prior(fn[0])  # measured first (a new bucket): untimed

@@ -33,7 +33,7 @@ import pytest
 import v4compile
 from spec_sampling import ALPHA, SMALL_VOCAB, always_accept, chisquare_pvalue, probs
 from v4compile import frontend
-from v4compile.artifact import Buckets
+from v4compile.artifact import Buckets, cpu_spec_name
 from v4compile.cli.driver import compile_artifact
 from v4compile.model import ReferenceModel
 from v4compile.model import speculative as ref_speculative
@@ -345,6 +345,55 @@ def test_run_draft_tokens_flag(doc):
     for bad in ("fast", "0", "8"):
         rc, _, err = run_main("-q", "run", str(doc[0]), "--ids", "1,2", "--speculative", "mtp", "--draft-tokens", bad)
         assert_one_error(rc, err, "--draft-tokens")
+
+
+def lazily_made(doc, monkeypatch, draft_tokens) -> tuple[list[str], set[str]]:
+    """The one-call graphs whose sessions a fresh session's generation made inside a step (not before the
+    step of a new bucket), and all it made."""
+    from v4compile.runtime.cpu_backend import OrtBackend
+
+    art, prompts, want = doc
+    inside, lazy, made = [False], [], set()
+    orig_step, orig_session = rs.SpecStep._step, OrtBackend._session
+
+    def step(self, live, deliver, fn):
+        inside[0] = True
+        try:
+            return orig_step(self, live, deliver, fn)
+        finally:
+            inside[0] = False
+
+    def sess(self, fname, k=0):
+        key = self._graphs[fname][k][0]
+        if key.startswith("spec_") and key not in self._sessions:
+            made.add(key)
+            if inside[0]:
+                lazy.append(key)
+        return orig_session(self, fname, k)
+    monkeypatch.setattr(rs.SpecStep, "_step", step)
+    monkeypatch.setattr(OrtBackend, "_session", sess)
+    s = session(art)
+    try:
+        assert s.generate(prompts, NEW, speculative="mtp", draft_tokens=draft_tokens) == want
+    finally:
+        s.close()
+    return lazy, made
+
+
+def test_one_call_graphs_are_made_before_a_buckets_first_step(doc, monkeypatch):
+    """No step stalls on making a one-call graph: a bucket's (every k after every lane count under `auto`; k after
+    each count up to its own, fixed) are made before its first greedy step. Made at first use instead (the
+    preparation skipped), steps make them: the check sees it."""
+    lazy, made = lazily_made(doc, monkeypatch, "auto")
+    assert not lazy
+    # the batch-2 bucket, and bucket 1 once a sequence has finished: 3 k x 3 lane counts each
+    assert made == {cpu_spec_name(b, k, v) for b in (1, 2) for k in (1, 2, 3) for v in (1, 2, None)}
+    lazy, made = lazily_made(doc, monkeypatch, 2)
+    assert not lazy and {cpu_spec_name(2, 2, v) for v in (1, 2)} <= made <= {
+        cpu_spec_name(b, 2, v) for b in (1, 2) for v in (1, 2)}
+    monkeypatch.setattr(rs.CompiledDraft, "prepare", lambda self, B, ks, lanes: None)
+    lazy, _ = lazily_made(doc, monkeypatch, "auto")
+    assert lazy
 
 
 @pytest.fixture(scope="module")
