@@ -31,6 +31,7 @@ from pathlib import Path
 
 LAST_START_S = 1.5  # `no_wait`: how long the last rank waits before its all-reduce
 SLOW_POLL_S = 0.4  # `slow` / `one_slot`: the last rank's pause after each flag poll
+SLOW_POLL_DTYPES_S = 0.2  # `dtypes`: the same (the fast ranks' next all-reduce takes ~0.1 s interpreted)
 LATE_SPIN = 64  # `late`: polls before a peer counts as late (~30 ms interpreted)
 MAX_BYTES = 64 << 10
 
@@ -45,6 +46,13 @@ SCENARIOS = {
     "one_slot": ((("slot = SLOTS_AT + (v % 2) * SLOT_BYTES", "slot = SLOTS_AT + 0 * SLOT_BYTES"),), ((1000, "bf16"), (1000, "bf16")), 64,
                  "last polls slowly"),
     "late": ((), ((3000, "fp32"),), 64, "last never arrives"),
+    # element types mixed on one region, the last rank reading slowly: its fp32 all-reduce's tiles must not share
+    # bytes with the next bf16 all-reduce's tiles of the same slot (tiles of fixed bytes, `peers.TILE_BYTES`);
+    # `dtypes_element_tiles` gives every call 2048-element tiles (the layout before them): the fast ranks' bf16 tile
+    # 1 overwrites half of the fp32 tile the slow rank is still to read (one program: it publishes every tile before
+    # it waits, as concurrent programs on a GPU would)
+    "dtypes": ((), ((4096, "bf16"), (2048, "fp32"), (4096, "bf16")), 1, "last polls slowly"),
+    "dtypes_element_tiles": ((), ((4096, "bf16"), (2048, "fp32"), (4096, "bf16")), 1, "last polls slowly"),
     # the rows collectives (`allreduce.rows_kernel`; the gathered value's elements, each rank's part 1/3 of it,
     # not tile-aligned), between all-reduces on the same region so both slots of every tile are reused by all
     "rows": ((), ((5100, "bf16", "reduce_scatter_rows"), (5100, "bf16", "all_gather_rows"), (3000, "fp32"),
@@ -106,7 +114,7 @@ def edited(edits) -> dict:
     return namespace
 
 
-def slow_polls():
+def slow_polls(pause: float = SLOW_POLL_S):
     """Pause after every interpreted atomic load (the flag polls) of this process."""
     from triton.runtime import interpreter as it
 
@@ -114,7 +122,7 @@ def slow_polls():
 
     def slow(self, *a, **k):
         out = orig(self, *a, **k)
-        time.sleep(SLOW_POLL_S)
+        time.sleep(pause)
         return out
 
     it.InterpreterBuilder.create_atomic_load = slow
@@ -141,7 +149,8 @@ def scenario_run(rank: int, world: int, name: str, d: Path) -> dict:
     peers = torch.tensor([ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in maps] + [rank], dtype=torch.int64)
     fns = kernel_variant(edits)
     last = rank == world - 1
-    undo = slow_polls() if timing == "last polls slowly" and last else None
+    undo = (slow_polls(SLOW_POLL_DTYPES_S if name.startswith("dtypes") else SLOW_POLL_S)
+            if timing == "last polls slowly" and last else None)
     spin = LATE_SPIN if timing == "last never arrives" else allreduce.SPIN
     dist.barrier()
     t0 = time.monotonic()
@@ -170,6 +179,10 @@ def scenario_run(rank: int, world: int, name: str, d: Path) -> dict:
                 call = allreduce.oneshot_call(TensorArg.of(xs[rank]), TensorArg.of(y), world, region, spin=spin,
                                               grid_max=grid_max)
                 call.fn = fns[0]
+                if name == "dtypes_element_tiles":  # 2048 elements a tile whatever the type: one fp32 tile of 8 KB
+                    call.constexprs["TILE"] = 2048
+                    call.constexprs["GRID"] = min(-(-numel // 2048), grid_max)
+                    call.grid = (call.constexprs["GRID"], 1, 1)
             run_calls([call], {"x": xs[rank], "peers": peers}, {"y": y})
             status = tuple(torch.frombuffer(maps[rank], dtype=torch.int64, count=2,
                                             offset=0).tolist())

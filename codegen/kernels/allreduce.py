@@ -22,6 +22,8 @@ So the result is bit-identical to the reference (NCCL's ring adds in another ord
 for the same tile on its peers: no barrier across the programs of a rank, which is also why the Triton
 interpreter (programs one after another) runs it.
 
+A tile is a fixed byte range of the slots (`peers.TILE_BYTES`: 2048 bf16 or 1024 fp32 elements), the same in
+every call on the region whatever its element type, so a tile's counter and flags always guard the same bytes.
 Why two slots suffice: rank r writes slot v % 2 of tile t again only in its all-reduce v + 2, after it finished
 all-reduce v + 1 of tile t, which needed every peer's flag v + 1 for tile t; a peer sets that flag in its
 all-reduce v + 1 kernel, which started after its all-reduce v kernel ended (stream order), that is after the
@@ -60,7 +62,7 @@ from ...ir.types import TensorType
 from . import KernelCall, TensorArg, call_name, ptr
 from .call import in_kernel_order
 from .pdl import pdl_enter
-from .peers import TILE, Region, late_peer_error  # noqa: F401 (late_peer_error: the family's error)
+from .peers import Region, late_peer_error, tile_elements  # noqa: F401 (late_peer_error: the family's error)
 
 GRID_MAX = 64  # programs at most: resident on every GPU we target (132 SMs on H100, 256 CUs on MI355X)
 # Polls of one flag before a peer counts as late: ~30 s interpreted (~0.45 ms a poll on the host device); the GPU
@@ -194,8 +196,9 @@ def oneshot_call(x: TensorArg, y: TensorArg, group: int, region: Region, names=(
     if region.group != group or nbytes > region.max_bytes:
         raise ValueError(f"one-shot all-reduce of {nbytes} bytes over {group} ranks: the region holds "
                          f"{region.max_bytes} bytes over {region.group}")
-    tiles = max(1, triton.cdiv(numel, TILE))
-    ce = dict(NUMEL=numel, GROUP=group, TILE=TILE, GRID=min(tiles, grid_max), SLOTS_AT=region.slots_at, SLOT_BYTES=region.slot_bytes,
+    tile = tile_elements(x.dtype)
+    tiles = max(1, triton.cdiv(numel, tile))
+    ce = dict(NUMEL=numel, GROUP=group, TILE=tile, GRID=min(tiles, grid_max), SLOTS_AT=region.slots_at, SLOT_BYTES=region.slot_bytes,
               FLAGS_AT=region.flags_at, TILES=region.tiles, COUNTS_AT=region.counts_at,
               SPIN=spin)
     pointers = [ptr("x_ptr", "operand", names[0], x), ptr("y_ptr", "result", names[1], y),
@@ -270,8 +273,9 @@ def rows_call(op: str, x: TensorArg, y: TensorArg, group: int, region: Region, s
         raise ValueError(f"one-shot {op} of {whole.type.nbytes} bytes over {group} ranks: the region holds "
                          f"{region.max_bytes} bytes over {region.group}")
     numel = whole.type.numel
-    tiles = max(1, triton.cdiv(numel, TILE))
-    ce = dict(NUMEL=numel, GROUP=group, TILE=TILE, GRID=min(tiles, grid_max), SLOTS_AT=region.slots_at,
+    tile = tile_elements(x.dtype)
+    tiles = max(1, triton.cdiv(numel, tile))
+    ce = dict(NUMEL=numel, GROUP=group, TILE=tile, GRID=min(tiles, grid_max), SLOTS_AT=region.slots_at,
               SLOT_BYTES=region.slot_bytes, FLAGS_AT=region.flags_at, TILES=region.tiles, COUNTS_AT=region.counts_at,
               SPIN=spin, GATHER=gather)
     pointers = [ptr("x_ptr", "operand", "x", x), ptr("y_ptr", "result", "y", y),
@@ -287,7 +291,8 @@ FOLDED_CONSTEXPRS = {n: "AR_" + n for n in ("NUMEL", "GROUP", "TILE", "SLOTS_AT"
                                              "COUNTS_AT", "SPIN")}
 FOLDED_CONSTEXPRS["GRID"] = "NO"
 # a consumer's kernel with nothing folded: no leading phase (NO = 0 programs; the branch is compiled out)
-UNFOLDED = {"ar_x_ptr": None, "peers_ptr": None, **{n: 1 for n in FOLDED_CONSTEXPRS.values()}, "AR_TILE": TILE, "NO": 0}
+UNFOLDED = {"ar_x_ptr": None, "peers_ptr": None, **{n: 1 for n in FOLDED_CONSTEXPRS.values()}, "AR_TILE": tile_elements("bf16"),
+            "NO": 0}
 
 
 # a producer's trailing fold's constexprs in its kernel (`fold_trailing`): the one-shot's, renamed (NP: the programs
@@ -296,7 +301,7 @@ TRAILING_CONSTEXPRS = {n: "TR_" + n for n in FOLDED_CONSTEXPRS if n != "GRID"}
 TRAILING_CONSTEXPRS["GRID"] = "NP"
 # a producer's kernel with nothing folded (NP = 0: the halves' branches are compiled out; TR_SCATTER: the trailing
 # part a reduce-scatter into `tr_y_ptr`, `fold_rows`)
-UNTRAILED = {**{n: 1 for n in TRAILING_CONSTEXPRS.values()}, "TR_TILE": TILE, "NP": 0, "TR_SCATTER": False,
+UNTRAILED = {**{n: 1 for n in TRAILING_CONSTEXPRS.values()}, "TR_TILE": tile_elements("bf16"), "NP": 0, "TR_SCATTER": False,
              "tr_y_ptr": None}
 # a consumer's leading phase an all-reduce, or (AR_GATHER, `fold_rows`) an all-gather
 UNGATHERED = {"AR_GATHER": False}
@@ -324,8 +329,8 @@ def fold_trailing(call: KernelCall, y: TensorArg, group: int, region_bytes: int,
     tiles on its peers, which wait only for earlier tickets on THEIR rank. So by induction on the ticket every
     program finishes, however few programs are resident (no program waits for a later ticket, unlike the leading
     phase no residency of the whole grid is needed), and the wait is bounded besides. The slots' argument of the
-    one-shot's docstring holds: every all-reduce of a region uses the same tiles (t: elements [t TILE, (t+1) TILE)
-    of the value), and the launch's gatherers read the peers' slots before the launch ends; with a leading phase
+    one-shot's docstring holds: every all-reduce of a region uses the same tiles (t: bytes [t, t + 1) TILE_BYTES
+    of the slots, elements [t TILE, (t+1) TILE) of the value), and the launch's gatherers read the peers' slots before the launch ends; with a leading phase
     in the same launch (`fold`) the trailing publishers run after it (they wait for work that waited for it), so
     the two all-reduces are in order on every rank. Why NP programs of their own and not the D tiles' combining
     programs: a D tile (columns of every token) is not a run of the value's elements, and a tile geometry of its

@@ -6,7 +6,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-TILE = 2048  # elements of one tile (one program step; 4 KB of bf16)
+# One tile is TILE_BYTES of a slot whatever the value's element type (4 KB: 2048 bf16 or 1024 fp32 elements, one
+# program step): tile t is bytes [t TILE_BYTES, (t + 1) TILE_BYTES) of a slot in every call on the region, so its
+# counter and flags guard the same bytes in an fp32 call as in a bf16 one (with tiles of a fixed element count, an
+# fp32 tile covered two bf16 tiles' bytes, and a fast rank's next bf16 call overwrote a slot a slow peer was still
+# reading: the slots' argument of `allreduce.py` holds per tile only).
+TILE_BYTES = 4096
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def tile_elements(dtype: str) -> int:
+    """A tile's elements in a value of `dtype` (the calls' TILE constexpr)."""
+    return TILE_BYTES // ELEMENT_BYTES[dtype]
 WORD = 8  # int64 flags, counters, status words and table entries (2^63 all-reduces: never wraps)
 STATUS_WORDS = 2  # late peer + 1, its sequence number: at offset 0 (the runtime reads them after a step)
 HEADER = 256  # the status words' room, before the slots
@@ -25,8 +36,8 @@ class Region:
         return (self.max_bytes + 255) // 256 * 256
 
     @property
-    def tiles(self) -> int:  # the most tiles a value can have (bf16, the smallest element, gives the most)
-        return max(1, -(-(self.max_bytes // 2) // TILE))
+    def tiles(self) -> int:  # the most tiles a value can have
+        return max(1, -(-self.max_bytes // TILE_BYTES))
 
     @property
     def slots_at(self) -> int:

@@ -61,6 +61,15 @@ def test_one_slot_caught_two_slots_hold(ranks):
     assert not res[-1]["one_slot"]["equal"][0][0]
 
 
+def test_mixed_element_types_share_no_tile_bytes(ranks):
+    """bf16, fp32, bf16 on one region, the last rank reading slowly: every result exact, as a tile is the same bytes
+    of a slot in every call. With tiles of 2048 elements whatever the type, the fast ranks' next bf16 all-reduce
+    overwrites half of the fp32 tile the slow rank is still to read: its fp32 result is wrong."""
+    res, _ = ranks
+    assert all(got["dtypes"]["error"] is None and [e for e, _ in got["dtypes"]["equal"]] == [True] * 3 for got in res)
+    assert not res[-1]["dtypes_element_tiles"]["equal"][1][0]
+
+
 def test_late_peer_ends_with_error(ranks):
     res, _ = ranks
     for r, got in enumerate(res[:2]):
