@@ -40,7 +40,7 @@ draft_b<B>'s ring rows of the kept lanes (copy 1 here: the same nodes on the sam
 step; here those are never stored, and the rejected positions' verify rows are held back (the backend's
 `run_held`), so every byte matches (the tests compare drafts step by step and the pool after a step).
 
-One graph per k (`spec_b<B>_d<k>`, made at first use), not the K-draft graph with its unused drafts dropped: a
+One graph per k (`spec_b<B>_d<k>`, made before a bucket's first greedy step: `CompiledDraft.prepare`), not the K-draft graph with its unused drafts dropped: a
 draft copy costs ~0.3 decode steps of ONNX Runtime's per-node time on the trained example whether its drafts
 are read or not (the K-draft graph at k = 1: ~1.99 against ~1.58 decode steps, batch 1), and every variant binds
 the backend's one set of weight arrays, so a variant costs a session's build and its own buffers.
