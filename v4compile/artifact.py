@@ -148,8 +148,8 @@ def spec_name(b: int, sampled: bool = False, drafts: int = 1) -> str:
 
 def cpu_spec_name(b: int, drafts: int, verifies: int | None = None) -> str:
     """The cpu device's fused verify + acceptance + `drafts` MTP drafts graph of decode bucket `b`, made by the
-    runtime after load (`codegen/onnx_spec.py`, `runtime/speculative.py`): `spec_b<b>_d<k>` for every k, 1 included, so no name
-    of it is a program function's (`spec_name`'s k = 1 step is `spec_b<b>`); on the lanes of
+    runtime after load (`codegen/onnx_spec.py`, `runtime/speculative.py`): `spec_b<b>_d<k>` for every k, 1
+    included, so no name of it is a program function's (`spec_name`'s k = 1 step is `spec_b<b>`); on the lanes of
     `verify_name(b, v)` for `verifies` = v < K: `spec_b<b>_v<v>_d<k>`."""
     return f"spec_b{b}" + (f"_v{verifies}" if verifies else "") + f"_d{drafts}"
 
