@@ -73,7 +73,8 @@ def main() -> None:
     prompts = [tok.encode(p) for p in PROMPTS]
     ks = [int(x) for x in a.k.split(",")]
     res = {"model": str(a.checkpoint), "new_tokens": a.new, "prompts": len(prompts), "batch": a.batch,
-           "repeat": a.repeat, "draft_sinkhorn_iters": a.draft_sinkhorn_iters, "compiled_cpu": compiled_cpu(a, prompts, ks)}
+           "repeat": a.repeat, "draft_sinkhorn_iters": a.draft_sinkhorn_iters,
+           "compiled_cpu": compiled_cpu(a, prompts, ks)}
     rates = {k: v["acceptance"] for k, v in res["compiled_cpu"]["speculative"].items() if k != "auto"}
     if a.reference:
         res["reference"] = reference(a, prompts, ks)

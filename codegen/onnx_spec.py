@@ -40,18 +40,22 @@ draft_b<B>'s ring rows of the kept lanes (copy 1 here: the same nodes on the sam
 step; here those are never stored, and the rejected positions' verify rows are held back (the backend's
 `run_held`), so every byte matches (the tests compare drafts step by step and the pool after a step).
 
-One graph per k (`spec_b<B>_d<k>`, made before a bucket's first greedy step: `CompiledDraft.prepare`), not the K-draft graph with its unused drafts dropped: a
-draft copy costs ~0.3 decode steps of ONNX Runtime's per-node time on the trained example whether its drafts
-are read or not (the K-draft graph at k = 1: ~1.99 against ~1.58 decode steps, batch 1), and every variant binds
-the backend's one set of weight arrays, so a variant costs a session's build and its own buffers.
+One graph per k (`spec_b<B>_d<k>`, made before a bucket's first greedy step: `CompiledDraft.prepare`), not the
+K-draft graph with its unused drafts dropped: a draft copy costs ~0.3 decode steps of ONNX Runtime's per-node time
+on the trained example whether its drafts are read or not (the K-draft graph at k = 1: ~1.99 against ~1.58 decode
+steps, batch 1), and every variant binds the backend's one set of weight arrays, so a variant costs a session's
+build and its own buffers.
 
 Where a draft copy's time goes (the trained example, 5 layers, batch 1): draft_b<B> is 265 nodes (242 after ONNX
 Runtime's optimisation), ~0.2-0.35 of a decode step (1325 nodes; 1209) alone and ~0.25 more per recursive copy
 here, the same with 2 lanes or 4 (ONNX Runtime's time is per node at these sizes, not per lane): the two mHC
 Sinkhorns (`hc_pre_norm` 60, `mhc_post_pre` 66 nodes, 76 of them LpNormalization, already one node per
-normalisation), then the MoE 25, sparse attention 18, the window rows 16 (shared with verify in copy 1, step 3),
-qkv 16. Nothing the greedy step needs less of: its logits feed the in-graph argmax (the host reads
-ids), and the last copy's ring write, read by no later copy, is dropped by ONNX Runtime as dead.
+normalisation; an artifact compiled with `--draft-sinkhorn-iters 1` has none: 187 nodes, 166 optimised), then the
+MoE 25, sparse attention 18, the window rows 16 (shared with verify in copy 1, step 3), qkv 16. Nothing the greedy
+step needs less of: its logits feed the in-graph argmax (the host reads ids), and the last copy's ring write, read
+by no later copy, is dropped by ONNX Runtime as dead. The verify's lanes are not free either: warm, on a mid-text
+step's inputs, verify_b<B> on 2 / 3 / 4 lanes costs 1.16 / 1.25 / 1.41 decode steps (its kernels +8 % by ONNX
+Runtime's profiler; the rest is outside them).
 
 Outputs: verify's `logits` (the host checks the graph's acceptance, `next_ids` = best and `kept_pos`, against
 its own rule on those ids), the MTP's `draft.logits` `[B, V]` (its last kept lane: the first next draft)

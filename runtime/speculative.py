@@ -138,7 +138,8 @@ class CompiledDraft:
 
     def fused(self, B: int, k: int = 1, lanes: int | None = None) -> str | None:
         """The one-call greedy step for bucket `B` drafting `k` tokens: on the cpu device `codegen/onnx_spec.py`'s
-        (verify_b<B>, the acceptance and k unrolled copies of draft_b<B> in one ONNX graph, built when first asked for: `prepare`;
+        (verify_b<B>, the acceptance and k unrolled copies of draft_b<B> in one ONNX graph, built when first asked
+        for: `prepare`;
         with `lanes` = 1 + v < 1 + K the functions of those lanes, `verify_b<B>_d<v>` and `draft_b<B>_d<v>`);
         on the C runtime the program's `spec_b<B>` (k = 1) or `spec_b<B>_d<k>` (`passes/spec_steps.py`: the k - 1
         recursive drafts in the call too; a program compiled before it: `spec_b<B>`, the recursive drafts

@@ -330,7 +330,8 @@ def fold_trailing(call: KernelCall, y: TensorArg, group: int, region_bytes: int,
     program finishes, however few programs are resident (no program waits for a later ticket, unlike the leading
     phase no residency of the whole grid is needed), and the wait is bounded besides. The slots' argument of the
     one-shot's docstring holds: every all-reduce of a region uses the same tiles (t: bytes [t, t + 1) TILE_BYTES
-    of the slots, elements [t TILE, (t+1) TILE) of the value), and the launch's gatherers read the peers' slots before the launch ends; with a leading phase
+    of the slots, elements [t TILE, (t+1) TILE) of the value), and the launch's gatherers read the peers' slots
+    before the launch ends; with a leading phase
     in the same launch (`fold`) the trailing publishers run after it (they wait for work that waited for it), so
     the two all-reduces are in order on every rank. Why NP programs of their own and not the D tiles' combining
     programs: a D tile (columns of every token) is not a run of the value's elements, and a tile geometry of its
