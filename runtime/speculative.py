@@ -129,6 +129,7 @@ class CompiledDraft:
         # K's lanes (`in_call`), and every bucket's lane counts (a step's own: `lanes`)
         self.batch_fns = sorted((f.batch, f.name, f.tokens) for f in fns
                                 if f.name.startswith("draft_b") and not lane_variant(f.name))
+        self.K = self.batch_fns[0][2] - 1 if self.batch_fns else 0  # the artifact's draft_tokens
         self.lanes = by_lanes(session, "draft")
         self.chunk_fns = {f.tokens: f.name for f in fns if f.name.startswith("draft_c")}
         # the MTP layer's window ring: the last of a slot's rings in the pool
@@ -155,10 +156,8 @@ class CompiledDraft:
         ask for: drafting each k of `ks` after a verify on each lane count of `lanes` (a step verifies what the
         last one drafted: fewer near a request's end, other counts after `auto` changed k). Made at first use
         instead, each would stall the step that first asks for it (~0.15-0.2 s a graph on tiny-doc, seconds on a
-        larger graph), in the middle of a generation."""
-        names = [n for k in ks for T in lanes if (n := self.fused(B, k, T))]
-        if names and hasattr(self.s.backend, "run_held"):
-            self.s.backend.prepare(names)
+        larger graph), in the middle of a generation. For the cpu device's backend only (`SpecStep._held`)."""
+        self.s.backend.prepare([n for k in ks for T in lanes if (n := self.fused(B, k, T))])
 
     def sampled(self, B: int) -> str | None:
         """The one-call step for bucket `B` with any sampled sequence: on the C runtime the program's `spec_s<B>`
@@ -170,8 +169,7 @@ class CompiledDraft:
         """Whether the C runtime's one-call step may make k drafts in the call: the rows it restores after the
         call (positions L + 1 .. L + d + k - 1, d <= K the drafts it verifies) then share no ring row with a kept
         position (>= L): K + k - 1 < the window (V4's 128, tiny's 16; K <= `MAX_DRAFT_TOKENS` = 7)."""
-        K = self.batch_fns[0][2] - 1 if self.batch_fns else 0
-        return K + k - 1 < self.window
+        return self.K + k - 1 < self.window
 
     def _program_step(self, name: str) -> str | None:
         """`name` where the backend is the C runtime in one process and its program has that function."""
@@ -182,8 +180,7 @@ class CompiledDraft:
 
     def _fuse(self, B: int, k: int, lanes: int | None) -> str | None:
         backend = self.s.backend
-        K = self.batch_fns[0][2] - 1 if self.batch_fns else 0
-        held = lanes - 1 if lanes is not None and lanes - 1 < K else None  # fewer lanes than K's: their functions
+        held = lanes - 1 if lanes is not None and lanes - 1 < self.K else None  # fewer lanes than K's: their functions
         vname, dname = verify_name(B, held), draft_name(B, held)
         if getattr(backend, "program", None) is not None:  # the C runtime: the program's own `spec_b<B>[_d<k>]`
             if held is not None:  # a program has K's lanes only

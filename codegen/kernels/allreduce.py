@@ -361,8 +361,7 @@ def fold_rows(call: KernelCall, x: TensorArg, y: TensorArg, group: int, region_b
     (the trailing publishers wait for the combined partial, which waited for the router, which waited for the
     gathered tokens), each publishing every tile of its value: its docstring's argument holds."""
     region = Region(group, region_bytes)
-    whole = [TensorArg(TensorType((a.shape[0] * group, *a.shape[1:]), a.dtype),
-                       Layout.contiguous((a.shape[0] * group, *a.shape[1:])).strides) for a in (x, y)]
+    whole = [gathered(a, group) for a in (x, y)]
     gather = rows_call("all_gather_rows", x, whole[0], group, region)  # (its poll bound and grid: the one-shot's)
     scatter = rows_call("reduce_scatter_rows", whole[1], y, group, region)
     ce = {n: v for n, v in call.constexprs.items() if n not in ("peers_ptr", "tr_y_ptr")}
@@ -452,6 +451,12 @@ def folded(op_name: str, operands: dict[str, TensorArg | None], results: dict[st
                        for p, kind, name, ty in single.pointers]
     single.scratch_bytes["ar_y"] = x.type.nbytes
     return [single, *calls]
+
+
+def gathered(a: TensorArg, group: int) -> TensorArg:
+    """The contiguous value whose rank's rows `a` is, over `group` ranks (a rows collective's whole value)."""
+    shape = (a.shape[0] * group, *a.shape[1:])
+    return TensorArg(TensorType(shape, a.dtype), Layout.contiguous(shape).strides)
 
 
 def _contiguous(op_name: str, name: str, a: TensorArg) -> None:

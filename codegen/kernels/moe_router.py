@@ -79,7 +79,7 @@ from . import mhc, moe, router
 from .arrival import last_to_arrive
 from .mhc import _given, mhc_rows
 from .moe import _combine_column, _down, _group_block, _or, _up
-from .allreduce import (UNFOLDED, UNGATHERED, UNTRAILED, fold_rows, fold_trailing, folded, gather_tiles,
+from .allreduce import (UNFOLDED, UNGATHERED, UNTRAILED, fold_rows, fold_trailing, folded, gather_tiles, gathered,
                         oneshot_in_place, oneshot_tiles, publish_tiles, rows_call, rows_tiles, scatter_tiles)
 from .pdl import pdl_enter
 from .peers import Region
@@ -695,8 +695,7 @@ def _rows_folded(op_name, operands, results, attrs) -> list[KernelCall]:
     _contiguous(op_name, "x", x)
     _contiguous(op_name, "partial", partial)
     group, region_bytes = int(attrs["group"]), int(attrs["region_bytes"])
-    xg, whole = (TensorArg(TensorType((a.shape[0] * group, *a.shape[1:]), a.dtype),
-                           Layout.contiguous((a.shape[0] * group, *a.shape[1:])).strides) for a in (x, partial))
+    xg, whole = gathered(x, group), gathered(partial, group)
     calls = _expert_parallel("moe_router_experts_dp", {**operands, "xg": xg}, {**results, "partial": whole},
                              {n: v for n, v in attrs.items() if n not in AR_ATTRS},
                              renamed={("operand", "x"): ("scratch", "ag_xg"),
